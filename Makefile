@@ -1,0 +1,44 @@
+# One command each: `make demo` and `make test` create the virtual environment on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+DEMO_OUT ?= outputs/demo
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test test-fast lint format hooks bench experiments clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ipa-probe probe --out $(DEMO_OUT)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" -x $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ipa_probe tests benchmarks notebooks
+	$(VENV)/bin/ruff format --check ipa_probe tests benchmarks notebooks
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix ipa_probe tests benchmarks notebooks
+	$(VENV)/bin/ruff format ipa_probe tests benchmarks notebooks
+
+hooks:
+	git config core.hooksPath hooks
+	@echo "git hooks installed from hooks/ (pre-commit: ruff, notebook-output stripping, fast tests)"
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

@@ -1,0 +1,1 @@
+"""Developer tools used by the repository's git hooks; not part of the public API."""

@@ -1,0 +1,103 @@
+"""Attention and Gaussian Nadaraya–Watson (NW) weights from queries and keys. Pure torch.
+
+Everything here rests on one identity (paper §C.3): for any temperature ``tau = h**2``
+
+    -|q - k_i|^2 / (2 tau) = q·k_i / tau - |k_i|^2 / (2 tau) - |q|^2 / (2 tau),
+
+and the last term is the same for every key of a row, so a softmax drops it. Gaussian NW weights are therefore
+dot-product attention logits plus a per-key bias ``-|k_i|^2 / (2 tau)`` (the *key-norm bias*). At the *matched*
+bandwidth ``h**2 = sqrt(d_head)`` the two differ by that bias alone.
+
+Per row, the NW ranks follow ``q·k - |k|^2/2`` and the attention ranks follow ``q·k``: rank statistics between them
+do not depend on the bandwidth at all, only on the spread of the key norms.
+
+Shapes: queries ``(..., Q, D)``, keys ``(..., K, D)``, logits and weights ``(..., Q, K)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "dot_logits",
+    "entropy",
+    "key_norm_bias",
+    "matched_bandwidth",
+    "n_eff",
+    "nw_logits",
+    "nw_mean",
+    "nw_weights",
+]
+
+
+def matched_bandwidth(head_dim: int) -> float:
+    """The bandwidth ``h`` whose temperature ``h**2 = sqrt(head_dim)`` equals scaled dot-product attention's."""
+    return head_dim**0.25
+
+
+def dot_logits(q: torch.Tensor, k: torch.Tensor, scale: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled dot-product logits ``scale * q k^T`` (``scale`` defaults to ``1/sqrt(D)``, as in SDPA).
+
+    Args:
+        q: queries, shape ``(..., Q, D)``.
+        k: keys, shape ``(..., K, D)``.
+        scale: multiplier of the dot products; a float or a tensor broadcastable to ``(..., 1, 1)``.
+
+    Returns:
+        logits, shape ``(..., Q, K)``.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return (q @ k.transpose(-1, -2)) * scale
+
+
+def key_norm_bias(k: torch.Tensor, h: float | torch.Tensor) -> torch.Tensor:
+    """The per-key bias ``-|k_i|^2 / (2 h^2)`` that turns dot-product logits into Gaussian logits.
+
+    Args:
+        k: keys, shape ``(..., K, D)``.
+        h: bandwidth, a float or a tensor broadcastable to ``(..., 1, 1)``.
+
+    Returns:
+        bias, shape ``(..., 1, K)``, ready to add to ``(..., Q, K)`` logits or to pass as an SDPA float mask.
+    """
+    return -(k * k).sum(-1).unsqueeze(-2) / (2 * h * h)
+
+
+def nw_logits(q: torch.Tensor, k: torch.Tensor, h: float | torch.Tensor) -> torch.Tensor:
+    """Gaussian NW logits ``-|q - k_i|^2 / (2 h^2)`` up to a per-row constant: ``(q·k_i - |k_i|^2/2) / h^2``.
+
+    Args:
+        q: queries, shape ``(..., Q, D)``.
+        k: keys, shape ``(..., K, D)``.
+        h: bandwidth, a float or a tensor broadcastable to ``(..., 1, 1)``.
+
+    Returns:
+        logits, shape ``(..., Q, K)``; their softmax over the last dimension is the NW weight matrix.
+    """
+    return dot_logits(q, k, 1.0 / (h * h)) + key_norm_bias(k, h)
+
+
+def nw_weights(q: torch.Tensor, k: torch.Tensor, h: float | torch.Tensor) -> torch.Tensor:
+    """Gaussian NW weights ``w_i = softmax_i(-|q - k_i|^2 / (2 h^2))``, log-sum-exp stable. Shape ``(..., Q, K)``."""
+    return torch.softmax(nw_logits(q, k, h), dim=-1)
+
+
+def nw_mean(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The NW local mean ``m(q) = sum_i w_i v_i``: weights ``(..., Q, K)``, values ``(..., K, Dv)`` -> ``(..., Q, Dv)``."""
+    return weights @ values
+
+
+def n_eff(weights: torch.Tensor) -> torch.Tensor:
+    """Kish effective sample size ``1 / sum_i w_i^2`` of normalised weights ``(..., K)`` -> ``(...)``.
+
+    1 means the weight sits on one key (nearest neighbour), ``K`` means uniform weights.
+    """
+    return 1.0 / (weights * weights).sum(-1)
+
+
+def entropy(weights: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy ``-sum_i w_i log w_i`` (nats) of normalised weights ``(..., K)`` -> ``(...)``."""
+    return -torch.special.xlogy(weights, weights).sum(-1)

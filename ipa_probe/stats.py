@@ -1,0 +1,213 @@
+"""Statistics that compare two attention-weight matrices row by row. Pure torch; everything stays on the device.
+
+The probe (IP-Adapter attention against Gaussian NW weights) and the experiments (learned heads of the in-context
+model against data-space NW weights) both reduce their comparisons through :func:`compare_weights`, so the
+numbers in both tables mean the same thing.
+
+Conventions: inputs are logits of shape ``(..., R, K)`` (``R`` rows, e.g. queries of every batch item, ``K`` keys);
+the leading dimensions ``...`` are groups (typically heads) and are kept. A row whose weights are not all finite is
+counted in ``nonfinite`` and left out of every other statistic instead of raising.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .kernels import n_eff
+
+__all__ = [
+    "STAT_NAMES",
+    "compare_weights",
+    "fit_bandwidth",
+    "rank",
+    "raveled_pearson",
+    "row_spearman",
+]
+
+#: The fields of :func:`compare_weights`' last dimension, in order.
+STAT_NAMES: tuple[str, ...] = (
+    "spearman",
+    "spearman_null",
+    "pearson",
+    "kl",
+    "top1",
+    "neff_attn",
+    "neff_nw",
+    "nonfinite",
+)
+
+
+def rank(x: torch.Tensor) -> torch.Tensor:
+    """Ranks ``1..K`` along the last dimension, ties given their average rank (as ``scipy.stats.rankdata``).
+
+    Args:
+        x: values, shape ``(..., K)``.
+
+    Returns:
+        ranks in ``x``'s floating dtype (float32 for integer input), shape ``(..., K)``.
+    """
+    dtype = x.dtype if x.is_floating_point() else torch.float32
+    sorted_x, order = x.sort(dim=-1)
+    k = x.shape[-1]
+    position = torch.arange(1, k + 1, device=x.device, dtype=dtype).expand(sorted_x.shape)
+    starts = torch.ones_like(sorted_x, dtype=torch.bool)
+    starts[..., 1:] = sorted_x[..., 1:] != sorted_x[..., :-1]
+    group = starts.cumsum(-1) - 1  # (..., K) index of each sorted value's tie group within its row
+    total = torch.zeros_like(position).scatter_add_(-1, group, position)
+    count = torch.zeros_like(position).scatter_add_(-1, group, torch.ones_like(position))
+    average = total.gather(-1, group) / count.gather(-1, group)
+    return torch.empty_like(average).scatter_(-1, order, average)
+
+
+def _row_pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a = a - a.mean(-1, keepdim=True)
+    b = b - b.mean(-1, keepdim=True)
+    return (a * b).sum(-1) / ((a * a).sum(-1) * (b * b).sum(-1)).sqrt()
+
+
+def row_spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Spearman's rho of each row of ``a`` against the same row of ``b``: ``(..., K), (..., K) -> (...)``.
+
+    A row that is constant in ``a`` or ``b`` has no rank correlation and gives NaN, as in scipy.
+    """
+    return _row_pearson(rank(a), rank(b))
+
+
+def raveled_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Pearson's r over all entries of the last two dimensions: ``(..., R, K) -> (...)``.
+
+    Args:
+        a, b: weights, shape ``(..., R, K)``.
+        mask: optional boolean ``(..., R)``; rows where it is False are left out.
+    """
+    if mask is None:
+        mask = torch.ones(a.shape[:-1], dtype=torch.bool, device=a.device)
+    m = mask.unsqueeze(-1).to(a.dtype).expand(a.shape)
+    a = torch.where(m > 0, a, 0.0)
+    b = torch.where(m > 0, b, 0.0)
+    n = m.sum((-2, -1))
+    mean_a = a.sum((-2, -1)) / n
+    mean_b = b.sum((-2, -1)) / n
+    da = (a - mean_a[..., None, None]) * m
+    db = (b - mean_b[..., None, None]) * m
+    return (da * db).sum((-2, -1)) / ((da * da).sum((-2, -1)) * (db * db).sum((-2, -1))).sqrt()
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the last dimension where ``mask`` holds (NaN where nothing does)."""
+    mask = mask & ~x.isnan()
+    return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1)
+
+
+def _shuffle_rows(w: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``w`` with an independent uniformly random permutation of the last dimension in every row."""
+    noise = torch.rand(w.shape, generator=generator, device=w.device, dtype=torch.float32)
+    return w.gather(-1, noise.argsort(-1))
+
+
+def compare_weights(
+    attn_logits: torch.Tensor,
+    nw_logits: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Compare attention weights with NW weights row by row, reduced over rows.
+
+    With ``a = softmax(attn_logits)`` and ``w = softmax(nw_logits)`` (over keys), the statistics, in the order of
+    :data:`STAT_NAMES`, are:
+
+    - ``spearman``: per-row Spearman rho between ``a`` and ``w``, averaged over rows (rows where it is undefined,
+      e.g. ``K = 1``, are left out);
+    - ``spearman_null``: the same with the key order of ``w`` shuffled independently in each row (chance level, ~0);
+    - ``pearson``: Pearson r over all ``R * K`` entries;
+    - ``kl``: ``KL(a || w) = sum_i a_i (log a_i - log w_i)``, averaged over rows;
+    - ``top1``: fraction of rows whose arg-max key agrees;
+    - ``neff_attn``, ``neff_nw``: Kish ``1 / sum_i w_i^2``, averaged over rows;
+    - ``nonfinite``: fraction of rows whose logits give non-finite weights (left out of everything else).
+
+    Args:
+        attn_logits: logits of the attention weights, shape ``(..., R, K)``.
+        nw_logits: logits of the NW weights, same shape.
+        generator: random source of the null's permutations; a fixed-seed generator on the logits' device is made
+            when omitted, so the caller's global random state is never touched.
+
+    Returns:
+        statistics, shape ``(..., len(STAT_NAMES))``, float32, on the logits' device.
+    """
+    if attn_logits.shape != nw_logits.shape:
+        raise ValueError(f"expected attention and NW logits of the same shape, got {attn_logits.shape} and "
+                         f"{nw_logits.shape}")
+    if generator is None:
+        generator = torch.Generator(device=attn_logits.device).manual_seed(0)
+    dtype = torch.promote_types(attn_logits.dtype, torch.float32)
+    attn_logits, nw_logits = attn_logits.to(dtype), nw_logits.to(dtype)
+    log_a = torch.log_softmax(attn_logits, dim=-1)  # (..., R, K)
+    log_w = torch.log_softmax(nw_logits, dim=-1)
+    a, w = log_a.exp(), log_w.exp()
+    valid = (a.isfinite() & w.isfinite()).all(-1)  # (..., R)
+    a = torch.where(valid.unsqueeze(-1), a, 1.0)
+    w = torch.where(valid.unsqueeze(-1), w, 1.0)
+
+    kl_rows = torch.where(a > 0, a * (log_a - log_w), 0.0).sum(-1)
+    top1_rows = (a.argmax(-1) == w.argmax(-1)).float()
+    # Ranks are taken on the logits: the same order as the weights, without the ties that underflow makes.
+    stats = (
+        _masked_mean(row_spearman(attn_logits, nw_logits), valid),
+        _masked_mean(row_spearman(attn_logits, _shuffle_rows(nw_logits, generator)), valid),
+        raveled_pearson(a, w, valid),
+        _masked_mean(kl_rows, valid),
+        _masked_mean(top1_rows, valid),
+        _masked_mean(n_eff(a), valid),
+        _masked_mean(n_eff(w), valid),
+        1.0 - valid.float().mean(-1),
+    )
+    return torch.stack(stats, dim=-1).float()
+
+
+def fit_bandwidth(
+    attn_logits: torch.Tensor,
+    qk: torch.Tensor,
+    k_sq: torch.Tensor,
+    center: float,
+    coarse: int = 25,
+    fine: int = 17,
+    span: float = 6.0,
+) -> torch.Tensor:
+    """The bandwidth ``h`` per group that minimises the row-mean ``KL(attention || NW_h)``, by a two-stage grid.
+
+    NW logits at bandwidth ``h`` are ``(qk - k_sq / 2) / h^2``. The search runs over ``log h^2`` in
+    ``log(center^2) ± span`` on ``coarse`` points, then on ``fine`` points within one coarse step of the best, all
+    on the device (no host synchronisation).
+
+    Args:
+        attn_logits: attention logits, shape ``(..., R, K)``.
+        qk: raw dot products ``q·k``, shape ``(..., R, K)``.
+        k_sq: squared key norms, shape ``(..., 1, K)``.
+        center: the bandwidth around which to search (e.g. the matched one).
+
+    Returns:
+        ``h``, shape ``(...)``, float32.
+    """
+    log_a = torch.log_softmax(attn_logits.float(), dim=-1)
+    a = log_a.exp()
+    energy = qk.float() - k_sq.float() / 2  # (..., R, K)
+
+    def mean_kl(log_tau: torch.Tensor) -> torch.Tensor:
+        log_w = torch.log_softmax(energy * torch.exp(-log_tau)[..., None, None], dim=-1)
+        kl = torch.where(a > 0, a * (log_a - log_w), 0.0).sum(-1)
+        return torch.nan_to_num(kl, nan=math.inf).mean(-1)
+
+    group_shape = attn_logits.shape[:-2]
+    step = 2 * span / (coarse - 1)
+    best = torch.full(group_shape, 2 * math.log(center), device=attn_logits.device)
+    best_kl = torch.full(group_shape, math.inf, device=attn_logits.device)
+    for offsets, around in ((torch.linspace(-span, span, coarse), None), (torch.linspace(-step, step, fine), True)):
+        base = best.clone() if around else best
+        for offset in offsets.tolist():  # host-side grid, no device sync
+            log_tau = base + offset
+            kl = mean_kl(log_tau)
+            better = kl < best_kl
+            best = torch.where(better, log_tau, best)
+            best_kl = torch.where(better, kl, best_kl)
+    return torch.exp(best / 2)

@@ -1,0 +1,126 @@
+"""ipa_probe.stats and ipa_probe.kernels against scipy and closed forms."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sps
+
+from ipa_probe.kernels import dot_logits, key_norm_bias, matched_bandwidth, n_eff, nw_logits, nw_weights
+from ipa_probe.stats import STAT_NAMES, compare_weights, fit_bandwidth, rank, raveled_pearson, row_spearman
+
+
+def _stat(s, name):
+    return s[..., STAT_NAMES.index(name)]
+
+
+def test_rank_matches_scipy_with_ties():
+    x = torch.tensor([[3.0, 1.0, 1.0, 2.0, 5.0, 5.0, 5.0], [0.0, 0.0, 0.0, 0.0, 1.0, -1.0, 2.0]])
+    for row in x:
+        np.testing.assert_allclose(rank(row[None])[0].numpy(), sps.rankdata(row.numpy()))
+
+
+@pytest.mark.parametrize("k", [2, 4, 16, 257])
+def test_row_spearman_matches_scipy(k):
+    g = torch.Generator().manual_seed(k)
+    a = torch.randn(6, k, generator=g, dtype=torch.float64)
+    b = a + torch.randn(6, k, generator=g, dtype=torch.float64)
+    b[:, 0] = b[:, 1]  # a tie
+    expected = [sps.spearmanr(a[i], b[i]).statistic for i in range(6)]
+    np.testing.assert_allclose(row_spearman(a, b).numpy(), expected, atol=1e-12)
+
+
+def test_row_spearman_constant_row_is_nan():
+    assert row_spearman(torch.ones(1, 4), torch.arange(4.0)[None]).isnan().all()
+
+
+def test_raveled_pearson_matches_scipy_and_respects_mask():
+    g = torch.Generator().manual_seed(1)
+    a = torch.rand(3, 5, 4, generator=g, dtype=torch.float64)
+    b = a + 0.3 * torch.rand(3, 5, 4, generator=g, dtype=torch.float64)
+    r = raveled_pearson(a, b)
+    for i in range(3):
+        assert r[i].item() == pytest.approx(sps.pearsonr(a[i].ravel(), b[i].ravel()).statistic, abs=1e-12)
+    mask = torch.tensor([True, False, True, True, False]).expand(3, 5)
+    rm = raveled_pearson(a, b, mask)
+    assert rm[0].item() == pytest.approx(sps.pearsonr(a[0, mask[0]].ravel(), b[0, mask[0]].ravel()).statistic)
+
+
+def test_nw_identity_float64():
+    """Gaussian weights exp(-|q-k|^2/2h^2) normalised equal softmax of dot products plus the key-norm bias."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(7, 5, dtype=torch.float64, generator=g)
+    k = 2 * torch.randn(9, 5, dtype=torch.float64, generator=g)
+    for h in (0.3, 1.0, matched_bandwidth(5), 4.0):
+        direct = torch.exp(-torch.cdist(q, k) ** 2 / (2 * h * h))
+        direct = direct / direct.sum(-1, keepdim=True)
+        torch.testing.assert_close(nw_weights(q, k, h), direct, rtol=0, atol=1e-12)
+        biased = torch.softmax(dot_logits(q, k, 1 / h**2) + key_norm_bias(k, h), -1)
+        torch.testing.assert_close(biased, direct, rtol=0, atol=1e-12)
+
+
+def test_equal_key_norms_give_rho_one_and_zero_kl_at_matched_bandwidth():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 50, 16, generator=g)
+    k = torch.randn(4, 6, 16, generator=g)
+    k = 3 * k / k.norm(dim=-1, keepdim=True)
+    s = compare_weights(dot_logits(q, k), nw_logits(q, k, matched_bandwidth(16)))
+    torch.testing.assert_close(_stat(s, "spearman"), torch.ones(4))
+    torch.testing.assert_close(_stat(s, "pearson"), torch.ones(4))
+    assert (_stat(s, "kl").abs() < 1e-6).all()
+    assert (_stat(s, "top1") == 1).all()
+
+
+def test_rank_statistics_do_not_depend_on_bandwidth():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 40, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 5, 8, generator=g, dtype=torch.float64) * torch.rand(2, 5, 1, generator=g) * 3
+    rhos = [_stat(compare_weights(dot_logits(q, k), nw_logits(q, k, h)), "spearman") for h in (0.2, 1.0, 7.0)]
+    for rho in rhos[1:]:
+        torch.testing.assert_close(rho, rhos[0])
+
+
+def test_permutation_null_near_zero():
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(20_000, 8, generator=g)
+    s = compare_weights(a, a.clone())
+    assert _stat(s, "spearman").item() == pytest.approx(1.0)
+    assert abs(_stat(s, "spearman_null").item()) < 0.02
+
+
+def test_global_rng_untouched():
+    x, y = torch.randn(3, 10, 4), torch.randn(3, 10, 4)
+    state = torch.get_rng_state()
+    compare_weights(x, y)
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_nonfinite_rows_are_flagged_not_raised():
+    a = torch.randn(1, 10, 4)
+    a[0, 3, 1] = math.nan
+    a[0, 4] = -math.inf
+    s = compare_weights(a, a.clone())
+    assert _stat(s, "nonfinite").item() == pytest.approx(0.2)
+    assert _stat(s, "spearman").item() == pytest.approx(1.0)
+
+
+def test_kl_top1_neff_by_hand():
+    p = torch.tensor([[[0.7, 0.2, 0.1]]]).log()
+    w = torch.tensor([[[0.2, 0.7, 0.1]]]).log()
+    s = compare_weights(p, w)[0]
+    kl = 0.7 * math.log(0.7 / 0.2) + 0.2 * math.log(0.2 / 0.7)
+    assert _stat(s, "kl").item() == pytest.approx(kl, rel=1e-5)
+    assert _stat(s, "top1").item() == 0
+    assert _stat(s, "neff_attn").item() == pytest.approx(1 / (0.49 + 0.04 + 0.01), rel=1e-5)
+    assert n_eff(torch.full((4,), 0.25)).item() == pytest.approx(4.0)
+
+
+def test_fit_bandwidth_recovers_the_generating_bandwidth():
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(3, 200, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(3, 6, 8, generator=g, dtype=torch.float64) * torch.linspace(0.5, 2, 6, dtype=torch.float64)[:, None]
+    true_h = torch.tensor([0.8, 1.7, 3.0], dtype=torch.float64)
+    attn = nw_logits(q, k, true_h[:, None, None])
+    h = fit_bandwidth(attn, q @ k.transpose(-1, -2), (k * k).sum(-1).unsqueeze(-2), center=1.7)
+    torch.testing.assert_close(h.double(), true_h, rtol=0.03, atol=0)
