@@ -136,8 +136,9 @@ def compare_weights(
         statistics, shape ``(..., len(STAT_NAMES))``, float32, on the logits' device.
     """
     if attn_logits.shape != nw_logits.shape:
-        raise ValueError(f"expected attention and NW logits of the same shape, got {attn_logits.shape} and "
-                         f"{nw_logits.shape}")
+        raise ValueError(
+            f"expected attention and NW logits of the same shape, got {attn_logits.shape} and {nw_logits.shape}"
+        )
     if generator is None:
         generator = torch.Generator(device=attn_logits.device).manual_seed(0)
     dtype = torch.promote_types(attn_logits.dtype, torch.float32)

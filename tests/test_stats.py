@@ -53,7 +53,7 @@ def test_nw_identity_float64():
     q = torch.randn(7, 5, dtype=torch.float64, generator=g)
     k = 2 * torch.randn(9, 5, dtype=torch.float64, generator=g)
     for h in (0.3, 1.0, matched_bandwidth(5), 4.0):
-        direct = torch.exp(-torch.cdist(q, k) ** 2 / (2 * h * h))
+        direct = torch.exp(-(torch.cdist(q, k) ** 2) / (2 * h * h))
         direct = direct / direct.sum(-1, keepdim=True)
         torch.testing.assert_close(nw_weights(q, k, h), direct, rtol=0, atol=1e-12)
         biased = torch.softmax(dot_logits(q, k, 1 / h**2) + key_norm_bias(k, h), -1)
@@ -119,7 +119,10 @@ def test_kl_top1_neff_by_hand():
 def test_fit_bandwidth_recovers_the_generating_bandwidth():
     g = torch.Generator().manual_seed(6)
     q = torch.randn(3, 200, 8, generator=g, dtype=torch.float64)
-    k = torch.randn(3, 6, 8, generator=g, dtype=torch.float64) * torch.linspace(0.5, 2, 6, dtype=torch.float64)[:, None]
+    k = (
+        torch.randn(3, 6, 8, generator=g, dtype=torch.float64)
+        * torch.linspace(0.5, 2, 6, dtype=torch.float64)[:, None]
+    )
     true_h = torch.tensor([0.8, 1.7, 3.0], dtype=torch.float64)
     attn = nw_logits(q, k, true_h[:, None, None])
     h = fit_bandwidth(attn, q @ k.transpose(-1, -2), (k * k).sum(-1).unsqueeze(-2), center=1.7)
