@@ -168,8 +168,7 @@ def compare_weights(
 
 def fit_bandwidth(
     attn_logits: torch.Tensor,
-    qk: torch.Tensor,
-    k_sq: torch.Tensor,
+    energy: torch.Tensor,
     center: float,
     coarse: int = 25,
     fine: int = 17,
@@ -177,14 +176,13 @@ def fit_bandwidth(
 ) -> torch.Tensor:
     """The bandwidth ``h`` per group that minimises the row-mean ``KL(attention || NW_h)``, by a two-stage grid.
 
-    NW logits at bandwidth ``h`` are ``(qk - k_sq / 2) / h^2``. The search runs over ``log h^2`` in
-    ``log(center^2) ± span`` on ``coarse`` points, then on ``fine`` points within one coarse step of the best, all
-    on the device (no host synchronisation).
+    NW logits at bandwidth ``h`` are ``energy / h^2`` with ``energy = q·k - |k|^2 / 2`` (paper §C.3). The search runs
+    over ``log h^2`` in ``log(center^2) ± span`` on ``coarse`` points, then on ``fine`` points within one coarse step
+    of the best, all on the device (no host synchronisation).
 
     Args:
         attn_logits: attention logits, shape ``(..., R, K)``.
-        qk: raw dot products ``q·k``, shape ``(..., R, K)``.
-        k_sq: squared key norms, shape ``(..., 1, K)``.
+        energy: ``q·k - |k|^2 / 2`` for the same rows and keys, shape ``(..., R, K)``.
         center: the bandwidth around which to search (e.g. the matched one).
 
     Returns:
@@ -192,7 +190,7 @@ def fit_bandwidth(
     """
     log_a = torch.log_softmax(attn_logits.float(), dim=-1)
     a = log_a.exp()
-    energy = qk.float() - k_sq.float() / 2  # (..., R, K)
+    energy = energy.float()
 
     def mean_kl(log_tau: torch.Tensor) -> torch.Tensor:
         log_w = torch.log_softmax(energy * torch.exp(-log_tau)[..., None, None], dim=-1)

@@ -125,5 +125,5 @@ def test_fit_bandwidth_recovers_the_generating_bandwidth():
     )
     true_h = torch.tensor([0.8, 1.7, 3.0], dtype=torch.float64)
     attn = nw_logits(q, k, true_h[:, None, None])
-    h = fit_bandwidth(attn, q @ k.transpose(-1, -2), (k * k).sum(-1).unsqueeze(-2), center=1.7)
+    h = fit_bandwidth(attn, q @ k.transpose(-1, -2) - (k * k).sum(-1).unsqueeze(-2) / 2, center=1.7)
     torch.testing.assert_close(h.double(), true_h, rtol=0.03, atol=0)
