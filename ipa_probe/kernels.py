@@ -86,7 +86,15 @@ def nw_weights(q: torch.Tensor, k: torch.Tensor, h: float | torch.Tensor) -> tor
 
 
 def nw_mean(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The NW local mean ``m(q) = sum_i w_i v_i``: weights ``(..., Q, K)``, values ``(..., K, Dv)`` -> ``(..., Q, Dv)``."""
+    """The NW local mean ``m(q) = sum_i w_i v_i``.
+
+    Args:
+        weights: ``(..., Q, K)``.
+        values: ``(..., K, Dv)``.
+
+    Returns:
+        ``(..., Q, Dv)``.
+    """
     return weights @ values
 
 

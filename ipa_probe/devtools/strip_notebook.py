@@ -1,4 +1,7 @@
-"""Strip outputs and execution counts from notebooks in place: ``python -m ipa_probe.devtools.strip_notebook NB...``."""
+"""Strip outputs and execution counts from notebooks in place.
+
+Usage: ``python -m ipa_probe.devtools.strip_notebook NB...``.
+"""
 
 from __future__ import annotations
 
