@@ -3,13 +3,24 @@
 Explicit re-exports only; the code lives in the modules named below.
 """
 
+from . import images, layers, pipelines, report
 from .kernels import dot_logits, key_norm_bias, matched_bandwidth, n_eff, nw_logits, nw_weights
+from .layers import find_ip_layers
+from .probe import ProbeConfig, ProbeRun, probe
 from .stats import STAT_NAMES, compare_weights
 
 __version__ = "0.1.0"
 
 __all__ = [
     "STAT_NAMES",
+    "ProbeConfig",
+    "ProbeRun",
+    "find_ip_layers",
+    "images",
+    "layers",
+    "pipelines",
+    "probe",
+    "report",
     "__version__",
     "compare_weights",
     "dot_logits",

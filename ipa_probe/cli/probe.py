@@ -1,0 +1,66 @@
+"""``ipa-probe probe``: generate once with the probe on and write the image, table, summary and plot."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from . import CLIError
+from ._common import add_model_arguments, load_pipeline, output_dir
+
+logger = logging.getLogger(__name__)
+
+
+def _bandwidth(value: str):
+    if value in ("matched", "fit"):
+        return value
+    try:
+        h = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'matched', 'fit' or a positive number, got {value!r}") from None
+    if not h > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive bandwidth, got {value}")
+    return h
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "probe",
+        help="record IP-Adapter attention vs Gaussian NW weights during one generation",
+        description="Generate with the probe on. With no model arguments the embedded tiny pipeline runs offline.",
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--bandwidth", type=_bandwidth, default="matched", help="'matched' (default), 'fit' or h > 0")
+    parser.add_argument("--layers", action="append", help="regex selecting layer ids (repeatable; default: all)")
+    parser.add_argument("--keep-maps", action="store_true", help="also save the full attention maps (fp16, .pt)")
+    parser.add_argument("--out", default="outputs/probe", help="output folder (default: outputs/probe)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..probe import probe
+
+    out = output_dir(args.out)
+    loaded = load_pipeline(args)
+    generator = torch.Generator(device=loaded.pipe.device).manual_seed(args.seed)
+    try:
+        with probe(loaded.pipe, bandwidth=args.bandwidth, layers=args.layers, keep_maps=args.keep_maps) as run_:
+            result = loaded.pipe(ip_adapter_image=[loaded.references], generator=generator, **loaded.call_kwargs)
+    except ValueError as err:
+        raise CLIError(str(err)) from None
+    for i, image in enumerate(result.images):
+        image.save(out / f"image_{i}.png")
+    paths = run_.save(out, extra={"run": loaded.description})
+    if args.keep_maps:
+        torch.save({"|".join(map(str, key)): value for key, value in run_.maps.items()}, out / "maps.pt")
+    summary = run_.summary()
+    cond = summary[summary["branch"] == "cond"]
+    last = cond.iloc[-1] if len(cond) else None
+    line = f"wrote {out}: {len(result.images)} image(s), {paths['table'].name}, {paths['summary'].name}, "
+    line += f"{paths['plot'].name}"
+    if last is not None:
+        line += f"; last step (t={last['timestep']:g}): spearman {last['spearman']:.3f}, pearson {last['pearson']:.3f}"
+    print(line)
+    return 0

@@ -1,0 +1,460 @@
+"""Record IP-Adapter image-prompt attention at every denoising step and compare it with Gaussian NW weights.
+
+How it reads the attention without touching the computation: diffusers' IP-Adapter processor computes
+``q = attn.to_q(h)`` and, per adapter, ``k_ip = processor.to_k_ip[i](c_ip)``. Forward hooks on exactly those modules
+see the tensors the processor uses; the image branch's weights are ``softmax(q k_ip^T / sqrt(d_head))`` per head, a
+small ``(B, H, Q, K_ip)`` block. The processor keeps running its own fused path, so the pipeline's output is
+bit-identical with the probe on or off, and the processors stay the very same objects.
+
+The statistics of each (step, layer, adapter, CFG branch, head) are computed on the pipeline's device and added into
+preallocated buffers; nothing is copied to the host until the ``with`` block ends (one transfer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .kernels import matched_bandwidth, nw_logits
+from .layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, image_branch_logits, release
+from .stats import STAT_NAMES, compare_weights, fit_bandwidth
+
+__all__ = ["FIELDS", "ProbeConfig", "ProbeRun", "probe"]
+
+logger = logging.getLogger(__name__)
+
+BandwidthSpec = str | float | Callable[[torch.Tensor], Any]
+
+#: Per-cell values kept in the buffers, in order: the bandwidth used, then :data:`ipa_probe.stats.STAT_NAMES`, then
+#: the query and key geometry.
+FIELDS: tuple[str, ...] = ("bandwidth", *STAT_NAMES, "q_norm", "k_norm_spread")
+
+_FEATURE = "probe"
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """What to record. Validated on construction; nothing about a pipeline is touched here.
+
+    Args:
+        bandwidth: the NW bandwidth ``h``: ``"matched"`` (``h^2 = sqrt(d_head)``, the attention's own temperature, so
+            the two weightings differ only by the key-norm bias), a positive float, a callable of the timestep (it
+            receives the timestep as a 0-d tensor on the device and returns a float or tensor; keep it free of
+            ``.item()`` to stay sync-free), or ``"fit"`` (per step, layer, adapter, branch and head, the ``h``
+            minimising ``KL(attention || NW)``; reported in the ``bandwidth`` column). Rank statistics (``spearman``,
+            ``top1``) do not depend on ``h``: per row the NW ranks follow ``q·k - |k|^2/2`` and the attention ranks
+            ``q·k``.
+        layers: regex (``re.search`` on the layer id) or list of them; ``None`` for every IP-Adapter layer.
+        steps: denoising loop indices to record (an iterable of ints or a ``slice``); ``None`` for all.
+        heads: head indices to record; ``None`` for all.
+        keep_maps: also keep the full attention maps (fp16, moved off the device without blocking).
+        max_map_bytes: refuse ``keep_maps`` when the estimated size of the maps exceeds this.
+        seed: seed of the permutation null's random generator (the global RNG is never used).
+    """
+
+    bandwidth: BandwidthSpec = "matched"
+    layers: LayerSelection = None
+    steps: Iterable[int] | slice | None = None
+    heads: Sequence[int] | None = None
+    keep_maps: bool = False
+    max_map_bytes: int = 4 * 2**30
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bw = self.bandwidth
+        if isinstance(bw, str):
+            if bw not in ("matched", "fit"):
+                raise ValueError(f'bandwidth: expected "matched", "fit", a positive float or a callable, got {bw!r}')
+        elif isinstance(bw, bool) or not (callable(bw) or isinstance(bw, int | float)):
+            raise TypeError(f'bandwidth: expected "matched", "fit", a positive float or a callable, got {bw!r}')
+        elif not callable(bw) and not (math.isfinite(bw) and bw > 0):
+            raise ValueError(
+                f"bandwidth: expected a positive, finite bandwidth h, got {bw}; use e.g. 1.0 or 'matched'"
+            )
+        if self.steps is not None and not isinstance(self.steps, slice):
+            steps = tuple(self.steps)
+            if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
+                raise ValueError(f"steps: expected non-negative loop indices (ints) or a slice, got {steps!r}")
+            object.__setattr__(self, "steps", frozenset(steps))
+        if self.heads is not None:
+            heads = tuple(self.heads)
+            if not heads or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads):
+                raise ValueError(f"heads: expected a non-empty list of non-negative head indices, got {heads!r}")
+            object.__setattr__(self, "heads", tuple(sorted(set(heads))))
+        if self.max_map_bytes <= 0:
+            raise ValueError(f"max_map_bytes: expected a positive byte count, got {self.max_map_bytes}")
+
+    def records_step(self, step: int) -> bool:
+        if self.steps is None:
+            return True
+        if isinstance(self.steps, slice):
+            start, stop, stride = self.steps.start or 0, self.steps.stop, self.steps.step or 1
+            return step >= start and (stop is None or step < stop) and (step - start) % stride == 0
+        return step in self.steps
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-friendly settings."""
+        bw = self.bandwidth
+        steps = self.steps
+        return {
+            "bandwidth": bw if isinstance(bw, str | float | int) else getattr(bw, "__name__", repr(bw)),
+            "layers": self.layers
+            if isinstance(self.layers, str | None)
+            else [getattr(p, "pattern", p) for p in self.layers],
+            "steps": None if steps is None else (repr(steps) if isinstance(steps, slice) else sorted(steps)),
+            "heads": None if self.heads is None else list(self.heads),
+            "keep_maps": self.keep_maps,
+            "seed": self.seed,
+        }
+
+
+@dataclass
+class _Call:
+    """Buffers of one pipeline call, on the device until the run ends."""
+
+    index: int
+    branches: tuple[str, ...]
+    sums: torch.Tensor  # (steps, layers, adapters, branches, heads, fields)
+    counts: torch.Tensor  # (steps, layers, adapters, branches, heads)
+    timesteps: torch.Tensor  # (steps,)
+    steps_seen: int = 0
+
+
+@dataclass
+class _StepState:
+    call: _Call | None = None
+    step: int = -1
+    recording: bool = False
+    timestep: torch.Tensor | None = None
+    batch: int = 0
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
+    """Downsampling factor of a UNet layer's feature map relative to the latent."""
+    levels = len(getattr(denoiser, "down_blocks", ())) or 1
+    match = re.match(r"(down|up)_blocks\.(\d+)\.", layer_name)
+    if match:
+        index = int(match.group(2))
+        return 2 ** (index if match.group(1) == "down" else levels - 1 - index)
+    return 2 ** (levels - 1)
+
+
+class ProbeRun:
+    """A running (then finished) probe. Create it with :func:`probe`.
+
+    After the ``with`` block: :meth:`to_dataframe`, :meth:`summary`, :meth:`plot`, :meth:`save`, and :attr:`maps`
+    when ``keep_maps=True``.
+    """
+
+    def __init__(self, pipe, config: ProbeConfig) -> None:
+        self.pipe = pipe
+        self.config = config
+        self.layers: list[IPLayer] = find_ip_layers(pipe, config.layers)
+        if config.heads is not None:
+            fewest = min(layer.heads for layer in self.layers)
+            if max(config.heads) >= fewest:
+                raise ValueError(
+                    f"heads={list(config.heads)} names a head the selected layers lack (they have {fewest} heads); "
+                    f"pick indices below {fewest}"
+                )
+        self.num_heads = len(config.heads) if config.heads is not None else max(layer.heads for layer in self.layers)
+        self.num_adapters = max(layer.num_adapters for layer in self.layers)
+        self.maps: dict[tuple[int, int, str, int], list[torch.Tensor]] = {}
+        self._calls: list[_Call] = []
+        self._state = _StepState()
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._last_timesteps: Any = None
+        self._generator: torch.Generator | None = None
+        self._head_index: dict[torch.device, torch.Tensor] = {}
+        self._result: dict[str, Any] | None = None
+        self._active = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def _install(self) -> None:
+        denoiser = claim(self.pipe, _FEATURE)
+        self._active = True
+        try:
+            self._handles.append(denoiser.register_forward_pre_hook(self._on_denoiser_call, with_kwargs=True))
+            for index, layer in enumerate(self.layers):
+                self._handles.append(layer.attention.to_q.register_forward_hook(self._query_hook(index)))
+                self._handles.append(layer.attention.register_forward_hook(self._forget_query_hook(index)))
+                for adapter, to_k_ip in enumerate(layer.processor.to_k_ip):
+                    self._handles.append(to_k_ip.register_forward_hook(self._key_hook(index, adapter)))
+        except BaseException:
+            self._uninstall()
+            raise
+
+    def _uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._state = _StepState()
+        if self._active:
+            release(self.pipe, _FEATURE)
+            self._active = False
+        self._finalize()
+
+    def _finalize(self) -> None:
+        """The one device-to-host transfer of the run."""
+        if self._result is not None:
+            return
+        if any(t.device.type == "cuda" for m in self.maps.values() for t in m) and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._result = {
+            "calls": [
+                {
+                    "index": call.index,
+                    "branches": call.branches,
+                    "sums": call.sums[: call.steps_seen].cpu(),
+                    "counts": call.counts[: call.steps_seen].cpu(),
+                    "timesteps": call.timesteps[: call.steps_seen].cpu(),
+                }
+                for call in self._calls
+            ]
+        }
+        self._calls.clear()
+
+    # ------------------------------------------------------------------ hooks
+    def _on_denoiser_call(self, module, args, kwargs) -> None:
+        state = self._state
+        scheduler = getattr(self.pipe, "scheduler", None)
+        timesteps = getattr(scheduler, "timesteps", None)
+        sample = args[0] if args else kwargs["sample"]
+        timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
+        if state.call is None or timesteps is not self._last_timesteps:
+            self._last_timesteps = timesteps
+            capacity = len(timesteps) if timesteps is not None else 64
+            cfg = bool(getattr(self.pipe, "do_classifier_free_guidance", False))
+            state.call = self._new_call(sample.device, capacity, ("uncond", "cond") if cfg else ("cond",))
+            state.step = -1
+            if self.config.keep_maps:
+                self._check_map_budget(sample, kwargs, len(timesteps) if timesteps is not None else 1)
+        state.step += 1
+        call = state.call
+        if state.step >= call.sums.shape[0]:
+            self._grow(call)
+        call.steps_seen = state.step + 1
+        state.recording = self.config.records_step(state.step)
+        state.batch = sample.shape[0]
+        if isinstance(timestep, torch.Tensor):
+            t = timestep.reshape(-1)[0].to(device=call.timesteps.device, dtype=call.timesteps.dtype)
+            call.timesteps[state.step] = t
+            state.timestep = t
+        else:
+            call.timesteps[state.step] = float(timestep)
+            state.timestep = call.timesteps[state.step]
+
+    def _query_hook(self, index: int):
+        def hook(module, args, output):
+            if self._state.recording:
+                self._state.queries[index] = output
+
+        return hook
+
+    def _forget_query_hook(self, index: int):
+        def hook(module, args, output):
+            self._state.queries.pop(index, None)
+
+        return hook
+
+    def _key_hook(self, index: int, adapter: int):
+        def hook(module, args, output):
+            query = self._state.queries.get(index)
+            if query is not None:
+                self._record(index, adapter, query, output)
+
+        return hook
+
+    # ------------------------------------------------------------------ buffers
+    def _new_call(self, device: torch.device, capacity: int, branches: tuple[str, ...]) -> _Call:
+        shape = (max(capacity, 1), len(self.layers), self.num_adapters, len(branches), self.num_heads)
+        call = _Call(
+            index=len(self._calls),
+            branches=branches,
+            sums=torch.zeros(*shape, len(FIELDS), device=device),
+            counts=torch.zeros(shape, device=device),
+            timesteps=torch.full((shape[0],), math.nan, device=device),
+        )
+        self._calls.append(call)
+        return call
+
+    @staticmethod
+    def _grow(call: _Call) -> None:
+        call.sums = torch.cat([call.sums, torch.zeros_like(call.sums)])
+        call.counts = torch.cat([call.counts, torch.zeros_like(call.counts)])
+        call.timesteps = torch.cat([call.timesteps, torch.full_like(call.timesteps, math.nan)])
+
+    def _check_map_budget(self, sample: torch.Tensor, kwargs: dict, steps: int) -> None:
+        """Estimate the bytes ``keep_maps`` will hold for this call and refuse above the limit, before step 0 runs."""
+        denoiser = denoiser_of(self.pipe)
+        height, width = sample.shape[-2:]
+        embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds") or []
+        recorded = sum(self.config.records_step(s) for s in range(steps))
+        total = 0
+        for layer in self.layers:
+            factor = _unet_resolution_factor(denoiser, layer.name)
+            queries = math.ceil(height / factor) * math.ceil(width / factor)
+            heads = len(self.config.heads) if self.config.heads is not None else layer.heads
+            for adapter, tokens in enumerate(layer.processor.num_tokens):
+                images = embeds[adapter].shape[1] if adapter < len(embeds) else 1
+                total += sample.shape[0] * heads * queries * images * tokens * 2  # fp16
+        total *= recorded
+        if total > self.config.max_map_bytes:
+            raise ValueError(
+                f"keep_maps=True would keep about {total / 2**30:.2f} GiB of attention maps for this call, above "
+                f"max_map_bytes={self.config.max_map_bytes / 2**30:.2f} GiB; select fewer layers, steps or heads, or "
+                f"raise max_map_bytes"
+            )
+        logger.info("keep_maps: about %.1f MiB of attention maps for this call", total / 2**20)
+
+    def _heads(self, device: torch.device) -> torch.Tensor | None:
+        if self.config.heads is None:
+            return None
+        if device not in self._head_index:
+            self._head_index[device] = torch.tensor(self.config.heads, device=device)
+        return self._head_index[device]
+
+    def _bandwidth(self, head_dim: int, device: torch.device) -> torch.Tensor | float:
+        spec = self.config.bandwidth
+        if spec in ("matched", "fit"):
+            return matched_bandwidth(head_dim)
+        if callable(spec):
+            h = spec(self._state.timestep)
+            return torch.as_tensor(h, device=device, dtype=torch.float32)
+        return float(spec)
+
+    # ------------------------------------------------------------------ the statistics
+    @torch.no_grad()
+    def _record(self, index: int, adapter: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        layer = self.layers[index]
+        state = self._state
+        call = state.call
+        n_branch = len(call.branches)
+        batch, heads = state.batch, layer.attention.heads
+        head_dim = key.shape[-1] // heads
+        # (B, Q, H*D) -> (B, H, Q, D); keys (B, [images,] tokens, H*D) -> (B, H, K, D)
+        q = query.reshape(batch, -1, heads, head_dim).transpose(1, 2).float()
+        k = key.reshape(batch, -1, heads, head_dim).transpose(1, 2).float()
+        head_index = self._heads(q.device)
+        if head_index is not None:
+            q, k = q.index_select(1, head_index), k.index_select(1, head_index)
+        attn = image_branch_logits(layer.attention.processor, q, k)  # (B, H, Q, K)
+        h = self._bandwidth(head_dim, q.device)
+
+        per_branch = batch // n_branch
+        n_heads, n_keys = q.shape[1], k.shape[2]
+
+        def by_branch(x: torch.Tensor) -> torch.Tensor:
+            # (B, H, R, C) -> (branches, H, items * R, C): rows of all batch items of a CFG branch together
+            return x.reshape(n_branch, per_branch, n_heads, x.shape[-2], x.shape[-1]).transpose(1, 2).flatten(2, 3)
+
+        attn_b = by_branch(attn)
+        k_sq = (k * k).sum(-1)  # (B, H, K)
+        if self.config.bandwidth == "fit":
+            energy = by_branch(q @ k.transpose(-1, -2) - k_sq.unsqueeze(-2) / 2)  # NW logits times h^2
+            h_cell = fit_bandwidth(attn_b, energy, matched_bandwidth(head_dim))  # (branches, H)
+            nw = energy / (h_cell * h_cell)[..., None, None]
+        else:
+            nw = by_branch(nw_logits(q, k, h))
+            h_cell = torch.as_tensor(h, device=q.device, dtype=torch.float32).expand(n_branch, n_heads)
+        if self._generator is None or self._generator.device != q.device:
+            self._generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
+        stats = compare_weights(attn_b, nw, self._generator)  # (branches, H, len(STAT_NAMES))
+        q_norm = by_branch(q.norm(dim=-1, keepdim=True)).mean((-2, -1))  # (branches, H)
+        k_norm = by_branch(k_sq.sqrt().unsqueeze(-1)).squeeze(-1)  # (branches, H, items * K)
+        spread = (
+            k_norm.std(-1, correction=0) / k_norm.mean(-1) if n_keys * per_branch > 1 else torch.zeros_like(q_norm)
+        )
+        values = torch.cat([h_cell.unsqueeze(-1), stats, q_norm.unsqueeze(-1), spread.unsqueeze(-1)], dim=-1)
+        call.sums[state.step, index, adapter, :, :n_heads] += values
+        call.counts[state.step, index, adapter, :, :n_heads] += 1
+        if self.config.keep_maps:
+            self._keep_map(call.index, state.step, layer.name, adapter, attn)
+
+    def _keep_map(self, call: int, step: int, layer: str, adapter: int, logits: torch.Tensor) -> None:
+        weights = torch.softmax(logits, dim=-1).half()
+        pinned = weights.device.type == "cuda"
+        host = torch.empty(weights.shape, dtype=torch.float16, device="cpu", pin_memory=pinned)
+        host.copy_(weights, non_blocking=pinned)
+        self.maps.setdefault((call, step, layer, adapter), []).append(host)
+
+    # ------------------------------------------------------------------ results
+    def _finished(self) -> dict[str, Any]:
+        if self._result is None:
+            raise RuntimeError("the probe is still running: read results after the `with ipa_probe.probe(...)` block")
+        return self._result
+
+    def to_dataframe(self):
+        """The tidy table: one row per call × step × layer × head × CFG branch × adapter (see README for columns)."""
+        from .report import run_table
+
+        return run_table(self._finished(), [layer.name for layer in self.layers], self.config)
+
+    def summary(self):
+        """Per-timestep aggregates of :meth:`to_dataframe` (see :func:`ipa_probe.report.summarize`)."""
+        from .report import summarize
+
+        return summarize(self.to_dataframe())
+
+    def plot(self, ax=None):
+        """Matplotlib figure of the mean per-row Spearman against timestep, in the denoising direction."""
+        from .report import plot_run
+
+        return plot_run(self.to_dataframe(), ax=ax)
+
+    def save(self, directory, extra: dict | None = None):
+        """Write ``probe.parquet``, ``summary.json`` (settings, versions, seeds) and ``rho_by_timestep.png``."""
+        from .report import save_run
+
+        return save_run(self.to_dataframe(), directory, settings=self.config.describe(), extra=extra)
+
+
+@contextlib.contextmanager
+def probe(
+    pipe,
+    bandwidth: BandwidthSpec = "matched",
+    *,
+    layers: LayerSelection = None,
+    steps: Iterable[int] | slice | None = None,
+    heads: Sequence[int] | None = None,
+    keep_maps: bool = False,
+    max_map_bytes: int = 4 * 2**30,
+    seed: int = 0,
+) -> Iterator[ProbeRun]:
+    """Record the IP-Adapter attention of every denoising step and compare it with Gaussian NW weights.
+
+    Args:
+        pipe: a diffusers Stable Diffusion / SDXL pipeline with an IP-Adapter loaded.
+        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed: see :class:`ProbeConfig`.
+
+    Yields:
+        the :class:`ProbeRun`; read its results after the block.
+
+    Raises:
+        ValueError / TypeError: bad settings or a pipeline without a supported IP-Adapter, before anything changes.
+        RuntimeError: the pipeline is already being probed.
+
+    Example:
+        ```py
+        >>> pipe = ipa_probe.pipelines.tiny_pipeline()
+        >>> refs = ipa_probe.pipelines.default_reference_images()
+        >>> with ipa_probe.probe(pipe, bandwidth="matched") as run:
+        ...     image = pipe("a photo", ip_adapter_image=[refs], num_inference_steps=4).images[0]
+        >>> df = run.to_dataframe()
+        ```
+    """
+    config = ProbeConfig(bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed)
+    run = ProbeRun(pipe, config)
+    run._install()
+    try:
+        yield run
+    finally:
+        run._uninstall()

@@ -1,0 +1,188 @@
+"""Tables, summaries, plots and files made from a finished probe. Analysis lives here, apart from the capture code."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["COLUMNS", "plot_run", "run_table", "save_run", "summarize", "versions"]
+
+#: Columns of :meth:`ipa_probe.ProbeRun.to_dataframe`, in order.
+COLUMNS: tuple[str, ...] = (
+    "call",
+    "step",
+    "timestep",
+    "layer",
+    "head",
+    "branch",
+    "adapter",
+    "bandwidth",
+    "spearman",
+    "pearson",
+    "spearman_null",
+    "kl",
+    "top1",
+    "neff_attn",
+    "neff_nw",
+    "q_norm",
+    "k_norm_spread",
+    "nonfinite",
+)
+
+
+def run_table(result: dict[str, Any], layer_names: list[str], config) -> pd.DataFrame:
+    """Turn a finished probe's host buffers into the tidy table (one row per recorded cell)."""
+    from .probe import FIELDS
+
+    frames = []
+    heads = list(config.heads) if config.heads is not None else None
+    for call in result["calls"]:
+        sums, counts = call["sums"].double(), call["counts"].double()
+        if sums.numel() == 0:
+            continue
+        steps, n_layers, n_adapters, n_branches, n_heads = counts.shape
+        grid = np.indices(counts.shape).reshape(len(counts.shape), -1)  # (5, cells)
+        seen = counts.reshape(-1).numpy() > 0
+        values = (sums / counts.clamp(min=1).unsqueeze(-1)).reshape(-1, len(FIELDS)).numpy()[seen]
+        step, layer, adapter, branch, head = (g[seen] for g in grid)
+        frame = pd.DataFrame(values, columns=list(FIELDS))
+        frame.insert(0, "call", call["index"])
+        frame.insert(1, "step", step)
+        frame.insert(2, "timestep", call["timesteps"].double().numpy()[step])
+        frame.insert(3, "layer", pd.Categorical(np.asarray(layer_names)[layer], categories=layer_names))
+        frame.insert(4, "head", np.asarray(heads)[head] if heads is not None else head)
+        frame.insert(5, "branch", np.asarray(call["branches"])[branch])
+        frame.insert(6, "adapter", adapter)
+        frames.append(frame)
+    if not frames:
+        return pd.DataFrame({c: pd.Series(dtype="float64") for c in COLUMNS})
+    table = pd.concat(frames, ignore_index=True)
+    table = table[list(COLUMNS)].sort_values(["call", "step", "layer", "adapter", "branch", "head"], kind="stable")
+    return table.reset_index(drop=True)
+
+
+def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
+    """Per-timestep aggregates over layers, heads and adapters (one row per call × step × branch).
+
+    Columns: ``spearman`` (mean), ``spearman_std``, ``pearson`` (mean), ``spearman_null`` (mean), ``kl`` (mean),
+    ``top1`` (mean), ``frac_rho_gt_0.9`` (fraction of layer × head × adapter cells with rho above ``threshold``),
+    ``neff_attn``, ``neff_nw``, ``q_norm`` (means), ``nonfinite`` (max), ``cells`` (how many were averaged).
+    """
+    if table.empty:
+        return pd.DataFrame()
+    grouped = table.groupby(["call", "step", "timestep", "branch"], observed=True, sort=True)
+    out = grouped.agg(
+        spearman=("spearman", "mean"),
+        spearman_std=("spearman", "std"),
+        pearson=("pearson", "mean"),
+        spearman_null=("spearman_null", "mean"),
+        kl=("kl", "mean"),
+        top1=("top1", "mean"),
+        neff_attn=("neff_attn", "mean"),
+        neff_nw=("neff_nw", "mean"),
+        q_norm=("q_norm", "mean"),
+        bandwidth=("bandwidth", "mean"),
+        nonfinite=("nonfinite", "max"),
+        cells=("spearman", "size"),
+    )
+    out.insert(2, f"frac_rho_gt_{threshold:g}", grouped["spearman"].apply(lambda s: float((s > threshold).mean())))
+    return out.reset_index()
+
+
+def plot_run(table: pd.DataFrame, ax=None, branch: str = "cond"):
+    """Mean per-row Spearman (band: ± one std over layers and heads), raveled Pearson and the null, by timestep.
+
+    The x axis runs in the denoising direction (high timestep on the left).
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+    else:
+        fig = ax.figure
+    summary = summarize(table)
+    if not summary.empty:
+        summary = summary[summary["branch"] == branch]
+    for call, part in summary.groupby("call") if not summary.empty else ():
+        suffix = f" (call {call})" if summary["call"].nunique() > 1 else ""
+        x = part["timestep"].to_numpy()
+        rho = part["spearman"].to_numpy()
+        std = part["spearman_std"].fillna(0).to_numpy()
+        ax.plot(x, rho, marker="o", label=f"Spearman ρ{suffix}")
+        ax.fill_between(x, rho - std, rho + std, alpha=0.2)
+        ax.plot(x, part["pearson"], marker=".", linestyle="--", label=f"Pearson r{suffix}")
+        ax.plot(x, part["spearman_null"], color="grey", linestyle=":", label=f"permutation null{suffix}")
+    ax.set_xlabel("timestep (denoising →)")
+    ax.set_ylabel("attention vs NW")
+    ax.set_ylim(-1.05, 1.05)
+    ax.axhline(0, color="black", linewidth=0.5)
+    if not ax.xaxis_inverted():
+        ax.invert_xaxis()
+    ax.set_title(f"IP-Adapter attention vs Gaussian NW ({branch} branch)")
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
+def versions() -> dict[str, str]:
+    """Versions of the packages that shape the numbers."""
+    import diffusers
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {
+        "ipa_probe": __version__,
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "pandas": pd.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return str(value)
+
+
+def save_run(table: pd.DataFrame, directory, settings: dict | None = None, extra: dict | None = None) -> dict:
+    """Write ``probe.parquet``, ``summary.json`` and ``rho_by_timestep.png`` into ``directory``; return their paths."""
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "table": directory / "probe.parquet",
+        "summary": directory / "summary.json",
+        "plot": directory / "rho_by_timestep.png",
+    }
+    table.to_parquet(paths["table"], index=False)
+    summary = summarize(table)
+    record = {
+        "settings": settings or {},
+        "versions": versions(),
+        **(extra or {}),
+        "rows": len(table),
+        "summary": summary.to_dict(orient="records"),
+    }
+    paths["summary"].write_text(json.dumps(_jsonable(record), indent=2))
+    fig = plot_run(table)
+    fig.savefig(paths["plot"], dpi=120)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,391 @@
+"""The probe on tiny SD 1.5 / SDXL pipelines: parity, lifecycle, statistics wiring, selections and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers.image_processor import IPAdapterMaskProcessor
+from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
+from PIL import Image
+from scipy import stats as sps
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ipa_probe
+import ipa_probe.images
+import ipa_probe.layers
+from ipa_probe.pipelines import default_reference_images, tiny_pipeline
+from ipa_probe.probe import probe
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return default_reference_images(2)
+
+
+@pytest.fixture(scope="module")
+def sd15():
+    return tiny_pipeline("sd15")
+
+
+def generate(pipe, refs, adapters=1, **kwargs):
+    kwargs.setdefault("num_inference_steps", STEPS)
+    kwargs.setdefault("output_type", "np")
+    images = [refs] * adapters if adapters > 1 else [refs]
+    generator = torch.Generator().manual_seed(0)
+    return pipe("a photo of a flower", ip_adapter_image=images, generator=generator, **kwargs).images
+
+
+def _hook_snapshot(pipe):
+    return {
+        (component, name): (list(m._forward_hooks), list(m._forward_pre_hooks), list(m._forward_hooks_with_kwargs))
+        for component, module in pipe.components.items()
+        if isinstance(module, torch.nn.Module)
+        for name, m in module.named_modules()
+    }
+
+
+# --------------------------------------------------------------------------- parity
+
+
+def _masks(n_images):
+    masks = [Image.new("L", (64, 64), 0) for _ in range(n_images)]
+    for i, mask in enumerate(masks):
+        mask.paste(255, (32 * (i % 2), 0, 32 * (i % 2) + 32, 64))
+    return [IPAdapterMaskProcessor().preprocess(masks, height=64, width=64).reshape(1, n_images, 64, 64)]
+
+
+@pytest.mark.parametrize(
+    "kind, variant, adapters, guidance, masks",
+    [
+        ("sd15", "base", 1, 5.0, False),
+        ("sd15", "base", 1, 1.0, False),
+        ("sd15", "base", 2, 5.0, False),
+        ("sd15", "plus", 1, 5.0, False),
+        ("sd15", "base", 1, 5.0, True),
+        ("sdxl", "base", 1, 5.0, False),
+        ("sdxl", "base", 2, 1.0, False),
+        ("sdxl", "plus", 1, 5.0, True),
+    ],
+)
+def test_probe_output_is_bit_identical(refs, kind, variant, adapters, guidance, masks):
+    pipe = tiny_pipeline(kind, ip_adapter=variant, num_adapters=adapters)
+    kwargs = {"guidance_scale": guidance}
+    if masks:
+        kwargs["cross_attention_kwargs"] = {"ip_adapter_masks": _masks(len(refs))}
+    plain = generate(pipe, refs, adapters, **kwargs)
+    with probe(pipe) as run:
+        probed = generate(pipe, refs, adapters, **kwargs)
+    assert np.abs(plain - probed).max() == 0
+    df = run.to_dataframe()
+    assert set(df["branch"]) == ({"cond", "uncond"} if guidance > 1 else {"cond"})
+    assert set(df["adapter"]) == set(range(adapters))
+    assert df["step"].nunique() == STEPS
+    assert df["spearman"].notna().all()
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def test_restores_pipeline_exactly_after_normal_exit(sd15, refs):
+    processors = dict(sd15.unet.attn_processors)
+    hooks = _hook_snapshot(sd15)
+    with probe(sd15):
+        generate(sd15, refs)
+    assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
+    assert _hook_snapshot(sd15) == hooks
+    assert "_ipa_probe_claims" not in sd15.unet.__dict__
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_restores_pipeline_after_exception(sd15, refs, error):
+    processors = dict(sd15.unet.attn_processors)
+    hooks = _hook_snapshot(sd15)
+    with pytest.raises(type(error)):
+        with probe(sd15) as run:
+            generate(sd15, refs, num_inference_steps=2)
+            raise error
+    assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
+    assert _hook_snapshot(sd15) == hooks
+    assert len(run.to_dataframe()) > 0  # what was recorded before the error is kept
+    with probe(sd15):  # and the pipeline can be probed again
+        pass
+
+
+def test_double_probe_raises_and_leaves_the_first_intact(sd15, refs):
+    with probe(sd15) as run:
+        with pytest.raises(RuntimeError, match="already active"):
+            with probe(sd15):
+                pass
+        generate(sd15, refs)
+    assert run.to_dataframe()["step"].nunique() == STEPS
+
+
+def test_set_ip_adapter_scale_and_unload_work_while_probing(refs):
+    pipe = tiny_pipeline("sd15")
+    with probe(pipe) as run:
+        pipe.set_ip_adapter_scale(0.5)
+        assert all(p.scale == [0.5] for p in pipe.unet.attn_processors.values() if hasattr(p, "scale"))
+        generate(pipe, refs, num_inference_steps=1)
+        pipe.unload_ip_adapter()
+        pipe("a photo", num_inference_steps=1, output_type="np")
+    assert not any(isinstance(p, IPAdapterAttnProcessor2_0) for p in pipe.unet.attn_processors.values())
+    assert all(isinstance(p, AttnProcessor2_0) for p in pipe.unet.attn_processors.values())
+    assert len(run.to_dataframe()) > 0
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in pipe.unet.modules())
+
+
+def test_results_are_only_available_after_the_block(sd15):
+    with probe(sd15) as run:
+        with pytest.raises(RuntimeError, match="after"):
+            run.to_dataframe()
+
+
+# --------------------------------------------------------------------------- statistics wiring
+
+
+def test_statistics_match_an_independent_recomputation(refs):
+    """Capture q and k_ip with our own hooks and recompute Spearman/Pearson per head with scipy."""
+    pipe = tiny_pipeline("sd15")
+    layer = ipa_probe.layers.find_ip_layers(pipe, r"^up_blocks\.1")[0].name
+    attn = pipe.unet.get_submodule(layer)
+    captured = {}
+    h1 = attn.to_q.register_forward_hook(lambda m, a, o: captured.setdefault("q", o.detach().clone()))
+    h2 = attn.processor.to_k_ip[0].register_forward_hook(lambda m, a, o: captured.setdefault("k", o.detach().clone()))
+    try:
+        with probe(pipe, layers=layer, steps=[0]) as run:
+            generate(pipe, refs, guidance_scale=5.0)
+    finally:
+        h1.remove()
+        h2.remove()
+    df = run.to_dataframe()
+    heads, batch = attn.heads, captured["q"].shape[0]
+    d = captured["q"].shape[-1] // heads
+    q = captured["q"].double().reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, Q, D)
+    k = captured["k"].double().reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, K, D)
+    a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), -1)
+    w = torch.softmax(-(torch.cdist(q, k) ** 2) / (2 * math.sqrt(d)), -1)
+    for b, branch in enumerate(["uncond", "cond"]):
+        for head in range(heads):
+            row = df[(df["branch"] == branch) & (df["head"] == head)].iloc[0]
+            ab, wb = a[b, head], w[b, head]
+            rho = np.mean([sps.spearmanr(x, y).statistic for x, y in zip(ab, wb, strict=True)])
+            r = sps.pearsonr(ab.ravel(), wb.ravel()).statistic
+            kl = (ab * (ab.log() - wb.log())).sum(-1).mean().item()
+            assert row.spearman == pytest.approx(rho, abs=1e-4)
+            assert row.pearson == pytest.approx(r, abs=1e-4)
+            assert row.kl == pytest.approx(kl, rel=1e-3, abs=1e-6)
+            assert row.bandwidth == pytest.approx(d**0.25)
+            assert row.neff_attn == pytest.approx((1 / (ab * ab).sum(-1)).mean().item(), rel=1e-4)
+            norms = k[b, head].norm(dim=-1)
+            assert row.k_norm_spread == pytest.approx((norms.std(correction=0) / norms.mean()).item(), rel=1e-4)
+            assert row.q_norm == pytest.approx(q[b, head].norm(dim=-1).mean().item(), rel=1e-4)
+
+
+def test_equal_key_norms_give_rho_one_at_matched_bandwidth(refs):
+    pipe = tiny_pipeline("sd15", ip_adapter="plus")
+    handles = []
+    for proc in pipe.unet.attn_processors.values():
+        if isinstance(proc, IPAdapterAttnProcessor2_0):
+            heads = None
+
+            def normalise(module, args, output, heads_of=proc):
+                b = output.shape[0]
+                per_head = output.reshape(b, -1, 2, output.shape[-1] // 2)  # tiny pipelines have 2 heads
+                per_head = per_head / per_head.norm(dim=-1, keepdim=True)
+                return per_head.reshape(output.shape)
+
+            handles += [m.register_forward_hook(normalise) for m in proc.to_k_ip]
+            assert heads is None
+    try:
+        with probe(pipe) as run:
+            generate(pipe, refs)
+    finally:
+        for h in handles:
+            h.remove()
+    df = run.to_dataframe()
+    np.testing.assert_allclose(df["spearman"], 1.0, atol=1e-5)
+    np.testing.assert_allclose(df["kl"], 0.0, atol=1e-5)
+    assert (df["top1"] == 1).all()
+    assert df["k_norm_spread"].max() < 1e-5
+
+
+def test_nonfinite_weights_are_flagged_not_raised(sd15, refs):
+    proc = next(p for p in sd15.unet.attn_processors.values() if isinstance(p, IPAdapterAttnProcessor2_0))
+
+    def poison(module, args, output):
+        output = output.clone()
+        output[0] = math.nan  # the first batch item is the unconditional branch
+        return output
+
+    handle = proc.to_k_ip[0].register_forward_hook(poison)
+    try:
+        with probe(sd15) as run:
+            generate(sd15, refs, output_type="latent")
+    finally:
+        handle.remove()
+    df = run.to_dataframe()
+    poisoned = df[df.layer == df.layer.iloc[0]]
+    assert (poisoned[poisoned.branch == "uncond"]["nonfinite"] == 1).all()
+    assert (df[df.branch == "cond"]["nonfinite"] == 0).all()
+    assert df[df.branch == "cond"]["spearman"].notna().all()
+
+
+class _CountScalarReads(TorchDispatchMode):
+    """Counts device-to-host scalar reads (``.item()``, ``bool(tensor)``), the syncs that stall a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_host_synchronisation_inside_the_denoising_loop(sd15, refs):
+    """The probe adds no scalar read to the pipeline call (it only enqueues device work)."""
+    kwargs = {"output_type": "latent", "guidance_scale": 5.0}
+    generate(sd15, refs, **kwargs)  # warm-up
+    with _CountScalarReads() as plain:
+        generate(sd15, refs, **kwargs)
+    for bandwidth in ("matched", "fit", 1.5, lambda t: 1.0 + t / 1000):
+        with probe(sd15, bandwidth=bandwidth):
+            with _CountScalarReads() as probed:
+                generate(sd15, refs, **kwargs)
+        assert probed.count == plain.count, bandwidth
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_bandwidth_options(sd15, refs):
+    tables = {}
+    for name, bw in {"matched": "matched", "float": 0.7, "callable": lambda t: 0.5 + t / 500, "fit": "fit"}.items():
+        with probe(sd15, bandwidth=bw) as run:
+            generate(sd15, refs)
+        tables[name] = run.to_dataframe()
+    np.testing.assert_allclose(tables["float"]["bandwidth"], 0.7, rtol=1e-6)
+    callable_bw = tables["callable"].groupby("timestep")["bandwidth"].first()
+    np.testing.assert_allclose(callable_bw.to_numpy(), 0.5 + callable_bw.index.to_numpy() / 500, rtol=1e-6)
+    # rank statistics do not depend on h; the fitted h never does worse in KL than the matched one
+    for name in ("float", "callable", "fit"):
+        np.testing.assert_allclose(tables[name]["spearman"], tables["matched"]["spearman"], atol=1e-6)
+        np.testing.assert_allclose(tables[name]["top1"], tables["matched"]["top1"], atol=1e-6)
+    assert (tables["fit"]["kl"] <= tables["matched"]["kl"] + 1e-6).all()
+    assert tables["fit"]["bandwidth"].nunique() > 1
+
+
+def test_layer_step_and_head_selection(sd15, refs):
+    with probe(sd15, layers=[r"^up_blocks\.1"], steps=[0, 2], heads=[1]) as run:
+        generate(sd15, refs)
+    df = run.to_dataframe()
+    assert df["layer"].str.startswith("up_blocks.1").all()
+    assert sorted(df["step"].unique()) == [0, 2]
+    assert set(df["head"]) == {1}
+    with probe(sd15, steps=slice(1, None)) as run:
+        generate(sd15, refs)
+    assert sorted(run.to_dataframe()["step"].unique()) == [1, 2]
+
+
+def test_batch_nonsquare_and_two_calls(sd15, refs):
+    with probe(sd15) as run:
+        generate(sd15, refs, num_images_per_prompt=2, height=64, width=96)
+        generate(sd15, refs, num_inference_steps=2)
+    df = run.to_dataframe()
+    assert sorted(df["call"].unique()) == [0, 1]
+    assert df[df.call == 0]["step"].nunique() == STEPS and df[df.call == 1]["step"].nunique() == 2
+    summary = run.summary()
+    assert {"spearman", "pearson", "spearman_null", "frac_rho_gt_0.9"} <= set(summary.columns)
+
+
+def test_keep_maps_shapes_and_budget(sd15, refs):
+    with probe(sd15, keep_maps=True, steps=[0]) as run:
+        generate(sd15, refs, guidance_scale=5.0)
+    assert run.maps
+    (call, step, layer, adapter), (weights,) = next(iter(run.maps.items()))
+    assert weights.dtype == torch.float16 and weights.device.type == "cpu"
+    b, h, q, k = weights.shape
+    assert (b, k) == (2, 2 * 4)  # CFG doubles the batch; two reference images of 4 tokens
+    torch.testing.assert_close(weights.float().sum(-1), torch.ones(b, h, q), atol=2e-3, rtol=0)
+    with pytest.raises(ValueError, match="max_map_bytes"):
+        with probe(sd15, keep_maps=True, max_map_bytes=1000):
+            generate(sd15, refs)
+
+
+def test_save_and_plot(sd15, refs, tmp_path):
+    with probe(sd15) as run:
+        generate(sd15, refs)
+    paths = run.save(tmp_path / "out")
+    import json
+
+    import pandas as pd
+
+    assert len(pd.read_parquet(paths["table"])) == len(run.to_dataframe())
+    record = json.loads(paths["summary"].read_text())
+    assert record["settings"]["bandwidth"] == "matched" and "torch" in record["versions"]
+    assert paths["plot"].stat().st_size > 0
+    assert run.plot().axes
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_no_ip_adapter_raises_before_anything_changes(refs):
+    pipe = tiny_pipeline("sd15")
+    pipe.unload_ip_adapter()
+    processors = dict(pipe.unet.attn_processors)
+    with pytest.raises(ValueError, match="load_ip_adapter"):
+        with probe(pipe):
+            pass
+    assert all(pipe.unet.attn_processors[k] is v for k, v in processors.items())
+
+
+def test_unsupported_processor_is_named(sd15):
+    from diffusers.models.attention_processor import IPAdapterXFormersAttnProcessor
+
+    pipe = tiny_pipeline("sd15")
+    name = next(k for k, v in pipe.unet.attn_processors.items() if isinstance(v, IPAdapterAttnProcessor2_0))
+    old = pipe.unet.attn_processors[name]
+    xf = IPAdapterXFormersAttnProcessor(old.hidden_size, old.cross_attention_dim, old.num_tokens, old.scale)
+    pipe.unet.get_submodule(name.removesuffix(".processor")).set_processor(xf)
+    with pytest.raises(ValueError, match="IPAdapterXFormersAttnProcessor.*Supported processor classes"):
+        with probe(pipe):
+            pass
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"layers": "no_such_layer"}, "matched none"),
+        ({"layers": "("}, "not a valid regular expression"),
+        ({"bandwidth": 0.0}, "positive"),
+        ({"bandwidth": -1.0}, "positive"),
+        ({"bandwidth": "wide"}, "matched"),
+        ({"heads": [7]}, "heads"),
+        ({"steps": [-1]}, "steps"),
+    ],
+)
+def test_bad_settings_raise_before_anything_changes(sd15, kwargs, match):
+    hooks = _hook_snapshot(sd15)
+    with pytest.raises((ValueError, TypeError), match=match):
+        with probe(sd15, **kwargs):
+            pass
+    assert _hook_snapshot(sd15) == hooks
+    assert "_ipa_probe_claims" not in sd15.unet.__dict__
+
+
+def test_not_an_image_is_a_clear_error(tmp_path):
+    bad = tmp_path / "notes.png"
+    bad.write_text("not an image")
+    with pytest.raises(ValueError, match="not an image"):
+        ipa_probe.images.load_image(bad)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ipa_probe.images.load_image(tmp_path / "missing.png")
+    with pytest.raises(TypeError, match="PIL"):
+        ipa_probe.images.load_image(np.zeros((4, 4, 3)))
