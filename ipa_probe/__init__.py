@@ -6,6 +6,7 @@ Explicit re-exports only; the code lives in the modules named below.
 from . import images, layers, pipelines, report
 from .kernels import dot_logits, key_norm_bias, matched_bandwidth, n_eff, nw_logits, nw_weights
 from .layers import find_ip_layers
+from .pipelines import default_reference_images, save_tiny_pipeline, tiny_pipeline
 from .probe import ProbeConfig, ProbeRun, probe
 from .stats import STAT_NAMES, compare_weights
 
@@ -21,8 +22,11 @@ __all__ = [
     "pipelines",
     "probe",
     "report",
+    "save_tiny_pipeline",
+    "tiny_pipeline",
     "__version__",
     "compare_weights",
+    "default_reference_images",
     "dot_logits",
     "key_norm_bias",
     "matched_bandwidth",
