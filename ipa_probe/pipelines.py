@@ -103,8 +103,10 @@ def _check_choice(value: Any, name: str, choices: tuple[str, ...]) -> None:
 
 
 def _check_seed(seed: Any) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise TypeError(f"expected seed to be a non-negative int, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"expected seed to be an int, got {type(seed).__name__} {seed!r}; pass e.g. seed=0")
+    if seed < 0:
+        raise ValueError(f"expected seed to be a non-negative int, got {seed}")
 
 
 def _text_config(projection: bool) -> CLIPTextConfig:
@@ -245,13 +247,15 @@ def tiny_components(kind: PipelineKind = "sd15", seed: int = 0) -> dict[str, Any
 
 
 def _ip_layer_widths(unet: UNet2DConditionModel) -> list[int]:
-    """Hidden width of every cross-attention layer, in ``unet.attn_processors`` order (the checkpoint's order)."""
+    """Key width (heads x head width) of every cross-attention layer, in ``unet.attn_processors`` order, the order
+    in which IP-Adapter checkpoints number them. ``to_k_ip`` maps the image tokens to that width, as ``to_k`` does
+    the text tokens."""
     widths = []
     for name in unet.attn_processors:
         if not name.endswith("attn2.processor"):
             continue
-        module = unet.get_submodule(name.removesuffix(".processor"))
-        widths.append(module.to_q.in_features)
+        attn = unet.get_submodule(name.removesuffix(".processor"))
+        widths.append(attn.to_k.out_features)
     return widths
 
 
@@ -427,8 +431,8 @@ def tiny_pipeline(
         tiny_ip_adapter_state_dict(pipe.unet, pipe.image_encoder, ip_adapter, _adapter_seed(seed, i))
         for i in range(num_adapters)
     ]
-    # Loading from in-memory dicts draws no random numbers (processor weights are overwritten), but diffusers may
-    # build modules with default init before loading: keep the caller's RNG out of it all the same.
+    # diffusers builds the processors and projections with their default (random) init before copying our weights
+    # in: those draws must not advance the caller's RNG.
     with _seeded(seed, "load_ip_adapter"):
         pipe.load_ip_adapter(
             state_dicts,

@@ -237,8 +237,10 @@ def test_dtype_and_bad_arguments():
         tiny_pipeline("sd15", ip_adapter="full")
     with pytest.raises(ValueError, match="num_adapters"):
         tiny_pipeline("sd15", num_adapters=0)
-    with pytest.raises(TypeError, match="seed"):
+    with pytest.raises(ValueError, match="seed"):
         tiny_pipeline("sd15", seed=-1)
+    with pytest.raises(TypeError, match="seed"):
+        tiny_pipeline("sd15", seed=1.5)
     with pytest.raises(TypeError, match="dtype"):
         tiny_pipeline("sd15", dtype="float17")
 
