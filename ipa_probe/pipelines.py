@@ -19,12 +19,12 @@ one ``ip-adapter.safetensors`` file for the adapter, for testing the from-path l
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
@@ -53,6 +53,7 @@ from .tokenizer import CLIP_MODEL_MAX_LENGTH, CLIP_VOCAB_SIZE, clip_tokenizer
 __all__ = [
     "IP_ADAPTER_KINDS",
     "IP_ADAPTER_NUM_TOKENS",
+    "IP_ADAPTER_WEIGHT_NAME",
     "PIPELINE_KINDS",
     "SavedTinyPipeline",
     "default_reference_images",
@@ -63,16 +64,15 @@ __all__ = [
     "tiny_pipeline",
 ]
 
-logger = logging.getLogger(__name__)
-
 PipelineKind = Literal["sd15", "sdxl"]
 AdapterKind = Literal["base", "plus"]
 PIPELINE_KINDS: tuple[str, ...] = ("sd15", "sdxl")
 IP_ADAPTER_KINDS: tuple[str, ...] = ("base", "plus")
-IP_ADAPTER_NUM_TOKENS: dict[str, int] = {"base": 4, "plus": 16}
+IP_ADAPTER_NUM_TOKENS: Mapping[str, int] = MappingProxyType({"base": 4, "plus": 16})
 """Image tokens per reference image: 4 for IP-Adapter (``ImageProjection``), 16 for Plus (the resampler)."""
 
 IP_ADAPTER_WEIGHT_NAME = "ip-adapter.safetensors"
+"""File name :func:`save_tiny_pipeline` gives the adapter weights."""
 
 # Tiny sizes. Text encoders: width 32 (SDXL: two of them, concatenated to 64). Image encoder: 32 x 32 inputs in
 # 4 x 4 patches, so Plus sees 64 patch tokens + 1 class token.
