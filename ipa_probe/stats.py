@@ -61,18 +61,33 @@ def rank(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(average).scatter_(-1, order, average)
 
 
-def _row_pearson(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    a = a - a.mean(-1, keepdim=True)
-    b = b - b.mean(-1, keepdim=True)
+def _row_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    if mask is None:
+        a = a - a.mean(-1, keepdim=True)
+        b = b - b.mean(-1, keepdim=True)
+    else:
+        m = mask.to(a.dtype)
+        n = m.sum(-1, keepdim=True)
+        a = (a - (a * m).sum(-1, keepdim=True) / n) * m
+        b = (b - (b * m).sum(-1, keepdim=True) / n) * m
     return (a * b).sum(-1) / ((a * a).sum(-1) * (b * b).sum(-1)).sqrt()
 
 
-def row_spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def row_spearman(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Spearman's rho of each row of ``a`` against the same row of ``b``: ``(..., K), (..., K) -> (...)``.
 
     A row that is constant in ``a`` or ``b`` has no rank correlation and gives NaN, as in scipy.
+
+    Args:
+        a, b: values, shape ``(..., K)``.
+        mask: optional boolean ``(..., K)``: only the entries where it holds take part (ranked among themselves).
     """
-    return _row_pearson(rank(a), rank(b))
+    if mask is None:
+        return _row_pearson(rank(a), rank(b))
+    # Left-out entries rank above every kept one, so the kept entries get ranks 1..n among themselves.
+    a = torch.where(mask, a, math.inf)
+    b = torch.where(mask, b, math.inf)
+    return _row_pearson(rank(a), rank(b), mask)
 
 
 def raveled_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,11 +95,13 @@ def raveled_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None 
 
     Args:
         a, b: weights, shape ``(..., R, K)``.
-        mask: optional boolean ``(..., R)``; rows where it is False are left out.
+        mask: optional boolean, ``(..., R)`` (rows where it is False are left out) or ``(..., R, K)`` (entries).
     """
     if mask is None:
         mask = torch.ones(a.shape[:-1], dtype=torch.bool, device=a.device)
-    m = mask.unsqueeze(-1).to(a.dtype).expand(a.shape)
+    if mask.dim() == a.dim() - 1:
+        mask = mask.unsqueeze(-1)
+    m = mask.to(a.dtype).expand(a.shape)
     a = torch.where(m > 0, a, 0.0)
     b = torch.where(m > 0, b, 0.0)
     n = m.sum((-2, -1))
@@ -101,9 +118,14 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1)
 
 
-def _shuffle_rows(w: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """``w`` with an independent uniformly random permutation of the last dimension in every row."""
+def _shuffle_rows(w: torch.Tensor, generator: torch.Generator, prefix: torch.Tensor | None = None) -> torch.Tensor:
+    """``w`` with an independent uniformly random permutation of the last dimension in every row.
+
+    With a boolean ``prefix`` mask (kept entries first in every row), only the kept entries are shuffled.
+    """
     noise = torch.rand(w.shape, generator=generator, device=w.device, dtype=torch.float32)
+    if prefix is not None:
+        noise = torch.where(prefix, noise, 2.0)
     return w.gather(-1, noise.argsort(-1))
 
 
@@ -111,6 +133,7 @@ def compare_weights(
     attn_logits: torch.Tensor,
     nw_logits: torch.Tensor,
     generator: torch.Generator | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Compare attention weights with NW weights row by row, reduced over rows.
 
@@ -131,6 +154,8 @@ def compare_weights(
         nw_logits: logits of the NW weights, same shape.
         generator: random source of the null's permutations; a fixed-seed generator on the logits' device is made
             when omitted, so the caller's global random state is never touched.
+        key_mask: optional boolean, broadcastable to the logits' shape: keys where it is False (e.g. padding
+            tokens) are left out, and both weightings are renormalised over the kept keys.
 
     Returns:
         statistics, shape ``(..., len(STAT_NAMES))``, float32, on the logits' device.
@@ -143,6 +168,14 @@ def compare_weights(
         generator = torch.Generator(device=attn_logits.device).manual_seed(0)
     dtype = torch.promote_types(attn_logits.dtype, torch.float32)
     attn_logits, nw_logits = attn_logits.to(dtype), nw_logits.to(dtype)
+    if key_mask is not None:
+        key_mask = key_mask.to(torch.bool).expand(attn_logits.shape)
+        # One permutation for both weightings, kept keys first: every statistic is invariant to it, and the mask
+        # becomes a prefix, which the null's shuffle needs.
+        order = (~key_mask).to(torch.uint8).argsort(dim=-1, stable=True)
+        key_mask = key_mask.gather(-1, order)
+        attn_logits = attn_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
+        nw_logits = nw_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
     log_a = torch.log_softmax(attn_logits, dim=-1)  # (..., R, K)
     log_w = torch.log_softmax(nw_logits, dim=-1)
     a, w = log_a.exp(), log_w.exp()
@@ -153,10 +186,11 @@ def compare_weights(
     kl_rows = torch.where(a > 0, a * (log_a - log_w), 0.0).sum(-1)
     top1_rows = (a.argmax(-1) == w.argmax(-1)).float()
     # Ranks are taken on the logits: the same order as the weights, without the ties that underflow makes.
+    entries = valid if key_mask is None else valid.unsqueeze(-1) & key_mask
     stats = (
-        _masked_mean(row_spearman(attn_logits, nw_logits), valid),
-        _masked_mean(row_spearman(attn_logits, _shuffle_rows(nw_logits, generator)), valid),
-        raveled_pearson(a, w, valid),
+        _masked_mean(row_spearman(attn_logits, nw_logits, key_mask), valid),
+        _masked_mean(row_spearman(attn_logits, _shuffle_rows(nw_logits, generator, key_mask), key_mask), valid),
+        raveled_pearson(a, w, entries),
         _masked_mean(kl_rows, valid),
         _masked_mean(top1_rows, valid),
         _masked_mean(n_eff(a), valid),

@@ -127,3 +127,26 @@ def test_fit_bandwidth_recovers_the_generating_bandwidth():
     attn = nw_logits(q, k, true_h[:, None, None])
     h = fit_bandwidth(attn, q @ k.transpose(-1, -2) - (k * k).sum(-1).unsqueeze(-2) / 2, center=1.7)
     torch.testing.assert_close(h.double(), true_h, rtol=0.03, atol=0)
+
+
+def test_key_mask_equals_dropping_the_keys():
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 30, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(3, 9, 8, generator=g, dtype=torch.float64) * torch.rand(3, 9, 1, generator=g, dtype=torch.float64)
+    keep = torch.tensor([True, False, True, True, False, True, True, True, False])
+    attn, nw = dot_logits(q, k), nw_logits(q, k, 1.3)
+    masked = compare_weights(attn, nw, key_mask=keep)
+    dropped = compare_weights(attn[..., keep], nw[..., keep])
+    names = [n for n in STAT_NAMES if n != "spearman_null"]
+    idx = [STAT_NAMES.index(n) for n in names]
+    torch.testing.assert_close(masked[..., idx], dropped[..., idx], rtol=1e-6, atol=1e-9)
+    assert (_stat(masked, "spearman_null").abs() < 0.3).all()
+    # a per-row mask (ragged key counts) also matches dropping row by row
+    row_keep = torch.ones(3, 30, 9, dtype=torch.bool)
+    row_keep[:, :, 6:] = False
+    row_keep[:, 10:, 4:] = False
+    s = compare_weights(attn, nw, key_mask=row_keep)
+    rho_rows = torch.cat(
+        [row_spearman(attn[:, :10, :6], nw[:, :10, :6]), row_spearman(attn[:, 10:, :4], nw[:, 10:, :4])], 1
+    )
+    torch.testing.assert_close(_stat(s, "spearman").double(), rho_rows.mean(-1), rtol=1e-6, atol=1e-9)
