@@ -21,6 +21,9 @@ from .fields import T_EPS, nw_velocity
 
 __all__ = ["VelocityFn", "euler_sample", "odeint_sample", "sample_nw_flow"]
 
+#: torchdiffeq's adaptive Runge–Kutta solvers, which accept the ``step_t`` option.
+_ADAPTIVE_METHODS = frozenset({"dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun"})
+
 #: ``velocity_fn(x, t) -> v``: ``x`` and ``v`` of shape ``(..., n, d)``, ``t`` a 0-dim tensor.
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -114,9 +117,15 @@ def odeint_sample(
 
     _check_interval(t_min, t_max)
     times = torch.tensor([t_min, t_max], dtype=x0.dtype, device=x0.device)
+    options = dict(options or {})
+    if method in _ADAPTIVE_METHODS:
+        # Land a step exactly on t_max: torchdiffeq otherwise steps past the end and interpolates back, which
+        # would evaluate the field at t > 1.
+        options.setdefault("step_t", times[-1:])
 
     def func(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # torchdiffeq's argument order
-        return _checked_velocity(velocity_fn, x, t)
+        # The initial step-size heuristic probes f at t_min + h0, which can lie past t_max: keep it in range.
+        return _checked_velocity(velocity_fn, x, t.clamp(t_min, t_max))
 
     return odeint(func, x0, times, method=method, rtol=rtol, atol=atol, options=options)[-1]
 
