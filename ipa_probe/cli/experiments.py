@@ -1,0 +1,81 @@
+"""``ipa-probe experiments NAME --tier quick|smoke|full``: the paper's failure regimes and attention analysis."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+from . import CLIError
+
+NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "all")
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "experiments",
+        help="reproduce the paper's failure regimes (collapse, shells, scarcity, heads) and attention analysis",
+        description="Train and evaluate the in-context flow-matching experiments of the paper on CPU. Interrupted "
+        "runs resume from their checkpoints under OUT/runs when the same command is started again.",
+    )
+    parser.add_argument("name", help=f"experiment: one of {', '.join(NAMES)}")
+    parser.add_argument("--tier", default="quick", help="quick (< 2 min), smoke (< 10 min) or full (< 60 min)")
+    parser.add_argument("--out", default=None, help="output folder (default outputs/experiments-TIER)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default: the tier's)")
+    parser.add_argument(
+        "--dims",
+        type=int,
+        nargs="+",
+        default=None,
+        help="dimensions d of collapse and shells, each in [2, 64] (default: the tier's)",
+    )
+    parser.add_argument(
+        "--ms",
+        type=int,
+        nargs="+",
+        default=None,
+        help="support sizes m of scarcity and heads, each in [1, 100] (default: the tier's)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    parser.set_defaults(func=run)
+
+
+def _check_writable(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise CLIError(f"cannot write to output folder {out} ({err.strerror or err}); pass a writable --out") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..experiments import run_experiments
+    from ..experiments.tiers import DIM_RANGE, M_RANGE, TIERS
+
+    if args.name not in NAMES:
+        raise CLIError(f"unknown experiment {args.name!r}; expected one of {', '.join(NAMES)}")
+    if args.tier not in TIERS:
+        raise CLIError(f"unknown tier {args.tier!r}; expected one of {', '.join(TIERS)}")
+    for d in args.dims or ():
+        if not DIM_RANGE[0] <= d <= DIM_RANGE[1]:
+            raise CLIError(f"dimension d={d} out of range; expected {DIM_RANGE[0]} <= d <= {DIM_RANGE[1]}")
+    for m in args.ms or ():
+        if not M_RANGE[0] <= m <= M_RANGE[1]:
+            raise CLIError(f"support size m={m} out of range; expected {M_RANGE[0]} <= m <= {M_RANGE[1]}")
+    if args.seeds is not None and any(s < 0 for s in args.seeds):
+        raise CLIError(f"seeds must be non-negative integers, got {args.seeds}")
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads must be >= 1, got {args.threads}")
+    out = Path(args.out or f"outputs/experiments-{args.tier}")
+    _check_writable(out)
+    tier = TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
+    results = run_experiments(
+        [args.name], tier, out, progress=not args.no_progress, threads=args.threads or os.cpu_count()
+    )
+    for name, result in results.items():
+        print(f"{name}: {out / name / 'table.md'} ({result.record['wall_time_s']:.0f} s)")
+    print(f"summary: {out / 'summary.md'}")
+    return 0

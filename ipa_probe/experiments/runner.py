@@ -1,0 +1,204 @@
+"""Run experiments by name: trained models are cached (and resumed) under ``OUT/runs``, results go to ``OUT/NAME``.
+
+A trained model is identified by a hash of its model, training and task configuration; every experiment that needs
+the same model (e.g. ``attention`` reuses the ``shells`` model) loads it instead of training it again, and a run
+interrupted mid-training resumes from its last checkpoint when the command is started again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .evaluate import MMDResult, evaluate_velocity, held_out_tasks, learned_velocity, plugin_velocity
+from .model import ICFMVelocityNet, ModelConfig
+from .report import ExperimentResult, markdown_table, versions, write_result
+from .tasks import MetaDistribution, TaskBatch, make_meta
+from .tiers import Tier
+from .train import TrainConfig, load_model, train
+
+__all__ = ["EXPERIMENTS", "ExperimentContext", "run_experiments"]
+
+logger = logging.getLogger(__name__)
+
+#: offset of the held-out task seeds, far from every training seed.
+EVAL_SEED = 10_000
+
+
+@dataclass
+class ExperimentContext:
+    """Shared state of one invocation: the tier, the output folder and the cache of trained models.
+
+    Args:
+        tier: run sizes.
+        out: output folder (``OUT/runs`` holds checkpoints, ``OUT/NAME`` the results of each experiment).
+        progress: show progress bars.
+    """
+
+    tier: Tier
+    out: Path
+    progress: bool = True
+    runs: dict[str, dict] = field(default_factory=dict)
+    _metas: dict[tuple[str, int], MetaDistribution] = field(default_factory=dict)
+    _models: dict[str, ICFMVelocityNet] = field(default_factory=dict)
+
+    def meta(self, name: str, dim: int) -> MetaDistribution:
+        """The meta-distribution ``name`` in dimension ``dim`` (built once; digits' PCA is fitted once)."""
+        key = (name, dim)
+        if key not in self._metas:
+            self._metas[key] = make_meta(name, dim)
+        return self._metas[key]
+
+    def model_config(self, dim: int, exact_head: bool = False, n_heads: int | None = None) -> ModelConfig:
+        t = self.tier
+        return ModelConfig(dim, t.d_model, n_heads or t.n_heads, t.n_layers, exact_head=exact_head)
+
+    def train_config(self, steps: int, seed: int, m: int = 50, m_max: int | None = None) -> TrainConfig:
+        t = self.tier
+        return TrainConfig(
+            steps=steps,
+            batch_tasks=t.batch_tasks,
+            n_target=t.n_target,
+            m=m,
+            m_max=m_max,
+            lr=t.lr,
+            warmup=min(t.warmup, steps),
+            seed=seed,
+            checkpoint_every=max(1, min(250, steps // 4)),
+        )
+
+    def trained(self, meta_name: str, model_config: ModelConfig, train_config: TrainConfig) -> ICFMVelocityNet:
+        """The model trained on ``meta_name`` tasks: from memory, from a finished checkpoint, or trained now."""
+        spec = {"meta": meta_name, "model": model_config.to_dict(), "train": train_config.to_dict()}
+        digest = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+        arm = "on" if model_config.exact_head else "off"
+        key = f"{meta_name}-d{model_config.dim}-{arm}-H{model_config.n_heads}-s{train_config.seed}-{digest}"
+        if key in self._models:
+            return self._models[key]
+        run_dir = self.out / "runs" / key
+        loaded = load_model(run_dir)
+        if loaded is not None:
+            model, state = loaded
+            info = {"trained_now": False, "final_loss": _tail_mean(state["losses"]), "wall_time_s": None}
+        else:
+            result = train(
+                model_config,
+                train_config,
+                self.meta(meta_name, model_config.dim),
+                run_dir=run_dir,
+                progress=self.progress,
+                description=key.rsplit("-", 1)[0],
+            )
+            model = result.model
+            info = {
+                "trained_now": True,
+                "resumed_from": result.resumed_from,
+                "final_loss": _tail_mean(result.losses),
+                "wall_time_s": round(result.wall_time, 2),
+            }
+        self.runs[key] = dict(spec, **info)
+        self._models[key] = model
+        return model
+
+    def held_out(self, meta_name: str, dim: int, m: int = 50, n_ref: int | None = None) -> TaskBatch:
+        """The fixed held-out tasks of ``meta_name`` in ``dim`` dimensions (seed depends on both)."""
+        seed = EVAL_SEED + 97 * dim + sum(map(ord, meta_name))
+        return held_out_tasks(self.meta(meta_name, dim), self.tier.eval_tasks, m, n_ref or self.tier.eval_points, seed)
+
+    def mmd_of(self, velocity_fn, tasks: TaskBatch, seed: int = 0) -> MMDResult:
+        """MMD² of samples of any velocity field ``velocity_fn(x, t)`` on ``tasks`` (fixed sampling seed)."""
+        return evaluate_velocity(velocity_fn, tasks, EVAL_SEED + seed, self.tier.euler_steps)[0]
+
+    def mmd_plugin(self, tasks: TaskBatch, seed: int = 0) -> MMDResult:
+        """MMD² of the plug-in (exact NW field) samples on ``tasks``."""
+        return self.mmd_of(plugin_velocity(tasks.support), tasks, seed)
+
+    def mmd_learned(self, model: ICFMVelocityNet, tasks: TaskBatch, seed: int = 0) -> MMDResult:
+        """MMD² of the learned model's samples on ``tasks``."""
+        return self.mmd_of(learned_velocity(model, tasks.support), tasks, seed)
+
+
+def _tail_mean(losses: list[float], k: int = 50) -> float | None:
+    tail = losses[-k:]
+    return round(sum(tail) / len(tail), 5) if tail else None
+
+
+def _registry() -> dict[str, Callable[[ExperimentContext], ExperimentResult]]:
+    from . import attention, collapse, heads, scarcity, shells
+
+    return {
+        "collapse": collapse.run,
+        "shells": shells.run,
+        "scarcity": scarcity.run,
+        "heads": heads.run,
+        "attention": attention.run,
+    }
+
+
+#: experiment names in the order ``all`` runs them (attention last: it reuses the shells model).
+EXPERIMENTS = ("collapse", "shells", "scarcity", "heads", "attention")
+
+
+def run_experiments(
+    names: list[str] | tuple[str, ...],
+    tier: Tier,
+    out: str | Path,
+    progress: bool = True,
+    threads: int | None = None,
+) -> dict[str, ExperimentResult]:
+    """Run the named experiments at ``tier`` and write their outputs under ``out``.
+
+    Args:
+        names: experiment names from :data:`EXPERIMENTS` (``"all"`` expands to every one).
+        tier: run sizes.
+        out: output folder; created if missing.
+        progress: show progress bars.
+        threads: torch threads; all cores (``os.cpu_count()``) by default.
+
+    Returns:
+        the results by name; ``out/NAME/`` holds ``table.md``, ``table.csv``, ``record.json`` and PNG figures,
+        and ``out/summary.md`` all tables together.
+    """
+    names = list(EXPERIMENTS) if "all" in names else list(names)
+    unknown = [n for n in names if n not in EXPERIMENTS]
+    if unknown:
+        raise ValueError(f"expected experiments among {EXPERIMENTS + ('all',)}, got {unknown}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    registry = _registry()
+    results: dict[str, ExperimentResult] = {}
+    try:
+        ctx = ExperimentContext(tier, out, progress)
+        for name in names:
+            start = time.perf_counter()
+            ctx.runs = {}
+            result = registry[name](ctx)
+            result.record.update(
+                experiment=name,
+                tier=tier.to_dict(),
+                seeds=list(tier.seeds),
+                versions=versions(),
+                training_runs=ctx.runs,
+                wall_time_s=round(time.perf_counter() - start, 2),
+            )
+            write_result(result, out / name)
+            results[name] = result
+            logger.info("%s done in %.1f s", name, result.record["wall_time_s"])
+        summary = [f"# Results, tier `{tier.name}`\n"]
+        for name, result in results.items():
+            summary.append(f"## {name} ({result.record['wall_time_s']:.0f} s)\n\n{markdown_table(result.rows)}")
+            summary.extend(f"![{p.stem}]({name}/{p.name})\n" for p in result.figures)
+        (out / "summary.md").write_text("\n".join(summary))
+    finally:
+        torch.set_num_threads(previous_threads)
+    return results

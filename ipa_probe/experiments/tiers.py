@@ -1,0 +1,184 @@
+"""Run sizes of the experiments: ``quick`` (tests, < 2 min), ``smoke`` (directions, < 10 min), ``full`` (< 60 min).
+
+Sizes come from a 100-step timing run on 2 CPU cores (``benchmarks/experiments_step_cost.py``): at the §D.0 CPU
+model (``d_model = 64``, 2 layers, 4 heads, 32 tasks × 64 targets × m = 50) one training step costs about 20–25 ms
+and one 100-step Euler evaluation of 20 tasks × 500 points about 3–4 s. The wall-clock targets assume those costs
+with a factor-2 margin for a shared machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+__all__ = ["TIERS", "Tier", "get_tier"]
+
+#: valid ranges of user-supplied dimensions and support sizes.
+DIM_RANGE = (2, 64)
+M_RANGE = (1, 100)
+
+
+@dataclass(frozen=True)
+class Tier:
+    """Every size an experiment needs. See :data:`TIERS` for the three presets.
+
+    Attributes:
+        name: tier name.
+        d_model, n_layers, n_heads: the learned model (paper 128/3/4, §D.0 CPU 64/2/4).
+        batch_tasks, n_target, lr, warmup: training (paper 256/256/1e-4/1000, §D.0 CPU 32/64/1e-3/200).
+        seeds: training seeds of the multi-seed experiments (collapse, shells).
+        collapse_steps, shells_steps, scarcity_steps, heads_steps: training steps per run of each experiment.
+        eval_tasks, eval_points, euler_steps: held-out tasks, generated (= reference) points per task, Euler grid.
+        neff_tasks, neff_queries: tasks and queries per task of the NW ``n_eff`` averages (paper 30 × 256).
+        collapse_dims, neff_dims, shells_dims: dimensions of the collapse benefit, its ``n_eff`` panel, the shells.
+        scarcity_ms, scarcity_data: support sizes and meta-distributions of the scarcity experiment.
+        heads_list, heads_ms, heads_m_range: heads ``H``, evaluation support sizes and the training range of ``m``.
+        attention_ts: flow times of the attention experiment.
+    """
+
+    name: str
+    d_model: int
+    n_layers: int
+    n_heads: int
+    batch_tasks: int
+    n_target: int
+    lr: float
+    warmup: int
+    seeds: tuple[int, ...]
+    collapse_steps: int
+    shells_steps: int
+    scarcity_steps: int
+    heads_steps: int
+    eval_tasks: int
+    eval_points: int
+    euler_steps: int
+    neff_tasks: int
+    neff_queries: int
+    collapse_dims: tuple[int, ...]
+    neff_dims: tuple[int, ...]
+    shells_dims: tuple[int, ...]
+    scarcity_ms: tuple[int, ...]
+    scarcity_data: tuple[str, ...]
+    heads_list: tuple[int, ...]
+    heads_ms: tuple[int, ...]
+    heads_m_range: tuple[int, int]
+    attention_ts: tuple[float, ...]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def with_overrides(
+        self,
+        seeds: tuple[int, ...] | None = None,
+        dims: tuple[int, ...] | None = None,
+        ms: tuple[int, ...] | None = None,
+    ) -> Tier:
+        """This tier with user-chosen seeds, dimensions (collapse and shells) or support sizes (scarcity, heads)."""
+        changes: dict = {}
+        if seeds:
+            changes["seeds"] = tuple(seeds)
+        if dims:
+            changes["collapse_dims"] = changes["shells_dims"] = tuple(sorted(set(dims)))
+            changes["neff_dims"] = tuple(sorted(set(dims)))
+        if ms:
+            ms = tuple(sorted(set(ms)))
+            changes["scarcity_ms"] = changes["heads_ms"] = ms
+            changes["heads_m_range"] = (min(ms), max(ms))
+        return replace(self, **changes)
+
+
+TIERS: dict[str, Tier] = {
+    "quick": Tier(
+        name="quick",
+        d_model=16,
+        n_layers=1,
+        n_heads=4,
+        batch_tasks=4,
+        n_target=16,
+        lr=1e-3,
+        warmup=5,
+        seeds=(0, 1),
+        collapse_steps=12,
+        shells_steps=12,
+        scarcity_steps=12,
+        heads_steps=12,
+        eval_tasks=3,
+        eval_points=48,
+        euler_steps=100,
+        neff_tasks=4,
+        neff_queries=32,
+        collapse_dims=(2, 4),
+        neff_dims=(2, 4, 8, 16, 32, 64),
+        shells_dims=(8,),
+        scarcity_ms=(1, 5, 10),
+        scarcity_data=("pcafeat", "digits"),
+        heads_list=(1, 2),
+        heads_ms=(5, 10, 25),
+        heads_m_range=(5, 25),
+        attention_ts=(0.1, 0.5, 0.99),
+    ),
+    "smoke": Tier(
+        name="smoke",
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        batch_tasks=32,
+        n_target=64,
+        lr=1e-3,
+        warmup=100,
+        seeds=(0,),
+        collapse_steps=1000,
+        shells_steps=1000,
+        scarcity_steps=1000,
+        heads_steps=600,
+        eval_tasks=10,
+        eval_points=300,
+        euler_steps=100,
+        neff_tasks=30,
+        neff_queries=256,
+        collapse_dims=(2, 16),
+        neff_dims=(2, 4, 8, 16, 32, 64),
+        shells_dims=(8, 32),
+        scarcity_ms=(1, 5, 10, 25, 50),
+        scarcity_data=("pcafeat", "digits"),
+        heads_list=(1, 4),
+        heads_ms=(5, 10, 25, 50, 100),
+        heads_m_range=(5, 100),
+        attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
+    ),
+    "full": Tier(
+        name="full",
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        batch_tasks=32,
+        n_target=64,
+        lr=1e-3,
+        warmup=200,
+        seeds=(0, 1, 2),
+        collapse_steps=2000,
+        shells_steps=2500,
+        scarcity_steps=3000,
+        heads_steps=2000,
+        eval_tasks=20,
+        eval_points=500,
+        euler_steps=100,
+        neff_tasks=30,
+        neff_queries=256,
+        collapse_dims=(2, 4, 8, 16),
+        neff_dims=(2, 4, 8, 16, 32, 64),
+        shells_dims=(8, 32),
+        scarcity_ms=(1, 5, 10, 25, 50),
+        scarcity_data=("pcafeat", "digits"),
+        heads_list=(1, 2, 4, 8),
+        heads_ms=(5, 10, 25, 50, 100),
+        heads_m_range=(5, 100),
+        attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
+    ),
+}
+
+
+def get_tier(name: str) -> Tier:
+    """The tier called ``name``; raises ``ValueError`` naming the valid tiers otherwise."""
+    if name not in TIERS:
+        raise ValueError(f"expected a tier in {sorted(TIERS)}, got {name!r}")
+    return TIERS[name]

@@ -1,0 +1,35 @@
+"""The ``quick`` tier end to end: every experiment, every output file (the one slow experiments test)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from ipa_probe.cli import main
+from ipa_probe.experiments import EXPERIMENTS
+
+
+@pytest.mark.slow
+def test_quick_tier_writes_every_output(tmp_path, capsys):
+    out = tmp_path / "quick"
+    assert main(["experiments", "all", "--tier", "quick", "--out", str(out), "--no-progress"]) == 0
+    for name in EXPERIMENTS:
+        folder = out / name
+        table = (folder / "table.md").read_text()
+        assert "| quantity | setting | ours | paper | note |" in table
+        with (folder / "table.csv").open() as handle:
+            rows = list(csv.DictReader(handle))
+        assert rows and all(row["ours"] and row["paper"] for row in rows)
+        record = json.loads((folder / "record.json").read_text())
+        assert record["experiment"] == name and record["tier"]["name"] == "quick"
+        assert {"torch", "python", "ipa_probe"} <= set(record["versions"]) and record["wall_time_s"] > 0
+        assert record["figures"] and all((folder / f).stat().st_size > 1000 for f in record["figures"])
+    # attention reused the shells model instead of training it again
+    assert not any(
+        run["trained_now"]
+        for run in json.loads((out / "attention" / "record.json").read_text())["training_runs"].values()
+    )
+    assert (out / "summary.md").exists()
+    assert "summary:" in capsys.readouterr().out
