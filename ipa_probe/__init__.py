@@ -4,15 +4,25 @@ Explicit re-exports only; the code lives in the modules named below.
 """
 
 from . import images, layers, pipelines, report
+from .exact import ExactNWDenoiser, ExactNWPipeline, exact_pipeline
 from .kernels import dot_logits, key_norm_bias, matched_bandwidth, n_eff, nw_logits, nw_weights
 from .layers import find_ip_layers
 from .pipelines import default_reference_images, save_tiny_pipeline, tiny_pipeline
 from .probe import ProbeConfig, ProbeRun, probe
+from .processors import NWHeadAttnProcessor, NWHeadConfig, apply_nw_head, nw_head, remove_nw_head
 from .stats import STAT_NAMES, compare_weights
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ExactNWDenoiser",
+    "ExactNWPipeline",
+    "NWHeadAttnProcessor",
+    "NWHeadConfig",
+    "apply_nw_head",
+    "exact_pipeline",
+    "nw_head",
+    "remove_nw_head",
     "STAT_NAMES",
     "ProbeConfig",
     "ProbeRun",

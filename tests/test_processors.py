@@ -1,0 +1,384 @@
+"""The NW-head swap: the processor against closed forms, equality cases, lifecycle, composition with the probe."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers.image_processor import IPAdapterMaskProcessor
+from diffusers.models.attention_processor import Attention, AttnProcessor2_0, IPAdapterAttnProcessor2_0
+from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ipa_probe
+from ipa_probe.layers import find_ip_layers
+from ipa_probe.pipelines import default_reference_images, tiny_pipeline
+from ipa_probe.processors import (
+    NWHeadAttnProcessor,
+    TimestepClock,
+    apply_nw_head,
+    nw_head,
+    remove_nw_head,
+)
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return default_reference_images(2)
+
+
+@pytest.fixture(scope="module")
+def sd15():
+    return tiny_pipeline("sd15")
+
+
+def generate(pipe, refs, adapters=1, **kwargs):
+    kwargs.setdefault("num_inference_steps", STEPS)
+    kwargs.setdefault("output_type", "latent")
+    images = [refs] * adapters
+    generator = torch.Generator().manual_seed(0)
+    out = pipe("a photo of a flower", ip_adapter_image=images, generator=generator, **kwargs).images
+    return out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out))
+
+
+def masks_for(n_images, size=64):
+    masks = [Image.new("L", (size, size), 0) for _ in range(n_images)]
+    for i, mask in enumerate(masks):
+        mask.paste(255, (size // 2 * (i % 2), 0, size // 2 * (i % 2) + size // 2, size))
+    return [IPAdapterMaskProcessor().preprocess(masks, height=size, width=size).reshape(1, n_images, size, size)]
+
+
+@contextlib.contextmanager
+def equal_norm_keys(pipe, norm=3.0):
+    """Make every image-token key of every head have the same norm, by a hook on the shared ``to_k_ip`` modules."""
+
+    def hook_for(heads):
+        def hook(module, args, output):
+            keys = output.unflatten(-1, (heads, -1))  # (..., H*D) -> (..., H, D)
+            return (norm * torch.nn.functional.normalize(keys, dim=-1)).flatten(-2)
+
+        return hook
+
+    handles = [
+        to_k.register_forward_hook(hook_for(layer.heads))
+        for layer in find_ip_layers(pipe)
+        for to_k in layer.processor.to_k_ip
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# --------------------------------------------------------------------------- the processor on a bare Attention
+
+
+def bare_attention(heads=2, dim_head=8, tokens=(4,), seed=0):
+    torch.manual_seed(seed)
+    attn = Attention(query_dim=32, cross_attention_dim=24, heads=heads, dim_head=dim_head)
+    original = IPAdapterAttnProcessor2_0(hidden_size=heads * dim_head, cross_attention_dim=24, num_tokens=tokens)
+    for linear in [*original.to_k_ip, *original.to_v_ip]:
+        torch.nn.init.normal_(linear.weight, std=0.5)
+    attn.set_processor(original)
+    return attn, original
+
+
+def test_signature_is_exactly_the_parents():
+    assert inspect.signature(NWHeadAttnProcessor.__call__) == inspect.signature(IPAdapterAttnProcessor2_0.__call__)
+
+
+def test_shares_weights_scale_and_tokens_without_copies():
+    _, original = bare_attention(tokens=(4, 16))
+    nw = NWHeadAttnProcessor(original)
+    assert isinstance(nw, IPAdapterAttnProcessor2_0)
+    assert nw.to_k_ip is original.to_k_ip and nw.to_v_ip is original.to_v_ip
+    assert nw.scale is original.scale and nw.num_tokens is original.num_tokens
+    assert {id(p) for p in nw.parameters()} == {id(p) for p in original.parameters()}
+    assert not any(p.is_meta for p in nw.parameters())
+
+
+@pytest.mark.parametrize("bandwidth", ["matched", 0.7, 3.0, "callable"])
+@pytest.mark.parametrize("head_dim", [4, 16])
+def test_image_branch_is_gaussian_nw_in_float64(bandwidth, head_dim):
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 5, head_dim, generator=gen, dtype=torch.float64)
+    k = 2 * torch.randn(2, 3, 7, head_dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, 3, 7, 6, generator=gen, dtype=torch.float64)
+    _, original = bare_attention()
+    clock = TimestepClock()
+    clock.timestep = torch.tensor(500.0)
+    spec = (lambda t: 0.5 + t / 1000) if bandwidth == "callable" else bandwidth
+    nw = NWHeadAttnProcessor(original, spec, clock)
+    h = {"matched": head_dim**0.25, "callable": 1.0}.get(bandwidth, bandwidth)
+    # The textbook form: w_i = exp(-|q - k_i|^2 / (2 h^2)) / sum_j exp(-|q - k_j|^2 / (2 h^2)).
+    kernel = torch.exp(-torch.cdist(q, k).square() / (2 * h * h))
+    expected = (kernel / kernel.sum(-1, keepdim=True)) @ v
+    torch.testing.assert_close(nw.nw_attention(q, k, v), expected, rtol=1e-10, atol=1e-10)
+    # The contract the probe reads: the softmax of image_branch_logits is the weighting actually applied.
+    weights = torch.softmax(nw.image_branch_logits(q, k), dim=-1)
+    torch.testing.assert_close(weights @ v, expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("spatial", [False, True])
+@pytest.mark.parametrize("heads, dim_head", [(2, 8), (4, 16)])
+def test_equal_norm_keys_at_matched_bandwidth_reproduce_the_learned_head(spatial, heads, dim_head):
+    attn, original = bare_attention(heads, dim_head)
+    x = torch.randn(2, 32, 3, 4) if spatial else torch.randn(2, 12, 32)
+    context = (torch.randn(2, 7, 24), [torch.randn(2, 1, 4, 24)])
+    with torch.no_grad():
+        generic_learned = attn(x, encoder_hidden_states=context)
+        attn.set_processor(NWHeadAttnProcessor(original))
+        generic_nw = attn(x, encoder_hidden_states=context)
+        assert (generic_learned - generic_nw).abs().max() > 1e-3  # unequal norms: the heads differ
+        attn.set_processor(original)
+        hook = original.to_k_ip[0].register_forward_hook(
+            lambda m, a, out: 2.5 * torch.nn.functional.normalize(out.unflatten(-1, (heads, -1)), dim=-1).flatten(-2)
+        )
+        learned = attn(x, encoder_hidden_states=context)
+        attn.set_processor(NWHeadAttnProcessor(original))
+        swapped = attn(x, encoder_hidden_states=context)
+        hook.remove()
+    assert swapped.shape == x.shape
+    torch.testing.assert_close(swapped, learned, rtol=1e-5, atol=1e-6)
+
+
+def test_large_key_norms_stay_finite_in_low_precision():
+    _, original = bare_attention()
+    nw = NWHeadAttnProcessor(original, 0.5)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 4, 8, generator=gen).bfloat16()
+    k = (200 * torch.randn(1, 2, 6, 8, generator=gen)).bfloat16()  # |k|^2 / (2 h^2) ~ 1e6: overflows if unshifted
+    v = torch.randn(1, 2, 6, 8, generator=gen).bfloat16()
+    out = nw.nw_attention(q, k, v)
+    assert torch.isfinite(out).all()
+
+
+def test_callable_bandwidth_needs_a_clock_and_a_timestep():
+    _, original = bare_attention()
+    with pytest.raises(ValueError, match="TimestepClock"):
+        NWHeadAttnProcessor(original, lambda t: 1.0)
+    nw = NWHeadAttnProcessor(original, lambda t: 1.0, TimestepClock())
+    with pytest.raises(RuntimeError, match="no timestep was seen"):
+        nw.bandwidth_for(8)
+
+
+@pytest.mark.parametrize(
+    "bandwidth, error, match",
+    [
+        (0.0, ValueError, "positive"),
+        (-1.0, ValueError, "positive"),
+        (math.inf, ValueError, "positive"),
+        ("fit", ValueError, "probe setting"),
+        ("wide", ValueError, "matched"),
+        (True, TypeError, "matched"),
+        ([1.0], TypeError, "matched"),
+    ],
+)
+def test_bad_bandwidth_raises_before_anything_changes(sd15, bandwidth, error, match):
+    processors = dict(sd15.unet.attn_processors)
+    with pytest.raises(error, match=match):
+        apply_nw_head(sd15, bandwidth)
+    assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
+    assert "_ipa_probe_claims" not in sd15.unet.__dict__
+
+
+# --------------------------------------------------------------------------- in the tiny pipelines
+
+
+@pytest.mark.parametrize(
+    "kind, variant, adapters, guidance, masks",
+    [
+        ("sd15", "base", 1, 5.0, False),
+        ("sd15", "base", 1, 1.0, False),
+        ("sd15", "base", 2, 5.0, False),
+        ("sd15", "plus", 1, 5.0, False),
+        ("sd15", "base", 1, 5.0, True),
+        ("sdxl", "base", 1, 5.0, False),
+        ("sdxl", "base", 2, 1.0, False),
+        ("sdxl", "plus", 1, 5.0, True),
+    ],
+)
+def test_equal_norm_keys_swap_equals_original_and_otherwise_differs(refs, kind, variant, adapters, guidance, masks):
+    pipe = tiny_pipeline(kind, ip_adapter=variant, num_adapters=adapters)
+    kwargs = {"guidance_scale": guidance}
+    if masks:
+        kwargs["cross_attention_kwargs"] = {"ip_adapter_masks": masks_for(len(refs)) * adapters}
+    plain = generate(pipe, refs, adapters, **kwargs)
+    with nw_head(pipe):
+        swapped = generate(pipe, refs, adapters, **kwargs)
+    assert (plain - swapped).abs().max() > 1e-4  # generic keys: the NW head is a different head
+    with equal_norm_keys(pipe):
+        learned = generate(pipe, refs, adapters, **kwargs)
+        with nw_head(pipe):
+            nw = generate(pipe, refs, adapters, **kwargs)
+    assert (learned - plain).abs().max() > 1e-4  # the hook did change the keys
+    torch.testing.assert_close(nw, learned, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sd15", "sdxl"])
+def test_adapter_scale_zero_makes_the_swap_a_no_op(refs, kind):
+    pipe = tiny_pipeline(kind)
+    pipe.set_ip_adapter_scale(0.0)
+    plain = generate(pipe, refs)
+    with nw_head(pipe, bandwidth=0.3):
+        swapped = generate(pipe, refs)
+    assert torch.equal(plain, swapped)
+
+
+def test_restores_the_same_processor_objects_and_leaves_no_trace(sd15, refs):
+    processors = dict(sd15.unet.attn_processors)
+    with nw_head(sd15, bandwidth=lambda t: 1.0 + t / 1000) as swap:
+        assert len(swap.layers) == len(find_ip_layers(sd15))
+        assert all(isinstance(sd15.unet.attn_processors[f"{n}.processor"], NWHeadAttnProcessor) for n in swap.layers)
+        generate(sd15, refs)
+    assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
+    assert "_ipa_probe_claims" not in sd15.unet.__dict__ and "_ipa_probe_nw_head" not in sd15.unet.__dict__
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in sd15.unet.modules())
+    assert not swap.active
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_restores_after_an_exception_inside_the_block(sd15, refs, error):
+    processors = dict(sd15.unet.attn_processors)
+    with pytest.raises(type(error)):
+        with nw_head(sd15):
+            generate(sd15, refs, num_inference_steps=1)
+            raise error
+    assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
+    with nw_head(sd15):  # and it can be applied again
+        pass
+
+
+def test_double_application_raises_and_keeps_the_first(sd15, refs):
+    with nw_head(sd15) as swap:
+        installed = dict(sd15.unet.attn_processors)
+        with pytest.raises(RuntimeError, match="already active"):
+            apply_nw_head(sd15)
+        with pytest.raises(RuntimeError, match="already active"):
+            with nw_head(sd15):
+                pass
+        assert all(sd15.unet.attn_processors[k] is v for k, v in installed.items())
+        assert swap.active
+        generate(sd15, refs, num_inference_steps=1)
+
+
+def test_apply_and_remove_for_notebooks(sd15):
+    processors = dict(sd15.unet.attn_processors)
+    swap = ipa_probe.apply_nw_head(sd15, bandwidth=2.0, layers="down_blocks")
+    assert swap.layers and all(name.startswith("down_blocks") for name in swap.layers)
+    untouched = [k for k in processors if not k.startswith("down_blocks")]
+    assert all(sd15.unet.attn_processors[k] is processors[k] for k in untouched)
+    ipa_probe.remove_nw_head(sd15)
+    assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
+    with pytest.raises(ValueError, match="no NW head is applied"):
+        remove_nw_head(sd15)
+    swap.remove()  # idempotent
+
+
+def test_set_ip_adapter_scale_while_swapped_acts_on_the_shared_scales(refs):
+    pipe = tiny_pipeline("sd15")
+    pipe.set_ip_adapter_scale(0.0)
+    text_only = generate(pipe, refs)
+    pipe.set_ip_adapter_scale(1.0)
+    originals = [layer.processor for layer in find_ip_layers(pipe)]
+    with nw_head(pipe):
+        pipe.set_ip_adapter_scale(0.0)
+        assert torch.equal(generate(pipe, refs), text_only)
+        pipe.set_ip_adapter_scale(0.5)
+    assert all(p.scale == [0.5] for p in originals)  # the setting persists on the restored processors
+    assert [layer.processor for layer in find_ip_layers(pipe)] == originals
+
+
+def test_unload_ip_adapter_while_swapped_is_not_undone(refs):
+    pipe = tiny_pipeline("sd15")
+    with nw_head(pipe):
+        generate(pipe, refs, num_inference_steps=1)
+        pipe.unload_ip_adapter()
+        pipe("a photo", num_inference_steps=1, output_type="latent")
+    assert all(isinstance(p, AttnProcessor2_0) for p in pipe.unet.attn_processors.values())
+    assert "_ipa_probe_claims" not in pipe.unet.__dict__
+    with pytest.raises(ValueError, match="no IP-Adapter loaded"):
+        apply_nw_head(pipe)
+
+
+def test_selection_matching_nothing_raises_before_anything_changes(sd15):
+    processors = dict(sd15.unet.attn_processors)
+    with pytest.raises(ValueError, match="matched none"):
+        apply_nw_head(sd15, layers="no_such_block")
+    assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
+    assert "_ipa_probe_claims" not in sd15.unet.__dict__
+
+
+def test_callable_bandwidth_sees_every_timestep_and_matches_the_float_head(sd15, refs):
+    seen = []
+
+    def bandwidth(t):
+        seen.append(t)
+        return torch.full_like(t, 1.7, dtype=torch.float32)
+
+    with nw_head(sd15, bandwidth=bandwidth):
+        by_callable = generate(sd15, refs, num_inference_steps=3)
+    with nw_head(sd15, bandwidth=1.7):
+        by_float = generate(sd15, refs, num_inference_steps=3)
+    with nw_head(sd15, bandwidth=1.0):
+        other = generate(sd15, refs, num_inference_steps=3)
+    # The temperature enters through the query for a tensor h and through SDPA's scale for a float: rounding only.
+    torch.testing.assert_close(by_callable, by_float, rtol=1e-4, atol=1e-4)
+    assert (other - by_float).abs().max() > 1e-3
+    assert all(isinstance(t, torch.Tensor) and t.ndim == 0 for t in seen)
+    assert sorted({float(t) for t in seen}, reverse=True) == [float(t) for t in sd15.scheduler.timesteps]
+
+
+class _CountScalarReads(TorchDispatchMode):
+    """Counts device-to-host scalar reads (``.item()``, ``bool(tensor)``, ...): each one is a host sync on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_nw_head_adds_no_host_synchronisation(sd15, refs):
+    kwargs = {"guidance_scale": 5.0}
+    generate(sd15, refs, **kwargs)  # warm-up
+    with _CountScalarReads() as plain:
+        generate(sd15, refs, **kwargs)
+    for bandwidth in ("matched", 0.8, lambda t: 0.5 + t / 1000):
+        with nw_head(sd15, bandwidth=bandwidth):
+            with _CountScalarReads() as swapped:
+                generate(sd15, refs, **kwargs)
+        assert swapped.count == plain.count, bandwidth
+
+
+# --------------------------------------------------------------------------- composition with the probe
+
+
+@pytest.mark.parametrize(
+    "kind, variant, adapters, bandwidth",
+    [("sd15", "base", 1, "matched"), ("sd15", "plus", 2, 0.9), ("sdxl", "base", 1, "matched")],
+)
+def test_probing_the_swapped_pipeline_reports_perfect_agreement(refs, kind, variant, adapters, bandwidth):
+    pipe = tiny_pipeline(kind, ip_adapter=variant, num_adapters=adapters)
+    with ipa_probe.nw_head(pipe, bandwidth=bandwidth):
+        with ipa_probe.probe(pipe, bandwidth=bandwidth) as run:
+            generate(pipe, refs, adapters, guidance_scale=5.0)
+    df = run.to_dataframe()
+    assert len(df) > 0 and set(df["adapter"]) == set(range(adapters))
+    np.testing.assert_allclose(df["spearman"], 1.0, atol=1e-6)
+    np.testing.assert_allclose(df["kl"], 0.0, atol=1e-5)
+    assert (df["top1"] == 1.0).all()
+    # The same probe on the learned head does not agree perfectly: the check has teeth.
+    with ipa_probe.probe(pipe, bandwidth=bandwidth) as learned:
+        generate(pipe, refs, adapters, guidance_scale=5.0)
+    assert learned.to_dataframe()["kl"].mean() > 1e-4
