@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .kernels import matched_bandwidth, nw_logits
+from .kernels import dot_logits, matched_bandwidth, nw_logits
 from .layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, image_branch_logits, release
 from .stats import STAT_NAMES, compare_weights, fit_bandwidth
 
@@ -57,6 +57,10 @@ class ProbeConfig:
         keep_maps: also keep the full attention maps (fp16, moved off the device without blocking).
         max_map_bytes: refuse ``keep_maps`` when the estimated size of the maps exceeds this.
         seed: seed of the permutation null's random generator (the global RNG is never used).
+        branch: which cross-attention to compare with NW weights: ``"image"`` (the IP-Adapter branch, over the
+            image tokens), ``"text"`` (the text branch of the same layers, over the prompt tokens up to the first
+            end-of-text token: padding is left out) or ``"both"``. Text rows have ``kind="text"`` and
+            ``adapter=-1``.
     """
 
     bandwidth: BandwidthSpec = "matched"
@@ -66,8 +70,11 @@ class ProbeConfig:
     keep_maps: bool = False
     max_map_bytes: int = 4 * 2**30
     seed: int = 0
+    branch: str = "image"
 
     def __post_init__(self) -> None:
+        if self.branch not in ("image", "text", "both"):
+            raise ValueError(f'branch: expected "image", "text" or "both", got {self.branch!r}')
         bw = self.bandwidth
         if isinstance(bw, str):
             if bw not in ("matched", "fit"):
@@ -112,6 +119,7 @@ class ProbeConfig:
             "heads": None if self.heads is None else list(self.heads),
             "keep_maps": self.keep_maps,
             "seed": self.seed,
+            "branch": self.branch,
         }
 
 
@@ -135,6 +143,7 @@ class _StepState:
     timestep: torch.Tensor | None = None
     batch: int = 0
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    text_mask: torch.Tensor | None = None  # (B, tokens) bool: prompt tokens up to the first end-of-text
 
 
 def _unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
@@ -167,6 +176,13 @@ class ProbeRun:
                 )
         self.num_heads = len(config.heads) if config.heads is not None else max(layer.heads for layer in self.layers)
         self.num_adapters = max(layer.num_adapters for layer in self.layers)
+        self.images = config.branch in ("image", "both")
+        self.text_slot = self.num_adapters if config.branch in ("text", "both") else None
+        self._text_encoder = next(
+            (m for m in (getattr(pipe, "text_encoder", None), getattr(pipe, "text_encoder_2", None)) if m is not None),
+            None,
+        )
+        self._pending_token_masks: list[torch.Tensor] = []
         self.maps: dict[tuple[int, int, str, int], list[torch.Tensor]] = {}
         self._calls: list[_Call] = []
         self._state = _StepState()
@@ -182,12 +198,22 @@ class ProbeRun:
         denoiser = claim(self.pipe, _FEATURE)
         self._active = True
         try:
-            self._handles.append(denoiser.register_forward_pre_hook(self._on_denoiser_call, with_kwargs=True))
+            # Hooks run eagerly even inside a compiled denoiser (torch.compile breaks the graph around them).
+            hook = torch.compiler.disable
+            self._handles.append(denoiser.register_forward_pre_hook(hook(self._on_denoiser_call), with_kwargs=True))
+            if self.text_slot is not None and self._text_encoder is not None:
+                self._handles.append(
+                    self._text_encoder.register_forward_pre_hook(hook(self._on_text_encoder_call), with_kwargs=True)
+                )
             for index, layer in enumerate(self.layers):
-                self._handles.append(layer.attention.to_q.register_forward_hook(self._query_hook(index)))
-                self._handles.append(layer.attention.register_forward_hook(self._forget_query_hook(index)))
-                for adapter, to_k_ip in enumerate(layer.processor.to_k_ip):
-                    self._handles.append(to_k_ip.register_forward_hook(self._key_hook(index, adapter)))
+                self._handles.append(layer.attention.to_q.register_forward_hook(hook(self._query_hook(index))))
+                self._handles.append(layer.attention.register_forward_hook(hook(self._forget_query_hook(index))))
+                if self.images:
+                    for adapter, to_k_ip in enumerate(layer.processor.to_k_ip):
+                        self._handles.append(to_k_ip.register_forward_hook(hook(self._key_hook(index, adapter))))
+                if self.text_slot is not None:
+                    text_hook = hook(self._key_hook(index, self.text_slot))
+                    self._handles.append(layer.attention.to_k.register_forward_hook(text_hook))
         except BaseException:
             self._uninstall()
             raise
@@ -235,6 +261,9 @@ class ProbeRun:
             cfg = bool(getattr(self.pipe, "do_classifier_free_guidance", False))
             state.call = self._new_call(sample.device, capacity, ("uncond", "cond") if cfg else ("cond",))
             state.step = -1
+            if self.text_slot is not None:
+                context = args[2] if len(args) > 2 else kwargs.get("encoder_hidden_states")
+                state.text_mask = self._text_mask(context, state.call.branches)
             if self.config.keep_maps:
                 self._check_map_budget(sample, kwargs, len(timesteps) if timesteps is not None else 1)
         state.step += 1
@@ -251,6 +280,42 @@ class ProbeRun:
         else:
             call.timesteps[state.step] = float(timestep)
             state.timestep = call.timesteps[state.step]
+
+    def _on_text_encoder_call(self, module, args, kwargs) -> None:
+        """Remember which prompt tokens are real: up to and including the first end-of-text token."""
+        ids = args[0] if args else kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor):
+            return
+        eos = getattr(getattr(module, "config", None), "eos_token_id", None)
+        tokenizer = getattr(self.pipe, "tokenizer", None)
+        eos = getattr(tokenizer, "eos_token_id", eos)
+        if eos is None:
+            return
+        is_eos = ids == eos
+        first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), ids.shape[-1] - 1)  # (B,)
+        positions = torch.arange(ids.shape[-1], device=ids.device)
+        self._pending_token_masks.append(positions[None, :] <= first[:, None])
+
+    def _text_mask(self, context: torch.Tensor | None, branches: tuple[str, ...]) -> torch.Tensor | None:
+        """Token mask for this call's text keys, ``(B, tokens)``, in the pipeline's batch order (uncond, cond).
+
+        The pipeline encodes the prompt first and the negative prompt second; a branch whose prompt was not encoded
+        here (``prompt_embeds`` passed in, or SDXL's zeroed empty negative prompt) keeps all its tokens.
+        """
+        pending, self._pending_token_masks = self._pending_token_masks, []
+        if not isinstance(context, torch.Tensor):
+            return None
+        batch, tokens = context.shape[:2]
+        per_branch = batch // len(branches)
+        sources = {"cond": pending[0] if pending else None, "uncond": pending[1] if len(pending) > 1 else None}
+        parts = []
+        for branch in branches:
+            source = sources[branch]
+            if source is None or source.shape[-1] != tokens or per_branch % source.shape[0]:
+                parts.append(torch.ones(per_branch, tokens, dtype=torch.bool, device=context.device))
+            else:
+                parts.append(source.to(context.device).repeat_interleave(per_branch // source.shape[0], dim=0))
+        return torch.cat(parts)
 
     def _query_hook(self, index: int):
         def hook(module, args, output):
@@ -275,7 +340,8 @@ class ProbeRun:
 
     # ------------------------------------------------------------------ buffers
     def _new_call(self, device: torch.device, capacity: int, branches: tuple[str, ...]) -> _Call:
-        shape = (max(capacity, 1), len(self.layers), self.num_adapters, len(branches), self.num_heads)
+        slots = self.num_adapters + (self.text_slot is not None)  # image adapters, then the text branch
+        shape = (max(capacity, 1), len(self.layers), slots, len(branches), self.num_heads)
         call = _Call(
             index=len(self._calls),
             branches=branches,
@@ -346,7 +412,11 @@ class ProbeRun:
         head_index = self._heads(q.device)
         if head_index is not None:
             q, k = q.index_select(1, head_index), k.index_select(1, head_index)
-        attn = image_branch_logits(layer.attention.processor, q, k)  # (B, H, Q, K)
+        text = adapter == self.text_slot
+        if text:  # the text branch is plain scaled dot-product attention in every processor
+            attn = dot_logits(q, k, 1.0 / math.sqrt(head_dim))  # (B, H, Q, K)
+        else:
+            attn = image_branch_logits(layer.attention.processor, q, k)  # (B, H, Q, K)
         h = self._bandwidth(head_dim, q.device)
 
         per_branch = batch // n_branch
@@ -356,10 +426,16 @@ class ProbeRun:
             # (B, H, R, C) -> (branches, H, items * R, C): rows of all batch items of a CFG branch together
             return x.reshape(n_branch, per_branch, n_heads, x.shape[-2], x.shape[-1]).transpose(1, 2).flatten(2, 3)
 
+        key_mask = None
+        if text and state.text_mask is not None:
+            # (B, K) -> (branches, H, items * Q, K)
+            key_mask = by_branch(state.text_mask[:, None, None, :].expand(batch, n_heads, q.shape[2], n_keys))
         attn_b = by_branch(attn)
         k_sq = (k * k).sum(-1)  # (B, H, K)
         if self.config.bandwidth == "fit":
             energy = by_branch(q @ k.transpose(-1, -2) - k_sq.unsqueeze(-2) / 2)  # NW logits times h^2
+            if key_mask is not None:
+                attn_b, energy = attn_b.masked_fill(~key_mask, -math.inf), energy.masked_fill(~key_mask, -math.inf)
             h_cell = fit_bandwidth(attn_b, energy, matched_bandwidth(head_dim))  # (branches, H)
             nw = energy / (h_cell * h_cell)[..., None, None]
         else:
@@ -367,12 +443,16 @@ class ProbeRun:
             h_cell = torch.as_tensor(h, device=q.device, dtype=torch.float32).expand(n_branch, n_heads)
         if self._generator is None or self._generator.device != q.device:
             self._generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
-        stats = compare_weights(attn_b, nw, self._generator)  # (branches, H, len(STAT_NAMES))
+        stats = compare_weights(attn_b, nw, self._generator, key_mask)  # (branches, H, len(STAT_NAMES))
         q_norm = by_branch(q.norm(dim=-1, keepdim=True)).mean((-2, -1))  # (branches, H)
         k_norm = by_branch(k_sq.sqrt().unsqueeze(-1)).squeeze(-1)  # (branches, H, items * K)
-        spread = (
-            k_norm.std(-1, correction=0) / k_norm.mean(-1) if n_keys * per_branch > 1 else torch.zeros_like(q_norm)
+        kept = (
+            torch.ones_like(k_norm)
+            if not text or state.text_mask is None
+            else by_branch(state.text_mask[:, None, :, None].expand(batch, n_heads, n_keys, 1).float()).squeeze(-1)
         )
+        mean = (k_norm * kept).sum(-1) / kept.sum(-1)
+        spread = (((k_norm - mean[..., None]) ** 2 * kept).sum(-1) / kept.sum(-1)).sqrt() / mean
         values = torch.cat([h_cell.unsqueeze(-1), stats, q_norm.unsqueeze(-1), spread.unsqueeze(-1)], dim=-1)
         call.sums[state.step, index, adapter, :, :n_heads] += values
         call.counts[state.step, index, adapter, :, :n_heads] += 1
@@ -396,7 +476,7 @@ class ProbeRun:
         """The tidy table: one row per call × step × layer × head × CFG branch × adapter (see README for columns)."""
         from .report import run_table
 
-        return run_table(self._finished(), [layer.name for layer in self.layers], self.config)
+        return run_table(self._finished(), [layer.name for layer in self.layers], self.config, self.text_slot)
 
     def summary(self):
         """Per-timestep aggregates of :meth:`to_dataframe` (see :func:`ipa_probe.report.summarize`)."""
@@ -428,12 +508,13 @@ def probe(
     keep_maps: bool = False,
     max_map_bytes: int = 4 * 2**30,
     seed: int = 0,
+    branch: str = "image",
 ) -> Iterator[ProbeRun]:
     """Record the IP-Adapter attention of every denoising step and compare it with Gaussian NW weights.
 
     Args:
         pipe: a diffusers Stable Diffusion / SDXL pipeline with an IP-Adapter loaded.
-        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed: see :class:`ProbeConfig`.
+        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch: see :class:`ProbeConfig`.
 
     Yields:
         the :class:`ProbeRun`; read its results after the block.
@@ -451,7 +532,7 @@ def probe(
         >>> df = run.to_dataframe()
         ```
     """
-    config = ProbeConfig(bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed)
+    config = ProbeConfig(bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch)
     run = ProbeRun(pipe, config)
     run._install()
     try:

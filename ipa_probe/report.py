@@ -20,6 +20,7 @@ COLUMNS: tuple[str, ...] = (
     "layer",
     "head",
     "branch",
+    "kind",
     "adapter",
     "bandwidth",
     "spearman",
@@ -35,8 +36,11 @@ COLUMNS: tuple[str, ...] = (
 )
 
 
-def run_table(result: dict[str, Any], layer_names: list[str], config) -> pd.DataFrame:
-    """Turn a finished probe's host buffers into the tidy table (one row per recorded cell)."""
+def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot: int | None = None) -> pd.DataFrame:
+    """Turn a finished probe's host buffers into the tidy table (one row per recorded cell).
+
+    ``text_slot`` is the adapter index under which the text branch was recorded, if it was.
+    """
     from .probe import FIELDS
 
     frames = []
@@ -57,12 +61,16 @@ def run_table(result: dict[str, Any], layer_names: list[str], config) -> pd.Data
         frame.insert(3, "layer", pd.Categorical(np.asarray(layer_names)[layer], categories=layer_names))
         frame.insert(4, "head", np.asarray(heads)[head] if heads is not None else head)
         frame.insert(5, "branch", np.asarray(call["branches"])[branch])
-        frame.insert(6, "adapter", adapter)
+        text = adapter == text_slot if text_slot is not None else np.zeros_like(adapter, dtype=bool)
+        frame.insert(6, "kind", np.where(text, "text", "image"))
+        frame.insert(7, "adapter", np.where(text, -1, adapter))
         frames.append(frame)
     if not frames:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in COLUMNS})
     table = pd.concat(frames, ignore_index=True)
-    table = table[list(COLUMNS)].sort_values(["call", "step", "layer", "adapter", "branch", "head"], kind="stable")
+    table = table[list(COLUMNS)].sort_values(
+        ["call", "step", "layer", "kind", "adapter", "branch", "head"], kind="stable"
+    )
     return table.reset_index(drop=True)
 
 
@@ -75,7 +83,7 @@ def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
     """
     if table.empty:
         return pd.DataFrame()
-    grouped = table.groupby(["call", "step", "timestep", "branch"], observed=True, sort=True)
+    grouped = table.groupby(["call", "step", "timestep", "kind", "branch"], observed=True, sort=True)
     out = grouped.agg(
         spearman=("spearman", "mean"),
         spearman_std=("spearman", "std"),
@@ -94,7 +102,7 @@ def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
     return out.reset_index()
 
 
-def plot_run(table: pd.DataFrame, ax=None, branch: str = "cond"):
+def plot_run(table: pd.DataFrame, ax=None, branch: str = "cond", kind: str = "image"):
     """Mean per-row Spearman (band: ± one std over layers and heads), raveled Pearson and the null, by timestep.
 
     The x axis runs in the denoising direction (high timestep on the left).
@@ -107,7 +115,11 @@ def plot_run(table: pd.DataFrame, ax=None, branch: str = "cond"):
         fig = ax.figure
     summary = summarize(table)
     if not summary.empty:
-        summary = summary[summary["branch"] == branch]
+        summary = summary[(summary["branch"] == branch) & (summary["kind"] == kind)]
+        if summary.empty:  # e.g. a text-only probe
+            kind = table["kind"].iloc[0]
+            summary = summarize(table)
+            summary = summary[(summary["branch"] == branch) & (summary["kind"] == kind)]
     for call, part in summary.groupby("call") if not summary.empty else ():
         suffix = f" (call {call})" if summary["call"].nunique() > 1 else ""
         x = part["timestep"].to_numpy()
@@ -123,7 +135,8 @@ def plot_run(table: pd.DataFrame, ax=None, branch: str = "cond"):
     ax.axhline(0, color="black", linewidth=0.5)
     if not ax.xaxis_inverted():
         ax.invert_xaxis()
-    ax.set_title(f"IP-Adapter attention vs Gaussian NW ({branch} branch)")
+    what = "IP-Adapter" if kind == "image" else "text"
+    ax.set_title(f"{what} attention vs Gaussian NW ({branch} branch)")
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     return fig
