@@ -305,7 +305,6 @@ def _default_size(pipe) -> tuple[int, int]:
     return sample_size[0] * scale, sample_size[1] * scale
 
 
-@torch.no_grad()
 def encode_references(
     pipe, reference_images: Any, height: int | None = None, width: int | None = None, batch_size: int = 8
 ) -> torch.Tensor:
@@ -324,6 +323,12 @@ def encode_references(
     Returns:
         latents ``(m, C, height / f, width / f)`` in float32 on the VAE's device.
     """
+    return _encode(pipe, reference_images, height, width, batch_size, stacklevel=3)
+
+
+@torch.no_grad()
+def _encode(pipe, reference_images: Any, height, width, batch_size: int, stacklevel: int) -> torch.Tensor:
+    # stacklevel: frames from warnings.warn to the user's call (the no_grad wrapper counts as one)
     images = _as_image_list(reference_images)
     for name in ("vae", "image_processor"):
         if getattr(pipe, name, None) is None:
@@ -339,7 +344,7 @@ def encode_references(
             f"reference images of size(s) {', '.join(f'{w}x{h}' for w, h in sizes)} resized to {width}x{height} "
             "(the generation resolution); pass images of that size, or height=/width=, to avoid resampling",
             UserWarning,
-            stacklevel=3,
+            stacklevel=stacklevel + 1,
         )
     vae = pipe.vae
     pixels = torch.cat([pipe.image_processor.preprocess(image, height=height, width=width) for image in images])
@@ -490,6 +495,8 @@ def exact_pipeline(
     _prediction_type(scheduler)  # fail before encoding anything
     VPSchedule.from_scheduler(scheduler)
     _as_image_list(reference_images)
-    latents = encode_references(pipe, reference_images, height=height, width=width)
+    latents = _encode(pipe, reference_images, height, width, batch_size=8, stacklevel=3)
     denoiser = ExactNWDenoiser(latents, scheduler, chunk_size=chunk_size)
-    return ExactNWPipeline(vae=pipe.vae, unet=denoiser, scheduler=scheduler, image_processor=pipe.image_processor)
+    exact = ExactNWPipeline(vae=pipe.vae, unet=denoiser, scheduler=scheduler, image_processor=pipe.image_processor)
+    exact.set_progress_bar_config(**getattr(pipe, "_progress_bar_config", {}))  # show progress as the user's does
+    return exact
