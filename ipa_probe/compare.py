@@ -1,0 +1,530 @@
+"""Side by side: the learned IP-Adapter, the zero-parameter NW head, and the exact empirical denoiser.
+
+From the same seeds, one pipeline generates with
+
+- ``ip_adapter``: the learned IP-Adapter as loaded;
+- ``nw_head``: the same pipeline with the image branch swapped for Gaussian NW weights (:func:`ipa_probe.nw_head`);
+- ``exact``: the exact empirical denoiser of the references' VAE latents (:func:`ipa_probe.exact_pipeline`),
+  which reproduces its support (paper §C.5);
+
+and each image is scored against the reference set with open_clip image embeddings:
+
+- ``clip_i_nearest``: cosine similarity to the nearest reference (CLIP-I);
+- ``clip_i_mean``: cosine similarity to the mean reference embedding;
+- ``pixel_nearest``: RMS pixel distance in ``[0, 1]`` to the nearest reference at the generated size (memorisation:
+  0 means a copy);
+- ``diversity`` (per method): mean pairwise cosine distance ``1 - cos`` between the images of different seeds.
+
+A fourth row, ``vae_roundtrip``, scores the references passed through the pipeline's VAE (encode, decode): the
+floor of ``pixel_nearest`` that a method copying a reference in latent space (as the exact denoiser does) reaches.
+
+Offline, the open_clip model is built from its config with random weights: the scores then only compare the
+methods with each other through one fixed random feature map, and every output says so. A real checkpoint (an
+open_clip ``pretrained`` tag whose weights are cached, or a local file) gives the usual CLIP-I.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import PIL.Image
+import torch
+
+__all__ = [
+    "METHODS",
+    "METHOD_LABELS",
+    "ROUNDTRIP",
+    "ClipScorer",
+    "Comparison",
+    "compare_methods",
+    "diversity",
+    "generate_methods",
+    "make_grid",
+    "markdown_table",
+    "score_method",
+    "vae_roundtrip",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The compared methods, in table and grid order.
+METHODS: tuple[str, ...] = ("ip_adapter", "nw_head", "exact")
+METHOD_LABELS: dict[str, str] = {
+    "ip_adapter": "IP-Adapter (learned)",
+    "nw_head": "NW head (zero-parameter)",
+    "exact": "exact NW denoiser",
+}
+#: The table row of the references passed through the VAE (the memorisation floor).
+ROUNDTRIP = "vae_roundtrip"
+#: Per-image score columns.
+SCORES: tuple[str, ...] = ("clip_i_nearest", "clip_i_mean", "pixel_nearest")
+RANDOM_WEIGHTS_NOTE = (
+    "open_clip model built from its config with random weights (offline): scores compare the methods with each other "
+    "through one fixed random feature map, not with published CLIP-I numbers; pass --clip-pretrained for real weights"
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Scoring
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class ClipScorer:
+    """Image embeddings from an open_clip model, unit-normalised.
+
+    Args:
+        model: an open_clip model name (``open_clip.list_models()``), or ``local-dir:<folder>`` holding an
+            ``open_clip_config.json`` (and optionally ``open_clip_model.safetensors``), or ``hf-hub:<repo>``.
+        pretrained: ``None`` for random weights built from the config (offline; seeded, so reproducible), an
+            open_clip pretrained tag whose weights are already cached, or the path of a local checkpoint file.
+        device: where to run it.
+        seed: seed of the random initialisation (the caller's RNG is untouched).
+
+    Raises:
+        ValueError: unknown model name, or weights that cannot be loaded (the message names the remedy).
+    """
+
+    def __init__(
+        self, model: str = "ViT-B-32", pretrained: str | None = None, device: str | torch.device = "cpu", seed: int = 0
+    ) -> None:
+        import open_clip
+
+        known = set(open_clip.list_models())
+        if not model.startswith(("hf-hub:", "local-dir:")) and model not in known:
+            close = sorted(n for n in known if n.lower().startswith(model.lower()[:5]))[:6]
+            raise ValueError(
+                f"open_clip knows no model {model!r}; pick one of open_clip.list_models() "
+                f"(e.g. {', '.join(close or ['ViT-B-32', 'ViT-S-32'])})"
+            )
+        if pretrained is not None and Path(pretrained).expanduser().exists():
+            pretrained = str(Path(pretrained).expanduser())
+        self.model_name = model
+        self.pretrained = pretrained
+        if model.startswith("local-dir:"):
+            folder = Path(model.removeprefix("local-dir:")).expanduser()
+            self.random_weights = not any(folder.glob("open_clip_*.safetensors")) and not any(
+                folder.glob("open_clip_*.bin")
+            )
+        else:
+            self.random_weights = pretrained is None and not model.startswith("hf-hub:")
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                clip, _, preprocess = open_clip.create_model_and_transforms(
+                    model, pretrained=pretrained, device=device
+                )
+        except Exception as err:  # open_clip raises RuntimeError, OSError, HF hub errors... all mean "cannot load"
+            raise ValueError(
+                f"could not load open_clip weights {pretrained!r} for {model!r} "
+                f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); pass the path of a local "
+                "checkpoint file, a pretrained tag whose weights are in the open_clip cache, or no --clip-pretrained "
+                "for random weights"
+            ) from None
+        self.model = clip.eval()
+        self.preprocess = preprocess
+        self.device = torch.device(device)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "clip_model": self.model_name,
+            "clip_pretrained": self.pretrained,
+            "clip_random_weights": self.random_weights,
+            **({"clip_note": RANDOM_WEIGHTS_NOTE} if self.random_weights else {}),
+        }
+
+    @torch.no_grad()
+    def embed(self, images: Sequence[PIL.Image.Image], batch_size: int = 16) -> torch.Tensor:
+        """Unit-norm image embeddings, shape ``(N, E)``, float32 on CPU."""
+        out = []
+        for start in range(0, len(images), batch_size):
+            batch = torch.stack([self.preprocess(im.convert("RGB")) for im in images[start : start + batch_size]])
+            emb = self.model.encode_image(batch.to(self.device)).float()
+            out.append(torch.nn.functional.normalize(emb, dim=-1).cpu())
+        return torch.cat(out)
+
+
+def _pixels(images: Sequence[PIL.Image.Image], size: tuple[int, int]) -> torch.Tensor:
+    """``(N, H*W*3)`` float64 in ``[0, 1]`` at ``size = (width, height)``."""
+    rgb = [im.convert("RGB") for im in images]
+    arrays = [np.asarray(im if im.size == size else im.resize(size, PIL.Image.Resampling.BICUBIC)) for im in rgb]
+    return torch.from_numpy(np.stack(arrays)).double().div(255).flatten(1)
+
+
+def score_method(
+    generated: torch.Tensor, references: torch.Tensor, generated_pixels: torch.Tensor, reference_pixels: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Per-image scores of generated images against a reference set.
+
+    Args:
+        generated: unit-norm embeddings ``(N, E)``.
+        references: unit-norm embeddings ``(M, E)``.
+        generated_pixels: ``(N, P)`` in ``[0, 1]``.
+        reference_pixels: ``(M, P)`` in ``[0, 1]``, same ``P``.
+
+    Returns:
+        ``clip_i_nearest`` ``max_j cos(g, r_j)``, ``clip_i_mean`` ``cos(g, mean_j r_j)``, ``pixel_nearest``
+        ``min_j RMS(g - r_j)`` and ``nearest_reference`` (the index of that ``j``), each of shape ``(N,)``.
+    """
+    cos = generated.double() @ references.double().T  # (N, M)
+    mean_ref = torch.nn.functional.normalize(references.double().mean(0), dim=0)  # (E,)
+    rms = torch.cdist(generated_pixels, reference_pixels) / math.sqrt(generated_pixels.shape[1])  # (N, M)
+    pixel_nearest, nearest = rms.min(1)
+    return {
+        "clip_i_nearest": cos.max(1).values,
+        "clip_i_mean": generated.double() @ mean_ref,
+        "pixel_nearest": pixel_nearest,
+        "nearest_reference": nearest,
+    }
+
+
+def diversity(embeddings: torch.Tensor) -> float:
+    """Mean pairwise cosine distance ``1 - cos(g_a, g_b)`` over pairs ``a < b`` of unit-norm ``(N, E)``; NaN if N<2."""
+    n = embeddings.shape[0]
+    if n < 2:
+        return math.nan
+    cos = embeddings.double() @ embeddings.double().T
+    upper = torch.triu_indices(n, n, offset=1)
+    return float((1 - cos[upper[0], upper[1]]).mean())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _resized(images: Sequence[PIL.Image.Image], width: int, height: int) -> list[PIL.Image.Image]:
+    return [im.convert("RGB").resize((width, height), PIL.Image.Resampling.BICUBIC) for im in images]
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+def _output_size(pipe, call_kwargs: dict) -> tuple[int, int]:
+    """The (height, width) the pipeline generates at with these arguments."""
+    from .exact import _default_size
+
+    height, width = _default_size(pipe)
+    return call_kwargs.get("height") or height, call_kwargs.get("width") or width
+
+
+def generate_methods(
+    pipe,
+    references: Sequence[PIL.Image.Image],
+    seeds: Sequence[int],
+    call_kwargs: dict | None = None,
+    bandwidth: Any = "matched",
+    methods: Sequence[str] = METHODS,
+) -> tuple[dict[str, list[PIL.Image.Image]], dict[str, float]]:
+    """Generate one image per seed with each method, from the same initial noise.
+
+    Args:
+        pipe: an SD 1.5 / SDXL pipeline with one IP-Adapter loaded (the references are its image prompt).
+        references: the reference images (PIL), the IP-Adapter's support set and the exact denoiser's support.
+        seeds: generator seeds, one image each.
+        call_kwargs: more pipeline arguments (``prompt``, ``num_inference_steps``, ``height``, ``width``, ...).
+        bandwidth: the NW head's bandwidth (see :func:`ipa_probe.nw_head`).
+        methods: a subset of :data:`METHODS`.
+
+    Returns:
+        ``(images, seconds)``: method -> list of PIL images (one per seed), and method -> wall time in seconds.
+    """
+    from .exact import exact_pipeline
+    from .processors import nw_head
+
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    if not seeds:
+        raise ValueError("expected at least one seed; pass e.g. seeds=[0, 1, 2]")
+    call_kwargs = dict(call_kwargs or {})
+    call_kwargs.setdefault("prompt", "a photo")
+    references = list(references)
+    device = pipe.device
+    images: dict[str, list[PIL.Image.Image]] = {}
+    seconds: dict[str, float] = {}
+
+    def learned() -> list[PIL.Image.Image]:
+        return [
+            pipe(ip_adapter_image=[references], generator=_generator(device, s), **call_kwargs).images[0]
+            for s in seeds
+        ]
+
+    for method in methods:
+        start = time.perf_counter()
+        if method == "ip_adapter":
+            images[method] = learned()
+        elif method == "nw_head":
+            with nw_head(pipe, bandwidth=bandwidth):
+                images[method] = learned()
+        else:
+            height, width = _output_size(pipe, call_kwargs)
+            # Resize here (as the VAE preprocessing would) so that the exact pipeline does not warn on every run.
+            support = _resized(references, width, height)
+            exact = exact_pipeline(pipe, support, height=height, width=width)
+            steps = call_kwargs.get("num_inference_steps", 50)
+            images[method] = [
+                exact(num_inference_steps=steps, generator=_generator(exact.unet.device, s)).images[0] for s in seeds
+            ]
+        seconds[method] = time.perf_counter() - start
+        logger.info("compare: %s, %d image(s) in %.1f s", method, len(seeds), seconds[method])
+    return images, seconds
+
+
+@torch.no_grad()
+def vae_roundtrip(pipe, references: Sequence[PIL.Image.Image], height: int, width: int) -> list[PIL.Image.Image]:
+    """The references encoded and decoded by the pipeline's VAE at ``height x width`` (PIL images)."""
+    from .exact import encode_references
+
+    latents = encode_references(pipe, _resized(references, width, height), height=height, width=width)  # scaled
+    vae = pipe.vae
+    z = latents / vae.config.scaling_factor
+    shift = getattr(vae.config, "shift_factor", None)
+    if shift is not None:
+        z = z + shift
+    decoded = vae.decode(z.to(vae.dtype), return_dict=False)[0]
+    return pipe.image_processor.postprocess(decoded, output_type="pil")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The result
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Comparison:
+    """Images and scores of the three methods.
+
+    Attributes:
+        references: the reference images.
+        seeds: the generator seeds (grid columns).
+        images: method -> one PIL image per seed.
+        roundtrip: the references passed through the VAE (one per reference), or ``None``.
+        per_image: one row per method x seed: ``method``, ``seed``, ``clip_i_nearest``, ``clip_i_mean``,
+            ``pixel_nearest``, ``nearest_reference``.
+        table: one row per method (and ``vae_roundtrip``): means (and stds over seeds) of the per-image scores,
+            ``diversity``, ``seconds``.
+        settings: what was run (model, prompt, steps, bandwidth, CLIP model, whether its weights are random).
+    """
+
+    references: list[PIL.Image.Image]
+    seeds: list[int]
+    images: dict[str, list[PIL.Image.Image]]
+    per_image: pd.DataFrame
+    table: pd.DataFrame
+    settings: dict[str, Any] = field(default_factory=dict)
+    roundtrip: list[PIL.Image.Image] | None = None
+
+    def grid(self) -> PIL.Image.Image:
+        """The image grid: references (and their VAE round trip), then one row per method, one column per seed."""
+        return make_grid(self.references, self.images, self.seeds, self.roundtrip)
+
+    def markdown(self) -> str:
+        """The per-method table as GitHub markdown."""
+        return markdown_table(self.table)
+
+    def save(self, directory: str | Path) -> dict[str, Path]:
+        """Write ``compare.csv``, ``compare.md``, ``per_image.csv``, ``grid.png``, ``compare.json`` and the images.
+
+        Returns:
+            name -> path of each file written.
+        """
+        from .report import _jsonable, versions
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        paths = {
+            "table": directory / "compare.csv",
+            "markdown": directory / "compare.md",
+            "per_image": directory / "per_image.csv",
+            "grid": directory / "grid.png",
+            "record": directory / "compare.json",
+        }
+        self.table.to_csv(paths["table"], index=False)
+        self.per_image.to_csv(paths["per_image"], index=False)
+        note = f"\n\n_{RANDOM_WEIGHTS_NOTE}._\n" if self.settings.get("clip_random_weights") else "\n"
+        paths["markdown"].write_text(self.markdown() + note)
+        self.grid().save(paths["grid"])
+        images_dir = directory / "images"
+        images_dir.mkdir(exist_ok=True)
+        for method, items in self.images.items():
+            for seed, image in zip(self.seeds, items, strict=True):
+                image.save(images_dir / f"{method}_seed{seed}.png")
+        record = {
+            "settings": self.settings,
+            "versions": {**versions(), "open_clip": _open_clip_version()},
+            "methods": {m: METHOD_LABELS[m] for m in self.images},
+            "roundtrip_row": f"{ROUNDTRIP}: the references encoded and decoded by the VAE (pixel_nearest floor)",
+            "seeds": self.seeds,
+            "table": self.table.to_dict(orient="records"),
+            "per_image": self.per_image.to_dict(orient="records"),
+            "files": {k: p.name for k, p in paths.items()},
+        }
+        paths["record"].write_text(json.dumps(_jsonable(record), indent=2))
+        return paths
+
+
+def _open_clip_version() -> str:
+    import open_clip
+
+    return open_clip.__version__
+
+
+def markdown_table(table: pd.DataFrame, digits: int = 3) -> str:
+    """A GitHub markdown table of ``table`` (floats rounded to ``digits``; ``mean ± std`` where a ``_std`` exists)."""
+    columns = [c for c in table.columns if not c.endswith("_std")]
+    rows = []
+    for _, row in table.iterrows():
+        cells = []
+        for column in columns:
+            value = row[column]
+            if isinstance(value, float | np.floating):
+                text = "n/a" if not np.isfinite(value) else f"{value:.{digits}f}"
+                std = row.get(f"{column}_std")
+                if std is not None and np.isfinite(std) and np.isfinite(value):
+                    text += f" ± {std:.{digits}f}"
+            else:
+                text = str(value)
+            cells.append(text)
+        rows.append(cells)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows]
+    return "\n".join(lines)
+
+
+def make_grid(
+    references: Sequence[PIL.Image.Image],
+    images: dict[str, Sequence[PIL.Image.Image]],
+    seeds: Sequence[int],
+    roundtrip: Sequence[PIL.Image.Image] | None = None,
+) -> PIL.Image.Image:
+    """A labelled grid: references first row, then one row per method, one column per seed (matplotlib).
+
+    Args:
+        references: the reference images (first row).
+        images: method -> one image per seed (one row each, in order).
+        seeds: the seeds (column titles).
+        roundtrip: optionally the references through the VAE (a second row, under the references).
+
+    Returns:
+        the grid as an RGB PIL image.
+    """
+    # The object-oriented API with an Agg canvas: no pyplot state, no backend switch in the caller's session.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    head_rows = [("references", references)] + ([("references\nthrough the VAE", roundtrip)] if roundtrip else [])
+    rows = len(head_rows) + len(images)
+    cols = max(len(seeds), len(references))
+    cell = 1.6
+    fig = Figure(figsize=(1.6 + cols * cell, rows * cell))
+    canvas = FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for ax in axes.flat:
+        ax.set_xticks([])
+        ax.set_yticks([])
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+    for i, (label, items) in enumerate(head_rows):
+        for j, image in enumerate(items):
+            axes[i, j].imshow(image.convert("RGB"))
+            if i == 0:
+                axes[i, j].set_title(f"reference {j}", fontsize=8)
+        axes[i, 0].set_ylabel(label, fontsize=8)
+    for i, (method, items) in enumerate(images.items(), start=len(head_rows)):
+        for j, image in enumerate(items):
+            axes[i, j].imshow(image.convert("RGB"))
+            if i == len(head_rows):
+                axes[i, j].set_title(f"seed {seeds[j]}", fontsize=8)
+        axes[i, 0].set_ylabel(METHOD_LABELS.get(method, method).replace(" (", "\n("), fontsize=8)
+    fig.tight_layout()
+    canvas.draw()
+    return PIL.Image.fromarray(np.asarray(canvas.buffer_rgba())).convert("RGB")
+
+
+def compare_methods(
+    pipe,
+    references: Sequence[PIL.Image.Image],
+    seeds: Sequence[int] = (0, 1, 2),
+    call_kwargs: dict | None = None,
+    *,
+    bandwidth: Any = "matched",
+    scorer: ClipScorer | None = None,
+    methods: Sequence[str] = METHODS,
+    settings: dict | None = None,
+) -> Comparison:
+    """Generate with the learned IP-Adapter, the NW head and the exact denoiser from the same seeds, and score them.
+
+    Args:
+        pipe: an SD 1.5 / SDXL pipeline with one IP-Adapter loaded.
+        references: reference images (PIL): the image prompt and the exact denoiser's support.
+        seeds: generator seeds (one image per method and seed).
+        call_kwargs: more pipeline arguments (``prompt``, ``num_inference_steps``, ``height``, ``width``, ...).
+        bandwidth: the NW head's bandwidth.
+        scorer: the :class:`ClipScorer` (default: ``ViT-B-32`` with random weights, offline).
+        methods: a subset of :data:`METHODS`.
+        settings: extra JSON-friendly settings to record.
+
+    Returns:
+        the :class:`Comparison`.
+
+    Example:
+        ```py
+        >>> pipe = ipa_probe.pipelines.tiny_pipeline()
+        >>> refs = ipa_probe.pipelines.default_reference_images()
+        >>> result = compare_methods(pipe, refs, seeds=[0, 1], call_kwargs={"num_inference_steps": 4})
+        >>> result.table
+        ```
+    """
+    if not references:
+        raise ValueError("expected at least one reference image; pass the image prompt(s) as a list of PIL images")
+    seeds = [int(s) for s in seeds]
+    images, seconds = generate_methods(pipe, references, seeds, call_kwargs, bandwidth, methods)
+    scorer = scorer or ClipScorer()
+    size = next(iter(images.values()))[0].size  # (width, height)
+    start = time.perf_counter()
+    roundtrip = vae_roundtrip(pipe, references, height=size[1], width=size[0])
+    seconds[ROUNDTRIP] = time.perf_counter() - start
+    ref_emb = scorer.embed(references)
+    ref_pix = _pixels(references, size)
+    per_image, rows = [], []
+    for method, items in [*images.items(), (ROUNDTRIP, roundtrip)]:
+        emb = scorer.embed(items)
+        scores = score_method(emb, ref_emb, _pixels(items, size), ref_pix)
+        labels = seeds if method != ROUNDTRIP else [-1] * len(items)  # the round trip has no seed
+        frame = pd.DataFrame({"method": method, "seed": labels, **{k: v.numpy() for k, v in scores.items()}})
+        per_image.append(frame)
+        row: dict[str, Any] = {"method": method, "images": len(items)}
+        for name in SCORES:
+            row[name] = float(frame[name].mean())
+            row[f"{name}_std"] = float(frame[name].std(ddof=0))
+        row["diversity"] = diversity(emb) if method != ROUNDTRIP else math.nan
+        row["seconds"] = seconds[method]
+        rows.append(row)
+    record = {
+        **(settings or {}),
+        "seeds": seeds,
+        "bandwidth": bandwidth if isinstance(bandwidth, str | float | int) else getattr(bandwidth, "__name__", "fn"),
+        "call": {k: v for k, v in (call_kwargs or {}).items() if isinstance(v, str | int | float | bool)},
+        "references": len(references),
+        "image_size": list(size),
+        **scorer.describe(),
+    }
+    return Comparison(
+        references=list(references),
+        seeds=seeds,
+        images=images,
+        per_image=pd.concat(per_image, ignore_index=True),
+        table=pd.DataFrame(rows),
+        settings=record,
+        roundtrip=roundtrip,
+    )
