@@ -1,0 +1,196 @@
+"""``ipa-probe sweep MANIFEST``: run the probe once per manifest row, on one process or several (accelerate)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from datetime import timedelta
+
+from . import CLIError
+from ._common import add_model_arguments, load_pipeline, output_dir
+
+logger = logging.getLogger(__name__)
+
+#: How long a process waits for the others at a barrier (the last one waits for the slowest process's rows).
+BARRIER_TIMEOUT = timedelta(hours=12)
+
+EPILOG = """\
+manifest: JSON Lines (one object per line) or CSV (a header row, then one row per run). Keys, all optional:
+  prompt     text prompt (default: --prompt)
+  images     reference image file(s) or folder(s); JSON: a string or a list; CSV: separated by ';' or '|'.
+             Relative paths start at the manifest's folder. Default: --image, or the embedded reference images.
+  seed       generator seed (default: --seed + the row's index, so each row is reproducible on its own)
+  scale      IP-Adapter scale (default: --scale, else 1.0)
+  steps      denoising steps (default: --steps)
+  bandwidth  'matched', 'fit' or a positive h (default: --bandwidth)
+A row with an unknown key, a missing or unreadable image or a bad value is reported with its line number and
+skipped; an empty manifest, or one that is neither JSON Lines nor CSV, is an error (exit code 2).
+
+output (--out): rows/row-NNNNNN.parquet (one Parquet dataset, one part per row, with a `row` column),
+row_summary.parquet, aggregate.parquet (per timestep over rows, with a bootstrap CI), summary.json,
+rho_by_timestep.png. Run the same command again to resume: rows already written are skipped.
+
+several processes (one device each; --out must be a folder they all see):
+  accelerate launch --multi_gpu --num_processes 4 -m ipa_probe sweep MANIFEST --out DIR ...
+on CPU, the same with --device cpu (each process gets OMP_NUM_THREADS threads; accelerate's
+--num_cpu_threads_per_process sets it). `accelerate launch --cpu` starts a single process.
+"""
+
+
+def _bandwidth(value: str):
+    from ..sweep import parse_bandwidth
+
+    try:
+        return parse_bandwidth(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {number}")
+    return number
+
+
+def _confidence(value: str) -> float:
+    try:
+        level = float(value)
+    except ValueError:
+        level = float("nan")
+    if not 0 < level < 1:
+        raise argparse.ArgumentTypeError(f"expected a level in (0, 1) such as 0.95, got {value!r}")
+    return level
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "sweep",
+        help="run the probe once per manifest row and aggregate over rows (one process or several)",
+        description="Run the probe once per manifest row; with no model arguments the embedded tiny pipeline runs.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("manifest", help="JSON Lines or CSV file, one row per run (see below)")
+    add_model_arguments(parser)
+    # "auto": the device accelerate gives this process (one GPU per process), else cuda when present, else cpu.
+    parser.set_defaults(device="auto")
+    parser.add_argument("--bandwidth", type=_bandwidth, default="matched", help="default NW bandwidth of a row")
+    parser.add_argument("--layers", action="append", help="regex selecting layer ids (repeatable; default: all)")
+    parser.add_argument("--out", default="outputs/sweep", help="output folder (default: outputs/sweep)")
+    parser.add_argument("--restart", action="store_true", help="discard results already in --out and run all rows")
+    parser.add_argument("--threads", type=_positive_int, help="torch CPU threads per process (default: torch's)")
+    parser.add_argument("--confidence", type=_confidence, default=0.95, help="bootstrap CI level (default 0.95)")
+    parser.add_argument("--resamples", type=_positive_int, default=9999, help="bootstrap resamples (default 9999)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.set_defaults(func=run)
+
+
+def _device(args: argparse.Namespace, state) -> str:
+    """The device of this process: accelerate's under several processes, else what --device says."""
+    import torch
+
+    if state.num_processes > 1:
+        if args.device not in ("auto", "cpu", "cuda"):
+            raise CLIError(
+                f"--device {args.device!r} with {state.num_processes} processes: each process takes its own device; "
+                "pass --device cuda or cpu, or leave --device out"
+            )
+        device = state.device
+        return "cpu" if device.type == "cpu" else str(device)
+    if args.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return args.device
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    """What, besides each row, shapes the rows' tables: part of every row's fingerprint."""
+    embedded = args.model is None
+    return {
+        "model": f"embedded tiny {args.kind}" if embedded else args.model,
+        "ip_adapter": f"embedded {args.variant}" if embedded else args.ip_adapter,
+        "subfolder": None if embedded else args.subfolder,
+        "weight_name": None if embedded else args.weight_name,
+        "model_seed": args.seed if embedded else None,
+        "dtype": args.dtype,
+        "default_images": list(args.image) if args.image else ("embedded" if embedded else None),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from accelerate import PartialState
+
+    from ..sweep import ManifestError, RowDefaults, SweepRunner, read_manifest, run_sweep
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    cpu = args.device.startswith("cpu") or (args.device == "auto" and not torch.cuda.is_available())
+    state = PartialState(cpu=cpu, timeout=BARRIER_TIMEOUT)
+    if state.num_processes == 1 and os.environ.get("MASTER_ADDR") and os.environ.get("WORLD_SIZE") is None:
+        logger.warning(
+            "one process only: `accelerate launch --cpu` starts a single process whatever --num_processes says; "
+            "for several CPU processes use `accelerate launch --multi_gpu --num_processes N ... --device cpu`"
+        )
+
+    def fail(message: str) -> int:
+        if state.is_main_process:  # one line, not one per process
+            raise CLIError(message)
+        return 2
+
+    try:
+        manifest = read_manifest(args.manifest, require_images=args.model is not None and not args.image)
+    except ManifestError as err:
+        return fail(str(err))
+    if not manifest.rows:
+        reasons = "; ".join(s.describe() for s in manifest.skipped[:3])
+        more = f"; and {len(manifest.skipped) - 3} more" if len(manifest.skipped) > 3 else ""
+        return fail(f"manifest {args.manifest!r}: none of its {manifest.total} rows can run ({reasons}{more})")
+    if state.is_main_process:
+        output_dir(args.out)
+
+    load_args = argparse.Namespace(**vars(args))
+    load_args.device = _device(args, state)
+    if args.model is not None and not args.image:
+        load_args.image = [manifest.rows[0].images[0]]  # load_pipeline wants one; rows bring their own images
+    loaded = load_pipeline(load_args)
+    loaded.pipe.set_progress_bar_config(disable=True)
+    embedded_or_given = args.model is None or bool(args.image)
+    call_kwargs = {k: v for k, v in loaded.call_kwargs.items() if k not in ("prompt", "num_inference_steps")}
+    defaults = RowDefaults(
+        prompt=args.prompt,
+        seed=args.seed,
+        scale=1.0 if args.scale is None else args.scale,
+        steps=loaded.call_kwargs["num_inference_steps"],
+        bandwidth=args.bandwidth,
+    )
+    runner = SweepRunner(
+        loaded.pipe,
+        defaults,
+        default_images=loaded.references if embedded_or_given else None,
+        layers=args.layers,
+        call_kwargs=call_kwargs,
+        settings=_settings(args),
+    )
+    try:
+        result = run_sweep(
+            manifest,
+            runner,
+            args.out,
+            state=state,
+            restart=args.restart,
+            progress=not args.no_progress,
+            confidence=args.confidence,
+            n_resamples=args.resamples,
+            extra={"run": {"device": load_args.device, "threads": torch.get_num_threads()}},
+        )
+    except ValueError as err:
+        message = str(err).replace("or restart to discard them", "or pass --restart to discard them")
+        return fail(message)
+    if state.is_main_process:
+        print(result.describe())
+    return 0
