@@ -4,8 +4,15 @@ diffusers stores IP-Adapter weights inside the attention *processor* (``to_k_ip`
 those processors with ``isinstance``. So ipa_probe never replaces a user's processor class behind their back: the
 probe only hooks modules the processor already calls, and the NW head swaps in a *subclass* sharing the same weights.
 
+Three model families are understood (see :mod:`ipa_probe.taps` for where each forms its image-branch query and keys):
+
+- ``"unet"``: SD 1.5 / SDXL UNets, ``IPAdapterAttnProcessor2_0`` / ``IPAdapterAttnProcessor`` in the cross-attention
+  layers (``attn2``);
+- ``"flux"``: Flux transformers, ``FluxIPAdapterAttnProcessor`` in the double-stream blocks;
+- ``"sd3"``: SD3 transformers, ``SD3IPAdapterJointAttnProcessor2_0`` in the joint blocks.
+
 Layer ids are diffusers' ``attn_processors`` keys without ``.processor``, e.g.
-``down_blocks.0.attentions.0.transformer_blocks.0.attn2``.
+``down_blocks.0.attentions.0.transformer_blocks.0.attn2`` or ``transformer_blocks.0.attn``.
 """
 
 from __future__ import annotations
@@ -16,28 +23,40 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_processor import (
     Attention,
     IPAdapterAttnProcessor,
     IPAdapterAttnProcessor2_0,
     IPAdapterXFormersAttnProcessor,
+    SD3IPAdapterJointAttnProcessor2_0,
 )
+from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
 from .kernels import dot_logits
 
 __all__ = [
+    "FAMILIES",
     "SUPPORTED_PROCESSORS",
     "IPLayer",
     "LayerSelection",
     "claim",
     "denoiser_of",
+    "family_of",
     "find_ip_layers",
     "image_branch_logits",
     "release",
 ]
 
-#: Processor classes (and their subclasses) whose image branch ipa_probe understands.
-SUPPORTED_PROCESSORS: tuple[type, ...] = (IPAdapterAttnProcessor2_0, IPAdapterAttnProcessor)
+#: Processor classes (and their subclasses) whose image branch ipa_probe understands, with their model family.
+FAMILIES: dict[type, str] = {
+    IPAdapterAttnProcessor2_0: "unet",
+    IPAdapterAttnProcessor: "unet",
+    FluxIPAdapterAttnProcessor: "flux",
+    SD3IPAdapterJointAttnProcessor2_0: "sd3",
+}
+#: The supported processor classes (and their subclasses).
+SUPPORTED_PROCESSORS: tuple[type, ...] = tuple(FAMILIES)
 
 #: Image-prompt processors we recognise but cannot probe (yet), with the reason given to the user.
 _UNSUPPORTED_REASONS: dict[str, str] = {
@@ -61,12 +80,12 @@ class IPLayer:
 
     Attributes:
         name: the layer id (``attn_processors`` key without ``.processor``).
-        attention: the diffusers ``Attention`` module that owns the processor.
+        attention: the diffusers attention module that owns the processor (``Attention`` or ``FluxAttention``).
         processor: the processor installed when the layer was found.
     """
 
     name: str
-    attention: Attention
+    attention: torch.nn.Module
     processor: torch.nn.Module
 
     @property
@@ -74,20 +93,38 @@ class IPLayer:
         return self.attention.heads
 
     @property
+    def family(self) -> str:
+        """``"unet"``, ``"flux"`` or ``"sd3"`` (see :data:`FAMILIES`)."""
+        return family_of(self.processor)
+
+    @property
     def num_adapters(self) -> int:
-        return len(self.processor.to_k_ip)
+        """Loaded IP-Adapters: one ``to_k_ip`` per adapter (SD3 processors hold a single adapter, not a list)."""
+        to_k_ip = self.processor.to_k_ip
+        return len(to_k_ip) if isinstance(to_k_ip, torch.nn.ModuleList | list | tuple) else 1
+
+
+def family_of(processor: torch.nn.Module) -> str:
+    """The model family of a supported IP-Adapter processor (its class or a subclass)."""
+    for cls, family in FAMILIES.items():
+        if isinstance(processor, cls):
+            return family
+    raise ValueError(f"expected an IP-Adapter processor of a class in {_supported_names()}, got {type(processor)}")
 
 
 def denoiser_of(pipe) -> torch.nn.Module:
-    """The denoising network of a diffusers pipeline (``pipe.unet``), or the module itself if one is passed."""
+    """The denoising network of a diffusers pipeline (``pipe.unet`` or ``pipe.transformer``), or the module itself
+    if one is passed."""
     if isinstance(pipe, torch.nn.Module):
         return pipe
-    unet = getattr(pipe, "unet", None)
-    if isinstance(unet, torch.nn.Module):
-        return unet
+    for name in ("unet", "transformer"):
+        denoiser = getattr(pipe, name, None)
+        if isinstance(denoiser, torch.nn.Module):
+            return denoiser
     raise TypeError(
-        f"expected a diffusers Stable Diffusion / SDXL pipeline with a `unet`, got {type(pipe).__name__}; "
-        "pass a pipeline such as StableDiffusionPipeline (see ipa_probe.pipelines.tiny_pipeline for a small one)"
+        f"expected a diffusers pipeline with a `unet` (SD 1.5 / SDXL) or a `transformer` (Flux, SD3), got "
+        f"{type(pipe).__name__}; pass a pipeline such as StableDiffusionPipeline or FluxPipeline (see "
+        "ipa_probe.pipelines.tiny_pipeline and ipa_probe.pipelines_dit for small ones)"
     )
 
 
@@ -116,7 +153,7 @@ def find_ip_layers(pipe, layers: LayerSelection = None) -> list[IPLayer]:
     Nothing is modified. Errors name the remedy.
 
     Args:
-        pipe: a diffusers pipeline with a ``unet``, or the denoiser module itself.
+        pipe: a diffusers pipeline with a ``unet`` or ``transformer``, or the denoiser module itself.
         layers: ``None`` for all IP layers; a regex (``re.search`` on the layer id) or a list of them (union).
 
     Returns:
@@ -129,7 +166,7 @@ def find_ip_layers(pipe, layers: LayerSelection = None) -> list[IPLayer]:
     patterns = _compile_selection(layers)
     found: list[IPLayer] = []
     for name, module in denoiser.named_modules():
-        if not isinstance(module, Attention):
+        if not isinstance(module, Attention | AttentionModuleMixin):
             continue
         processor = module.processor
         if isinstance(processor, SUPPORTED_PROCESSORS):
@@ -144,8 +181,15 @@ def find_ip_layers(pipe, layers: LayerSelection = None) -> list[IPLayer]:
     if not found:
         raise ValueError(
             "this pipeline has no IP-Adapter loaded (no attention layer uses an IP-Adapter processor); call "
-            "`pipe.load_ip_adapter(...)` first (ipa_probe.pipelines.tiny_pipeline() gives a small pipeline with one). "
+            "`pipe.load_ip_adapter(...)` first (ipa_probe.pipelines.tiny_pipeline() and "
+            "ipa_probe.pipelines_dit.tiny_flux_pipeline() / tiny_sd3_pipeline() give small pipelines with one). "
             f"Supported processor classes: {_supported_names()}."
+        )
+    families = {layer.family for layer in found}
+    if len(families) > 1:
+        raise ValueError(
+            f"this denoiser mixes IP-Adapter processors of the families {sorted(families)}; ipa_probe reads one "
+            "model family at a time: load the IP-Adapter that matches the model with `pipe.load_ip_adapter(...)`"
         )
     if patterns is None:
         return found
@@ -162,8 +206,10 @@ def find_ip_layers(pipe, layers: LayerSelection = None) -> list[IPLayer]:
 def image_branch_logits(processor: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """The logits whose softmax over image tokens a processor actually uses in its image branch.
 
-    diffusers' IP-Adapter processors use scaled dot-product attention, ``q k^T / sqrt(d_head)``. A processor may
-    declare otherwise by defining ``image_branch_logits(query, key)`` (ipa_probe's NW head does).
+    diffusers' IP-Adapter processors (SD/SDXL, Flux and SD3 alike) use scaled dot-product attention,
+    ``q k^T / sqrt(d_head)``, on the query and keys that :mod:`ipa_probe.taps` reads. A processor may declare
+    otherwise by defining ``image_branch_logits(query, key)`` (ipa_probe's NW heads do). The logits are per key, so
+    the same function gives the logits of any other keys the branch's softmax runs over (SD3's latent keys).
 
     Args:
         processor: the layer's processor.

@@ -1,13 +1,16 @@
 """Record IP-Adapter image-prompt attention at every denoising step and compare it with Gaussian NW weights.
 
-How it reads the attention without touching the computation: diffusers' IP-Adapter processor computes
-``q = attn.to_q(h)`` and, per adapter, ``k_ip = processor.to_k_ip[i](c_ip)``. Forward hooks on exactly those modules
-see the tensors the processor uses; the image branch's weights are ``softmax(q k_ip^T / sqrt(d_head))`` per head, a
-small ``(B, H, Q, K_ip)`` block. The processor keeps running its own fused path, so the pipeline's output is
-bit-identical with the probe on or off, and the processors stay the very same objects.
+How it reads the attention without touching the computation: an IP-Adapter processor forms an image-branch query
+and image-token keys with modules it owns or borrows (``attn.to_q`` and ``processor.to_k_ip[i]`` in SD/SDXL; see
+:mod:`ipa_probe.taps` for Flux and SD3). Forward hooks on exactly those modules see the tensors the processor uses;
+the image branch's weights are ``softmax(q k_ip^T / sqrt(d_head))`` per head, a small ``(B, H, Q, K_ip)`` block. The
+processor keeps running its own fused path, so the pipeline's output is bit-identical with the probe on or off, and
+the processors stay the very same objects.
 
-The statistics of each (step, layer, adapter, CFG branch, head) are computed on the pipeline's device and added into
-preallocated buffers; nothing is copied to the host until the ``with`` block ends (one transfer).
+This module is family-agnostic: a :class:`ipa_probe.taps.Tap` says where the tensors are, how heads are split and how
+denoiser calls map to steps and CFG branches; here they become statistics. The statistics of each (step, layer,
+adapter, CFG branch, head) are computed on the pipeline's device and added into preallocated buffers; nothing is
+copied to the host until the ``with`` block ends (one transfer).
 """
 
 from __future__ import annotations
@@ -15,16 +18,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .kernels import dot_logits, matched_bandwidth, nw_logits
-from .layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, image_branch_logits, release
+from .layers import IPLayer, LayerSelection, claim, find_ip_layers, image_branch_logits, release
 from .stats import STAT_NAMES, compare_weights, fit_bandwidth
+from .taps import Capture, Tap, tap_for
 
 __all__ = ["FIELDS", "ProbeConfig", "ProbeRun", "probe"]
 
@@ -33,10 +36,13 @@ logger = logging.getLogger(__name__)
 BandwidthSpec = str | float | Callable[[torch.Tensor], Any]
 
 #: Per-cell values kept in the buffers, in order: the bandwidth used, then :data:`ipa_probe.stats.STAT_NAMES`, then
-#: the query and key geometry.
-FIELDS: tuple[str, ...] = ("bandwidth", *STAT_NAMES, "q_norm", "k_norm_spread")
+#: the query and key geometry, then ``ip_mass``: the share of a joint softmax's mass on the image tokens (SD3, where
+#: the image tokens share one softmax with the latent tokens; NaN where the image branch is a softmax of its own).
+FIELDS: tuple[str, ...] = ("bandwidth", *STAT_NAMES, "q_norm", "k_norm_spread", "ip_mass")
 
 _FEATURE = "probe"
+#: Largest logit block formed at once for ``ip_mass`` (elements; queries are taken in chunks below it).
+_CHUNK_ELEMENTS = 2**26
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ class ProbeConfig:
         branch: which cross-attention to compare with NW weights: ``"image"`` (the IP-Adapter branch, over the
             image tokens), ``"text"`` (the text branch of the same layers, over the prompt tokens up to the first
             end-of-text token: padding is left out) or ``"both"``. Text rows have ``kind="text"`` and
-            ``adapter=-1``.
+            ``adapter=-1``. SD 1.5 / SDXL only: Flux and SD3 have no separate text cross-attention.
     """
 
     bandwidth: BandwidthSpec = "matched"
@@ -139,21 +145,9 @@ class _Call:
 class _StepState:
     call: _Call | None = None
     step: int = -1
-    recording: bool = False
     timestep: torch.Tensor | None = None
-    batch: int = 0
-    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    branch: int | None = None  # the CFG branch of the whole batch (separate passes), or None (concatenated)
     text_mask: torch.Tensor | None = None  # (B, tokens) bool: prompt tokens up to the first end-of-text
-
-
-def _unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
-    """Downsampling factor of a UNet layer's feature map relative to the latent."""
-    levels = len(getattr(denoiser, "down_blocks", ())) or 1
-    match = re.match(r"(down|up)_blocks\.(\d+)\.", layer_name)
-    if match:
-        index = int(match.group(2))
-        return 2 ** (index if match.group(1) == "down" else levels - 1 - index)
-    return 2 ** (levels - 1)
 
 
 class ProbeRun:
@@ -167,6 +161,12 @@ class ProbeRun:
         self.pipe = pipe
         self.config = config
         self.layers: list[IPLayer] = find_ip_layers(pipe, config.layers)
+        self.tap: Tap = tap_for(pipe, self.layers)
+        if config.branch != "image" and not self.tap.supports_text:
+            raise ValueError(
+                f'branch="{config.branch}" reads a text cross-attention, which {self.tap.family} models do not have: '
+                'their text tokens share one joint self-attention with the image latents; use branch="image"'
+            )
         if config.heads is not None:
             fewest = min(layer.heads for layer in self.layers)
             if max(config.heads) >= fewest:
@@ -178,14 +178,10 @@ class ProbeRun:
         self.num_adapters = max(layer.num_adapters for layer in self.layers)
         self.images = config.branch in ("image", "both")
         self.text_slot = self.num_adapters if config.branch in ("text", "both") else None
-        self._text_encoder = next(
-            (m for m in (getattr(pipe, "text_encoder", None), getattr(pipe, "text_encoder_2", None)) if m is not None),
-            None,
-        )
-        self._pending_token_masks: list[torch.Tensor] = []
         self.maps: dict[tuple[int, int, str, int], list[torch.Tensor]] = {}
         self._calls: list[_Call] = []
         self._state = _StepState()
+        self._capture = Capture(record=self._record)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._last_timesteps: Any = None
         self._generator: torch.Generator | None = None
@@ -199,21 +195,9 @@ class ProbeRun:
         self._active = True
         try:
             # Hooks run eagerly even inside a compiled denoiser (torch.compile breaks the graph around them).
-            hook = torch.compiler.disable
-            self._handles.append(denoiser.register_forward_pre_hook(hook(self._on_denoiser_call), with_kwargs=True))
-            if self.text_slot is not None and self._text_encoder is not None:
-                self._handles.append(
-                    self._text_encoder.register_forward_pre_hook(hook(self._on_text_encoder_call), with_kwargs=True)
-                )
-            for index, layer in enumerate(self.layers):
-                self._handles.append(layer.attention.to_q.register_forward_hook(hook(self._query_hook(index))))
-                self._handles.append(layer.attention.register_forward_hook(hook(self._forget_query_hook(index))))
-                if self.images:
-                    for adapter, to_k_ip in enumerate(layer.processor.to_k_ip):
-                        self._handles.append(to_k_ip.register_forward_hook(hook(self._key_hook(index, adapter))))
-                if self.text_slot is not None:
-                    text_hook = hook(self._key_hook(index, self.text_slot))
-                    self._handles.append(layer.attention.to_k.register_forward_hook(text_hook))
+            clock = torch.compiler.disable(self._on_denoiser_call)
+            self._handles.append(denoiser.register_forward_pre_hook(clock, with_kwargs=True))
+            self._handles.extend(self.tap.install(self._capture, self.images, self.text_slot))
         except BaseException:
             self._uninstall()
             raise
@@ -223,6 +207,8 @@ class ProbeRun:
             handle.remove()
         self._handles.clear()
         self._state = _StepState()
+        self._capture.recording = False
+        self._capture.stash.clear()
         if self._active:
             release(self.pipe, _FEATURE)
             self._active = False
@@ -248,95 +234,37 @@ class ProbeRun:
         }
         self._calls.clear()
 
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ the step clock
     def _on_denoiser_call(self, module, args, kwargs) -> None:
-        state = self._state
+        state, tap = self._state, self.tap
         scheduler = getattr(self.pipe, "scheduler", None)
         timesteps = getattr(scheduler, "timesteps", None)
-        sample = args[0] if args else kwargs["sample"]
-        timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
+        sample = tap.sample(args, kwargs)
         if state.call is None or timesteps is not self._last_timesteps:
             self._last_timesteps = timesteps
             capacity = len(timesteps) if timesteps is not None else 64
-            cfg = bool(getattr(self.pipe, "do_classifier_free_guidance", False))
-            state.call = self._new_call(sample.device, capacity, ("uncond", "cond") if cfg else ("cond",))
+            state.call = self._new_call(sample.device, capacity, tap.branches())
             state.step = -1
-            if self.text_slot is not None:
-                context = args[2] if len(args) > 2 else kwargs.get("encoder_hidden_states")
-                state.text_mask = self._text_mask(context, state.call.branches)
+            state.text_mask = tap.begin_call(args, kwargs, state.call.branches)
             if self.config.keep_maps:
-                self._check_map_budget(sample, kwargs, len(timesteps) if timesteps is not None else 1)
-        state.step += 1
+                self._check_map_budget(args, kwargs, len(timesteps) if timesteps is not None else 1)
+        denoiser_pass = tap.begin_pass(args, kwargs)
         call = state.call
-        if state.step >= call.sums.shape[0]:
-            self._grow(call)
-        call.steps_seen = state.step + 1
-        state.recording = self.config.records_step(state.step)
-        state.batch = sample.shape[0]
-        if isinstance(timestep, torch.Tensor):
-            t = timestep.reshape(-1)[0].to(device=call.timesteps.device, dtype=call.timesteps.dtype)
-            call.timesteps[state.step] = t
-            state.timestep = t
-        else:
-            call.timesteps[state.step] = float(timestep)
-            state.timestep = call.timesteps[state.step]
-
-    def _on_text_encoder_call(self, module, args, kwargs) -> None:
-        """Remember which prompt tokens are real: up to and including the first end-of-text token."""
-        ids = args[0] if args else kwargs.get("input_ids")
-        if not isinstance(ids, torch.Tensor):
-            return
-        eos = getattr(getattr(module, "config", None), "eos_token_id", None)
-        tokenizer = getattr(self.pipe, "tokenizer", None)
-        eos = getattr(tokenizer, "eos_token_id", eos)
-        if eos is None:
-            return
-        is_eos = ids == eos
-        first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), ids.shape[-1] - 1)  # (B,)
-        positions = torch.arange(ids.shape[-1], device=ids.device)
-        self._pending_token_masks.append(positions[None, :] <= first[:, None])
-
-    def _text_mask(self, context: torch.Tensor | None, branches: tuple[str, ...]) -> torch.Tensor | None:
-        """Token mask for this call's text keys, ``(B, tokens)``, in the pipeline's batch order (uncond, cond).
-
-        The pipeline encodes the prompt first and the negative prompt second; a branch whose prompt was not encoded
-        here (``prompt_embeds`` passed in, or SDXL's zeroed empty negative prompt) keeps all its tokens.
-        """
-        pending, self._pending_token_masks = self._pending_token_masks, []
-        if not isinstance(context, torch.Tensor):
-            return None
-        batch, tokens = context.shape[:2]
-        per_branch = batch // len(branches)
-        sources = {"cond": pending[0] if pending else None, "uncond": pending[1] if len(pending) > 1 else None}
-        parts = []
-        for branch in branches:
-            source = sources[branch]
-            if source is None or source.shape[-1] != tokens or per_branch % source.shape[0]:
-                parts.append(torch.ones(per_branch, tokens, dtype=torch.bool, device=context.device))
+        if denoiser_pass.new_step or state.step < 0:
+            state.step += 1
+            if state.step >= call.sums.shape[0]:
+                self._grow(call)
+            call.steps_seen = state.step + 1
+            timestep = tap.timestep(args, kwargs)
+            if isinstance(timestep, torch.Tensor):
+                t = timestep.reshape(-1)[0].to(device=call.timesteps.device, dtype=call.timesteps.dtype)
+                call.timesteps[state.step] = t
+                state.timestep = t
             else:
-                parts.append(source.to(context.device).repeat_interleave(per_branch // source.shape[0], dim=0))
-        return torch.cat(parts)
-
-    def _query_hook(self, index: int):
-        def hook(module, args, output):
-            if self._state.recording:
-                self._state.queries[index] = output
-
-        return hook
-
-    def _forget_query_hook(self, index: int):
-        def hook(module, args, output):
-            self._state.queries.pop(index, None)
-
-        return hook
-
-    def _key_hook(self, index: int, adapter: int):
-        def hook(module, args, output):
-            query = self._state.queries.get(index)
-            if query is not None:
-                self._record(index, adapter, query, output)
-
-        return hook
+                call.timesteps[state.step] = math.nan if timestep is None else float(timestep)
+                state.timestep = call.timesteps[state.step]
+        state.branch = denoiser_pass.branch
+        self._capture.recording = denoiser_pass.record and self.config.records_step(state.step)
 
     # ------------------------------------------------------------------ buffers
     def _new_call(self, device: torch.device, capacity: int, branches: tuple[str, ...]) -> _Call:
@@ -358,20 +286,13 @@ class ProbeRun:
         call.counts = torch.cat([call.counts, torch.zeros_like(call.counts)])
         call.timesteps = torch.cat([call.timesteps, torch.full_like(call.timesteps, math.nan)])
 
-    def _check_map_budget(self, sample: torch.Tensor, kwargs: dict, steps: int) -> None:
+    def _check_map_budget(self, args: tuple, kwargs: dict, steps: int) -> None:
         """Estimate the bytes ``keep_maps`` will hold for this call and refuse above the limit, before step 0 runs."""
-        denoiser = denoiser_of(self.pipe)
-        height, width = sample.shape[-2:]
-        embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds") or []
         recorded = sum(self.config.records_step(s) for s in range(steps))
         total = 0
         for layer in self.layers:
-            factor = _unet_resolution_factor(denoiser, layer.name)
-            queries = math.ceil(height / factor) * math.ceil(width / factor)
             heads = len(self.config.heads) if self.config.heads is not None else layer.heads
-            for adapter, tokens in enumerate(layer.processor.num_tokens):
-                images = embeds[adapter].shape[1] if adapter < len(embeds) else 1
-                total += sample.shape[0] * heads * queries * images * tokens * 2  # fp16
+            total += self.tap.map_elements(layer, args, kwargs) * heads * 2  # fp16
         total *= recorded
         if total > self.config.max_map_bytes:
             raise ValueError(
@@ -399,24 +320,38 @@ class ProbeRun:
 
     # ------------------------------------------------------------------ the statistics
     @torch.no_grad()
-    def _record(self, index: int, adapter: int, query: torch.Tensor, key: torch.Tensor) -> None:
+    def _record(
+        self, index: int, slot: int, query: torch.Tensor, key: torch.Tensor, other: torch.Tensor | None
+    ) -> None:
+        """Add one layer's statistics for one adapter (or the text slot) into the buffers.
+
+        Args:
+            index: the layer's position in :attr:`layers`.
+            slot: the adapter index, or :attr:`text_slot`.
+            query: ``(B, H, Q, D)``, the query the branch's softmax uses.
+            key: ``(B, H, K, D)``, the image-token (or text-token) keys.
+            other: ``(B, H, N, D)``, further keys of the same softmax (SD3's latent keys), or ``None``.
+        """
         layer = self.layers[index]
         state = self._state
         call = state.call
-        n_branch = len(call.branches)
-        batch, heads = state.batch, layer.attention.heads
-        head_dim = key.shape[-1] // heads
-        # (B, Q, H*D) -> (B, H, Q, D); keys (B, [images,] tokens, H*D) -> (B, H, K, D)
-        q = query.reshape(batch, -1, heads, head_dim).transpose(1, 2).float()
-        k = key.reshape(batch, -1, heads, head_dim).transpose(1, 2).float()
+        if state.branch is None:  # the batch holds every CFG branch, concatenated
+            n_branch, first = len(call.branches), 0
+        else:  # the batch is one branch (a separate denoiser pass)
+            n_branch, first = 1, state.branch
+        batch = query.shape[0]
+        q, k = query.float(), key.float()  # (B, H, Q, D), (B, H, K, D)
+        head_dim = q.shape[-1]
         head_index = self._heads(q.device)
         if head_index is not None:
             q, k = q.index_select(1, head_index), k.index_select(1, head_index)
-        text = adapter == self.text_slot
+            other = other.index_select(1, head_index) if other is not None else None
+        text = slot == self.text_slot
+        processor = layer.attention.processor
         if text:  # the text branch is plain scaled dot-product attention in every processor
             attn = dot_logits(q, k, 1.0 / math.sqrt(head_dim))  # (B, H, Q, K)
         else:
-            attn = image_branch_logits(layer.attention.processor, q, k)  # (B, H, Q, K)
+            attn = image_branch_logits(processor, q, k)  # (B, H, Q, K)
         h = self._bandwidth(head_dim, q.device)
 
         per_branch = batch // n_branch
@@ -453,11 +388,31 @@ class ProbeRun:
         )
         mean = (k_norm * kept).sum(-1) / kept.sum(-1)
         spread = (((k_norm - mean[..., None]) ** 2 * kept).sum(-1) / kept.sum(-1)).sqrt() / mean
-        values = torch.cat([h_cell.unsqueeze(-1), stats, q_norm.unsqueeze(-1), spread.unsqueeze(-1)], dim=-1)
-        call.sums[state.step, index, adapter, :, :n_heads] += values
-        call.counts[state.step, index, adapter, :, :n_heads] += 1
+        if other is not None and not text:
+            # share of the joint softmax on the image columns: sigmoid(LSE(image logits) - LSE(other logits))
+            lse_other = self._logsumexp(processor, q, other.float())  # (B, H, Q)
+            share = torch.sigmoid(torch.logsumexp(attn, -1) - lse_other)  # (B, H, Q)
+            ip_mass = by_branch(share.unsqueeze(-1)).mean((-2, -1))  # (branches, H)
+        else:
+            ip_mass = torch.full_like(q_norm, math.nan)
+        values = torch.cat(
+            [h_cell.unsqueeze(-1), stats, q_norm.unsqueeze(-1), spread.unsqueeze(-1), ip_mass.unsqueeze(-1)], dim=-1
+        )
+        call.sums[state.step, index, slot, first : first + n_branch, :n_heads] += values
+        call.counts[state.step, index, slot, first : first + n_branch, :n_heads] += 1
         if self.config.keep_maps:
-            self._keep_map(call.index, state.step, layer.name, adapter, attn)
+            self._keep_map(call.index, state.step, layer.name, slot, attn)
+
+    @staticmethod
+    def _logsumexp(processor: torch.nn.Module, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``logsumexp`` over ``keys`` of the processor's logits, ``(B, H, Q)``, forming at most
+        :data:`_CHUNK_ELEMENTS` logits at a time (SD3 has as many latent keys as queries)."""
+        rows = max(1, _CHUNK_ELEMENTS // max(1, q.shape[0] * q.shape[1] * keys.shape[2]))
+        parts = [
+            torch.logsumexp(image_branch_logits(processor, q[:, :, start : start + rows], keys), dim=-1)
+            for start in range(0, q.shape[2], rows)
+        ]
+        return torch.cat(parts, dim=2)
 
     def _keep_map(self, call: int, step: int, layer: str, adapter: int, logits: torch.Tensor) -> None:
         weights = torch.softmax(logits, dim=-1).half()
@@ -513,7 +468,8 @@ def probe(
     """Record the IP-Adapter attention of every denoising step and compare it with Gaussian NW weights.
 
     Args:
-        pipe: a diffusers Stable Diffusion / SDXL pipeline with an IP-Adapter loaded.
+        pipe: a diffusers pipeline with an IP-Adapter loaded: Stable Diffusion 1.5 / SDXL, Flux or SD3 (see
+            :mod:`ipa_probe.taps` for what the image-branch weights are in each).
         bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch: see :class:`ProbeConfig`.
 
     Yields:

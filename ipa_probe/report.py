@@ -33,6 +33,7 @@ COLUMNS: tuple[str, ...] = (
     "q_norm",
     "k_norm_spread",
     "nonfinite",
+    "ip_mass",
 )
 
 
