@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import pytest
 
@@ -14,7 +15,10 @@ from ipa_probe.experiments import EXPERIMENTS
 @pytest.mark.slow
 def test_quick_tier_writes_every_output(tmp_path, capsys):
     out = tmp_path / "quick"
-    assert main(["experiments", "all", "--tier", "quick", "--out", str(out), "--no-progress"]) == 0
+    # one thread per test process, as conftest sets (the runner's default is every core)
+    threads = os.environ.get("IPA_PROBE_TEST_THREADS", "1")
+    argv = ["experiments", "all", "--tier", "quick", "--out", str(out), "--no-progress", "--threads", threads]
+    assert main(argv) == 0
     for name in EXPERIMENTS:
         folder = out / name
         table = (folder / "table.md").read_text()

@@ -1,16 +1,14 @@
 """Experiment ``attention``: learned heads against data-space NW weights across flow time (paper §A.5 S5, §D.4).
 
-The CPU surrogate of the paper's IP-Adapter analysis: for the learned OFF model of the ``shells`` experiment (first
-dimension, first seed), every (task, layer, head) entry compares the head's attention over the support with the
-Gaussian NW weights of ``x~ = x_t / t`` at ``h(t)``, through the probe's own statistics
-(:func:`ipa_probe.stats.compare_weights`): per-row Spearman mean, raveled Pearson, the permutation null, and the
-fraction of entries with rho > 0.9. Flow times ``t`` in (0.1 … 0.99) stand for the paper's diffusion timesteps
-981 … 1.
+The CPU surrogate of the paper's IP-Adapter analysis: for the learned OFF models of the ``shells`` experiment
+(first dimension, first seed) and of the ``collapse`` experiment (largest Gaussian-mixture dimension, first seed),
+every (task, layer, head) entry compares the head's attention over the support with the Gaussian NW weights of
+``x~ = x_t / t`` at ``h(t)``, through the probe's own statistics (:func:`ipa_probe.stats.compare_weights`):
+per-row Spearman mean, raveled Pearson, the permutation null, and the fraction of entries with rho > 0.9. Flow
+times ``t`` in (0.1 … 0.99) stand for the paper's diffusion timesteps 981 … 1.
 """
 
 from __future__ import annotations
-
-import math
 
 import matplotlib
 
@@ -31,60 +29,75 @@ def _stat(stats: torch.Tensor, name: str) -> torch.Tensor:
     return stats[..., STAT_NAMES.index(name)]
 
 
+def _models(ctx) -> list[tuple[str, str, int, object]]:
+    """(label, meta, d, model): the shells model and, when the collapse grid has a GMM dimension, its OFF model."""
+    tier = ctx.tier
+    dim = tier.shells_dims[0]
+    models = [(f"shells d={dim}", "shells", dim, shell_model(ctx, dim, tier.seeds[0]))]
+    gmm_dims = [d for d in tier.collapse_dims if d > 2]
+    if gmm_dims:
+        d = max(gmm_dims)
+        model = ctx.trained("gmm", ctx.model_config(d), ctx.train_config(tier.collapse_steps, tier.seeds[0]))
+        models.append((f"gmm d={d}", "gmm", d, model))
+    return models
+
+
 def run(ctx) -> ExperimentResult:
     tier, folder = ctx.tier, ctx.out / "attention"
     folder.mkdir(parents=True, exist_ok=True)
-    dim = tier.shells_dims[0]
-    model = shell_model(ctx, dim, tier.seeds[0])
-    tasks = held_out_tasks(ctx.meta("shells", dim), tier.eval_tasks, 50, 64, 40_000 + dim)
     rows, raw = [], {}
     ts = list(tier.attention_ts)
-    for i, t in enumerate(ts):
-        stats = head_statistics(model, tasks, t)  # (B, L, H, S)
-        rho = _stat(stats, "spearman")
-        entry = {
-            "spearman": float(rho.nanmean()),
-            "spearman_layer0": float(rho[:, 0].nanmean()),
-            "pearson": float(_stat(stats, "pearson").nanmean()),
-            "null": float(_stat(stats, "spearman_null").nanmean()),
-            "frac_rho_gt_0.9": float((rho > 0.9).float().mean()),
-            "top1": float(_stat(stats, "top1").nanmean()),
-            "neff_attn": float(_stat(stats, "neff_attn").nanmean()),
-            "neff_nw": float(_stat(stats, "neff_nw").nanmean()),
-            "per_head_spearman": rho.nanmean(0).tolist(),  # (L, H)
-        }
-        raw[t] = entry
-        # our grid's last point is the paper's last timestep; earlier ones are matched in order where they exist.
-        paper = "0.89 (timestep 1)" if i == len(ts) - 1 else "rising towards 0.89"
+    for label, meta_name, dim, model in _models(ctx):
+        tasks = held_out_tasks(ctx.meta(meta_name, dim), tier.eval_tasks, 50, 64, 40_000 + dim)
+        raw[label] = {}
+        for i, t in enumerate(ts):
+            stats = head_statistics(model, tasks, t)  # (B, L, H, S)
+            rho = _stat(stats, "spearman")
+            entry = {
+                "spearman": float(rho.nanmean()),
+                "spearman_layer0": float(rho[:, 0].nanmean()),
+                "pearson": float(_stat(stats, "pearson").nanmean()),
+                "null": float(_stat(stats, "spearman_null").nanmean()),
+                "frac_rho_gt_0.9": float((rho > 0.9).float().mean()),
+                "top1": float(_stat(stats, "top1").nanmean()),
+                "neff_attn": float(_stat(stats, "neff_attn").nanmean()),
+                "neff_nw": float(_stat(stats, "neff_nw").nanmean()),
+                "per_head_spearman": rho.nanmean(0).tolist(),  # (L, H)
+            }
+            raw[label][t] = entry
+            # our grid's last point stands for the paper's last timestep (1); earlier ones have no published value.
+            paper = "0.89 (timestep 1)" if i == len(ts) - 1 else "rising towards 0.89"
+            rows.append(
+                Row(
+                    "per-row Spearman mean (all heads)",
+                    f"{label}, t={t}",
+                    f"{entry['spearman']:.3f}",
+                    paper,
+                    f"Pearson {entry['pearson']:.3f}; {100 * entry['frac_rho_gt_0.9']:.0f}% of heads ρ>0.9; "
+                    f"null {entry['null']:+.3f}; layer 0 ρ {entry['spearman_layer0']:.3f}; "
+                    f"n_eff heads {entry['neff_attn']:.3g} vs NW {entry['neff_nw']:.3g}",
+                )
+            )
+        first, last = raw[label][ts[0]]["spearman"], raw[label][ts[-1]]["spearman"]
         rows.append(
             Row(
-                "per-row Spearman mean (all heads)",
-                f"t={t}",
-                f"{entry['spearman']:.3f}",
-                paper,
-                f"Pearson {entry['pearson']:.3f}; {100 * entry['frac_rho_gt_0.9']:.0f}% of heads ρ>0.9; "
-                f"null {entry['null']:+.3f}; layer 0 ρ {entry['spearman_layer0']:.3f}",
+                "Spearman rises from first to last t",
+                f"{label}: {ts[0]} → {ts[-1]}",
+                f"{first:.3f} → {last:.3f} ({'rises' if last > first else 'does not rise'})",
+                "rises",
+                "permutation null ≈ 0 expected",
             )
         )
-    first, last = raw[ts[0]]["spearman"], raw[ts[-1]]["spearman"]
-    rows.append(
-        Row(
-            "Spearman rises from first to last t",
-            f"{ts[0]} → {ts[-1]}",
-            f"{first:.3f} → {last:.3f} ({'rises' if last > first else 'does not rise'})",
-            "rises",
-            "permutation null ≈ 0 expected",
-        )
-    )
 
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    ax.plot(ts, [raw[t]["spearman"] for t in ts], marker="o", label="Spearman (mean)")
-    ax.plot(ts, [raw[t]["pearson"] for t in ts], marker="s", label="Pearson (raveled)")
-    ax.plot(ts, [raw[t]["frac_rho_gt_0.9"] for t in ts], marker="^", label="fraction ρ > 0.9")
-    ax.plot(ts, [raw[t]["null"] for t in ts], "k--", label="permutation null")
-    ax.scatter([ts[-1]], [0.89], marker="x", color="C3", s=60, label="paper (IP-Adapter, last step)")
-    ax.set(xlabel="flow time t (noise → data)", ylabel="statistic", title=f"learned heads vs NW (shells d={dim})")
-    ax.set_ylim(-0.2 if not math.isnan(first) else None, 1.05)
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(1, len(raw), figsize=(5.2 * len(raw), 3.5), squeeze=False)
+    for ax, (label, values) in zip(axes[0], raw.items(), strict=True):
+        ax.plot(ts, [values[t]["spearman"] for t in ts], marker="o", label="Spearman (mean)")
+        ax.plot(ts, [values[t]["pearson"] for t in ts], marker="s", label="Pearson (raveled)")
+        ax.plot(ts, [values[t]["frac_rho_gt_0.9"] for t in ts], marker="^", label="fraction ρ > 0.9")
+        ax.plot(ts, [values[t]["null"] for t in ts], "k--", label="permutation null")
+        ax.scatter([ts[-1]], [0.89], marker="x", color="C3", s=60, label="paper (IP-Adapter, last step)")
+        ax.set(xlabel="flow time t (noise → data)", ylabel="statistic", title=f"learned heads vs NW ({label})")
+        ax.set_ylim(-0.2, 1.05)
+        ax.legend(fontsize=7)
     figures = [save_figure(fig, folder / "attention.png")]
-    return ExperimentResult("attention", rows, {"measurements": raw, "dim": dim}, figures)
+    return ExperimentResult("attention", rows, {"measurements": raw}, figures)

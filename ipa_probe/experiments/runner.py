@@ -77,7 +77,12 @@ class ExperimentContext:
 
     def trained(self, meta_name: str, model_config: ModelConfig, train_config: TrainConfig) -> ICFMVelocityNet:
         """The model trained on ``meta_name`` tasks: from memory, from a finished checkpoint, or trained now."""
-        spec = {"meta": meta_name, "model": model_config.to_dict(), "train": train_config.to_dict()}
+        spec = {
+            "meta": meta_name,
+            "meta_spec": self.meta(meta_name, model_config.dim).spec(),
+            "model": model_config.to_dict(),
+            "train": train_config.to_dict(),
+        }
         digest = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
         arm = "on" if model_config.exact_head else "off"
         key = f"{meta_name}-d{model_config.dim}-{arm}-H{model_config.n_heads}-s{train_config.seed}-{digest}"

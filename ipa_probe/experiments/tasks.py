@@ -70,6 +70,10 @@ class MetaDistribution:
         """A fresh task. ``split`` is ``"train"`` or ``"test"``; data-set tasks use disjoint classes per split."""
         raise NotImplementedError
 
+    def spec(self) -> dict:
+        """The scalar parameters of this meta-distribution (they identify trained models in caches)."""
+        return {"name": self.name, **{k: v for k, v in vars(self).items() if isinstance(v, int | float | str | bool)}}
+
     def sample_batch(
         self, n_tasks: int, m: int, n: int, generator: torch.Generator, split: str = "train"
     ) -> TaskBatch:
@@ -357,20 +361,22 @@ class DigitsTasks(MetaDistribution):
     Paper's parameters [CODE encode/whiten scripts]: PCA fitted on training classes, per-component standardisation,
     the first ``d`` components, classes as tasks, disjoint class splits. Assumed [ASSUMED]: the data set itself
     (the paper used DINOv2-ImageNet, which needs a hub download), training classes ``0..6`` and test classes
-    ``7..9``, training tasks augmented only by random subsets.
+    ``7..9``, training tasks augmented by random subsets and random rotations.
 
     Args:
         dim: number of PCA components ``d`` in ``[1, 64]``.
         train_classes: digits used for training (the others are test classes).
+        augment: rotate every training task by a random orthogonal matrix.
     """
 
     name = "digits"
 
-    def __init__(self, dim: int = 16, train_classes: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6)):
+    def __init__(self, dim: int = 16, train_classes: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6), augment: bool = True):
         from sklearn.datasets import load_digits
         from sklearn.decomposition import PCA
 
         self.dim = _check_dim(dim, high=64)
+        self.augment = augment
         data = load_digits()
         x, y = data.data, data.target
         train = set(train_classes)
@@ -391,7 +397,10 @@ class DigitsTasks(MetaDistribution):
         if split not in self.classes:
             raise ValueError(f"expected split 'train' or 'test', got {split!r}")
         classes = self.classes[split]
-        return _PoolTask(self.pools[classes[_randint(0, len(classes) - 1, generator)]])
+        points = self.pools[classes[_randint(0, len(classes) - 1, generator)]]
+        if self.augment and split == "train":
+            points = points @ random_rotation(self.dim, generator).T  # (n_class, d): a rotated copy of the class
+        return _PoolTask(points)
 
 
 #: meta-distribution names accepted by :func:`make_meta`.

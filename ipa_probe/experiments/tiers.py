@@ -1,9 +1,11 @@
 """Run sizes of the experiments: ``quick`` (tests, < 2 min), ``smoke`` (directions, < 10 min), ``full`` (< 60 min).
 
-Sizes come from a 100-step timing run on 2 CPU cores (``benchmarks/experiments_step_cost.py``): at the §D.0 CPU
-model (``d_model = 64``, 2 layers, 4 heads, 32 tasks × 64 targets × m = 50) one training step costs about 20–25 ms
-and one 100-step Euler evaluation of 20 tasks × 500 points about 3–4 s. The wall-clock targets assume those costs
-with a factor-2 margin for a shared machine.
+Sizes come from 100-step timing runs on 2 CPU cores (``python -m ipa_probe.experiments.timing``): at the §D.0 CPU
+model (``d_model = 64``, 2 layers, 4 heads, 32 tasks × 64 targets × m = 50) one training step costs about 18 ms on an
+idle machine with 2 threads, but 70 ms (1 thread) to 1.5 s (2 threads, OpenMP spinning) while other jobs share the
+cores. The smoke and full tiers therefore halve the batch to 16 tasks × 64 targets (about 35–40 ms a step on a
+loaded machine) and trade steps for seeds; one 100-step Euler evaluation of 20 tasks × 250 points costs about as much
+as 250 training steps. Both tiers fit their budgets at the loaded-machine costs.
 """
 
 from __future__ import annotations
@@ -121,17 +123,17 @@ TIERS: dict[str, Tier] = {
         d_model=64,
         n_layers=2,
         n_heads=4,
-        batch_tasks=32,
+        batch_tasks=16,
         n_target=64,
         lr=1e-3,
         warmup=100,
         seeds=(0,),
-        collapse_steps=1000,
-        shells_steps=1000,
-        scarcity_steps=1000,
-        heads_steps=600,
+        collapse_steps=600,
+        shells_steps=800,
+        scarcity_steps=800,
+        heads_steps=500,
         eval_tasks=10,
-        eval_points=300,
+        eval_points=200,
         euler_steps=100,
         neff_tasks=30,
         neff_queries=256,
@@ -150,17 +152,17 @@ TIERS: dict[str, Tier] = {
         d_model=64,
         n_layers=2,
         n_heads=4,
-        batch_tasks=32,
+        batch_tasks=16,
         n_target=64,
         lr=1e-3,
-        warmup=200,
+        warmup=100,
         seeds=(0, 1, 2),
-        collapse_steps=2000,
-        shells_steps=2500,
-        scarcity_steps=3000,
-        heads_steps=2000,
+        collapse_steps=800,
+        shells_steps=1200,
+        scarcity_steps=2000,
+        heads_steps=1000,
         eval_tasks=20,
-        eval_points=500,
+        eval_points=250,
         euler_steps=100,
         neff_tasks=30,
         neff_queries=256,
