@@ -69,6 +69,9 @@ def key_norm_bias(k: torch.Tensor, h: float | torch.Tensor) -> torch.Tensor:
 def nw_logits(q: torch.Tensor, k: torch.Tensor, h: float | torch.Tensor) -> torch.Tensor:
     """Gaussian NW logits ``-|q - k_i|^2 / (2 h^2)`` up to a per-row constant: ``(q·k_i - |k_i|^2/2) / h^2``.
 
+    Queries and keys are first centred at the keys' mean (the weights are translation invariant), so float32 keeps
+    its precision when the keys share a large common offset.
+
     Args:
         q: queries, shape ``(..., Q, D)``.
         k: keys, shape ``(..., K, D)``.
@@ -77,6 +80,8 @@ def nw_logits(q: torch.Tensor, k: torch.Tensor, h: float | torch.Tensor) -> torc
     Returns:
         logits, shape ``(..., Q, K)``; their softmax over the last dimension is the NW weight matrix.
     """
+    center = k.mean(-2, keepdim=True)  # (..., 1, D)
+    q, k = q - center, k - center
     return dot_logits(q, k, 1.0 / (h * h)) + key_norm_bias(k, h)
 
 

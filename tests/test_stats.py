@@ -150,3 +150,13 @@ def test_key_mask_equals_dropping_the_keys():
         [row_spearman(attn[:, :10, :6], nw[:, :10, :6]), row_spearman(attn[:, 10:, :4], nw[:, 10:, :4])], 1
     )
     torch.testing.assert_close(_stat(s, "spearman").double(), rho_rows.mean(-1), rtol=1e-6, atol=1e-9)
+
+
+def test_nw_logits_keep_float32_precision_under_a_common_offset():
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(20, 6, generator=g, dtype=torch.float64)
+    k = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    offset = torch.full((6,), 1e3, dtype=torch.float64)
+    exact = nw_weights(q, k, 0.7)
+    shifted = nw_weights((q + offset).float(), (k + offset).float(), 0.7)
+    torch.testing.assert_close(shifted.double(), exact, atol=1e-3, rtol=0)
