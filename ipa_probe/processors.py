@@ -434,6 +434,15 @@ class NWHeadSwap:
             self._denoiser = None
 
 
+def _nw_processor_class(layer) -> type:
+    """The NW head for a layer's model family: this module's for SD 1.5 / SDXL, ``processors_dit``'s for Flux/SD3."""
+    if layer.family == "unet":
+        return NWHeadAttnProcessor
+    from .processors_dit import NW_PROCESSORS  # imported here: processors_dit builds on this module
+
+    return NW_PROCESSORS[layer.family]
+
+
 def apply_nw_head(pipe, bandwidth: BandwidthSpec = "matched", *, layers: LayerSelection = None) -> NWHeadSwap:
     """Swap the NW head into a pipeline's IP-Adapter layers (until :func:`remove_nw_head`).
 
@@ -460,7 +469,7 @@ def apply_nw_head(pipe, bandwidth: BandwidthSpec = "matched", *, layers: LayerSe
         for layer in found:
             key = f"{layer.name}.processor"
             swap.originals[key] = layer.processor
-            swap.installed[key] = NWHeadAttnProcessor(layer.processor, config.bandwidth, swap.clock)
+            swap.installed[key] = _nw_processor_class(layer)(layer.processor, config.bandwidth, swap.clock)
         processors = {**denoiser.attn_processors, **swap.installed}
         swap._denoiser = denoiser
         denoiser.__dict__[_STATE_ATTRIBUTE] = swap
