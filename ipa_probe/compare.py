@@ -312,8 +312,9 @@ class Comparison:
         per_image: one row per method x seed: ``method``, ``seed``, ``clip_i_nearest``, ``clip_i_mean``,
             ``pixel_nearest``, ``nearest_reference``.
         table: one row per method (and ``vae_roundtrip``): means (and stds over seeds) of the per-image scores,
-            ``diversity``, ``seconds``.
-        settings: what was run (model, prompt, steps, bandwidth, CLIP model, whether its weights are random).
+            ``diversity``.
+        settings: what was run (model, prompt, steps, bandwidth, CLIP model, whether its weights are random) and the
+            wall time of each method (``seconds``; the first method's includes the pipeline's warm-up).
     """
 
     references: list[PIL.Image.Image]
@@ -353,7 +354,7 @@ class Comparison:
         self.per_image.to_csv(paths["per_image"], index=False)
         note = f"\n\n_{RANDOM_WEIGHTS_NOTE}._\n" if self.settings.get("clip_random_weights") else "\n"
         paths["markdown"].write_text(self.markdown() + note)
-        self.grid().save(paths["grid"])
+        self.grid().save(paths["grid"], optimize=True)
         images_dir = directory / "images"
         images_dir.mkdir(exist_ok=True)
         for method, items in self.images.items():
@@ -508,7 +509,6 @@ def compare_methods(
             row[name] = float(frame[name].mean())
             row[f"{name}_std"] = float(frame[name].std(ddof=0))
         row["diversity"] = diversity(emb) if method != ROUNDTRIP else math.nan
-        row["seconds"] = seconds[method]
         rows.append(row)
     record = {
         **(settings or {}),
@@ -517,6 +517,7 @@ def compare_methods(
         "call": {k: v for k, v in (call_kwargs or {}).items() if isinstance(v, str | int | float | bool)},
         "references": len(references),
         "image_size": list(size),
+        "seconds": seconds,
         **scorer.describe(),
     }
     return Comparison(
