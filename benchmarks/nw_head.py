@@ -1,0 +1,207 @@
+"""NW head and exact denoiser: wall time against the learned IP-Adapter head and the UNet, measured side by side.
+
+1. Pipeline wall time with the NW head swapped in against the learned IP-Adapter head, on a denoiser with Stable
+   Diffusion 1.5's architecture (block_out_channels (320, 640, 1280, 1280), cross-attention dim 768, 8 heads, 16
+   IP-Adapter layers) and random weights. Prompts and image prompts go in as embeddings. The two configurations
+   alternate (learned, NW, NW, learned, ...) so that drift in the machine's load hits both; the script prints the
+   median of the per-pair ratios. Target: NW / learned <= 1.10.
+2. One denoising step of the exact empirical denoiser (:class:`ipa_probe.ExactNWDenoiser`) against one step of that
+   UNet at the same latent size and batch, with 4, 64 and 512 reference latents in the support.
+
+    python benchmarks/nw_head.py                  # CPU: 32 x 32 latents (256 px), 3 steps
+    python benchmarks/nw_head.py --device cuda    # GPU: 64 x 64 latents (512 px), fp16, 30 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def sd15_pipeline(device: str, dtype: torch.dtype, seed: int = 0):
+    """A StableDiffusionPipeline whose UNet has SD 1.5's architecture (random weights) and one IP-Adapter."""
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+
+    from ipa_probe.pipelines import tiny_components, tiny_ip_adapter_state_dict
+
+    components = tiny_components("sd15", seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        components["unet"] = UNet2DConditionModel(
+            sample_size=64,
+            in_channels=4,
+            out_channels=4,
+            block_out_channels=(320, 640, 1280, 1280),
+            layers_per_block=2,
+            cross_attention_dim=768,
+            attention_head_dim=8,
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+        ).eval()
+    pipe = StableDiffusionPipeline(**components)
+    state = tiny_ip_adapter_state_dict(pipe.unet, pipe.image_encoder, "base", seed)
+    pipe.load_ip_adapter([state], subfolder=[""], weight_name=[""], image_encoder_folder=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device=device, dtype=dtype)
+
+
+def call_inputs(pipe, latent: int, steps: int, n_images: int, device: str, dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(1)
+    embed_dim = pipe.image_encoder.config.projection_dim
+    prompt = torch.randn(1, 77, 768, generator=g)
+    image_embeds = torch.randn(2, n_images, embed_dim, generator=g)  # [negative, positive] for CFG
+    return {
+        "prompt_embeds": prompt.to(device, dtype),
+        "negative_prompt_embeds": torch.zeros_like(prompt).to(device, dtype),
+        "ip_adapter_image_embeds": [image_embeds.to(device, dtype)],
+        "num_inference_steps": steps,
+        "height": latent * 8,
+        "width": latent * 8,
+        "output_type": "latent",
+        "guidance_scale": 7.5,
+    }
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device: str) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def head_ratio(pipe, inputs: dict, repeats: int, device: str) -> dict:
+    """Median wall time of a pipeline call with the learned head and with the NW head, alternating."""
+    import ipa_probe
+
+    def learned():
+        pipe(generator=torch.Generator(device).manual_seed(0), **inputs)
+
+    def nw():
+        with ipa_probe.nw_head(pipe):
+            pipe(generator=torch.Generator(device).manual_seed(0), **inputs)
+
+    learned(), nw()  # warm-up (allocator, kernels)
+    times = {"learned": [], "nw": []}
+    for r in range(repeats):
+        order = (("learned", learned), ("nw", nw)) if r % 2 == 0 else (("nw", nw), ("learned", learned))
+        for name, fn in order:
+            times[name].append(_timed(fn, device))
+    ratios = [n / lr for n, lr in zip(times["nw"], times["learned"], strict=True)]
+    return {
+        "learned_s": statistics.median(times["learned"]),
+        "nw_s": statistics.median(times["nw"]),
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "repeats": repeats,
+    }
+
+
+@torch.no_grad()
+def step_times(pipe, latent: int, refs: list[int], repeats: int, device: str, dtype: torch.dtype) -> list[dict]:
+    """One UNet forward (batch 1, with its IP-Adapter) against one ExactNWDenoiser forward per support size."""
+    from ipa_probe import ExactNWDenoiser
+
+    g = torch.Generator().manual_seed(2)
+    sample = torch.randn(1, 4, latent, latent, generator=g).to(device, dtype)
+    timestep = torch.tensor(500, device=device)
+    text = torch.randn(1, 77, 768, generator=g).to(device, dtype)
+    image_embeds = torch.randn(1, 1, pipe.image_encoder.config.projection_dim, generator=g).to(device, dtype)
+    unet_kwargs = {"encoder_hidden_states": text, "added_cond_kwargs": {"image_embeds": [image_embeds]}}
+
+    def unet_step():
+        pipe.unet(sample, timestep, **unet_kwargs)
+
+    unet_step()
+    unet_times = []
+    rows = []
+    for m in refs:
+        support = torch.randn(m, 4, latent, latent, generator=g).to(device)
+        exact = ExactNWDenoiser(support, pipe.scheduler)
+
+        def exact_step(exact=exact):
+            exact(sample, timestep)
+
+        exact_step()
+        exact_times = []
+        for _ in range(repeats):  # alternate, as above
+            unet_times.append(_timed(unet_step, device))
+            exact_times.append(_timed(exact_step, device))
+        rows.append({"references": m, "exact_step_s": statistics.median(exact_times)})
+    unet_s = statistics.median(unet_times)
+    for row in rows:
+        row["unet_step_s"] = unet_s
+        row["exact_over_unet"] = row["exact_step_s"] / unet_s
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--latent", type=int, default=None, help="latent side (default: 32 on CPU, 64 on GPU)")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: 3 on CPU, 30 on GPU)")
+    parser.add_argument("--repeats", type=int, default=5, help="alternating repetitions per configuration")
+    parser.add_argument("--images", type=int, default=1, help="reference images in the IP-Adapter's support")
+    parser.add_argument("--refs", type=int, nargs="+", default=[4, 64, 512], help="exact denoiser support sizes")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gpu = args.device.startswith("cuda")
+    latent = args.latent or (64 if gpu else 32)
+    steps = args.steps or (30 if gpu else 3)
+    dtype = torch.float16 if gpu else torch.float32
+
+    pipe = sd15_pipeline(args.device, dtype)
+    inputs = call_inputs(pipe, latent, steps, args.images, args.device, dtype)
+    head = head_ratio(pipe, inputs, args.repeats, args.device)
+    steps_rows = step_times(pipe, latent, args.refs, args.repeats, args.device, dtype)
+
+    where = f"{args.device}, {str(dtype).removeprefix('torch.')}, {latent * 8}px ({latent}x{latent} latents)"
+    print(
+        f"# NW head vs learned IP-Adapter head: SD 1.5 architecture, {where}, {steps} steps, CFG, {args.repeats} pairs"
+    )
+    print(f"learned head  {head['learned_s']:.3f} s / call (median)")
+    print(f"NW head       {head['nw_s']:.3f} s / call (median)")
+    target = "meets" if head["ratio_median"] <= 1.10 else "misses"
+    print(
+        f"ratio NW / learned: median {head['ratio_median']:.3f} "
+        f"(range {head['ratio_min']:.3f}-{head['ratio_max']:.3f}); {target} the <= 1.10 target"
+    )
+    print(f"\n# exact denoiser step vs UNet step (batch 1, {where})")
+    print("| references | exact step (ms) | UNet step (ms) | exact / UNet |")
+    print("|---|---|---|---|")
+    for row in steps_rows:
+        print(
+            f"| {row['references']} | {1e3 * row['exact_step_s']:.2f} | {1e3 * row['unet_step_s']:.1f} | "
+            f"{row['exact_over_unet']:.4f} |"
+        )
+    if args.json:
+        record = {
+            "device": args.device,
+            "dtype": str(dtype),
+            "latent": latent,
+            "steps": steps,
+            "threads": torch.get_num_threads(),
+            "head": head,
+            "exact_steps": steps_rows,
+        }
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
