@@ -212,6 +212,14 @@ def test_fit_exponent_recovers_a_power_law():
     assert math.isnan(fit_exponent([5, 10], [-1.0, 0.1])["alpha"])
 
 
+def test_projected_cost_grows_with_the_tier():
+    from ipa_probe.experiments.timing import project
+
+    # loaded 2-core machine, 1 thread: 0.1 s per step of 32 tasks x 64 targets, 25 s per evaluation of 20 x 500
+    cost = {name: project(tier, step_s=0.1, eval_s=25.0) for name, tier in TIERS.items()}
+    assert cost["quick"] < 2 * 60 and cost["smoke"] < 10 * 60 < cost["full"] < 60 * 60
+
+
 def test_tiers_and_overrides():
     assert set(TIERS) == {"quick", "smoke", "full"}
     tier = get_tier("smoke").with_overrides(seeds=(4,), dims=(8, 4), ms=(10, 5))

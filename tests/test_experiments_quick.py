@@ -10,6 +10,7 @@ import pytest
 
 from ipa_probe.cli import main
 from ipa_probe.experiments import EXPERIMENTS
+from ipa_probe.experiments.headline import headline_rows
 
 
 @pytest.mark.slow
@@ -36,4 +37,6 @@ def test_quick_tier_writes_every_output(tmp_path, capsys):
         for run in json.loads((out / "attention" / "record.json").read_text())["training_runs"].values()
     )
     assert (out / "summary.md").exists()
+    quantities = {row.quantity.split(":")[0] for row in headline_rows(out)}
+    assert quantities == set(EXPERIMENTS)
     assert "summary:" in capsys.readouterr().out

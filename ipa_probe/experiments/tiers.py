@@ -1,11 +1,12 @@
 """Run sizes of the experiments: ``quick`` (tests, < 2 min), ``smoke`` (directions, < 10 min), ``full`` (< 60 min).
 
-Sizes come from 100-step timing runs on 2 CPU cores (``python -m ipa_probe.experiments.timing``): at the §D.0 CPU
-model (``d_model = 64``, 2 layers, 4 heads, 32 tasks × 64 targets × m = 50) one training step costs about 18 ms on an
-idle machine with 2 threads, but 70 ms (1 thread) to 1.5 s (2 threads, OpenMP spinning) while other jobs share the
-cores. The smoke and full tiers therefore halve the batch to 16 tasks × 64 targets (about 35–40 ms a step on a
-loaded machine) and trade steps for seeds; one 100-step Euler evaluation of 20 tasks × 250 points costs about as much
-as 250 training steps. Both tiers fit their budgets at the loaded-machine costs.
+Sizes come from 100-step timing runs on the project's 2-core machine (``python -m ipa_probe.experiments.timing``).
+At the §D.0 CPU model (``d_model = 64``, 2 layers, 4 heads, 32 tasks × 64 targets × m = 50) one training step costs
+about 18 ms on an idle machine with 2 threads; while other jobs share the cores it costs about 70–100 ms with one
+thread and up to 1.5 s with two (OpenMP threads spin-wait for each other), so run loaded machines with
+``--threads 1``. One 100-step Euler evaluation of 20 tasks × 500 points costs about 25 s there. The smoke and full
+tiers halve the batch to 16 tasks × 64 targets and use 20 × 250 evaluation points; at the loaded-machine costs
+:func:`ipa_probe.experiments.timing.project` puts ``smoke`` at about 10 min and ``full`` at about 50 min.
 """
 
 from __future__ import annotations
