@@ -198,8 +198,13 @@ class NWHeadAttnProcessor(IPAdapterAttnProcessor2_0):
                     "processor through the denoiser (ipa_probe.nw_head installs the timestep hook), or set "
                     "processor.clock.timestep"
                 )
-            h = spec(self.clock.timestep)
-            return torch.as_tensor(h, dtype=torch.float32, device=device)
+            h = torch.as_tensor(spec(self.clock.timestep), dtype=torch.float32, device=device)
+            if h.numel() != 1:
+                raise ValueError(
+                    f"the bandwidth callable returned a tensor of shape {tuple(h.shape)}; return a float or a 0-d "
+                    "tensor (one bandwidth per timestep)"
+                )
+            return h.reshape(())
         return spec
 
     def image_branch_logits(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

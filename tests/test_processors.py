@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 import torch
 from diffusers.image_processor import IPAdapterMaskProcessor
-from diffusers.models.attention_processor import Attention, AttnProcessor2_0, IPAdapterAttnProcessor2_0
+from diffusers.models.attention_processor import (
+    Attention,
+    AttnProcessor2_0,
+    IPAdapterAttnProcessor,
+    IPAdapterAttnProcessor2_0,
+)
 from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -147,6 +152,30 @@ def test_equal_norm_keys_at_matched_bandwidth_reproduce_the_learned_head(spatial
         hook.remove()
     assert swapped.shape == x.shape
     torch.testing.assert_close(swapped, learned, rtol=1e-5, atol=1e-6)
+
+
+def test_wraps_the_legacy_ip_adapter_processor_too():
+    attn, modern = bare_attention()
+    legacy = IPAdapterAttnProcessor(hidden_size=16, cross_attention_dim=24, num_tokens=(4,))
+    legacy.load_state_dict(modern.state_dict())
+    x, context = torch.randn(2, 12, 32), (torch.randn(2, 7, 24), [torch.randn(2, 1, 4, 24)])
+    with torch.no_grad():
+        attn.set_processor(NWHeadAttnProcessor(modern))
+        expected = attn(x, encoder_hidden_states=context)
+        nw = NWHeadAttnProcessor(legacy)
+        attn.set_processor(nw)
+        got = attn(x, encoder_hidden_states=context)
+    assert nw.to_k_ip is legacy.to_k_ip and nw.scale is legacy.scale
+    torch.testing.assert_close(got, expected)
+
+
+def test_a_bandwidth_callable_must_return_one_value():
+    _, original = bare_attention()
+    clock = TimestepClock()
+    clock.timestep = torch.tensor(10)
+    nw = NWHeadAttnProcessor(original, lambda t: torch.ones(3), clock)
+    with pytest.raises(ValueError, match="0-d"):
+        nw.bandwidth_for(8)
 
 
 def test_large_key_norms_stay_finite_in_low_precision():
