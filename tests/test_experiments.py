@@ -95,6 +95,13 @@ def test_model_accepts_any_support_size(exact, m):
     assert model(x, 0.3, s).velocity.shape == (2, 5, 3)  # a float time broadcasts
 
 
+def test_explicit_attention_matches_the_fused_path():
+    model = build_model(ModelConfig(dim=3, d_model=16, n_heads=4, n_layers=2), seed=1)
+    x, s, t = torch.randn(2, 5, 3), torch.randn(2, 11, 3), torch.rand(2, 5, 1)
+    out = model(x, t, s, return_attention=True)
+    torch.testing.assert_close(out.velocity, model(x, t, s).velocity, atol=1e-5, rtol=1e-5)
+
+
 def test_model_is_invariant_to_support_order():
     model = build_model(ModelConfig(dim=3, d_model=16, n_heads=2, n_layers=2, exact_head=True), seed=0).double()
     x, s, t = torch.randn(2, 5, 3).double(), torch.randn(2, 9, 3).double(), torch.rand(2, 5, 1).double()

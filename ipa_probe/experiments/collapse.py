@@ -128,6 +128,7 @@ def run(ctx) -> ExperimentResult:
     ax1.scatter([2, 16], [28, 0], marker="x", color="C3", label="paper")
     ax1.set(xscale="log", xlabel="d", ylabel="benefit (%)", title="exact-head benefit")
     ax1.set_xticks(dims, [str(d) for d in dims])
+    ax1.minorticks_off()
     ax1.legend()
     nd = list(raw["neff"])
     ax2.plot(nd, [raw["neff"][d]["mean"] for d in nd], marker="o", label="ours")
@@ -135,6 +136,7 @@ def run(ctx) -> ExperimentResult:
     ax2.axhline(1, color="grey", ls="--", lw=0.8, label="1-NN")
     ax2.set(xscale="log", yscale="log", xlabel="d", ylabel=f"NW n_eff at t={NEFF_T}", title="kernel collapse")
     ax2.set_xticks(nd, [str(d) for d in nd])
+    ax2.minorticks_off()
     ax2.legend()
     figures = [save_figure(fig, folder / "collapse.png")]
     return ExperimentResult("collapse", rows, {"measurements": raw, "neff_t": NEFF_T}, figures)

@@ -21,15 +21,16 @@ from .tasks import MetaDistribution, TaskBatch
 
 __all__ = [
     "MMDResult",
+    "evaluate_velocity",
     "generate",
     "head_attention",
     "head_neff",
+    "head_statistics",
     "held_out_tasks",
     "learned_velocity",
     "mmd_per_task",
     "nw_neff",
     "plugin_velocity",
-    "evaluate_velocity",
 ]
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

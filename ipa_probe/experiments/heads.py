@@ -113,6 +113,7 @@ def run(ctx) -> ExperimentResult:
     ax2.axhspan(0.45, 0.72, color="C3", alpha=0.15, label="paper's range")
     ax2.set(xscale="log", xlabel="heads H", ylabel="alpha", title="scaling exponent")
     ax2.set_xticks(hs, [str(h) for h in hs])
+    ax2.minorticks_off()
     ax2.legend()
     figures = [save_figure(fig, folder / "heads.png")]
     return ExperimentResult("heads", rows, {"measurements": raw, "dim": DIM}, figures)
