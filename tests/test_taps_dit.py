@@ -170,6 +170,41 @@ def test_no_host_synchronisation_added(refs, flux, sd3, family):
     assert probed.count == plain.count
 
 
+def _same_numbers(a, b):
+    numeric = a.select_dtypes("number").columns
+    np.testing.assert_allclose(a[numeric].to_numpy(), b[numeric].to_numpy(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_cpu_offload_and_low_precision(refs, flux, sd3, family):
+    """Under accelerate's offload hooks the step clock and taps see the same calls; bf16 keeps parity."""
+    make, reference = (tiny_flux_pipeline, flux) if family == "flux" else (tiny_sd3_pipeline, sd3)
+    with probe(reference) as run:
+        expected = generate(reference, refs, cfg=True)
+    offloaded = make()
+    offloaded.enable_model_cpu_offload(device="cpu")
+    with probe(offloaded) as offloaded_run:
+        assert torch.equal(generate(offloaded, refs, cfg=True), expected)
+    _same_numbers(offloaded_run.to_dataframe(), run.to_dataframe())
+    low = make(dtype=torch.bfloat16)
+    plain = generate(low, refs, cfg=True)
+    with probe(low) as low_run:
+        assert torch.equal(generate(low, refs, cfg=True), plain)
+    df = low_run.to_dataframe()
+    assert len(df) == len(run.to_dataframe()) and df["spearman"].notna().all() and (df["nonfinite"] == 0).all()
+
+
+@pytest.mark.slow
+def test_torch_compile_flux_transformer(refs, flux):
+    with probe(flux) as run:
+        expected = generate(flux, refs, cfg=True)
+    pipe = tiny_flux_pipeline()
+    pipe.transformer = torch.compile(pipe.transformer, backend="eager")
+    with probe(pipe) as compiled_run:
+        assert torch.equal(generate(pipe, refs, cfg=True), expected)
+    _same_numbers(compiled_run.to_dataframe(), run.to_dataframe())
+
+
 # --------------------------------------------------------------------------- the tap points
 
 
