@@ -3,7 +3,7 @@
 Explicit re-exports only; the code lives in the modules named below.
 """
 
-from . import images, layers, pipelines, report, theory
+from . import images, layers, pipelines, report, sweep, theory
 from .exact import ExactNWDenoiser, ExactNWPipeline, exact_pipeline
 from .kernels import dot_logits, key_norm_bias, matched_bandwidth, n_eff, nw_logits, nw_weights
 from .layers import find_ip_layers
@@ -11,6 +11,7 @@ from .pipelines import default_reference_images, save_tiny_pipeline, tiny_pipeli
 from .probe import ProbeConfig, ProbeRun, probe
 from .processors import NWHeadAttnProcessor, NWHeadConfig, apply_nw_head, nw_head, remove_nw_head
 from .stats import STAT_NAMES, compare_weights
+from .sweep import SweepRunner, read_manifest, run_sweep
 from .theory import ExactNWHead, OTSchedule, VPSchedule, nw_velocity
 
 __version__ = "0.1.0"
@@ -49,4 +50,8 @@ __all__ = [
     "OTSchedule",
     "VPSchedule",
     "nw_velocity",
+    "sweep",
+    "SweepRunner",
+    "read_manifest",
+    "run_sweep",
 ]

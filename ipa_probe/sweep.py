@@ -214,7 +214,8 @@ def _image_files(value: Any, base: Path, separated: bool) -> tuple[str, ...]:
                 raise ValueError(f"image folder {item!r} holds no image files ({', '.join(IMAGE_SUFFIXES)})")
             files.extend(found)
         elif not path.exists():
-            raise ValueError(f"image {item!r} does not exist (looked for {str(path)!r})")
+            hint = "; give several images as a JSON list" if not separated and any(s in item for s in "|;") else ""
+            raise ValueError(f"image {item!r} does not exist (looked for {str(path)!r}){hint}")
         else:
             files.append(path)
     for path in files:

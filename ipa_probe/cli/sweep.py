@@ -31,6 +31,7 @@ output (--out): rows/row-NNNNNN.parquet (one Parquet dataset, one part per row, 
 row_summary.parquet, aggregate.parquet (per timestep over rows, with a bootstrap CI), summary.json,
 rho_by_timestep.png. Run the same command again to resume: rows already written are skipped.
 
+device: by default the one accelerate gives each process (cuda:N), else cuda when present, else cpu.
 several processes (one device each; --out must be a folder they all see):
   accelerate launch --multi_gpu --num_processes 4 -m ipa_probe sweep MANIFEST --out DIR ...
 on CPU, the same with --device cpu (each process gets OMP_NUM_THREADS threads; accelerate's
@@ -127,10 +128,10 @@ def run(args: argparse.Namespace) -> int:
 
     from ..sweep import ManifestError, RowDefaults, SweepRunner, read_manifest, run_sweep
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     cpu = args.device.startswith("cpu") or (args.device == "auto" and not torch.cuda.is_available())
     state = PartialState(cpu=cpu, timeout=BARRIER_TIMEOUT)
+    if args.threads is not None:  # after PartialState, which may set its own count on CPU
+        torch.set_num_threads(args.threads)
     if state.num_processes == 1 and os.environ.get("MASTER_ADDR") and os.environ.get("WORLD_SIZE") is None:
         logger.warning(
             "one process only: `accelerate launch --cpu` starts a single process whatever --num_processes says; "
