@@ -60,7 +60,11 @@ class ProbeConfig:
         layers: regex (``re.search`` on the layer id) or list of them; ``None`` for every IP-Adapter layer.
         steps: denoising loop indices to record (an iterable of ints or a ``slice``); ``None`` for all.
         heads: head indices to record; ``None`` for all.
-        keep_maps: also keep the full attention maps (fp16, moved off the device without blocking).
+        keep_maps: also keep the full attention maps (fp16, moved off the device without blocking): in
+            :attr:`ProbeRun.maps`, ``(call, step, layer, adapter)`` -> a list of ``(B, H, Q, K)`` image-token weights,
+            one per denoiser pass (one per step for SD/SDXL/SD3, whose batch holds ``[uncond, cond]``; ``cond`` then
+            ``uncond`` for Flux with true CFG). For SD3 these are the joint weights restricted to the image tokens
+            and renormalised.
         max_map_bytes: refuse ``keep_maps`` when the estimated size of the maps exceeds this.
         seed: seed of the permutation null's random generator (the global RNG is never used).
         branch: which cross-attention to compare with NW weights: ``"image"`` (the IP-Adapter branch, over the
