@@ -830,7 +830,8 @@ def plot_aggregate(agg: pd.DataFrame, ax=None, branch: str = "cond", confidence:
 
 @dataclass
 class SweepResult:
-    """What a sweep did. ``row_summary`` and ``aggregate`` are set on the main process only.
+    """What a sweep did. Complete on the main process; elsewhere only ``out``, ``rows``, ``resumed``, ``processes``
+    and ``seconds`` are filled in (``done``, ``ran`` are 0 and the tables ``None``).
 
     Attributes:
         out: the output folder.
@@ -974,6 +975,8 @@ def run_sweep(
             temp.unlink(missing_ok=True)
         for record in layout.skipped.glob("*.json"):  # rows skipped at run time are tried again
             record.unlink()
+        for merged in (layout.row_summary, layout.aggregate, layout.summary, layout.plot):
+            merged.unlink(missing_ok=True)  # written again at the end: present only after a complete merge
         if restart:
             for part in layout.parts():
                 part.unlink()
@@ -1028,14 +1031,14 @@ def run_sweep(
         manifest,
         runner,
         layout,
-        pending,
-        done,
-        state.num_processes,
-        seconds,
-        threshold,
-        confidence,
-        n_resamples,
-        extra,
+        ran_now={row.row for row in pending},
+        resumed=done,
+        processes=state.num_processes,
+        seconds=seconds,
+        threshold=threshold,
+        confidence=confidence,
+        n_resamples=n_resamples,
+        extra=extra,
     )
 
 
@@ -1043,7 +1046,8 @@ def _merge(
     manifest: Manifest,
     runner: SweepRunner,
     layout: SweepLayout,
-    pending: list[ManifestRow],
+    *,
+    ran_now: set[int],
     resumed: set[int],
     processes: int,
     seconds: float,
@@ -1052,10 +1056,10 @@ def _merge(
     n_resamples: int,
     extra: dict[str, Any] | None,
 ) -> SweepResult:
+    """Read the parts of the manifest's rows one at a time, reduce each to per-timestep means, aggregate, write."""
     import matplotlib.pyplot as plt
     import pyarrow.parquet as pq
 
-    ran_now = {row.row for row in pending}
     summaries, by_process, row_seconds = [], {}, []
     run_skipped: list[SkippedRow] = []
     for row in manifest.rows:
@@ -1075,7 +1079,9 @@ def _merge(
         summaries.append(row_summary(pq.read_table(path).to_pandas(), threshold))
     extra_parts = sorted({p.name for p in layout.parts()} - {layout.part(r.row).name for r in manifest.rows})
     if extra_parts:
-        logger.warning("%d part file(s) in %s are not rows of this manifest; left out", len(extra_parts), layout.rows)
+        logger.warning(
+            "%d part file(s) in %s are not valid rows of this manifest; left out", len(extra_parts), layout.rows
+        )
     per_row = pd.concat(summaries, ignore_index=True) if summaries else pd.DataFrame()
     agg = aggregate(per_row, threshold=threshold, confidence=confidence, n_resamples=n_resamples)
     skipped = sorted([*manifest.skipped, *run_skipped], key=lambda s: s.row)
