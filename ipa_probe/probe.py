@@ -213,6 +213,7 @@ class ProbeRun:
         self._state = _StepState()
         self._capture.recording = False
         self._capture.stash.clear()
+        self.tap.reset()
         if self._active:
             release(self.pipe, _FEATURE)
             self._active = False

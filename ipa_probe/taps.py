@@ -120,6 +120,9 @@ class Tap:
         ``True`` for real prompt tokens) when the tap reads the text branch, else ``None``."""
         return None
 
+    def reset(self) -> None:
+        """Forget per-call state (called when the probe ends, so that no tensor outlives the run)."""
+
     def begin_pass(self, args: tuple, kwargs: dict) -> DenoiserPass:
         """Place a denoiser call in the loop (default: every call is a step holding every branch)."""
         return DenoiserPass(new_step=True)
@@ -225,6 +228,9 @@ class UNetTap(Tap):
 
         return hook
 
+    def reset(self) -> None:
+        self._pending_token_masks = []
+
     # ------------------------------------------------------------------ the text branch's padding mask
     def _on_text_encoder_call(self, module, args, kwargs) -> None:
         """Remember which prompt tokens are real: up to and including the first end-of-text token."""
@@ -298,8 +304,11 @@ class FluxTap(Tap):
         return ("cond", "uncond")
 
     def begin_call(self, args: tuple, kwargs: dict, branches: tuple[str, ...]) -> None:
-        self._last_input, self._pass = None, 0
+        self.reset()
         return None
+
+    def reset(self) -> None:
+        self._last_input, self._pass = None, 0
 
     def begin_pass(self, args: tuple, kwargs: dict) -> DenoiserPass:
         hidden = self.sample(args, kwargs)
