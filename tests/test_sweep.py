@@ -308,6 +308,26 @@ def test_rows_written_with_other_settings_stop_the_sweep_until_restart(workdir, 
     assert load_table(out)["step"].nunique() == 3
 
 
+@pytest.mark.slow
+def test_real_weights_by_path_take_images_from_the_rows(workdir, tmp_path, capsys, one_thread):
+    """--model without --image: rows bring their images, a row without any is skipped; same table as embedded."""
+    from ipa_probe.pipelines import save_tiny_pipeline
+
+    saved = save_tiny_pipeline(tmp_path / "saved", seed=0)
+    path = write_jsonl(workdir / "real.jsonl", [*MANIFEST_4[:2], {"prompt": "no images"}])
+    common = ["--steps", str(STEPS), "--size", "64", "64", "--no-progress", "--resamples", "99"]
+    model = ["--model", str(saved.model_dir), "--ip-adapter", str(saved.ip_adapter_dir)]
+    model += ["--weight-name", saved.weight_name, "--guidance-scale", "7.5"]
+    assert main(["sweep", str(path), "--out", str(tmp_path / "real"), *model, *common]) == 0
+    assert "1 skipped (line 3)" in capsys.readouterr().out
+    record = json.loads((tmp_path / "real" / "summary.json").read_text())
+    assert "no 'images'" in record["skipped"][0]["reason"] and record["settings"]["default_images"] is None
+    assert main(["sweep", str(path), "--out", str(tmp_path / "embedded"), *common]) == 0
+    real, embedded = load_table(tmp_path / "real"), load_table(tmp_path / "embedded", rows=[0, 1])
+    # weights read back from disk agree with the in-memory ones to float32 rounding, not always bit for bit
+    pd.testing.assert_frame_equal(real, embedded, rtol=1e-4, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------------ aggregation
 
 
