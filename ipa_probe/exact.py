@@ -79,8 +79,11 @@ def nw_mean_chunked(query: torch.Tensor, support: torch.Tensor, h: torch.Tensor,
     running_max = query.new_full((batch, 1), float("-inf"))
     normaliser = query.new_zeros(batch, 1)
     numerator = query.new_zeros(batch, dim)
+    inv_h2 = 1.0 / (h * h)
     for chunk in support.split(chunk_size):
-        logits = kernels.nw_logits(query, chunk, h)  # (B, n)
+        # (q·s_i - |s_i|^2/2) / h^2: the same per-row constant in every chunk (kernels.nw_logits re-centres per call,
+        # which would shift each chunk's logits differently), so the running log-sum-exp can combine them.
+        logits = kernels.dot_logits(query, chunk, inv_h2) + kernels.key_norm_bias(chunk, h)  # (B, n)
         new_max = torch.maximum(running_max, logits.amax(-1, keepdim=True))  # (B, 1)
         rescale = torch.exp(running_max - new_max)  # 0 on the first chunk (exp(-inf))
         weights = torch.exp(logits - new_max)  # (B, n), unnormalised, largest = 1
