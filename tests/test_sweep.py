@@ -3,6 +3,7 @@ two processes under `accelerate launch` giving the single-process table."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -375,7 +376,8 @@ def test_bootstrap_ci_matches_scipy_and_behaves_at_the_edges():
     rng = np.random.default_rng(0)
     x = rng.normal(0.7, 0.1, size=40)
     low, high = bootstrap_ci(x, 0.9, 4999, np.random.default_rng(1))
-    ref = stats.bootstrap((x,), np.mean, confidence_level=0.9, n_resamples=4999, rng=np.random.default_rng(1))
+    key = "rng" if "rng" in inspect.signature(stats.bootstrap).parameters else "random_state"  # scipy < 1.15
+    ref = stats.bootstrap((x,), np.mean, confidence_level=0.9, n_resamples=4999, **{key: np.random.default_rng(1)})
     assert (low, high) == tuple(ref.confidence_interval)
     wide = bootstrap_ci(x[:8], 0.9, 4999, np.random.default_rng(1))
     assert wide[1] - wide[0] > high - low  # fewer rows, wider interval
