@@ -51,8 +51,11 @@ def _local_or_hub(value: str) -> str:
     return str(path) if path.exists() else value
 
 
-def load_pipeline(args: argparse.Namespace) -> Loaded:
-    """Build the embedded pipeline or load real weights as the arguments say; errors become :class:`CLIError`."""
+def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Loaded:
+    """Build the embedded pipeline or load real weights as the arguments say; errors become :class:`CLIError`.
+
+    ``require_images=False`` lets real weights load without ``--image`` (a sweep's rows bring their own).
+    """
     import torch
 
     from ..images import load_images
@@ -86,7 +89,7 @@ def load_pipeline(args: argparse.Namespace) -> Loaded:
     else:
         if args.ip_adapter is None:
             raise CLIError("--model needs --ip-adapter (a hub id or folder with IP-Adapter weights)")
-        if references is None:
+        if references is None and require_images:
             raise CLIError("--model needs at least one --image (a reference image file or folder)")
         for value, flag in ((args.model, "--model"), (args.ip_adapter, "--ip-adapter")):
             if value.startswith((".", "/", "~")) and not Path(value).expanduser().exists():
@@ -129,7 +132,7 @@ def load_pipeline(args: argparse.Namespace) -> Loaded:
             "seed": args.seed,
             "device": str(device),
             "dtype": args.dtype,
-            "references": len(references),
+            "references": len(references or ()),
         }
     )
     return Loaded(pipe, references, call_kwargs, description)

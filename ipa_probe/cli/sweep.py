@@ -156,9 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
     load_args = argparse.Namespace(**vars(args))
     load_args.device = _device(args, state)
-    if args.model is not None and not args.image:
-        load_args.image = [manifest.rows[0].images[0]]  # load_pipeline wants one; rows bring their own images
-    loaded = load_pipeline(load_args)
+    loaded = load_pipeline(load_args, require_images=False)  # rows bring their own images
     loaded.pipe.set_progress_bar_config(disable=True)
     embedded_or_given = args.model is None or bool(args.image)
     call_kwargs = {k: v for k, v in loaded.call_kwargs.items() if k not in ("prompt", "num_inference_steps")}
