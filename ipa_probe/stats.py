@@ -39,6 +39,10 @@ STAT_NAMES: tuple[str, ...] = (
 )
 
 
+#: Up to this many keys, ranks come from pairwise comparisons (a few fused ops); above it, from a sort.
+PAIRWISE_RANK_MAX_KEYS = 32
+
+
 def rank(x: torch.Tensor) -> torch.Tensor:
     """Ranks ``1..K`` along the last dimension, ties given their average rank (as ``scipy.stats.rankdata``).
 
@@ -49,8 +53,13 @@ def rank(x: torch.Tensor) -> torch.Tensor:
         ranks in ``x``'s floating dtype (float32 for integer input), shape ``(..., K)``.
     """
     dtype = x.dtype if x.is_floating_point() else torch.float32
-    sorted_x, order = x.sort(dim=-1)
     k = x.shape[-1]
+    if k <= PAIRWISE_RANK_MAX_KEYS:
+        # rank_i = #{j: x_j < x_i} + (#{j: x_j = x_i} + 1) / 2
+        below = (x.unsqueeze(-2) < x.unsqueeze(-1)).sum(-1)  # (..., K)
+        equal = (x.unsqueeze(-2) == x.unsqueeze(-1)).sum(-1)
+        return below.to(dtype) + (equal.to(dtype) + 1) / 2
+    sorted_x, order = x.sort(dim=-1)
     position = torch.arange(1, k + 1, device=x.device, dtype=dtype).expand(sorted_x.shape)
     starts = torch.ones_like(sorted_x, dtype=torch.bool)
     starts[..., 1:] = sorted_x[..., 1:] != sorted_x[..., :-1]
@@ -73,6 +82,11 @@ def _row_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = N
     return (a * b).sum(-1) / ((a * a).sum(-1) * (b * b).sum(-1)).sqrt()
 
 
+def _masked_ranks(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    # Left-out entries rank above every kept one, so the kept entries get ranks 1..n among themselves.
+    return rank(x if mask is None else torch.where(mask, x, math.inf))
+
+
 def row_spearman(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Spearman's rho of each row of ``a`` against the same row of ``b``: ``(..., K), (..., K) -> (...)``.
 
@@ -82,12 +96,7 @@ def row_spearman(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = N
         a, b: values, shape ``(..., K)``.
         mask: optional boolean ``(..., K)``: only the entries where it holds take part (ranked among themselves).
     """
-    if mask is None:
-        return _row_pearson(rank(a), rank(b))
-    # Left-out entries rank above every kept one, so the kept entries get ranks 1..n among themselves.
-    a = torch.where(mask, a, math.inf)
-    b = torch.where(mask, b, math.inf)
-    return _row_pearson(rank(a), rank(b), mask)
+    return _row_pearson(_masked_ranks(a, mask), _masked_ranks(b, mask), mask)
 
 
 def raveled_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,6 +119,11 @@ def raveled_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None 
     da = (a - mean_a[..., None, None]) * m
     db = (b - mean_b[..., None, None]) * m
     return (da * db).sum((-2, -1)) / ((da * da).sum((-2, -1)) * (db * db).sum((-2, -1))).sqrt()
+
+
+def _log_softmax(x: torch.Tensor) -> torch.Tensor:
+    # x - logsumexp(x): the same values as torch.log_softmax, several times faster on CPU for short rows
+    return x - x.logsumexp(-1, keepdim=True)
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -176,8 +190,8 @@ def compare_weights(
         key_mask = key_mask.gather(-1, order)
         attn_logits = attn_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
         nw_logits = nw_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
-    log_a = torch.log_softmax(attn_logits, dim=-1)  # (..., R, K)
-    log_w = torch.log_softmax(nw_logits, dim=-1)
+    log_a = _log_softmax(attn_logits)  # (..., R, K)
+    log_w = _log_softmax(nw_logits)
     a, w = log_a.exp(), log_w.exp()
     valid = (a.isfinite() & w.isfinite()).all(-1)  # (..., R)
     a = torch.where(valid.unsqueeze(-1), a, 1.0)
@@ -185,11 +199,13 @@ def compare_weights(
 
     kl_rows = torch.where(a > 0, a * (log_a - log_w), 0.0).sum(-1)
     top1_rows = (a.argmax(-1) == w.argmax(-1)).float()
-    # Ranks are taken on the logits: the same order as the weights, without the ties that underflow makes.
+    # Ranks are taken on the logits: the same order as the weights, without the ties that underflow makes. The null
+    # shuffles the NW ranks themselves (ranking is permutation-equivariant), so each side is ranked once.
     entries = valid if key_mask is None else valid.unsqueeze(-1) & key_mask
+    attn_ranks, nw_ranks = _masked_ranks(attn_logits, key_mask), _masked_ranks(nw_logits, key_mask)
     stats = (
-        _masked_mean(row_spearman(attn_logits, nw_logits, key_mask), valid),
-        _masked_mean(row_spearman(attn_logits, _shuffle_rows(nw_logits, generator, key_mask), key_mask), valid),
+        _masked_mean(_row_pearson(attn_ranks, nw_ranks, key_mask), valid),
+        _masked_mean(_row_pearson(attn_ranks, _shuffle_rows(nw_ranks, generator, key_mask), key_mask), valid),
         raveled_pearson(a, w, entries),
         _masked_mean(kl_rows, valid),
         _masked_mean(top1_rows, valid),
