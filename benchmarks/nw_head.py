@@ -20,66 +20,9 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
-
-
-def sd15_pipeline(device: str, dtype: torch.dtype, seed: int = 0):
-    """A StableDiffusionPipeline whose UNet has SD 1.5's architecture (random weights) and one IP-Adapter."""
-    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
-
-    from ipa_probe.pipelines import tiny_components, tiny_ip_adapter_state_dict
-
-    components = tiny_components("sd15", seed)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        components["unet"] = UNet2DConditionModel(
-            sample_size=64,
-            in_channels=4,
-            out_channels=4,
-            block_out_channels=(320, 640, 1280, 1280),
-            layers_per_block=2,
-            cross_attention_dim=768,
-            attention_head_dim=8,
-            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-        ).eval()
-    pipe = StableDiffusionPipeline(**components)
-    state = tiny_ip_adapter_state_dict(pipe.unet, pipe.image_encoder, "base", seed)
-    pipe.load_ip_adapter([state], subfolder=[""], weight_name=[""], image_encoder_folder=None)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device=device, dtype=dtype)
-
-
-def call_inputs(pipe, latent: int, steps: int, n_images: int, device: str, dtype: torch.dtype) -> dict:
-    g = torch.Generator().manual_seed(1)
-    embed_dim = pipe.image_encoder.config.projection_dim
-    prompt = torch.randn(1, 77, 768, generator=g)
-    image_embeds = torch.randn(2, n_images, embed_dim, generator=g)  # [negative, positive] for CFG
-    return {
-        "prompt_embeds": prompt.to(device, dtype),
-        "negative_prompt_embeds": torch.zeros_like(prompt).to(device, dtype),
-        "ip_adapter_image_embeds": [image_embeds.to(device, dtype)],
-        "num_inference_steps": steps,
-        "height": latent * 8,
-        "width": latent * 8,
-        "output_type": "latent",
-        "guidance_scale": 7.5,
-    }
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _timed(fn, device: str) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - start
+from sd15_arch import call_inputs, sd15_pipeline, timed
 
 
 def head_ratio(pipe, inputs: dict, repeats: int, device: str) -> dict:
@@ -98,7 +41,7 @@ def head_ratio(pipe, inputs: dict, repeats: int, device: str) -> dict:
     for r in range(repeats):
         order = (("learned", learned), ("nw", nw)) if r % 2 == 0 else (("nw", nw), ("learned", learned))
         for name, fn in order:
-            times[name].append(_timed(fn, device))
+            times[name].append(timed(fn, device))
     ratios = [n / lr for n, lr in zip(times["nw"], times["learned"], strict=True)]
     return {
         "learned_s": statistics.median(times["learned"]),
@@ -148,7 +91,7 @@ def processor_ratio(pipe, latent: int, repeats: int, device: str, dtype: torch.d
     times = {0: [], 1: []}
     for r in range(repeats):
         for which in (0, 1) if r % 2 == 0 else (1, 0):
-            times[which].append(_timed(lambda which=which: run(which), device))
+            times[which].append(timed(lambda which=which: run(which), device))
     ratios = [n / lr for n, lr in zip(times[1], times[0], strict=True)]
     return {
         "layers": len(calls),
@@ -188,8 +131,8 @@ def step_times(pipe, latent: int, refs: list[int], repeats: int, device: str, dt
         exact_step()
         exact_times = []
         for _ in range(repeats):  # alternate, as above
-            unet_times.append(_timed(unet_step, device))
-            exact_times.append(_timed(exact_step, device))
+            unet_times.append(timed(unet_step, device))
+            exact_times.append(timed(exact_step, device))
         rows.append({"references": m, "exact_step_s": statistics.median(exact_times)})
     unet_s = statistics.median(unet_times)
     for row in rows:
