@@ -6,23 +6,11 @@ import argparse
 import logging
 
 from . import CLIError
-from ._common import add_model_arguments, load_pipeline, output_dir
+from ._common import add_model_arguments, bandwidth_type, load_pipeline, output_dir
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_SEEDS = 3
-
-
-def _bandwidth(value: str):
-    if value == "matched":
-        return value
-    try:
-        h = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'matched' or a positive number, got {value!r}") from None
-    if not h > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive bandwidth, got {value}")
-    return h
 
 
 def add_parser(subparsers) -> None:
@@ -45,9 +33,8 @@ def add_parser(subparsers) -> None:
         default=None,
         help=f"use the seeds --seed, --seed + 1, ... (default: {DEFAULT_NUM_SEEDS})",
     )
-    parser.add_argument(
-        "--bandwidth", type=_bandwidth, default="matched", help="NW head bandwidth: 'matched' (default) or h > 0"
-    )
+    bandwidth = bandwidth_type("matched")
+    parser.add_argument("--bandwidth", type=bandwidth, default="matched", help="NW head bandwidth: 'matched' or h > 0")
     parser.add_argument("--clip-model", default="ViT-B-32", help="open_clip model name (default: ViT-B-32)")
     parser.add_argument(
         "--clip-pretrained",

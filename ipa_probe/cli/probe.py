@@ -6,21 +6,9 @@ import argparse
 import logging
 
 from . import CLIError
-from ._common import add_model_arguments, load_pipeline, output_dir
+from ._common import add_model_arguments, bandwidth_type, load_pipeline, output_dir
 
 logger = logging.getLogger(__name__)
-
-
-def _bandwidth(value: str):
-    if value in ("matched", "fit"):
-        return value
-    try:
-        h = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'matched', 'fit' or a positive number, got {value!r}") from None
-    if not h > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive bandwidth, got {value}")
-    return h
 
 
 def add_parser(subparsers) -> None:
@@ -30,7 +18,8 @@ def add_parser(subparsers) -> None:
         description="Generate with the probe on. With no model arguments the embedded tiny pipeline runs offline.",
     )
     add_model_arguments(parser)
-    parser.add_argument("--bandwidth", type=_bandwidth, default="matched", help="'matched' (default), 'fit' or h > 0")
+    bandwidth = bandwidth_type("matched", "fit")
+    parser.add_argument("--bandwidth", type=bandwidth, default="matched", help="'matched' (default), 'fit' or h > 0")
     parser.add_argument("--layers", action="append", help="regex selecting layer ids (repeatable; default: all)")
     parser.add_argument("--keep-maps", action="store_true", help="also save the full attention maps (fp16, .pt)")
     parser.add_argument("--out", default="outputs/probe", help="output folder (default: outputs/probe)")

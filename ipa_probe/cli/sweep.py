@@ -8,7 +8,7 @@ import os
 from datetime import timedelta
 
 from . import CLIError
-from ._common import add_model_arguments, load_pipeline, output_dir
+from ._common import add_model_arguments, bandwidth_type, load_pipeline, output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +37,6 @@ several processes (one device each; --out must be a folder they all see):
 on CPU, the same with --device cpu (each process gets OMP_NUM_THREADS threads; accelerate's
 --num_cpu_threads_per_process sets it). `accelerate launch --cpu` starts a single process.
 """
-
-
-def _bandwidth(value: str):
-    from ..sweep import parse_bandwidth
-
-    try:
-        return parse_bandwidth(value)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _positive_int(value: str) -> int:
@@ -80,7 +71,8 @@ def add_parser(subparsers) -> None:
     add_model_arguments(parser)
     # "auto": the device accelerate gives this process (one GPU per process), else cuda when present, else cpu.
     parser.set_defaults(device="auto")
-    parser.add_argument("--bandwidth", type=_bandwidth, default="matched", help="default NW bandwidth of a row")
+    bandwidth = bandwidth_type("matched", "fit")
+    parser.add_argument("--bandwidth", type=bandwidth, default="matched", help="default NW bandwidth of a row")
     parser.add_argument("--layers", action="append", help="regex selecting layer ids (repeatable; default: all)")
     parser.add_argument("--out", default="outputs/sweep", help="output folder (default: outputs/sweep)")
     parser.add_argument("--restart", action="store_true", help="discard results already in --out and run all rows")
