@@ -21,6 +21,7 @@ import math
 import torch
 
 __all__ = [
+    "check_bandwidth",
     "dot_logits",
     "entropy",
     "key_norm_bias",
@@ -30,6 +31,23 @@ __all__ = [
     "nw_mean",
     "nw_weights",
 ]
+
+
+def check_bandwidth(bandwidth, keywords: tuple[str, ...] = ("matched",)) -> None:
+    """Raise unless ``bandwidth`` is one of ``keywords``, a positive finite number, or a callable of the timestep.
+
+    Raises:
+        ValueError: an unknown keyword or a number that is not positive and finite.
+        TypeError: anything else.
+    """
+    expected = f"expected {', '.join(repr(k) for k in keywords)}, a positive float or a callable of the timestep"
+    if isinstance(bandwidth, str):
+        if bandwidth not in keywords:
+            raise ValueError(f"bandwidth: {expected}, got {bandwidth!r}")
+    elif isinstance(bandwidth, bool) or not (callable(bandwidth) or isinstance(bandwidth, int | float)):
+        raise TypeError(f"bandwidth: {expected}, got {bandwidth!r}")
+    elif not callable(bandwidth) and not (math.isfinite(bandwidth) and bandwidth > 0):
+        raise ValueError(f"bandwidth: expected a positive, finite bandwidth h, got {bandwidth}; e.g. 1.0 or 'matched'")
 
 
 def matched_bandwidth(head_dim: int) -> float:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .kernels import dot_logits, matched_bandwidth, nw_logits
+from .kernels import check_bandwidth, dot_logits, matched_bandwidth, nw_logits
 from .layers import IPLayer, LayerSelection, claim, find_ip_layers, image_branch_logits, release
 from .stats import STAT_NAMES, compare_weights, fit_bandwidth
 from .taps import Capture, Tap, tap_for
@@ -85,16 +85,7 @@ class ProbeConfig:
     def __post_init__(self) -> None:
         if self.branch not in ("image", "text", "both"):
             raise ValueError(f'branch: expected "image", "text" or "both", got {self.branch!r}')
-        bw = self.bandwidth
-        if isinstance(bw, str):
-            if bw not in ("matched", "fit"):
-                raise ValueError(f'bandwidth: expected "matched", "fit", a positive float or a callable, got {bw!r}')
-        elif isinstance(bw, bool) or not (callable(bw) or isinstance(bw, int | float)):
-            raise TypeError(f'bandwidth: expected "matched", "fit", a positive float or a callable, got {bw!r}')
-        elif not callable(bw) and not (math.isfinite(bw) and bw > 0):
-            raise ValueError(
-                f"bandwidth: expected a positive, finite bandwidth h, got {bw}; use e.g. 1.0 or 'matched'"
-            )
+        check_bandwidth(self.bandwidth, ("matched", "fit"))
         if self.steps is not None and not isinstance(self.steps, slice):
             steps = tuple(self.steps)
             if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):

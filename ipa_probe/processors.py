@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 from diffusers.image_processor import IPAdapterMaskProcessor
 from diffusers.models.attention_processor import Attention, IPAdapterAttnProcessor2_0
 
-from .kernels import key_norm_bias, matched_bandwidth, nw_logits
+from .kernels import check_bandwidth, key_norm_bias, matched_bandwidth, nw_logits
 from .layers import LayerSelection, claim, denoiser_of, find_ip_layers, release
 
 __all__ = [
@@ -61,21 +60,12 @@ _STATE_ATTRIBUTE = "_ipa_probe_nw_head"
 
 
 def _check_bandwidth(bandwidth: Any) -> None:
-    expected = 'expected "matched", a positive float or a callable of the timestep'
-    if isinstance(bandwidth, str):
-        if bandwidth == "fit":
-            raise ValueError(
-                'bandwidth="fit" is a probe setting, not a head: run `ipa_probe.probe(pipe, bandwidth="fit")`, read '
-                "the fitted h from its `bandwidth` column and pass that float (or a callable of the timestep) here"
-            )
-        if bandwidth != "matched":
-            raise ValueError(f"bandwidth: {expected}, got {bandwidth!r}")
-    elif isinstance(bandwidth, bool) or not (callable(bandwidth) or isinstance(bandwidth, int | float)):
-        raise TypeError(f"bandwidth: {expected}, got {bandwidth!r}")
-    elif not callable(bandwidth) and not (math.isfinite(bandwidth) and bandwidth > 0):
+    if bandwidth == "fit":
         raise ValueError(
-            f"bandwidth: expected a positive, finite bandwidth h, got {bandwidth}; use e.g. 2.0 or 'matched'"
+            'bandwidth="fit" is a probe setting, not a head: run `ipa_probe.probe(pipe, bandwidth="fit")`, read '
+            "the fitted h from its `bandwidth` column and pass that float (or a callable of the timestep) here"
         )
+    check_bandwidth(bandwidth)
 
 
 @dataclass(frozen=True)
