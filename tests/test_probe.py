@@ -7,11 +7,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from diffusers.image_processor import IPAdapterMaskProcessor
 from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
-from PIL import Image
+from helpers import CountScalarReads, masks_for
 from scipy import stats as sps
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ipa_probe
 import ipa_probe.images
@@ -52,13 +50,6 @@ def _hook_snapshot(pipe):
 # --------------------------------------------------------------------------- parity
 
 
-def _masks(n_images):
-    masks = [Image.new("L", (64, 64), 0) for _ in range(n_images)]
-    for i, mask in enumerate(masks):
-        mask.paste(255, (32 * (i % 2), 0, 32 * (i % 2) + 32, 64))
-    return [IPAdapterMaskProcessor().preprocess(masks, height=64, width=64).reshape(1, n_images, 64, 64)]
-
-
 @pytest.mark.parametrize(
     "kind, variant, adapters, guidance, masks",
     [
@@ -76,7 +67,7 @@ def test_probe_output_is_bit_identical(refs, kind, variant, adapters, guidance, 
     pipe = tiny_pipeline(kind, ip_adapter=variant, num_adapters=adapters)
     kwargs = {"guidance_scale": guidance}
     if masks:
-        kwargs["cross_attention_kwargs"] = {"ip_adapter_masks": _masks(len(refs))}
+        kwargs["cross_attention_kwargs"] = {"ip_adapter_masks": masks_for(len(refs))}
     plain = generate(pipe, refs, adapters, **kwargs)
     with probe(pipe) as run:
         probed = generate(pipe, refs, adapters, **kwargs)
@@ -235,28 +226,15 @@ def test_nonfinite_weights_are_flagged_not_raised(sd15, refs):
     assert df[df.branch == "cond"]["spearman"].notna().all()
 
 
-class _CountScalarReads(TorchDispatchMode):
-    """Counts device-to-host scalar reads (``.item()``, ``bool(tensor)``), the syncs that stall a GPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_no_host_synchronisation_inside_the_denoising_loop(sd15, refs):
     """The probe adds no scalar read to the pipeline call (it only enqueues device work)."""
     kwargs = {"output_type": "latent", "guidance_scale": 5.0}
     generate(sd15, refs, **kwargs)  # warm-up
-    with _CountScalarReads() as plain:
+    with CountScalarReads() as plain:
         generate(sd15, refs, **kwargs)
     for bandwidth in ("matched", "fit", 1.5, lambda t: 1.0 + t / 1000):
         with probe(sd15, bandwidth=bandwidth):
-            with _CountScalarReads() as probed:
+            with CountScalarReads() as probed:
                 generate(sd15, refs, **kwargs)
         assert probed.count == plain.count, bandwidth
 

@@ -9,15 +9,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from diffusers.image_processor import IPAdapterMaskProcessor
 from diffusers.models.attention_processor import (
     Attention,
     AttnProcessor2_0,
     IPAdapterAttnProcessor,
     IPAdapterAttnProcessor2_0,
 )
-from PIL import Image
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import CountScalarReads, masks_for
 
 import ipa_probe
 from ipa_probe.layers import find_ip_layers
@@ -50,13 +48,6 @@ def generate(pipe, refs, adapters=1, **kwargs):
     generator = torch.Generator().manual_seed(0)
     out = pipe("a photo of a flower", ip_adapter_image=images, generator=generator, **kwargs).images
     return out if isinstance(out, torch.Tensor) else torch.from_numpy(np.asarray(out))
-
-
-def masks_for(n_images, size=64):
-    masks = [Image.new("L", (size, size), 0) for _ in range(n_images)]
-    for i, mask in enumerate(masks):
-        mask.paste(255, (size // 2 * (i % 2), 0, size // 2 * (i % 2) + size // 2, size))
-    return [IPAdapterMaskProcessor().preprocess(masks, height=size, width=size).reshape(1, n_images, size, size)]
 
 
 @contextlib.contextmanager
@@ -365,27 +356,14 @@ def test_callable_bandwidth_sees_every_timestep_and_matches_the_float_head(sd15,
     assert sorted({float(t) for t in seen}, reverse=True) == [float(t) for t in sd15.scheduler.timesteps]
 
 
-class _CountScalarReads(TorchDispatchMode):
-    """Counts device-to-host scalar reads (``.item()``, ``bool(tensor)``, ...): each one is a host sync on a GPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_nw_head_adds_no_host_synchronisation(sd15, refs):
     kwargs = {"guidance_scale": 5.0}
     generate(sd15, refs, **kwargs)  # warm-up
-    with _CountScalarReads() as plain:
+    with CountScalarReads() as plain:
         generate(sd15, refs, **kwargs)
     for bandwidth in ("matched", 0.8, lambda t: 0.5 + t / 1000):
         with nw_head(sd15, bandwidth=bandwidth):
-            with _CountScalarReads() as swapped:
+            with CountScalarReads() as swapped:
                 generate(sd15, refs, **kwargs)
         assert swapped.count == plain.count, bandwidth
 

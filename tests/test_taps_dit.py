@@ -18,8 +18,8 @@ from diffusers.models.transformers.transformer_flux import (
     FluxAttnProcessor,
     FluxIPAdapterAttnProcessor,
 )
+from helpers import CountScalarReads
 from scipy import stats as sps
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ipa_probe.layers import find_ip_layers
 from ipa_probe.pipelines import default_reference_images
@@ -147,25 +147,14 @@ def test_sd3_skip_layer_guidance_pass_is_not_recorded(refs, sd3):
     np.testing.assert_allclose(df[numeric].to_numpy(), ref[numeric].to_numpy(), rtol=1e-6, atol=1e-7)
 
 
-class _CountScalarReads(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("family", ["flux", "sd3"])
 def test_no_host_synchronisation_added(refs, flux, sd3, family):
     pipe = flux if family == "flux" else sd3
     generate(pipe, refs, cfg=True)  # warm-up
-    with _CountScalarReads() as plain:
+    with CountScalarReads() as plain:
         generate(pipe, refs, cfg=True)
     with probe(pipe, bandwidth=lambda t: 1.0 + t / 1000):
-        with _CountScalarReads() as probed:
+        with CountScalarReads() as probed:
             generate(pipe, refs, cfg=True)
     assert probed.count == plain.count
 

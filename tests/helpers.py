@@ -1,0 +1,30 @@
+"""Helpers shared by the test modules (pytest puts this folder on sys.path)."""
+
+from __future__ import annotations
+
+import torch
+from diffusers.image_processor import IPAdapterMaskProcessor
+from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class CountScalarReads(TorchDispatchMode):
+    """Counts device-to-host scalar reads (``.item()``, ``bool(tensor)``), the syncs that stall a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def masks_for(n_images: int, size: int = 64) -> list[torch.Tensor]:
+    """One adapter's ``ip_adapter_masks`` entry: image ``i`` on the left or right half, alternating."""
+    half = size // 2
+    masks = [Image.new("L", (size, size), 0) for _ in range(n_images)]
+    for i, mask in enumerate(masks):
+        mask.paste(255, (half * (i % 2), 0, half * (i % 2) + half, size))
+    return [IPAdapterMaskProcessor().preprocess(masks, height=size, width=size).reshape(1, n_images, size, size)]
