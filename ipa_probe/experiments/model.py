@@ -177,8 +177,10 @@ class ICFMVelocityNet(nn.Module):
         """The exact empirical field of the support, no gradient: ``(B, n, d)``, ``t (B, n, 1)``, ``(B, m, d)``."""
         from ..theory import nw_velocity
 
+        dtype = torch.promote_types(x.dtype, torch.float32)  # at least float32: the field is stiff near t = 1
         with torch.no_grad():
-            return nw_velocity(x.float(), t.float(), support.float(), sigma_min=self.config.sigma_min).to(x.dtype)
+            u = nw_velocity(x.to(dtype), t.to(dtype), support.to(dtype), sigma_min=self.config.sigma_min)
+        return u.to(x.dtype)
 
     def forward(
         self,

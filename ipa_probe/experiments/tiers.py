@@ -5,8 +5,10 @@ At the §D.0 CPU model (``d_model = 64``, 2 layers, 4 heads, 32 tasks × 64 targ
 about 18 ms on an idle machine with 2 threads; while other jobs share the cores it costs about 70–100 ms with one
 thread and up to 1.5 s with two (OpenMP threads spin-wait for each other), so run loaded machines with
 ``--threads 1``. One 100-step Euler evaluation of 20 tasks × 500 points costs about 25 s there. The smoke and full
-tiers halve the batch to 16 tasks × 64 targets and use 20 × 250 evaluation points; at the loaded-machine costs
-:func:`ipa_probe.experiments.timing.project` puts ``smoke`` at about 10 min and ``full`` at about 50 min.
+tiers halve the batch to 16 tasks × 64 targets and use 20 × 250 evaluation points. At these pessimistic costs
+:func:`ipa_probe.experiments.timing.project` puts ``smoke`` at about 10 min and ``full`` at about 58 min; measured
+with 1 thread on the shared machine: ``quick`` 21 s (inside pytest), ``smoke`` 2–7 min, ``full`` 15 min (load
+average 2–3; a full run with two thirds of these steps took 21 min at load 6–9).
 """
 
 from __future__ import annotations
@@ -158,10 +160,10 @@ TIERS: dict[str, Tier] = {
         lr=1e-3,
         warmup=100,
         seeds=(0, 1, 2),
-        collapse_steps=800,
-        shells_steps=1200,
-        scarcity_steps=2000,
-        heads_steps=1000,
+        collapse_steps=1000,
+        shells_steps=1600,
+        scarcity_steps=3000,
+        heads_steps=1500,
         eval_tasks=20,
         eval_points=250,
         euler_steps=100,
