@@ -39,10 +39,6 @@ STAT_NAMES: tuple[str, ...] = (
 )
 
 
-#: Up to this many keys, ranks come from pairwise comparisons (a few fused ops); above it, from a sort.
-PAIRWISE_RANK_MAX_KEYS = 32
-
-
 def rank(x: torch.Tensor) -> torch.Tensor:
     """Ranks ``1..K`` along the last dimension, ties given their average rank (as ``scipy.stats.rankdata``).
 
@@ -54,11 +50,6 @@ def rank(x: torch.Tensor) -> torch.Tensor:
     """
     dtype = x.dtype if x.is_floating_point() else torch.float32
     k = x.shape[-1]
-    if k <= PAIRWISE_RANK_MAX_KEYS:
-        # rank_i = #{j: x_j < x_i} + (#{j: x_j = x_i} + 1) / 2
-        below = (x.unsqueeze(-2) < x.unsqueeze(-1)).sum(-1)  # (..., K)
-        equal = (x.unsqueeze(-2) == x.unsqueeze(-1)).sum(-1)
-        return below.to(dtype) + (equal.to(dtype) + 1) / 2
     sorted_x, order = x.sort(dim=-1)
     position = torch.arange(1, k + 1, device=x.device, dtype=dtype).expand(sorted_x.shape)
     starts = torch.ones_like(sorted_x, dtype=torch.bool)
