@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 DEMO_OUT ?= outputs/demo
 PYTEST_ARGS ?=
+TIER ?= smoke
 
 .PHONY: venv demo test test-fast lint format hooks bench experiments clean
 
@@ -38,7 +39,13 @@ hooks:
 	@echo "git hooks installed from hooks/ (pre-commit: ruff, notebook-output stripping, fast tests)"
 
 bench: $(STAMP)
-	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+	$(PY) benchmarks/probe_overhead.py
+	$(PY) benchmarks/nw_head.py
+	$(PY) benchmarks/nw_field.py --quick
+	$(PY) benchmarks/sweep_throughput.py
+
+experiments: $(STAMP)
+	$(VENV)/bin/ipa-probe experiments all --tier $(TIER) --out outputs/experiments-$(TIER)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
