@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["COLUMNS", "plot_run", "run_table", "save_run", "summarize", "versions"]
+__all__ = ["COLUMNS", "plot_run", "run_table", "save_run", "style_timestep_axes", "summarize", "versions"]
 
 #: Columns of :meth:`ipa_probe.ProbeRun.to_dataframe`, in order.
 COLUMNS: tuple[str, ...] = (
@@ -130,17 +130,22 @@ def plot_run(table: pd.DataFrame, ax=None, branch: str = "cond", kind: str = "im
         ax.fill_between(x, rho - std, rho + std, alpha=0.2)
         ax.plot(x, part["pearson"], marker=".", linestyle="--", label=f"Pearson r{suffix}")
         ax.plot(x, part["spearman_null"], color="grey", linestyle=":", label=f"permutation null{suffix}")
+    style_timestep_axes(ax)
+    what = "IP-Adapter" if kind == "image" else "text"
+    ax.set_title(f"{what} attention vs Gaussian NW ({branch} branch)")
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
+def style_timestep_axes(ax) -> None:
+    """Axes of a correlation-by-timestep plot: y in [-1, 1] with a zero line, x in the denoising direction."""
     ax.set_xlabel("timestep (denoising →)")
     ax.set_ylabel("attention vs NW")
     ax.set_ylim(-1.05, 1.05)
     ax.axhline(0, color="black", linewidth=0.5)
     if not ax.xaxis_inverted():
         ax.invert_xaxis()
-    what = "IP-Adapter" if kind == "image" else "text"
-    ax.set_title(f"{what} attention vs Gaussian NW ({branch} branch)")
-    ax.legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
-    return fig
 
 
 def versions() -> dict[str, str]:

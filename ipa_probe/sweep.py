@@ -39,7 +39,7 @@ import numpy as np
 import pandas as pd
 
 from .images import IMAGE_SUFFIXES, load_images
-from .report import summarize, versions
+from .report import style_timestep_axes, summarize, versions
 
 __all__ = [
     "MANIFEST_KEYS",
@@ -814,12 +814,7 @@ def plot_aggregate(agg: pd.DataFrame, ax=None, branch: str = "cond", confidence:
         ax.set_title(f"IP-Adapter attention vs Gaussian NW, {rows} row(s) ({branch} branch)")
     else:
         ax.set_title("IP-Adapter attention vs Gaussian NW (no rows)")
-    ax.set_xlabel("timestep (denoising →)")
-    ax.set_ylabel("attention vs NW")
-    ax.set_ylim(-1.05, 1.05)
-    ax.axhline(0, color="black", linewidth=0.5)
-    if not ax.xaxis_inverted():
-        ax.invert_xaxis()
+    style_timestep_axes(ax)
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     return fig
