@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    if not args.verbose:
+        # diffusers warns on every load_ip_adapter that an empty list of modules "should be kept in float32"
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.set_verbosity_error()
     try:
         return int(args.func(args) or 0)
     except CLIError as err:
