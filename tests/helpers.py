@@ -7,6 +7,18 @@ from diffusers.image_processor import IPAdapterMaskProcessor
 from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
 
+#: (kind, IP-Adapter variant, adapters, guidance scale, masks): the pipeline settings parity tests run over.
+PIPELINE_CASES = [
+    ("sd15", "base", 1, 5.0, False),
+    ("sd15", "base", 1, 1.0, False),
+    ("sd15", "base", 2, 5.0, False),
+    ("sd15", "plus", 1, 5.0, False),
+    ("sd15", "base", 1, 5.0, True),
+    ("sdxl", "base", 1, 5.0, False),
+    ("sdxl", "base", 2, 1.0, False),
+    ("sdxl", "plus", 1, 5.0, True),
+]
+
 
 class CountScalarReads(TorchDispatchMode):
     """Counts device-to-host scalar reads (``.item()``, ``bool(tensor)``), the syncs that stall a GPU."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
-from helpers import CountScalarReads, masks_for
+from helpers import PIPELINE_CASES, CountScalarReads, masks_for
 from scipy import stats as sps
 
 import ipa_probe
@@ -50,19 +50,7 @@ def _hook_snapshot(pipe):
 # --------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize(
-    "kind, variant, adapters, guidance, masks",
-    [
-        ("sd15", "base", 1, 5.0, False),
-        ("sd15", "base", 1, 1.0, False),
-        ("sd15", "base", 2, 5.0, False),
-        ("sd15", "plus", 1, 5.0, False),
-        ("sd15", "base", 1, 5.0, True),
-        ("sdxl", "base", 1, 5.0, False),
-        ("sdxl", "base", 2, 1.0, False),
-        ("sdxl", "plus", 1, 5.0, True),
-    ],
-)
+@pytest.mark.parametrize("kind, variant, adapters, guidance, masks", PIPELINE_CASES)
 def test_probe_output_is_bit_identical(refs, kind, variant, adapters, guidance, masks):
     pipe = tiny_pipeline(kind, ip_adapter=variant, num_adapters=adapters)
     kwargs = {"guidance_scale": guidance}

@@ -15,7 +15,7 @@ from diffusers.models.attention_processor import (
     IPAdapterAttnProcessor,
     IPAdapterAttnProcessor2_0,
 )
-from helpers import CountScalarReads, masks_for
+from helpers import PIPELINE_CASES, CountScalarReads, masks_for
 
 import ipa_probe
 from ipa_probe.layers import find_ip_layers
@@ -212,19 +212,7 @@ def test_bad_bandwidth_raises_before_anything_changes(sd15, bandwidth, error, ma
 # --------------------------------------------------------------------------- in the tiny pipelines
 
 
-@pytest.mark.parametrize(
-    "kind, variant, adapters, guidance, masks",
-    [
-        ("sd15", "base", 1, 5.0, False),
-        ("sd15", "base", 1, 1.0, False),
-        ("sd15", "base", 2, 5.0, False),
-        ("sd15", "plus", 1, 5.0, False),
-        ("sd15", "base", 1, 5.0, True),
-        ("sdxl", "base", 1, 5.0, False),
-        ("sdxl", "base", 2, 1.0, False),
-        ("sdxl", "plus", 1, 5.0, True),
-    ],
-)
+@pytest.mark.parametrize("kind, variant, adapters, guidance, masks", PIPELINE_CASES)
 def test_equal_norm_keys_swap_equals_original_and_otherwise_differs(refs, kind, variant, adapters, guidance, masks):
     pipe = tiny_pipeline(kind, ip_adapter=variant, num_adapters=adapters)
     kwargs = {"guidance_scale": guidance}
