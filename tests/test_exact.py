@@ -26,11 +26,6 @@ from ipa_probe.theory import VPSchedule, nw_eps, nw_mean, nw_v, nw_x0
 BETAS = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000)
 
 
-@pytest.fixture(scope="module")
-def sd15():
-    return tiny_pipeline("sd15")
-
-
 def support_latents(m=5, shape=(4, 8, 8), seed=0):
     return torch.randn(m, *shape, generator=torch.Generator().manual_seed(seed))
 

@@ -14,20 +14,10 @@ from scipy import stats as sps
 import ipa_probe
 import ipa_probe.images
 import ipa_probe.layers
-from ipa_probe.pipelines import default_reference_images, tiny_pipeline
+from ipa_probe.pipelines import tiny_pipeline
 from ipa_probe.probe import probe
 
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def refs():
-    return default_reference_images(2)
-
-
-@pytest.fixture(scope="module")
-def sd15():
-    return tiny_pipeline("sd15")
 
 
 def generate(pipe, refs, adapters=1, **kwargs):

@@ -10,15 +10,10 @@ import torch
 from scipy import stats as sps
 
 import ipa_probe.layers
-from ipa_probe.pipelines import default_reference_images, tiny_pipeline
+from ipa_probe.pipelines import tiny_pipeline
 from ipa_probe.probe import probe
 
 PROMPT = "a photo of a flower"
-
-
-@pytest.fixture(scope="module")
-def refs():
-    return default_reference_images(2)
 
 
 def generate(pipe, refs, **kwargs):

@@ -19,7 +19,7 @@ from helpers import PIPELINE_CASES, CountScalarReads, masks_for
 
 import ipa_probe
 from ipa_probe.layers import find_ip_layers
-from ipa_probe.pipelines import default_reference_images, tiny_pipeline
+from ipa_probe.pipelines import tiny_pipeline
 from ipa_probe.processors import (
     NWHeadAttnProcessor,
     TimestepClock,
@@ -29,16 +29,6 @@ from ipa_probe.processors import (
 )
 
 STEPS = 2
-
-
-@pytest.fixture(scope="module")
-def refs():
-    return default_reference_images(2)
-
-
-@pytest.fixture(scope="module")
-def sd15():
-    return tiny_pipeline("sd15")
 
 
 def generate(pipe, refs, adapters=1, **kwargs):

@@ -22,7 +22,6 @@ from helpers import CountScalarReads
 from scipy import stats as sps
 
 from ipa_probe.layers import find_ip_layers
-from ipa_probe.pipelines import default_reference_images
 from ipa_probe.pipelines_dit import (
     FLUX_IP_TOKENS,
     SD3_IP_TOKENS,
@@ -38,11 +37,6 @@ from ipa_probe.processors_dit import FluxNWHeadAttnProcessor, SD3NWHeadAttnProce
 
 PROMPT = "a photo of a flower"
 STEPS = 2
-
-
-@pytest.fixture(scope="module")
-def refs():
-    return default_reference_images(2)
 
 
 @pytest.fixture(scope="module")
