@@ -16,7 +16,7 @@ def sd15_pipeline(device: str, dtype: torch.dtype, seed: int = 0):
     """A StableDiffusionPipeline whose UNet has SD 1.5's architecture (random weights) and one IP-Adapter."""
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 
-    from ipa_probe.pipelines import tiny_components, tiny_ip_adapter_state_dict
+    from ipa_probe.tiny.sd import tiny_components, tiny_ip_adapter_state_dict
 
     components = tiny_components("sd15", seed)
     with torch.random.fork_rng():

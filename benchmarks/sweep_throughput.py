@@ -56,7 +56,7 @@ def _free_port() -> int:
 
 
 def _write_manifest(root: Path, rows: int) -> Path:
-    from ipa_probe.pipelines import default_reference_images
+    from ipa_probe.tiny.sd import default_reference_images
 
     refs = root / "refs"
     refs.mkdir()

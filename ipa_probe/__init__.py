@@ -3,18 +3,18 @@
 Explicit re-exports only; the code lives in the modules named below.
 """
 
-from . import images, layers, pipelines, pipelines_dit, report, sweep, taps, theory
+from . import capture, images, layers, nwhead, sweep, theory, tiny
+from .capture.run import ProbeConfig, ProbeRun, probe
 from .exact import ExactNWDenoiser, ExactNWPipeline, exact_pipeline
 from .kernels import dot_logits, key_norm_bias, matched_bandwidth, n_eff, nw_logits, nw_weights
 from .layers import find_ip_layers
-from .pipelines import default_reference_images, save_tiny_pipeline, tiny_pipeline
-from .pipelines_dit import tiny_flux_pipeline, tiny_sd3_pipeline
-from .probe import ProbeConfig, ProbeRun, probe
-from .processors import NWHeadAttnProcessor, NWHeadConfig, apply_nw_head, nw_head, remove_nw_head
-from .processors_dit import FluxNWHeadAttnProcessor, SD3NWHeadAttnProcessor
+from .nwhead.dit import FluxNWHeadAttnProcessor, SD3NWHeadAttnProcessor
+from .nwhead.unet import NWHeadAttnProcessor, NWHeadConfig, apply_nw_head, nw_head, remove_nw_head
 from .stats import STAT_NAMES, compare_weights
 from .sweep import SweepRunner, read_manifest, run_sweep
 from .theory import ExactNWHead, OTSchedule, VPSchedule, nw_velocity
+from .tiny.dit import tiny_flux_pipeline, tiny_sd3_pipeline
+from .tiny.sd import default_reference_images, save_tiny_pipeline, tiny_pipeline
 
 __version__ = "0.1.0"
 
@@ -33,9 +33,9 @@ __all__ = [
     "find_ip_layers",
     "images",
     "layers",
-    "pipelines",
+    "tiny",
     "probe",
-    "report",
+    "capture",
     "save_tiny_pipeline",
     "tiny_pipeline",
     "__version__",
@@ -58,8 +58,7 @@ __all__ = [
     "run_sweep",
     "FluxNWHeadAttnProcessor",
     "SD3NWHeadAttnProcessor",
-    "pipelines_dit",
-    "taps",
+    "nwhead",
     "tiny_flux_pipeline",
     "tiny_sd3_pipeline",
 ]

@@ -239,7 +239,7 @@ def generate_methods(
         ``(images, seconds)``: method -> list of PIL images (one per seed), and method -> wall time in seconds.
     """
     from .exact import exact_pipeline
-    from .processors import nw_head
+    from .nwhead.unet import nw_head
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -339,7 +339,7 @@ class Comparison:
         Returns:
             name -> path of each file written.
         """
-        from .report import _jsonable, versions
+        from .capture.report import _jsonable, versions
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -480,8 +480,8 @@ def compare_methods(
 
     Example:
         ```py
-        >>> pipe = ipa_probe.pipelines.tiny_pipeline()
-        >>> refs = ipa_probe.pipelines.default_reference_images()
+        >>> pipe = ipa_probe.tiny.sd.tiny_pipeline()
+        >>> refs = ipa_probe.tiny.sd.default_reference_images()
         >>> result = compare_methods(pipe, refs, seeds=[0, 1], call_kwargs={"num_inference_steps": 4})
         >>> result.table
         ```

@@ -283,7 +283,7 @@ def _as_image_list(reference_images: Any) -> list[ImageInput]:
     if not images:
         raise ValueError(
             "expected at least one reference image, got none; pass the images the exact denoiser should "
-            "reproduce (e.g. ipa_probe.pipelines.default_reference_images())"
+            "reproduce (e.g. ipa_probe.tiny.sd.default_reference_images())"
         )
     return images
 

@@ -4,7 +4,7 @@ diffusers stores IP-Adapter weights inside the attention *processor* (``to_k_ip`
 those processors with ``isinstance``. So ipa_probe never replaces a user's processor class behind their back: the
 probe only hooks modules the processor already calls, and the NW head swaps in a *subclass* sharing the same weights.
 
-Three model families are understood (see :mod:`ipa_probe.taps` for where each forms its image-branch query and keys):
+Three model families are understood (:mod:`~.capture.taps` has where each forms its image-branch query and keys):
 
 - ``"unet"``: SD 1.5 / SDXL UNets, ``IPAdapterAttnProcessor2_0`` / ``IPAdapterAttnProcessor`` in the cross-attention
   layers (``attn2``);
@@ -124,7 +124,7 @@ def denoiser_of(pipe) -> torch.nn.Module:
     raise TypeError(
         f"expected a diffusers pipeline with a `unet` (SD 1.5 / SDXL) or a `transformer` (Flux, SD3), got "
         f"{type(pipe).__name__}; pass a pipeline such as StableDiffusionPipeline or FluxPipeline (see "
-        "ipa_probe.pipelines.tiny_pipeline and ipa_probe.pipelines_dit for small ones)"
+        "ipa_probe.tiny.sd.tiny_pipeline and ipa_probe.tiny.dit for small ones)"
     )
 
 
@@ -181,8 +181,8 @@ def find_ip_layers(pipe, layers: LayerSelection = None) -> list[IPLayer]:
     if not found:
         raise ValueError(
             "this pipeline has no IP-Adapter loaded (no attention layer uses an IP-Adapter processor); call "
-            "`pipe.load_ip_adapter(...)` first (ipa_probe.pipelines.tiny_pipeline() and "
-            "ipa_probe.pipelines_dit.tiny_flux_pipeline() / tiny_sd3_pipeline() give small pipelines with one). "
+            "`pipe.load_ip_adapter(...)` first (ipa_probe.tiny.sd.tiny_pipeline() and "
+            "ipa_probe.tiny.dit.tiny_flux_pipeline() / tiny_sd3_pipeline() give small pipelines with one). "
             f"Supported processor classes: {_supported_names()}."
         )
     families = {layer.family for layer in found}
@@ -207,7 +207,7 @@ def image_branch_logits(processor: torch.nn.Module, query: torch.Tensor, key: to
     """The logits whose softmax over image tokens a processor actually uses in its image branch.
 
     diffusers' IP-Adapter processors (SD/SDXL, Flux and SD3 alike) use scaled dot-product attention,
-    ``q k^T / sqrt(d_head)``, on the query and keys that :mod:`ipa_probe.taps` reads. A processor may declare
+    ``q k^T / sqrt(d_head)``, on the query and keys that :mod:`ipa_probe.capture.taps` reads. A processor may declare
     otherwise by defining ``image_branch_logits(query, key)`` (ipa_probe's NW heads do). The logits are per key, so
     the same function gives the logits of any other keys the branch's softmax runs over (SD3's latent keys).
 

@@ -13,7 +13,7 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 @pytest.fixture(scope="module")
 def refs():
     """Two real photos (scikit-learn's sample images): one adapter's support set."""
-    from ipa_probe.pipelines import default_reference_images
+    from ipa_probe.tiny.sd import default_reference_images
 
     return default_reference_images(2)
 
@@ -21,7 +21,7 @@ def refs():
 @pytest.fixture(scope="module")
 def sd15():
     """The embedded tiny SD 1.5 pipeline with one IP-Adapter, shared by a test module."""
-    from ipa_probe.pipelines import tiny_pipeline
+    from ipa_probe.tiny.sd import tiny_pipeline
 
     return tiny_pipeline("sd15")
 

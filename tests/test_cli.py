@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from ipa_probe.cli import main
-from ipa_probe.pipelines import default_reference_images, save_tiny_pipeline
+from ipa_probe.tiny.sd import default_reference_images, save_tiny_pipeline
 
 ARGS = ["--steps", "3", "--size", "64", "64", "--seed", "1"]
 

@@ -23,7 +23,7 @@ from ipa_probe.compare import (
     markdown_table,
     score_method,
 )
-from ipa_probe.pipelines import default_reference_images, tiny_pipeline
+from ipa_probe.tiny.sd import default_reference_images, tiny_pipeline
 
 TINY_CLIP = {
     "model_cfg": {

@@ -20,8 +20,8 @@ from PIL import Image
 
 import ipa_probe
 from ipa_probe.exact import ExactNWDenoiser, nw_mean_chunked
-from ipa_probe.pipelines import default_reference_images, tiny_pipeline
 from ipa_probe.theory import VPSchedule, nw_eps, nw_mean, nw_v, nw_x0
+from ipa_probe.tiny.sd import default_reference_images, tiny_pipeline
 
 BETAS = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000)
 

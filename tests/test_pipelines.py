@@ -14,7 +14,7 @@ from diffusers.models.attention_processor import IPAdapterAttnProcessor2_0
 from diffusers.models.embeddings import ImageProjection, IPAdapterPlusImageProjection
 from safetensors import safe_open
 
-from ipa_probe.pipelines import (
+from ipa_probe.tiny.sd import (
     IP_ADAPTER_NUM_TOKENS,
     SavedTinyPipeline,
     default_reference_images,
@@ -23,7 +23,7 @@ from ipa_probe.pipelines import (
     tiny_ip_adapter_state_dict,
     tiny_pipeline,
 )
-from ipa_probe.tokenizer import CLIP_VOCAB_SIZE, bytes_to_unicode, clip_tokenizer, clip_tokenizer_dir
+from ipa_probe.tiny.tokenizer import CLIP_VOCAB_SIZE, bytes_to_unicode, clip_tokenizer, clip_tokenizer_dir
 
 KINDS = ["sd15", "sdxl"]
 ADAPTERS = ["base", "plus"]

@@ -10,8 +10,8 @@ import torch
 from scipy import stats as sps
 
 import ipa_probe.layers
-from ipa_probe.pipelines import tiny_pipeline
-from ipa_probe.probe import probe
+from ipa_probe.capture.run import probe
+from ipa_probe.tiny.sd import tiny_pipeline
 
 PROMPT = "a photo of a flower"
 

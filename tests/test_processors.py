@@ -19,14 +19,14 @@ from helpers import PIPELINE_CASES, CountScalarReads, masks_for
 
 import ipa_probe
 from ipa_probe.layers import find_ip_layers
-from ipa_probe.pipelines import tiny_pipeline
-from ipa_probe.processors import (
+from ipa_probe.nwhead.unet import (
     NWHeadAttnProcessor,
     TimestepClock,
     apply_nw_head,
     nw_head,
     remove_nw_head,
 )
+from ipa_probe.tiny.sd import tiny_pipeline
 
 STEPS = 2
 

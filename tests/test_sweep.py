@@ -19,7 +19,6 @@ import torch
 from scipy import stats
 
 from ipa_probe.cli import main
-from ipa_probe.pipelines import default_reference_images, tiny_pipeline
 from ipa_probe.sweep import (
     ManifestError,
     RowDefaults,
@@ -34,6 +33,7 @@ from ipa_probe.sweep import (
     run_sweep,
     write_part,
 )
+from ipa_probe.tiny.sd import default_reference_images, tiny_pipeline
 
 STEPS = 2
 MANIFEST_4 = [
@@ -312,7 +312,7 @@ def test_rows_written_with_other_settings_stop_the_sweep_until_restart(workdir, 
 @pytest.mark.slow
 def test_real_weights_by_path_take_images_from_the_rows(workdir, tmp_path, capsys, one_thread):
     """--model without --image: rows bring their images, a row without any is skipped; same table as embedded."""
-    from ipa_probe.pipelines import save_tiny_pipeline
+    from ipa_probe.tiny.sd import save_tiny_pipeline
 
     saved = save_tiny_pipeline(tmp_path / "saved", seed=0)
     path = write_jsonl(workdir / "real.jsonl", [*MANIFEST_4[:2], {"prompt": "no images"}])

@@ -21,8 +21,11 @@ from diffusers.models.transformers.transformer_flux import (
 from helpers import CountScalarReads
 from scipy import stats as sps
 
+from ipa_probe.capture.run import probe
 from ipa_probe.layers import find_ip_layers
-from ipa_probe.pipelines_dit import (
+from ipa_probe.nwhead.dit import FluxNWHeadAttnProcessor, SD3NWHeadAttnProcessor
+from ipa_probe.nwhead.unet import apply_nw_head, nw_head, remove_nw_head
+from ipa_probe.tiny.dit import (
     FLUX_IP_TOKENS,
     SD3_IP_TOKENS,
     tiny_flux_components,
@@ -31,9 +34,6 @@ from ipa_probe.pipelines_dit import (
     tiny_sd3_pipeline,
     tiny_t5_tokenizer,
 )
-from ipa_probe.probe import probe
-from ipa_probe.processors import apply_nw_head, nw_head, remove_nw_head
-from ipa_probe.processors_dit import FluxNWHeadAttnProcessor, SD3NWHeadAttnProcessor
 
 PROMPT = "a photo of a flower"
 STEPS = 2

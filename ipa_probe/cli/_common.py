@@ -98,7 +98,7 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
     if args.model is None:
         if args.ip_adapter is not None:
             raise CLIError("--ip-adapter needs --model (the pipeline it belongs to)")
-        from ..pipelines import default_reference_images, tiny_pipeline
+        from ..tiny.sd import default_reference_images, tiny_pipeline
 
         pipe = tiny_pipeline(kind=args.kind, ip_adapter=args.variant, seed=args.seed, device=device, dtype=dtype)
         references = references or default_reference_images()

@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..probe import probe
+    from ..capture.run import probe
 
     out = output_dir(args.out)
     loaded = load_pipeline(args)

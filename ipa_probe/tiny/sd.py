@@ -7,7 +7,7 @@ as state dicts in the layout of the published checkpoints (``image_proj.*`` and 
 and loaded through diffusers' own ``pipe.load_ip_adapter``, so every code path the probe meets on real weights
 (``IPAdapterAttnProcessor2_0``, ``MultiIPAdapterImageProjection``, the CLIP image encoder that turns PIL images into
 embeddings) is the one diffusers runs. Prompts are tokenized offline with CLIP's vocabulary from ``open_clip``
-(:mod:`ipa_probe.tokenizer`).
+(:mod:`ipa_probe.tiny.tokenizer`).
 
 Nothing here touches the network or the caller's random state: weights are drawn under ``torch.random.fork_rng``
 from seeds derived from ``seed`` and a component name, so the same seed gives bit-identical weights on any machine.
@@ -414,7 +414,7 @@ def tiny_pipeline(
 
     Example:
         ```py
-        >>> from ipa_probe.pipelines import default_reference_images, tiny_pipeline
+        >>> from ipa_probe.tiny.sd import default_reference_images, tiny_pipeline
         >>> pipe = tiny_pipeline("sd15", ip_adapter="plus")
         >>> refs = default_reference_images()
         >>> out = pipe("a photo", ip_adapter_image=[refs], num_inference_steps=2, output_type="np")

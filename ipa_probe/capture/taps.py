@@ -1,6 +1,6 @@
 """Where each model family forms its image-branch query and keys, and how it lays out classifier-free guidance.
 
-The probe (:mod:`ipa_probe.probe`) is family-agnostic: it runs a step clock on the denoiser and turns ``(q, k)``
+The probe (:mod:`ipa_probe.capture.run`) is family-agnostic: it runs a step clock on the denoiser and turns ``(q, k)``
 pairs into statistics. A *tap* knows one family: which modules to hook so that forward hooks see exactly the tensors
 the IP-Adapter processor feeds its image-branch softmax, how to split them into heads, and how a denoiser call maps
 to denoising steps and CFG branches. Hooks only observe (they return nothing), so the pipeline's output is
@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .layers import IPLayer, denoiser_of
+from ..layers import IPLayer, denoiser_of
 
 __all__ = ["Capture", "DenoiserPass", "FluxTap", "SD3Tap", "Tap", "UNetTap", "tap_for"]
 

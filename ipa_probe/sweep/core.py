@@ -13,7 +13,7 @@ rows are split between processes with accelerate's ``PartialState.split_between_
 merges the parts after ``wait_for_everyone``.
 
 The merge reads one part at a time (memory stays bounded by one row's table) and reduces each to its per-timestep
-means (:func:`ipa_probe.report.summarize`). :func:`aggregate` then averages those over rows, per CFG branch and
+means (:func:`~.capture.report.summarize`). :func:`aggregate` then averages those over rows, per CFG branch and
 timestep, with a bootstrap confidence interval over rows for the mean per-row Spearman (paper §A.5, §D.4: the
 statistic of a sweep is a mean over images, layers and heads at each timestep).
 """
@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .images import IMAGE_SUFFIXES, load_images
-from .report import style_timestep_axes, summarize, versions
+from ..capture.report import style_timestep_axes, summarize, versions
+from ..images import IMAGE_SUFFIXES, load_images
 
 __all__ = [
     "MANIFEST_KEYS",
@@ -492,7 +492,7 @@ class SweepRunner:
         """
         import torch
 
-        from .probe import probe
+        from ..capture.run import probe
 
         settings = self.resolve(row)
         images = self._images(settings)
@@ -710,7 +710,7 @@ def bootstrap_ci(
 
 
 def row_summary(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
-    """Per-timestep means of one row's table (:func:`ipa_probe.report.summarize`) plus ``row``, ``seed``, ``scale``."""
+    """Per-timestep means of one row's table (:func:`~.capture.report.summarize`) plus ``row``, ``seed``, ``scale``."""
     summary = summarize(table, threshold=threshold)
     if summary.empty:
         return summary

@@ -8,7 +8,7 @@ dicts and loaded through diffusers' own loaders (``FluxIPAdapterMixin.load_ip_ad
 joint block), fed by diffusers' own image projections (``ImageProjection`` for Flux, the timestep-aware resampler
 ``IPAdapterTimeImageProjection`` for SD3) and image encoders (CLIP for Flux, SigLIP for SD3).
 
-Tokenizers are offline: CLIP's from :mod:`ipa_probe.tokenizer`, and a small T5 tokenizer
+Tokenizers are offline: CLIP's from :mod:`ipa_probe.tiny.tokenizer`, and a small T5 tokenizer
 (:func:`tiny_t5_tokenizer`): a ``transformers.T5Tokenizer`` whose Unigram vocabulary is written here (T5's special
 tokens at ids 0-2, then single characters, word-initial characters and a few common words, with fixed log-probability
 scores), so prompts tokenize deterministically without a SentencePiece file or a download.
@@ -45,7 +45,7 @@ from transformers import (
     T5Tokenizer,
 )
 
-from .pipelines import (
+from .sd import (
     _adapter_seed,
     _check_seed,
     _feature_extractor,
@@ -75,7 +75,7 @@ SD3_IP_TOKENS = 8
 """Image tokens of the tiny SD3 resampler (the learned queries of ``IPAdapterTimeImageProjection``; 64 in the
 published SD3.5 adapter)."""
 
-_TEXT_WIDTH = 32  # CLIP width, as in ipa_probe.pipelines
+_TEXT_WIDTH = 32  # CLIP width, as in ipa_probe.tiny.sd
 _HEADS = 2
 _HEAD_DIM = 16
 _INNER = _HEADS * _HEAD_DIM

@@ -1,12 +1,12 @@
 """The NW head for Flux and SD3: Gaussian NW weights in place of the image branch's dot-product softmax.
 
-Same idea, kernel and lifecycle as :mod:`ipa_probe.processors` (SD 1.5 / SDXL): the swapped-in processor is a
+Same idea, kernel and lifecycle as :mod:`ipa_probe.nwhead.unet` (SD 1.5 / SDXL): the swapped-in processor is a
 *subclass* of diffusers' processor that shares the original's weights (``to_k_ip``, ``to_v_ip``, and for SD3 the
 ``norm_ip``/``norm_q``/``norm_k``/``norm_ip_k`` modules) and forwards ``scale`` to the original, so
 ``set_ip_adapter_scale`` (which *assigns* ``processor.scale`` in both families) and ``unload_ip_adapter`` keep
 working while it is installed, the original is restored exactly by :func:`ipa_probe.nw_head` /
 :func:`ipa_probe.remove_nw_head`, and probe hooks on the shared modules still fire. The kernel is the one of
-:class:`ipa_probe.processors.NWHeadAttnProcessor` (``F.scaled_dot_product_attention`` with temperature ``h^2`` and
+:class:`ipa_probe.nwhead.unet.NWHeadAttnProcessor` (``F.scaled_dot_product_attention`` with temperature ``h^2`` and
 the key-norm bias ``-|k_i|^2 / (2 h^2)`` as a float mask, paper §C.3), shared as is.
 
 - **Flux** (:class:`FluxNWHeadAttnProcessor`): the image branch is its own softmax over the image tokens, so it
@@ -18,7 +18,7 @@ the key-norm bias ``-|k_i|^2 / (2 h^2)`` as a float mask, paper §C.3), shared a
   image keys; the NW head replaces it by Gaussian NW weights over that same joint key set,
   ``softmax_j(-|q - k_j|^2 / (2 h^2)) v_j`` for ``j`` in ``[latent tokens; image tokens]`` (queries and keys after
   the processor's RMS norms). Restricted to the image columns and renormalised this is NW over the image keys,
-  which is what the probe reports (:mod:`ipa_probe.taps`). The forward is written here (SD3 adds the image branch
+  which is what the probe reports (:mod:`~.capture.taps`). The forward is written here (SD3 adds the image branch
   before the output projection, so the parent's code cannot be reused around it); with the NW kernel replaced by
   dot-product attention it reproduces diffusers' processor bit for bit (tested).
 
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, SD3IPAdapterJointAttnProcessor2_0
 from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
-from .processors import BandwidthSpec, NWHeadAttnProcessor, NWHeadConfig, TimestepClock
+from .unet import BandwidthSpec, NWHeadAttnProcessor, NWHeadConfig, TimestepClock
 
 __all__ = ["NW_PROCESSORS", "FluxNWHeadAttnProcessor", "SD3NWHeadAttnProcessor"]
 
@@ -54,7 +54,7 @@ class _ScaledClock:
 class _NWMirror:
     """What the Flux and SD3 NW heads share: construction as a view of the original processor and the NW kernel.
 
-    The kernel methods are :class:`ipa_probe.processors.NWHeadAttnProcessor`'s own functions (one implementation of
+    The kernel methods are :class:`ipa_probe.nwhead.unet.NWHeadAttnProcessor`'s own functions (one implementation of
     the bandwidth, the NW logits and the SDPA-with-bias kernel for every family).
     """
 

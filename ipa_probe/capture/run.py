@@ -2,12 +2,12 @@
 
 How it reads the attention without touching the computation: an IP-Adapter processor forms an image-branch query
 and image-token keys with modules it owns or borrows (``attn.to_q`` and ``processor.to_k_ip[i]`` in SD/SDXL; see
-:mod:`ipa_probe.taps` for Flux and SD3). Forward hooks on exactly those modules see the tensors the processor uses;
+:mod:`~.taps` for Flux and SD3). Forward hooks on exactly those modules see the tensors the processor uses;
 the image branch's weights are ``softmax(q k_ip^T / sqrt(d_head))`` per head, a small ``(B, H, Q, K_ip)`` block. The
 processor keeps running its own fused path, so the pipeline's output is bit-identical with the probe on or off, and
 the processors stay the very same objects.
 
-This module is family-agnostic: a :class:`ipa_probe.taps.Tap` says where the tensors are, how heads are split and how
+This module is family-agnostic: a :class:`~.taps.Tap` says where the tensors are, how heads are split and how
 denoiser calls map to steps and CFG branches; here they become statistics. The statistics of each (step, layer,
 adapter, CFG branch, head) are computed on the pipeline's device and added into preallocated buffers; nothing is
 copied to the host until the ``with`` block ends (one transfer).
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from .kernels import check_bandwidth, dot_logits, matched_bandwidth, nw_logits
-from .layers import IPLayer, LayerSelection, claim, find_ip_layers, image_branch_logits, release
-from .stats import STAT_NAMES, compare_weights, fit_bandwidth
+from ..kernels import check_bandwidth, dot_logits, matched_bandwidth, nw_logits
+from ..layers import IPLayer, LayerSelection, claim, find_ip_layers, image_branch_logits, release
+from ..stats import STAT_NAMES, compare_weights, fit_bandwidth
 from .taps import Capture, Tap, tap_for
 
 __all__ = ["FIELDS", "ProbeConfig", "ProbeRun", "probe"]
@@ -430,7 +430,7 @@ class ProbeRun:
         return run_table(self._finished(), [layer.name for layer in self.layers], self.config, self.text_slot)
 
     def summary(self):
-        """Per-timestep aggregates of :meth:`to_dataframe` (see :func:`ipa_probe.report.summarize`)."""
+        """Per-timestep aggregates of :meth:`to_dataframe` (see :func:`ipa_probe.capture.report.summarize`)."""
         from .report import summarize
 
         return summarize(self.to_dataframe())
@@ -465,7 +465,7 @@ def probe(
 
     Args:
         pipe: a diffusers pipeline with an IP-Adapter loaded: Stable Diffusion 1.5 / SDXL, Flux or SD3 (see
-            :mod:`ipa_probe.taps` for what the image-branch weights are in each).
+            :mod:`ipa_probe.capture.taps` for what the image-branch weights are in each).
         bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch: see :class:`ProbeConfig`.
 
     Yields:
@@ -477,8 +477,8 @@ def probe(
 
     Example:
         ```py
-        >>> pipe = ipa_probe.pipelines.tiny_pipeline()
-        >>> refs = ipa_probe.pipelines.default_reference_images()
+        >>> pipe = ipa_probe.tiny.sd.tiny_pipeline()
+        >>> refs = ipa_probe.tiny.sd.default_reference_images()
         >>> with ipa_probe.probe(pipe, bandwidth="matched") as run:
         ...     image = pipe("a photo", ip_adapter_image=[refs], num_inference_steps=4).images[0]
         >>> df = run.to_dataframe()

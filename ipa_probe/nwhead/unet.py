@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from diffusers.image_processor import IPAdapterMaskProcessor
 from diffusers.models.attention_processor import Attention, IPAdapterAttnProcessor2_0
 
-from .kernels import check_bandwidth, key_norm_bias, matched_bandwidth, nw_logits
-from .layers import LayerSelection, claim, denoiser_of, find_ip_layers, release
+from ..kernels import check_bandwidth, key_norm_bias, matched_bandwidth, nw_logits
+from ..layers import LayerSelection, claim, denoiser_of, find_ip_layers, release
 
 __all__ = [
     "NWHeadAttnProcessor",
@@ -430,10 +430,10 @@ class NWHeadSwap:
 
 
 def _nw_processor_class(layer) -> type:
-    """The NW head for a layer's model family: this module's for SD 1.5 / SDXL, ``processors_dit``'s for Flux/SD3."""
+    """The NW head for a layer's model family: this module's for SD 1.5 / SDXL, ``dit``'s for Flux/SD3."""
     if layer.family == "unet":
         return NWHeadAttnProcessor
-    from .processors_dit import NW_PROCESSORS  # imported here: processors_dit builds on this module
+    from .dit import NW_PROCESSORS  # imported here: dit builds on this module
 
     return NW_PROCESSORS[layer.family]
 

@@ -42,7 +42,7 @@ def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot:
 
     ``text_slot`` is the adapter index under which the text branch was recorded, if it was.
     """
-    from .probe import FIELDS
+    from .run import FIELDS
 
     frames = []
     heads = list(config.heads) if config.heads is not None else None
@@ -154,7 +154,7 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     return {
         "ipa_probe": __version__,

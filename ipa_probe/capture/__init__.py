@@ -1,0 +1,9 @@
+"""Capture: the probe context manager, its run record, the per-family taps and the run's tables and plots.
+
+``run`` holds :func:`probe`, :class:`ProbeConfig` and :class:`ProbeRun`; ``taps`` the per-family knowledge of where
+the image-branch query and keys live; ``report`` turns a run into tables, summaries and plots.
+"""
+
+from .run import ProbeConfig, ProbeRun, probe
+
+__all__ = ["ProbeConfig", "ProbeRun", "probe"]
