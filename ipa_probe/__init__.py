@@ -13,6 +13,7 @@ from .nwhead.unet import NWHeadAttnProcessor, NWHeadConfig, apply_nw_head, nw_he
 from .stats import STAT_NAMES, compare_weights
 from .sweep import SweepRunner, read_manifest, run_sweep
 from .theory import ExactNWHead, OTSchedule, VPSchedule, nw_velocity
+from .tiny.digits import digits_pipeline, digits_reference_images
 from .tiny.dit import tiny_flux_pipeline, tiny_sd3_pipeline
 from .tiny.sd import default_reference_images, save_tiny_pipeline, tiny_pipeline
 
@@ -41,6 +42,8 @@ __all__ = [
     "__version__",
     "compare_weights",
     "default_reference_images",
+    "digits_pipeline",
+    "digits_reference_images",
     "dot_logits",
     "key_norm_bias",
     "matched_bandwidth",

@@ -30,9 +30,16 @@ def bandwidth_type(*names: str):
     return parse
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--model``, ``--ip-adapter``, ... : with none of them the embedded tiny pipeline runs offline."""
-    group = parser.add_argument_group("model (default: the embedded tiny pipeline, offline)")
+#: the embedded pipelines: the trained digits organism and the random tiny SD 1.5 / SDXL ones.
+EMBEDDED_KINDS = ("digits", "sd15", "sdxl")
+#: the embedded digits organism's generation defaults (the settings of its README rates)
+DIGITS_DEFAULTS = {"steps": 20, "digit": 3, "references": 4, "guidance_scale": 1.0}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default_kind: str = "sd15") -> None:
+    """``--model``, ``--ip-adapter``, ... : with none of them an embedded pipeline runs offline (``default_kind``:
+    ``"digits"``, the trained organism, or ``"sd15"``, the random tiny one)."""
+    group = parser.add_argument_group(f"model (default: the embedded {default_kind} pipeline, offline)")
     group.add_argument("--model", help="diffusers pipeline: hub id or local folder (from_pretrained)")
     group.add_argument("--ip-adapter", help="IP-Adapter weights: hub id or local folder (load_ip_adapter)")
     group.add_argument("--subfolder", default="", help="subfolder of --ip-adapter holding the weights (h94: 'models')")
@@ -42,11 +49,29 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default="image_encoder",
         help="image encoder subfolder of --ip-adapter, or 'none' when --model already has an image_encoder",
     )
-    group.add_argument("--kind", choices=("sd15", "sdxl"), default="sd15", help="embedded pipeline family")
+    group.add_argument(
+        "--kind",
+        choices=EMBEDDED_KINDS,
+        default=default_kind,
+        help=f"embedded pipeline: digits (the trained organism) or a random tiny sd15/sdxl (default: {default_kind})",
+    )
     group.add_argument("--variant", choices=("base", "plus"), default="base", help="embedded IP-Adapter variant")
     group.add_argument("--image", action="append", default=[], help="reference image or folder (repeatable)")
-    group.add_argument("--prompt", default="a photo", help="text prompt")
-    group.add_argument("--steps", type=int, default=None, help="denoising steps (default: 30, embedded: 10)")
+    default_prompt = None if default_kind == "digits" else "a photo"
+    group.add_argument(
+        "--prompt",
+        default=default_prompt,
+        help="text prompt (default: 'a handwritten digit' for digits, else 'a photo')",
+    )
+    group.add_argument(
+        "--digit",
+        type=int,
+        default=DIGITS_DEFAULTS["digit"],
+        help=f"digits organism: the references' digit, 0-9 (default: {DIGITS_DEFAULTS['digit']})",
+    )
+    group.add_argument(
+        "--steps", type=int, default=None, help="denoising steps (default: 30; embedded: digits 20, sd15/sdxl 10)"
+    )
     group.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the pipeline's)")
     group.add_argument("--scale", type=float, default=None, help="IP-Adapter scale (set_ip_adapter_scale)")
     group.add_argument("--size", type=int, nargs=2, metavar=("H", "W"), help="output height and width")
@@ -95,9 +120,28 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
     except (OSError, ValueError, TypeError) as err:
         raise CLIError(str(err)) from None
 
-    if args.model is None:
-        if args.ip_adapter is not None:
-            raise CLIError("--ip-adapter needs --model (the pipeline it belongs to)")
+    if args.model is None and args.ip_adapter is not None:
+        raise CLIError("--ip-adapter needs --model (the pipeline it belongs to)")
+    if args.model is None and args.kind == "digits":
+        from ..tiny.digits import DIGITS_PROMPT, digits_pipeline, digits_reference_images
+
+        if args.variant != "base":
+            raise CLIError("the digits organism has a base IP-Adapter only; drop --variant or pass --kind sd15")
+        if not 0 <= args.digit <= 9:
+            raise CLIError(f"--digit must be in 0..9, got {args.digit}")
+        pipe = digits_pipeline()
+        if device.type != "cpu" or dtype != torch.float32:
+            pipe = pipe.to(device=device, dtype=dtype)
+        references = references or digits_reference_images(args.digit, DIGITS_DEFAULTS["references"], seed=args.seed)
+        args.prompt = args.prompt or DIGITS_PROMPT
+        steps = args.steps or DIGITS_DEFAULTS["steps"]
+        if args.guidance_scale is None:
+            args.guidance_scale = DIGITS_DEFAULTS["guidance_scale"]
+        size = args.size
+        description = {"model": "embedded digits organism (trained)", "ip_adapter": "embedded digits (trained)"}
+        if not args.image:
+            description["digit"] = args.digit
+    elif args.model is None:
         from ..tiny.sd import default_reference_images, tiny_pipeline
 
         pipe = tiny_pipeline(kind=args.kind, ip_adapter=args.variant, seed=args.seed, device=device, dtype=dtype)
@@ -139,6 +183,7 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
     pipe.set_progress_bar_config(disable=False, desc="denoising")
     if args.scale is not None:
         pipe.set_ip_adapter_scale(args.scale)
+    args.prompt = args.prompt or "a photo"
     call_kwargs = {"prompt": args.prompt, "num_inference_steps": steps}
     if size is not None:
         call_kwargs["height"], call_kwargs["width"] = size

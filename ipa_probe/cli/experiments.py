@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import CLIError
 
-NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "all")
+NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "ip-adapter", "all")
 
 
 def add_parser(subparsers) -> None:
