@@ -30,9 +30,10 @@ from helpers import PIPELINE_CASES, CountScalarReads, generate_dit, masks_for
 
 import ipa_probe
 from ipa_probe.layers import find_ip_layers
-from ipa_probe.nwhead.dit import FluxNWHeadAttnProcessor, SD3NWHeadAttnProcessor
-from ipa_probe.nwhead.unet import (
+from ipa_probe.nwhead import (
+    FluxNWHeadAttnProcessor,
     NWHeadAttnProcessor,
+    SD3NWHeadAttnProcessor,
     TimestepClock,
     apply_nw_head,
     nw_head,
@@ -570,3 +571,46 @@ def test_flux_nw_head_callable_bandwidth_gets_the_0_to_1000_timestep(refs, flux)
     with nw_head(flux, bandwidth=bandwidth):
         generate_dit(flux, refs)
     np.testing.assert_allclose(sorted(set(seen), reverse=True), flux.scheduler.timesteps.numpy(), rtol=1e-5)
+
+
+def test_flux_clock_reads_the_timestep_of_a_positional_transformer_call(refs, flux):
+    """A positional call passes encoder_hidden_states second: the clock asks the Flux tap where the timestep is."""
+    calls = []
+
+    def record(module, args, kwargs):
+        extra = dict(kwargs["joint_attention_kwargs"] or {})  # the transformer pops the image embeds from it
+        calls.append({**kwargs, "joint_attention_kwargs": extra})
+
+    handle = flux.transformer.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        generate_dit(flux, refs, num_inference_steps=1)
+    finally:
+        handle.remove()
+    kwargs = dict(calls[0])
+    names = ["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids", "txt_ids"]
+    assert list(inspect.signature(flux.transformer.forward).parameters)[:6] == names
+    args = [kwargs.pop(name) for name in names]
+    seen = []
+
+    def bandwidth(t):
+        seen.append(float(t))
+        return 1.0
+
+    with nw_head(flux.transformer, bandwidth=bandwidth), torch.no_grad():
+        flux.transformer(*args, **kwargs)
+    assert seen and np.allclose(seen, 1000 * float(args[3].reshape(-1)[0]), rtol=1e-6)
+
+
+def test_list_hooks_shows_what_is_attached_and_nothing_after_exit(sd15, refs):
+    layer_ids = [layer.name for layer in find_ip_layers(sd15)]
+    assert ipa_probe.list_hooks(sd15) == []
+    with nw_head(sd15, bandwidth=0.8, layers="down_blocks"):
+        with ipa_probe.probe(sd15):
+            attached = ipa_probe.list_hooks(sd15)
+        after_probe = ipa_probe.list_hooks(sd15)
+    assert [a.feature for a in attached] == ["nw_head", "probe"]
+    assert list(attached[0].layers) == [name for name in layer_ids if "down_blocks" in name]
+    assert list(attached[1].layers) == layer_ids
+    assert "0.8" in attached[0].what and "read-only" in attached[1].what
+    assert [a.feature for a in after_probe] == ["nw_head"]
+    assert ipa_probe.list_hooks(sd15) == [] and ipa_probe.list_hooks(sd15.unet) == []

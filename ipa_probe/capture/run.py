@@ -18,14 +18,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..kernels import check_bandwidth, dot_logits, matched_bandwidth, nw_logits
-from ..layers import IPLayer, LayerSelection, claim, find_ip_layers, image_branch_logits, release
+from .. import bandwidth as bw
+from ..bandwidth import BandwidthSpec
+from ..kernels import dot_logits, matched_bandwidth, nw_logits
+from ..layers import IPLayer, LayerSelection, claim, find_ip_layers, image_branch_logits, observer, release
 from ..stats import STAT_NAMES, compare_weights, fit_bandwidth
 from .taps import Capture, Tap, tap_for
 
@@ -33,7 +35,6 @@ __all__ = ["FIELDS", "ProbeConfig", "ProbeRun", "probe"]
 
 logger = logging.getLogger(__name__)
 
-BandwidthSpec = str | float | Callable[[torch.Tensor], Any]
 
 #: Per-cell values kept in the buffers, in order: the bandwidth used, then :data:`ipa_probe.stats.STAT_NAMES`, then
 #: the query and key geometry, then ``ip_mass``: the share of a joint softmax's mass on the image tokens (SD3, where
@@ -85,7 +86,7 @@ class ProbeConfig:
     def __post_init__(self) -> None:
         if self.branch not in ("image", "text", "both"):
             raise ValueError(f'branch: expected "image", "text" or "both", got {self.branch!r}')
-        check_bandwidth(self.bandwidth, ("matched", "fit"))
+        object.__setattr__(self, "bandwidth", bw.check(self.bandwidth, ("matched", "fit")))
         if self.steps is not None and not isinstance(self.steps, slice):
             steps = tuple(self.steps)
             if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
@@ -109,10 +110,9 @@ class ProbeConfig:
 
     def describe(self) -> dict[str, Any]:
         """JSON-friendly settings."""
-        bw = self.bandwidth
         steps = self.steps
         return {
-            "bandwidth": bw if isinstance(bw, str | float | int) else getattr(bw, "__name__", repr(bw)),
+            "bandwidth": bw.describe(self.bandwidth),
             "layers": self.layers
             if isinstance(self.layers, str | None)
             else [getattr(p, "pattern", p) for p in self.layers],
@@ -186,11 +186,11 @@ class ProbeRun:
 
     # ------------------------------------------------------------------ lifecycle
     def _install(self) -> None:
-        denoiser = claim(self.pipe, _FEATURE)
+        what = f"read-only forward hooks ({self.config.branch} branch), bandwidth={bw.describe(self.config.bandwidth)}"
+        denoiser = claim(self.pipe, _FEATURE, [layer.name for layer in self.layers], what)
         self._active = True
         try:
-            # Hooks run eagerly even inside a compiled denoiser (torch.compile breaks the graph around them).
-            clock = torch.compiler.disable(self._on_denoiser_call)
+            clock = observer(self._on_denoiser_call)
             self._handles.append(denoiser.register_forward_pre_hook(clock, with_kwargs=True))
             self._handles.extend(self.tap.install(self._capture, self.images, self.text_slot))
         except BaseException:
@@ -307,12 +307,8 @@ class ProbeRun:
 
     def _bandwidth(self, head_dim: int, device: torch.device) -> torch.Tensor | float:
         spec = self.config.bandwidth
-        if spec in ("matched", "fit"):
-            return matched_bandwidth(head_dim)
-        if callable(spec):
-            h = spec(self._state.timestep)
-            return torch.as_tensor(h, device=device, dtype=torch.float32)
-        return float(spec)
+        # "fit": the statistics start from the matched bandwidth (the fit itself is per cell, in _record)
+        return bw.resolve("matched" if spec == "fit" else spec, head_dim, self._state.timestep, device)
 
     # ------------------------------------------------------------------ the statistics
     @torch.no_grad()

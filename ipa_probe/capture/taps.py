@@ -42,7 +42,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..layers import IPLayer, denoiser_of
+from ..kernels import split_heads
+from ..layers import IPLayer, denoiser_of, observer
 
 __all__ = ["Capture", "DenoiserPass", "FluxTap", "SD3Tap", "Tap", "UNetTap", "tap_for"]
 
@@ -82,11 +83,6 @@ class DenoiserPass:
     new_step: bool
     branch: int | None = None
     record: bool = True
-
-
-def _observer(fn: Callable) -> Callable:
-    # Hooks run eagerly even inside a compiled denoiser (torch.compile breaks the graph around them).
-    return torch.compiler.disable(fn)
 
 
 def _argument(args: tuple, kwargs: dict, position: int, name: str) -> Any:
@@ -164,11 +160,6 @@ class Tap:
         return hook
 
 
-def _heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """``(B, [images,] N, H*D)`` -> ``(B, H, images * N, D)``."""
-    return x.reshape(x.shape[0], -1, heads, x.shape[-1] // heads).transpose(1, 2)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # SD 1.5 / SDXL
 # ---------------------------------------------------------------------------------------------------------------------
@@ -204,18 +195,18 @@ class UNetTap(Tap):
             candidates = (getattr(self.pipe, "text_encoder", None), getattr(self.pipe, "text_encoder_2", None))
             encoder = next((m for m in candidates if m is not None), None)
             if encoder is not None:
-                hook = _observer(self._on_text_encoder_call)
+                hook = observer(self._on_text_encoder_call)
                 handles.append(encoder.register_forward_pre_hook(hook, with_kwargs=True))
         for index, layer in enumerate(self.layers):
             attn, heads = layer.attention, layer.heads
-            handles.append(attn.to_q.register_forward_hook(_observer(self._keep(capture, index, "q"))))
-            handles.append(attn.register_forward_hook(_observer(self._forget(capture, index))))
+            handles.append(attn.to_q.register_forward_hook(observer(self._keep(capture, index, "q"))))
+            handles.append(attn.register_forward_hook(observer(self._forget(capture, index))))
             if images:
                 for adapter, to_k_ip in enumerate(layer.processor.to_k_ip):
-                    hook = _observer(self._keys(capture, index, adapter, heads))
+                    hook = observer(self._keys(capture, index, adapter, heads))
                     handles.append(to_k_ip.register_forward_hook(hook))
             if text_slot is not None:
-                hook = _observer(self._keys(capture, index, text_slot, heads))
+                hook = observer(self._keys(capture, index, text_slot, heads))
                 handles.append(attn.to_k.register_forward_hook(hook))
         return handles
 
@@ -224,7 +215,7 @@ class UNetTap(Tap):
         def hook(module, args, output):
             query = capture.stash.get((index, "q"))
             if query is not None:
-                capture.record(index, slot, _heads_first(query, heads), _heads_first(output, heads), None)
+                capture.record(index, slot, split_heads(query, heads), split_heads(output, heads), None)
 
         return hook
 
@@ -335,10 +326,10 @@ class FluxTap(Tap):
             attn = layer.attention
             # (B, N, H, D) -> (B, H, N, D)
             query_hook = self._keep(capture, index, "q", lambda q: q.transpose(1, 2))
-            handles.append(attn.norm_q.register_forward_hook(_observer(query_hook)))
-            handles.append(attn.register_forward_hook(_observer(self._forget(capture, index))))
+            handles.append(attn.norm_q.register_forward_hook(observer(query_hook)))
+            handles.append(attn.register_forward_hook(observer(self._forget(capture, index))))
             for adapter, to_k_ip in enumerate(layer.processor.to_k_ip):
-                handles.append(to_k_ip.register_forward_hook(_observer(self._keys(capture, index, adapter, layer))))
+                handles.append(to_k_ip.register_forward_hook(observer(self._keys(capture, index, adapter, layer))))
         return handles
 
     @staticmethod
@@ -346,7 +337,7 @@ class FluxTap(Tap):
         def hook(module, args, output):
             query = capture.stash.get((index, "q"))
             if query is not None:
-                capture.record(index, adapter, query, _heads_first(output, layer.heads), None)
+                capture.record(index, adapter, query, split_heads(output, layer.heads), None)
 
         return hook
 
@@ -390,10 +381,10 @@ class SD3Tap(Tap):
         handles: list[Handle] = []
         for index, layer in enumerate(self.layers):
             processor = layer.processor
-            handles.append(processor.norm_q.register_forward_hook(_observer(self._keep(capture, index, "q"))))
-            handles.append(processor.norm_k.register_forward_hook(_observer(self._keep(capture, index, "k"))))
-            handles.append(processor.norm_ip_k.register_forward_hook(_observer(self._keys(capture, index))))
-            handles.append(layer.attention.register_forward_hook(_observer(self._forget(capture, index))))
+            handles.append(processor.norm_q.register_forward_hook(observer(self._keep(capture, index, "q"))))
+            handles.append(processor.norm_k.register_forward_hook(observer(self._keep(capture, index, "k"))))
+            handles.append(processor.norm_ip_k.register_forward_hook(observer(self._keys(capture, index))))
+            handles.append(layer.attention.register_forward_hook(observer(self._forget(capture, index))))
         return handles
 
     @staticmethod

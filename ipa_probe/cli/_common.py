@@ -3,31 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import CLIError
 
 DTYPES = ("float32", "float16", "bfloat16")
-
-
-def bandwidth_type(*names: str):
-    """An argparse ``type`` accepting the given keywords (e.g. ``"matched"``, ``"fit"``) or a positive number."""
-
-    def parse(value: str) -> str | float:
-        if value in names:
-            return value
-        try:
-            h = float(value)
-        except ValueError:
-            h = math.nan
-        if not (math.isfinite(h) and h > 0):
-            accepted = " or ".join(repr(n) for n in names)
-            raise argparse.ArgumentTypeError(f"expected {accepted} or a positive number, got {value!r}")
-        return h
-
-    return parse
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
