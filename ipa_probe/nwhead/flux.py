@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
-from ..bandwidth import BandwidthSpec
 from ..kernels import merge_heads, split_heads
-from .kernel import ProcessorView, TimestepClock
+from .kernel import ProcessorView
 
 __all__ = ["FluxNWHeadAttnProcessor"]
 
@@ -39,11 +38,6 @@ class FluxNWHeadAttnProcessor(ProcessorView, FluxIPAdapterAttnProcessor):
     """
 
     _mirrored = FluxIPAdapterAttnProcessor
-
-    def __init__(
-        self, original: torch.nn.Module, bandwidth: BandwidthSpec = "matched", clock: TimestepClock | None = None
-    ) -> None:
-        self._mirror(original, bandwidth, clock)
 
     def __call__(
         self,

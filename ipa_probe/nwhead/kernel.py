@@ -142,12 +142,19 @@ class ProcessorView(NWKernel):
     The head holds the original's submodules (weights, norms) and settings, the very same objects, and forwards
     ``scale`` to the original, so ``set_ip_adapter_scale`` (which *assigns* ``processor.scale``) persists after the
     original is restored, and probe hooks on the shared modules still fire.
+
+    Args:
+        original: the diffusers processor to stand in for (an instance of the subclass's ``_mirrored``).
+        bandwidth: ``"matched"``, a positive float or a callable of the timestep (0-1000).
+        clock: where a callable bandwidth reads the timestep; required for a callable bandwidth.
     """
 
     #: diffusers' processor class this head mirrors.
     _mirrored: type = torch.nn.Module
 
-    def _mirror(self, original: torch.nn.Module, spec: BandwidthSpec, clock: TimestepClock | None) -> None:
+    def __init__(
+        self, original: torch.nn.Module, bandwidth: BandwidthSpec = "matched", clock: TimestepClock | None = None
+    ) -> None:
         if not isinstance(original, self._mirrored):
             raise TypeError(
                 f"expected a {self._mirrored.__name__} (loaded by `pipe.load_ip_adapter(...)`), got "
@@ -164,7 +171,7 @@ class ProcessorView(NWKernel):
             if name in vars(original):
                 setattr(self, name, vars(original)[name])
         self.training = original.training
-        self._set_bandwidth(spec, clock)
+        self._set_bandwidth(bandwidth, clock)
 
     @property
     def original(self) -> torch.nn.Module:

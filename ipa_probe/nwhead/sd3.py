@@ -16,9 +16,8 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, SD3IPAdapterJointAttnProcessor2_0
 
-from ..bandwidth import BandwidthSpec
 from ..kernels import merge_heads, split_heads
-from .kernel import ProcessorView, TimestepClock
+from .kernel import ProcessorView
 
 __all__ = ["SD3NWHeadAttnProcessor"]
 
@@ -41,11 +40,6 @@ class SD3NWHeadAttnProcessor(ProcessorView, SD3IPAdapterJointAttnProcessor2_0):
     """
 
     _mirrored = SD3IPAdapterJointAttnProcessor2_0
-
-    def __init__(
-        self, original: torch.nn.Module, bandwidth: BandwidthSpec = "matched", clock: TimestepClock | None = None
-    ) -> None:
-        self._mirror(original, bandwidth, clock)
 
     def image_branch_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """The image branch's smoother over the joint keys: :meth:`nw_attention` (``(B, H, Q, D)`` queries,
