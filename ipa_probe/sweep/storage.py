@@ -1,0 +1,160 @@
+"""Where a sweep keeps its files: the Parquet dataset of row parts, written atomically, and JSON records."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+_PART_METADATA_KEY = b"ipa_probe.sweep"
+_PART_PREFIX = "row-"
+
+
+@dataclass(frozen=True)
+class SweepLayout:
+    """Where a sweep keeps its files under ``root``.
+
+    ``rows/row-000000.parquet, ...``: the Parquet dataset, one part per manifest row (hidden temp files while writing);
+    ``skipped/``: rows skipped at run time (one JSON each); ``row_summary.parquet``: per row and timestep means;
+    ``aggregate.parquet``: per timestep over rows, with the bootstrap interval; ``summary.json``; the plot
+    ``rho_by_timestep.png``.
+    """
+
+    root: Path
+
+    @property
+    def rows(self) -> Path:
+        return self.root / "rows"
+
+    @property
+    def skipped(self) -> Path:
+        return self.root / "skipped"
+
+    @property
+    def row_summary(self) -> Path:
+        return self.root / "row_summary.parquet"
+
+    @property
+    def aggregate(self) -> Path:
+        return self.root / "aggregate.parquet"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    @property
+    def plot(self) -> Path:
+        return self.root / "rho_by_timestep.png"
+
+    def part(self, row: int) -> Path:
+        return self.rows / f"{_PART_PREFIX}{row:06d}.parquet"
+
+    def skip_record(self, row: int) -> Path:
+        return self.skipped / f"{_PART_PREFIX}{row:06d}.json"
+
+    def parts(self) -> list[Path]:
+        """Every part file present, in row order."""
+        if not self.rows.is_dir():
+            return []
+        return sorted(p for p in self.rows.glob(f"{_PART_PREFIX}*.parquet"))
+
+    def temp_files(self) -> list[Path]:
+        return sorted(p for folder in (self.rows, self.skipped) if folder.is_dir() for p in folder.glob(".*.tmp"))
+
+
+@contextmanager
+def _atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a hidden temp path beside ``path``; on success rename it onto ``path``, on any exit remove it."""
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield temp
+        with open(temp, "rb+") as handle:  # flushed to disk before the rename makes it visible
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def write_part(table: pd.DataFrame, path: str | os.PathLike, metadata: dict[str, Any]) -> Path:
+    """Write one row's table as a Parquet file, atomically: readers see the whole file or none.
+
+    The table goes to a hidden temp file in the same folder (``pyarrow.dataset`` skips names starting with a dot),
+    which is renamed onto ``path`` only once written and flushed; an error or interrupt removes the temp file.
+
+    Args:
+        table: the row's table.
+        path: the part file.
+        metadata: JSON-able; stored in the Parquet schema metadata (read back by :func:`_part_metadata`).
+
+    Returns:
+        ``path``.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    arrow = pa.Table.from_pandas(table, preserve_index=False)
+    meta = dict(arrow.schema.metadata or {})
+    meta[_PART_METADATA_KEY] = json.dumps(metadata, sort_keys=True, default=str).encode()
+    arrow = arrow.replace_schema_metadata(meta)
+    with _atomic_path(path) as temp:
+        pq.write_table(arrow, temp)
+    return path
+
+
+def _part_metadata(path: Path) -> dict[str, Any] | None:
+    """The sweep metadata of a part file; ``None`` when the file is unreadable or was not written by a sweep."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except (OSError, ValueError):  # pyarrow raises ArrowInvalid (a ValueError) for damaged files
+        return None
+    raw = meta.get(_PART_METADATA_KEY)
+    return json.loads(raw) if raw else None
+
+
+def _write_json(path: Path, record: dict[str, Any]) -> None:
+    with _atomic_path(path) as temp:
+        temp.write_text(json.dumps(_jsonable(record), indent=2))
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def load_table(out: str | os.PathLike, rows: Sequence[int] | None = None) -> pd.DataFrame:
+    """The sweep's results as one table, in row order (all parts, or those of ``rows``).
+
+    Equivalent to ``pd.read_parquet(out / "rows")`` up to row order; reads each part once.
+
+    Raises:
+        FileNotFoundError: ``out`` holds no results (run the sweep first).
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    layout = SweepLayout(Path(out))
+    parts = layout.parts() if rows is None else [layout.part(r) for r in sorted(rows) if layout.part(r).is_file()]
+    if not parts:
+        raise FileNotFoundError(f"no sweep results under {str(layout.rows)!r}; run `ipa-probe sweep` first")
+    table = pa.concat_tables([pq.read_table(p) for p in parts], promote_options="default").to_pandas()
+    return table.reset_index(drop=True)
