@@ -5,7 +5,7 @@ temperature; the probe also accepts ``"fit"``), a positive float ``h``, or a cal
 receives the denoiser's current timestep as a 0-d tensor on the device (scheduler scale, 0-1000) and returns a float
 or a 0-d tensor; keep it free of ``.item()`` / ``float()`` so that the denoising loop never waits for the device.
 
-- :func:`parse`: a command-line string -> spec (:func:`argument_type` for argparse);
+- :func:`parse`: a command-line string or manifest cell -> spec (:func:`argument_type` for argparse);
 - :func:`check`: validate a spec (the one validator), ints become floats;
 - :func:`resolve`: the ``h`` a spec gives for a head width and a timestep, one value per timestep (shape checked);
 - :func:`describe`: a JSON-friendly form (a callable by its name).
@@ -59,22 +59,29 @@ def check(spec: Any, keywords: tuple[str, ...] = ("matched",)) -> BandwidthSpec:
     return float(spec)
 
 
-def parse(text: str, keywords: tuple[str, ...] = ("matched",)) -> str | float:
-    """A spec from text (a command-line argument): one of ``keywords`` or a positive number.
+def parse(value: str | float, keywords: tuple[str, ...] = ("matched",)) -> str | float:
+    """A spec from text or a plain number (a command-line argument, a manifest cell): one of ``keywords`` or a
+    positive finite number (a numeric string is converted; surrounding spaces are ignored).
 
     Raises:
         ValueError: anything else, with the accepted forms in the message.
     """
-    if text in keywords:
-        return text
-    try:
-        h = float(text)
-    except (TypeError, ValueError):
-        h = math.nan
-    if not (math.isfinite(h) and h > 0):
-        accepted = " or ".join(repr(k) for k in keywords)
-        raise ValueError(f"expected {accepted} or a positive number, got {text!r}")
-    return h
+    if isinstance(value, str):
+        text = value.strip()
+        if text in keywords:
+            return text
+        try:
+            number = float(text)
+        except ValueError:
+            number = math.nan
+    elif isinstance(value, bool) or not isinstance(value, int | float):
+        number = math.nan
+    else:
+        number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        accepted = ", ".join(repr(k) for k in keywords)
+        raise ValueError(f"bandwidth: expected {accepted} or a positive number, got {value!r}")
+    return number
 
 
 def argument_type(*keywords: str) -> Callable[[str], str | float]:
