@@ -39,6 +39,8 @@ import pandas as pd
 import PIL.Image
 import torch
 
+from .bandwidth import describe as describe_bandwidth
+
 __all__ = [
     "METHODS",
     "METHOD_LABELS",
@@ -513,7 +515,7 @@ def compare_methods(
     record = {
         **(settings or {}),
         "seeds": seeds,
-        "bandwidth": bandwidth if isinstance(bandwidth, str | float | int) else getattr(bandwidth, "__name__", "fn"),
+        "bandwidth": describe_bandwidth(bandwidth),
         "call": {k: v for k, v in (call_kwargs or {}).items() if isinstance(v, str | int | float | bool)},
         "references": len(references),
         "image_size": list(size),
