@@ -126,7 +126,12 @@ def resolve(
             "the bandwidth is a callable of the timestep, but no timestep was seen: call the pipeline (or its "
             "denoiser) so that the timestep hook sees it"
         )
-    h = torch.as_tensor(spec(timestep), dtype=torch.float32, device=device)
+    value = spec(timestep)
+    # a tensor stays where it is; a Python number becomes a device fill (no blocking host-to-device copy)
+    if isinstance(value, torch.Tensor):
+        h = value.to(device=device, dtype=torch.float32)
+    else:
+        h = torch.full((), float(value), dtype=torch.float32, device=device)
     if h.numel() != 1:
         raise ValueError(
             f"the bandwidth callable returned a tensor of shape {tuple(h.shape)}; return a float or a 0-d tensor "
