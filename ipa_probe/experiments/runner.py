@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
+from .._io import versions
 from .evaluate import MMDResult, evaluate_velocity, held_out_tasks, learned_velocity, plugin_velocity
 from .model import ICFMVelocityNet, ModelConfig
-from .report import ExperimentResult, markdown_table, versions, write_result
+from .report import ExperimentResult, markdown_table, write_result
 from .tasks import MetaDistribution, TaskBatch, make_meta
 from .tiers import Tier
 from .train import TrainConfig, load_model, train
@@ -192,7 +193,7 @@ def run_experiments(
                 experiment=name,
                 tier=tier.to_dict(),
                 seeds=list(tier.seeds),
-                versions=versions(),
+                versions={**versions(), "threads": torch.get_num_threads()},
                 training_runs=ctx.runs,
                 wall_time_s=round(time.perf_counter() - start, 2),
             )

@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..capture.report import versions
+from .._io import versions, write_json
 from .aggregate import aggregate, plot_aggregate, row_summary
 from .manifest import Manifest, RowInputError, SkippedRow
 from .runner import SweepRunner
-from .storage import SweepLayout, _part_metadata, _write_json, write_part
+from .storage import SweepLayout, _part_metadata, write_part
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def run_sweep(
                     table = runner.run_row(row)
                 except RowInputError as err:
                     logger.warning("manifest line %d (row %d) skipped: %s", row.line, row.row, err)
-                    _write_json(layout.skip_record(row.row), {"row": row.row, "line": row.line, "reason": str(err)})
+                    write_json(layout.skip_record(row.row), {"row": row.row, "line": row.line, "reason": str(err)})
                 else:
                     metadata = {
                         "fingerprint": runner.fingerprint(row),
@@ -312,7 +312,7 @@ def _merge(
         "seconds": {"loop": seconds, "rows_total": float(np.nansum(row_seconds)) if row_seconds else 0.0},
         "aggregate": agg.to_dict(orient="records"),
     }
-    _write_json(layout.summary, record)
+    write_json(layout.summary, record)
     fig = plot_aggregate(agg, confidence=confidence)
     fig.savefig(layout.plot, dpi=120)
     plt.close(fig)

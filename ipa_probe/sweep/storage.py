@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import math
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
+
+from .._io import atomic_path
 
 _PART_METADATA_KEY = b"ipa_probe.sweep"
 _PART_PREFIX = "row-"
@@ -70,19 +69,6 @@ class SweepLayout:
         return sorted(p for folder in (self.rows, self.skipped) if folder.is_dir() for p in folder.glob(".*.tmp"))
 
 
-@contextmanager
-def _atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a hidden temp path beside ``path``; on success rename it onto ``path``, on any exit remove it."""
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        yield temp
-        with open(temp, "rb+") as handle:  # flushed to disk before the rename makes it visible
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
-
-
 def write_part(table: pd.DataFrame, path: str | os.PathLike, metadata: dict[str, Any]) -> Path:
     """Write one row's table as a Parquet file, atomically: readers see the whole file or none.
 
@@ -105,7 +91,7 @@ def write_part(table: pd.DataFrame, path: str | os.PathLike, metadata: dict[str,
     meta = dict(arrow.schema.metadata or {})
     meta[_PART_METADATA_KEY] = json.dumps(metadata, sort_keys=True, default=str).encode()
     arrow = arrow.replace_schema_metadata(meta)
-    with _atomic_path(path) as temp:
+    with atomic_path(path) as temp:
         pq.write_table(arrow, temp)
     return path
 
@@ -120,25 +106,6 @@ def _part_metadata(path: Path) -> dict[str, Any] | None:
         return None
     raw = meta.get(_PART_METADATA_KEY)
     return json.loads(raw) if raw else None
-
-
-def _write_json(path: Path, record: dict[str, Any]) -> None:
-    with _atomic_path(path) as temp:
-        temp.write_text(json.dumps(_jsonable(record), indent=2))
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Path):
-        return str(value)
-    return value
 
 
 def load_table(out: str | os.PathLike, rows: Sequence[int] | None = None) -> pd.DataFrame:
