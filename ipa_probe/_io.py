@@ -28,6 +28,7 @@ __all__ = [
     "LOCK_NAME",
     "OutputLocked",
     "atomic_path",
+    "check_launch_holds",
     "jsonable",
     "output_lock",
     "versions",

@@ -56,10 +56,17 @@ def bootstrap_ci(
 
 
 def row_summary(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
-    """Per-timestep means of one row's table (:func:`~.capture.report.summarize`) plus ``row``, ``seed``, ``scale``."""
+    """Per-timestep means of one row's table (:func:`~.capture.report.summarize`) plus ``row``, ``seed``, ``scale``
+    and ``cells_nonfinite``: how many layer x head cells at that timestep have a non-finite Spearman or Pearson
+    (the means skip those cells, so :func:`aggregate` leaves such a row out instead of counting it as a full one;
+    ``nonfinite`` still gives the largest fraction of latent pixels whose weights were not finite)."""
     summary = summarize(table, threshold=threshold)
     if summary.empty:
         return summary
+    keys = ["call", "step", "timestep", "kind", "branch"]
+    bad = ~np.isfinite(table["spearman"].to_numpy(np.float64)) | ~np.isfinite(table["pearson"].to_numpy(np.float64))
+    counts = pd.Series(bad, index=table.index).groupby([table[k] for k in keys], observed=True).sum()
+    summary = summary.merge(counts.rename("cells_nonfinite").reset_index(), on=keys, how="left")
     for position, key in enumerate(("row", "seed", "scale")):
         summary.insert(position, key, table[key].iloc[0])
     return summary
@@ -89,14 +96,17 @@ def aggregate(
 
     Returns:
         one row per (branch, timestep), timesteps in denoising order (high to low): ``rows`` (how many manifest rows
-        reached it), ``spearman`` (mean over rows), ``spearman_ci_low``, ``spearman_ci_high``, ``spearman_std``
-        (over rows), ``pearson``, ``frac_rho_gt_<threshold>`` (mean over rows of the fraction of layer x head cells
-        with rho above the threshold), ``spearman_null`` (the permutation null), ``kl``, ``top1``, ``neff_attn``,
+        are averaged: those whose every cell is finite there), ``rows_partial`` (rows left out of every mean because
+        some of their cells are not finite, see :func:`row_summary`), ``spearman`` (mean over rows),
+        ``spearman_ci_low``, ``spearman_ci_high``, ``spearman_std`` (over rows), ``pearson``,
+        ``frac_rho_gt_<threshold>`` (mean over rows of the fraction of layer x head cells with rho above the
+        threshold), ``spearman_null`` (the permutation null), ``kl``, ``top1``, ``neff_attn``,
         ``neff_nw``, ``q_norm``, ``bandwidth`` (means) and ``nonfinite`` (max).
     """
     frac = f"frac_rho_gt_{threshold:g}"
     means = ["pearson", frac, "spearman_null", "kl", "top1", "neff_attn", "neff_nw", "q_norm", "bandwidth"]
-    columns = ["branch", "timestep", "rows", "spearman", "spearman_ci_low", "spearman_ci_high", "spearman_std"]
+    columns = ["branch", "timestep", "rows", "rows_partial", "spearman"]
+    columns += ["spearman_ci_low", "spearman_ci_high", "spearman_std"]
     columns += [*means, "nonfinite"]
     if per_row.empty:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in columns})
@@ -105,7 +115,12 @@ def aggregate(
         raise ValueError(f"per_row: missing column(s) {missing}; make it with row_summary(..., threshold={threshold})")
     records = []
     ordered = per_row.sort_values(["branch", "timestep", "row"], ascending=[True, False, True], kind="stable")
-    for index, ((branch, timestep), group) in enumerate(ordered.groupby(["branch", "timestep"], sort=False)):
+    for index, ((branch, timestep), both) in enumerate(ordered.groupby(["branch", "timestep"], sort=False)):
+        if "cells_nonfinite" in both:
+            partial = both["cells_nonfinite"].fillna(0).to_numpy(np.float64) > 0
+        else:  # summaries made elsewhere: every row counts
+            partial = np.zeros(len(both), dtype=bool)
+        group = both[~partial]
         rho = group["spearman"].to_numpy(np.float64)
         low, high = bootstrap_ci(rho, confidence, n_resamples, np.random.default_rng([seed, index]))
         finite = rho[np.isfinite(rho)]
@@ -113,13 +128,14 @@ def aggregate(
             "branch": branch,
             "timestep": float(timestep),
             "rows": int(group["row"].nunique()),
+            "rows_partial": int(both["row"][partial].nunique()),
             "spearman": float(finite.mean()) if finite.size else math.nan,
             "spearman_ci_low": low,
             "spearman_ci_high": high,
             "spearman_std": float(finite.std(ddof=1)) if finite.size > 1 else math.nan,
         }
-        record.update({key: float(group[key].mean()) for key in means})
-        record["nonfinite"] = float(group["nonfinite"].max()) if "nonfinite" in group else math.nan
+        record.update({key: float(group[key].mean()) if len(group) else math.nan for key in means})
+        record["nonfinite"] = float(both["nonfinite"].max()) if "nonfinite" in both else math.nan
         records.append(record)
     return pd.DataFrame.from_records(records, columns=columns)
 
