@@ -197,7 +197,7 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     elif not os.access(existing, os.W_OK | os.X_OK):
         problem = f"{str(existing)!r} is not writable"
     if problem:
-        raise CLIError(f"cannot write to {flag} {str(out)!r} ({problem}); choose a writable folder")
+        raise CLIError(f"cannot write to output folder {flag} {str(out)!r} ({problem}); choose a writable folder")
     return out
 
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._io import versions, write_json
+from .._io import atomic_path, versions, write_atomic, write_json
 
 __all__ = ["ExperimentResult", "Row", "format_value", "save_figure", "versions", "write_result"]
 
@@ -78,8 +78,8 @@ def write_result(result: ExperimentResult, folder: Path) -> dict[str, Path]:
     """Write ``table.md``, ``table.csv`` and ``record.json`` of ``result`` into ``folder``. Returns their paths."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"table_md": folder / "table.md", "table_csv": folder / "table.csv", "record": folder / "record.json"}
-    paths["table_md"].write_text(f"### {result.name}\n\n" + markdown_table(result.rows))
-    with paths["table_csv"].open("w", newline="") as handle:
+    write_atomic(paths["table_md"], f"### {result.name}\n\n" + markdown_table(result.rows))
+    with atomic_path(paths["table_csv"]) as temp, temp.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(TABLE_COLUMNS)
         for row in result.rows:
