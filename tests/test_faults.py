@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from helpers import Counting, runner_for, write_jsonl
 from PIL import Image
 
 from ipa_probe._io import LOCK_NAME, OutputLocked, check_launch_holds, output_lock
@@ -23,7 +24,6 @@ from ipa_probe.experiments.checkpoint import CheckpointError, load_checkpoint, s
 from ipa_probe.images import load_image
 from ipa_probe.sweep import (
     ManifestRow,
-    RowDefaults,
     SweepLayout,
     SweepRunner,
     aggregate,
@@ -55,34 +55,6 @@ def workdir(tmp_path) -> Path:
 @pytest.fixture(scope="module")
 def pipe():
     return tiny_pipeline(seed=0)
-
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
-    return path
-
-
-def runner_for(pipe, cls: type[SweepRunner] = SweepRunner, **kwargs) -> SweepRunner:
-    defaults = RowDefaults(steps=STEPS)
-    return cls(pipe, defaults, call_kwargs={"height": 64, "width": 64}, settings={"model": "tiny"}, **kwargs)
-
-
-class Counting(SweepRunner):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ran: list[int] = []
-
-    def run_row(self, row):
-        self.ran.append(row.row)
-        return super().run_row(row)
 
 
 class Poisoned(SweepRunner):
@@ -119,7 +91,7 @@ def reference(workdir, pipe, one_thread) -> Path:
 KILLED_SWEEP = """
 import os, signal, sys, torch
 torch.set_num_threads(1)
-from ipa_probe.sweep import ManifestRow, RowDefaults, SweepRunner, read_manifest, run_sweep
+from ipa_probe.sweep import RowDefaults, SweepRunner, read_manifest, run_sweep
 from ipa_probe.tiny.sd import tiny_pipeline
 
 class KillAt(SweepRunner):

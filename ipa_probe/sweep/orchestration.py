@@ -108,9 +108,10 @@ class _Scan:
     set_aside: dict[Path, str] = field(default_factory=dict)  # part -> why it leaves rows/ (if the sweep goes on)
 
 
-def _scan(manifest: Manifest, runner: SweepRunner, layout: SweepLayout, restart: bool) -> _Scan:
+def _scan(manifest: Manifest, runner: SweepRunner, layout: SweepLayout, restart: bool, log: bool = True) -> _Scan:
     """Sort the parts in ``rows/``: current, made with other settings, or to set aside (damaged, changed images,
-    not a row of this manifest)."""
+    not a row of this manifest). ``log``: warn about the rows that will run again (the main process does)."""
+    warn = logger.warning if log else logger.debug
     scan = _Scan()
     rows = {layout.part(row.row): row for row in manifest.rows}
     for path in layout.parts():
@@ -120,7 +121,7 @@ def _scan(manifest: Manifest, runner: SweepRunner, layout: SweepLayout, restart:
             continue
         meta = _part_metadata(path)
         if meta is None:
-            logger.warning("row %d (line %d): %s is damaged; running the row again", row.row, row.line, path.name)
+            warn("row %d (line %d): %s is damaged; running the row again", row.row, row.line, path.name)
             scan.set_aside[path] = "damaged"
         elif meta.get("fingerprint") != runner.fingerprint(row):
             if restart:
@@ -131,7 +132,7 @@ def _scan(manifest: Manifest, runner: SweepRunner, layout: SweepLayout, restart:
             changed = sorted(k for k in new if old.get(k, new[k]) != new[k]) or ["model or probe options"]
             scan.stale.append(f"row {row.row} (line {row.line}): {', '.join(changed)} differ")
         elif meta.get("inputs") != _inputs_or_none(runner, row):
-            logger.warning("row %d (line %d): its images changed since it ran; running it again", row.row, row.line)
+            warn("row %d (line %d): its images changed since it ran; running it again", row.row, row.line)
             scan.set_aside[path] = "images-changed"
         else:
             scan.current.add(row.row)
@@ -171,6 +172,10 @@ def _tidy(manifest: Manifest, layout: SweepLayout, scan: _Scan, threshold: float
         temp.unlink(missing_ok=True)
     for path, why in scan.set_aside.items():
         layout.set_part_aside(path, why)
+    valid = {layout.skip_record(row.row).name for row in manifest.rows if row.row not in scan.current}
+    for record in layout.skipped.glob("*.json"):  # failure records of rows now done or no longer in the manifest
+        if record.name not in valid:
+            record.unlink()
     summaries: dict[int, pd.DataFrame] = {}
     lines = {row.row: row.line for row in manifest.rows}
     for row in sorted(scan.current):
@@ -266,7 +271,8 @@ def run_sweep(
         for skip in manifest.skipped:
             logger.warning("manifest %s line %d (row %d) skipped: %s", manifest.path, skip.line, skip.row, skip.reason)
     with _folder_lock(layout, state):
-        scan = _scan(manifest, runner, layout, restart)  # every process: reads only, so all refuse alike
+        # every process scans (reads only), so all refuse alike; only the main process changes anything
+        scan = _scan(manifest, runner, layout, restart, log=state.is_main_process)
         _refuse_stale(scan, layout)
         summaries = _tidy(manifest, layout, scan, threshold) if state.is_main_process else {}
         state.wait_for_everyone()
