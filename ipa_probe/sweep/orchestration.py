@@ -272,9 +272,11 @@ def run_sweep(
             logger.warning("manifest %s line %d (row %d) skipped: %s", manifest.path, skip.line, skip.row, skip.reason)
     with _folder_lock(layout, state):
         # every process scans (reads only), so all refuse alike; only the main process changes anything
+        check_start = clock()
         scan = _scan(manifest, runner, layout, restart, log=state.is_main_process)
         _refuse_stale(scan, layout)
         summaries = _tidy(manifest, layout, scan, threshold) if state.is_main_process else {}
+        check_seconds = clock() - check_start
         state.wait_for_everyone()
         pending = [row for row in manifest.rows if not layout.part(row.row).is_file()]
         resumed = {row.row for row in manifest.rows} - {row.row for row in pending}
@@ -295,6 +297,7 @@ def run_sweep(
             confidence=confidence,
             n_resamples=n_resamples,
             extra=extra,
+            check_seconds=check_seconds,
         )
 
 
@@ -360,6 +363,7 @@ def _merge(
     confidence: float,
     n_resamples: int,
     extra: dict[str, Any] | None,
+    check_seconds: float,
 ) -> SweepResult:
     """Summarise the new parts one at a time, aggregate with the resumed ones, and replace the derived files."""
     per_row, by_process, row_seconds, failed = _collect(manifest, layout, summaries, ran_now, threshold)
@@ -405,7 +409,11 @@ def _merge(
         "failed": [asdict(s) for s in failed],
         "processes": processes,
         "rows_by_process": {str(k): v for k, v in result.rows_by_process.items()},
-        "seconds": {"loop": seconds, "rows_total": float(np.nansum(row_seconds)) if row_seconds else 0.0},
+        "seconds": {
+            "check": check_seconds,  # scanning rows/ and reading back every finished part before the rows run
+            "loop": seconds,
+            "rows_total": float(np.nansum(row_seconds)) if row_seconds else 0.0,
+        },
         "aggregate": agg.to_dict(orient="records"),
     }
     _write_derived(layout, per_row, agg, record, confidence)
