@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from ..capture.report import style_timestep_axes, summarize
+from ..schema import SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column
 
 
 def bootstrap_ci(
@@ -63,7 +64,7 @@ def row_summary(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
     summary = summarize(table, threshold=threshold)
     if summary.empty:
         return summary
-    keys = ["call", "step", "timestep", "kind", "branch"]
+    keys = list(SUMMARY_KEYS)
     bad = ~np.isfinite(table["spearman"].to_numpy(np.float64)) | ~np.isfinite(table["pearson"].to_numpy(np.float64))
     counts = pd.Series(bad, index=table.index).groupby([table[k] for k in keys], observed=True).sum()
     summary = summary.merge(counts.rename("cells_nonfinite").reset_index(), on=keys, how="left")
@@ -100,17 +101,19 @@ def aggregate(
         some of their cells are not finite, see :func:`row_summary`), ``spearman`` (mean over rows),
         ``spearman_ci_low``, ``spearman_ci_high``, ``spearman_std`` (over rows), ``pearson``,
         ``frac_rho_gt_<threshold>`` (mean over rows of the fraction of layer x head cells with rho above the
-        threshold), ``spearman_null`` (the permutation null), ``kl``, ``top1``, ``neff_attn``,
-        ``neff_nw``, ``q_norm``, ``bandwidth`` (means) and ``nonfinite`` (max).
+        threshold), then the means over rows of the other summary means (:data:`~ipa_probe.schema.SUMMARY_MEANS`:
+        ``pearson``, ``spearman_null`` (the permutation null), ``kl``, ``top1``, ``neff_attn``, ``neff_nw``,
+        ``q_norm``, ``k_norm_spread``, ``ip_mass``, ``bandwidth``; NaN where the summaries lack one) and the maxima
+        of :data:`~ipa_probe.schema.SUMMARY_MAX` (``nonfinite``) over every row, partial ones included.
     """
-    frac = f"frac_rho_gt_{threshold:g}"
-    means = ["pearson", frac, "spearman_null", "kl", "top1", "neff_attn", "neff_nw", "q_norm", "bandwidth"]
+    frac = frac_column(threshold)
+    means = [frac, *(name for name in SUMMARY_MEANS if name != "spearman")]
     columns = ["branch", "timestep", "rows", "rows_partial", "spearman"]
     columns += ["spearman_ci_low", "spearman_ci_high", "spearman_std"]
-    columns += [*means, "nonfinite"]
+    columns += [*means, *SUMMARY_MAX]
     if per_row.empty:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in columns})
-    missing = [c for c in ("row", "branch", "timestep", "spearman", *means) if c not in per_row.columns]
+    missing = [c for c in ("row", "branch", "timestep", "spearman", frac) if c not in per_row.columns]
     if missing:
         raise ValueError(f"per_row: missing column(s) {missing}; make it with row_summary(..., threshold={threshold})")
     records = []
@@ -134,8 +137,8 @@ def aggregate(
             "spearman_ci_high": high,
             "spearman_std": float(finite.std(ddof=1)) if finite.size > 1 else math.nan,
         }
-        record.update({key: float(group[key].mean()) if len(group) else math.nan for key in means})
-        record["nonfinite"] = float(both["nonfinite"].max()) if "nonfinite" in both else math.nan
+        record.update({key: float(group[key].mean()) if len(group) and key in group else math.nan for key in means})
+        record.update({key: float(both[key].max()) if key in both else math.nan for key in SUMMARY_MAX})
         records.append(record)
     return pd.DataFrame.from_records(records, columns=columns)
 

@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from .._io import OutputLocked, atomic_path, check_launch_holds, output_lock, versions, write_json
+from ..schema import frac_column
 from .aggregate import aggregate, plot_aggregate, row_summary
 from .manifest import Manifest, ManifestRow, RowInputError, SkippedRow
 from .runner import SweepRunner
@@ -74,7 +75,7 @@ class SweepResult:
         if agg is not None and not agg.empty:
             part = agg[agg["branch"] == "cond"] if (agg["branch"] == "cond").any() else agg
             last = part.sort_values("timestep").iloc[0]
-            frac = f"frac_rho_gt_{self.threshold:g}"
+            frac = frac_column(self.threshold)
             line += f"; last timestep t={last['timestep']:g}: spearman {last['spearman']:.3f}"
             if math.isfinite(last["spearman_ci_low"]):
                 line += f" [{last['spearman_ci_low']:.3f}, {last['spearman_ci_high']:.3f}]"
