@@ -177,14 +177,14 @@ class _StepState:
 
 @dataclass
 class _Cell:
-    """One record's tensors, grouped by CFG branch chunk: ``(chunks, H, rows, K)`` and friends."""
+    """One record's tensors by group (a batch item with its frames): ``(groups, H, rows, K)`` and friends."""
 
     attn: torch.Tensor  # attention logits
     nw: torch.Tensor  # NW logits
-    h: torch.Tensor  # (chunks, H) bandwidth
+    h: torch.Tensor  # (groups, H) bandwidth
     key_mask: torch.Tensor | None  # kept keys (text padding left out)
-    row_mask: torch.Tensor | None  # (chunks, H, rows) rows inside an IP-Adapter mask
-    groups: torch.Tensor | None  # (chunks, H, rows, K) copies of one token
+    row_mask: torch.Tensor | None  # (groups, H, rows) rows inside an IP-Adapter mask
+    copies: torch.Tensor | None  # (groups, H, rows, K) key ids, equal for copies of one token
 
 
 class ProbeRun:
@@ -448,9 +448,9 @@ class ProbeRun:
         """
         state = self._state
         state.records += 1
-        layout = state.layout
-        if query.shape[0] % layout.chunks:  # a batch the layout does not describe: one unlabelled chunk
-            layout = self.evidence.layout(None, query.device)
+        labels = state.layout.items  # (items,): a statistic per batch item (frames of one item pooled)
+        if query.shape[0] % labels.shape[0]:  # a batch the layout does not describe: one unlabelled group
+            labels = self.evidence.layout(None, query.device).items
         q, k = query.float(), key.float()  # (B, H, Q, D), (B, H, K, D)
         head_dim = q.shape[-1]
         head_index = self._heads(q.device)
@@ -461,46 +461,47 @@ class ProbeRun:
         processor = self.layers[index].attention.processor
         # the text branch is plain scaled dot-product attention in every processor
         attn = dot_logits(q, k, 1.0 / math.sqrt(head_dim)) if text else image_branch_logits(processor, q, k)
-        cell = self._cell(layout.chunks, q, k, attn, text, rows)
-        values = self._cell_values(cell, layout.chunks, q, k, other, attn, text, processor)  # (chunks, H, fields)
-        self._accumulate(index, slot, layout.labels, values)
+        groups = labels.shape[0]
+        cell = self._cell(groups, q, k, attn, text, rows)
+        values = self._cell_values(cell, groups, q, k, other, attn, text, processor)  # (groups, H, fields)
+        self._accumulate(index, slot, labels, values)
         if self.config.keep_maps:
             self._keep_map(state.call.index, state.step, self.layers[index].name, slot, attn)
 
     def _cell(
-        self, chunks: int, q: torch.Tensor, k: torch.Tensor, attn: torch.Tensor, text: bool, rows: torch.Tensor | None
+        self, groups: int, q: torch.Tensor, k: torch.Tensor, attn: torch.Tensor, text: bool, rows: torch.Tensor | None
     ) -> _Cell:
-        """Group a record's logits, masks and copy groups by chunk: ``(B, H, R, C)`` -> ``(chunks, H, items*R, C)``."""
+        """A record's logits, masks and copy ids by group: ``(B, H, R, C)`` -> ``(groups, H, frames * R, C)``."""
         batch, n_heads, n_queries, n_keys = attn.shape
 
-        def by_chunk(x: torch.Tensor) -> torch.Tensor:
-            # (B, H, R, C) -> (chunks, H, items * R, C): rows of all batch items of a chunk together
-            return x.reshape(chunks, batch // chunks, n_heads, x.shape[-2], x.shape[-1]).transpose(1, 2).flatten(2, 3)
+        def by_group(x: torch.Tensor) -> torch.Tensor:
+            # (B, H, R, C) -> (groups, H, frames * R, C): a group is one item of the denoiser's batch, with its frames
+            return x.reshape(groups, batch // groups, n_heads, x.shape[-2], x.shape[-1]).transpose(1, 2).flatten(2, 3)
 
         key_mask = None
         text_mask = self._state.text_mask
         if text and text_mask is not None and text_mask.shape[0] == batch:
-            key_mask = by_chunk(text_mask[:, None, None, :].expand(batch, n_heads, n_queries, n_keys))
+            key_mask = by_group(text_mask[:, None, None, :].expand(batch, n_heads, n_queries, n_keys))
         row_mask = None
         if rows is not None:
-            row_mask = by_chunk(rows[:, None, :, None].expand(batch, n_heads, n_queries, 1)).squeeze(-1)
-        groups = by_chunk(copy_groups(k).unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
+            row_mask = by_group(rows[:, None, :, None].expand(batch, n_heads, n_queries, 1)).squeeze(-1)
+        copies = by_group(copy_groups(k).unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
         h = self._bandwidth(q.shape[-1], q.device)
         if self.config.bandwidth == "fit":
             k_sq = (k * k).sum(-1)  # (B, H, K)
-            energy = by_chunk(q @ k.transpose(-1, -2) - k_sq.unsqueeze(-2) / 2)  # NW logits times h^2
-            attn_c = by_chunk(attn)
+            energy = by_group(q @ k.transpose(-1, -2) - k_sq.unsqueeze(-2) / 2)  # NW logits times h^2
+            attn_c = by_group(attn)
             if key_mask is not None:
                 attn_c, energy = attn_c.masked_fill(~key_mask, -math.inf), energy.masked_fill(~key_mask, -math.inf)
-            h_cell = fit_bandwidth(attn_c, energy, matched_bandwidth(q.shape[-1]))  # (chunks, H)
-            return _Cell(attn_c, energy / (h_cell * h_cell)[..., None, None], h_cell, key_mask, row_mask, groups)
-        h_cell = h.expand(chunks, n_heads)
-        return _Cell(by_chunk(attn), by_chunk(nw_logits(q, k, h)), h_cell, key_mask, row_mask, groups)
+            h_cell = fit_bandwidth(attn_c, energy, matched_bandwidth(q.shape[-1]))  # (groups, H)
+            return _Cell(attn_c, energy / (h_cell * h_cell)[..., None, None], h_cell, key_mask, row_mask, copies)
+        h_cell = h.expand(groups, n_heads)
+        return _Cell(by_group(attn), by_group(nw_logits(q, k, h)), h_cell, key_mask, row_mask, copies)
 
     def _cell_values(
         self,
         cell: _Cell,
-        chunks: int,
+        groups: int,
         q: torch.Tensor,
         k: torch.Tensor,
         other: torch.Tensor | None,
@@ -508,37 +509,37 @@ class ProbeRun:
         text: bool,
         processor: torch.nn.Module,
     ) -> torch.Tensor:
-        """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of one record, ``(chunks, H, fields)``."""
+        """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of one record, ``(groups, H, fields)``."""
         if self._generator is None or self._generator.device != q.device:
             self._generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
-        stats = compare_weights(cell.attn, cell.nw, self._generator, cell.key_mask, cell.row_mask, cell.groups)
+        stats = compare_weights(cell.attn, cell.nw, self._generator, cell.key_mask, cell.row_mask, cell.copies)
         batch, n_heads, n_keys = k.shape[0], k.shape[1], k.shape[2]
 
-        def by_chunk(x: torch.Tensor) -> torch.Tensor:  # (B, H, R) -> (chunks, H, items * R)
-            return x.reshape(chunks, batch // chunks, n_heads, x.shape[-1]).transpose(1, 2).flatten(2, 3)
+        def by_group(x: torch.Tensor) -> torch.Tensor:  # (B, H, R) -> (groups, H, items * R)
+            return x.reshape(groups, batch // groups, n_heads, x.shape[-1]).transpose(1, 2).flatten(2, 3)
 
-        q_norm = by_chunk(q.norm(dim=-1))  # (chunks, H, items * Q)
+        q_norm = by_group(q.norm(dim=-1))  # (groups, H, items * Q)
         if cell.row_mask is not None:
             inside = cell.row_mask.float()
             q_norm = (q_norm * inside).sum(-1) / inside.sum(-1)
         else:
             q_norm = q_norm.mean(-1)
-        k_norm = by_chunk(k.norm(dim=-1))  # (chunks, H, items * K)
+        k_norm = by_group(k.norm(dim=-1))  # (groups, H, items * K)
         kept = torch.ones_like(k_norm)
         if cell.key_mask is not None:
-            kept = by_chunk(self._state.text_mask[:, None, :].expand(batch, n_heads, n_keys).float())
+            kept = by_group(self._state.text_mask[:, None, :].expand(batch, n_heads, n_keys).float())
         mean = (k_norm * kept).sum(-1) / kept.sum(-1)
         spread = (((k_norm - mean[..., None]) ** 2 * kept).sum(-1) / kept.sum(-1)).sqrt() / mean
-        keys = kept.sum(-1) / (batch // chunks)  # (chunks, H) keys per row
+        keys = kept.sum(-1) / (batch // groups)  # (groups, H) keys per row
         ip_mass = torch.full_like(q_norm, math.nan)
         if other is not None and not text:
             share = self._image_share(processor, q, k, other.float())  # (B, H, Q)
-            ip_mass = by_chunk(share).mean(-1)
+            ip_mass = by_group(share).mean(-1)
         fields = [cell.h, *stats.unbind(-1), q_norm, spread, ip_mass, keys]
         return torch.stack(fields, dim=-1)
 
     def _accumulate(self, index: int, slot: int, labels: torch.Tensor, values: torch.Tensor) -> None:
-        """Add ``values`` ``(chunks, H, fields)`` into the buffers at each chunk's label (an index on the device)."""
+        """Add ``values`` ``(groups, H, fields)`` into the buffers at each group's label (an index on the device)."""
         state = self._state
         n_heads = values.shape[1]
         sums = state.call.sums[state.step, index, slot, :, :n_heads]  # (labels, H, fields), a view

@@ -90,7 +90,10 @@ class UNetTap(Tap):
                 image = capture.stash.get((index, "image", adapter), 0)
                 capture.stash[(index, "image", adapter)] = image + 1
                 rows = self._mask_rows(mask, image, query.shape[0], query.shape[1], query.device)
-            capture.record(index, adapter, heads_first(query, heads), heads_first(output, heads), None, rows)
+            # the processor views the keys with the query's batch size, as here (after a callback turns CFG off
+            # mid-run, the unconditional and conditional image tokens become one item's keys)
+            keys = heads_first(output.reshape(query.shape[0], -1, output.shape[-1]), heads)
+            capture.record(index, adapter, heads_first(query, heads), keys, None, rows)
 
         return hook
 
