@@ -241,7 +241,7 @@ class ProbeRun:
             clock = torch.compiler.disable(self._on_denoiser_call)
             done = torch.compiler.disable(self._on_denoiser_return)
             self._handles.append(denoiser.register_forward_pre_hook(clock, with_kwargs=True))
-            self._handles.append(denoiser.register_forward_hook(done, always_call=True))
+            self._handles.append(denoiser.register_forward_hook(done))  # not run when the pass raises
             self._handles.extend(self.tap.install(self._capture, self.images, self.text_slot))
             self.evidence.install()
         except BaseException:
