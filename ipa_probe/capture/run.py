@@ -62,10 +62,13 @@ class ProbeConfig:
         steps: denoising loop indices to record (an iterable of ints or a ``slice``); ``None`` for all.
         heads: head indices to record; ``None`` for all.
         keep_maps: also keep the full attention maps (fp16, moved off the device without blocking): in
-            :attr:`ProbeRun.maps`, ``(call, step, layer, adapter)`` -> a list of ``(B, H, Q, K)`` image-token weights,
-            one per denoiser pass (one per step for SD/SDXL/SD3, whose batch holds ``[uncond, cond]``; ``cond`` then
-            ``uncond`` for Flux with true CFG). For SD3 these are the joint weights restricted to the image tokens
-            and renormalised.
+            :attr:`ProbeRun.maps`, ``(call, step, layer, adapter)`` -> a list of ``(B, H, Q, K)`` weights, one per
+            record: one per denoiser pass (SD/SDXL/SD3 concatenate their CFG branches in one pass; Flux with true
+            CFG runs one pass per branch), and with ``ip_adapter_masks`` one per reference image and pass (diffusers
+            gives each masked image its own softmax over its own tokens; queries outside the mask are included in
+            the map, though the table leaves them out). :attr:`ProbeRun.map_branches` has, under the same key, each
+            map's branch label per batch item. For SD3 the maps are the joint weights restricted to the image
+            tokens and renormalised; for ``branch="text"`` rows the text tokens (padding included).
         max_map_bytes: refuse ``keep_maps`` when the estimated size of the maps exceeds this.
         seed: seed of the permutation null's random generator (the global RNG is never used).
         branch: which cross-attention to compare with NW weights: ``"image"`` (the IP-Adapter branch, over the
@@ -222,6 +225,9 @@ class ProbeRun:
         self.labels: tuple[str, ...] = label_vocabulary(config.branches)
         self.evidence = PromptEvidence(pipe, self.labels, config.branches, on_encode=self.tap.on_encode)
         self.maps: dict[tuple[int, int, str, int], list[torch.Tensor]] = {}
+        #: per key of :attr:`maps`, each map's branch label per batch item (filled when the block ends)
+        self.map_branches: dict[tuple[int, int, str, int], list[tuple[str, ...]]] = {}
+        self._map_labels: dict[tuple[int, int, str, int], list[torch.Tensor]] = {}
         self._calls: list[_Call] = []
         self._state = _StepState()
         self._capture = Capture(record=self._record)
@@ -283,6 +289,9 @@ class ProbeRun:
                 for call in self._calls
             ]
         }
+        for key, labels in self._map_labels.items():
+            self.map_branches[key] = [tuple(self.labels[i] for i in item.tolist()) for item in labels]
+        self._map_labels.clear()
         for call in self._calls:
             if call.incomplete:
                 logger.warning(
@@ -466,7 +475,9 @@ class ProbeRun:
         values = self._cell_values(cell, groups, q, k, other, attn, text, processor)  # (groups, H, fields)
         self._accumulate(index, slot, labels, values)
         if self.config.keep_maps:
-            self._keep_map(state.call.index, state.step, self.layers[index].name, slot, attn)
+            key = (state.call.index, state.step, self.layers[index].name, slot)
+            self._keep_map(key, attn)
+            self._map_labels.setdefault(key, []).append(labels.repeat_interleave(query.shape[0] // groups))
 
     def _cell(
         self, groups: int, q: torch.Tensor, k: torch.Tensor, attn: torch.Tensor, text: bool, rows: torch.Tensor | None
@@ -568,12 +579,12 @@ class ProbeRun:
             parts.append(torch.sigmoid(torch.logsumexp(image, -1) - torch.logsumexp(rest, -1)))
         return torch.cat(parts, dim=2)
 
-    def _keep_map(self, call: int, step: int, layer: str, adapter: int, logits: torch.Tensor) -> None:
+    def _keep_map(self, key: tuple[int, int, str, int], logits: torch.Tensor) -> None:
         weights = torch.softmax(logits, dim=-1).half()
         pinned = weights.device.type == "cuda"
         host = torch.empty(weights.shape, dtype=torch.float16, device="cpu", pin_memory=pinned)
         host.copy_(weights, non_blocking=pinned)
-        self.maps.setdefault((call, step, layer, adapter), []).append(host)
+        self.maps.setdefault(key, []).append(host)
 
     # ------------------------------------------------------------------ results
     def _finished(self) -> dict[str, Any]:
