@@ -34,7 +34,8 @@ import json
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -774,6 +775,23 @@ def _plot_losses(path: Path, losses: dict[str, list[float]]) -> None:
 # --- loading ------------------------------------------------------------------------------------------------------
 
 
+@contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """No loading progress bars from diffusers and transformers (local files load in a blink); restored on exit."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    states = [(lib, lib.is_progress_bar_enabled()) for lib in (diffusers_logging, transformers_logging)]
+    for lib, _ in states:
+        lib.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for lib, enabled in states:
+            if enabled:
+                lib.enable_progress_bar()
+
+
 def digits_pipeline(path: str | os.PathLike | None = None) -> StableDiffusionPipeline:
     """The trained digits organism: a ``StableDiffusionPipeline`` on CPU in float32, progress bar on.
 
@@ -799,15 +817,16 @@ def digits_pipeline(path: str | os.PathLike | None = None) -> StableDiffusionPip
             f"expected a digits organism in {root} (model/model_index.json); "
             "train one with `ipa-probe train-digits --out DIR` or pass path=None for the shipped weights"
         )
-    pipe = StableDiffusionPipeline.from_pretrained(root / "model", local_files_only=True)
+    with _quiet_loading():
+        pipe = StableDiffusionPipeline.from_pretrained(root / "model", local_files_only=True)
+        pipe.load_ip_adapter(
+            str(root / "ip_adapter"),
+            subfolder="",
+            weight_name=WEIGHT_NAME,
+            image_encoder_folder=None,
+            local_files_only=True,
+        )
     pipe.text_encoder.float()  # stored in float16 (the rest in float32); it ran in float32 during training
-    pipe.load_ip_adapter(
-        str(root / "ip_adapter"),
-        subfolder="",
-        weight_name=WEIGHT_NAME,
-        image_encoder_folder=None,
-        local_files_only=True,
-    )
     pipe.set_progress_bar_config(disable=False)
     return realign_weights(pipe)
 
