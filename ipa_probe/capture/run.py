@@ -24,8 +24,19 @@ from typing import Any
 
 import torch
 
-from ..kernels import check_bandwidth, dot_logits, matched_bandwidth, nw_logits
-from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, image_branch_logits, release
+from .. import bandwidth as bw
+from ..bandwidth import BandwidthSpec
+from ..kernels import dot_logits, matched_bandwidth, nw_logits
+from ..layers import (
+    IPLayer,
+    LayerSelection,
+    claim,
+    denoiser_of,
+    find_ip_layers,
+    image_branch_logits,
+    observer,
+    release,
+)
 from ..schema import CELL_FIELDS
 from ..stats import compare_weights, copy_groups, fit_bandwidth
 from .branches import Layout, PromptEvidence, label_vocabulary
@@ -36,7 +47,6 @@ __all__ = ["FIELDS", "ProbeConfig", "ProbeRun", "probe"]
 
 logger = logging.getLogger(__name__)
 
-BandwidthSpec = str | float | Callable[[torch.Tensor], Any]
 
 #: Per-cell values kept in the buffers (see :data:`ipa_probe.schema.CELL_FIELDS`).
 FIELDS: tuple[str, ...] = CELL_FIELDS
@@ -93,7 +103,7 @@ class ProbeConfig:
     def __post_init__(self) -> None:
         if self.branch not in ("image", "text", "both"):
             raise ValueError(f'branch: expected "image", "text" or "both", got {self.branch!r}')
-        check_bandwidth(self.bandwidth, ("matched", "fit"))
+        object.__setattr__(self, "bandwidth", bw.check(self.bandwidth, ("matched", "fit")))
         if self.branches is not None:
             if isinstance(self.branches, str):
                 raise TypeError(
@@ -138,10 +148,9 @@ class ProbeConfig:
 
     def describe(self) -> dict[str, Any]:
         """JSON-friendly settings."""
-        bw = self.bandwidth
         steps = self.steps
         return {
-            "bandwidth": bw if isinstance(bw, str | float | int) else getattr(bw, "__name__", repr(bw)),
+            "bandwidth": bw.describe(self.bandwidth),
             "layers": self.layers
             if isinstance(self.layers, str | None)
             else [getattr(p, "pattern", p) for p in self.layers],
@@ -240,12 +249,12 @@ class ProbeRun:
 
     # ------------------------------------------------------------------ lifecycle
     def _install(self) -> None:
-        denoiser = claim(self.pipe, _FEATURE)
+        what = f"read-only forward hooks ({self.config.branch} branch), bandwidth={bw.describe(self.config.bandwidth)}"
+        denoiser = claim(self.pipe, _FEATURE, [layer.name for layer in self.layers], what)
         self._active = True
         try:
-            # Hooks run eagerly even inside a compiled denoiser (torch.compile breaks the graph around them).
-            clock = torch.compiler.disable(self._on_denoiser_call)
-            done = torch.compiler.disable(self._on_denoiser_return)
+            clock = observer(self._on_denoiser_call)
+            done = observer(self._on_denoiser_return)
             self._handles.append(denoiser.register_forward_pre_hook(clock, with_kwargs=True))
             self._handles.append(denoiser.register_forward_hook(done))  # not run when the pass raises
             self._handles.extend(self.tap.install(self._capture, self.images, self.text_slot))
@@ -422,15 +431,12 @@ class ProbeRun:
         a callable of the timestep (a tensor it returns is used as is)."""
         spec = self.config.bandwidth
         if not callable(spec):
-            value = matched_bandwidth(head_dim) if spec in ("matched", "fit") else float(spec)
+            # "fit": the statistics start from the matched bandwidth (the fit itself is per cell)
+            value = bw.resolve("matched" if spec == "fit" else spec, head_dim)
             return self._constant(f"h{head_dim}", device, lambda: torch.full((), value, device=device))
         cached = self._state.bandwidth.get(head_dim)
         if cached is None:
-            h = spec(self._state.timestep)
-            if isinstance(h, torch.Tensor):
-                cached = h.to(device=device, dtype=torch.float32).reshape(())
-            else:
-                cached = torch.full((), float(h), device=device)
+            cached = bw.resolve(spec, head_dim, self._state.timestep, device)
             self._state.bandwidth[head_dim] = cached
         return cached
 

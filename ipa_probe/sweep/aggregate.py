@@ -1,0 +1,185 @@
+"""Aggregation over rows: per-row summaries averaged per CFG branch and timestep, a bootstrap interval, a plot."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pandas as pd
+
+from ..capture.report import style_timestep_axes, summarize
+from ..schema import SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column
+
+
+def bootstrap_ci(
+    values: np.ndarray, confidence: float = 0.95, n_resamples: int = 9999, rng: np.random.Generator | None = None
+) -> tuple[float, float]:
+    """Bootstrap confidence interval of the mean of ``values`` (``scipy.stats.bootstrap``, BCa).
+
+    Falls back to the percentile method when BCa is undefined; returns ``(nan, nan)`` for fewer than two finite values
+    and ``(v, v)`` when all values equal ``v``.
+
+    Args:
+        values: shape ``(n,)``; non-finite entries are dropped.
+        confidence: two-sided confidence level in (0, 1).
+        n_resamples: bootstrap resamples.
+        rng: the random generator (default: seeded with 0, so the interval is reproducible).
+
+    Returns:
+        ``(low, high)``.
+    """
+    import inspect
+
+    from scipy import stats
+
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence: expected a level in (0, 1), e.g. 0.95, got {confidence}")
+    x = np.asarray(values, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    if x.size < 2:
+        return math.nan, math.nan
+    if np.ptp(x) == 0:
+        return float(x[0]), float(x[0])
+    rng = rng if rng is not None else np.random.default_rng(0)
+    # scipy >= 1.15 names the generator `rng`; older releases `random_state`
+    key = "rng" if "rng" in inspect.signature(stats.bootstrap).parameters else "random_state"
+    for method in ("BCa", "percentile"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = stats.bootstrap(
+                (x,), np.mean, confidence_level=confidence, n_resamples=n_resamples, method=method, **{key: rng}
+            )
+        low, high = result.confidence_interval
+        if math.isfinite(low) and math.isfinite(high):
+            return float(low), float(high)
+    return math.nan, math.nan
+
+
+def row_summary(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
+    """Per-timestep means of one row's table (:func:`~.capture.report.summarize`) plus ``row``, ``seed``, ``scale``
+    and ``cells_nonfinite``: how many layer x head cells at that timestep have a non-finite Spearman or Pearson
+    (the means skip those cells, so :func:`aggregate` leaves such a row out instead of counting it as a full one;
+    ``nonfinite`` still gives the largest fraction of latent pixels whose weights were not finite)."""
+    summary = summarize(table, threshold=threshold)
+    if summary.empty:
+        return summary
+    keys = list(SUMMARY_KEYS)
+    bad = ~np.isfinite(table["spearman"].to_numpy(np.float64)) | ~np.isfinite(table["pearson"].to_numpy(np.float64))
+    counts = pd.Series(bad, index=table.index).groupby([table[k] for k in keys], observed=True).sum()
+    summary = summary.merge(counts.rename("cells_nonfinite").reset_index(), on=keys, how="left")
+    for position, key in enumerate(("row", "seed", "scale")):
+        summary.insert(position, key, table[key].iloc[0])
+    return summary
+
+
+def aggregate(
+    per_row: pd.DataFrame,
+    *,
+    threshold: float = 0.9,
+    confidence: float = 0.95,
+    n_resamples: int = 9999,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Average per-row summaries over rows, per CFG branch and timestep.
+
+    Each manifest row counts once: its Spearman is the mean over its layers, heads and adapters of the per-row
+    (per latent pixel) Spearman rho between the attention weights and the NW weights (paper §D.4,
+    ``per_row_spearman_mean``), and the interval is a bootstrap over rows of the mean of those values.
+
+    Args:
+        per_row: rows of :func:`row_summary` for many manifest rows (columns ``row``, ``branch``, ``timestep``,
+            ``spearman``, ``pearson``, ``spearman_null``, ``frac_rho_gt_<threshold>``, ...).
+        threshold: the rho threshold used when ``per_row`` was made.
+        confidence: confidence level of the interval.
+        n_resamples: bootstrap resamples.
+        seed: seeds the bootstrap, group by group (the result does not depend on the order of ``per_row``).
+
+    Returns:
+        one row per (branch, timestep), timesteps in denoising order (high to low): ``rows`` (how many manifest rows
+        are averaged: those whose every cell is finite there), ``rows_partial`` (rows left out of every mean because
+        some of their cells are not finite, see :func:`row_summary`), ``spearman`` (mean over rows),
+        ``spearman_ci_low``, ``spearman_ci_high``, ``spearman_std`` (over rows), ``pearson``,
+        ``frac_rho_gt_<threshold>`` (mean over rows of the fraction of layer x head cells with rho above the
+        threshold), then the means over rows of the other summary means (:data:`~ipa_probe.schema.SUMMARY_MEANS`:
+        ``pearson``, ``spearman_null`` (the permutation null), ``kl``, ``top1``, ``neff_attn``, ``neff_nw``,
+        ``q_norm``, ``k_norm_spread``, ``ip_mass``, ``bandwidth``; NaN where the summaries lack one) and the maxima
+        of :data:`~ipa_probe.schema.SUMMARY_MAX` (``nonfinite``) over every row, partial ones included.
+    """
+    frac = frac_column(threshold)
+    means = [frac, *(name for name in SUMMARY_MEANS if name != "spearman")]
+    columns = ["branch", "timestep", "rows", "rows_partial", "spearman"]
+    columns += ["spearman_ci_low", "spearman_ci_high", "spearman_std"]
+    columns += [*means, *SUMMARY_MAX]
+    if per_row.empty:
+        return pd.DataFrame({c: pd.Series(dtype="float64") for c in columns})
+    missing = [c for c in ("row", "branch", "timestep", "spearman", frac) if c not in per_row.columns]
+    if missing:
+        raise ValueError(f"per_row: missing column(s) {missing}; make it with row_summary(..., threshold={threshold})")
+    records = []
+    ordered = per_row.sort_values(["branch", "timestep", "row"], ascending=[True, False, True], kind="stable")
+    for index, ((branch, timestep), both) in enumerate(ordered.groupby(["branch", "timestep"], sort=False)):
+        if "cells_nonfinite" in both:
+            partial = both["cells_nonfinite"].fillna(0).to_numpy(np.float64) > 0
+        else:  # summaries made elsewhere: every row counts
+            partial = np.zeros(len(both), dtype=bool)
+        group = both[~partial]
+        rho = group["spearman"].to_numpy(np.float64)
+        low, high = bootstrap_ci(rho, confidence, n_resamples, np.random.default_rng([seed, index]))
+        finite = rho[np.isfinite(rho)]
+        record = {
+            "branch": branch,
+            "timestep": float(timestep),
+            "rows": int(group["row"].nunique()),
+            "rows_partial": int(both["row"][partial].nunique()),
+            "spearman": float(finite.mean()) if finite.size else math.nan,
+            "spearman_ci_low": low,
+            "spearman_ci_high": high,
+            "spearman_std": float(finite.std(ddof=1)) if finite.size > 1 else math.nan,
+        }
+        record.update({key: float(group[key].mean()) if len(group) and key in group else math.nan for key in means})
+        record.update({key: float(both[key].max()) if key in both else math.nan for key in SUMMARY_MAX})
+        records.append(record)
+    return pd.DataFrame.from_records(records, columns=columns)
+
+
+def plot_aggregate(agg: pd.DataFrame, ax=None, branch: str = "cond", confidence: float = 0.95):
+    """Mean per-row Spearman over rows with its bootstrap interval as a band, Pearson, rho > 0.9 and the null.
+
+    The x axis runs in the denoising direction (high timestep on the left). Falls back to the only branch present
+    when ``branch`` is absent (a sweep without CFG has only ``"cond"``).
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+    else:
+        fig = ax.figure
+    part = agg[agg["branch"] == branch] if not agg.empty else agg
+    if part.empty and not agg.empty:
+        branch = str(agg["branch"].iloc[0])
+        part = agg[agg["branch"] == branch]
+    if not part.empty:
+        part = part.sort_values("timestep", ascending=False)
+        x = part["timestep"].to_numpy(np.float64)
+        frac = next((c for c in part.columns if c.startswith("frac_rho_gt_")), None)
+        ax.plot(x, part["spearman"], marker="o", label="Spearman ρ (mean over rows)")
+        ax.fill_between(
+            x,
+            part["spearman_ci_low"].to_numpy(np.float64),
+            part["spearman_ci_high"].to_numpy(np.float64),
+            alpha=0.25,
+            label=f"{confidence:.0%} bootstrap CI",
+        )
+        ax.plot(x, part["pearson"], marker=".", linestyle="--", label="Pearson r")
+        if frac is not None:
+            ax.plot(x, part[frac], linestyle="-.", label=f"fraction ρ > {frac.removeprefix('frac_rho_gt_')}")
+        ax.plot(x, part["spearman_null"], color="grey", linestyle=":", label="permutation null")
+        rows = int(part["rows"].max())
+        ax.set_title(f"IP-Adapter attention vs Gaussian NW, {rows} row(s) ({branch} branch)")
+    else:
+        ax.set_title("IP-Adapter attention vs Gaussian NW (no rows)")
+    style_timestep_axes(ax)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    return fig
