@@ -38,6 +38,7 @@ class Tier:
         scarcity_ms, scarcity_data: support sizes and meta-distributions of the scarcity experiment.
         heads_list, heads_ms, heads_m_range: heads ``H``, evaluation support sizes and the training range of ``m``.
         attention_ts: flow times of the attention experiment.
+        ip_sets, ip_mixed_sets: reference sets of the ip-adapter experiment (one digit; two digits mixed).
     """
 
     name: str
@@ -67,6 +68,8 @@ class Tier:
     heads_ms: tuple[int, ...]
     heads_m_range: tuple[int, int]
     attention_ts: tuple[float, ...]
+    ip_sets: int
+    ip_mixed_sets: int
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,6 +123,8 @@ TIERS: dict[str, Tier] = {
         heads_ms=(5, 10, 25),
         heads_m_range=(5, 25),
         attention_ts=(0.1, 0.5, 0.99),
+        ip_sets=2,
+        ip_mixed_sets=2,
     ),
     "smoke": Tier(
         name="smoke",
@@ -149,6 +154,8 @@ TIERS: dict[str, Tier] = {
         heads_ms=(5, 10, 25, 50, 100),
         heads_m_range=(5, 100),
         attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
+        ip_sets=20,
+        ip_mixed_sets=10,
     ),
     "full": Tier(
         name="full",
@@ -178,6 +185,8 @@ TIERS: dict[str, Tier] = {
         heads_ms=(5, 10, 25, 50, 100),
         heads_m_range=(5, 100),
         attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
+        ip_sets=100,
+        ip_mixed_sets=40,
     ),
 }
 
