@@ -16,6 +16,7 @@ import math
 import torch
 
 from .kernels import n_eff
+from .schema import STAT_NAMES
 
 __all__ = [
     "STAT_NAMES",
@@ -25,18 +26,6 @@ __all__ = [
     "raveled_pearson",
     "row_spearman",
 ]
-
-#: The fields of :func:`compare_weights`' last dimension, in order.
-STAT_NAMES: tuple[str, ...] = (
-    "spearman",
-    "spearman_null",
-    "pearson",
-    "kl",
-    "top1",
-    "neff_attn",
-    "neff_nw",
-    "nonfinite",
-)
 
 
 def rank(x: torch.Tensor) -> torch.Tensor:

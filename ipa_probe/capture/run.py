@@ -26,7 +26,9 @@ import torch
 
 from ..kernels import check_bandwidth, dot_logits, matched_bandwidth, nw_logits
 from ..layers import IPLayer, LayerSelection, claim, find_ip_layers, image_branch_logits, release
-from ..stats import STAT_NAMES, compare_weights, fit_bandwidth
+from ..schema import CELL_FIELDS
+from ..stats import compare_weights, fit_bandwidth
+from .report import plot_run, run_table, save_run, summarize
 from .taps import Capture, Tap, tap_for
 
 __all__ = ["FIELDS", "ProbeConfig", "ProbeRun", "probe"]
@@ -35,10 +37,8 @@ logger = logging.getLogger(__name__)
 
 BandwidthSpec = str | float | Callable[[torch.Tensor], Any]
 
-#: Per-cell values kept in the buffers, in order: the bandwidth used, then :data:`ipa_probe.stats.STAT_NAMES`, then
-#: the query and key geometry, then ``ip_mass``: the share of a joint softmax's mass on the image tokens (SD3, where
-#: the image tokens share one softmax with the latent tokens; NaN where the image branch is a softmax of its own).
-FIELDS: tuple[str, ...] = ("bandwidth", *STAT_NAMES, "q_norm", "k_norm_spread", "ip_mass")
+#: Per-cell values kept in the buffers (see :data:`ipa_probe.schema.CELL_FIELDS`).
+FIELDS: tuple[str, ...] = CELL_FIELDS
 
 _FEATURE = "probe"
 #: Largest logit block formed at once for ``ip_mass`` (elements; queries are taken in chunks below it).
@@ -425,26 +425,18 @@ class ProbeRun:
 
     def to_dataframe(self):
         """The tidy table: one row per call × step × layer × head × CFG branch × adapter (see README for columns)."""
-        from .report import run_table
-
         return run_table(self._finished(), [layer.name for layer in self.layers], self.config, self.text_slot)
 
     def summary(self):
         """Per-timestep aggregates of :meth:`to_dataframe` (see :func:`ipa_probe.capture.report.summarize`)."""
-        from .report import summarize
-
         return summarize(self.to_dataframe())
 
     def plot(self, ax=None):
         """Matplotlib figure of the mean per-row Spearman against timestep, in the denoising direction."""
-        from .report import plot_run
-
         return plot_run(self.to_dataframe(), ax=ax)
 
     def save(self, directory, extra: dict | None = None):
         """Write ``probe.parquet``, ``summary.json`` (settings, versions, seeds) and ``rho_by_timestep.png``."""
-        from .report import save_run
-
         return save_run(self.to_dataframe(), directory, settings=self.config.describe(), extra=extra)
 
 
