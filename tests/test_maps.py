@@ -6,11 +6,13 @@ import math
 import re
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from diffusers.image_processor import IPAdapterMaskProcessor
 from helpers import PIPELINE_CASES, CountScalarReads, masks_for
 
+from ipa_probe.capture.maps import MAP_TABLE_COLUMNS
 from ipa_probe.capture.run import probe
 from ipa_probe.tiny.sd import tiny_pipeline
 
@@ -278,3 +280,31 @@ def test_bad_input(sd15, refs):
     ]:
         with pytest.raises(ValueError, match=match):
             run.reference_maps(**kwargs)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.slow
+def test_cli_probe_and_sweep_write_reference_maps(tmp_path, capsys):
+    from ipa_probe.cli import main
+
+    args = ["--steps", "2", "--size", "64", "64"]
+    assert main(["probe", "--maps", "--out", str(tmp_path / "probe"), *args]) == 0
+    assert (tmp_path / "probe" / "reference_maps.png").stat().st_size > 0
+    table = pd.read_parquet(tmp_path / "probe" / "map_table.parquet")
+    assert list(table.columns) == list(MAP_TABLE_COLUMNS) and table["step"].nunique() == 2
+
+    manifest = tmp_path / "rows.jsonl"
+    manifest.write_text('{"prompt": "a"}\n{"prompt": "b", "seed": 3}\n{"prompt": "c"}\n')
+    base = ["sweep", str(manifest), "--no-progress", "--resamples", "99", *args]
+    assert main([*base, "--out", str(tmp_path / "sweep"), "--maps"]) == 0
+    drawn = sorted(p.parent.name for p in (tmp_path / "sweep" / "maps").glob("*/reference_maps.png"))
+    assert len(drawn) == 1
+    first = drawn[0]
+    capsys.readouterr()
+    assert main([*base, "--out", str(tmp_path / "sweep"), "--maps-rows", "99"]) == 2
+    assert "--maps-rows [99]" in capsys.readouterr().err
+    number = int(first.split("-")[1]) + 1
+    assert main([*base, "--out", str(tmp_path / "sweep"), "--maps-rows", str(number)]) == 0
+    assert (tmp_path / "sweep" / "maps" / f"row-{number:06d}" / "map_table.parquet").exists()

@@ -25,6 +25,7 @@ import logging
 import math
 import warnings
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ from ..layers import IPLayer, LayerSelection, _compile_selection
 from .taps import Tap
 from .taps.base import Handle, observer
 
-__all__ = ["MAP_KINDS", "MAP_TABLE_COLUMNS", "MapAccumulator", "plot_reference_maps"]
+__all__ = ["MAP_KINDS", "MAP_TABLE_COLUMNS", "MapAccumulator", "plot_reference_maps", "save_reference_maps"]
 
 logger = logging.getLogger(__name__)
 
@@ -439,3 +440,34 @@ def plot_reference_maps(
     )
     fig.tight_layout()
     return fig
+
+
+def save_reference_maps(run, directory, image=None, references: Sequence | None = None, call: int = 0) -> dict:
+    """Write ``reference_maps.png`` (:func:`plot_reference_maps` of item 0, every adapter stacked as separate files
+    ``reference_maps_adapter{a}.png`` after the first) and ``map_table.parquet`` (:meth:`ProbeRun.map_table`).
+
+    Args:
+        run: a finished probe made with ``maps=True``.
+        directory: an existing folder.
+        image: the generated image (first item), or ``None``.
+        references: per adapter, its reference images (a list of lists), or ``None``.
+        call: the pipeline call to draw.
+
+    Returns:
+        ``{"figure": path, "table": path}`` (and ``"figure_adapter{a}"`` for further adapters).
+    """
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    paths = {}
+    for adapter in range(run.num_adapters):
+        refs = references[adapter] if references is not None and adapter < len(references) else None
+        fig = run.plot_reference_maps(call, 0, adapter, image=image, references=refs)
+        key, name = ("figure", "reference_maps.png") if adapter == 0 else (f"figure_adapter{adapter}", None)
+        path = directory / (name or f"reference_maps_adapter{adapter}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths[key] = path
+    paths["table"] = directory / "map_table.parquet"
+    run.map_table().to_parquet(paths["table"], index=False)
+    return paths
