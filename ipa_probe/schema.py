@@ -11,6 +11,7 @@ __all__ = [
     "BRANCH_LABELS",
     "CELL_FIELDS",
     "COLUMNS",
+    "FEW_KEYS",
     "INDEX_COLUMNS",
     "STAT_NAMES",
     "SUMMARY_KEYS",
@@ -32,14 +33,16 @@ STAT_NAMES: tuple[str, ...] = (
 )
 
 #: Per-cell values kept in the probe's buffers, in order: the bandwidth used, then :data:`STAT_NAMES`, then the
-#: query and key geometry and ``ip_mass`` (the share of a joint softmax's mass on the image tokens: SD3, where the
-#: image tokens share one softmax with the latent tokens; NaN where the image branch is a softmax of its own).
-CELL_FIELDS: tuple[str, ...] = ("bandwidth", *STAT_NAMES, "q_norm", "k_norm_spread", "ip_mass")
+#: query and key geometry, ``ip_mass`` (the share of a joint softmax's mass on the image tokens: SD3, where the
+#: image tokens share one softmax with the latent tokens; NaN where the image branch is a softmax of its own) and
+#: ``keys`` (how many keys each row's weights run over, after the text padding is left out).
+CELL_FIELDS: tuple[str, ...] = ("bandwidth", *STAT_NAMES, "q_norm", "k_norm_spread", "ip_mass", "keys")
 
 #: Columns that place a cell: call, step, timestep, layer, head, CFG branch, kind and adapter.
 INDEX_COLUMNS: tuple[str, ...] = ("call", "step", "timestep", "layer", "head", "branch", "kind", "adapter")
 
-#: Columns of :meth:`ipa_probe.ProbeRun.to_dataframe`, in order.
+#: Columns of :meth:`ipa_probe.ProbeRun.to_dataframe`, in order. ``few_keys`` flags cells whose rows have fewer than
+#: :data:`FEW_KEYS` keys (per-row Spearman is then +-1 or undefined); ``complete`` is False in a step cut short.
 COLUMNS: tuple[str, ...] = (
     *INDEX_COLUMNS,
     "bandwidth",
@@ -54,7 +57,13 @@ COLUMNS: tuple[str, ...] = (
     "k_norm_spread",
     "nonfinite",
     "ip_mass",
+    "keys",
+    "few_keys",
+    "complete",
 )
+
+#: Rows with fewer keys than this have a degenerate per-row Spearman (two keys give +-1, one key none).
+FEW_KEYS: int = 3
 
 #: Columns of :func:`ipa_probe.capture.report.summarize` that group the cells (one summary row per group).
 SUMMARY_KEYS: tuple[str, ...] = ("call", "step", "timestep", "kind", "branch")

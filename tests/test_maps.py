@@ -233,9 +233,9 @@ def test_no_host_synchronisation_with_maps(sd15, refs, masks):
 def test_memory_as_estimated_and_independent_of_heads(sd15, refs):
     with probe(sd15, maps=True, max_map_bytes=10**9) as run:
         generate(sd15, refs, guidance_scale=5.0, num_images_per_prompt=2)
-    kept = sum(t.numel() * t.element_size() for t in run._maps.store.values())
+    kept = sum(t.numel() * t.element_size() for entries in run._maps.store.values() for _, t in entries)
     # 2 kinds x float32 x (B = 4, Q, R x T = 8) per step and layer: no head dimension
-    queries = sum(_side(t.shape[3]) ** 2 for (c, s, i, a), t in run._maps.store.items() if s == 0)
+    queries = sum(e[0][1].shape[3] for (c, s, i, a), e in run._maps.store.items() if s == 0)
     assert kept == 2 * 4 * STEPS * 4 * queries * 8
     with pytest.raises(ValueError, match=r"maps=True would keep about .* raise max_map_bytes"):
         with probe(sd15, maps=True, max_map_bytes=kept - 1):

@@ -72,14 +72,18 @@ class MapAccumulator:
         pipe: the probed pipeline (read for ``vae_scale_factor``).
         layers: the probe's layers, in its order.
         tap: the probe's tap (its :meth:`~.taps.Tap.map_elements` sizes the buffers).
+        labels: the run's branch labels (the buffers' branch axis).
     """
 
-    def __init__(self, pipe, layers: list[IPLayer], tap: Tap) -> None:
+    def __init__(self, pipe, layers: list[IPLayer], tap: Tap, labels: Sequence[str]) -> None:
         self.pipe = pipe
+        self.labels = list(labels)
         self.layers = layers
         self.tap = tap
         #: (call, step, layer index, adapter) -> (2, branches, items, Q, K) float32 shares.
-        self.store: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        #: (call, step, layer index, adapter) -> one ``(labels, shares)`` pair per denoiser pass: ``labels``
+        #: ``(chunks,)`` indices into the run's branch labels, ``shares`` ``(2, chunks, items, Q, K)`` float32.
+        self.store: dict[tuple[int, int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         #: call -> latent grid (H, W) of the denoiser input, or None (packed latents).
         self.latents: dict[int, tuple[int, int] | None] = {}
         #: (call, adapter) pairs that ran with ``ip_adapter_masks``.
@@ -88,6 +92,7 @@ class MapAccumulator:
         self._mask_cache: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._images_seen: dict[tuple[int, int], int] = {}
         self._on_host = False
+        self._batch = 1
 
     # ------------------------------------------------------------------ capture
     def install(self, denoiser: torch.nn.Module) -> list[Handle]:
@@ -95,6 +100,7 @@ class MapAccumulator:
         return [denoiser.register_forward_pre_hook(observer(self._on_denoiser_call), with_kwargs=True)]
 
     def _on_denoiser_call(self, module, args, kwargs) -> None:
+        self._batch = self.tap.sample(args, kwargs).shape[0]
         self._images_seen.clear()  # per pass: which reference image a masked adapter's next key projection is
         extra = kwargs.get("cross_attention_kwargs") or kwargs.get("joint_attention_kwargs") or {}
         masks = extra.get("ip_adapter_masks")
@@ -133,9 +139,7 @@ class MapAccumulator:
         step: int,
         index: int,
         adapter: int,
-        first: int,
-        branches: int,
-        items: int,
+        labels: torch.Tensor,
         attention: torch.Tensor,
         nw: torch.Tensor,
     ) -> None:
@@ -143,32 +147,29 @@ class MapAccumulator:
 
         Args:
             call, step, index, adapter: where (call index, loop index, layer position, adapter).
-            first: the CFG branch index of the logits' first branch; ``branches``: how many the call has.
-            items: batch items per CFG branch.
-            attention, nw: logits ``(n, H, items * Q, K)`` of ``n`` CFG branches (``K`` = one reference's tokens
-                when the adapter runs with a mask, else all of the adapter's tokens).
+            labels: ``(n,)`` int64 on the device, each chunk's index into the run's branch labels.
+            attention, nw: logits ``(n, H, items * Q, K)`` of the ``n`` chunks (CFG branches) of the batch (``K`` =
+                one reference's tokens when the adapter runs with a mask, else all of the adapter's tokens).
         """
         n_branch, _, rows, tokens = attention.shape
+        items = self._batch // n_branch
         shares = torch.stack([torch.softmax(attention, -1).mean(1), torch.softmax(nw, -1).mean(1)])  # (2, n, IQ, K)
         shares = shares.reshape(2, n_branch, items, rows // items, tokens)  # (2, n, items, Q, K)
         queries = shares.shape[-2]
         mask = self._masks[adapter] if adapter < len(self._masks) else None
-        key = (call, step, index, adapter)
+        entries = self.store.setdefault((call, step, index, adapter), [])
         if mask is None:
-            if key not in self.store:
-                self.store[key] = shares.new_zeros(2, branches, items, queries, tokens)
-            self.store[key][:, first : first + n_branch] = shares
+            entries.append((labels, shares))
             return
         # masked: diffusers calls to_k_ip once per reference image, in order; weight each by its region
         image = self._images_seen.get((index, adapter), 0)
         self._images_seen[(index, adapter)] = image + 1
-        n_images = mask.shape[1]
-        if key not in self.store:
-            self.store[key] = shares.new_zeros(2, branches, items, queries, n_images * tokens)
+        if image == 0:
+            entries.append((labels, shares.new_zeros(2, n_branch, items, queries, mask.shape[1] * tokens)))
         self.masked.add((call, adapter))
         region = self._region(mask, adapter, image, n_branch * items, queries, shares.device)  # (n * items, Q)
         region = region.reshape(1, n_branch, items, queries, 1)
-        self.store[key][:, first : first + n_branch, ..., image * tokens : (image + 1) * tokens] = shares * region
+        entries[-1][1][..., image * tokens : (image + 1) * tokens] = shares * region
 
     def _region(self, mask: torch.Tensor, adapter: int, image: int, batch: int, queries: int, device) -> torch.Tensor:
         """Reference ``image``'s mask on a ``queries``-position grid, ``(batch, Q)``, as the processor weights it."""
@@ -183,12 +184,24 @@ class MapAccumulator:
     def finalize(self) -> None:
         """Move the maps to the host (the probe has synchronised the device already)."""
         if not self._on_host:
-            self.store = {key: value.cpu() for key, value in self.store.items()}
+            self.store = {
+                key: [(labels.cpu(), shares.cpu()) for labels, shares in entries]
+                for key, entries in self.store.items()
+            }
             self._mask_cache.clear()
             self._masks = []
             self._on_host = True
 
     # ------------------------------------------------------------------ reading
+    def chunk(self, key: tuple[int, int, int, int], label: int) -> torch.Tensor | None:
+        """The ``(2, items, Q, K)`` shares recorded under branch label ``label`` at ``key`` (host), or ``None``."""
+        found = None
+        for labels, shares in self.store.get(key, ()):
+            for position, value in enumerate(labels.tolist()):
+                if value == label:
+                    found = shares[:, position]
+        return found
+
     def tokens_per_image(self, adapter: int, index: int) -> int:
         """Tokens per reference image of ``adapter`` (the processor's ``num_tokens``; else all keys are one image)."""
         num_tokens = getattr(self.layers[index].processor, "num_tokens", None)
@@ -225,7 +238,7 @@ class MapAccumulator:
         item: int,
         adapter: int,
         kind: str,
-        branch: int,
+        branch: str,
         layers: Iterable[int],
         steps: Iterable[int],
         size: tuple[int, int] | str,
@@ -233,18 +246,20 @@ class MapAccumulator:
     ) -> torch.Tensor:
         """Average the selected (step, layer) maps on one grid: ``(R, H, W)`` or ``(R, T, H, W)`` float32, CPU."""
         which = MAP_KINDS.index(kind)
+        branch_name = branch
+        branch = self.labels.index(branch)
         target = None if isinstance(size, str) else size
         if size == "image":
             target = self.image_size(call)
         total, count = None, 0
         for step in steps:
             for index in layers:
-                buffer = self.store.get((call, step, index, adapter))
+                buffer = self.chunk((call, step, index, adapter), branch)  # (2, items, Q, K)
                 if buffer is None:
                     continue
-                if item >= buffer.shape[2]:
-                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[2]} images per branch")
-                weights = buffer[which, branch, item].double()  # (Q, K)
+                if item >= buffer.shape[1]:
+                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[1]} images per branch")
+                weights = buffer[which, item].double()  # (Q, K)
                 queries, keys = weights.shape
                 tokens = self.tokens_per_image(adapter, index) or keys
                 per_ref = weights.reshape(queries, keys // tokens, tokens)  # (Q, R, T)
@@ -262,8 +277,9 @@ class MapAccumulator:
                 count += 1
         if total is None:
             raise ValueError(
-                f"no maps recorded for call={call}, adapter={adapter} at the selected layers and steps; check "
-                "`steps` (loop indices the probe recorded) and `layers`"
+                f"no maps recorded for call={call}, adapter={adapter}, branch {branch_name!r} at the selected layers "
+                "and steps; check `branch` (run.to_dataframe()['branch'] lists the recorded ones), `steps` (loop "
+                "indices the probe recorded) and `layers`"
             )
         out = (total / count).float()
         if per_token:
@@ -312,7 +328,10 @@ def map_statistics(accumulator: MapAccumulator, calls: list[dict[str, Any]], nam
     """
     rows = []
     by_index = {call["index"]: call for call in calls}
-    for (call, step, index, adapter), buffer in sorted(accumulator.store.items()):
+    for key in sorted(accumulator.store):
+        call, step, index, adapter = key
+        present = sorted({label for labels, _ in accumulator.store[key] for label in labels.tolist()})
+        buffer = torch.stack([accumulator.chunk(key, label) for label in present], 1)  # (2, n, items, Q, K)
         _, n_branch, items, queries, keys = buffer.shape
         tokens = accumulator.tokens_per_image(adapter, index) or keys
         refs = buffer.double().reshape(2, n_branch, items, queries, keys // tokens, tokens).sum(-1)  # (2, n, I, Q, R)
@@ -326,12 +345,12 @@ def map_statistics(accumulator: MapAccumulator, calls: list[dict[str, Any]], nam
         tv_mean = tv.sum(-1) / positions.clamp(min=1)
         info = by_index[call]
         timestep = float(info["timesteps"][step]) if step < len(info["timesteps"]) else math.nan
-        for b in range(n_branch):
+        for b, label in enumerate(present):
             for item in range(items):
                 if positions[b, item] == 0:
                     continue
                 rows.append(
-                    (call, step, timestep, names[index], adapter, info["branches"][b], item, keys // tokens)
+                    (call, step, timestep, names[index], adapter, info["branches"][label], item, keys // tokens)
                     + (int(positions[b, item]), float(agree_frac[b, item]), float(tv_mean[b, item]))
                 )
     table = pd.DataFrame(rows, columns=list(MAP_TABLE_COLUMNS))

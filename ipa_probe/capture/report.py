@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import platform
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..schema import CELL_FIELDS, COLUMNS, SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column
+from ..schema import CELL_FIELDS, COLUMNS, FEW_KEYS, SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "COLUMNS",
@@ -49,10 +52,21 @@ def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot:
         text = adapter == text_slot if text_slot is not None else np.zeros_like(adapter, dtype=bool)
         frame.insert(6, "kind", np.where(text, "text", "image"))
         frame.insert(7, "adapter", np.where(text, -1, adapter))
+        frame["few_keys"] = frame["keys"] < FEW_KEYS
+        frame["complete"] = ~np.isin(step, call.get("incomplete", []))
         frames.append(frame)
     if not frames:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in COLUMNS})
     table = pd.concat(frames, ignore_index=True)
+    few = table.loc[table["few_keys"] & (table["kind"] == "image")]
+    if len(few):
+        logger.warning(
+            "probe: %d cells compare rows of fewer than %d keys (e.g. %s); their per-row Spearman is degenerate "
+            "(+-1 or undefined): see the few_keys column",
+            len(few),
+            FEW_KEYS,
+            few["layer"].iloc[0],
+        )
     table = table[list(COLUMNS)].sort_values(
         ["call", "step", "layer", "kind", "adapter", "branch", "head"], kind="stable"
     )

@@ -13,7 +13,7 @@ from ...layers import IPLayer
 __all__ = ["Capture", "DenoiserPass", "Handle", "Tap", "heads_first", "observer"]
 
 Handle = torch.utils.hooks.RemovableHandle
-RecordFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None], None]
+RecordFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None]
 
 
 @dataclass
@@ -21,17 +21,19 @@ class Capture:
     """What a tap's hooks talk to.
 
     Attributes:
-        record: ``record(layer_index, slot, query, keys, other_keys)`` with ``query`` ``(B, H, Q, D)``, ``keys``
-            ``(B, H, K, D)`` (the image tokens of adapter ``slot``, or the text tokens in the text slot) and
+        record: ``record(layer_index, slot, query, keys, other_keys, rows)`` with ``query`` ``(B, H, Q, D)``,
+            ``keys`` ``(B, H, K, D)`` (the image tokens of adapter ``slot``, or the text tokens in the text slot),
             ``other_keys`` ``(B, H, N, D)``, the further keys the same softmax runs over (SD3's latent keys), or
-            ``None``.
+            ``None``, and ``rows`` ``(B, Q)`` bool, the queries the branch's output reaches (an IP-Adapter mask), or
+            ``None`` for all.
         recording: whether the current denoiser pass is recorded (set by the probe's step clock).
-        stash: per-layer tensors waiting for their partner (a query waiting for its keys), cleared after each layer.
+        stash: per-layer tensors waiting for their partner (a query waiting for its keys), cleared after each layer
+            and at the start of every denoiser pass (so nothing left by a failed pass leaks into a later one).
     """
 
     record: RecordFn
     recording: bool = False
-    stash: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    stash: dict[tuple[int, str], Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -40,13 +42,10 @@ class DenoiserPass:
 
     Attributes:
         new_step: whether it starts a new denoising step (the first pass of a step).
-        branch: the index (into :meth:`Tap.branches`) of the CFG branch the whole batch belongs to, or ``None`` when
-            the batch holds every branch, concatenated in :meth:`Tap.branches` order.
         record: ``False`` for passes the probe must not record (e.g. SD3's skip-layer-guidance pass).
     """
 
     new_step: bool
-    branch: int | None = None
     record: bool = True
 
 
@@ -90,14 +89,20 @@ class Tap:
         return args[position] if len(args) > position else kwargs.get(name)
 
     # ------------------------------------------------------------------ the step clock
-    def branches(self) -> tuple[str, ...]:
-        """The CFG branch names of a pipeline call starting now, in buffer order."""
-        cfg = bool(getattr(self.pipe, "do_classifier_free_guidance", False))
-        return ("uncond", "cond") if cfg else ("cond",)
+    def begin_call(self, args: tuple, kwargs: dict) -> None:
+        """A new pipeline call starts with this denoiser call."""
 
-    def begin_call(self, args: tuple, kwargs: dict, branches: tuple[str, ...]) -> torch.Tensor | None:
-        """A new pipeline call starts with this denoiser call. Returns the text keys' mask ``(B, tokens)`` (bool,
-        ``True`` for real prompt tokens) when the tap reads the text branch, else ``None``."""
+    def on_encode(self) -> None:
+        """The pipeline is about to encode its prompts (a new call's evidence starts)."""
+
+    def text_mask(self, layout, context: torch.Tensor | None) -> torch.Tensor | None:
+        """The text keys' mask ``(B, tokens)`` of a pass (bool, ``True`` for real prompt tokens) when the tap reads
+        the text branch, else ``None``.
+
+        Args:
+            layout: the pass's :class:`~ipa_probe.capture.branches.Layout`.
+            context: the pass's ``encoder_hidden_states``.
+        """
         return None
 
     def reset(self) -> None:

@@ -12,7 +12,8 @@ from .base import Capture, DenoiserPass, Handle, Tap, heads_first, observer
 
 class FluxTap(Tap):
     """Flux double-stream blocks: ``q = attn.norm_q(to_q(h))`` per head, before RoPE; ``k = to_k_ip[a](c_ip)`` (with
-    bias, no norm). True CFG runs ``"cond"`` then ``"uncond"`` as separate passes of the same step."""
+    bias, no norm). True CFG runs the prompt, then the negative prompt, as separate passes of the same step (a pass
+    whose ``hidden_states`` is the very tensor of the previous pass belongs to the same step)."""
 
     family = "flux"
     ARGUMENTS = {"hidden_states": 0, "encoder_hidden_states": 1, "pooled_projections": 2, "timestep": 3}
@@ -20,27 +21,18 @@ class FluxTap(Tap):
     def __init__(self, pipe, layers: list[IPLayer]) -> None:
         super().__init__(pipe, layers)
         self._last_input: torch.Tensor | None = None
-        self._pass = 0
 
-    def branches(self) -> tuple[str, ...]:
-        # Whether a second (unconditional) pass follows is only known once it runs; cells it never fills are left
-        # out of the table.
-        return ("cond", "uncond")
-
-    def begin_call(self, args: tuple, kwargs: dict, branches: tuple[str, ...]) -> None:
+    def begin_call(self, args: tuple, kwargs: dict) -> None:
         self.reset()
-        return None
 
     def reset(self) -> None:
-        self._last_input, self._pass = None, 0
+        self._last_input = None
 
     def begin_pass(self, args: tuple, kwargs: dict) -> DenoiserPass:
         hidden = self.sample(args, kwargs)
         same_step = self._last_input is not None and hidden is self._last_input
-        self._pass = self._pass + 1 if same_step else 0
         self._last_input = hidden
-        branch = self._pass if self._pass < 2 else None
-        return DenoiserPass(new_step=not same_step, branch=branch, record=branch is not None)
+        return DenoiserPass(new_step=not same_step)
 
     def timestep(self, args: tuple, kwargs: dict) -> torch.Tensor | float | None:
         # The transformer gets t / 1000; the pipeline keeps t itself (exact) as `current_timestep`.
@@ -67,7 +59,7 @@ class FluxTap(Tap):
         def hook(module, args, output):
             query = capture.stash.get((index, "q"))
             if query is not None:
-                capture.record(index, adapter, query, heads_first(output, layer.heads), None)
+                capture.record(index, adapter, query, heads_first(output, layer.heads), None, None)
 
         return hook
 

@@ -46,7 +46,7 @@ class SD3Tap(Tap):
         def hook(module, args, output):
             query = capture.stash.get((index, "q"))
             if query is not None:
-                capture.record(index, 0, query, output, capture.stash.get((index, "k")))
+                capture.record(index, 0, query, output, capture.stash.get((index, "k")), None)
 
         return hook
 
