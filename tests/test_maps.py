@@ -236,7 +236,7 @@ def test_memory_as_estimated_and_independent_of_heads(sd15, refs):
     kept = sum(t.numel() * t.element_size() for entries in run._maps.store.values() for _, t in entries)
     # 2 kinds x float32 x (B = 4, Q, R x T = 8) per step and layer: no head dimension
     queries = sum(e[0][1].shape[3] for (c, s, i, a), e in run._maps.store.items() if s == 0)
-    assert kept == 2 * 4 * STEPS * 4 * queries * 8
+    assert kept == 2 * 4 * STEPS * 4 * queries * 8 == run._maps.estimated_bytes
     with pytest.raises(ValueError, match=r"maps=True would keep about .* raise max_map_bytes"):
         with probe(sd15, maps=True, max_map_bytes=kept - 1):
             generate(sd15, refs, guidance_scale=5.0, num_images_per_prompt=2)

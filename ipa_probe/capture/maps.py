@@ -92,6 +92,8 @@ class MapAccumulator:
         self._mask_cache: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._images_seen: dict[tuple[int, int], int] = {}
         self._on_host = False
+        #: the sum of :meth:`check_budget`'s estimates over the run's calls.
+        self.estimated_bytes = 0
         self._batch = 1
 
     # ------------------------------------------------------------------ capture
@@ -130,6 +132,7 @@ class MapAccumulator:
                 f"max_map_bytes={max_bytes / 2**30:.2f} GiB; select fewer layers or steps, or raise max_map_bytes"
             )
         logger.info("maps: about %.1f MiB of reference maps for this call", total / 2**20)
+        self.estimated_bytes += total
         return total
 
     @torch.no_grad()
