@@ -12,9 +12,10 @@ reference image and multiplies its output by the reference's mask (downsampled t
 adapter's references, so a reference gets nothing outside its region (negative bicubic overshoot is clamped to 0;
 a position no mask reaches gets 0 for every reference).
 
-What is kept: one float32 ``(2, branches, items, Q, K)`` tensor per recorded step, layer and adapter, on the
-pipeline's device (no host synchronisation; memory independent of the number of heads), moved to the host once when
-the ``with`` block ends. :meth:`MapAccumulator.check_budget` estimates its size before step 0 and refuses above
+What is kept: per recorded step, layer, adapter and denoiser pass, one float32 ``(2, chunks, items, Q, K)`` tensor
+(attention and NW; the batch's CFG chunks with their branch labels as a device tensor), on the pipeline's device
+(no host synchronisation; memory independent of the number of heads), moved to the host once when the ``with`` block
+ends. :meth:`MapAccumulator.check_budget` estimates its size before step 0 and refuses above
 ``max_map_bytes``. Analysis (``reference_maps``, ``token_maps``, ``map_table``, ``plot_reference_maps``) is made from
 the host copy.
 """
@@ -72,7 +73,7 @@ class MapAccumulator:
         pipe: the probed pipeline (read for ``vae_scale_factor``).
         layers: the probe's layers, in its order.
         tap: the probe's tap (its :meth:`~.taps.Tap.map_elements` sizes the buffers).
-        labels: the run's branch labels (the buffers' branch axis).
+        labels: the run's branch labels (what the label indices of :meth:`add` name).
     """
 
     def __init__(self, pipe, layers: list[IPLayer], tap: Tap, labels: Sequence[str]) -> None:
@@ -80,7 +81,6 @@ class MapAccumulator:
         self.labels = list(labels)
         self.layers = layers
         self.tap = tap
-        #: (call, step, layer index, adapter) -> (2, branches, items, Q, K) float32 shares.
         #: (call, step, layer index, adapter) -> one ``(labels, shares)`` pair per denoiser pass: ``labels``
         #: ``(chunks,)`` indices into the run's branch labels, ``shares`` ``(2, chunks, items, Q, K)`` float32.
         self.store: dict[tuple[int, int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -185,7 +185,7 @@ class MapAccumulator:
         return self._mask_cache[cache]
 
     def finalize(self) -> None:
-        """Move the maps to the host (the probe has synchronised the device already)."""
+        """Move the maps to the host once, when the probe ends (``.cpu()`` waits for the device's queued work)."""
         if not self._on_host:
             self.store = {
                 key: [(labels.cpu(), shares.cpu()) for labels, shares in entries]
@@ -432,7 +432,9 @@ def plot_reference_maps(
             ax.set_title(title, fontsize=7)
 
     # one colour scale per figure, shared by attention and NW, so that the two are comparable
-    top = max(float(m.max()) for kind in MAP_KINDS for m in maps[kind]) or 1.0
+    low = min(float(m.min()) for kind in MAP_KINDS for m in maps[kind])
+    top = max(float(m.max()) for kind in MAP_KINDS for m in maps[kind])
+    top = top if top > low else low + 1e-6
     gap = max(float((a - n).abs().max()) for a, n in zip(maps["attention"], maps["nw"], strict=True)) or 1.0
     if base is not None:
         axes[0, 0].imshow(base)
@@ -445,8 +447,8 @@ def plot_reference_maps(
         show(axes[0, 2 + 3 * c], n.argmax(0), "NW: top ref", **style)
         show(axes[0, 3 + 3 * c], 0.5 * np.abs(a - n).sum(0), "TV(attn, NW)", False, cmap="magma", vmin=0, vmax=gap)
         for r in range(n_refs):
-            show(axes[1 + r, 1 + 3 * c], a[r], f"ref {r}: attention", cmap="viridis", vmin=0, vmax=top)
-            show(axes[1 + r, 2 + 3 * c], n[r], f"ref {r}: NW", cmap="viridis", vmin=0, vmax=top)
+            show(axes[1 + r, 1 + 3 * c], a[r], f"ref {r}: attention", cmap="viridis", vmin=low, vmax=top)
+            show(axes[1 + r, 2 + 3 * c], n[r], f"ref {r}: NW", cmap="viridis", vmin=low, vmax=top)
             show(axes[1 + r, 3 + 3 * c], np.abs(a[r] - n[r]), "|attn - NW|", False, cmap="magma", vmin=0, vmax=gap)
     for r in range(n_refs):
         if references is not None and r < len(references):
@@ -457,7 +459,7 @@ def plot_reference_maps(
         ax.set_yticks([])
     fig.suptitle(
         f"Where each reference goes (call {call}, item {item}, adapter {adapter}, {branch}): "
-        f"share of image-branch weight per reference (viridis 0-{top:.2f}; differences, magma 0-{gap:.3f})",
+        f"share of image-branch weight per reference (viridis {low:.2f}-{top:.2f}; differences, magma 0-{gap:.3f})",
         fontsize=9,
     )
     fig.tight_layout()
