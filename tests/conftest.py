@@ -26,6 +26,31 @@ def sd15():
     return tiny_pipeline("sd15")
 
 
+@pytest.fixture(scope="module")
+def flux():
+    """The tiny Flux pipeline with one IP-Adapter, shared by a test module."""
+    from ipa_probe.tiny.dit import tiny_flux_pipeline
+
+    return tiny_flux_pipeline()
+
+
+@pytest.fixture(scope="module")
+def sd3():
+    """The tiny SD3 pipeline with one IP-Adapter, shared by a test module."""
+    from ipa_probe.tiny.dit import tiny_sd3_pipeline
+
+    return tiny_sd3_pipeline()
+
+
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """Tables are bit-identical across processes only at equal torch thread counts: pin one, restore after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

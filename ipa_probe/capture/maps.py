@@ -12,8 +12,8 @@ reference image and multiplies its output by the reference's mask (downsampled t
 adapter's references, so a reference gets nothing outside its region (negative bicubic overshoot is clamped to 0;
 a position no mask reaches gets 0 for every reference).
 
-What is kept: per recorded step, layer, adapter and denoiser pass, one float32 ``(2, chunks, items, Q, K)`` tensor
-(attention and NW; the batch's CFG chunks with their branch labels as a device tensor), on the pipeline's device
+What is kept: per recorded step, layer, adapter and denoiser pass, one float32 ``(2, groups, items, Q, K)`` tensor
+(attention and NW; the batch's groups with their branch labels as a device tensor), on the pipeline's device
 (no host synchronisation; memory independent of the number of heads), moved to the host once when the ``with`` block
 ends. :meth:`MapAccumulator.check_budget` estimates its size before step 0 and refuses above
 ``max_map_bytes``. Analysis (``reference_maps``, ``token_maps``, ``map_table``, ``plot_reference_maps``) is made from
@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from diffusers.image_processor import IPAdapterMaskProcessor
 
-from ..layers import IPLayer, LayerSelection, _compile_selection
+from ..layers import IPLayer, LayerSelection, _compile_selection, observer
 from .taps import Tap
-from .taps.base import Handle, observer
+from .taps.base import Handle
 
 __all__ = ["MAP_KINDS", "MAP_TABLE_COLUMNS", "MapAccumulator", "plot_reference_maps", "save_reference_maps"]
 
@@ -82,7 +82,7 @@ class MapAccumulator:
         self.layers = layers
         self.tap = tap
         #: (call, step, layer index, adapter) -> one ``(labels, shares)`` pair per denoiser pass: ``labels``
-        #: ``(chunks,)`` indices into the run's branch labels, ``shares`` ``(2, chunks, items, Q, K)`` float32.
+        #: ``(groups,)`` indices into the run's branch labels, ``shares`` ``(2, groups, items, Q, K)`` float32.
         self.store: dict[tuple[int, int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         #: call -> latent grid (H, W) of the denoiser input, or None (packed latents).
         self.latents: dict[int, tuple[int, int] | None] = {}
@@ -150,9 +150,10 @@ class MapAccumulator:
 
         Args:
             call, step, index, adapter: where (call index, loop index, layer position, adapter).
-            labels: ``(n,)`` int64 on the device, each chunk's index into the run's branch labels.
-            attention, nw: logits ``(n, H, items * Q, K)`` of the ``n`` chunks (CFG branches) of the batch (``K`` =
-                one reference's tokens when the adapter runs with a mask, else all of the adapter's tokens).
+            labels: ``(n,)`` int64 on the device, each group's index into the run's branch labels.
+            attention, nw: logits ``(n, H, items * Q, K)`` of the ``n`` groups of the batch (CFG chunks or single
+                batch items; ``K`` = one reference's tokens when the adapter runs with a mask, else all of the
+                adapter's tokens).
         """
         n_branch, _, rows, tokens = attention.shape
         items = self._batch // n_branch
@@ -197,13 +198,15 @@ class MapAccumulator:
 
     # ------------------------------------------------------------------ reading
     def chunk(self, key: tuple[int, int, int, int], label: int) -> torch.Tensor | None:
-        """The ``(2, items, Q, K)`` shares recorded under branch label ``label`` at ``key`` (host), or ``None``."""
-        found = None
-        for labels, shares in self.store.get(key, ()):
-            for position, value in enumerate(labels.tolist()):
-                if value == label:
-                    found = shares[:, position]
-        return found
+        """The ``(2, items, Q, K)`` shares of the batch items labelled ``label`` at ``key`` (host, in batch order, over
+        the passes in order), or ``None`` when no item has that label."""
+        parts = [
+            shares[:, position]  # (2, items, Q, K)
+            for labels, shares in self.store.get(key, ())
+            for position, value in enumerate(labels.tolist())
+            if value == label
+        ]
+        return torch.cat(parts, 1) if parts else None
 
     def tokens_per_image(self, adapter: int, index: int) -> int:
         """Tokens per reference image of ``adapter`` (the processor's ``num_tokens``; else all keys are one image)."""
@@ -333,28 +336,27 @@ def map_statistics(accumulator: MapAccumulator, calls: list[dict[str, Any]], nam
     by_index = {call["index"]: call for call in calls}
     for key in sorted(accumulator.store):
         call, step, index, adapter = key
-        present = sorted({label for labels, _ in accumulator.store[key] for label in labels.tolist()})
-        buffer = torch.stack([accumulator.chunk(key, label) for label in present], 1)  # (2, n, items, Q, K)
-        _, n_branch, items, queries, keys = buffer.shape
-        tokens = accumulator.tokens_per_image(adapter, index) or keys
-        refs = buffer.double().reshape(2, n_branch, items, queries, keys // tokens, tokens).sum(-1)  # (2, n, I, Q, R)
-        mass = refs.sum(-1, keepdim=True)  # (2, n, I, Q, 1)
-        refs = torch.where(mass > 0, refs / mass.clamp(min=1e-300), torch.zeros_like(refs))
-        covered = (mass[0, ..., 0] > 0) & (mass[1, ..., 0] > 0)  # (n, I, Q)
-        agree = (refs[0].argmax(-1) == refs[1].argmax(-1)) & covered
-        tv = 0.5 * (refs[0] - refs[1]).abs().sum(-1) * covered
-        positions = covered.sum(-1)  # (n, I)
-        agree_frac = agree.sum(-1) / positions.clamp(min=1)
-        tv_mean = tv.sum(-1) / positions.clamp(min=1)
         info = by_index[call]
         timestep = float(info["timesteps"][step]) if step < len(info["timesteps"]) else math.nan
-        for b, label in enumerate(present):
+        for label in sorted({label for labels, _ in accumulator.store[key] for label in labels.tolist()}):
+            buffer = accumulator.chunk(key, label)  # (2, items, Q, K)
+            _, items, queries, keys = buffer.shape
+            tokens = accumulator.tokens_per_image(adapter, index) or keys
+            refs = buffer.double().reshape(2, items, queries, keys // tokens, tokens).sum(-1)  # (2, I, Q, R)
+            mass = refs.sum(-1, keepdim=True)  # (2, I, Q, 1)
+            refs = torch.where(mass > 0, refs / mass.clamp(min=1e-300), torch.zeros_like(refs))
+            covered = (mass[0, ..., 0] > 0) & (mass[1, ..., 0] > 0)  # (I, Q)
+            agree = (refs[0].argmax(-1) == refs[1].argmax(-1)) & covered
+            tv = 0.5 * (refs[0] - refs[1]).abs().sum(-1) * covered
+            positions = covered.sum(-1)  # (I,)
+            agree_frac = agree.sum(-1) / positions.clamp(min=1)
+            tv_mean = tv.sum(-1) / positions.clamp(min=1)
             for item in range(items):
-                if positions[b, item] == 0:
+                if positions[item] == 0:
                     continue
                 rows.append(
                     (call, step, timestep, names[index], adapter, info["branches"][label], item, keys // tokens)
-                    + (int(positions[b, item]), float(agree_frac[b, item]), float(tv_mean[b, item]))
+                    + (int(positions[item]), float(agree_frac[item]), float(tv_mean[item]))
                 )
     table = pd.DataFrame(rows, columns=list(MAP_TABLE_COLUMNS))
     table["layer"] = pd.Categorical(table["layer"], categories=names)

@@ -3,31 +3,45 @@
 from __future__ import annotations
 
 import argparse
-import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._checks import MAX_SEED, check_device, check_steps, parse_bandwidth, parse_float, parse_int
 from . import CLIError
 
 DTYPES = ("float32", "float16", "bfloat16")
 
 
 def bandwidth_type(*names: str):
-    """An argparse ``type`` accepting the given keywords (e.g. ``"matched"``, ``"fit"``) or a positive number."""
+    """An argparse ``type`` accepting the given keywords (e.g. ``"matched"``, ``"fit"``) or a bandwidth number in
+    :data:`~.._checks.BANDWIDTH_RANGE` (where float32 NW weights stay finite). Imports no torch, unlike
+    :mod:`ipa_probe.bandwidth`, so that arguments are checked before torch loads."""
 
-    def parse(value: str) -> str | float:
-        if value in names:
-            return value
+    def bandwidth(value: str) -> str | float:
         try:
-            h = float(value)
-        except ValueError:
-            h = math.nan
-        if not (math.isfinite(h) and h > 0):
-            accepted = " or ".join(repr(n) for n in names)
-            raise argparse.ArgumentTypeError(f"expected {accepted} or a positive number, got {value!r}")
-        return h
+            return parse_bandwidth(value, keywords=names)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err).removeprefix("bandwidth: ")) from None
 
+    return bandwidth
+
+
+def _argument_type(check, name: str):
+    def parse(value: str):
+        try:
+            return check(value)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err).split(": ", 1)[-1]) from None
+
+    parse.__name__ = name  # argparse names the type in its messages
     return parse
+
+
+#: argparse types: a seed in [0, 2**63 - 1]; a positive step count; a finite non-negative scale.
+seed_type = _argument_type(lambda v: parse_int(v, "seed", 0, MAX_SEED), "seed")
+steps_type = _argument_type(lambda v: parse_int(v, "steps", 1), "steps")
+scale_type = _argument_type(lambda v: parse_float(v, "scale", 0.0), "scale")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,11 +60,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--variant", choices=("base", "plus"), default="base", help="embedded IP-Adapter variant")
     group.add_argument("--image", action="append", default=[], help="reference image or folder (repeatable)")
     group.add_argument("--prompt", default="a photo", help="text prompt")
-    group.add_argument("--steps", type=int, default=None, help="denoising steps (default: 30, embedded: 10)")
-    group.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the pipeline's)")
-    group.add_argument("--scale", type=float, default=None, help="IP-Adapter scale (set_ip_adapter_scale)")
+    group.add_argument("--steps", type=steps_type, default=None, help="denoising steps (default: 30, embedded: 10)")
+    group.add_argument(
+        "--guidance-scale", type=scale_type, default=None, help="CFG scale >= 0 (default: the pipeline's)"
+    )
+    group.add_argument("--scale", type=scale_type, default=None, help="IP-Adapter scale >= 0 (set_ip_adapter_scale)")
     group.add_argument("--size", type=int, nargs=2, metavar=("H", "W"), help="output height and width")
-    group.add_argument("--seed", type=int, default=0, help="generator seed")
+    group.add_argument("--seed", type=seed_type, default=0, help=f"generator seed in [0, {MAX_SEED}]")
     group.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     group.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype")
 
@@ -77,65 +93,20 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
     """
     import torch
 
-    from ..images import load_images
-
-    if args.steps is not None and args.steps < 1:
-        raise CLIError(f"--steps must be at least 1, got {args.steps}")
-    if args.size is not None and any(s < 8 or s % 8 for s in args.size):
-        raise CLIError(f"--size must be two multiples of 8 (at least 8), got {args.size}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as err:
-        raise CLIError(f"--device {args.device!r} is not a torch device ({err})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    check_size(args)
+    device = _device(args)
     dtype = getattr(torch, args.dtype)
-    try:
-        references = load_images(args.image) if args.image else None
-    except (OSError, ValueError, TypeError) as err:
-        raise CLIError(str(err)) from None
-
+    references = _references(args)
     if args.model is None:
-        if args.ip_adapter is not None:
-            raise CLIError("--ip-adapter needs --model (the pipeline it belongs to)")
-        from ..tiny.sd import default_reference_images, tiny_pipeline
-
-        pipe = tiny_pipeline(kind=args.kind, ip_adapter=args.variant, seed=args.seed, device=device, dtype=dtype)
-        references = references or default_reference_images()
-        steps = args.steps or 10
-        size = args.size or (64, 64)
-        description = {"model": f"embedded tiny {args.kind}", "ip_adapter": f"embedded {args.variant}"}
+        pipe, steps, size, description = _embedded_pipeline(args, device, dtype)
+        references = references or _default_references()
     else:
-        if args.ip_adapter is None:
-            raise CLIError("--model needs --ip-adapter (a hub id or folder with IP-Adapter weights)")
-        if references is None and require_images:
-            raise CLIError("--model needs at least one --image (a reference image file or folder)")
-        for value, flag in ((args.model, "--model"), (args.ip_adapter, "--ip-adapter")):
-            if value.startswith((".", "/", "~")) and not Path(value).expanduser().exists():
-                raise CLIError(f"{flag} {value!r} does not exist; pass an existing folder or a hub id")
-        from diffusers import AutoPipelineForText2Image
-
-        try:
-            pipe = AutoPipelineForText2Image.from_pretrained(_local_or_hub(args.model), torch_dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise CLIError(f"could not load --model {args.model!r}: {str(err).splitlines()[0]}") from None
-        encoder = None if args.image_encoder_folder.lower() == "none" else args.image_encoder_folder
-        if getattr(pipe, "image_encoder", None) is not None:
-            encoder = None
-        try:
-            pipe.load_ip_adapter(
-                _local_or_hub(args.ip_adapter),
-                subfolder=args.subfolder,
-                weight_name=args.weight_name,
-                image_encoder_folder=encoder,
-                torch_dtype=dtype,
-            )
-        except (OSError, ValueError, KeyError) as err:
-            raise CLIError(f"could not load --ip-adapter {args.ip_adapter!r}: {str(err).splitlines()[0]}") from None
-        pipe.to(device)
-        steps = args.steps or 30
-        size = args.size
-        description = {"model": args.model, "ip_adapter": args.ip_adapter, "weight_name": args.weight_name}
+        has_images = references is not None or not require_images
+        pipe, steps, size, description = _pretrained_pipeline(args, device, dtype, has_images)
+    try:
+        check_steps(pipe.scheduler, steps)
+    except ValueError as err:
+        raise CLIError(f"--{err}") from None
     pipe.set_progress_bar_config(disable=False, desc="denoising")
     if args.scale is not None:
         pipe.set_ip_adapter_scale(args.scale)
@@ -152,21 +123,122 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
             "device": str(device),
             "dtype": args.dtype,
             "references": len(references or ()),
+            "scale": args.scale,
+            "guidance_scale": args.guidance_scale,
+            "size": list(size) if size is not None else None,
         }
     )
     return Loaded(pipe, references, call_kwargs, description)
 
 
-def output_dir(path: str) -> Path:
-    """Create ``path`` (and parents) or fail with a clear message."""
-    out = Path(path)
+def check_size(args: argparse.Namespace) -> None:
+    """``--size``: two multiples of 8, at least 8 (``--steps`` is checked by its argparse type)."""
+    if args.size is not None and any(s < 8 or s % 8 for s in args.size):
+        raise CLIError(f"--size must be two multiples of 8 (at least 8), got {args.size}")
+
+
+def _device(args: argparse.Namespace):
+    """The torch device of ``--device``, checked to be present and able to hold data."""
+    import torch
+
+    try:
+        check_device(args.device)
+    except ValueError as err:
+        raise CLIError(f"--{err}") from None
+    return torch.device(args.device)
+
+
+def _references(args: argparse.Namespace) -> list | None:
+    """The ``--image`` reference images, or ``None`` when none were given."""
+    from ..images import load_images
+
+    try:
+        return load_images(args.image) if args.image else None
+    except (OSError, ValueError, TypeError) as err:
+        raise CLIError(str(err)) from None
+
+
+def _default_references() -> list:
+    from ..tiny.sd import default_reference_images
+
+    return default_reference_images()
+
+
+def _embedded_pipeline(args: argparse.Namespace, device, dtype) -> tuple[object, int, tuple[int, int], dict]:
+    """The embedded tiny pipeline (offline): ``(pipe, steps, size, description)``."""
+    if args.ip_adapter is not None:
+        raise CLIError("--ip-adapter needs --model (the pipeline it belongs to)")
+    from ..tiny.sd import tiny_pipeline
+
+    pipe = tiny_pipeline(kind=args.kind, ip_adapter=args.variant, seed=args.seed, device=device, dtype=dtype)
+    description = {"model": f"embedded tiny {args.kind}", "ip_adapter": f"embedded {args.variant}"}
+    return pipe, args.steps or 10, args.size or (64, 64), description
+
+
+def _pretrained_pipeline(
+    args: argparse.Namespace, device, dtype, has_images: bool
+) -> tuple[object, int, tuple[int, int] | None, dict]:
+    """``--model`` with ``--ip-adapter`` loaded from the hub or local folders: ``(pipe, steps, size, description)``.
+
+    ``has_images``: whether reference images are given or not needed (checked after ``--ip-adapter``).
+    """
+    if args.ip_adapter is None:
+        raise CLIError("--model needs --ip-adapter (a hub id or folder with IP-Adapter weights)")
+    if not has_images:
+        raise CLIError("--model needs at least one --image (a reference image file or folder)")
+    for value, flag in ((args.model, "--model"), (args.ip_adapter, "--ip-adapter")):
+        if value.startswith((".", "/", "~")) and not Path(value).expanduser().exists():
+            raise CLIError(f"{flag} {value!r} does not exist; pass an existing folder or a hub id")
+    from diffusers import AutoPipelineForText2Image
+
+    try:
+        pipe = AutoPipelineForText2Image.from_pretrained(_local_or_hub(args.model), torch_dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise CLIError(f"could not load --model {args.model!r}: {str(err).splitlines()[0]}") from None
+    encoder = None if args.image_encoder_folder.lower() == "none" else args.image_encoder_folder
+    if getattr(pipe, "image_encoder", None) is not None:
+        encoder = None
+    try:
+        pipe.load_ip_adapter(
+            _local_or_hub(args.ip_adapter),
+            subfolder=args.subfolder,
+            weight_name=args.weight_name,
+            image_encoder_folder=encoder,
+            torch_dtype=dtype,
+        )
+    except (OSError, ValueError, KeyError) as err:
+        raise CLIError(f"could not load --ip-adapter {args.ip_adapter!r}: {str(err).splitlines()[0]}") from None
+    pipe.to(device)
+    description = {"model": args.model, "ip_adapter": args.ip_adapter, "weight_name": args.weight_name}
+    return pipe, args.steps or 30, args.size, description
+
+
+def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Check that ``path`` can be created and written, without creating it (it is made when the work starts).
+
+    Raises:
+        CLIError: ``path`` or a parent is a file, or the nearest existing parent is not writable.
+    """
+    out = Path(path).expanduser()
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    problem = None
+    if not existing.is_dir():
+        problem = f"{str(existing)!r} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{str(existing)!r} is not writable"
+    if problem:
+        raise CLIError(f"cannot write to output folder {flag} {str(out)!r} ({problem}); choose a writable folder")
+    return out
+
+
+def output_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` (and parents) when the work starts, or fail with a clear message."""
+    out = check_output_dir(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe_file = out / ".ipa_probe_write_test"
-        probe_file.write_text("")
-        probe_file.unlink()
     except OSError as err:
-        raise CLIError(
-            f"cannot write to --out {str(out)!r} ({err.strerror or err}); choose a writable folder"
-        ) from None
+        reason = err.strerror or err
+        raise CLIError(f"cannot write to --out {str(out)!r} ({reason}); choose a writable folder") from None
     return out

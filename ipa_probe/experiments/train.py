@@ -14,7 +14,6 @@ uninterrupted run (on the same machine and thread count).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .model import ICFMVelocityNet, ModelConfig
 from .tasks import MetaDistribution
 
@@ -30,7 +30,9 @@ __all__ = ["TrainConfig", "TrainResult", "build_model", "flow_matching_loss", "l
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINT = "checkpoint.safetensors"
+#: checkpoints of earlier versions (pickled, unsafe to load): ignored, with a warning.
+LEGACY_CHECKPOINT = "checkpoint.pt"
 T_EPS = 1e-5
 
 
@@ -127,18 +129,19 @@ def _lr_lambda(warmup: int) -> Callable[[int], float]:
     return lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
 
 
-def _save_atomic(state: dict, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+def _checkpoint_path(run_dir: str | Path) -> Path:
+    legacy = Path(run_dir) / LEGACY_CHECKPOINT
+    if legacy.exists():
+        logger.warning("ignoring %s: pickled checkpoints are no longer loaded (unsafe); training again", legacy)
+    return Path(run_dir) / CHECKPOINT
 
 
 def load_model(run_dir: str | Path) -> tuple[ICFMVelocityNet, dict] | None:
     """The finished model of ``run_dir`` and its checkpoint record, or ``None`` if the run has not finished."""
-    path = Path(run_dir) / CHECKPOINT
+    path = _checkpoint_path(run_dir)
     if not path.exists():
         return None
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_checkpoint(path)
     if state["step"] < state["train_config"]["steps"]:
         return None
     model = ICFMVelocityNet(ModelConfig(**state["model_config"]))
@@ -161,7 +164,7 @@ def train(
         model_config: the architecture (its ``dim`` must equal ``meta.dim``).
         train_config: optimisation settings and seed.
         meta: the training meta-distribution (tasks drawn with ``split="train"``).
-        run_dir: folder for ``checkpoint.pt``; ``None`` trains without checkpoints.
+        run_dir: folder for ``checkpoint.safetensors`` (see :mod:`.checkpoint`); ``None`` trains without checkpoints.
         progress: show a tqdm progress bar.
         callback: called as ``callback(step, loss)`` after every step (e.g. to log, or to interrupt a test run).
         description: the progress bar's label.
@@ -177,11 +180,11 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup))
     generator = torch.Generator().manual_seed(cfg.seed)
     step, losses = 0, []
-    path = Path(run_dir) / CHECKPOINT if run_dir is not None else None
+    path = _checkpoint_path(run_dir) if run_dir is not None else None
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = load_checkpoint(path)
             if state["model_config"] != model_config.to_dict() or state["train_config"] != cfg.to_dict():
                 raise ValueError(f"expected {path} to hold a run of the same configuration; remove it to retrain")
             model.load_state_dict(state["model"])
@@ -194,7 +197,7 @@ def train(
 
     def save() -> None:
         if path is not None:
-            _save_atomic(
+            save_checkpoint(
                 {
                     "model": model.state_dict(),
                     "optimizer": optimizer.state_dict(),

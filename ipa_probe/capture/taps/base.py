@@ -10,7 +10,7 @@ import torch
 
 from ...layers import IPLayer
 
-__all__ = ["Capture", "DenoiserPass", "Handle", "Tap", "heads_first", "observer"]
+__all__ = ["Capture", "DenoiserPass", "Handle", "Tap"]
 
 Handle = torch.utils.hooks.RemovableHandle
 RecordFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None]
@@ -47,12 +47,6 @@ class DenoiserPass:
 
     new_step: bool
     record: bool = True
-
-
-def observer(fn: Callable) -> Callable:
-    """``fn`` as a hook that runs eagerly, also inside a compiled module."""
-    # Hooks run eagerly even inside a compiled denoiser (torch.compile breaks the graph around them).
-    return torch.compiler.disable(fn)
 
 
 class Tap:
@@ -147,8 +141,3 @@ class Tap:
                 capture.stash[(index, name)] = output if transform is None else transform(output)
 
         return hook
-
-
-def heads_first(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """Split heads: ``(B, [images,] N, H*D)`` -> ``(B, H, images * N, D)``."""
-    return x.reshape(x.shape[0], -1, heads, x.shape[-1] // heads).transpose(1, 2)

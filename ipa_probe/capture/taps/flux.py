@@ -6,8 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from ...layers import IPLayer, denoiser_of
-from .base import Capture, DenoiserPass, Handle, Tap, heads_first, observer
+from ...kernels import split_heads
+from ...layers import IPLayer, denoiser_of, observer
+from .base import Capture, DenoiserPass, Handle, Tap
 
 
 class FluxTap(Tap):
@@ -59,7 +60,7 @@ class FluxTap(Tap):
         def hook(module, args, output):
             query = capture.stash.get((index, "q"))
             if query is not None:
-                capture.record(index, adapter, query, heads_first(output, layer.heads), None, None)
+                capture.record(index, adapter, query, split_heads(output, layer.heads), None, None)
 
         return hook
 

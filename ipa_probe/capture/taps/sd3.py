@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from ...layers import IPLayer, denoiser_of
-from .base import Capture, DenoiserPass, Handle, Tap, observer
+from ...layers import IPLayer, denoiser_of, observer
+from .base import Capture, DenoiserPass, Handle, Tap
 
 
 class SD3Tap(Tap):

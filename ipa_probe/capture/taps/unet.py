@@ -10,8 +10,9 @@ from collections.abc import Callable
 import torch
 from diffusers.image_processor import IPAdapterMaskProcessor
 
-from ...layers import IPLayer, denoiser_of
-from .base import Capture, Handle, Tap, heads_first, observer
+from ...kernels import split_heads
+from ...layers import IPLayer, denoiser_of, observer
+from .base import Capture, Handle, Tap
 
 
 def _unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
@@ -90,7 +91,10 @@ class UNetTap(Tap):
                 image = capture.stash.get((index, "image", adapter), 0)
                 capture.stash[(index, "image", adapter)] = image + 1
                 rows = self._mask_rows(mask, image, query.shape[0], query.shape[1], query.device)
-            capture.record(index, adapter, heads_first(query, heads), heads_first(output, heads), None, rows)
+            # the processor views the keys with the query's batch size, as here (after a callback turns CFG off
+            # mid-run, the unconditional and conditional image tokens become one item's keys)
+            keys = split_heads(output.reshape(query.shape[0], -1, output.shape[-1]), heads)
+            capture.record(index, adapter, split_heads(query, heads), keys, None, rows)
 
         return hook
 
@@ -99,7 +103,7 @@ class UNetTap(Tap):
         def hook(module, args, output):
             query = capture.stash.get((index, "q"))
             if query is not None:
-                capture.record(index, slot, heads_first(query, heads), heads_first(output, heads), None, None)
+                capture.record(index, slot, split_heads(query, heads), split_heads(output, heads), None, None)
 
         return hook
 
