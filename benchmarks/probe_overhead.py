@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=int, default=2, help="reference images (4 tokens each)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating plain/probed pairs")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--no-memory", action="store_true", help="time only (skip the fresh-process memory runs)")
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
     latent = args.latent or (64 if gpu else 32)
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = [m / p for m, p in zip(times["maps"], times["probe"], strict=True)]
     print(f"maps=True over the probe alone: median {statistics.median(extra):.3f}x")
 
+    if args.no_memory:
+        return 0
     # memory: fresh processes so each peak is its own
     ctx = mp.get_context("spawn")
     memory = []

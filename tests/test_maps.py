@@ -289,7 +289,7 @@ def test_bad_input(sd15, refs):
 def test_cli_probe_and_sweep_write_reference_maps(tmp_path, capsys):
     from ipa_probe.cli import main
 
-    args = ["--steps", "2", "--size", "64", "64"]
+    args = ["--kind", "sd15", "--steps", "2", "--size", "64", "64"]
     assert main(["probe", "--maps", "--out", str(tmp_path / "probe"), *args]) == 0
     assert (tmp_path / "probe" / "reference_maps.png").stat().st_size > 0
     table = pd.read_parquet(tmp_path / "probe" / "map_table.parquet")
