@@ -122,8 +122,8 @@ def check_overhead(pipe, inputs: dict, device: str, repeats: int) -> dict:
     return {
         "result": f"probed/plain {ratio:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}; "
         f"plain {statistics.median(plain):.2f}s)",
-        "target": "<= 1.02",
-        "ok": ratio <= 1.02,
+        "target": "<= 1.02 (GPU)",
+        "ok": ratio <= 1.02 if device.startswith("cuda") else None,  # a loaded CPU says nothing about the target
     }
 
 
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--steps", type=int, default=None, help="steps of the overhead check (default: 30 CUDA, 3 CPU)"
     )
-    parser.add_argument("--repeats", type=int, default=None, help="alternating pairs (default: 5 CUDA, 2 CPU)")
+    parser.add_argument("--repeats", type=int, default=None, help="alternating pairs (default: 5 CUDA, 1 CPU)")
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
     if gpu and not torch.cuda.is_available():
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     latent = args.latent or (64 if gpu else 8)
     steps = args.steps or (30 if gpu else 3)
-    repeats = args.repeats or (5 if gpu else 2)
+    repeats = args.repeats or (5 if gpu else 1)
     dtype = torch.float16 if gpu else torch.float32
     setting = f"{latent * 8}px {str(dtype).removeprefix('torch.')}"
     name = torch.cuda.get_device_name() if gpu else "CPU fallback (numbers say nothing about a GPU)"

@@ -22,6 +22,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--bandwidth", type=bandwidth, default="matched", help="'matched' (default), 'fit' or h > 0")
     parser.add_argument("--layers", action="append", help="regex selecting layer ids (repeatable; default: all)")
     parser.add_argument("--keep-maps", action="store_true", help="also save the full attention maps (fp16, .pt)")
+    parser.add_argument("--maps", action="store_true", help="also write reference_maps.png and map_table.parquet")
     parser.add_argument("--out", default="outputs/probe", help="output folder (default: outputs/probe)")
     parser.set_defaults(func=run)
 
@@ -36,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_pipeline(args)
     generator = torch.Generator(device=loaded.pipe.device).manual_seed(args.seed)
     try:
-        with probe(loaded.pipe, bandwidth=args.bandwidth, layers=args.layers, keep_maps=args.keep_maps) as run_:
+        options = {"layers": args.layers, "keep_maps": args.keep_maps, "maps": args.maps}
+        with probe(loaded.pipe, bandwidth=args.bandwidth, **options) as run_:
             result = loaded.pipe(ip_adapter_image=[loaded.references], generator=generator, **loaded.call_kwargs)
     except ValueError as err:
         raise CLIError(str(err)) from None
@@ -47,6 +49,10 @@ def run(args: argparse.Namespace) -> int:
     paths = run_.save(out, extra={"run": loaded.description})
     if args.keep_maps:
         torch.save({"|".join(map(str, key)): value for key, value in run_.maps.items()}, out / "maps.pt")
+    if args.maps:
+        from ..capture.maps import save_reference_maps
+
+        save_reference_maps(run_, out, result.images[0], [loaded.references])
     summary = run_.summary()
     cond = summary[summary["branch"] == "cond"]
     last = cond.iloc[-1] if len(cond) else None
