@@ -4,6 +4,8 @@ A bandwidth *spec* is what a user passes: a keyword (``"matched"``: ``h^2 = sqrt
 temperature; the probe also accepts ``"fit"``), a positive float ``h``, or a callable of the timestep. The callable
 receives the denoiser's current timestep as a 0-d tensor on the device (scheduler scale, 0-1000) and returns a float
 or a 0-d tensor; keep it free of ``.item()`` / ``float()`` so that the denoising loop never waits for the device.
+A float it returns is range-checked (outside :data:`~ipa_probe._checks.BANDWIDTH_RANGE`: ``ValueError``); a tensor is
+not read back, so a non-positive one shows up as non-finite weights, counted in the ``nonfinite`` column.
 
 - :func:`parse`: a command-line string or manifest cell -> spec (:func:`argument_type` for argparse);
 - :func:`check`: validate a spec (the one validator), ints become floats;
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ._checks import parse_bandwidth
+from ._checks import BANDWIDTH_RANGE, parse_bandwidth
 from .kernels import matched_bandwidth
 
 __all__ = ["BandwidthSpec", "argument_type", "check", "describe", "parse", "resolve"]
@@ -55,9 +57,18 @@ def check(spec: Any, keywords: tuple[str, ...] = ("matched",)) -> BandwidthSpec:
         raise TypeError(f"bandwidth: {_expected(keywords)}, got {spec!r}")
     if callable(spec):
         return spec
-    if not (math.isfinite(spec) and spec > 0):
-        raise ValueError(f"bandwidth: expected a positive, finite bandwidth h, got {spec}; e.g. 1.0 or 'matched'")
-    return float(spec)
+    return _check_value(spec)
+
+
+def _check_value(h: float) -> float:
+    """A numeric bandwidth inside :data:`BANDWIDTH_RANGE` (outside it float32 NW weights overflow or go uniform)."""
+    low, high = BANDWIDTH_RANGE
+    if not (math.isfinite(h) and low <= h <= high):
+        raise ValueError(
+            f"bandwidth: expected a positive number h in [{low:g}, {high:g}], got {h}; e.g. 1.0 or 'matched' "
+            "(outside this range float32 NW weights overflow or become uniform)"
+        )
+    return float(h)
 
 
 def parse(value: str | float, keywords: tuple[str, ...] = ("matched",)) -> str | float:
@@ -101,7 +112,7 @@ def resolve(
 
     Raises:
         RuntimeError: a callable spec but no timestep.
-        ValueError: an unknown keyword, or a callable that returns more than one value.
+        ValueError: an unknown keyword, a callable that returns more than one value, or a float outside the range.
     """
     if isinstance(spec, str):
         if spec != "matched":
@@ -118,8 +129,8 @@ def resolve(
     # a tensor stays where it is; a Python number becomes a device fill (no blocking host-to-device copy)
     if isinstance(value, torch.Tensor):
         h = value.to(device=device, dtype=torch.float32)
-    else:
-        h = torch.full((), float(value), dtype=torch.float32, device=device)
+    else:  # a number is checked on the host for free; a tensor is not read back (that would synchronise)
+        h = torch.full((), _check_value(float(value)), dtype=torch.float32, device=device)
     if h.numel() != 1:
         raise ValueError(
             f"the bandwidth callable returned a tensor of shape {tuple(h.shape)}; return a float or a 0-d tensor "

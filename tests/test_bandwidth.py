@@ -72,3 +72,21 @@ def test_the_probe_refuses_a_bandwidth_callable_with_several_values(sd15, refs):
     with pytest.raises(ValueError, match="0-d"), ipa_probe.probe(sd15, bandwidth=lambda t: torch.ones(2)):
         sd15("a photo", ip_adapter_image=[refs], num_inference_steps=1, output_type="latent")
     assert ipa_probe.list_hooks(sd15) == []
+
+
+@pytest.mark.parametrize("h", [1e300, 1e-300, -1.0, math.nan, math.inf])
+def test_numbers_outside_the_range_are_refused_by_the_python_api_too(h):
+    with pytest.raises(ValueError, match="positive number h in"):
+        bandwidth.check(h)
+
+
+def test_a_callable_returning_a_bad_float_is_refused_when_resolved():
+    spec = bandwidth.check(lambda t: -1.0)
+    with pytest.raises(ValueError, match="positive number h in"):
+        bandwidth.resolve(spec, 8, torch.tensor(999.0))
+
+
+@pytest.mark.parametrize("limit", [math.nan, math.inf, 0, -5, True, "1GB"])
+def test_max_map_bytes_must_be_a_positive_finite_number(limit):
+    with pytest.raises(ValueError, match="max_map_bytes"):
+        ipa_probe.ProbeConfig(keep_maps=True, max_map_bytes=limit)

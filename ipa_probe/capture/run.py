@@ -145,7 +145,11 @@ class ProbeConfig:
             if not heads or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads):
                 raise ValueError(f"heads: expected a non-empty list of non-negative head indices, got {heads!r}")
             object.__setattr__(self, "heads", tuple(sorted(set(heads))))
-        if self.max_map_bytes <= 0:
+        if (
+            isinstance(self.max_map_bytes, bool)
+            or not (isinstance(self.max_map_bytes, int | float) and math.isfinite(self.max_map_bytes))
+            or self.max_map_bytes <= 0
+        ):
             raise ValueError(f"max_map_bytes: expected a positive byte count, got {self.max_map_bytes}")
 
     def records_step(self, step: int) -> bool:
