@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-__all__ = ["TIERS", "Tier", "get_tier"]
+__all__ = ["ALL_TIERS", "GPU_TIERS", "TIERS", "Tier", "get_tier"]
 
 #: valid ranges of user-supplied dimensions and support sizes.
 DIM_RANGE = (2, 64)
@@ -38,6 +38,12 @@ class Tier:
         scarcity_ms, scarcity_data: support sizes and meta-distributions of the scarcity experiment.
         heads_list, heads_ms, heads_m_range: heads ``H``, evaluation support sizes and the training range of ``m``.
         attention_ts: flow times of the attention experiment.
+        schedule: learning rate after warm-up, ``"cosine"`` decay or ``"constant"`` (the release).
+        eval_every: steps between validations of a training run (``0``: none; the final weights are the result).
+        val_tasks, val_points: validation tasks per run and generated (= reference) points per task.
+        scarcity_check_m: support size of the §D.3 per-m check (one extra model trained at that fixed ``m``), or
+            ``None`` to skip it.
+        device: ``"cpu"``, or ``"auto"`` (CUDA when present, else the CPU).
     """
 
     name: str
@@ -67,6 +73,12 @@ class Tier:
     heads_ms: tuple[int, ...]
     heads_m_range: tuple[int, int]
     attention_ts: tuple[float, ...]
+    schedule: str = "cosine"
+    eval_every: int = 0
+    val_tasks: int = 8
+    val_points: int = 128
+    scarcity_check_m: int | None = 10
+    device: str = "cpu"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,6 +132,9 @@ TIERS: dict[str, Tier] = {
         heads_ms=(5, 10, 25),
         heads_m_range=(5, 25),
         attention_ts=(0.1, 0.5, 0.99),
+        eval_every=6,
+        val_tasks=2,
+        val_points=32,
     ),
     "smoke": Tier(
         name="smoke",
@@ -149,6 +164,7 @@ TIERS: dict[str, Tier] = {
         heads_ms=(5, 10, 25, 50, 100),
         heads_m_range=(5, 100),
         attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
+        eval_every=200,
     ),
     "full": Tier(
         name="full",
@@ -178,12 +194,54 @@ TIERS: dict[str, Tier] = {
         heads_ms=(5, 10, 25, 50, 100),
         heads_m_range=(5, 100),
         attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
+        eval_every=500,
     ),
 }
+
+#: the paper's sizes (§A.4): for a CUDA machine, never run in tests (hours even on a GPU).
+GPU_TIERS: dict[str, Tier] = {
+    "paper": Tier(
+        name="paper",
+        d_model=128,
+        n_layers=3,
+        n_heads=4,
+        batch_tasks=256,
+        n_target=256,
+        lr=1e-4,
+        warmup=1000,
+        seeds=(0, 1, 2),
+        collapse_steps=100_000,
+        shells_steps=50_000,
+        scarcity_steps=100_000,
+        heads_steps=50_000,
+        eval_tasks=100,
+        eval_points=500,
+        euler_steps=100,
+        neff_tasks=30,
+        neff_queries=256,
+        collapse_dims=(2, 4, 8, 16),
+        neff_dims=(2, 4, 8, 16, 32, 64),
+        shells_dims=(8, 16, 32),
+        scarcity_ms=(1, 5, 10, 25, 50),
+        scarcity_data=("pcafeat", "digits"),
+        heads_list=(1, 2, 4, 8, 16),
+        heads_ms=(5, 10, 25, 50, 100),
+        heads_m_range=(5, 100),
+        attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
+        schedule="constant",
+        eval_every=1000,
+        val_tasks=100,
+        val_points=500,
+        device="auto",
+    ),
+}
+
+#: every tier by name: the CPU tiers and the GPU one.
+ALL_TIERS: dict[str, Tier] = {**TIERS, **GPU_TIERS}
 
 
 def get_tier(name: str) -> Tier:
     """The tier called ``name``; raises ``ValueError`` naming the valid tiers otherwise."""
-    if name not in TIERS:
-        raise ValueError(f"expected a tier in {sorted(TIERS)}, got {name!r}")
-    return TIERS[name]
+    if name not in ALL_TIERS:
+        raise ValueError(f"expected a tier in {sorted(ALL_TIERS)}, got {name!r}")
+    return ALL_TIERS[name]
