@@ -170,3 +170,22 @@ def test_paper_tier_has_the_papers_sizes_and_is_not_a_cpu_tier():
     assert (tier.collapse_steps, tier.shells_steps, tier.heads_steps) == (100_000, 50_000, 50_000)
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert ExperimentContext(tier, "unused").device.type == expected
+
+
+# ------------------------------------------------------------------------------------------ scarcity vs steps
+def test_scarcity_steps_scores_every_snapshot(tmp_path):
+    from ipa_probe.experiments import scarcity_steps
+
+    assert scarcity_steps.snapshot_steps(1000) == [250, 500, 1000]
+    assert scarcity_steps.snapshot_steps(600, first=100) == [100, 200, 400, 600]
+    tier = TIERS["quick"]
+    frame = scarcity_steps.measure(tier, steps=4, out=tmp_path, progress=False, first=2)
+    assert sorted(set(frame["step"])) == [2, 4] and set(frame["m"]) == set(scarcity_steps.MS)
+    assert set(frame["data"]) == set(tier.scarcity_data) and len(frame) == 2 * 2 * len(tier.scarcity_data)
+    # the plug-in is scored once per (data, m); the learned model changes between snapshots
+    assert frame.groupby(["data", "m"])["plugin"].nunique().eq(1).all()
+    assert (frame.groupby(["data", "m"])["learned"].nunique() == 2).all()
+    row = frame.iloc[0]
+    assert row["gain_pct"] == pytest.approx(100 * (row["plugin"] - row["learned"]) / row["plugin"])
+    assert "| steps |" in scarcity_steps.table(frame)
+    assert scarcity_steps.plot(frame, tmp_path / "f.png").stat().st_size > 1000
