@@ -59,7 +59,7 @@ def run(ctx) -> ExperimentResult:
                 )
             )
         check_m = tier.scarcity_check_m
-        if check_m is not None and check_m in raw[data]:
+        if check_m is not None and check_m in raw[data] and data in tier.scarcity_check_data:
             per_m = ctx.trained(
                 data, ctx.model_config(DIM), ctx.train_config(tier.scarcity_steps, tier.seeds[0], m=check_m)
             )

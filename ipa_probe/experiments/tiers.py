@@ -43,6 +43,7 @@ class Tier:
         val_tasks, val_points: validation tasks per run and generated (= reference) points per task.
         scarcity_check_m: support size of the §D.3 per-m check (one extra model trained at that fixed ``m``), or
             ``None`` to skip it.
+        scarcity_check_data: the data sets of that check (each must be in ``scarcity_data`` to run).
         device: ``"cpu"``, or ``"auto"`` (CUDA when present, else the CPU).
     """
 
@@ -78,6 +79,7 @@ class Tier:
     val_tasks: int = 8
     val_points: int = 128
     scarcity_check_m: int | None = 10
+    scarcity_check_data: tuple[str, ...] = ("pcafeat", "digits")
     device: str = "cpu"
 
     def to_dict(self) -> dict:
@@ -133,6 +135,7 @@ TIERS: dict[str, Tier] = {
         heads_m_range=(5, 25),
         attention_ts=(0.1, 0.5, 0.99),
         eval_every=6,
+        scarcity_check_data=("pcafeat",),
         val_tasks=2,
         val_points=32,
     ),
@@ -164,7 +167,8 @@ TIERS: dict[str, Tier] = {
         heads_ms=(5, 10, 25, 50, 100),
         heads_m_range=(5, 100),
         attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
-        eval_every=200,
+        eval_every=400,
+        scarcity_check_data=("pcafeat",),
     ),
     "full": Tier(
         name="full",
@@ -195,6 +199,7 @@ TIERS: dict[str, Tier] = {
         heads_m_range=(5, 100),
         attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
         eval_every=500,
+        scarcity_check_data=("pcafeat",),
     ),
 }
 
