@@ -189,3 +189,13 @@ def test_scarcity_steps_scores_every_snapshot(tmp_path):
     assert row["gain_pct"] == pytest.approx(100 * (row["plugin"] - row["learned"]) / row["plugin"])
     assert "| steps |" in scarcity_steps.table(frame)
     assert scarcity_steps.plot(frame, tmp_path / "f.png").stat().st_size > 1000
+
+
+def test_paper_tier_refuses_to_start_without_cuda(monkeypatch, tmp_path, capsys):
+    from ipa_probe.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # never start the paper tier in tests
+    assert main(["experiments", "collapse", "--tier", "paper", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "CUDA" in err[0] and "--tier full" in err[0]
+    assert not any(tmp_path.iterdir())

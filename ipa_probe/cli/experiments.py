@@ -63,6 +63,14 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"unknown experiment {args.name!r}; expected one of {', '.join(NAMES)}")
     if args.tier not in ALL_TIERS:
         raise CLIError(f"unknown tier {args.tier!r}; expected one of {', '.join(ALL_TIERS)}")
+    if ALL_TIERS[args.tier].device == "auto":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CLIError(
+                f"tier {args.tier!r} has the paper's sizes and needs a CUDA GPU (tens of GPU-hours), and none is "
+                "visible; use --tier full on a CPU"
+            )
     for d in args.dims or ():
         if not DIM_RANGE[0] <= d <= DIM_RANGE[1]:
             raise CLIError(f"dimension d={d} out of range; expected {DIM_RANGE[0]} <= d <= {DIM_RANGE[1]}")
