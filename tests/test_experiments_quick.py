@@ -47,4 +47,5 @@ def test_quick_tier_writes_every_output(tmp_path, capsys):
     assert (out / "summary.md").exists()
     quantities = {row.quantity.split(":")[0] for row in headline_rows(out)}
     assert quantities == set(EXPERIMENTS)
+    assert any(row.quantity.startswith("scarcity: §D.3 check") for row in headline_rows(out))
     assert "summary:" in capsys.readouterr().out

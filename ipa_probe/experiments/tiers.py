@@ -1,14 +1,24 @@
-"""Run sizes of the experiments: ``quick`` (tests, < 2 min), ``smoke`` (directions, < 10 min), ``full`` (< 60 min).
+"""Run sizes of the experiments: ``quick`` (tests, < 2 min), ``smoke`` (directions, < 10 min), ``full`` (< 60 min) on
+a CPU, and ``paper`` (the paper's sizes, for a CUDA GPU; never run in tests).
 
-Sizes come from 100-step timing runs on the project's 2-core machine (``python -m ipa_probe.experiments.timing``).
-At the §D.0 CPU model (``d_model = 64``, 2 layers, 4 heads, 32 tasks × 64 targets × m = 50) one training step costs
-about 18 ms on an idle machine with 2 threads; while other jobs share the cores it costs about 70–100 ms with one
-thread and up to 1.5 s with two (OpenMP threads spin-wait for each other), so run loaded machines with
-``--threads 1``. One 100-step Euler evaluation of 20 tasks × 500 points costs about 25 s there. The smoke and full
-tiers halve the batch to 16 tasks × 64 targets and use 20 × 250 evaluation points. At these pessimistic costs
-:func:`ipa_probe.experiments.timing.project` puts ``smoke`` at about 10 min and ``full`` at about 58 min; measured
-with 1 thread on the shared machine: ``quick`` 21 s (inside pytest), ``smoke`` 2–7 min, ``full`` 15 min (load
-average 2–3; a full run with two thirds of these steps took 21 min at load 6–9).
+Protocol (every tier, the release's ``trainer.py``): linear warm-up, then cosine decay (CPU tiers) or a constant rate
+(``paper``, as the release); validation MMD² every ``eval_every`` steps on fixed tasks of the training law, and the
+best-validation weights kept as the run's result (``record.json`` names its step).
+
+Sizes come from timing runs on the project's 2-core machine (``python -m ipa_probe.experiments.timing``). At the
+full tier's model (``d_model = 64``, 2 layers, 4 heads, 16 tasks × 64 targets) one step costs 21–45 ms with one thread
+at a load average of about 2 (0.1 s at a load of 7–10, when five other jobs share the two cores); one evaluation of
+the learned model on 20 tasks × 500 points costs 2.6–15 s, one of the plug-in 0.3–2.2 s, and one validation (8 tasks
+× 128 points) about a tenth of an evaluation. Two OpenMP threads spin against the other jobs, so run loaded machines
+with ``--threads 1``. :func:`ipa_probe.experiments.timing.project` at the pessimistic loaded costs (0.1 s per
+32-task step, 25 s per evaluation) puts ``smoke`` at 9.7 min and ``full`` at 57 min, which leaves the full tier no
+room for more steps: its budget goes to the protocol (validations, the §D.3 per-m check), and whether more steps
+would change the scarcity row is measured separately (:mod:`.scarcity_steps`).
+
+``paper`` (d_model 128, 3 layers, 256 tasks × 256 targets, lr 1e-4, 1000 warm-up steps then constant, 100k/50k steps,
+validation on 100 tasks × 500 points every 1000 steps, 3 seeds) runs on CUDA when present; the CLI refuses it
+without a GPU. Its projected cost is tens of GPU-hours (about 3.4 million steps of 65k points each); the paper
+reports 350 GPU-hours for all its configurations.
 """
 
 from __future__ import annotations
