@@ -7,9 +7,16 @@ from . import capture, images, layers, nwhead, sweep, theory, tiny
 from .capture.run import ProbeConfig, ProbeRun, probe
 from .exact import ExactNWDenoiser, ExactNWPipeline, exact_pipeline
 from .kernels import dot_logits, key_norm_bias, matched_bandwidth, n_eff, nw_logits, nw_weights
-from .layers import find_ip_layers
-from .nwhead.dit import FluxNWHeadAttnProcessor, SD3NWHeadAttnProcessor
-from .nwhead.unet import NWHeadAttnProcessor, NWHeadConfig, apply_nw_head, nw_head, remove_nw_head
+from .layers import find_ip_layers, list_hooks
+from .nwhead import (
+    FluxNWHeadAttnProcessor,
+    NWHeadAttnProcessor,
+    NWHeadConfig,
+    SD3NWHeadAttnProcessor,
+    apply_nw_head,
+    nw_head,
+    remove_nw_head,
+)
 from .stats import STAT_NAMES, compare_weights
 from .sweep import SweepRunner, read_manifest, run_sweep
 from .theory import ExactNWHead, OTSchedule, VPSchedule, nw_velocity
@@ -31,6 +38,7 @@ __all__ = [
     "ProbeConfig",
     "ProbeRun",
     "find_ip_layers",
+    "list_hooks",
     "images",
     "layers",
     "tiny",

@@ -239,7 +239,7 @@ def generate_methods(
         ``(images, seconds)``: method -> list of PIL images (one per seed), and method -> wall time in seconds.
     """
     from .exact import exact_pipeline
-    from .nwhead.unet import nw_head
+    from .nwhead import nw_head
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:

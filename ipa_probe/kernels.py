@@ -21,38 +21,32 @@ import math
 import torch
 
 __all__ = [
-    "check_bandwidth",
     "dot_logits",
     "entropy",
     "key_norm_bias",
     "matched_bandwidth",
+    "merge_heads",
     "n_eff",
     "nw_logits",
     "nw_mean",
     "nw_weights",
+    "split_heads",
 ]
-
-
-def check_bandwidth(bandwidth, keywords: tuple[str, ...] = ("matched",)) -> None:
-    """Raise unless ``bandwidth`` is one of ``keywords``, a positive finite number, or a callable of the timestep.
-
-    Raises:
-        ValueError: an unknown keyword or a number that is not positive and finite.
-        TypeError: anything else.
-    """
-    expected = f"expected {', '.join(repr(k) for k in keywords)}, a positive float or a callable of the timestep"
-    if isinstance(bandwidth, str):
-        if bandwidth not in keywords:
-            raise ValueError(f"bandwidth: {expected}, got {bandwidth!r}")
-    elif isinstance(bandwidth, bool) or not (callable(bandwidth) or isinstance(bandwidth, int | float)):
-        raise TypeError(f"bandwidth: {expected}, got {bandwidth!r}")
-    elif not callable(bandwidth) and not (math.isfinite(bandwidth) and bandwidth > 0):
-        raise ValueError(f"bandwidth: expected a positive, finite bandwidth h, got {bandwidth}; e.g. 1.0 or 'matched'")
 
 
 def matched_bandwidth(head_dim: int) -> float:
     """The bandwidth ``h`` whose temperature ``h**2 = sqrt(head_dim)`` equals scaled dot-product attention's."""
     return head_dim**0.25
+
+
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Heads first: ``(B, ..., H*D)`` -> ``(B, H, N, D)``, the middle dimensions (images, tokens) folded into ``N``."""
+    return x.reshape(x.shape[0], -1, heads, x.shape[-1] // heads).transpose(1, 2)  # (B, N, H, D) -> (B, H, N, D)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """Heads back into the channels: ``(B, H, N, D)`` -> ``(B, N, H*D)``."""
+    return x.transpose(1, 2).flatten(2)  # (B, N, H, D) -> (B, N, H*D)
 
 
 def dot_logits(q: torch.Tensor, k: torch.Tensor, scale: float | torch.Tensor | None = None) -> torch.Tensor:

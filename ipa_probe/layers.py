@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +37,7 @@ from .kernels import dot_logits
 
 __all__ = [
     "FAMILIES",
+    "Attachment",
     "SUPPORTED_PROCESSORS",
     "IPLayer",
     "LayerSelection",
@@ -45,6 +46,8 @@ __all__ = [
     "family_of",
     "find_ip_layers",
     "image_branch_logits",
+    "list_hooks",
+    "observer",
     "release",
 ]
 
@@ -225,27 +228,69 @@ def image_branch_logits(processor: torch.nn.Module, query: torch.Tensor, key: to
     return dot_logits(query, key, 1.0 / math.sqrt(query.shape[-1]))
 
 
-def claim(pipe, feature: str) -> torch.nn.Module:
+def observer(fn: Callable) -> Callable:
+    """A hook that runs eagerly even inside a compiled denoiser: ``torch.compile`` breaks the graph around it, so the
+    hook sees the real tensors and its side effects (stores, counters) happen once per call."""
+    return torch.compiler.disable(fn)
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """What one ipa_probe feature has attached to a denoiser (see :func:`list_hooks`).
+
+    Attributes:
+        feature: ``"probe"`` or ``"nw_head"``.
+        layers: the layer ids it touches.
+        what: how, in words (e.g. read-only forward hooks, or swapped processors and the bandwidth).
+    """
+
+    feature: str
+    layers: tuple[str, ...] = ()
+    what: str = ""
+
+
+def list_hooks(pipe) -> list[Attachment]:
+    """What ipa_probe has attached to a pipeline right now, one record per active feature, in order of attachment.
+
+    Empty when nothing is attached (every feature removes its record with its hooks).
+
+    Example:
+        ```py
+        >>> with ipa_probe.nw_head(pipe), ipa_probe.probe(pipe):
+        ...     [a.feature for a in ipa_probe.list_hooks(pipe)]
+        ['nw_head', 'probe']
+        ```
+    """
+    return list(denoiser_of(pipe).__dict__.get(_CLAIM_ATTRIBUTE, ()))
+
+
+def claim(pipe, feature: str, layers: Iterable[str] = (), what: str = "") -> torch.nn.Module:
     """Mark a pipeline's denoiser as being modified by ``feature`` (e.g. ``"probe"``); raise if it already is.
+
+    Args:
+        pipe: the pipeline or its denoiser.
+        feature: the feature's name.
+        layers: the layer ids it will touch, and
+        what: how, for :func:`list_hooks`.
 
     Returns:
         the denoiser.
     """
     denoiser = denoiser_of(pipe)
     claims = denoiser.__dict__.get(_CLAIM_ATTRIBUTE, ())
-    if feature in claims:
+    if any(c.feature == feature for c in claims):
         raise RuntimeError(
             f"ipa_probe.{feature} is already active on this pipeline; leave the running "
             f"`with ipa_probe.{feature}(...)` block (or remove it) before applying it again"
         )
-    denoiser.__dict__[_CLAIM_ATTRIBUTE] = (*claims, feature)
+    denoiser.__dict__[_CLAIM_ATTRIBUTE] = (*claims, Attachment(feature, tuple(layers), what))
     return denoiser
 
 
 def release(pipe, feature: str) -> None:
     """Undo :func:`claim`; the denoiser is left without any ipa_probe attribute once nothing claims it."""
     denoiser = denoiser_of(pipe)
-    claims = tuple(c for c in denoiser.__dict__.get(_CLAIM_ATTRIBUTE, ()) if c != feature)
+    claims = tuple(c for c in denoiser.__dict__.get(_CLAIM_ATTRIBUTE, ()) if c.feature != feature)
     if claims:
         denoiser.__dict__[_CLAIM_ATTRIBUTE] = claims
     else:

@@ -16,27 +16,17 @@ import math
 import torch
 
 from .kernels import n_eff
+from .schema import STAT_NAMES
 
 __all__ = [
     "STAT_NAMES",
     "compare_weights",
+    "copy_groups",
     "fit_bandwidth",
     "rank",
     "raveled_pearson",
     "row_spearman",
 ]
-
-#: The fields of :func:`compare_weights`' last dimension, in order.
-STAT_NAMES: tuple[str, ...] = (
-    "spearman",
-    "spearman_null",
-    "pearson",
-    "kl",
-    "top1",
-    "neff_attn",
-    "neff_nw",
-    "nonfinite",
-)
 
 
 def rank(x: torch.Tensor) -> torch.Tensor:
@@ -139,6 +129,8 @@ def compare_weights(
     nw_logits: torch.Tensor,
     generator: torch.Generator | None = None,
     key_mask: torch.Tensor | None = None,
+    row_mask: torch.Tensor | None = None,
+    key_groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Compare attention weights with NW weights row by row, reduced over rows.
 
@@ -150,9 +142,12 @@ def compare_weights(
     - ``spearman_null``: the same with the key order of ``w`` shuffled independently in each row (chance level, ~0);
     - ``pearson``: Pearson r over all ``R * K`` entries;
     - ``kl``: ``KL(a || w) = sum_i a_i (log a_i - log w_i)``, averaged over rows;
-    - ``top1``: fraction of rows whose arg-max key agrees;
+    - ``top1``: fraction of rows whose arg-max key agrees (keys of one ``key_groups`` group count as one key);
     - ``neff_attn``, ``neff_nw``: Kish ``1 / sum_i w_i^2``, averaged over rows;
     - ``nonfinite``: fraction of rows whose logits give non-finite weights (left out of everything else).
+
+    Rows where ``row_mask`` is False (e.g. queries outside an IP-Adapter mask) take part in nothing, ``nonfinite``
+    included.
 
     Args:
         attn_logits: logits of the attention weights, shape ``(..., R, K)``.
@@ -161,6 +156,10 @@ def compare_weights(
             when omitted, so the caller's global random state is never touched.
         key_mask: optional boolean, broadcastable to the logits' shape: keys where it is False (e.g. padding
             tokens) are left out, and both weightings are renormalised over the kept keys.
+        row_mask: optional boolean, shape ``(..., R)``: only the rows where it holds are compared.
+        key_groups: optional integers, broadcastable to the logits' shape: keys with the same value are copies of one
+            token (e.g. the unconditional image tokens of several reference images), so an arg-max on either copy
+            is the same choice for ``top1``.
 
     Returns:
         statistics, shape ``(..., len(STAT_NAMES))``, float32, on the logits' device.
@@ -173,6 +172,8 @@ def compare_weights(
         generator = torch.Generator(device=attn_logits.device).manual_seed(0)
     dtype = torch.promote_types(attn_logits.dtype, torch.float32)
     attn_logits, nw_logits = attn_logits.to(dtype), nw_logits.to(dtype)
+    if key_groups is not None:
+        key_groups = key_groups.expand(attn_logits.shape)
     if key_mask is not None:
         key_mask = key_mask.to(torch.bool).expand(attn_logits.shape)
         # One permutation for both weightings, kept keys first: every statistic is invariant to it, and the mask
@@ -181,15 +182,20 @@ def compare_weights(
         key_mask = key_mask.gather(-1, order)
         attn_logits = attn_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
         nw_logits = nw_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
+        key_groups = key_groups.gather(-1, order) if key_groups is not None else None
     log_a = _log_softmax(attn_logits)  # (..., R, K)
     log_w = _log_softmax(nw_logits)
     a, w = log_a.exp(), log_w.exp()
-    valid = (a.isfinite() & w.isfinite()).all(-1)  # (..., R)
+    finite = (a.isfinite() & w.isfinite()).all(-1)  # (..., R)
+    valid = finite if row_mask is None else finite & row_mask
     a = torch.where(valid.unsqueeze(-1), a, 1.0)
     w = torch.where(valid.unsqueeze(-1), w, 1.0)
 
     kl_rows = torch.where(a > 0, a * (log_a - log_w), 0.0).sum(-1)
-    top1_rows = (a.argmax(-1) == w.argmax(-1)).float()
+    top_a, top_w = a.argmax(-1, keepdim=True), w.argmax(-1, keepdim=True)  # (..., R, 1)
+    if key_groups is not None:
+        top_a, top_w = key_groups.gather(-1, top_a), key_groups.gather(-1, top_w)
+    top1_rows = (top_a == top_w).squeeze(-1).float()
     # Ranks are taken on the logits: the same order as the weights, without the ties that underflow makes. The null
     # shuffles the NW ranks themselves (ranking is permutation-equivariant), so each side is ranked once.
     entries = valid if key_mask is None else valid.unsqueeze(-1) & key_mask
@@ -202,9 +208,30 @@ def compare_weights(
         _masked_mean(top1_rows, valid),
         _masked_mean(n_eff(a), valid),
         _masked_mean(n_eff(w), valid),
-        1.0 - valid.float().mean(-1),
+        1.0 - valid.float().mean(-1) if row_mask is None else 1.0 - valid.sum(-1) / row_mask.sum(-1),
     )
     return torch.stack(stats, dim=-1).float()
+
+
+def copy_groups(keys: torch.Tensor, rtol: float = 1e-5) -> torch.Tensor:
+    """Which keys are copies of one token: for each key, the index of the first key equal to it up to float noise.
+
+    Two keys count as copies when ``|k_i - k_j|^2 <= rtol * (|k_i|^2 + |k_j|^2)`` (e.g. the unconditional image
+    tokens of several reference images, projected from the same zero embedding, agree up to rounding).
+
+    Args:
+        keys: ``(..., K, D)``.
+        rtol: relative tolerance on the squared distance.
+
+    Returns:
+        group ids, shape ``(..., K)``, int64: equal ids mark copies (pass them as ``key_groups`` to
+        :func:`compare_weights`).
+    """
+    keys = keys.float()
+    sq = (keys * keys).sum(-1)  # (..., K)
+    dist = sq.unsqueeze(-1) + sq.unsqueeze(-2) - 2 * keys @ keys.transpose(-1, -2)  # (..., K, K)
+    same = dist <= rtol * (sq.unsqueeze(-1) + sq.unsqueeze(-2))
+    return same.to(torch.uint8).argmax(-1)  # the first True of each row (the diagonal is always True)
 
 
 def fit_bandwidth(

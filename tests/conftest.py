@@ -26,6 +26,22 @@ def sd15():
     return tiny_pipeline("sd15")
 
 
+@pytest.fixture(scope="module")
+def flux():
+    """The tiny Flux pipeline with one IP-Adapter, shared by a test module."""
+    from ipa_probe.tiny.dit import tiny_flux_pipeline
+
+    return tiny_flux_pipeline()
+
+
+@pytest.fixture(scope="module")
+def sd3():
+    """The tiny SD3 pipeline with one IP-Adapter, shared by a test module."""
+    from ipa_probe.tiny.dit import tiny_sd3_pipeline
+
+    return tiny_sd3_pipeline()
+
+
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from diffusers import FluxPipeline
 from diffusers.image_processor import IPAdapterMaskProcessor
 from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -40,3 +41,19 @@ def masks_for(n_images: int, size: int = 64) -> list[torch.Tensor]:
     for i, mask in enumerate(masks):
         mask.paste(255, (half * (i % 2), 0, half * (i % 2) + half, size))
     return [IPAdapterMaskProcessor().preprocess(masks, height=size, width=size).reshape(1, n_images, size, size)]
+
+
+def generate_dit(pipe, refs, adapters=1, cfg=False, steps=2, **kwargs):
+    """A tiny Flux or SD3 pipeline call, 2 steps, latents out. Flux: one entry of ``refs`` per adapter, true CFG on
+    request; SD3: one image."""
+    kwargs.setdefault("num_inference_steps", steps)
+    kwargs.setdefault("output_type", "latent")
+    kwargs.setdefault("max_sequence_length", 16)
+    kwargs.setdefault("generator", torch.Generator().manual_seed(0))
+    prompt = "a photo of a flower"
+    if isinstance(pipe, FluxPipeline):
+        if cfg:
+            kwargs.update(negative_prompt="blurry", true_cfg_scale=4.0)
+        return pipe(prompt, ip_adapter_image=[refs] * adapters, **kwargs).images
+    kwargs.setdefault("guidance_scale", 5.0 if cfg else 1.0)
+    return pipe(prompt, ip_adapter_image=refs[0], **kwargs).images

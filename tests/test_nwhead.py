@@ -1,31 +1,45 @@
-"""The NW-head swap: the processor against closed forms, equality cases, lifecycle, composition with the probe."""
+"""The NW-head swap: the processors against closed forms, equality cases, lifecycle, composition with the probe.
+
+SD 1.5 / SDXL first, then Flux and SD3.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import math
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers.models.attention_processor import (
     Attention,
     AttnProcessor2_0,
     IPAdapterAttnProcessor,
     IPAdapterAttnProcessor2_0,
+    JointAttnProcessor2_0,
 )
-from helpers import PIPELINE_CASES, CountScalarReads, masks_for
+from diffusers.models.transformers.transformer_flux import (
+    FluxAttention,
+    FluxAttnProcessor,
+    FluxIPAdapterAttnProcessor,
+)
+from helpers import PIPELINE_CASES, CountScalarReads, generate_dit, masks_for
 
 import ipa_probe
 from ipa_probe.layers import find_ip_layers
-from ipa_probe.nwhead.unet import (
+from ipa_probe.nwhead import (
+    FluxNWHeadAttnProcessor,
     NWHeadAttnProcessor,
+    SD3NWHeadAttnProcessor,
     TimestepClock,
     apply_nw_head,
     nw_head,
     remove_nw_head,
 )
+from ipa_probe.tiny.dit import SD3_IP_TOKENS, tiny_flux_pipeline, tiny_sd3_pipeline
 from ipa_probe.tiny.sd import tiny_pipeline
 
 STEPS = 2
@@ -367,3 +381,236 @@ def test_probing_the_swapped_pipeline_reports_perfect_agreement(refs, kind, vari
     with ipa_probe.probe(pipe, bandwidth=bandwidth) as learned:
         generate(pipe, refs, adapters, guidance_scale=5.0)
     assert learned.to_dataframe()["kl"].mean() > 1e-4
+
+
+# --------------------------------------------------------------------------- Flux and SD3: bad input
+
+
+def test_nw_processors_check_what_they_wrap(flux, sd3):
+    flux_proc = find_ip_layers(flux)[0].processor
+    sd3_proc = find_ip_layers(sd3)[0].processor
+    with pytest.raises(TypeError, match="FluxIPAdapterAttnProcessor"):
+        FluxNWHeadAttnProcessor(sd3_proc)
+    with pytest.raises(TypeError, match="SD3IPAdapterJointAttnProcessor2_0"):
+        SD3NWHeadAttnProcessor(flux_proc)
+    with pytest.raises(ValueError, match="TimestepClock"):
+        FluxNWHeadAttnProcessor(flux_proc, lambda t: 1.0)
+    with pytest.raises(ValueError, match="positive"):
+        SD3NWHeadAttnProcessor(sd3_proc, -1.0)
+
+
+# --------------------------------------------------------------------------- Flux and SD3: the processors
+
+
+def _flux_attention(seed=0):
+    torch.manual_seed(seed)
+    attn = FluxAttention(query_dim=32, heads=2, dim_head=16, added_kv_proj_dim=32, out_dim=32, bias=True)
+    original = FluxIPAdapterAttnProcessor(hidden_size=32, cross_attention_dim=24, num_tokens=(4, 4), scale=[0.8, 1.3])
+    attn.set_processor(original)
+    inputs = dict(
+        hidden_states=torch.randn(2, 12, 32),
+        encoder_hidden_states=torch.randn(2, 5, 32),
+        ip_hidden_states=[torch.randn(2, 3, 4, 24), torch.randn(2, 1, 4, 24)],
+    )
+    return attn, original, inputs
+
+
+def test_flux_nw_head_is_the_parent_with_gaussian_weights():
+    attn, original, inputs = _flux_attention()
+    with torch.no_grad():
+        hidden, context, ip_out = attn(**inputs)
+        nw = FluxNWHeadAttnProcessor(original, 0.9)
+        attn.set_processor(nw)
+        nw_hidden, nw_context, nw_ip = attn(**inputs)
+    assert torch.equal(nw_hidden, hidden) and torch.equal(nw_context, context)  # the joint attention is the parent's
+    assert (nw_ip - ip_out).abs().max() > 1e-3
+    # closed form in float64: sum_a s_a softmax_i(-|q - k_a,i|^2 / (2 h^2)) v_a,i, q after norm_q and before RoPE
+    a64, p64 = copy.deepcopy(attn).double(), copy.deepcopy(original).double()
+    with torch.no_grad():
+        q = a64.norm_q(a64.to_q(inputs["hidden_states"].double()).unflatten(-1, (2, 16))).transpose(1, 2)
+        expected = torch.zeros_like(ip_out, dtype=torch.float64)
+        adapters = zip(inputs["ip_hidden_states"], original.scale, p64.to_k_ip, p64.to_v_ip, strict=True)
+        for states, scale, to_k, to_v in adapters:
+            k = to_k(states.double()).reshape(2, -1, 2, 16).transpose(1, 2)  # (B, H, images * 4, D)
+            v = to_v(states.double()).reshape(2, -1, 2, 16).transpose(1, 2)
+            w = torch.softmax(-torch.cdist(q, k).square() / (2 * 0.9**2), -1)
+            expected += scale * (w @ v).transpose(1, 2).reshape(2, -1, 32)
+    torch.testing.assert_close(nw_ip.double(), expected, rtol=1e-5, atol=1e-6)
+    # FluxAttention.forward passes the keyword arguments the processor's signature names
+    assert inspect.signature(FluxNWHeadAttnProcessor.__call__).parameters.keys() == (
+        inspect.signature(FluxIPAdapterAttnProcessor.__call__).parameters.keys()
+    )
+
+
+class _DotProductSD3Head(SD3NWHeadAttnProcessor):
+    """The SD3 head's forward with diffusers' own kernel: must reproduce the original processor."""
+
+    def image_branch_attention(self, query, key, value):
+        return F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
+
+
+@pytest.mark.parametrize("last_block", [False, True])
+def test_sd3_nw_head_forward_matches_diffusers_and_the_closed_form(sd3, last_block):
+    layer = find_ip_layers(sd3)[-1 if last_block else 0]  # the last block has context_pre_only
+    attn, original = layer.attention, layer.processor
+    gen = torch.Generator().manual_seed(0)
+    inputs = dict(
+        hidden_states=torch.randn(2, 16, 32, generator=gen),
+        encoder_hidden_states=torch.randn(2, 6, 32, generator=gen),
+        ip_hidden_states=torch.randn(2, SD3_IP_TOKENS, 32, generator=gen),
+        temb=torch.randn(2, 64, generator=gen),
+    )
+
+    def run(processor):
+        attn.set_processor(processor)
+        try:
+            with torch.no_grad():
+                out = attn(**inputs)
+        finally:
+            attn.set_processor(original)
+        return out if isinstance(out, tuple) else (out,)
+
+    reference = run(original)
+    assert all(torch.equal(a, b) for a, b in zip(reference, run(_DotProductSD3Head(original)), strict=True))
+    nw = SD3NWHeadAttnProcessor(original, 1.7)
+    swapped = run(nw)
+    assert torch.equal(swapped[1], reference[1])  # the text tokens' output does not see the image branch
+    assert (swapped[0] - reference[0]).abs().max() > 1e-4
+    # closed form in float64: NW weights over the joint keys [latent; image], values [latent; image]
+    a64, p64 = copy.deepcopy(attn).double(), copy.deepcopy(original).double()
+    with torch.no_grad():
+        x = inputs["hidden_states"].double()
+        c = p64.norm_ip(inputs["ip_hidden_states"].double(), temb=inputs["temb"].double())
+
+        def heads(t):
+            return t.reshape(2, -1, 2, 16).transpose(1, 2)  # (B, N, H*D) -> (B, H, N, D)
+
+        q = p64.norm_q(heads(a64.to_q(x)))
+        keys = torch.cat([p64.norm_k(heads(a64.to_k(x))), p64.norm_ip_k(heads(p64.to_k_ip(c)))], 2)
+        values = torch.cat([heads(a64.to_v(x)), heads(p64.to_v_ip(c))], 2)
+        w = torch.softmax(-torch.cdist(q, keys).square() / (2 * 1.7**2), -1)  # (B, H, N, N + K)
+        torch.testing.assert_close(torch.softmax(nw.image_branch_logits(q, keys), -1), w, rtol=1e-9, atol=1e-9)
+        branch = (w @ values).transpose(1, 2).reshape(2, -1, 32)
+    # the image branch enters before the (affine) output projection: swapped - (scale 0) = W_out (scale * branch)
+    scale = original.scale
+    try:
+        original.scale = 0.0
+        base = run(original)[0]
+    finally:
+        original.scale = scale
+    expected = F.linear(scale * branch, a64.to_out[0].weight)
+    torch.testing.assert_close(swapped[0].double() - base.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- Flux and SD3: the swap in pipelines
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_nw_head_swaps_restores_and_composes_with_the_probe(refs, family):
+    pipe = tiny_flux_pipeline() if family == "flux" else tiny_sd3_pipeline()
+    processors = dict(pipe.transformer.attn_processors)
+    plain = generate_dit(pipe, refs, cfg=True)
+    with nw_head(pipe) as swap:
+        assert swap.layers == [layer.name for layer in find_ip_layers(pipe)]
+        with pytest.raises(RuntimeError, match="already active"):
+            apply_nw_head(pipe)
+        swapped = generate_dit(pipe, refs, cfg=True)
+        with ipa_probe.probe(pipe) as run:
+            probed = generate_dit(pipe, refs, cfg=True)
+    assert (swapped - plain).abs().max() > 1e-4
+    assert torch.equal(probed, swapped)  # parity holds with the NW head in place
+    df = run.to_dataframe()
+    np.testing.assert_allclose(df["spearman"], 1.0, atol=1e-5)  # the probe reads the head's own (NW) logits
+    np.testing.assert_allclose(df["kl"], 0.0, atol=1e-5)
+    assert all(pipe.transformer.attn_processors[k] is v for k, v in processors.items())
+    assert torch.equal(generate_dit(pipe, refs, cfg=True), plain)
+    assert "_ipa_probe_claims" not in pipe.transformer.__dict__
+    with pytest.raises(RuntimeError, match="boom"), nw_head(pipe):
+        raise RuntimeError("boom")
+    assert all(pipe.transformer.attn_processors[k] is v for k, v in processors.items())
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_set_ip_adapter_scale_works_through_the_swap(refs, flux, sd3, family):
+    pipe = flux if family == "flux" else sd3
+    originals = [layer.processor for layer in find_ip_layers(pipe)]
+    before = [p.scale for p in originals]
+    try:
+        pipe.set_ip_adapter_scale(0.0)
+        text_only = generate_dit(pipe, refs)
+        with nw_head(pipe, bandwidth=0.4):
+            assert torch.equal(generate_dit(pipe, refs), text_only)  # scale 0: the swap changes nothing
+            pipe.set_ip_adapter_scale(0.6)
+            assert (generate_dit(pipe, refs) - text_only).abs().max() > 1e-4
+        assert all(p.scale in (0.6, [0.6]) for p in originals)  # the setting persists on the restored processors
+        assert [layer.processor for layer in find_ip_layers(pipe)] == originals
+    finally:
+        for p, scale in zip(originals, before, strict=True):
+            p.scale = scale
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_unload_inside_the_block_is_respected(refs, family):
+    pipe = tiny_flux_pipeline() if family == "flux" else tiny_sd3_pipeline()
+    with nw_head(pipe):
+        pipe.unload_ip_adapter()
+    default = FluxAttnProcessor if family == "flux" else JointAttnProcessor2_0
+    processors = [p for name, p in pipe.transformer.attn_processors.items() if name.startswith("transformer_blocks")]
+    assert all(type(p) is default for p in processors)
+    with pytest.raises(ValueError, match="no NW head"):
+        remove_nw_head(pipe)
+
+
+def test_flux_nw_head_callable_bandwidth_gets_the_0_to_1000_timestep(refs, flux):
+    seen = []
+
+    def bandwidth(t):
+        seen.append(float(t))
+        return 1.0
+
+    with nw_head(flux, bandwidth=bandwidth):
+        generate_dit(flux, refs)
+    np.testing.assert_allclose(sorted(set(seen), reverse=True), flux.scheduler.timesteps.numpy(), rtol=1e-5)
+
+
+def test_flux_clock_reads_the_timestep_of_a_positional_transformer_call(refs, flux):
+    """A positional call passes encoder_hidden_states second: the clock asks the Flux tap where the timestep is."""
+    calls = []
+
+    def record(module, args, kwargs):
+        extra = dict(kwargs["joint_attention_kwargs"] or {})  # the transformer pops the image embeds from it
+        calls.append({**kwargs, "joint_attention_kwargs": extra})
+
+    handle = flux.transformer.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        generate_dit(flux, refs, num_inference_steps=1)
+    finally:
+        handle.remove()
+    kwargs = dict(calls[0])
+    names = ["hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids", "txt_ids"]
+    assert list(inspect.signature(flux.transformer.forward).parameters)[:6] == names
+    args = [kwargs.pop(name) for name in names]
+    seen = []
+
+    def bandwidth(t):
+        seen.append(float(t))
+        return 1.0
+
+    with nw_head(flux.transformer, bandwidth=bandwidth), torch.no_grad():
+        flux.transformer(*args, **kwargs)
+    assert seen and np.allclose(seen, 1000 * float(args[3].reshape(-1)[0]), rtol=1e-6)
+
+
+def test_list_hooks_shows_what_is_attached_and_nothing_after_exit(sd15, refs):
+    layer_ids = [layer.name for layer in find_ip_layers(sd15)]
+    assert ipa_probe.list_hooks(sd15) == []
+    with nw_head(sd15, bandwidth=0.8, layers="down_blocks"):
+        with ipa_probe.probe(sd15):
+            attached = ipa_probe.list_hooks(sd15)
+        after_probe = ipa_probe.list_hooks(sd15)
+    assert [a.feature for a in attached] == ["nw_head", "probe"]
+    assert list(attached[0].layers) == [name for name in layer_ids if "down_blocks" in name]
+    assert list(attached[1].layers) == layer_ids
+    assert "0.8" in attached[0].what and "read-only" in attached[1].what
+    assert [a.feature for a in after_probe] == ["nw_head"]
+    assert ipa_probe.list_hooks(sd15) == [] and ipa_probe.list_hooks(sd15.unet) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import platform
 from pathlib import Path
 from typing import Any
@@ -10,31 +11,19 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["COLUMNS", "plot_run", "run_table", "save_run", "style_timestep_axes", "summarize", "versions"]
+from ..schema import CELL_FIELDS, COLUMNS, FEW_KEYS, SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column
 
-#: Columns of :meth:`ipa_probe.ProbeRun.to_dataframe`, in order.
-COLUMNS: tuple[str, ...] = (
-    "call",
-    "step",
-    "timestep",
-    "layer",
-    "head",
-    "branch",
-    "kind",
-    "adapter",
-    "bandwidth",
-    "spearman",
-    "pearson",
-    "spearman_null",
-    "kl",
-    "top1",
-    "neff_attn",
-    "neff_nw",
-    "q_norm",
-    "k_norm_spread",
-    "nonfinite",
-    "ip_mass",
-)
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "COLUMNS",
+    "plot_run",
+    "run_table",
+    "save_run",
+    "style_timestep_axes",
+    "summarize",
+    "versions",
+]
 
 
 def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot: int | None = None) -> pd.DataFrame:
@@ -42,8 +31,6 @@ def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot:
 
     ``text_slot`` is the adapter index under which the text branch was recorded, if it was.
     """
-    from .run import FIELDS
-
     frames = []
     heads = list(config.heads) if config.heads is not None else None
     for call in result["calls"]:
@@ -53,9 +40,9 @@ def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot:
         steps, n_layers, n_adapters, n_branches, n_heads = counts.shape
         grid = np.indices(counts.shape).reshape(len(counts.shape), -1)  # (5, cells)
         seen = counts.reshape(-1).numpy() > 0
-        values = (sums / counts.clamp(min=1).unsqueeze(-1)).reshape(-1, len(FIELDS)).numpy()[seen]
+        values = (sums / counts.clamp(min=1).unsqueeze(-1)).reshape(-1, len(CELL_FIELDS)).numpy()[seen]
         step, layer, adapter, branch, head = (g[seen] for g in grid)
-        frame = pd.DataFrame(values, columns=list(FIELDS))
+        frame = pd.DataFrame(values, columns=list(CELL_FIELDS))
         frame.insert(0, "call", call["index"])
         frame.insert(1, "step", step)
         frame.insert(2, "timestep", call["timesteps"].double().numpy()[step])
@@ -65,10 +52,21 @@ def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot:
         text = adapter == text_slot if text_slot is not None else np.zeros_like(adapter, dtype=bool)
         frame.insert(6, "kind", np.where(text, "text", "image"))
         frame.insert(7, "adapter", np.where(text, -1, adapter))
+        frame["few_keys"] = frame["keys"] < FEW_KEYS
+        frame["complete"] = ~np.isin(step, call.get("incomplete", []))
         frames.append(frame)
     if not frames:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in COLUMNS})
     table = pd.concat(frames, ignore_index=True)
+    few = table.loc[table["few_keys"] & (table["kind"] == "image")]
+    if len(few):
+        logger.warning(
+            "probe: %d cells compare rows of fewer than %d keys (e.g. %s); their per-row Spearman is degenerate "
+            "(+-1 or undefined): see the few_keys column",
+            len(few),
+            FEW_KEYS,
+            few["layer"].iloc[0],
+        )
     table = table[list(COLUMNS)].sort_values(
         ["call", "step", "layer", "kind", "adapter", "branch", "head"], kind="stable"
     )
@@ -76,30 +74,27 @@ def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot:
 
 
 def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
-    """Per-timestep aggregates over layers, heads and adapters (one row per call × step × branch).
+    """Per-timestep aggregates over layers, heads and adapters (one row per call × step × kind × branch).
 
-    Columns: ``spearman`` (mean), ``spearman_std``, ``pearson`` (mean), ``spearman_null`` (mean), ``kl`` (mean),
-    ``top1`` (mean), ``frac_rho_gt_0.9`` (fraction of layer × head × adapter cells with rho above ``threshold``),
-    ``neff_attn``, ``neff_nw``, ``q_norm`` (means), ``nonfinite`` (max), ``cells`` (how many were averaged).
+    Columns: the group (:data:`~ipa_probe.schema.SUMMARY_KEYS`), the means of
+    :data:`~ipa_probe.schema.SUMMARY_MEANS` (``spearman``, ``pearson``, ``spearman_null``, ``kl``, ``top1``,
+    ``neff_attn``, ``neff_nw``, ``q_norm``, ``k_norm_spread``, ``ip_mass``, ``bandwidth``), ``spearman_std``,
+    ``frac_rho_gt_<threshold>`` (fraction of the layer × head × adapter cells with a finite rho whose rho is above
+    ``threshold``), ``rho_cells`` (how many finite-rho cells that fraction counts), the max of ``nonfinite`` and
+    ``cells`` (how many cells were averaged).
     """
     if table.empty:
         return pd.DataFrame()
-    grouped = table.groupby(["call", "step", "timestep", "kind", "branch"], observed=True, sort=True)
-    out = grouped.agg(
-        spearman=("spearman", "mean"),
-        spearman_std=("spearman", "std"),
-        pearson=("pearson", "mean"),
-        spearman_null=("spearman_null", "mean"),
-        kl=("kl", "mean"),
-        top1=("top1", "mean"),
-        neff_attn=("neff_attn", "mean"),
-        neff_nw=("neff_nw", "mean"),
-        q_norm=("q_norm", "mean"),
-        bandwidth=("bandwidth", "mean"),
-        nonfinite=("nonfinite", "max"),
-        cells=("spearman", "size"),
-    )
-    out.insert(2, f"frac_rho_gt_{threshold:g}", grouped["spearman"].apply(lambda s: float((s > threshold).mean())))
+    grouped = table.groupby(list(SUMMARY_KEYS), observed=True, sort=True)
+    aggregations = {name: (name, "mean") for name in SUMMARY_MEANS if name in table.columns}
+    aggregations["spearman_std"] = ("spearman", "std")
+    aggregations.update({name: (name, "max") for name in SUMMARY_MAX if name in table.columns})
+    aggregations["cells"] = ("spearman", "size")
+    out = grouped.agg(**aggregations)
+    finite = table["spearman"].notna()
+    above = (table["spearman"] > threshold).where(finite)  # NaN where rho is undefined: left out of the fraction
+    out.insert(2, frac_column(threshold), above.groupby([table[k] for k in SUMMARY_KEYS], observed=True).mean())
+    out.insert(3, "rho_cells", finite.groupby([table[k] for k in SUMMARY_KEYS], observed=True).sum())
     return out.reset_index()
 
 

@@ -19,26 +19,37 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..kernels import check_bandwidth, dot_logits, matched_bandwidth, nw_logits
-from ..layers import IPLayer, LayerSelection, claim, find_ip_layers, image_branch_logits, release
-from ..stats import STAT_NAMES, compare_weights, fit_bandwidth
+from .. import bandwidth as bw
+from ..bandwidth import BandwidthSpec
+from ..kernels import dot_logits, matched_bandwidth, nw_logits
+from ..layers import (
+    IPLayer,
+    LayerSelection,
+    claim,
+    denoiser_of,
+    find_ip_layers,
+    image_branch_logits,
+    observer,
+    release,
+)
+from ..schema import CELL_FIELDS
+from ..stats import compare_weights, copy_groups, fit_bandwidth
+from .branches import Layout, PromptEvidence, label_vocabulary
+from .report import plot_run, run_table, save_run, summarize
 from .taps import Capture, Tap, tap_for
 
 __all__ = ["FIELDS", "ProbeConfig", "ProbeRun", "probe"]
 
 logger = logging.getLogger(__name__)
 
-BandwidthSpec = str | float | Callable[[torch.Tensor], Any]
 
-#: Per-cell values kept in the buffers, in order: the bandwidth used, then :data:`ipa_probe.stats.STAT_NAMES`, then
-#: the query and key geometry, then ``ip_mass``: the share of a joint softmax's mass on the image tokens (SD3, where
-#: the image tokens share one softmax with the latent tokens; NaN where the image branch is a softmax of its own).
-FIELDS: tuple[str, ...] = ("bandwidth", *STAT_NAMES, "q_norm", "k_norm_spread", "ip_mass")
+#: Per-cell values kept in the buffers (see :data:`ipa_probe.schema.CELL_FIELDS`).
+FIELDS: tuple[str, ...] = CELL_FIELDS
 
 _FEATURE = "probe"
 #: Largest logit block formed at once for ``ip_mass`` (elements; queries are taken in chunks below it).
@@ -71,6 +82,9 @@ class ProbeConfig:
             image tokens), ``"text"`` (the text branch of the same layers, over the prompt tokens up to the first
             end-of-text token: padding is left out) or ``"both"``. Text rows have ``kind="text"`` and
             ``adapter=-1``. SD 1.5 / SDXL only: Flux and SD3 have no separate text cross-attention.
+        branches: the batch layout of every denoiser pass, one label per equal chunk (e.g. ``("uncond", "cond")``
+            for a hand-written CFG loop); ``None`` to decide each chunk's label from the prompt embeddings the
+            pipeline passes to its denoiser (see :mod:`~ipa_probe.capture.branches`).
     """
 
     bandwidth: BandwidthSpec = "matched"
@@ -81,12 +95,34 @@ class ProbeConfig:
     max_map_bytes: int = 4 * 2**30
     seed: int = 0
     branch: str = "image"
+    branches: Sequence[str] | None = None
 
     def __post_init__(self) -> None:
         if self.branch not in ("image", "text", "both"):
             raise ValueError(f'branch: expected "image", "text" or "both", got {self.branch!r}')
-        check_bandwidth(self.bandwidth, ("matched", "fit"))
-        if self.steps is not None and not isinstance(self.steps, slice):
+        object.__setattr__(self, "bandwidth", bw.check(self.bandwidth, ("matched", "fit")))
+        if self.branches is not None:
+            if isinstance(self.branches, str):
+                raise TypeError(
+                    f'branches: expected a sequence of labels such as ("uncond", "cond"), got {self.branches!r}'
+                )
+            branches = tuple(self.branches)
+            if not branches or not all(isinstance(b, str) and b for b in branches):
+                raise ValueError(
+                    f'branches: expected labels, one per batch chunk, like ("uncond", "cond"); got {branches!r}'
+                )
+            object.__setattr__(self, "branches", branches)
+        if isinstance(self.steps, slice):
+            s = self.steps
+            if any(v is not None and (not isinstance(v, int) or v < 0) for v in (s.start, s.stop)) or (
+                s.step is not None and (not isinstance(s.step, int) or s.step <= 0)
+            ):
+                raise ValueError(
+                    f"steps: expected a slice of non-negative loop indices with a positive step, got {s!r}; the "
+                    "probe cannot resolve negative indices before the loop ends (Img2Img's strength, for one, "
+                    "shortens the loop): write slice(n - 3, None) for the last 3 of n steps"
+                )
+        elif self.steps is not None:
             steps = tuple(self.steps)
             if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
                 raise ValueError(f"steps: expected non-negative loop indices (ints) or a slice, got {steps!r}")
@@ -109,10 +145,9 @@ class ProbeConfig:
 
     def describe(self) -> dict[str, Any]:
         """JSON-friendly settings."""
-        bw = self.bandwidth
         steps = self.steps
         return {
-            "bandwidth": bw if isinstance(bw, str | float | int) else getattr(bw, "__name__", repr(bw)),
+            "bandwidth": bw.describe(self.bandwidth),
             "layers": self.layers
             if isinstance(self.layers, str | None)
             else [getattr(p, "pattern", p) for p in self.layers],
@@ -121,6 +156,7 @@ class ProbeConfig:
             "keep_maps": self.keep_maps,
             "seed": self.seed,
             "branch": self.branch,
+            "branches": None if self.branches is None else list(self.branches),
         }
 
 
@@ -129,11 +165,11 @@ class _Call:
     """Buffers of one pipeline call, on the device until the run ends."""
 
     index: int
-    branches: tuple[str, ...]
-    sums: torch.Tensor  # (steps, layers, adapters, branches, heads, fields)
-    counts: torch.Tensor  # (steps, layers, adapters, branches, heads)
+    sums: torch.Tensor  # (steps, layers, slots, labels, heads, fields)
+    counts: torch.Tensor  # (steps, layers, slots, labels, heads)
     timesteps: torch.Tensor  # (steps,)
     steps_seen: int = 0
+    incomplete: set[int] = field(default_factory=set)  # steps whose denoiser pass did not finish
 
 
 @dataclass
@@ -141,8 +177,23 @@ class _StepState:
     call: _Call | None = None
     step: int = -1
     timestep: torch.Tensor | None = None
-    branch: int | None = None  # the CFG branch of the whole batch (separate passes), or None (concatenated)
+    layout: Layout | None = None
     text_mask: torch.Tensor | None = None  # (B, tokens) bool: prompt tokens up to the first end-of-text
+    in_pass: bool = False  # a denoiser pass started and has not returned
+    records: int = 0  # (q, k) pairs recorded in the current pass
+    bandwidth: dict[int, torch.Tensor] = field(default_factory=dict)  # head_dim -> h of the current step
+
+
+@dataclass
+class _Cell:
+    """One record's tensors, grouped by CFG branch chunk: ``(chunks, H, rows, K)`` and friends."""
+
+    attn: torch.Tensor  # attention logits
+    nw: torch.Tensor  # NW logits
+    h: torch.Tensor  # (chunks, H) bandwidth
+    key_mask: torch.Tensor | None  # kept keys (text padding left out)
+    row_mask: torch.Tensor | None  # (chunks, H, rows) rows inside an IP-Adapter mask
+    groups: torch.Tensor | None  # (chunks, H, rows, K) copies of one token
 
 
 class ProbeRun:
@@ -155,7 +206,11 @@ class ProbeRun:
     def __init__(self, pipe, config: ProbeConfig) -> None:
         self.pipe = pipe
         self.config = config
-        self.layers: list[IPLayer] = find_ip_layers(pipe, config.layers)
+        denoiser = denoiser_of(pipe)
+        # A torch.compile'd denoiser wraps the model as `_orig_mod`: read the model itself, so that layer ids stay
+        # diffusers' ids and the hooks sit on the modules the compiled code calls.
+        self.layers: list[IPLayer] = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser), config.layers)
+        self.compiled = hasattr(denoiser, "_orig_mod") or getattr(denoiser, "_compiled_call_impl", None) is not None
         self.tap: Tap = tap_for(pipe, self.layers)
         if config.branch != "image" and not self.tap.supports_text:
             raise ValueError(
@@ -173,6 +228,8 @@ class ProbeRun:
         self.num_adapters = max(layer.num_adapters for layer in self.layers)
         self.images = config.branch in ("image", "both")
         self.text_slot = self.num_adapters if config.branch in ("text", "both") else None
+        self.labels: tuple[str, ...] = label_vocabulary(config.branches)
+        self.evidence = PromptEvidence(pipe, self.labels, config.branches, on_encode=self.tap.on_encode)
         self.maps: dict[tuple[int, int, str, int], list[torch.Tensor]] = {}
         self._calls: list[_Call] = []
         self._state = _StepState()
@@ -180,27 +237,33 @@ class ProbeRun:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._last_timesteps: Any = None
         self._generator: torch.Generator | None = None
-        self._head_index: dict[torch.device, torch.Tensor] = {}
+        self._constants: dict[tuple, torch.Tensor] = {}
         self._result: dict[str, Any] | None = None
         self._active = False
 
     # ------------------------------------------------------------------ lifecycle
     def _install(self) -> None:
-        denoiser = claim(self.pipe, _FEATURE)
+        what = f"read-only forward hooks ({self.config.branch} branch), bandwidth={bw.describe(self.config.bandwidth)}"
+        denoiser = claim(self.pipe, _FEATURE, [layer.name for layer in self.layers], what)
         self._active = True
         try:
-            # Hooks run eagerly even inside a compiled denoiser (torch.compile breaks the graph around them).
-            clock = torch.compiler.disable(self._on_denoiser_call)
+            clock = observer(self._on_denoiser_call)
+            done = observer(self._on_denoiser_return)
             self._handles.append(denoiser.register_forward_pre_hook(clock, with_kwargs=True))
+            self._handles.append(denoiser.register_forward_hook(done, always_call=True))
             self._handles.extend(self.tap.install(self._capture, self.images, self.text_slot))
+            self.evidence.install()
         except BaseException:
             self._uninstall()
             raise
 
     def _uninstall(self) -> None:
+        self.evidence.remove()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._state.in_pass and self._state.call is not None:
+            self._state.call.incomplete.add(self._state.step)
         self._state = _StepState()
         self._capture.recording = False
         self._capture.stash.clear()
@@ -220,56 +283,92 @@ class ProbeRun:
             "calls": [
                 {
                     "index": call.index,
-                    "branches": call.branches,
+                    "branches": self.labels,
                     "sums": call.sums[: call.steps_seen].cpu(),
                     "counts": call.counts[: call.steps_seen].cpu(),
                     "timesteps": call.timesteps[: call.steps_seen].cpu(),
+                    "incomplete": sorted(call.incomplete),
                 }
                 for call in self._calls
             ]
         }
+        for call in self._calls:
+            if call.incomplete:
+                logger.warning(
+                    "probe: call %d, step(s) %s were cut short (the denoiser raised or was interrupted); their rows "
+                    "are partial and have complete=False",
+                    call.index,
+                    sorted(call.incomplete),
+                )
         self._calls.clear()
 
     # ------------------------------------------------------------------ the step clock
     def _on_denoiser_call(self, module, args, kwargs) -> None:
         state, tap = self._state, self.tap
-        scheduler = getattr(self.pipe, "scheduler", None)
-        timesteps = getattr(scheduler, "timesteps", None)
-        sample = tap.sample(args, kwargs)
-        if state.call is None or timesteps is not self._last_timesteps:
-            self._last_timesteps = timesteps
-            capacity = len(timesteps) if timesteps is not None else 64
-            state.call = self._new_call(sample.device, capacity, tap.branches())
-            state.step = -1
-            state.text_mask = tap.begin_call(args, kwargs, state.call.branches)
-            if self.config.keep_maps:
-                self._check_map_budget(args, kwargs, len(timesteps) if timesteps is not None else 1)
+        if state.in_pass and state.call is not None:  # the previous pass raised before returning
+            state.call.incomplete.add(state.step)
+        self._capture.stash.clear()  # nothing a failed pass left may pair with this pass's tensors
+        self._start_call_if_new(args, kwargs)
         denoiser_pass = tap.begin_pass(args, kwargs)
-        call = state.call
         if denoiser_pass.new_step or state.step < 0:
-            state.step += 1
-            if state.step >= call.sums.shape[0]:
-                self._grow(call)
-            call.steps_seen = state.step + 1
-            timestep = tap.timestep(args, kwargs)
-            if isinstance(timestep, torch.Tensor):
-                t = timestep.reshape(-1)[0].to(device=call.timesteps.device, dtype=call.timesteps.dtype)
-                call.timesteps[state.step] = t
-                state.timestep = t
-            else:
-                call.timesteps[state.step] = math.nan if timestep is None else float(timestep)
-                state.timestep = call.timesteps[state.step]
-        state.branch = denoiser_pass.branch
+            self._advance_step(args, kwargs)
+        context = tap.argument("encoder_hidden_states", args, kwargs)
+        sample = tap.sample(args, kwargs)
+        state.layout = self.evidence.layout(context, sample.device)
+        state.text_mask = tap.text_mask(state.layout, context) if self.text_slot is not None else None
+        state.in_pass, state.records = True, 0
         self._capture.recording = denoiser_pass.record and self.config.records_step(state.step)
+        self.evidence.pass_seen()
+
+    def _on_denoiser_return(self, module, args, output) -> None:
+        state = self._state
+        state.in_pass = False
+        self._capture.stash.clear()
+        if self.compiled and self._capture.recording and state.records == 0:
+            self._capture.recording = False
+            raise RuntimeError(
+                "ipa_probe.probe: the compiled denoiser ran without the probe's hooks (it was compiled and run before "
+                "the probe was attached, and dynamo does not recompile when hooks are added); attach the probe "
+                "before the first compiled call, set `torch._dynamo.config.skip_nnmodule_hook_guards = False` "
+                "before compiling, or call `torch.compiler.reset()` before probing"
+            )
+
+    def _start_call_if_new(self, args: tuple, kwargs: dict) -> None:
+        """A new pipeline call starts when the scheduler's timesteps are a new tensor (``set_timesteps`` ran)."""
+        state = self._state
+        timesteps = getattr(getattr(self.pipe, "scheduler", None), "timesteps", None)
+        if state.call is not None and timesteps is self._last_timesteps:
+            return
+        self._last_timesteps = timesteps
+        capacity = len(timesteps) if timesteps is not None else 64
+        state.call = self._new_call(self.tap.sample(args, kwargs).device, capacity)
+        state.step = -1
+        self.tap.begin_call(args, kwargs)
+        if self.config.keep_maps:
+            self._check_map_budget(args, kwargs, len(timesteps) if timesteps is not None else 1)
+
+    def _advance_step(self, args: tuple, kwargs: dict) -> None:
+        state, call = self._state, self._state.call
+        state.step += 1
+        state.bandwidth = {}
+        if state.step >= call.sums.shape[0]:
+            self._grow(call)
+        call.steps_seen = state.step + 1
+        timestep = self.tap.timestep(args, kwargs)
+        if isinstance(timestep, torch.Tensor):
+            t = timestep.reshape(-1)[0].to(device=call.timesteps.device, dtype=call.timesteps.dtype)
+            call.timesteps[state.step] = t
+        else:
+            call.timesteps[state.step] = math.nan if timestep is None else float(timestep)
+        state.timestep = call.timesteps[state.step]
 
     # ------------------------------------------------------------------ buffers
-    def _new_call(self, device: torch.device, capacity: int, branches: tuple[str, ...]) -> _Call:
+    def _new_call(self, device: torch.device, capacity: int) -> _Call:
         slots = self.num_adapters + (self.text_slot is not None)  # image adapters, then the text branch
-        shape = (max(capacity, 1), len(self.layers), slots, len(branches), self.num_heads)
+        shape = (max(capacity, 1), len(self.layers), slots, len(self.labels), self.num_heads)
         call = _Call(
             index=len(self._calls),
-            branches=branches,
-            sums=torch.zeros(*shape, len(FIELDS), device=device),
+            sums=torch.zeros(*shape, len(CELL_FIELDS), device=device),
             counts=torch.zeros(shape, device=device),
             timesteps=torch.full((shape[0],), math.nan, device=device),
         )
@@ -298,26 +397,50 @@ class ProbeRun:
             )
         logger.info("keep_maps: about %.1f MiB of attention maps for this call", total / 2**20)
 
-    def _heads(self, device: torch.device) -> torch.Tensor | None:
-        if self.config.heads is None:
-            return None
-        if device not in self._head_index:
-            self._head_index[device] = torch.tensor(self.config.heads, device=device)
-        return self._head_index[device]
+    def _constant(self, name: str, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A device constant made once per run (by a kernel on the device: no host-to-device copy in the loop)."""
+        key = (name, device)
+        if key not in self._constants:
+            self._constants[key] = make()
+        return self._constants[key]
 
-    def _bandwidth(self, head_dim: int, device: torch.device) -> torch.Tensor | float:
+    def _heads(self, device: torch.device) -> torch.Tensor | None:
+        heads = self.config.heads
+        if heads is None:
+            return None
+
+        def make() -> torch.Tensor:
+            index = torch.zeros(len(heads), dtype=torch.long, device=device)
+            for position, head in enumerate(heads):
+                index[position] = head  # a fill on the device, not a copy from the host
+            return index
+
+        return self._constant("heads", device, make)
+
+    def _bandwidth(self, head_dim: int, device: torch.device) -> torch.Tensor:
+        """The bandwidth ``h`` as a 0-d float32 device tensor: made once per run for a fixed one, once per step for
+        a callable of the timestep (a tensor it returns is used as is)."""
         spec = self.config.bandwidth
-        if spec in ("matched", "fit"):
-            return matched_bandwidth(head_dim)
-        if callable(spec):
-            h = spec(self._state.timestep)
-            return torch.as_tensor(h, device=device, dtype=torch.float32)
-        return float(spec)
+        if not callable(spec):
+            # "fit": the statistics start from the matched bandwidth (the fit itself is per cell)
+            value = bw.resolve("matched" if spec == "fit" else spec, head_dim)
+            return self._constant(f"h{head_dim}", device, lambda: torch.full((), value, device=device))
+        cached = self._state.bandwidth.get(head_dim)
+        if cached is None:
+            cached = bw.resolve(spec, head_dim, self._state.timestep, device)
+            self._state.bandwidth[head_dim] = cached
+        return cached
 
     # ------------------------------------------------------------------ the statistics
     @torch.no_grad()
     def _record(
-        self, index: int, slot: int, query: torch.Tensor, key: torch.Tensor, other: torch.Tensor | None
+        self,
+        index: int,
+        slot: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        other: torch.Tensor | None,
+        rows: torch.Tensor | None = None,
     ) -> None:
         """Add one layer's statistics for one adapter (or the text slot) into the buffers.
 
@@ -327,15 +450,13 @@ class ProbeRun:
             query: ``(B, H, Q, D)``, the query the branch's softmax uses.
             key: ``(B, H, K, D)``, the image-token (or text-token) keys.
             other: ``(B, H, N, D)``, further keys of the same softmax (SD3's latent keys), or ``None``.
+            rows: ``(B, Q)`` bool, the queries inside the branch's IP-Adapter mask, or ``None`` for all.
         """
-        layer = self.layers[index]
         state = self._state
-        call = state.call
-        if state.branch is None:  # the batch holds every CFG branch, concatenated
-            n_branch, first = len(call.branches), 0
-        else:  # the batch is one branch (a separate denoiser pass)
-            n_branch, first = 1, state.branch
-        batch = query.shape[0]
+        state.records += 1
+        layout = state.layout
+        if query.shape[0] % layout.chunks:  # a batch the layout does not describe: one unlabelled chunk
+            layout = self.evidence.layout(None, query.device)
         q, k = query.float(), key.float()  # (B, H, Q, D), (B, H, K, D)
         head_dim = q.shape[-1]
         head_index = self._heads(q.device)
@@ -343,71 +464,113 @@ class ProbeRun:
             q, k = q.index_select(1, head_index), k.index_select(1, head_index)
             other = other.index_select(1, head_index) if other is not None else None
         text = slot == self.text_slot
-        processor = layer.attention.processor
-        if text:  # the text branch is plain scaled dot-product attention in every processor
-            attn = dot_logits(q, k, 1.0 / math.sqrt(head_dim))  # (B, H, Q, K)
-        else:
-            attn = image_branch_logits(processor, q, k)  # (B, H, Q, K)
-        h = self._bandwidth(head_dim, q.device)
+        processor = self.layers[index].attention.processor
+        # the text branch is plain scaled dot-product attention in every processor
+        attn = dot_logits(q, k, 1.0 / math.sqrt(head_dim)) if text else image_branch_logits(processor, q, k)
+        cell = self._cell(layout.chunks, q, k, attn, text, rows)
+        values = self._cell_values(cell, layout.chunks, q, k, other, attn, text, processor)  # (chunks, H, fields)
+        self._accumulate(index, slot, layout.labels, values)
+        if self.config.keep_maps:
+            self._keep_map(state.call.index, state.step, self.layers[index].name, slot, attn)
 
-        per_branch = batch // n_branch
-        n_heads, n_keys = q.shape[1], k.shape[2]
+    def _cell(
+        self, chunks: int, q: torch.Tensor, k: torch.Tensor, attn: torch.Tensor, text: bool, rows: torch.Tensor | None
+    ) -> _Cell:
+        """Group a record's logits, masks and copy groups by chunk: ``(B, H, R, C)`` -> ``(chunks, H, items*R, C)``."""
+        batch, n_heads, n_queries, n_keys = attn.shape
 
-        def by_branch(x: torch.Tensor) -> torch.Tensor:
-            # (B, H, R, C) -> (branches, H, items * R, C): rows of all batch items of a CFG branch together
-            return x.reshape(n_branch, per_branch, n_heads, x.shape[-2], x.shape[-1]).transpose(1, 2).flatten(2, 3)
+        def by_chunk(x: torch.Tensor) -> torch.Tensor:
+            # (B, H, R, C) -> (chunks, H, items * R, C): rows of all batch items of a chunk together
+            return x.reshape(chunks, batch // chunks, n_heads, x.shape[-2], x.shape[-1]).transpose(1, 2).flatten(2, 3)
 
         key_mask = None
-        if text and state.text_mask is not None:
-            # (B, K) -> (branches, H, items * Q, K)
-            key_mask = by_branch(state.text_mask[:, None, None, :].expand(batch, n_heads, q.shape[2], n_keys))
-        attn_b = by_branch(attn)
-        k_sq = (k * k).sum(-1)  # (B, H, K)
+        text_mask = self._state.text_mask
+        if text and text_mask is not None and text_mask.shape[0] == batch:
+            key_mask = by_chunk(text_mask[:, None, None, :].expand(batch, n_heads, n_queries, n_keys))
+        row_mask = None
+        if rows is not None:
+            row_mask = by_chunk(rows[:, None, :, None].expand(batch, n_heads, n_queries, 1)).squeeze(-1)
+        groups = by_chunk(copy_groups(k).unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
+        h = self._bandwidth(q.shape[-1], q.device)
         if self.config.bandwidth == "fit":
-            energy = by_branch(q @ k.transpose(-1, -2) - k_sq.unsqueeze(-2) / 2)  # NW logits times h^2
+            k_sq = (k * k).sum(-1)  # (B, H, K)
+            energy = by_chunk(q @ k.transpose(-1, -2) - k_sq.unsqueeze(-2) / 2)  # NW logits times h^2
+            attn_c = by_chunk(attn)
             if key_mask is not None:
-                attn_b, energy = attn_b.masked_fill(~key_mask, -math.inf), energy.masked_fill(~key_mask, -math.inf)
-            h_cell = fit_bandwidth(attn_b, energy, matched_bandwidth(head_dim))  # (branches, H)
-            nw = energy / (h_cell * h_cell)[..., None, None]
-        else:
-            nw = by_branch(nw_logits(q, k, h))
-            h_cell = torch.as_tensor(h, device=q.device, dtype=torch.float32).expand(n_branch, n_heads)
+                attn_c, energy = attn_c.masked_fill(~key_mask, -math.inf), energy.masked_fill(~key_mask, -math.inf)
+            h_cell = fit_bandwidth(attn_c, energy, matched_bandwidth(q.shape[-1]))  # (chunks, H)
+            return _Cell(attn_c, energy / (h_cell * h_cell)[..., None, None], h_cell, key_mask, row_mask, groups)
+        h_cell = h.expand(chunks, n_heads)
+        return _Cell(by_chunk(attn), by_chunk(nw_logits(q, k, h)), h_cell, key_mask, row_mask, groups)
+
+    def _cell_values(
+        self,
+        cell: _Cell,
+        chunks: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        other: torch.Tensor | None,
+        attn: torch.Tensor,
+        text: bool,
+        processor: torch.nn.Module,
+    ) -> torch.Tensor:
+        """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of one record, ``(chunks, H, fields)``."""
         if self._generator is None or self._generator.device != q.device:
             self._generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
-        stats = compare_weights(attn_b, nw, self._generator, key_mask)  # (branches, H, len(STAT_NAMES))
-        q_norm = by_branch(q.norm(dim=-1, keepdim=True)).mean((-2, -1))  # (branches, H)
-        k_norm = by_branch(k_sq.sqrt().unsqueeze(-1)).squeeze(-1)  # (branches, H, items * K)
-        kept = (
-            torch.ones_like(k_norm)
-            if not text or state.text_mask is None
-            else by_branch(state.text_mask[:, None, :, None].expand(batch, n_heads, n_keys, 1).float()).squeeze(-1)
-        )
+        stats = compare_weights(cell.attn, cell.nw, self._generator, cell.key_mask, cell.row_mask, cell.groups)
+        batch, n_heads, n_keys = k.shape[0], k.shape[1], k.shape[2]
+
+        def by_chunk(x: torch.Tensor) -> torch.Tensor:  # (B, H, R) -> (chunks, H, items * R)
+            return x.reshape(chunks, batch // chunks, n_heads, x.shape[-1]).transpose(1, 2).flatten(2, 3)
+
+        q_norm = by_chunk(q.norm(dim=-1))  # (chunks, H, items * Q)
+        if cell.row_mask is not None:
+            inside = cell.row_mask.float()
+            q_norm = (q_norm * inside).sum(-1) / inside.sum(-1)
+        else:
+            q_norm = q_norm.mean(-1)
+        k_norm = by_chunk(k.norm(dim=-1))  # (chunks, H, items * K)
+        kept = torch.ones_like(k_norm)
+        if cell.key_mask is not None:
+            kept = by_chunk(self._state.text_mask[:, None, :].expand(batch, n_heads, n_keys).float())
         mean = (k_norm * kept).sum(-1) / kept.sum(-1)
         spread = (((k_norm - mean[..., None]) ** 2 * kept).sum(-1) / kept.sum(-1)).sqrt() / mean
+        keys = kept.sum(-1) / (batch // chunks)  # (chunks, H) keys per row
+        ip_mass = torch.full_like(q_norm, math.nan)
         if other is not None and not text:
-            # share of the joint softmax on the image columns: sigmoid(LSE(image logits) - LSE(other logits))
-            lse_other = self._logsumexp(processor, q, other.float())  # (B, H, Q)
-            share = torch.sigmoid(torch.logsumexp(attn, -1) - lse_other)  # (B, H, Q)
-            ip_mass = by_branch(share.unsqueeze(-1)).mean((-2, -1))  # (branches, H)
-        else:
-            ip_mass = torch.full_like(q_norm, math.nan)
-        values = torch.cat(
-            [h_cell.unsqueeze(-1), stats, q_norm.unsqueeze(-1), spread.unsqueeze(-1), ip_mass.unsqueeze(-1)], dim=-1
-        )
-        call.sums[state.step, index, slot, first : first + n_branch, :n_heads] += values
-        call.counts[state.step, index, slot, first : first + n_branch, :n_heads] += 1
-        if self.config.keep_maps:
-            self._keep_map(call.index, state.step, layer.name, slot, attn)
+            share = self._image_share(processor, q, k, other.float())  # (B, H, Q)
+            ip_mass = by_chunk(share).mean(-1)
+        fields = [cell.h, *stats.unbind(-1), q_norm, spread, ip_mass, keys]
+        return torch.stack(fields, dim=-1)
+
+    def _accumulate(self, index: int, slot: int, labels: torch.Tensor, values: torch.Tensor) -> None:
+        """Add ``values`` ``(chunks, H, fields)`` into the buffers at each chunk's label (an index on the device)."""
+        state = self._state
+        n_heads = values.shape[1]
+        sums = state.call.sums[state.step, index, slot, :, :n_heads]  # (labels, H, fields), a view
+        counts = state.call.counts[state.step, index, slot, :, :n_heads]  # (labels, H)
+        sums.index_add_(0, labels, values)
+        counts.index_add_(0, labels, torch.ones_like(values[..., 0]))
 
     @staticmethod
-    def _logsumexp(processor: torch.nn.Module, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """``logsumexp`` over ``keys`` of the processor's logits, ``(B, H, Q)``, forming at most
-        :data:`_CHUNK_ELEMENTS` logits at a time (SD3 has as many latent keys as queries)."""
-        rows = max(1, _CHUNK_ELEMENTS // max(1, q.shape[0] * q.shape[1] * keys.shape[2]))
-        parts = [
-            torch.logsumexp(image_branch_logits(processor, q[:, :, start : start + rows], keys), dim=-1)
-            for start in range(0, q.shape[2], rows)
-        ]
+    def _image_share(
+        processor: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, other: torch.Tensor
+    ) -> torch.Tensor:
+        """Share of a joint softmax on the image columns, ``sigmoid(LSE(image logits) - LSE(other logits))``,
+        ``(B, H, Q)``.
+
+        The logits of both column sets come from one call of the processor's logits on the joint keys, so any
+        per-row constant the processor's logits drop (the NW head centres its keys) is the same for both. Queries
+        are taken in chunks of at most :data:`_CHUNK_ELEMENTS` logits (SD3 has as many latent keys as queries).
+        """
+        joint = torch.cat([k, other], dim=2)  # (B, H, K + N, D)
+        n_image = k.shape[2]
+        rows = max(1, _CHUNK_ELEMENTS // max(1, q.shape[0] * q.shape[1] * joint.shape[2]))
+        parts = []
+        for start in range(0, q.shape[2], rows):
+            logits = image_branch_logits(processor, q[:, :, start : start + rows], joint)  # (B, H, rows, K + N)
+            image, rest = logits[..., :n_image], logits[..., n_image:]
+            parts.append(torch.sigmoid(torch.logsumexp(image, -1) - torch.logsumexp(rest, -1)))
         return torch.cat(parts, dim=2)
 
     def _keep_map(self, call: int, step: int, layer: str, adapter: int, logits: torch.Tensor) -> None:
@@ -425,26 +588,18 @@ class ProbeRun:
 
     def to_dataframe(self):
         """The tidy table: one row per call × step × layer × head × CFG branch × adapter (see README for columns)."""
-        from .report import run_table
-
         return run_table(self._finished(), [layer.name for layer in self.layers], self.config, self.text_slot)
 
     def summary(self):
         """Per-timestep aggregates of :meth:`to_dataframe` (see :func:`ipa_probe.capture.report.summarize`)."""
-        from .report import summarize
-
         return summarize(self.to_dataframe())
 
     def plot(self, ax=None):
         """Matplotlib figure of the mean per-row Spearman against timestep, in the denoising direction."""
-        from .report import plot_run
-
         return plot_run(self.to_dataframe(), ax=ax)
 
     def save(self, directory, extra: dict | None = None):
         """Write ``probe.parquet``, ``summary.json`` (settings, versions, seeds) and ``rho_by_timestep.png``."""
-        from .report import save_run
-
         return save_run(self.to_dataframe(), directory, settings=self.config.describe(), extra=extra)
 
 
@@ -460,13 +615,14 @@ def probe(
     max_map_bytes: int = 4 * 2**30,
     seed: int = 0,
     branch: str = "image",
+    branches: Sequence[str] | None = None,
 ) -> Iterator[ProbeRun]:
     """Record the IP-Adapter attention of every denoising step and compare it with Gaussian NW weights.
 
     Args:
         pipe: a diffusers pipeline with an IP-Adapter loaded: Stable Diffusion 1.5 / SDXL, Flux or SD3 (see
             :mod:`ipa_probe.capture.taps` for what the image-branch weights are in each).
-        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch: see :class:`ProbeConfig`.
+        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches: see :class:`ProbeConfig`.
 
     Yields:
         the :class:`ProbeRun`; read its results after the block.
@@ -484,7 +640,7 @@ def probe(
         >>> df = run.to_dataframe()
         ```
     """
-    config = ProbeConfig(bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch)
+    config = ProbeConfig(bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches)
     run = ProbeRun(pipe, config)
     run._install()
     try:

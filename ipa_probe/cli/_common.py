@@ -3,31 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import CLIError
 
 DTYPES = ("float32", "float16", "bfloat16")
-
-
-def bandwidth_type(*names: str):
-    """An argparse ``type`` accepting the given keywords (e.g. ``"matched"``, ``"fit"``) or a positive number."""
-
-    def parse(value: str) -> str | float:
-        if value in names:
-            return value
-        try:
-            h = float(value)
-        except ValueError:
-            h = math.nan
-        if not (math.isfinite(h) and h > 0):
-            accepted = " or ".join(repr(n) for n in names)
-            raise argparse.ArgumentTypeError(f"expected {accepted} or a positive number, got {value!r}")
-        return h
-
-    return parse
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,65 +58,16 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
     """
     import torch
 
-    from ..images import load_images
-
-    if args.steps is not None and args.steps < 1:
-        raise CLIError(f"--steps must be at least 1, got {args.steps}")
-    if args.size is not None and any(s < 8 or s % 8 for s in args.size):
-        raise CLIError(f"--size must be two multiples of 8 (at least 8), got {args.size}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as err:
-        raise CLIError(f"--device {args.device!r} is not a torch device ({err})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    _check_sizes(args)
+    device = _device(args)
     dtype = getattr(torch, args.dtype)
-    try:
-        references = load_images(args.image) if args.image else None
-    except (OSError, ValueError, TypeError) as err:
-        raise CLIError(str(err)) from None
-
+    references = _references(args)
     if args.model is None:
-        if args.ip_adapter is not None:
-            raise CLIError("--ip-adapter needs --model (the pipeline it belongs to)")
-        from ..tiny.sd import default_reference_images, tiny_pipeline
-
-        pipe = tiny_pipeline(kind=args.kind, ip_adapter=args.variant, seed=args.seed, device=device, dtype=dtype)
-        references = references or default_reference_images()
-        steps = args.steps or 10
-        size = args.size or (64, 64)
-        description = {"model": f"embedded tiny {args.kind}", "ip_adapter": f"embedded {args.variant}"}
+        pipe, steps, size, description = _embedded_pipeline(args, device, dtype)
+        references = references or _default_references()
     else:
-        if args.ip_adapter is None:
-            raise CLIError("--model needs --ip-adapter (a hub id or folder with IP-Adapter weights)")
-        if references is None and require_images:
-            raise CLIError("--model needs at least one --image (a reference image file or folder)")
-        for value, flag in ((args.model, "--model"), (args.ip_adapter, "--ip-adapter")):
-            if value.startswith((".", "/", "~")) and not Path(value).expanduser().exists():
-                raise CLIError(f"{flag} {value!r} does not exist; pass an existing folder or a hub id")
-        from diffusers import AutoPipelineForText2Image
-
-        try:
-            pipe = AutoPipelineForText2Image.from_pretrained(_local_or_hub(args.model), torch_dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise CLIError(f"could not load --model {args.model!r}: {str(err).splitlines()[0]}") from None
-        encoder = None if args.image_encoder_folder.lower() == "none" else args.image_encoder_folder
-        if getattr(pipe, "image_encoder", None) is not None:
-            encoder = None
-        try:
-            pipe.load_ip_adapter(
-                _local_or_hub(args.ip_adapter),
-                subfolder=args.subfolder,
-                weight_name=args.weight_name,
-                image_encoder_folder=encoder,
-                torch_dtype=dtype,
-            )
-        except (OSError, ValueError, KeyError) as err:
-            raise CLIError(f"could not load --ip-adapter {args.ip_adapter!r}: {str(err).splitlines()[0]}") from None
-        pipe.to(device)
-        steps = args.steps or 30
-        size = args.size
-        description = {"model": args.model, "ip_adapter": args.ip_adapter, "weight_name": args.weight_name}
+        has_images = references is not None or not require_images
+        pipe, steps, size, description = _pretrained_pipeline(args, device, dtype, has_images)
     pipe.set_progress_bar_config(disable=False, desc="denoising")
     if args.scale is not None:
         pipe.set_ip_adapter_scale(args.scale)
@@ -155,6 +87,91 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
         }
     )
     return Loaded(pipe, references, call_kwargs, description)
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    if args.steps is not None and args.steps < 1:
+        raise CLIError(f"--steps must be at least 1, got {args.steps}")
+    if args.size is not None and any(s < 8 or s % 8 for s in args.size):
+        raise CLIError(f"--size must be two multiples of 8 (at least 8), got {args.size}")
+
+
+def _device(args: argparse.Namespace):
+    """The torch device of ``--device``, checked to exist."""
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        raise CLIError(f"--device {args.device!r} is not a torch device ({err})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    return device
+
+
+def _references(args: argparse.Namespace) -> list | None:
+    """The ``--image`` reference images, or ``None`` when none were given."""
+    from ..images import load_images
+
+    try:
+        return load_images(args.image) if args.image else None
+    except (OSError, ValueError, TypeError) as err:
+        raise CLIError(str(err)) from None
+
+
+def _default_references() -> list:
+    from ..tiny.sd import default_reference_images
+
+    return default_reference_images()
+
+
+def _embedded_pipeline(args: argparse.Namespace, device, dtype) -> tuple[object, int, tuple[int, int], dict]:
+    """The embedded tiny pipeline (offline): ``(pipe, steps, size, description)``."""
+    if args.ip_adapter is not None:
+        raise CLIError("--ip-adapter needs --model (the pipeline it belongs to)")
+    from ..tiny.sd import tiny_pipeline
+
+    pipe = tiny_pipeline(kind=args.kind, ip_adapter=args.variant, seed=args.seed, device=device, dtype=dtype)
+    description = {"model": f"embedded tiny {args.kind}", "ip_adapter": f"embedded {args.variant}"}
+    return pipe, args.steps or 10, args.size or (64, 64), description
+
+
+def _pretrained_pipeline(
+    args: argparse.Namespace, device, dtype, has_images: bool
+) -> tuple[object, int, tuple[int, int] | None, dict]:
+    """``--model`` with ``--ip-adapter`` loaded from the hub or local folders: ``(pipe, steps, size, description)``.
+
+    ``has_images``: whether reference images are given or not needed (checked after ``--ip-adapter``).
+    """
+    if args.ip_adapter is None:
+        raise CLIError("--model needs --ip-adapter (a hub id or folder with IP-Adapter weights)")
+    if not has_images:
+        raise CLIError("--model needs at least one --image (a reference image file or folder)")
+    for value, flag in ((args.model, "--model"), (args.ip_adapter, "--ip-adapter")):
+        if value.startswith((".", "/", "~")) and not Path(value).expanduser().exists():
+            raise CLIError(f"{flag} {value!r} does not exist; pass an existing folder or a hub id")
+    from diffusers import AutoPipelineForText2Image
+
+    try:
+        pipe = AutoPipelineForText2Image.from_pretrained(_local_or_hub(args.model), torch_dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise CLIError(f"could not load --model {args.model!r}: {str(err).splitlines()[0]}") from None
+    encoder = None if args.image_encoder_folder.lower() == "none" else args.image_encoder_folder
+    if getattr(pipe, "image_encoder", None) is not None:
+        encoder = None
+    try:
+        pipe.load_ip_adapter(
+            _local_or_hub(args.ip_adapter),
+            subfolder=args.subfolder,
+            weight_name=args.weight_name,
+            image_encoder_folder=encoder,
+            torch_dtype=dtype,
+        )
+    except (OSError, ValueError, KeyError) as err:
+        raise CLIError(f"could not load --ip-adapter {args.ip_adapter!r}: {str(err).splitlines()[0]}") from None
+    pipe.to(device)
+    description = {"model": args.model, "ip_adapter": args.ip_adapter, "weight_name": args.weight_name}
+    return pipe, args.steps or 30, args.size, description
 
 
 def output_dir(path: str) -> Path:

@@ -7,8 +7,9 @@ import logging
 import os
 from datetime import timedelta
 
+from ..bandwidth import argument_type as bandwidth_type
 from . import CLIError
-from ._common import add_model_arguments, bandwidth_type, load_pipeline, output_dir
+from ._common import add_model_arguments, load_pipeline, output_dir
 
 logger = logging.getLogger(__name__)
 

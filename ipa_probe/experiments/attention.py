@@ -10,6 +10,8 @@ times ``t`` in (0.1 … 0.99) stand for the paper's diffusion timesteps 981 … 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -43,17 +45,36 @@ def _models(ctx) -> list[tuple[str, str, int, object]]:
 
 
 def run(ctx) -> ExperimentResult:
-    tier, folder = ctx.tier, ctx.out / "attention"
+    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot` of the measurements.
+
+    Returns:
+        the rows, the measurements and the figure, written under ``ctx.out / "attention"``.
+    """
+    folder = ctx.out / "attention"
     folder.mkdir(parents=True, exist_ok=True)
-    rows, raw = [], {}
-    ts = list(tier.attention_ts)
+    raw = measure(ctx)
+    ts = list(ctx.tier.attention_ts)
+    figures = [plot(raw, ts, folder)]
+    return ExperimentResult("attention", table(raw, ts), {"measurements": raw}, figures)
+
+
+def measure(ctx) -> dict[str, dict[float, dict]]:
+    """The probe's statistics between each learned model's heads and the NW weights, per flow time.
+
+    Returns:
+        model label -> flow time -> means over tasks, layers and heads (``spearman``, ``pearson``, ``null``,
+        ``frac_rho_gt_0.9``, ``top1``, ``neff_attn``, ``neff_nw``; ``spearman_layer0``; ``per_head_spearman``,
+        a (layers, heads) list).
+    """
+    tier = ctx.tier
+    raw = {}
     for label, meta_name, dim, model in _models(ctx):
         tasks = held_out_tasks(ctx.meta(meta_name, dim), tier.eval_tasks, 50, 64, 40_000 + dim)
         raw[label] = {}
-        for i, t in enumerate(ts):
+        for t in tier.attention_ts:
             stats = head_statistics(model, tasks, t)  # (B, L, H, S)
             rho = _stat(stats, "spearman")
-            entry = {
+            raw[label][t] = {
                 "spearman": float(rho.nanmean()),
                 "spearman_layer0": float(rho[:, 0].nanmean()),
                 "pearson": float(_stat(stats, "pearson").nanmean()),
@@ -64,7 +85,15 @@ def run(ctx) -> ExperimentResult:
                 "neff_nw": float(_stat(stats, "neff_nw").nanmean()),
                 "per_head_spearman": rho.nanmean(0).tolist(),  # (L, H)
             }
-            raw[label][t] = entry
+    return raw
+
+
+def table(raw: dict[str, dict[float, dict]], ts: list[float]) -> list[Row]:
+    """Rows: the Spearman mean per model and flow time beside the paper's, and whether it rises along ``ts``."""
+    rows = []
+    for label, values in raw.items():
+        for i, t in enumerate(ts):
+            entry = values[t]
             # our grid's last point stands for the paper's last timestep (1); earlier ones have no published value.
             paper = "0.89 (timestep 1)" if i == len(ts) - 1 else "rising towards 0.89"
             rows.append(
@@ -78,7 +107,7 @@ def run(ctx) -> ExperimentResult:
                     f"n_eff heads {entry['neff_attn']:.3g} vs NW {entry['neff_nw']:.3g}",
                 )
             )
-        first, last = raw[label][ts[0]]["spearman"], raw[label][ts[-1]]["spearman"]
+        first, last = values[ts[0]]["spearman"], values[ts[-1]]["spearman"]
         rows.append(
             Row(
                 "Spearman rises from first to last t",
@@ -88,7 +117,11 @@ def run(ctx) -> ExperimentResult:
                 "permutation null ≈ 0 expected",
             )
         )
+    return rows
 
+
+def plot(raw: dict[str, dict[float, dict]], ts: list[float], folder: Path) -> Path:
+    """One panel per model: the statistics across flow time and the paper's last-step value; returns the file."""
     fig, axes = plt.subplots(1, len(raw), figsize=(5.2 * len(raw), 3.5), squeeze=False)
     for ax, (label, values) in zip(axes[0], raw.items(), strict=True):
         ax.plot(ts, [values[t]["spearman"] for t in ts], marker="o", label="Spearman (mean)")
@@ -99,5 +132,4 @@ def run(ctx) -> ExperimentResult:
         ax.set(xlabel="flow time t (noise → data)", ylabel="statistic", title=f"learned heads vs NW ({label})")
         ax.set_ylim(-0.2, 1.05)
         ax.legend(fontsize=7)
-    figures = [save_figure(fig, folder / "attention.png")]
-    return ExperimentResult("attention", rows, {"measurements": raw}, figures)
+    return save_figure(fig, folder / "attention.png")

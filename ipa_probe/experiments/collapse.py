@@ -9,6 +9,7 @@ on Gaussian mixtures for every dimension.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import matplotlib
 
@@ -36,9 +37,27 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def run(ctx) -> ExperimentResult:
-    tier, folder = ctx.tier, ctx.out / "collapse"
+    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot` of the measurements.
+
+    Returns:
+        the rows, the measurements and the figure, written under ``ctx.out / "collapse"``.
+    """
+    folder = ctx.out / "collapse"
     folder.mkdir(parents=True, exist_ok=True)
-    rows, raw = [], {"benefit": {}, "neff": {}}
+    raw = measure(ctx)
+    figures = [plot(raw, folder)]
+    return ExperimentResult("collapse", table(raw), {"measurements": raw, "neff_t": NEFF_T}, figures)
+
+
+def measure(ctx) -> dict[str, dict]:
+    """The exact head's benefit per dimension (ON/OFF models per seed) and the NW ``n_eff`` per dimension.
+
+    Returns:
+        ``{"benefit": {d: {meta, per_seed, plugin_mmd, p_value, benefit_mean, benefit_std}}, "neff": {d: {mean,
+        std}}}``.
+    """
+    tier = ctx.tier
+    raw = {"benefit": {}, "neff": {}}
     for dim in tier.collapse_dims:
         meta = meta_for(dim)
         tasks = ctx.held_out(meta, dim)
@@ -71,41 +90,56 @@ def run(ctx) -> ExperimentResult:
             "benefit_mean": benefit_mean,
             "benefit_std": benefit_std,
         }
-        rows.append(
-            Row(
-                "benefit of exact head",
-                f"d={dim} ({meta})",
-                format_value(benefit_mean, benefit_std, percent=True),
-                PAPER_BENEFIT.get(dim, "between"),
-                f"paired t-test over {len(per_seed)} seeds: p = {p_value:.3g}"
-                if len(per_seed) > 1
-                else "1 seed: no test",
-            )
-        )
-        rows.append(
-            Row(
-                "MMD² on / off / plug-in",
-                f"d={dim}",
-                f"{_mean_std(on)[0]:.4g} / {_mean_std(off)[0]:.4g} / {plugin.mean:.4g}",
-                "—",
-                "mean over seeds of the mean over held-out tasks",
-            )
-        )
     for dim in tier.neff_dims:
         # n_eff needs many tasks but no training: its own task set of neff_tasks tasks.
         tasks = held_out_tasks(ctx.meta("gmm", dim), tier.neff_tasks, 50, tier.neff_queries, seed=20_000 + dim)
         neff = nw_neff(tasks, NEFF_T)
         raw["neff"][dim] = {"mean": float(neff.mean()), "std": float(neff.std()) if neff.numel() > 1 else math.nan}
+    return raw
+
+
+def table(raw: dict[str, dict]) -> list[Row]:
+    """Rows: benefit and MMD² per dimension beside the paper's, then the NW ``n_eff`` per dimension."""
+    rows = []
+    for dim, entry in raw["benefit"].items():
+        per_seed = entry["per_seed"]
+        rows.append(
+            Row(
+                "benefit of exact head",
+                f"d={dim} ({entry['meta']})",
+                format_value(entry["benefit_mean"], entry["benefit_std"], percent=True),
+                PAPER_BENEFIT.get(dim, "between"),
+                f"paired t-test over {len(per_seed)} seeds: p = {entry['p_value']:.3g}"
+                if len(per_seed) > 1
+                else "1 seed: no test",
+            )
+        )
+        on = [r["mmd_on"] for r in per_seed]
+        off = [r["mmd_off"] for r in per_seed]
+        rows.append(
+            Row(
+                "MMD² on / off / plug-in",
+                f"d={dim}",
+                f"{_mean_std(on)[0]:.4g} / {_mean_std(off)[0]:.4g} / {entry['plugin_mmd']:.4g}",
+                "—",
+                "mean over seeds of the mean over held-out tasks",
+            )
+        )
+    for dim, neff in raw["neff"].items():
         rows.append(
             Row(
                 f"NW n_eff at t={NEFF_T}",
                 f"d={dim} (gmm)",
-                format_value(raw["neff"][dim]["mean"], raw["neff"][dim]["std"]),
+                format_value(neff["mean"], neff["std"]),
                 PAPER_NEFF.get(dim, "falling towards 1"),
                 "Kish 1/Σw², m=50; spread over tasks",
             )
         )
+    return rows
 
+
+def plot(raw: dict[str, dict], folder: Path) -> Path:
+    """Benefit against ``d`` (with the seeds) and ``n_eff`` against ``d``, beside the paper's points."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
     dims = list(raw["benefit"])
     ax1.axhline(0, color="grey", lw=0.8)
@@ -138,5 +172,4 @@ def run(ctx) -> ExperimentResult:
     ax2.set_xticks(nd, [str(d) for d in nd])
     ax2.minorticks_off()
     ax2.legend()
-    figures = [save_figure(fig, folder / "collapse.png")]
-    return ExperimentResult("collapse", rows, {"measurements": raw, "neff_t": NEFF_T}, figures)
+    return save_figure(fig, folder / "collapse.png")

@@ -10,6 +10,7 @@ coordinate blocks (paper §C.4, no training) is fitted the same way as a referen
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import matplotlib
 
@@ -41,9 +42,27 @@ def fit_exponent(ms: list[int], mmd: list[float]) -> dict:
 
 
 def run(ctx) -> ExperimentResult:
-    tier, folder = ctx.tier, ctx.out / "heads"
+    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot` of the measurements.
+
+    Returns:
+        the rows, the measurements and the figure, written under ``ctx.out / "heads"``.
+    """
+    folder = ctx.out / "heads"
     folder.mkdir(parents=True, exist_ok=True)
-    rows, raw = [], {}
+    raw = measure(ctx)
+    figures = [plot(raw, folder)]
+    return ExperimentResult("heads", table(raw, ctx.tier.d_model), {"measurements": raw, "dim": DIM}, figures)
+
+
+def measure(ctx) -> dict[int, dict]:
+    """MMD² at each support size for one learned model per head count (and the blockwise plug-in), with the fits.
+
+    Returns:
+        heads ``H`` -> ``{"ms", "learned", "blockwise_plugin", "fit", "fit_blockwise"}`` (see :func:`fit_exponent`;
+        the blockwise entries are empty / ``None`` where ``H`` does not divide the dimension).
+    """
+    tier = ctx.tier
+    raw = {}
     ms = list(tier.heads_ms)
     tasks = ctx.held_out("gmm", DIM, m=max(ms))
     for n_heads in tier.heads_list:
@@ -59,20 +78,26 @@ def run(ctx) -> ExperimentResult:
             if DIM % n_heads == 0:
                 velocity = lambda x, t, s=sub.support, h=n_heads: theory.blockwise_nw_velocity(x, t, s, n_heads=h)
                 blockwise.append(ctx.mmd_of(velocity, sub).mean)
-        fit = fit_exponent(ms, learned)
-        fit_block = fit_exponent(ms, blockwise) if blockwise else None
         raw[n_heads] = {
             "ms": ms,
             "learned": learned,
             "blockwise_plugin": blockwise,
-            "fit": fit,
-            "fit_blockwise": fit_block,
+            "fit": fit_exponent(ms, learned),
+            "fit_blockwise": fit_exponent(ms, blockwise) if blockwise else None,
         }
+    return raw
+
+
+def table(raw: dict[int, dict], d_model: int) -> list[Row]:
+    """Rows per head count: the fitted exponent (learned, and the blockwise plug-in's) and MMD² at each ``m``."""
+    rows = []
+    for n_heads, entry in raw.items():
+        fit, fit_block, ms, learned = entry["fit"], entry["fit_blockwise"], entry["ms"], entry["learned"]
         interval = f"[{fit['low']:.2f}, {fit['high']:.2f}]" if not math.isnan(fit["low"]) else "no interval"
         rows.append(
             Row(
                 "alpha (MMD² ~ m^-alpha), learned",
-                f"H={n_heads}, d_k={tier.d_model // n_heads}",
+                f"H={n_heads}, d_k={d_model // n_heads}",
                 f"{fit['alpha']:.3f} {interval}",
                 "in 0.45–0.72",
                 "95% t-interval over the m grid; paper's plot range, rising with H [INFERRED]",
@@ -97,10 +122,14 @@ def run(ctx) -> ExperimentResult:
                 "",
             )
         )
+    return rows
 
+
+def plot(raw: dict[int, dict], folder: Path) -> Path:
+    """MMD² against ``m`` per head count, and the fitted exponent against ``H`` beside the paper's range."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
     for n_heads, values in raw.items():
-        ax1.plot(ms, [max(v, 1e-6) for v in values["learned"]], marker="o", label=f"H={n_heads}")
+        ax1.plot(values["ms"], [max(v, 1e-6) for v in values["learned"]], marker="o", label=f"H={n_heads}")
     ax1.set(xscale="log", yscale="log", xlabel="support size m", ylabel="MMD²", title=f"learned, d={DIM}")
     ax1.legend()
     hs = list(raw)
@@ -115,5 +144,4 @@ def run(ctx) -> ExperimentResult:
     ax2.set_xticks(hs, [str(h) for h in hs])
     ax2.minorticks_off()
     ax2.legend()
-    figures = [save_figure(fig, folder / "heads.png")]
-    return ExperimentResult("heads", rows, {"measurements": raw, "dim": DIM}, figures)
+    return save_figure(fig, folder / "heads.png")

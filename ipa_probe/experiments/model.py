@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import merge_heads, split_heads
+
 __all__ = ["CrossAttention", "ICFMVelocityNet", "ModelConfig", "ModelOutput", "time_embedding"]
 
 
@@ -106,10 +108,6 @@ class CrossAttention(nn.Module):
         self.to_v = nn.Linear(d_model, d_model)
         self.to_out = nn.Linear(d_model, d_model)
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, _ = x.shape
-        return x.view(b, n, self.n_heads, self.d_k).transpose(1, 2)  # (B, H, n, d_k)
-
     def forward(
         self, queries: torch.Tensor, keys: torch.Tensor, return_logits: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -118,16 +116,14 @@ class CrossAttention(nn.Module):
         Returns:
             output ``(B, n, D)`` and, if ``return_logits``, the logits ``(B, H, n, m)``.
         """
-        q, k, v = self._heads(self.to_q(queries)), self._heads(self.to_k(keys)), self._heads(self.to_v(keys))
+        q, k, v = (split_heads(x, self.n_heads) for x in (self.to_q(queries), self.to_k(keys), self.to_v(keys)))
         if return_logits:
             logits = q @ k.transpose(-1, -2) / math.sqrt(self.d_k)  # (B, H, n, m)
             out = torch.softmax(logits, dim=-1) @ v
         else:
             logits = None
             out = F.scaled_dot_product_attention(q, k, v)
-        b, _, n, _ = out.shape
-        out = out.transpose(1, 2).reshape(b, n, self.n_heads * self.d_k)  # (B, n, D)
-        return self.to_out(out), logits
+        return self.to_out(merge_heads(out)), logits  # (B, H, n, d_k) -> (B, n, D)
 
 
 class _Block(nn.Module):

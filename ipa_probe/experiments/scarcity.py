@@ -3,12 +3,14 @@
 One learned OFF model per data set, trained with the support size drawn uniformly from ``{1..50}`` per batch
 (the architecture accepts any ``m``; the paper trained one model per ``m`` [ASSUMED deviation, §D.3]), evaluated
 with nested supports of each size on the same held-out tasks, against the plug-in (exact NW field). The §D.3 check
-of that deviation: one more model per data set trained at the fixed ``m = tier.scarcity_check_m``, as the paper
-did, and scored at that ``m`` on the same tasks.
+of that deviation: one more model per data set of ``tier.scarcity_check_data`` trained at the fixed
+``m = tier.scarcity_check_m``, as the paper did, and scored at that ``m`` on the same tasks.
 Data sets: synthetic PCA-feature classes and scikit-learn's digits (the paper used DINOv2-ImageNet, d = 16).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import matplotlib
 
@@ -24,9 +26,29 @@ PAPER_GAIN = {10: "+24%", 50: "≈ +1% (ratio 0.99)"}
 
 
 def run(ctx) -> ExperimentResult:
-    tier, folder = ctx.tier, ctx.out / "scarcity"
+    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot` of the measurements.
+
+    Returns:
+        the rows, the measurements and the figure, written under ``ctx.out / "scarcity"``.
+    """
+    folder = ctx.out / "scarcity"
     folder.mkdir(parents=True, exist_ok=True)
-    rows, raw, checks = [], {}, {}
+    raw, checks = measure(ctx)
+    figures = [plot(raw, folder, checks)]
+    record = {"measurements": raw, "per_m_check": checks, "dim": DIM, "m_train": M_TRAIN}
+    return ExperimentResult("scarcity", table(raw, checks), record, figures)
+
+
+def measure(ctx) -> tuple[dict[str, dict[int, dict]], dict[str, dict]]:
+    """MMD² of the plug-in and of the learned model with nested supports of each size, per data set.
+
+    Returns:
+        ``raw``: data set -> ``m`` -> ``{"plugin", "plugin_sem", "learned", "learned_sem", "gain_pct",
+        "reference_points"}``; ``checks``: data set -> ``{"m", "learned", "learned_sem", "gain_pct"}`` of the model
+        trained at the fixed ``m`` (§D.3 per-m check), for the tier's check data sets.
+    """
+    tier = ctx.tier
+    raw, checks = {}, {}
     m_max = max(tier.scarcity_ms)
     for data in tier.scarcity_data:
         model = ctx.trained(
@@ -39,52 +61,66 @@ def run(ctx) -> ExperimentResult:
         for m in tier.scarcity_ms:
             sub = TaskBatch(tasks.support[:, :m], tasks.target)
             plugin, learned = ctx.mmd_plugin(sub), ctx.mmd_learned(model, sub)
-            gain = 100 * (plugin.mean - learned.mean) / plugin.mean
             raw[data][m] = {
                 "plugin": plugin.mean,
                 "plugin_sem": plugin.sem,
                 "learned": learned.mean,
                 "learned_sem": learned.sem,
-                "gain_pct": gain,
+                "gain_pct": 100 * (plugin.mean - learned.mean) / plugin.mean,
                 "reference_points": tasks.target.shape[1],
             }
-            rows.append(
-                Row(
-                    "learned gain over plug-in",
-                    f"{data}, m={m}",
-                    format_value(gain, percent=True),
-                    PAPER_GAIN.get(m, "> 0 at small m, ≈ 0 above m≈25"),
-                    f"MMD² plug-in {format_value(plugin.mean, plugin.sem)}, "
-                    f"learned {format_value(learned.mean, learned.sem)} (± s.e. over tasks)",
-                )
-            )
         check_m = tier.scarcity_check_m
         if check_m is not None and check_m in raw[data] and data in tier.scarcity_check_data:
             per_m = ctx.trained(
                 data, ctx.model_config(DIM), ctx.train_config(tier.scarcity_steps, tier.seeds[0], m=check_m)
             )
-            sub = TaskBatch(tasks.support[:, :check_m], tasks.target)
-            learned = ctx.mmd_learned(per_m, sub)
+            learned = ctx.mmd_learned(per_m, TaskBatch(tasks.support[:, :check_m], tasks.target))
             plugin = raw[data][check_m]["plugin"]
-            gain = 100 * (plugin - learned.mean) / plugin
-            mixed = format_value(raw[data][check_m]["gain_pct"], percent=True)
             checks[data] = {
                 "m": check_m,
                 "learned": learned.mean,
                 "learned_sem": learned.sem,
-                "gain_pct": gain,
+                "gain_pct": 100 * (plugin - learned.mean) / plugin,
             }
+    return raw, checks
+
+
+def table(raw: dict[str, dict[int, dict]], checks: dict[str, dict] | None = None) -> list[Row]:
+    """Rows: the learned model's gain over the plug-in per data set and support size, beside the paper's, each data
+    set followed by its §D.3 per-m check."""
+    rows = []
+    for data, values in raw.items():
+        rows.extend(
+            Row(
+                "learned gain over plug-in",
+                f"{data}, m={m}",
+                format_value(entry["gain_pct"], percent=True),
+                PAPER_GAIN.get(m, "> 0 at small m, ≈ 0 above m≈25"),
+                f"MMD² plug-in {format_value(entry['plugin'], entry['plugin_sem'])}, "
+                f"learned {format_value(entry['learned'], entry['learned_sem'])} (± s.e. over tasks)",
+            )
+            for m, entry in values.items()
+        )
+        if checks and data in checks:
+            check = checks[data]
+            mixed = format_value(values[check["m"]]["gain_pct"], percent=True)
             rows.append(
                 Row(
                     "§D.3 check: model trained at one m",
-                    f"{data}, m={check_m}",
-                    format_value(gain, percent=True),
-                    PAPER_GAIN.get(check_m, "> 0 at small m"),
-                    f"learned (fixed m) {format_value(learned.mean, learned.sem)}; the model trained on "
+                    f"{data}, m={check['m']}",
+                    format_value(check["gain_pct"], percent=True),
+                    PAPER_GAIN.get(check["m"], "> 0 at small m"),
+                    f"learned (fixed m) {format_value(check['learned'], check['learned_sem'])}; the model trained on "
                     f"m ~ U{{1..50}} scores {mixed} on the same tasks",
                 )
             )
+    return rows
 
+
+def plot(raw: dict[str, dict[int, dict]], folder: Path, checks: dict[str, dict] | None = None) -> Path:
+    """One panel per data set: MMD² of the plug-in and of the learned model against the support size, and the
+    model trained at one ``m`` (§D.3 check) where there is one."""
+    checks = checks or {}
     fig, axes = plt.subplots(1, len(raw), figsize=(4.5 * len(raw), 3.5), squeeze=False)
     for ax, (data, values) in zip(axes[0], raw.items(), strict=True):
         ms = list(values)
@@ -110,7 +146,4 @@ def run(ctx) -> ExperimentResult:
             )
         ax.set(xscale="log", yscale="log", xlabel="support size m", ylabel="MMD²", title=f"{data} (d={DIM})")
         ax.legend()
-    figures = [save_figure(fig, folder / "scarcity.png")]
-    return ExperimentResult(
-        "scarcity", rows, {"measurements": raw, "per_m_check": checks, "dim": DIM, "m_train": M_TRAIN}, figures
-    )
+    return save_figure(fig, folder / "scarcity.png")

@@ -8,6 +8,7 @@ ratio = MMD²_plug-in / MMD²_learned (learned = exact head OFF) on concentric s
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import matplotlib
 
@@ -28,25 +29,59 @@ def shell_model(ctx, dim: int, seed: int):
 
 
 def run(ctx) -> ExperimentResult:
-    tier, folder = ctx.tier, ctx.out / "shells"
+    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot` of the measurements.
+
+    Returns:
+        the rows, the measurements and the figure, written under ``ctx.out / "shells"``.
+    """
+    folder = ctx.out / "shells"
     folder.mkdir(parents=True, exist_ok=True)
-    rows, raw = [], {"ratio": {}, "heads": {}}
+    raw, neff_spread = measure(ctx)
+    figures = [plot(raw, folder)]
+    return ExperimentResult("shells", table(raw, neff_spread), {"measurements": raw, "neff_t": NEFF_T}, figures)
+
+
+def measure(ctx) -> tuple[dict[str, dict], dict[int, float]]:
+    """The plug-in/learned MMD² ratio and NW ``n_eff`` per dimension; layer-0 head ``n_eff`` against NW across ``t``.
+
+    Returns:
+        the measurements ``{"ratio": {d: ...}, "heads": {t: ...}}`` (recorded), and the spread of the NW ``n_eff``
+        over tasks per dimension (for the table only).
+    """
+    tier = ctx.tier
+    raw = {"ratio": {}, "heads": {}}
+    neff_spread = {}
     for dim in tier.shells_dims:
         tasks = ctx.held_out("shells", dim)
         plugin = ctx.mmd_plugin(tasks)
         learned = [ctx.mmd_learned(shell_model(ctx, dim, seed), tasks).mean for seed in tier.seeds]
-        ratios = [plugin.mean / v for v in learned]
-        ratio = sum(ratios) / len(ratios)
-        spread = math.sqrt(sum((r - ratio) ** 2 for r in ratios) / (len(ratios) - 1)) if len(ratios) > 1 else None
         neff_tasks = held_out_tasks(ctx.meta("shells", dim), tier.neff_tasks, 50, tier.neff_queries, 30_000 + dim)
         neff = nw_neff(neff_tasks, NEFF_T)
         raw["ratio"][dim] = {
             "plugin_mmd": plugin.mean,
             "plugin_sem": plugin.sem,
             "learned_mmd": learned,
-            "ratio_per_seed": ratios,
+            "ratio_per_seed": [plugin.mean / v for v in learned],
             "nw_neff": float(neff.mean()),
         }
+        neff_spread[dim] = float(neff.std())
+
+    dim = tier.shells_dims[0]
+    model = shell_model(ctx, dim, tier.seeds[0])
+    tasks = held_out_tasks(ctx.meta("shells", dim), tier.neff_tasks, 50, tier.neff_queries, 30_000 + dim)
+    for t in HEAD_TS:
+        per_head = head_neff(model, tasks, t)[0]  # (H,) layer 0
+        raw["heads"][t] = {"head_neff_layer0": per_head.tolist(), "nw_neff": float(nw_neff(tasks, t).mean())}
+    return raw, neff_spread
+
+
+def table(raw: dict[str, dict], neff_spread: dict[int, float]) -> list[Row]:
+    """Rows: the ratio and NW ``n_eff`` per dimension beside the paper's, then the layer-0 heads against NW."""
+    rows = []
+    for dim, entry in raw["ratio"].items():
+        ratios, learned = entry["ratio_per_seed"], entry["learned_mmd"]
+        ratio = sum(ratios) / len(ratios)
+        spread = math.sqrt(sum((r - ratio) ** 2 for r in ratios) / (len(ratios) - 1)) if len(ratios) > 1 else None
         paper_ratio, paper_neff = PAPER_RATIO.get(dim, ("—", "—"))
         rows.append(
             Row(
@@ -54,7 +89,7 @@ def run(ctx) -> ExperimentResult:
                 f"d={dim}",
                 format_value(ratio, spread, digits=3),
                 paper_ratio,
-                f"plug-in {plugin.mean:.4g}, learned {sum(learned) / len(learned):.4g}; "
+                f"plug-in {entry['plugin_mmd']:.4g}, learned {sum(learned) / len(learned):.4g}; "
                 f"{len(ratios)} seed(s); > 1 means learned better",
             )
         )
@@ -62,36 +97,35 @@ def run(ctx) -> ExperimentResult:
             Row(
                 f"NW n_eff at t={NEFF_T}",
                 f"d={dim}",
-                format_value(float(neff.mean()), float(neff.std())),
+                format_value(entry["nw_neff"], neff_spread[dim]),
                 paper_neff,
                 "not collapsed (≫ 1) means the failure is geometric",
             )
         )
-
-    dim = tier.shells_dims[0]
-    model = shell_model(ctx, dim, tier.seeds[0])
-    tasks = held_out_tasks(ctx.meta("shells", dim), tier.neff_tasks, 50, tier.neff_queries, 30_000 + dim)
-    for t in HEAD_TS:
-        per_head = head_neff(model, tasks, t)[0]  # (H,) layer 0
-        nw = float(nw_neff(tasks, t).mean())
-        raw["heads"][t] = {"head_neff_layer0": per_head.tolist(), "nw_neff": nw}
+    dim = next(iter(raw["ratio"]))
+    for t, entry in raw["heads"].items():
+        per_head, nw = entry["head_neff_layer0"], entry["nw_neff"]
         rows.append(
             Row(
                 "layer-0 head n_eff (min–max) vs NW n_eff",
                 f"d={dim}, t={t}",
-                f"{per_head.min():.3g}–{per_head.max():.3g} vs {nw:.3g}",
+                f"{min(per_head):.3g}–{max(per_head):.3g} vs {nw:.3g}",
                 "heads above NW at late t",
                 "learned heads resist collapse if heads > NW",
             )
         )
+    return rows
 
+
+def plot(raw: dict[str, dict], folder: Path) -> Path:
+    """MMD² plug-in against learned per dimension, and the layer-0 heads' ``n_eff`` against NW across ``t``."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
     dims = list(raw["ratio"])
     x = range(len(dims))
     ax1.bar([i - 0.2 for i in x], [raw["ratio"][d]["plugin_mmd"] for d in dims], 0.4, label="plug-in")
     ax1.bar(
         [i + 0.2 for i in x],
-        [sum(raw["ratio"][d]["learned_mmd"]) / len(tier.seeds) for d in dims],
+        [sum(raw["ratio"][d]["learned_mmd"]) / len(raw["ratio"][d]["learned_mmd"]) for d in dims],
         0.4,
         label="learned (OFF)",
     )
@@ -103,7 +137,6 @@ def run(ctx) -> ExperimentResult:
     for h, series in enumerate(heads):
         ax2.plot(ts, series, marker="o", alpha=0.7, label=f"head {h}")
     ax2.plot(ts, [raw["heads"][t]["nw_neff"] for t in ts], "k--", marker="s", label="isotropic NW")
-    ax2.set(yscale="log", xlabel="t", ylabel="n_eff", title=f"d={dim}: learned heads vs NW")
+    ax2.set(yscale="log", xlabel="t", ylabel="n_eff", title=f"d={dims[0]}: learned heads vs NW")
     ax2.legend(fontsize=7)
-    figures = [save_figure(fig, folder / "shells.png")]
-    return ExperimentResult("shells", rows, {"measurements": raw, "neff_t": NEFF_T}, figures)
+    return save_figure(fig, folder / "shells.png")

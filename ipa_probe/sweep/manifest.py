@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import bandwidth as bw
 from ..images import IMAGE_SUFFIXES
 
 #: Keys a manifest row may have. All are optional: a row leaves out what the sweep's defaults should fill in.
@@ -90,22 +91,13 @@ class Manifest:
 
 
 def parse_bandwidth(value: Any) -> str | float:
-    """``"matched"``, ``"fit"`` or a positive finite float (a numeric string is converted).
+    """``"matched"``, ``"fit"`` or a positive finite float (a numeric string is converted): see
+    :func:`ipa_probe.bandwidth.parse`.
 
     Raises:
         ValueError: anything else, with the accepted forms in the message.
     """
-    if isinstance(value, str):
-        text = value.strip()
-        if text in ("matched", "fit"):
-            return text
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(f"bandwidth: expected 'matched', 'fit' or a positive number, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"bandwidth: expected 'matched', 'fit' or a positive number, got {value!r}")
-    return float(value)
+    return bw.parse(value, ("matched", "fit"))
 
 
 def _parse_int(value: Any, key: str, minimum: int) -> int:

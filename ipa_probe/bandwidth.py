@@ -1,0 +1,147 @@
+"""The NW bandwidth setting shared by the probe, the NW head and the command line: parse, check, resolve, describe.
+
+A bandwidth *spec* is what a user passes: a keyword (``"matched"``: ``h^2 = sqrt(d_head)``, the attention's own
+temperature; the probe also accepts ``"fit"``), a positive float ``h``, or a callable of the timestep. The callable
+receives the denoiser's current timestep as a 0-d tensor on the device (scheduler scale, 0-1000) and returns a float
+or a 0-d tensor; keep it free of ``.item()`` / ``float()`` so that the denoising loop never waits for the device.
+
+- :func:`parse`: a command-line string or manifest cell -> spec (:func:`argument_type` for argparse);
+- :func:`check`: validate a spec (the one validator), ints become floats;
+- :func:`resolve`: the ``h`` a spec gives for a head width and a timestep, one value per timestep (shape checked);
+- :func:`describe`: a JSON-friendly form (a callable by its name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .kernels import matched_bandwidth
+
+__all__ = ["BandwidthSpec", "argument_type", "check", "describe", "parse", "resolve"]
+
+#: A bandwidth setting: a keyword, a positive float ``h`` or a callable of the timestep.
+BandwidthSpec = str | float | Callable[[torch.Tensor], Any]
+
+
+def _expected(keywords: tuple[str, ...]) -> str:
+    return f"expected {', '.join(repr(k) for k in keywords)}, a positive float or a callable of the timestep"
+
+
+def check(spec: Any, keywords: tuple[str, ...] = ("matched",)) -> BandwidthSpec:
+    """Validate a bandwidth spec.
+
+    Args:
+        spec: the setting to check.
+        keywords: the keywords this caller accepts (the probe: ``("matched", "fit")``).
+
+    Returns:
+        the spec, with an int made a float.
+
+    Raises:
+        ValueError: an unknown keyword or a number that is not positive and finite.
+        TypeError: anything else.
+    """
+    if isinstance(spec, str):
+        if spec not in keywords:
+            raise ValueError(f"bandwidth: {_expected(keywords)}, got {spec!r}")
+        return spec
+    if isinstance(spec, bool) or not (callable(spec) or isinstance(spec, int | float)):
+        raise TypeError(f"bandwidth: {_expected(keywords)}, got {spec!r}")
+    if callable(spec):
+        return spec
+    if not (math.isfinite(spec) and spec > 0):
+        raise ValueError(f"bandwidth: expected a positive, finite bandwidth h, got {spec}; e.g. 1.0 or 'matched'")
+    return float(spec)
+
+
+def parse(value: str | float, keywords: tuple[str, ...] = ("matched",)) -> str | float:
+    """A spec from text or a plain number (a command-line argument, a manifest cell): one of ``keywords`` or a
+    positive finite number (a numeric string is converted; surrounding spaces are ignored).
+
+    Raises:
+        ValueError: anything else, with the accepted forms in the message.
+    """
+    if isinstance(value, str):
+        text = value.strip()
+        if text in keywords:
+            return text
+        try:
+            number = float(text)
+        except ValueError:
+            number = math.nan
+    elif isinstance(value, bool) or not isinstance(value, int | float):
+        number = math.nan
+    else:
+        number = float(value)
+    if not (math.isfinite(number) and number > 0):
+        accepted = ", ".join(repr(k) for k in keywords)
+        raise ValueError(f"bandwidth: expected {accepted} or a positive number, got {value!r}")
+    return number
+
+
+def argument_type(*keywords: str) -> Callable[[str], str | float]:
+    """An argparse ``type`` accepting ``keywords`` (e.g. ``"matched"``, ``"fit"``) or a positive number."""
+
+    def bandwidth(text: str) -> str | float:
+        try:
+            return parse(text, keywords)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return bandwidth
+
+
+def resolve(
+    spec: BandwidthSpec, head_dim: int, timestep: torch.Tensor | None = None, device: torch.device | None = None
+) -> float | torch.Tensor:
+    """The bandwidth ``h`` a checked spec gives now.
+
+    Args:
+        spec: ``"matched"``, a positive float or a callable of the timestep (callers map their own keywords, such
+            as the probe's ``"fit"``, before resolving).
+        head_dim: the head width ``d_head`` (for ``"matched"``: ``h = d_head ** 0.25``).
+        timestep: the current timestep, a 0-d tensor; required for a callable.
+        device: where a callable's value is put.
+
+    Returns:
+        a float, or for a callable a 0-d float32 tensor on ``device``.
+
+    Raises:
+        RuntimeError: a callable spec but no timestep.
+        ValueError: an unknown keyword, or a callable that returns more than one value.
+    """
+    if isinstance(spec, str):
+        if spec != "matched":
+            raise ValueError(f"bandwidth: cannot resolve the keyword {spec!r}; expected 'matched'")
+        return matched_bandwidth(head_dim)
+    if not callable(spec):
+        return float(spec)
+    if timestep is None:
+        raise RuntimeError(
+            "the bandwidth is a callable of the timestep, but no timestep was seen: call the pipeline (or its "
+            "denoiser) so that the timestep hook sees it"
+        )
+    value = spec(timestep)
+    # a tensor stays where it is; a Python number becomes a device fill (no blocking host-to-device copy)
+    if isinstance(value, torch.Tensor):
+        h = value.to(device=device, dtype=torch.float32)
+    else:
+        h = torch.full((), float(value), dtype=torch.float32, device=device)
+    if h.numel() != 1:
+        raise ValueError(
+            f"the bandwidth callable returned a tensor of shape {tuple(h.shape)}; return a float or a 0-d tensor "
+            "(one bandwidth per timestep)"
+        )
+    return h.reshape(())
+
+
+def describe(spec: BandwidthSpec) -> str | float:
+    """A JSON-friendly form of a spec: the keyword or number itself, a callable by its ``__name__``."""
+    if isinstance(spec, str | float | int):
+        return spec
+    return getattr(spec, "__name__", repr(spec))

@@ -1,0 +1,143 @@
+"""The tap interface: what a model family tells the family-agnostic probe (see the package docstring)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ...layers import IPLayer
+
+__all__ = ["Capture", "DenoiserPass", "Handle", "Tap"]
+
+Handle = torch.utils.hooks.RemovableHandle
+RecordFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None]
+
+
+@dataclass
+class Capture:
+    """What a tap's hooks talk to.
+
+    Attributes:
+        record: ``record(layer_index, slot, query, keys, other_keys, rows)`` with ``query`` ``(B, H, Q, D)``,
+            ``keys`` ``(B, H, K, D)`` (the image tokens of adapter ``slot``, or the text tokens in the text slot),
+            ``other_keys`` ``(B, H, N, D)``, the further keys the same softmax runs over (SD3's latent keys), or
+            ``None``, and ``rows`` ``(B, Q)`` bool, the queries the branch's output reaches (an IP-Adapter mask), or
+            ``None`` for all.
+        recording: whether the current denoiser pass is recorded (set by the probe's step clock).
+        stash: per-layer tensors waiting for their partner (a query waiting for its keys), cleared after each layer
+            and at the start of every denoiser pass (so nothing left by a failed pass leaks into a later one).
+    """
+
+    record: RecordFn
+    recording: bool = False
+    stash: dict[tuple[int, str], Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DenoiserPass:
+    """How one denoiser call fits the denoising loop.
+
+    Attributes:
+        new_step: whether it starts a new denoising step (the first pass of a step).
+        record: ``False`` for passes the probe must not record (e.g. SD3's skip-layer-guidance pass).
+    """
+
+    new_step: bool
+    record: bool = True
+
+
+class Tap:
+    """The per-family knowledge the probe needs. One instance per probe run (it may keep per-call state).
+
+    Args:
+        pipe: the pipeline (read for its CFG setting, scheduler and components).
+        layers: the IP-Adapter layers to read, all of this tap's family.
+    """
+
+    family: ClassVar[str] = ""
+    #: Positions of the denoiser's ``forward`` arguments the probe (and the NW head) read, by name. This is the one
+    #: place that knows them: everything else asks :meth:`argument`.
+    ARGUMENTS: ClassVar[dict[str, int]] = {}
+    #: The name of the latent input among :data:`ARGUMENTS`.
+    SAMPLE: ClassVar[str] = "hidden_states"
+    #: Whether :meth:`install` can read the text cross-attention (``branch="text"``).
+    supports_text: ClassVar[bool] = False
+
+    def __init__(self, pipe, layers: list[IPLayer]) -> None:
+        self.pipe = pipe
+        self.layers = layers
+
+    @classmethod
+    def argument(cls, name: str, args: tuple, kwargs: dict) -> Any:
+        """The denoiser-call argument ``name`` (e.g. ``"timestep"``), passed by position or keyword; ``None`` when
+        absent.
+
+        Args:
+            name: a key of :data:`ARGUMENTS`.
+            args, kwargs: the denoiser call's arguments, as a forward pre-hook registered ``with_kwargs`` sees them.
+        """
+        position = cls.ARGUMENTS[name]
+        return args[position] if len(args) > position else kwargs.get(name)
+
+    # ------------------------------------------------------------------ the step clock
+    def begin_call(self, args: tuple, kwargs: dict) -> None:
+        """A new pipeline call starts with this denoiser call."""
+
+    def on_encode(self) -> None:
+        """The pipeline is about to encode its prompts (a new call's evidence starts)."""
+
+    def text_mask(self, layout, context: torch.Tensor | None) -> torch.Tensor | None:
+        """The text keys' mask ``(B, tokens)`` of a pass (bool, ``True`` for real prompt tokens) when the tap reads
+        the text branch, else ``None``.
+
+        Args:
+            layout: the pass's :class:`~ipa_probe.capture.branches.Layout`.
+            context: the pass's ``encoder_hidden_states``.
+        """
+        return None
+
+    def reset(self) -> None:
+        """Forget per-call state (called when the probe ends, so that no tensor outlives the run)."""
+
+    def begin_pass(self, args: tuple, kwargs: dict) -> DenoiserPass:
+        """Place a denoiser call in the loop (default: every call is a step holding every branch)."""
+        return DenoiserPass(new_step=True)
+
+    def sample(self, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The latent input of a denoiser call (its device and batch size are used)."""
+        return self.argument(self.SAMPLE, args, kwargs)
+
+    def timestep(self, args: tuple, kwargs: dict) -> torch.Tensor | float | None:
+        """The scheduler timestep of a denoiser call, on the scheduler's scale (0-1000 for all families here)."""
+        return self.argument("timestep", args, kwargs)
+
+    # ------------------------------------------------------------------ taps
+    def install(self, capture: Capture, images: bool, text_slot: int | None) -> list[Handle]:
+        """Register the hooks that deliver ``(q, k)`` pairs to ``capture.record``; return their handles."""
+        raise NotImplementedError
+
+    def map_elements(self, layer: IPLayer, args: tuple, kwargs: dict) -> int:
+        """Elements per head of the image-branch weights of ``layer`` in one recorded step (all adapters)."""
+        raise NotImplementedError
+
+    def _forget(self, capture: Capture, index: int) -> Callable:
+        """Forward hook on the attention module: drop what the layer left in the stash."""
+
+        def hook(module, args, output):
+            for key in [key for key in capture.stash if key[0] == index]:
+                del capture.stash[key]
+
+        return hook
+
+    @staticmethod
+    def _keep(capture: Capture, index: int, name: str, transform: Callable | None = None) -> Callable:
+        """Forward hook: stash the module's output under ``(index, name)`` while recording."""
+
+        def hook(module, args, output):
+            if capture.recording:
+                capture.stash[(index, name)] = output if transform is None else transform(output)
+
+        return hook

@@ -1,0 +1,188 @@
+"""SD 1.5 / SDXL UNets: ``IPAdapterAttnProcessor2_0`` in the cross-attention layers (``attn2``)."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Callable
+
+import torch
+from diffusers.image_processor import IPAdapterMaskProcessor
+
+from ...kernels import split_heads
+from ...layers import IPLayer, denoiser_of, observer
+from .base import Capture, Handle, Tap
+
+
+def _unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
+    """Downsampling factor of a UNet layer's feature map relative to the latent."""
+    levels = len(getattr(denoiser, "down_blocks", ())) or 1
+    match = re.search(r"(down|up)_blocks\.(\d+)\.", layer_name)
+    if match:
+        index = int(match.group(2))
+        return 2 ** (index if match.group(1) == "down" else levels - 1 - index)
+    return 2 ** (levels - 1)
+
+
+class UNetTap(Tap):
+    """SD 1.5 / SDXL cross-attention: ``q = attn.to_q(h)``, ``k = processor.to_k_ip[a](c_ip)``, text keys
+    ``attn.to_k(c_text)``; every denoiser call is one step, its batch the CFG branches concatenated (see
+    :mod:`~ipa_probe.capture.branches`)."""
+
+    family = "unet"
+    ARGUMENTS = {"sample": 0, "timestep": 1, "encoder_hidden_states": 2}
+    SAMPLE = "sample"
+    supports_text = True
+
+    def __init__(self, pipe, layers: list[IPLayer]) -> None:
+        super().__init__(pipe, layers)
+        self._pending_token_masks: list[torch.Tensor] = []
+        self._mask_cache: dict[tuple, torch.Tensor] = {}
+
+    def install(self, capture: Capture, images: bool, text_slot: int | None) -> list[Handle]:
+        handles: list[Handle] = []
+        if text_slot is not None:
+            candidates = (getattr(self.pipe, "text_encoder", None), getattr(self.pipe, "text_encoder_2", None))
+            encoder = next((m for m in candidates if m is not None), None)
+            if encoder is not None:
+                hook = observer(self._on_text_encoder_call)
+                handles.append(encoder.register_forward_pre_hook(hook, with_kwargs=True))
+        for index, layer in enumerate(self.layers):
+            attn, heads = layer.attention, layer.heads
+            handles.append(attn.register_forward_pre_hook(observer(self._masks(capture, index)), with_kwargs=True))
+            handles.append(attn.to_q.register_forward_hook(observer(self._keep(capture, index, "q"))))
+            handles.append(attn.register_forward_hook(observer(self._forget(capture, index))))
+            if images:
+                for adapter, to_k_ip in enumerate(layer.processor.to_k_ip):
+                    hook = observer(self._image_keys(capture, index, adapter, heads))
+                    handles.append(to_k_ip.register_forward_hook(hook))
+            if text_slot is not None:
+                hook = observer(self._text_keys(capture, index, text_slot, heads))
+                handles.append(attn.to_k.register_forward_hook(hook))
+        return handles
+
+    @staticmethod
+    def _masks(capture: Capture, index: int) -> Callable:
+        """Pre-hook on the attention module: keep the call's ``ip_adapter_masks`` (one entry per adapter, each
+        ``(1 or B, images, height, width)``, or ``None``)."""
+
+        def hook(module, args, kwargs):
+            if capture.recording:
+                masks = kwargs.get("ip_adapter_masks")
+                if isinstance(masks, torch.Tensor):  # diffusers' legacy form: (adapters, 1, height, width)
+                    masks = list(masks.unsqueeze(1))
+                capture.stash[(index, "masks")] = masks
+
+        return hook
+
+    def _image_keys(self, capture: Capture, index: int, adapter: int, heads: int) -> Callable:
+        """Forward hook on ``to_k_ip[adapter]``. With masks, diffusers calls it once per reference image, in order,
+        and gives each image its own softmax; the rows are then the queries inside that image's mask."""
+
+        def hook(module, args, output):
+            query = capture.stash.get((index, "q"))
+            if query is None:
+                return
+            masks = capture.stash.get((index, "masks"))
+            mask = masks[adapter] if masks is not None and adapter < len(masks) else None
+            rows = None
+            if mask is not None:
+                image = capture.stash.get((index, "image", adapter), 0)
+                capture.stash[(index, "image", adapter)] = image + 1
+                rows = self._mask_rows(mask, image, query.shape[0], query.shape[1], query.device)
+            capture.record(index, adapter, split_heads(query, heads), split_heads(output, heads), None, rows)
+
+        return hook
+
+    @staticmethod
+    def _text_keys(capture: Capture, index: int, slot: int, heads: int) -> Callable:
+        def hook(module, args, output):
+            query = capture.stash.get((index, "q"))
+            if query is not None:
+                capture.record(index, slot, split_heads(query, heads), split_heads(output, heads), None, None)
+
+        return hook
+
+    def _mask_rows(
+        self, mask: torch.Tensor, image: int, batch: int, queries: int, device: torch.device
+    ) -> torch.Tensor:
+        """The queries ``(B, Q)`` an image's mask lets its branch output through, by diffusers' own downsampling
+        (:meth:`IPAdapterMaskProcessor.downsample`, bicubic) to the layer's grid; kept for the call (one transfer per
+        mask and grid, not one per step)."""
+        key = (id(mask), image, batch, queries, device)
+        rows = self._mask_cache.get(key)
+        if rows is None:
+            with warnings.catch_warnings():  # diffusers' aspect-ratio warning is the pipeline's to give, not ours
+                warnings.simplefilter("ignore")
+                weights = IPAdapterMaskProcessor.downsample(mask[:, image], batch, queries, 1)  # (B, Q, 1)
+            rows = weights[..., 0].to(device) != 0
+            self._mask_cache[key] = rows
+        return rows
+
+    def reset(self) -> None:
+        self._pending_token_masks = []
+        self._mask_cache = {}
+
+    def begin_call(self, args: tuple, kwargs: dict) -> None:
+        self._mask_cache = {}
+
+    def on_encode(self) -> None:
+        self._pending_token_masks = []
+
+    # ------------------------------------------------------------------ the text branch's padding mask
+    def _on_text_encoder_call(self, module, args, kwargs) -> None:
+        """Remember which prompt tokens are real: up to and including the first end-of-text token."""
+        ids = args[0] if args else kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor):
+            return
+        eos = getattr(getattr(module, "config", None), "eos_token_id", None)
+        tokenizer = getattr(self.pipe, "tokenizer", None)
+        eos = getattr(tokenizer, "eos_token_id", eos)
+        if eos is None:
+            return
+        is_eos = ids == eos
+        first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), ids.shape[-1] - 1)  # (B,)
+        positions = torch.arange(ids.shape[-1], device=ids.device)
+        self._pending_token_masks.append(positions[None, :] <= first[:, None])
+
+    def text_mask(self, layout, context: torch.Tensor | None) -> torch.Tensor | None:
+        """Token mask ``(B, tokens)`` of a pass's text keys, chunk by chunk: the prompt's tokens where the chunk
+        matched the prompt, the negative prompt's where it matched that, all tokens elsewhere.
+
+        The pipeline encodes the prompt first and the negative prompt second; a prompt not encoded here
+        (``prompt_embeds`` passed in, or SDXL's zeroed empty negative prompt) keeps all its tokens.
+        """
+        if not isinstance(context, torch.Tensor):
+            return None
+        batch, tokens = context.shape[:2]
+        per_chunk = batch // layout.chunks
+        every = torch.ones(per_chunk, tokens, dtype=torch.bool, device=context.device)
+        if layout.is_cond is None:
+            return every.repeat(layout.chunks, 1)
+        pending = self._pending_token_masks
+
+        def source(i: int) -> torch.Tensor:
+            mask = pending[i] if len(pending) > i else None
+            if mask is None or mask.shape[-1] != tokens or per_chunk % mask.shape[0]:
+                return every
+            return mask.to(context.device).repeat_interleave(per_chunk // mask.shape[0], dim=0)
+
+        cond, uncond = source(0), source(1)
+        parts = [
+            torch.where(is_cond, cond, torch.where(is_uncond, uncond, every))
+            for is_cond, is_uncond in zip(layout.is_cond, layout.is_uncond, strict=True)
+        ]
+        return torch.cat(parts)
+
+    def map_elements(self, layer: IPLayer, args: tuple, kwargs: dict) -> int:
+        sample = self.sample(args, kwargs)
+        height, width = sample.shape[-2:]
+        factor = _unet_resolution_factor(denoiser_of(self.pipe), layer.name)
+        queries = math.ceil(height / factor) * math.ceil(width / factor)
+        embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds") or []
+        total = 0
+        for adapter, tokens in enumerate(layer.processor.num_tokens):
+            images = embeds[adapter].shape[1] if adapter < len(embeds) else 1
+            total += sample.shape[0] * queries * images * tokens
+        return total

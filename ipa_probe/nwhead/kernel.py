@@ -1,0 +1,188 @@
+"""What the NW head of every model family shares: the timestep clock, the bandwidth and the NW kernel.
+
+The kernel (paper §C.3): Gaussian NW weights over keys ``k_i`` are scaled dot-product attention with temperature
+``h^2`` and a per-key *key-norm bias*,
+
+    softmax_i(-|q - k_i|^2 / (2 h^2)) = softmax_i(q·k_i / h^2 - |k_i|^2 / (2 h^2)),
+
+so :meth:`NWKernel.nw_attention` runs ``F.scaled_dot_product_attention`` with that bias as a float mask of shape
+``(B, H, 1, K)``, and no weight matrix is materialised. :class:`NWKernel` is mixed into each family's processor
+(:mod:`.unet`, :mod:`.flux`, :mod:`.sd3`); :class:`ProcessorView` is how the Flux and SD3 heads stand in for the
+diffusers processor they replace (its very modules and settings, no copies).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import bandwidth as bw
+from ..bandwidth import BandwidthSpec
+from ..kernels import key_norm_bias, nw_logits
+
+if TYPE_CHECKING:
+    from ..capture.taps import Tap
+
+__all__ = ["NWKernel", "ProcessorView", "TimestepClock", "check_head_bandwidth"]
+
+
+def check_head_bandwidth(spec: Any) -> BandwidthSpec:
+    """Validate the NW head's bandwidth (:func:`ipa_probe.bandwidth.check`, where ``"fit"`` gets its own remedy).
+
+    Returns:
+        the spec, with an int made a float.
+    """
+    if spec == "fit":
+        raise ValueError(
+            'bandwidth="fit" is a probe setting, not a head: run `ipa_probe.probe(pipe, bandwidth="fit")`, read '
+            "the fitted h from its `bandwidth` column and pass that float (or a callable of the timestep) here"
+        )
+    return bw.check(spec)
+
+
+class TimestepClock:
+    """Holds the denoiser's current timestep for processors whose bandwidth is a function of it.
+
+    A forward pre-hook on the denoiser (:meth:`hook`) asks the model family's :class:`~ipa_probe.capture.taps.Tap`
+    where the call carries its timestep and stores it on the scheduler's 0-1000 scale (a reference, no copy and no
+    host synchronisation); the processors read it during the same forward.
+
+    Args:
+        tap: the family's tap (it knows each denoiser's argument positions); only :meth:`hook` needs it.
+    """
+
+    def __init__(self, tap: Tap | None = None) -> None:
+        self.tap = tap
+        self.timestep: torch.Tensor | None = None
+
+    def hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.tap is None:
+            raise RuntimeError("TimestepClock.hook needs the model family's Tap: TimestepClock(tap_for(pipe, layers))")
+        timestep = self.tap.timestep(args, kwargs)
+        if timestep is None:
+            self.timestep = None
+        elif isinstance(timestep, torch.Tensor):
+            self.timestep = timestep.reshape(-1)[0]  # 0-d view: the pipelines pass one timestep per call
+        else:
+            sample = self.tap.sample(args, kwargs)
+            device = sample.device if isinstance(sample, torch.Tensor) else None
+            self.timestep = torch.tensor(float(timestep), device=device)
+
+
+class NWKernel:
+    """The NW head's bandwidth and kernel, mixed into each family's processor (before the diffusers class).
+
+    Attributes:
+        bandwidth: ``"matched"``, a positive float or a callable of the timestep (see :mod:`ipa_probe.bandwidth`).
+        clock: where a callable bandwidth reads the timestep.
+    """
+
+    bandwidth: BandwidthSpec
+    clock: TimestepClock | None
+
+    def _set_bandwidth(self, spec: BandwidthSpec, clock: TimestepClock | None) -> None:
+        spec = check_head_bandwidth(spec)
+        if callable(spec) and clock is None:
+            raise ValueError(
+                "a callable bandwidth needs a TimestepClock to read the timestep from; use ipa_probe.nw_head / "
+                "apply_nw_head, which install one on the denoiser, or pass clock=TimestepClock()"
+            )
+        self.bandwidth = spec
+        self.clock = clock
+
+    def extra_repr(self) -> str:
+        return f"bandwidth={bw.describe(self.bandwidth)}"
+
+    def bandwidth_for(self, head_dim: int, device: torch.device | None = None) -> float | torch.Tensor:
+        """The bandwidth ``h`` used now: a float, or a 0-d float32 tensor for a callable of the timestep."""
+        timestep = self.clock.timestep if self.clock is not None else None
+        return bw.resolve(self.bandwidth, head_dim, timestep, device)
+
+    def image_branch_logits(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        """The logits whose softmax this processor applies to the image tokens: Gaussian NW logits.
+
+        Args:
+            query: ``(B, H, Q, D)``.
+            key: image-token keys ``(B, H, K, D)``.
+
+        Returns:
+            ``(q·k_i - |k_i|^2/2) / h^2``, shape ``(B, H, Q, K)`` (equal to ``-|q - k_i|^2 / (2 h^2)`` up to a
+            per-row constant).
+        """
+        return nw_logits(query, key, self.bandwidth_for(query.shape[-1], query.device))
+
+    def nw_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Gaussian NW smoothing of ``value`` over ``key`` for each query, without materialising the weights.
+
+        Args:
+            query: ``(B, H, Q, D)``.
+            key: ``(B, H, K, D)``.
+            value: ``(B, H, K, Dv)``.
+
+        Returns:
+            ``sum_i w_i(q) v_i`` with ``w = softmax_i(-|q - k_i|^2 / (2 h^2))``, shape ``(B, H, Q, Dv)``.
+        """
+        h = self.bandwidth_for(query.shape[-1], query.device)
+        bias = key_norm_bias(key.to(torch.promote_types(key.dtype, torch.float32)), h)  # (B, H, 1, K), >= float32
+        # A per-row constant does not change a softmax: shift the largest bias to 0 so that the mask stays in range
+        # in half precision and at least one key keeps a finite logit.
+        bias = (bias - bias.amax(-1, keepdim=True)).to(query.dtype)
+        if isinstance(h, torch.Tensor):
+            # SDPA's `scale` must be a Python float; fold a tensor temperature into the query instead (no sync).
+            query = query * (1.0 / (h * h)).to(query.dtype)
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=1.0)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=1.0 / (h * h))
+
+
+class ProcessorView(NWKernel):
+    """An NW head that stands in for a diffusers processor as a *view* of it (Flux and SD3).
+
+    The head holds the original's submodules (weights, norms) and settings, the very same objects, and forwards
+    ``scale`` to the original, so ``set_ip_adapter_scale`` (which *assigns* ``processor.scale``) persists after the
+    original is restored, and probe hooks on the shared modules still fire.
+
+    Args:
+        original: the diffusers processor to stand in for (an instance of the subclass's ``_mirrored``).
+        bandwidth: ``"matched"``, a positive float or a callable of the timestep (0-1000).
+        clock: where a callable bandwidth reads the timestep; required for a callable bandwidth.
+    """
+
+    #: diffusers' processor class this head mirrors.
+    _mirrored: type = torch.nn.Module
+
+    def __init__(
+        self, original: torch.nn.Module, bandwidth: BandwidthSpec = "matched", clock: TimestepClock | None = None
+    ) -> None:
+        if not isinstance(original, self._mirrored):
+            raise TypeError(
+                f"expected a {self._mirrored.__name__} (loaded by `pipe.load_ip_adapter(...)`), got "
+                f"{type(original).__name__}; use ipa_probe.nw_head(pipe), which picks the NW head for each layer"
+            )
+        torch.nn.Module.__init__(self)
+        self.__dict__["_original"] = original  # kept out of the module tree (its weights are already shared)
+        for name, module in original.named_children():
+            setattr(self, name, module)
+        for name, value in vars(original).items():
+            if not name.startswith("_") and name not in ("training", "scale"):
+                setattr(self, name, value)
+        for name in ("_attention_backend", "_parallel_config"):
+            if name in vars(original):
+                setattr(self, name, vars(original)[name])
+        self.training = original.training
+        self._set_bandwidth(bandwidth, clock)
+
+    @property
+    def original(self) -> torch.nn.Module:
+        """The diffusers processor this head stands in for (restored on removal)."""
+        return self.__dict__["_original"]
+
+    @property
+    def scale(self):
+        """The original's ``scale``: read and assigned through, so ``set_ip_adapter_scale`` persists after removal."""
+        return self.original.scale
+
+    @scale.setter
+    def scale(self, value) -> None:
+        self.original.scale = value

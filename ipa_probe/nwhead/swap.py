@@ -1,0 +1,214 @@
+"""The NW-head swap: put each family's NW processor into a pipeline's IP-Adapter layers, and take it out again.
+
+The feature has diffusers' hooks shape: a :class:`NWHeadConfig` validated on construction, :func:`apply_nw_head` /
+:func:`remove_nw_head` (and the context manager :func:`nw_head`), the name :data:`NW_HEAD` under which the swap is
+claimed on the denoiser (see :func:`ipa_probe.list_hooks`), and removal in one place, :meth:`NWHeadSwap.remove`.
+This module sits above the per-family processors (:mod:`.unet`, :mod:`.flux`, :mod:`.sd3`) and picks one per layer.
+
+Example:
+    ```py
+    >>> with ipa_probe.nw_head(pipe, bandwidth="matched"):
+    ...     image = pipe(prompt, ip_adapter_image=refs).images[0]
+    ```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import bandwidth as bw
+from ..bandwidth import BandwidthSpec
+from ..capture.taps import tap_for
+from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, observer, release
+from .flux import FluxNWHeadAttnProcessor
+from .kernel import TimestepClock, check_head_bandwidth
+from .sd3 import SD3NWHeadAttnProcessor
+from .unet import NWHeadAttnProcessor
+
+__all__ = ["NW_HEAD", "NW_PROCESSORS", "NWHeadConfig", "NWHeadSwap", "apply_nw_head", "nw_head", "remove_nw_head"]
+
+logger = logging.getLogger(__name__)
+
+#: The feature's name: its claim on the denoiser (:func:`ipa_probe.list_hooks`) and the key of its state there.
+NW_HEAD = "nw_head"
+#: Where the active swap is kept on the denoiser (in its ``__dict__``, not as a module attribute).
+_STATE_ATTRIBUTE = "_ipa_probe_nw_head"
+
+#: The NW processor of each model family (see :data:`ipa_probe.layers.FAMILIES`).
+NW_PROCESSORS: dict[str, type] = {
+    "unet": NWHeadAttnProcessor,
+    "flux": FluxNWHeadAttnProcessor,
+    "sd3": SD3NWHeadAttnProcessor,
+}
+
+
+@dataclass(frozen=True)
+class NWHeadConfig:
+    """Settings of the NW-head swap, validated on construction (nothing about a pipeline is touched here).
+
+    Args:
+        bandwidth: the Gaussian bandwidth ``h`` of the image branch: ``"matched"`` (``h^2 = sqrt(d_head)``, the
+            learned head's own temperature, so the two heads differ only by the key-norm bias), a positive float,
+            or a callable of the timestep (see :mod:`ipa_probe.bandwidth`).
+        layers: a regex (``re.search`` on the layer id), a list of them, or ``None`` for every IP-Adapter layer.
+    """
+
+    bandwidth: BandwidthSpec = "matched"
+    layers: LayerSelection = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bandwidth", check_head_bandwidth(self.bandwidth))
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-friendly settings."""
+        layers = self.layers
+        return {
+            "bandwidth": bw.describe(self.bandwidth),
+            "layers": layers if isinstance(layers, str | None) else [getattr(p, "pattern", p) for p in layers],
+        }
+
+
+@dataclass
+class NWHeadSwap:
+    """An installed NW head: what was replaced, so that it can be put back.
+
+    Attributes:
+        config: the settings.
+        originals: processor key (``<layer id>.processor``) -> the processor object that was there.
+        installed: processor key -> the NW processor put in its place.
+        clock: the timestep holder (hooked to the denoiser only for a callable bandwidth).
+    """
+
+    config: NWHeadConfig
+    originals: dict[str, torch.nn.Module]
+    installed: dict[str, torch.nn.Module]
+    clock: TimestepClock = field(default_factory=TimestepClock)
+    _denoiser: torch.nn.Module | None = field(default=None, repr=False)
+    _handle: Any = field(default=None, repr=False)
+
+    @property
+    def layers(self) -> list[str]:
+        """The swapped layer ids."""
+        return [key.removesuffix(".processor") for key in self.installed]
+
+    @property
+    def active(self) -> bool:
+        return self._denoiser is not None
+
+    def remove(self) -> None:
+        """Put the original processors back where the NW head still sits and drop the claim; idempotent.
+
+        The one place where the swap is undone (:func:`remove_nw_head`, :func:`nw_head` and a failed
+        :func:`apply_nw_head` all come here). Layers that no longer hold the NW processor (e.g. after
+        ``pipe.unload_ip_adapter()`` inside the block) are left as they are, so an unloaded adapter is not resurrected.
+        """
+        denoiser = self._denoiser
+        if denoiser is None:
+            return
+        try:
+            if self._handle is not None:
+                self._handle.remove()
+                self._handle = None
+            current = denoiser.attn_processors
+            restore = {key: self.originals[key] for key, nw in self.installed.items() if current.get(key) is nw}
+            if restore:
+                processors = {**current, **restore}
+                denoiser.set_attn_processor(dict(processors))  # set_attn_processor pops what it is given: a copy
+            skipped = len(self.installed) - len(restore)
+            if skipped:
+                logger.info("nw_head: %d layer(s) no longer held the NW head and were left as they are", skipped)
+        finally:
+            denoiser.__dict__.pop(_STATE_ATTRIBUTE, None)
+            release(denoiser, NW_HEAD)
+            self._denoiser = None
+
+
+def _nw_processor(layer: IPLayer, config: NWHeadConfig, clock: TimestepClock) -> torch.nn.Module:
+    """The NW head for one layer, of its model family's class."""
+    return NW_PROCESSORS[layer.family](layer.processor, config.bandwidth, clock)
+
+
+def apply_nw_head(pipe, bandwidth: BandwidthSpec = "matched", *, layers: LayerSelection = None) -> NWHeadSwap:
+    """Swap the NW head into a pipeline's IP-Adapter layers (until :func:`remove_nw_head`).
+
+    Prefer the context manager :func:`nw_head` in scripts; this pair is for notebooks.
+
+    Args:
+        pipe: a diffusers pipeline (SD 1.5 / SDXL, Flux, SD3) with an IP-Adapter loaded, or its denoiser.
+        bandwidth: ``"matched"``, a positive float or a callable of the timestep (see :class:`NWHeadConfig`).
+        layers: a regex or list of regexes selecting layer ids; ``None`` for every IP-Adapter layer.
+
+    Returns:
+        the :class:`NWHeadSwap` (its ``layers`` lists the swapped layer ids).
+
+    Raises:
+        ValueError / TypeError: bad settings, no IP-Adapter, an unsupported processor, a selection matching nothing:
+            raised before anything is modified.
+        RuntimeError: the NW head is already applied to this pipeline.
+    """
+    config = NWHeadConfig(bandwidth, layers)
+    found = find_ip_layers(pipe, config.layers)
+    clock = TimestepClock(tap_for(pipe, found))  # the tap knows where each family's denoiser takes its timestep
+    installed = {f"{layer.name}.processor": _nw_processor(layer, config, clock) for layer in found}
+    what = f"NW processors swapped in, bandwidth={config.describe()['bandwidth']}"
+    denoiser = claim(pipe, NW_HEAD, [layer.name for layer in found], what)
+    swap = NWHeadSwap(config, {f"{layer.name}.processor": layer.processor for layer in found}, installed, clock)
+    swap._denoiser = denoiser
+    try:
+        denoiser.__dict__[_STATE_ATTRIBUTE] = swap
+        denoiser.set_attn_processor({**denoiser.attn_processors, **installed})  # a fresh dict: it is popped
+        if callable(config.bandwidth):
+            swap._handle = denoiser.register_forward_pre_hook(observer(clock.hook), with_kwargs=True)
+    except BaseException:
+        swap.remove()
+        raise
+    logger.info("nw_head: swapped %d IP-Adapter layer(s), bandwidth=%s", len(found), config.describe()["bandwidth"])
+    return swap
+
+
+def remove_nw_head(pipe) -> None:
+    """Undo :func:`apply_nw_head`: put the original processor objects back (see :meth:`NWHeadSwap.remove`).
+
+    Raises:
+        ValueError: no NW head is applied to this pipeline.
+    """
+    swap = denoiser_of(pipe).__dict__.get(_STATE_ATTRIBUTE)
+    if swap is None:
+        raise ValueError("no NW head is applied to this pipeline; call ipa_probe.apply_nw_head(pipe) first")
+    swap.remove()
+
+
+@contextlib.contextmanager
+def nw_head(pipe, bandwidth: BandwidthSpec = "matched", *, layers: LayerSelection = None) -> Iterator[NWHeadSwap]:
+    """Run a pipeline with the NW head in its IP-Adapter layers; the original processors come back on exit.
+
+    On exit (normal, exception or KeyboardInterrupt) every layer that still holds the NW head gets its original
+    processor object back; ``set_ip_adapter_scale`` inside the block acts on the shared ``scale`` lists and so
+    persists, and ``unload_ip_adapter`` inside the block is respected.
+
+    Args:
+        pipe: a diffusers pipeline (SD 1.5 / SDXL, Flux, SD3) with an IP-Adapter loaded, or its denoiser.
+        bandwidth: ``"matched"`` (``h^2 = sqrt(d_head)``), a positive float, or a callable of the timestep (0-d
+            tensor on the device, scheduler scale 0-1000 -> float or tensor).
+        layers: a regex or list of regexes selecting layer ids; ``None`` for every IP-Adapter layer.
+
+    Yields:
+        the :class:`NWHeadSwap`.
+
+    Example:
+        ```py
+        >>> with ipa_probe.nw_head(pipe, bandwidth="matched"):
+        ...     image = pipe("a photo", ip_adapter_image=[refs], num_inference_steps=4).images[0]
+        ```
+    """
+    swap = apply_nw_head(pipe, bandwidth, layers=layers)
+    try:
+        yield swap
+    finally:
+        swap.remove()

@@ -1,0 +1,97 @@
+"""The one list of what a probe records: per-cell fields, table columns and summary columns.
+
+Everything that writes or reads a probe's numbers (the statistics, the capture buffers, the tidy table, the
+per-timestep summary and the sweeps' aggregates) takes its names from here, so a column cannot be added in one place
+and forgotten in another. This module imports nothing: it sits below every module that reads it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BRANCH_LABELS",
+    "CELL_FIELDS",
+    "COLUMNS",
+    "FEW_KEYS",
+    "INDEX_COLUMNS",
+    "STAT_NAMES",
+    "SUMMARY_KEYS",
+    "SUMMARY_MAX",
+    "SUMMARY_MEANS",
+    "frac_column",
+]
+
+#: The fields of :func:`ipa_probe.stats.compare_weights`' last dimension, in order.
+STAT_NAMES: tuple[str, ...] = (
+    "spearman",
+    "spearman_null",
+    "pearson",
+    "kl",
+    "top1",
+    "neff_attn",
+    "neff_nw",
+    "nonfinite",
+)
+
+#: Per-cell values kept in the probe's buffers, in order: the bandwidth used, then :data:`STAT_NAMES`, then the
+#: query and key geometry, ``ip_mass`` (the share of a joint softmax's mass on the image tokens: SD3, where the
+#: image tokens share one softmax with the latent tokens; NaN where the image branch is a softmax of its own) and
+#: ``keys`` (how many keys each row's weights run over, after the text padding is left out).
+CELL_FIELDS: tuple[str, ...] = ("bandwidth", *STAT_NAMES, "q_norm", "k_norm_spread", "ip_mass", "keys")
+
+#: Columns that place a cell: call, step, timestep, layer, head, CFG branch, kind and adapter.
+INDEX_COLUMNS: tuple[str, ...] = ("call", "step", "timestep", "layer", "head", "branch", "kind", "adapter")
+
+#: Columns of :meth:`ipa_probe.ProbeRun.to_dataframe`, in order. ``few_keys`` flags cells whose rows have fewer than
+#: :data:`FEW_KEYS` keys (per-row Spearman is then +-1 or undefined); ``complete`` is False in a step cut short.
+COLUMNS: tuple[str, ...] = (
+    *INDEX_COLUMNS,
+    "bandwidth",
+    "spearman",
+    "pearson",
+    "spearman_null",
+    "kl",
+    "top1",
+    "neff_attn",
+    "neff_nw",
+    "q_norm",
+    "k_norm_spread",
+    "nonfinite",
+    "ip_mass",
+    "keys",
+    "few_keys",
+    "complete",
+)
+
+#: Rows with fewer keys than this have a degenerate per-row Spearman (two keys give +-1, one key none).
+FEW_KEYS: int = 3
+
+#: Columns of :func:`ipa_probe.capture.report.summarize` that group the cells (one summary row per group).
+SUMMARY_KEYS: tuple[str, ...] = ("call", "step", "timestep", "kind", "branch")
+
+#: Columns a summary (and a sweep's aggregate) averages over cells.
+SUMMARY_MEANS: tuple[str, ...] = (
+    "spearman",
+    "pearson",
+    "spearman_null",
+    "kl",
+    "top1",
+    "neff_attn",
+    "neff_nw",
+    "q_norm",
+    "k_norm_spread",
+    "ip_mass",
+    "bandwidth",
+)
+
+#: Columns a summary takes the maximum of over cells.
+SUMMARY_MAX: tuple[str, ...] = ("nonfinite",)
+
+#: The CFG-branch labels the probe gives batch items (see README, "How the probe works"): ``"uncond"`` and
+#: ``"cond"`` (classifier-free guidance), ``"perturbed"`` (the last chunk of a PAG batch), ``"uncond_text"``
+#: (InstructPix2Pix's middle chunk: negative prompt, real image) and ``"batch"`` (items the evidence does not decide).
+BRANCH_LABELS: tuple[str, ...] = ("uncond", "cond", "perturbed", "uncond_text", "batch")
+
+
+def frac_column(threshold: float) -> str:
+    """The name of the summary column counting cells with rho above ``threshold``, e.g. ``"frac_rho_gt_0.9"``."""
+    return f"frac_rho_gt_{threshold:g}"
