@@ -188,6 +188,11 @@ def test_scarcity_steps_scores_every_snapshot(tmp_path):
     row = frame.iloc[0]
     assert row["gain_pct"] == pytest.approx(100 * (row["plugin"] - row["learned"]) / row["plugin"])
     assert "| steps |" in scarcity_steps.table(frame)
+    # every snapshot was written as measured; a second start trains nothing and returns the same rows
+    assert all((tmp_path / f"rows-{data}-4.csv").exists() for data in tier.scarcity_data)
+    again = scarcity_steps.measure(tier, steps=4, out=tmp_path, progress=False, first=2, datas=("digits",))
+    expected = frame[frame["data"] == "digits"].reset_index(drop=True)
+    assert again.equals(expected)
     assert scarcity_steps.plot(frame, tmp_path / "f.png").stat().st_size > 1000
 
 

@@ -44,8 +44,27 @@ def snapshot_steps(steps: int, first: int = 250) -> list[int]:
     return out + [steps]
 
 
-def measure(tier: Tier, steps: int, out: Path, progress: bool = True, first: int = 250) -> pd.DataFrame:
+def _rows_path(out: Path, data: str, steps: int) -> Path:
+    return out / f"rows-{data}-{steps}.csv"
+
+
+def measure(
+    tier: Tier,
+    steps: int,
+    out: Path,
+    progress: bool = True,
+    first: int = 250,
+    datas: tuple[str, ...] | None = None,
+) -> pd.DataFrame:
     """Train one constant-rate model per data set and score it at every snapshot step.
+
+    Each snapshot's rows are written to ``out/rows-DATA-STEPS.csv`` as soon as they are measured and kept when the
+    command is started again; an interrupted run resumes its training from the last checkpoint (snapshots between
+    that checkpoint and the interruption are measured again, earlier ones are kept from the file).
+
+    Args:
+        datas: the data sets (default: the tier's scarcity data sets); separate processes may measure different
+            data sets into the same ``out``.
 
     Returns:
         one row per (data, step, m): ``plugin``, ``learned`` (mean MMD² over the held-out tasks), their standard
@@ -54,13 +73,16 @@ def measure(tier: Tier, steps: int, out: Path, progress: bool = True, first: int
     ctx = ExperimentContext(replace(tier, schedule="constant", eval_every=0), out, progress)
     rows = []
     wanted = set(snapshot_steps(steps, first))
-    for data in tier.scarcity_data:
+    for data in datas or tier.scarcity_data:
+        path = _rows_path(out, data, steps)
+        done = pd.read_csv(path).to_dict(orient="records") if path.exists() else []
+        rows.extend(done)
         tasks = ctx.held_out(data, DIM, m=max(MS))  # the scarcity experiment's tasks when its largest m is 50
         subs = {m: TaskBatch(tasks.support[:, :m], tasks.target) for m in MS}
         plugin = {m: ctx.mmd_plugin(sub) for m, sub in subs.items()}
 
-        def observe(step: int, model, data=data, subs=subs, plugin=plugin) -> None:
-            if step not in wanted:
+        def observe(step: int, model, data=data, subs=subs, plugin=plugin, path=path, done=done) -> None:
+            if step not in wanted or any(r["step"] == step for r in done):
                 return
             model.eval()
             for m, sub in subs.items():
@@ -76,6 +98,8 @@ def measure(tier: Tier, steps: int, out: Path, progress: bool = True, first: int
                         "learned_sem": learned.sem,
                     }
                 )
+                done.append(rows[-1])
+            pd.DataFrame(done).to_csv(path, index=False)
             model.train()
 
         cfg = ctx.train_config(steps, tier.seeds[0], m=M_TRAIN[0], m_max=M_TRAIN[1])
@@ -89,7 +113,12 @@ def measure(tier: Tier, steps: int, out: Path, progress: bool = True, first: int
             observe=observe,
             device=ctx.device,
         )
-    frame = pd.DataFrame(rows)
+    return with_gains(pd.DataFrame(rows))
+
+
+def with_gains(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with ``gain_pct`` and ``ratio`` columns added."""
+    frame = frame.sort_values(["data", "step", "m"]).reset_index(drop=True)
     frame["gain_pct"] = 100 * (frame["plugin"] - frame["learned"]) / frame["plugin"]
     frame["ratio"] = frame["plugin"] / frame["learned"]
     return frame
@@ -131,12 +160,15 @@ def main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
     parser.add_argument("--first", type=int, default=250, help="first snapshot step (then doubling)")
     parser.add_argument("--tier", default="full", choices=sorted(ALL_TIERS))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--data", nargs="+", default=None, help="data sets (default: the tier's scarcity data)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    frame = measure(ALL_TIERS[args.tier], args.steps, args.out, not args.no_progress, args.first)
+    measure(ALL_TIERS[args.tier], args.steps, args.out, not args.no_progress, args.first, args.data)
+    # every data set measured into this folder so far (by this process or another one)
+    frame = with_gains(pd.concat([pd.read_csv(p) for p in sorted(args.out.glob(f"rows-*-{args.steps}.csv"))]))
     frame.to_csv(args.out / "table.csv", index=False)
     (args.out / "table.md").write_text(
         f"Learned gain over the plug-in, (MMD²_plug-in − MMD²_learned) / MMD²_plug-in, tier `{args.tier}`, "
