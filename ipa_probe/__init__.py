@@ -1,27 +1,52 @@
 """ipa_probe: IP-Adapter attention against Gaussian Nadaraya–Watson kernel smoothing.
 
-Explicit re-exports only; the code lives in the modules named below.
+Explicit re-exports only, imported lazily; the code lives in the modules named in ``_EXPORTS``.
 """
 
-from . import capture, images, layers, nwhead, sweep, theory, tiny
-from .capture.run import ProbeConfig, ProbeRun, probe
-from .exact import ExactNWDenoiser, ExactNWPipeline, exact_pipeline
-from .kernels import dot_logits, key_norm_bias, matched_bandwidth, n_eff, nw_logits, nw_weights
-from .layers import find_ip_layers, list_hooks
-from .nwhead import (
-    FluxNWHeadAttnProcessor,
-    NWHeadAttnProcessor,
-    NWHeadConfig,
-    SD3NWHeadAttnProcessor,
-    apply_nw_head,
-    nw_head,
-    remove_nw_head,
-)
-from .stats import STAT_NAMES, compare_weights
-from .sweep import SweepRunner, read_manifest, run_sweep
-from .theory import ExactNWHead, OTSchedule, VPSchedule, nw_velocity
-from .tiny.dit import tiny_flux_pipeline, tiny_sd3_pipeline
-from .tiny.sd import default_reference_images, save_tiny_pipeline, tiny_pipeline
+import importlib
+
+#: name -> module (relative to this package) that defines it; imported on first use, so that `import ipa_probe`
+#: and the command line's argument parsing stay fast (torch and diffusers load only when a name needs them).
+_EXPORTS = {
+    "ProbeConfig": ".capture.run",
+    "ProbeRun": ".capture.run",
+    "probe": ".capture.run",
+    "ExactNWDenoiser": ".exact",
+    "ExactNWPipeline": ".exact",
+    "exact_pipeline": ".exact",
+    "dot_logits": ".kernels",
+    "key_norm_bias": ".kernels",
+    "matched_bandwidth": ".kernels",
+    "n_eff": ".kernels",
+    "nw_logits": ".kernels",
+    "nw_weights": ".kernels",
+    "find_ip_layers": ".layers",
+    "list_hooks": ".layers",
+    "FluxNWHeadAttnProcessor": ".nwhead",
+    "NWHeadAttnProcessor": ".nwhead",
+    "NWHeadConfig": ".nwhead",
+    "SD3NWHeadAttnProcessor": ".nwhead",
+    "apply_nw_head": ".nwhead",
+    "nw_head": ".nwhead",
+    "remove_nw_head": ".nwhead",
+    "STAT_NAMES": ".stats",
+    "compare_weights": ".stats",
+    "SweepRunner": ".sweep",
+    "read_manifest": ".sweep",
+    "run_sweep": ".sweep",
+    "ExactNWHead": ".theory",
+    "OTSchedule": ".theory",
+    "VPSchedule": ".theory",
+    "nw_velocity": ".theory",
+    "tiny_flux_pipeline": ".tiny.dit",
+    "tiny_sd3_pipeline": ".tiny.dit",
+    "default_reference_images": ".tiny.sd",
+    "save_tiny_pipeline": ".tiny.sd",
+    "tiny_pipeline": ".tiny.sd",
+}
+
+#: subpackages and modules reachable as attributes (``ipa_probe.sweep``), imported on first use.
+_SUBMODULES = ("capture", "images", "layers", "nwhead", "sweep", "theory", "tiny")
 
 __version__ = "0.1.0"
 
@@ -70,3 +95,17 @@ __all__ = [
     "tiny_flux_pipeline",
     "tiny_sd3_pipeline",
 ]
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

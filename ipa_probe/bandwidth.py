@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ._checks import parse_bandwidth
 from .kernels import matched_bandwidth
 
 __all__ = ["BandwidthSpec", "argument_type", "check", "describe", "parse", "resolve"]
@@ -61,27 +62,14 @@ def check(spec: Any, keywords: tuple[str, ...] = ("matched",)) -> BandwidthSpec:
 
 def parse(value: str | float, keywords: tuple[str, ...] = ("matched",)) -> str | float:
     """A spec from text or a plain number (a command-line argument, a manifest cell): one of ``keywords`` or a
-    positive finite number (a numeric string is converted; surrounding spaces are ignored).
+    positive number in :data:`ipa_probe._checks.BANDWIDTH_RANGE`, where float32 NW weights stay finite (a numeric
+    string is converted; surrounding spaces are ignored). The parser itself lives in :mod:`ipa_probe._checks`,
+    which imports no torch, so the command line checks ``--bandwidth`` before torch loads.
 
     Raises:
         ValueError: anything else, with the accepted forms in the message.
     """
-    if isinstance(value, str):
-        text = value.strip()
-        if text in keywords:
-            return text
-        try:
-            number = float(text)
-        except ValueError:
-            number = math.nan
-    elif isinstance(value, bool) or not isinstance(value, int | float):
-        number = math.nan
-    else:
-        number = float(value)
-    if not (math.isfinite(number) and number > 0):
-        accepted = ", ".join(repr(k) for k in keywords)
-        raise ValueError(f"bandwidth: expected {accepted} or a positive number, got {value!r}")
-    return number
+    return parse_bandwidth(value, keywords)
 
 
 def argument_type(*keywords: str) -> Callable[[str], str | float]:

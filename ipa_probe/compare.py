@@ -25,7 +25,6 @@ open_clip ``pretrained`` tag whose weights are cached, or a local file) gives th
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -38,6 +37,8 @@ import numpy as np
 import pandas as pd
 import PIL.Image
 import torch
+
+from .bandwidth import describe as describe_bandwidth
 
 __all__ = [
     "METHODS",
@@ -339,7 +340,7 @@ class Comparison:
         Returns:
             name -> path of each file written.
         """
-        from .capture.report import _jsonable, versions
+        from ._io import versions, write_json
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -370,7 +371,7 @@ class Comparison:
             "per_image": self.per_image.to_dict(orient="records"),
             "files": {k: p.name for k, p in paths.items()},
         }
-        paths["record"].write_text(json.dumps(_jsonable(record), indent=2))
+        write_json(paths["record"], record)
         return paths
 
 
@@ -513,7 +514,7 @@ def compare_methods(
     record = {
         **(settings or {}),
         "seeds": seeds,
-        "bandwidth": bandwidth if isinstance(bandwidth, str | float | int) else getattr(bandwidth, "__name__", "fn"),
+        "bandwidth": describe_bandwidth(bandwidth),
         "call": {k: v for k, v in (call_kwargs or {}).items() if isinstance(v, str | int | float | bool)},
         "references": len(references),
         "image_size": list(size),

@@ -3,33 +3,89 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable
+from contextlib import contextmanager
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-__all__ = ["IMAGE_SUFFIXES", "load_image", "load_images"]
+__all__ = ["IMAGE_SUFFIXES", "check_image_file", "load_image", "load_images", "to_rgb"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
+#: PIL modes of 16- and 32-bit integer grayscale (16-bit PNGs open as one of these).
+_WIDE_GRAY_MODES = ("I", "I;16", "I;16L", "I;16B", "I;16N")
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """``image`` as 8-bit RGB, keeping the brightness of 16-bit grayscale.
+
+    ``Image.convert("RGB")`` clips 16-bit values at 255, which turns a 16-bit grayscale PNG almost all white; here
+    such images are scaled from ``[0, 65535]`` to ``[0, 255]`` first (32-bit ``I`` images whose values reach past
+    65535 are scaled by their own maximum). Float ``F`` images are taken as ``[0, 1]`` when they stay in it.
+    """
+    import numpy as np
+
+    if image.mode in _WIDE_GRAY_MODES or image.mode == "F":
+        values = np.asarray(image, dtype=np.float64)  # (H, W)
+        top = float(values.max()) if values.size else 0.0
+        if image.mode == "F":
+            scale = 255.0 if top <= 1.0 else 255.0 / max(top, 1.0)
+        else:
+            scale = 255.0 / 65535.0 if top <= 65535 else 255.0 / top
+        gray = np.clip(np.rint(values * scale), 0, 255).astype(np.uint8)
+        return Image.fromarray(gray, mode="L").convert("RGB")
+    return image.convert("RGB")
+
+
+@contextmanager
+def _pixel_limit(path: Path):
+    """PIL's decompression-bomb warning and error as one ValueError naming the file and the remedy."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            yield
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+            raise ValueError(
+                f"image {str(path)!r} is larger than PIL's limit of {Image.MAX_IMAGE_PIXELS} pixels ({err}); "
+                "downscale it, or raise PIL.Image.MAX_IMAGE_PIXELS if you trust the file"
+            ) from None
+
+
+def check_image_file(path: str | os.PathLike) -> None:
+    """Read only the header of an image file: cheap, and catches files that are not images or are too large.
+
+    Raises:
+        ValueError: the file is not an image PIL can read, or has more pixels than PIL's limit.
+    """
+    path = Path(path)
+    try:
+        with _pixel_limit(path), Image.open(path):
+            pass
+    except (UnidentifiedImageError, OSError) as err:
+        raise ValueError(
+            f"image {str(path)!r} cannot be read ({err.__class__.__name__}); pass a PNG or JPEG file"
+        ) from None
+
 
 def load_image(image: Image.Image | str | os.PathLike) -> Image.Image:
-    """An RGB PIL image from a PIL image or a file path.
+    """An RGB PIL image from a PIL image or a file path (16-bit grayscale scaled, see :func:`to_rgb`).
 
     Raises:
         FileNotFoundError: the path does not exist.
-        ValueError: the file is not an image PIL can read.
+        ValueError: the file is not an image PIL can read, or has more pixels than PIL's limit.
         TypeError: anything else (arrays and tensors included: convert them with ``PIL.Image.fromarray``).
     """
     if isinstance(image, Image.Image):
-        return image.convert("RGB")
+        return to_rgb(image)
     if isinstance(image, str | os.PathLike):
         path = Path(image)
         if not path.is_file():
             raise FileNotFoundError(f"reference image {str(path)!r} does not exist; pass an existing PNG or JPEG file")
         try:
-            with Image.open(path) as opened:
-                return opened.convert("RGB")
+            with _pixel_limit(path), Image.open(path) as opened:
+                return to_rgb(opened)
         except (UnidentifiedImageError, OSError) as err:
             raise ValueError(
                 f"{str(path)!r} is not an image PIL can read ({err.__class__.__name__}); pass a PNG or JPEG file"

@@ -41,11 +41,8 @@ CELL_FIELDS: tuple[str, ...] = ("bandwidth", *STAT_NAMES, "q_norm", "k_norm_spre
 #: Columns that place a cell: call, step, timestep, layer, head, CFG branch, kind and adapter.
 INDEX_COLUMNS: tuple[str, ...] = ("call", "step", "timestep", "layer", "head", "branch", "kind", "adapter")
 
-#: Columns of :meth:`ipa_probe.ProbeRun.to_dataframe`, in order. ``few_keys`` flags cells whose rows have fewer than
-#: :data:`FEW_KEYS` keys (per-row Spearman is then +-1 or undefined); ``complete`` is False in a step cut short.
-COLUMNS: tuple[str, ...] = (
-    *INDEX_COLUMNS,
-    "bandwidth",
+#: The comparison statistics and geometry, in table order (a summary averages them too).
+_AVERAGED: tuple[str, ...] = (
     "spearman",
     "pearson",
     "spearman_null",
@@ -55,6 +52,14 @@ COLUMNS: tuple[str, ...] = (
     "neff_nw",
     "q_norm",
     "k_norm_spread",
+)
+
+#: Columns of :meth:`ipa_probe.ProbeRun.to_dataframe`, in order. ``few_keys`` flags cells whose rows have fewer than
+#: :data:`FEW_KEYS` keys (per-row Spearman is then +-1 or undefined); ``complete`` is False in a step cut short.
+COLUMNS: tuple[str, ...] = (
+    *INDEX_COLUMNS,
+    "bandwidth",
+    *_AVERAGED,
     "nonfinite",
     "ip_mass",
     "keys",
@@ -69,19 +74,7 @@ FEW_KEYS: int = 3
 SUMMARY_KEYS: tuple[str, ...] = ("call", "step", "timestep", "kind", "branch")
 
 #: Columns a summary (and a sweep's aggregate) averages over cells.
-SUMMARY_MEANS: tuple[str, ...] = (
-    "spearman",
-    "pearson",
-    "spearman_null",
-    "kl",
-    "top1",
-    "neff_attn",
-    "neff_nw",
-    "q_norm",
-    "k_norm_spread",
-    "ip_mass",
-    "bandwidth",
-)
+SUMMARY_MEANS: tuple[str, ...] = (*_AVERAGED, "ip_mass", "bandwidth")
 
 #: Columns a summary takes the maximum of over cells.
 SUMMARY_MAX: tuple[str, ...] = ("nonfinite",)

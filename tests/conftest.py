@@ -45,3 +45,12 @@ def sd3():
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """Tables are bit-identical across processes only at equal torch thread counts: pin one, restore after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from diffusers import FluxPipeline
 from diffusers.image_processor import IPAdapterMaskProcessor
 from PIL import Image
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ipa_probe.sweep import RowDefaults, SweepRunner
 
 #: (kind, IP-Adapter variant, adapters, guidance scale, masks): the pipeline settings parity tests run over.
 PIPELINE_CASES = [
@@ -57,3 +62,31 @@ def generate_dit(pipe, refs, adapters=1, cfg=False, steps=2, **kwargs):
         return pipe(prompt, ip_adapter_image=[refs] * adapters, **kwargs).images
     kwargs.setdefault("guidance_scale", 5.0 if cfg else 1.0)
     return pipe(prompt, ip_adapter_image=refs[0], **kwargs).images
+
+
+#: denoising steps of the sweep tests' rows
+SWEEP_STEPS = 2
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    """A JSON Lines manifest: dicts as JSON objects, strings as raw lines."""
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def runner_for(pipe, cls: type[SweepRunner] = SweepRunner, seed: int = 0, **kwargs) -> SweepRunner:
+    """A sweep runner of the tests' settings: 2 steps, 64 x 64."""
+    defaults = RowDefaults(steps=SWEEP_STEPS, seed=seed)
+    return cls(pipe, defaults, call_kwargs={"height": 64, "width": 64}, settings={"model": "tiny"}, **kwargs)
+
+
+class Counting(SweepRunner):
+    """Test double: records which rows it ran."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ran: list[int] = []
+
+    def run_row(self, row):
+        self.ran.append(row.row)
+        return super().run_row(row)

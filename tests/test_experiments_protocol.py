@@ -11,6 +11,7 @@ from scipy import stats as sstats
 from scipy.spatial.distance import cdist
 
 from ipa_probe.experiments import ExperimentContext, ModelConfig, TrainConfig, make_meta, train
+from ipa_probe.experiments.checkpoint import load_checkpoint
 from ipa_probe.experiments.tiers import GPU_TIERS, TIERS, get_tier
 from ipa_probe.experiments.train import CHECKPOINT, VAL_SEED, build_scheduler, sample_time, validation_tasks
 
@@ -132,8 +133,8 @@ def test_best_checkpoint_is_the_lowest_validation_and_survives_a_resume(tmp_path
     assert (resumed.best_step, resumed.best_val) == (straight.best_step, straight.best_val)
     for (name, p), q in zip(straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
-    final_a = torch.load(tmp_path / "a" / CHECKPOINT, weights_only=False)["model"]
-    final_b = torch.load(tmp_path / "b" / CHECKPOINT, weights_only=False)["model"]
+    final_a = load_checkpoint(tmp_path / "a" / CHECKPOINT)["model"]
+    final_b = load_checkpoint(tmp_path / "b" / CHECKPOINT)["model"]
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
     assert not all(torch.equal(final_a[k], v) for k, v in straight.model.state_dict().items())
 
@@ -141,7 +142,7 @@ def test_best_checkpoint_is_the_lowest_validation_and_survives_a_resume(tmp_path
 def test_without_validation_the_final_weights_are_the_result(tmp_path):
     cfg = TrainConfig(**dict(TINY_VAL.to_dict(), eval_every=0))
     result = train(TINY_MODEL, cfg, make_meta("mixed2d", 2), run_dir=tmp_path, progress=False)
-    final = torch.load(tmp_path / CHECKPOINT, weights_only=False)
+    final = load_checkpoint(tmp_path / CHECKPOINT)
     assert result.validation == [] and result.best_step == 8 and final["best_model"] is None
     assert all(torch.equal(v, final["model"][k]) for k, v in result.model.state_dict().items())
 

@@ -269,6 +269,7 @@ def test_keep_maps_shapes_and_budget(sd15, refs):
     b, h, q, k = weights.shape
     assert (b, k) == (2, 2 * 4)  # CFG doubles the batch; two reference images of 4 tokens
     torch.testing.assert_close(weights.float().sum(-1), torch.ones(b, h, q), atol=2e-3, rtol=0)
+    assert run.map_branches[(call, step, layer, adapter)] == [("uncond", "cond")]
     with pytest.raises(ValueError, match="max_map_bytes"):
         with probe(sd15, keep_maps=True, max_map_bytes=1000):
             generate(sd15, refs)

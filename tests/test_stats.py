@@ -160,3 +160,19 @@ def test_nw_logits_keep_float32_precision_under_a_common_offset():
     exact = nw_weights(q, k, 0.7)
     shifted = nw_weights((q + offset).float(), (k + offset).float(), 0.7)
     torch.testing.assert_close(shifted.double(), exact, atol=1e-3, rtol=0)
+
+
+def test_top1_counts_an_argmax_on_any_copy_of_one_token_as_agreement():
+    """Copies of one token (several reference images' unconditional tokens) differ only by float noise; which copy
+    each weighting's arg-max lands on must not decide ``top1``."""
+    from ipa_probe.kernels import dot_logits, nw_logits
+    from ipa_probe.stats import copy_groups
+
+    q = torch.tensor([[[0.5, 0.0]]])  # (1, Q=1, D=2)
+    k = torch.tensor([[[1.0, 0.0], [1.0 + 1e-6, 0.0], [-1.0, 0.0]]])  # keys 0 and 1: one token, rounded apart
+    attn, nw = dot_logits(q, k), nw_logits(q, k, 1.0)
+    assert attn.argmax(-1).item() == 1 and nw.argmax(-1).item() == 0  # the two weightings pick different copies
+    assert _stat(compare_weights(attn, nw), "top1").item() == 0.0
+    groups = copy_groups(k)
+    assert groups.tolist() == [[0, 0, 2]]
+    assert _stat(compare_weights(attn, nw, key_groups=groups.unsqueeze(-2)), "top1").item() == 1.0

@@ -15,13 +15,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import torch
+from helpers import Counting, runner_for, write_jsonl
 from scipy import stats
 
 from ipa_probe.cli import main
 from ipa_probe.sweep import (
     ManifestError,
-    RowDefaults,
     SweepLayout,
     SweepRunner,
     aggregate,
@@ -61,25 +60,6 @@ def workdir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pipe():
     return tiny_pipeline(seed=0)
-
-
-@pytest.fixture
-def one_thread():
-    """Tables are bit-identical across processes only at equal torch thread counts: pin one, restore after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
-    return path
-
-
-def runner_for(pipe, cls: type[SweepRunner] = SweepRunner, seed: int = 0, **kwargs) -> SweepRunner:
-    defaults = RowDefaults(steps=STEPS, seed=seed)
-    return cls(pipe, defaults, call_kwargs={"height": 64, "width": 64}, settings={"model": "tiny"}, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ manifests
@@ -257,16 +237,6 @@ class InterruptAt(SweepRunner):
     def run_row(self, row):
         if row.row == self.stop:
             raise KeyboardInterrupt
-        return super().run_row(row)
-
-
-class Counting(SweepRunner):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ran: list[int] = []
-
-    def run_row(self, row):
-        self.ran.append(row.row)
         return super().run_row(row)
 
 

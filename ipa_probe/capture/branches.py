@@ -52,6 +52,8 @@ class Layout:
     Attributes:
         chunks: how many equal, contiguous chunks the batch holds (host integer: it only depends on shapes).
         labels: ``(chunks,)`` int64 on the device: each chunk's index into the run's label vocabulary.
+        items: ``(B,)`` int64 on the device: each batch item's label (its chunk's); statistics are computed per
+            item and averaged over the items of a label.
         is_cond: per chunk, a 0-d bool on the device: the chunk holds the prompt's embeddings (or ``None`` when
             no evidence was compared); used to pick each chunk's text-token mask.
         is_uncond: the same for the negative prompt's embeddings.
@@ -59,6 +61,7 @@ class Layout:
 
     chunks: int
     labels: torch.Tensor
+    items: torch.Tensor
     is_cond: list[torch.Tensor] | None = None
     is_uncond: list[torch.Tensor] | None = None
 
@@ -171,18 +174,24 @@ class PromptEvidence:
     def layout(self, context: torch.Tensor | None, device: torch.device) -> Layout:
         """The :class:`Layout` of a pass whose ``encoder_hidden_states`` is ``context`` (``(B, T, C)``)."""
         index = self._constants(device)
+        size = context.shape[0] if isinstance(context, torch.Tensor) else 1
+        batch = self.vocabulary.index("batch")
+        unlabelled = Layout(1, index[batch : batch + 1], index[batch : batch + 1].expand(size))
         if self.declared is not None:
+            chunks = len(self.declared)
+            if size % chunks:
+                return unlabelled
             if device not in self._declared_labels:
                 picked = [index[self.vocabulary.index(b)] for b in self.declared]
                 self._declared_labels[device] = torch.stack(picked)
-            return Layout(len(self.declared), self._declared_labels[device])
-        batch = self.vocabulary.index("batch")
+            labels = self._declared_labels[device]
+            return Layout(chunks, labels, labels.repeat_interleave(size // chunks))
         cond = self.cond
         if not isinstance(context, torch.Tensor) or cond is None or context.shape[1:] != cond.shape[1:]:
-            return Layout(1, index[batch : batch + 1])
+            return unlabelled
         n = cond.shape[0]
-        if n == 0 or context.shape[0] % n:
-            return Layout(1, index[batch : batch + 1])
+        if n == 0 or size % n:
+            return unlabelled
         chunks = context.shape[0] // n
         uncond = self.uncond if self.uncond is not None and self.uncond.shape == cond.shape else None
         pag = bool(getattr(self.pipe, "do_perturbed_attention_guidance", False))
@@ -204,4 +213,5 @@ class PromptEvidence:
             labels.append(label)
             is_cond.append(only_cond)
             is_uncond.append(only_uncond)
-        return Layout(chunks, torch.stack(labels), is_cond, is_uncond)
+        labels = torch.stack(labels)
+        return Layout(chunks, labels, labels.repeat_interleave(n), is_cond, is_uncond)

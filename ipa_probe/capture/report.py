@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-import platform
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from .._io import jsonable, versions
 from ..schema import CELL_FIELDS, COLUMNS, FEW_KEYS, SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column
 
 logger = logging.getLogger(__name__)
@@ -143,38 +143,6 @@ def style_timestep_axes(ax) -> None:
         ax.invert_xaxis()
 
 
-def versions() -> dict[str, str]:
-    """Versions of the packages that shape the numbers."""
-    import diffusers
-    import torch
-    import transformers
-
-    from .. import __version__
-
-    return {
-        "ipa_probe": __version__,
-        "torch": torch.__version__,
-        "diffusers": diffusers.__version__,
-        "transformers": transformers.__version__,
-        "pandas": pd.__version__,
-        "python": platform.python_version(),
-    }
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, float) and not np.isfinite(value):
-        return None
-    if isinstance(value, str | int | float | bool) or value is None:
-        return value
-    return str(value)
-
-
 def save_run(table: pd.DataFrame, directory, settings: dict | None = None, extra: dict | None = None) -> dict:
     """Write ``probe.parquet``, ``summary.json`` and ``rho_by_timestep.png`` into ``directory``; return their paths."""
     import matplotlib.pyplot as plt
@@ -195,7 +163,7 @@ def save_run(table: pd.DataFrame, directory, settings: dict | None = None, extra
         "rows": len(table),
         "summary": summary.to_dict(orient="records"),
     }
-    paths["summary"].write_text(json.dumps(_jsonable(record), indent=2))
+    paths["summary"].write_text(json.dumps(jsonable(record), indent=2))
     fig = plot_run(table)
     fig.savefig(paths["plot"], dpi=120)
     plt.close(fig)

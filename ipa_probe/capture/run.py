@@ -72,10 +72,13 @@ class ProbeConfig:
         steps: denoising loop indices to record (an iterable of ints or a ``slice``); ``None`` for all.
         heads: head indices to record; ``None`` for all.
         keep_maps: also keep the full attention maps (fp16, moved off the device without blocking): in
-            :attr:`ProbeRun.maps`, ``(call, step, layer, adapter)`` -> a list of ``(B, H, Q, K)`` image-token weights,
-            one per denoiser pass (one per step for SD/SDXL/SD3, whose batch holds ``[uncond, cond]``; ``cond`` then
-            ``uncond`` for Flux with true CFG). For SD3 these are the joint weights restricted to the image tokens
-            and renormalised.
+            :attr:`ProbeRun.maps`, ``(call, step, layer, adapter)`` -> a list of ``(B, H, Q, K)`` weights, one per
+            record: one per denoiser pass (SD/SDXL/SD3 concatenate their CFG branches in one pass; Flux with true
+            CFG runs one pass per branch), and with ``ip_adapter_masks`` one per reference image and pass (diffusers
+            gives each masked image its own softmax over its own tokens; queries outside the mask are included in
+            the map, though the table leaves them out). :attr:`ProbeRun.map_branches` has, under the same key, each
+            map's branch label per batch item. For SD3 the maps are the joint weights restricted to the image
+            tokens and renormalised; for ``branch="text"`` rows the text tokens (padding included).
         max_map_bytes: refuse ``keep_maps`` when the estimated size of the maps exceeds this.
         seed: seed of the permutation null's random generator (the global RNG is never used).
         branch: which cross-attention to compare with NW weights: ``"image"`` (the IP-Adapter branch, over the
@@ -186,14 +189,14 @@ class _StepState:
 
 @dataclass
 class _Cell:
-    """One record's tensors, grouped by CFG branch chunk: ``(chunks, H, rows, K)`` and friends."""
+    """One record's tensors by group (a batch item with its frames): ``(groups, H, rows, K)`` and friends."""
 
     attn: torch.Tensor  # attention logits
     nw: torch.Tensor  # NW logits
-    h: torch.Tensor  # (chunks, H) bandwidth
+    h: torch.Tensor  # (groups, H) bandwidth
     key_mask: torch.Tensor | None  # kept keys (text padding left out)
-    row_mask: torch.Tensor | None  # (chunks, H, rows) rows inside an IP-Adapter mask
-    groups: torch.Tensor | None  # (chunks, H, rows, K) copies of one token
+    row_mask: torch.Tensor | None  # (groups, H, rows) rows inside an IP-Adapter mask
+    copies: torch.Tensor | None  # (groups, H, rows, K) key ids, equal for copies of one token
 
 
 class ProbeRun:
@@ -231,6 +234,9 @@ class ProbeRun:
         self.labels: tuple[str, ...] = label_vocabulary(config.branches)
         self.evidence = PromptEvidence(pipe, self.labels, config.branches, on_encode=self.tap.on_encode)
         self.maps: dict[tuple[int, int, str, int], list[torch.Tensor]] = {}
+        #: per key of :attr:`maps`, each map's branch label per batch item (filled when the block ends)
+        self.map_branches: dict[tuple[int, int, str, int], list[tuple[str, ...]]] = {}
+        self._map_labels: dict[tuple[int, int, str, int], list[torch.Tensor]] = {}
         self._calls: list[_Call] = []
         self._state = _StepState()
         self._capture = Capture(record=self._record)
@@ -250,7 +256,7 @@ class ProbeRun:
             clock = observer(self._on_denoiser_call)
             done = observer(self._on_denoiser_return)
             self._handles.append(denoiser.register_forward_pre_hook(clock, with_kwargs=True))
-            self._handles.append(denoiser.register_forward_hook(done, always_call=True))
+            self._handles.append(denoiser.register_forward_hook(done))  # not run when the pass raises
             self._handles.extend(self.tap.install(self._capture, self.images, self.text_slot))
             self.evidence.install()
         except BaseException:
@@ -292,6 +298,9 @@ class ProbeRun:
                 for call in self._calls
             ]
         }
+        for key, labels in self._map_labels.items():
+            self.map_branches[key] = [tuple(self.labels[i] for i in item.tolist()) for item in labels]
+        self._map_labels.clear()
         for call in self._calls:
             if call.incomplete:
                 logger.warning(
@@ -454,9 +463,9 @@ class ProbeRun:
         """
         state = self._state
         state.records += 1
-        layout = state.layout
-        if query.shape[0] % layout.chunks:  # a batch the layout does not describe: one unlabelled chunk
-            layout = self.evidence.layout(None, query.device)
+        labels = state.layout.items  # (items,): a statistic per batch item (frames of one item pooled)
+        if query.shape[0] % labels.shape[0]:  # a batch the layout does not describe: one unlabelled group
+            labels = self.evidence.layout(None, query.device).items
         q, k = query.float(), key.float()  # (B, H, Q, D), (B, H, K, D)
         head_dim = q.shape[-1]
         head_index = self._heads(q.device)
@@ -467,46 +476,49 @@ class ProbeRun:
         processor = self.layers[index].attention.processor
         # the text branch is plain scaled dot-product attention in every processor
         attn = dot_logits(q, k, 1.0 / math.sqrt(head_dim)) if text else image_branch_logits(processor, q, k)
-        cell = self._cell(layout.chunks, q, k, attn, text, rows)
-        values = self._cell_values(cell, layout.chunks, q, k, other, attn, text, processor)  # (chunks, H, fields)
-        self._accumulate(index, slot, layout.labels, values)
+        groups = labels.shape[0]
+        cell = self._cell(groups, q, k, attn, text, rows)
+        values = self._cell_values(cell, groups, q, k, other, attn, text, processor)  # (groups, H, fields)
+        self._accumulate(index, slot, labels, values)
         if self.config.keep_maps:
-            self._keep_map(state.call.index, state.step, self.layers[index].name, slot, attn)
+            key = (state.call.index, state.step, self.layers[index].name, slot)
+            self._keep_map(key, attn)
+            self._map_labels.setdefault(key, []).append(labels.repeat_interleave(query.shape[0] // groups))
 
     def _cell(
-        self, chunks: int, q: torch.Tensor, k: torch.Tensor, attn: torch.Tensor, text: bool, rows: torch.Tensor | None
+        self, groups: int, q: torch.Tensor, k: torch.Tensor, attn: torch.Tensor, text: bool, rows: torch.Tensor | None
     ) -> _Cell:
-        """Group a record's logits, masks and copy groups by chunk: ``(B, H, R, C)`` -> ``(chunks, H, items*R, C)``."""
+        """A record's logits, masks and copy ids by group: ``(B, H, R, C)`` -> ``(groups, H, frames * R, C)``."""
         batch, n_heads, n_queries, n_keys = attn.shape
 
-        def by_chunk(x: torch.Tensor) -> torch.Tensor:
-            # (B, H, R, C) -> (chunks, H, items * R, C): rows of all batch items of a chunk together
-            return x.reshape(chunks, batch // chunks, n_heads, x.shape[-2], x.shape[-1]).transpose(1, 2).flatten(2, 3)
+        def by_group(x: torch.Tensor) -> torch.Tensor:
+            # (B, H, R, C) -> (groups, H, frames * R, C): a group is one item of the denoiser's batch, with its frames
+            return x.reshape(groups, batch // groups, n_heads, x.shape[-2], x.shape[-1]).transpose(1, 2).flatten(2, 3)
 
         key_mask = None
         text_mask = self._state.text_mask
         if text and text_mask is not None and text_mask.shape[0] == batch:
-            key_mask = by_chunk(text_mask[:, None, None, :].expand(batch, n_heads, n_queries, n_keys))
+            key_mask = by_group(text_mask[:, None, None, :].expand(batch, n_heads, n_queries, n_keys))
         row_mask = None
         if rows is not None:
-            row_mask = by_chunk(rows[:, None, :, None].expand(batch, n_heads, n_queries, 1)).squeeze(-1)
-        groups = by_chunk(copy_groups(k).unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
+            row_mask = by_group(rows[:, None, :, None].expand(batch, n_heads, n_queries, 1)).squeeze(-1)
+        copies = by_group(copy_groups(k).unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
         h = self._bandwidth(q.shape[-1], q.device)
         if self.config.bandwidth == "fit":
             k_sq = (k * k).sum(-1)  # (B, H, K)
-            energy = by_chunk(q @ k.transpose(-1, -2) - k_sq.unsqueeze(-2) / 2)  # NW logits times h^2
-            attn_c = by_chunk(attn)
+            energy = by_group(q @ k.transpose(-1, -2) - k_sq.unsqueeze(-2) / 2)  # NW logits times h^2
+            attn_c = by_group(attn)
             if key_mask is not None:
                 attn_c, energy = attn_c.masked_fill(~key_mask, -math.inf), energy.masked_fill(~key_mask, -math.inf)
-            h_cell = fit_bandwidth(attn_c, energy, matched_bandwidth(q.shape[-1]))  # (chunks, H)
-            return _Cell(attn_c, energy / (h_cell * h_cell)[..., None, None], h_cell, key_mask, row_mask, groups)
-        h_cell = h.expand(chunks, n_heads)
-        return _Cell(by_chunk(attn), by_chunk(nw_logits(q, k, h)), h_cell, key_mask, row_mask, groups)
+            h_cell = fit_bandwidth(attn_c, energy, matched_bandwidth(q.shape[-1]))  # (groups, H)
+            return _Cell(attn_c, energy / (h_cell * h_cell)[..., None, None], h_cell, key_mask, row_mask, copies)
+        h_cell = h.expand(groups, n_heads)
+        return _Cell(by_group(attn), by_group(nw_logits(q, k, h)), h_cell, key_mask, row_mask, copies)
 
     def _cell_values(
         self,
         cell: _Cell,
-        chunks: int,
+        groups: int,
         q: torch.Tensor,
         k: torch.Tensor,
         other: torch.Tensor | None,
@@ -514,37 +526,37 @@ class ProbeRun:
         text: bool,
         processor: torch.nn.Module,
     ) -> torch.Tensor:
-        """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of one record, ``(chunks, H, fields)``."""
+        """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of one record, ``(groups, H, fields)``."""
         if self._generator is None or self._generator.device != q.device:
             self._generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
-        stats = compare_weights(cell.attn, cell.nw, self._generator, cell.key_mask, cell.row_mask, cell.groups)
+        stats = compare_weights(cell.attn, cell.nw, self._generator, cell.key_mask, cell.row_mask, cell.copies)
         batch, n_heads, n_keys = k.shape[0], k.shape[1], k.shape[2]
 
-        def by_chunk(x: torch.Tensor) -> torch.Tensor:  # (B, H, R) -> (chunks, H, items * R)
-            return x.reshape(chunks, batch // chunks, n_heads, x.shape[-1]).transpose(1, 2).flatten(2, 3)
+        def by_group(x: torch.Tensor) -> torch.Tensor:  # (B, H, R) -> (groups, H, items * R)
+            return x.reshape(groups, batch // groups, n_heads, x.shape[-1]).transpose(1, 2).flatten(2, 3)
 
-        q_norm = by_chunk(q.norm(dim=-1))  # (chunks, H, items * Q)
+        q_norm = by_group(q.norm(dim=-1))  # (groups, H, items * Q)
         if cell.row_mask is not None:
             inside = cell.row_mask.float()
             q_norm = (q_norm * inside).sum(-1) / inside.sum(-1)
         else:
             q_norm = q_norm.mean(-1)
-        k_norm = by_chunk(k.norm(dim=-1))  # (chunks, H, items * K)
+        k_norm = by_group(k.norm(dim=-1))  # (groups, H, items * K)
         kept = torch.ones_like(k_norm)
         if cell.key_mask is not None:
-            kept = by_chunk(self._state.text_mask[:, None, :].expand(batch, n_heads, n_keys).float())
+            kept = by_group(self._state.text_mask[:, None, :].expand(batch, n_heads, n_keys).float())
         mean = (k_norm * kept).sum(-1) / kept.sum(-1)
         spread = (((k_norm - mean[..., None]) ** 2 * kept).sum(-1) / kept.sum(-1)).sqrt() / mean
-        keys = kept.sum(-1) / (batch // chunks)  # (chunks, H) keys per row
+        keys = kept.sum(-1) / (batch // groups)  # (groups, H) keys per row
         ip_mass = torch.full_like(q_norm, math.nan)
         if other is not None and not text:
             share = self._image_share(processor, q, k, other.float())  # (B, H, Q)
-            ip_mass = by_chunk(share).mean(-1)
+            ip_mass = by_group(share).mean(-1)
         fields = [cell.h, *stats.unbind(-1), q_norm, spread, ip_mass, keys]
         return torch.stack(fields, dim=-1)
 
     def _accumulate(self, index: int, slot: int, labels: torch.Tensor, values: torch.Tensor) -> None:
-        """Add ``values`` ``(chunks, H, fields)`` into the buffers at each chunk's label (an index on the device)."""
+        """Add ``values`` ``(groups, H, fields)`` into the buffers at each group's label (an index on the device)."""
         state = self._state
         n_heads = values.shape[1]
         sums = state.call.sums[state.step, index, slot, :, :n_heads]  # (labels, H, fields), a view
@@ -573,12 +585,12 @@ class ProbeRun:
             parts.append(torch.sigmoid(torch.logsumexp(image, -1) - torch.logsumexp(rest, -1)))
         return torch.cat(parts, dim=2)
 
-    def _keep_map(self, call: int, step: int, layer: str, adapter: int, logits: torch.Tensor) -> None:
+    def _keep_map(self, key: tuple[int, int, str, int], logits: torch.Tensor) -> None:
         weights = torch.softmax(logits, dim=-1).half()
         pinned = weights.device.type == "cuda"
         host = torch.empty(weights.shape, dtype=torch.float16, device="cpu", pin_memory=pinned)
         host.copy_(weights, non_blocking=pinned)
-        self.maps.setdefault((call, step, layer, adapter), []).append(host)
+        self.maps.setdefault(key, []).append(host)
 
     # ------------------------------------------------------------------ results
     def _finished(self) -> dict[str, Any]:

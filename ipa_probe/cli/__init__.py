@@ -20,8 +20,30 @@ class CLIError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
+#: Exit codes: 0 done; 2 a usage error (nothing ran; one line on stderr); 3 a sweep finished but some of its rows
+#: failed (listed with their manifest lines; run it again to retry them); 130 interrupted (Ctrl-C; finished work kept).
+EXIT_OK, EXIT_USAGE, EXIT_ROWS_FAILED, EXIT_INTERRUPTED = 0, 2, 3, 130
+
+
+class _ArgumentError(Exception):
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(f"{prog}: error: {message} (see {prog} --help)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (``prog: error: ...``) and exit code 2, without the usage block."""
+
+    def error(self, message: str):
+        raise _ArgumentError(self.prog, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ipa-probe", description=__doc__)
+    parser = _Parser(
+        prog="ipa-probe",
+        description=__doc__,
+        epilog="exit codes: 0 done, 2 bad arguments or input (one line), 3 some sweep rows failed (run again to "
+        "retry them), 130 interrupted (finished work is kept; run the same command to resume)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in SUBCOMMANDS.values():
@@ -37,18 +59,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    if not args.verbose:
-        # diffusers warns on every load_ip_adapter that an empty list of modules "should be kept in float32"
-        from diffusers.utils import logging as diffusers_logging
-
-        diffusers_logging.set_verbosity_error()
     try:
+        args = parser.parse_args(argv)
+    except _ArgumentError as err:
+        print(err, file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        if not args.verbose and args.command != "experiments":
+            # diffusers warns on every load_ip_adapter that an empty list of modules "should be kept in float32"
+            from diffusers.utils import logging as diffusers_logging
+
+            diffusers_logging.set_verbosity_error()
         return int(args.func(args) or 0)
     except CLIError as err:
         print(f"ipa-probe {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(
+            f"ipa-probe {args.command}: interrupted; finished work is kept, run the same command again to resume",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

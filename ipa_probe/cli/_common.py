@@ -3,12 +3,45 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._checks import MAX_SEED, check_device, check_steps, parse_bandwidth, parse_float, parse_int
 from . import CLIError
 
 DTYPES = ("float32", "float16", "bfloat16")
+
+
+def bandwidth_type(*names: str):
+    """An argparse ``type`` accepting the given keywords (e.g. ``"matched"``, ``"fit"``) or a bandwidth number in
+    :data:`~.._checks.BANDWIDTH_RANGE` (where float32 NW weights stay finite). Imports no torch, unlike
+    :mod:`ipa_probe.bandwidth`, so that arguments are checked before torch loads."""
+
+    def bandwidth(value: str) -> str | float:
+        try:
+            return parse_bandwidth(value, keywords=names)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err).removeprefix("bandwidth: ")) from None
+
+    return bandwidth
+
+
+def _argument_type(check, name: str):
+    def parse(value: str):
+        try:
+            return check(value)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err).split(": ", 1)[-1]) from None
+
+    parse.__name__ = name  # argparse names the type in its messages
+    return parse
+
+
+#: argparse types: a seed in [0, 2**63 - 1]; a positive step count; a finite non-negative scale.
+seed_type = _argument_type(lambda v: parse_int(v, "seed", 0, MAX_SEED), "seed")
+steps_type = _argument_type(lambda v: parse_int(v, "steps", 1), "steps")
+scale_type = _argument_type(lambda v: parse_float(v, "scale", 0.0), "scale")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,11 +60,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--variant", choices=("base", "plus"), default="base", help="embedded IP-Adapter variant")
     group.add_argument("--image", action="append", default=[], help="reference image or folder (repeatable)")
     group.add_argument("--prompt", default="a photo", help="text prompt")
-    group.add_argument("--steps", type=int, default=None, help="denoising steps (default: 30, embedded: 10)")
-    group.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the pipeline's)")
-    group.add_argument("--scale", type=float, default=None, help="IP-Adapter scale (set_ip_adapter_scale)")
+    group.add_argument("--steps", type=steps_type, default=None, help="denoising steps (default: 30, embedded: 10)")
+    group.add_argument(
+        "--guidance-scale", type=scale_type, default=None, help="CFG scale >= 0 (default: the pipeline's)"
+    )
+    group.add_argument("--scale", type=scale_type, default=None, help="IP-Adapter scale >= 0 (set_ip_adapter_scale)")
     group.add_argument("--size", type=int, nargs=2, metavar=("H", "W"), help="output height and width")
-    group.add_argument("--seed", type=int, default=0, help="generator seed")
+    group.add_argument("--seed", type=seed_type, default=0, help=f"generator seed in [0, {MAX_SEED}]")
     group.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     group.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype")
 
@@ -58,7 +93,7 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
     """
     import torch
 
-    _check_sizes(args)
+    check_size(args)
     device = _device(args)
     dtype = getattr(torch, args.dtype)
     references = _references(args)
@@ -68,6 +103,10 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
     else:
         has_images = references is not None or not require_images
         pipe, steps, size, description = _pretrained_pipeline(args, device, dtype, has_images)
+    try:
+        check_steps(pipe.scheduler, steps)
+    except ValueError as err:
+        raise CLIError(f"--{err}") from None
     pipe.set_progress_bar_config(disable=False, desc="denoising")
     if args.scale is not None:
         pipe.set_ip_adapter_scale(args.scale)
@@ -84,29 +123,29 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
             "device": str(device),
             "dtype": args.dtype,
             "references": len(references or ()),
+            "scale": args.scale,
+            "guidance_scale": args.guidance_scale,
+            "size": list(size) if size is not None else None,
         }
     )
     return Loaded(pipe, references, call_kwargs, description)
 
 
-def _check_sizes(args: argparse.Namespace) -> None:
-    if args.steps is not None and args.steps < 1:
-        raise CLIError(f"--steps must be at least 1, got {args.steps}")
+def check_size(args: argparse.Namespace) -> None:
+    """``--size``: two multiples of 8, at least 8 (``--steps`` is checked by its argparse type)."""
     if args.size is not None and any(s < 8 or s % 8 for s in args.size):
         raise CLIError(f"--size must be two multiples of 8 (at least 8), got {args.size}")
 
 
 def _device(args: argparse.Namespace):
-    """The torch device of ``--device``, checked to exist."""
+    """The torch device of ``--device``, checked to be present and able to hold data."""
     import torch
 
     try:
-        device = torch.device(args.device)
-    except RuntimeError as err:
-        raise CLIError(f"--device {args.device!r} is not a torch device ({err})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
-    return device
+        check_device(args.device)
+    except ValueError as err:
+        raise CLIError(f"--{err}") from None
+    return torch.device(args.device)
 
 
 def _references(args: argparse.Namespace) -> list | None:
@@ -174,16 +213,32 @@ def _pretrained_pipeline(
     return pipe, args.steps or 30, args.size, description
 
 
-def output_dir(path: str) -> Path:
-    """Create ``path`` (and parents) or fail with a clear message."""
-    out = Path(path)
+def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Check that ``path`` can be created and written, without creating it (it is made when the work starts).
+
+    Raises:
+        CLIError: ``path`` or a parent is a file, or the nearest existing parent is not writable.
+    """
+    out = Path(path).expanduser()
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    problem = None
+    if not existing.is_dir():
+        problem = f"{str(existing)!r} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{str(existing)!r} is not writable"
+    if problem:
+        raise CLIError(f"cannot write to output folder {flag} {str(out)!r} ({problem}); choose a writable folder")
+    return out
+
+
+def output_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` (and parents) when the work starts, or fail with a clear message."""
+    out = check_output_dir(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe_file = out / ".ipa_probe_write_test"
-        probe_file.write_text("")
-        probe_file.unlink()
     except OSError as err:
-        raise CLIError(
-            f"cannot write to --out {str(out)!r} ({err.strerror or err}); choose a writable folder"
-        ) from None
+        reason = err.strerror or err
+        raise CLIError(f"cannot write to --out {str(out)!r} ({reason}); choose a writable folder") from None
     return out

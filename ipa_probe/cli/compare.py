@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ..bandwidth import argument_type as bandwidth_type
+from .._checks import MAX_SEED
 from . import CLIError
-from ._common import add_model_arguments, load_pipeline, output_dir
+from ._common import add_model_arguments, bandwidth_type, check_output_dir, load_pipeline, output_dir, seed_type
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def add_parser(subparsers) -> None:
     )
     add_model_arguments(parser)
     seeds = parser.add_mutually_exclusive_group()
-    seeds.add_argument("--seeds", type=int, nargs="+", help="generator seeds, one grid column each")
+    seeds.add_argument("--seeds", type=seed_type, nargs="+", help="generator seeds, one grid column each")
     seeds.add_argument(
         "--num-seeds",
         type=int,
@@ -55,6 +55,8 @@ def _seeds(args: argparse.Namespace) -> list[int]:
     count = DEFAULT_NUM_SEEDS if args.num_seeds is None else args.num_seeds
     if count < 1:
         raise CLIError(f"--num-seeds must be at least 1, got {count}")
+    if args.seed + count - 1 > MAX_SEED:
+        raise CLIError(f"--seed {args.seed} + {count} seeds passes the largest seed {MAX_SEED}; lower --seed")
     return [args.seed + i for i in range(count)]
 
 
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from ..compare import RANDOM_WEIGHTS_NOTE, ClipScorer, compare_methods
 
     seeds = _seeds(args)
-    out = output_dir(args.out)
+    check_output_dir(args.out)
     loaded = load_pipeline(args)
     try:
         scorer = ClipScorer(args.clip_model, args.clip_pretrained, device=loaded.pipe.device)
@@ -80,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as err:
         raise CLIError(str(err)) from None
+    out = output_dir(args.out)  # created only now that there is something to write
     paths = result.save(out)
     print(result.markdown())
     if scorer.random_weights:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
-from pathlib import Path
 
 from . import CLIError
+from ._common import check_output_dir
 
 NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "all")
 
@@ -46,17 +45,10 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def _check_writable(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
-            pass
-    except OSError as err:
-        raise CLIError(f"cannot write to output folder {out} ({err.strerror or err}); pass a writable --out") from None
-
-
 def run(args: argparse.Namespace) -> int:
+    from .._io import OutputLocked
     from ..experiments import run_experiments
+    from ..experiments.checkpoint import CheckpointError
     from ..experiments.tiers import ALL_TIERS, DIM_RANGE, M_RANGE
 
     if args.name not in NAMES:
@@ -81,12 +73,14 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"seeds must be non-negative integers, got {args.seeds}")
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
-    out = Path(args.out or f"outputs/experiments-{args.tier}")
-    _check_writable(out)
+    out = check_output_dir(args.out or f"outputs/experiments-{args.tier}")  # made when the run starts
     tier = ALL_TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
-    results = run_experiments(
-        [args.name], tier, out, progress=not args.no_progress, threads=args.threads or os.cpu_count()
-    )
+    try:
+        results = run_experiments(
+            [args.name], tier, out, progress=not args.no_progress, threads=args.threads or os.cpu_count()
+        )
+    except (CheckpointError, OutputLocked) as err:
+        raise CLIError(str(err)) from None
     for name, result in results.items():
         print(f"{name}: {out / name / 'table.md'} ({result.record['wall_time_s']:.0f} s)")
     print(f"summary: {out / 'summary.md'}")

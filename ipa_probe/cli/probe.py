@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ..bandwidth import argument_type as bandwidth_type
 from . import CLIError
-from ._common import add_model_arguments, load_pipeline, output_dir
+from ._common import add_model_arguments, bandwidth_type, check_output_dir, load_pipeline, output_dir
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..capture.run import probe
 
-    out = output_dir(args.out)
+    check_output_dir(args.out)
     loaded = load_pipeline(args)
     generator = torch.Generator(device=loaded.pipe.device).manual_seed(args.seed)
     try:
@@ -40,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
             result = loaded.pipe(ip_adapter_image=[loaded.references], generator=generator, **loaded.call_kwargs)
     except ValueError as err:
         raise CLIError(str(err)) from None
+    out = output_dir(args.out)  # created only now that there is something to write
     for i, image in enumerate(result.images):
         image.save(out / f"image_{i}.png")
     paths = run_.save(out, extra={"run": loaded.description})

@@ -7,9 +7,8 @@ import logging
 import os
 from datetime import timedelta
 
-from ..bandwidth import argument_type as bandwidth_type
-from . import CLIError
-from ._common import add_model_arguments, load_pipeline, output_dir
+from . import EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, CLIError
+from ._common import add_model_arguments, bandwidth_type, check_output_dir, check_size, load_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +25,15 @@ manifest: JSON Lines (one object per line) or CSV (a header row, then one row pe
   steps      denoising steps (default: --steps)
   bandwidth  'matched', 'fit' or a positive h (default: --bandwidth)
 A row with an unknown key, a missing or unreadable image or a bad value is reported with its line number and
-skipped; an empty manifest, or one that is neither JSON Lines nor CSV, is an error (exit code 2).
+skipped; an empty manifest, or one that is neither JSON Lines nor CSV, is an error (exit code 2). A row that fails
+while running (an image that cannot be decoded, values the pipeline rejects, an error inside the pipeline) fails
+alone: its line and reason go to summary.json, the other rows run, and the exit code is 3.
 
-output (--out): rows/row-NNNNNN.parquet (one Parquet dataset, one part per row, with a `row` column),
-row_summary.parquet, aggregate.parquet (per timestep over rows, with a bootstrap CI), summary.json,
-rho_by_timestep.png. Run the same command again to resume: rows already written are skipped.
+output (--out): rows/row-NNNNNN.parquet (one Parquet dataset, one part per row of this manifest, with a `row`
+column), row_summary.parquet, aggregate.parquet (per timestep over rows, with a bootstrap CI), summary.json,
+rho_by_timestep.png; skipped/ (rows that failed), set_aside/ (parts moved out of rows/: damaged, images changed,
+row no longer in the manifest, --restart). Run the same command again to resume: rows already written are kept,
+failed and damaged rows run again. One sweep at a time per --out (a lock file); Ctrl-C stops with exit code 130.
 
 device: by default the one accelerate gives each process (cuda:N), else cuda when present, else cpu.
 several processes (one device each; --out must be a folder they all see):
@@ -76,7 +79,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--bandwidth", type=bandwidth, default="matched", help="default NW bandwidth of a row")
     parser.add_argument("--layers", action="append", help="regex selecting layer ids (repeatable; default: all)")
     parser.add_argument("--out", default="outputs/sweep", help="output folder (default: outputs/sweep)")
-    parser.add_argument("--restart", action="store_true", help="discard results already in --out and run all rows")
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="replace rows in --out made with other settings (moved to set_aside/) instead of stopping",
+    )
     parser.add_argument("--threads", type=_positive_int, help="torch CPU threads per process (default: torch's)")
     parser.add_argument("--confidence", type=_confidence, default=0.95, help="bootstrap CI level (default 0.95)")
     parser.add_argument("--resamples", type=_positive_int, default=9999, help="bootstrap resamples (default 9999)")
@@ -88,6 +95,8 @@ def _device(args: argparse.Namespace, state) -> str:
     """The device of this process: accelerate's under several processes, else what --device says."""
     import torch
 
+    from .._checks import check_device
+
     if state.num_processes > 1:
         if args.device not in ("auto", "cpu", "cuda"):
             raise CLIError(
@@ -98,6 +107,10 @@ def _device(args: argparse.Namespace, state) -> str:
         return "cpu" if device.type == "cpu" else str(device)
     if args.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        check_device(args.device)
+    except ValueError as err:
+        raise CLIError(f"--{err}") from None
     return args.device
 
 
@@ -116,58 +129,27 @@ def _settings(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-    from accelerate import PartialState
-
-    from ..sweep import ManifestError, RowDefaults, SweepRunner, read_manifest, run_sweep
-
-    cpu = args.device.startswith("cpu") or (args.device == "auto" and not torch.cuda.is_available())
-    state = PartialState(cpu=cpu, timeout=BARRIER_TIMEOUT)
-    if args.threads is not None:  # after PartialState, which may set its own count on CPU
-        torch.set_num_threads(args.threads)
-    if state.num_processes == 1 and os.environ.get("MASTER_ADDR") and os.environ.get("WORLD_SIZE") is None:
-        logger.warning(
-            "one process only: `accelerate launch --cpu` starts a single process whatever --num_processes says; "
-            "for several CPU processes use `accelerate launch --multi_gpu --num_processes N ... --device cpu`"
-        )
+    try:
+        manifest = _read_and_check(args)
+    except CLIError:
+        if os.environ.get("RANK", "0") == "0":  # under accelerate launch: one line, from the main process
+            raise
+        return EXIT_USAGE
+    state = _state(args)
 
     def fail(message: str) -> int:
         if state.is_main_process:  # one line, not one per process
             raise CLIError(message)
-        return 2
-
-    try:
-        manifest = read_manifest(args.manifest, require_images=args.model is not None and not args.image)
-    except ManifestError as err:
-        return fail(str(err))
-    if not manifest.rows:
-        reasons = "; ".join(s.describe() for s in manifest.skipped[:3])
-        more = f"; and {len(manifest.skipped) - 3} more" if len(manifest.skipped) > 3 else ""
-        return fail(f"manifest {args.manifest!r}: none of its {manifest.total} rows can run ({reasons}{more})")
-    if state.is_main_process:
-        output_dir(args.out)
+        return EXIT_USAGE
 
     load_args = argparse.Namespace(**vars(args))
     load_args.device = _device(args, state)
     loaded = load_pipeline(load_args, require_images=False)  # rows bring their own images
     loaded.pipe.set_progress_bar_config(disable=True)
-    embedded_or_given = args.model is None or bool(args.image)
-    call_kwargs = {k: v for k, v in loaded.call_kwargs.items() if k not in ("prompt", "num_inference_steps")}
-    defaults = RowDefaults(
-        prompt=args.prompt,
-        seed=args.seed,
-        scale=1.0 if args.scale is None else args.scale,
-        steps=loaded.call_kwargs["num_inference_steps"],
-        bandwidth=args.bandwidth,
-    )
-    runner = SweepRunner(
-        loaded.pipe,
-        defaults,
-        default_images=loaded.references if embedded_or_given else None,
-        layers=args.layers,
-        call_kwargs=call_kwargs,
-        settings=_settings(args),
-    )
+    runner = _runner(args, loaded)
+    from .._io import OutputLocked
+    from ..sweep import run_sweep
+
     try:
         result = run_sweep(
             manifest,
@@ -178,11 +160,76 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             confidence=args.confidence,
             n_resamples=args.resamples,
-            extra={"run": {"device": load_args.device, "threads": torch.get_num_threads()}},
+            extra={"run": _run_record(args, load_args)},
         )
-    except ValueError as err:
-        message = str(err).replace("or restart to discard them", "or pass --restart to discard them")
+    except (ValueError, OutputLocked) as err:
+        message = str(err).replace("or restart to replace them", "or pass --restart to replace them")
         return fail(message)
     if state.is_main_process:
         print(result.describe())
-    return 0
+    return EXIT_ROWS_FAILED if result.failed else EXIT_OK
+
+
+def _read_and_check(args: argparse.Namespace):
+    """Everything that needs no model, checked before torch and the pipeline load: the manifest and --out."""
+    from ..sweep import ManifestError, read_manifest
+
+    check_size(args)
+    check_output_dir(args.out)
+    try:
+        manifest = read_manifest(args.manifest, require_images=args.model is not None and not args.image)
+    except ManifestError as err:
+        raise CLIError(str(err)) from None
+    if not manifest.rows:
+        reasons = "; ".join(s.describe() for s in manifest.skipped[:3])
+        more = f"; and {len(manifest.skipped) - 3} more" if len(manifest.skipped) > 3 else ""
+        raise CLIError(f"manifest {args.manifest!r}: none of its {manifest.total} rows can run ({reasons}{more})")
+    return manifest
+
+
+def _state(args: argparse.Namespace):
+    """accelerate's state of this process (one process without ``accelerate launch``)."""
+    import torch
+    from accelerate import PartialState
+
+    cpu = args.device.startswith("cpu") or (args.device == "auto" and not torch.cuda.is_available())
+    state = PartialState(cpu=cpu, timeout=BARRIER_TIMEOUT)
+    if args.threads is not None:  # after PartialState, which may set its own count on CPU
+        torch.set_num_threads(args.threads)
+    if state.num_processes == 1 and os.environ.get("MASTER_ADDR") and os.environ.get("WORLD_SIZE") is None:
+        logger.warning(
+            "one process only: `accelerate launch --cpu` starts a single process whatever --num_processes says; "
+            "for several CPU processes use `accelerate launch --multi_gpu --num_processes N ... --device cpu`"
+        )
+    return state
+
+
+def _runner(args: argparse.Namespace, loaded):
+    """The row runner: the loaded pipeline, the defaults rows leave to the command line, the settings they share."""
+    from ..sweep import RowDefaults, SweepRunner
+
+    embedded_or_given = args.model is None or bool(args.image)
+    call_kwargs = {k: v for k, v in loaded.call_kwargs.items() if k not in ("prompt", "num_inference_steps")}
+    defaults = RowDefaults(
+        prompt=args.prompt,
+        seed=args.seed,
+        scale=1.0 if args.scale is None else args.scale,
+        steps=loaded.call_kwargs["num_inference_steps"],
+        bandwidth=args.bandwidth,
+    )
+    return SweepRunner(
+        loaded.pipe,
+        defaults,
+        default_images=loaded.references if embedded_or_given else None,
+        layers=args.layers,
+        call_kwargs=call_kwargs,
+        settings=_settings(args),
+    )
+
+
+def _run_record(args: argparse.Namespace, load_args: argparse.Namespace) -> dict:
+    """Every command-line setting, for ``summary.json``."""
+    import torch
+
+    arguments = {k: v for k, v in vars(args).items() if k != "func"}
+    return {"device": load_args.device, "threads": torch.get_num_threads(), "arguments": arguments}

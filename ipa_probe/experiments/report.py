@@ -7,12 +7,11 @@ display needed).
 from __future__ import annotations
 
 import csv
-import json
 import math
-import platform
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .._io import atomic_path, versions, write_atomic, write_json
 
 __all__ = ["ExperimentResult", "Row", "format_value", "save_figure", "versions", "write_result"]
 
@@ -75,60 +74,18 @@ def markdown_table(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def versions() -> dict:
-    """Versions of Python, the numerical libraries and this package, and the git commit when available."""
-    import numpy
-    import sklearn
-    import torch
-
-    from .. import __version__
-
-    info = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": numpy.__version__,
-        "scikit-learn": sklearn.__version__,
-        "ipa_probe": __version__,
-        "platform": platform.platform(),
-        "threads": torch.get_num_threads(),
-    }
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
-        )
-        if commit.returncode == 0:
-            info["git_commit"] = commit.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if hasattr(value, "tolist"):
-        return _jsonable(value.tolist())
-    return value
-
-
 def write_result(result: ExperimentResult, folder: Path) -> dict[str, Path]:
     """Write ``table.md``, ``table.csv`` and ``record.json`` of ``result`` into ``folder``. Returns their paths."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"table_md": folder / "table.md", "table_csv": folder / "table.csv", "record": folder / "record.json"}
-    paths["table_md"].write_text(f"### {result.name}\n\n" + markdown_table(result.rows))
-    with paths["table_csv"].open("w", newline="") as handle:
+    write_atomic(paths["table_md"], f"### {result.name}\n\n" + markdown_table(result.rows))
+    with atomic_path(paths["table_csv"]) as temp, temp.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(TABLE_COLUMNS)
         for row in result.rows:
             writer.writerow([getattr(row, c) for c in TABLE_COLUMNS])
     record = dict(result.record, figures=[p.name for p in result.figures])
-    paths["record"].write_text(json.dumps(_jsonable(record), indent=2) + "\n")
+    write_json(paths["record"], record)
     return paths
 
 

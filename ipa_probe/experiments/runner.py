@@ -13,14 +13,16 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .._io import output_lock, versions, write_atomic
 from .evaluate import MMDResult, evaluate_velocity, held_out_tasks, learned_velocity, plugin_velocity
 from .model import ICFMVelocityNet, ModelConfig
-from .report import ExperimentResult, markdown_table, versions, write_result
+from .report import ExperimentResult, markdown_table, write_result
 from .tasks import MetaDistribution, TaskBatch, make_meta
 from .tiers import Tier
 from .train import TrainConfig, load_model, train
@@ -195,7 +197,8 @@ def run_experiments(
     Args:
         names: experiment names from :data:`EXPERIMENTS` (``"all"`` expands to every one).
         tier: run sizes.
-        out: output folder; created if missing.
+        out: output folder; created if missing, and locked while the experiments run (a second run on the same
+            folder raises :class:`~.._io.OutputLocked` naming this one).
         progress: show progress bars.
         threads: torch threads; all cores (``os.cpu_count()``) by default.
 
@@ -208,12 +211,13 @@ def run_experiments(
     if unknown:
         raise ValueError(f"expected experiments among {EXPERIMENTS + ('all',)}, got {unknown}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads or os.cpu_count() or 1)
     registry = _registry()
     results: dict[str, ExperimentResult] = {}
-    try:
+    with ExitStack() as stack:
+        stack.enter_context(output_lock(out, "ipa-probe experiments"))  # one writer per folder
+        stack.callback(torch.set_num_threads, previous_threads)
+        torch.set_num_threads(threads or os.cpu_count() or 1)
         ctx = ExperimentContext(tier, out, progress)
         for name in names:
             start = time.perf_counter()
@@ -223,7 +227,7 @@ def run_experiments(
                 experiment=name,
                 tier=tier.to_dict(),
                 seeds=list(tier.seeds),
-                versions=versions(),
+                versions={**versions(), "threads": torch.get_num_threads()},
                 training_runs=ctx.runs,
                 device=str(ctx.device),
                 wall_time_s=round(time.perf_counter() - start, 2),
@@ -235,7 +239,5 @@ def run_experiments(
         for name, result in results.items():
             summary.append(f"## {name} ({result.record['wall_time_s']:.0f} s)\n\n{markdown_table(result.rows)}")
             summary.extend(f"![{p.stem}]({name}/{p.name})\n" for p in result.figures)
-        (out / "summary.md").write_text("\n".join(summary))
-    finally:
-        torch.set_num_threads(previous_threads)
+        write_atomic(out / "summary.md", "\n".join(summary))
     return results

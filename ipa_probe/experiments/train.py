@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .evaluate import held_out_tasks, validation_mmd
 from .model import ICFMVelocityNet, ModelConfig
 from .tasks import MetaDistribution, TaskBatch
@@ -53,7 +53,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINT = "checkpoint.safetensors"
+#: checkpoints of earlier versions (pickled, unsafe to load): ignored, with a warning.
+LEGACY_CHECKPOINT = "checkpoint.pt"
 T_EPS = 1e-5
 #: upper end of ``log h`` of the release's ``log_uniform_bandwidth`` time sampling.
 LOG_H_MAX = 5.0
@@ -243,10 +245,11 @@ def validation_tasks(meta: MetaDistribution, config: TrainConfig) -> TaskBatch:
     )
 
 
-def _save_atomic(state: dict, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+def _checkpoint_path(run_dir: str | Path) -> Path:
+    legacy = Path(run_dir) / LEGACY_CHECKPOINT
+    if legacy.exists():
+        logger.warning("ignoring %s: pickled checkpoints are no longer loaded (unsafe); training again", legacy)
+    return Path(run_dir) / CHECKPOINT
 
 
 def load_model(run_dir: str | Path) -> tuple[ICFMVelocityNet, dict] | None:
@@ -254,10 +257,10 @@ def load_model(run_dir: str | Path) -> tuple[ICFMVelocityNet, dict] | None:
 
     The result is the best-validation weights when the run validated, its final weights otherwise.
     """
-    path = Path(run_dir) / CHECKPOINT
+    path = _checkpoint_path(run_dir)
     if not path.exists():
         return None
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_checkpoint(path)
     if state["step"] < state["train_config"]["steps"]:
         return None
     model = ICFMVelocityNet(ModelConfig(**state["model_config"]))
@@ -290,7 +293,7 @@ def train(
         train_config: optimisation settings, validation and seed.
         meta: the training meta-distribution (tasks drawn with ``split="train"``; validation tasks too, from a
             seed of their own).
-        run_dir: folder for ``checkpoint.pt``; ``None`` trains without checkpoints.
+        run_dir: folder for ``checkpoint.safetensors`` (see :mod:`.checkpoint`); ``None`` trains without checkpoints.
         progress: show a tqdm progress bar.
         callback: called as ``callback(step, loss)`` after every step (e.g. to log, or to interrupt a test run).
         description: the progress bar's label.
@@ -314,11 +317,11 @@ def train(
     step, losses = 0, []
     validation: list[tuple[int, float]] = []
     best: dict = {"model": None, "step": 0, "val": None}
-    path = Path(run_dir) / CHECKPOINT if run_dir is not None else None
+    path = _checkpoint_path(run_dir) if run_dir is not None else None
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
-            state = torch.load(path, map_location=device, weights_only=False)
+            state = load_checkpoint(path)  # on the CPU; load_state_dict copies onto the model's device
             if state["model_config"] != model_config.to_dict() or state["train_config"] != cfg.to_dict():
                 raise ValueError(f"expected {path} to hold a run of the same configuration; remove it to retrain")
             model.load_state_dict(state["model"])
@@ -333,7 +336,7 @@ def train(
 
     def save() -> None:
         if path is not None:
-            _save_atomic(
+            save_checkpoint(
                 {
                     "model": model.state_dict(),
                     "optimizer": optimizer.state_dict(),

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from ..capture.report import style_timestep_axes, summarize
+from ..schema import SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column
 
 
 def bootstrap_ci(
@@ -56,10 +57,17 @@ def bootstrap_ci(
 
 
 def row_summary(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
-    """Per-timestep means of one row's table (:func:`~.capture.report.summarize`) plus ``row``, ``seed``, ``scale``."""
+    """Per-timestep means of one row's table (:func:`~.capture.report.summarize`) plus ``row``, ``seed``, ``scale``
+    and ``cells_nonfinite``: how many layer x head cells at that timestep have a non-finite Spearman or Pearson
+    (the means skip those cells, so :func:`aggregate` leaves such a row out instead of counting it as a full one;
+    ``nonfinite`` still gives the largest fraction of latent pixels whose weights were not finite)."""
     summary = summarize(table, threshold=threshold)
     if summary.empty:
         return summary
+    keys = list(SUMMARY_KEYS)
+    bad = ~np.isfinite(table["spearman"].to_numpy(np.float64)) | ~np.isfinite(table["pearson"].to_numpy(np.float64))
+    counts = pd.Series(bad, index=table.index).groupby([table[k] for k in keys], observed=True).sum()
+    summary = summary.merge(counts.rename("cells_nonfinite").reset_index(), on=keys, how="left")
     for position, key in enumerate(("row", "seed", "scale")):
         summary.insert(position, key, table[key].iloc[0])
     return summary
@@ -89,23 +97,33 @@ def aggregate(
 
     Returns:
         one row per (branch, timestep), timesteps in denoising order (high to low): ``rows`` (how many manifest rows
-        reached it), ``spearman`` (mean over rows), ``spearman_ci_low``, ``spearman_ci_high``, ``spearman_std``
-        (over rows), ``pearson``, ``frac_rho_gt_<threshold>`` (mean over rows of the fraction of layer x head cells
-        with rho above the threshold), ``spearman_null`` (the permutation null), ``kl``, ``top1``, ``neff_attn``,
-        ``neff_nw``, ``q_norm``, ``bandwidth`` (means) and ``nonfinite`` (max).
+        are averaged: those whose every cell is finite there), ``rows_partial`` (rows left out of every mean because
+        some of their cells are not finite, see :func:`row_summary`), ``spearman`` (mean over rows),
+        ``spearman_ci_low``, ``spearman_ci_high``, ``spearman_std`` (over rows), ``pearson``,
+        ``frac_rho_gt_<threshold>`` (mean over rows of the fraction of layer x head cells with rho above the
+        threshold), then the means over rows of the other summary means (:data:`~ipa_probe.schema.SUMMARY_MEANS`:
+        ``pearson``, ``spearman_null`` (the permutation null), ``kl``, ``top1``, ``neff_attn``, ``neff_nw``,
+        ``q_norm``, ``k_norm_spread``, ``ip_mass``, ``bandwidth``; NaN where the summaries lack one) and the maxima
+        of :data:`~ipa_probe.schema.SUMMARY_MAX` (``nonfinite``) over every row, partial ones included.
     """
-    frac = f"frac_rho_gt_{threshold:g}"
-    means = ["pearson", frac, "spearman_null", "kl", "top1", "neff_attn", "neff_nw", "q_norm", "bandwidth"]
-    columns = ["branch", "timestep", "rows", "spearman", "spearman_ci_low", "spearman_ci_high", "spearman_std"]
-    columns += [*means, "nonfinite"]
+    frac = frac_column(threshold)
+    means = [frac, *(name for name in SUMMARY_MEANS if name != "spearman")]
+    columns = ["branch", "timestep", "rows", "rows_partial", "spearman"]
+    columns += ["spearman_ci_low", "spearman_ci_high", "spearman_std"]
+    columns += [*means, *SUMMARY_MAX]
     if per_row.empty:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in columns})
-    missing = [c for c in ("row", "branch", "timestep", "spearman", *means) if c not in per_row.columns]
+    missing = [c for c in ("row", "branch", "timestep", "spearman", frac) if c not in per_row.columns]
     if missing:
         raise ValueError(f"per_row: missing column(s) {missing}; make it with row_summary(..., threshold={threshold})")
     records = []
     ordered = per_row.sort_values(["branch", "timestep", "row"], ascending=[True, False, True], kind="stable")
-    for index, ((branch, timestep), group) in enumerate(ordered.groupby(["branch", "timestep"], sort=False)):
+    for index, ((branch, timestep), both) in enumerate(ordered.groupby(["branch", "timestep"], sort=False)):
+        if "cells_nonfinite" in both:
+            partial = both["cells_nonfinite"].fillna(0).to_numpy(np.float64) > 0
+        else:  # summaries made elsewhere: every row counts
+            partial = np.zeros(len(both), dtype=bool)
+        group = both[~partial]
         rho = group["spearman"].to_numpy(np.float64)
         low, high = bootstrap_ci(rho, confidence, n_resamples, np.random.default_rng([seed, index]))
         finite = rho[np.isfinite(rho)]
@@ -113,13 +131,14 @@ def aggregate(
             "branch": branch,
             "timestep": float(timestep),
             "rows": int(group["row"].nunique()),
+            "rows_partial": int(both["row"][partial].nunique()),
             "spearman": float(finite.mean()) if finite.size else math.nan,
             "spearman_ci_low": low,
             "spearman_ci_high": high,
             "spearman_std": float(finite.std(ddof=1)) if finite.size > 1 else math.nan,
         }
-        record.update({key: float(group[key].mean()) for key in means})
-        record["nonfinite"] = float(group["nonfinite"].max()) if "nonfinite" in group else math.nan
+        record.update({key: float(group[key].mean()) if len(group) and key in group else math.nan for key in means})
+        record.update({key: float(both[key].max()) if key in both else math.nan for key in SUMMARY_MAX})
         records.append(record)
     return pd.DataFrame.from_records(records, columns=columns)
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import bandwidth as bw
-from ..images import IMAGE_SUFFIXES
+from .._checks import MAX_SEED, parse_bandwidth, parse_float, parse_int
+from ..images import IMAGE_SUFFIXES, check_image_file
 
 #: Keys a manifest row may have. All are optional: a row leaves out what the sweep's defaults should fill in.
 MANIFEST_KEYS: tuple[str, ...] = ("prompt", "images", "seed", "scale", "steps", "bandwidth")
@@ -90,46 +89,8 @@ class Manifest:
         return len(self.rows) + len(self.skipped)
 
 
-def parse_bandwidth(value: Any) -> str | float:
-    """``"matched"``, ``"fit"`` or a positive finite float (a numeric string is converted): see
-    :func:`ipa_probe.bandwidth.parse`.
-
-    Raises:
-        ValueError: anything else, with the accepted forms in the message.
-    """
-    return bw.parse(value, ("matched", "fit"))
-
-
-def _parse_int(value: Any, key: str, minimum: int) -> int:
-    if isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
-            raise ValueError(f"{key}: expected an integer, got {value!r}") from None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{key}: expected an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{key}: expected an integer >= {minimum}, got {value}")
-    return value
-
-
-def _parse_float(value: Any, key: str) -> float:
-    if isinstance(value, str):
-        try:
-            value = float(value.strip())
-        except ValueError:
-            raise ValueError(f"{key}: expected a number, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{key}: expected a finite number, got {value!r}")
-    return float(value)
-
-
 def _image_files(value: Any, base: Path, separated: bool) -> tuple[str, ...]:
     """Resolve an ``images`` entry to image files that exist and that PIL recognises."""
-    from PIL import Image, UnidentifiedImageError
-
     if isinstance(value, str):
         items = [value]
         if separated:
@@ -157,12 +118,7 @@ def _image_files(value: Any, base: Path, separated: bool) -> tuple[str, ...]:
         else:
             files.append(path)
     for path in files:
-        try:
-            with Image.open(path):  # reads the header only: cheap, and catches files that are not images
-                pass
-        except (UnidentifiedImageError, OSError) as err:
-            reason = err.__class__.__name__
-            raise ValueError(f"image {str(path)!r} cannot be read ({reason}); pass a PNG or JPEG file") from None
+        check_image_file(path)  # the header only: cheap; the pixels are read when the row runs
     return tuple(str(p) for p in files)
 
 
@@ -182,9 +138,9 @@ def _parse_row(raw: dict[str, Any], row: int, line: int, base: Path, csv_cells: 
         line=line,
         prompt=prompt,
         images=_image_files(values["images"], base, csv_cells) if "images" in values else None,
-        seed=_parse_int(values["seed"], "seed", 0) if "seed" in values else None,
-        scale=_parse_float(values["scale"], "scale") if "scale" in values else None,
-        steps=_parse_int(values["steps"], "steps", 1) if "steps" in values else None,
+        seed=parse_int(values["seed"], "seed", 0, MAX_SEED) if "seed" in values else None,
+        scale=parse_float(values["scale"], "scale", 0.0) if "scale" in values else None,
+        steps=parse_int(values["steps"], "steps", 1) if "steps" in values else None,
         bandwidth=parse_bandwidth(values["bandwidth"]) if "bandwidth" in values else None,
     )
 
@@ -259,6 +215,8 @@ def read_manifest(path: str | os.PathLike, *, require_images: bool = False) -> M
     """
     path = Path(path)
     name = str(path)
+    if path.is_dir():
+        raise ManifestError(f"manifest {name!r} is a folder; pass a JSON Lines or CSV file")
     if not path.is_file():
         raise ManifestError(f"manifest {name!r} does not exist; pass a JSON Lines or CSV file")
     try:

@@ -7,8 +7,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..capture.report import versions
+from .._io import OutputLocked, atomic_path, check_launch_holds, output_lock, versions, write_json
+from ..schema import frac_column
 from .aggregate import aggregate, plot_aggregate, row_summary
-from .manifest import Manifest, RowInputError, SkippedRow
+from .manifest import Manifest, ManifestRow, RowInputError, SkippedRow
 from .runner import SweepRunner
-from .storage import SweepLayout, _part_metadata, _write_json, write_part
+from .storage import DamagedPart, SweepLayout, _part_metadata, read_part, write_part
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class SweepResult:
         processes: how many processes shared the rows.
         seconds: wall time of the row loop (from the split to the last process finishing).
         rows_by_process: process index -> rows it computed in this call (main process only).
+        failed: the valid rows that failed while running (also in ``skipped``); a rerun tries them again.
     """
 
     out: Path
@@ -54,6 +56,7 @@ class SweepResult:
     row_summary: pd.DataFrame | None = None
     aggregate: pd.DataFrame | None = None
     threshold: float = 0.9
+    failed: list[SkippedRow] = field(default_factory=list)
 
     def describe(self) -> str:
         """One line: rows done, resumed, skipped, and the statistics at the last timestep of the cond branch."""
@@ -65,12 +68,14 @@ class SweepResult:
         if self.skipped:
             lines = ", ".join(str(s.line) for s in self.skipped[:10]) + (", ..." if len(self.skipped) > 10 else "")
             line += f", {len(self.skipped)} skipped (line {lines})"
+        if self.failed:
+            line += f", of which {len(self.failed)} failed while running (reasons in summary.json; run again to retry)"
         line += f" -> {self.out}"
         agg = self.aggregate
         if agg is not None and not agg.empty:
             part = agg[agg["branch"] == "cond"] if (agg["branch"] == "cond").any() else agg
             last = part.sort_values("timestep").iloc[0]
-            frac = f"frac_rho_gt_{self.threshold:g}"
+            frac = frac_column(self.threshold)
             line += f"; last timestep t={last['timestep']:g}: spearman {last['spearman']:.3f}"
             if math.isfinite(last["spearman_ci_low"]):
                 line += f" [{last['spearman_ci_low']:.3f}, {last['spearman_ci_high']:.3f}]"
@@ -95,25 +100,115 @@ class _OneProcess:
         yield inputs
 
 
-def _scan(manifest: Manifest, runner: SweepRunner, layout: SweepLayout) -> tuple[set[int], list[str]]:
-    """Rows whose part is present with the same fingerprint, and descriptions of parts with another one."""
-    done: set[int] = set()
-    stale: list[str] = []
-    for row in manifest.rows:
-        path = layout.part(row.row)
-        if not path.is_file():
+@dataclass
+class _Scan:
+    """What ``rows/`` holds for the manifest's rows, read from the parts' metadata only (nothing is changed)."""
+
+    current: set[int] = field(default_factory=set)  # part made with these settings from these images
+    stale: list[str] = field(default_factory=list)  # parts made with other settings: descriptions
+    set_aside: dict[Path, str] = field(default_factory=dict)  # part -> why it leaves rows/ (if the sweep goes on)
+
+
+def _scan(manifest: Manifest, runner: SweepRunner, layout: SweepLayout, restart: bool, log: bool = True) -> _Scan:
+    """Sort the parts in ``rows/``: current, made with other settings, or to set aside (damaged, changed images,
+    not a row of this manifest). ``log``: warn about the rows that will run again (the main process does)."""
+    warn = logger.warning if log else logger.debug
+    scan = _Scan()
+    rows = {layout.part(row.row): row for row in manifest.rows}
+    for path in layout.parts():
+        row = rows.get(path)
+        if row is None:
+            scan.set_aside[path] = "not-in-manifest"
             continue
         meta = _part_metadata(path)
         if meta is None:
-            stale.append(f"row {row.row} (line {row.line}): {path.name} is not a readable sweep part")
+            warn("row %d (line %d): %s is damaged; running the row again", row.row, row.line, path.name)
+            scan.set_aside[path] = "damaged"
         elif meta.get("fingerprint") != runner.fingerprint(row):
+            if restart:
+                scan.set_aside[path] = "other-settings"
+                continue
             old = meta.get("settings", {})
             new = json.loads(json.dumps(asdict(runner.resolve(row)), default=str))
             changed = sorted(k for k in new if old.get(k, new[k]) != new[k]) or ["model or probe options"]
-            stale.append(f"row {row.row} (line {row.line}): {', '.join(changed)} differ")
+            scan.stale.append(f"row {row.row} (line {row.line}): {', '.join(changed)} differ")
+        elif meta.get("inputs") != _inputs_or_none(runner, row):
+            warn("row %d (line %d): its images changed since it ran; running it again", row.row, row.line)
+            scan.set_aside[path] = "images-changed"
         else:
-            done.add(row.row)
-    return done, stale
+            scan.current.add(row.row)
+    return scan
+
+
+def _inputs_or_none(runner: SweepRunner, row: ManifestRow) -> str | None:
+    try:
+        return runner.inputs(row)
+    except RowInputError:  # an image went missing: the row runs again and fails with the reason
+        return None
+
+
+def _refuse_stale(scan: _Scan, layout: SweepLayout) -> None:
+    """Stop, before anything in the folder is touched, if it holds rows made with other settings."""
+    if scan.stale:
+        more = f" and {len(scan.stale) - 3} more" if len(scan.stale) > 3 else ""
+        raise ValueError(
+            f"{layout.rows} already holds rows made with other settings ({'; '.join(scan.stale[:3])}{more}). "
+            "Nothing was changed. Use another output folder, or restart to replace them"
+        )
+
+
+def _tidy(manifest: Manifest, layout: SweepLayout, scan: _Scan, threshold: float) -> dict[int, pd.DataFrame]:
+    """Main process, before any row runs: leave ``rows/`` holding only current, readable parts of this manifest.
+
+    Temp files of killed writers are removed (the folder lock says no writer is alive); parts that do not belong
+    are moved to ``set_aside/``; every current part is read back whole (page checksums verified) and reduced to its
+    per-timestep summary, so a damaged one is found now and its row alone runs again.
+
+    Returns:
+        row -> its :func:`row_summary`, for the current parts (the merge reuses them).
+    """
+    layout.rows.mkdir(parents=True, exist_ok=True)
+    layout.skipped.mkdir(parents=True, exist_ok=True)
+    for temp in layout.temp_files():
+        temp.unlink(missing_ok=True)
+    for path, why in scan.set_aside.items():
+        layout.set_part_aside(path, why)
+    valid = {layout.skip_record(row.row).name for row in manifest.rows if row.row not in scan.current}
+    for record in layout.skipped.glob("*.json"):  # failure records of rows now done or no longer in the manifest
+        if record.name not in valid:
+            record.unlink()
+    summaries: dict[int, pd.DataFrame] = {}
+    lines = {row.row: row.line for row in manifest.rows}
+    for row in sorted(scan.current):
+        path = layout.part(row)
+        try:
+            summaries[row] = row_summary(read_part(path), threshold)
+        except DamagedPart as err:
+            logger.warning("row %d (line %d): %s; running the row again", row, lines[row], err)
+            layout.set_part_aside(path, "damaged")
+    return summaries
+
+
+@contextmanager
+def _folder_lock(layout: SweepLayout, state) -> Iterator[None]:
+    """Hold ``layout.root``'s lock on the main process; the other processes check that their launch holds it."""
+    with ExitStack() as stack:
+        error: OutputLocked | None = None
+        if state.is_main_process:
+            try:
+                stack.enter_context(output_lock(layout.root, "ipa-probe sweep"))
+            except OutputLocked as err:
+                error = err
+        if state.num_processes > 1:
+            state.wait_for_everyone()
+            if not state.is_main_process:
+                try:
+                    check_launch_holds(layout.root)
+                except OutputLocked as err:
+                    error = err
+        if error is not None:
+            raise error
+        yield
 
 
 def run_sweep(
@@ -136,18 +231,29 @@ def run_sweep(
     to run are split between processes with ``state.split_between_processes`` (contiguous blocks in row order),
     each process writes its own parts, and after ``state.wait_for_everyone()`` the main process reads the parts,
     writes ``row_summary.parquet``, ``aggregate.parquet``, ``summary.json`` and the plot. Every row's table depends
-    only on the row (its seed, settings and the model), so any split gives the same dataset.
+    only on the row (its seed, settings, images and the model), so any split gives the same dataset.
 
-    Resuming: a row whose part exists with the same fingerprint (:meth:`SweepRunner.fingerprint`) is not run again.
-    A part written under other settings stops the sweep before anything runs, unless ``restart`` (which discards
-    all parts first). An interrupt (Ctrl-C) or error leaves every finished part intact and no partial file behind.
+    What is on disk is never lost to a run that does not finish:
+
+    - One writer per folder: the main process holds ``out``'s lock (:func:`~.._io.output_lock`) for the whole call;
+      a second sweep on the same folder stops at once with :class:`~.._io.OutputLocked` naming the holder.
+    - Resuming: a row whose part exists with the same fingerprint (:meth:`SweepRunner.fingerprint`) and the same
+      image bytes (:meth:`SweepRunner.inputs`) is not run again; a part whose images changed, a damaged part and a
+      part of a row no longer in the manifest are moved to ``set_aside/`` and their rows (if any) run again.
+    - A part written under other settings stops the sweep before anything in ``out`` is touched, unless
+      ``restart`` (then those parts are moved to ``set_aside/`` and their rows run again).
+    - Rows fail alone: any error while running a row is logged with its manifest line, recorded in ``skipped/``
+      and in :attr:`SweepResult.failed`, and the sweep goes on; the next run tries those rows again.
+    - The derived files (``row_summary.parquet``, ``aggregate.parquet``, ``summary.json``, the plot) are replaced
+      atomically after a complete merge only; an interrupt (Ctrl-C) or kill leaves the previous ones, every finished
+      part and no partial file.
 
     Args:
         manifest: from :func:`read_manifest`.
         runner: runs one row.
         out: output folder (created).
         state: accelerate's ``PartialState`` (or ``None`` for one process).
-        restart: discard results already in ``out`` and run every row.
+        restart: replace rows written with other settings instead of stopping.
         progress: a tqdm bar per process (on stderr).
         threshold, confidence, n_resamples: see :func:`aggregate`.
         extra: JSON-able record added to ``summary.json``.
@@ -158,39 +264,50 @@ def run_sweep(
 
     Raises:
         ValueError: ``out`` holds rows written with other settings (pass ``restart=True`` or another folder).
+        OutputLocked: another live sweep holds ``out``.
     """
-    from tqdm.auto import tqdm
-
     state = state if state is not None else _OneProcess()
     layout = SweepLayout(Path(out))
     if state.is_main_process:
         for skip in manifest.skipped:
             logger.warning("manifest %s line %d (row %d) skipped: %s", manifest.path, skip.line, skip.row, skip.reason)
-        layout.rows.mkdir(parents=True, exist_ok=True)
-        layout.skipped.mkdir(parents=True, exist_ok=True)
-        for temp in layout.temp_files():  # left by a process that was killed mid-write
-            temp.unlink(missing_ok=True)
-        for record in layout.skipped.glob("*.json"):  # rows skipped at run time are tried again
-            record.unlink()
-        for merged in (layout.row_summary, layout.aggregate, layout.summary, layout.plot):
-            merged.unlink(missing_ok=True)  # written again at the end: present only after a complete merge
-        if restart:
-            for part in layout.parts():
-                part.unlink()
-    state.wait_for_everyone()
-
-    done, stale = _scan(manifest, runner, layout)
-    if stale:
-        more = f" and {len(stale) - 3} more" if len(stale) > 3 else ""
-        raise ValueError(
-            f"{layout.rows} already holds rows made with other settings ({'; '.join(stale[:3])}{more}). "
-            "Use another output folder, or restart to discard them"
+    with _folder_lock(layout, state):
+        # every process scans (reads only), so all refuse alike; only the main process changes anything
+        check_start = clock()
+        scan = _scan(manifest, runner, layout, restart, log=state.is_main_process)
+        _refuse_stale(scan, layout)
+        summaries = _tidy(manifest, layout, scan, threshold) if state.is_main_process else {}
+        check_seconds = clock() - check_start
+        state.wait_for_everyone()
+        pending = [row for row in manifest.rows if not layout.part(row.row).is_file()]
+        resumed = {row.row for row in manifest.rows} - {row.row for row in pending}
+        state.wait_for_everyone()  # everyone has listed the pending rows before anyone writes
+        seconds = _run_rows(pending, runner, layout, state, progress, clock)
+        if not state.is_main_process:
+            return SweepResult(layout.root, len(manifest.rows), 0, 0, len(resumed), [], state.num_processes, seconds)
+        return _merge(
+            manifest,
+            runner,
+            layout,
+            summaries,
+            ran_now={row.row for row in pending},
+            resumed=resumed,
+            processes=state.num_processes,
+            seconds=seconds,
+            threshold=threshold,
+            confidence=confidence,
+            n_resamples=n_resamples,
+            extra=extra,
+            check_seconds=check_seconds,
         )
-    pending = [row for row in manifest.rows if row.row not in done]
-    state.wait_for_everyone()  # everyone has scanned before anyone writes
+
+
+def _run_rows(rows: list[ManifestRow], runner: SweepRunner, layout: SweepLayout, state, progress, clock) -> float:
+    """Run this process's share of ``rows``, each alone; returns the seconds until every process is done."""
+    from tqdm.auto import tqdm
 
     start = clock()
-    with state.split_between_processes(pending) as mine:
+    with state.split_between_processes(rows) as mine:
         bar = tqdm(
             total=len(mine),
             desc=f"sweep [process {state.process_index + 1}/{state.num_processes}]",
@@ -201,48 +318,43 @@ def run_sweep(
         )
         try:
             for row in mine:
-                row_start = clock()
-                try:
-                    table = runner.run_row(row)
-                except RowInputError as err:
-                    logger.warning("manifest line %d (row %d) skipped: %s", row.line, row.row, err)
-                    _write_json(layout.skip_record(row.row), {"row": row.row, "line": row.line, "reason": str(err)})
-                else:
-                    metadata = {
-                        "fingerprint": runner.fingerprint(row),
-                        "settings": asdict(runner.resolve(row)),
-                        "line": row.line,
-                        "process": state.process_index,
-                        "seconds": clock() - row_start,
-                    }
-                    write_part(table, layout.part(row.row), metadata)
+                _run_row(row, runner, layout, state.process_index, clock)
                 bar.update(1)
         finally:
             bar.close()
     state.wait_for_everyone()
-    seconds = clock() - start
+    return clock() - start
 
-    if not state.is_main_process:
-        return SweepResult(layout.root, len(manifest.rows), 0, 0, len(done), [], state.num_processes, seconds)
-    return _merge(
-        manifest,
-        runner,
-        layout,
-        ran_now={row.row for row in pending},
-        resumed=done,
-        processes=state.num_processes,
-        seconds=seconds,
-        threshold=threshold,
-        confidence=confidence,
-        n_resamples=n_resamples,
-        extra=extra,
-    )
+
+def _run_row(row: ManifestRow, runner: SweepRunner, layout: SweepLayout, process: int, clock) -> None:
+    """Run one row and write its part; any error fails this row alone and is recorded in ``skipped/``."""
+    row_start = clock()
+    try:
+        inputs = runner.inputs(row)
+        table = runner.run_row(row)
+    except Exception as err:  # noqa: BLE001 - whatever the pipeline raises fails this row, not the sweep
+        reason = str(err) if isinstance(err, RowInputError) else f"{type(err).__name__}: {str(err).strip()}"
+        reason = reason.splitlines()[0] if reason.strip() else type(err).__name__
+        logger.warning("manifest line %d (row %d) failed: %s", row.line, row.row, reason)
+        write_json(layout.skip_record(row.row), {"row": row.row, "line": row.line, "reason": reason})
+        return
+    metadata = {
+        "fingerprint": runner.fingerprint(row),
+        "inputs": inputs,
+        "settings": asdict(runner.resolve(row)),
+        "line": row.line,
+        "process": process,
+        "seconds": clock() - row_start,
+    }
+    write_part(table, layout.part(row.row), metadata)
+    layout.skip_record(row.row).unlink(missing_ok=True)
 
 
 def _merge(
     manifest: Manifest,
     runner: SweepRunner,
     layout: SweepLayout,
+    summaries: dict[int, pd.DataFrame],
     *,
     ran_now: set[int],
     resumed: set[int],
@@ -252,42 +364,17 @@ def _merge(
     confidence: float,
     n_resamples: int,
     extra: dict[str, Any] | None,
+    check_seconds: float,
 ) -> SweepResult:
-    """Read the parts of the manifest's rows one at a time, reduce each to per-timestep means, aggregate, write."""
-    import matplotlib.pyplot as plt
-    import pyarrow.parquet as pq
-
-    summaries, by_process, row_seconds = [], {}, []
-    run_skipped: list[SkippedRow] = []
-    for row in manifest.rows:
-        path = layout.part(row.row)
-        if not path.is_file():
-            record = layout.skip_record(row.row)
-            if record.is_file():
-                data = json.loads(record.read_text())
-                run_skipped.append(SkippedRow(row.row, row.line, data["reason"]))
-            else:
-                logger.warning("row %d (line %d) has no results: did a process stop early?", row.row, row.line)
-            continue
-        meta = _part_metadata(path) or {}
-        if row.row in ran_now:
-            by_process.setdefault(int(meta.get("process", 0)), []).append(row.row)
-            row_seconds.append(float(meta.get("seconds", math.nan)))
-        summaries.append(row_summary(pq.read_table(path).to_pandas(), threshold))
-    extra_parts = sorted({p.name for p in layout.parts()} - {layout.part(r.row).name for r in manifest.rows})
-    if extra_parts:
-        logger.warning(
-            "%d part file(s) in %s are not valid rows of this manifest; left out", len(extra_parts), layout.rows
-        )
-    per_row = pd.concat(summaries, ignore_index=True) if summaries else pd.DataFrame()
+    """Summarise the new parts one at a time, aggregate with the resumed ones, and replace the derived files."""
+    per_row, by_process, row_seconds, failed = _collect(manifest, layout, summaries, ran_now, threshold)
     agg = aggregate(per_row, threshold=threshold, confidence=confidence, n_resamples=n_resamples)
-    skipped = sorted([*manifest.skipped, *run_skipped], key=lambda s: s.row)
-    done = len(summaries)
+    skipped = sorted([*manifest.skipped, *failed], key=lambda s: s.row)
     result = SweepResult(
         out=layout.root,
         rows=len(manifest.rows),
-        done=done,
-        ran=len(ran_now) - len(run_skipped),
+        done=int(per_row["row"].nunique()) if not per_row.empty else 0,
+        ran=len(ran_now) - len(failed),
         resumed=len(resumed),
         skipped=skipped,
         processes=processes,
@@ -296,24 +383,84 @@ def _merge(
         row_summary=per_row,
         aggregate=agg,
         threshold=threshold,
+        failed=failed,
     )
-    if not per_row.empty:
-        per_row.to_parquet(layout.row_summary, index=False)
-    agg.to_parquet(layout.aggregate, index=False)
     record = {
         "manifest": {"path": str(manifest.path), "format": manifest.format, "rows": manifest.total},
-        "settings": {**runner.settings, "defaults": asdict(runner.defaults), "layers": runner.layers},
+        "settings": {
+            **runner.settings,
+            "defaults": asdict(runner.defaults),
+            "layers": runner.layers,
+            "heads": runner.heads,
+            "call_kwargs": runner.call_kwargs,
+            "threshold": threshold,
+            "confidence": confidence,
+            "resamples": n_resamples,
+        },
         "versions": versions(),
         **(extra or {}),
-        "rows": {"valid": result.rows, "done": done, "ran": result.ran, "resumed": result.resumed},
+        "rows": {
+            "valid": result.rows,
+            "done": result.done,
+            "ran": result.ran,
+            "resumed": result.resumed,
+            "failed": len(failed),
+        },
         "skipped": [asdict(s) for s in skipped],
+        "failed": [asdict(s) for s in failed],
         "processes": processes,
         "rows_by_process": {str(k): v for k, v in result.rows_by_process.items()},
-        "seconds": {"loop": seconds, "rows_total": float(np.nansum(row_seconds)) if row_seconds else 0.0},
+        "seconds": {
+            "check": check_seconds,  # scanning rows/ and reading back every finished part before the rows run
+            "loop": seconds,
+            "rows_total": float(np.nansum(row_seconds)) if row_seconds else 0.0,
+        },
         "aggregate": agg.to_dict(orient="records"),
     }
-    _write_json(layout.summary, record)
-    fig = plot_aggregate(agg, confidence=confidence)
-    fig.savefig(layout.plot, dpi=120)
-    plt.close(fig)
+    _write_derived(layout, per_row, agg, record, confidence)
     return result
+
+
+def _collect(
+    manifest: Manifest, layout: SweepLayout, summaries: dict[int, pd.DataFrame], ran_now: set[int], threshold: float
+) -> tuple[pd.DataFrame, dict[int, list[int]], list[float], list[SkippedRow]]:
+    """Per-row summaries of every row with a part (reading only the parts not summarised yet), which process ran
+    the new rows and in how long, and the rows that failed."""
+    collected, by_process, row_seconds, failed = [], {}, [], []
+    for row in manifest.rows:
+        path = layout.part(row.row)
+        if not path.is_file():
+            record = layout.skip_record(row.row)
+            if record.is_file():
+                failed.append(SkippedRow(row.row, row.line, json.loads(record.read_text())["reason"]))
+            else:
+                logger.warning("row %d (line %d) has no results: did a process stop early?", row.row, row.line)
+            continue
+        if row.row in ran_now:
+            meta = _part_metadata(path) or {}
+            by_process.setdefault(int(meta.get("process", 0)), []).append(row.row)
+            row_seconds.append(float(meta.get("seconds", math.nan)))
+        summary = summaries.get(row.row)
+        if summary is None:
+            summary = row_summary(read_part(path), threshold)
+        collected.append(summary)
+    per_row = pd.concat(collected, ignore_index=True) if collected else pd.DataFrame()
+    return per_row, by_process, row_seconds, failed
+
+
+def _write_derived(layout: SweepLayout, per_row: pd.DataFrame, agg: pd.DataFrame, record: dict, confidence: float):
+    """Replace the row summary, the aggregate, ``summary.json`` and the plot, each atomically."""
+    import matplotlib.pyplot as plt
+
+    if per_row.empty:
+        layout.row_summary.unlink(missing_ok=True)
+    else:
+        with atomic_path(layout.row_summary) as temp:
+            per_row.to_parquet(temp, index=False)
+    with atomic_path(layout.aggregate) as temp:
+        agg.to_parquet(temp, index=False)
+    write_json(layout.summary, record)
+    fig = plot_aggregate(agg, confidence=confidence)
+    with atomic_path(layout.plot) as temp:
+        fig.savefig(temp, dpi=120, format="png")
+    plt.close(fig)

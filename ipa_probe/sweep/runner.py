@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -11,8 +12,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .._checks import MAX_SEED, parse_bandwidth, parse_float, parse_int
 from ..images import load_images
-from .manifest import ManifestRow, RowInputError, _parse_float, _parse_int, parse_bandwidth
+from .manifest import ManifestRow, RowInputError
 
 
 @dataclass(frozen=True)
@@ -36,9 +38,9 @@ class RowDefaults:
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
             raise TypeError(f"prompt: expected a string, got {type(self.prompt).__name__}")
-        object.__setattr__(self, "seed", _parse_int(self.seed, "seed", 0))
-        object.__setattr__(self, "scale", _parse_float(self.scale, "scale"))
-        object.__setattr__(self, "steps", _parse_int(self.steps, "steps", 1))
+        object.__setattr__(self, "seed", parse_int(self.seed, "seed", 0, MAX_SEED))
+        object.__setattr__(self, "scale", parse_float(self.scale, "scale", 0.0))
+        object.__setattr__(self, "steps", parse_int(self.steps, "steps", 1))
         object.__setattr__(self, "bandwidth", parse_bandwidth(self.bandwidth))
 
 
@@ -92,6 +94,8 @@ class SweepRunner:
         self.heads = tuple(heads) if heads is not None else None
         self.call_kwargs = dict(call_kwargs or {})
         self.settings = dict(settings or {})
+        self._file_hashes: dict[tuple[str, int, int], str] = {}
+        self._default_hash: str | None = None
 
     def resolve(self, row: ManifestRow) -> RowSettings:
         """The row's settings with the defaults filled in."""
@@ -118,6 +122,53 @@ class SweepRunner:
         text = json.dumps(record, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
+    def inputs(self, row: ManifestRow) -> str:
+        """A short hash of the bytes of the row's images (the default images' pixels for a row without images).
+
+        Stored with each row's part: a row whose image files changed since it ran is run again. A file is hashed once
+        per size and modification time.
+
+        Raises:
+            RowInputError: an image file cannot be read.
+        """
+        digest = hashlib.sha256()
+        if row.images is None:
+            if self._default_hash is None:
+                pixels = hashlib.sha256()
+                for image in self.default_images or ():
+                    pixels.update(f"{image.mode}{image.size}".encode())
+                    pixels.update(image.tobytes())
+                self._default_hash = pixels.hexdigest()
+            digest.update(self._default_hash.encode())
+        for name in row.images or ():
+            digest.update(name.encode() + b"\0" + self._file_hash(name).encode())
+        return digest.hexdigest()[:20]
+
+    def _file_hash(self, name: str) -> str:
+        try:
+            stat = os.stat(name)
+            key = (name, stat.st_mtime_ns, stat.st_size)
+            if key not in self._file_hashes:
+                file_hash = hashlib.sha256()
+                with open(name, "rb") as handle:
+                    for block in iter(lambda: handle.read(1 << 20), b""):
+                        file_hash.update(block)
+                self._file_hashes[key] = file_hash.hexdigest()
+        except OSError as err:
+            raise RowInputError(f"image {name!r} cannot be read ({err.strerror or err})") from None
+        return self._file_hashes[key]
+
+    def check(self, settings: RowSettings) -> None:
+        """Raise :class:`RowInputError` if the pipeline would reject the row's settings (seed, steps)."""
+        from .._checks import check_steps
+
+        if not 0 <= settings.seed <= MAX_SEED:
+            raise RowInputError(f"seed: {settings.seed} (base seed + row) is above {MAX_SEED}; give the row a seed")
+        try:
+            check_steps(self.pipe.scheduler, settings.steps)
+        except ValueError as err:
+            raise RowInputError(str(err)) from None
+
     def _images(self, settings: RowSettings) -> list:
         if settings.images is None:
             if self.default_images is None:
@@ -132,13 +183,15 @@ class SweepRunner:
         """Generate once with the probe on and return the probe's tidy table with ``row``, ``seed``, ``scale`` first.
 
         Raises:
-            RowInputError: the row's images cannot be loaded (the sweep skips the row).
+            RowInputError: the row's images cannot be loaded or the pipeline would reject its settings. Any error
+                fails this row alone: :func:`run_sweep` records it with the row's line and goes on.
         """
         import torch
 
         from ..capture.run import probe
 
         settings = self.resolve(row)
+        self.check(settings)
         images = self._images(settings)
         pipe = self.pipe
         pipe.set_ip_adapter_scale(settings.scale)  # every row sets it: no scale leaks from the previous row

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-import math
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
+
+from .._io import atomic_path
 
 _PART_METADATA_KEY = b"ipa_probe.sweep"
 _PART_PREFIX = "row-"
@@ -22,10 +21,12 @@ _PART_PREFIX = "row-"
 class SweepLayout:
     """Where a sweep keeps its files under ``root``.
 
-    ``rows/row-000000.parquet, ...``: the Parquet dataset, one part per manifest row (hidden temp files while writing);
-    ``skipped/``: rows skipped at run time (one JSON each); ``row_summary.parquet``: per row and timestep means;
-    ``aggregate.parquet``: per timestep over rows, with the bootstrap interval; ``summary.json``; the plot
-    ``rho_by_timestep.png``.
+    ``rows/row-000000.parquet, ...``: the Parquet dataset, one part per row of the current manifest (hidden temp
+    files while writing); ``skipped/``: rows that failed at run time (one JSON each, with the line and the reason);
+    ``set_aside/``: parts moved out of ``rows/`` because they no longer belong to the manifest (the row left it, its
+    images changed, ``--restart``) or are damaged, kept rather than deleted; ``row_summary.parquet``: per row and
+    timestep means; ``aggregate.parquet``: per timestep over rows, with the bootstrap interval; ``summary.json``; the
+    plot ``rho_by_timestep.png``; ``.ipa_probe.lock``: held while a sweep writes (see :func:`~.._io.output_lock`).
     """
 
     root: Path
@@ -37,6 +38,10 @@ class SweepLayout:
     @property
     def skipped(self) -> Path:
         return self.root / "skipped"
+
+    @property
+    def set_aside(self) -> Path:
+        return self.root / "set_aside"
 
     @property
     def row_summary(self) -> Path:
@@ -67,20 +72,20 @@ class SweepLayout:
         return sorted(p for p in self.rows.glob(f"{_PART_PREFIX}*.parquet"))
 
     def temp_files(self) -> list[Path]:
-        return sorted(p for folder in (self.rows, self.skipped) if folder.is_dir() for p in folder.glob(".*.tmp"))
+        """Hidden temp files of unfinished writes (in ``rows/``, ``skipped/`` and the root)."""
+        folders = (self.rows, self.skipped, self.root)
+        return sorted(p for folder in folders if folder.is_dir() for p in folder.glob(".*.tmp"))
 
-
-@contextmanager
-def _atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a hidden temp path beside ``path``; on success rename it onto ``path``, on any exit remove it."""
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        yield temp
-        with open(temp, "rb+") as handle:  # flushed to disk before the rename makes it visible
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-    finally:
-        temp.unlink(missing_ok=True)
+    def set_part_aside(self, path: Path, why: str) -> Path:
+        """Move a part out of ``rows/`` into ``set_aside/`` (named after its row and ``why``), keeping its bytes."""
+        self.set_aside.mkdir(parents=True, exist_ok=True)
+        target = self.set_aside / f"{path.stem}.{why}.parquet"
+        counter = 1
+        while target.exists():
+            target = self.set_aside / f"{path.stem}.{why}-{counter}.parquet"
+            counter += 1
+        os.replace(path, target)
+        return target
 
 
 def write_part(table: pd.DataFrame, path: str | os.PathLike, metadata: dict[str, Any]) -> Path:
@@ -103,11 +108,38 @@ def write_part(table: pd.DataFrame, path: str | os.PathLike, metadata: dict[str,
     path = Path(path)
     arrow = pa.Table.from_pandas(table, preserve_index=False)
     meta = dict(arrow.schema.metadata or {})
+    metadata = {**metadata, "table_rows": arrow.num_rows}
     meta[_PART_METADATA_KEY] = json.dumps(metadata, sort_keys=True, default=str).encode()
     arrow = arrow.replace_schema_metadata(meta)
-    with _atomic_path(path) as temp:
-        pq.write_table(arrow, temp)
+    with atomic_path(path) as temp:
+        pq.write_table(arrow, temp, write_page_checksum=True)  # a damaged page is caught when read back
     return path
+
+
+def read_part(path: str | os.PathLike) -> pd.DataFrame:
+    """Read one part whole, verifying every page's checksum.
+
+    Raises:
+        DamagedPart: the file cannot be read back as written (truncated, overwritten, a page checksum fails, or its
+            row count differs from the one recorded when it was written).
+    """
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    try:
+        table = pq.read_table(path, page_checksum_verification=True)
+    except (OSError, ValueError) as err:  # pyarrow raises ArrowInvalid (a ValueError) or OSError for damaged data
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DamagedPart(f"{path.name} cannot be read back ({reason})") from None
+    meta = json.loads((table.schema.metadata or {}).get(_PART_METADATA_KEY, b"{}"))
+    expected = meta.get("table_rows")
+    if expected is not None and expected != table.num_rows:
+        raise DamagedPart(f"{path.name} holds {table.num_rows} table rows, {expected} were written")
+    return table.to_pandas()
+
+
+class DamagedPart(ValueError):
+    """A part file that cannot be read back as written."""
 
 
 def _part_metadata(path: Path) -> dict[str, Any] | None:
@@ -116,35 +148,17 @@ def _part_metadata(path: Path) -> dict[str, Any] | None:
 
     try:
         meta = pq.read_schema(path).metadata or {}
-    except (OSError, ValueError):  # pyarrow raises ArrowInvalid (a ValueError) for damaged files
+        raw = meta.get(_PART_METADATA_KEY)
+        return json.loads(raw) if raw else None
+    except (OSError, ValueError):  # pyarrow raises ArrowInvalid (a ValueError) for damaged files; bad JSON too
         return None
-    raw = meta.get(_PART_METADATA_KEY)
-    return json.loads(raw) if raw else None
-
-
-def _write_json(path: Path, record: dict[str, Any]) -> None:
-    with _atomic_path(path) as temp:
-        temp.write_text(json.dumps(_jsonable(record), indent=2))
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Path):
-        return str(value)
-    return value
 
 
 def load_table(out: str | os.PathLike, rows: Sequence[int] | None = None) -> pd.DataFrame:
     """The sweep's results as one table, in row order (all parts, or those of ``rows``).
 
-    Equivalent to ``pd.read_parquet(out / "rows")`` up to row order; reads each part once.
+    Equivalent to ``pd.read_parquet(out / "rows")`` up to row order (``rows/`` holds only rows of the manifest the
+    last sweep ran); reads each part once.
 
     Raises:
         FileNotFoundError: ``out`` holds no results (run the sweep first).

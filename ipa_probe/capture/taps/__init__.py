@@ -26,10 +26,11 @@ What "attention weights over the image tokens" means in each family (``d`` is th
   ``j`` over latent columns, averaged over queries. Tap points: ``processor.norm_q``, ``processor.norm_k``,
   ``processor.norm_ip_k``.
 
-CFG layout: SD/SDXL and SD3 concatenate ``[uncond, cond]`` in one denoiser call (when the pipeline's
-``do_classifier_free_guidance`` is true). Flux runs *true CFG* as separate denoiser passes (``"cond"`` first, then
-``"uncond"``, under ``transformer.cache_context``); a pass whose ``hidden_states`` is the very tensor of the previous
-pass belongs to the same step. SD3's skip-layer-guidance pass (``skip_layers=...``) is not recorded.
+Steps and branches: SD/SDXL and SD3 run one denoiser call per step with their CFG branches concatenated; Flux runs
+*true CFG* as separate denoiser passes (the prompt first, then the negative prompt, under
+``transformer.cache_context``), and a pass whose ``hidden_states`` is the very tensor of the previous pass belongs to
+the same step. Which label each batch item gets is decided from evidence, the same way for every family
+(:mod:`ipa_probe.capture.branches`). SD3's skip-layer-guidance pass (``skip_layers=...``) is not recorded.
 """
 
 from __future__ import annotations

@@ -91,7 +91,10 @@ class UNetTap(Tap):
                 image = capture.stash.get((index, "image", adapter), 0)
                 capture.stash[(index, "image", adapter)] = image + 1
                 rows = self._mask_rows(mask, image, query.shape[0], query.shape[1], query.device)
-            capture.record(index, adapter, split_heads(query, heads), split_heads(output, heads), None, rows)
+            # the processor views the keys with the query's batch size, as here (after a callback turns CFG off
+            # mid-run, the unconditional and conditional image tokens become one item's keys)
+            keys = split_heads(output.reshape(query.shape[0], -1, output.shape[-1]), heads)
+            capture.record(index, adapter, split_heads(query, heads), keys, None, rows)
 
         return hook
 

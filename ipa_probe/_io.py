@@ -1,0 +1,220 @@
+"""Small I/O helpers every writer of results shares: one JSON conversion, one version record, one atomic write, and
+one lock per output folder.
+
+Nothing here imports torch or pandas at module level, so the command line can import it before parsing arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "LOCK_NAME",
+    "OutputLocked",
+    "atomic_path",
+    "check_launch_holds",
+    "jsonable",
+    "output_lock",
+    "versions",
+    "write_atomic",
+    "write_json",
+]
+
+#: Packages whose versions shape the numbers (those not installed are left out of :func:`versions`).
+VERSIONED_PACKAGES = ("torch", "diffusers", "transformers", "numpy", "pandas", "scipy", "scikit-learn", "pyarrow")
+
+#: The lock file of an output folder (hidden: Parquet dataset readers skip it).
+LOCK_NAME = ".ipa_probe.lock"
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with every part JSON can hold as it is, the rest converted.
+
+    Dict keys become strings, tuples lists, numpy scalars and arrays (anything with ``tolist``) Python values,
+    paths strings, non-finite floats ``None`` (JSON has no NaN); any other object becomes its ``str``.
+    """
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, str | int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if hasattr(value, "tolist"):  # numpy scalars and arrays, torch tensors
+        return jsonable(value.tolist())
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return str(value)
+
+
+def versions() -> dict[str, Any]:
+    """Versions of Python, this package and the numerical libraries, the platform, and the git commit if any.
+
+    Package versions come from the installed distributions' metadata, so nothing heavy is imported.
+    """
+    from . import __version__
+
+    info: dict[str, Any] = {"python": platform.python_version(), "ipa_probe": __version__}
+    for name in VERSIONED_PACKAGES:
+        try:
+            info[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    info["platform"] = platform.platform()
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
+        )
+        if commit.returncode == 0:
+            info["git_commit"] = commit.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a hidden temp path beside ``path``; on success flush it to disk and rename it onto ``path``.
+
+    Readers see the old file or the whole new one, never a part. The temp name carries the process id and a random
+    token, so two writers never share a temp file; on any error or interrupt the temp file is removed.
+    """
+    path = Path(path)
+    temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        yield temp
+        with open(temp, "rb+") as handle:  # flushed to disk before the rename makes it visible
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write text or bytes to ``path`` through :func:`atomic_path`. Returns ``path``."""
+    path = Path(path)
+    with atomic_path(path) as temp:
+        if isinstance(data, bytes):
+            temp.write_bytes(data)
+        else:
+            temp.write_text(data, encoding="utf-8")
+    return path
+
+
+def write_json(path: str | os.PathLike, record: Any) -> Path:
+    """``record`` (through :func:`jsonable`) as indented JSON, written atomically. Returns ``path``."""
+    return write_atomic(path, json.dumps(jsonable(record), indent=2) + "\n")
+
+
+class OutputLocked(RuntimeError):
+    """Another live run holds the output folder."""
+
+
+@dataclass
+class _Holder:
+    pid: int
+    host: str
+    launch: str
+    started: float
+    command: str
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started)) if self.started else "?"
+        return f"process {self.pid} on {self.host}, started {when} ({self.command})"
+
+
+def launch_id() -> str:
+    """Identifies the processes of one launch: ``accelerate launch`` / torchrun give them one rendezvous address."""
+    if os.environ.get("WORLD_SIZE") and os.environ.get("MASTER_PORT"):
+        return f"{socket.gethostname()}:{os.environ.get('MASTER_ADDR', '')}:{os.environ['MASTER_PORT']}"
+    return f"{socket.gethostname()}:pid{os.getpid()}"
+
+
+def _read_holder(path: Path) -> _Holder | None:
+    try:
+        data = json.loads(path.read_text())
+        fields = (int(data["pid"]), str(data["host"]), str(data["launch"]), float(data["started"]), data["command"])
+        return _Holder(*fields)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@contextmanager
+def output_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
+    """Hold the lock of an output folder for the duration of the block: one writer per folder.
+
+    The lock is ``folder/.ipa_probe.lock``, held with ``fcntl.flock`` (the kernel releases it when the holder dies,
+    so the lock of a killed run is stale at once and taken over) and holding the holder's pid, host, launch and
+    command, to name it when another run is refused. The folder is created.
+
+    Args:
+        folder: the output folder.
+        command: what holds it (e.g. ``"ipa-probe sweep"``), for the refusal message.
+
+    Raises:
+        OutputLocked: a live run holds the folder; the message names it.
+    """
+    import fcntl
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(path)
+            who = holder.describe() if holder else "another process"
+            raise OutputLocked(
+                f"{folder} is in use by {who}; wait for it to finish, or use another output folder"
+            ) from None
+        previous = _read_holder(path)
+        if previous is not None:  # its holder died without releasing it
+            logger.warning("%s: taking over the lock of %s, which is no longer running", folder, previous.describe())
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "launch": launch_id(),
+            "started": time.time(),
+            "command": command,
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+        os.fsync(fd)
+        try:
+            yield path
+        finally:
+            os.ftruncate(fd, 0)  # released cleanly: an empty lock file is free
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+def check_launch_holds(folder: str | os.PathLike) -> None:
+    """Raise :class:`OutputLocked` unless the lock of ``folder`` was taken by this process's launch.
+
+    Under ``accelerate launch`` only the main process takes the lock; the others call this after a barrier, so that
+    the processes of a second launch on the same folder stop instead of writing beside the first.
+    """
+    path = Path(folder) / LOCK_NAME
+    holder = _read_holder(path)
+    if holder is None or holder.launch != launch_id():
+        who = holder.describe() if holder else "no one"
+        raise OutputLocked(f"{folder} is held by {who}, not by this launch; use another output folder")
