@@ -7,7 +7,9 @@ image encoder weights are needed. Plain and probed calls alternate; the script p
 Memory: each configuration runs in a fresh subprocess, is warmed up, and reports the peak of one call above its
 resident baseline (RSS sampled at 1 kHz on CPU; ``torch.cuda.max_memory_allocated`` on a GPU). The probe's own
 buffers are also reported: they grow with steps × layers × heads,
-not with the image size.
+not with the image size. A third configuration runs the probe with ``maps=True`` (reference maps, see
+``ipa_probe/capture/maps.py``): its ratio to plain (target <= 1.10 on the CPU), and its kept maps next to the
+up-front estimate (steps × layers × batch × queries × tokens × 2 kinds × 4 bytes; no head dimension).
 
     python benchmarks/probe_overhead.py                 # CPU, 32x32 latents (256 px), 4 steps
     python benchmarks/probe_overhead.py --device cuda   # GPU, 64x64 latents (512 px), fp16, 30 steps
@@ -26,16 +28,19 @@ import pandas as pd
 import torch
 from sd15_arch import call_inputs, sd15_pipeline, sync
 
+MODES = ("plain", "probe", "maps")
 
-def timed_call(pipe, inputs: dict, probed: bool, device: str):
-    """Seconds of one pipeline call, and the finished probe run (``None`` when not probed)."""
+
+def timed_call(pipe, inputs: dict, mode: str, device: str):
+    """Seconds of one pipeline call (``mode``: plain, probe, or probe with maps=True), and the finished probe run
+    (``None`` when plain)."""
     from ipa_probe import probe
 
     generator = torch.Generator(device).manual_seed(0)
     sync(device)
     start = time.perf_counter()
-    if probed:
-        with probe(pipe) as run:
+    if mode != "plain":
+        with probe(pipe, maps=mode == "maps") as run:
             pipe(generator=generator, **inputs)
     else:
         run = None
@@ -47,6 +52,13 @@ def timed_call(pipe, inputs: dict, probed: bool, device: str):
 def buffer_bytes(run) -> int:
     """Bytes the probe keeps on the device for its statistics (sums, counts, timesteps)."""
     return sum(call["sums"].nbytes + call["counts"].nbytes + call["timesteps"].nbytes for call in run._result["calls"])
+
+
+def map_bytes(run) -> int:
+    """Bytes of the reference maps a ``maps=True`` run kept (0 without maps)."""
+    if run is None or run._maps is None:
+        return 0
+    return sum(t.nbytes for entries in run._maps.store.values() for _, t in entries)
 
 
 class _PeakRSS:
@@ -79,11 +91,11 @@ class _PeakRSS:
 
 def _peak_child(args: tuple) -> dict:
     """In a fresh process: build, warm up, then the peak memory of one call above the resident baseline."""
-    device, dtype_name, latent, steps, n_images, probed = args
+    device, dtype_name, latent, steps, n_images, mode = args
     dtype = getattr(torch, dtype_name)
     pipe = sd15_pipeline(device, dtype)
     inputs = call_inputs(pipe, latent, steps, n_images, device, dtype)
-    timed_call(pipe, inputs, probed, device)  # warm-up: allocator pools and lazy state exist before measuring
+    timed_call(pipe, inputs, mode, device)  # warm-up: allocator pools and lazy state exist before measuring
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -92,11 +104,13 @@ def _peak_child(args: tuple) -> dict:
 
     rss_base = psutil.Process().memory_info().rss
     with _PeakRSS() as sampler:
-        _, run = timed_call(pipe, inputs, probed, device)
+        _, run = timed_call(pipe, inputs, mode, device)
     out = {"call_extra_rss_mib": (sampler.peak - rss_base) / 2**20}
     if device.startswith("cuda"):
         out["call_extra_cuda_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
     out["probe_buffers_kib"] = buffer_bytes(run) / 1024 if run is not None else 0.0
+    out["maps_kept_kib"] = map_bytes(run) / 1024
+    out["maps_estimate_kib"] = run._maps.estimated_bytes / 1024 if mode == "maps" else 0.0
     return out
 
 
@@ -108,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", type=int, default=2, help="reference images (4 tokens each)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating plain/probed pairs")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--no-memory", action="store_true", help="time only (skip the fresh-process memory runs)")
     args = parser.parse_args(argv)
     gpu = args.device.startswith("cuda")
     latent = args.latent or (64 if gpu else 32)
@@ -120,47 +135,57 @@ def main(argv: list[str] | None = None) -> int:
 
     pipe = sd15_pipeline(args.device, dtype)
     inputs = call_inputs(pipe, latent, steps, args.images, args.device, dtype)
-    timed_call(pipe, inputs, False, args.device)  # warm-up, both paths
-    _, run = timed_call(pipe, inputs, True, args.device)
-    plain, probed = [], []
-    for r in range(args.repeats):  # alternate which goes first, so drift in the machine's load hits both
-        for flag in (False, True) if r % 2 == 0 else (True, False):
-            (probed if flag else plain).append(timed_call(pipe, inputs, flag, args.device)[0])
-    ratios = [p / q for p, q in zip(probed, plain, strict=True)]
-    rows = [
-        {
-            "plain_s": statistics.median(plain),
-            "probed_s": statistics.median(probed),
-            "ratio_median": statistics.median(ratios),
-            "ratio_min": min(ratios),
-            "ratio_max": max(ratios),
-            "table_rows": len(run.to_dataframe()),
-        }
-    ]
+    for mode in MODES:  # warm-up, every path
+        _, run = timed_call(pipe, inputs, mode, args.device)
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for r in range(args.repeats):  # rotate which goes first, so drift in the machine's load hits all
+        for mode in MODES[r % 3 :] + MODES[: r % 3]:
+            times[mode].append(timed_call(pipe, inputs, mode, args.device)[0])
+    rows = []
+    for mode, target in (("probe", 1.02), ("maps", 1.10)):
+        ratios = [p / q for p, q in zip(times[mode], times["plain"], strict=True)]
+        rows.append(
+            {
+                "config": "probe" if mode == "probe" else "probe, maps=True",
+                "plain_s": statistics.median(times["plain"]),
+                "probed_s": statistics.median(times[mode]),
+                "ratio_median": statistics.median(ratios),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+                "target": target,
+                "met": statistics.median(ratios) <= target,
+            }
+        )
     print(pd.DataFrame(rows).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    print(f"target probed/plain <= 1.02: {'met' if rows[0]['ratio_median'] <= 1.02 else 'NOT met'}")
+    extra = [m / p for m, p in zip(times["maps"], times["probe"], strict=True)]
+    print(f"maps=True over the probe alone: median {statistics.median(extra):.3f}x")
 
+    if args.no_memory:
+        return 0
     # memory: fresh processes so each peak is its own
     ctx = mp.get_context("spawn")
     memory = []
     configs = [(latent, steps), (latent // 2, steps), (latent, steps * 2)]
     with ctx.Pool(1, maxtasksperchild=1) as pool:
         for lat, st in configs:
-            for probed_flag in (False, True):
+            for mode in MODES:
                 res = pool.apply(
-                    _peak_child, ((args.device, str(dtype).removeprefix("torch."), lat, st, args.images, probed_flag),)
+                    _peak_child, ((args.device, str(dtype).removeprefix("torch."), lat, st, args.images, mode),)
                 )
-                memory.append({"latent": lat, "steps": st, "probe": probed_flag, **res})
+                memory.append({"latent": lat, "steps": st, "mode": mode, **res})
     mem = pd.DataFrame(memory)
     peak = "call_extra_cuda_mib" if gpu else "call_extra_rss_mib"
-    plain_mem = mem[~mem.probe].set_index(["latent", "steps"])
-    probed_mem = mem[mem.probe].set_index(["latent", "steps"])
+    plain_mem, probed_mem, maps_mem = (mem[mem["mode"] == m].set_index(["latent", "steps"]) for m in MODES)
     side = pd.DataFrame(
         {
             "plain_call_peak_mib": plain_mem[peak],
             "probed_call_peak_mib": probed_mem[peak],
             "extra_mib": probed_mem[peak] - plain_mem[peak],
             "probe_buffers_kib": probed_mem["probe_buffers_kib"],
+            "maps_call_peak_mib": maps_mem[peak],
+            "maps_extra_mib": maps_mem[peak] - plain_mem[peak],
+            "maps_kept_kib": maps_mem["maps_kept_kib"],
+            "maps_estimate_kib": maps_mem["maps_estimate_kib"],
         }
     )
     print(
@@ -169,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     print(side.to_string(float_format=lambda v: f"{v:.2f}"))
     print(
         "probe buffers depend on steps x layers x heads, not on the latent size:",
-        mem[mem.probe].groupby("steps")["probe_buffers_kib"].nunique().eq(1).all(),
+        mem[mem["mode"] == "probe"].groupby("steps")["probe_buffers_kib"].nunique().eq(1).all(),
     )
     if args.json:
         with open(args.json, "w") as fh:

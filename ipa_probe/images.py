@@ -10,7 +10,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-__all__ = ["IMAGE_SUFFIXES", "check_image_file", "load_image", "load_images", "to_rgb"]
+__all__ = ["IMAGE_SUFFIXES", "check_image_file", "image_row", "load_image", "load_images", "to_rgb"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -110,3 +110,34 @@ def load_images(images: Iterable[Image.Image | str | os.PathLike]) -> list[Image
     if not out:
         raise ValueError("no reference images given; pass at least one image")
     return out
+
+
+def image_row(
+    references: Iterable[Image.Image], generated: Iterable[Image.Image], cell: int = 96, gap: int = 4
+) -> Image.Image:
+    """One RGB strip: the references, a wider gap, then the generated images, each scaled to ``cell x cell``.
+
+    Small images (the digits organism's 16 x 16) are enlarged with nearest-neighbour sampling so pixels stay sharp.
+
+    Args:
+        references: reference images (left).
+        generated: generated images (right).
+        cell: side of each square cell in pixels.
+        gap: pixels between cells (four times that between the two groups).
+
+    Returns:
+        the strip, on a white ground.
+    """
+    left, right = [im.convert("RGB") for im in references], [im.convert("RGB") for im in generated]
+    if not left and not right:
+        raise ValueError("expected at least one image for image_row")
+    width = (len(left) + len(right)) * (cell + gap) + 3 * gap
+    strip = Image.new("RGB", (width, cell + 2 * gap), "white")
+    x = gap
+    for i, image in enumerate(left + right):
+        if i == len(left) and left:
+            x += 3 * gap
+        resample = Image.Resampling.NEAREST if max(image.size) < cell else Image.Resampling.BICUBIC
+        strip.paste(image.resize((cell, cell), resample), (x, gap))
+        x += cell + gap
+    return strip

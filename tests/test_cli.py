@@ -12,7 +12,8 @@ import pytest
 from ipa_probe.cli import main
 from ipa_probe.tiny.sd import default_reference_images, save_tiny_pipeline
 
-ARGS = ["--steps", "3", "--size", "64", "64", "--seed", "1"]
+# the random tiny SD 1.5 pipeline (the default embedded pipeline is the trained digits organism: tests/test_digits.py)
+ARGS = ["--kind", "sd15", "--steps", "3", "--size", "64", "64", "--seed", "1"]
 
 
 def test_embedded_default_writes_the_output_folder(tmp_path, capsys):

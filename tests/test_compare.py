@@ -199,7 +199,8 @@ def test_bad_comparison_arguments(tiny_clip):
 
 def test_cli_compare_with_model_arguments(tiny_clip, tmp_path, capsys):
     out = tmp_path / "cmp"
-    code = main(["compare", "--out", str(out), "--steps", "2", "--seeds", "5", "9", "--clip-model", tiny_clip])
+    argv = ["compare", "--kind", "sd15", "--out", str(out), "--steps", "2", "--seeds", "5", "9"]
+    code = main([*argv, "--clip-model", tiny_clip])
     assert code == 0
     printed = capsys.readouterr().out
     assert "| ip_adapter |" in printed and "random weights" in printed and "grid.png" in printed

@@ -614,3 +614,24 @@ def test_list_hooks_shows_what_is_attached_and_nothing_after_exit(sd15, refs):
     assert "0.8" in attached[0].what and "read-only" in attached[1].what
     assert [a.feature for a in after_probe] == ["nw_head"]
     assert ipa_probe.list_hooks(sd15) == [] and ipa_probe.list_hooks(sd15.unet) == []
+
+
+@pytest.mark.slow
+def test_nw_head_on_a_compiled_unet_equals_the_eager_head_and_is_restored(refs):
+    torch.compiler.reset()  # no graph cached by an earlier test in this process
+
+    def run(pipe):
+        generator = torch.Generator().manual_seed(0)
+        return pipe("a cat", ip_adapter_image=[refs], num_inference_steps=2, output_type="latent", generator=generator)
+
+    eager = tiny_pipeline("sd15")
+    with nw_head(eager):
+        expected = run(eager).images
+    pipe = tiny_pipeline("sd15")
+    pipe.unet = torch.compile(pipe.unet, backend="eager")
+    before = run(pipe).images  # compiled and run before the swap, the usual order
+    with nw_head(pipe) as swap:
+        assert all(not name.startswith("_orig_mod") for name in swap.layers)  # diffusers' ids
+        swapped = run(pipe).images
+    assert torch.equal(swapped, expected)
+    assert torch.equal(run(pipe).images, before) and ipa_probe.list_hooks(pipe) == []

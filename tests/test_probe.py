@@ -68,6 +68,7 @@ def test_restores_pipeline_exactly_after_normal_exit(sd15, refs):
     assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
     assert _hook_snapshot(sd15) == hooks
     assert "_ipa_probe_claims" not in sd15.unet.__dict__
+    assert "encode_prompt" not in vars(sd15)  # the evidence wrapper lived on the instance only while probing
 
 
 @pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])

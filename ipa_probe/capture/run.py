@@ -40,6 +40,7 @@ from ..layers import (
 from ..schema import CELL_FIELDS
 from ..stats import compare_weights, copy_groups, fit_bandwidth
 from .branches import Layout, PromptEvidence, label_vocabulary
+from .maps import MapAccumulator, check_size, map_statistics, plot_reference_maps, select_layers
 from .report import plot_run, run_table, save_run, summarize
 from .taps import Capture, Tap, tap_for
 
@@ -79,7 +80,11 @@ class ProbeConfig:
             the map, though the table leaves them out). :attr:`ProbeRun.map_branches` has, under the same key, each
             map's branch label per batch item. For SD3 the maps are the joint weights restricted to the image
             tokens and renormalised; for ``branch="text"`` rows the text tokens (padding included).
-        max_map_bytes: refuse ``keep_maps`` when the estimated size of the maps exceeds this.
+        maps: also keep per-reference attribution maps (attention and NW shares of each image token per query
+            position, averaged over heads, float32 on the device): read them with :meth:`ProbeRun.reference_maps`,
+            :meth:`ProbeRun.token_maps`, :meth:`ProbeRun.map_table` and :meth:`ProbeRun.plot_reference_maps` (see
+            :mod:`ipa_probe.capture.maps`).
+        max_map_bytes: refuse ``keep_maps`` or ``maps`` when the estimated size of the maps of a call exceeds this.
         seed: seed of the permutation null's random generator (the global RNG is never used).
         branch: which cross-attention to compare with NW weights: ``"image"`` (the IP-Adapter branch, over the
             image tokens), ``"text"`` (the text branch of the same layers, over the prompt tokens up to the first
@@ -99,8 +104,13 @@ class ProbeConfig:
     seed: int = 0
     branch: str = "image"
     branches: Sequence[str] | None = None
+    maps: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.maps, bool):
+            raise TypeError(f"maps: expected True or False, got {self.maps!r}")
+        if self.maps and self.branch == "text":
+            raise ValueError('maps=True attributes the image branch; use branch="image" or "both"')
         if self.branch not in ("image", "text", "both"):
             raise ValueError(f'branch: expected "image", "text" or "both", got {self.branch!r}')
         object.__setattr__(self, "bandwidth", bw.check(self.bandwidth, ("matched", "fit")))
@@ -160,6 +170,7 @@ class ProbeConfig:
             "seed": self.seed,
             "branch": self.branch,
             "branches": None if self.branches is None else list(self.branches),
+            "maps": self.maps,
         }
 
 
@@ -246,6 +257,7 @@ class ProbeRun:
         self._constants: dict[tuple, torch.Tensor] = {}
         self._result: dict[str, Any] | None = None
         self._active = False
+        self._maps = MapAccumulator(pipe, self.layers, self.tap, self.labels) if config.maps else None
 
     # ------------------------------------------------------------------ lifecycle
     def _install(self) -> None:
@@ -259,6 +271,8 @@ class ProbeRun:
             self._handles.append(denoiser.register_forward_hook(done))  # not run when the pass raises
             self._handles.extend(self.tap.install(self._capture, self.images, self.text_slot))
             self.evidence.install()
+            if self._maps is not None:
+                self._handles.extend(self._maps.install(denoiser))
         except BaseException:
             self._uninstall()
             raise
@@ -285,6 +299,8 @@ class ProbeRun:
             return
         if any(t.device.type == "cuda" for m in self.maps.values() for t in m) and torch.cuda.is_available():
             torch.cuda.synchronize()
+        if self._maps is not None:
+            self._maps.finalize()
         self._result = {
             "calls": [
                 {
@@ -353,8 +369,13 @@ class ProbeRun:
         state.call = self._new_call(self.tap.sample(args, kwargs).device, capacity)
         state.step = -1
         self.tap.begin_call(args, kwargs)
+        planned = len(timesteps) if timesteps is not None else 1
         if self.config.keep_maps:
-            self._check_map_budget(args, kwargs, len(timesteps) if timesteps is not None else 1)
+            self._check_map_budget(args, kwargs, planned)
+        if self._maps is not None:
+            self._maps.begin_call(state.call.index, self.tap.sample(args, kwargs))
+            recorded = sum(self.config.records_step(s) for s in range(planned))
+            self._maps.check_budget(args, kwargs, recorded, self.config.max_map_bytes)
 
     def _advance_step(self, args: tuple, kwargs: dict) -> None:
         state, call = self._state, self._state.call
@@ -484,6 +505,8 @@ class ProbeRun:
             key = (state.call.index, state.step, self.layers[index].name, slot)
             self._keep_map(key, attn)
             self._map_labels.setdefault(key, []).append(labels.repeat_interleave(query.shape[0] // groups))
+        if self._maps is not None and not text:
+            self._maps.add(state.call.index, state.step, index, slot, labels, cell.attn, cell.nw)
 
     def _cell(
         self, groups: int, q: torch.Tensor, k: torch.Tensor, attn: torch.Tensor, text: bool, rows: torch.Tensor | None
@@ -610,6 +633,93 @@ class ProbeRun:
         """Matplotlib figure of the mean per-row Spearman against timestep, in the denoising direction."""
         return plot_run(self.to_dataframe(), ax=ax)
 
+    # ------------------------------------------------------------------ reference maps (see capture/maps.py)
+    def _map_source(self) -> MapAccumulator:
+        self._finished()
+        if self._maps is None:
+            raise ValueError("reference maps need probe(pipe, maps=True)")
+        return self._maps
+
+    def _map_call(self, call: int) -> dict[str, Any]:
+        calls = self._finished()["calls"]
+        if not isinstance(call, int) or not 0 <= call < len(calls):
+            raise ValueError(f"call: expected an index below {len(calls)} (pipeline calls probed), got {call!r}")
+        return calls[call]
+
+    def map_steps(self, call: int = 0) -> list[int]:
+        """The loop indices of ``call`` that have reference maps."""
+        self._map_call(call)
+        return sorted({key[1] for key in self._map_source().store if key[0] == call})
+
+    def map_timesteps(self, call: int = 0) -> list[float]:
+        """The scheduler timestep of each loop index of ``call``."""
+        return self._map_call(call)["timesteps"].double().tolist()
+
+    def reference_maps(
+        self,
+        call: int = 0,
+        item: int = 0,
+        adapter: int = 0,
+        kind: str = "attention",
+        branch: str = "cond",
+        layers: LayerSelection = None,
+        steps: Iterable[int] | None = None,
+        size: str | tuple[int, int] = "image",
+        *,
+        _per_token: bool = False,
+    ) -> torch.Tensor:
+        """Where each reference image of an adapter goes: its share of the image branch's weight per position.
+
+        Args:
+            call: index of the probed pipeline call.
+            item: index of the generated image in that call (``num_images_per_prompt`` x prompts).
+            adapter: the IP-Adapter.
+            kind: ``"attention"`` (the softmax the processor uses) or ``"nw"`` (Gaussian NW weights, the table's
+                bandwidth).
+            branch: the CFG branch whose query rows to read (``"cond"``; ``"uncond"`` with CFG).
+            layers: regex or list of them selecting layer ids; ``None`` for every probed layer.
+            steps: loop indices to average; ``None`` for every recorded step.
+            size: ``"image"`` (the output image's size), ``"latent"`` (the latent grid) or ``(H, W)``; each layer's
+                grid is resized bilinearly to it.
+
+        Returns:
+            float32 CPU tensor ``(R, H, W)``, ``R`` the adapter's reference images: the weight on reference ``r``'s
+            tokens, averaged over heads, then over the selected layers and steps. It sums to 1 over ``R`` (with
+            masks: wherever some reference's mask reaches). One layer and one step at that layer's own grid give
+            exactly that layer's softmax shares.
+        """
+        source = self._map_source()
+        info = self._map_call(call)
+        if kind not in ("attention", "nw"):
+            raise ValueError(f'kind: expected "attention" or "nw", got {kind!r}')
+        if branch not in info["branches"]:
+            raise ValueError(f"branch: expected one of the labels {list(info['branches'])}, got {branch!r}")
+        if not isinstance(adapter, int) or not 0 <= adapter < self.num_adapters:
+            raise ValueError(f"adapter: expected an index below {self.num_adapters}, got {adapter!r}")
+        if not isinstance(item, int) or item < 0:
+            raise ValueError(f"item: expected a non-negative image index, got {item!r}")
+        chosen = select_layers([layer.name for layer in self.layers], layers)
+        recorded = self.map_steps(call)
+        picked = recorded if steps is None else [s for s in recorded if s in set(steps)]
+        if not picked:
+            raise ValueError(f"steps={steps!r}: none recorded with maps in call {call} (recorded: {recorded})")
+        return source.shares(call, item, adapter, kind, branch, chosen, picked, check_size(size), _per_token)
+
+    def token_maps(self, *args, **kwargs) -> torch.Tensor:
+        """:meth:`reference_maps` per image token: ``(R, T, H, W)``, ``T`` tokens per reference (4 for a base
+        IP-Adapter, 16 for Plus); summing over ``T`` gives :meth:`reference_maps`."""
+        return self.reference_maps(*args, _per_token=True, **kwargs)
+
+    def map_table(self):
+        """Per (call, step, layer, adapter, branch, item): how often attention and NW pick the same dominant
+        reference, and their mean total-variation distance (columns in :data:`~.maps.MAP_TABLE_COLUMNS`)."""
+        return map_statistics(self._map_source(), self._finished()["calls"], [layer.name for layer in self.layers])
+
+    def plot_reference_maps(self, call: int = 0, item: int = 0, adapter: int = 0, **kwargs):
+        """Figure of :meth:`reference_maps` at early / middle / late steps, attention beside NW (see
+        :func:`~.maps.plot_reference_maps` for ``image``, ``references``, ``branch``, ``layers``, ``ranges``)."""
+        return plot_reference_maps(self, call, item, adapter, **kwargs)
+
     def save(self, directory, extra: dict | None = None):
         """Write ``probe.parquet``, ``summary.json`` (settings, versions, seeds) and ``rho_by_timestep.png``."""
         return save_run(self.to_dataframe(), directory, settings=self.config.describe(), extra=extra)
@@ -628,13 +738,15 @@ def probe(
     seed: int = 0,
     branch: str = "image",
     branches: Sequence[str] | None = None,
+    maps: bool = False,
 ) -> Iterator[ProbeRun]:
     """Record the IP-Adapter attention of every denoising step and compare it with Gaussian NW weights.
 
     Args:
         pipe: a diffusers pipeline with an IP-Adapter loaded: Stable Diffusion 1.5 / SDXL, Flux or SD3 (see
             :mod:`ipa_probe.capture.taps` for what the image-branch weights are in each).
-        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches: see :class:`ProbeConfig`.
+        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps: see
+            :class:`ProbeConfig`.
 
     Yields:
         the :class:`ProbeRun`; read its results after the block.
@@ -652,7 +764,7 @@ def probe(
         >>> df = run.to_dataframe()
         ```
     """
-    config = ProbeConfig(bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches)
+    config = ProbeConfig(bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps)
     run = ProbeRun(pipe, config)
     run._install()
     try:

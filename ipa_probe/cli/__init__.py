@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "compare": "compare",
     "experiments": "experiments",
     "sweep": "sweep",
+    "train-digits": "train_digits",
 }
 
 

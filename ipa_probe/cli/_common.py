@@ -44,9 +44,16 @@ steps_type = _argument_type(lambda v: parse_int(v, "steps", 1), "steps")
 scale_type = _argument_type(lambda v: parse_float(v, "scale", 0.0), "scale")
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--model``, ``--ip-adapter``, ... : with none of them the embedded tiny pipeline runs offline."""
-    group = parser.add_argument_group("model (default: the embedded tiny pipeline, offline)")
+#: the embedded pipelines: the trained digits organism and the random tiny SD 1.5 / SDXL ones.
+EMBEDDED_KINDS = ("digits", "sd15", "sdxl")
+#: the embedded digits organism's generation defaults (the settings of its README rates)
+DIGITS_DEFAULTS = {"steps": 20, "digit": 3, "references": 4, "guidance_scale": 3.0}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, default_kind: str = "sd15") -> None:
+    """``--model``, ``--ip-adapter``, ... : with none of them an embedded pipeline runs offline (``default_kind``:
+    ``"digits"``, the trained organism, or ``"sd15"``, the random tiny one)."""
+    group = parser.add_argument_group(f"model (default: the embedded {default_kind} pipeline, offline)")
     group.add_argument("--model", help="diffusers pipeline: hub id or local folder (from_pretrained)")
     group.add_argument("--ip-adapter", help="IP-Adapter weights: hub id or local folder (load_ip_adapter)")
     group.add_argument("--subfolder", default="", help="subfolder of --ip-adapter holding the weights (h94: 'models')")
@@ -56,11 +63,29 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default="image_encoder",
         help="image encoder subfolder of --ip-adapter, or 'none' when --model already has an image_encoder",
     )
-    group.add_argument("--kind", choices=("sd15", "sdxl"), default="sd15", help="embedded pipeline family")
+    group.add_argument(
+        "--kind",
+        choices=EMBEDDED_KINDS,
+        default=default_kind,
+        help=f"embedded pipeline: digits (the trained organism) or a random tiny sd15/sdxl (default: {default_kind})",
+    )
     group.add_argument("--variant", choices=("base", "plus"), default="base", help="embedded IP-Adapter variant")
     group.add_argument("--image", action="append", default=[], help="reference image or folder (repeatable)")
-    group.add_argument("--prompt", default="a photo", help="text prompt")
-    group.add_argument("--steps", type=steps_type, default=None, help="denoising steps (default: 30, embedded: 10)")
+    default_prompt = None if default_kind == "digits" else "a photo"
+    group.add_argument(
+        "--prompt",
+        default=default_prompt,
+        help="text prompt (default: 'a handwritten digit' for digits, else 'a photo')",
+    )
+    group.add_argument(
+        "--digit",
+        type=int,
+        default=DIGITS_DEFAULTS["digit"],
+        help=f"digits organism: the references' digit, 0-9 (default: {DIGITS_DEFAULTS['digit']})",
+    )
+    group.add_argument(
+        "--steps", type=steps_type, default=None, help="denoising steps (default: 30; embedded: digits 20, tiny 10)"
+    )
     group.add_argument(
         "--guidance-scale", type=scale_type, default=None, help="CFG scale >= 0 (default: the pipeline's)"
     )
@@ -99,7 +124,7 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
     references = _references(args)
     if args.model is None:
         pipe, steps, size, description = _embedded_pipeline(args, device, dtype)
-        references = references or _default_references()
+        references = references or _default_references(args)
     else:
         has_images = references is not None or not require_images
         pipe, steps, size, description = _pretrained_pipeline(args, device, dtype, has_images)
@@ -110,6 +135,7 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
     pipe.set_progress_bar_config(disable=False, desc="denoising")
     if args.scale is not None:
         pipe.set_ip_adapter_scale(args.scale)
+    args.prompt = args.prompt or "a photo"
     call_kwargs = {"prompt": args.prompt, "num_inference_steps": steps}
     if size is not None:
         call_kwargs["height"], call_kwargs["width"] = size
@@ -158,16 +184,45 @@ def _references(args: argparse.Namespace) -> list | None:
         raise CLIError(str(err)) from None
 
 
-def _default_references() -> list:
+def _default_references(args: argparse.Namespace) -> list:
+    """The embedded pipeline's references: held-out images of ``--digit`` (digits), else two sample photos."""
+    if args.kind == "digits":
+        from ..tiny.digits import digits_reference_images
+
+        return digits_reference_images(args.digit, DIGITS_DEFAULTS["references"], seed=args.seed)
     from ..tiny.sd import default_reference_images
 
     return default_reference_images()
+
+
+def _digits_organism(args: argparse.Namespace, device, dtype) -> tuple[object, int, tuple[int, int] | None, dict]:
+    """The trained digits organism: ``(pipe, steps, size, description)``; sets the digits prompt and CFG defaults."""
+    import torch
+
+    from ..tiny.digits import DIGITS_PROMPT, digits_pipeline
+
+    if args.variant != "base":
+        raise CLIError("the digits organism has a base IP-Adapter only; drop --variant or pass --kind sd15")
+    if not 0 <= args.digit <= 9:
+        raise CLIError(f"--digit must be in 0..9, got {args.digit}")
+    pipe = digits_pipeline()
+    if device.type != "cpu" or dtype != torch.float32:
+        pipe = pipe.to(device=device, dtype=dtype)
+    args.prompt = args.prompt or DIGITS_PROMPT
+    if args.guidance_scale is None:
+        args.guidance_scale = DIGITS_DEFAULTS["guidance_scale"]
+    description = {"model": "embedded digits organism (trained)", "ip_adapter": "embedded digits (trained)"}
+    if not args.image:
+        description["digit"] = args.digit
+    return pipe, args.steps or DIGITS_DEFAULTS["steps"], args.size, description
 
 
 def _embedded_pipeline(args: argparse.Namespace, device, dtype) -> tuple[object, int, tuple[int, int], dict]:
     """The embedded tiny pipeline (offline): ``(pipe, steps, size, description)``."""
     if args.ip_adapter is not None:
         raise CLIError("--ip-adapter needs --model (the pipeline it belongs to)")
+    if args.kind == "digits":
+        return _digits_organism(args, device, dtype)
     from ..tiny.sd import tiny_pipeline
 
     pipe = tiny_pipeline(kind=args.kind, ip_adapter=args.variant, seed=args.seed, device=device, dtype=dtype)

@@ -25,7 +25,7 @@ def add_parser(subparsers) -> None:
             "--clip-pretrained to use a checkpoint)."
         ),
     )
-    add_model_arguments(parser)
+    add_model_arguments(parser, default_kind="digits")
     seeds = parser.add_mutually_exclusive_group()
     seeds.add_argument("--seeds", type=seed_type, nargs="+", help="generator seeds, one grid column each")
     seeds.add_argument(
@@ -83,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise CLIError(str(err)) from None
     out = output_dir(args.out)  # created only now that there is something to write
+    if "digit" in loaded.description:  # the digits organism: score the methods with the digit classifier too
+        from ..tiny.digits import add_digit_scores
+
+        add_digit_scores(result, loaded.description["digit"])
     paths = result.save(out)
     print(result.markdown())
     if scorer.random_weights:

@@ -8,7 +8,7 @@ import os
 from . import CLIError
 from ._common import check_output_dir
 
-NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "all")
+NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "ip-adapter", "all")
 
 
 def add_parser(subparsers) -> None:

@@ -17,11 +17,12 @@ def add_parser(subparsers) -> None:
         help="record IP-Adapter attention vs Gaussian NW weights during one generation",
         description="Generate with the probe on. With no model arguments the embedded tiny pipeline runs offline.",
     )
-    add_model_arguments(parser)
+    add_model_arguments(parser, default_kind="digits")
     bandwidth = bandwidth_type("matched", "fit")
     parser.add_argument("--bandwidth", type=bandwidth, default="matched", help="'matched' (default), 'fit' or h > 0")
     parser.add_argument("--layers", action="append", help="regex selecting layer ids (repeatable; default: all)")
     parser.add_argument("--keep-maps", action="store_true", help="also save the full attention maps (fp16, .pt)")
+    parser.add_argument("--maps", action="store_true", help="also write reference_maps.png and map_table.parquet")
     parser.add_argument("--out", default="outputs/probe", help="output folder (default: outputs/probe)")
     parser.set_defaults(func=run)
 
@@ -30,25 +31,33 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..capture.run import probe
+    from ..images import image_row
 
     check_output_dir(args.out)
     loaded = load_pipeline(args)
     generator = torch.Generator(device=loaded.pipe.device).manual_seed(args.seed)
     try:
-        with probe(loaded.pipe, bandwidth=args.bandwidth, layers=args.layers, keep_maps=args.keep_maps) as run_:
+        options = {"layers": args.layers, "keep_maps": args.keep_maps, "maps": args.maps}
+        with probe(loaded.pipe, bandwidth=args.bandwidth, **options) as run_:
             result = loaded.pipe(ip_adapter_image=[loaded.references], generator=generator, **loaded.call_kwargs)
     except ValueError as err:
         raise CLIError(str(err)) from None
     out = output_dir(args.out)  # created only now that there is something to write
     for i, image in enumerate(result.images):
         image.save(out / f"image_{i}.png")
+    image_row(loaded.references, result.images).save(out / "references_and_output.png")
     paths = run_.save(out, extra={"run": loaded.description})
     if args.keep_maps:
         torch.save({"|".join(map(str, key)): value for key, value in run_.maps.items()}, out / "maps.pt")
+    if args.maps:
+        from ..capture.maps import save_reference_maps
+
+        save_reference_maps(run_, out, result.images[0], [loaded.references])
     summary = run_.summary()
     cond = summary[summary["branch"] == "cond"]
     last = cond.iloc[-1] if len(cond) else None
-    line = f"wrote {out}: {len(result.images)} image(s), {paths['table'].name}, {paths['summary'].name}, "
+    line = f"wrote {out}: {len(result.images)} image(s), references_and_output.png, {paths['table'].name}, "
+    line += f"{paths['summary'].name}, "
     line += f"{paths['plot'].name}"
     if last is not None:
         line += f"; last step (t={last['timestep']:g}): spearman {last['spearman']:.3f}, pearson {last['pearson']:.3f}"

@@ -88,6 +88,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--confidence", type=_confidence, default=0.95, help="bootstrap CI level (default 0.95)")
     parser.add_argument("--resamples", type=_positive_int, default=9999, help="bootstrap resamples (default 9999)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--maps",
+        type=_positive_int,
+        nargs="?",
+        const=1,
+        help="write reference_maps.png for the first N rows (default 1) under OUT/maps/row-NNNNNN/ (reruns them)",
+    )
+    parser.add_argument("--maps-rows", type=int, nargs="+", help="manifest rows to draw reference maps for")
     parser.set_defaults(func=run)
 
 
@@ -167,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         return fail(message)
     if state.is_main_process:
         print(result.describe())
+        if args.maps or args.maps_rows:
+            _write_maps(args, manifest, runner)
     return EXIT_ROWS_FAILED if result.failed else EXIT_OK
 
 
@@ -184,6 +194,10 @@ def _read_and_check(args: argparse.Namespace):
         reasons = "; ".join(s.describe() for s in manifest.skipped[:3])
         more = f"; and {len(manifest.skipped) - 3} more" if len(manifest.skipped) > 3 else ""
         raise CLIError(f"manifest {args.manifest!r}: none of its {manifest.total} rows can run ({reasons}{more})")
+    missing = sorted(set(args.maps_rows or ()) - {row.row for row in manifest.rows})
+    if missing:
+        runnable = sorted(row.row for row in manifest.rows)
+        raise CLIError(f"--maps-rows {missing}: not rows of the manifest that can run (rows: {runnable})")
     return manifest
 
 
@@ -233,3 +247,16 @@ def _run_record(args: argparse.Namespace, load_args: argparse.Namespace) -> dict
 
     arguments = {k: v for k, v in vars(args).items() if k != "func"}
     return {"device": load_args.device, "threads": torch.get_num_threads(), "arguments": arguments}
+
+
+def _write_maps(args: argparse.Namespace, manifest, runner) -> None:
+    """Reference-map figures for the rows --maps / --maps-rows choose (each row generated once more, with maps)."""
+    from pathlib import Path
+
+    by_number = {row.row: row for row in manifest.rows}
+    numbers = args.maps_rows if args.maps_rows else [row.row for row in manifest.rows[: args.maps]]
+    for number in numbers:
+        folder = Path(args.out) / "maps" / f"row-{number:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = runner.write_maps(by_number[number], folder)
+        print(f"wrote {paths['figure']}")

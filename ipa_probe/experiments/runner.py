@@ -170,7 +170,7 @@ def _tail_mean(losses: list[float], k: int = 50) -> float | None:
 
 
 def _registry() -> dict[str, Callable[[ExperimentContext], ExperimentResult]]:
-    from . import attention, collapse, heads, scarcity, shells
+    from . import attention, collapse, heads, ip_adapter, scarcity, shells
 
     return {
         "collapse": collapse.run,
@@ -178,11 +178,12 @@ def _registry() -> dict[str, Callable[[ExperimentContext], ExperimentResult]]:
         "scarcity": scarcity.run,
         "heads": heads.run,
         "attention": attention.run,
+        "ip-adapter": ip_adapter.run,
     }
 
 
 #: experiment names in the order ``all`` runs them (attention last: it reuses the shells model).
-EXPERIMENTS = ("collapse", "shells", "scarcity", "heads", "attention")
+EXPERIMENTS = ("collapse", "shells", "scarcity", "heads", "attention", "ip-adapter")
 
 
 def run_experiments(

@@ -48,6 +48,7 @@ class Tier:
         scarcity_ms, scarcity_data: support sizes and meta-distributions of the scarcity experiment.
         heads_list, heads_ms, heads_m_range: heads ``H``, evaluation support sizes and the training range of ``m``.
         attention_ts: flow times of the attention experiment.
+        ip_sets, ip_mixed_sets: reference sets of the ip-adapter experiment (one digit; two digits mixed).
         schedule: learning rate after warm-up, ``"cosine"`` decay or ``"constant"`` (the release).
         eval_every: steps between validations of a training run (``0``: none; the final weights are the result).
         val_tasks, val_points: validation tasks per run and generated (= reference) points per task.
@@ -84,6 +85,8 @@ class Tier:
     heads_ms: tuple[int, ...]
     heads_m_range: tuple[int, int]
     attention_ts: tuple[float, ...]
+    ip_sets: int
+    ip_mixed_sets: int
     schedule: str = "cosine"
     eval_every: int = 0
     val_tasks: int = 8
@@ -144,6 +147,8 @@ TIERS: dict[str, Tier] = {
         heads_ms=(5, 10, 25),
         heads_m_range=(5, 25),
         attention_ts=(0.1, 0.5, 0.99),
+        ip_sets=2,
+        ip_mixed_sets=2,
         eval_every=6,
         scarcity_check_data=("pcafeat",),
         val_tasks=2,
@@ -177,6 +182,8 @@ TIERS: dict[str, Tier] = {
         heads_ms=(5, 10, 25, 50, 100),
         heads_m_range=(5, 100),
         attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
+        ip_sets=20,
+        ip_mixed_sets=10,
         eval_every=400,
         scarcity_check_data=("pcafeat",),
     ),
@@ -208,6 +215,8 @@ TIERS: dict[str, Tier] = {
         heads_ms=(5, 10, 25, 50, 100),
         heads_m_range=(5, 100),
         attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
+        ip_sets=100,
+        ip_mixed_sets=40,
         eval_every=500,
         scarcity_check_data=("pcafeat",),
     ),
@@ -243,6 +252,8 @@ GPU_TIERS: dict[str, Tier] = {
         heads_ms=(5, 10, 25, 50, 100),
         heads_m_range=(5, 100),
         attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
+        ip_sets=100,
+        ip_mixed_sets=40,
         schedule="constant",
         eval_every=1000,
         val_tasks=100,

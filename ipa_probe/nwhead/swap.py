@@ -115,11 +115,12 @@ class NWHeadSwap:
             if self._handle is not None:
                 self._handle.remove()
                 self._handle = None
-            current = denoiser.attn_processors
+            model = _model(denoiser)
+            current = model.attn_processors
             restore = {key: self.originals[key] for key, nw in self.installed.items() if current.get(key) is nw}
             if restore:
                 processors = {**current, **restore}
-                denoiser.set_attn_processor(dict(processors))  # set_attn_processor pops what it is given: a copy
+                model.set_attn_processor(dict(processors))  # set_attn_processor pops what it is given: a copy
             skipped = len(self.installed) - len(restore)
             if skipped:
                 logger.info("nw_head: %d layer(s) no longer held the NW head and were left as they are", skipped)
@@ -127,6 +128,12 @@ class NWHeadSwap:
             denoiser.__dict__.pop(_STATE_ATTRIBUTE, None)
             release(denoiser, NW_HEAD)
             self._denoiser = None
+
+
+def _model(denoiser: torch.nn.Module) -> torch.nn.Module:
+    """The model whose processors are swapped: beneath a ``torch.compile`` wrapper (``_orig_mod``), so that layer ids
+    and ``attn_processors`` keys stay diffusers' own (dynamo guards the processor objects and recompiles)."""
+    return getattr(denoiser, "_orig_mod", denoiser)
 
 
 def _nw_processor(layer: IPLayer, config: NWHeadConfig, clock: TimestepClock) -> torch.nn.Module:
@@ -153,7 +160,7 @@ def apply_nw_head(pipe, bandwidth: BandwidthSpec = "matched", *, layers: LayerSe
         RuntimeError: the NW head is already applied to this pipeline.
     """
     config = NWHeadConfig(bandwidth, layers)
-    found = find_ip_layers(pipe, config.layers)
+    found = find_ip_layers(_model(denoiser_of(pipe)), config.layers)
     clock = TimestepClock(tap_for(pipe, found))  # the tap knows where each family's denoiser takes its timestep
     installed = {f"{layer.name}.processor": _nw_processor(layer, config, clock) for layer in found}
     what = f"NW processors swapped in, bandwidth={config.describe()['bandwidth']}"
@@ -162,7 +169,8 @@ def apply_nw_head(pipe, bandwidth: BandwidthSpec = "matched", *, layers: LayerSe
     swap._denoiser = denoiser
     try:
         denoiser.__dict__[_STATE_ATTRIBUTE] = swap
-        denoiser.set_attn_processor({**denoiser.attn_processors, **installed})  # a fresh dict: it is popped
+        model = _model(denoiser)
+        model.set_attn_processor({**model.attn_processors, **installed})  # a fresh dict: it is popped
         if callable(config.bandwidth):
             swap._handle = denoiser.register_forward_pre_hook(observer(clock.hook), with_kwargs=True)
     except BaseException:

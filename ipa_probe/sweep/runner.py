@@ -212,3 +212,26 @@ class SweepRunner:
         table.insert(1, "seed", np.int64(settings.seed))
         table.insert(2, "scale", float(settings.scale))
         return table
+
+    def write_maps(self, row: ManifestRow, directory) -> dict:
+        """Generate the row again (same seed, decoded) with ``maps=True`` and write its ``reference_maps.png`` and
+        ``map_table.parquet`` into ``directory`` (see :func:`ipa_probe.capture.maps.save_reference_maps`)."""
+        import torch
+
+        from ..capture.maps import save_reference_maps
+        from ..capture.run import probe
+
+        settings = self.resolve(row)
+        images = self._images(settings)
+        self.pipe.set_ip_adapter_scale(settings.scale)
+        generator = torch.Generator(device=self.pipe.device).manual_seed(settings.seed)
+        kwargs = {**self.call_kwargs, "output_type": "pil"}
+        with probe(self.pipe, bandwidth=settings.bandwidth, layers=self.layers, heads=self.heads, maps=True) as run:
+            out = self.pipe(
+                prompt=settings.prompt,
+                ip_adapter_image=[images],
+                num_inference_steps=settings.steps,
+                generator=generator,
+                **kwargs,
+            )
+        return save_reference_maps(run, directory, out.images[0], [images])

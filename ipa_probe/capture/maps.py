@@ -1,0 +1,499 @@
+"""Where each reference goes: per-reference spatial attribution maps, attention beside NW.
+
+With ``probe(pipe, maps=True)`` the probe also keeps, for every recorded (call, step, layer, adapter, CFG branch),
+the share of the image branch's weight that each image token receives at each query position, averaged over heads:
+
+    share_a(p, t) = mean_h softmax_t(l_a[h, p, :])[t],    l_attn = q·k / sqrt(d),   l_nw = -|q - k|^2 / (2 h^2)
+
+for the attention (``a = "attention"``) and for the Gaussian NW weights (``a = "nw"``, the table's bandwidth). A
+reference image's share is the sum over its tokens. With ``ip_adapter_masks`` diffusers runs one softmax per
+reference image and multiplies its output by the reference's mask (downsampled to the layer's grid by
+:meth:`IPAdapterMaskProcessor.downsample`); the share is then ``mask_r(p) softmax_r(p, t)`` normalised over the
+adapter's references, so a reference gets nothing outside its region (negative bicubic overshoot is clamped to 0;
+a position no mask reaches gets 0 for every reference).
+
+What is kept: per recorded step, layer, adapter and denoiser pass, one float32 ``(2, groups, items, Q, K)`` tensor
+(attention and NW; the batch's groups with their branch labels as a device tensor), on the pipeline's device
+(no host synchronisation; memory independent of the number of heads), moved to the host once when the ``with`` block
+ends. :meth:`MapAccumulator.check_budget` estimates its size before step 0 and refuses above
+``max_map_bytes``. Analysis (``reference_maps``, ``token_maps``, ``map_table``, ``plot_reference_maps``) is made from
+the host copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from diffusers.image_processor import IPAdapterMaskProcessor
+
+from ..layers import IPLayer, LayerSelection, _compile_selection, observer
+from .taps import Tap
+from .taps.base import Handle
+
+__all__ = ["MAP_KINDS", "MAP_TABLE_COLUMNS", "MapAccumulator", "plot_reference_maps", "save_reference_maps"]
+
+logger = logging.getLogger(__name__)
+
+#: The two attributions kept, in buffer order.
+MAP_KINDS: tuple[str, ...] = ("attention", "nw")
+
+#: Columns of :meth:`ipa_probe.ProbeRun.map_table`: per (call, step, layer, adapter, branch, item), the fraction of
+#: query positions whose dominant reference is the same under attention and NW (``dominant_agree``) and the mean
+#: total-variation distance between the two reference-share vectors (``tv``), over ``positions`` query positions.
+MAP_TABLE_COLUMNS: tuple[str, ...] = (
+    "call",
+    "step",
+    "timestep",
+    "layer",
+    "adapter",
+    "branch",
+    "item",
+    "references",
+    "positions",
+    "dominant_agree",
+    "tv",
+)
+
+_BYTES = 4  # float32 shares
+
+
+class MapAccumulator:
+    """Per-token shares of the image branch's weight, kept per (call, step, layer, adapter) on the device.
+
+    Args:
+        pipe: the probed pipeline (read for ``vae_scale_factor``).
+        layers: the probe's layers, in its order.
+        tap: the probe's tap (its :meth:`~.taps.Tap.map_elements` sizes the buffers).
+        labels: the run's branch labels (what the label indices of :meth:`add` name).
+    """
+
+    def __init__(self, pipe, layers: list[IPLayer], tap: Tap, labels: Sequence[str]) -> None:
+        self.pipe = pipe
+        self.labels = list(labels)
+        self.layers = layers
+        self.tap = tap
+        #: (call, step, layer index, adapter) -> one ``(labels, shares)`` pair per denoiser pass: ``labels``
+        #: ``(groups,)`` indices into the run's branch labels, ``shares`` ``(2, groups, items, Q, K)`` float32.
+        self.store: dict[tuple[int, int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        #: call -> latent grid (H, W) of the denoiser input, or None (packed latents).
+        self.latents: dict[int, tuple[int, int] | None] = {}
+        #: (call, adapter) pairs that ran with ``ip_adapter_masks``.
+        self.masked: set[tuple[int, int]] = set()
+        self._masks: list[torch.Tensor | None] = []
+        self._mask_cache: dict[tuple[int, int, int, int], torch.Tensor] = {}
+        self._images_seen: dict[tuple[int, int], int] = {}
+        self._on_host = False
+        #: the sum of :meth:`check_budget`'s estimates over the run's calls.
+        self.estimated_bytes = 0
+        self._batch = 1
+
+    # ------------------------------------------------------------------ capture
+    def install(self, denoiser: torch.nn.Module) -> list[Handle]:
+        """Register the pre-hook that reads each denoiser call's ``ip_adapter_masks`` (after the probe's clock)."""
+        return [denoiser.register_forward_pre_hook(observer(self._on_denoiser_call), with_kwargs=True)]
+
+    def _on_denoiser_call(self, module, args, kwargs) -> None:
+        self._batch = self.tap.sample(args, kwargs).shape[0]
+        self._images_seen.clear()  # per pass: which reference image a masked adapter's next key projection is
+        extra = kwargs.get("cross_attention_kwargs") or kwargs.get("joint_attention_kwargs") or {}
+        masks = extra.get("ip_adapter_masks")
+        if isinstance(masks, torch.Tensor):  # diffusers' legacy form: (adapters, 1, H, W)
+            masks = list(masks.unsqueeze(1))
+        if masks is None or not all(m is None or isinstance(m, torch.Tensor) for m in masks):
+            masks = []
+        if len(masks) != len(self._masks) or any(a is not b for a, b in zip(masks, self._masks, strict=True)):
+            self._mask_cache.clear()
+        self._masks = list(masks)
+
+    def begin_call(self, call: int, sample: torch.Tensor) -> None:
+        """A pipeline call starts: remember its latent grid (``sample`` is the denoiser's latent input)."""
+        self.latents[call] = tuple(sample.shape[-2:]) if sample.ndim == 4 else None
+        self._mask_cache.clear()
+
+    def estimate_bytes(self, args: tuple, kwargs: dict, recorded_steps: int) -> int:
+        """Bytes the maps of one call will take: 2 kinds x float32 x (B, Q, K) per recorded step and layer."""
+        return 2 * _BYTES * recorded_steps * sum(self.tap.map_elements(layer, args, kwargs) for layer in self.layers)
+
+    def check_budget(self, args: tuple, kwargs: dict, recorded_steps: int, max_bytes: int) -> int:
+        """Refuse (``ValueError``) before step 0 when this call's maps would exceed ``max_bytes``; return the size."""
+        total = self.estimate_bytes(args, kwargs, recorded_steps)
+        if total > max_bytes:
+            raise ValueError(
+                f"maps=True would keep about {total / 2**30:.2f} GiB of reference maps for this call, above "
+                f"max_map_bytes={max_bytes / 2**30:.2f} GiB; select fewer layers or steps, or raise max_map_bytes"
+            )
+        logger.info("maps: about %.1f MiB of reference maps for this call", total / 2**20)
+        self.estimated_bytes += total
+        return total
+
+    @torch.no_grad()
+    def add(
+        self,
+        call: int,
+        step: int,
+        index: int,
+        adapter: int,
+        labels: torch.Tensor,
+        attention: torch.Tensor,
+        nw: torch.Tensor,
+    ) -> None:
+        """Add one layer's shares (device work only: no host synchronisation).
+
+        Args:
+            call, step, index, adapter: where (call index, loop index, layer position, adapter).
+            labels: ``(n,)`` int64 on the device, each group's index into the run's branch labels.
+            attention, nw: logits ``(n, H, items * Q, K)`` of the ``n`` groups of the batch (CFG chunks or single
+                batch items; ``K`` = one reference's tokens when the adapter runs with a mask, else all of the
+                adapter's tokens).
+        """
+        n_branch, _, rows, tokens = attention.shape
+        items = self._batch // n_branch
+        shares = torch.stack([torch.softmax(attention, -1).mean(1), torch.softmax(nw, -1).mean(1)])  # (2, n, IQ, K)
+        shares = shares.reshape(2, n_branch, items, rows // items, tokens)  # (2, n, items, Q, K)
+        queries = shares.shape[-2]
+        mask = self._masks[adapter] if adapter < len(self._masks) else None
+        entries = self.store.setdefault((call, step, index, adapter), [])
+        if mask is None:
+            entries.append((labels, shares))
+            return
+        # masked: diffusers calls to_k_ip once per reference image, in order; weight each by its region
+        image = self._images_seen.get((index, adapter), 0)
+        self._images_seen[(index, adapter)] = image + 1
+        if image == 0:
+            entries.append((labels, shares.new_zeros(2, n_branch, items, queries, mask.shape[1] * tokens)))
+        self.masked.add((call, adapter))
+        region = self._region(mask, adapter, image, n_branch * items, queries, shares.device)  # (n * items, Q)
+        region = region.reshape(1, n_branch, items, queries, 1)
+        entries[-1][1][..., image * tokens : (image + 1) * tokens] = shares * region
+
+    def _region(self, mask: torch.Tensor, adapter: int, image: int, batch: int, queries: int, device) -> torch.Tensor:
+        """Reference ``image``'s mask on a ``queries``-position grid, ``(batch, Q)``, as the processor weights it."""
+        cache = (adapter, image, batch, queries)
+        if cache not in self._mask_cache:
+            with warnings.catch_warnings():  # the processor already warned about a mismatched aspect ratio
+                warnings.simplefilter("ignore")
+                down = IPAdapterMaskProcessor.downsample(mask[:, image], batch, queries, 1)  # (batch, Q, 1)
+            self._mask_cache[cache] = down[..., 0].to(device=device, dtype=torch.float32).clamp(min=0)
+        return self._mask_cache[cache]
+
+    def finalize(self) -> None:
+        """Move the maps to the host once, when the probe ends (``.cpu()`` waits for the device's queued work)."""
+        if not self._on_host:
+            self.store = {
+                key: [(labels.cpu(), shares.cpu()) for labels, shares in entries]
+                for key, entries in self.store.items()
+            }
+            self._mask_cache.clear()
+            self._masks = []
+            self._on_host = True
+
+    # ------------------------------------------------------------------ reading
+    def chunk(self, key: tuple[int, int, int, int], label: int) -> torch.Tensor | None:
+        """The ``(2, items, Q, K)`` shares of the batch items labelled ``label`` at ``key`` (host, in batch order, over
+        the passes in order), or ``None`` when no item has that label."""
+        parts = [
+            shares[:, position]  # (2, items, Q, K)
+            for labels, shares in self.store.get(key, ())
+            for position, value in enumerate(labels.tolist())
+            if value == label
+        ]
+        return torch.cat(parts, 1) if parts else None
+
+    def tokens_per_image(self, adapter: int, index: int) -> int:
+        """Tokens per reference image of ``adapter`` (the processor's ``num_tokens``; else all keys are one image)."""
+        num_tokens = getattr(self.layers[index].processor, "num_tokens", None)
+        if isinstance(num_tokens, Sequence) and adapter < len(num_tokens):
+            return int(num_tokens[adapter])
+        return 0
+
+    def grid(self, call: int, queries: int) -> tuple[int, int]:
+        """The ``(h, w)`` query grid of a layer with ``queries`` positions in ``call``."""
+        latent = self.latents.get(call)
+        if latent is not None:
+            for factor in (1, 2, 4, 8, 16, 32, 64):
+                h, w = math.ceil(latent[0] / factor), math.ceil(latent[1] / factor)
+                if h * w == queries:
+                    return h, w
+        side = math.isqrt(queries)
+        if side * side == queries:
+            return side, side
+        raise ValueError(
+            f"cannot place {queries} query positions on a grid for latent {latent}: reference maps need an SD-style "
+            "latent grid (packed latents are placed only when square)"
+        )
+
+    def image_size(self, call: int) -> tuple[int, int]:
+        latent = self.latents.get(call)
+        if latent is None:
+            raise ValueError('size="image" needs the latent grid of an SD-style pipeline; pass size=(H, W) instead')
+        factor = int(getattr(self.pipe, "vae_scale_factor", 8))
+        return latent[0] * factor, latent[1] * factor
+
+    def shares(
+        self,
+        call: int,
+        item: int,
+        adapter: int,
+        kind: str,
+        branch: str,
+        layers: Iterable[int],
+        steps: Iterable[int],
+        size: tuple[int, int] | str,
+        per_token: bool,
+    ) -> torch.Tensor:
+        """Average the selected (step, layer) maps on one grid: ``(R, H, W)`` or ``(R, T, H, W)`` float32, CPU."""
+        which = MAP_KINDS.index(kind)
+        branch_name = branch
+        branch = self.labels.index(branch)
+        target = None if isinstance(size, str) else size
+        if size == "image":
+            target = self.image_size(call)
+        total, count = None, 0
+        for step in steps:
+            for index in layers:
+                buffer = self.chunk((call, step, index, adapter), branch)  # (2, items, Q, K)
+                if buffer is None:
+                    continue
+                if item >= buffer.shape[1]:
+                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[1]} images per branch")
+                weights = buffer[which, item].double()  # (Q, K)
+                queries, keys = weights.shape
+                tokens = self.tokens_per_image(adapter, index) or keys
+                per_ref = weights.reshape(queries, keys // tokens, tokens)  # (Q, R, T)
+                if (call, adapter) in self.masked:
+                    mass = per_ref.sum((1, 2), keepdim=True)
+                    per_ref = torch.where(mass > 0, per_ref / mass.clamp(min=1e-300), torch.zeros_like(per_ref))
+                values = per_ref if per_token else per_ref.sum(-1)  # (Q, R, T) or (Q, R)
+                h, w = self.grid(call, queries)
+                if target is None:  # "latent"
+                    target = self.latents.get(call) or (h, w)
+                spatial = values.reshape(h, w, -1).permute(2, 0, 1)  # (R[*T], h, w)
+                if (h, w) != tuple(target):
+                    spatial = F.interpolate(spatial[None], size=tuple(target), mode="bilinear", align_corners=False)[0]
+                total = spatial if total is None else total + spatial
+                count += 1
+        if total is None:
+            raise ValueError(
+                f"no maps recorded for call={call}, adapter={adapter}, branch {branch_name!r} at the selected layers "
+                "and steps; check `branch` (run.to_dataframe()['branch'] lists the recorded ones), `steps` (loop "
+                "indices the probe recorded) and `layers`"
+            )
+        out = (total / count).float()
+        if per_token:
+            tokens_r = out.shape[0]
+            refs = per_ref.shape[1]
+            out = out.reshape(refs, tokens_r // refs, *out.shape[-2:])
+        return out
+
+
+def select_layers(names: list[str], layers: LayerSelection) -> list[int]:
+    """Positions of the probe's layers a selection (regex or list of them, or None) picks; raises if none."""
+    patterns = _compile_selection(layers)
+    if patterns is None:
+        return list(range(len(names)))
+    chosen = [i for i, name in enumerate(names) if any(p.search(name) for p in patterns)]
+    if not chosen:
+        raise ValueError(
+            f"layers={[p.pattern for p in patterns]} matched none of the probed layers (e.g. {names[0]!r}); pass a "
+            "regex that `re.search` finds in one of run.layers' names, or None for all"
+        )
+    return chosen
+
+
+def check_size(size: Any) -> tuple[int, int] | str:
+    if size in ("image", "latent"):
+        return size
+    if (
+        isinstance(size, tuple | list)
+        and len(size) == 2
+        and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in size)
+    ):
+        return tuple(size)
+    raise ValueError(f'size: expected "image", "latent" or (H, W) positive ints, got {size!r}')
+
+
+def map_statistics(accumulator: MapAccumulator, calls: list[dict[str, Any]], names: list[str]) -> pd.DataFrame:
+    """The per (call, step, layer, adapter, branch, item) agreement of the attention and NW reference shares.
+
+    Args:
+        accumulator: a finished accumulator.
+        calls: the run's finished calls (``index``, ``branches``, ``timesteps``).
+        names: the probe's layer names.
+
+    Returns:
+        a DataFrame with :data:`MAP_TABLE_COLUMNS`.
+    """
+    rows = []
+    by_index = {call["index"]: call for call in calls}
+    for key in sorted(accumulator.store):
+        call, step, index, adapter = key
+        info = by_index[call]
+        timestep = float(info["timesteps"][step]) if step < len(info["timesteps"]) else math.nan
+        for label in sorted({label for labels, _ in accumulator.store[key] for label in labels.tolist()}):
+            buffer = accumulator.chunk(key, label)  # (2, items, Q, K)
+            _, items, queries, keys = buffer.shape
+            tokens = accumulator.tokens_per_image(adapter, index) or keys
+            refs = buffer.double().reshape(2, items, queries, keys // tokens, tokens).sum(-1)  # (2, I, Q, R)
+            mass = refs.sum(-1, keepdim=True)  # (2, I, Q, 1)
+            refs = torch.where(mass > 0, refs / mass.clamp(min=1e-300), torch.zeros_like(refs))
+            covered = (mass[0, ..., 0] > 0) & (mass[1, ..., 0] > 0)  # (I, Q)
+            agree = (refs[0].argmax(-1) == refs[1].argmax(-1)) & covered
+            tv = 0.5 * (refs[0] - refs[1]).abs().sum(-1) * covered
+            positions = covered.sum(-1)  # (I,)
+            agree_frac = agree.sum(-1) / positions.clamp(min=1)
+            tv_mean = tv.sum(-1) / positions.clamp(min=1)
+            for item in range(items):
+                if positions[item] == 0:
+                    continue
+                rows.append(
+                    (call, step, timestep, names[index], adapter, info["branches"][label], item, keys // tokens)
+                    + (int(positions[item]), float(agree_frac[item]), float(tv_mean[item]))
+                )
+    table = pd.DataFrame(rows, columns=list(MAP_TABLE_COLUMNS))
+    table["layer"] = pd.Categorical(table["layer"], categories=names)
+    return table
+
+
+# ---------------------------------------------------------------------------------------------------------- figure
+
+
+def _as_array(image) -> np.ndarray:
+    """A PIL image, ``(H, W, 3)`` array in [0, 1] or [0, 255], or ``(3, H, W)`` tensor -> float array in [0, 1]."""
+    if isinstance(image, torch.Tensor):
+        image = image.detach().float().cpu()
+        image = image.permute(1, 2, 0) if image.ndim == 3 and image.shape[0] in (1, 3) else image
+        image = image.numpy()
+    array = np.asarray(image, dtype=np.float64)
+    if array.max(initial=0.0) > 1.0:
+        array = array / 255.0
+    return array.clip(0.0, 1.0)
+
+
+def plot_reference_maps(
+    run,
+    call: int = 0,
+    item: int = 0,
+    adapter: int = 0,
+    image=None,
+    references: Sequence | None = None,
+    branch: str = "cond",
+    layers: LayerSelection = None,
+    ranges: int = 3,
+):
+    """A figure of where each reference goes: attention beside NW at early / middle / late steps.
+
+    Row 0 shows the generated image and, per timestep range, the dominant reference under attention and NW and the
+    per-position total-variation distance between the two reference-share vectors. Row ``1 + r`` shows reference
+    ``r`` and, per range, its attention share, its NW share (overlaid on the generated image when given) and
+    ``|attention - NW|``.
+
+    Args:
+        run: a finished :class:`~ipa_probe.ProbeRun` made with ``maps=True``.
+        call, item, adapter, branch, layers: as in :meth:`~ipa_probe.ProbeRun.reference_maps`.
+        image: the generated image (PIL, array or ``(3, H, W)`` tensor), or ``None``.
+        references: the adapter's reference images (PIL / arrays), or ``None``.
+        ranges: how many consecutive ranges the recorded steps are split into (3: early, middle, late).
+
+    Returns:
+        a ``matplotlib.figure.Figure``.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    steps = run.map_steps(call)
+    if not isinstance(ranges, int) or isinstance(ranges, bool) or ranges < 1:
+        raise ValueError(f"ranges: expected a positive int, got {ranges!r}")
+    chunks = [list(map(int, c)) for c in np.array_split(np.asarray(steps), min(ranges, len(steps))) if len(c)]
+    names = ["early", "middle", "late"] if len(chunks) == 3 else [f"range {i + 1}" for i in range(len(chunks))]
+    maps = {
+        kind: [run.reference_maps(call, item, adapter, kind, branch, layers, chunk, "image") for chunk in chunks]
+        for kind in MAP_KINDS
+    }
+    n_refs = maps["attention"][0].shape[0]
+    base = _as_array(image) if image is not None else None
+    cols, rows = 1 + 3 * len(chunks), 1 + n_refs
+    fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols, 1.6 * rows + 0.4), squeeze=False)
+    colours = ListedColormap(plt.get_cmap("tab10").colors[: max(n_refs, 1)])
+    timesteps = run.map_timesteps(call)
+
+    def show(ax, values, title=None, overlay=True, **style):
+        if overlay and base is not None:
+            ax.imshow(base, extent=(0, values.shape[-1], values.shape[-2], 0))
+            style.setdefault("alpha", 0.6)
+        ax.imshow(values, extent=(0, values.shape[-1], values.shape[-2], 0), **style)
+        if title:
+            ax.set_title(title, fontsize=7)
+
+    # one colour scale per figure, shared by attention and NW, so that the two are comparable
+    low = min(float(m.min()) for kind in MAP_KINDS for m in maps[kind])
+    top = max(float(m.max()) for kind in MAP_KINDS for m in maps[kind])
+    top = top if top > low else low + 1e-6
+    gap = max(float((a - n).abs().max()) for a, n in zip(maps["attention"], maps["nw"], strict=True)) or 1.0
+    if base is not None:
+        axes[0, 0].imshow(base)
+    axes[0, 0].set_title("generated" if base is not None else "(image not given)", fontsize=7)
+    for c, (chunk, name) in enumerate(zip(chunks, names, strict=True)):
+        a, n = maps["attention"][c].numpy(), maps["nw"][c].numpy()
+        span = f"t {timesteps[chunk[0]]:.0f}-{timesteps[chunk[-1]]:.0f}"
+        style = {"cmap": colours, "vmin": -0.5, "vmax": n_refs - 0.5, "interpolation": "nearest"}
+        show(axes[0, 1 + 3 * c], a.argmax(0), f"{name} ({span})\nattention: top ref", **style)
+        show(axes[0, 2 + 3 * c], n.argmax(0), "NW: top ref", **style)
+        show(axes[0, 3 + 3 * c], 0.5 * np.abs(a - n).sum(0), "TV(attn, NW)", False, cmap="magma", vmin=0, vmax=gap)
+        for r in range(n_refs):
+            show(axes[1 + r, 1 + 3 * c], a[r], f"ref {r}: attention", cmap="viridis", vmin=low, vmax=top)
+            show(axes[1 + r, 2 + 3 * c], n[r], f"ref {r}: NW", cmap="viridis", vmin=low, vmax=top)
+            show(axes[1 + r, 3 + 3 * c], np.abs(a[r] - n[r]), "|attn - NW|", False, cmap="magma", vmin=0, vmax=gap)
+    for r in range(n_refs):
+        if references is not None and r < len(references):
+            axes[1 + r, 0].imshow(_as_array(references[r]))
+        axes[1 + r, 0].set_title(f"reference {r}", fontsize=7, color=colours(r))
+    for ax in axes.flat:
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(
+        f"Where each reference goes (call {call}, item {item}, adapter {adapter}, {branch}): "
+        f"share of image-branch weight per reference (viridis {low:.2f}-{top:.2f}; differences, magma 0-{gap:.3f})",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    return fig
+
+
+def save_reference_maps(run, directory, image=None, references: Sequence | None = None, call: int = 0) -> dict:
+    """Write ``reference_maps.png`` (:func:`plot_reference_maps` of item 0, every adapter stacked as separate files
+    ``reference_maps_adapter{a}.png`` after the first) and ``map_table.parquet`` (:meth:`ProbeRun.map_table`).
+
+    Args:
+        run: a finished probe made with ``maps=True``.
+        directory: an existing folder.
+        image: the generated image (first item), or ``None``.
+        references: per adapter, its reference images (a list of lists), or ``None``.
+        call: the pipeline call to draw.
+
+    Returns:
+        ``{"figure": path, "table": path}`` (and ``"figure_adapter{a}"`` for further adapters).
+    """
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    paths = {}
+    for adapter in range(run.num_adapters):
+        refs = references[adapter] if references is not None and adapter < len(references) else None
+        fig = run.plot_reference_maps(call, 0, adapter, image=image, references=refs)
+        key, name = ("figure", "reference_maps.png") if adapter == 0 else (f"figure_adapter{adapter}", None)
+        path = directory / (name or f"reference_maps_adapter{adapter}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths[key] = path
+    paths["table"] = directory / "map_table.parquet"
+    run.map_table().to_parquet(paths["table"], index=False)
+    return paths

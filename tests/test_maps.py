@@ -1,0 +1,310 @@
+"""Reference maps (probe(..., maps=True)) against an independent float64 recomputation from the test's own hooks."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from diffusers.image_processor import IPAdapterMaskProcessor
+from helpers import PIPELINE_CASES, CountScalarReads, masks_for
+
+from ipa_probe.capture.maps import MAP_TABLE_COLUMNS
+from ipa_probe.capture.run import probe
+from ipa_probe.tiny.sd import tiny_pipeline
+
+STEPS = 2
+
+
+def generate(pipe, refs, adapters=1, **kwargs):
+    kwargs.setdefault("num_inference_steps", STEPS)
+    kwargs.setdefault("output_type", "np")
+    generator = torch.Generator().manual_seed(0)
+    return pipe("a photo", ip_adapter_image=[refs] * adapters, generator=generator, **kwargs).images
+
+
+class OwnHooks:
+    """The test's own forward hooks: per denoiser call, each layer's query and each adapter's image-token keys."""
+
+    def __init__(self, pipe):
+        self.pipe, self.handles, self.calls = pipe, [], []
+        self.layers = {
+            name[: -len(".processor")]: (module, proc)
+            for name, proc in pipe.unet.attn_processors.items()
+            if hasattr(proc, "to_k_ip")
+            for module in [pipe.unet.get_submodule(name[: -len(".processor")])]
+        }
+
+    def __enter__(self):
+        self.handles.append(self.pipe.unet.register_forward_pre_hook(lambda m, a: self.calls.append({})))
+        for name, (attn, proc) in self.layers.items():
+            self.handles.append(attn.to_q.register_forward_hook(self._save(name, "q")))
+            for a, to_k_ip in enumerate(proc.to_k_ip):
+                self.handles.append(to_k_ip.register_forward_hook(self._save(name, a)))
+        return self
+
+    def _save(self, name, what):
+        def hook(module, args, output):
+            self.calls[-1].setdefault((name, what), []).append(output.detach().double())
+
+        return hook
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+    def shares(self, step, name, adapter, tokens, regions=None, h2=None):
+        """float64 ``(B, Q, R, T)`` shares of each image token (attention, or NW with bandwidth^2 ``h2``)."""
+        attn = self.layers[name][0]
+        heads = attn.heads
+        q = self.calls[step][(name, "q")][0]  # (B, Q, H*D)
+        keys = self.calls[step][(name, adapter)]  # one (B, R, T, H*D), or one (B, T, H*D) per reference (masks)
+        batch, queries, inner = q.shape
+        d = inner // heads
+        qh = q.reshape(batch, queries, heads, d).transpose(1, 2)  # (B, H, Q, D)
+        per_ref = []
+        for k in keys:
+            kh = k.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, [R,] T, H*D) -> (B, H, K, D)
+            if h2 is None:
+                logits = qh @ kh.transpose(-1, -2) / math.sqrt(d)
+            else:
+                logits = -((qh[..., :, None, :] - kh[..., None, :, :]) ** 2).sum(-1) / (2 * h2)
+            per_ref.append(torch.softmax(logits, -1).mean(1))  # (B, Q, K)
+        w = torch.cat(per_ref, -1).reshape(batch, queries, -1, tokens)  # (B, Q, R, T)
+        if regions is not None:  # (R, B, Q) mask weights: one softmax per reference, weighted by its region
+            w = w * regions.permute(1, 2, 0)[..., None]
+            w = w / w.sum((-1, -2), keepdim=True).clamp(min=1e-300)
+        return w
+
+
+def _side(queries):
+    side = math.isqrt(queries)
+    assert side * side == queries
+    return side
+
+
+# --------------------------------------------------------------------------- exactness
+
+
+CASES = [
+    ("sd15", "base", 1, 5.0, 1),
+    ("sd15", "base", 1, 1.0, 2),
+    ("sd15", "base", 2, 5.0, 1),
+    ("sd15", "plus", 1, 5.0, 2),
+    ("sdxl", "base", 1, 5.0, 1),
+    ("sdxl", "plus", 2, 1.0, 1),
+]
+
+
+@pytest.mark.parametrize("kind, variant, adapters, guidance, per_prompt", CASES)
+def test_one_layer_one_step_equals_own_recomputation(refs, kind, variant, adapters, guidance, per_prompt):
+    pipe = tiny_pipeline(kind, ip_adapter=variant, num_adapters=adapters)
+    with probe(pipe, maps=True) as run, OwnHooks(pipe) as own:
+        generate(pipe, refs, adapters, guidance_scale=guidance, num_images_per_prompt=per_prompt)
+    branches = ["uncond", "cond"] if guidance > 1 else ["cond"]
+    tokens = 16 if variant == "plus" else 4
+    h2 = None
+    for step in range(STEPS):
+        for name, (attn, _) in own.layers.items():
+            for adapter in range(adapters):
+                for b, branch in enumerate(branches):
+                    for item in range(per_prompt):
+                        row = b * per_prompt + item
+                        for kind_, h2 in (("attention", None), ("nw", math.sqrt(attn.inner_dim // attn.heads))):
+                            expected = own.shares(step, name, adapter, tokens, h2=h2)[row]  # (Q, R, T)
+                            side = _side(expected.shape[0])
+                            got = run.token_maps(
+                                0, item, adapter, kind_, branch, [re.escape(name) + "$"], [step], (side, side)
+                            )  # (R, T, side, side)
+                            assert got.dtype == torch.float32 and got.shape == (len(refs), tokens, side, side)
+                            want = expected.permute(1, 2, 0).reshape(len(refs), tokens, side, side)
+                            torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=0)
+                            ref_map = run.reference_maps(
+                                0, item, adapter, kind_, branch, [re.escape(name) + "$"], [step], (side, side)
+                            )
+                            torch.testing.assert_close(ref_map.double(), want.sum(1), atol=2e-6, rtol=0)
+
+
+def test_shares_sum_to_one_over_references_everywhere(sd15, refs):
+    with probe(sd15, maps=True) as run:
+        generate(sd15, refs + refs[:1], guidance_scale=5.0)
+    for kind in ("attention", "nw"):
+        for size in ("image", "latent", (13, 21)):
+            for branch in ("cond", "uncond"):
+                maps = run.reference_maps(kind=kind, size=size, branch=branch)
+                assert maps.shape[0] == 3 and (maps >= 0).all()
+                torch.testing.assert_close(maps.sum(0), torch.ones(maps.shape[1:]), atol=1e-5, rtol=0)
+    assert run.reference_maps(size="image").shape[1:] == (64, 64)
+    assert run.reference_maps(size="latent").shape[1:] == (8, 8)
+
+
+def test_one_reference_gives_all_ones(sd15, refs):
+    with probe(sd15, maps=True) as run:
+        generate(sd15, refs[:1])
+    for kind in ("attention", "nw"):
+        assert torch.equal(run.reference_maps(kind=kind), torch.ones(1, 64, 64))
+
+
+def test_masks_zero_a_reference_outside_its_region(sd15, refs):
+    masks = masks_for(len(refs))
+    with probe(sd15, maps=True) as run, OwnHooks(sd15) as own:
+        generate(sd15, refs, guidance_scale=5.0, cross_attention_kwargs={"ip_adapter_masks": masks})
+    for name in own.layers:
+        expected_any = own.shares(0, name, 0, 4)  # (B, Q, R, T) unmasked per-reference softmaxes
+        batch, queries = expected_any.shape[:2]
+        regions = torch.stack(
+            [IPAdapterMaskProcessor.downsample(masks[0][:, r], batch, queries, 1)[..., 0] for r in range(len(refs))]
+        ).double()  # (R, B, Q), diffusers' own downsampling
+        regions = regions.clamp(min=0)
+        expected = own.shares(0, name, 0, 4, regions=regions)[1]  # cond row: (Q, R, T)
+        side = _side(queries)
+        got = run.token_maps(0, 0, 0, "attention", "cond", [re.escape(name) + "$"], [0], (side, side))
+        want = expected.permute(1, 2, 0).reshape(len(refs), 4, side, side)
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=0)
+        outside = (regions[:, 1] <= 0).reshape(len(refs), side, side)  # (R, side, side)
+        ref_map = got.sum(1)
+        assert outside.any() and (ref_map[outside] == 0).all()
+    # at image size, each reference's share lies in its half (left: reference 0, right: reference 1)
+    full = run.reference_maps(size="image")
+    assert full[0, :, :8].min() > 0.99 and full[0, :, 56:].max() < 0.01
+    assert full[1, :, 56:].min() > 0.99
+
+
+def test_map_table_against_own_recomputation(sd15, refs):
+    with probe(sd15, maps=True) as run, OwnHooks(sd15) as own:
+        generate(sd15, refs + refs[:1], guidance_scale=5.0)
+    table = run.map_table()
+    assert len(table) == STEPS * len(own.layers) * 2
+    for _, row in table[table.branch == "cond"].iterrows():
+        name, step = row["layer"], row["step"]
+        attn = own.layers[name][0]
+        a = own.shares(step, name, 0, 4)[1].sum(-1)  # (Q, R)
+        n = own.shares(step, name, 0, 4, h2=math.sqrt(attn.inner_dim // attn.heads))[1].sum(-1)
+        assert row["dominant_agree"] == pytest.approx((a.argmax(-1) == n.argmax(-1)).double().mean().item(), abs=1e-9)
+        assert row["tv"] == pytest.approx((0.5 * (a - n).abs().sum(-1)).mean().item(), abs=1e-6)
+        assert row["positions"] == a.shape[0] and row["references"] == 3
+    assert np.isfinite(table["timestep"]).all()
+
+
+def test_averages_over_selected_layers_and_steps(sd15, refs):
+    with probe(sd15, maps=True) as run:
+        generate(sd15, refs, num_inference_steps=3)
+    names = [layer.name for layer in run.layers]
+    single = [run.reference_maps(layers=[re.escape(n) + "$"], steps=[s]) for n in names for s in range(3)]
+    torch.testing.assert_close(run.reference_maps(), torch.stack(single).mean(0), atol=1e-6, rtol=0)
+    torch.testing.assert_close(run.reference_maps(steps=[2]), torch.stack(single[2::3]).mean(0), atol=1e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------- parity, sync, memory
+
+
+@pytest.mark.parametrize("kind, variant, adapters, guidance, masks", PIPELINE_CASES)
+def test_output_bit_identical_with_maps(refs, kind, variant, adapters, guidance, masks):
+    pipe = tiny_pipeline(kind, ip_adapter=variant, num_adapters=adapters)
+    kwargs = {"guidance_scale": guidance}
+    if masks:
+        kwargs["cross_attention_kwargs"] = {"ip_adapter_masks": masks_for(len(refs)) * adapters}
+    plain = generate(pipe, refs, adapters, **kwargs)
+    with probe(pipe, maps=True) as run:
+        probed = generate(pipe, refs, adapters, **kwargs)
+    assert np.abs(plain - probed).max() == 0
+    maps = run.reference_maps(adapter=adapters - 1)
+    torch.testing.assert_close(maps.sum(0), torch.ones(maps.shape[1:]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("masks", [False, True])
+def test_no_host_synchronisation_with_maps(sd15, refs, masks):
+    kwargs = {"output_type": "latent", "guidance_scale": 5.0}
+    if masks:
+        kwargs["cross_attention_kwargs"] = {"ip_adapter_masks": masks_for(len(refs))}
+    generate(sd15, refs, **kwargs)  # warm-up
+    with CountScalarReads() as plain:
+        generate(sd15, refs, **kwargs)
+    with probe(sd15, maps=True) as run:
+        with CountScalarReads() as probed:
+            generate(sd15, refs, **kwargs)
+    assert probed.count == plain.count
+    assert run.map_steps() == list(range(STEPS))
+
+
+def test_memory_as_estimated_and_independent_of_heads(sd15, refs):
+    with probe(sd15, maps=True, max_map_bytes=10**9) as run:
+        generate(sd15, refs, guidance_scale=5.0, num_images_per_prompt=2)
+    kept = sum(t.numel() * t.element_size() for entries in run._maps.store.values() for _, t in entries)
+    # 2 kinds x float32 x (B = 4, Q, R x T = 8) per step and layer: no head dimension
+    queries = sum(e[0][1].shape[3] for (c, s, i, a), e in run._maps.store.items() if s == 0)
+    assert kept == 2 * 4 * STEPS * 4 * queries * 8 == run._maps.estimated_bytes
+    with pytest.raises(ValueError, match=r"maps=True would keep about .* raise max_map_bytes"):
+        with probe(sd15, maps=True, max_map_bytes=kept - 1):
+            generate(sd15, refs, guidance_scale=5.0, num_images_per_prompt=2)
+    with probe(sd15, maps=True, max_map_bytes=kept):
+        generate(sd15, refs, guidance_scale=5.0, num_images_per_prompt=2)
+
+
+# --------------------------------------------------------------------------- figure and bad input
+
+
+def test_plot_reference_maps(sd15, refs):
+    with probe(sd15, maps=True) as run:
+        image = generate(sd15, refs, num_inference_steps=3)[0]
+    fig = run.plot_reference_maps(image=image, references=refs)
+    assert len(fig.axes) == (1 + len(refs)) * (1 + 3 * 3)
+    assert "early" in fig.axes[1].get_title() and "late" in fig.axes[7].get_title()
+    fig = run.plot_reference_maps(ranges=1)  # without images: maps only
+    assert len(fig.axes) == (1 + len(refs)) * 4
+
+
+def test_bad_input(sd15, refs):
+    with probe(sd15) as plain:
+        generate(sd15, refs)
+    with pytest.raises(ValueError, match="maps=True"):
+        plain.reference_maps()
+    with pytest.raises(TypeError, match="maps: expected True or False"):
+        probe(sd15, maps="yes").__enter__()
+    with probe(sd15, maps=True) as run:
+        with pytest.raises(RuntimeError, match="still running"):
+            run.reference_maps()
+        generate(sd15, refs, guidance_scale=1.0)
+    for kwargs, match in [
+        ({"kind": "softmax"}, "kind"),
+        ({"branch": "uncond"}, "branch"),
+        ({"layers": "nope"}, "matched none"),
+        ({"steps": [99]}, "none recorded"),
+        ({"size": (0, 4)}, "size"),
+        ({"call": 1}, "call"),
+        ({"adapter": 1}, "adapter"),
+        ({"item": 3}, "item=3"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            run.reference_maps(**kwargs)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.slow
+def test_cli_probe_and_sweep_write_reference_maps(tmp_path, capsys):
+    from ipa_probe.cli import main
+
+    args = ["--kind", "sd15", "--steps", "2", "--size", "64", "64"]
+    assert main(["probe", "--maps", "--out", str(tmp_path / "probe"), *args]) == 0
+    assert (tmp_path / "probe" / "reference_maps.png").stat().st_size > 0
+    table = pd.read_parquet(tmp_path / "probe" / "map_table.parquet")
+    assert list(table.columns) == list(MAP_TABLE_COLUMNS) and table["step"].nunique() == 2
+
+    manifest = tmp_path / "rows.jsonl"
+    manifest.write_text('{"prompt": "a"}\n{"prompt": "b", "seed": 3}\n{"prompt": "c"}\n')
+    base = ["sweep", str(manifest), "--no-progress", "--resamples", "99", *args]
+    assert main([*base, "--out", str(tmp_path / "sweep"), "--maps"]) == 0
+    drawn = sorted(p.parent.name for p in (tmp_path / "sweep" / "maps").glob("*/reference_maps.png"))
+    assert len(drawn) == 1
+    first = drawn[0]
+    capsys.readouterr()
+    assert main([*base, "--out", str(tmp_path / "sweep"), "--maps-rows", "99"]) == 2
+    assert "--maps-rows [99]" in capsys.readouterr().err
+    number = int(first.split("-")[1]) + 1
+    assert main([*base, "--out", str(tmp_path / "sweep"), "--maps-rows", str(number)]) == 0
+    assert (tmp_path / "sweep" / "maps" / f"row-{number:06d}" / "map_table.parquet").exists()
