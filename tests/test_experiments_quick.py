@@ -31,6 +31,14 @@ def test_quick_tier_writes_every_output(tmp_path, capsys):
         assert record["experiment"] == name and record["tier"]["name"] == "quick"
         assert {"torch", "python", "ipa_probe"} <= set(record["versions"]) and record["wall_time_s"] > 0
         assert record["figures"] and all((folder / f).stat().st_size > 1000 for f in record["figures"])
+    # every run validated and kept its best step; the §D.3 per-m check ran on the quick tier's check data set
+    for name in EXPERIMENTS:
+        for run in json.loads((out / name / "record.json").read_text())["training_runs"].values():
+            assert run["selected"] == "best validation MMD²" and run["validation"]
+            assert run["best_step"] in [step for step, _ in run["validation"]]
+    scarcity = json.loads((out / "scarcity" / "record.json").read_text())
+    assert set(scarcity["per_m_check"]) == {"pcafeat"} and set(scarcity["measurements"]) == {"pcafeat", "digits"}
+    assert "§D.3 check: model trained at one m" in (out / "scarcity" / "table.md").read_text()
     # attention reused the shells model instead of training it again
     assert not any(
         run["trained_now"]
@@ -39,4 +47,5 @@ def test_quick_tier_writes_every_output(tmp_path, capsys):
     assert (out / "summary.md").exists()
     quantities = {row.quantity.split(":")[0] for row in headline_rows(out)}
     assert quantities == set(EXPERIMENTS)
+    assert any(row.quantity.startswith("scarcity: §D.3 check") for row in headline_rows(out))
     assert "summary:" in capsys.readouterr().out

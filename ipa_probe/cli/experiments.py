@@ -19,7 +19,11 @@ def add_parser(subparsers) -> None:
         "runs resume from their checkpoints under OUT/runs when the same command is started again.",
     )
     parser.add_argument("name", help=f"experiment: one of {', '.join(NAMES)}")
-    parser.add_argument("--tier", default="quick", help="quick (< 2 min), smoke (< 10 min) or full (< 60 min)")
+    parser.add_argument(
+        "--tier",
+        default="quick",
+        help="quick (< 2 min), smoke (< 10 min) or full (< 60 min) on a CPU; paper: the paper's sizes, for a CUDA GPU",
+    )
     parser.add_argument("--out", default=None, help="output folder (default outputs/experiments-TIER)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default: the tier's)")
     parser.add_argument(
@@ -45,12 +49,20 @@ def run(args: argparse.Namespace) -> int:
     from .._io import OutputLocked
     from ..experiments import run_experiments
     from ..experiments.checkpoint import CheckpointError
-    from ..experiments.tiers import DIM_RANGE, M_RANGE, TIERS
+    from ..experiments.tiers import ALL_TIERS, DIM_RANGE, M_RANGE
 
     if args.name not in NAMES:
         raise CLIError(f"unknown experiment {args.name!r}; expected one of {', '.join(NAMES)}")
-    if args.tier not in TIERS:
-        raise CLIError(f"unknown tier {args.tier!r}; expected one of {', '.join(TIERS)}")
+    if args.tier not in ALL_TIERS:
+        raise CLIError(f"unknown tier {args.tier!r}; expected one of {', '.join(ALL_TIERS)}")
+    if ALL_TIERS[args.tier].device == "auto":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CLIError(
+                f"tier {args.tier!r} has the paper's sizes and needs a CUDA GPU (tens of GPU-hours), and none is "
+                "visible; use --tier full on a CPU"
+            )
     for d in args.dims or ():
         if not DIM_RANGE[0] <= d <= DIM_RANGE[1]:
             raise CLIError(f"dimension d={d} out of range; expected {DIM_RANGE[0]} <= d <= {DIM_RANGE[1]}")
@@ -62,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
     out = check_output_dir(args.out or f"outputs/experiments-{args.tier}")  # made when the run starts
-    tier = TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
+    tier = ALL_TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
     try:
         results = run_experiments(
             [args.name], tier, out, progress=not args.no_progress, threads=args.threads or os.cpu_count()

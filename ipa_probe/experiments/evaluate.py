@@ -31,6 +31,7 @@ __all__ = [
     "mmd_per_task",
     "nw_neff",
     "plugin_velocity",
+    "validation_mmd",
 ]
 
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -60,14 +61,17 @@ class MMDResult:
         return cls(per_task.float(), float(per_task.mean()), std, std / math.sqrt(b))
 
 
-def held_out_tasks(meta: MetaDistribution, n_tasks: int, m: int, n_ref: int, seed: int) -> TaskBatch:
-    """``n_tasks`` fixed held-out tasks (``split="test"``) with support ``(B, m, d)`` and reference ``(B, n, d)``.
+def held_out_tasks(
+    meta: MetaDistribution, n_tasks: int, m: int, n_ref: int, seed: int, split: str = "test"
+) -> TaskBatch:
+    """``n_tasks`` fixed tasks with support ``(B, m, d)`` and reference ``(B, n, d)``, drawn from ``seed``.
 
+    ``split="test"`` (the default) gives the held-out test tasks; training's validation tasks use ``"train"``.
     For data-set tasks the reference is the rest of the class, truncated to the smallest class so tasks stack;
     ``n`` is then at most ``n_ref``. Nested supports: ``support[:, :k]`` is a valid support of size ``k``.
     """
     generator = torch.Generator().manual_seed(seed)
-    pairs = [meta.sample_task(generator, "test").eval_split(m, n_ref, generator) for _ in range(n_tasks)]
+    pairs = [meta.sample_task(generator, split).eval_split(m, n_ref, generator) for _ in range(n_tasks)]
     n = min(ref.shape[0] for _, ref in pairs)
     return TaskBatch(torch.stack([s for s, _ in pairs]), torch.stack([ref[:n] for _, ref in pairs]))
 
@@ -88,10 +92,17 @@ def learned_velocity(model: ICFMVelocityNet, support: torch.Tensor) -> VelocityF
 
 
 def generate(
-    velocity_fn: VelocityFn, shape: tuple[int, int, int], generator: torch.Generator, n_steps: int = 100
+    velocity_fn: VelocityFn,
+    shape: tuple[int, int, int],
+    generator: torch.Generator,
+    n_steps: int = 100,
+    device: str | torch.device = "cpu",
 ) -> torch.Tensor:
-    """Samples ``(B, n, d)``: ``x_0 ~ N(0, I)`` integrated by Euler on ``linspace(1e-5, 1, n_steps)``."""
-    x0 = torch.randn(shape, generator=generator)
+    """Samples ``(B, n, d)``: ``x_0 ~ N(0, I)`` integrated by Euler on ``linspace(1e-5, 1, n_steps)``.
+
+    ``x_0`` is drawn on the generator's device and moved to ``device``, so every device integrates the same start.
+    """
+    x0 = torch.randn(shape, generator=generator).to(device)
     with torch.no_grad():
         return theory.euler_sample(velocity_fn, x0, n_steps=n_steps)
 
@@ -106,8 +117,18 @@ def evaluate_velocity(
 ) -> tuple[MMDResult, torch.Tensor]:
     """Sample as many points per task as the reference holds and score them. Returns the result and the samples."""
     generator = torch.Generator().manual_seed(seed)
-    samples = generate(velocity_fn, tuple(tasks.target.shape), generator, n_steps)
+    samples = generate(velocity_fn, tuple(tasks.target.shape), generator, n_steps, tasks.target.device)
     return MMDResult.from_per_task(mmd_per_task(samples, tasks.target)), samples
+
+
+def validation_mmd(model: ICFMVelocityNet, tasks: TaskBatch, seed: int, n_steps: int = 100) -> float:
+    """Mean MMD² over ``tasks`` of the model's samples (fixed sampling ``seed``); the model's mode is restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        return evaluate_velocity(learned_velocity(model, tasks.support), tasks, seed, n_steps)[0].mean
+    finally:
+        model.train(was_training)
 
 
 def _queries(tasks: TaskBatch, t: float, generator: torch.Generator) -> tuple[torch.Tensor, float]:

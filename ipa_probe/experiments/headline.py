@@ -87,6 +87,17 @@ def headline_rows(folder: str | Path) -> list[Row]:
                             "",
                         )
                     )
+        for data, check in rec.get("per_m_check", {}).items():
+            mixed = rec["measurements"][data][str(check["m"])]["gain_pct"]
+            rows.append(
+                Row(
+                    "scarcity: §D.3 check, a model trained at one m",
+                    f"{data}, m={check['m']}",
+                    f"{check['gain_pct']:+.0f}%",
+                    "+24% (one model per m)" if check["m"] == 10 else "—",
+                    f"the model trained on m ~ U{{1..50}}: {mixed:+.0f}%",
+                )
+            )
     rec = _load(folder, "heads")
     if rec:
         for h, v in rec["measurements"].items():

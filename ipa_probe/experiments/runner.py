@@ -52,6 +52,13 @@ class ExperimentContext:
     _metas: dict[tuple[str, int], MetaDistribution] = field(default_factory=dict)
     _models: dict[str, ICFMVelocityNet] = field(default_factory=dict)
 
+    @property
+    def device(self) -> torch.device:
+        """Where models train and are evaluated: the tier's device, ``"auto"`` meaning CUDA when present."""
+        if self.tier.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.tier.device)
+
     def meta(self, name: str, dim: int) -> MetaDistribution:
         """The meta-distribution ``name`` in dimension ``dim`` (built once; digits' PCA is fitted once)."""
         key = (name, dim)
@@ -75,6 +82,11 @@ class ExperimentContext:
             warmup=min(t.warmup, steps),
             seed=seed,
             checkpoint_every=max(1, min(250, steps // 4)),
+            schedule=t.schedule,
+            eval_every=min(t.eval_every, steps),
+            val_tasks=t.val_tasks,
+            val_points=t.val_points,
+            val_euler_steps=t.euler_steps,
         )
 
     def trained(self, meta_name: str, model_config: ModelConfig, train_config: TrainConfig) -> ICFMVelocityNet:
@@ -95,6 +107,7 @@ class ExperimentContext:
         if loaded is not None:
             model, state = loaded
             info = {"trained_now": False, "final_loss": _tail_mean(state["losses"]), "wall_time_s": None}
+            info.update(_selection(state["validation"], state["best_step"], state["best_val"], state["step"]))
         else:
             result = train(
                 model_config,
@@ -103,14 +116,16 @@ class ExperimentContext:
                 run_dir=run_dir,
                 progress=self.progress,
                 description=key.rsplit("-", 1)[0],
+                device=self.device,
             )
-            model = result.model
+            model = result.model.cpu()
             info = {
                 "trained_now": True,
                 "resumed_from": result.resumed_from,
                 "final_loss": _tail_mean(result.losses),
                 "wall_time_s": round(result.wall_time, 2),
             }
+            info.update(_selection(result.validation, result.best_step, result.best_val, len(result.losses)))
         self.runs[key] = dict(spec, **info)
         self._models[key] = model
         return model
@@ -125,12 +140,28 @@ class ExperimentContext:
         return evaluate_velocity(velocity_fn, tasks, EVAL_SEED + seed, self.tier.euler_steps)[0]
 
     def mmd_plugin(self, tasks: TaskBatch, seed: int = 0) -> MMDResult:
-        """MMD² of the plug-in (exact NW field) samples on ``tasks``."""
+        """MMD² of the plug-in (exact NW field) samples on ``tasks`` (on the context's device)."""
+        tasks = tasks.to(self.device)
         return self.mmd_of(plugin_velocity(tasks.support), tasks, seed)
 
     def mmd_learned(self, model: ICFMVelocityNet, tasks: TaskBatch, seed: int = 0) -> MMDResult:
-        """MMD² of the learned model's samples on ``tasks``."""
-        return self.mmd_of(learned_velocity(model, tasks.support), tasks, seed)
+        """MMD² of the learned model's samples on ``tasks`` (on the context's device; the model stays where it is)."""
+        device, home = self.device, next(model.parameters()).device
+        tasks = tasks.to(device)
+        try:
+            return self.mmd_of(learned_velocity(model.to(device), tasks.support), tasks, seed)
+        finally:
+            model.to(home)
+
+
+def _selection(validation: list, best_step: int, best_val: float | None, steps: int) -> dict:
+    """The record of a run's checkpoint choice: its validation curve and the step whose weights are its result."""
+    return {
+        "selected": "best validation MMD²" if validation else "final weights",
+        "best_step": best_step if validation else steps,
+        "best_val_mmd2": best_val,
+        "validation": [[int(k), float(v)] for k, v in validation],
+    }
 
 
 def _tail_mean(losses: list[float], k: int = 50) -> float | None:
@@ -199,6 +230,7 @@ def run_experiments(
                 seeds=list(tier.seeds),
                 versions={**versions(), "threads": torch.get_num_threads()},
                 training_runs=ctx.runs,
+                device=str(ctx.device),
                 wall_time_s=round(time.perf_counter() - start, 2),
             )
             write_result(result, out / name)

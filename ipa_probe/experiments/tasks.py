@@ -41,6 +41,10 @@ class TaskBatch:
     support: torch.Tensor
     target: torch.Tensor
 
+    def to(self, device: str | torch.device) -> TaskBatch:
+        """The same tasks on ``device``."""
+        return TaskBatch(self.support.to(device), self.target.to(device))
+
 
 class Task:
     """One task: a law over points. Subclasses implement :meth:`sample`; :meth:`split` draws support and target."""

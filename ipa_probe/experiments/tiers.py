@@ -1,21 +1,31 @@
-"""Run sizes of the experiments: ``quick`` (tests, < 2 min), ``smoke`` (directions, < 10 min), ``full`` (< 60 min).
+"""Run sizes of the experiments: ``quick`` (tests, < 2 min), ``smoke`` (directions, < 10 min), ``full`` (< 60 min) on
+a CPU, and ``paper`` (the paper's sizes, for a CUDA GPU; never run in tests).
 
-Sizes come from 100-step timing runs on the project's 2-core machine (``python -m ipa_probe.experiments.timing``).
-At the §D.0 CPU model (``d_model = 64``, 2 layers, 4 heads, 32 tasks × 64 targets × m = 50) one training step costs
-about 18 ms on an idle machine with 2 threads; while other jobs share the cores it costs about 70–100 ms with one
-thread and up to 1.5 s with two (OpenMP threads spin-wait for each other), so run loaded machines with
-``--threads 1``. One 100-step Euler evaluation of 20 tasks × 500 points costs about 25 s there. The smoke and full
-tiers halve the batch to 16 tasks × 64 targets and use 20 × 250 evaluation points. At these pessimistic costs
-:func:`ipa_probe.experiments.timing.project` puts ``smoke`` at about 10 min and ``full`` at about 58 min; measured
-with 1 thread on the shared machine: ``quick`` 21 s (inside pytest), ``smoke`` 2–7 min, ``full`` 15 min (load
-average 2–3; a full run with two thirds of these steps took 21 min at load 6–9).
+Protocol (every tier, the release's ``trainer.py``): linear warm-up, then cosine decay (CPU tiers) or a constant rate
+(``paper``, as the release); validation MMD² every ``eval_every`` steps on fixed tasks of the training law, and the
+best-validation weights kept as the run's result (``record.json`` names its step).
+
+Sizes come from timing runs on the project's 2-core machine (``python -m ipa_probe.experiments.timing``). At the
+full tier's model (``d_model = 64``, 2 layers, 4 heads, 16 tasks × 64 targets) one step costs 21–45 ms with one thread
+at a load average of about 2 (0.1 s at a load of 7–10, when five other jobs share the two cores); one evaluation of
+the learned model on 20 tasks × 500 points costs 2.6–15 s, one of the plug-in 0.3–2.2 s, and one validation (8 tasks
+× 128 points) about a tenth of an evaluation. Two OpenMP threads spin against the other jobs, so run loaded machines
+with ``--threads 1``. :func:`ipa_probe.experiments.timing.project` at the pessimistic loaded costs (0.1 s per
+32-task step, 25 s per evaluation) puts ``smoke`` at 9.7 min and ``full`` at 57 min, which leaves the full tier no
+room for more steps: its budget goes to the protocol (validations, the §D.3 per-m check), and whether more steps
+would change the scarcity row is measured separately (:mod:`.scarcity_steps`).
+
+``paper`` (d_model 128, 3 layers, 256 tasks × 256 targets, lr 1e-4, 1000 warm-up steps then constant, 100k/50k steps,
+validation on 100 tasks × 500 points every 1000 steps, 3 seeds) runs on CUDA when present; the CLI refuses it
+without a GPU. Its projected cost is tens of GPU-hours (about 3.4 million steps of 65k points each); the paper
+reports 350 GPU-hours for all its configurations.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-__all__ = ["TIERS", "Tier", "get_tier"]
+__all__ = ["ALL_TIERS", "GPU_TIERS", "TIERS", "Tier", "get_tier"]
 
 #: valid ranges of user-supplied dimensions and support sizes.
 DIM_RANGE = (2, 64)
@@ -39,6 +49,13 @@ class Tier:
         heads_list, heads_ms, heads_m_range: heads ``H``, evaluation support sizes and the training range of ``m``.
         attention_ts: flow times of the attention experiment.
         ip_sets, ip_mixed_sets: reference sets of the ip-adapter experiment (one digit; two digits mixed).
+        schedule: learning rate after warm-up, ``"cosine"`` decay or ``"constant"`` (the release).
+        eval_every: steps between validations of a training run (``0``: none; the final weights are the result).
+        val_tasks, val_points: validation tasks per run and generated (= reference) points per task.
+        scarcity_check_m: support size of the §D.3 per-m check (one extra model trained at that fixed ``m``), or
+            ``None`` to skip it.
+        scarcity_check_data: the data sets of that check (each must be in ``scarcity_data`` to run).
+        device: ``"cpu"``, or ``"auto"`` (CUDA when present, else the CPU).
     """
 
     name: str
@@ -70,6 +87,13 @@ class Tier:
     attention_ts: tuple[float, ...]
     ip_sets: int
     ip_mixed_sets: int
+    schedule: str = "cosine"
+    eval_every: int = 0
+    val_tasks: int = 8
+    val_points: int = 128
+    scarcity_check_m: int | None = 10
+    scarcity_check_data: tuple[str, ...] = ("pcafeat", "digits")
+    device: str = "cpu"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -125,6 +149,10 @@ TIERS: dict[str, Tier] = {
         attention_ts=(0.1, 0.5, 0.99),
         ip_sets=2,
         ip_mixed_sets=2,
+        eval_every=6,
+        scarcity_check_data=("pcafeat",),
+        val_tasks=2,
+        val_points=32,
     ),
     "smoke": Tier(
         name="smoke",
@@ -156,6 +184,8 @@ TIERS: dict[str, Tier] = {
         attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
         ip_sets=20,
         ip_mixed_sets=10,
+        eval_every=400,
+        scarcity_check_data=("pcafeat",),
     ),
     "full": Tier(
         name="full",
@@ -187,12 +217,57 @@ TIERS: dict[str, Tier] = {
         attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
         ip_sets=100,
         ip_mixed_sets=40,
+        eval_every=500,
+        scarcity_check_data=("pcafeat",),
     ),
 }
+
+#: the paper's sizes (§A.4): for a CUDA machine, never run in tests (hours even on a GPU).
+GPU_TIERS: dict[str, Tier] = {
+    "paper": Tier(
+        name="paper",
+        d_model=128,
+        n_layers=3,
+        n_heads=4,
+        batch_tasks=256,
+        n_target=256,
+        lr=1e-4,
+        warmup=1000,
+        seeds=(0, 1, 2),
+        collapse_steps=100_000,
+        shells_steps=50_000,
+        scarcity_steps=100_000,
+        heads_steps=50_000,
+        eval_tasks=100,
+        eval_points=500,
+        euler_steps=100,
+        neff_tasks=30,
+        neff_queries=256,
+        collapse_dims=(2, 4, 8, 16),
+        neff_dims=(2, 4, 8, 16, 32, 64),
+        shells_dims=(8, 16, 32),
+        scarcity_ms=(1, 5, 10, 25, 50),
+        scarcity_data=("pcafeat", "digits"),
+        heads_list=(1, 2, 4, 8, 16),
+        heads_ms=(5, 10, 25, 50, 100),
+        heads_m_range=(5, 100),
+        attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
+        ip_sets=100,
+        ip_mixed_sets=40,
+        schedule="constant",
+        eval_every=1000,
+        val_tasks=100,
+        val_points=500,
+        device="auto",
+    ),
+}
+
+#: every tier by name: the CPU tiers and the GPU one.
+ALL_TIERS: dict[str, Tier] = {**TIERS, **GPU_TIERS}
 
 
 def get_tier(name: str) -> Tier:
     """The tier called ``name``; raises ``ValueError`` naming the valid tiers otherwise."""
-    if name not in TIERS:
-        raise ValueError(f"expected a tier in {sorted(TIERS)}, got {name!r}")
-    return TIERS[name]
+    if name not in ALL_TIERS:
+        raise ValueError(f"expected a tier in {sorted(ALL_TIERS)}, got {name!r}")
+    return ALL_TIERS[name]

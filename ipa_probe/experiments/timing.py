@@ -67,24 +67,52 @@ def measure(steps: int = 100, tasks: int = 20, points: int = 500) -> list[StepCo
     return costs
 
 
-def project(tier: Tier, step_s: float, eval_s: float) -> float:
-    """Projected seconds of ``all`` at ``tier`` from a per-step and a per-evaluation (20 × 500 points) cost."""
+#: cost of one plug-in (or blockwise plug-in) evaluation relative to one of the learned model, at the full tier's
+#: model on the 2-core machine (``measure``: 0.3-2.2 s against 2.6-15 s, so about 0.1-0.15).
+PLUGIN_FRACTION = 0.15
+
+
+def project(tier: Tier, step_s: float, eval_s: float, plugin_fraction: float = PLUGIN_FRACTION) -> float:
+    """Projected seconds of ``all`` at ``tier``.
+
+    Args:
+        tier: run sizes.
+        step_s: seconds per training step of 32 tasks × 64 targets at ``d_model = 64`` (scaled to the tier's size).
+        eval_s: seconds per evaluation of the learned model on 20 tasks × 500 points (scaled to the tier's size);
+            validations cost the same per point.
+        plugin_fraction: cost of a plug-in evaluation relative to a learned one.
+
+    Returns:
+        seconds: training steps (with the §D.3 per-m check), validations, learned and plug-in evaluations.
+    """
     seeds, arms = len(tier.seeds), 2
-    steps = (
-        len(tier.collapse_dims) * arms * seeds * tier.collapse_steps
-        + len(tier.shells_dims) * seeds * tier.shells_steps
-        + len(tier.scarcity_data) * tier.scarcity_steps
-        + len(tier.heads_list) * tier.heads_steps
+    checks = len(set(tier.scarcity_check_data) & set(tier.scarcity_data)) if tier.scarcity_check_m else 0
+    runs = [  # (steps per run, runs)
+        (tier.collapse_steps, len(tier.collapse_dims) * arms * seeds),
+        (tier.shells_steps, len(tier.shells_dims) * seeds),
+        (tier.scarcity_steps, len(tier.scarcity_data) + checks),
+        (tier.heads_steps, len(tier.heads_list)),
+    ]
+    steps = sum(s * n for s, n in runs)
+    validations = sum(n * -(-s // min(tier.eval_every, s)) for s, n in runs) if tier.eval_every else 0
+    learned = (
+        len(tier.collapse_dims) * arms * seeds
+        + len(tier.shells_dims) * seeds
+        + len(tier.scarcity_data) * len(tier.scarcity_ms)
+        + checks
+        + len(tier.heads_list) * len(tier.heads_ms)
     )
-    scale = tier.eval_tasks * tier.eval_points / (20 * 500)
-    evals = (
-        len(tier.collapse_dims) * (arms * seeds + 1)
-        + len(tier.shells_dims) * (seeds + 1)
-        + len(tier.scarcity_data) * len(tier.scarcity_ms) * 2
-        + len(tier.heads_list) * len(tier.heads_ms) * 2
+    plugin = (
+        len(tier.collapse_dims)
+        + len(tier.shells_dims)
+        + len(tier.scarcity_data) * len(tier.scarcity_ms)
+        + len(tier.heads_list) * len(tier.heads_ms)
     )
     batch_scale = tier.batch_tasks * tier.n_target * tier.d_model / (32 * 64 * 64)
-    return steps * step_s * batch_scale + evals * eval_s * scale
+    eval_scale = tier.eval_tasks * tier.eval_points / (20 * 500)
+    val_scale = tier.val_tasks * tier.val_points / (20 * 500)
+    evals = (learned + plugin_fraction * plugin) * eval_s * eval_scale + validations * eval_s * val_scale
+    return steps * step_s * batch_scale + evals
 
 
 def main() -> None:  # pragma: no cover - a script
@@ -99,10 +127,18 @@ def main() -> None:  # pragma: no cover - a script
             f"{c.arm:16s} train {1000 * c.train_step_s:7.1f} ms/step   eval learned {c.eval_learned_s:5.1f} s"
             f"   eval plug-in {c.eval_plugin_s:5.1f} s"
         )
-    step_s = sum(c.train_step_s for c in costs) / len(costs)
-    eval_s = sum(c.eval_learned_s + c.eval_plugin_s for c in costs) / (2 * len(costs))
+    # measured at the full tier's batch; project() takes the cost of a 32-task step
+    full = TIERS["full"]
+    step_s = sum(c.train_step_s for c in costs) / len(costs) * 32 * 64 / (full.batch_tasks * full.n_target)
+    eval_s = sum(c.eval_learned_s for c in costs) / len(costs)
+    fraction = sum(c.eval_plugin_s for c in costs) / sum(c.eval_learned_s for c in costs)
+    print(
+        f"mean: {1000 * step_s:.1f} ms per 32-task step, {eval_s:.1f} s per learned evaluation, "
+        f"plug-in {fraction:.2f}x"
+    )
     for name, tier in TIERS.items():
-        print(f"tier {name:5s}: projected {project(tier, step_s, eval_s) / 60:5.1f} min on {args.threads} threads")
+        minutes = project(tier, step_s, eval_s, fraction) / 60
+        print(f"tier {name:5s}: projected {minutes:5.1f} min on {args.threads} threads")
 
 
 if __name__ == "__main__":  # pragma: no cover

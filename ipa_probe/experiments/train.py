@@ -1,8 +1,19 @@
-"""Training on the OT-path flow-matching loss, with checkpoints that make an interrupted run resume exactly.
+"""Training on the OT-path flow-matching loss, with validation, best-checkpoint selection and exact resumption.
 
-Loss (paper §A.4, §D.0): per task, draw support ``S`` and target ``x_1`` independently; ``x_0 ~ N(0, I)``,
-``t ~ U(0, 1)`` clamped at ``1e-5``, ``x_t = t x_1 + sigma_t x_0`` with ``sigma_t = 1 - (1 - sigma_min) t``, and
-regress ``v_theta(x_t, t; S)`` on ``y = x_1 - (1 - sigma_min) x_0``: ``loss = mean_points sum_dims (v - y)^2``.
+Loss (paper §A.4, §D.0, the release's ``src/training/trainer.py``): per task, draw support ``S`` and target ``x_1``
+independently; ``x_0 ~ N(0, I)``, ``t ~ U(0, 1)`` clamped at ``1e-5`` (or the release's ``log_uniform_bandwidth``
+option: ``log h ~ U(log sigma_min, 5)``, ``t = 1 / (h + 1 - sigma_min)``), ``x_t = t x_1 + sigma_t x_0`` with
+``sigma_t = 1 - (1 - sigma_min) t``, and regress ``v_theta(x_t, t; S)`` on ``y = x_1 - (1 - sigma_min) x_0``:
+``loss = mean_points sum_dims (v - y)^2`` (every point weighted equally, as in the release).
+
+Learning rate: the release's linear warm-up ``max(k, 1) / warmup`` for step index ``k < warmup``, then either
+constant (``schedule="constant"``, the release) or cosine decay to zero over the remaining steps
+(``schedule="cosine"``, this project's CPU tiers).
+
+Validation (the release's ``evaluate`` / ``best.pt``): every ``eval_every`` steps and at the last step, MMD² of
+100-step Euler samples against reference points on ``val_tasks`` fixed validation tasks, drawn once from a seed of
+their own from the *training* law (``split="train"``; never the held-out test tasks); the weights with the lowest
+validation MMD² (first one on ties) are the run's result.
 
 Every random draw (tasks, noise, times, support sizes) comes from one :class:`torch.Generator` seeded by the run's
 seed, and the model's initial weights from a forked global RNG seeded the same way. A checkpoint stores the
@@ -14,6 +25,7 @@ uninterrupted run (on the same machine and thread count).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -23,10 +35,21 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkpoint import load_checkpoint, save_checkpoint
+from .evaluate import held_out_tasks, validation_mmd
 from .model import ICFMVelocityNet, ModelConfig
-from .tasks import MetaDistribution
+from .tasks import MetaDistribution, TaskBatch
 
-__all__ = ["TrainConfig", "TrainResult", "build_model", "flow_matching_loss", "load_model", "train"]
+__all__ = [
+    "TrainConfig",
+    "TrainResult",
+    "build_model",
+    "build_scheduler",
+    "flow_matching_loss",
+    "load_model",
+    "lr_factor",
+    "sample_time",
+    "train",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +57,12 @@ CHECKPOINT = "checkpoint.safetensors"
 #: checkpoints of earlier versions (pickled, unsafe to load): ignored, with a warning.
 LEGACY_CHECKPOINT = "checkpoint.pt"
 T_EPS = 1e-5
+#: upper end of ``log h`` of the release's ``log_uniform_bandwidth`` time sampling.
+LOG_H_MAX = 5.0
+#: offset of the validation tasks' seed from the run's seed (far from training and test seeds).
+VAL_SEED = 50_000
+SCHEDULES = ("constant", "cosine")
+TIME_SAMPLINGS = ("uniform", "log_uniform_bandwidth")
 
 
 @dataclass
@@ -46,12 +75,20 @@ class TrainConfig:
         n_target: target points per task (paper 256, CPU 64).
         m: support size per task; with ``m_max`` set, each batch draws its size uniformly from ``{m..m_max}``.
         m_max: upper end of the support-size range, or ``None`` for a fixed ``m``.
-        lr: AdamW learning rate after warm-up (paper 1e-4, CPU 1e-3).
-        warmup: linear warm-up steps, then constant (paper 1000, CPU 200).
+        lr: AdamW peak learning rate, reached at the end of warm-up (paper 1e-4, CPU 1e-3).
+        warmup: linear warm-up steps (paper 1000, CPU 200).
+        schedule: after warm-up, ``"constant"`` (the release) or ``"cosine"`` decay to zero at the last step.
+        time_sampling: ``"uniform"`` (the release's default) or ``"log_uniform_bandwidth"`` (its ``f1`` option).
         weight_decay: AdamW weight decay (1e-5).
         grad_clip: gradient-norm clip (1.0).
         seed: seeds the initial weights and every random draw.
         checkpoint_every: steps between checkpoints.
+        eval_every: steps between validations (the last step is always validated); ``0`` turns validation off
+            and the run's result is its final weights.
+        val_tasks: fixed validation tasks (release 100).
+        val_points: generated (= reference) points per validation task (release 500).
+        val_m: support size of the validation tasks; ``None`` means ``m_max`` (or ``m``).
+        val_euler_steps: Euler grid of the validation sampler (release 100).
     """
 
     steps: int = 3000
@@ -65,12 +102,28 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     checkpoint_every: int = 250
+    schedule: str = "constant"
+    time_sampling: str = "uniform"
+    eval_every: int = 0
+    val_tasks: int = 8
+    val_points: int = 128
+    val_m: int | None = None
+    val_euler_steps: int = 100
 
     def __post_init__(self):
-        for name in ("steps", "batch_tasks", "n_target", "m", "checkpoint_every"):
+        positive = ("steps", "batch_tasks", "n_target", "m", "checkpoint_every", "val_tasks", "val_points")
+        for name in positive + ("val_euler_steps",):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"expected a positive integer {name}, got {value!r}")
+        if not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ValueError(f"expected eval_every >= 0 (0 turns validation off), got {self.eval_every!r}")
+        if self.val_m is not None and (not isinstance(self.val_m, int) or self.val_m < 1):
+            raise ValueError(f"expected a positive integer val_m or None, got {self.val_m!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"expected schedule in {SCHEDULES}, got {self.schedule!r}")
+        if self.time_sampling not in TIME_SAMPLINGS:
+            raise ValueError(f"expected time_sampling in {TIME_SAMPLINGS}, got {self.time_sampling!r}")
         if self.m_max is not None and self.m_max < self.m:
             raise ValueError(f"expected m_max >= m, got m={self.m}, m_max={self.m_max}")
         if self.warmup < 0 or self.lr <= 0 or self.grad_clip <= 0:
@@ -81,22 +134,33 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def validation_m(self) -> int:
+        """The support size of the validation tasks."""
+        return self.val_m or self.m_max or self.m
+
 
 @dataclass
 class TrainResult:
     """A finished (or resumed-and-finished) run.
 
     Attributes:
-        model: the trained model, in eval mode.
+        model: the run's result in eval mode: the best-validation weights, or the final ones without validation.
         losses: training loss of every step, from step 1 (including steps replayed before a resume).
         wall_time: seconds spent training in this process.
         resumed_from: the step the run resumed from (0 for a fresh run).
+        validation: ``[(step, val MMD²), ...]`` of every validation, in order (empty without validation).
+        best_step: the step whose weights are ``model`` (the last step without validation).
+        best_val: its validation MMD², or ``None`` without validation.
     """
 
     model: ICFMVelocityNet
     losses: list[float] = field(default_factory=list)
     wall_time: float = 0.0
     resumed_from: int = 0
+    validation: list[tuple[int, float]] = field(default_factory=list)
+    best_step: int = 0
+    best_val: float | None = None
 
 
 def build_model(config: ModelConfig, seed: int) -> ICFMVelocityNet:
@@ -107,7 +171,11 @@ def build_model(config: ModelConfig, seed: int) -> ICFMVelocityNet:
 
 
 def flow_matching_loss(
-    model: ICFMVelocityNet, support: torch.Tensor, x1: torch.Tensor, generator: torch.Generator
+    model: ICFMVelocityNet,
+    support: torch.Tensor,
+    x1: torch.Tensor,
+    generator: torch.Generator,
+    time_sampling: str = "uniform",
 ) -> torch.Tensor:
     """OT-path flow-matching loss ``mean_points sum_dims (v(x_t, t; S) - (x_1 - (1 - sigma_min) x_0))^2``.
 
@@ -115,18 +183,66 @@ def flow_matching_loss(
         support: ``(B, m, d)``.
         x1: target points, ``(B, n, d)``.
         generator: source of ``x_0`` and ``t``.
+        time_sampling: see :func:`sample_time`.
     """
     sigma_min = model.config.sigma_min
-    x0 = torch.randn(x1.shape, generator=generator)
-    t = torch.rand(x1.shape[:-1] + (1,), generator=generator).clamp_min(T_EPS)  # (B, n, 1)
+    # drawn on the generator's device (the CPU) and moved: the same stream on every device
+    x0 = torch.randn(x1.shape, generator=generator).to(x1.device)
+    t = sample_time(x1.shape[:-1] + (1,), generator, time_sampling, sigma_min).to(x1.device)  # (B, n, 1)
     xt = t * x1 + (1 - (1 - sigma_min) * t) * x0
     y = x1 - (1 - sigma_min) * x0
     v = model(xt, t, support).velocity
     return ((v - y) ** 2).sum(-1).mean()
 
 
-def _lr_lambda(warmup: int) -> Callable[[int], float]:
-    return lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+def sample_time(
+    shape: tuple[int, ...], generator: torch.Generator, method: str = "uniform", sigma_min: float = 0.01
+) -> torch.Tensor:
+    """Flow times of the release's two samplers, clamped to ``[1e-5, 1]``.
+
+    Args:
+        shape: output shape.
+        generator: source of the draws (one uniform per time).
+        method: ``"uniform"`` (``t ~ U(0, 1)``) or ``"log_uniform_bandwidth"`` (``log h ~ U(log sigma_min, 5)``
+            and ``t = 1 / (h + 1 - sigma_min)``, i.e. the NW bandwidth ``h(t) = sigma_t / t`` is log-uniform).
+        sigma_min: the OT path's final noise level.
+    """
+    u = torch.rand(shape, generator=generator)
+    if method == "uniform":
+        return u.clamp_min(T_EPS)
+    if method == "log_uniform_bandwidth":
+        log_h_min = math.log(sigma_min)
+        h = torch.exp(log_h_min + (LOG_H_MAX - log_h_min) * u)
+        return (1.0 / (h + 1.0 - sigma_min)).clamp(T_EPS, 1.0)
+    raise ValueError(f"expected time sampling in {TIME_SAMPLINGS}, got {method!r}")
+
+
+def lr_factor(k: int, steps: int, warmup: int, schedule: str) -> float:
+    """Learning-rate multiplier of optimiser step index ``k`` (0-based) of a ``steps``-step run.
+
+    Warm-up (the release): ``max(k, 1) / warmup`` for ``k < warmup``. Then ``1`` (``"constant"``) or
+    ``(1 + cos(pi (k - warmup) / (steps - warmup))) / 2`` (``"cosine"``).
+    """
+    if k < warmup:
+        return max(k, 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = (k - warmup) / max(1, steps - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """The run's learning-rate schedule (:func:`lr_factor`) on ``optimizer``, stepped once per optimiser step."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: lr_factor(k, config.steps, config.warmup, config.schedule)
+    )
+
+
+def validation_tasks(meta: MetaDistribution, config: TrainConfig) -> TaskBatch:
+    """The run's fixed validation tasks: fresh tasks of the training law (``split="train"``), seeded by the run."""
+    return held_out_tasks(
+        meta, config.val_tasks, config.validation_m, config.val_points, VAL_SEED + config.seed, split="train"
+    )
 
 
 def _checkpoint_path(run_dir: str | Path) -> Path:
@@ -137,7 +253,10 @@ def _checkpoint_path(run_dir: str | Path) -> Path:
 
 
 def load_model(run_dir: str | Path) -> tuple[ICFMVelocityNet, dict] | None:
-    """The finished model of ``run_dir`` and its checkpoint record, or ``None`` if the run has not finished."""
+    """The result of ``run_dir``'s finished run and its checkpoint record, or ``None`` if the run has not finished.
+
+    The result is the best-validation weights when the run validated, its final weights otherwise.
+    """
     path = _checkpoint_path(run_dir)
     if not path.exists():
         return None
@@ -145,8 +264,15 @@ def load_model(run_dir: str | Path) -> tuple[ICFMVelocityNet, dict] | None:
     if state["step"] < state["train_config"]["steps"]:
         return None
     model = ICFMVelocityNet(ModelConfig(**state["model_config"]))
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["best_model"] if state.get("best_model") is not None else state["model"])
     return model.eval(), state
+
+
+def _is_better(value: float, best: float | None) -> bool:
+    """Strictly lower validation MMD² than ``best`` (a non-finite value never wins; the first of ties stays)."""
+    if best is None:
+        return True
+    return math.isfinite(value) and (not math.isfinite(best) or value < best)
 
 
 def train(
@@ -157,41 +283,54 @@ def train(
     progress: bool = True,
     callback: Callable[[int, float], None] | None = None,
     description: str = "train",
+    observe: Callable[[int, ICFMVelocityNet], None] | None = None,
+    device: str | torch.device = "cpu",
 ) -> TrainResult:
     """Train :class:`ICFMVelocityNet` on tasks from ``meta``; resume from ``run_dir``'s checkpoint if there is one.
 
     Args:
         model_config: the architecture (its ``dim`` must equal ``meta.dim``).
-        train_config: optimisation settings and seed.
-        meta: the training meta-distribution (tasks drawn with ``split="train"``).
+        train_config: optimisation settings, validation and seed.
+        meta: the training meta-distribution (tasks drawn with ``split="train"``; validation tasks too, from a
+            seed of their own).
         run_dir: folder for ``checkpoint.safetensors`` (see :mod:`.checkpoint`); ``None`` trains without checkpoints.
         progress: show a tqdm progress bar.
         callback: called as ``callback(step, loss)`` after every step (e.g. to log, or to interrupt a test run).
         description: the progress bar's label.
+        observe: called as ``observe(step, model)`` after every step, after validation and checkpointing (e.g. to
+            evaluate snapshots); it must leave the model's weights and the global random state alone.
+        device: where the model trains (e.g. ``"cuda"``). Every random draw still comes from the CPU generator,
+            so the data stream is the same on every device; bit-exact resumption is only promised on the CPU.
 
     Returns:
-        :class:`TrainResult` with the trained model in eval mode.
+        :class:`TrainResult` with the run's result (best-validation weights when validating) in eval mode.
     """
     if model_config.dim != meta.dim:
         raise ValueError(f"expected the model's dim to equal the tasks' dim, got {model_config.dim} and {meta.dim}")
     cfg = train_config
-    model = build_model(model_config, cfg.seed)
+    device = torch.device(device)
+    model = build_model(model_config, cfg.seed).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg.warmup))
+    scheduler = build_scheduler(optimizer, cfg)
     generator = torch.Generator().manual_seed(cfg.seed)
+    val_batch = validation_tasks(meta, cfg).to(device) if cfg.eval_every else None
     step, losses = 0, []
+    validation: list[tuple[int, float]] = []
+    best: dict = {"model": None, "step": 0, "val": None}
     path = _checkpoint_path(run_dir) if run_dir is not None else None
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
-            state = load_checkpoint(path)
+            state = load_checkpoint(path)  # on the CPU; load_state_dict copies onto the model's device
             if state["model_config"] != model_config.to_dict() or state["train_config"] != cfg.to_dict():
                 raise ValueError(f"expected {path} to hold a run of the same configuration; remove it to retrain")
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
-            generator.set_state(state["generator"])
+            generator.set_state(state["generator"].cpu())
             step, losses = state["step"], list(state["losses"])
+            validation = [(int(k), float(v)) for k, v in state["validation"]]
+            best = {"model": state["best_model"], "step": state["best_step"], "val": state["best_val"]}
             logger.info("resuming %s from step %d", path, step)
     resumed_from = step
 
@@ -205,11 +344,23 @@ def train(
                     "generator": generator.get_state(),
                     "step": step,
                     "losses": losses,
+                    "validation": validation,
+                    "best_model": best["model"],
+                    "best_step": best["step"],
+                    "best_val": best["val"],
                     "model_config": model_config.to_dict(),
                     "train_config": cfg.to_dict(),
                 },
                 path,
             )
+
+    def validate() -> None:
+        # fixed tasks and a fixed sampling seed: the value depends on the weights only, so a resumed run
+        # recomputes every later validation exactly and picks the same best step.
+        value = validation_mmd(model, val_batch, seed=VAL_SEED + cfg.seed, n_steps=cfg.val_euler_steps)
+        validation.append((step, value))
+        if _is_better(value, best["val"]):
+            best.update(model={k: v.detach().clone() for k, v in model.state_dict().items()}, step=step, val=value)
 
     start = time.perf_counter()
     model.train()
@@ -217,8 +368,8 @@ def train(
     try:
         while step < cfg.steps:
             m = cfg.m if cfg.m_max is None else int(torch.randint(cfg.m, cfg.m_max + 1, (), generator=generator))
-            batch = meta.sample_batch(cfg.batch_tasks, m, cfg.n_target, generator, split="train")
-            loss = flow_matching_loss(model, batch.support, batch.target, generator)
+            batch = meta.sample_batch(cfg.batch_tasks, m, cfg.n_target, generator, split="train").to(device)
+            loss = flow_matching_loss(model, batch.support, batch.target, generator, cfg.time_sampling)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -229,10 +380,21 @@ def train(
             bar.update(1)
             if step % 50 == 0:
                 bar.set_postfix(loss=f"{sum(losses[-50:]) / 50:.3f}")
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                validate()
+                bar.set_postfix(loss=f"{sum(losses[-50:]) / len(losses[-50:]):.3f}", val=f"{validation[-1][1]:.4f}")
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 save()
+            if observe is not None:
+                observe(step, model)
             if callback is not None:
                 callback(step, losses[-1])
     finally:
         bar.close()
-    return TrainResult(model.eval(), losses, time.perf_counter() - start, resumed_from)
+    if best["model"] is not None:
+        model.load_state_dict(best["model"])
+    else:
+        best["step"] = step
+    return TrainResult(
+        model.eval(), losses, time.perf_counter() - start, resumed_from, validation, best["step"], best["val"]
+    )
