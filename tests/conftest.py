@@ -54,3 +54,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """An empty torch.compile cache before and after the test: a graph compiled by another test in the same process
+    (with or without ipa_probe's hooks) would otherwise be reused and decide whether hooks run."""
+    import torch
+
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()

@@ -617,8 +617,7 @@ def test_list_hooks_shows_what_is_attached_and_nothing_after_exit(sd15, refs):
 
 
 @pytest.mark.slow
-def test_nw_head_on_a_compiled_unet_equals_the_eager_head_and_is_restored(refs):
-    torch.compiler.reset()  # no graph cached by an earlier test in this process
+def test_nw_head_on_a_compiled_unet_equals_the_eager_head_and_is_restored(refs, fresh_dynamo):
 
     def run(pipe):
         generator = torch.Generator().manual_seed(0)

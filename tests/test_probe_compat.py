@@ -111,7 +111,7 @@ def test_model_cpu_offload(refs, reference_run):
 
 
 @pytest.mark.slow
-def test_torch_compile_denoiser(refs, reference_run):
+def test_torch_compile_denoiser(refs, reference_run, fresh_dynamo):
     pipe = tiny_pipeline("sd15")
     pipe.unet = torch.compile(pipe.unet, backend="eager")
     images, df = probed_run(pipe, refs)

@@ -175,8 +175,7 @@ def test_a_failed_pass_leaks_no_query_and_its_step_is_flagged(refs, caplog):
 
 
 @pytest.mark.slow
-def test_denoiser_compiled_and_run_before_the_probe_is_refused_never_empty(refs):
-    torch.compiler.reset()  # no graph cached by an earlier test in this process (it may have traced the hooks)
+def test_denoiser_compiled_and_run_before_the_probe_is_refused_never_empty(refs, fresh_dynamo):
     pipe = tiny_pipeline("sd15")
     pipe.unet = torch.compile(pipe.unet, backend="eager")
     layer_ids = {layer.name for layer in find_ip_layers(pipe.unet._orig_mod)}

@@ -148,7 +148,7 @@ def test_cpu_offload_and_low_precision(refs, flux, sd3, family):
 
 
 @pytest.mark.slow
-def test_torch_compile_flux_transformer(refs, flux):
+def test_torch_compile_flux_transformer(refs, flux, fresh_dynamo):
     with probe(flux) as run:
         expected = generate(flux, refs, cfg=True)
     pipe = tiny_flux_pipeline()
