@@ -8,7 +8,7 @@ import importlib
 #: name -> module (relative to this package) that defines it; imported on first use, so that `import ipa_probe`
 #: and the command line's argument parsing stay fast (torch and diffusers load only when a name needs them).
 _EXPORTS = {
-    "ProbeConfig": ".capture.run",
+    "ProbeConfig": ".capture.config",
     "ProbeRun": ".capture.run",
     "probe": ".capture.run",
     "ExactNWDenoiser": ".exact",

@@ -102,7 +102,7 @@ def test_training_path_equals_the_pipeline_path_and_zero_tokens_equal_scale_zero
     pipe = organism
     refs = D.digits_reference_images(2, 3)
     embeds, tokens = _tokens_by_hand(pipe, refs)
-    text = D._prompt_states(pipe.text_encoder, D.DIGITS_PROMPT)
+    text = D.train._prompt_states(pipe.text_encoder, D.DIGITS_PROMPT)
     x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     t = torch.tensor(500)
     loaded = pipe.unet(x, t, encoder_hidden_states=text, added_cond_kwargs={"image_embeds": [embeds[None]]}).sample

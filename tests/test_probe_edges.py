@@ -15,8 +15,9 @@ import torch
 from helpers import CountScalarReads, masks_for
 from torch.overrides import TorchFunctionMode
 
+from ipa_probe.capture.config import ProbeConfig
 from ipa_probe.capture.report import summarize
-from ipa_probe.capture.run import ProbeConfig, probe
+from ipa_probe.capture.run import probe
 from ipa_probe.layers import find_ip_layers
 from ipa_probe.tiny.dit import tiny_sd3_pipeline
 from ipa_probe.tiny.sd import tiny_pipeline

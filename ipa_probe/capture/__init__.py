@@ -4,6 +4,7 @@
 the image-branch query and keys live; ``report`` turns a run into tables, summaries and plots.
 """
 
-from .run import ProbeConfig, ProbeRun, probe
+from .config import ProbeConfig
+from .run import ProbeRun, probe
 
 __all__ = ["ProbeConfig", "ProbeRun", "probe"]

@@ -40,6 +40,7 @@ from ..layers import (
 from ..schema import CELL_FIELDS
 from ..stats import compare_weights, copy_groups, fit_bandwidth
 from .branches import Layout, PromptEvidence, label_vocabulary
+from .config import ProbeConfig
 from .maps import MapAccumulator, check_size, map_statistics, plot_reference_maps, select_layers
 from .report import plot_run, run_table, save_run, summarize
 from .taps import Capture, Tap, tap_for
@@ -55,127 +56,6 @@ FIELDS: tuple[str, ...] = CELL_FIELDS
 _FEATURE = "probe"
 #: Largest logit block formed at once for ``ip_mass`` (elements; queries are taken in chunks below it).
 _CHUNK_ELEMENTS = 2**26
-
-
-@dataclass(frozen=True)
-class ProbeConfig:
-    """What to record. Validated on construction; nothing about a pipeline is touched here.
-
-    Args:
-        bandwidth: the NW bandwidth ``h``: ``"matched"`` (``h^2 = sqrt(d_head)``, the attention's own temperature, so
-            the two weightings differ only by the key-norm bias), a positive float, a callable of the timestep (it
-            receives the timestep as a 0-d tensor on the device and returns a float or tensor; keep it free of
-            ``.item()`` to stay sync-free), or ``"fit"`` (per step, layer, adapter, branch and head, the ``h``
-            minimising ``KL(attention || NW)``; reported in the ``bandwidth`` column). Rank statistics (``spearman``,
-            ``top1``) do not depend on ``h``: per row the NW ranks follow ``q·k - |k|^2/2`` and the attention ranks
-            ``q·k``.
-        layers: regex (``re.search`` on the layer id) or list of them; ``None`` for every IP-Adapter layer.
-        steps: denoising loop indices to record (an iterable of ints or a ``slice``); ``None`` for all.
-        heads: head indices to record; ``None`` for all.
-        keep_maps: also keep the full attention maps (fp16, moved off the device without blocking): in
-            :attr:`ProbeRun.maps`, ``(call, step, layer, adapter)`` -> a list of ``(B, H, Q, K)`` weights, one per
-            record: one per denoiser pass (SD/SDXL/SD3 concatenate their CFG branches in one pass; Flux with true
-            CFG runs one pass per branch), and with ``ip_adapter_masks`` one per reference image and pass (diffusers
-            gives each masked image its own softmax over its own tokens; queries outside the mask are included in
-            the map, though the table leaves them out). :attr:`ProbeRun.map_branches` has, under the same key, each
-            map's branch label per batch item. For SD3 the maps are the joint weights restricted to the image
-            tokens and renormalised; for ``branch="text"`` rows the text tokens (padding included).
-        maps: also keep per-reference attribution maps (attention and NW shares of each image token per query
-            position, averaged over heads, float32 on the device): read them with :meth:`ProbeRun.reference_maps`,
-            :meth:`ProbeRun.token_maps`, :meth:`ProbeRun.map_table` and :meth:`ProbeRun.plot_reference_maps` (see
-            :mod:`ipa_probe.capture.maps`).
-        max_map_bytes: refuse ``keep_maps`` or ``maps`` when the estimated size of the maps of a call exceeds this.
-        seed: seed of the permutation null's random generator (the global RNG is never used).
-        branch: which cross-attention to compare with NW weights: ``"image"`` (the IP-Adapter branch, over the
-            image tokens), ``"text"`` (the text branch of the same layers, over the prompt tokens up to the first
-            end-of-text token: padding is left out) or ``"both"``. Text rows have ``kind="text"`` and
-            ``adapter=-1``. SD 1.5 / SDXL only: Flux and SD3 have no separate text cross-attention.
-        branches: the batch layout of every denoiser pass, one label per equal chunk (e.g. ``("uncond", "cond")``
-            for a hand-written CFG loop); ``None`` to decide each chunk's label from the prompt embeddings the
-            pipeline passes to its denoiser (see :mod:`~ipa_probe.capture.branches`).
-    """
-
-    bandwidth: BandwidthSpec = "matched"
-    layers: LayerSelection = None
-    steps: Iterable[int] | slice | None = None
-    heads: Sequence[int] | None = None
-    keep_maps: bool = False
-    max_map_bytes: int = 4 * 2**30
-    seed: int = 0
-    branch: str = "image"
-    branches: Sequence[str] | None = None
-    maps: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.maps, bool):
-            raise TypeError(f"maps: expected True or False, got {self.maps!r}")
-        if self.maps and self.branch == "text":
-            raise ValueError('maps=True attributes the image branch; use branch="image" or "both"')
-        if self.branch not in ("image", "text", "both"):
-            raise ValueError(f'branch: expected "image", "text" or "both", got {self.branch!r}')
-        object.__setattr__(self, "bandwidth", bw.check(self.bandwidth, ("matched", "fit")))
-        if self.branches is not None:
-            if isinstance(self.branches, str):
-                raise TypeError(
-                    f'branches: expected a sequence of labels such as ("uncond", "cond"), got {self.branches!r}'
-                )
-            branches = tuple(self.branches)
-            if not branches or not all(isinstance(b, str) and b for b in branches):
-                raise ValueError(
-                    f'branches: expected labels, one per batch chunk, like ("uncond", "cond"); got {branches!r}'
-                )
-            object.__setattr__(self, "branches", branches)
-        if isinstance(self.steps, slice):
-            s = self.steps
-            if any(v is not None and (not isinstance(v, int) or v < 0) for v in (s.start, s.stop)) or (
-                s.step is not None and (not isinstance(s.step, int) or s.step <= 0)
-            ):
-                raise ValueError(
-                    f"steps: expected a slice of non-negative loop indices with a positive step, got {s!r}; the "
-                    "probe cannot resolve negative indices before the loop ends (Img2Img's strength, for one, "
-                    "shortens the loop): write slice(n - 3, None) for the last 3 of n steps"
-                )
-        elif self.steps is not None:
-            steps = tuple(self.steps)
-            if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
-                raise ValueError(f"steps: expected non-negative loop indices (ints) or a slice, got {steps!r}")
-            object.__setattr__(self, "steps", frozenset(steps))
-        if self.heads is not None:
-            heads = tuple(self.heads)
-            if not heads or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads):
-                raise ValueError(f"heads: expected a non-empty list of non-negative head indices, got {heads!r}")
-            object.__setattr__(self, "heads", tuple(sorted(set(heads))))
-        if (
-            isinstance(self.max_map_bytes, bool)
-            or not (isinstance(self.max_map_bytes, int | float) and math.isfinite(self.max_map_bytes))
-            or self.max_map_bytes <= 0
-        ):
-            raise ValueError(f"max_map_bytes: expected a positive byte count, got {self.max_map_bytes}")
-
-    def records_step(self, step: int) -> bool:
-        if self.steps is None:
-            return True
-        if isinstance(self.steps, slice):
-            start, stop, stride = self.steps.start or 0, self.steps.stop, self.steps.step or 1
-            return step >= start and (stop is None or step < stop) and (step - start) % stride == 0
-        return step in self.steps
-
-    def describe(self) -> dict[str, Any]:
-        """JSON-friendly settings."""
-        steps = self.steps
-        return {
-            "bandwidth": bw.describe(self.bandwidth),
-            "layers": self.layers
-            if isinstance(self.layers, str | None)
-            else [getattr(p, "pattern", p) for p in self.layers],
-            "steps": None if steps is None else (repr(steps) if isinstance(steps, slice) else sorted(steps)),
-            "heads": None if self.heads is None else list(self.heads),
-            "keep_maps": self.keep_maps,
-            "seed": self.seed,
-            "branch": self.branch,
-            "branches": None if self.branches is None else list(self.branches),
-            "maps": self.maps,
-        }
 
 
 @dataclass
