@@ -48,6 +48,17 @@ def masks_for(n_images: int, size: int = 64) -> list[torch.Tensor]:
     return [IPAdapterMaskProcessor().preprocess(masks, height=size, width=size).reshape(1, n_images, size, size)]
 
 
+def case_call(case: tuple, n_refs: int) -> tuple:
+    """A :data:`PIPELINE_CASES` row as ``(pipe, kwargs)``: the tiny pipeline and the call's guidance and masks."""
+    from ipa_probe.tiny.sd import tiny_pipeline
+
+    kind, variant, adapters, guidance, masks = case
+    kwargs = {"guidance_scale": guidance}
+    if masks:
+        kwargs["cross_attention_kwargs"] = {"ip_adapter_masks": masks_for(n_refs) * adapters}
+    return tiny_pipeline(kind, ip_adapter=variant, num_adapters=adapters), kwargs
+
+
 def generate_dit(pipe, refs, adapters=1, cfg=False, steps=2, **kwargs):
     """A tiny Flux or SD3 pipeline call, 2 steps, latents out. Flux: one entry of ``refs`` per adapter, true CFG on
     request; SD3: one image."""

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 from diffusers.image_processor import IPAdapterMaskProcessor
-from helpers import PIPELINE_CASES, CountScalarReads, masks_for
+from helpers import PIPELINE_CASES, CountScalarReads, case_call, masks_for
 
 from ipa_probe.capture.maps import MAP_TABLE_COLUMNS
 from ipa_probe.capture.run import probe
@@ -203,10 +203,7 @@ def test_averages_over_selected_layers_and_steps(sd15, refs):
 
 @pytest.mark.parametrize("kind, variant, adapters, guidance, masks", PIPELINE_CASES)
 def test_output_bit_identical_with_maps(refs, kind, variant, adapters, guidance, masks):
-    pipe = tiny_pipeline(kind, ip_adapter=variant, num_adapters=adapters)
-    kwargs = {"guidance_scale": guidance}
-    if masks:
-        kwargs["cross_attention_kwargs"] = {"ip_adapter_masks": masks_for(len(refs)) * adapters}
+    pipe, kwargs = case_call((kind, variant, adapters, guidance, masks), len(refs))
     plain = generate(pipe, refs, adapters, **kwargs)
     with probe(pipe, maps=True) as run:
         probed = generate(pipe, refs, adapters, **kwargs)

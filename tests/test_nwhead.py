@@ -26,7 +26,7 @@ from diffusers.models.transformers.transformer_flux import (
     FluxAttnProcessor,
     FluxIPAdapterAttnProcessor,
 )
-from helpers import PIPELINE_CASES, CountScalarReads, generate_dit, masks_for
+from helpers import PIPELINE_CASES, CountScalarReads, case_call, generate_dit
 
 import ipa_probe
 from ipa_probe.layers import find_ip_layers
@@ -218,10 +218,7 @@ def test_bad_bandwidth_raises_before_anything_changes(sd15, bandwidth, error, ma
 
 @pytest.mark.parametrize("kind, variant, adapters, guidance, masks", PIPELINE_CASES)
 def test_equal_norm_keys_swap_equals_original_and_otherwise_differs(refs, kind, variant, adapters, guidance, masks):
-    pipe = tiny_pipeline(kind, ip_adapter=variant, num_adapters=adapters)
-    kwargs = {"guidance_scale": guidance}
-    if masks:
-        kwargs["cross_attention_kwargs"] = {"ip_adapter_masks": masks_for(len(refs)) * adapters}
+    pipe, kwargs = case_call((kind, variant, adapters, guidance, masks), len(refs))
     plain = generate(pipe, refs, adapters, **kwargs)
     with nw_head(pipe):
         swapped = generate(pipe, refs, adapters, **kwargs)
