@@ -51,6 +51,6 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"wrote {out}: model/, ip_adapter/, record.json, loss.png; trained in {wall / 60:.1f} min "
         f"(VAE {record['wall_s']['vae']:.0f} s, UNet {record['wall_s']['unet']:.0f} s) on {config.threads} threads; "
-        f"final loss {record['final_loss_mean_last100']:.4f}"
+        f"final UNet loss (mean of the last 100 steps) {record['final_losses']['unet']:.4f}"
     )
     return 0

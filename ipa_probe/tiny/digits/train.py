@@ -278,6 +278,8 @@ def _train(out: Path, config: DigitsTrainConfig, progress: bool, stop_after: int
         )  # fmt: skip
         if not finished:
             return {"finished": False, **meta}
+        if stage == "encoder":  # the head's accuracy right after pretraining (recomputed identically on a resume)
+            meta["encoder_pretraining_train_accuracy"] = _encoder_accuracy(image_encoder, head, pixel_values, train_y)
     if "scaling_factor" not in data:
         data.update(_unet_data(vae.eval(), train_x, train_y, parts["text_encoder"]))
     scaling_factor = data["scaling_factor"]
@@ -287,7 +289,11 @@ def _train(out: Path, config: DigitsTrainConfig, progress: bool, stop_after: int
         "scaling_factor": scaling_factor,
         "wall_s": {**meta["wall_s"], "total": sum(meta["wall_s"].values())},
         "final_losses": {s: float(np.mean(meta["losses"][s][-100:])) for s in STAGES if meta["losses"][s]},
-        "encoder_pretraining_accuracy_last100": _encoder_accuracy(image_encoder, head, pixel_values, train_y),
+        # the pretraining head on the training digits: right after pretraining, and (stale head) after joint training
+        "encoder_pretraining_train_accuracy": meta.get("encoder_pretraining_train_accuracy"),
+        "encoder_head_train_accuracy_after_joint_training": _encoder_accuracy(
+            image_encoder, head, pixel_values, train_y
+        ),
         "threads": config.threads,
         "load_average_at_start": meta.get("load_average_at_start"),
         "load_average_at_end": list(os.getloadavg()),
