@@ -20,6 +20,7 @@ def test_embedded_default_writes_the_output_folder(tmp_path, capsys):
     assert main(["probe", "--out", str(tmp_path / "out"), *ARGS]) == 0
     files = {p.name for p in (tmp_path / "out").iterdir()}
     assert {"image_0.png", "probe.parquet", "summary.json", "rho_by_timestep.png"} <= files
+    assert "image_1.png" not in files and "digits.json" not in files  # one image, no digit verdict off the organism
     table = pd.read_parquet(tmp_path / "out" / "probe.parquet")
     assert table["step"].nunique() == 3
     record = json.loads((tmp_path / "out" / "summary.json").read_text())

@@ -157,6 +157,8 @@ def test_training_resumes_to_the_same_weights(tmp_path):
     resumed = D.train_digits(tmp_path / "b", config, progress=False)
     assert resumed["finished"] and resumed["resumed"] == 2 and straight["resumed"] == 0
     assert resumed["final_losses"] == straight["final_losses"]
+    accuracy = resumed["encoder_pretraining_train_accuracy"]  # measured in the second call, carried by the checkpoint
+    assert accuracy is not None and accuracy == straight["encoder_pretraining_train_accuracy"]
     for sub in ("unet/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"):
         a, b = load_file(str(tmp_path / "a" / "model" / sub)), load_file(str(tmp_path / "b" / "model" / sub))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -171,7 +173,41 @@ def test_training_resumes_to_the_same_weights(tmp_path):
     assert pipe.unet.encoder_hid_proj is not None
 
 
+def test_shipped_weights_are_a_clean_run_of_the_default_recipe():
+    record = json.loads((D.DIGITS_WEIGHTS / "record.json").read_text())
+    assert record["finished"] and record["resumed"] == 0
+    assert record["config"] == D.DigitsTrainConfig().to_dict()
+
+
+@pytest.mark.slow
+def test_train_digits_command_writes_a_loadable_organism(tmp_path, capsys):
+    from ipa_probe.cli import main
+
+    out = tmp_path / "organism"
+    argv = ["train-digits", "--out", str(out), "--no-progress", "--threads", "1"]
+    assert main([*argv, "--vae-steps", "2", "--steps", "2", "--batch", "4", "--checkpoint-every", "1"]) == 0
+    record = json.loads((out / "record.json").read_text())
+    assert record["config"]["steps"] == 2 and record["config"]["threads"] == 1 and record["resumed"] == 0
+    printed = capsys.readouterr().out
+    assert f"{record['final_losses']['unet']:.4f}" in printed and str(out) in printed
+    trained, shipped = D.digits_pipeline(out).unet.config, D.digits_pipeline().unet.config
+    assert {k: v for k, v in trained.items() if not k.startswith("_")} == {
+        k: v for k, v in shipped.items() if not k.startswith("_")
+    }  # the shipped architecture
+
+
 # --------------------------------------------------------------------------- the CLI on the organism
+
+
+def _box_probabilities(path) -> np.ndarray:
+    """The digit classifier's probabilities for a saved PNG, downsampled independently of classify_digit_images
+    (PIL's box filter to 8 x 8 instead of its reshape-mean)."""
+    from PIL import Image
+
+    rgb = np.asarray(Image.open(path).convert("RGB"))
+    grey = Image.fromarray(rgb.mean(-1).astype(np.float32), mode="F")
+    small = np.asarray(grey.resize((8, 8), Image.Resampling.BOX), dtype=float) / 255 * 16
+    return D.digit_classifier()[0].predict_proba(small.reshape(1, 64))[0]
 
 
 def test_probe_with_no_model_arguments_probes_the_organism(tmp_path, capsys):
@@ -183,14 +219,24 @@ def test_probe_with_no_model_arguments_probes_the_organism(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["probe", "--out", str(out), "--steps", "3"]) == 0
     row = Image.open(out / "references_and_output.png")
-    assert row.width > 4 * row.height  # 4 references and the generated digit side by side
-    assert Image.open(out / "image_0.png").size == (16, 16)
+    assert row.width > 10 * row.height  # 3 references and the 8 generated digits side by side
+    assert {Image.open(out / f"image_{i}.png").size for i in range(8)} == {(16, 16)}
+    assert not (out / "image_8.png").exists()
     record = json.loads((out / "summary.json").read_text())
     assert record["run"]["model"] == "embedded digits organism (trained)" and record["run"]["digit"] == 3
-    assert record["run"]["prompt"] == D.DIGITS_PROMPT and record["run"]["references"] == 4
+    assert record["run"]["prompt"] == D.DIGITS_PROMPT and record["run"]["references"] == 3
+    assert record["run"]["num_images"] == 8
     table = pd.read_parquet(out / "probe.parquet")
     assert table["layer"].nunique() == 10 and table["step"].nunique() == 3
-    assert "references_and_output.png" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "references_and_output.png" in printed
+    # the classifier's verdict on each saved image, recomputed from the PNGs
+    verdict = json.loads((out / "digits.json").read_text())
+    probs = np.stack([_box_probabilities(out / f"image_{i}.png") for i in range(8)])
+    assert verdict["predicted"] == probs.argmax(1).tolist()
+    assert verdict["right"] == int((probs.argmax(1) == 3).sum()) and verdict["images"] == 8
+    np.testing.assert_allclose(verdict["confidence_in_digit"], probs[:, 3], atol=1e-4)
+    assert f"{verdict['right']} of 8 images drawn as 3" in printed
 
 
 @pytest.mark.parametrize(
@@ -199,6 +245,7 @@ def test_probe_with_no_model_arguments_probes_the_organism(tmp_path, capsys):
         (["probe", "--digit", "12"], "--digit"),
         (["probe", "--variant", "plus"], "base IP-Adapter only"),
         (["train-digits", "--steps", "0"], "steps"),
+        (["probe", "--num-images", "0"], "num-images"),
     ],
 )
 def test_organism_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, message):
@@ -211,7 +258,6 @@ def test_organism_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, mes
 
 @pytest.mark.slow
 def test_compare_on_the_organism_scores_the_methods_with_the_digit_classifier(tmp_path):
-    from PIL import Image
 
     from ipa_probe.cli import main
 
@@ -231,15 +277,10 @@ def test_compare_on_the_organism_scores_the_methods_with_the_digit_classifier(tm
     assert main([*argv, "--clip-model", f"local-dir:{clip}"]) == 0
     record = json.loads((out / "compare.json").read_text())
     assert record["settings"]["digit"] == 4
-    clf, _ = D.digit_classifier()
     for row in record["per_image"]:
         if row["method"] == "vae_roundtrip":
             continue
-        # independent: PIL's box filter to 8 x 8 instead of the reshape-mean of classify_digit_images
-        rgb = np.asarray(Image.open(out / "images" / f"{row['method']}_seed{row['seed']}.png").convert("RGB"))
-        grey = Image.fromarray(rgb.mean(-1).astype(np.float32), mode="F")
-        small = np.asarray(grey.resize((8, 8), Image.Resampling.BOX), dtype=float) / 255 * 16
-        probs = clf.predict_proba(small.reshape(1, 64))[0]
+        probs = _box_probabilities(out / "images" / f"{row['method']}_seed{row['seed']}.png")
         assert row["digit_confidence"] == pytest.approx(probs[4], abs=1e-4)
         assert row["digit_right"] == float(probs.argmax() == 4)
     table = {row["method"]: row for row in record["table"]}

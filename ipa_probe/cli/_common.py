@@ -38,16 +38,17 @@ def _argument_type(check, name: str):
     return parse
 
 
-#: argparse types: a seed in [0, 2**63 - 1]; a positive step count; a finite non-negative scale.
+#: argparse types: a seed in [0, 2**63 - 1]; a positive step count; a finite non-negative scale; 1-256 images.
 seed_type = _argument_type(lambda v: parse_int(v, "seed", 0, MAX_SEED), "seed")
 steps_type = _argument_type(lambda v: parse_int(v, "steps", 1), "steps")
 scale_type = _argument_type(lambda v: parse_float(v, "scale", 0.0), "scale")
+images_type = _argument_type(lambda v: parse_int(v, "num-images", 1, 256), "num-images")
 
 
 #: the embedded pipelines: the trained digits organism and the random tiny SD 1.5 / SDXL ones.
 EMBEDDED_KINDS = ("digits", "sd15", "sdxl")
 #: the embedded digits organism's generation defaults (the settings of its README rates)
-DIGITS_DEFAULTS = {"steps": 20, "digit": 3, "references": 4, "guidance_scale": 3.0}
+DIGITS_DEFAULTS = {"steps": 20, "digit": 3, "references": 3, "guidance_scale": 3.0, "images": 8}
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, default_kind: str = "sd15") -> None:

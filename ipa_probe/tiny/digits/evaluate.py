@@ -5,6 +5,7 @@ Part of :mod:`ipa_probe.tiny.digits` (see its docstring).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from functools import lru_cache
@@ -17,7 +18,7 @@ import torch
 from diffusers import StableDiffusionPipeline
 
 from ..._io import versions, write_json
-from .data import DIGITS_PROMPT, TRAIN_SIZE, _digits, digits_reference_images
+from .data import DIGITS_PROMPT, DIGITS_WEIGHTS, TRAIN_SIZE, _digits, digits_reference_images
 from .model import digits_pipeline, untrained_digits_pipeline
 
 # --- evaluation ---------------------------------------------------------------------------------------------------
@@ -167,6 +168,10 @@ EVALUATION_SETTINGS: dict[str, dict[str, Any]] = {
     "adapter on, CFG 3": {"ip_adapter_scale": 1.0, "guidance_scale": 3.0},
     "adapter scale 0": {"ip_adapter_scale": 0.0, "guidance_scale": 1.0},
     "untrained weights": {"ip_adapter_scale": 1.0, "guidance_scale": 1.0, "untrained": True},
+    # how the rate depends on the size of the support set (training drew 1-4 references)
+    "adapter on, CFG 3, 1 reference": {"ip_adapter_scale": 1.0, "guidance_scale": 3.0, "n_refs": 1},
+    "adapter on, CFG 3, 2 references": {"ip_adapter_scale": 1.0, "guidance_scale": 3.0, "n_refs": 2},
+    "adapter on, CFG 3, 4 references": {"ip_adapter_scale": 1.0, "guidance_scale": 3.0, "n_refs": 4},
 }
 
 
@@ -175,6 +180,7 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
 
     parser = argparse.ArgumentParser(description="Rates of the right digit (README), written to OUT/rates.{md,json}.")
     parser.add_argument("--out", default="outputs/digits-eval")
+    parser.add_argument("--weights", help="a folder from `ipa-probe train-digits` (default: the shipped weights)")
     parser.add_argument("--samples", type=int, default=10, help="samples per digit and reference set")
     parser.add_argument("--ref-sets", type=int, default=3, help="reference sets per digit")
     parser.add_argument("--steps", type=int, default=20)
@@ -183,7 +189,7 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trained, untrained = digits_pipeline(), None
+    trained, untrained = digits_pipeline(args.weights), None
     rows, raw = [], {}
     for name, settings in EVALUATION_SETTINGS.items():
         settings = dict(settings)
@@ -194,10 +200,10 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
             pipe = trained
         pipe.set_progress_bar_config(disable=True)
         start = time.perf_counter()
+        settings.setdefault("n_refs", 3)
         result = evaluate_digits(
-            pipe, samples_per_digit=args.samples, n_refs=3, ref_sets=args.ref_sets,
-            num_inference_steps=args.steps, **settings,
-        )  # fmt: skip
+            pipe, samples_per_digit=args.samples, ref_sets=args.ref_sets, num_inference_steps=args.steps, **settings
+        )
         seconds = time.perf_counter() - start
         raw[name] = {k: v for k, v in result.items() if k not in ("labels", "targets")} | {"seconds": seconds}
         rows.append(
@@ -205,6 +211,7 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
                 "setting": name,
                 "right digit": f"{result['rate']:.1%}",
                 "confidence": f"{result['confidence']:.3f}",
+                "references": result["n_refs"],
                 "samples": result["samples"],
                 "most frequent label": f"{np.bincount(result['labels'], minlength=10).argmax()}",
             }
@@ -217,11 +224,16 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
     accuracy = digit_classifier()[1]
     note = (
         f"\n\nClassifier: logistic regression on the 8x8 digits [0, {TRAIN_SIZE}), held-out accuracy {accuracy:.3f}. "
-        f"{args.ref_sets} held-out reference sets of 3 images per digit, {args.samples} samples each, "
+        f"{args.ref_sets} held-out reference sets per digit (3 images unless the row says otherwise), "
+        f"{args.samples} samples each, "
         f"DDIM {args.steps} steps.\n"
     )
     (out / "rates.md").write_text(table + note)
-    write_json(out / "rates.json", {"rates": raw, "args": vars(args), "versions": versions()})
+    record = {"rates": raw, "args": vars(args), "versions": versions()}
+    record_path = Path(args.weights) / "record.json" if args.weights else DIGITS_WEIGHTS / "record.json"
+    if record_path.exists():  # which training run these rates belong to
+        record["weights_record"] = json.loads(record_path.read_text())
+    write_json(out / "rates.json", record)
     print(table + note)
 
 
