@@ -33,7 +33,10 @@ __all__ = [
     "output_lock",
     "versions",
     "write_atomic",
+    "write_figure",
+    "write_image",
     "write_json",
+    "write_table",
 ]
 
 #: Packages whose versions shape the numbers (those not installed are left out of :func:`versions`).
@@ -121,6 +124,38 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
 def write_json(path: str | os.PathLike, record: Any) -> Path:
     """``record`` (through :func:`jsonable`) as indented JSON, written atomically. Returns ``path``."""
     return write_atomic(path, json.dumps(jsonable(record), indent=2) + "\n")
+
+
+def write_table(table: Any, path: str | os.PathLike) -> Path:
+    """A pandas frame as ``.parquet`` or ``.csv`` (by the suffix, without the index), written atomically."""
+    path = Path(path)
+    writers = {".parquet": table.to_parquet, ".csv": table.to_csv}
+    if path.suffix not in writers:
+        raise ValueError(f"write_table writes .parquet or .csv, got {path.name}")
+    with atomic_path(path) as temp:
+        writers[path.suffix](temp, index=False)
+    return path
+
+
+def write_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
+    """A matplotlib figure in the format its suffix names, written atomically; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    try:
+        with atomic_path(path) as temp:
+            fig.savefig(temp, dpi=dpi, format=path.suffix.lstrip("."))
+    finally:
+        plt.close(fig)
+    return path
+
+
+def write_image(image: Any, path: str | os.PathLike, **options: Any) -> Path:
+    """A PIL image in the format its suffix names (``options`` go to ``Image.save``), written atomically."""
+    path = Path(path)
+    with atomic_path(path) as temp:
+        image.save(temp, format=path.suffix.lstrip(".").upper().replace("JPG", "JPEG"), **options)
+    return path
 
 
 class OutputLocked(RuntimeError):

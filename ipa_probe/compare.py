@@ -340,7 +340,7 @@ class Comparison:
         Returns:
             name -> path of each file written.
         """
-        from ._io import versions, write_json
+        from ._io import versions, write_atomic, write_image, write_json, write_table
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -351,16 +351,16 @@ class Comparison:
             "grid": directory / "grid.png",
             "record": directory / "compare.json",
         }
-        self.table.to_csv(paths["table"], index=False)
-        self.per_image.to_csv(paths["per_image"], index=False)
+        write_table(self.table, paths["table"])
+        write_table(self.per_image, paths["per_image"])
         note = f"\n\n_{RANDOM_WEIGHTS_NOTE}._\n" if self.settings.get("clip_random_weights") else "\n"
-        paths["markdown"].write_text(self.markdown() + note)
-        self.grid().save(paths["grid"], optimize=True)
+        write_atomic(paths["markdown"], self.markdown() + note)
+        write_image(self.grid(), paths["grid"], optimize=True)
         images_dir = directory / "images"
         images_dir.mkdir(exist_ok=True)
         for method, items in self.images.items():
             for seed, image in zip(self.seeds, items, strict=True):
-                image.save(images_dir / f"{method}_seed{seed}.png")
+                write_image(image, images_dir / f"{method}_seed{seed}.png")
         record = {
             "settings": self.settings,
             "versions": {**versions(), "open_clip": _open_clip_version()},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -276,7 +277,7 @@ def test_keep_maps_shapes_and_budget(sd15, refs):
             generate(sd15, refs)
 
 
-def test_save_and_plot(sd15, refs, tmp_path):
+def test_save_and_plot(sd15, refs, tmp_path, monkeypatch):
     with probe(sd15) as run:
         generate(sd15, refs)
     paths = run.save(tmp_path / "out")
@@ -289,6 +290,18 @@ def test_save_and_plot(sd15, refs, tmp_path):
     assert record["settings"]["bandwidth"] == "matched" and "torch" in record["versions"]
     assert paths["plot"].stat().st_size > 0
     assert run.plot().axes
+    # a save that fails half-way (here: while drawing the plot) leaves the earlier files whole and no temp file
+    before = {name: path.read_bytes() for name, path in paths.items()}
+
+    def broken_savefig(self, fname, **kwargs):
+        Path(fname).write_bytes(b"half a png")
+        raise OSError("disk full")
+
+    monkeypatch.setattr("matplotlib.figure.Figure.savefig", broken_savefig)
+    with pytest.raises(OSError, match="disk full"):
+        run.save(tmp_path / "out")
+    assert paths["plot"].read_bytes() == before["plot"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in paths.values())
 
 
 # --------------------------------------------------------------------------- bad input

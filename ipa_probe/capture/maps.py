@@ -482,7 +482,7 @@ def save_reference_maps(run, directory, image=None, references: Sequence | None 
     Returns:
         ``{"figure": path, "table": path}`` (and ``"figure_adapter{a}"`` for further adapters).
     """
-    import matplotlib.pyplot as plt
+    from .._io import write_figure, write_table
 
     directory = Path(directory)
     paths = {}
@@ -491,9 +491,6 @@ def save_reference_maps(run, directory, image=None, references: Sequence | None 
         fig = run.plot_reference_maps(call, 0, adapter, image=image, references=refs)
         key, name = ("figure", "reference_maps.png") if adapter == 0 else (f"figure_adapter{adapter}", None)
         path = directory / (name or f"reference_maps_adapter{adapter}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths[key] = path
-    paths["table"] = directory / "map_table.parquet"
-    run.map_table().to_parquet(paths["table"], index=False)
+        paths[key] = write_figure(fig, path, dpi=110)
+    paths["table"] = write_table(run.map_table(), directory / "map_table.parquet")
     return paths

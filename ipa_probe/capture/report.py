@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .._io import jsonable, versions
+from .._io import versions, write_figure, write_json, write_table
 from ..schema import CELL_FIELDS, COLUMNS, FEW_KEYS, SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column
 
 logger = logging.getLogger(__name__)
@@ -145,8 +144,6 @@ def style_timestep_axes(ax) -> None:
 
 def save_run(table: pd.DataFrame, directory, settings: dict | None = None, extra: dict | None = None) -> dict:
     """Write ``probe.parquet``, ``summary.json`` and ``rho_by_timestep.png`` into ``directory``; return their paths."""
-    import matplotlib.pyplot as plt
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -154,7 +151,7 @@ def save_run(table: pd.DataFrame, directory, settings: dict | None = None, extra
         "summary": directory / "summary.json",
         "plot": directory / "rho_by_timestep.png",
     }
-    table.to_parquet(paths["table"], index=False)
+    write_table(table, paths["table"])
     summary = summarize(table)
     record = {
         "settings": settings or {},
@@ -163,8 +160,6 @@ def save_run(table: pd.DataFrame, directory, settings: dict | None = None, extra
         "rows": len(table),
         "summary": summary.to_dict(orient="records"),
     }
-    paths["summary"].write_text(json.dumps(jsonable(record), indent=2))
-    fig = plot_run(table)
-    fig.savefig(paths["plot"], dpi=120)
-    plt.close(fig)
+    write_json(paths["summary"], record)
+    write_figure(plot_run(table), paths["plot"], dpi=120)
     return paths

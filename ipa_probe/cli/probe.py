@@ -45,6 +45,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from .._io import write_image
     from ..capture.run import probe
     from ..images import image_row
 
@@ -67,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(err)) from None
     out = output_dir(args.out)  # created only now that there is something to write
     for i, image in enumerate(result.images):
-        image.save(out / f"image_{i}.png")
-    image_row(loaded.references, result.images).save(out / "references_and_output.png")
+        write_image(image, out / f"image_{i}.png")
+    write_image(image_row(loaded.references, result.images), out / "references_and_output.png")
     paths = run_.save(out, extra={"run": loaded.description})
     if args.keep_maps:
         torch.save({"|".join(map(str, key)): value for key, value in run_.maps.items()}, out / "maps.pt")

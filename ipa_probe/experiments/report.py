@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._io import atomic_path, versions, write_atomic, write_json
+from .._io import atomic_path, versions, write_atomic, write_figure, write_json
 
 __all__ = ["ExperimentResult", "Row", "format_value", "save_figure", "versions", "write_result"]
 
@@ -90,10 +90,6 @@ def write_result(result: ExperimentResult, folder: Path) -> dict[str, Path]:
 
 
 def save_figure(fig, path: Path) -> Path:
-    """Save a matplotlib figure as PNG and close it."""
-    import matplotlib.pyplot as plt
-
+    """Save a matplotlib figure as PNG (atomically) and close it."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return write_figure(fig, path, dpi=110)

@@ -16,7 +16,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .._io import OutputLocked, atomic_path, check_launch_holds, output_lock, versions, write_json
+from .._io import (
+    OutputLocked,
+    check_launch_holds,
+    output_lock,
+    versions,
+    write_figure,
+    write_json,
+    write_table,
+)
 from ..schema import frac_column
 from .aggregate import aggregate, plot_aggregate, row_summary
 from .manifest import Manifest, ManifestRow, RowInputError, SkippedRow
@@ -450,17 +458,10 @@ def _collect(
 
 def _write_derived(layout: SweepLayout, per_row: pd.DataFrame, agg: pd.DataFrame, record: dict, confidence: float):
     """Replace the row summary, the aggregate, ``summary.json`` and the plot, each atomically."""
-    import matplotlib.pyplot as plt
-
     if per_row.empty:
         layout.row_summary.unlink(missing_ok=True)
     else:
-        with atomic_path(layout.row_summary) as temp:
-            per_row.to_parquet(temp, index=False)
-    with atomic_path(layout.aggregate) as temp:
-        agg.to_parquet(temp, index=False)
+        write_table(per_row, layout.row_summary)
+    write_table(agg, layout.aggregate)
     write_json(layout.summary, record)
-    fig = plot_aggregate(agg, confidence=confidence)
-    with atomic_path(layout.plot) as temp:
-        fig.savefig(temp, dpi=120, format="png")
-    plt.close(fig)
+    write_figure(plot_aggregate(agg, confidence=confidence), layout.plot, dpi=120)
