@@ -189,6 +189,13 @@ def test_denoiser_compiled_and_run_before_the_probe_is_refused_never_empty(refs,
         generate(pipe, refs, num_inference_steps=1)
     df = run.to_dataframe()
     assert len(df) > 0 and set(df["layer"]) == layer_ids  # diffusers' ids, no `_orig_mod.` prefix
+    # at scale 0 diffusers skips every image branch: an eager run records nothing either, so no refusal
+    torch.compiler.reset()
+    pipe.set_ip_adapter_scale(0.0)
+    generate(pipe, refs, num_inference_steps=1)  # compiled without the probe's hooks
+    with probe(pipe) as run:
+        generate(pipe, refs, num_inference_steps=1)
+    assert run.to_dataframe().empty
 
 
 def test_rows_with_fewer_than_three_keys_are_flagged(refs, caplog):

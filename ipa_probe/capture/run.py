@@ -233,7 +233,7 @@ class ProbeRun:
         state = self._state
         state.in_pass = False
         self._capture.stash.clear()
-        if self.compiled and self._capture.recording and state.records == 0:
+        if self.compiled and self._capture.recording and state.records == 0 and self._ip_branch_runs():
             self._capture.recording = False
             raise RuntimeError(
                 "ipa_probe.probe: the compiled denoiser ran without the probe's hooks (it was compiled and run before "
@@ -241,6 +241,16 @@ class ProbeRun:
                 "before the first compiled call, set `torch._dynamo.config.skip_nnmodule_hook_guards = False` "
                 "before compiling, or call `torch.compiler.reset()` before probing"
             )
+
+    def _ip_branch_runs(self) -> bool:
+        """Whether some layer runs its image branch: diffusers skips an adapter whose scales are all 0, and then even
+        an eager denoiser leaves nothing to record."""
+        for layer in self.layers:
+            scales = getattr(layer.attention.processor, "scale", 1.0)
+            for scale in scales if isinstance(scales, (list, tuple)) else [scales]:
+                if any(value != 0 for value in (scale if isinstance(scale, (list, tuple)) else [scale])):
+                    return True
+        return False
 
     def _start_call_if_new(self, args: tuple, kwargs: dict) -> None:
         """A new pipeline call starts when the scheduler's timesteps are a new tensor (``set_timesteps`` ran)."""
