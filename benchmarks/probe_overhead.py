@@ -8,7 +8,8 @@ Memory: each configuration runs in a fresh subprocess, is warmed up, and reports
 resident baseline (RSS sampled at 1 kHz on CPU; ``torch.cuda.max_memory_allocated`` on a GPU). The probe's own
 buffers are also reported: they grow with steps × layers × heads,
 not with the image size. A third configuration runs the probe with ``maps=True`` (reference maps, see
-``ipa_probe/capture/maps.py``): its ratio to plain (target <= 1.10 on the CPU), and its kept maps next to the
+``ipa_probe/capture/maps.py``): its ratio to plain (target <= 1.10 on the CPU). The probe's own target is <= 1.05
+on the CPU and <= 1.02 on a GPU (512², fp16, 30 steps), and its kept maps next to the
 up-front estimate (steps × layers × batch × queries × tokens × 2 kinds × 4 bytes; no head dimension).
 
     python benchmarks/probe_overhead.py                 # CPU, 32x32 latents (256 px), 4 steps
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in MODES[r % 3 :] + MODES[: r % 3]:
             times[mode].append(timed_call(pipe, inputs, mode, args.device)[0])
     rows = []
-    for mode, target in (("probe", 1.02), ("maps", 1.10)):
+    # targets: the probe <= 1.05 on the CPU (its first issue) and <= 1.02 on a GPU at 512², fp16, 30 steps
+    for mode, target in (("probe", 1.02 if gpu else 1.05), ("maps", 1.10)):
         ratios = [p / q for p, q in zip(times[mode], times["plain"], strict=True)]
         rows.append(
             {
