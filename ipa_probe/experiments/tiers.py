@@ -11,9 +11,10 @@ at a load average of about 2 (0.1 s at a load of 7–10, when five other jobs sh
 the learned model on 20 tasks × 500 points costs 2.6–15 s, one of the plug-in 0.3–2.2 s, and one validation (8 tasks
 × 128 points) about a tenth of an evaluation. Two OpenMP threads spin against the other jobs, so run loaded machines
 with ``--threads 1``. :func:`ipa_probe.experiments.timing.project` at the pessimistic loaded costs (0.1 s per
-32-task step, 25 s per evaluation) puts ``smoke`` at 9.7 min and ``full`` at 57 min, which leaves the full tier no
-room for more steps: its budget goes to the protocol (validations, the §D.3 per-m check), and whether more steps
-would change the scarcity row is measured separately (:mod:`.scarcity_steps`).
+32-task step, 25 s per evaluation) puts ``smoke`` at 9.7 min and ``full`` at 57 min. Measured with the protocol
+on the quiet machine, ``full`` took 24 min (1 thread). Twice its shells and scarcity steps moved no number beyond its
+spread (``docs/results/full_2x_steps/``), so the step counts stay and the rest of the budget is left unspent; how
+the scarcity gap moves with training at the release's constant rate is :mod:`.scarcity_steps`.
 
 ``paper`` (d_model 128, 3 layers, 256 tasks × 256 targets, lr 1e-4, 1000 warm-up steps then constant, 100k/50k steps,
 validation on 100 tasks × 500 points every 1000 steps, 3 seeds) runs on CUDA when present; the CLI refuses it
