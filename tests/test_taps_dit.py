@@ -112,12 +112,13 @@ def test_sd3_skip_layer_guidance_pass_is_not_recorded(refs, sd3):
 
 
 @pytest.mark.parametrize("family", ["flux", "sd3"])
-def test_no_host_synchronisation_added(refs, flux, sd3, family):
+@pytest.mark.parametrize("maps", [False, True])
+def test_no_host_synchronisation_added(refs, flux, sd3, family, maps):
     pipe = flux if family == "flux" else sd3
     generate(pipe, refs, cfg=True)  # warm-up
     with CountScalarReads() as plain:
         generate(pipe, refs, cfg=True)
-    with probe(pipe, bandwidth=lambda t: 1.0 + t / 1000):
+    with probe(pipe, bandwidth=lambda t: 1.0 + t / 1000, maps=maps):
         with CountScalarReads() as probed:
             generate(pipe, refs, cfg=True)
     assert probed.count == plain.count
@@ -291,3 +292,45 @@ def test_tiny_dit_pipelines_are_seeded_and_leave_the_callers_rng_alone(flux, sd3
     assert all(isinstance(layer.processor, SD3IPAdapterJointAttnProcessor2_0) for layer in find_ip_layers(sd3))
     assert find_ip_layers(sd3)[0].processor.to_k_ip.bias is None  # SD3 image keys: no bias, RMS-normalised
     assert find_ip_layers(flux)[0].processor.to_k_ip[0].bias is not None  # Flux image keys: bias, no norm
+
+
+# --------------------------------------------------------------------------- reference maps
+
+
+@pytest.mark.parametrize("family, size", [("flux", (64, 64)), ("flux", (64, 96)), ("sd3", (64, 64))])
+def test_reference_maps_equal_own_recomputation(refs, flux, sd3, family, size):
+    """maps=True on the DiT families: one layer at step 0 against float64 shares rebuilt from our own hooks (Flux:
+    its image branch's own softmax on the pre-RoPE query, two reference images, on a non-square grid too; SD3: the
+    joint softmax restricted to the image tokens)."""
+    pipe = flux if family == "flux" else sd3
+    layer = find_ip_layers(pipe, r"blocks\.1\.")[0]
+    attn, proc = layer.attention, layer.processor
+    if family == "flux":
+        modules, references, tokens = {"q": attn.norm_q, "k": proc.to_k_ip[0]}, len(refs), FLUX_IP_TOKENS
+    else:
+        modules, references, tokens = {"q": proc.norm_q, "k": proc.norm_k, "k_ip": proc.norm_ip_k}, 1, SD3_IP_TOKENS
+    with capturing(modules) as seen, probe(pipe, layers=layer.name, steps=[0], maps=True) as run:
+        generate(pipe, refs, height=size[0], width=size[1])
+    if family == "flux":
+        q = seen["q"].transpose(1, 2).double()[0]  # (H, N, D)
+        d = q.shape[-1]
+        k = seen["k"].reshape(1, -1, attn.heads, d).transpose(1, 2).double()[0]  # (H, R * T, D)
+        attention = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), -1)
+    else:
+        q, k_lat, k = (seen[n].double()[0] for n in ("q", "k", "k_ip"))  # (H, N, D)
+        d = q.shape[-1]
+        joint = torch.softmax(q @ torch.cat([k_lat, k], 1).transpose(-1, -2) / math.sqrt(d), -1)
+        on_images = joint[..., k_lat.shape[1] :]
+        attention = on_images / on_images.sum(-1, keepdim=True)
+    nw = torch.softmax(-(torch.cdist(q, k) ** 2) / (2 * math.sqrt(d)), -1)
+    # one query per latent token, row-major: Flux packs 2 x 2 latent pixels into a token, SD3 patches them
+    factor = pipe.vae_scale_factor * (2 if family == "flux" else pipe.transformer.config.patch_size)
+    grid = (size[0] // factor, size[1] // factor)
+    assert grid[0] * grid[1] == q.shape[1]
+    for kind, weights in (("attention", attention), ("nw", nw)):
+        want = weights.mean(0).reshape(*grid, references, tokens).permute(2, 3, 0, 1)  # (R, T, h, w)
+        got = run.token_maps(0, 0, 0, kind, "cond", [layer.name], [0], grid)
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=0)
+        by_reference = run.reference_maps(0, 0, 0, kind, "cond", [layer.name], [0], grid)
+        torch.testing.assert_close(by_reference.double(), want.sum(1), atol=2e-6, rtol=0)
+    assert run.reference_maps(0, 0, 0, size="image").shape == (references, *size)  # the default size too

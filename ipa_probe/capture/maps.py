@@ -89,6 +89,10 @@ class MapAccumulator:
         #: (call, adapter) pairs that ran with ``ip_adapter_masks``.
         self.masked: set[tuple[int, int]] = set()
         self._masks: list[torch.Tensor | None] = []
+        #: the denoiser's per-adapter image projections (``encoder_hid_proj``), read by :meth:`tokens_per_image`
+        self._projections: Sequence[torch.nn.Module] | None = None
+        #: call -> (img_ids, tokens) of packed latents, turned into ``latents`` by :meth:`latent_grid`
+        self._packed_ids: dict[int, tuple[torch.Tensor, int]] = {}
         self._mask_cache: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._images_seen: dict[tuple[int, int], int] = {}
         self._on_host = False
@@ -99,6 +103,8 @@ class MapAccumulator:
     # ------------------------------------------------------------------ capture
     def install(self, denoiser: torch.nn.Module) -> list[Handle]:
         """Register the pre-hook that reads each denoiser call's ``ip_adapter_masks`` (after the probe's clock)."""
+        projection = getattr(getattr(denoiser, "_orig_mod", denoiser), "encoder_hid_proj", None)
+        self._projections = getattr(projection, "image_projection_layers", None)
         return [denoiser.register_forward_pre_hook(observer(self._on_denoiser_call), with_kwargs=True)]
 
     def _on_denoiser_call(self, module, args, kwargs) -> None:
@@ -114,10 +120,25 @@ class MapAccumulator:
             self._mask_cache.clear()
         self._masks = list(masks)
 
-    def begin_call(self, call: int, sample: torch.Tensor) -> None:
-        """A pipeline call starts: remember its latent grid (``sample`` is the denoiser's latent input)."""
+    def begin_call(self, call: int, sample: torch.Tensor, kwargs: dict) -> None:
+        """A pipeline call starts: remember its latent grid (``sample`` is the denoiser's latent input; packed Flux
+        latents keep their ``img_ids``, read only after the run so that nothing synchronises during it)."""
         self.latents[call] = tuple(sample.shape[-2:]) if sample.ndim == 4 else None
+        ids = kwargs.get("img_ids")
+        if sample.ndim == 3 and isinstance(ids, torch.Tensor) and ids.shape[-1] == 3:
+            self._packed_ids[call] = (ids, sample.shape[1])
         self._mask_cache.clear()
+
+    def latent_grid(self, call: int) -> tuple[int, int] | None:
+        """The VAE latent grid ``(H, W)`` of ``call``, or ``None`` when unknown. Flux packs 2 x 2 latent pixels into
+        one token and numbers the tokens' rows and columns in ``img_ids`` (columns 1 and 2)."""
+        if call in self._packed_ids:
+            ids, tokens = self._packed_ids.pop(call)
+            ids = ids.reshape(-1, 3)
+            rows, cols = int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1
+            if rows * cols == tokens:
+                self.latents[call] = (2 * rows, 2 * cols)
+        return self.latents.get(call)
 
     def estimate_bytes(self, args: tuple, kwargs: dict, recorded_steps: int) -> int:
         """Bytes the maps of one call will take: 2 kinds x float32 x (B, Q, K) per recorded step and layer."""
@@ -209,15 +230,21 @@ class MapAccumulator:
         return torch.cat(parts, 1) if parts else None
 
     def tokens_per_image(self, adapter: int, index: int) -> int:
-        """Tokens per reference image of ``adapter`` (the processor's ``num_tokens``; else all keys are one image)."""
+        """Tokens per reference image of ``adapter``: the processor's ``num_tokens`` (UNet), else what the adapter's
+        image projection makes of one image (Flux: ``ImageProjection.num_image_text_embeds``); 0 (all keys are one
+        image) when neither says."""
         num_tokens = getattr(self.layers[index].processor, "num_tokens", None)
         if isinstance(num_tokens, Sequence) and adapter < len(num_tokens):
             return int(num_tokens[adapter])
+        if self._projections is not None and adapter < len(self._projections):
+            per_image = getattr(self._projections[adapter], "num_image_text_embeds", None)
+            if isinstance(per_image, int) and per_image > 0:
+                return per_image
         return 0
 
     def grid(self, call: int, queries: int) -> tuple[int, int]:
         """The ``(h, w)`` query grid of a layer with ``queries`` positions in ``call``."""
-        latent = self.latents.get(call)
+        latent = self.latent_grid(call)
         if latent is not None:
             for factor in (1, 2, 4, 8, 16, 32, 64):
                 h, w = math.ceil(latent[0] / factor), math.ceil(latent[1] / factor)
@@ -227,14 +254,14 @@ class MapAccumulator:
         if side * side == queries:
             return side, side
         raise ValueError(
-            f"cannot place {queries} query positions on a grid for latent {latent}: reference maps need an SD-style "
-            "latent grid (packed latents are placed only when square)"
+            f"cannot place {queries} query positions on a grid for latent {latent}: reference maps need the latent "
+            "grid of the call (an SD-style latent, or Flux's img_ids), or a square number of positions"
         )
 
     def image_size(self, call: int) -> tuple[int, int]:
-        latent = self.latents.get(call)
+        latent = self.latent_grid(call)
         if latent is None:
-            raise ValueError('size="image" needs the latent grid of an SD-style pipeline; pass size=(H, W) instead')
+            raise ValueError('size="image" needs the latent grid of the call; pass size=(H, W) instead')
         factor = int(getattr(self.pipe, "vae_scale_factor", 8))
         return latent[0] * factor, latent[1] * factor
 
@@ -275,7 +302,7 @@ class MapAccumulator:
                 values = per_ref if per_token else per_ref.sum(-1)  # (Q, R, T) or (Q, R)
                 h, w = self.grid(call, queries)
                 if target is None:  # "latent"
-                    target = self.latents.get(call) or (h, w)
+                    target = self.latent_grid(call) or (h, w)
                 spatial = values.reshape(h, w, -1).permute(2, 0, 1)  # (R[*T], h, w)
                 if (h, w) != tuple(target):
                     spatial = F.interpolate(spatial[None], size=tuple(target), mode="bilinear", align_corners=False)[0]

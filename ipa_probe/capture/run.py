@@ -267,7 +267,7 @@ class ProbeRun:
         if self.config.keep_maps:
             self._check_map_budget(args, kwargs, planned)
         if self._maps is not None:
-            self._maps.begin_call(state.call.index, self.tap.sample(args, kwargs))
+            self._maps.begin_call(state.call.index, self.tap.sample(args, kwargs), kwargs)
             recorded = sum(self.config.records_step(s) for s in range(planned))
             self._maps.check_budget(args, kwargs, recorded, self.config.max_map_bytes)
 
