@@ -45,7 +45,7 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .._io import write_image
+    from .._io import atomic_path, write_image
     from ..capture.run import probe
     from ..images import image_row
 
@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     write_image(image_row(loaded.references, result.images), out / "references_and_output.png")
     paths = run_.save(out, extra={"run": loaded.description})
     if args.keep_maps:
-        torch.save({"|".join(map(str, key)): value for key, value in run_.maps.items()}, out / "maps.pt")
+        with atomic_path(out / "maps.pt") as temp:
+            torch.save({"|".join(map(str, key)): value for key, value in run_.maps.items()}, temp)
     if args.maps:
         from ..capture.maps import save_reference_maps
 
