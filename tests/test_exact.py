@@ -93,10 +93,11 @@ def test_per_item_timesteps_equal_one_call_per_item():
 
 def test_chunking_does_not_change_the_prediction():
     support = support_latents(m=40)
-    x = torch.randn(2, 4, 8, 8)
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1))
     one = ExactNWDenoiser(support, DDIMScheduler(**BETAS), chunk_size=1)(x, 300).sample
     all_ = ExactNWDenoiser(support, DDIMScheduler(**BETAS), chunk_size=1000)(x, 300).sample
-    torch.testing.assert_close(one, all_, rtol=1e-4, atol=1e-5)
+    # float32 summed in another order: over 200 random inputs the largest difference was 3e-5 on outputs up to 5.4
+    torch.testing.assert_close(one, all_, rtol=0, atol=1e-4)
 
 
 def test_bad_inputs_name_the_remedy():
