@@ -101,3 +101,21 @@ class Counting(SweepRunner):
     def run_row(self, row):
         self.ran.append(row.row)
         return super().run_row(row)
+
+
+#: a tiny open_clip model config (random weights) for the CLIP-I scores of compare
+TINY_CLIP = {
+    "model_cfg": {
+        "embed_dim": 16,
+        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
+        "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1},
+    },
+    "preprocess_cfg": {"mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]},
+}
+
+
+def write_tiny_clip(folder: Path) -> str:
+    """Write :data:`TINY_CLIP` into ``folder`` (created) and return its open_clip ``local-dir:`` name."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "open_clip_config.json").write_text(json.dumps(TINY_CLIP))
+    return f"local-dir:{folder}"

@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 import torch
 from diffusers import DDIMScheduler
+from helpers import write_tiny_clip
 from PIL import Image
 
 from ipa_probe.cli import main
@@ -25,22 +26,11 @@ from ipa_probe.compare import (
 )
 from ipa_probe.tiny.sd import default_reference_images, tiny_pipeline
 
-TINY_CLIP = {
-    "model_cfg": {
-        "embed_dim": 16,
-        "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
-        "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1},
-    },
-    "preprocess_cfg": {"mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]},
-}
-
 
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory):
     """A tiny open_clip model as a ``local-dir:`` folder (config only: random weights)."""
-    folder = tmp_path_factory.mktemp("tiny_clip")
-    (folder / "open_clip_config.json").write_text(json.dumps(TINY_CLIP))
-    return f"local-dir:{folder}"
+    return write_tiny_clip(tmp_path_factory.mktemp("tiny_clip"))
 
 
 # --------------------------------------------------------------------------- scores
@@ -118,8 +108,7 @@ def test_a_local_checkpoint_is_loaded(tiny_clip, tmp_path):
     images = default_reference_images(2, size=40)
     source = ClipScorer(tiny_clip, seed=5)
     folder = tmp_path / "with_weights"
-    folder.mkdir()
-    (folder / "open_clip_config.json").write_text(json.dumps(TINY_CLIP))
+    write_tiny_clip(folder)
     save_file(
         {k: v.contiguous() for k, v in source.model.state_dict().items()}, folder / "open_clip_model.safetensors"
     )

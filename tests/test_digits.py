@@ -258,23 +258,14 @@ def test_organism_bad_arguments_exit_2_with_one_line(tmp_path, capsys, argv, mes
 
 @pytest.mark.slow
 def test_compare_on_the_organism_scores_the_methods_with_the_digit_classifier(tmp_path):
+    from helpers import write_tiny_clip
 
     from ipa_probe.cli import main
 
-    clip = tmp_path / "clip"
-    clip.mkdir()
-    config = {
-        "model_cfg": {
-            "embed_dim": 16,
-            "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
-            "text_cfg": {"context_length": 8, "vocab_size": 64, "width": 16, "heads": 2, "layers": 1},
-        },
-        "preprocess_cfg": {"mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]},
-    }
-    (clip / "open_clip_config.json").write_text(json.dumps(config))
+    clip = write_tiny_clip(tmp_path / "clip")
     out = tmp_path / "cmp"
     argv = ["compare", "--out", str(out), "--steps", "4", "--seeds", "0", "1", "--digit", "4"]
-    assert main([*argv, "--clip-model", f"local-dir:{clip}"]) == 0
+    assert main([*argv, "--clip-model", clip]) == 0
     record = json.loads((out / "compare.json").read_text())
     assert record["settings"]["digit"] == 4
     for row in record["per_image"]:
