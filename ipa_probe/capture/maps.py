@@ -91,7 +91,7 @@ class MapAccumulator:
         self._masks: list[torch.Tensor | None] = []
         #: the denoiser's per-adapter image projections (``encoder_hid_proj``), read by :meth:`tokens_per_image`
         self._projections: Sequence[torch.nn.Module] | None = None
-        #: call -> (img_ids, tokens) of packed latents, turned into ``latents`` by :meth:`latent_grid`
+        #: call -> (img_ids, tokens, side) of packed latents, turned into ``latents`` by :meth:`latent_grid`
         self._packed_ids: dict[int, tuple[torch.Tensor, int]] = {}
         self._mask_cache: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._images_seen: dict[tuple[int, int], int] = {}
@@ -125,19 +125,23 @@ class MapAccumulator:
         latents keep their ``img_ids``, read only after the run so that nothing synchronises during it)."""
         self.latents[call] = tuple(sample.shape[-2:]) if sample.ndim == 4 else None
         ids = kwargs.get("img_ids")
-        if sample.ndim == 3 and isinstance(ids, torch.Tensor) and ids.shape[-1] == 3:
-            self._packed_ids[call] = (ids, sample.shape[1])
+        channels = getattr(getattr(getattr(self.pipe, "vae", None), "config", None), "latent_channels", None)
+        if sample.ndim == 3 and isinstance(ids, torch.Tensor) and ids.shape[-1] == 3 and channels:
+            side = math.isqrt(sample.shape[-1] // channels)  # a token packs side x side latent pixels
+            if side > 0 and side * side * channels == sample.shape[-1]:
+                self._packed_ids[call] = (ids, sample.shape[1], side)
         self._mask_cache.clear()
 
     def latent_grid(self, call: int) -> tuple[int, int] | None:
-        """The VAE latent grid ``(H, W)`` of ``call``, or ``None`` when unknown. Flux packs 2 x 2 latent pixels into
-        one token and numbers the tokens' rows and columns in ``img_ids`` (columns 1 and 2)."""
+        """The VAE latent grid ``(H, W)`` of ``call``, or ``None`` when unknown. Flux packs side x side latent pixels
+        into one token (side from its channels over the VAE's ``latent_channels``: 2) and numbers the tokens' rows and
+        columns in ``img_ids`` (columns 1 and 2)."""
         if call in self._packed_ids:
-            ids, tokens = self._packed_ids.pop(call)
+            ids, tokens, side = self._packed_ids.pop(call)
             ids = ids.reshape(-1, 3)
             rows, cols = int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1
             if rows * cols == tokens:
-                self.latents[call] = (2 * rows, 2 * cols)
+                self.latents[call] = (side * rows, side * cols)
         return self.latents.get(call)
 
     def estimate_bytes(self, args: tuple, kwargs: dict, recorded_steps: int) -> int:
