@@ -38,7 +38,7 @@ from ..layers import (
     release,
 )
 from ..schema import CELL_FIELDS
-from ..stats import compare_weights, copy_groups, fit_bandwidth
+from ..stats import compare_weights, copy_groups, fit_bandwidth, null_tail_table
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .config import ProbeConfig
 from .maps import MapAccumulator, check_size, map_statistics, plot_reference_maps, select_layers
@@ -92,6 +92,7 @@ class _Cell:
     key_mask: torch.Tensor | None  # kept keys (text padding left out)
     row_mask: torch.Tensor | None  # (groups, H, rows) rows inside an IP-Adapter mask
     copies: torch.Tensor | None  # (groups, H, rows, K) key ids, equal for copies of one token
+    key_term: torch.Tensor | None  # (groups, H, rows, K) |k|^2 / (2 sqrt(d)): NW ranks follow attn - key_term
 
 
 class ProbeRun:
@@ -392,7 +393,7 @@ class ProbeRun:
         # the text branch is plain scaled dot-product attention in every processor
         attn = dot_logits(q, k, 1.0 / math.sqrt(head_dim)) if text else image_branch_logits(processor, q, k)
         groups = labels.shape[0]
-        cell = self._cell(groups, q, k, attn, text, rows)
+        cell = self._cell(groups, q, k, attn, text, rows, processor)
         values = self._cell_values(cell, groups, q, k, other, attn, text, processor)  # (groups, H, fields)
         self._accumulate(index, slot, labels, values)
         if self.config.keep_maps:
@@ -403,7 +404,14 @@ class ProbeRun:
             self._maps.add(state.call.index, state.step, index, slot, labels, cell.attn, cell.nw)
 
     def _cell(
-        self, groups: int, q: torch.Tensor, k: torch.Tensor, attn: torch.Tensor, text: bool, rows: torch.Tensor | None
+        self,
+        groups: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        attn: torch.Tensor,
+        text: bool,
+        rows: torch.Tensor | None,
+        processor: torch.nn.Module,
     ) -> _Cell:
         """A record's logits, masks and copy ids by group: ``(B, H, R, C)`` -> ``(groups, H, frames * R, C)``."""
         batch, n_heads, n_queries, n_keys = attn.shape
@@ -420,6 +428,11 @@ class ProbeRun:
         if rows is not None:
             row_mask = by_group(rows[:, None, :, None].expand(batch, n_heads, n_queries, 1)).squeeze(-1)
         copies = by_group(copy_groups(k).unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
+        key_term = None
+        if text or getattr(processor, "image_branch_logits", None) is None:
+            # dot-product logits q·k / sqrt(d): the NW ranks follow q·k - |k|^2 / 2, i.e. attn - |k|^2 / (2 sqrt(d))
+            half_sq = (k * k).sum(-1) / (2 * math.sqrt(k.shape[-1]))  # (B, H, K)
+            key_term = by_group(half_sq.unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
         h = self._bandwidth(q.shape[-1], q.device)
         if self.config.bandwidth == "fit":
             k_sq = (k * k).sum(-1)  # (B, H, K)
@@ -428,9 +441,10 @@ class ProbeRun:
             if key_mask is not None:
                 attn_c, energy = attn_c.masked_fill(~key_mask, -math.inf), energy.masked_fill(~key_mask, -math.inf)
             h_cell = fit_bandwidth(attn_c, energy, matched_bandwidth(q.shape[-1]))  # (groups, H)
-            return _Cell(attn_c, energy / (h_cell * h_cell)[..., None, None], h_cell, key_mask, row_mask, copies)
+            nw = energy / (h_cell * h_cell)[..., None, None]
+            return _Cell(attn_c, nw, h_cell, key_mask, row_mask, copies, key_term)
         h_cell = h.expand(groups, n_heads)
-        return _Cell(by_group(attn), by_group(nw_logits(q, k, h)), h_cell, key_mask, row_mask, copies)
+        return _Cell(by_group(attn), by_group(nw_logits(q, k, h)), h_cell, key_mask, row_mask, copies, key_term)
 
     def _cell_values(
         self,
@@ -446,7 +460,13 @@ class ProbeRun:
         """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of one record, ``(groups, H, fields)``."""
         if self._generator is None or self._generator.device != q.device:
             self._generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
-        stats = compare_weights(cell.attn, cell.nw, self._generator, cell.key_mask, cell.row_mask, cell.copies)
+        tails = None
+        if cell.key_mask is not None:
+            n_keys, device = cell.attn.shape[-1], q.device
+            tails = self._constant(f"tails{n_keys}", device, lambda: null_tail_table(n_keys, device))
+        stats = compare_weights(
+            cell.attn, cell.nw, self._generator, cell.key_mask, cell.row_mask, cell.copies, cell.key_term, tails
+        )
         batch, n_heads, n_keys = k.shape[0], k.shape[1], k.shape[2]
 
         def by_group(x: torch.Tensor) -> torch.Tensor:  # (B, H, R) -> (groups, H, items * R)
