@@ -41,7 +41,7 @@ from ..schema import CELL_FIELDS
 from ..stats import compare_weights, copy_groups, fit_bandwidth, null_tail_table
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .config import ProbeConfig
-from .maps import MapAccumulator, check_size, map_statistics, plot_reference_maps, select_layers
+from .maps import MapAccumulator, check_size, map_statistics, plot_reference_maps, reference_mass, select_layers
 from .report import plot_run, run_table, save_run, summarize
 from .taps import Capture, Tap, tap_for
 
@@ -628,6 +628,11 @@ class ProbeRun:
         """Per (call, step, layer, adapter, branch, item): how often attention and NW pick the same dominant
         reference, and their mean total-variation distance (columns in :data:`~.maps.MAP_TABLE_COLUMNS`)."""
         return map_statistics(self._map_source(), self._finished()["calls"], [layer.name for layer in self.layers])
+
+    def reference_mass(self):
+        """Per (call, step, layer, adapter, branch) and reference image: its mean share of the attention and of the NW
+        weights over query positions and batch items (columns in :data:`~.maps.REFERENCE_MASS_COLUMNS`)."""
+        return reference_mass(self._map_source(), self._finished()["calls"], [layer.name for layer in self.layers])
 
     def plot_reference_maps(self, call: int = 0, item: int = 0, adapter: int = 0, **kwargs):
         """Figure of :meth:`reference_maps` at early / middle / late steps, attention beside NW (see
