@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ._checks import DEFAULT_GAUGE_FACTORS, parse_factors
 from .layers import IPLayer, LayerSelection, claim, find_ip_layers, list_hooks, release
 
 __all__ = ["DEFAULT_FACTORS", "GAUGE_TABLE_COLUMNS", "gauge_sweep", "plot_gauge_sweep", "qk_gauge"]
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 _FEATURE = "gauge"
 
 #: The factors :func:`gauge_sweep` and ``ipa-probe probe --gauge-sweep`` use by default (powers of two: exact).
-DEFAULT_FACTORS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
+DEFAULT_FACTORS: tuple[float, ...] = DEFAULT_GAUGE_FACTORS
 
 #: The leading columns of :func:`gauge_sweep`'s table; the rest are the probe summary's columns
 #: (:func:`ipa_probe.capture.report.summarize`) and ``ref_mass_<adapter>_<reference>``.
@@ -228,17 +229,15 @@ def gauge_sweep(
     if not callable(call):
         raise TypeError(f"call: expected a function of no arguments that runs the pipeline once, got {call!r}")
     if isinstance(factors, str | bytes) or not isinstance(factors, Iterable):
-        raise TypeError(f"factors: expected a sequence of numbers > 0, got {factors!r}")
-    factors = [_check_factor(f) for f in factors]
-    if not factors:
-        raise ValueError("factors: expected at least one factor, e.g. (0.5, 1, 2)")
+        raise TypeError(f"factors: expected a sequence of numbers > 0, e.g. (0.5, 1, 2), got {factors!r}")
+    factors = parse_factors(list(factors))
     if not (isinstance(tolerance, int | float) and math.isfinite(tolerance) and tolerance >= 0):
         raise ValueError(f"tolerance: expected a finite number >= 0, got {tolerance!r}")
     if "maps" in probe_options or "keep_maps" in probe_options:
         raise ValueError("gauge_sweep keeps the reference maps itself; drop maps= / keep_maps= from its options")
     for layer in find_ip_layers(pipe, layers):
         _gauge_modules(layer)  # refuse before anything runs
-    order = [1.0, *(f for f in dict.fromkeys(factors) if f != 1.0)]
+    order = [1.0, *(f for f in factors if f != 1.0)]
     tables, reference = {}, None
     for factor in order:
         with qk_gauge(pipe, factor, layers), probe(pipe, layers=layers, maps=True, **probe_options) as run:
@@ -263,7 +262,7 @@ def gauge_sweep(
         summary.insert(0, "factor", factor)
         summary.insert(1, "output_max_abs_diff", diff)
         tables[factor] = summary
-    table = pd.concat([tables[f] for f in dict.fromkeys(factors)], ignore_index=True)
+    table = pd.concat([tables[f] for f in factors], ignore_index=True)
     return table
 
 
