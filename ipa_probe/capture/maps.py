@@ -391,6 +391,19 @@ def _reference_shares(
     return refs, covered, keys // tokens
 
 
+def _chunks(accumulator: MapAccumulator, calls: list[dict[str, Any]], names: list[str]):
+    """Every recorded (call, step, layer, adapter, branch) with its :func:`_reference_shares`: yields
+    ``((call, step, timestep, layer name, adapter, branch), shares, covered, references)``."""
+    by_index = {call["index"]: call for call in calls}
+    for key in sorted(accumulator.store):
+        call, step, index, adapter = key
+        info = by_index[call]
+        timestep = float(info["timesteps"][step]) if step < len(info["timesteps"]) else math.nan
+        for label in sorted({label for labels, _ in accumulator.store[key] for label in labels.tolist()}):
+            refs, covered, count = _reference_shares(accumulator, key, label)
+            yield (call, step, timestep, names[index], adapter, info["branches"][label]), refs, covered, count
+
+
 def reference_mass(accumulator: MapAccumulator, calls: list[dict[str, Any]], names: list[str]) -> pd.DataFrame:
     """The share of each reference image in the image branch's weight, per (call, step, layer, adapter, branch).
 
@@ -403,21 +416,12 @@ def reference_mass(accumulator: MapAccumulator, calls: list[dict[str, Any]], nam
         a DataFrame with :data:`REFERENCE_MASS_COLUMNS`, one row per reference.
     """
     rows = []
-    by_index = {call["index"]: call for call in calls}
-    for key in sorted(accumulator.store):
-        call, step, index, adapter = key
-        info = by_index[call]
-        timestep = float(info["timesteps"][step]) if step < len(info["timesteps"]) else math.nan
-        for label in sorted({label for labels, _ in accumulator.store[key] for label in labels.tolist()}):
-            refs, covered, count = _reference_shares(accumulator, key, label)
-            positions = covered.sum(-1)  # (I,)
-            per_item = (refs * covered[..., None]).sum(-2) / positions.clamp(min=1)[:, None]  # (2, I, R)
-            mean = per_item[:, positions > 0].mean(1)  # (2, R)
-            for reference in range(count):
-                rows.append(
-                    (call, step, timestep, names[index], adapter, info["branches"][label], reference)
-                    + (float(mean[0, reference]), float(mean[1, reference]))
-                )
+    for where, refs, covered, count in _chunks(accumulator, calls, names):
+        positions = covered.sum(-1)  # (I,)
+        per_item = (refs * covered[..., None]).sum(-2) / positions.clamp(min=1)[:, None]  # (2, I, R)
+        mean = per_item[:, positions > 0].mean(1)  # (2, R)
+        for reference in range(count):
+            rows.append((*where, reference, float(mean[0, reference]), float(mean[1, reference])))
     table = pd.DataFrame(rows, columns=list(REFERENCE_MASS_COLUMNS))
     table["layer"] = pd.Categorical(table["layer"], categories=names)
     return table
@@ -435,26 +439,16 @@ def map_statistics(accumulator: MapAccumulator, calls: list[dict[str, Any]], nam
         a DataFrame with :data:`MAP_TABLE_COLUMNS`.
     """
     rows = []
-    by_index = {call["index"]: call for call in calls}
-    for key in sorted(accumulator.store):
-        call, step, index, adapter = key
-        info = by_index[call]
-        timestep = float(info["timesteps"][step]) if step < len(info["timesteps"]) else math.nan
-        for label in sorted({label for labels, _ in accumulator.store[key] for label in labels.tolist()}):
-            refs, covered, count = _reference_shares(accumulator, key, label)
-            items = refs.shape[1]
-            agree = (refs[0].argmax(-1) == refs[1].argmax(-1)) & covered
-            tv = 0.5 * (refs[0] - refs[1]).abs().sum(-1) * covered
-            positions = covered.sum(-1)  # (I,)
-            agree_frac = agree.sum(-1) / positions.clamp(min=1)
-            tv_mean = tv.sum(-1) / positions.clamp(min=1)
-            for item in range(items):
-                if positions[item] == 0:
-                    continue
-                rows.append(
-                    (call, step, timestep, names[index], adapter, info["branches"][label], item, count)
-                    + (int(positions[item]), float(agree_frac[item]), float(tv_mean[item]))
-                )
+    for where, refs, covered, count in _chunks(accumulator, calls, names):
+        agree = (refs[0].argmax(-1) == refs[1].argmax(-1)) & covered
+        tv = 0.5 * (refs[0] - refs[1]).abs().sum(-1) * covered
+        positions = covered.sum(-1)  # (I,)
+        agree_frac = agree.sum(-1) / positions.clamp(min=1)
+        tv_mean = tv.sum(-1) / positions.clamp(min=1)
+        for item in range(refs.shape[1]):
+            if positions[item] == 0:
+                continue
+            rows.append((*where, item, count, int(positions[item]), float(agree_frac[item]), float(tv_mean[item])))
     table = pd.DataFrame(rows, columns=list(MAP_TABLE_COLUMNS))
     table["layer"] = pd.Categorical(table["layer"], categories=names)
     return table
