@@ -238,6 +238,9 @@ def test_bandwidth_options(sd15, refs):
     for name in ("float", "callable", "fit"):
         np.testing.assert_allclose(tables[name]["spearman"], tables["matched"]["spearman"], atol=1e-6)
         np.testing.assert_allclose(tables[name]["top1"], tables["matched"]["top1"], atol=1e-6)
+        # the logit ratio is taken in the vectors' own units, so h does not enter it either (float32 sums: 1e-5)
+        for column in ("logit_ratio", "rho_baseline", "rho_excess"):
+            np.testing.assert_allclose(tables[name][column], tables["matched"][column], rtol=1e-5, atol=1e-6)
     assert (tables["fit"]["kl"] <= tables["matched"]["kl"] + 1e-6).all()
     assert tables["fit"]["bandwidth"].nunique() > 1
 

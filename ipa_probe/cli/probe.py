@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     line += f"{paths['summary'].name}, "
     line += f"{paths['plot'].name}"
     if last is not None:
-        line += f"; last step (t={last['timestep']:g}): spearman {last['spearman']:.3f}, pearson {last['pearson']:.3f}"
+        line += f"; last step (t={last['timestep']:g}): spearman {last['spearman']:.3f} (baseline from r and K "
+        line += f"{last['rho_baseline']:.3f}, docs/gauge.md), pearson {last['pearson']:.3f}"
     print(line + verdict)
     return 0
 
