@@ -185,8 +185,13 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def _null_rho(keys: int) -> np.ndarray:
-    """rho of every permutation of ``keys`` distinct ranks against the identity (the null under independence)."""
-    perms = np.array(list(itertools.permutations(range(keys))))
+    """rho of every permutation of ``keys`` distinct ranks against the identity (the null under independence); above
+    8 keys of 2**18 random permutations (numpy, seeded): P(rho > 0.9) is then below 7e-4 with a standard error below
+    5e-5, inside the comparison's 2e-4."""
+    if keys <= 8:
+        perms = np.array(list(itertools.permutations(range(keys))))
+    else:
+        perms = np.random.default_rng(keys).permuted(np.tile(np.arange(keys), (2**18, 1)), axis=1)
     return 1 - 6 * ((perms - np.arange(keys)) ** 2).sum(1) / (keys**3 - keys)
 
 
