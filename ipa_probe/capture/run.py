@@ -41,7 +41,8 @@ from ..schema import CELL_FIELDS
 from ..stats import compare_weights, copy_groups, fit_bandwidth
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .config import ProbeConfig
-from .maps import MapAccumulator, check_size, map_statistics, plot_reference_maps, select_layers
+from .mapplots import plot_reference_maps
+from .maps import MapAccumulator, check_size, map_statistics, select_layers
 from .report import plot_run, run_table, save_run, summarize
 from .taps import Capture, Tap, tap_for
 
@@ -611,7 +612,7 @@ class ProbeRun:
 
     def plot_reference_maps(self, call: int = 0, item: int = 0, adapter: int = 0, **kwargs):
         """Figure of :meth:`reference_maps` at early / middle / late steps, attention beside NW (see
-        :func:`~.maps.plot_reference_maps` for ``image``, ``references``, ``branch``, ``layers``, ``ranges``)."""
+        :func:`~.mapplots.plot_reference_maps` for ``image``, ``references``, ``branch``, ``layers``, ``ranges``)."""
         return plot_reference_maps(self, call, item, adapter, **kwargs)
 
     def save(self, directory, extra: dict | None = None):

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         with atomic_path(out / "maps.pt") as temp:
             torch.save({"|".join(map(str, key)): value for key, value in run_.maps.items()}, temp)
     if args.maps:
-        from ..capture.maps import save_reference_maps
+        from ..capture.mapplots import save_reference_maps
 
         save_reference_maps(run_, out, result.images[0], [loaded.references])
     verdict = _digit_verdict(result.images, args.digit, out) if organism and not args.image else ""
