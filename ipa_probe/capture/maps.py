@@ -246,19 +246,7 @@ class MapAccumulator:
 
     def grid(self, call: int, queries: int) -> tuple[int, int]:
         """The ``(h, w)`` query grid of a layer with ``queries`` positions in ``call``."""
-        latent = self.latent_grid(call)
-        if latent is not None:
-            for factor in (1, 2, 4, 8, 16, 32, 64):
-                h, w = math.ceil(latent[0] / factor), math.ceil(latent[1] / factor)
-                if h * w == queries:
-                    return h, w
-        side = math.isqrt(queries)
-        if side * side == queries:
-            return side, side
-        raise ValueError(
-            f"cannot place {queries} query positions on a grid for latent {latent}: reference maps need the latent "
-            "grid of the call (an SD-style latent, or Flux's img_ids), or a square number of positions"
-        )
+        return query_grid(self.latent_grid(call), queries)
 
     def image_size(self, call: int) -> tuple[int, int]:
         latent = self.latent_grid(call)
@@ -322,6 +310,23 @@ class MapAccumulator:
             refs = per_ref.shape[1]
             out = out.reshape(refs, tokens_r // refs, *out.shape[-2:])
         return out
+
+
+def query_grid(latent: tuple[int, int] | None, queries: int) -> tuple[int, int]:
+    """The ``(h, w)`` grid of a layer with ``queries`` positions over a ``latent`` grid ``(H, W)``: the latent
+    downsampled by 1, 2, 4, ... 64 (rounding up, as strided convolutions do); a square when the latent is unknown."""
+    if latent is not None:
+        for factor in (1, 2, 4, 8, 16, 32, 64):
+            h, w = math.ceil(latent[0] / factor), math.ceil(latent[1] / factor)
+            if h * w == queries:
+                return h, w
+    side = math.isqrt(queries)
+    if side * side == queries:
+        return side, side
+    raise ValueError(
+        f"cannot place {queries} query positions on a grid for latent {latent}: reference maps need the latent "
+        "grid of the call (an SD-style latent, or Flux's img_ids), or a square number of positions"
+    )
 
 
 def select_layers(names: list[str], layers: LayerSelection) -> list[int]:
