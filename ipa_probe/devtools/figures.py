@@ -127,6 +127,8 @@ def record_figures(root: Path) -> list[Figure]:
         if folder.name in EXPERIMENT_MODULES:
             tier = data.get("tier", {}).get("name", "TIER")
             command = f"ipa-probe experiments {folder.name} --tier {tier} --out {folder.parent.relative_to(root)}"
+            if tier not in ("quick", "smoke", "full", "paper"):  # a tier made in Python (docs/results/README.md)
+                command = f"the Python in docs/results/README.md (tier {tier})"
             for name in data.get("figures", []):
                 what = f"{folder.name} experiment, {folder.parent.name} results"
                 path = (folder / name).relative_to(root).as_posix()
