@@ -426,8 +426,10 @@ def test_every_docs_figure_is_listed_and_has_a_command():
     on_disk = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("**/*.png")}
     missing = on_disk - listed
     assert not missing, f"PNGs under docs/ that `make figures` does not make: {sorted(missing)}; add them to FIGURES"
-    readme = set(re.findall(r"\]\(((?:docs/)[^)]+\.png)\)", (ROOT / "README.md").read_text()))
-    assert readme <= listed, f"README images that `make figures` does not make: {sorted(readme - listed)}"
+    shown = set(re.findall(r"\]\(((?:docs/)[^)]+\.png)\)", (ROOT / "README.md").read_text()))
+    for page in (ROOT / "docs").glob("*.md"):
+        shown |= {f"docs/{link}" for link in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", page.read_text())}
+    assert shown <= listed, f"images shown in README/docs that `make figures` does not make: {sorted(shown - listed)}"
     page = (ROOT / "docs" / "figures.md").read_text()
     assert [f for f in listed if f.removeprefix("docs/") not in page and f not in page] == []
 
