@@ -398,7 +398,7 @@ def overlay_map(
     if reference is None:
         values = _text_token_map(run, token, call, item, branch, layers, steps, size)
         keys = next(v[0].shape[-1] for k, v in run.maps.items() if k[3] == run.text_slot)
-        return values, 1.0 / keys, f"text token {token} ({kind}, {branch})"
+        return values, 1.0 / keys, f"text token {token} (attention, {branch})"
     _check_choice("kind", kind, MAP_KINDS)
     if token is None:
         maps = run.reference_maps(call, item, adapter, kind, branch, layers, steps, size)  # (R, H, W)
