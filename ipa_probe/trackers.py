@@ -14,7 +14,9 @@ What is logged (tags for a probe; ``prefix`` defaults to ``"probe"``):
 - figures as images: ``{prefix}/rho_by_timestep`` (and ``{prefix}/reference_maps`` with ``maps=True``);
 - the settings as hyper-parameters (nested keys joined with ``/``; lists and ``None`` as text).
 
-TensorBoard ships with ``ipa_probe``; ``pip install 'ipa_probe[wandb]'`` or ``'ipa_probe[mlflow]'`` adds the others.
+TensorBoard ships with ``ipa_probe`` (the tested one); ``pip install 'ipa_probe[wandb]'`` or ``'ipa_probe[mlflow]'``
+adds the others. wandb refuses a step lower than its last one, so there each scalar row carries its step as the value
+``step`` (chart against it) and wandb's own step just counts the rows.
 """
 
 from __future__ import annotations
@@ -90,8 +92,10 @@ class Tracker:
         self.name = check_tracker(name)
         self.logging_dir = Path(logging_dir)
         self.run_name = run_name
+        from accelerate import PartialState
         from accelerate.tracking import MLflowTracker, TensorBoardTracker, WandBTracker
 
+        PartialState()  # accelerate's trackers log through its logger, which needs the state (one process: cheap)
         if name == "tensorboard":
             self.logging_dir.mkdir(parents=True, exist_ok=True)
             self.tracker = TensorBoardTracker(run_name, self.logging_dir)
@@ -114,7 +118,11 @@ class Tracker:
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         """Numbers at one step (non-finite ones are left out: the trackers reject or mis-draw NaN)."""
         finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(float(v))}
-        if finite:
+        if not finite:
+            return
+        if self.name == "wandb":  # wandb drops a step lower than its last: give the step as a value (the x axis)
+            self.tracker.log({**finite, "step": step})
+        else:
             self.tracker.log(finite, step=step)
 
     def text(self, values: Mapping[str, str], step: int = 0) -> None:
@@ -125,7 +133,7 @@ class Tracker:
             for key, value in values.items():
                 mlflow.log_text(value, f"{key}.md")
         else:
-            self.tracker.log(dict(values), step=step)
+            self.tracker.log(dict(values), step=None if self.name == "wandb" else step)
 
     def figures(self, figures: Mapping[str, Any], step: int = 0) -> None:
         """Matplotlib figures (closed afterwards) or ``(H, W, 3)`` uint8 arrays, as images."""
@@ -135,7 +143,7 @@ class Tracker:
         if self.name == "tensorboard":
             self.tracker.log_images({k: a[None] for k, a in arrays.items()}, step=step, dataformats="NHWC")
         elif self.name == "wandb":
-            self.tracker.log_images({k: [a] for k, a in arrays.items()}, step=step)
+            self.tracker.log_images({k: [a] for k, a in arrays.items()})
         else:
             import mlflow
 

@@ -508,6 +508,7 @@ def save_overlays(
     directory,
     *,
     per_layer_step: bool = False,
+    steps: Sequence[int] | None = None,
     kind: str = "attention",
     call: int = 0,
     item: int = 0,
@@ -526,6 +527,7 @@ def save_overlays(
         image: the generated image of ``item``.
         directory: the folder (created).
         per_layer_step: also write the per (layer group, step) overlays.
+        steps: the recorded steps of those (``None``: every one).
         kind, call, item, branch, scale, alpha: as in :func:`plot_overlay`.
 
     Returns:
@@ -564,7 +566,10 @@ def save_overlays(
                 )  # fmt: skip
                 for group, names in groups.items()
                 for step in run.map_steps(call)
+                if steps is None or step in steps
             }
+            if not cells:
+                raise ValueError(f"steps={steps!r}: none recorded with maps (recorded: {run.map_steps(call)})")
             uniform = next(iter(cells.values()))[1]
             # one colour range for every overlay of this reference, so that they can be flipped through
             spread = [np.abs(v - uniform) if scale == "deviation" else v for v, _, _ in cells.values()]

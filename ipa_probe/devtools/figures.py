@@ -196,12 +196,13 @@ def make(root: Path, only: list[str] | None = None, log=print) -> list[Path]:
     return written
 
 
-def check(root: Path, rerun: bool = False) -> dict[str, list[str]]:
+def check(root: Path, rerun: bool = False, only: list[str] | None = None) -> dict[str, list[str]]:
     """Per figure, what is wrong with it (an empty list when it is current).
 
     A figure is current when it exists, carries provenance, its code digest is the current code's, and: for a
     record figure, its inputs digest is that of its ``record.json`` (which must name the versions it ran with); for
     a command figure with ``rerun``, its data match what the command makes today within the stored tolerance.
+    ``only``: check just the figures whose path contains one of these.
     """
     import numpy as np
 
@@ -213,6 +214,8 @@ def check(root: Path, rerun: bool = False) -> dict[str, list[str]]:
     temps = []
     try:
         for figure in all_figures(root):
+            if only and not any(o in figure.path for o in only):
+                continue
             issues = problems.setdefault(figure.path, [])
             path = root / figure.path
             if not path.exists():
