@@ -168,7 +168,7 @@ def plot_aggregate(agg: pd.DataFrame, ax=None, branch: str = "cond", confidence:
     if not part.empty:
         part = part.sort_values("timestep", ascending=False)
         x = part["timestep"].to_numpy(np.float64)
-        frac = next((c for c in part.columns if c.startswith("frac_rho_gt_")), None)
+        frac = next((c for c in part.columns if c.startswith("frac_rho_gt_") and not c.endswith("_null")), None)
         ax.plot(x, part["spearman"], marker="o", label="Spearman ρ (mean over rows)")
         ax.fill_between(
             x,
@@ -185,9 +185,14 @@ def plot_aggregate(agg: pd.DataFrame, ax=None, branch: str = "cond", confidence:
         ax.plot(x, part["spearman_null"], color="grey", linestyle=":", label="permutation null")
         rows = int(part["rows"].max())
         ax.set_title(f"IP-Adapter attention vs Gaussian NW, {rows} row(s) ({branch} branch)")
+        columns = ["spearman", "spearman_ci_low", "spearman_ci_high", "pearson", "spearman_null"]
+        columns += [frac] if frac else []
+        columns += ["rho_baseline"] if "rho_baseline" in part else []
+        drawn = part[columns].to_numpy(np.float64).ravel()
     else:
         ax.set_title("IP-Adapter attention vs Gaussian NW (no rows)")
-    style_timestep_axes(ax)
-    ax.legend(fontsize=8, loc="lower left")
+        drawn = None
+    style_timestep_axes(ax, drawn)
+    ax.legend(fontsize=8, loc="best", framealpha=0.85)
     fig.tight_layout()
     return fig
