@@ -295,8 +295,9 @@ def plot_gauge_sweep(table: pd.DataFrame, branch: str = "cond", kind: str = "ima
     axes[1].set_ylim(-0.55, 0.55)
     axes[2].set_xlabel("timestep (denoising →)")
     axes[2].invert_xaxis()
-    axes[2].set(ylabel="attention n_eff", title="gauge-invariant: attention n_eff (lines overlap)")
+    axes[2].set(ylabel="attention n_eff", title="invariant: attention n_eff (lines overlap)")
     for ax in axes:
         ax.legend(fontsize=7, loc="best")
+        ax.title.set_fontsize(10)
     fig.tight_layout()
     return fig
