@@ -31,7 +31,7 @@ from ipa_probe.sweep import (
     read_manifest,
     run_sweep,
 )
-from ipa_probe.sweep.aggregate import row_summary
+from ipa_probe.sweep.aggregation import row_summary
 from ipa_probe.tiny.sd import default_reference_images, tiny_pipeline
 
 STEPS = 2

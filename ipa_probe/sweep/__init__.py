@@ -18,7 +18,7 @@ timestep, with a bootstrap confidence interval over rows for the mean per-row Sp
 statistic of a sweep is a mean over images, layers and heads at each timestep).
 """
 
-from .aggregate import aggregate, bootstrap_ci, plot_aggregate, row_summary
+from .aggregation import aggregate, bootstrap_ci, plot_aggregate, row_summary
 from .manifest import (
     MANIFEST_KEYS,
     Manifest,

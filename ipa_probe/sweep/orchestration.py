@@ -26,7 +26,7 @@ from .._io import (
     write_table,
 )
 from ..schema import frac_column
-from .aggregate import aggregate, plot_aggregate, row_summary
+from .aggregation import aggregate, plot_aggregate, row_summary
 from .manifest import Manifest, ManifestRow, RowInputError, SkippedRow
 from .runner import SweepRunner
 from .storage import DamagedPart, SweepLayout, _part_metadata, read_part, write_part
