@@ -128,7 +128,7 @@ import os, signal, sys, torch
 torch.set_num_threads(1)
 from ipa_probe.experiments.model import ModelConfig
 from ipa_probe.experiments.tasks import make_meta
-from ipa_probe.experiments.train import TrainConfig, train
+from ipa_probe.experiments.training import TrainConfig, train
 
 def kill(step, loss):
     if step == 5:
@@ -143,7 +143,7 @@ train(ModelConfig(2, 16, 2, 1), cfg, make_meta("mixed2d", 2), run_dir=sys.argv[1
 def test_a_killed_training_run_resumes_to_the_same_weights(tmp_path, one_thread):
     from ipa_probe.experiments.model import ModelConfig
     from ipa_probe.experiments.tasks import make_meta
-    from ipa_probe.experiments.train import TrainConfig, train
+    from ipa_probe.experiments.training import TrainConfig, train
 
     proc = subprocess.run(
         [sys.executable, "-c", KILLED_TRAINING, str(tmp_path / "b")], capture_output=True, timeout=300

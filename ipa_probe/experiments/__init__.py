@@ -2,7 +2,7 @@
 
 ``ipa-probe experiments NAME --tier quick|smoke|full`` runs them from the command line; :func:`run_experiments`
 from Python. Modules: :mod:`.tasks` (meta-distributions), :mod:`.model` (the learned in-context model),
-:mod:`.train`, :mod:`.evaluate`, one module per experiment, :mod:`.tiers`, :mod:`.report`, :mod:`.runner`.
+:mod:`.training`, :mod:`.evaluate`, one module per experiment, :mod:`.tiers`, :mod:`.report`, :mod:`.runner`.
 """
 
 from .evaluate import MMDResult, held_out_tasks, learned_velocity, nw_neff, plugin_velocity
@@ -21,7 +21,7 @@ from .tasks import (
     make_meta,
 )
 from .tiers import TIERS, Tier, get_tier
-from .train import TrainConfig, TrainResult, build_model, load_model, train
+from .training import TrainConfig, TrainResult, build_model, load_model, train
 
 __all__ = [
     "EXPERIMENTS",

@@ -25,7 +25,7 @@ from .model import ICFMVelocityNet, ModelConfig
 from .report import ExperimentResult, markdown_table, write_result
 from .tasks import MetaDistribution, TaskBatch, make_meta
 from .tiers import Tier
-from .train import TrainConfig, load_model, train
+from .training import TrainConfig, load_model, train
 
 __all__ = ["EXPERIMENTS", "ExperimentContext", "run_experiments"]
 
