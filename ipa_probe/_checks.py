@@ -12,7 +12,9 @@ from typing import Any
 __all__ = [
     "BANDWIDTH_RANGE",
     "MAX_SEED",
+    "PIPELINE_DEVICES",
     "check_device",
+    "check_device_name",
     "check_steps",
     "parse_bandwidth",
     "parse_float",
@@ -21,6 +23,9 @@ __all__ = [
 
 #: Largest seed: seeds are stored in int64 columns and seed ``torch.Generator``.
 MAX_SEED = 2**63 - 1
+
+#: Torch device types that can run a pipeline (``meta`` and the like hold no data).
+PIPELINE_DEVICES = ("cpu", "cuda", "mps", "xpu")
 
 #: Numeric NW bandwidths accepted: outside, float32 NW logits ``-|q - k|^2 / (2 h^2)`` overflow or all vanish.
 BANDWIDTH_RANGE = (1e-6, 1e6)
@@ -99,21 +104,30 @@ def check_steps(scheduler, steps: int) -> None:
         )
 
 
+def check_device_name(name: str) -> None:
+    """Raise unless ``name`` has the form of a device that can run a pipeline (``cpu``, ``cuda``, ``cuda:1``, ...).
+
+    Imports no torch: whether the device is present is :func:`check_device`'s question.
+    """
+    kind, colon, index = name.partition(":")
+    if kind not in PIPELINE_DEVICES or (colon and not index.isdigit()):
+        raise ValueError(
+            f"device {name!r} cannot run a pipeline (not a torch device that holds weights); use "
+            f"{', '.join(PIPELINE_DEVICES)}, e.g. cuda:1"
+        )
+
+
 def check_device(name: str) -> None:
     """Raise unless ``name`` is a torch device that is present and can hold data (``meta`` cannot)."""
     import torch
 
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise ValueError(f"device {name!r} is not a torch device ({err}); use e.g. cpu or cuda") from None
+    check_device_name(name)
+    device = torch.device(name)
     present = {
         "cpu": lambda: True,
         "cuda": lambda: torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count(),
         "mps": lambda: torch.backends.mps.is_available(),
         "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available(),
     }
-    if device.type not in present:
-        raise ValueError(f"device {name!r} cannot run a pipeline; use cpu, cuda, mps or xpu")
     if not present[device.type]():
         raise ValueError(f"device {name!r} is not present on this machine; use --device cpu")

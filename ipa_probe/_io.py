@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import platform
+import re
 import socket
 import subprocess
 import time
@@ -30,6 +31,7 @@ __all__ = [
     "atomic_path",
     "check_launch_holds",
     "jsonable",
+    "os_error_of",
     "output_lock",
     "versions",
     "write_atomic",
@@ -106,8 +108,40 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with open(temp, "rb+") as handle:  # flushed to disk before the rename makes it visible
             os.fsync(handle.fileno())
         os.replace(temp, path)
+    except Exception as err:
+        fault = os_error_of(err)
+        if fault is None:
+            raise
+        raise OSError(fault.errno, fault.strerror, str(path)) from err  # names the file, not its temp copy
     finally:
+        _remove_quietly(temp)
+
+
+def _remove_quietly(temp: Path) -> None:
+    """Remove a temp file; a failure (a read-only folder) is logged, never raised over the error being handled."""
+    try:
         temp.unlink(missing_ok=True)
+    except OSError as err:
+        logger.warning("could not remove the temp file %s (%s)", temp, err.strerror or err)
+
+
+#: how Rust writers (safetensors) name an OS error in their messages
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error_of(err: BaseException) -> OSError | None:
+    """The operating-system fault behind ``err`` as an ``OSError`` with its errno, or ``None`` when it is not one.
+
+    Writers report the same fault differently: Python and PIL raise ``OSError`` with an errno, pyarrow an ``OSError``
+    with an errno but no file name, safetensors its own error with ``(os error 28)`` in the message.
+    """
+    if isinstance(err, OSError) and err.errno is not None:
+        return OSError(err.errno, os.strerror(err.errno), err.filename)
+    match = _RUST_OS_ERROR.search(str(err))
+    if match:
+        number = int(match.group(1))
+        return OSError(number, os.strerror(number))
+    return None
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:

@@ -10,6 +10,7 @@ from ._common import (
     DIGITS_DEFAULTS,
     add_model_arguments,
     bandwidth_type,
+    check_model_arguments,
     check_output_dir,
     images_type,
     load_pipeline,
@@ -39,7 +40,13 @@ def add_parser(subparsers) -> None:
         "and not one lucky or unlucky draw; else 1)",
     )
     parser.add_argument("--out", default="outputs/probe", help="output folder (default: outputs/probe)")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, check=check)
+
+
+def check(args: argparse.Namespace) -> None:
+    """Before torch loads: the model arguments, the reference images and ``--out``."""
+    check_output_dir(args.out)
+    check_model_arguments(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
     from ..capture.run import probe
     from ..images import image_row
 
-    check_output_dir(args.out)
     loaded = load_pipeline(args)
     generator = torch.Generator(device=loaded.pipe.device).manual_seed(args.seed)
     organism = args.model is None and args.kind == "digits"

@@ -8,7 +8,7 @@ import os
 from datetime import timedelta
 
 from . import EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, CLIError
-from ._common import add_model_arguments, bandwidth_type, check_output_dir, check_size, load_pipeline
+from ._common import add_model_arguments, bandwidth_type, check_model_arguments, check_output_dir, load_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,6 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="replace rows in --out made with other settings (moved to set_aside/) instead of stopping",
     )
-    parser.add_argument("--threads", type=_positive_int, help="torch CPU threads per process (default: torch's)")
     parser.add_argument("--confidence", type=_confidence, default=0.95, help="bootstrap CI level (default 0.95)")
     parser.add_argument("--resamples", type=_positive_int, default=9999, help="bootstrap resamples (default 9999)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -96,7 +95,7 @@ def add_parser(subparsers) -> None:
         help="write reference_maps.png for the first N rows (default 1) under OUT/maps/row-NNNNNN/ (reruns them)",
     )
     parser.add_argument("--maps-rows", type=int, nargs="+", help="manifest rows to draw reference maps for")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, check=check)
 
 
 def _device(args: argparse.Namespace, state) -> str:
@@ -128,21 +127,28 @@ def _settings(args: argparse.Namespace) -> dict:
     return {
         "model": f"embedded tiny {args.kind}" if embedded else args.model,
         "ip_adapter": f"embedded {args.variant}" if embedded else args.ip_adapter,
-        "subfolder": None if embedded else args.subfolder,
-        "weight_name": None if embedded else args.weight_name,
+        "subfolder": None if embedded else args.weights.subfolder,
+        "weight_name": None if embedded else args.weights.weight_name,
         "model_seed": args.seed if embedded else None,
         "dtype": args.dtype,
         "default_images": list(args.image) if args.image else ("embedded" if embedded else None),
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> None:
+    """Before torch loads: the manifest, ``--out`` and the model arguments (under ``accelerate launch`` only the
+    main process prints the one line; the others exit with the same code)."""
     try:
-        manifest = _read_and_check(args)
+        args.manifest_rows = _read_and_check(args)
+        check_model_arguments(args, require_images=False)  # rows bring their own images
     except CLIError:
-        if os.environ.get("RANK", "0") == "0":  # under accelerate launch: one line, from the main process
+        if os.environ.get("RANK", "0") == "0":
             raise
-        return EXIT_USAGE
+        raise CLIError("another process reports the error", silent=True) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    manifest = args.manifest_rows
     state = _state(args)
 
     def fail(message: str) -> int:
@@ -182,9 +188,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _read_and_check(args: argparse.Namespace):
     """Everything that needs no model, checked before torch and the pipeline load: the manifest and --out."""
-    from ..sweep import ManifestError, read_manifest
+    from ..sweep.manifest import ManifestError, read_manifest
 
-    check_size(args)
     check_output_dir(args.out)
     try:
         manifest = read_manifest(args.manifest, require_images=args.model is not None and not args.image)

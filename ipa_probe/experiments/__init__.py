@@ -5,23 +5,42 @@ from Python. Modules: :mod:`.tasks` (meta-distributions), :mod:`.model` (the lea
 :mod:`.training`, :mod:`.evaluate`, one module per experiment, :mod:`.tiers`, :mod:`.report`, :mod:`.runner`.
 """
 
-from .evaluate import MMDResult, held_out_tasks, learned_velocity, nw_neff, plugin_velocity
-from .model import ICFMVelocityNet, ModelConfig, ModelOutput
-from .report import ExperimentResult, Row
-from .runner import EXPERIMENTS, ExperimentContext, run_experiments
-from .tasks import (
-    META_NAMES,
-    DigitsTasks,
-    GaussianMixtureTasks,
-    MetaDistribution,
-    Mixed2DTasks,
-    PCAFeatureTasks,
-    ShellTasks,
-    TaskBatch,
-    make_meta,
-)
-from .tiers import TIERS, Tier, get_tier
-from .training import TrainConfig, TrainResult, build_model, load_model, train
+import importlib
+
+#: name -> submodule that defines it, imported on first use: the command line checks tier names and sizes
+#: (:mod:`.tiers`, no torch) before torch loads.
+_EXPORTS = {
+    "MMDResult": ".evaluate",
+    "held_out_tasks": ".evaluate",
+    "learned_velocity": ".evaluate",
+    "nw_neff": ".evaluate",
+    "plugin_velocity": ".evaluate",
+    "ICFMVelocityNet": ".model",
+    "ModelConfig": ".model",
+    "ModelOutput": ".model",
+    "ExperimentResult": ".report",
+    "Row": ".report",
+    "EXPERIMENTS": ".runner",
+    "ExperimentContext": ".runner",
+    "run_experiments": ".runner",
+    "META_NAMES": ".tasks",
+    "DigitsTasks": ".tasks",
+    "GaussianMixtureTasks": ".tasks",
+    "MetaDistribution": ".tasks",
+    "Mixed2DTasks": ".tasks",
+    "PCAFeatureTasks": ".tasks",
+    "ShellTasks": ".tasks",
+    "TaskBatch": ".tasks",
+    "make_meta": ".tasks",
+    "TIERS": ".tiers",
+    "Tier": ".tiers",
+    "get_tier": ".tiers",
+    "TrainConfig": ".training",
+    "TrainResult": ".training",
+    "build_model": ".training",
+    "load_model": ".training",
+    "train": ".training",
+}
 
 __all__ = [
     "EXPERIMENTS",
@@ -55,3 +74,15 @@ __all__ = [
     "run_experiments",
     "train",
 ]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,103 @@
+"""What the command line sets up before torch loads (OpenMP's wait policy, the thread count) and how it words a fault
+of the environment (disk full, read-only, no permission) as one line.
+
+Imports nothing heavy: :func:`configure_threads` must run before torch is imported to have its full effect.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["configure_threads", "default_threads", "describe_os_error", "thread_scope"]
+
+#: The OpenMP wait policy set unless the user set one: threads that wait sleep instead of spinning. Spinning threads
+#: keep a core busy while they wait for work; on a machine shared with other jobs they take the cores those jobs (and
+#: the other threads of the same run) need, and a run can be many times slower than on a quiet machine.
+WAIT_POLICY = "PASSIVE"
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on (its affinity mask, which container limits and ``taskset`` narrow)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def configure_threads(threads: int | None = None, environ: dict[str, str] | None = None) -> int:
+    """Set ``OMP_WAIT_POLICY`` and ``OMP_NUM_THREADS`` for a process that has not loaded torch yet.
+
+    A variable the user set is kept, except that an explicit ``threads`` (the ``--threads`` flag) always sets
+    ``OMP_NUM_THREADS``. OpenMP, torch (its default thread count), MKL and OpenBLAS read these when they load.
+
+    Args:
+        threads: the thread count asked for, or ``None`` for the user's ``OMP_NUM_THREADS`` or else
+            :func:`default_threads`.
+        environ: the environment to change (default ``os.environ``).
+
+    Returns:
+        the thread count in effect.
+    """
+    env = os.environ if environ is None else environ
+    env.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+        return threads
+    given = env.get("OMP_NUM_THREADS", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    count = default_threads()
+    env["OMP_NUM_THREADS"] = str(count)
+    return count
+
+
+@contextmanager
+def thread_scope(threads: int | None) -> Iterator[None]:
+    """Apply ``--threads`` for one command: the environment before torch loads, and ``torch.set_num_threads`` if
+    torch is already loaded (a caller running :func:`ipa_probe.cli.main` in its own process); restored on exit."""
+    configure_threads(threads)
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    if torch is not None and threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if before is not None and torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+#: errno -> what to do about it (the path and the system's own wording come first)
+_REMEDIES = {
+    errno.ENOSPC: "free space on that disk or write to another --out; files finished before it are kept whole",
+    errno.EDQUOT: "your disk quota is used up: free space or write to another --out",
+    errno.EROFS: "that file system is read-only: write to another --out",
+    errno.EACCES: "no permission: change the permissions or write to another --out",
+    errno.EPERM: "no permission: change the permissions or write to another --out",
+    errno.EISDIR: "a folder stands where a file is expected: move it away or rename it",
+    errno.ENOTDIR: "a file stands where a folder is expected: move it away or rename it",
+    errno.EEXIST: "something already stands there: move it away or rename it",
+    errno.ENOENT: "it does not exist (was it moved or deleted while the command ran?)",
+    errno.EMFILE: "too many open files: raise the limit (ulimit -n) and run again",
+    errno.ENAMETOOLONG: "the name is too long: use a shorter --out",
+    errno.EIO: "the disk reported an I/O error: check the disk, or write to another --out",
+}
+
+
+def describe_os_error(err: OSError) -> str:
+    """One line for an ``OSError``: the path, the system's reason and the errno, then what to do.
+
+    Example: ``'/mnt/out/rows/row-000003.parquet': No space left on device [errno 28]; free space on that disk or
+    write to another --out; files finished before it are kept whole``.
+    """
+    reason = os.strerror(err.errno) if err.errno is not None else (str(err).splitlines() or [type(err).__name__])[0]
+    where = f"{os.fsdecode(err.filename)!r}: " if err.filename is not None else ""
+    if err.filename2 is not None:
+        where = f"{os.fsdecode(err.filename)!r} -> {os.fsdecode(err.filename2)!r}: "
+    code = f" [errno {err.errno}]" if err.errno is not None else ""
+    remedy = _REMEDIES.get(err.errno, "fix the cause and run the same command again (finished work is kept)")
+    return f"{where}{reason}{code}; {remedy}"
