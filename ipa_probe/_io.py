@@ -121,8 +121,9 @@ def _remove_quietly(temp: Path) -> None:
     """Remove a temp file; a failure (a read-only folder) is logged, never raised over the error being handled."""
     try:
         temp.unlink(missing_ok=True)
-    except OSError as err:
-        logger.warning("could not remove the temp file %s (%s)", temp, err.strerror or err)
+    except OSError as err:  # a read-only file system refuses even to unlink a file that is not there
+        if os.path.lexists(temp):
+            logger.warning("could not remove the temp file %s (%s)", temp, err.strerror or err)
 
 
 #: how Rust writers (safetensors) name an OS error in their messages
@@ -265,9 +266,12 @@ def output_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
             "started": time.time(),
             "command": command,
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+            os.fsync(fd)
+        except OSError as err:  # a full disk: name the lock file (os.pwrite knows only the descriptor)
+            raise OSError(err.errno, os.strerror(err.errno), str(path)) from err
         try:
             yield path
         finally:

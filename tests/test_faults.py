@@ -233,7 +233,9 @@ def test_a_poison_row_fails_alone_and_a_rerun_retries_only_it(workdir, pipe, ref
     assert result.done == 2 and [(f.row, f.line) for f in result.failed] == [(1, 2)]
     assert result.failed[0].reason == "RuntimeError: CUDA error: an illegal memory access"  # one line
     record = json.loads((out / "summary.json").read_text())
-    assert record["failed"] == [{"row": 1, "line": 2, "reason": result.failed[0].reason}]
+    assert record["failed"] == [
+        {"row": 1, "line": 2, "reason": result.failed[0].reason, "stage": "run", "kept_part": False}
+    ]
     assert record["rows"]["failed"] == 1 and (pd.read_parquet(out / "aggregate.parquet")["rows"] == 2).all()
     assert any("line 2 (row 1) failed" in r.getMessage() for r in caplog.records)
     counting = runner_for(pipe, Counting)
@@ -248,10 +250,10 @@ def test_rows_the_pipeline_would_reject_fail_alone_with_exit_3(workdir, one_thre
     out = workdir / "reject"
     assert main(["sweep", str(write_jsonl(workdir / "r.jsonl", rows)), "--out", str(out), *CLI]) == 3
     record = json.loads((out / "summary.json").read_text())
-    failed = {f["line"]: f["reason"] for f in record["failed"]}
-    assert sorted(failed) == [2, 3] and "use at most 999 steps" in failed[2] and "more than" in failed[3]
-    assert "seed" in {s["line"]: s["reason"] for s in record["skipped"]}[5]  # out of range: skipped when read
-    assert record["rows"]["done"] == 2 and "failed while running" in capsys.readouterr().out
+    failed = {f["line"]: (f["reason"], f["stage"]) for f in record["failed"]}
+    assert sorted(failed) == [2, 3, 5] and "use at most 999 steps" in failed[2][0] and "more than" in failed[3][0]
+    assert "seed" in failed[5][0] and failed[5][1] == "manifest"  # out of range: rejected when read
+    assert record["rows"]["done"] == 2 and "2 failed while running" in capsys.readouterr().out
 
 
 def test_an_image_over_pils_pixel_limit_fails_its_row_alone(workdir, monkeypatch):

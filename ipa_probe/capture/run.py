@@ -161,7 +161,9 @@ class ProbeRun:
             self._uninstall()
             raise
 
-    def _uninstall(self) -> None:
+    def _uninstall(self, interrupted: bool = False) -> None:
+        """Remove every hook and finalise the results. ``interrupted``: the run was stopped by Ctrl-C, so cut-short
+        steps are logged at debug level only."""
         self.evidence.remove()
         for handle in self._handles:
             handle.remove()
@@ -175,9 +177,9 @@ class ProbeRun:
         if self._active:
             release(self.pipe, _FEATURE)
             self._active = False
-        self._finalize()
+        self._finalize(interrupted)
 
-    def _finalize(self) -> None:
+    def _finalize(self, interrupted: bool = False) -> None:
         """The one device-to-host transfer of the run."""
         if self._result is not None:
             return
@@ -203,7 +205,7 @@ class ProbeRun:
         self._map_labels.clear()
         for call in self._calls:
             if call.incomplete:
-                logger.warning(
+                (logger.debug if interrupted else logger.warning)(
                     "probe: call %d, step(s) %s were cut short (the denoiser raised or was interrupted); their rows "
                     "are partial and have complete=False",
                     call.index,
@@ -661,7 +663,11 @@ def probe(
     config = ProbeConfig(bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps)
     run = ProbeRun(pipe, config)
     run._install()
+    interrupted = False
     try:
         yield run
+    except KeyboardInterrupt:  # Ctrl-C: the caller stops and says so; no warning about the partial step
+        interrupted = True
+        raise
     finally:
-        run._uninstall()
+        run._uninstall(interrupted)

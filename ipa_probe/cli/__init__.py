@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     diffusers nor pandas), then sets the OpenMP wait policy and thread count, then runs. Faults become one line on
     stderr and an exit code (:data:`EXIT_USAGE` for the input, :data:`EXIT_ENVIRONMENT` for the environment).
     """
+    from .._io import os_error_of
     from ._runtime import describe_os_error, thread_scope
 
     parser = build_parser()
@@ -92,15 +93,20 @@ def main(argv: list[str] | None = None) -> int:
         if not err.silent:
             print(f"ipa-probe {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    except OSError as err:
-        print(f"ipa-probe {args.command}: error: {describe_os_error(err)}", file=sys.stderr)
-        return EXIT_ENVIRONMENT
     except KeyboardInterrupt:
         print(
             f"ipa-probe {args.command}: interrupted; finished work is kept, run the same command again to resume",
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
+    except Exception as err:
+        # an OSError, or a writer's own error type wrapping one (safetensors: "... (os error 28)")
+        fault = err if isinstance(err, OSError) else os_error_of(err)
+        if fault is None:
+            raise
+        out = getattr(args, "out", None)
+        print(f"ipa-probe {args.command}: error: {describe_os_error(fault, out)}", file=sys.stderr)
+        return EXIT_ENVIRONMENT
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -7,7 +7,9 @@ neither torch nor diffusers (a wrong argument answers at once), :func:`load_pipe
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from .._checks import (
     parse_float,
     parse_int,
 )
+from .._io import LOCK_NAME
 from . import CLIError
 from ._sources import check_model_source, ip_adapter_source
 
@@ -298,8 +301,14 @@ def _embedded_pipeline(args: argparse.Namespace, device, dtype) -> tuple[object,
 
 
 def _first_line(err: BaseException) -> str:
+    """``Type: first line`` of an error, cut to its first sentence when long (loaders append their advice)."""
     text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+    if not text:
+        return type(err).__name__
+    line = text.splitlines()[0]
+    if len(line) > 160 and ". " in line:
+        line = line.split(". ", 1)[0]
+    return f"{type(err).__name__}: {line}"
 
 
 def _pretrained_pipeline(args: argparse.Namespace, device, dtype) -> tuple[object, int, tuple[int, int] | None, dict]:
@@ -311,7 +320,9 @@ def _pretrained_pipeline(args: argparse.Namespace, device, dtype) -> tuple[objec
     from diffusers import AutoPipelineForText2Image
 
     try:
-        pipe = AutoPipelineForText2Image.from_pretrained(args.model_source, torch_dtype=dtype)
+        with warnings.catch_warnings():  # diffusers >= 0.36 renames torch_dtype to dtype; older ones know only it
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+            pipe = AutoPipelineForText2Image.from_pretrained(args.model_source, torch_dtype=dtype)
     except Exception as err:  # noqa: BLE001 - diffusers, transformers and safetensors each raise their own types
         raise CLIError(
             f"could not load --model {args.model!r} ({_first_line(err)}); pass a diffusers pipeline folder "
@@ -346,6 +357,7 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
 
     Raises:
         CLIError: ``path`` or a parent is a file, or the nearest existing parent is not writable.
+        IsADirectoryError: ``path``'s lock file (``.ipa_probe.lock``) is a folder.
     """
     out = Path(path).expanduser()
     existing = out
@@ -358,6 +370,9 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
         problem = f"{str(existing)!r} is not writable"
     if problem:
         raise CLIError(f"cannot write to output folder {flag} {str(out)!r} ({problem}); choose a writable folder")
+    lock = out / LOCK_NAME
+    if lock.is_dir():  # the lock must be a file: the same answer as when the lock is taken (an OSError, exit 1)
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(lock))
     return out
 
 

@@ -24,10 +24,11 @@ manifest: JSON Lines (one object per line) or CSV (a header row, then one row pe
   scale      IP-Adapter scale (default: --scale, else 1.0)
   steps      denoising steps (default: --steps)
   bandwidth  'matched', 'fit' or a positive h (default: --bandwidth)
-A row with an unknown key, a missing or unreadable image or a bad value is reported with its line number and
-skipped; an empty manifest, or one that is neither JSON Lines nor CSV, is an error (exit code 2). A row that fails
-while running (an image that cannot be decoded, values the pipeline rejects, an error inside the pipeline) fails
-alone: its line and reason go to summary.json, the other rows run, and the exit code is 3.
+A row with an unknown key, a missing or unreadable image or a bad value is not run: it fails with its line
+number and reason; an empty manifest, or one that is neither JSON Lines nor CSV, is an error (exit code 2). A row
+that fails while running (an image that cannot be decoded, values the pipeline rejects, an error inside the
+pipeline) fails alone. Failed rows go to summary.json ("failed": line, reason, stage), the other rows run, and the
+exit code is 3. A finished row whose images went missing keeps its part and fails until they are back.
 
 output (--out): rows/row-NNNNNN.parquet (one Parquet dataset, one part per row of this manifest, with a `row`
 column), row_summary.parquet, aggregate.parquet (per timestep over rows, with a bootstrap CI), summary.json,
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         print(result.describe())
         if args.maps or args.maps_rows:
             _write_maps(args, manifest, runner)
-    return EXIT_ROWS_FAILED if result.failed else EXIT_OK
+    return EXIT_ROWS_FAILED if result.failed else EXIT_OK  # rows the manifest check rejected count as failed
 
 
 def _read_and_check(args: argparse.Namespace):
