@@ -58,7 +58,9 @@ def configure_threads(threads: int | None = None, environ: dict[str, str] | None
 @contextmanager
 def thread_scope(threads: int | None) -> Iterator[None]:
     """Apply ``--threads`` for one command: the environment before torch loads, and ``torch.set_num_threads`` if
-    torch is already loaded (a caller running :func:`ipa_probe.cli.main` in its own process); restored on exit."""
+    torch is already loaded (a caller running :func:`ipa_probe.cli.main` in its own process). Both are restored on
+    exit, so that such a caller's later subprocesses and torch see its own settings again."""
+    saved = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     configure_threads(threads)
     torch = sys.modules.get("torch")
     before = torch.get_num_threads() if torch is not None else None
@@ -67,6 +69,12 @@ def thread_scope(threads: int | None) -> Iterator[None]:
     try:
         yield
     finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        torch = sys.modules.get("torch")  # loaded by the command, perhaps: its count came from the environment
         if before is not None and torch.get_num_threads() != before:
             torch.set_num_threads(before)
 
