@@ -249,6 +249,8 @@ def generate_methods(
         raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
     references, seeds = _check_references(references), _check_seeds(seeds)
     check_head_bandwidth(bandwidth)
+    if call_kwargs is not None and not isinstance(call_kwargs, dict):
+        raise TypeError(f"call_kwargs: expected a dict of pipeline arguments, got {type(call_kwargs).__name__}")
     call_kwargs = dict(call_kwargs or {})
     call_kwargs.setdefault("prompt", "a photo")
     references = list(references)
@@ -510,9 +512,7 @@ def compare_methods(
         >>> result.table
         ```
     """
-    references, seeds = _check_references(references), _check_seeds(seeds)
-    if call_kwargs is not None and not isinstance(call_kwargs, dict):
-        raise TypeError(f"call_kwargs: expected a dict of pipeline arguments, got {type(call_kwargs).__name__}")
+    references, seeds = _check_references(references), _check_seeds(seeds)  # generate_methods checks the rest
     if scorer is not None and not isinstance(scorer, ClipScorer):
         raise TypeError(f"scorer: expected a ClipScorer or None, got {type(scorer).__name__}")
     if settings is not None and not isinstance(settings, dict):
