@@ -10,16 +10,13 @@ import json
 import logging
 import math
 import os
-import platform
 import re
 import socket
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +71,10 @@ def versions() -> dict[str, Any]:
 
     Package versions come from the installed distributions' metadata, so nothing heavy is imported.
     """
+    import platform
+    import subprocess
+    from importlib import metadata  # imported here: it takes a noticeable part of the command line's start-up
+
     from . import __version__
 
     info: dict[str, Any] = {"python": platform.python_version(), "ipa_probe": __version__}
