@@ -5,7 +5,7 @@ from Python. Modules: :mod:`.tasks` (meta-distributions), :mod:`.model` (the lea
 :mod:`.training`, :mod:`.evaluate`, one module per experiment, :mod:`.tiers`, :mod:`.report`, :mod:`.runner`.
 """
 
-import importlib
+from .._lazy import lazy_attributes
 
 #: name -> submodule that defines it, imported on first use: the command line checks tier names and sizes
 #: (:mod:`.tiers`, no torch) before torch loads.
@@ -76,13 +76,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)

@@ -18,7 +18,7 @@ timestep, with a bootstrap confidence interval over rows for the mean per-row Sp
 statistic of a sweep is a mean over images, layers and heads at each timestep).
 """
 
-import importlib
+from .._lazy import lazy_attributes
 
 #: name -> submodule that defines it, imported on first use: the command line reads and checks a manifest
 #: (:mod:`.manifest`, no torch, no pandas) before anything heavy loads.
@@ -48,13 +48,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
