@@ -68,6 +68,14 @@ CASES = [
         2,
         "holds results of tier 'smoke'",
     ),
+    Case(
+        "--logging-dir without --log-with",
+        ("sweep", "{root}/ok.jsonl", "--logging-dir", "{root}/logs"),
+        2,
+        "needs --log-with",
+    ),
+    Case("--overlay-steps without --overlays", ("probe", "--overlay-steps"), 2, "needs --overlays"),
+    Case("--overlays names a file", ("probe", "--overlays", "{root}/a_file"), 2, "--overlays"),
     Case("lock is a folder", ("sweep", "{root}/ok.jsonl", "--out", "{root}/locked"), 1, "Is a directory"),
     # models and weights
     Case("--model ./nope", ("probe", "--model", "./nope", "--ip-adapter", "./x", *REAL), 2, "does not exist"),

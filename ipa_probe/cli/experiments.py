@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 
 from . import CLIError
-from ._common import add_threads_argument, check_output_dir
+from ._common import (
+    add_threads_argument,
+    add_tracker_arguments,
+    check_output_dir,
+    check_tracker_arguments,
+    logging_dir,
+)
 
 NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "ip-adapter", "all")
 
@@ -41,13 +47,16 @@ def add_parser(subparsers) -> None:
     )
     add_threads_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_tracker_arguments(parser)
     parser.set_defaults(func=run, check=check)
 
 
 def check(args: argparse.Namespace) -> None:
-    """Before torch loads: the name, the tier, sizes and seeds, and that ``--out`` holds no other tier's results."""
+    """Before torch loads: the name, the tier, sizes and seeds, the tracker, and that ``--out`` holds no other
+    tier's results."""
     from ..experiments.tiers import ALL_TIERS, DIM_RANGE, M_RANGE, TierMismatch, check_folder_tier
 
+    check_tracker_arguments(args)
     if args.name not in NAMES:
         raise CLIError(f"unknown experiment {args.name!r}; expected one of {', '.join(NAMES)}")
     if args.tier not in ALL_TIERS:
@@ -91,4 +100,11 @@ def run(args: argparse.Namespace) -> int:
     for name, result in results.items():
         print(f"{name}: {out / name / 'table.md'} ({result.record['wall_time_s']:.0f} s)")
     print(f"summary: {out / 'summary.md'}")
+    if args.log_with:
+        from ..trackers import log_experiments
+
+        skip = ("func", "check", "tier", "tier_sizes")
+        settings = {"tier": tier.name, **{k: v for k, v in vars(args).items() if k not in skip}}
+        folder = log_experiments(results, out, settings, args.log_with, logging_dir(args))
+        print(f"{args.log_with} logs in {folder}")
     return 0
