@@ -152,6 +152,21 @@ def test_configure_threads_keeps_what_the_user_set():
     assert configure_threads(None, env) == default_threads() and env["OMP_NUM_THREADS"] == str(default_threads())
 
 
+def test_the_default_thread_count_respects_a_container_quota(tmp_path):
+    from ipa_probe.cli._runtime import _cgroup_cpus
+
+    assert _cgroup_cpus(str(tmp_path)) is None  # no cgroup files: no quota
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert _cgroup_cpus(str(tmp_path)) is None
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # one and a half CPUs: two threads
+    assert _cgroup_cpus(str(tmp_path)) == 2
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert _cgroup_cpus(str(tmp_path)) == 3
+
+
 def test_thread_scope_restores_the_callers_threads_and_environment(monkeypatch):
     import torch
 

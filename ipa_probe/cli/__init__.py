@@ -1,4 +1,8 @@
-"""The ``ipa-probe`` command line. Each subcommand lives in its own module with ``add_parser`` and ``run``."""
+"""The ``ipa-probe`` command line. Each subcommand lives in its own module with ``add_parser``, ``check`` (its
+arguments, paths and inputs, checked without torch, diffusers or pandas) and ``run``; :func:`main` runs the check,
+sets the OpenMP wait policy and thread count, then runs, and turns every fault into one line and an exit code.
+
+A new flag follows the same pattern: check it in the command's ``check`` when that needs no torch."""
 
 from __future__ import annotations
 

@@ -21,11 +21,47 @@ WAIT_POLICY = "PASSIVE"
 
 
 def default_threads() -> int:
-    """The CPUs this process may run on (its affinity mask, which container limits and ``taskset`` narrow)."""
+    """The CPUs this process may use: its affinity mask (``taskset``, cpusets), capped by a container's CPU quota
+    (cgroups ``cpu.max``) and by the physical cores (hyper-threads add little to torch's kernels; torch's own
+    default counts physical cores too)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        count = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
-        return max(1, os.cpu_count() or 1)
+        count = os.cpu_count() or 1
+    quota = _cgroup_cpus()
+    if quota is not None:
+        count = min(count, quota)
+    try:
+        import psutil  # a dependency of accelerate
+
+        physical = psutil.cpu_count(logical=False)
+    except ImportError:
+        physical = None
+    if physical:
+        count = min(count, physical)
+    return max(1, count)
+
+
+def _cgroup_cpus(root: str = "/sys/fs/cgroup") -> int | None:
+    """The CPU quota of this process's cgroup (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), rounded up; ``None`` if
+    there is none or it cannot be read."""
+    import math
+
+    candidates = ((f"{root}/cpu.max", None), (f"{root}/cpu/cpu.cfs_quota_us", "cpu.cfs_period_us"))
+    for path, period_name in candidates:
+        try:
+            with open(path) as handle:
+                fields = handle.read().split()
+            if period_name is not None:
+                with open(os.path.join(os.path.dirname(path), period_name)) as handle:
+                    fields.append(handle.read().strip())
+            quota, period = fields[0], fields[1]
+            if quota in ("max", "-1"):
+                return None
+            return max(1, math.ceil(int(quota) / int(period)))
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
 
 
 def configure_threads(threads: int | None = None, environ: dict[str, str] | None = None) -> int:
