@@ -12,6 +12,7 @@ from ._common import (
     add_model_arguments,
     add_tracker_arguments,
     bandwidth_type,
+    check_model_arguments,
     check_output_dir,
     check_tracker_arguments,
     images_type,
@@ -64,7 +65,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--out", default="outputs/probe", help="output folder (default: outputs/probe)")
     add_tracker_arguments(parser)
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, check=check)
 
 
 def _factors_type(value: str) -> tuple[float, ...]:
@@ -74,19 +75,24 @@ def _factors_type(value: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(str(err).split(": ", 1)[-1]) from None
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> None:
+    """Before torch loads: ``--out``, ``--overlays``, the tracker, the model arguments and the reference images."""
     if args.gauge_sweep is not None and (args.keep_maps or args.maps or args.overlays or args.log_with):
         raise CLIError(
             "--gauge-sweep writes its own table and figure; drop --keep-maps / --maps / --overlays / --log-with"
         )
     check_output_dir(args.out)
-    if args.gauge_sweep is not None:
-        return _gauge_sweep(args)
     if args.overlay_steps and not args.overlays:
         raise CLIError("--overlay-steps needs --overlays DIR")
     if args.overlays:
         check_output_dir(args.overlays, "--overlays")
     check_tracker_arguments(args)
+    check_model_arguments(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.gauge_sweep is not None:
+        return _gauge_sweep(args)
     import torch
 
     from .._io import atomic_path, write_image

@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pandas as pd
 
+from .._checks import check_fraction, check_int, check_seed, check_threshold
 from ..capture.report import style_timestep_axes, summarize
 from ..schema import SUMMARY_GAUGE_MEANS, SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column, frac_null_column
 
@@ -109,6 +110,10 @@ def aggregate(
         ``rho_excess`` and the per-row shares against chance) and of ``frac_rho_gt_<threshold>_null`` (the chance
         level of the fraction; see docs/gauge.md).
     """
+    check_threshold(threshold)
+    check_fraction(confidence, "confidence")
+    check_int(n_resamples, "n_resamples", 1)
+    check_seed(seed)
     frac = frac_column(threshold)
     means = [frac, *(name for name in SUMMARY_MEANS if name != "spearman")]
     appended = [*SUMMARY_GAUGE_MEANS, frac_null_column(threshold)]
