@@ -31,9 +31,12 @@ import numpy as np
 import PIL.Image
 import torch
 
-__all__ = ["COLUMNS", "Row", "check_class", "main", "parse_table", "render_table"]
+__all__ = ["COLUMNS", "GENERATED_END", "Row", "check_class", "main", "parse_table", "render_table"]
 
 logger = logging.getLogger(__name__)
+
+#: The line after the generated table: what follows it in the page is kept when the table is written again.
+GENERATED_END = "<!-- the generated table ends here; what follows is kept by --write -->"
 
 #: The table's columns.
 COLUMNS: tuple[str, ...] = ("pipeline class", "runs", "bit-identical", "labels", "notes")
@@ -248,6 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ipa_probe.devtools.compat [--write PAGE] [--only CLASS ...]``: print or write the table."""
     import diffusers
 
+    from ipa_probe._io import write_atomic
     from ipa_probe.tiny.sd import default_reference_images
     from ipa_probe.tiny.zoo import Zoo, ip_adapter_pipeline_classes
 
@@ -266,7 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.info("%s: %s", name, "ok" if rows[-1].ok else rows[-1].failures)
     page = render_table(rows, f"diffusers {diffusers.__version__}, torch {torch.__version__}")
     if args.write:
-        args.write.write_text(page)
+        old = args.write.read_text() if args.write.exists() else ""
+        kept = old.split(GENERATED_END, 1)[1] if GENERATED_END in old else "\n"
+        write_atomic(args.write, page + "\n" + GENERATED_END + kept)
     else:
         sys.stdout.write(page)
     return 0 if all(row.ok for row in rows) else 1
