@@ -235,10 +235,14 @@ def expected_table(passes: list[dict], plan: list[tuple[int, list[str]]]) -> dic
 
 
 def _generate(pipe, refs, **kwargs):
-    kwargs.setdefault("num_inference_steps", STEPS)
-    kwargs.setdefault("output_type", "np")
-    generator = torch.Generator().manual_seed(0)
-    return pipe(prompt=PROMPT, ip_adapter_image=[refs], generator=generator, return_dict=False, **kwargs)[0]
+    kwargs = {
+        "prompt": PROMPT,
+        "ip_adapter_image": [refs],
+        "num_inference_steps": STEPS,
+        "output_type": "np",
+        **kwargs,
+    }
+    return pipe(generator=torch.Generator().manual_seed(0), return_dict=False, **kwargs)[0]
 
 
 def probed_against_hooks(pipe, refs, layer_pattern=None, query_module=None, split_query=True, **kwargs):
@@ -345,66 +349,19 @@ def test_freenoise_frames_are_labelled_from_the_interpolated_embeddings(zoo, ref
     pipe = zoo.build("AnimateDiffPipeline").pipe
     pipe.enable_free_noise(context_length=2, context_stride=1)
     frames = 3
-    plain = pipe(
-        prompt={0: PROMPT, 2: "a photo of a cat"},
-        ip_adapter_image=[refs],
-        num_frames=frames,
-        num_inference_steps=STEPS,
-        generator=torch.Generator().manual_seed(0),
-        output_type="latent",
-    ).frames
-    layer = find_ip_layers(pipe)[0]
-    recorder = PassRecorder(layer)
-    try:
-        with probe(pipe, layers=f"^{layer.name}$") as run:
-            probed = pipe(
-                prompt={0: PROMPT, 2: "a photo of a cat"},
-                ip_adapter_image=[refs],
-                num_frames=frames,
-                num_inference_steps=STEPS,
-                generator=torch.Generator().manual_seed(0),
-                output_type="latent",
-            ).frames
-    finally:
-        recorder.remove()
-    assert torch.equal(plain, probed)
+    prompts = {0: PROMPT, 2: "a photo of a cat"}  # interpolated per frame: neither prompt's embeddings
+    df, passes, layer = probed_against_hooks(pipe, refs, prompt=prompts, num_frames=frames, output_type="latent")
     items = ["uncond"] * frames + ["cond"] * frames
-    check_against_reference(
-        run.to_dataframe(), expected_table(recorder.passes, [(s, items) for s in range(STEPS)]), layer.heads
-    )
+    check_against_reference(df, expected_table(passes, [(s, items) for s in range(STEPS)]), layer.heads)
 
 
 @pytest.mark.slow
 def test_safe_pipeline_labels_its_safety_concept(zoo, refs):
-    entry = zoo.build("StableDiffusionPipelineSafe")
-    pipe = entry.pipe
-    plain = pipe(
-        prompt=PROMPT,
-        ip_adapter_image=refs[0],
-        negative_prompt="blurry",
-        sld_guidance_scale=1000.0,
-        num_inference_steps=STEPS,
-        generator=torch.Generator().manual_seed(0),
-        output_type="np",
-    ).images
-    layer = find_ip_layers(pipe)[0]
-    recorder = PassRecorder(layer)
-    try:
-        with probe(pipe, layers=f"^{layer.name}$") as run:
-            probed = pipe(
-                prompt=PROMPT,
-                ip_adapter_image=refs[0],
-                negative_prompt="blurry",
-                sld_guidance_scale=1000.0,
-                num_inference_steps=STEPS,
-                generator=torch.Generator().manual_seed(0),
-                output_type="np",
-            ).images
-    finally:
-        recorder.remove()
-    assert np.array_equal(plain, probed)
+    pipe = zoo.build("StableDiffusionPipelineSafe").pipe
+    kwargs = {"ip_adapter_image": refs[0], "negative_prompt": "blurry", "sld_guidance_scale": 1000.0}
+    df, passes, layer = probed_against_hooks(pipe, refs, **kwargs)
     plan = [(s, ["uncond", "cond", "safety"]) for s in range(STEPS)]
-    check_against_reference(run.to_dataframe(), expected_table(recorder.passes, plan), layer.heads)
+    check_against_reference(df, expected_table(passes, plan), layer.heads)
 
 
 @pytest.mark.slow

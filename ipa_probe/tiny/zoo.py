@@ -20,6 +20,7 @@ import inspect
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import PIL.Image
@@ -39,8 +40,10 @@ _FRAMES = 2
 def ip_adapter_pipeline_classes() -> dict[str, type]:
     """Every pipeline class of the installed diffusers whose ``__call__`` takes ``ip_adapter_image``.
 
-    Walks ``diffusers.pipelines`` and imports each ``pipeline_*`` module itself (a class whose optional dependency is
-    missing is a dummy in ``diffusers``' namespace but real in its module); modules that fail to import are skipped.
+    Walks ``diffusers.pipelines`` and imports each ``pipeline_*`` module whose source mentions ``ip_adapter_image``
+    itself (a class whose optional dependency is missing is a dummy in ``diffusers``' namespace but real in its
+    module); modules that fail to import are skipped. Classes whose ``__call__`` is inherited are found with their
+    parent's module only if they are defined there.
 
     Returns:
         ``{class name: class}``, sorted by name.
@@ -52,6 +55,10 @@ def ip_adapter_pipeline_classes() -> dict[str, type]:
     for info in pkgutil.walk_packages(diffusers.pipelines.__path__, "diffusers.pipelines."):
         if not info.name.rsplit(".", 1)[-1].startswith("pipeline_"):
             continue
+        spec = info.module_finder.find_spec(info.name, None)
+        origin = Path(spec.origin) if spec is not None and spec.origin else None
+        if origin is None or "ip_adapter_image" not in origin.read_text(encoding="utf-8", errors="ignore"):
+            continue  # a class defined here cannot take it (one inheriting __call__ would need its parent's module)
         try:
             module = importlib.import_module(info.name)
         except Exception:  # an optional dependency missing: its classes cannot be built here either

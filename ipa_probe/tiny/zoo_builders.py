@@ -101,14 +101,23 @@ def _frames(n: int = _FRAMES) -> list:
 # --------------------------------------------------------------------------- Stable Diffusion 1.5
 
 
-@builds("StableDiffusionPipeline")
+def _kind(name: str) -> str:
+    return "sdxl" if "XL" in name else "sd15"
+
+
+@builds("StableDiffusionPipeline", "StableDiffusionXLPipeline")
 def _sd(zoo: Zoo, name: str) -> ZooEntry:
-    return ZooEntry(zoo.base("sd15"), [CFG, NO_CFG])
+    return ZooEntry(zoo.base(_kind(name)), [CFG, NO_CFG])
 
 
-@builds("StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline")
+@builds(
+    "StableDiffusionImg2ImgPipeline",
+    "StableDiffusionInpaintPipeline",
+    "StableDiffusionXLImg2ImgPipeline",
+    "StableDiffusionXLInpaintPipeline",
+)
 def _sd_image(zoo: Zoo, name: str) -> ZooEntry:
-    pipe = _cls(name).from_pipe(zoo.base("sd15"))
+    pipe = _cls(name).from_pipe(zoo.base(_kind(name)))
     extra = {"image": _image(), "strength": 1.0}
     if "Inpaint" in name:
         extra["mask_image"] = _mask()
@@ -123,43 +132,48 @@ def _ip2p(zoo: Zoo, name: str) -> ZooEntry:
     return ZooEntry(_load_adapter(pipe, zoo.seed), runs, "UNet with 8 input channels (latents + image latents)")
 
 
-@builds("StableDiffusionControlNetPipeline", "StableDiffusionControlNetImg2ImgPipeline")
-def _sd_controlnet(zoo: Zoo, name: str) -> ZooEntry:
-    sd = zoo.base("sd15")
-    pipe = _cls(name).from_pipe(sd, controlnet=_controlnet("sd15", zoo.seed))
-    extra = {"image": _image()} if "Img2Img" not in name else {"image": _image(), "control_image": _image()}
-    return ZooEntry(pipe, _with([CFG, NO_CFG], **extra))
-
-
-@builds("StableDiffusionControlNetInpaintPipeline")
-def _sd_controlnet_inpaint(zoo: Zoo, name: str) -> ZooEntry:
-    sd = zoo.base("sd15")
-    pipe = _cls(name).from_pipe(sd, controlnet=_controlnet("sd15", zoo.seed))
-    extra = {"image": _image(), "mask_image": _mask(), "control_image": _image(), "strength": 1.0}
-    return ZooEntry(pipe, _with([CFG, NO_CFG], **extra))
-
-
 _PAG = Run("pag cfg", {"negative_prompt": _NEGATIVE, "pag_scale": 3.0}, ("uncond", "cond", "perturbed"))
 _PAG_NO_CFG = Run("pag no cfg", {"guidance_scale": 1.0, "pag_scale": 3.0}, ("cond", "perturbed"))
 
 
-@builds("StableDiffusionPAGPipeline", "StableDiffusionPAGImg2ImgPipeline", "StableDiffusionPAGInpaintPipeline")
+@builds(
+    "StableDiffusionPAGPipeline",
+    "StableDiffusionPAGImg2ImgPipeline",
+    "StableDiffusionPAGInpaintPipeline",
+    "StableDiffusionXLPAGPipeline",
+    "StableDiffusionXLPAGImg2ImgPipeline",
+    "StableDiffusionXLPAGInpaintPipeline",
+)
 def _sd_pag(zoo: Zoo, name: str) -> ZooEntry:
-    pipe = _cls(name).from_pipe(zoo.base("sd15"), pag_applied_layers=["mid"])
-    extra = {} if name == "StableDiffusionPAGPipeline" else {"image": _image(), "strength": 1.0}
+    pipe = _cls(name).from_pipe(zoo.base(_kind(name)), pag_applied_layers=["mid"])
+    extra = {"image": _image(), "strength": 1.0} if "Img2Img" in name or "Inpaint" in name else {}
     if "Inpaint" in name:
         extra["mask_image"] = _mask()
     return ZooEntry(pipe, _with([_PAG, _PAG_NO_CFG], **extra))
 
 
-@builds("StableDiffusionControlNetPAGPipeline", "StableDiffusionControlNetPAGInpaintPipeline")
-def _sd_controlnet_pag(zoo: Zoo, name: str) -> ZooEntry:
-    sd = zoo.base("sd15")
-    pipe = _cls(name).from_pipe(sd, controlnet=_controlnet("sd15", zoo.seed), pag_applied_layers=["mid"])
+@builds(
+    "StableDiffusionControlNetPipeline",
+    "StableDiffusionControlNetImg2ImgPipeline",
+    "StableDiffusionControlNetInpaintPipeline",
+    "StableDiffusionControlNetPAGPipeline",
+    "StableDiffusionControlNetPAGInpaintPipeline",
+    "StableDiffusionXLControlNetPipeline",
+    "StableDiffusionXLControlNetImg2ImgPipeline",
+    "StableDiffusionXLControlNetInpaintPipeline",
+    "StableDiffusionXLControlNetPAGPipeline",
+    "StableDiffusionXLControlNetPAGImg2ImgPipeline",
+)
+def _sd_controlnet(zoo: Zoo, name: str) -> ZooEntry:
+    kind, pag = _kind(name), "PAG" in name
+    options = {"pag_applied_layers": ["mid"]} if pag else {}
+    pipe = _cls(name).from_pipe(zoo.base(kind), controlnet=_controlnet(kind, zoo.seed), **options)
     extra = {"image": _image()}
+    if "Img2Img" in name or "Inpaint" in name:
+        extra.update(control_image=_image(), strength=1.0)
     if "Inpaint" in name:
-        extra.update(mask_image=_mask(), control_image=_image(), strength=1.0)
-    return ZooEntry(pipe, _with([_PAG, _PAG_NO_CFG], **extra))
+        extra["mask_image"] = _mask()
+    return ZooEntry(pipe, _with([_PAG, _PAG_NO_CFG] if pag else [CFG, NO_CFG], **extra))
 
 
 @builds("StableDiffusionSAGPipeline")
@@ -324,55 +338,6 @@ def _animatediff_sdxl(zoo: Zoo, name: str) -> ZooEntry:
 
 
 # --------------------------------------------------------------------------- SDXL
-
-
-@builds("StableDiffusionXLPipeline")
-def _sdxl(zoo: Zoo, name: str) -> ZooEntry:
-    return ZooEntry(zoo.base("sdxl"), [CFG, NO_CFG])
-
-
-@builds("StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline")
-def _sdxl_image(zoo: Zoo, name: str) -> ZooEntry:
-    pipe = _cls(name).from_pipe(zoo.base("sdxl"))
-    extra = {"image": _image(), "strength": 1.0}
-    if "Inpaint" in name:
-        extra["mask_image"] = _mask()
-    return ZooEntry(pipe, _with([CFG, NO_CFG], **extra))
-
-
-@builds("StableDiffusionXLPAGPipeline", "StableDiffusionXLPAGImg2ImgPipeline", "StableDiffusionXLPAGInpaintPipeline")
-def _sdxl_pag(zoo: Zoo, name: str) -> ZooEntry:
-    pipe = _cls(name).from_pipe(zoo.base("sdxl"), pag_applied_layers=["mid"])
-    extra = {} if name == "StableDiffusionXLPAGPipeline" else {"image": _image(), "strength": 1.0}
-    if "Inpaint" in name:
-        extra["mask_image"] = _mask()
-    return ZooEntry(pipe, _with([_PAG, _PAG_NO_CFG], **extra))
-
-
-@builds(
-    "StableDiffusionXLControlNetPipeline",
-    "StableDiffusionXLControlNetImg2ImgPipeline",
-    "StableDiffusionXLControlNetInpaintPipeline",
-)
-def _sdxl_controlnet(zoo: Zoo, name: str) -> ZooEntry:
-    sdxl = zoo.base("sdxl")
-    pipe = _cls(name).from_pipe(sdxl, controlnet=_controlnet("sdxl", zoo.seed))
-    extra = {"image": _image()}
-    if "Img2Img" in name or "Inpaint" in name:
-        extra.update(control_image=_image(), strength=1.0)
-    if "Inpaint" in name:
-        extra["mask_image"] = _mask()
-    return ZooEntry(pipe, _with([CFG, NO_CFG], **extra))
-
-
-@builds("StableDiffusionXLControlNetPAGPipeline", "StableDiffusionXLControlNetPAGImg2ImgPipeline")
-def _sdxl_controlnet_pag(zoo: Zoo, name: str) -> ZooEntry:
-    sdxl = zoo.base("sdxl")
-    pipe = _cls(name).from_pipe(sdxl, controlnet=_controlnet("sdxl", zoo.seed), pag_applied_layers=["mid"])
-    extra = {"image": _image()}
-    if "Img2Img" in name:
-        extra.update(control_image=_image(), strength=1.0)
-    return ZooEntry(pipe, _with([_PAG, _PAG_NO_CFG], **extra))
 
 
 @builds(
