@@ -66,7 +66,8 @@ class Row:
         runs: runs made (plain run completed).
         identical: runs whose probed output was bit-identical.
         labels: per run name, the labels the probe gave, in buffer order.
-        notes: the build's notes, then every failed check.
+        notes: what is special about the build.
+        failures: every failed check (a run that fails, labels other than diffusers' source gives, ...).
     """
 
     name: str
@@ -141,14 +142,14 @@ class _Passes:
 def _call(entry, run, refs: Sequence[PIL.Image.Image], prepare: bool = True) -> Any:
     import inspect
 
-    from ipa_probe.tiny.zoo import PROMPT, STEPS
+    from ipa_probe.tiny.zoo import PROMPT, SIZE, STEPS
 
     pipe = entry.pipe
     kwargs: dict[str, Any] = {"num_inference_steps": STEPS, "output_type": "np", **run.kwargs}
     accepted = inspect.signature(type(pipe).__call__).parameters
     for side in ("height", "width"):
         if side in accepted and side not in kwargs:
-            kwargs[side] = 64
+            kwargs[side] = SIZE
     if prepare and entry.prepare is not None:
         entry.prepare(pipe)
     refs = list(refs)[: entry.references]

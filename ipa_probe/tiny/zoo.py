@@ -25,15 +25,17 @@ from typing import Any
 
 import PIL.Image
 
-__all__ = ["PROMPT", "STEPS", "Run", "Zoo", "ZooEntry", "ip_adapter_pipeline_classes"]
+__all__ = ["PROMPT", "SIZE", "STEPS", "Run", "Zoo", "ZooEntry", "ip_adapter_pipeline_classes"]
 
 #: The prompt of every run.
 PROMPT = "a photo of a flower"
 #: Denoising steps of every run.
 STEPS = 2
 
+#: Image side of every run unless it says otherwise (8 x 8 latents through the 8x VAEs).
+SIZE = 64
+
 _NEGATIVE = "blurry"
-_SIZE = 64  # image side of every run (8 x 8 latents through the 8x VAEs)
 _FRAMES = 2
 
 
@@ -116,11 +118,11 @@ CFG = Run("cfg", {"negative_prompt": _NEGATIVE}, ("uncond", "cond"))
 NO_CFG = Run("no cfg", {"guidance_scale": 1.0}, ("cond",))
 
 
-def _image(color: tuple[int, int, int] = (120, 80, 40), size: int = _SIZE) -> PIL.Image.Image:
+def _image(color: tuple[int, int, int] = (120, 80, 40), size: int = SIZE) -> PIL.Image.Image:
     return PIL.Image.new("RGB", (size, size), color)
 
 
-def _mask(size: int = _SIZE) -> PIL.Image.Image:
+def _mask(size: int = SIZE) -> PIL.Image.Image:
     mask = PIL.Image.new("L", (size, size), 0)
     mask.paste(255, (0, 0, size // 2, size))
     return mask

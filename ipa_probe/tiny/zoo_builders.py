@@ -19,7 +19,7 @@ from transformers import BatchEncoding
 from .dit import tiny_flux_components, tiny_flux_ip_adapter_state_dict
 from .sd import _seeded, tiny_components, tiny_ip_adapter_state_dict, tiny_pipeline
 from .tokenizer import CLIP_VOCAB_SIZE, clip_tokenizer
-from .zoo import _FRAMES, _NEGATIVE, _SIZE, CFG, NO_CFG, Run, Zoo, ZooEntry, _image, _mask, _with
+from .zoo import _FRAMES, _NEGATIVE, CFG, NO_CFG, SIZE, Run, Zoo, ZooEntry, _image, _mask, _with
 
 __all__ = ["BUILDERS"]
 
@@ -482,7 +482,7 @@ def _flux_image(zoo: Zoo, name: str) -> ZooEntry:
     if "Inpaint" in name:
         extra["mask_image"] = _mask()
     if "Kontext" in name:
-        extra.update(height=_SIZE, width=_SIZE, max_area=_SIZE * _SIZE, _auto_resize=False)
+        extra.update(height=SIZE, width=SIZE, max_area=SIZE * SIZE, _auto_resize=False)
     return ZooEntry(pipe, _with([_TRUE_CFG, _FLUX_NO_CFG], **extra))
 
 
