@@ -320,6 +320,7 @@ def summarize(plain: dict[str, str], probed: dict[str, str], calls: list[dict], 
         "without_rows": sum(call.get("projections", 0) > 0 and call.get("rows", 0) == 0 for call in calls),
         "probe_errors": [call for call in calls if "probe_error" in call],
         "labels": {name: sorted(seen) for name, seen in sorted(labels.items())},
+        "calls_per_class": dict(sorted(Counter(call["class"] for call in calls).items())),
     }
 
 
@@ -337,7 +338,10 @@ def report(result: dict) -> str:
         f"calls whose image branch ran without rows: {result['without_rows']}",
         f"calls where the probe raised: {len(result['probe_errors'])}",
         "labels seen per class:",
-        *[f"  {name}: {', '.join(labels) or '-'}" for name, labels in result["labels"].items()],
+        *[
+            f"  {name} ({result['calls_per_class'][name]} calls): {', '.join(labels) or '-'}"
+            for name, labels in result["labels"].items()
+        ],
     ]
     return "\n".join(lines)
 
