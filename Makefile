@@ -6,8 +6,11 @@ STAMP := $(VENV)/.installed-stamp
 DEMO_OUT ?= outputs/demo
 PYTEST_ARGS ?=
 TIER ?= smoke
+# Waiting OpenMP threads sleep instead of spinning (a spinning run on a shared machine can be many times slower);
+# a value set in the environment wins. The ipa-probe commands set the same default themselves (docs/failures.md).
+export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: venv demo test test-fast lint format hooks bench experiments clean
+.PHONY: venv demo test test-fast lint format hooks bench experiments figures figures-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +49,14 @@ bench: $(STAMP)
 
 experiments: $(STAMP)
 	$(VENV)/bin/ipa-probe experiments all --tier $(TIER) --out outputs/experiments-$(TIER)
+
+# Every figure of README.md and docs/: the organism's commands rerun, the experiments' figures redrawn from their
+# record.json (see docs/figures.md). `make figures-check` says which are not current.
+figures: $(STAMP)
+	$(PY) -m ipa_probe.devtools.figures
+
+figures-check: $(STAMP)
+	$(PY) -m ipa_probe.devtools.figures --check --rerun
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

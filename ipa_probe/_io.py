@@ -6,19 +6,19 @@ Nothing here imports torch or pandas at module level, so the command line can im
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import logging
 import math
 import os
-import platform
+import re
 import socket
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,15 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "LOCK_NAME",
     "OutputLocked",
+    "PROVENANCE_KEY",
     "atomic_path",
     "check_launch_holds",
+    "code_digest",
+    "data_digest",
     "jsonable",
+    "os_error_of",
     "output_lock",
+    "read_provenance",
     "versions",
     "write_atomic",
     "write_figure",
@@ -44,6 +49,10 @@ VERSIONED_PACKAGES = ("torch", "diffusers", "transformers", "numpy", "pandas", "
 
 #: The lock file of an output folder (hidden: Parquet dataset readers skip it).
 LOCK_NAME = ".ipa_probe.lock"
+
+#: The PNG text chunk holding a figure's provenance (:func:`write_figure`, :func:`write_image`,
+#: :func:`read_provenance`): JSON with the digest of the code that drew it and of its inputs.
+PROVENANCE_KEY = "ipa_probe:provenance"
 
 
 def jsonable(value: Any) -> Any:
@@ -72,6 +81,10 @@ def versions() -> dict[str, Any]:
 
     Package versions come from the installed distributions' metadata, so nothing heavy is imported.
     """
+    import platform
+    import subprocess
+    from importlib import metadata  # imported here: it takes a noticeable part of the command line's start-up
+
     from . import __version__
 
     info: dict[str, Any] = {"python": platform.python_version(), "ipa_probe": __version__}
@@ -106,8 +119,41 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with open(temp, "rb+") as handle:  # flushed to disk before the rename makes it visible
             os.fsync(handle.fileno())
         os.replace(temp, path)
+    except Exception as err:
+        fault = os_error_of(err)
+        if fault is None:
+            raise
+        raise OSError(fault.errno, fault.strerror, str(path)) from err  # names the file, not its temp copy
     finally:
+        _remove_quietly(temp)
+
+
+def _remove_quietly(temp: Path) -> None:
+    """Remove a temp file; a failure (a read-only folder) is logged, never raised over the error being handled."""
+    try:
         temp.unlink(missing_ok=True)
+    except OSError as err:  # a read-only file system refuses even to unlink a file that is not there
+        if os.path.lexists(temp):
+            logger.warning("could not remove the temp file %s (%s)", temp, err.strerror or err)
+
+
+#: how Rust writers (safetensors) name an OS error in their messages
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error_of(err: BaseException) -> OSError | None:
+    """The operating-system fault behind ``err`` as an ``OSError`` with its errno, or ``None`` when it is not one.
+
+    Writers report the same fault differently: Python and PIL raise ``OSError`` with an errno, pyarrow an ``OSError``
+    with an errno but no file name, safetensors its own error with ``(os error 28)`` in the message.
+    """
+    if isinstance(err, OSError) and err.errno is not None:
+        return OSError(err.errno, os.strerror(err.errno), err.filename)
+    match = _RUST_OS_ERROR.search(str(err))
+    if match:
+        number = int(match.group(1))
+        return OSError(number, os.strerror(number))
+    return None
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
@@ -137,25 +183,68 @@ def write_table(table: Any, path: str | os.PathLike) -> Path:
     return path
 
 
-def write_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
-    """A matplotlib figure in the format its suffix names, written atomically; the figure is closed."""
+def code_digest(*functions: Any) -> str:
+    """A short SHA-256 of the source text of ``functions`` (in order): changes when any of them is edited."""
+    digest = hashlib.sha256()
+    for function in functions:
+        digest.update(f"{function.__module__}.{function.__qualname__}\n".encode())
+        digest.update(inspect.getsource(function).encode())
+    return digest.hexdigest()[:16]
+
+
+def data_digest(value: Any) -> str:
+    """A short SHA-256 of ``value`` as canonical JSON (through :func:`jsonable`, keys sorted)."""
+    text = json.dumps(jsonable(value), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _png_text(provenance: dict | None) -> dict[str, str]:
+    return {} if provenance is None else {PROVENANCE_KEY: json.dumps(jsonable(provenance), sort_keys=True)}
+
+
+def write_figure(fig: Any, path: str | os.PathLike, dpi: int = 120, provenance: dict | None = None) -> Path:
+    """A matplotlib figure in the format its suffix names, written atomically; the figure is closed.
+
+    ``provenance`` (a JSON-able dict, e.g. ``{"code": code_digest(plot), "inputs": data_digest(data)}``) goes into a
+    PNG text chunk (:data:`PROVENANCE_KEY`), read back by :func:`read_provenance`.
+    """
     import matplotlib.pyplot as plt
 
     path = Path(path)
+    fmt = path.suffix.lstrip(".")
+    metadata = _png_text(provenance) if fmt == "png" else {}
     try:
         with atomic_path(path) as temp:
-            fig.savefig(temp, dpi=dpi, format=path.suffix.lstrip("."))
+            fig.savefig(temp, dpi=dpi, format=fmt, metadata=metadata or None)
     finally:
         plt.close(fig)
     return path
 
 
-def write_image(image: Any, path: str | os.PathLike, **options: Any) -> Path:
-    """A PIL image in the format its suffix names (``options`` go to ``Image.save``), written atomically."""
+def write_image(image: Any, path: str | os.PathLike, provenance: dict | None = None, **options: Any) -> Path:
+    """A PIL image in the format its suffix names (``options`` go to ``Image.save``), written atomically; a PNG
+    carries ``provenance`` as :func:`write_figure` does."""
     path = Path(path)
+    fmt = path.suffix.lstrip(".").upper().replace("JPG", "JPEG")
+    if provenance is not None and fmt == "PNG":
+        from PIL.PngImagePlugin import PngInfo
+
+        info = PngInfo()
+        for key, text in _png_text(provenance).items():
+            info.add_text(key, text)
+        options["pnginfo"] = info
     with atomic_path(path) as temp:
-        image.save(temp, format=path.suffix.lstrip(".").upper().replace("JPG", "JPEG"), **options)
+        image.save(temp, format=fmt, **options)
     return path
+
+
+def read_provenance(path: str | os.PathLike) -> dict | None:
+    """The provenance :func:`write_figure` / :func:`write_image` stored in a PNG, or ``None`` when it has none."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        text = getattr(image, "text", {}).get(PROVENANCE_KEY)
+    return json.loads(text) if text else None
 
 
 class OutputLocked(RuntimeError):
@@ -231,9 +320,12 @@ def output_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
             "started": time.time(),
             "command": command,
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+            os.fsync(fd)
+        except OSError as err:  # a full disk: name the lock file (os.pwrite knows only the descriptor)
+            raise OSError(err.errno, os.strerror(err.errno), str(path)) from err
         try:
             yield path
         finally:

@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pandas as pd
 
+from .._checks import check_fraction, check_int, check_seed, check_threshold
 from ..capture.report import style_timestep_axes, summarize
 from ..schema import SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column
 
@@ -106,6 +107,10 @@ def aggregate(
         ``q_norm``, ``k_norm_spread``, ``ip_mass``, ``bandwidth``; NaN where the summaries lack one) and the maxima
         of :data:`~ipa_probe.schema.SUMMARY_MAX` (``nonfinite``) over every row, partial ones included.
     """
+    check_threshold(threshold)
+    check_fraction(confidence, "confidence")
+    check_int(n_resamples, "n_resamples", 1)
+    check_seed(seed)
     frac = frac_column(threshold)
     means = [frac, *(name for name in SUMMARY_MEANS if name != "spearman")]
     columns = ["branch", "timestep", "rows", "rows_partial", "spearman"]
@@ -177,9 +182,13 @@ def plot_aggregate(agg: pd.DataFrame, ax=None, branch: str = "cond", confidence:
         ax.plot(x, part["spearman_null"], color="grey", linestyle=":", label="permutation null")
         rows = int(part["rows"].max())
         ax.set_title(f"IP-Adapter attention vs Gaussian NW, {rows} row(s) ({branch} branch)")
+        columns = ["spearman", "spearman_ci_low", "spearman_ci_high", "pearson", "spearman_null"]
+        columns += [frac] if frac else []
+        drawn = part[columns].to_numpy(np.float64).ravel()
     else:
         ax.set_title("IP-Adapter attention vs Gaussian NW (no rows)")
-    style_timestep_axes(ax)
-    ax.legend(fontsize=8, loc="lower left")
+        drawn = None
+    style_timestep_axes(ax, drawn)
+    ax.legend(fontsize=8, loc="best", framealpha=0.85)
     fig.tight_layout()
     return fig
