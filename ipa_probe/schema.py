@@ -120,10 +120,12 @@ SUMMARY_GAUGE_MEANS: tuple[str, ...] = (*GAUGE_COLUMNS, *NULL_COLUMNS)
 #: Columns a summary takes the maximum of over cells.
 SUMMARY_MAX: tuple[str, ...] = ("nonfinite",)
 
-#: The CFG-branch labels the probe gives batch items (see README, "How the probe works"): ``"uncond"`` and
-#: ``"cond"`` (classifier-free guidance), ``"perturbed"`` (the last chunk of a PAG batch), ``"uncond_text"``
-#: (InstructPix2Pix's middle chunk: negative prompt, real image) and ``"batch"`` (items the evidence does not decide).
-BRANCH_LABELS: tuple[str, ...] = ("uncond", "cond", "perturbed", "uncond_text", "batch")
+#: The CFG-branch labels the probe gives batch items (see :mod:`ipa_probe.capture.branches`): ``"uncond"`` and
+#: ``"cond"`` (classifier-free guidance), ``"perturbed"`` (the last part of a PAG batch), ``"uncond_text"``
+#: (InstructPix2Pix's middle chunk: negative prompt, real image), ``"sag"`` (self-attention guidance's pass on
+#: degraded latents), ``"safety"`` (the safety concept's chunk of ``StableDiffusionPipelineSafe``) and ``"batch"``
+#: (items the evidence does not decide).
+BRANCH_LABELS: tuple[str, ...] = ("uncond", "cond", "perturbed", "uncond_text", "sag", "safety", "batch")
 
 
 def frac_column(threshold: float) -> str:

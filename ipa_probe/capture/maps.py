@@ -116,9 +116,13 @@ class MapAccumulator:
     # ------------------------------------------------------------------ capture
     def install(self, denoiser: torch.nn.Module) -> list[Handle]:
         """Register the pre-hook that reads each denoiser call's ``ip_adapter_masks`` (after the probe's clock)."""
+        self.read_projections(denoiser)
+        return [denoiser.register_forward_pre_hook(observer(self._on_denoiser_call), with_kwargs=True)]
+
+    def read_projections(self, denoiser: torch.nn.Module) -> None:
+        """Read the denoiser's per-adapter image projections (again, after ``load_ip_adapter`` replaced them)."""
         projection = getattr(getattr(denoiser, "_orig_mod", denoiser), "encoder_hid_proj", None)
         self._projections = getattr(projection, "image_projection_layers", None)
-        return [denoiser.register_forward_pre_hook(observer(self._on_denoiser_call), with_kwargs=True)]
 
     def _on_denoiser_call(self, module, args, kwargs) -> None:
         self._batch = self.tap.sample(args, kwargs).shape[0]

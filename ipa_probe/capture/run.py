@@ -36,11 +36,13 @@ from ..layers import (
     find_ip_layers,
     image_branch_logits,
     observer,
+    refind_ip_layers,
     release,
 )
 from ..schema import CELL_FIELDS
 from ..stats import compare_weights, copy_groups, fit_bandwidth, null_tail_table
 from .branches import Layout, PromptEvidence, label_vocabulary
+from .clock import CallClock
 from .config import ProbeConfig
 from .mapplots import plot_reference_maps
 from .maps import MapAccumulator, check_size, map_statistics, reference_mass, select_layers
@@ -139,7 +141,9 @@ class ProbeRun:
         self._state = _StepState()
         self._capture = Capture(record=self._record)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._last_timesteps: Any = None
+        self._tap_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._clock = CallClock(pipe)
+        self._processors = [layer.processor for layer in self.layers]  # as last seen at a pass
         self._generator: torch.Generator | None = None
         self._constants: dict[tuple, torch.Tensor] = {}
         self._result: dict[str, Any] | None = None
@@ -156,7 +160,7 @@ class ProbeRun:
             done = observer(self._on_denoiser_return)
             self._handles.append(denoiser.register_forward_pre_hook(clock, with_kwargs=True))
             self._handles.append(denoiser.register_forward_hook(done))  # not run when the pass raises
-            self._handles.extend(self.tap.install(self._capture, self.images, self.text_slot))
+            self._tap_handles = self.tap.install(self._capture, self.images, self.text_slot)
             self.evidence.install()
             if self._maps is not None:
                 self._handles.extend(self._maps.install(denoiser))
@@ -168,9 +172,12 @@ class ProbeRun:
         """Remove every hook and finalise the results. ``interrupted``: the run was stopped by Ctrl-C, so cut-short
         steps are logged at debug level only."""
         self.evidence.remove()
-        for handle in self._handles:
+        for handle in [*self._handles, *self._tap_handles]:
             handle.remove()
         self._handles.clear()
+        self._tap_handles.clear()
+        self._clock.reset()
+        self.tap.running = self.pipe
         if self._state.in_pass and self._state.call is not None:
             self._state.call.incomplete.add(self._state.step)
         self._state = _StepState()
@@ -222,13 +229,14 @@ class ProbeRun:
         if state.in_pass and state.call is not None:  # the previous pass raised before returning
             state.call.incomplete.add(state.step)
         self._capture.stash.clear()  # nothing a failed pass left may pair with this pass's tensors
+        self._follow_processors()
         self._start_call_if_new(args, kwargs)
         denoiser_pass = tap.begin_pass(args, kwargs)
         if denoiser_pass.new_step or state.step < 0:
             self._advance_step(args, kwargs)
         context = tap.argument("encoder_hidden_states", args, kwargs)
         sample = tap.sample(args, kwargs)
-        state.layout = self.evidence.layout(context, sample.device)
+        state.layout = self.evidence.layout(context, sample.device, denoiser_pass.label)
         state.text_mask = tap.text_mask(state.layout, context) if self.text_slot is not None else None
         state.in_pass, state.records = True, 0
         self._capture.recording = denoiser_pass.record and self.config.records_step(state.step)
@@ -257,18 +265,39 @@ class ProbeRun:
                     return True
         return False
 
-    def _start_call_if_new(self, args: tuple, kwargs: dict) -> None:
-        """A new pipeline call starts when the scheduler's timesteps are a new tensor (``set_timesteps`` ran)."""
-        state = self._state
-        timesteps = getattr(getattr(self.pipe, "scheduler", None), "timesteps", None)
-        if state.call is not None and timesteps is self._last_timesteps:
+    def _follow_processors(self) -> None:
+        """Re-attach to IP-Adapter processors replaced inside the block (``load_ip_adapter`` called again, the NW
+        head's subclasses swapped in): their image branch runs modules the probe's hooks are not on. Refused with
+        the remedy when the layers, adapters or heads changed (the buffers are sized by them); processors without
+        an image branch (``unload_ip_adapter``) leave nothing to record."""
+        current = [layer.attention.processor for layer in self.layers]
+        if all(now is seen for now, seen in zip(current, self._processors, strict=True)):
             return
-        self._last_timesteps = timesteps
-        capacity = len(timesteps) if timesteps is not None else 64
-        state.call = self._new_call(self.tap.sample(args, kwargs).device, capacity)
+        self._processors = current
+        found = refind_ip_layers(self.pipe, self.layers, self.config.layers)
+        if found is None:
+            return
+        for handle in self._tap_handles:
+            handle.remove()
+        self.layers[:] = found  # the list the tap and the maps read
+        self._processors = [layer.processor for layer in found]
+        self._tap_handles = self.tap.install(self._capture, self.images, self.text_slot)
+        if self._maps is not None:
+            self._maps.read_projections(denoiser_of(self.pipe))
+        logger.info("probe: re-attached to the IP-Adapter processors replaced inside the block")
+
+    def _start_call_if_new(self, args: tuple, kwargs: dict) -> None:
+        """Start a new call's buffers when the pass starts a new pipeline call (see :mod:`~.clock`)."""
+        state = self._state
+        new = self._clock.new_call()
+        self.tap.running = self.evidence.running = self._clock.running
+        if state.call is not None and not new:
+            return
+        planned = self._clock.planned_steps()
+        state.call = self._new_call(self.tap.sample(args, kwargs).device, planned or 64)
         state.step = -1
         self.tap.begin_call(args, kwargs)
-        planned = len(timesteps) if timesteps is not None else 1
+        planned = planned or 1
         if self.config.keep_maps:
             self._check_map_budget(args, kwargs, planned)
         if self._maps is not None:
