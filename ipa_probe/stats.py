@@ -281,7 +281,7 @@ def compare_weights(
         _masked_mean(gauge, ranked & gauge.isfinite()),
         _masked_mean(baseline_rows, ranked),
         _masked_mean(rho_rows - baseline_rows, ranked),
-        _masked_mean((rho_rows > ROW_THRESHOLD).to(dtype), ranked),
+        _masked_mean((rho_rows > ROW_THRESHOLD + ROW_TIE).to(dtype), ranked),
         _masked_mean(chance_rows, ranked),
         _masked_mean(same, ranked),
         _masked_mean(reversed_, ranked),
@@ -289,6 +289,14 @@ def compare_weights(
     )
     return torch.stack(stats, dim=-1).float()
 
+
+#: A row's rho within this of :data:`~ipa_probe.schema.ROW_THRESHOLD` counts as at it, not above it. rho takes discrete
+#: values (``1 - 6 S / (K^3 - K)`` for integer ``S``), and 0.9 itself is one of them for some ``K`` (5, 9, 11, ...):
+#: float32 rank arithmetic puts such a row a few ulps either side of 0.9 depending on the CPU's summation order, so
+#: without this margin the share of rows above 0.9 would depend on the machine. The null's exact values at 0.9 are
+#: not above it either (:meth:`RhoNull.tail` is strict), and its next value above 0.9 is at least 1e-3 away for the
+#: tabulated ``K``, far beyond this margin.
+ROW_TIE = 1e-5
 
 #: ``|c|`` within this of 1 counts as exactly linear in :func:`_gauge_rows` (float32 resolution near 1).
 _LINEAR = 1e-6

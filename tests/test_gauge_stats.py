@@ -148,7 +148,7 @@ def _reference(attn: np.ndarray, nw: np.ndarray, term: np.ndarray | None, keep: 
         row = {
             "rho": rho,
             "rho_baseline": _moran(r, k),
-            "rows_rho_gt_0.9": float(rho > 0.9),
+            "rows_rho_gt_0.9": float(rho > 0.9 + 1e-5),  # a row at exactly 0.9 is not above it (stats.ROW_TIE)
             "rows_rho_gt_0.9_null": (null > 0.9).mean(),
             "rows_rho_pos1": float(abs(rho - 1) < 1e-9),
             "rows_rho_neg1": float(abs(rho + 1) < 1e-9),
