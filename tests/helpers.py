@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -119,3 +120,36 @@ def write_tiny_clip(folder: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "open_clip_config.json").write_text(json.dumps(TINY_CLIP))
     return f"local-dir:{folder}"
+
+
+# --------------------------------------------------------------------------- float32 rank near-ties
+
+#: Two distinct keys whose logits in a row lie closer than this (relative to the row's largest |logit|) are a near-tie:
+#: ~100 float32 ulps, far above the rounding of a float32 dot product in any summation order (sqrt(D) ulps for
+#: D <= 256), so keys farther apart have the same order on every CPU and thread count, and keys this close may not.
+NEAR_TIE = 1e-5
+
+
+def near_ties(logits: torch.Tensor, keys: torch.Tensor, tol: float = NEAR_TIE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which rows have a rank order that float32 rounding may decide, from a float64 recomputation.
+
+    Copies of one token (keys equal up to 1e-6 of the largest key norm, e.g. the unconditional tokens of several
+    reference images) are one key: they tie in exact arithmetic and the probe ranks them as one.
+
+    Args:
+        logits: float64 attention logits, shape ``(..., R, K)``.
+        keys: the keys they were computed from, shape ``(..., K, D)``.
+        tol: the near-tie tolerance, relative to each row's largest ``|logit|``.
+
+    Returns:
+        ``(any_tie, top_tie)``, bool, shape ``(..., R)``: the row has two distinct keys within ``tol`` of each other
+        (its Spearman rho may differ from the exact one); its two largest distinct keys are within ``tol`` (its
+        arg-max may differ).
+    """
+    copies = torch.cdist(keys, keys) <= 1e-6 * keys.norm(dim=-1).amax(-1)[..., None, None]  # (..., K, K)
+    first = copies.to(torch.uint8).argmax(-1)  # (..., K) index of each key's first copy
+    distinct = first == torch.arange(keys.shape[-2])  # (..., K): one key per token
+    ordered = logits.masked_fill(~distinct.unsqueeze(-2), -math.inf).sort(-1, descending=True).values  # (..., R, K)
+    gaps = ordered[..., :-1] - ordered[..., 1:]  # (..., R, K - 1): inf or NaN where a left-out copy takes part
+    close = gaps <= tol * logits.abs().amax(-1, keepdim=True)  # False for inf and NaN
+    return close.any(-1), close[..., 0]
