@@ -41,7 +41,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="ipa-probe",
-        description=__doc__,
+        description="Record IP-Adapter attention against Gaussian Nadaraya-Watson kernel weights, swap the NW head "
+        "in, and reproduce the paper's experiments. With no model arguments, `probe` and `compare` run the trained "
+        "digits organism shipped in the package, offline. Each command has its own --help.",
         epilog="exit codes: 0 done, 2 bad arguments or input (one line), 3 some sweep rows failed (run again to "
         "retry them), 130 interrupted (finished work is kept; run the same command to resume)",
     )

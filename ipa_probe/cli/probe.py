@@ -23,7 +23,8 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "probe",
         help="record IP-Adapter attention vs Gaussian NW weights during one generation",
-        description="Generate with the probe on. With no model arguments the embedded tiny pipeline runs offline.",
+        description="Generate with the probe on. With no model arguments it runs the trained digits organism shipped "
+        "in the package (--kind digits), offline.",
     )
     add_model_arguments(parser, default_kind="digits")
     bandwidth = bandwidth_type("matched", "fit")
@@ -71,20 +72,21 @@ def run(args: argparse.Namespace) -> int:
         write_image(image, out / f"image_{i}.png")
     write_image(image_row(loaded.references, result.images), out / "references_and_output.png")
     paths = run_.save(out, extra={"run": loaded.description})
+    written = [f"{len(result.images)} image(s)", "references_and_output.png"]
+    written += [paths[key].name for key in ("table", "summary", "plot")]
     if args.keep_maps:
         with atomic_path(out / "maps.pt") as temp:
             torch.save({"|".join(map(str, key)): value for key, value in run_.maps.items()}, temp)
+        written.append("maps.pt")
     if args.maps:
         from ..capture.maps import save_reference_maps
 
-        save_reference_maps(run_, out, result.images[0], [loaded.references])
+        written += [p.name for p in save_reference_maps(run_, out, result.images[0], [loaded.references]).values()]
     verdict = _digit_verdict(result.images, args.digit, out) if organism and not args.image else ""
     summary = run_.summary()
     cond = summary[summary["branch"] == "cond"]
     last = cond.iloc[-1] if len(cond) else None
-    line = f"wrote {out}: {len(result.images)} image(s), references_and_output.png, {paths['table'].name}, "
-    line += f"{paths['summary'].name}, "
-    line += f"{paths['plot'].name}"
+    line = f"wrote {out}: " + ", ".join(written)
     if last is not None:
         line += f"; last step (t={last['timestep']:g}): spearman {last['spearman']:.3f}, pearson {last['pearson']:.3f}"
     print(line + verdict)
