@@ -153,3 +153,43 @@ def near_ties(logits: torch.Tensor, keys: torch.Tensor, tol: float = NEAR_TIE) -
     gaps = ordered[..., :-1] - ordered[..., 1:]  # (..., R, K - 1): inf or NaN where a left-out copy takes part
     close = gaps <= tol * logits.abs().amax(-1, keepdim=True)  # False for inf and NaN
     return close.any(-1), close[..., 0]
+
+
+class CaptureQK:
+    """Record, per IP-Adapter layer and denoiser pass, the image branch's query and keys (adapter 0) with our own
+    forward hooks: ``captured[layer] = {"q": [(B, Q, H*D), ...], "k": [(B, K, H*D), ...]}``, one entry per pass.
+
+    ``key_hook`` (optional) is registered on ``to_k_ip[0]`` before the recording hook, so it may change the keys the
+    processor uses and the recorded keys are the changed ones. All hooks are removed on exit.
+    """
+
+    def __init__(self, pipe, key_hook=None) -> None:
+        from ipa_probe.layers import find_ip_layers
+
+        self.layers = find_ip_layers(pipe)
+        self.key_hook = key_hook
+        self.captured: dict[str, dict[str, list[torch.Tensor]]] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> CaptureQK:
+        for layer in self.layers:
+            record = self.captured.setdefault(layer.name, {"q": [], "k": []})
+            to_k = layer.attention.processor.to_k_ip[0]
+            if self.key_hook is not None:
+                self._handles.append(to_k.register_forward_hook(self.key_hook))
+            for module, key in ((layer.attention.to_q, "q"), (to_k, "k")):
+                hook = lambda m, a, o, r=record[key]: r.append(o.detach().clone())
+                self._handles.append(module.register_forward_hook(hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def ties(self, layer: str, step: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`near_ties` of one layer and pass in float64: ``(any_tie, top_tie)``, each ``(B, H, Q)``."""
+        q, k = self.captured[layer]["q"][step].double(), self.captured[layer]["k"][step].double()
+        batch, d = q.shape[0], q.shape[-1] // heads
+        q = q.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, Q, D)
+        k = k.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, K, D)
+        return near_ties(q @ k.transpose(-1, -2) / math.sqrt(d), k)

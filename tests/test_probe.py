@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
-from helpers import PIPELINE_CASES, CountScalarReads, masks_for, near_ties
+from helpers import PIPELINE_CASES, CaptureQK, CountScalarReads, masks_for
 from scipy import stats as sps
 
 import ipa_probe
@@ -180,35 +180,17 @@ def test_equal_key_norms_give_rho_one_at_matched_bandwidth(refs, noise, monkeypa
         monkeypatch.setattr(ipa_probe.capture.run, "nw_logits", perturbed)
     pipe = tiny_pipeline("sd15", ip_adapter="plus")
     heads = 2  # tiny pipelines have 2 heads
-    captured: dict[str, dict[str, list[torch.Tensor]]] = {}
 
     def normalise(module, args, output):
         per_head = output.reshape(output.shape[0], -1, heads, output.shape[-1] // heads)  # (B, K, H, D)
         return (per_head / per_head.norm(dim=-1, keepdim=True)).reshape(output.shape)
 
-    handles = []
-    for layer in ipa_probe.layers.find_ip_layers(pipe):
-        record = captured.setdefault(layer.name, {"q": [], "k": []})
-        attn = pipe.unet.get_submodule(layer.name)
-        handles.append(attn.to_q.register_forward_hook(lambda m, a, o, r=record: r["q"].append(o.detach().clone())))
-        for m in attn.processor.to_k_ip:
-            handles.append(m.register_forward_hook(normalise))
-            # registered after normalise, so it sees the normalised keys the processor (and the probe) use
-            handles.append(m.register_forward_hook(lambda m, a, o, r=record: r["k"].append(o.detach().clone())))
-    try:
-        with probe(pipe) as run:
-            generate(pipe, refs)
-    finally:
-        for h in handles:
-            h.remove()
+    with CaptureQK(pipe, key_hook=normalise) as capture, probe(pipe) as run:
+        generate(pipe, refs)
     df = run.to_dataframe()
     strict = 0
     for (layer, step), cell in df.groupby(["layer", "step"]):
-        q, k = captured[layer]["q"][step].double(), captured[layer]["k"][step].double()
-        batch, d = q.shape[0], q.shape[-1] // heads
-        q = q.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, Q, D)
-        k = k.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, K, D)
-        any_tie, top_tie = near_ties(q @ k.transpose(-1, -2) / math.sqrt(d), k)  # (B, H, Q)
+        any_tie, top_tie = capture.ties(layer, step, heads)  # (B, H, Q)
         for b, branch in enumerate(["uncond", "cond"]):  # CFG's batch layout
             for head in range(heads):
                 row = cell[(cell["branch"] == branch) & (cell["head"] == head)].iloc[0]
@@ -297,17 +279,31 @@ def test_no_host_synchronisation_inside_the_denoising_loop(sd15, refs):
 
 def test_bandwidth_options(sd15, refs):
     tables = {}
-    for name, bw in {"matched": "matched", "float": 0.7, "callable": lambda t: 0.5 + t / 500, "fit": "fit"}.items():
-        with probe(sd15, bandwidth=bw) as run:
-            generate(sd15, refs)
-        tables[name] = run.to_dataframe()
-    np.testing.assert_allclose(tables["float"]["bandwidth"], 0.7, rtol=1e-6)
+    bandwidths = {"matched": "matched", "float": 0.7, "callable": lambda t: 0.5 + t / 500, "fit": "fit"}
+    with CaptureQK(sd15) as capture:
+        for name, bw in bandwidths.items():
+            with probe(sd15, bandwidth=bw) as run:
+                generate(sd15, refs)
+            tables[name] = run.to_dataframe()
+    np.testing.assert_allclose(tables["float"]["bandwidth"], 0.7, rtol=1e-6)  # a float32 copy of 0.7
     callable_bw = tables["callable"].groupby("timestep")["bandwidth"].first()
     np.testing.assert_allclose(callable_bw.to_numpy(), 0.5 + callable_bw.index.to_numpy() / 500, rtol=1e-6)
-    # rank statistics do not depend on h; the fitted h never does worse in KL than the matched one
+    # Rank statistics do not depend on h: each h rounds the NW logits differently, so only keys within rounding of
+    # each other (near-ties, recomputed in float64 from the first run's q and k: every run is the same generation)
+    # may swap; a cell without near-tied rows must agree to the float32 rounding of the rank sums (1e-6).
+    matched = tables["matched"].set_index(["step", "layer", "branch", "head"])
+    heads = sd15.unet.get_submodule(capture.layers[0].name).heads
     for name in ("float", "callable", "fit"):
-        np.testing.assert_allclose(tables[name]["spearman"], tables["matched"]["spearman"], atol=1e-6)
-        np.testing.assert_allclose(tables[name]["top1"], tables["matched"]["top1"], atol=1e-6)
+        other = tables[name].set_index(matched.index.names).loc[matched.index]
+        for (step, layer, branch, head), row in other.iterrows():
+            any_tie, top_tie = capture.ties(layer, step, heads)
+            b = ["uncond", "cond"].index(branch)  # CFG's batch layout
+            tied, top = any_tie[b, head].double().mean().item(), top_tie[b, head].double().mean().item()
+            ref = matched.loc[(step, layer, branch, head)]
+            assert abs(row.spearman - ref.spearman) <= 2 * tied + 1e-6, (name, step, layer, branch, head)
+            assert abs(row.top1 - ref.top1) <= top + 1e-6, (name, step, layer, branch, head)
+    # the fitted h never does worse in KL than the matched one, which is on its grid; 1e-6: the two compute the
+    # logits in a different order (energy / h^2 against centred dot products), float32 rounding of the KL
     assert (tables["fit"]["kl"] <= tables["matched"]["kl"] + 1e-6).all()
     assert tables["fit"]["bandwidth"].nunique() > 1
 
