@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
-from helpers import PIPELINE_CASES, CaptureQK, CountScalarReads, masks_for
+from helpers import PIPELINE_CASES, CaptureQK, CountScalarReads, masks_for, near_ties
 from scipy import stats as sps
 
 import ipa_probe
@@ -141,6 +141,9 @@ def test_statistics_match_an_independent_recomputation(refs):
     k = captured["k"].double().reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, K, D)
     a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), -1)
     w = torch.softmax(-(torch.cdist(q, k) ** 2) / (2 * math.sqrt(d)), -1)
+    any_tie, _ = near_ties(q @ k.transpose(-1, -2) / math.sqrt(d), k)  # (B, H, Q): rows float32 may rank otherwise
+    # Tolerances: the probe works in float32, the reference in float64; 1e-4 (abs) or rel=1e-4 covers float32 sums
+    # over a few hundred entries. A near-tied row may also swap two ranks in float32: rho of a row lies in [-1, 1].
     for b, branch in enumerate(["uncond", "cond"]):
         for head in range(heads):
             row = df[(df["branch"] == branch) & (df["head"] == head)].iloc[0]
@@ -148,10 +151,10 @@ def test_statistics_match_an_independent_recomputation(refs):
             rho = np.mean([sps.spearmanr(x, y).statistic for x, y in zip(ab, wb, strict=True)])
             r = sps.pearsonr(ab.ravel(), wb.ravel()).statistic
             kl = (ab * (ab.log() - wb.log())).sum(-1).mean().item()
-            assert row.spearman == pytest.approx(rho, abs=1e-4)
+            assert row.spearman == pytest.approx(rho, abs=1e-4 + 2 * any_tie[b, head].double().mean().item())
             assert row.pearson == pytest.approx(r, abs=1e-4)
-            assert row.kl == pytest.approx(kl, rel=1e-3, abs=1e-6)
-            assert row.bandwidth == pytest.approx(d**0.25)
+            assert row.kl == pytest.approx(kl, rel=1e-3, abs=1e-6)  # a difference of two nearly equal log-weights
+            assert row.bandwidth == pytest.approx(d**0.25)  # h = d^(1/4) in float32
             assert row.neff_attn == pytest.approx((1 / (ab * ab).sum(-1)).mean().item(), rel=1e-4)
             norms = k[b, head].norm(dim=-1)
             assert row.k_norm_spread == pytest.approx((norms.std(correction=0) / norms.mean()).item(), rel=1e-4)
@@ -339,6 +342,7 @@ def test_keep_maps_shapes_and_budget(sd15, refs):
     assert weights.dtype == torch.float16 and weights.device.type == "cpu"
     b, h, q, k = weights.shape
     assert (b, k) == (2, 2 * 4)  # CFG doubles the batch; two reference images of 4 tokens
+    # float16 maps: 8 weights each rounded to 2^-11 relative, so a row sums to 1 within ~8 * 2^-12 < 2e-3
     torch.testing.assert_close(weights.float().sum(-1), torch.ones(b, h, q), atol=2e-3, rtol=0)
     assert run.map_branches[(call, step, layer, adapter)] == [("uncond", "cond")]
     with pytest.raises(ValueError, match="max_map_bytes"):
