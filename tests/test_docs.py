@@ -86,7 +86,7 @@ def test_pages_have_python_blocks():
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_marks_are_known_and_skips_give_a_reason(page):
     text = page.read_text(encoding="utf-8")
-    marks = _MARK.findall(text)
+    marks = [_MARK.fullmatch(line.strip()).groups() for line in text.splitlines() if _MARK.fullmatch(line.strip())]
     unknown = [kind for kind, _ in marks if kind not in ("slow", "skip")]
     assert not unknown, f"{page.name}: unknown snippet mark(s) {unknown}; use 'slow' or 'skip (REASON)'"
     found = snippets(page)
