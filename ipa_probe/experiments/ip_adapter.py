@@ -20,6 +20,8 @@ sets between the attention share and the posterior weight of the first digit's p
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -29,7 +31,7 @@ import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 from scipy import stats as sstats  # noqa: E402
 
-from .report import ExperimentResult, Row, save_figure  # noqa: E402
+from .report import ExperimentResult, Row, from_record, save_figure  # noqa: E402
 
 #: The paper's timesteps: the 50-step SD 1.x grid (steps_offset=1: 981, 961, ..., 1) at these step indices.
 PAPER_TIMESTEPS = (981, 761, 501, 261, 1)
@@ -247,27 +249,7 @@ def run(ctx) -> ExperimentResult:
             )
         )
 
-    fig, axes = plt.subplots(1, 2, figsize=(10.5, 3.6))
-    x = np.arange(len(PAPER_TIMESTEPS))
-    for label, summary in summaries.items():
-        ax = axes[0]
-        line = ax.plot(x, summary["spearman"], marker="o", label=f"{label}: Spearman")[0]
-        ax.fill_between(x, summary["ci_low"], summary["ci_high"], color=line.get_color(), alpha=0.2)
-        ax.plot(x, summary["pearson"], marker="s", linestyle=":", color=line.get_color(), label=f"{label}: Pearson")
-        ax.plot(x, summary["null"], "k--", linewidth=0.8)
-    axes[0].scatter([x[-1]], [PAPER_LAST_SPEARMAN], marker="x", color="C3", s=60, label="paper (SD 1.5, t=1)")
-    axes[0].set(xticks=x, xticklabels=PAPER_TIMESTEPS, xlabel="timestep (noise → data)", ylabel="statistic")
-    axes[0].set_title("IP-Adapter attention vs NW weights (digits organism)")
-    axes[0].set_ylim(-0.2, 1.05)
-    axes[0].legend(fontsize=7)
-    axes[1].plot(x, posterior["per_set_spearman"], marker="o", label="per set (4 refs)")
-    axes[1].plot(x, posterior["pair_spearman"], marker="s", label="pair share, over sets")
-    axes[1].axhline(0, color="black", linewidth=0.5)
-    axes[1].set(xticks=x, xticklabels=PAPER_TIMESTEPS, xlabel="timestep", ylabel="Spearman")
-    axes[1].set_title("attention share vs exact posterior weight")
-    axes[1].set_ylim(-1.05, 1.05)
-    axes[1].legend(fontsize=7)
-    figures = [save_figure(fig, folder / "ip_adapter.png")]
+    figures = [plot(summaries, posterior, tier.ip_mixed_sets, folder)]
     record = {
         "measurements": raw,
         "num_inference_steps": NUM_STEPS,
@@ -285,3 +267,66 @@ def run(ctx) -> ExperimentResult:
         ),
     }
     return ExperimentResult("ip-adapter", rows, record, figures)
+
+
+def plot(summaries: dict[str, pd.DataFrame], posterior: pd.DataFrame, mixed_sets: int, folder) -> Path:
+    """Left: per-row Spearman (band: its bootstrap CI over reference sets), Pearson and the permutation null per
+    timestep, trained beside untrained. Right: attention share against the exact posterior weight.
+
+    Args:
+        summaries: ``"trained"`` / ``"untrained"`` -> :func:`summarize_sets` tables.
+        posterior: the :func:`summarize_posterior` table.
+        mixed_sets: how many two-digit reference sets the posterior comparison ran on (the pair share needs 3).
+        folder: where ``ip_adapter.png`` goes.
+    """
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    x = np.arange(len(PAPER_TIMESTEPS))
+    ax = axes[0]
+    for label, summary in summaries.items():
+        line = ax.plot(x, summary["spearman"], marker="o", label=f"{label}: Spearman ρ")[0]
+        colour = line.get_color()
+        ax.fill_between(x, summary["ci_low"], summary["ci_high"], color=colour, alpha=0.2,
+                        label=f"{label}: 95% bootstrap CI of ρ over sets")  # fmt: skip
+        ax.plot(x, summary["pearson"], marker="s", linestyle=":", color=colour, label=f"{label}: Pearson r")
+        ax.plot(x, summary["null"], linestyle="--", color=colour, linewidth=0.9, label=f"{label}: permutation null")
+    ax.scatter([x[-1]], [PAPER_LAST_SPEARMAN], marker="x", color="C3", s=60, label="paper (SD 1.5, t=1)")
+    ax.set(xticks=x, xticklabels=PAPER_TIMESTEPS, xlabel="timestep (noise → data)", ylabel="statistic")
+    ax.set_title("IP-Adapter attention vs NW weights (digits organism)", fontsize=10)
+    ax.set_ylim(-0.2, 1.05)
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    ax = axes[1]
+    ax.plot(x, posterior["per_set_spearman"], marker="o", label="per set (4 refs), mean over sets")
+    pair = posterior["pair_spearman"].to_numpy(np.float64)
+    if np.isfinite(pair).any():
+        ax.plot(x, pair, marker="s", label="pair share, over sets")
+    else:  # a rank correlation over sets needs at least 3 of them
+        ax.text(0.5, 0.12, f"pair share over sets not drawn: it needs ≥ 3 mixed\nsets, this run has {mixed_sets}",
+                transform=ax.transAxes, ha="center", fontsize=7, color="0.3")  # fmt: skip
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set(xticks=x, xticklabels=PAPER_TIMESTEPS, xlabel="timestep (noise → data)", ylabel="Spearman")
+    ax.set_title("attention share vs exact posterior weight", fontsize=10)
+    ax.set_ylim(-1.05, 1.05)
+    ax.legend(fontsize=7, loc="upper right")
+    inputs = {"summaries": summaries, "posterior": posterior, "mixed_sets": mixed_sets}
+    return save_figure(fig, Path(folder) / "ip_adapter.png", plot, _jsonable_frames(inputs))
+
+
+def _jsonable_frames(inputs: dict) -> dict:
+    """The plot's inputs as its ``record.json`` holds them (frames as lists of records)."""
+    out = {}
+    for key, value in inputs.items():
+        if isinstance(value, pd.DataFrame):
+            out[key] = value.to_dict(orient="records")
+        elif isinstance(value, dict):
+            out[key] = _jsonable_frames(value)
+        else:
+            out[key] = value
+    return out
+
+
+def redraw(record: dict, folder) -> list[Path]:
+    """:func:`plot` again from a ``record.json`` of this experiment (no generation)."""
+    raw = from_record(record["measurements"])
+    summaries = {label: pd.DataFrame(raw[label]) for label in raw if label != "posterior"}
+    return [plot(summaries, pd.DataFrame(raw["posterior"]), int(record["mixed_sets"]), folder)]

@@ -11,9 +11,17 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._io import atomic_path, versions, write_atomic, write_figure, write_json
+from .._io import atomic_path, code_digest, data_digest, versions, write_atomic, write_figure, write_json
 
-__all__ = ["ExperimentResult", "Row", "format_value", "save_figure", "versions", "write_result"]
+__all__ = [
+    "ExperimentResult",
+    "Row",
+    "format_value",
+    "from_record",
+    "save_figure",
+    "versions",
+    "write_result",
+]
 
 TABLE_COLUMNS = ("quantity", "setting", "ours", "paper", "note")
 
@@ -89,7 +97,32 @@ def write_result(result: ExperimentResult, folder: Path) -> dict[str, Path]:
     return paths
 
 
-def save_figure(fig, path: Path) -> Path:
-    """Save a matplotlib figure as PNG (atomically) and close it."""
+def save_figure(fig, path: Path, code=None, inputs=None) -> Path:
+    """Save a matplotlib figure as PNG (atomically) and close it.
+
+    With ``code`` (the drawing function), the PNG carries its provenance: the digest of that function's source and
+    of ``inputs`` (the data it drew, as the experiment's ``record.json`` holds it), so that ``make figures`` can tell
+    whether the figure is current and redraw it from the record (see ``ipa_probe.devtools.figures``).
+    """
     fig.tight_layout()
-    return write_figure(fig, path, dpi=110)
+    provenance = None if code is None else {"code": code_digest(code), "inputs": data_digest(inputs)}
+    return write_figure(fig, path, dpi=110, provenance=provenance)
+
+
+def from_record(value):
+    """Measurements as a ``record.json`` holds them, back in the form the experiment drew them: dict keys that
+    are numbers become numbers again (JSON keys are strings) and ``None`` becomes NaN (JSON has no NaN)."""
+
+    def key(text):
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except (TypeError, ValueError):
+                pass
+        return text
+
+    if isinstance(value, dict):
+        return {key(k): from_record(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_record(v) for v in value]
+    return math.nan if value is None else value
