@@ -26,10 +26,12 @@ class _Records(logging.Handler):
 def diffusers_records():
     """Every message of the diffusers logger that emits the float32 warning (diffusers' loggers do not propagate)."""
     logger = logging.getLogger("diffusers.models.modeling_utils")
-    handler = _Records()
+    handler, level = _Records(), logger.level
     logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)  # whatever verbosity diffusers was left at by code that ran before
     yield handler.messages
     logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def test_building_a_pipeline_logs_no_float32_warning_but_the_filter_is_scoped(diffusers_records, monkeypatch):
@@ -56,8 +58,20 @@ def test_only_the_known_messages_are_dropped(diffusers_records):
         "There are modules in X that should be kept in float32: ['norm']. Casting ...",
         "another diffusers warning",
     ]
-    assert logger.filters == filters_before and logging.getLogger().filters == []
+    assert logger.filters == filters_before
     assert set(HARMLESS) == {"diffusers.models.modeling_utils", "root"}
+
+
+def test_the_command_line_leaves_the_libraries_logging_as_it_found_it(tmp_path, capsys):
+    from diffusers.utils import logging as diffusers_logging
+
+    from ipa_probe.cli import main
+
+    loggers = [logging.getLogger(name if name != "root" else None) for name in HARMLESS]
+    before = diffusers_logging.get_verbosity(), [list(logger.filters) for logger in loggers]
+    assert main(["probe", "--kind", "sd15", "--steps", "1", "--size", "64", "64", "--out", str(tmp_path)]) == 0
+    assert (diffusers_logging.get_verbosity(), [list(logger.filters) for logger in loggers]) == before
+    assert "float32" not in capsys.readouterr().err
 
 
 def test_open_clip_random_weights_warning_is_dropped_only_inside(caplog):

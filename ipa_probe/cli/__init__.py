@@ -7,6 +7,8 @@ import importlib
 import logging
 import sys
 
+from .._quiet import quiet_known_messages
+
 #: subcommand name -> module under ``ipa_probe.cli`` defining ``add_parser(subparsers)`` and ``run(args) -> int``.
 SUBCOMMANDS = {
     "probe": "probe",
@@ -69,12 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
-        if not args.verbose and args.command != "experiments":
-            # diffusers warns on every load_ip_adapter that an empty list of modules "should be kept in float32"
-            from diffusers.utils import logging as diffusers_logging
-
-            diffusers_logging.set_verbosity_error()
-        return int(args.func(args) or 0)
+        # the known-harmless library messages (diffusers' "should be kept in float32: []" on every load_ip_adapter)
+        # are dropped for the command's duration only; a global verbosity change leaked into in-process callers
+        with quiet_known_messages():
+            return int(args.func(args) or 0)
     except CLIError as err:
         print(f"ipa-probe {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
