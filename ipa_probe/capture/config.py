@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import bandwidth as bw
+from .._checks import check_flag, check_items, check_seed
 from ..bandwidth import BandwidthSpec
-from ..layers import LayerSelection
+from ..layers import LayerSelection, check_layer_selection
 
 __all__ = ["ProbeConfig"]
 
@@ -64,8 +65,10 @@ class ProbeConfig:
     maps: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.maps, bool):
-            raise TypeError(f"maps: expected True or False, got {self.maps!r}")
+        check_flag(self.maps, "maps")
+        check_flag(self.keep_maps, "keep_maps")
+        object.__setattr__(self, "seed", check_seed(self.seed))
+        check_layer_selection(self.layers)
         if self.maps and self.branch == "text":
             raise ValueError('maps=True attributes the image branch; use branch="image" or "both"')
         if self.branch not in ("image", "text", "both"):
@@ -76,7 +79,7 @@ class ProbeConfig:
                 raise TypeError(
                     f'branches: expected a sequence of labels such as ("uncond", "cond"), got {self.branches!r}'
                 )
-            branches = tuple(self.branches)
+            branches = check_items(self.branches, "branches", "labels")
             if not branches or not all(isinstance(b, str) and b for b in branches):
                 raise ValueError(
                     f'branches: expected labels, one per batch chunk, like ("uncond", "cond"); got {branches!r}'
@@ -93,12 +96,12 @@ class ProbeConfig:
                     "shortens the loop): write slice(n - 3, None) for the last 3 of n steps"
                 )
         elif self.steps is not None:
-            steps = tuple(self.steps)
+            steps = check_items(self.steps, "steps", "loop indices (ints), or a slice")
             if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
                 raise ValueError(f"steps: expected non-negative loop indices (ints) or a slice, got {steps!r}")
             object.__setattr__(self, "steps", frozenset(steps))
         if self.heads is not None:
-            heads = tuple(self.heads)
+            heads = check_items(self.heads, "heads", "head indices (ints)")
             if not heads or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads):
                 raise ValueError(f"heads: expected a non-empty list of non-negative head indices, got {heads!r}")
             object.__setattr__(self, "heads", tuple(sorted(set(heads))))
@@ -107,7 +110,7 @@ class ProbeConfig:
             or not (isinstance(self.max_map_bytes, int | float) and math.isfinite(self.max_map_bytes))
             or self.max_map_bytes <= 0
         ):
-            raise ValueError(f"max_map_bytes: expected a positive byte count, got {self.max_map_bytes}")
+            raise ValueError(f"max_map_bytes: expected a positive byte count, got {self.max_map_bytes!r}")
 
     def records_step(self, step: int) -> bool:
         if self.steps is None:
