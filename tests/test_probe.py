@@ -17,6 +17,7 @@ import ipa_probe.capture.run
 import ipa_probe.images
 import ipa_probe.layers
 from ipa_probe.capture.run import probe
+from ipa_probe.schema import GAUGE_COLUMNS, NULL_COLUMNS
 from ipa_probe.tiny.sd import tiny_pipeline
 
 STEPS = 3
@@ -271,10 +272,12 @@ def test_no_host_synchronisation_inside_the_denoising_loop(sd15, refs):
     with CountScalarReads() as plain:
         generate(sd15, refs, **kwargs)
     for bandwidth in ("matched", "fit", 1.5, lambda t: 1.0 + t / 1000):
-        with probe(sd15, bandwidth=bandwidth):
+        with probe(sd15, bandwidth=bandwidth) as run:
             with CountScalarReads() as probed:
                 generate(sd15, refs, **kwargs)
         assert probed.count == plain.count, bandwidth
+        cond = run.to_dataframe().query("branch == 'cond'")
+        assert cond[list(GAUGE_COLUMNS + NULL_COLUMNS)].notna().all().all()  # computed inside the counted call
 
 
 # --------------------------------------------------------------------------- options
@@ -305,6 +308,11 @@ def test_bandwidth_options(sd15, refs):
             ref = matched.loc[(step, layer, branch, head)]
             assert abs(row.spearman - ref.spearman) <= 2 * tied + 1e-6, (name, step, layer, branch, head)
             assert abs(row.top1 - ref.top1) <= top + 1e-6, (name, step, layer, branch, head)
+            # rho_excess is rho minus a baseline that does not depend on h: the same allowance (float32 sums: 1e-5)
+            assert abs(row.rho_excess - ref.rho_excess) <= 2 * tied + 1e-5, (name, step, layer, branch, head)
+        # the logit ratio is taken in the vectors' own units, so h does not enter it either (float32 sums: 1e-5)
+        for column in ("logit_ratio", "rho_baseline"):
+            np.testing.assert_allclose(tables[name][column], tables["matched"][column], rtol=1e-5, atol=1e-6)
     # the fitted h never does worse in KL than the matched one, which is on its grid; 1e-6: the two compute the
     # logits in a different order (energy / h^2 against centred dot products), float32 rounding of the KL
     assert (tables["fit"]["kl"] <= tables["matched"]["kl"] + 1e-6).all()
