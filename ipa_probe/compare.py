@@ -29,6 +29,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ import PIL.Image
 import torch
 
 from ._checks import check_items, check_seed
+from ._quiet import quiet_known_messages
 from .bandwidth import describe as describe_bandwidth
 
 __all__ = [
@@ -119,7 +121,7 @@ class ClipScorer:
         else:
             self.random_weights = pretrained is None and not model.startswith("hf-hub:")
         try:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), quiet_known_messages():
                 torch.manual_seed(seed)
                 clip, _, preprocess = open_clip.create_model_and_transforms(
                     model, pretrained=pretrained, device=device
@@ -226,8 +228,12 @@ def generate_methods(
     call_kwargs: dict | None = None,
     bandwidth: Any = "matched",
     methods: Sequence[str] = METHODS,
+    progress: bool = True,
 ) -> tuple[dict[str, list[PIL.Image.Image]], dict[str, float]]:
     """Generate one image per seed with each method, from the same initial noise.
+
+    One progress bar per method, labelled with its name, counts its denoising steps over all seeds (the pipelines'
+    own per-call bars are off meanwhile; the pipeline's progress-bar settings are restored on exit).
 
     Args:
         pipe: an SD 1.5 / SDXL pipeline with one IP-Adapter loaded (the references are its image prompt).
@@ -236,6 +242,7 @@ def generate_methods(
         call_kwargs: more pipeline arguments (``prompt``, ``num_inference_steps``, ``height``, ``width``, ...).
         bandwidth: the NW head's bandwidth (see :func:`ipa_probe.nw_head`).
         methods: a subset of :data:`METHODS`.
+        progress: show the progress bars.
 
     Returns:
         ``(images, seconds)``: method -> list of PIL images (one per seed), and method -> wall time in seconds.
@@ -264,25 +271,64 @@ def generate_methods(
             for s in seeds
         ]
 
-    for method in methods:
-        start = time.perf_counter()
-        if method == "ip_adapter":
-            images[method] = learned()
-        elif method == "nw_head":
-            with nw_head(pipe, bandwidth=bandwidth):
-                images[method] = learned()
-        else:
-            height, width = _output_size(pipe, call_kwargs)
-            # Resize here (as the VAE preprocessing would) so that the exact pipeline does not warn on every run.
-            support = _resized(references, width, height)
-            exact = exact_pipeline(pipe, support, height=height, width=width)
-            steps = call_kwargs.get("num_inference_steps", 50)
-            images[method] = [
-                exact(num_inference_steps=steps, generator=_generator(exact.unet.device, s)).images[0] for s in seeds
-            ]
-        seconds[method] = time.perf_counter() - start
-        logger.info("compare: %s, %d image(s) in %.1f s", method, len(seeds), seconds[method])
+    steps = call_kwargs.get("num_inference_steps", 50)
+    with _one_bar_per_call(pipe) as bar_for:
+        for method in methods:
+            start = time.perf_counter()
+            if method == "ip_adapter":
+                with bar_for(pipe, method, len(seeds) * steps, progress):
+                    images[method] = learned()
+            elif method == "nw_head":
+                with nw_head(pipe, bandwidth=bandwidth), bar_for(pipe, method, len(seeds) * steps, progress):
+                    images[method] = learned()
+            else:
+                height, width = _output_size(pipe, call_kwargs)
+                # Resize here (as the VAE preprocessing would) so that the exact pipeline does not warn on every run.
+                support = _resized(references, width, height)
+                exact = exact_pipeline(pipe, support, height=height, width=width)
+                with bar_for(exact, method, len(seeds) * steps, progress):
+                    images[method] = [
+                        exact(num_inference_steps=steps, generator=_generator(exact.unet.device, s)).images[0]
+                        for s in seeds
+                    ]
+            seconds[method] = time.perf_counter() - start
+            logger.info("compare: %s, %d image(s) in %.1f s", method, len(seeds), seconds[method])
     return images, seconds
+
+
+@contextmanager
+def _one_bar_per_call(pipe):
+    """Yield ``bar_for(pipeline, label, total, show)``: a context in which ``pipeline``'s per-call progress bars are
+    off and one labelled bar advances at every denoiser call. ``pipe``'s progress-bar settings are restored on exit.
+    """
+    from tqdm.auto import tqdm
+
+    from .layers import denoiser_of
+
+    had = "_progress_bar_config" in pipe.__dict__
+    saved = pipe.__dict__.get("_progress_bar_config")
+
+    @contextmanager
+    def bar_for(pipeline, label: str, total: int, show: bool):
+        pipeline.set_progress_bar_config(disable=True)
+        with tqdm(total=total, desc=label, unit="step", disable=not show) as bar:
+
+            def step(module, args, output) -> None:  # returns None: the denoiser's output is left as it is
+                bar.update()
+
+            handle = denoiser_of(pipeline).register_forward_hook(step)
+            try:
+                yield
+            finally:
+                handle.remove()
+
+    try:
+        yield bar_for
+    finally:
+        if had:
+            pipe._progress_bar_config = saved
+        else:
+            pipe.__dict__.pop("_progress_bar_config", None)
 
 
 @torch.no_grad()
@@ -497,6 +543,7 @@ def compare_methods(
     scorer: ClipScorer | None = None,
     methods: Sequence[str] = METHODS,
     settings: dict | None = None,
+    progress: bool = True,
 ) -> Comparison:
     """Generate with the learned IP-Adapter, the NW head and the exact denoiser from the same seeds, and score them.
 
@@ -509,6 +556,7 @@ def compare_methods(
         scorer: the :class:`ClipScorer` (default: ``ViT-B-32`` with random weights, offline).
         methods: a subset of :data:`METHODS`.
         settings: extra JSON-friendly settings to record.
+        progress: show one progress bar per method.
 
     Returns:
         the :class:`Comparison`.
@@ -526,7 +574,7 @@ def compare_methods(
         raise TypeError(f"scorer: expected a ClipScorer or None, got {type(scorer).__name__}")
     if settings is not None and not isinstance(settings, dict):
         raise TypeError(f"settings: expected a JSON-able dict or None, got {type(settings).__name__}")
-    images, seconds = generate_methods(pipe, references, seeds, call_kwargs, bandwidth, methods)
+    images, seconds = generate_methods(pipe, references, seeds, call_kwargs, bandwidth, methods, progress)
     scorer = scorer or ClipScorer()
     size = next(iter(images.values()))[0].size  # (width, height)
     start = time.perf_counter()

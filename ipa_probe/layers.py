@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +38,7 @@ from .kernels import dot_logits
 __all__ = [
     "FAMILIES",
     "Attachment",
+    "Attachments",
     "SUPPORTED_PROCESSORS",
     "IPLayer",
     "LayerSelection",
@@ -297,20 +298,51 @@ class Attachment:
     layers: tuple[str, ...] = ()
     what: str = ""
 
+    def __repr__(self) -> str:
+        return f"Attachment({self.feature!r}, {_count_layers(self.layers)}, {self.what!r})"
 
-def list_hooks(pipe) -> list[Attachment]:
+
+def _count_layers(layers: Sequence[str]) -> str:
+    return f"{len(layers)} layer{'s' if len(layers) != 1 else ''}"
+
+
+class Attachments(list):
+    """The records :func:`list_hooks` returns: a plain ``list`` of :class:`Attachment`, shown as a table."""
+
+    def to_dataframe(self):
+        """One row per feature: ``feature``, ``layers`` (how many), ``what``, ``layer_ids`` (the full ids)."""
+        import pandas as pd
+
+        columns = ["feature", "layers", "what", "layer_ids"]
+        return pd.DataFrame([(a.feature, len(a.layers), a.what, list(a.layers)) for a in self], columns=columns)
+
+    def __repr__(self) -> str:
+        if not self:
+            return "[]"
+        rows = [("feature", "layers", "what")] + [(a.feature, _count_layers(a.layers), a.what) for a in self]
+        widths = [max(len(row[i]) for row in rows) for i in range(2)]
+        return "\n".join(f"{f:<{widths[0]}}  {n:<{widths[1]}}  {w}".rstrip() for f, n, w in rows)
+
+    def _repr_html_(self) -> str:  # notebooks
+        return self.to_dataframe().drop(columns="layer_ids").to_html(index=False)
+
+
+def list_hooks(pipe) -> Attachments:
     """What ipa_probe has attached to a pipeline right now, one record per active feature, in order of attachment.
 
-    Empty when nothing is attached (every feature removes its record with its hooks).
+    Empty when nothing is attached (every feature removes its record with its hooks). The result is a ``list`` of
+    :class:`Attachment` that prints as a table (``to_dataframe()`` gives a pandas one, with the layer ids).
 
     Example:
         ```py
         >>> with ipa_probe.nw_head(pipe), ipa_probe.probe(pipe):
-        ...     [a.feature for a in ipa_probe.list_hooks(pipe)]
-        ['nw_head', 'probe']
+        ...     print(ipa_probe.list_hooks(pipe))
+        feature  layers     what
+        nw_head  10 layers  NW processors swapped in, bandwidth=matched
+        probe    10 layers  read-only forward hooks (image branch), bandwidth=matched
         ```
     """
-    return list(denoiser_of(pipe).__dict__.get(_CLAIM_ATTRIBUTE, ()))
+    return Attachments(denoiser_of(pipe).__dict__.get(_CLAIM_ATTRIBUTE, ()))
 
 
 def claim(pipe, feature: str, layers: Iterable[str] = (), what: str = "") -> torch.nn.Module:

@@ -169,7 +169,8 @@ def compare_weights(
     :data:`STAT_NAMES`, are:
 
     - ``spearman``: per-row Spearman rho between ``a`` and ``w``, averaged over rows (rows where it is undefined,
-      e.g. ``K = 1`` or constant logits, are left out of it and of every statistic of rho below);
+      e.g. ``K = 1`` or constant logits, are left out of it and of every statistic of rho below); keys of one
+      ``key_groups`` group tie (their average rank) on both sides;
     - ``spearman_null``: the same with the key order of ``w`` shuffled independently in each row (chance level, ~0);
     - ``pearson``: Pearson r over all ``R * K`` entries;
     - ``kl``: ``KL(a || w) = sum_i a_i (log a_i - log w_i)``, averaged over rows;
@@ -200,9 +201,10 @@ def compare_weights(
         key_mask: optional boolean, broadcastable to the logits' shape: keys where it is False (e.g. padding
             tokens) are left out, and both weightings are renormalised over the kept keys.
         row_mask: optional boolean, shape ``(..., R)``: only the rows where it holds are compared.
-        key_groups: optional integers, broadcastable to the logits' shape: keys with the same value are copies of one
-            token (e.g. the unconditional image tokens of several reference images), so an arg-max on either copy
-            is the same choice for ``top1``.
+        key_groups: optional integers, broadcastable to the logits' shape: for each key, the index (in the last
+            dimension) of the first copy of its token (:func:`copy_groups`), e.g. the unconditional image tokens of
+            several reference images: copies tie in ``spearman`` and an arg-max on either copy is the same choice
+            for ``top1``.
         key_term: optional, broadcastable to the logits' shape (typically ``(..., 1, K)``): the NW logits' per-key
             term in the units of ``attn_logits``, such that the NW ranks follow ``attn_logits - key_term`` (for NW
             weights from the same ``q, k`` as dot-product attention, ``|k|^2 / (2 sqrt(d))``). Its spread against
@@ -225,8 +227,14 @@ def compare_weights(
     dtype = torch.promote_types(attn_logits.dtype, torch.float32)
     attn_logits, nw_logits = attn_logits.to(dtype), nw_logits.to(dtype)
     n_keys = attn_logits.shape[-1]
+    attn_order, nw_order = attn_logits, nw_logits  # what the ranks are taken on
     if key_groups is not None:
         key_groups = key_groups.expand(attn_logits.shape)
+        # Copies of one token are one key: both sides rank every copy on its group's first copy, so copies tie
+        # exactly. Their logits, equal in exact arithmetic, can differ in the last bits on one side only (a matmul's
+        # vector tail, another CPU's kernel), and an average rank on one side against split ranks on the other
+        # lowered rho by ~1e-3 with nothing changed but the machine.
+        attn_order, nw_order = attn_logits.gather(-1, key_groups), nw_logits.gather(-1, key_groups)
     if key_term is not None:
         key_term = key_term.to(dtype).expand(attn_logits.shape)
     if key_mask is not None:
@@ -237,6 +245,7 @@ def compare_weights(
         key_mask = key_mask.gather(-1, order)
         attn_logits = attn_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
         nw_logits = nw_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
+        attn_order, nw_order = attn_order.gather(-1, order), nw_order.gather(-1, order)
         key_groups = key_groups.gather(-1, order) if key_groups is not None else None
         key_term = key_term.gather(-1, order) if key_term is not None else None
     log_a = _log_softmax(attn_logits)  # (..., R, K)
@@ -255,7 +264,7 @@ def compare_weights(
     # Ranks are taken on the logits: the same order as the weights, without the ties that underflow makes. The null
     # shuffles the NW ranks themselves (ranking is permutation-equivariant), so each side is ranked once.
     entries = valid if key_mask is None else valid.unsqueeze(-1) & key_mask
-    attn_ranks, nw_ranks = _masked_ranks(attn_logits, key_mask), _masked_ranks(nw_logits, key_mask)
+    attn_ranks, nw_ranks = _masked_ranks(attn_order, key_mask), _masked_ranks(nw_order, key_mask)
     rho_rows = _row_pearson(attn_ranks, nw_ranks, key_mask)  # (..., R)
     ranked = valid & ~rho_rows.isnan()  # rows with a rank correlation
     gauge = _gauge_rows(attn_logits, nw_logits, key_mask, key_term)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -119,3 +120,76 @@ def write_tiny_clip(folder: Path) -> str:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "open_clip_config.json").write_text(json.dumps(TINY_CLIP))
     return f"local-dir:{folder}"
+
+
+# --------------------------------------------------------------------------- float32 rank near-ties
+
+#: Two distinct keys whose logits in a row lie closer than this (relative to the row's largest |logit|) are a near-tie:
+#: ~100 float32 ulps, far above the rounding of a float32 dot product in any summation order (sqrt(D) ulps for
+#: D <= 256), so keys farther apart have the same order on every CPU and thread count, and keys this close may not.
+NEAR_TIE = 1e-5
+
+
+def near_ties(logits: torch.Tensor, keys: torch.Tensor, tol: float = NEAR_TIE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which rows have a rank order that float32 rounding may decide, from a float64 recomputation.
+
+    Copies of one token (keys equal up to 1e-6 of the largest key norm, e.g. the unconditional tokens of several
+    reference images) are one key: they tie in exact arithmetic and the probe ranks them as one.
+
+    Args:
+        logits: float64 attention logits, shape ``(..., R, K)``.
+        keys: the keys they were computed from, shape ``(..., K, D)``.
+        tol: the near-tie tolerance, relative to each row's largest ``|logit|``.
+
+    Returns:
+        ``(any_tie, top_tie)``, bool, shape ``(..., R)``: the row has two distinct keys within ``tol`` of each other
+        (its Spearman rho may differ from the exact one); its two largest distinct keys are within ``tol`` (its
+        arg-max may differ).
+    """
+    copies = torch.cdist(keys, keys) <= 1e-6 * keys.norm(dim=-1).amax(-1)[..., None, None]  # (..., K, K)
+    first = copies.to(torch.uint8).argmax(-1)  # (..., K) index of each key's first copy
+    distinct = first == torch.arange(keys.shape[-2])  # (..., K): one key per token
+    ordered = logits.masked_fill(~distinct.unsqueeze(-2), -math.inf).sort(-1, descending=True).values  # (..., R, K)
+    gaps = ordered[..., :-1] - ordered[..., 1:]  # (..., R, K - 1): inf or NaN where a left-out copy takes part
+    close = gaps <= tol * logits.abs().amax(-1, keepdim=True)  # False for inf and NaN
+    return close.any(-1), close[..., 0]
+
+
+class CaptureQK:
+    """Record, per IP-Adapter layer and denoiser pass, the image branch's query and keys (adapter 0) with our own
+    forward hooks: ``captured[layer] = {"q": [(B, Q, H*D), ...], "k": [(B, K, H*D), ...]}``, one entry per pass.
+
+    ``key_hook`` (optional) is registered on ``to_k_ip[0]`` before the recording hook, so it may change the keys the
+    processor uses and the recorded keys are the changed ones. All hooks are removed on exit.
+    """
+
+    def __init__(self, pipe, key_hook=None) -> None:
+        from ipa_probe.layers import find_ip_layers
+
+        self.layers = find_ip_layers(pipe)
+        self.key_hook = key_hook
+        self.captured: dict[str, dict[str, list[torch.Tensor]]] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> CaptureQK:
+        for layer in self.layers:
+            record = self.captured.setdefault(layer.name, {"q": [], "k": []})
+            to_k = layer.attention.processor.to_k_ip[0]
+            if self.key_hook is not None:
+                self._handles.append(to_k.register_forward_hook(self.key_hook))
+            for module, key in ((layer.attention.to_q, "q"), (to_k, "k")):
+                hook = lambda m, a, o, r=record[key]: r.append(o.detach().clone())
+                self._handles.append(module.register_forward_hook(hook))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def ties(self, layer: str, step: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`near_ties` of one layer and pass in float64: ``(any_tie, top_tie)``, each ``(B, H, Q)``."""
+        q, k = self.captured[layer]["q"][step].double(), self.captured[layer]["k"][step].double()
+        batch, d = q.shape[0], q.shape[-1] // heads
+        q = q.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, Q, D)
+        k = k.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, K, D)
+        return near_ties(q @ k.transpose(-1, -2) / math.sqrt(d), k)

@@ -17,15 +17,19 @@ ARGS = ["--kind", "sd15", "--steps", "3", "--size", "64", "64", "--seed", "1"]
 
 
 def test_embedded_default_writes_the_output_folder(tmp_path, capsys):
-    assert main(["probe", "--out", str(tmp_path / "out"), *ARGS]) == 0
+    assert main(["probe", "--out", str(tmp_path / "out"), *ARGS, "--maps", "--keep-maps"]) == 0
     files = {p.name for p in (tmp_path / "out").iterdir()}
     assert {"image_0.png", "probe.parquet", "summary.json", "rho_by_timestep.png"} <= files
+    assert {"reference_maps.png", "map_table.parquet", "maps.pt"} <= files
+    wrote = capsys.readouterr().out
+    assert all(name in wrote for name in files if not name.startswith("image_")), wrote  # the line names every file
+    assert "1 image(s)" in wrote
     assert "image_1.png" not in files and "digits.json" not in files  # one image, no digit verdict off the organism
     table = pd.read_parquet(tmp_path / "out" / "probe.parquet")
     assert table["step"].nunique() == 3
     record = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert record["run"]["model"] == "embedded tiny sd15" and record["run"]["seed"] == 1
-    assert "spearman" in capsys.readouterr().out
+    assert "spearman" in wrote
 
 
 @pytest.mark.slow

@@ -127,8 +127,9 @@ def test_clip_errors_name_the_remedy(tmp_path):
 # --------------------------------------------------------------------------- the comparison
 
 
-def test_compare_methods_on_the_tiny_pipeline(tiny_clip, tmp_path):
+def test_compare_methods_on_the_tiny_pipeline(tiny_clip, tmp_path, capsys):
     pipe = tiny_pipeline("sd15")
+    bar_settings = dict(pipe._progress_bar_config)
     # DDIM that ends on alpha = 1 (no residual noise in the last step), so the exact denoiser's final latent is its
     # last x0-prediction: one reference latent exactly.
     pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config, set_alpha_to_one=True)
@@ -138,6 +139,10 @@ def test_compare_methods_on_the_tiny_pipeline(tiny_clip, tmp_path):
         pipe, refs, seeds=[3, 4], call_kwargs={"num_inference_steps": 3}, scorer=ClipScorer(tiny_clip)
     )
     assert all(pipe.unet.attn_processors[k] is v for k, v in processors.items())  # the swap was undone
+    # one labelled bar per method, counting its denoising steps over both seeds; the pipeline's own bar settings back
+    bars = [line.split("\r")[-1] for line in capsys.readouterr().err.strip().split("\n")]
+    assert [bar.split(":")[0] for bar in bars] == list(METHODS) and all("6/6" in bar for bar in bars), bars
+    assert pipe._progress_bar_config == bar_settings
     assert list(result.table["method"]) == [*METHODS, ROUNDTRIP]
     assert list(result.images) == list(METHODS) and all(len(v) == 2 for v in result.images.values())
     assert len(result.per_image) == 3 * 2 + len(refs)
@@ -193,6 +198,8 @@ def test_cli_compare_with_model_arguments(tiny_clip, tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "| ip_adapter |" in printed and "random weights" in printed and "grid.png" in printed
+    wrote = printed.splitlines()[-1]
+    assert all(p.name in wrote for p in out.iterdir()) and "6 PNGs" in wrote, wrote  # every file and folder named
     record = json.loads((out / "compare.json").read_text())
     assert record["seeds"] == [5, 9] and record["settings"]["run"]["model"] == "embedded tiny sd15"
 

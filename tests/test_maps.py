@@ -14,7 +14,7 @@ from helpers import PIPELINE_CASES, CountScalarReads, case_call, masks_for
 
 from ipa_probe.capture.maps import MAP_TABLE_COLUMNS
 from ipa_probe.capture.run import probe
-from ipa_probe.tiny.sd import tiny_pipeline
+from ipa_probe.tiny.sd import default_reference_images, tiny_pipeline
 
 STEPS = 2
 
@@ -145,7 +145,9 @@ def test_one_reference_gives_all_ones(sd15, refs):
     with probe(sd15, maps=True) as run:
         generate(sd15, refs[:1])
     for kind in ("attention", "nw"):
-        assert torch.equal(run.reference_maps(kind=kind), torch.ones(1, 64, 64))
+        # a share s/s = 1 exactly, but resizing and averaging it sums weights (1 - x) + x that another kernel (FMA or
+        # not, another vector width) may round to 1 - 1 ulp: 1e-6 is a few float32 ulps
+        torch.testing.assert_close(run.reference_maps(kind=kind), torch.ones(1, 64, 64), atol=1e-6, rtol=0)
 
 
 def test_masks_zero_a_reference_outside_its_region(sd15, refs):
@@ -173,9 +175,10 @@ def test_masks_zero_a_reference_outside_its_region(sd15, refs):
     assert full[1, :, 56:].min() > 0.99
 
 
-def test_map_table_against_own_recomputation(sd15, refs):
+def test_map_table_against_own_recomputation(sd15):
+    refs = default_reference_images(3)  # three different images: no two references tie by construction
     with probe(sd15, maps=True) as run, OwnHooks(sd15) as own:
-        generate(sd15, refs + refs[:1], guidance_scale=5.0)
+        generate(sd15, refs, guidance_scale=5.0)
     table = run.map_table()
     assert len(table) == STEPS * len(own.layers) * 2
     for _, row in table[table.branch == "cond"].iterrows():
@@ -183,7 +186,14 @@ def test_map_table_against_own_recomputation(sd15, refs):
         attn = own.layers[name][0]
         a = own.shares(step, name, 0, 4)[1].sum(-1)  # (Q, R)
         n = own.shares(step, name, 0, 4, h2=math.sqrt(attn.inner_dim // attn.heads))[1].sum(-1)
-        assert row["dominant_agree"] == pytest.approx((a.argmax(-1) == n.argmax(-1)).double().mean().item(), abs=1e-9)
+        # Which reference float32 calls dominant where two shares nearly tie is the rounding's choice (with a
+        # reference given twice it changed with the thread count). A position whose two largest shares on either
+        # side lie within 1e-6 (float32 rounding of shares summing to 1) is undecided: only those may disagree.
+        top2 = [x.topk(2, dim=-1).values for x in (a, n)]
+        undecided = ((top2[0][:, 0] - top2[0][:, 1] < 1e-6) | (top2[1][:, 0] - top2[1][:, 1] < 1e-6)).double().mean()
+        expected = (a.argmax(-1) == n.argmax(-1)).double().mean().item()
+        assert undecided < 0.05  # the check below is a real one
+        assert row["dominant_agree"] == pytest.approx(expected, abs=undecided.item() + 1e-9)
         assert row["tv"] == pytest.approx((0.5 * (a - n).abs().sum(-1)).mean().item(), abs=1e-6)
         assert row["positions"] == a.shape[0] and row["references"] == 3
     assert np.isfinite(table["timestep"]).all()

@@ -609,6 +609,13 @@ def test_list_hooks_shows_what_is_attached_and_nothing_after_exit(sd15, refs):
     assert list(attached[0].layers) == [name for name in layer_ids if "down_blocks" in name]
     assert list(attached[1].layers) == layer_ids
     assert "0.8" in attached[0].what and "read-only" in attached[1].what
+    # printed as a table, one line per feature after the header, the layers counted rather than listed
+    lines = repr(attached).splitlines()
+    assert lines[0].split() == ["feature", "layers", "what"] and len(lines) == 3
+    assert lines[1].startswith("nw_head") and f"{len(attached[0].layers)} layers" in lines[1]
+    assert "attn2" not in repr(attached) and "attn2" not in repr(attached[1])
+    table = attached.to_dataframe()
+    assert table["feature"].tolist() == ["nw_head", "probe"] and table["layer_ids"][1] == layer_ids
     assert [a.feature for a in after_probe] == ["nw_head"]
     assert ipa_probe.list_hooks(sd15) == [] and ipa_probe.list_hooks(sd15.unet) == []
 

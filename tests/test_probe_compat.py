@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import near_ties
 from scipy import stats as sps
 
 import ipa_probe.layers
@@ -69,10 +70,12 @@ def test_text_branch_leaves_padding_out(refs):
     assert captured["k"].shape[1] == 77 > n_tokens
     a = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d), -1)
     w = torch.softmax(-(torch.cdist(q, k) ** 2) / (2 * math.sqrt(d)), -1)
+    tied = near_ties(q @ k.transpose(-1, -2) / math.sqrt(d), k)[0].double().mean(-1)  # (H,) rows float32 may swap
     for head in range(heads):
         row = df[df["head"] == head].iloc[0]
         rho = np.mean([sps.spearmanr(x, y).statistic for x, y in zip(a[head], w[head], strict=True)])
-        assert row["spearman"] == pytest.approx(rho, abs=1e-4)
+        # 1e-4: float32 against float64; a near-tied row may also swap two ranks (rho of a row lies in [-1, 1])
+        assert row["spearman"] == pytest.approx(rho, abs=1e-4 + 2 * tied[head].item())
         assert row["pearson"] == pytest.approx(sps.pearsonr(a[head].ravel(), w[head].ravel()).statistic, abs=1e-4)
         assert row["neff_attn"] == pytest.approx((1 / (a[head] ** 2).sum(-1)).mean().item(), rel=1e-4)
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers.image_processor import IPAdapterMaskProcessor
-from helpers import masks_for
+from helpers import masks_for, near_ties
 from PIL import Image
 from scipy import special, stats
 
@@ -207,6 +207,8 @@ def reference_cell(q: np.ndarray, k: np.ndarray, rows: np.ndarray | None) -> dic
     sq_dist = ((q[:, :, :, None, :] - k[:, :, None, :, :]) ** 2).sum(-1)
     w = _softmax(-sq_dist / (2 * math.sqrt(d)))
     keep = np.ones((n, queries), bool) if rows is None else rows
+    # rows where float32 may order two keys otherwise than float64 does (near-ties, helpers.NEAR_TIE)
+    any_tie, top_tie = (x.numpy() for x in near_ties(torch.from_numpy(q @ k.swapaxes(-1, -2)), torch.from_numpy(k)))
     out: dict[str, list] = {}
     for h in range(heads):
         rows_a = a[:, h][keep]  # (rows, K)
@@ -254,6 +256,13 @@ def reference_cell(q: np.ndarray, k: np.ndarray, rows: np.ndarray | None) -> dic
             "rows_rho_pos1": (np.abs(rho[ranked] - 1) < 1e-9).mean(),
             "rows_rho_neg1": (np.abs(rho[ranked] + 1) < 1e-9).mean(),
             "rows_rho_pos1_null": 1 / math.factorial(n_keys),
+            # rho of a row lies in [-1, 1] and top-1 in {0, 1}: what near-tied rows may move each by
+            "spearman_slack": 2 * any_tie[:, h][keep].mean(),
+            "rho_excess_slack": 2 * any_tie[:, h][keep].mean(),
+            "top1_slack": top_tie[:, h][keep].mean(),
+            "rows_rho_gt_0.9_slack": any_tie[:, h][keep].mean(),
+            "rows_rho_pos1_slack": any_tie[:, h][keep].mean(),
+            "rows_rho_neg1_slack": any_tie[:, h][keep].mean(),
         }
         for name, value in values.items():
             out.setdefault(name, []).append(value)
@@ -302,8 +311,16 @@ def check_against_reference(df, expected, heads: int, tolerance: float = 2e-4) -
         cell = df[(df["step"] == step) & (df["branch"] == label)].sort_values("head")
         assert len(cell) == heads, (step, label)
         for name, reference in values.items():
+            if name.endswith("_slack"):
+                continue
+            # float32 against float64 (rtol 1e-4, atol `tolerance`), plus what near-tied rows may move rho / top-1 by
+            slack = values.get(f"{name}_slack", 0.0)
             np.testing.assert_allclose(
-                cell[name].to_numpy(), reference, rtol=1e-4, atol=tolerance, err_msg=f"{name} at {(step, label)}"
+                cell[name].to_numpy(),
+                reference,
+                rtol=1e-4,
+                atol=tolerance + np.max(slack),
+                err_msg=f"{name} at {(step, label)}",
             )
 
 

@@ -9,7 +9,15 @@ import torch
 from scipy import stats as sps
 
 from ipa_probe.kernels import dot_logits, key_norm_bias, matched_bandwidth, n_eff, nw_logits, nw_weights
-from ipa_probe.stats import STAT_NAMES, compare_weights, fit_bandwidth, rank, raveled_pearson, row_spearman
+from ipa_probe.stats import (
+    STAT_NAMES,
+    compare_weights,
+    copy_groups,
+    fit_bandwidth,
+    rank,
+    raveled_pearson,
+    row_spearman,
+)
 
 
 def _stat(s, name):
@@ -31,7 +39,7 @@ def test_row_spearman_matches_scipy(k):
     with warnings.catch_warnings():  # k = 2: the tie makes b constant, so both sides give NaN (scipy also warns)
         warnings.simplefilter("ignore", sps.ConstantInputWarning)
         expected = [sps.spearmanr(a[i], b[i]).statistic for i in range(6)]
-    np.testing.assert_allclose(row_spearman(a, b).numpy(), expected, atol=1e-12)
+    np.testing.assert_allclose(row_spearman(a, b).numpy(), expected, atol=1e-12)  # float64 sums of k ranks
 
 
 def test_row_spearman_constant_row_is_nan():
@@ -44,7 +52,7 @@ def test_raveled_pearson_matches_scipy_and_respects_mask():
     b = a + 0.3 * torch.rand(3, 5, 4, generator=g, dtype=torch.float64)
     r = raveled_pearson(a, b)
     for i in range(3):
-        assert r[i].item() == pytest.approx(sps.pearsonr(a[i].ravel(), b[i].ravel()).statistic, abs=1e-12)
+        assert r[i].item() == pytest.approx(sps.pearsonr(a[i].ravel(), b[i].ravel()).statistic, abs=1e-12)  # float64
     mask = torch.tensor([True, False, True, True, False]).expand(3, 5)
     rm = raveled_pearson(a, b, mask)
     assert rm[0].item() == pytest.approx(sps.pearsonr(a[0, mask[0]].ravel(), b[0, mask[0]].ravel()).statistic)
@@ -58,21 +66,39 @@ def test_nw_identity_float64():
     for h in (0.3, 1.0, matched_bandwidth(5), 4.0):
         direct = torch.exp(-(torch.cdist(q, k) ** 2) / (2 * h * h))
         direct = direct / direct.sum(-1, keepdim=True)
+        # float64: two orders of summing exponents of size up to |k|^2 / 2h^2 ~ 1e3 differ by ~1e-13
         torch.testing.assert_close(nw_weights(q, k, h), direct, rtol=0, atol=1e-12)
         biased = torch.softmax(dot_logits(q, k, 1 / h**2) + key_norm_bias(k, h), -1)
         torch.testing.assert_close(biased, direct, rtol=0, atol=1e-12)
 
 
 def test_equal_key_norms_give_rho_one_and_zero_kl_at_matched_bandwidth():
+    # float64: in float32 two keys within rounding of each other could rank differently on the two sides (a
+    # near-tie, see helpers.near_ties); at float64 no two of these random logits come that close
     g = torch.Generator().manual_seed(3)
-    q = torch.randn(4, 50, 16, generator=g)
-    k = torch.randn(4, 6, 16, generator=g)
+    q = torch.randn(4, 50, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(4, 6, 16, generator=g, dtype=torch.float64)
     k = 3 * k / k.norm(dim=-1, keepdim=True)
     s = compare_weights(dot_logits(q, k), nw_logits(q, k, matched_bandwidth(16)))
     torch.testing.assert_close(_stat(s, "spearman"), torch.ones(4))
     torch.testing.assert_close(_stat(s, "pearson"), torch.ones(4))
-    assert (_stat(s, "kl").abs() < 1e-6).all()
+    assert (_stat(s, "kl").abs() < 1e-6).all()  # the statistics are returned in float32
     assert (_stat(s, "top1") == 1).all()
+
+
+def test_copies_tie_in_spearman_whatever_their_last_bits():
+    """Two copies of each token whose NW logits differ in the last bits (as another kernel may round them) still tie:
+    the ranks are taken on each group's first copy, so rho is exactly 1, as in exact arithmetic."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 30, 8, generator=g)
+    keys = torch.randn(2, 4, 8, generator=g).repeat(1, 2, 1)  # (2, 8, 8): keys 4..7 copy keys 0..3
+    attn = dot_logits(q, keys)
+    nw = attn.clone()
+    nw[..., 4:] = torch.nextafter(nw[..., 4:], torch.tensor(math.inf))  # one ulp up, the second copies only
+    groups = copy_groups(keys).unsqueeze(-2)  # (2, 1, 8)
+    assert groups[0, 0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert (_stat(compare_weights(attn, nw, key_groups=groups), "spearman") == 1).all()
+    assert (_stat(compare_weights(attn, nw), "spearman") < 1 - 1e-3).all()  # split on one side, tied on the other
 
 
 def test_rank_statistics_do_not_depend_on_bandwidth():

@@ -13,7 +13,7 @@ from diffusers.models.attention_processor import SD3IPAdapterJointAttnProcessor2
 from diffusers.models.transformers.transformer_flux import (
     FluxIPAdapterAttnProcessor,
 )
-from helpers import CountScalarReads
+from helpers import CountScalarReads, near_ties
 from helpers import generate_dit as generate
 from scipy import stats as sps
 
@@ -182,11 +182,13 @@ def test_flux_tap_reads_the_query_before_rope_that_the_image_branch_uses(refs, f
     rebuilt = proc.scale[0] * (a @ v).transpose(1, 2).reshape(batch, -1, heads * d)
     torch.testing.assert_close(rebuilt, seen["out"][2].double(), rtol=1e-5, atol=1e-6)
     w = torch.softmax(-(torch.cdist(q, k) ** 2) / (2 * math.sqrt(d)), -1)
+    tied = near_ties(q @ k.transpose(-1, -2) / math.sqrt(d), k)[0].double().mean(-1)  # (B, H) rows float32 may swap
     df = run.to_dataframe()
     for head in range(heads):
         row = df[df["head"] == head].iloc[0]
         rho = np.mean([sps.spearmanr(x, y).statistic for x, y in zip(a[0, head], w[0, head], strict=True)])
-        assert row["spearman"] == pytest.approx(rho, abs=1e-4)
+        # 1e-4: float32 against float64; a near-tied row may also swap two ranks (rho of a row lies in [-1, 1])
+        assert row["spearman"] == pytest.approx(rho, abs=1e-4 + 2 * tied[0, head].item())
         assert row["pearson"] == pytest.approx(sps.pearsonr(a[0, head].ravel(), w[0, head].ravel()).statistic, 1e-4)
         norms = k[0, head].norm(dim=-1)
         assert row["k_norm_spread"] == pytest.approx((norms.std(correction=0) / norms.mean()).item(), rel=1e-4)
@@ -205,12 +207,14 @@ def test_sd3_tap_reports_the_joint_softmax_restricted_to_image_tokens(refs, sd3)
     on_images = joint[..., k_lat.shape[1] :]
     restricted = on_images / on_images.sum(-1, keepdim=True)
     w = torch.softmax(-(torch.cdist(q, k_ip) ** 2) / (2 * math.sqrt(d)), -1)
+    tied = near_ties(q @ k_ip.transpose(-1, -2) / math.sqrt(d), k_ip)[0].double().mean(-1)  # (H,) rows may swap
     df = run.to_dataframe()
     for head in range(layer.heads):
         row = df[df["head"] == head].iloc[0]
         a = restricted[head]
         rho = np.mean([sps.spearmanr(x, y).statistic for x, y in zip(a, w[head], strict=True)])
-        assert row["spearman"] == pytest.approx(rho, abs=1e-4)
+        # 1e-4: float32 against float64; a near-tied row may also swap two ranks (rho of a row lies in [-1, 1])
+        assert row["spearman"] == pytest.approx(rho, abs=1e-4 + 2 * tied[head].item())
         assert row["kl"] == pytest.approx((a * (a.log() - w[head].log())).sum(-1).mean().item(), rel=1e-3)
         assert row["ip_mass"] == pytest.approx(on_images[head].sum(-1).mean().item(), rel=1e-5)
 

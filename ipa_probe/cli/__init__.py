@@ -11,6 +11,8 @@ import importlib
 import logging
 import sys
 
+from .._quiet import quiet_known_messages
+
 #: subcommand name -> module under ``ipa_probe.cli`` defining ``add_parser(subparsers)`` and ``run(args) -> int``.
 SUBCOMMANDS = {
     "probe": "probe",
@@ -52,7 +54,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="ipa-probe",
-        description="Probe IP-Adapter attention against Gaussian Nadaraya-Watson kernel weights (see COMMAND --help).",
+        description="Record IP-Adapter attention against Gaussian Nadaraya-Watson kernel weights, swap the NW head "
+        "in, and reproduce the paper's experiments. With no model arguments, `probe` and `compare` run the trained "
+        "digits organism shipped in the package, offline. Each command has its own --help.",
         epilog="exit codes: 0 done, 1 a fault of the environment (disk full, read-only, no permission; one line "
         "naming the path), 2 bad arguments or input (one line; nothing changed), 3 some sweep rows did not finish "
         "(run again to retry them), 130 interrupted (finished work is kept; run the same command to resume). "
@@ -91,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "check", None) is not None:
             args.check(args)  # torch-free: a bad argument answers at once
-        with thread_scope(getattr(args, "threads", None)):
+        # the known-harmless library messages (diffusers' "should be kept in float32: []" on every
+        # load_ip_adapter) are dropped for the command's duration only, not by a process-wide verbosity change
+        with thread_scope(getattr(args, "threads", None)), quiet_known_messages():
             return int(args.func(args) or 0)
     except CLIError as err:
         if not err.silent:

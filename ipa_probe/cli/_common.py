@@ -187,8 +187,6 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
     if not hasattr(args, "references"):  # called without the check phase (e.g. from Python)
         check_model_arguments(args, require_images)
     device = _device(args)
-    if not getattr(args, "verbose", False):
-        quiet_diffusers()
     dtype = getattr(torch, args.dtype)
     references = args.references
     if args.model is None:
@@ -223,14 +221,6 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
         }
     )
     return Loaded(pipe, references, call_kwargs, description)
-
-
-def quiet_diffusers() -> None:
-    """diffusers' warnings at error level: it warns on every ``load_ip_adapter`` that an empty list of modules
-    "should be kept in float32" (``--verbose`` keeps them)."""
-    from diffusers.utils import logging as diffusers_logging
-
-    diffusers_logging.set_verbosity_error()
 
 
 def check_size(args: argparse.Namespace) -> None:

@@ -30,8 +30,9 @@ def add_parser(subparsers) -> None:
         description=(
             "Generate from the same seeds with the learned IP-Adapter, the zero-parameter NW head and the exact "
             "empirical denoiser of the references, and score them with open_clip image embeddings. With no model "
-            "arguments the embedded tiny pipeline runs offline; the CLIP model then has random weights (say "
-            "--clip-pretrained to use a checkpoint)."
+            "arguments it runs the trained digits organism shipped in the package (--kind digits) offline, and adds "
+            "the digit classifier's scores; offline, the CLIP model has random weights (--clip-pretrained takes a "
+            "checkpoint)."
         ),
     )
     add_model_arguments(parser, default_kind="digits")
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"wrote {out}: {paths['grid'].name} (references, VAE round trip, {len(result.images)} methods x "
         f"{len(seeds)} seeds), "
-        f"{paths['table'].name}, {paths['markdown'].name}, {paths['per_image'].name}, {paths['record'].name}"
+        f"{paths['table'].name}, {paths['markdown'].name}, {paths['per_image'].name}, {paths['record'].name}, "
+        f"images/ ({sum(len(v) for v in result.images.values())} PNGs)"
     )
     return 0

@@ -28,7 +28,8 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "probe",
         help="record IP-Adapter attention vs Gaussian NW weights during one generation",
-        description="Generate with the probe on. With no model arguments the embedded tiny pipeline runs offline.",
+        description="Generate with the probe on. With no model arguments it runs the trained digits organism shipped "
+        "in the package (--kind digits), offline.",
     )
     add_model_arguments(parser, default_kind="digits")
     bandwidth = bandwidth_type("matched", "fit")

@@ -6,7 +6,7 @@ import argparse
 
 from .._checks import parse_int
 from . import CLIError
-from ._common import add_threads_argument, argument_type, check_output_dir, output_dir, quiet_diffusers
+from ._common import add_threads_argument, argument_type, check_output_dir, output_dir
 
 #: argparse types of the training sizes (checked before torch loads; DigitsTrainConfig checks the rest)
 count_type = argument_type(lambda v: parse_int(v, "count", 1), "count")
@@ -46,9 +46,6 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..tiny.digits import DigitsTrainConfig, train_digits
-
-    if not args.verbose:
-        quiet_diffusers()
 
     try:
         names = ("seed", "threads", "steps", "vae_steps", "batch", "checkpoint_every")

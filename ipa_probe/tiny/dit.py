@@ -45,6 +45,7 @@ from transformers import (
     T5Tokenizer,
 )
 
+from .._quiet import quiet_known_messages
 from .sd import (
     _adapter_seed,
     _check_seed,
@@ -310,7 +311,8 @@ def tiny_flux_pipeline(
         tiny_flux_ip_adapter_state_dict(pipe.transformer, pipe.image_encoder, _adapter_seed(seed, i))
         for i in range(num_adapters)
     ]
-    with _seeded(seed, "flux/load_ip_adapter"):  # the loader's default inits must not draw from the caller's RNG
+    # the loader's default inits must not draw from the caller's RNG
+    with _seeded(seed, "flux/load_ip_adapter"), quiet_known_messages():
         pipe.load_ip_adapter(states, weight_name=[""] * num_adapters, subfolder=[""] * num_adapters)
     pipe.set_progress_bar_config(disable=True)
     return _move(pipe, device, torch_dtype)
@@ -494,7 +496,7 @@ def tiny_sd3_pipeline(
     torch_dtype = _resolve_dtype(dtype)
     pipe = StableDiffusion3Pipeline(**tiny_sd3_components(seed))
     state = tiny_sd3_ip_adapter_state_dict(pipe.transformer, pipe.image_encoder, seed)
-    with _seeded(seed, "sd3/load_ip_adapter"):
+    with _seeded(seed, "sd3/load_ip_adapter"), quiet_known_messages():
         pipe.load_ip_adapter(state, low_cpu_mem_usage=False)
     pipe.set_progress_bar_config(disable=True)
     return _move(pipe, device, torch_dtype)

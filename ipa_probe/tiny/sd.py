@@ -48,6 +48,7 @@ from transformers import (
     CLIPVisionModelWithProjection,
 )
 
+from .._quiet import quiet_known_messages
 from .tokenizer import CLIP_MODEL_MAX_LENGTH, CLIP_VOCAB_SIZE, clip_tokenizer
 
 __all__ = [
@@ -435,7 +436,7 @@ def tiny_pipeline(
     ]
     # diffusers builds the processors and projections with their default (random) init before copying our weights
     # in: those draws must not advance the caller's RNG.
-    with _seeded(seed, "load_ip_adapter"):
+    with _seeded(seed, "load_ip_adapter"), quiet_known_messages():
         pipe.load_ip_adapter(
             state_dicts,
             subfolder=[""] * num_adapters,
@@ -452,7 +453,8 @@ def _move(pipe: Any, device: str | torch.device, dtype: torch.dtype) -> Any:
     if torch.device(device) != torch.device("cpu"):
         pipe = pipe.to(device=device)
     if dtype != torch.float32:
-        pipe = pipe.to(dtype=dtype)
+        with quiet_known_messages():
+            pipe = pipe.to(dtype=dtype)
     return pipe
 
 
@@ -558,7 +560,8 @@ class SavedTinyPipeline:
         bit-identical to ``tiny_pipeline(kind, ip_adapter, seed=seed)``'s.
         """
         pipe = _pipeline_class(self.kind).from_pretrained(self.model_dir, local_files_only=True)
-        pipe.load_ip_adapter(**self.load_ip_adapter_kwargs, local_files_only=True)
+        with quiet_known_messages():
+            pipe.load_ip_adapter(**self.load_ip_adapter_kwargs, local_files_only=True)
         pipe.set_progress_bar_config(disable=True)
         return _move(realign_weights(pipe), device, _resolve_dtype(dtype))
 

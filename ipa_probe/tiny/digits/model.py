@@ -24,6 +24,7 @@ from transformers import (
     CLIPVisionModelWithProjection,
 )
 
+from ..._quiet import quiet_known_messages
 from ..sd import _seeded, realign_weights
 from ..tokenizer import CLIP_MODEL_MAX_LENGTH, CLIP_VOCAB_SIZE, clip_tokenizer
 from .data import (
@@ -165,7 +166,7 @@ def untrained_digits_pipeline(seed: int = 0) -> StableDiffusionPipeline:
     pipe.vae.register_to_config(scaling_factor=record["scaling_factor"])
     state = _adapter_state_dict(parts["unet"], parts["ip_processors"], parts["image_proj"])
     _restore_default_processors(pipe.unet)
-    with _seeded(seed, "digits/load_ip_adapter"):
+    with _seeded(seed, "digits/load_ip_adapter"), quiet_known_messages():
         pipe.load_ip_adapter([state], subfolder=[""], weight_name=[""], image_encoder_folder=None)
     return pipe
 
@@ -263,7 +264,7 @@ def digits_pipeline(path: str | os.PathLike | None = None) -> StableDiffusionPip
             f"expected a digits organism in {root} (model/model_index.json); "
             "train one with `ipa-probe train-digits --out DIR` or pass path=None for the shipped weights"
         )
-    with _quiet_loading():
+    with _quiet_loading(), quiet_known_messages():
         pipe = StableDiffusionPipeline.from_pretrained(root / "model", local_files_only=True)
         pipe.load_ip_adapter(
             str(root / "ip_adapter"),

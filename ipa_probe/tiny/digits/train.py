@@ -34,7 +34,14 @@ from .data import (
     _to_pil,
     digit_images,
 )
-from .model import _adapter_state_dict, _feature_extractor, _init_modules, _restore_default_processors, _scheduler
+from .model import (
+    _adapter_state_dict,
+    _feature_extractor,
+    _init_modules,
+    _quiet_loading,
+    _restore_default_processors,
+    _scheduler,
+)
 
 # --- training -----------------------------------------------------------------------------------------------------
 
@@ -429,7 +436,8 @@ def _save_outputs(out: Path, parts: dict[str, Any], scaling_factor: float) -> No
         image_encoder=parts["image_encoder"].eval(),
         requires_safety_checker=False,
     )
-    pipe.save_pretrained(out / "model", safe_serialization=True)
+    with _quiet_loading():  # no "Writing model shards" bars from transformers (two small files)
+        pipe.save_pretrained(out / "model", safe_serialization=True)
     parts["text_encoder"].float()
     flat = {f"{group}.{key}": value for group, tensors in state.items() for key, value in tensors.items()}
     (out / "ip_adapter").mkdir(exist_ok=True)
