@@ -325,6 +325,41 @@ class MapAccumulator:
             out = out.reshape(refs, tokens_r // refs, *out.shape[-2:])
         return out
 
+    def reference_weights(
+        self, call: int, item: int, adapter: int, kind: str, branch: str, layers: Iterable[int], steps: Iterable[int]
+    ) -> dict[tuple[int, int], torch.Tensor]:
+        """Each selected (step, layer position)'s weights over the references at every query position, at the layer's
+        own grid: ``(Q, R)`` float64 CPU tensors (see :func:`per_reference`); pairs without maps are left out."""
+        which, label = MAP_KINDS.index(kind), self.labels.index(branch)
+        out = {}
+        for step in steps:
+            for index in layers:
+                buffer = self.chunk((call, step, index, adapter), label)  # (2, items, Q, K)
+                if buffer is None:
+                    continue
+                if item >= buffer.shape[1]:
+                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[1]} images per branch")
+                out[(step, index)] = per_reference(buffer[which, item], self.tokens_per_image(adapter, index))
+        return out
+
+
+def per_reference(buffer: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Token shares summed per reference image and renormalised over the references, in float64.
+
+    Args:
+        buffer: ``(..., Q, K)`` shares of the image tokens (``K`` = references x ``tokens``).
+        tokens: tokens per reference image (``0``: all keys are one image).
+
+    Returns:
+        ``(..., Q, R)``: each position's weights over the references, summing to 1 where any reference has weight
+        (unmasked calls: everywhere; with ``ip_adapter_masks``: where some mask reaches), 0 elsewhere.
+    """
+    keys = buffer.shape[-1]
+    tokens = tokens or keys
+    refs = buffer.double().reshape(*buffer.shape[:-1], keys // tokens, tokens).sum(-1)  # (..., Q, R)
+    mass = refs.sum(-1, keepdim=True)
+    return torch.where(mass > 0, refs / mass.clamp(min=1e-300), torch.zeros_like(refs))
+
 
 def select_layers(names: list[str], layers: LayerSelection) -> list[int]:
     """Positions of the probe's layers a selection (regex or list of them, or None) picks; raises if none."""
@@ -373,10 +408,8 @@ def map_statistics(accumulator: MapAccumulator, calls: list[dict[str, Any]], nam
             buffer = accumulator.chunk(key, label)  # (2, items, Q, K)
             _, items, queries, keys = buffer.shape
             tokens = accumulator.tokens_per_image(adapter, index) or keys
-            refs = buffer.double().reshape(2, items, queries, keys // tokens, tokens).sum(-1)  # (2, I, Q, R)
-            mass = refs.sum(-1, keepdim=True)  # (2, I, Q, 1)
-            refs = torch.where(mass > 0, refs / mass.clamp(min=1e-300), torch.zeros_like(refs))
-            covered = (mass[0, ..., 0] > 0) & (mass[1, ..., 0] > 0)  # (I, Q)
+            refs = per_reference(buffer, tokens)  # (2, I, Q, R)
+            covered = (refs[0].sum(-1) > 0) & (refs[1].sum(-1) > 0)  # (I, Q)
             agree = (refs[0].argmax(-1) == refs[1].argmax(-1)) & covered
             tv = 0.5 * (refs[0] - refs[1]).abs().sum(-1) * covered
             positions = covered.sum(-1)  # (I,)
