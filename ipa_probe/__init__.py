@@ -20,6 +20,13 @@ _EXPORTS = {
     "n_eff": ".kernels",
     "nw_logits": ".kernels",
     "nw_weights": ".kernels",
+    "Intervention": ".intervention",
+    "InterventionConfig": ".intervention",
+    "InterventionEffect": ".intervention",
+    "apply_intervention": ".intervention",
+    "intervene": ".intervention",
+    "measure_intervention": ".intervention",
+    "remove_intervention": ".intervention",
     "find_ip_layers": ".layers",
     "list_hooks": ".layers",
     "FluxNWHeadAttnProcessor": ".nwhead",
@@ -48,7 +55,7 @@ _EXPORTS = {
 }
 
 #: subpackages and modules reachable as attributes (``ipa_probe.sweep``), imported on first use.
-_SUBMODULES = ("capture", "images", "layers", "nwhead", "sweep", "theory", "tiny")
+_SUBMODULES = ("attribution", "capture", "images", "intervention", "layers", "nwhead", "sweep", "theory", "tiny")
 
 __version__ = "0.1.0"
 
@@ -98,6 +105,15 @@ __all__ = [
     "nwhead",
     "tiny_flux_pipeline",
     "tiny_sd3_pipeline",
+    "Intervention",
+    "InterventionConfig",
+    "InterventionEffect",
+    "apply_intervention",
+    "intervene",
+    "intervention",
+    "measure_intervention",
+    "remove_intervention",
+    "attribution",
 ]
 
 
