@@ -217,13 +217,18 @@ def probe_spearman(pipe, refs) -> float:
     return float(table.loc[table["kind"] == "image", "spearman"].mean())
 
 
-@pytest.mark.parametrize("c", [0.5, 2.0])
-def test_invariant_metrics_do_not_move_under_a_gauge_change(organism, refs, c):
-    before = {k: v.clone() for k, v in organism.unet.state_dict().items()}
+@pytest.fixture(scope="module")
+def gauge_baseline(organism, refs):
+    """Two reference sets at c = 1: their tables, outputs, and the probe's rho on the first."""
     sets = [refs, digits_reference_images(4, 2, seed=7) + digits_reference_images(9, 2, seed=8)]
-    base = sets_table([attribution(organism, r, seed=i)[0] for i, r in enumerate(sets)])
-    base_outputs = [attribution(organism, r, seed=i)[1].latents for i, r in enumerate(sets)]
-    rho = probe_spearman(organism, refs)
+    runs = [attribution(organism, r, seed=i) for i, r in enumerate(sets)]
+    return sets, sets_table([t for t, _ in runs]), [g.latents for _, g in runs], probe_spearman(organism, refs)
+
+
+@pytest.mark.parametrize("c", [0.5, 2.0])
+def test_invariant_metrics_do_not_move_under_a_gauge_change(organism, refs, gauge_baseline, c):
+    sets, base, base_outputs, rho = gauge_baseline
+    before = {k: v.clone() for k, v in organism.unet.state_dict().items()}
     originals = reparametrise(organism, c)
     try:
         moved = [attribution(organism, r, seed=i) for i, r in enumerate(sets)]
@@ -264,10 +269,10 @@ def test_paired_rank_test_against_scipy_and_exact_enumeration():
     result = paired_rank_test(x, y, permutations=4999, seed=0)
     per_set = [stats.spearmanr(a, b).statistic for a, b in zip(x, y, strict=True)]
     assert result["mean"] == pytest.approx(np.mean(per_set), abs=1e-12) and result["sets"] == 3
-    null = [
-        np.mean([stats.spearmanr(x[s], y[s][list(p)]).statistic for s, p in enumerate(perms)])
-        for perms in itertools.product(itertools.permutations(range(4)), repeat=3)
+    per_permutation = [  # scipy's Spearman of each set under each of the 24 orders of its y
+        [stats.spearmanr(x[s], y[s][list(p)]).statistic for p in itertools.permutations(range(4))] for s in range(3)
     ]
+    null = [np.mean(values) for values in itertools.product(*per_permutation)]  # all 24^3 joint permutations
     exact = np.mean(np.asarray(null) >= np.mean(per_set) - 1e-12)
     # 0.03: four standard errors of a Monte-Carlo p-value from 4999 permutations (sd <= sqrt(0.25 / 4999))
     assert result["p"] == pytest.approx(exact, abs=0.03)
