@@ -45,7 +45,7 @@ def refs():
 
 
 def attribution(pipe, refs, seed=0, guidance=3.0):
-    return reference_attribution(
+    result = reference_attribution(
         pipe,
         steps=STEPS,
         seed=seed,
@@ -54,6 +54,7 @@ def attribution(pipe, refs, seed=0, guidance=3.0):
         num_inference_steps=NUM_STEPS,
         guidance_scale=guidance,
     )
+    return result.table, result.generation
 
 
 # ------------------------------------------------------------------------------- collection vs the test's own hooks

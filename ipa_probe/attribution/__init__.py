@@ -19,12 +19,13 @@ from .analysis import (
     tv_from_uniform,
     verdict,
 )
-from .collect import ATTRIBUTION_COLUMNS, reference_attribution, sets_table
+from .collect import ATTRIBUTION_COLUMNS, ReferenceAttribution, reference_attribution, sets_table
 
 __all__ = [
     "ALPHA",
     "ATTRIBUTION_COLUMNS",
     "POOLING_TV",
+    "ReferenceAttribution",
     "VERDICTS",
     "fit_bandwidth",
     "layer_agreement_test",

@@ -106,13 +106,16 @@ def paired_rank_test(x: np.ndarray, y: np.ndarray, permutations: int = 4999, see
         seed: the generator's seed.
 
     Returns:
-        ``{"mean", "low", "high", "p", "sets"}``; NaN where fewer than 2 sets are usable.
+        ``{"mean", "low", "high", "p", "sets", "values"}``: ``values`` ``(S,)`` the per-set Spearman (NaN for sets
+        left out); the others NaN where fewer than 2 sets are usable.
     """
     zx, zy = _standard_ranks(x), _standard_ranks(y)
     usable = np.isfinite(zx).all(-1) & np.isfinite(zy).all(-1)
+    values = np.where(usable, (np.nan_to_num(zx) * np.nan_to_num(zy)).sum(-1), np.nan)
     zx, zy = zx[usable], zy[usable]
-    per_set = (zx * zy).sum(-1)  # (S,) Spearman per set
+    per_set = values[usable]  # Spearman per usable set
     out = {"mean": math.nan, "low": math.nan, "high": math.nan, "p": math.nan, "sets": int(usable.sum())}
+    out["values"] = values
     if len(per_set) < 2:
         return out
     observed = float(per_set.mean())

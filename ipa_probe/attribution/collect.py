@@ -21,6 +21,7 @@ made from latents only, so every column here is gauge invariant.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ import torch
 
 from .._checks import parse_step_selection, step_selected
 
-__all__ = ["ATTRIBUTION_COLUMNS", "reference_attribution"]
+__all__ = ["ATTRIBUTION_COLUMNS", "ReferenceAttribution", "reference_attribution", "sets_table"]
 
 #: Columns of :func:`reference_attribution`'s table, one row per (step, layer, reference).
 ATTRIBUTION_COLUMNS: tuple[str, ...] = (
@@ -43,6 +44,23 @@ ATTRIBUTION_COLUMNS: tuple[str, ...] = (
     "bandwidth",
     "posterior_weight",
 )
+
+
+@dataclass(frozen=True)
+class ReferenceAttribution:
+    """One generation's attribution.
+
+    Attributes:
+        table: one row per (recorded step, layer, reference), columns :data:`ATTRIBUTION_COLUMNS`.
+        generation: the call's :class:`~ipa_probe.intervention.Generation` (the probe reads without changing anything,
+            so it is the plain pipeline's output for that seed).
+        run: the finished :class:`~ipa_probe.ProbeRun` (matched bandwidth, ``maps=True``): its ``to_dataframe()`` is
+            the probe's table of the same generation.
+    """
+
+    table: pd.DataFrame
+    generation: Any
+    run: Any
 
 
 def _references(call: dict[str, Any], adapter: int) -> list:
@@ -60,9 +78,7 @@ def _references(call: dict[str, Any], adapter: int) -> list:
     return list(images[adapter])
 
 
-def reference_attribution(
-    pipe, *, steps=None, seed: int = 0, adapter: int = 0, **call: Any
-) -> tuple[pd.DataFrame, Any]:
+def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, **call: Any) -> ReferenceAttribution:
     """Generate once (seeded) and return each reference's attention share and exact posterior weight per step.
 
     Args:
@@ -75,12 +91,10 @@ def reference_attribution(
             without ``generator`` / ``output_type``.
 
     Returns:
-        ``(table, generation)``: the table has :data:`ATTRIBUTION_COLUMNS`, one row per (recorded step, layer,
-        reference): ``attention_share`` (sums to 1 over references), ``position_neff`` (the mean over query positions
-        of ``1 / sum_i share(p, i)^2``, the same for every reference of a (step, layer)), ``sq_distance``
-        ``|x_t / alpha_t - s_i|^2``, ``bandwidth`` ``h_t`` and ``posterior_weight`` ``w_i(x_t)``;
-        ``generation`` is the :class:`~ipa_probe.intervention.Generation` of the call (the probe reads without
-        changing anything, so it is the plain pipeline's output for that seed).
+        a :class:`ReferenceAttribution`; its table has one row per (recorded step, layer, reference):
+        ``attention_share`` (sums to 1 over references), ``position_neff`` (the mean over query positions of
+        ``1 / sum_i share(p, i)^2``, the same for every reference of a (step, layer)), ``sq_distance``
+        ``|x_t / alpha_t - s_i|^2``, ``bandwidth`` ``h_t`` and ``posterior_weight`` ``w_i(x_t)``.
     """
     from ..capture.run import probe
     from ..exact import encode_references
@@ -132,7 +146,7 @@ def reference_attribution(
             f"the maps hold {table['reference'].max() + 1} references for {len(references)} images; "
             "reference_attribution needs the adapter's images as one list with one token group each"
         )
-    return table, generation
+    return ReferenceAttribution(table, generation, run)
 
 
 def sets_table(tables: list[pd.DataFrame]) -> pd.DataFrame:

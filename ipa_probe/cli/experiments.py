@@ -8,7 +8,9 @@ import os
 from . import CLIError
 from ._common import check_output_dir
 
-NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "ip-adapter", "all")
+NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "ip-adapter", "attribution", "all")
+#: the digits organism's training recipes (see ipa_probe.digits_pipeline)
+RECIPES = ("support", "ip-adapter")
 
 
 def add_parser(subparsers) -> None:
@@ -39,6 +41,11 @@ def add_parser(subparsers) -> None:
         nargs="+",
         default=None,
         help="support sizes m of scarcity and heads, each in [1, 100] (default: the tier's)",
+    )
+    parser.add_argument(
+        "--recipe",
+        default="support",
+        help="the digits organism's recipe that ip-adapter and attribution load: support (default) or ip-adapter",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
@@ -71,13 +78,20 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"support size m={m} out of range; expected {M_RANGE[0]} <= m <= {M_RANGE[1]}")
     if args.seeds is not None and any(s < 0 for s in args.seeds):
         raise CLIError(f"seeds must be non-negative integers, got {args.seeds}")
+    if args.recipe not in RECIPES:
+        raise CLIError(f"unknown recipe {args.recipe!r}; expected one of {', '.join(RECIPES)}")
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
     out = check_output_dir(args.out or f"outputs/experiments-{args.tier}")  # made when the run starts
     tier = ALL_TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
     try:
         results = run_experiments(
-            [args.name], tier, out, progress=not args.no_progress, threads=args.threads or os.cpu_count()
+            [args.name],
+            tier,
+            out,
+            progress=not args.no_progress,
+            threads=args.threads or os.cpu_count(),
+            recipe=args.recipe,
         )
     except (CheckpointError, OutputLocked) as err:
         raise CLIError(str(err)) from None
