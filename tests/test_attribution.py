@@ -26,17 +26,10 @@ from ipa_probe.attribution import (
     tv_from_uniform,
     verdict,
 )
-from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_pipeline, digits_reference_images
+from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_reference_images
 
 NUM_STEPS = 6
 STEPS = [0, 3, 5]
-
-
-@pytest.fixture(scope="module")
-def organism():
-    pipe = digits_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import ipa_probe
 from ipa_probe.cli import main
 from ipa_probe.experiments import attribution as experiment
 from ipa_probe.experiments.ip_adapter import GAUGE_COLUMNS, organism_pipelines, summarize_sets
-from ipa_probe.tiny.digits import DIGITS_PROMPT, digit_classifier, digits_pipeline, digits_reference_images
+from ipa_probe.tiny.digits import DIGITS_PROMPT, digit_classifier, digits_reference_images
 
 
 def test_cli_refuses_an_unknown_recipe(tmp_path, capsys):
@@ -107,9 +107,8 @@ def test_ip_adapter_summary_against_numpy():
     assert not set(GAUGE_COLUMNS) & set(summarize_sets(frame.drop(columns=list(GAUGE_COLUMNS))).columns)
 
 
-def test_ablation_effects_against_the_tests_own_generations():
-    pipe = digits_pipeline()
-    pipe.set_progress_bar_config(disable=True)
+def test_ablation_effects_against_the_tests_own_generations(organism):
+    pipe = organism
     refs = digits_reference_images(1, 2, seed=100) + digits_reference_images(7, 2, seed=200)
     table, effects = experiment.ablation_effects(pipe, [1, 1, 7, 7], refs, seed=4)
     assert set(table["step"]) == set(experiment.RECORDED_STEPS) and len(effects) == 4

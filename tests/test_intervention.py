@@ -10,16 +10,9 @@ from helpers import masks_for
 
 import ipa_probe
 from ipa_probe.intervention import InterventionConfig, generate, intervene, measure_intervention
-from ipa_probe.tiny.digits import DIGITS_PROMPT, classify_digit_images, digits_pipeline, digits_reference_images
+from ipa_probe.tiny.digits import DIGITS_PROMPT, classify_digit_images, digits_reference_images
 
 STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def organism():
-    pipe = digits_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 @pytest.fixture(scope="module")
