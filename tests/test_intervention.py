@@ -134,6 +134,9 @@ def test_masked_call_raises_and_the_pipeline_comes_back(organism, refs):
         with intervene(organism, 0):
             latents(organism, **call(refs, cross_attention_kwargs={"ip_adapter_masks": masks}))
     assert_unchanged(organism, before)
+    unmasked = call(refs, cross_attention_kwargs={"ip_adapter_masks": [None]})  # no mask for this adapter: fine
+    with intervene(organism, 0):
+        assert torch.equal(latents(organism, **unmasked), latents(organism, **call(refs)))
 
 
 def test_reference_index_beyond_the_call_raises(organism, refs):

@@ -103,7 +103,9 @@ class Intervention:
             return
         adapter = self.config.adapter
         masks = (kwargs.get("cross_attention_kwargs") or {}).get("ip_adapter_masks")
-        if masks is not None and (isinstance(masks, torch.Tensor) or masks[adapter] is not None):
+        if masks is not None and (
+            isinstance(masks, torch.Tensor) or (adapter < len(masks) and masks[adapter] is not None)
+        ):
             self._acting = False
             raise ValueError(
                 "ipa_probe.intervene does not support ip_adapter_masks (diffusers then runs one softmax per reference "
