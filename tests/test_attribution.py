@@ -373,6 +373,10 @@ def test_summary_columns_against_an_independent_recomputation():
         assert row["fitted_ratio"] == pytest.approx(row["fitted_bandwidth"] / h, rel=1e-12)
     else:
         assert fitted.x > 11  # scipy runs to the upper bound: uniform is closest
+    h_star = row["fitted_bandwidth"]
+    assert row["fitted_beta"] == (0.0 if math.isinf(h_star) else pytest.approx(1 / (2 * h_star**2), rel=1e-12))
+    assert row["fitted_beta_low"] <= row["fitted_beta"] <= row["fitted_beta_high"]
+    assert row["fitted_bandwidth_low"] <= h_star <= row["fitted_bandwidth_high"]
     for name in ("share_spearman", "layer_agreement", "attention_tv", "attention_neff", "posterior_neff"):
         assert row[f"{name}_low"] <= row[name] <= row[f"{name}_high"]
     assert row["verdict"] == verdict(row["attention_tv_high"], row["share_spearman_p"], row["share_spearman_low"])

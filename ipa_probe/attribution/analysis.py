@@ -21,7 +21,8 @@ data-space distance ``|x_t / alpha_t - s_i|^2``:
 - **fitted data-space temperature**: ``fitted_bandwidth`` ``h*`` minimising ``sum_s KL(a[s] || softmax(-d[s] /
   (2 h^2)))`` (:func:`fit_bandwidth`; ``inf`` when the uniform weights are closest, i.e. the attention favours the
   nearer references no more than uniform weights do), with a 95 % percentile bootstrap interval over sets, and
-  ``fitted_ratio = h* / h(t)``.
+  ``fitted_ratio = h* / h(t)``; the same as an inverse temperature ``fitted_beta = 1 / (2 h*^2)`` (0 for
+  ``h* = inf``: finite, so that JSON records keep it).
 - **verdict** (:func:`verdict`), decided by a rule stated before the data were seen (:data:`POOLING_TV`,
   :data:`ALPHA`):
 
@@ -210,21 +211,28 @@ def fit_bandwidth(shares: np.ndarray, distance: np.ndarray) -> float:
     return 1.0 / math.sqrt(2.0 * beta)
 
 
+def _beta(h: float) -> float:
+    """``beta = 1 / (2 h^2)``: 0 for ``h = inf``, ``inf`` for ``h = 0``."""
+    return 0.0 if math.isinf(h) else (math.inf if h == 0 else 1.0 / (2 * h * h))
+
+
+def _bandwidth(beta: float) -> float:
+    """``h = 1 / sqrt(2 beta)``: ``inf`` for ``beta = 0``, ``0`` for ``beta = inf``, NaN for NaN."""
+    if math.isnan(beta):
+        return math.nan
+    return math.inf if beta == 0 else (0.0 if math.isinf(beta) else 1.0 / math.sqrt(2 * beta))
+
+
 def _fit_interval(shares: np.ndarray, distance: np.ndarray, resamples: int, seed: int) -> tuple[float, float]:
-    """95 % percentile bootstrap interval of :func:`fit_bandwidth` over sets (on ``beta``, then mapped to ``h``)."""
+    """95 % percentile bootstrap interval over sets of the fitted ``beta = 1 / (2 h*^2)`` (:func:`fit_bandwidth`)."""
     sets = shares.shape[0]
     if sets < 2:
         return math.nan, math.nan
-
-    def beta_of(index: np.ndarray) -> float:
-        h = fit_bandwidth(shares[index], distance[index])
-        return 0.0 if math.isinf(h) else (math.inf if h == 0 else 1.0 / (2 * h * h))
-
     rng = np.random.default_rng(seed)
-    betas = np.array([beta_of(rng.integers(0, sets, sets)) for _ in range(resamples)])
+    betas = np.array([_beta(fit_bandwidth(*(x[rng.integers(0, sets, sets)] for x in (shares, distance))))
+                      for _ in range(resamples)])  # fmt: skip
     low, high = np.quantile(betas, [0.025, 0.975])
-    to_h = lambda b: math.inf if b == 0 else (0.0 if math.isinf(b) else 1.0 / math.sqrt(2 * b))  # noqa: E731
-    return to_h(high), to_h(low)
+    return float(low), float(high)
 
 
 def verdict(attention_tv_high: float, share_p: float, share_low: float) -> str:
@@ -252,8 +260,8 @@ def summarize_attribution(
         ``share_spearman`` (+ ``_low``, ``_high``, ``_p``), ``layer_agreement`` (+ ``_low``, ``_high``, ``_p``),
         ``tv_attention_posterior`` (+ ``_low``, ``_high``), ``attention_tv`` (+ ``_low``, ``_high``),
         ``posterior_tv``, ``attention_neff`` (+ ``_low``, ``_high``), ``position_neff``, ``posterior_neff``
-        (+ ``_low``, ``_high``), ``bandwidth``, ``fitted_bandwidth`` (+ ``_low``, ``_high``), ``fitted_ratio`` and
-        ``verdict``.
+        (+ ``_low``, ``_high``), ``bandwidth``, ``fitted_bandwidth`` (+ ``_low``, ``_high``), ``fitted_ratio``,
+        ``fitted_beta`` (+ ``_low``, ``_high``) and ``verdict``.
     """
     rows = []
     for timestep in sorted(frame["timestep"].unique(), reverse=True):
@@ -283,9 +291,10 @@ def summarize_attribution(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             fitted = fit_bandwidth(pooled, distance)
-        row["fitted_bandwidth"] = fitted
-        row["fitted_bandwidth_low"], row["fitted_bandwidth_high"] = _fit_interval(pooled, distance, resamples, seed)
-        row["fitted_ratio"] = fitted / data["bandwidth"]
+        beta_low, beta_high = _fit_interval(pooled, distance, resamples, seed)
+        row.update(fitted_bandwidth=fitted, fitted_bandwidth_low=_bandwidth(beta_high))
+        row.update(fitted_bandwidth_high=_bandwidth(beta_low), fitted_ratio=fitted / data["bandwidth"])
+        row.update(fitted_beta=_beta(fitted), fitted_beta_low=beta_low, fitted_beta_high=beta_high)
         row["verdict"] = verdict(row["attention_tv_high"], ranking["p"], ranking["low"])
         rows.append(row)
     return pd.DataFrame(rows)

@@ -72,10 +72,24 @@ def plot_sharpness(ax, summaries: dict[str, pd.DataFrame], colours: dict | None 
     _legend(ax, entries)
 
 
+def _from_beta(summary: pd.DataFrame) -> pd.DataFrame:
+    """The fitted bandwidth and its interval from the finite ``fitted_beta`` columns (a JSON record turns an
+    infinite ``fitted_bandwidth`` into null), ``h = 1 / sqrt(2 beta)``."""
+    if "fitted_beta" not in summary.columns:
+        return summary
+    out = summary.copy()
+    with np.errstate(divide="ignore"):
+        for suffix, other in (("", ""), ("_low", "_high"), ("_high", "_low")):  # h falls as beta grows
+            beta = out[f"fitted_beta{other}"].to_numpy(float)
+            out[f"fitted_bandwidth{suffix}"] = np.where(beta == 0, np.inf, 1.0 / np.sqrt(2 * beta))
+    return out
+
+
 def plot_temperature(ax, summaries: dict[str, pd.DataFrame], colours: dict | None = None) -> None:
     """The fitted data-space bandwidth h* (KL-closest posterior to the attention shares) against h(t), log scale;
     h* = inf (uniform weights closest) is drawn as a triangle at the top edge, and an interval reaching inf is cut
     there."""
+    summaries = {label: _from_beta(s) for label, s in summaries.items()}
     values = [
         v
         for s in summaries.values()

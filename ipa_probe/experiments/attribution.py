@@ -16,6 +16,8 @@ Control: the untrained organism (same architecture, initial weights).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -220,6 +222,36 @@ def run(ctx) -> ExperimentResult:
             )
         )
 
+    figures = [plot(effects_by, comparisons["trained"], ctx.recipe, folder)]
+    record = {
+        "measurements": raw,
+        "recipe": ctx.recipe,
+        "sets": tier.attribution_sets,
+        "num_inference_steps": NUM_STEPS,
+        "guidance_scale": GUIDANCE_SCALE,
+        "recorded_steps": list(RECORDED_STEPS),
+        "intervention": "ablate one reference in every IP-Adapter layer at every step (removed from the softmax)",
+        "rule": "predicts: one-sided permutation p < 0.05 and the 95% bootstrap interval of the mean above 0",
+    }
+    return ExperimentResult("attribution", rows, record, figures)
+
+
+def _set_digits(effects: pd.DataFrame) -> np.ndarray:
+    """``(S, R)`` the digit of each set's references, in set order."""
+    return effects.pivot(index="set", columns="reference", values="digit").sort_index().to_numpy()
+
+
+def plot(effects_by: dict[str, pd.DataFrame], trained: pd.DataFrame, recipe: str, folder) -> Path:
+    """The experiment's figure: each reference's ablation effect against its attention share and against its exact
+    posterior weight (one point per set and reference), and per recorded step the mean per-set Spearman of each
+    predictor with the effect (trained organism).
+
+    Args:
+        effects_by: ``"trained"`` / ``"untrained"`` -> effects with the predictors beside them.
+        trained: the trained organism's :func:`compare` table.
+        recipe: the organism's recipe (for the title).
+        folder: where ``attribution.png`` goes.
+    """
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
     for index, (label, effects) in enumerate(effects_by.items()):
         colour = f"C{index}"
@@ -248,21 +280,5 @@ def run(ctx) -> ExperimentResult:
     ax.set(ylim=(-1.05, 1.05), xlabel="timestep of the predictor (noise → data)", ylabel="mean per-set Spearman")
     ax.set_title("which predicts the ablation effect?")
     ax.legend(fontsize=7)
-    fig.suptitle(f"Attribution by intervention on the digits organism (recipe {ctx.recipe}, CFG 3, 20 steps)")
-    figures = [save_figure(fig, folder / "attribution.png")]
-    record = {
-        "measurements": raw,
-        "recipe": ctx.recipe,
-        "sets": tier.attribution_sets,
-        "num_inference_steps": NUM_STEPS,
-        "guidance_scale": GUIDANCE_SCALE,
-        "recorded_steps": list(RECORDED_STEPS),
-        "intervention": "ablate one reference in every IP-Adapter layer at every step (removed from the softmax)",
-        "rule": "predicts: one-sided permutation p < 0.05 and the 95% bootstrap interval of the mean above 0",
-    }
-    return ExperimentResult("attribution", rows, record, figures)
-
-
-def _set_digits(effects: pd.DataFrame) -> np.ndarray:
-    """``(S, R)`` the digit of each set's references, in set order."""
-    return effects.pivot(index="set", columns="reference", values="digit").sort_index().to_numpy()
+    fig.suptitle(f"Attribution by intervention on the digits organism (recipe {recipe}, CFG 3, 20 steps)")
+    return save_figure(fig, Path(folder) / "attribution.png")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from pathlib import Path
 
 import matplotlib
 
@@ -178,7 +179,6 @@ def run(ctx) -> ExperimentResult:
 
     from .._io import write_table
     from ..attribution import ALPHA, POOLING_TV, sets_table, summarize_attribution
-    from ..attribution.plots import plot_agreement, plot_sharpness, plot_temperature
 
     tier, folder = ctx.tier, ctx.out / "ip-adapter"
     folder.mkdir(parents=True, exist_ok=True)
@@ -229,6 +229,46 @@ def run(ctx) -> ExperimentResult:
     for key, summary in attribution.items():
         rows.extend(attribution_rows(key, summary))
 
+    figures = [plot(summaries, attribution, ctx.recipe, folder)]
+    record = {
+        "measurements": raw,
+        "recipe": ctx.recipe,
+        "num_inference_steps": NUM_STEPS,
+        "timesteps": list(PAPER_TIMESTEPS),
+        "step_indices": steps,
+        "references_per_set": REFS_PER_SET,
+        "reference_sets": tier.ip_sets,
+        "mixed_sets": tier.ip_mixed_sets,
+        "guidance_scale": 1.0,
+        "bandwidth": "matched (h^2 = sqrt(d_head))",
+        "verdict_rule": (
+            f"pooling if the upper end of the 95% interval of the mean per-layer TV distance of the attention shares "
+            f"from uniform is below {POOLING_TV}; else tracks posterior if the one-sided permutation p of the mean "
+            f"per-set Spearman (attention share vs exact posterior) is below {ALPHA} and its interval is above 0; "
+            "else undecided"
+        ),
+        "fitted_bandwidth_null": "null in fitted_bandwidth* means infinite: uniform weights are KL-closest",
+        "differences_from_paper": (
+            "a 16x16 digits organism trained here (SD 1.5 block structure scaled down, 10 IP layers of 4 heads, "
+            "8x8x4 latents), 4 tokens per reference and 4 references per set, no CFG; the paper used SD 1.5 with a "
+            "published IP-Adapter on natural images"
+        ),
+    }
+    return ExperimentResult("ip-adapter", rows, record, figures)
+
+
+def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame], recipe: str, folder) -> Path:
+    """The experiment's figure: rho per timestep (gauge-dependent) and the gauge-invariant panels of
+    :mod:`ipa_probe.attribution.plots` (rank agreement, sharpness, fitted temperature).
+
+    Args:
+        summaries: ``"trained"`` / ``"untrained"`` -> :func:`summarize_sets` tables.
+        attribution: ``"<label>, <population> refs"`` -> :func:`ipa_probe.attribution.summarize_attribution` tables.
+        recipe: the organism's recipe (for the title).
+        folder: where ``ip_adapter.png`` goes.
+    """
+    from ..attribution.plots import plot_agreement, plot_sharpness, plot_temperature
+
     fig, axes = plt.subplots(2, 2, figsize=(13, 13))
     ax = axes[0, 0]
     x = np.arange(len(PAPER_TIMESTEPS))
@@ -255,30 +295,5 @@ def run(ctx) -> ExperimentResult:
     plot_agreement(axes[0, 1], shown, palette)
     plot_sharpness(axes[1, 0], shown, palette)
     plot_temperature(axes[1, 1], shown, palette)
-    fig.suptitle(f"IP-Adapter attention on the digits organism (recipe {ctx.recipe})", fontsize=10)
-    figures = [save_figure(fig, folder / "ip_adapter.png")]
-    record = {
-        "measurements": raw,
-        "recipe": ctx.recipe,
-        "num_inference_steps": NUM_STEPS,
-        "timesteps": list(PAPER_TIMESTEPS),
-        "step_indices": steps,
-        "references_per_set": REFS_PER_SET,
-        "reference_sets": tier.ip_sets,
-        "mixed_sets": tier.ip_mixed_sets,
-        "guidance_scale": 1.0,
-        "bandwidth": "matched (h^2 = sqrt(d_head))",
-        "verdict_rule": (
-            f"pooling if the upper end of the 95% interval of the mean per-layer TV distance of the attention shares "
-            f"from uniform is below {POOLING_TV}; else tracks posterior if the one-sided permutation p of the mean "
-            f"per-set Spearman (attention share vs exact posterior) is below {ALPHA} and its interval is above 0; "
-            "else undecided"
-        ),
-        "fitted_bandwidth_null": "null in fitted_bandwidth* means infinite: uniform weights are KL-closest",
-        "differences_from_paper": (
-            "a 16x16 digits organism trained here (SD 1.5 block structure scaled down, 10 IP layers of 4 heads, "
-            "8x8x4 latents), 4 tokens per reference and 4 references per set, no CFG; the paper used SD 1.5 with a "
-            "published IP-Adapter on natural images"
-        ),
-    }
-    return ExperimentResult("ip-adapter", rows, record, figures)
+    fig.suptitle(f"IP-Adapter attention on the digits organism (recipe {recipe})", fontsize=10)
+    return save_figure(fig, Path(folder) / "ip_adapter.png")
