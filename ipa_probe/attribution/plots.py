@@ -100,7 +100,7 @@ def plot_temperature(ax, summaries: dict[str, pd.DataFrame], colours: dict | Non
     top = 10 ** math.ceil(math.log10(max(values) * 3)) if values else 10.0
     bottom = 10 ** math.floor(math.log10(min(values) / 3)) if values else 0.01
     entries = []
-    for label, colour in _colours(summaries, colours).items():
+    for index, (label, colour) in enumerate(_colours(summaries, colours).items()):
         summary = summaries[label]
         x = _axis(ax, summary)
         fitted = summary["fitted_bandwidth"].to_numpy(float)
@@ -115,8 +115,9 @@ def plot_temperature(ax, summaries: dict[str, pd.DataFrame], colours: dict | Non
             text += " (band: 95% CI)"
         entries.append((handle, text))
         if infinite.any():
-            (marker,) = ax.plot(x[infinite], np.full(infinite.sum(), top), "^", color=colour, markersize=8)
-            entries.append((marker, f"{label}: h* = ∞ (uniform weights closest)"))
+            edge = top / 1.6**index  # one row of triangles per summary, so that none hides another
+            (marker,) = ax.plot(x[infinite], np.full(infinite.sum(), edge), "^", color=colour, markersize=8)
+            entries.append((marker, f"{label}: h* = ∞ (uniform weights closest; drawn at the top)"))
     first = next(iter(summaries.values()))
     (line,) = ax.plot(_axis(ax, first), first["bandwidth"], "k.--")
     entries.append((line, "exact denoiser's h(t) = σ_t/α_t"))
