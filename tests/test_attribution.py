@@ -398,3 +398,27 @@ def test_summary_verdicts_on_clear_cases():
     elsewhere = np.repeat(special.softmax(distance / (2 * h * h), axis=-1)[:, None], layers, 1)  # the far ones
     row = summarize_attribution(synthetic_frame(elsewhere, distance, h), permutations=999, resamples=99).iloc[0]
     assert row["verdict"] == "undecided" and row["share_spearman"] < 0 and math.isinf(row["fitted_bandwidth"])
+
+
+def test_infinite_fitted_bandwidth_survives_a_json_record(tmp_path):
+    """A JSON record turns h* = inf into null; the figure reads it back from the finite beta columns."""
+    import json
+
+    from ipa_probe._io import jsonable
+    from ipa_probe.attribution.plots import _from_beta
+    from ipa_probe.experiments import ip_adapter
+
+    rng = np.random.default_rng(6)
+    distance = rng.uniform(0, 60, size=(6, 4))
+    far = np.repeat(special.softmax(distance / 50, axis=-1)[:, None], 2, 1)  # favours the far references: h* = inf
+    summary = summarize_attribution(synthetic_frame(far, distance, 5.0), permutations=99, resamples=49)
+    assert math.isinf(summary["fitted_bandwidth"].iloc[0])
+    back = pd.DataFrame(json.loads(json.dumps(jsonable(summary.to_dict(orient="records")))))
+    assert back["fitted_bandwidth"].isna().all()
+    assert math.isinf(_from_beta(back)["fitted_bandwidth"].iloc[0])
+    record = {"measurements": {"attribution": {"trained, 2+2 mixed refs": back.to_dict(orient="records")}}}
+    rho = pd.DataFrame({"timestep": [500], "spearman": [0.8], "ci_low": [0.7], "ci_high": [0.9], "pearson": [0.8],
+                        "null": [0.0]})  # fmt: skip
+    record["measurements"]["trained"] = rho.to_dict(orient="records")
+    (path,) = ip_adapter.redraw(record, tmp_path)
+    assert path.exists() and path.stat().st_size > 10_000

@@ -282,3 +282,11 @@ def plot(effects_by: dict[str, pd.DataFrame], trained: pd.DataFrame, recipe: str
     ax.legend(fontsize=7)
     fig.suptitle(f"Attribution by intervention on the digits organism (recipe {recipe}, CFG 3, 20 steps)")
     return save_figure(fig, Path(folder) / "attribution.png")
+
+
+def redraw(record: dict, folder) -> list[Path]:
+    """:func:`plot` again from a ``record.json`` of this experiment (no generation)."""
+    raw = record["measurements"]
+    effects_by = {label: pd.DataFrame(values["effects"]) for label, values in raw.items()}
+    trained = pd.DataFrame(raw["trained"]["comparisons"])
+    return [plot(effects_by, trained, record.get("recipe", "support"), folder)]

@@ -271,7 +271,8 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 13))
     ax = axes[0, 0]
-    x = np.arange(len(PAPER_TIMESTEPS))
+    timesteps = next(iter(summaries.values()))["timestep"].tolist()
+    x = np.arange(len(timesteps))
     colours = {"trained": "C0", "untrained": "C1"}
     entries = []
     for label, summary in summaries.items():
@@ -285,8 +286,10 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
             entries.append((line, f"{label}: ρ expected from the logit ratio alone"))
         line = ax.plot(x, summary["null"], "--", color=colour, linewidth=0.8)[0]
         entries.append((line, f"{label}: permutation null"))
-    entries.append((ax.scatter([x[-1]], [PAPER_LAST_SPEARMAN], marker="x", color="C3", s=60), "paper (SD 1.5, t=1)"))
-    ax.set(xticks=x, xticklabels=PAPER_TIMESTEPS, xlabel="timestep (noise → data)", ylabel="statistic")
+    if timesteps[-1] == PAPER_TIMESTEPS[-1]:
+        paper = ax.scatter([x[-1]], [PAPER_LAST_SPEARMAN], marker="x", color="C3", s=60)
+        entries.append((paper, "paper (SD 1.5, t=1)"))
+    ax.set(xticks=x, xticklabels=timesteps, xlabel="timestep (noise → data)", ylabel="statistic")
     ax.set_title("attention vs NW weights on the same q, k (gauge-dependent)")
     ax.set_ylim(-0.2, 1.05)
     ax.legend(*zip(*entries, strict=True), fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.16))
@@ -297,3 +300,11 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
     plot_temperature(axes[1, 1], shown, palette)
     fig.suptitle(f"IP-Adapter attention on the digits organism (recipe {recipe})", fontsize=10)
     return save_figure(fig, Path(folder) / "ip_adapter.png")
+
+
+def redraw(record: dict, folder) -> list[Path]:
+    """:func:`plot` again from a ``record.json`` of this experiment (no generation)."""
+    raw = record["measurements"]
+    summaries = {label: pd.DataFrame(raw[label]) for label in ("trained", "untrained") if label in raw}
+    attribution = {key: pd.DataFrame(values) for key, values in raw.get("attribution", {}).items()}
+    return [plot(summaries, attribution, record.get("recipe", "support"), folder)]
