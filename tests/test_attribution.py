@@ -308,6 +308,17 @@ def _kl_objective(log_h: float, shares: np.ndarray, distance: np.ndarray) -> flo
     return float((shares * (np.log(shares) - log_w)).sum())
 
 
+def test_fitted_bandwidth_interval_resamples_sets_whole():
+    """Every set's shares are the posterior at h = 3: any resample of sets fits 3, so the interval is [3, 3]."""
+    rng = np.random.default_rng(7)
+    distance = rng.uniform(0, 50, size=(12, 4))
+    exact = special.softmax(-distance / (2 * 3.0**2), axis=-1)
+    row = summarize_attribution(synthetic_frame(exact[:, None], distance, 3.0), permutations=99, resamples=99).iloc[0]
+    assert row["fitted_bandwidth_low"] == pytest.approx(3.0, rel=1e-6)
+    assert row["fitted_bandwidth_high"] == pytest.approx(3.0, rel=1e-6)
+    assert row["fitted_ratio"] == pytest.approx(1.0, rel=1e-6)
+
+
 def test_fit_bandwidth_against_scipy():
     rng = np.random.default_rng(3)
     distance = rng.uniform(0, 50, size=(10, 4))

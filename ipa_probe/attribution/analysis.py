@@ -229,8 +229,10 @@ def _fit_interval(shares: np.ndarray, distance: np.ndarray, resamples: int, seed
     if sets < 2:
         return math.nan, math.nan
     rng = np.random.default_rng(seed)
-    betas = np.array([_beta(fit_bandwidth(*(x[rng.integers(0, sets, sets)] for x in (shares, distance))))
-                      for _ in range(resamples)])  # fmt: skip
+    betas = np.empty(resamples)
+    for i in range(resamples):
+        index = rng.integers(0, sets, sets)  # one resample of the sets: shares and distances stay paired
+        betas[i] = _beta(fit_bandwidth(shares[index], distance[index]))
     low, high = np.quantile(betas, [0.025, 0.975])
     return float(low), float(high)
 
