@@ -7,7 +7,7 @@ DEMO_OUT ?= outputs/demo
 PYTEST_ARGS ?=
 TIER ?= smoke
 
-.PHONY: venv demo test test-fast lint format hooks bench experiments clean
+.PHONY: venv demo test test-fast lint format hooks bench experiments figures figures-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,14 @@ bench: $(STAMP)
 
 experiments: $(STAMP)
 	$(VENV)/bin/ipa-probe experiments all --tier $(TIER) --out outputs/experiments-$(TIER)
+
+# Every figure of README.md and docs/: the organism's commands rerun, the experiments' figures redrawn from their
+# record.json (see docs/figures.md). `make figures-check` says which are not current.
+figures: $(STAMP)
+	$(PY) -m ipa_probe.devtools.figures
+
+figures-check: $(STAMP)
+	$(PY) -m ipa_probe.devtools.figures --check --rerun
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -6,6 +6,8 @@ Nothing here imports torch or pandas at module level, so the command line can im
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import logging
 import math
@@ -27,10 +29,14 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "LOCK_NAME",
     "OutputLocked",
+    "PROVENANCE_KEY",
     "atomic_path",
     "check_launch_holds",
+    "code_digest",
+    "data_digest",
     "jsonable",
     "output_lock",
+    "read_provenance",
     "versions",
     "write_atomic",
     "write_figure",
@@ -44,6 +50,10 @@ VERSIONED_PACKAGES = ("torch", "diffusers", "transformers", "numpy", "pandas", "
 
 #: The lock file of an output folder (hidden: Parquet dataset readers skip it).
 LOCK_NAME = ".ipa_probe.lock"
+
+#: The PNG text chunk holding a figure's provenance (:func:`write_figure`, :func:`write_image`,
+#: :func:`read_provenance`): JSON with the digest of the code that drew it and of its inputs.
+PROVENANCE_KEY = "ipa_probe:provenance"
 
 
 def jsonable(value: Any) -> Any:
@@ -137,25 +147,68 @@ def write_table(table: Any, path: str | os.PathLike) -> Path:
     return path
 
 
-def write_figure(fig: Any, path: str | os.PathLike, dpi: int = 120) -> Path:
-    """A matplotlib figure in the format its suffix names, written atomically; the figure is closed."""
+def code_digest(*functions: Any) -> str:
+    """A short SHA-256 of the source text of ``functions`` (in order): changes when any of them is edited."""
+    digest = hashlib.sha256()
+    for function in functions:
+        digest.update(f"{function.__module__}.{function.__qualname__}\n".encode())
+        digest.update(inspect.getsource(function).encode())
+    return digest.hexdigest()[:16]
+
+
+def data_digest(value: Any) -> str:
+    """A short SHA-256 of ``value`` as canonical JSON (through :func:`jsonable`, keys sorted)."""
+    text = json.dumps(jsonable(value), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _png_text(provenance: dict | None) -> dict[str, str]:
+    return {} if provenance is None else {PROVENANCE_KEY: json.dumps(jsonable(provenance), sort_keys=True)}
+
+
+def write_figure(fig: Any, path: str | os.PathLike, dpi: int = 120, provenance: dict | None = None) -> Path:
+    """A matplotlib figure in the format its suffix names, written atomically; the figure is closed.
+
+    ``provenance`` (a JSON-able dict, e.g. ``{"code": code_digest(plot), "inputs": data_digest(data)}``) goes into a
+    PNG text chunk (:data:`PROVENANCE_KEY`), read back by :func:`read_provenance`.
+    """
     import matplotlib.pyplot as plt
 
     path = Path(path)
+    fmt = path.suffix.lstrip(".")
+    metadata = _png_text(provenance) if fmt == "png" else {}
     try:
         with atomic_path(path) as temp:
-            fig.savefig(temp, dpi=dpi, format=path.suffix.lstrip("."))
+            fig.savefig(temp, dpi=dpi, format=fmt, metadata=metadata or None)
     finally:
         plt.close(fig)
     return path
 
 
-def write_image(image: Any, path: str | os.PathLike, **options: Any) -> Path:
-    """A PIL image in the format its suffix names (``options`` go to ``Image.save``), written atomically."""
+def write_image(image: Any, path: str | os.PathLike, provenance: dict | None = None, **options: Any) -> Path:
+    """A PIL image in the format its suffix names (``options`` go to ``Image.save``), written atomically; a PNG
+    carries ``provenance`` as :func:`write_figure` does."""
     path = Path(path)
+    fmt = path.suffix.lstrip(".").upper().replace("JPG", "JPEG")
+    if provenance is not None and fmt == "PNG":
+        from PIL.PngImagePlugin import PngInfo
+
+        info = PngInfo()
+        for key, text in _png_text(provenance).items():
+            info.add_text(key, text)
+        options["pnginfo"] = info
     with atomic_path(path) as temp:
-        image.save(temp, format=path.suffix.lstrip(".").upper().replace("JPG", "JPEG"), **options)
+        image.save(temp, format=fmt, **options)
     return path
+
+
+def read_provenance(path: str | os.PathLike) -> dict | None:
+    """The provenance :func:`write_figure` / :func:`write_image` stored in a PNG, or ``None`` when it has none."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        text = getattr(image, "text", {}).get(PROVENANCE_KEY)
+    return json.loads(text) if text else None
 
 
 class OutputLocked(RuntimeError):

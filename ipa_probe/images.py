@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-__all__ = ["IMAGE_SUFFIXES", "check_image_file", "image_row", "load_image", "load_images", "to_rgb"]
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "check_image_file",
+    "image_row",
+    "load_image",
+    "load_images",
+    "plot_image_strip",
+    "to_rgb",
+]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -141,3 +149,72 @@ def image_row(
         strip.paste(image.resize((cell, cell), resample), (x, gap))
         x += cell + gap
     return strip
+
+
+def plot_image_strip(
+    references: Sequence[Image.Image],
+    generated: Sequence[Image.Image],
+    captions: Sequence[str] | None = None,
+    correct: Sequence[bool | None] | None = None,
+    title: str | None = None,
+    cell: float = 1.0,
+):
+    """A titled strip: the references (framed and labelled as references), then the generated images, each with an
+    optional caption (e.g. a classifier's verdict) coloured by whether it is right.
+
+    Args:
+        references: the reference images (left, under a "references" label).
+        generated: the generated images (right).
+        captions: one caption per generated image (e.g. ``"read as 3"``), or ``None``.
+        correct: per generated image, ``True`` (caption in green), ``False`` (red) or ``None`` (black).
+        title: the figure's title, or ``None``.
+        cell: side of each image in inches.
+
+    Returns:
+        a ``matplotlib.figure.Figure`` (small images are drawn with nearest-neighbour pixels).
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    references, generated = list(references), list(generated)
+    if not references and not generated:
+        raise ValueError("expected at least one image for plot_image_strip")
+    for name, values in (("captions", captions), ("correct", correct)):
+        if values is not None and len(values) != len(generated):
+            raise ValueError(f"{name}: expected one per generated image ({len(generated)}), got {len(values)}")
+    step, gap, side = cell + 0.08, (0.35 if references and generated else 0.0), 0.1
+    width = (len(references) + len(generated)) * step + gap + 2 * side
+    label_y = (0.4 if title else 0.08) + 0.12  # the group labels' middle, inches from the top
+    top = label_y + 0.3  # the images' top edge
+    height = top + cell + (0.3 if captions is not None else 0.1)
+    fig = plt.figure(figsize=(width, height))
+    colours = {True: "#1a7f37", False: "#cf222e", None: "black"}
+    blue = "#0550ae"
+    for i, image in enumerate(references + generated):
+        is_reference = i < len(references)
+        x = side + i * step + (0.0 if is_reference else gap)
+        ax = fig.add_axes([x / width, 1 - (top + cell) / height, cell / width, cell / height])
+        ax.imshow(np.asarray(image.convert("RGB")), interpolation="nearest")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if is_reference:
+            ax.set_title(f"reference {i}", fontsize=7, color=blue, pad=2)
+            for spine in ax.spines.values():
+                spine.set_edgecolor(blue)
+                spine.set_linewidth(2.0)
+            continue
+        j = i - len(references)
+        ax.set_title(f"image {j}", fontsize=7, pad=2)
+        if captions is not None:
+            ok = correct[j] if correct is not None else None
+            ax.set_xlabel(captions[j], fontsize=7, color=colours[ok], labelpad=2)
+    for start, count, label, colour in (
+        (side, len(references), "references", blue),
+        (side + len(references) * step + gap, len(generated), "generated", "black"),
+    ):
+        if count:
+            middle = start + (count * step - 0.08) / 2
+            fig.text(middle / width, 1 - label_y / height, label, ha="center", va="center", fontsize=8, color=colour)
+    if title:
+        fig.text(0.5, 1 - 0.06 / height, title, ha="center", va="top", fontsize=8)
+    return fig

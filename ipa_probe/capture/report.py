@@ -16,6 +16,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "COLUMNS",
+    "HEATMAP_COLUMNS",
+    "heatmap_table",
+    "plot_heatmap",
     "plot_run",
     "run_table",
     "save_run",
@@ -97,46 +100,143 @@ def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
     return out.reset_index()
 
 
-def plot_run(table: pd.DataFrame, ax=None, branch: str = "cond", kind: str = "image"):
-    """Mean per-row Spearman (band: ± one std over layers and heads), raveled Pearson and the null, by timestep.
+#: Columns :func:`plot_run` draws as layer x timestep heat maps beside the lines, those the table has: the per-row
+#: Spearman and, where the table has it, ``rho_excess`` (Spearman minus the rho that the q/k gauge alone predicts).
+HEATMAP_COLUMNS: tuple[str, ...] = ("spearman", "rho_excess")
 
-    The x axis runs in the denoising direction (high timestep on the left).
+
+def plot_run(
+    table: pd.DataFrame,
+    ax=None,
+    branch: str = "cond",
+    kind: str = "image",
+    heatmaps: tuple[str, ...] | None = HEATMAP_COLUMNS,
+):
+    """Mean per-row Spearman (band: ± one std over layers and heads), raveled Pearson and the null, by timestep; and,
+    in a new figure, a layer x timestep heat map of each of ``heatmaps`` that the table has (:func:`plot_heatmap`).
+
+    The x axes run in the denoising direction (high timestep on the left); the y axis of the lines fits the values
+    drawn (and 0). Falls back to the table's only kind when ``kind`` is absent (a text-only probe).
+
+    Args:
+        table: a probe's table (:meth:`~ipa_probe.ProbeRun.to_dataframe`).
+        ax: an axes for the lines alone (no heat maps), or ``None`` for a new figure with the heat maps.
+        branch, kind: the CFG branch and the kind (``"image"`` or ``"text"``) drawn.
+        heatmaps: the columns drawn as heat maps (those absent from ``table`` are left out); ``None`` or ``()`` for
+            none.
+
+    Returns:
+        the ``matplotlib.figure.Figure``.
     """
     import matplotlib.pyplot as plt
 
+    if not table.empty and kind not in set(table["kind"]):  # e.g. a text-only probe
+        kind = str(table["kind"].iloc[0])
+    columns = [c for c in (heatmaps or ()) if c in table.columns and not table.empty] if ax is None else []
     if ax is None:
-        fig, ax = plt.subplots(figsize=(6, 3.6))
-    else:
-        fig = ax.figure
+        fig, axes = plt.subplots(
+            1, 1 + len(columns), figsize=(6.2 + 5.2 * len(columns), 3.8), squeeze=False, layout="constrained"
+        )
+        ax = axes[0, 0]
+        for column, heat_ax in zip(columns, axes[0, 1:], strict=True):
+            plot_heatmap(table, column, ax=heat_ax, branch=branch, kind=kind)
+    fig = ax.figure
     summary = summarize(table)
     if not summary.empty:
         summary = summary[(summary["branch"] == branch) & (summary["kind"] == kind)]
-        if summary.empty:  # e.g. a text-only probe
-            kind = table["kind"].iloc[0]
-            summary = summarize(table)
-            summary = summary[(summary["branch"] == branch) & (summary["kind"] == kind)]
+    drawn = [0.0]
     for call, part in summary.groupby("call") if not summary.empty else ():
         suffix = f" (call {call})" if summary["call"].nunique() > 1 else ""
         x = part["timestep"].to_numpy()
         rho = part["spearman"].to_numpy()
         std = part["spearman_std"].fillna(0).to_numpy()
-        ax.plot(x, rho, marker="o", label=f"Spearman ρ{suffix}")
-        ax.fill_between(x, rho - std, rho + std, alpha=0.2)
-        ax.plot(x, part["pearson"], marker=".", linestyle="--", label=f"Pearson r{suffix}")
-        ax.plot(x, part["spearman_null"], color="grey", linestyle=":", label=f"permutation null{suffix}")
-    style_timestep_axes(ax)
+        line = ax.plot(x, rho, marker="o", markersize=3, label=f"Spearman ρ, mean over layers × heads{suffix}")[0]
+        ax.fill_between(x, rho - std, rho + std, color=line.get_color(), alpha=0.2, label=f"± 1 std of ρ{suffix}")
+        ax.plot(x, part["pearson"], marker=".", linestyle="--", label=f"Pearson r (raveled){suffix}")
+        ax.plot(x, part["spearman_null"], color="grey", linestyle=":", label=f"permutation null of ρ{suffix}")
+        drawn += [*(rho - std), *(rho + std), *part["pearson"], *part["spearman_null"]]
+    style_timestep_axes(ax, drawn)
     what = "IP-Adapter" if kind == "image" else "text"
-    ax.set_title(f"{what} attention vs Gaussian NW ({branch} branch)")
-    ax.legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
+    ax.set_title(f"{what} attention vs Gaussian NW ({branch} branch)", fontsize=10)
+    ax.legend(fontsize=7, loc="best", framealpha=0.85)
     return fig
 
 
-def style_timestep_axes(ax) -> None:
-    """Axes of a correlation-by-timestep plot: y in [-1, 1] with a zero line, x in the denoising direction."""
+def heatmap_table(table: pd.DataFrame, column: str = "spearman", branch: str = "cond", kind: str = "image"):
+    """``column`` averaged over heads, adapters and calls per layer (rows, the probe's order) and timestep (columns,
+    in the denoising direction: high timestep first)."""
+    if column not in table.columns:
+        raise ValueError(f"column {column!r} is not in the table; pick one of {list(table.columns)}")
+    part = table[(table["branch"] == branch) & (table["kind"] == kind)]
+    if part.empty:
+        raise ValueError(f"no rows with branch={branch!r} and kind={kind!r}; the table has branches "
+                         f"{sorted(set(table['branch']))} and kinds {sorted(set(table['kind']))}")  # fmt: skip
+    grid = part.pivot_table(index="layer", columns="timestep", values=column, aggfunc="mean", observed=True)
+    return grid.sort_index(axis=1, ascending=False)
+
+
+def plot_heatmap(table: pd.DataFrame, column: str = "spearman", ax=None, branch: str = "cond", kind: str = "image"):
+    """A layer x timestep heat map of ``column`` (mean over heads, adapters and calls), with a colorbar.
+
+    Colour: a diverging map centred at 0 with a symmetric range when the values take both signs (``rho_excess``
+    does), else a sequential map over the values' range; the colorbar and the title say which.
+
+    Returns:
+        the ``matplotlib.figure.Figure``.
+    """
+    import matplotlib.pyplot as plt
+
+    grid = heatmap_table(table, column, branch, kind)
+    values = grid.to_numpy(np.float64)  # (layers, timesteps)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.0, 0.9 + 0.28 * len(grid)), layout="constrained")
+    fig = ax.figure
+    finite = values[np.isfinite(values)]
+    low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    if low < 0 < high:
+        top = max(-low, high)
+        style, scale = {"cmap": "RdBu_r", "vmin": -top, "vmax": top}, f"diverging, centred at 0, ±{top:.3g}"
+    else:
+        high = high if high > low else low + 1e-6
+        style, scale = {"cmap": "viridis", "vmin": low, "vmax": high}, f"sequential, {low:.3g} to {high:.3g}"
+    image = ax.imshow(values, aspect="auto", interpolation="nearest", **style)
+    timesteps = grid.columns.to_numpy(np.float64)
+    ticks = np.unique(np.linspace(0, len(timesteps) - 1, min(len(timesteps), 8)).round().astype(int))
+    ax.set_xticks(ticks, [f"{timesteps[i]:g}" for i in ticks], fontsize=7)
+    labels, suffix = _short_names([str(name) for name in grid.index])
+    ax.set_yticks(range(len(grid)), labels, fontsize=6)
+    ax.set_xlabel("timestep (denoising →)", fontsize=8)
+    ax.set_ylabel(f"layer (ids end in {suffix})" if suffix else "layer", fontsize=8)
+    ax.set_title(f"{column} per layer and timestep ({branch}, mean over heads)", fontsize=9)
+    bar = fig.colorbar(image, ax=ax, shrink=0.9)
+    bar.set_label(f"{column} ({scale})", fontsize=7)
+    bar.ax.tick_params(labelsize=6)
+    return fig
+
+
+def _short_names(names: list[str]) -> tuple[list[str], str]:
+    """Layer ids without the dotted ending they all share (e.g. ``.transformer_blocks.0.attn2``), and that ending."""
+    parts = [name.split(".") for name in names]
+    shared = 0
+    while len(names) > 1 and shared < min(map(len, parts)) - 1 and len({p[-1 - shared] for p in parts}) == 1:
+        shared += 1
+    if shared == 0:
+        return names, ""
+    return [".".join(p[:-shared]) for p in parts], "." + ".".join(parts[0][-shared:])
+
+
+def style_timestep_axes(ax, values=None) -> None:
+    """Axes of a correlation-by-timestep plot: x in the denoising direction, a zero line, and y fitting ``values``
+    (the numbers drawn; 0 is always in range) with a margin, within [-1.05, 1.05]; [-1.05, 1.05] without values."""
     ax.set_xlabel("timestep (denoising →)")
     ax.set_ylabel("attention vs NW")
-    ax.set_ylim(-1.05, 1.05)
+    finite = np.asarray([v for v in (values if values is not None else []) if np.isfinite(v)], dtype=np.float64)
+    if finite.size:
+        low, high = min(float(finite.min()), 0.0), max(float(finite.max()), 0.0)
+        pad = max(0.05 * (high - low), 0.02)
+        ax.set_ylim(max(low - pad, -1.05), min(high + pad, 1.05))
+    else:
+        ax.set_ylim(-1.05, 1.05)
     ax.axhline(0, color="black", linewidth=0.5)
     if not ax.xaxis_inverted():
         ax.invert_xaxis()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,8 @@ from ..schema import CELL_FIELDS
 from ..stats import compare_weights, copy_groups, fit_bandwidth
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .config import ProbeConfig
-from .maps import MapAccumulator, check_size, map_statistics, plot_reference_maps, select_layers
+from .mapplots import plot_reference_maps
+from .maps import MapAccumulator, check_size, map_statistics, select_layers
 from .report import plot_run, run_table, save_run, summarize
 from .taps import Capture, Tap, tap_for
 
@@ -637,12 +639,20 @@ class ProbeRun:
 
     def plot_reference_maps(self, call: int = 0, item: int = 0, adapter: int = 0, **kwargs):
         """Figure of :meth:`reference_maps` at early / middle / late steps, attention beside NW (see
-        :func:`~.maps.plot_reference_maps` for ``image``, ``references``, ``branch``, ``layers``, ``ranges``)."""
+        :func:`~.mapplots.plot_reference_maps` for ``image``, ``references``, ``branch``, ``layers``, ``ranges``)."""
         return plot_reference_maps(self, call, item, adapter, **kwargs)
 
     def save(self, directory, extra: dict | None = None):
         """Write ``probe.parquet``, ``summary.json`` (settings, versions, seeds) and ``rho_by_timestep.png``."""
         return save_run(self.to_dataframe(), directory, settings=self.config.describe(), extra=extra)
+
+    def log(self, log_with: str, logging_dir="runs", run_name: str = "probe"):
+        """Send the per-step summary statistics, the figures and the settings to a tracker (see
+        :mod:`ipa_probe.trackers`); returns the tracker's folder (TensorBoard: the event files')."""
+        from ..trackers import log_probe_run
+
+        self._finished()
+        return log_probe_run(self, log_with, logging_dir, run_name)
 
 
 @contextlib.contextmanager
@@ -659,6 +669,9 @@ def probe(
     branch: str = "image",
     branches: Sequence[str] | None = None,
     maps: bool = False,
+    log_with: str | None = None,
+    logging_dir: str | os.PathLike = "runs",
+    run_name: str = "probe",
 ) -> Iterator[ProbeRun]:
     """Record the IP-Adapter attention of every denoising step and compare it with Gaussian NW weights.
 
@@ -667,12 +680,18 @@ def probe(
             :mod:`ipa_probe.capture.taps` for what the image-branch weights are in each).
         bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps: see
             :class:`ProbeConfig`.
+        log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"`` to send the run's per-step summary statistics,
+            figures and settings to that tracker when the block ends normally (after the denoising loop and the
+            one device-to-host transfer: nothing is logged, and nothing synchronises, inside the loop); ``None``
+            (default) for none. See :mod:`ipa_probe.trackers`.
+        logging_dir, run_name: where the tracker writes (TensorBoard: ``logging_dir/run_name``).
 
     Yields:
         the :class:`ProbeRun`; read its results after the block.
 
     Raises:
         ValueError / TypeError: bad settings or a pipeline without a supported IP-Adapter, before anything changes.
+        ImportError: ``log_with`` names a tracker whose client is not installed (the message names the extra).
         RuntimeError: the pipeline is already being probed.
 
     Example:
@@ -685,9 +704,15 @@ def probe(
         ```
     """
     config = ProbeConfig(bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps)
+    if log_with is not None:
+        from ..trackers import check_tracker
+
+        check_tracker(log_with)
     run = ProbeRun(pipe, config)
     run._install()
     try:
         yield run
     finally:
         run._uninstall()
+    if log_with is not None:  # only when the block ended normally: a failed run is not logged as a result
+        run.log(log_with, logging_dir, run_name)

@@ -298,3 +298,40 @@ def output_dir(path: str | os.PathLike) -> Path:
         reason = err.strerror or err
         raise CLIError(f"cannot write to --out {str(out)!r} ({reason}); choose a writable folder") from None
     return out
+
+
+#: ``--log-with`` choices (the trackers of :mod:`ipa_probe.trackers`; the list is repeated here so that argument
+#: parsing imports nothing heavy).
+TRACKER_CHOICES = ("tensorboard", "wandb", "mlflow")
+
+
+def add_tracker_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--log-with`` and ``--logging-dir``."""
+    parser.add_argument(
+        "--log-with",
+        choices=TRACKER_CHOICES,
+        help="also send the per-step statistics, figures and settings to this tracker when the run ends "
+        "(tensorboard ships with ipa_probe; wandb and mlflow need pip install 'ipa_probe[wandb]' / '[mlflow]')",
+    )
+    parser.add_argument("--logging-dir", help="where the tracker writes (default: OUT/logs)")
+
+
+def check_tracker_arguments(args: argparse.Namespace) -> None:
+    """Before torch loads: the tracker's client is installed and ``--logging-dir`` is writable."""
+    if getattr(args, "log_with", None) is None:
+        if getattr(args, "logging_dir", None):
+            raise CLIError("--logging-dir needs --log-with (tensorboard, wandb or mlflow)")
+        return
+    from ..trackers import check_tracker
+
+    try:
+        check_tracker(args.log_with)
+    except ImportError as err:
+        raise CLIError(str(err)) from None
+    if args.logging_dir:
+        check_output_dir(args.logging_dir, "--logging-dir")
+
+
+def logging_dir(args: argparse.Namespace) -> Path:
+    """``--logging-dir``, or ``OUT/logs``."""
+    return Path(args.logging_dir).expanduser() if args.logging_dir else Path(args.out) / "logs"

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from . import CLIError
-from ._common import check_output_dir
+from ._common import add_tracker_arguments, check_output_dir, check_tracker_arguments, logging_dir
 
 NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "ip-adapter", "attribution", "all")
 #: the digits organism's training recipes (see ipa_probe.digits_pipeline)
@@ -49,10 +49,12 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_tracker_arguments(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    check_tracker_arguments(args)  # before anything imports torch
     from .._io import OutputLocked
     from ..experiments import run_experiments
     from ..experiments.checkpoint import CheckpointError
@@ -82,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"unknown recipe {args.recipe!r}; expected one of {', '.join(RECIPES)}")
     if args.threads is not None and args.threads < 1:
         raise CLIError(f"--threads must be >= 1, got {args.threads}")
-    out = check_output_dir(args.out or f"outputs/experiments-{args.tier}")  # made when the run starts
+    args.out = args.out or f"outputs/experiments-{args.tier}"
+    out = check_output_dir(args.out)  # made when the run starts
     tier = ALL_TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
     try:
         results = run_experiments(
@@ -98,4 +101,10 @@ def run(args: argparse.Namespace) -> int:
     for name, result in results.items():
         print(f"{name}: {out / name / 'table.md'} ({result.record['wall_time_s']:.0f} s)")
     print(f"summary: {out / 'summary.md'}")
+    if args.log_with:
+        from ..trackers import log_experiments
+
+        settings = {"tier": tier.name, **{k: v for k, v in vars(args).items() if k not in ("func", "tier")}}
+        folder = log_experiments(results, out, settings, args.log_with, logging_dir(args))
+        print(f"{args.log_with} logs in {folder}")
     return 0

@@ -9,10 +9,13 @@ from . import CLIError
 from ._common import (
     DIGITS_DEFAULTS,
     add_model_arguments,
+    add_tracker_arguments,
     bandwidth_type,
     check_output_dir,
+    check_tracker_arguments,
     images_type,
     load_pipeline,
+    logging_dir,
     output_dir,
 )
 
@@ -32,6 +35,16 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--keep-maps", action="store_true", help="also save the full attention maps (fp16, .pt)")
     parser.add_argument("--maps", action="store_true", help="also write reference_maps.png and map_table.parquet")
     parser.add_argument(
+        "--overlays",
+        metavar="DIR",
+        help="write each reference's map over the first generated image, with a colorbar, into DIR (implies --maps)",
+    )
+    parser.add_argument(
+        "--overlay-steps",
+        action="store_true",
+        help="with --overlays, also one overlay per layer group and step (DIR/refN/GROUP_stepSSS.png)",
+    )
+    parser.add_argument(
         "--num-images",
         type=images_type,
         default=None,
@@ -39,24 +52,30 @@ def add_parser(subparsers) -> None:
         "and not one lucky or unlucky draw; else 1)",
     )
     parser.add_argument("--out", default="outputs/probe", help="output folder (default: outputs/probe)")
+    add_tracker_arguments(parser)
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_dir(args.out)
+    if args.overlay_steps and not args.overlays:
+        raise CLIError("--overlay-steps needs --overlays DIR")
+    if args.overlays:
+        check_output_dir(args.overlays, "--overlays")
+    check_tracker_arguments(args)
     import torch
 
     from .._io import atomic_path, write_image
     from ..capture.run import probe
-    from ..images import image_row
 
-    check_output_dir(args.out)
     loaded = load_pipeline(args)
     generator = torch.Generator(device=loaded.pipe.device).manual_seed(args.seed)
     organism = args.model is None and args.kind == "digits"
     num_images = args.num_images or (DIGITS_DEFAULTS["images"] if organism else 1)
     loaded.description["num_images"] = num_images
+    maps = args.maps or bool(args.overlays)
     try:
-        options = {"layers": args.layers, "keep_maps": args.keep_maps, "maps": args.maps}
+        options = {"layers": args.layers, "keep_maps": args.keep_maps, "maps": maps}
         with probe(loaded.pipe, bandwidth=args.bandwidth, **options) as run_:
             result = loaded.pipe(
                 ip_adapter_image=[loaded.references],
@@ -67,32 +86,74 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise CLIError(str(err)) from None
     out = output_dir(args.out)  # created only now that there is something to write
+    written = [f"{len(result.images)} image(s)", "references_and_output.png"]
     for i, image in enumerate(result.images):
         write_image(image, out / f"image_{i}.png")
-    write_image(image_row(loaded.references, result.images), out / "references_and_output.png")
+    judged = _digit_verdict(result.images, args.digit, out) if organism and not args.image else None
+    _write_strip(loaded.references, result.images, judged, args.digit, out / "references_and_output.png")
     paths = run_.save(out, extra={"run": loaded.description})
+    written += [paths["table"].name, paths["summary"].name, paths["plot"].name]
     if args.keep_maps:
         with atomic_path(out / "maps.pt") as temp:
             torch.save({"|".join(map(str, key)): value for key, value in run_.maps.items()}, temp)
-    if args.maps:
-        from ..capture.maps import save_reference_maps
+        written.append("maps.pt")
+    if maps:
+        from ..capture.mapplots import save_overlays, save_reference_maps
 
-        save_reference_maps(run_, out, result.images[0], [loaded.references])
-    verdict = _digit_verdict(result.images, args.digit, out) if organism and not args.image else ""
+        written += [p.name for p in save_reference_maps(run_, out, result.images[0], [loaded.references]).values()]
+        if args.overlays:
+            files = save_overlays(run_, result.images[0], args.overlays, per_layer_step=args.overlay_steps)
+            written.append(f"{len(files)} overlay(s) in {args.overlays}")
+    if judged is not None:
+        written.append("digits.json")
+    if args.log_with:
+        folder = run_.log(args.log_with, logging_dir(args), "probe")
+        written.append(f"{args.log_with} logs in {folder}")
     summary = run_.summary()
     cond = summary[summary["branch"] == "cond"]
     last = cond.iloc[-1] if len(cond) else None
-    line = f"wrote {out}: {len(result.images)} image(s), references_and_output.png, {paths['table'].name}, "
-    line += f"{paths['summary'].name}, "
-    line += f"{paths['plot'].name}"
+    line = f"wrote {out}: " + ", ".join(written)
     if last is not None:
         line += f"; last step (t={last['timestep']:g}): spearman {last['spearman']:.3f}, pearson {last['pearson']:.3f}"
-    print(line + verdict)
+    if judged is not None:
+        labels = judged[0]
+        right = int((labels == args.digit).sum())
+        listed = " ".join(map(str, labels.tolist()))
+        line += f"\ndigit classifier: {right} of {len(labels)} images drawn as {args.digit} (read as: {listed})"
+    print(line)
     return 0
 
 
-def _digit_verdict(images: list, digit: int, out) -> str:
-    """Classify the organism's images with the digit classifier; write ``digits.json``; return a line's tail."""
+def _write_strip(references: list, images: list, judged, digit: int, path) -> None:
+    """The references and the generated images as one titled strip; on the organism with the classifier's verdict
+    under each image. The PNG carries its provenance: the drawing code's digest and per-image fingerprints."""
+    import numpy as np
+
+    from .._io import code_digest, write_figure
+    from ..images import plot_image_strip
+
+    brightness = [round(float(np.asarray(im.convert("L"), dtype=np.float64).mean() / 255.0), 3) for im in images]
+    if judged is None:
+        fig = plot_image_strip(references, images, title=f"{len(references)} reference(s), then the generated images")
+        fingerprint = brightness
+    else:
+        labels, probs = judged
+        captions = [f"read as {label}" for label in labels.tolist()]
+        right = int((labels == digit).sum())
+        title = (
+            f"{len(references)} references of a {digit}, then {len(images)} generated images; the digit classifier "
+            f"reads {right} of {len(images)} as a {digit} (green: right, red: wrong)"
+        )
+        fig = plot_image_strip(references, images, captions, [bool(v == digit) for v in labels], title=title)
+        fingerprint = brightness + [round(float(p), 3) for p in probs[:, digit]]
+    # tolerance: pixels and classifier probabilities move by ~1e-6 between CPUs; 0.02 is far below a visible change
+    stamp = {"code": code_digest(plot_image_strip, _write_strip), "data": fingerprint, "atol": 0.02}
+    write_figure(fig, path, dpi=110, provenance=stamp)
+
+
+def _digit_verdict(images: list, digit: int, out):
+    """Classify the organism's images with the digit classifier and write ``digits.json``; return
+    ``(labels, probabilities)``."""
     from .._io import write_json
     from ..tiny.digits import classify_digit_images, digit_classifier
 
@@ -110,5 +171,4 @@ def _digit_verdict(images: list, digit: int, out) -> str:
             "classifier_held_out_accuracy": digit_classifier()[1],
         },
     )
-    listed = " ".join(map(str, labels.tolist()))
-    return f"\ndigit classifier: {right} of {len(labels)} images drawn as {digit} (read as: {listed}; digits.json)"
+    return labels, probs

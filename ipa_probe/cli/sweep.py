@@ -8,7 +8,16 @@ import os
 from datetime import timedelta
 
 from . import EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, CLIError
-from ._common import add_model_arguments, bandwidth_type, check_output_dir, check_size, load_pipeline
+from ._common import (
+    add_model_arguments,
+    add_tracker_arguments,
+    bandwidth_type,
+    check_output_dir,
+    check_size,
+    check_tracker_arguments,
+    load_pipeline,
+    logging_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +105,7 @@ def add_parser(subparsers) -> None:
         help="write reference_maps.png for the first N rows (default 1) under OUT/maps/row-NNNNNN/ (reruns them)",
     )
     parser.add_argument("--maps-rows", type=int, nargs="+", help="manifest rows to draw reference maps for")
+    add_tracker_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -177,6 +187,12 @@ def run(args: argparse.Namespace) -> int:
         print(result.describe())
         if args.maps or args.maps_rows:
             _write_maps(args, manifest, runner)
+        if args.log_with:
+            from ..trackers import log_sweep
+
+            settings = {k: v for k, v in vars(args).items() if k != "func"}
+            folder = log_sweep(result, args.out, settings, args.log_with, logging_dir(args))
+            print(f"{args.log_with} logs in {folder}")
     return EXIT_ROWS_FAILED if result.failed else EXIT_OK
 
 
@@ -186,6 +202,7 @@ def _read_and_check(args: argparse.Namespace):
 
     check_size(args)
     check_output_dir(args.out)
+    check_tracker_arguments(args)
     try:
         manifest = read_manifest(args.manifest, require_images=args.model is not None and not args.image)
     except ManifestError as err:

@@ -20,11 +20,15 @@ import torch  # noqa: E402
 
 from ..stats import STAT_NAMES  # noqa: E402
 from .evaluate import head_statistics, held_out_tasks  # noqa: E402
-from .report import ExperimentResult, Row, save_figure  # noqa: E402
+from .report import ExperimentResult, Row, from_record, save_figure  # noqa: E402
 from .shells import shell_model  # noqa: E402
 
 #: The paper's diffusion timesteps beside our flow times (same ordering: noise to data).
 PAPER_TIMESTEPS = (981, 761, 501, 261, 1)
+#: Support points per held-out task (the ``m`` of the attention's rows).
+SUPPORT = 50
+#: Below this mean |rho| a panel says why its lines sit at zero.
+FLAT_RHO = 0.1
 
 
 def _stat(stats: torch.Tensor, name: str) -> torch.Tensor:
@@ -69,7 +73,7 @@ def measure(ctx) -> dict[str, dict[float, dict]]:
     tier = ctx.tier
     raw = {}
     for label, meta_name, dim, model in _models(ctx):
-        tasks = held_out_tasks(ctx.meta(meta_name, dim), tier.eval_tasks, 50, 64, 40_000 + dim)
+        tasks = held_out_tasks(ctx.meta(meta_name, dim), tier.eval_tasks, SUPPORT, 64, 40_000 + dim)
         raw[label] = {}
         for t in tier.attention_ts:
             stats = head_statistics(model, tasks, t)  # (B, L, H, S)
@@ -131,5 +135,20 @@ def plot(raw: dict[str, dict[float, dict]], ts: list[float], folder: Path) -> Pa
         ax.scatter([ts[-1]], [0.89], marker="x", color="C3", s=60, label="paper (IP-Adapter, last step)")
         ax.set(xlabel="flow time t (noise → data)", ylabel="statistic", title=f"learned heads vs NW ({label})")
         ax.set_ylim(-0.2, 1.05)
-        ax.legend(fontsize=7)
-    return save_figure(fig, folder / "attention.png")
+        rho = sum(abs(values[t]["spearman"]) for t in ts) / len(ts)
+        if rho < FLAT_RHO:  # say why the lines sit at zero
+            neff = sum(values[t]["neff_attn"] for t in ts) / len(ts)
+            ax.text(
+                0.98, 0.45,
+                f"ρ ≈ 0 here: these heads attend almost\nuniformly (attention n_eff {neff:.0f} of "
+                f"{SUPPORT}\nsupport points), so their weights\nhave no order for NW's to match",
+                transform=ax.transAxes, ha="right", va="center", fontsize=7,
+                bbox={"boxstyle": "round", "facecolor": "white", "edgecolor": "0.7"},
+            )  # fmt: skip
+    axes[0, -1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    return save_figure(fig, folder / "attention.png", plot, {"raw": raw, "ts": ts})
+
+
+def redraw(record: dict, folder: Path) -> list[Path]:
+    """:func:`plot` again from a ``record.json`` of this experiment (no training, no evaluation)."""
+    return [plot(from_record(record["measurements"]), list(record["tier"]["attention_ts"]), folder)]

@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .report import ExperimentResult, Row, save_figure  # noqa: E402
+from .report import ExperimentResult, Row, as_records, from_record, save_figure  # noqa: E402
 
 NUM_STEPS = 20
 GUIDANCE_SCALE = 3.0
@@ -281,12 +281,13 @@ def plot(effects_by: dict[str, pd.DataFrame], trained: pd.DataFrame, recipe: str
     ax.set_title("which predicts the ablation effect?")
     ax.legend(fontsize=7)
     fig.suptitle(f"Attribution by intervention on the digits organism (recipe {recipe}, CFG 3, 20 steps)")
-    return save_figure(fig, Path(folder) / "attribution.png")
+    inputs = as_records({"effects": effects_by, "trained": trained, "recipe": recipe})
+    return save_figure(fig, Path(folder) / "attribution.png", plot, inputs)
 
 
 def redraw(record: dict, folder) -> list[Path]:
     """:func:`plot` again from a ``record.json`` of this experiment (no generation)."""
-    raw = record["measurements"]
+    raw = from_record(record["measurements"])
     effects_by = {label: pd.DataFrame(values["effects"]) for label, values in raw.items()}
     trained = pd.DataFrame(raw["trained"]["comparisons"])
     return [plot(effects_by, trained, record.get("recipe", "support"), folder)]

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from scipy import stats as sstats  # noqa: E402
 
 from .evaluate import held_out_tasks, nw_neff  # noqa: E402
-from .report import ExperimentResult, Row, format_value, save_figure  # noqa: E402
+from .report import ExperimentResult, Row, format_value, from_record, save_figure  # noqa: E402
 
 NEFF_T = 0.56
 PAPER_BENEFIT = {2: "+28%", 4: "> 0 (p = 0.026)", 16: "≈ 0% (n.s.)"}
@@ -172,4 +172,9 @@ def plot(raw: dict[str, dict], folder: Path) -> Path:
     ax2.set_xticks(nd, [str(d) for d in nd])
     ax2.minorticks_off()
     ax2.legend()
-    return save_figure(fig, folder / "collapse.png")
+    return save_figure(fig, folder / "collapse.png", plot, raw)
+
+
+def redraw(record: dict, folder: Path) -> list[Path]:
+    """:func:`plot` again from a ``record.json`` of this experiment (no training, no evaluation)."""
+    return [plot(from_record(record["measurements"]), folder)]

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 from scipy import stats as sstats  # noqa: E402
 
 from .. import theory  # noqa: E402
-from .report import ExperimentResult, Row, format_value, save_figure  # noqa: E402
+from .report import ExperimentResult, Row, format_value, from_record, save_figure  # noqa: E402
 from .tasks import TaskBatch  # noqa: E402
 
 DIM = 8
@@ -144,4 +144,9 @@ def plot(raw: dict[int, dict], folder: Path) -> Path:
     ax2.set_xticks(hs, [str(h) for h in hs])
     ax2.minorticks_off()
     ax2.legend()
-    return save_figure(fig, folder / "heads.png")
+    return save_figure(fig, folder / "heads.png", plot, raw)
+
+
+def redraw(record: dict, folder: Path) -> list[Path]:
+    """:func:`plot` again from a ``record.json`` of this experiment (no training, no evaluation)."""
+    return [plot(from_record(record["measurements"]), folder)]

@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from .report import ExperimentResult, Row, save_figure  # noqa: E402
+from .report import ExperimentResult, Row, as_records, from_record, save_figure  # noqa: E402
 
 #: The paper's timesteps: the 50-step SD 1.x grid (steps_offset=1: 981, 961, ..., 1) at these step indices.
 PAPER_TIMESTEPS = (981, 761, 501, 261, 1)
@@ -299,12 +299,13 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
     plot_sharpness(axes[1, 0], shown, palette)
     plot_temperature(axes[1, 1], shown, palette)
     fig.suptitle(f"IP-Adapter attention on the digits organism (recipe {recipe})", fontsize=10)
-    return save_figure(fig, Path(folder) / "ip_adapter.png")
+    inputs = as_records({"summaries": summaries, "attribution": attribution, "recipe": recipe})
+    return save_figure(fig, Path(folder) / "ip_adapter.png", plot, inputs)
 
 
 def redraw(record: dict, folder) -> list[Path]:
     """:func:`plot` again from a ``record.json`` of this experiment (no generation)."""
-    raw = record["measurements"]
+    raw = from_record(record["measurements"])
     summaries = {label: pd.DataFrame(raw[label]) for label in ("trained", "untrained") if label in raw}
     attribution = {key: pd.DataFrame(values) for key, values in raw.get("attribution", {}).items()}
     return [plot(summaries, attribution, record.get("recipe", "support"), folder)]

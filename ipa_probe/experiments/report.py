@@ -11,9 +11,18 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._io import atomic_path, versions, write_atomic, write_figure, write_json
+from .._io import atomic_path, code_digest, data_digest, versions, write_atomic, write_figure, write_json
 
-__all__ = ["ExperimentResult", "Row", "format_value", "save_figure", "versions", "write_result"]
+__all__ = [
+    "ExperimentResult",
+    "Row",
+    "as_records",
+    "format_value",
+    "from_record",
+    "save_figure",
+    "versions",
+    "write_result",
+]
 
 TABLE_COLUMNS = ("quantity", "setting", "ours", "paper", "note")
 
@@ -89,7 +98,42 @@ def write_result(result: ExperimentResult, folder: Path) -> dict[str, Path]:
     return paths
 
 
-def save_figure(fig, path: Path) -> Path:
-    """Save a matplotlib figure as PNG (atomically) and close it."""
+def save_figure(fig, path: Path, code=None, inputs=None) -> Path:
+    """Save a matplotlib figure as PNG (atomically) and close it.
+
+    With ``code`` (the drawing function), the PNG carries its provenance: the digest of that function's source and
+    of ``inputs`` (the data it drew, as the experiment's ``record.json`` holds it), so that ``make figures`` can tell
+    whether the figure is current and redraw it from the record (see ``ipa_probe.devtools.figures``).
+    """
     fig.tight_layout()
-    return write_figure(fig, path, dpi=110)
+    provenance = None if code is None else {"code": code_digest(code), "inputs": data_digest(inputs)}
+    return write_figure(fig, path, dpi=110, provenance=provenance)
+
+
+def as_records(value):
+    """A figure's inputs as a ``record.json`` holds them: data frames as lists of row dicts, dicts walked through,
+    anything else as it is (the digest of :func:`save_figure`'s ``inputs`` is taken of this form)."""
+    if hasattr(value, "to_dict") and hasattr(value, "columns"):
+        return value.to_dict(orient="records")
+    if isinstance(value, dict):
+        return {key: as_records(item) for key, item in value.items()}
+    return value
+
+
+def from_record(value):
+    """Measurements as a ``record.json`` holds them, back in the form the experiment drew them: dict keys that
+    are numbers become numbers again (JSON keys are strings) and ``None`` becomes NaN (JSON has no NaN)."""
+
+    def key(text):
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except (TypeError, ValueError):
+                pass
+        return text
+
+    if isinstance(value, dict):
+        return {key(k): from_record(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_record(v) for v in value]
+    return math.nan if value is None else value

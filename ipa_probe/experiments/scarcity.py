@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from .report import ExperimentResult, Row, format_value, save_figure  # noqa: E402
+from .report import ExperimentResult, Row, format_value, from_record, save_figure  # noqa: E402
 from .tasks import TaskBatch  # noqa: E402
 
 DIM = 16
@@ -146,4 +146,9 @@ def plot(raw: dict[str, dict[int, dict]], folder: Path, checks: dict[str, dict] 
             )
         ax.set(xscale="log", yscale="log", xlabel="support size m", ylabel="MMD²", title=f"{data} (d={DIM})")
         ax.legend()
-    return save_figure(fig, folder / "scarcity.png")
+    return save_figure(fig, folder / "scarcity.png", plot, {"raw": raw, "checks": checks})
+
+
+def redraw(record: dict, folder: Path) -> list[Path]:
+    """:func:`plot` again from a ``record.json`` of this experiment (no training, no evaluation)."""
+    return [plot(from_record(record["measurements"]), folder, from_record(record["per_m_check"]))]

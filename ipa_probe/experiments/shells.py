@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from .evaluate import head_neff, held_out_tasks, nw_neff  # noqa: E402
-from .report import ExperimentResult, Row, format_value, save_figure  # noqa: E402
+from .report import ExperimentResult, Row, format_value, from_record, save_figure  # noqa: E402
 
 NEFF_T = 0.56
 HEAD_TS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -139,4 +139,9 @@ def plot(raw: dict[str, dict], folder: Path) -> Path:
     ax2.plot(ts, [raw["heads"][t]["nw_neff"] for t in ts], "k--", marker="s", label="isotropic NW")
     ax2.set(yscale="log", xlabel="t", ylabel="n_eff", title=f"d={dims[0]}: learned heads vs NW")
     ax2.legend(fontsize=7)
-    return save_figure(fig, folder / "shells.png")
+    return save_figure(fig, folder / "shells.png", plot, raw)
+
+
+def redraw(record: dict, folder: Path) -> list[Path]:
+    """:func:`plot` again from a ``record.json`` of this experiment (no training, no evaluation)."""
+    return [plot(from_record(record["measurements"]), folder)]

@@ -177,9 +177,13 @@ def plot_aggregate(agg: pd.DataFrame, ax=None, branch: str = "cond", confidence:
         ax.plot(x, part["spearman_null"], color="grey", linestyle=":", label="permutation null")
         rows = int(part["rows"].max())
         ax.set_title(f"IP-Adapter attention vs Gaussian NW, {rows} row(s) ({branch} branch)")
+        columns = ["spearman", "spearman_ci_low", "spearman_ci_high", "pearson", "spearman_null"]
+        columns += [frac] if frac else []
+        drawn = part[columns].to_numpy(np.float64).ravel()
     else:
         ax.set_title("IP-Adapter attention vs Gaussian NW (no rows)")
-    style_timestep_axes(ax)
-    ax.legend(fontsize=8, loc="lower left")
+        drawn = None
+    style_timestep_axes(ax, drawn)
+    ax.legend(fontsize=8, loc="best", framealpha=0.85)
     fig.tight_layout()
     return fig

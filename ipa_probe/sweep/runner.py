@@ -215,10 +215,10 @@ class SweepRunner:
 
     def write_maps(self, row: ManifestRow, directory) -> dict:
         """Generate the row again (same seed, decoded) with ``maps=True`` and write its ``reference_maps.png`` and
-        ``map_table.parquet`` into ``directory`` (see :func:`ipa_probe.capture.maps.save_reference_maps`)."""
+        ``map_table.parquet`` into ``directory`` (see :func:`ipa_probe.capture.mapplots.save_reference_maps`)."""
         import torch
 
-        from ..capture.maps import save_reference_maps
+        from ..capture.mapplots import save_reference_maps
         from ..capture.run import probe
 
         settings = self.resolve(row)

@@ -1,0 +1,456 @@
+"""Pictures that tell the truth: honest colour in the map figures, overlays, heat maps, the demo strip, trackers
+read back from their own files, and `make figures`' provenance checks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import CountScalarReads
+
+from ipa_probe.capture.run import probe
+
+matplotlib.use("Agg")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def generate(pipe, refs, steps=3, **kwargs):
+    kwargs.setdefault("output_type", "pil")
+    generator = torch.Generator().manual_seed(0)
+    return pipe("a photo", ip_adapter_image=[refs], num_inference_steps=steps, generator=generator, **kwargs).images
+
+
+@pytest.fixture(scope="module")
+def refs3():
+    from ipa_probe.tiny.sd import default_reference_images
+
+    return default_reference_images(3)
+
+
+@pytest.fixture(scope="module")
+def mapped(sd15, refs3):
+    """A finished probe with maps (3 references, 3 steps, CFG) and its first image."""
+    with probe(sd15, maps=True) as run:
+        image = generate(sd15, refs3)[0]
+    return run, image
+
+
+def _panels(fig, rows, cols):
+    """The figure's map panels as a (rows, cols) array of axes (the colorbars come after them)."""
+    return np.asarray(fig.axes[: rows * cols], dtype=object).reshape(rows, cols)
+
+
+# --------------------------------------------------------------------------- honest colour
+
+
+def test_reference_map_figure_draws_deviation_from_uniform_on_one_symmetric_range(mapped, refs3):
+    run, image = mapped
+    fig = run.plot_reference_maps(image=image, references=refs3, margin=0.001)
+    rows, cols, n = 4, 10, 3
+    panels = _panels(fig, rows, cols)
+    assert len(fig.axes) == rows * cols + 3  # every map has a colorbar: references, shares, differences
+    steps = run.map_steps()
+    chunks = [list(map(int, c)) for c in np.array_split(np.asarray(steps), 3)]
+    shares = {
+        kind: [run.reference_maps(kind=kind, steps=c, size="image").double().numpy() for c in chunks]
+        for kind in ("attention", "nw")
+    }
+    # the colour scale: one range for the whole figure, symmetric about 0 (uniform share 1/3)
+    top = max(np.abs(m - 1 / n).max() for kind in shares for m in shares[kind])
+    for c in range(3):
+        for r in range(n):
+            for offset, kind in ((1, "attention"), (2, "nw")):
+                drawn = panels[1 + r, 3 * c + offset].get_images()[0]
+                np.testing.assert_allclose(drawn.get_array(), shares[kind][c][r] - 1 / n, atol=1e-12)
+                assert drawn.norm.vmin == pytest.approx(-top) and drawn.norm.vmax == pytest.approx(top)
+                assert drawn.get_cmap().name == "RdBu_r"
+            gap = panels[1 + r, 3 * c + 3].get_images()[0].get_array()
+            np.testing.assert_allclose(gap, np.abs(shares["attention"][c][r] - shares["nw"][c][r]), atol=1e-12)
+        # the dominant reference, recomputed here: colour only where the leader's margin exceeds the threshold
+        for offset, kind in ((1, "attention"), (2, "nw")):
+            values = shares[kind][c]
+            ordered = np.sort(values, axis=0)
+            expected = np.where(ordered[-1] - ordered[-2] > 0.001, values.argmax(0), n)
+            np.testing.assert_array_equal(panels[0, 3 * c + offset].get_images()[0].get_array(), expected)
+    labels = [ax.get_ylabel() for ax in fig.axes[rows * cols :]]
+    assert "share − uniform 0.333" in labels[1] and "attention − NW" in labels[2]
+    assert [t.get_text() for t in fig.axes[rows * cols].get_yticklabels()][-1] == "no clear\nwinner"
+    text = " ".join(t.get_text() for t in fig.texts)
+    assert "share − uniform 1/3" in text and "by more than 0.001" in text
+
+
+def test_a_large_margin_leaves_no_dominant_reference_and_absolute_scale_is_0_to_1(mapped):
+    run, _ = mapped
+    fig = run.plot_reference_maps(margin=0.5, scale="absolute", ranges=1)
+    panels = _panels(fig, 4, 4)
+    for offset in (1, 2):
+        assert (panels[0, offset].get_images()[0].get_array() == 3).all()  # all grey: no clear winner
+        assert "clear at 0%" in panels[0, offset].get_title()
+    drawn = panels[1, 1].get_images()[0]
+    assert (drawn.norm.vmin, drawn.norm.vmax) == (0.0, 1.0) and drawn.get_cmap().name == "viridis"
+    assert "absolute 0–1 scale" in " ".join(t.get_text() for t in fig.texts)
+    for bad, match in [({"scale": "log"}, "scale"), ({"margin": 1.5}, "margin"), ({"margin": True}, "margin")]:
+        with pytest.raises(ValueError, match=match):
+            run.plot_reference_maps(**bad)
+
+
+def test_one_reference_draws_no_stretched_noise(sd15, refs3):
+    with probe(sd15, maps=True) as run:
+        generate(sd15, refs3[:1], steps=2)
+    fig = run.plot_reference_maps(ranges=1)
+    drawn = _panels(fig, 2, 4)[1, 1].get_images()[0]
+    assert np.abs(drawn.get_array()).max() < 1e-6  # share 1 everywhere: deviation 0
+    assert drawn.norm.vmax >= 1e-3  # the range has a floor: rounding noise is not stretched into colour
+
+
+# --------------------------------------------------------------------------- overlays
+
+
+def test_plot_overlay_blends_one_reference_upsampled_to_the_image(mapped):
+    from ipa_probe import plot_overlay
+
+    run, image = mapped
+    fig = plot_overlay(run, image, reference=1, alpha=0.4)
+    ax = fig.axes[0]
+    base, overlay = ax.get_images()
+    assert base.get_array().shape[:2] == (image.height, image.width)
+    shares = run.reference_maps(size=(image.height, image.width)).double().numpy()  # (R, H, W)
+    np.testing.assert_allclose(overlay.get_array(), shares[1] - 1 / 3, atol=1e-12)
+    assert overlay.get_alpha() == 0.4
+    top = np.abs(shares[1] - 1 / 3).max()
+    assert overlay.norm.vmax == pytest.approx(max(top, 1e-3)) and overlay.norm.vmin == -overlay.norm.vmax
+    assert len(fig.axes) == 2 and "share − uniform" in fig.axes[1].get_ylabel()  # the colorbar
+    # an image token of that reference: its own share, uniform 1/(R T)
+    tokens = run.token_maps(size=(image.height, image.width)).double().numpy()  # (R, T, H, W)
+    fig = plot_overlay(run, image, reference=1, token=2, scale="absolute")
+    np.testing.assert_allclose(fig.axes[0].get_images()[1].get_array(), tokens[1, 2], atol=1e-12)
+    for kwargs, match in [
+        ({}, "reference=i"),
+        ({"reference": 5}, "reference=5"),
+        ({"reference": 0, "alpha": 2}, "alpha"),
+        ({"reference": 0, "vmax": -1}, "vmax"),
+        ({"token": 1}, "keep_maps=True"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            plot_overlay(run, image, **kwargs)
+
+
+def test_text_token_overlay_against_the_tests_own_hooks(sd15, refs3):
+    """token= alone: the text branch's weight on one prompt token, recomputed from the test's own hooks."""
+    from ipa_probe import plot_overlay
+
+    saved = {}
+
+    def keep(name):
+        def hook(module, args, output):
+            saved.setdefault(name, []).append(output.detach().double())
+
+        return hook
+
+    attn = {
+        n[: -len(".processor")]: sd15.unet.get_submodule(n[: -len(".processor")]) for n in sd15.unet.attn_processors
+    }
+    attn = {n: m for n, m in attn.items() if n.endswith("attn2")}
+    handles = [m.to_q.register_forward_hook(keep((n, "q"))) for n, m in attn.items()]
+    handles += [m.to_k.register_forward_hook(keep((n, "k"))) for n, m in attn.items()]
+    try:
+        with probe(sd15, branch="both", keep_maps=True) as run:
+            image = generate(sd15, refs3, steps=2)[0]
+    finally:
+        for handle in handles:
+            handle.remove()
+    size = (image.height, image.width)
+    token = 2
+    total, count = np.zeros(size), 0
+    for name, module in attn.items():
+        for q, k in zip(saved[(name, "q")], saved[(name, "k")], strict=True):
+            heads = module.heads
+            b, n_q, inner = q.shape
+            d = inner // heads
+            qh = q.reshape(b, n_q, heads, d).transpose(1, 2)  # (B, H, Q, D)
+            kh = k.reshape(b, -1, heads, d).transpose(1, 2)  # (B, H, K, D)
+            weights = torch.softmax(qh @ kh.transpose(-1, -2) / math.sqrt(d), -1).mean(1)  # (B, Q, K)
+            cond = weights[1, :, token]  # CFG: uncond first, cond second
+            side = math.isqrt(n_q)  # the tiny pipeline's latents are square
+            grid = cond.reshape(1, 1, side, side)
+            total += F.interpolate(grid, size=size, mode="bilinear", align_corners=False)[0, 0].numpy()
+            count += 1
+    fig = plot_overlay(run, image, token=token)
+    np.testing.assert_allclose(fig.axes[0].get_images()[1].get_array(), total / count, atol=1e-5)  # fp16 maps
+    assert "largest" in fig.axes[1].get_ylabel()  # tokens default to the "max" scale, said on the colorbar
+
+
+def test_save_overlays_writes_one_per_reference_and_per_layer_group_and_step(mapped, tmp_path):
+    from ipa_probe._io import read_provenance
+    from ipa_probe.capture.mapplots import layer_groups, save_overlays
+
+    run, image = mapped
+    last = run.map_steps()[-1]
+    paths = save_overlays(run, image, tmp_path, per_layer_step=True, steps=[last])
+    groups = layer_groups([layer.name for layer in run.layers])
+    assert {p.name for p in paths if p.parent == tmp_path} == {"ref0.png", "ref1.png", "ref2.png"}
+    assert len(paths) == 3 + 3 * len(groups)
+    assert (tmp_path / "ref2" / f"up_blocks.1_step{last:03d}.png").exists()
+    with pytest.raises(ValueError, match="none recorded"):
+        save_overlays(run, image, tmp_path, per_layer_step=True, steps=[99])
+    assert all(read_provenance(p)["code"] for p in paths)
+
+
+def test_layer_groups():
+    from ipa_probe.capture.mapplots import layer_groups
+
+    names = ["down_blocks.0.attentions.0.x", "mid_block.attentions.0.x", "up_blocks.1.attentions.1.x",
+             "up_blocks.1.attentions.0.x", "transformer_blocks.3.attn", "odd"]  # fmt: skip
+    assert layer_groups(names) == {
+        "down_blocks.0": names[:1],
+        "mid_block": names[1:2],
+        "up_blocks.1": names[2:4],
+        "transformer_blocks.3": names[4:5],
+        "odd": ["odd"],
+    }
+
+
+# --------------------------------------------------------------------------- heat maps, lines, strip
+
+
+def test_heat_map_is_the_layer_by_timestep_mean_with_a_colorbar(mapped):
+    from ipa_probe.capture.report import plot_heatmap, plot_run
+
+    run, _ = mapped
+    table = run.to_dataframe()
+    fig = plot_heatmap(table)
+    drawn = fig.axes[0].get_images()[0]
+    cond = table[(table["branch"] == "cond") & (table["kind"] == "image")]
+    layers = [layer.name for layer in run.layers]
+    timesteps = sorted(set(cond["timestep"]), reverse=True)
+    expected = np.array(
+        [[cond.loc[(cond["layer"] == name) & (cond["timestep"] == t), "spearman"].to_numpy().mean() for t in timesteps]
+         for name in layers]
+    )  # fmt: skip
+    np.testing.assert_allclose(drawn.get_array(), expected, atol=1e-12)
+    assert len(fig.axes) == 2 and "spearman" in fig.axes[1].get_ylabel()
+    # a column of both signs is drawn on a diverging scale centred at 0; plot_run draws every heat-map column it has
+    table["rho_excess"] = table["spearman"] - float(cond["spearman"].median())
+    fig = plot_run(table)
+    assert [ax.get_title().split(" per layer")[0] for ax in fig.axes if "per layer" in ax.get_title()] == [
+        "spearman",
+        "rho_excess",
+    ]
+    excess = [ax for ax in fig.axes if ax.get_title().startswith("rho_excess")][0].get_images()[0]
+    assert excess.norm.vmin == -excess.norm.vmax and excess.get_cmap().name == "RdBu_r"
+
+
+def test_rho_lines_name_every_band_and_fit_their_axis(mapped):
+    run, _ = mapped
+    fig = run.plot()
+    ax = fig.axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert "± 1 std of ρ" in labels and "permutation null of ρ" in labels
+    summary = run.summary()
+    cond = summary[(summary["branch"] == "cond") & (summary["kind"] == "image")]
+    drawn = np.concatenate([cond["spearman"] - cond["spearman_std"], cond["spearman"] + cond["spearman_std"],
+                            cond["pearson"], cond["spearman_null"], [0.0]])  # fmt: skip
+    low, high = ax.get_ylim()
+    assert low <= drawn.min() and high >= drawn.max()
+    assert high - low < 1.05 * (drawn.max() - drawn.min()) + 0.05  # fitted, not the fixed -1...1
+
+
+def test_image_strip_titles_references_and_verdicts():
+    from PIL import Image
+
+    from ipa_probe.images import plot_image_strip
+
+    refs = [Image.new("RGB", (16, 16), "white")] * 2
+    out = [Image.new("RGB", (16, 16), "black")] * 3
+    fig = plot_image_strip(refs, out, ["read as 3", "read as 8", "read as 3"], [True, False, True], title="demo")
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["reference 0", "reference 1", "image 0", "image 1", "image 2"]
+    captions = [(ax.get_xlabel(), ax.xaxis.label.get_color()) for ax in fig.axes[2:]]
+    assert captions == [("read as 3", "#1a7f37"), ("read as 8", "#cf222e"), ("read as 3", "#1a7f37")]
+    assert {"references", "generated", "demo"} <= {t.get_text() for t in fig.texts}
+    with pytest.raises(ValueError, match="captions"):
+        plot_image_strip(refs, out, ["x"])
+
+
+# --------------------------------------------------------------------------- trackers
+
+
+def _scalars(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    return events
+
+
+def test_done_when_probe_overlays_and_tensorboard_on_the_organism(tmp_path, capsys):
+    """`ipa-probe probe --maps --overlays DIR --log-with tensorboard --out OUT` on the organism: per-reference overlays
+    and event files whose rho per step equals the run's own table, averaged here with numpy."""
+    from ipa_probe._io import read_provenance
+    from ipa_probe.cli import main
+
+    out, overlays = tmp_path / "out", tmp_path / "overlays"
+    argv = ["probe", "--maps", "--overlays", str(overlays), "--log-with", "tensorboard", "--out", str(out)]
+    assert main([*argv, "--steps", "3", "--num-images", "2"]) == 0
+    assert sorted(p.name for p in overlays.iterdir()) == ["ref0.png", "ref1.png", "ref2.png"]
+    assert all(read_provenance(p)["code"] for p in overlays.iterdir())
+    printed = capsys.readouterr().out
+    assert "3 overlay(s)" in printed and "tensorboard logs in" in printed
+    events = _scalars(out / "logs" / "probe")
+    table = pd.read_parquet(out / "probe.parquet")
+    for branch in ("cond", "uncond"):
+        part = table[(table["branch"] == branch) & (table["kind"] == "image")]
+        logged = {e.step: e.value for e in events.Scalars(f"probe/image/{branch}/spearman")}
+        assert sorted(logged) == [0, 1, 2]
+        for step, value in logged.items():
+            rows = part.loc[part["step"] == step, "spearman"].to_numpy(np.float64)
+            assert value == pytest.approx(rows[np.isfinite(rows)].mean(), abs=1e-6)  # TensorBoard keeps float32
+        timesteps = {e.step: e.value for e in events.Scalars(f"probe/image/{branch}/timestep")}
+        assert timesteps == {s: float(part.loc[part["step"] == s, "timestep"].iloc[0]) for s in range(3)}
+    assert set(events.Tags()["images"]) == {"probe/rho_by_timestep", "probe/reference_maps"}
+    hparams = list((out / "logs" / "probe").glob("*/hparams.yml"))
+    assert len(hparams) == 1 and "bandwidth: matched" in hparams[0].read_text()
+
+
+def test_logging_adds_no_host_synchronisation_inside_the_loop(sd15, refs, tmp_path):
+    generate(sd15, refs, output_type="latent")  # warm-up
+    with CountScalarReads() as plain:
+        generate(sd15, refs, output_type="latent")
+    with probe(sd15, log_with="tensorboard", logging_dir=tmp_path, run_name="r") as run:
+        with CountScalarReads() as probed:
+            generate(sd15, refs, output_type="latent")
+    assert probed.count == plain.count
+    assert {e.step for e in _scalars(tmp_path / "r").Scalars("probe/image/cond/spearman")} == set(range(3))
+    assert run.summary()["spearman"].notna().all()
+
+
+def test_a_missing_tracker_client_fails_with_one_line_naming_the_extra(sd15, refs, tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from ipa_probe.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "mlflow") else real(name)
+    )
+    processors = dict(sd15.unet.attn_processors)
+    with pytest.raises(ImportError, match=r"pip install 'ipa_probe\[wandb\]'"):
+        with probe(sd15, log_with="wandb"):
+            pass
+    assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
+    with pytest.raises(ValueError, match="log_with: expected one of"):
+        with probe(sd15, log_with="tensorbored"):
+            pass
+    out = tmp_path / "never"
+    assert main(["probe", "--log-with", "mlflow", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'ipa_probe[mlflow]'" in err[0] and not out.exists()
+    assert main(["probe", "--logging-dir", str(tmp_path), "--out", str(out)]) == 2
+    assert "--logging-dir needs --log-with" in capsys.readouterr().err
+
+
+def test_sweep_logs_its_aggregate_per_timestep(workdir_sweep, tmp_path, capsys):
+    from ipa_probe.cli import main
+
+    out = tmp_path / "sweep"
+    argv = ["sweep", str(workdir_sweep), "--out", str(out), "--steps", "2", "--no-progress", "--resamples", "99"]
+    assert main([*argv, "--log-with", "tensorboard"]) == 0
+    events = _scalars(out / "logs" / "sweep")
+    agg = pd.read_parquet(out / "aggregate.parquet")
+    cond = agg[agg["branch"] == "cond"].sort_values("timestep", ascending=False)
+    logged = [e.value for e in events.Scalars("sweep/cond/spearman")]
+    np.testing.assert_allclose(logged, cond["spearman"].to_numpy(), atol=1e-6)  # float32 in the event file
+    rows = pd.read_parquet(out / "row_summary.parquet")
+    means = {e.step: e.value for e in events.Scalars("sweep/rows/spearman_mean")}
+    assert means == pytest.approx({int(r): float(p["spearman"].mean()) for r, p in rows.groupby("row")}, abs=1e-6)
+    assert "sweep/rho_by_timestep" in events.Tags()["images"]
+
+
+@pytest.fixture
+def workdir_sweep(tmp_path):
+    from ipa_probe.tiny.sd import default_reference_images
+
+    for i, image in enumerate(default_reference_images(2)):
+        image.save(tmp_path / f"{i}.png")
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join(json.dumps({"images": [f"{i}.png"], "seed": i}) for i in range(2)) + "\n")
+    return path
+
+
+def test_experiments_log_tables_figures_and_per_timestep_series(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from ipa_probe.experiments.report import ExperimentResult, Row, save_figure, write_result
+    from ipa_probe.trackers import log_experiments
+
+    folder = tmp_path / "exp" / "attention"
+    folder.mkdir(parents=True)
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    png = save_figure(fig, folder / "attention.png")
+    measurements = {"gmm d=16": {0.1: {"spearman": 0.5, "null": 0.0}, 0.9: {"spearman": 0.7, "null": 0.01}}}
+    result = ExperimentResult("attention", [Row("rho", "t=0.1", "0.5")], {"measurements": measurements}, [png])
+    write_result(result, folder)
+    log_experiments({"attention": result}, tmp_path / "exp", {"tier": "quick"}, "tensorboard", tmp_path / "logs")
+    events = _scalars(tmp_path / "logs" / "experiments")
+    logged = [(e.step, e.value) for e in events.Scalars("attention/gmm d=16/spearman")]
+    assert logged == [(0, 0.5), (1, pytest.approx(0.7, abs=1e-6))]  # float32 in the event file
+    assert "attention/attention" in events.Tags()["images"]
+    assert any("attention/table" in tag for tag in events.Tags()["tensors"])  # text is stored as a tensor
+
+
+# --------------------------------------------------------------------------- make figures
+
+
+def test_record_round_trip_keeps_the_inputs_digest():
+    from ipa_probe._io import data_digest, jsonable
+    from ipa_probe.experiments.report import from_record
+
+    raw = {"shells d=8": {0.1: {"spearman": 0.02, "ci": math.nan}, 1.0: {"spearman": 0.03, "ci": 1.5}}, 4: [1, 2]}
+    back = from_record(json.loads(json.dumps(jsonable(raw))))
+    assert data_digest(back) == data_digest(raw)
+    assert back[4] == [1, 2] and math.isnan(back["shells d=8"][0.1]["ci"]) and 1.0 in back["shells d=8"]
+
+
+def test_every_docs_figure_is_listed_and_has_a_command():
+    import re
+
+    from ipa_probe.devtools.figures import all_figures
+
+    listed = {f.path for f in all_figures(ROOT)}
+    on_disk = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("**/*.png")}
+    missing = on_disk - listed
+    assert not missing, f"PNGs under docs/ that `make figures` does not make: {sorted(missing)}; add them to FIGURES"
+    shown = set(re.findall(r"\]\(((?:docs/)[^)]+\.png)\)", (ROOT / "README.md").read_text()))
+    for page in (ROOT / "docs").glob("*.md"):
+        shown |= {f"docs/{link}" for link in re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", page.read_text())}
+    assert shown <= listed, f"images shown in README/docs that `make figures` does not make: {sorted(shown - listed)}"
+    page = (ROOT / "docs" / "figures.md").read_text()
+    assert [f for f in listed if f.removeprefix("docs/") not in page and f not in page] == []
+
+
+def test_every_figure_is_current():
+    """Each figure exists, carries provenance, was drawn by today's code and, for the experiments, from the numbers
+    their committed record.json holds (the organism's data are compared with a fresh run in the slow test below)."""
+    from ipa_probe.devtools.figures import check
+
+    problems = {path: issues for path, issues in check(ROOT).items() if issues}
+    assert not problems, f"run `make figures`: {problems}"
+
+
+@pytest.mark.slow
+def test_the_organisms_figures_match_what_their_commands_make_today():
+    """`ipa-probe probe --maps` rerun: the reference maps and the demo strip hold the data it makes today (the
+    comparison grid's rerun, a minute of CLIP embeddings, is left to `make figures-check`)."""
+    from ipa_probe.devtools.figures import check
+
+    only = ["docs/images/reference_maps.png", "docs/images/demo_digits.png"]
+    problems = {path: issues for path, issues in check(ROOT, rerun=True, only=only).items() if issues}
+    assert not problems, f"run `make figures`: {problems}"
