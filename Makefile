@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed-stamp
 DEMO_OUT ?= outputs/demo
 PYTEST_ARGS ?=
 TIER ?= smoke
+# Waiting OpenMP threads sleep instead of spinning (a spinning run on a shared machine can be many times slower);
+# a value set in the environment wins. The ipa-probe commands set the same default themselves (docs/failures.md).
+export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: venv demo test test-fast lint format hooks bench experiments figures figures-check clean
 

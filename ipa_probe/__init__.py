@@ -3,7 +3,7 @@
 Explicit re-exports only, imported lazily; the code lives in the modules named in ``_EXPORTS``.
 """
 
-import importlib
+from ._lazy import lazy_attributes
 
 #: name -> module (relative to this package) that defines it; imported on first use, so that `import ipa_probe`
 #: and the command line's argument parsing stay fast (torch and diffusers load only when a name needs them).
@@ -119,15 +119,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name in _SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, _SUBMODULES)

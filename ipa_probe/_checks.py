@@ -1,6 +1,9 @@
-"""Checks of run settings (seed, scale, steps, bandwidth, device), shared by the command line and sweep manifests.
+"""Checks of run settings (seed, scale, steps, bandwidth, device), shared by the command line, sweep manifests and
+the Python API.
 
-Each raises ``ValueError`` with one line naming the setting, what was given and what is accepted. Nothing heavy is
+The ``parse_*`` functions read text too (command-line values, CSV cells) and raise ``ValueError``; the ``check_*``
+functions of the Python API take the value as it is and raise ``TypeError`` for a value of the wrong type and
+``ValueError`` for one out of range, both naming the argument, what was given and what is accepted. Nothing heavy is
 imported at module level (the command line checks its arguments before torch is imported).
 """
 
@@ -12,7 +15,15 @@ from typing import Any
 __all__ = [
     "BANDWIDTH_RANGE",
     "MAX_SEED",
+    "check_flag",
+    "check_fraction",
+    "check_int",
+    "check_items",
+    "check_seed",
+    "check_threshold",
+    "PIPELINE_DEVICES",
     "check_device",
+    "check_device_name",
     "check_steps",
     "parse_bandwidth",
     "parse_step_selection",
@@ -24,8 +35,74 @@ __all__ = [
 #: Largest seed: seeds are stored in int64 columns and seed ``torch.Generator``.
 MAX_SEED = 2**63 - 1
 
+#: Torch device types that can run a pipeline (``meta`` and the like hold no data).
+PIPELINE_DEVICES = ("cpu", "cuda", "mps", "xpu")
+
 #: Numeric NW bandwidths accepted: outside, float32 NW logits ``-|q - k|^2 / (2 h^2)`` overflow or all vanish.
 BANDWIDTH_RANGE = (1e-6, 1e6)
+
+
+def _given(value: Any) -> str:
+    text = repr(value)
+    return f"{text[:60]}..." if len(text) > 60 else f"{text} ({type(value).__name__})"
+
+
+def check_int(value: Any, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as it is, if it is an int (not a bool; numpy integers are taken) in ``[minimum, maximum]``.
+
+    Raises:
+        TypeError: not an integer. ValueError: out of range.
+    """
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name}: expected an int, got {_given(value)}")
+    value = value.__index__()
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        low = "-inf" if minimum is None else minimum
+        high = "inf" if maximum is None else maximum
+        raise ValueError(f"{name}: expected an int in [{low}, {high}], got {value}")
+    return value
+
+
+def check_seed(value: Any, name: str = "seed") -> int:
+    """A seed: an int in ``[0, MAX_SEED]`` (what ``torch.Generator.manual_seed`` takes and an int64 column holds)."""
+    return check_int(value, name, 0, MAX_SEED)
+
+
+def check_flag(value: Any, name: str) -> bool:
+    """``True`` or ``False`` (numpy booleans too); anything else, a string such as ``"no"`` included, is refused."""
+    if type(value).__name__ not in ("bool", "bool_"):
+        raise TypeError(f"{name}: expected True or False, got {_given(value)}")
+    return bool(value)
+
+
+def check_fraction(value: Any, name: str) -> float:
+    """A number strictly between 0 and 1 (a confidence level, a threshold on a correlation's fraction)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) and not hasattr(value, "__float__"):
+        raise TypeError(f"{name}: expected a number in (0, 1), got {_given(value)}")
+    number = float(value)
+    if not 0 < number < 1:
+        raise ValueError(f"{name}: expected a number in (0, 1), e.g. 0.95, got {value!r}")
+    return number
+
+
+def check_threshold(value: Any, name: str = "threshold") -> float:
+    """A correlation threshold: a number in (-1, 1) (the fraction of cells whose rho is above it is reported)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) and not hasattr(value, "__float__"):
+        raise TypeError(f"{name}: expected a number in (-1, 1), got {_given(value)}")
+    if not -1 < float(value) < 1:
+        raise ValueError(f"{name}: expected a correlation threshold in (-1, 1), e.g. 0.9, got {value!r}")
+    return float(value)
+
+
+def check_items(value: Any, name: str, what: str) -> tuple:
+    """The items of a list, tuple or other iterable that is not a string, as a tuple; ``what`` names one item.
+
+    Raises:
+        TypeError: a string, bytes, a mapping or a non-iterable (e.g. ``5`` where ``[5]`` was meant).
+    """
+    if isinstance(value, str | bytes | dict) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name}: expected a list of {what}, got {_given(value)}")
+    return tuple(value)
 
 
 def parse_int(value: Any, key: str, minimum: int, maximum: int | None = None) -> int:
@@ -101,32 +178,45 @@ def check_steps(scheduler, steps: int) -> None:
         )
 
 
+def check_device_name(name: str) -> None:
+    """Raise unless ``name`` has the form of a device that can run a pipeline (``cpu``, ``cuda``, ``cuda:1``, ...).
+
+    Imports no torch: whether the device is present is :func:`check_device`'s question.
+    """
+    kind, colon, index = name.partition(":")
+    if kind not in PIPELINE_DEVICES or (colon and not index.isdigit()):
+        raise ValueError(
+            f"device {name!r} cannot run a pipeline (not a torch device that holds weights); use "
+            f"{', '.join(PIPELINE_DEVICES)}, e.g. cuda:1"
+        )
+
+
 def check_device(name: str) -> None:
     """Raise unless ``name`` is a torch device that is present and can hold data (``meta`` cannot)."""
     import torch
 
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise ValueError(f"device {name!r} is not a torch device ({err}); use e.g. cpu or cuda") from None
+    check_device_name(name)
+    device = torch.device(name)
     present = {
         "cpu": lambda: True,
         "cuda": lambda: torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count(),
         "mps": lambda: torch.backends.mps.is_available(),
         "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available(),
     }
-    if device.type not in present:
-        raise ValueError(f"device {name!r} cannot run a pipeline; use cpu, cuda, mps or xpu")
     if not present[device.type]():
         raise ValueError(f"device {name!r} is not present on this machine; use --device cpu")
 
 
 def parse_step_selection(steps: Any) -> frozenset[int] | slice | None:
-    """Denoising loop indices to act on: ``None`` (all), an iterable of non-negative ints, or a ``slice`` with
-    non-negative bounds and a positive step (negative indices cannot be resolved before the loop ends).
+    """Denoising loop indices to act on: ``None`` (all), a list (or other iterable) of non-negative ints, or a
+    ``slice`` with non-negative bounds and a positive step (negative indices cannot be resolved before the loop ends).
 
     Returns:
         ``None``, the slice, or the indices as a ``frozenset``.
+
+    Raises:
+        TypeError: not a list or a slice (e.g. ``5`` where ``[5]`` was meant).
+        ValueError: a negative or non-integer index, or a slice with a negative bound or a non-positive step.
     """
     if steps is None:
         return None
@@ -136,14 +226,12 @@ def parse_step_selection(steps: Any) -> frozenset[int] | slice | None:
             s.step is not None and (not isinstance(s.step, int) or s.step <= 0)
         ):
             raise ValueError(
-                f"steps: expected a slice of non-negative loop indices with a positive step, got {s!r}; the "
-                "loop's length is not known before it ends (Img2Img's strength, for one, shortens the loop): "
-                "write slice(n - 3, None) for the last 3 of n steps"
+                f"steps: expected a slice of non-negative loop indices with a positive step, got {s!r}; ipa_probe "
+                "cannot resolve negative indices before the loop ends (Img2Img's strength, for one, shortens the "
+                "loop): write slice(n - 3, None) for the last 3 of n steps"
             )
         return steps
-    if isinstance(steps, int | str | bytes):
-        raise ValueError(f"steps: expected an iterable of loop indices or a slice, got {steps!r}; write [{steps!r}]")
-    chosen = tuple(steps)
+    chosen = check_items(steps, "steps", "loop indices (ints), or a slice")
     if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in chosen):
         raise ValueError(f"steps: expected non-negative loop indices (ints) or a slice, got {chosen!r}")
     return frozenset(chosen)

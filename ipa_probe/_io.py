@@ -12,15 +12,13 @@ import json
 import logging
 import math
 import os
-import platform
+import re
 import socket
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,7 @@ __all__ = [
     "code_digest",
     "data_digest",
     "jsonable",
+    "os_error_of",
     "output_lock",
     "read_provenance",
     "versions",
@@ -82,6 +81,10 @@ def versions() -> dict[str, Any]:
 
     Package versions come from the installed distributions' metadata, so nothing heavy is imported.
     """
+    import platform
+    import subprocess
+    from importlib import metadata  # imported here: it takes a noticeable part of the command line's start-up
+
     from . import __version__
 
     info: dict[str, Any] = {"python": platform.python_version(), "ipa_probe": __version__}
@@ -116,8 +119,41 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with open(temp, "rb+") as handle:  # flushed to disk before the rename makes it visible
             os.fsync(handle.fileno())
         os.replace(temp, path)
+    except Exception as err:
+        fault = os_error_of(err)
+        if fault is None:
+            raise
+        raise OSError(fault.errno, fault.strerror, str(path)) from err  # names the file, not its temp copy
     finally:
+        _remove_quietly(temp)
+
+
+def _remove_quietly(temp: Path) -> None:
+    """Remove a temp file; a failure (a read-only folder) is logged, never raised over the error being handled."""
+    try:
         temp.unlink(missing_ok=True)
+    except OSError as err:  # a read-only file system refuses even to unlink a file that is not there
+        if os.path.lexists(temp):
+            logger.warning("could not remove the temp file %s (%s)", temp, err.strerror or err)
+
+
+#: how Rust writers (safetensors) name an OS error in their messages
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error_of(err: BaseException) -> OSError | None:
+    """The operating-system fault behind ``err`` as an ``OSError`` with its errno, or ``None`` when it is not one.
+
+    Writers report the same fault differently: Python and PIL raise ``OSError`` with an errno, pyarrow an ``OSError``
+    with an errno but no file name, safetensors its own error with ``(os error 28)`` in the message.
+    """
+    if isinstance(err, OSError) and err.errno is not None:
+        return OSError(err.errno, os.strerror(err.errno), err.filename)
+    match = _RUST_OS_ERROR.search(str(err))
+    if match:
+        number = int(match.group(1))
+        return OSError(number, os.strerror(number))
+    return None
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
@@ -284,9 +320,12 @@ def output_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
             "started": time.time(),
             "command": command,
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+            os.fsync(fd)
+        except OSError as err:  # a full disk: name the lock file (os.pwrite knows only the descriptor)
+            raise OSError(err.errno, os.strerror(err.errno), str(path)) from err
         try:
             yield path
         finally:

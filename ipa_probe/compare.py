@@ -38,6 +38,7 @@ import pandas as pd
 import PIL.Image
 import torch
 
+from ._checks import check_items, check_seed
 from .bandwidth import describe as describe_bandwidth
 
 __all__ = [
@@ -241,12 +242,15 @@ def generate_methods(
     """
     from .exact import exact_pipeline
     from .nwhead import nw_head
+    from .nwhead.kernel import check_head_bandwidth
 
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in check_items(methods, "methods", "method names") if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
-    if not seeds:
-        raise ValueError("expected at least one seed; pass e.g. seeds=[0, 1, 2]")
+    references, seeds = _check_references(references), _check_seeds(seeds)
+    check_head_bandwidth(bandwidth)
+    if call_kwargs is not None and not isinstance(call_kwargs, dict):
+        raise TypeError(f"call_kwargs: expected a dict of pipeline arguments, got {type(call_kwargs).__name__}")
     call_kwargs = dict(call_kwargs or {})
     call_kwargs.setdefault("prompt", "a photo")
     references = list(references)
@@ -462,6 +466,27 @@ def make_grid(
     return PIL.Image.fromarray(np.asarray(canvas.buffer_rgba())).convert("RGB")
 
 
+def _check_seeds(seeds: Any) -> list[int]:
+    """A non-empty list of seeds, each an int in ``[0, 2**63 - 1]``."""
+    seeds = [check_seed(seed, "seeds") for seed in check_items(seeds, "seeds", "ints")]
+    if not seeds:
+        raise ValueError("seeds: expected at least one seed; pass e.g. seeds=[0, 1, 2]")
+    return seeds
+
+
+def _check_references(references: Any) -> list[PIL.Image.Image]:
+    """A non-empty list of PIL images, checked before anything runs."""
+    if isinstance(references, PIL.Image.Image):
+        raise TypeError("references: expected a list of PIL images, got one image; pass [image]")
+    references = list(check_items(references, "references", "PIL images"))
+    if not references:
+        raise ValueError("references: expected at least one reference image; pass the image prompt(s) as PIL images")
+    if not all(isinstance(image, PIL.Image.Image) for image in references):
+        kinds = sorted({type(image).__name__ for image in references})
+        raise TypeError(f"references: expected PIL images, got {kinds}; load files with ipa_probe.images.load_images")
+    return references
+
+
 def compare_methods(
     pipe,
     references: Sequence[PIL.Image.Image],
@@ -496,9 +521,11 @@ def compare_methods(
         >>> result.table
         ```
     """
-    if not references:
-        raise ValueError("expected at least one reference image; pass the image prompt(s) as a list of PIL images")
-    seeds = [int(s) for s in seeds]
+    references, seeds = _check_references(references), _check_seeds(seeds)  # generate_methods checks the rest
+    if scorer is not None and not isinstance(scorer, ClipScorer):
+        raise TypeError(f"scorer: expected a ClipScorer or None, got {type(scorer).__name__}")
+    if settings is not None and not isinstance(settings, dict):
+        raise TypeError(f"settings: expected a JSON-able dict or None, got {type(settings).__name__}")
     images, seconds = generate_methods(pipe, references, seeds, call_kwargs, bandwidth, methods)
     scorer = scorer or ClipScorer()
     size = next(iter(images.values()))[0].size  # (width, height)

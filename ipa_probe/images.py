@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
@@ -55,9 +56,13 @@ def _pixel_limit(path: Path):
         try:
             yield
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+            # PIL words its warning and its error with different limits (its error fires at twice the limit): quote
+            # the image's own size and the one limit the user can change, PIL.Image.MAX_IMAGE_PIXELS
+            size = re.search(r"\((\d+) pixels\)", str(err))
+            pixels = f"{int(size.group(1)):,} pixels, " if size else ""
             raise ValueError(
-                f"image {str(path)!r} is larger than PIL's limit of {Image.MAX_IMAGE_PIXELS} pixels ({err}); "
-                "downscale it, or raise PIL.Image.MAX_IMAGE_PIXELS if you trust the file"
+                f"image {str(path)!r} is larger than PIL's limit ({pixels}limit PIL.Image.MAX_IMAGE_PIXELS = "
+                f"{Image.MAX_IMAGE_PIXELS:,}); downscale it, or raise PIL.Image.MAX_IMAGE_PIXELS if you trust the file"
             ) from None
 
 

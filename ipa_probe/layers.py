@@ -41,6 +41,7 @@ __all__ = [
     "SUPPORTED_PROCESSORS",
     "IPLayer",
     "LayerSelection",
+    "check_layer_selection",
     "claim",
     "denoiser_of",
     "family_of",
@@ -131,11 +132,19 @@ def denoiser_of(pipe) -> torch.nn.Module:
     )
 
 
+def check_layer_selection(layers: LayerSelection) -> None:
+    """Raise ``TypeError`` / ``ValueError`` unless ``layers`` is ``None``, a regex, a compiled pattern or a list of
+    them, each a valid regular expression (whether it matches a layer is checked against the pipeline)."""
+    _compile_selection(layers)
+
+
 def _compile_selection(layers: LayerSelection) -> list[re.Pattern] | None:
     if layers is None:
         return None
     if isinstance(layers, str | re.Pattern):
         layers = [layers]
+    elif isinstance(layers, bytes | dict) or not hasattr(layers, "__iter__"):
+        raise TypeError(f"layers: expected a regex string, a compiled pattern or a list of them, got {layers!r}")
     patterns = []
     for item in layers:
         if isinstance(item, re.Pattern):

@@ -164,6 +164,9 @@ def compare_weights(
     Returns:
         statistics, shape ``(..., len(STAT_NAMES))``, float32, on the logits' device.
     """
+    for name, value in (("attn_logits", attn_logits), ("nw_logits", nw_logits)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor of shape (..., R, K), got {type(value).__name__}")
     if attn_logits.shape != nw_logits.shape:
         raise ValueError(
             f"expected attention and NW logits of the same shape, got {attn_logits.shape} and {nw_logits.shape}"

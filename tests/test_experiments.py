@@ -167,7 +167,7 @@ def test_resume_refuses_a_different_configuration(tmp_path):
     meta = make_meta("mixed2d", 2)
     train(TINY_MODEL, TINY_TRAIN, meta, run_dir=tmp_path, progress=False, callback=None)
     other = TrainConfig(**dict(TINY_TRAIN.to_dict(), lr=5e-4))
-    with pytest.raises(ValueError, match="same configuration"):
+    with pytest.raises(ValueError, match="was written for another training configuration; delete it"):
         train(TINY_MODEL, other, meta, run_dir=tmp_path, progress=False)
 
 

@@ -12,16 +12,9 @@ import torch
 from scipy import stats
 
 import ipa_probe
-from ipa_probe.cli import main
 from ipa_probe.experiments import attribution as experiment
 from ipa_probe.experiments.ip_adapter import GAUGE_COLUMNS, organism_pipelines, summarize_sets
 from ipa_probe.tiny.digits import DIGITS_PROMPT, digit_classifier, digits_reference_images
-
-
-def test_cli_refuses_an_unknown_recipe(tmp_path, capsys):
-    assert main(["experiments", "attribution", "--recipe", "nope", "--out", str(tmp_path / "x")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "unknown recipe 'nope'" in err[0] and "support, ip-adapter" in err[0]
 
 
 def test_organism_recipes():

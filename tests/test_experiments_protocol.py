@@ -13,7 +13,7 @@ from scipy.spatial.distance import cdist
 from ipa_probe.experiments import ExperimentContext, ModelConfig, TrainConfig, make_meta, train
 from ipa_probe.experiments.checkpoint import load_checkpoint
 from ipa_probe.experiments.tiers import GPU_TIERS, TIERS, get_tier
-from ipa_probe.experiments.train import CHECKPOINT, VAL_SEED, build_scheduler, sample_time, validation_tasks
+from ipa_probe.experiments.training import CHECKPOINT, VAL_SEED, build_scheduler, sample_time, validation_tasks
 
 TINY_MODEL = ModelConfig(dim=2, d_model=16, n_heads=2, n_layers=1)
 TINY_VAL = TrainConfig(

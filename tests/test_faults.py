@@ -21,9 +21,11 @@ from PIL import Image
 from ipa_probe._io import LOCK_NAME, OutputLocked, check_launch_holds, output_lock
 from ipa_probe.cli import main
 from ipa_probe.experiments.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from ipa_probe.experiments.training import TrainConfig
 from ipa_probe.images import load_image
 from ipa_probe.sweep import (
     ManifestRow,
+    RowInputError,
     SweepLayout,
     SweepRunner,
     aggregate,
@@ -31,7 +33,7 @@ from ipa_probe.sweep import (
     read_manifest,
     run_sweep,
 )
-from ipa_probe.sweep.aggregate import row_summary
+from ipa_probe.sweep.aggregation import row_summary
 from ipa_probe.tiny.sd import default_reference_images, tiny_pipeline
 
 STEPS = 2
@@ -128,7 +130,7 @@ import os, signal, sys, torch
 torch.set_num_threads(1)
 from ipa_probe.experiments.model import ModelConfig
 from ipa_probe.experiments.tasks import make_meta
-from ipa_probe.experiments.train import TrainConfig, train
+from ipa_probe.experiments.training import TrainConfig, train
 
 def kill(step, loss):
     if step == 5:
@@ -143,7 +145,7 @@ train(ModelConfig(2, 16, 2, 1), cfg, make_meta("mixed2d", 2), run_dir=sys.argv[1
 def test_a_killed_training_run_resumes_to_the_same_weights(tmp_path, one_thread):
     from ipa_probe.experiments.model import ModelConfig
     from ipa_probe.experiments.tasks import make_meta
-    from ipa_probe.experiments.train import TrainConfig, train
+    from ipa_probe.experiments.training import TrainConfig, train
 
     proc = subprocess.run(
         [sys.executable, "-c", KILLED_TRAINING, str(tmp_path / "b")], capture_output=True, timeout=300
@@ -233,7 +235,9 @@ def test_a_poison_row_fails_alone_and_a_rerun_retries_only_it(workdir, pipe, ref
     assert result.done == 2 and [(f.row, f.line) for f in result.failed] == [(1, 2)]
     assert result.failed[0].reason == "RuntimeError: CUDA error: an illegal memory access"  # one line
     record = json.loads((out / "summary.json").read_text())
-    assert record["failed"] == [{"row": 1, "line": 2, "reason": result.failed[0].reason}]
+    assert record["failed"] == [
+        {"row": 1, "line": 2, "reason": result.failed[0].reason, "stage": "run", "kept_part": False}
+    ]
     assert record["rows"]["failed"] == 1 and (pd.read_parquet(out / "aggregate.parquet")["rows"] == 2).all()
     assert any("line 2 (row 1) failed" in r.getMessage() for r in caplog.records)
     counting = runner_for(pipe, Counting)
@@ -248,10 +252,10 @@ def test_rows_the_pipeline_would_reject_fail_alone_with_exit_3(workdir, one_thre
     out = workdir / "reject"
     assert main(["sweep", str(write_jsonl(workdir / "r.jsonl", rows)), "--out", str(out), *CLI]) == 3
     record = json.loads((out / "summary.json").read_text())
-    failed = {f["line"]: f["reason"] for f in record["failed"]}
-    assert sorted(failed) == [2, 3] and "use at most 999 steps" in failed[2] and "more than" in failed[3]
-    assert "seed" in {s["line"]: s["reason"] for s in record["skipped"]}[5]  # out of range: skipped when read
-    assert record["rows"]["done"] == 2 and "failed while running" in capsys.readouterr().out
+    failed = {f["line"]: (f["reason"], f["stage"]) for f in record["failed"]}
+    assert sorted(failed) == [2, 3, 5] and "use at most 999 steps" in failed[2][0] and "more than" in failed[3][0]
+    assert "seed" in failed[5][0] and failed[5][1] == "manifest"  # out of range: rejected when read
+    assert record["rows"]["done"] == 2 and "2 failed while running" in capsys.readouterr().out
 
 
 def test_an_image_over_pils_pixel_limit_fails_its_row_alone(workdir, monkeypatch):
@@ -263,6 +267,9 @@ def test_an_image_over_pils_pixel_limit_fails_its_row_alone(workdir, monkeypatch
     manifest = read_manifest(write_jsonl(workdir / "bomb.jsonl", rows))
     assert [r.row for r in manifest.rows] == [0]
     assert all("larger than PIL's limit" in s.reason and "\n" not in s.reason for s in manifest.skipped)
+    for skip in manifest.skipped:  # one limit quoted (PIL's own messages name 1x and 2x), and the image's size
+        assert f"{width * height:,}" in skip.reason and f"{2 * width * height:,}" not in skip.reason
+    assert f"{4 * width * height:,} pixels" in manifest.skipped[0].reason
     with pytest.raises(ValueError, match="MAX_IMAGE_PIXELS"):
         load_image(workdir / "refs" / "big.png")
 
@@ -282,6 +289,62 @@ def test_ctrl_c_ends_with_one_line_exit_130_and_keeps_finished_rows(workdir, mon
     assert len(err) == 1 and "interrupted" in err[0] and "resume" in err[0]
     assert len(SweepLayout(out).parts()) == 2 and not SweepLayout(out).temp_files()
     assert not (out / LOCK_NAME).read_text()  # released
+
+
+# ------------------------------------------------------------------------------------------------ rows without results
+
+
+def test_a_row_the_manifest_check_rejects_counts_as_failed(workdir, one_thread, capsys):
+    rows = [ROWS[2], {"prompt": "gone", "images": "refs/missing.png", "seed": 5}]
+    out = workdir / "rejected"
+    assert main(["sweep", str(write_jsonl(workdir / "one_bad.jsonl", rows)), "--out", str(out), *CLI]) == 3
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("sweep: 1/2 rows done") and "1 failed (line 2: 1 rejected by the checks before" in line
+    record = json.loads((out / "summary.json").read_text())
+    [failed] = record["failed"]
+    assert (failed["row"], failed["line"], failed["stage"], failed["kept_part"]) == (1, 2, "manifest", False)
+    assert "does not exist" in failed["reason"] and "\n" not in failed["reason"]
+    assert (record["rows"]["manifest"], record["rows"]["done"], record["rows"]["failed"]) == (2, 1, 1)
+
+
+def test_a_finished_row_whose_image_goes_missing_keeps_its_part(workdir, pipe, reference, one_thread):
+    out = workdir / "missing"
+    manifest = read_manifest(workdir / "m.jsonl")
+    run_sweep(manifest, runner_for(pipe), out, progress=False, n_resamples=99)
+    part = SweepLayout(out).part(1)  # row 1 alone uses refs/2.png
+    before = part.read_bytes()
+    (workdir / "refs" / "2.png").rename(workdir / "2.png.away")
+    counting = runner_for(pipe, Counting)
+    result = run_sweep(read_manifest(workdir / "m.jsonl"), counting, out, progress=False, n_resamples=99)
+    assert counting.ran == [] and result.done == 2
+    [failed] = result.failed
+    assert (failed.row, failed.line, failed.stage, failed.kept_part) == (1, 2, "manifest", True)
+    assert "does not exist" in failed.reason and "its finished part is kept" in failed.describe()
+    assert part.read_bytes() == before and not SweepLayout(out).set_aside.exists()  # kept in place, not set aside
+    assert (pd.read_parquet(out / "aggregate.parquet")["rows"] == 2).all()  # left out of the aggregate
+    (workdir / "2.png.away").rename(workdir / "refs" / "2.png")  # back, unchanged: counts again, without running
+    again = run_sweep(read_manifest(workdir / "m.jsonl"), counting, out, progress=False, n_resamples=99)
+    assert counting.ran == [] and (again.done, again.resumed, again.failed) == (3, 3, [])
+    assert_same_results(out, reference)
+
+
+def test_a_finished_row_whose_images_cannot_be_read_keeps_its_part(workdir, pipe, reference, one_thread):
+    """Its images passed the manifest check but cannot be hashed now (e.g. permission lost between the two)."""
+    out = workdir / "unreadable"
+    manifest = read_manifest(workdir / "m.jsonl")
+    run_sweep(manifest, runner_for(pipe), out, progress=False, n_resamples=99)
+
+    class Unreadable(Counting):
+        def inputs(self, row):
+            if row.row == 0:
+                raise RowInputError("image 'refs/0.png' cannot be read (Permission denied)")
+            return super().inputs(row)
+
+    runner = runner_for(pipe, Unreadable)
+    result = run_sweep(manifest, runner, out, progress=False, n_resamples=99)
+    assert runner.ran == [] and [(f.row, f.stage, f.kept_part) for f in result.failed] == [(0, "manifest", True)]
+    assert "Permission denied" in result.failed[0].reason and SweepLayout(out).part(0).is_file()
+    pd.testing.assert_frame_equal(load_table(out, rows=[0]), load_table(reference, rows=[0]))
 
 
 # ------------------------------------------------------------------------------------------------ one writer
@@ -349,6 +412,97 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_file(tmp_path, content):
     assert str(path) in str(err.value) and "\n" not in str(err.value) and "delete it" in str(err.value)
 
 
+def _damage(name: str, state: dict) -> None:
+    if name == "step missing":
+        del state["step"]
+    elif name == "step a string":
+        state["step"] = str(state["step"])
+    elif name == "model_config changed":
+        state["model_config"]["d_model"] *= 2
+    elif name == "weights of another shape":
+        key = next(iter(state["model"]))
+        state["model"][key] = torch.zeros(3)
+    elif name == "losses cut short":
+        state["losses"] = state["losses"][:1]
+    elif name == "generator of another form":
+        state["generator"] = torch.zeros(7, dtype=torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished tiny training run: its configurations and its checkpoint record."""
+    from ipa_probe.experiments.model import ModelConfig
+    from ipa_probe.experiments.tasks import make_meta
+    from ipa_probe.experiments.training import CHECKPOINT, TrainConfig, train
+
+    folder = tmp_path_factory.mktemp("run")
+    model, cfg = ModelConfig(2, 16, 2, 1), TrainConfig(steps=4, batch_tasks=4, n_target=16, m=5, warmup=2)
+    meta = make_meta("mixed2d", 2)
+    with torch.random.fork_rng():
+        train(model, cfg, meta, run_dir=folder, progress=False)
+    return model, cfg, meta, load_checkpoint(folder / CHECKPOINT)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "step missing",
+        "step a string",
+        "model_config changed",
+        "weights of another shape",
+        "losses cut short",
+        "generator of another form",
+    ],
+)
+def test_a_checkpoint_of_the_wrong_structure_is_refused_before_use(tmp_path, finished_run, damage):
+    import copy
+
+    from ipa_probe.experiments.training import CHECKPOINT, load_model, train
+
+    model, cfg, meta, state = finished_run
+    state = copy.deepcopy(state)
+    _damage(damage, state)
+    path = save_checkpoint(state, tmp_path / CHECKPOINT)
+    resume = TrainConfig(**{**cfg.to_dict(), "steps": cfg.steps})  # the same run: resuming reads it
+    for attempt in (
+        lambda: load_model(tmp_path, model, cfg),
+        lambda: load_model(tmp_path),
+        lambda: train(model, resume, meta, run_dir=tmp_path, progress=False),
+    ):
+        with pytest.raises(CheckpointError) as err:
+            attempt()
+        message = str(err.value)
+        assert str(path) in message and "\n" not in message and "delete it to train that model again" in message
+
+
+def test_a_checkpoint_error_in_experiments_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    from ipa_probe.experiments import runner
+
+    def damaged(run_dir, *configs):
+        raise CheckpointError(f"checkpoint '{run_dir}/checkpoint.safetensors' has no 'step'; delete it to train again")
+
+    monkeypatch.setattr(runner, "load_model", damaged)
+    assert main(["experiments", "collapse", "--tier", "quick", "--out", str(tmp_path), "--no-progress"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "has no 'step'" in lines[0] and lines[0].startswith("ipa-probe experiments: error:")
+
+
+def test_experiments_refuse_a_folder_of_another_tier(tmp_path):
+    from ipa_probe.experiments import get_tier, run_experiments
+    from ipa_probe.experiments.tiers import TierMismatch
+
+    smoke = json.loads(json.dumps(get_tier("smoke").to_dict()))
+    (tmp_path / "shells").mkdir()
+    (tmp_path / "shells" / "record.json").write_text(json.dumps({"tier": smoke}))
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(TierMismatch, match="holds results of tier 'smoke'"):
+        run_experiments(["collapse"], get_tier("quick"), tmp_path, progress=False)
+    quick_more_seeds = get_tier("smoke").with_overrides(seeds=(0, 1, 2, 3, 4, 5, 6))
+    with pytest.raises(TierMismatch, match=r"tier 'smoke' with other sizes \(seeds\)"):
+        run_experiments(["collapse"], quick_more_seeds, tmp_path, progress=False)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted([*before, ".ipa_probe.lock"])  # nothing else
+
+
 def test_a_pickled_checkpoint_is_never_unpickled(tmp_path):
     class Boom:
         def __reduce__(self):
@@ -396,27 +550,6 @@ def test_bad_values_exit_2_with_one_line_and_no_output_folder(workdir, capsys, c
 def test_a_manifest_that_is_a_folder_is_named_as_such(workdir, capsys):
     assert main(["sweep", str(workdir / "refs"), "--out", str(workdir / "never")]) == 2
     assert "is a folder" in capsys.readouterr().err
-
-
-def test_argument_errors_and_help_do_not_import_torch():
-    code = (
-        "import sys; from ipa_probe.cli import main; rc = main(['probe', '--seed', '-1']); "
-        "print(rc, 'torch' in sys.modules, 'diffusers' in sys.modules)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.stdout.split() == ["2", "False", "False"], out.stderr
-    helped = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from ipa_probe.cli import main\ntry: main(['--help'])\nexcept "
-            "SystemExit: print('torch' in sys.modules)",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert helped.stdout.strip().endswith("False") and "exit codes" in helped.stdout
 
 
 def test_summary_records_every_setting(workdir, one_thread):

@@ -68,7 +68,7 @@ def assert_unchanged(pipe, before):
         ({"reference": True}, TypeError, "image index"),
         ({"reference": [1, 1]}, ValueError, "distinct"),
         ({"reference": [0, 1], "mode": "swap", "other": "img"}, ValueError, "one index"),
-        ({"reference": 0, "steps": 3}, ValueError, "write \\[3\\]"),
+        ({"reference": 0, "steps": 3}, TypeError, "expected a list of loop indices"),
         ({"reference": 0, "steps": [-1]}, ValueError, "non-negative"),
         ({"reference": 0, "layers": "("}, ValueError, "regular expression"),
         ({"reference": 0, "adapter": -1}, ValueError, "loaded IP-Adapter"),

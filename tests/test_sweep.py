@@ -210,11 +210,16 @@ def test_sweep_writes_one_dataset_with_a_row_column_and_an_aggregate(workdir, pi
     pd.testing.assert_frame_equal(
         dataset.sort_values(["row"], kind="stable").reset_index(drop=True), load_table(tmp_path)
     )
-    # the truncated image fails at run time: skipped, reported with its line, and tried again on the next run
-    assert [(s.line, "truncated.png" in s.reason) for s in result.skipped] == [(4, True), (5, False)]
+    # the truncated image fails at run time, the typo when the manifest is read: both fail with their lines
+    assert [(s.line, "truncated.png" in s.reason, s.stage) for s in result.failed] == [
+        (4, True, "run"),
+        (5, False, "manifest"),
+    ]
+    assert [s.line for s in result.skipped] == [5]
     assert (result.done, result.ran, result.resumed, result.processes) == (3, 3, 0, 1)
     record = json.loads(layout.summary.read_text())
-    assert [s["line"] for s in record["skipped"]] == [4, 5] and record["rows"]["done"] == 3
+    assert [s["line"] for s in record["failed"]] == [4, 5] and record["rows"]["done"] == 3
+    assert (record["rows"]["manifest"], record["rows"]["failed"]) == (5, 2)
     agg = pd.read_parquet(layout.aggregate)
     assert set(agg["branch"]) == {"cond", "uncond"} and (agg["rows"] == 3).all()
     per_row = pd.read_parquet(layout.row_summary)
@@ -224,7 +229,7 @@ def test_sweep_writes_one_dataset_with_a_row_column_and_an_aggregate(workdir, pi
     )
     assert layout.plot.stat().st_size > 0
     line = result.describe()
-    assert line.startswith("sweep: 3/4 rows done (3 now") and "2 skipped (line 4, 5)" in line and "spearman" in line
+    assert line.startswith("sweep: 3/5 rows done (3 now") and "2 failed (line 4, 5: " in line and "spearman" in line
 
 
 class InterruptAt(SweepRunner):
@@ -289,10 +294,10 @@ def test_real_weights_by_path_take_images_from_the_rows(workdir, tmp_path, capsy
     common = ["--steps", str(STEPS), "--size", "64", "64", "--no-progress", "--resamples", "99"]
     model = ["--model", str(saved.model_dir), "--ip-adapter", str(saved.ip_adapter_dir)]
     model += ["--weight-name", saved.weight_name, "--guidance-scale", "7.5"]
-    assert main(["sweep", str(path), "--out", str(tmp_path / "real"), *model, *common]) == 0
-    assert "1 skipped (line 3)" in capsys.readouterr().out
+    assert main(["sweep", str(path), "--out", str(tmp_path / "real"), *model, *common]) == 3  # a row failed
+    assert "1 failed (line 3: 1 rejected by the checks before running" in capsys.readouterr().out
     record = json.loads((tmp_path / "real" / "summary.json").read_text())
-    assert "no 'images'" in record["skipped"][0]["reason"] and record["settings"]["default_images"] is None
+    assert "no 'images'" in record["failed"][0]["reason"] and record["settings"]["default_images"] is None
     assert main(["sweep", str(path), "--out", str(tmp_path / "embedded"), *common]) == 0
     real, embedded = load_table(tmp_path / "real"), load_table(tmp_path / "embedded", rows=[0, 1])
     # weights read back from disk agree with the in-memory ones to float32 rounding, not always bit for bit

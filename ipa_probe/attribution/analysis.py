@@ -46,7 +46,7 @@ import numpy as np
 import pandas as pd
 from scipy import optimize, stats
 
-from ..sweep.aggregate import bootstrap_ci
+from ..sweep.aggregation import bootstrap_ci
 from .collect import arrays
 
 __all__ = [

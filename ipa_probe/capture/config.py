@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import bandwidth as bw
-from .._checks import parse_step_selection, step_selected
+from .._checks import check_flag, check_items, check_seed, parse_step_selection, step_selected
 from ..bandwidth import BandwidthSpec
-from ..layers import LayerSelection
+from ..layers import LayerSelection, check_layer_selection
 
 __all__ = ["ProbeConfig"]
 
@@ -65,8 +65,10 @@ class ProbeConfig:
     maps: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.maps, bool):
-            raise TypeError(f"maps: expected True or False, got {self.maps!r}")
+        check_flag(self.maps, "maps")
+        check_flag(self.keep_maps, "keep_maps")
+        object.__setattr__(self, "seed", check_seed(self.seed))
+        check_layer_selection(self.layers)
         if self.maps and self.branch == "text":
             raise ValueError('maps=True attributes the image branch; use branch="image" or "both"')
         if self.branch not in ("image", "text", "both"):
@@ -77,7 +79,7 @@ class ProbeConfig:
                 raise TypeError(
                     f'branches: expected a sequence of labels such as ("uncond", "cond"), got {self.branches!r}'
                 )
-            branches = tuple(self.branches)
+            branches = check_items(self.branches, "branches", "labels")
             if not branches or not all(isinstance(b, str) and b for b in branches):
                 raise ValueError(
                     f'branches: expected labels, one per batch chunk, like ("uncond", "cond"); got {branches!r}'
@@ -85,7 +87,7 @@ class ProbeConfig:
             object.__setattr__(self, "branches", branches)
         object.__setattr__(self, "steps", parse_step_selection(self.steps))
         if self.heads is not None:
-            heads = tuple(self.heads)
+            heads = check_items(self.heads, "heads", "head indices (ints)")
             if not heads or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads):
                 raise ValueError(f"heads: expected a non-empty list of non-negative head indices, got {heads!r}")
             object.__setattr__(self, "heads", tuple(sorted(set(heads))))
@@ -94,7 +96,7 @@ class ProbeConfig:
             or not (isinstance(self.max_map_bytes, int | float) and math.isfinite(self.max_map_bytes))
             or self.max_map_bytes <= 0
         ):
-            raise ValueError(f"max_map_bytes: expected a positive byte count, got {self.max_map_bytes}")
+            raise ValueError(f"max_map_bytes: expected a positive byte count, got {self.max_map_bytes!r}")
 
     def records_step(self, step: int) -> bool:
         return step_selected(self.steps, step)

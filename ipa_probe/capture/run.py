@@ -163,7 +163,9 @@ class ProbeRun:
             self._uninstall()
             raise
 
-    def _uninstall(self) -> None:
+    def _uninstall(self, interrupted: bool = False) -> None:
+        """Remove every hook and finalise the results. ``interrupted``: the run was stopped by Ctrl-C, so cut-short
+        steps are logged at debug level only."""
         self.evidence.remove()
         for handle in self._handles:
             handle.remove()
@@ -177,9 +179,9 @@ class ProbeRun:
         if self._active:
             release(self.pipe, _FEATURE)
             self._active = False
-        self._finalize()
+        self._finalize(interrupted)
 
-    def _finalize(self) -> None:
+    def _finalize(self, interrupted: bool = False) -> None:
         """The one device-to-host transfer of the run."""
         if self._result is not None:
             return
@@ -205,7 +207,7 @@ class ProbeRun:
         self._map_labels.clear()
         for call in self._calls:
             if call.incomplete:
-                logger.warning(
+                (logger.debug if interrupted else logger.warning)(
                     "probe: call %d, step(s) %s were cut short (the denoiser raised or was interrupted); their rows "
                     "are partial and have complete=False",
                     call.index,
@@ -710,9 +712,13 @@ def probe(
         check_tracker(log_with)
     run = ProbeRun(pipe, config)
     run._install()
+    interrupted = False
     try:
         yield run
+    except KeyboardInterrupt:  # Ctrl-C: the caller stops and says so; no warning about the partial step
+        interrupted = True
+        raise
     finally:
-        run._uninstall()
+        run._uninstall(interrupted)
     if log_with is not None:  # only when the block ended normally: a failed run is not logged as a result
         run.log(log_with, logging_dir, run_name)

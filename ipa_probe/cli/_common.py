@@ -1,14 +1,30 @@
-"""Arguments and loading shared by the subcommands that run a pipeline (``probe``, ``compare``, ``sweep``)."""
+"""Arguments, checks and loading shared by the subcommands that run a pipeline (``probe``, ``compare``, ``sweep``).
+
+Every subcommand checks in two phases: :func:`check_model_arguments` and the other ``check_*`` functions here import
+neither torch nor diffusers (a wrong argument answers at once), :func:`load_pipeline` then builds or loads the model.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._checks import MAX_SEED, check_device, check_steps, parse_bandwidth, parse_float, parse_int
+from .._checks import (
+    MAX_SEED,
+    check_device,
+    check_device_name,
+    check_steps,
+    parse_bandwidth,
+    parse_float,
+    parse_int,
+)
+from .._io import LOCK_NAME
 from . import CLIError
+from ._sources import check_model_source, ip_adapter_source
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -27,7 +43,7 @@ def bandwidth_type(*names: str):
     return bandwidth
 
 
-def _argument_type(check, name: str):
+def argument_type(check, name: str):
     def parse(value: str):
         try:
             return check(value)
@@ -39,10 +55,24 @@ def _argument_type(check, name: str):
 
 
 #: argparse types: a seed in [0, 2**63 - 1]; a positive step count; a finite non-negative scale; 1-256 images.
-seed_type = _argument_type(lambda v: parse_int(v, "seed", 0, MAX_SEED), "seed")
-steps_type = _argument_type(lambda v: parse_int(v, "steps", 1), "steps")
-scale_type = _argument_type(lambda v: parse_float(v, "scale", 0.0), "scale")
-images_type = _argument_type(lambda v: parse_int(v, "num-images", 1, 256), "num-images")
+seed_type = argument_type(lambda v: parse_int(v, "seed", 0, MAX_SEED), "seed")
+steps_type = argument_type(lambda v: parse_int(v, "steps", 1), "steps")
+scale_type = argument_type(lambda v: parse_float(v, "scale", 0.0), "scale")
+images_type = argument_type(lambda v: parse_int(v, "num-images", 1, 256), "num-images")
+threads_type = argument_type(lambda v: parse_int(v, "threads", 1, 4096), "threads")
+digit_type = argument_type(lambda v: parse_int(v, "digit", 0, 9), "digit")
+
+
+def add_threads_argument(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    """``--threads``: torch/OpenMP threads, set (as ``OMP_NUM_THREADS``) before torch loads. ``default``: what the
+    help names as the default (by default: ``OMP_NUM_THREADS`` if set, else the CPUs this process may use)."""
+    default = default or "OMP_NUM_THREADS if set, else the CPUs this process may use"
+    parser.add_argument(
+        "--threads",
+        type=threads_type,
+        default=None,
+        help=f"CPU threads (default: {default}); waiting threads sleep (OMP_WAIT_POLICY=PASSIVE unless set)",
+    )
 
 
 #: the embedded pipelines: the trained digits organism and the random tiny SD 1.5 / SDXL ones.
@@ -80,7 +110,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_kind: str = "sd
     )
     group.add_argument(
         "--digit",
-        type=int,
+        type=digit_type,
         default=DIGITS_DEFAULTS["digit"],
         help=f"digits organism: the references' digit, 0-9 (default: {DIGITS_DEFAULTS['digit']})",
     )
@@ -95,6 +125,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_kind: str = "sd
     group.add_argument("--seed", type=seed_type, default=0, help=f"generator seed in [0, {MAX_SEED}]")
     group.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     group.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype")
+    add_threads_argument(parser)
 
 
 @dataclass
@@ -107,28 +138,64 @@ class Loaded:
     description: dict
 
 
-def _local_or_hub(value: str) -> str:
-    path = Path(value).expanduser()
-    return str(path) if path.exists() else value
+def check_model_arguments(args: argparse.Namespace, require_images: bool = True) -> None:
+    """Everything about the model arguments that needs no torch: combinations, paths, weight-file headers, hub ids
+    (cached, or answered at the hub's first attempt), ``--size``, the form of ``--device``, and the reference images
+    (decoded here, kept in ``args.references`` for :func:`load_pipeline`).
+
+    ``require_images=False``: real weights may come without ``--image`` (a sweep's rows bring their own).
+
+    Raises:
+        CLIError: one line naming the argument and what to pass instead.
+    """
+    check_size(args)
+    check_device_argument(args.device)
+    args.weights = None
+    if args.model is None:
+        for value, flag in ((args.ip_adapter, "--ip-adapter"), (args.weight_name, "--weight-name")):
+            if value is not None:
+                raise CLIError(f"{flag} needs --model (the pipeline the IP-Adapter belongs to)")
+        if args.kind == "digits" and args.variant != "base":
+            raise CLIError("the digits organism has a base IP-Adapter only; drop --variant or pass --kind sd15")
+    else:
+        if args.ip_adapter is None:
+            raise CLIError("--model needs --ip-adapter (a hub id, folder or weight file with IP-Adapter weights)")
+        if require_images and not args.image:
+            raise CLIError("--model needs at least one --image (a reference image file or folder)")
+        args.model_source = check_model_source(args.model)
+        args.weights = ip_adapter_source(args.ip_adapter, args.subfolder, args.weight_name)
+    args.references = _references(args)
+
+
+def check_device_argument(name: str) -> None:
+    """The form of ``--device`` without torch (``auto``: the sweep's default, accelerate's device or the best one)."""
+    if name != "auto":
+        try:
+            check_device_name(name)
+        except ValueError as err:
+            raise CLIError(f"--{err}") from None
 
 
 def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Loaded:
-    """Build the embedded pipeline or load real weights as the arguments say; errors become :class:`CLIError`.
+    """Build the embedded pipeline or load real weights as the (checked) arguments say; errors become
+    :class:`CLIError`. Call :func:`check_model_arguments` first (the command line's check phase does).
 
     ``require_images=False`` lets real weights load without ``--image`` (a sweep's rows bring their own).
     """
     import torch
 
-    check_size(args)
+    if not hasattr(args, "references"):  # called without the check phase (e.g. from Python)
+        check_model_arguments(args, require_images)
     device = _device(args)
+    if not getattr(args, "verbose", False):
+        quiet_diffusers()
     dtype = getattr(torch, args.dtype)
-    references = _references(args)
+    references = args.references
     if args.model is None:
         pipe, steps, size, description = _embedded_pipeline(args, device, dtype)
         references = references or _default_references(args)
     else:
-        has_images = references is not None or not require_images
-        pipe, steps, size, description = _pretrained_pipeline(args, device, dtype, has_images)
+        pipe, steps, size, description = _pretrained_pipeline(args, device, dtype)
     try:
         check_steps(pipe.scheduler, steps)
     except ValueError as err:
@@ -158,6 +225,14 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
     return Loaded(pipe, references, call_kwargs, description)
 
 
+def quiet_diffusers() -> None:
+    """diffusers' warnings at error level: it warns on every ``load_ip_adapter`` that an empty list of modules
+    "should be kept in float32" (``--verbose`` keeps them)."""
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.set_verbosity_error()
+
+
 def check_size(args: argparse.Namespace) -> None:
     """``--size``: two multiples of 8, at least 8 (``--steps`` is checked by its argparse type)."""
     if args.size is not None and any(s < 8 or s % 8 for s in args.size):
@@ -176,7 +251,7 @@ def _device(args: argparse.Namespace):
 
 
 def _references(args: argparse.Namespace) -> list | None:
-    """The ``--image`` reference images, or ``None`` when none were given."""
+    """The ``--image`` reference images, or ``None`` when none were given (PIL only: no torch)."""
     from ..images import load_images
 
     try:
@@ -202,10 +277,6 @@ def _digits_organism(args: argparse.Namespace, device, dtype) -> tuple[object, i
 
     from ..tiny.digits import DIGITS_PROMPT, digits_pipeline
 
-    if args.variant != "base":
-        raise CLIError("the digits organism has a base IP-Adapter only; drop --variant or pass --kind sd15")
-    if not 0 <= args.digit <= 9:
-        raise CLIError(f"--digit must be in 0..9, got {args.digit}")
     pipe = digits_pipeline()
     if device.type != "cpu" or dtype != torch.float32:
         pipe = pipe.to(device=device, dtype=dtype)
@@ -220,8 +291,6 @@ def _digits_organism(args: argparse.Namespace, device, dtype) -> tuple[object, i
 
 def _embedded_pipeline(args: argparse.Namespace, device, dtype) -> tuple[object, int, tuple[int, int], dict]:
     """The embedded tiny pipeline (offline): ``(pipe, steps, size, description)``."""
-    if args.ip_adapter is not None:
-        raise CLIError("--ip-adapter needs --model (the pipeline it belongs to)")
     if args.kind == "digits":
         return _digits_organism(args, device, dtype)
     from ..tiny.sd import tiny_pipeline
@@ -231,41 +300,55 @@ def _embedded_pipeline(args: argparse.Namespace, device, dtype) -> tuple[object,
     return pipe, args.steps or 10, args.size or (64, 64), description
 
 
-def _pretrained_pipeline(
-    args: argparse.Namespace, device, dtype, has_images: bool
-) -> tuple[object, int, tuple[int, int] | None, dict]:
+def _first_line(err: BaseException) -> str:
+    """``Type: first line`` of an error, cut to its first sentence when long (loaders append their advice)."""
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    line = text.splitlines()[0]
+    if len(line) > 160 and ". " in line:
+        line = line.split(". ", 1)[0]
+    return f"{type(err).__name__}: {line}"
+
+
+def _pretrained_pipeline(args: argparse.Namespace, device, dtype) -> tuple[object, int, tuple[int, int] | None, dict]:
     """``--model`` with ``--ip-adapter`` loaded from the hub or local folders: ``(pipe, steps, size, description)``.
 
-    ``has_images``: whether reference images are given or not needed (checked after ``--ip-adapter``).
+    Any failure to load (a damaged or foreign weight file, weights of another architecture) is one line naming the
+    source: whatever the loaders raise, the file cannot be used.
     """
-    if args.ip_adapter is None:
-        raise CLIError("--model needs --ip-adapter (a hub id or folder with IP-Adapter weights)")
-    if not has_images:
-        raise CLIError("--model needs at least one --image (a reference image file or folder)")
-    for value, flag in ((args.model, "--model"), (args.ip_adapter, "--ip-adapter")):
-        if value.startswith((".", "/", "~")) and not Path(value).expanduser().exists():
-            raise CLIError(f"{flag} {value!r} does not exist; pass an existing folder or a hub id")
     from diffusers import AutoPipelineForText2Image
 
     try:
-        pipe = AutoPipelineForText2Image.from_pretrained(_local_or_hub(args.model), torch_dtype=dtype)
-    except (OSError, ValueError) as err:
-        raise CLIError(f"could not load --model {args.model!r}: {str(err).splitlines()[0]}") from None
+        with warnings.catch_warnings():  # diffusers >= 0.36 renames torch_dtype to dtype; older ones know only it
+            warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
+            pipe = AutoPipelineForText2Image.from_pretrained(args.model_source, torch_dtype=dtype)
+    except Exception as err:  # noqa: BLE001 - diffusers, transformers and safetensors each raise their own types
+        raise CLIError(
+            f"could not load --model {args.model!r} ({_first_line(err)}); pass a diffusers pipeline folder "
+            "(save_pretrained) or hub id whose files are whole"
+        ) from None
+    weights = args.weights
     encoder = None if args.image_encoder_folder.lower() == "none" else args.image_encoder_folder
     if getattr(pipe, "image_encoder", None) is not None:
         encoder = None
+    where = weights.local_file or f"{weights.location}/{weights.subfolder}/{weights.weight_name}".replace("//", "/")
     try:
         pipe.load_ip_adapter(
-            _local_or_hub(args.ip_adapter),
-            subfolder=args.subfolder,
-            weight_name=args.weight_name,
+            weights.location,
+            subfolder=weights.subfolder,
+            weight_name=weights.weight_name,
             image_encoder_folder=encoder,
             torch_dtype=dtype,
         )
-    except (OSError, ValueError, KeyError) as err:
-        raise CLIError(f"could not load --ip-adapter {args.ip_adapter!r}: {str(err).splitlines()[0]}") from None
+    except Exception as err:  # noqa: BLE001 - as above: a truncated file, a pickle, a size mismatch all mean "unusable"
+        raise CLIError(
+            f"could not load --ip-adapter weights {str(where)!r} into {args.model!r} ({_first_line(err)}); pass "
+            "whole IP-Adapter weights made for this model's family (e.g. ip-adapter_sd15 for SD 1.5, "
+            "ip-adapter_sdxl for SDXL)"
+        ) from None
     pipe.to(device)
-    description = {"model": args.model, "ip_adapter": args.ip_adapter, "weight_name": args.weight_name}
+    description = {"model": args.model, "ip_adapter": args.ip_adapter, "weight_name": weights.weight_name}
     return pipe, args.steps or 30, args.size, description
 
 
@@ -274,6 +357,7 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
 
     Raises:
         CLIError: ``path`` or a parent is a file, or the nearest existing parent is not writable.
+        IsADirectoryError: ``path``'s lock file (``.ipa_probe.lock``) is a folder.
     """
     out = Path(path).expanduser()
     existing = out
@@ -286,6 +370,9 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
         problem = f"{str(existing)!r} is not writable"
     if problem:
         raise CLIError(f"cannot write to output folder {flag} {str(out)!r} ({problem}); choose a writable folder")
+    lock = out / LOCK_NAME
+    if lock.is_dir():  # the lock must be a file: the same answer as when the lock is taken (an OSError, exit 1)
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(lock))
     return out
 
 

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from .._checks import MAX_SEED
 from . import CLIError
-from ._common import add_model_arguments, bandwidth_type, check_output_dir, load_pipeline, output_dir, seed_type
+from ._common import (
+    add_model_arguments,
+    bandwidth_type,
+    check_model_arguments,
+    check_output_dir,
+    load_pipeline,
+    output_dir,
+    seed_type,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +53,7 @@ def add_parser(subparsers) -> None:
         "(default: random weights built from the config, offline)",
     )
     parser.add_argument("--out", default="outputs/compare", help="output folder (default: outputs/compare)")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, check=check)
 
 
 def _seeds(args: argparse.Namespace) -> list[int]:
@@ -60,11 +69,21 @@ def _seeds(args: argparse.Namespace) -> list[int]:
     return [args.seed + i for i in range(count)]
 
 
+def check(args: argparse.Namespace) -> None:
+    """Before torch loads: the seeds, the model arguments, the references, ``--clip-pretrained`` and ``--out``."""
+    args.seed_list = _seeds(args)
+    check_output_dir(args.out)
+    pretrained = args.clip_pretrained
+    looks_like_path = pretrained is not None and pretrained.startswith((".", "/", "~"))
+    if looks_like_path and not Path(pretrained).expanduser().exists():
+        raise CLIError(f"--clip-pretrained {pretrained!r} does not exist; pass a checkpoint file or a cached tag")
+    check_model_arguments(args)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..compare import RANDOM_WEIGHTS_NOTE, ClipScorer, compare_methods
 
-    seeds = _seeds(args)
-    check_output_dir(args.out)
+    seeds = args.seed_list
     loaded = load_pipeline(args)
     try:
         scorer = ClipScorer(args.clip_model, args.clip_pretrained, device=loaded.pipe.device)

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from . import CLIError
-from ._common import add_tracker_arguments, check_output_dir, check_tracker_arguments, logging_dir
+from ._common import (
+    add_threads_argument,
+    add_tracker_arguments,
+    check_output_dir,
+    check_tracker_arguments,
+    logging_dir,
+)
 
 NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "ip-adapter", "attribution", "all")
 #: the digits organism's training recipes (see ipa_probe.digits_pipeline)
@@ -47,31 +52,22 @@ def add_parser(subparsers) -> None:
         default="support",
         help="the digits organism's recipe that ip-adapter and attribution load: support (default) or ip-adapter",
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    add_threads_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_tracker_arguments(parser)
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, check=check)
 
 
-def run(args: argparse.Namespace) -> int:
-    check_tracker_arguments(args)  # before anything imports torch
-    from .._io import OutputLocked
-    from ..experiments import run_experiments
-    from ..experiments.checkpoint import CheckpointError
-    from ..experiments.tiers import ALL_TIERS, DIM_RANGE, M_RANGE
+def check(args: argparse.Namespace) -> None:
+    """Before torch loads: the name, the tier, sizes and seeds, the tracker, and that ``--out`` holds no other
+    tier's results."""
+    from ..experiments.tiers import ALL_TIERS, DIM_RANGE, M_RANGE, TierMismatch, check_folder_tier
 
+    check_tracker_arguments(args)
     if args.name not in NAMES:
         raise CLIError(f"unknown experiment {args.name!r}; expected one of {', '.join(NAMES)}")
     if args.tier not in ALL_TIERS:
         raise CLIError(f"unknown tier {args.tier!r}; expected one of {', '.join(ALL_TIERS)}")
-    if ALL_TIERS[args.tier].device == "auto":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise CLIError(
-                f"tier {args.tier!r} has the paper's sizes and needs a CUDA GPU (tens of GPU-hours), and none is "
-                "visible; use --tier full on a CPU"
-            )
     for d in args.dims or ():
         if not DIM_RANGE[0] <= d <= DIM_RANGE[1]:
             raise CLIError(f"dimension d={d} out of range; expected {DIM_RANGE[0]} <= d <= {DIM_RANGE[1]}")
@@ -82,21 +78,35 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"seeds must be non-negative integers, got {args.seeds}")
     if args.recipe not in RECIPES:
         raise CLIError(f"unknown recipe {args.recipe!r}; expected one of {', '.join(RECIPES)}")
-    if args.threads is not None and args.threads < 1:
-        raise CLIError(f"--threads must be >= 1, got {args.threads}")
-    args.out = args.out or f"outputs/experiments-{args.tier}"
-    out = check_output_dir(args.out)  # made when the run starts
-    tier = ALL_TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
+    args.out = check_output_dir(args.out or f"outputs/experiments-{args.tier}")  # made when the run starts
+    args.tier_sizes = ALL_TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
     try:
+        check_folder_tier(args.out, args.tier_sizes)
+    except TierMismatch as err:
+        raise CLIError(str(err)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .._io import OutputLocked
+    from ..experiments import run_experiments
+    from ..experiments.checkpoint import CheckpointError
+    from ..experiments.tiers import TierMismatch
+
+    tier, out = args.tier_sizes, args.out
+    if tier.device == "auto":
+        if not torch.cuda.is_available():
+            raise CLIError(
+                f"tier {args.tier!r} has the paper's sizes and needs a CUDA GPU (tens of GPU-hours), and none is "
+                "visible; use --tier full on a CPU"
+            )
+    try:
+        threads = args.threads or torch.get_num_threads()  # OMP_NUM_THREADS, set before torch loaded
         results = run_experiments(
-            [args.name],
-            tier,
-            out,
-            progress=not args.no_progress,
-            threads=args.threads or os.cpu_count(),
-            recipe=args.recipe,
+            [args.name], tier, out, progress=not args.no_progress, threads=threads, recipe=args.recipe
         )
-    except (CheckpointError, OutputLocked) as err:
+    except (CheckpointError, OutputLocked, TierMismatch) as err:
         raise CLIError(str(err)) from None
     for name, result in results.items():
         print(f"{name}: {out / name / 'table.md'} ({result.record['wall_time_s']:.0f} s)")
@@ -104,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
     if args.log_with:
         from ..trackers import log_experiments
 
-        settings = {"tier": tier.name, **{k: v for k, v in vars(args).items() if k not in ("func", "tier")}}
+        skip = ("func", "check", "tier", "tier_sizes")
+        settings = {"tier": tier.name, **{k: v for k, v in vars(args).items() if k not in skip}}
         folder = log_experiments(results, out, settings, args.log_with, logging_dir(args))
         print(f"{args.log_with} logs in {folder}")
     return 0

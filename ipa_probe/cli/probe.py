@@ -11,6 +11,7 @@ from ._common import (
     add_model_arguments,
     add_tracker_arguments,
     bandwidth_type,
+    check_model_arguments,
     check_output_dir,
     check_tracker_arguments,
     images_type,
@@ -53,16 +54,21 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--out", default="outputs/probe", help="output folder (default: outputs/probe)")
     add_tracker_arguments(parser)
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, check=check)
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> None:
+    """Before torch loads: ``--out``, ``--overlays``, the tracker, the model arguments and the reference images."""
     check_output_dir(args.out)
     if args.overlay_steps and not args.overlays:
         raise CLIError("--overlay-steps needs --overlays DIR")
     if args.overlays:
         check_output_dir(args.overlays, "--overlays")
     check_tracker_arguments(args)
+    check_model_arguments(args)
+
+
+def run(args: argparse.Namespace) -> int:
     import torch
 
     from .._io import atomic_path, write_image

@@ -12,8 +12,8 @@ from ._common import (
     add_model_arguments,
     add_tracker_arguments,
     bandwidth_type,
+    check_model_arguments,
     check_output_dir,
-    check_size,
     check_tracker_arguments,
     load_pipeline,
     logging_dir,
@@ -33,10 +33,11 @@ manifest: JSON Lines (one object per line) or CSV (a header row, then one row pe
   scale      IP-Adapter scale (default: --scale, else 1.0)
   steps      denoising steps (default: --steps)
   bandwidth  'matched', 'fit' or a positive h (default: --bandwidth)
-A row with an unknown key, a missing or unreadable image or a bad value is reported with its line number and
-skipped; an empty manifest, or one that is neither JSON Lines nor CSV, is an error (exit code 2). A row that fails
-while running (an image that cannot be decoded, values the pipeline rejects, an error inside the pipeline) fails
-alone: its line and reason go to summary.json, the other rows run, and the exit code is 3.
+A row with an unknown key, a missing or unreadable image or a bad value is not run: it fails with its line
+number and reason; an empty manifest, or one that is neither JSON Lines nor CSV, is an error (exit code 2). A row
+that fails while running (an image that cannot be decoded, values the pipeline rejects, an error inside the
+pipeline) fails alone. Failed rows go to summary.json ("failed": line, reason, stage), the other rows run, and the
+exit code is 3. A finished row whose images went missing keeps its part and fails until they are back.
 
 output (--out): rows/row-NNNNNN.parquet (one Parquet dataset, one part per row of this manifest, with a `row`
 column), row_summary.parquet, aggregate.parquet (per timestep over rows, with a bootstrap CI), summary.json,
@@ -93,7 +94,6 @@ def add_parser(subparsers) -> None:
         action="store_true",
         help="replace rows in --out made with other settings (moved to set_aside/) instead of stopping",
     )
-    parser.add_argument("--threads", type=_positive_int, help="torch CPU threads per process (default: torch's)")
     parser.add_argument("--confidence", type=_confidence, default=0.95, help="bootstrap CI level (default 0.95)")
     parser.add_argument("--resamples", type=_positive_int, default=9999, help="bootstrap resamples (default 9999)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -106,7 +106,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--maps-rows", type=int, nargs="+", help="manifest rows to draw reference maps for")
     add_tracker_arguments(parser)
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, check=check)
 
 
 def _device(args: argparse.Namespace, state) -> str:
@@ -138,21 +138,28 @@ def _settings(args: argparse.Namespace) -> dict:
     return {
         "model": f"embedded tiny {args.kind}" if embedded else args.model,
         "ip_adapter": f"embedded {args.variant}" if embedded else args.ip_adapter,
-        "subfolder": None if embedded else args.subfolder,
-        "weight_name": None if embedded else args.weight_name,
+        "subfolder": None if embedded else args.weights.subfolder,
+        "weight_name": None if embedded else args.weights.weight_name,
         "model_seed": args.seed if embedded else None,
         "dtype": args.dtype,
         "default_images": list(args.image) if args.image else ("embedded" if embedded else None),
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> None:
+    """Before torch loads: the manifest, ``--out`` and the model arguments (under ``accelerate launch`` only the
+    main process prints the one line; the others exit with the same code)."""
     try:
-        manifest = _read_and_check(args)
+        args.manifest_rows = _read_and_check(args)
+        check_model_arguments(args, require_images=False)  # rows bring their own images
     except CLIError:
-        if os.environ.get("RANK", "0") == "0":  # under accelerate launch: one line, from the main process
+        if os.environ.get("RANK", "0") == "0":
             raise
-        return EXIT_USAGE
+        raise CLIError("another process reports the error", silent=True) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    manifest = args.manifest_rows
     state = _state(args)
 
     def fail(message: str) -> int:
@@ -190,17 +197,16 @@ def run(args: argparse.Namespace) -> int:
         if args.log_with:
             from ..trackers import log_sweep
 
-            settings = {k: v for k, v in vars(args).items() if k != "func"}
+            settings = {k: v for k, v in vars(args).items() if k not in ("func", "check")}
             folder = log_sweep(result, args.out, settings, args.log_with, logging_dir(args))
             print(f"{args.log_with} logs in {folder}")
-    return EXIT_ROWS_FAILED if result.failed else EXIT_OK
+    return EXIT_ROWS_FAILED if result.failed else EXIT_OK  # rows the manifest check rejected count as failed
 
 
 def _read_and_check(args: argparse.Namespace):
     """Everything that needs no model, checked before torch and the pipeline load: the manifest and --out."""
-    from ..sweep import ManifestError, read_manifest
+    from ..sweep.manifest import ManifestError, read_manifest
 
-    check_size(args)
     check_output_dir(args.out)
     check_tracker_arguments(args)
     try:

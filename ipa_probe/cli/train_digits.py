@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from .._checks import parse_int
 from . import CLIError
-from ._common import output_dir
+from ._common import add_threads_argument, argument_type, check_output_dir, output_dir, quiet_diffusers
+
+#: argparse types of the training sizes (checked before torch loads; DigitsTrainConfig checks the rest)
+count_type = argument_type(lambda v: parse_int(v, "count", 1), "count")
+seed_type = argument_type(lambda v: parse_int(v, "seed", 0), "seed")
 
 
 def add_parser(subparsers) -> None:
@@ -21,21 +26,29 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--out", default="outputs/digits", help="output folder (default: outputs/digits)")
     # Defaults (None) are DigitsTrainConfig's, the shipped weights' settings; read late (diffusers imports slowly).
-    for flag, help_ in (
-        ("--seed", "seed"),
-        ("--threads", "torch threads"),
-        ("--steps", "UNet + adapter training steps"),
-        ("--vae-steps", "VAE training steps"),
-        ("--batch", "batch size"),
-        ("--checkpoint-every", "steps between checkpoints"),
+    for flag, type_, help_ in (
+        ("--seed", seed_type, "seed"),
+        ("--steps", count_type, "UNet + adapter training steps"),
+        ("--vae-steps", count_type, "VAE training steps"),
+        ("--batch", count_type, "batch size"),
+        ("--checkpoint-every", count_type, "steps between checkpoints"),
     ):
-        parser.add_argument(flag, type=int, default=None, help=f"{help_} (default: the shipped weights' setting)")
+        parser.add_argument(flag, type=type_, default=None, help=f"{help_} (default: the shipped weights' setting)")
+    add_threads_argument(parser, default="2, the shipped weights' setting: the result depends on it at the last bits")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, check=check)
+
+
+def check(args: argparse.Namespace) -> None:
+    """Before torch loads: ``--out`` (the sizes are checked by their argparse types)."""
+    check_output_dir(args.out)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..tiny.digits import DigitsTrainConfig, train_digits
+
+    if not args.verbose:
+        quiet_diffusers()
 
     try:
         names = ("seed", "threads", "steps", "vae_steps", "batch", "checkpoint_every")

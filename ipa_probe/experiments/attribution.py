@@ -90,7 +90,7 @@ def compare(effects: pd.DataFrame, overall: pd.DataFrame, per_step: pd.DataFrame
     """Per predictor, effect and timestep (``"all"`` for the step mean): mean per-set Spearman, interval, p-value,
     and whether the predictor predicts the effect (p < ALPHA and interval above 0)."""
     from ..attribution import ALPHA, paired_rank_test
-    from ..sweep.aggregate import bootstrap_ci
+    from ..sweep.aggregation import bootstrap_ci
 
     rows = []
     by_step = sorted(per_step.groupby("timestep"), key=lambda item: -item[0])  # noise first
@@ -141,7 +141,7 @@ def run(ctx) -> ExperimentResult:
     from tqdm.auto import tqdm
 
     from .._io import write_table
-    from ..sweep.aggregate import bootstrap_ci
+    from ..sweep.aggregation import bootstrap_ci
     from .ip_adapter import _mixed_sets, organism_pipelines
 
     tier, folder = ctx.tier, ctx.out / "attribution"

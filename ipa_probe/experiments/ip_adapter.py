@@ -124,7 +124,7 @@ def summarize_sets(per_set: pd.DataFrame) -> pd.DataFrame:
     Args:
         per_set: the probe tables of all sets with a ``set`` column.
     """
-    from ..sweep.aggregate import bootstrap_ci
+    from ..sweep.aggregation import bootstrap_ci
 
     rows = []
     for timestep, frame in per_set.groupby("timestep", sort=False):

@@ -24,8 +24,8 @@ from .evaluate import MMDResult, evaluate_velocity, held_out_tasks, learned_velo
 from .model import ICFMVelocityNet, ModelConfig
 from .report import ExperimentResult, markdown_table, write_result
 from .tasks import MetaDistribution, TaskBatch, make_meta
-from .tiers import Tier
-from .train import TrainConfig, load_model, train
+from .tiers import Tier, check_folder_tier
+from .training import TrainConfig, load_model, train
 
 __all__ = ["EXPERIMENTS", "ExperimentContext", "run_experiments"]
 
@@ -106,7 +106,7 @@ class ExperimentContext:
         if key in self._models:
             return self._models[key]
         run_dir = self.out / "runs" / key
-        loaded = load_model(run_dir)
+        loaded = load_model(run_dir, model_config, train_config)
         if loaded is not None:
             model, state = loaded
             info = {"trained_now": False, "final_loss": _tail_mean(state["losses"]), "wall_time_s": None}
@@ -204,7 +204,8 @@ def run_experiments(
         names: experiment names from :data:`EXPERIMENTS` (``"all"`` expands to every one).
         tier: run sizes.
         out: output folder; created if missing, and locked while the experiments run (a second run on the same
-            folder raises :class:`~.._io.OutputLocked` naming this one).
+            folder raises :class:`~.._io.OutputLocked` naming this one). It holds one tier's results: a folder
+            with results of another tier (or other sizes) raises :class:`~.tiers.TierMismatch` before anything runs.
         progress: show progress bars.
         threads: torch threads; all cores (``os.cpu_count()``) by default.
         recipe: the digits organism's recipe for ``ip-adapter`` and ``attribution`` (``"support"`` or
@@ -224,6 +225,7 @@ def run_experiments(
     results: dict[str, ExperimentResult] = {}
     with ExitStack() as stack:
         stack.enter_context(output_lock(out, "ipa-probe experiments"))  # one writer per folder
+        check_folder_tier(out, tier)  # one tier per folder: no table of another tier is replaced
         stack.callback(torch.set_num_threads, previous_threads)
         torch.set_num_threads(threads or os.cpu_count() or 1)
         ctx = ExperimentContext(tier, out, progress, recipe)

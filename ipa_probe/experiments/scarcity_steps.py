@@ -29,7 +29,7 @@ from .runner import ExperimentContext  # noqa: E402
 from .scarcity import DIM, M_TRAIN  # noqa: E402
 from .tasks import TaskBatch  # noqa: E402
 from .tiers import ALL_TIERS, Tier  # noqa: E402
-from .train import train  # noqa: E402
+from .training import train  # noqa: E402
 
 __all__ = ["measure", "plot", "snapshot_steps", "table"]
 

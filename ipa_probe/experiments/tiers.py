@@ -24,9 +24,12 @@ reports 350 GPU-hours for all its configurations.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
-__all__ = ["ALL_TIERS", "GPU_TIERS", "TIERS", "Tier", "get_tier"]
+__all__ = ["ALL_TIERS", "GPU_TIERS", "TIERS", "Tier", "TierMismatch", "check_folder_tier", "get_tier"]
 
 #: valid ranges of user-supplied dimensions and support sizes.
 DIM_RANGE = (2, 64)
@@ -277,3 +280,37 @@ def get_tier(name: str) -> Tier:
     if name not in ALL_TIERS:
         raise ValueError(f"expected a tier in {sorted(ALL_TIERS)}, got {name!r}")
     return ALL_TIERS[name]
+
+
+class TierMismatch(ValueError):
+    """An output folder holds results of another tier (or of this tier with other sizes)."""
+
+
+def check_folder_tier(out: str | os.PathLike, tier: Tier) -> None:
+    """Refuse an output folder that holds results of another tier, or of this tier with other sizes.
+
+    Each experiment writes ``OUT/NAME/record.json`` with the tier it ran at; a run at another tier would replace some
+    of those tables and leave the others, and ``summary.md`` would mix them. Trained models in ``OUT/runs`` are keyed
+    by their whole configuration and never collide, so they do not count. Reads JSON only (no torch).
+
+    Raises:
+        TierMismatch: one line naming the folder, the tier it holds, what differs and the remedy.
+    """
+    mine = json.loads(json.dumps(tier.to_dict()))  # tuples as lists, as the records hold them
+    for record in sorted(Path(out).glob("*/record.json")):
+        try:
+            held = json.loads(record.read_text(encoding="utf-8"))["tier"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+            continue  # not an experiment's record
+        if not isinstance(held, dict) or held == mine:
+            continue
+        name = held.get("name")
+        if name != tier.name:
+            what = f"results of tier {name!r} ({record.parent.name}/ and maybe more)"
+        else:
+            differ = sorted(k for k in set(held) | set(mine) if held.get(k) != mine.get(k))
+            what = f"results of tier {name!r} with other sizes ({', '.join(differ[:4])}) in {record.parent.name}/"
+        raise TierMismatch(
+            f"{out} holds {what}; nothing was changed. Use another --out (the default is outputs/experiments-TIER) "
+            "or move those results away"
+        )

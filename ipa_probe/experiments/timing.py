@@ -18,7 +18,7 @@ from .evaluate import evaluate_velocity, held_out_tasks, learned_velocity, plugi
 from .model import ModelConfig
 from .tasks import make_meta
 from .tiers import TIERS, Tier
-from .train import TrainConfig, train
+from .training import TrainConfig, train
 
 __all__ = ["StepCost", "measure", "project"]
 

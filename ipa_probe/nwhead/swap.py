@@ -25,7 +25,16 @@ import torch
 from .. import bandwidth as bw
 from ..bandwidth import BandwidthSpec
 from ..capture.taps import tap_for
-from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, observer, release
+from ..layers import (
+    IPLayer,
+    LayerSelection,
+    check_layer_selection,
+    claim,
+    denoiser_of,
+    find_ip_layers,
+    observer,
+    release,
+)
 from .flux import FluxNWHeadAttnProcessor
 from .kernel import TimestepClock, check_head_bandwidth
 from .sd3 import SD3NWHeadAttnProcessor
@@ -64,6 +73,7 @@ class NWHeadConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth", check_head_bandwidth(self.bandwidth))
+        check_layer_selection(self.layers)
 
     def describe(self) -> dict[str, Any]:
         """JSON-friendly settings."""

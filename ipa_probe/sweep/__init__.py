@@ -18,40 +18,34 @@ timestep, with a bootstrap confidence interval over rows for the mean per-row Sp
 statistic of a sweep is a mean over images, layers and heads at each timestep).
 """
 
-from .aggregate import aggregate, bootstrap_ci, plot_aggregate, row_summary
-from .manifest import (
-    MANIFEST_KEYS,
-    Manifest,
-    ManifestError,
-    ManifestRow,
-    RowInputError,
-    SkippedRow,
-    parse_bandwidth,
-    read_manifest,
-)
-from .orchestration import SweepResult, run_sweep
-from .runner import RowDefaults, RowSettings, SweepRunner
-from .storage import SweepLayout, load_table, write_part
+from .._lazy import lazy_attributes
 
-__all__ = [
-    "MANIFEST_KEYS",
-    "Manifest",
-    "ManifestError",
-    "ManifestRow",
-    "RowDefaults",
-    "RowInputError",
-    "RowSettings",
-    "SkippedRow",
-    "SweepLayout",
-    "SweepResult",
-    "SweepRunner",
-    "aggregate",
-    "bootstrap_ci",
-    "load_table",
-    "parse_bandwidth",
-    "plot_aggregate",
-    "read_manifest",
-    "row_summary",
-    "run_sweep",
-    "write_part",
-]
+#: name -> submodule that defines it, imported on first use: the command line reads and checks a manifest
+#: (:mod:`.manifest`, no torch, no pandas) before anything heavy loads.
+_EXPORTS = {
+    "aggregate": ".aggregation",
+    "bootstrap_ci": ".aggregation",
+    "plot_aggregate": ".aggregation",
+    "row_summary": ".aggregation",
+    "MANIFEST_KEYS": ".manifest",
+    "Manifest": ".manifest",
+    "ManifestError": ".manifest",
+    "ManifestRow": ".manifest",
+    "RowInputError": ".manifest",
+    "SkippedRow": ".manifest",
+    "parse_bandwidth": ".manifest",
+    "read_manifest": ".manifest",
+    "SweepResult": ".orchestration",
+    "run_sweep": ".orchestration",
+    "RowDefaults": ".runner",
+    "RowSettings": ".runner",
+    "SweepRunner": ".runner",
+    "SweepLayout": ".storage",
+    "load_table": ".storage",
+    "write_part": ".storage",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)

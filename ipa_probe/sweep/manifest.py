@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._checks import MAX_SEED, parse_bandwidth, parse_float, parse_int
+from .._checks import MAX_SEED, check_flag, parse_bandwidth, parse_float, parse_int
 from ..images import IMAGE_SUFFIXES, check_image_file
 
 #: Keys a manifest row may have. All are optional: a row leaves out what the sweep's defaults should fill in.
@@ -64,14 +64,26 @@ class ManifestRow:
 
 @dataclass(frozen=True)
 class SkippedRow:
-    """A manifest row that was not run, and why."""
+    """A manifest row without results, and why.
+
+    Attributes:
+        row, line: the row's index and its line in the manifest.
+        reason: one line.
+        stage: ``"manifest"`` (rejected by the checks before anything runs: a bad value, a missing or unreadable
+            image) or ``"run"`` (failed while running).
+        kept_part: a part the row finished earlier is kept in ``rows/`` (left out of the aggregate until the row
+            passes its checks again; then it counts without running again).
+    """
 
     row: int
     line: int
     reason: str
+    stage: str = "manifest"
+    kept_part: bool = False
 
     def describe(self) -> str:
-        return f"line {self.line} (row {self.row}): {self.reason}"
+        kept = "; its finished part is kept" if self.kept_part else ""
+        return f"line {self.line} (row {self.row}): {self.reason}{kept}"
 
 
 @dataclass
@@ -212,7 +224,11 @@ def read_manifest(path: str | os.PathLike, *, require_images: bool = False) -> M
     Raises:
         ManifestError: the file is missing, empty, not text, neither JSON Lines nor CSV, or its CSV header names
             unknown columns: nothing can be run.
+        TypeError: ``path`` is not a path, or ``require_images`` not a bool.
     """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path: expected a manifest file path (str or Path), got {type(path).__name__}")
+    check_flag(require_images, "require_images")
     path = Path(path)
     name = str(path)
     if path.is_dir():

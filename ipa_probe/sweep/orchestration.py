@@ -9,13 +9,14 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from .._checks import check_flag, check_fraction, check_int, check_threshold
 from .._io import (
     OutputLocked,
     check_launch_holds,
@@ -26,7 +27,7 @@ from .._io import (
     write_table,
 )
 from ..schema import frac_column
-from .aggregate import aggregate, plot_aggregate, row_summary
+from .aggregation import aggregate, plot_aggregate, row_summary
 from .manifest import Manifest, ManifestRow, RowInputError, SkippedRow
 from .runner import SweepRunner
 from .storage import DamagedPart, SweepLayout, _part_metadata, read_part, write_part
@@ -45,11 +46,13 @@ class SweepResult:
         done: rows with results now.
         ran: rows computed by this call (all processes).
         resumed: rows already written before this call.
-        skipped: rows not run (manifest problems and rows skipped at run time), in row order.
+        skipped: rows the manifest check rejected (a bad value, a missing or unreadable image), in row order.
         processes: how many processes shared the rows.
         seconds: wall time of the row loop (from the split to the last process finishing).
         rows_by_process: process index -> rows it computed in this call (main process only).
-        failed: the valid rows that failed while running (also in ``skipped``); a rerun tries them again.
+        failed: every row of the manifest without results: those in ``skipped`` and those that failed while running
+            or whose finished part could not be checked (``stage`` says which); a rerun tries them again.
+        total: rows in the manifest, valid or not.
     """
 
     out: Path
@@ -65,19 +68,29 @@ class SweepResult:
     aggregate: pd.DataFrame | None = None
     threshold: float = 0.9
     failed: list[SkippedRow] = field(default_factory=list)
+    total: int | None = None
 
     def describe(self) -> str:
-        """One line: rows done, resumed, skipped, and the statistics at the last timestep of the cond branch."""
-        line = f"sweep: {self.done}/{self.rows} rows done ({self.ran} now, {self.resumed} resumed"
+        """One line: rows done, resumed, failed, and the statistics at the last timestep of the cond branch."""
+        total = self.total if self.total is not None else self.rows
+        line = f"sweep: {self.done}/{total} rows done ({self.ran} now, {self.resumed} resumed"
         line += f", {self.processes} process{'es' if self.processes > 1 else ''}"
         if self.ran and self.seconds > 0:
             line += f", {60 * self.ran / self.seconds:.1f} rows/min"
         line += ")"
-        if self.skipped:
-            lines = ", ".join(str(s.line) for s in self.skipped[:10]) + (", ..." if len(self.skipped) > 10 else "")
-            line += f", {len(self.skipped)} skipped (line {lines})"
         if self.failed:
-            line += f", of which {len(self.failed)} failed while running (reasons in summary.json; run again to retry)"
+            lines = ", ".join(str(s.line) for s in self.failed[:10]) + (", ..." if len(self.failed) > 10 else "")
+            running = sum(s.stage == "run" for s in self.failed)
+            kinds = []
+            if running:
+                kinds.append(f"{running} failed while running")
+            if len(self.failed) - running:
+                kinds.append(f"{len(self.failed) - running} rejected by the checks before running")
+            kept = sum(s.kept_part for s in self.failed)
+            if kept:
+                kinds.append(f"{kept} with finished parts kept")
+            line += f", {len(self.failed)} failed (line {lines}: {', '.join(kinds)}; reasons in summary.json; "
+            line += "run again to retry)"
         line += f" -> {self.out}"
         agg = self.aggregate
         if agg is not None and not agg.empty:
@@ -115,15 +128,25 @@ class _Scan:
     current: set[int] = field(default_factory=set)  # part made with these settings from these images
     stale: list[str] = field(default_factory=list)  # parts made with other settings: descriptions
     set_aside: dict[Path, str] = field(default_factory=dict)  # part -> why it leaves rows/ (if the sweep goes on)
+    unreadable: dict[int, str] = field(default_factory=dict)  # row -> why its part's images cannot be checked
 
 
 def _scan(manifest: Manifest, runner: SweepRunner, layout: SweepLayout, restart: bool, log: bool = True) -> _Scan:
-    """Sort the parts in ``rows/``: current, made with other settings, or to set aside (damaged, changed images,
-    not a row of this manifest). ``log``: warn about the rows that will run again (the main process does)."""
+    """Sort the parts in ``rows/``: current, made with other settings, to set aside (damaged, changed images, not a
+    row of this manifest), or kept unchecked (the row's images cannot be read now). ``log``: warn about the rows
+    that will run again (the main process does).
+
+    A finished row whose inputs became unreadable keeps its part: the manifest check rejected the row (an image
+    missing) or its images cannot be hashed; the row fails with that reason, and its part counts again, without
+    running, once the images are back unchanged.
+    """
     warn = logger.warning if log else logger.debug
     scan = _Scan()
     rows = {layout.part(row.row): row for row in manifest.rows}
+    rejected = {layout.part(skip.row) for skip in manifest.skipped}
     for path in layout.parts():
+        if path in rejected:
+            continue  # its row fails with the manifest check's reason; the part stays
         row = rows.get(path)
         if row is None:
             scan.set_aside[path] = "not-in-manifest"
@@ -140,19 +163,18 @@ def _scan(manifest: Manifest, runner: SweepRunner, layout: SweepLayout, restart:
             new = json.loads(json.dumps(asdict(runner.resolve(row)), default=str))
             changed = sorted(k for k in new if old.get(k, new[k]) != new[k]) or ["model or probe options"]
             scan.stale.append(f"row {row.row} (line {row.line}): {', '.join(changed)} differ")
-        elif meta.get("inputs") != _inputs_or_none(runner, row):
-            warn("row %d (line %d): its images changed since it ran; running it again", row.row, row.line)
-            scan.set_aside[path] = "images-changed"
         else:
-            scan.current.add(row.row)
+            try:
+                inputs = runner.inputs(row)
+            except RowInputError as err:
+                scan.unreadable[row.row] = str(err)
+                continue
+            if meta.get("inputs") != inputs:
+                warn("row %d (line %d): its images changed since it ran; running it again", row.row, row.line)
+                scan.set_aside[path] = "images-changed"
+            else:
+                scan.current.add(row.row)
     return scan
-
-
-def _inputs_or_none(runner: SweepRunner, row: ManifestRow) -> str | None:
-    try:
-        return runner.inputs(row)
-    except RowInputError:  # an image went missing: the row runs again and fails with the reason
-        return None
 
 
 def _refuse_stale(scan: _Scan, layout: SweepLayout) -> None:
@@ -247,11 +269,14 @@ def run_sweep(
       a second sweep on the same folder stops at once with :class:`~.._io.OutputLocked` naming the holder.
     - Resuming: a row whose part exists with the same fingerprint (:meth:`SweepRunner.fingerprint`) and the same
       image bytes (:meth:`SweepRunner.inputs`) is not run again; a part whose images changed, a damaged part and a
-      part of a row no longer in the manifest are moved to ``set_aside/`` and their rows (if any) run again.
+      part of a row no longer in the manifest are moved to ``set_aside/`` and their rows (if any) run again. A
+      finished row whose images cannot be read now (missing, unreadable) keeps its part in ``rows/``, is left out
+      of the aggregate and fails with the reason; once its images are back unchanged it counts without running.
     - A part written under other settings stops the sweep before anything in ``out`` is touched, unless
       ``restart`` (then those parts are moved to ``set_aside/`` and their rows run again).
     - Rows fail alone: any error while running a row is logged with its manifest line, recorded in ``skipped/``
-      and in :attr:`SweepResult.failed`, and the sweep goes on; the next run tries those rows again.
+      and in :attr:`SweepResult.failed`, and the sweep goes on; the next run tries those rows again. Rows the
+      manifest check rejected are in :attr:`SweepResult.failed` too (with ``stage="manifest"``).
     - The derived files (``row_summary.parquet``, ``aggregate.parquet``, ``summary.json``, the plot) are replaced
       atomically after a complete merge only; an interrupt (Ctrl-C) or kill leaves the previous ones, every finished
       part and no partial file.
@@ -271,9 +296,11 @@ def run_sweep(
         a :class:`SweepResult` (its tables only on the main process).
 
     Raises:
+        TypeError / ValueError: an argument of the wrong type or out of range (named), before anything is touched.
         ValueError: ``out`` holds rows written with other settings (pass ``restart=True`` or another folder).
         OutputLocked: another live sweep holds ``out``.
     """
+    _check_arguments(manifest, runner, out, state, restart, progress, threshold, confidence, n_resamples, extra, clock)
     state = state if state is not None else _OneProcess()
     layout = SweepLayout(Path(out))
     if state.is_main_process:
@@ -288,7 +315,7 @@ def run_sweep(
         check_seconds = clock() - check_start
         state.wait_for_everyone()
         pending = [row for row in manifest.rows if not layout.part(row.row).is_file()]
-        resumed = {row.row for row in manifest.rows} - {row.row for row in pending}
+        resumed = {row.row for row in manifest.rows} - {row.row for row in pending} - set(scan.unreadable)
         state.wait_for_everyone()  # everyone has listed the pending rows before anyone writes
         seconds = _run_rows(pending, runner, layout, state, progress, clock)
         if not state.is_main_process:
@@ -300,6 +327,7 @@ def run_sweep(
             summaries,
             ran_now={row.row for row in pending},
             resumed=resumed,
+            unreadable=scan.unreadable,
             processes=state.num_processes,
             seconds=seconds,
             threshold=threshold,
@@ -308,6 +336,29 @@ def run_sweep(
             extra=extra,
             check_seconds=check_seconds,
         )
+
+
+def _check_arguments(
+    manifest, runner, out, state, restart, progress, threshold, confidence, n_resamples, extra, clock
+) -> None:
+    """:func:`run_sweep`'s arguments, checked before the folder is locked or any row runs."""
+    if not isinstance(manifest, Manifest):
+        raise TypeError(f"manifest: expected a Manifest from read_manifest(path), got {type(manifest).__name__}")
+    if not isinstance(runner, SweepRunner):
+        raise TypeError(f"runner: expected a SweepRunner(pipe, ...), got {type(runner).__name__}")
+    if not isinstance(out, str | os.PathLike):
+        raise TypeError(f"out: expected a folder path (str or Path), got {type(out).__name__}")
+    if state is not None and not all(hasattr(state, a) for a in ("num_processes", "is_main_process")):
+        raise TypeError(f"state: expected accelerate's PartialState or None, got {type(state).__name__}")
+    check_flag(restart, "restart")
+    check_flag(progress, "progress")
+    check_threshold(threshold)
+    check_fraction(confidence, "confidence")
+    check_int(n_resamples, "n_resamples", 1)
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra: expected a dict (added to summary.json) or None, got {type(extra).__name__}")
+    if not callable(clock):
+        raise TypeError(f"clock: expected a function returning seconds, got {type(clock).__name__}")
 
 
 def _run_rows(rows: list[ManifestRow], runner: SweepRunner, layout: SweepLayout, state, progress, clock) -> float:
@@ -366,6 +417,7 @@ def _merge(
     *,
     ran_now: set[int],
     resumed: set[int],
+    unreadable: dict[int, str],
     processes: int,
     seconds: float,
     threshold: float,
@@ -375,16 +427,17 @@ def _merge(
     check_seconds: float,
 ) -> SweepResult:
     """Summarise the new parts one at a time, aggregate with the resumed ones, and replace the derived files."""
-    per_row, by_process, row_seconds, failed = _collect(manifest, layout, summaries, ran_now, threshold)
+    per_row, by_process, row_seconds, failed = _collect(manifest, layout, summaries, ran_now, unreadable, threshold)
     agg = aggregate(per_row, threshold=threshold, confidence=confidence, n_resamples=n_resamples)
-    skipped = sorted([*manifest.skipped, *failed], key=lambda s: s.row)
+    rejected = [replace(s, kept_part=layout.part(s.row).is_file()) for s in manifest.skipped]
+    failed = sorted([*rejected, *failed], key=lambda s: s.row)
     result = SweepResult(
         out=layout.root,
         rows=len(manifest.rows),
         done=int(per_row["row"].nunique()) if not per_row.empty else 0,
-        ran=len(ran_now) - len(failed),
+        ran=len([row for row in ran_now if layout.part(row).is_file()]),
         resumed=len(resumed),
-        skipped=skipped,
+        skipped=rejected,
         processes=processes,
         seconds=seconds,
         rows_by_process=dict(sorted(by_process.items())),
@@ -392,6 +445,7 @@ def _merge(
         aggregate=agg,
         threshold=threshold,
         failed=failed,
+        total=manifest.total,
     )
     record = {
         "manifest": {"path": str(manifest.path), "format": manifest.format, "rows": manifest.total},
@@ -408,14 +462,14 @@ def _merge(
         "versions": versions(),
         **(extra or {}),
         "rows": {
+            "manifest": manifest.total,
             "valid": result.rows,
             "done": result.done,
             "ran": result.ran,
             "resumed": result.resumed,
             "failed": len(failed),
         },
-        "skipped": [asdict(s) for s in skipped],
-        "failed": [asdict(s) for s in failed],
+        "failed": [asdict(s) for s in failed],  # every row without results, with its stage and reason
         "processes": processes,
         "rows_by_process": {str(k): v for k, v in result.rows_by_process.items()},
         "seconds": {
@@ -430,17 +484,26 @@ def _merge(
 
 
 def _collect(
-    manifest: Manifest, layout: SweepLayout, summaries: dict[int, pd.DataFrame], ran_now: set[int], threshold: float
+    manifest: Manifest,
+    layout: SweepLayout,
+    summaries: dict[int, pd.DataFrame],
+    ran_now: set[int],
+    unreadable: dict[int, str],
+    threshold: float,
 ) -> tuple[pd.DataFrame, dict[int, list[int]], list[float], list[SkippedRow]]:
-    """Per-row summaries of every row with a part (reading only the parts not summarised yet), which process ran
-    the new rows and in how long, and the rows that failed."""
+    """Per-row summaries of every row with a current part (reading only the parts not summarised yet), which process
+    ran the new rows and in how long, and the valid rows without results (failed while running, or whose part's
+    images cannot be checked)."""
     collected, by_process, row_seconds, failed = [], {}, [], []
     for row in manifest.rows:
         path = layout.part(row.row)
+        if row.row in unreadable:
+            failed.append(SkippedRow(row.row, row.line, unreadable[row.row], stage="manifest", kept_part=True))
+            continue
         if not path.is_file():
             record = layout.skip_record(row.row)
             if record.is_file():
-                failed.append(SkippedRow(row.row, row.line, json.loads(record.read_text())["reason"]))
+                failed.append(SkippedRow(row.row, row.line, json.loads(record.read_text())["reason"], stage="run"))
             else:
                 logger.warning("row %d (line %d) has no results: did a process stop early?", row.row, row.line)
             continue

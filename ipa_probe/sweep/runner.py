@@ -11,9 +11,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from PIL import Image
 
-from .._checks import MAX_SEED, parse_bandwidth, parse_float, parse_int
+from .._checks import MAX_SEED, check_int, check_items, parse_bandwidth, parse_float, parse_int
 from ..images import load_images
+from ..layers import check_layer_selection
 from .manifest import ManifestRow, RowInputError
 
 
@@ -84,6 +86,21 @@ class SweepRunner:
         call_kwargs: dict[str, Any] | None = None,
         settings: dict[str, Any] | None = None,
     ) -> None:
+        if defaults is not None and not isinstance(defaults, RowDefaults):
+            raise TypeError(f"defaults: expected RowDefaults(...) or None, got {type(defaults).__name__}")
+        if call_kwargs is not None and not isinstance(call_kwargs, dict):
+            raise TypeError(f"call_kwargs: expected a dict of pipeline arguments, got {type(call_kwargs).__name__}")
+        if settings is not None and not isinstance(settings, dict):
+            raise TypeError(f"settings: expected a JSON-able dict or None, got {type(settings).__name__}")
+        if default_images is not None:
+            default_images = check_items(default_images, "default_images", "PIL images")
+            if not default_images or not all(isinstance(image, Image.Image) for image in default_images):
+                raise TypeError("default_images: expected a non-empty list of PIL images (files: use load_images)")
+        if heads is not None:
+            heads = check_items(heads, "heads", "head indices (ints)")
+            for head in heads:
+                check_int(head, "heads", 0)
+        check_layer_selection(layers)
         reserved = {"prompt", "num_inference_steps", "generator", "ip_adapter_image"} & set(call_kwargs or {})
         if reserved:
             raise ValueError(f"call_kwargs: {sorted(reserved)} come from each manifest row; remove them")

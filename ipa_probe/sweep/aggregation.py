@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pandas as pd
 
+from .._checks import check_fraction, check_int, check_seed, check_threshold
 from ..capture.report import style_timestep_axes, summarize
 from ..schema import SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column
 
@@ -106,6 +107,10 @@ def aggregate(
         ``q_norm``, ``k_norm_spread``, ``ip_mass``, ``bandwidth``; NaN where the summaries lack one) and the maxima
         of :data:`~ipa_probe.schema.SUMMARY_MAX` (``nonfinite``) over every row, partial ones included.
     """
+    check_threshold(threshold)
+    check_fraction(confidence, "confidence")
+    check_int(n_resamples, "n_resamples", 1)
+    check_seed(seed)
     frac = frac_column(threshold)
     means = [frac, *(name for name in SUMMARY_MEANS if name != "spearman")]
     columns = ["branch", "timestep", "rows", "rows_partial", "spearman"]

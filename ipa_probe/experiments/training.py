@@ -30,11 +30,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .evaluate import held_out_tasks, validation_mmd
 from .model import ICFMVelocityNet, ModelConfig
 from .tasks import MetaDistribution, TaskBatch
@@ -44,6 +45,7 @@ __all__ = [
     "TrainResult",
     "build_model",
     "build_scheduler",
+    "check_state",
     "flow_matching_loss",
     "load_model",
     "lr_factor",
@@ -252,19 +254,97 @@ def _checkpoint_path(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINT
 
 
-def load_model(run_dir: str | Path) -> tuple[ICFMVelocityNet, dict] | None:
+#: every key of a training checkpoint and the types it may hold (``None`` where allowed)
+_STATE_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (dict,),
+    "optimizer": (dict,),
+    "scheduler": (dict,),
+    "generator": (torch.Tensor,),
+    "step": (int,),
+    "losses": (list,),
+    "validation": (list,),
+    "best_model": (dict, type(None)),
+    "best_step": (int,),
+    "best_val": (float, int, type(None)),
+    "model_config": (dict,),
+    "train_config": (dict,),
+}
+
+
+def check_state(state: Any, path: Path, model_config: ModelConfig, train_config: TrainConfig) -> dict:
+    """Check a checkpoint record's structure before any of it is used: every key with its type, the run's two
+    configurations, the step within the run, one loss per step, and the weights' names and shapes.
+
+    Returns:
+        ``state``.
+
+    Raises:
+        CheckpointError: one line naming the file, what is wrong and the remedy (delete it to train again).
+    """
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {str(path)!r} {what}; delete it to train that model again")
+
+    if not isinstance(state, dict):
+        raise bad("is not a training checkpoint")
+    for key, types in _STATE_TYPES.items():
+        if key not in state:
+            raise bad(f"has no {key!r}")
+        if isinstance(state[key], bool) or not isinstance(state[key], types):
+            expected = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+            raise bad(f"holds {key!r} as {type(state[key]).__name__}, expected {expected}")
+    if state["model_config"] != model_config.to_dict():
+        raise bad("was written for another model configuration")
+    if state["train_config"] != train_config.to_dict():
+        raise bad("was written for another training configuration")
+    step = state["step"]
+    if not 0 <= step <= train_config.steps or len(state["losses"]) != step:
+        raise bad(f"is at step {step} with {len(state['losses'])} losses (a run of {train_config.steps} steps)")
+    if not all(isinstance(v, float | int) and not isinstance(v, bool) for v in state["losses"]):
+        raise bad("holds losses that are not numbers")
+    reference = ICFMVelocityNet(model_config).state_dict()
+    for key in ("model", "best_model"):
+        weights = state[key]
+        if weights is None:
+            continue
+        shapes = {k: tuple(v.shape) for k, v in weights.items() if isinstance(v, torch.Tensor)}
+        if len(shapes) != len(weights) or shapes != {k: tuple(v.shape) for k, v in reference.items()}:
+            raise bad(f"holds {key!r} weights whose names or shapes are not this model's")
+    generator = state["generator"]
+    if generator.dtype != torch.uint8 or generator.shape != torch.Generator().get_state().shape:
+        raise bad("holds a random-generator state of another form")
+    return state
+
+
+def load_model(
+    run_dir: str | Path, model_config: ModelConfig | None = None, train_config: TrainConfig | None = None
+) -> tuple[ICFMVelocityNet, dict] | None:
     """The result of ``run_dir``'s finished run and its checkpoint record, or ``None`` if the run has not finished.
 
-    The result is the best-validation weights when the run validated, its final weights otherwise.
+    The result is the best-validation weights when the run validated, its final weights otherwise. With the run's
+    configurations given, the checkpoint is checked to be theirs (:func:`check_state`) before it is used; without,
+    they are read from the checkpoint and checked against it.
+
+    Raises:
+        CheckpointError: the checkpoint is unreadable, of another run, or not whole (one line naming the file).
     """
     path = _checkpoint_path(run_dir)
     if not path.exists():
         return None
     state = load_checkpoint(path)
-    if state["step"] < state["train_config"]["steps"]:
+    if model_config is None or train_config is None:
+        try:
+            model_config = model_config or ModelConfig(**state["model_config"])
+            train_config = train_config or TrainConfig(**state["train_config"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} has no usable configuration ({err}); delete it to train that model again"
+            ) from None
+    check_state(state, path, model_config, train_config)
+    if state["step"] < train_config.steps:
         return None
-    model = ICFMVelocityNet(ModelConfig(**state["model_config"]))
-    model.load_state_dict(state["best_model"] if state.get("best_model") is not None else state["model"])
+    model = ICFMVelocityNet(model_config)
+    model.load_state_dict(state["best_model"] if state["best_model"] is not None else state["model"])
     return model.eval(), state
 
 
@@ -321,13 +401,17 @@ def train(
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
-            state = load_checkpoint(path)  # on the CPU; load_state_dict copies onto the model's device
-            if state["model_config"] != model_config.to_dict() or state["train_config"] != cfg.to_dict():
-                raise ValueError(f"expected {path} to hold a run of the same configuration; remove it to retrain")
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            generator.set_state(state["generator"].cpu())
+            state = check_state(load_checkpoint(path), path, model_config, cfg)  # on the CPU
+            try:  # load_state_dict copies onto the model's device
+                model.load_state_dict(state["model"])
+                optimizer.load_state_dict(state["optimizer"])
+                scheduler.load_state_dict(state["scheduler"])
+                generator.set_state(state["generator"].cpu())
+            except (KeyError, TypeError, ValueError, RuntimeError) as err:  # the optimiser's or scheduler's state
+                raise CheckpointError(
+                    f"checkpoint {str(path)!r} cannot be resumed ({type(err).__name__}: {str(err).splitlines()[0]}); "
+                    "delete it to train that model again"
+                ) from None
             step, losses = state["step"], list(state["losses"])
             validation = [(int(k), float(v)) for k, v in state["validation"]]
             best = {"model": state["best_model"], "step": state["best_step"], "val": state["best_val"]}

@@ -1,0 +1,227 @@
+"""Bad command lines that ``ipa-probe`` must refuse before torch, diffusers or pandas load: the cases, the files they
+need, and a driver that runs them in a fresh process and reports what each printed and imported.
+
+Shared by ``tests/test_cli_checks.py`` (which checks the answers and the imports) and ``benchmarks/cli_latency.py``
+(which times each as a user would run it). Imports neither torch nor pandas: the fixture weights are written with
+``safetensors.numpy``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: modules whose import a refusal must not wait for
+HEAVY = ("torch", "diffusers", "transformers", "pandas", "pyarrow", "open_clip")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One command line (``{root}`` stands for the fixture folder), the exit code and a part of the one line."""
+
+    name: str
+    argv: tuple[str, ...]
+    code: int
+    message: str
+    env: tuple[tuple[str, str], ...] = field(default=())  # extra environment (huggingface_hub reads it on import)
+
+
+#: the hub cannot be reached: a local port nothing listens on refuses at once, with no network at all
+UNREACHABLE = (("HF_ENDPOINT", "http://127.0.0.1:9"), ("HF_HUB_OFFLINE", "0"), ("TRANSFORMERS_OFFLINE", "0"))
+OFFLINE = (("HF_HUB_OFFLINE", "1"),)
+REAL = ("--image", "{root}/ref.png")  # a reference image: real weights need one
+
+CASES = [
+    # manifests
+    Case("empty manifest", ("sweep", "{root}/empty.jsonl"), 2, "is empty"),
+    Case("header-only CSV", ("sweep", "{root}/header.csv"), 2, "has a CSV header but no rows"),
+    Case("non-UTF-8 manifest", ("sweep", "{root}/latin1.jsonl"), 2, "is not UTF-8"),
+    Case("JSON array manifest", ("sweep", "{root}/array.jsonl"), 2, "a JSON array"),
+    Case("unknown CSV columns", ("sweep", "{root}/unknown.csv"), 2, "unknown column(s) 'colour'"),
+    Case("manifest is a folder", ("sweep", "{root}/refs"), 2, "is a folder"),
+    Case("no row can run", ("sweep", "{root}/missing_images.jsonl"), 2, "none of its 2 rows can run"),
+    Case("--maps-rows not in manifest", ("sweep", "{root}/ok.jsonl", "--maps-rows", "7"), 2, "--maps-rows [7]"),
+    # paths and values
+    Case("--out names a file", ("probe", "--out", "{root}/a_file"), 2, "is a file"),
+    Case("--out under a file", ("compare", "--out", "{root}/a_file/sub"), 2, "is a file"),
+    Case("--digit 11", ("probe", "--digit", "11"), 2, "--digit"),
+    Case("--size 7 9", ("probe", "--size", "7", "9"), 2, "--size must be two multiples of 8"),
+    Case("--device nonsense", ("probe", "--device", "nonsense"), 2, "torch device"),
+    Case("--threads 0", ("probe", "--threads", "0"), 2, "--threads"),
+    Case("--image not an image", ("probe", "--image", "{root}/a_file"), 2, "not an image"),
+    Case("--image missing", ("compare", "--image", "{root}/nope.png"), 2, "does not exist"),
+    Case("sweep --seed -1", ("sweep", "{root}/ok.jsonl", "--seed", "-1"), 2, "--seed"),
+    Case("compare --seeds 1 1", ("compare", "--seeds", "1", "1"), 2, "repeated values"),
+    Case("compare --clip-pretrained missing", ("compare", "--clip-pretrained", "./nope.pt"), 2, "does not exist"),
+    Case("train-digits --steps 0", ("train-digits", "--steps", "0"), 2, "--steps"),
+    Case("train-digits --out a file", ("train-digits", "--out", "{root}/a_file"), 2, "is a file"),
+    Case("bogus experiment", ("experiments", "bogus"), 2, "unknown experiment 'bogus'"),
+    Case("bogus tier", ("experiments", "all", "--tier", "bogus"), 2, "unknown tier 'bogus'"),
+    Case("experiments --dims 99", ("experiments", "collapse", "--dims", "99"), 2, "out of range"),
+    Case("bogus recipe", ("experiments", "attribution", "--recipe", "nope"), 2, "unknown recipe 'nope'"),
+    Case(
+        "another tier's folder",
+        ("experiments", "collapse", "--tier", "quick", "--out", "{root}/smoke_results"),
+        2,
+        "holds results of tier 'smoke'",
+    ),
+    Case(
+        "--logging-dir without --log-with",
+        ("sweep", "{root}/ok.jsonl", "--logging-dir", "{root}/logs"),
+        2,
+        "needs --log-with",
+    ),
+    Case("--overlay-steps without --overlays", ("probe", "--overlay-steps"), 2, "needs --overlays"),
+    Case("--overlays names a file", ("probe", "--overlays", "{root}/a_file"), 2, "--overlays"),
+    Case("lock is a folder", ("sweep", "{root}/ok.jsonl", "--out", "{root}/locked"), 1, "Is a directory"),
+    # models and weights
+    Case("--model ./nope", ("probe", "--model", "./nope", "--ip-adapter", "./x", *REAL), 2, "does not exist"),
+    Case("--model without --ip-adapter", ("probe", "--model", "{root}/model", *REAL), 2, "needs --ip-adapter"),
+    Case("--model without --image", ("probe", "--model", "a/b", "--ip-adapter", "c/d"), 2, "needs at least one"),
+    Case("--ip-adapter without --model", ("probe", "--ip-adapter", "{root}/weights"), 2, "needs --model"),
+    Case("--model a file", ("probe", "--model", "{root}/a_file", "--ip-adapter", "x", *REAL), 2, "is a file"),
+    Case("--model no model_index", ("probe", "--model", "{root}/refs", "--ip-adapter", "x", *REAL), 2, "model_index"),
+    Case(
+        "truncated IP-Adapter file",
+        ("probe", "--model", "{root}/model", "--ip-adapter", "{root}/weights/truncated.safetensors", *REAL),
+        2,
+        "truncated",
+    ),
+    Case(
+        "random-bytes IP-Adapter file",
+        ("probe", "--model", "{root}/model", "--ip-adapter", "{root}/weights/random.safetensors", *REAL),
+        2,
+        "is not a whole safetensors file",
+    ),
+    Case(
+        "not IP-Adapter weights",
+        ("probe", "--model", "{root}/model", "--ip-adapter", "{root}/weights/other.safetensors", *REAL),
+        2,
+        "not IP-Adapter weights",
+    ),
+    Case(
+        "folder of several weight files",
+        ("probe", "--model", "{root}/model", "--ip-adapter", "{root}/weights", *REAL),
+        2,
+        "pass --weight-name",
+    ),
+    Case(
+        "file and another --weight-name",
+        ("sweep", "{root}/ok.jsonl", "--model", "{root}/model", "--ip-adapter", "{root}/weights/ok.safetensors")
+        + ("--weight-name", "x.safetensors"),
+        2,
+        "is a file",
+    ),
+    Case("hub id not a repo id", ("probe", "--model", "a/b/c/d", "--ip-adapter", "x", *REAL), 2, "neither"),
+    Case(
+        "hub --ip-adapter without --weight-name",
+        ("probe", "--model", "{root}/model", "--ip-adapter", "h9/IP", *REAL),
+        2,
+        "--weight-name",
+    ),
+    Case(
+        "offline hub id",
+        ("probe", "--model", "nobody/nothing", "--ip-adapter", "x", *REAL),
+        2,
+        "HF_HUB_OFFLINE",
+        OFFLINE,
+    ),
+    Case(
+        "unreachable hub id",
+        ("probe", "--model", "nobody/nothing", "--ip-adapter", "x", *REAL),
+        2,
+        "cannot be reached",
+        UNREACHABLE,
+    ),
+]
+
+
+def make_fixtures(root: Path) -> Path:
+    """Write the files the cases name under ``root``; returns ``root``."""
+    import numpy as np
+    from PIL import Image
+    from safetensors.numpy import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "refs").mkdir(exist_ok=True)
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(root / "ref.png")
+    Image.new("RGB", (32, 32), (30, 30, 200)).save(root / "refs" / "0.png")
+    (root / "a_file").write_text("not an image, not a folder\n")
+    (root / "empty.jsonl").write_text("\n\n")
+    (root / "header.csv").write_text("prompt,images\n")
+    (root / "latin1.jsonl").write_bytes('{"prompt": "caf\xe9"}\n'.encode("latin-1"))
+    (root / "array.jsonl").write_text('[{"prompt": "a"}]\n')
+    (root / "unknown.csv").write_text("prompt,colour\na,red\n")
+    (root / "missing_images.jsonl").write_text('{"images": "gone.png"}\n{"images": "also_gone.png"}\n')
+    (root / "ok.jsonl").write_text('{"prompt": "a", "images": "ref.png", "seed": 1}\n')
+    (root / "model").mkdir(exist_ok=True)
+    (root / "model" / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}\n')
+    weights = root / "weights"
+    weights.mkdir(exist_ok=True)
+    adapter = {"image_proj.proj.weight": np.zeros((8, 4), np.float32), "ip_adapter.1.to_k_ip.weight": np.ones(4)}
+    save_file(adapter, str(weights / "ok.safetensors"))
+    data = (weights / "ok.safetensors").read_bytes()
+    (weights / "truncated.safetensors").write_bytes(data[: len(data) - 16])
+    (weights / "random.safetensors").write_bytes(np.random.default_rng(0).bytes(4096))
+    save_file({"text_model.weight": np.zeros(3, np.float32)}, str(weights / "other.safetensors"))
+    (root / "locked").mkdir(exist_ok=True)
+    (root / "locked" / ".ipa_probe.lock").mkdir(exist_ok=True)
+    record = {"tier": {"name": "smoke", "d_model": 32}, "experiment": "collapse"}
+    (root / "smoke_results" / "collapse").mkdir(parents=True, exist_ok=True)
+    (root / "smoke_results" / "collapse" / "record.json").write_text(json.dumps(record))
+    return root
+
+
+#: runs ``ipa_probe.cli.main`` for each case given on stdin and prints one JSON line per case
+DRIVER = r"""
+import contextlib, io, json, sys, time
+from ipa_probe.cli import main
+for argv in json.loads(sys.stdin.read()):
+    err = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stderr(err):
+        code = main(argv)
+    heavy = [m for m in HEAVY if m in sys.modules]
+    print(json.dumps({"code": code, "stderr": err.getvalue(), "heavy": heavy, "seconds": time.perf_counter() - start}))
+"""
+
+
+def argv_of(case: Case, root: Path) -> list[str]:
+    """The case's command line with ``{root}`` filled in and an ``--out`` under ``root`` unless it names one."""
+    argv = [a.replace("{root}", str(root)) for a in case.argv]
+    if "--out" not in argv:
+        argv += ["--out", str(root / "out" / case.name.replace(" ", "_"))]
+    return argv
+
+
+def run_in_fresh_process(cases: list[Case], root: Path, cwd: Path) -> dict[str, dict]:
+    """Run the cases with ``ipa_probe.cli.main`` in fresh Python processes (one per environment), from ``cwd``.
+
+    Returns:
+        case name -> ``{"code", "stderr", "heavy" (heavy modules imported by then), "seconds"}``.
+    """
+    results: dict[str, dict] = {}
+    groups: dict[tuple, list[Case]] = {}
+    for case in cases:
+        groups.setdefault(case.env, []).append(case)
+    for env, group in groups.items():
+        environ = {**os.environ, **dict(env), "PYTHONPATH": str(cwd)}
+        environ.pop("OMP_NUM_THREADS", None)
+        proc = subprocess.run(
+            [sys.executable, "-c", f"HEAVY = {HEAVY!r}\n{DRIVER}"],
+            input=json.dumps([argv_of(case, root) for case in group]),
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=environ,
+            timeout=300,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"the driver failed: {proc.stderr[-3000:]}")
+        for case, line in zip(group, proc.stdout.splitlines(), strict=True):
+            results[case.name] = json.loads(line)
+    return results

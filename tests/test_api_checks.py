@@ -1,0 +1,179 @@
+"""The Python API checks its documented arguments before anything is attached or run: a ``TypeError`` for a value of
+the wrong type, a ``ValueError`` for one out of range, each naming the argument, and the pipeline untouched."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import runner_for
+
+import ipa_probe
+from ipa_probe.compare import compare_methods, generate_methods
+from ipa_probe.sweep import RowDefaults, SweepRunner, aggregate, read_manifest, run_sweep
+
+CALL = {"num_inference_steps": 1, "height": 64, "width": 64}
+
+
+def untouched(pipe) -> dict:
+    """The processor objects of every attention layer and the hooks of the denoiser: what a feature attaches."""
+    unet = pipe.unet
+    return {"processors": dict(unet.attn_processors), "hooks": len(unet._forward_pre_hooks) + len(unet._forward_hooks)}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [
+        ({"seed": 2**64}, ValueError, "seed"),
+        ({"seed": "abc"}, TypeError, "seed"),
+        ({"seed": -1}, ValueError, "seed"),
+        ({"seed": 1.5}, TypeError, "seed"),
+        ({"seed": True}, TypeError, "seed"),
+        ({"keep_maps": "yes"}, TypeError, "keep_maps"),
+        ({"maps": 1}, TypeError, "maps"),
+        ({"layers": 5}, TypeError, "layers"),
+        ({"layers": ["("]}, ValueError, "layers"),
+        ({"steps": 5}, TypeError, "steps"),
+        ({"steps": "abc"}, TypeError, "steps"),
+        ({"heads": 3}, TypeError, "heads"),
+        ({"heads": [-1]}, ValueError, "heads"),
+        ({"branch": "neither"}, ValueError, "branch"),
+        ({"branches": 5}, TypeError, "branches"),
+        ({"bandwidth": None}, TypeError, "bandwidth"),
+        ({"bandwidth": -1.0}, ValueError, "bandwidth"),
+        ({"max_map_bytes": 0}, ValueError, "max_map_bytes"),
+    ],
+)
+def test_probe_checks_every_argument_before_attaching(sd15, refs, kwargs, error, name):
+    before = untouched(sd15)
+    with pytest.raises(error, match=f"^{name}"):
+        with ipa_probe.probe(sd15, **kwargs):
+            sd15("a", ip_adapter_image=[refs], output_type="latent", **CALL)
+    assert untouched(sd15) == before
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [
+        ({"bandwidth": -1}, ValueError, "bandwidth"),
+        ({"bandwidth": "fit"}, ValueError, "bandwidth"),
+        ({"bandwidth": "wide"}, (TypeError, ValueError), "bandwidth"),
+        ({"layers": 5}, TypeError, "layers"),
+        ({"layers": ["("]}, ValueError, "layers"),
+    ],
+)
+def test_nw_head_checks_its_arguments_before_swapping(sd15, kwargs, error, name):
+    before = untouched(sd15)
+    with pytest.raises(error, match=name):
+        with ipa_probe.nw_head(sd15, **kwargs):
+            pass
+    assert untouched(sd15) == before
+
+
+@pytest.fixture
+def manifest(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "seed": 1}) + "\n")
+    return read_manifest(path)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [
+        ({"n_resamples": 0}, ValueError, "n_resamples"),
+        ({"n_resamples": "9"}, TypeError, "n_resamples"),
+        ({"confidence": 2.0}, ValueError, "confidence"),
+        ({"confidence": "high"}, TypeError, "confidence"),
+        ({"threshold": 1.5}, ValueError, "threshold"),
+        ({"restart": "no"}, TypeError, "restart"),
+        ({"progress": "no"}, TypeError, "progress"),
+        ({"extra": 5}, TypeError, "extra"),
+        ({"state": 5}, TypeError, "state"),
+        ({"clock": 5}, TypeError, "clock"),
+        ({"out": 5}, TypeError, "out"),
+        ({"manifest": "m.jsonl"}, TypeError, "manifest: expected a Manifest from read_manifest"),
+        ({"runner": "pipe"}, TypeError, "runner"),
+    ],
+)
+def test_run_sweep_checks_its_arguments_before_touching_the_folder(
+    sd15, refs, manifest, tmp_path, kwargs, error, name
+):
+    arguments = {"manifest": manifest, "runner": runner_for(sd15, default_images=refs), "out": tmp_path / "out"}
+    arguments.update(kwargs)
+    with pytest.raises(error, match=f"^{name}"):
+        run_sweep(**arguments)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [
+        ({"defaults": {"steps": 1}}, TypeError, "defaults"),
+        ({"call_kwargs": 5}, TypeError, "call_kwargs"),
+        ({"heads": "a"}, TypeError, "heads"),
+        ({"heads": [1.5]}, TypeError, "heads"),
+        ({"default_images": 5}, TypeError, "default_images"),
+        ({"default_images": ["a.png"]}, TypeError, "default_images"),
+        ({"layers": 5}, TypeError, "layers"),
+        ({"settings": [1]}, TypeError, "settings"),
+    ],
+)
+def test_sweep_runner_checks_its_arguments(sd15, kwargs, error, name):
+    with pytest.raises(error, match=f"^{name}"):
+        SweepRunner(sd15, **kwargs)
+
+
+def test_manifest_defaults_and_aggregate_check_their_arguments(tmp_path):
+    import pandas as pd
+
+    with pytest.raises(TypeError, match="^path"):
+        read_manifest(5)
+    with pytest.raises(TypeError, match="^require_images"):
+        read_manifest(tmp_path / "m.jsonl", require_images="yes")
+    with pytest.raises(ValueError, match="^seed"):
+        RowDefaults(seed=2**64)
+    for kwargs, name in (
+        ({"confidence": 1.0}, "confidence"),
+        ({"n_resamples": 0}, "n_resamples"),
+        ({"seed": -1}, "seed"),
+    ):
+        with pytest.raises(ValueError, match=f"^{name}"):
+            aggregate(pd.DataFrame(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [
+        ({"seeds": ["a"]}, TypeError, "seeds"),
+        ({"seeds": [2**64]}, ValueError, "seeds"),
+        ({"seeds": 5}, TypeError, "seeds"),
+        ({"seeds": []}, ValueError, "seeds"),
+        ({"references": "one"}, TypeError, "references"),
+        ({"references": []}, ValueError, "references"),
+        ({"call_kwargs": 5}, TypeError, "call_kwargs"),
+        ({"scorer": "clip"}, TypeError, "scorer"),
+        ({"bandwidth": -1.0}, ValueError, "bandwidth"),
+        ({"methods": ["x"]}, ValueError, "unknown method"),
+    ],
+)
+def test_compare_checks_its_arguments_before_generating(sd15, refs, kwargs, error, name, monkeypatch):
+    calls = []
+    monkeypatch.setattr(type(sd15), "__call__", lambda *a, **k: calls.append(1))  # nothing may generate
+    arguments = {"references": refs, "seeds": [0], "call_kwargs": dict(CALL)} | kwargs
+    for function in (compare_methods, generate_methods):
+        if function is generate_methods and name in ("scorer",):
+            continue
+        with pytest.raises(error, match=name):
+            function(sd15, **arguments)
+    assert calls == []
+
+
+def test_one_image_as_references_names_the_fix(sd15, refs):
+    with pytest.raises(TypeError, match=r"got one image; pass \[image\]"):
+        compare_methods(sd15, refs[0], seeds=[0])
+
+
+def test_compare_weights_names_a_non_tensor():
+    with pytest.raises(TypeError, match="^nw_logits"):
+        ipa_probe.compare_weights(torch.rand(2, 3), "x")

@@ -1,0 +1,260 @@
+"""Faults of the environment and of weight files, through the command line: one line naming the path and the
+remedy, the documented exit code (1: the environment; 2: the input), finished files kept whole, no temp file left,
+and a rerun that resumes.
+
+Disk full and read-only folders are injected at the write call (a size-limited tmpfs needs root, and chmod does not
+stop root): each fake raises what the real writer raises there, as seen on a full tmpfs: pyarrow an ``OSError`` with
+errno 28 and no file name, safetensors its own error ending in ``(os error 28)``, the kernel ``ENOSPC`` on rename and
+``EROFS`` even when unlinking a file that is not there.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from helpers import write_jsonl
+from PIL import Image
+
+from ipa_probe._io import os_error_of
+from ipa_probe.cli import main
+from ipa_probe.cli._runtime import describe_os_error
+from ipa_probe.sweep import SweepLayout, load_table
+from ipa_probe.tiny.sd import default_reference_images
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS = [
+    {"prompt": "a cat", "images": "refs/0.png", "seed": 1},
+    {"prompt": "a dog", "images": "refs/1.png", "seed": 2},
+    {"prompt": "a tree", "images": "refs/2.png", "seed": 3},
+]
+SWEEP = ["--steps", "2", "--no-progress", "--resamples", "99"]
+
+
+def write_workdir(folder: Path) -> Path:
+    (folder / "refs").mkdir(parents=True)
+    for i, image in enumerate(default_reference_images(3)):
+        image.save(folder / "refs" / f"{i}.png")
+    write_jsonl(folder / "m.jsonl", ROWS)
+    return folder
+
+
+@pytest.fixture
+def workdir(tmp_path) -> Path:
+    return write_workdir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The three rows swept once, uninterrupted, through the command line (one torch thread, as the tests)."""
+    import torch
+
+    folder, before = write_workdir(tmp_path_factory.mktemp("reference")), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["sweep", str(folder / "m.jsonl"), "--out", str(folder / "out"), *SWEEP]) == 0
+    finally:
+        torch.set_num_threads(before)
+    return folder / "out"
+
+
+def one_error_line(capsys) -> str:
+    """The one line on stderr besides progress bars (tqdm's lines hold ``%|``): no traceback, no warning."""
+    lines = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if line and "%|" not in line]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def no_temp_files(folder: Path) -> bool:
+    return not [p for p in folder.rglob("*.tmp")]
+
+
+def fail_parquet_writes(monkeypatch, name: str, code: int = errno.ENOSPC, leave_temp: bool = True) -> None:
+    """Parquet writes whose target is ``name`` fail: after writing part of the file (``leave_temp``), with errno
+    ``code`` and no file name, as pyarrow does on a full disk. Row parts go through ``pyarrow.parquet.write_table``,
+    tables (the aggregate) through ``DataFrame.to_parquet``."""
+    import pyarrow.parquet as pq
+
+    def fail(where) -> None:
+        if leave_temp:
+            Path(where).write_bytes(b"PAR1 half a file")
+        raise OSError(code, f"Error writing bytes to file. Detail: [errno {code}] {os.strerror(code)}")
+
+    def targets(where) -> bool:
+        return isinstance(where, str | os.PathLike) and Path(where).name.startswith(f".{name}.")
+
+    real_write_table, real_to_parquet = pq.write_table, pd.DataFrame.to_parquet
+
+    def write_table(table, where, **kwargs):
+        return fail(where) if targets(where) else real_write_table(table, where, **kwargs)
+
+    def to_parquet(self, path=None, **kwargs):
+        return fail(path) if targets(path) else real_to_parquet(self, path, **kwargs)
+
+    monkeypatch.setattr(pq, "write_table", write_table)
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", to_parquet)
+
+
+# ------------------------------------------------------------------------------------------------ disk full
+
+
+@pytest.mark.parametrize("target", ["row-000001.parquet", "aggregate.parquet"])
+def test_a_full_disk_in_a_sweep_is_one_line_and_a_rerun_resumes(
+    workdir, reference, monkeypatch, capsys, one_thread, target
+):
+    out = workdir / "full"
+    with monkeypatch.context() as patch:
+        fail_parquet_writes(patch, target)
+        assert main(["sweep", str(workdir / "m.jsonl"), "--out", str(out), *SWEEP]) == 1
+    line = one_error_line(capsys)
+    where = out / "rows" / target if target.startswith("row-") else out / target
+    assert f"'{where}': No space left on device [errno 28]; free space" in line
+    parts = [p.name for p in SweepLayout(out).parts()]
+    assert parts == (
+        ["row-000000.parquet"] if target.startswith("row-") else [f"row-00000{i}.parquet" for i in range(3)]
+    )
+    pd.testing.assert_frame_equal(load_table(out, rows=[0]), load_table(reference, rows=[0]))  # kept whole
+    assert no_temp_files(out) and not (out / "summary.json").exists()
+    assert main(["sweep", str(workdir / "m.jsonl"), "--out", str(out), *SWEEP]) == 0  # space freed: resume
+    assert ("1 resumed" if target.startswith("row-") else "3 resumed") in capsys.readouterr().out
+    pd.testing.assert_frame_equal(load_table(out), load_table(reference))
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(out / "aggregate.parquet"), pd.read_parquet(reference / "aggregate.parquet")
+    )
+
+
+def test_a_full_disk_at_the_lock_names_the_lock_file(workdir, monkeypatch, capsys):
+    def pwrite(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # os.pwrite knows only the descriptor
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    out = workdir / "lock"
+    assert main(["sweep", str(workdir / "m.jsonl"), "--out", str(out), *SWEEP]) == 1
+    assert f"'{out / '.ipa_probe.lock'}': No space left on device" in one_error_line(capsys)
+    assert sorted(p.name for p in out.iterdir()) == [".ipa_probe.lock"] and not (out / ".ipa_probe.lock").read_text()
+
+
+def test_a_full_disk_in_probe_keeps_the_images_written_before(tmp_path, monkeypatch, capsys, one_thread):
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(dst).name == "image_1.png":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(src))  # the kernel names the source
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    out = tmp_path / "probe"
+    argv = ["probe", "--kind", "sd15", "--steps", "2", "--num-images", "3", "--out", str(out)]
+    assert main(argv) == 1
+    line = one_error_line(capsys)
+    assert f"'{out / 'image_1.png'}': No space left on device [errno 28]" in line  # the file, not its temp copy
+    assert sorted(p.name for p in out.iterdir()) == ["image_0.png"]  # written before, whole
+    assert Image.open(out / "image_0.png").size == (64, 64)
+
+
+def test_a_full_disk_in_experiments_names_the_checkpoint(tmp_path, monkeypatch, capsys, one_thread):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def save_file(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    out = tmp_path / "experiments"
+    assert main(["experiments", "collapse", "--tier", "quick", "--out", str(out), "--no-progress"]) == 1
+    line = one_error_line(capsys)
+    assert "checkpoint.safetensors': No space left on device [errno 28]" in line and str(out / "runs") in line
+    assert no_temp_files(out) and not list(out.rglob("checkpoint.safetensors"))
+
+
+# ------------------------------------------------------------------------------------------- read-only, no permission
+
+
+@pytest.mark.parametrize("code, remedy", [(errno.EROFS, "read-only"), (errno.EACCES, "no permission")])
+def test_a_read_only_rows_folder_is_reported_not_its_cleanup(workdir, monkeypatch, capsys, one_thread, code, remedy):
+    """The temp file cannot be made and, on a read-only file system, even unlinking the absent temp file fails:
+    the error shown is the write's, and nothing is logged about a cleanup that had nothing to remove."""
+    fail_parquet_writes(monkeypatch, "row-000000.parquet", code, leave_temp=False)
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self.name.endswith(".tmp"):
+            raise OSError(code, os.strerror(code), str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    out = workdir / "ro"
+    assert main(["sweep", str(workdir / "m.jsonl"), "--out", str(out), *SWEEP]) == 1
+    line = one_error_line(capsys)
+    assert f"'{out / 'rows' / 'row-000000.parquet'}': {os.strerror(code)} [errno {code}]; " in line and remedy in line
+
+
+def test_writer_errors_are_read_as_os_errors():
+    rust = os_error_of(ValueError("Error while serializing: I/O error: No space left on device (os error 28)"))
+    assert (rust.errno, rust.filename) == (errno.ENOSPC, None)
+    arrow = os_error_of(OSError(28, "Error writing bytes to file. Detail: [errno 28] No space left on device"))
+    assert arrow.strerror == "No space left on device"
+    assert os_error_of(ValueError("not an OS error")) is None and os_error_of(OSError("no errno")) is None
+    line = describe_os_error(rust, out="/data/out")
+    assert line.startswith("writing under '/data/out': No space left on device [errno 28]; free space")
+    line = describe_os_error(OSError(errno.EISDIR, "Is a directory", "/o/.ipa_probe.lock"))
+    expected = "'/o/.ipa_probe.lock': Is a directory [errno 21]; a folder stands where a file is expected"
+    assert line == f"{expected}: move it away or rename it"
+
+
+# ------------------------------------------------------------------------------------------------ weight files
+
+
+@pytest.mark.slow
+def test_weight_files_that_load_badly_are_one_line_and_a_weight_file_path_works(tmp_path, capsys, one_thread):
+    """Weights of another architecture (SDXL's adapter in an SD 1.5 pipeline) and a random-bytes pickle: exit 2,
+    one line naming the file. ``--ip-adapter`` naming the weight file itself loads it (no --weight-name)."""
+    from ipa_probe.tiny.sd import save_tiny_pipeline
+
+    sd15, sdxl = save_tiny_pipeline(tmp_path / "sd15", seed=1), save_tiny_pipeline(tmp_path / "sdxl", "sdxl", seed=1)
+    (tmp_path / "refs").mkdir()
+    default_reference_images(1)[0].save(tmp_path / "refs" / "0.png")
+    (tmp_path / "random.bin").write_bytes(os.urandom(2048))
+    common = ["--model", str(sd15.model_dir), "--image", str(tmp_path / "refs"), "--steps", "2", "--kind", "sd15"]
+    for weights, what in ((sdxl.weight_file, "expected shape"), (tmp_path / "random.bin", "Unable to load")):
+        assert main(["probe", *common, "--ip-adapter", str(weights), "--out", str(tmp_path / "bad")]) == 2
+        line = one_error_line(capsys)
+        assert f"could not load --ip-adapter weights '{weights}'" in line and what in line and "family" in line
+        assert not (tmp_path / "bad").exists()
+    by_file, by_folder = tmp_path / "by_file", tmp_path / "by_folder"
+    assert main(["probe", *common, "--ip-adapter", str(sd15.weight_file), "--out", str(by_file)]) == 0
+    folder = ["--ip-adapter", str(sd15.ip_adapter_dir), "--weight-name", sd15.weight_name]
+    assert main(["probe", *common, *folder, "--out", str(by_folder)]) == 0
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(by_file / "probe.parquet"), pd.read_parquet(by_folder / "probe.parquet")
+    )
+
+
+# ------------------------------------------------------------------------------------------------ Ctrl-C
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_real_process_prints_exactly_one_line(workdir):
+    rows = [{"prompt": f"p{i}", "images": f"refs/{i % 3}.png", "seed": i} for i in range(40)]
+    manifest, out = write_jsonl(workdir / "long.jsonl", rows), workdir / "interrupted"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "ipa_probe", "sweep", str(manifest), "--out", str(out), *SWEEP, "--steps", "3"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    deadline = time.monotonic() + 240
+    while not (out / "rows" / "row-000001.parquet").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines() == [
+        "ipa-probe sweep: interrupted; finished work is kept, run the same command again to resume"
+    ]
+    assert stdout == "" and len(SweepLayout(out).parts()) >= 2 and no_temp_files(out)
