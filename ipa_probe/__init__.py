@@ -21,6 +21,9 @@ _EXPORTS = {
     "n_eff": ".kernels",
     "nw_logits": ".kernels",
     "nw_weights": ".kernels",
+    "gauge_sweep": ".gauge",
+    "plot_gauge_sweep": ".gauge",
+    "qk_gauge": ".gauge",
     "Intervention": ".intervention",
     "InterventionConfig": ".intervention",
     "InterventionEffect": ".intervention",
@@ -39,6 +42,8 @@ _EXPORTS = {
     "remove_nw_head": ".nwhead",
     "STAT_NAMES": ".stats",
     "compare_weights": ".stats",
+    "rho_baseline": ".stats",
+    "rho_null": ".stats",
     "SweepRunner": ".sweep",
     "read_manifest": ".sweep",
     "run_sweep": ".sweep",
@@ -56,7 +61,18 @@ _EXPORTS = {
 }
 
 #: subpackages and modules reachable as attributes (``ipa_probe.sweep``), imported on first use.
-_SUBMODULES = ("attribution", "capture", "images", "intervention", "layers", "nwhead", "sweep", "theory", "tiny")
+_SUBMODULES = (
+    "attribution",
+    "capture",
+    "gauge",
+    "images",
+    "intervention",
+    "layers",
+    "nwhead",
+    "sweep",
+    "theory",
+    "tiny",
+)
 
 __version__ = "0.1.0"
 
@@ -84,6 +100,11 @@ __all__ = [
     "tiny_pipeline",
     "__version__",
     "compare_weights",
+    "gauge_sweep",
+    "plot_gauge_sweep",
+    "qk_gauge",
+    "rho_baseline",
+    "rho_null",
     "default_reference_images",
     "digits_pipeline",
     "digits_reference_images",

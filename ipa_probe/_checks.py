@@ -14,6 +14,7 @@ from typing import Any
 
 __all__ = [
     "BANDWIDTH_RANGE",
+    "DEFAULT_GAUGE_FACTORS",
     "MAX_SEED",
     "check_flag",
     "check_fraction",
@@ -26,6 +27,7 @@ __all__ = [
     "check_device_name",
     "check_steps",
     "parse_bandwidth",
+    "parse_factors",
     "parse_step_selection",
     "step_selected",
     "parse_float",
@@ -134,6 +136,28 @@ def parse_float(value: Any, key: str, minimum: float | None = None) -> float:
     if minimum is not None and value < minimum:
         raise ValueError(f"{key}: expected a finite number >= {minimum:g}, got {value!r}")
     return float(value)
+
+
+#: The q/k gauge factors a gauge sweep uses by default (powers of two: the reparametrisation is exact in floats).
+DEFAULT_GAUGE_FACTORS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+def parse_factors(value: Any, key: str = "factors") -> tuple[float, ...]:
+    """Gauge factors: finite numbers > 0, distinct, from a sequence or a comma-separated string (``"0.5,1,2"``)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if isinstance(items, bytes) or not hasattr(items, "__iter__"):
+        raise ValueError(f"{key}: expected numbers > 0, e.g. 0.5,1,2, got {value!r}")
+    factors = []
+    for item in items:
+        factor = parse_float(item, key)
+        if factor <= 0:
+            raise ValueError(f"{key}: expected numbers > 0 (a gauge factor scales q by c and k by 1/c), got {item!r}")
+        factors.append(factor)
+    if not factors:
+        raise ValueError(f"{key}: expected at least one number > 0, e.g. 0.5,1,2, got {value!r}")
+    if len(set(factors)) != len(factors):
+        raise ValueError(f"{key}: expected distinct factors, got {value!r}")
+    return tuple(factors)
 
 
 def parse_bandwidth(value: Any, keywords: tuple[str, ...] = ("matched", "fit")) -> str | float:

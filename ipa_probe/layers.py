@@ -49,6 +49,7 @@ __all__ = [
     "image_branch_logits",
     "list_hooks",
     "observer",
+    "refind_ip_layers",
     "release",
 ]
 
@@ -213,6 +214,45 @@ def find_ip_layers(pipe, layers: LayerSelection = None) -> list[IPLayer]:
             f"(e.g. {shown}); pass a regex that `re.search` finds in one of these ids, or None for all"
         )
     return selected
+
+
+def refind_ip_layers(pipe, layers: list[IPLayer], selection: LayerSelection = None) -> list[IPLayer] | None:
+    """The IP-Adapter layers of ``pipe`` found again after processors were replaced (``load_ip_adapter`` called
+    again, or processor subclasses swapped in), when they match the ``layers`` found before.
+
+    Args:
+        pipe: the pipeline (or denoiser) the ``layers`` were found in.
+        layers: the layers found before.
+        selection: the layer selection they were found with.
+
+    Returns:
+        the new layers (same ids, families, adapter counts and heads, each with its current processor), or ``None``
+        when no layer holds an IP-Adapter processor any more (``unload_ip_adapter``).
+
+    Raises:
+        RuntimeError: the layers, adapters or heads changed, naming ``load_ip_adapter``.
+    """
+    denoiser = denoiser_of(pipe)
+    denoiser = getattr(denoiser, "_orig_mod", denoiser)
+    if not any(isinstance(layer.attention.processor, SUPPORTED_PROCESSORS) for layer in layers):
+        return None
+    try:
+        found = find_ip_layers(denoiser, selection)
+    except ValueError:
+        found = []
+
+    def shape(layers: list[IPLayer]) -> list[tuple]:
+        return [(layer.name, layer.family, layer.num_adapters, layer.heads) for layer in layers]
+
+    if shape(found) != shape(layers):
+        adapters = max((layer.num_adapters for layer in found), default=0)
+        raise RuntimeError(
+            "the IP-Adapter layers changed while ipa_probe was attached (`load_ip_adapter` or `set_attn_processor` "
+            f"ran inside the block): {len(layers)} layers with {max(layer.num_adapters for layer in layers)} "
+            f"adapter(s) were found before, now {len(found)} layers with {adapters}; call `pipe.load_ip_adapter(...)` "
+            "before the `with` block, or start a new block after loading"
+        )
+    return found
 
 
 def image_branch_logits(processor: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

@@ -12,13 +12,46 @@ __all__ = [
     "CELL_FIELDS",
     "COLUMNS",
     "FEW_KEYS",
+    "GAUGE_COLUMNS",
     "INDEX_COLUMNS",
+    "NULL_COLUMNS",
+    "ROW_THRESHOLD",
     "STAT_NAMES",
+    "SUMMARY_GAUGE_MEANS",
     "SUMMARY_KEYS",
     "SUMMARY_MAX",
     "SUMMARY_MEANS",
     "frac_column",
+    "frac_null_column",
+    "rows_column",
 ]
+
+#: The per-row rho threshold of the rows' shares in :data:`NULL_COLUMNS` (the paper's 0.9).
+ROW_THRESHOLD: float = 0.9
+
+
+def rows_column(threshold: float = ROW_THRESHOLD) -> str:
+    """The name of the cell column counting the share of a cell's rows with rho above ``threshold``,
+    e.g. ``"rows_rho_gt_0.9"``."""
+    return f"rows_rho_gt_{threshold:g}"
+
+
+#: What the per-row rho depends on besides the model (see docs/gauge.md): ``logit_ratio`` (per row
+#: ``r = sd_i(q·k_i) / sd_i(|k_i|^2 / 2)``, averaged over rows), ``rho_baseline`` (the rho a row of that ``r`` and
+#: number of keys gives when its key-norm term is independent of its attention logits) and ``rho_excess``
+#: (``spearman - rho_baseline``).
+GAUGE_COLUMNS: tuple[str, ...] = ("logit_ratio", "rho_baseline", "rho_excess")
+
+#: The per-row rho read against chance for the cell's number of keys: the share of rows with rho above
+#: :data:`ROW_THRESHOLD` and its chance level under independent rankings, the shares of rows at exactly +1 and -1,
+#: and the chance of exactly +1 (equal to that of -1: ``1 / K!`` for ``K`` distinct keys).
+NULL_COLUMNS: tuple[str, ...] = (
+    rows_column(),
+    f"{rows_column()}_null",
+    "rows_rho_pos1",
+    "rows_rho_neg1",
+    "rows_rho_pos1_null",
+)
 
 #: The fields of :func:`ipa_probe.stats.compare_weights`' last dimension, in order.
 STAT_NAMES: tuple[str, ...] = (
@@ -30,6 +63,8 @@ STAT_NAMES: tuple[str, ...] = (
     "neff_attn",
     "neff_nw",
     "nonfinite",
+    *GAUGE_COLUMNS,
+    *NULL_COLUMNS,
 )
 
 #: Per-cell values kept in the probe's buffers, in order: the bandwidth used, then :data:`STAT_NAMES`, then the
@@ -65,6 +100,8 @@ COLUMNS: tuple[str, ...] = (
     "keys",
     "few_keys",
     "complete",
+    *GAUGE_COLUMNS,
+    *NULL_COLUMNS,
 )
 
 #: Rows with fewer keys than this have a degenerate per-row Spearman (two keys give +-1, one key none).
@@ -76,15 +113,27 @@ SUMMARY_KEYS: tuple[str, ...] = ("call", "step", "timestep", "kind", "branch")
 #: Columns a summary (and a sweep's aggregate) averages over cells.
 SUMMARY_MEANS: tuple[str, ...] = (*_AVERAGED, "ip_mass", "bandwidth")
 
+#: Further columns a summary (and a sweep's aggregate) averages over cells, after every column above (appended so
+#: that the earlier columns keep their positions).
+SUMMARY_GAUGE_MEANS: tuple[str, ...] = (*GAUGE_COLUMNS, *NULL_COLUMNS)
+
 #: Columns a summary takes the maximum of over cells.
 SUMMARY_MAX: tuple[str, ...] = ("nonfinite",)
 
-#: The CFG-branch labels the probe gives batch items (see README, "How the probe works"): ``"uncond"`` and
-#: ``"cond"`` (classifier-free guidance), ``"perturbed"`` (the last chunk of a PAG batch), ``"uncond_text"``
-#: (InstructPix2Pix's middle chunk: negative prompt, real image) and ``"batch"`` (items the evidence does not decide).
-BRANCH_LABELS: tuple[str, ...] = ("uncond", "cond", "perturbed", "uncond_text", "batch")
+#: The CFG-branch labels the probe gives batch items (see :mod:`ipa_probe.capture.branches`): ``"uncond"`` and
+#: ``"cond"`` (classifier-free guidance), ``"perturbed"`` (the last part of a PAG batch), ``"uncond_text"``
+#: (InstructPix2Pix's middle chunk: negative prompt, real image), ``"sag"`` (self-attention guidance's pass on
+#: degraded latents), ``"safety"`` (the safety concept's chunk of ``StableDiffusionPipelineSafe``) and ``"batch"``
+#: (items the evidence does not decide).
+BRANCH_LABELS: tuple[str, ...] = ("uncond", "cond", "perturbed", "uncond_text", "sag", "safety", "batch")
 
 
 def frac_column(threshold: float) -> str:
     """The name of the summary column counting cells with rho above ``threshold``, e.g. ``"frac_rho_gt_0.9"``."""
     return f"frac_rho_gt_{threshold:g}"
+
+
+def frac_null_column(threshold: float) -> str:
+    """The name of :func:`frac_column`'s chance level: the same fraction over the cells' permutation-null rho
+    (``spearman_null``), e.g. ``"frac_rho_gt_0.9_null"``."""
+    return f"{frac_column(threshold)}_null"

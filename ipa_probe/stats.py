@@ -11,20 +11,29 @@ counted in ``nonfinite`` and left out of every other statistic instead of raisin
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .kernels import n_eff
-from .schema import STAT_NAMES
+from .schema import ROW_THRESHOLD, STAT_NAMES
 
 __all__ = [
+    "EXACT_NULL_KEYS",
     "STAT_NAMES",
+    "RhoNull",
     "compare_weights",
     "copy_groups",
     "fit_bandwidth",
+    "null_tail",
+    "null_tail_table",
     "rank",
     "raveled_pearson",
+    "rho_baseline",
+    "rho_null",
     "row_spearman",
 ]
 
@@ -124,6 +133,26 @@ def _shuffle_rows(w: torch.Tensor, generator: torch.Generator, prefix: torch.Ten
     return w.gather(-1, noise.argsort(-1))
 
 
+def _row_sd(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Population standard deviation of each row, over the entries where ``mask`` holds: ``(..., K) -> (...)``."""
+    if mask is None:
+        return x.std(-1, correction=0)
+    m = mask.to(x.dtype)
+    x = torch.where(mask, x, 0.0)
+    n = m.sum(-1, keepdim=True)
+    centred = (x - x.sum(-1, keepdim=True) / n) * m
+    return ((centred * centred).sum(-1) / n.squeeze(-1)).sqrt()
+
+
+def null_tail_table(keys: int, device: torch.device) -> torch.Tensor:
+    """:func:`null_tail` for ``0..keys`` keys as a ``(keys + 1,)`` float32 tensor made by fills on ``device`` (no
+    tensor from host data, so no host-to-device copy)."""
+    table = torch.empty(keys + 1, device=device)
+    for k in range(keys + 1):
+        table[k] = null_tail(k)
+    return table
+
+
 def compare_weights(
     attn_logits: torch.Tensor,
     nw_logits: torch.Tensor,
@@ -131,6 +160,8 @@ def compare_weights(
     key_mask: torch.Tensor | None = None,
     row_mask: torch.Tensor | None = None,
     key_groups: torch.Tensor | None = None,
+    key_term: torch.Tensor | None = None,
+    null_tails: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Compare attention weights with NW weights row by row, reduced over rows.
 
@@ -138,13 +169,25 @@ def compare_weights(
     :data:`STAT_NAMES`, are:
 
     - ``spearman``: per-row Spearman rho between ``a`` and ``w``, averaged over rows (rows where it is undefined,
-      e.g. ``K = 1``, are left out);
+      e.g. ``K = 1`` or constant logits, are left out of it and of every statistic of rho below);
     - ``spearman_null``: the same with the key order of ``w`` shuffled independently in each row (chance level, ~0);
     - ``pearson``: Pearson r over all ``R * K`` entries;
     - ``kl``: ``KL(a || w) = sum_i a_i (log a_i - log w_i)``, averaged over rows;
     - ``top1``: fraction of rows whose arg-max key agrees (keys of one ``key_groups`` group count as one key);
     - ``neff_attn``, ``neff_nw``: Kish ``1 / sum_i w_i^2``, averaged over rows;
-    - ``nonfinite``: fraction of rows whose logits give non-finite weights (left out of everything else).
+    - ``nonfinite``: fraction of rows whose logits give non-finite weights (left out of everything else);
+    - ``logit_ratio``: per row ``r = sd_i(attn_logits) / sd_i(key_term)``, averaged over the rows where it is
+      finite. Without ``key_term`` (NW weights not made from the attention's own query and keys) ``r`` is
+      estimated as ``c / sqrt(1 - c^2)`` from the per-row Pearson ``c`` of the two logit vectors, which is the same
+      ``r`` under the baseline's model (``|c|`` within 1e-6 of 1, as with two keys, gives ``r = +-inf``: left out of
+      the mean of ``r``, baseline +-1);
+    - ``rho_baseline``: per row :func:`rho_baseline` of its ``r`` and its number of kept keys, averaged;
+    - ``rho_excess``: ``spearman - rho_baseline`` (the mean over rows of the per-row differences);
+    - ``rows_rho_gt_0.9``: share of rows whose rho is above :data:`~ipa_probe.schema.ROW_THRESHOLD`, and
+      ``rows_rho_gt_0.9_null`` its chance level (the mean over the same rows of :func:`null_tail` of their number
+      of keys);
+    - ``rows_rho_pos1``, ``rows_rho_neg1``: share of rows whose ranks agree exactly (rho = +1) or are exactly
+      reversed (rho = -1), and ``rows_rho_pos1_null`` the chance of either, ``1 / K!`` averaged over the rows.
 
     Rows where ``row_mask`` is False (e.g. queries outside an IP-Adapter mask) take part in nothing, ``nonfinite``
     included.
@@ -160,12 +203,18 @@ def compare_weights(
         key_groups: optional integers, broadcastable to the logits' shape: keys with the same value are copies of one
             token (e.g. the unconditional image tokens of several reference images), so an arg-max on either copy
             is the same choice for ``top1``.
+        key_term: optional, broadcastable to the logits' shape (typically ``(..., 1, K)``): the NW logits' per-key
+            term in the units of ``attn_logits``, such that the NW ranks follow ``attn_logits - key_term`` (for NW
+            weights from the same ``q, k`` as dot-product attention, ``|k|^2 / (2 sqrt(d))``). Its spread against
+            the attention logits' is ``logit_ratio``.
+        null_tails: optional ``(K + 1,)`` tensor of :func:`null_tail` for ``0..K`` keys on the logits' device, for
+            ``key_mask`` rows (made by fills when omitted; pass it to reuse one).
 
     Returns:
         statistics, shape ``(..., len(STAT_NAMES))``, float32, on the logits' device.
     """
-    for name, value in (("attn_logits", attn_logits), ("nw_logits", nw_logits)):
-        if not isinstance(value, torch.Tensor):
+    for name, value in (("attn_logits", attn_logits), ("nw_logits", nw_logits), ("key_term", key_term)):
+        if not isinstance(value, torch.Tensor) and not (name == "key_term" and value is None):
             raise TypeError(f"{name}: expected a tensor of shape (..., R, K), got {type(value).__name__}")
     if attn_logits.shape != nw_logits.shape:
         raise ValueError(
@@ -175,8 +224,11 @@ def compare_weights(
         generator = torch.Generator(device=attn_logits.device).manual_seed(0)
     dtype = torch.promote_types(attn_logits.dtype, torch.float32)
     attn_logits, nw_logits = attn_logits.to(dtype), nw_logits.to(dtype)
+    n_keys = attn_logits.shape[-1]
     if key_groups is not None:
         key_groups = key_groups.expand(attn_logits.shape)
+    if key_term is not None:
+        key_term = key_term.to(dtype).expand(attn_logits.shape)
     if key_mask is not None:
         key_mask = key_mask.to(torch.bool).expand(attn_logits.shape)
         # One permutation for both weightings, kept keys first: every statistic is invariant to it, and the mask
@@ -186,6 +238,7 @@ def compare_weights(
         attn_logits = attn_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
         nw_logits = nw_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
         key_groups = key_groups.gather(-1, order) if key_groups is not None else None
+        key_term = key_term.gather(-1, order) if key_term is not None else None
     log_a = _log_softmax(attn_logits)  # (..., R, K)
     log_w = _log_softmax(nw_logits)
     a, w = log_a.exp(), log_w.exp()
@@ -203,8 +256,21 @@ def compare_weights(
     # shuffles the NW ranks themselves (ranking is permutation-equivariant), so each side is ranked once.
     entries = valid if key_mask is None else valid.unsqueeze(-1) & key_mask
     attn_ranks, nw_ranks = _masked_ranks(attn_logits, key_mask), _masked_ranks(nw_logits, key_mask)
+    rho_rows = _row_pearson(attn_ranks, nw_ranks, key_mask)  # (..., R)
+    ranked = valid & ~rho_rows.isnan()  # rows with a rank correlation
+    gauge = _gauge_rows(attn_logits, nw_logits, key_mask, key_term)
+    keys = key_mask.sum(-1).to(dtype) if key_mask is not None else torch.full_like(rho_rows, n_keys)  # (..., R)
+    baseline_rows = rho_baseline(gauge, keys)
+    if key_mask is None:
+        chance_rows = torch.full_like(rho_rows, null_tail(n_keys))
+    else:
+        table = null_tails if null_tails is not None else null_tail_table(n_keys, rho_rows.device)
+        chance_rows = table.to(dtype)[key_mask.sum(-1)]
+    kept = key_mask if key_mask is not None else torch.ones_like(attn_ranks, dtype=torch.bool)
+    same = ((attn_ranks == nw_ranks) | ~kept).all(-1).to(dtype)
+    reversed_ = ((attn_ranks == keys.unsqueeze(-1) + 1 - nw_ranks) | ~kept).all(-1).to(dtype)
     stats = (
-        _masked_mean(_row_pearson(attn_ranks, nw_ranks, key_mask), valid),
+        _masked_mean(rho_rows, valid),
         _masked_mean(_row_pearson(attn_ranks, _shuffle_rows(nw_ranks, generator, key_mask), key_mask), valid),
         raveled_pearson(a, w, entries),
         _masked_mean(kl_rows, valid),
@@ -212,8 +278,34 @@ def compare_weights(
         _masked_mean(n_eff(a), valid),
         _masked_mean(n_eff(w), valid),
         1.0 - valid.float().mean(-1) if row_mask is None else 1.0 - valid.sum(-1) / row_mask.sum(-1),
+        _masked_mean(gauge, ranked & gauge.isfinite()),
+        _masked_mean(baseline_rows, ranked),
+        _masked_mean(rho_rows - baseline_rows, ranked),
+        _masked_mean((rho_rows > ROW_THRESHOLD).to(dtype), ranked),
+        _masked_mean(chance_rows, ranked),
+        _masked_mean(same, ranked),
+        _masked_mean(reversed_, ranked),
+        _masked_mean(torch.exp(-torch.lgamma(keys + 1)), ranked),
     )
     return torch.stack(stats, dim=-1).float()
+
+
+#: ``|c|`` within this of 1 counts as exactly linear in :func:`_gauge_rows` (float32 resolution near 1).
+_LINEAR = 1e-6
+
+
+def _gauge_rows(
+    attn_logits: torch.Tensor, nw_logits: torch.Tensor, key_mask: torch.Tensor | None, key_term: torch.Tensor | None
+) -> torch.Tensor:
+    """Per-row logit ratio ``r`` (see :func:`compare_weights`), ``(..., R, K) -> (..., R)``; masked keys left out."""
+    attn = attn_logits if key_mask is None else torch.where(key_mask, attn_logits, 0.0)
+    if key_term is not None:
+        return _row_sd(attn, key_mask) / _row_sd(key_term, key_mask)
+    nw = nw_logits if key_mask is None else torch.where(key_mask, nw_logits, 0.0)
+    c = _row_pearson(attn, nw, key_mask)
+    # Logits linear in each other to float32 precision (always so for two keys) have c = +-1: r = +-inf.
+    c = torch.where(c.abs() >= 1 - _LINEAR, c.sign(), c)
+    return c / torch.sqrt(1 - c * c)
 
 
 def copy_groups(keys: torch.Tensor, rtol: float = 1e-5) -> torch.Tensor:
@@ -281,3 +373,156 @@ def fit_bandwidth(
             best = torch.where(better, log_tau, best)
             best_kl = torch.where(better, kl, best_kl)
     return torch.exp(best / 2)
+
+
+# -------------------------------------------------------------------------------------------------- nulls and baseline
+
+#: Rows of at most this many keys get the null of their rho by enumerating all ``K!`` rankings; longer ones by
+#: simulation.
+EXACT_NULL_KEYS = 8
+
+
+@dataclass(frozen=True)
+class RhoNull:
+    """The distribution of the per-row Spearman rho between two independent rankings of ``keys`` distinct keys.
+
+    Under independence every permutation of one ranking against the other is equally likely, and rho takes the values
+    ``1 - 6 S / (K^3 - K)``, ``S = sum_i d_i^2`` the sum of squared rank differences: mean 0, variance ``1 / (K - 1)``.
+
+    Attributes:
+        keys: the number of keys ``K``.
+        values: the values rho takes with non-zero probability, ascending.
+        probs: their probabilities (summing to 1).
+        exact: whether ``probs`` come from enumerating all ``K!`` permutations, else from ``samples`` random ones.
+        samples: how many random permutations were drawn (``None`` when exact).
+    """
+
+    keys: int
+    values: tuple[float, ...]
+    probs: tuple[float, ...]
+    exact: bool
+    samples: int | None = None
+
+    def tail(self, threshold: float) -> float:
+        """``P(rho > threshold)``."""
+        return math.fsum(p for v, p in zip(self.values, self.probs, strict=True) if v > threshold)
+
+    def prob(self, value: float) -> float:
+        """``P(rho = value)`` (0 for a value rho does not take)."""
+        return math.fsum(p for v, p in zip(self.values, self.probs, strict=True) if abs(v - value) < 1e-12)
+
+    @property
+    def sd(self) -> float:
+        """The distribution's standard deviation (``1 / sqrt(K - 1)`` up to the simulation's error)."""
+        mean = math.fsum(v * p for v, p in zip(self.values, self.probs, strict=True))
+        return math.sqrt(math.fsum((v - mean) ** 2 * p for v, p in zip(self.values, self.probs, strict=True)))
+
+
+@functools.lru_cache(maxsize=256)
+def rho_null(keys: int, samples: int = 2**20, seed: int = 0) -> RhoNull:
+    """The null distribution of the per-row Spearman rho for ``keys`` distinct keys (computed once, then cached).
+
+    Exact for ``keys <= EXACT_NULL_KEYS`` (all ``K!`` permutations, pure Python); above, from ``samples`` uniformly
+    random permutations (``argsort`` of uniform noise from a generator seeded with ``seed``), whose probabilities have
+    the standard error ``sqrt(p (1 - p) / samples)``.
+
+    Args:
+        keys: ``K >= 2``, the keys in a row.
+        samples: random permutations drawn above the exact range.
+        seed: the simulation's seed.
+
+    Returns:
+        the :class:`RhoNull`.
+
+    Example:
+        ```py
+        >>> rho_null(4).tail(0.9)  # rho = 1 exactly: one ranking in 4! = 24
+        0.041666666666666664
+        ```
+    """
+    if isinstance(keys, bool) or not isinstance(keys, int) or keys < 2:
+        raise ValueError(f"keys: expected an integer >= 2 (a row of fewer keys has no rank correlation), got {keys!r}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples: expected a positive integer, got {samples!r}")
+    counts: dict[int, int] = {}
+    if keys <= EXACT_NULL_KEYS:
+        for perm in itertools.permutations(range(keys)):
+            s = sum((p - i) ** 2 for i, p in enumerate(perm))
+            counts[s] = counts.get(s, 0) + 1
+        total, exact = math.factorial(keys), True
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        position = torch.arange(keys)
+        chunk = max(1, 2**22 // keys)
+        bins = torch.zeros((keys**3 - keys) // 3 + 1, dtype=torch.int64)
+        for start in range(0, samples, chunk):
+            n = min(chunk, samples - start)
+            perm = torch.rand(n, keys, generator=generator).argsort(-1)  # (n, K) uniform random permutations
+            bins += torch.bincount(((perm - position) ** 2).sum(-1), minlength=bins.numel())
+        counts = {s: c for s, c in enumerate(bins.tolist()) if c}
+        total, exact = samples, False
+    denominator = keys**3 - keys
+    ordered = sorted(counts.items(), reverse=True)  # large S first: rho ascending
+    values = tuple(1 - 6 * s / denominator for s, _ in ordered)
+    probs = tuple(c / total for _, c in ordered)
+    return RhoNull(keys, values, probs, exact, None if exact else samples)
+
+
+#: Random permutations per number of keys behind :data:`_TAIL_HITS`.
+_TAIL_SAMPLES = 2**24
+
+#: How many of :data:`_TAIL_SAMPLES` uniformly random permutations of ``K`` keys have rho > 0.9, for
+#: ``EXACT_NULL_KEYS < K <= 22``: the chance level ``hits / 2**24`` has the standard error ``sqrt(hits) / 2**24``
+#: (6e-6 at K = 9, under 1e-6 from K = 15). Tabulated once by ``python -m ipa_probe.devtools.rho_null_table``
+#: (:func:`rho_null` with seed 0), which stops at the first ``K`` (23) where no permutation reached 0.9; beyond the
+#: table the chance is below about 1e-7 and is taken as 0.
+_TAIL_HITS: dict[int, int] = {
+    9: 11215,
+    10: 6826,
+    11: 2304,
+    12: 1345,
+    13: 598,
+    14: 251,
+    15: 95,
+    16: 40,
+    17: 27,
+    18: 11,
+    19: 3,
+    20: 1,
+    21: 1,
+    22: 2,
+}
+
+
+def null_tail(keys: int) -> float:
+    """The chance that a row of ``keys`` distinct keys has rho above :data:`~ipa_probe.schema.ROW_THRESHOLD` (0.9)
+    under independent rankings: exact up to :data:`EXACT_NULL_KEYS` keys, tabulated from a simulation above (see
+    :data:`_TAIL_HITS`), 0 beyond the table (no simulated row got there), NaN for fewer than 2 keys."""
+    if keys < 2:
+        return math.nan
+    if keys <= EXACT_NULL_KEYS:
+        return rho_null(keys).tail(ROW_THRESHOLD)
+    return _TAIL_HITS.get(keys, 0) / _TAIL_SAMPLES
+
+
+def rho_baseline(ratio: torch.Tensor, keys: torch.Tensor | int) -> torch.Tensor:
+    """The per-row Spearman rho expected from the logit ratio ``r`` and the number of keys ``K`` alone.
+
+    Model: a row's attention logits ``x_i`` and the NW logits' key-norm term ``y_i = |k_i|^2 / 2`` (in the same
+    units) are independent Gaussians with ``sd(x) / sd(y) = r``; the NW ranks follow ``x - y``, whose correlation
+    with ``x`` is ``c = r / sqrt(1 + r^2)``, and ``K`` samples of a bivariate normal with correlation ``c`` have the
+    expected Spearman rho (Moran 1948)
+
+        E[rho] = 6 / (pi (K + 1)) * (asin(c) + (K - 2) asin(c / 2)).
+
+    Args:
+        ratio: ``r``, any shape; ``inf`` gives ``c = 1``, a negative ``r`` a negative ``c``.
+        keys: ``K``, an int or a tensor broadcastable to ``ratio``.
+
+    Returns:
+        ``E[rho]``, the broadcast shape, in ``ratio``'s floating dtype.
+    """
+    ratio = ratio if ratio.is_floating_point() else ratio.float()
+    c = torch.sign(ratio) / torch.sqrt(1 + 1 / (ratio * ratio))  # r / sqrt(1 + r^2), finite for r = inf
+    keys = keys.to(ratio.dtype) if isinstance(keys, torch.Tensor) else keys
+    return 6 / (math.pi * (keys + 1)) * (torch.asin(c) + (keys - 2) * torch.asin(c / 2))

@@ -77,6 +77,9 @@ CASES = [
     ),
     Case("--overlay-steps without --overlays", ("probe", "--overlay-steps"), 2, "needs --overlays"),
     Case("--overlays names a file", ("probe", "--overlays", "{root}/a_file"), 2, "--overlays"),
+    Case("--gauge-sweep 0,1", ("probe", "--gauge-sweep", "0,1"), 2, "numbers > 0"),
+    Case("--gauge-sweep 1,x", ("probe", "--gauge-sweep", "1,x"), 2, "expected a number"),
+    Case("--gauge-sweep with --maps", ("probe", "--gauge-sweep", "--maps"), 2, "drop --keep-maps"),
     Case("lock is a folder", ("sweep", "{root}/ok.jsonl", "--out", "{root}/locked"), 1, "Is a directory"),
     # models and weights
     Case("--model ./nope", ("probe", "--model", "./nope", "--ip-adapter", "./x", *REAL), 2, "does not exist"),

@@ -171,32 +171,6 @@ def test_refuses_calls_it_cannot_pair(organism, refs):
 # ------------------------------------------------------------------------------------------ invariance under the gauge
 
 
-def reparametrise(pipe, c: float) -> dict[str, torch.Tensor]:
-    """Scale every IP layer's to_q by c and its to_k / to_k_ip by 1/c in place; return the originals."""
-    originals = {}
-    for layer in ipa_probe.find_ip_layers(pipe):
-        attn = layer.attention
-        modules = {"to_q": (attn.to_q, c), "to_k": (attn.to_k, 1 / c)}
-        modules.update({f"to_k_ip{a}": (m, 1 / c) for a, m in enumerate(layer.processor.to_k_ip)})
-        for name, (module, factor) in modules.items():
-            for pname, param in module.named_parameters():
-                originals[f"{layer.name}.{name}.{pname}"] = param.detach().clone()
-                with torch.no_grad():
-                    param.mul_(factor)
-    return originals
-
-
-def restore(pipe, originals: dict[str, torch.Tensor]) -> None:
-    for layer in ipa_probe.find_ip_layers(pipe):
-        attn = layer.attention
-        modules = {"to_q": attn.to_q, "to_k": attn.to_k}
-        modules.update({f"to_k_ip{a}": m for a, m in enumerate(layer.processor.to_k_ip)})
-        for name, module in modules.items():
-            for pname, param in module.named_parameters():
-                with torch.no_grad():
-                    param.copy_(originals[f"{layer.name}.{name}.{pname}"])
-
-
 def probe_spearman(pipe, refs) -> float:
     with ipa_probe.probe(pipe, steps=STEPS) as run:
         pipe(
@@ -223,12 +197,9 @@ def gauge_baseline(organism, refs):
 def test_invariant_metrics_do_not_move_under_a_gauge_change(organism, refs, gauge_baseline, c):
     sets, base, base_outputs, rho = gauge_baseline
     before = {k: v.clone() for k, v in organism.unet.state_dict().items()}
-    originals = reparametrise(organism, c)
-    try:
+    with ipa_probe.qk_gauge(organism, c):  # to_q (weight, bias) times c, to_k and every to_k_ip divided by c
         moved = [attribution(organism, r, seed=i) for i, r in enumerate(sets)]
         rho_moved = probe_spearman(organism, refs)
-    finally:
-        restore(organism, originals)
     assert all(torch.equal(v, organism.unet.state_dict()[k]) for k, v in before.items())  # back bit for bit
     assert abs(rho_moved - rho) > 0.05  # the probe's rho is not a property of the model: it moved
     for (_, generation), output in zip(moved, base_outputs, strict=True):

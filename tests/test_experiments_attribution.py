@@ -13,7 +13,8 @@ from scipy import stats
 
 import ipa_probe
 from ipa_probe.experiments import attribution as experiment
-from ipa_probe.experiments.ip_adapter import GAUGE_COLUMNS, organism_pipelines, summarize_sets
+from ipa_probe.experiments.ip_adapter import organism_pipelines, summarize_sets
+from ipa_probe.schema import GAUGE_COLUMNS
 from ipa_probe.tiny.digits import DIGITS_PROMPT, digit_classifier, digits_reference_images
 
 

@@ -16,6 +16,7 @@ import ipa_probe
 import ipa_probe.images
 import ipa_probe.layers
 from ipa_probe.capture.run import probe
+from ipa_probe.schema import GAUGE_COLUMNS, NULL_COLUMNS
 from ipa_probe.tiny.sd import tiny_pipeline
 
 STEPS = 3
@@ -213,10 +214,12 @@ def test_no_host_synchronisation_inside_the_denoising_loop(sd15, refs):
     with CountScalarReads() as plain:
         generate(sd15, refs, **kwargs)
     for bandwidth in ("matched", "fit", 1.5, lambda t: 1.0 + t / 1000):
-        with probe(sd15, bandwidth=bandwidth):
+        with probe(sd15, bandwidth=bandwidth) as run:
             with CountScalarReads() as probed:
                 generate(sd15, refs, **kwargs)
         assert probed.count == plain.count, bandwidth
+        cond = run.to_dataframe().query("branch == 'cond'")
+        assert cond[list(GAUGE_COLUMNS + NULL_COLUMNS)].notna().all().all()  # computed inside the counted call
 
 
 # --------------------------------------------------------------------------- options
@@ -235,6 +238,9 @@ def test_bandwidth_options(sd15, refs):
     for name in ("float", "callable", "fit"):
         np.testing.assert_allclose(tables[name]["spearman"], tables["matched"]["spearman"], atol=1e-6)
         np.testing.assert_allclose(tables[name]["top1"], tables["matched"]["top1"], atol=1e-6)
+        # the logit ratio is taken in the vectors' own units, so h does not enter it either (float32 sums: 1e-5)
+        for column in ("logit_ratio", "rho_baseline", "rho_excess"):
+            np.testing.assert_allclose(tables[name][column], tables["matched"][column], rtol=1e-5, atol=1e-6)
     assert (tables["fit"]["kl"] <= tables["matched"]["kl"] + 1e-6).all()
     assert tables["fit"]["bandwidth"].nunique() > 1
 

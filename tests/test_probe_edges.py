@@ -19,6 +19,7 @@ from ipa_probe.capture.config import ProbeConfig
 from ipa_probe.capture.report import summarize
 from ipa_probe.capture.run import probe
 from ipa_probe.layers import find_ip_layers
+from ipa_probe.schema import GAUGE_COLUMNS, NULL_COLUMNS
 from ipa_probe.tiny.dit import tiny_sd3_pipeline
 from ipa_probe.tiny.sd import tiny_pipeline
 
@@ -56,10 +57,15 @@ def sd15_cfg():
     return tiny_pipeline("sd15", num_adapters=2)
 
 
-@pytest.mark.parametrize("bandwidth", ["matched", "fit", 1.5, lambda t: 1.0 + t / 1000])
-def test_no_host_tensors_or_scalar_reads_inside_the_denoising_loop(sd15_cfg, refs, bandwidth):
+@pytest.mark.parametrize(
+    ("bandwidth", "branch"),
+    [("matched", "image"), ("fit", "image"), (1.5, "image"), (lambda t: 1.0 + t / 1000, "image"), ("matched", "both")],
+)
+def test_no_host_tensors_or_scalar_reads_inside_the_denoising_loop(sd15_cfg, refs, bandwidth, branch):
     """Probed and plain calls make the same number of tensors from host data and read the same number of scalars,
-    with masks and two adapters, so the probe adds no host-to-device copy and no device-to-host read per layer."""
+    with masks and two adapters, so the probe adds no host-to-device copy and no device-to-host read per layer; the
+    gauge and null columns are among what it computed (``branch="both"``: the text branch's padded rows, whose
+    chance levels come from a per-run table of the number of keys)."""
     masks = masks_for(len(refs))
     kwargs = {"guidance_scale": 5.0, "cross_attention_kwargs": {"ip_adapter_masks": masks * 2}}
     pipe = sd15_cfg
@@ -73,10 +79,14 @@ def test_no_host_tensors_or_scalar_reads_inside_the_denoising_loop(sd15_cfg, ref
         return made.count, reads.count
 
     plain = counted()
-    with probe(pipe, bandwidth=bandwidth) as run:
+    with probe(pipe, bandwidth=bandwidth, branch=branch) as run:
         probed = counted()
     assert probed == plain
-    assert len(run.to_dataframe()) > 0
+    table = run.to_dataframe()
+    assert len(table) > 0
+    assert set(table["kind"]) == ({"image", "text"} if branch == "both" else {"image"})
+    cond = table[table["branch"] == "cond"]
+    assert cond[list(GAUGE_COLUMNS + NULL_COLUMNS)].notna().all().all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the sync-debug mode only exists there")

@@ -2,7 +2,8 @@
 
 Each case runs a tiny pipeline (built with ``from_pipe`` from :func:`ipa_probe.tiny_pipeline`, or from its components)
 with the probe off and on and checks: the output is bit-identical, every batch chunk has the label its pipeline gives
-it, and the statistics of one layer equal a float64 recomputation (numpy/scipy) from the test's own forward hooks on
+it, and the statistics of one layer (the gauge diagnostics and the rows' nulls included) equal a float64
+recomputation (numpy/scipy, the nulls by enumerating the keys' permutations) from the test's own forward hooks on
 ``attn.to_q`` and ``to_k_ip``: never through the probe's code. The layout each pipeline uses is written here from
 diffusers' source (SD/SDXL/Img2Img/Inpaint/ControlNet/AnimateDiff ``[uncond, cond]``, PAG ``[uncond, cond,
 perturbed]``, InstructPix2Pix ``[cond, uncond_text, uncond]``), not read from the probe.
@@ -10,6 +11,8 @@ perturbed]``, InstructPix2Pix ``[cond, uncond_text, uncond]``), not read from th
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,6 +183,18 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return special.softmax(x, axis=-1)
 
 
+@functools.cache
+def _null_rho(keys: int) -> np.ndarray:
+    """rho of every permutation of ``keys`` distinct ranks against the identity (the null under independence); above
+    8 keys of 2**18 random permutations (numpy, seeded): P(rho > 0.9) is then below 7e-4 with a standard error below
+    5e-5, inside the comparison's 2e-4."""
+    if keys <= 8:
+        perms = np.array(list(itertools.permutations(range(keys))))
+    else:
+        perms = np.random.default_rng(keys).permuted(np.tile(np.arange(keys), (2**18, 1)), axis=1)
+    return 1 - 6 * ((perms - np.arange(keys)) ** 2).sum(1) / (keys**3 - keys)
+
+
 def reference_cell(q: np.ndarray, k: np.ndarray, rows: np.ndarray | None) -> dict[str, np.ndarray]:
     """Statistics per head of one group of batch items, in float64 with numpy and scipy.
 
@@ -210,6 +225,16 @@ def reference_cell(q: np.ndarray, k: np.ndarray, rows: np.ndarray | None) -> dic
             for i, x, y in zip(item, top_a, top_w, strict=True)
         ]
         norms = np.linalg.norm(keys, axis=-1).ravel()
+        # the gauge diagnostics per row: r = sd(q·k) / sd(|k|^2 / 2) over the row's keys, Moran's E[rho] from r and K
+        dots = (q[:, h] @ keys.swapaxes(-1, -2))[keep]  # (rows, K)
+        half_sq = np.repeat((keys**2).sum(-1) / 2, queries, axis=0)[keep.ravel()]  # (rows, K): each row's item
+        r = dots.std(-1) / half_sq.std(-1)
+        n_keys = k.shape[2]
+        c = r / np.sqrt(1 + r * r)
+        baseline = 6 / (np.pi * (n_keys + 1)) * (np.arcsin(c) + (n_keys - 2) * np.arcsin(c / 2))
+        rho = np.asarray(rho)
+        ranked = ~np.isnan(rho)
+        null = _null_rho(n_keys)
         values = {
             "spearman": np.nanmean(rho),
             "pearson": stats.pearsonr(rows_a.ravel(), rows_w.ravel()).statistic,
@@ -220,6 +245,14 @@ def reference_cell(q: np.ndarray, k: np.ndarray, rows: np.ndarray | None) -> dic
             "q_norm": np.linalg.norm(q[:, h], axis=-1)[keep].mean(),
             "k_norm_spread": norms.std() / norms.mean(),
             "keys": k.shape[2],
+            "logit_ratio": r[ranked & np.isfinite(r)].mean(),
+            "rho_baseline": baseline[ranked].mean(),
+            "rho_excess": (rho - baseline)[ranked].mean(),
+            "rows_rho_gt_0.9": (rho[ranked] > 0.9).mean(),
+            "rows_rho_gt_0.9_null": (null > 0.9).mean(),
+            "rows_rho_pos1": (np.abs(rho[ranked] - 1) < 1e-9).mean(),
+            "rows_rho_neg1": (np.abs(rho[ranked] + 1) < 1e-9).mean(),
+            "rows_rho_pos1_null": 1 / math.factorial(n_keys),
         }
         for name, value in values.items():
             out.setdefault(name, []).append(value)

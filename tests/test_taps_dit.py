@@ -20,6 +20,7 @@ from scipy import stats as sps
 from ipa_probe.capture.run import probe
 from ipa_probe.layers import find_ip_layers
 from ipa_probe.nwhead import apply_nw_head
+from ipa_probe.schema import GAUGE_COLUMNS, NULL_COLUMNS
 from ipa_probe.tiny.dit import (
     FLUX_IP_TOKENS,
     SD3_IP_TOKENS,
@@ -118,10 +119,11 @@ def test_no_host_synchronisation_added(refs, flux, sd3, family, maps):
     generate(pipe, refs, cfg=True)  # warm-up
     with CountScalarReads() as plain:
         generate(pipe, refs, cfg=True)
-    with probe(pipe, bandwidth=lambda t: 1.0 + t / 1000, maps=maps):
+    with probe(pipe, bandwidth=lambda t: 1.0 + t / 1000, maps=maps) as run:
         with CountScalarReads() as probed:
             generate(pipe, refs, cfg=True)
     assert probed.count == plain.count
+    assert run.to_dataframe()[list(GAUGE_COLUMNS + NULL_COLUMNS)].notna().any().all()  # computed in the counted call
 
 
 def _same_numbers(a, b):

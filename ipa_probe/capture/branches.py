@@ -1,17 +1,46 @@
 """Which CFG branch each batch item of a denoiser pass belongs to, decided from evidence, never assumed.
 
-A pipeline encodes its prompts before the loop; the probe keeps what ``encode_prompt`` returned (the prompt's and the
+A pipeline encodes its prompts before the loop; the probe keeps what the encoder returned (the prompt's and the
 negative prompt's embeddings) and, at every denoiser pass, compares each contiguous chunk of the
 ``encoder_hidden_states`` the denoiser receives with them, on the device (no host synchronisation):
 
 - a chunk equal to the prompt embeddings is ``"cond"``, one equal to the negative prompt embeddings ``"uncond"``;
-- with perturbed-attention guidance active (diffusers' PAG pipelines), the last chunk repeats the prompt and is
-  ``"perturbed"``;
+- with perturbed-attention guidance active (diffusers' PAG pipelines), the batch is ``[uncond, cond, perturbed]``
+  (or ``[cond, perturbed]``), each part possibly repeated per frame (AnimateDiff PAG): of the chunks equal to the
+  prompt, the last half are ``"perturbed"``;
 - InstructPix2Pix orders its batch ``[prompt, negative, negative]`` (the middle chunk sees the image, the last one
-  neither image nor text): the middle chunk is ``"uncond_text"``, the last ``"uncond"``;
-- a chunk matching neither (or both: a negative prompt equal to the prompt) is ``"batch"``, and so is a whole pass
+  neither image nor text): of the chunks equal to the negative prompt, the first half are ``"uncond_text"``;
+- ``StableDiffusionPipelineSafe`` with safety guidance adds a chunk of its safety concept's embeddings:
+  ``"safety"``;
+- a chunk matching none (or several: a negative prompt equal to the prompt) is ``"batch"``, and so is a whole pass
   when no prompt embeddings were seen (a hand-written loop calling ``pipe.unet``, or a ``from_pipe`` sibling
   running another prompt) or its batch does not divide into chunks of the prompt's size.
+
+A pass that is not a branch of the loop but a guidance pass of its own gets its own label for all its items, given
+by the model family's tap (:class:`~.taps.DenoiserPass`): ``"sag"`` for the degraded pass of self-attention
+guidance (``StableDiffusionSAGPipeline``), recorded at the step it belongs to.
+
+What the encoders return (:data:`ENCODERS`; only the outermost encoding counts when one encoder calls another, as
+AnimateDiff's FreeNoise does):
+
+=====================================  =========================================================================
+``encode_prompt`` returns              read as
+=====================================  =========================================================================
+2-tuple                                ``(prompt, negative or None)``: SD 1.5, AnimateDiff, PAG, LCM, ...
+3-tuple                                ``(prompt, pooled, text_ids)``: Flux; one prompt per encoding, the first
+                                       encoding of a call is the prompt, a second one the negative prompt
+4-tuple                                ``(prompt, negative, pooled, negative pooled)``: SDXL, SD3, Kolors
+5-tuple                                ``(negative, edit concepts, ...)``: LEdits++
+6-tuple                                ``(prompt, ids, mask, negative, negative ids, negative mask)``: Chroma
+dict                                   its ``"prompt_embeds"`` and ``"negative_prompt_embeds"``
+tensor (``_encode_prompt``)            the batch already concatenated: InstructPix2Pix ``[prompt, negative,
+                                       negative]``; ``StableDiffusionPipelineSafe`` ``[negative, prompt(,
+                                       safety)]``
+``_encode_prompt_free_noise``          ``([negative; prompt] or prompt, negative or None)``, per frame
+=====================================  =========================================================================
+
+The embeddings are compared as the denoiser receives them: Kolors' UNet projects its ChatGLM embeddings inside its
+own forward, so its pre-hook sees what ``encode_prompt`` returned.
 
 ``probe(pipe, branches=("uncond", "cond"))`` declares the layout instead: every pass is cut into that many equal
 chunks, labelled in that order.
@@ -33,9 +62,20 @@ from ..schema import BRANCH_LABELS
 
 __all__ = ["Layout", "PromptEvidence", "label_vocabulary"]
 
-#: Pipeline methods whose results are the prompt embeddings (``_encode_prompt``: InstructPix2Pix, which has no
-#: ``encode_prompt`` and returns its batch already concatenated).
-_ENCODERS = ("encode_prompt", "_encode_prompt")
+#: Pipeline methods whose results are the prompt embeddings, outermost first: AnimateDiff's FreeNoise encodes through
+#: ``_encode_prompt_free_noise``, which calls ``encode_prompt`` twice (the prompt, then the negative prompt beside an
+#: empty one) and interpolates per frame; InstructPix2Pix and ``StableDiffusionPipelineSafe`` have only
+#: ``_encode_prompt``, which returns the batch already concatenated.
+ENCODERS: tuple[str, ...] = ("_encode_prompt_free_noise", "encode_prompt", "_encode_prompt")
+
+#: For each ``encode_prompt`` tuple length diffusers uses, the positions of the prompt's and the negative prompt's
+#: embeddings (``None``: the tuple holds one prompt, see :meth:`PromptEvidence._keep`).
+_TUPLE_POSITIONS: dict[int, tuple[int, int] | None] = {
+    2: (0, 1),  # SD 1.5 family, AnimateDiff, PAG, LCM: (prompt, negative)
+    3: None,  # Flux: (prompt, pooled, text_ids); the negative prompt is a second encoding
+    4: (0, 1),  # SDXL, SD3, Kolors: (prompt, negative, pooled, negative pooled)
+    6: (0, 3),  # Chroma: (prompt, text_ids, mask, negative, negative text_ids, negative mask)
+}
 
 
 def label_vocabulary(declared: tuple[str, ...] | None) -> tuple[str, ...]:
@@ -66,11 +106,15 @@ class Layout:
     is_uncond: list[torch.Tensor] | None = None
 
 
+def _tensor(value: Any) -> torch.Tensor | None:
+    return value if isinstance(value, torch.Tensor) else None
+
+
 class PromptEvidence:
     """Keeps the prompt embeddings a pipeline computed and turns them into each pass's :class:`Layout`.
 
-    It wraps the pipeline's own ``encode_prompt`` (or InstructPix2Pix's ``_encode_prompt``) on the instance while the
-    probe runs (the class is untouched; :meth:`remove` restores the instance exactly).
+    It wraps the pipeline's own encoders (:data:`ENCODERS`) on the instance while the probe runs (the class is
+    untouched; :meth:`remove` restores the instance exactly).
 
     Args:
         pipe: the pipeline.
@@ -90,17 +134,31 @@ class PromptEvidence:
         self.vocabulary = vocabulary
         self.declared = declared
         self.on_encode = on_encode
-        self.cond: torch.Tensor | None = None
-        self.uncond: torch.Tensor | None = None
+        #: label -> the embeddings a chunk of that label equals: ``"cond"``, ``"uncond"``, ``"safety"``
+        self.known: dict[str, torch.Tensor] = {}
         self.instruct_pix2pix = False
+        #: the pipeline whose call is running (a ``from_pipe`` sibling runs with the probed pipeline's denoiser);
+        #: read for its PAG setting
+        self.running = pipe
         self._fresh = True  # the next encoding starts a new pipeline call's evidence
+        self._depth = 0  # encoders running now (only the outermost one's result is kept)
         self._wrapped: list[tuple[str, bool, Any]] = []
         self._index: dict[torch.device, torch.Tensor] = {}
         self._declared_labels: dict[torch.device, torch.Tensor] = {}
 
+    @property
+    def cond(self) -> torch.Tensor | None:
+        """The prompt's embeddings ``(n, T, C)`` of the current call, or ``None``."""
+        return self.known.get("cond")
+
+    @property
+    def uncond(self) -> torch.Tensor | None:
+        """The negative prompt's embeddings of the current call, or ``None``."""
+        return self.known.get("uncond")
+
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
-        for name in _ENCODERS:
+        for name in ENCODERS:
             original = getattr(self.pipe, name, None)
             if callable(original) and not (name == "_encode_prompt" and hasattr(self.pipe, "encode_prompt")):
                 self._wrapped.append((name, name in vars(self.pipe), vars(self.pipe).get(name)))
@@ -113,7 +171,9 @@ class PromptEvidence:
             else:
                 vars(self.pipe).pop(name, None)
         self._wrapped.clear()
-        self.cond = self.uncond = None
+        self.known = {}
+        self.running = self.pipe
+        self._depth = 0
         self._index.clear()
         self._declared_labels.clear()
 
@@ -125,44 +185,80 @@ class PromptEvidence:
         signature = inspect.signature(original)
 
         def encode(*args, **kwargs):
-            if self._fresh:
-                self.cond = self.uncond = None
+            if self._depth == 0 and self._fresh:
+                self.known = {}
                 self.instruct_pix2pix = False
                 self._fresh = False
                 if self.on_encode is not None:
                     self.on_encode()
-            result = original(*args, **kwargs)
-            self._keep(name, result, signature, args, kwargs)
+            self._depth += 1
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+            if self._depth == 0:
+                self._keep(name, result, signature, args, kwargs)
             return result
 
         encode.__wrapped__ = original
         return encode
 
     def _keep(self, name: str, result: Any, signature: inspect.Signature, args: tuple, kwargs: dict) -> None:
-        if isinstance(result, torch.Tensor) and name == "_encode_prompt":
-            # InstructPix2Pix: [prompt, negative, negative] with CFG, the prompt alone without
-            try:
-                cfg = signature.bind(*args, **kwargs).arguments.get("do_classifier_free_guidance", False)
-            except TypeError:
-                return
-            n = result.shape[0] // 3 if cfg else result.shape[0]
-            self.cond, self.uncond = result[:n], (result[n : 2 * n] if cfg else None)
-            self.instruct_pix2pix = bool(cfg)
+        """Read one outermost encoding's result (the table in the module docstring)."""
+        if name == "_encode_prompt_free_noise" and isinstance(result, tuple | list) and len(result) == 2:
+            embeds, negative = _tensor(result[0]), _tensor(result[1])
+            if embeds is not None and negative is not None and embeds.shape[0] == 2 * negative.shape[0]:
+                self.known.update(cond=embeds[negative.shape[0] :], uncond=negative)  # [negative; prompt]
+            elif embeds is not None:
+                self.known["cond"] = embeds
             return
-        if not isinstance(result, tuple | list) or not result or not isinstance(result[0], torch.Tensor):
+        if isinstance(result, torch.Tensor):
+            if name == "_encode_prompt":
+                self._keep_concatenated(result, signature, args, kwargs)
             return
-        first = result[0]
-        second = result[1] if len(result) > 1 else None
-        if isinstance(second, torch.Tensor) and second.shape == first.shape:
-            # SD, SDXL, SD3, PAG: (prompt, negative, ...)
-            self.cond, self.uncond = first, second
-        elif second is None:
-            # (prompt, None, ...): no negative prompt was asked for
-            self.cond = first
-        elif self.cond is None:
-            self.cond = first  # Flux: one prompt per call, the prompt first ...
+        if isinstance(result, dict):
+            prompt, negative = _tensor(result.get("prompt_embeds")), _tensor(result.get("negative_prompt_embeds"))
+        elif isinstance(result, tuple | list) and len(result) == 5 and isinstance(result[4], int):
+            # LEdits++: (negative, edit concepts, negative pooled, edit pooled, edit tokens); no prompt of its own
+            prompt, negative = None, _tensor(result[0])
+        elif isinstance(result, tuple | list) and len(result) in _TUPLE_POSITIONS:
+            positions = _TUPLE_POSITIONS[len(result)]
+            if positions is None:  # one prompt per encoding: the prompt first, then the negative prompt
+                first = _tensor(result[0])
+                prompt, negative = (first, None) if "cond" not in self.known else (None, first)
+            else:
+                prompt, negative = _tensor(result[positions[0]]), _tensor(result[positions[1]])
         else:
-            self.uncond = first  # ... then the negative prompt (true CFG)
+            return
+        if prompt is not None:
+            self.known["cond"] = prompt
+        if negative is not None and (prompt is None or negative.shape == prompt.shape):
+            self.known["uncond"] = negative
+
+    def _keep_concatenated(self, result: torch.Tensor, signature: inspect.Signature, args: tuple, kwargs: dict):
+        """``_encode_prompt`` returning the batch already concatenated: InstructPix2Pix ``[prompt, negative,
+        negative]`` (CFG) or the prompt; ``StableDiffusionPipelineSafe`` ``[negative, prompt, safety]`` (CFG and
+        safety guidance), ``[negative, prompt]`` (CFG) or the prompt."""
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            return
+        cfg = bool(bound.get("do_classifier_free_guidance", False))
+        if "enable_safety_guidance" in signature.parameters:
+            safety = cfg and bool(bound.get("enable_safety_guidance", False))
+            parts = result.chunk(3 if safety else 2) if cfg else (result,)
+            if cfg:
+                self.known.update(uncond=parts[0], cond=parts[1])
+                if safety:
+                    self.known["safety"] = parts[2]
+            else:
+                self.known["cond"] = result
+            return
+        n = result.shape[0] // 3 if cfg else result.shape[0]
+        self.known["cond"] = result[:n]
+        if cfg:
+            self.known["uncond"] = result[n : 2 * n]
+        self.instruct_pix2pix = cfg
 
     # ------------------------------------------------------------------ per pass
     def _constants(self, device: torch.device) -> torch.Tensor:
@@ -171,12 +267,25 @@ class PromptEvidence:
             self._index[device] = torch.arange(len(self.vocabulary), device=device)
         return self._index[device]
 
-    def layout(self, context: torch.Tensor | None, device: torch.device) -> Layout:
-        """The :class:`Layout` of a pass whose ``encoder_hidden_states`` is ``context`` (``(B, T, C)``)."""
+    def _uniform(self, label: str, size: int, device: torch.device) -> Layout:
+        index = self._constants(device)
+        at = self.vocabulary.index(label)
+        return Layout(1, index[at : at + 1], index[at : at + 1].expand(size))
+
+    def layout(self, context: torch.Tensor | None, device: torch.device, label: str | None = None) -> Layout:
+        """The :class:`Layout` of a pass whose ``encoder_hidden_states`` is ``context`` (``(B, T, C)``).
+
+        Args:
+            context: the pass's ``encoder_hidden_states``, or ``None``.
+            device: where the labels live (the latents' device).
+            label: a label for every item of a guidance pass that is not a branch of the loop (``"sag"``), else
+                ``None``.
+        """
         index = self._constants(device)
         size = context.shape[0] if isinstance(context, torch.Tensor) else 1
-        batch = self.vocabulary.index("batch")
-        unlabelled = Layout(1, index[batch : batch + 1], index[batch : batch + 1].expand(size))
+        if label is not None:
+            return self._uniform(label, size, device)
+        unlabelled = self._uniform("batch", size, device)
         if self.declared is not None:
             chunks = len(self.declared)
             if size % chunks:
@@ -192,26 +301,30 @@ class PromptEvidence:
         n = cond.shape[0]
         if n == 0 or size % n:
             return unlabelled
-        chunks = context.shape[0] // n
-        uncond = self.uncond if self.uncond is not None and self.uncond.shape == cond.shape else None
-        pag = bool(getattr(self.pipe, "do_perturbed_attention_guidance", False))
-        labels, is_cond, is_uncond = [], [], []
-        for c in range(chunks):
-            part = context[c * n : (c + 1) * n]
-            match_cond = (part == cond.to(part.device)).all()
-            match_uncond = (
-                (part == uncond.to(part.device)).all() if uncond is not None else torch.zeros_like(match_cond)
-            )
-            cond_label = "perturbed" if pag and chunks > 1 and c == chunks - 1 else "cond"
-            uncond_label = "uncond_text" if self.instruct_pix2pix and chunks == 3 and c == 1 else "uncond"
-            only_cond, only_uncond = match_cond & ~match_uncond, match_uncond & ~match_cond
-            label = torch.where(
-                only_cond,
-                index[self.vocabulary.index(cond_label)],
-                torch.where(only_uncond, index[self.vocabulary.index(uncond_label)], index[batch]),
-            )
-            labels.append(label)
-            is_cond.append(only_cond)
-            is_uncond.append(only_uncond)
-        labels = torch.stack(labels)
-        return Layout(chunks, labels, labels.repeat_interleave(n), is_cond, is_uncond)
+        chunks = size // n
+        parts = context.reshape(chunks, n, -1)  # (chunks, n, T * C)
+        matches = {}  # label -> (chunks,) bool: the chunk equals that evidence
+        for name, embeds in self.known.items():
+            if embeds.shape == cond.shape:
+                matches[name] = (parts == embeds.to(parts.device).reshape(1, n, -1)).flatten(1).all(-1)
+        hits = torch.stack(list(matches.values())).sum(0)  # (chunks,) how many evidences each chunk equals
+        only = {name: match & (hits == 1) for name, match in matches.items()}
+        labels = index[self.vocabulary.index("batch")].expand(chunks)
+        for name, match in only.items():
+            labels = torch.where(match, index[self.vocabulary.index(name)], labels)
+        if bool(getattr(self.running, "do_perturbed_attention_guidance", False)):
+            labels = self._second_half(labels, only["cond"], index[self.vocabulary.index("perturbed")])
+        if self.instruct_pix2pix and "uncond" in only:
+            first_half = only["uncond"] & ~self._second_half_mask(only["uncond"])
+            labels = torch.where(first_half, index[self.vocabulary.index("uncond_text")], labels)
+        is_uncond = only.get("uncond", torch.zeros_like(only["cond"]))
+        return Layout(chunks, labels, labels.repeat_interleave(n), list(only["cond"]), list(is_uncond))
+
+    @staticmethod
+    def _second_half_mask(match: torch.Tensor) -> torch.Tensor:
+        """``(chunks,)`` bool: the matching chunks in the last half of those that match (device ops, no sync)."""
+        rank = match.long().cumsum(0)  # 1-based rank among the matching chunks
+        return match & (2 * rank > match.long().sum())
+
+    def _second_half(self, labels: torch.Tensor, match: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        return torch.where(self._second_half_mask(match), label, labels)

@@ -37,7 +37,7 @@ from ..layers import IPLayer, LayerSelection, _compile_selection, observer
 from .taps import Tap
 from .taps.base import Handle
 
-__all__ = ["MAP_KINDS", "MAP_TABLE_COLUMNS", "MapAccumulator"]
+__all__ = ["MAP_KINDS", "MAP_TABLE_COLUMNS", "REFERENCE_MASS_COLUMNS", "MapAccumulator", "reference_mass"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,21 @@ MAP_TABLE_COLUMNS: tuple[str, ...] = (
     "positions",
     "dominant_agree",
     "tv",
+)
+
+#: Columns of :meth:`ipa_probe.ProbeRun.reference_mass`: per (call, step, layer, adapter, branch) and reference
+#: image, its mean share of the attention (``attention``) and of the NW weights (``nw``) over query positions and
+#: batch items.
+REFERENCE_MASS_COLUMNS: tuple[str, ...] = (
+    "call",
+    "step",
+    "timestep",
+    "layer",
+    "adapter",
+    "branch",
+    "reference",
+    "attention",
+    "nw",
 )
 
 _BYTES = 4  # float32 shares
@@ -101,9 +116,13 @@ class MapAccumulator:
     # ------------------------------------------------------------------ capture
     def install(self, denoiser: torch.nn.Module) -> list[Handle]:
         """Register the pre-hook that reads each denoiser call's ``ip_adapter_masks`` (after the probe's clock)."""
+        self.read_projections(denoiser)
+        return [denoiser.register_forward_pre_hook(observer(self._on_denoiser_call), with_kwargs=True)]
+
+    def read_projections(self, denoiser: torch.nn.Module) -> None:
+        """Read the denoiser's per-adapter image projections (again, after ``load_ip_adapter`` replaced them)."""
         projection = getattr(getattr(denoiser, "_orig_mod", denoiser), "encoder_hid_proj", None)
         self._projections = getattr(projection, "image_projection_layers", None)
-        return [denoiser.register_forward_pre_hook(observer(self._on_denoiser_call), with_kwargs=True)]
 
     def _on_denoiser_call(self, module, args, kwargs) -> None:
         self._batch = self.tap.sample(args, kwargs).shape[0]
@@ -315,7 +334,7 @@ class MapAccumulator:
         self, call: int, item: int, adapter: int, kind: str, branch: str, layers: Iterable[int], steps: Iterable[int]
     ) -> dict[tuple[int, int], torch.Tensor]:
         """Each selected (step, layer position)'s weights over the references at every query position, at the layer's
-        own grid: ``(Q, R)`` float64 CPU tensors (see :func:`per_reference`); pairs without maps are left out."""
+        own grid: ``(Q, R)`` float64 CPU tensors (see :func:`_reference_shares`); pairs without maps are left out."""
         which, label = MAP_KINDS.index(kind), self.labels.index(branch)
         out = {}
         for step in steps:
@@ -325,26 +344,8 @@ class MapAccumulator:
                     continue
                 if item >= buffer.shape[1]:
                     raise ValueError(f"item={item}: call {call} generated {buffer.shape[1]} images per branch")
-                out[(step, index)] = per_reference(buffer[which, item], self.tokens_per_image(adapter, index))
+                out[(step, index)] = _reference_shares(self, (call, step, index, adapter), label)[0][which, item]
         return out
-
-
-def per_reference(buffer: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Token shares summed per reference image and renormalised over the references, in float64.
-
-    Args:
-        buffer: ``(..., Q, K)`` shares of the image tokens (``K`` = references x ``tokens``).
-        tokens: tokens per reference image (``0``: all keys are one image).
-
-    Returns:
-        ``(..., Q, R)``: each position's weights over the references, summing to 1 where any reference has weight
-        (unmasked calls: everywhere; with ``ip_adapter_masks``: where some mask reaches), 0 elsewhere.
-    """
-    keys = buffer.shape[-1]
-    tokens = tokens or keys
-    refs = buffer.double().reshape(*buffer.shape[:-1], keys // tokens, tokens).sum(-1)  # (..., Q, R)
-    mass = refs.sum(-1, keepdim=True)
-    return torch.where(mass > 0, refs / mass.clamp(min=1e-300), torch.zeros_like(refs))
 
 
 def query_grid(latent: tuple[int, int] | None, queries: int) -> tuple[int, int]:
@@ -390,6 +391,58 @@ def check_size(size: Any) -> tuple[int, int] | str:
     raise ValueError(f'size: expected "image", "latent" or (H, W) positive ints, got {size!r}')
 
 
+def _reference_shares(
+    accumulator: MapAccumulator, key: tuple[int, int, int, int], label: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The per-reference shares at ``key`` for the items labelled ``label``, normalised over the adapter's references
+    at each query position: ``(shares (2, items, Q, R) float64, covered (items, Q) bool, references)``; a position
+    is covered when some reference's mask reaches it under both attributions (always, without masks)."""
+    buffer = accumulator.chunk(key, label)  # (2, items, Q, K)
+    _, items, queries, keys = buffer.shape
+    tokens = accumulator.tokens_per_image(key[3], key[2]) or keys
+    refs = buffer.double().reshape(2, items, queries, keys // tokens, tokens).sum(-1)  # (2, I, Q, R)
+    mass = refs.sum(-1, keepdim=True)  # (2, I, Q, 1)
+    refs = torch.where(mass > 0, refs / mass.clamp(min=1e-300), torch.zeros_like(refs))
+    covered = (mass[0, ..., 0] > 0) & (mass[1, ..., 0] > 0)  # (I, Q)
+    return refs, covered, keys // tokens
+
+
+def _chunks(accumulator: MapAccumulator, calls: list[dict[str, Any]], names: list[str]):
+    """Every recorded (call, step, layer, adapter, branch) with its :func:`_reference_shares`: yields
+    ``((call, step, timestep, layer name, adapter, branch), shares, covered, references)``."""
+    by_index = {call["index"]: call for call in calls}
+    for key in sorted(accumulator.store):
+        call, step, index, adapter = key
+        info = by_index[call]
+        timestep = float(info["timesteps"][step]) if step < len(info["timesteps"]) else math.nan
+        for label in sorted({label for labels, _ in accumulator.store[key] for label in labels.tolist()}):
+            refs, covered, count = _reference_shares(accumulator, key, label)
+            yield (call, step, timestep, names[index], adapter, info["branches"][label]), refs, covered, count
+
+
+def reference_mass(accumulator: MapAccumulator, calls: list[dict[str, Any]], names: list[str]) -> pd.DataFrame:
+    """The share of each reference image in the image branch's weight, per (call, step, layer, adapter, branch).
+
+    For every query position the attention (and NW) weight on a reference's tokens, averaged over heads and
+    normalised over the adapter's references, then averaged over the covered positions of each batch item and over
+    the items of the branch. The attention's shares depend on the attention weights only, so no reparametrisation of
+    the queries and keys moves them (see :func:`ipa_probe.gauge_sweep`).
+
+    Returns:
+        a DataFrame with :data:`REFERENCE_MASS_COLUMNS`, one row per reference.
+    """
+    rows = []
+    for where, refs, covered, count in _chunks(accumulator, calls, names):
+        positions = covered.sum(-1)  # (I,)
+        per_item = (refs * covered[..., None]).sum(-2) / positions.clamp(min=1)[:, None]  # (2, I, R)
+        mean = per_item[:, positions > 0].mean(1)  # (2, R)
+        for reference in range(count):
+            rows.append((*where, reference, float(mean[0, reference]), float(mean[1, reference])))
+    table = pd.DataFrame(rows, columns=list(REFERENCE_MASS_COLUMNS))
+    table["layer"] = pd.Categorical(table["layer"], categories=names)
+    return table
+
+
 def map_statistics(accumulator: MapAccumulator, calls: list[dict[str, Any]], names: list[str]) -> pd.DataFrame:
     """The per (call, step, layer, adapter, branch, item) agreement of the attention and NW reference shares.
 
@@ -402,29 +455,16 @@ def map_statistics(accumulator: MapAccumulator, calls: list[dict[str, Any]], nam
         a DataFrame with :data:`MAP_TABLE_COLUMNS`.
     """
     rows = []
-    by_index = {call["index"]: call for call in calls}
-    for key in sorted(accumulator.store):
-        call, step, index, adapter = key
-        info = by_index[call]
-        timestep = float(info["timesteps"][step]) if step < len(info["timesteps"]) else math.nan
-        for label in sorted({label for labels, _ in accumulator.store[key] for label in labels.tolist()}):
-            buffer = accumulator.chunk(key, label)  # (2, items, Q, K)
-            _, items, queries, keys = buffer.shape
-            tokens = accumulator.tokens_per_image(adapter, index) or keys
-            refs = per_reference(buffer, tokens)  # (2, I, Q, R)
-            covered = (refs[0].sum(-1) > 0) & (refs[1].sum(-1) > 0)  # (I, Q)
-            agree = (refs[0].argmax(-1) == refs[1].argmax(-1)) & covered
-            tv = 0.5 * (refs[0] - refs[1]).abs().sum(-1) * covered
-            positions = covered.sum(-1)  # (I,)
-            agree_frac = agree.sum(-1) / positions.clamp(min=1)
-            tv_mean = tv.sum(-1) / positions.clamp(min=1)
-            for item in range(items):
-                if positions[item] == 0:
-                    continue
-                rows.append(
-                    (call, step, timestep, names[index], adapter, info["branches"][label], item, keys // tokens)
-                    + (int(positions[item]), float(agree_frac[item]), float(tv_mean[item]))
-                )
+    for where, refs, covered, count in _chunks(accumulator, calls, names):
+        agree = (refs[0].argmax(-1) == refs[1].argmax(-1)) & covered
+        tv = 0.5 * (refs[0] - refs[1]).abs().sum(-1) * covered
+        positions = covered.sum(-1)  # (I,)
+        agree_frac = agree.sum(-1) / positions.clamp(min=1)
+        tv_mean = tv.sum(-1) / positions.clamp(min=1)
+        for item in range(refs.shape[1]):
+            if positions[item] == 0:
+                continue
+            rows.append((*where, item, count, int(positions[item]), float(agree_frac[item]), float(tv_mean[item])))
     table = pd.DataFrame(rows, columns=list(MAP_TABLE_COLUMNS))
     table["layer"] = pd.Categorical(table["layer"], categories=names)
     return table

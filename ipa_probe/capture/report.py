@@ -10,7 +10,17 @@ import numpy as np
 import pandas as pd
 
 from .._io import versions, write_figure, write_json, write_table
-from ..schema import CELL_FIELDS, COLUMNS, FEW_KEYS, SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column
+from ..schema import (
+    CELL_FIELDS,
+    COLUMNS,
+    FEW_KEYS,
+    SUMMARY_GAUGE_MEANS,
+    SUMMARY_KEYS,
+    SUMMARY_MAX,
+    SUMMARY_MEANS,
+    frac_column,
+    frac_null_column,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +92,11 @@ def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
     :data:`~ipa_probe.schema.SUMMARY_MEANS` (``spearman``, ``pearson``, ``spearman_null``, ``kl``, ``top1``,
     ``neff_attn``, ``neff_nw``, ``q_norm``, ``k_norm_spread``, ``ip_mass``, ``bandwidth``), ``spearman_std``,
     ``frac_rho_gt_<threshold>`` (fraction of the layer × head × adapter cells with a finite rho whose rho is above
-    ``threshold``), ``rho_cells`` (how many finite-rho cells that fraction counts), the max of ``nonfinite`` and
-    ``cells`` (how many cells were averaged).
+    ``threshold``), ``rho_cells`` (how many finite-rho cells that fraction counts), the max of ``nonfinite``,
+    ``cells`` (how many cells were averaged), then the means of :data:`~ipa_probe.schema.SUMMARY_GAUGE_MEANS` (the
+    gauge diagnostics ``logit_ratio``, ``rho_baseline``, ``rho_excess`` and the per-row shares against chance) and
+    ``frac_rho_gt_<threshold>_null``: the same fraction of cells over their permutation-null rho (``spearman_null``),
+    the chance level of ``frac_rho_gt_<threshold>`` (see docs/gauge.md).
     """
     if table.empty:
         return pd.DataFrame()
@@ -92,11 +105,17 @@ def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
     aggregations["spearman_std"] = ("spearman", "std")
     aggregations.update({name: (name, "max") for name in SUMMARY_MAX if name in table.columns})
     aggregations["cells"] = ("spearman", "size")
+    aggregations.update({name: (name, "mean") for name in SUMMARY_GAUGE_MEANS if name in table.columns})
     out = grouped.agg(**aggregations)
+    keys = [table[k] for k in SUMMARY_KEYS]
     finite = table["spearman"].notna()
     above = (table["spearman"] > threshold).where(finite)  # NaN where rho is undefined: left out of the fraction
-    out.insert(2, frac_column(threshold), above.groupby([table[k] for k in SUMMARY_KEYS], observed=True).mean())
-    out.insert(3, "rho_cells", finite.groupby([table[k] for k in SUMMARY_KEYS], observed=True).sum())
+    out.insert(2, frac_column(threshold), above.groupby(keys, observed=True).mean())
+    out.insert(3, "rho_cells", finite.groupby(keys, observed=True).sum())
+    if "spearman_null" in table.columns:
+        null = table["spearman_null"]
+        chance = (null > threshold).where(null.notna())
+        out[frac_null_column(threshold)] = chance.groupby(keys, observed=True).mean()
     return out.reset_index()
 
 
@@ -112,8 +131,9 @@ def plot_run(
     kind: str = "image",
     heatmaps: tuple[str, ...] | None = HEATMAP_COLUMNS,
 ):
-    """Mean per-row Spearman (band: ± one std over layers and heads), raveled Pearson and the null, by timestep; and,
-    in a new figure, a layer x timestep heat map of each of ``heatmaps`` that the table has (:func:`plot_heatmap`).
+    """Mean per-row Spearman (band: ± one std over layers and heads) beside its gauge baseline (the rho expected from
+    the logit ratio and the number of keys alone, docs/gauge.md), raveled Pearson and the null, by timestep; and, in a
+    new figure, a layer x timestep heat map of each of ``heatmaps`` that the table has (:func:`plot_heatmap`).
 
     The x axes run in the denoising direction (high timestep on the left); the y axis of the lines fits the values
     drawn (and 0). Falls back to the table's only kind when ``kind`` is absent (a text-only probe).
@@ -152,6 +172,10 @@ def plot_run(
         std = part["spearman_std"].fillna(0).to_numpy()
         line = ax.plot(x, rho, marker="o", markersize=3, label=f"Spearman ρ, mean over layers × heads{suffix}")[0]
         ax.fill_between(x, rho - std, rho + std, color=line.get_color(), alpha=0.2, label=f"± 1 std of ρ{suffix}")
+        if "rho_baseline" in part and part["rho_baseline"].notna().any():
+            baseline = part["rho_baseline"].to_numpy()
+            ax.plot(x, baseline, color=line.get_color(), linestyle="-.", label=f"ρ baseline from r and K{suffix}")
+            drawn += [*baseline]
         ax.plot(x, part["pearson"], marker=".", linestyle="--", label=f"Pearson r (raveled){suffix}")
         ax.plot(x, part["spearman_null"], color="grey", linestyle=":", label=f"permutation null of ρ{suffix}")
         drawn += [*(rho - std), *(rho + std), *part["pearson"], *part["spearman_null"]]

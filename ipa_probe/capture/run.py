@@ -36,14 +36,16 @@ from ..layers import (
     find_ip_layers,
     image_branch_logits,
     observer,
+    refind_ip_layers,
     release,
 )
 from ..schema import CELL_FIELDS
-from ..stats import compare_weights, copy_groups, fit_bandwidth
+from ..stats import compare_weights, copy_groups, fit_bandwidth, null_tail_table
 from .branches import Layout, PromptEvidence, label_vocabulary
+from .clock import CallClock
 from .config import ProbeConfig
 from .mapplots import plot_reference_maps
-from .maps import MapAccumulator, check_size, map_statistics, select_layers
+from .maps import MapAccumulator, check_size, map_statistics, reference_mass, select_layers
 from .report import plot_run, run_table, save_run, summarize
 from .taps import Capture, Tap, tap_for
 
@@ -94,6 +96,7 @@ class _Cell:
     key_mask: torch.Tensor | None  # kept keys (text padding left out)
     row_mask: torch.Tensor | None  # (groups, H, rows) rows inside an IP-Adapter mask
     copies: torch.Tensor | None  # (groups, H, rows, K) key ids, equal for copies of one token
+    key_term: torch.Tensor | None  # (groups, H, rows, K) |k|^2 / (2 sqrt(d)): NW ranks follow attn - key_term
 
 
 class ProbeRun:
@@ -138,7 +141,9 @@ class ProbeRun:
         self._state = _StepState()
         self._capture = Capture(record=self._record)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._last_timesteps: Any = None
+        self._tap_handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._clock = CallClock(pipe)
+        self._processors = [layer.processor for layer in self.layers]  # as last seen at a pass
         self._generator: torch.Generator | None = None
         self._constants: dict[tuple, torch.Tensor] = {}
         self._result: dict[str, Any] | None = None
@@ -155,7 +160,7 @@ class ProbeRun:
             done = observer(self._on_denoiser_return)
             self._handles.append(denoiser.register_forward_pre_hook(clock, with_kwargs=True))
             self._handles.append(denoiser.register_forward_hook(done))  # not run when the pass raises
-            self._handles.extend(self.tap.install(self._capture, self.images, self.text_slot))
+            self._tap_handles = self.tap.install(self._capture, self.images, self.text_slot)
             self.evidence.install()
             if self._maps is not None:
                 self._handles.extend(self._maps.install(denoiser))
@@ -167,9 +172,12 @@ class ProbeRun:
         """Remove every hook and finalise the results. ``interrupted``: the run was stopped by Ctrl-C, so cut-short
         steps are logged at debug level only."""
         self.evidence.remove()
-        for handle in self._handles:
+        for handle in [*self._handles, *self._tap_handles]:
             handle.remove()
         self._handles.clear()
+        self._tap_handles.clear()
+        self._clock.reset()
+        self.tap.running = self.pipe
         if self._state.in_pass and self._state.call is not None:
             self._state.call.incomplete.add(self._state.step)
         self._state = _StepState()
@@ -221,13 +229,14 @@ class ProbeRun:
         if state.in_pass and state.call is not None:  # the previous pass raised before returning
             state.call.incomplete.add(state.step)
         self._capture.stash.clear()  # nothing a failed pass left may pair with this pass's tensors
+        self._follow_processors()
         self._start_call_if_new(args, kwargs)
         denoiser_pass = tap.begin_pass(args, kwargs)
         if denoiser_pass.new_step or state.step < 0:
             self._advance_step(args, kwargs)
         context = tap.argument("encoder_hidden_states", args, kwargs)
         sample = tap.sample(args, kwargs)
-        state.layout = self.evidence.layout(context, sample.device)
+        state.layout = self.evidence.layout(context, sample.device, denoiser_pass.label)
         state.text_mask = tap.text_mask(state.layout, context) if self.text_slot is not None else None
         state.in_pass, state.records = True, 0
         self._capture.recording = denoiser_pass.record and self.config.records_step(state.step)
@@ -256,18 +265,39 @@ class ProbeRun:
                     return True
         return False
 
-    def _start_call_if_new(self, args: tuple, kwargs: dict) -> None:
-        """A new pipeline call starts when the scheduler's timesteps are a new tensor (``set_timesteps`` ran)."""
-        state = self._state
-        timesteps = getattr(getattr(self.pipe, "scheduler", None), "timesteps", None)
-        if state.call is not None and timesteps is self._last_timesteps:
+    def _follow_processors(self) -> None:
+        """Re-attach to IP-Adapter processors replaced inside the block (``load_ip_adapter`` called again, the NW
+        head's subclasses swapped in): their image branch runs modules the probe's hooks are not on. Refused with
+        the remedy when the layers, adapters or heads changed (the buffers are sized by them); processors without
+        an image branch (``unload_ip_adapter``) leave nothing to record."""
+        current = [layer.attention.processor for layer in self.layers]
+        if all(now is seen for now, seen in zip(current, self._processors, strict=True)):
             return
-        self._last_timesteps = timesteps
-        capacity = len(timesteps) if timesteps is not None else 64
-        state.call = self._new_call(self.tap.sample(args, kwargs).device, capacity)
+        self._processors = current
+        found = refind_ip_layers(self.pipe, self.layers, self.config.layers)
+        if found is None:
+            return
+        for handle in self._tap_handles:
+            handle.remove()
+        self.layers[:] = found  # the list the tap and the maps read
+        self._processors = [layer.processor for layer in found]
+        self._tap_handles = self.tap.install(self._capture, self.images, self.text_slot)
+        if self._maps is not None:
+            self._maps.read_projections(denoiser_of(self.pipe))
+        logger.info("probe: re-attached to the IP-Adapter processors replaced inside the block")
+
+    def _start_call_if_new(self, args: tuple, kwargs: dict) -> None:
+        """Start a new call's buffers when the pass starts a new pipeline call (see :mod:`~.clock`)."""
+        state = self._state
+        new = self._clock.new_call()
+        self.tap.running = self.evidence.running = self._clock.running
+        if state.call is not None and not new:
+            return
+        planned = self._clock.planned_steps()
+        state.call = self._new_call(self.tap.sample(args, kwargs).device, planned or 64)
         state.step = -1
         self.tap.begin_call(args, kwargs)
-        planned = len(timesteps) if timesteps is not None else 1
+        planned = planned or 1
         if self.config.keep_maps:
             self._check_map_budget(args, kwargs, planned)
         if self._maps is not None:
@@ -396,7 +426,7 @@ class ProbeRun:
         # the text branch is plain scaled dot-product attention in every processor
         attn = dot_logits(q, k, 1.0 / math.sqrt(head_dim)) if text else image_branch_logits(processor, q, k)
         groups = labels.shape[0]
-        cell = self._cell(groups, q, k, attn, text, rows)
+        cell = self._cell(groups, q, k, attn, text, rows, processor)
         values = self._cell_values(cell, groups, q, k, other, attn, text, processor)  # (groups, H, fields)
         self._accumulate(index, slot, labels, values)
         if self.config.keep_maps:
@@ -407,7 +437,14 @@ class ProbeRun:
             self._maps.add(state.call.index, state.step, index, slot, labels, cell.attn, cell.nw)
 
     def _cell(
-        self, groups: int, q: torch.Tensor, k: torch.Tensor, attn: torch.Tensor, text: bool, rows: torch.Tensor | None
+        self,
+        groups: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        attn: torch.Tensor,
+        text: bool,
+        rows: torch.Tensor | None,
+        processor: torch.nn.Module,
     ) -> _Cell:
         """A record's logits, masks and copy ids by group: ``(B, H, R, C)`` -> ``(groups, H, frames * R, C)``."""
         batch, n_heads, n_queries, n_keys = attn.shape
@@ -424,6 +461,11 @@ class ProbeRun:
         if rows is not None:
             row_mask = by_group(rows[:, None, :, None].expand(batch, n_heads, n_queries, 1)).squeeze(-1)
         copies = by_group(copy_groups(k).unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
+        key_term = None
+        if text or getattr(processor, "image_branch_logits", None) is None:
+            # dot-product logits q·k / sqrt(d): the NW ranks follow q·k - |k|^2 / 2, i.e. attn - |k|^2 / (2 sqrt(d))
+            half_sq = (k * k).sum(-1) / (2 * math.sqrt(k.shape[-1]))  # (B, H, K)
+            key_term = by_group(half_sq.unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
         h = self._bandwidth(q.shape[-1], q.device)
         if self.config.bandwidth == "fit":
             k_sq = (k * k).sum(-1)  # (B, H, K)
@@ -432,9 +474,10 @@ class ProbeRun:
             if key_mask is not None:
                 attn_c, energy = attn_c.masked_fill(~key_mask, -math.inf), energy.masked_fill(~key_mask, -math.inf)
             h_cell = fit_bandwidth(attn_c, energy, matched_bandwidth(q.shape[-1]))  # (groups, H)
-            return _Cell(attn_c, energy / (h_cell * h_cell)[..., None, None], h_cell, key_mask, row_mask, copies)
+            nw = energy / (h_cell * h_cell)[..., None, None]
+            return _Cell(attn_c, nw, h_cell, key_mask, row_mask, copies, key_term)
         h_cell = h.expand(groups, n_heads)
-        return _Cell(by_group(attn), by_group(nw_logits(q, k, h)), h_cell, key_mask, row_mask, copies)
+        return _Cell(by_group(attn), by_group(nw_logits(q, k, h)), h_cell, key_mask, row_mask, copies, key_term)
 
     def _cell_values(
         self,
@@ -450,7 +493,13 @@ class ProbeRun:
         """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of one record, ``(groups, H, fields)``."""
         if self._generator is None or self._generator.device != q.device:
             self._generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
-        stats = compare_weights(cell.attn, cell.nw, self._generator, cell.key_mask, cell.row_mask, cell.copies)
+        tails = None
+        if cell.key_mask is not None:
+            n_keys, device = cell.attn.shape[-1], q.device
+            tails = self._constant(f"tails{n_keys}", device, lambda: null_tail_table(n_keys, device))
+        stats = compare_weights(
+            cell.attn, cell.nw, self._generator, cell.key_mask, cell.row_mask, cell.copies, cell.key_term, tails
+        )
         batch, n_heads, n_keys = k.shape[0], k.shape[1], k.shape[2]
 
         def by_group(x: torch.Tensor) -> torch.Tensor:  # (B, H, R) -> (groups, H, items * R)
@@ -638,6 +687,11 @@ class ProbeRun:
         """Per (call, step, layer, adapter, branch, item): how often attention and NW pick the same dominant
         reference, and their mean total-variation distance (columns in :data:`~.maps.MAP_TABLE_COLUMNS`)."""
         return map_statistics(self._map_source(), self._finished()["calls"], [layer.name for layer in self.layers])
+
+    def reference_mass(self):
+        """Per (call, step, layer, adapter, branch) and reference image: its mean share of the attention and of the NW
+        weights over query positions and batch items (columns in :data:`~.maps.REFERENCE_MASS_COLUMNS`)."""
+        return reference_mass(self._map_source(), self._finished()["calls"], [layer.name for layer in self.layers])
 
     def plot_reference_maps(self, call: int = 0, item: int = 0, adapter: int = 0, **kwargs):
         """Figure of :meth:`reference_maps` at early / middle / late steps, attention beside NW (see

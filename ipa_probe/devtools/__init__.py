@@ -1,1 +1,2 @@
-"""Developer tools used by the repository's git hooks; not part of the public API."""
+"""Developer tools: the git hooks' notebook stripping, the figures and docs/compatibility.md generators; not
+part of the public API."""

@@ -84,10 +84,18 @@ def _compare_code() -> dict[str, str]:
     return {"grid.png": code_digest(make_grid)}
 
 
+def _gauge_code() -> dict[str, str]:
+    from .._io import code_digest
+    from ..gauge import plot_gauge_sweep
+
+    return {"gauge_sweep.png": code_digest(plot_gauge_sweep)}
+
+
 #: command -> (argv of ``ipa-probe`` with OUT for the output folder, the digests of the code of what it draws)
 COMMANDS: dict[str, tuple[list[str], Callable[[], dict[str, str]]]] = {
     "ipa-probe probe --maps --out OUT": (["probe", "--maps", "--out", "OUT"], _probe_code),
     "ipa-probe compare --out OUT": (["compare", "--out", "OUT"], _compare_code),
+    "ipa-probe probe --gauge-sweep --out OUT": (["probe", "--gauge-sweep", "--out", "OUT"], _gauge_code),
 }
 
 #: The figures made by a command on the embedded organism.
@@ -114,6 +122,13 @@ FIGURES: tuple[Figure, ...] = (
         "denoiser from the same seeds",
         "command",
         produces="grid.png",
+    ),
+    Figure(
+        "docs/images/gauge_sweep.png",
+        "ipa-probe probe --gauge-sweep --out OUT",
+        "the q/k gauge on the organism: rho with its baseline, rho_excess and attention n_eff per factor c",
+        "command",
+        produces="gauge_sweep.png",
     ),
 )
 

@@ -18,6 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from ..schema import GAUGE_COLUMNS, NULL_COLUMNS, rows_column  # noqa: E402
 from ..stats import STAT_NAMES  # noqa: E402
 from .evaluate import head_statistics, held_out_tasks  # noqa: E402
 from .report import ExperimentResult, Row, from_record, save_figure  # noqa: E402
@@ -67,8 +68,11 @@ def measure(ctx) -> dict[str, dict[float, dict]]:
 
     Returns:
         model label -> flow time -> means over tasks, layers and heads (``spearman``, ``pearson``, ``null``,
-        ``frac_rho_gt_0.9``, ``top1``, ``neff_attn``, ``neff_nw``; ``spearman_layer0``; ``per_head_spearman``,
-        a (layers, heads) list).
+        ``frac_rho_gt_0.9``, ``top1``, ``neff_attn``, ``neff_nw``, the gauge columns ``logit_ratio``,
+        ``rho_baseline``, ``rho_excess`` and the per-row shares against chance of
+        :data:`~ipa_probe.schema.NULL_COLUMNS`; ``spearman_layer0``; ``per_head_spearman``, a (layers, heads) list).
+        The NW weights here come from the data, not from the heads' own queries and keys, so the logit ratio is the
+        estimate from the logits' per-row Pearson correlation (see :func:`ipa_probe.stats.compare_weights`).
     """
     tier = ctx.tier
     raw = {}
@@ -87,6 +91,7 @@ def measure(ctx) -> dict[str, dict[float, dict]]:
                 "top1": float(_stat(stats, "top1").nanmean()),
                 "neff_attn": float(_stat(stats, "neff_attn").nanmean()),
                 "neff_nw": float(_stat(stats, "neff_nw").nanmean()),
+                **{name: float(_stat(stats, name).nanmean()) for name in (*GAUGE_COLUMNS, *NULL_COLUMNS)},
                 "per_head_spearman": rho.nanmean(0).tolist(),  # (L, H)
             }
     return raw
@@ -108,7 +113,10 @@ def table(raw: dict[str, dict[float, dict]], ts: list[float]) -> list[Row]:
                     paper,
                     f"Pearson {entry['pearson']:.3f}; {100 * entry['frac_rho_gt_0.9']:.0f}% of heads ρ>0.9; "
                     f"null {entry['null']:+.3f}; layer 0 ρ {entry['spearman_layer0']:.3f}; "
-                    f"n_eff heads {entry['neff_attn']:.3g} vs NW {entry['neff_nw']:.3g}",
+                    f"n_eff heads {entry['neff_attn']:.3g} vs NW {entry['neff_nw']:.3g}; "
+                    f"baseline from the logits' correlation {entry['rho_baseline']:.3f} "
+                    f"(excess {entry['rho_excess']:+.3f}); rows ρ>0.9 {100 * entry[rows_column()]:.1f}% "
+                    f"(chance {100 * entry[rows_column() + '_null']:.2g}%)",
                 )
             )
         first, last = values[ts[0]]["spearman"], values[ts[-1]]["spearman"]

@@ -31,6 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from ..schema import GAUGE_COLUMNS  # noqa: E402
 from .report import ExperimentResult, Row, as_records, from_record, save_figure  # noqa: E402
 
 #: The paper's timesteps: the 50-step SD 1.x grid (steps_offset=1: 981, 961, ..., 1) at these step indices.
@@ -39,8 +40,6 @@ NUM_STEPS = 50
 REFS_PER_SET = 4
 #: The paper's mean per-row Spearman at the last timestep; it reports no value at the other timesteps.
 PAPER_LAST_SPEARMAN = 0.89
-#: The probe's gauge diagnostics (issue #18 point 1), averaged into the summary where the probe's table has them.
-GAUGE_COLUMNS = ("logit_ratio", "rho_baseline", "rho_excess")
 
 
 def step_indices(num_steps: int = NUM_STEPS) -> list[int]:

@@ -10,7 +10,7 @@ import pandas as pd
 
 from .._checks import check_fraction, check_int, check_seed, check_threshold
 from ..capture.report import style_timestep_axes, summarize
-from ..schema import SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column
+from ..schema import SUMMARY_GAUGE_MEANS, SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column, frac_null_column
 
 
 def bootstrap_ci(
@@ -105,7 +105,10 @@ def aggregate(
         threshold), then the means over rows of the other summary means (:data:`~ipa_probe.schema.SUMMARY_MEANS`:
         ``pearson``, ``spearman_null`` (the permutation null), ``kl``, ``top1``, ``neff_attn``, ``neff_nw``,
         ``q_norm``, ``k_norm_spread``, ``ip_mass``, ``bandwidth``; NaN where the summaries lack one) and the maxima
-        of :data:`~ipa_probe.schema.SUMMARY_MAX` (``nonfinite``) over every row, partial ones included.
+        of :data:`~ipa_probe.schema.SUMMARY_MAX` (``nonfinite``) over every row, partial ones included; then the
+        means over rows of :data:`~ipa_probe.schema.SUMMARY_GAUGE_MEANS` (``logit_ratio``, ``rho_baseline``,
+        ``rho_excess`` and the per-row shares against chance) and of ``frac_rho_gt_<threshold>_null`` (the chance
+        level of the fraction; see docs/gauge.md).
     """
     check_threshold(threshold)
     check_fraction(confidence, "confidence")
@@ -113,9 +116,10 @@ def aggregate(
     check_seed(seed)
     frac = frac_column(threshold)
     means = [frac, *(name for name in SUMMARY_MEANS if name != "spearman")]
+    appended = [*SUMMARY_GAUGE_MEANS, frac_null_column(threshold)]
     columns = ["branch", "timestep", "rows", "rows_partial", "spearman"]
     columns += ["spearman_ci_low", "spearman_ci_high", "spearman_std"]
-    columns += [*means, *SUMMARY_MAX]
+    columns += [*means, *SUMMARY_MAX, *appended]
     if per_row.empty:
         return pd.DataFrame({c: pd.Series(dtype="float64") for c in columns})
     missing = [c for c in ("row", "branch", "timestep", "spearman", frac) if c not in per_row.columns]
@@ -144,12 +148,14 @@ def aggregate(
         }
         record.update({key: float(group[key].mean()) if len(group) and key in group else math.nan for key in means})
         record.update({key: float(both[key].max()) if key in both else math.nan for key in SUMMARY_MAX})
+        record.update({key: float(group[key].mean()) if len(group) and key in group else math.nan for key in appended})
         records.append(record)
     return pd.DataFrame.from_records(records, columns=columns)
 
 
 def plot_aggregate(agg: pd.DataFrame, ax=None, branch: str = "cond", confidence: float = 0.95):
-    """Mean per-row Spearman over rows with its bootstrap interval as a band, Pearson, rho > 0.9 and the null.
+    """Mean per-row Spearman over rows with its bootstrap interval as a band, its gauge baseline (docs/gauge.md),
+    Pearson, rho > 0.9 and the null.
 
     The x axis runs in the denoising direction (high timestep on the left). Falls back to the only branch present
     when ``branch`` is absent (a sweep without CFG has only ``"cond"``).
@@ -167,7 +173,7 @@ def plot_aggregate(agg: pd.DataFrame, ax=None, branch: str = "cond", confidence:
     if not part.empty:
         part = part.sort_values("timestep", ascending=False)
         x = part["timestep"].to_numpy(np.float64)
-        frac = next((c for c in part.columns if c.startswith("frac_rho_gt_")), None)
+        frac = next((c for c in part.columns if c.startswith("frac_rho_gt_") and not c.endswith("_null")), None)
         ax.plot(x, part["spearman"], marker="o", label="Spearman ρ (mean over rows)")
         ax.fill_between(
             x,
@@ -176,6 +182,8 @@ def plot_aggregate(agg: pd.DataFrame, ax=None, branch: str = "cond", confidence:
             alpha=0.25,
             label=f"{confidence:.0%} bootstrap CI",
         )
+        if "rho_baseline" in part and part["rho_baseline"].notna().any():
+            ax.plot(x, part["rho_baseline"], color="C0", linestyle="-.", label="ρ baseline from r and K")
         ax.plot(x, part["pearson"], marker=".", linestyle="--", label="Pearson r")
         if frac is not None:
             ax.plot(x, part[frac], linestyle="-.", label=f"fraction ρ > {frac.removeprefix('frac_rho_gt_')}")
@@ -184,6 +192,7 @@ def plot_aggregate(agg: pd.DataFrame, ax=None, branch: str = "cond", confidence:
         ax.set_title(f"IP-Adapter attention vs Gaussian NW, {rows} row(s) ({branch} branch)")
         columns = ["spearman", "spearman_ci_low", "spearman_ci_high", "pearson", "spearman_null"]
         columns += [frac] if frac else []
+        columns += ["rho_baseline"] if "rho_baseline" in part else []
         drawn = part[columns].to_numpy(np.float64).ravel()
     else:
         ax.set_title("IP-Adapter attention vs Gaussian NW (no rows)")

@@ -2,7 +2,8 @@
 
 ``digits`` holds the trained model organism (``digits_pipeline``, ``digits_reference_images``, ``train_digits``);
 ``sd`` holds the random SD 1.5 / SDXL (``tiny_pipeline``, ``save_tiny_pipeline``, ``default_reference_images``);
-``dit`` Flux and SD3; ``tokenizer`` the CLIP BPE tokenizer built from open_clip's vocabulary.
+``dit`` Flux and SD3; ``tokenizer`` the CLIP BPE tokenizer built from open_clip's vocabulary; ``zoo`` a tiny build of
+every diffusers pipeline class that takes an IP-Adapter (imported on demand: ``ipa_probe.tiny.zoo``).
 """
 
 from .digits import digits_pipeline, digits_reference_images, train_digits

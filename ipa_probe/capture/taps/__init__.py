@@ -26,11 +26,14 @@ What "attention weights over the image tokens" means in each family (``d`` is th
   ``j`` over latent columns, averaged over queries. Tap points: ``processor.norm_q``, ``processor.norm_k``,
   ``processor.norm_ip_k``.
 
-Steps and branches: SD/SDXL and SD3 run one denoiser call per step with their CFG branches concatenated; Flux runs
-*true CFG* as separate denoiser passes (the prompt first, then the negative prompt, under
-``transformer.cache_context``), and a pass whose ``hidden_states`` is the very tensor of the previous pass belongs to
-the same step. Which label each batch item gets is decided from evidence, the same way for every family
-(:mod:`ipa_probe.capture.branches`). SD3's skip-layer-guidance pass (``skip_layers=...``) is not recorded.
+Steps and branches: SD/SDXL and SD3 run one denoiser call per step with their CFG branches concatenated; a UNet
+call whose ``timestep`` is the very tensor of the previous call belongs to the same step (a panorama's views, and
+self-attention guidance's pass on degraded latents, recorded under the label ``"sag"``). Flux runs *true CFG* as
+separate denoiser passes (the prompt first, then the negative prompt, under ``transformer.cache_context``), and a
+pass whose ``hidden_states`` is the very tensor of the previous pass belongs to the same step. Which label each batch
+item gets is decided from evidence, the same way for every family (:mod:`ipa_probe.capture.branches`). SD3's
+skip-layer-guidance pass (``skip_layers=...``) is not recorded. Which pipeline call a pass belongs to is decided by
+:mod:`ipa_probe.capture.clock`.
 """
 
 from __future__ import annotations

@@ -41,12 +41,16 @@ class DenoiserPass:
     """How one denoiser call fits the denoising loop.
 
     Attributes:
-        new_step: whether it starts a new denoising step (the first pass of a step).
+        new_step: whether it starts a new denoising step (the first pass of a step). Further passes of a step (Flux's
+            true-CFG negative pass, a panorama's views, SAG's degraded pass) are recorded at the same step.
         record: ``False`` for passes the probe must not record (e.g. SD3's skip-layer-guidance pass).
+        label: for a guidance pass that is not a branch of the loop, the label all its batch items get (``"sag"``);
+            ``None`` to label its items from evidence (:mod:`~ipa_probe.capture.branches`).
     """
 
     new_step: bool
     record: bool = True
+    label: str | None = None
 
 
 class Tap:
@@ -69,6 +73,9 @@ class Tap:
     def __init__(self, pipe, layers: list[IPLayer]) -> None:
         self.pipe = pipe
         self.layers = layers
+        #: the pipeline whose call is running now: the probed one, or a ``from_pipe`` sibling sharing its denoiser
+        #: (set by the probe before each pass)
+        self.running = pipe
 
     @classmethod
     def argument(cls, name: str, args: tuple, kwargs: dict) -> Any:

@@ -37,7 +37,7 @@ class FluxTap(Tap):
 
     def timestep(self, args: tuple, kwargs: dict) -> torch.Tensor | float | None:
         # The transformer gets t / 1000; the pipeline keeps t itself (exact) as `current_timestep`.
-        current = getattr(self.pipe, "current_timestep", None)
+        current = getattr(self.running, "current_timestep", None)
         if isinstance(current, torch.Tensor | float | int):
             return current
         timestep = self.argument("timestep", args, kwargs)

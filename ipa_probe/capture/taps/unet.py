@@ -12,7 +12,7 @@ from diffusers.image_processor import IPAdapterMaskProcessor
 
 from ...kernels import split_heads
 from ...layers import IPLayer, denoiser_of, observer
-from .base import Capture, Handle, Tap
+from .base import Capture, DenoiserPass, Handle, Tap
 
 
 def _unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
@@ -27,8 +27,14 @@ def _unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
 
 class UNetTap(Tap):
     """SD 1.5 / SDXL cross-attention: ``q = attn.to_q(h)``, ``k = processor.to_k_ip[a](c_ip)``, text keys
-    ``attn.to_k(c_text)``; every denoiser call is one step, its batch the CFG branches concatenated (see
-    :mod:`~ipa_probe.capture.branches`)."""
+    ``attn.to_k(c_text)``; a denoiser call's batch is the CFG branches concatenated (see
+    :mod:`~ipa_probe.capture.branches`).
+
+    Steps: a call whose ``timestep`` is the very tensor of the previous call belongs to the same step (the loop's
+    ``t``): a panorama's views (``StableDiffusionPanoramaPipeline``) are passes of one step, and so is the pass of
+    self-attention guidance on degraded latents (``StableDiffusionSAGPipeline``), labelled ``"sag"``. A loop that
+    repeats a timestep value (Heun's second-order steps) passes a new tensor each iteration: new steps.
+    """
 
     family = "unet"
     ARGUMENTS = {"sample": 0, "timestep": 1, "encoder_hidden_states": 2}
@@ -39,6 +45,16 @@ class UNetTap(Tap):
         super().__init__(pipe, layers)
         self._pending_token_masks: list[torch.Tensor] = []
         self._mask_cache: dict[tuple, torch.Tensor] = {}
+        self._last_timestep: torch.Tensor | None = None  # held, so that its id cannot be reused by another tensor
+
+    def begin_pass(self, args: tuple, kwargs: dict) -> DenoiserPass:
+        timestep = self.timestep(args, kwargs)
+        same_step = isinstance(timestep, torch.Tensor) and timestep is self._last_timestep
+        self._last_timestep = timestep if isinstance(timestep, torch.Tensor) else None
+        if same_step and callable(getattr(self.running, "sag_masking", None)):
+            # self-attention guidance: after the step's pass, one more on latents degraded where the model attends
+            return DenoiserPass(new_step=False, label="sag")
+        return DenoiserPass(new_step=not same_step)
 
     def install(self, capture: Capture, images: bool, text_slot: int | None) -> list[Handle]:
         handles: list[Handle] = []
@@ -126,9 +142,11 @@ class UNetTap(Tap):
     def reset(self) -> None:
         self._pending_token_masks = []
         self._mask_cache = {}
+        self._last_timestep = None
 
     def begin_call(self, args: tuple, kwargs: dict) -> None:
         self._mask_cache = {}
+        self._last_timestep = None
 
     def on_encode(self) -> None:
         self._pending_token_masks = []
