@@ -24,6 +24,13 @@ _EXPORTS = {
     "gauge_sweep": ".gauge",
     "plot_gauge_sweep": ".gauge",
     "qk_gauge": ".gauge",
+    "Intervention": ".intervention",
+    "InterventionConfig": ".intervention",
+    "InterventionEffect": ".intervention",
+    "apply_intervention": ".intervention",
+    "intervene": ".intervention",
+    "measure_intervention": ".intervention",
+    "remove_intervention": ".intervention",
     "find_ip_layers": ".layers",
     "list_hooks": ".layers",
     "FluxNWHeadAttnProcessor": ".nwhead",
@@ -54,7 +61,18 @@ _EXPORTS = {
 }
 
 #: subpackages and modules reachable as attributes (``ipa_probe.sweep``), imported on first use.
-_SUBMODULES = ("capture", "gauge", "images", "layers", "nwhead", "sweep", "theory", "tiny")
+_SUBMODULES = (
+    "attribution",
+    "capture",
+    "gauge",
+    "images",
+    "intervention",
+    "layers",
+    "nwhead",
+    "sweep",
+    "theory",
+    "tiny",
+)
 
 __version__ = "0.1.0"
 
@@ -110,6 +128,15 @@ __all__ = [
     "nwhead",
     "tiny_flux_pipeline",
     "tiny_sd3_pipeline",
+    "Intervention",
+    "InterventionConfig",
+    "InterventionEffect",
+    "apply_intervention",
+    "intervene",
+    "intervention",
+    "measure_intervention",
+    "remove_intervention",
+    "attribution",
 ]
 
 

@@ -28,6 +28,8 @@ __all__ = [
     "check_steps",
     "parse_bandwidth",
     "parse_factors",
+    "parse_step_selection",
+    "step_selected",
     "parse_float",
     "parse_int",
 ]
@@ -227,3 +229,43 @@ def check_device(name: str) -> None:
     }
     if not present[device.type]():
         raise ValueError(f"device {name!r} is not present on this machine; use --device cpu")
+
+
+def parse_step_selection(steps: Any) -> frozenset[int] | slice | None:
+    """Denoising loop indices to act on: ``None`` (all), a list (or other iterable) of non-negative ints, or a
+    ``slice`` with non-negative bounds and a positive step (negative indices cannot be resolved before the loop ends).
+
+    Returns:
+        ``None``, the slice, or the indices as a ``frozenset``.
+
+    Raises:
+        TypeError: not a list or a slice (e.g. ``5`` where ``[5]`` was meant).
+        ValueError: a negative or non-integer index, or a slice with a negative bound or a non-positive step.
+    """
+    if steps is None:
+        return None
+    if isinstance(steps, slice):
+        s = steps
+        if any(v is not None and (not isinstance(v, int) or v < 0) for v in (s.start, s.stop)) or (
+            s.step is not None and (not isinstance(s.step, int) or s.step <= 0)
+        ):
+            raise ValueError(
+                f"steps: expected a slice of non-negative loop indices with a positive step, got {s!r}; ipa_probe "
+                "cannot resolve negative indices before the loop ends (Img2Img's strength, for one, shortens the "
+                "loop): write slice(n - 3, None) for the last 3 of n steps"
+            )
+        return steps
+    chosen = check_items(steps, "steps", "loop indices (ints), or a slice")
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in chosen):
+        raise ValueError(f"steps: expected non-negative loop indices (ints) or a slice, got {chosen!r}")
+    return frozenset(chosen)
+
+
+def step_selected(steps: frozenset[int] | slice | None, step: int) -> bool:
+    """Whether loop index ``step`` is in a selection made by :func:`parse_step_selection`."""
+    if steps is None:
+        return True
+    if isinstance(steps, slice):
+        start, stop, stride = steps.start or 0, steps.stop, steps.step or 1
+        return step >= start and (stop is None or step < stop) and (step - start) % stride == 0
+    return step in steps

@@ -42,6 +42,16 @@ def sd3():
     return tiny_sd3_pipeline()
 
 
+@pytest.fixture(scope="module")
+def organism():
+    """The shipped digits organism (progress bar off), shared by a test module."""
+    from ipa_probe.tiny.digits import digits_pipeline
+
+    pipe = digits_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import bandwidth as bw
-from .._checks import check_flag, check_items, check_seed
+from .._checks import check_flag, check_items, check_seed, parse_step_selection, step_selected
 from ..bandwidth import BandwidthSpec
 from ..layers import LayerSelection, check_layer_selection
 
@@ -85,21 +85,7 @@ class ProbeConfig:
                     f'branches: expected labels, one per batch chunk, like ("uncond", "cond"); got {branches!r}'
                 )
             object.__setattr__(self, "branches", branches)
-        if isinstance(self.steps, slice):
-            s = self.steps
-            if any(v is not None and (not isinstance(v, int) or v < 0) for v in (s.start, s.stop)) or (
-                s.step is not None and (not isinstance(s.step, int) or s.step <= 0)
-            ):
-                raise ValueError(
-                    f"steps: expected a slice of non-negative loop indices with a positive step, got {s!r}; the "
-                    "probe cannot resolve negative indices before the loop ends (Img2Img's strength, for one, "
-                    "shortens the loop): write slice(n - 3, None) for the last 3 of n steps"
-                )
-        elif self.steps is not None:
-            steps = check_items(self.steps, "steps", "loop indices (ints), or a slice")
-            if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
-                raise ValueError(f"steps: expected non-negative loop indices (ints) or a slice, got {steps!r}")
-            object.__setattr__(self, "steps", frozenset(steps))
+        object.__setattr__(self, "steps", parse_step_selection(self.steps))
         if self.heads is not None:
             heads = check_items(self.heads, "heads", "head indices (ints)")
             if not heads or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads):
@@ -113,12 +99,7 @@ class ProbeConfig:
             raise ValueError(f"max_map_bytes: expected a positive byte count, got {self.max_map_bytes!r}")
 
     def records_step(self, step: int) -> bool:
-        if self.steps is None:
-            return True
-        if isinstance(self.steps, slice):
-            start, stop, stride = self.steps.start or 0, self.steps.stop, self.steps.step or 1
-            return step >= start and (stop is None or step < stop) and (step - start) % stride == 0
-        return step in self.steps
+        return step_selected(self.steps, step)
 
     def describe(self) -> dict[str, Any]:
         """JSON-friendly settings."""

@@ -330,6 +330,23 @@ class MapAccumulator:
             out = out.reshape(refs, tokens_r // refs, *out.shape[-2:])
         return out
 
+    def reference_weights(
+        self, call: int, item: int, adapter: int, kind: str, branch: str, layers: Iterable[int], steps: Iterable[int]
+    ) -> dict[tuple[int, int], torch.Tensor]:
+        """Each selected (step, layer position)'s weights over the references at every query position, at the layer's
+        own grid: ``(Q, R)`` float64 CPU tensors (see :func:`_reference_shares`); pairs without maps are left out."""
+        which, label = MAP_KINDS.index(kind), self.labels.index(branch)
+        out = {}
+        for step in steps:
+            for index in layers:
+                buffer = self.chunk((call, step, index, adapter), label)  # (2, items, Q, K)
+                if buffer is None:
+                    continue
+                if item >= buffer.shape[1]:
+                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[1]} images per branch")
+                out[(step, index)] = _reference_shares(self, (call, step, index, adapter), label)[0][which, item]
+        return out
+
 
 def query_grid(latent: tuple[int, int] | None, queries: int) -> tuple[int, int]:
     """The ``(h, w)`` grid of a layer with ``queries`` positions over a ``latent`` grid ``(H, W)``: the latent

@@ -635,7 +635,33 @@ class ProbeRun:
             masks: wherever some reference's mask reaches). One layer and one step at that layer's own grid give
             exactly that layer's softmax shares.
         """
-        source = self._map_source()
+        chosen, picked = self._map_selection(call, item, adapter, kind, branch, layers, steps)
+        return self._maps.shares(call, item, adapter, kind, branch, chosen, picked, check_size(size), _per_token)
+
+    def reference_weights(
+        self,
+        call: int = 0,
+        item: int = 0,
+        adapter: int = 0,
+        kind: str = "attention",
+        branch: str = "cond",
+        layers: LayerSelection = None,
+        steps: Iterable[int] | None = None,
+    ) -> dict[tuple[int, str], torch.Tensor]:
+        """Each recorded (step, layer)'s weights over the references at every query position, at the layer's own grid
+        (arguments as in :meth:`reference_maps`).
+
+        Returns:
+            ``(step, layer id) -> (Q, R)`` float64 CPU tensors: per position, the weight on each reference's tokens,
+            averaged over heads and renormalised over the references.
+        """
+        chosen, picked = self._map_selection(call, item, adapter, kind, branch, layers, steps)
+        weights = self._maps.reference_weights(call, item, adapter, kind, branch, chosen, picked)
+        return {(step, self.layers[index].name): value for (step, index), value in weights.items()}
+
+    def _map_selection(self, call, item, adapter, kind, branch, layers, steps) -> tuple[list[int], list[int]]:
+        """Check a reference-map request; return the chosen layer positions and recorded steps."""
+        self._map_source()
         info = self._map_call(call)
         if kind not in ("attention", "nw"):
             raise ValueError(f'kind: expected "attention" or "nw", got {kind!r}')
@@ -650,7 +676,7 @@ class ProbeRun:
         picked = recorded if steps is None else [s for s in recorded if s in set(steps)]
         if not picked:
             raise ValueError(f"steps={steps!r}: none recorded with maps in call {call} (recorded: {recorded})")
-        return source.shares(call, item, adapter, kind, branch, chosen, picked, check_size(size), _per_token)
+        return chosen, picked
 
     def token_maps(self, *args, **kwargs) -> torch.Tensor:
         """:meth:`reference_maps` per image token: ``(R, T, H, W)``, ``T`` tokens per reference (4 for a base

@@ -13,7 +13,9 @@ from ._common import (
     logging_dir,
 )
 
-NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "ip-adapter", "all")
+NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "ip-adapter", "attribution", "all")
+#: the digits organism's training recipes (see ipa_probe.digits_pipeline)
+RECIPES = ("support", "ip-adapter")
 
 
 def add_parser(subparsers) -> None:
@@ -45,6 +47,11 @@ def add_parser(subparsers) -> None:
         default=None,
         help="support sizes m of scarcity and heads, each in [1, 100] (default: the tier's)",
     )
+    parser.add_argument(
+        "--recipe",
+        default="support",
+        help="the digits organism's recipe that ip-adapter and attribution load: support (default) or ip-adapter",
+    )
     add_threads_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_tracker_arguments(parser)
@@ -69,6 +76,8 @@ def check(args: argparse.Namespace) -> None:
             raise CLIError(f"support size m={m} out of range; expected {M_RANGE[0]} <= m <= {M_RANGE[1]}")
     if args.seeds is not None and any(s < 0 for s in args.seeds):
         raise CLIError(f"seeds must be non-negative integers, got {args.seeds}")
+    if args.recipe not in RECIPES:
+        raise CLIError(f"unknown recipe {args.recipe!r}; expected one of {', '.join(RECIPES)}")
     args.out = check_output_dir(args.out or f"outputs/experiments-{args.tier}")  # made when the run starts
     args.tier_sizes = ALL_TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
     try:
@@ -94,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
             )
     try:
         threads = args.threads or torch.get_num_threads()  # OMP_NUM_THREADS, set before torch loaded
-        results = run_experiments([args.name], tier, out, progress=not args.no_progress, threads=threads)
+        results = run_experiments(
+            [args.name], tier, out, progress=not args.no_progress, threads=threads, recipe=args.recipe
+        )
     except (CheckpointError, OutputLocked, TierMismatch) as err:
         raise CLIError(str(err)) from None
     for name, result in results.items():

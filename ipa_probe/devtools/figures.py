@@ -39,6 +39,7 @@ EXPERIMENT_MODULES = {
     "heads": "heads",
     "attention": "attention",
     "ip-adapter": "ip_adapter",
+    "attribution": "attribution",
 }
 
 

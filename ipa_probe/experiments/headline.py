@@ -26,6 +26,11 @@ def _fmt(x: float | None, digits: int = 3) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}g}"
 
 
+def _signed(x: float | None) -> str:
+    """A correlation: sign and two decimals (``n/a`` for a missing value)."""
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:+.2f}"
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -144,6 +149,38 @@ def headline_rows(folder: str | Path) -> list[Row]:
                         f"(null {last['null']:+.2f}, {100 * last['frac_rho_gt_0.9']:.0f}% ρ>0.9)",
                         "rises to 0.89 (SD 1.5)" if label == "trained" else "— (control)",
                         f"{last['sets']} reference sets",
+                    )
+                )
+        for key, values in rec["measurements"].get("attribution", {}).items():
+            if not key.startswith("trained") or not values:
+                continue
+            last = values[-1]
+            rows.append(
+                Row(
+                    "ip-adapter: attention vs exact posterior, t = 981 → 1",
+                    f"digits organism, {key}",
+                    ", ".join(v["verdict"] for v in values),
+                    "— (not in the paper)",
+                    f"at t = 1: rank ρ {_signed(last['share_spearman'])} (p {_fmt(last['share_spearman_p'], 2)}), "
+                    f"attention TV from uniform {_fmt(last['attention_tv'], 2)}; {last['sets']} sets",
+                )
+            )
+    rec = _load(folder, "attribution")
+    if rec:
+        for label, values in rec["measurements"].items():
+            overall = [c for c in values["comparisons"] if c["timestep"] == "all" and c["effect"] == "latent_effect"]
+            by = {c["predictor"]: c for c in overall}
+            if {"attention_share", "posterior_weight"} <= set(by):
+                a, w = by["attention_share"], by["posterior_weight"]
+                rows.append(
+                    Row(
+                        "attribution: attention share predicts the ablation effect?",
+                        f"digits organism, {label}",
+                        f"{'yes' if a['predicts'] else 'no'}: Spearman {_signed(a['spearman'])} "
+                        f"[{_signed(a['low'])}, {_signed(a['high'])}] (p {_fmt(a['p'], 2)})",
+                        "— (not in the paper)",
+                        f"exact posterior: {_signed(w['spearman'])} [{_signed(w['low'])}, {_signed(w['high'])}] "
+                        f"(p {_fmt(w['p'], 2)}); {a['sets']} sets",
                     )
                 )
     return rows

@@ -16,6 +16,7 @@ from .._io import atomic_path, code_digest, data_digest, versions, write_atomic,
 __all__ = [
     "ExperimentResult",
     "Row",
+    "as_records",
     "format_value",
     "from_record",
     "save_figure",
@@ -107,6 +108,16 @@ def save_figure(fig, path: Path, code=None, inputs=None) -> Path:
     fig.tight_layout()
     provenance = None if code is None else {"code": code_digest(code), "inputs": data_digest(inputs)}
     return write_figure(fig, path, dpi=110, provenance=provenance)
+
+
+def as_records(value):
+    """A figure's inputs as a ``record.json`` holds them: data frames as lists of row dicts, dicts walked through,
+    anything else as it is (the digest of :func:`save_figure`'s ``inputs`` is taken of this form)."""
+    if hasattr(value, "to_dict") and hasattr(value, "columns"):
+        return value.to_dict(orient="records")
+    if isinstance(value, dict):
+        return {key: as_records(item) for key, item in value.items()}
+    return value
 
 
 def from_record(value):

@@ -43,11 +43,14 @@ class ExperimentContext:
         tier: run sizes.
         out: output folder (``OUT/runs`` holds checkpoints, ``OUT/NAME`` the results of each experiment).
         progress: show progress bars.
+        recipe: the digits organism's training recipe (``"support"`` or ``"ip-adapter"``) that the experiments on
+            the organism load (:func:`ipa_probe.digits_pipeline`).
     """
 
     tier: Tier
     out: Path
     progress: bool = True
+    recipe: str = "support"
     runs: dict[str, dict] = field(default_factory=dict)
     _metas: dict[tuple[str, int], MetaDistribution] = field(default_factory=dict)
     _models: dict[str, ICFMVelocityNet] = field(default_factory=dict)
@@ -170,7 +173,7 @@ def _tail_mean(losses: list[float], k: int = 50) -> float | None:
 
 
 def _registry() -> dict[str, Callable[[ExperimentContext], ExperimentResult]]:
-    from . import attention, collapse, heads, ip_adapter, scarcity, shells
+    from . import attention, attribution, collapse, heads, ip_adapter, scarcity, shells
 
     return {
         "collapse": collapse.run,
@@ -179,11 +182,12 @@ def _registry() -> dict[str, Callable[[ExperimentContext], ExperimentResult]]:
         "heads": heads.run,
         "attention": attention.run,
         "ip-adapter": ip_adapter.run,
+        "attribution": attribution.run,
     }
 
 
-#: experiment names in the order ``all`` runs them (attention last: it reuses the shells model).
-EXPERIMENTS = ("collapse", "shells", "scarcity", "heads", "attention", "ip-adapter")
+#: experiment names in the order ``all`` runs them (attention after shells: it reuses the shells model).
+EXPERIMENTS = ("collapse", "shells", "scarcity", "heads", "attention", "ip-adapter", "attribution")
 
 
 def run_experiments(
@@ -192,6 +196,7 @@ def run_experiments(
     out: str | Path,
     progress: bool = True,
     threads: int | None = None,
+    recipe: str = "support",
 ) -> dict[str, ExperimentResult]:
     """Run the named experiments at ``tier`` and write their outputs under ``out``.
 
@@ -203,6 +208,8 @@ def run_experiments(
             with results of another tier (or other sizes) raises :class:`~.tiers.TierMismatch` before anything runs.
         progress: show progress bars.
         threads: torch threads; all cores (``os.cpu_count()``) by default.
+        recipe: the digits organism's recipe for ``ip-adapter`` and ``attribution`` (``"support"`` or
+            ``"ip-adapter"``).
 
     Returns:
         the results by name; ``out/NAME/`` holds ``table.md``, ``table.csv``, ``record.json`` and PNG figures,
@@ -221,7 +228,7 @@ def run_experiments(
         check_folder_tier(out, tier)  # one tier per folder: no table of another tier is replaced
         stack.callback(torch.set_num_threads, previous_threads)
         torch.set_num_threads(threads or os.cpu_count() or 1)
-        ctx = ExperimentContext(tier, out, progress)
+        ctx = ExperimentContext(tier, out, progress, recipe)
         for name in names:
             start = time.perf_counter()
             ctx.runs = {}

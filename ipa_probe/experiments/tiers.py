@@ -53,6 +53,8 @@ class Tier:
         heads_list, heads_ms, heads_m_range: heads ``H``, evaluation support sizes and the training range of ``m``.
         attention_ts: flow times of the attention experiment.
         ip_sets, ip_mixed_sets: reference sets of the ip-adapter experiment (one digit; two digits mixed).
+        attribution_sets: reference sets (two digits mixed) of the attribution experiment, each generated once and
+            once more per reference with that reference ablated.
         schedule: learning rate after warm-up, ``"cosine"`` decay or ``"constant"`` (the release).
         eval_every: steps between validations of a training run (``0``: none; the final weights are the result).
         val_tasks, val_points: validation tasks per run and generated (= reference) points per task.
@@ -91,6 +93,7 @@ class Tier:
     attention_ts: tuple[float, ...]
     ip_sets: int
     ip_mixed_sets: int
+    attribution_sets: int = 40
     schedule: str = "cosine"
     eval_every: int = 0
     val_tasks: int = 8
@@ -153,6 +156,7 @@ TIERS: dict[str, Tier] = {
         attention_ts=(0.1, 0.5, 0.99),
         ip_sets=2,
         ip_mixed_sets=2,
+        attribution_sets=3,
         eval_every=6,
         scarcity_check_data=("pcafeat",),
         val_tasks=2,
@@ -188,6 +192,7 @@ TIERS: dict[str, Tier] = {
         attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
         ip_sets=20,
         ip_mixed_sets=10,
+        attribution_sets=10,
         eval_every=400,
         scarcity_check_data=("pcafeat",),
     ),

@@ -1,0 +1,39 @@
+"""Which reference does the model use? Attention shares per reference against the exact posterior (issue #18 point 3).
+
+``collect`` runs one seeded generation and tables, per recorded step, layer and reference, the attention share and
+the exact NW posterior over the reference latents at the same noisy latent (:func:`reference_attribution`);
+``analysis`` compares them over many reference sets with gauge-invariant statistics, intervals, permutation tests,
+a fitted data-space temperature and a verdict by a pre-stated rule (:func:`summarize_attribution`). The causal side,
+removing a reference's tokens, is :mod:`ipa_probe.intervention`.
+"""
+
+from .analysis import (
+    ALPHA,
+    POOLING_TV,
+    VERDICTS,
+    fit_bandwidth,
+    layer_agreement_test,
+    neff,
+    paired_rank_test,
+    summarize_attribution,
+    tv_from_uniform,
+    verdict,
+)
+from .collect import ATTRIBUTION_COLUMNS, ReferenceAttribution, reference_attribution, sets_table
+
+__all__ = [
+    "ALPHA",
+    "ATTRIBUTION_COLUMNS",
+    "POOLING_TV",
+    "ReferenceAttribution",
+    "VERDICTS",
+    "fit_bandwidth",
+    "layer_agreement_test",
+    "neff",
+    "paired_rank_test",
+    "reference_attribution",
+    "sets_table",
+    "summarize_attribution",
+    "tv_from_uniform",
+    "verdict",
+]

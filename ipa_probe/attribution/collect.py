@@ -1,0 +1,175 @@
+"""Collect, in one seeded generation, each reference's share of the image-branch attention and its exact posterior.
+
+For every recorded step ``t`` (loop index) and IP-Adapter layer ``l`` of the conditional branch:
+
+    attention_share[l, i] = mean over query positions p of  sum_{tokens j of reference i} mean_h A_h[p, j],
+
+the probe's per-reference maps (:meth:`ipa_probe.ProbeRun.reference_weights`) averaged over the layer's positions;
+the posterior over the reference latents ``s_i`` (VAE latents times the scaling factor) at the same noisy latent
+``x_t`` (the UNet's input at that step, conditional batch row), in the variance-preserving form of the exact
+denoiser (:class:`ipa_probe.exact.ExactNWDenoiser`, paper §C.5):
+
+    w_i(x_t) = softmax_i(-|x_t - alpha_t s_i|^2 / (2 sigma_t^2)) = softmax_i(-|x_t / alpha_t - s_i|^2 / (2 h_t^2)),
+    h_t = sigma_t / alpha_t,
+
+with ``alpha_t``, ``sigma_t`` from the scheduler's ``alphas_cumprod`` in float64. The squared distances
+``|x_t / alpha_t - s_i|^2`` are kept too (the temperature fit of :mod:`.analysis` needs them).
+
+Attention weights do not depend on the q/k gauge (scaling ``to_q`` by c and the keys by 1/c), and the posterior is
+made from latents only, so every column here is gauge invariant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .._checks import parse_step_selection, step_selected
+
+__all__ = ["ATTRIBUTION_COLUMNS", "ReferenceAttribution", "reference_attribution", "sets_table"]
+
+#: Columns of :func:`reference_attribution`'s table, one row per (step, layer, reference).
+ATTRIBUTION_COLUMNS: tuple[str, ...] = (
+    "step",
+    "timestep",
+    "layer",
+    "reference",
+    "attention_share",
+    "position_neff",
+    "sq_distance",
+    "bandwidth",
+    "posterior_weight",
+)
+
+
+@dataclass(frozen=True)
+class ReferenceAttribution:
+    """One generation's attribution.
+
+    Attributes:
+        table: one row per (recorded step, layer, reference), columns :data:`ATTRIBUTION_COLUMNS`.
+        generation: the call's :class:`~ipa_probe.intervention.Generation` (the probe reads without changing anything,
+            so it is the plain pipeline's output for that seed).
+        run: the finished :class:`~ipa_probe.ProbeRun` (matched bandwidth, ``maps=True``): its ``to_dataframe()`` is
+            the probe's table of the same generation.
+    """
+
+    table: pd.DataFrame
+    generation: Any
+    run: Any
+
+
+def _references(call: dict[str, Any], adapter: int) -> list:
+    images = call.get("ip_adapter_image")
+    if not isinstance(images, list | tuple) or adapter >= len(images) or not isinstance(images[adapter], list | tuple):
+        raise ValueError(
+            "reference_attribution needs the references as images: pass ip_adapter_image=[[img0, img1, ...]] "
+            f"(one list per adapter; adapter={adapter})"
+        )
+    if call.get("num_images_per_prompt", 1) != 1 or not isinstance(call.get("prompt", ""), str):
+        raise ValueError(
+            "reference_attribution compares one generated image with its posterior: pass one prompt (a string) and "
+            "num_images_per_prompt=1, and run several seeds for several images"
+        )
+    return list(images[adapter])
+
+
+def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, **call: Any) -> ReferenceAttribution:
+    """Generate once (seeded) and return each reference's attention share and exact posterior weight per step.
+
+    Args:
+        pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter, on a scheduler with integer timesteps (DDIM, DDPM,
+            PNDM, ...).
+        steps: loop indices to record (ints or a ``slice``); ``None`` for all.
+        seed: the generator's seed.
+        adapter: the IP-Adapter whose references are compared.
+        **call: the pipeline's arguments, with ``ip_adapter_image=[[...]]`` (the references) and one prompt;
+            without ``generator`` / ``output_type``.
+
+    Returns:
+        a :class:`ReferenceAttribution`; its table has one row per (recorded step, layer, reference):
+        ``attention_share`` (sums to 1 over references), ``position_neff`` (the mean over query positions of
+        ``1 / sum_i share(p, i)^2``, the same for every reference of a (step, layer)), ``sq_distance``
+        ``|x_t / alpha_t - s_i|^2``, ``bandwidth`` ``h_t`` and ``posterior_weight`` ``w_i(x_t)``.
+    """
+    from ..capture.run import probe
+    from ..exact import encode_references
+    from ..intervention.effect import generate
+    from ..layers import denoiser_of, observer
+    from ..theory.schedules import VPSchedule
+
+    references = _references(call, adapter)
+    selection = parse_step_selection(steps)
+    schedule = VPSchedule.from_scheduler(pipe.scheduler)
+    support = encode_references(pipe, references).double().flatten(1)  # (R, D)
+    inputs: dict[int, torch.Tensor] = {}
+    calls = [0]
+
+    def keep_input(module, args, kwargs):
+        step = calls[0]
+        calls[0] += 1
+        if step_selected(selection, step):
+            sample = args[0] if args else kwargs["sample"]
+            inputs[step] = sample[-1].detach().double().flatten().cpu()  # (D,): the conditional row
+
+    handle = denoiser_of(pipe).register_forward_pre_hook(observer(keep_input), with_kwargs=True)
+    try:
+        with probe(pipe, steps=selection, maps=True) as run:
+            generation = generate(pipe, seed=seed, **call)
+    finally:
+        handle.remove()
+    weights = run.reference_weights(adapter=adapter, branch="cond")
+    timesteps = run.map_timesteps(0)
+    posterior = {}
+    for step, x in inputs.items():
+        coefficients = schedule(int(round(timesteps[step])))
+        alpha, h = float(coefficients.alpha_t), float(coefficients.h)
+        distance = ((x / alpha - support) ** 2).sum(-1)  # (R,) |x_t / alpha_t - s_i|^2
+        posterior[step] = (distance, h, torch.softmax(-distance / (2 * h * h), -1))
+    rows = []
+    for (step, layer), w in weights.items():  # w: (Q, R)
+        share = w.mean(0)  # (R,)
+        position_neff = float((1.0 / (w**2).sum(-1)).mean())
+        distance, h, weight = posterior[step]
+        for i in range(w.shape[1]):
+            rows.append(
+                (step, float(timesteps[step]), layer, i, float(share[i]), position_neff)
+                + (float(distance[i]), h, float(weight[i]))
+            )
+    table = pd.DataFrame(rows, columns=list(ATTRIBUTION_COLUMNS))
+    if len(table) and table["reference"].max() + 1 != len(references):
+        raise ValueError(
+            f"the maps hold {table['reference'].max() + 1} references for {len(references)} images; "
+            "reference_attribution needs the adapter's images as one list with one token group each"
+        )
+    return ReferenceAttribution(table, generation, run)
+
+
+def sets_table(tables: list[pd.DataFrame]) -> pd.DataFrame:
+    """Stack per-set tables with a ``set`` column (0, 1, ...)."""
+    return pd.concat([t.assign(set=i) for i, t in enumerate(tables)], ignore_index=True)
+
+
+def arrays(frame: pd.DataFrame, timestep: float) -> dict[str, np.ndarray]:
+    """One timestep of a multi-set table as arrays: ``shares`` ``(S, L, R)``, ``posterior``, ``distance`` ``(S, R)``,
+    ``position_neff`` ``(S, L)`` and ``bandwidth`` (a float); sets and layers in sorted order."""
+    part = frame[frame["timestep"] == timestep].sort_values(["set", "layer", "reference"])
+    sets, layers, refs = part["set"].nunique(), part["layer"].nunique(), part["reference"].nunique()
+    if len(part) != sets * layers * refs:
+        raise ValueError(
+            f"timestep {timestep}: expected every set to have the same {layers} layers and {refs} references, got "
+            f"{len(part)} rows for {sets} sets"
+        )
+    shares = part["attention_share"].to_numpy(np.float64).reshape(sets, layers, refs)
+    first = part[part["layer"] == part["layer"].iloc[0]]
+    return {
+        "shares": shares,
+        "posterior": first["posterior_weight"].to_numpy(np.float64).reshape(sets, refs),
+        "distance": first["sq_distance"].to_numpy(np.float64).reshape(sets, refs),
+        "position_neff": part["position_neff"].to_numpy(np.float64).reshape(sets, layers, refs)[..., 0],
+        "bandwidth": float(first["bandwidth"].iloc[0]),
+    }

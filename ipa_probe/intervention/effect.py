@@ -1,0 +1,177 @@
+"""What an intervention does to the output: the same seeded generation with and without it, compared.
+
+:func:`generate` runs a pipeline once (``output_type="latent"``) and decodes the final latents with its own VAE and
+image processor, as the pipeline does for ``output_type="np"``; :func:`measure_intervention` runs it twice with the
+same seed (the baseline can be passed in, to share one between several interventions) and returns the distances
+between the two outputs and, given a classifier, its verdict on both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..layers import LayerSelection
+from .config import InterventionConfig
+from .hooks import intervene
+
+__all__ = ["Generation", "InterventionEffect", "decode_latents", "generate", "measure_intervention"]
+
+#: ``classify(images) -> (labels (N,), probabilities (N, classes))`` on ``(N, H, W, 3)`` arrays in ``[0, 1]``.
+Classifier = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One pipeline call's output.
+
+    Attributes:
+        latents: the final latents ``(N, C, h, w)``, float32 on the CPU.
+        images: the decoded images ``(N, H, W, 3)`` in ``[0, 1]``, float32.
+    """
+
+    latents: torch.Tensor
+    images: np.ndarray
+
+
+@dataclass(frozen=True)
+class InterventionEffect:
+    """An intervention's effect on a generation (per generated image).
+
+    Attributes:
+        config: the intervention's settings.
+        baseline, intervened: the two generations (same seed and call).
+        latent_distance: ``(N,)`` root-mean-square difference of the final latents.
+        pixel_distance: ``(N,)`` root-mean-square difference of the images, on the ``[0, 1]`` scale.
+        baseline_labels, intervened_labels: ``(N,)`` the classifier's labels, or ``None`` without a classifier.
+        baseline_probabilities, intervened_probabilities: ``(N, classes)``, or ``None``.
+    """
+
+    config: InterventionConfig
+    baseline: Generation
+    intervened: Generation
+    latent_distance: np.ndarray
+    pixel_distance: np.ndarray
+    baseline_labels: np.ndarray | None = None
+    intervened_labels: np.ndarray | None = None
+    baseline_probabilities: np.ndarray | None = None
+    intervened_probabilities: np.ndarray | None = None
+
+    @property
+    def flipped(self) -> np.ndarray | None:
+        """``(N,)`` whether the classifier's label changed, or ``None`` without a classifier."""
+        if self.baseline_labels is None:
+            return None
+        return self.baseline_labels != self.intervened_labels
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly numbers (no images)."""
+        out: dict[str, Any] = {
+            "config": self.config.describe(),
+            "latent_distance": self.latent_distance.tolist(),
+            "pixel_distance": self.pixel_distance.tolist(),
+        }
+        if self.baseline_labels is not None:
+            out.update(
+                baseline_labels=self.baseline_labels.tolist(),
+                intervened_labels=self.intervened_labels.tolist(),
+                flipped=self.flipped.tolist(),
+            )
+        return out
+
+
+@torch.no_grad()
+def decode_latents(pipe, latents: torch.Tensor) -> np.ndarray:
+    """Decode final latents as an SD 1.5 / SDXL pipeline does for ``output_type="np"``.
+
+    Args:
+        pipe: the pipeline (its ``vae`` and ``image_processor``).
+        latents: ``(N, C, h, w)``.
+
+    Returns:
+        images ``(N, H, W, 3)`` in ``[0, 1]``.
+    """
+    vae = pipe.vae
+    z = latents.to(device=vae.device, dtype=vae.dtype) / vae.config.scaling_factor
+    decoded = vae.decode(z, return_dict=False)[0]
+    return pipe.image_processor.postprocess(decoded, output_type="np", do_denormalize=[True] * decoded.shape[0])
+
+
+def generate(pipe, *, seed: int = 0, **call: Any) -> Generation:
+    """Run ``pipe(**call)`` with a CPU generator seeded with ``seed`` and return its latents and decoded images.
+
+    Args:
+        pipe: an SD 1.5 / SDXL pipeline.
+        seed: the generator's seed (the same seed gives the same initial noise).
+        **call: the pipeline's arguments (prompt, ``ip_adapter_image``, ``num_inference_steps``, ...), without
+            ``generator`` and ``output_type``.
+    """
+    for name in ("generator", "output_type", "return_dict"):
+        if name in call:
+            raise ValueError(f"{name}= is set by generate (seed= chooses the generator); drop it from the call")
+    generator = torch.Generator().manual_seed(seed)
+    latents = pipe(**call, generator=generator, output_type="latent").images
+    return Generation(latents.detach().float().cpu(), decode_latents(pipe, latents))
+
+
+def _rms(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    diff = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    return np.sqrt((diff**2).reshape(diff.shape[0], -1).mean(1))
+
+
+def measure_intervention(
+    pipe,
+    reference: int | Sequence[int],
+    *,
+    layers: LayerSelection = None,
+    steps=None,
+    mode: str = "ablate",
+    other: Any = None,
+    adapter: int = 0,
+    seed: int = 0,
+    classify: Classifier | None = None,
+    baseline: Generation | None = None,
+    **call: Any,
+) -> InterventionEffect:
+    """Generate with and without an intervention (same seed and call) and compare the outputs.
+
+    Args:
+        pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter.
+        reference, layers, steps, mode, other, adapter: the intervention (see :func:`~.hooks.intervene`).
+        seed: the generator's seed for both runs.
+        classify: optional ``classify(images) -> (labels, probabilities)`` on ``(N, H, W, 3)`` images in ``[0, 1]``
+            (for the digits organism: :func:`ipa_probe.tiny.digits.classify_digit_images`).
+        baseline: the un-intervened :func:`generate` output of the same call and seed, to reuse; made when ``None``.
+        **call: the pipeline's arguments (without ``generator`` / ``output_type``).
+
+    Returns:
+        the :class:`InterventionEffect`.
+
+    Example:
+        ```py
+        >>> effect = ipa_probe.measure_intervention(pipe, 0, prompt="a handwritten digit",
+        ...                                         ip_adapter_image=[refs], num_inference_steps=20)
+        >>> effect.pixel_distance
+        ```
+    """
+    config = InterventionConfig(reference, layers, steps, mode, other, adapter)
+    if baseline is None:
+        baseline = generate(pipe, seed=seed, **call)
+    with intervene(pipe, reference, layers=layers, steps=steps, mode=mode, other=other, adapter=adapter):
+        intervened = generate(pipe, seed=seed, **call)
+    labels: dict[str, np.ndarray | None] = {}
+    if classify is not None:
+        labels["baseline_labels"], labels["baseline_probabilities"] = classify(baseline.images)
+        labels["intervened_labels"], labels["intervened_probabilities"] = classify(intervened.images)
+    return InterventionEffect(
+        config,
+        baseline,
+        intervened,
+        _rms(baseline.latents.numpy(), intervened.latents.numpy()),
+        _rms(baseline.images, intervened.images),
+        **labels,
+    )

@@ -1,0 +1,316 @@
+"""The intervention's lifecycle: :func:`apply_intervention`, :func:`remove_intervention` and the context manager
+:func:`intervene`.
+
+It acts through forward pre-hooks on the chosen layers' ``to_k_ip`` / ``to_v_ip`` (the image branch's key and value
+projections, which diffusers' IP-Adapter processor calls on the adapter's image tokens ``(B, images, tokens, C)``)
+and a pre-hook on the denoiser that keeps the loop index; no processor, weight or buffer of the pipeline is replaced,
+so removing the hooks gives the pipeline back bit for bit.
+
+- ``"ablate"``: the chosen references' tokens are dropped from the tokens the projections see, so that the layer's
+  softmax runs over the other references' keys only (their weights are renormalised among themselves). This is the
+  clean ablation: the layer computes exactly what it would with that reference absent from the list. Zeroing the
+  reference's keys instead would leave its tokens in the softmax at logit ``q·0 = 0`` (a weight that depends on the
+  other logits, and with zero values a pure loss of mass), and zeroing only its values would keep its share of the
+  softmax and shrink the output by that share: both mix "remove this reference" with "change the output's norm".
+  When every reference of the adapter is removed, the softmax would be empty: the branch's values are zeroed instead,
+  so that it adds nothing, as ``set_ip_adapter_scale(0)`` does in that layer.
+- ``"swap"``: the reference's tokens are replaced by those of another image (encoded with the pipeline's own image
+  encoder and the adapter's ``ImageProjection``, so base IP-Adapters only). Batch rows whose embedding of the reference
+  is all zero (diffusers' unconditional branch under classifier-free guidance) keep their tokens: there the pipeline
+  would embed the other image as zeros too.
+
+Supported: SD 1.5 / SDXL UNets with ``IPAdapterAttnProcessor2_0`` (or ipa_probe's NW head, which shares the same
+``to_k_ip`` / ``to_v_ip``), without ``ip_adapter_masks`` (a masked call raises at its first intervened step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from diffusers.models.embeddings import ImageProjection
+
+from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, observer, release
+from .config import INTERVENE, InterventionConfig
+
+__all__ = ["Intervention", "apply_intervention", "intervene", "remove_intervention"]
+
+logger = logging.getLogger(__name__)
+
+#: Where the active intervention is kept on the denoiser (in its ``__dict__``, not as a module attribute).
+_STATE_ATTRIBUTE = "_ipa_probe_intervention"
+
+
+@dataclass
+class Intervention:
+    """An applied intervention: its settings, what it hooks, and what it has done.
+
+    Attributes:
+        config: the settings.
+        layers: the intervened layer ids.
+        acted: ``(step, layer id)`` pairs where the reference's tokens were changed, in order (read it after the
+            pipeline call to check that the selection did what was meant).
+        step: the current denoising loop index (``-1`` before the first denoiser call).
+    """
+
+    config: InterventionConfig
+    layers: list[str]
+    acted: list[tuple[int, str]] = field(default_factory=list)
+    step: int = -1
+    _pipe: Any = field(default=None, repr=False)
+    _denoiser: torch.nn.Module | None = field(default=None, repr=False)
+    _handles: list[Any] = field(default_factory=list, repr=False)
+    _timesteps: Any = field(default=None, repr=False)
+    _acting: bool = field(default=False, repr=False)
+    _conditioned: torch.Tensor | None = field(default=None, repr=False)
+    _other_tokens: torch.Tensor | None = field(default=None, repr=False)
+    _emptied: bool = field(default=False, repr=False)
+
+    @property
+    def active(self) -> bool:
+        return self._denoiser is not None
+
+    def remove(self) -> None:
+        """Remove every hook and the claim; idempotent. The one place where the intervention is undone."""
+        denoiser = self._denoiser
+        if denoiser is None:
+            return
+        try:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+        finally:
+            denoiser.__dict__.pop(_STATE_ATTRIBUTE, None)
+            release(denoiser, INTERVENE)
+            self._denoiser = None
+            self._conditioned = None
+            self._other_tokens = None
+
+    # ------------------------------------------------------------------ hooks
+    def _on_denoiser_call(self, module, args, kwargs) -> None:
+        """Keep the loop index (a new pipeline call starts when the scheduler's timesteps are a new tensor), check
+        the call's masks, and find the conditioned rows for a swap."""
+        timesteps = getattr(getattr(self._pipe, "scheduler", None), "timesteps", None)
+        if timesteps is not self._timesteps:
+            self._timesteps, self.step = timesteps, -1
+        self.step += 1
+        self._acting = self.config.acts_at(self.step)
+        if not self._acting:
+            return
+        adapter = self.config.adapter
+        masks = (kwargs.get("cross_attention_kwargs") or {}).get("ip_adapter_masks")
+        if masks is not None and (
+            isinstance(masks, torch.Tensor) or (adapter < len(masks) and masks[adapter] is not None)
+        ):
+            self._acting = False
+            raise ValueError(
+                "ipa_probe.intervene does not support ip_adapter_masks (diffusers then runs one softmax per reference "
+                "image and masks its output); call the pipeline without masks, or mask the reference out yourself"
+            )
+        if self.config.mode == "swap":
+            embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds")
+            if not isinstance(embeds, list | tuple) or adapter >= len(embeds):
+                raise ValueError(
+                    'mode="swap" reads the image embeddings the pipeline passes to its UNet '
+                    "(added_cond_kwargs['image_embeds']); call the pipeline with ip_adapter_image= or "
+                    "ip_adapter_image_embeds="
+                )
+            embeds = embeds[adapter]  # (B, images, D)
+            reference = self.config.reference
+            if embeds.ndim != 3 or reference >= embeds.shape[1]:
+                raise ValueError(
+                    f"reference={reference}: adapter {adapter} got image embeddings of shape {tuple(embeds.shape)} "
+                    "in this call (batch, images, dim); pass an index below its number of reference images"
+                )
+            self._conditioned = embeds[:, reference].ne(0).any(-1)  # (B,): False in the unconditional branch
+
+    def _edit_tokens(self, layer: str, keys: bool):
+        """Forward pre-hook on ``to_k_ip`` (``keys``) or ``to_v_ip`` of the adapter: remove or replace the
+        reference's tokens in the input ``(B, images, tokens, C)``."""
+        config = self.config
+
+        def hook(module, args):
+            if not self._acting:
+                return None
+            tokens = args[0]
+            if tokens.ndim != 4:
+                raise ValueError(
+                    f"ipa_probe.intervene: layer {layer!r} got image tokens of shape {tuple(tokens.shape)}; expected "
+                    "(batch, images, tokens, channels) as diffusers' IP-Adapter processor passes them without masks"
+                )
+            images = tokens.shape[1]
+            if config.references[-1] >= images:
+                raise ValueError(
+                    f"reference={config.reference}: adapter {config.adapter} has {images} reference image(s) in this "
+                    f"call; pass indices below {images}"
+                )
+            if keys:
+                self.acted.append((self.step, layer))
+            if config.mode == "swap":
+                other = self._other_tokens.to(device=tokens.device, dtype=tokens.dtype)  # (1, T, C)
+                edited = tokens.clone()
+                reference = config.reference
+                rows = self._conditioned.reshape(-1, 1, 1)  # (B, 1, 1)
+                edited[:, reference] = torch.where(rows, other.expand_as(tokens[:, reference]), tokens[:, reference])
+                return (edited, *args[1:])
+            keep = [i for i in range(images) if i not in config.references]
+            if not keep:  # an empty softmax: zero the values instead (see the module docstring)
+                self._emptied = True
+                return None
+            self._emptied = False
+            return (tokens[:, keep], *args[1:])  # (B, images - removed, T, C)
+
+        return hook
+
+    def _zero_values(self, module, args, output):
+        """Forward hook on ``to_v_ip``: when every reference is removed, the branch's values are zero."""
+        if self._acting and self.config.mode == "ablate" and self._emptied:
+            return torch.zeros_like(output)
+        return None
+
+
+def _unet_layers(pipe, config: InterventionConfig) -> list[IPLayer]:
+    denoiser = denoiser_of(pipe)
+    found = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser), config.layers)
+    families = {layer.family for layer in found}
+    if families != {"unet"}:
+        raise ValueError(
+            f"ipa_probe.intervene supports SD 1.5 / SDXL UNets (IPAdapterAttnProcessor2_0); this pipeline's "
+            f"IP-Adapter layers are of the {sorted(families)} family. Interventions on Flux and SD3 are not "
+            "implemented: use a UNet pipeline"
+        )
+    fewest = min(layer.num_adapters for layer in found)
+    if config.adapter >= fewest:
+        raise ValueError(
+            f"adapter={config.adapter}: the selected layers hold {fewest} IP-Adapter(s); pass a lower index"
+        )
+    return found
+
+
+@torch.no_grad()
+def _other_tokens(pipe, config: InterventionConfig) -> torch.Tensor:
+    """The swapped-in image's tokens ``(1, T, C)``: the pipeline's image encoder, then the adapter's projection."""
+    model = getattr(denoiser_of(pipe), "_orig_mod", denoiser_of(pipe))
+    projections = getattr(getattr(model, "encoder_hid_proj", None), "image_projection_layers", None)
+    if projections is None or config.adapter >= len(projections):
+        raise ValueError(
+            'mode="swap" needs the UNet\'s IP-Adapter image projection (unet.encoder_hid_proj); load the adapter '
+            "with pipe.load_ip_adapter(...)"
+        )
+    projection = projections[config.adapter]
+    if not isinstance(projection, ImageProjection):
+        raise ValueError(
+            f'mode="swap" supports base IP-Adapters (ImageProjection); adapter {config.adapter} projects with '
+            f'{type(projection).__name__}, whose unconditional tokens are not zero embeddings; use mode="ablate"'
+        )
+    encode = getattr(pipe, "encode_image", None)
+    if encode is None or getattr(pipe, "image_encoder", None) is None:
+        raise ValueError(
+            'mode="swap" encodes other= with the pipeline\'s image encoder: pass the pipeline (with its '
+            "image_encoder), not the bare denoiser"
+        )
+    device = next(projection.parameters()).device
+    embeds, _ = encode(config.other, device, 1, False)  # (1, D)
+    return projection(embeds.to(next(projection.parameters()).dtype))  # (1, T, C)
+
+
+def apply_intervention(
+    pipe,
+    reference: int | Sequence[int],
+    *,
+    layers: LayerSelection = None,
+    steps=None,
+    mode: str = "ablate",
+    other: Any = None,
+    adapter: int = 0,
+) -> Intervention:
+    """Attach an intervention on one reference image's tokens (until :func:`remove_intervention`).
+
+    Prefer the context manager :func:`intervene` in scripts; this pair is for notebooks. Arguments as in
+    :class:`~.config.InterventionConfig`.
+
+    Returns:
+        the :class:`Intervention`.
+
+    Raises:
+        ValueError / TypeError: bad settings, a pipeline that is not a UNet with an IP-Adapter, a layer selection
+            matching nothing: raised before anything is attached.
+        RuntimeError: an intervention is already applied to this pipeline.
+    """
+    config = InterventionConfig(reference, layers, steps, mode, other, adapter)
+    found = _unet_layers(pipe, config)
+    other_tokens = _other_tokens(pipe, config) if config.mode == "swap" else None
+    names = [layer.name for layer in found]
+    what = f"pre-hooks on to_k_ip/to_v_ip: {config.mode} reference(s) {list(config.references)}"
+    denoiser = claim(pipe, INTERVENE, names, what)
+    state = Intervention(config, names, _pipe=pipe, _denoiser=denoiser, _other_tokens=other_tokens)
+    try:
+        denoiser.__dict__[_STATE_ATTRIBUTE] = state
+        state._handles.append(denoiser.register_forward_pre_hook(observer(state._on_denoiser_call), with_kwargs=True))
+        for layer in found:
+            to_k_ip = layer.processor.to_k_ip[config.adapter]
+            to_v_ip = layer.processor.to_v_ip[config.adapter]
+            state._handles.append(to_k_ip.register_forward_pre_hook(observer(state._edit_tokens(layer.name, True))))
+            state._handles.append(to_v_ip.register_forward_pre_hook(observer(state._edit_tokens(layer.name, False))))
+            state._handles.append(to_v_ip.register_forward_hook(observer(state._zero_values)))
+    except BaseException:
+        state.remove()
+        raise
+    logger.info("intervene: %s on %d layer(s)", what, len(found))
+    return state
+
+
+def remove_intervention(pipe) -> None:
+    """Undo :func:`apply_intervention` (see :meth:`Intervention.remove`).
+
+    Raises:
+        ValueError: no intervention is applied to this pipeline.
+    """
+    state = denoiser_of(pipe).__dict__.get(_STATE_ATTRIBUTE)
+    if state is None:
+        raise ValueError("no intervention is applied to this pipeline; call ipa_probe.apply_intervention(pipe) first")
+    state.remove()
+
+
+@contextlib.contextmanager
+def intervene(
+    pipe,
+    reference: int | Sequence[int],
+    *,
+    layers: LayerSelection = None,
+    steps=None,
+    mode: str = "ablate",
+    other: Any = None,
+    adapter: int = 0,
+) -> Iterator[Intervention]:
+    """Run a pipeline with one reference image's tokens removed (or swapped) in the chosen layers and steps.
+
+    Every hook comes off on exit (normal, exception or KeyboardInterrupt), leaving the pipeline as it was.
+
+    Args:
+        pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter loaded.
+        reference: the reference image's index in ``ip_adapter_image=[[...]]`` (or, to ablate, a list of them).
+        layers: a regex or list of regexes selecting layer ids; ``None`` for every IP-Adapter layer.
+        steps: denoising loop indices (ints or a ``slice``); ``None`` for every step.
+        mode: ``"ablate"`` (leave the softmax) or ``"swap"`` (replaced by ``other``'s tokens).
+        other: the image swapped in (``mode="swap"``).
+        adapter: which loaded IP-Adapter.
+
+    Yields:
+        the :class:`Intervention` (its ``acted`` lists the (step, layer) pairs it changed).
+
+    Example:
+        ```py
+        >>> with ipa_probe.intervene(pipe, reference=1, steps=range(10)):
+        ...     image = pipe("a handwritten digit", ip_adapter_image=[refs], num_inference_steps=20).images[0]
+        ```
+    """
+    state = apply_intervention(pipe, reference, layers=layers, steps=steps, mode=mode, other=other, adapter=adapter)
+    try:
+        yield state
+    finally:
+        state.remove()

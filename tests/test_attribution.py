@@ -1,0 +1,406 @@
+"""The gauge-invariant comparisons of attention with the exact posterior: every number against an independent float64
+recomputation (the test's own hooks, numpy, scipy), invariance under a q/k gauge change, and the verdict's rule."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from scipy import optimize, special, stats
+
+import ipa_probe
+from ipa_probe.attribution import (
+    POOLING_TV,
+    fit_bandwidth,
+    layer_agreement_test,
+    neff,
+    paired_rank_test,
+    reference_attribution,
+    sets_table,
+    summarize_attribution,
+    tv_from_uniform,
+    verdict,
+)
+from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_reference_images
+
+NUM_STEPS = 6
+STEPS = [0, 3, 5]
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return digits_reference_images(2, 2, seed=100) + digits_reference_images(6, 2, seed=200)
+
+
+def attribution(pipe, refs, seed=0, guidance=3.0):
+    result = reference_attribution(
+        pipe,
+        steps=STEPS,
+        seed=seed,
+        prompt=DIGITS_PROMPT,
+        ip_adapter_image=[list(refs)],
+        num_inference_steps=NUM_STEPS,
+        guidance_scale=guidance,
+    )
+    return result.table, result.generation
+
+
+# ------------------------------------------------------------------------------- collection vs the test's own hooks
+
+
+def own_recomputation(pipe, refs, seed=0, guidance=3.0):
+    """Attention shares, position n_eff and posterior from the test's own hooks on to_q / to_k_ip, in float64."""
+    layers = ipa_probe.find_ip_layers(pipe)
+    queries, keys, samples, calls = {}, {}, {}, [0]
+
+    def on_unet(module, args, kwargs):
+        samples[calls[0]] = (args[0] if args else kwargs["sample"])[-1].double().flatten()
+        calls[0] += 1
+
+    handles = [pipe.unet.register_forward_pre_hook(on_unet, with_kwargs=True)]
+    for layer in layers:
+        attn = layer.attention
+
+        def keep_q(module, args, output, name=layer.name):
+            queries[(calls[0] - 1, name)] = output[-1].double()  # (Q, H*d): the conditional row
+
+        def keep_k(module, args, output, name=layer.name):
+            keys[(calls[0] - 1, name)] = output[-1].double()  # (images, T, H*d)
+
+        handles.append(attn.to_q.register_forward_hook(keep_q))
+        handles.append(layer.processor.to_k_ip[0].register_forward_hook(keep_k))
+    try:
+        pipe(
+            DIGITS_PROMPT,
+            ip_adapter_image=[list(refs)],
+            num_inference_steps=NUM_STEPS,
+            guidance_scale=guidance,
+            generator=torch.Generator().manual_seed(seed),
+            output_type="latent",
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    # the support: the VAE's posterior mode of each reference, times the scaling factor (not encode_references)
+    with torch.no_grad():
+        pixels = torch.cat([pipe.image_processor.preprocess(r, height=16, width=16) for r in refs])
+        support = (pipe.vae.encode(pixels).latent_dist.mode() * pipe.vae.config.scaling_factor).double().flatten(1)
+    abar = pipe.scheduler.alphas_cumprod.double().numpy()
+    timesteps = pipe.scheduler.timesteps.tolist()
+    rows = []
+    for step in STEPS:
+        t = int(timesteps[step])
+        alpha, h = math.sqrt(abar[t]), math.sqrt((1 - abar[t]) / abar[t])
+        distance = ((samples[step].numpy() / alpha - support.numpy()) ** 2).sum(-1)
+        logits = -distance / (2 * h * h)
+        posterior = np.exp(logits - special.logsumexp(logits))
+        for layer in layers:
+            q, k = queries[(step, layer.name)], keys[(step, layer.name)]
+            heads = layer.heads
+            d = q.shape[-1] // heads
+            qh = q.reshape(-1, heads, d).permute(1, 0, 2).numpy()  # (H, Q, d)
+            kh = k.reshape(-1, heads, d).permute(1, 0, 2).numpy()  # (H, R*T, d)
+            weights = special.softmax(qh @ kh.transpose(0, 2, 1) / math.sqrt(d), -1).mean(0)  # (Q, R*T)
+            per_ref = weights.reshape(weights.shape[0], len(refs), -1).sum(-1)  # (Q, R)
+            share = per_ref.mean(0)
+            position_neff = (1.0 / (per_ref**2).sum(-1)).mean()
+            for i in range(len(refs)):
+                rows.append((step, t, layer.name, i, share[i], position_neff, distance[i], h, posterior[i]))
+    columns = ["step", "timestep", "layer", "reference", "attention_share", "position_neff"]
+    frame = pd.DataFrame(rows, columns=columns + ["sq_distance", "bandwidth", "posterior_weight"])
+    frame.attrs["samples"] = samples
+    return frame
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.0])
+def test_collection_matches_the_tests_own_hooks(organism, refs, guidance):
+    table, generation = attribution(organism, refs, guidance=guidance)
+    expected = own_recomputation(organism, refs, guidance=guidance)
+    key = ["step", "layer", "reference"]
+    merged = table.merge(expected, on=key, suffixes=("", "_expected"), validate="one_to_one")
+    assert len(merged) == len(expected) == len(STEPS) * 10 * len(refs)
+    # 2e-6: the probe's softmax runs in float32 (shares ~0.25, float32 epsilon 1.2e-7, summed over 4 tokens, 10 heads)
+    np.testing.assert_allclose(merged["attention_share"], merged["attention_share_expected"], atol=2e-6)
+    np.testing.assert_allclose(merged["position_neff"], merged["position_neff_expected"], rtol=2e-6)
+    # 1e-6: both start from the same float32 latents; the rest is float64 on both sides
+    np.testing.assert_allclose(merged["sq_distance"], merged["sq_distance_expected"], rtol=1e-6)
+    np.testing.assert_allclose(merged["bandwidth"], merged["bandwidth_expected"], rtol=1e-12)
+    np.testing.assert_allclose(merged["posterior_weight"], merged["posterior_weight_expected"], atol=1e-6)
+    np.testing.assert_allclose(merged["timestep"], merged["timestep_expected"])
+    plain = organism(
+        DIGITS_PROMPT,
+        ip_adapter_image=[list(refs)],
+        num_inference_steps=NUM_STEPS,
+        guidance_scale=guidance,
+        generator=torch.Generator().manual_seed(0),
+        output_type="latent",
+    ).images
+    torch.testing.assert_close(generation.latents, plain, rtol=0, atol=0)  # the probe reads without changing
+
+
+def test_posterior_is_the_exact_denoisers(organism, refs):
+    """sum_i w_i s_i with the table's weights is the exact denoiser's x0 prediction at the same x_t."""
+    table, _ = attribution(organism, refs)
+    support = ipa_probe.exact.encode_references(organism, refs)  # (R, 4, 8, 8)
+    denoiser = ipa_probe.ExactNWDenoiser(support, organism.scheduler)
+    samples = own_recomputation(organism, refs).attrs["samples"]
+    for step in STEPS:
+        part = table[(table["step"] == step) & (table["layer"] == table["layer"].iloc[0])]
+        weights = torch.tensor(part["posterior_weight"].to_numpy())  # (R,)
+        x0_table = (weights[:, None] * support.double().flatten(1)).sum(0)
+        x_t = samples[step].float().reshape(1, *support.shape[1:])
+        x0_exact = denoiser.predict_x0(x_t, torch.tensor(part["timestep"].iloc[0])).double().flatten()
+        # 1e-3: the exact denoiser's logits are float32, up to |x / alpha - s|^2 / (2 h^2) ~ 1e4 at the last step
+        torch.testing.assert_close(x0_table, x0_exact, rtol=0, atol=1e-3)
+
+
+def test_refuses_calls_it_cannot_pair(organism, refs):
+    with pytest.raises(ValueError, match="ip_adapter_image"):
+        reference_attribution(organism, prompt=DIGITS_PROMPT, num_inference_steps=2)
+    with pytest.raises(ValueError, match="num_images_per_prompt=1"):
+        reference_attribution(
+            organism, prompt=DIGITS_PROMPT, ip_adapter_image=[refs], num_inference_steps=2, num_images_per_prompt=2
+        )
+
+
+# ------------------------------------------------------------------------------------------ invariance under the gauge
+
+
+def probe_spearman(pipe, refs) -> float:
+    with ipa_probe.probe(pipe, steps=STEPS) as run:
+        pipe(
+            DIGITS_PROMPT,
+            ip_adapter_image=[list(refs)],
+            num_inference_steps=NUM_STEPS,
+            guidance_scale=3.0,
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+        )
+    table = run.to_dataframe()
+    return float(table.loc[table["kind"] == "image", "spearman"].mean())
+
+
+@pytest.fixture(scope="module")
+def gauge_baseline(organism, refs):
+    """Two reference sets at c = 1: their tables, outputs, and the probe's rho on the first."""
+    sets = [refs, digits_reference_images(4, 2, seed=7) + digits_reference_images(9, 2, seed=8)]
+    runs = [attribution(organism, r, seed=i) for i, r in enumerate(sets)]
+    return sets, sets_table([t for t, _ in runs]), [g.latents for _, g in runs], probe_spearman(organism, refs)
+
+
+@pytest.mark.parametrize("c", [0.5, 2.0])
+def test_invariant_metrics_do_not_move_under_a_gauge_change(organism, refs, gauge_baseline, c):
+    sets, base, base_outputs, rho = gauge_baseline
+    before = {k: v.clone() for k, v in organism.unet.state_dict().items()}
+    with ipa_probe.qk_gauge(organism, c):  # to_q (weight, bias) times c, to_k and every to_k_ip divided by c
+        moved = [attribution(organism, r, seed=i) for i, r in enumerate(sets)]
+        rho_moved = probe_spearman(organism, refs)
+    assert all(torch.equal(v, organism.unet.state_dict()[k]) for k, v in before.items())  # back bit for bit
+    assert abs(rho_moved - rho) > 0.05  # the probe's rho is not a property of the model: it moved
+    for (_, generation), output in zip(moved, base_outputs, strict=True):
+        # 1e-5: a power-of-two factor is exact in float32, so the outputs agree to rounding (here: bitwise)
+        torch.testing.assert_close(generation.latents, output, rtol=1e-5, atol=1e-5)
+    gauged = sets_table([table for table, _ in moved])
+    numeric = ["attention_share", "position_neff", "sq_distance", "posterior_weight"]
+    # 1e-5: unchanged attention weights and latents up to float32 rounding (the issue's tolerance)
+    np.testing.assert_allclose(gauged[numeric].to_numpy(), base[numeric].to_numpy(), rtol=1e-5, atol=1e-5)
+    summary = summarize_attribution(base, permutations=199, resamples=49)
+    summary_gauged = summarize_attribution(gauged, permutations=199, resamples=49)
+    columns = [c for c in summary.columns if c != "verdict"]
+    np.testing.assert_allclose(summary_gauged[columns].to_numpy(float), summary[columns].to_numpy(float), rtol=1e-5)
+    assert list(summary_gauged["verdict"]) == list(summary["verdict"])
+
+
+# ------------------------------------------------------------------------------------- the statistics, on their own
+
+
+def test_neff_and_tv_from_uniform():
+    w = np.random.default_rng(0).dirichlet(np.ones(5), size=7)
+    np.testing.assert_allclose(neff(w), [1 / sum(x * x for x in row) for row in w.tolist()], rtol=1e-12)
+    expected = [0.5 * sum(abs(x - 0.2) for x in row) for row in w.tolist()]
+    np.testing.assert_allclose(tv_from_uniform(w), expected, rtol=1e-12)
+    assert tv_from_uniform(np.full(4, 0.25)) == 0 and neff(np.eye(3)[0]) == 1
+
+
+def test_paired_rank_test_against_scipy_and_exact_enumeration():
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(3, 4)), rng.normal(size=(3, 4))
+    y += 0.8 * x  # some agreement
+    result = paired_rank_test(x, y, permutations=4999, seed=0)
+    per_set = [stats.spearmanr(a, b).statistic for a, b in zip(x, y, strict=True)]
+    assert result["mean"] == pytest.approx(np.mean(per_set), abs=1e-12) and result["sets"] == 3
+    per_permutation = [  # scipy's Spearman of each set under each of the 24 orders of its y
+        [stats.spearmanr(x[s], y[s][list(p)]).statistic for p in itertools.permutations(range(4))] for s in range(3)
+    ]
+    null = [np.mean(values) for values in itertools.product(*per_permutation)]  # all 24^3 joint permutations
+    exact = np.mean(np.asarray(null) >= np.mean(per_set) - 1e-12)
+    # 0.03: four standard errors of a Monte-Carlo p-value from 4999 permutations (sd <= sqrt(0.25 / 4999))
+    assert result["p"] == pytest.approx(exact, abs=0.03)
+    more, noise = rng.normal(size=(12, 4)), rng.normal(size=(12, 4))
+    result = paired_rank_test(more, more + noise, seed=0)
+    values = np.array([stats.spearmanr(a, a + b).statistic for a, b in zip(more, noise, strict=True)])
+    key = "rng" if "rng" in inspect.signature(stats.bootstrap).parameters else "random_state"  # scipy < 1.15
+    interval = stats.bootstrap((values,), np.mean, n_resamples=9999, method="BCa", **{key: np.random.default_rng(0)})
+    # the interval is scipy's BCa bootstrap of scipy's per-set Spearman values (same resampling generator)
+    assert (result["low"], result["high"]) == pytest.approx(tuple(interval.confidence_interval), abs=1e-12)
+    constant = paired_rank_test(np.ones((3, 4)), y)
+    assert constant["sets"] == 0 and math.isnan(constant["mean"]) and math.isnan(constant["p"])
+
+
+def test_layer_agreement_against_scipy_and_exact_enumeration():
+    rng = np.random.default_rng(2)
+    shares = rng.dirichlet(np.ones(3), size=(2, 2))  # (S=2, L=2, R=3)
+    result = layer_agreement_test(shares, permutations=4999, seed=0)
+    observed = np.mean([stats.spearmanr(s[0], s[1]).statistic for s in shares])
+    assert result["mean"] == pytest.approx(observed, abs=1e-12)
+    perms = list(itertools.permutations(range(3)))
+    null = [
+        np.mean([stats.spearmanr(shares[s, 0][list(p[2 * s])], shares[s, 1][list(p[2 * s + 1])]).statistic
+                 for s in range(2)])
+        for p in itertools.product(perms, repeat=4)
+    ]  # fmt: skip
+    exact = np.mean(np.asarray(null) >= observed - 1e-12)
+    assert result["p"] == pytest.approx(exact, abs=0.03)  # 4 Monte-Carlo standard errors, as above
+    wide = rng.dirichlet(np.ones(4), size=(6, 5))  # (S=6, L=5, R=4)
+    expected = [
+        np.mean([stats.spearmanr(s[i], s[j]).statistic for i, j in itertools.combinations(range(5), 2)]) for s in wide
+    ]
+    assert layer_agreement_test(wide, permutations=99)["mean"] == pytest.approx(np.mean(expected), abs=1e-12)
+
+
+def _kl_objective(log_h: float, shares: np.ndarray, distance: np.ndarray) -> float:
+    logits = -distance / (2 * np.exp(2 * log_h))
+    log_w = logits - special.logsumexp(logits, axis=-1, keepdims=True)
+    return float((shares * (np.log(shares) - log_w)).sum())
+
+
+def test_fitted_bandwidth_interval_resamples_sets_whole():
+    """Every set's shares are the posterior at h = 3: any resample of sets fits 3, so the interval is [3, 3]."""
+    rng = np.random.default_rng(7)
+    distance = rng.uniform(0, 50, size=(12, 4))
+    exact = special.softmax(-distance / (2 * 3.0**2), axis=-1)
+    row = summarize_attribution(synthetic_frame(exact[:, None], distance, 3.0), permutations=99, resamples=99).iloc[0]
+    assert row["fitted_bandwidth_low"] == pytest.approx(3.0, rel=1e-6)
+    assert row["fitted_bandwidth_high"] == pytest.approx(3.0, rel=1e-6)
+    assert row["fitted_ratio"] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_fit_bandwidth_against_scipy():
+    rng = np.random.default_rng(3)
+    distance = rng.uniform(0, 50, size=(10, 4))
+    exact = special.softmax(-distance / (2 * 3.0**2), axis=-1)
+    assert fit_bandwidth(exact, distance) == pytest.approx(3.0, rel=1e-6)
+    shares = rng.dirichlet(np.ones(4), size=10) * 0.5 + exact * 0.5
+    expected = optimize.minimize_scalar(_kl_objective, bounds=(-5, 10), args=(shares, distance), method="bounded",
+                                        options={"xatol": 1e-10})  # fmt: skip
+    # 1e-4: scipy's bounded Brent stops at xatol in log h; ours solves the convex problem's gradient root
+    assert fit_bandwidth(shares, distance) == pytest.approx(math.exp(expected.x), rel=1e-4)
+    far = special.softmax(distance / 20, axis=-1)  # more weight on the farther references than uniform
+    assert math.isinf(fit_bandwidth(far, distance))
+    nearest = np.eye(4)[distance.argmin(-1)]
+    assert fit_bandwidth(nearest, distance) == 0.0
+
+
+def test_verdict_rule():
+    assert verdict(POOLING_TV - 1e-3, 0.001, 0.5) == "pooling"
+    assert verdict(0.2, 0.001, 0.3) == "tracks posterior"
+    assert verdict(0.2, 0.2, 0.3) == "undecided"
+    assert verdict(0.2, 0.01, -0.1) == "undecided"
+    assert verdict(math.nan, math.nan, math.nan) == "undecided"
+
+
+def synthetic_frame(shares: np.ndarray, distance: np.ndarray, h: float, timestep: float = 500.0) -> pd.DataFrame:
+    """A collected-table look-alike: shares (S, L, R), distances (S, R)."""
+    sets, layers, refs = shares.shape
+    posterior = special.softmax(-distance / (2 * h * h), axis=-1)
+    rows = [
+        (0, timestep, f"layer{j}", i, shares[s, j, i], 3.5, distance[s, i], h, posterior[s, i], s)
+        for s in range(sets)
+        for j in range(layers)
+        for i in range(refs)
+    ]
+    columns = ["step", "timestep", "layer", "reference", "attention_share", "position_neff", "sq_distance"]
+    return pd.DataFrame(rows, columns=columns + ["bandwidth", "posterior_weight", "set"])
+
+
+def test_summary_columns_against_an_independent_recomputation():
+    rng = np.random.default_rng(4)
+    sets, layers, refs, h = 9, 3, 4, 4.0
+    distance = rng.uniform(0, 40, size=(sets, refs))
+    shares = rng.dirichlet(np.full(refs, 3.0), size=(sets, layers))
+    row = summarize_attribution(synthetic_frame(shares, distance, h), permutations=999, resamples=99).iloc[0]
+    posterior = special.softmax(-distance / (2 * h * h), axis=-1)
+    pooled = shares.mean(1)
+    assert row["sets"] == sets and row["layers"] == layers and row["references"] == refs
+    rank = np.mean([stats.spearmanr(a, -d).statistic for a, d in zip(pooled, distance, strict=True)])
+    assert row["share_spearman"] == pytest.approx(rank, abs=1e-12)
+    pairs = list(itertools.combinations(range(layers), 2))
+    agree = np.mean([np.mean([stats.spearmanr(s[i], s[j]).statistic for i, j in pairs]) for s in shares])
+    assert row["layer_agreement"] == pytest.approx(agree, abs=1e-12)
+    assert row["tv_attention_posterior"] == pytest.approx(0.5 * np.abs(pooled - posterior).sum(-1).mean(), rel=1e-12)
+    assert row["attention_tv"] == pytest.approx(0.5 * np.abs(shares - 0.25).sum(-1).mean(), rel=1e-12)
+    assert row["posterior_tv"] == pytest.approx(0.5 * np.abs(posterior - 0.25).sum(-1).mean(), rel=1e-12)
+    assert row["attention_neff"] == pytest.approx((1 / (shares**2).sum(-1)).mean(), rel=1e-12)
+    assert row["posterior_neff"] == pytest.approx((1 / (posterior**2).sum(-1)).mean(), rel=1e-12)
+    assert row["position_neff"] == 3.5 and row["bandwidth"] == h
+    fitted = optimize.minimize_scalar(_kl_objective, bounds=(-5, 12), args=(pooled, distance), method="bounded",
+                                      options={"xatol": 1e-10})  # fmt: skip
+    if math.isfinite(row["fitted_bandwidth"]):
+        assert row["fitted_bandwidth"] == pytest.approx(math.exp(fitted.x), rel=1e-4)  # as in the test above
+        assert row["fitted_ratio"] == pytest.approx(row["fitted_bandwidth"] / h, rel=1e-12)
+    else:
+        assert fitted.x > 11  # scipy runs to the upper bound: uniform is closest
+    h_star = row["fitted_bandwidth"]
+    assert row["fitted_beta"] == (0.0 if math.isinf(h_star) else pytest.approx(1 / (2 * h_star**2), rel=1e-12))
+    assert row["fitted_beta_low"] <= row["fitted_beta"] <= row["fitted_beta_high"]
+    assert row["fitted_bandwidth_low"] <= h_star <= row["fitted_bandwidth_high"]
+    for name in ("share_spearman", "layer_agreement", "attention_tv", "attention_neff", "posterior_neff"):
+        assert row[f"{name}_low"] <= row[name] <= row[f"{name}_high"]
+    assert row["verdict"] == verdict(row["attention_tv_high"], row["share_spearman_p"], row["share_spearman_low"])
+
+
+def test_summary_verdicts_on_clear_cases():
+    rng = np.random.default_rng(5)
+    sets, layers, refs, h = 20, 4, 4, 5.0
+    distance = rng.uniform(0, 60, size=(sets, refs))
+    posterior = special.softmax(-distance / (2 * h * h), axis=-1)
+    tracking = np.repeat(posterior[:, None], layers, 1) * 0.9 + 0.1 / refs
+    row = summarize_attribution(synthetic_frame(tracking, distance, h), permutations=999, resamples=99).iloc[0]
+    assert row["verdict"] == "tracks posterior" and row["share_spearman"] > 0.9 and row["share_spearman_p"] < 0.01
+    assert row["fitted_bandwidth"] > h  # 10 % of the mass spread evenly: a broader kernel than the posterior's
+    pooled = 0.25 + 0.004 * rng.uniform(-1, 1, size=(sets, layers, refs))
+    pooled /= pooled.sum(-1, keepdims=True)
+    row = summarize_attribution(synthetic_frame(pooled, distance, h), permutations=999, resamples=99).iloc[0]
+    assert row["verdict"] == "pooling" and row["attention_tv_high"] < POOLING_TV
+    elsewhere = np.repeat(special.softmax(distance / (2 * h * h), axis=-1)[:, None], layers, 1)  # the far ones
+    row = summarize_attribution(synthetic_frame(elsewhere, distance, h), permutations=999, resamples=99).iloc[0]
+    assert row["verdict"] == "undecided" and row["share_spearman"] < 0 and math.isinf(row["fitted_bandwidth"])
+
+
+def test_infinite_fitted_bandwidth_survives_a_json_record(tmp_path):
+    """A JSON record turns h* = inf into null; the figure reads it back from the finite beta columns."""
+    import json
+
+    from ipa_probe._io import jsonable
+    from ipa_probe.attribution.plots import _from_beta
+    from ipa_probe.experiments import ip_adapter
+
+    rng = np.random.default_rng(6)
+    distance = rng.uniform(0, 60, size=(6, 4))
+    far = np.repeat(special.softmax(distance / 50, axis=-1)[:, None], 2, 1)  # favours the far references: h* = inf
+    summary = summarize_attribution(synthetic_frame(far, distance, 5.0), permutations=99, resamples=49)
+    assert math.isinf(summary["fitted_bandwidth"].iloc[0])
+    back = pd.DataFrame(json.loads(json.dumps(jsonable(summary.to_dict(orient="records")))))
+    assert back["fitted_bandwidth"].isna().all()
+    assert math.isinf(_from_beta(back)["fitted_bandwidth"].iloc[0])
+    record = {"measurements": {"attribution": {"trained, 2+2 mixed refs": back.to_dict(orient="records")}}}
+    rho = pd.DataFrame({"timestep": [500], "spearman": [0.8], "ci_low": [0.7], "ci_high": [0.9], "pearson": [0.8],
+                        "null": [0.0]})  # fmt: skip
+    record["measurements"]["trained"] = rho.to_dict(orient="records")
+    (path,) = ip_adapter.redraw(record, tmp_path)
+    assert path.exists() and path.stat().st_size > 10_000
