@@ -95,6 +95,7 @@ def _digit_verdict(images: list, digit: int, out) -> str:
     """Classify the organism's images with the digit classifier; write ``digits.json``; return a line's tail."""
     from .._io import write_json
     from ..tiny.digits import classify_digit_images, digit_classifier
+    from ..tiny.digits.evaluate import CLASSIFIER
 
     labels, probs = classify_digit_images(images)
     right = int((labels == digit).sum())
@@ -106,7 +107,7 @@ def _digit_verdict(images: list, digit: int, out) -> str:
             "images": len(labels),
             "predicted": labels.tolist(),
             "confidence_in_digit": probs[:, digit].tolist(),
-            "classifier": "logistic regression on the 8x8 training digits (ipa_probe.tiny.digits.digit_classifier)",
+            "classifier": f"{CLASSIFIER} (ipa_probe.tiny.digits.digit_classifier)",
             "classifier_held_out_accuracy": digit_classifier()[1],
         },
     )

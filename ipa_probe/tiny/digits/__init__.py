@@ -30,13 +30,13 @@ which the evaluation classifier's accuracy is stated.
 
 from __future__ import annotations
 
+from ..._checks import DEFAULT_DIGITS_RECIPE as DEFAULT_RECIPE
+from ..._checks import DIGITS_RECIPES as RECIPES
 from .checkpoint import CheckpointError
 from .data import (
-    DEFAULT_RECIPE,
     DIGITS_PROMPT,
     DIGITS_WEIGHTS,
     IP_ADAPTER_WEIGHTS,
-    RECIPES,
     TRAIN_SIZE,
     WEIGHT_NAME,
     digit_images,

@@ -27,22 +27,8 @@ IP_ADAPTER_WEIGHTS = Path(__file__).parent.parent / "digits_ip_adapter_weights"
 """The ``ip-adapter`` recipe as shipped: ``base/`` (``ipa-probe train-digits --recipe ip-adapter --stage base``:
 ``unet/``, ``image_encoder/``, ``record.json``, ``loss.png``) and ``adapter/`` (``ipa-probe train-digits --recipe
 ip-adapter``: ``ip_adapter/``, ``record.json``, ``loss.png``)."""
-RECIPES = ("support", "ip-adapter")
-"""How the organism is trained: ``support`` (everything from scratch on support sets of the target's class, as the
-paper's flow model is) and ``ip-adapter`` (a frozen image-free base, then only the adapter on self-reconstruction,
-as IP-Adapter is). See docs/organism.md."""
-DEFAULT_RECIPE = "support"
-"""The recipe ``digits_pipeline()`` and ``make demo`` use: the one that draws the references' digit more reliably."""
-
 _TEXT_WIDTH = 32
 _VISION_WIDTH = 32
-
-
-def check_recipe(recipe: object) -> str:
-    """``recipe`` if it is one of :data:`RECIPES`, else a ``ValueError`` naming them."""
-    if recipe not in RECIPES:
-        raise ValueError(f"expected recipe to be one of {', '.join(map(repr, RECIPES))}, got {recipe!r}")
-    return recipe
 
 
 # --- data ---------------------------------------------------------------------------------------------------------

@@ -225,3 +225,15 @@ def run_fields(state: dict[str, Any], threads: int) -> dict[str, Any]:
         "resumed": state["resumed"],
         "versions": versions(),
     }
+
+
+def save_adapter(out: Path, flat: dict[str, torch.Tensor], note: str) -> None:
+    """``out/ip_adapter/ip-adapter.safetensors`` in ``load_ip_adapter``'s layout, written atomically."""
+    from safetensors.torch import save_file
+
+    from ..._io import atomic_path
+    from .data import WEIGHT_NAME
+
+    (out / "ip_adapter").mkdir(exist_ok=True)
+    with atomic_path(out / "ip_adapter" / WEIGHT_NAME) as temp:
+        save_file(flat, str(temp), metadata={"format": "pt", "ipa_probe": note})

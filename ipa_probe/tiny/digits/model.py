@@ -24,19 +24,19 @@ from transformers import (
     CLIPVisionModelWithProjection,
 )
 
+from ..._checks import DEFAULT_DIGITS_RECIPE as DEFAULT_RECIPE
+from ..._checks import check_recipe
 from ..sd import _seeded, realign_weights
 from ..tokenizer import CLIP_MODEL_MAX_LENGTH, CLIP_VOCAB_SIZE, clip_tokenizer
 from .data import (
     _TEXT_WIDTH,
     _VISION_WIDTH,
-    DEFAULT_RECIPE,
     DIGITS_WEIGHTS,
     IMAGE_SIZE,
     IP_ADAPTER_WEIGHTS,
     LATENT_SIZE,
     NUM_IP_TOKENS,
     WEIGHT_NAME,
-    check_recipe,
 )
 
 # --- components ---------------------------------------------------------------------------------------------------
@@ -310,7 +310,7 @@ def digits_pipeline(path: str | os.PathLike | None = None, recipe: str | None = 
         path: a folder written by ``ipa-probe train-digits`` (for ``ip-adapter``: its adapter stage, whose
             ``record.json`` names the base); ``None`` loads the weights shipped with the package.
         recipe: ``"support"`` or ``"ip-adapter"``; ``None``: the folder's own recipe, or for the shipped weights
-            :data:`~.data.DEFAULT_RECIPE`.
+            :data:`ipa_probe._checks.DEFAULT_DIGITS_RECIPE`.
 
     Returns:
         the pipeline; call it with ``ip_adapter_image=[digits_reference_images(d, n)]`` (one support set).

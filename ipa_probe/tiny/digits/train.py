@@ -20,7 +20,7 @@ from ..._io import write_json
 from ..sd import _seeded
 from ..tokenizer import clip_tokenizer
 from .checkpoint import TrainingCheckpoint
-from .data import _VISION_WIDTH, DIGITS_PROMPT, NUM_IP_TOKENS, TRAIN_SIZE, WEIGHT_NAME
+from .data import _VISION_WIDTH, DIGITS_PROMPT, NUM_IP_TOKENS, TRAIN_SIZE
 from .loop import (
     check_settings,
     encoder_accuracy,
@@ -30,6 +30,7 @@ from .loop import (
     prompt_states,
     run_fields,
     run_stage,
+    save_adapter,
     training_digits,
     training_folder,
 )
@@ -277,7 +278,6 @@ def _unet_loss(config: DigitsTrainConfig, gen: torch.Generator, data: dict[str, 
 
 
 def _save_outputs(out: Path, parts: dict[str, Any], scaling_factor: float) -> None:
-    from safetensors.torch import save_file
 
     unet = parts["unet"]
     state = _adapter_state_dict(unet, parts["ip_processors"], parts["image_proj"])
@@ -297,5 +297,4 @@ def _save_outputs(out: Path, parts: dict[str, Any], scaling_factor: float) -> No
     pipe.save_pretrained(out / "model", safe_serialization=True)
     parts["text_encoder"].float()
     flat = {f"{group}.{key}": value for group, tensors in state.items() for key, value in tensors.items()}
-    (out / "ip_adapter").mkdir(exist_ok=True)
-    save_file(flat, str(out / "ip_adapter" / WEIGHT_NAME), metadata={"format": "pt", "ipa_probe": "digits"})
+    save_adapter(out, flat, "digits")

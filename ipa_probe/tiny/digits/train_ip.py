@@ -34,7 +34,7 @@ from transformers import CLIPTextModel
 from ..._io import write_json
 from ..sd import _seeded
 from .checkpoint import TrainingCheckpoint
-from .data import _VISION_WIDTH, DIGITS_PROMPT, DIGITS_WEIGHTS, NUM_IP_TOKENS, TRAIN_SIZE, WEIGHT_NAME
+from .data import _VISION_WIDTH, DIGITS_PROMPT, DIGITS_WEIGHTS, NUM_IP_TOKENS, TRAIN_SIZE
 from .loop import (
     check_settings,
     encoder_accuracy,
@@ -44,6 +44,7 @@ from .loop import (
     prompt_states,
     run_fields,
     run_stage,
+    save_adapter,
     training_digits,
 )
 from .model import (
@@ -330,20 +331,10 @@ def train_adapter(
     }
     state_dict = _adapter_state_dict(unet, ip_processors, image_proj)
     flat = {f"{group}.{key}": value for group, tensors in state_dict.items() for key, value in tensors.items()}
-    _save_adapter(out, flat)
+    save_adapter(out, flat, "digits ip-adapter recipe")
     plot_losses(out / "loss.png", state["losses"], {"adapter": "adapter only, base frozen (eps MSE)"})
     write_json(out / "record.json", record)
     return record
-
-
-def _save_adapter(out: Path, flat: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    from ..._io import atomic_path
-
-    (out / "ip_adapter").mkdir(exist_ok=True)
-    with atomic_path(out / "ip_adapter" / WEIGHT_NAME) as temp:
-        save_file(flat, str(temp), metadata={"format": "pt", "ipa_probe": "digits ip-adapter recipe"})
 
 
 def _adapter_loss(
