@@ -196,8 +196,8 @@ def rates_over_seeds(pipe: StableDiffusionPipeline, seeds: Sequence[int], **sett
 
     runs = [evaluate_digits(pipe, seed=seed, ref_sets=1, **settings) for seed in seeds]
     return {
-        "rate": interval([r["rate"] for r in runs]),
-        "confidence": interval([r["confidence"] for r in runs]),
+        "rate": interval([r["rate"] for r in runs], bounds=(0.0, 1.0)),
+        "confidence": interval([r["confidence"] for r in runs], bounds=(0.0, 1.0)),
         "samples": sum(r["samples"] for r in runs),
         "n_refs": runs[0]["n_refs"],
         "most_frequent_label": int(np.bincount(np.concatenate([r["labels"] for r in runs]), minlength=10).argmax()),
@@ -269,7 +269,8 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
     note = (
         f"\n\nRecipe `{args.recipe}`. Judge: {CLASSIFIER}; held-out accuracy {accuracy:.3f}. Seeds {seeds}: one "
         f"held-out reference set per digit and seed (3 images unless the row says otherwise), {args.samples} samples "
-        f"each, DDIM {args.steps} steps; intervals are Student's t 95% over the {len(seeds)} seeds' rates.\n"
+        f"each, DDIM {args.steps} steps; intervals are Student's t 95% over the {len(seeds)} seeds' rates, cut to "
+        "[0, 100%].\n"
     )
     write_atomic(out / "rates.md", _table(rows) + note)
     record = {"recipe": args.recipe, "rates": raw, "args": vars(args), "versions": versions()}

@@ -36,8 +36,13 @@ __all__ = ["FOLLOWING_METRICS", "interval", "reference_following"]
 FOLLOWING_METRICS = {"rate": 0.1, "retrieval": None, "percentile": 0.5, "gap": 0.0, "swap_toward": 0.5}
 
 
-def interval(values: Sequence[float], level: float = 0.95) -> dict[str, Any]:
-    """Mean and Student's t interval of ``values`` (one per seed): ``{"mean", "low", "high", "n", "values"}``."""
+def interval(
+    values: Sequence[float], level: float = 0.95, bounds: tuple[float, float] | None = None
+) -> dict[str, Any]:
+    """Mean and Student's t interval of ``values`` (one per seed): ``{"mean", "low", "high", "n", "values"}``.
+
+    ``bounds``: the range the quantity lives in (a rate: ``(0, 1)``); the interval is cut to it.
+    """
     from scipy import stats
 
     x = np.asarray(values, dtype=float)
@@ -45,7 +50,10 @@ def interval(values: Sequence[float], level: float = 0.95) -> dict[str, Any]:
     if len(x) < 2:
         return {"mean": mean, "low": float("nan"), "high": float("nan"), "n": len(x), "values": x.tolist()}
     half = float(stats.t.ppf(0.5 + level / 2, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)))
-    return {"mean": mean, "low": mean - half, "high": mean + half, "n": len(x), "values": x.tolist()}
+    low, high = mean - half, mean + half
+    if bounds is not None:
+        low, high = max(low, bounds[0]), min(high, bounds[1])
+    return {"mean": mean, "low": low, "high": high, "n": len(x), "values": x.tolist()}
 
 
 def _draw(digit: int, n_refs: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -149,7 +157,10 @@ def reference_following(
     seed_of = np.concatenate(rows["seed"])
     scores = {k: np.concatenate(v) for k, v in per_sample.items()}
     scores["rate"] = (np.concatenate(rows["label"]) == np.concatenate(rows["digit"])).astype(float)
-    metrics = {k: interval([scores[k][seed_of == s].mean() for s in seeds]) for k in FOLLOWING_METRICS}
+    metrics = {
+        k: interval([scores[k][seed_of == s].mean() for s in seeds], bounds=None if k == "gap" else (0.0, 1.0))
+        for k in FOLLOWING_METRICS
+    }
     chance = dict(FOLLOWING_METRICS)
     chance["retrieval"] = float(np.mean([n_refs / len(p) for p in rows["pool"]]))
     return {

@@ -237,3 +237,13 @@ def save_adapter(out: Path, flat: dict[str, torch.Tensor], note: str) -> None:
     (out / "ip_adapter").mkdir(exist_ok=True)
     with atomic_path(out / "ip_adapter" / WEIGHT_NAME) as temp:
         save_file(flat, str(temp), metadata={"format": "pt", "ipa_probe": note})
+
+
+def noisy(latents: torch.Tensor, alphas_cumprod: torch.Tensor, target: torch.Tensor, gen: torch.Generator):
+    """``(x_t, t, noise)`` for the targets, on SD 1.5's DDPM schedule: x_t = sqrt(a_t) x_0 + sqrt(1 - a_t) noise."""
+    b = len(target)
+    x0 = latents[target]  # (B, 4, 8, 8)
+    noise = torch.randn(x0.shape, generator=gen)
+    t = torch.randint(0, len(alphas_cumprod), (b,), generator=gen)
+    a = alphas_cumprod[t].view(b, 1, 1, 1)
+    return a.sqrt() * x0 + (1 - a).sqrt() * noise, t, noise

@@ -26,6 +26,7 @@ from .loop import (
     encoder_accuracy,
     encoder_loss,
     new_state,
+    noisy,
     plot_losses,
     prompt_states,
     run_fields,
@@ -258,11 +259,7 @@ def _unet_loss(config: DigitsTrainConfig, gen: torch.Generator, data: dict[str, 
         pool = by_class[int(labels[t])]
         pool = pool[pool != t]
         refs[i] = pool[torch.randperm(len(pool), generator=gen)[:k]]
-    x0 = latents[target]  # (B, 4, 8, 8)
-    noise = torch.randn(x0.shape, generator=gen)
-    t = torch.randint(0, len(alphas_cumprod), (b,), generator=gen)
-    a = alphas_cumprod[t].view(b, 1, 1, 1)
-    xt = a.sqrt() * x0 + (1 - a).sqrt() * noise
+    xt, t, noise = noisy(latents, alphas_cumprod, target, gen)
     embeds = image_encoder(pixel_values[refs.flatten()]).image_embeds.view(b, k, -1)  # (B, k, 32)
     u = torch.rand(b, generator=gen)
     drop_embeds = u < config.drop_embeds

@@ -40,6 +40,7 @@ from .loop import (
     encoder_accuracy,
     encoder_loss,
     new_state,
+    noisy,
     plot_losses,
     prompt_states,
     run_fields,
@@ -180,16 +181,6 @@ def _latents_and_prompts(vae: AutoencoderKL, text_encoder: CLIPTextModel, x: tor
     }
 
 
-def _noisy(latents: torch.Tensor, alphas_cumprod: torch.Tensor, target: torch.Tensor, gen: torch.Generator):
-    """``(x_t, t, noise)`` for the targets, on SD 1.5's DDPM schedule: x_t = sqrt(a_t) x_0 + sqrt(1 - a_t) noise."""
-    b = len(target)
-    x0 = latents[target]  # (B, 4, 8, 8)
-    noise = torch.randn(x0.shape, generator=gen)
-    t = torch.randint(0, len(alphas_cumprod), (b,), generator=gen)
-    a = alphas_cumprod[t].view(b, 1, 1, 1)
-    return a.sqrt() * x0 + (1 - a).sqrt() * noise, t, noise
-
-
 # --- stage 1: the base --------------------------------------------------------------------------------------------
 
 BASE_STAGES = ("encoder", "unet")
@@ -222,7 +213,7 @@ def train_base(out: Path, config: DigitsBaseConfig, progress: bool = True, stop_
 
     def unet_step(gen: torch.Generator) -> torch.Tensor:
         target = torch.randint(0, TRAIN_SIZE, (config.batch,), generator=gen)
-        xt, t, noise = _noisy(data["latents"], data["alphas_cumprod"], target, gen)
+        xt, t, noise = noisy(data["latents"], data["alphas_cumprod"], target, gen)
         drop_text = torch.rand(config.batch, generator=gen) < config.drop_text
         text = torch.where(drop_text.view(-1, 1, 1), data["text_uncond"], data["text_cond"])  # (B, 77, 32)
         return F.mse_loss(unet(xt, t, encoder_hidden_states=text).sample, noise)
@@ -354,7 +345,7 @@ def _adapter_loss(
             pool = pool[pool != t]
             refs[i, 1:] = pool[torch.randperm(len(pool), generator=gen)[: k - 1]]
             refs[i] = refs[i, torch.randperm(k, generator=gen)]  # the target at a random place
-    xt, t, noise = _noisy(data["latents"], data["alphas_cumprod"], target, gen)
+    xt, t, noise = noisy(data["latents"], data["alphas_cumprod"], target, gen)
     embeds = data["embeds"][refs.flatten()].view(b, k, -1)  # (B, k, 32)
     u = torch.rand(b, generator=gen)
     edges = torch.tensor([config.drop_embeds, config.drop_text, config.drop_both]).cumsum(0)
