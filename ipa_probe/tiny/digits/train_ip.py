@@ -116,8 +116,8 @@ class DigitsAdapterConfig:
     base: str | None = None
     seed: int = 0
     threads: int = 2
-    steps: int = 1500
-    lr: float = 1e-3
+    steps: int = 2000
+    lr: float = 5e-3
     batch: int = 64
     max_refs: int = 1
     drop_embeds: float = 0.05
