@@ -123,22 +123,6 @@ def test_training_path_equals_the_pipeline_path_and_zero_tokens_equal_scale_zero
     assert (trained - scale0).abs().max() > 1e-3  # the adapter does something
 
 
-@pytest.mark.slow
-def test_shipped_organism_draws_the_reference_digit_and_not_at_scale_zero(organism):
-    pipe = organism
-    pipe.set_progress_bar_config(disable=True)
-    try:
-        on = D.evaluate_digits(pipe, samples_per_digit=3, num_inference_steps=10, guidance_scale=3.0)
-        off = D.evaluate_digits(pipe, samples_per_digit=3, num_inference_steps=10, ip_adapter_scale=0.0)
-    finally:
-        pipe.set_progress_bar_config(disable=False)
-    assert on["samples"] == off["samples"] == 30
-    # the rates are recomputed here from the returned labels; a broken or untrained model fails these bounds
-    assert (on["labels"] == on["targets"]).mean() == on["rate"]
-    assert on["rate"] >= 0.75, on
-    assert off["rate"] <= 0.3, off
-
-
 def test_train_config_rejects_bad_settings():
     with pytest.raises(ValueError, match="steps"):
         D.DigitsTrainConfig(steps=0)

@@ -152,7 +152,7 @@ def test_an_older_checkpoint_pair_is_refused_naming_both_files(tmp_path):
 # --------------------------------------------------------------------------- kills between writes, real training
 
 #: the smallest real trainings, one per recipe step (stage 2 on a tiny stage-1 base made once per module)
-_SUPPORT = D.DigitsTrainConfig(vae_steps=2, encoder_steps=1, steps=2, batch=4, checkpoint_every=1, threads=1)
+_SUPPORT = D.DigitsTrainConfig(vae_steps=1, encoder_steps=1, steps=2, batch=4, checkpoint_every=1, threads=1)
 _BASE = D.DigitsBaseConfig(encoder_steps=1, steps=2, batch=4, checkpoint_every=1, threads=1)
 
 
@@ -200,7 +200,7 @@ def _config(kind, base):
     return (
         _SUPPORT
         if kind == "support"
-        else D.DigitsAdapterConfig(base=str(base), steps=3, batch=4, max_refs=2, checkpoint_every=1, threads=1)
+        else D.DigitsAdapterConfig(base=str(base), steps=2, batch=4, max_refs=2, checkpoint_every=1, threads=1)
     )
 
 

@@ -33,7 +33,7 @@ def test_the_ip_adapter_recipe_is_sd15_shaped_and_loaded_by_load_ip_adapter(ip_o
     pipe = ip_organism
     config = pipe.unet.config
     assert config.layers_per_block == 2 and config.attention_head_dim == 8  # SD 1.5's legacy name for heads
-    assert config.down_block_types == ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",)
+    assert list(config.down_block_types) == ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"]
     ip = _ip_processors(pipe)
     assert len(ip) == 16 and all(isinstance(p, IPAdapterAttnProcessor2_0) for p in ip)
     assert {attn.heads for name, attn in pipe.unet.named_modules() if name.endswith("attn2")} == {8}
@@ -262,20 +262,21 @@ def test_reference_following_metrics_equal_an_independent_recomputation():
         by_seed = [np.mean(np.asarray(values, dtype=float)[per["seed"] == s]) for s in (0, 1, 2)]
         m = result["metrics"][name]
         half = student.ppf(0.975, 2) * np.std(by_seed, ddof=1) / np.sqrt(3)
-        assert m["mean"] == pytest.approx(np.mean(by_seed)) and m["high"] == pytest.approx(np.mean(by_seed) + half)
+        high = np.mean(by_seed) + half if name == "gap" else min(np.mean(by_seed) + half, 1.0)  # shares: cut at 1
+        assert m["mean"] == pytest.approx(np.mean(by_seed)) and m["high"] == pytest.approx(high)
     assert result["chance"]["retrieval"] == pytest.approx(np.mean([2 / len(p) for p in per["pool"]]))
 
 
 @pytest.mark.slow
-def test_shipped_ip_adapter_organism_draws_the_reference_digit_and_not_at_scale_zero(ip_organism):
-    pipe = ip_organism
+@pytest.mark.parametrize("recipe, least", [("support", 0.75), ("ip-adapter", 0.6)])
+def test_shipped_organism_draws_the_reference_digit_and_not_at_scale_zero(recipe, least):
+    pipe = D.digits_pipeline(recipe=recipe)
     pipe.set_progress_bar_config(disable=True)
-    try:
-        on = D.evaluate_digits(pipe, samples_per_digit=3, num_inference_steps=10, guidance_scale=3.0)
-        off = D.evaluate_digits(pipe, samples_per_digit=3, num_inference_steps=10, ip_adapter_scale=0.0)
-    finally:
-        pipe.set_progress_bar_config(disable=False)
+    on = D.evaluate_digits(pipe, samples_per_digit=3, num_inference_steps=10, guidance_scale=3.0)
+    off = D.evaluate_digits(pipe, samples_per_digit=3, num_inference_steps=10, ip_adapter_scale=0.0)
     assert on["samples"] == off["samples"] == 30
+    # the rates are recomputed here from the returned labels; a broken or untrained model fails these bounds
     assert (on["labels"] == on["targets"]).mean() == on["rate"]
-    assert on["rate"] >= 0.6, on  # measured over 500 samples in docs/results/digits; 30 samples vary by about 0.1
+    # 500-sample rates are in docs/results/digits/<recipe>/rates.md; 30 samples at 10 steps vary by about 0.1
+    assert on["rate"] >= least, on
     assert off["rate"] <= 0.3, off

@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -150,10 +151,19 @@ def pixels(grey: np.ndarray) -> torch.Tensor:
     return x[:, None].expand(-1, 3, -1, -1).contiguous()
 
 
-def training_digits(feature_extractor: Any) -> dict[str, torch.Tensor]:
-    """The training digits: ``x`` (N, 3, 16, 16) in [-1, 1], ``y`` (N,), and the image encoder's ``pixel_values``."""
+def training_digits() -> dict[str, torch.Tensor]:
+    """The training digits: ``x`` (N, 3, 16, 16) in [-1, 1], ``y`` (N,), and the image encoder's ``pixel_values``
+    (the pipeline's feature extractor on each rendered digit). A new dict of the same tensors on each call (the
+    tensors are made once per process; do not modify them in place)."""
+    return dict(_training_digits())
+
+
+@lru_cache(maxsize=1)
+def _training_digits() -> dict[str, torch.Tensor]:
+    from .model import _feature_extractor
+
     grey, labels = digit_images()
-    pixel_values = feature_extractor([_to_pil(g) for g in grey[:TRAIN_SIZE]], return_tensors="pt").pixel_values
+    pixel_values = _feature_extractor()([_to_pil(g) for g in grey[:TRAIN_SIZE]], return_tensors="pt").pixel_values
     return {"x": pixels(grey[:TRAIN_SIZE]), "y": torch.from_numpy(labels[:TRAIN_SIZE]), "pixel_values": pixel_values}
 
 

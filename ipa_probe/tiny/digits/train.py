@@ -35,7 +35,14 @@ from .loop import (
     training_digits,
     training_folder,
 )
-from .model import _adapter_state_dict, _feature_extractor, _init_modules, _restore_default_processors, _scheduler
+from .model import (
+    _adapter_state_dict,
+    _feature_extractor,
+    _init_modules,
+    _quiet_loading,
+    _restore_default_processors,
+    _scheduler,
+)
 
 # --- training -----------------------------------------------------------------------------------------------------
 
@@ -165,7 +172,7 @@ def _train(out: Path, config: DigitsTrainConfig, progress: bool, stop_after: int
         state = new_state(STAGES)
     else:
         state["resumed"] += 1
-    data: dict[str, Any] = training_digits(_feature_extractor())
+    data: dict[str, Any] = training_digits()
     train_x, train_y, pixel_values = data["x"], data["y"], data["pixel_values"]
 
     def vae_step(gen: torch.Generator) -> torch.Tensor:
@@ -291,7 +298,8 @@ def _save_outputs(out: Path, parts: dict[str, Any], scaling_factor: float) -> No
         image_encoder=parts["image_encoder"].eval(),
         requires_safety_checker=False,
     )
-    pipe.save_pretrained(out / "model", safe_serialization=True)
+    with _quiet_loading():  # no "Writing model shards" bars
+        pipe.save_pretrained(out / "model", safe_serialization=True)
     parts["text_encoder"].float()
     flat = {f"{group}.{key}": value for group, tensors in state.items() for key, value in tensors.items()}
     save_adapter(out, flat, "digits")

@@ -50,7 +50,6 @@ from .loop import (
 )
 from .model import (
     _adapter_state_dict,
-    _feature_extractor,
     _init_adapter,
     _init_base_modules,
     _quiet_loading,
@@ -208,7 +207,7 @@ def train_base(out: Path, config: DigitsBaseConfig, progress: bool = True, stop_
     else:
         state["resumed"] += 1
     vae, text_encoder = _shipped_vae_and_text()
-    data: dict[str, Any] = training_digits(_feature_extractor())
+    data: dict[str, Any] = training_digits()
     data.update(_latents_and_prompts(vae, text_encoder, data["x"]))
 
     def unet_step(gen: torch.Generator) -> torch.Tensor:
@@ -288,7 +287,7 @@ def train_adapter(
     else:
         state["resumed"] += 1
     vae, text_encoder = _shipped_vae_and_text()
-    data: dict[str, Any] = training_digits(_feature_extractor())
+    data: dict[str, Any] = training_digits()
     data.update(_latents_and_prompts(vae, text_encoder, data["x"]))
     with torch.no_grad():  # the frozen encoder's embeddings of every training digit, computed once
         data["embeds"] = image_encoder(data["pixel_values"]).image_embeds  # (1500, 32)
