@@ -15,6 +15,8 @@ from typing import Any
 __all__ = [
     "BANDWIDTH_RANGE",
     "DEFAULT_GAUGE_FACTORS",
+    "DEFAULT_DIGITS_RECIPE",
+    "DIGITS_RECIPES",
     "MAX_SEED",
     "check_flag",
     "check_fraction",
@@ -25,6 +27,7 @@ __all__ = [
     "PIPELINE_DEVICES",
     "check_device",
     "check_device_name",
+    "check_recipe",
     "check_steps",
     "parse_bandwidth",
     "parse_factors",
@@ -42,6 +45,22 @@ PIPELINE_DEVICES = ("cpu", "cuda", "mps", "xpu")
 
 #: Numeric NW bandwidths accepted: outside, float32 NW logits ``-|q - k|^2 / (2 h^2)`` overflow or all vanish.
 BANDWIDTH_RANGE = (1e-6, 1e6)
+
+#: How the digits organism is trained (docs/organism.md): ``support`` (UNet, adapter and image encoder together on
+#: support sets of the target's class, as the paper's flow model is) and ``ip-adapter`` (a frozen image-free base,
+#: then only the adapter, on self-reconstruction, as IP-Adapter is).
+DIGITS_RECIPES = ("support", "ip-adapter")
+
+#: The recipe ``digits_pipeline()``, ``probe``, ``compare`` and ``train-digits`` use unless told: the one that draws
+#: the references' digit more reliably (docs/organism.md).
+DEFAULT_DIGITS_RECIPE = "support"
+
+
+def check_recipe(recipe: Any) -> str:
+    """``recipe`` if it is one of :data:`DIGITS_RECIPES`, else a ``ValueError`` naming them."""
+    if not isinstance(recipe, str) or recipe not in DIGITS_RECIPES:
+        raise ValueError(f"expected recipe to be one of {', '.join(map(repr, DIGITS_RECIPES))}, got {recipe!r}")
+    return recipe
 
 
 def _given(value: Any) -> str:

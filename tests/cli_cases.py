@@ -62,7 +62,12 @@ CASES = [
     Case("bogus experiment", ("experiments", "bogus"), 2, "unknown experiment 'bogus'"),
     Case("bogus tier", ("experiments", "all", "--tier", "bogus"), 2, "unknown tier 'bogus'"),
     Case("experiments --dims 99", ("experiments", "collapse", "--dims", "99"), 2, "out of range"),
-    Case("bogus recipe", ("experiments", "attribution", "--recipe", "nope"), 2, "unknown recipe 'nope'"),
+    Case(
+        "bogus recipe",
+        ("experiments", "attribution", "--recipe", "nope"),
+        2,
+        "argument --recipe: invalid choice: 'nope'",
+    ),
     Case(
         "another tier's folder",
         ("experiments", "collapse", "--tier", "quick", "--out", "{root}/smoke_results"),

@@ -102,7 +102,7 @@ def test_training_path_equals_the_pipeline_path_and_zero_tokens_equal_scale_zero
     pipe = organism
     refs = D.digits_reference_images(2, 3)
     embeds, tokens = _tokens_by_hand(pipe, refs)
-    text = D.train._prompt_states(pipe.text_encoder, D.DIGITS_PROMPT)
+    text = D.loop.prompt_states(pipe.text_encoder, D.DIGITS_PROMPT)
     x = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     t = torch.tensor(500)
     loaded = pipe.unet(x, t, encoder_hidden_states=text, added_cond_kwargs={"image_embeds": [embeds[None]]}).sample
@@ -121,22 +121,6 @@ def test_training_path_equals_the_pipeline_path_and_zero_tokens_equal_scale_zero
         pipe.set_ip_adapter_scale(1.0)
     torch.testing.assert_close(zero, scale0, rtol=1e-5, atol=1e-5)
     assert (trained - scale0).abs().max() > 1e-3  # the adapter does something
-
-
-@pytest.mark.slow
-def test_shipped_organism_draws_the_reference_digit_and_not_at_scale_zero(organism):
-    pipe = organism
-    pipe.set_progress_bar_config(disable=True)
-    try:
-        on = D.evaluate_digits(pipe, samples_per_digit=3, num_inference_steps=10, guidance_scale=3.0)
-        off = D.evaluate_digits(pipe, samples_per_digit=3, num_inference_steps=10, ip_adapter_scale=0.0)
-    finally:
-        pipe.set_progress_bar_config(disable=False)
-    assert on["samples"] == off["samples"] == 30
-    # the rates are recomputed here from the returned labels; a broken or untrained model fails these bounds
-    assert (on["labels"] == on["targets"]).mean() == on["rate"]
-    assert on["rate"] >= 0.75, on
-    assert off["rate"] <= 0.3, off
 
 
 def test_train_config_rejects_bad_settings():
@@ -166,7 +150,7 @@ def test_training_resumes_to_the_same_weights(tmp_path):
     b = load_file(str(tmp_path / "b" / "ip_adapter" / D.WEIGHT_NAME))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert (tmp_path / "b" / "loss.png").stat().st_size > 1000
-    with pytest.raises(ValueError, match="same settings"):
+    with pytest.raises(D.CheckpointError, match="other settings"):
         D.train_digits(tmp_path / "b", D.DigitsTrainConfig(vae_steps=4, steps=3, batch=4), progress=False)
     # what was trained loads through diffusers' own path
     pipe = D.digits_pipeline(tmp_path / "b")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._checks import (
+    DEFAULT_DIGITS_RECIPE,
+    DIGITS_RECIPES,
     MAX_SEED,
     check_device,
     check_device_name,
@@ -100,6 +102,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_kind: str = "sd
         default=default_kind,
         help=f"embedded pipeline: digits (the trained organism) or a random tiny sd15/sdxl (default: {default_kind})",
     )
+    group.add_argument(
+        "--recipe",
+        choices=DIGITS_RECIPES,
+        default=None,
+        help="digits organism: how it was trained (support: everything together on support sets of the class; "
+        f"ip-adapter: adapter only on a frozen base, as IP-Adapter is; default: {DEFAULT_DIGITS_RECIPE}; "
+        "see docs/organism.md)",
+    )
     group.add_argument("--variant", choices=("base", "plus"), default="base", help="embedded IP-Adapter variant")
     group.add_argument("--image", action="append", default=[], help="reference image or folder (repeatable)")
     default_prompt = None if default_kind == "digits" else "a photo"
@@ -182,6 +192,7 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
 
     ``require_images=False`` lets real weights load without ``--image`` (a sweep's rows bring their own).
     """
+    check_recipe_flag(args)
     import torch
 
     if not hasattr(args, "references"):  # called without the check phase (e.g. from Python)
@@ -221,6 +232,14 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
         }
     )
     return Loaded(pipe, references, call_kwargs, description)
+
+
+def check_recipe_flag(args: argparse.Namespace) -> None:
+    """``--recipe`` names how the digits organism was trained: it needs the organism (``--kind digits``, no
+    ``--model``). Fills in the default recipe otherwise."""
+    if args.recipe is not None and (args.model is not None or args.kind != "digits"):
+        raise CLIError("--recipe applies to the digits organism only (--kind digits without --model)")
+    args.recipe = args.recipe or DEFAULT_DIGITS_RECIPE
 
 
 def check_size(args: argparse.Namespace) -> None:
@@ -267,13 +286,17 @@ def _digits_organism(args: argparse.Namespace, device, dtype) -> tuple[object, i
 
     from ..tiny.digits import DIGITS_PROMPT, digits_pipeline
 
-    pipe = digits_pipeline()
+    pipe = digits_pipeline(recipe=args.recipe)
     if device.type != "cpu" or dtype != torch.float32:
         pipe = pipe.to(device=device, dtype=dtype)
     args.prompt = args.prompt or DIGITS_PROMPT
     if args.guidance_scale is None:
         args.guidance_scale = DIGITS_DEFAULTS["guidance_scale"]
-    description = {"model": "embedded digits organism (trained)", "ip_adapter": "embedded digits (trained)"}
+    description = {
+        "model": "embedded digits organism (trained)",
+        "ip_adapter": "embedded digits (trained)",
+        "recipe": args.recipe,
+    }
     if not args.image:
         description["digit"] = args.digit
     return pipe, args.steps or DIGITS_DEFAULTS["steps"], args.size, description

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from .._checks import DIGITS_RECIPES
 from . import CLIError
 from ._common import (
     add_threads_argument,
@@ -14,8 +15,6 @@ from ._common import (
 )
 
 NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "ip-adapter", "attribution", "all")
-#: the digits organism's training recipes (see ipa_probe.digits_pipeline)
-RECIPES = ("support", "ip-adapter")
 
 
 def add_parser(subparsers) -> None:
@@ -50,6 +49,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--recipe",
         default="support",
+        choices=DIGITS_RECIPES,
         help="the digits organism's recipe that ip-adapter and attribution load: support (default) or ip-adapter",
     )
     add_threads_argument(parser)
@@ -76,8 +76,6 @@ def check(args: argparse.Namespace) -> None:
             raise CLIError(f"support size m={m} out of range; expected {M_RANGE[0]} <= m <= {M_RANGE[1]}")
     if args.seeds is not None and any(s < 0 for s in args.seeds):
         raise CLIError(f"seeds must be non-negative integers, got {args.seeds}")
-    if args.recipe not in RECIPES:
-        raise CLIError(f"unknown recipe {args.recipe!r}; expected one of {', '.join(RECIPES)}")
     args.out = check_output_dir(args.out or f"outputs/experiments-{args.tier}")  # made when the run starts
     args.tier_sizes = ALL_TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
     try:

@@ -237,6 +237,7 @@ def _digit_verdict(images: list, digit: int, out):
     ``(labels, probabilities)``."""
     from .._io import write_json
     from ..tiny.digits import classify_digit_images, digit_classifier
+    from ..tiny.digits.evaluate import CLASSIFIER
 
     labels, probs = classify_digit_images(images)
     right = int((labels == digit).sum())
@@ -248,7 +249,7 @@ def _digit_verdict(images: list, digit: int, out):
             "images": len(labels),
             "predicted": labels.tolist(),
             "confidence_in_digit": probs[:, digit].tolist(),
-            "classifier": "logistic regression on the 8x8 training digits (ipa_probe.tiny.digits.digit_classifier)",
+            "classifier": f"{CLASSIFIER} (ipa_probe.tiny.digits.digit_classifier)",
             "classifier_held_out_accuracy": digit_classifier()[1],
         },
     )

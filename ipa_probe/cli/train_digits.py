@@ -1,16 +1,24 @@
-"""``ipa-probe train-digits``: train the digits organism (SD 1.5-architecture pipeline + IP-Adapter) from scratch."""
+"""``ipa-probe train-digits``: train the digits organism (SD 1.5-architecture pipeline + IP-Adapter), either recipe."""
 
 from __future__ import annotations
 
 import argparse
 
-from .._checks import parse_int
+from .._checks import DEFAULT_DIGITS_RECIPE, DIGITS_RECIPES, MAX_SEED, parse_int
 from . import CLIError
-from ._common import add_threads_argument, argument_type, check_output_dir, output_dir
+from ._common import argument_type, check_output_dir, output_dir, threads_type
 
-#: argparse types of the training sizes (checked before torch loads; DigitsTrainConfig checks the rest)
-count_type = argument_type(lambda v: parse_int(v, "count", 1), "count")
-seed_type = argument_type(lambda v: parse_int(v, "seed", 0), "seed")
+#: flag -> (config field, which trainings take it: "support", "base", "adapter")
+_FLAGS = {
+    "--seed": ("seed", "seed", ("support", "base", "adapter")),
+    "--threads": ("threads", "torch threads", ("support", "base", "adapter")),
+    "--steps": ("steps", "training steps of the UNet (support, base) or the adapter", ("support", "base", "adapter")),
+    "--vae-steps": ("vae_steps", "VAE training steps", ("support",)),
+    "--encoder-steps": ("encoder_steps", "image encoder pretraining steps", ("support", "base")),
+    "--batch": ("batch", "batch size", ("support", "base", "adapter")),
+    "--max-refs": ("max_refs", "image conditions per target, 1..N", ("support", "adapter")),
+    "--checkpoint-every": ("checkpoint_every", "steps between checkpoints", ("support", "base", "adapter")),
+}
 
 
 def add_parser(subparsers) -> None:
@@ -18,49 +26,100 @@ def add_parser(subparsers) -> None:
         "train-digits",
         help="train the digits model organism (the shipped weights are this command's output)",
         description=(
-            "Train the digits organism on scikit-learn's handwritten digits, deterministically on CPU: the VAE, then "
-            "the UNet, IP-Adapter and image encoder. Resumes from the checkpoint in --out; writes model/, "
-            "ip_adapter/, record.json and loss.png there. Load the result with ipa_probe.digits_pipeline(OUT). "
-            "On a machine shared with other jobs, OMP_WAIT_POLICY=PASSIVE stops the two threads spin-waiting."
+            "Train the digits organism on scikit-learn's handwritten digits, deterministically on CPU. "
+            "--recipe support: the VAE, then the UNet, IP-Adapter and image encoder together on support sets of the "
+            "target's class. --recipe ip-adapter, as IP-Adapter is trained: --stage base trains the image-free base "
+            "UNet (16 cross-attention layers, 8 heads) and pretrains the image encoder; --stage adapter (the "
+            "default) trains only ImageProjection and to_k_ip/to_v_ip on the frozen base (--base, default the "
+            "shipped one), each image reconstructed from its own embedding. Resumes from the checkpoint in --out; "
+            "writes the weights, record.json and loss.png there. Load the result with "
+            "ipa_probe.digits_pipeline(OUT). One training per --out at a time. On a machine shared with other jobs, "
+            "OMP_WAIT_POLICY=PASSIVE stops the threads spin-waiting. See docs/organism.md."
         ),
     )
     parser.add_argument("--out", default="outputs/digits", help="output folder (default: outputs/digits)")
-    # Defaults (None) are DigitsTrainConfig's, the shipped weights' settings; read late (diffusers imports slowly).
-    for flag, type_, help_ in (
-        ("--seed", seed_type, "seed"),
-        ("--steps", count_type, "UNet + adapter training steps"),
-        ("--vae-steps", count_type, "VAE training steps"),
-        ("--batch", count_type, "batch size"),
-        ("--checkpoint-every", count_type, "steps between checkpoints"),
-    ):
-        parser.add_argument(flag, type=type_, default=None, help=f"{help_} (default: the shipped weights' setting)")
-    add_threads_argument(parser, default="2, the shipped weights' setting: the result depends on it at the last bits")
+    parser.add_argument(
+        "--recipe",
+        choices=DIGITS_RECIPES,
+        default=DEFAULT_DIGITS_RECIPE,
+        help=f"how to train (default: {DEFAULT_DIGITS_RECIPE}, the recipe ipa_probe.digits_pipeline() loads)",
+    )
+    parser.add_argument(
+        "--stage",
+        choices=("base", "adapter"),
+        default=None,
+        help="--recipe ip-adapter: train the base (stage 1) or the adapter on a base (stage 2, the default)",
+    )
+    parser.add_argument("--base", default=None, help="--recipe ip-adapter --stage adapter: the base folder "
+                        "(from --stage base; default: the shipped base)")  # fmt: skip
+    # Defaults (None) are the config classes', the shipped weights' settings; read late (diffusers imports slowly).
+    for flag, (field, help_, takers) in _FLAGS.items():
+        minimum = 0 if field == "seed" else 1
+        kind = (
+            threads_type
+            if field == "threads"
+            else argument_type(
+                lambda v, f=flag, m=minimum: parse_int(v, f, m, MAX_SEED if m == 0 else None), flag.lstrip("-")
+            )
+        )
+        which = "" if len(takers) == 3 else f"; {', '.join(takers)} only"
+        parser.add_argument(flag, type=kind, default=None, help=f"{help_} (default: the shipped weights'{which})")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     parser.set_defaults(func=run, check=check)
 
 
 def check(args: argparse.Namespace) -> None:
-    """Before torch loads: ``--out`` (the sizes are checked by their argparse types)."""
+    """Before torch loads: the recipe's flags and ``--out`` (the sizes are checked by their argparse types)."""
+    _training(args)
     check_output_dir(args.out)
 
 
-def run(args: argparse.Namespace) -> int:
-    from ..tiny.digits import DigitsTrainConfig, train_digits
+def _training(args: argparse.Namespace) -> str:
+    """``support``, ``base`` or ``adapter``; a flag that does not apply to it is a usage error."""
+    if args.recipe == "support":
+        if args.stage is not None or args.base is not None:
+            raise CLIError("--stage and --base apply to --recipe ip-adapter only")
+        training = "support"
+    else:
+        training = args.stage or "adapter"
+        if training == "base" and args.base is not None:
+            raise CLIError("--base names the base an adapter starts from; it does not apply to --stage base")
+    for flag, (field, _, takers) in _FLAGS.items():
+        if getattr(args, field) is not None and training not in takers:
+            raise CLIError(f"{flag} does not apply to the {training} training (it applies to: {', '.join(takers)})")
+    return training
 
+
+def run(args: argparse.Namespace) -> int:
+    training = _training(args)
+    check_output_dir(args.out)
+    from .._io import OutputLocked
+    from ..tiny.digits import CheckpointError, DigitsAdapterConfig, DigitsBaseConfig, DigitsTrainConfig, train_digits
+
+    kinds = {"support": DigitsTrainConfig, "base": DigitsBaseConfig, "adapter": DigitsAdapterConfig}
+    settings = {field: getattr(args, field) for field, *_ in _FLAGS.values() if getattr(args, field) is not None}
+    if training == "adapter" and args.base is not None:
+        settings["base"] = args.base
     try:
-        names = ("seed", "threads", "steps", "vae_steps", "batch", "checkpoint_every")
-        config = DigitsTrainConfig(**{n: getattr(args, n) for n in names if getattr(args, n) is not None})
-    except ValueError as err:
+        config = kinds[training](**settings)
+    except (ValueError, TypeError) as err:
         raise CLIError(str(err)) from None
     out = output_dir(args.out)
     try:
         record = train_digits(out, config, progress=not args.no_progress)
-    except ValueError as err:
+    except (CheckpointError, OutputLocked, FileNotFoundError) as err:
         raise CLIError(str(err)) from None
-    wall = record["wall_s"]["total"]
+    wall = record["wall_s"]
+    stages = ", ".join(f"{stage} {seconds:.0f} s" for stage, seconds in wall.items() if stage != "total")
+    written = {
+        "support": "model/, ip_adapter/",
+        "base": "unet/ (float16), image_encoder/",
+        "adapter": "ip_adapter/",
+    }[training]
+    final = {"support": "unet", "base": "unet", "adapter": "adapter"}[training]
     print(
-        f"wrote {out}: model/, ip_adapter/, record.json, loss.png; trained in {wall / 60:.1f} min "
-        f"(VAE {record['wall_s']['vae']:.0f} s, UNet {record['wall_s']['unet']:.0f} s) on {config.threads} threads; "
-        f"final UNet loss (mean of the last 100 steps) {record['final_losses']['unet']:.4f}"
+        f"wrote {out}: {written}, record.json, loss.png; trained in {wall['total'] / 60:.1f} min ({stages}) "
+        f"on {config.threads} threads; final {final} loss (mean of the last 100 steps) "
+        f"{record['final_losses'][final]:.4f}"
     )
     return 0

@@ -20,7 +20,6 @@ mix two digits (2 + 2 references, where the posterior has references of another 
 
 from __future__ import annotations
 
-import inspect
 import math
 from pathlib import Path
 
@@ -60,22 +59,13 @@ def organism_pipelines(recipe: str = "support") -> dict:
     bars off: ``{"trained": pipe, "untrained": pipe}``.
 
     Raises:
-        ValueError: a recipe this version of the organism does not have.
+        ValueError: an unknown recipe (the message lists the recipes).
     """
     from ..tiny.digits import digits_pipeline, untrained_digits_pipeline
 
-    pipes = {}
-    for label, make in (("trained", digits_pipeline), ("untrained", untrained_digits_pipeline)):
-        if "recipe" in inspect.signature(make).parameters:
-            pipes[label] = make(recipe=recipe)
-        elif recipe == "support":  # an organism with one recipe: today's
-            pipes[label] = make()
-        else:
-            raise ValueError(
-                f"recipe={recipe!r}: this version of the digits organism has only the 'support' recipe "
-                "(digits_pipeline() takes no recipe); use --recipe support"
-            )
-        pipes[label].set_progress_bar_config(disable=True)
+    pipes = {"trained": digits_pipeline(recipe=recipe), "untrained": untrained_digits_pipeline(recipe=recipe)}
+    for pipe in pipes.values():
+        pipe.set_progress_bar_config(disable=True)
     return pipes
 
 

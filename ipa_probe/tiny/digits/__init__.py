@@ -30,14 +30,32 @@ which the evaluation classifier's accuracy is stated.
 
 from __future__ import annotations
 
-from .data import DIGITS_PROMPT, DIGITS_WEIGHTS, TRAIN_SIZE, WEIGHT_NAME, digit_images, digits_reference_images
+from ..._checks import DEFAULT_DIGITS_RECIPE as DEFAULT_RECIPE
+from ..._checks import DIGITS_RECIPES as RECIPES
+from .checkpoint import CheckpointError
+from .data import (
+    DIGITS_PROMPT,
+    DIGITS_WEIGHTS,
+    IP_ADAPTER_WEIGHTS,
+    TRAIN_SIZE,
+    WEIGHT_NAME,
+    digit_images,
+    digits_reference_images,
+)
 from .evaluate import add_digit_scores, classify_digit_images, digit_classifier, evaluate_digits
 from .model import digits_pipeline, untrained_digits_pipeline
 from .train import DigitsTrainConfig, train_digits
+from .train_ip import DigitsAdapterConfig, DigitsBaseConfig
 
 __all__ = [
+    "DEFAULT_RECIPE",
     "DIGITS_PROMPT",
     "DIGITS_WEIGHTS",
+    "IP_ADAPTER_WEIGHTS",
+    "RECIPES",
+    "CheckpointError",
+    "DigitsAdapterConfig",
+    "DigitsBaseConfig",
     "DigitsTrainConfig",
     "TRAIN_SIZE",
     "WEIGHT_NAME",

@@ -21,11 +21,14 @@ TRAIN_SIZE = 1500
 NUM_IP_TOKENS = 4
 WEIGHT_NAME = "ip-adapter.safetensors"
 DIGITS_WEIGHTS = Path(__file__).parent.parent / "digits_weights"
-"""The shipped output of ``ipa-probe train-digits``: ``model/``, ``ip_adapter/``, ``record.json``, ``loss.png``."""
-
+"""The ``support`` recipe as shipped, the output of ``ipa-probe train-digits``: ``model/``, ``ip_adapter/``,
+``record.json``, ``loss.png``. Its VAE, text encoder and tokenizer serve the ``ip-adapter`` recipe too."""
+IP_ADAPTER_WEIGHTS = Path(__file__).parent.parent / "digits_ip_adapter_weights"
+"""The ``ip-adapter`` recipe as shipped: ``base/`` (``ipa-probe train-digits --recipe ip-adapter --stage base``:
+``unet/``, ``image_encoder/``, ``record.json``, ``loss.png``) and ``adapter/`` (``ipa-probe train-digits --recipe
+ip-adapter``: ``ip_adapter/``, ``record.json``, ``loss.png``)."""
 _TEXT_WIDTH = 32
 _VISION_WIDTH = 32
-_CHECKPOINT = "checkpoint"
 
 
 # --- data ---------------------------------------------------------------------------------------------------------

@@ -17,29 +17,42 @@ import PIL.Image
 import torch
 from diffusers import StableDiffusionPipeline
 
-from ..._io import versions, write_json
+from ..._io import versions, write_atomic, write_json
 from .data import DIGITS_PROMPT, DIGITS_WEIGHTS, TRAIN_SIZE, _digits, digits_reference_images
 from .model import digits_pipeline, untrained_digits_pipeline
 
 # --- evaluation ---------------------------------------------------------------------------------------------------
 
 
+#: what judges the generated digits (not used in training: the training classifier is the image encoder's head)
+CLASSIFIER = (
+    "scikit-learn SVC (RBF kernel, C=10, gamma='scale'; probabilities by 5-fold sigmoid calibration) on the 8x8 "
+    f"training digits [0, {TRAIN_SIZE}); images are area-downsampled to 8x8 grey"
+)
+
+
 @lru_cache(maxsize=1)
 def digit_classifier() -> tuple[Any, float]:
-    """A logistic-regression classifier of 8 x 8 digits, fitted on the training digits.
+    """The judge of generated digits: an RBF support-vector classifier of 8 x 8 digits, fitted on the training digits.
+
+    It is of another family than the classifier used in training (the image encoder, a small ViT, pretrained with a
+    linear head) and takes no part in training. Fitted once per process (about a second; cached): scikit-learn's
+    ``CalibratedClassifierCV(SVC(C=10, gamma="scale"), method="sigmoid", cv=5, ensemble=False)``, whose
+    probabilities come from a sigmoid fitted to held-out folds of the training digits.
 
     Returns:
-        ``(classifier, held_out_accuracy)``: the fitted scikit-learn model (input: 64 values in [0, 16]) and its
-        accuracy on the held-out digits (indices ``>= TRAIN_SIZE``).
+        ``(classifier, held_out_accuracy)``: the fitted scikit-learn model (input: 64 values in [0, 16]; use
+        ``predict_proba`` and ``classes_``) and its accuracy on the held-out digits (indices ``>= TRAIN_SIZE``).
     """
-    from sklearn.linear_model import LogisticRegression
+    from sklearn.calibration import CalibratedClassifierCV
+    from sklearn.svm import SVC
 
     images, labels = _digits()
     x = images.reshape(len(images), 64)
-    clf = LogisticRegression(max_iter=2000, C=1.0)
+    clf = CalibratedClassifierCV(SVC(C=10.0, gamma="scale"), method="sigmoid", cv=5, ensemble=False)
     clf.fit(x[:TRAIN_SIZE], labels[:TRAIN_SIZE])
-    accuracy = float((clf.predict(x[TRAIN_SIZE:]) == labels[TRAIN_SIZE:]).mean())
-    return clf, accuracy
+    predicted = clf.classes_[clf.predict_proba(x[TRAIN_SIZE:]).argmax(1)]
+    return clf, float((predicted == labels[TRAIN_SIZE:]).mean())
 
 
 def classify_digit_images(images: Sequence[PIL.Image.Image] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -157,84 +170,149 @@ def add_digit_scores(comparison: Any, digit: int) -> None:
         comparison.table[f"{name}_std"] = comparison.table["method"].map(stats[(name, "<lambda_0>")])
     comparison.settings["digit"] = digit
     comparison.settings["digit_classifier"] = {
-        "model": "sklearn LogisticRegression on 8x8 digits (area-downsampled grey images)",
+        "model": CLASSIFIER,
         "held_out_accuracy": digit_classifier()[1],
     }
 
 
-#: the settings of the README's rates: ``python -m ipa_probe.tiny.digits --out docs/results/digits``
+#: the settings of the rates in docs/organism.md: ``python -m ipa_probe.tiny.digits --recipe R --out DIR``
 EVALUATION_SETTINGS: dict[str, dict[str, Any]] = {
-    "adapter on": {"ip_adapter_scale": 1.0, "guidance_scale": 1.0},
     "adapter on, CFG 3": {"ip_adapter_scale": 1.0, "guidance_scale": 3.0},
-    "adapter scale 0": {"ip_adapter_scale": 0.0, "guidance_scale": 1.0},
-    "untrained weights": {"ip_adapter_scale": 1.0, "guidance_scale": 1.0, "untrained": True},
-    # how the rate depends on the size of the support set (training drew 1-4 references)
+    "adapter on, no CFG": {"ip_adapter_scale": 1.0, "guidance_scale": 1.0},
+    "adapter scale 0, CFG 3": {"ip_adapter_scale": 0.0, "guidance_scale": 3.0},
+    "adapter scale 0, no CFG": {"ip_adapter_scale": 0.0, "guidance_scale": 1.0},
+    "untrained weights, no CFG": {"ip_adapter_scale": 1.0, "guidance_scale": 1.0, "untrained": True},
+    # how the rate depends on the size of the support set
     "adapter on, CFG 3, 1 reference": {"ip_adapter_scale": 1.0, "guidance_scale": 3.0, "n_refs": 1},
     "adapter on, CFG 3, 2 references": {"ip_adapter_scale": 1.0, "guidance_scale": 3.0, "n_refs": 2},
     "adapter on, CFG 3, 4 references": {"ip_adapter_scale": 1.0, "guidance_scale": 3.0, "n_refs": 4},
 }
 
 
-def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script; tests run evaluate_digits
+def rates_over_seeds(pipe: StableDiffusionPipeline, seeds: Sequence[int], **settings: Any) -> dict[str, Any]:
+    """:func:`evaluate_digits` once per seed (one reference set per digit and seed): the right-digit rate and the
+    classifier's probability of the digit, each with its mean and Student's t 95% interval over seeds."""
+    from .following import interval
+
+    runs = [evaluate_digits(pipe, seed=seed, ref_sets=1, **settings) for seed in seeds]
+    return {
+        "rate": interval([r["rate"] for r in runs], bounds=(0.0, 1.0)),
+        "confidence": interval([r["confidence"] for r in runs], bounds=(0.0, 1.0)),
+        "samples": sum(r["samples"] for r in runs),
+        "n_refs": runs[0]["n_refs"],
+        "most_frequent_label": int(np.bincount(np.concatenate([r["labels"] for r in runs]), minlength=10).argmax()),
+    }
+
+
+def _percent(result: dict[str, Any]) -> str:
+    return f"{result['mean']:.1%} [{result['low']:.1%}, {result['high']:.1%}]"
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows])
+
+
+def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script; tests run its parts
     import argparse
 
-    parser = argparse.ArgumentParser(description="Rates of the right digit (README), written to OUT/rates.{md,json}.")
+    from ..._checks import DEFAULT_DIGITS_RECIPE, DIGITS_RECIPES
+    from .following import FOLLOWING_METRICS, reference_following
+
+    parser = argparse.ArgumentParser(
+        description="The organism's right-digit rates and reference-following, with 95%% intervals over seeds, "
+        "written to OUT/rates.{md,json} and OUT/following.{md,json}."
+    )
     parser.add_argument("--out", default="outputs/digits-eval")
+    parser.add_argument("--recipe", choices=DIGITS_RECIPES, default=DEFAULT_DIGITS_RECIPE)
     parser.add_argument("--weights", help="a folder from `ipa-probe train-digits` (default: the shipped weights)")
-    parser.add_argument("--samples", type=int, default=10, help="samples per digit and reference set")
-    parser.add_argument("--ref-sets", type=int, default=3, help="reference sets per digit")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1: one reference set per digit and seed")
+    parser.add_argument("--samples", type=int, default=10, help="samples per digit and seed (rates)")
+    parser.add_argument("--following-samples", type=int, default=4, help="samples per digit and seed (following)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    trained, untrained = digits_pipeline(args.weights), None
+    seeds = list(range(args.seeds))
+    trained = digits_pipeline(args.weights, recipe=args.recipe)
+    untrained = None
     rows, raw = [], {}
     for name, settings in EVALUATION_SETTINGS.items():
         settings = dict(settings)
         if settings.pop("untrained", False):
-            untrained = untrained or untrained_digits_pipeline()
+            untrained = untrained or untrained_digits_pipeline(recipe=args.recipe)
             pipe = untrained
         else:
             pipe = trained
         pipe.set_progress_bar_config(disable=True)
         start = time.perf_counter()
         settings.setdefault("n_refs", 3)
-        result = evaluate_digits(
-            pipe, samples_per_digit=args.samples, ref_sets=args.ref_sets, num_inference_steps=args.steps, **settings
+        result = rates_over_seeds(
+            pipe, seeds, samples_per_digit=args.samples, num_inference_steps=args.steps, **settings
         )
-        seconds = time.perf_counter() - start
-        raw[name] = {k: v for k, v in result.items() if k not in ("labels", "targets")} | {"seconds": seconds}
+        raw[name] = {**result, "settings": settings, "seconds": time.perf_counter() - start}
         rows.append(
             {
                 "setting": name,
-                "right digit": f"{result['rate']:.1%}",
-                "confidence": f"{result['confidence']:.3f}",
+                "right digit [95% interval over seeds]": _percent(result["rate"]),
+                "classifier's probability of the digit": f"{result['confidence']['mean']:.3f}",
                 "references": result["n_refs"],
                 "samples": result["samples"],
-                "most frequent label": f"{np.bincount(result['labels'], minlength=10).argmax()}",
+                "most frequent label": result["most_frequent_label"],
             }
         )
         print(rows[-1], flush=True)
-    columns = list(rows[0])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
-    table = "\n".join(lines)
     accuracy = digit_classifier()[1]
     note = (
-        f"\n\nClassifier: logistic regression on the 8x8 digits [0, {TRAIN_SIZE}), held-out accuracy {accuracy:.3f}. "
-        f"{args.ref_sets} held-out reference sets per digit (3 images unless the row says otherwise), "
-        f"{args.samples} samples each, "
-        f"DDIM {args.steps} steps.\n"
+        f"\n\nRecipe `{args.recipe}`. Judge: {CLASSIFIER}; held-out accuracy {accuracy:.3f}. Seeds {seeds}: one "
+        f"held-out reference set per digit and seed (3 images unless the row says otherwise), {args.samples} samples "
+        f"each, DDIM {args.steps} steps; intervals are Student's t 95% over the {len(seeds)} seeds' rates, cut to "
+        "[0, 100%].\n"
     )
-    (out / "rates.md").write_text(table + note)
-    record = {"rates": raw, "args": vars(args), "versions": versions()}
-    record_path = Path(args.weights) / "record.json" if args.weights else DIGITS_WEIGHTS / "record.json"
-    if record_path.exists():  # which training run these rates belong to
-        record["weights_record"] = json.loads(record_path.read_text())
+    write_atomic(out / "rates.md", _table(rows) + note)
+    record = {"recipe": args.recipe, "rates": raw, "args": vars(args), "versions": versions()}
+    record["classifier"] = {"model": CLASSIFIER, "held_out_accuracy": accuracy}
+    record["weights_record"] = _weights_record(args.weights, args.recipe)
     write_json(out / "rates.json", record)
-    print(table + note)
+    following, frows = {}, []
+    for n_refs in (1, 3):
+        result = reference_following(
+            trained, n_refs=n_refs, seeds=seeds, samples=args.following_samples, num_inference_steps=args.steps
+        )
+        following[n_refs] = {k: v for k, v in result.items() if k != "per_sample"}
+    for metric in FOLLOWING_METRICS:
+        row = {"metric": metric}
+        for n_refs in (1, 3):
+            m = following[n_refs]["metrics"][metric]
+            fmt = "{:.3f}"
+            row[f"{n_refs} reference{'s' if n_refs > 1 else ''}"] = (
+                f"{fmt.format(m['mean'])} [{fmt.format(m['low'])}, {fmt.format(m['high'])}]"
+            )
+            row[f"chance ({n_refs})"] = f"{following[n_refs]['chance'][metric]:.3f}"
+        frows.append(row)
+    note = (
+        f"\n\nRecipe `{args.recipe}`, CFG 3, DDIM {args.steps} steps, {args.following_samples} samples per digit and "
+        f"seed, seeds {seeds}; mean [Student's t 95% interval over seeds]. Metrics: "
+        "ipa_probe.tiny.digits.following (16 x 16 grey pixel distances among the held-out images of the digit).\n"
+    )
+    write_atomic(out / "following.md", _table(frows) + note)
+    write_json(out / "following.json", {"recipe": args.recipe, "following": following, "versions": versions()})
+    print(_table(rows))
+    print(_table(frows))
+
+
+def _weights_record(weights: str | None, recipe: str) -> dict[str, Any] | None:
+    """The ``record.json`` of the training run the rates belong to (the adapter stage's, for ``ip-adapter``)."""
+    from .data import IP_ADAPTER_WEIGHTS
+
+    if weights is not None:
+        path = Path(weights) / "record.json"
+    else:
+        path = (DIGITS_WEIGHTS if recipe == "support" else IP_ADAPTER_WEIGHTS / "adapter") / "record.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 if __name__ == "__main__":  # pragma: no cover

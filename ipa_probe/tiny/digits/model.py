@@ -24,6 +24,8 @@ from transformers import (
     CLIPVisionModelWithProjection,
 )
 
+from ..._checks import DEFAULT_DIGITS_RECIPE as DEFAULT_RECIPE
+from ..._checks import check_recipe
 from ..._quiet import quiet_known_messages
 from ..sd import _seeded, realign_weights
 from ..tokenizer import CLIP_MODEL_MAX_LENGTH, CLIP_VOCAB_SIZE, clip_tokenizer
@@ -32,6 +34,7 @@ from .data import (
     _VISION_WIDTH,
     DIGITS_WEIGHTS,
     IMAGE_SIZE,
+    IP_ADAPTER_WEIGHTS,
     LATENT_SIZE,
     NUM_IP_TOKENS,
     WEIGHT_NAME,
@@ -56,21 +59,28 @@ def _vae() -> AutoencoderKL:
     )
 
 
-def _unet() -> UNet2DConditionModel:
+def _unet(layers_per_block: int = 1, heads: int = 4) -> UNet2DConditionModel:
     # SD 1.5's layout: CrossAttnDown x 3 + Down, mid with cross-attention, Up + CrossAttnUp x 3, a fixed number of
-    # heads (diffusers' legacy ``attention_head_dim`` means heads for SD 1.5): 4 heads of width 8 or 16.
+    # heads (diffusers' legacy ``attention_head_dim`` means heads for SD 1.5). ``support``: one layer per block (10
+    # cross-attention layers), 4 heads of width 8 or 16; ``ip-adapter``: SD 1.5's two layers per block (16
+    # cross-attention layers), SD 1.5's 8 heads, of width 4 or 8.
     return UNet2DConditionModel(
         sample_size=LATENT_SIZE,
         in_channels=4,
         out_channels=4,
         block_out_channels=(32, 64, 64, 64),
-        layers_per_block=1,
+        layers_per_block=layers_per_block,
         down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
         up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
         cross_attention_dim=_TEXT_WIDTH,
-        attention_head_dim=4,
+        attention_head_dim=heads,
         norm_num_groups=32,
     )
+
+
+def _base_unet() -> UNet2DConditionModel:
+    """The ``ip-adapter`` recipe's base UNet: SD 1.5's blocks at ``layers_per_block=2`` and 8 heads."""
+    return _unet(layers_per_block=2, heads=8)
 
 
 def _text_encoder() -> CLIPTextModel:
@@ -123,8 +133,14 @@ def _scheduler() -> DDIMScheduler:
     )
 
 
-def _install_ip_processors(unet: UNet2DConditionModel) -> list[IPAdapterAttnProcessor2_0]:
-    """Give every cross-attention layer a fresh ``IPAdapterAttnProcessor2_0`` (self-attention keeps the default)."""
+def _install_ip_processors(
+    unet: UNet2DConditionModel, from_text_projections: bool = False
+) -> list[IPAdapterAttnProcessor2_0]:
+    """Give every cross-attention layer a fresh ``IPAdapterAttnProcessor2_0`` (self-attention keeps the default).
+
+    With ``from_text_projections`` each layer's ``to_k_ip`` / ``to_v_ip`` start as copies of its ``to_k`` / ``to_v``
+    (as IP-Adapter's training does); otherwise they keep ``nn.Linear``'s random initialisation.
+    """
     processors: dict[str, Any] = {}
     ip = []
     for name in unet.attn_processors:
@@ -136,6 +152,10 @@ def _install_ip_processors(unet: UNet2DConditionModel) -> list[IPAdapterAttnProc
                 num_tokens=(NUM_IP_TOKENS,),
                 scale=1.0,
             )
+            if from_text_projections:
+                with torch.no_grad():
+                    proc.to_k_ip[0].weight.copy_(attn.to_k.weight)
+                    proc.to_v_ip[0].weight.copy_(attn.to_v.weight)
             processors[name] = proc
             ip.append(proc)
         else:
@@ -144,13 +164,23 @@ def _install_ip_processors(unet: UNet2DConditionModel) -> list[IPAdapterAttnProc
     return ip
 
 
-def untrained_digits_pipeline(seed: int = 0) -> StableDiffusionPipeline:
+def untrained_digits_pipeline(seed: int = 0, recipe: str = DEFAULT_RECIPE) -> StableDiffusionPipeline:
     """The organism's architecture with its initial (untrained) weights: the control of the experiments.
 
     The VAE and image encoder are untrained too; the scaling factor is the trained run's. Built the way
-    :func:`train_digits` initialises them, then loaded through ``load_ip_adapter`` like the trained one.
+    :func:`train_digits` initialises them (for ``recipe="ip-adapter"``: the 16-layer UNet, an adapter whose
+    ``to_k_ip`` / ``to_v_ip`` are copies of ``to_k`` / ``to_v``), then loaded through ``load_ip_adapter`` like the
+    trained one.
+
+    Args:
+        seed: the initialisation's seed.
+        recipe: ``"support"`` or ``"ip-adapter"`` (the architecture).
     """
-    parts = _init_modules(seed)
+    recipe = check_recipe(recipe)
+    parts = _init_modules(seed) if recipe == "support" else _init_base_modules(seed, with_adapter=True)
+    if recipe == "ip-adapter":
+        with _seeded(seed, "digits/vae"):
+            parts["vae"] = _vae()
     pipe = StableDiffusionPipeline(
         vae=parts["vae"],
         text_encoder=parts["text_encoder"],
@@ -193,6 +223,33 @@ def _init_modules(seed: int) -> dict[str, Any]:
         image_proj=image_proj,
         ip_processors=ip_processors,
     )
+
+
+def _init_base_modules(seed: int, with_adapter: bool = False) -> dict[str, Any]:
+    """The ``ip-adapter`` recipe's initial base UNet, image encoder and text encoder (the shipped one's init), and
+    with ``with_adapter`` an adapter initialised as stage 2 initialises it."""
+    with _seeded(seed, "digits/text_encoder"):
+        text_encoder = _text_encoder()
+    with _seeded(seed, "digits/ip-adapter/image_encoder"):
+        image_encoder = _image_encoder()
+    with _seeded(seed, "digits/ip-adapter/unet"):
+        unet = _base_unet()
+    parts: dict[str, Any] = dict(
+        text_encoder=text_encoder.eval().requires_grad_(False), image_encoder=image_encoder, unet=unet
+    )
+    if with_adapter:
+        parts.update(_init_adapter(unet, seed))
+    return parts
+
+
+def _init_adapter(unet: UNet2DConditionModel, seed: int) -> dict[str, Any]:
+    """Stage 2's starting adapter on ``unet``: a seeded ``ImageProjection`` and ``to_k_ip`` / ``to_v_ip`` copied
+    from each cross-attention layer's ``to_k`` / ``to_v``."""
+    with _seeded(seed, "digits/ip-adapter/image_proj"):
+        image_proj = ImageProjection(
+            image_embed_dim=_VISION_WIDTH, cross_attention_dim=_TEXT_WIDTH, num_image_text_embeds=NUM_IP_TOKENS
+        )
+    return dict(image_proj=image_proj, ip_processors=_install_ip_processors(unet, from_text_projections=True))
 
 
 def _adapter_state_dict(
@@ -239,17 +296,29 @@ def _quiet_loading() -> Iterator[None]:
                 lib.enable_progress_bar()
 
 
-def digits_pipeline(path: str | os.PathLike | None = None) -> StableDiffusionPipeline:
+def digits_pipeline(path: str | os.PathLike | None = None, recipe: str | None = None) -> StableDiffusionPipeline:
     """The trained digits organism: a ``StableDiffusionPipeline`` on CPU in float32, progress bar on.
 
-    Loaded through diffusers' ``from_pretrained`` (``<path>/model``) and ``load_ip_adapter``
-    (``<path>/ip_adapter/ip-adapter.safetensors``), offline.
+    Loaded offline through diffusers' ``from_pretrained`` and ``load_ip_adapter``. Two recipes (docs/organism.md):
+
+    - ``"support"``: ``<path>/model`` (``from_pretrained``) and ``<path>/ip_adapter/ip-adapter.safetensors``; UNet,
+      adapter and image encoder trained together on support sets of the target's class.
+    - ``"ip-adapter"``: the frozen base's ``unet/`` and ``image_encoder/`` (stage 1), the shipped VAE, text encoder
+      and tokenizer (``from_pretrained`` of the support folder with those two components given), and
+      ``<path>/ip_adapter/ip-adapter.safetensors`` (stage 2: only the adapter, trained on self-reconstruction).
 
     Args:
-        path: a folder written by ``ipa-probe train-digits``; ``None`` loads the weights shipped with the package.
+        path: a folder written by ``ipa-probe train-digits`` (for ``ip-adapter``: its adapter stage, whose
+            ``record.json`` names the base); ``None`` loads the weights shipped with the package.
+        recipe: ``"support"`` or ``"ip-adapter"``; ``None``: the folder's own recipe, or for the shipped weights
+            :data:`ipa_probe._checks.DEFAULT_DIGITS_RECIPE`.
 
     Returns:
         the pipeline; call it with ``ip_adapter_image=[digits_reference_images(d, n)]`` (one support set).
+
+    Raises:
+        ValueError: an unknown recipe, or a folder of the other recipe.
+        FileNotFoundError: no trained organism in ``path``, or its base is missing or changed.
 
     Example:
         ```py
@@ -258,7 +327,17 @@ def digits_pipeline(path: str | os.PathLike | None = None) -> StableDiffusionPip
         >>> image = pipe("a handwritten digit", ip_adapter_image=[refs], num_inference_steps=20).images[0]
         ```
     """
-    root = Path(path) if path is not None else DIGITS_WEIGHTS
+    if recipe is not None:
+        check_recipe(recipe)
+    root = Path(path) if path is not None else None
+    found = _folder_recipe(root) if root is not None else None
+    if recipe is None:
+        recipe = found or DEFAULT_RECIPE
+    elif found is not None and found != recipe:
+        raise ValueError(f"expected a {recipe!r} organism in {root}, got a {found!r} one; pass recipe={found!r}")
+    if recipe == "ip-adapter":
+        return _ip_adapter_pipeline(root)
+    root = root if root is not None else DIGITS_WEIGHTS
     if not (root / "model" / "model_index.json").exists():
         raise FileNotFoundError(
             f"expected a digits organism in {root} (model/model_index.json); "
@@ -266,13 +345,103 @@ def digits_pipeline(path: str | os.PathLike | None = None) -> StableDiffusionPip
         )
     with _quiet_loading(), quiet_known_messages():
         pipe = StableDiffusionPipeline.from_pretrained(root / "model", local_files_only=True)
-        pipe.load_ip_adapter(
-            str(root / "ip_adapter"),
-            subfolder="",
-            weight_name=WEIGHT_NAME,
-            image_encoder_folder=None,
-            local_files_only=True,
-        )
+        _load_adapter(pipe, root)
+    return _ready(pipe)
+
+
+def _folder_recipe(root: Path) -> str | None:
+    """The recipe a training folder's ``record.json`` names (records before the recipes existed: ``support``)."""
+    try:
+        record = json.loads((root / "record.json").read_text())
+    except (OSError, ValueError):
+        return None
+    recipe = record.get("recipe", "support") if isinstance(record, dict) else None
+    return recipe.split("/")[0] if isinstance(recipe, str) else None
+
+
+def _load_adapter(pipe: StableDiffusionPipeline, root: Path) -> None:
+    pipe.load_ip_adapter(
+        str(root / "ip_adapter"),
+        subfolder="",
+        weight_name=WEIGHT_NAME,
+        image_encoder_folder=None,
+        local_files_only=True,
+    )
+
+
+def _ready(pipe: StableDiffusionPipeline) -> StableDiffusionPipeline:
     pipe.text_encoder.float()  # stored in float16 (the rest in float32); it ran in float32 during training
     pipe.set_progress_bar_config(disable=False)
     return realign_weights(pipe)
+
+
+#: the files of a base (stage 1 of the ``ip-adapter`` recipe) that stage 2 and the pipeline load
+BASE_FILES = {"unet": "unet/diffusion_pytorch_model.safetensors", "image_encoder": "image_encoder/model.safetensors"}
+
+
+def base_digest(base: str | os.PathLike) -> str:
+    """SHA-256 of a base's tensors (UNet and image encoder, :func:`~.checkpoint.tensors_digest`): what an adapter
+    records as the base it was trained on."""
+    from safetensors.torch import load_file
+
+    from .checkpoint import tensors_digest
+
+    tensors = {}
+    for name, rel in BASE_FILES.items():
+        tensors.update({f"{name}/{k}": v for k, v in load_file(str(Path(base) / rel)).items()})
+    return tensors_digest(tensors)
+
+
+def load_base(base: str | os.PathLike) -> tuple[UNet2DConditionModel, CLIPVisionModelWithProjection]:
+    """A base written by ``train-digits --recipe ip-adapter --stage base``: its UNet (stored in float16, returned in
+    float32) and its image encoder, in eval mode with gradients off.
+
+    Raises:
+        FileNotFoundError: a file is missing; the message names it and the remedy.
+    """
+    base = Path(base)
+    for rel in BASE_FILES.values():
+        if not (base / rel).is_file():
+            raise FileNotFoundError(
+                f"expected an ip-adapter base in {base} ({rel} is missing); train one with `ipa-probe train-digits "
+                "--recipe ip-adapter --stage base --out DIR`, or use the shipped base"
+            )
+    with _quiet_loading():  # the UNet is stored in float16; loaded in float32 (exact: every float16 is a float32)
+        unet = UNet2DConditionModel.from_pretrained(base / "unet", torch_dtype=torch.float32, local_files_only=True)
+        image_encoder = CLIPVisionModelWithProjection.from_pretrained(base / "image_encoder", local_files_only=True)
+    for module in (unet, image_encoder):
+        module.eval().requires_grad_(False)
+        with torch.no_grad():  # out of the memory-mapped file (see realign_weights)
+            for param in module.parameters():
+                param.data = param.data.clone()
+    return unet, image_encoder
+
+
+def resolve_base(base: str | None) -> Path:
+    """The base folder an adapter's ``config["base"]`` names (``None``: the shipped base)."""
+    return IP_ADAPTER_WEIGHTS / "base" if base is None else Path(base).expanduser()
+
+
+def _ip_adapter_pipeline(path: Path | None) -> StableDiffusionPipeline:
+    adapter = path if path is not None else IP_ADAPTER_WEIGHTS / "adapter"
+    try:
+        record = json.loads((adapter / "record.json").read_text())
+        base = resolve_base(record["config"]["base"])
+        expected = record["base_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise FileNotFoundError(
+            f"expected an ip-adapter organism in {adapter} (record.json of its adapter stage); train one with "
+            "`ipa-probe train-digits --recipe ip-adapter --out DIR` or pass path=None for the shipped weights"
+        ) from None
+    unet, image_encoder = load_base(base)
+    if base_digest(base) != expected:
+        raise FileNotFoundError(
+            f"the base in {base} is not the one the adapter in {adapter} was trained on (their digests differ); "
+            "train the adapter again on this base, or restore that base"
+        )
+    with _quiet_loading():
+        pipe = StableDiffusionPipeline.from_pretrained(
+            DIGITS_WEIGHTS / "model", unet=unet, image_encoder=image_encoder, local_files_only=True
+        )
+        _load_adapter(pipe, adapter)
+    return _ready(pipe)

@@ -1,38 +1,39 @@
-"""``train_digits`` (``ipa-probe train-digits``): the seeded, resumable three-stage training of the organism.
+"""``train_digits`` (``ipa-probe train-digits``): the seeded, resumable training of the organism, both recipes.
 
-Part of :mod:`ipa_probe.tiny.digits` (see its docstring).
+The ``support`` recipe lives here (three stages: the VAE, the image encoder's pretraining, then UNet + adapter +
+image encoder together); the ``ip-adapter`` recipe's two commands in :mod:`.train_ip`. Part of
+:mod:`ipa_probe.tiny.digits` (see its docstring).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, StableDiffusionPipeline
-from tqdm.auto import tqdm
-from transformers import (
-    CLIPTextModel,
-)
 
-from ..._io import versions, write_json
+from ..._io import write_json
 from ..sd import _seeded
 from ..tokenizer import clip_tokenizer
-from .data import (
-    _CHECKPOINT,
-    _VISION_WIDTH,
-    DIGITS_PROMPT,
-    NUM_IP_TOKENS,
-    TRAIN_SIZE,
-    WEIGHT_NAME,
-    _to_pil,
-    digit_images,
+from .checkpoint import TrainingCheckpoint
+from .data import _VISION_WIDTH, DIGITS_PROMPT, NUM_IP_TOKENS, TRAIN_SIZE
+from .loop import (
+    check_settings,
+    encoder_accuracy,
+    encoder_loss,
+    new_state,
+    noisy,
+    plot_losses,
+    prompt_states,
+    run_fields,
+    run_stage,
+    save_adapter,
+    training_digits,
+    training_folder,
 )
 from .model import (
     _adapter_state_dict,
@@ -80,88 +81,12 @@ class DigitsTrainConfig:
     checkpoint_every: int = 100
 
     def __post_init__(self):
-        for name in ("threads", "vae_steps", "encoder_steps", "steps", "batch", "max_refs", "checkpoint_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"expected {name} to be an int >= 1, got {value!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"expected seed to be a non-negative int, got {self.seed!r}")
-        for name in ("drop_embeds", "drop_tokens", "drop_text"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"expected {name} in [0, 1), got {getattr(self, name)!r}")
-        if self.drop_embeds + self.drop_tokens >= 1.0:
-            raise ValueError("expected drop_embeds + drop_tokens < 1 so that some targets see their references")
-        for name in ("vae_lr", "encoder_lr", "lr", "vae_kl"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"expected {name} > 0, got {getattr(self, name)!r}")
+        counts = ("threads", "vae_steps", "encoder_steps", "steps", "batch", "max_refs", "checkpoint_every")
+        check_settings(self, counts, ("drop_embeds", "drop_tokens"), ("vae_lr", "encoder_lr", "lr", "vae_kl"))
+        check_settings(self, (), ("drop_text",))
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _step_generator(seed: int, stage: str, step: int) -> torch.Generator:
-    offset = {"vae": 0, "unet": 1, "encoder": 2}[stage]
-    return torch.Generator().manual_seed((seed * 1_000_003 + offset) * 10_000_019 + step)
-
-
-def _flat_state(modules: dict[str, torch.nn.Module], optimizers: dict[str, torch.optim.Optimizer]) -> dict:
-    flat: dict[str, torch.Tensor] = {}
-    for name, module in modules.items():
-        for key, value in module.state_dict().items():
-            flat[f"model/{name}/{key}"] = value.detach().contiguous()
-    for name, opt in optimizers.items():
-        for index, state in opt.state_dict()["state"].items():
-            for key, value in state.items():
-                flat[f"optim/{name}/{index}/{key}"] = torch.as_tensor(value).detach().contiguous()
-    return flat
-
-
-def _load_flat_state(
-    flat: dict[str, torch.Tensor], modules: dict[str, torch.nn.Module], optimizers: dict[str, torch.optim.Optimizer]
-) -> None:
-    for name, module in modules.items():
-        prefix = f"model/{name}/"
-        module.load_state_dict({k.removeprefix(prefix): v for k, v in flat.items() if k.startswith(prefix)})
-    for name, opt in optimizers.items():
-        prefix = f"optim/{name}/"
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for key, value in flat.items():
-            if key.startswith(prefix):
-                index, field = key.removeprefix(prefix).split("/")
-                state.setdefault(int(index), {})[field] = value.clone()
-        sd = opt.state_dict()
-        sd["state"] = state
-        opt.load_state_dict(sd)
-
-
-class _Checkpoint:
-    """``checkpoint.safetensors`` (weights and optimizer moments) + ``checkpoint.json`` (stage, step, losses)."""
-
-    def __init__(self, out: Path, config: DigitsTrainConfig):
-        self.tensors = out / f"{_CHECKPOINT}.safetensors"
-        self.meta = out / f"{_CHECKPOINT}.json"
-        self.config = config
-
-    def load(self) -> tuple[dict, dict[str, torch.Tensor]] | None:
-        from safetensors.torch import load_file
-
-        if not self.meta.exists():
-            return None
-        meta = json.loads(self.meta.read_text())
-        if meta["config"] != self.config.to_dict():
-            raise ValueError(
-                f"expected {self.meta} to hold a run with the same settings, got {meta['config']}; "
-                "pass a fresh --out folder or delete the checkpoint to retrain"
-            )
-        return meta, load_file(str(self.tensors))
-
-    def save(self, meta: dict, flat: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
-        tmp = self.tensors.with_name(self.tensors.name + ".tmp")
-        save_file(flat, str(tmp))
-        os.replace(tmp, self.tensors)
-        write_json(self.meta, {**meta, "config": self.config.to_dict()})
 
 
 def _vae_loss(vae: AutoencoderKL, x: torch.Tensor, generator: torch.Generator, kl_weight: float) -> torch.Tensor:
@@ -172,36 +97,33 @@ def _vae_loss(vae: AutoencoderKL, x: torch.Tensor, generator: torch.Generator, k
     return F.mse_loss(recon, x) + kl_weight * kl.mean()
 
 
-def _pixels(grey: np.ndarray) -> torch.Tensor:
-    """uint8 ``(N, 16, 16)`` -> the VAE's input, float ``(N, 3, 16, 16)`` in [-1, 1]."""
-    x = torch.from_numpy(grey).float() / 127.5 - 1.0
-    return x[:, None].expand(-1, 3, -1, -1).contiguous()
-
-
-def _prompt_states(text_encoder: CLIPTextModel, prompt: str) -> torch.Tensor:
-    tokenizer = clip_tokenizer()
-    ids = tokenizer(prompt, padding="max_length", max_length=tokenizer.model_max_length, return_tensors="pt")
-    with torch.no_grad():
-        return text_encoder(ids.input_ids)[0]  # (1, 77, 32)
-
-
 def train_digits(
     out: str | os.PathLike,
-    config: DigitsTrainConfig | None = None,
+    config: Any = None,
     progress: bool = True,
     stop_after: int | None = None,
 ) -> dict:
     """Train the digits organism from scratch (or resume ``out``'s checkpoint) and save it in ``out``.
 
-    Stage 1 trains the VAE on the training digits; stage 2 fixes the latents (posterior means, scaled to unit
-    spread) and trains the UNet, the IP-Adapter and the image encoder together. Every batch is drawn from a generator
-    seeded by ``(seed, stage, step)``, so a run interrupted and resumed ends with the same weights as one that was not
-    (at the same thread count).
+    The recipe follows the type of ``config``:
+
+    - :class:`DigitsTrainConfig` (the default), recipe ``support``: the VAE, then the image encoder's pretraining as
+      a digit classifier, then the UNet, the IP-Adapter and the image encoder together, on support sets of 1-4
+      other images of the target's class.
+    - :class:`~.train_ip.DigitsBaseConfig`, recipe ``ip-adapter`` stage 1: the image-free base UNet (and the image
+      encoder's pretraining), on the shipped VAE's latents.
+    - :class:`~.train_ip.DigitsAdapterConfig`, recipe ``ip-adapter`` stage 2: only ``ImageProjection`` and
+      ``to_k_ip`` / ``to_v_ip`` on the frozen base, each image reconstructed from its own embedding.
+
+    Every batch is drawn from a generator seeded by ``(seed, stage, step)``, so a run interrupted and resumed ends
+    with the same weights as one that was not (at the same thread count). ``out`` is locked for the run (a second
+    training on it stops at once); the checkpoint is one file written atomically and checked before it is used.
 
     Args:
-        out: output folder. Written: ``model/`` (``save_pretrained``, without adapter), ``ip_adapter/`` (the adapter
-            in the published layout, for ``load_ip_adapter``), ``record.json``, ``loss.png``, and the checkpoint
-            ``checkpoint.{safetensors,json}`` (kept, so that a finished run is not retrained).
+        out: output folder. Written (support): ``model/`` (``save_pretrained``, without adapter), ``ip_adapter/``
+            (the adapter in the published layout, for ``load_ip_adapter``), ``record.json``, ``loss.png``, and the
+            checkpoint ``checkpoint.safetensors`` (kept, so that a finished run is not retrained). The other
+            recipes' outputs: :func:`~.train_ip.train_base`, :func:`~.train_ip.train_adapter`.
         config: the settings (defaults: the shipped weights').
         progress: show tqdm progress bars.
         stop_after: stop (with a checkpoint) once this many steps, over all stages, are done in this call; for
@@ -209,16 +131,25 @@ def train_digits(
 
     Returns:
         the record (also written to ``record.json``); ``{"finished": False, ...}`` if stopped early.
+
+    Raises:
+        CheckpointError: ``out`` holds a checkpoint that cannot be used (the message names it and the remedy).
+        OutputLocked: another training holds ``out``.
     """
-    config = config or DigitsTrainConfig()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    try:
-        return _train(out, config, progress, stop_after)
-    finally:
-        torch.set_num_threads(previous_threads)
+    from .train_ip import DigitsAdapterConfig, DigitsBaseConfig, train_adapter, train_base
+
+    config = DigitsTrainConfig() if config is None else config
+    recipes = {DigitsTrainConfig: _train, DigitsBaseConfig: train_base, DigitsAdapterConfig: train_adapter}
+    if type(config) not in recipes:
+        raise TypeError(
+            f"expected config to be a DigitsTrainConfig, DigitsBaseConfig or DigitsAdapterConfig, got {config!r}"
+        )
+    with training_folder(out, config.threads) as folder:
+        return recipes[type(config)](folder, config, progress, stop_after)
+
+
+STAGES = ("vae", "encoder", "unet")
+"""Training stages of the ``support`` recipe in order: the VAE, the image encoder's pretraining, UNet + adapter."""
 
 
 def _train(out: Path, config: DigitsTrainConfig, progress: bool, stop_after: int | None) -> dict:
@@ -234,79 +165,62 @@ def _train(out: Path, config: DigitsTrainConfig, progress: bool, stop_after: int
         "encoder": torch.optim.AdamW([*image_encoder.parameters(), *head.parameters()], lr=config.encoder_lr),
         "unet": torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0),
     }
-    checkpoint = _Checkpoint(out, config)
-    meta: dict[str, Any] = {
-        "stage": STAGES[0],
-        "step": 0,
-        "losses": {s: [] for s in STAGES},
-        "wall_s": {s: 0.0 for s in STAGES},
-        "load_average_at_start": list(os.getloadavg()),
-        "resumed": 0,
-    }
-    loaded = checkpoint.load()
-    if loaded is not None:
-        meta, flat = loaded
-        meta["resumed"] += 1
-        _load_flat_state(flat, modules, optimizers)
-    grey, labels = digit_images()
-    train_x = _pixels(grey[:TRAIN_SIZE])  # (1500, 3, 16, 16)
-    train_y = torch.from_numpy(labels[:TRAIN_SIZE])
-    pixel_values = _feature_extractor()([_to_pil(g) for g in grey[:TRAIN_SIZE]], return_tensors="pt").pixel_values
-    data: dict[str, Any] = {"y": train_y, "pixel_values": pixel_values}
+    steps = {"vae": config.vae_steps, "encoder": config.encoder_steps, "unet": config.steps}
+    checkpoint = TrainingCheckpoint(out, "support", {"config": config.to_dict()}, steps)
+    state = checkpoint.load(modules, optimizers)
+    if state is None:
+        state = new_state(STAGES)
+    else:
+        state["resumed"] += 1
+    data: dict[str, Any] = training_digits()
+    train_x, train_y, pixel_values = data["x"], data["y"], data["pixel_values"]
 
     def vae_step(gen: torch.Generator) -> torch.Tensor:
         idx = torch.randint(0, TRAIN_SIZE, (config.batch,), generator=gen)
         return _vae_loss(vae, train_x[idx], gen, config.vae_kl)
 
-    def encoder_step(gen: torch.Generator) -> torch.Tensor:
-        idx = torch.randint(0, TRAIN_SIZE, (2 * config.batch,), generator=gen)
-        logits = head(image_encoder(pixel_values[idx]).image_embeds)  # (2B, 10)
-        return F.cross_entropy(logits, train_y[idx])
-
-    def unet_step(gen: torch.Generator) -> torch.Tensor:
-        return _unet_loss(config, gen, data, parts)
-
-    steps = {"vae": config.vae_steps, "encoder": config.encoder_steps, "unet": config.steps}
-    step_fns = {"vae": vae_step, "encoder": encoder_step, "unet": unet_step}
+    step_fns = {
+        "vae": vae_step,
+        "encoder": lambda gen: encoder_loss(image_encoder, head, data, 2 * config.batch, gen),
+        "unet": lambda gen: _unet_loss(config, gen, data, parts),
+    }
     params = {"vae": list(vae.parameters()), "encoder": [*image_encoder.parameters(), *head.parameters()]}
     params["unet"] = trainable
     budget = [stop_after if stop_after is not None else float("inf")]
-    for stage in STAGES[STAGES.index(meta["stage"]) :]:
+    for stage in STAGES[STAGES.index(state["stage"]) :]:
         if stage == "unet":
             vae.eval().requires_grad_(False)
             data.update(_unet_data(vae, train_x, train_y, parts["text_encoder"]))
-        if meta["stage"] != stage:
-            meta["stage"], meta["step"] = stage, 0
+        if state["stage"] != stage:
+            state["stage"], state["step"] = stage, 0
         for module in (vae, image_encoder, head) if stage != "unet" else (unet, image_encoder, image_proj):
             module.train()
-        finished = _run_stage(
-            stage, steps[stage], step_fns[stage], optimizers[stage], params[stage], meta, config, progress, budget,
-            lambda: checkpoint.save(meta, _flat_state(modules, optimizers)),
+        finished = run_stage(
+            stage, steps[stage], step_fns[stage], optimizers[stage], params[stage], state, config.seed,
+            config.checkpoint_every, progress, budget, lambda: checkpoint.save(state, modules, optimizers),
+            lr=config.lr if stage == "unet" else None,
         )  # fmt: skip
         if not finished:
-            return {"finished": False, **meta}
+            return {"finished": False, **state}
         if stage == "encoder":  # the head's accuracy right after pretraining (recomputed identically on a resume)
-            meta["encoder_pretraining_train_accuracy"] = _encoder_accuracy(image_encoder, head, pixel_values, train_y)
+            state["encoder_pretraining_train_accuracy"] = encoder_accuracy(image_encoder, head, pixel_values, train_y)
     if "scaling_factor" not in data:
         data.update(_unet_data(vae.eval(), train_x, train_y, parts["text_encoder"]))
     scaling_factor = data["scaling_factor"]
+    fields = run_fields(state, config.threads)
     record = {
         "finished": True,
+        "recipe": "support",
         "config": config.to_dict(),
         "scaling_factor": scaling_factor,
-        "wall_s": {**meta["wall_s"], "total": sum(meta["wall_s"].values())},
-        "final_losses": {s: float(np.mean(meta["losses"][s][-100:])) for s in STAGES if meta["losses"][s]},
+        "wall_s": fields.pop("wall_s"),
+        "final_losses": fields.pop("final_losses"),
         # the pretraining head on the training digits: right after pretraining, and (stale head) after joint training
-        "encoder_pretraining_train_accuracy": meta.get("encoder_pretraining_train_accuracy"),
-        "encoder_head_train_accuracy_after_joint_training": _encoder_accuracy(
+        "encoder_pretraining_train_accuracy": state.get("encoder_pretraining_train_accuracy"),
+        "encoder_head_train_accuracy_after_joint_training": encoder_accuracy(
             image_encoder, head, pixel_values, train_y
         ),
-        "threads": config.threads,
-        "load_average_at_start": meta.get("load_average_at_start"),
-        "load_average_at_end": list(os.getloadavg()),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "resumed": meta["resumed"],
-        "versions": versions(),
+        **fields,
         "train_digits": f"indices [0, {TRAIN_SIZE}) of sklearn.datasets.load_digits",
         "image_encoder": "pretrained as a digit classifier on the training digits (a linear head on image_embeds, "
         "not shipped; the stand-in for CLIP's pretraining), then trained jointly with the UNet and adapter",
@@ -315,51 +229,12 @@ def _train(out: Path, config: DigitsTrainConfig, progress: bool, stop_after: int
     for module in (unet, image_encoder, image_proj):
         module.eval()
     _save_outputs(out, parts, scaling_factor)
-    _plot_losses(out / "loss.png", meta["losses"])
+    plot_losses(out / "loss.png", state["losses"], _TITLES)
     write_json(out / "record.json", record)
     return record
 
 
-STAGES = ("vae", "encoder", "unet")
-"""Training stages in order: the VAE, the image encoder's classification pretraining, then UNet + adapter."""
-
-
-def _run_stage(stage, total, step_fn, optimizer, params, meta, config, progress, budget, save) -> bool:
-    """Run ``stage`` from ``meta["step"]`` to ``total`` steps; ``False`` if stopped early by ``budget``."""
-    bar = tqdm(total=total, initial=meta["step"], desc=stage, disable=not progress)
-    start = time.perf_counter() - meta["wall_s"][stage]
-    try:
-        while meta["step"] < total:
-            if budget[0] <= 0:
-                save()
-                return False
-            gen = _step_generator(config.seed, stage, meta["step"])
-            loss = step_fn(gen)
-            if stage == "unet":
-                for group in optimizer.param_groups:
-                    group["lr"] = config.lr * _lr_factor(meta["step"], total)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            meta["step"] += 1
-            meta["losses"][stage].append(float(loss.detach()))
-            budget[0] -= 1
-            bar.update(1)
-            if meta["step"] % 10 == 0:
-                bar.set_postfix(loss=f"{np.mean(meta['losses'][stage][-50:]):.4f}")
-            meta["wall_s"][stage] = time.perf_counter() - start
-            if meta["step"] % config.checkpoint_every == 0 or meta["step"] == total:
-                save()
-    finally:
-        bar.close()
-    return True
-
-
-@torch.no_grad()
-def _encoder_accuracy(image_encoder, head, pixel_values, labels) -> float:
-    logits = head(image_encoder.eval()(pixel_values).image_embeds)
-    return float((logits.argmax(1) == labels).float().mean())
+_TITLES = {"vae": "VAE (MSE + KL)", "encoder": "image encoder pretraining (CE)", "unet": "UNet + IP-Adapter (eps MSE)"}
 
 
 @torch.no_grad()
@@ -371,18 +246,10 @@ def _unet_data(vae, train_x, train_y, text_encoder) -> dict[str, Any]:
         "latents": latents * scaling_factor,  # (1500, 4, 8, 8)
         "scaling_factor": scaling_factor,
         "by_class": [torch.nonzero(train_y == c).flatten() for c in range(10)],
-        "text_cond": _prompt_states(text_encoder, DIGITS_PROMPT),
-        "text_uncond": _prompt_states(text_encoder, ""),
+        "text_cond": prompt_states(text_encoder, DIGITS_PROMPT),
+        "text_uncond": prompt_states(text_encoder, ""),
         "alphas_cumprod": _scheduler().alphas_cumprod,
     }
-
-
-def _lr_factor(step: int, steps: int, warmup: int = 100) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay to 0.1 at the last step."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return 0.1 + 0.45 * (1.0 + float(np.cos(np.pi * progress)))
 
 
 def _unet_loss(config: DigitsTrainConfig, gen: torch.Generator, data: dict[str, Any], parts: dict[str, Any]):
@@ -399,11 +266,7 @@ def _unet_loss(config: DigitsTrainConfig, gen: torch.Generator, data: dict[str, 
         pool = by_class[int(labels[t])]
         pool = pool[pool != t]
         refs[i] = pool[torch.randperm(len(pool), generator=gen)[:k]]
-    x0 = latents[target]  # (B, 4, 8, 8)
-    noise = torch.randn(x0.shape, generator=gen)
-    t = torch.randint(0, len(alphas_cumprod), (b,), generator=gen)
-    a = alphas_cumprod[t].view(b, 1, 1, 1)
-    xt = a.sqrt() * x0 + (1 - a).sqrt() * noise
+    xt, t, noise = noisy(latents, alphas_cumprod, target, gen)
     embeds = image_encoder(pixel_values[refs.flatten()]).image_embeds.view(b, k, -1)  # (B, k, 32)
     u = torch.rand(b, generator=gen)
     drop_embeds = u < config.drop_embeds
@@ -419,7 +282,6 @@ def _unet_loss(config: DigitsTrainConfig, gen: torch.Generator, data: dict[str, 
 
 
 def _save_outputs(out: Path, parts: dict[str, Any], scaling_factor: float) -> None:
-    from safetensors.torch import save_file
 
     unet = parts["unet"]
     state = _adapter_state_dict(unet, parts["ip_processors"], parts["image_proj"])
@@ -436,35 +298,8 @@ def _save_outputs(out: Path, parts: dict[str, Any], scaling_factor: float) -> No
         image_encoder=parts["image_encoder"].eval(),
         requires_safety_checker=False,
     )
-    with _quiet_loading():  # no "Writing model shards" bars from transformers (two small files)
+    with _quiet_loading():  # no "Writing model shards" bars
         pipe.save_pretrained(out / "model", safe_serialization=True)
     parts["text_encoder"].float()
     flat = {f"{group}.{key}": value for group, tensors in state.items() for key, value in tensors.items()}
-    (out / "ip_adapter").mkdir(exist_ok=True)
-    save_file(flat, str(out / "ip_adapter" / WEIGHT_NAME), metadata={"format": "pt", "ipa_probe": "digits"})
-
-
-def _plot_losses(path: Path, losses: dict[str, list[float]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-    import pandas as pd
-
-    titles = {
-        "vae": "VAE (MSE + KL)",
-        "encoder": "image encoder pretraining (CE)",
-        "unet": "UNet + IP-Adapter (eps MSE)",
-    }
-    fig, axes = plt.subplots(1, len(STAGES), figsize=(4.2 * len(STAGES), 3.2))
-    for ax, stage in zip(axes, STAGES, strict=True):
-        series = pd.Series(losses[stage], dtype=float)
-        ax.plot(series.index + 1, series, color="0.8", linewidth=0.6, label="step")
-        ax.plot(series.index + 1, series.rolling(50, min_periods=1).mean(), color="C0", label="mean of 50")
-        ax.set_yscale("log")
-        ax.set_xlabel("step")
-        ax.set_title(titles[stage])
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_adapter(out, flat, "digits")
