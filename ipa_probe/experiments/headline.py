@@ -148,7 +148,13 @@ def headline_rows(folder: str | Path) -> list[Row]:
                         f"[{last['ci_low']:.2f}, {last['ci_high']:.2f}] "
                         f"(null {last['null']:+.2f}, {100 * last['frac_rho_gt_0.9']:.0f}% ρ>0.9)",
                         "rises to 0.89 (SD 1.5)" if label == "trained" else "— (control)",
-                        f"{last['sets']} reference sets",
+                        f"{last['sets']} reference sets"
+                        + (
+                            f"; gauge baseline {first['rho_baseline']:.2f} → {last['rho_baseline']:.2f}, "
+                            f"excess {first['rho_excess']:+.3f} → {last['rho_excess']:+.3f}"
+                            if "rho_baseline" in last
+                            else ""
+                        ),
                     )
                 )
         for key, values in rec["measurements"].get("attribution", {}).items():
