@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 DEMO_OUT ?= outputs/demo
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist); each runs torch on one thread (tests/conftest.py). 2 halves the suite's wall time on
+# a 2-core machine; `make test PYTEST_WORKERS=0` runs it in one process.
+PYTEST_WORKERS ?= 2
 TIER ?= smoke
 # Waiting OpenMP threads sleep instead of spinning (a spinning run on a shared machine can be many times slower);
 # a value set in the environment wins. The ipa-probe commands set the same default themselves (docs/failures.md).
@@ -24,7 +27,7 @@ demo: $(STAMP)
 	$(VENV)/bin/ipa-probe probe --out $(DEMO_OUT)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" -x $(PYTEST_ARGS)

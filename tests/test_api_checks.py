@@ -177,3 +177,28 @@ def test_one_image_as_references_names_the_fix(sd15, refs):
 def test_compare_weights_names_a_non_tensor():
     with pytest.raises(TypeError, match="^nw_logits"):
         ipa_probe.compare_weights(torch.rand(2, 3), "x")
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, name",
+    [
+        ((11, 3), {}, ValueError, "digit"),
+        (("3", 3), {}, ValueError, "digit"),
+        ((3, 0), {}, ValueError, "n to be"),
+        ((3, 31), {}, ValueError, "n to be"),
+        ((3, 3), {"seed": -1}, ValueError, "seed"),
+        ((3, 3), {"seed": "abc"}, TypeError, "seed"),
+    ],
+)
+def test_digits_reference_images_names_the_argument(args, kwargs, error, name):
+    with pytest.raises(error, match=name):
+        ipa_probe.digits_reference_images(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [({"recipe": "x"}, ValueError, "recipe"), ({"path": "/nonexistent"}, FileNotFoundError, "train-digits")],
+)
+def test_digits_pipeline_names_the_argument_and_the_remedy(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ipa_probe.digits_pipeline(**kwargs)

@@ -258,3 +258,23 @@ def test_ctrl_c_in_a_real_process_prints_exactly_one_line(workdir):
         "ipa-probe sweep: interrupted; finished work is kept, run the same command again to resume"
     ]
     assert stdout == "" and len(SweepLayout(out).parts()) >= 2 and no_temp_files(out)
+
+
+def test_a_full_disk_in_train_digits_names_the_checkpoint_and_leaves_nothing_half_written(
+    tmp_path, monkeypatch, capsys, one_thread
+):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def save_file(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half")  # the writer got part of the way
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    out = tmp_path / "digits"
+    argv = ["train-digits", "--out", str(out), "--no-progress", "--vae-steps", "1", "--encoder-steps", "1"]
+    assert main([*argv, "--steps", "2", "--batch", "4", "--checkpoint-every", "1", "--threads", "1"]) == 1
+    line = one_error_line(capsys)
+    assert "checkpoint.safetensors': No space left on device [errno 28]" in line and str(out) in line
+    # the first checkpoint write failed: no checkpoint, no temporary file, no outputs of a finished run
+    assert no_temp_files(out) and not list(out.rglob("*.safetensors")) and not (out / "record.json").exists()

@@ -13,6 +13,8 @@ import PIL.Image
 import torch
 import torch.nn.functional as F
 
+from ..._checks import check_seed
+
 DIGITS_PROMPT = "a handwritten digit"
 IMAGE_SIZE = 16
 LATENT_SIZE = 8
@@ -82,5 +84,5 @@ def digits_reference_images(digit: int, n: int, seed: int = 0) -> list[PIL.Image
     pool = np.flatnonzero(labels[TRAIN_SIZE:] == digit) + TRAIN_SIZE
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(pool):
         raise ValueError(f"expected n to be an int in 1..{len(pool)} (held-out images of {digit}), got {n!r}")
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(check_seed(seed))
     return [_to_pil(images[i]) for i in rng.choice(pool, size=n, replace=False)]
