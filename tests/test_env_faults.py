@@ -248,7 +248,17 @@ def test_ctrl_c_in_a_real_process_prints_exactly_one_line(workdir):
     manifest, out = write_jsonl(workdir / "long.jsonl", rows), workdir / "interrupted"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-m", "ipa_probe", "sweep", str(manifest), "--out", str(out), *SWEEP, "--steps", "3"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    # SIGINT at its default in the child, as in a terminal: an ignored SIGINT is inherited through exec (something
+    # else in this test process may have set it), and Python then installs no KeyboardInterrupt handler at all
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 240
     while len(list((out / "rows").glob("row-*.parquet"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
