@@ -18,7 +18,8 @@ export OMP_WAIT_POLICY ?= PASSIVE
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# setuptools' reminder that an editable install is one (a warning per install) is the only message it prints
+	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 venv: $(STAMP)
