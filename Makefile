@@ -15,10 +15,10 @@ export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: venv demo test test-fast lint format hooks bench experiments figures figures-check clean
 
+# The install silences setuptools' reminder that an editable install is one, the only message it would print.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# setuptools' reminder that an editable install is one (a warning per install) is the only message it prints
 	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
