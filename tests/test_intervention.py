@@ -267,3 +267,35 @@ def test_measured_effect_matches_an_independent_recomputation(organism, refs):
 def test_generate_refuses_the_arguments_it_sets(organism, refs):
     with pytest.raises(ValueError, match="generator="):
         generate(organism, generator=torch.Generator(), **call(refs))
+
+
+@pytest.mark.slow
+def test_a_panoramas_views_are_passes_of_one_step(refs):
+    """StableDiffusionPanoramaPipeline runs the UNet once per view at each step and restores a deep copy of its
+    scheduler's state before each view: the intervention's step index follows the loop, not the scheduler object."""
+    from ipa_probe.tiny.zoo import Zoo
+
+    pipe = Zoo().build("StableDiffusionPanoramaPipeline").pipe
+    seen = []  # the test's own record: the timestep of every UNet pass
+
+    def record(module, args, kwargs):
+        seen.append(float(args[1] if len(args) > 1 else kwargs["timestep"]))
+
+    handle = pipe.unet.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with ipa_probe.intervene(pipe, reference=0, steps=[1]) as intervention:
+            pipe(
+                prompt="a photo",
+                ip_adapter_image=[refs],
+                num_inference_steps=2,
+                height=512,
+                width=576,
+                output_type="latent",
+                generator=torch.Generator().manual_seed(0),
+            )
+    finally:
+        handle.remove()
+    timesteps = sorted(set(seen), reverse=True)
+    assert len(timesteps) == 2 and len(seen) == 4  # two steps, two views each
+    assert {step for step, _ in intervention.acted} == {1}
+    assert len(intervention.acted) == seen.count(timesteps[1]) * len(intervention.layers)

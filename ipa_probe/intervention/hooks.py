@@ -3,7 +3,9 @@
 
 It acts through forward pre-hooks on the chosen layers' ``to_k_ip`` / ``to_v_ip`` (the image branch's key and value
 projections, which diffusers' IP-Adapter processor calls on the adapter's image tokens ``(B, images, tokens, C)``)
-and a pre-hook on the denoiser that keeps the loop index; no processor, weight or buffer of the pipeline is replaced,
+and a pre-hook on the denoiser that keeps the loop index, with the probe's own rules for where a pipeline call and a
+denoising step start (:mod:`ipa_probe.capture.clock`, the family's tap: a panorama's views and a guidance pass are
+passes of one step); no processor, weight or buffer of the pipeline is replaced,
 so removing the hooks gives the pipeline back bit for bit.
 
 - ``"ablate"``: the chosen references' tokens are dropped from the tokens the projections see, so that the layer's
@@ -34,6 +36,9 @@ from typing import Any
 import torch
 from diffusers.models.embeddings import ImageProjection
 
+from ..capture.clock import CallClock
+from ..capture.taps import tap_for
+from ..capture.taps.base import Tap
 from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, observer, release
 from .config import INTERVENE, InterventionConfig
 
@@ -61,10 +66,10 @@ class Intervention:
     layers: list[str]
     acted: list[tuple[int, str]] = field(default_factory=list)
     step: int = -1
-    _pipe: Any = field(default=None, repr=False)
     _denoiser: torch.nn.Module | None = field(default=None, repr=False)
     _handles: list[Any] = field(default_factory=list, repr=False)
-    _timesteps: Any = field(default=None, repr=False)
+    _clock: CallClock | None = field(default=None, repr=False)
+    _tap: Tap | None = field(default=None, repr=False)
     _acting: bool = field(default=False, repr=False)
     _conditioned: torch.Tensor | None = field(default=None, repr=False)
     _other_tokens: torch.Tensor | None = field(default=None, repr=False)
@@ -86,18 +91,22 @@ class Intervention:
         finally:
             denoiser.__dict__.pop(_STATE_ATTRIBUTE, None)
             release(denoiser, INTERVENE)
+            if self._clock is not None:
+                self._clock.reset()  # drops the last pipeline call's frame
             self._denoiser = None
             self._conditioned = None
             self._other_tokens = None
 
     # ------------------------------------------------------------------ hooks
     def _on_denoiser_call(self, module, args, kwargs) -> None:
-        """Keep the loop index (a new pipeline call starts when the scheduler's timesteps are a new tensor), check
-        the call's masks, and find the conditioned rows for a swap."""
-        timesteps = getattr(getattr(self._pipe, "scheduler", None), "timesteps", None)
-        if timesteps is not self._timesteps:
-            self._timesteps, self.step = timesteps, -1
-        self.step += 1
+        """Keep the loop index (the probe's rules: :class:`~ipa_probe.capture.clock.CallClock` for a new pipeline
+        call, the tap's :meth:`begin_pass` for a new step), check the call's masks, and find the conditioned rows for
+        a swap."""
+        if self._clock.new_call():
+            self.step = -1
+        self._tap.running = self._clock.running
+        if self._tap.begin_pass(args, kwargs).new_step or self.step < 0:
+            self.step += 1
         self._acting = self.config.acts_at(self.step)
         if not self._acting:
             return
@@ -247,7 +256,14 @@ def apply_intervention(
     names = [layer.name for layer in found]
     what = f"pre-hooks on to_k_ip/to_v_ip: {config.mode} reference(s) {list(config.references)}"
     denoiser = claim(pipe, INTERVENE, names, what)
-    state = Intervention(config, names, _pipe=pipe, _denoiser=denoiser, _other_tokens=other_tokens)
+    state = Intervention(
+        config,
+        names,
+        _denoiser=denoiser,
+        _clock=CallClock(pipe),
+        _tap=tap_for(pipe, found),
+        _other_tokens=other_tokens,
+    )
     try:
         denoiser.__dict__[_STATE_ATTRIBUTE] = state
         state._handles.append(denoiser.register_forward_pre_hook(observer(state._on_denoiser_call), with_kwargs=True))
