@@ -315,3 +315,13 @@ def test_cli_probe_and_sweep_write_reference_maps(tmp_path, capsys):
     number = int(first.split("-")[1]) + 1
     assert main([*base, "--out", str(tmp_path / "sweep"), "--maps-rows", str(number)]) == 0
     assert (tmp_path / "sweep" / "maps" / f"row-{number:06d}" / "map_table.parquet").exists()
+
+
+def test_map_rows_are_the_batch_rows_diffusers_gives_each_branch(sd15, refs):
+    # diffusers' SD pipeline concatenates [negative prompts, prompts], each num_images_per_prompt rows long
+    with probe(sd15, maps=True) as run:
+        generate(sd15, refs, guidance_scale=5.0, num_images_per_prompt=2)
+    for step in run.map_steps():
+        assert run.map_rows(0, step, "uncond") == [0, 1] and run.map_rows(0, step, "cond") == [2, 3]
+    with pytest.raises(ValueError, match="branch"):
+        run.map_rows(0, 0, "nope")

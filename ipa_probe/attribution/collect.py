@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .._checks import parse_step_selection, step_selected
+from .._checks import parse_step_selection
 
 __all__ = ["ATTRIBUTION_COLUMNS", "ReferenceAttribution", "reference_attribution", "sets_table"]
 
@@ -106,15 +106,12 @@ def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, 
     selection = parse_step_selection(steps)
     schedule = VPSchedule.from_scheduler(pipe.scheduler)
     support = encode_references(pipe, references).double().flatten(1)  # (R, D)
-    inputs: dict[int, torch.Tensor] = {}
-    calls = [0]
+    passes: list[tuple[Any, torch.Tensor]] = []  # (timestep, denoiser input) of every pass, left on its device
 
     def keep_input(module, args, kwargs):
-        step = calls[0]
-        calls[0] += 1
-        if step_selected(selection, step):
-            sample = args[0] if args else kwargs["sample"]
-            inputs[step] = sample[-1].detach().double().flatten().cpu()  # (D,): the conditional row
+        sample = args[0] if args else kwargs["sample"]
+        timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
+        passes.append((timestep, sample.detach().clone()))
 
     handle = denoiser_of(pipe).register_forward_pre_hook(observer(keep_input), with_kwargs=True)
     try:
@@ -125,7 +122,13 @@ def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, 
     weights = run.reference_weights(adapter=adapter, branch="cond")
     timesteps = run.map_timesteps(0)
     posterior = {}
-    for step, x in inputs.items():
+    for step in sorted({step for step, _ in weights}):
+        # x_t: the first pass at the probe's timestep of that step, at the batch row the probe labelled the first
+        # conditional item (the row whose attention reference_weights reads), in float64 on the host
+        sample = next((x for t, x in passes if float(t) == timesteps[step]), None)
+        if sample is None:
+            raise ValueError(f"no denoiser pass had the timestep {timesteps[step]} of step {step}")
+        x = sample[run.map_rows(0, step, "cond", adapter)[0]].double().flatten().cpu()  # (D,)
         coefficients = schedule(int(round(timesteps[step])))
         alpha, h = float(coefficients.alpha_t), float(coefficients.h)
         distance = ((x / alpha - support) ** 2).sum(-1)  # (R,) |x_t / alpha_t - s_i|^2

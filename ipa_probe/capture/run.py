@@ -598,6 +598,21 @@ class ProbeRun:
         self._map_call(call)
         return sorted({key[1] for key in self._map_source().store if key[0] == call})
 
+    def map_rows(self, call: int = 0, step: int = 0, branch: str = "cond", adapter: int = 0) -> list[int]:
+        """The denoiser-input batch rows of ``call`` at loop index ``step`` that the probe labelled ``branch``, in
+        batch order (``item`` of :meth:`reference_maps` indexes them), read from the labels its maps were stored
+        with; empty when no row had that label. Needs ``maps=True``."""
+        self._map_call(call)
+        if branch not in self.labels:
+            raise ValueError(f"branch: expected one of {list(self.labels)}, got {branch!r}")
+        label = self.labels.index(branch)
+        store = self._map_source().store
+        key = next((k for k in sorted(store) if k[0] == call and k[1] == step and k[3] == adapter), None)
+        if key is None:
+            raise ValueError(f"no maps recorded for call={call}, step={step}, adapter={adapter}")
+        labels, _ = store[key][0]  # one pass: (items,) labels of the batch rows
+        return [row for row, value in enumerate(labels.tolist()) if value == label]
+
     def map_timesteps(self, call: int = 0) -> list[float]:
         """The scheduler timestep of each loop index of ``call``."""
         return self._map_call(call)["timesteps"].double().tolist()
