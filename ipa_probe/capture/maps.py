@@ -306,8 +306,7 @@ class MapAccumulator:
                 tokens = self.tokens_per_image(adapter, index) or keys
                 per_ref = weights.reshape(queries, keys // tokens, tokens)  # (Q, R, T)
                 if (call, adapter) in self.masked:
-                    mass = per_ref.sum((1, 2), keepdim=True)
-                    per_ref = torch.where(mass > 0, per_ref / mass.clamp(min=1e-300), torch.zeros_like(per_ref))
+                    per_ref, _ = _over_references(per_ref, (1, 2))
                 values = per_ref if per_token else per_ref.sum(-1)  # (Q, R, T) or (Q, R)
                 h, w = self.grid(call, queries)
                 if target is None:  # "latent"
@@ -391,6 +390,13 @@ def check_size(size: Any) -> tuple[int, int] | str:
     raise ValueError(f'size: expected "image", "latent" or (H, W) positive ints, got {size!r}')
 
 
+def _over_references(weights: torch.Tensor, dims) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weights`` normalised to sum 1 over ``dims`` (the references, with their tokens where kept), zero where
+    nothing was there to normalise (a position outside every reference's mask): ``(normalised, mass)``."""
+    mass = weights.sum(dims, keepdim=True)
+    return torch.where(mass > 0, weights / mass.clamp(min=1e-300), torch.zeros_like(weights)), mass
+
+
 def _reference_shares(
     accumulator: MapAccumulator, key: tuple[int, int, int, int], label: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -401,8 +407,7 @@ def _reference_shares(
     _, items, queries, keys = buffer.shape
     tokens = accumulator.tokens_per_image(key[3], key[2]) or keys
     refs = buffer.double().reshape(2, items, queries, keys // tokens, tokens).sum(-1)  # (2, I, Q, R)
-    mass = refs.sum(-1, keepdim=True)  # (2, I, Q, 1)
-    refs = torch.where(mass > 0, refs / mass.clamp(min=1e-300), torch.zeros_like(refs))
+    refs, mass = _over_references(refs, -1)  # mass: (2, I, Q, 1)
     covered = (mass[0, ..., 0] > 0) & (mass[1, ..., 0] > 0)  # (I, Q)
     return refs, covered, keys // tokens
 
