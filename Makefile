@@ -15,12 +15,22 @@ export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: venv demo test test-fast lint format hooks bench experiments figures figures-check clean
 
-# The install silences setuptools' reminder that an editable install is one, the only message it would print.
+# Recipes run in bash with pipefail, so that a command piped through a filter still fails the target when it fails.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+# A machine whose pip configuration names local index folders (extra-index-url file:///...) gets one warning per
+# package and folder that lacks it, over a hundred lines that say nothing about this project: the install drops
+# those lines and keeps everything else pip prints. It also silences setuptools' reminder that an editable install
+# is one.
+PIP_NOISE := ^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.$$
+PIP_QUIET := 2>&1 | { grep -v -E "$(PIP_NOISE)" || true; }
+
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	@echo "creating $(VENV) and installing ipa-probe with its dependencies (a few minutes, once)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install --quiet --upgrade pip $(PIP_QUIET)
+	@PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install --quiet -e '.[dev]' $(PIP_QUIET)
+	@touch $(STAMP)
 
 venv: $(STAMP)
 
