@@ -97,21 +97,23 @@ def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, 
         ``|x_t / alpha_t - s_i|^2``, ``bandwidth`` ``h_t`` and ``posterior_weight`` ``w_i(x_t)``.
     """
     from ..capture.run import probe
+    from ..capture.taps import tap_for
     from ..exact import encode_references
     from ..intervention.effect import generate
-    from ..layers import denoiser_of, observer
+    from ..layers import denoiser_of, find_ip_layers, observer
     from ..theory.schedules import VPSchedule
 
     references = _references(call, adapter)
     selection = parse_step_selection(steps)
     schedule = VPSchedule.from_scheduler(pipe.scheduler)
     support = encode_references(pipe, references).double().flatten(1)  # (R, D)
-    passes: list[tuple[Any, torch.Tensor]] = []  # (timestep, denoiser input) of every pass, left on its device
+    tap = tap_for(pipe, find_ip_layers(pipe))  # where the family's denoiser takes its sample and timestep
+    passes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (timestep, denoiser input) of every pass, on its device
 
     def keep_input(module, args, kwargs):
-        sample = args[0] if args else kwargs["sample"]
-        timestep = args[1] if len(args) > 1 else kwargs.get("timestep")
-        passes.append((timestep, sample.detach().clone()))
+        # the timestep as the probe stores it (first element, float32), so that the steps match exactly
+        timestep = torch.as_tensor(tap.timestep(args, kwargs)).reshape(-1)[0].float()
+        passes.append((timestep, tap.sample(args, kwargs).detach().clone()))
 
     handle = denoiser_of(pipe).register_forward_pre_hook(observer(keep_input), with_kwargs=True)
     try:
@@ -121,11 +123,12 @@ def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, 
         handle.remove()
     weights = run.reference_weights(adapter=adapter, branch="cond")
     timesteps = run.map_timesteps(0)
+    stamps = torch.stack([t for t, _ in passes]).double().cpu().tolist() if passes else []  # one transfer
     posterior = {}
     for step in sorted({step for step, _ in weights}):
         # x_t: the first pass at the probe's timestep of that step, at the batch row the probe labelled the first
         # conditional item (the row whose attention reference_weights reads), in float64 on the host
-        sample = next((x for t, x in passes if float(t) == timesteps[step]), None)
+        sample = next((x for stamp, (_, x) in zip(stamps, passes, strict=True) if stamp == timesteps[step]), None)
         if sample is None:
             raise ValueError(f"no denoiser pass had the timestep {timesteps[step]} of step {step}")
         x = sample[run.map_rows(0, step, "cond", adapter)[0]].double().flatten().cpu()  # (D,)
