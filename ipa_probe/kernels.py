@@ -21,6 +21,7 @@ import math
 import torch
 
 __all__ = [
+    "QUERY_FRAME_FORMS",
     "dot_logits",
     "entropy",
     "key_norm_bias",
@@ -30,8 +31,12 @@ __all__ = [
     "nw_logits",
     "nw_mean",
     "nw_weights",
+    "query_frame_bias",
     "split_heads",
 ]
+
+#: The two estimates of the query-frame key term (:func:`query_frame_bias`).
+QUERY_FRAME_FORMS: tuple[str, ...] = ("exact", "gaussian")
 
 
 def matched_bandwidth(head_dim: int) -> float:
@@ -100,6 +105,65 @@ def nw_logits(q: torch.Tensor, k: torch.Tensor, h: float | torch.Tensor) -> torc
 def nw_weights(q: torch.Tensor, k: torch.Tensor, h: float | torch.Tensor) -> torch.Tensor:
     """Gaussian NW weights ``w_i = softmax_i(-|q - k_i|^2 / (2 h^2))``, log-sum-exp stable. Shape ``(..., Q, K)``."""
     return torch.softmax(nw_logits(q, k, h), dim=-1)
+
+
+def query_frame_bias(
+    logits: torch.Tensor,
+    row_mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    form: str = "exact",
+) -> torch.Tensor:
+    """The query-frame key term ``b_i``: Gaussian NW in the frame where the model's own queries are isotropic.
+
+    With ``L_qi`` the row-centred logits of one head (``logits_qi - mean_j logits_qj`` over the kept keys ``j``), a
+    query frame is the pool of rows ``q`` it is estimated over (one item's query positions at one step, say), and
+
+        exact:     b_i = log mean_q exp(L_qi)
+        gaussian:  b_i = mean_q L_qi + Var_q(L_qi) / 2      (population variance: the plug-in estimate)
+
+    ``softmax_i(L_qi - b_i)`` is the NW weighting of row ``q``. For queries ``x ~ N(0, h^2 I)``,
+    ``log E_x exp(x·y_i / h^2) = |y_i|^2 / (2 h^2)``: the key-norm term of Gaussian NW is the log-partition of the
+    dot-product kernel over isotropic queries, and ``b_i`` is that log-partition taken over the model's own queries
+    (``gaussian`` assumes them Gaussian, ``exact`` does not). ``b`` depends on the logits alone, so it is unchanged
+    by any per-head basis change (``q -> A q``, ``k -> A^-T k``) and by any per-row shift of the logits.
+
+    Args:
+        logits: attention logits, shape ``(..., R, K)`` (the pool of rows is dimension ``-2``).
+        row_mask: optional boolean ``(..., R)``: only these rows form the frame (at least one per pool).
+        key_mask: optional boolean broadcastable to ``(..., R, K)``, the same for every row of a pool: keys where
+            it is False (padding) are left out of the row centring; their ``b`` is 0.
+        form: ``"exact"`` or ``"gaussian"``.
+
+    Returns:
+        ``b``, shape ``(..., 1, K)``, in the logits' dtype: subtract it from the logits (or pass ``-b`` as an SDPA
+        float mask) to get the query-frame NW logits.
+    """
+    if form not in QUERY_FRAME_FORMS:
+        raise ValueError(f"form: expected one of {QUERY_FRAME_FORMS}, got {form!r}")
+    if key_mask is None:
+        centred = logits - logits.mean(-1, keepdim=True)  # (..., R, K)
+    else:
+        key_mask = key_mask.to(torch.bool).expand(logits.shape)
+        kept = key_mask.to(logits.dtype)
+        row_mean = (torch.where(key_mask, logits, 0.0)).sum(-1, keepdim=True) / kept.sum(-1, keepdim=True)
+        centred = torch.where(key_mask, logits - row_mean, 0.0)
+    if row_mask is None:
+        n_rows = torch.full((), logits.shape[-2], dtype=logits.dtype, device=logits.device)
+        weights = None
+    else:
+        weights = row_mask.to(torch.bool).unsqueeze(-1)  # (..., R, 1)
+        n_rows = weights.to(logits.dtype).sum(-2, keepdim=True)  # (..., 1, 1)
+    if form == "exact":
+        terms = centred if weights is None else centred.masked_fill(~weights, -math.inf)
+        b = torch.logsumexp(terms, dim=-2, keepdim=True) - torch.log(n_rows)  # (..., 1, K)
+    else:
+        terms = centred if weights is None else torch.where(weights, centred, 0.0)
+        mean = terms.sum(-2, keepdim=True) / n_rows
+        dev = centred - mean if weights is None else torch.where(weights, centred - mean, 0.0)
+        b = mean + (dev * dev).sum(-2, keepdim=True) / (2 * n_rows)
+    if key_mask is not None:
+        b = torch.where(key_mask.any(-2, keepdim=True), b, 0.0)
+    return b
 
 
 def nw_mean(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
