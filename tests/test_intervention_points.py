@@ -441,3 +441,15 @@ def test_selection_helpers(organism, refs):
         cctx.select(heads=[0])
     with pytest.raises(ValueError, match="out of range"):
         ctx.select(heads=[layer.heads])
+
+
+def test_measure_intervention_takes_the_scale_mode(organism, refs, one_thread):
+    kwargs = {k: v for k, v in call(refs).items() if k != "output_type"}
+    kwargs["num_inference_steps"] = 2
+    nothing = ipa_probe.measure_intervention(organism, 1, mode="scale", factor=1.0, **kwargs)
+    assert nothing.latent_distance.max() == 0 and nothing.config.factor == 1.0
+    ablated = ipa_probe.measure_intervention(organism, 1, baseline=nothing.baseline, **kwargs)
+    scaled = ipa_probe.measure_intervention(organism, 1, mode="scale", factor=0.0, baseline=nothing.baseline, **kwargs)
+    # two routes to the same removal (float32 rounding through two steps and the VAE, see the test above)
+    assert ablated.latent_distance.max() > 1e-2
+    assert abs(scaled.latent_distance - ablated.latent_distance).max() < 1e-4 * ablated.latent_distance.max()
