@@ -453,3 +453,21 @@ def test_measure_intervention_takes_the_scale_mode(organism, refs, one_thread):
     # two routes to the same removal (float32 rounding through two steps and the VAE, see the test above)
     assert ablated.latent_distance.max() > 1e-2
     assert abs(scaled.latent_distance - ablated.latent_distance).max() < 1e-4 * ablated.latent_distance.max()
+
+
+def test_zeroing_every_output_point_removes_the_image_branch(organism, refs):
+    """The output point is all the branch adds: replacing it by zeros everywhere generates what the pipeline does with
+    the adapter scale at 0 (computed by diffusers itself, which then skips the branch)."""
+    names = [n for n in ipa_probe.list_hook_points(organism) if n.endswith(".ip.output")]
+    with ipa_probe.intervene(organism, hooks={n: lambda t, ctx: torch.zeros_like(t) for n in names}):
+        zeroed = run(organism, **call(refs))
+    scale = float(layers_of(organism)[0].processor.scale[0])
+    assert all(float(layer.processor.scale[0]) == scale for layer in layers_of(organism))
+    organism.set_ip_adapter_scale(0.0)
+    try:
+        without = run(organism, **call(refs))
+    finally:
+        organism.set_ip_adapter_scale(scale)
+    # W_o (x - s y) + b computed as W_o x + b - s W_o y: float32 rounding through three steps
+    assert close(zeroed, without, 1e-4)
+    assert not close(run(organism, **call(refs)), without, 1e-2)
