@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
+from .._checks import parse_step_selection
 from ..layers import claim, release
-from .points import HookContext, PointUser, attach_points, check_hook_names, list_hook_points, steps_argument
+from .points import HookContext, PointUser, attach_points, check_hook_names, list_hook_points
 
 __all__ = ["CACHE", "HookCache", "cache_hook_points", "run_with_cache"]
 
@@ -134,7 +135,7 @@ def cache_hook_points(
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int | float) or not max_bytes > 0:
         raise ValueError(f"max_bytes: expected a positive byte count, got {max_bytes!r}")
     chosen = _select(pipe, names)
-    selection = steps_argument(steps)
+    selection = parse_step_selection(steps)
     cache = HookCache(chosen)
 
     def on_call(planned: int | None, sizes) -> None:

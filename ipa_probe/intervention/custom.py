@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 
+from .._checks import parse_step_selection
 from ..layers import claim, release
 from .config import InterventionConfig
-from .points import HookContext, HookFn, PointUser, attach_points, normalise_hooks, point_name, steps_argument
+from .points import HookContext, HookFn, PointUser, attach_points, normalise_hooks, point_name
 
 __all__ = ["HOOKS", "HookIntervention", "apply_hooks", "scale_hooks"]
 
@@ -61,7 +62,7 @@ def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=N
         RuntimeError: callbacks are already attached to this pipeline (leave that block first).
     """
     callbacks = normalise_hooks(pipe, hooks)
-    steps = steps_argument(steps)
+    steps = parse_step_selection(steps)
     state = HookIntervention(sorted(callbacks))
 
     def logged(name: str, fn: HookFn) -> HookFn:

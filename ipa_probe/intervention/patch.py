@@ -34,8 +34,8 @@ def patch_hooks(
         steps: loop indices to patch (ints or a ``slice``); ``None`` for every step the cache holds. A selected step
             the cache lacks is refused when the run reaches it.
         references: patch only these references' slots (``contribution`` points) or their tokens' weights
-            (``weights`` points, then renormalised nowhere: the patched weights are the source's); ``None`` for the
-            whole tensor. Refused for ``output`` points (the output sums the references).
+            (``weights`` points: those tokens get the source's weights, the others keep this run's, and the rows are
+            not renormalised); ``None`` for the whole tensor. Refused for ``output`` points (they sum the references).
 
     Returns:
         ``{name: fn}``. A source tensor whose shape differs from the target's (another reference count, image size or

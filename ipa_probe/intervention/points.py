@@ -33,6 +33,7 @@ the last user leaves.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .._checks import parse_step_selection, step_selected
+from .._checks import step_selected
 from ..capture.clock import CallClock
 from ..capture.taps import tap_for
 from ..capture.taps.unet import _unet_resolution_factor
@@ -57,6 +58,7 @@ __all__ = [
     "check_hook_names",
     "hook_point_layers",
     "list_hook_points",
+    "normalise_hooks",
     "point_name",
 ]
 
@@ -125,8 +127,6 @@ def check_hook_names(pipe, names: Iterable[Any], argument: str = "hooks") -> lis
         if not isinstance(name, str):
             raise TypeError(f"{argument}: expected hook point names (str), got {name!r}")
         if name not in known_set:
-            import difflib
-
             close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
             hint = f"did you mean {close}? " if close else ""
             raise ValueError(
@@ -445,6 +445,8 @@ class _Registry:
 
         computed = image_branch_logits(layer.processor, q, k).softmax(-1).to(v.dtype)  # (B, H, Q, K)
         weights, edited = self._run(names[0], computed, context("weights"))
+        if not edited and names[1] not in self.active and names[2] not in self.active:
+            return None  # only the weights were wanted, and read
 
         def contributions(w: torch.Tensor) -> torch.Tensor:
             w = w.reshape(*w.shape[:3], references, tokens)  # (B, H, Q, R, T)
@@ -529,8 +531,3 @@ def normalise_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]]) -> dic
                 raise TypeError(f"hooks[{name!r}]: expected a callable fn(tensor, ctx), got {fn!r}")
         callbacks[name] = fns
     return callbacks
-
-
-def steps_argument(steps: Any) -> Any:
-    """The step selection, checked as everywhere else (:func:`ipa_probe._checks.parse_step_selection`)."""
-    return parse_step_selection(steps)
