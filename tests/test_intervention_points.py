@@ -123,10 +123,83 @@ def test_names_listed_per_layer_and_point(organism):
     assert len(set(names)) == len(names) == 3 * len(layers)
 
 
-def test_flux_refused_in_one_line(flux):
-    with pytest.raises(ValueError, match="SD 1.5 / SDXL UNets") as err:
-        ipa_probe.list_hook_points(flux)
+def test_sd3_refused_in_one_line(sd3):
+    with pytest.raises(ValueError, match="UNets and Flux; SD3") as err:
+        ipa_probe.list_hook_points(sd3)
     assert "\n" not in str(err.value)
+
+
+def test_flux_points(flux, one_thread):
+    """Flux's branch: q after norm_q (before RoPE), no output projection, the attention's third output. Identity
+    callbacks are bit-identical, the points match a float64 recomputation from the test's hooks, the third output
+    is their sum, zeroing it equals adapter scale 0, and the cache's estimate is what it holds."""
+    from ipa_probe.tiny.sd import default_reference_images
+
+    layers = layers_of(flux)
+    names = ipa_probe.list_hook_points(flux)
+    assert names == [f"{layer.name}.ip.{p}" for layer in layers for p in ("weights", "contribution", "output")]
+    kwargs = dict(
+        prompt="a",
+        ip_adapter_image=[default_reference_images(2)],
+        num_inference_steps=2,
+        height=64,
+        width=64,
+        output_type="latent",
+    )
+    plain = run(flux, **kwargs)
+    seen = {layer.name: {"q": [], "k": [], "v": [], "out": []} for layer in layers}
+    handles = []
+    for layer in layers:
+        s = seen[layer.name]
+        handles += [
+            layer.attention.norm_q.register_forward_hook(lambda m, a, o, s=s: s["q"].append(o.detach().clone())),
+            layer.processor.to_k_ip[0].register_forward_hook(lambda m, a, o, s=s: s["k"].append(o.detach().clone())),
+            layer.processor.to_v_ip[0].register_forward_hook(lambda m, a, o, s=s: s["v"].append(o.detach().clone())),
+            layer.attention.register_forward_hook(lambda m, a, o, s=s: s["out"].append(o[2].detach().clone())),
+        ]
+    try:
+        with ipa_probe.intervene(flux, hooks={n: lambda t, ctx: None for n in names}):
+            with ipa_probe.cache_hook_points(flux, names, max_bytes=2**40) as cache:
+                hooked = run(flux, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert torch.equal(hooked, plain)
+    for layer in layers:
+        s = seen[layer.name]
+        for step in range(2):
+            q = s["q"][step].double().transpose(1, 2)  # (B, H, Q, D)
+            batch, references, tokens = s["k"][step].shape[:3]
+            k = heads_first(s["k"][step].reshape(batch, references * tokens, -1), layer.heads)
+            v = heads_first(s["v"][step].reshape(batch, references * tokens, -1), layer.heads)
+            w = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
+            c = torch.stack(
+                [
+                    (w[..., j * tokens : (j + 1) * tokens] @ v[:, :, j * tokens : (j + 1) * tokens])
+                    .permute(0, 2, 1, 3)
+                    .reshape(batch, q.shape[2], -1)
+                    for j in range(references)
+                ],
+                1,
+            ) * float(layer.processor.scale[0])
+            # float32 against float64 over a few dozen terms: 1e-5 of the largest entry
+            assert close(cache.get(f"{layer.name}.ip.weights", step), w, 1e-5)
+            assert close(cache.get(f"{layer.name}.ip.contribution", step), c, 1e-5)
+            assert close(s["out"][step], c.sum(1), 1e-5)  # the branch's output as the processor returned it
+    with ipa_probe.cache_hook_points(flux, names, max_bytes=cache.nbytes):  # the estimate is exactly what it holds
+        run(flux, **kwargs)
+    outputs = {n: lambda t, ctx: torch.zeros_like(t) for n in names if n.endswith(".output")}
+    with ipa_probe.intervene(flux, hooks=outputs):
+        zeroed = run(flux, **kwargs)
+    scale = float(layers[0].processor.scale[0])
+    flux.set_ip_adapter_scale(0.0)
+    try:
+        without = run(flux, **kwargs)
+    finally:
+        flux.set_ip_adapter_scale(scale)
+    assert close(zeroed, without, 1e-5)  # two steps of a float32 transformer
+    assert not close(plain, without, 1e-2)
+    assert ipa_probe.list_hooks(flux) == []
 
 
 # ------------------------------------------------------------------------------------------- bit-identity

@@ -7,8 +7,8 @@ further ones), three points:
   ``K = R * T`` image tokens, reference-major (reference ``j`` owns tokens ``j*T ... (j+1)*T - 1``).
 - ``L.ip.contribution``: per reference ``j``, its share of the branch's output as it enters the residual stream:
   ``c_j = s * W_o sum_{i in j} w_i v_i`` (``s`` the adapter scale, ``W_o`` the weight of ``attn.to_out[0]`` without
-  its bias, which belongs to the whole layer), ``(B, R, Q, C)``; summed over heads, since ``to_out`` mixes them (edit
-  heads at ``weights``).
+  its bias, which belongs to the whole layer; Flux: no ``W_o``), ``(B, R, Q, C)``; summed over heads, since ``to_out``
+  mixes them (edit heads at ``weights``).
 - ``L.ip.output``: the branch's total contribution ``sum_j c_j``, ``(B, Q, C)``.
 
 A callback ``fn(tensor, ctx) -> tensor | None`` on a point reads it, or returns a replacement of the same shape, dtype
@@ -23,8 +23,11 @@ The points of a layer exist in a call when its image branch runs: an adapter sca
 fires there), and ``ip_adapter_masks`` (one softmax per reference image) are refused at the first selected step.
 
 Supported: SD 1.5 / SDXL UNets (``IPAdapterAttnProcessor2_0`` and ipa_probe's NW head, which shares its
-``to_k_ip``/``to_v_ip`` and declares its own logits). Flux and SD3 are refused: their image branch adds its output
-outside any module the points could hook (Flux) or shares its softmax with the latent tokens (SD3).
+``to_k_ip``/``to_v_ip`` and declares its own logits) and Flux (``FluxIPAdapterAttnProcessor``: ``q`` is read after
+``attn.norm_q``, before RoPE, as the branch uses it; the branch has no output projection, so ``c_j = s sum w_i v_i``
+and ``C`` is the inner dimension; the change is added to the attention's third output, which the block adds to the
+residual stream; true CFG runs two denoiser passes per step, both with the same ``ctx.step``). SD3 is refused: its
+image branch shares one softmax with the latent tokens.
 
 Several users may hold points on one pipeline at once (an intervention's callbacks, then a cache's readers): the
 hooks are installed once per denoiser, callbacks of one point run in order of attachment, and the hooks come off when
@@ -86,11 +89,11 @@ def hook_point_layers(pipe) -> list[IPLayer]:
     """The IP-Adapter layers whose image branch has hook points; raises for model families without them."""
     denoiser = denoiser_of(pipe)
     found = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser))
-    families = {layer.family for layer in found}
-    if families != {"unet"}:
+    if found[0].family == "sd3":
         raise ValueError(
-            f"hook points exist for SD 1.5 / SDXL UNets; this pipeline's IP-Adapter layers are of the "
-            f"{sorted(families)} family, whose image branch adds its output outside any hookable module: use a UNet"
+            "hook points exist for SD 1.5 / SDXL UNets and Flux; SD3's image branch runs one softmax over the latent "
+            "and the image tokens and normalises its keys after to_k_ip, so its output does not split into "
+            "per-reference contributions as here: use a UNet or Flux pipeline"
         )
     return found
 
@@ -270,6 +273,18 @@ class PointUser:
         return step_selected(self.steps, step)
 
 
+def _tokens_per_image(denoiser: torch.nn.Module, layer: IPLayer, adapter: int) -> int | None:
+    """Image tokens per reference of an adapter: the processor's ``num_tokens`` (UNet), else the adapter's image
+    projection's ``num_image_text_embeds`` (Flux); ``None`` when neither says."""
+    num_tokens = getattr(layer.processor, "num_tokens", None)
+    if num_tokens is not None and adapter < len(num_tokens):
+        return int(num_tokens[adapter])
+    model = getattr(denoiser, "_orig_mod", denoiser)
+    projections = getattr(getattr(model, "encoder_hid_proj", None), "image_projection_layers", None) or []
+    tokens = getattr(projections[adapter], "num_image_text_embeds", None) if adapter < len(projections) else None
+    return None if tokens is None else int(tokens)
+
+
 class _Registry:
     """The hooks that compute the points on one denoiser, shared by every :class:`PointUser`."""
 
@@ -294,14 +309,22 @@ class _Registry:
             self.denoiser.register_forward_pre_hook(observer(self._on_denoiser_call), with_kwargs=True)
         )
         for layer in self.layers:
-            attn = layer.attention
+            attn, heads = layer.attention, layer.heads
             self.handles.append(attn.register_forward_pre_hook(observer(self._on_layer(layer)), with_kwargs=True))
-            self.handles.append(attn.to_q.register_forward_hook(observer(self._keep(layer.name, "q"))))
+            if layer.family == "unet":  # q = to_q(h), split into heads; the branch is added before to_out[0]
+                query = self._keep(layer.name, "q", transform=lambda q, h=heads: split_heads(q, h))  # (B, H, Q, D)
+                self.handles.append(attn.to_q.register_forward_hook(observer(query)))
+                self.handles.append(attn.to_out[0].register_forward_hook(observer(self._on_out(layer))))
+            else:  # Flux: q = norm_q(to_q(h)) (B, N, H, D), before RoPE; the branch is the attention's third output
+                query = self._keep(
+                    layer.name, "q", transform=lambda q: q.transpose(1, 2)
+                )  # (B, N, H, D) -> (B, H, N, D)
+                self.handles.append(attn.norm_q.register_forward_hook(observer(query)))
+                self.handles.append(attn.register_forward_hook(observer(self._on_out(layer))))
             for adapter in range(layer.num_adapters):
                 to_k_ip, to_v_ip = layer.processor.to_k_ip[adapter], layer.processor.to_v_ip[adapter]
                 self.handles.append(to_k_ip.register_forward_hook(observer(self._keep(layer.name, "k", adapter))))
                 self.handles.append(to_v_ip.register_forward_hook(observer(self._keep(layer.name, "v", adapter))))
-            self.handles.append(attn.to_out[0].register_forward_hook(observer(self._on_out(layer))))
 
     def uninstall(self) -> None:
         try:
@@ -329,7 +352,10 @@ class _Registry:
         self.sample_shape = tuple(sample.shape)
         self.batch = sample.shape[0]
         self.timestep = self.tap.timestep(args, kwargs)
-        self._image_embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds")
+        if self.layers[0].family == "unet":
+            self._image_embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds")
+        else:
+            self._image_embeds = (kwargs.get("joint_attention_kwargs") or {}).get("ip_adapter_image_embeds")
         if new_call:
             planned = self.clock.planned_steps()
             for user in self.users:
@@ -350,10 +376,12 @@ class _Registry:
         if not isinstance(embeds, list | tuple) or adapter >= len(embeds) or embeds[adapter].ndim != 3:
             return None
         references = embeds[adapter].shape[1]
-        tokens = layer.processor.num_tokens[adapter]
-        factor = _unet_resolution_factor(self.denoiser, layer_name)
-        queries = math.ceil(self.sample_shape[-2] / factor) * math.ceil(self.sample_shape[-1] / factor)
-        out = layer.attention.to_out[0]
+        tokens = _tokens_per_image(self.denoiser, layer, adapter)
+        if tokens is None:
+            return None
+        queries = self._grid(layer)
+        queries = queries[0] * queries[1]
+        out = layer.attention.to_out[0] if layer.family == "unet" else layer.processor.to_v_ip[adapter]
         channels, dtype = out.out_features, out.weight.dtype
         shape = {
             "weights": (self.batch, layer.heads, queries, references * tokens),
@@ -381,29 +409,44 @@ class _Registry:
 
         return hook
 
-    def _keep(self, layer: str, what: str, adapter: int = 0) -> Callable:
+    def _grid(self, layer: IPLayer) -> tuple[int, int]:
+        """``(height, width)`` of a layer's query positions in this pass (Flux's packed tokens: ``(1, N)``)."""
+        if layer.family != "unet":
+            return (1, self.sample_shape[1])
+        factor = _unet_resolution_factor(self.denoiser, layer.name)
+        return (math.ceil(self.sample_shape[-2] / factor), math.ceil(self.sample_shape[-1] / factor))
+
+    def _keep(self, layer: str, what: str, adapter: int = 0, transform: Callable | None = None) -> Callable:
         def hook(module, args, output):
             if self._wanted(layer):
-                self.stash[(layer, what, adapter)] = output
+                self.stash[(layer, what, adapter)] = output if transform is None else transform(output)
 
         return hook
 
     def _on_out(self, layer: IPLayer) -> Callable:
+        """Forward hook on ``to_out[0]`` (UNet) or on the attention module (Flux, whose third output is the image
+        branch's): add the change of the branch's output."""
+
         def hook(module, args, output):
             if not self._wanted(layer.name):
                 return None
             delta = None
             for adapter in range(layer.num_adapters):
-                change = self._branch(layer, adapter, module)
+                change = self._branch(layer, adapter)
                 if change is not None:
                     delta = change if delta is None else delta + change
             for key in [key for key in self.stash if key[0] == layer.name]:
                 del self.stash[key]
-            return None if delta is None else output + delta.reshape(output.shape)
+            if delta is None:
+                return None
+            if layer.family == "unet":
+                return output + delta.reshape(output.shape)
+            hidden, context, branch = output
+            return hidden, context, branch + delta.reshape(branch.shape)
 
         return hook
 
-    def _branch(self, layer: IPLayer, adapter: int, to_out: torch.nn.Module) -> torch.Tensor | None:
+    def _branch(self, layer: IPLayer, adapter: int) -> torch.Tensor | None:
         """Compute one adapter's points, run their callbacks, and return the change of the layer's output (or
         ``None`` when nothing was edited)."""
         names = [point_name(layer.name, point, adapter) for point in POINTS]
@@ -416,14 +459,13 @@ class _Registry:
             return None  # the branch did not run (adapter scale 0)
         heads, batch = layer.heads, query.shape[0]
         tokens = keys.shape[-2] if keys.ndim == 4 else keys.shape[1]
-        q = split_heads(query, heads)  # (B, H, Q, D)
+        q = query  # (B, H, Q, D)
         k = split_heads(keys.reshape(batch, -1, keys.shape[-1]), heads)  # (B, H, K, D)
         v = split_heads(values.reshape(batch, -1, values.shape[-1]), heads)  # (B, H, K, D)
         references = k.shape[2] // tokens
         scale = float(layer.processor.scale[adapter])
         queries = q.shape[2]
-        factor = _unet_resolution_factor(self.denoiser, layer.name)
-        grid = (math.ceil(self.sample_shape[-2] / factor), math.ceil(self.sample_shape[-1] / factor))
+        grid = self._grid(layer)
         if grid[0] * grid[1] != queries:
             grid = (1, queries)
 
@@ -443,6 +485,7 @@ class _Registry:
                 query.device,
             )
 
+        to_out = layer.attention.to_out[0] if layer.family == "unet" else None  # Flux: the branch has no W_o
         computed = image_branch_logits(layer.processor, q, k).softmax(-1).to(v.dtype)  # (B, H, Q, K)
         weights, edited = self._run(names[0], computed, context("weights"))
         if not edited and names[1] not in self.active and names[2] not in self.active:
@@ -453,7 +496,7 @@ class _Registry:
             vr = v.reshape(batch, heads, references, tokens, v.shape[-1])  # (B, H, R, T, D)
             per_head = torch.einsum("bhqrt,bhrtd->brhqd", w, vr)  # (B, R, H, Q, D)
             y = per_head.transpose(2, 3).flatten(3)  # (B, R, Q, H*D)
-            return scale * F.linear(y, to_out.weight)  # (B, R, Q, C)
+            return scale * (F.linear(y, to_out.weight) if to_out is not None else y)  # (B, R, Q, C)
 
         original = contributions(computed)
         contribution = contributions(weights) if edited else original
