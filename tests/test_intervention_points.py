@@ -544,3 +544,28 @@ def test_zeroing_every_output_point_removes_the_image_branch(organism, refs):
     # W_o (x - s y) + b computed as W_o x + b - s W_o y: float32 rounding through three steps
     assert close(zeroed, without, 1e-4)
     assert not close(run(organism, **call(refs)), without, 1e-2)
+
+
+def test_flux_true_cfg_passes_share_a_step(flux):
+    from ipa_probe.tiny.sd import default_reference_images
+
+    name = ipa_probe.list_hook_points(flux)[0]
+    seen = []
+    kwargs = dict(
+        prompt="a",
+        negative_prompt="b",
+        true_cfg_scale=2.0,
+        ip_adapter_image=[default_reference_images(1)],
+        negative_ip_adapter_image=[default_reference_images(1)],
+        num_inference_steps=2,
+        height=64,
+        width=64,
+        output_type="latent",
+    )
+    with ipa_probe.intervene(flux, hooks={name: lambda t, ctx: seen.append((ctx.step, ctx.pass_index))}):
+        run(flux, **kwargs)
+    assert seen == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    with pytest.raises(ValueError, match="ran twice in step 0"):
+        with ipa_probe.cache_hook_points(flux, [name]):
+            run(flux, **kwargs)
+    assert ipa_probe.list_hooks(flux) == []

@@ -161,6 +161,7 @@ class HookContext:
         grid: ``(height, width)`` of the layer's query positions (``Q = height * width``).
         scale: the adapter scale ``s`` the branch is multiplied by.
         device: where the tensors live.
+        pass_index: the denoiser pass within the step (0 for the first; Flux's true-CFG negative pass is 1).
     """
 
     name: str
@@ -175,6 +176,7 @@ class HookContext:
     grid: tuple[int, int] | None
     scale: float
     device: torch.device = field(repr=False, default=torch.device("cpu"))
+    pass_index: int = 0
 
     @property
     def queries(self) -> int:
@@ -296,6 +298,7 @@ class _Registry:
         self.clock = CallClock(pipe)
         self.tap = tap_for(pipe, layers)
         self.step = -1
+        self.pass_index = 0
         self.timestep: Any = None
         self.sample_shape: tuple[int, ...] = ()
         self.batch = 0
@@ -348,6 +351,9 @@ class _Registry:
         self.tap.running = self.clock.running
         if self.tap.begin_pass(args, kwargs).new_step or self.step < 0:
             self.step += 1
+            self.pass_index = 0
+        else:
+            self.pass_index += 1
         sample = self.tap.sample(args, kwargs)
         self.sample_shape = tuple(sample.shape)
         self.batch = sample.shape[0]
@@ -483,6 +489,7 @@ class _Registry:
                 grid,
                 scale,
                 query.device,
+                self.pass_index,
             )
 
         to_out = layer.attention.to_out[0] if layer.family == "unet" else None  # Flux: the branch has no W_o
