@@ -24,7 +24,7 @@ __all__ = ["CACHE", "HookCache", "cache_hook_points", "run_with_cache"]
 logger = logging.getLogger(__name__)
 
 #: The feature's claim on the denoiser (:func:`ipa_probe.list_hooks`).
-CACHE = "cache"
+CACHE = "cache_hook_points"
 
 
 class HookCache:
