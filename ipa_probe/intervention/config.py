@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +16,9 @@ __all__ = ["INTERVENE", "MODES", "InterventionConfig"]
 INTERVENE = "intervene"
 
 #: What happens to the chosen reference's image tokens: ``"ablate"`` removes them from the image branch's softmax,
-#: ``"swap"`` replaces them by another image's tokens.
-MODES: tuple[str, ...] = ("ablate", "swap")
+#: ``"swap"`` replaces them by another image's tokens, ``"scale"`` multiplies their weight in the softmax by a factor
+#: in ``[0, 1]`` (0 is ``"ablate"``, 1 changes nothing).
+MODES: tuple[str, ...] = ("ablate", "swap", "scale")
 
 
 @dataclass(frozen=True)
@@ -31,10 +33,14 @@ class InterventionConfig:
         steps: denoising loop indices (an iterable of ints or a ``slice``); ``None`` for every step.
         mode: ``"ablate"`` (the reference's tokens leave the image branch's softmax: the other references'
             weights are renormalised, as if the reference had not been given to that layer at that step) or
-            ``"swap"`` (its tokens are replaced by those of ``other``; base IP-Adapters only).
+            ``"swap"`` (its tokens are replaced by those of ``other``; base IP-Adapters only) or ``"scale"`` (the
+            reference's unnormalised softmax weights are multiplied by ``factor`` and the weights renormalised:
+            ``factor=0`` is ``"ablate"``, ``factor=1`` nothing; see :func:`~.custom.scale_hooks`).
         other: the image swapped in (a PIL image, an ``(H, W, C)`` array or a ``(C, H, W)`` tensor, as the pipeline's
             ``ip_adapter_image`` takes); required for ``"swap"``, refused for ``"ablate"``.
         adapter: which loaded IP-Adapter (0 for the first).
+        factor: for ``mode="scale"``, a number in ``[0, 1]`` for every chosen reference or one per reference (in the
+            order of ``reference``); refused for the other modes.
     """
 
     reference: int | Sequence[int]
@@ -43,10 +49,11 @@ class InterventionConfig:
     mode: str = "ablate"
     other: Any = None
     adapter: int = 0
+    factor: float | Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f'mode: expected "ablate" or "swap", got {self.mode!r}')
+            raise ValueError(f'mode: expected "ablate", "swap" or "scale", got {self.mode!r}')
         single = isinstance(self.reference, int) and not isinstance(self.reference, bool)
         references = (self.reference,) if single else self.reference
         if isinstance(references, bool | str | bytes) or not isinstance(references, Iterable):
@@ -65,8 +72,37 @@ class InterventionConfig:
             raise ValueError('other= is the image swapped in with mode="swap"; mode="ablate" takes none: drop other=')
         if not _is_index(self.adapter):
             raise ValueError(f"adapter: expected the index (int >= 0) of a loaded IP-Adapter, got {self.adapter!r}")
+        self._check_factor(references)
         _compile_selection(self.layers)  # a bad regex fails here, before anything is attached
         object.__setattr__(self, "steps", parse_step_selection(self.steps))
+
+    def _check_factor(self, references: tuple[int, ...]) -> None:
+        if self.mode != "scale":
+            if self.factor is not None:
+                raise ValueError(f'factor= is the weight multiplier of mode="scale"; mode="{self.mode}" takes none')
+            return
+        if self.factor is None:
+            raise ValueError('mode="scale" needs factor=: a number in [0, 1] (0 ablates, 1 changes nothing)')
+        factors = [self.factor] * len(references) if _is_number(self.factor) else self.factor
+        if isinstance(factors, str | bytes) or not isinstance(factors, Iterable):
+            raise TypeError(f"factor: expected a number in [0, 1] or one per reference, got {self.factor!r}")
+        factors = tuple(factors)
+        if len(factors) != len(references) or not all(_is_number(f) and 0 <= f <= 1 for f in factors):
+            raise ValueError(
+                f"factor: expected a number in [0, 1] or {len(references)} of them (one per reference), "
+                f"got {self.factor!r}"
+            )
+        object.__setattr__(self, "factor", factors[0] if _is_number(self.factor) else factors)
+
+    @property
+    def factors(self) -> tuple[float, ...]:
+        """``mode="scale"``: the factor of each of :attr:`references` (in that sorted order)."""
+        if self.factor is None:
+            return ()
+        given = (self.reference,) if isinstance(self.reference, int) else tuple(self.reference)
+        values = (self.factor,) * len(given) if _is_number(self.factor) else tuple(self.factor)
+        by_reference = dict(zip(given, values, strict=True))
+        return tuple(float(by_reference[r]) for r in self.references)
 
     @property
     def references(self) -> tuple[int, ...]:
@@ -88,7 +124,12 @@ class InterventionConfig:
             "mode": self.mode,
             "other": None if self.other is None else type(self.other).__name__,
             "adapter": self.adapter,
+            "factor": list(self.factor) if isinstance(self.factor, tuple) else self.factor,
         }
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_index(value: Any) -> bool:

@@ -132,6 +132,7 @@ def measure_intervention(
     mode: str = "ablate",
     other: Any = None,
     adapter: int = 0,
+    factor: float | Sequence[float] | None = None,
     seed: int = 0,
     classify: Classifier | None = None,
     baseline: Generation | None = None,
@@ -141,7 +142,7 @@ def measure_intervention(
 
     Args:
         pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter.
-        reference, layers, steps, mode, other, adapter: the intervention (see :func:`~.hooks.intervene`).
+        reference, layers, steps, mode, other, adapter, factor: the intervention (see :func:`~.hooks.intervene`).
         seed: the generator's seed for both runs.
         classify: optional ``classify(images) -> (labels, probabilities)`` on ``(N, H, W, 3)`` images in ``[0, 1]``
             (for the digits organism: :func:`ipa_probe.tiny.digits.classify_digit_images`).
@@ -158,10 +159,11 @@ def measure_intervention(
         >>> effect.pixel_distance
         ```
     """
-    config = InterventionConfig(reference, layers, steps, mode, other, adapter)
+    config = InterventionConfig(reference, layers, steps, mode, other, adapter, factor)
     if baseline is None:
         baseline = generate(pipe, seed=seed, **call)
-    with intervene(pipe, reference, layers=layers, steps=steps, mode=mode, other=other, adapter=adapter):
+    where = {"layers": layers, "steps": steps, "adapter": adapter}
+    with intervene(pipe, reference, **where, mode=mode, other=other, factor=factor):
         intervened = generate(pipe, seed=seed, **call)
     labels: dict[str, np.ndarray | None] = {}
     if classify is not None:

@@ -21,6 +21,11 @@ so removing the hooks gives the pipeline back bit for bit.
   is all zero (diffusers' unconditional branch under classifier-free guidance) keep their tokens: there the pipeline
   would embed the other image as zeros too.
 
+- ``"scale"``: the reference's weights in the image branch's softmax are multiplied by a factor and renormalised,
+  through the hook points (:mod:`.points`, :func:`~.custom.scale_hooks`): 0 is ``"ablate"``, 1 nothing.
+
+``intervene(pipe, hooks={name: fn})`` attaches user callbacks to named hook points instead (:mod:`.custom`).
+
 Supported: SD 1.5 / SDXL UNets with ``IPAdapterAttnProcessor2_0`` (or ipa_probe's NW head, which shares the same
 ``to_k_ip`` / ``to_v_ip``), without ``ip_adapter_masks`` (a masked call raises at its first intervened step).
 """
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +46,7 @@ from ..capture.taps import tap_for
 from ..capture.taps.base import Tap
 from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, observer, release
 from .config import INTERVENE, InterventionConfig
+from .custom import HookIntervention, apply_hooks
 
 __all__ = ["Intervention", "apply_intervention", "intervene", "remove_intervention"]
 
@@ -74,6 +80,7 @@ class Intervention:
     _conditioned: torch.Tensor | None = field(default=None, repr=False)
     _other_tokens: torch.Tensor | None = field(default=None, repr=False)
     _emptied: bool = field(default=False, repr=False)
+    _detach_points: Any = field(default=None, repr=False)
 
     @property
     def active(self) -> bool:
@@ -88,6 +95,9 @@ class Intervention:
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
+            detach, self._detach_points = self._detach_points, None
+            if detach is not None:
+                detach()
         finally:
             denoiser.__dict__.pop(_STATE_ATTRIBUTE, None)
             release(denoiser, INTERVENE)
@@ -236,6 +246,7 @@ def apply_intervention(
     mode: str = "ablate",
     other: Any = None,
     adapter: int = 0,
+    factor: float | Sequence[float] | None = None,
 ) -> Intervention:
     """Attach an intervention on one reference image's tokens (until :func:`remove_intervention`).
 
@@ -250,11 +261,13 @@ def apply_intervention(
             matching nothing: raised before anything is attached.
         RuntimeError: an intervention is already applied to this pipeline.
     """
-    config = InterventionConfig(reference, layers, steps, mode, other, adapter)
+    config = InterventionConfig(reference, layers, steps, mode, other, adapter, factor)
     found = _unet_layers(pipe, config)
     other_tokens = _other_tokens(pipe, config) if config.mode == "swap" else None
     names = [layer.name for layer in found]
     what = f"pre-hooks on to_k_ip/to_v_ip: {config.mode} reference(s) {list(config.references)}"
+    if config.mode == "scale":
+        what = f"hook points (weights): scale reference(s) {list(config.references)} by {list(config.factors)}"
     denoiser = claim(pipe, INTERVENE, names, what)
     state = Intervention(
         config,
@@ -266,7 +279,12 @@ def apply_intervention(
     )
     try:
         denoiser.__dict__[_STATE_ATTRIBUTE] = state
-        state._handles.append(denoiser.register_forward_pre_hook(observer(state._on_denoiser_call), with_kwargs=True))
+        if config.mode == "scale":
+            state._detach_points = _attach_scale(pipe, state, names)
+            found = []
+        else:
+            hook = observer(state._on_denoiser_call)
+            state._handles.append(denoiser.register_forward_pre_hook(hook, with_kwargs=True))
         for layer in found:
             to_k_ip = layer.processor.to_k_ip[config.adapter]
             to_v_ip = layer.processor.to_v_ip[config.adapter]
@@ -278,6 +296,23 @@ def apply_intervention(
         raise
     logger.info("intervene: %s on %d layer(s)", what, len(found))
     return state
+
+
+def _attach_scale(pipe, state: Intervention, names: list[str]):
+    """``mode="scale"``: weights callbacks on the hook points of the selected layers at the selected steps."""
+    from .custom import scale_hooks
+    from .points import PointUser, attach_points
+
+    def logged(fn):
+        def run(weights, ctx):
+            state.step = ctx.step
+            state.acted.append((ctx.step, ctx.layer))
+            return fn(weights, ctx)
+
+        return run
+
+    callbacks = {name: [logged(fn)] for name, fn in scale_hooks(state.config, names).items()}
+    return attach_points(pipe, PointUser(callbacks, state.config.steps))
 
 
 def remove_intervention(pipe) -> None:
@@ -295,15 +330,18 @@ def remove_intervention(pipe) -> None:
 @contextlib.contextmanager
 def intervene(
     pipe,
-    reference: int | Sequence[int],
+    reference: int | Sequence[int] | None = None,
     *,
     layers: LayerSelection = None,
     steps=None,
     mode: str = "ablate",
     other: Any = None,
     adapter: int = 0,
-) -> Iterator[Intervention]:
-    """Run a pipeline with one reference image's tokens removed (or swapped) in the chosen layers and steps.
+    factor: float | Sequence[float] | None = None,
+    hooks: Mapping[str, Callable | Sequence[Callable]] | None = None,
+) -> Iterator[Intervention | HookIntervention]:
+    """Run a pipeline with one reference image's tokens removed (or swapped, or scaled) in the chosen layers and
+    steps, or with callbacks on named hook points (``hooks=``).
 
     Every hook comes off on exit (normal, exception or KeyboardInterrupt), leaving the pipeline as it was.
 
@@ -312,12 +350,18 @@ def intervene(
         reference: the reference image's index in ``ip_adapter_image=[[...]]`` (or, to ablate, a list of them).
         layers: a regex or list of regexes selecting layer ids; ``None`` for every IP-Adapter layer.
         steps: denoising loop indices (ints or a ``slice``); ``None`` for every step.
-        mode: ``"ablate"`` (leave the softmax) or ``"swap"`` (replaced by ``other``'s tokens).
+        mode: ``"ablate"`` (leave the softmax), ``"swap"`` (replaced by ``other``'s tokens) or ``"scale"`` (weight in
+            the softmax multiplied by ``factor``).
         other: the image swapped in (``mode="swap"``).
         adapter: which loaded IP-Adapter.
+        factor: ``mode="scale"``: a number in ``[0, 1]``, or one per reference.
+        hooks: instead of ``reference``: ``{hook point name: fn(tensor, ctx)}`` (names from
+            :func:`~.points.list_hook_points`, callbacks as in :mod:`.points`), run at ``steps``; ``layers``, ``mode``,
+            ``other``, ``adapter`` and ``factor`` do not apply (the names say where).
 
     Yields:
-        the :class:`Intervention` (its ``acted`` lists the (step, layer) pairs it changed).
+        the :class:`Intervention` (its ``acted`` lists the (step, layer) pairs it changed), or with ``hooks=`` the
+        :class:`~.custom.HookIntervention` (its ``calls`` lists the (step, name) pairs where a callback ran).
 
     Example:
         ```py
@@ -325,7 +369,22 @@ def intervene(
         ...     image = pipe("a handwritten digit", ip_adapter_image=[refs], num_inference_steps=20).images[0]
         ```
     """
-    state = apply_intervention(pipe, reference, layers=layers, steps=steps, mode=mode, other=other, adapter=adapter)
+    if hooks is not None:
+        given = {"reference": reference, "layers": layers, "other": other, "factor": factor}
+        extra = [name for name, value in given.items() if value is not None] + ["mode"] * (mode != "ablate")
+        extra += ["adapter"] * (adapter != 0)
+        if extra:
+            raise ValueError(
+                f"intervene(hooks=...) takes the hook point names as the selection; drop {extra} (or use two "
+                "nested intervene blocks)"
+            )
+        state = apply_hooks(pipe, hooks, steps=steps)
+    elif reference is None:
+        raise TypeError("intervene: pass reference= (ablate, swap or scale a reference image) or hooks={name: fn}")
+    else:
+        state = apply_intervention(
+            pipe, reference, layers=layers, steps=steps, mode=mode, other=other, adapter=adapter, factor=factor
+        )
     try:
         yield state
     finally:

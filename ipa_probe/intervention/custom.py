@@ -1,0 +1,110 @@
+"""User callbacks on the hook points (:func:`apply_hooks`, used by ``intervene(pipe, hooks=...)``) and the
+``mode="scale"`` intervention built on them (:func:`scale_hooks`)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._checks import parse_step_selection
+from ..layers import claim, release
+from .config import InterventionConfig
+from .points import HookContext, HookFn, PointUser, attach_points, normalise_hooks, point_name
+
+__all__ = ["HOOKS", "HookIntervention", "apply_hooks", "scale_hooks"]
+
+logger = logging.getLogger(__name__)
+
+#: The feature's claim on the denoiser (:func:`ipa_probe.list_hooks`): callbacks on hook points.
+HOOKS = "hook_points"
+
+
+@dataclass
+class HookIntervention:
+    """Callbacks attached to hook points (until :meth:`remove`).
+
+    Attributes:
+        names: the hook point names that carry callbacks.
+        calls: ``(step, name)`` pairs where a callback ran, in order.
+    """
+
+    names: list[str]
+    calls: list[tuple[int, str]] = field(default_factory=list)
+    _detach: Callable[[], None] | None = field(default=None, repr=False)
+    _pipe: Any = field(default=None, repr=False)
+
+    @property
+    def active(self) -> bool:
+        return self._detach is not None
+
+    def remove(self) -> None:
+        """Take the callbacks off (and the hooks, when no other user holds points); idempotent."""
+        detach, self._detach = self._detach, None
+        if detach is None:
+            return
+        try:
+            detach()
+        finally:
+            release(self._pipe, HOOKS)
+            self._pipe = None
+
+
+def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=None) -> HookIntervention:
+    """Attach callbacks ``{hook point name: fn(tensor, ctx)}`` (see :mod:`.points`) at the selected steps.
+
+    Raises:
+        ValueError / TypeError: an unknown name, a callback that is not callable, a bad step selection, a pipeline
+            without hook points; raised before anything is attached.
+        RuntimeError: callbacks are already attached to this pipeline (leave that block first).
+    """
+    callbacks = normalise_hooks(pipe, hooks)
+    steps = parse_step_selection(steps)
+    state = HookIntervention(sorted(callbacks))
+
+    def logged(name: str, fn: HookFn) -> HookFn:
+        def run(tensor: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
+            state.calls.append((ctx.step, name))
+            return fn(tensor, ctx)
+
+        return run
+
+    user = PointUser({name: [logged(name, fn) for fn in fns] for name, fns in callbacks.items()}, steps)
+    layers = sorted({name.rsplit(".", 2)[0] for name in callbacks})
+    claim(pipe, HOOKS, layers, f"callbacks on {len(callbacks)} hook point(s)")
+    try:
+        state._pipe = pipe
+        state._detach = attach_points(pipe, user)
+    except BaseException:
+        release(pipe, HOOKS)
+        raise
+    logger.info("intervene: callbacks on %d hook point(s)", len(callbacks))
+    return state
+
+
+def scale_hooks(config: InterventionConfig, layers: Sequence[str]) -> dict[str, HookFn]:
+    """The weights callbacks of ``mode="scale"``: reference ``j``'s unnormalised weights (``exp`` of its logits) are
+    multiplied by its factor ``f_j`` and the softmax renormalised, ``w'_i = f_j w_i / sum_k f_k w_k``: ``f = 0``
+    removes the reference from the softmax exactly as ``"ablate"`` does, ``f = 1`` changes nothing. Where every
+    token's factor is 0 the weights are 0 (the branch adds nothing, as ablating every reference does)."""
+    factors = dict(zip(config.references, config.factors, strict=True))
+
+    def rescale(weights: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
+        if ctx.references <= max(factors):
+            raise ValueError(
+                f"reference={config.reference}: adapter {ctx.adapter} has {ctx.references} reference image(s) in "
+                f"this call; pass indices below {ctx.references}"
+            )
+        if all(f == 1 for f in factors.values()):
+            return None  # the identity, exactly
+        per_reference = torch.ones(ctx.references, dtype=weights.dtype, device=weights.device)
+        for reference, factor in factors.items():
+            per_reference[reference] = factor
+        scaled = weights * per_reference.repeat_interleave(ctx.tokens)  # (B, H, Q, K)
+        total = scaled.sum(-1, keepdim=True)  # (B, H, Q, 1)
+        return torch.where(total > 0, scaled / total.clamp_min(torch.finfo(weights.dtype).tiny), 0.0)
+
+    return {point_name(layer, "weights", config.adapter): rescale for layer in layers}

@@ -1,0 +1,583 @@
+"""Named hook points on the image branch of every IP-Adapter layer (issue #30 point 5), TransformerLens-style.
+
+Per layer ``L`` (a layer id, see :mod:`ipa_probe.layers`) and adapter (``ip`` for the first, ``ip1``, ``ip2`` ... for
+further ones), three points:
+
+- ``L.ip.weights``: the image branch's attention weights ``softmax(q k_ip^T / sqrt(d))``, ``(B, H, Q, K)`` with
+  ``K = R * T`` image tokens, reference-major (reference ``j`` owns tokens ``j*T ... (j+1)*T - 1``).
+- ``L.ip.contribution``: per reference ``j``, its share of the branch's output as it enters the residual stream:
+  ``c_j = s * W_o sum_{i in j} w_i v_i`` (``s`` the adapter scale, ``W_o`` the weight of ``attn.to_out[0]`` without
+  its bias, which belongs to the whole layer; Flux: no ``W_o``), ``(B, R, Q, C)``; summed over heads, since ``to_out``
+  mixes them (edit heads at ``weights``).
+- ``L.ip.output``: the branch's total contribution ``sum_j c_j``, ``(B, Q, C)``.
+
+A callback ``fn(tensor, ctx) -> tensor | None`` on a point reads it, or returns a replacement of the same shape, dtype
+and device (``None``, or the tensor itself unedited, keeps it). The points are computed in that order from what the
+layer's own modules compute (forward hooks on ``attn.to_q``, ``to_k_ip[a]``, ``to_v_ip[a]``; nothing replaced), and an
+edit flows on: new weights give new contributions, new contributions a new output. The layer then adds the change of
+the output to what ``attn.to_out[0]`` returns (a forward hook). No processor, weight or buffer is replaced, so with no
+edit the pipeline computes bit for bit what it computes without ipa_probe; with an edit, the unedited part of the
+layer (text branch, bias, other adapters) is still the processor's own.
+
+The points of a layer exist in a call when its image branch runs: an adapter scale of 0 skips the branch (no point
+fires there), and ``ip_adapter_masks`` (one softmax per reference image) are refused at the first selected step.
+
+Supported: SD 1.5 / SDXL UNets (``IPAdapterAttnProcessor2_0`` and ipa_probe's NW head, which shares its
+``to_k_ip``/``to_v_ip`` and declares its own logits) and Flux (``FluxIPAdapterAttnProcessor``: ``q`` is read after
+``attn.norm_q``, before RoPE, as the branch uses it; the branch has no output projection, so ``c_j = s sum w_i v_i``
+and ``C`` is the inner dimension; the change is added to the attention's third output, which the block adds to the
+residual stream; true CFG runs two denoiser passes per step, both with the same ``ctx.step``). SD3 is refused: its
+image branch shares one softmax with the latent tokens.
+
+Several users may hold points on one pipeline at once (an intervention's callbacks, then a cache's readers): the
+hooks are installed once per denoiser, callbacks of one point run in order of attachment, and the hooks come off when
+the last user leaves.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import step_selected
+from ..capture.clock import CallClock
+from ..capture.taps import tap_for
+from ..capture.taps.unet import _unet_resolution_factor
+from ..kernels import split_heads
+from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, observer
+
+__all__ = [
+    "POINTS",
+    "HookContext",
+    "HookFn",
+    "PointUser",
+    "attach_points",
+    "check_hook_names",
+    "hook_point_layers",
+    "list_hook_points",
+    "normalise_hooks",
+    "point_name",
+]
+
+#: The points of each layer's image branch, in the order they are computed.
+POINTS: tuple[str, ...] = ("weights", "contribution", "output")
+
+#: A hook point callback: ``fn(tensor, ctx)`` returns ``None`` (keep) or a replacement tensor.
+HookFn = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]
+
+#: Where the installed points are kept on the denoiser (its ``__dict__``).
+_REGISTRY_ATTRIBUTE = "_ipa_probe_points"
+
+
+def _branch(adapter: int) -> str:
+    return "ip" if adapter == 0 else f"ip{adapter}"
+
+
+def point_name(layer: str, point: str, adapter: int = 0) -> str:
+    """The dotted name of a hook point, e.g. ``point_name("mid_block...attn2", "weights")`` ->
+    ``"mid_block...attn2.ip.weights"`` (adapter 1: ``...attn2.ip1.weights``)."""
+    return f"{layer}.{_branch(adapter)}.{point}"
+
+
+def hook_point_layers(pipe) -> list[IPLayer]:
+    """The IP-Adapter layers whose image branch has hook points; raises for model families without them."""
+    denoiser = denoiser_of(pipe)
+    found = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser))
+    if found[0].family == "sd3":
+        raise ValueError(
+            "hook points exist for SD 1.5 / SDXL UNets and Flux; SD3's image branch runs one softmax over the latent "
+            "and the image tokens and normalises its keys after to_k_ip, so its output does not split into "
+            "per-reference contributions as here: use a UNet or Flux pipeline"
+        )
+    return found
+
+
+def list_hook_points(pipe) -> list[str]:
+    """Every hook point name of a pipeline's image branches, in module order (layer, adapter, then
+    ``weights``, ``contribution``, ``output``).
+
+    Example:
+        ```py
+        >>> ipa_probe.list_hook_points(pipe)[:3]
+        ['down_blocks.0.attentions.0.transformer_blocks.0.attn2.ip.weights',
+         'down_blocks.0.attentions.0.transformer_blocks.0.attn2.ip.contribution',
+         'down_blocks.0.attentions.0.transformer_blocks.0.attn2.ip.output']
+        ```
+    """
+    return [
+        point_name(layer.name, point, adapter)
+        for layer in hook_point_layers(pipe)
+        for adapter in range(layer.num_adapters)
+        for point in POINTS
+    ]
+
+
+def check_hook_names(pipe, names: Iterable[Any], argument: str = "hooks") -> list[str]:
+    """Raise ``TypeError`` / ``ValueError`` (one line, naming the first bad name and close matches) unless every name
+    is a hook point of ``pipe``; returns the names as a list."""
+    known = list_hook_points(pipe)
+    known_set = set(known)
+    names = list(names)
+    if not names:
+        raise ValueError(f"{argument}: expected at least one hook point name (see ipa_probe.list_hook_points(pipe))")
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"{argument}: expected hook point names (str), got {name!r}")
+        if name not in known_set:
+            close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+            hint = f"did you mean {close}? " if close else ""
+            raise ValueError(
+                f"{argument}: unknown hook point {name!r}; {hint}names are '<layer id>.ip.<point>' with point in "
+                f"{list(POINTS)}: see ipa_probe.list_hook_points(pipe)"
+            )
+    return names
+
+
+def _parse_name(name: str) -> tuple[str, int, str]:
+    layer, branch, point = name.rsplit(".", 2)
+    return layer, (0 if branch == "ip" else int(branch[2:])), point
+
+
+@dataclass(frozen=True)
+class HookContext:
+    """What a callback knows about the tensor it is given.
+
+    Attributes:
+        name: the hook point's name.
+        layer: the layer id.
+        point: ``"weights"``, ``"contribution"`` or ``"output"``.
+        adapter: the IP-Adapter's index.
+        step: the denoising loop index.
+        timestep: the scheduler's timestep of this pass (as the denoiser got it: a tensor, or a number).
+        heads: the layer's attention heads ``H``.
+        references: the reference images ``R`` the branch saw in this call.
+        tokens: image tokens per reference ``T`` (``K = R * T``).
+        grid: ``(height, width)`` of the layer's query positions (``Q = height * width``).
+        scale: the adapter scale ``s`` the branch is multiplied by.
+        device: where the tensors live.
+        pass_index: the denoiser pass within the step (0 for the first; Flux's true-CFG negative pass is 1).
+    """
+
+    name: str
+    layer: str
+    point: str
+    adapter: int
+    step: int
+    timestep: Any
+    heads: int
+    references: int
+    tokens: int
+    grid: tuple[int, int] | None
+    scale: float
+    device: torch.device = field(repr=False, default=torch.device("cpu"))
+    pass_index: int = 0
+
+    @property
+    def queries(self) -> int:
+        """Query positions ``Q``."""
+        return self.grid[0] * self.grid[1] if self.grid is not None else -1
+
+    def reference_tokens(self, reference: int) -> slice:
+        """The key positions (last axis of ``weights``) of reference ``reference``'s image tokens."""
+        if not 0 <= reference < self.references:
+            raise ValueError(f"reference={reference}: this call has {self.references} reference image(s)")
+        return slice(reference * self.tokens, (reference + 1) * self.tokens)
+
+    def select(
+        self,
+        *,
+        heads: Sequence[int] | int | None = None,
+        positions: Any = None,
+        references: Sequence[int] | int | None = None,
+    ) -> torch.Tensor:
+        """A bool mask on the device, broadcastable to this point's tensor, ``True`` where all given selections hold.
+
+        Args:
+            heads: head indices (``weights`` only: ``to_out`` sums heads into the contribution and output).
+            positions: query positions: indices, a ``slice``, a bool ``(Q,)`` mask or a bool ``(height, width)`` mask
+                over :attr:`grid`.
+            references: reference indices (``weights``: their tokens; ``contribution``: their slots; not ``output``).
+
+        Returns:
+            ``(1, H, Q, K)`` for weights, ``(1, R, Q, 1)`` for contributions, ``(1, Q, 1)`` for the output.
+        """
+        if heads is not None and self.point != "weights":
+            raise ValueError(
+                f"{self.name}: heads= selects heads of the weights point only (to_out sums the heads into the "
+                "contribution); hook '<layer id>.ip.weights' for per-head edits"
+            )
+        if references is not None and self.point == "output":
+            raise ValueError(f"{self.name}: the output sums the references; hook '.ip.contribution' to select them")
+        queries = self._positions(positions)  # (Q,)
+        if self.point == "output":
+            return queries[None, :, None]  # (1, Q, 1)
+        refs = self._indices(references, self.references, "references")  # (R,)
+        if self.point == "contribution":
+            return (refs[:, None] & queries[None, :])[None, ..., None]  # (1, R, Q, 1)
+        keys = refs.repeat_interleave(self.tokens)  # (K,)
+        head_mask = self._indices(heads, self.heads, "heads")  # (H,)
+        return (head_mask[:, None, None] & queries[None, :, None] & keys[None, None, :])[None]  # (1, H, Q, K)
+
+    def where(self, tensor: torch.Tensor, value: float | torch.Tensor, **selection: Any) -> torch.Tensor:
+        """``tensor`` with ``value`` where :meth:`select` (``heads``, ``positions``, ``references``) holds: a new
+        tensor, e.g. ``lambda w, ctx: ctx.where(w, 0.0, heads=[1], references=[0])``."""
+        value = torch.as_tensor(value, dtype=tensor.dtype, device=tensor.device)
+        return torch.where(self.select(**selection), value, tensor)
+
+    def _indices(self, chosen: Sequence[int] | int | None, size: int, argument: str) -> torch.Tensor:
+        mask = torch.zeros(size, dtype=torch.bool, device=self.device)
+        if chosen is None:
+            return mask.fill_(True)
+        chosen = [chosen] if isinstance(chosen, int) else list(chosen)
+        bad = [c for c in chosen if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < size]
+        if bad:
+            raise ValueError(f"{self.name}: {argument}={bad} out of range; this point has {size} {argument}")
+        mask[chosen] = True
+        return mask
+
+    def _positions(self, positions: Any) -> torch.Tensor:
+        queries = self.queries
+        if positions is None:
+            return torch.ones(queries, dtype=torch.bool, device=self.device)
+        if isinstance(positions, torch.Tensor) and positions.dtype == torch.bool:
+            if positions.ndim == 2 and self.grid is not None and tuple(positions.shape) == self.grid:
+                positions = positions.reshape(-1)
+            if positions.shape != (queries,):
+                raise ValueError(
+                    f"{self.name}: positions= mask of shape {tuple(positions.shape)}; expected ({queries},) or the "
+                    f"grid {self.grid}"
+                )
+            return positions.to(self.device)
+        mask = torch.zeros(queries, dtype=torch.bool, device=self.device)
+        if isinstance(positions, slice):
+            mask[positions] = True
+            return mask
+        return self._indices(positions, queries, "positions")
+
+
+@dataclass(eq=False)
+class PointUser:
+    """One user of the hook points: callbacks by name, the steps they run at, and what it wants to hear of a new
+    pipeline call (``on_call(step_count, sizes)``, e.g. a cache's budget check; ``sizes(name)`` gives a point's
+    ``(shape, dtype)`` for one pass, or ``None`` when unknown)."""
+
+    callbacks: dict[str, list[HookFn]]
+    steps: Any = None
+    on_call: Callable[[int | None, Callable[[str], Any]], None] | None = None
+
+    def acts_at(self, step: int) -> bool:
+        return step_selected(self.steps, step)
+
+
+def _tokens_per_image(denoiser: torch.nn.Module, layer: IPLayer, adapter: int) -> int | None:
+    """Image tokens per reference of an adapter: the processor's ``num_tokens`` (UNet), else the adapter's image
+    projection's ``num_image_text_embeds`` (Flux); ``None`` when neither says."""
+    num_tokens = getattr(layer.processor, "num_tokens", None)
+    if num_tokens is not None and adapter < len(num_tokens):
+        return int(num_tokens[adapter])
+    model = getattr(denoiser, "_orig_mod", denoiser)
+    projections = getattr(getattr(model, "encoder_hid_proj", None), "image_projection_layers", None) or []
+    tokens = getattr(projections[adapter], "num_image_text_embeds", None) if adapter < len(projections) else None
+    return None if tokens is None else int(tokens)
+
+
+class _Registry:
+    """The hooks that compute the points on one denoiser, shared by every :class:`PointUser`."""
+
+    def __init__(self, pipe, denoiser: torch.nn.Module, layers: list[IPLayer]) -> None:
+        self.denoiser = denoiser
+        self.layers = layers
+        self.users: list[PointUser] = []
+        self.handles: list[Any] = []
+        self.clock = CallClock(pipe)
+        self.tap = tap_for(pipe, layers)
+        self.step = -1
+        self.pass_index = 0
+        self.timestep: Any = None
+        self.sample_shape: tuple[int, ...] = ()
+        self.batch = 0
+        self.stash: dict[tuple, torch.Tensor] = {}
+        self.active: dict[str, list[HookFn]] = {}  # the callbacks of this pass, by point name
+        self._image_embeds: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def install(self) -> None:
+        self.handles.append(
+            self.denoiser.register_forward_pre_hook(observer(self._on_denoiser_call), with_kwargs=True)
+        )
+        for layer in self.layers:
+            attn, heads = layer.attention, layer.heads
+            self.handles.append(attn.register_forward_pre_hook(observer(self._on_layer(layer)), with_kwargs=True))
+            if layer.family == "unet":  # q = to_q(h), split into heads; the branch is added before to_out[0]
+                query = self._keep(layer.name, "q", transform=lambda q, h=heads: split_heads(q, h))  # (B, H, Q, D)
+                self.handles.append(attn.to_q.register_forward_hook(observer(query)))
+                self.handles.append(attn.to_out[0].register_forward_hook(observer(self._on_out(layer))))
+            else:  # Flux: q = norm_q(to_q(h)) (B, N, H, D), before RoPE; the branch is the attention's third output
+                query = self._keep(
+                    layer.name, "q", transform=lambda q: q.transpose(1, 2)
+                )  # (B, N, H, D) -> (B, H, N, D)
+                self.handles.append(attn.norm_q.register_forward_hook(observer(query)))
+                self.handles.append(attn.register_forward_hook(observer(self._on_out(layer))))
+            for adapter in range(layer.num_adapters):
+                to_k_ip, to_v_ip = layer.processor.to_k_ip[adapter], layer.processor.to_v_ip[adapter]
+                self.handles.append(to_k_ip.register_forward_hook(observer(self._keep(layer.name, "k", adapter))))
+                self.handles.append(to_v_ip.register_forward_hook(observer(self._keep(layer.name, "v", adapter))))
+
+    def uninstall(self) -> None:
+        try:
+            for handle in self.handles:
+                handle.remove()
+        finally:
+            self.handles.clear()
+            self.stash.clear()
+            self.active = {}
+            self.clock.reset()
+            self.tap.reset()
+            self.denoiser.__dict__.pop(_REGISTRY_ATTRIBUTE, None)
+
+    # ------------------------------------------------------------------ the clock
+    def _on_denoiser_call(self, module, args, kwargs) -> None:
+        self.stash.clear()
+        new_call = self.clock.new_call()
+        if new_call:
+            self.step = -1
+            self.tap.begin_call(args, kwargs)
+        self.tap.running = self.clock.running
+        if self.tap.begin_pass(args, kwargs).new_step or self.step < 0:
+            self.step += 1
+            self.pass_index = 0
+        else:
+            self.pass_index += 1
+        sample = self.tap.sample(args, kwargs)
+        self.sample_shape = tuple(sample.shape)
+        self.batch = sample.shape[0]
+        self.timestep = self.tap.timestep(args, kwargs)
+        if self.layers[0].family == "unet":
+            self._image_embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds")
+        else:
+            self._image_embeds = (kwargs.get("joint_attention_kwargs") or {}).get("ip_adapter_image_embeds")
+        if new_call:
+            planned = self.clock.planned_steps()
+            for user in self.users:
+                if user.on_call is not None:
+                    user.on_call(planned, self._sizes)
+        active: dict[str, list[HookFn]] = {}
+        for user in self.users:
+            if user.acts_at(self.step):
+                for name, fns in user.callbacks.items():
+                    active.setdefault(name, []).extend(fns)
+        self.active = active
+
+    def _sizes(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """A point's shape and dtype in one pass of this call, from the call's arguments (before step 0 runs)."""
+        layer_name, adapter, point = _parse_name(name)
+        layer = next(layer for layer in self.layers if layer.name == layer_name)
+        embeds = self._image_embeds
+        if not isinstance(embeds, list | tuple) or adapter >= len(embeds) or embeds[adapter].ndim != 3:
+            return None
+        references = embeds[adapter].shape[1]
+        tokens = _tokens_per_image(self.denoiser, layer, adapter)
+        if tokens is None:
+            return None
+        queries = self._grid(layer)
+        queries = queries[0] * queries[1]
+        out = layer.attention.to_out[0] if layer.family == "unet" else layer.processor.to_v_ip[adapter]
+        channels, dtype = out.out_features, out.weight.dtype
+        shape = {
+            "weights": (self.batch, layer.heads, queries, references * tokens),
+            "contribution": (self.batch, references, queries, channels),
+            "output": (self.batch, queries, channels),
+        }[point]
+        return shape, dtype
+
+    # ------------------------------------------------------------------ per layer
+    def _wanted(self, layer: str) -> bool:
+        return any(name.startswith(layer + ".ip") for name in self.active)
+
+    def _on_layer(self, layer: IPLayer) -> Callable:
+        def hook(module, args, kwargs):
+            for key in [key for key in self.stash if key[0] == layer.name]:
+                del self.stash[key]
+            if not self._wanted(layer.name):
+                return
+            masks = kwargs.get("ip_adapter_masks")
+            if masks is not None and (isinstance(masks, torch.Tensor) or any(m is not None for m in masks)):
+                raise ValueError(
+                    "ipa_probe hook points do not support ip_adapter_masks (diffusers then runs one softmax per "
+                    "reference image); call the pipeline without masks"
+                )
+
+        return hook
+
+    def _grid(self, layer: IPLayer) -> tuple[int, int]:
+        """``(height, width)`` of a layer's query positions in this pass (Flux's packed tokens: ``(1, N)``)."""
+        if layer.family != "unet":
+            return (1, self.sample_shape[1])
+        factor = _unet_resolution_factor(self.denoiser, layer.name)
+        return (math.ceil(self.sample_shape[-2] / factor), math.ceil(self.sample_shape[-1] / factor))
+
+    def _keep(self, layer: str, what: str, adapter: int = 0, transform: Callable | None = None) -> Callable:
+        def hook(module, args, output):
+            if self._wanted(layer):
+                self.stash[(layer, what, adapter)] = output if transform is None else transform(output)
+
+        return hook
+
+    def _on_out(self, layer: IPLayer) -> Callable:
+        """Forward hook on ``to_out[0]`` (UNet) or on the attention module (Flux, whose third output is the image
+        branch's): add the change of the branch's output."""
+
+        def hook(module, args, output):
+            if not self._wanted(layer.name):
+                return None
+            delta = None
+            for adapter in range(layer.num_adapters):
+                change = self._branch(layer, adapter)
+                if change is not None:
+                    delta = change if delta is None else delta + change
+            for key in [key for key in self.stash if key[0] == layer.name]:
+                del self.stash[key]
+            if delta is None:
+                return None
+            if layer.family == "unet":
+                return output + delta.reshape(output.shape)
+            hidden, context, branch = output
+            return hidden, context, branch + delta.reshape(branch.shape)
+
+        return hook
+
+    def _branch(self, layer: IPLayer, adapter: int) -> torch.Tensor | None:
+        """Compute one adapter's points, run their callbacks, and return the change of the layer's output (or
+        ``None`` when nothing was edited)."""
+        names = [point_name(layer.name, point, adapter) for point in POINTS]
+        if not any(name in self.active for name in names):
+            return None
+        query = self.stash.get((layer.name, "q", 0))
+        keys = self.stash.get((layer.name, "k", adapter))
+        values = self.stash.get((layer.name, "v", adapter))
+        if query is None or keys is None or values is None:
+            return None  # the branch did not run (adapter scale 0)
+        heads, batch = layer.heads, query.shape[0]
+        tokens = keys.shape[-2] if keys.ndim == 4 else keys.shape[1]
+        q = query  # (B, H, Q, D)
+        k = split_heads(keys.reshape(batch, -1, keys.shape[-1]), heads)  # (B, H, K, D)
+        v = split_heads(values.reshape(batch, -1, values.shape[-1]), heads)  # (B, H, K, D)
+        references = k.shape[2] // tokens
+        scale = float(layer.processor.scale[adapter])
+        queries = q.shape[2]
+        grid = self._grid(layer)
+        if grid[0] * grid[1] != queries:
+            grid = (1, queries)
+
+        def context(point: str) -> HookContext:
+            return HookContext(
+                point_name(layer.name, point, adapter),
+                layer.name,
+                point,
+                adapter,
+                self.step,
+                self.timestep,
+                heads,
+                references,
+                tokens,
+                grid,
+                scale,
+                query.device,
+                self.pass_index,
+            )
+
+        to_out = layer.attention.to_out[0] if layer.family == "unet" else None  # Flux: the branch has no W_o
+        computed = image_branch_logits(layer.processor, q, k).softmax(-1).to(v.dtype)  # (B, H, Q, K)
+        weights, edited = self._run(names[0], computed, context("weights"))
+        if not edited and names[1] not in self.active and names[2] not in self.active:
+            return None  # only the weights were wanted, and read
+
+        def contributions(w: torch.Tensor) -> torch.Tensor:
+            w = w.reshape(*w.shape[:3], references, tokens)  # (B, H, Q, R, T)
+            vr = v.reshape(batch, heads, references, tokens, v.shape[-1])  # (B, H, R, T, D)
+            per_head = torch.einsum("bhqrt,bhrtd->brhqd", w, vr)  # (B, R, H, Q, D)
+            y = per_head.transpose(2, 3).flatten(3)  # (B, R, Q, H*D)
+            return scale * (F.linear(y, to_out.weight) if to_out is not None else y)  # (B, R, Q, C)
+
+        original = contributions(computed)
+        contribution = contributions(weights) if edited else original
+        contribution, changed = self._run(names[1], contribution, context("contribution"))
+        edited = edited or changed
+        output, changed = self._run(names[2], contribution.sum(1), context("output"))  # (B, Q, C)
+        if not (edited or changed):
+            return None
+        return output - original.sum(1)
+
+    def _run(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> tuple[torch.Tensor, bool]:
+        """Run a point's callbacks in order; return the final tensor and whether any callback changed it."""
+        fns = self.active.get(name)
+        if not fns:
+            return tensor, False
+        edited = False
+        for fn in fns:
+            version = tensor._version
+            result = fn(tensor, ctx)
+            if result is None or result is tensor:
+                if tensor._version != version:
+                    raise ValueError(
+                        f"hook {name!r} edited its tensor in place; return the edited copy instead (e.g. "
+                        "ctx.where(tensor, value, ...) or tensor.clone() then edit)"
+                    )
+                continue
+            if not isinstance(result, torch.Tensor):
+                raise TypeError(f"hook {name!r} returned {type(result).__name__}; expected a tensor or None")
+            if result.shape != tensor.shape or result.dtype != tensor.dtype or result.device != tensor.device:
+                raise ValueError(
+                    f"hook {name!r} returned a tensor of shape {tuple(result.shape)}, {result.dtype} on "
+                    f"{result.device}; expected shape {tuple(tensor.shape)}, {tensor.dtype} on {tensor.device} "
+                    "(or None to keep it)"
+                )
+            tensor, edited = result, True
+        return tensor, edited
+
+
+def attach_points(pipe, user: PointUser) -> Callable[[], None]:
+    """Add a user of the hook points to ``pipe`` (installing the hooks if it is the first); returns the function that
+    removes it (and the hooks with the last user). Names must be checked by the caller
+    (:func:`check_hook_names`)."""
+    layers = hook_point_layers(pipe)
+    denoiser = denoiser_of(pipe)
+    registry = denoiser.__dict__.get(_REGISTRY_ATTRIBUTE)
+    if registry is None:
+        registry = _Registry(pipe, denoiser, layers)
+        denoiser.__dict__[_REGISTRY_ATTRIBUTE] = registry
+        try:
+            registry.install()
+        except BaseException:
+            registry.uninstall()
+            raise
+    registry.users.append(user)
+
+    def detach() -> None:
+        if user in registry.users:
+            registry.users.remove(user)
+        if not registry.users:
+            registry.uninstall()
+
+    return detach
+
+
+def normalise_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]]) -> dict[str, list[HookFn]]:
+    """Check a ``{name: fn or [fn, ...]}`` mapping against ``pipe``'s hook points (one-line errors)."""
+    if not isinstance(hooks, Mapping):
+        raise TypeError(f"hooks: expected a dict {{hook point name: fn(tensor, ctx)}}, got {type(hooks).__name__}")
+    check_hook_names(pipe, hooks)
+    callbacks: dict[str, list[HookFn]] = {}
+    for name, fns in hooks.items():
+        fns = list(fns) if isinstance(fns, list | tuple) else [fns]
+        for fn in fns:
+            if not callable(fn):
+                raise TypeError(f"hooks[{name!r}]: expected a callable fn(tensor, ctx), got {fn!r}")
+        callbacks[name] = fns
+    return callbacks
