@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from .._checks import DEFAULT_GAUGE_FACTORS, parse_factors
+from .._checks import DEFAULT_GAUGE_FACTORS, GAUGE_FACTOR_RANGE, parse_gauges
 from . import CLIError
 from ._common import (
     DIGITS_DEFAULTS,
@@ -58,20 +58,24 @@ def add_parser(subparsers) -> None:
         "--gauge-sweep",
         nargs="?",
         const=DEFAULT_GAUGE_FACTORS,
-        type=_factors_type,
-        metavar="C,C,...",
-        help="instead of one probed generation, rerun it with every IP layer reparametrised by q -> c q, k -> k/c "
-        "(outputs unchanged) and write gauge_sweep.parquet / .csv / .png: what rho, its baseline and excess do per "
-        f"factor (default factors: {','.join(f'{c:g}' for c in DEFAULT_GAUGE_FACTORS)}; docs/gauge.md)",
+        type=_gauges_type,
+        metavar="G,G,...",
+        help="instead of one probed generation, rerun it with every IP layer reparametrised by each gauge (outputs "
+        "unchanged) and write gauge_sweep.parquet / .csv / .png: what rho, its baseline and excess do per gauge. "
+        f"A gauge is a factor c in [{GAUGE_FACTOR_RANGE[0]:g}, {GAUGE_FACTOR_RANGE[1]:g}] (q -> c q, k -> k/c), "
+        "random[:SEED[:SPREAD]] (per-head orthogonal x diag(exp N(0, SPREAD))), adversarial[:up|down[:MAXCOND]] "
+        "(a cond <= MAXCOND basis change searched to push rho up or down) or shift[:SEED[:SCALE]] (the same random "
+        f"vector added to every image key) (default: {','.join(f'{c:g}' for c in DEFAULT_GAUGE_FACTORS)}; "
+        "docs/gauge.md)",
     )
     parser.add_argument("--out", default="outputs/probe", help="output folder (default: outputs/probe)")
     add_tracker_arguments(parser)
     parser.set_defaults(func=run, check=check)
 
 
-def _factors_type(value: str) -> tuple[float, ...]:
+def _gauges_type(value: str) -> tuple[float | str, ...]:
     try:
-        return parse_factors(value, "gauge-sweep")
+        return parse_gauges(value, "--gauge-sweep")
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err).split(": ", 1)[-1]) from None
 
