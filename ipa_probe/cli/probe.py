@@ -193,17 +193,17 @@ def _gauge_sweep(args: argparse.Namespace) -> int:
     if image.empty:
         image = table[table["kind"] == "image"]
     # the numbers the figure draws; they move by ~1e-6 between CPUs, 1e-3 is far below a visible change
-    drawn = image.sort_values(["factor", "step"])[["spearman", "rho_baseline", "rho_excess", "neff_attn"]]
+    drawn = image[["spearman", "rho_baseline", "rho_excess", "neff_attn"]]  # per gauge in the sweep's order, per step
     stamp = {"code": code_digest(plot_gauge_sweep), "data": drawn.round(6).to_numpy().ravel().tolist(), "atol": 1e-3}
     write_figure(plot_gauge_sweep(table), out / "gauge_sweep.png", provenance=stamp)
-    first = image[image["step"] == image["step"].min()].sort_values("factor")
-    factors = "/".join(f"{c:g}" for c in first["factor"])
+    first = image[image["step"] == image["step"].min()]  # in the sweep's order of gauges
+    gauges = "; ".join(first["gauge"])
     rho = "/".join(f"{v:.3f}" for v in first["spearman"])
     excess = "/".join(f"{v:+.3f}" for v in first["rho_excess"])
     where = f"t={first['timestep'].iloc[0]:g}, {first['branch'].iloc[0]}"
     print(
-        f"wrote {out}: gauge_sweep.parquet, gauge_sweep.csv, gauge_sweep.png; first step ({where}) at c = {factors}: "
-        f"rho {rho}, rho_excess {excess}; outputs equal to the ungauged one within "
+        f"wrote {out}: gauge_sweep.parquet, gauge_sweep.csv, gauge_sweep.png; first step ({where}) under {gauges}: "
+        f"stored-frame rho {rho}, rho_excess {excess}; outputs equal to the ungauged one within "
         f"{table['output_max_abs_diff'].max():.3g}"
     )
     return 0

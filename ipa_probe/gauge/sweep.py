@@ -208,7 +208,7 @@ def plot_gauge_sweep(table: pd.DataFrame, branch: str = "cond", kind: str = "ima
     ``rho_excess``, and the gauge-invariant attention ``n_eff``; the x axes run in the denoising direction."""
     import matplotlib.pyplot as plt
 
-    from .capture.report import style_timestep_axes
+    from ..capture.report import style_timestep_axes
 
     part = table[(table["kind"] == kind) & (table["branch"] == branch)]
     if part.empty and not table.empty:
