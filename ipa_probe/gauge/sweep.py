@@ -214,7 +214,7 @@ def plot_gauge_sweep(table: pd.DataFrame, branch: str = "cond", kind: str = "ima
     if part.empty and not table.empty:
         branch = str(table["branch"].iloc[0])
         part = table[(table["kind"] == kind) & (table["branch"] == branch)]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
     colours = plt.get_cmap("viridis")
     gauges = list(dict.fromkeys(part["gauge"]))  # in the sweep's order
     for i, gauge in enumerate(gauges):
@@ -236,7 +236,8 @@ def plot_gauge_sweep(table: pd.DataFrame, branch: str = "cond", kind: str = "ima
     axes[2].invert_xaxis()
     axes[2].set(ylabel="attention n_eff", title="invariant: attention n_eff (lines overlap)")
     for ax in axes:
-        ax.legend(fontsize=7, loc="best")
         ax.title.set_fontsize(10)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()  # one legend for the three panels, right of them
+    fig.legend(handles, labels, fontsize=7, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.84, 1))
     return fig
