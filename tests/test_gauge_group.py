@@ -170,7 +170,11 @@ def _check_group(pipe, call, gauges: dict, items: slice, tolerance: float, moved
     for label in labels[1:]:
         rows = by_gauge[label]
         for column in (*ATTENTION_ONLY, *ref_mass, *qf_columns):
-            np.testing.assert_allclose(rows[column], first[column], atol=INVARIANT_ATOL, err_msg=f"{label} {column}")
+            # the 1e-5, relative as well for n_eff (~8 on the organism): float32 sums of weights that agree
+            # to rounding differ by ~1e-6 relative (measured up to 8.7e-6 absolute at n_eff 7.9)
+            np.testing.assert_allclose(
+                rows[column], first[column], atol=INVARIANT_ATOL, rtol=INVARIANT_ATOL, err_msg=f"{label} {column}"
+            )
         shift = float(np.abs(rows["spearman"].to_numpy() - first["spearman"].to_numpy()).mean())
         assert shift > moved, (label, shift)  # the stored-frame rho is no invariant of the group
     return table
