@@ -312,6 +312,11 @@ def test_out_of_range_gauges_are_refused_before_anything_changes(sd15, refs):
         GaugeConfig(matrices=[singular])
     with pytest.raises(TypeError, match="call: .*pipeline's output"):
         gauge_sweep(sd15, lambda: None)
+    calls = []
+    for gauges in ([1e-300], [2.0, GaugeConfig(matrices={layer.name: ill})]):
+        with pytest.raises(ValueError, match="round nonzero|exceeds"):
+            gauge_sweep(sd15, lambda: calls.append(1), gauges)
+    assert calls == [] and _same_state(sd15, before)  # refused before the first call
     with pytest.raises(TypeError, match="gauge: expected a number"):
         with qk_gauge(sd15, object()):
             pass

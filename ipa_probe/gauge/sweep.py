@@ -21,7 +21,7 @@ import torch
 from .._checks import DEFAULT_GAUGE_FACTORS, parse_gauges
 from ..layers import LayerSelection, find_ip_layers
 from .generators import resolve_gauge
-from .transforms import GaugeConfig, _check_layer, apply_gauge
+from .transforms import GaugeConfig, _check_layer, apply_gauge, plan_gauge
 
 __all__ = ["DEFAULT_FACTORS", "GAUGE_TABLE_COLUMNS", "gauge_sweep", "plot_gauge_sweep"]
 
@@ -148,7 +148,10 @@ def gauge_sweep(
     configs: list[GaugeConfig | None] = []
     for spec in specs:
         adversarial = isinstance(spec, str) and spec.startswith("adversarial")
-        configs.append(None if adversarial or _is_adversarial(spec) else resolve_gauge(pipe, spec, layers, key=key))
+        config = None if adversarial or _is_adversarial(spec) else resolve_gauge(pipe, spec, layers, key=key)
+        if config is not None:
+            plan_gauge(pipe, config, layers)  # its range against the weights' dtype, before the first call
+        configs.append(config)
     with probe(pipe, layers=layers, maps=True, **probe_options) as run:
         reference = _as_array(call())
     if not np.isfinite(reference).all():

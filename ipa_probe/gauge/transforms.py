@@ -40,7 +40,7 @@ import torch
 
 from ..layers import IPLayer, LayerSelection, claim, find_ip_layers, list_hooks, release
 
-__all__ = ["GaugeConfig", "apply_gauge", "max_condition_number", "qk_gauge"]
+__all__ = ["GaugeConfig", "apply_gauge", "max_condition_number", "plan_gauge", "qk_gauge"]
 
 _FEATURE = "gauge"
 
@@ -336,15 +336,11 @@ def head_dim(layer: IPLayer) -> int:
 # --------------------------------------------------------------------------- apply, restore
 
 
-@contextlib.contextmanager
-def apply_gauge(pipe, config: GaugeConfig, layers: LayerSelection = None) -> Iterator[list[IPLayer]]:
-    """Apply one :class:`GaugeConfig` to the selected IP-Adapter layers; restore them bit for bit on exit.
+def plan_gauge(pipe, config: GaugeConfig, layers: LayerSelection = None) -> tuple[list[IPLayer], list[_Change]]:
+    """The selected layers and every change ``config`` would make, computed and checked, nothing written.
 
-    Every new value is computed (in float64) and checked before the first write: a layer where the gauge is no
-    symmetry, a matrix for a layer that is not selected, a condition number or scale the weights' dtype cannot hold
-    raise ``ValueError`` with the pipeline untouched. On exit, also after an exception or Ctrl-C, each parameter
-    gets back its original values (copied from clones taken on entry) and a bias created for a row shift is removed
-    again, so dtypes, devices, the set of parameters and every bit are as they were.
+    Raises:
+        TypeError, ValueError: as :func:`apply_gauge`, before anything changes.
     """
     if not isinstance(config, GaugeConfig):
         raise TypeError(f"config: expected a GaugeConfig, got {config!r}")
@@ -356,7 +352,7 @@ def apply_gauge(pipe, config: GaugeConfig, layers: LayerSelection = None) -> Ite
             raise ValueError(
                 f"{key}: layer ids {unknown} are not among the selected IP-Adapter layers {sorted(names)}"
             )
-    changes: list[tuple[IPLayer, _Change]] = []
+    changes: list[_Change] = []
     seen: dict[int, _Change] = {}
     for layer in found:
         _check_layer(layer)
@@ -369,16 +365,30 @@ def apply_gauge(pipe, config: GaugeConfig, layers: LayerSelection = None) -> Ite
                 )
             if key not in seen:
                 seen[key] = change
-                changes.append((layer, change))
+                changes.append(change)
+    return found, changes
+
+
+@contextlib.contextmanager
+def apply_gauge(pipe, config: GaugeConfig, layers: LayerSelection = None) -> Iterator[list[IPLayer]]:
+    """Apply one :class:`GaugeConfig` to the selected IP-Adapter layers; restore them bit for bit on exit.
+
+    Every new value is computed (in float64) and checked before the first write: a layer where the gauge is no
+    symmetry, a matrix for a layer that is not selected, a condition number or scale the weights' dtype cannot hold
+    raise ``ValueError`` with the pipeline untouched. On exit, also after an exception or Ctrl-C, each parameter
+    gets back its original values (copied from clones taken on entry) and a bias created for a row shift is removed
+    again, so dtypes, devices, the set of parameters and every bit are as they were.
+    """
+    found, changes = plan_gauge(pipe, config, layers)
     if any(a.feature == "nw_head" for a in list_hooks(pipe)):
         raise ValueError("an NW head is applied (its logits use |k|^2, which the gauge changes); remove it first")
     claim(pipe, _FEATURE, [layer.name for layer in found], f"q/k gauge: {config.describe()}")
     originals = [
-        (c.module, c.name, None if c.created else getattr(c.module, c.name).detach().clone()) for _, c in changes
+        (c.module, c.name, None if c.created else getattr(c.module, c.name).detach().clone()) for c in changes
     ]
     try:
         with torch.no_grad():
-            for _, change in changes:
+            for change in changes:
                 if change.created:
                     weight = change.module.weight
                     bias = torch.nn.Parameter(change.new.to(weight.dtype).to(weight.device), weight.requires_grad)
