@@ -323,3 +323,29 @@ def test_out_of_range_gauges_are_refused_before_anything_changes(sd15, refs):
     for bad in (dict(direction="sideways"), dict(max_cond=1.0), dict(iterations=0), dict(statistic="pearson")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             AdversarialGauge(**bad)
+
+
+def test_two_adapters_each_get_the_basis_change_and_the_shift(refs):
+    pipe = tiny_pipeline("sd15", num_adapters=2)
+    before = _state(pipe)
+
+    def call():
+        generator = torch.Generator().manual_seed(0)
+        return pipe(
+            "a photo", ip_adapter_image=[refs, refs[:1]], num_inference_steps=1, generator=generator, output_type="np"
+        )
+
+    reference = call().images
+    for spec in (RandomGauge(seed=2, spread=1.0), RowShift(seed=2, scale=1.0)):
+        with qk_gauge(pipe, spec) as layers:
+            changed = [not torch.equal(k.weight, before[_name(pipe, k)][0]) for k in layers[0].processor.to_k_ip]
+            biased = [k.bias is not None for k in layers[0].processor.to_k_ip]
+            gauged = call().images
+        # one softmax per adapter: a change to either adapter's keys alone would move the output by far more
+        assert np.abs(gauged - reference).max() < 1e-4
+        assert all(biased) if isinstance(spec, RowShift) else all(changed)
+        assert _same_state(pipe, before)
+
+
+def _name(pipe, module) -> str:
+    return next(f"{n}.weight" for n, m in pipe.unet.named_modules() if m is module)
