@@ -3,7 +3,7 @@ and sweep a generation over several (sweep). docs/gauge.md says which statistics
 
 from .generators import AdversarialGauge, RandomGauge, RowShift, adversarial_gauge, resolve_gauge
 from .sweep import DEFAULT_FACTORS, GAUGE_TABLE_COLUMNS, gauge_sweep, plot_gauge_sweep
-from .transforms import GaugeConfig, apply_gauge, max_condition_number, qk_gauge
+from .transforms import GaugeConfig, apply_gauge, max_condition_number, plan_gauge, qk_gauge
 
 __all__ = [
     "DEFAULT_FACTORS",
@@ -16,6 +16,7 @@ __all__ = [
     "apply_gauge",
     "gauge_sweep",
     "max_condition_number",
+    "plan_gauge",
     "plot_gauge_sweep",
     "qk_gauge",
     "resolve_gauge",
