@@ -15,6 +15,7 @@ from typing import Any
 __all__ = [
     "BANDWIDTH_RANGE",
     "DEFAULT_GAUGE_FACTORS",
+    "GAUGE_FACTOR_RANGE",
     "DEFAULT_DIGITS_RECIPE",
     "DIGITS_RECIPES",
     "MAX_SEED",
@@ -31,6 +32,7 @@ __all__ = [
     "check_steps",
     "parse_bandwidth",
     "parse_factors",
+    "parse_gauges",
     "parse_step_selection",
     "step_selected",
     "parse_float",
@@ -177,6 +179,80 @@ def parse_factors(value: Any, key: str = "factors") -> tuple[float, ...]:
     if len(set(factors)) != len(factors):
         raise ValueError(f"{key}: expected distinct factors, got {value!r}")
     return tuple(factors)
+
+
+#: The scalar gauge factors the command line accepts (checked before torch loads): beyond them float32 weights lose
+#: bits or overflow for ordinary inputs. The Python API checks the factor against the weights' own dtype instead.
+GAUGE_FACTOR_RANGE: tuple[float, float] = (2.0**-20, 2.0**20)
+
+_GAUGE_FORMS = "numbers c > 0, random[:SEED[:SPREAD]], adversarial[:up|down[:MAXCOND]] or shift[:SEED[:SCALE]]"
+
+
+def _gauge_token(token: str, key: str) -> str:
+    """One named gauge, normalised to ``kind:a:b`` with its defaults filled in."""
+    kind, *rest = token.split(":")
+    defaults = {"random": ("0", "1"), "shift": ("0", "1"), "adversarial": ("down", "10")}[kind]
+    if len(rest) > 2:
+        raise ValueError(f"{key}: expected {kind}[:A[:B]] (two fields at most), got {token!r}")
+    first, second = (*rest, *defaults[len(rest) :])
+    if kind == "adversarial":
+        if first not in ("up", "down"):
+            raise ValueError(f"{key}: expected adversarial:up or adversarial:down, got {token!r}")
+        bound = parse_float(second, key)
+        if not 1 < bound <= 1e4:
+            raise ValueError(f"{key}: expected the adversarial condition bound MAXCOND in (1, 10000], got {token!r}")
+        return f"adversarial:{first}:{bound:g}"
+    try:
+        seed = int(first)
+    except ValueError:
+        raise ValueError(f"{key}: expected {kind}:SEED with an integer SEED, got {token!r}") from None
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"{key}: expected a SEED in [0, {MAX_SEED}], got {token!r}")
+    size = parse_float(second, key)
+    high = 4.0 if kind == "random" else 1000.0
+    if not 0 < size <= high:
+        what = "SPREAD (sd of log singular values)" if kind == "random" else "SCALE (sd of the shift, key units)"
+        raise ValueError(f"{key}: expected {what} in (0, {high:g}], got {token!r}")
+    return f"{kind}:{seed}:{size:g}"
+
+
+def parse_gauges(value: Any, key: str = "gauges", bounded: bool = True) -> tuple[float | str, ...]:
+    """Gauge specs from a sequence or a comma-separated string (``"0.5,2,random:0:1,adversarial:down:10"``).
+
+    Numbers are scalar gauge factors (> 0; with ``bounded``, within :data:`GAUGE_FACTOR_RANGE`); named gauges are
+    returned as normalised strings ``random:SEED:SPREAD``, ``shift:SEED:SCALE``, ``adversarial:DIRECTION:MAXCOND``.
+    Anything else (objects of :mod:`ipa_probe.gauge`) is passed through unchanged. Repeats are refused.
+    """
+    items = value.split(",") if isinstance(value, str) else value
+    if isinstance(items, bytes) or not hasattr(items, "__iter__"):
+        raise ValueError(f"{key}: expected {_GAUGE_FORMS}, e.g. 0.5,2,random:0:1, got {value!r}")
+    low, high = GAUGE_FACTOR_RANGE
+    specs: list[float | str] = []
+    for item in items:
+        text = item.strip() if isinstance(item, str) else None
+        if text is not None and text.split(":")[0] in ("random", "shift", "adversarial"):
+            specs.append(_gauge_token(text, key))
+            continue
+        if not (isinstance(item, str | int | float) and not isinstance(item, bool)):
+            specs.append(item)
+            continue
+        try:
+            factor = parse_float(item, key)
+        except ValueError:
+            raise ValueError(f"{key}: expected {_GAUGE_FORMS}, got {item!r}") from None
+        if factor <= 0 or (bounded and not low <= factor <= high):
+            limits = f"in [{low:g}, {high:g}] (2^-20 to 2^20)" if bounded else "> 0"
+            raise ValueError(
+                f"{key}: expected gauge factors {limits}: q -> c q, k -> k / c must keep the outputs "
+                f"finite, got {item!r}"
+            )
+        specs.append(factor)
+    if not specs:
+        raise ValueError(f"{key}: expected at least one gauge, e.g. 0.5,1,2, got {value!r}")
+    plain = [s for s in specs if isinstance(s, float | str)]
+    if len(set(plain)) != len(plain):
+        raise ValueError(f"{key}: expected distinct gauges, got {value!r}")
+    return tuple(specs)
 
 
 def parse_bandwidth(value: Any, keywords: tuple[str, ...] = ("matched", "fit")) -> str | float:

@@ -82,8 +82,16 @@ CASES = [
     ),
     Case("--overlay-steps without --overlays", ("probe", "--overlay-steps"), 2, "needs --overlays"),
     Case("--overlays names a file", ("probe", "--overlays", "{root}/a_file"), 2, "--overlays"),
-    Case("--gauge-sweep 0,1", ("probe", "--gauge-sweep", "0,1"), 2, "numbers > 0"),
-    Case("--gauge-sweep 1,x", ("probe", "--gauge-sweep", "1,x"), 2, "expected a number"),
+    Case("--gauge-sweep 0,1", ("probe", "--gauge-sweep", "0,1"), 2, "--gauge-sweep: expected gauge factors in ["),
+    Case("--gauge-sweep 1,x", ("probe", "--gauge-sweep", "1,x"), 2, "--gauge-sweep: expected numbers c > 0, random"),
+    # issue 31: a factor whose outputs are not finite blamed an unseeded `call` after the run
+    Case("--gauge-sweep 1e300", ("probe", "--gauge-sweep", "1e300"), 2, "gauge factors in [9.53674e-07, 1.04858e+06]"),
+    Case("--gauge-sweep random:x", ("probe", "--gauge-sweep", "random:x"), 2, "integer SEED"),
+    Case("--gauge-sweep random:0:9", ("probe", "--gauge-sweep", "random:0:9"), 2, "SPREAD"),
+    Case("--gauge-sweep adversarial:left", ("probe", "--gauge-sweep", "adversarial:left"), 2, "adversarial:up or"),
+    Case("--gauge-sweep adversarial:up:1", ("probe", "--gauge-sweep", "adversarial:up:1"), 2, "MAXCOND in (1"),
+    Case("--gauge-sweep shift:0:0", ("probe", "--gauge-sweep", "shift:0:0"), 2, "SCALE"),
+    Case("--gauge-sweep 2,2", ("probe", "--gauge-sweep", "2,2"), 2, "distinct gauges"),
     Case("--gauge-sweep with --maps", ("probe", "--gauge-sweep", "--maps"), 2, "drop --keep-maps"),
     Case("lock is a folder", ("sweep", "{root}/ok.jsonl", "--out", "{root}/locked"), 1, "Is a directory"),
     # models and weights

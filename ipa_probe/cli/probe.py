@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from .._checks import DEFAULT_GAUGE_FACTORS, parse_factors
+from .._checks import DEFAULT_GAUGE_FACTORS, GAUGE_FACTOR_RANGE, parse_gauges
 from . import CLIError
 from ._common import (
     DIGITS_DEFAULTS,
@@ -58,20 +58,24 @@ def add_parser(subparsers) -> None:
         "--gauge-sweep",
         nargs="?",
         const=DEFAULT_GAUGE_FACTORS,
-        type=_factors_type,
-        metavar="C,C,...",
-        help="instead of one probed generation, rerun it with every IP layer reparametrised by q -> c q, k -> k/c "
-        "(outputs unchanged) and write gauge_sweep.parquet / .csv / .png: what rho, its baseline and excess do per "
-        f"factor (default factors: {','.join(f'{c:g}' for c in DEFAULT_GAUGE_FACTORS)}; docs/gauge.md)",
+        type=_gauges_type,
+        metavar="G,G,...",
+        help="instead of one probed generation, rerun it with every IP layer reparametrised by each gauge (outputs "
+        "unchanged) and write gauge_sweep.parquet / .csv / .png: what rho, its baseline and excess do per gauge. "
+        f"A gauge is a factor c in [{GAUGE_FACTOR_RANGE[0]:g}, {GAUGE_FACTOR_RANGE[1]:g}] (q -> c q, k -> k/c), "
+        "random[:SEED[:SPREAD]] (per-head orthogonal x diag(exp N(0, SPREAD))), adversarial[:up|down[:MAXCOND]] "
+        "(a cond <= MAXCOND basis change searched to push rho up or down) or shift[:SEED[:SCALE]] (the same random "
+        f"vector added to every image key) (default: {','.join(f'{c:g}' for c in DEFAULT_GAUGE_FACTORS)}; "
+        "docs/gauge.md)",
     )
     parser.add_argument("--out", default="outputs/probe", help="output folder (default: outputs/probe)")
     add_tracker_arguments(parser)
     parser.set_defaults(func=run, check=check)
 
 
-def _factors_type(value: str) -> tuple[float, ...]:
+def _gauges_type(value: str) -> tuple[float | str, ...]:
     try:
-        return parse_factors(value, "gauge-sweep")
+        return parse_gauges(value, "--gauge-sweep")
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err).split(": ", 1)[-1]) from None
 
@@ -189,17 +193,17 @@ def _gauge_sweep(args: argparse.Namespace) -> int:
     if image.empty:
         image = table[table["kind"] == "image"]
     # the numbers the figure draws; they move by ~1e-6 between CPUs, 1e-3 is far below a visible change
-    drawn = image.sort_values(["factor", "step"])[["spearman", "rho_baseline", "rho_excess", "neff_attn"]]
+    drawn = image[["spearman", "rho_baseline", "rho_excess", "neff_attn"]]  # per gauge in the sweep's order, per step
     stamp = {"code": code_digest(plot_gauge_sweep), "data": drawn.round(6).to_numpy().ravel().tolist(), "atol": 1e-3}
     write_figure(plot_gauge_sweep(table), out / "gauge_sweep.png", provenance=stamp)
-    first = image[image["step"] == image["step"].min()].sort_values("factor")
-    factors = "/".join(f"{c:g}" for c in first["factor"])
+    first = image[image["step"] == image["step"].min()]  # in the sweep's order of gauges
+    gauges = "; ".join(first["gauge"])
     rho = "/".join(f"{v:.3f}" for v in first["spearman"])
     excess = "/".join(f"{v:+.3f}" for v in first["rho_excess"])
     where = f"t={first['timestep'].iloc[0]:g}, {first['branch'].iloc[0]}"
     print(
-        f"wrote {out}: gauge_sweep.parquet, gauge_sweep.csv, gauge_sweep.png; first step ({where}) at c = {factors}: "
-        f"rho {rho}, rho_excess {excess}; outputs equal to the ungauged one within "
+        f"wrote {out}: gauge_sweep.parquet, gauge_sweep.csv, gauge_sweep.png; first step ({where}) under {gauges}: "
+        f"stored-frame rho {rho}, rho_excess {excess}; outputs equal to the ungauged one within "
         f"{table['output_max_abs_diff'].max():.3g}"
     )
     return 0

@@ -1,0 +1,246 @@
+"""Gauge sweeps: probe one generation under several elements of the q/k gauge group and tabulate what moves.
+
+Each gauge (a scalar ``c``, per-head matrices, a row shift, or a named generator: :mod:`ipa_probe.gauge.generators`)
+is applied by :func:`ipa_probe.gauge.transforms.apply_gauge`, ``call()`` runs the pipeline once under
+:func:`ipa_probe.probe`, and the weights are restored bit for bit afterwards. Every output must equal the ungauged
+one; the table shows which of the probe's columns move (the stored-frame rho, ``rho_excess``) and which cannot
+(everything made from the attention weights alone, and the query-frame columns).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .._checks import DEFAULT_GAUGE_FACTORS, parse_gauges
+from ..layers import LayerSelection, find_ip_layers
+from .generators import resolve_gauge
+from .transforms import GaugeConfig, _check_layer, apply_gauge, plan_gauge
+
+__all__ = ["DEFAULT_FACTORS", "GAUGE_TABLE_COLUMNS", "gauge_sweep", "plot_gauge_sweep"]
+
+logger = logging.getLogger(__name__)
+
+#: The factors :func:`gauge_sweep` and ``ipa-probe probe --gauge-sweep`` use by default (powers of two: exact).
+DEFAULT_FACTORS: tuple[float, ...] = DEFAULT_GAUGE_FACTORS
+
+#: The leading columns of :func:`gauge_sweep`'s table; the rest are the probe summary's columns (whatever
+#: :meth:`ipa_probe.ProbeRun.summary` produces) and ``ref_mass_<adapter>_<reference>``.
+GAUGE_TABLE_COLUMNS: tuple[str, ...] = ("gauge", "factor", "max_cond", "output_max_abs_diff")
+
+
+def _as_array(output: Any) -> np.ndarray:
+    """A pipeline call's result as one float64 array: ``.images`` (PIL, numpy or tensors), a tuple's first entry, a
+    tensor, an array, or a list of them."""
+    if hasattr(output, "images"):
+        output = output.images
+    elif isinstance(output, tuple) and output:
+        output = output[0]
+    if isinstance(output, torch.Tensor):
+        return output.detach().to("cpu", torch.float64).numpy()
+    if isinstance(output, list | tuple):
+        return np.stack([_as_array(item) for item in output])
+    try:
+        if output is None or isinstance(output, str | bytes | dict):
+            raise TypeError
+        return np.asarray(output, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"call: expected it to return the pipeline's output (an object with .images, a tensor, an array or PIL "
+            f"images) so that the outputs can be compared, got {type(output).__name__}"
+        ) from None
+
+
+def _mass_columns(mass: pd.DataFrame) -> pd.DataFrame:
+    """Attention mass per reference, averaged over layers: one ``ref_mass_<adapter>_<reference>`` column per
+    reference, indexed by (call, step, branch)."""
+    if mass.empty:
+        return pd.DataFrame()
+    mean = mass.groupby(["call", "step", "branch", "adapter", "reference"], observed=True)["attention"].mean()
+    wide = mean.unstack(["adapter", "reference"])
+    wide.columns = [f"ref_mass_{adapter}_{reference}" for adapter, reference in wide.columns]
+    return wide.reset_index()
+
+
+def gauge_sweep(
+    pipe,
+    call: Callable[[], Any],
+    gauges: Sequence[Any] = DEFAULT_FACTORS,
+    *,
+    factors: Sequence[float] | None = None,
+    tolerance: float = 1e-4,
+    layers: LayerSelection = None,
+    **probe_options,
+) -> pd.DataFrame:
+    """Probe one generation under several q/k gauges and tabulate what moves and what does not.
+
+    The ungauged pipeline runs first, as the reference; then, per gauge, the pipeline's IP-Adapter layers are
+    reparametrised (:func:`ipa_probe.qk_gauge`), ``call()`` runs the pipeline once under :func:`ipa_probe.probe`
+    (with ``maps=True`` for the attention mass per reference), and the weights are restored bit for bit afterwards,
+    whatever happens. Each output is compared with the reference output: every gauge must reproduce it (exactly for
+    powers of two; to rounding for matrices, which round ``A W`` once per weight).
+
+    Args:
+        pipe: a pipeline with an IP-Adapter: SD 1.5 / SDXL (the whole group), Flux / SD3 (the per-channel subgroup).
+        call: a function of no arguments that runs ``pipe`` once and returns its output; it must seed its own
+            generator, so that two calls give the same output (e.g.
+            ``lambda: pipe(prompt, ip_adapter_image=[refs], generator=torch.Generator().manual_seed(0))``).
+        gauges: the gauges, each anything :func:`ipa_probe.qk_gauge` accepts (numbers, :class:`GaugeConfig`,
+            :class:`RandomGauge`, :class:`RowShift`) or an :class:`AdversarialGauge` (searched on ``call``), or
+            strings such as ``"0.5,random:0:1,adversarial:down:10,shift:0:1"`` (default: 0.25, 0.5, 1, 2, 4).
+        factors: the older name of ``gauges`` (numbers only); give one of the two.
+        tolerance: the largest allowed ``max |output_g - output_ref|``, relative to ``max(1, max |output_ref|)``.
+        layers: the layers to reparametrise and probe (regex or list of them; default: all IP-Adapter layers).
+        **probe_options: further :func:`ipa_probe.probe` options (``bandwidth``, ``steps``, ``heads``, ``branch``,
+            ``branches``, ``seed``).
+
+    Returns:
+        one row per gauge x (call, step, timestep, kind, branch): ``gauge`` (its description), ``factor`` (the
+        scalar c, NaN for a gauge with matrices or shifts), ``max_cond`` (the largest cond(A), 1 for scalars),
+        ``output_max_abs_diff`` (the largest absolute difference of that gauge's output from the reference output),
+        every column of the probe's summary (among them ``spearman``, ``logit_ratio``, ``rho_baseline``,
+        ``rho_excess``, the attention-only ``neff_attn`` and any query-frame columns the probe produces) and, for
+        the image branch, ``ref_mass_<adapter>_<reference>``: each reference image's mean share of the attention
+        weight (over layers, heads, query positions and items; :meth:`ipa_probe.ProbeRun.reference_mass`).
+
+    Raises:
+        TypeError: ``call`` is not callable or returns no pipeline output (e.g. ``None``).
+        ValueError: bad gauges or options, a gauge outside the range the weights keep finite, or a pipeline where a
+            gauge is no symmetry (see :func:`ipa_probe.qk_gauge`), before anything runs.
+        RuntimeError: an output differs from the reference output beyond ``tolerance`` (then ``call`` is not
+            deterministic: seed its generator).
+
+    Example:
+        ```py
+        >>> table = ipa_probe.gauge_sweep(pipe, lambda: pipe("a photo", ip_adapter_image=[refs],
+        ...     num_inference_steps=4, generator=torch.Generator().manual_seed(0)), ["random:0:1", 2.0])
+        >>> table.pivot_table(index="timestep", columns="gauge", values="spearman")
+        ```
+    """
+    from ..capture.run import probe
+
+    if not callable(call):
+        raise TypeError(f"call: expected a function of no arguments that runs the pipeline once, got {call!r}")
+    if factors is not None:
+        if gauges is not DEFAULT_FACTORS:
+            raise ValueError("factors: give the gauges once, as gauges= (factors= is its older name)")
+        gauges, key = factors, "factors"
+    else:
+        key = "gauges"
+    if isinstance(gauges, bytes) or not isinstance(gauges, Iterable | str):
+        raise TypeError(f"{key}: expected a sequence of gauges, e.g. (0.5, 1, 2) or 'random:0:1,2', got {gauges!r}")
+    if key == "factors" and (isinstance(gauges, str) or not all(isinstance(g, int | float) for g in gauges)):
+        raise TypeError(f"factors: expected a sequence of numbers > 0, e.g. (0.5, 1, 2), got {gauges!r}")
+    specs = parse_gauges(gauges if isinstance(gauges, str) else list(gauges), key, bounded=False)
+    if not (isinstance(tolerance, int | float) and math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"tolerance: expected a finite number >= 0, got {tolerance!r}")
+    if "maps" in probe_options or "keep_maps" in probe_options:
+        raise ValueError("gauge_sweep keeps the reference maps itself; drop maps= / keep_maps= from its options")
+    for layer in find_ip_layers(pipe, layers):
+        _check_layer(layer)  # refuse before anything runs
+    # every gauge but the adversarial ones is resolved (and range-checked) before the first call
+    configs: list[GaugeConfig | None] = []
+    for spec in specs:
+        adversarial = isinstance(spec, str) and spec.startswith("adversarial")
+        config = None if adversarial or _is_adversarial(spec) else resolve_gauge(pipe, spec, layers, key=key)
+        if config is not None:
+            plan_gauge(pipe, config, layers)  # its range against the weights' dtype, before the first call
+        configs.append(config)
+    with probe(pipe, layers=layers, maps=True, **probe_options) as run:
+        reference = _as_array(call())
+    if not np.isfinite(reference).all():
+        raise ValueError("call: the ungauged pipeline's output has non-finite values; fix the pipeline first")
+    scale = max(1.0, float(np.max(np.abs(reference)))) if reference.size else 1.0
+    identity = _rows(run, GaugeConfig(label="identity"), 0.0)
+    tables = []
+    for spec, config in zip(specs, configs, strict=True):
+        if config is None:
+            config = resolve_gauge(pipe, spec, layers, key=key, call=call)
+        if _is_identity(config):
+            tables.append(identity)
+            continue
+        with apply_gauge(pipe, config, layers), probe(pipe, layers=layers, maps=True, **probe_options) as run:
+            output = _as_array(call())
+        name = config.describe()
+        if output.shape != reference.shape:
+            raise RuntimeError(f"gauge {name}: the output's shape {output.shape} differs from {reference.shape}")
+        diff = float(np.max(np.abs(output - reference))) if output.size else 0.0
+        if not diff <= tolerance * scale:
+            raise RuntimeError(
+                f"gauge {name}: the output differs from the ungauged one by up to {diff:.3g} (tolerance "
+                f"{tolerance:g} x {scale:.3g}); the gauge leaves every logit unchanged, so `call` is not "
+                "deterministic: seed its generator (generator=torch.Generator().manual_seed(0)) inside it"
+            )
+        logger.info("gauge %s: outputs equal to the reference within %.3g", name, diff)
+        tables.append(_rows(run, config, diff))
+    return pd.concat(tables, ignore_index=True)
+
+
+def _is_adversarial(spec: Any) -> bool:
+    from .generators import AdversarialGauge
+
+    return isinstance(spec, AdversarialGauge)
+
+
+def _is_identity(config: GaugeConfig) -> bool:
+    return config.factor == 1.0 and not config.matrices and not config.shifts
+
+
+def _rows(run, config: GaugeConfig, diff: float) -> pd.DataFrame:
+    """One gauge's rows: the probe summary, the reference masses, and the gauge's own columns first."""
+    summary = run.summary()
+    mass = _mass_columns(run.reference_mass())
+    if not mass.empty:
+        summary = summary.merge(mass.assign(kind="image"), on=["call", "step", "branch", "kind"], how="left")
+    plain = not config.matrices and not config.shifts
+    summary.insert(0, "gauge", config.describe() if config.label or not plain else f"c = {config.factor:g}")
+    summary.insert(1, "factor", config.factor if plain else math.nan)
+    summary.insert(2, "max_cond", config.largest_cond)
+    summary.insert(3, "output_max_abs_diff", diff)
+    return summary
+
+
+def plot_gauge_sweep(table: pd.DataFrame, branch: str = "cond", kind: str = "image"):
+    """Figure of a :func:`gauge_sweep` table: per gauge against timestep, rho with its baseline (dotted),
+    ``rho_excess``, and the gauge-invariant attention ``n_eff``; the x axes run in the denoising direction."""
+    import matplotlib.pyplot as plt
+
+    from ..capture.report import style_timestep_axes
+
+    part = table[(table["kind"] == kind) & (table["branch"] == branch)]
+    if part.empty and not table.empty:
+        branch = str(table["branch"].iloc[0])
+        part = table[(table["kind"] == kind) & (table["branch"] == branch)]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    colours = plt.get_cmap("viridis")
+    gauges = list(dict.fromkeys(part["gauge"]))  # in the sweep's order
+    for i, gauge in enumerate(gauges):
+        rows = part[part["gauge"] == gauge].sort_values("timestep", ascending=False)
+        colour = colours(i / max(1, len(gauges) - 1))
+        x = rows["timestep"].to_numpy(np.float64)
+        axes[0].plot(x, rows["spearman"], marker="o", color=colour, label=gauge)
+        axes[0].plot(x, rows["rho_baseline"], linestyle=":", color=colour)
+        axes[1].plot(x, rows["rho_excess"], marker="o", color=colour, label=gauge)
+        axes[2].plot(x, rows["neff_attn"], marker="o", color=colour, label=gauge)
+    style_timestep_axes(axes[0])
+    axes[0].set(
+        ylabel="Spearman ρ (dotted: baseline from r, K)", title=f"stored-frame ρ moves with the gauge ({branch})"
+    )
+    style_timestep_axes(axes[1])
+    axes[1].set(ylabel="ρ − baseline", title="rho_excess (not invariant either)")
+    axes[1].set_ylim(-0.55, 0.55)
+    axes[2].set_xlabel("timestep (denoising →)")
+    axes[2].invert_xaxis()
+    axes[2].set(ylabel="attention n_eff", title="invariant: attention n_eff (lines overlap)")
+    for ax in axes:
+        ax.title.set_fontsize(10)
+    handles, labels = axes[0].get_legend_handles_labels()  # one legend for the three panels, right of them
+    fig.legend(handles, labels, fontsize=7, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.84, 1))
+    return fig
