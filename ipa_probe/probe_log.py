@@ -379,10 +379,9 @@ def _layout(log: ProbeLog, head: str | None, calls: dict[int, str]) -> list:
 
 
 def write(log: ProbeLog, tracker) -> None:
-    """Hand ``log`` to ``tracker`` (a :class:`~ipa_probe.trackers.Tracker`), in step order: the hyper-parameters and
-    texts, then per step its scalars, histograms and images, then the layout and the end-of-run metrics."""
+    """Hand ``log`` to ``tracker`` (a :class:`~ipa_probe.trackers.Tracker`): the hyper-parameters with the end-of-run
+    metrics, then in step order each step's scalars, histograms and images, then the texts and the layout."""
     tracker.hparams(log.hparams, log.metrics, log.last_step)
-    tracker.text(log.texts, log.last_step)
     by_step: dict[int, dict[str, float]] = {}
     for tag, values in log.scalars.items():
         for step, value in values.items():
@@ -395,4 +394,5 @@ def write(log: ProbeLog, tracker) -> None:
         for tag, values in histograms.get(step, []):
             tracker.histogram(tag, values, step)
         tracker.figures(log.images.get(step, {}), step)
+    tracker.text(log.texts, log.last_step)
     tracker.layout(log.layout, log.scalars)

@@ -300,12 +300,12 @@ class Tracker:
         if self.name == "wandb":
             import wandb
 
-            for key, tags in drawn.items():
-                if tags:
-                    xs = [sorted(series[t]) for t in tags]
-                    ys = [[series[t][s] for s in x] for t, x in zip(tags, xs, strict=True)]
-                    chart = wandb.plot.line_series(xs=xs, ys=ys, keys=tags, title=key, xname="step")
-                    self._run.log({f"charts/{key}": chart})
+            for number, (title, tags) in enumerate((k, v) for k, v in drawn.items() if v):
+                xs = [sorted(series[t]) for t in tags]
+                ys = [[series[t][s] for s in x] for t, x in zip(tags, xs, strict=True)]
+                chart = wandb.plot.line_series(xs=xs, ys=ys, keys=tags, title=title, xname="step")
+                # the key names a wandb artifact (at most 128 characters): a number and the chart's title, cut
+                self._run.log({f"charts/{number:02d} {title.rsplit('/', 1)[-1]}"[:60]: chart})
         else:
             self._client.log_dict(self._run_id, drawn, "layout.json")
 
