@@ -1,22 +1,18 @@
-"""Send a run's per-timestep statistics, figures and settings to TensorBoard, Weights & Biases or MLflow.
+"""Send a finished run to TensorBoard, Weights & Biases or MLflow, through each one's own public API.
 
 Storage side, apart from the capture code: nothing here runs inside a denoising loop. A probe logs when its ``with``
-block ends (``probe(pipe, log_with="tensorboard")``), after the one device-to-host transfer of its buffers; a sweep
-and the experiments log when they have finished. The trackers are accelerate's (:mod:`accelerate.tracking`), which
-log on the main process only under ``accelerate launch``.
+block ends (``probe(pipe, log_with="tensorboard")``) or when asked (``run.log(...)``), after the one device-to-host
+transfer of its buffers; a sweep and the experiments log when they have finished.
 
-What is logged (tags for a probe; ``prefix`` defaults to ``"probe"``):
-
-- per recorded step (the x axis is the denoising loop index), per kind and CFG branch, every numeric column of the
-  per-timestep summary (:func:`ipa_probe.capture.report.summarize`): ``{prefix}/{kind}/{branch}/spearman``,
-  ``.../pearson``, ``.../spearman_null``, ``.../timestep`` (the scheduler's timestep of that step), ...; with several
-  pipeline calls in one block, ``{prefix}/call{c}/{kind}/{branch}/...``;
-- figures as images: ``{prefix}/rho_by_timestep`` (and ``{prefix}/reference_maps`` with ``maps=True``);
-- the settings as hyper-parameters (nested keys joined with ``/``; lists and ``None`` as text).
+- :class:`Tracker`: one run of one tracker (scalars, histograms, images, text, a chart layout, hyper-parameters with
+  metrics). A TensorBoard run is one folder with one event file (never a second run for the hyper-parameters); the
+  folder it reports is where its files are.
+- :func:`log_probe_run`: a probe; what it logs and under which tags is :mod:`ipa_probe.probe_log`'s (docs/logging.md).
+- :func:`log_sweep`, :func:`log_experiments`: a sweep's aggregate and rows, the experiments' tables, figures and
+  series.
 
 TensorBoard ships with ``ipa_probe`` (the tested one); ``pip install 'ipa_probe[wandb]'`` or ``'ipa_probe[mlflow]'``
-adds the others. wandb refuses a step lower than its last one, so there each scalar row carries its step as the value
-``step`` (chart against it) and wandb's own step just counts the rows.
+adds the others. wandb charts against the step it is given as the value ``step`` (its own step counts rows).
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TRACKERS", "Tracker", "check_tracker", "log_experiments", "log_probe_run", "log_sweep"]
+__all__ = ["TRACKERS", "Layout", "Tracker", "check_tracker", "log_experiments", "log_probe_run", "log_sweep"]
 
 logger = logging.getLogger(__name__)
 

@@ -119,10 +119,11 @@ def test_layout_names_the_tags_that_exist(logged):
     (config,) = events.Tensors("custom_scalars__config__")
     layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(config.tensor_proto).item())
     scalars = set(events.Tags()["scalars"])
-    charts = {chart.title: list(chart.multiline.tag) for c in layout.category for chart in c.chart}
-    for title, patterns in charts.items():
-        for pattern in patterns:
-            assert any(re.search(pattern, t) for t in scalars), (title, pattern)
+    for category in layout.category:
+        for chart in category.chart:
+            for pattern in chart.multiline.tag:
+                assert any(re.search(pattern, t) for t in scalars), (category.title, chart.title, pattern)
+    charts = {chart.title: list(chart.multiline.tag) for c in layout.category[:2] for chart in c.chart}
 
     def drawn(title):
         return sorted(t for t in scalars if any(re.search(p, t) for p in charts[title]))
@@ -358,3 +359,45 @@ def test_cli_prints_the_folder_of_the_event_file(tmp_path, capsys):
     assert [int(re.search(r"read as (\d)", line).group(1)) for line in readings.splitlines()[2:]] == digits[
         "predicted"
     ]
+
+
+def test_query_frame_columns_get_their_tags_charts_and_metrics_once_they_exist(logged, tmp_path, monkeypatch):
+    """The query-frame columns (another part of the probe adds them) are found by name: here they are added to the
+    run's table and summary by the test, with values that differ from the stored frame's."""
+    run = logged[0]
+    table, summary = run.to_dataframe(), run.summary()
+    for frame in (table, summary):
+        frame["qf_spearman"] = frame["spearman"] / 2
+        frame["qf_rho_baseline"] = frame["rho_baseline"] / 3
+        frame["qf_spearman_null"] = frame["spearman_null"] / 4
+        frame["qf_rho_excess"] = frame["qf_spearman"] - frame["qf_rho_baseline"]
+        frame["qf_gauss_rho"] = frame["spearman"] / 5
+    monkeypatch.setattr(run, "to_dataframe", lambda: table.copy())
+    monkeypatch.setattr(run, "summary", lambda: summary.copy())
+    events = _events(run.log("tensorboard", tmp_path, "qf"))
+    cells = table[(table["kind"] == "image") & (table["branch"] == "cond")]
+    means = cells.groupby("step")[["qf_spearman", "qf_rho_baseline", "qf_spearman_null", "qf_gauss_rho"]].mean()
+    for column, tag in (("qf_spearman", "nw/qf_rho"), ("qf_rho_baseline", "nw/qf_rho_baseline"),
+                        ("qf_spearman_null", "nw/qf_rho_null"), ("qf_gauss_rho", "nw/qf_gauss_rho")):  # fmt: skip
+        assert _scalar(events, tag) == pytest.approx(means[column].to_dict(), abs=FLOAT32)
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    from tensorboard.util import tensor_util
+
+    (config,) = events.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(config.tensor_proto).item())
+    assert layout.category[0].title.startswith("rho vs Gaussian NW: cond branch")
+    charts = {chart.title: list(chart.multiline.tag) for chart in layout.category[0].chart}
+    assert charts["query-frame rho with its baseline and null"] == ["^nw/qf_rho$", "^nw/qf_rho_baseline$",
+                                                                     "^nw/qf_rho_null$"]  # fmt: skip
+    assert charts["query-frame Gaussian columns"] == ["^nw/qf_gauss"]
+    assert charts["excess over the baseline"] == ["^nw/rho_excess$", "^nw/qf_rho_excess$"]
+    layers = sorted(t for t in events.Tags()["scalars"] if t.startswith("nw/qf_layer/"))
+    assert len(layers) == len(run.layers)
+    histograms = {e.step: e.histogram_value.num for e in events.Histograms("hist/qf_rho_per_layer_head_cell")}
+    assert histograms == cells.groupby("step")["qf_spearman"].count().astype(float).to_dict()
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = events.PluginTagToContent("hparams")["_hparams_/experiment"]
+    metrics = [m.name.tag for m in plugin_data_pb2.HParamsPluginData.FromString(content).experiment.metric_infos]
+    assert {"end/qf_rho", "end/qf_rho_baseline", "end/qf_rho_null", "end/qf_rho_excess"} <= set(metrics)
+    assert list(_scalar(events, "end/qf_rho").values()) == pytest.approx([cells["qf_spearman"].mean()], abs=FLOAT32)

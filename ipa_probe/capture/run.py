@@ -753,11 +753,13 @@ def probe(
             :mod:`ipa_probe.capture.taps` for what the image-branch weights are in each).
         bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps: see
             :class:`ProbeConfig`.
-        log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"`` to send the run's per-step summary statistics,
-            figures and settings to that tracker when the block ends normally (after the denoising loop and the
-            one device-to-host transfer: nothing is logged, and nothing synchronises, inside the loop); ``None``
-            (default) for none. See :mod:`ipa_probe.trackers`.
-        logging_dir, run_name: where the tracker writes (TensorBoard: ``logging_dir/run_name``).
+        log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"`` to send the run (rho with its baseline and null,
+            per-layer rho, histograms, overlays per step with ``maps=True``, settings with end-of-run metrics) to
+            that tracker when the block ends normally (after the denoising loop and the one device-to-host
+            transfer: nothing is logged, and nothing synchronises, inside the loop); ``None`` (default) for none.
+            See :mod:`ipa_probe.probe_log` and docs/logging.md; :meth:`ProbeRun.log` also takes the images.
+        logging_dir, run_name: where the tracker writes (TensorBoard: ``logging_dir/run_name``, or
+            ``run_name-2``, ... when that folder already holds a run).
 
     Yields:
         the :class:`ProbeRun`; read its results after the block.
