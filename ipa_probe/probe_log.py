@@ -230,7 +230,9 @@ def _overlays(log: ProbeLog, run, call: int, adapter: int, head: str, where: str
     timesteps = run.map_timesteps(call)
     tag = f"{where}overlays/reference_shares" + ("" if adapter == 0 else f"_adapter{adapter}")
     for step in steps:
-        fig, axes = plt.subplots(2, count, figsize=(2.9 * count, 5.2), squeeze=False, layout="constrained")
+        # no constrained layout: it doubles the drawing time of these six-colorbar figures, one per step
+        fig, axes = plt.subplots(2, count, figsize=(2.9 * count, 5.4), squeeze=False)
+        fig.subplots_adjust(left=0.02, right=0.93, bottom=0.03, top=0.86, wspace=0.55, hspace=0.3)
         for row, kind in enumerate(("attention", "nw")):
             for r in range(count):
                 plot_overlay(run, base, r, kind=kind, call=call, adapter=adapter, branch=head, steps=[step],
