@@ -401,3 +401,39 @@ def test_query_frame_columns_get_their_tags_charts_and_metrics_once_they_exist(l
     metrics = [m.name.tag for m in plugin_data_pb2.HParamsPluginData.FromString(content).experiment.metric_infos]
     assert {"end/qf_rho", "end/qf_rho_baseline", "end/qf_rho_null", "end/qf_rho_excess"} <= set(metrics)
     assert list(_scalar(events, "end/qf_rho").values()) == pytest.approx([cells["qf_spearman"].mean()], abs=FLOAT32)
+
+
+def test_probe_log_with_draws_the_overlays_over_a_grey_field(organism, tmp_path):
+    """``probe(pipe, maps=True, log_with=...)`` sees no generated image: the overlays still come at every step."""
+    from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_reference_images
+
+    refs = digits_reference_images(3, 3)
+    with probe(organism, maps=True, log_with="tensorboard", logging_dir=tmp_path, run_name="ctx") as run:
+        organism(DIGITS_PROMPT, ip_adapter_image=[refs], num_inference_steps=2, guidance_scale=3.0,
+                 generator=torch.Generator().manual_seed(0))  # fmt: skip
+    events = _events(tmp_path / "ctx")
+    assert [e.step for e in events.Images("overlays/reference_shares")] == run.map_steps(0) == [0, 1]
+    assert "images/generated" not in events.Tags()["images"]
+    expected = _cells(run).groupby("step")["spearman"].mean().to_dict()
+    assert _scalar(events, "nw/rho") == pytest.approx(expected, abs=FLOAT32)
+
+
+def test_several_calls_in_one_block_get_a_prefix_and_a_layout_each(sd15, refs, tmp_path):
+    with probe(sd15) as run:
+        for seed in (0, 1):
+            sd15("a photo", ip_adapter_image=[refs], num_inference_steps=2, output_type="latent",
+                 generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    events = _events(run.log("tensorboard", tmp_path, "two"))
+    table = run.to_dataframe()
+    for call in (0, 1):
+        cells = table[(table["call"] == call) & (table["kind"] == "image") & (table["branch"] == "cond")]
+        expected = cells.groupby("step")["spearman"].mean().to_dict()
+        assert _scalar(events, f"call{call}/nw/rho") == pytest.approx(expected, abs=FLOAT32)
+    assert "nw/rho" not in events.Tags()["scalars"]
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    from tensorboard.util import tensor_util
+
+    (config,) = events.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(config.tensor_proto).item())
+    titles = [c.title for c in layout.category if "cond branch" in c.title]
+    assert titles == [f"call{c}/rho vs Gaussian NW: cond branch, mean over layers and heads" for c in (0, 1)]
