@@ -235,8 +235,9 @@ def _overlays(log: ProbeLog, run, call: int, adapter: int, head: str, where: str
         fig.subplots_adjust(left=0.02, right=0.93, bottom=0.03, top=0.86, wspace=0.55, hspace=0.3)
         for row, kind in enumerate(("attention", "nw")):
             for r in range(count):
-                plot_overlay(run, base, r, kind=kind, call=call, adapter=adapter, branch=head, steps=[step],
-                             vmax=top[r], ax=axes[row, r], title=f"reference {r}, {kind}")  # fmt: skip
+                options = {"kind": kind, "call": call, "adapter": adapter, "branch": head, "steps": [step]}
+                title = f"reference {r}, {kind}"
+                plot_overlay(run, base, r, scale="deviation", vmax=top[r], ax=axes[row, r], title=title, **options)
         fig.suptitle(
             f"step {step} (t {timesteps[step]:.0f}), {head} branch: share minus 1/{count} {note}, mean over layers "
             "and heads",
