@@ -344,7 +344,7 @@ def test_cli_prints_the_folder_of_the_event_file(tmp_path, capsys):
     from ipa_probe.cli import main
 
     out = tmp_path / "out"
-    argv = ["probe", "--maps", "--log-with", "tensorboard", "--out", str(out), "--steps", "2", "--num-images", "2"]
+    argv = ["probe", "--log-with", "tensorboard", "--out", str(out), "--steps", "2", "--num-images", "2"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     folder = re.search(r"tensorboard logs in (\S+?);", printed).group(1)
