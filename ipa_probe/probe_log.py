@@ -294,7 +294,8 @@ def collect(
     order = network_order([layer.name for layer in run.layers])
     several = table["call"].nunique() > 1
     calls = {int(c): (f"call{int(c)}/" if several else "") for c in sorted(set(table["call"]))}
-    cells = table[(table["kind"] == "image") & (table["branch"] == head)] if head is not None else table
+    kind = "image" if (table["kind"] == "image").any() else "text"  # a text-only probe: the text branch's series
+    cells = table[(table["kind"] == kind) & (table["branch"] == head)] if head is not None else table
     if not summary.empty:
         _summary_scalars(log, summary, head, calls)
         log.last_step = int(summary["step"].max())
@@ -334,13 +335,14 @@ def collect(
     for column in (*_METRICS, *(c for c in cells.columns if c.startswith("qf_"))):
         if column in cells and pd.api.types.is_numeric_dtype(cells[column]):
             log.metrics[f"end/{headline_tag(column)}"] = float(cells[column].mean())
-    log.layout = _layout(log, head, calls)
+    log.layout = _layout(log, head, calls, "" if kind == "image" else f"{kind}/")
     return log
 
 
-def _layout(log: ProbeLog, head: str | None, calls: dict[int, str]) -> list:
+def _layout(log: ProbeLog, head: str | None, calls: dict[int, str], series: str = "") -> list:
     """The custom-scalars layout: per call, the headline series' charts, the reference shares, then the other
-    branches. A chart is kept only when one of its tags was logged; a category only when one of its charts is."""
+    branches. ``series``: the headline's part of the tags after ``nw/`` (``"text/"`` for a text-only probe). A chart
+    is kept only when one of its tags was logged; a category only when one of its charts is."""
     tags = set(log.scalars)
 
     def exact(base: str, *names: str) -> list[str]:
@@ -353,29 +355,31 @@ def _layout(log: ProbeLog, head: str | None, calls: dict[int, str]) -> list:
     chance = (frac_column(ROW_THRESHOLD), frac_null_column(ROW_THRESHOLD), rows_column(), f"{rows_column()}_null")
     layout = []
     for where in calls.values():
-        nw, maps = f"{where}nw/", f"{where}maps/"
+        nw, maps = f"{where}nw/{series}", f"{where}maps/"
         charts = [
             ("rho with its baseline and null (stored frame)", exact(nw, *trio)),
             ("query-frame rho with its baseline and null", exact(nw, *(f"qf_{n}" for n in trio))),
             ("excess over the baseline", exact(nw, "rho_excess", "qf_rho_excess")),
             ("query-frame Gaussian columns", prefix(nw + "qf_gauss")),
-            ("rho per layer (network order)", prefix(nw + "layer/")),
-            ("query-frame rho per layer (network order)", prefix(nw + "qf_layer/")),
+            ("rho per layer (network order)", prefix(f"{where}nw/layer/")),
+            ("query-frame rho per layer (network order)", prefix(f"{where}nw/qf_layer/")),
             (f"cells and rows with rho > {ROW_THRESHOLD:g}, and chance", exact(nw, *chance)),
             ("attention vs NW weights: Pearson and top-1 agreement", exact(nw, "pearson", "top1")),
         ]
-        layout.append((f"{where}rho vs Gaussian NW: {head} branch, mean over layers and heads", charts))
+        what = f"{head} branch" + (f" ({series[:-1]})" if series else "")
+        layout.append((f"{where}rho vs Gaussian NW: {what}, mean over layers and heads", charts))
         shares = [
             ("attention share of each reference", prefix(maps + "attention_share/")),
             ("NW share of each reference", prefix(maps + "nw_share/")),
             ("attention and NW: same dominant reference; total variation", exact(maps, "dominant_agree", "tv")),
         ]
         layout.append((f"{where}reference shares: {head} branch, mean over layers and positions", shares))
-        series = {t[len(nw) :].rsplit("/", 1)[0] for t in tags if t.startswith(nw) and t.count("/") > nw.count("/")}
-        for name in sorted(series - {"layer", "qf_layer"}):
+        base = f"{where}nw/"
+        others = {t[len(base) :].rsplit("/", 1)[0] for t in tags if t.startswith(base) and "/" in t[len(base) :]}
+        for name in sorted(others - {"layer", "qf_layer", series[:-1]}):
             charts = [
-                ("rho with its baseline and null", exact(f"{nw}{name}/", *trio)),
-                ("query-frame rho with its baseline and null", exact(f"{nw}{name}/", *(f"qf_{n}" for n in trio))),
+                ("rho with its baseline and null", exact(f"{base}{name}/", *trio)),
+                ("query-frame rho with its baseline and null", exact(f"{base}{name}/", *(f"qf_{n}" for n in trio))),
             ]
             layout.append((f"{where}rho vs Gaussian NW: {name}", charts))
     return [(category, [(t, p) for t, p in charts if p]) for category, charts in layout if any(p for _, p in charts)]

@@ -437,3 +437,28 @@ def test_several_calls_in_one_block_get_a_prefix_and_a_layout_each(sd15, refs, t
     layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(config.tensor_proto).item())
     titles = [c.title for c in layout.category if "cond branch" in c.title]
     assert titles == [f"call{c}/rho vs Gaussian NW: cond branch, mean over layers and heads" for c in (0, 1)]
+
+
+@pytest.mark.parametrize("branch", ["text", "both"])
+def test_text_branch_series_and_layout(sd15, refs, tmp_path, branch):
+    """A text-only probe's headline is its text branch (``nw/text/...``); with both, the text gets its own category."""
+    with probe(sd15, branch=branch) as run:
+        sd15("a photo", ip_adapter_image=[refs], num_inference_steps=2, output_type="latent",
+             generator=torch.Generator().manual_seed(0))  # fmt: skip
+    events = _events(run.log("tensorboard", tmp_path, branch))
+    table = run.to_dataframe()
+    text = table[(table["kind"] == "text") & (table["branch"] == "cond")]
+    expected = text.groupby("step")["spearman"].mean().to_dict()
+    assert _scalar(events, "nw/text/rho") == pytest.approx(expected, abs=FLOAT32)
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    from tensorboard.util import tensor_util
+
+    (config,) = events.Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(config.tensor_proto).item())
+    charts = {(c.title, chart.title): list(chart.multiline.tag) for c in layout.category for chart in c.chart}
+    scalars = set(events.Tags()["scalars"])
+    assert all(any(re.search(p, t) for t in scalars) for patterns in charts.values() for p in patterns)
+    drawn = [tags for (category, title), tags in charts.items() if title.startswith("rho with its baseline")]
+    assert ["^nw/text/rho$", "^nw/text/rho_baseline$", "^nw/text/rho_null$"] in drawn
+    layers = {t for t in scalars if t.startswith("nw/layer/")}
+    assert len(layers) == len(run.layers)  # per layer: the headline series (text-only: the text branch)
