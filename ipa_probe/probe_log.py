@@ -366,6 +366,8 @@ def _layout(log: ProbeLog, head: str | None, calls: dict[int, str], series: str 
             (f"cells and rows with rho > {ROW_THRESHOLD:g}, and chance", exact(nw, *chance)),
             ("attention vs NW weights: Pearson and top-1 agreement", exact(nw, "pearson", "top1")),
         ]
+        if charts[1][1]:  # the query-frame rho, once the probe has it, is the headline: its chart comes first
+            charts[0], charts[1] = charts[1], charts[0]
         what = f"{head} branch" + (f" ({series[:-1]})" if series else "")
         layout.append((f"{where}rho vs Gaussian NW: {what}, mean over layers and heads", charts))
         shares = [

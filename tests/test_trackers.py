@@ -133,6 +133,7 @@ def test_layout_names_the_tags_that_exist(logged):
     assert len(drawn("rho per layer (network order)")) == len(logged[0].layers)
     assert drawn("attention share of each reference") == [f"maps/attention_share/ref{r}" for r in range(3)]
     assert layout.category[0].title.startswith("rho vs Gaussian NW: cond branch")
+    assert layout.category[0].chart[0].title == "rho with its baseline and null (stored frame)"  # opens on it
     assert not any("qf" in title for title in charts)  # no query-frame columns in this probe: no such charts
 
 
@@ -387,6 +388,7 @@ def test_query_frame_columns_get_their_tags_charts_and_metrics_once_they_exist(l
     layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(config.tensor_proto).item())
     assert layout.category[0].title.startswith("rho vs Gaussian NW: cond branch")
     charts = {chart.title: list(chart.multiline.tag) for chart in layout.category[0].chart}
+    assert next(iter(charts)) == "query-frame rho with its baseline and null"  # the headline's chart first
     assert charts["query-frame rho with its baseline and null"] == ["^nw/qf_rho$", "^nw/qf_rho_baseline$",
                                                                      "^nw/qf_rho_null$"]  # fmt: skip
     assert charts["query-frame Gaussian columns"] == ["^nw/qf_gauss"]
