@@ -1,22 +1,18 @@
-"""Send a run's per-timestep statistics, figures and settings to TensorBoard, Weights & Biases or MLflow.
+"""Send a finished run to TensorBoard, Weights & Biases or MLflow, through each one's own public API.
 
 Storage side, apart from the capture code: nothing here runs inside a denoising loop. A probe logs when its ``with``
-block ends (``probe(pipe, log_with="tensorboard")``), after the one device-to-host transfer of its buffers; a sweep
-and the experiments log when they have finished. The trackers are accelerate's (:mod:`accelerate.tracking`), which
-log on the main process only under ``accelerate launch``.
+block ends (``probe(pipe, log_with="tensorboard")``) or when asked (``run.log(...)``), after the one device-to-host
+transfer of its buffers; a sweep and the experiments log when they have finished.
 
-What is logged (tags for a probe; ``prefix`` defaults to ``"probe"``):
-
-- per recorded step (the x axis is the denoising loop index), per kind and CFG branch, every numeric column of the
-  per-timestep summary (:func:`ipa_probe.capture.report.summarize`): ``{prefix}/{kind}/{branch}/spearman``,
-  ``.../pearson``, ``.../spearman_null``, ``.../timestep`` (the scheduler's timestep of that step), ...; with several
-  pipeline calls in one block, ``{prefix}/call{c}/{kind}/{branch}/...``;
-- figures as images: ``{prefix}/rho_by_timestep`` (and ``{prefix}/reference_maps`` with ``maps=True``);
-- the settings as hyper-parameters (nested keys joined with ``/``; lists and ``None`` as text).
+- :class:`Tracker`: one run of one tracker (scalars, histograms, images, text, a chart layout, hyper-parameters with
+  metrics). A TensorBoard run is one folder with one event file (never a second run for the hyper-parameters); the
+  folder it reports is where its files are.
+- :func:`log_probe_run`: a probe; what it logs and under which tags is :mod:`ipa_probe.probe_log`'s (docs/logging.md).
+- :func:`log_sweep`, :func:`log_experiments`: a sweep's aggregate and rows, the experiments' tables, figures and
+  series.
 
 TensorBoard ships with ``ipa_probe`` (the tested one); ``pip install 'ipa_probe[wandb]'`` or ``'ipa_probe[mlflow]'``
-adds the others. wandb refuses a step lower than its last one, so there each scalar row carries its step as the value
-``step`` (chart against it) and wandb's own step just counts the rows.
+adds the others. wandb charts against the step it is given as the value ``step`` (its own step counts rows).
 """
 
 from __future__ import annotations
@@ -25,11 +21,11 @@ import importlib.util
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TRACKERS", "Tracker", "check_tracker", "log_experiments", "log_probe_run", "log_sweep"]
+__all__ = ["TRACKERS", "Layout", "Tracker", "check_tracker", "log_experiments", "log_probe_run", "log_sweep"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,14 +74,58 @@ def _figure_array(fig):
     return array
 
 
+def _fresh_folder(logging_dir: Path, run_name: str) -> Path:
+    """``logging_dir/run_name``, or the first of ``run_name-2``, ``run_name-3``, ... that holds no event file: a
+    TensorBoard run is a folder, and two probes writing into one would show as one run with every step twice."""
+    folder, n = logging_dir / run_name, 1
+    while folder.is_dir() and any(folder.glob("events.out.tfevents.*")):
+        n += 1
+        folder = logging_dir / f"{run_name}-{n}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+#: A custom-scalars layout: ``[(category title, [(chart title, [tag regex, ...]), ...]), ...]``.
+Layout = list[tuple[str, list[tuple[str, list[str]]]]]
+
+
+def _histogram_record(values) -> dict[str, Any]:
+    """Count, sum, min, max and a 30-bucket histogram of ``values`` (what MLflow keeps of a histogram)."""
+    import numpy as np
+
+    counts, edges = np.histogram(values, bins=30)
+    return {
+        "count": int(values.size),
+        "sum": float(values.sum()),
+        "min": float(values.min()),
+        "max": float(values.max()),
+        "bucket_edges": edges.tolist(),
+        "bucket_counts": counts.tolist(),
+    }
+
+
 class Tracker:
-    """One run of a tracker, through accelerate's tracker classes.
+    """One run of a tracker, written through the tracker's own public API.
+
+    TensorBoard: one ``torch.utils.tensorboard.SummaryWriter`` folder holds every event of the run (scalars,
+    histograms, images, text, the custom-scalars layout, and the hyper-parameters with their metrics: no second run).
+    wandb: ``wandb.init`` (offline or online as wandb is configured). MLflow: an ``MlflowClient`` on
+    ``MLFLOW_TRACKING_URI`` when that is set, else on a SQLite store in ``logging_dir`` (no server). Under
+    ``accelerate launch`` only the main process writes (the other processes' calls do nothing), as with accelerate's
+    trackers.
 
     Args:
         name: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"``.
-        logging_dir: where the logs go (TensorBoard: ``logging_dir/run_name``; wandb: its ``dir``; MLflow: the
-            experiment's artifact location).
-        run_name: the run's name (TensorBoard's sub-folder, the wandb project, the MLflow experiment).
+        logging_dir: where the logs go (TensorBoard: ``logging_dir/run_name``, or ``run_name-2``, ``-3``, ... when
+            that folder already holds event files; wandb: its ``dir``; MLflow: ``logging_dir/mlflow.db`` and the
+            artifacts in ``logging_dir/mlartifacts``).
+        run_name: the run's name (TensorBoard's folder, wandb's project and run name, MLflow's experiment and run
+            name).
+
+    Attributes:
+        folder: where the run's files are: TensorBoard, the folder of its event file; wandb, the run's local folder
+            (``.../wandb/run-<time>-<id>``, ``offline-run-...`` offline); MLflow, the run's artifact folder (a
+            remote store: its tracking URI).
     """
 
     def __init__(self, name: str, logging_dir: str | os.PathLike = "runs", run_name: str = "ipa_probe") -> None:
@@ -93,119 +133,225 @@ class Tracker:
         self.logging_dir = Path(logging_dir)
         self.run_name = run_name
         from accelerate import PartialState
-        from accelerate.tracking import MLflowTracker, TensorBoardTracker, WandBTracker
 
-        PartialState()  # accelerate's trackers log through its logger, which needs the state (one process: cheap)
+        self.active = PartialState().is_main_process
+        self.folder = self.logging_dir / run_name
+        self._histograms: dict[str, dict[int, dict[str, Any]]] = {}
+        if not self.active:
+            return
         if name == "tensorboard":
-            self.logging_dir.mkdir(parents=True, exist_ok=True)
-            self.tracker = TensorBoardTracker(run_name, self.logging_dir)
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.folder = _fresh_folder(self.logging_dir, run_name)
+            self._writer = SummaryWriter(log_dir=str(self.folder))
         elif name == "wandb":
+            import wandb
+
             self.logging_dir.mkdir(parents=True, exist_ok=True)
-            self.tracker = WandBTracker(run_name, dir=str(self.logging_dir))
+            self._run = wandb.init(project=run_name, name=run_name, dir=str(self.logging_dir))
+            self._run.define_metric("step")
+            self._run.define_metric("*", step_metric="step")  # wandb's own step counts rows; chart against ours
+            self.folder = Path(self._run.dir).parent  # run.dir is the run folder's files/
         else:
-            self.tracker = MLflowTracker(experiment_name=run_name, logging_dir=str(self.logging_dir))
-        self.tracker.start()
+            self._start_mlflow()
 
-    @property
-    def folder(self) -> Path:
-        """Where TensorBoard writes its event files (``logging_dir/run_name``)."""
-        return self.logging_dir / self.run_name
+    def _start_mlflow(self) -> None:
+        from mlflow import MlflowClient
 
-    def hparams(self, values: Mapping) -> None:
-        """The run's settings as hyper-parameters."""
-        self.tracker.store_init_configuration(_flat(values))
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        artifacts = None
+        if uri is None:  # a local store: no server; MLflow 3 keeps runs in a database (its file store is retired)
+            self.logging_dir.mkdir(parents=True, exist_ok=True)
+            uri = f"sqlite:///{(self.logging_dir / 'mlflow.db').resolve()}"
+            artifacts = str((self.logging_dir / "mlartifacts").resolve())
+        self._client = client = MlflowClient(tracking_uri=uri)
+        experiment = client.get_experiment_by_name(self.run_name)
+        if experiment is None:
+            experiment_id = client.create_experiment(self.run_name, artifact_location=artifacts)
+        else:
+            experiment_id = experiment.experiment_id
+        self._run_id = client.create_run(experiment_id, run_name=self.run_name).info.run_id
+        artifact_uri = client.get_run(self._run_id).info.artifact_uri
+        local = artifact_uri.removeprefix("file://")
+        self.folder = Path(local) if "://" not in local else artifact_uri  # a remote store: where it keeps them
+
+    def hparams(self, values: Mapping, metrics: Mapping[str, float] | None = None, step: int = 0) -> None:
+        """The run's settings as hyper-parameters and, when given, its end-of-run metrics (TensorBoard: the
+        HParams view's columns, written as scalars at ``step`` in the same run)."""
+        if not self.active:
+            return
+        flat = {k: (str(v) if isinstance(v, bool) else v) for k, v in _flat(values).items()}
+        metrics = {k: float(v) for k, v in (metrics or {}).items() if v is not None and math.isfinite(float(v))}
+        if self.name == "tensorboard":
+            from torch.utils.tensorboard.summary import hparams
+
+            for summary in hparams(flat, metrics):  # experiment, session start, session end: into this run's file
+                self._writer.file_writer.add_summary(summary)
+            for tag, value in metrics.items():
+                self._writer.add_scalar(tag, value, step)
+        elif self.name == "wandb":
+            self._run.config.update(flat, allow_val_change=True)
+            self._run.summary.update(metrics)
+        else:
+            from mlflow.entities import Param
+
+            params = [Param(k, str(v)[:6000]) for k, v in flat.items()]  # MLflow's limit on a parameter's length
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
+                self._client.log_batch(self._run_id, params=params[i : i + 100])
+            if metrics:
+                self.scalars(metrics, step)
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         """Numbers at one step (non-finite ones are left out: the trackers reject or mis-draw NaN)."""
         finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(float(v))}
-        if not finite:
+        if not finite or not self.active:
             return
-        if self.name == "wandb":  # wandb drops a step lower than its last: give the step as a value (the x axis)
-            self.tracker.log({**finite, "step": step})
+        if self.name == "tensorboard":
+            for tag, value in finite.items():
+                self._writer.add_scalar(tag, value, step)
+        elif self.name == "wandb":
+            self._run.log({**finite, "step": step})
         else:
-            self.tracker.log(finite, step=step)
+            import time
+
+            from mlflow.entities import Metric
+
+            now = int(time.time() * 1000)
+            metrics = [Metric(k, v, now, step) for k, v in finite.items()]
+            for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
+                self._client.log_batch(self._run_id, metrics=metrics[i : i + 1000])
+
+    def histogram(self, tag: str, values, step: int) -> None:
+        """The distribution of ``values`` (the finite ones; none: nothing is written) at one step. MLflow has no
+        histograms: there they are kept as ``histograms.json`` (count, sum, min, max, 30 buckets per tag and step)."""
+        import numpy as np
+
+        values = np.asarray(values, dtype=np.float64).ravel()
+        values = values[np.isfinite(values)]
+        if not values.size or not self.active:
+            return
+        if self.name == "tensorboard":
+            self._writer.add_histogram(tag, values, step)
+        elif self.name == "wandb":
+            import wandb
+
+            self._run.log({tag: wandb.Histogram(values), "step": step})
+        else:
+            self._histograms.setdefault(tag, {})[step] = _histogram_record(values)
 
     def text(self, values: Mapping[str, str], step: int = 0) -> None:
         """Text (markdown tables, notes)."""
-        if self.name == "mlflow":
-            import mlflow
+        if not self.active:
+            return
+        if self.name == "tensorboard":
+            for tag, value in values.items():
+                self._writer.add_text(tag, value, step)
+        elif self.name == "wandb":
+            import html
 
-            for key, value in values.items():
-                mlflow.log_text(value, f"{key}.md")
+            import wandb
+
+            self._run.log({k: wandb.Html(f"<pre>{html.escape(v)}</pre>") for k, v in values.items()} | {"step": step})
         else:
-            self.tracker.log(dict(values), step=None if self.name == "wandb" else step)
+            for key, value in values.items():
+                self._client.log_text(self._run_id, value, f"{key}.md")
 
     def figures(self, figures: Mapping[str, Any], step: int = 0) -> None:
-        """Matplotlib figures (closed afterwards) or ``(H, W, 3)`` uint8 arrays, as images."""
+        """Matplotlib figures (closed afterwards) or ``(H, W, 3)`` uint8 arrays, as images at ``step`` (TensorBoard
+        and MLflow show a slider over the steps of one tag)."""
         import numpy as np
 
         arrays = {k: (np.asarray(v) if isinstance(v, np.ndarray) else _figure_array(v)) for k, v in figures.items()}
+        if not self.active or not arrays:
+            return
         if self.name == "tensorboard":
-            self.tracker.log_images({k: a[None] for k, a in arrays.items()}, step=step, dataformats="NHWC")
+            for tag, array in arrays.items():
+                self._writer.add_image(tag, array, step, dataformats="HWC")
         elif self.name == "wandb":
-            self.tracker.log_images({k: [a] for k, a in arrays.items()})
-        else:
-            import mlflow
+            import wandb
 
+            self._run.log({k: wandb.Image(a) for k, a in arrays.items()} | {"step": step})
+        else:
             for key, array in arrays.items():
-                mlflow.log_image(array, f"{key}.png")
+                self._client.log_image(self._run_id, array, key=key, step=step)
+
+    def layout(self, layout: Layout, series: Mapping[str, Mapping[int, float]]) -> None:
+        """Charts that draw several scalars together. TensorBoard: a custom-scalars layout (its Custom Scalars
+        view); wandb: one line-series chart per entry, of the ``series`` (tag -> step -> value) its regexes match;
+        MLflow, which has no chart API: ``layout.json``, the charts and the tags each one draws."""
+        import re
+
+        if not self.active:
+            return
+        if self.name == "tensorboard":
+            self._writer.add_custom_scalars(
+                {category: {title: ["Multiline", tags] for title, tags in charts} for category, charts in layout}
+            )
+            return
+        drawn = {
+            f"{category}/{title}": [t for t in sorted(series) if any(re.search(p, t) for p in patterns)]
+            for category, charts in layout
+            for title, patterns in charts
+        }
+        if self.name == "wandb":
+            import wandb
+
+            for number, (title, tags) in enumerate((k, v) for k, v in drawn.items() if v):
+                xs = [sorted(series[t]) for t in tags]
+                ys = [[series[t][s] for s in x] for t, x in zip(tags, xs, strict=True)]
+                chart = wandb.plot.line_series(xs=xs, ys=ys, keys=tags, title=title, xname="step")
+                # the key names a wandb artifact (at most 128 characters): a number and the chart's title, cut
+                self._run.log({f"charts/{number:02d} {title.rsplit('/', 1)[-1]}"[:60]: chart})
+        else:
+            self._client.log_dict(self._run_id, drawn, "layout.json")
 
     def finish(self) -> None:
-        self.tracker.finish()
-
-
-def _summary_scalars(summary, prefix: str) -> list[tuple[str, int, float]]:
-    """``(tag, step, value)`` of every numeric column of a per-timestep summary, per call, kind and branch."""
-    import pandas as pd
-
-    keys = ("call", "step", "kind", "branch")
-    several = summary["call"].nunique() > 1
-    out = []
-    for _, row in summary.iterrows():
-        where = f"{prefix}/" + (f"call{int(row['call'])}/" if several else "") + f"{row['kind']}/{row['branch']}"
-        for column, value in row.items():
-            if column in keys or not pd.api.types.is_number(value) or isinstance(value, bool):
-                continue
-            out.append((f"{where}/{column}", int(row["step"]), float(value)))
-    return out
+        if not self.active:
+            return
+        if self.name == "tensorboard":
+            self._writer.close()
+        elif self.name == "wandb":
+            self._run.finish()
+        else:
+            if self._histograms:
+                self._client.log_dict(self._run_id, self._histograms, "histograms.json")
+            self._client.set_terminated(self._run_id)
 
 
 def log_probe_run(
-    run, log_with: str, logging_dir: str | os.PathLike = "runs", run_name: str = "probe", prefix: str = "probe"
+    run,
+    log_with: str,
+    logging_dir: str | os.PathLike = "runs",
+    run_name: str = "probe",
+    *,
+    images: Sequence | None = None,
+    references: Sequence | None = None,
+    readings: Sequence[str] | None = None,
+    settings: Mapping | None = None,
 ) -> Path:
-    """Log a finished probe: per-step summary statistics, its figures and its settings (see the module docstring).
+    """Log a finished probe: the headline statistics under readable tags with a custom-scalars layout, histograms,
+    the overlays at every step, the generated images and their readings, and the settings with end-of-run metrics
+    (what and under which tags: :mod:`ipa_probe.probe_log` and docs/logging.md).
 
     Args:
         run: a finished :class:`~ipa_probe.ProbeRun`.
         log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"``.
         logging_dir, run_name: see :class:`Tracker`.
-        prefix: the first part of every tag.
+        images: the generated images (PIL), the overlays' background (the first one); ``None``: a grey field.
+        references: the reference images (PIL) of the first adapter.
+        readings: one line per generated image (e.g. the digit classifier's reading), as a text table.
+        settings: the generation's settings (steps, guidance, adapter scale, model, ...), logged as hyper-parameters
+            beside the probe's own.
 
     Returns:
-        the tracker's folder (TensorBoard: where the event files are).
+        where the files are (:attr:`Tracker.folder`).
     """
+    from .probe_log import collect, write
+
+    content = collect(run, images=images, references=references, readings=readings, settings=settings)
     tracker = Tracker(log_with, logging_dir, run_name)
     try:
-        settings = dict(run.config.describe())
-        settings.update(
-            pipeline=type(run.pipe).__name__,
-            family=run.tap.family,
-            layers=len(run.layers),
-            heads=run.num_heads,
-            adapters=run.num_adapters,
-        )
-        tracker.hparams(settings)
-        summary = run.summary()
-        if not summary.empty:
-            by_step: dict[int, dict[str, float]] = {}
-            for tag, step, value in _summary_scalars(summary, prefix):
-                by_step.setdefault(step, {})[tag] = value
-            for step, values in sorted(by_step.items()):
-                tracker.scalars(values, step)
-        figures = {f"{prefix}/rho_by_timestep": run.plot()}
-        if run.config.maps:
-            figures[f"{prefix}/reference_maps"] = run.plot_reference_maps()
-        tracker.figures(figures)
+        write(content, tracker)
     finally:
         tracker.finish()
     return tracker.folder

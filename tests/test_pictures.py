@@ -305,18 +305,19 @@ def test_done_when_probe_overlays_and_tensorboard_on_the_organism(tmp_path, caps
     assert "3 overlay(s)" in printed and "tensorboard logs in" in printed
     events = _scalars(out / "logs" / "probe")
     table = pd.read_parquet(out / "probe.parquet")
-    for branch in ("cond", "uncond"):
+    for branch, where in (("cond", ""), ("uncond", "uncond/")):  # cond is the headline branch (tests/test_trackers.py)
         part = table[(table["branch"] == branch) & (table["kind"] == "image")]
-        logged = {e.step: e.value for e in events.Scalars(f"probe/image/{branch}/spearman")}
+        logged = {e.step: e.value for e in events.Scalars(f"nw/{where}rho")}
         assert sorted(logged) == [0, 1, 2]
         for step, value in logged.items():
             rows = part.loc[part["step"] == step, "spearman"].to_numpy(np.float64)
             assert value == pytest.approx(rows[np.isfinite(rows)].mean(), abs=1e-6)  # TensorBoard keeps float32
-        timesteps = {e.step: e.value for e in events.Scalars(f"probe/image/{branch}/timestep")}
+        timesteps = {e.step: e.value for e in events.Scalars(f"debug/{where}timestep")}
         assert timesteps == {s: float(part.loc[part["step"] == s, "timestep"].iloc[0]) for s in range(3)}
-    assert set(events.Tags()["images"]) == {"probe/rho_by_timestep", "probe/reference_maps"}
-    hparams = list((out / "logs" / "probe").glob("*/hparams.yml"))
-    assert len(hparams) == 1 and "bandwidth: matched" in hparams[0].read_text()
+    assert {"figures/rho_by_timestep", "figures/reference_maps", "overlays/reference_shares"} <= set(
+        events.Tags()["images"]
+    )
+    assert not list((out / "logs" / "probe").glob("*/"))  # one run: no hparams sub-run
 
 
 def test_logging_adds_no_host_synchronisation_inside_the_loop(sd15, refs, tmp_path):
@@ -327,7 +328,7 @@ def test_logging_adds_no_host_synchronisation_inside_the_loop(sd15, refs, tmp_pa
         with CountScalarReads() as probed:
             generate(sd15, refs, output_type="latent")
     assert probed.count == plain.count
-    assert {e.step for e in _scalars(tmp_path / "r").Scalars("probe/image/cond/spearman")} == set(range(3))
+    assert {e.step for e in _scalars(tmp_path / "r").Scalars("nw/rho")} == set(range(3))
     assert run.summary()["spearman"].notna().all()
 
 

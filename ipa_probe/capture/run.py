@@ -717,13 +717,15 @@ class ProbeRun:
         """Write ``probe.parquet``, ``summary.json`` (settings, versions, seeds) and ``rho_by_timestep.png``."""
         return save_run(self.to_dataframe(), directory, settings=self.config.describe(), extra=extra)
 
-    def log(self, log_with: str, logging_dir="runs", run_name: str = "probe"):
-        """Send the per-step summary statistics, the figures and the settings to a tracker (see
-        :mod:`ipa_probe.trackers`); returns the tracker's folder (TensorBoard: the event files')."""
+    def log(self, log_with: str, logging_dir="runs", run_name: str = "probe", **content):
+        """Send the run to a tracker: rho with its baseline and null, per-layer rho, histograms, the overlays at every
+        step, the settings with end-of-run metrics (see :mod:`ipa_probe.probe_log`). ``content``: ``images``,
+        ``references``, ``readings``, ``settings`` of :func:`ipa_probe.trackers.log_probe_run`. Returns where the
+        files are (TensorBoard: the folder of the event file)."""
         from ..trackers import log_probe_run
 
         self._finished()
-        return log_probe_run(self, log_with, logging_dir, run_name)
+        return log_probe_run(self, log_with, logging_dir, run_name, **content)
 
 
 @contextlib.contextmanager
@@ -751,11 +753,13 @@ def probe(
             :mod:`ipa_probe.capture.taps` for what the image-branch weights are in each).
         bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps: see
             :class:`ProbeConfig`.
-        log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"`` to send the run's per-step summary statistics,
-            figures and settings to that tracker when the block ends normally (after the denoising loop and the
-            one device-to-host transfer: nothing is logged, and nothing synchronises, inside the loop); ``None``
-            (default) for none. See :mod:`ipa_probe.trackers`.
-        logging_dir, run_name: where the tracker writes (TensorBoard: ``logging_dir/run_name``).
+        log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"`` to send the run (rho with its baseline and null,
+            per-layer rho, histograms, overlays per step with ``maps=True``, settings with end-of-run metrics) to
+            that tracker when the block ends normally (after the denoising loop and the one device-to-host
+            transfer: nothing is logged, and nothing synchronises, inside the loop); ``None`` (default) for none.
+            See :mod:`ipa_probe.probe_log` and docs/logging.md; :meth:`ProbeRun.log` also takes the images.
+        logging_dir, run_name: where the tracker writes (TensorBoard: ``logging_dir/run_name``, or
+            ``run_name-2``, ... when that folder already holds a run).
 
     Yields:
         the :class:`ProbeRun`; read its results after the block.

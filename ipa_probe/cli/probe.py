@@ -142,7 +142,14 @@ def run(args: argparse.Namespace) -> int:
     if judged is not None:
         written.append("digits.json")
     if args.log_with:
-        folder = run_.log(args.log_with, logging_dir(args), "probe")
+        readings = None
+        if judged is not None:
+            labels, probs = judged
+            readings = [
+                f"read as {v} (P({args.digit}) = {p[args.digit]:.2f})" for v, p in zip(labels, probs, strict=True)
+            ]
+        content = {"images": result.images, "references": loaded.references, "readings": readings}
+        folder = run_.log(args.log_with, logging_dir(args), "probe", settings=loaded.description, **content)
         written.append(f"{args.log_with} logs in {folder}")
     summary = run_.summary()
     cond = summary[summary["branch"] == "cond"]
