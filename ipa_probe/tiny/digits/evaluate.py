@@ -143,12 +143,16 @@ EVALUATION_SETTINGS: dict[str, dict[str, Any]] = {
 
 
 def rates_over_seeds(pipe: StableDiffusionPipeline, seeds: Sequence[int], **settings: Any) -> dict[str, Any]:
-    """:func:`evaluate_digits` once per seed (one reference set per digit and seed): the right-digit rate and the
-    classifier's probability of the digit, each with its mean and Student's t 95% interval over seeds."""
+    """:func:`evaluate_digits` once per seed (one reference set per digit and seed): the right-digit rate, the
+    classifier's probability of the digit and each digit's own rate (``per_digit``), each with its mean and Student's
+    t 95% interval over seeds."""
     runs = [evaluate_digits(pipe, seed=seed, ref_sets=1, **settings) for seed in seeds]
     return {
         "rate": interval([r["rate"] for r in runs], bounds=(0.0, 1.0)),
         "confidence": interval([r["confidence"] for r in runs], bounds=(0.0, 1.0)),
+        "per_digit": {
+            d: interval([r["per_digit"][d] for r in runs], bounds=(0.0, 1.0)) for d in range(10)
+        },  # each digit's right-digit rate: samples_per_digit images per seed, interval over seeds
         "samples": sum(r["samples"] for r in runs),
         "n_refs": runs[0]["n_refs"],
         "most_frequent_label": int(np.bincount(np.concatenate([r["labels"] for r in runs]), minlength=10).argmax()),
@@ -182,6 +186,15 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
     parser.add_argument("--following-samples", type=int, default=4, help="samples per digit and seed (following)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        choices=list(EVALUATION_SETTINGS),
+        default=list(EVALUATION_SETTINGS),
+        metavar="NAME",
+        help="which rows of EVALUATION_SETTINGS to measure (default: all)",
+    )
+    parser.add_argument("--no-following", action="store_true", help="skip reference-following")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -190,8 +203,9 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
     trained = digits_pipeline(args.weights, recipe=args.recipe)
     untrained = None
     rows, raw = [], {}
-    for name, settings in EVALUATION_SETTINGS.items():
-        settings = dict(settings)
+    per_digit_rows = []
+    for name in args.settings:
+        settings = dict(EVALUATION_SETTINGS[name])
         if settings.pop("untrained", False):
             untrained = untrained or untrained_digits_pipeline(recipe=args.recipe)
             pipe = untrained
@@ -214,6 +228,9 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
                 "most frequent label": result["most_frequent_label"],
             }
         )
+        per_digit_rows.append(
+            {"setting": name, **{str(d): f"{result['per_digit'][d]['mean']:.0%}" for d in range(10)}}
+        )
         print(rows[-1], flush=True)
     accuracy = digit_classifier()[1]
     note = (
@@ -222,11 +239,19 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
         f"each, DDIM {args.steps} steps; intervals are Student's t 95% over the {len(seeds)} seeds' rates, cut to "
         "[0, 100%].\n"
     )
-    write_atomic(out / "rates.md", _table(rows) + note)
+    per_digit_note = (
+        f"\n\nPer digit: the right-digit rate of each digit's {args.samples * len(seeds)} images ({args.samples} per "
+        f"seed, seeds {seeds}), same settings as above.\n"
+    )
+    write_atomic(out / "rates.md", _table(rows) + note + "\n" + _table(per_digit_rows) + per_digit_note)
     record = {"recipe": args.recipe, "rates": raw, "args": vars(args), "versions": versions()}
     record["classifier"] = {"model": CLASSIFIER, "held_out_accuracy": accuracy}
     record["weights_record"] = _weights_record(args.weights, args.recipe)
     write_json(out / "rates.json", record)
+    print(_table(rows))
+    print(_table(per_digit_rows))
+    if args.no_following:
+        return
     following, frows = {}, []
     for n_refs in (1, 3):
         result = reference_following(
@@ -250,7 +275,6 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
     )
     write_atomic(out / "following.md", _table(frows) + note)
     write_json(out / "following.json", {"recipe": args.recipe, "following": following, "versions": versions()})
-    print(_table(rows))
     print(_table(frows))
 
 
