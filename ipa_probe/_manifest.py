@@ -13,14 +13,18 @@ Before a run writes, :func:`check_folder` reads the folder:
   the same (a sweep and an experiments folder resume by their own records; ``probe`` and ``compare`` are the same run
   only with every setting equal).
 - holding another run's files, or files no manifest lists: :class:`RunConflict` (one line naming ``--overwrite`` and
-  a fresh ``--out``).
+  a fresh ``--out``); a command that resumes by its own records (``sweep``, ``experiments``, ``train-digits``) takes
+  a folder with no manifest at all (made by the Python API, or before manifests) as it always did, leaving its
+  files unlisted.
 - with ``overwrite=True``: the files the previous manifest lists are removed, each only if it is still the file the
   manifest describes (same SHA-256, or, for a run that never finished, changed after that run started), and nothing
   else: symlinks are never followed nor removed, files no manifest lists are left (and named in
   :attr:`FolderClaim.left`), folders are removed only when the run made them and they are empty.
 
-A run killed without a chance to write its last manifest (SIGKILL, power loss) leaves ``status: "running"``; the
-same run started again adopts the files changed after that start time, and an ``--overwrite`` removes them.
+A resumable command that finds a folder with no manifest records the files it found there as ``foreign``: its
+own later runs accept them, nothing removes them. A run killed without a chance to write its last manifest
+(SIGKILL, power loss) leaves ``status: "running"``; the same run started again adopts the files changed after that
+start time, and an ``--overwrite`` removes them.
 
 Torch-free: the command line checks a folder before torch loads.
 """
@@ -164,7 +168,12 @@ class FolderState:
 
 
 def check_folder(
-    folder: str | os.PathLike, command: str, key: dict[str, Any], overwrite: bool = False, flag: str = "--out"
+    folder: str | os.PathLike,
+    command: str,
+    key: dict[str, Any],
+    overwrite: bool = False,
+    flag: str = "--out",
+    resumable: bool = False,
 ) -> FolderState:
     """Read ``folder`` and refuse, in one line, a run that would mix with another's files.
 
@@ -174,6 +183,9 @@ def check_folder(
         key: what must be equal for a run to be the same run resumed or redone (JSON-able).
         overwrite: the user passed ``--overwrite``: nothing is refused.
         flag: the option that named the folder, for the message.
+        resumable: the command resumes by its own records (a sweep's rows, an experiment's or a training's
+            checkpoints): in a folder with no manifest at all (written by the Python API, or before manifests
+            existed), its files are left to those records to judge instead of refused; they stay unlisted.
 
     Returns:
         A :class:`FolderState`.
@@ -187,6 +199,8 @@ def check_folder(
     listed = set(previous["files"]) if previous else set()
     same = previous is not None and previous.get("command") == command and previous.get("key") == jsonable(key)
     unlisted = sorted(set(files) - listed) + odd
+    if same:  # files this run found in the folder and left alone (see claim_folder's "foreign")
+        unlisted = [name for name in unlisted if name not in set(previous.get("foreign", []))]
     adopted: list[str] = []
     if same and previous.get("status") != "finished":
         started = int(previous.get("started_ns", 0))
@@ -202,7 +216,7 @@ def check_folder(
             f"{flag} {folder} holds the {len(state.previous_files)} files of another run ({what}, run "
             f"{previous.get('run_id', '?')}, other settings); {fresh}"
         )
-    if unlisted:
+    if unlisted and not (resumable and previous is None):
         raise RunConflict(
             f"{flag} {folder} holds {len(unlisted)} file(s) no ipa_probe run manifest lists ({_listed(unlisted)}); "
             f"pass --overwrite to write beside them (they are kept), or choose a fresh {flag}"
@@ -297,6 +311,7 @@ def claim_folder(
     key: dict[str, Any],
     overwrite: bool = False,
     flag: str = "--out",
+    resumable: bool = False,
 ) -> Iterator[FolderClaim]:
     """Claim ``folder`` for one run and write its manifest when the block ends, however it ends.
 
@@ -313,13 +328,14 @@ def claim_folder(
         key: what must be equal for a later run to be this run resumed (see :func:`check_folder`).
         overwrite: replace another run's files.
         flag: the option that named the folder, for messages.
+        resumable: as in :func:`check_folder`.
 
     Yields:
         A :class:`FolderClaim`.
     """
     folder = Path(folder)
     _refuse_if_held(folder)
-    state = check_folder(folder, command, key, overwrite=overwrite, flag=flag)
+    state = check_folder(folder, command, key, overwrite=overwrite, flag=flag, resumable=resumable)
     claim = FolderClaim(folder, f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}")
     previous = state.previous
     carried: dict[str, Any] = {}
@@ -341,7 +357,7 @@ def claim_folder(
                     os.rmdir(path)  # only when empty: a folder holding anything not removed stays
                 except OSError:
                     pass
-    if overwrite:
+    if overwrite or (resumable and previous is None):
         claim.left = sorted(set(claim.left) | set(state.unlisted) | set(state.adopted))
     folder.mkdir(parents=True, exist_ok=True)
     before, dirs_before, _ = _scan(folder)
@@ -358,6 +374,11 @@ def claim_folder(
         "resumed_from": previous.get("run_id") if claim.resumed else None,
         "files": {},
         "folders": sorted(previous.get("folders", [])) if claim.resumed else [],
+        # files that were in the folder before this run and are not its own: never removed by --overwrite
+        "foreign": sorted(
+            (set(previous.get("foreign", [])) if claim.resumed else set())
+            | (set(state.unlisted) if resumable and previous is None else set())
+        ),
     }
     write_json(folder / MANIFEST_NAME, record)
     status = "failed"
@@ -383,6 +404,7 @@ def claim_folder(
             except OSError:  # gone (or replaced by a symlink) since the scan: not a file this run leaves
                 continue
         record.update(
+            foreign=sorted(set(record["foreign"]) & set(after) - set(entries)),
             status=status,
             ended=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             files=entries,

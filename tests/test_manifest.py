@@ -180,3 +180,23 @@ def test_a_folder_a_live_run_holds_is_not_touched(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_resumable_command_takes_a_folder_without_manifest_and_never_claims_its_files(tmp_path):
+    """A sweep folder written by the Python API (no manifest): the sweep command resumes there, leaves the files it
+    found listed as foreign (accepted by its later runs, never removed), and another command is still refused."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "rows.parquet").write_text("written by run_sweep() from Python")
+    with pytest.raises(RunConflict):
+        check_folder(out, "ipa-probe sweep", {})  # not resumable: refused
+    with claim_folder(out, "ipa-probe sweep", {}, {}, resumable=True) as claim:
+        (out / "summary.json").write_text("{}")
+    assert claim.left == ["rows.parquet"]
+    record = read_run_manifest(out)
+    assert set(record["files"]) == {"summary.json"} and record["foreign"] == ["rows.parquet"]
+    check_folder(out, "ipa-probe sweep", {}, resumable=True)  # its own next run: accepted
+    with pytest.raises(RunConflict):
+        check_folder(out, CMD, {"k": 1})  # another command: refused
+    claim = _run(out, {}, key=1, overwrite=True)
+    assert claim.removed == ["summary.json"] and (out / "rows.parquet").exists()

@@ -436,21 +436,28 @@ def run_key(args: argparse.Namespace) -> dict:
     return {k: v for k, v in run_settings(args).items() if k not in _NOT_IN_KEY}
 
 
-def check_run_folder(folder, command: str, key: dict, overwrite: bool, flag: str = "--out") -> None:
-    """Before torch loads: refuse (exit code 2) a folder holding another run's files, unless ``--overwrite``."""
+def check_run_folder(
+    folder, command: str, key: dict, overwrite: bool, flag: str = "--out", resumable: bool = False
+) -> None:
+    """Before torch loads: refuse (exit code 2) a folder holding another run's files, unless ``--overwrite``
+    (``resumable``: see :func:`ipa_probe._manifest.check_folder`)."""
     try:
-        check_folder(folder, command, key, overwrite=overwrite, flag=flag)
+        check_folder(folder, command, key, overwrite=overwrite, flag=flag, resumable=resumable)
     except RunConflict as err:
         raise CLIError(str(err)) from None
 
 
 @contextmanager
-def claimed_output(folder, command: str, args: argparse.Namespace, key: dict, flag: str = "--out") -> Iterator:
+def claimed_output(
+    folder, command: str, args: argparse.Namespace, key: dict, flag: str = "--out", resumable: bool = False
+) -> Iterator:
     """Claim an output folder for this run (:func:`ipa_probe._manifest.claim_folder`): its manifest lists what the
     block writes there. What ``--overwrite`` removed or left goes to stderr as one line."""
+    settings = run_settings(args)
+    options = {"overwrite": args.overwrite, "flag": flag, "resumable": resumable}
     try:
-        with claim_folder(folder, command, run_settings(args), key, overwrite=args.overwrite, flag=flag) as claim:
-            note = claim.note()
+        with claim_folder(folder, command, settings, key, **options) as claim:
+            note = claim.note() if args.overwrite else None  # a resumed folder's own files need no word
             if note:
                 print(f"{command}: note: {note}", file=sys.stderr)
             yield claim

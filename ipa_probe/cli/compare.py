@@ -119,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
     with claimed_output(out, COMMAND, args, run_key(args)):
         paths = result.save(out)
     print(result.markdown())
+    if "digit" in loaded.description:
+        from ..tiny.digits.evaluate import digit_readings_line
+
+        print(digit_readings_line(result))
     if scorer.random_weights:
         print(f"note: {RANDOM_WEIGHTS_NOTE}")
     print(

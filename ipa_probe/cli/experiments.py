@@ -87,7 +87,7 @@ def check(args: argparse.Namespace) -> None:
         raise CLIError(f"seeds must be non-negative integers, got {args.seeds}")
     args.out = check_output_dir(args.out or f"outputs/experiments-{args.tier}")  # made when the run starts
     args.tier_sizes = ALL_TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
-    check_run_folder(args.out, COMMAND, KEY, args.overwrite)
+    check_run_folder(args.out, COMMAND, KEY, args.overwrite, resumable=True)
     if args.overwrite:
         return  # the previous run's files (its tier's) are removed before this one starts
     try:
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                 f"tier {args.tier!r} has the paper's sizes and needs a CUDA GPU (tens of GPU-hours), and none is "
                 "visible; use --tier full on a CPU"
             )
-    with claimed_output(out, COMMAND, args, KEY):
+    with claimed_output(out, COMMAND, args, KEY, resumable=True):
         try:
             threads = args.threads or torch.get_num_threads()  # OMP_NUM_THREADS, set before torch loaded
             results = run_experiments(

@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     runner = _runner(args, loaded)
     from contextlib import nullcontext
 
-    with claimed_output(args.out, COMMAND, args, KEY) if state.is_main_process else nullcontext():
+    with claimed_output(args.out, COMMAND, args, KEY, resumable=True) if state.is_main_process else nullcontext():
         return _sweep(args, manifest, state, runner, load_args, fail)
 
 
@@ -225,7 +225,7 @@ def _read_and_check(args: argparse.Namespace):
     from ..sweep.manifest import ManifestError, read_manifest
 
     check_output_dir(args.out)
-    check_run_folder(args.out, COMMAND, KEY, args.overwrite)
+    check_run_folder(args.out, COMMAND, KEY, args.overwrite, resumable=True)
     check_tracker_arguments(args)
     try:
         manifest = read_manifest(args.manifest, require_images=args.model is not None and not args.image)

@@ -83,7 +83,7 @@ def check(args: argparse.Namespace) -> None:
     """Before torch loads: the recipe's flags and ``--out`` (the sizes are checked by their argparse types)."""
     training = _training(args)
     check_output_dir(args.out)
-    check_run_folder(args.out, COMMAND, _key(args, training), args.overwrite)
+    check_run_folder(args.out, COMMAND, _key(args, training), args.overwrite, resumable=True)
 
 
 def _key(args: argparse.Namespace, training: str) -> dict:
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(err)) from None
     out = output_dir(args.out)
     try:
-        with claimed_output(out, COMMAND, args, _key(args, training)):
+        with claimed_output(out, COMMAND, args, _key(args, training), resumable=True):
             record = train_digits(out, config, progress=not args.no_progress)
     except (CheckpointError, OutputLocked, FileNotFoundError) as err:
         raise CLIError(str(err)) from None

@@ -16,6 +16,7 @@ import torch
 from diffusers import StableDiffusionPipeline
 
 from ..._io import versions, write_atomic, write_json
+from ...compare import ROUNDTRIP, vae_roundtrip
 from .classifier import CLASSIFIER, classify_digit_images, digit_classifier
 from .data import DIGITS_PROMPT, DIGITS_WEIGHTS, digits_reference_images
 from .following import FOLLOWING_METRICS, interval, reference_following
@@ -26,6 +27,7 @@ __all__ = [
     "EVALUATION_SETTINGS",
     "add_digit_scores",
     "classify_digit_images",
+    "digit_readings_line",
     "digit_classifier",
     "evaluate_digits",
     "rates_over_seeds",
@@ -49,14 +51,23 @@ def evaluate_digits(
 
     Returns:
         ``{"rate", "confidence", "per_digit", "labels", "targets", "classifier_accuracy", ...settings}``: the fraction
-        classified as the references' digit, the mean probability the classifier gives that digit.
+        classified as the references' digit, the mean probability the classifier gives that digit; beside them what
+        the classifier makes of the references themselves and of their VAE round trip (a generation can be no more
+        legible than these): ``references_read_right`` / ``roundtrip_read_right`` (fractions of references read as
+        their digit), their ``*_per_digit`` versions, and the labels (``reference_labels``, ``roundtrip_labels``,
+        ``reference_targets``), one per reference in the order drawn.
     """
     pipe.set_ip_adapter_scale(ip_adapter_scale)
     predicted, confidence, targets = [], [], []
+    read: dict[str, list] = {"references": [], ROUNDTRIP: [], "reference_targets": []}
     try:
         for digit in range(10):
             for s in range(ref_sets):
                 refs = digits_reference_images(digit, n_refs, seed=seed + s)
+                size = refs[0].size
+                for name, images in (("references", refs), (ROUNDTRIP, vae_roundtrip(pipe, refs, size[1], size[0]))):
+                    read[name].extend(classify_digit_images(images)[0].tolist())
+                read["reference_targets"].extend([digit] * len(refs))
                 gen = torch.Generator().manual_seed(seed * 1000 + digit * 10 + s)
                 out = pipe(
                     DIGITS_PROMPT,
@@ -75,10 +86,22 @@ def evaluate_digits(
         pipe.set_ip_adapter_scale(1.0)
     predicted_arr, targets_arr = np.array(predicted), np.array(targets)
     hits = predicted_arr == targets_arr
+    ref_targets = np.array(read["reference_targets"])
+    ref_hits = {name: np.array(read[name]) == ref_targets for name in ("references", ROUNDTRIP)}
     return {
         "rate": float(hits.mean()),
         "confidence": float(np.mean(confidence)),
         "per_digit": {d: float(hits[targets_arr == d].mean()) for d in range(10)},
+        # the classifier's reading of what the rate is measured against: the references and their VAE round trip
+        "references_read_right": float(ref_hits["references"].mean()),
+        "roundtrip_read_right": float(ref_hits[ROUNDTRIP].mean()),
+        **{
+            f"{key}_per_digit": {d: float(ref_hits[name][ref_targets == d].mean()) for d in range(10)}
+            for key, name in (("references_read_right", "references"), ("roundtrip_read_right", ROUNDTRIP))
+        },
+        "reference_labels": np.array(read["references"]),
+        "roundtrip_labels": np.array(read[ROUNDTRIP]),
+        "reference_targets": ref_targets,
         "labels": predicted_arr,
         "targets": targets_arr,
         "classifier_accuracy": digit_classifier()[1],
@@ -95,14 +118,16 @@ def add_digit_scores(comparison: Any, digit: int) -> None:
 
     Adds ``digit_right`` (1 if the image is classified as ``digit``) and ``digit_confidence`` (the probability the
     classifier gives ``digit``) to ``comparison.per_image``, and their means and standard deviations over seeds
-    (``*_std``) to ``comparison.table``, for every method and the VAE round trip of the references.
+    (``*_std``) to ``comparison.table``, for every method and the VAE round trip of the references. Beside them, on
+    every row of the table, ``references_read_right`` and ``roundtrip_read_right``: the fraction of the references,
+    and of their VAE round trips, that the classifier itself reads as ``digit`` (the ceiling of a method that copies
+    its references); each reading (label, probability of ``digit``) is in ``comparison.settings["digit_readings"]``
+    and :func:`digit_readings_line` puts them in one line.
 
     Args:
         comparison: the result of :func:`ipa_probe.compare.compare_methods` on the digits organism.
         digit: the references' digit.
     """
-    from ...compare import ROUNDTRIP
-
     per = comparison.per_image
     right = np.full(len(per), np.nan)
     confidence = np.full(len(per), np.nan)
@@ -115,6 +140,16 @@ def add_digit_scores(comparison: Any, digit: int) -> None:
         right[rows] = labels == digit
         confidence[rows] = probs[:, digit]
     per["digit_right"], per["digit_confidence"] = right, confidence
+    # beside every score, what the classifier makes of the references and of their VAE round trip: a method that
+    # copies a reference cannot score above the fraction of references the classifier reads as the digit
+    readings = {}
+    for name, items in (("references", comparison.references), (ROUNDTRIP, comparison.roundtrip or [])):
+        if len(items):
+            labels, probs = classify_digit_images(items)
+            readings[name] = {"labels": labels.tolist(), "p_digit": probs[:, digit].tolist()}
+            column = "references_read_right" if name == "references" else "roundtrip_read_right"
+            comparison.table[column] = float(np.mean(labels == digit))
+    comparison.settings["digit_readings"] = readings
     stats = per.groupby("method", sort=False)[["digit_right", "digit_confidence"]].agg(
         ["mean", lambda x: x.std(ddof=0)]
     )
@@ -126,6 +161,19 @@ def add_digit_scores(comparison: Any, digit: int) -> None:
         "model": CLASSIFIER,
         "held_out_accuracy": digit_classifier()[1],
     }
+
+
+def digit_readings_line(comparison: Any) -> str:
+    """One line: how the digit classifier reads the references and their VAE round trip (after
+    :func:`add_digit_scores`), e.g. ``references read as [3, 3, 5] (P(3) 0.98 0.97 0.40); ...``."""
+    digit = comparison.settings["digit"]
+    parts = []
+    for name, what in (("references", "references"), (ROUNDTRIP, "their VAE round trip")):
+        reading = comparison.settings["digit_readings"].get(name)
+        if reading:
+            p = " ".join(f"{v:.2f}" for v in reading["p_digit"])
+            parts.append(f"{what} read as {reading['labels']} (P({digit}) {p})")
+    return "digit classifier: " + "; ".join(parts) + " - a score is read against these"
 
 
 #: the settings of the rates in docs/organism.md: ``python -m ipa_probe.tiny.digits --recipe R --out DIR``
@@ -153,6 +201,14 @@ def rates_over_seeds(pipe: StableDiffusionPipeline, seeds: Sequence[int], **sett
         "per_digit": {
             d: interval([r["per_digit"][d] for r in runs], bounds=(0.0, 1.0)) for d in range(10)
         },  # each digit's right-digit rate: samples_per_digit images per seed, interval over seeds
+        "references_read_right": interval([r["references_read_right"] for r in runs], bounds=(0.0, 1.0)),
+        "roundtrip_read_right": interval([r["roundtrip_read_right"] for r in runs], bounds=(0.0, 1.0)),
+        "references_read_right_per_digit": {
+            d: float(np.mean([r["references_read_right_per_digit"][d] for r in runs])) for d in range(10)
+        },
+        "roundtrip_read_right_per_digit": {
+            d: float(np.mean([r["roundtrip_read_right_per_digit"][d] for r in runs])) for d in range(10)
+        },
         "samples": sum(r["samples"] for r in runs),
         "n_refs": runs[0]["n_refs"],
         "most_frequent_label": int(np.bincount(np.concatenate([r["labels"] for r in runs]), minlength=10).argmax()),
@@ -223,6 +279,8 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
                 "setting": name,
                 "right digit [95% interval over seeds]": _percent(result["rate"]),
                 "classifier's probability of the digit": f"{result['confidence']['mean']:.3f}",
+                "references read right": f"{result['references_read_right']['mean']:.0%}",
+                "VAE round trip read right": f"{result['roundtrip_read_right']['mean']:.0%}",
                 "references": result["n_refs"],
                 "samples": result["samples"],
                 "most frequent label": result["most_frequent_label"],
@@ -231,6 +289,10 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
         per_digit_rows.append(
             {"setting": name, **{str(d): f"{result['per_digit'][d]['mean']:.0%}" for d in range(10)}}
         )
+        for what, key in (("references", "references_read_right"), ("VAE round trip", "roundtrip_read_right")):
+            per_digit = result[f"{key}_per_digit"]
+            cells = {str(d): f"{per_digit[d]:.0%}" for d in range(10)}
+            per_digit_rows.append({"setting": f"{name}: {what} read right", **cells})
         print(rows[-1], flush=True)
     accuracy = digit_classifier()[1]
     note = (
