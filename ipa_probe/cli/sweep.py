@@ -52,6 +52,8 @@ column), row_summary.parquet, aggregate.parquet (per timestep over rows, with a 
 rho_by_timestep.png; skipped/ (rows that failed), set_aside/ (parts moved out of rows/: damaged, images changed,
 row no longer in the manifest, --restart). Run the same command again to resume: rows already written are kept,
 failed and damaged rows run again. One sweep at a time per --out (a lock file); Ctrl-C stops with exit code 130.
+ipa_probe_manifest.json lists the run's files; a folder holding another command's files (or files no manifest
+lists) is refused unless --overwrite, which removes exactly the files the previous manifest lists (docs/cli.md).
 
 device: by default the one accelerate gives each process (cuda:N), else cuda when present, else cpu.
 several processes (one device each; --out must be a folder they all see):
