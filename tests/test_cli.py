@@ -158,3 +158,20 @@ def test_a_sweep_resumes_under_its_manifest_and_refuses_another_command(tmp_path
     assert "another run (ipa-probe sweep" in capsys.readouterr().err
     assert main([*base, "--overwrite"]) == 0  # a fresh sweep: the previous files removed, rows run again
     assert "2 now, 0 resumed" in capsys.readouterr().out
+
+
+def test_experiments_resume_under_their_manifest(tmp_path, capsys):
+    out = tmp_path / "exp"
+    argv = ["experiments", "collapse", "--tier", "quick", "--seeds", "0", "--dims", "2", "--out", str(out)]
+    assert main([*argv, "--no-progress"]) == 0
+    first = _manifest(out)
+    assert set(first["files"]) == _listed_files(out) and first["command"] == "ipa-probe experiments"
+    checkpoints = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("checkpoint.safetensors")}
+    assert checkpoints
+    assert main([*argv, "--no-progress"]) == 0  # the same command again: trained models reused, not retrained
+    assert {p: p.stat().st_mtime_ns for p in checkpoints} == checkpoints
+    again = _manifest(out)
+    assert again["resumed_from"] == first["run_id"] and set(again["files"]) == _listed_files(out)
+    capsys.readouterr()
+    assert main(["probe", *ARGS, "--out", str(out)]) == 2
+    assert "another run (ipa-probe experiments" in capsys.readouterr().err
