@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ._io import LOCK_NAME, OutputLocked, _read_holder, jsonable, versions, write_json
+from ._io import LOCK_NAME, OutputLocked, jsonable, versions, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -241,13 +241,22 @@ def _refuse_if_held(folder: Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = _read_holder(path)
-        who = holder.describe() if holder else "another process"
+        who = _holder(path)
         raise OutputLocked(
             f"{folder} is in use by {who}; wait for it to finish, or use another output folder"
         ) from None
     finally:
         os.close(fd)  # closing releases a lock taken here
+
+
+def _holder(path: Path) -> str:
+    """Who holds a lock file, from the record :func:`~ipa_probe._io.output_lock` writes in it."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(data["started"])))
+        return f"process {int(data['pid'])} on {data['host']}, started {started} ({data['command']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
 
 
 def _removable(folder: Path, name: str, entry: dict[str, Any], previous: dict[str, Any]) -> bool:
