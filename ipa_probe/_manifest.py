@@ -24,7 +24,7 @@ Before a run writes, :func:`check_folder` reads the folder:
 A resumable command that finds a folder with no manifest records the files it found there as ``foreign``: its
 own later runs accept them, nothing removes them. A run killed without a chance to write its last manifest
 (SIGKILL, power loss) leaves ``status: "running"``; the same run started again adopts the files changed after that
-start time, and an ``--overwrite`` removes them.
+start time into its manifest, while ``--overwrite`` leaves them (no manifest lists them) and names them.
 
 Torch-free: the command line checks a folder before torch loads.
 """
@@ -259,19 +259,27 @@ def _holder(path: Path) -> str:
         return "another process"
 
 
-def _removable(folder: Path, name: str, entry: dict[str, Any], previous: dict[str, Any]) -> bool:
-    """``name`` is still the file the manifest describes, reached without a symlink on the way."""
+def _inside(folder: Path, name: str) -> Path | None:
+    """``folder / name`` when ``name`` is a plain relative path whose every parent inside ``folder`` is a real
+    folder (no symlink on the way), else ``None``."""
     if not _safe_relative(name):
-        return False
+        return None
     path = folder
     for part in PurePosixPath(name).parts[:-1]:
         path = path / part
         try:
             if not stat.S_ISDIR(os.lstat(path).st_mode):  # a symlink (or a file) where the run made a folder
-                return False
-        except FileNotFoundError:
-            return False
-    path = path / PurePosixPath(name).name
+                return None
+        except OSError:
+            return None
+    return path / PurePosixPath(name).name
+
+
+def _removable(folder: Path, name: str, entry: dict[str, Any], previous: dict[str, Any]) -> bool:
+    """``name`` is still the file the manifest describes, reached without a symlink on the way."""
+    path = _inside(folder, name)
+    if path is None:
+        return False
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -360,12 +368,12 @@ def claim_folder(
             elif name in state.previous_files:
                 claim.left.append(name)
         for name in sorted(previous.get("folders", []), key=lambda n: -len(PurePosixPath(n).parts)):
-            path = folder / name
-            if _safe_relative(name) and os.path.isdir(path) and not os.path.islink(path):
-                try:
+            path = _inside(folder, name)
+            try:
+                if path is not None and stat.S_ISDIR(os.lstat(path).st_mode):  # a real folder, not a symlink
                     os.rmdir(path)  # only when empty: a folder holding anything not removed stays
-                except OSError:
-                    pass
+            except OSError:
+                pass
     if overwrite or (resumable and previous is None):
         claim.left = sorted(set(claim.left) | set(state.unlisted) | set(state.adopted))
     folder.mkdir(parents=True, exist_ok=True)
