@@ -334,3 +334,29 @@ def test_the_rates_come_with_the_reading_of_the_references_and_their_round_trip(
     assert result["roundtrip_read_right"] == pytest.approx(np.mean(round_labels == targets))
     for d in range(10):
         assert result["roundtrip_read_right_per_digit"][d] == pytest.approx(np.mean(round_labels[targets == d] == d))
+
+
+def test_the_per_digit_table_in_the_docs_is_the_records():
+    """docs/organism.md's per-digit rates are those of docs/results/digits/<recipe>/per_digit.json, rounded."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "organism.md").read_text()
+    rows = {}
+    for line in page.splitlines():
+        match = re.match(r"\| (`support`: right digit|`ip-adapter`: right digit|references read as their digit"
+                         r"|their VAE round trip read so) \|(.*)\|$", line)  # fmt: skip
+        if match:
+            rows[match.group(1)] = [float(c.strip().strip("*").rstrip("%")) for c in match.group(2).split("|")]
+    assert len(rows) == 4
+    for recipe in ("support", "ip-adapter"):
+        record = json.loads((root / "docs/results/digits" / recipe / "per_digit.json").read_text())
+        rates = record["rates"]["adapter on, CFG 3"]
+        want = [100 * rates["per_digit"][str(d)]["mean"] for d in range(10)] + [100 * rates["rate"]["mean"]]
+        # the page rounds to whole percent (the overall rate to 0.1%)
+        np.testing.assert_allclose(rows[f"`{recipe}`: right digit"], want, atol=0.5)
+        for label, key in (("references read as their digit", "references_read_right"),
+                           ("their VAE round trip read so", "roundtrip_read_right")):  # fmt: skip
+            read = [100 * rates[f"{key}_per_digit"][str(d)] for d in range(10)] + [100 * rates[key]["mean"]]
+            np.testing.assert_allclose(rows[label], read, atol=0.5)
