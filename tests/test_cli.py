@@ -78,3 +78,100 @@ def test_entry_point_bad_bandwidth_exits_2():
     )
     assert proc.returncode == 2
     assert "positive" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------ runs that never mix
+def _listed_files(folder):
+    """Every regular file under ``folder`` (relative POSIX path), the lock and the manifest left out."""
+    return {
+        p.relative_to(folder).as_posix()
+        for p in folder.rglob("*")
+        if p.is_file() and not p.is_symlink() and p.name not in ("ipa_probe_manifest.json", ".ipa_probe.lock")
+    }
+
+
+def _manifest(folder):
+    return json.loads((folder / "ipa_probe_manifest.json").read_text())
+
+
+def test_the_readme_sequence_refuses_then_overwrite_leaves_no_file_unaccounted_for(tmp_path, capsys):
+    """README: `probe --maps --out D` then `probe --digit 7 --steps 50 --out D` (here 2 and 3 steps, one image)."""
+    import hashlib
+
+    out = tmp_path / "D"
+    first = ["probe", "--maps", "--steps", "2", "--num-images", "1", "--out", str(out)]
+    assert main(first) == 0
+    record = _manifest(out)
+    assert set(record["files"]) == _listed_files(out)  # every file of the run, and nothing else
+    assert {"reference_maps.png", "map_table.parquet", "probe.parquet"} <= set(record["files"])
+    for name, entry in record["files"].items():  # sizes and digests against the bytes on disk
+        data = (out / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert record["settings"]["maps"] is True and record["command"] == "ipa-probe probe"
+    assert "ipa_probe_manifest.json" in capsys.readouterr().out
+    before = {name: (out / name).read_bytes() for name in _listed_files(out)}
+    (out / "notes.txt").write_text("a user's notes")  # listed by no manifest: never removed
+
+    second = ["probe", "--digit", "7", "--steps", "3", "--num-images", "1", "--out", str(out)]
+    assert main(second) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--overwrite" in err[0] and "--out" in err[0], err
+    assert {name: (out / name).read_bytes() for name in before} == before  # refused: nothing changed
+
+    assert main([*second, "--overwrite"]) == 0
+    err = capsys.readouterr().err
+    assert "notes.txt" in err and "left 1 file" in err  # said so
+    assert (out / "notes.txt").read_text() == "a user's notes"
+    record = _manifest(out)
+    assert record["settings"]["digit"] == 7 and record["status"] == "finished"
+    # no file of the first run unaccounted for: every file is the second run's, or the user's
+    assert _listed_files(out) == set(record["files"]) | {"notes.txt"}
+    assert not (out / "reference_maps.png").exists() and not (out / "map_table.parquet").exists()
+    assert json.loads((out / "digits.json").read_text())["digit"] == 7
+
+    assert main([*second, "--overwrite"]) == 0  # the same run again: its own files replaced, the user's kept
+    assert (out / "notes.txt").exists() and _listed_files(out) == set(_manifest(out)["files"]) | {"notes.txt"}
+
+
+def test_a_sweep_resumes_under_its_manifest_and_refuses_another_command(tmp_path, capsys):
+    from ipa_probe.tiny.sd import default_reference_images
+
+    refs = tmp_path / "refs"
+    refs.mkdir()
+    for i, image in enumerate(default_reference_images(2)):
+        image.save(refs / f"{i}.png")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"images": str(refs / f"{i}.png"), "seed": i}) + "\n" for i in range(2)))
+    out = tmp_path / "sweep"
+    base = ["sweep", str(rows), "--out", str(out), "--steps", "2", "--no-progress", "--resamples", "99"]
+    assert main(base) == 0
+    first = _manifest(out)
+    assert set(first["files"]) == _listed_files(out) and first["command"] == "ipa-probe sweep"
+    parts = {p: p.stat().st_mtime_ns for p in (out / "rows").iterdir()}
+    capsys.readouterr()
+    assert main(base) == 0  # the same sweep again: resumed by its own record, rows untouched
+    assert "0 now, 2 resumed" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in parts} == parts
+    again = _manifest(out)
+    assert again["resumed_from"] == first["run_id"] and set(again["files"]) == _listed_files(out)
+    assert main(["probe", *ARGS, "--out", str(out)]) == 2  # another command's folder
+    assert "another run (ipa-probe sweep" in capsys.readouterr().err
+    assert main([*base, "--overwrite"]) == 0  # a fresh sweep: the previous files removed, rows run again
+    assert "2 now, 0 resumed" in capsys.readouterr().out
+
+
+def test_experiments_resume_under_their_manifest(tmp_path, capsys):
+    out = tmp_path / "exp"
+    argv = ["experiments", "collapse", "--tier", "quick", "--seeds", "0", "--dims", "2", "--out", str(out)]
+    assert main([*argv, "--no-progress"]) == 0
+    first = _manifest(out)
+    assert set(first["files"]) == _listed_files(out) and first["command"] == "ipa-probe experiments"
+    checkpoints = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("checkpoint.safetensors")}
+    assert checkpoints
+    assert main([*argv, "--no-progress"]) == 0  # the same command again: trained models reused, not retrained
+    assert {p: p.stat().st_mtime_ns for p in checkpoints} == checkpoints
+    again = _manifest(out)
+    assert again["resumed_from"] == first["run_id"] and set(again["files"]) == _listed_files(out)
+    capsys.readouterr()
+    assert main(["probe", *ARGS, "--out", str(out)]) == 2
+    assert "another run (ipa-probe experiments" in capsys.readouterr().err

@@ -263,3 +263,100 @@ def test_compare_on_the_organism_scores_the_methods_with_the_digit_classifier(tm
     for method, row in table.items():
         values = [r["digit_right"] for r in record["per_image"] if r["method"] == method]
         assert row["digit_right"] == pytest.approx(np.mean(values))
+
+
+# ------------------------------------------------------------ the scorer reads the references and their round trip
+def _box_label_and_p(image, digit: int) -> tuple[int, float]:
+    """The classifier's label and P(digit) of a PIL image, downsampled here with PIL's box filter."""
+    from PIL import Image
+
+    rgb = np.asarray(image.convert("RGB"), dtype=np.float64)
+    grey = Image.fromarray(rgb.mean(-1).astype(np.float32), mode="F")
+    small = np.asarray(grey.resize((8, 8), Image.Resampling.BOX), dtype=float) / 255 * 16
+    clf = D.digit_classifier()[0]
+    probs = clf.predict_proba(small.reshape(1, 64))[0]
+    return int(clf.classes_[probs.argmax()]), float(probs[list(clf.classes_).index(digit)])
+
+
+@torch.no_grad()
+def _own_roundtrip(pipe, images) -> list:
+    """The references through the organism's VAE, by the test's own calls: posterior mode, decode, to [0, 255]."""
+    from PIL import Image
+
+    x = torch.stack([torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0) for im in images])
+    x = x.permute(0, 3, 1, 2) * 2 - 1  # (N, 3, H, W) in [-1, 1]
+    z = pipe.vae.encode(x).latent_dist.mode()
+    y = ((pipe.vae.decode(z).sample.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 1).numpy()  # (N, H, W, 3)
+    return [Image.fromarray(np.round(a * 255).astype(np.uint8)) for a in y]
+
+
+def test_the_scorer_reports_the_reading_of_the_references_and_their_round_trip(organism):
+    import pandas as pd
+
+    from ipa_probe.compare import ROUNDTRIP, Comparison, vae_roundtrip
+
+    digit = 3
+    refs = D.digits_reference_images(digit, 3, seed=0)
+    roundtrip = vae_roundtrip(organism, refs, 16, 16)
+    images = {"exact": list(refs[:2])}  # a method that copies its references
+    per = pd.DataFrame({"method": ["exact", "exact", ROUNDTRIP, ROUNDTRIP, ROUNDTRIP], "seed": [0, 1, -1, -1, -1]})
+    table = pd.DataFrame({"method": ["exact", ROUNDTRIP]})
+    comparison = Comparison(refs, [0, 1], images, per, table, {}, roundtrip)
+    D.add_digit_scores(comparison, digit)
+    own = {
+        "references": [_box_label_and_p(im, digit) for im in refs],
+        ROUNDTRIP: [_box_label_and_p(im, digit) for im in _own_roundtrip(organism, refs)],
+    }
+    readings = comparison.settings["digit_readings"]
+    for name, expected in own.items():
+        assert readings[name]["labels"] == [label for label, _ in expected]
+        # tolerance: the box filter and the reshape-mean differ only in float rounding; 1e-3 in a probability
+        np.testing.assert_allclose(readings[name]["p_digit"], [p for _, p in expected], atol=1e-3)
+    right = np.mean([label == digit for label, _ in own["references"]])
+    assert (comparison.table["references_read_right"] == right).all()  # beside every row's score
+    assert (comparison.table["roundtrip_read_right"] == np.mean([lab == digit for lab, _ in own[ROUNDTRIP]])).all()
+    line = D.evaluate.digit_readings_line(comparison)
+    assert str(readings["references"]["labels"]) in line and "round trip" in line
+
+
+def test_the_rates_come_with_the_reading_of_the_references_and_their_round_trip(organism):
+    result = D.evaluate_digits(organism, samples_per_digit=1, num_inference_steps=2, guidance_scale=1.0, seed=4)
+    labels, round_labels, targets = [], [], []
+    for digit in range(10):
+        refs = D.digits_reference_images(digit, 3, seed=4)
+        labels += [_box_label_and_p(im, digit)[0] for im in refs]
+        round_labels += [_box_label_and_p(im, digit)[0] for im in _own_roundtrip(organism, refs)]
+        targets += [digit] * 3
+    labels, round_labels, targets = map(np.array, (labels, round_labels, targets))
+    np.testing.assert_array_equal(result["reference_labels"], labels)
+    np.testing.assert_array_equal(result["roundtrip_labels"], round_labels)
+    assert result["references_read_right"] == pytest.approx(np.mean(labels == targets))
+    assert result["roundtrip_read_right"] == pytest.approx(np.mean(round_labels == targets))
+    for d in range(10):
+        assert result["roundtrip_read_right_per_digit"][d] == pytest.approx(np.mean(round_labels[targets == d] == d))
+
+
+def test_the_per_digit_table_in_the_docs_is_the_records():
+    """docs/organism.md's per-digit rates are those of docs/results/digits/<recipe>/per_digit.json, rounded."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "organism.md").read_text()
+    rows = {}
+    for line in page.splitlines():
+        match = re.match(r"\| (`support`: right digit|`ip-adapter`: right digit|references read as their digit"
+                         r"|their VAE round trip read so) \|(.*)\|$", line)  # fmt: skip
+        if match:
+            rows[match.group(1)] = [float(c.strip().strip("*").rstrip("%")) for c in match.group(2).split("|")]
+    assert len(rows) == 4
+    for recipe in ("support", "ip-adapter"):
+        record = json.loads((root / "docs/results/digits" / recipe / "per_digit.json").read_text())
+        rates = record["rates"]["adapter on, CFG 3"]
+        want = [100 * rates["per_digit"][str(d)]["mean"] for d in range(10)] + [100 * rates["rate"]["mean"]]
+        # the page rounds to whole percent (the overall rate to 0.1%)
+        np.testing.assert_allclose(rows[f"`{recipe}`: right digit"], want, atol=0.5)
+        for label, key in (("references read as their digit", "references_read_right"),
+                           ("their VAE round trip read so", "roundtrip_read_right")):  # fmt: skip
+            read = [100 * rates[f"{key}_per_digit"][str(d)] for d in range(10)] + [100 * rates[key]["mean"]]
+            np.testing.assert_allclose(rows[label], read, atol=0.5)

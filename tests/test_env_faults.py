@@ -11,6 +11,7 @@ errno 28 and no file name, safetensors its own error ending in ``(os error 28)``
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -138,7 +139,10 @@ def test_a_full_disk_at_the_lock_names_the_lock_file(workdir, monkeypatch, capsy
     out = workdir / "lock"
     assert main(["sweep", str(workdir / "m.jsonl"), "--out", str(out), *SWEEP]) == 1
     assert f"'{out / '.ipa_probe.lock'}': No space left on device" in one_error_line(capsys)
-    assert sorted(p.name for p in out.iterdir()) == [".ipa_probe.lock"] and not (out / ".ipa_probe.lock").read_text()
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [".ipa_probe.lock", "ipa_probe_manifest.json"] and not (out / ".ipa_probe.lock").read_text()
+    record = json.loads((out / "ipa_probe_manifest.json").read_text())
+    assert record["status"] == "failed" and record["files"] == {}  # the run's manifest: it wrote nothing
 
 
 def test_a_full_disk_in_probe_keeps_the_images_written_before(tmp_path, monkeypatch, capsys, one_thread):
@@ -155,7 +159,9 @@ def test_a_full_disk_in_probe_keeps_the_images_written_before(tmp_path, monkeypa
     assert main(argv) == 1
     line = one_error_line(capsys)
     assert f"'{out / 'image_1.png'}': No space left on device [errno 28]" in line  # the file, not its temp copy
-    assert sorted(p.name for p in out.iterdir()) == ["image_0.png"]  # written before, whole
+    assert sorted(p.name for p in out.iterdir()) == ["image_0.png", "ipa_probe_manifest.json"]  # written before
+    record = json.loads((out / "ipa_probe_manifest.json").read_text())
+    assert record["status"] == "failed" and list(record["files"]) == ["image_0.png"]  # whose it is
     assert Image.open(out / "image_0.png").size == (64, 64)
 
 

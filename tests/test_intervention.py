@@ -264,6 +264,29 @@ def test_measured_effect_matches_an_independent_recomputation(organism, refs):
     assert effect.to_dict()["config"]["reference"] == 2
 
 
+def test_a_baseline_of_another_seed_or_call_is_refused_in_one_line(organism, refs):
+    from ipa_probe.intervention import Generation
+
+    kwargs = call(refs)
+    baseline = generate(organism, seed=0, **kwargs)
+    assert baseline.seed == 0 and baseline.call is not None
+    with pytest.raises(ValueError, match=r"seed=0, but this measurement uses seed=1") as err:
+        measure_intervention(organism, 0, seed=1, baseline=baseline, **kwargs)
+    assert "\n" not in str(err.value)
+    other_refs = call(list(refs)[::-1])  # the same references in another order: another call
+    for other in (call(refs, guidance_scale=3.0), other_refs, call(refs, num_inference_steps=STEPS + 1)):
+        with pytest.raises(ValueError, match="other call arguments") as err:
+            measure_intervention(organism, 0, seed=0, baseline=baseline, **other)
+        assert "\n" not in str(err.value)
+    bare = Generation(baseline.latents, baseline.images)  # made by hand: no record of its seed and call
+    with pytest.raises(ValueError, match="no seed or call record"):
+        measure_intervention(organism, 0, seed=0, baseline=bare, **kwargs)
+    # the same seed and call (a new but equal list of the same images) is accepted, and measures the same effect
+    again = measure_intervention(organism, 0, seed=0, baseline=baseline, **call(list(refs)))
+    fresh = measure_intervention(organism, 0, seed=0, **kwargs)
+    np.testing.assert_array_equal(again.latent_distance, fresh.latent_distance)
+
+
 def test_generate_refuses_the_arguments_it_sets(organism, refs):
     with pytest.raises(ValueError, match="generator="):
         generate(organism, generator=torch.Generator(), **call(refs))

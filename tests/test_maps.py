@@ -199,6 +199,40 @@ def test_map_table_against_own_recomputation(sd15):
     assert np.isfinite(table["timestep"]).all()
 
 
+def test_branch_selection_against_own_recomputation(sd15):
+    """map_table / reference_mass / summary(branch="cond"): the cond rows, whose means the test recomputes; the
+    uncond rows are uniform by construction (zero image embeddings: every reference's tokens are equal)."""
+    refs = default_reference_images(3)
+    with probe(sd15, maps=True) as run, OwnHooks(sd15) as own:
+        generate(sd15, refs, guidance_scale=5.0)
+    cond, uncond = run.map_table(branch="cond"), run.map_table(branch="uncond")
+    assert set(cond["branch"]) == {"cond"} and set(uncond["branch"]) == {"uncond"}
+    assert cond.attrs["mean_over"] == ("head",) and len(cond) + len(uncond) == len(run.map_table())
+    assert (uncond["dominant_agree"] == 1).all() and (uncond["tv"] < 1e-7).all()  # by construction
+    tv, mass = [], np.zeros(3)
+    for _, row in cond.iterrows():
+        name, step = row["layer"], row["step"]
+        attn = own.layers[name][0]
+        a = own.shares(step, name, 0, 4)[1].sum(-1)  # (Q, R): batch item 1 is the cond branch
+        n = own.shares(step, name, 0, 4, h2=math.sqrt(attn.inner_dim // attn.heads))[1].sum(-1)
+        tv.append((0.5 * (a - n).abs().sum(-1)).mean().item())
+        mass += a.mean(0).numpy() / len(cond)
+        uniform = own.shares(step, name, 0, 4)[0].sum(-1)  # the uncond item
+        torch.testing.assert_close(uniform, torch.full_like(uniform, 1 / 3), atol=1e-6, rtol=0)  # float32 shares
+    assert cond["tv"].mean() == pytest.approx(np.mean(tv), abs=1e-6)  # float32 shares against float64 ones
+    assert run.map_table()["tv"].mean() < cond["tv"].mean()  # what averaging over both branches hid
+    per_ref = run.reference_mass(branch="cond").groupby("reference")["attention"].mean().to_numpy()
+    np.testing.assert_allclose(per_ref, mass, atol=1e-6)
+    summary = run.summary(branch="cond")
+    assert summary.attrs["mean_over"] == ("layer", "head", "adapter") and set(summary["branch"]) == {"cond"}
+    raw = run.to_dataframe()
+    expected = raw[(raw["branch"] == "cond") & (raw["kind"] == "image")].groupby("step")["spearman"].mean()
+    got = summary[summary["kind"] == "image"].set_index("step")["spearman"]
+    np.testing.assert_allclose(got.to_numpy(), expected.to_numpy(), rtol=1e-12)
+    with pytest.raises(ValueError, match=r"branch='text'.*expected one of \['cond', 'uncond'\]"):
+        run.map_table(branch="text")
+
+
 def test_averages_over_selected_layers_and_steps(sd15, refs):
     with probe(sd15, maps=True) as run:
         generate(sd15, refs, num_inference_steps=3)

@@ -299,8 +299,10 @@ def test_done_when_probe_overlays_and_tensorboard_on_the_organism(tmp_path, caps
     out, overlays = tmp_path / "out", tmp_path / "overlays"
     argv = ["probe", "--maps", "--overlays", str(overlays), "--log-with", "tensorboard", "--out", str(out)]
     assert main([*argv, "--steps", "3", "--num-images", "2"]) == 0
-    assert sorted(p.name for p in overlays.iterdir()) == ["ref0.png", "ref1.png", "ref2.png"]
-    assert all(read_provenance(p)["code"] for p in overlays.iterdir())
+    pngs = ["ref0.png", "ref1.png", "ref2.png"]
+    assert sorted(p.name for p in overlays.iterdir()) == ["ipa_probe_manifest.json", *pngs]  # a folder of its own
+    assert sorted(json.loads((overlays / "ipa_probe_manifest.json").read_text())["files"]) == pngs
+    assert all(read_provenance(overlays / name)["code"] for name in pngs)
     printed = capsys.readouterr().out
     assert "3 overlay(s)" in printed and "tensorboard logs in" in printed
     events = _scalars(out / "logs" / "probe")

@@ -32,6 +32,7 @@ __all__ = [
     "plot_run",
     "run_table",
     "save_run",
+    "select_branch",
     "style_timestep_axes",
     "summarize",
     "versions",
@@ -117,6 +118,20 @@ def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
         chance = (null > threshold).where(null.notna())
         out[frac_null_column(threshold)] = chance.groupby(keys, observed=True).mean()
     return out.reset_index()
+
+
+def select_branch(table, branch: str | None, what: str):
+    """The rows of ``table`` of one CFG branch (all rows for ``None``), for the ``branch=`` argument of
+    :meth:`~ipa_probe.ProbeRun.summary`, ``map_table`` and ``reference_mass``; an unrecorded branch is a ValueError
+    naming the recorded ones (``what``: the method, for the message)."""
+    if branch is None or table.empty:
+        if branch is not None:
+            raise ValueError(f"{what}(branch={branch!r}): the table is empty (nothing was recorded)")
+        return table
+    present = sorted(set(table["branch"]))
+    if branch not in present:
+        raise ValueError(f"{what}(branch={branch!r}): no such branch recorded; expected one of {present} or None")
+    return table[table["branch"] == branch].reset_index(drop=True)
 
 
 #: Columns :func:`plot_run` draws as layer x timestep heat maps beside the lines, those the table has: the per-row

@@ -46,7 +46,7 @@ from .clock import CallClock
 from .config import ProbeConfig
 from .mapplots import plot_reference_maps
 from .maps import MapAccumulator, check_size, map_statistics, reference_mass, select_layers
-from .report import plot_run, run_table, save_run, summarize
+from .report import plot_run, run_table, save_run, select_branch, summarize
 from .taps import Capture, Tap, tap_for
 
 __all__ = ["FIELDS", "ProbeConfig", "ProbeRun", "probe"]
@@ -572,9 +572,13 @@ class ProbeRun:
         """The tidy table: one row per call × step × layer × head × CFG branch × adapter (see README for columns)."""
         return run_table(self._finished(), [layer.name for layer in self.layers], self.config, self.text_slot)
 
-    def summary(self):
-        """Per-timestep aggregates of :meth:`to_dataframe` (see :func:`ipa_probe.capture.report.summarize`)."""
-        return summarize(self.to_dataframe())
+    def summary(self, branch: str | None = None):
+        """Per-timestep means over layers x heads x adapters (``attrs["mean_over"]``) of :meth:`to_dataframe`, one row
+        per call, step, kind and CFG branch (:func:`~ipa_probe.capture.report.summarize`). ``branch``: one CFG
+        branch (``"cond"``, what the README reads), or ``None`` for each on its own rows."""
+        table = select_branch(summarize(self.to_dataframe()), branch, "summary")
+        table.attrs["mean_over"] = ("layer", "head", "adapter")
+        return table
 
     def plot(self, ax=None):
         """Matplotlib figure of the mean per-row Spearman against timestep, in the denoising direction."""
@@ -698,15 +702,24 @@ class ProbeRun:
         IP-Adapter, 16 for Plus); summing over ``T`` gives :meth:`reference_maps`."""
         return self.reference_maps(*args, _per_token=True, **kwargs)
 
-    def map_table(self):
+    def map_table(self, branch: str | None = None):
         """Per (call, step, layer, adapter, branch, item): how often attention and NW pick the same dominant
-        reference, and their mean total-variation distance (columns in :data:`~.maps.MAP_TABLE_COLUMNS`)."""
-        return map_statistics(self._map_source(), self._finished()["calls"], [layer.name for layer in self.layers])
+        reference, and their mean total-variation distance (:data:`~.maps.MAP_TABLE_COLUMNS`), from reference shares
+        averaged over heads (``attrs["mean_over"]``). ``branch``: one CFG branch (``"cond"``), or ``None`` for each on
+        its own rows; never average across them: uncond rows are 1 and 0 by construction (equal reference tokens)."""
+        table = map_statistics(self._map_source(), self._finished()["calls"], [layer.name for layer in self.layers])
+        table = select_branch(table, branch, "map_table")
+        table.attrs["mean_over"] = ("head",)
+        return table
 
-    def reference_mass(self):
+    def reference_mass(self, branch: str | None = None):
         """Per (call, step, layer, adapter, branch) and reference image: its mean share of the attention and of the NW
-        weights over query positions and batch items (columns in :data:`~.maps.REFERENCE_MASS_COLUMNS`)."""
-        return reference_mass(self._map_source(), self._finished()["calls"], [layer.name for layer in self.layers])
+        weights over heads, query positions and the branch's items (``attrs["mean_over"]``;
+        :data:`~.maps.REFERENCE_MASS_COLUMNS`). ``branch`` as in :meth:`map_table`."""
+        table = reference_mass(self._map_source(), self._finished()["calls"], [layer.name for layer in self.layers])
+        table = select_branch(table, branch, "reference_mass")
+        table.attrs["mean_over"] = ("head", "position", "item")
+        return table
 
     def plot_reference_maps(self, call: int = 0, item: int = 0, adapter: int = 0, **kwargs):
         """Figure of :meth:`reference_maps` at early / middle / late steps, attention beside NW (see

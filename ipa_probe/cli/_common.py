@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +27,8 @@ from .._checks import (
     parse_float,
     parse_int,
 )
-from .._io import LOCK_NAME
+from .._io import LOCK_NAME, OutputLocked
+from .._manifest import MANIFEST_NAME, RunConflict, check_folder, claim_folder
 from . import CLIError
 from ._sources import check_model_source, ip_adapter_source
 
@@ -398,6 +402,67 @@ def output_dir(path: str | os.PathLike) -> Path:
         reason = err.strerror or err
         raise CLIError(f"cannot write to --out {str(out)!r} ({reason}); choose a writable folder") from None
     return out
+
+
+def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
+    """``--overwrite``: replace the previous run's files in the output folder (see :mod:`ipa_probe._manifest`)."""
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=f"the output folder holds another run's files: remove exactly the files its {MANIFEST_NAME} lists "
+        "(files no manifest lists are kept, and named), then run (default: refuse, exit code 2)",
+    )
+
+
+#: arguments that do not change what a run writes: left out of the key that says whether two runs are the same run
+_NOT_IN_KEY = frozenset({"out", "overwrite", "threads", "verbose", "no_progress", "command"})
+
+
+def run_settings(args: argparse.Namespace) -> dict:
+    """The command-line settings of a run, for its manifest (plain values only: no parsed manifests or functions)."""
+    plain = (str, int, float, bool, type(None))
+
+    def is_plain(value) -> bool:
+        if isinstance(value, list | tuple):
+            return all(is_plain(v) for v in value)
+        return isinstance(value, plain)
+
+    return {k: v for k, v in vars(args).items() if is_plain(v)}
+
+
+def run_key(args: argparse.Namespace) -> dict:
+    """What must be equal for a rerun of ``probe`` or ``compare`` into the same folder to be the same run: every
+    setting that shapes the files written."""
+    return {k: v for k, v in run_settings(args).items() if k not in _NOT_IN_KEY}
+
+
+def check_run_folder(
+    folder, command: str, key: dict, overwrite: bool, flag: str = "--out", resumable: bool = False
+) -> None:
+    """Before torch loads: refuse (exit code 2) a folder holding another run's files, unless ``--overwrite``
+    (``resumable``: see :func:`ipa_probe._manifest.check_folder`)."""
+    try:
+        check_folder(folder, command, key, overwrite=overwrite, flag=flag, resumable=resumable)
+    except RunConflict as err:
+        raise CLIError(str(err)) from None
+
+
+@contextmanager
+def claimed_output(
+    folder, command: str, args: argparse.Namespace, key: dict, flag: str = "--out", resumable: bool = False
+) -> Iterator:
+    """Claim an output folder for this run (:func:`ipa_probe._manifest.claim_folder`): its manifest lists what the
+    block writes there. What ``--overwrite`` removed or left goes to stderr as one line."""
+    settings = run_settings(args)
+    options = {"overwrite": args.overwrite, "flag": flag, "resumable": resumable}
+    try:
+        with claim_folder(folder, command, settings, key, **options) as claim:
+            note = claim.note() if args.overwrite else None  # a resumed folder's own files need no word
+            if note:
+                print(f"{command}: note: {note}", file=sys.stderr)
+            yield claim
+    except (RunConflict, OutputLocked) as err:  # raised before anything in the folder changed
+        raise CLIError(str(err)) from None
 
 
 #: ``--log-with`` choices (the trackers of :mod:`ipa_probe.trackers`; the list is repeated here so that argument

@@ -10,13 +10,20 @@ from .._checks import MAX_SEED
 from . import CLIError
 from ._common import (
     add_model_arguments,
+    add_overwrite_argument,
     bandwidth_type,
     check_model_arguments,
     check_output_dir,
+    check_run_folder,
+    claimed_output,
     load_pipeline,
     output_dir,
+    run_key,
     seed_type,
 )
+
+COMMAND = "ipa-probe compare"
+
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +61,7 @@ def add_parser(subparsers) -> None:
         "(default: random weights built from the config, offline)",
     )
     parser.add_argument("--out", default="outputs/compare", help="output folder (default: outputs/compare)")
+    add_overwrite_argument(parser)
     parser.set_defaults(func=run, check=check)
 
 
@@ -79,6 +87,7 @@ def check(args: argparse.Namespace) -> None:
     if looks_like_path and not Path(pretrained).expanduser().exists():
         raise CLIError(f"--clip-pretrained {pretrained!r} does not exist; pass a checkpoint file or a cached tag")
     check_model_arguments(args)
+    check_run_folder(args.out, COMMAND, run_key(args), args.overwrite)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,19 +111,24 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as err:
         raise CLIError(str(err)) from None
-    out = output_dir(args.out)  # created only now that there is something to write
     if "digit" in loaded.description:  # the digits organism: score the methods with the digit classifier too
         from ..tiny.digits import add_digit_scores
 
         add_digit_scores(result, loaded.description["digit"])
-    paths = result.save(out)
+    out = output_dir(args.out)  # created only now that there is something to write
+    with claimed_output(out, COMMAND, args, run_key(args)):
+        paths = result.save(out)
     print(result.markdown())
+    if "digit" in loaded.description:
+        from ..tiny.digits.evaluate import digit_readings_line
+
+        print(digit_readings_line(result))
     if scorer.random_weights:
         print(f"note: {RANDOM_WEIGHTS_NOTE}")
     print(
         f"wrote {out}: {paths['grid'].name} (references, VAE round trip, {len(result.images)} methods x "
         f"{len(seeds)} seeds), "
         f"{paths['table'].name}, {paths['markdown'].name}, {paths['per_image'].name}, {paths['record'].name}, "
-        f"images/ ({sum(len(v) for v in result.images.values())} PNGs)"
+        f"images/ ({sum(len(v) for v in result.images.values())} PNGs), ipa_probe_manifest.json"
     )
     return 0

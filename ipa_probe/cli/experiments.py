@@ -7,12 +7,20 @@ import argparse
 from .._checks import DIGITS_RECIPES
 from . import CLIError
 from ._common import (
+    add_overwrite_argument,
     add_threads_argument,
     add_tracker_arguments,
     check_output_dir,
+    check_run_folder,
     check_tracker_arguments,
+    claimed_output,
     logging_dir,
 )
+
+COMMAND = "ipa-probe experiments"
+#: experiments resume and add to a folder by their own records (the tier check, the checkpoints under OUT/runs)
+KEY: dict = {}
+
 
 NAMES = ("collapse", "shells", "scarcity", "heads", "attention", "ip-adapter", "attribution", "all")
 
@@ -54,6 +62,7 @@ def add_parser(subparsers) -> None:
     )
     add_threads_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_overwrite_argument(parser)
     add_tracker_arguments(parser)
     parser.set_defaults(func=run, check=check)
 
@@ -78,6 +87,9 @@ def check(args: argparse.Namespace) -> None:
         raise CLIError(f"seeds must be non-negative integers, got {args.seeds}")
     args.out = check_output_dir(args.out or f"outputs/experiments-{args.tier}")  # made when the run starts
     args.tier_sizes = ALL_TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
+    check_run_folder(args.out, COMMAND, KEY, args.overwrite, resumable=True)
+    if args.overwrite:
+        return  # the previous run's files (its tier's) are removed before this one starts
     try:
         check_folder_tier(args.out, args.tier_sizes)
     except TierMismatch as err:
@@ -99,21 +111,22 @@ def run(args: argparse.Namespace) -> int:
                 f"tier {args.tier!r} has the paper's sizes and needs a CUDA GPU (tens of GPU-hours), and none is "
                 "visible; use --tier full on a CPU"
             )
-    try:
-        threads = args.threads or torch.get_num_threads()  # OMP_NUM_THREADS, set before torch loaded
-        results = run_experiments(
-            [args.name], tier, out, progress=not args.no_progress, threads=threads, recipe=args.recipe
-        )
-    except (CheckpointError, OutputLocked, TierMismatch) as err:
-        raise CLIError(str(err)) from None
-    for name, result in results.items():
-        print(f"{name}: {out / name / 'table.md'} ({result.record['wall_time_s']:.0f} s)")
-    print(f"summary: {out / 'summary.md'}")
-    if args.log_with:
-        from ..trackers import log_experiments
+    with claimed_output(out, COMMAND, args, KEY, resumable=True):
+        try:
+            threads = args.threads or torch.get_num_threads()  # OMP_NUM_THREADS, set before torch loaded
+            results = run_experiments(
+                [args.name], tier, out, progress=not args.no_progress, threads=threads, recipe=args.recipe
+            )
+        except (CheckpointError, OutputLocked, TierMismatch) as err:
+            raise CLIError(str(err)) from None
+        for name, result in results.items():
+            print(f"{name}: {out / name / 'table.md'} ({result.record['wall_time_s']:.0f} s)")
+        print(f"summary: {out / 'summary.md'}")
+        if args.log_with:
+            from ..trackers import log_experiments
 
-        skip = ("func", "check", "tier", "tier_sizes")
-        settings = {"tier": tier.name, **{k: v for k, v in vars(args).items() if k not in skip}}
-        folder = log_experiments(results, out, settings, args.log_with, logging_dir(args))
-        print(f"{args.log_with} logs in {folder}")
+            skip = ("func", "check", "tier", "tier_sizes")
+            settings = {"tier": tier.name, **{k: v for k, v in vars(args).items() if k not in skip}}
+            folder = log_experiments(results, out, settings, args.log_with, logging_dir(args))
+            print(f"{args.log_with} logs in {folder}")
     return 0

@@ -4,22 +4,32 @@ from __future__ import annotations
 
 import argparse
 import logging
+from contextlib import ExitStack
+from pathlib import Path
 
 from .._checks import DEFAULT_GAUGE_FACTORS, GAUGE_FACTOR_RANGE, parse_gauges
+from .._manifest import MANIFEST_NAME
 from . import CLIError
 from ._common import (
     DIGITS_DEFAULTS,
     add_model_arguments,
+    add_overwrite_argument,
     add_tracker_arguments,
     bandwidth_type,
     check_model_arguments,
     check_output_dir,
+    check_run_folder,
     check_tracker_arguments,
+    claimed_output,
     images_type,
     load_pipeline,
     logging_dir,
     output_dir,
+    run_key,
 )
+
+COMMAND = "ipa-probe probe"
+
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +79,7 @@ def add_parser(subparsers) -> None:
         "docs/gauge.md)",
     )
     parser.add_argument("--out", default="outputs/probe", help="output folder (default: outputs/probe)")
+    add_overwrite_argument(parser)
     add_tracker_arguments(parser)
     parser.set_defaults(func=run, check=check)
 
@@ -93,6 +104,27 @@ def check(args: argparse.Namespace) -> None:
         check_output_dir(args.overlays, "--overlays")
     check_tracker_arguments(args)
     check_model_arguments(args)
+    check_run_folder(args.out, COMMAND, run_key(args), args.overwrite)
+    if _separate_overlays(args):
+        check_run_folder(args.overlays, COMMAND, run_key(args), args.overwrite, flag="--overlays")
+
+
+def _separate_overlays(args: argparse.Namespace) -> bool:
+    """``--overlays DIR`` names a folder outside ``--out``: it gets its own manifest."""
+    if not args.overlays:
+        return False
+    out, overlays = Path(args.out).expanduser().resolve(), Path(args.overlays).expanduser().resolve()
+    return out != overlays and out not in overlays.parents
+
+
+def _claim(args: argparse.Namespace, stack: ExitStack) -> Path:
+    """Create ``--out`` and claim it (and a separate ``--overlays`` folder) for this run: their manifests list
+    what the run writes."""
+    out = output_dir(args.out)  # created only now that there is something to write
+    stack.enter_context(claimed_output(out, COMMAND, args, run_key(args)))
+    if _separate_overlays(args):
+        stack.enter_context(claimed_output(args.overlays, COMMAND, args, run_key(args), flag="--overlays"))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,7 +132,6 @@ def run(args: argparse.Namespace) -> int:
         return _gauge_sweep(args)
     import torch
 
-    from .._io import atomic_path, write_image
     from ..capture.run import probe
 
     loaded = load_pipeline(args)
@@ -120,7 +151,19 @@ def run(args: argparse.Namespace) -> int:
             )
     except ValueError as err:
         raise CLIError(str(err)) from None
-    out = output_dir(args.out)  # created only now that there is something to write
+    with ExitStack() as stack:
+        out = _claim(args, stack)
+        line = _write(args, loaded, result, run_, out, organism, maps)
+    print(line)
+    return 0
+
+
+def _write(args: argparse.Namespace, loaded, result, run_, out: Path, organism: bool, maps: bool) -> str:
+    """Write the probed generation's files into ``out``; return the line that lists them."""
+    import torch
+
+    from .._io import atomic_path, write_image
+
     written = [f"{len(result.images)} image(s)", "references_and_output.png"]
     for i, image in enumerate(result.images):
         write_image(image, out / f"image_{i}.png")
@@ -151,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         content = {"images": result.images, "references": loaded.references, "readings": readings}
         folder = run_.log(args.log_with, logging_dir(args), "probe", settings=loaded.description, **content)
         written.append(f"{args.log_with} logs in {folder}")
+    written.append(f"{MANIFEST_NAME} (which files are this run's)")
     summary = run_.summary()
     cond = summary[summary["branch"] == "cond"]
     last = cond.iloc[-1] if len(cond) else None
@@ -163,8 +207,7 @@ def run(args: argparse.Namespace) -> int:
         right = int((labels == args.digit).sum())
         listed = " ".join(map(str, labels.tolist()))
         line += f"\ndigit classifier: {right} of {len(labels)} images drawn as {args.digit} (read as: {listed})"
-    print(line)
-    return 0
+    return line
 
 
 def _gauge_sweep(args: argparse.Namespace) -> int:
@@ -193,24 +236,25 @@ def _gauge_sweep(args: argparse.Namespace) -> int:
         table = gauge_sweep(pipe, call, args.gauge_sweep, bandwidth=args.bandwidth, layers=args.layers)
     except (ValueError, RuntimeError) as err:
         raise CLIError(str(err)) from None
-    out = output_dir(args.out)
-    for suffix in (".parquet", ".csv"):
-        write_table(table, out / f"gauge_sweep{suffix}")
     image = table[(table["kind"] == "image") & (table["branch"] == "cond")]
     if image.empty:
         image = table[table["kind"] == "image"]
     # the numbers the figure draws; they move by ~1e-6 between CPUs, 1e-3 is far below a visible change
     drawn = image[["spearman", "rho_baseline", "rho_excess", "neff_attn"]]  # per gauge in the sweep's order, per step
     stamp = {"code": code_digest(plot_gauge_sweep), "data": drawn.round(6).to_numpy().ravel().tolist(), "atol": 1e-3}
-    write_figure(plot_gauge_sweep(table), out / "gauge_sweep.png", provenance=stamp)
+    with ExitStack() as stack:
+        out = _claim(args, stack)
+        for suffix in (".parquet", ".csv"):
+            write_table(table, out / f"gauge_sweep{suffix}")
+        write_figure(plot_gauge_sweep(table), out / "gauge_sweep.png", provenance=stamp)
     first = image[image["step"] == image["step"].min()]  # in the sweep's order of gauges
     gauges = "; ".join(first["gauge"])
     rho = "/".join(f"{v:.3f}" for v in first["spearman"])
     excess = "/".join(f"{v:+.3f}" for v in first["rho_excess"])
     where = f"t={first['timestep'].iloc[0]:g}, {first['branch'].iloc[0]}"
     print(
-        f"wrote {out}: gauge_sweep.parquet, gauge_sweep.csv, gauge_sweep.png; first step ({where}) under {gauges}: "
-        f"stored-frame rho {rho}, rho_excess {excess}; outputs equal to the ungauged one within "
+        f"wrote {out}: gauge_sweep.parquet, gauge_sweep.csv, gauge_sweep.png, {MANIFEST_NAME}; first step ({where}) "
+        f"under {gauges}: stored-frame rho {rho}, rho_excess {excess}; outputs equal to the ungauged one within "
         f"{table['output_max_abs_diff'].max():.3g}"
     )
     return 0

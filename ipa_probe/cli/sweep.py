@@ -10,14 +10,22 @@ from datetime import timedelta
 from . import EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, CLIError
 from ._common import (
     add_model_arguments,
+    add_overwrite_argument,
     add_tracker_arguments,
     bandwidth_type,
     check_model_arguments,
     check_output_dir,
+    check_run_folder,
     check_tracker_arguments,
+    claimed_output,
     load_pipeline,
     logging_dir,
 )
+
+COMMAND = "ipa-probe sweep"
+#: a sweep resumes in its folder by its own record (each row's fingerprint; --restart for rows of other settings)
+KEY: dict = {}
+
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +52,8 @@ column), row_summary.parquet, aggregate.parquet (per timestep over rows, with a 
 rho_by_timestep.png; skipped/ (rows that failed), set_aside/ (parts moved out of rows/: damaged, images changed,
 row no longer in the manifest, --restart). Run the same command again to resume: rows already written are kept,
 failed and damaged rows run again. One sweep at a time per --out (a lock file); Ctrl-C stops with exit code 130.
+ipa_probe_manifest.json lists the run's files; a folder holding another command's files (or files no manifest
+lists) is refused unless --overwrite, which removes exactly the files the previous manifest lists (docs/cli.md).
 
 device: by default the one accelerate gives each process (cuda:N), else cuda when present, else cpu.
 several processes (one device each; --out must be a folder they all see):
@@ -105,6 +115,7 @@ def add_parser(subparsers) -> None:
         help="write reference_maps.png for the first N rows (default 1) under OUT/maps/row-NNNNNN/ (reruns them)",
     )
     parser.add_argument("--maps-rows", type=int, nargs="+", help="manifest rows to draw reference maps for")
+    add_overwrite_argument(parser)
     add_tracker_arguments(parser)
     parser.set_defaults(func=run, check=check)
 
@@ -172,6 +183,14 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_pipeline(load_args, require_images=False)  # rows bring their own images
     loaded.pipe.set_progress_bar_config(disable=True)
     runner = _runner(args, loaded)
+    from contextlib import nullcontext
+
+    with claimed_output(args.out, COMMAND, args, KEY, resumable=True) if state.is_main_process else nullcontext():
+        return _sweep(args, manifest, state, runner, load_args, fail)
+
+
+def _sweep(args: argparse.Namespace, manifest, state, runner, load_args, fail) -> int:
+    """Run the rows, then the summary line, maps and tracker; the main process holds the folder's claim."""
     from .._io import OutputLocked
     from ..sweep import run_sweep
 
@@ -208,6 +227,7 @@ def _read_and_check(args: argparse.Namespace):
     from ..sweep.manifest import ManifestError, read_manifest
 
     check_output_dir(args.out)
+    check_run_folder(args.out, COMMAND, KEY, args.overwrite, resumable=True)
     check_tracker_arguments(args)
     try:
         manifest = read_manifest(args.manifest, require_images=args.model is not None and not args.image)

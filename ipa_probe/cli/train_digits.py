@@ -6,7 +6,17 @@ import argparse
 
 from .._checks import DEFAULT_DIGITS_RECIPE, DIGITS_RECIPES, MAX_SEED, parse_int
 from . import CLIError
-from ._common import argument_type, check_output_dir, output_dir, threads_type
+from ._common import (
+    add_overwrite_argument,
+    argument_type,
+    check_output_dir,
+    check_run_folder,
+    claimed_output,
+    output_dir,
+    threads_type,
+)
+
+COMMAND = "ipa-probe train-digits"
 
 #: flag -> (config field, which trainings take it: "support", "base", "adapter")
 _FLAGS = {
@@ -65,13 +75,20 @@ def add_parser(subparsers) -> None:
         which = "" if len(takers) == 3 else f"; {', '.join(takers)} only"
         parser.add_argument(flag, type=kind, default=None, help=f"{help_} (default: the shipped weights'{which})")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    add_overwrite_argument(parser)
     parser.set_defaults(func=run, check=check)
 
 
 def check(args: argparse.Namespace) -> None:
     """Before torch loads: the recipe's flags and ``--out`` (the sizes are checked by their argparse types)."""
-    _training(args)
+    training = _training(args)
     check_output_dir(args.out)
+    check_run_folder(args.out, COMMAND, _key(args, training), args.overwrite, resumable=True)
+
+
+def _key(args: argparse.Namespace, training: str) -> dict:
+    """A training resumes in a folder holding the same recipe and stage (its checkpoint checks the rest)."""
+    return {"recipe": args.recipe, "training": training}
 
 
 def _training(args: argparse.Namespace) -> str:
@@ -106,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(str(err)) from None
     out = output_dir(args.out)
     try:
-        record = train_digits(out, config, progress=not args.no_progress)
+        with claimed_output(out, COMMAND, args, _key(args, training), resumable=True):
+            record = train_digits(out, config, progress=not args.no_progress)
     except (CheckpointError, OutputLocked, FileNotFoundError) as err:
         raise CLIError(str(err)) from None
     wall = record["wall_s"]

@@ -19,7 +19,7 @@ from ..layers import LayerSelection
 from .config import InterventionConfig
 from .hooks import intervene
 
-__all__ = ["Generation", "InterventionEffect", "decode_latents", "generate", "measure_intervention"]
+__all__ = ["Generation", "InterventionEffect", "call_digest", "decode_latents", "generate", "measure_intervention"]
 
 #: ``classify(images) -> (labels (N,), probabilities (N, classes))`` on ``(N, H, W, 3)`` arrays in ``[0, 1]``.
 Classifier = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
@@ -32,10 +32,15 @@ class Generation:
     Attributes:
         latents: the final latents ``(N, C, h, w)``, float32 on the CPU.
         images: the decoded images ``(N, H, W, 3)`` in ``[0, 1]``, float32.
+        seed: the generator's seed (``None``: not made by :func:`generate`).
+        call: a digest of the call's arguments (:func:`call_digest`; ``None``: not made by :func:`generate`), so
+            that :func:`measure_intervention` can refuse a baseline of another call.
     """
 
     latents: torch.Tensor
     images: np.ndarray
+    seed: int | None = None
+    call: str | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,39 @@ def decode_latents(pipe, latents: torch.Tensor) -> np.ndarray:
     return pipe.image_processor.postprocess(decoded, output_type="np", do_denormalize=[True] * decoded.shape[0])
 
 
+def _digest_into(digest: Any, value: Any) -> None:
+    """Feed ``value`` into ``digest``: images, tensors and arrays by their bytes, containers item by item."""
+    import PIL.Image
+
+    if isinstance(value, PIL.Image.Image):
+        digest.update(f"image {value.mode} {value.size}".encode())
+        digest.update(value.tobytes())
+    elif isinstance(value, torch.Tensor | np.ndarray):
+        array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
+        digest.update(f"array {array.dtype} {array.shape}".encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    elif isinstance(value, dict):
+        digest.update(b"dict")
+        for key in sorted(value, key=str):
+            digest.update(f"{key}=".encode())
+            _digest_into(digest, value[key])
+    elif isinstance(value, list | tuple):
+        digest.update(f"seq {len(value)}".encode())
+        for item in value:
+            _digest_into(digest, item)
+    else:
+        digest.update(f"{type(value).__name__} {value!r};".encode())
+
+
+def call_digest(**call: Any) -> str:
+    """A short SHA-256 of a pipeline call's arguments (reference images and tensors by their bytes)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    _digest_into(digest, call)
+    return digest.hexdigest()[:16]
+
+
 def generate(pipe, *, seed: int = 0, **call: Any) -> Generation:
     """Run ``pipe(**call)`` with a CPU generator seeded with ``seed`` and return its latents and decoded images.
 
@@ -115,12 +153,33 @@ def generate(pipe, *, seed: int = 0, **call: Any) -> Generation:
             raise ValueError(f"{name}= is set by generate (seed= chooses the generator); drop it from the call")
     generator = torch.Generator().manual_seed(seed)
     latents = pipe(**call, generator=generator, output_type="latent").images
-    return Generation(latents.detach().float().cpu(), decode_latents(pipe, latents))
+    return Generation(latents.detach().float().cpu(), decode_latents(pipe, latents), seed, call_digest(**call))
 
 
 def _rms(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     diff = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
     return np.sqrt((diff**2).reshape(diff.shape[0], -1).mean(1))
+
+
+def _check_baseline(baseline: Any, seed: int, call: dict[str, Any]) -> None:
+    """Refuse, in one line, a baseline that is not the un-intervened generation of this seed and call."""
+    if not isinstance(baseline, Generation):
+        raise TypeError(f"baseline: expected a Generation from ipa_probe.intervention.generate, got {type(baseline)}")
+    if baseline.seed is None or baseline.call is None:
+        raise ValueError(
+            "baseline: it carries no seed or call record; make it with ipa_probe.intervention.generate(pipe, "
+            "seed=..., **call) with the seed and call of this measurement"
+        )
+    if baseline.seed != seed:
+        raise ValueError(
+            f"baseline: made with seed={baseline.seed}, but this measurement uses seed={seed}; pass seed="
+            f"{baseline.seed}, or a baseline generated with seed={seed} (or none, to make one)"
+        )
+    if baseline.call != call_digest(**call):
+        raise ValueError(
+            "baseline: made with other call arguments (prompt, references, steps, ...) than this measurement; "
+            "generate it with the same **call, or pass none to make one"
+        )
 
 
 def measure_intervention(
@@ -147,6 +206,8 @@ def measure_intervention(
         classify: optional ``classify(images) -> (labels, probabilities)`` on ``(N, H, W, 3)`` images in ``[0, 1]``
             (for the digits organism: :func:`ipa_probe.tiny.digits.classify_digit_images`).
         baseline: the un-intervened :func:`generate` output of the same call and seed, to reuse; made when ``None``.
+            One made with another seed or other call arguments (or not by :func:`generate`) is refused: the
+            distances would measure the change of seed or call, not the intervention.
         **call: the pipeline's arguments (without ``generator`` / ``output_type``).
 
     Returns:
@@ -162,6 +223,8 @@ def measure_intervention(
     config = InterventionConfig(reference, layers, steps, mode, other, adapter, factor)
     if baseline is None:
         baseline = generate(pipe, seed=seed, **call)
+    else:
+        _check_baseline(baseline, seed, call)
     where = {"layers": layers, "steps": steps, "adapter": adapter}
     with intervene(pipe, reference, **where, mode=mode, other=other, factor=factor):
         intervened = generate(pipe, seed=seed, **call)

@@ -1,8 +1,8 @@
 """The builders of :mod:`ipa_probe.tiny.zoo`: one per diffusers pipeline class that takes ``ip_adapter_image``.
 
-Each builder takes the :class:`~ipa_probe.tiny.zoo.Zoo` (for its shared bases) and returns a
-:class:`~ipa_probe.tiny.zoo.ZooEntry`. Extra components (ControlNets, motion adapters, T2I adapters) are built from
-configs under seeds derived from the zoo's seed and the component's name; classes that need another denoiser (8 or
+Each builder takes the :class:`~ipa_probe.tiny.zoo_base.ZooBases` (for its shared bases) and returns a
+:class:`~ipa_probe.tiny.zoo_base.ZooEntry`. Extra components (ControlNets, motion adapters, T2I adapters) are built
+from configs under seeds derived from the zoo's seed and the component's name; classes that need another denoiser (8 or
 9 input channels, no attention at full resolution) get their own, with a tiny IP-Adapter loaded through diffusers'
 ``load_ip_adapter``. The labels of each run are written here from diffusers' source, not read from the probe.
 """
@@ -19,18 +19,31 @@ from transformers import BatchEncoding
 from .dit import tiny_flux_components, tiny_flux_ip_adapter_state_dict
 from .sd import _seeded, tiny_components, tiny_ip_adapter_state_dict, tiny_pipeline
 from .tokenizer import CLIP_VOCAB_SIZE, clip_tokenizer
-from .zoo import _FRAMES, _NEGATIVE, CFG, NO_CFG, SIZE, Run, Zoo, ZooEntry, _image, _mask, _with
+from .zoo_base import (
+    _FRAMES,
+    _NEGATIVE,
+    CFG,
+    NO_CFG,
+    SIZE,
+    Run,
+    ZooBases,
+    ZooEntry,
+    _image,
+    _mask,
+    _with,
+    ip_adapter_pipeline_classes,
+)
 
 __all__ = ["BUILDERS"]
 
-Builder = Callable[[Zoo], ZooEntry]
+Builder = Callable[[ZooBases], ZooEntry]
 BUILDERS: dict[str, Builder] = {}
 
 
-def builds(*names: str) -> Callable[[Callable[[Zoo, str], ZooEntry]], Callable[[Zoo, str], ZooEntry]]:
+def builds(*names: str) -> Callable[[Callable[[ZooBases, str], ZooEntry]], Callable[[ZooBases, str], ZooEntry]]:
     """Register a builder for the classes ``names`` (it gets the zoo and the class name)."""
 
-    def register(fn: Callable[[Zoo, str], ZooEntry]) -> Callable[[Zoo, str], ZooEntry]:
+    def register(fn: Callable[[ZooBases, str], ZooEntry]) -> Callable[[ZooBases, str], ZooEntry]:
         for name in names:
             BUILDERS[name] = lambda zoo, fn=fn, name=name: fn(zoo, name)
         return fn
@@ -42,8 +55,6 @@ def _cls(name: str) -> type:
     """The class ``name`` from diffusers (from its own module when diffusers' namespace holds a dummy)."""
     cls = getattr(diffusers, name, None)
     if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):  # a dummy: dependency missing
-        from .zoo import ip_adapter_pipeline_classes
-
         cls = ip_adapter_pipeline_classes()[name]
     return cls
 
@@ -106,7 +117,7 @@ def _kind(name: str) -> str:
 
 
 @builds("StableDiffusionPipeline", "StableDiffusionXLPipeline")
-def _sd(zoo: Zoo, name: str) -> ZooEntry:
+def _sd(zoo: ZooBases, name: str) -> ZooEntry:
     return ZooEntry(zoo.base(_kind(name)), [CFG, NO_CFG])
 
 
@@ -116,7 +127,7 @@ def _sd(zoo: Zoo, name: str) -> ZooEntry:
     "StableDiffusionXLImg2ImgPipeline",
     "StableDiffusionXLInpaintPipeline",
 )
-def _sd_image(zoo: Zoo, name: str) -> ZooEntry:
+def _sd_image(zoo: ZooBases, name: str) -> ZooEntry:
     pipe = _cls(name).from_pipe(zoo.base(_kind(name)))
     extra = {"image": _image(), "strength": 1.0}
     if "Inpaint" in name:
@@ -125,7 +136,7 @@ def _sd_image(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("StableDiffusionInstructPix2PixPipeline")
-def _ip2p(zoo: Zoo, name: str) -> ZooEntry:
+def _ip2p(zoo: ZooBases, name: str) -> ZooEntry:
     components = tiny_components("sd15", zoo.seed)
     pipe = _cls(name)(**{**components, "unet": _unet("sd15", zoo.seed, in_channels=8)})
     runs = [Run("cfg", {"image": _image()}, ("uncond", "cond", "uncond_text"))]
@@ -144,7 +155,7 @@ _PAG_NO_CFG = Run("pag no cfg", {"guidance_scale": 1.0, "pag_scale": 3.0}, ("con
     "StableDiffusionXLPAGImg2ImgPipeline",
     "StableDiffusionXLPAGInpaintPipeline",
 )
-def _sd_pag(zoo: Zoo, name: str) -> ZooEntry:
+def _sd_pag(zoo: ZooBases, name: str) -> ZooEntry:
     pipe = _cls(name).from_pipe(zoo.base(_kind(name)), pag_applied_layers=["mid"])
     extra = {"image": _image(), "strength": 1.0} if "Img2Img" in name or "Inpaint" in name else {}
     if "Inpaint" in name:
@@ -164,7 +175,7 @@ def _sd_pag(zoo: Zoo, name: str) -> ZooEntry:
     "StableDiffusionXLControlNetPAGPipeline",
     "StableDiffusionXLControlNetPAGImg2ImgPipeline",
 )
-def _sd_controlnet(zoo: Zoo, name: str) -> ZooEntry:
+def _sd_controlnet(zoo: ZooBases, name: str) -> ZooEntry:
     kind, pag = _kind(name), "PAG" in name
     options = {"pag_applied_layers": ["mid"]} if pag else {}
     pipe = _cls(name).from_pipe(zoo.base(kind), controlnet=_controlnet(kind, zoo.seed), **options)
@@ -177,7 +188,7 @@ def _sd_controlnet(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("StableDiffusionSAGPipeline")
-def _sag(zoo: Zoo, name: str) -> ZooEntry:
+def _sag(zoo: ZooBases, name: str) -> ZooEntry:
     pipe = _cls(name).from_pipe(zoo.base("sd15"))
     runs = [
         Run("sag cfg", {"negative_prompt": _NEGATIVE, "sag_scale": 0.75}, ("uncond", "cond", "sag")),
@@ -187,7 +198,7 @@ def _sag(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("StableDiffusionPanoramaPipeline")
-def _panorama(zoo: Zoo, name: str) -> ZooEntry:
+def _panorama(zoo: ZooBases, name: str) -> ZooEntry:
     # Panorama views are 64 x 64 latents: a UNet without attention at full resolution keeps the runs cheap
     unet = _unet(
         "sd15",
@@ -202,7 +213,7 @@ def _panorama(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("StableDiffusionLDM3DPipeline")
-def _ldm3d(zoo: Zoo, name: str) -> ZooEntry:
+def _ldm3d(zoo: ZooBases, name: str) -> ZooEntry:
     sd = zoo.base("sd15")
     with _seeded(zoo.seed, "zoo/ldm3d_vae"):
         vae = diffusers.AutoencoderKL.from_config(_config(sd.vae, in_channels=4, out_channels=4)).eval()
@@ -211,7 +222,7 @@ def _ldm3d(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("StableDiffusionPipelineSafe")
-def _safe(zoo: Zoo, name: str) -> ZooEntry:
+def _safe(zoo: ZooBases, name: str) -> ZooEntry:
     # Safe passes its image embeddings as one tensor, hidden states unless the projection is an ImageProjection
     # (never, once loaded): an IP-Adapter Plus (a resampler over hidden states) and one reference image
     pipe = _cls(name).from_pipe(zoo.base("sd15-plus"), safety_checker=None, requires_safety_checker=False)
@@ -225,7 +236,7 @@ def _safe(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("AltDiffusionPipeline", "AltDiffusionImg2ImgPipeline")
-def _alt(zoo: Zoo, name: str) -> ZooEntry:
+def _alt(zoo: ZooBases, name: str) -> ZooEntry:
     from diffusers.pipelines.deprecated.alt_diffusion.modeling_roberta_series import (
         RobertaSeriesConfig,
         RobertaSeriesModelWithTransformation,
@@ -250,7 +261,7 @@ def _alt(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("LatentConsistencyModelPipeline", "LatentConsistencyModelImg2ImgPipeline")
-def _lcm(zoo: Zoo, name: str) -> ZooEntry:
+def _lcm(zoo: ZooBases, name: str) -> ZooEntry:
     components = tiny_components("sd15", zoo.seed)
     unet = _unet("sd15", zoo.seed, time_cond_proj_dim=32)  # LCM embeds its guidance scale
     scheduler = diffusers.LCMScheduler.from_config(components["scheduler"].config)
@@ -261,7 +272,7 @@ def _lcm(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("PIAPipeline")
-def _pia(zoo: Zoo, name: str) -> ZooEntry:
+def _pia(zoo: ZooBases, name: str) -> ZooEntry:
     components = tiny_components("sd15", zoo.seed)
     components.pop("safety_checker")
     components.pop("requires_safety_checker")
@@ -280,20 +291,20 @@ def _pia(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("AnimateDiffPipeline")
-def _animatediff(zoo: Zoo, name: str) -> ZooEntry:
+def _animatediff(zoo: ZooBases, name: str) -> ZooEntry:
     pipe = _cls(name).from_pipe(zoo.base("sd15"), motion_adapter=_motion_adapter(zoo.seed))
     runs = _with([CFG, NO_CFG], num_frames=_FRAMES)
     return ZooEntry(pipe, runs, "2 frames")
 
 
 @builds("AnimateDiffVideoToVideoPipeline")
-def _animatediff_v2v(zoo: Zoo, name: str) -> ZooEntry:
+def _animatediff_v2v(zoo: ZooBases, name: str) -> ZooEntry:
     pipe = _cls(name).from_pipe(zoo.base("sd15"), motion_adapter=_motion_adapter(zoo.seed))
     return ZooEntry(pipe, _with([CFG, NO_CFG], video=_frames(), strength=1.0), "2 frames")
 
 
 @builds("AnimateDiffControlNetPipeline", "AnimateDiffVideoToVideoControlNetPipeline")
-def _animatediff_controlnet(zoo: Zoo, name: str) -> ZooEntry:
+def _animatediff_controlnet(zoo: ZooBases, name: str) -> ZooEntry:
     sd = zoo.base("sd15")
     controlnet = _controlnet("sd15", zoo.seed)
     pipe = _cls(name).from_pipe(sd, motion_adapter=_motion_adapter(zoo.seed), controlnet=controlnet)
@@ -303,7 +314,7 @@ def _animatediff_controlnet(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("AnimateDiffSparseControlNetPipeline")
-def _animatediff_sparse(zoo: Zoo, name: str) -> ZooEntry:
+def _animatediff_sparse(zoo: ZooBases, name: str) -> ZooEntry:
     sd = zoo.base("sd15")
     with _seeded(zoo.seed, "zoo/sparse_controlnet"):
         controlnet = diffusers.SparseControlNetModel(
@@ -324,14 +335,14 @@ def _animatediff_sparse(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("AnimateDiffPAGPipeline")
-def _animatediff_pag(zoo: Zoo, name: str) -> ZooEntry:
+def _animatediff_pag(zoo: ZooBases, name: str) -> ZooEntry:
     pipe = _cls(name).from_pipe(zoo.base("sd15"), motion_adapter=_motion_adapter(zoo.seed), pag_applied_layers=["mid"])
     runs = _with([_PAG, _PAG_NO_CFG], num_frames=3)
     return ZooEntry(pipe, runs, "3 frames: each of uncond, cond, perturbed repeated per frame")
 
 
 @builds("AnimateDiffSDXLPipeline")
-def _animatediff_sdxl(zoo: Zoo, name: str) -> ZooEntry:
+def _animatediff_sdxl(zoo: ZooBases, name: str) -> ZooEntry:
     adapter = _motion_adapter(zoo.seed, use_motion_mid_block=False)
     pipe = _cls(name).from_pipe(zoo.base("sdxl"), motion_adapter=adapter)
     return ZooEntry(pipe, _with([CFG, NO_CFG], num_frames=_FRAMES), "2 frames")
@@ -345,7 +356,7 @@ def _animatediff_sdxl(zoo: Zoo, name: str) -> ZooEntry:
     "StableDiffusionXLControlNetUnionImg2ImgPipeline",
     "StableDiffusionXLControlNetUnionInpaintPipeline",
 )
-def _sdxl_controlnet_union(zoo: Zoo, name: str) -> ZooEntry:
+def _sdxl_controlnet_union(zoo: ZooBases, name: str) -> ZooEntry:
     sdxl = zoo.base("sdxl")
     pipe = _cls(name).from_pipe(
         sdxl,
@@ -367,7 +378,7 @@ def _sdxl_controlnet_union(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("StableDiffusionXLAdapterPipeline")
-def _sdxl_t2i_adapter(zoo: Zoo, name: str) -> ZooEntry:
+def _sdxl_t2i_adapter(zoo: ZooBases, name: str) -> ZooEntry:
     with _seeded(zoo.seed, "zoo/t2i_adapter"):
         adapter = diffusers.T2IAdapter(
             in_channels=3, channels=[32, 64], num_res_blocks=1, downscale_factor=8, adapter_type="full_adapter"
@@ -378,7 +389,7 @@ def _sdxl_t2i_adapter(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("LEditsPPPipelineStableDiffusionXL")
-def _ledits(zoo: Zoo, name: str) -> ZooEntry:
+def _ledits(zoo: ZooBases, name: str) -> ZooEntry:
     sdxl = tiny_pipeline("sdxl", seed=zoo.seed)  # its own UNet: the adapter is unloaded and loaded again
     scheduler = diffusers.DPMSolverMultistepScheduler.from_config(
         sdxl.scheduler.config, algorithm_type="sde-dpmsolver++"
@@ -418,7 +429,7 @@ class _ChatGLMTokenizerStandIn:
 
 
 @builds("KolorsPipeline", "KolorsImg2ImgPipeline", "KolorsPAGPipeline")
-def _kolors(zoo: Zoo, name: str) -> ZooEntry:
+def _kolors(zoo: ZooBases, name: str) -> ZooEntry:
     from diffusers.pipelines.kolors.text_encoder import ChatGLMConfig, ChatGLMModel
 
     components = tiny_components("sdxl", zoo.seed)
@@ -469,12 +480,12 @@ _DIT = {"max_sequence_length": 16, "output_type": "latent"}
 
 
 @builds("FluxPipeline")
-def _flux(zoo: Zoo, name: str) -> ZooEntry:
+def _flux(zoo: ZooBases, name: str) -> ZooEntry:
     return ZooEntry(zoo.base("flux"), _with([_TRUE_CFG, _FLUX_NO_CFG], **_DIT))
 
 
 @builds("FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxKontextPipeline", "FluxKontextInpaintPipeline")
-def _flux_image(zoo: Zoo, name: str) -> ZooEntry:
+def _flux_image(zoo: ZooBases, name: str) -> ZooEntry:
     pipe = _cls(name).from_pipe(zoo.base("flux"))
     extra: dict[str, Any] = {"image": _image(), **_DIT}
     if "Kontext" not in name:
@@ -487,7 +498,7 @@ def _flux_image(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("FluxControlNetPipeline")
-def _flux_controlnet(zoo: Zoo, name: str) -> ZooEntry:
+def _flux_controlnet(zoo: ZooBases, name: str) -> ZooEntry:
     flux = zoo.base("flux")
     config = _config(flux.transformer, num_layers=1, num_single_layers=1)
     with _seeded(zoo.seed, "zoo/flux_controlnet"):
@@ -497,7 +508,7 @@ def _flux_controlnet(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("ChromaPipeline", "ChromaImg2ImgPipeline", "ChromaInpaintPipeline")
-def _chroma(zoo: Zoo, name: str) -> ZooEntry:
+def _chroma(zoo: ZooBases, name: str) -> ZooEntry:
     flux = tiny_flux_components(zoo.seed)
     with _seeded(zoo.seed, "zoo/chroma"):
         transformer = diffusers.ChromaTransformer2DModel(
@@ -541,7 +552,7 @@ _SD3_NO_CFG = Run("no cfg", {"guidance_scale": 1.0, **_DIT}, ("cond",))
 
 
 @builds("StableDiffusion3Pipeline", "StableDiffusion3Img2ImgPipeline")
-def _sd3(zoo: Zoo, name: str) -> ZooEntry:
+def _sd3(zoo: ZooBases, name: str) -> ZooEntry:
     sd3 = zoo.base("sd3")
     pipe = sd3 if name == "StableDiffusion3Pipeline" else _cls(name).from_pipe(sd3)
     extra = {} if name == "StableDiffusion3Pipeline" else {"image": _image(), "strength": 1.0}
@@ -549,7 +560,7 @@ def _sd3(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("StableDiffusion3InpaintPipeline")
-def _sd3_inpaint(zoo: Zoo, name: str) -> ZooEntry:
+def _sd3_inpaint(zoo: ZooBases, name: str) -> ZooEntry:
     from .dit import tiny_sd3_components, tiny_sd3_ip_adapter_state_dict
 
     components = tiny_sd3_components(zoo.seed)
@@ -567,7 +578,7 @@ def _sd3_inpaint(zoo: Zoo, name: str) -> ZooEntry:
 
 
 @builds("StableDiffusion3ControlNetPipeline", "StableDiffusion3ControlNetInpaintingPipeline")
-def _sd3_controlnet(zoo: Zoo, name: str) -> ZooEntry:
+def _sd3_controlnet(zoo: ZooBases, name: str) -> ZooEntry:
     sd3 = zoo.base("sd3")
     inpaint = "Inpaint" in name
     # from the config: `SD3ControlNetModel.from_transformer` writes into the transformer's own config; the

@@ -42,7 +42,7 @@ from .data import (
     digit_images,
     digits_reference_images,
 )
-from .evaluate import add_digit_scores, classify_digit_images, digit_classifier, evaluate_digits
+from .evaluate import add_digit_scores, classify_digit_images, digit_classifier, digit_readings_line, evaluate_digits
 from .model import digits_pipeline, untrained_digits_pipeline
 from .train import DigitsTrainConfig, train_digits
 from .train_ip import DigitsAdapterConfig, DigitsBaseConfig
@@ -63,6 +63,7 @@ __all__ = [
     "classify_digit_images",
     "digit_classifier",
     "digit_images",
+    "digit_readings_line",
     "digits_pipeline",
     "digits_reference_images",
     "evaluate_digits",

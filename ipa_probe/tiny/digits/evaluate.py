@@ -1,4 +1,4 @@
-"""The digit classifier and the right-digit rates of the organism (``python -m ipa_probe.tiny.digits``).
+"""The right-digit rates of the organism (``python -m ipa_probe.tiny.digits``), judged by :mod:`.classifier`.
 
 Part of :mod:`ipa_probe.tiny.digits` (see its docstring).
 """
@@ -8,75 +8,30 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import PIL.Image
 import torch
 from diffusers import StableDiffusionPipeline
 
 from ..._io import versions, write_atomic, write_json
-from .data import DIGITS_PROMPT, DIGITS_WEIGHTS, TRAIN_SIZE, _digits, digits_reference_images
+from ...compare import ROUNDTRIP, vae_roundtrip
+from .classifier import CLASSIFIER, classify_digit_images, digit_classifier
+from .data import DIGITS_PROMPT, DIGITS_WEIGHTS, digits_reference_images
+from .following import FOLLOWING_METRICS, interval, reference_following
 from .model import digits_pipeline, untrained_digits_pipeline
 
-# --- evaluation ---------------------------------------------------------------------------------------------------
-
-
-#: what judges the generated digits (not used in training: the training classifier is the image encoder's head)
-CLASSIFIER = (
-    "scikit-learn SVC (RBF kernel, C=10, gamma='scale'; probabilities by 5-fold sigmoid calibration) on the 8x8 "
-    f"training digits [0, {TRAIN_SIZE}); images are area-downsampled to 8x8 grey"
-)
-
-
-@lru_cache(maxsize=1)
-def digit_classifier() -> tuple[Any, float]:
-    """The judge of generated digits: an RBF support-vector classifier of 8 x 8 digits, fitted on the training digits.
-
-    It is of another family than the classifier used in training (the image encoder, a small ViT, pretrained with a
-    linear head) and takes no part in training. Fitted once per process (about a second; cached): scikit-learn's
-    ``CalibratedClassifierCV(SVC(C=10, gamma="scale"), method="sigmoid", cv=5, ensemble=False)``, whose
-    probabilities come from a sigmoid fitted to held-out folds of the training digits.
-
-    Returns:
-        ``(classifier, held_out_accuracy)``: the fitted scikit-learn model (input: 64 values in [0, 16]; use
-        ``predict_proba`` and ``classes_``) and its accuracy on the held-out digits (indices ``>= TRAIN_SIZE``).
-    """
-    from sklearn.calibration import CalibratedClassifierCV
-    from sklearn.svm import SVC
-
-    images, labels = _digits()
-    x = images.reshape(len(images), 64)
-    clf = CalibratedClassifierCV(SVC(C=10.0, gamma="scale"), method="sigmoid", cv=5, ensemble=False)
-    clf.fit(x[:TRAIN_SIZE], labels[:TRAIN_SIZE])
-    predicted = clf.classes_[clf.predict_proba(x[TRAIN_SIZE:]).argmax(1)]
-    return clf, float((predicted == labels[TRAIN_SIZE:]).mean())
-
-
-def classify_digit_images(images: Sequence[PIL.Image.Image] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Classify generated images with :func:`digit_classifier`.
-
-    Each image is turned grey (mean of RGB), area-downsampled to 8 x 8 and scaled to [0, 16].
-
-    Args:
-        images: PIL images, or an array ``(N, H, W, 3)`` in [0, 1] (``output_type="np"``), H and W multiples of 8.
-
-    Returns:
-        ``(labels, probabilities)``: int array ``(N,)`` and float array ``(N, 10)``.
-    """
-    if isinstance(images, np.ndarray):
-        arr = images.astype(np.float64)
-    else:
-        arr = np.stack([np.asarray(im.convert("RGB"), dtype=np.float64) / 255.0 for im in images])
-    if arr.ndim != 4 or arr.shape[-1] != 3 or arr.shape[1] % 8 or arr.shape[2] % 8:
-        raise ValueError(f"expected images of shape (N, H, W, 3) with H, W multiples of 8, got {arr.shape}")
-    n, h, w, _ = arr.shape
-    grey = arr.mean(-1).reshape(n, 8, h // 8, 8, w // 8).mean(axis=(2, 4)) * 16.0  # (N, 8, 8)
-    clf, _ = digit_classifier()
-    probs = clf.predict_proba(grey.reshape(n, 64))
-    return clf.classes_[probs.argmax(1)], probs
+__all__ = [
+    "CLASSIFIER",
+    "EVALUATION_SETTINGS",
+    "add_digit_scores",
+    "classify_digit_images",
+    "digit_readings_line",
+    "digit_classifier",
+    "evaluate_digits",
+    "rates_over_seeds",
+]
 
 
 def evaluate_digits(
@@ -96,14 +51,23 @@ def evaluate_digits(
 
     Returns:
         ``{"rate", "confidence", "per_digit", "labels", "targets", "classifier_accuracy", ...settings}``: the fraction
-        classified as the references' digit, the mean probability the classifier gives that digit.
+        classified as the references' digit, the mean probability the classifier gives that digit; beside them what
+        the classifier makes of the references themselves and of their VAE round trip (a generation can be no more
+        legible than these): ``references_read_right`` / ``roundtrip_read_right`` (fractions of references read as
+        their digit), their ``*_per_digit`` versions, and the labels (``reference_labels``, ``roundtrip_labels``,
+        ``reference_targets``), one per reference in the order drawn.
     """
     pipe.set_ip_adapter_scale(ip_adapter_scale)
     predicted, confidence, targets = [], [], []
+    read: dict[str, list] = {"references": [], ROUNDTRIP: [], "reference_targets": []}
     try:
         for digit in range(10):
             for s in range(ref_sets):
                 refs = digits_reference_images(digit, n_refs, seed=seed + s)
+                size = refs[0].size
+                for name, images in (("references", refs), (ROUNDTRIP, vae_roundtrip(pipe, refs, size[1], size[0]))):
+                    read[name].extend(classify_digit_images(images)[0].tolist())
+                read["reference_targets"].extend([digit] * len(refs))
                 gen = torch.Generator().manual_seed(seed * 1000 + digit * 10 + s)
                 out = pipe(
                     DIGITS_PROMPT,
@@ -122,10 +86,22 @@ def evaluate_digits(
         pipe.set_ip_adapter_scale(1.0)
     predicted_arr, targets_arr = np.array(predicted), np.array(targets)
     hits = predicted_arr == targets_arr
+    ref_targets = np.array(read["reference_targets"])
+    ref_hits = {name: np.array(read[name]) == ref_targets for name in ("references", ROUNDTRIP)}
     return {
         "rate": float(hits.mean()),
         "confidence": float(np.mean(confidence)),
         "per_digit": {d: float(hits[targets_arr == d].mean()) for d in range(10)},
+        # the classifier's reading of what the rate is measured against: the references and their VAE round trip
+        "references_read_right": float(ref_hits["references"].mean()),
+        "roundtrip_read_right": float(ref_hits[ROUNDTRIP].mean()),
+        **{
+            f"{key}_per_digit": {d: float(ref_hits[name][ref_targets == d].mean()) for d in range(10)}
+            for key, name in (("references_read_right", "references"), ("roundtrip_read_right", ROUNDTRIP))
+        },
+        "reference_labels": np.array(read["references"]),
+        "roundtrip_labels": np.array(read[ROUNDTRIP]),
+        "reference_targets": ref_targets,
         "labels": predicted_arr,
         "targets": targets_arr,
         "classifier_accuracy": digit_classifier()[1],
@@ -142,14 +118,16 @@ def add_digit_scores(comparison: Any, digit: int) -> None:
 
     Adds ``digit_right`` (1 if the image is classified as ``digit``) and ``digit_confidence`` (the probability the
     classifier gives ``digit``) to ``comparison.per_image``, and their means and standard deviations over seeds
-    (``*_std``) to ``comparison.table``, for every method and the VAE round trip of the references.
+    (``*_std``) to ``comparison.table``, for every method and the VAE round trip of the references. Beside them, on
+    every row of the table, ``references_read_right`` and ``roundtrip_read_right``: the fraction of the references,
+    and of their VAE round trips, that the classifier itself reads as ``digit`` (the ceiling of a method that copies
+    its references); each reading (label, probability of ``digit``) is in ``comparison.settings["digit_readings"]``
+    and :func:`digit_readings_line` puts them in one line.
 
     Args:
         comparison: the result of :func:`ipa_probe.compare.compare_methods` on the digits organism.
         digit: the references' digit.
     """
-    from ...compare import ROUNDTRIP
-
     per = comparison.per_image
     right = np.full(len(per), np.nan)
     confidence = np.full(len(per), np.nan)
@@ -162,6 +140,16 @@ def add_digit_scores(comparison: Any, digit: int) -> None:
         right[rows] = labels == digit
         confidence[rows] = probs[:, digit]
     per["digit_right"], per["digit_confidence"] = right, confidence
+    # beside every score, what the classifier makes of the references and of their VAE round trip: a method that
+    # copies a reference cannot score above the fraction of references the classifier reads as the digit
+    readings = {}
+    for name, items in (("references", comparison.references), (ROUNDTRIP, comparison.roundtrip or [])):
+        if len(items):
+            labels, probs = classify_digit_images(items)
+            readings[name] = {"labels": labels.tolist(), "p_digit": probs[:, digit].tolist()}
+            column = "references_read_right" if name == "references" else "roundtrip_read_right"
+            comparison.table[column] = float(np.mean(labels == digit))
+    comparison.settings["digit_readings"] = readings
     stats = per.groupby("method", sort=False)[["digit_right", "digit_confidence"]].agg(
         ["mean", lambda x: x.std(ddof=0)]
     )
@@ -173,6 +161,19 @@ def add_digit_scores(comparison: Any, digit: int) -> None:
         "model": CLASSIFIER,
         "held_out_accuracy": digit_classifier()[1],
     }
+
+
+def digit_readings_line(comparison: Any) -> str:
+    """One line: how the digit classifier reads the references and their VAE round trip (after
+    :func:`add_digit_scores`), e.g. ``references read as [3, 3, 5] (P(3) 0.98 0.97 0.40); ...``."""
+    digit = comparison.settings["digit"]
+    parts = []
+    for name, what in (("references", "references"), (ROUNDTRIP, "their VAE round trip")):
+        reading = comparison.settings["digit_readings"].get(name)
+        if reading:
+            p = " ".join(f"{v:.2f}" for v in reading["p_digit"])
+            parts.append(f"{what} read as {reading['labels']} (P({digit}) {p})")
+    return "digit classifier: " + "; ".join(parts) + " - a score is read against these"
 
 
 #: the settings of the rates in docs/organism.md: ``python -m ipa_probe.tiny.digits --recipe R --out DIR``
@@ -190,14 +191,24 @@ EVALUATION_SETTINGS: dict[str, dict[str, Any]] = {
 
 
 def rates_over_seeds(pipe: StableDiffusionPipeline, seeds: Sequence[int], **settings: Any) -> dict[str, Any]:
-    """:func:`evaluate_digits` once per seed (one reference set per digit and seed): the right-digit rate and the
-    classifier's probability of the digit, each with its mean and Student's t 95% interval over seeds."""
-    from .following import interval
-
+    """:func:`evaluate_digits` once per seed (one reference set per digit and seed): the right-digit rate, the
+    classifier's probability of the digit and each digit's own rate (``per_digit``), each with its mean and Student's
+    t 95% interval over seeds."""
     runs = [evaluate_digits(pipe, seed=seed, ref_sets=1, **settings) for seed in seeds]
     return {
         "rate": interval([r["rate"] for r in runs], bounds=(0.0, 1.0)),
         "confidence": interval([r["confidence"] for r in runs], bounds=(0.0, 1.0)),
+        "per_digit": {
+            d: interval([r["per_digit"][d] for r in runs], bounds=(0.0, 1.0)) for d in range(10)
+        },  # each digit's right-digit rate: samples_per_digit images per seed, interval over seeds
+        "references_read_right": interval([r["references_read_right"] for r in runs], bounds=(0.0, 1.0)),
+        "roundtrip_read_right": interval([r["roundtrip_read_right"] for r in runs], bounds=(0.0, 1.0)),
+        "references_read_right_per_digit": {
+            d: float(np.mean([r["references_read_right_per_digit"][d] for r in runs])) for d in range(10)
+        },
+        "roundtrip_read_right_per_digit": {
+            d: float(np.mean([r["roundtrip_read_right_per_digit"][d] for r in runs])) for d in range(10)
+        },
         "samples": sum(r["samples"] for r in runs),
         "n_refs": runs[0]["n_refs"],
         "most_frequent_label": int(np.bincount(np.concatenate([r["labels"] for r in runs]), minlength=10).argmax()),
@@ -218,7 +229,6 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
     import argparse
 
     from ..._checks import DEFAULT_DIGITS_RECIPE, DIGITS_RECIPES
-    from .following import FOLLOWING_METRICS, reference_following
 
     parser = argparse.ArgumentParser(
         description="The organism's right-digit rates and reference-following, with 95%% intervals over seeds, "
@@ -232,6 +242,15 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
     parser.add_argument("--following-samples", type=int, default=4, help="samples per digit and seed (following)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        choices=list(EVALUATION_SETTINGS),
+        default=list(EVALUATION_SETTINGS),
+        metavar="NAME",
+        help="which rows of EVALUATION_SETTINGS to measure (default: all)",
+    )
+    parser.add_argument("--no-following", action="store_true", help="skip reference-following")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -240,8 +259,9 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
     trained = digits_pipeline(args.weights, recipe=args.recipe)
     untrained = None
     rows, raw = [], {}
-    for name, settings in EVALUATION_SETTINGS.items():
-        settings = dict(settings)
+    per_digit_rows = []
+    for name in args.settings:
+        settings = dict(EVALUATION_SETTINGS[name])
         if settings.pop("untrained", False):
             untrained = untrained or untrained_digits_pipeline(recipe=args.recipe)
             pipe = untrained
@@ -259,11 +279,20 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
                 "setting": name,
                 "right digit [95% interval over seeds]": _percent(result["rate"]),
                 "classifier's probability of the digit": f"{result['confidence']['mean']:.3f}",
+                "references read right": f"{result['references_read_right']['mean']:.0%}",
+                "VAE round trip read right": f"{result['roundtrip_read_right']['mean']:.0%}",
                 "references": result["n_refs"],
                 "samples": result["samples"],
                 "most frequent label": result["most_frequent_label"],
             }
         )
+        per_digit_rows.append(
+            {"setting": name, **{str(d): f"{result['per_digit'][d]['mean']:.0%}" for d in range(10)}}
+        )
+        for what, key in (("references", "references_read_right"), ("VAE round trip", "roundtrip_read_right")):
+            per_digit = result[f"{key}_per_digit"]
+            cells = {str(d): f"{per_digit[d]:.0%}" for d in range(10)}
+            per_digit_rows.append({"setting": f"{name}: {what} read right", **cells})
         print(rows[-1], flush=True)
     accuracy = digit_classifier()[1]
     note = (
@@ -272,11 +301,19 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
         f"each, DDIM {args.steps} steps; intervals are Student's t 95% over the {len(seeds)} seeds' rates, cut to "
         "[0, 100%].\n"
     )
-    write_atomic(out / "rates.md", _table(rows) + note)
+    per_digit_note = (
+        f"\n\nPer digit: the right-digit rate of each digit's {args.samples * len(seeds)} images ({args.samples} per "
+        f"seed, seeds {seeds}), same settings as above.\n"
+    )
+    write_atomic(out / "rates.md", _table(rows) + note + "\n" + _table(per_digit_rows) + per_digit_note)
     record = {"recipe": args.recipe, "rates": raw, "args": vars(args), "versions": versions()}
     record["classifier"] = {"model": CLASSIFIER, "held_out_accuracy": accuracy}
     record["weights_record"] = _weights_record(args.weights, args.recipe)
     write_json(out / "rates.json", record)
+    print(_table(rows))
+    print(_table(per_digit_rows))
+    if args.no_following:
+        return
     following, frows = {}, []
     for n_refs in (1, 3):
         result = reference_following(
@@ -300,7 +337,6 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
     )
     write_atomic(out / "following.md", _table(frows) + note)
     write_json(out / "following.json", {"recipe": args.recipe, "following": following, "versions": versions()})
-    print(_table(rows))
     print(_table(frows))
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from diffusers import StableDiffusionPipeline
 
+from .classifier import classify_digit_images
 from .data import DIGITS_PROMPT, TRAIN_SIZE, _to_pil, digit_images
 
 __all__ = ["FOLLOWING_METRICS", "interval", "reference_following"]
@@ -130,8 +131,6 @@ def reference_following(
         images); ``per_sample`` holds the images (``images``, ``swapped``: ``(N, 16, 16)``), the ``pool`` and
         ``drawn`` held-out indices of each call, and the per-sample scores, for independent recomputation.
     """
-    from .evaluate import classify_digit_images
-
     pipe.set_ip_adapter_scale(ip_adapter_scale)
     rows: dict[str, list] = {k: [] for k in ("seed", "digit", "images", "swapped", "pool", "drawn", "label")}
     per_sample: dict[str, list] = {k: [] for k in ("retrieval", "percentile", "gap", "swap_toward")}
