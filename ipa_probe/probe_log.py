@@ -36,6 +36,7 @@ in front of each when the block probed several pipeline calls):
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -44,6 +45,34 @@ import numpy as np
 import pandas as pd
 
 from .schema import ROW_THRESHOLD, frac_column, frac_null_column, rows_column
+
+
+def flat_settings(values: Mapping, prefix: str = "") -> dict[str, bool | int | float | str]:
+    """Nested settings as one level (keys joined with ``/``), every value a bool, int, float or string."""
+    out: dict[str, bool | int | float | str] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flat_settings(value, f"{name}/"))
+        elif isinstance(value, bool | int | str) or (isinstance(value, float) and math.isfinite(value)):
+            out[name] = value
+        else:
+            out[name] = str(value)
+    return out
+
+
+def figure_array(fig):
+    """An ``(H, W, 3)`` uint8 array of a matplotlib figure (drawn with Agg; the figure is closed)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    array = np.asarray(canvas.buffer_rgba())[..., :3].copy()
+    plt.close(fig)
+    return array
+
 
 __all__ = ["HEADLINE", "ProbeLog", "collect", "headline_branch", "headline_tag", "network_order", "write"]
 
@@ -213,7 +242,6 @@ def _overlays(log: ProbeLog, run, call: int, adapter: int, head: str, where: str
     import matplotlib.pyplot as plt
 
     from .capture.mapplots import overlay_map, plot_overlay
-    from .trackers import _figure_array
 
     steps = run.map_steps(call)
     size = base.shape[:2]
@@ -243,7 +271,7 @@ def _overlays(log: ProbeLog, run, call: int, adapter: int, head: str, where: str
             "and heads",
             fontsize=9,
         )
-        log.images.setdefault(step, {})[tag] = _figure_array(fig)
+        log.images.setdefault(step, {})[tag] = figure_array(fig)
 
 
 def _tiles(images: Sequence, height: int = 128) -> np.ndarray:
@@ -284,7 +312,6 @@ def collect(
     settings: Mapping | None = None,
 ) -> ProbeLog:
     """Read a finished probe into a :class:`ProbeLog` (arguments as in :func:`ipa_probe.trackers.log_probe_run`)."""
-    from .trackers import _figure_array, _flat
 
     if readings is not None and images is not None and len(readings) != len(images):
         raise ValueError(f"readings: expected one per generated image ({len(images)}), got {len(readings)}")
@@ -316,10 +343,10 @@ def collect(
         lines = "\n".join(f"| {i} | {text} |" for i, text in enumerate(readings))
         log.texts["images/readings"] = "| image | reading |\n|---|---|\n" + lines
     if not table.empty:
-        end["figures/rho_by_timestep"] = _figure_array(run.plot())
+        end["figures/rho_by_timestep"] = figure_array(run.plot())
         if run.config.maps:
             extra = {"image": images[0]} if images else {}
-            end["figures/reference_maps"] = _figure_array(run.plot_reference_maps(**extra))
+            end["figures/reference_maps"] = figure_array(run.plot_reference_maps(**extra))
     log.hparams = {
         **dict(settings or {}),
         "probe": run.config.describe(),
@@ -331,7 +358,7 @@ def collect(
         "adapter_scale": _adapter_scale(run),
         "headline_branch": head,
     }
-    log.texts["run/settings"] = _markdown(_flat(log.hparams))
+    log.texts["run/settings"] = _markdown(flat_settings(log.hparams))
     for column in (*_METRICS, *(c for c in cells.columns if c.startswith("qf_"))):
         if column in cells and pd.api.types.is_numeric_dtype(cells[column]):
             log.metrics[f"end/{headline_tag(column)}"] = float(cells[column].mean())

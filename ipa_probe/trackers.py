@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .probe_log import figure_array, flat_settings
+
 __all__ = ["TRACKERS", "Layout", "Tracker", "check_tracker", "log_experiments", "log_probe_run", "log_sweep"]
 
 logger = logging.getLogger(__name__)
@@ -45,33 +47,6 @@ def check_tracker(name: Any) -> str:
     if importlib.util.find_spec(TRACKERS[name]) is None:
         raise ImportError(f"log_with={name!r} needs the {name} client: pip install 'ipa_probe[{name}]'")
     return name
-
-
-def _flat(values: Mapping, prefix: str = "") -> dict[str, bool | int | float | str]:
-    """Nested settings as one level (keys joined with ``/``), every value a bool, int, float or string."""
-    out: dict[str, bool | int | float | str] = {}
-    for key, value in values.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out.update(_flat(value, f"{name}/"))
-        elif isinstance(value, bool | int | str) or (isinstance(value, float) and math.isfinite(value)):
-            out[name] = value
-        else:
-            out[name] = str(value)
-    return out
-
-
-def _figure_array(fig):
-    """An ``(H, W, 3)`` uint8 array of a matplotlib figure (drawn with Agg; the figure is closed)."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    canvas = FigureCanvasAgg(fig)
-    canvas.draw()
-    array = np.asarray(canvas.buffer_rgba())[..., :3].copy()
-    plt.close(fig)
-    return array
 
 
 def _fresh_folder(logging_dir: Path, run_name: str) -> Path:
@@ -180,7 +155,7 @@ class Tracker:
         HParams view's columns, written as scalars at ``step`` in the same run)."""
         if not self.active:
             return
-        flat = {k: (str(v) if isinstance(v, bool) else v) for k, v in _flat(values).items()}
+        flat = {k: (str(v) if isinstance(v, bool) else v) for k, v in flat_settings(values).items()}
         metrics = {k: float(v) for k, v in (metrics or {}).items() if v is not None and math.isfinite(float(v))}
         if self.name == "tensorboard":
             from torch.utils.tensorboard.summary import hparams
@@ -261,7 +236,7 @@ class Tracker:
         and MLflow show a slider over the steps of one tag)."""
         import numpy as np
 
-        arrays = {k: (np.asarray(v) if isinstance(v, np.ndarray) else _figure_array(v)) for k, v in figures.items()}
+        arrays = {k: (np.asarray(v) if isinstance(v, np.ndarray) else figure_array(v)) for k, v in figures.items()}
         if not self.active or not arrays:
             return
         if self.name == "tensorboard":

@@ -40,7 +40,7 @@ import torch
 
 from ..layers import IPLayer, LayerSelection, claim, find_ip_layers, list_hooks, release
 
-__all__ = ["GaugeConfig", "apply_gauge", "max_condition_number", "plan_gauge", "qk_gauge"]
+__all__ = ["GaugeConfig", "apply_gauge", "max_condition_number", "plan_gauge"]
 
 _FEATURE = "gauge"
 
@@ -405,41 +405,3 @@ def apply_gauge(pipe, config: GaugeConfig, layers: LayerSelection = None) -> Ite
                 else:
                     getattr(module, name).copy_(original)
         release(pipe, _FEATURE)
-
-
-@contextlib.contextmanager
-def qk_gauge(pipe, gauge: Any, layers: LayerSelection = None) -> Iterator[list[IPLayer]]:
-    """Reparametrise the IP-Adapter layers in place by one element of the q/k gauge group, and restore them on exit.
-
-    Args:
-        pipe: a pipeline (or its denoiser) with an IP-Adapter loaded: SD 1.5 / SDXL (the whole group), Flux or SD3
-            (the per-channel subgroup that survives RMSNorm; see the module docstring).
-        gauge: a number ``c > 0`` (the scalar gauge: ``to_q`` x c, ``to_k`` and every ``to_k_ip`` / c; bit-exact
-            for powers of two), a :class:`GaugeConfig` (per-head matrices and row shifts), a
-            :class:`~ipa_probe.gauge.RandomGauge` or :class:`~ipa_probe.gauge.RowShift` (drawn from their seed for
-            this pipeline), or a string ``"random:SEED:SPREAD"`` / ``"shift:SEED:SCALE"``. An adversarial gauge
-            needs a pipeline call: make it with :func:`~ipa_probe.gauge.adversarial_gauge` first.
-        layers: regex or list of them selecting layer ids; ``None`` for every IP-Adapter layer.
-
-    Yields:
-        the reparametrised layers.
-
-    Raises:
-        ValueError: a bad gauge; one outside the range the weights' dtype keeps finite and exact to rounding (a
-            factor like 1e-300, ``cond(A) > 1 / (16 eps)``); a layer where it is no symmetry (an NW head, LoRA-wrapped
-            or fused projections, a basis change on Flux / SD3), all before anything changes.
-        RuntimeError: a gauge is already applied to this pipeline.
-
-    Example:
-        ```py
-        >>> with ipa_probe.qk_gauge(pipe, 2.0):
-        ...     image = pipe("a photo", ip_adapter_image=[refs], num_inference_steps=4).images[0]  # the same image
-        >>> with ipa_probe.qk_gauge(pipe, "random:0:1"):  # per-head orthogonal x diag(exp N(0, 1))
-        ...     image = pipe("a photo", ip_adapter_image=[refs], num_inference_steps=4).images[0]  # equal to rounding
-        ```
-    """
-    from .generators import resolve_gauge
-
-    config = resolve_gauge(pipe, gauge, layers, key="gauge")
-    with apply_gauge(pipe, config, layers) as found:
-        yield found
