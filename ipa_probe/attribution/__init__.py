@@ -11,6 +11,9 @@ from .analysis import (
     ALPHA,
     POOLING_TV,
     VERDICTS,
+    cell_shares,
+    cell_verdicts,
+    control_difference,
     fit_bandwidth,
     layer_agreement_test,
     neff,
@@ -18,22 +21,36 @@ from .analysis import (
     summarize_attribution,
     tv_from_uniform,
     verdict,
+    verdict_shares,
 )
-from .collect import ATTRIBUTION_COLUMNS, ReferenceAttribution, reference_attribution, sets_table
+from .collect import (
+    ATTRIBUTION_COLUMNS,
+    CELL_COLUMNS,
+    ReferenceAttribution,
+    posterior_at,
+    reference_attribution,
+    sets_table,
+)
 
 __all__ = [
     "ALPHA",
     "ATTRIBUTION_COLUMNS",
+    "CELL_COLUMNS",
     "POOLING_TV",
     "ReferenceAttribution",
     "VERDICTS",
+    "cell_shares",
+    "cell_verdicts",
+    "control_difference",
     "fit_bandwidth",
     "layer_agreement_test",
     "neff",
     "paired_rank_test",
+    "posterior_at",
     "reference_attribution",
     "sets_table",
     "summarize_attribution",
     "tv_from_uniform",
     "verdict",
+    "verdict_shares",
 ]

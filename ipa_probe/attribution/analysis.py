@@ -53,6 +53,10 @@ __all__ = [
     "ALPHA",
     "POOLING_TV",
     "VERDICTS",
+    "cell_shares",
+    "cell_verdicts",
+    "control_difference",
+    "verdict_shares",
     "fit_bandwidth",
     "layer_agreement_test",
     "neff",
@@ -300,3 +304,186 @@ def summarize_attribution(
         row["verdict"] = verdict(row["attention_tv_high"], ranking["p"], ranking["low"])
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+# ------------------------------------------------------------------------------ verdicts per cell, and controls
+def _resample_counts(rng: np.random.Generator, resamples: int, sets: int) -> np.ndarray:
+    """``(B, S)`` how often each set is drawn in each of ``resamples`` bootstrap resamples of the sets."""
+    index = rng.integers(0, sets, (resamples, sets))
+    counts = np.zeros((resamples, sets))
+    np.add.at(counts, (np.arange(resamples)[:, None], index), 1.0)
+    return counts
+
+
+def _mean_interval(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per column of ``values`` ``(S, C)`` (NaN = left out): the mean over sets and its 95 % percentile bootstrap
+    interval from the resample counts ``(B, S)`` (shared by every column)."""
+    usable = np.isfinite(values)
+    filled = np.where(usable, values, 0.0)
+    n = usable.sum(0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(n > 0, filled.sum(0) / n, np.nan)
+        boot = (counts @ filled) / (counts @ usable)  # (B, C): the mean of each resample
+    low, high = np.nanquantile(boot, [0.025, 0.975], axis=0) if len(counts) else (mean * np.nan, mean * np.nan)
+    too_few = n < 2
+    return mean, np.where(too_few, np.nan, low), np.where(too_few, np.nan, high)
+
+
+def cell_verdicts(
+    shares: np.ndarray, distance: np.ndarray, permutations: int = 999, resamples: int = 999, seed: int = 0
+) -> pd.DataFrame:
+    """The verdict's rule (:func:`verdict`) applied to every cell (a layer's head, or a layer's query position).
+
+    Per cell ``c``: ``attention_tv`` the mean over sets of the TV distance of ``shares[s, c]`` from uniform, with a
+    95 % percentile bootstrap interval over sets; ``share_spearman`` the mean over sets of Spearman(``shares[s, c]``,
+    ``-distance[s]``), its interval and a one-sided permutation p-value (the references permuted independently
+    within every set, as :func:`paired_rank_test`). The resamples of the sets and the permutations are drawn once
+    and shared by all cells (each cell's test is valid on its own; the cells' tests are then not independent). At
+    the resolution of one cell a BCa interval per cell would cost one scipy call each, so the percentile interval is
+    used here (the average's verdict, :func:`summarize_attribution`, keeps BCa).
+
+    Args:
+        shares: ``(S, C, R)`` attention shares per set, cell and reference (rows sum to 1).
+        distance: ``(S, R)`` squared data-space distances (the posterior ranks the references as ``-distance``).
+        permutations: permutations of the rank test.
+        resamples: bootstrap resamples of the sets.
+        seed: the generator's seed.
+
+    Returns:
+        one row per cell: ``cell``, ``attention_tv`` (``_low``, ``_high``), ``share_spearman`` (``_low``,
+        ``_high``, ``_p``), ``verdict``.
+    """
+    a = np.asarray(shares, dtype=np.float64)
+    sets, cells, refs = a.shape
+    rng = np.random.default_rng(seed)
+    counts = _resample_counts(rng, resamples, sets)
+    tv, tv_low, tv_high = _mean_interval(tv_from_uniform(a), counts)
+    zx = _standard_ranks(a)  # (S, C, R)
+    zy = _standard_ranks(-np.asarray(distance, dtype=np.float64))  # (S, R)
+    usable = np.isfinite(zx).all(-1) & np.isfinite(zy).all(-1)[:, None]  # (S, C)
+    zx = np.where(usable[..., None], zx, 0.0)
+    zy0 = np.nan_to_num(zy)
+    per_set = np.where(usable, (zx * zy0[:, None]).sum(-1), np.nan)  # (S, C) Spearman per set and cell
+    rho, rho_low, rho_high = _mean_interval(per_set, counts)
+    n = usable.sum(0)  # (C,)
+    flat = zx.transpose(0, 2, 1).reshape(sets * refs, cells)  # (S*R, C)
+    exceed = np.zeros(cells)
+    for start in range(0, permutations, 500):
+        draws = min(500, permutations - start)
+        order = rng.random((draws, sets, refs)).argsort(-1)  # (D, S, R) independent permutations
+        null_y = np.take_along_axis(np.broadcast_to(zy0, order.shape), order, -1).reshape(draws, sets * refs)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            null = (null_y @ flat) / n  # (D, C) mean over each cell's usable sets
+        exceed += (null >= rho - 1e-12).sum(0)  # 1e-12: the identity permutation reproduces the sum
+    p = np.where(n >= 2, (1 + exceed) / (1 + permutations), np.nan)
+    out = pd.DataFrame(
+        {
+            "cell": np.arange(cells),
+            "attention_tv": tv,
+            "attention_tv_low": tv_low,
+            "attention_tv_high": tv_high,
+            "share_spearman": rho,
+            "share_spearman_low": rho_low,
+            "share_spearman_high": rho_high,
+            "share_spearman_p": p,
+        }
+    )
+    out["verdict"] = [
+        verdict(h, q, low) if np.isfinite(h) else "undecided" for h, q, low in zip(tv_high, p, rho_low, strict=True)
+    ]
+    return out
+
+
+def verdict_shares(
+    shares: np.ndarray,
+    distance: np.ndarray,
+    permutations: int = 999,
+    resamples: int = 999,
+    outer: int = 199,
+    inner: int = 199,
+    seed: int = 0,
+) -> dict[str, float]:
+    """The share of cells on each side of the verdict, with 95 % percentile intervals over reference sets.
+
+    The point value applies :func:`cell_verdicts` to the sets as drawn; the interval re-applies the whole rule
+    (intervals and permutation test included, with ``inner`` resamples and permutations) to ``outer`` bootstrap
+    resamples of the sets, and takes the 2.5 % and 97.5 % quantiles of each share.
+
+    Args:
+        shares: ``(S, C, R)``; distance: ``(S, R)`` (as in :func:`cell_verdicts`).
+        permutations, resamples: of the point value's rule.
+        outer: bootstrap resamples of the sets for the intervals (0: no intervals, NaN).
+        inner: permutations and resamples of the rule inside each outer resample.
+        seed: the generator's seed.
+
+    Returns:
+        ``{"cells": C, "<v>": share, "<v>_low": ..., "<v>_high": ...}`` for every ``v`` in :data:`VERDICTS` (the
+        keys use ``_`` for spaces: ``pooling``, ``tracks_posterior``, ``undecided``).
+    """
+    a, d = np.asarray(shares, dtype=np.float64), np.asarray(distance, dtype=np.float64)
+    point = cell_verdicts(a, d, permutations, resamples, seed)["verdict"].to_numpy()
+    rng = np.random.default_rng(seed + 1)
+    boot = np.full((outer, len(VERDICTS)), np.nan)
+    for b in range(outer):
+        index = rng.integers(0, a.shape[0], a.shape[0])  # one resample of the sets, shares and distances paired
+        drawn = cell_verdicts(a[index], d[index], inner, inner, seed + 2 + b)["verdict"].to_numpy()
+        boot[b] = [(drawn == v).mean() for v in VERDICTS]
+    out: dict[str, float] = {"cells": int(a.shape[1])}
+    for j, v in enumerate(VERDICTS):
+        key = v.replace(" ", "_")
+        out[key] = float((point == v).mean())
+        low, high = np.quantile(boot[:, j], [0.025, 0.975]) if outer else (math.nan, math.nan)
+        out[f"{key}_low"], out[f"{key}_high"] = float(low), float(high)
+    return out
+
+
+def cell_shares(cells: pd.DataFrame, timestep: float) -> tuple[np.ndarray, list[tuple[str, int]]]:
+    """One timestep of stacked per-cell tables (:attr:`~.collect.ReferenceAttribution.heads` or ``positions`` with a
+    ``set`` column) as ``(S, C, R)`` shares, sets in sorted order, and the ``(layer, cell)`` of each ``C``."""
+    part = cells[cells["timestep"] == timestep].sort_values(["set", "layer", "cell", "reference"])
+    sets, refs = part["set"].nunique(), part["reference"].nunique()
+    keys = list(part[part["set"] == part["set"].iloc[0]][["layer", "cell"]].drop_duplicates().itertuples(index=False))
+    if len(part) != sets * len(keys) * refs:
+        raise ValueError(
+            f"timestep {timestep}: expected every set to have the same {len(keys)} cells and {refs} references, got "
+            f"{len(part)} rows for {sets} sets"
+        )
+    return part["attention_share"].to_numpy(np.float64).reshape(sets, len(keys), refs), [tuple(k) for k in keys]
+
+
+def control_difference(values: np.ndarray, control: np.ndarray, paired: bool, seed: int = 0) -> dict[str, float]:
+    """A statistic against its control: the mean of ``values`` minus the mean of ``control`` with a 95 % bootstrap
+    interval; it **counts** only when the interval excludes 0.
+
+    Args:
+        values: ``(S,)`` the statistic per set (non-finite entries are left out).
+        control: ``(S,)`` per set, the same statistic on the control of that set (``paired=True``: e.g. references the
+            generation never saw at the same ``x_t``), or ``(S',)`` on independent control sets (``paired=False``:
+            e.g. same-digit sets against mixed ones).
+        paired: whether ``values[s]`` and ``control[s]`` belong to the same set (bootstrap of the per-set
+            difference, BCa) or not (the two populations resampled independently, percentile).
+        seed: the generator's seed.
+
+    Returns:
+        ``{"value", "control", "difference", "low", "high", "counts"}``.
+    """
+    x, y = np.asarray(values, dtype=np.float64), np.asarray(control, dtype=np.float64)
+    out = {"value": float(np.nanmean(x)) if np.isfinite(x).any() else math.nan}
+    out["control"] = float(np.nanmean(y)) if np.isfinite(y).any() else math.nan
+    if paired:
+        if x.shape != y.shape:
+            raise ValueError(f"paired control: expected one control per set, got {y.shape} for {x.shape}")
+        difference = x - y
+        out["difference"] = float(np.nanmean(difference)) if np.isfinite(difference).any() else math.nan
+        low, high = _interval(difference)
+    else:
+        x, y = x[np.isfinite(x)], y[np.isfinite(y)]
+        out["difference"] = out["value"] - out["control"]
+        if len(x) < 2 or len(y) < 2:
+            low, high = math.nan, math.nan
+        else:
+            rng = np.random.default_rng(seed)
+            boot = rng.choice(x, (9999, len(x))).mean(1) - rng.choice(y, (9999, len(y))).mean(1)
+            low, high = (float(q) for q in np.quantile(boot, [0.025, 0.975]))
+    out.update(low=float(low), high=float(high), counts=bool(low > 0 or high < 0))
+    return out
