@@ -602,7 +602,7 @@ def run(ctx) -> ExperimentResult:
         "control_rule": "a statistic counts only where its difference from its control has a 95% bootstrap interval "
         "excluding 0 (paired by set for unseen references, two populations resampled apart for same-digit sets)",
         "verdict_intervals": {"outer_resamples": outer, "inner_permutations_and_resamples": inner},
-        "shuffle_tolerance": {"latent_atol": SHUFFLE_LATENT_ATOL, "share_atol": SHUFFLE_SHARE_ATOL},
+        "shuffle_tolerance": {"latent_rtol": SHUFFLE_LATENT_RTOL, "share_atol": SHUFFLE_SHARE_ATOL},
         "controls": {label: as_records(check) for label, check in checks.items()},
     }
     return ExperimentResult("attribution", rows, record, figures)
