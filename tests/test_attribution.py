@@ -27,6 +27,7 @@ from ipa_probe.attribution import (
     reference_attribution,
     sets_table,
     summarize_attribution,
+    summarize_cells,
     tv_from_uniform,
     verdict,
     verdict_shares,
@@ -524,6 +525,13 @@ def test_verdict_shares_on_clear_cells():
     assert (result["pooling"], result["tracks_posterior"], result["undecided"]) == (0.5, 0.3, 0.2)
     for key in ("pooling", "tracks_posterior", "undecided"):
         assert result[f"{key}_low"] <= result[key] <= result[f"{key}_high"]
+    # per timestep from the tables: one cell per layer (frame) or per row of a cells table
+    frame = synthetic_frame(shares, distance, h)
+    layers = summarize_cells(frame, outer=0).iloc[0]
+    assert (layers["cells"], layers["pooling"], layers["tracks_posterior"]) == (10, 0.5, 0.3)
+    cells = frame.rename(columns={"layer": "cell"}).assign(layer="l")[["set", "step", "timestep", "layer", "cell",
+                                                                         "reference", "attention_share"]]  # fmt: skip
+    assert summarize_cells(frame, cells, outer=0).iloc[0]["undecided"] == 0.2
 
 
 def independent_verdict(shares: np.ndarray, distance: np.ndarray) -> str | None:

@@ -62,6 +62,7 @@ __all__ = [
     "neff",
     "paired_rank_test",
     "summarize_attribution",
+    "summarize_cells",
     "tv_from_uniform",
     "verdict",
 ]
@@ -487,3 +488,36 @@ def control_difference(values: np.ndarray, control: np.ndarray, paired: bool, se
             low, high = (float(q) for q in np.quantile(boot, [0.025, 0.975]))
     out.update(low=float(low), high=float(high), counts=bool(low > 0 or high < 0))
     return out
+
+
+def summarize_cells(
+    frame: pd.DataFrame,
+    cells: pd.DataFrame | None = None,
+    permutations: int = 999,
+    resamples: int = 999,
+    outer: int = 199,
+    inner: int = 199,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Per timestep: the share of cells on each side of the verdict (:func:`verdict_shares`).
+
+    Args:
+        frame: stacked :func:`~.collect.reference_attribution` tables with a ``set`` column (the distances; and the
+            cells when ``cells`` is None).
+        cells: stacked per-cell tables (``result.heads`` or ``result.positions`` with a ``set`` column, sets numbered
+            as in ``frame``), or ``None`` for one cell per layer.
+        permutations, resamples, outer, inner, seed: as in :func:`verdict_shares`.
+
+    Returns:
+        one row per timestep (noise first): ``timestep``, ``cells`` and ``pooling``, ``tracks_posterior``,
+        ``undecided``, each with ``_low`` and ``_high``.
+    """
+    rows = []
+    for timestep in sorted(frame["timestep"].unique(), reverse=True):
+        data = arrays(frame, timestep)
+        shares = data["shares"] if cells is None else cell_shares(cells, timestep)[0]
+        if shares.shape[0] != data["distance"].shape[0]:
+            raise ValueError(f"cells: expected the {data['distance'].shape[0]} sets of frame, got {shares.shape[0]}")
+        result = verdict_shares(shares, data["distance"], permutations, resamples, outer, inner, seed)
+        rows.append({"timestep": float(timestep), **result})
+    return pd.DataFrame(rows)

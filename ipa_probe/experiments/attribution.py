@@ -289,30 +289,30 @@ def resolution_verdicts(results: list, outer: int, inner: int, seed: int = 0) ->
         (``pooling``, ``tracks_posterior``, ``undecided``, each with ``_low``, ``_high``); at ``"average"`` one cell,
         decided by :func:`~ipa_probe.attribution.summarize_attribution` (intervals NaN).
     """
-    from ..attribution import VERDICTS, cell_shares, sets_table, summarize_attribution, verdict_shares
-    from ..attribution.collect import arrays
+    from ..attribution import VERDICTS, sets_table, summarize_attribution, summarize_cells
 
     table = sets_table([r.table for r in results])
-    heads = sets_table([r.heads for r in results])
-    positions = sets_table([r.positions for r in results])
-    summary = summarize_attribution(table, permutations=999, resamples=199, seed=seed).set_index("timestep")
-    rows = []
-    for timestep in sorted(table["timestep"].unique(), reverse=True):
-        data = arrays(table, timestep)
-        row = {"timestep": float(timestep), "resolution": "average", "cells": 1}
+    summary = summarize_attribution(table, permutations=999, resamples=199, seed=seed)
+    average = []
+    for row in summary.to_dict(orient="records"):
+        entry = {"timestep": row["timestep"], "cells": 1}
         for v in VERDICTS:
             key = v.replace(" ", "_")
-            row.update({key: float(summary.loc[timestep, "verdict"] == v), f"{key}_low": np.nan})
-            row[f"{key}_high"] = np.nan
-        rows.append(row)
-        cells = {"layer": data["shares"]}
-        if len(heads):
-            cells["layer x head"] = cell_shares(heads, timestep)[0]
-        cells["layer x position"] = cell_shares(positions, timestep)[0]
-        for resolution, shares in cells.items():
-            shares_of = verdict_shares(shares, data["distance"], outer=outer, inner=inner, seed=seed)
-            rows.append({"timestep": float(timestep), "resolution": resolution, **shares_of})
-    return pd.DataFrame(rows)
+            entry.update({key: float(row["verdict"] == v), f"{key}_low": np.nan, f"{key}_high": np.nan})
+        average.append(entry)
+    parts = [pd.DataFrame(average).assign(resolution="average")]
+    cells = {"layer": None, "layer x head": "heads", "layer x position": "positions"}
+    for resolution, name in cells.items():
+        stacked = None if name is None else sets_table([getattr(r, name) for r in results])
+        if stacked is not None and not len(stacked):
+            continue  # per_head=False
+        shares = summarize_cells(table, stacked, outer=outer, inner=inner, seed=seed)
+        parts.append(shares.assign(resolution=resolution))
+    out = pd.concat(parts, ignore_index=True)
+    order = {r: i for i, r in enumerate(RESOLUTIONS)}
+    out = out.sort_values(["timestep", "resolution"], key=lambda c: c.map(order) if c.name == "resolution" else -c)
+    first = ["timestep", "resolution"]
+    return out.reset_index(drop=True)[first + [c for c in out.columns if c not in first]]
 
 
 def controls(statistics: dict[str, pd.DataFrame], seed: int = 0) -> pd.DataFrame:
@@ -465,6 +465,74 @@ def control_rows(label: str, check: dict) -> list[Row]:
             )
         )
     return rows
+
+
+# ------------------------------------------------------------------------------ reference-following, mixed sets
+def mixed_following(pipe, seeds=(0, 1, 2, 3, 4), samples: int = 2, n_refs: int = 3) -> dict:
+    """How often each reference's digit appears in the output, for sets of ``n_refs`` different digits against sets
+    of one digit (issue #29 point 5; neither recipe was trained on mixed references).
+
+    Per seed ``s`` and digit ``d``: a one-digit set (``digits_reference_images(d, n_refs, seed=500 + s)``) and a mixed
+    set of the digits ``d, d + 3, d + 6, ...`` (mod 10; one held-out image each, ``seed=600 + 10 s + j``), each
+    generating ``samples`` images from the same seeded latents (``s * 1000 + d``), DDIM 20 steps, CFG 3, judged by
+    :func:`~ipa_probe.tiny.digits.classify_digit_images`. Rates per seed, then mean and Student's t 95 % interval
+    over seeds (:func:`ipa_probe.tiny.digits.following.interval`).
+
+    Returns:
+        ``{"same": {"rate"}, "mixed": {"position_0", ..., "any", "none"}, "settings": ...}``, each an interval dict
+        (``mean``, ``low``, ``high``, ``n``, ``values``); ``position_j``: the output is reference ``j``'s digit;
+        ``any``: one of the set's digits (chance 0.3 for 3 digits); ``none``: none of them.
+    """
+    import torch
+
+    from ..tiny.digits import classify_digit_images, digits_reference_images
+    from ..tiny.digits.following import interval
+
+    per_seed: dict[str, list[float]] = {"same": [], "any": [], "none": []}
+    per_seed.update({f"position_{j}": [] for j in range(n_refs)})
+    labels_out = []
+    for seed in seeds:
+        same_hits, positions, any_hits = [], [], []
+        for digit in range(10):
+            mixed_digits = [(digit + 3 * j) % 10 for j in range(n_refs)]
+            sets = {
+                "same": digits_reference_images(digit, n_refs, seed=500 + seed),
+                "mixed": [
+                    digits_reference_images(d, 1, seed=600 + 10 * seed + j)[0] for j, d in enumerate(mixed_digits)
+                ],
+            }
+            for kind, refs in sets.items():
+                out = pipe(
+                    **{**_call(refs), "num_images_per_prompt": samples},
+                    generator=torch.Generator().manual_seed(seed * 1000 + digit),
+                    output_type="np",
+                )
+                labels, _ = classify_digit_images(out.images)
+                labels_out.append({"seed": seed, "digit": digit, "kind": kind, "labels": labels.tolist()})
+                if kind == "same":
+                    same_hits.extend((labels == digit).tolist())
+                else:
+                    positions.append(labels[:, None] == np.asarray(mixed_digits)[None])  # (samples, n_refs)
+                    any_hits.extend(np.isin(labels, mixed_digits).tolist())
+        per_seed["same"].append(float(np.mean(same_hits)))
+        hits = np.concatenate(positions)  # (10 * samples, n_refs)
+        for j in range(n_refs):
+            per_seed[f"position_{j}"].append(float(hits[:, j].mean()))
+        per_seed["any"].append(float(np.mean(any_hits)))
+        per_seed["none"].append(1.0 - float(np.mean(any_hits)))
+    bounds = (0.0, 1.0)
+    return {
+        "same": {"rate": interval(per_seed["same"], bounds=bounds)},
+        "mixed": {key: interval(values, bounds=bounds) for key, values in per_seed.items() if key != "same"},
+        "labels": labels_out,
+        "settings": {
+            "seeds": list(seeds),
+            "samples": samples,
+            "n_refs": n_refs,
+            "num_inference_steps": NUM_STEPS,
+            "guidance_scale": GUIDANCE_SCALE,
+        },  # fmt: skip
+    }
 
 
 def _interval_text(r: dict) -> str:
