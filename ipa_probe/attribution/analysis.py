@@ -26,8 +26,10 @@ data-space distance ``|x_t / alpha_t - s_i|^2``:
 - **verdict** (:func:`verdict`), decided by a rule stated before the data were seen (:data:`POOLING_TV`,
   :data:`ALPHA`):
 
-  1. ``pooling`` when the upper end of the interval of ``attention_tv`` is below :data:`POOLING_TV` (0.05): in every
-     layer the attention moves less than 5 % of its mass away from uniform, whatever the ranking does;
+  1. ``pooling`` when the upper end of the interval of ``attention_tv`` is below :data:`POOLING_TV` (0.05): on the
+     average over sets and layers of shares already averaged over heads and positions, the attention moves less
+     than 5 % of its mass away from uniform, whatever the ranking does (a statement about the average only:
+     :func:`cell_verdicts` and :func:`verdict_shares` apply the rule per layer, head or position);
   2. else ``tracks posterior`` when ``share_spearman`` has a permutation p-value below :data:`ALPHA` (0.05) and its
      interval lies above 0;
   3. else ``undecided`` (the attention concentrates, but not on the references the posterior favours, or too few
