@@ -217,3 +217,36 @@ def test_set_statistics_and_controls_against_numpy(organism):
     part = statistics["2+2 digits"][statistics["2+2 digits"]["timestep"] == row["timestep"]]
     expected = control_difference(part["posterior_neff"], part["posterior_neff_unseen"], True)
     assert row["difference"] == pytest.approx(expected["difference"]) and row["counts"] == expected["counts"]
+
+
+def test_resolution_verdicts_and_rows(organism):
+    from ipa_probe.attribution import sets_table, summarize_attribution, verdict_shares
+    from ipa_probe.attribution.collect import arrays
+
+    sets = [digits_reference_images(d, 4, seed=300 + d) for d in (2, 8)]
+    results = [experiment.observe(organism, refs, seed=i) for i, refs in enumerate(sets)]
+    table = experiment.resolution_verdicts(results, outer=3, inner=9)
+    heads = results[0].heads
+    assert list(table["resolution"].unique()) == list(experiment.RESOLUTIONS)
+    assert list(table["timestep"].unique()) == sorted(results[0].table["timestep"].unique(), reverse=True)
+    by = {r: table[table["resolution"] == r]["cells"].iloc[0] for r in experiment.RESOLUTIONS}
+    n_layers = results[0].table["layer"].nunique()
+    assert by == {
+        "average": 1,
+        "layer": n_layers,
+        "layer x head": len(heads.drop_duplicates(["layer", "cell"])),
+        "layer x position": len(results[0].positions.drop_duplicates(["layer", "cell"])),
+    }
+    np.testing.assert_allclose(table[["pooling", "tracks_posterior", "undecided"]].sum(1), 1.0, atol=1e-12)
+    stacked = sets_table([r.table for r in results])
+    summary = summarize_attribution(stacked, permutations=999, resamples=199).set_index("timestep")
+    for row in table[table["resolution"] == "average"].itertuples():
+        assert row.pooling == float(summary.loc[row.timestep, "verdict"] == "pooling")
+    row = table[table["resolution"] == "layer"].iloc[0]
+    data = arrays(stacked, row["timestep"])
+    assert row["pooling"] == verdict_shares(data["shares"], data["distance"], outer=0)["pooling"]
+    rows = experiment.control_rows("trained", {"verdicts": table.assign(population="same digit"),
+                                               "controls": pd.DataFrame(columns=["population", "statistic", "control",
+                                                                                 "counts", "timestep"]),
+                                               "shuffled": pd.DataFrame()})  # fmt: skip
+    assert len(rows) == len(experiment.RESOLUTIONS)
