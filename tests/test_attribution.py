@@ -520,7 +520,7 @@ def test_verdict_shares_on_clear_cells():
     tracking = np.repeat(posterior[:, None], 3, 1) * 0.9 + 0.1 / refs
     elsewhere = np.repeat(special.softmax(distance / (2 * h * h), axis=-1)[:, None], 2, 1)
     shares = np.concatenate([pooled, tracking, elsewhere], 1)  # 5 pooling, 3 tracking, 2 undecided cells
-    result = verdict_shares(shares, distance, permutations=999, resamples=999, outer=20, inner=99)
+    result = verdict_shares(shares, distance, permutations=999, resamples=999, outer=200)
     assert result["cells"] == 10
     assert (result["pooling"], result["tracks_posterior"], result["undecided"]) == (0.5, 0.3, 0.2)
     for key in ("pooling", "tracks_posterior", "undecided"):
@@ -532,6 +532,45 @@ def test_verdict_shares_on_clear_cells():
     cells = frame.rename(columns={"layer": "cell"}).assign(layer="l")[["set", "step", "timestep", "layer", "cell",
                                                                          "reference", "attention_share"]]  # fmt: skip
     assert summarize_cells(frame, cells, outer=0).iloc[0]["undecided"] == 0.2
+
+
+def test_verdict_share_intervals_against_a_direct_loop():
+    """The intervals re-take each cell's decision on resampled sets with the cell's half-widths and critical value
+    held: recomputed here by indexing the resampled sets directly (scipy ranks), with the library's resample draws."""
+    rng = np.random.default_rng(15)
+    sets, cells, refs = 12, 8, 4
+    distance = rng.uniform(0, 30, size=(sets, refs))
+    shares = rng.dirichlet(np.full(refs, 40.0), size=(sets, cells))
+    shares[:, :3] = 0.6 * shares[:, :3] + 0.4 * special.softmax(-distance / 5, -1)[:, None]  # lean to the posterior
+    outer = 300
+    got = verdict_shares(shares, distance, permutations=999, resamples=999, outer=outer, seed=2)
+    table = cell_verdicts(shares, distance, permutations=999, resamples=999, seed=2)
+    assert got["pooling"] == np.mean(table["verdict"] == "pooling")
+    index = np.random.default_rng(3).integers(0, sets, (outer, sets))  # the library's draws: seed + 1
+    tv = 0.5 * np.abs(shares - 1 / refs).sum(-1)  # (S, C)
+    rho = np.array(
+        [[stats.spearmanr(shares[s, c], -distance[s]).statistic for c in range(cells)] for s in range(sets)]
+    )
+    decided = []
+    for draw in index:
+        tv_b, rho_b = tv[draw].mean(0), rho[draw].mean(0)
+        pooling = tv_b + table["attention_tv_high"] - table["attention_tv"] < POOLING_TV
+        tracks = (
+            ~pooling
+            & (rho_b > table["share_spearman_critical"])
+            & (rho_b - (table["share_spearman"] - table["share_spearman_low"]) > 0)
+        )
+        decided.append((pooling.mean(), tracks.mean()))
+    decided = np.array(decided)
+    for j, key in enumerate(("pooling", "tracks_posterior")):
+        low, high = np.quantile(decided[:, j], [0.025, 0.975])
+        # 1e-9: the same resamples; means over repeated sets summed in another order
+        assert got[f"{key}_low"] == pytest.approx(low, abs=1e-9) and got[f"{key}_high"] == pytest.approx(
+            high, abs=1e-9
+        )
+        assert got[f"{key}_low"] <= got[key] <= got[f"{key}_high"]
+    # the critical value is the permutation test's: p < 0.05 exactly where the mean Spearman exceeds it
+    assert ((table["share_spearman_p"] < 0.05) == (table["share_spearman"] > table["share_spearman_critical"])).all()
 
 
 def independent_verdict(shares: np.ndarray, distance: np.ndarray) -> str | None:

@@ -225,7 +225,7 @@ def test_resolution_verdicts_and_rows(organism):
 
     sets = [digits_reference_images(d, 4, seed=300 + d) for d in (2, 8)]
     results = [experiment.observe(organism, refs, seed=i) for i, refs in enumerate(sets)]
-    table = experiment.resolution_verdicts(results, outer=3, inner=9)
+    table = experiment.resolution_verdicts(results, outer=30)
     heads = results[0].heads
     assert list(table["resolution"].unique()) == list(experiment.RESOLUTIONS)
     assert list(table["timestep"].unique()) == sorted(results[0].table["timestep"].unique(), reverse=True)

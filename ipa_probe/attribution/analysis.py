@@ -354,7 +354,7 @@ def cell_verdicts(
 
     Returns:
         one row per cell: ``cell``, ``attention_tv`` (``_low``, ``_high``), ``share_spearman`` (``_low``,
-        ``_high``, ``_p``), ``verdict``.
+        ``_high``, ``_p``, ``_critical``: ``p < ALPHA`` exactly when ``share_spearman > critical``), ``verdict``.
     """
     a = np.asarray(shares, dtype=np.float64)
     sets, cells, refs = a.shape
@@ -370,15 +370,21 @@ def cell_verdicts(
     rho, rho_low, rho_high = _mean_interval(per_set, counts)
     n = usable.sum(0)  # (C,)
     flat = zx.transpose(0, 2, 1).reshape(sets * refs, cells)  # (S*R, C)
-    exceed = np.zeros(cells)
+    nulls = []
     for start in range(0, permutations, 500):
         draws = min(500, permutations - start)
         order = rng.random((draws, sets, refs)).argsort(-1)  # (D, S, R) independent permutations
         null_y = np.take_along_axis(np.broadcast_to(zy0, order.shape), order, -1).reshape(draws, sets * refs)
         with np.errstate(invalid="ignore", divide="ignore"):
-            null = (null_y @ flat) / n  # (D, C) mean over each cell's usable sets
-        exceed += (null >= rho - 1e-12).sum(0)  # 1e-12: the identity permutation reproduces the sum
+            nulls.append((null_y @ flat) / n)  # (D, C) mean over each cell's usable sets
+    null = np.concatenate(nulls) if nulls else np.zeros((0, cells))
+    exceed = (null >= rho - 1e-12).sum(0)  # 1e-12: the identity permutation reproduces the sum
     p = np.where(n >= 2, (1 + exceed) / (1 + permutations), np.nan)
+    # p < ALPHA  <=>  fewer than K = ceil(ALPHA (1 + D) - 1) null means reach rho  <=>  rho - 1e-12 > the K-th largest
+    k = math.ceil(ALPHA * (1 + permutations) - 1)
+    ranked = -np.sort(-null, axis=0)  # (D, C) descending
+    critical = ranked[k - 1] + 1e-12 if 1 <= k <= len(ranked) else np.full(cells, np.inf)
+    critical = np.where(n >= 2, critical, np.nan)
     out = pd.DataFrame(
         {
             "cell": np.arange(cells),
@@ -389,6 +395,7 @@ def cell_verdicts(
             "share_spearman_low": rho_low,
             "share_spearman_high": rho_high,
             "share_spearman_p": p,
+            "share_spearman_critical": critical,
         }
     )
     out["verdict"] = [
@@ -402,21 +409,22 @@ def verdict_shares(
     distance: np.ndarray,
     permutations: int = 999,
     resamples: int = 999,
-    outer: int = 199,
-    inner: int = 199,
+    outer: int = 999,
     seed: int = 0,
 ) -> dict[str, float]:
     """The share of cells on each side of the verdict, with 95 % percentile intervals over reference sets.
 
-    The point value applies :func:`cell_verdicts` to the sets as drawn; the interval re-applies the whole rule
-    (intervals and permutation test included, with ``inner`` resamples and permutations) to ``outer`` bootstrap
-    resamples of the sets, and takes the 2.5 % and 97.5 % quantiles of each share.
+    The point value applies :func:`cell_verdicts` to the sets as drawn. The interval re-takes every cell's decision on
+    ``outer`` bootstrap resamples of the sets: the resample's means of the per-set TV and Spearman against the rule
+    with each cell's interval half-widths (``attention_tv_high - attention_tv``, ``share_spearman -
+    share_spearman_low``) and permutation critical value held at their values on the sets as drawn, so that the
+    identity resample gives the point value. (Re-running the intervals and the permutation test inside each resample
+    would narrow them wherever a resample repeats a set, and shift the shares towards ``pooling`` by about 1/S.)
 
     Args:
         shares: ``(S, C, R)``; distance: ``(S, R)`` (as in :func:`cell_verdicts`).
         permutations, resamples: of the point value's rule.
         outer: bootstrap resamples of the sets for the intervals (0: no intervals, NaN).
-        inner: permutations and resamples of the rule inside each outer resample.
         seed: the generator's seed.
 
     Returns:
@@ -424,14 +432,25 @@ def verdict_shares(
         keys use ``_`` for spaces: ``pooling``, ``tracks_posterior``, ``undecided``).
     """
     a, d = np.asarray(shares, dtype=np.float64), np.asarray(distance, dtype=np.float64)
-    point = cell_verdicts(a, d, permutations, resamples, seed)["verdict"].to_numpy()
-    rng = np.random.default_rng(seed + 1)
-    boot = np.full((outer, len(VERDICTS)), np.nan)
-    for b in range(outer):
-        index = rng.integers(0, a.shape[0], a.shape[0])  # one resample of the sets, shares and distances paired
-        drawn = cell_verdicts(a[index], d[index], inner, inner, seed + 2 + b)["verdict"].to_numpy()
-        boot[b] = [(drawn == v).mean() for v in VERDICTS]
+    table = cell_verdicts(a, d, permutations, resamples, seed)
+    point = table["verdict"].to_numpy()
     out: dict[str, float] = {"cells": int(a.shape[1])}
+    boot = np.full((outer, len(VERDICTS)), np.nan)
+    if outer:
+        counts = _resample_counts(np.random.default_rng(seed + 1), outer, a.shape[0])  # (B, S)
+        tv = tv_from_uniform(a)  # (S, C)
+        zx, zy = _standard_ranks(a), _standard_ranks(-d)
+        rho = np.where(np.isfinite(zx).all(-1) & np.isfinite(zy).all(-1)[:, None], (zx * zy[:, None]).sum(-1), np.nan)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tv_b = counts @ tv / counts.sum(1, keepdims=True)  # (B, C)
+            usable = np.isfinite(rho)
+            rho_b = counts @ np.where(usable, rho, 0.0) / (counts @ usable)  # (B, C)
+        upper = tv_b + (table["attention_tv_high"] - table["attention_tv"]).to_numpy()
+        lower = rho_b - (table["share_spearman"] - table["share_spearman_low"]).to_numpy()
+        pooling = upper < POOLING_TV
+        tracks = ~pooling & (rho_b > table["share_spearman_critical"].to_numpy()) & (lower > 0)
+        boot[:, 0], boot[:, 1] = pooling.mean(1), tracks.mean(1)
+        boot[:, 2] = 1 - boot[:, 0] - boot[:, 1]
     for j, v in enumerate(VERDICTS):
         key = v.replace(" ", "_")
         out[key] = float((point == v).mean())
@@ -497,8 +516,7 @@ def summarize_cells(
     cells: pd.DataFrame | None = None,
     permutations: int = 999,
     resamples: int = 999,
-    outer: int = 199,
-    inner: int = 199,
+    outer: int = 999,
     seed: int = 0,
 ) -> pd.DataFrame:
     """Per timestep: the share of cells on each side of the verdict (:func:`verdict_shares`).
@@ -508,7 +526,7 @@ def summarize_cells(
             cells when ``cells`` is None).
         cells: stacked per-cell tables (``result.heads`` or ``result.positions`` with a ``set`` column, sets numbered
             as in ``frame``), or ``None`` for one cell per layer.
-        permutations, resamples, outer, inner, seed: as in :func:`verdict_shares`.
+        permutations, resamples, outer, seed: as in :func:`verdict_shares`.
 
     Returns:
         one row per timestep (noise first): ``timestep``, ``cells`` and ``pooling``, ``tracks_posterior``,
@@ -520,6 +538,6 @@ def summarize_cells(
         shares = data["shares"] if cells is None else cell_shares(cells, timestep)[0]
         if shares.shape[0] != data["distance"].shape[0]:
             raise ValueError(f"cells: expected the {data['distance'].shape[0]} sets of frame, got {shares.shape[0]}")
-        result = verdict_shares(shares, data["distance"], permutations, resamples, outer, inner, seed)
+        result = verdict_shares(shares, data["distance"], permutations, resamples, outer, seed)
         rows.append({"timestep": float(timestep), **result})
     return pd.DataFrame(rows)
