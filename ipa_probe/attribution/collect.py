@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .._checks import parse_step_selection
+from .._checks import check_flag, parse_step_selection
 
 __all__ = [
     "ATTRIBUTION_COLUMNS",
@@ -169,6 +169,7 @@ def reference_attribution(
     from ..theory.schedules import VPSchedule
 
     references = _references(call, adapter)
+    check_flag(per_head, "per_head")
     if per_head and (call.get("cross_attention_kwargs") or {}).get("ip_adapter_masks") is not None:
         raise ValueError("reference_attribution(per_head=True) does not support ip_adapter_masks: pass per_head=False")
     selection = parse_step_selection(steps)

@@ -359,7 +359,9 @@ def controls(statistics: dict[str, pd.DataFrame], seed: int = 0) -> pd.DataFrame
             for statistic in ("attention_tv", "share_spearman", "head_tv_above", "position_tv_above"):
                 result = control_difference(part[statistic], base[statistic], False, seed)
                 add(population, timestep, statistic, "same-digit sets", result)
-    return pd.DataFrame(rows).sort_values(["population", "statistic", "control", "timestep"], ascending=[1, 1, 1, 0])
+    return pd.DataFrame(rows).sort_values(
+        ["population", "statistic", "control", "timestep"], ascending=[True, True, True, False]
+    )
 
 
 def shuffle_check(pipe, result, refs: list, seed: int, order: list[int]) -> dict:
