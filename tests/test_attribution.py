@@ -214,6 +214,13 @@ def test_refuses_calls_it_cannot_pair(organism, refs):
         reference_attribution(
             organism, prompt=DIGITS_PROMPT, ip_adapter_image=[refs], num_inference_steps=2, num_images_per_prompt=2
         )
+    with pytest.raises(TypeError, match="per_head: expected True or False"):
+        reference_attribution(organism, per_head="yes", prompt=DIGITS_PROMPT, ip_adapter_image=[refs])
+    masks = [torch.ones(1, len(refs), 16, 16)]
+    with pytest.raises(ValueError, match="does not support ip_adapter_masks: pass per_head=False"):
+        reference_attribution(
+            organism, prompt=DIGITS_PROMPT, ip_adapter_image=[refs], cross_attention_kwargs={"ip_adapter_masks": masks}
+        )
 
 
 # ------------------------------------------------------------------------------------------ invariance under the gauge
