@@ -58,13 +58,13 @@ EFFECTS = {"latent_effect": "RMS change of the final latent", "class_drop": "dro
 PREDICTORS = {"attention_share": "attention share", "posterior_weight": "exact posterior weight"}
 #: Reordering the references permutes the image tokens, so every softmax normaliser and every weighted sum of values
 #: adds the same float32 terms in another order (relative error ~1e-7 each), and the denoising loop carries those
-#: differences to the end. Measured on the 20-step CFG-3 setting: the trained organism's final latent moved by at most
-#: 1.4e-6 of its largest |value| (4.7e-6 at |x| ~ 3.3), the untrained one's by 4e-5 (1.4e-3 at |x| ~ 35: its random
-#: weights amplify rounding more); in float64 the two orders gave the same latents. 1e-3 of the largest |value|
-#: leaves 25x room above the untrained organism's drift and is far below the 0.3 RMS change of ablating a reference.
-SHUFFLE_LATENT_RTOL = 1e-3
-#: The same reordering in the shares, permuted back (float32 softmax, shares ~0.25; measured: 1.7e-7 trained, 1.6e-5
-#: untrained, where the drifted latent feeds later steps): 1e-4 leaves 6x room and is 500x below the 0.05 pooling
+#: differences to the end. Measured on the 20-step CFG-3 setting (smoke tier, 6 sets): the trained organism's final
+#: latent moved by at most 1.4e-6 of its largest |value| (4.7e-6 at |x| ~ 3.3), the untrained one's by up to 2e-4
+#: (7.1e-3 at |x| ~ 35: its random weights amplify rounding); in float64 the two orders gave the same latents (the
+#: test checks 1e-10). 2e-3 of the largest |value| leaves 10x room above the untrained organism's drift.
+SHUFFLE_LATENT_RTOL = 2e-3
+#: The same reordering in the shares, permuted back (float32 softmax, shares ~0.25; measured: 1.7e-7 trained, 2.1e-5
+#: untrained, where the drifted latent feeds later steps): 1e-4 leaves 5x room and is 500x below the 0.05 pooling
 #: threshold.
 SHUFFLE_SHARE_ATOL = 1e-4
 #: The populations of reference sets: the ablated 2 + 2 sets and the two controls.
