@@ -16,15 +16,21 @@ from scipy import optimize, special, stats
 import ipa_probe
 from ipa_probe.attribution import (
     POOLING_TV,
+    cell_shares,
+    cell_verdicts,
+    control_difference,
     fit_bandwidth,
     layer_agreement_test,
     neff,
     paired_rank_test,
+    posterior_at,
     reference_attribution,
     sets_table,
     summarize_attribution,
+    summarize_cells,
     tv_from_uniform,
     verdict,
+    verdict_shares,
 )
 from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_reference_images
 
@@ -37,7 +43,7 @@ def refs():
     return digits_reference_images(2, 2, seed=100) + digits_reference_images(6, 2, seed=200)
 
 
-def attribution(pipe, refs, seed=0, guidance=3.0):
+def attribution(pipe, refs, seed=0, guidance=3.0, whole=False):
     result = reference_attribution(
         pipe,
         steps=STEPS,
@@ -47,7 +53,7 @@ def attribution(pipe, refs, seed=0, guidance=3.0):
         num_inference_steps=NUM_STEPS,
         guidance_scale=guidance,
     )
-    return result.table, result.generation
+    return result if whole else (result.table, result.generation)
 
 
 # ------------------------------------------------------------------------------- collection vs the test's own hooks
@@ -92,7 +98,7 @@ def own_recomputation(pipe, refs, seed=0, guidance=3.0):
         support = (pipe.vae.encode(pixels).latent_dist.mode() * pipe.vae.config.scaling_factor).double().flatten(1)
     abar = pipe.scheduler.alphas_cumprod.double().numpy()
     timesteps = pipe.scheduler.timesteps.tolist()
-    rows = []
+    rows, per_head = [], {}
     for step in STEPS:
         t = int(timesteps[step])
         alpha, h = math.sqrt(abar[t]), math.sqrt((1 - abar[t]) / abar[t])
@@ -105,7 +111,9 @@ def own_recomputation(pipe, refs, seed=0, guidance=3.0):
             d = q.shape[-1] // heads
             qh = q.reshape(-1, heads, d).permute(1, 0, 2).numpy()  # (H, Q, d)
             kh = k.reshape(-1, heads, d).permute(1, 0, 2).numpy()  # (H, R*T, d)
-            weights = special.softmax(qh @ kh.transpose(0, 2, 1) / math.sqrt(d), -1).mean(0)  # (Q, R*T)
+            heads_weights = special.softmax(qh @ kh.transpose(0, 2, 1) / math.sqrt(d), -1)  # (H, Q, R*T)
+            per_head[(step, layer.name)] = heads_weights.reshape(heads, qh.shape[1], len(refs), -1).sum(-1)
+            weights = heads_weights.mean(0)  # (Q, R*T)
             per_ref = weights.reshape(weights.shape[0], len(refs), -1).sum(-1)  # (Q, R)
             share = per_ref.mean(0)
             position_neff = (1.0 / (per_ref**2).sum(-1)).mean()
@@ -114,6 +122,7 @@ def own_recomputation(pipe, refs, seed=0, guidance=3.0):
     columns = ["step", "timestep", "layer", "reference", "attention_share", "position_neff"]
     frame = pd.DataFrame(rows, columns=columns + ["sq_distance", "bandwidth", "posterior_weight"])
     frame.attrs["samples"] = samples
+    frame.attrs["per_head"] = per_head  # (step, layer) -> (H, Q, R) float64
     return frame
 
 
@@ -143,6 +152,45 @@ def test_collection_matches_the_tests_own_hooks(organism, refs, guidance):
     torch.testing.assert_close(generation.latents, plain, rtol=0, atol=0)  # the probe reads without changing
 
 
+def test_per_head_and_per_position_shares_match_the_tests_own_hooks(organism, refs):
+    result = attribution(organism, refs, whole=True)
+    per_head = own_recomputation(organism, refs).attrs["per_head"]
+    heads, positions = result.heads, result.positions
+    assert len(heads) == sum(w.shape[0] * w.shape[2] for w in per_head.values())
+    assert len(positions) == sum(w.shape[1] * w.shape[2] for w in per_head.values())
+    for (step, layer), w in per_head.items():  # w: (H, Q, R)
+        got = heads[(heads["step"] == step) & (heads["layer"] == layer)].sort_values(["cell", "reference"])
+        # 2e-6: as the layer shares above (float32 softmax in the probe)
+        np.testing.assert_allclose(got["attention_share"], w.mean(1).ravel(), atol=2e-6)
+        got = positions[(positions["step"] == step) & (positions["layer"] == layer)].sort_values(["cell", "reference"])
+        np.testing.assert_allclose(got["attention_share"], w.mean(0).ravel(), atol=2e-6)
+
+
+def test_posterior_at_other_references_against_the_tests_own_recomputation(organism, refs):
+    """posterior_at evaluates the exact posterior of any references at the x_t the generation passed through."""
+    own = own_recomputation(organism, refs)
+    others = digits_reference_images(2, 2, seed=7) + digits_reference_images(6, 2, seed=8)
+    samples = {step: own.attrs["samples"][step] for step in STEPS}
+    timesteps = dict(zip(own["step"], own["timestep"], strict=False))
+    got = posterior_at(organism, others, samples, timesteps).sort_values(["step", "reference"])
+    assert len(got) == len(STEPS) * 4
+    with torch.no_grad():  # the support as own_recomputation makes it: the VAE's posterior mode times the factor
+        pixels = torch.cat([organism.image_processor.preprocess(r, height=16, width=16) for r in others])
+        latents = organism.vae.encode(pixels).latent_dist.mode() * organism.vae.config.scaling_factor
+    support = latents.double().flatten(1).numpy()
+    abar = organism.scheduler.alphas_cumprod.double().numpy()
+    for step in STEPS:
+        t = int(timesteps[step])
+        alpha, h = math.sqrt(abar[t]), math.sqrt((1 - abar[t]) / abar[t])
+        distance = ((samples[step].numpy() / alpha - support) ** 2).sum(-1)
+        logits = -distance / (2 * h * h)
+        part = got[got["step"] == step]
+        # 1e-6: the same float32 x_t and latents on both sides, float64 after (as in the collection test)
+        np.testing.assert_allclose(part["sq_distance"], distance, rtol=1e-6)
+        np.testing.assert_allclose(part["posterior_weight"], np.exp(logits - special.logsumexp(logits)), atol=1e-6)
+        np.testing.assert_allclose(part["bandwidth"], h, rtol=1e-12)
+
+
 def test_posterior_is_the_exact_denoisers(organism, refs):
     """sum_i w_i s_i with the table's weights is the exact denoiser's x0 prediction at the same x_t."""
     table, _ = attribution(organism, refs)
@@ -165,6 +213,13 @@ def test_refuses_calls_it_cannot_pair(organism, refs):
     with pytest.raises(ValueError, match="num_images_per_prompt=1"):
         reference_attribution(
             organism, prompt=DIGITS_PROMPT, ip_adapter_image=[refs], num_inference_steps=2, num_images_per_prompt=2
+        )
+    with pytest.raises(TypeError, match="per_head: expected True or False"):
+        reference_attribution(organism, per_head="yes", prompt=DIGITS_PROMPT, ip_adapter_image=[refs])
+    masks = [torch.ones(1, len(refs), 16, 16)]
+    with pytest.raises(ValueError, match="does not support ip_adapter_masks: pass per_head=False"):
+        reference_attribution(
+            organism, prompt=DIGITS_PROMPT, ip_adapter_image=[refs], cross_attention_kwargs={"ip_adapter_masks": masks}
         )
 
 
@@ -404,3 +459,195 @@ def test_infinite_fitted_bandwidth_survives_a_json_record(tmp_path):
     record["measurements"]["trained"] = rho.to_dict(orient="records")
     (path,) = ip_adapter.redraw(record, tmp_path)
     assert path.exists() and path.stat().st_size > 10_000
+
+
+# ------------------------------------------------------------------------------- verdicts per cell, and controls
+def exact_rank_p(shares: np.ndarray, distance: np.ndarray) -> float:
+    """One-sided p of the mean per-set Spearman by enumerating every within-set permutation (scipy ranks)."""
+    observed = np.mean([stats.spearmanr(a, -d).statistic for a, d in zip(shares, distance, strict=True)])
+    refs = shares.shape[-1]
+    per_set = [
+        [stats.spearmanr(a, -d[list(order)]).statistic for order in itertools.permutations(range(refs))]
+        for a, d in zip(shares, distance, strict=True)
+    ]
+    means = np.array([np.mean(combo) for combo in itertools.product(*per_set)])
+    return float((means >= observed - 1e-12).mean())
+
+
+def test_cell_verdicts_against_scipy_and_exact_enumeration():
+    rng = np.random.default_rng(11)
+    sets, cells, refs = 4, 6, 3
+    distance = rng.uniform(0, 30, size=(sets, refs))
+    shares = rng.dirichlet(np.full(refs, 2.0), size=(sets, cells))
+    shares[:, 0] = special.softmax(-distance / 10, -1) * 0.5 + 0.5 / refs  # a cell that ranks as the posterior
+    table = cell_verdicts(shares, distance, permutations=4999, resamples=999, seed=3)
+    assert list(table["cell"]) == list(range(cells))
+    for c in range(cells):
+        row = table.iloc[c]
+        tv = 0.5 * np.abs(shares[:, c] - 1 / refs).sum(-1)
+        assert row["attention_tv"] == pytest.approx(tv.mean(), rel=1e-12)
+        rho = [stats.spearmanr(a, -d).statistic for a, d in zip(shares[:, c], distance, strict=True)]
+        assert row["share_spearman"] == pytest.approx(np.mean(rho), abs=1e-12)
+        # 0.03: 4999 random permutations estimate a p-value with standard error <= 0.007
+        assert row["share_spearman_p"] == pytest.approx(exact_rank_p(shares[:, c], distance), abs=0.03)
+        # a percentile interval lies within the range of the set values and around the mean (1e-12: a resample's
+        # mean is a float sum over its sets)
+        eps = 1e-12
+        assert tv.min() - eps <= row["attention_tv_low"] <= tv.mean() + eps
+        assert tv.mean() - eps <= row["attention_tv_high"] <= tv.max() + eps
+        assert min(rho) - eps <= row["share_spearman_low"] <= np.mean(rho) + eps
+        assert np.mean(rho) - eps <= row["share_spearman_high"] <= max(rho) + eps
+        assert row["verdict"] == verdict(row["attention_tv_high"], row["share_spearman_p"], row["share_spearman_low"])
+    assert table.iloc[0]["share_spearman"] == pytest.approx(1.0, abs=1e-12)
+    assert table.iloc[0]["share_spearman_p"] == pytest.approx(1 / 6**sets, abs=0.002)  # 0.002: as above
+
+
+def test_cell_intervals_against_scipy_bootstrap():
+    rng = np.random.default_rng(12)
+    sets, cells, refs = 15, 3, 4
+    shares = rng.dirichlet(np.full(refs, 4.0), size=(sets, cells))
+    distance = rng.uniform(0, 30, size=(sets, refs))
+    table = cell_verdicts(shares, distance, permutations=99, resamples=4999, seed=0)
+    for c in range(cells):
+        tv = 0.5 * np.abs(shares[:, c] - 1 / refs).sum(-1)
+        ref = stats.bootstrap((tv,), np.mean, n_resamples=9999, method="percentile", rng=np.random.default_rng(1))
+        low, high = ref.confidence_interval
+        # 0.1 of the width: two Monte Carlo estimates of the 2.5 % and 97.5 % quantiles (4999 and 9999 resamples)
+        assert table.iloc[c]["attention_tv_low"] == pytest.approx(low, abs=0.1 * (high - low))
+        assert table.iloc[c]["attention_tv_high"] == pytest.approx(high, abs=0.1 * (high - low))
+
+
+def test_verdict_shares_on_clear_cells():
+    rng = np.random.default_rng(13)
+    sets, refs, h = 20, 4, 5.0
+    distance = rng.uniform(0, 60, size=(sets, refs))
+    posterior = special.softmax(-distance / (2 * h * h), axis=-1)
+    pooled = 0.25 + 0.004 * rng.uniform(-1, 1, size=(sets, 5, refs))
+    pooled /= pooled.sum(-1, keepdims=True)
+    tracking = np.repeat(posterior[:, None], 3, 1) * 0.9 + 0.1 / refs
+    elsewhere = np.repeat(special.softmax(distance / (2 * h * h), axis=-1)[:, None], 2, 1)
+    shares = np.concatenate([pooled, tracking, elsewhere], 1)  # 5 pooling, 3 tracking, 2 undecided cells
+    result = verdict_shares(shares, distance, permutations=999, resamples=999, outer=200)
+    assert result["cells"] == 10
+    assert (result["pooling"], result["tracks_posterior"], result["undecided"]) == (0.5, 0.3, 0.2)
+    for key in ("pooling", "tracks_posterior", "undecided"):
+        assert result[f"{key}_low"] <= result[key] <= result[f"{key}_high"]
+    # per timestep from the tables: one cell per layer (frame) or per row of a cells table
+    frame = synthetic_frame(shares, distance, h)
+    layers = summarize_cells(frame, outer=0).iloc[0]
+    assert (layers["cells"], layers["pooling"], layers["tracks_posterior"]) == (10, 0.5, 0.3)
+    cells = frame.rename(columns={"layer": "cell"}).assign(layer="l")[["set", "step", "timestep", "layer", "cell",
+                                                                         "reference", "attention_share"]]  # fmt: skip
+    assert summarize_cells(frame, cells, outer=0).iloc[0]["undecided"] == 0.2
+
+
+def test_verdict_share_intervals_against_a_direct_loop():
+    """The intervals re-take each cell's decision on resampled sets with the cell's half-widths and critical value
+    held: recomputed here by indexing the resampled sets directly (scipy ranks), with the library's resample draws."""
+    rng = np.random.default_rng(15)
+    sets, cells, refs = 12, 8, 4
+    distance = rng.uniform(0, 30, size=(sets, refs))
+    shares = rng.dirichlet(np.full(refs, 40.0), size=(sets, cells))
+    shares[:, :3] = 0.6 * shares[:, :3] + 0.4 * special.softmax(-distance / 5, -1)[:, None]  # lean to the posterior
+    outer = 300
+    got = verdict_shares(shares, distance, permutations=999, resamples=999, outer=outer, seed=2)
+    table = cell_verdicts(shares, distance, permutations=999, resamples=999, seed=2)
+    assert got["pooling"] == np.mean(table["verdict"] == "pooling")
+    index = np.random.default_rng(3).integers(0, sets, (outer, sets))  # the library's draws: seed + 1
+    tv = 0.5 * np.abs(shares - 1 / refs).sum(-1)  # (S, C)
+    rho = np.array(
+        [[stats.spearmanr(shares[s, c], -distance[s]).statistic for c in range(cells)] for s in range(sets)]
+    )
+    decided = []
+    for draw in index:
+        tv_b, rho_b = tv[draw].mean(0), rho[draw].mean(0)
+        pooling = tv_b + table["attention_tv_high"] - table["attention_tv"] < POOLING_TV
+        tracks = (
+            ~pooling
+            & (rho_b > table["share_spearman_critical"])
+            & (rho_b - (table["share_spearman"] - table["share_spearman_low"]) > 0)
+        )
+        decided.append((pooling.mean(), tracks.mean()))
+    decided = np.array(decided)
+    for j, key in enumerate(("pooling", "tracks_posterior")):
+        low, high = np.quantile(decided[:, j], [0.025, 0.975])
+        # 1e-9: the same resamples; means over repeated sets summed in another order
+        assert got[f"{key}_low"] == pytest.approx(low, abs=1e-9) and got[f"{key}_high"] == pytest.approx(
+            high, abs=1e-9
+        )
+        assert got[f"{key}_low"] <= got[key] <= got[f"{key}_high"]
+    # the critical value is the permutation test's: p < 0.05 exactly where the mean Spearman exceeds it
+    assert ((table["share_spearman_p"] < 0.05) == (table["share_spearman"] > table["share_spearman_critical"])).all()
+
+
+def independent_verdict(shares: np.ndarray, distance: np.ndarray) -> str | None:
+    """The rule decided without any resampling where the data leave no doubt, else None: pooling when every set's TV
+    is below the threshold (every bootstrap mean is then below it) and not pooling when the mean is above it;
+    tracks posterior when the exact p is below 0.04 and every set's Spearman is above 0, not when p > 0.07 or no set's
+    Spearman is above 0."""
+    tv = 0.5 * np.abs(shares - 1 / shares.shape[-1]).sum(-1)
+    if tv.max() < POOLING_TV:
+        return "pooling"
+    if tv.mean() <= POOLING_TV:
+        return None
+    rho = np.array([stats.spearmanr(a, -d).statistic for a, d in zip(shares, distance, strict=True)])
+    p = exact_rank_p(shares, distance)
+    if p < 0.04 and rho.min() > 0:
+        return "tracks posterior"
+    if p > 0.07 or rho.max() <= 0:
+        return "undecided"
+    return None
+
+
+def test_per_head_and_per_position_verdict_shares_from_the_tests_own_hooks(organism):
+    """Three sets on the organism: the per-head and per-position shares read by the test's own hooks, the rule
+    decided independently where it is unambiguous, against verdict_shares on the library's tables."""
+    sets = [
+        digits_reference_images(a, 2, seed=100 + i) + digits_reference_images(b, 2, seed=200 + i)
+        for i, (a, b) in enumerate([(2, 6), (1, 7), (3, 5)])
+    ]
+    results = [attribution(organism, refs, seed=i, whole=True) for i, refs in enumerate(sets)]
+    owns = [own_recomputation(organism, refs, seed=i) for i, refs in enumerate(sets)]
+    for timestep in sorted(results[0].table["timestep"].unique()):
+        step = int(results[0].table.loc[results[0].table["timestep"] == timestep, "step"].iloc[0])
+        layers = sorted({layer for (s, layer) in owns[0].attrs["per_head"] if s == step})
+        distance = np.stack(
+            [o[(o["step"] == step) & (o["layer"] == layers[0])].sort_values("reference")["sq_distance"] for o in owns]
+        )  # (S, R)
+        for name, axis in (("heads", 1), ("positions", 0)):
+            own = np.stack(
+                [np.concatenate([o.attrs["per_head"][(step, layer)].mean(axis) for layer in layers]) for o in owns]
+            )  # (S, C, R): per head (mean over positions) or per position (mean over heads), layers in sorted order
+            library, keys = cell_shares(sets_table([getattr(r, name) for r in results]), timestep)
+            assert [k[0] for k in keys] == sorted(k[0] for k in keys)
+            np.testing.assert_allclose(library, own, atol=2e-6)  # 2e-6: float32 softmax, as above
+            got = cell_verdicts(library, distance, permutations=4999, resamples=999)["verdict"].to_numpy()
+            expected = [independent_verdict(own[:, c], distance) for c in range(own.shape[1])]
+            decided = [c for c, v in enumerate(expected) if v is not None]
+            assert len(decided) >= own.shape[1] // 2, "most cells must be decidable without resampling"
+            assert [got[c] for c in decided] == [expected[c] for c in decided]
+            result = verdict_shares(library, distance, permutations=4999, resamples=999, outer=0)
+            assert result["pooling"] == pytest.approx(np.mean(got == "pooling"))
+
+
+def test_control_difference_rule():
+    rng = np.random.default_rng(14)
+    values, control = rng.normal(1.0, 0.3, 30), rng.normal(0.0, 0.3, 30)
+    paired = control_difference(values, values - 0.5 + rng.normal(0, 0.01, 30), paired=True)
+    assert paired["counts"] and paired["low"] > 0 and paired["difference"] == pytest.approx(0.5, abs=0.01)
+    diff = values - (values - 0.5 + rng.normal(0, 0.01, 30))
+    independent = stats.bootstrap((diff,), np.mean, n_resamples=9999, method="BCa", rng=np.random.default_rng(0))
+    # 2e-3: two BCa estimates from different resamples of the same 30 differences (spread 0.01)
+    assert paired["low"] == pytest.approx(independent.confidence_interval.low, abs=2e-3)
+    same = control_difference(values, values + rng.normal(0, 0.3, 30), paired=True)
+    assert not same["counts"] and same["low"] < 0 < same["high"]
+    apart = control_difference(values, control, paired=False)
+    assert apart["counts"] and apart["difference"] == pytest.approx(values.mean() - control.mean(), rel=1e-12)
+    draws = np.random.default_rng(5)
+    boot = [draws.choice(values, 30).mean() - draws.choice(control, 30).mean() for _ in range(20000)]
+    low, high = np.quantile(boot, [0.025, 0.975])
+    # 0.02: two percentile estimates (9999 and 20000 resamples) of the same interval, width ~0.3
+    assert apart["low"] == pytest.approx(low, abs=0.02) and apart["high"] == pytest.approx(high, abs=0.02)
+    assert not control_difference(values, values[::-1] + 0.01, paired=False)["counts"]
+    with pytest.raises(ValueError, match="paired control"):
+        control_difference(values, control[:5], paired=True)

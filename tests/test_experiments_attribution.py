@@ -136,3 +136,145 @@ def test_ablation_effects_against_the_tests_own_generations(organism):
         # 1e-6: the pipeline's postprocess and this test's decode round the same float32 pixels differently
         assert row.class_drop == pytest.approx(drop, abs=1e-6)
         assert row.flipped == (int(np.argmax(probabilities(ablated))) != int(np.argmax(base_probabilities)))
+
+
+# ------------------------------------------------------------------------------------ the controls' pieces
+def test_shuffled_reference_order_float32_within_tolerance_and_float64_equal(organism):
+    """Permuting the references permutes the shares and leaves the output as it was: in float32 up to the summation
+    order (the experiment's tolerances), checked here from the two tables directly; in float64 to 1e-10."""
+    refs = digits_reference_images(3, 2, seed=100) + digits_reference_images(5, 2, seed=200)
+    order = [2, 0, 3, 1]
+    first = experiment.observe(organism, refs, seed=1)
+    again = experiment.observe(organism, [refs[i] for i in order], seed=1)
+    before, after = first.generation.latents.double(), again.generation.latents.double()
+    assert (after - before).abs().max() <= experiment.SHUFFLE_LATENT_RTOL * before.abs().max()
+    for name in ("table", "heads", "positions"):
+        old, new = getattr(first, name), getattr(again, name)
+        keys = [k for k in ("step", "layer", "cell") if k in old.columns]
+        for key, part in old.groupby(keys):
+            other = new.set_index(keys).loc[key].sort_values("reference")["attention_share"].to_numpy()
+            mine = part.sort_values("reference")["attention_share"].to_numpy()
+            # reference j of the shuffled call is reference order[j] of the first
+            np.testing.assert_allclose(other, mine[order], atol=experiment.SHUFFLE_SHARE_ATOL)
+    check = experiment.shuffle_check(organism, first, refs, 1, order)
+    assert check["within_tolerance"] and check["latent_max_diff"] == pytest.approx(float((after - before).abs().max()))
+
+    wide = ipa_probe.digits_pipeline().to(torch.float64)
+    wide.set_progress_bar_config(disable=True)
+
+    def latents(images):
+        generator = torch.Generator().manual_seed(1)
+        return wide(**experiment._call(images), generator=generator, output_type="latent").images
+
+    # 1e-10: float64 rounding (1e-16 per sum) times the loop's amplification of rounding (float32: <= 2e3) and |x| ~ 4
+    torch.testing.assert_close(latents([refs[i] for i in order]), latents(refs), rtol=0, atol=1e-10)
+
+
+def test_unseen_references_are_other_images_of_the_same_digits():
+    from ipa_probe.tiny.digits.data import TRAIN_SIZE, digit_images
+
+    images, labels = digit_images()
+    refs = digits_reference_images(4, 2, seed=100) + digits_reference_images(9, 2, seed=200)
+    unseen = experiment.unseen_references([4, 4, 9, 9], refs, seed=3)
+    as_bytes = [np.asarray(image).tobytes() for image in unseen]
+    assert len(set(as_bytes)) == 4 and not set(as_bytes) & {np.asarray(image).tobytes() for image in refs}
+    for digit, image in zip([4, 4, 9, 9], unseen, strict=True):
+        pool = np.flatnonzero(labels[TRAIN_SIZE:] == digit)
+        rendered = {np.asarray(i).tobytes() for i in digits_reference_images(digit, len(pool), seed=0)}
+        assert np.asarray(image).tobytes() in rendered  # a held-out image of that digit
+    sets = experiment.control_sets(3)
+    assert [d for d, _ in sets["same digit"]] == [[0] * 4, [1] * 4, [2] * 4]
+    assert all(len(set(d)) == 4 for d, _ in sets["4 digits"])
+
+
+def test_set_statistics_and_controls_against_numpy(organism):
+    from ipa_probe.attribution import POOLING_TV, control_difference, posterior_at
+
+    refs = digits_reference_images(1, 2, seed=100) + digits_reference_images(7, 2, seed=200)
+    result = experiment.observe(organism, refs, seed=2)
+    timesteps = dict(zip(result.table["step"], result.table["timestep"], strict=False))
+    unseen = posterior_at(organism, experiment.unseen_references([1, 1, 7, 7], refs, 2), result.samples, timesteps)
+    got = experiment.set_statistics(result, unseen)
+    for row in got.itertuples():
+        part = result.table[result.table["timestep"] == row.timestep]
+        shares = part.pivot(index="layer", columns="reference", values="attention_share").to_numpy()
+        assert row.attention_tv == pytest.approx(np.mean(0.5 * np.abs(shares - 0.25).sum(-1)), rel=1e-12)
+        first = part[part["layer"] == part["layer"].iloc[0]].sort_values("reference")
+        other = unseen[unseen["timestep"] == row.timestep].sort_values("reference")
+        mean = shares.mean(0)
+        assert row.share_spearman == pytest.approx(stats.spearmanr(mean, -first["sq_distance"]).statistic)
+        assert row.share_spearman_unseen == pytest.approx(stats.spearmanr(mean, -other["sq_distance"]).statistic)
+        assert row.posterior_neff_unseen == pytest.approx(1 / (other["posterior_weight"] ** 2).sum(), rel=1e-12)
+        for name, cells in (("head_tv_above", result.heads), ("position_tv_above", result.positions)):
+            part = cells[cells["timestep"] == row.timestep]
+            tv = part.groupby(["layer", "cell"])["attention_share"].apply(lambda s: 0.5 * np.abs(s - 0.25).sum())
+            assert getattr(row, name) == pytest.approx(np.mean(tv.to_numpy() > POOLING_TV))
+    statistics = {"2+2 digits": got.assign(set=0), "same digit": got.assign(set=1)}
+    statistics = {k: pd.concat([v, v.assign(set=v["set"] + 10)]) for k, v in statistics.items()}
+    table = experiment.controls(statistics)
+    assert set(table["control"]) == {"unseen references", "same-digit sets"}
+    row = table[(table["population"] == "2+2 digits") & (table["statistic"] == "posterior_neff")].iloc[0]
+    part = statistics["2+2 digits"][statistics["2+2 digits"]["timestep"] == row["timestep"]]
+    expected = control_difference(part["posterior_neff"], part["posterior_neff_unseen"], True)
+    assert row["difference"] == pytest.approx(expected["difference"]) and row["counts"] == expected["counts"]
+
+
+def test_resolution_verdicts_and_rows(organism):
+    from ipa_probe.attribution import sets_table, summarize_attribution, verdict_shares
+    from ipa_probe.attribution.collect import arrays
+
+    sets = [digits_reference_images(d, 4, seed=300 + d) for d in (2, 8)]
+    results = [experiment.observe(organism, refs, seed=i) for i, refs in enumerate(sets)]
+    table = experiment.resolution_verdicts(results, outer=30)
+    heads = results[0].heads
+    assert list(table["resolution"].unique()) == list(experiment.RESOLUTIONS)
+    assert list(table["timestep"].unique()) == sorted(results[0].table["timestep"].unique(), reverse=True)
+    by = {r: table[table["resolution"] == r]["cells"].iloc[0] for r in experiment.RESOLUTIONS}
+    n_layers = results[0].table["layer"].nunique()
+    assert by == {
+        "average": 1,
+        "layer": n_layers,
+        "layer x head": len(heads.drop_duplicates(["layer", "cell"])),
+        "layer x position": len(results[0].positions.drop_duplicates(["layer", "cell"])),
+    }
+    np.testing.assert_allclose(table[["pooling", "tracks_posterior", "undecided"]].sum(1), 1.0, atol=1e-12)
+    stacked = sets_table([r.table for r in results])
+    summary = summarize_attribution(stacked, permutations=999, resamples=199).set_index("timestep")
+    for row in table[table["resolution"] == "average"].itertuples():
+        assert row.pooling == float(summary.loc[row.timestep, "verdict"] == "pooling")
+    row = table[table["resolution"] == "layer"].iloc[0]
+    data = arrays(stacked, row["timestep"])
+    assert row["pooling"] == verdict_shares(data["shares"], data["distance"], outer=0)["pooling"]
+    rows = experiment.control_rows("trained", {"verdicts": table.assign(population="same digit"),
+                                               "controls": pd.DataFrame(columns=["population", "statistic", "control",
+                                                                                 "counts", "timestep"]),
+                                               "shuffled": pd.DataFrame()})  # fmt: skip
+    assert len(rows) == len(experiment.RESOLUTIONS)
+
+
+def test_mixed_following_rates_from_its_labels_and_the_tests_own_generation(organism):
+    from ipa_probe.tiny.digits import classify_digit_images
+
+    result = experiment.mixed_following(organism, seeds=(0,), samples=1)
+    labels = {(e["digit"], e["kind"]): np.asarray(e["labels"]) for e in result["labels"]}
+    assert len(labels) == 20
+    same = np.mean([labels[(d, "same")][0] == d for d in range(10)])
+    assert result["same"]["rate"]["mean"] == pytest.approx(same)
+    digits = {d: [(d + 3 * j) % 10 for j in range(3)] for d in range(10)}
+    for j in range(3):
+        hits = np.mean([labels[(d, "mixed")][0] == digits[d][j] for d in range(10)])
+        assert result["mixed"][f"position_{j}"]["mean"] == pytest.approx(hits)
+    hits = np.mean([labels[(d, "mixed")][0] in digits[d] for d in range(10)])
+    assert result["mixed"]["any"]["mean"] == pytest.approx(hits)
+    assert result["mixed"]["none"]["mean"] == pytest.approx(1 - hits)
+    # one mixed set regenerated by the test: references drawn as documented, the same seeded latents
+    refs = [digits_reference_images(d, 1, seed=600 + j)[0] for j, d in enumerate(digits[4])]
+    images = organism(
+        DIGITS_PROMPT,
+        ip_adapter_image=[refs],
+        num_inference_steps=experiment.NUM_STEPS,
+        guidance_scale=experiment.GUIDANCE_SCALE,
+        generator=torch.Generator().manual_seed(4),
+        output_type="np",
+    ).images
+    assert classify_digit_images(images)[0].tolist() == labels[(4, "mixed")].tolist()

@@ -285,6 +285,49 @@ def test_memory_as_estimated_and_independent_of_heads(sd15, refs):
         generate(sd15, refs, guidance_scale=5.0, num_images_per_prompt=2)
 
 
+@pytest.mark.parametrize("guidance", [1.0, 5.0])
+def test_per_head_shares_equal_own_recomputation_and_are_in_the_estimate(sd15, refs, guidance):
+    """keep_heads: each head's softmax shares per reference against the test's own float64 hooks; their head mean is
+    the averaged map; the kept bytes are what the estimate says; asking once maps are recorded is refused."""
+    with probe(sd15, maps=True, max_map_bytes=10**9) as run, OwnHooks(sd15) as own:
+        run._maps.keep_heads()
+        generate(sd15, refs, guidance_scale=guidance, num_images_per_prompt=2)
+    maps = run._maps
+    branches = ["uncond", "cond"] if guidance > 1 else ["cond"]
+    names = [layer.name for layer in run.layers]
+    for b, branch in enumerate(branches):
+        for item in range(2):
+            heads = maps.head_weights(0, item, 0, branch, range(len(names)), range(STEPS))  # (H, Q, R) each
+            averaged = maps.reference_weights(0, item, 0, "attention", branch, range(len(names)), range(STEPS))
+            assert set(heads) == set(averaged) and len(heads) == STEPS * len(names)
+            for (step, index), got in heads.items():
+                attn = own.layers[names[index]][0]
+                q = own.calls[step][(names[index], "q")][0][b * 2 + item]  # (Q, H*D)
+                k = own.calls[step][(names[index], 0)][0][b * 2 + item]  # (R, T, H*D)
+                d = q.shape[-1] // attn.heads
+                qh = q.reshape(-1, attn.heads, d).transpose(0, 1)  # (H, Q, D)
+                kh = k.reshape(-1, attn.heads, d).transpose(0, 1)  # (H, R*T, D)
+                want = torch.softmax(qh @ kh.transpose(-1, -2) / math.sqrt(d), -1)  # (H, Q, R*T)
+                want = want.reshape(attn.heads, q.shape[0], len(refs), -1).sum(-1)  # (H, Q, R)
+                # 2e-6: the probe's softmax runs in float32 (shares ~0.5, eps 1.2e-7, summed over 4 tokens)
+                torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+                torch.testing.assert_close(got.mean(0), averaged[(step, index)], atol=2e-7, rtol=0)
+    kept = sum(t.numel() * t.element_size() for entries in maps.store.values() for _, t in entries)
+    kept += sum(t.numel() * t.element_size() for entries in maps.head_store.values() for _, t in entries)
+    heads = run.layers[0].heads
+    assert all(layer.heads == heads for layer in run.layers)
+    # float32 x (B, Q, R x T) per step and layer: 2 kinds without heads, and H per-head attention shares
+    queries = sum(e[0][1].shape[3] for (c, s, i, a), e in maps.store.items() if s == 0)
+    batch = 2 * len(branches)
+    assert kept == (2 + heads) * 4 * STEPS * batch * queries * 8 == maps.estimated_bytes
+    with pytest.raises(ValueError, match="keep_heads: call it before the probed pipeline runs"):
+        maps.keep_heads()
+    with pytest.raises(ValueError, match="per-head weights need MapAccumulator.keep_heads"):
+        with probe(sd15, maps=True) as plain:
+            generate(sd15, refs)
+        plain._maps.head_weights(0, 0, 0, "cond", [0], [0])
+
+
 # --------------------------------------------------------------------------- figure and bad input
 
 

@@ -26,8 +26,10 @@ data-space distance ``|x_t / alpha_t - s_i|^2``:
 - **verdict** (:func:`verdict`), decided by a rule stated before the data were seen (:data:`POOLING_TV`,
   :data:`ALPHA`):
 
-  1. ``pooling`` when the upper end of the interval of ``attention_tv`` is below :data:`POOLING_TV` (0.05): in every
-     layer the attention moves less than 5 % of its mass away from uniform, whatever the ranking does;
+  1. ``pooling`` when the upper end of the interval of ``attention_tv`` is below :data:`POOLING_TV` (0.05): on the
+     average over sets and layers of shares already averaged over heads and positions, the attention moves less
+     than 5 % of its mass away from uniform, whatever the ranking does (a statement about the average only:
+     :func:`cell_verdicts` and :func:`verdict_shares` apply the rule per layer, head or position);
   2. else ``tracks posterior`` when ``share_spearman`` has a permutation p-value below :data:`ALPHA` (0.05) and its
      interval lies above 0;
   3. else ``undecided`` (the attention concentrates, but not on the references the posterior favours, or too few
@@ -53,11 +55,16 @@ __all__ = [
     "ALPHA",
     "POOLING_TV",
     "VERDICTS",
+    "cell_shares",
+    "cell_verdicts",
+    "control_difference",
+    "verdict_shares",
     "fit_bandwidth",
     "layer_agreement_test",
     "neff",
     "paired_rank_test",
     "summarize_attribution",
+    "summarize_cells",
     "tv_from_uniform",
     "verdict",
 ]
@@ -299,4 +306,238 @@ def summarize_attribution(
         row.update(fitted_beta=_beta(fitted), fitted_beta_low=beta_low, fitted_beta_high=beta_high)
         row["verdict"] = verdict(row["attention_tv_high"], ranking["p"], ranking["low"])
         rows.append(row)
+    return pd.DataFrame(rows)
+
+
+# ------------------------------------------------------------------------------ verdicts per cell, and controls
+def _resample_counts(rng: np.random.Generator, resamples: int, sets: int) -> np.ndarray:
+    """``(B, S)`` how often each set is drawn in each of ``resamples`` bootstrap resamples of the sets."""
+    index = rng.integers(0, sets, (resamples, sets))
+    counts = np.zeros((resamples, sets))
+    np.add.at(counts, (np.arange(resamples)[:, None], index), 1.0)
+    return counts
+
+
+def _mean_interval(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per column of ``values`` ``(S, C)`` (NaN = left out): the mean over sets and its 95 % percentile bootstrap
+    interval from the resample counts ``(B, S)`` (shared by every column)."""
+    usable = np.isfinite(values)
+    filled = np.where(usable, values, 0.0)
+    n = usable.sum(0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(n > 0, filled.sum(0) / n, np.nan)
+        boot = (counts @ filled) / (counts @ usable)  # (B, C): the mean of each resample
+    low, high = np.nanquantile(boot, [0.025, 0.975], axis=0) if len(counts) else (mean * np.nan, mean * np.nan)
+    too_few = n < 2
+    return mean, np.where(too_few, np.nan, low), np.where(too_few, np.nan, high)
+
+
+def cell_verdicts(
+    shares: np.ndarray, distance: np.ndarray, permutations: int = 999, resamples: int = 999, seed: int = 0
+) -> pd.DataFrame:
+    """The verdict's rule (:func:`verdict`) applied to every cell (a layer's head, or a layer's query position).
+
+    Per cell ``c``: ``attention_tv`` the mean over sets of the TV distance of ``shares[s, c]`` from uniform, with a
+    95 % percentile bootstrap interval over sets; ``share_spearman`` the mean over sets of Spearman(``shares[s, c]``,
+    ``-distance[s]``), its interval and a one-sided permutation p-value (the references permuted independently
+    within every set, as :func:`paired_rank_test`). The resamples of the sets and the permutations are drawn once
+    and shared by all cells (each cell's test is valid on its own; the cells' tests are then not independent). At
+    the resolution of one cell a BCa interval per cell would cost one scipy call each, so the percentile interval is
+    used here (the average's verdict, :func:`summarize_attribution`, keeps BCa).
+
+    Args:
+        shares: ``(S, C, R)`` attention shares per set, cell and reference (rows sum to 1).
+        distance: ``(S, R)`` squared data-space distances (the posterior ranks the references as ``-distance``).
+        permutations: permutations of the rank test.
+        resamples: bootstrap resamples of the sets.
+        seed: the generator's seed.
+
+    Returns:
+        one row per cell: ``cell``, ``attention_tv`` (``_low``, ``_high``), ``share_spearman`` (``_low``,
+        ``_high``, ``_p``, ``_critical``: ``p < ALPHA`` exactly when ``share_spearman > critical``), ``verdict``.
+    """
+    a = np.asarray(shares, dtype=np.float64)
+    sets, cells, refs = a.shape
+    rng = np.random.default_rng(seed)
+    counts = _resample_counts(rng, resamples, sets)
+    tv, tv_low, tv_high = _mean_interval(tv_from_uniform(a), counts)
+    zx = _standard_ranks(a)  # (S, C, R)
+    zy = _standard_ranks(-np.asarray(distance, dtype=np.float64))  # (S, R)
+    usable = np.isfinite(zx).all(-1) & np.isfinite(zy).all(-1)[:, None]  # (S, C)
+    zx = np.where(usable[..., None], zx, 0.0)
+    zy0 = np.nan_to_num(zy)
+    per_set = np.where(usable, (zx * zy0[:, None]).sum(-1), np.nan)  # (S, C) Spearman per set and cell
+    rho, rho_low, rho_high = _mean_interval(per_set, counts)
+    n = usable.sum(0)  # (C,)
+    flat = zx.transpose(0, 2, 1).reshape(sets * refs, cells)  # (S*R, C)
+    nulls = []
+    for start in range(0, permutations, 500):
+        draws = min(500, permutations - start)
+        order = rng.random((draws, sets, refs)).argsort(-1)  # (D, S, R) independent permutations
+        null_y = np.take_along_axis(np.broadcast_to(zy0, order.shape), order, -1).reshape(draws, sets * refs)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            nulls.append((null_y @ flat) / n)  # (D, C) mean over each cell's usable sets
+    null = np.concatenate(nulls) if nulls else np.zeros((0, cells))
+    exceed = (null >= rho - 1e-12).sum(0)  # 1e-12: the identity permutation reproduces the sum
+    p = np.where(n >= 2, (1 + exceed) / (1 + permutations), np.nan)
+    # p < ALPHA  <=>  fewer than K = ceil(ALPHA (1 + D) - 1) null means reach rho  <=>  rho - 1e-12 > the K-th largest
+    k = math.ceil(ALPHA * (1 + permutations) - 1)
+    ranked = -np.sort(-null, axis=0)  # (D, C) descending
+    critical = ranked[k - 1] + 1e-12 if 1 <= k <= len(ranked) else np.full(cells, np.inf)
+    critical = np.where(n >= 2, critical, np.nan)
+    out = pd.DataFrame(
+        {
+            "cell": np.arange(cells),
+            "attention_tv": tv,
+            "attention_tv_low": tv_low,
+            "attention_tv_high": tv_high,
+            "share_spearman": rho,
+            "share_spearman_low": rho_low,
+            "share_spearman_high": rho_high,
+            "share_spearman_p": p,
+            "share_spearman_critical": critical,
+        }
+    )
+    out["verdict"] = [
+        verdict(h, q, low) if np.isfinite(h) else "undecided" for h, q, low in zip(tv_high, p, rho_low, strict=True)
+    ]
+    return out
+
+
+def verdict_shares(
+    shares: np.ndarray,
+    distance: np.ndarray,
+    permutations: int = 999,
+    resamples: int = 999,
+    outer: int = 999,
+    seed: int = 0,
+) -> dict[str, float]:
+    """The share of cells on each side of the verdict, with 95 % percentile intervals over reference sets.
+
+    The point value applies :func:`cell_verdicts` to the sets as drawn. The interval re-takes every cell's decision on
+    ``outer`` bootstrap resamples of the sets: the resample's means of the per-set TV and Spearman against the rule
+    with each cell's interval half-widths (``attention_tv_high - attention_tv``, ``share_spearman -
+    share_spearman_low``) and permutation critical value held at their values on the sets as drawn, so that the
+    identity resample gives the point value. (Re-running the intervals and the permutation test inside each resample
+    would narrow them wherever a resample repeats a set, and shift the shares towards ``pooling`` by about 1/S.)
+
+    Args:
+        shares: ``(S, C, R)``; distance: ``(S, R)`` (as in :func:`cell_verdicts`).
+        permutations, resamples: of the point value's rule.
+        outer: bootstrap resamples of the sets for the intervals (0: no intervals, NaN).
+        seed: the generator's seed.
+
+    Returns:
+        ``{"cells": C, "<v>": share, "<v>_low": ..., "<v>_high": ...}`` for every ``v`` in :data:`VERDICTS` (the
+        keys use ``_`` for spaces: ``pooling``, ``tracks_posterior``, ``undecided``).
+    """
+    a, d = np.asarray(shares, dtype=np.float64), np.asarray(distance, dtype=np.float64)
+    table = cell_verdicts(a, d, permutations, resamples, seed)
+    point = table["verdict"].to_numpy()
+    out: dict[str, float] = {"cells": int(a.shape[1])}
+    boot = np.full((outer, len(VERDICTS)), np.nan)
+    if outer:
+        counts = _resample_counts(np.random.default_rng(seed + 1), outer, a.shape[0])  # (B, S)
+        tv = tv_from_uniform(a)  # (S, C)
+        zx, zy = _standard_ranks(a), _standard_ranks(-d)
+        rho = np.where(np.isfinite(zx).all(-1) & np.isfinite(zy).all(-1)[:, None], (zx * zy[:, None]).sum(-1), np.nan)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tv_b = counts @ tv / counts.sum(1, keepdims=True)  # (B, C)
+            usable = np.isfinite(rho)
+            rho_b = counts @ np.where(usable, rho, 0.0) / (counts @ usable)  # (B, C)
+        upper = tv_b + (table["attention_tv_high"] - table["attention_tv"]).to_numpy()
+        lower = rho_b - (table["share_spearman"] - table["share_spearman_low"]).to_numpy()
+        pooling = upper < POOLING_TV
+        tracks = ~pooling & (rho_b > table["share_spearman_critical"].to_numpy()) & (lower > 0)
+        boot[:, 0], boot[:, 1] = pooling.mean(1), tracks.mean(1)
+        boot[:, 2] = 1 - boot[:, 0] - boot[:, 1]
+    for j, v in enumerate(VERDICTS):
+        key = v.replace(" ", "_")
+        out[key] = float((point == v).mean())
+        low, high = np.quantile(boot[:, j], [0.025, 0.975]) if outer else (math.nan, math.nan)
+        out[f"{key}_low"], out[f"{key}_high"] = float(low), float(high)
+    return out
+
+
+def cell_shares(cells: pd.DataFrame, timestep: float) -> tuple[np.ndarray, list[tuple[str, int]]]:
+    """One timestep of stacked per-cell tables (:attr:`~.collect.ReferenceAttribution.heads` or ``positions`` with a
+    ``set`` column) as ``(S, C, R)`` shares, sets in sorted order, and the ``(layer, cell)`` of each ``C``."""
+    part = cells[cells["timestep"] == timestep].sort_values(["set", "layer", "cell", "reference"])
+    sets, refs = part["set"].nunique(), part["reference"].nunique()
+    keys = list(part[part["set"] == part["set"].iloc[0]][["layer", "cell"]].drop_duplicates().itertuples(index=False))
+    if len(part) != sets * len(keys) * refs:
+        raise ValueError(
+            f"timestep {timestep}: expected every set to have the same {len(keys)} cells and {refs} references, got "
+            f"{len(part)} rows for {sets} sets"
+        )
+    return part["attention_share"].to_numpy(np.float64).reshape(sets, len(keys), refs), [tuple(k) for k in keys]
+
+
+def control_difference(values: np.ndarray, control: np.ndarray, paired: bool, seed: int = 0) -> dict[str, float]:
+    """A statistic against its control: the mean of ``values`` minus the mean of ``control`` with a 95 % bootstrap
+    interval; it **counts** only when the interval excludes 0.
+
+    Args:
+        values: ``(S,)`` the statistic per set (non-finite entries are left out).
+        control: ``(S,)`` per set, the same statistic on the control of that set (``paired=True``: e.g. references the
+            generation never saw at the same ``x_t``), or ``(S',)`` on independent control sets (``paired=False``:
+            e.g. same-digit sets against mixed ones).
+        paired: whether ``values[s]`` and ``control[s]`` belong to the same set (bootstrap of the per-set
+            difference, BCa) or not (the two populations resampled independently, percentile).
+        seed: the generator's seed.
+
+    Returns:
+        ``{"value", "control", "difference", "low", "high", "counts"}``.
+    """
+    x, y = np.asarray(values, dtype=np.float64), np.asarray(control, dtype=np.float64)
+    out = {"value": float(np.nanmean(x)) if np.isfinite(x).any() else math.nan}
+    out["control"] = float(np.nanmean(y)) if np.isfinite(y).any() else math.nan
+    if paired:
+        if x.shape != y.shape:
+            raise ValueError(f"paired control: expected one control per set, got {y.shape} for {x.shape}")
+        difference = x - y
+        out["difference"] = float(np.nanmean(difference)) if np.isfinite(difference).any() else math.nan
+        low, high = _interval(difference)
+    else:
+        x, y = x[np.isfinite(x)], y[np.isfinite(y)]
+        out["difference"] = out["value"] - out["control"]
+        if len(x) < 2 or len(y) < 2:
+            low, high = math.nan, math.nan
+        else:
+            rng = np.random.default_rng(seed)
+            boot = rng.choice(x, (9999, len(x))).mean(1) - rng.choice(y, (9999, len(y))).mean(1)
+            low, high = (float(q) for q in np.quantile(boot, [0.025, 0.975]))
+    out.update(low=float(low), high=float(high), counts=bool(low > 0 or high < 0))
+    return out
+
+
+def summarize_cells(
+    frame: pd.DataFrame,
+    cells: pd.DataFrame | None = None,
+    permutations: int = 999,
+    resamples: int = 999,
+    outer: int = 999,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Per timestep: the share of cells on each side of the verdict (:func:`verdict_shares`).
+
+    Args:
+        frame: stacked :func:`~.collect.reference_attribution` tables with a ``set`` column (the distances; and the
+            cells when ``cells`` is None).
+        cells: stacked per-cell tables (``result.heads`` or ``result.positions`` with a ``set`` column, sets numbered
+            as in ``frame``), or ``None`` for one cell per layer.
+        permutations, resamples, outer, seed: as in :func:`verdict_shares`.
+
+    Returns:
+        one row per timestep (noise first): ``timestep``, ``cells`` and ``pooling``, ``tracks_posterior``,
+        ``undecided``, each with ``_low`` and ``_high``.
+    """
+    rows = []
+    for timestep in sorted(frame["timestep"].unique(), reverse=True):
+        data = arrays(frame, timestep)
+        shares = data["shares"] if cells is None else cell_shares(cells, timestep)[0]
+        if shares.shape[0] != data["distance"].shape[0]:
+            raise ValueError(f"cells: expected the {data['distance'].shape[0]} sets of frame, got {shares.shape[0]}")
+        result = verdict_shares(shares, data["distance"], permutations, resamples, outer, seed)
+        rows.append({"timestep": float(timestep), **result})
     return pd.DataFrame(rows)

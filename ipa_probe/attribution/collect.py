@@ -28,9 +28,16 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .._checks import parse_step_selection
+from .._checks import check_flag, parse_step_selection
 
-__all__ = ["ATTRIBUTION_COLUMNS", "ReferenceAttribution", "reference_attribution", "sets_table"]
+__all__ = [
+    "ATTRIBUTION_COLUMNS",
+    "CELL_COLUMNS",
+    "ReferenceAttribution",
+    "posterior_at",
+    "reference_attribution",
+    "sets_table",
+]
 
 #: Columns of :func:`reference_attribution`'s table, one row per (step, layer, reference).
 ATTRIBUTION_COLUMNS: tuple[str, ...] = (
@@ -46,6 +53,11 @@ ATTRIBUTION_COLUMNS: tuple[str, ...] = (
 )
 
 
+#: Columns of :attr:`ReferenceAttribution.heads` (``cell`` = head index) and :attr:`ReferenceAttribution.positions`
+#: (``cell`` = query position, row-major on the layer's grid): one row per (step, layer, cell, reference).
+CELL_COLUMNS: tuple[str, ...] = ("step", "timestep", "layer", "cell", "reference", "attention_share")
+
+
 @dataclass(frozen=True)
 class ReferenceAttribution:
     """One generation's attribution.
@@ -56,11 +68,20 @@ class ReferenceAttribution:
             so it is the plain pipeline's output for that seed).
         run: the finished :class:`~ipa_probe.ProbeRun` (matched bandwidth, ``maps=True``): its ``to_dataframe()`` is
             the probe's table of the same generation.
+        heads: per (step, layer, head, reference) the head's attention share (mean over query positions),
+            columns :data:`CELL_COLUMNS` with ``cell`` the head; empty when ``per_head=False``.
+        positions: per (step, layer, query position, reference) the share averaged over heads, columns
+            :data:`CELL_COLUMNS` with ``cell`` the position.
+        samples: recorded step -> ``x_t`` (the conditional row of the denoiser's input, float64, flattened), where
+            the posterior was evaluated; :func:`posterior_at` evaluates other references' posterior there.
     """
 
     table: pd.DataFrame
     generation: Any
     run: Any
+    heads: pd.DataFrame | None = None
+    positions: pd.DataFrame | None = None
+    samples: dict[int, torch.Tensor] | None = None
 
 
 def _references(call: dict[str, Any], adapter: int) -> list:
@@ -78,7 +99,48 @@ def _references(call: dict[str, Any], adapter: int) -> list:
     return list(images[adapter])
 
 
-def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, **call: Any) -> ReferenceAttribution:
+def posterior_at(
+    pipe, references: list, samples: dict[int, torch.Tensor], timesteps: dict[int, float]
+) -> pd.DataFrame:
+    """The exact posterior over ``references`` at given noisy latents: for the controls, references the generation
+    never saw evaluated at the ``x_t`` it passed through.
+
+    Args:
+        pipe: the pipeline (its VAE encodes the references; its scheduler gives ``alpha_t``, ``h_t``).
+        references: images.
+        samples: step -> ``x_t`` (flattened; :attr:`ReferenceAttribution.samples`).
+        timesteps: step -> scheduler timestep.
+
+    Returns:
+        one row per (step, reference): ``step``, ``timestep``, ``reference``, ``sq_distance``, ``bandwidth``,
+        ``posterior_weight`` (as in :data:`ATTRIBUTION_COLUMNS`).
+    """
+    from ..exact import encode_references
+    from ..theory.schedules import VPSchedule
+
+    schedule = VPSchedule.from_scheduler(pipe.scheduler)
+    support = encode_references(pipe, references).double().flatten(1)  # (R, D)
+    rows = []
+    for step in sorted(samples):
+        distance, h, weight = _posterior(schedule, support, samples[step].double().cpu(), timesteps[step])
+        rows.extend(
+            (step, float(timesteps[step]), i, float(distance[i]), h, float(weight[i])) for i in range(len(weight))
+        )
+    columns = ["step", "timestep", "reference", "sq_distance", "bandwidth", "posterior_weight"]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _posterior(schedule, support: torch.Tensor, x: torch.Tensor, timestep: float):
+    """``(|x / alpha_t - s_i|^2 (R,), h_t, w_i (R,))`` in float64 for one flattened ``x`` (D,)."""
+    coefficients = schedule(int(round(timestep)))
+    alpha, h = float(coefficients.alpha_t), float(coefficients.h)
+    distance = ((x / alpha - support) ** 2).sum(-1)  # (R,) |x_t / alpha_t - s_i|^2
+    return distance, h, torch.softmax(-distance / (2 * h * h), -1)
+
+
+def reference_attribution(
+    pipe, *, steps=None, seed: int = 0, adapter: int = 0, per_head: bool = True, **call: Any
+) -> ReferenceAttribution:
     """Generate once (seeded) and return each reference's attention share and exact posterior weight per step.
 
     Args:
@@ -87,6 +149,8 @@ def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, 
         steps: loop indices to record (ints or a ``slice``); ``None`` for all.
         seed: the generator's seed.
         adapter: the IP-Adapter whose references are compared.
+        per_head: also keep the attention's shares per head (:meth:`~ipa_probe.capture.maps.MapAccumulator.keep_heads`:
+            H times the maps' attention memory, checked against the probe's ``max_map_bytes`` before step 0).
         **call: the pipeline's arguments, with ``ip_adapter_image=[[...]]`` (the references) and one prompt;
             without ``generator`` / ``output_type``.
 
@@ -94,7 +158,8 @@ def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, 
         a :class:`ReferenceAttribution`; its table has one row per (recorded step, layer, reference):
         ``attention_share`` (sums to 1 over references), ``position_neff`` (the mean over query positions of
         ``1 / sum_i share(p, i)^2``, the same for every reference of a (step, layer)), ``sq_distance``
-        ``|x_t / alpha_t - s_i|^2``, ``bandwidth`` ``h_t`` and ``posterior_weight`` ``w_i(x_t)``.
+        ``|x_t / alpha_t - s_i|^2``, ``bandwidth`` ``h_t`` and ``posterior_weight`` ``w_i(x_t)``; and the per-head
+        and per-position shares (:attr:`ReferenceAttribution.heads`, :attr:`ReferenceAttribution.positions`).
     """
     from ..capture.run import probe
     from ..capture.taps import tap_for
@@ -104,6 +169,9 @@ def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, 
     from ..theory.schedules import VPSchedule
 
     references = _references(call, adapter)
+    check_flag(per_head, "per_head")
+    if per_head and (call.get("cross_attention_kwargs") or {}).get("ip_adapter_masks") is not None:
+        raise ValueError("reference_attribution(per_head=True) does not support ip_adapter_masks: pass per_head=False")
     selection = parse_step_selection(steps)
     schedule = VPSchedule.from_scheduler(pipe.scheduler)
     support = encode_references(pipe, references).double().flatten(1)  # (R, D)
@@ -118,13 +186,15 @@ def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, 
     handle = denoiser_of(pipe).register_forward_pre_hook(observer(keep_input), with_kwargs=True)
     try:
         with probe(pipe, steps=selection, maps=True) as run:
+            if per_head:
+                run._maps.keep_heads()  # the probe's own accumulator, before its first pass
             generation = generate(pipe, seed=seed, **call)
     finally:
         handle.remove()
     weights = run.reference_weights(adapter=adapter, branch="cond")
     timesteps = run.map_timesteps(0)
     stamps = torch.stack([t for t, _ in passes]).double().cpu().tolist() if passes else []  # one transfer
-    posterior = {}
+    posterior, samples = {}, {}
     for step in sorted({step for step, _ in weights}):
         # x_t: the first pass at the probe's timestep of that step, at the batch row the probe labelled the first
         # conditional item (the row whose attention reference_weights reads), in float64 on the host
@@ -132,12 +202,14 @@ def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, 
         if sample is None:
             raise ValueError(f"no denoiser pass had the timestep {timesteps[step]} of step {step}")
         x = sample[run.map_rows(0, step, "cond", adapter)[0]].double().flatten().cpu()  # (D,)
-        coefficients = schedule(int(round(timesteps[step])))
-        alpha, h = float(coefficients.alpha_t), float(coefficients.h)
-        distance = ((x / alpha - support) ** 2).sum(-1)  # (R,) |x_t / alpha_t - s_i|^2
-        posterior[step] = (distance, h, torch.softmax(-distance / (2 * h * h), -1))
-    rows = []
+        samples[step] = x
+        posterior[step] = _posterior(schedule, support, x, timesteps[step])
+    rows, position_rows = [], []
     for (step, layer), w in weights.items():  # w: (Q, R)
+        t = float(timesteps[step])
+        position_rows.extend(
+            (step, t, layer, p, i, value) for p, row in enumerate(w.tolist()) for i, value in enumerate(row)
+        )
         share = w.mean(0)  # (R,)
         position_neff = float((1.0 / (w**2).sum(-1)).mean())
         distance, h, weight = posterior[step]
@@ -147,12 +219,27 @@ def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, 
                 + (float(distance[i]), h, float(weight[i]))
             )
     table = pd.DataFrame(rows, columns=list(ATTRIBUTION_COLUMNS))
+    positions = pd.DataFrame(position_rows, columns=list(CELL_COLUMNS))
+    head_rows = []
+    if per_head:
+        source = run._map_source()
+        names = [layer.name for layer in run.layers]
+        picked = run.map_steps(0)
+        per_head_weights = source.head_weights(0, 0, adapter, "cond", range(len(names)), picked)
+        for (step, index), w in per_head_weights.items():  # w: (H, Q, R)
+            share = w.mean(1)  # (H, R) mean over query positions
+            head_rows.extend(
+                (step, float(timesteps[step]), names[index], head, i, value)
+                for head, row in enumerate(share.tolist())
+                for i, value in enumerate(row)
+            )
+    heads = pd.DataFrame(head_rows, columns=list(CELL_COLUMNS))
     if len(table) and table["reference"].max() + 1 != len(references):
         raise ValueError(
             f"the maps hold {table['reference'].max() + 1} references for {len(references)} images; "
             "reference_attribution needs the adapter's images as one list with one token group each"
         )
-    return ReferenceAttribution(table, generation, run)
+    return ReferenceAttribution(table, generation, run, heads, positions, samples)
 
 
 def sets_table(tables: list[pd.DataFrame]) -> pd.DataFrame:

@@ -14,10 +14,13 @@ a position no mask reaches gets 0 for every reference).
 
 What is kept: per recorded step, layer, adapter and denoiser pass, one float32 ``(2, groups, items, Q, K)`` tensor
 (attention and NW; the batch's groups with their branch labels as a device tensor), on the pipeline's device
-(no host synchronisation; memory independent of the number of heads), moved to the host once when the ``with`` block
-ends. :meth:`MapAccumulator.check_budget` estimates its size before step 0 and refuses above
-``max_map_bytes``. Analysis (``reference_maps``, ``token_maps``, ``map_table``) is made from the host copy; the
-figures are in :mod:`~.mapplots`.
+(no host synchronisation; memory independent of the number of heads unless they are kept), moved to the host once
+when the ``with`` block ends. With :meth:`MapAccumulator.keep_heads` (what
+:func:`ipa_probe.attribution.reference_attribution` asks for) the attention's shares are also kept per head, one
+float32 ``(groups, items, H, Q, K)`` tensor per pass, so that a statistic can be tested per (layer, head) and not
+only on the head average. :meth:`MapAccumulator.check_budget` estimates the size (with the head axis when kept)
+before step 0 and refuses above ``max_map_bytes``. Analysis (``reference_maps``, ``token_maps``, ``map_table``) is
+made from the host copy; the figures are in :mod:`~.mapplots`.
 """
 
 from __future__ import annotations
@@ -112,6 +115,16 @@ class MapAccumulator:
         #: the sum of :meth:`check_budget`'s estimates over the run's calls.
         self.estimated_bytes = 0
         self._batch = 1
+        #: (call, step, layer index, adapter) -> one ``(labels, shares)`` pair per denoiser pass with the attention's
+        #: per-head shares ``(groups, items, H, Q, K)`` float32; filled only after :meth:`keep_heads`.
+        self.head_store: dict[tuple[int, int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.heads = False
+
+    def keep_heads(self) -> None:
+        """Also keep the attention's shares per head (before the first call starts; unmasked adapters only)."""
+        if self.store:
+            raise ValueError("keep_heads: call it before the probed pipeline runs (maps are already recorded)")
+        self.heads = True
 
     # ------------------------------------------------------------------ capture
     def install(self, denoiser: torch.nn.Module) -> list[Handle]:
@@ -162,8 +175,13 @@ class MapAccumulator:
         return self.latents.get(call)
 
     def estimate_bytes(self, args: tuple, kwargs: dict, recorded_steps: int) -> int:
-        """Bytes the maps of one call will take: 2 kinds x float32 x (B, Q, K) per recorded step and layer."""
-        return 2 * _BYTES * recorded_steps * sum(self.tap.map_elements(layer, args, kwargs) for layer in self.layers)
+        """Bytes the maps of one call will take: 2 kinds x float32 x (B, Q, K) per recorded step and layer, and with
+        :meth:`keep_heads` float32 x (B, H, Q, K) more (H the layer's heads: an upper bound under ``heads=``)."""
+        per_step = sum(
+            (2 + (layer.heads if self.heads else 0)) * self.tap.map_elements(layer, args, kwargs)
+            for layer in self.layers
+        )
+        return _BYTES * recorded_steps * per_step
 
     def check_budget(self, args: tuple, kwargs: dict, recorded_steps: int, max_bytes: int) -> int:
         """Refuse (``ValueError``) before step 0 when this call's maps would exceed ``max_bytes``; return the size."""
@@ -204,6 +222,13 @@ class MapAccumulator:
         queries = shares.shape[-2]
         mask = self._masks[adapter] if adapter < len(self._masks) else None
         entries = self.store.setdefault((call, step, index, adapter), [])
+        if self.heads:
+            if mask is not None:
+                raise ValueError("per-head maps (keep_heads) do not support ip_adapter_masks; call without masks")
+            heads = attention.shape[1]
+            per_head = torch.softmax(attention, -1).reshape(n_branch, heads, items, rows // items, tokens)
+            per_head = per_head.transpose(1, 2)  # (n, items, H, Q, K)
+            self.head_store.setdefault((call, step, index, adapter), []).append((labels, per_head))
         if mask is None:
             entries.append((labels, shares))
             return
@@ -233,6 +258,10 @@ class MapAccumulator:
             self.store = {
                 key: [(labels.cpu(), shares.cpu()) for labels, shares in entries]
                 for key, entries in self.store.items()
+            }
+            self.head_store = {
+                key: [(labels.cpu(), shares.cpu()) for labels, shares in entries]
+                for key, entries in self.head_store.items()
             }
             self._mask_cache.clear()
             self._masks = []
@@ -344,6 +373,34 @@ class MapAccumulator:
                 if item >= buffer.shape[1]:
                     raise ValueError(f"item={item}: call {call} generated {buffer.shape[1]} images per branch")
                 out[(step, index)] = _reference_shares(self, (call, step, index, adapter), label)[0][which, item]
+        return out
+
+    def head_weights(
+        self, call: int, item: int, adapter: int, branch: str, layers: Iterable[int], steps: Iterable[int]
+    ) -> dict[tuple[int, int], torch.Tensor]:
+        """Each selected (step, layer position)'s attention weights over the references per head and query position:
+        ``(H, Q, R)`` float64 CPU tensors (sum 1 over ``R``); needs :meth:`keep_heads`."""
+        if not self.heads:
+            raise ValueError("per-head weights need MapAccumulator.keep_heads() before the pipeline runs")
+        label = self.labels.index(branch)
+        out = {}
+        for step in steps:
+            for index in layers:
+                key = (call, step, index, adapter)
+                parts = [
+                    shares[position]  # (items, H, Q, K)
+                    for labels, shares in self.head_store.get(key, ())
+                    for position, value in enumerate(labels.tolist())
+                    if value == label
+                ]
+                if not parts:
+                    continue
+                buffer = torch.cat(parts, 0)  # (items, H, Q, K)
+                if item >= buffer.shape[0]:
+                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[0]} images per branch")
+                _, heads, queries, keys = buffer.shape
+                tokens = self.tokens_per_image(adapter, index) or keys
+                out[(step, index)] = buffer[item].double().reshape(heads, queries, keys // tokens, tokens).sum(-1)
         return out
 
 

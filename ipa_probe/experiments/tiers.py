@@ -55,6 +55,8 @@ class Tier:
         ip_sets, ip_mixed_sets: reference sets of the ip-adapter experiment (one digit; two digits mixed).
         attribution_sets: reference sets (two digits mixed) of the attribution experiment, each generated once and
             once more per reference with that reference ablated.
+        attribution_control_sets: sets per control population of the attribution experiment (one digit; four
+            digits), each generated once, and 2 + 2 sets regenerated with their references shuffled.
         schedule: learning rate after warm-up, ``"cosine"`` decay or ``"constant"`` (the release).
         eval_every: steps between validations of a training run (``0``: none; the final weights are the result).
         val_tasks, val_points: validation tasks per run and generated (= reference) points per task.
@@ -94,6 +96,7 @@ class Tier:
     ip_sets: int
     ip_mixed_sets: int
     attribution_sets: int = 40
+    attribution_control_sets: int = 20
     schedule: str = "cosine"
     eval_every: int = 0
     val_tasks: int = 8
@@ -157,6 +160,7 @@ TIERS: dict[str, Tier] = {
         ip_sets=2,
         ip_mixed_sets=2,
         attribution_sets=3,
+        attribution_control_sets=2,
         eval_every=6,
         scarcity_check_data=("pcafeat",),
         val_tasks=2,
@@ -193,6 +197,7 @@ TIERS: dict[str, Tier] = {
         ip_sets=20,
         ip_mixed_sets=10,
         attribution_sets=10,
+        attribution_control_sets=6,
         eval_every=400,
         scarcity_check_data=("pcafeat",),
     ),
