@@ -129,17 +129,20 @@ def query_frame_bias(
 
     Args:
         logits: attention logits, shape ``(..., R, K)`` (the pool of rows is dimension ``-2``).
-        row_mask: optional boolean ``(..., R)``: only these rows form the frame (at least one per pool).
-        key_mask: optional boolean broadcastable to ``(..., R, K)``, the same for every row of a pool: keys where
-            it is False (padding) are left out of the row centring; their ``b`` is 0.
-        form: ``"exact"`` or ``"gaussian"``.
+        row_mask: optional boolean ``(..., R)``: only these rows form the frame.
+        key_mask: optional boolean broadcastable to ``(..., R, K)``: keys where it is False (padding) are left out of
+            their row's centring, and ``b_i`` is taken over the frame's rows that keep key ``i`` (the same rows for
+            every key when the mask is the same for every row of a pool); a key no row of the frame keeps has
+            ``b = 0``.
+        form: ``"exact"``, ``"gaussian"``, or ``"both"`` (both from one centring, stacked in the order of
+            :data:`QUERY_FRAME_FORMS` on a new leading dimension).
 
     Returns:
-        ``b``, shape ``(..., 1, K)``, in the logits' dtype: subtract it from the logits (or pass ``-b`` as an SDPA
-        float mask) to get the query-frame NW logits.
+        ``b``, shape ``(..., 1, K)`` (``(2, ..., 1, K)`` for ``"both"``), in the logits' dtype: subtract it from the
+        logits (or pass ``-b`` as an SDPA float mask) to get the query-frame NW logits.
     """
-    if form not in QUERY_FRAME_FORMS:
-        raise ValueError(f"form: expected one of {QUERY_FRAME_FORMS}, got {form!r}")
+    if form not in (*QUERY_FRAME_FORMS, "both"):
+        raise ValueError(f"form: expected one of {(*QUERY_FRAME_FORMS, 'both')}, got {form!r}")
     if key_mask is None:
         centred = logits - logits.mean(-1, keepdim=True)  # (..., R, K)
     else:
@@ -147,23 +150,29 @@ def query_frame_bias(
         kept = key_mask.to(logits.dtype)
         row_mean = (torch.where(key_mask, logits, 0.0)).sum(-1, keepdim=True) / kept.sum(-1, keepdim=True)
         centred = torch.where(key_mask, logits - row_mean, 0.0)
-    if row_mask is None:
-        n_rows = torch.full((), logits.shape[-2], dtype=logits.dtype, device=logits.device)
-        weights = None
-    else:
-        weights = row_mask.to(torch.bool).unsqueeze(-1)  # (..., R, 1)
-        n_rows = weights.to(logits.dtype).sum(-2, keepdim=True)  # (..., 1, 1)
-    if form == "exact":
-        terms = centred if weights is None else centred.masked_fill(~weights, -math.inf)
-        b = torch.logsumexp(terms, dim=-2, keepdim=True) - torch.log(n_rows)  # (..., 1, K)
-    else:
-        terms = centred if weights is None else torch.where(weights, centred, 0.0)
-        mean = terms.sum(-2, keepdim=True) / n_rows
-        dev = centred - mean if weights is None else torch.where(weights, centred - mean, 0.0)
-        b = mean + (dev * dev).sum(-2, keepdim=True) / (2 * n_rows)
+    inside = None  # (..., R, 1) or (..., R, K): the frame's entries, per key
+    if row_mask is not None:
+        inside = row_mask.to(torch.bool).unsqueeze(-1)
     if key_mask is not None:
-        b = torch.where(key_mask.any(-2, keepdim=True), b, 0.0)
-    return b
+        inside = key_mask if inside is None else inside & key_mask
+    if inside is None:
+        n_rows = torch.full((), logits.shape[-2], dtype=logits.dtype, device=logits.device)
+    else:
+        n_rows = inside.to(logits.dtype).sum(-2, keepdim=True)  # (..., 1, 1) or (..., 1, K)
+    out = []
+    for name in QUERY_FRAME_FORMS if form == "both" else (form,):
+        if name == "exact":
+            terms = centred if inside is None else centred.masked_fill(~inside, -math.inf)
+            b = torch.logsumexp(terms, dim=-2, keepdim=True) - torch.log(n_rows)  # (..., 1, K)
+        else:
+            terms = centred if inside is None else torch.where(inside, centred, 0.0)
+            mean = terms.sum(-2, keepdim=True) / n_rows
+            dev = centred - mean if inside is None else torch.where(inside, centred - mean, 0.0)
+            b = mean + (dev * dev).sum(-2, keepdim=True) / (2 * n_rows)
+        if inside is not None:
+            b = torch.where(n_rows > 0, b, 0.0)
+        out.append(b)
+    return torch.stack(out) if form == "both" else out[0]
 
 
 def nw_mean(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -14,11 +14,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import dot_logits, matched_bandwidth, nw_logits
+from ..kernels import dot_logits, matched_bandwidth, nw_logits, query_frame_bias
 from ..layers import image_branch_logits
+from ..schema import QUERY_FRAME_STATS, STAT_NAMES
 from ..stats import compare_weights, copy_groups, fit_bandwidth
 
-__all__ = ["CHUNK_ELEMENTS", "Cell", "cell_values", "group_cell", "image_share", "record_logits"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "Cell",
+    "cell_values",
+    "group_cell",
+    "image_share",
+    "query_frame_values",
+    "record_logits",
+]
 
 #: Largest logit block formed at once for ``ip_mass`` (elements; queries are taken in chunks below it).
 CHUNK_ELEMENTS = 2**26
@@ -107,9 +116,10 @@ def cell_values(
     other: torch.Tensor | None,
     text: bool,
     processor: torch.nn.Module,
-    generator: torch.Generator,
+    generators: tuple[torch.Generator, torch.Generator],
     tails: torch.Tensor | None,
     text_mask: torch.Tensor | None,
+    pools: int,
 ) -> torch.Tensor:
     """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of one record, ``(groups, H, fields)``.
 
@@ -117,12 +127,13 @@ def cell_values(
         cell: the record by group (:func:`group_cell`).
         groups, q, k, text, processor, text_mask: as for :func:`group_cell`.
         other: ``(B, H, N, D)``, further keys of the same softmax (SD3's latent keys), or ``None``.
-        generator: the permutation null's random source, on the device.
+        generators: the permutation nulls' random sources on the device: the stored frame's, the query frame's.
         tails: :func:`~ipa_probe.stats.null_tail_table` for the record's number of keys (with a key mask), or
             ``None``.
+        pools: how many query frames the groups form (:func:`query_frame_values`).
     """
     stats = compare_weights(
-        cell.attn, cell.nw, generator, cell.key_mask, cell.row_mask, cell.copies, cell.key_term, tails
+        cell.attn, cell.nw, generators[0], cell.key_mask, cell.row_mask, cell.copies, cell.key_term, tails
     )
     batch, n_heads, n_keys = k.shape[0], k.shape[1], k.shape[2]
 
@@ -146,8 +157,63 @@ def cell_values(
     if other is not None and not text:
         share = image_share(processor, q, k, other.float())  # (B, H, Q)
         ip_mass = by_group(share).mean(-1)
-    fields = [cell.h, *stats.unbind(-1), q_norm, spread, ip_mass, keys]
+    frame = query_frame_values(cell, pools, generators[1], tails)  # (forms, groups, H, stats)
+    chosen = [STAT_NAMES.index(name) for name in QUERY_FRAME_STATS]
+    frame_fields = [frame[form, ..., i] for form in range(frame.shape[0]) for i in chosen]
+    fields = [cell.h, *stats.unbind(-1), q_norm, spread, ip_mass, keys, *frame_fields]
     return torch.stack(fields, dim=-1)
+
+
+def query_frame_values(
+    cell: Cell, pools: int, generator: torch.Generator, tails: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The query-frame statistics of a record's cells, both forms from one pass over the logits.
+
+    Per pool of queries (the frame) and head, ``b_i`` is key ``i``'s log-partition over the frame's rows
+    (:func:`~ipa_probe.kernels.query_frame_bias`, exact and Gaussian), and the query-frame NW logits of a row are
+    ``attn - b`` (the row centring ``b`` is taken on drops out of the softmax): the cell's attention against them is
+    :func:`~ipa_probe.stats.compare_weights` with ``key_term=b``, so every statistic, ``logit_ratio``
+    (``sd_i(attn) / sd_i(b)``), its baseline and excess and the rows' nulls included, means what it means in the
+    stored frame. Rows outside the IP-Adapter mask and rows with non-finite logits take no part in the frame.
+
+    Args:
+        cell: the record by group (:func:`group_cell`), ``groups`` groups.
+        pools: how many frames the groups form, contiguous and of equal size: ``groups`` (one item each) or the
+            pass's number of CFG branches (each branch's items pooled).
+        generator: the permutation null's random source, on the device.
+        tails: as for :func:`cell_values`.
+
+    Returns:
+        ``(2, groups, H, len(STAT_NAMES))`` float32: the exact form's statistics, then the Gaussian form's.
+    """
+    attn, key_mask = cell.attn, cell.key_mask  # (groups, H, R, K)
+    groups, n_heads, n_rows, n_keys = attn.shape
+    finite = (attn if key_mask is None else torch.where(key_mask, attn, 0.0)).isfinite().all(-1)  # (groups, H, R)
+    rows = finite if cell.row_mask is None else finite & cell.row_mask
+
+    def pooled(x: torch.Tensor) -> torch.Tensor:
+        # (groups, H, R, ...) -> (pools, H, groups / pools * R, ...): the frame's rows side by side
+        x = x.reshape(pools, groups // pools, *x.shape[1:]).transpose(1, 2)
+        return x.flatten(2, 3)
+
+    if pools == groups:
+        b = query_frame_bias(attn, rows, key_mask, form="both")  # (2, groups, H, 1, K)
+    else:
+        rows_p = pooled(rows.unsqueeze(-1)).squeeze(-1)
+        key_mask_p = pooled(key_mask) if key_mask is not None else None
+        b = query_frame_bias(pooled(attn), rows_p, key_mask_p, form="both")  # (2, pools, H, 1, K)
+        b = b.repeat_interleave(groups // pools, dim=1)  # (2, groups, H, 1, K)
+    nw = attn - b  # (2, groups, H, R, K): the NW logits of every row, up to its row constant
+    return compare_weights(
+        attn.expand(nw.shape),
+        nw,
+        generator,
+        key_mask,
+        cell.row_mask,
+        cell.copies,
+        b.expand(nw.shape),
+        tails,
+    )
 
 
 def image_share(processor: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

@@ -14,10 +14,13 @@ from ..schema import (
     CELL_FIELDS,
     COLUMNS,
     FEW_KEYS,
+    QUERY_FRAME_COLUMN,
     SUMMARY_GAUGE_MEANS,
+    SUMMARY_HEADLINE,
     SUMMARY_KEYS,
     SUMMARY_MAX,
     SUMMARY_MEANS,
+    SUMMARY_QUERY_FRAME_MEANS,
     frac_column,
     frac_null_column,
 )
@@ -66,9 +69,10 @@ def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot:
         frame.insert(7, "adapter", np.where(text, -1, adapter))
         frame["few_keys"] = frame["keys"] < FEW_KEYS
         frame["complete"] = ~np.isin(step, call.get("incomplete", []))
+        frame[QUERY_FRAME_COLUMN] = config.query_frame
         frames.append(frame)
     if not frames:
-        return pd.DataFrame({c: pd.Series(dtype="float64") for c in COLUMNS})
+        return pd.DataFrame({c: pd.Series(dtype=object if c == QUERY_FRAME_COLUMN else "float64") for c in COLUMNS})
     table = pd.concat(frames, ignore_index=True)
     few = table.loc[table["few_keys"] & (table["kind"] == "image")]
     if len(few):
@@ -88,34 +92,46 @@ def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot:
 def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
     """Per-timestep aggregates over layers, heads and adapters (one row per call × step × kind × branch).
 
-    Columns: the group (:data:`~ipa_probe.schema.SUMMARY_KEYS`), the means of
-    :data:`~ipa_probe.schema.SUMMARY_MEANS` (``spearman``, ``pearson``, ``spearman_null``, ``kl``, ``top1``,
-    ``neff_attn``, ``neff_nw``, ``q_norm``, ``k_norm_spread``, ``ip_mass``, ``bandwidth``), ``spearman_std``,
+    Columns: the group (:data:`~ipa_probe.schema.SUMMARY_KEYS`); first the headline, the means of
+    :data:`~ipa_probe.schema.SUMMARY_HEADLINE` (``qf_spearman``, ``qf_gauss_spearman``: the query-frame rho, exact and
+    Gaussian, invariant under every per-head basis change of q and k) and ``query_frame`` (the pool of queries that
+    defined it); then the stored-frame statistics (NW weights from the stored q and k, gauge-dependent: see
+    docs/gauge.md), the means of :data:`~ipa_probe.schema.SUMMARY_MEANS` (``spearman``, ``pearson``,
+    ``spearman_null``, ``kl``, ``top1``, ``neff_attn``, ``neff_nw``, ``q_norm``, ``k_norm_spread``, ``ip_mass``,
+    ``bandwidth``), ``spearman_std``,
     ``frac_rho_gt_<threshold>`` (fraction of the layer × head × adapter cells with a finite rho whose rho is above
     ``threshold``), ``rho_cells`` (how many finite-rho cells that fraction counts), the max of ``nonfinite``,
     ``cells`` (how many cells were averaged), then the means of :data:`~ipa_probe.schema.SUMMARY_GAUGE_MEANS` (the
     gauge diagnostics ``logit_ratio``, ``rho_baseline``, ``rho_excess`` and the per-row shares against chance) and
     ``frac_rho_gt_<threshold>_null``: the same fraction of cells over their permutation-null rho (``spearman_null``),
-    the chance level of ``frac_rho_gt_<threshold>`` (see docs/gauge.md).
+    the chance level of ``frac_rho_gt_<threshold>`` (see docs/gauge.md); last the means of the other query-frame
+    columns (:data:`~ipa_probe.schema.SUMMARY_QUERY_FRAME_MEANS`). Tables made before the query frame existed give
+    the same summary without its columns.
     """
     if table.empty:
         return pd.DataFrame()
     grouped = table.groupby(list(SUMMARY_KEYS), observed=True, sort=True)
-    aggregations = {name: (name, "mean") for name in SUMMARY_MEANS if name in table.columns}
+    headline = {name: (name, "mean") for name in SUMMARY_HEADLINE if name in table.columns}
+    if headline and QUERY_FRAME_COLUMN in table.columns:
+        headline[QUERY_FRAME_COLUMN] = (QUERY_FRAME_COLUMN, "first")  # one pool per run: its name
+    aggregations = {**headline, **{name: (name, "mean") for name in SUMMARY_MEANS if name in table.columns}}
     aggregations["spearman_std"] = ("spearman", "std")
     aggregations.update({name: (name, "max") for name in SUMMARY_MAX if name in table.columns})
     aggregations["cells"] = ("spearman", "size")
     aggregations.update({name: (name, "mean") for name in SUMMARY_GAUGE_MEANS if name in table.columns})
+    aggregations.update({name: (name, "mean") for name in SUMMARY_QUERY_FRAME_MEANS if name in table.columns})
     out = grouped.agg(**aggregations)
     keys = [table[k] for k in SUMMARY_KEYS]
     finite = table["spearman"].notna()
     above = (table["spearman"] > threshold).where(finite)  # NaN where rho is undefined: left out of the fraction
-    out.insert(2, frac_column(threshold), above.groupby(keys, observed=True).mean())
-    out.insert(3, "rho_cells", finite.groupby(keys, observed=True).sum())
+    out.insert(len(headline) + 2, frac_column(threshold), above.groupby(keys, observed=True).mean())
+    out.insert(len(headline) + 3, "rho_cells", finite.groupby(keys, observed=True).sum())
     if "spearman_null" in table.columns:
         null = table["spearman_null"]
         chance = (null > threshold).where(null.notna())
         out[frac_null_column(threshold)] = chance.groupby(keys, observed=True).mean()
+    last = [name for name in SUMMARY_QUERY_FRAME_MEANS if name in out.columns]
+    out = out[[name for name in out.columns if name not in last] + last]
     return out.reset_index()
 
 

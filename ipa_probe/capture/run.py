@@ -129,6 +129,7 @@ class ProbeRun:
         self._clock = CallClock(pipe)
         self._processors = [layer.processor for layer in self.layers]  # as last seen at a pass
         self._generator: torch.Generator | None = None
+        self._frame_generator: torch.Generator | None = None
         self._constants: dict[tuple, torch.Tensor] = {}
         self._result: dict[str, Any] | None = None
         self._active = False
@@ -397,8 +398,10 @@ class ProbeRun:
         state = self._state
         state.records += 1
         labels = state.layout.items  # (items,): a statistic per batch item (frames of one item pooled)
+        chunks = state.layout.chunks  # the pass's CFG branches, contiguous and of equal size
         if query.shape[0] % labels.shape[0]:  # a batch the layout does not describe: one unlabelled group
             labels = self.evidence.layout(None, query.device).items
+            chunks = 1
         q, k = query.float(), key.float()  # (B, H, Q, D), (B, H, K, D)
         head_dim = q.shape[-1]
         head_index = self._heads(q.device)
@@ -413,13 +416,19 @@ class ProbeRun:
         fit = self.config.bandwidth == "fit"
         cell = group_cell(groups, q, k, attn, text, rows, processor, state.text_mask, h, fit)
         if self._generator is None or self._generator.device != q.device:
+            # the stored and query frames draw their nulls from two generators of the run's seed, so the stored-frame
+            # columns draw exactly what they drew before the query frame existed
             self._generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
+            self._frame_generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
         tails = None
         if cell.key_mask is not None:
             n_keys, device = cell.attn.shape[-1], q.device
             tails = self._constant(f"tails{n_keys}", device, lambda: null_tail_table(n_keys, device))
+        # the query frame's pools: each group (a batch item), or each chunk of the pass (one CFG branch's items)
+        pools = groups if self.config.query_frame == "item" else chunks
+        generators = (self._generator, self._frame_generator)
         values = cell_values(
-            cell, groups, q, k, other, text, processor, self._generator, tails, state.text_mask
+            cell, groups, q, k, other, text, processor, generators, tails, state.text_mask, pools
         )  # (groups, H, fields)
         self._accumulate(index, slot, labels, values)
         if self.config.keep_maps:
@@ -623,6 +632,7 @@ def probe(
     branch: str = "image",
     branches: Sequence[str] | None = None,
     maps: bool = False,
+    query_frame: str = "item",
     log_with: str | None = None,
     logging_dir: str | os.PathLike = "runs",
     run_name: str = "probe",
@@ -632,7 +642,7 @@ def probe(
     Args:
         pipe: a diffusers pipeline with an IP-Adapter loaded: Stable Diffusion 1.5 / SDXL, Flux or SD3 (see
             :mod:`ipa_probe.capture.taps` for what the image-branch weights are in each).
-        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps: see
+        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps, query_frame: see
             :class:`ProbeConfig`.
         log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"`` to send the run's per-step summary statistics,
             figures and settings to that tracker when the block ends normally (after the denoising loop and the
@@ -657,7 +667,9 @@ def probe(
         >>> df = run.to_dataframe()
         ```
     """
-    config = ProbeConfig(bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps)
+    config = ProbeConfig(
+        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps, query_frame
+    )
     if log_with is not None:
         from ..trackers import check_tracker
 
