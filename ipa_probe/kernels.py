@@ -32,6 +32,7 @@ __all__ = [
     "nw_mean",
     "nw_weights",
     "query_frame_bias",
+    "query_frame_logits",
     "split_heads",
 ]
 
@@ -107,13 +108,14 @@ def nw_weights(q: torch.Tensor, k: torch.Tensor, h: float | torch.Tensor) -> tor
     return torch.softmax(nw_logits(q, k, h), dim=-1)
 
 
-def query_frame_bias(
+def query_frame_logits(
     logits: torch.Tensor,
     row_mask: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
     form: str = "exact",
-) -> torch.Tensor:
-    """The query-frame key term ``b_i``: Gaussian NW in the frame where the model's own queries are isotropic.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query-frame NW logits ``L - b`` and the key term ``b``: Gaussian NW in the frame where the model's own
+    queries are isotropic.
 
     With ``L_qi`` the row-centred logits of one head (``logits_qi - mean_j logits_qj`` over the kept keys ``j``), a
     query frame is the pool of rows ``q`` it is estimated over (one item's query positions at one step, say), and
@@ -138,8 +140,10 @@ def query_frame_bias(
             :data:`QUERY_FRAME_FORMS` on a new leading dimension).
 
     Returns:
-        ``b``, shape ``(..., 1, K)`` (``(2, ..., 1, K)`` for ``"both"``), in the logits' dtype: subtract it from the
-        logits (or pass ``-b`` as an SDPA float mask) to get the query-frame NW logits.
+        ``(nw, b)`` in the logits' dtype: the NW logits ``L - b``, shape ``(..., R, K)``, and ``b``, shape
+        ``(..., 1, K)`` (each with a leading dimension of 2 for ``"both"``). ``nw`` is taken from the centred logits,
+        so a frame of one row gives rows that are exactly constant (uniform NW weights, no rank correlation), where
+        ``logits - b`` would give float rounding noise; left-out keys have ``nw = 0``.
     """
     if form not in (*QUERY_FRAME_FORMS, "both"):
         raise ValueError(f"form: expected one of {(*QUERY_FRAME_FORMS, 'both')}, got {form!r}")
@@ -159,7 +163,7 @@ def query_frame_bias(
         n_rows = torch.full((), logits.shape[-2], dtype=logits.dtype, device=logits.device)
     else:
         n_rows = inside.to(logits.dtype).sum(-2, keepdim=True)  # (..., 1, 1) or (..., 1, K)
-    out = []
+    out, logits_out = [], []
     for name in QUERY_FRAME_FORMS if form == "both" else (form,):
         if name == "exact":
             terms = centred if inside is None else centred.masked_fill(~inside, -math.inf)
@@ -172,7 +176,22 @@ def query_frame_bias(
         if inside is not None:
             b = torch.where(n_rows > 0, b, 0.0)
         out.append(b)
-    return torch.stack(out) if form == "both" else out[0]
+        logits_out.append(centred - b)
+    if form == "both":
+        return torch.stack(logits_out), torch.stack(out)
+    return logits_out[0], out[0]
+
+
+def query_frame_bias(
+    logits: torch.Tensor,
+    row_mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    form: str = "exact",
+) -> torch.Tensor:
+    """The query-frame key term ``b_i`` of :func:`query_frame_logits` (same arguments), shape ``(..., 1, K)``
+    (``(2, ..., 1, K)`` for ``form="both"``): subtract it from the logits (or pass ``-b`` as an SDPA float mask) to
+    get the query-frame NW logits up to a per-row constant."""
+    return query_frame_logits(logits, row_mask, key_mask, form)[1]
 
 
 def nw_mean(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import dot_logits, matched_bandwidth, nw_logits, query_frame_bias
+from ..kernels import dot_logits, matched_bandwidth, nw_logits, query_frame_logits
 from ..layers import image_branch_logits
 from ..schema import QUERY_FRAME_STATS, STAT_NAMES
 from ..stats import compare_weights, copy_groups, fit_bandwidth
@@ -170,11 +170,13 @@ def query_frame_values(
     """The query-frame statistics of a record's cells, both forms from one pass over the logits.
 
     Per pool of queries (the frame) and head, ``b_i`` is key ``i``'s log-partition over the frame's rows
-    (:func:`~ipa_probe.kernels.query_frame_bias`, exact and Gaussian), and the query-frame NW logits of a row are
-    ``attn - b`` (the row centring ``b`` is taken on drops out of the softmax): the cell's attention against them is
+    (:func:`~ipa_probe.kernels.query_frame_logits`, exact and Gaussian), and the query-frame NW logits of a row are
+    its centred logits minus ``b`` (``attn - b`` up to the row's constant): the cell's attention against them is
     :func:`~ipa_probe.stats.compare_weights` with ``key_term=b``, so every statistic, ``logit_ratio``
     (``sd_i(attn) / sd_i(b)``), its baseline and excess and the rows' nulls included, means what it means in the
-    stored frame. Rows outside the IP-Adapter mask and rows with non-finite logits take no part in the frame.
+    stored frame. Rows outside the IP-Adapter mask and rows with non-finite logits take no part in the frame. A frame
+    of one row (a 1 x 1 latent grid, one item) gives uniform NW weights: no rank correlation (NaN), as in exact
+    arithmetic.
 
     Args:
         cell: the record by group (:func:`group_cell`), ``groups`` groups.
@@ -197,13 +199,14 @@ def query_frame_values(
         return x.flatten(2, 3)
 
     if pools == groups:
-        b = query_frame_bias(attn, rows, key_mask, form="both")  # (2, groups, H, 1, K)
+        nw, b = query_frame_logits(attn, rows, key_mask, form="both")  # (2, groups, H, R, K), (2, groups, H, 1, K)
     else:
         rows_p = pooled(rows.unsqueeze(-1)).squeeze(-1)
         key_mask_p = pooled(key_mask) if key_mask is not None else None
-        b = query_frame_bias(pooled(attn), rows_p, key_mask_p, form="both")  # (2, pools, H, 1, K)
+        nw, b = query_frame_logits(pooled(attn), rows_p, key_mask_p, form="both")  # (2, pools, H, n * R, K)
+        # (2, pools, H, n * R, K) -> (2, groups, H, R, K): back to the groups' rows
+        nw = nw.unflatten(3, (groups // pools, n_rows)).transpose(2, 3).reshape(2, groups, n_heads, n_rows, n_keys)
         b = b.repeat_interleave(groups // pools, dim=1)  # (2, groups, H, 1, K)
-    nw = attn - b  # (2, groups, H, R, K): the NW logits of every row, up to its row constant
     return compare_weights(
         attn.expand(nw.shape),
         nw,
