@@ -310,20 +310,20 @@ def test_organism_reproduces_the_research_notes_query_frame_rho(ip_organism):
     cond = df[(df["kind"] == "image") & (df["branch"] == "cond")]
     assert len(cond) == 2560
     reference: dict[str, list[float]] = {form: [] for form in FORMS}
+    slack: dict[str, list[float]] = {form: [] for form in FORMS}
     probed: dict[str, list[float]] = {form: [] for form in FORMS}
     for layer in capture.layers:
         heads = layer.attention.heads
         part = cond[cond["layer"] == layer.name]
-        for step, (q, k) in enumerate(
-            zip(capture.captured[layer.name]["q"], capture.captured[layer.name]["k"], strict=True)
-        ):
+        captured = capture.captured[layer.name]
+        for step, (q, k) in enumerate(zip(captured["q"], captured["k"], strict=True)):
             q, k = q.double().numpy(), k.double().numpy()
             batch, d = q.shape[0], q.shape[-1] // heads
-            logits = (
-                q.reshape(batch, -1, heads, d).transpose(0, 2, 1, 3)
-                @ k.reshape(batch, -1, heads, d).transpose(0, 2, 3, 1)
-                / math.sqrt(d)
-            )[1]  # (H, Q, K): the cond item (CFG's batch is [negative, prompt])
+            q = q.reshape(batch, -1, heads, d).transpose(0, 2, 1, 3)[
+                1
+            ]  # (H, Q, D): the cond item ([negative, prompt])
+            k = k.reshape(batch, -1, heads, d).transpose(0, 2, 1, 3)[1]  # (H, K, D)
+            logits = q @ k.swapaxes(-1, -2) / math.sqrt(d)  # (H, Q, K)
             centred = logits - logits.mean(-1, keepdims=True)
             for form in FORMS:
                 if form == "exact":
@@ -337,16 +337,22 @@ def test_organism_reproduces_the_research_notes_query_frame_rho(ip_organism):
                     rho = (ra * rw).sum(-1) / np.sqrt((ra * ra).sum(-1) * (rw * rw).sum(-1))  # (H, Q)
                 if centred.shape[1] == 1:
                     rho[:] = np.nan  # exactly constant in exact arithmetic; float64 rounding must not rank noise
-                reference[form] += [np.mean(r) if not np.isnan(r).all() else np.nan for r in rho]
-                probed[form] += list(
-                    part[part["step"] == step].sort_values("head")[query_frame_column("spearman", form)]
-                )
+                reference[form] += [np.mean(r) for r in rho]
+                # rows whose order float32 may decide otherwise (near-ties of either side, helpers.NEAR_TIE): rho of
+                # a row lies in [-1, 1], so each such row may move its cell's mean by 2 / Q
+                keys = torch.from_numpy(k)
+                tied = near_ties(torch.from_numpy(logits), keys)[0] | near_ties(torch.from_numpy(nw), keys)[0]
+                slack[form] += list(2 * tied.double().mean(-1).numpy())
+                column = query_frame_column("spearman", form)
+                probed[form] += list(part[part["step"] == step].sort_values("head")[column])
     for form, note in (("exact", 0.7896), ("gaussian", 0.7683)):
-        ref, got = np.asarray(reference[form]), np.asarray(probed[form])
+        ref, got, allowed = np.asarray(reference[form]), np.asarray(probed[form]), np.asarray(slack[form])
         assert (np.isnan(ref) == np.isnan(got)).all()  # the mid block's cells (one query) have no rho on both sides
-        # per cell float32 against float64: 12 distinct keys, rows of 4-64 queries; 1e-3 leaves room for a rare
-        # near-tied pair of NW logits swapping (the largest difference on the machines tried was far below it)
-        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-3)
+        # per cell float32 against float64: 1e-5 covers the float32 rank correlation's own sums (the largest
+        # difference seen was 1.3e-7), plus what near-tied rows may move; most cells have none, so the check bites
+        finite = ~np.isnan(ref)
+        assert (np.abs(got - ref)[finite] <= 1e-5 + allowed[finite]).all(), form
+        assert (allowed[finite] == 0).mean() > 0.9, form
         # the note prints 4 digits (+-5e-5) from its own float64 computation; the probe's float32 mean over 2,400
         # finite cells differs from the float64 one by far less than 5e-5 (checked per cell above)
         assert np.nanmean(ref) == pytest.approx(note, abs=5e-5), form

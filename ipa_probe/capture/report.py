@@ -135,9 +135,11 @@ def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
     return out.reset_index()
 
 
-#: Columns :func:`plot_run` draws as layer x timestep heat maps beside the lines, those the table has: the per-row
-#: Spearman and, where the table has it, ``rho_excess`` (Spearman minus the rho that the q/k gauge alone predicts).
-HEATMAP_COLUMNS: tuple[str, ...] = ("spearman", "rho_excess")
+#: Columns :func:`plot_run` draws as layer x timestep heat maps beside the lines, those the table has: the
+#: query-frame rho (``qf_spearman``, invariant under every per-head basis change of q and k), the stored-frame per-row
+#: Spearman and, where the table has it, ``rho_excess`` (stored-frame Spearman minus the rho that the q/k gauge alone
+#: predicts).
+HEATMAP_COLUMNS: tuple[str, ...] = ("qf_spearman", "spearman", "rho_excess")
 
 
 def plot_run(
@@ -147,9 +149,11 @@ def plot_run(
     kind: str = "image",
     heatmaps: tuple[str, ...] | None = HEATMAP_COLUMNS,
 ):
-    """Mean per-row Spearman (band: ± one std over layers and heads) beside its gauge baseline (the rho expected from
-    the logit ratio and the number of keys alone, docs/gauge.md), raveled Pearson and the null, by timestep; and, in a
-    new figure, a layer x timestep heat map of each of ``heatmaps`` that the table has (:func:`plot_heatmap`).
+    """The query-frame rho (``qf_spearman``, exact form, and ``qf_gauss_spearman``; invariant under every per-head
+    basis change of q and k: the headline) and the stored-frame per-row Spearman (band: ± one std over layers and
+    heads; gauge-dependent) beside its gauge baseline (the rho expected from the logit ratio and the number of keys
+    alone, docs/gauge.md), raveled Pearson and the null, by timestep; and, in a new figure, a layer x timestep heat
+    map of each of ``heatmaps`` that the table has (:func:`plot_heatmap`).
 
     The x axes run in the denoising direction (high timestep on the left); the y axis of the lines fits the values
     drawn (and 0). Falls back to the table's only kind when ``kind`` is absent (a text-only probe).
@@ -184,15 +188,26 @@ def plot_run(
     for call, part in summary.groupby("call") if not summary.empty else ():
         suffix = f" (call {call})" if summary["call"].nunique() > 1 else ""
         x = part["timestep"].to_numpy()
+        frame = f", {part[QUERY_FRAME_COLUMN].iloc[0]} frame" if QUERY_FRAME_COLUMN in part else ""
+        for column, style, what in (
+            (SUMMARY_HEADLINE[0], {"marker": "s", "linewidth": 2.2, "color": "black"}, "exact"),
+            (SUMMARY_HEADLINE[1], {"linestyle": "--", "color": "dimgrey"}, "Gaussian"),
+        ):
+            if column in part and part[column].notna().any():
+                label = f"query-frame ρ ({what}{frame}; gauge-invariant){suffix}"
+                ax.plot(x, part[column], markersize=3, label=label, **style)
+                drawn += [*part[column]]
         rho = part["spearman"].to_numpy()
         std = part["spearman_std"].fillna(0).to_numpy()
-        line = ax.plot(x, rho, marker="o", markersize=3, label=f"Spearman ρ, mean over layers × heads{suffix}")[0]
+        label = f"stored-frame ρ (gauge-dependent), mean over layers × heads{suffix}"
+        line = ax.plot(x, rho, marker="o", markersize=3, label=label)[0]
         ax.fill_between(x, rho - std, rho + std, color=line.get_color(), alpha=0.2, label=f"± 1 std of ρ{suffix}")
         if "rho_baseline" in part and part["rho_baseline"].notna().any():
             baseline = part["rho_baseline"].to_numpy()
-            ax.plot(x, baseline, color=line.get_color(), linestyle="-.", label=f"ρ baseline from r and K{suffix}")
+            label = f"stored-frame ρ baseline from r and K{suffix}"
+            ax.plot(x, baseline, color=line.get_color(), linestyle="-.", label=label)
             drawn += [*baseline]
-        ax.plot(x, part["pearson"], marker=".", linestyle="--", label=f"Pearson r (raveled){suffix}")
+        ax.plot(x, part["pearson"], marker=".", linestyle="--", label=f"stored-frame Pearson r (raveled){suffix}")
         ax.plot(x, part["spearman_null"], color="grey", linestyle=":", label=f"permutation null of ρ{suffix}")
         drawn += [*(rho - std), *(rho + std), *part["pearson"], *part["spearman_null"]]
     style_timestep_axes(ax, drawn)
