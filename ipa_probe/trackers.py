@@ -8,8 +8,10 @@ log on the main process only under ``accelerate launch``.
 What is logged (tags for a probe; ``prefix`` defaults to ``"probe"``):
 
 - per recorded step (the x axis is the denoising loop index), per kind and CFG branch, every numeric column of the
-  per-timestep summary (:func:`ipa_probe.capture.report.summarize`): ``{prefix}/{kind}/{branch}/spearman``,
-  ``.../pearson``, ``.../spearman_null``, ``.../timestep`` (the scheduler's timestep of that step), ...; with several
+  per-timestep summary (:func:`ipa_probe.capture.report.summarize`): ``{prefix}/{kind}/{branch}/qf_spearman``
+  and ``.../qf_gauss_spearman`` (the query-frame rho, gauge-invariant), ``.../spearman`` (the stored frame's,
+  gauge-dependent), ``.../pearson``, ``.../spearman_null``, ``.../timestep`` (the scheduler's timestep of that step),
+  ...; the query frame's pool is among the settings (``query_frame``); with several
   pipeline calls in one block, ``{prefix}/call{c}/{kind}/{branch}/...``;
 - figures as images: ``{prefix}/rho_by_timestep`` (and ``{prefix}/reference_maps`` with ``maps=True``);
 - the settings as hyper-parameters (nested keys joined with ``/``; lists and ``None`` as text).
@@ -247,8 +249,9 @@ def log_sweep(
         if layout.row_summary.exists():
             rows = pd.read_parquet(layout.row_summary)
             if "row" in rows and "spearman" in rows:
+                means = [c for c in ("qf_spearman", "spearman") if c in rows]  # query frame first, where recorded
                 for row, part in rows.groupby("row"):
-                    tracker.scalars({"sweep/rows/spearman_mean": float(part["spearman"].mean())}, int(row))
+                    tracker.scalars({f"sweep/rows/{c}_mean": float(part[c].mean()) for c in means}, int(row))
         if layout.plot.exists():
             with Image.open(layout.plot) as image:
                 tracker.figures({"sweep/rho_by_timestep": np.asarray(image.convert("RGB"))})
