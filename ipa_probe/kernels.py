@@ -32,6 +32,7 @@ __all__ = [
     "nw_mean",
     "nw_weights",
     "query_frame_bias",
+    "query_frame_logits",
     "split_heads",
 ]
 
@@ -107,13 +108,14 @@ def nw_weights(q: torch.Tensor, k: torch.Tensor, h: float | torch.Tensor) -> tor
     return torch.softmax(nw_logits(q, k, h), dim=-1)
 
 
-def query_frame_bias(
+def query_frame_logits(
     logits: torch.Tensor,
     row_mask: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
     form: str = "exact",
-) -> torch.Tensor:
-    """The query-frame key term ``b_i``: Gaussian NW in the frame where the model's own queries are isotropic.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query-frame NW logits ``L - b`` and the key term ``b``: Gaussian NW in the frame where the model's own
+    queries are isotropic.
 
     With ``L_qi`` the row-centred logits of one head (``logits_qi - mean_j logits_qj`` over the kept keys ``j``), a
     query frame is the pool of rows ``q`` it is estimated over (one item's query positions at one step, say), and
@@ -129,17 +131,22 @@ def query_frame_bias(
 
     Args:
         logits: attention logits, shape ``(..., R, K)`` (the pool of rows is dimension ``-2``).
-        row_mask: optional boolean ``(..., R)``: only these rows form the frame (at least one per pool).
-        key_mask: optional boolean broadcastable to ``(..., R, K)``, the same for every row of a pool: keys where
-            it is False (padding) are left out of the row centring; their ``b`` is 0.
-        form: ``"exact"`` or ``"gaussian"``.
+        row_mask: optional boolean ``(..., R)``: only these rows form the frame.
+        key_mask: optional boolean broadcastable to ``(..., R, K)``: keys where it is False (padding) are left out of
+            their row's centring, and ``b_i`` is taken over the frame's rows that keep key ``i`` (the same rows for
+            every key when the mask is the same for every row of a pool); a key no row of the frame keeps has
+            ``b = 0``.
+        form: ``"exact"``, ``"gaussian"``, or ``"both"`` (both from one centring, stacked in the order of
+            :data:`QUERY_FRAME_FORMS` on a new leading dimension).
 
     Returns:
-        ``b``, shape ``(..., 1, K)``, in the logits' dtype: subtract it from the logits (or pass ``-b`` as an SDPA
-        float mask) to get the query-frame NW logits.
+        ``(nw, b)`` in the logits' dtype: the NW logits ``L - b``, shape ``(..., R, K)``, and ``b``, shape
+        ``(..., 1, K)`` (each with a leading dimension of 2 for ``"both"``). ``nw`` is taken from the centred logits,
+        so a frame of one row gives rows that are exactly constant (uniform NW weights, no rank correlation), where
+        ``logits - b`` would give float rounding noise; left-out keys have ``nw = 0``.
     """
-    if form not in QUERY_FRAME_FORMS:
-        raise ValueError(f"form: expected one of {QUERY_FRAME_FORMS}, got {form!r}")
+    if form not in (*QUERY_FRAME_FORMS, "both"):
+        raise ValueError(f"form: expected one of {(*QUERY_FRAME_FORMS, 'both')}, got {form!r}")
     if key_mask is None:
         centred = logits - logits.mean(-1, keepdim=True)  # (..., R, K)
     else:
@@ -147,23 +154,44 @@ def query_frame_bias(
         kept = key_mask.to(logits.dtype)
         row_mean = (torch.where(key_mask, logits, 0.0)).sum(-1, keepdim=True) / kept.sum(-1, keepdim=True)
         centred = torch.where(key_mask, logits - row_mean, 0.0)
-    if row_mask is None:
-        n_rows = torch.full((), logits.shape[-2], dtype=logits.dtype, device=logits.device)
-        weights = None
-    else:
-        weights = row_mask.to(torch.bool).unsqueeze(-1)  # (..., R, 1)
-        n_rows = weights.to(logits.dtype).sum(-2, keepdim=True)  # (..., 1, 1)
-    if form == "exact":
-        terms = centred if weights is None else centred.masked_fill(~weights, -math.inf)
-        b = torch.logsumexp(terms, dim=-2, keepdim=True) - torch.log(n_rows)  # (..., 1, K)
-    else:
-        terms = centred if weights is None else torch.where(weights, centred, 0.0)
-        mean = terms.sum(-2, keepdim=True) / n_rows
-        dev = centred - mean if weights is None else torch.where(weights, centred - mean, 0.0)
-        b = mean + (dev * dev).sum(-2, keepdim=True) / (2 * n_rows)
+    inside = None  # (..., R, 1) or (..., R, K): the frame's entries, per key
+    if row_mask is not None:
+        inside = row_mask.to(torch.bool).unsqueeze(-1)
     if key_mask is not None:
-        b = torch.where(key_mask.any(-2, keepdim=True), b, 0.0)
-    return b
+        inside = key_mask if inside is None else inside & key_mask
+    if inside is None:
+        n_rows = torch.full((), logits.shape[-2], dtype=logits.dtype, device=logits.device)
+    else:
+        n_rows = inside.to(logits.dtype).sum(-2, keepdim=True)  # (..., 1, 1) or (..., 1, K)
+    out, logits_out = [], []
+    for name in QUERY_FRAME_FORMS if form == "both" else (form,):
+        if name == "exact":
+            terms = centred if inside is None else centred.masked_fill(~inside, -math.inf)
+            b = torch.logsumexp(terms, dim=-2, keepdim=True) - torch.log(n_rows)  # (..., 1, K)
+        else:
+            terms = centred if inside is None else torch.where(inside, centred, 0.0)
+            mean = terms.sum(-2, keepdim=True) / n_rows
+            dev = centred - mean if inside is None else torch.where(inside, centred - mean, 0.0)
+            b = mean + (dev * dev).sum(-2, keepdim=True) / (2 * n_rows)
+        if inside is not None:
+            b = torch.where(n_rows > 0, b, 0.0)
+        out.append(b)
+        logits_out.append(centred - b)
+    if form == "both":
+        return torch.stack(logits_out), torch.stack(out)
+    return logits_out[0], out[0]
+
+
+def query_frame_bias(
+    logits: torch.Tensor,
+    row_mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    form: str = "exact",
+) -> torch.Tensor:
+    """The query-frame key term ``b_i`` of :func:`query_frame_logits` (same arguments), shape ``(..., 1, K)``
+    (``(2, ..., 1, K)`` for ``form="both"``): subtract it from the logits (or pass ``-b`` as an SDPA float mask) to
+    get the query-frame NW logits up to a per-row constant."""
+    return query_frame_logits(logits, row_mask, key_mask, form)[1]
 
 
 def nw_mean(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

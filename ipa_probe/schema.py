@@ -15,14 +15,22 @@ __all__ = [
     "GAUGE_COLUMNS",
     "INDEX_COLUMNS",
     "NULL_COLUMNS",
+    "QUERY_FRAMES",
+    "QUERY_FRAME_COLUMN",
+    "QUERY_FRAME_COLUMNS",
+    "QUERY_FRAME_PREFIXES",
+    "QUERY_FRAME_STATS",
     "ROW_THRESHOLD",
     "STAT_NAMES",
     "SUMMARY_GAUGE_MEANS",
+    "SUMMARY_HEADLINE",
     "SUMMARY_KEYS",
     "SUMMARY_MAX",
     "SUMMARY_MEANS",
+    "SUMMARY_QUERY_FRAME_MEANS",
     "frac_column",
     "frac_null_column",
+    "query_frame_column",
     "rows_column",
 ]
 
@@ -67,11 +75,53 @@ STAT_NAMES: tuple[str, ...] = (
     *NULL_COLUMNS,
 )
 
+#: The statistics of :data:`STAT_NAMES` that the query frame reports (docs/gauge.md, "The query frame"): all but
+#: ``neff_attn`` and ``nonfinite``, which are the attention's own and the same in every frame.
+QUERY_FRAME_STATS: tuple[str, ...] = tuple(name for name in STAT_NAMES if name not in ("neff_attn", "nonfinite"))
+
+#: Column prefix of each form of the query-frame key term (:data:`ipa_probe.kernels.QUERY_FRAME_FORMS`): the exact
+#: log-partition over the frame's queries, and its Gaussian (mean + variance / 2) form.
+QUERY_FRAME_PREFIXES: dict[str, str] = {"exact": "qf_", "gaussian": "qf_gauss_"}
+
+
+def query_frame_column(name: str, form: str = "exact") -> str:
+    """The name of a query-frame column: ``name`` (one of :data:`QUERY_FRAME_STATS`) for ``form``, e.g.
+    ``"qf_spearman"`` or ``"qf_gauss_rho_excess"``."""
+    return f"{QUERY_FRAME_PREFIXES[form]}{name}"
+
+
+#: The query-frame statistics per cell: :data:`QUERY_FRAME_STATS` of NW weights ``softmax_i(L_qi - b_i)`` against
+#: the attention, ``b_i`` the key's log-partition over the frame's queries
+#: (:func:`ipa_probe.kernels.query_frame_bias`), exact form first (``qf_*``), then the Gaussian form
+#: (``qf_gauss_*``). Unlike the stored-frame columns (the unprefixed ``spearman``, ``pearson``, ..., whose NW
+#: weights use the stored keys' norms and so move under a per-head basis change of q and k that changes no
+#: output), they depend on the attention logits alone.
+QUERY_FRAME_COLUMNS: tuple[str, ...] = tuple(
+    query_frame_column(name, form) for form in QUERY_FRAME_PREFIXES for name in QUERY_FRAME_STATS
+)
+
+#: The pools of queries a query frame can be estimated over (:class:`ipa_probe.ProbeConfig`'s ``query_frame``):
+#: ``"item"``, one batch item's query positions (its frames pooled) at one step, per layer, head and adapter;
+#: ``"branch"``, every item of one CFG branch of the denoiser pass pooled.
+QUERY_FRAMES: tuple[str, ...] = ("item", "branch")
+
+#: The table column (and summary column) naming the pool the query-frame columns were estimated over.
+QUERY_FRAME_COLUMN: str = "query_frame"
+
 #: Per-cell values kept in the probe's buffers, in order: the bandwidth used, then :data:`STAT_NAMES`, then the
 #: query and key geometry, ``ip_mass`` (the share of a joint softmax's mass on the image tokens: SD3, where the
-#: image tokens share one softmax with the latent tokens; NaN where the image branch is a softmax of its own) and
-#: ``keys`` (how many keys each row's weights run over, after the text padding is left out).
-CELL_FIELDS: tuple[str, ...] = ("bandwidth", *STAT_NAMES, "q_norm", "k_norm_spread", "ip_mass", "keys")
+#: image tokens share one softmax with the latent tokens; NaN where the image branch is a softmax of its own),
+#: ``keys`` (how many keys each row's weights run over, after the text padding is left out), then
+#: :data:`QUERY_FRAME_COLUMNS`.
+CELL_FIELDS: tuple[str, ...] = (
+    "bandwidth",
+    *STAT_NAMES,
+    "q_norm",
+    "k_norm_spread",
+    "ip_mass",
+    "keys",
+    *QUERY_FRAME_COLUMNS,
+)
 
 #: Columns that place a cell: call, step, timestep, layer, head, CFG branch, kind and adapter.
 INDEX_COLUMNS: tuple[str, ...] = ("call", "step", "timestep", "layer", "head", "branch", "kind", "adapter")
@@ -90,7 +140,11 @@ _AVERAGED: tuple[str, ...] = (
 )
 
 #: Columns of :meth:`ipa_probe.ProbeRun.to_dataframe`, in order. ``few_keys`` flags cells whose rows have fewer than
-#: :data:`FEW_KEYS` keys (per-row Spearman is then +-1 or undefined); ``complete`` is False in a step cut short.
+#: :data:`FEW_KEYS` keys (per-row Spearman is then +-1 or undefined); ``complete`` is False in a step cut short. The
+#: unprefixed statistics (``spearman``, ``pearson``, ..., :data:`GAUGE_COLUMNS`, :data:`NULL_COLUMNS`) are the
+#: *stored frame*'s: NW weights from the stored q and k, which a per-head basis change of q and k moves (see
+#: docs/gauge.md); the query-frame columns (:data:`QUERY_FRAME_COLUMNS`, after :data:`QUERY_FRAME_COLUMN`) are
+#: invariant under it. New columns are appended so that the earlier ones keep their positions.
 COLUMNS: tuple[str, ...] = (
     *INDEX_COLUMNS,
     "bandwidth",
@@ -102,6 +156,8 @@ COLUMNS: tuple[str, ...] = (
     "complete",
     *GAUGE_COLUMNS,
     *NULL_COLUMNS,
+    QUERY_FRAME_COLUMN,
+    *QUERY_FRAME_COLUMNS,
 )
 
 #: Rows with fewer keys than this have a degenerate per-row Spearman (two keys give +-1, one key none).
@@ -116,6 +172,14 @@ SUMMARY_MEANS: tuple[str, ...] = (*_AVERAGED, "ip_mass", "bandwidth")
 #: Further columns a summary (and a sweep's aggregate) averages over cells, after every column above (appended so
 #: that the earlier columns keep their positions).
 SUMMARY_GAUGE_MEANS: tuple[str, ...] = (*GAUGE_COLUMNS, *NULL_COLUMNS)
+
+#: The headline "how NW-like" columns: a summary (:func:`ipa_probe.capture.report.summarize`) puts their means first,
+#: right after its keys: the query-frame rho, exact and Gaussian forms.
+SUMMARY_HEADLINE: tuple[str, ...] = (query_frame_column("spearman"), query_frame_column("spearman", "gaussian"))
+
+#: The other query-frame columns a summary (and a sweep's aggregate) averages over cells, appended after every
+#: column above.
+SUMMARY_QUERY_FRAME_MEANS: tuple[str, ...] = tuple(c for c in QUERY_FRAME_COLUMNS if c not in SUMMARY_HEADLINE)
 
 #: Columns a summary takes the maximum of over cells.
 SUMMARY_MAX: tuple[str, ...] = ("nonfinite",)

@@ -368,8 +368,9 @@ def log_sweep(
         if layout.row_summary.exists():
             rows = pd.read_parquet(layout.row_summary)
             if "row" in rows and "spearman" in rows:
+                means = [c for c in ("qf_spearman", "spearman") if c in rows]  # query frame first, where recorded
                 for row, part in rows.groupby("row"):
-                    tracker.scalars({"sweep/rows/spearman_mean": float(part["spearman"].mean())}, int(row))
+                    tracker.scalars({f"sweep/rows/{c}_mean": float(part[c].mean()) for c in means}, int(row))
         if layout.plot.exists():
             with Image.open(layout.plot) as image:
                 tracker.figures({"sweep/rho_by_timestep": np.asarray(image.convert("RGB"))})

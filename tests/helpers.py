@@ -160,24 +160,28 @@ class CaptureQK:
     forward hooks: ``captured[layer] = {"q": [(B, Q, H*D), ...], "k": [(B, K, H*D), ...]}``, one entry per pass.
 
     ``key_hook`` (optional) is registered on ``to_k_ip[0]`` before the recording hook, so it may change the keys the
-    processor uses and the recorded keys are the changed ones. All hooks are removed on exit.
+    processor uses and the recorded keys are the changed ones. With ``ip_adapter_masks`` the processor calls
+    ``to_k_ip[0]`` once per reference image, so ``"k"`` holds that many entries per pass. ``text=True`` also records
+    the text keys (``attn.to_k``) under ``"t"``. All hooks are removed on exit.
     """
 
-    def __init__(self, pipe, key_hook=None) -> None:
+    def __init__(self, pipe, key_hook=None, text: bool = False) -> None:
         from ipa_probe.layers import find_ip_layers
 
         self.layers = find_ip_layers(pipe)
         self.key_hook = key_hook
+        self.text = text
         self.captured: dict[str, dict[str, list[torch.Tensor]]] = {}
         self._handles: list = []
 
     def __enter__(self) -> CaptureQK:
         for layer in self.layers:
-            record = self.captured.setdefault(layer.name, {"q": [], "k": []})
+            record = self.captured.setdefault(layer.name, {"q": [], "k": [], "t": []})
             to_k = layer.attention.processor.to_k_ip[0]
             if self.key_hook is not None:
                 self._handles.append(to_k.register_forward_hook(self.key_hook))
-            for module, key in ((layer.attention.to_q, "q"), (to_k, "k")):
+            modules = [(layer.attention.to_q, "q"), (to_k, "k")] + [(layer.attention.to_k, "t")] * self.text
+            for module, key in modules:
                 hook = lambda m, a, o, r=record[key]: r.append(o.detach().clone())
                 self._handles.append(module.register_forward_hook(hook))
         return self

@@ -29,7 +29,23 @@ def test_embedded_default_writes_the_output_folder(tmp_path, capsys):
     assert table["step"].nunique() == 3
     record = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert record["run"]["model"] == "embedded tiny sd15" and record["run"]["seed"] == 1
-    assert "spearman" in wrote
+    # the headline is the query-frame rho, printed with its frame; the stored-frame rho is named as such
+    summary = pd.DataFrame(record["summary"])
+    last = summary[summary["branch"] == "cond"].iloc[-1]
+    assert f"query-frame rho {last['qf_spearman']:.3f} exact / {last['qf_gauss_spearman']:.3f} Gaussian" in wrote
+    assert "(item frame, gauge-invariant); stored-frame rho" in wrote
+    assert record["settings"]["query_frame"] == "item" and (table["query_frame"] == "item").all()
+
+
+def test_query_frame_option_reaches_the_table_and_settings(tmp_path, capsys):
+    assert main(["probe", "--out", str(tmp_path / "out"), *ARGS, "--query-frame", "branch"]) == 0
+    assert "(branch frame, gauge-invariant)" in capsys.readouterr().out
+    record = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert record["settings"]["query_frame"] == "branch"
+    assert (pd.read_parquet(tmp_path / "out" / "probe.parquet")["query_frame"] == "branch").all()
+    # a pool it does not know is refused (exit status 2), naming the choices
+    assert main(["probe", "--out", str(tmp_path / "other"), *ARGS, "--query-frame", "batch"]) == 2
+    assert "invalid choice: 'batch' (choose from" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -240,6 +240,7 @@ def test_heat_map_is_the_layer_by_timestep_mean_with_a_colorbar(mapped):
     table["rho_excess"] = table["spearman"] - float(cond["spearman"].median())
     fig = plot_run(table)
     assert [ax.get_title().split(" per layer")[0] for ax in fig.axes if "per layer" in ax.get_title()] == [
+        "qf_spearman",
         "spearman",
         "rho_excess",
     ]
@@ -253,10 +254,14 @@ def test_rho_lines_name_every_band_and_fit_their_axis(mapped):
     ax = fig.axes[0]
     labels = ax.get_legend_handles_labels()[1]
     assert "± 1 std of ρ" in labels and "permutation null of ρ" in labels
+    # the headline is the query-frame rho; the stored-frame one is named as gauge-dependent
+    assert labels[0] == "query-frame ρ (exact, item frame; gauge-invariant)"
+    assert "stored-frame ρ (gauge-dependent), mean over layers × heads" in labels
     summary = run.summary()
     cond = summary[(summary["branch"] == "cond") & (summary["kind"] == "image")]
     drawn = np.concatenate([cond["spearman"] - cond["spearman_std"], cond["spearman"] + cond["spearman_std"],
-                            cond["pearson"], cond["spearman_null"], [0.0]])  # fmt: skip
+                            cond["pearson"], cond["spearman_null"], cond["qf_spearman"], cond["qf_gauss_spearman"],
+                            [0.0]])  # fmt: skip
     low, high = ax.get_ylim()
     assert low <= drawn.min() and high >= drawn.max()
     assert high - low < 1.05 * (drawn.max() - drawn.min()) + 0.05  # fitted, not the fixed -1...1

@@ -13,7 +13,7 @@ from helpers import PIPELINE_CASES, CaptureQK, CountScalarReads, masks_for, near
 from scipy import stats as sps
 
 import ipa_probe
-import ipa_probe.capture.run
+import ipa_probe.capture.cells
 import ipa_probe.images
 import ipa_probe.layers
 from ipa_probe.capture.run import probe
@@ -174,14 +174,14 @@ def test_equal_key_norms_give_rho_one_at_matched_bandwidth(refs, noise, monkeypa
     different kernel or thread count makes), to show the assertions hold whatever the machine's rounding.
     """
     if noise:
-        original = ipa_probe.capture.run.nw_logits
+        original = ipa_probe.capture.cells.nw_logits
         gen = torch.Generator().manual_seed(1)  # seed 1 swaps a near-tied pair in this setup (the case on issue #20)
 
         def perturbed(q, k, h):
             x = original(q, k, h)
             return x + noise * x.abs().amax(-1, keepdim=True) * torch.randn(x.shape, generator=gen, dtype=x.dtype)
 
-        monkeypatch.setattr(ipa_probe.capture.run, "nw_logits", perturbed)
+        monkeypatch.setattr(ipa_probe.capture.cells, "nw_logits", perturbed)
     pipe = tiny_pipeline("sd15", ip_adapter="plus")
     heads = 2  # tiny pipelines have 2 heads
 

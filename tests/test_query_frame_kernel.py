@@ -77,3 +77,36 @@ def test_gaussian_form_matches_exact_on_gaussian_queries():
 def test_rejects_unknown_form():
     with pytest.raises(ValueError, match="exact"):
         query_frame_bias(torch.zeros(2, 3), form="median")
+
+
+def test_key_masks_that_differ_between_rows_of_a_pool():
+    """Text keys of two prompts pooled in one frame: each key's b over the frame's rows that keep it (float64
+    reference written here, one key at a time)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 9, 6, generator=gen, dtype=torch.float64) * 2  # (H, R, K)
+    keys = torch.ones(2, 9, 6, dtype=torch.bool)
+    keys[:, :4, 4:] = False  # rows 0-3: a prompt of 4 tokens; rows 4-8: 6 tokens
+    keys[:, :, 5] &= torch.arange(9) >= 7  # key 5 kept by rows 7 and 8 only
+    rows = torch.ones(2, 9, dtype=torch.bool)
+    rows[:, 8] = False  # so key 5 is kept by one frame row (7)
+    for form in ("exact", "gaussian"):
+        b = query_frame_bias(logits, rows, keys, form)[:, 0]  # (H, K)
+        for h in range(2):
+            x, m = logits[h].numpy(), keys[h].numpy()
+            centred = np.where(m, x - np.array([x[r, m[r]].mean() for r in range(9)])[:, None], 0.0)
+            for i in range(6):
+                pool = centred[rows[h].numpy() & m[:, i], i]
+                want = logsumexp(pool) - math.log(len(pool)) if form == "exact" else pool.mean() + pool.var() / 2
+                # float64 on both sides: summation order only
+                assert b[h, i].item() == pytest.approx(want, abs=1e-12), (form, h, i)
+
+
+def test_both_forms_at_once_equal_each_form():
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 2, 11, 4, generator=gen)
+    rows = torch.rand(3, 2, 11, generator=gen) > 0.3
+    both = query_frame_bias(logits, rows, form="both")
+    assert both.shape == (2, 3, 2, 1, 4)
+    # the same operations on the same centred tensor: equal bit for bit
+    assert torch.equal(both[0], query_frame_bias(logits, rows, form="exact"))
+    assert torch.equal(both[1], query_frame_bias(logits, rows, form="gaussian"))

@@ -11,6 +11,7 @@ from .. import bandwidth as bw
 from .._checks import check_flag, check_items, check_seed, parse_step_selection, step_selected
 from ..bandwidth import BandwidthSpec
 from ..layers import LayerSelection, check_layer_selection
+from ..schema import QUERY_FRAMES
 
 __all__ = ["ProbeConfig"]
 
@@ -51,6 +52,12 @@ class ProbeConfig:
         branches: the batch layout of every denoiser pass, one label per equal chunk (e.g. ``("uncond", "cond")``
             for a hand-written CFG loop); ``None`` to decide each chunk's label from the prompt embeddings the
             pipeline passes to its denoiser (see :mod:`~ipa_probe.capture.branches`).
+        query_frame: the pool of queries over which the query-frame key term ``b_i`` (the key's log-partition,
+            :func:`~ipa_probe.kernels.query_frame_bias`) of the ``qf_*`` columns is estimated, per step, layer,
+            adapter and head: ``"item"`` (default: one batch item's query positions, its frames pooled, as the
+            cells are) or ``"branch"`` (every item of one CFG branch of the denoiser pass pooled). Rows outside an
+            IP-Adapter mask, rows with non-finite logits and text padding keys are left out of the pool either way.
+            The table's ``query_frame`` column and the saved settings name it.
     """
 
     bandwidth: BandwidthSpec = "matched"
@@ -63,8 +70,14 @@ class ProbeConfig:
     branch: str = "image"
     branches: Sequence[str] | None = None
     maps: bool = False
+    query_frame: str = "item"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.query_frame, str) or self.query_frame not in QUERY_FRAMES:
+            raise ValueError(
+                f"query_frame: expected one of {list(QUERY_FRAMES)} (the pool of queries the query-frame key term "
+                f"is estimated over), got {self.query_frame!r}"
+            )
         check_flag(self.maps, "maps")
         check_flag(self.keep_maps, "keep_maps")
         object.__setattr__(self, "seed", check_seed(self.seed))
@@ -116,4 +129,5 @@ class ProbeConfig:
             "branch": self.branch,
             "branches": None if self.branches is None else list(self.branches),
             "maps": self.maps,
+            "query_frame": self.query_frame,
         }

@@ -14,10 +14,13 @@ from ..schema import (
     CELL_FIELDS,
     COLUMNS,
     FEW_KEYS,
+    QUERY_FRAME_COLUMN,
     SUMMARY_GAUGE_MEANS,
+    SUMMARY_HEADLINE,
     SUMMARY_KEYS,
     SUMMARY_MAX,
     SUMMARY_MEANS,
+    SUMMARY_QUERY_FRAME_MEANS,
     frac_column,
     frac_null_column,
 )
@@ -67,9 +70,10 @@ def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot:
         frame.insert(7, "adapter", np.where(text, -1, adapter))
         frame["few_keys"] = frame["keys"] < FEW_KEYS
         frame["complete"] = ~np.isin(step, call.get("incomplete", []))
+        frame[QUERY_FRAME_COLUMN] = config.query_frame
         frames.append(frame)
     if not frames:
-        return pd.DataFrame({c: pd.Series(dtype="float64") for c in COLUMNS})
+        return pd.DataFrame({c: pd.Series(dtype=object if c == QUERY_FRAME_COLUMN else "float64") for c in COLUMNS})
     table = pd.concat(frames, ignore_index=True)
     few = table.loc[table["few_keys"] & (table["kind"] == "image")]
     if len(few):
@@ -89,34 +93,46 @@ def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot:
 def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
     """Per-timestep aggregates over layers, heads and adapters (one row per call × step × kind × branch).
 
-    Columns: the group (:data:`~ipa_probe.schema.SUMMARY_KEYS`), the means of
-    :data:`~ipa_probe.schema.SUMMARY_MEANS` (``spearman``, ``pearson``, ``spearman_null``, ``kl``, ``top1``,
-    ``neff_attn``, ``neff_nw``, ``q_norm``, ``k_norm_spread``, ``ip_mass``, ``bandwidth``), ``spearman_std``,
+    Columns: the group (:data:`~ipa_probe.schema.SUMMARY_KEYS`); first the headline, the means of
+    :data:`~ipa_probe.schema.SUMMARY_HEADLINE` (``qf_spearman``, ``qf_gauss_spearman``: the query-frame rho, exact and
+    Gaussian, invariant under every per-head basis change of q and k) and ``query_frame`` (the pool of queries that
+    defined it); then the stored-frame statistics (NW weights from the stored q and k, gauge-dependent: see
+    docs/gauge.md), the means of :data:`~ipa_probe.schema.SUMMARY_MEANS` (``spearman``, ``pearson``,
+    ``spearman_null``, ``kl``, ``top1``, ``neff_attn``, ``neff_nw``, ``q_norm``, ``k_norm_spread``, ``ip_mass``,
+    ``bandwidth``), ``spearman_std``,
     ``frac_rho_gt_<threshold>`` (fraction of the layer × head × adapter cells with a finite rho whose rho is above
     ``threshold``), ``rho_cells`` (how many finite-rho cells that fraction counts), the max of ``nonfinite``,
     ``cells`` (how many cells were averaged), then the means of :data:`~ipa_probe.schema.SUMMARY_GAUGE_MEANS` (the
     gauge diagnostics ``logit_ratio``, ``rho_baseline``, ``rho_excess`` and the per-row shares against chance) and
     ``frac_rho_gt_<threshold>_null``: the same fraction of cells over their permutation-null rho (``spearman_null``),
-    the chance level of ``frac_rho_gt_<threshold>`` (see docs/gauge.md).
+    the chance level of ``frac_rho_gt_<threshold>`` (see docs/gauge.md); last the means of the other query-frame
+    columns (:data:`~ipa_probe.schema.SUMMARY_QUERY_FRAME_MEANS`). Tables made before the query frame existed give
+    the same summary without its columns.
     """
     if table.empty:
         return pd.DataFrame()
     grouped = table.groupby(list(SUMMARY_KEYS), observed=True, sort=True)
-    aggregations = {name: (name, "mean") for name in SUMMARY_MEANS if name in table.columns}
+    headline = {name: (name, "mean") for name in SUMMARY_HEADLINE if name in table.columns}
+    if headline and QUERY_FRAME_COLUMN in table.columns:
+        headline[QUERY_FRAME_COLUMN] = (QUERY_FRAME_COLUMN, "first")  # one pool per run: its name
+    aggregations = {**headline, **{name: (name, "mean") for name in SUMMARY_MEANS if name in table.columns}}
     aggregations["spearman_std"] = ("spearman", "std")
     aggregations.update({name: (name, "max") for name in SUMMARY_MAX if name in table.columns})
     aggregations["cells"] = ("spearman", "size")
     aggregations.update({name: (name, "mean") for name in SUMMARY_GAUGE_MEANS if name in table.columns})
+    aggregations.update({name: (name, "mean") for name in SUMMARY_QUERY_FRAME_MEANS if name in table.columns})
     out = grouped.agg(**aggregations)
     keys = [table[k] for k in SUMMARY_KEYS]
     finite = table["spearman"].notna()
     above = (table["spearman"] > threshold).where(finite)  # NaN where rho is undefined: left out of the fraction
-    out.insert(2, frac_column(threshold), above.groupby(keys, observed=True).mean())
-    out.insert(3, "rho_cells", finite.groupby(keys, observed=True).sum())
+    out.insert(len(headline) + 2, frac_column(threshold), above.groupby(keys, observed=True).mean())
+    out.insert(len(headline) + 3, "rho_cells", finite.groupby(keys, observed=True).sum())
     if "spearman_null" in table.columns:
         null = table["spearman_null"]
         chance = (null > threshold).where(null.notna())
         out[frac_null_column(threshold)] = chance.groupby(keys, observed=True).mean()
+    last = [name for name in SUMMARY_QUERY_FRAME_MEANS if name in out.columns]
+    out = out[[name for name in out.columns if name not in last] + last]
     return out.reset_index()
 
 
@@ -134,9 +150,12 @@ def select_branch(table, branch: str | None, what: str):
     return table[table["branch"] == branch].reset_index(drop=True)
 
 
-#: Columns :func:`plot_run` draws as layer x timestep heat maps beside the lines, those the table has: the per-row
-#: Spearman and, where the table has it, ``rho_excess`` (Spearman minus the rho that the q/k gauge alone predicts).
-HEATMAP_COLUMNS: tuple[str, ...] = ("spearman", "rho_excess")
+
+#: Columns :func:`plot_run` draws as layer x timestep heat maps beside the lines, those the table has: the
+#: query-frame rho (``qf_spearman``, invariant under every per-head basis change of q and k), the stored-frame per-row
+#: Spearman and, where the table has it, ``rho_excess`` (stored-frame Spearman minus the rho that the q/k gauge alone
+#: predicts).
+HEATMAP_COLUMNS: tuple[str, ...] = ("qf_spearman", "spearman", "rho_excess")
 
 
 def plot_run(
@@ -146,9 +165,11 @@ def plot_run(
     kind: str = "image",
     heatmaps: tuple[str, ...] | None = HEATMAP_COLUMNS,
 ):
-    """Mean per-row Spearman (band: ± one std over layers and heads) beside its gauge baseline (the rho expected from
-    the logit ratio and the number of keys alone, docs/gauge.md), raveled Pearson and the null, by timestep; and, in a
-    new figure, a layer x timestep heat map of each of ``heatmaps`` that the table has (:func:`plot_heatmap`).
+    """The query-frame rho (``qf_spearman``, exact form, and ``qf_gauss_spearman``; invariant under every per-head
+    basis change of q and k: the headline) and the stored-frame per-row Spearman (band: ± one std over layers and
+    heads; gauge-dependent) beside its gauge baseline (the rho expected from the logit ratio and the number of keys
+    alone, docs/gauge.md), raveled Pearson and the null, by timestep; and, in a new figure, a layer x timestep heat
+    map of each of ``heatmaps`` that the table has (:func:`plot_heatmap`).
 
     The x axes run in the denoising direction (high timestep on the left); the y axis of the lines fits the values
     drawn (and 0). Falls back to the table's only kind when ``kind`` is absent (a text-only probe).
@@ -183,15 +204,26 @@ def plot_run(
     for call, part in summary.groupby("call") if not summary.empty else ():
         suffix = f" (call {call})" if summary["call"].nunique() > 1 else ""
         x = part["timestep"].to_numpy()
+        frame = f", {part[QUERY_FRAME_COLUMN].iloc[0]} frame" if QUERY_FRAME_COLUMN in part else ""
+        for column, style, what in (
+            (SUMMARY_HEADLINE[0], {"marker": "s", "linewidth": 2.2, "color": "black"}, "exact"),
+            (SUMMARY_HEADLINE[1], {"linestyle": "--", "color": "dimgrey"}, "Gaussian"),
+        ):
+            if column in part and part[column].notna().any():
+                label = f"query-frame ρ ({what}{frame}; gauge-invariant){suffix}"
+                ax.plot(x, part[column], markersize=3, label=label, **style)
+                drawn += [*part[column]]
         rho = part["spearman"].to_numpy()
         std = part["spearman_std"].fillna(0).to_numpy()
-        line = ax.plot(x, rho, marker="o", markersize=3, label=f"Spearman ρ, mean over layers × heads{suffix}")[0]
+        label = f"stored-frame ρ (gauge-dependent), mean over layers × heads{suffix}"
+        line = ax.plot(x, rho, marker="o", markersize=3, label=label)[0]
         ax.fill_between(x, rho - std, rho + std, color=line.get_color(), alpha=0.2, label=f"± 1 std of ρ{suffix}")
         if "rho_baseline" in part and part["rho_baseline"].notna().any():
             baseline = part["rho_baseline"].to_numpy()
-            ax.plot(x, baseline, color=line.get_color(), linestyle="-.", label=f"ρ baseline from r and K{suffix}")
+            label = f"stored-frame ρ baseline from r and K{suffix}"
+            ax.plot(x, baseline, color=line.get_color(), linestyle="-.", label=label)
             drawn += [*baseline]
-        ax.plot(x, part["pearson"], marker=".", linestyle="--", label=f"Pearson r (raveled){suffix}")
+        ax.plot(x, part["pearson"], marker=".", linestyle="--", label=f"stored-frame Pearson r (raveled){suffix}")
         ax.plot(x, part["spearman_null"], color="grey", linestyle=":", label=f"permutation null of ρ{suffix}")
         drawn += [*(rho - std), *(rho + std), *part["pearson"], *part["spearman_null"]]
     style_timestep_axes(ax, drawn)

@@ -27,21 +27,20 @@ import torch
 
 from .. import bandwidth as bw
 from ..bandwidth import BandwidthSpec
-from ..kernels import dot_logits, matched_bandwidth, nw_logits
 from ..layers import (
     IPLayer,
     LayerSelection,
     claim,
     denoiser_of,
     find_ip_layers,
-    image_branch_logits,
     observer,
     refind_ip_layers,
     release,
 )
 from ..schema import CELL_FIELDS
-from ..stats import compare_weights, copy_groups, fit_bandwidth, null_tail_table
+from ..stats import null_tail_table
 from .branches import Layout, PromptEvidence, label_vocabulary
+from .cells import cell_values, group_cell, record_logits
 from .clock import CallClock
 from .config import ProbeConfig
 from .mapplots import plot_reference_maps
@@ -58,8 +57,6 @@ logger = logging.getLogger(__name__)
 FIELDS: tuple[str, ...] = CELL_FIELDS
 
 _FEATURE = "probe"
-#: Largest logit block formed at once for ``ip_mass`` (elements; queries are taken in chunks below it).
-_CHUNK_ELEMENTS = 2**26
 
 
 @dataclass
@@ -84,19 +81,6 @@ class _StepState:
     in_pass: bool = False  # a denoiser pass started and has not returned
     records: int = 0  # (q, k) pairs recorded in the current pass
     bandwidth: dict[int, torch.Tensor] = field(default_factory=dict)  # head_dim -> h of the current step
-
-
-@dataclass
-class _Cell:
-    """One record's tensors by group (a batch item with its frames): ``(groups, H, rows, K)`` and friends."""
-
-    attn: torch.Tensor  # attention logits
-    nw: torch.Tensor  # NW logits
-    h: torch.Tensor  # (groups, H) bandwidth
-    key_mask: torch.Tensor | None  # kept keys (text padding left out)
-    row_mask: torch.Tensor | None  # (groups, H, rows) rows inside an IP-Adapter mask
-    copies: torch.Tensor | None  # (groups, H, rows, K) key ids, equal for copies of one token
-    key_term: torch.Tensor | None  # (groups, H, rows, K) |k|^2 / (2 sqrt(d)): NW ranks follow attn - key_term
 
 
 class ProbeRun:
@@ -145,6 +129,7 @@ class ProbeRun:
         self._clock = CallClock(pipe)
         self._processors = [layer.processor for layer in self.layers]  # as last seen at a pass
         self._generator: torch.Generator | None = None
+        self._frame_generator: torch.Generator | None = None
         self._constants: dict[tuple, torch.Tensor] = {}
         self._result: dict[str, Any] | None = None
         self._active = False
@@ -413,8 +398,10 @@ class ProbeRun:
         state = self._state
         state.records += 1
         labels = state.layout.items  # (items,): a statistic per batch item (frames of one item pooled)
+        chunks = state.layout.chunks  # the pass's CFG branches, contiguous and of equal size
         if query.shape[0] % labels.shape[0]:  # a batch the layout does not describe: one unlabelled group
             labels = self.evidence.layout(None, query.device).items
+            chunks = 1
         q, k = query.float(), key.float()  # (B, H, Q, D), (B, H, K, D)
         head_dim = q.shape[-1]
         head_index = self._heads(q.device)
@@ -423,11 +410,26 @@ class ProbeRun:
             other = other.index_select(1, head_index) if other is not None else None
         text = slot == self.text_slot
         processor = self.layers[index].attention.processor
-        # the text branch is plain scaled dot-product attention in every processor
-        attn = dot_logits(q, k, 1.0 / math.sqrt(head_dim)) if text else image_branch_logits(processor, q, k)
+        attn = record_logits(processor, q, k, text)  # (B, H, Q, K)
         groups = labels.shape[0]
-        cell = self._cell(groups, q, k, attn, text, rows, processor)
-        values = self._cell_values(cell, groups, q, k, other, attn, text, processor)  # (groups, H, fields)
+        h = self._bandwidth(head_dim, q.device)
+        fit = self.config.bandwidth == "fit"
+        cell = group_cell(groups, q, k, attn, text, rows, processor, state.text_mask, h, fit)
+        if self._generator is None or self._generator.device != q.device:
+            # the stored and query frames draw their nulls from two generators of the run's seed, so the stored-frame
+            # columns draw exactly what they drew before the query frame existed
+            self._generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
+            self._frame_generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
+        tails = None
+        if cell.key_mask is not None:
+            n_keys, device = cell.attn.shape[-1], q.device
+            tails = self._constant(f"tails{n_keys}", device, lambda: null_tail_table(n_keys, device))
+        # the query frame's pools: each group (a batch item), or each chunk of the pass (one CFG branch's items)
+        pools = groups if self.config.query_frame == "item" else chunks
+        generators = (self._generator, self._frame_generator)
+        values = cell_values(
+            cell, groups, q, k, other, text, processor, generators, tails, state.text_mask, pools
+        )  # (groups, H, fields)
         self._accumulate(index, slot, labels, values)
         if self.config.keep_maps:
             key = (state.call.index, state.step, self.layers[index].name, slot)
@@ -435,95 +437,6 @@ class ProbeRun:
             self._map_labels.setdefault(key, []).append(labels.repeat_interleave(query.shape[0] // groups))
         if self._maps is not None and not text:
             self._maps.add(state.call.index, state.step, index, slot, labels, cell.attn, cell.nw)
-
-    def _cell(
-        self,
-        groups: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        attn: torch.Tensor,
-        text: bool,
-        rows: torch.Tensor | None,
-        processor: torch.nn.Module,
-    ) -> _Cell:
-        """A record's logits, masks and copy ids by group: ``(B, H, R, C)`` -> ``(groups, H, frames * R, C)``."""
-        batch, n_heads, n_queries, n_keys = attn.shape
-
-        def by_group(x: torch.Tensor) -> torch.Tensor:
-            # (B, H, R, C) -> (groups, H, frames * R, C): a group is one item of the denoiser's batch, with its frames
-            return x.reshape(groups, batch // groups, n_heads, x.shape[-2], x.shape[-1]).transpose(1, 2).flatten(2, 3)
-
-        key_mask = None
-        text_mask = self._state.text_mask
-        if text and text_mask is not None and text_mask.shape[0] == batch:
-            key_mask = by_group(text_mask[:, None, None, :].expand(batch, n_heads, n_queries, n_keys))
-        row_mask = None
-        if rows is not None:
-            row_mask = by_group(rows[:, None, :, None].expand(batch, n_heads, n_queries, 1)).squeeze(-1)
-        copies = by_group(copy_groups(k).unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
-        key_term = None
-        if text or getattr(processor, "image_branch_logits", None) is None:
-            # dot-product logits q·k / sqrt(d): the NW ranks follow q·k - |k|^2 / 2, i.e. attn - |k|^2 / (2 sqrt(d))
-            half_sq = (k * k).sum(-1) / (2 * math.sqrt(k.shape[-1]))  # (B, H, K)
-            key_term = by_group(half_sq.unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
-        h = self._bandwidth(q.shape[-1], q.device)
-        if self.config.bandwidth == "fit":
-            k_sq = (k * k).sum(-1)  # (B, H, K)
-            energy = by_group(q @ k.transpose(-1, -2) - k_sq.unsqueeze(-2) / 2)  # NW logits times h^2
-            attn_c = by_group(attn)
-            if key_mask is not None:
-                attn_c, energy = attn_c.masked_fill(~key_mask, -math.inf), energy.masked_fill(~key_mask, -math.inf)
-            h_cell = fit_bandwidth(attn_c, energy, matched_bandwidth(q.shape[-1]))  # (groups, H)
-            nw = energy / (h_cell * h_cell)[..., None, None]
-            return _Cell(attn_c, nw, h_cell, key_mask, row_mask, copies, key_term)
-        h_cell = h.expand(groups, n_heads)
-        return _Cell(by_group(attn), by_group(nw_logits(q, k, h)), h_cell, key_mask, row_mask, copies, key_term)
-
-    def _cell_values(
-        self,
-        cell: _Cell,
-        groups: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        other: torch.Tensor | None,
-        attn: torch.Tensor,
-        text: bool,
-        processor: torch.nn.Module,
-    ) -> torch.Tensor:
-        """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of one record, ``(groups, H, fields)``."""
-        if self._generator is None or self._generator.device != q.device:
-            self._generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
-        tails = None
-        if cell.key_mask is not None:
-            n_keys, device = cell.attn.shape[-1], q.device
-            tails = self._constant(f"tails{n_keys}", device, lambda: null_tail_table(n_keys, device))
-        stats = compare_weights(
-            cell.attn, cell.nw, self._generator, cell.key_mask, cell.row_mask, cell.copies, cell.key_term, tails
-        )
-        batch, n_heads, n_keys = k.shape[0], k.shape[1], k.shape[2]
-
-        def by_group(x: torch.Tensor) -> torch.Tensor:  # (B, H, R) -> (groups, H, items * R)
-            return x.reshape(groups, batch // groups, n_heads, x.shape[-1]).transpose(1, 2).flatten(2, 3)
-
-        q_norm = by_group(q.norm(dim=-1))  # (groups, H, items * Q)
-        if cell.row_mask is not None:
-            inside = cell.row_mask.float()
-            q_norm = (q_norm * inside).sum(-1) / inside.sum(-1)
-        else:
-            q_norm = q_norm.mean(-1)
-        k_norm = by_group(k.norm(dim=-1))  # (groups, H, items * K)
-        kept = torch.ones_like(k_norm)
-        if cell.key_mask is not None:
-            kept = by_group(self._state.text_mask[:, None, :].expand(batch, n_heads, n_keys).float())
-        mean = (k_norm * kept).sum(-1) / kept.sum(-1)
-        spread = (((k_norm - mean[..., None]) ** 2 * kept).sum(-1) / kept.sum(-1)).sqrt() / mean
-        keys = kept.sum(-1) / (batch // groups)  # (groups, H) keys per row
-        ip_mass = torch.full_like(q_norm, math.nan)
-        if other is not None and not text:
-            share = self._image_share(processor, q, k, other.float())  # (B, H, Q)
-            ip_mass = by_group(share).mean(-1)
-        fields = [cell.h, *stats.unbind(-1), q_norm, spread, ip_mass, keys]
-        return torch.stack(fields, dim=-1)
 
     def _accumulate(self, index: int, slot: int, labels: torch.Tensor, values: torch.Tensor) -> None:
         """Add ``values`` ``(groups, H, fields)`` into the buffers at each group's label (an index on the device)."""
@@ -533,27 +446,6 @@ class ProbeRun:
         counts = state.call.counts[state.step, index, slot, :, :n_heads]  # (labels, H)
         sums.index_add_(0, labels, values)
         counts.index_add_(0, labels, torch.ones_like(values[..., 0]))
-
-    @staticmethod
-    def _image_share(
-        processor: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, other: torch.Tensor
-    ) -> torch.Tensor:
-        """Share of a joint softmax on the image columns, ``sigmoid(LSE(image logits) - LSE(other logits))``,
-        ``(B, H, Q)``.
-
-        The logits of both column sets come from one call of the processor's logits on the joint keys, so any
-        per-row constant the processor's logits drop (the NW head centres its keys) is the same for both. Queries
-        are taken in chunks of at most :data:`_CHUNK_ELEMENTS` logits (SD3 has as many latent keys as queries).
-        """
-        joint = torch.cat([k, other], dim=2)  # (B, H, K + N, D)
-        n_image = k.shape[2]
-        rows = max(1, _CHUNK_ELEMENTS // max(1, q.shape[0] * q.shape[1] * joint.shape[2]))
-        parts = []
-        for start in range(0, q.shape[2], rows):
-            logits = image_branch_logits(processor, q[:, :, start : start + rows], joint)  # (B, H, rows, K + N)
-            image, rest = logits[..., :n_image], logits[..., n_image:]
-            parts.append(torch.sigmoid(torch.logsumexp(image, -1) - torch.logsumexp(rest, -1)))
-        return torch.cat(parts, dim=2)
 
     def _keep_map(self, key: tuple[int, int, str, int], logits: torch.Tensor) -> None:
         weights = torch.softmax(logits, dim=-1).half()
@@ -755,6 +647,7 @@ def probe(
     branch: str = "image",
     branches: Sequence[str] | None = None,
     maps: bool = False,
+    query_frame: str = "item",
     log_with: str | None = None,
     logging_dir: str | os.PathLike = "runs",
     run_name: str = "probe",
@@ -764,7 +657,7 @@ def probe(
     Args:
         pipe: a diffusers pipeline with an IP-Adapter loaded: Stable Diffusion 1.5 / SDXL, Flux or SD3 (see
             :mod:`ipa_probe.capture.taps` for what the image-branch weights are in each).
-        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps: see
+        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps, query_frame: see
             :class:`ProbeConfig`.
         log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"`` to send the run (rho with its baseline and null,
             per-layer rho, histograms, overlays per step with ``maps=True``, settings with end-of-run metrics) to
@@ -791,7 +684,9 @@ def probe(
         >>> df = run.to_dataframe()
         ```
     """
-    config = ProbeConfig(bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps)
+    config = ProbeConfig(
+        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps, query_frame
+    )
     if log_with is not None:
         from ..trackers import check_tracker
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .._checks import DEFAULT_GAUGE_FACTORS, GAUGE_FACTOR_RANGE, parse_gauges
 from .._manifest import MANIFEST_NAME
+from ..schema import QUERY_FRAMES
 from . import CLIError
 from ._common import (
     DIGITS_DEFAULTS,
@@ -45,6 +46,13 @@ def add_parser(subparsers) -> None:
     bandwidth = bandwidth_type("matched", "fit")
     parser.add_argument("--bandwidth", type=bandwidth, default="matched", help="'matched' (default), 'fit' or h > 0")
     parser.add_argument("--layers", action="append", help="regex selecting layer ids (repeatable; default: all)")
+    parser.add_argument(
+        "--query-frame",
+        choices=QUERY_FRAMES,
+        default="item",
+        help="the pool of queries the query-frame key term is estimated over: one batch item's positions (default) "
+        "or every item of one CFG branch (docs/gauge.md, 'The query frame')",
+    )
     parser.add_argument("--keep-maps", action="store_true", help="also save the full attention maps (fp16, .pt)")
     parser.add_argument("--maps", action="store_true", help="also write reference_maps.png and map_table.parquet")
     parser.add_argument(
@@ -141,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     loaded.description["num_images"] = num_images
     maps = args.maps or bool(args.overlays)
     try:
-        options = {"layers": args.layers, "keep_maps": args.keep_maps, "maps": maps}
+        options = {"layers": args.layers, "keep_maps": args.keep_maps, "maps": maps, "query_frame": args.query_frame}
         with probe(loaded.pipe, bandwidth=args.bandwidth, **options) as run_:
             result = loaded.pipe(
                 ip_adapter_image=[loaded.references],
@@ -200,7 +208,9 @@ def _write(args: argparse.Namespace, loaded, result, run_, out: Path, organism: 
     last = cond.iloc[-1] if len(cond) else None
     line = f"wrote {out}: " + ", ".join(written)
     if last is not None:
-        line += f"; last step (t={last['timestep']:g}): spearman {last['spearman']:.3f} (baseline from r and K "
+        line += f"; last step (t={last['timestep']:g}): query-frame rho {last['qf_spearman']:.3f} exact / "
+        line += f"{last['qf_gauss_spearman']:.3f} Gaussian ({last['query_frame']} frame, gauge-invariant); "
+        line += f"stored-frame rho {last['spearman']:.3f} (gauge-dependent; baseline from r and K "
         line += f"{last['rho_baseline']:.3f}, docs/gauge.md), pearson {last['pearson']:.3f}"
     if judged is not None:
         labels = judged[0]

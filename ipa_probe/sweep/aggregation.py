@@ -10,7 +10,16 @@ import pandas as pd
 
 from .._checks import check_fraction, check_int, check_seed, check_threshold
 from ..capture.report import style_timestep_axes, summarize
-from ..schema import SUMMARY_GAUGE_MEANS, SUMMARY_KEYS, SUMMARY_MAX, SUMMARY_MEANS, frac_column, frac_null_column
+from ..schema import (
+    SUMMARY_GAUGE_MEANS,
+    SUMMARY_HEADLINE,
+    SUMMARY_KEYS,
+    SUMMARY_MAX,
+    SUMMARY_MEANS,
+    SUMMARY_QUERY_FRAME_MEANS,
+    frac_column,
+    frac_null_column,
+)
 
 
 def bootstrap_ci(
@@ -108,7 +117,10 @@ def aggregate(
         of :data:`~ipa_probe.schema.SUMMARY_MAX` (``nonfinite``) over every row, partial ones included; then the
         means over rows of :data:`~ipa_probe.schema.SUMMARY_GAUGE_MEANS` (``logit_ratio``, ``rho_baseline``,
         ``rho_excess`` and the per-row shares against chance) and of ``frac_rho_gt_<threshold>_null`` (the chance
-        level of the fraction; see docs/gauge.md).
+        level of the fraction; see docs/gauge.md); last the means over rows of the query-frame columns
+        (:data:`~ipa_probe.schema.SUMMARY_HEADLINE`: ``qf_spearman``, ``qf_gauss_spearman``, then
+        :data:`~ipa_probe.schema.SUMMARY_QUERY_FRAME_MEANS`; NaN for summaries made before the query frame). The
+        unprefixed statistics are the stored frame's, which a per-head basis change of q and k moves.
     """
     check_threshold(threshold)
     check_fraction(confidence, "confidence")
@@ -116,7 +128,7 @@ def aggregate(
     check_seed(seed)
     frac = frac_column(threshold)
     means = [frac, *(name for name in SUMMARY_MEANS if name != "spearman")]
-    appended = [*SUMMARY_GAUGE_MEANS, frac_null_column(threshold)]
+    appended = [*SUMMARY_GAUGE_MEANS, frac_null_column(threshold), *SUMMARY_HEADLINE, *SUMMARY_QUERY_FRAME_MEANS]
     columns = ["branch", "timestep", "rows", "rows_partial", "spearman"]
     columns += ["spearman_ci_low", "spearman_ci_high", "spearman_std"]
     columns += [*means, *SUMMARY_MAX, *appended]

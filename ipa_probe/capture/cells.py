@@ -1,0 +1,236 @@
+"""The statistics of one record: a layer's image-branch (or text-branch) logits at one denoiser pass, by cell.
+
+A *record* is what the probe's taps deliver once per layer, adapter (or the text branch) and pass: the query
+``(B, H, Q, D)`` and keys ``(B, H, K, D)`` the processor's softmax uses. Its *cells* are its batch items (a group:
+one item with its frames pooled) per head; every statistic of a cell is computed here on the pipeline's device and
+returned as one ``(groups, H, fields)`` tensor in the order of :data:`~ipa_probe.schema.CELL_FIELDS`, which
+:mod:`~.run` adds into its buffers. Nothing here reads the host or keeps state between records.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import dot_logits, matched_bandwidth, nw_logits, query_frame_logits
+from ..layers import image_branch_logits
+from ..schema import QUERY_FRAME_STATS, STAT_NAMES
+from ..stats import compare_weights, copy_groups, fit_bandwidth
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "Cell",
+    "cell_values",
+    "group_cell",
+    "image_share",
+    "query_frame_values",
+    "record_logits",
+]
+
+#: Largest logit block formed at once for ``ip_mass`` (elements; queries are taken in chunks below it).
+CHUNK_ELEMENTS = 2**26
+
+
+@dataclass
+class Cell:
+    """One record's tensors by group (a batch item with its frames): ``(groups, H, rows, K)`` and friends."""
+
+    attn: torch.Tensor  # attention logits
+    nw: torch.Tensor  # NW logits
+    h: torch.Tensor  # (groups, H) bandwidth
+    key_mask: torch.Tensor | None  # kept keys (text padding left out)
+    row_mask: torch.Tensor | None  # (groups, H, rows) rows inside an IP-Adapter mask
+    copies: torch.Tensor | None  # (groups, H, rows, K) key ids, equal for copies of one token
+    key_term: torch.Tensor | None  # (groups, H, rows, K) |k|^2 / (2 sqrt(d)): NW ranks follow attn - key_term
+
+
+def record_logits(processor: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, text: bool) -> torch.Tensor:
+    """The logits the record's softmax uses, ``(B, H, Q, K)``: the text branch is plain scaled dot-product attention
+    in every processor; the image branch's are the processor's own (:func:`~ipa_probe.layers.image_branch_logits`)."""
+    return dot_logits(q, k, 1.0 / math.sqrt(q.shape[-1])) if text else image_branch_logits(processor, q, k)
+
+
+def group_cell(
+    groups: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    attn: torch.Tensor,
+    text: bool,
+    rows: torch.Tensor | None,
+    processor: torch.nn.Module,
+    text_mask: torch.Tensor | None,
+    h: torch.Tensor,
+    fit: bool,
+) -> Cell:
+    """A record's logits, masks and copy ids by group: ``(B, H, R, C)`` -> ``(groups, H, frames * R, C)``.
+
+    Args:
+        groups: how many groups (batch items) the batch holds; ``B`` is a multiple of it.
+        q, k: ``(B, H, Q, D)``, ``(B, H, K, D)`` float32.
+        attn: ``(B, H, Q, K)``, :func:`record_logits` of ``q`` and ``k``.
+        text: the record is the text branch.
+        rows: ``(B, Q)`` bool, the queries inside the branch's IP-Adapter mask, or ``None`` for all.
+        processor: the layer's attention processor.
+        text_mask: ``(B, tokens)`` bool, the pass's prompt tokens (text branch), or ``None``.
+        h: 0-d bandwidth on the device.
+        fit: fit ``h`` per cell (``bandwidth="fit"``) instead of using ``h``.
+    """
+    batch, n_heads, n_queries, n_keys = attn.shape
+
+    def by_group(x: torch.Tensor) -> torch.Tensor:
+        # (B, H, R, C) -> (groups, H, frames * R, C): a group is one item of the denoiser's batch, with its frames
+        return x.reshape(groups, batch // groups, n_heads, x.shape[-2], x.shape[-1]).transpose(1, 2).flatten(2, 3)
+
+    key_mask = None
+    if text and text_mask is not None and text_mask.shape[0] == batch:
+        key_mask = by_group(text_mask[:, None, None, :].expand(batch, n_heads, n_queries, n_keys))
+    row_mask = None
+    if rows is not None:
+        row_mask = by_group(rows[:, None, :, None].expand(batch, n_heads, n_queries, 1)).squeeze(-1)
+    copies = by_group(copy_groups(k).unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
+    key_term = None
+    if text or getattr(processor, "image_branch_logits", None) is None:
+        # dot-product logits q·k / sqrt(d): the NW ranks follow q·k - |k|^2 / 2, i.e. attn - |k|^2 / (2 sqrt(d))
+        half_sq = (k * k).sum(-1) / (2 * math.sqrt(k.shape[-1]))  # (B, H, K)
+        key_term = by_group(half_sq.unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
+    if fit:
+        k_sq = (k * k).sum(-1)  # (B, H, K)
+        energy = by_group(q @ k.transpose(-1, -2) - k_sq.unsqueeze(-2) / 2)  # NW logits times h^2
+        attn_c = by_group(attn)
+        if key_mask is not None:
+            attn_c, energy = attn_c.masked_fill(~key_mask, -math.inf), energy.masked_fill(~key_mask, -math.inf)
+        h_cell = fit_bandwidth(attn_c, energy, matched_bandwidth(q.shape[-1]))  # (groups, H)
+        nw = energy / (h_cell * h_cell)[..., None, None]
+        return Cell(attn_c, nw, h_cell, key_mask, row_mask, copies, key_term)
+    h_cell = h.expand(groups, n_heads)
+    return Cell(by_group(attn), by_group(nw_logits(q, k, h)), h_cell, key_mask, row_mask, copies, key_term)
+
+
+def cell_values(
+    cell: Cell,
+    groups: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    other: torch.Tensor | None,
+    text: bool,
+    processor: torch.nn.Module,
+    generators: tuple[torch.Generator, torch.Generator],
+    tails: torch.Tensor | None,
+    text_mask: torch.Tensor | None,
+    pools: int,
+) -> torch.Tensor:
+    """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of one record, ``(groups, H, fields)``.
+
+    Args:
+        cell: the record by group (:func:`group_cell`).
+        groups, q, k, text, processor, text_mask: as for :func:`group_cell`.
+        other: ``(B, H, N, D)``, further keys of the same softmax (SD3's latent keys), or ``None``.
+        generators: the permutation nulls' random sources on the device: the stored frame's, the query frame's.
+        tails: :func:`~ipa_probe.stats.null_tail_table` for the record's number of keys (with a key mask), or
+            ``None``.
+        pools: how many query frames the groups form (:func:`query_frame_values`).
+    """
+    stats = compare_weights(
+        cell.attn, cell.nw, generators[0], cell.key_mask, cell.row_mask, cell.copies, cell.key_term, tails
+    )
+    batch, n_heads, n_keys = k.shape[0], k.shape[1], k.shape[2]
+
+    def by_group(x: torch.Tensor) -> torch.Tensor:  # (B, H, R) -> (groups, H, items * R)
+        return x.reshape(groups, batch // groups, n_heads, x.shape[-1]).transpose(1, 2).flatten(2, 3)
+
+    q_norm = by_group(q.norm(dim=-1))  # (groups, H, items * Q)
+    if cell.row_mask is not None:
+        inside = cell.row_mask.float()
+        q_norm = (q_norm * inside).sum(-1) / inside.sum(-1)
+    else:
+        q_norm = q_norm.mean(-1)
+    k_norm = by_group(k.norm(dim=-1))  # (groups, H, items * K)
+    kept = torch.ones_like(k_norm)
+    if cell.key_mask is not None:
+        kept = by_group(text_mask[:, None, :].expand(batch, n_heads, n_keys).float())
+    mean = (k_norm * kept).sum(-1) / kept.sum(-1)
+    spread = (((k_norm - mean[..., None]) ** 2 * kept).sum(-1) / kept.sum(-1)).sqrt() / mean
+    keys = kept.sum(-1) / (batch // groups)  # (groups, H) keys per row
+    ip_mass = torch.full_like(q_norm, math.nan)
+    if other is not None and not text:
+        share = image_share(processor, q, k, other.float())  # (B, H, Q)
+        ip_mass = by_group(share).mean(-1)
+    frame = query_frame_values(cell, pools, generators[1], tails)  # (forms, groups, H, stats)
+    chosen = [STAT_NAMES.index(name) for name in QUERY_FRAME_STATS]
+    frame_fields = [frame[form, ..., i] for form in range(frame.shape[0]) for i in chosen]
+    fields = [cell.h, *stats.unbind(-1), q_norm, spread, ip_mass, keys, *frame_fields]
+    return torch.stack(fields, dim=-1)
+
+
+def query_frame_values(
+    cell: Cell, pools: int, generator: torch.Generator, tails: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The query-frame statistics of a record's cells, both forms from one pass over the logits.
+
+    Per pool of queries (the frame) and head, ``b_i`` is key ``i``'s log-partition over the frame's rows
+    (:func:`~ipa_probe.kernels.query_frame_logits`, exact and Gaussian), and the query-frame NW logits of a row are
+    its centred logits minus ``b`` (``attn - b`` up to the row's constant): the cell's attention against them is
+    :func:`~ipa_probe.stats.compare_weights` with ``key_term=b``, so every statistic, ``logit_ratio``
+    (``sd_i(attn) / sd_i(b)``), its baseline and excess and the rows' nulls included, means what it means in the
+    stored frame. Rows outside the IP-Adapter mask and rows with non-finite logits take no part in the frame. A frame
+    of one row (a 1 x 1 latent grid, one item) gives uniform NW weights: no rank correlation (NaN), as in exact
+    arithmetic.
+
+    Args:
+        cell: the record by group (:func:`group_cell`), ``groups`` groups.
+        pools: how many frames the groups form, contiguous and of equal size: ``groups`` (one item each) or the
+            pass's number of CFG branches (each branch's items pooled).
+        generator: the permutation null's random source, on the device.
+        tails: as for :func:`cell_values`.
+
+    Returns:
+        ``(2, groups, H, len(STAT_NAMES))`` float32: the exact form's statistics, then the Gaussian form's.
+    """
+    attn, key_mask = cell.attn, cell.key_mask  # (groups, H, R, K)
+    groups, n_heads, n_rows, n_keys = attn.shape
+    finite = (attn if key_mask is None else torch.where(key_mask, attn, 0.0)).isfinite().all(-1)  # (groups, H, R)
+    rows = finite if cell.row_mask is None else finite & cell.row_mask
+
+    def pooled(x: torch.Tensor) -> torch.Tensor:
+        # (groups, H, R, ...) -> (pools, H, groups / pools * R, ...): the frame's rows side by side
+        x = x.reshape(pools, groups // pools, *x.shape[1:]).transpose(1, 2)
+        return x.flatten(2, 3)
+
+    if pools == groups:
+        nw, b = query_frame_logits(attn, rows, key_mask, form="both")  # (2, groups, H, R, K), (2, groups, H, 1, K)
+    else:
+        rows_p = pooled(rows.unsqueeze(-1)).squeeze(-1)
+        key_mask_p = pooled(key_mask) if key_mask is not None else None
+        nw, b = query_frame_logits(pooled(attn), rows_p, key_mask_p, form="both")  # (2, pools, H, n * R, K)
+        # (2, pools, H, n * R, K) -> (2, groups, H, R, K): back to the groups' rows
+        nw = nw.unflatten(3, (groups // pools, n_rows)).transpose(2, 3).reshape(2, groups, n_heads, n_rows, n_keys)
+        b = b.repeat_interleave(groups // pools, dim=1)  # (2, groups, H, 1, K)
+    # Both forms in one call, on (2, groups, H, R, K) tensors made contiguous: the reductions, sorts and gathers of
+    # compare_weights take slow strided paths on stride-0 (expanded) views (about 2x the time on CPU), so the
+    # attention logits, the copy ids and b are repeated once rather than broadcast.
+    copies = cell.copies.expand(nw.shape).contiguous() if cell.copies is not None else None
+    stacked = attn.expand(nw.shape).contiguous()
+    return compare_weights(
+        stacked, nw, generator, key_mask, cell.row_mask, copies, b.expand(nw.shape).contiguous(), tails
+    )
+
+
+def image_share(processor: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """Share of a joint softmax on the image columns, ``sigmoid(LSE(image logits) - LSE(other logits))``,
+    ``(B, H, Q)``.
+
+    The logits of both column sets come from one call of the processor's logits on the joint keys, so any
+    per-row constant the processor's logits drop (the NW head centres its keys) is the same for both. Queries
+    are taken in chunks of at most :data:`CHUNK_ELEMENTS` logits (SD3 has as many latent keys as queries).
+    """
+    joint = torch.cat([k, other], dim=2)  # (B, H, K + N, D)
+    n_image = k.shape[2]
+    rows = max(1, CHUNK_ELEMENTS // max(1, q.shape[0] * q.shape[1] * joint.shape[2]))
+    parts = []
+    for start in range(0, q.shape[2], rows):
+        logits = image_branch_logits(processor, q[:, :, start : start + rows], joint)  # (B, H, rows, K + N)
+        image, rest = logits[..., :n_image], logits[..., n_image:]
+        parts.append(torch.sigmoid(torch.logsumexp(image, -1) - torch.logsumexp(rest, -1)))
+    return torch.cat(parts, dim=2)
