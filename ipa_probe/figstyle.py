@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 
-__all__ = ["MIN_FONT_PT", "PAPER_RC", "paper_style", "small_text", "text_sizes", "unlegended_artists"]
+__all__ = [
+    "MIN_FONT_PT",
+    "PAPER_RC",
+    "fit_ylim",
+    "paper_style",
+    "regular_ticks",
+    "small_text",
+    "text_sizes",
+    "unlegended_artists",
+]
 
 #: The smallest font size (points) of any text in a figure.
 MIN_FONT_PT = 9.0
@@ -33,6 +42,58 @@ def paper_style() -> AbstractContextManager:
     import matplotlib
 
     return matplotlib.rc_context(PAPER_RC)
+
+
+def fit_ylim(ax, values, include=(), pad: float = 0.12, log: bool = False) -> tuple[float, float]:
+    """Set ``ax``'s y range to the finite ``values`` and ``include`` (reference lines, a paper's value) with ``pad``
+    of their span on each side, so that a panel does not spread its lines over a fixed range (say ±0.5) that hides
+    differences of 0.02.
+
+    Args:
+        ax: a matplotlib axes.
+        values: the numbers drawn (any shape; NaN and infinities are left out).
+        include: further values the range must hold.
+        pad: the margin on each side, as a fraction of the span.
+        log: fit in log10 (for a log-scale axis; values <= 0 are left out).
+
+    Returns:
+        the ``(low, high)`` set.
+    """
+    import numpy as np
+
+    data = np.asarray([*np.ravel(np.asarray(values, float)), *include], float)
+    data = data[np.isfinite(data)]
+    if log:
+        data = np.log10(data[data > 0])
+    if not data.size:
+        raise ValueError("values: expected at least one finite number to fit the range to")
+    low, high = float(data.min()), float(data.max())
+    span = max(high - low, 1e-3 * max(abs(high), 1e-3))  # a flat line still gets a visible range around it
+    low, high = low - pad * span, high + pad * span
+    limits = (10**low, 10**high) if log else (low, high)
+    ax.set_ylim(limits)
+    return limits
+
+
+def regular_ticks(count: int, most: int = 8) -> list[int]:
+    """Positions ``0, k, 2k, ...`` of at most ``most`` ticks among ``count`` evenly spaced columns (timesteps of one
+    schedule), one stride ``k`` for all, so that the labels step regularly (951, 801, 651, ...) instead of the
+    uneven gaps that rounding ``linspace`` positions gives.
+
+    Args:
+        count: the number of columns.
+        most: the largest number of ticks.
+
+    Returns:
+        the tick positions, ascending.
+    """
+    for name, value in (("count", count), ("most", most)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    if count <= most:
+        return list(range(count))
+    stride = -(-(count - 1) // (most - 1)) if most > 1 else count
+    return list(range(0, count, stride))
 
 
 def text_sizes(fig) -> list[tuple[str, float]]:

@@ -327,6 +327,28 @@ def test_the_checkers_catch_small_text_and_unnamed_lines():
     plt.close(fig)
 
 
+def test_regular_ticks_step_evenly_and_fit_ylim_holds_the_data():
+    import matplotlib.pyplot as plt
+
+    from ipa_probe.figstyle import fit_ylim, regular_ticks
+
+    assert regular_ticks(5) == [0, 1, 2, 3, 4]
+    assert regular_ticks(20) == [0, 3, 6, 9, 12, 15, 18]  # one stride: 951, 801, 651, ... on 20 DDIM steps
+    assert regular_ticks(50, most=6) == [0, 10, 20, 30, 40]
+    for count in range(1, 60):
+        ticks = regular_ticks(count)
+        assert len(ticks) <= 8 and len(set(np.diff(ticks))) <= 1
+    with pytest.raises(ValueError, match="count"):
+        regular_ticks(0)
+    fig, ax = plt.subplots()
+    low, high = fit_ylim(ax, [0.78, 0.80, np.nan], include=[0.79])
+    assert low < 0.78 and high > 0.80 and high - low == pytest.approx(0.02 * 1.24)  # 12% margin each side
+    assert fit_ylim(ax, [1e-2, 1e3, np.inf], log=True)[1] > 1e3
+    with pytest.raises(ValueError, match="finite"):
+        fit_ylim(ax, [np.nan])
+    plt.close(fig)
+
+
 @pytest.fixture(scope="module")
 def ip_adapter_figure():
     """ip_adapter.png's figure drawn from the committed full-tier record, caught before it is written and closed."""

@@ -30,6 +30,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from ..figstyle import fit_ylim  # noqa: E402
 from ..schema import GAUGE_COLUMNS  # noqa: E402
 from .report import ExperimentResult, Row, as_records, from_record  # noqa: E402
 
@@ -256,18 +257,6 @@ POPULATIONS = {
 }
 
 
-def _fit_range(ax, values, include=(), pad: float = 0.12, log: bool = False) -> None:
-    """Set ``ax``'s y range to the finite ``values`` (and ``include``) with ``pad`` of the span on each side, so that
-    no panel spreads its lines over a fixed range that hides their differences."""
-    data = np.asarray([v for v in [*np.ravel(np.asarray(values, float)), *include] if np.isfinite(v)], float)
-    if log:
-        data = np.log10(data[data > 0])
-    low, high = float(data.min()), float(data.max())
-    span = max(high - low, 1e-3 * max(abs(high), 1e-3))
-    low, high = low - pad * span, high + pad * span
-    ax.set_ylim((10**low, 10**high) if log else (low, high))
-
-
 def _series(ax, entries, x, frame, column, colour, style, label, band=True):
     """Draw ``frame[column]`` as one labelled line, its ``_low``/``_high`` (or ``ci_``) band behind it; one legend
     entry names both. Returns the values drawn (line and band) for the axis range."""
@@ -310,7 +299,7 @@ def _rho_panels(axes, summaries, x) -> None:
                                 label="paper (SD 1.5, t=1)")  # fmt: skip
         entries.append((paper, "paper (SD 1.5, t=1)"))
         include.append(PAPER_LAST_SPEARMAN)
-    _fit_range(axes[0], np.concatenate(drawn), include)
+    fit_ylim(axes[0], np.concatenate(drawn), include)
     axes[0].set(ylabel="statistic", title="(a) attention vs NW weights on the same q, k")
     _legend(axes[0], entries)
 
@@ -321,7 +310,7 @@ def _rho_panels(axes, summaries, x) -> None:
             drawn += _series(axes[1], entries, x, summary, "rho_excess", colour, "o-", f"{name}: ρ − ρ from r alone")
         drawn += _series(axes[1], entries, x, summary, "null", colour, "s:", f"{name}: permutation null of ρ")
     entries.append((axes[1].axhline(0, color="black", linewidth=0.8, label="zero", zorder=1), "zero"))
-    _fit_range(axes[1], np.concatenate(drawn))
+    fit_ylim(axes[1], np.concatenate(drawn))
     axes[1].set(ylabel="ρ difference", title="(b) ρ beyond its logit-ratio baseline, and the null")
     _legend(axes[1], entries)
 
@@ -342,7 +331,7 @@ def _attribution_panel(ax, attribution, x, column, title, ylabel, reference=None
         line = ax.axhline(reference[0], color="black", linewidth=0.8, linestyle="--", label=reference[1], zorder=1)
         entries.append((line, reference[1]))
         include.append(reference[0])
-    _fit_range(ax, np.concatenate(drawn), include)
+    fit_ylim(ax, np.concatenate(drawn), include)
     ax.set(ylabel=ylabel, title=title)
     _legend(ax, entries)
 
@@ -391,7 +380,7 @@ def _temperature_panel(ax, attribution, x) -> None:
     text = "exact denoiser's h(t) = σ_t/α_t"
     entries.append((ax.plot(x, first["bandwidth"], "k.--", label=text)[0], text))
     ax.set_yscale("log")
-    _fit_range(ax, finite, [top], log=True)
+    fit_ylim(ax, finite, [top], log=True)
     ax.set(ylabel="data-space bandwidth (log)", title="(h) fitted temperature (∞: drawn at the top)")
     _legend(ax, entries)
 
@@ -448,7 +437,7 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
             ax.set_xlabel("timestep (noise → data)")
         fig.suptitle(f"IP-Adapter attention on the digits organism (recipe {recipe}); bands: 95% intervals")
     inputs = as_records({"summaries": summaries, "attribution": attribution, "recipe": recipe})
-    code = code_digest(plot, _rho_panels, _attribution_panel, _temperature_panel, _series, _fit_range, _legend,
+    code = code_digest(plot, _rho_panels, _attribution_panel, _temperature_panel, _series, fit_ylim, _legend,
                        _bandwidths)  # fmt: skip
     stamp = {"code": code, "inputs": data_digest(inputs)}
     return write_figure(fig, Path(folder) / "ip_adapter.png", dpi=110, provenance=stamp)
