@@ -222,7 +222,7 @@ def _draw_reference_maps(data, call, item, adapter, branch, image, references, s
                 # two empty grey panels say less than one line of text across them
                 for ax in panels:
                     ax.set_axis_off()
-                panels[0].set_title(f"{name} ({span})", fontsize=MIN_FONT_PT, loc="left")
+                panels[0].set_title(f"{name} ({span})", fontsize=MIN_FONT_PT)
                 panels[0].text(
                     1.04, 0.5, f"no reference leads by > {margin:g}", transform=panels[0].transAxes, ha="center",
                     va="center", fontsize=MIN_FONT_PT,
