@@ -98,21 +98,22 @@ def regular_ticks(count: int, most: int = 8) -> list[int]:
 
 def text_sizes(fig) -> list[tuple[str, float]]:
     """Every visible, non-empty text of ``fig`` (titles, labels, tick labels, legends, annotations) with its size in
-    points, after drawing the figure once (tick labels exist only then)."""
+    points, after drawing the figure once (tick labels exist only then); the texts of a hidden axes, and the tick and
+    axis labels of an axes drawn without axes (``set_axis_off``), are left out: they are not drawn."""
     from matplotlib.text import Text
 
     fig.canvas.draw()
-    out = []
-    for text in fig.findobj(Text):
-        if text.get_visible() and text.get_text().strip() and _shown(text):
-            out.append((text.get_text(), float(text.get_fontsize())))
-    return out
-
-
-def _shown(artist) -> bool:
-    """Whether ``artist`` and the artists that hold it are visible (a hidden axis's tick labels are not shown)."""
-    axes = getattr(artist, "axes", None)
-    return axes is None or (axes.get_visible() and axes.axison) or artist in axes.texts or artist is axes.title
+    hidden = set()
+    for ax in fig.axes:
+        if not ax.get_visible():
+            hidden |= {id(t) for t in ax.findobj(Text)}
+        elif not ax.axison:
+            hidden |= {id(t) for axis in (ax.xaxis, ax.yaxis) for t in axis.findobj(Text)}
+    return [
+        (text.get_text(), float(text.get_fontsize()))
+        for text in fig.findobj(Text)
+        if text.get_visible() and text.get_text().strip() and id(text) not in hidden
+    ]
 
 
 def small_text(fig, minimum: float = MIN_FONT_PT) -> list[tuple[str, float]]:

@@ -322,7 +322,11 @@ def test_the_checkers_catch_small_text_and_unnamed_lines():
     ax.plot([1, 0], label="forgotten")
     ax.legend(handles=ax.lines[:1])
     ax.text(0.5, 0.5, "tiny", fontsize=6)
-    assert ("tiny", 6.0) in small_text(fig)
+    blank = fig.add_axes([0.7, 0.7, 0.2, 0.2])
+    blank.tick_params(labelsize=4)  # not drawn: the axes is off
+    blank.set_axis_off()
+    blank.text(0.5, 0.5, "said in an empty panel", fontsize=5)  # drawn although the axes is off
+    assert sorted(small_text(fig)) == [("said in an empty panel", 5.0), ("tiny", 6.0)]
     assert unlegended_artists(fig) == [": forgotten"]
     plt.close(fig)
 
