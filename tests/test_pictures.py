@@ -312,6 +312,19 @@ def test_network_order_of_a_real_unet(sd15, refs3):
     assert network_order(listed) == calls[: len(listed)]
 
 
+def test_selection_lines_name_steps_and_layer_groups_in_network_order():
+    from ipa_probe.capture.mapplots import describe_selection
+
+    names = ["down_blocks.0.a", "down_blocks.1.a", "up_blocks.0.a", "up_blocks.0.b", "mid_block.a"]  # diffusers' order
+    timesteps = [951.0, 901.0, 851.0, 801.0, 751.0]
+    everything = describe_selection([0, 1, 2, 3, 4], [0, 1, 2, 3, 4], timesteps, names, names)
+    assert everything == "all 5 recorded steps (t 951–751) · all 5 layers"
+    some = describe_selection([0, 1, 2, 4], [0, 1, 2, 3, 4], timesteps, ["up_blocks.0.a", "mid_block.a"], names)
+    assert some == "steps 0–2, 4 (t 951–751) · mid_block, up_blocks.0 (2 of 5 layers)"
+    one = describe_selection([3], [0, 1, 2, 3, 4], timesteps, names[:1], names)
+    assert one == "step 3 (t 801) · down_blocks.0 (1 of 5 layers)"
+
+
 def test_the_checkers_catch_small_text_and_unnamed_lines():
     import matplotlib.pyplot as plt
 
