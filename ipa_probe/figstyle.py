@@ -57,7 +57,7 @@ def fit_ylim(ax, values, include=(), pad: float = 0.12, log: bool = False) -> tu
         log: fit in log10 (for a log-scale axis; values <= 0 are left out).
 
     Returns:
-        the ``(low, high)`` set.
+        the ``(low, high)`` set (the axes' own range, unchanged, when nothing is finite).
     """
     import numpy as np
 
@@ -65,8 +65,8 @@ def fit_ylim(ax, values, include=(), pad: float = 0.12, log: bool = False) -> tu
     data = data[np.isfinite(data)]
     if log:
         data = np.log10(data[data > 0])
-    if not data.size:
-        raise ValueError("values: expected at least one finite number to fit the range to")
+    if not data.size:  # nothing finite drawn (a statistic undefined at every point): keep matplotlib's range
+        return ax.get_ylim()
     low, high = float(data.min()), float(data.max())
     span = max(high - low, 1e-3 * max(abs(high), 1e-3))  # a flat line still gets a visible range around it
     low, high = low - pad * span, high + pad * span
