@@ -4,7 +4,10 @@ Colour is honest here: every map has a colorbar, and a reference's share is draw
 uniform share (``share - 1/R`` on a diverging colormap centred at 0, one symmetric range per figure, the default) or
 on the absolute ``[0, 1]`` scale; the title says which. A "dominant reference" is coloured only where its share
 exceeds the runner-up's by more than a stated margin, and grey ("no clear winner") elsewhere, so that differences of
-a fraction of a percent are not painted as territories.
+a fraction of a percent are not painted as territories; where no reference leads anywhere, one line of text says so
+instead of empty grey panels. Overlays draw the map beside the image (which keeps its own colours) or as contour
+lines over it, never as a translucent fill whose colours no colorbar shows, and their titles state the steps, layers
+and branch averaged and the largest deviation from uniform. Text is 9 pt or more (:mod:`ipa_probe.figstyle`).
 """
 
 from __future__ import annotations
@@ -680,8 +683,8 @@ def _draw_overlay(base, drawn: OverlayMap, scale, vmax, layout, ax, title):
 
 #: The code an overlay depends on (its provenance digest).
 _OVERLAY_CODE = (
-    overlay_map, plot_overlay, _draw_overlay, _overlay_title, _contour_levels, describe_selection, _colour_scale,
-    _as_array,
+    overlay_map, plot_overlay, _draw_overlay, _overlay_title, _contour_levels, describe_selection, _spans,
+    _colour_scale, _as_array,
 )  # fmt: skip
 
 
