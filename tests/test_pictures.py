@@ -90,9 +90,10 @@ def test_a_large_margin_leaves_no_dominant_reference_and_absolute_scale_is_0_to_
     run, _ = mapped
     fig = run.plot_reference_maps(margin=0.5, scale="absolute", ranges=1)
     panels = _panels(fig, 4, 4)
-    for offset in (1, 2):
-        assert (panels[0, offset].get_images()[0].get_array() == 3).all()  # all grey: no clear winner
-        assert "clear at 0%" in panels[0, offset].get_title()
+    for offset in (1, 2):  # no clear winner anywhere: no grey panels, one line of text across both
+        assert not panels[0, offset].get_images() and not panels[0, offset].axison
+    assert [t.get_text() for t in panels[0, 1].texts] == ["no reference leads by > 0.5"]
+    assert not fig.axes[16].get_visible()  # the reference-colour bar describes nothing drawn
     drawn = panels[1, 1].get_images()[0]
     assert (drawn.norm.vmin, drawn.norm.vmax) == (0.0, 1.0) and drawn.get_cmap().name == "viridis"
     assert "absolute 0–1 scale" in " ".join(t.get_text() for t in fig.texts)
@@ -113,33 +114,69 @@ def test_one_reference_draws_no_stretched_noise(sd15, refs3):
 # --------------------------------------------------------------------------- overlays
 
 
-def test_plot_overlay_blends_one_reference_upsampled_to_the_image(mapped):
+def test_plot_overlay_draws_the_map_beside_the_image_with_the_colorbar_of_what_is_drawn(mapped):
     from ipa_probe import plot_overlay
 
     run, image = mapped
-    fig = plot_overlay(run, image, reference=1, alpha=0.4)
-    ax = fig.axes[0]
-    base, overlay = ax.get_images()
-    assert base.get_array().shape[:2] == (image.height, image.width)
+    fig = plot_overlay(run, image, reference=1)
+    picture, drawn_ax, bar_ax = fig.axes
+    (base,) = picture.get_images()
+    np.testing.assert_array_equal(base.get_array(), np.asarray(image) / 255.0)  # the image keeps its own colours
+    (drawn,) = drawn_ax.get_images()
     shares = run.reference_maps(size=(image.height, image.width)).double().numpy()  # (R, H, W)
-    np.testing.assert_allclose(overlay.get_array(), shares[1] - 1 / 3, atol=1e-12)
-    assert overlay.get_alpha() == 0.4
+    np.testing.assert_allclose(drawn.get_array(), shares[1] - 1 / 3, atol=1e-12)
+    assert drawn.get_alpha() is None  # opaque: the colorbar's colours are the colours drawn
+    assert bar_ax._colorbar.mappable is drawn and "share − uniform" in bar_ax.get_ylabel()
     top = np.abs(shares[1] - 1 / 3).max()
-    assert overlay.norm.vmax == pytest.approx(max(top, 1e-3)) and overlay.norm.vmin == -overlay.norm.vmax
-    assert len(fig.axes) == 2 and "share − uniform" in fig.axes[1].get_ylabel()  # the colorbar
+    assert drawn.norm.vmax == pytest.approx(max(top, 1e-3)) and drawn.norm.vmin == -drawn.norm.vmax
+    steps, names = run.map_steps(), [layer.name for layer in run.layers]
+    title = fig.get_suptitle()
+    assert f"all {len(steps)} recorded steps" in title and f"all {len(names)} layers" in title
+    assert "cond branch" in title and f"= {top:.3g}" in title
     # an image token of that reference: its own share, uniform 1/(R T)
     tokens = run.token_maps(size=(image.height, image.width)).double().numpy()  # (R, T, H, W)
     fig = plot_overlay(run, image, reference=1, token=2, scale="absolute")
-    np.testing.assert_allclose(fig.axes[0].get_images()[1].get_array(), tokens[1, 2], atol=1e-12)
+    np.testing.assert_allclose(fig.axes[1].get_images()[0].get_array(), tokens[1, 2], atol=1e-12)
     for kwargs, match in [
         ({}, "reference=i"),
         ({"reference": 5}, "reference=5"),
-        ({"reference": 0, "alpha": 2}, "alpha"),
+        ({"reference": 0, "layout": "blend"}, "layout"),
         ({"reference": 0, "vmax": -1}, "vmax"),
         ({"token": 1}, "keep_maps=True"),
     ]:
         with pytest.raises(ValueError, match=match):
             plot_overlay(run, image, **kwargs)
+
+
+def test_a_narrowed_overlay_is_titled_with_its_selection_and_drawn_as_contours(mapped):
+    from ipa_probe import plot_overlay
+
+    run, image = mapped
+    last = run.map_steps()[-1]
+    names = [layer.name for layer in run.layers]
+    chosen = [n for n in names if n.startswith("up_blocks.1")]
+    fig = plot_overlay(run, image, reference=0, steps=[last], layers=r"^up_blocks\.1", layout="contours")
+    (ax,) = fig.axes
+    title = fig.get_suptitle()
+    t = run.map_timesteps()[last]
+    assert f"step {last} (t {t:.0f})" in title and f"up_blocks.1 ({len(chosen)} of {len(names)} layers)" in title
+    shares = run.reference_maps(layers=r"^up_blocks\.1", steps=[last], size=(image.height, image.width))
+    top = float(np.abs(shares[0].double().numpy() - 1 / 3).max())
+    assert f"= {top:.3g}" in title  # the largest |deviation| of this selection, not of the full average
+    assert len(ax.get_images()) == 1  # the image alone: the map is contour lines over it, no translucent fill
+    levels = [float(t.get_text().split("= ")[1]) for t in ax.get_legend().get_texts()]
+    np.testing.assert_allclose(levels, np.array([-2, -1, 1, 2]) * max(top, 1e-3) / 3, rtol=1e-2)  # 3 digits shown
+
+
+def test_overlay_text_is_readable_at_the_saved_size(mapped):
+    from ipa_probe import plot_overlay
+    from ipa_probe.figstyle import MIN_FONT_PT, small_text
+
+    run, image = mapped
+    for layout in ("beside", "contours"):
+        assert small_text(plot_overlay(run, image, reference=0, layout=layout)) == []
+    assert small_text(run.plot_reference_maps(image=image)) == []
+    assert MIN_FONT_PT >= 9
 
 
 def test_text_token_overlay_against_the_tests_own_hooks(sd15, refs3):
@@ -182,9 +219,14 @@ def test_text_token_overlay_against_the_tests_own_hooks(sd15, refs3):
             grid = cond.reshape(1, 1, side, side)
             total += F.interpolate(grid, size=size, mode="bilinear", align_corners=False)[0, 0].numpy()
             count += 1
+    n_tokens = saved[(next(iter(attn)), "k")][0].shape[1]
     fig = plot_overlay(run, image, token=token)
-    np.testing.assert_allclose(fig.axes[0].get_images()[1].get_array(), total / count, atol=1e-5)  # fp16 maps
-    assert "largest" in fig.axes[1].get_ylabel()  # tokens default to the "max" scale, said on the colorbar
+    # tokens too are drawn as deviation from the uniform weight 1/K: a map within a few % of uniform looks flat
+    drawn = fig.axes[1].get_images()[0].get_array()
+    np.testing.assert_allclose(drawn, total / count - 1 / n_tokens, atol=1e-5)  # fp16 maps
+    assert f"share − uniform {1 / n_tokens:.3g}" in fig.axes[2].get_ylabel()
+    fig = plot_overlay(run, image, token=token, scale="max")  # the 0-to-max scale stays an option
+    assert "largest" in fig.axes[2].get_ylabel()
 
 
 def test_save_overlays_writes_one_per_reference_and_per_layer_group_and_step(mapped, tmp_path):
@@ -208,13 +250,163 @@ def test_layer_groups():
 
     names = ["down_blocks.0.attentions.0.x", "mid_block.attentions.0.x", "up_blocks.1.attentions.1.x",
              "up_blocks.1.attentions.0.x", "transformer_blocks.3.attn", "odd"]  # fmt: skip
-    assert layer_groups(names) == {
-        "down_blocks.0": names[:1],
-        "mid_block": names[1:2],
-        "up_blocks.1": names[2:4],
-        "transformer_blocks.3": names[4:5],
-        "odd": ["odd"],
-    }
+    assert (
+        layer_groups(names)
+        == {
+            "down_blocks.0": names[:1],
+            "mid_block": names[1:2],
+            "up_blocks.1": names[3:1:-1],  # network order: attentions.0 before attentions.1
+            "transformer_blocks.3": names[4:5],
+            "odd": ["odd"],
+        }
+    )
+
+
+# --------------------------------------------------------------------------- what a reviewer checks
+
+
+def test_network_order_puts_the_mid_block_between_down_and_up():
+    from ipa_probe.capture.layer_order import network_order
+
+    names = [
+        "up_blocks.1.attentions.10.t.attn2",
+        "mid_block.attentions.0.t.attn2",
+        "odd",
+        "up_blocks.1.attentions.2.t.attn2",
+        "down_blocks.10.attentions.0.t.attn2",
+        "down_blocks.2.attentions.1.t.attn2",
+        "single_transformer_blocks.0.attn",
+        "transformer_blocks.1.attn",
+    ]
+    # fmt: skip
+    assert network_order(names) == [
+        "down_blocks.2.attentions.1.t.attn2",
+        "down_blocks.10.attentions.0.t.attn2",  # numbers compare as numbers
+        "mid_block.attentions.0.t.attn2",
+        "up_blocks.1.attentions.2.t.attn2",
+        "up_blocks.1.attentions.10.t.attn2",
+        "transformer_blocks.1.attn",
+        "single_transformer_blocks.0.attn",
+        "odd",
+    ]
+    with pytest.raises(TypeError, match="layer id"):
+        network_order([3])
+
+
+def test_network_order_of_a_real_unet(sd15, refs3):
+    """diffusers lists a UNet's layers down, up, mid; network_order gives the order one UNet call runs them in."""
+    from ipa_probe.capture.layer_order import network_order
+
+    listed = [n.removesuffix(".processor") for n in sd15.unet.attn_processors]
+    calls = []  # the order the UNet runs its attention layers, from the test's own hooks
+    handles = [
+        sd15.unet.get_submodule(name).register_forward_pre_hook(lambda m, a, name=name: calls.append(name))
+        for name in listed
+    ]
+    try:
+        generate(sd15, refs3, steps=1, output_type="latent")
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert listed.index("mid_block.attentions.0.transformer_blocks.0.attn2") == len(listed) - 1  # why we sort
+    assert network_order(listed) == calls[: len(listed)]
+
+
+def test_selection_lines_name_steps_and_layer_groups_in_network_order():
+    from ipa_probe.capture.mapplots import describe_selection
+
+    names = ["down_blocks.0.a", "down_blocks.1.a", "up_blocks.0.a", "up_blocks.0.b", "mid_block.a"]  # diffusers' order
+    timesteps = [951.0, 901.0, 851.0, 801.0, 751.0]
+    everything = describe_selection([0, 1, 2, 3, 4], [0, 1, 2, 3, 4], timesteps, names, names)
+    assert everything == "all 5 recorded steps (t 951–751) · all 5 layers"
+    some = describe_selection([0, 1, 2, 4], [0, 1, 2, 3, 4], timesteps, ["up_blocks.0.a", "mid_block.a"], names)
+    assert some == "steps 0–2, 4 (t 951–751) · mid_block, up_blocks.0 (2 of 5 layers)"
+    one = describe_selection([3], [0, 1, 2, 3, 4], timesteps, names[:1], names)
+    assert one == "step 3 (t 801) · down_blocks.0 (1 of 5 layers)"
+
+
+def test_the_checkers_catch_small_text_and_unnamed_lines():
+    import matplotlib.pyplot as plt
+
+    from ipa_probe.figstyle import small_text, unlegended_artists
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], label="named")
+    ax.plot([1, 0], label="forgotten")
+    ax.legend(handles=ax.lines[:1])
+    ax.text(0.5, 0.5, "tiny", fontsize=6)
+    blank = fig.add_axes([0.7, 0.7, 0.2, 0.2])
+    blank.tick_params(labelsize=4)  # not drawn: the axes is off
+    blank.set_axis_off()
+    blank.text(0.5, 0.5, "said in an empty panel", fontsize=5)  # drawn although the axes is off
+    assert sorted(small_text(fig)) == [("said in an empty panel", 5.0), ("tiny", 6.0)]
+    assert unlegended_artists(fig) == [": forgotten"]
+    plt.close(fig)
+
+
+def test_regular_ticks_step_evenly_and_fit_ylim_holds_the_data():
+    import matplotlib.pyplot as plt
+
+    from ipa_probe.figstyle import fit_ylim, regular_ticks
+
+    assert regular_ticks(5) == [0, 1, 2, 3, 4]
+    assert regular_ticks(20) == [0, 3, 6, 9, 12, 15, 18]  # one stride: 951, 801, 651, ... on 20 DDIM steps
+    assert regular_ticks(50, most=6) == [0, 10, 20, 30, 40]
+    for count in range(1, 60):
+        ticks = regular_ticks(count)
+        assert len(ticks) <= 8 and len(set(np.diff(ticks))) <= 1
+    with pytest.raises(ValueError, match="count"):
+        regular_ticks(0)
+    fig, ax = plt.subplots()
+    low, high = fit_ylim(ax, [0.78, 0.80, np.nan], include=[0.79])
+    assert low < 0.78 and high > 0.80 and high - low == pytest.approx(0.02 * 1.24)  # 12% margin each side
+    assert fit_ylim(ax, [1e-2, 1e3, np.inf], log=True)[1] > 1e3
+    assert fit_ylim(ax, [np.nan]) == ax.get_ylim()  # nothing finite: the range is left as it is
+    plt.close(fig)
+
+
+@pytest.fixture(scope="module")
+def ip_adapter_figure():
+    """ip_adapter.png's figure drawn from the committed full-tier record, caught before it is written and closed."""
+    import ipa_probe._io as io
+    from ipa_probe.experiments.ip_adapter import redraw
+
+    caught, real = [], io.write_figure
+
+    def keep(fig, path, dpi=120, provenance=None):
+        caught.append((fig, dpi))
+        return Path(path)
+
+    record = json.loads((ROOT / "docs/results/full/ip-adapter/record.json").read_text())
+    io.write_figure = keep
+    try:
+        redraw(record, Path("unused"))
+    finally:
+        io.write_figure = real
+    return caught[0]
+
+
+def test_ip_adapter_figure_names_every_line_at_9_pt(ip_adapter_figure):
+    from ipa_probe.figstyle import small_text, unlegended_artists
+
+    fig, dpi = ip_adapter_figure
+    assert small_text(fig) == [] and dpi == 110
+    assert unlegended_artists(fig) == []
+    assert all(len(ax.get_legend().get_texts()) <= 7 for ax in fig.axes)  # no 9-10-entry legends
+    assert not any(ax.get_shared_x_axes().get_siblings(ax)[1:] for ax in fig.axes)  # no twin axes
+
+
+def test_ip_adapter_panels_fit_their_range_to_the_data(ip_adapter_figure):
+    """Each linear panel's y range is at most 1.3x the span of what it draws (lines, bands, reference lines), so a
+    difference of 0.003 is not drawn on a range of 1."""
+    fig, _ = ip_adapter_figure
+    for ax in fig.axes:
+        if ax.get_yscale() != "linear":
+            continue
+        ys = [y for line in ax.lines for y in np.asarray(line.get_ydata(), float) if np.isfinite(y)]
+        ys += [y for c in ax.collections for path in c.get_paths() for y in path.vertices[:, 1] if np.isfinite(y)]
+        low, high = ax.get_ylim()
+        assert high - low <= 1.3 * (max(ys) - min(ys)), ax.get_title()
 
 
 # --------------------------------------------------------------------------- heat maps, lines, strip

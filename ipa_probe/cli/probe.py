@@ -58,7 +58,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--overlays",
         metavar="DIR",
-        help="write each reference's map over the first generated image, with a colorbar, into DIR (implies --maps)",
+        help="write each reference's map beside the first generated image, with a colorbar, into DIR (implies --maps)",
     )
     parser.add_argument(
         "--overlay-steps",

@@ -30,8 +30,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from ..figstyle import fit_ylim  # noqa: E402
 from ..schema import GAUGE_COLUMNS  # noqa: E402
-from .report import ExperimentResult, Row, as_records, from_record, save_figure  # noqa: E402
+from .report import ExperimentResult, Row, as_records, from_record  # noqa: E402
 
 #: The paper's timesteps: the 50-step SD 1.x grid (steps_offset=1: 981, 961, ..., 1) at these step indices.
 PAPER_TIMESTEPS = (981, 761, 501, 261, 1)
@@ -246,9 +247,151 @@ def run(ctx) -> ExperimentResult:
     return ExperimentResult("ip-adapter", rows, record, figures)
 
 
+#: Colour and legend name of each population the figure draws (one colour per population in every panel).
+POPULATIONS = {
+    "trained": ("C0", "trained"),
+    "untrained": ("C1", "untrained"),
+    "trained, one digit refs": ("C0", "trained, one-digit sets"),
+    "trained, 2+2 mixed refs": ("C2", "trained, 2+2 mixed sets"),
+    "untrained, 2+2 mixed refs": ("C1", "untrained, 2+2 mixed sets"),
+}
+
+
+def _series(ax, entries, x, frame, column, colour, style, label, band=True):
+    """Draw ``frame[column]`` as one labelled line, its ``_low``/``_high`` (or ``ci_``) band behind it; one legend
+    entry names both. Returns the values drawn (line and band) for the axis range."""
+    values = frame[column].to_numpy(float)
+    (line,) = ax.plot(x, values, style, color=colour, label=label)
+    drawn, handle = [values], line
+    bounds = ("ci_low", "ci_high") if column == "spearman" else (f"{column}_low", f"{column}_high")
+    if band and all(b in frame.columns for b in bounds):
+        low, high = (frame[b].to_numpy(float) for b in bounds)
+        if np.isfinite(low).any():
+            handle = (line, ax.fill_between(x, low, high, color=colour, alpha=0.2, linewidth=0, label="_band"))
+            drawn += [low, high]
+            line.set_label(label := f"{label} (band: 95% CI)")
+    entries.append((handle, label))
+    return drawn
+
+
+def _legend(ax, entries, columns: int = 1) -> None:
+    from ..figstyle import MIN_FONT_PT
+
+    ax.legend(*zip(*entries, strict=True), fontsize=MIN_FONT_PT, loc="upper center", bbox_to_anchor=(0.5, -0.2),
+              ncol=columns, frameon=False)  # fmt: skip
+
+
+def _rho_panels(axes, summaries, x) -> None:
+    """(a) per-row Spearman, Pearson and the rho a logit ratio alone gives; (b) rho minus that baseline beside the
+    permutation null: the differences (~0.003) that panel (a)'s range cannot show."""
+    entries, drawn = [], []
+    for label, summary in summaries.items():
+        colour, name = POPULATIONS[label]
+        drawn += _series(axes[0], entries, x, summary, "spearman", colour, "o-", f"{name}: Spearman ρ")
+        drawn += _series(axes[0], entries, x, summary, "pearson", colour, "s:", f"{name}: Pearson", band=False)
+        if "rho_baseline" in summary.columns:
+            text = f"{name}: ρ from the logit ratio r alone"
+            drawn += _series(axes[0], entries, x, summary, "rho_baseline", colour, "^--", text, band=False)
+    timesteps = next(iter(summaries.values()))["timestep"].tolist()
+    include = []
+    if timesteps[-1] == PAPER_TIMESTEPS[-1]:
+        paper = axes[0].scatter([x[-1]], [PAPER_LAST_SPEARMAN], marker="x", color="C3", s=60, zorder=3,
+                                label="paper (SD 1.5, t=1)")  # fmt: skip
+        entries.append((paper, "paper (SD 1.5, t=1)"))
+        include.append(PAPER_LAST_SPEARMAN)
+    fit_ylim(axes[0], np.concatenate(drawn), include)
+    axes[0].set(ylabel="statistic", title="(a) attention vs NW weights on the same q, k")
+    _legend(axes[0], entries)
+
+    entries, drawn = [], [[0.0]]
+    for label, summary in summaries.items():
+        colour, name = POPULATIONS[label]
+        if "rho_excess" in summary.columns:
+            drawn += _series(axes[1], entries, x, summary, "rho_excess", colour, "o-", f"{name}: ρ − ρ from r alone")
+        drawn += _series(axes[1], entries, x, summary, "null", colour, "s:", f"{name}: permutation null of ρ")
+    entries.append((axes[1].axhline(0, color="black", linewidth=0.8, label="zero", zorder=1), "zero"))
+    fit_ylim(axes[1], np.concatenate(drawn))
+    axes[1].set(ylabel="ρ difference", title="(b) ρ beyond its logit-ratio baseline, and the null")
+    _legend(axes[1], entries)
+
+
+def _attribution_panel(ax, attribution, x, column, title, ylabel, reference=None, extra=None) -> None:
+    """One gauge-invariant statistic per population with its 95% band; ``reference``: a labelled horizontal line
+    ``(value, label)``; ``extra``: a second column drawn dotted without a band ``(column, label suffix)``."""
+    entries, drawn = [], []
+    for label, summary in attribution.items():
+        colour, name = POPULATIONS[label]
+        drawn += _series(ax, entries, x, summary, column, colour, "o-", name)
+        if extra is not None:
+            text = f"{name}: {extra[1]} (open)"
+            drawn += _series(ax, entries, x, summary, extra[0], colour, "^:", text, band=False)
+            ax.lines[-1].set(markerfacecolor="white", zorder=3)  # open markers: seen over the line they may equal
+    include = []
+    if reference is not None:
+        line = ax.axhline(reference[0], color="black", linewidth=0.8, linestyle="--", label=reference[1], zorder=1)
+        entries.append((line, reference[1]))
+        include.append(reference[0])
+    fit_ylim(ax, np.concatenate(drawn), include)
+    ax.set(ylabel=ylabel, title=title)
+    _legend(ax, entries)
+
+
+def _bandwidths(summary: pd.DataFrame) -> pd.DataFrame:
+    """The fitted bandwidth and its interval from ``fitted_beta`` (a record turns an infinite bandwidth into null):
+    ``h = 1 / sqrt(2 beta)``, infinite at ``beta = 0``; the interval's ends swap (h falls as beta grows)."""
+    if "fitted_beta" not in summary.columns:
+        return summary
+    out = summary.copy()
+    with np.errstate(divide="ignore"):
+        for suffix, other in (("", ""), ("_low", "_high"), ("_high", "_low")):
+            beta = out[f"fitted_beta{other}"].to_numpy(float)
+            out[f"fitted_bandwidth{suffix}"] = np.where(beta == 0, np.inf, 1.0 / np.sqrt(2 * beta))
+    return out
+
+
+def _temperature_panel(ax, attribution, x) -> None:
+    """The fitted data-space bandwidth h* against the exact denoiser's h(t), log scale; h* = ∞ (uniform weights
+    closest) as a triangle at the top edge, an interval reaching ∞ cut there."""
+    frames = {label: _bandwidths(s) for label, s in attribution.items()}
+    columns = ("fitted_bandwidth", "fitted_bandwidth_low", "fitted_bandwidth_high", "bandwidth")
+    finite = [v for f in frames.values() for c in columns for v in f[c].to_numpy(float) if np.isfinite(v) and v > 0]
+    top = 10 ** math.ceil(math.log10(max(finite) * 3))
+    entries = []
+    for index, (label, frame) in enumerate(frames.items()):
+        colour, name = POPULATIONS[label]
+        fitted = frame["fitted_bandwidth"].to_numpy(float)
+        infinite = np.isinf(fitted)
+        (line,) = ax.plot(x, np.where(infinite, np.nan, fitted), "o-", color=colour, label=f"{name}: fitted h*")
+        handle, text = line, f"{name}: fitted h*"
+        low, high = (np.clip(frame[f"fitted_bandwidth_{e}"].to_numpy(float), 0, top) for e in ("low", "high"))
+        if np.isfinite(low).any():
+            text += " (band: 95% CI)"
+            line.set_label(text)
+            handle = (line, ax.fill_between(x, low, high, color=colour, alpha=0.2, linewidth=0, label="_band"))
+        entries.append((handle, text))
+        if infinite.any():
+            edge = top / 1.6**index  # one row of triangles per population, so that none hides another
+            text = f"{name}: h* = ∞ (uniform closest)"
+            (marker,) = ax.plot(
+                x[infinite], np.full(infinite.sum(), edge), "^", color=colour, markersize=8, label=text
+            )
+            entries.append((marker, text))
+    first = next(iter(frames.values()))
+    text = "exact denoiser's h(t) = σ_t/α_t"
+    entries.append((ax.plot(x, first["bandwidth"], "k.--", label=text)[0], text))
+    ax.set_yscale("log")
+    fit_ylim(ax, finite, [top], log=True)
+    ax.set(ylabel="data-space bandwidth (log)", title="(h) fitted temperature (∞: drawn at the top)")
+    _legend(ax, entries)
+
+
 def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame], recipe: str, folder) -> Path:
-    """The experiment's figure: rho per timestep (gauge-dependent) and the gauge-invariant panels of
-    :mod:`ipa_probe.attribution.plots` (rank agreement, sharpness, fitted temperature).
+    """The experiment's figure, eight panels against the timestep, every line named in its panel's legend and every
+    range fitted to the data drawn: (a) per-row Spearman and Pearson of attention vs NW weights with the ρ a logit
+    ratio alone gives and (b) ρ minus that baseline beside the permutation null (gauge-dependent); then the
+    gauge-invariant statistics of :mod:`ipa_probe.attribution` per population: (c) rank agreement of attention share
+    with the exact posterior, (d) between-layer agreement, (e) attention n_eff, (f) the exact posterior's n_eff,
+    (g) attention TV from uniform against the pooling threshold, (h) the fitted data-space temperature against h(t).
 
     Args:
         summaries: ``"trained"`` / ``"untrained"`` -> :func:`summarize_sets` tables.
@@ -256,40 +399,48 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
         recipe: the organism's recipe (for the title).
         folder: where ``ip_adapter.png`` goes.
     """
-    from ..attribution.plots import plot_agreement, plot_sharpness, plot_temperature
+    from .._io import code_digest, data_digest, write_figure
+    from ..attribution import POOLING_TV
+    from ..figstyle import paper_style
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 13))
-    ax = axes[0, 0]
+    shown = {k: v for k, v in attribution.items() if k != "untrained, one digit refs"}
     timesteps = next(iter(summaries.values()))["timestep"].tolist()
     x = np.arange(len(timesteps))
-    colours = {"trained": "C0", "untrained": "C1"}
-    entries = []
-    for label, summary in summaries.items():
-        colour = colours[label]
-        (line,) = ax.plot(x, summary["spearman"], marker="o", color=colour)
-        band = ax.fill_between(x, summary["ci_low"], summary["ci_high"], color=colour, alpha=0.2, linewidth=0)
-        entries.append(((line, band), f"{label}: per-row Spearman ρ (band: 95% CI over reference sets)"))
-        entries.append((ax.plot(x, summary["pearson"], "s:", color=colour)[0], f"{label}: Pearson"))
-        if "rho_baseline" in summary.columns:
-            line = ax.plot(x, summary["rho_baseline"], "-.", color=colour)[0]
-            entries.append((line, f"{label}: ρ expected from the logit ratio alone"))
-        line = ax.plot(x, summary["null"], "--", color=colour, linewidth=0.8)[0]
-        entries.append((line, f"{label}: permutation null"))
-    if timesteps[-1] == PAPER_TIMESTEPS[-1]:
-        paper = ax.scatter([x[-1]], [PAPER_LAST_SPEARMAN], marker="x", color="C3", s=60)
-        entries.append((paper, "paper (SD 1.5, t=1)"))
-    ax.set(xticks=x, xticklabels=timesteps, xlabel="timestep (noise → data)", ylabel="statistic")
-    ax.set_title("attention vs NW weights on the same q, k (gauge-dependent)")
-    ax.set_ylim(-0.2, 1.05)
-    ax.legend(*zip(*entries, strict=True), fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.16))
-    shown = {k: v for k, v in attribution.items() if k != "untrained, one digit refs"}
-    palette = {"trained, one digit refs": "C0", "trained, 2+2 mixed refs": "C2", "untrained, 2+2 mixed refs": "C1"}
-    plot_agreement(axes[0, 1], shown, palette)
-    plot_sharpness(axes[1, 0], shown, palette)
-    plot_temperature(axes[1, 1], shown, palette)
-    fig.suptitle(f"IP-Adapter attention on the digits organism (recipe {recipe})", fontsize=10)
+    refs = int(max(s["references"].max() for s in shown.values()))
+    with paper_style():
+        fig, axes = plt.subplots(4, 2, figsize=(11, 17), layout="constrained")
+        _rho_panels(axes[0], summaries, x)
+        _attribution_panel(
+            axes[1, 0], shown, x, "share_spearman", "(c) attention share vs exact posterior (ranks)",
+            "mean per-set Spearman", (0.0, "chance (permutation null mean)"),
+        )  # fmt: skip
+        _attribution_panel(
+            axes[1, 1], shown, x, "layer_agreement", "(d) agreement between layers", "mean per-set Spearman",
+            (0.0, "chance (permutation null mean)"),
+        )  # fmt: skip
+        _attribution_panel(
+            axes[2, 0], shown, x, "attention_neff", "(e) attention n_eff: per layer, and per position",
+            f"effective number of refs (of {refs})", (refs, f"uniform over {refs} references"),
+            extra=("position_neff", "per position"),
+        )  # fmt: skip
+        _attribution_panel(
+            axes[2, 1], shown, x, "posterior_neff", "(f) exact posterior n_eff",
+            f"effective number of refs (of {refs})", (refs, f"uniform over {refs} references"),
+        )  # fmt: skip
+        _attribution_panel(
+            axes[3, 0], shown, x, "attention_tv", "(g) attention TV from uniform (verdict: pooling below the line)",
+            "TV distance", (POOLING_TV, f"pooling threshold {POOLING_TV:g}"),
+        )  # fmt: skip
+        _temperature_panel(axes[3, 1], shown, x)
+        for ax in axes.flat:
+            ax.set_xticks(x, [f"{t:g}" for t in timesteps])
+            ax.set_xlabel("timestep (noise → data)")
+        fig.suptitle(f"IP-Adapter attention on the digits organism (recipe {recipe}); bands: 95% intervals")
     inputs = as_records({"summaries": summaries, "attribution": attribution, "recipe": recipe})
-    return save_figure(fig, Path(folder) / "ip_adapter.png", plot, inputs)
+    code = code_digest(plot, _rho_panels, _attribution_panel, _temperature_panel, _series, fit_ylim, _legend,
+                       _bandwidths)  # fmt: skip
+    stamp = {"code": code, "inputs": data_digest(inputs)}
+    return write_figure(fig, Path(folder) / "ip_adapter.png", dpi=110, provenance=stamp)
 
 
 def redraw(record: dict, folder) -> list[Path]:
