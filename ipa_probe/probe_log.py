@@ -251,8 +251,8 @@ def _overlays(log: ProbeLog, run, call: int, adapter: int, head: str, where: str
         spread = 1e-6
         for kind in ("attention", "nw"):
             for step in steps:
-                values, uniform, _ = overlay_map(run, size, r, kind=kind, call=call, adapter=adapter, branch=head,
-                                                 steps=[step])  # fmt: skip
+                drawn = overlay_map(run, size, r, kind=kind, call=call, adapter=adapter, branch=head, steps=[step])
+                values, uniform = drawn.values, drawn.uniform
                 spread = max(spread, float(np.abs(values - uniform).max()))
         top[r] = spread
     timesteps = run.map_timesteps(call)
@@ -265,7 +265,17 @@ def _overlays(log: ProbeLog, run, call: int, adapter: int, head: str, where: str
             for r in range(count):
                 options = {"kind": kind, "call": call, "adapter": adapter, "branch": head, "steps": [step]}
                 title = f"reference {r}, {kind}"
-                plot_overlay(run, base, r, scale="deviation", vmax=top[r], ax=axes[row, r], title=title, **options)
+                plot_overlay(
+                    run,
+                    base,
+                    r,
+                    scale="deviation",
+                    vmax=top[r],
+                    layout="contours",
+                    ax=axes[row, r],
+                    title=title,
+                    **options,
+                )
         fig.suptitle(
             f"step {step} (t {timesteps[step]:.0f}), {head} branch: share minus 1/{count} {note}, mean over layers "
             "and heads",

@@ -133,8 +133,10 @@ def test_layout_names_the_tags_that_exist(logged):
     assert len(drawn("rho per layer (network order)")) == len(logged[0].layers)
     assert drawn("attention share of each reference") == [f"maps/attention_share/ref{r}" for r in range(3)]
     assert layout.category[0].title.startswith("rho vs Gaussian NW: cond branch")
-    assert layout.category[0].chart[0].title == "rho with its baseline and null (stored frame)"  # opens on it
-    assert not any("qf" in title for title in charts)  # no query-frame columns in this probe: no such charts
+    # the probe records the query-frame columns: the view opens on them, the stored frame's chart beside it
+    assert layout.category[0].chart[0].title == "query-frame rho with its baseline and null"
+    assert drawn("query-frame rho with its baseline and null") == ["nw/qf_rho", "nw/qf_rho_baseline", "nw/qf_rho_null"]
+    assert layout.category[0].chart[1].title == "rho with its baseline and null (stored frame)"
 
 
 def test_histograms_of_cells_and_shares_have_the_right_counts(logged):
@@ -200,10 +202,15 @@ def test_hparams_carry_the_settings_and_end_of_run_metrics(logged):
     assert hparams["probe/bandwidth"] == "matched" and hparams["adapter_scale"] == 1.0
     experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
     metrics = [m.name.tag for m in experiment.metric_infos]
-    assert metrics == ["end/rho", "end/rho_baseline", "end/rho_null", "end/rho_excess"]
+    assert metrics[:4] == ["end/rho", "end/rho_baseline", "end/rho_null", "end/rho_excess"]
+    assert {"end/qf_rho", "end/qf_rho_baseline", "end/qf_rho_null", "end/qf_rho_excess"} <= set(metrics)
     cells = _cells(run)
-    for tag, column in zip(metrics, ("spearman", "rho_baseline", "spearman_null", "rho_excess"), strict=True):
-        assert list(_scalar(events, tag).values()) == pytest.approx([cells[column].mean()], abs=FLOAT32)
+    columns = {"rho": "spearman", "rho_null": "spearman_null", "rho_baseline": "rho_baseline"}
+    columns.update(rho_excess="rho_excess", qf_rho="qf_spearman", qf_rho_null="qf_spearman_null")
+    columns.update(qf_rho_baseline="qf_rho_baseline", qf_rho_excess="qf_rho_excess")
+    for name, column in columns.items():
+        # the mean over the cond branch's finite cells (pandas skips the NaN rho of a one-query layer)
+        assert list(_scalar(events, f"end/{name}").values()) == pytest.approx([cells[column].mean()], abs=FLOAT32)
 
 
 # --------------------------------------------------------------------------- wandb and MLflow
@@ -348,7 +355,7 @@ def test_cli_prints_the_folder_of_the_event_file(tmp_path, capsys):
     argv = ["probe", "--log-with", "tensorboard", "--out", str(out), "--steps", "2", "--num-images", "2"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    folder = re.search(r"tensorboard logs in (\S+?);", printed).group(1)
+    folder = re.search(r"tensorboard logs in (\S+?)[,;]", printed).group(1)
     (event,) = Path(out / "logs").rglob("events.out.tfevents.*")
     assert Path(folder) == event.parent
     events = _events(folder)
