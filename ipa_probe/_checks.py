@@ -80,16 +80,21 @@ def check_nw_frame(frame: Any, form: Any = None, bandwidth: Any = "matched") -> 
         frame.
 
     Raises:
+        TypeError: a frame or form that is not a string.
         ValueError: an unknown frame or form, a form with the stored frame, or a bandwidth with the query frame.
     """
-    if not isinstance(frame, str) or frame not in NW_FRAMES:
+    if not isinstance(frame, str):
+        raise TypeError(f"frame: expected one of {NW_FRAMES}, got {_given(frame)}")
+    if frame not in NW_FRAMES:
         raise ValueError(f"frame: expected one of {NW_FRAMES}, got {frame!r}")
     if frame == "stored":
         if form is not None:
             raise ValueError(f"form={form!r} applies to the query-frame head only; pass frame='query' or drop form")
         return frame, None
     form = "exact" if form is None else form
-    if not isinstance(form, str) or form not in NW_FORMS:
+    if not isinstance(form, str):
+        raise TypeError(f"form: expected one of {NW_FORMS}, got {_given(form)}")
+    if form not in NW_FORMS:
         raise ValueError(f"form: expected one of {NW_FORMS}, got {form!r}")
     if not (isinstance(bandwidth, str) and bandwidth == "matched"):
         raise ValueError(
