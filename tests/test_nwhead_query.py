@@ -483,3 +483,21 @@ def test_dit_query_frame_swaps_differs_from_the_stored_frame_and_restores(refs, 
     assert all(pipe.transformer.attn_processors[k] is v for k, v in processors.items())
     assert all(torch.equal(v, weights[k]) for k, v in pipe.transformer.state_dict().items())
     assert torch.equal(generate_dit(pipe, refs, cfg=True), plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_query_frame_head_in_half_precision_follows_its_float64_reference(dtype):
+    _, original = _bare()
+    head = NWHeadAttnProcessor(original, frame="query")
+    gen = torch.Generator().manual_seed(0)
+    q = 3 * torch.randn(2, 2, 64, 8, generator=gen, dtype=torch.float64)
+    k = 3 * torch.randn(2, 2, 6, 8, generator=gen, dtype=torch.float64)  # logits of size ~10: a spread-out b
+    v = torch.randn(2, 2, 6, 8, generator=gen, dtype=torch.float64)
+    out = head.nw_attention(q.to(dtype), k.to(dtype), v.to(dtype))
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    # The inputs are rounded to 8 (bf16) or 11 (fp16) significant bits and SDPA runs in that precision, so logits of
+    # size ~10 move by ~0.05 (bf16) / ~0.005 (fp16) and the weighted means of values ~1 with them: measured 0.056 and
+    # 0.009 here (float32: 3e-6); the bounds leave a factor of about 3.
+    expected = reference_query_frame(q.numpy(), k.numpy(), v.numpy(), "exact")
+    atol = 0.15 if dtype == torch.bfloat16 else 0.03
+    np.testing.assert_allclose(out.double().numpy(), expected, atol=atol)
