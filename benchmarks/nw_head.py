@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
 
     where = f"{args.device}, {str(dtype).removeprefix('torch.')}, {latent * 8}px ({latent}x{latent} latents)"
     print(
-        f"# NW head vs learned IP-Adapter head: SD 1.5 architecture, {where}, {steps} steps, CFG, {args.repeats} pairs"
+        f"# NW head vs learned IP-Adapter head: SD 1.5 architecture, {where}, {steps} steps, CFG, "
+        f"{args.repeats} rounds"
     )
     print(f"learned head            {head['learned_s']:.3f} s / call (median)")
     print(f"NW head, stored frame   {head['nw_s']:.3f} s / call (median)")
