@@ -19,10 +19,13 @@ __all__ = [
     "DEFAULT_DIGITS_RECIPE",
     "DIGITS_RECIPES",
     "MAX_SEED",
+    "NW_FRAMES",
+    "NW_FORMS",
     "check_flag",
     "check_fraction",
     "check_int",
     "check_items",
+    "check_nw_frame",
     "check_seed",
     "check_threshold",
     "PIPELINE_DEVICES",
@@ -56,6 +59,52 @@ DIGITS_RECIPES = ("support", "ip-adapter")
 #: The recipe ``digits_pipeline()``, ``probe``, ``compare`` and ``train-digits`` use unless told: the one that draws
 #: the references' digit more reliably (docs/organism.md).
 DEFAULT_DIGITS_RECIPE = "support"
+
+
+#: The NW head's frames: ``stored`` (the key-norm term ``|k|^2 / (2 h^2)`` of the stored keys: gauge dependent) and
+#: ``query`` (each key's log-partition over the current pass's queries: invariant under every q/k basis change).
+NW_FRAMES = ("stored", "query")
+
+#: How the query-frame head estimates its key term (see :func:`ipa_probe.kernels.query_frame_bias`).
+NW_FORMS = ("exact", "gaussian")
+
+
+def check_nw_frame(frame: Any, form: Any = None, bandwidth: Any = "matched") -> tuple[str, str | None]:
+    """Check the NW head's frame and form against its bandwidth; torch-free (the command line calls it too).
+
+    Args:
+        frame: one of :data:`NW_FRAMES`.
+        form: ``None``, or for ``frame="query"`` one of :data:`NW_FORMS`.
+        bandwidth: the head's bandwidth setting; the query frame takes only the default ``"matched"``.
+
+    Returns:
+        ``(frame, form)``, ``form`` being ``"exact"`` for the query frame when not given and ``None`` for the stored
+        frame.
+
+    Raises:
+        TypeError: a frame or form that is not a string.
+        ValueError: an unknown frame or form, a form with the stored frame, or a bandwidth with the query frame.
+    """
+    if not isinstance(frame, str):
+        raise TypeError(f"frame: expected one of {NW_FRAMES}, got {_given(frame)}")
+    if frame not in NW_FRAMES:
+        raise ValueError(f"frame: expected one of {NW_FRAMES}, got {frame!r}")
+    if frame == "stored":
+        if form is not None:
+            raise ValueError(f"form={form!r} applies to the query-frame head only; pass frame='query' or drop form")
+        return frame, None
+    form = "exact" if form is None else form
+    if not isinstance(form, str):
+        raise TypeError(f"form: expected one of {NW_FORMS}, got {_given(form)}")
+    if form not in NW_FORMS:
+        raise ValueError(f"form: expected one of {NW_FORMS}, got {form!r}")
+    if not (isinstance(bandwidth, str) and bandwidth == "matched"):
+        raise ValueError(
+            f"bandwidth={bandwidth!r} does not apply to frame='query': its logits are the model's own "
+            "q·k/sqrt(d_head) (its own temperature) with each key's log-partition over the queries taken out; "
+            "drop bandwidth (or pass 'matched'), or use frame='stored' for a chosen bandwidth"
+        )
+    return frame, form
 
 
 def check_recipe(recipe: Any) -> str:

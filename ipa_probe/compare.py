@@ -39,7 +39,7 @@ import pandas as pd
 import PIL.Image
 import torch
 
-from ._checks import check_items, check_seed
+from ._checks import check_items, check_nw_frame, check_seed
 from ._quiet import quiet_known_messages
 from .bandwidth import describe as describe_bandwidth
 
@@ -229,6 +229,7 @@ def generate_methods(
     bandwidth: Any = "matched",
     methods: Sequence[str] = METHODS,
     progress: bool = True,
+    nw_frame: str = "stored",
 ) -> tuple[dict[str, list[PIL.Image.Image]], dict[str, float]]:
     """Generate one image per seed with each method, from the same initial noise.
 
@@ -243,6 +244,8 @@ def generate_methods(
         bandwidth: the NW head's bandwidth (see :func:`ipa_probe.nw_head`).
         methods: a subset of :data:`METHODS`.
         progress: show the progress bars.
+        nw_frame: the NW head's frame, ``"stored"`` (gauge dependent) or ``"query"`` (gauge invariant; the bandwidth
+            must then stay ``"matched"``); see :func:`ipa_probe.nw_head`.
 
     Returns:
         ``(images, seconds)``: method -> list of PIL images (one per seed), and method -> wall time in seconds.
@@ -256,6 +259,7 @@ def generate_methods(
         raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
     references, seeds = _check_references(references), _check_seeds(seeds)
     check_head_bandwidth(bandwidth)
+    check_nw_frame(nw_frame, None, bandwidth)
     if call_kwargs is not None and not isinstance(call_kwargs, dict):
         raise TypeError(f"call_kwargs: expected a dict of pipeline arguments, got {type(call_kwargs).__name__}")
     call_kwargs = dict(call_kwargs or {})
@@ -279,7 +283,10 @@ def generate_methods(
                 with bar_for(pipe, method, len(seeds) * steps, progress):
                     images[method] = learned()
             elif method == "nw_head":
-                with nw_head(pipe, bandwidth=bandwidth), bar_for(pipe, method, len(seeds) * steps, progress):
+                with (
+                    nw_head(pipe, bandwidth=bandwidth, frame=nw_frame),
+                    bar_for(pipe, method, len(seeds) * steps, progress),
+                ):
                     images[method] = learned()
             else:
                 height, width = _output_size(pipe, call_kwargs)
@@ -544,6 +551,7 @@ def compare_methods(
     methods: Sequence[str] = METHODS,
     settings: dict | None = None,
     progress: bool = True,
+    nw_frame: str = "stored",
 ) -> Comparison:
     """Generate with the learned IP-Adapter, the NW head and the exact denoiser from the same seeds, and score them.
 
@@ -552,7 +560,9 @@ def compare_methods(
         references: reference images (PIL): the image prompt and the exact denoiser's support.
         seeds: generator seeds (one image per method and seed).
         call_kwargs: more pipeline arguments (``prompt``, ``num_inference_steps``, ``height``, ``width``, ...).
-        bandwidth: the NW head's bandwidth.
+        bandwidth: the NW head's bandwidth (stored frame only).
+        nw_frame: the NW head's frame: ``"stored"`` (default; key term ``|k|^2`` of the stored keys, gauge dependent)
+            or ``"query"`` (key term from the pass's own queries, gauge invariant); see :func:`ipa_probe.nw_head`.
         scorer: the :class:`ClipScorer` (default: ``ViT-B-32`` with random weights, offline).
         methods: a subset of :data:`METHODS`.
         settings: extra JSON-friendly settings to record.
@@ -574,7 +584,7 @@ def compare_methods(
         raise TypeError(f"scorer: expected a ClipScorer or None, got {type(scorer).__name__}")
     if settings is not None and not isinstance(settings, dict):
         raise TypeError(f"settings: expected a JSON-able dict or None, got {type(settings).__name__}")
-    images, seconds = generate_methods(pipe, references, seeds, call_kwargs, bandwidth, methods, progress)
+    images, seconds = generate_methods(pipe, references, seeds, call_kwargs, bandwidth, methods, progress, nw_frame)
     scorer = scorer or ClipScorer()
     size = next(iter(images.values()))[0].size  # (width, height)
     start = time.perf_counter()
@@ -599,6 +609,7 @@ def compare_methods(
         **(settings or {}),
         "seeds": seeds,
         "bandwidth": describe_bandwidth(bandwidth),
+        "nw_frame": nw_frame,
         "call": {k: v for k, v in (call_kwargs or {}).items() if isinstance(v, str | int | float | bool)},
         "references": len(references),
         "image_size": list(size),

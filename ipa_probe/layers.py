@@ -338,7 +338,7 @@ def list_hooks(pipe) -> Attachments:
         >>> with ipa_probe.nw_head(pipe), ipa_probe.probe(pipe):
         ...     print(ipa_probe.list_hooks(pipe))
         feature  layers     what
-        nw_head  10 layers  NW processors swapped in, bandwidth=matched
+        nw_head  10 layers  NW processors swapped in, bandwidth=matched, frame=stored
         probe    10 layers  read-only forward hooks (image branch), bandwidth=matched
         ```
     """

@@ -57,6 +57,13 @@ CASES = [
     Case("sweep --seed -1", ("sweep", "{root}/ok.jsonl", "--seed", "-1"), 2, "--seed"),
     Case("compare --seeds 1 1", ("compare", "--seeds", "1", "1"), 2, "repeated values"),
     Case("compare --clip-pretrained missing", ("compare", "--clip-pretrained", "./nope.pt"), 2, "does not exist"),
+    Case("compare --nw-frame bogus", ("compare", "--nw-frame", "bogus"), 2, "argument --nw-frame: invalid choice"),
+    Case(
+        "compare --nw-frame query --bandwidth 0.5",
+        ("compare", "--nw-frame", "query", "--bandwidth", "0.5"),
+        2,
+        "does not apply to --nw-frame query",
+    ),
     Case("train-digits --steps 0", ("train-digits", "--steps", "0"), 2, "--steps"),
     Case("train-digits --out a file", ("train-digits", "--out", "{root}/a_file"), 2, "is a file"),
     Case("bogus experiment", ("experiments", "bogus"), 2, "unknown experiment 'bogus'"),

@@ -61,6 +61,12 @@ def test_probe_checks_every_argument_before_attaching(sd15, refs, kwargs, error,
         ({"bandwidth": "wide"}, (TypeError, ValueError), "bandwidth"),
         ({"layers": 5}, TypeError, "layers"),
         ({"layers": ["("]}, ValueError, "layers"),
+        ({"frame": 1}, TypeError, "frame"),
+        ({"frame": "keys"}, ValueError, "frame"),
+        ({"frame": "query", "form": None, "bandwidth": 2.0}, ValueError, "bandwidth"),
+        ({"frame": "query", "form": "laplace"}, ValueError, "form"),
+        ({"frame": "query", "form": ["exact"]}, TypeError, "form"),
+        ({"form": "exact"}, ValueError, "form"),
     ],
 )
 def test_nw_head_checks_its_arguments_before_swapping(sd15, kwargs, error, name):

@@ -204,12 +204,34 @@ def test_cli_compare_with_model_arguments(tiny_clip, tmp_path, capsys):
     assert record["seeds"] == [5, 9] and record["settings"]["run"]["model"] == "embedded tiny sd15"
 
 
+def test_compare_passes_the_nw_frame_through(tiny_clip, tmp_path, capsys):
+    pipe = tiny_pipeline("sd15")
+    refs = default_reference_images(2)
+    call = {"num_inference_steps": 2}
+    images = {
+        frame: compare_methods(
+            pipe, refs, seeds=[3], call_kwargs=call, scorer=ClipScorer(tiny_clip), methods=["nw_head"], nw_frame=frame
+        )
+        for frame in ("stored", "query")
+    }
+    assert images["query"].settings["nw_frame"] == "query" and images["stored"].settings["nw_frame"] == "stored"
+    stored, query = (np.asarray(images[f].images["nw_head"][0], dtype=float) for f in ("stored", "query"))
+    assert np.abs(stored - query).max() > 0  # a different head
+    with pytest.raises(ValueError, match="does not apply to frame='query'"):
+        compare_methods(pipe, refs, seeds=[3], bandwidth=0.5, nw_frame="query", methods=["nw_head"])
+    out = tmp_path / "cmp"
+    argv = ["compare", "--kind", "sd15", "--out", str(out), "--steps", "2", "--seeds", "5", "--nw-frame", "query"]
+    assert main([*argv, "--clip-model", tiny_clip]) == 0
+    assert json.loads((out / "compare.json").read_text())["settings"]["nw_frame"] == "query"
+
+
 @pytest.mark.parametrize(
     "argv, match",
     [
         (["--num-seeds", "0"], "--num-seeds must be at least 1"),
         (["--seeds", "1", "1"], "repeated"),
         (["--clip-model", "ViT-Q-99"], "open_clip knows no model"),
+        (["--nw-frame", "query", "--bandwidth", "2"], "does not apply to --nw-frame query"),
         (["--model", "/no/such/model", "--ip-adapter", "x", "--image", "y"], "does not exist"),
     ],
 )

@@ -6,7 +6,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from .._checks import MAX_SEED
+from .._checks import MAX_SEED, NW_FRAMES
 from . import CLIError
 from ._common import (
     add_model_arguments,
@@ -52,7 +52,20 @@ def add_parser(subparsers) -> None:
         help=f"use the seeds --seed, --seed + 1, ... (default: {DEFAULT_NUM_SEEDS})",
     )
     bandwidth = bandwidth_type("matched")
-    parser.add_argument("--bandwidth", type=bandwidth, default="matched", help="NW head bandwidth: 'matched' or h > 0")
+    parser.add_argument(
+        "--bandwidth",
+        type=bandwidth,
+        default="matched",
+        help="NW head bandwidth: 'matched' or h > 0 (stored frame only)",
+    )
+    parser.add_argument(
+        "--nw-frame",
+        choices=NW_FRAMES,
+        default="stored",
+        help="the NW head's key term: 'stored' (|k|^2 of the stored keys; changes under a q/k basis change that "
+        "leaves the model's outputs equal) or 'query' (each key's log-partition over the pass's own queries; the "
+        "same under every such change; takes no --bandwidth). Default: stored",
+    )
     parser.add_argument("--clip-model", default="ViT-B-32", help="open_clip model name (default: ViT-B-32)")
     parser.add_argument(
         "--clip-pretrained",
@@ -79,8 +92,14 @@ def _seeds(args: argparse.Namespace) -> list[int]:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Before torch loads: the seeds, the model arguments, the references, ``--clip-pretrained`` and ``--out``."""
+    """Before torch loads: the seeds, ``--nw-frame`` against ``--bandwidth``, the model arguments, the references,
+    ``--clip-pretrained`` and ``--out``."""
     args.seed_list = _seeds(args)
+    if args.nw_frame == "query" and args.bandwidth != "matched":
+        raise CLIError(
+            f"--bandwidth {args.bandwidth} does not apply to --nw-frame query (its logits carry the model's own "
+            "temperature); drop --bandwidth or use --nw-frame stored"
+        )
     check_output_dir(args.out)
     pretrained = args.clip_pretrained
     looks_like_path = pretrained is not None and pretrained.startswith((".", "/", "~"))
@@ -106,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
             seeds,
             loaded.call_kwargs,
             bandwidth=args.bandwidth,
+            nw_frame=args.nw_frame,
             scorer=scorer,
             settings={"run": loaded.description},
         )

@@ -7,6 +7,10 @@ the image branch separately in Flux); the image query is formed again with the s
 projection per IP layer, a few percent of a double block). The head is a view of the original processor
 (:class:`~.kernel.ProcessorView`) and its kernel is :mod:`.kernel`'s. A callable bandwidth receives the scheduler
 timestep on the 0-1000 scale (the transformer itself is called with ``t / 1000``), the value the probe reports.
+
+With ``frame="query"`` the image branch is ``softmax_i(q·k_i / sqrt(d) - b_i) v_i``, ``b`` estimated per batch item
+and head from the logits this processor forms (``q`` after ``norm_q``, keys from ``to_k_ip``) over all latent queries
+of the call (:meth:`~.kernel.NWKernel.query_frame_mask`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class FluxNWHeadAttnProcessor(ProcessorView, FluxIPAdapterAttnProcessor):
         original: the ``FluxIPAdapterAttnProcessor`` to stand in for.
         bandwidth: ``"matched"`` (``h^2 = sqrt(d_head)``), a positive float or a callable of the timestep (0-1000).
         clock: where a callable bandwidth reads the timestep; required for a callable bandwidth.
+        frame: ``"stored"`` or ``"query"`` (see :class:`~.kernel.NWKernel`).
+        form: for the query frame, ``"exact"`` (default) or ``"gaussian"``.
     """
 
     _mirrored = FluxIPAdapterAttnProcessor

@@ -6,7 +6,16 @@ The kernel (paper §C.3): Gaussian NW weights over keys ``k_i`` are scaled dot-p
     softmax_i(-|q - k_i|^2 / (2 h^2)) = softmax_i(q·k_i / h^2 - |k_i|^2 / (2 h^2)),
 
 so :meth:`NWKernel.nw_attention` runs ``F.scaled_dot_product_attention`` with that bias as a float mask of shape
-``(B, H, 1, K)``, and no weight matrix is materialised. :class:`NWKernel` is mixed into each family's processor
+``(B, H, 1, K)``, and no weight matrix is materialised. That is the *stored frame*: ``|k_i|^2`` depends on the basis
+the weights happen to be stored in, so two models related by a per-head basis change (``q -> A q``,
+``k -> A^-T k``: every output equal) get different NW heads.
+
+The *query frame* (``frame="query"``) takes the key term from the logits instead: with ``L`` the model's own logits
+``q·k_i / sqrt(d)``, row-centred, ``b_i = log mean_q exp(L_qi)`` over the queries of the current call (one batch item,
+one head, the rows inside an IP-Adapter mask), or its Gaussian form ``mean + var / 2``
+(:func:`ipa_probe.kernels.query_frame_bias`), and the head's weights are ``softmax_i(q·k_i / sqrt(d) - b_i)``: Gaussian
+NW in the frame where the model's own queries are isotropic, a function of the logits alone and so the same for every
+basis in which the weights are stored. :class:`NWKernel` is mixed into each family's processor
 (:mod:`.unet`, :mod:`.flux`, :mod:`.sd3`); :class:`ProcessorView` is how the Flux and SD3 heads stand in for the
 diffusers processor they replace (its very modules and settings, no copies).
 """
@@ -19,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import bandwidth as bw
+from .._checks import check_nw_frame
 from ..bandwidth import BandwidthSpec
-from ..kernels import key_norm_bias, nw_logits
+from ..kernels import dot_logits, key_norm_bias, nw_logits, query_frame_bias
 
 if TYPE_CHECKING:
     from ..capture.taps import Tap
@@ -72,18 +82,27 @@ class TimestepClock:
 
 
 class NWKernel:
-    """The NW head's bandwidth and kernel, mixed into each family's processor (before the diffusers class).
+    """The NW head's frame, bandwidth and kernel, mixed into each family's processor (before the diffusers class).
 
     Attributes:
-        bandwidth: ``"matched"``, a positive float or a callable of the timestep (see :mod:`ipa_probe.bandwidth`).
+        bandwidth: ``"matched"``, a positive float or a callable of the timestep (see :mod:`ipa_probe.bandwidth`);
+            ``"matched"`` only for the query frame (its logits carry the model's own temperature).
         clock: where a callable bandwidth reads the timestep.
+        frame: ``"stored"`` (key term ``|k|^2 / (2 h^2)``: gauge dependent) or ``"query"`` (key term ``b_i`` from the
+            current call's queries: gauge invariant).
+        form: for the query frame, ``"exact"`` or ``"gaussian"`` (how ``b`` is estimated); ``None`` for the stored one.
     """
 
     bandwidth: BandwidthSpec
     clock: TimestepClock | None
+    frame: str = "stored"
+    form: str | None = None
 
-    def _set_bandwidth(self, spec: BandwidthSpec, clock: TimestepClock | None) -> None:
+    def _set_bandwidth(
+        self, spec: BandwidthSpec, clock: TimestepClock | None, frame: str = "stored", form: str | None = None
+    ) -> None:
         spec = check_head_bandwidth(spec)
+        self.frame, self.form = check_nw_frame(frame, form, spec)
         if callable(spec) and clock is None:
             raise ValueError(
                 "a callable bandwidth needs a TimestepClock to read the timestep from; use ipa_probe.nw_head / "
@@ -93,6 +112,8 @@ class NWKernel:
         self.clock = clock
 
     def extra_repr(self) -> str:
+        if self.frame == "query":
+            return f"frame=query, form={self.form}"
         return f"bandwidth={bw.describe(self.bandwidth)}"
 
     def bandwidth_for(self, head_dim: int, device: torch.device | None = None) -> float | torch.Tensor:
@@ -108,22 +129,61 @@ class NWKernel:
             key: image-token keys ``(B, H, K, D)``.
 
         Returns:
-            ``(q·k_i - |k_i|^2/2) / h^2``, shape ``(B, H, Q, K)`` (equal to ``-|q - k_i|^2 / (2 h^2)`` up to a
-            per-row constant).
+            stored frame: ``(q·k_i - |k_i|^2/2) / h^2``, shape ``(B, H, Q, K)`` (equal to ``-|q - k_i|^2 / (2 h^2)``
+            up to a per-row constant). Query frame: ``q·k_i / sqrt(d) - b_i`` with ``b`` estimated over all the
+            ``Q`` rows given, per batch item and head (the head's own logits when given the call's queries and keys;
+            the head estimates ``b`` over an IP-Adapter mask's rows and, in SD3, over the joint keys).
         """
+        if self.frame == "query":
+            logits = dot_logits(query, key)  # (B, H, Q, K), the model's q·k / sqrt(d)
+            return logits - query_frame_bias(logits, form=self.form)
         return nw_logits(query, key, self.bandwidth_for(query.shape[-1], query.device))
 
-    def nw_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def query_frame_mask(
+        self, query: torch.Tensor, key: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The query-frame head's float mask ``-b``, shifted so that its largest entry is 0 (a per-row constant).
+
+        ``b`` is estimated on the device, per batch item and head, from the logits ``q·k / sqrt(d)`` in at least
+        float32 (:func:`ipa_probe.kernels.query_frame_bias`); nothing is read back to the host.
+
+        Args:
+            query: ``(B, H, Q, D)``.
+            key: ``(B, H, K, D)``.
+            rows: optional boolean ``(B, 1, Q)``: the queries that form the frame (an IP-Adapter mask's rows); an
+                item with no such row falls back to all its rows.
+
+        Returns:
+            ``(B, H, 1, K)`` in the query's dtype, to pass as SDPA's ``attn_mask``.
+        """
+        work = torch.promote_types(query.dtype, torch.float32)
+        logits = dot_logits(query.to(work), key.to(work))  # (B, H, Q, K)
+        if rows is not None:
+            rows = rows | ~rows.any(-1, keepdim=True)  # an empty mask would leave no query to average over
+        b = query_frame_bias(logits, row_mask=rows, form=self.form)  # (B, H, 1, K)
+        # Shift the smallest b to 0 (a per-row constant: the softmax is unchanged) so the mask stays in range in half
+        # precision and at least one key keeps a finite logit.
+        return (b.amin(-1, keepdim=True) - b).to(query.dtype)
+
+    def nw_attention(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Gaussian NW smoothing of ``value`` over ``key`` for each query, without materialising the weights.
 
         Args:
             query: ``(B, H, Q, D)``.
             key: ``(B, H, K, D)``.
             value: ``(B, H, K, Dv)``.
+            rows: query frame only: optional boolean ``(B, 1, Q)``, the queries whose logits estimate ``b`` (see
+                :meth:`query_frame_mask`); ignored by the stored frame, whose key term does not look at queries.
 
         Returns:
-            ``sum_i w_i(q) v_i`` with ``w = softmax_i(-|q - k_i|^2 / (2 h^2))``, shape ``(B, H, Q, Dv)``.
+            ``sum_i w_i(q) v_i``, shape ``(B, H, Q, Dv)``, with ``w = softmax_i(-|q - k_i|^2 / (2 h^2))`` (stored
+            frame) or ``w = softmax_i(q·k_i / sqrt(d) - b_i)`` (query frame).
         """
+        if self.frame == "query":
+            mask = self.query_frame_mask(query, key, rows)  # (B, H, 1, K)
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask)  # scale 1/sqrt(d): the model's
         h = self.bandwidth_for(query.shape[-1], query.device)
         bias = key_norm_bias(key.to(torch.promote_types(key.dtype, torch.float32)), h)  # (B, H, 1, K), >= float32
         # A per-row constant does not change a softmax: shift the largest bias to 0 so that the mask stays in range
@@ -147,13 +207,21 @@ class ProcessorView(NWKernel):
         original: the diffusers processor to stand in for (an instance of the subclass's ``_mirrored``).
         bandwidth: ``"matched"``, a positive float or a callable of the timestep (0-1000).
         clock: where a callable bandwidth reads the timestep; required for a callable bandwidth.
+        frame: ``"stored"`` or ``"query"`` (see :class:`NWKernel`).
+        form: for the query frame, ``"exact"`` (default) or ``"gaussian"``.
     """
 
     #: diffusers' processor class this head mirrors.
     _mirrored: type = torch.nn.Module
 
     def __init__(
-        self, original: torch.nn.Module, bandwidth: BandwidthSpec = "matched", clock: TimestepClock | None = None
+        self,
+        original: torch.nn.Module,
+        bandwidth: BandwidthSpec = "matched",
+        clock: TimestepClock | None = None,
+        *,
+        frame: str = "stored",
+        form: str | None = None,
     ) -> None:
         if not isinstance(original, self._mirrored):
             raise TypeError(
@@ -171,7 +239,7 @@ class ProcessorView(NWKernel):
             if name in vars(original):
                 setattr(self, name, vars(original)[name])
         self.training = original.training
-        self._set_bandwidth(bandwidth, clock)
+        self._set_bandwidth(bandwidth, clock, frame, form)
 
     @property
     def original(self) -> torch.nn.Module:

@@ -8,6 +8,11 @@ The forward is written here (SD3 adds the image branch before the output project
 reused around it); with the NW kernel replaced by dot-product attention it reproduces diffusers' processor bit for
 bit (tested). The head is a view of the original processor (:class:`~.kernel.ProcessorView`) and its kernel is
 :mod:`.kernel`'s.
+
+With ``frame="query"`` the joint weights are ``softmax_j(q·K_j / sqrt(d) - b_j)``, ``b`` estimated per batch item and
+head from the joint logits this processor forms (all ``N`` latent queries against the ``N + K`` joint keys). That
+materialises a ``(B, H, N, N + K)`` float32 logit block per layer call (the probe reads the head's image columns
+with ``b`` estimated from the image keys alone, so its numbers on a query-frame SD3 head are not the head's own).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ class SD3NWHeadAttnProcessor(ProcessorView, SD3IPAdapterJointAttnProcessor2_0):
         original: the ``SD3IPAdapterJointAttnProcessor2_0`` to stand in for.
         bandwidth: ``"matched"`` (``h^2 = sqrt(d_head)``), a positive float or a callable of the timestep (0-1000).
         clock: where a callable bandwidth reads the timestep; required for a callable bandwidth.
+        frame: ``"stored"`` or ``"query"`` (see :class:`~.kernel.NWKernel`).
+        form: for the query frame, ``"exact"`` (default) or ``"gaussian"``.
     """
 
     _mirrored = SD3IPAdapterJointAttnProcessor2_0

@@ -5,9 +5,16 @@ The feature has diffusers' hooks shape: a :class:`NWHeadConfig` validated on con
 claimed on the denoiser (see :func:`ipa_probe.list_hooks`), and removal in one place, :meth:`NWHeadSwap.remove`.
 This module sits above the per-family processors (:mod:`.unet`, :mod:`.flux`, :mod:`.sd3`) and picks one per layer.
 
+Two frames (see :mod:`.kernel`): ``frame="stored"`` (the default) takes the key term ``|k|^2 / (2 h^2)`` from the
+stored keys and so depends on the basis the q/k weights are stored in (a per-head ``q -> A q``, ``k -> A^-T k`` that
+changes no output of the model changes its images); ``frame="query"`` takes it from the current pass's own logits and
+gives the same images for every such basis.
+
 Example:
     ```py
     >>> with ipa_probe.nw_head(pipe, bandwidth="matched"):
+    ...     image = pipe(prompt, ip_adapter_image=refs).images[0]
+    >>> with ipa_probe.nw_head(pipe, frame="query"):  # gauge invariant
     ...     image = pipe(prompt, ip_adapter_image=refs).images[0]
     ```
 """
@@ -23,6 +30,7 @@ from typing import Any
 import torch
 
 from .. import bandwidth as bw
+from .._checks import check_nw_frame
 from ..bandwidth import BandwidthSpec
 from ..capture.taps import tap_for
 from ..layers import (
@@ -64,24 +72,50 @@ class NWHeadConfig:
     Args:
         bandwidth: the Gaussian bandwidth ``h`` of the image branch: ``"matched"`` (``h^2 = sqrt(d_head)``, the
             learned head's own temperature, so the two heads differ only by the key-norm bias), a positive float,
-            or a callable of the timestep (see :mod:`ipa_probe.bandwidth`).
+            or a callable of the timestep (see :mod:`ipa_probe.bandwidth`). Stored frame only: the query frame's
+            logits are the model's own ``q·k / sqrt(d_head)`` and any other value than ``"matched"`` is refused.
         layers: a regex (``re.search`` on the layer id), a list of them, or ``None`` for every IP-Adapter layer.
+        frame: ``"stored"`` (default): the key term is ``|k_i|^2 / (2 h^2)`` of the stored keys, which depends on
+            the basis the q/k weights are stored in (gauge dependent). ``"query"``: the key term is
+            ``b_i = log mean_q exp(L_qi)`` over the current call's queries (per layer, head, batch item and step),
+            ``L`` the row-centred model logits; a function of the logits alone, hence gauge invariant.
+        form: query frame only: ``"exact"`` (default) or ``"gaussian"`` (``b_i = mean_q L_qi + Var_q(L_qi) / 2``);
+            see :func:`ipa_probe.kernels.query_frame_bias`.
     """
 
     bandwidth: BandwidthSpec = "matched"
     layers: LayerSelection = None
+    frame: str = "stored"
+    form: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth", check_head_bandwidth(self.bandwidth))
+        frame, form = check_nw_frame(self.frame, self.form, self.bandwidth)
+        object.__setattr__(self, "frame", frame)
+        object.__setattr__(self, "form", form)
         check_layer_selection(self.layers)
 
     def describe(self) -> dict[str, Any]:
-        """JSON-friendly settings."""
+        """JSON-friendly settings: ``bandwidth``, ``layers``, ``frame``, ``form`` and ``gauge`` (what the head's
+        images are invariant under)."""
         layers = self.layers
         return {
             "bandwidth": bw.describe(self.bandwidth),
             "layers": layers if isinstance(layers, str | None) else [getattr(p, "pattern", p) for p in layers],
+            "frame": self.frame,
+            "form": self.form,
+            "gauge": (
+                "invariant: key term from the current pass's logits (per layer, head, batch item and step)"
+                if self.frame == "query"
+                else "dependent: key term |k|^2 from the stored keys"
+            ),
         }
+
+    def summary(self) -> str:
+        """One line for logs and :func:`ipa_probe.list_hooks`."""
+        if self.frame == "query":
+            return f"frame=query (form={self.form}, the model's own temperature)"
+        return f"bandwidth={bw.describe(self.bandwidth)}, frame=stored"
 
 
 @dataclass
@@ -148,10 +182,17 @@ def _model(denoiser: torch.nn.Module) -> torch.nn.Module:
 
 def _nw_processor(layer: IPLayer, config: NWHeadConfig, clock: TimestepClock) -> torch.nn.Module:
     """The NW head for one layer, of its model family's class."""
-    return NW_PROCESSORS[layer.family](layer.processor, config.bandwidth, clock)
+    return NW_PROCESSORS[layer.family](layer.processor, config.bandwidth, clock, frame=config.frame, form=config.form)
 
 
-def apply_nw_head(pipe, bandwidth: BandwidthSpec = "matched", *, layers: LayerSelection = None) -> NWHeadSwap:
+def apply_nw_head(
+    pipe,
+    bandwidth: BandwidthSpec = "matched",
+    *,
+    layers: LayerSelection = None,
+    frame: str = "stored",
+    form: str | None = None,
+) -> NWHeadSwap:
     """Swap the NW head into a pipeline's IP-Adapter layers (until :func:`remove_nw_head`).
 
     Prefer the context manager :func:`nw_head` in scripts; this pair is for notebooks.
@@ -160,6 +201,8 @@ def apply_nw_head(pipe, bandwidth: BandwidthSpec = "matched", *, layers: LayerSe
         pipe: a diffusers pipeline (SD 1.5 / SDXL, Flux, SD3) with an IP-Adapter loaded, or its denoiser.
         bandwidth: ``"matched"``, a positive float or a callable of the timestep (see :class:`NWHeadConfig`).
         layers: a regex or list of regexes selecting layer ids; ``None`` for every IP-Adapter layer.
+        frame: ``"stored"`` (default, gauge dependent) or ``"query"`` (gauge invariant); see :class:`NWHeadConfig`.
+        form: query frame only: ``"exact"`` (default) or ``"gaussian"``.
 
     Returns:
         the :class:`NWHeadSwap` (its ``layers`` lists the swapped layer ids).
@@ -169,11 +212,11 @@ def apply_nw_head(pipe, bandwidth: BandwidthSpec = "matched", *, layers: LayerSe
             raised before anything is modified.
         RuntimeError: the NW head is already applied to this pipeline.
     """
-    config = NWHeadConfig(bandwidth, layers)
+    config = NWHeadConfig(bandwidth, layers, frame, form)
     found = find_ip_layers(_model(denoiser_of(pipe)), config.layers)
     clock = TimestepClock(tap_for(pipe, found))  # the tap knows where each family's denoiser takes its timestep
     installed = {f"{layer.name}.processor": _nw_processor(layer, config, clock) for layer in found}
-    what = f"NW processors swapped in, bandwidth={config.describe()['bandwidth']}"
+    what = f"NW processors swapped in, {config.summary()}"
     denoiser = claim(pipe, NW_HEAD, [layer.name for layer in found], what)
     swap = NWHeadSwap(config, {f"{layer.name}.processor": layer.processor for layer in found}, installed, clock)
     swap._denoiser = denoiser
@@ -186,7 +229,7 @@ def apply_nw_head(pipe, bandwidth: BandwidthSpec = "matched", *, layers: LayerSe
     except BaseException:
         swap.remove()
         raise
-    logger.info("nw_head: swapped %d IP-Adapter layer(s), bandwidth=%s", len(found), config.describe()["bandwidth"])
+    logger.info("nw_head: swapped %d IP-Adapter layer(s), %s", len(found), config.summary())
     return swap
 
 
@@ -203,7 +246,14 @@ def remove_nw_head(pipe) -> None:
 
 
 @contextlib.contextmanager
-def nw_head(pipe, bandwidth: BandwidthSpec = "matched", *, layers: LayerSelection = None) -> Iterator[NWHeadSwap]:
+def nw_head(
+    pipe,
+    bandwidth: BandwidthSpec = "matched",
+    *,
+    layers: LayerSelection = None,
+    frame: str = "stored",
+    form: str | None = None,
+) -> Iterator[NWHeadSwap]:
     """Run a pipeline with the NW head in its IP-Adapter layers; the original processors come back on exit.
 
     On exit (normal, exception or KeyboardInterrupt) every layer that still holds the NW head gets its original
@@ -213,8 +263,12 @@ def nw_head(pipe, bandwidth: BandwidthSpec = "matched", *, layers: LayerSelectio
     Args:
         pipe: a diffusers pipeline (SD 1.5 / SDXL, Flux, SD3) with an IP-Adapter loaded, or its denoiser.
         bandwidth: ``"matched"`` (``h^2 = sqrt(d_head)``), a positive float, or a callable of the timestep (0-d
-            tensor on the device, scheduler scale 0-1000 -> float or tensor).
+            tensor on the device, scheduler scale 0-1000 -> float or tensor). Stored frame only.
         layers: a regex or list of regexes selecting layer ids; ``None`` for every IP-Adapter layer.
+        frame: ``"stored"`` (default): key term ``|k|^2 / (2 h^2)`` of the stored keys, gauge dependent (two models
+            related by a per-head basis change of q/k give different images). ``"query"``: key term estimated from
+            the current pass's queries per layer, head, batch item and step, on the device; gauge invariant.
+        form: query frame only: ``"exact"`` (default) or ``"gaussian"``.
 
     Yields:
         the :class:`NWHeadSwap`.
@@ -225,7 +279,7 @@ def nw_head(pipe, bandwidth: BandwidthSpec = "matched", *, layers: LayerSelectio
         ...     image = pipe("a photo", ip_adapter_image=[refs], num_inference_steps=4).images[0]
         ```
     """
-    swap = apply_nw_head(pipe, bandwidth, layers=layers)
+    swap = apply_nw_head(pipe, bandwidth, layers=layers, frame=frame, form=form)
     try:
         yield swap
     finally:

@@ -1,9 +1,11 @@
 """The NW head for SD 1.5 / SDXL UNets: an ``IPAdapterAttnProcessor2_0`` whose image branch is Gaussian NW smoothing.
 
 In every selected IP-Adapter cross-attention layer the image branch's dot-product softmax
-``softmax_i(q·k_i / sqrt(d_head)) v_i`` becomes ``softmax_i(-|q - k_i|^2 / (2 h^2)) v_i`` over the same keys (the
-kernel is :mod:`.kernel`'s). Values, ``scale``, masks and the text branch are untouched; with zero parameters of its
-own, this is the paper's frozen baseline inside the very pipeline that the learned IP-Adapter runs in.
+``softmax_i(q·k_i / sqrt(d_head)) v_i`` becomes ``softmax_i(-|q - k_i|^2 / (2 h^2)) v_i`` over the same keys (stored
+frame), or ``softmax_i(q·k_i / sqrt(d_head) - b_i) v_i`` with ``b`` each key's log-partition over the call's queries
+(query frame; the kernel is :mod:`.kernel`'s). Values, ``scale``, masks and the text branch are untouched; with zero
+parameters of its own, this is the paper's frozen baseline inside the very pipeline that the learned IP-Adapter runs
+in.
 
 The processor subclasses diffusers' ``IPAdapterAttnProcessor2_0`` and *shares* the original's ``to_k_ip``/``to_v_ip``
 modules, ``scale`` list and ``num_tokens`` (no copies), so ``set_ip_adapter_scale`` and ``unload_ip_adapter`` keep
@@ -31,9 +33,12 @@ class NWHeadAttnProcessor(NWKernel, IPAdapterAttnProcessor2_0):
 
     Text branch: unchanged scaled dot-product attention. Image branch, per adapter (paper §C.3):
 
-        out = softmax(q k_ip^T / h^2 + b) v_ip,    b_i = -|k_ip,i|^2 / (2 h^2),
+        stored frame:  out = softmax(q k_ip^T / h^2 + c) v_ip,        c_i = -|k_ip,i|^2 / (2 h^2),
+        query frame:   out = softmax(q k_ip^T / sqrt(d) - b) v_ip,    b_i = log mean_q exp(L_qi)  (or mean + var / 2),
 
-    computed by ``F.scaled_dot_product_attention`` with ``b`` as a float mask of shape ``(B, H, 1, K)``.
+    ``L`` the row-centred logits ``q k_ip^T / sqrt(d)`` of one batch item and head over the call's queries (for a
+    masked reference image, the queries inside its mask), computed by ``F.scaled_dot_product_attention`` with the key
+    term as a float mask of shape ``(B, H, 1, K)``.
 
     It shares ``to_k_ip``, ``to_v_ip``, ``scale`` and ``num_tokens`` with the processor it replaces (the same
     objects), so loading tools that find IP-Adapter processors by ``isinstance`` see it, and scale changes reach the
@@ -43,10 +48,18 @@ class NWHeadAttnProcessor(NWKernel, IPAdapterAttnProcessor2_0):
         original: the IP-Adapter processor to mirror (``IPAdapterAttnProcessor2_0`` or ``IPAdapterAttnProcessor``).
         bandwidth: ``"matched"``, a positive float or a callable of the timestep (see :class:`NWHeadConfig`).
         clock: where a callable bandwidth reads the timestep; required for a callable bandwidth.
+        frame: ``"stored"`` (gauge dependent) or ``"query"`` (gauge invariant; bandwidth must stay ``"matched"``).
+        form: for the query frame, ``"exact"`` (default) or ``"gaussian"``.
     """
 
     def __init__(
-        self, original: torch.nn.Module, bandwidth: BandwidthSpec = "matched", clock: TimestepClock | None = None
+        self,
+        original: torch.nn.Module,
+        bandwidth: BandwidthSpec = "matched",
+        clock: TimestepClock | None = None,
+        *,
+        frame: str = "stored",
+        form: str | None = None,
     ) -> None:
         for name in ("to_k_ip", "to_v_ip", "scale", "num_tokens"):
             if not hasattr(original, name):
@@ -54,7 +67,7 @@ class NWHeadAttnProcessor(NWKernel, IPAdapterAttnProcessor2_0):
                     f"expected an IP-Adapter attention processor with `{name}`, got {type(original).__name__}; "
                     "load an IP-Adapter with `pipe.load_ip_adapter(...)` and wrap the processors it installs"
                 )
-        self._set_bandwidth(bandwidth, clock)
+        self._set_bandwidth(bandwidth, clock, frame, form)
         # The parent builds fresh to_k_ip/to_v_ip layers; build them on the meta device (no memory, no init cost)
         # and replace them by the original's modules right away.
         with torch.device("meta"):
@@ -197,11 +210,13 @@ class NWHeadAttnProcessor(NWKernel, IPAdapterAttnProcessor2_0):
             image_states: per adapter, ``(B, [images,] tokens, C_ctx)``.
             masks: per adapter, its ``(1, images, H, W)`` mask or ``None``.
         """
-        batch, heads = query.shape[0], query.shape[1]
+        batch, heads, n_queries = query.shape[0], query.shape[1], query.shape[2]
 
-        def smooth(states: torch.Tensor, to_k_ip: torch.nn.Module, to_v_ip: torch.nn.Module) -> torch.Tensor:
+        def smooth(
+            states: torch.Tensor, to_k_ip: torch.nn.Module, to_v_ip: torch.nn.Module, rows: torch.Tensor | None = None
+        ) -> torch.Tensor:
             key, value = split_heads(to_k_ip(states), heads), split_heads(to_v_ip(states), heads)  # (B, H, K, D)
-            return merge_heads(self.nw_attention(query, key, value)).to(query.dtype)  # (B, Q, H*D)
+            return merge_heads(self.nw_attention(query, key, value, rows)).to(query.dtype)  # (B, Q, H*D)
 
         adapters = zip(image_states, self.scale, self.to_k_ip, self.to_v_ip, masks, strict=False)
         for states, adapter_scale, to_k_ip, to_v_ip, mask in adapters:
@@ -219,6 +234,8 @@ class NWHeadAttnProcessor(NWKernel, IPAdapterAttnProcessor2_0):
                 continue
             scales = scales * mask.shape[1] if len(scales) == 1 else scales
             for i in range(mask.shape[1]):
-                image_out = smooth(states[:, i], to_k_ip, to_v_ip)  # (B, Q, H*D)
-                weight = IPAdapterMaskProcessor.downsample(mask[:, i], batch, image_out.shape[1], image_out.shape[2])
-                yield scales[i] * (image_out * weight.to(dtype=query.dtype, device=query.device))
+                weight = IPAdapterMaskProcessor.downsample(mask[:, i], batch, n_queries, 1)  # (B, Q, 1)
+                weight = weight.to(dtype=query.dtype, device=query.device)
+                rows = (weight[..., 0] != 0).unsqueeze(1)  # (B, 1, Q): the queries this image reaches
+                image_out = smooth(states[:, i], to_k_ip, to_v_ip, rows)  # (B, Q, H*D)
+                yield scales[i] * (image_out * weight)
