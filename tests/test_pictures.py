@@ -420,7 +420,9 @@ def test_heat_map_is_the_layer_by_timestep_mean_with_a_colorbar(mapped):
     fig = plot_heatmap(table)
     drawn = fig.axes[0].get_images()[0]
     cond = table[(table["branch"] == "cond") & (table["kind"] == "image")]
-    layers = [layer.name for layer in run.layers]
+    # rows in the order a UNet runs its blocks (down, mid, up), whatever order the processors dict lists them in
+    rank = {"down_blocks": 0, "mid_block": 1, "up_blocks": 2}
+    layers = sorted((layer.name for layer in run.layers), key=lambda n: (rank[n.split(".")[0]], n))
     timesteps = sorted(set(cond["timestep"]), reverse=True)
     expected = np.array(
         [[cond.loc[(cond["layer"] == name) & (cond["timestep"] == t), "spearman"].to_numpy().mean() for t in timesteps]
@@ -432,11 +434,11 @@ def test_heat_map_is_the_layer_by_timestep_mean_with_a_colorbar(mapped):
     table["rho_excess"] = table["spearman"] - float(cond["spearman"].median())
     fig = plot_run(table)
     assert [ax.get_title().split(" per layer")[0] for ax in fig.axes if "per layer" in ax.get_title()] == [
-        "qf_spearman",
-        "spearman",
-        "rho_excess",
+        "query-frame ρ (exact)",
+        "stored-frame ρ",
+        "stored-frame ρ minus its baseline",
     ]
-    excess = [ax for ax in fig.axes if ax.get_title().startswith("rho_excess")][0].get_images()[0]
+    excess = [ax for ax in fig.axes if ax.get_title().startswith("stored-frame ρ minus")][0].get_images()[0]
     assert excess.norm.vmin == -excess.norm.vmax and excess.get_cmap().name == "RdBu_r"
 
 
@@ -654,3 +656,17 @@ def test_the_organisms_figures_match_what_their_commands_make_today():
     only = ["docs/images/reference_maps.png", "docs/images/demo_digits.png"]
     problems = {path: issues for path, issues in check(ROOT, rerun=True, only=only).items() if issues}
     assert not problems, f"run `make figures`: {problems}"
+
+
+def test_rho_by_timestep_reads_at_its_saved_size(mapped):
+    from ipa_probe.figstyle import small_text
+
+    run, _ = mapped
+    fig = run.plot()
+    assert small_text(fig) == []  # every text >= 9 pt
+    heat = [ax for ax in fig.axes if "per layer" in ax.get_title()]
+    assert heat and all("_" not in ax.get_title().split(" per layer")[0] for ax in heat)  # titles, not column names
+    for ax in heat:
+        ticks = ax.get_xticks()
+        assert len(set(np.diff(ticks))) <= 1  # one stride: the timestep labels step regularly
+    assert len({tuple(t.get_text() for t in ax.get_yticklabels()) for ax in heat}) == 1  # same layers, same order

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from .._io import versions, write_figure, write_json, write_table
+from ..figstyle import MIN_FONT_PT, regular_ticks
 from ..schema import (
     CELL_FIELDS,
     COLUMNS,
@@ -24,6 +25,7 @@ from ..schema import (
     frac_column,
     frac_null_column,
 )
+from .layer_order import network_order
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +152,6 @@ def select_branch(table, branch: str | None, what: str):
     return table[table["branch"] == branch].reset_index(drop=True)
 
 
-
 #: Columns :func:`plot_run` draws as layer x timestep heat maps beside the lines, those the table has: the
 #: query-frame rho (``qf_spearman``, invariant under every per-head basis change of q and k), the stored-frame per-row
 #: Spearman and, where the table has it, ``rho_excess`` (stored-frame Spearman minus the rho that the q/k gauge alone
@@ -191,7 +192,11 @@ def plot_run(
     columns = [c for c in (heatmaps or ()) if c in table.columns and not table.empty] if ax is None else []
     if ax is None:
         fig, axes = plt.subplots(
-            1, 1 + len(columns), figsize=(6.2 + 5.2 * len(columns), 3.8), squeeze=False, layout="constrained"
+            1,
+            1 + len(columns),
+            figsize=(6.4 + 5.6 * len(columns), _height(table)),
+            squeeze=False,
+            layout="constrained",
         )
         ax = axes[0, 0]
         for column, heat_ax in zip(columns, axes[0, 1:], strict=True):
@@ -229,20 +234,41 @@ def plot_run(
     style_timestep_axes(ax, drawn)
     what = "IP-Adapter" if kind == "image" else "text"
     ax.set_title(f"{what} attention vs Gaussian NW ({branch} branch)", fontsize=10)
-    ax.legend(fontsize=7, loc="best", framealpha=0.85)
+    # under the axes, where it covers no line; two columns keep it short
+    ax.legend(fontsize=MIN_FONT_PT, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
     return fig
 
 
+#: Titles of the heat maps' columns (a column name is no title).
+_READABLE = {
+    "qf_spearman": "query-frame ρ (exact)",
+    "qf_gauss_spearman": "query-frame ρ (Gaussian)",
+    "spearman": "stored-frame ρ",
+    "rho_excess": "stored-frame ρ minus its baseline",
+}
+
+
+def _height(table: pd.DataFrame) -> float:
+    """Inches for :func:`plot_run`: the legend under the lines, and a 9 pt label per layer of the heat maps."""
+    layers = table["layer"].nunique() if "layer" in table.columns and not table.empty else 0
+    return max(6.0, 1.6 + 0.2 * layers)
+
+
 def heatmap_table(table: pd.DataFrame, column: str = "spearman", branch: str = "cond", kind: str = "image"):
-    """``column`` averaged over heads, adapters and calls per layer (rows, the probe's order) and timestep (columns,
-    in the denoising direction: high timestep first)."""
+    """``column`` averaged over heads, adapters and calls per layer (rows, in network order: down, mid, up) and
+    timestep (columns, in the denoising direction: high timestep first)."""
     if column not in table.columns:
         raise ValueError(f"column {column!r} is not in the table; pick one of {list(table.columns)}")
     part = table[(table["branch"] == branch) & (table["kind"] == kind)]
     if part.empty:
         raise ValueError(f"no rows with branch={branch!r} and kind={kind!r}; the table has branches "
                          f"{sorted(set(table['branch']))} and kinds {sorted(set(table['kind']))}")  # fmt: skip
-    grid = part.pivot_table(index="layer", columns="timestep", values=column, aggfunc="mean", observed=True)
+    # dropna=False: a layer where the column is undefined throughout (the query-frame rho of a one-query layer) stays
+    # as an empty row, so every heat map of a figure lists the same layers
+    grid = part.pivot_table(
+        index="layer", columns="timestep", values=column, aggfunc="mean", observed=True, dropna=False
+    )
+    grid = grid.reindex(network_order([str(name) for name in grid.index]))
     return grid.sort_index(axis=1, ascending=False)
 
 
@@ -260,7 +286,7 @@ def plot_heatmap(table: pd.DataFrame, column: str = "spearman", ax=None, branch:
     grid = heatmap_table(table, column, branch, kind)
     values = grid.to_numpy(np.float64)  # (layers, timesteps)
     if ax is None:
-        _, ax = plt.subplots(figsize=(6.0, 0.9 + 0.28 * len(grid)), layout="constrained")
+        _, ax = plt.subplots(figsize=(6.0, 1.4 + 0.2 * len(grid)), layout="constrained")
     fig = ax.figure
     finite = values[np.isfinite(values)]
     low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
@@ -272,16 +298,17 @@ def plot_heatmap(table: pd.DataFrame, column: str = "spearman", ax=None, branch:
         style, scale = {"cmap": "viridis", "vmin": low, "vmax": high}, f"sequential, {low:.3g} to {high:.3g}"
     image = ax.imshow(values, aspect="auto", interpolation="nearest", **style)
     timesteps = grid.columns.to_numpy(np.float64)
-    ticks = np.unique(np.linspace(0, len(timesteps) - 1, min(len(timesteps), 8)).round().astype(int))
-    ax.set_xticks(ticks, [f"{timesteps[i]:g}" for i in ticks], fontsize=7)
+    ticks = regular_ticks(len(timesteps))  # one stride: the labels step regularly
+    ax.set_xticks(ticks, [f"{timesteps[i]:g}" for i in ticks], fontsize=MIN_FONT_PT)
     labels, suffix = _short_names([str(name) for name in grid.index])
-    ax.set_yticks(range(len(grid)), labels, fontsize=6)
-    ax.set_xlabel("timestep (denoising →)", fontsize=8)
-    ax.set_ylabel(f"layer (ids end in {suffix})" if suffix else "layer", fontsize=8)
-    ax.set_title(f"{column} per layer and timestep ({branch}, mean over heads)", fontsize=9)
+    ax.set_yticks(range(len(grid)), labels, fontsize=MIN_FONT_PT)
+    ax.set_xlabel("timestep (denoising →)", fontsize=MIN_FONT_PT)
+    ax.set_ylabel(f"layer (ids end in {suffix})" if suffix else "layer", fontsize=MIN_FONT_PT)
+    what = _READABLE.get(column, column)
+    ax.set_title(f"{what} per layer and timestep\n({branch} branch, mean over heads)", fontsize=10)
     bar = fig.colorbar(image, ax=ax, shrink=0.9)
-    bar.set_label(f"{column} ({scale})", fontsize=7)
-    bar.ax.tick_params(labelsize=6)
+    bar.set_label(f"{column} ({scale})", fontsize=MIN_FONT_PT)
+    bar.ax.tick_params(labelsize=MIN_FONT_PT)
     return fig
 
 
