@@ -176,7 +176,7 @@ def test_refusals_name_the_remedy_and_change_nothing(sd15, refs):
         gauge_sweep(sd15, unseeded, factors=(2.0,))
     with pytest.raises(TypeError, match="call: .*pipeline's output"):  # issue 31: not "seed its generator"
         gauge_sweep(sd15, lambda: None)
-    with ipa_probe.nw_head(sd15), pytest.raises(ValueError, match="NW head"):
+    with ipa_probe.nw_head(sd15), pytest.raises(ValueError, match="NWHeadAttnProcessor with frame=.stored."):
         gauge_sweep(sd15, call)
     with qk_gauge(sd15, 2.0), pytest.raises(RuntimeError, match="already active"):
         with qk_gauge(sd15, 2.0):

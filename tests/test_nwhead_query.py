@@ -501,3 +501,32 @@ def test_query_frame_head_in_half_precision_follows_its_float64_reference(dtype)
     expected = reference_query_frame(q.numpy(), k.numpy(), v.numpy(), "exact")
     atol = 0.15 if dtype == torch.bfloat16 else 0.03
     np.testing.assert_allclose(out.double().numpy(), expected, atol=atol)
+
+
+def test_gauge_inside_a_query_frame_head_changes_no_image():
+    """ipa_probe.qk_gauge applied while a query-frame head is swapped in (the order a user reaches first) leaves the
+    images as they were; a stored-frame head, whose key term the gauge changes, is refused before anything moves."""
+    import ipa_probe
+    from ipa_probe.tiny.digits import DIGITS_PROMPT
+
+    pipe = ipa_probe.digits_pipeline(recipe="ip-adapter")
+    pipe.set_progress_bar_config(disable=True)
+    refs = ipa_probe.digits_reference_images(3, 3)
+
+    def call():
+        generator = torch.Generator().manual_seed(0)
+        kwargs = {"num_inference_steps": 3, "guidance_scale": 3.0, "output_type": "np"}
+        return pipe(DIGITS_PROMPT, ip_adapter_image=[refs], generator=generator, **kwargs).images
+
+    before = {k: v.clone() for k, v in pipe.unet.state_dict().items()}
+    with ipa_probe.nw_head(pipe, frame="query"):
+        plain = call()
+        with ipa_probe.qk_gauge(pipe, "random:0:1"):
+            gauged = call()
+    # float32 products through A and A^-T (cond ~70): equal to ~1e-6 of a [0, 1] pixel, as the learned model's are
+    np.testing.assert_allclose(gauged, plain, rtol=0, atol=1e-4)
+    with ipa_probe.nw_head(pipe):
+        with pytest.raises(ValueError, match="frame='stored'"):
+            with ipa_probe.qk_gauge(pipe, "random:0:1"):
+                pass
+    assert all(torch.equal(v, before[k]) for k, v in pipe.unet.state_dict().items())

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..layers import IPLayer, LayerSelection, claim, find_ip_layers, list_hooks, release
+from ..layers import IPLayer, LayerSelection, claim, find_ip_layers, release
 
 __all__ = ["GaugeConfig", "apply_gauge", "max_condition_number", "plan_gauge"]
 
@@ -163,10 +163,13 @@ def _check_linear(layer: IPLayer, module: torch.nn.Module) -> None:
 
 def _check_layer(layer: IPLayer) -> None:
     """Refuse a layer where no gauge is a symmetry, before anything changes."""
-    if getattr(layer.processor, "image_branch_logits", None) is not None:
+    # a query-frame NW head depends on q·k alone (its key term is taken from those logits): every gauge is one of its
+    # symmetries too; a stored-frame head reads |k|^2, which a gauge changes
+    stored_head = getattr(layer.processor, "frame", "query") != "query"
+    if getattr(layer.processor, "image_branch_logits", None) is not None and stored_head:
         raise ValueError(
-            f"layer {layer.name!r} runs {type(layer.processor).__name__}, whose image branch is not dot-product "
-            "attention (an NW head uses |k|^2, which the gauge changes); remove it (ipa_probe.remove_nw_head) first"
+            f"layer {layer.name!r} runs {type(layer.processor).__name__} with frame='stored', whose NW key term |k|^2 "
+            "the gauge changes; remove it (ipa_probe.remove_nw_head) first, or swap in nw_head(pipe, frame='query')"
         )
     attn = layer.attention
     if getattr(attn, "fused_projections", False):
@@ -379,9 +382,7 @@ def apply_gauge(pipe, config: GaugeConfig, layers: LayerSelection = None) -> Ite
     gets back its original values (copied from clones taken on entry) and a bias created for a row shift is removed
     again, so dtypes, devices, the set of parameters and every bit are as they were.
     """
-    found, changes = plan_gauge(pipe, config, layers)
-    if any(a.feature == "nw_head" for a in list_hooks(pipe)):
-        raise ValueError("an NW head is applied (its logits use |k|^2, which the gauge changes); remove it first")
+    found, changes = plan_gauge(pipe, config, layers)  # refuses a layer that runs a stored-frame NW head
     claim(pipe, _FEATURE, [layer.name for layer in found], f"q/k gauge: {config.describe()}")
     originals = [
         (c.module, c.name, None if c.created else getattr(c.module, c.name).detach().clone()) for c in changes
