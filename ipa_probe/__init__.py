@@ -11,7 +11,7 @@ _EXPORTS = {
     "ProbeConfig": ".capture.config",
     "ProbeRun": ".capture.run",
     "probe": ".capture.run",
-    "plot_overlay": ".capture.mapplots",
+    "plot_overlay": ".capture.overlays",
     "ExactNWDenoiser": ".exact",
     "ExactNWPipeline": ".exact",
     "exact_pipeline": ".exact",

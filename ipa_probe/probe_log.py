@@ -241,7 +241,7 @@ def _overlays(log: ProbeLog, run, call: int, adapter: int, head: str, where: str
     reference over every step and both kinds (so that the step slider compares like with like)."""
     import matplotlib.pyplot as plt
 
-    from .capture.mapplots import overlay_map, plot_overlay
+    from .capture.overlays import overlay_map, plot_overlay
 
     steps = run.map_steps(call)
     size = base.shape[:2]

@@ -231,7 +231,7 @@ def test_text_token_overlay_against_the_tests_own_hooks(sd15, refs3):
 
 def test_save_overlays_writes_one_per_reference_and_per_layer_group_and_step(mapped, tmp_path):
     from ipa_probe._io import read_provenance
-    from ipa_probe.capture.mapplots import layer_groups, save_overlays
+    from ipa_probe.capture.overlays import layer_groups, save_overlays
 
     run, image = mapped
     last = run.map_steps()[-1]
@@ -246,7 +246,7 @@ def test_save_overlays_writes_one_per_reference_and_per_layer_group_and_step(map
 
 
 def test_layer_groups():
-    from ipa_probe.capture.mapplots import layer_groups
+    from ipa_probe.capture.overlays import layer_groups
 
     names = ["down_blocks.0.attentions.0.x", "mid_block.attentions.0.x", "up_blocks.1.attentions.1.x",
              "up_blocks.1.attentions.0.x", "transformer_blocks.3.attn", "odd"]  # fmt: skip
@@ -313,7 +313,7 @@ def test_network_order_of_a_real_unet(sd15, refs3):
 
 
 def test_selection_lines_name_steps_and_layer_groups_in_network_order():
-    from ipa_probe.capture.mapplots import describe_selection
+    from ipa_probe.capture.overlays import describe_selection
 
     names = ["down_blocks.0.a", "down_blocks.1.a", "up_blocks.0.a", "up_blocks.0.b", "mid_block.a"]  # diffusers' order
     timesteps = [951.0, 901.0, 851.0, 801.0, 751.0]

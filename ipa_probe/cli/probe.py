@@ -184,7 +184,8 @@ def _write(args: argparse.Namespace, loaded, result, run_, out: Path, organism: 
             torch.save({"|".join(map(str, key)): value for key, value in run_.maps.items()}, temp)
         written.append("maps.pt")
     if maps:
-        from ..capture.mapplots import save_overlays, save_reference_maps
+        from ..capture.mapplots import save_reference_maps
+        from ..capture.overlays import save_overlays
 
         written += [p.name for p in save_reference_maps(run_, out, result.images[0], [loaded.references]).values()]
         if args.overlays:
