@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     stderr and an exit code (:data:`EXIT_USAGE` for the input, :data:`EXIT_ENVIRONMENT` for the environment).
     """
     from .._io import os_error_of
+    from ._common import check_path_arguments
     from ._runtime import describe_os_error, thread_scope
 
     parser = build_parser()
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
+        check_path_arguments(args)  # blank, undecodable, a leading ~: for every path argument alike
         if getattr(args, "check", None) is not None:
             args.check(args)  # torch-free: a bad argument answers at once
         # the known-harmless library messages (diffusers' "should be kept in float32: []" on every
