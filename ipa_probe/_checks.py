@@ -16,7 +16,9 @@ __all__ = [
     "BANDWIDTH_RANGE",
     "DEFAULT_GAUGE_FACTORS",
     "DEFAULT_DIGITS_RECIPE",
+    "DIGITS_BASE_FILES",
     "DIGITS_RECIPES",
+    "DIGITS_SMALLEST_CLASS",
     "MAX_SEED",
     "check_flag",
     "check_fraction",
@@ -29,6 +31,7 @@ __all__ = [
     "check_device_name",
     "check_recipe",
     "check_steps",
+    "max_refs_limit",
     "parse_bandwidth",
     "parse_factors",
     "parse_step_selection",
@@ -50,6 +53,25 @@ BANDWIDTH_RANGE = (1e-6, 1e6)
 #: support sets of the target's class, as the paper's flow model is) and ``ip-adapter`` (a frozen image-free base,
 #: then only the adapter, on self-reconstruction, as IP-Adapter is).
 DIGITS_RECIPES = ("support", "ip-adapter")
+
+#: The files of an ``ip-adapter`` base (``train-digits --recipe ip-adapter --stage base``), by part, relative to its
+#: folder: the adapter stage loads both, and ``train-digits --base`` is checked for them before torch loads.
+DIGITS_BASE_FILES = {
+    "unet": "unet/diffusion_pytorch_model.safetensors",
+    "image_encoder": "image_encoder/model.safetensors",
+}
+
+#: Images of the rarest class among the digits that train the organism (scikit-learn's digits ``[0, 1500)``: 146
+#: eights; tests/test_faults.py recounts it from the data). A target's references are drawn from the other images of
+#: its class, so ``max_refs`` is at most this minus one (``support``) or this (``ip-adapter``: the target itself is
+#: one of its references).
+DIGITS_SMALLEST_CLASS = 146
+
+
+def max_refs_limit(training: str) -> int:
+    """The largest ``max_refs`` a digits training (``"support"`` or ``"adapter"``) can draw from its data."""
+    return DIGITS_SMALLEST_CLASS - 1 if training == "support" else DIGITS_SMALLEST_CLASS
+
 
 #: The recipe ``digits_pipeline()``, ``probe``, ``compare`` and ``train-digits`` use unless told: the one that draws
 #: the references' digit more reliably (docs/organism.md).

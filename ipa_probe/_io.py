@@ -422,13 +422,14 @@ def _open_lock(path: Path) -> int:
     return fd
 
 
-def check_input_file(path: str | os.PathLike, what: str) -> Path:
+def check_input_file(path: str | os.PathLike, what: str, expected: str = "an existing file") -> Path:
     """``path`` if it is a regular file this process may read; checked with ``stat``, so that nothing is opened (a
     FIFO would block the open until someone writes to it).
 
     Args:
         path: the file (a leading ``~`` is expanded).
         what: what it is, for the messages (e.g. ``"reference image"``).
+        expected: what to pass instead, for the messages (e.g. ``"an existing PNG or JPEG file"``).
 
     Raises:
         FileNotFoundError: it does not exist (the message names it and what to pass).
@@ -439,11 +440,11 @@ def check_input_file(path: str | os.PathLike, what: str) -> Path:
     try:
         mode = path.stat().st_mode
     except FileNotFoundError:
-        raise FileNotFoundError(f"{what} {str(path)!r} does not exist; pass an existing file") from None
+        raise FileNotFoundError(f"{what} {str(path)!r} does not exist; pass {expected}") from None
     except PermissionError as err:  # a folder on the way cannot be searched
         raise _unreadable(path, err.errno) from None
     if not stat.S_ISREG(mode):
-        raise ValueError(f"{what} {str(path)!r} is {_kind(mode)}, not a regular file; pass a file")
+        raise ValueError(f"{what} {str(path)!r} is {_kind(mode)}, not a regular file; pass {expected}")
     if not os.access(path, os.R_OK):
         raise _unreadable(path, errno.EACCES)
     return path

@@ -266,6 +266,8 @@ def _references(args: argparse.Namespace) -> list | None:
     try:
         return load_images(args.image) if args.image else None
     except (OSError, ValueError, TypeError) as err:
+        if isinstance(err, PermissionError):  # a fault of the environment: exit 1, the path and the remedy
+            raise
         raise CLIError(str(err)) from None
 
 

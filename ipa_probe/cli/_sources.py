@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._io import check_input_file
 from . import CLIError
 
 __all__ = ["WeightSource", "check_model_source", "check_safetensors", "ip_adapter_source"]
@@ -39,9 +40,14 @@ def check_safetensors(path: str | os.PathLike, flag: str, prefixes: tuple[str, .
             and ``ip_adapter.``).
 
     Raises:
-        CLIError: the file is not a whole safetensors file, or lacks the expected tensors.
+        CLIError: the file is not a regular file (a FIFO, a device) or not a whole safetensors file, or lacks the
+            expected tensors.
+        PermissionError: it cannot be read (the path, and the remedy in ``remedy``).
     """
-    path = Path(path)
+    try:  # stat only: a FIFO is never opened; no permission passes on (exit 1, with the path and the remedy)
+        path = check_input_file(path, f"{flag} weight file", "a safetensors file")
+    except (FileNotFoundError, ValueError) as err:
+        raise CLIError(str(err)) from None
     size = path.stat().st_size
 
     def bad(reason: str) -> CLIError:
