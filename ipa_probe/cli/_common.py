@@ -471,7 +471,8 @@ def add_tracker_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_tracker_arguments(args: argparse.Namespace) -> None:
-    """Before torch loads: the tracker's client is installed and ``--logging-dir`` is writable."""
+    """Before torch loads: the tracker can log (its client installed; wandb logged in or offline) and
+    ``--logging-dir`` is writable."""
     if getattr(args, "log_with", None) is None:
         if getattr(args, "logging_dir", None):
             raise CLIError("--logging-dir needs --log-with (tensorboard, wandb or mlflow)")
@@ -480,7 +481,7 @@ def check_tracker_arguments(args: argparse.Namespace) -> None:
 
     try:
         check_tracker(args.log_with)
-    except ImportError as err:
+    except (ImportError, ValueError) as err:  # not installed; wandb not logged in and not offline
         raise CLIError(str(err)) from None
     if args.logging_dir:
         check_output_dir(args.logging_dir, "--logging-dir")
