@@ -37,6 +37,7 @@ __all__ = [
     "parse_factors",
     "parse_step_selection",
     "step_selected",
+    "check_steps_ran",
     "parse_float",
     "parse_int",
 ]
@@ -316,3 +317,26 @@ def step_selected(steps: frozenset[int] | slice | None, step: int) -> bool:
         start, stop, stride = steps.start or 0, steps.stop, steps.step or 1
         return step >= start and (stop is None or step < stop) and (step - start) % stride == 0
     return step in steps
+
+
+def check_steps_ran(steps: frozenset[int] | slice | None, ran: int, name: str = "steps") -> None:
+    """Raise when a step selection (from :func:`parse_step_selection`) names loop indices a call that ran ``ran``
+    denoising steps did not have: acting on nothing would report a zero effect, not an error. ``ran == 0`` (no
+    call yet) checks nothing.
+
+    Raises:
+        ValueError: naming the indices (or the slice) and the steps the call had.
+    """
+    if steps is None or ran <= 0:
+        return
+    if isinstance(steps, slice):
+        missing = (steps.start or 0) >= ran
+        given = repr(steps)
+    else:
+        outside = sorted(s for s in steps if s >= ran)
+        missing, given = bool(outside), f"{outside}"
+    if missing:
+        raise ValueError(
+            f"{name}: {given} selects loop indices the call did not have (it ran {ran} steps, indices 0 to "
+            f"{ran - 1}); pass indices below {ran}"
+        )

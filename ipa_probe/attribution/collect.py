@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .._checks import parse_step_selection
+from .._checks import check_int, check_seed, check_steps_ran, parse_step_selection
 
 __all__ = ["ATTRIBUTION_COLUMNS", "ReferenceAttribution", "reference_attribution", "sets_table"]
 
@@ -103,8 +103,13 @@ def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, 
     from ..layers import denoiser_of, find_ip_layers, observer
     from ..theory.schedules import VPSchedule
 
+    check_seed(seed)
+    check_int(adapter, "adapter", 0)
     references = _references(call, adapter)
     selection = parse_step_selection(steps)
+    planned = call.get("num_inference_steps")
+    if isinstance(planned, int) and not isinstance(planned, bool):  # the loop runs at most that many steps
+        check_steps_ran(selection, planned)
     schedule = VPSchedule.from_scheduler(pipe.scheduler)
     support = encode_references(pipe, references).double().flatten(1)  # (R, D)
     tap = tap_for(pipe, find_ip_layers(pipe))  # where the family's denoiser takes its sample and timestep
@@ -124,6 +129,8 @@ def reference_attribution(pipe, *, steps=None, seed: int = 0, adapter: int = 0, 
     weights = run.reference_weights(adapter=adapter, branch="cond")
     timesteps = run.map_timesteps(0)
     stamps = torch.stack([t for t, _ in passes]).double().cpu().tolist() if passes else []  # one transfer
+    if selection is not None and not weights:  # the selection missed every step the call had
+        raise ValueError(f"steps: {steps!r} selects no loop index this call had; pass indices it runs")
     posterior = {}
     for step in sorted({step for step, _ in weights}):
         # x_t: the first pass at the probe's timestep of that step, at the batch row the probe labelled the first
