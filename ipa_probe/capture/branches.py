@@ -288,6 +288,8 @@ class PromptEvidence:
         unlabelled = self._uniform("batch", size, device)
         if self.declared is not None:
             chunks = len(self.declared)
+            if size % chunks and not isinstance(context, torch.Tensor):  # no batch seen: one unlabelled group
+                return unlabelled
             if size % chunks:  # merging the chunks into "batch" would hide the mistake in the table
                 raise ValueError(
                     f"branches: {len(self.declared)} labels {self.declared!r} do not divide this pass's batch of "
