@@ -198,3 +198,18 @@ def test_thread_scope_restores_the_callers_threads_and_environment(monkeypatch):
         assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"  # the user's policy is kept
     assert torch.get_num_threads() == before and "OMP_NUM_THREADS" not in os.environ
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_a_name_the_c_locale_cannot_decode_is_refused_before_the_run(tmp_path):
+    """``LC_ALL=C PYTHONUTF8=0 ipa-probe probe --out ûñï``: the bytes reach Python undecodable (surrogate escapes),
+    which would fail only when summary.json or the last line is written, after the run."""
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONPATH": str(ROOT)}
+    env.pop("LANG", None)
+    out = os.fsencode(tmp_path) + b"/\xc3\xbb\xc3\xb1\xc3\xaf"  # ûñï in UTF-8
+    proc = subprocess.run(
+        [sys.executable, "-m", "ipa_probe", "probe", "--out", out], capture_output=True, env=env, timeout=60, cwd=ROOT
+    )
+    lines = proc.stderr.decode("ascii", "backslashreplace").strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert "holds bytes that are not text in this locale's encoding" in lines[0] and "LC_ALL=C.UTF-8" in lines[0]
+    assert list(tmp_path.iterdir()) == []

@@ -283,6 +283,37 @@ def test_ctrl_c_in_a_real_process_prints_exactly_one_line(workdir):
     assert stdout == "" and len(SweepLayout(out).parts()) >= 2 and no_temp_files(out)
 
 
+@pytest.mark.slow
+def test_two_ctrl_c_in_a_real_sweep_end_with_130_and_keep_finished_rows(workdir):
+    """The issue's case: two SIGINTs 0.15 s apart in a running sweep (it died by SIGINT, status -2)."""
+    rows = [{"prompt": f"p{i}", "images": f"refs/{i % 3}.png", "seed": i} for i in range(400)]
+    manifest, out = write_jsonl(workdir / "long.jsonl", rows), workdir / "twice"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "ipa_probe", "sweep", str(manifest), "--out", str(out), *SWEEP, "--steps", "3"]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+    )
+    deadline = time.monotonic() + 240
+    while len(list((out / "rows").glob("row-*.parquet"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the sweep ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.15)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines() == [
+        "ipa-probe sweep: interrupted; finished work is kept, run the same command again to resume"
+    ]
+    assert len(SweepLayout(out).parts()) >= 2 and no_temp_files(out) and not (out / ".ipa_probe.lock").read_text()
+
+
 def test_a_full_disk_in_train_digits_names_the_checkpoint_and_leaves_nothing_half_written(
     tmp_path, monkeypatch, capsys, one_thread
 ):
