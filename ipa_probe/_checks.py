@@ -17,7 +17,10 @@ __all__ = [
     "DEFAULT_GAUGE_FACTORS",
     "GAUGE_FACTOR_RANGE",
     "DEFAULT_DIGITS_RECIPE",
+    "DIGITS_BASE_FILES",
     "DIGITS_RECIPES",
+    "DIGITS_SMALLEST_CLASS",
+    "MAX_RESAMPLES",
     "MAX_SEED",
     "NW_FRAMES",
     "NW_FORMS",
@@ -33,17 +36,24 @@ __all__ = [
     "check_device_name",
     "check_recipe",
     "check_steps",
+    "max_refs_limit",
     "parse_bandwidth",
     "parse_factors",
     "parse_gauges",
     "parse_step_selection",
     "step_selected",
+    "check_steps_ran",
     "parse_float",
     "parse_int",
 ]
 
 #: Largest seed: seeds are stored in int64 columns and seed ``torch.Generator``.
 MAX_SEED = 2**63 - 1
+
+#: Most bootstrap resamples a sweep's aggregate takes (``--resamples``, ``n_resamples``). The merge draws them in
+#: batches of at most 10,000 (memory ~ 10,000 x rows x 8 bytes), so this bounds its time: at 100,000 the Monte Carlo
+#: error of a 95% interval's ends is far below the interval's own width; the default, 9,999, already is.
+MAX_RESAMPLES = 100_000
 
 #: Torch device types that can run a pipeline (``meta`` and the like hold no data).
 PIPELINE_DEVICES = ("cpu", "cuda", "mps", "xpu")
@@ -55,6 +65,25 @@ BANDWIDTH_RANGE = (1e-6, 1e6)
 #: support sets of the target's class, as the paper's flow model is) and ``ip-adapter`` (a frozen image-free base,
 #: then only the adapter, on self-reconstruction, as IP-Adapter is).
 DIGITS_RECIPES = ("support", "ip-adapter")
+
+#: The files of an ``ip-adapter`` base (``train-digits --recipe ip-adapter --stage base``), by part, relative to its
+#: folder: the adapter stage loads both, and ``train-digits --base`` is checked for them before torch loads.
+DIGITS_BASE_FILES = {
+    "unet": "unet/diffusion_pytorch_model.safetensors",
+    "image_encoder": "image_encoder/model.safetensors",
+}
+
+#: Images of the rarest class among the digits that train the organism (scikit-learn's digits ``[0, 1500)``: 146
+#: eights; tests/test_faults.py recounts it from the data). A target's references are drawn from the other images of
+#: its class, so ``max_refs`` is at most this minus one (``support``) or this (``ip-adapter``: the target itself is
+#: one of its references).
+DIGITS_SMALLEST_CLASS = 146
+
+
+def max_refs_limit(training: str) -> int:
+    """The largest ``max_refs`` a digits training (``"support"`` or ``"adapter"``) can draw from its data."""
+    return DIGITS_SMALLEST_CLASS - 1 if training == "support" else DIGITS_SMALLEST_CLASS
+
 
 #: The recipe ``digits_pipeline()``, ``probe``, ``compare`` and ``train-digits`` use unless told: the one that draws
 #: the references' digit more reliably (docs/organism.md).
@@ -413,3 +442,26 @@ def step_selected(steps: frozenset[int] | slice | None, step: int) -> bool:
         start, stop, stride = steps.start or 0, steps.stop, steps.step or 1
         return step >= start and (stop is None or step < stop) and (step - start) % stride == 0
     return step in steps
+
+
+def check_steps_ran(steps: frozenset[int] | slice | None, ran: int, name: str = "steps") -> None:
+    """Raise when a step selection (from :func:`parse_step_selection`) names loop indices a call that ran ``ran``
+    denoising steps did not have: acting on nothing would report a zero effect, not an error. ``ran == 0`` (no
+    call yet) checks nothing.
+
+    Raises:
+        ValueError: naming the indices (or the slice) and the steps the call had.
+    """
+    if steps is None or ran <= 0:
+        return
+    if isinstance(steps, slice):
+        missing = (steps.start or 0) >= ran
+        given = repr(steps)
+    else:
+        outside = sorted(s for s in steps if s >= ran)
+        missing, given = bool(outside), f"{outside}"
+    if missing:
+        raise ValueError(
+            f"{name}: {given} selects loop indices the call did not have (it ran {ran} steps, indices 0 to "
+            f"{ran - 1}); pass indices below {ran}"
+        )

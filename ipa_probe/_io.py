@@ -6,6 +6,7 @@ Nothing here imports torch or pandas at module level, so the command line can im
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import inspect
 import json
@@ -14,6 +15,7 @@ import math
 import os
 import re
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,8 +30,11 @@ __all__ = [
     "LOCK_NAME",
     "OutputLocked",
     "PROVENANCE_KEY",
+    "NotOurs",
     "atomic_path",
     "check_launch_holds",
+    "check_input_file",
+    "refuse_not_ours",
     "code_digest",
     "data_digest",
     "jsonable",
@@ -105,27 +110,85 @@ def versions() -> dict[str, Any]:
     return info
 
 
+#: ``os.open`` flags that never follow a symbolic link in the last component (0 where the system has none)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+#: what :func:`_kind` calls each kind of file that is not a regular file or a folder
+_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a folder"),
+)
+
+
+def _kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words (``"a regular file"`` for one)."""
+    return next((name for test, name in _KINDS if test(mode)), "a regular file")
+
+
+class NotOurs(OSError):
+    """Something that is not a regular file of ours (a symbolic link, a FIFO, a device, a socket) stands where an
+    output file of ours belongs; it is never opened for writing. An ``OSError`` (``EEXIST``) with the path, so the
+    command line reports it as a fault of the environment (exit 1) with the remedy."""
+
+    remedy = "it is not a file ipa_probe wrote, so it is left alone: move it away or write to another --out"
+
+    def __init__(self, path: str | os.PathLike, what: str) -> None:
+        super().__init__(errno.EEXIST, f"{what} stands where an output file belongs", os.fspath(path))
+
+
+def refuse_not_ours(path: Path) -> None:
+    """Raise :class:`NotOurs` when ``path`` exists and is a symbolic link, a FIFO, a device or a socket (``lstat``:
+    a link is not followed). A folder passes: writing onto it fails with the system's own ``EISDIR``."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):  # a folder gets the system's own EISDIR from the rename
+        raise NotOurs(path, _kind(mode))
+
+
+def _create_new(path: Path) -> None:
+    """Create ``path`` as a new empty regular file: never through a symbolic link, never over an existing file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
+    os.close(fd)
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a hidden temp path beside ``path``; on success flush it to disk and rename it onto ``path``.
 
     Readers see the old file or the whole new one, never a part. The temp name carries the process id and a random
-    token, so two writers never share a temp file; on any error or interrupt the temp file is removed.
+    token, and the temp file is created here, new (``O_EXCL``, never through a symbolic link), before the writer
+    opens it, so two writers never share a temp file and a link planted under that name is never followed; on any
+    error or interrupt the temp file is removed. Where ``path`` itself is a symbolic link, a FIFO, a device or a
+    socket, nothing is written: :class:`NotOurs` is raised (the rename would replace what the user put there).
     """
     path = Path(path)
     temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    created = False
     try:
+        refuse_not_ours(path)
+        _create_new(temp)
+        created = True
         yield temp
         with open(temp, "rb+") as handle:  # flushed to disk before the rename makes it visible
             os.fsync(handle.fileno())
+        refuse_not_ours(path)  # planted while the file was written
         os.replace(temp, path)
+    except NotOurs:
+        raise
     except Exception as err:
         fault = os_error_of(err)
         if fault is None:
             raise
         raise OSError(fault.errno, fault.strerror, str(path)) from err  # names the file, not its temp copy
     finally:
-        _remove_quietly(temp)
+        if created:
+            _remove_quietly(temp)
 
 
 def _remove_quietly(temp: Path) -> None:
@@ -147,6 +210,8 @@ def os_error_of(err: BaseException) -> OSError | None:
     Writers report the same fault differently: Python and PIL raise ``OSError`` with an errno, pyarrow an ``OSError``
     with an errno but no file name, safetensors its own error with ``(os error 28)`` in the message.
     """
+    if isinstance(err, NotOurs):
+        return err
     if isinstance(err, OSError) and err.errno is not None:
         return OSError(err.errno, os.strerror(err.errno), err.filename)
     match = _RUST_OS_ERROR.search(str(err))
@@ -284,8 +349,10 @@ def _read_holder(path: Path) -> _Holder | None:
 def output_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
     """Hold the lock of an output folder for the duration of the block: one writer per folder.
 
-    The lock is ``folder/.ipa_probe.lock``, held with ``fcntl.flock`` (the kernel releases it when the holder dies,
-    so the lock of a killed run is stale at once and taken over) and holding the holder's pid, host, launch and
+    The lock is ``folder/.ipa_probe.lock``, opened without following a symbolic link and refused unless it is a
+    regular file (a link, FIFO, device or socket planted there raises :class:`NotOurs`; nothing is truncated or
+    opened), held with ``fcntl.flock`` (the kernel releases it when the holder dies, so the lock of a killed run is
+    stale at once and taken over) and holding the holder's pid, host, launch and
     command, to name it when another run is refused. The folder is created.
 
     Args:
@@ -297,10 +364,10 @@ def output_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
     """
     import fcntl
 
-    folder = Path(folder)
+    folder = Path(folder).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(path)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -332,6 +399,61 @@ def output_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
             os.ftruncate(fd, 0)  # released cleanly: an empty lock file is free
     finally:
         os.close(fd)  # closing releases the flock
+
+
+def _open_lock(path: Path) -> int:
+    """Open (or create) the lock file for reading and writing: never through a symbolic link, never a FIFO (opened
+    non-blocking, so that one cannot hang the open), a device or a socket."""
+    refuse_not_ours(path)  # before any open: opening a device can have effects of its own
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), 0o644)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP):  # a link (O_NOFOLLOW), a FIFO or a socket
+            try:
+                raise NotOurs(path, _kind(path.lstat().st_mode)) from None
+            except FileNotFoundError:
+                pass
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotOurs(path, _kind(mode))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def check_input_file(path: str | os.PathLike, what: str, expected: str = "an existing file") -> Path:
+    """``path`` if it is a regular file this process may read; checked with ``stat``, so that nothing is opened (a
+    FIFO would block the open until someone writes to it).
+
+    Args:
+        path: the file (a leading ``~`` is expanded).
+        what: what it is, for the messages (e.g. ``"reference image"``).
+        expected: what to pass instead, for the messages (e.g. ``"an existing PNG or JPEG file"``).
+
+    Raises:
+        FileNotFoundError: it does not exist (the message names it and what to pass).
+        ValueError: it is a folder, a FIFO, a device or a socket.
+        PermissionError: it cannot be read (errno ``EACCES``, the path, and a ``remedy`` naming ``chmod``).
+    """
+    path = Path(path).expanduser()
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {str(path)!r} does not exist; pass {expected}") from None
+    except PermissionError as err:  # a folder on the way cannot be searched
+        raise _unreadable(path, err.errno) from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{what} {str(path)!r} is {_kind(mode)}, not a regular file; pass {expected}")
+    if not os.access(path, os.R_OK):
+        raise _unreadable(path, errno.EACCES)
+    return path
+
+
+def _unreadable(path: Path, code: int | None) -> PermissionError:
+    err = PermissionError(code or errno.EACCES, os.strerror(code or errno.EACCES), str(path))
+    err.remedy = "no permission to read it: grant it (chmod u+r, or ask its owner) or pass another file"
+    return err
 
 
 def check_launch_holds(folder: str | os.PathLike) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -112,7 +113,8 @@ def resolve(
 
     Raises:
         RuntimeError: a callable spec but no timestep.
-        ValueError: an unknown keyword, a callable that returns more than one value, or a float outside the range.
+        ValueError: an unknown keyword, a callable that returns something other than a number or a tensor (a string,
+            ``None``), more than one value, or a float outside the range; each names ``bandwidth``.
     """
     if isinstance(spec, str):
         if spec != "matched":
@@ -127,6 +129,11 @@ def resolve(
         )
     value = spec(timestep)
     # a tensor stays where it is; a Python number becomes a device fill (no blocking host-to-device copy)
+    if not isinstance(value, torch.Tensor) and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+        raise ValueError(
+            f"bandwidth: the callable {describe(spec)!r} returned {value!r} ({type(value).__name__}); expected it "
+            "to return a positive float or a 0-d tensor (the bandwidth h at that timestep)"
+        )
     if isinstance(value, torch.Tensor):
         h = value.to(device=device, dtype=torch.float32)
     else:  # a number is checked on the host for free; a tensor is not read back (that would synchronise)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
+from ._io import check_input_file
+
 __all__ = [
     "IMAGE_SUFFIXES",
     "check_image_file",
@@ -70,9 +72,12 @@ def check_image_file(path: str | os.PathLike) -> None:
     """Read only the header of an image file: cheap, and catches files that are not images or are too large.
 
     Raises:
-        ValueError: the file is not an image PIL can read, or has more pixels than PIL's limit.
+        FileNotFoundError: it does not exist.
+        ValueError: a folder, FIFO, device or socket (checked with ``stat``: never opened), a file that is not an
+            image PIL can read, or one with more pixels than PIL's limit.
+        PermissionError: it cannot be read (errno ``EACCES``, the path, and the remedy in ``remedy``).
     """
-    path = Path(path)
+    path = _input_file(path)
     try:
         with _pixel_limit(path), Image.open(path):
             pass
@@ -82,20 +87,26 @@ def check_image_file(path: str | os.PathLike) -> None:
         ) from None
 
 
+def _input_file(path: str | os.PathLike) -> Path:
+    """``path`` if it is a regular, readable file, checked with ``stat`` only (a FIFO must never be opened: the open
+    would wait for a writer). See :func:`ipa_probe._io.check_input_file`."""
+    return check_input_file(path, "reference image", "an existing PNG or JPEG file")
+
+
 def load_image(image: Image.Image | str | os.PathLike) -> Image.Image:
     """An RGB PIL image from a PIL image or a file path (16-bit grayscale scaled, see :func:`to_rgb`).
 
     Raises:
         FileNotFoundError: the path does not exist.
-        ValueError: the file is not an image PIL can read, or has more pixels than PIL's limit.
+        ValueError: a folder, FIFO, device or socket (never opened), a file that is not an image PIL can read, or one
+            with more pixels than PIL's limit.
+        PermissionError: the file cannot be read (errno ``EACCES``; the message names the path, ``remedy`` the fix).
         TypeError: anything else (arrays and tensors included: convert them with ``PIL.Image.fromarray``).
     """
     if isinstance(image, Image.Image):
         return to_rgb(image)
     if isinstance(image, str | os.PathLike):
-        path = Path(image)
-        if not path.is_file():
-            raise FileNotFoundError(f"reference image {str(path)!r} does not exist; pass an existing PNG or JPEG file")
+        path = _input_file(image)
         try:
             with _pixel_limit(path), Image.open(path) as opened:
                 return to_rgb(opened)
@@ -113,8 +124,8 @@ def load_images(images: Iterable[Image.Image | str | os.PathLike]) -> list[Image
     """:func:`load_image` for each item; a folder expands to the images in it (sorted by name)."""
     out: list[Image.Image] = []
     for item in images:
-        if isinstance(item, str | os.PathLike) and Path(item).is_dir():
-            files = sorted(p for p in Path(item).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        if isinstance(item, str | os.PathLike) and Path(item).expanduser().is_dir():
+            files = sorted(p for p in _listing(Path(item).expanduser()) if p.suffix.lower() in IMAGE_SUFFIXES)
             if not files:
                 raise ValueError(f"folder {str(item)!r} holds no image files ({', '.join(IMAGE_SUFFIXES)})")
             out.extend(load_image(p) for p in files)
@@ -123,6 +134,15 @@ def load_images(images: Iterable[Image.Image | str | os.PathLike]) -> list[Image
     if not out:
         raise ValueError("no reference images given; pass at least one image")
     return out
+
+
+def _listing(folder: Path) -> list[Path]:
+    """The files of a folder of images (a FIFO, device or socket in it is skipped, never opened)."""
+    try:
+        return [p for p in folder.iterdir() if p.is_file()]
+    except PermissionError as err:
+        err.remedy = "no permission to list it: grant it (chmod u+rx, or ask its owner) or pass another folder"
+        raise
 
 
 def image_row(

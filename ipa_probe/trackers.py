@@ -36,16 +36,27 @@ TRACKERS: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlf
 
 
 def check_tracker(name: Any) -> str:
-    """``name`` if it is a tracker whose client is installed; else a one-line error naming the remedy.
+    """``name`` if it is a tracker that can log now; else a one-line error naming the remedy. Checked before a run
+    starts, so that a tracker that cannot log does not fail after all the work.
+
+    wandb can log when ``WANDB_MODE`` is ``offline``/``dryrun``/``disabled``, or with an API key: ``WANDB_API_KEY``
+    or the netrc entry ``wandb login`` writes for its host (``WANDB_BASE_URL``, default ``api.wandb.ai``), read here
+    as wandb reads it, without importing wandb or reaching the network. TensorBoard and MLflow (by default a local
+    ``mlruns`` store) need only their client.
 
     Raises:
-        ValueError: not one of :data:`TRACKERS`.
+        ValueError: not one of :data:`TRACKERS`, or wandb with no API key and not in offline mode.
         ImportError: its client is not installed (the message names the extra to install).
     """
     if name not in TRACKERS:
         raise ValueError(f"log_with: expected one of {', '.join(map(repr, TRACKERS))}, got {name!r}")
     if importlib.util.find_spec(TRACKERS[name]) is None:
         raise ImportError(f"log_with={name!r} needs the {name} client: pip install 'ipa_probe[{name}]'")
+    if name == "wandb" and not _wandb_can_log(os.environ):
+        raise ValueError(
+            "log_with='wandb': wandb is not logged in and not in offline mode, so it would fail after the run; run "
+            "`wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to log locally"
+        )
     return name
 
 
@@ -58,6 +69,32 @@ def _fresh_folder(logging_dir: Path, run_name: str) -> Path:
         folder = logging_dir / f"{run_name}-{n}"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def _wandb_can_log(environ: Mapping[str, str]) -> bool:
+    """Whether wandb has what it needs to log: offline mode, or an API key in the environment or in netrc."""
+    from urllib.parse import urlparse
+
+    if environ.get("WANDB_MODE", "").strip().lower() in ("offline", "dryrun", "disabled"):
+        return True
+    if environ.get("WANDB_DISABLED", "").strip().lower() in ("true", "1", "yes"):
+        return True
+    if environ.get("WANDB_API_KEY", "").strip():
+        return True
+    host = urlparse(environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    return _netrc_has(host, environ)
+
+
+def _netrc_has(host: str, environ: Mapping[str, str]) -> bool:
+    """Whether the user's netrc (``NETRC``, else ``~/.netrc``) holds a password for ``host``."""
+    import netrc
+
+    path = environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
 
 
 #: A custom-scalars layout: ``[(category title, [(chart title, [tag regex, ...]), ...]), ...]``.

@@ -101,6 +101,56 @@ CASES = [
     Case("--gauge-sweep 2,2", ("probe", "--gauge-sweep", "2,2"), 2, "distinct gauges"),
     Case("--gauge-sweep with --maps", ("probe", "--gauge-sweep", "--maps"), 2, "drop --keep-maps"),
     Case("lock is a folder", ("sweep", "{root}/ok.jsonl", "--out", "{root}/locked"), 1, "Is a directory"),
+    # issue 31: what is not ours, paths that mean what they say, bounds before work
+    Case("--out empty", ("probe", "--out", ""), 2, "--out is empty"),
+    Case("--out blank", ("sweep", "{root}/ok.jsonl", "--out", "  "), 2, "--out is empty"),
+    Case("--image empty", ("probe", "--image", ""), 2, "--image is empty"),
+    Case("--logging-dir blank", ("probe", "--log-with", "tensorboard", "--logging-dir", " "), 2, "--logging-dir is"),
+    Case("--out undecodable", ("probe", "--out", "o\udcff"), 2, "holds bytes that are not text"),
+    Case("--out ~ expanded", ("probe", "--out", "~/a_file"), 2, "'{root}/a_file' is a file", (("HOME", "{root}"),)),
+    Case("lock is a symlink", ("sweep", "{root}/ok.jsonl", "--out", "{root}/linked"), 1, "a symbolic link stands"),
+    Case("lock is a FIFO", ("experiments", "collapse", "--out", "{root}/fifo_lock"), 1, "a FIFO (named pipe) stands"),
+    Case("train-digits lock is a symlink", ("train-digits", "--out", "{root}/linked"), 1, "a symbolic link stands"),
+    Case("manifest image is a FIFO", ("sweep", "{root}/fifo_image.jsonl"), 2, "is a FIFO (named pipe), not a regular"),
+    Case("manifest is a FIFO", ("sweep", "{root}/fifo.jsonl"), 2, "manifest '{root}/fifo.jsonl' is a FIFO"),
+    Case("--image a FIFO", ("probe", "--image", "{root}/fifo.png"), 2, "is a FIFO (named pipe), not a regular file"),
+    Case("--image a device", ("compare", "--image", "/dev/null"), 2, "is a character device, not a regular file"),
+    Case(
+        "--ip-adapter a FIFO",
+        ("probe", "--model", "{root}/model", "--ip-adapter", "{root}/fifo.safetensors", *REAL),
+        2,
+        "is a FIFO (named pipe), not a regular file",
+    ),
+    Case("experiments --seeds 2**64", ("experiments", "collapse", "--seeds", str(2**64)), 2, "argument --seeds"),
+    Case("experiments --seeds 0 0", ("experiments", "collapse", "--seeds", "0", "0"), 2, "--seeds has repeated"),
+    Case("experiments --dims 2 2", ("experiments", "collapse", "--dims", "2", "2"), 2, "--dims has repeated"),
+    Case("experiments --ms 3 3", ("experiments", "scarcity", "--ms", "3", "3"), 2, "--ms has repeated"),
+    Case("sweep --resamples 1e9", ("sweep", "{root}/ok.jsonl", "--resamples", "1000000000"), 2, "<= 100000"),
+    Case("train-digits --max-refs 100000", ("train-digits", "--max-refs", "100000"), 2, "use at most 145"),
+    Case(
+        "train-digits adapter --max-refs 147",
+        ("train-digits", "--recipe", "ip-adapter", "--max-refs", "147"),
+        2,
+        "use at most 146",
+    ),
+    Case(
+        "train-digits --base missing",
+        ("train-digits", "--recipe", "ip-adapter", "--base", "{root}/nope"),
+        2,
+        "--base '{root}/nope' does not exist",
+    ),
+    Case(
+        "train-digits --base a file",
+        ("train-digits", "--recipe", "ip-adapter", "--base", "{root}/a_file"),
+        2,
+        "is not a folder",
+    ),
+    Case(
+        "train-digits --base without weights",
+        ("train-digits", "--recipe", "ip-adapter", "--base", "{root}/refs"),
+        2,
+        "does not exist",
+    ),
     # models and weights
     Case("--model ./nope", ("probe", "--model", "./nope", "--ip-adapter", "./x", *REAL), 2, "does not exist"),
     Case("--model without --ip-adapter", ("probe", "--model", "{root}/model", *REAL), 2, "needs --ip-adapter"),
@@ -196,7 +246,41 @@ def make_fixtures(root: Path) -> Path:
     record = {"tier": {"name": "smoke", "d_model": 32}, "experiment": "collapse"}
     (root / "smoke_results" / "collapse").mkdir(parents=True, exist_ok=True)
     (root / "smoke_results" / "collapse" / "record.json").write_text(json.dumps(record))
+    # issue 31: a lock that is a link to the user's notes, special files where images and locks belong
+    (root / "notes").write_text("the user's notes: a lock must never truncate them\n")
+    (root / "linked").mkdir(exist_ok=True)
+    _replace(root / "linked" / ".ipa_probe.lock", lambda p: p.symlink_to(root / "notes"))
+    (root / "fifo_lock").mkdir(exist_ok=True)
+    for fifo in (root / "fifo_lock" / ".ipa_probe.lock", root / "fifo.png", root / "fifo.jsonl"):
+        _replace(fifo, os.mkfifo)
+    _replace(root / "fifo.safetensors", os.mkfifo)
+    (root / "fifo_image.jsonl").write_text('{"images": "fifo.png"}\n')
     return root
+
+
+def _replace(path: Path, make) -> None:
+    """Make ``path`` anew with ``make(path)`` (a link or a FIFO: ``exist_ok`` has no meaning for them)."""
+    if os.path.lexists(path):
+        path.unlink()
+    make(path)
+
+
+def fixture_bytes(root: Path) -> dict[str, bytes | str]:
+    """Every regular file under ``root`` (by relative path) with its bytes, and every link with its target: what a
+    refused command must leave byte-identical. FIFOs are listed by kind, never opened."""
+    import stat
+
+    found: dict[str, bytes | str] = {}
+    for path in sorted(root.rglob("*")):
+        mode = path.lstat().st_mode
+        name = str(path.relative_to(root))
+        if stat.S_ISLNK(mode):
+            found[name] = f"link -> {os.readlink(path)}"
+        elif stat.S_ISREG(mode):
+            found[name] = path.read_bytes()
+        elif stat.S_ISFIFO(mode):
+            found[name] = "fifo"
+    return found
 
 
 #: runs ``ipa_probe.cli.main`` for each case given on stdin and prints one JSON line per case
@@ -232,7 +316,7 @@ def run_in_fresh_process(cases: list[Case], root: Path, cwd: Path) -> dict[str, 
     for case in cases:
         groups.setdefault(case.env, []).append(case)
     for env, group in groups.items():
-        environ = {**os.environ, **dict(env), "PYTHONPATH": str(cwd)}
+        environ = {**os.environ, **{k: v.replace("{root}", str(root)) for k, v in env}, "PYTHONPATH": str(cwd)}
         environ.pop("OMP_NUM_THREADS", None)
         proc = subprocess.run(
             [sys.executable, "-c", f"HEAVY = {HEAVY!r}\n{DRIVER}"],
@@ -247,4 +331,5 @@ def run_in_fresh_process(cases: list[Case], root: Path, cwd: Path) -> dict[str, 
             raise RuntimeError(f"the driver failed: {proc.stderr[-3000:]}")
         for case, line in zip(group, proc.stdout.splitlines(), strict=True):
             results[case.name] = json.loads(line)
+            results[case.name]["message"] = case.message.replace("{root}", str(root))
     return results

@@ -208,3 +208,91 @@ def test_digits_reference_images_names_the_argument(args, kwargs, error, name):
 def test_digits_pipeline_names_the_argument_and_the_remedy(kwargs, error, match):
     with pytest.raises(error, match=match):
         ipa_probe.digits_pipeline(**kwargs)
+
+
+# ------------------------------------------------------------------------------- issue 31: arguments named at use
+
+
+def _weights(pipe) -> dict:
+    return {name: value.clone() for name, value in pipe.unet.state_dict().items()}
+
+
+def _same_weights(pipe, before: dict) -> bool:
+    return all(torch.equal(value, before[name]) for name, value in pipe.unet.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [
+        ({"seed": "x"}, TypeError, "seed"),
+        ({"seed": 2**64}, ValueError, "seed"),
+        ({"mode": "swap", "other": "text"}, TypeError, "other"),
+        ({"mode": "swap", "other": 5}, TypeError, "other"),
+        ({"steps": [999]}, ValueError, "steps"),  # a 1-step call: known before anything runs
+        ({"steps": slice(3, None)}, ValueError, "steps"),
+    ],
+)
+def test_measure_intervention_names_its_arguments_before_generating(sd15, refs, kwargs, error, name, monkeypatch):
+    import ipa_probe.intervention.effect as effect
+
+    monkeypatch.setattr(effect, "generate", lambda *a, **k: pytest.fail("generated before checking its arguments"))
+    before = untouched(sd15)
+    with pytest.raises(error, match=f"^{name}"):
+        ipa_probe.measure_intervention(sd15, 0, prompt="a", ip_adapter_image=[refs], **CALL, **kwargs)
+    assert untouched(sd15) == before
+
+
+@pytest.mark.parametrize("steps", [[999], [0, 2], slice(2, None)])
+def test_intervene_on_steps_the_call_did_not_have_is_an_error_not_a_zero_effect(sd15, refs, steps):
+    """Not knowable before the call (the loop's length is the pipeline's): checked when the block ends."""
+    before, weights = untouched(sd15), _weights(sd15)
+    with pytest.raises(ValueError, match=r"^steps: .*it ran 2 steps"):
+        with ipa_probe.intervene(sd15, 0, steps=steps) as state:
+            sd15("a", ip_adapter_image=[refs], output_type="latent", **{**CALL, "num_inference_steps": 2})
+    assert untouched(sd15) == before and _same_weights(sd15, weights)
+    assert {step for step, _ in state.acted} <= {0, 1}  # it acted only where the call had steps
+
+
+def test_intervene_on_steps_the_call_had_passes_the_check(sd15, refs):
+    with ipa_probe.intervene(sd15, 0, steps=[1]) as state:
+        sd15("a", ip_adapter_image=[refs], output_type="latent", **{**CALL, "num_inference_steps": 2})
+    assert state.acted and {step for step, _ in state.acted} == {1}
+
+
+@pytest.mark.parametrize("feature", ["probe", "nw_head"])
+@pytest.mark.parametrize("value", ["abc", None, [1.0]])
+def test_a_bandwidth_callable_returning_no_number_is_named_when_first_called(sd15, refs, feature, value):
+    before, weights = untouched(sd15), _weights(sd15)
+
+    def bandwidth(timestep):
+        return value
+
+    with pytest.raises(ValueError, match=r"^bandwidth: the callable 'bandwidth' returned"):
+        with getattr(ipa_probe, feature)(sd15, bandwidth=bandwidth):
+            sd15("a", ip_adapter_image=[refs], output_type="latent", **CALL)
+    assert untouched(sd15) == before and _same_weights(sd15, weights)
+
+
+def test_branches_that_do_not_divide_the_batch_are_an_error_not_a_merge(sd15, refs):
+    """Under CFG the batch is 2; three labels cannot cut it into equal chunks."""
+    before = untouched(sd15)
+    with pytest.raises(ValueError, match=r"^branches: 3 labels .* batch of 2"):
+        with ipa_probe.probe(sd15, branches=("a", "b", "c")):
+            sd15("a", ip_adapter_image=[refs], output_type="latent", guidance_scale=5.0, **CALL)
+    assert untouched(sd15) == before
+    with ipa_probe.probe(sd15, branches=("u", "c")) as run:  # two labels divide it: each half is labelled
+        sd15("a", ip_adapter_image=[refs], output_type="latent", guidance_scale=5.0, **CALL)
+    assert set(run.to_dataframe()["branch"]) == {"u", "c"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, name",
+    [({"seed": "x"}, TypeError, "seed"), ({"seed": -1}, ValueError, "seed"), ({"adapter": "0"}, TypeError, "adapter")],
+)
+def test_reference_attribution_names_its_arguments(sd15, refs, kwargs, error, name):
+    from ipa_probe.attribution import reference_attribution
+
+    before = untouched(sd15)
+    with pytest.raises(error, match=f"^{name}"):
+        reference_attribution(sd15, prompt="a", ip_adapter_image=[refs], **CALL, **kwargs)
+    assert untouched(sd15) == before

@@ -12,14 +12,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_cases import CASES, HEAVY, make_fixtures, run_in_fresh_process
+from cli_cases import CASES, HEAVY, fixture_bytes, make_fixtures, run_in_fresh_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def answers(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+def fixtures(tmp_path_factory) -> tuple[Path, dict]:
     root = make_fixtures(tmp_path_factory.mktemp("cases"))
+    return root, fixture_bytes(root)
+
+
+@pytest.fixture(scope="module")
+def answers(fixtures) -> tuple[Path, dict[str, dict]]:
+    root, _ = fixtures
     return root, run_in_fresh_process(CASES, root, ROOT)
 
 
@@ -29,10 +35,21 @@ def test_a_bad_command_line_is_one_line_before_torch_loads(answers, case):
     result = results[case.name]
     lines = result["stderr"].strip().splitlines()
     assert result["code"] == case.code, result["stderr"]
-    assert len(lines) == 1 and case.message in lines[0], lines  # one line, no traceback, no warning before it
+    assert len(lines) == 1 and result["message"] in lines[0], lines  # one line, no traceback, no warning before it
     assert lines[0].startswith(f"ipa-probe {case.argv[0]}: error: ")
     assert result["heavy"] == [], f"{case.name} imported {result['heavy']} before answering"
     assert not (root / "out" / case.name.replace(" ", "_")).exists()  # nothing written
+    assert result["seconds"] < 3, f"{case.name} took {result['seconds']:.1f} s to answer"  # an argument error: at once
+
+
+def test_the_refusals_leave_every_file_byte_identical(fixtures, answers):
+    """The lock linked to the user's notes, the FIFOs where images and locks belong: nothing truncated, opened or
+    replaced; nothing new beside them but the commands' own empty output folders."""
+    root, before = fixtures
+    answers  # noqa: B018 - every case has run
+    after = fixture_bytes(root)
+    assert {name: after.get(name) for name in before} == before
+    assert after["notes"] == b"the user's notes: a lock must never truncate them\n"
 
 
 def test_the_hub_messages_name_every_remedy(answers):
@@ -181,3 +198,18 @@ def test_thread_scope_restores_the_callers_threads_and_environment(monkeypatch):
         assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"  # the user's policy is kept
     assert torch.get_num_threads() == before and "OMP_NUM_THREADS" not in os.environ
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_a_name_the_c_locale_cannot_decode_is_refused_before_the_run(tmp_path):
+    """``LC_ALL=C PYTHONUTF8=0 ipa-probe probe --out ûñï``: the bytes reach Python undecodable (surrogate escapes),
+    which would fail only when summary.json or the last line is written, after the run."""
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONPATH": str(ROOT)}
+    env.pop("LANG", None)
+    out = os.fsencode(tmp_path) + b"/\xc3\xbb\xc3\xb1\xc3\xaf"  # ûñï in UTF-8
+    proc = subprocess.run(
+        [sys.executable, "-m", "ipa_probe", "probe", "--out", out], capture_output=True, env=env, timeout=60, cwd=ROOT
+    )
+    lines = proc.stderr.decode("ascii", "backslashreplace").strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert "holds bytes that are not text in this locale's encoding" in lines[0] and "LC_ALL=C.UTF-8" in lines[0]
+    assert list(tmp_path.iterdir()) == []

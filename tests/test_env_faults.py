@@ -186,9 +186,19 @@ def test_a_full_disk_in_experiments_names_the_checkpoint(tmp_path, monkeypatch, 
 
 @pytest.mark.parametrize("code, remedy", [(errno.EROFS, "read-only"), (errno.EACCES, "no permission")])
 def test_a_read_only_rows_folder_is_reported_not_its_cleanup(workdir, monkeypatch, capsys, one_thread, code, remedy):
-    """The temp file cannot be made and, on a read-only file system, even unlinking the absent temp file fails:
-    the error shown is the write's, and nothing is logged about a cleanup that had nothing to remove."""
-    fail_parquet_writes(monkeypatch, "row-000000.parquet", code, leave_temp=False)
+    """The temp file cannot be made (the kernel refuses the O_CREAT open of atomic_path's new temp file) and, on a
+    read-only file system, even unlinking the absent temp file fails: the error shown is the write's, and nothing is
+    logged about a cleanup that had nothing to remove."""
+    import ipa_probe._io as io_module
+
+    real_create = io_module._create_new
+
+    def create_new(path: Path) -> None:
+        if path.name.startswith(".row-000000.parquet."):
+            raise OSError(code, os.strerror(code), str(path))
+        real_create(path)
+
+    monkeypatch.setattr(io_module, "_create_new", create_new)
     real_unlink = Path.unlink
 
     def unlink(self, missing_ok=False):
@@ -278,6 +288,37 @@ def test_ctrl_c_in_a_real_process_prints_exactly_one_line(workdir):
     assert stdout == "" and len(SweepLayout(out).parts()) >= 2 and no_temp_files(out)
 
 
+@pytest.mark.slow
+def test_two_ctrl_c_in_a_real_sweep_end_with_130_and_keep_finished_rows(workdir):
+    """The issue's case: two SIGINTs 0.15 s apart in a running sweep (it died by SIGINT, status -2)."""
+    rows = [{"prompt": f"p{i}", "images": f"refs/{i % 3}.png", "seed": i} for i in range(400)]
+    manifest, out = write_jsonl(workdir / "long.jsonl", rows), workdir / "twice"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "ipa_probe", "sweep", str(manifest), "--out", str(out), *SWEEP, "--steps", "3"]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+    )
+    deadline = time.monotonic() + 240
+    while len(list((out / "rows").glob("row-*.parquet"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the sweep ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.15)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines() == [
+        "ipa-probe sweep: interrupted; finished work is kept, run the same command again to resume"
+    ]
+    assert len(SweepLayout(out).parts()) >= 2 and no_temp_files(out) and not (out / ".ipa_probe.lock").read_text()
+
+
 def test_a_full_disk_in_train_digits_names_the_checkpoint_and_leaves_nothing_half_written(
     tmp_path, monkeypatch, capsys, one_thread
 ):
@@ -296,3 +337,189 @@ def test_a_full_disk_in_train_digits_names_the_checkpoint_and_leaves_nothing_hal
     assert "checkpoint.safetensors': No space left on device [errno 28]" in line and str(out) in line
     # the first checkpoint write failed: no checkpoint, no temporary file, no outputs of a finished run
     assert no_temp_files(out) and not list(out.rglob("*.safetensors")) and not (out / "record.json").exists()
+
+
+# ------------------------------------------------------------------ issue 31: permissions, signals, streams, trackers
+
+
+def unreadable(monkeypatch, path: Path) -> None:
+    """``path`` cannot be read: chmod 000, which stops a user; root's reads it does not stop, so as root os.access is
+    answered as the kernel answers a user (the command checks with os.access before any open)."""
+    path.chmod(0)
+    if os.geteuid() == 0:
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **k: False if Path(p) == path else real(p, mode, **k))
+
+
+def test_an_unreadable_image_is_exit_1_naming_the_path_and_the_remedy(workdir, monkeypatch, capsys):
+    image = workdir / "refs" / "0.png"
+    unreadable(monkeypatch, image)
+    try:
+        assert main(["probe", "--image", str(image), "--out", str(workdir / "out")]) == 1
+    finally:
+        image.chmod(0o644)
+    line = one_error_line(capsys)
+    assert line.startswith(f"ipa-probe probe: error: '{image}': Permission denied [errno 13]; ")
+    assert "chmod u+r" in line and "not an image" not in line and not (workdir / "out").exists()
+
+
+def test_an_unreadable_checkpoint_is_exit_1_not_delete_it(tmp_path, monkeypatch, capsys, one_thread):
+    out = tmp_path / "digits"
+    out.mkdir()
+    checkpoint = out / "checkpoint.safetensors"
+    checkpoint.write_bytes(b"a checkpoint this user may not read")
+    unreadable(monkeypatch, checkpoint)
+    argv = ["train-digits", "--out", str(out), "--no-progress", "--vae-steps", "1", "--encoder-steps", "1"]
+    try:
+        assert main([*argv, "--steps", "2", "--batch", "4", "--threads", "1"]) == 1
+    finally:
+        checkpoint.chmod(0o644)
+    line = one_error_line(capsys)
+    assert f"'{checkpoint}': Permission denied [errno 13]; no permission to read it" in line
+    assert "delete it" not in line and checkpoint.read_bytes() == b"a checkpoint this user may not read"
+
+
+#: runs ``ipa-probe experiments`` in a child whose work is replaced: ``print`` prints, ``work`` waits for Ctrl-C,
+#: then spends a second cleaning up (where a second Ctrl-C lands) and marks that it finished
+FAKE_WORK = """
+import sys, time
+from pathlib import Path
+import ipa_probe.cli.experiments as command
+mode, marker = sys.argv.pop(1), Path(sys.argv.pop(1))
+
+def run(args):
+    if mode == "print":
+        print("a line of results " * 200)
+        return 0
+    marker.with_suffix(".working").touch()
+    try:
+        time.sleep(60)
+    finally:
+        time.sleep(1.0)
+        marker.with_suffix(".cleaned").touch()
+
+command.run = run
+command.check = lambda args: None
+sys.argv[0] = "ipa-probe"
+from ipa_probe.cli import main
+sys.exit(main())
+"""
+
+
+def fake_command(mode: str, marker: Path, **popen) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-c", FAKE_WORK, mode, str(marker), "experiments", "collapse", "--out", str(marker)]
+    return subprocess.Popen(argv, env=env, cwd=ROOT, **popen)
+
+
+def test_a_second_ctrl_c_during_the_cleanup_still_ends_with_130(tmp_path):
+    marker = tmp_path / "run"
+    proc = fake_command(
+        "work",
+        marker,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+    )
+    deadline = time.monotonic() + 120
+    while not marker.with_suffix(".working").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.15)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines() == [
+        "ipa-probe experiments: interrupted; finished work is kept, run the same command again to resume"
+    ]
+    assert marker.with_suffix(".cleaned").exists()  # the first interrupt's cleanup ran to its end
+
+
+def test_a_full_stdout_is_one_line_and_exit_1(tmp_path):
+    with open("/dev/full", "w") as full:
+        proc = fake_command("print", tmp_path / "run", stdout=full, stderr=subprocess.PIPE, text=True)
+        _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr
+    assert stderr.strip().splitlines() == [
+        "ipa-probe experiments: error: '<standard output>': No space left on device [errno 28]; the command's "
+        "files are written; only what it prints is lost (redirect it elsewhere)"
+    ]
+
+
+def test_a_reader_that_closes_the_pipe_ends_quietly_with_exit_1(tmp_path):
+    proc = fake_command("print", tmp_path / "run", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader goes away before the command prints (as `| head -0` does)
+    stderr = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert proc.returncode == 1 and stderr == ""  # no "Exception ignored ... BrokenPipeError"
+
+
+def test_a_full_stderr_does_not_change_the_exit_code(tmp_path):
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ipa_probe", "experiments", "bogus", "--out", str(tmp_path / "o")],
+            stdout=subprocess.PIPE,
+            stderr=full,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+            timeout=120,
+        )
+    assert proc.returncode == 2 and proc.stdout == b""
+
+
+#: a fake wandb client (this machine has none): importable, so the check reaches the login question
+FAKE_WANDB = """
+import importlib.machinery, json, sys, types
+fake = types.ModuleType("wandb")
+fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+sys.modules["wandb"] = fake
+from ipa_probe.cli import main
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "heavy": [m for m in ("torch", "diffusers", "pandas") if m in sys.modules]}))
+"""
+
+
+@pytest.mark.parametrize("command", [["probe"], ["sweep", "MANIFEST"]])
+def test_wandb_not_logged_in_is_refused_before_the_run(workdir, command):
+    netrc = workdir / "netrc"
+    netrc.write_text("machine example.com login me password secret\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(PYTHONPATH=str(ROOT), NETRC=str(netrc), HOME=str(workdir))
+    argv = [a.replace("MANIFEST", str(workdir / "m.jsonl")) for a in command]
+    out = subprocess.run(
+        [sys.executable, "-c", FAKE_WANDB, *argv, "--log-with", "wandb", "--out", str(workdir / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"code": 2, "heavy": []}, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert "wandb is not logged in and not in offline mode" in line and "wandb login" in line
+    assert "WANDB_MODE=offline" in line and not (workdir / "out").exists()
+
+
+def test_wandb_logs_offline_or_with_a_key(tmp_path, monkeypatch):
+    import importlib.machinery
+    import types
+
+    from ipa_probe.trackers import check_tracker
+
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    for name in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("")
+    monkeypatch.setenv("NETRC", str(netrc))
+    with pytest.raises(ValueError, match="^log_with='wandb': wandb is not logged in"):
+        check_tracker("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert check_tracker("wandb") == "wandb"
+    monkeypatch.delenv("WANDB_MODE")
+    netrc.write_text("machine api.wandb.ai login user password 0123456789abcdef\n")  # what `wandb login` writes
+    netrc.chmod(0o600)
+    assert check_tracker("wandb") == "wandb"

@@ -597,3 +597,154 @@ def test_the_lock_records_its_holder(tmp_path):
         record = json.loads((tmp_path / LOCK_NAME).read_text())
         assert record["pid"] == os.getpid() and record["command"] == "ipa-probe test" and record["host"]
         assert record["started"] <= time.time()
+
+
+# ------------------------------------------------------------------ issue 31: never touch what is not ours
+
+
+def snapshot(folder: Path) -> dict[str, bytes | str]:
+    """Every file under ``folder`` with its bytes (links by target, FIFOs by kind: never opened)."""
+    import stat
+
+    found: dict[str, bytes | str] = {}
+    for path in sorted(folder.rglob("*")):
+        mode = path.lstat().st_mode
+        if stat.S_ISLNK(mode):
+            found[str(path.relative_to(folder))] = f"link -> {os.readlink(path)}"
+        elif stat.S_ISREG(mode):
+            found[str(path.relative_to(folder))] = path.read_bytes()
+        elif stat.S_ISFIFO(mode):
+            found[str(path.relative_to(folder))] = "fifo"
+    return found
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "dangling symlink"])
+def test_the_lock_never_follows_a_link_or_opens_a_special_file(tmp_path, planted):
+    from ipa_probe._io import NotOurs
+
+    notes = tmp_path / "notes"
+    notes.write_text("the user's notes\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = out / LOCK_NAME
+    {"symlink": lambda: lock.symlink_to(notes), "fifo": lambda: os.mkfifo(lock)}.get(
+        planted, lambda: lock.symlink_to(tmp_path / "would_be_created")
+    )()
+    before = snapshot(tmp_path)
+    with pytest.raises(NotOurs, match="stands where an output file belongs"):
+        with output_lock(out, "test"):
+            pytest.fail("the lock was taken")
+    assert snapshot(tmp_path) == before and notes.read_text() == "the user's notes\n"
+
+
+@pytest.mark.parametrize("command", ["sweep", "experiments", "train-digits"])
+def test_a_lock_linked_to_the_users_file_is_refused_with_exit_1(workdir, capsys, command):
+    notes = workdir / "notes"
+    notes.write_text("the user's notes\n")
+    out = workdir / "out"
+    out.mkdir()
+    (out / LOCK_NAME).symlink_to(notes)
+    before = snapshot(workdir)
+    argv = {"sweep": ["sweep", str(workdir / "m.jsonl"), *CLI], "experiments": ["experiments", "collapse"]}
+    assert main([*argv.get(command, [command]), "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"'{out / LOCK_NAME}': a symbolic link stands where an output file belongs" in err[0]
+    assert "move it away or write to another --out" in err[0]
+    assert snapshot(workdir) == before
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_an_output_file_never_replaces_a_link_or_special_file(tmp_path, planted):
+    from ipa_probe._io import NotOurs, write_json
+
+    notes = tmp_path / "notes"
+    notes.write_text("the user's notes\n")
+    target = tmp_path / "summary.json"
+    target.symlink_to(notes) if planted == "symlink" else os.mkfifo(target)
+    before = snapshot(tmp_path)
+    with pytest.raises(NotOurs, match="summary.json"):
+        write_json(target, {"a": 1})
+    assert snapshot(tmp_path) == before  # no temp file left either
+
+
+def test_a_temp_name_taken_by_a_planted_link_is_never_written_through(tmp_path, monkeypatch):
+    """The temp file is created new (O_EXCL | O_NOFOLLOW) before the writer opens it."""
+    import uuid
+
+    from ipa_probe._io import write_atomic
+
+    class Fixed:
+        hex = "0123456789abcdef"
+
+    monkeypatch.setattr(uuid, "uuid4", lambda: Fixed)
+    notes = tmp_path / "notes"
+    notes.write_text("the user's notes\n")
+    (tmp_path / f".out.txt.{os.getpid()}-01234567.tmp").symlink_to(notes)
+    before = snapshot(tmp_path)
+    with pytest.raises(OSError, match="out.txt"):
+        write_atomic(tmp_path / "out.txt", "ours")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_quoted_tilde_means_home_for_the_outputs_and_the_tracker_logs(workdir, monkeypatch, one_thread):
+    home, elsewhere = workdir / "home", workdir / "cwd"
+    home.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)
+    argv = ["sweep", str(workdir / "m.jsonl"), "--out", "~/sw", "--log-with", "tensorboard", *CLI]
+    assert main(argv) == 0
+    assert (home / "sw" / "summary.json").is_file() and any((home / "sw" / "logs").rglob("events.out.tfevents.*"))
+    assert list(elsewhere.iterdir()) == []  # no literal ./~/sw
+
+
+def test_a_manifest_image_that_cannot_be_read_fails_its_row_naming_the_remedy(workdir, monkeypatch, one_thread):
+    """chmod 000 stops a user but not root: as root, os.access is answered as the kernel answers a user."""
+    image = workdir / "refs" / "2.png"
+    image.chmod(0)
+    if os.geteuid() == 0:
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **k: False if Path(p) == image else real(p, mode, **k))
+    try:
+        manifest = read_manifest(workdir / "m.jsonl")
+    finally:
+        image.chmod(0o644)
+    (skipped,) = manifest.skipped
+    assert skipped.row == 1 and f"'{image}': Permission denied" in skipped.reason and "chmod" in skipped.reason
+    assert "not an image" not in skipped.reason
+
+
+def test_the_max_refs_bound_is_the_rarest_training_digit():
+    """Recounted from scikit-learn's digits (the first TRAIN_SIZE train the organism), not from our constant."""
+    from sklearn.datasets import load_digits
+
+    from ipa_probe._checks import DIGITS_SMALLEST_CLASS
+    from ipa_probe.tiny.digits import DigitsTrainConfig
+    from ipa_probe.tiny.digits.data import TRAIN_SIZE
+    from ipa_probe.tiny.digits.train_ip import DigitsAdapterConfig
+
+    assert DIGITS_SMALLEST_CLASS == np.bincount(load_digits().target[:TRAIN_SIZE]).min()
+    DigitsTrainConfig(max_refs=DIGITS_SMALLEST_CLASS - 1)  # the largest that draws from the data
+    DigitsAdapterConfig(max_refs=DIGITS_SMALLEST_CLASS)
+    with pytest.raises(ValueError, match="^max_refs: expected at most 145"):
+        DigitsTrainConfig(max_refs=DIGITS_SMALLEST_CLASS)
+    with pytest.raises(ValueError, match="^max_refs: expected at most 146"):
+        DigitsAdapterConfig(max_refs=DIGITS_SMALLEST_CLASS + 1)
+
+
+def test_batched_resamples_keep_the_default_intervals_and_bound_the_rest():
+    """Up to one batch the interval is scipy's unbatched one; beyond, n_resamples is bounded (and checked)."""
+    from scipy import stats
+
+    from ipa_probe.sweep.aggregation import RESAMPLE_BATCH, bootstrap_ci
+
+    x = np.random.default_rng(3).normal(size=40)
+    expected = stats.bootstrap(
+        (x,), np.mean, n_resamples=9999, method="BCa", rng=np.random.default_rng(0)
+    ).confidence_interval
+    assert bootstrap_ci(x, 0.95, 9999) == (float(expected.low), float(expected.high))
+    assert RESAMPLE_BATCH >= 9999
+    low, high = bootstrap_ci(x, 0.95, 25_000)
+    assert low < x.mean() < high
+    with pytest.raises(ValueError, match="^n_resamples"):
+        aggregate(pd.DataFrame(), n_resamples=10**9)

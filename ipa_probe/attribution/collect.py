@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .._checks import check_flag, parse_step_selection
+from .._checks import check_flag, check_int, check_seed, check_steps_ran, parse_step_selection
 
 __all__ = [
     "ATTRIBUTION_COLUMNS",
@@ -168,11 +168,16 @@ def reference_attribution(
     from ..layers import denoiser_of, find_ip_layers, observer
     from ..theory.schedules import VPSchedule
 
+    check_seed(seed)
+    check_int(adapter, "adapter", 0)
     references = _references(call, adapter)
     check_flag(per_head, "per_head")
     if per_head and (call.get("cross_attention_kwargs") or {}).get("ip_adapter_masks") is not None:
         raise ValueError("reference_attribution(per_head=True) does not support ip_adapter_masks: pass per_head=False")
     selection = parse_step_selection(steps)
+    planned = call.get("num_inference_steps")
+    if isinstance(planned, int) and not isinstance(planned, bool):  # the loop runs at most that many steps
+        check_steps_ran(selection, planned)
     schedule = VPSchedule.from_scheduler(pipe.scheduler)
     support = encode_references(pipe, references).double().flatten(1)  # (R, D)
     tap = tap_for(pipe, find_ip_layers(pipe))  # where the family's denoiser takes its sample and timestep
@@ -194,6 +199,8 @@ def reference_attribution(
     weights = run.reference_weights(adapter=adapter, branch="cond")
     timesteps = run.map_timesteps(0)
     stamps = torch.stack([t for t, _ in passes]).double().cpu().tolist() if passes else []  # one transfer
+    if selection is not None and not weights:  # the selection missed every step the call had
+        raise ValueError(f"steps: {steps!r} selects no loop index this call had; pass indices it runs")
     posterior, samples = {}, {}
     for step in sorted({step for step, _ in weights}):
         # x_t: the first pass at the probe's timestep of that step, at the batch row the probe labelled the first

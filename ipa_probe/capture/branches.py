@@ -288,8 +288,14 @@ class PromptEvidence:
         unlabelled = self._uniform("batch", size, device)
         if self.declared is not None:
             chunks = len(self.declared)
-            if size % chunks:
+            if size % chunks and not isinstance(context, torch.Tensor):  # no batch seen: one unlabelled group
                 return unlabelled
+            if size % chunks:  # merging the chunks into "batch" would hide the mistake in the table
+                raise ValueError(
+                    f"branches: {len(self.declared)} labels {self.declared!r} do not divide this pass's batch of "
+                    f"{size}; declare one label per equal chunk of the batch (e.g. ('uncond', 'cond') under CFG), "
+                    "or branches=None to label them from the prompt embeddings"
+                )
             if device not in self._declared_labels:
                 picked = [index[self.vocabulary.index(b)] for b in self.declared]
                 self._declared_labels[device] = torch.stack(picked)

@@ -7,9 +7,15 @@ A new flag follows the same pattern: check it in the command's ``check`` when th
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from .._quiet import quiet_known_messages
 
@@ -81,42 +87,185 @@ def main(argv: list[str] | None = None) -> int:
     Every subcommand checks its arguments, paths and inputs first (its ``check``, which imports neither torch nor
     diffusers nor pandas), then sets the OpenMP wait policy and thread count, then runs. Faults become one line on
     stderr and an exit code (:data:`EXIT_USAGE` for the input, :data:`EXIT_ENVIRONMENT` for the environment).
+
+    Ctrl-C ends with :data:`EXIT_INTERRUPTED` however often it is pressed: the first stops the work (finished files
+    are kept), a second one while that finishes is ignored, a third stops the process at once. A standard output
+    that cannot be written (a reader that closed the pipe, a full device) ends with :data:`EXIT_ENVIRONMENT`, quietly
+    for a closed pipe and with one line for a full device, never with Python's "Exception ignored" at exit.
+
+    Args:
+        argv: the arguments; ``None`` (the ``ipa-probe`` command itself) reads ``sys.argv`` and also settles the
+            process's own standard output before returning, and leaves a second Ctrl-C ignored until it exits.
     """
+    command_line = argv is None
+    with _interrupts(command_line):
+        try:
+            code = _main(argv)
+        except SystemExit as exit_:  # --help: argparse prints, then exits
+            if not command_line:
+                raise
+            code = exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
+        if command_line:
+            code = _settle_stdout(code, "ipa-probe")
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     from .._io import os_error_of
+    from ._common import check_path_arguments
     from ._runtime import describe_os_error, thread_scope
 
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except _ArgumentError as err:
-        print(err, file=sys.stderr)
+        _say(str(err))
         return EXIT_USAGE
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
+        check_path_arguments(args)  # blank, undecodable, a leading ~: for every path argument alike
         if getattr(args, "check", None) is not None:
             args.check(args)  # torch-free: a bad argument answers at once
         # the known-harmless library messages (diffusers' "should be kept in float32: []" on every
         # load_ip_adapter) are dropped for the command's duration only, not by a process-wide verbosity change
-        with thread_scope(getattr(args, "threads", None)), quiet_known_messages():
+        with thread_scope(getattr(args, "threads", None)), quiet_known_messages(), _named_stdout():
             return int(args.func(args) or 0)
     except CLIError as err:
         if not err.silent:
-            print(f"ipa-probe {args.command}: error: {err}", file=sys.stderr)
+            _say(f"ipa-probe {args.command}: error: {err}")
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(
-            f"ipa-probe {args.command}: interrupted; finished work is kept, run the same command again to resume",
-            file=sys.stderr,
-        )
+        _say(f"ipa-probe {args.command}: interrupted; finished work is kept, run the same command again to resume")
         return EXIT_INTERRUPTED
     except Exception as err:
         # an OSError, or a writer's own error type wrapping one (safetensors: "... (os error 28)")
         fault = err if isinstance(err, OSError) else os_error_of(err)
         if fault is None:
             raise
+        if fault.errno == errno.EPIPE and fault.filename in (None, STDOUT):  # the reader closed the pipe: be quiet
+            _silence(sys.stdout)
+            return EXIT_ENVIRONMENT
         out = getattr(args, "out", None)
-        print(f"ipa-probe {args.command}: error: {describe_os_error(fault, out)}", file=sys.stderr)
+        _say(f"ipa-probe {args.command}: error: {describe_os_error(fault, out)}")
         return EXIT_ENVIRONMENT
+
+
+#: the file name a fault of the standard output carries (its errors have none: they would be read as --out's)
+STDOUT = "<standard output>"
+
+
+class _NamedStdout:
+    """The standard output, whose write faults name it: ``OSError(errno, reason, STDOUT)`` with the remedy, so that a
+    full device is not reported as a fault of ``--out`` and a closed pipe is recognised as such."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def _call(self, name: str, *args):
+        try:
+            return getattr(self._stream, name)(*args)
+        except OSError as err:
+            if err.errno is None or err.filename is not None:
+                raise
+            fault = OSError(err.errno, err.strerror or os.strerror(err.errno), STDOUT)
+            fault.remedy = "the command's files are written; only what it prints is lost (redirect it elsewhere)"
+            raise fault from None
+
+    def write(self, text: str) -> int:
+        return self._call("write", text)
+
+    def flush(self) -> None:
+        return self._call("flush")
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def _named_stdout() -> Iterator[None]:
+    """:class:`_NamedStdout` in place of ``sys.stdout`` while a command runs (the stream itself is put back)."""
+    stream = sys.stdout
+    if stream is None:
+        yield
+        return
+    sys.stdout = _NamedStdout(stream)
+    try:
+        yield
+    finally:
+        if isinstance(sys.stdout, _NamedStdout):
+            sys.stdout = stream
+
+
+def _say(line: str) -> None:
+    """``line`` on stderr; a stderr that cannot be written (closed, a full device) is silenced, never raised."""
+    if sys.stderr is None:  # started with stderr closed: print(file=None) would write to stdout
+        return
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # ValueError: a closed stream
+        _silence(sys.stderr)
+
+
+def _silence(stream) -> None:
+    """Point ``stream``'s descriptor at the null device, so that the interpreter's own flush at exit (of what is
+    still buffered) succeeds instead of printing "Exception ignored ... BrokenPipeError"."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no descriptor (a replaced stream): nothing to point elsewhere
+        pass
+
+
+def _settle_stdout(code: int, prog: str) -> int:
+    """Flush standard output now, while a failure can still set the exit code: a reader that closed the pipe
+    (``EPIPE``) ends quietly with :data:`EXIT_ENVIRONMENT`; a full device, with one line and that code."""
+    if sys.stdout is None:  # started with stdout closed: nothing was printed anywhere
+        return code
+    try:
+        sys.stdout.flush()
+    except OSError as err:
+        _silence(sys.stdout)
+        if err.errno != errno.EPIPE:
+            reason = os.strerror(err.errno or errno.EIO)
+            _say(f"{prog}: error: '{STDOUT}': {reason}; the command's files are written, only what it prints is lost")
+        return code if code not in (EXIT_OK, EXIT_ROWS_FAILED) else EXIT_ENVIRONMENT
+    except ValueError:  # stdout closed
+        return code
+    return code
+
+
+@contextmanager
+def _interrupts(command_line: bool) -> Iterator[None]:
+    """The first Ctrl-C raises ``KeyboardInterrupt`` (the command stops, keeping finished work); a second one while
+    that unwinds is ignored, so the exit code stays :data:`EXIT_INTERRUPTED` and the cleanup finishes; a third stops
+    the process at once with that code (finished files are whole; a hidden temp file may remain).
+
+    Only in the main thread and where Python's own handler is installed (a caller's handler is left alone). For the
+    command line itself the handler stays ignoring after an interrupt, until the process exits."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        yield
+        return
+    count = 0
+
+    def handler(signum, frame):
+        nonlocal count
+        count += 1
+        if count == 1:
+            raise KeyboardInterrupt
+        if count >= 3:
+            os.write(2, b"ipa-probe: interrupted again; stopping now\n")
+            os._exit(EXIT_INTERRUPTED)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN if command_line and count else previous)
 
 
 if __name__ == "__main__":  # pragma: no cover

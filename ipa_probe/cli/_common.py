@@ -27,7 +27,7 @@ from .._checks import (
     parse_float,
     parse_int,
 )
-from .._io import LOCK_NAME, OutputLocked
+from .._io import LOCK_NAME, OutputLocked, refuse_not_ours
 from .._manifest import MANIFEST_NAME, RunConflict, check_folder, claim_folder
 from . import CLIError
 from ._sources import check_model_source, ip_adapter_source
@@ -270,6 +270,8 @@ def _references(args: argparse.Namespace) -> list | None:
     try:
         return load_images(args.image) if args.image else None
     except (OSError, ValueError, TypeError) as err:
+        if isinstance(err, PermissionError):  # a fault of the environment: exit 1, the path and the remedy
+            raise
         raise CLIError(str(err)) from None
 
 
@@ -369,6 +371,55 @@ def _pretrained_pipeline(args: argparse.Namespace, device, dtype) -> tuple[objec
     return pipe, args.steps or 30, args.size, description
 
 
+#: argparse dests that name a path, and their flags: normalised and checked by :func:`check_path_arguments`
+PATH_ARGUMENTS = {
+    "out": "--out",
+    "overlays": "--overlays",
+    "logging_dir": "--logging-dir",
+    "image": "--image",
+    "manifest": "MANIFEST",
+    "model": "--model",
+    "ip_adapter": "--ip-adapter",
+    "base": "--base",
+    "clip_pretrained": "--clip-pretrained",
+}
+
+
+def check_path_arguments(args: argparse.Namespace) -> None:
+    """Every path argument, before anything else: not empty or blank (an unset shell variable must not mean the
+    current folder), text this locale can encode (a name holding undecodable bytes would fail only when it is
+    written into ``summary.json`` or printed, after the work), and a leading ``~`` expanded, once, here, so that
+    every later use (the lock, the outputs, tracker logs) sees the same path.
+
+    Raises:
+        CLIError: one line naming the argument and what to pass instead.
+    """
+    for dest, flag in PATH_ARGUMENTS.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        values = value if isinstance(value, list) else [value]
+        for text in values:
+            _check_path_text(text, flag)
+        expanded = [os.path.expanduser(v) for v in values]
+        setattr(args, dest, expanded if isinstance(value, list) else expanded[0])
+
+
+def _check_path_text(text: str, flag: str) -> None:
+    if not text.strip():
+        raise CLIError(f"{flag} is empty ({text!r}); pass a path (is a shell variable unset?)")
+    try:
+        text.encode("utf-8")  # what the records (summary.json) and the messages are written in
+    except UnicodeEncodeError:
+        import sys
+
+        raise CLIError(
+            f"{flag} {text!r} holds bytes that are not text in this locale's encoding "
+            f"({sys.getfilesystemencoding()}); use a name of UTF-8 characters and run under a UTF-8 locale "
+            "(e.g. LC_ALL=C.UTF-8)"
+        ) from None
+
+
 def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     """Check that ``path`` can be created and written, without creating it (it is made when the work starts).
 
@@ -376,6 +427,8 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
         CLIError: ``path`` or a parent is a file, or the nearest existing parent is not writable.
         IsADirectoryError: ``path``'s lock file (``.ipa_probe.lock``) is a folder.
     """
+    if not str(path).strip():
+        raise CLIError(f"{flag} is empty ({str(path)!r}); pass a folder (is a shell variable unset?)")
     out = Path(path).expanduser()
     existing = out
     while not existing.exists() and existing != existing.parent:
@@ -388,8 +441,9 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     if problem:
         raise CLIError(f"cannot write to output folder {flag} {str(out)!r} ({problem}); choose a writable folder")
     lock = out / LOCK_NAME
-    if lock.is_dir():  # the lock must be a file: the same answer as when the lock is taken (an OSError, exit 1)
+    if lock.is_dir() and not lock.is_symlink():  # the lock must be a file: the answer of output_lock (exit 1)
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(lock))
+    refuse_not_ours(lock)  # a link, FIFO, device or socket there is not ours: exit 1, nothing opened
     return out
 
 
@@ -482,7 +536,8 @@ def add_tracker_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_tracker_arguments(args: argparse.Namespace) -> None:
-    """Before torch loads: the tracker's client is installed and ``--logging-dir`` is writable."""
+    """Before torch loads: the tracker can log (its client installed; wandb logged in or offline) and
+    ``--logging-dir`` is writable."""
     if getattr(args, "log_with", None) is None:
         if getattr(args, "logging_dir", None):
             raise CLIError("--logging-dir needs --log-with (tensorboard, wandb or mlflow)")
@@ -491,12 +546,12 @@ def check_tracker_arguments(args: argparse.Namespace) -> None:
 
     try:
         check_tracker(args.log_with)
-    except ImportError as err:
+    except (ImportError, ValueError) as err:  # not installed; wandb not logged in and not offline
         raise CLIError(str(err)) from None
     if args.logging_dir:
         check_output_dir(args.logging_dir, "--logging-dir")
 
 
 def logging_dir(args: argparse.Namespace) -> Path:
-    """``--logging-dir``, or ``OUT/logs``."""
-    return Path(args.logging_dir).expanduser() if args.logging_dir else Path(args.out) / "logs"
+    """``--logging-dir``, or ``OUT/logs`` (both with a leading ``~`` expanded)."""
+    return Path(args.logging_dir).expanduser() if args.logging_dir else Path(args.out).expanduser() / "logs"

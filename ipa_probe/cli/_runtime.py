@@ -135,13 +135,18 @@ _REMEDIES = {
 def describe_os_error(err: OSError, out: str | os.PathLike | None = None) -> str:
     """One line for an ``OSError``: the path, the system's reason and the errno, then what to do.
 
-    ``out``: the command's output folder, named when the error carries no path (a writer that reports only the
-    errno, such as safetensors) and the errno is one of writing (disk full, quota, read-only).
+    An error carrying a ``remedy`` attribute (:class:`ipa_probe._io.NotOurs`, an input file that cannot be read)
+    names that remedy instead of the one for its errno. ``out``: the command's output folder, named when the error
+    carries no path (a writer that reports only the errno, such as safetensors) and the errno is one of writing (disk
+    full, quota, read-only).
 
     Example: ``'/mnt/out/rows/row-000003.parquet': No space left on device [errno 28]; free space on that disk or
     write to another --out; files finished before it are kept whole``.
     """
-    reason = os.strerror(err.errno) if err.errno is not None else (str(err).splitlines() or [type(err).__name__])[0]
+    if err.errno is not None:
+        reason = err.strerror or os.strerror(err.errno)
+    else:
+        reason = (str(err).splitlines() or [type(err).__name__])[0]
     where = ""
     if err.filename is not None:
         where = f"{os.fsdecode(err.filename)!r}: "
@@ -150,5 +155,7 @@ def describe_os_error(err: OSError, out: str | os.PathLike | None = None) -> str
     elif out is not None and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
         where = f"writing under {os.fspath(out)!r}: "
     code = f" [errno {err.errno}]" if err.errno is not None else ""
-    remedy = _REMEDIES.get(err.errno, "fix the cause and run the same command again (finished work is kept)")
+    remedy = getattr(err, "remedy", None) or _REMEDIES.get(
+        err.errno, "fix the cause and run the same command again (finished work is kept)"
+    )
     return f"{where}{reason}{code}; {remedy}"

@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from .._io import check_input_file
 from . import CLIError
 
 __all__ = ["WeightSource", "check_model_source", "check_safetensors", "ip_adapter_source"]
@@ -39,9 +40,14 @@ def check_safetensors(path: str | os.PathLike, flag: str, prefixes: tuple[str, .
             and ``ip_adapter.``).
 
     Raises:
-        CLIError: the file is not a whole safetensors file, or lacks the expected tensors.
+        CLIError: the file is not a regular file (a FIFO, a device) or not a whole safetensors file, or lacks the
+            expected tensors.
+        PermissionError: it cannot be read (the path, and the remedy in ``remedy``).
     """
-    path = Path(path)
+    try:  # stat only: a FIFO is never opened; no permission passes on (exit 1, with the path and the remedy)
+        path = check_input_file(path, f"{flag} weight file", "a safetensors file")
+    except (FileNotFoundError, ValueError) as err:
+        raise CLIError(str(err)) from None
     size = path.stat().st_size
 
     def bad(reason: str) -> CLIError:
@@ -94,6 +100,15 @@ class WeightSource:
         return path if path.is_file() else None
 
 
+def _refuse_special(path: Path, flag: str) -> None:
+    """A FIFO, device or socket given as a model or weights: refused by ``stat``, never opened."""
+    if not path.is_dir() and not path.is_file():
+        try:
+            check_input_file(path, flag, "a folder or a weight file")
+        except ValueError as err:
+            raise CLIError(str(err)) from None
+
+
 def check_model_source(value: str) -> str:
     """``--model``: an existing pipeline folder (with ``model_index.json`` and whole safetensors files) or a hub id
     that can be loaded; returns what ``from_pretrained`` gets (a local path expanded, a hub id as given).
@@ -108,6 +123,7 @@ def check_model_source(value: str) -> str:
     path = Path(value).expanduser()
     if not path.exists():
         raise CLIError(f"--model {value!r} does not exist; pass an existing folder or a hub id")
+    _refuse_special(path, "--model")
     if path.is_file():
         raise CLIError(
             f"--model {value!r} is a file; pass a pipeline folder (saved with save_pretrained, with model_index.json) "
@@ -144,6 +160,7 @@ def ip_adapter_source(location: str, subfolder: str, weight_name: str | None) ->
     path = Path(location).expanduser()
     if not path.exists():
         raise CLIError(f"--ip-adapter {location!r} does not exist; pass an existing folder or file, or a hub id")
+    _refuse_special(path, "--ip-adapter")
     if path.is_file():
         if subfolder or (weight_name is not None and weight_name != path.name):
             raise CLIError(

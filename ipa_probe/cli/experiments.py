@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._checks import DIGITS_RECIPES
+from .._checks import DIGITS_RECIPES, MAX_SEED
 from . import CLIError
 from ._common import (
     add_overwrite_argument,
@@ -15,6 +15,7 @@ from ._common import (
     check_tracker_arguments,
     claimed_output,
     logging_dir,
+    seed_type,
 )
 
 COMMAND = "ipa-probe experiments"
@@ -39,20 +40,26 @@ def add_parser(subparsers) -> None:
         help="quick (< 2 min), smoke (< 10 min) or full (< 60 min) on a CPU; paper: the paper's sizes, for a CUDA GPU",
     )
     parser.add_argument("--out", default=None, help="output folder (default outputs/experiments-TIER)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="training seeds (default: the tier's)")
+    parser.add_argument(
+        "--seeds",
+        type=seed_type,
+        nargs="+",
+        default=None,
+        help=f"training seeds, distinct, each in [0, {MAX_SEED}] (default: the tier's)",
+    )
     parser.add_argument(
         "--dims",
         type=int,
         nargs="+",
         default=None,
-        help="dimensions d of collapse and shells, each in [2, 64] (default: the tier's)",
+        help="dimensions d of collapse and shells, distinct, each in [2, 64] (default: the tier's)",
     )
     parser.add_argument(
         "--ms",
         type=int,
         nargs="+",
         default=None,
-        help="support sizes m of scarcity and heads, each in [1, 100] (default: the tier's)",
+        help="support sizes m of scarcity and heads, distinct, each in [1, 100] (default: the tier's)",
     )
     parser.add_argument(
         "--recipe",
@@ -83,8 +90,10 @@ def check(args: argparse.Namespace) -> None:
     for m in args.ms or ():
         if not M_RANGE[0] <= m <= M_RANGE[1]:
             raise CLIError(f"support size m={m} out of range; expected {M_RANGE[0]} <= m <= {M_RANGE[1]}")
-    if args.seeds is not None and any(s < 0 for s in args.seeds):
-        raise CLIError(f"seeds must be non-negative integers, got {args.seeds}")
+    for flag, values in (("--seeds", args.seeds), ("--dims", args.dims), ("--ms", args.ms)):
+        repeated = sorted({v for v in values or () if values.count(v) > 1})
+        if repeated:  # a repeat would train the same model twice and count it twice in the statistics
+            raise CLIError(f"{flag} has repeated values {repeated}; give each value once")
     args.out = check_output_dir(args.out or f"outputs/experiments-{args.tier}")  # made when the run starts
     args.tier_sizes = ALL_TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
     check_run_folder(args.out, COMMAND, KEY, args.overwrite, resumable=True)

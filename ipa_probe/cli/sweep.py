@@ -7,11 +7,13 @@ import logging
 import os
 from datetime import timedelta
 
+from .._checks import MAX_RESAMPLES, parse_int
 from . import EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, CLIError
 from ._common import (
     add_model_arguments,
     add_overwrite_argument,
     add_tracker_arguments,
+    argument_type,
     bandwidth_type,
     check_model_arguments,
     check_output_dir,
@@ -105,7 +107,12 @@ def add_parser(subparsers) -> None:
         help="replace rows in --out made with other settings (moved to set_aside/) instead of stopping",
     )
     parser.add_argument("--confidence", type=_confidence, default=0.95, help="bootstrap CI level (default 0.95)")
-    parser.add_argument("--resamples", type=_positive_int, default=9999, help="bootstrap resamples (default 9999)")
+    parser.add_argument(
+        "--resamples",
+        type=argument_type(lambda v: parse_int(v, "resamples", 1, MAX_RESAMPLES), "resamples"),
+        default=9999,
+        help=f"bootstrap resamples, 1 to {MAX_RESAMPLES} (default 9999)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument(
         "--maps",

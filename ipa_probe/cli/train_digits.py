@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from .._checks import DEFAULT_DIGITS_RECIPE, DIGITS_RECIPES, MAX_SEED, parse_int
+from .._checks import (
+    DEFAULT_DIGITS_RECIPE,
+    DIGITS_BASE_FILES,
+    DIGITS_RECIPES,
+    DIGITS_SMALLEST_CLASS,
+    MAX_SEED,
+    max_refs_limit,
+    parse_int,
+)
 from . import CLIError
 from ._common import (
     add_overwrite_argument,
@@ -80,8 +88,18 @@ def add_parser(subparsers) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Before torch loads: the recipe's flags and ``--out`` (the sizes are checked by their argparse types)."""
+    """Before torch loads, so that nothing (no folder, no lock) is made for a run that cannot start: the recipe's
+    flags, ``--max-refs`` against the data, ``--base`` (a folder holding a base's files) and ``--out`` (the other
+    sizes are checked by their argparse types)."""
     training = _training(args)
+    limit = max_refs_limit(training)
+    if args.max_refs is not None and args.max_refs > limit:
+        raise CLIError(
+            f"--max-refs {args.max_refs}: the {training} training draws a target's references from its class, and "
+            f"the rarest digit has {DIGITS_SMALLEST_CLASS} training images; use at most {limit}"
+        )
+    if args.base is not None:
+        _check_base(args.base)
     check_output_dir(args.out)
     check_run_folder(args.out, COMMAND, _key(args, training), args.overwrite, resumable=True)
 
@@ -89,6 +107,27 @@ def check(args: argparse.Namespace) -> None:
 def _key(args: argparse.Namespace, training: str) -> dict:
     """A training resumes in a folder holding the same recipe and stage (its checkpoint checks the rest)."""
     return {"recipe": args.recipe, "training": training}
+
+
+def _check_base(base: str) -> None:
+    """``--base``: a folder holding an ``ip-adapter`` base's files, each a regular file (read by ``stat`` only)."""
+    from pathlib import Path
+
+    from .._io import check_input_file
+
+    folder = Path(base)
+    if not folder.is_dir():
+        state = "is not a folder" if folder.exists() else "does not exist"
+        raise CLIError(
+            f"--base {base!r} {state}; pass the --out folder of `ipa-probe train-digits --recipe ip-adapter "
+            "--stage base`, or leave --base out for the shipped base"
+        )
+    for relative in DIGITS_BASE_FILES.values():
+        try:
+            check_input_file(folder / relative, "--base file")
+        except (FileNotFoundError, ValueError) as err:
+            files = ", ".join(DIGITS_BASE_FILES.values())
+            raise CLIError(f"{err} (--base must hold an ip-adapter base: {files})") from None
 
 
 def _training(args: argparse.Namespace) -> str:
@@ -109,7 +148,7 @@ def _training(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     training = _training(args)
-    check_output_dir(args.out)
+    check(args)
     from .._io import OutputLocked
     from ..tiny.digits import CheckpointError, DigitsAdapterConfig, DigitsBaseConfig, DigitsTrainConfig, train_digits
 

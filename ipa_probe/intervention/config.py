@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._checks import parse_step_selection, step_selected
+from .._checks import _given, parse_step_selection, step_selected
 from ..layers import LayerSelection, _compile_selection
 
 __all__ = ["INTERVENE", "MODES", "InterventionConfig"]
@@ -68,6 +68,11 @@ class InterventionConfig:
         object.__setattr__(self, "reference", references[0] if single else references)
         if self.mode == "swap" and self.other is None:
             raise ValueError('mode="swap" needs other=: the image whose tokens replace the reference\'s')
+        if self.mode == "swap" and not _is_image(self.other):
+            raise TypeError(
+                "other: expected the image swapped in: a PIL image, an (H, W, C) array or a (C, H, W) tensor, got "
+                f"{_given(self.other)}"
+            )
         if self.mode == "ablate" and self.other is not None:
             raise ValueError('other= is the image swapped in with mode="swap"; mode="ablate" takes none: drop other=')
         if not _is_index(self.adapter):
@@ -134,3 +139,10 @@ def _is_number(value: Any) -> bool:
 
 def _is_index(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_image(value: Any) -> bool:
+    """A PIL image, or an array or tensor with three dimensions (what the pipeline's ``ip_adapter_image`` takes)."""
+    from PIL import Image
+
+    return isinstance(value, Image.Image) or (getattr(value, "ndim", None) == 3 and hasattr(value, "shape"))

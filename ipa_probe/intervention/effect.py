@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._checks import check_seed, check_steps_ran
 from ..layers import LayerSelection
 from .config import InterventionConfig
 from .hooks import intervene
@@ -151,7 +152,7 @@ def generate(pipe, *, seed: int = 0, **call: Any) -> Generation:
     for name in ("generator", "output_type", "return_dict"):
         if name in call:
             raise ValueError(f"{name}= is set by generate (seed= chooses the generator); drop it from the call")
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(check_seed(seed))
     latents = pipe(**call, generator=generator, output_type="latent").images
     return Generation(latents.detach().float().cpu(), decode_latents(pipe, latents), seed, call_digest(**call))
 
@@ -220,7 +221,11 @@ def measure_intervention(
         >>> effect.pixel_distance
         ```
     """
+    check_seed(seed)
     config = InterventionConfig(reference, layers, steps, mode, other, adapter, factor)
+    planned = call.get("num_inference_steps")
+    if isinstance(planned, int) and not isinstance(planned, bool):  # the loop runs at most that many steps
+        check_steps_ran(config.steps, planned)
     if baseline is None:
         baseline = generate(pipe, seed=seed, **call)
     else:

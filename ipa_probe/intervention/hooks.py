@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from diffusers.models.embeddings import ImageProjection
 
+from .._checks import check_steps_ran
 from ..capture.clock import CallClock
 from ..capture.taps import tap_for
 from ..capture.taps.base import Tap
@@ -81,6 +82,8 @@ class Intervention:
     _other_tokens: torch.Tensor | None = field(default=None, repr=False)
     _emptied: bool = field(default=False, repr=False)
     _detach_points: Any = field(default=None, repr=False)
+    #: the most denoising steps a pipeline call has run while attached (to check ``steps`` against on exit)
+    steps_run: int = 0
 
     @property
     def active(self) -> bool:
@@ -117,6 +120,7 @@ class Intervention:
         self._tap.running = self._clock.running
         if self._tap.begin_pass(args, kwargs).new_step or self.step < 0:
             self.step += 1
+        self.steps_run = max(self.steps_run, self.step + 1)
         self._acting = self.config.acts_at(self.step)
         if not self._acting:
             return
@@ -343,7 +347,9 @@ def intervene(
     """Run a pipeline with one reference image's tokens removed (or swapped, or scaled) in the chosen layers and
     steps, or with callbacks on named hook points (``hooks=``).
 
-    Every hook comes off on exit (normal, exception or KeyboardInterrupt), leaving the pipeline as it was.
+    Every hook comes off on exit (normal, exception or KeyboardInterrupt), leaving the pipeline as it was. On a normal
+    exit after a pipeline call, ``steps`` naming loop indices no call had (``steps=[999]`` on a 20-step call) raise a
+    ``ValueError``: the intervention acted on nothing.
 
     Args:
         pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter loaded.
@@ -387,5 +393,7 @@ def intervene(
         )
     try:
         yield state
+        if isinstance(state, Intervention):  # steps the calls never had: an error, not no effect
+            check_steps_ran(state.config.steps, state.steps_run)
     finally:
         state.remove()

@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pandas as pd
 
-from .._checks import check_fraction, check_int, check_seed, check_threshold
+from .._checks import MAX_RESAMPLES, check_fraction, check_int, check_seed, check_threshold
 from ..capture.report import style_timestep_axes, summarize
 from ..schema import (
     SUMMARY_GAUGE_MEANS,
@@ -20,6 +20,10 @@ from ..schema import (
     frac_column,
     frac_null_column,
 )
+
+#: Resamples drawn at once by :func:`bootstrap_ci` (one batch up to the default 9,999, so those intervals are the
+#: unbatched ones); with :data:`~ipa_probe._checks.MAX_RESAMPLES` this bounds the merge's memory and time.
+RESAMPLE_BATCH = 10_000
 
 
 def bootstrap_ci(
@@ -57,8 +61,14 @@ def bootstrap_ci(
     for method in ("BCa", "percentile"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            result = stats.bootstrap(
-                (x,), np.mean, confidence_level=confidence, n_resamples=n_resamples, method=method, **{key: rng}
+            result = stats.bootstrap(  # in batches: memory ~ batch x n values, whatever n_resamples is
+                (x,),
+                np.mean,
+                confidence_level=confidence,
+                n_resamples=n_resamples,
+                batch=min(n_resamples, RESAMPLE_BATCH),
+                method=method,
+                **{key: rng},
             )
         low, high = result.confidence_interval
         if math.isfinite(low) and math.isfinite(high):
@@ -124,7 +134,7 @@ def aggregate(
     """
     check_threshold(threshold)
     check_fraction(confidence, "confidence")
-    check_int(n_resamples, "n_resamples", 1)
+    check_int(n_resamples, "n_resamples", 1, MAX_RESAMPLES)
     check_seed(seed)
     frac = frac_column(threshold)
     means = [frac, *(name for name in SUMMARY_MEANS if name != "spearman")]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .._checks import MAX_SEED, check_flag, parse_bandwidth, parse_float, parse_int
+from .._io import check_input_file
 from ..images import IMAGE_SUFFIXES, check_image_file
 
 #: Keys a manifest row may have. All are optional: a row leaves out what the sweep's defaults should fill in.
@@ -130,7 +131,11 @@ def _image_files(value: Any, base: Path, separated: bool) -> tuple[str, ...]:
         else:
             files.append(path)
     for path in files:
-        check_image_file(path)  # the header only: cheap; the pixels are read when the row runs
+        try:
+            check_image_file(path)  # stat first (a FIFO is never opened), then the header only; pixels when it runs
+        except PermissionError as err:  # the row fails, naming the path and the remedy (not "not an image")
+            remedy = getattr(err, "remedy", "grant read permission or pass another file")
+            raise ValueError(f"image {err.filename!r}: {err.strerror}; {remedy}") from None
     return tuple(str(p) for p in files)
 
 
@@ -222,8 +227,9 @@ def read_manifest(path: str | os.PathLike, *, require_images: bool = False) -> M
         a :class:`Manifest`.
 
     Raises:
-        ManifestError: the file is missing, empty, not text, neither JSON Lines nor CSV, or its CSV header names
-            unknown columns: nothing can be run.
+        PermissionError: the file cannot be read (the path, and the remedy in ``remedy``).
+        ManifestError: the file is missing or not a regular file (a FIFO is never opened), empty, not text,
+            neither JSON Lines nor CSV, or its CSV header names unknown columns: nothing can be run.
         TypeError: ``path`` is not a path, or ``require_images`` not a bool.
     """
     if not isinstance(path, str | os.PathLike):
@@ -233,13 +239,17 @@ def read_manifest(path: str | os.PathLike, *, require_images: bool = False) -> M
     name = str(path)
     if path.is_dir():
         raise ManifestError(f"manifest {name!r} is a folder; pass a JSON Lines or CSV file")
-    if not path.is_file():
-        raise ManifestError(f"manifest {name!r} does not exist; pass a JSON Lines or CSV file")
+    try:
+        check_input_file(path, "manifest", "a JSON Lines or CSV file")  # stat only: a FIFO is never opened
+    except (FileNotFoundError, ValueError) as err:
+        raise ManifestError(str(err)) from None
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:
         raise ManifestError(f"manifest {name!r} is not UTF-8 text; expected JSON Lines or CSV") from None
     except OSError as err:
+        if isinstance(err, PermissionError):
+            raise  # a fault of the environment, not of the manifest
         raise ManifestError(f"manifest {name!r} cannot be read ({err.strerror or err})") from None
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:

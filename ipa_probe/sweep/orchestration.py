@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from .._checks import check_flag, check_fraction, check_int, check_threshold
+from .._checks import MAX_RESAMPLES, check_flag, check_fraction, check_int, check_threshold
 from .._io import (
     OutputLocked,
     check_launch_holds,
@@ -354,7 +354,7 @@ def _check_arguments(
     check_flag(progress, "progress")
     check_threshold(threshold)
     check_fraction(confidence, "confidence")
-    check_int(n_resamples, "n_resamples", 1)
+    check_int(n_resamples, "n_resamples", 1, MAX_RESAMPLES)
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"extra: expected a dict (added to summary.json) or None, got {type(extra).__name__}")
     if not callable(clock):

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..._io import atomic_path
+from ..._io import atomic_path, check_input_file
 
 __all__ = ["CHECKPOINT_NAME", "CheckpointError", "TrainingCheckpoint", "flat_state", "tensors_digest"]
 
@@ -151,6 +151,7 @@ class TrainingCheckpoint:
         Raises:
             CheckpointError: an older ipa_probe's checkpoint pair, or a file that is unreadable, inconsistent, of
                 another run, or of another structure; nothing is loaded then.
+            PermissionError: the checkpoint cannot be read (the path, and the remedy in ``remedy``).
         """
         legacy = self.out / LEGACY_META_NAME
         if legacy.exists():
@@ -158,8 +159,12 @@ class TrainingCheckpoint:
                 f"{str(legacy)!r} and {str(self.path)!r} are an older ipa_probe's checkpoint pair, which cannot be "
                 "verified as one unit; delete both to train from scratch, or choose another --out"
             )
-        if not self.path.exists():
+        if not os.path.lexists(self.path):
             return None
+        try:  # stat only (a FIFO is never opened); no permission is a fault of the environment, not of the file
+            check_input_file(self.path, "checkpoint")
+        except (FileNotFoundError, ValueError):
+            raise self._fail("is not a regular file") from None
         meta, tensors = self._read()
         state = self._check_meta(meta)
         if tensors_digest(tensors) != meta["tensors_sha256"]:

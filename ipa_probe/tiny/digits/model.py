@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from ..._checks import DEFAULT_DIGITS_RECIPE as DEFAULT_RECIPE
-from ..._checks import check_recipe
+from ..._checks import DIGITS_BASE_FILES, check_recipe
 from ..._quiet import quiet_known_messages
 from ..sd import _seeded, realign_weights
 from ..tokenizer import CLIP_MODEL_MAX_LENGTH, CLIP_VOCAB_SIZE, clip_tokenizer
@@ -376,7 +376,7 @@ def _ready(pipe: StableDiffusionPipeline) -> StableDiffusionPipeline:
 
 
 #: the files of a base (stage 1 of the ``ip-adapter`` recipe) that stage 2 and the pipeline load
-BASE_FILES = {"unet": "unet/diffusion_pytorch_model.safetensors", "image_encoder": "image_encoder/model.safetensors"}
+BASE_FILES = DIGITS_BASE_FILES
 
 
 def base_digest(base: str | os.PathLike) -> str:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, StableDiffusionPipeline
 
+from ..._checks import DIGITS_SMALLEST_CLASS, max_refs_limit
 from ..._io import write_json
 from ..sd import _seeded
 from ..tokenizer import clip_tokenizer
@@ -84,6 +85,11 @@ class DigitsTrainConfig:
         counts = ("threads", "vae_steps", "encoder_steps", "steps", "batch", "max_refs", "checkpoint_every")
         check_settings(self, counts, ("drop_embeds", "drop_tokens"), ("vae_lr", "encoder_lr", "lr", "vae_kl"))
         check_settings(self, (), ("drop_text",))
+        if self.max_refs > max_refs_limit("support"):
+            raise ValueError(
+                f"max_refs: expected at most {max_refs_limit('support')} (a target's references come from its class; "
+                f"the rarest digit has {DIGITS_SMALLEST_CLASS} training images), got {self.max_refs}"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)
