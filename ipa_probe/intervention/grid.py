@@ -149,6 +149,11 @@ def ablation_grid(
     for mode in modes:
         if mode not in ("ablate", "scale"):
             raise ValueError(f'modes: expected "ablate" and / or "scale", got {mode!r}')
+    settings = [("ablate", None)] if "ablate" in modes else []
+    settings += [("scale", f) for f in factors] if "scale" in modes else []
+    for unit in units:  # every cell's settings checked before the first generation
+        for mode, factor in settings:
+            InterventionConfig(unit, mode=mode, factor=factor, adapter=adapter)
     if not seeds or any(not isinstance(s, int) or isinstance(s, bool) for s in seeds):
         raise ValueError(f"seeds: expected a non-empty list of ints, got {seeds!r}")
     layer_groups = _groups(pipe, groups)
@@ -163,11 +168,6 @@ def ablation_grid(
         ranges = dict(steps)
     else:
         raise ValueError(f"steps: expected a number of parts or a {{name: range or None}} mapping, got {steps!r}")
-    settings = [("ablate", None)] if "ablate" in modes else []
-    settings += [("scale", f) for f in factors] if "scale" in modes else []
-    for unit in units:  # every cell's settings checked before the first generation
-        for mode, factor in settings:
-            InterventionConfig(unit, mode=mode, factor=factor, adapter=adapter)
     rows = []
     for seed in seeds:
         if baselines is not None and seed in baselines:
