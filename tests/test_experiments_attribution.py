@@ -32,12 +32,20 @@ def synthetic(sets=7, refs=4, steps=(901.0, 1.0), seed=0):
     rng = np.random.default_rng(seed)
     per_step = pd.DataFrame(
         [
-            (s, r, t, rng.dirichlet(np.ones(refs))[0], rng.uniform())
+            (s, r, t, rng.dirichlet(np.ones(refs))[0], rng.uniform(), rng.uniform(), rng.normal())
             for s in range(sets)
             for r in range(refs)
             for t in steps
         ],
-        columns=["set", "reference", "timestep", "attention_share", "posterior_weight"],
+        columns=[
+            "set",
+            "reference",
+            "timestep",
+            "attention_share",
+            "posterior_weight",
+            "contribution_norm",
+            "contribution_projection",
+        ],  # fmt: skip
     )
     effects = pd.DataFrame(
         [(s, r, rng.uniform(), rng.normal()) for s in range(sets) for r in range(refs)],
@@ -51,7 +59,7 @@ def test_predictors_and_comparisons_against_scipy():
     table = per_step.copy()
     table["layer"] = "l0"
     overall, by_step = experiment.predictors(table)
-    for column in ("attention_share", "posterior_weight"):
+    for column in experiment.PREDICTORS:
         expected = [
             per_step[(per_step["set"] == s) & (per_step["reference"] == r)][column].to_numpy().mean()
             for s, r in zip(overall["set"], overall["reference"], strict=True)
@@ -391,3 +399,47 @@ def test_ablation_grid_bad_input(organism):
         ablation_grid(organism, [0], groups={"x": "^nowhere"}, **call)
     with pytest.raises(ValueError, match="num_inference_steps"):
         ablation_grid(organism, [0], prompt=DIGITS_PROMPT, ip_adapter_image=[refs])
+
+
+def test_grid_predictors_and_comparisons_against_scipy():
+    """The grid's predictors are the means over the group's layers and the range's recorded steps; each predictor's
+    Spearman with the effect is the mean over sets of scipy's per-set Spearman over the references."""
+    rng = np.random.default_rng(3)
+    layers = ["down_blocks.0.attn2", "mid_block.attn2", "up_blocks.1.attn2", "up_blocks.2.attn2"]
+    steps = [0, 5, 10, 15, 19]
+    table = pd.DataFrame(
+        [
+            {"set": s, "reference": r, "layer": layer, "step": t, **{p: rng.uniform() for p in experiment.PREDICTORS}}
+            for s in range(6) for r in range(4) for layer in layers for t in steps
+        ]
+    )  # fmt: skip
+    cells = [("up", "0-6", 0, 6), ("all", "7-13", 7, 13), ("down", "all", -1, -1)]
+    grid = pd.DataFrame(
+        [
+            {"set": s, "reference": r, "group": g, "steps": n, "first_step": a, "last_step": b, "mode": "ablate",
+             "factor": 0.0, "latent_effect": rng.uniform(), "class_drop": rng.normal()}
+            for s in range(6) for r in range(4) for g, n, a, b in cells
+        ]
+    )  # fmt: skip
+    predictors = experiment.grid_predictors(table, grid)
+    pick = {"up": ["up_blocks.1.attn2", "up_blocks.2.attn2"], "all": layers, "down": ["down_blocks.0.attn2"]}
+    chosen = {"0-6": [0, 5], "7-13": [10], "all": steps}
+    for row in predictors.itertuples():
+        part = table[
+            (table["set"] == row.set) & (table["reference"] == row.reference)
+            & table["layer"].isin(pick[row.group]) & table["step"].isin(chosen[row.steps])
+        ]  # fmt: skip
+        for p in experiment.PREDICTORS:
+            assert getattr(row, p) == pytest.approx(part[p].mean(), rel=1e-12)
+    result = experiment.compare_grid(grid, predictors)
+    merged = grid.merge(predictors, on=["set", "reference", "group", "steps"])
+    for g, n, *_ in cells:
+        for effect in experiment.EFFECTS:
+            for p in experiment.PREDICTORS:
+                part = merged[(merged["group"] == g) & (merged["steps"] == n)]
+                want = np.mean([stats.spearmanr(x[p], x[effect]).statistic for _, x in part.groupby("set")])
+                got = result[(result["group"] == g) & (result["steps"] == n) & (result["effect"] == effect)]
+                got = got.set_index("predictor").loc[p]
+                assert got["spearman"] == pytest.approx(want, abs=1e-12)
+                assert got["low"] <= got["spearman"] <= got["high"]
+                assert got["predicts"] == (got["p"] < 0.05 and got["low"] > 0)
