@@ -228,3 +228,31 @@ def test_contributions_invariant_under_qk_group_and_vo_basis_change(sd15, refs):
         broken, _ = _mass(sd15, refs)
     moved = np.abs(broken["contribution_norm"].to_numpy() - plain["contribution_norm"].to_numpy()).max()
     assert moved > 100 * 1e-4 * scale
+
+
+def test_flux_contributions_equal_the_hook_points_own_computation(flux, refs):
+    """Flux (no W_o: c_j = s sum w v in the inner dimension): the probe's contributions against the hook points'
+    ``.ip.contribution`` (ipa_probe.intervention.points: its own hooks on norm_q, to_k_ip and to_v_ip, another
+    implementation), recomputed here in float64 into norm, share and projection."""
+    import ipa_probe
+
+    call = dict(prompt="a photo", ip_adapter_image=[refs], num_inference_steps=2, output_type="latent")
+    with probe(flux, maps=True) as run:
+        flux(**call, generator=torch.Generator().manual_seed(0))
+    _, cache = ipa_probe.run_with_cache(
+        flux, r"\.ip\.contribution$", **call, generator=torch.Generator().manual_seed(0)
+    )
+    maps = run._maps
+    names = [layer.name for layer in run.layers]
+    got = maps.contribution_weights(0, 0, 0, "cond", range(len(names)), range(STEPS))
+    assert len(got) == STEPS * len(names)
+    for (step, index), values in got.items():
+        c = cache.get(f"{names[index]}.ip.contribution", step)[0].double()  # (R, Q, C) of batch row 0
+        total = c.sum(0)  # (Q, C)
+        norm = c.norm(dim=-1).T  # (Q, R)
+        projection = (c * (total / total.norm(dim=-1, keepdim=True))).sum(-1).T
+        # both sides float32 (the same einsum order is not guaranteed): 1e-5 of the largest norm
+        atol = 1e-5 * float(norm.max())
+        torch.testing.assert_close(values[0], norm, atol=atol, rtol=0)
+        torch.testing.assert_close(values[1], norm / norm.sum(-1, keepdim=True), atol=1e-5, rtol=0)
+        torch.testing.assert_close(values[2], projection, atol=atol, rtol=0)
