@@ -34,6 +34,16 @@ intervals over reference sets. Controls:
 
 A statistic counts only where it differs from its control (:func:`~ipa_probe.attribution.control_difference`: the
 difference's 95 % bootstrap interval excludes 0).
+
+**Causal ground truth with resolution** (issue #29 point 4). The predictors are the attention share, the
+contribution norm and projection (each reference's part of the layer output after ``to_out``, see
+:data:`ipa_probe.attribution.CONTRIBUTION_COLUMNS`) and the exact posterior weight. On the first
+``attribution_grid_sets`` 2 + 2 sets of the trained organism each reference is also ablated per layer group (down /
+mid / up blocks, all) and step third (and all steps), and scaled by 0.5 everywhere
+(:func:`ipa_probe.intervention.ablation_grid`, the set's generation as the clean run); :func:`compare_grid` gives,
+per (group, range), each predictor's mean per-set Spearman with the effect (predictors averaged over the group's
+layers and the recorded steps in the range). :func:`two_plus_two_example` ablates both 3s or both 5s of a two-3s,
+two-5s set per group and per third over ``attribution_example_seeds`` seeds.
 """
 
 from __future__ import annotations
