@@ -58,8 +58,10 @@ class Tier:
         attribution_control_sets: sets per control population of the attribution experiment (one digit; four
             digits), each generated once, and 2 + 2 sets regenerated with their references shuffled.
         attribution_grid_sets: the first 2 + 2 sets whose references are also ablated per layer group (down / mid /
-            up / all) and step range (thirds / all), trained organism only (:func:`ipa_probe.intervention.ablation_grid`).
-        attribution_example_seeds: seeds of the two-3s-two-5s example (both 3s or both 5s ablated per group and range).
+            up / all) and step range (thirds / all), trained organism only
+            (:func:`ipa_probe.intervention.ablation_grid`).
+        attribution_example_seeds: seeds of the two-3s-two-5s example (both 3s or both 5s ablated per group and
+            range).
         schedule: learning rate after warm-up, ``"cosine"`` decay or ``"constant"`` (the release).
         eval_every: steps between validations of a training run (``0``: none; the final weights are the result).
         val_tasks, val_points: validation tasks per run and generated (= reference) points per task.
