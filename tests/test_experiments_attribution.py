@@ -32,12 +32,20 @@ def synthetic(sets=7, refs=4, steps=(901.0, 1.0), seed=0):
     rng = np.random.default_rng(seed)
     per_step = pd.DataFrame(
         [
-            (s, r, t, rng.dirichlet(np.ones(refs))[0], rng.uniform())
+            (s, r, t, rng.dirichlet(np.ones(refs))[0], rng.uniform(), rng.uniform(), rng.normal())
             for s in range(sets)
             for r in range(refs)
             for t in steps
         ],
-        columns=["set", "reference", "timestep", "attention_share", "posterior_weight"],
+        columns=[
+            "set",
+            "reference",
+            "timestep",
+            "attention_share",
+            "posterior_weight",
+            "contribution_norm",
+            "contribution_projection",
+        ],  # fmt: skip
     )
     effects = pd.DataFrame(
         [(s, r, rng.uniform(), rng.normal()) for s in range(sets) for r in range(refs)],
@@ -51,7 +59,7 @@ def test_predictors_and_comparisons_against_scipy():
     table = per_step.copy()
     table["layer"] = "l0"
     overall, by_step = experiment.predictors(table)
-    for column in ("attention_share", "posterior_weight"):
+    for column in experiment.PREDICTORS:
         expected = [
             per_step[(per_step["set"] == s) & (per_step["reference"] == r)][column].to_numpy().mean()
             for s, r in zip(overall["set"], overall["reference"], strict=True)
@@ -278,3 +286,160 @@ def test_mixed_following_rates_from_its_labels_and_the_tests_own_generation(orga
         output_type="np",
     ).images
     assert classify_digit_images(images)[0].tolist() == labels[(4, "mixed")].tolist()
+
+
+# --------------------------------------------------------------------------- the ablation grid (#29.4)
+
+
+def _own_classifier_probabilities(pipe, latents):
+    """The classifier's probabilities from the test's own decode (as in the ablation test above)."""
+    classifier, _ = digit_classifier()
+    with torch.no_grad():
+        pixels = pipe.vae.decode(latents / pipe.vae.config.scaling_factor).sample
+    images = (pixels / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).double().numpy()  # (N, 16, 16, 3)
+    grey = images.mean(-1).reshape(-1, 8, 2, 8, 2).mean(axis=(2, 4)) * 16.0
+    return classifier.predict_proba(grey.reshape(-1, 64))
+
+
+def test_ablation_grid_cells_equal_the_tests_own_ablation_hooks(organism):
+    """One cell per unit: the grid's latent change and classifier probabilities equal a run where the test's own
+    pre-hook on each up-block attention drops the reference's image tokens from what the layer is given, at the
+    cell's steps only."""
+    from ipa_probe.intervention import LAYER_GROUPS, ablation_grid, summarize_grid
+    from ipa_probe.tiny.digits import classify_digit_images
+
+    pipe = organism
+    refs = digits_reference_images(3, 2, seed=100) + digits_reference_images(5, 2, seed=200)
+    call = dict(prompt=DIGITS_PROMPT, ip_adapter_image=[refs], num_inference_steps=6, guidance_scale=3.0)
+    grid = ablation_grid(
+        pipe, [2, (0, 1)], groups={"up": LAYER_GROUPS["up"]}, steps=3, whole=False, seeds=(1,),
+        classify=classify_digit_images, **call,
+    )  # fmt: skip
+    assert len(grid) == 2 * 3 and set(grid["steps"]) == {"0-1", "2-3", "4-5"}
+    layers = [m for n, m in pipe.unet.named_modules() if n.startswith("up_blocks") and n.endswith("attn2")]
+    assert layers
+
+    def generate(drop=(), steps=()):
+        counter = {"step": -1}
+        handles = [pipe.unet.register_forward_pre_hook(lambda m, a: counter.update(step=counter["step"] + 1))]
+
+        def hook(module, args, kwargs):
+            if counter["step"] not in steps:
+                return None
+            text, images = kwargs["encoder_hidden_states"]  # images: [(B, R, T, C)] per adapter
+            keep = [r for r in range(images[0].shape[1]) if r not in drop]
+            return args, {**kwargs, "encoder_hidden_states": (text, [images[0][:, keep]])}
+
+        handles += [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
+        try:
+            return pipe(**call, generator=torch.Generator().manual_seed(1), output_type="latent").images
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    base = generate()
+    base_p = _own_classifier_probabilities(pipe, base)[0]
+    for row in grid.itertuples():
+        drop = (row.reference,) if isinstance(row.reference, int) else tuple(int(r) for r in row.reference.split("+"))
+        ablated = generate(drop, range(row.first_step, row.last_step + 1))
+        expected = np.sqrt(((ablated.double() - base.double()) ** 2).mean().item())
+        # the same float32 latents (the processor computes exactly the same softmax over the kept tokens)
+        assert row.latent_effect == pytest.approx(expected, rel=1e-9, abs=1e-12)
+        own_p = _own_classifier_probabilities(pipe, ablated)[0]
+        got_p = np.array([getattr(row, f"probability_{k}") for k in range(10)])
+        base_got = np.array([getattr(row, f"baseline_probability_{k}") for k in range(10)])
+        # 1e-6: the pipeline's postprocess and this test's decode round the same float32 pixels differently
+        np.testing.assert_allclose(got_p, own_p, atol=1e-6)
+        np.testing.assert_allclose(base_got, base_p, atol=1e-6)
+    assert grid["latent_effect"].max() > 0  # the ablations did something
+    summary = summarize_grid(grid)
+    assert len(summary) == len(grid) and (summary["seeds"] == 1).all()
+    assert np.isnan(summary["latent_effect_low"]).all()  # one seed: no interval
+
+
+def test_summarize_grid_and_step_ranges_against_scipy():
+    from ipa_probe.intervention import step_ranges, summarize_grid
+
+    assert {k: list(v) for k, v in step_ranges(20).items()} == {
+        "0-6": list(range(0, 7)), "7-13": list(range(7, 14)), "14-19": list(range(14, 20)),
+    }  # fmt: skip
+    assert list(step_ranges(4, 4)) == ["0-0", "1-1", "2-2", "3-3"]
+    for bad in [(0, 3), (3, 4), (2.0, 1)]:
+        with pytest.raises(ValueError):
+            step_ranges(*bad)
+    rng = np.random.default_rng(0)
+    grid = pd.DataFrame(
+        [
+            {"seed": s, "reference": r, "group": g, "steps": "all", "mode": "ablate", "factor": 0.0,
+             "latent_effect": rng.uniform(), "pixel_effect": rng.uniform(), "flipped": bool(rng.uniform() < 0.5)}
+            for s in range(5) for r in range(2) for g in ("down", "up")
+        ]
+    )  # fmt: skip
+    summary = summarize_grid(grid)
+    assert len(summary) == 4
+    for row in summary.itertuples():
+        values = grid[(grid["reference"] == row.reference) & (grid["group"] == row.group)]["latent_effect"]
+        low, high = stats.t.interval(0.95, len(values) - 1, loc=values.mean(), scale=stats.sem(values))
+        assert row.latent_effect == pytest.approx(values.mean(), rel=1e-12)
+        assert (row.latent_effect_low, row.latent_effect_high) == pytest.approx((low, high), rel=1e-10)
+
+
+def test_ablation_grid_bad_input(organism):
+    from ipa_probe.intervention import ablation_grid
+
+    refs = digits_reference_images(3, 2, seed=100)
+    call = dict(prompt=DIGITS_PROMPT, ip_adapter_image=[refs], num_inference_steps=3)
+    with pytest.raises(TypeError, match="references"):
+        ablation_grid(organism, 0, **call)
+    with pytest.raises(ValueError, match="modes"):
+        ablation_grid(organism, [0], modes=("swap",), **call)
+    with pytest.raises(ValueError, match="factor"):
+        ablation_grid(organism, [0], modes=("scale",), factors=(1.5,), **call)
+    with pytest.raises(ValueError, match=r"groups\['x'\]"):
+        ablation_grid(organism, [0], groups={"x": "^nowhere"}, **call)
+    with pytest.raises(ValueError, match="num_inference_steps"):
+        ablation_grid(organism, [0], prompt=DIGITS_PROMPT, ip_adapter_image=[refs])
+
+
+def test_grid_predictors_and_comparisons_against_scipy():
+    """The grid's predictors are the means over the group's layers and the range's recorded steps; each predictor's
+    Spearman with the effect is the mean over sets of scipy's per-set Spearman over the references."""
+    rng = np.random.default_rng(3)
+    layers = ["down_blocks.0.attn2", "mid_block.attn2", "up_blocks.1.attn2", "up_blocks.2.attn2"]
+    steps = [0, 5, 10, 15, 19]
+    table = pd.DataFrame(
+        [
+            {"set": s, "reference": r, "layer": layer, "step": t, **{p: rng.uniform() for p in experiment.PREDICTORS}}
+            for s in range(6) for r in range(4) for layer in layers for t in steps
+        ]
+    )  # fmt: skip
+    cells = [("up", "0-6", 0, 6), ("all", "7-13", 7, 13), ("down", "all", -1, -1)]
+    grid = pd.DataFrame(
+        [
+            {"set": s, "reference": r, "group": g, "steps": n, "first_step": a, "last_step": b, "mode": "ablate",
+             "factor": 0.0, "latent_effect": rng.uniform(), "class_drop": rng.normal()}
+            for s in range(6) for r in range(4) for g, n, a, b in cells
+        ]
+    )  # fmt: skip
+    predictors = experiment.grid_predictors(table, grid)
+    pick = {"up": ["up_blocks.1.attn2", "up_blocks.2.attn2"], "all": layers, "down": ["down_blocks.0.attn2"]}
+    chosen = {"0-6": [0, 5], "7-13": [10], "all": steps}
+    for row in predictors.itertuples():
+        part = table[
+            (table["set"] == row.set) & (table["reference"] == row.reference)
+            & table["layer"].isin(pick[row.group]) & table["step"].isin(chosen[row.steps])
+        ]  # fmt: skip
+        for p in experiment.PREDICTORS:
+            assert getattr(row, p) == pytest.approx(part[p].mean(), rel=1e-12)
+    result = experiment.compare_grid(grid, predictors)
+    merged = grid.merge(predictors, on=["set", "reference", "group", "steps"])
+    for g, n, *_ in cells:
+        for effect in experiment.EFFECTS:
+            for p in experiment.PREDICTORS:
+                part = merged[(merged["group"] == g) & (merged["steps"] == n)]
+                want = np.mean([stats.spearmanr(x[p], x[effect]).statistic for _, x in part.groupby("set")])
+                got = result[(result["group"] == g) & (result["steps"] == n) & (result["effect"] == effect)]
+                got = got.set_index("predictor").loc[p]
+                assert got["spearman"] == pytest.approx(want, abs=1e-12)
+                assert got["low"] <= got["spearman"] <= got["high"]
+                assert got["predicts"] == (got["p"] < 0.05 and got["low"] > 0)

@@ -275,9 +275,11 @@ def test_memory_as_estimated_and_independent_of_heads(sd15, refs):
     with probe(sd15, maps=True, max_map_bytes=10**9) as run:
         generate(sd15, refs, guidance_scale=5.0, num_images_per_prompt=2)
     kept = sum(t.numel() * t.element_size() for entries in run._maps.store.values() for _, t in entries)
-    # 2 kinds x float32 x (B = 4, Q, R x T = 8) per step and layer: no head dimension
+    kept += sum(t.numel() * t.element_size() for entries in run._maps.contribution_store.values() for _, t in entries)
+    # 2 kinds x float32 x (B = 4, Q, R x T = 8) per step and layer, and the contributions' norm and projection
+    # 2 x float32 x (B, Q, R = 2): no head dimension
     queries = sum(e[0][1].shape[3] for (c, s, i, a), e in run._maps.store.items() if s == 0)
-    assert kept == 2 * 4 * STEPS * 4 * queries * 8 == run._maps.estimated_bytes
+    assert kept == (2 * 8 + 2 * 2) * 4 * STEPS * 4 * queries == run._maps.estimated_bytes
     with pytest.raises(ValueError, match=r"maps=True would keep about .* raise max_map_bytes"):
         with probe(sd15, maps=True, max_map_bytes=kept - 1):
             generate(sd15, refs, guidance_scale=5.0, num_images_per_prompt=2)
@@ -314,12 +316,16 @@ def test_per_head_shares_equal_own_recomputation_and_are_in_the_estimate(sd15, r
                 torch.testing.assert_close(got.mean(0), averaged[(step, index)], atol=2e-7, rtol=0)
     kept = sum(t.numel() * t.element_size() for entries in maps.store.values() for _, t in entries)
     kept += sum(t.numel() * t.element_size() for entries in maps.head_store.values() for _, t in entries)
+    for store in (maps.contribution_store, maps.contribution_head_store):
+        kept += sum(t.numel() * t.element_size() for entries in store.values() for _, t in entries)
     heads = run.layers[0].heads
     assert all(layer.heads == heads for layer in run.layers)
-    # float32 x (B, Q, R x T) per step and layer: 2 kinds without heads, and H per-head attention shares
+    # float32 x (B, Q, R x T = 8) per step and layer: 2 kinds without heads, and H per-head attention shares; and
+    # float32 x (B, Q, R = 2) for the contributions' norm and projection, on the head sum and per head
     queries = sum(e[0][1].shape[3] for (c, s, i, a), e in maps.store.items() if s == 0)
     batch = 2 * len(branches)
-    assert kept == (2 + heads) * 4 * STEPS * batch * queries * 8 == maps.estimated_bytes
+    expected = ((2 + heads) * 8 + 2 * (1 + heads) * 2) * 4 * STEPS * batch * queries
+    assert kept == expected == maps.estimated_bytes
     with pytest.raises(ValueError, match="keep_heads: call it before the probed pipeline runs"):
         maps.keep_heads()
     with pytest.raises(ValueError, match="per-head weights need MapAccumulator.keep_heads"):

@@ -27,6 +27,7 @@ from .analysis import (
 from .collect import (
     ATTRIBUTION_COLUMNS,
     CELL_COLUMNS,
+    CONTRIBUTION_COLUMNS,
     ReferenceAttribution,
     posterior_at,
     reference_attribution,
@@ -37,6 +38,7 @@ __all__ = [
     "ALPHA",
     "ATTRIBUTION_COLUMNS",
     "CELL_COLUMNS",
+    "CONTRIBUTION_COLUMNS",
     "POOLING_TV",
     "ReferenceAttribution",
     "VERDICTS",

@@ -33,6 +33,7 @@ from .._checks import check_flag, check_int, check_seed, check_steps_ran, parse_
 __all__ = [
     "ATTRIBUTION_COLUMNS",
     "CELL_COLUMNS",
+    "CONTRIBUTION_COLUMNS",
     "ReferenceAttribution",
     "posterior_at",
     "reference_attribution",
@@ -50,12 +51,30 @@ ATTRIBUTION_COLUMNS: tuple[str, ...] = (
     "sq_distance",
     "bandwidth",
     "posterior_weight",
+    "contribution_norm",
+    "contribution_share",
+    "contribution_projection",
 )
+
+#: The contribution columns (see :meth:`ipa_probe.capture.maps.MapAccumulator.contribution_weights`): per reference
+#: ``j``, its contribution ``c_j(q) = s W_o sum_{i in j} w_i(q) v_i`` to the layer's output after ``to_out``: the norm
+#: ``|c_j|``, the norm's share ``|c_j| / sum_k |c_k|`` and the projection ``c_j . c / |c|`` onto the branch's total
+#: ``c``, each averaged over query positions (per head in :attr:`ReferenceAttribution.heads`: ``c_{j,h}``, the share
+#: over the references and heads of a position).
+CONTRIBUTION_COLUMNS: tuple[str, ...] = ("contribution_norm", "contribution_share", "contribution_projection")
 
 
 #: Columns of :attr:`ReferenceAttribution.heads` (``cell`` = head index) and :attr:`ReferenceAttribution.positions`
 #: (``cell`` = query position, row-major on the layer's grid): one row per (step, layer, cell, reference).
-CELL_COLUMNS: tuple[str, ...] = ("step", "timestep", "layer", "cell", "reference", "attention_share")
+CELL_COLUMNS: tuple[str, ...] = (
+    "step",
+    "timestep",
+    "layer",
+    "cell",
+    "reference",
+    "attention_share",
+    *CONTRIBUTION_COLUMNS,
+)
 
 
 @dataclass(frozen=True)
@@ -158,8 +177,10 @@ def reference_attribution(
         a :class:`ReferenceAttribution`; its table has one row per (recorded step, layer, reference):
         ``attention_share`` (sums to 1 over references), ``position_neff`` (the mean over query positions of
         ``1 / sum_i share(p, i)^2``, the same for every reference of a (step, layer)), ``sq_distance``
-        ``|x_t / alpha_t - s_i|^2``, ``bandwidth`` ``h_t`` and ``posterior_weight`` ``w_i(x_t)``; and the per-head
-        and per-position shares (:attr:`ReferenceAttribution.heads`, :attr:`ReferenceAttribution.positions`).
+        ``|x_t / alpha_t - s_i|^2``, ``bandwidth`` ``h_t`` and ``posterior_weight`` ``w_i(x_t)``, and the
+        reference's contribution to the layer output (:data:`CONTRIBUTION_COLUMNS`: norm, share of the norms,
+        projection onto the total; mean over query positions); and the per-head and per-position shares and
+        contributions (:attr:`ReferenceAttribution.heads`, :attr:`ReferenceAttribution.positions`).
     """
     from ..capture.run import probe
     from ..capture.taps import tap_for
@@ -211,32 +232,41 @@ def reference_attribution(
         x = sample[run.map_rows(0, step, "cond", adapter)[0]].double().flatten().cpu()  # (D,)
         samples[step] = x
         posterior[step] = _posterior(schedule, support, x, timesteps[step])
+    source = run._map_source()
+    names = [layer.name for layer in run.layers]
+    picked = run.map_steps(0)
+    contributions = source.contribution_weights(0, 0, adapter, "cond", range(len(names)), picked)
+    missing = torch.full((3, 1, len(references)), float("nan"), dtype=torch.float64)
     rows, position_rows = [], []
     for (step, layer), w in weights.items():  # w: (Q, R)
         t = float(timesteps[step])
+        c = contributions.get((step, names.index(layer)), missing.expand(3, *w.shape))  # (3, Q, R)
         position_rows.extend(
-            (step, t, layer, p, i, value) for p, row in enumerate(w.tolist()) for i, value in enumerate(row)
+            (step, t, layer, p, i, value, *c[:, p, i].tolist())
+            for p, row in enumerate(w.tolist())
+            for i, value in enumerate(row)
         )
         share = w.mean(0)  # (R,)
+        mean_c = c.mean(1)  # (3, R) over query positions
         position_neff = float((1.0 / (w**2).sum(-1)).mean())
         distance, h, weight = posterior[step]
         for i in range(w.shape[1]):
             rows.append(
                 (step, float(timesteps[step]), layer, i, float(share[i]), position_neff)
                 + (float(distance[i]), h, float(weight[i]))
+                + tuple(mean_c[:, i].tolist())
             )
     table = pd.DataFrame(rows, columns=list(ATTRIBUTION_COLUMNS))
     positions = pd.DataFrame(position_rows, columns=list(CELL_COLUMNS))
     head_rows = []
     if per_head:
-        source = run._map_source()
-        names = [layer.name for layer in run.layers]
-        picked = run.map_steps(0)
         per_head_weights = source.head_weights(0, 0, adapter, "cond", range(len(names)), picked)
+        head_contributions = source.contribution_weights(0, 0, adapter, "cond", range(len(names)), picked, heads=True)
         for (step, index), w in per_head_weights.items():  # w: (H, Q, R)
             share = w.mean(1)  # (H, R) mean over query positions
+            c = head_contributions.get((step, index), missing[:, None].expand(3, *w.shape)).mean(2)  # (3, H, R)
             head_rows.extend(
-                (step, float(timesteps[step]), names[index], head, i, value)
+                (step, float(timesteps[step]), names[index], head, i, value, *c[:, head, i].tolist())
                 for head, row in enumerate(share.tolist())
                 for i, value in enumerate(row)
             )

@@ -66,7 +66,11 @@ MAP_TABLE_COLUMNS: tuple[str, ...] = (
 
 #: Columns of :meth:`ipa_probe.ProbeRun.reference_mass`: per (call, step, layer, adapter, branch) and reference
 #: image, its mean share of the attention (``attention``) and of the NW weights (``nw``) over query positions and
-#: batch items.
+#: batch items; and its contribution to the layer's output (see :meth:`MapAccumulator._contribute`), averaged the same
+#: way: the norm ``|c_j|`` (``contribution_norm``), the norm's share ``|c_j| / sum_k |c_k|`` of the position
+#: (``contribution_share``) and the projection ``c_j . c / |c|`` onto the branch's total ``c``
+#: (``contribution_projection``; the projections of a position sum to ``|c|``). NaN where no contribution was
+#: recorded (``ip_adapter_masks``, SD3, a ``heads=`` selection).
 REFERENCE_MASS_COLUMNS: tuple[str, ...] = (
     "call",
     "step",
@@ -77,6 +81,9 @@ REFERENCE_MASS_COLUMNS: tuple[str, ...] = (
     "reference",
     "attention",
     "nw",
+    "contribution_norm",
+    "contribution_share",
+    "contribution_projection",
 )
 
 _BYTES = 4  # float32 shares
@@ -119,6 +126,16 @@ class MapAccumulator:
         #: per-head shares ``(groups, items, H, Q, K)`` float32; filled only after :meth:`keep_heads`.
         self.head_store: dict[tuple[int, int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.heads = False
+        #: (call, step, layer index, adapter) -> one ``(labels, values)`` pair per denoiser pass with each reference's
+        #: contribution to the layer output (see :meth:`_contribute`): ``values`` ``(2, groups, items, Q, R)``
+        #: float32, the norm ``|c_j|`` and the projection ``c_j . c / |c|`` onto the total ``c = sum_j c_j``.
+        self.contribution_store: dict[tuple[int, int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        #: the same per head (``(2, groups, items, H, Q, R)``: ``|c_{j,h}|`` and ``c_{j,h} . c / |c|``), filled only
+        #: after :meth:`keep_heads`.
+        self.contribution_head_store: dict[tuple[int, int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        #: (layer index, adapter) -> what :meth:`add` left for the value hook of the same pass: ``(key, labels,
+        #: weights (B, H, Q, K))``.
+        self._pending: dict[tuple[int, int], tuple[tuple[int, int, int, int], torch.Tensor, torch.Tensor]] = {}
 
     def keep_heads(self) -> None:
         """Also keep the attention's shares per head (before the first call starts; unmasked adapters only)."""
@@ -130,7 +147,14 @@ class MapAccumulator:
     def install(self, denoiser: torch.nn.Module) -> list[Handle]:
         """Register the pre-hook that reads each denoiser call's ``ip_adapter_masks`` (after the probe's clock)."""
         self.read_projections(denoiser)
-        return [denoiser.register_forward_pre_hook(observer(self._on_denoiser_call), with_kwargs=True)]
+        handles = [denoiser.register_forward_pre_hook(observer(self._on_denoiser_call), with_kwargs=True)]
+        for index, layer in enumerate(self.layers):
+            if layer.family == "sd3":  # one softmax over latent and image tokens: no per-reference split
+                continue
+            for adapter in range(layer.num_adapters):
+                to_v_ip = layer.processor.to_v_ip[adapter]
+                handles.append(to_v_ip.register_forward_hook(observer(self._value_hook(index, adapter))))
+        return handles
 
     def read_projections(self, denoiser: torch.nn.Module) -> None:
         """Read the denoiser's per-adapter image projections (again, after ``load_ip_adapter`` replaced them)."""
@@ -139,6 +163,7 @@ class MapAccumulator:
 
     def _on_denoiser_call(self, module, args, kwargs) -> None:
         self._batch = self.tap.sample(args, kwargs).shape[0]
+        self._pending.clear()
         self._images_seen.clear()  # per pass: which reference image a masked adapter's next key projection is
         extra = kwargs.get("cross_attention_kwargs") or kwargs.get("joint_attention_kwargs") or {}
         masks = extra.get("ip_adapter_masks")
@@ -175,12 +200,18 @@ class MapAccumulator:
         return self.latents.get(call)
 
     def estimate_bytes(self, args: tuple, kwargs: dict, recorded_steps: int) -> int:
-        """Bytes the maps of one call will take: 2 kinds x float32 x (B, Q, K) per recorded step and layer, and with
-        :meth:`keep_heads` float32 x (B, H, Q, K) more (H the layer's heads: an upper bound under ``heads=``)."""
-        per_step = sum(
-            (2 + (layer.heads if self.heads else 0)) * self.tap.map_elements(layer, args, kwargs)
-            for layer in self.layers
-        )
+        """Bytes the maps of one call will take: 2 kinds x float32 x (B, Q, K) per recorded step and layer, the
+        contributions (2 x float32 x (B, Q, R), R = K / T), and with :meth:`keep_heads` float32 x (B, H, Q, K) and
+        2 x float32 x (B, H, Q, R) more (shares and contributions per head; H the layer's heads: an upper bound under
+        ``heads=``, or where contributions are not recorded)."""
+        per_step = 0
+        for index, layer in enumerate(self.layers):
+            elements = self.tap.map_elements(layer, args, kwargs)  # (B, Q, K) over the adapters
+            heads = layer.heads if self.heads else 0
+            per_step += (2 + heads) * elements  # the shares, and per head
+            if layer.family != "sd3":  # contributions: (B, Q, R) per kept value, R = K / T
+                tokens = min(self.tokens_per_image(a, index) or 1 for a in range(layer.num_adapters))
+                per_step += 2 * (1 + heads) * elements // tokens
         return _BYTES * recorded_steps * per_step
 
     def check_budget(self, args: tuple, kwargs: dict, recorded_steps: int, max_bytes: int) -> int:
@@ -222,6 +253,15 @@ class MapAccumulator:
         queries = shares.shape[-2]
         mask = self._masks[adapter] if adapter < len(self._masks) else None
         entries = self.store.setdefault((call, step, index, adapter), [])
+        layer = self.layers[index]
+        if mask is None and layer.family != "sd3" and attention.shape[1] == layer.heads:
+            # (n, H, items * Q, K) -> (B, H, Q, K), the batch order the value projection sees
+            weights = torch.softmax(attention, -1).reshape(n_branch, attention.shape[1], items, queries, tokens)
+            self._pending[(index, adapter)] = (
+                (call, step, index, adapter),
+                labels,
+                weights.transpose(1, 2).flatten(0, 1),
+            )
         if self.heads:
             if mask is not None:
                 raise ValueError("per-head maps (keep_heads) do not support ip_adapter_masks; call without masks")
@@ -241,6 +281,82 @@ class MapAccumulator:
         region = self._region(mask, adapter, image, n_branch * items, queries, shares.device)  # (n * items, Q)
         region = region.reshape(1, n_branch, items, queries, 1)
         entries[-1][1][..., image * tokens : (image + 1) * tokens] = shares * region
+
+    def _value_hook(self, index: int, adapter: int):
+        """Forward hook on ``to_v_ip[adapter]`` of layer ``index``: with the weights :meth:`add` left for this pass,
+        each reference's contribution to the layer output (:meth:`_contribute`)."""
+
+        def hook(module, args, output):
+            pending = self._pending.pop((index, adapter), None)
+            if pending is not None and isinstance(output, torch.Tensor):
+                self._contribute(index, adapter, *pending, output)
+
+        return hook
+
+    @torch.no_grad()
+    def _contribute(
+        self,
+        index: int,
+        adapter: int,
+        key: tuple[int, int, int, int],
+        labels: torch.Tensor,
+        weights: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        """Each reference's contribution to the image branch's output as it enters the residual stream (device only).
+
+        Per reference ``j`` (its tokens ``i``), head ``h`` and query position ``q``, with ``s`` the adapter scale and
+        ``W_o`` the weight of ``attn.to_out[0]`` without its bias (Flux's branch has none: ``W_o = I``):
+
+            c_{j,h}(q) = s W_o[:, h] sum_{i in j} w_{h,i}(q) v_{h,i},   c_j = sum_h c_{j,h},   c = sum_j c_j.
+
+        Kept: ``|c_j|`` and ``c_j . c / |c|`` (the projections sum over ``j`` to ``|c|``), and per head with
+        :meth:`keep_heads`. Both are unchanged by the q/k group (the weights are) and by a per-head basis change of
+        the values (``W_v -> B W_v``, ``W_o -> W_o B^-1``: ``W_o[:, h] v_h`` is).
+
+        Args:
+            weights: ``(B, H, Q, K)`` the branch's attention weights.
+            values: ``(B, K, H * D)`` (or ``(B, R, T, H * D)``) what ``to_v_ip[adapter]`` returned.
+        """
+        layer = self.layers[index]
+        scale = getattr(layer.processor, "scale", 1.0)
+        scale = scale[adapter] if isinstance(scale, list | tuple) else scale
+        if not isinstance(scale, int | float):  # per-image scales (masks): no single s
+            return
+        batch, heads, queries, keys = weights.shape
+        if values.numel() != batch * keys * values.shape[-1]:
+            return
+        values = values.reshape(batch, keys, values.shape[-1])  # (B, R, T, H * D) or (B, K, H * D) -> (B, K, H * D)
+        tokens = self.tokens_per_image(adapter, index) or keys
+        references = keys // tokens
+        v = values.float().reshape(batch, references, tokens, heads, -1)  # (B, R, T, H, D)
+        w = weights.float().reshape(batch, heads, queries, references, tokens)  # (B, H, Q, R, T)
+        mixed = torch.einsum("bhqrt,brthd->bhrqd", w, v)  # (B, H, R, Q, D)
+        out = layer.attention.to_out[0] if layer.family == "unet" else None
+        if out is None:  # Flux: no W_o, the branch's output is the heads' values side by side (C = H * D)
+            per_head = float(scale) * mixed  # (B, H, R, Q, D), head h's own block of C
+            total_ref = per_head.permute(0, 2, 3, 1, 4).flatten(-2)  # (B, R, Q, H * D)
+        else:
+            w_o = out.weight.float()  # (C, H * D)
+            w_o = w_o.reshape(w_o.shape[0], heads, -1)  # (C, H, D)
+            per_head = float(scale) * torch.einsum("bhrqd,chd->bhrqc", mixed, w_o) if self.heads else None
+            total_ref = float(scale) * torch.einsum("bhrqd,chd->brqc", mixed, w_o)  # (B, R, Q, C)
+        total = total_ref.sum(1)  # (B, Q, C)
+        direction = total / total.norm(dim=-1, keepdim=True).clamp(min=1e-30)  # (B, Q, C)
+        if per_head is not None:
+            if out is None:  # head h's block of the direction
+                on_head = direction.reshape(batch, queries, heads, -1).transpose(1, 2)[:, :, None]  # (B, H, 1, Q, D)
+            else:
+                on_head = direction[:, None, None]  # (B, 1, 1, Q, C)
+            per_head = torch.stack([per_head.norm(dim=-1), (per_head * on_head).sum(-1)])  # (2, B, H, R, Q)
+        groups = labels.shape[0]
+        items = batch // groups
+        kept = torch.stack([total_ref.norm(dim=-1), (total_ref * direction[:, None]).sum(-1)])  # (2, B, R, Q)
+        kept = kept.transpose(-1, -2).reshape(2, groups, items, queries, references)  # (2, n, items, Q, R)
+        self.contribution_store.setdefault(key, []).append((labels, kept))
+        if per_head is not None:
+            by_head = per_head.transpose(-1, -2).reshape(2, groups, items, heads, queries, references)
+            self.contribution_head_store.setdefault(key, []).append((labels, by_head))
 
     def _region(self, mask: torch.Tensor, adapter: int, image: int, batch: int, queries: int, device) -> torch.Tensor:
         """Reference ``image``'s mask on a ``queries``-position grid, ``(batch, Q)``, as the processor weights it."""
@@ -263,6 +379,15 @@ class MapAccumulator:
                 key: [(labels.cpu(), shares.cpu()) for labels, shares in entries]
                 for key, entries in self.head_store.items()
             }
+            self.contribution_store = {
+                key: [(labels.cpu(), values.cpu()) for labels, values in entries]
+                for key, entries in self.contribution_store.items()
+            }
+            self.contribution_head_store = {
+                key: [(labels.cpu(), values.cpu()) for labels, values in entries]
+                for key, entries in self.contribution_head_store.items()
+            }
+            self._pending.clear()
             self._mask_cache.clear()
             self._masks = []
             self._on_host = True
@@ -403,6 +528,52 @@ class MapAccumulator:
                 out[(step, index)] = buffer[item].double().reshape(heads, queries, keys // tokens, tokens).sum(-1)
         return out
 
+    def contribution_chunk(
+        self, key: tuple[int, int, int, int], label: int, heads: bool = False
+    ) -> torch.Tensor | None:
+        """The contributions of the batch items labelled ``label`` at ``key`` (host, batch order, passes in order):
+        ``(2, items, Q, R)`` (norm, projection onto the total), or per head ``(2, items, H, Q, R)``; ``None`` when
+        none were recorded (masked adapters, SD3, a head selection, per-image scales)."""
+        store = self.contribution_head_store if heads else self.contribution_store
+        parts = [
+            values[:, position]  # (2, items, [H,] Q, R)
+            for labels, values in store.get(key, ())
+            for position, value in enumerate(labels.tolist())
+            if value == label
+        ]
+        return torch.cat(parts, 1).double() if parts else None
+
+    def contribution_weights(
+        self, call: int, item: int, adapter: int, branch: str, layers: Iterable[int], steps: Iterable[int], heads=False
+    ) -> dict[tuple[int, int], torch.Tensor]:
+        """Each selected (step, layer position)'s contributions per reference at every query position: ``(3, Q, R)``
+        float64 CPU tensors (norm ``|c_j|``, share ``|c_j| / sum_k |c_k|``, projection ``c_j . c / |c|``), or per
+        head ``(3, H, Q, R)`` (the share then over the references and heads of the position) with ``heads=True``
+        (needs :meth:`keep_heads`); pairs without contributions are left out."""
+        if heads and not self.heads:
+            raise ValueError("per-head contributions need MapAccumulator.keep_heads() before the pipeline runs")
+        label = self.labels.index(branch)
+        out = {}
+        for step in steps:
+            for index in layers:
+                buffer = self.contribution_chunk((call, step, index, adapter), label, heads)
+                if buffer is None:
+                    continue
+                if item >= buffer.shape[1]:
+                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[1]} images per branch")
+                out[(step, index)] = with_share(buffer[:, item])
+        return out
+
+
+def with_share(values: torch.Tensor) -> torch.Tensor:
+    """``(2, ..., Q, R)`` norms and projections -> ``(3, ..., Q, R)`` with the norm's share of its position between
+    them: ``|c_j| / sum |c|`` over the position's references (and heads, when a head axis is there)."""
+    norm = values[0]
+    dims = (-1,) if norm.ndim == 2 else (0, -1)  # (Q, R), or (H, Q, R): all heads and references of a position
+    total = norm.sum(dims, keepdim=True)
+    share = torch.where(total > 0, norm / total.clamp(min=1e-300), torch.zeros_like(norm))
+    return torch.stack([norm, share, values[1]])
+
 
 def query_grid(latent: tuple[int, int] | None, queries: int) -> tuple[int, int]:
     """The ``(h, w)`` grid of a layer with ``queries`` positions over a ``latent`` grid ``(H, W)``: the latent
@@ -471,7 +642,8 @@ def _reference_shares(
 
 def _chunks(accumulator: MapAccumulator, calls: list[dict[str, Any]], names: list[str]):
     """Every recorded (call, step, layer, adapter, branch) with its :func:`_reference_shares`: yields
-    ``((call, step, timestep, layer name, adapter, branch), shares, covered, references)``."""
+    ``((call, step, timestep, layer name, adapter, branch), shares, covered, references, contributions)``, the last
+    :meth:`MapAccumulator.contribution_chunk` (``(2, I, Q, R)`` or ``None``)."""
     by_index = {call["index"]: call for call in calls}
     for key in sorted(accumulator.store):
         call, step, index, adapter = key
@@ -479,7 +651,8 @@ def _chunks(accumulator: MapAccumulator, calls: list[dict[str, Any]], names: lis
         timestep = float(info["timesteps"][step]) if step < len(info["timesteps"]) else math.nan
         for label in sorted({label for labels, _ in accumulator.store[key] for label in labels.tolist()}):
             refs, covered, count = _reference_shares(accumulator, key, label)
-            yield (call, step, timestep, names[index], adapter, info["branches"][label]), refs, covered, count
+            where = (call, step, timestep, names[index], adapter, info["branches"][label])
+            yield where, refs, covered, count, accumulator.contribution_chunk(key, label)
 
 
 def reference_mass(accumulator: MapAccumulator, calls: list[dict[str, Any]], names: list[str]) -> pd.DataFrame:
@@ -488,18 +661,27 @@ def reference_mass(accumulator: MapAccumulator, calls: list[dict[str, Any]], nam
     For every query position the attention (and NW) weight on a reference's tokens, averaged over heads and
     normalised over the adapter's references, then averaged over the covered positions of each batch item and over
     the items of the branch. The attention's shares depend on the attention weights only, so no reparametrisation of
-    the queries and keys moves them (see :func:`ipa_probe.gauge_sweep`).
+    the queries and keys moves them (see :func:`ipa_probe.gauge_sweep`). Beside them, each reference's contribution
+    to the layer output after ``to_out`` (norm, share of the norms, projection onto the total), averaged the same
+    way over heads' sum, positions and items: what the values carry, which the weights alone do not show; invariant
+    under the q/k group and under a per-head basis change of the values (``W_v -> B W_v``, ``W_o -> W_o B^-1``).
 
     Returns:
         a DataFrame with :data:`REFERENCE_MASS_COLUMNS`, one row per reference.
     """
     rows = []
-    for where, refs, covered, count in _chunks(accumulator, calls, names):
+    for where, refs, covered, count, contributions in _chunks(accumulator, calls, names):
         positions = covered.sum(-1)  # (I,)
         per_item = (refs * covered[..., None]).sum(-2) / positions.clamp(min=1)[:, None]  # (2, I, R)
         mean = per_item[:, positions > 0].mean(1)  # (2, R)
+        kept = torch.full((3, count), math.nan, dtype=torch.float64)
+        if contributions is not None and contributions.shape[1:] == refs.shape[1:]:
+            values = with_share(contributions)  # (3, I, Q, R)
+            per_item = (values * covered[..., None]).sum(-2) / positions.clamp(min=1)[:, None]  # (3, I, R)
+            kept = per_item[:, positions > 0].mean(1)  # (3, R)
         for reference in range(count):
-            rows.append((*where, reference, float(mean[0, reference]), float(mean[1, reference])))
+            contribution = tuple(float(kept[k, reference]) for k in range(3))
+            rows.append((*where, reference, float(mean[0, reference]), float(mean[1, reference]), *contribution))
     table = pd.DataFrame(rows, columns=list(REFERENCE_MASS_COLUMNS))
     table["layer"] = pd.Categorical(table["layer"], categories=names)
     return table
@@ -517,7 +699,7 @@ def map_statistics(accumulator: MapAccumulator, calls: list[dict[str, Any]], nam
         a DataFrame with :data:`MAP_TABLE_COLUMNS`.
     """
     rows = []
-    for where, refs, covered, count in _chunks(accumulator, calls, names):
+    for where, refs, covered, count, _ in _chunks(accumulator, calls, names):
         agree = (refs[0].argmax(-1) == refs[1].argmax(-1)) & covered
         tv = 0.5 * (refs[0] - refs[1]).abs().sum(-1) * covered
         positions = covered.sum(-1)  # (I,)

@@ -57,6 +57,11 @@ class Tier:
             once more per reference with that reference ablated.
         attribution_control_sets: sets per control population of the attribution experiment (one digit; four
             digits), each generated once, and 2 + 2 sets regenerated with their references shuffled.
+        attribution_grid_sets: the first 2 + 2 sets whose references are also ablated per layer group (down / mid /
+            up / all) and step range (thirds / all), trained organism only
+            (:func:`ipa_probe.intervention.ablation_grid`).
+        attribution_example_seeds: seeds of the two-3s-two-5s example (both 3s or both 5s ablated per group and
+            range).
         schedule: learning rate after warm-up, ``"cosine"`` decay or ``"constant"`` (the release).
         eval_every: steps between validations of a training run (``0``: none; the final weights are the result).
         val_tasks, val_points: validation tasks per run and generated (= reference) points per task.
@@ -97,6 +102,8 @@ class Tier:
     ip_mixed_sets: int
     attribution_sets: int = 40
     attribution_control_sets: int = 20
+    attribution_grid_sets: int = 5
+    attribution_example_seeds: int = 8
     schedule: str = "cosine"
     eval_every: int = 0
     val_tasks: int = 8
@@ -161,6 +168,8 @@ TIERS: dict[str, Tier] = {
         ip_mixed_sets=2,
         attribution_sets=3,
         attribution_control_sets=2,
+        attribution_grid_sets=1,
+        attribution_example_seeds=2,
         eval_every=6,
         scarcity_check_data=("pcafeat",),
         val_tasks=2,
@@ -198,6 +207,8 @@ TIERS: dict[str, Tier] = {
         ip_mixed_sets=10,
         attribution_sets=10,
         attribution_control_sets=6,
+        attribution_grid_sets=3,
+        attribution_example_seeds=8,
         eval_every=400,
         scarcity_check_data=("pcafeat",),
     ),

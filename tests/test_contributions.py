@@ -1,0 +1,258 @@
+"""Each reference's contribution to the layer output (probe(..., maps=True)): against the test's own float64
+recomputation, and invariant under the q/k group and under a per-head basis change of the values (issue #29.1)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ipa_probe.capture.maps import REFERENCE_MASS_COLUMNS
+from ipa_probe.capture.run import probe
+
+STEPS = 2
+CONTRIBUTION_COLUMNS = ["contribution_norm", "contribution_share", "contribution_projection"]
+
+
+def generate(pipe, refs, **kwargs):
+    generator = torch.Generator().manual_seed(0)
+    kwargs.setdefault("num_inference_steps", STEPS)
+    return pipe("a photo", ip_adapter_image=[refs], generator=generator, output_type="latent", **kwargs).images
+
+
+def ip_layers(pipe):
+    return {
+        name[: -len(".processor")]: (pipe.unet.get_submodule(name[: -len(".processor")]), proc)
+        for name, proc in pipe.unet.attn_processors.items()
+        if hasattr(proc, "to_k_ip")
+    }
+
+
+class OwnHooks:
+    """The test's own forward hooks: per denoiser pass, each layer's query, image keys and image values."""
+
+    def __init__(self, pipe):
+        self.pipe, self.handles, self.calls = pipe, [], []
+        self.layers = ip_layers(pipe)
+
+    def __enter__(self):
+        self.handles.append(self.pipe.unet.register_forward_pre_hook(lambda m, a: self.calls.append({})))
+        for name, (attn, proc) in self.layers.items():
+            self.handles.append(attn.to_q.register_forward_hook(self._save(name, "q")))
+            self.handles.append(proc.to_k_ip[0].register_forward_hook(self._save(name, "k")))
+            self.handles.append(proc.to_v_ip[0].register_forward_hook(self._save(name, "v")))
+        return self
+
+    def _save(self, name, what):
+        def hook(module, args, output):
+            self.calls[-1][(name, what)] = output.detach().double()
+
+        return hook
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+    def contributions(self, step, name, references):
+        """float64 ``(B, H, R, Q, C)``: ``c_{j,h}(q) = s W_o[:, h] sum_{i in j} w_{h,i}(q) v_{h,i}``."""
+        attn, proc = self.layers[name]
+        heads = attn.heads
+        q, k, v = (self.calls[step][(name, what)] for what in ("q", "k", "v"))
+        batch, queries, inner = q.shape
+        d = inner // heads
+        qh = q.reshape(batch, queries, heads, d).transpose(1, 2)  # (B, H, Q, D)
+        kh = k.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, K, D)
+        vh = v.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, K, D)
+        w = torch.softmax(qh @ kh.transpose(-1, -2) / math.sqrt(d), -1)  # (B, H, Q, K)
+        tokens = w.shape[-1] // references
+        w = w.reshape(batch, heads, queries, references, tokens)  # (B, H, Q, R, T)
+        vr = vh.reshape(batch, heads, references, tokens, d)  # (B, H, R, T, D)
+        mixed = torch.einsum("bhqrt,bhrtd->bhrqd", w, vr)  # (B, H, R, Q, D)
+        w_o = attn.to_out[0].weight.detach().double().reshape(-1, heads, d)  # (C, H, D)
+        return float(proc.scale[0]) * torch.einsum("bhrqd,chd->bhrqc", mixed, w_o)
+
+
+def own_numbers(per_head):
+    """``(B, H, R, Q, C)`` -> norm, share, projection ``(B, R, Q)`` of the head sum, and per head ``(B, H, R, Q)``."""
+    c = per_head.sum(1)  # (B, R, Q, C)
+    total = c.sum(1)  # (B, Q, C)
+    direction = total / total.norm(dim=-1, keepdim=True)
+    norm = c.norm(dim=-1)
+    head_norm = per_head.norm(dim=-1)
+    return {
+        "norm": norm,
+        "share": norm / norm.sum(1, keepdim=True),
+        "projection": (c * direction[:, None]).sum(-1),
+        "head_norm": head_norm,
+        "head_share": head_norm / head_norm.sum((1, 2), keepdim=True),
+        "head_projection": (per_head * direction[:, None, None]).sum(-1),
+    }
+
+
+@pytest.fixture
+def scaled(sd15):
+    """The shared tiny pipeline at adapter scale 0.7 (so that s enters the numbers), restored after the test."""
+    before = [list(p.scale) for p in sd15.unet.attn_processors.values() if hasattr(p, "to_k_ip")]
+    sd15.set_ip_adapter_scale(0.7)
+    yield sd15
+    processors = [p for p in sd15.unet.attn_processors.values() if hasattr(p, "to_k_ip")]
+    for proc, scale in zip(processors, before, strict=True):
+        proc.scale = scale
+
+
+@pytest.mark.parametrize("guidance", [1.0, 5.0])
+def test_contributions_equal_own_float64_recomputation(scaled, refs, guidance):
+    pipe = scaled
+    refs = refs + refs[:1]  # three references
+    with probe(pipe, maps=True) as run, OwnHooks(pipe) as own:
+        run._maps.keep_heads()
+        generate(pipe, refs, guidance_scale=guidance)
+    maps = run._maps
+    names = [layer.name for layer in run.layers]
+    branches = ["uncond", "cond"] if guidance > 1 else ["cond"]
+    mass = run.reference_mass()
+    assert list(mass.columns) == list(REFERENCE_MASS_COLUMNS)
+    for row, branch in enumerate(branches):
+        got = maps.contribution_weights(0, 0, 0, branch, range(len(names)), range(STEPS))  # (3, Q, R) each
+        got_heads = maps.contribution_weights(0, 0, 0, branch, range(len(names)), range(STEPS), heads=True)
+        assert len(got) == len(got_heads) == STEPS * len(names)
+        for (step, index), values in got.items():
+            want = own_numbers(own.contributions(step, names[index], len(refs)))
+            norm = want["norm"][row].T  # (Q, R)
+            # float32 on the probe's side (the einsums sum over T = 4 tokens and D = 8 channels, then C = 32):
+            # relative errors ~1e-6; 1e-5 of the largest norm leaves 10x room on any CPU
+            atol = 1e-5 * float(norm.abs().max())
+            torch.testing.assert_close(values[0], norm, atol=atol, rtol=0)
+            torch.testing.assert_close(values[1], want["share"][row].T, atol=1e-5, rtol=0)  # shares in [0, 1]
+            torch.testing.assert_close(values[2], want["projection"][row].T, atol=atol, rtol=0)
+            heads = got_heads[(step, index)]  # (3, H, Q, R)
+            torch.testing.assert_close(heads[0], want["head_norm"][row].transpose(-1, -2), atol=atol, rtol=0)
+            torch.testing.assert_close(heads[1], want["head_share"][row].transpose(-1, -2), atol=1e-5, rtol=0)
+            torch.testing.assert_close(heads[2], want["head_projection"][row].transpose(-1, -2), atol=atol, rtol=0)
+            # the projections of a position add up to the norm of the total (the head sum's and the heads')
+            total = values[2].sum(-1)
+            torch.testing.assert_close(heads[2].sum((0, -1)), total, atol=atol, rtol=0)
+            # the table: the mean over query positions (one item per branch)
+            part = mass[(mass["branch"] == branch) & (mass["step"] == step) & (mass["layer"] == names[index])]
+            part = part.sort_values("reference")
+            for k, column in enumerate(CONTRIBUTION_COLUMNS):
+                want_mean = values[k].mean(0).numpy()
+                np.testing.assert_allclose(part[column].to_numpy(), want_mean, rtol=1e-12, atol=1e-12)
+            recomputed = want["norm"][row].mean(-1).numpy()  # (R,)
+            np.testing.assert_allclose(part["contribution_norm"].to_numpy(), recomputed, rtol=0, atol=atol)
+
+
+def _heads_block(weight, heads, rows):
+    """``weight`` split per head along rows (``rows=True``: ``(H, D, in)``) or columns (``(out, H, D)``)."""
+    return weight.reshape(heads, -1, weight.shape[-1]) if rows else weight.reshape(weight.shape[0], heads, -1)
+
+
+@contextlib.contextmanager
+def own_transform(pipe, qk: bool, vo: bool, compensate: bool = True, seed: int = 0):
+    """The test's own weight edits, per layer and head, restored bit for bit on exit: the q/k group
+    (``W_q -> A W_q``, ``W_k -> A^{-T} W_k`` on the text and image keys) and the v/o basis change (``W_v -> B W_v``
+    on the text and image values, ``W_o -> W_o B^{-1}``; ``compensate=False`` leaves ``W_o`` alone, which is no
+    symmetry: the test's proof that its comparison can fail)."""
+    generator = torch.Generator().manual_seed(seed)
+    saved = []
+    try:
+        for attn, proc in ip_layers(pipe).values():
+            heads = attn.heads
+            d = attn.to_q.weight.shape[0] // heads
+
+            def matrices(heads=heads, d=d):
+                # well conditioned: a random rotation times scales in [0.5, 2]
+                m = torch.randn(heads, d, d, generator=generator, dtype=torch.float64)
+                rotation, _ = torch.linalg.qr(m)
+                scales = 0.5 + 1.5 * torch.rand(heads, d, generator=generator, dtype=torch.float64)
+                return rotation * scales[:, None, :]
+
+            edits = []
+            if qk:
+                a = matrices()
+                inverse_t = torch.linalg.inv(a).transpose(-1, -2)
+                edits += [(attn.to_q, a, True)] + [(m, inverse_t, True) for m in (attn.to_k, *proc.to_k_ip)]
+            if vo:
+                b = matrices()
+                edits += [(m, b, True) for m in (attn.to_v, *proc.to_v_ip)]
+                if compensate:
+                    edits.append((attn.to_out[0], torch.linalg.inv(b), False))
+            for module, m, rows in edits:
+                saved.append((module.weight, module.weight.detach().clone()))
+                assert module.bias is None or not rows  # tiny SD: no q/k/v biases (to_out's bias is untouched)
+                w = _heads_block(module.weight.detach().double(), heads, rows)
+                new = torch.einsum("hij,hjk->hik", m, w) if rows else torch.einsum("ohi,hij->ohj", w, m)
+                with torch.no_grad():
+                    module.weight.copy_(new.reshape(module.weight.shape).float())
+        yield
+    finally:
+        with torch.no_grad():
+            for parameter, value in reversed(saved):
+                parameter.copy_(value)
+
+
+def _mass(pipe, refs):
+    with probe(pipe, maps=True) as run:
+        run._maps.keep_heads()
+        generate(pipe, refs, guidance_scale=5.0)
+    names = [layer.name for layer in run.layers]
+    heads = run._maps.contribution_weights(0, 0, 0, "cond", range(len(names)), range(STEPS), heads=True)
+    return run.reference_mass(), heads
+
+
+def test_contributions_invariant_under_qk_group_and_vo_basis_change(sd15, refs):
+    refs = refs + refs[:1]
+    before = {name: p.detach().clone() for name, p in sd15.unet.named_parameters()}
+    plain, plain_heads = _mass(sd15, refs)
+    scale = float(plain["contribution_norm"].abs().max())
+    for qk, vo in [(True, False), (False, True), (True, True)]:
+        with own_transform(sd15, qk, vo):
+            changed, changed_heads = _mass(sd15, refs)
+        # the transformed weights are float32 roundings of float64 products (relative 6e-8 per weight, conditions
+        # <= 4): the generation moves by float rounding only, ~1e-6 relative over 2 steps; 1e-4 leaves room
+        np.testing.assert_allclose(changed["attention"], plain["attention"], rtol=0, atol=1e-5)
+        for column in CONTRIBUTION_COLUMNS:
+            atol = 1e-5 if column == "contribution_share" else 1e-4 * scale
+            np.testing.assert_allclose(changed[column], plain[column], rtol=0, atol=atol)
+        for key, values in plain_heads.items():
+            torch.testing.assert_close(changed_heads[key][1], values[1], atol=1e-5, rtol=0)
+            torch.testing.assert_close(changed_heads[key][[0, 2]], values[[0, 2]], atol=1e-4 * scale, rtol=0)
+    # restored bit for bit
+    for name, p in sd15.unet.named_parameters():
+        assert torch.equal(p, before[name]), name
+    # the comparison can fail: W_v -> B W_v without W_o -> W_o B^-1 is no symmetry and moves the columns far more
+    with own_transform(sd15, qk=False, vo=True, compensate=False):
+        broken, _ = _mass(sd15, refs)
+    moved = np.abs(broken["contribution_norm"].to_numpy() - plain["contribution_norm"].to_numpy()).max()
+    assert moved > 100 * 1e-4 * scale
+
+
+def test_flux_contributions_equal_the_hook_points_own_computation(flux, refs):
+    """Flux (no W_o: c_j = s sum w v in the inner dimension): the probe's contributions against the hook points'
+    ``.ip.contribution`` (ipa_probe.intervention.points: its own hooks on norm_q, to_k_ip and to_v_ip, another
+    implementation), recomputed here in float64 into norm, share and projection."""
+    import ipa_probe
+
+    call = dict(prompt="a photo", ip_adapter_image=[refs], num_inference_steps=2, output_type="latent")
+    with probe(flux, maps=True) as run:
+        flux(**call, generator=torch.Generator().manual_seed(0))
+    _, cache = ipa_probe.run_with_cache(
+        flux, r"\.ip\.contribution$", **call, generator=torch.Generator().manual_seed(0)
+    )
+    maps = run._maps
+    names = [layer.name for layer in run.layers]
+    got = maps.contribution_weights(0, 0, 0, "cond", range(len(names)), range(STEPS))
+    assert len(got) == STEPS * len(names)
+    for (step, index), values in got.items():
+        c = cache.get(f"{names[index]}.ip.contribution", step)[0].double()  # (R, Q, C) of batch row 0
+        total = c.sum(0)  # (Q, C)
+        norm = c.norm(dim=-1).T  # (Q, R)
+        projection = (c * (total / total.norm(dim=-1, keepdim=True))).sum(-1).T
+        # both sides float32 (the same einsum order is not guaranteed): 1e-5 of the largest norm
+        atol = 1e-5 * float(norm.max())
+        torch.testing.assert_close(values[0], norm, atol=atol, rtol=0)
+        torch.testing.assert_close(values[1], norm / norm.sum(-1, keepdim=True), atol=1e-5, rtol=0)
+        torch.testing.assert_close(values[2], projection, atol=atol, rtol=0)
