@@ -1,0 +1,94 @@
+"""What every part of the attribution experiment shares: the generation's settings, the effects and predictors it
+compares, the tolerances of its shuffle check, the populations and resolutions of its verdicts, and one observed
+generation (:func:`observe`). See :mod:`ipa_probe.experiments.attribution` for the experiment itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+__all__ = [
+    "EFFECTS",
+    "GUIDANCE_SCALE",
+    "NUM_STEPS",
+    "POPULATIONS",
+    "PREDICTORS",
+    "RECORDED_STEPS",
+    "RESOLUTIONS",
+    "SHUFFLE_LATENT_RTOL",
+    "SHUFFLE_SHARE_ATOL",
+    "_call",
+    "_interval_text",
+    "_matrix",
+    "observe",
+]
+
+NUM_STEPS = 20
+
+
+GUIDANCE_SCALE = 3.0
+
+
+#: loop indices of the 20-step schedule where shares and posterior are recorded (timesteps 951, 701, 451, 201, 1)
+RECORDED_STEPS = (0, 5, 10, 15, 19)
+
+
+#: the effects compared, with their table names
+EFFECTS = {"latent_effect": "RMS change of the final latent", "class_drop": "drop of P(reference's digit)"}
+
+
+PREDICTORS = {
+    "attention_share": "attention share",
+    "contribution_norm": "contribution norm",
+    "contribution_projection": "contribution projection",
+    "posterior_weight": "exact posterior weight",
+}
+
+
+#: Reordering the references permutes the image tokens, so every softmax normaliser and every weighted sum of values
+#: adds the same float32 terms in another order (relative error ~1e-7 each), and the denoising loop carries those
+#: differences to the end. Measured on the 20-step CFG-3 setting (smoke tier, 6 sets): the trained organism's final
+#: latent moved by at most 1.4e-6 of its largest |value| (4.7e-6 at |x| ~ 3.3), the untrained one's by up to 2e-4
+#: (7.1e-3 at |x| ~ 35: its random weights amplify rounding); in float64 the two orders gave the same latents (the
+#: test checks 1e-10). 2e-3 of the largest |value| leaves 10x room above the untrained organism's drift.
+SHUFFLE_LATENT_RTOL = 2e-3
+
+
+#: The same reordering in the shares, permuted back (float32 softmax, shares ~0.25; measured: 1.7e-7 trained, 2.1e-5
+#: untrained, where the drifted latent feeds later steps): 1e-4 leaves 5x room and is 500x below the 0.05 pooling
+#: threshold.
+SHUFFLE_SHARE_ATOL = 1e-4
+
+
+#: The populations of reference sets: the ablated 2 + 2 sets and the two controls.
+POPULATIONS = ("2+2 digits", "same digit", "4 digits")
+
+
+#: Resolutions at which the verdict's rule is applied.
+RESOLUTIONS = ("average", "layer", "layer x head", "layer x position")
+
+
+def observe(pipe, refs: list, seed: int):
+    """One generation of the experiment's setting with ``refs``: its
+    :class:`~ipa_probe.attribution.ReferenceAttribution` (shares on average, per head and per position; posterior;
+    ``x_t``) at :data:`RECORDED_STEPS`."""
+    from ..attribution import reference_attribution
+
+    return reference_attribution(pipe, steps=RECORDED_STEPS, seed=seed, **_call(refs))
+
+
+def _call(refs: list) -> dict:
+    from ..tiny.digits import DIGITS_PROMPT
+
+    return dict(
+        prompt=DIGITS_PROMPT, ip_adapter_image=[refs], num_inference_steps=NUM_STEPS, guidance_scale=GUIDANCE_SCALE
+    )
+
+
+def _matrix(frame: pd.DataFrame, column: str) -> np.ndarray:
+    """``(S, R)`` values of ``column`` by set and reference."""
+    return frame.pivot(index="set", columns="reference", values=column).sort_index().to_numpy(np.float64)
+
+
+def _interval_text(r: dict) -> str:
+    return f"{r['spearman']:+.2f} [{r['low']:+.2f}, {r['high']:+.2f}]"
