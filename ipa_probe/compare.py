@@ -476,8 +476,9 @@ def grid_figure(
     seeds: Sequence[int],
     roundtrip: Sequence[PIL.Image.Image] | None = None,
 ):
-    """The labelled grid of :func:`make_grid` as a matplotlib figure (every text at 9 pt or more; a cell with no
-    image, where there are fewer references than seeds, is left blank without a frame).
+    """The labelled grid of :func:`make_grid` as a matplotlib figure: each row named at its left (references, their
+    VAE round trip, each method), the columns by reference and by seed, every text at 9 pt or more; a cell with no
+    image (fewer references than seeds) is left blank without a frame.
 
     Args:
         references: the reference images (first row).
@@ -499,7 +500,7 @@ def grid_figure(
     cols = max(len(seeds), len(references))
     cell = 1.6
     size = PAPER_RC["font.size"]
-    fig = Figure(figsize=(1.7 + cols * cell, 0.45 + rows * cell))
+    fig = Figure(figsize=(1.7 + cols * cell, rows * cell))
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.flat:
@@ -522,7 +523,6 @@ def grid_figure(
     for ax in axes.flat:
         if not ax.get_images():  # nothing drawn in this cell: no axes either
             ax.set_axis_off()
-    fig.suptitle("the references, then each method from the same seeds (one column per seed)", fontsize=10)
     fig.tight_layout()
     return fig
 
