@@ -141,8 +141,9 @@ def plot(raw: dict[str, dict], folder: Path) -> Path:
             points = [(i, v) for i, values in zip(x, learned, strict=True) for v in values]
             ax1.scatter(*zip(*points, strict=True), color="C1", alpha=0.45, s=16, label="learned, each seed")
         for i, p, m in zip(x, plugin, means, strict=True):
-            ax1.annotate(f"plug-in / learned\n= {p / m:.3g}×", (i, (p * m) ** 0.5), xytext=(12, 0),
-                         textcoords="offset points", va="center")  # fmt: skip
+            if p > 0 and m > 0:  # an unbiased MMD² estimate can fall to 0 or below: no ratio, no point on a log axis
+                ax1.annotate(f"plug-in / learned\n= {p / m:.3g}×", (i, (p * m) ** 0.5), xytext=(12, 0),
+                             textcoords="offset points", va="center")  # fmt: skip
         ax1.set_xticks(list(x), [f"d={d}" for d in dims])
         ax1.set_xlim(-0.5, len(dims) - 0.3)
         ax1.set(yscale="log", ylabel="MMD², generated vs reference samples",
