@@ -152,8 +152,8 @@ def plot(raw: dict[str, dict[float, dict]], ts: list[float], folder: Path) -> Pa
                    title=f"learned heads against data-space NW ({label})")  # fmt: skip
             flat = sum(abs(v) for v in series["spearman"]) / len(ts) < FLAT_RHO
             if not flat:
-                label = "paper: IP-Adapter ρ at its last step"
-                ax.scatter([ts[-1]], [paper], marker="x", color="C3", s=60, label=label)
+                named = "paper: IP-Adapter ρ at its last step"
+                ax.scatter([ts[-1]], [paper], marker="x", color="C3", s=60, label=named)
             # a flat panel is fitted to its own lines (ρ 0.02 against a null of 0 stays visible); the text gives
             # the paper's value instead of a marker that would stretch the range to 1
             fit_ylim(ax, np.asarray(list(series.values())), include=[] if flat else [paper])
