@@ -52,6 +52,7 @@ __all__ = [
     "compare_methods",
     "diversity",
     "generate_methods",
+    "grid_figure",
     "make_grid",
     "markdown_table",
     "score_method",
@@ -388,13 +389,13 @@ class Comparison:
         return make_grid(self.references, self.images, self.seeds, self.roundtrip)
 
     def grid_provenance(self) -> dict:
-        """What ``grid.png`` carries: the digest of :func:`make_grid` and each image's mean brightness (the rows in
+        """What ``grid.png`` carries: the digest of :data:`GRID_CODE` and each image's mean brightness (the rows in
         order), within a tolerance of 0.02 (pixels move by ~1e-6 between CPUs; 0.02 is below a visible change)."""
         from ._io import code_digest
 
         rows = [self.references, *(self.roundtrip and [self.roundtrip] or []), *self.images.values()]
         data = [round(float(np.asarray(im.convert("L"), dtype=np.float64).mean() / 255), 3) for r in rows for im in r]
-        return {"code": code_digest(make_grid), "data": data, "atol": 0.02}
+        return {"code": code_digest(*GRID_CODE), "data": data, "atol": 0.02}
 
     def markdown(self) -> str:
         """The per-method table as GitHub markdown."""
@@ -469,13 +470,15 @@ def markdown_table(table: pd.DataFrame, digits: int = 3) -> str:
     return "\n".join(lines)
 
 
-def make_grid(
+def grid_figure(
     references: Sequence[PIL.Image.Image],
     images: dict[str, Sequence[PIL.Image.Image]],
     seeds: Sequence[int],
     roundtrip: Sequence[PIL.Image.Image] | None = None,
-) -> PIL.Image.Image:
-    """A labelled grid: references first row, then one row per method, one column per seed (matplotlib).
+):
+    """The labelled grid of :func:`make_grid` as a matplotlib figure: each row named at its left (references, their
+    VAE round trip, each method), the columns by reference and by seed, every text at 9 pt or more; a cell with no
+    image (fewer references than seeds) is left blank without a frame.
 
     Args:
         references: the reference images (first row).
@@ -484,18 +487,21 @@ def make_grid(
         roundtrip: optionally the references through the VAE (a second row, under the references).
 
     Returns:
-        the grid as an RGB PIL image.
+        a ``matplotlib.figure.Figure`` on an Agg canvas (no pyplot state).
     """
     # The object-oriented API with an Agg canvas: no pyplot state, no backend switch in the caller's session.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    from .figstyle import PAPER_RC
+
     head_rows = [("references", references)] + ([("references\nthrough the VAE", roundtrip)] if roundtrip else [])
     rows = len(head_rows) + len(images)
     cols = max(len(seeds), len(references))
     cell = 1.6
-    fig = Figure(figsize=(1.6 + cols * cell, rows * cell))
-    canvas = FigureCanvasAgg(fig)
+    size = PAPER_RC["font.size"]
+    fig = Figure(figsize=(1.7 + cols * cell, rows * cell))
+    FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.flat:
         ax.set_xticks([])
@@ -506,17 +512,45 @@ def make_grid(
         for j, image in enumerate(items):
             axes[i, j].imshow(image.convert("RGB"))
             if i == 0:
-                axes[i, j].set_title(f"reference {j}", fontsize=8)
-        axes[i, 0].set_ylabel(label, fontsize=8)
+                axes[i, j].set_title(f"reference {j}", fontsize=size)
+        axes[i, 0].set_ylabel(label, fontsize=size)
     for i, (method, items) in enumerate(images.items(), start=len(head_rows)):
         for j, image in enumerate(items):
             axes[i, j].imshow(image.convert("RGB"))
             if i == len(head_rows):
-                axes[i, j].set_title(f"seed {seeds[j]}", fontsize=8)
-        axes[i, 0].set_ylabel(METHOD_LABELS.get(method, method).replace(" (", "\n("), fontsize=8)
+                axes[i, j].set_title(f"seed {seeds[j]}", fontsize=size)
+        axes[i, 0].set_ylabel(METHOD_LABELS.get(method, method).replace(" (", "\n("), fontsize=size)
+    for ax in axes.flat:
+        if not ax.get_images():  # nothing drawn in this cell: no axes either
+            ax.set_axis_off()
     fig.tight_layout()
-    canvas.draw()
-    return PIL.Image.fromarray(np.asarray(canvas.buffer_rgba())).convert("RGB")
+    return fig
+
+
+def make_grid(
+    references: Sequence[PIL.Image.Image],
+    images: dict[str, Sequence[PIL.Image.Image]],
+    seeds: Sequence[int],
+    roundtrip: Sequence[PIL.Image.Image] | None = None,
+) -> PIL.Image.Image:
+    """A labelled grid: references first row, then one row per method, one column per seed (:func:`grid_figure`).
+
+    Args:
+        references: the reference images (first row).
+        images: method -> one image per seed (one row each, in order).
+        seeds: the seeds (column titles).
+        roundtrip: optionally the references through the VAE (a second row, under the references).
+
+    Returns:
+        the grid as an RGB PIL image.
+    """
+    fig = grid_figure(references, images, seeds, roundtrip)
+    fig.canvas.draw()
+    return PIL.Image.fromarray(np.asarray(fig.canvas.buffer_rgba())).convert("RGB")
+
+
+#: The code that draws ``grid.png``: its digest is the grid's provenance (``make figures``).
+GRID_CODE = (grid_figure, make_grid)
 
 
 def _check_seeds(seeds: Any) -> list[int]:

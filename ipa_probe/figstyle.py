@@ -125,12 +125,14 @@ def unlegended_artists(fig) -> list[str]:
     """Lines and marker sets drawn in an axes of ``fig`` whose label is in no legend of that axes or of the figure.
 
     A line with data is named when its label (set at ``plot(..., label=...)``) is one of the legend's texts; bands
-    (``fill_between``) are named by the line they surround, and colorbar axes are skipped.
+    (``fill_between``) are named by the line they surround, the data line and caps of an ``errorbar`` by the
+    errorbar's own label (the legend's entry draws them together), and colorbar axes are skipped.
 
     Returns:
         ``"axes title: label"`` per artist left out (empty when every line is in a legend).
     """
     from matplotlib.collections import PathCollection
+    from matplotlib.container import ErrorbarContainer
 
     figure_labels = {t.get_text() for legend in fig.legends for t in legend.get_texts()}
     missing = []
@@ -139,7 +141,17 @@ def unlegended_artists(fig) -> list[str]:
             continue
         legend = ax.get_legend()
         labels = figure_labels | ({t.get_text() for t in legend.get_texts()} if legend is not None else set())
+        named_by = {}  # an errorbar's data line and caps -> the errorbar's label
+        for container in ax.containers:
+            if isinstance(container, ErrorbarContainer):
+                data_line, caps, _ = container.lines
+                for part in (data_line, *caps):
+                    if part is not None:
+                        named_by[id(part)] = container.get_label()
         artists = [line for line in ax.lines if len(line.get_xdata())]
         artists += [c for c in ax.collections if isinstance(c, PathCollection) and len(c.get_offsets())]
-        missing += [f"{ax.get_title()}: {a.get_label()}" for a in artists if a.get_label() not in labels]
+        for artist in artists:
+            label = named_by.get(id(artist), artist.get_label())
+            if label not in labels:
+                missing.append(f"{ax.get_title()}: {label}")
     return missing

@@ -207,11 +207,12 @@ def plot_image_strip(
     for name, values in (("captions", captions), ("correct", correct)):
         if values is not None and len(values) != len(generated):
             raise ValueError(f"{name}: expected one per generated image ({len(generated)}), got {len(values)}")
-    step, gap, side = cell + 0.08, (0.35 if references and generated else 0.0), 0.1
+    # every text at 9 pt or more (ipa_probe.figstyle.MIN_FONT_PT), the gaps in inches sized for it
+    step, gap, side = cell + 0.1, (0.35 if references and generated else 0.0), 0.1
     width = (len(references) + len(generated)) * step + gap + 2 * side
-    label_y = (0.4 if title else 0.08) + 0.12  # the group labels' middle, inches from the top
-    top = label_y + 0.3  # the images' top edge
-    height = top + cell + (0.3 if captions is not None else 0.1)
+    label_y = (0.42 if title else 0.08) + 0.14  # the group labels' middle, inches from the top
+    top = label_y + 0.34  # the images' top edge
+    height = top + cell + (0.34 if captions is not None else 0.1)
     fig = plt.figure(figsize=(width, height))
     colours = {True: "#1a7f37", False: "#cf222e", None: "black"}
     blue = "#0550ae"
@@ -223,23 +224,23 @@ def plot_image_strip(
         ax.set_xticks([])
         ax.set_yticks([])
         if is_reference:
-            ax.set_title(f"reference {i}", fontsize=7, color=blue, pad=2)
+            ax.set_title(f"reference {i}", fontsize=9, color=blue, pad=2)
             for spine in ax.spines.values():
                 spine.set_edgecolor(blue)
                 spine.set_linewidth(2.0)
             continue
         j = i - len(references)
-        ax.set_title(f"image {j}", fontsize=7, pad=2)
+        ax.set_title(f"image {j}", fontsize=9, pad=2)
         if captions is not None:
             ok = correct[j] if correct is not None else None
-            ax.set_xlabel(captions[j], fontsize=7, color=colours[ok], labelpad=2)
+            ax.set_xlabel(captions[j], fontsize=9, color=colours[ok], labelpad=2)
     for start, count, label, colour in (
         (side, len(references), "references", blue),
         (side + len(references) * step + gap, len(generated), "generated", "black"),
     ):
         if count:
             middle = start + (count * step - 0.08) / 2
-            fig.text(middle / width, 1 - label_y / height, label, ha="center", va="center", fontsize=8, color=colour)
+            fig.text(middle / width, 1 - label_y / height, label, ha="center", va="center", fontsize=10, color=colour)
     if title:
-        fig.text(0.5, 1 - 0.06 / height, title, ha="center", va="top", fontsize=8)
+        fig.text(0.5, 1 - 0.06 / height, title, ha="center", va="top", fontsize=10)
     return fig

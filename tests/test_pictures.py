@@ -342,6 +342,13 @@ def test_the_checkers_catch_small_text_and_unnamed_lines():
     assert sorted(small_text(fig)) == [("said in an empty panel", 5.0), ("tiny", 6.0)]
     assert unlegended_artists(fig) == [": forgotten"]
     plt.close(fig)
+    # an errorbar's data line and caps are named by the errorbar's label, in the legend or not
+    fig, ax = plt.subplots()
+    shown = ax.errorbar([0, 1], [1, 2], yerr=[0.1, 0.2], capsize=3, label="mean ± s.e.m.")
+    hidden = ax.errorbar([0, 1], [2, 1], yerr=[0.1, 0.2], capsize=3, label="left out")
+    ax.legend(handles=[shown])
+    assert unlegended_artists(fig) == [": left out"] * (1 + len(hidden.lines[1]))  # its line and its 2 caps
+    plt.close(fig)
 
 
 def test_regular_ticks_step_evenly_and_fit_ylim_holds_the_data():
@@ -670,3 +677,97 @@ def test_rho_by_timestep_reads_at_its_saved_size(mapped):
         ticks = ax.get_xticks()
         assert len(set(np.diff(ticks))) <= 1  # one stride: the timestep labels step regularly
     assert len({tuple(t.get_text() for t in ax.get_yticklabels()) for ax in heat}) == 1  # same layers, same order
+
+
+# --------------------------------------------------------------------------- the other docs figures, read
+
+
+def _caught_figures(monkeypatch, draw):
+    """Run ``draw()`` with the figure writers replaced: returns ``[(figure, dpi)]`` as they would have been saved
+    (after the layout each writer applies), none written, none closed."""
+    import ipa_probe._io as io
+    import ipa_probe.experiments.report as report
+
+    caught = []
+
+    def keep(fig, path, dpi=120, provenance=None):
+        caught.append((fig, dpi))
+        return Path(path)
+
+    monkeypatch.setattr(report, "write_figure", keep)
+    monkeypatch.setattr(io, "write_figure", keep)
+    draw()
+    return caught
+
+
+def _record_figure_cases():
+    """The experiments' figures of docs/figures.md but those redrawn elsewhere (ip-adapter, attribution)."""
+    from ipa_probe.devtools.figures import record_figures
+
+    return [f for f in record_figures(ROOT) if Path(f.record).parent.name not in ("ip-adapter", "attribution")]
+
+
+def _command_figure(name, monkeypatch):
+    """An organism's command figure from the smallest input: 16-pixel images in place of a run's."""
+    from PIL import Image
+
+    images = [Image.new("RGB", (16, 16), (40 * i, 40 * i, 40 * i)) for i in range(6)]
+    if name == "demo_digits.png":  # the demo strip as `ipa-probe probe` writes it, with the classifier's verdicts
+        from ipa_probe.cli.probe import _write_strip
+
+        labels, probs = np.array([3, 3, 9, 3, 9, 3, 3, 3]), np.full((8, 10), 0.1)
+        draw = lambda: _write_strip(images[:3], images[:2] * 4, (labels, probs), 3, Path("unused.png"))  # noqa: E731
+        caught = _caught_figures(monkeypatch, draw)
+        assert [dpi for _, dpi in caught] == [110]
+        return caught[0][0]
+    from ipa_probe.compare import METHODS, grid_figure
+
+    return grid_figure(images[:3], {m: images[:3] for m in METHODS}, [0, 1, 2], roundtrip=images[3:])
+
+
+#: the figures of docs/figures.md that no other test reads (reference maps, rho_by_timestep, ip_adapter have theirs)
+FIGURE_CASES = [
+    *(f.path for f in _record_figure_cases()),
+    "docs/images/demo_digits.png",
+    "docs/images/compare_grid.png",
+]
+
+
+@pytest.mark.parametrize("path", FIGURE_CASES)
+def test_docs_figures_read_at_their_saved_size(path, monkeypatch):
+    """Each figure of docs/figures.md not tested elsewhere, drawn as `make figures` draws it (the experiments' from
+    their committed record.json, the organism's from 16-pixel images): no text under 9 pt, every line and mark in a
+    legend of at most 7 entries, no empty panel, and no linear y range more than 1.3x the span of what the panel
+    draws (matplotlib's 5% margins give 1.1x, fit_ylim's 12% 1.24x; a fixed -0.2...1.05 range over lines at 0.02
+    gives 50x). Every panel of an experiment's figure has a title."""
+    import importlib
+
+    import matplotlib.pyplot as plt
+
+    from ipa_probe.devtools.figures import EXPERIMENT_MODULES
+    from ipa_probe.figstyle import small_text, unlegended_artists
+
+    figure = next((f for f in _record_figure_cases() if f.path == path), None)
+    if figure is None:
+        fig = _command_figure(Path(path).name, monkeypatch)
+    else:
+        record = json.loads((ROOT / figure.record).read_text())
+        name = Path(figure.record).parent.name
+        module = importlib.import_module(f"ipa_probe.experiments.{EXPERIMENT_MODULES.get(name, name)}")
+        caught = _caught_figures(monkeypatch, lambda: module.redraw(record, Path("unused")))
+        assert [dpi for _, dpi in caught] == [110]  # the size the points are measured at
+        fig = caught[0][0]
+    assert small_text(fig) == []
+    assert unlegended_artists(fig) == []
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + list(fig.legends)
+    assert all(len(legend.get_texts()) <= 7 for legend in legends)
+    for ax in fig.axes:
+        if not ax.get_visible() or hasattr(ax, "_colorbar"):
+            continue
+        drawn = ax.lines or ax.collections or ax.images or ax.patches or ax.texts
+        assert drawn or not ax.axison, f"an empty panel: {ax.get_title()!r}"
+        assert figure is None or ax.get_title(), f"a panel without a title in {path}"
+        if ax.get_yscale() == "linear" and ax.lines:
+            low, high = ax.get_ylim()
+            assert high - low <= 1.3 * ax.dataLim.height, ax.get_title()
+    plt.close(fig)

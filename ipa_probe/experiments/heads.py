@@ -126,25 +126,30 @@ def table(raw: dict[int, dict], d_model: int) -> list[Row]:
 
 
 def plot(raw: dict[int, dict], folder: Path) -> Path:
-    """MMD² against ``m`` per head count, and the fitted exponent against ``H`` beside the paper's range."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-    for n_heads, values in raw.items():
-        ax1.plot(values["ms"], [max(v, 1e-6) for v in values["learned"]], marker="o", label=f"H={n_heads}")
-    ax1.set(xscale="log", yscale="log", xlabel="support size m", ylabel="MMD²", title=f"learned, d={DIM}")
-    ax1.legend()
-    hs = list(raw)
-    alphas = [raw[h]["fit"]["alpha"] for h in hs]
-    err = [
-        [0 if math.isnan(raw[h]["fit"]["low"]) else raw[h]["fit"]["alpha"] - raw[h]["fit"]["low"] for h in hs],
-        [0 if math.isnan(raw[h]["fit"]["high"]) else raw[h]["fit"]["high"] - raw[h]["fit"]["alpha"] for h in hs],
-    ]
-    ax2.errorbar(hs, alphas, yerr=err, marker="o", capsize=3, label="ours (learned)")
-    ax2.axhspan(0.45, 0.72, color="C3", alpha=0.15, label="paper's range")
-    ax2.set(xscale="log", xlabel="heads H", ylabel="alpha", title="scaling exponent")
-    ax2.set_xticks(hs, [str(h) for h in hs])
-    ax2.minorticks_off()
-    ax2.legend()
-    return save_figure(fig, folder / "heads.png", plot, raw)
+    """MMD² against ``m`` per head count, and the fitted exponent (with its 95% interval) against ``H`` beside the
+    paper's range; one legend per panel, placed where it hides no mark."""
+    from ..figstyle import paper_style
+
+    with paper_style():
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.8))
+        for n_heads, values in raw.items():
+            ax1.plot(values["ms"], [max(v, 1e-6) for v in values["learned"]], marker="o", label=f"H = {n_heads}")
+        ax1.set(xscale="log", yscale="log", xlabel="support size m", ylabel="MMD² (learned model)",
+                title=f"MMD² against support size per head count (d={DIM})")  # fmt: skip
+        ax1.legend(title="heads")
+        hs = list(raw)
+        alphas = [raw[h]["fit"]["alpha"] for h in hs]
+        err = [
+            [0 if math.isnan(raw[h]["fit"]["low"]) else raw[h]["fit"]["alpha"] - raw[h]["fit"]["low"] for h in hs],
+            [0 if math.isnan(raw[h]["fit"]["high"]) else raw[h]["fit"]["high"] - raw[h]["fit"]["alpha"] for h in hs],
+        ]
+        ax2.errorbar(hs, alphas, yerr=err, marker="o", capsize=3, label="ours: fitted α (bars: 95% CI of the fit)")
+        ax2.axhspan(0.45, 0.72, color="C3", alpha=0.15, label="paper's range of α")
+        ax2.set(xscale="log", xlabel="heads H", ylabel="α", title="fitted exponent α of MMD² ∝ m^(−α)")
+        ax2.set_xticks(hs, [str(h) for h in hs])
+        ax2.minorticks_off()
+        ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+        return save_figure(fig, folder / "heads.png", plot, raw)
 
 
 def redraw(record: dict, folder: Path) -> list[Path]:

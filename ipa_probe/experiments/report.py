@@ -101,12 +101,16 @@ def write_result(result: ExperimentResult, folder: Path) -> dict[str, Path]:
 def save_figure(fig, path: Path, code=None, inputs=None) -> Path:
     """Save a matplotlib figure as PNG (atomically) and close it.
 
-    With ``code`` (the drawing function), the PNG carries its provenance: the digest of that function's source and
-    of ``inputs`` (the data it drew, as the experiment's ``record.json`` holds it), so that ``make figures`` can tell
-    whether the figure is current and redraw it from the record (see ``ipa_probe.devtools.figures``).
+    With ``code`` (the drawing function, or a tuple of it and the helpers it calls), the PNG carries its provenance:
+    the digest of that code's source and of ``inputs`` (the data it drew, as the experiment's ``record.json`` holds
+    it), so that ``make figures`` can tell whether the figure is current and redraw it from the record (see
+    ``ipa_probe.devtools.figures``). A figure drawn with a layout engine of its own (``layout="constrained"``, for a
+    legend outside the panels) keeps it; any other is laid out tight.
     """
-    fig.tight_layout()
-    provenance = None if code is None else {"code": code_digest(code), "inputs": data_digest(inputs)}
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
+    functions = code if isinstance(code, tuple) else (code,)
+    provenance = None if code is None else {"code": code_digest(*functions), "inputs": data_digest(inputs)}
     return write_figure(fig, path, dpi=110, provenance=provenance)
 
 

@@ -118,35 +118,39 @@ def table(raw: dict[str, dict[int, dict]], checks: dict[str, dict] | None = None
 
 
 def plot(raw: dict[str, dict[int, dict]], folder: Path, checks: dict[str, dict] | None = None) -> Path:
-    """One panel per data set: MMD² of the plug-in and of the learned model against the support size, and the
-    model trained at one ``m`` (§D.3 check) where there is one."""
+    """One panel per data set: MMD² of the plug-in and of the learned model against the support size (bars: ± 1
+    s.e.m. over held-out tasks), and the model trained at one ``m`` (§D.3 check) where there is one."""
+    from ..figstyle import paper_style
+
     checks = checks or {}
-    fig, axes = plt.subplots(1, len(raw), figsize=(4.5 * len(raw), 3.5), squeeze=False)
-    for ax, (data, values) in zip(axes[0], raw.items(), strict=True):
-        ms = list(values)
-        for key, label in (("plugin", "plug-in"), ("learned", "learned (OFF)")):
-            ax.errorbar(
-                ms,
-                [max(values[m][key], 1e-6) for m in ms],
-                yerr=[values[m][f"{key}_sem"] for m in ms],
-                marker="o",
-                capsize=3,
-                label=label,
-            )
-        if data in checks:
-            check = checks[data]
-            ax.errorbar(
-                [check["m"]],
-                [check["learned"]],
-                yerr=[check["learned_sem"]],
-                marker="s",
-                ls="",
-                capsize=3,
-                label=f"learned, trained at m={check['m']}",
-            )
-        ax.set(xscale="log", yscale="log", xlabel="support size m", ylabel="MMD²", title=f"{data} (d={DIM})")
-        ax.legend()
-    return save_figure(fig, folder / "scarcity.png", plot, {"raw": raw, "checks": checks})
+    with paper_style():
+        fig, axes = plt.subplots(1, len(raw), figsize=(4.75 * len(raw), 3.8), squeeze=False)
+        for ax, (data, values) in zip(axes[0], raw.items(), strict=True):
+            ms = list(values)
+            for key, label in (("plugin", "plug-in estimate"), ("learned", "learned model (OFF)")):
+                ax.errorbar(
+                    ms,
+                    [max(values[m][key], 1e-6) for m in ms],
+                    yerr=[values[m][f"{key}_sem"] for m in ms],
+                    marker="o",
+                    capsize=3,
+                    label=f"{label} ± s.e.m. over tasks",
+                )
+            if data in checks:
+                check = checks[data]
+                ax.errorbar(
+                    [check["m"]],
+                    [check["learned"]],
+                    yerr=[check["learned_sem"]],
+                    marker="s",
+                    ls="",
+                    capsize=3,
+                    label=f"learned, trained at m = {check['m']} only",
+                )
+            ax.set(xscale="log", yscale="log", xlabel="support size m", ylabel="MMD², generated vs reference samples",
+                   title=f"MMD² against support size: {data} (d={DIM})")  # fmt: skip
+            ax.legend()
+        return save_figure(fig, folder / "scarcity.png", plot, {"raw": raw, "checks": checks})
 
 
 def redraw(record: dict, folder: Path) -> list[Path]:

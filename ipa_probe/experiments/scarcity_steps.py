@@ -23,8 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from .._io import code_digest, data_digest, write_figure  # noqa: E402
-from .report import versions  # noqa: E402
+from .report import save_figure, versions  # noqa: E402
 from .runner import ExperimentContext  # noqa: E402
 from .scarcity import DIM, M_TRAIN  # noqa: E402
 from .tasks import TaskBatch  # noqa: E402
@@ -137,26 +136,30 @@ def table(frame: pd.DataFrame) -> str:
 
 def plot(frame: pd.DataFrame, path: Path) -> Path:
     """Learned and plug-in MMD² against training steps, one panel per data set, one colour per ``m``; the x ticks
-    are the snapshot steps themselves."""
+    are the snapshot steps themselves, the legend (the same lines in every panel) sits once under the panels."""
     from matplotlib.ticker import NullFormatter
 
+    from ..figstyle import paper_style
+
     datas = list(dict.fromkeys(frame["data"]))
-    fig, axes = plt.subplots(1, len(datas), figsize=(4.8 * len(datas), 3.6), squeeze=False)
-    steps = sorted(set(frame["step"]))
-    for ax, data in zip(axes[0], datas, strict=True):
-        for i, m in enumerate(MS):
-            part = frame[(frame["data"] == data) & (frame["m"] == m)].sort_values("step")
-            ax.errorbar(part["step"], part["learned"], yerr=part["learned_sem"], marker="o", color=f"C{i}",
-                        capsize=3, label=f"learned, m={m} (± s.e.m.)")  # fmt: skip
-            ax.axhline(part["plugin"].iloc[0], color=f"C{i}", ls="--", lw=1, label=f"plug-in, m={m}")
-        ax.set(xscale="log", yscale="log", xlabel="training steps (constant lr)", ylabel="MMD²",
-               title=f"{data} (d={DIM})")  # fmt: skip
-        ax.set_xticks(steps, [f"{s:g}" for s in steps])
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    records = frame.to_dict(orient="records")
-    return write_figure(fig, path, dpi=120, provenance={"code": code_digest(plot), "inputs": data_digest(records)})
+    with paper_style():
+        fig, axes = plt.subplots(1, len(datas), figsize=(4.8 * len(datas), 4.0), squeeze=False, layout="constrained")
+        steps = sorted(set(frame["step"]))
+        for ax, data in zip(axes[0], datas, strict=True):
+            for i, m in enumerate(MS):
+                part = frame[(frame["data"] == data) & (frame["m"] == m)].sort_values("step")
+                ax.errorbar(part["step"], part["learned"], yerr=part["learned_sem"], marker="o", color=f"C{i}",
+                            capsize=3, label=f"learned, m={m} (± s.e.m. over tasks)")  # fmt: skip
+                ax.axhline(part["plugin"].iloc[0], color=f"C{i}", ls="--", lw=1, label=f"plug-in, m={m}")
+            ax.set(xscale="log", yscale="log", xlabel="training steps (constant lr)",
+                   ylabel="MMD², generated vs reference samples",
+                   title=f"MMD² against training length: {data} (d={DIM})")  # fmt: skip
+            ax.set_xticks(steps, [f"{s:g}" for s in steps])
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        handles, labels = axes[0, 0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside lower center", ncols=2, frameon=False)
+        records = frame.to_dict(orient="records")
+        return save_figure(fig, path, plot, records)
 
 
 def redraw(record: dict, folder: Path) -> list[Path]:
