@@ -2,15 +2,27 @@
 
 For many reference sets (4 held-out images of one digit each), the trained organism
 (:func:`ipa_probe.tiny.digits.digits_pipeline`, recipe ``--recipe``) generates with the 50-step DDIM schedule of SD 1.x
-while the probe (:func:`ipa_probe.probe`, matched bandwidth ``h^2 = sqrt(d_head)``) records, at the paper's timesteps
-981, 761, 501, 261 and 1, every image-branch head's per-row Spearman and raveled Pearson against Gaussian NW weights
-on the same ``q, k``, and the permutation null. Per timestep the table gives the mean per-row Spearman over reference
-sets (mean over layers and heads within a set) with a 95 % bootstrap interval over sets, the mean Pearson and the
-fraction of (set, layer, head) entries with rho > 0.9, beside the paper's figures (and the probe's gauge columns
-``logit_ratio``, ``rho_baseline``, ``rho_excess`` where the probe has them). Control: the same architecture with its
-initial (untrained) weights, on the same reference sets.
+while the probe (:func:`ipa_probe.probe`, matched bandwidth ``h^2 = sqrt(d_head)``, query frame ``"item"``) records,
+at the paper's timesteps 981, 761, 501, 261 and 1, every image-branch head's per-row comparison of the attention with
+Gaussian NW weights in two frames:
 
-That rho depends on the q/k gauge (issue #18); beside it, from the same generations, the comparisons that do not
+- the **query frame** (the headline, docs/gauge.md "The query frame"): NW weights ``softmax_i(L_qi - b_i)`` with
+  ``b_i`` each key's log-partition over the item's own queries, exact (``qf_*``) and Gaussian (``qf_gauss_*``) form;
+  made from the attention logits alone, so no reparametrisation of q and k that leaves the outputs unchanged moves
+  them;
+- the **stored frame** (the paper's definition): NW weights on the stored ``q, k``, which a per-head basis change
+  of q and k moves at will.
+
+Per timestep the table gives, for the query-frame rho (both forms), its excess over the baseline from its own logit
+ratio and K (``qf_rho_excess``, ``qf_gauss_rho_excess``) and the stored-frame rho, the mean over reference sets of
+the per-set mean (over layers and heads) with a 95 % bootstrap interval over sets, and the mean Pearson, the
+permutation null and the fraction of (set, layer, head) entries with rho > 0.9, beside the paper's figure (a
+stored-frame rho on SD 1.5). Set ``i`` generates from seed ``i``, so the interval over sets is over seeds too (the
+two vary together). Control: the same architecture with its initial (untrained) weights, on the same reference
+sets and seeds.
+
+The stored-frame rho depends on the q/k gauge (issue #18, #28); beside it, from the same generations, the comparisons
+that do not
 (:mod:`ipa_probe.attribution`): each reference's share of the image-branch attention against the exact posterior over
 the references' latents at the same ``x_t`` (rank agreement with a permutation test and bootstrap interval,
 between-layer agreement, concentration, n_eff against the bandwidth ``h(t)``, a fitted data-space temperature) and
@@ -30,7 +42,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ..schema import GAUGE_COLUMNS  # noqa: E402
+from ..schema import GAUGE_COLUMNS, query_frame_column  # noqa: E402
 from .report import ExperimentResult, Row, as_records, from_record, save_figure  # noqa: E402
 
 #: The paper's timesteps: the 50-step SD 1.x grid (steps_offset=1: 981, 961, ..., 1) at these step indices.
@@ -39,6 +51,23 @@ NUM_STEPS = 50
 REFS_PER_SET = 4
 #: The paper's mean per-row Spearman at the last timestep; it reports no value at the other timesteps.
 PAPER_LAST_SPEARMAN = 0.89
+
+#: The columns :func:`summarize_sets` gives a bootstrap interval over reference sets (``<column>_low``,
+#: ``<column>_high``), where the probe's table has them: the query-frame rho (exact, Gaussian) and its excess over
+#: its own baseline, first; the stored-frame rho keeps its older interval names ``ci_low`` / ``ci_high``.
+INTERVAL_COLUMNS: tuple[str, ...] = (
+    query_frame_column("spearman"),
+    query_frame_column("spearman", "gaussian"),
+    query_frame_column("rho_excess"),
+    query_frame_column("rho_excess", "gaussian"),
+)
+
+#: Further query-frame columns :func:`summarize_sets` averages over entries (exact form, then Gaussian).
+QUERY_FRAME_MEANS: tuple[str, ...] = tuple(
+    query_frame_column(name, form)
+    for form in ("exact", "gaussian")
+    for name in ("pearson", "spearman_null", "logit_ratio", "rho_baseline")
+)
 
 
 def step_indices(num_steps: int = NUM_STEPS) -> list[int]:
@@ -107,11 +136,23 @@ def run_reference_set(pipe, references: list, seed: int, steps: list[int], guida
 
 
 def summarize_sets(per_set: pd.DataFrame) -> pd.DataFrame:
-    """Per timestep: mean over sets of the per-set mean Spearman, its bootstrap CI, Pearson, null, rho > 0.9 share,
-    and the means of the probe's gauge columns where its table has them.
+    """Per timestep: the query-frame and stored-frame rho over reference sets with bootstrap intervals, and the means
+    of the other columns.
+
+    Each rho is first averaged within a set (over its layers and heads; cells without a value, such as a query frame
+    of one query, are left out), then over sets; the interval is a 95 % BCa bootstrap of that mean over sets
+    (:func:`ipa_probe.sweep.aggregation.bootstrap_ci`, seeded).
 
     Args:
         per_set: the probe tables of all sets with a ``set`` column.
+
+    Returns:
+        one row per timestep (noise first): ``spearman`` (stored frame) with ``ci_low``, ``ci_high``; ``pearson``,
+        ``null``, ``frac_rho_gt_0.9`` (stored frame); ``sets``, ``entries``; the means of :data:`GAUGE_COLUMNS`; and
+        where the table has them, each of :data:`INTERVAL_COLUMNS` with ``<column>_low`` / ``<column>_high``,
+        ``qf_frac_rho_gt_0.9`` / ``qf_gauss_frac_rho_gt_0.9`` (share of entries with a query-frame rho above 0.9,
+        among the entries that have one), ``qf_entries`` (those entries) and the means of
+        :data:`QUERY_FRAME_MEANS`.
     """
     from ..sweep.aggregation import bootstrap_ci
 
@@ -131,6 +172,23 @@ def summarize_sets(per_set: pd.DataFrame) -> pd.DataFrame:
             "entries": len(frame),
         }
         row.update({c: float(frame[c].mean()) for c in GAUGE_COLUMNS if c in frame.columns})
+        for column in INTERVAL_COLUMNS:
+            if column not in frame.columns:
+                continue
+            means = frame.groupby("set")[column].mean().to_numpy(np.float64)  # NaN cells left out per set
+            means = means[np.isfinite(means)]
+            row[column] = float(means.mean()) if means.size else math.nan
+            row[f"{column}_low"], row[f"{column}_high"] = bootstrap_ci(means)
+        for form in ("exact", "gaussian"):
+            column = query_frame_column("spearman", form)
+            if column in frame.columns:
+                values = frame[column].to_numpy(np.float64)
+                values = values[np.isfinite(values)]
+                prefix = column.removesuffix("spearman")
+                row[f"{prefix}frac_rho_gt_0.9"] = float((values > 0.9).mean()) if values.size else math.nan
+                if form == "exact":
+                    row["qf_entries"] = int(values.size)
+        row.update({c: float(frame[c].mean()) for c in QUERY_FRAME_MEANS if c in frame.columns})
         rows.append(row)
     return pd.DataFrame(rows).sort_values("timestep", ascending=False).reset_index(drop=True)
 
@@ -158,6 +216,70 @@ def attribution_rows(label: str, summary: pd.DataFrame) -> list[Row]:
                 f"per layer, {r['position_neff']:.2f} per position, posterior {r['posterior_neff']:.2f}; h(t) "
                 f"{_h(r['bandwidth'])}, fitted h* {_h(r['fitted_bandwidth'])} [{_h(r['fitted_bandwidth_low'])}, "
                 f"{_h(r['fitted_bandwidth_high'])}]; {r['sets']} sets",
+            )
+        )
+    return rows
+
+
+def _interval(rec: dict, column: str, signed: bool = False) -> str:
+    """``value [low, high]`` of one of :data:`INTERVAL_COLUMNS` in a :func:`summarize_sets` record."""
+    f = "+.3f" if signed else ".3f"
+    return f"{rec[column]:{f}} [{rec[f'{column}_low']:{f}}, {rec[f'{column}_high']:{f}}]"
+
+
+def query_frame_rows(label: str, summary: pd.DataFrame) -> list[Row]:
+    """The headline rows of the table: per timestep, the query-frame rho (exact form, 95 % interval over sets) with
+    the Gaussian form, both excesses over their own baselines, and the stored-frame rho beside it for reference.
+    Empty when the summary has no query-frame columns (records made before the probe had them)."""
+    rows = []
+    exact, gauss = query_frame_column("spearman"), query_frame_column("spearman", "gaussian")
+    if exact not in summary.columns:
+        return rows
+    for rec in summary.to_dict(orient="records"):
+        t = rec["timestep"]
+        paper = "— (the paper reports the stored frame only)" if label == "trained" else "— (control)"
+        rows.append(
+            Row(
+                "query-frame per-row Spearman, exact b (mean of set means; invariant under the q/k group)",
+                f"{label} organism, t={t}",
+                _interval(rec, exact),
+                paper,
+                f"Gaussian b {_interval(rec, gauss)}; excess over the ρ its own logit ratio and K give: exact "
+                f"{_interval(rec, 'qf_rho_excess', signed=True)}, Gaussian "
+                f"{_interval(rec, 'qf_gauss_rho_excess', signed=True)} (baseline {rec['qf_rho_baseline']:.3f} / "
+                f"{rec['qf_gauss_rho_baseline']:.3f}, r {rec['qf_logit_ratio']:.2f} / "
+                f"{rec['qf_gauss_logit_ratio']:.2f}); Pearson {rec['qf_pearson']:.3f}; "
+                f"{100 * rec['qf_frac_rho_gt_0.9']:.0f}% of heads ρ>0.9; "
+                f"permutation null {rec['qf_spearman_null']:+.3f}; stored-frame ρ {rec['spearman']:.3f}; "
+                f"{rec['sets']} reference sets and seeds, {rec['qf_entries']} of {rec['entries']} entries (a "
+                "1 × 1 layer's frame of one query has no ρ)",
+            )
+        )
+    return rows
+
+
+def stored_frame_rows(label: str, summary: pd.DataFrame) -> list[Row]:
+    """The stored-frame rows (the paper's definition, gauge-dependent): per timestep, the per-row Spearman with its
+    95 % interval over sets, Pearson, the rho > 0.9 share, the null and the gauge columns."""
+    rows = []
+    last = PAPER_TIMESTEPS[-1]
+    for rec in summary.to_dict(orient="records"):
+        t = rec["timestep"]
+        paper = f"{PAPER_LAST_SPEARMAN}" if (t == last and label == "trained") else "—"
+        gauge = ""
+        if all(c in rec for c in GAUGE_COLUMNS):
+            gauge = (
+                f"; gauge: logit ratio r {rec['logit_ratio']:.2f}, ρ expected from r and K alone "
+                f"{rec['rho_baseline']:.3f}, excess {rec['rho_excess']:+.3f}"
+            )
+        rows.append(
+            Row(
+                "stored-frame per-row Spearman (mean of set means; moves under a per-head basis change of q, k)",
+                f"{label} organism, t={t}",
+                f"{rec['spearman']:.3f} [{rec['ci_low']:.3f}, {rec['ci_high']:.3f}]",
+                paper if label == "trained" else "— (control)",
+                f"Pearson {rec['pearson']:.3f}; {100 * rec['frac_rho_gt_0.9']:.0f}% of heads ρ>0.9; "
+                f"permutation null {rec['null']:+.3f}; {rec['sets']} reference sets{gauge}",
             )
         )
     return rows
@@ -194,27 +316,10 @@ def run(ctx) -> ExperimentResult:
             write_table(attribution[key], folder / f"attribution_{label}_{population.split()[0]}.csv")
 
     rows = []
-    last = PAPER_TIMESTEPS[-1]
     for label, summary in summaries.items():
-        for rec in summary.to_dict(orient="records"):
-            t = rec["timestep"]
-            paper = f"{PAPER_LAST_SPEARMAN}" if (t == last and label == "trained") else "—"
-            gauge = ""
-            if all(c in rec for c in GAUGE_COLUMNS):
-                gauge = (
-                    f"; gauge: logit ratio r {rec['logit_ratio']:.2f}, ρ expected from r and K alone "
-                    f"{rec['rho_baseline']:.3f}, excess {rec['rho_excess']:+.3f}"
-                )
-            rows.append(
-                Row(
-                    "per-row Spearman (mean of set means)",
-                    f"{label} organism, t={t}",
-                    f"{rec['spearman']:.3f} [{rec['ci_low']:.3f}, {rec['ci_high']:.3f}]",
-                    paper if label == "trained" else "— (control)",
-                    f"Pearson {rec['pearson']:.3f}; {100 * rec['frac_rho_gt_0.9']:.0f}% of heads ρ>0.9; "
-                    f"permutation null {rec['null']:+.3f}; {rec['sets']} reference sets{gauge}",
-                )
-            )
+        rows.extend(query_frame_rows(label, summary))
+    for label, summary in summaries.items():
+        rows.extend(stored_frame_rows(label, summary))
     for key, summary in attribution.items():
         rows.extend(attribution_rows(key, summary))
 
@@ -230,6 +335,8 @@ def run(ctx) -> ExperimentResult:
         "mixed_sets": tier.ip_mixed_sets,
         "guidance_scale": 1.0,
         "bandwidth": "matched (h^2 = sqrt(d_head))",
+        "query_frame": "item: b_i over one item's query positions at one step, per layer, head and adapter",
+        "seeds_and_sets": "reference set i generates from seed i: intervals over sets are over seeds as well",
         "verdict_rule": (
             f"pooling if the upper end of the 95% interval of the mean per-layer TV distance of the attention shares "
             f"from uniform is below {POOLING_TV}; else tracks posterior if the one-sided permutation p of the mean "
@@ -247,7 +354,8 @@ def run(ctx) -> ExperimentResult:
 
 
 def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame], recipe: str, folder) -> Path:
-    """The experiment's figure: rho per timestep (gauge-dependent) and the gauge-invariant panels of
+    """The experiment's figure: rho per timestep in the query frame (invariant; with its intervals) and the stored
+    frame (gauge-dependent), and the gauge-invariant panels of
     :mod:`ipa_probe.attribution.plots` (rank agreement, sharpness, fitted temperature).
 
     Args:
@@ -263,25 +371,35 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
     timesteps = next(iter(summaries.values()))["timestep"].tolist()
     x = np.arange(len(timesteps))
     colours = {"trained": "C0", "untrained": "C1"}
+    exact, gauss = query_frame_column("spearman"), query_frame_column("spearman", "gaussian")
     entries = []
     for label, summary in summaries.items():
         colour = colours[label]
-        (line,) = ax.plot(x, summary["spearman"], marker="o", color=colour)
-        band = ax.fill_between(x, summary["ci_low"], summary["ci_high"], color=colour, alpha=0.2, linewidth=0)
-        entries.append(((line, band), f"{label}: per-row Spearman ρ (band: 95% CI over reference sets)"))
-        entries.append((ax.plot(x, summary["pearson"], "s:", color=colour)[0], f"{label}: Pearson"))
-        if "rho_baseline" in summary.columns:
-            line = ax.plot(x, summary["rho_baseline"], "-.", color=colour)[0]
-            entries.append((line, f"{label}: ρ expected from the logit ratio alone"))
-        line = ax.plot(x, summary["null"], "--", color=colour, linewidth=0.8)[0]
+        if exact in summary.columns:  # the headline: query-frame rho, both forms, with their intervals
+            (line,) = ax.plot(x, summary[exact], marker="o", color=colour, linewidth=2)
+            band = ax.fill_between(
+                x, summary[f"{exact}_low"], summary[f"{exact}_high"], color=colour, alpha=0.25, linewidth=0
+            )
+            entries.append(((line, band), f"{label}: query-frame ρ, exact b (band: 95% CI over sets and seeds)"))
+            (line,) = ax.plot(x, summary[gauss], marker="^", linestyle="--", color=colour)
+            band = ax.fill_between(
+                x, summary[f"{gauss}_low"], summary[f"{gauss}_high"], color=colour, alpha=0.15, linewidth=0
+            )
+            entries.append(((line, band), f"{label}: query-frame ρ, Gaussian b"))
+            line = ax.plot(x, summary["qf_rho_baseline"], "-.", color=colour, linewidth=1)[0]
+            entries.append((line, f"{label}: query-frame ρ expected from its logit ratio and K alone"))
+        (line,) = ax.plot(x, summary["spearman"], marker="s", linestyle=":", color=colour, alpha=0.7)
+        entries.append((line, f"{label}: stored-frame ρ (the paper's; gauge-dependent)"))
+        null = "qf_spearman_null" if "qf_spearman_null" in summary.columns else "null"
+        line = ax.plot(x, summary[null], linestyle=(0, (1, 3)), color=colour, linewidth=1)[0]
         entries.append((line, f"{label}: permutation null"))
     if timesteps[-1] == PAPER_TIMESTEPS[-1]:
-        paper = ax.scatter([x[-1]], [PAPER_LAST_SPEARMAN], marker="x", color="C3", s=60)
-        entries.append((paper, "paper (SD 1.5, t=1)"))
-    ax.set(xticks=x, xticklabels=timesteps, xlabel="timestep (noise → data)", ylabel="statistic")
-    ax.set_title("attention vs NW weights on the same q, k (gauge-dependent)")
+        paper = ax.scatter([x[-1]], [PAPER_LAST_SPEARMAN], marker="x", color="C3", s=60, zorder=3)
+        entries.append((paper, "paper: stored-frame ρ (SD 1.5, t=1)"))
+    ax.set(xticks=x, xticklabels=timesteps, xlabel="timestep (noise → data)", ylabel="mean per-row Spearman ρ")
+    ax.set_title("attention vs Gaussian NW weights: query frame (invariant) and stored frame", fontsize=10)
     ax.set_ylim(-0.2, 1.05)
-    ax.legend(*zip(*entries, strict=True), fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+    ax.legend(*zip(*entries, strict=True), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
     shown = {k: v for k, v in attribution.items() if k != "untrained, one digit refs"}
     palette = {"trained, one digit refs": "C0", "trained, 2+2 mixed refs": "C2", "untrained, 2+2 mixed refs": "C1"}
     plot_agreement(axes[0, 1], shown, palette)
