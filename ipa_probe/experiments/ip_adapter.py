@@ -372,7 +372,7 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
     x = np.arange(len(timesteps))
     colours = {"trained": "C0", "untrained": "C1"}
     exact, gauss = query_frame_column("spearman"), query_frame_column("spearman", "gaussian")
-    entries = []
+    entries, drawn, nulls = [], [], []
     for label, summary in summaries.items():
         colour = colours[label]
         if exact in summary.columns:  # the headline: query-frame rho, both forms, with their intervals
@@ -388,17 +388,27 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
             entries.append(((line, band), f"{label}: query-frame ρ, Gaussian b"))
             line = ax.plot(x, summary["qf_rho_baseline"], "-.", color=colour, linewidth=1)[0]
             entries.append((line, f"{label}: query-frame ρ expected from its logit ratio and K alone"))
+            drawn += [summary[c] for c in (f"{exact}_low", f"{exact}_high", gauss, "qf_rho_baseline")]
         (line,) = ax.plot(x, summary["spearman"], marker="s", linestyle=":", color=colour, alpha=0.7)
         entries.append((line, f"{label}: stored-frame ρ (the paper's; gauge-dependent)"))
-        null = "qf_spearman_null" if "qf_spearman_null" in summary.columns else "null"
-        line = ax.plot(x, summary[null], linestyle=(0, (1, 3)), color=colour, linewidth=1)[0]
-        entries.append((line, f"{label}: permutation null"))
+        drawn.append(summary["spearman"])
+        nulls.append(summary["qf_spearman_null"] if "qf_spearman_null" in summary.columns else summary["null"])
     if timesteps[-1] == PAPER_TIMESTEPS[-1]:
         paper = ax.scatter([x[-1]], [PAPER_LAST_SPEARMAN], marker="x", color="C3", s=60, zorder=3)
         entries.append((paper, "paper: stored-frame ρ (SD 1.5, t=1)"))
+        drawn.append(pd.Series([PAPER_LAST_SPEARMAN]))
+    values = pd.concat(drawn).to_numpy(np.float64)
+    values = values[np.isfinite(values)]
+    low, high = float(values.min()), float(values.max())
+    pad = max(0.08 * (high - low), 0.01)
+    ax.set_ylim(low - pad, high + pad)  # the data's range: differences of 0.02 stay visible
+    null = pd.concat(nulls).to_numpy(np.float64)
     ax.set(xticks=x, xticklabels=timesteps, xlabel="timestep (noise → data)", ylabel="mean per-row Spearman ρ")
-    ax.set_title("attention vs Gaussian NW weights: query frame (invariant) and stored frame", fontsize=10)
-    ax.set_ylim(-0.2, 1.05)
+    ax.set_title(
+        "attention vs Gaussian NW weights: query frame (invariant) and stored frame\n"
+        f"permutation null {np.nanmin(null):+.3f} to {np.nanmax(null):+.3f} (below the axis)",
+        fontsize=10,
+    )
     ax.legend(*zip(*entries, strict=True), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
     shown = {k: v for k, v in attribution.items() if k != "untrained, one digit refs"}
     palette = {"trained, one digit refs": "C0", "trained, 2+2 mixed refs": "C2", "untrained, 2+2 mixed refs": "C1"}
