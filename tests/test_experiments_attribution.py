@@ -13,6 +13,7 @@ from scipy import stats
 
 import ipa_probe
 from ipa_probe.experiments import attribution as experiment
+from ipa_probe.experiments import ip_adapter as experiment_ip
 from ipa_probe.experiments.ip_adapter import organism_pipelines, summarize_sets
 from ipa_probe.schema import GAUGE_COLUMNS
 from ipa_probe.tiny.digits import DIGITS_PROMPT, digit_classifier, digits_reference_images
@@ -107,6 +108,43 @@ def test_ip_adapter_summary_against_numpy():
         for c in GAUGE_COLUMNS:
             assert row[c] == pytest.approx(part[c].to_numpy().mean(), rel=1e-12)
     assert not set(GAUGE_COLUMNS) & set(summarize_sets(frame.drop(columns=list(GAUGE_COLUMNS))).columns)
+
+
+def test_ip_adapter_summary_query_frame_against_numpy():
+    """The query-frame columns: means of set means with NaN cells left out per set, BCa intervals that hold the
+    mean, the share of entries above 0.9 among those with a value, and plain means of the rest."""
+    rng = np.random.default_rng(2)
+    n = 60
+    frame = pd.DataFrame(
+        {
+            "set": np.repeat(np.arange(10), 6),
+            "timestep": np.tile([981, 501, 1], 20),
+            "spearman": rng.uniform(0.5, 1, n),
+            "pearson": rng.uniform(0.5, 1, n),
+            "spearman_null": rng.normal(0, 0.05, n),
+            **{c: rng.normal(0.8, 0.1, n) for c in experiment_ip.INTERVAL_COLUMNS},
+            **{c: rng.normal(size=n) for c in experiment_ip.QUERY_FRAME_MEANS},
+        }
+    )
+    frame.loc[::7, "qf_spearman"] = np.nan  # a frame of one query has no rho: left out, not counted as 0
+    summary = summarize_sets(frame)
+    for _, row in summary.iterrows():
+        part = frame[frame["timestep"] == row["timestep"]]
+        for c in experiment_ip.INTERVAL_COLUMNS:
+            per_set = [np.nanmean(g[c].to_numpy()) for _, g in part.groupby("set") if np.isfinite(g[c]).any()]
+            assert row[c] == pytest.approx(np.mean(per_set), rel=1e-12)
+            assert row[f"{c}_low"] < row[c] < row[f"{c}_high"]
+        values = part["qf_spearman"].to_numpy()
+        values = values[np.isfinite(values)]
+        assert row["qf_entries"] == values.size
+        assert row["qf_frac_rho_gt_0.9"] == pytest.approx(np.mean(values > 0.9))
+        gauss = part["qf_gauss_spearman"].to_numpy()
+        assert row["qf_gauss_frac_rho_gt_0.9"] == pytest.approx(np.mean(gauss > 0.9))
+        for c in experiment_ip.QUERY_FRAME_MEANS:
+            assert row[c] == pytest.approx(part[c].to_numpy().mean(), rel=1e-12)
+    rows = experiment_ip.query_frame_rows("trained", summary)
+    assert len(rows) == 3 and rows[0].ours.startswith(f"{summary['qf_spearman'][0]:.3f} [")
+    assert not experiment_ip.query_frame_rows("trained", summarize_sets(frame.drop(columns=["qf_spearman"])))
 
 
 def test_ablation_effects_against_the_tests_own_generations(organism):

@@ -192,8 +192,19 @@ def test_cli_gauge_sweep_writes_the_table_and_figure(tmp_path, capsys):
     assert line.count("\n") == 0 and "rho_excess" in line and "within 0" in line
     import pandas as pd
 
+    from ipa_probe._io import read_provenance
+
     table = pd.read_parquet(out / "gauge_sweep.parquet")
     assert set(table["factor"]) == {0.5, 2.0}
+    # the query-frame rho leads the printed line, one value per gauge at the first step, as the table holds it
+    cond = table[(table["kind"] == "image") & (table["branch"] == "cond")]
+    first = cond[cond["step"] == cond["step"].min()]
+    values = "/".join(f"{v:.4f}" for v in first["qf_spearman"])
+    assert line.index(f"query-frame rho (exact b) {values}") < line.index("stored-frame rho")
+    # the figure's provenance keeps what it draws: both frames' rho, baselines and excesses, and n_eff, per step
+    columns = ["spearman", "rho_baseline", "rho_excess", "qf_spearman", "qf_gauss_spearman", "qf_rho_excess"]
+    drawn = cond[[*columns, "neff_attn"]].round(6).to_numpy().ravel()
+    assert read_provenance(out / "gauge_sweep.png")["data"] == pytest.approx(drawn.tolist(), nan_ok=True)
 
 
 # --------------------------------------------------------------------------- the trained digits organism

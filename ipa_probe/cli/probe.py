@@ -221,6 +221,11 @@ def _write(args: argparse.Namespace, loaded, result, run_, out: Path, organism: 
     return line
 
 
+#: The columns the gauge-sweep figure draws per gauge and step (with ``neff_attn``), whose values its provenance
+#: keeps: the stored frame's rho, baseline and excess, and the query frame's rho (both forms) and excess.
+_GAUGE_FIGURE_COLUMNS = ("spearman", "rho_baseline", "rho_excess", "qf_spearman", "qf_gauss_spearman", "qf_rho_excess")
+
+
 def _gauge_sweep(args: argparse.Namespace) -> int:
     """``--gauge-sweep``: :func:`ipa_probe.gauge.gauge_sweep` of the same generation; writes the table and figure."""
     import torch
@@ -251,7 +256,9 @@ def _gauge_sweep(args: argparse.Namespace) -> int:
     if image.empty:
         image = table[table["kind"] == "image"]
     # the numbers the figure draws; they move by ~1e-6 between CPUs, 1e-3 is far below a visible change
-    drawn = image[["spearman", "rho_baseline", "rho_excess", "neff_attn"]]  # per gauge in the sweep's order, per step
+    drawn = image[  # per gauge in the sweep's order, per step
+        [c for c in (*_GAUGE_FIGURE_COLUMNS, "neff_attn") if c in image.columns]
+    ]
     stamp = {"code": code_digest(plot_gauge_sweep), "data": drawn.round(6).to_numpy().ravel().tolist(), "atol": 1e-3}
     with ExitStack() as stack:
         out = _claim(args, stack)
@@ -263,10 +270,15 @@ def _gauge_sweep(args: argparse.Namespace) -> int:
     rho = "/".join(f"{v:.3f}" for v in first["spearman"])
     excess = "/".join(f"{v:+.3f}" for v in first["rho_excess"])
     where = f"t={first['timestep'].iloc[0]:g}, {first['branch'].iloc[0]}"
+    query = ""
+    if "qf_spearman" in first.columns:
+        qf = "/".join(f"{v:.4f}" for v in first["qf_spearman"])
+        qf_excess = "/".join(f"{v:+.4f}" for v in first["qf_rho_excess"])
+        query = f"query-frame rho (exact b) {qf}, its excess {qf_excess}; "
     print(
         f"wrote {out}: gauge_sweep.parquet, gauge_sweep.csv, gauge_sweep.png, {MANIFEST_NAME}; first step ({where}) "
-        f"under {gauges}: stored-frame rho {rho}, rho_excess {excess}; outputs equal to the ungauged one within "
-        f"{table['output_max_abs_diff'].max():.3g}"
+        f"under {gauges}: {query}stored-frame rho {rho}, rho_excess {excess}; outputs equal to the ungauged one "
+        f"within {table['output_max_abs_diff'].max():.3g}"
     )
     return 0
 

@@ -126,7 +126,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         "docs/images/gauge_sweep.png",
         "ipa-probe probe --gauge-sweep --out OUT",
-        "the q/k gauge on the organism: rho with its baseline, rho_excess and attention n_eff per factor c",
+        "the q/k gauge on the organism per factor c: the stored-frame rho with its baseline, the query-frame rho "
+        "(exact, Gaussian), each rho minus its baseline, and the attention n_eff",
         "command",
         produces="gauge_sweep.png",
     ),

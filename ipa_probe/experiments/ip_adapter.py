@@ -2,15 +2,27 @@
 
 For many reference sets (4 held-out images of one digit each), the trained organism
 (:func:`ipa_probe.tiny.digits.digits_pipeline`, recipe ``--recipe``) generates with the 50-step DDIM schedule of SD 1.x
-while the probe (:func:`ipa_probe.probe`, matched bandwidth ``h^2 = sqrt(d_head)``) records, at the paper's timesteps
-981, 761, 501, 261 and 1, every image-branch head's per-row Spearman and raveled Pearson against Gaussian NW weights
-on the same ``q, k``, and the permutation null. Per timestep the table gives the mean per-row Spearman over reference
-sets (mean over layers and heads within a set) with a 95 % bootstrap interval over sets, the mean Pearson and the
-fraction of (set, layer, head) entries with rho > 0.9, beside the paper's figures (and the probe's gauge columns
-``logit_ratio``, ``rho_baseline``, ``rho_excess`` where the probe has them). Control: the same architecture with its
-initial (untrained) weights, on the same reference sets.
+while the probe (:func:`ipa_probe.probe`, matched bandwidth ``h^2 = sqrt(d_head)``, query frame ``"item"``) records,
+at the paper's timesteps 981, 761, 501, 261 and 1, every image-branch head's per-row comparison of the attention with
+Gaussian NW weights in two frames:
 
-That rho depends on the q/k gauge (issue #18); beside it, from the same generations, the comparisons that do not
+- the **query frame** (the headline, docs/gauge.md "The query frame"): NW weights ``softmax_i(L_qi - b_i)`` with
+  ``b_i`` each key's log-partition over the item's own queries, exact (``qf_*``) and Gaussian (``qf_gauss_*``) form;
+  made from the attention logits alone, so no reparametrisation of q and k that leaves the outputs unchanged moves
+  them;
+- the **stored frame** (the paper's definition): NW weights on the stored ``q, k``, which a per-head basis change
+  of q and k moves at will.
+
+Per timestep the table gives, for the query-frame rho (both forms), its excess over the baseline from its own logit
+ratio and K (``qf_rho_excess``, ``qf_gauss_rho_excess``) and the stored-frame rho, the mean over reference sets of
+the per-set mean (over layers and heads) with a 95 % bootstrap interval over sets, and the mean Pearson, the
+permutation null and the fraction of (set, layer, head) entries with rho > 0.9, beside the paper's figure (a
+stored-frame rho on SD 1.5). Set ``i`` generates from seed ``i``, so the interval over sets is over seeds too (the
+two vary together). Control: the same architecture with its initial (untrained) weights, on the same reference
+sets and seeds.
+
+The stored-frame rho depends on the q/k gauge (issue #18, #28); beside it, from the same generations, the comparisons
+that do not
 (:mod:`ipa_probe.attribution`): each reference's share of the image-branch attention against the exact posterior over
 the references' latents at the same ``x_t`` (rank agreement with a permutation test and bootstrap interval,
 between-layer agreement, concentration, n_eff against the bandwidth ``h(t)``, a fitted data-space temperature) and
@@ -31,7 +43,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ..figstyle import fit_ylim  # noqa: E402
-from ..schema import GAUGE_COLUMNS  # noqa: E402
+from ..schema import GAUGE_COLUMNS, query_frame_column  # noqa: E402
 from .report import ExperimentResult, Row, as_records, from_record  # noqa: E402
 
 #: The paper's timesteps: the 50-step SD 1.x grid (steps_offset=1: 981, 961, ..., 1) at these step indices.
@@ -40,6 +52,23 @@ NUM_STEPS = 50
 REFS_PER_SET = 4
 #: The paper's mean per-row Spearman at the last timestep; it reports no value at the other timesteps.
 PAPER_LAST_SPEARMAN = 0.89
+
+#: The columns :func:`summarize_sets` gives a bootstrap interval over reference sets (``<column>_low``,
+#: ``<column>_high``), where the probe's table has them: the query-frame rho (exact, Gaussian) and its excess over
+#: its own baseline, first; the stored-frame rho keeps its older interval names ``ci_low`` / ``ci_high``.
+INTERVAL_COLUMNS: tuple[str, ...] = (
+    query_frame_column("spearman"),
+    query_frame_column("spearman", "gaussian"),
+    query_frame_column("rho_excess"),
+    query_frame_column("rho_excess", "gaussian"),
+)
+
+#: Further query-frame columns :func:`summarize_sets` averages over entries (exact form, then Gaussian).
+QUERY_FRAME_MEANS: tuple[str, ...] = tuple(
+    query_frame_column(name, form)
+    for form in ("exact", "gaussian")
+    for name in ("pearson", "spearman_null", "logit_ratio", "rho_baseline")
+)
 
 
 def step_indices(num_steps: int = NUM_STEPS) -> list[int]:
@@ -108,11 +137,23 @@ def run_reference_set(pipe, references: list, seed: int, steps: list[int], guida
 
 
 def summarize_sets(per_set: pd.DataFrame) -> pd.DataFrame:
-    """Per timestep: mean over sets of the per-set mean Spearman, its bootstrap CI, Pearson, null, rho > 0.9 share,
-    and the means of the probe's gauge columns where its table has them.
+    """Per timestep: the query-frame and stored-frame rho over reference sets with bootstrap intervals, and the means
+    of the other columns.
+
+    Each rho is first averaged within a set (over its layers and heads; cells without a value, such as a query frame
+    of one query, are left out), then over sets; the interval is a 95 % BCa bootstrap of that mean over sets
+    (:func:`ipa_probe.sweep.aggregation.bootstrap_ci`, seeded).
 
     Args:
         per_set: the probe tables of all sets with a ``set`` column.
+
+    Returns:
+        one row per timestep (noise first): ``spearman`` (stored frame) with ``ci_low``, ``ci_high``; ``pearson``,
+        ``null``, ``frac_rho_gt_0.9`` (stored frame); ``sets``, ``entries``; the means of :data:`GAUGE_COLUMNS`; and
+        where the table has them, each of :data:`INTERVAL_COLUMNS` with ``<column>_low`` / ``<column>_high``,
+        ``qf_frac_rho_gt_0.9`` / ``qf_gauss_frac_rho_gt_0.9`` (share of entries with a query-frame rho above 0.9,
+        among the entries that have one), ``qf_entries`` (those entries) and the means of
+        :data:`QUERY_FRAME_MEANS`.
     """
     from ..sweep.aggregation import bootstrap_ci
 
@@ -132,6 +173,23 @@ def summarize_sets(per_set: pd.DataFrame) -> pd.DataFrame:
             "entries": len(frame),
         }
         row.update({c: float(frame[c].mean()) for c in GAUGE_COLUMNS if c in frame.columns})
+        for column in INTERVAL_COLUMNS:
+            if column not in frame.columns:
+                continue
+            means = frame.groupby("set")[column].mean().to_numpy(np.float64)  # NaN cells left out per set
+            means = means[np.isfinite(means)]
+            row[column] = float(means.mean()) if means.size else math.nan
+            row[f"{column}_low"], row[f"{column}_high"] = bootstrap_ci(means)
+        for form in ("exact", "gaussian"):
+            column = query_frame_column("spearman", form)
+            if column in frame.columns:
+                values = frame[column].to_numpy(np.float64)
+                values = values[np.isfinite(values)]
+                prefix = column.removesuffix("spearman")
+                row[f"{prefix}frac_rho_gt_0.9"] = float((values > 0.9).mean()) if values.size else math.nan
+                if form == "exact":
+                    row["qf_entries"] = int(values.size)
+        row.update({c: float(frame[c].mean()) for c in QUERY_FRAME_MEANS if c in frame.columns})
         rows.append(row)
     return pd.DataFrame(rows).sort_values("timestep", ascending=False).reset_index(drop=True)
 
@@ -159,6 +217,70 @@ def attribution_rows(label: str, summary: pd.DataFrame) -> list[Row]:
                 f"per layer, {r['position_neff']:.2f} per position, posterior {r['posterior_neff']:.2f}; h(t) "
                 f"{_h(r['bandwidth'])}, fitted h* {_h(r['fitted_bandwidth'])} [{_h(r['fitted_bandwidth_low'])}, "
                 f"{_h(r['fitted_bandwidth_high'])}]; {r['sets']} sets",
+            )
+        )
+    return rows
+
+
+def _interval(rec: dict, column: str, signed: bool = False) -> str:
+    """``value [low, high]`` of one of :data:`INTERVAL_COLUMNS` in a :func:`summarize_sets` record."""
+    f = "+.3f" if signed else ".3f"
+    return f"{rec[column]:{f}} [{rec[f'{column}_low']:{f}}, {rec[f'{column}_high']:{f}}]"
+
+
+def query_frame_rows(label: str, summary: pd.DataFrame) -> list[Row]:
+    """The headline rows of the table: per timestep, the query-frame rho (exact form, 95 % interval over sets) with
+    the Gaussian form, both excesses over their own baselines, and the stored-frame rho beside it for reference.
+    Empty when the summary has no query-frame columns (records made before the probe had them)."""
+    rows = []
+    exact, gauss = query_frame_column("spearman"), query_frame_column("spearman", "gaussian")
+    if exact not in summary.columns:
+        return rows
+    for rec in summary.to_dict(orient="records"):
+        t = rec["timestep"]
+        paper = "— (the paper reports the stored frame only)" if label == "trained" else "— (control)"
+        rows.append(
+            Row(
+                "query-frame per-row Spearman, exact b (mean of set means; invariant under the q/k group)",
+                f"{label} organism, t={t}",
+                _interval(rec, exact),
+                paper,
+                f"Gaussian b {_interval(rec, gauss)}; excess over the ρ its own logit ratio and K give: exact "
+                f"{_interval(rec, 'qf_rho_excess', signed=True)}, Gaussian "
+                f"{_interval(rec, 'qf_gauss_rho_excess', signed=True)} (baseline {rec['qf_rho_baseline']:.3f} / "
+                f"{rec['qf_gauss_rho_baseline']:.3f}, r {rec['qf_logit_ratio']:.2f} / "
+                f"{rec['qf_gauss_logit_ratio']:.2f}); Pearson {rec['qf_pearson']:.3f}; "
+                f"{100 * rec['qf_frac_rho_gt_0.9']:.0f}% of heads ρ>0.9; "
+                f"permutation null {rec['qf_spearman_null']:+.3f}; stored-frame ρ {rec['spearman']:.3f}; "
+                f"{rec['sets']} reference sets and seeds, {rec['qf_entries']} of {rec['entries']} entries (a "
+                "1 × 1 layer's frame of one query has no ρ)",
+            )
+        )
+    return rows
+
+
+def stored_frame_rows(label: str, summary: pd.DataFrame) -> list[Row]:
+    """The stored-frame rows (the paper's definition, gauge-dependent): per timestep, the per-row Spearman with its
+    95 % interval over sets, Pearson, the rho > 0.9 share, the null and the gauge columns."""
+    rows = []
+    last = PAPER_TIMESTEPS[-1]
+    for rec in summary.to_dict(orient="records"):
+        t = rec["timestep"]
+        paper = f"{PAPER_LAST_SPEARMAN}" if (t == last and label == "trained") else "—"
+        gauge = ""
+        if all(c in rec for c in GAUGE_COLUMNS):
+            gauge = (
+                f"; gauge: logit ratio r {rec['logit_ratio']:.2f}, ρ expected from r and K alone "
+                f"{rec['rho_baseline']:.3f}, excess {rec['rho_excess']:+.3f}"
+            )
+        rows.append(
+            Row(
+                "stored-frame per-row Spearman (mean of set means; moves under a per-head basis change of q, k)",
+                f"{label} organism, t={t}",
+                f"{rec['spearman']:.3f} [{rec['ci_low']:.3f}, {rec['ci_high']:.3f}]",
+                paper if label == "trained" else "— (control)",
+                f"Pearson {rec['pearson']:.3f}; {100 * rec['frac_rho_gt_0.9']:.0f}% of heads ρ>0.9; "
+                f"permutation null {rec['null']:+.3f}; {rec['sets']} reference sets{gauge}",
             )
         )
     return rows
@@ -195,27 +317,10 @@ def run(ctx) -> ExperimentResult:
             write_table(attribution[key], folder / f"attribution_{label}_{population.split()[0]}.csv")
 
     rows = []
-    last = PAPER_TIMESTEPS[-1]
     for label, summary in summaries.items():
-        for rec in summary.to_dict(orient="records"):
-            t = rec["timestep"]
-            paper = f"{PAPER_LAST_SPEARMAN}" if (t == last and label == "trained") else "—"
-            gauge = ""
-            if all(c in rec for c in GAUGE_COLUMNS):
-                gauge = (
-                    f"; gauge: logit ratio r {rec['logit_ratio']:.2f}, ρ expected from r and K alone "
-                    f"{rec['rho_baseline']:.3f}, excess {rec['rho_excess']:+.3f}"
-                )
-            rows.append(
-                Row(
-                    "per-row Spearman (mean of set means)",
-                    f"{label} organism, t={t}",
-                    f"{rec['spearman']:.3f} [{rec['ci_low']:.3f}, {rec['ci_high']:.3f}]",
-                    paper if label == "trained" else "— (control)",
-                    f"Pearson {rec['pearson']:.3f}; {100 * rec['frac_rho_gt_0.9']:.0f}% of heads ρ>0.9; "
-                    f"permutation null {rec['null']:+.3f}; {rec['sets']} reference sets{gauge}",
-                )
-            )
+        rows.extend(query_frame_rows(label, summary))
+    for label, summary in summaries.items():
+        rows.extend(stored_frame_rows(label, summary))
     for key, summary in attribution.items():
         rows.extend(attribution_rows(key, summary))
 
@@ -231,6 +336,8 @@ def run(ctx) -> ExperimentResult:
         "mixed_sets": tier.ip_mixed_sets,
         "guidance_scale": 1.0,
         "bandwidth": "matched (h^2 = sqrt(d_head))",
+        "query_frame": "item: b_i over one item's query positions at one step, per layer, head and adapter",
+        "seeds_and_sets": "reference set i generates from seed i: intervals over sets are over seeds as well",
         "verdict_rule": (
             f"pooling if the upper end of the 95% interval of the mean per-layer TV distance of the attention shares "
             f"from uniform is below {POOLING_TV}; else tracks posterior if the one-sided permutation p of the mean "
@@ -282,37 +389,61 @@ def _legend(ax, entries, columns: int = 1) -> None:
 
 
 def _rho_panels(axes, summaries, x) -> None:
-    """(a) per-row Spearman, Pearson and the rho a logit ratio alone gives; (b) rho minus that baseline beside the
-    permutation null: the differences (~0.003) that panel (a)'s range cannot show."""
+    """(a) the query-frame rho (exact and Gaussian b; invariant under every per-head basis change) with the rho its
+    logit ratio alone gives; (b) the stored-frame rho (the paper's; gauge-dependent), Pearson and its baseline;
+    (c) each rho minus its baseline beside the permutation null: the differences (~0.003) the others cannot show."""
+    exact, gauss = query_frame_column("spearman"), query_frame_column("spearman", "gaussian")
     entries, drawn = [], []
     for label, summary in summaries.items():
         colour, name = POPULATIONS[label]
-        drawn += _series(axes[0], entries, x, summary, "spearman", colour, "o-", f"{name}: Spearman ρ")
-        drawn += _series(axes[0], entries, x, summary, "pearson", colour, "s:", f"{name}: Pearson", band=False)
+        if exact in summary.columns:
+            drawn += _series(axes[0], entries, x, summary, exact, colour, "o-", f"{name}: query-frame ρ, exact b")
+            text = f"{name}: query-frame ρ, Gaussian b"
+            drawn += _series(axes[0], entries, x, summary, gauss, colour, "^--", text, band=False)
+            text = f"{name}: its ρ from the logit ratio alone"
+            drawn += _series(axes[0], entries, x, summary, "qf_rho_baseline", colour, "s:", text, band=False)
+    if drawn:
+        fit_ylim(axes[0], np.concatenate(drawn))
+        axes[0].set(ylabel="mean per-row Spearman ρ", title="(a) query frame (invariant): attention vs NW")
+        _legend(axes[0], entries)
+    else:  # a record from before the query-frame columns
+        axes[0].text(0.5, 0.5, "no query-frame columns in this record", ha="center", va="center")
+        axes[0].set(title="(a) query frame (invariant): attention vs NW")
+
+    entries, drawn = [], []
+    for label, summary in summaries.items():
+        colour, name = POPULATIONS[label]
+        drawn += _series(axes[1], entries, x, summary, "spearman", colour, "o-", f"{name}: stored-frame ρ")
+        drawn += _series(axes[1], entries, x, summary, "pearson", colour, "s:", f"{name}: Pearson", band=False)
         if "rho_baseline" in summary.columns:
             text = f"{name}: ρ from the logit ratio r alone"
-            drawn += _series(axes[0], entries, x, summary, "rho_baseline", colour, "^--", text, band=False)
+            drawn += _series(axes[1], entries, x, summary, "rho_baseline", colour, "^--", text, band=False)
     timesteps = next(iter(summaries.values()))["timestep"].tolist()
     include = []
     if timesteps[-1] == PAPER_TIMESTEPS[-1]:
-        paper = axes[0].scatter([x[-1]], [PAPER_LAST_SPEARMAN], marker="x", color="C3", s=60, zorder=3,
+        paper = axes[1].scatter([x[-1]], [PAPER_LAST_SPEARMAN], marker="x", color="C3", s=60, zorder=3,
                                 label="paper (SD 1.5, t=1)")  # fmt: skip
         entries.append((paper, "paper (SD 1.5, t=1)"))
         include.append(PAPER_LAST_SPEARMAN)
-    fit_ylim(axes[0], np.concatenate(drawn), include)
-    axes[0].set(ylabel="statistic", title="(a) attention vs NW weights on the same q, k")
-    _legend(axes[0], entries)
+    fit_ylim(axes[1], np.concatenate(drawn), include)
+    axes[1].set(ylabel="statistic", title="(b) stored frame (gauge-dependent), the paper's")
+    _legend(axes[1], entries)
 
     entries, drawn = [], [[0.0]]
     for label, summary in summaries.items():
         colour, name = POPULATIONS[label]
+        excess = query_frame_column("rho_excess")
+        if excess in summary.columns:
+            text = f"{name}: query-frame ρ − its baseline"
+            drawn += _series(axes[2], entries, x, summary, excess, colour, "o-", text)
         if "rho_excess" in summary.columns:
-            drawn += _series(axes[1], entries, x, summary, "rho_excess", colour, "o-", f"{name}: ρ − ρ from r alone")
-        drawn += _series(axes[1], entries, x, summary, "null", colour, "s:", f"{name}: permutation null of ρ")
-    entries.append((axes[1].axhline(0, color="black", linewidth=0.8, label="zero", zorder=1), "zero"))
-    fit_ylim(axes[1], np.concatenate(drawn))
-    axes[1].set(ylabel="ρ difference", title="(b) ρ beyond its logit-ratio baseline, and the null")
-    _legend(axes[1], entries)
+            text = f"{name}: stored-frame ρ − its baseline"
+            drawn += _series(axes[2], entries, x, summary, "rho_excess", colour, "^--", text, band=False)
+        drawn += _series(axes[2], entries, x, summary, "null", colour, "s:", f"{name}: permutation null", band=False)
+    entries.append((axes[2].axhline(0, color="black", linewidth=0.8, label="zero", zorder=1), "zero"))
+    fit_ylim(axes[2], np.concatenate(drawn))
+    axes[2].set(ylabel="ρ difference", title="(c) ρ beyond its logit-ratio baseline, and the null")
+    _legend(axes[2], entries)
 
 
 def _attribution_panel(ax, attribution, x, column, title, ylabel, reference=None, extra=None) -> None:
@@ -381,17 +512,18 @@ def _temperature_panel(ax, attribution, x) -> None:
     entries.append((ax.plot(x, first["bandwidth"], "k.--", label=text)[0], text))
     ax.set_yscale("log")
     fit_ylim(ax, finite, [top], log=True)
-    ax.set(ylabel="data-space bandwidth (log)", title="(h) fitted temperature (∞: drawn at the top)")
+    ax.set(ylabel="data-space bandwidth (log)", title="(i) fitted temperature (∞: drawn at the top)")
     _legend(ax, entries)
 
 
 def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame], recipe: str, folder) -> Path:
-    """The experiment's figure, eight panels against the timestep, every line named in its panel's legend and every
-    range fitted to the data drawn: (a) per-row Spearman and Pearson of attention vs NW weights with the ρ a logit
-    ratio alone gives and (b) ρ minus that baseline beside the permutation null (gauge-dependent); then the
-    gauge-invariant statistics of :mod:`ipa_probe.attribution` per population: (c) rank agreement of attention share
-    with the exact posterior, (d) between-layer agreement, (e) attention n_eff, (f) the exact posterior's n_eff,
-    (g) attention TV from uniform against the pooling threshold, (h) the fitted data-space temperature against h(t).
+    """The experiment's figure, nine panels against the timestep, every line named in its panel's legend and every
+    range fitted to the data drawn: (a) the query-frame ρ (exact and Gaussian b, invariant under every per-head basis
+    change; the headline) with its logit-ratio baseline, (b) the stored-frame per-row Spearman and Pearson with the ρ a
+    logit ratio alone gives (gauge-dependent; the paper's), (c) each ρ minus its baseline beside the permutation null;
+    then the gauge-invariant statistics of :mod:`ipa_probe.attribution` per population: (d) rank agreement of attention
+    share with the exact posterior, (e) between-layer agreement, (f) attention n_eff, (g) the exact posterior's n_eff,
+    (h) attention TV from uniform against the pooling threshold, (i) the fitted data-space temperature against h(t).
 
     Args:
         summaries: ``"trained"`` / ``"untrained"`` -> :func:`summarize_sets` tables.
@@ -408,31 +540,32 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
     x = np.arange(len(timesteps))
     refs = int(max(s["references"].max() for s in shown.values()))
     with paper_style():
-        fig, axes = plt.subplots(4, 2, figsize=(11, 17), layout="constrained")
-        _rho_panels(axes[0], summaries, x)
+        fig, grid = plt.subplots(3, 3, figsize=(17, 14), layout="constrained")
+        _rho_panels(grid[0], summaries, x)
+        axes = grid.flat[3:]
         _attribution_panel(
-            axes[1, 0], shown, x, "share_spearman", "(c) attention share vs exact posterior (ranks)",
+            axes[0], shown, x, "share_spearman", "(d) attention share vs exact posterior (ranks)",
             "mean per-set Spearman", (0.0, "chance (permutation null mean)"),
         )  # fmt: skip
         _attribution_panel(
-            axes[1, 1], shown, x, "layer_agreement", "(d) agreement between layers", "mean per-set Spearman",
+            axes[1], shown, x, "layer_agreement", "(e) agreement between layers", "mean per-set Spearman",
             (0.0, "chance (permutation null mean)"),
         )  # fmt: skip
         _attribution_panel(
-            axes[2, 0], shown, x, "attention_neff", "(e) attention n_eff: per layer, and per position",
+            axes[2], shown, x, "attention_neff", "(f) attention n_eff: per layer, and per position",
             f"effective number of refs (of {refs})", (refs, f"uniform over {refs} references"),
             extra=("position_neff", "per position"),
         )  # fmt: skip
         _attribution_panel(
-            axes[2, 1], shown, x, "posterior_neff", "(f) exact posterior n_eff",
+            axes[3], shown, x, "posterior_neff", "(g) exact posterior n_eff",
             f"effective number of refs (of {refs})", (refs, f"uniform over {refs} references"),
         )  # fmt: skip
         _attribution_panel(
-            axes[3, 0], shown, x, "attention_tv", "(g) attention TV from uniform (verdict: pooling below the line)",
+            axes[4], shown, x, "attention_tv", "(h) attention TV from uniform (verdict: pooling below the line)",
             "TV distance", (POOLING_TV, f"pooling threshold {POOLING_TV:g}"),
         )  # fmt: skip
-        _temperature_panel(axes[3, 1], shown, x)
-        for ax in axes.flat:
+        _temperature_panel(axes[5], shown, x)
+        for ax in grid.flat:
             ax.set_xticks(x, [f"{t:g}" for t in timesteps])
             ax.set_xlabel("timestep (noise → data)")
         fig.suptitle(f"IP-Adapter attention on the digits organism (recipe {recipe}); bands: 95% intervals")

@@ -206,41 +206,116 @@ def _rows(run, config: GaugeConfig, diff: float) -> pd.DataFrame:
     return summary
 
 
-def plot_gauge_sweep(table: pd.DataFrame, branch: str = "cond", kind: str = "image"):
-    """Figure of a :func:`gauge_sweep` table: per gauge against timestep, rho with its baseline (dotted),
-    ``rho_excess``, and the gauge-invariant attention ``n_eff``; the x axes run in the denoising direction."""
-    import matplotlib.pyplot as plt
+#: The lines of :func:`plot_gauge_sweep`, per panel: (column, line style, short name, legend entry). Colours are
+#: the gauges.
+_STORED = (
+    ("spearman", "-", "ρ", "stored-frame ρ (top left)"),
+    ("rho_baseline", "--", "baseline", "its baseline from r and K (top left)"),
+)
+_QUERY = (
+    ("qf_spearman", "-", "exact", "query-frame ρ, exact b (top right)"),
+    ("qf_gauss_spearman", "--", "Gaussian", "query-frame ρ, Gaussian b (top right)"),
+)
+_EXCESS = (
+    ("rho_excess", "-", "stored", "stored-frame ρ − baseline (bottom left)"),
+    ("qf_rho_excess", "--", "query frame", "query-frame ρ − baseline, exact b (bottom left)"),
+)
+_NEFF = (("neff_attn", "-", "n_eff", "attention n_eff (bottom right)"),)
 
-    from ..capture.report import style_timestep_axes
+
+def _fit_ylim(ax, values: np.ndarray, zero: bool = False) -> float:
+    """Set ``ax``'s y range to the finite ``values`` (and 0 with ``zero``) with a margin of 8 % of their range, at
+    least 0.002 (so that lines equal to the last digit are drawn as one, not stretched apart); returns the range."""
+    finite = values[np.isfinite(values)]
+    if not finite.size:
+        return math.nan
+    low, high = float(finite.min()), float(finite.max())
+    if zero:
+        low, high = min(low, 0.0), max(high, 0.0)
+    pad = max(0.08 * (high - low), 0.002)
+    ax.set_ylim(low - pad, high + pad)
+    return high - low
+
+
+def _spread(part: pd.DataFrame, column: str) -> float:
+    """The largest difference of ``column`` between gauges at one timestep (NaN when it is absent)."""
+    if column not in part.columns or not np.isfinite(part[column].to_numpy(np.float64)).any():
+        return math.nan
+    by_step = part.groupby("timestep")[column]
+    return float((by_step.max() - by_step.min()).max())
+
+
+def plot_gauge_sweep(table: pd.DataFrame, branch: str = "cond", kind: str = "image"):
+    """Figure of a :func:`gauge_sweep` table, four panels against timestep (denoising direction), one colour per
+    gauge: the stored-frame rho with its baseline from r and K (moves with the gauge), the query-frame rho in both
+    forms (cannot move), the excess of each over its baseline, and the attention n_eff (cannot move). Each panel's y
+    range fits its data, and its title gives the largest difference between gauges at one timestep.
+
+    Args:
+        table: a :func:`gauge_sweep` table (tables without the query-frame columns draw that panel empty).
+        branch: the CFG branch to draw (the first in the table when it has none of it).
+        kind: ``"image"`` (default) or ``"text"``.
+
+    Returns:
+        the matplotlib figure (12 x 10.5 inches, text at 9 pt or more at that size).
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     part = table[(table["kind"] == kind) & (table["branch"] == branch)]
     if part.empty and not table.empty:
         branch = str(table["branch"].iloc[0])
         part = table[(table["kind"] == kind) & (table["branch"] == branch)]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
-    colours = plt.get_cmap("viridis")
     gauges = list(dict.fromkeys(part["gauge"]))  # in the sweep's order
-    for i, gauge in enumerate(gauges):
-        rows = part[part["gauge"] == gauge].sort_values("timestep", ascending=False)
-        colour = colours(i / max(1, len(gauges) - 1))
-        x = rows["timestep"].to_numpy(np.float64)
-        axes[0].plot(x, rows["spearman"], marker="o", color=colour, label=gauge)
-        axes[0].plot(x, rows["rho_baseline"], linestyle=":", color=colour)
-        axes[1].plot(x, rows["rho_excess"], marker="o", color=colour, label=gauge)
-        axes[2].plot(x, rows["neff_attn"], marker="o", color=colour, label=gauge)
-    style_timestep_axes(axes[0])
-    axes[0].set(
-        ylabel="Spearman ρ (dotted: baseline from r, K)", title=f"stored-frame ρ moves with the gauge ({branch})"
+    colours = plt.get_cmap("tab10")
+    panels = (
+        (_STORED, "Stored frame: ρ and its baseline (gauge-dependent)", "Spearman ρ", False),
+        (_QUERY, "Query frame: ρ (invariant under the group)", "Spearman ρ", False),
+        (_EXCESS, "ρ minus its baseline (from r and K)", "ρ − baseline", True),
+        (_NEFF, "Attention n_eff (invariant under the group)", "effective number of keys", False),
     )
-    style_timestep_axes(axes[1])
-    axes[1].set(ylabel="ρ − baseline", title="rho_excess (not invariant either)")
-    axes[1].set_ylim(-0.55, 0.55)
-    axes[2].set_xlabel("timestep (denoising →)")
-    axes[2].invert_xaxis()
-    axes[2].set(ylabel="attention n_eff", title="invariant: attention n_eff (lines overlap)")
-    for ax in axes:
-        ax.title.set_fontsize(10)
-    handles, labels = axes[0].get_legend_handles_labels()  # one legend for the three panels, right of them
-    fig.legend(handles, labels, fontsize=7, loc="center right")
-    fig.tight_layout(rect=(0, 0, 0.84, 1))
+    with plt.rc_context(
+        {"font.size": 10, "axes.titlesize": 10, "legend.fontsize": 9, "xtick.labelsize": 9, "ytick.labelsize": 9}
+    ):
+        fig, axes = plt.subplots(2, 2, figsize=(12, 10.5))
+        for ax, (lines, title, ylabel, zero) in zip(axes.ravel(), panels, strict=True):
+            drawn, spreads = [], []
+            for i, gauge in enumerate(gauges):
+                rows = part[part["gauge"] == gauge].sort_values("timestep", ascending=False)
+                x = rows["timestep"].to_numpy(np.float64)
+                # later gauges drawn thinner, so that lines that coincide stay visible under one another
+                width = 1.0 + 2.2 * (len(gauges) - 1 - i) / max(1, len(gauges) - 1)
+                for column, style, _, _ in lines:
+                    if column not in rows.columns:
+                        continue
+                    y = rows[column].to_numpy(np.float64)
+                    ax.plot(x, y, linestyle=style, linewidth=width, color=colours(i % 10), alpha=0.9)
+                    drawn.append(y)
+            for column, _, short, _ in lines:
+                gap = _spread(part, column)
+                spreads.append(f"{short} {gap:.2g}" if math.isfinite(gap) else f"{short} n/a")
+            if drawn:
+                _fit_ylim(ax, np.concatenate(drawn), zero=zero)
+            else:
+                ax.text(0.5, 0.5, "not in this table", transform=ax.transAxes, ha="center", va="center")
+            if zero:
+                ax.axhline(0, color="black", linewidth=0.6)
+            ax.set_title(f"{title}\nlargest gap between gauges: {' · '.join(spreads)}")
+            ax.set(xlabel="timestep (denoising →)", ylabel=ylabel)
+            ax.invert_xaxis()
+            ax.grid(alpha=0.3)
+        handles = [Line2D([], [], color=colours(i % 10), linewidth=2.5) for i in range(len(gauges))]
+        labels = list(gauges)
+        for _, style, _, label in (*_STORED, *_QUERY, *_EXCESS):
+            handles.append(Line2D([], [], color="0.3", linestyle=style, linewidth=1.5))
+            labels.append(label)
+        fig.legend(
+            handles,
+            labels,
+            loc="lower center",
+            ncol=3,
+            title=f"colour: gauge ({kind}, {branch} branch); line: statistic",
+        )
+        fig.suptitle("One model under reparametrisations of q and k that leave every output unchanged", fontsize=11)
+        fig.tight_layout(rect=(0, 0.15, 1, 0.97))
     return fig
