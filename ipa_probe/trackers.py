@@ -25,8 +25,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .probe_log import figure_array, flat_settings
-
 __all__ = ["TRACKERS", "Layout", "Tracker", "check_tracker", "log_experiments", "log_probe_run", "log_sweep"]
 
 logger = logging.getLogger(__name__)
@@ -192,6 +190,8 @@ class Tracker:
         HParams view's columns, written as scalars at ``step`` in the same run)."""
         if not self.active:
             return
+        from .probe_log import flat_settings  # pandas: not before the run (the CLI checks trackers torch-free)
+
         flat = {k: (str(v) if isinstance(v, bool) else v) for k, v in flat_settings(values).items()}
         metrics = {k: float(v) for k, v in (metrics or {}).items() if v is not None and math.isfinite(float(v))}
         if self.name == "tensorboard":
@@ -272,6 +272,8 @@ class Tracker:
         """Matplotlib figures (closed afterwards) or ``(H, W, 3)`` uint8 arrays, as images at ``step`` (TensorBoard
         and MLflow show a slider over the steps of one tag)."""
         import numpy as np
+
+        from .probe_log import figure_array
 
         arrays = {k: (np.asarray(v) if isinstance(v, np.ndarray) else figure_array(v)) for k, v in figures.items()}
         if not self.active or not arrays:

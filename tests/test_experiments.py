@@ -246,7 +246,7 @@ def test_tiers_and_overrides():
         (["experiments", "shells", "--dims", "128"], "d=128 out of range"),
         (["experiments", "scarcity", "--ms", "0"], "m=0 out of range"),
         (["experiments", "heads", "--ms", "500"], "m=500 out of range"),
-        (["experiments", "all", "--seeds", "-1"], "non-negative"),
+        (["experiments", "all", "--seeds", "-1"], "expected an integer >= 0"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys):

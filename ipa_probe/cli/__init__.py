@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .._quiet import quiet_known_messages
+from ._errors import CLIError
 
 #: subcommand name -> module under ``ipa_probe.cli`` defining ``add_parser(subparsers)`` and ``run(args) -> int``.
 SUBCOMMANDS = {
@@ -27,15 +28,6 @@ SUBCOMMANDS = {
     "sweep": "sweep",
     "train-digits": "train_digits",
 }
-
-
-class CLIError(Exception):
-    """A fault of the user's input (arguments, manifest, weight files, an output folder holding other work): printed
-    as one line, exit code 2. ``silent``: exit 2 without printing (another process of the launch prints it)."""
-
-    def __init__(self, message: str, *, silent: bool = False) -> None:
-        super().__init__(message)
-        self.silent = silent
 
 
 #: Exit codes: 0 done; 1 a fault of the environment (disk full, read-only or permission denied: one line naming the

@@ -29,7 +29,7 @@ from .._checks import (
 )
 from .._io import LOCK_NAME, OutputLocked, refuse_not_ours
 from .._manifest import MANIFEST_NAME, RunConflict, check_folder, claim_folder
-from . import CLIError
+from ._errors import CLIError
 from ._sources import check_model_source, ip_adapter_source
 
 DTYPES = ("float32", "float16", "bfloat16")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._io import check_input_file
-from . import CLIError
+from ._errors import CLIError
 
 __all__ = ["WeightSource", "check_model_source", "check_safetensors", "ip_adapter_source"]
 

@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 
 from .._checks import MAX_SEED, NW_FRAMES
-from . import CLIError
 from ._common import (
     add_model_arguments,
     add_overwrite_argument,
@@ -21,6 +20,7 @@ from ._common import (
     run_key,
     seed_type,
 )
+from ._errors import CLIError
 
 COMMAND = "ipa-probe compare"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from .._checks import DIGITS_RECIPES, MAX_SEED
-from . import CLIError
 from ._common import (
     add_overwrite_argument,
     add_threads_argument,
@@ -17,6 +16,7 @@ from ._common import (
     logging_dir,
     seed_type,
 )
+from ._errors import CLIError
 
 COMMAND = "ipa-probe experiments"
 #: experiments resume and add to a folder by their own records (the tier check, the checkpoints under OUT/runs)

@@ -10,7 +10,6 @@ from pathlib import Path
 from .._checks import DEFAULT_GAUGE_FACTORS, GAUGE_FACTOR_RANGE, parse_gauges
 from .._manifest import MANIFEST_NAME
 from ..schema import QUERY_FRAMES
-from . import CLIError
 from ._common import (
     DIGITS_DEFAULTS,
     add_model_arguments,
@@ -28,6 +27,7 @@ from ._common import (
     output_dir,
     run_key,
 )
+from ._errors import CLIError
 
 COMMAND = "ipa-probe probe"
 

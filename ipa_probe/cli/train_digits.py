@@ -13,7 +13,6 @@ from .._checks import (
     max_refs_limit,
     parse_int,
 )
-from . import CLIError
 from ._common import (
     add_overwrite_argument,
     argument_type,
@@ -23,6 +22,7 @@ from ._common import (
     output_dir,
     threads_type,
 )
+from ._errors import CLIError
 
 COMMAND = "ipa-probe train-digits"
 
