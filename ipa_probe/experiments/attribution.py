@@ -392,35 +392,51 @@ def plot(effects_by: dict[str, pd.DataFrame], trained: pd.DataFrame, recipe: str
         recipe: the organism's recipe (for the title).
         folder: where ``attribution.png`` goes.
     """
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
-    for index, (label, effects) in enumerate(effects_by.items()):
-        colour = f"C{index}"
-        refs = effects["reference"].nunique()
-        axes[0].scatter(effects["attention_share"] - 1 / refs, effects["latent_effect"], s=12, color=colour,
-                        label=f"{label}: one point per (set, reference)")  # fmt: skip
-        axes[1].scatter(effects["posterior_weight"], effects["latent_effect"], s=12, color=colour,
-                        label=f"{label}: one point per (set, reference)")  # fmt: skip
-    axes[0].axvline(0, color="black", linewidth=0.8, linestyle=":", label="uniform share (1/R)")
-    axes[0].set(xlabel="attention share − 1/R (mean over layers, steps)", ylabel="ablation effect (RMS latent change)")
-    axes[0].set_title("attention share vs causal effect")
-    axes[1].set(xlabel="exact posterior weight (mean over steps)", ylabel="ablation effect (RMS latent change)")
-    axes[1].set_title("exact posterior vs causal effect")
-    for ax in axes[:2]:
-        ax.legend(fontsize=7)
-    ax = axes[2]
-    steps = trained[(trained["timestep"] != "all") & (trained["effect"] == "latent_effect")]
-    for index, predictor in enumerate(PREDICTORS):
-        part = steps[steps["predictor"] == predictor]
-        x = np.arange(len(part))
-        ax.plot(x, part["spearman"], "o-", color=f"C{index + 2}", label=f"trained: {PREDICTORS[predictor]}")
-        ax.fill_between(x, part["low"], part["high"], color=f"C{index + 2}", alpha=0.2, linewidth=0,
-                        label=f"trained: 95% CI ({PREDICTORS[predictor]})")  # fmt: skip
-        ax.set_xticks(x, list(part["timestep"]))
-    ax.axhline(0, color="black", linewidth=0.8, linestyle=":", label="chance (permutation null mean)")
-    ax.set(ylim=(-1.05, 1.05), xlabel="timestep of the predictor (noise → data)", ylabel="mean per-set Spearman")
-    ax.set_title("which predicts the ablation effect?")
-    ax.legend(fontsize=7)
-    fig.suptitle(f"Attribution by intervention on the digits organism (recipe {recipe}, CFG 3, 20 steps)")
+    from ..figstyle import MIN_FONT_PT, fit_ylim, paper_style
+
+    def legend(ax, entries=None) -> None:  # under the axes, where it covers no point
+        args = zip(*entries, strict=True) if entries else ()
+        ax.legend(*args, fontsize=MIN_FONT_PT, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+
+    with paper_style():
+        fig, axes = plt.subplots(1, 3, figsize=(16, 6.2), layout="constrained")
+        for index, (label, effects) in enumerate(effects_by.items()):
+            colour = f"C{index}"
+            refs = effects["reference"].nunique()
+            axes[0].scatter(effects["attention_share"] - 1 / refs, effects["latent_effect"], s=12, color=colour,
+                            label=f"{label}: one point per (set, reference)")  # fmt: skip
+            axes[1].scatter(effects["posterior_weight"], effects["latent_effect"], s=12, color=colour,
+                            label=f"{label}: one point per (set, reference)")  # fmt: skip
+        axes[0].axvline(0, color="black", linewidth=0.8, linestyle=":", label="uniform share (1/R)")
+        xlabel = "attention share − 1/R (mean over layers, steps)"
+        axes[0].set(xlabel=xlabel, ylabel="ablation effect (RMS latent change)")
+        axes[0].set_title("attention share vs causal effect")
+        axes[1].set(xlabel="exact posterior weight (mean over steps)", ylabel="ablation effect (RMS latent change)")
+        axes[1].set_title("exact posterior vs causal effect")
+        for ax in axes[:2]:
+            legend(ax)
+        ax = axes[2]
+        steps = trained[(trained["timestep"] != "all") & (trained["effect"] == "latent_effect")]
+        entries, drawn = [], [[0.0]]
+        for index, predictor in enumerate(PREDICTORS):
+            part = steps[steps["predictor"] == predictor]
+            if part.empty:  # a record from before this predictor
+                continue
+            x = np.arange(len(part))
+            text = f"trained: {PREDICTORS[predictor]} (band: 95% CI)"
+            (line,) = ax.plot(x, part["spearman"], "o-", color=f"C{index + 2}", label=text)
+            band = ax.fill_between(x, part["low"], part["high"], color=f"C{index + 2}", alpha=0.2, linewidth=0,
+                                   label="_band")  # fmt: skip
+            entries.append(((line, band), text))
+            drawn += [part["spearman"], part["low"], part["high"]]
+            ax.set_xticks(x, list(part["timestep"]))
+        line = ax.axhline(0, color="black", linewidth=0.8, linestyle=":", label="chance (permutation null mean)")
+        entries.append((line, "chance (permutation null mean)"))
+        fit_ylim(ax, np.concatenate([np.asarray(d, float) for d in drawn]))
+        ax.set(xlabel="timestep of the predictor (noise → data)", ylabel="mean per-set Spearman")
+        ax.set_title("which predicts the ablation effect?")
+        legend(ax, entries)
+        fig.suptitle(f"Attribution by intervention on the digits organism (recipe {recipe}, CFG 3, 20 steps)")
     inputs = as_records({"effects": effects_by, "trained": trained, "recipe": recipe})
     return save_figure(fig, Path(folder) / "attribution.png", plot, inputs)
 
