@@ -701,10 +701,10 @@ def _caught_figures(monkeypatch, draw):
 
 
 def _record_figure_cases():
-    """The experiments' figures of docs/figures.md but those redrawn elsewhere (ip-adapter, attribution)."""
+    """The experiments' figures of docs/figures.md (every record's, ip-adapter and attribution included)."""
     from ipa_probe.devtools.figures import record_figures
 
-    return [f for f in record_figures(ROOT) if Path(f.record).parent.name not in ("ip-adapter", "attribution")]
+    return record_figures(ROOT)
 
 
 def _command_figure(name, monkeypatch):
@@ -725,7 +725,7 @@ def _command_figure(name, monkeypatch):
     return grid_figure(images[:3], {m: images[:3] for m in METHODS}, [0, 1, 2], roundtrip=images[3:])
 
 
-#: the figures of docs/figures.md that no other test reads (reference maps, rho_by_timestep, ip_adapter have theirs)
+#: the figures of docs/figures.md drawn from a record or a command (reference maps and rho_by_timestep have theirs)
 FIGURE_CASES = [
     *(f.path for f in _record_figure_cases()),
     "docs/images/demo_digits.png",
