@@ -172,11 +172,11 @@ class _PeakRSS:
 
 def _peak_child(args: tuple) -> dict:
     """In a fresh process: build, warm up, then the peak memory of one call above the resident baseline."""
-    device, dtype_name, latent, steps, n_images, mode = args
+    device, dtype_name, latent, steps, n_images, mode, rows = args
     dtype = getattr(torch, dtype_name)
     pipe = sd15_pipeline(device, dtype)
     inputs = call_inputs(pipe, latent, steps, n_images, device, dtype)
-    timed_call(pipe, inputs, mode, device)  # warm-up: allocator pools and lazy state exist before measuring
+    timed_call(pipe, inputs, mode, device, rows=rows)  # warm-up: allocator pools and lazy state exist first
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -185,7 +185,7 @@ def _peak_child(args: tuple) -> dict:
 
     rss_base = psutil.Process().memory_info().rss
     with _PeakRSS() as sampler:
-        _, run = timed_call(pipe, inputs, mode, device)
+        _, run = timed_call(pipe, inputs, mode, device, rows=rows)
     out = {"call_extra_rss_mib": (sampler.peak - rss_base) / 2**20}
     if device.startswith("cuda"):
         out["call_extra_cuda_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
@@ -196,21 +196,24 @@ def _peak_child(args: tuple) -> dict:
     return out
 
 
-def measure_point(device: str, dtype, latent: int, steps: int, images: int, repeats: int, pipe=None) -> dict:
+def measure_point(
+    device: str, dtype, latent: int, steps: int, images: int, repeats: int, pipe=None, rows="default"
+) -> dict:
     """One point of the cost model: wall-time ratios (medians of alternating rounds) and the probe's own CPU time."""
     pipe = pipe if pipe is not None else sd15_pipeline(device, dtype)
     inputs = call_inputs(pipe, latent, steps, images, device, dtype)
     load_before = os.getloadavg()[0]
     for mode in MODES:  # warm-up, every path
-        timed_call(pipe, inputs, mode, device)
+        timed_call(pipe, inputs, mode, device, rows=rows)
     own = OwnTime(pipe)
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for r in range(repeats):  # rotate which goes first, so drift in the machine's load hits all
         for mode in MODES[r % 3 :] + MODES[: r % 3]:
-            times[mode].append(timed_call(pipe, inputs, mode, device, own)[0])
+            times[mode].append(timed_call(pipe, inputs, mode, device, own, rows)[0])
     ratio = {m: [p / q for p, q in zip(times[m], times["plain"], strict=True)] for m in ("probe", "maps")}
     layer_calls = statistics.median(own.layer_calls)
     return {
+        "rows": "default" if rows == "default" else str(rows),
         "latent": latent,
         "tokens": 4 * images,
         "steps": steps,
@@ -247,6 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latents", type=int, nargs="+", default=[16, 32, 64], help="--sweep: latent sides")
     parser.add_argument("--tokens", type=int, nargs="+", default=[4, 16, 64], help="--sweep: reference tokens")
     parser.add_argument("--sweep-steps", type=int, nargs="+", default=[2, 4], help="--sweep: steps")
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        default=["256"],
+        help="ProbeConfig.rows of the probed calls (most query rows per cell before sampling): ints, 'none' for "
+        "exact, 'default' for the library's default; several values in --sweep (default: 256)",
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--no-memory", action="store_true", help="time only (skip the fresh-process memory runs)")
     args = parser.parse_args(argv)
@@ -256,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     latent = args.latent or (64 if gpu else 32)
     steps = args.steps or (30 if gpu else 4)
     dtype = torch.float16 if gpu else torch.float32
+    settings = [None if r == "none" else r if r == "default" else int(r) for r in args.rows]
     if args.sweep:
         bad = [t for t in args.tokens if t % 4]
         if bad:
@@ -271,8 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         for lat in args.latents:
             for tokens in args.tokens:
                 for st in args.sweep_steps:
-                    rows.append(measure_point(args.device, dtype, lat, st, tokens // 4, args.repeats, pipe))
-                    print(_table(rows[-1:]), flush=True)
+                    for setting in settings:
+                        rows.append(
+                            measure_point(args.device, dtype, lat, st, tokens // 4, args.repeats, pipe, setting)
+                        )
+                        print(_table(rows[-1:]), flush=True)
         print("\nthe curve:")
         print(_table(rows))
         if args.json:
@@ -281,10 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(
         f"SD 1.5 UNet (random weights), {latent}x{latent} latents, {steps} steps, CFG, {args.images} reference "
-        f"images, {args.device}, {str(dtype).removeprefix('torch.')}, torch threads {torch.get_num_threads()}",
+        f"images, {args.device}, {str(dtype).removeprefix('torch.')}, torch threads {torch.get_num_threads()}, "
+        f"probe(rows={settings[0]})",
         flush=True,
     )
-    point = measure_point(args.device, dtype, latent, steps, args.images, args.repeats)
+    point = measure_point(args.device, dtype, latent, steps, args.images, args.repeats, rows=settings[0])
     rows = []
     # targets (issue #32): the probe <= 1.02 and maps=True <= 1.05 at 64 x 64 latents, on the CPU and on a GPU
     for mode, target in (("probed", 1.02), ("maps", 1.05)):
@@ -315,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         for lat, st in configs:
             for mode in MODES:
                 res = pool.apply(
-                    _peak_child, ((args.device, str(dtype).removeprefix("torch."), lat, st, args.images, mode),)
+                    _peak_child,
+                    ((args.device, str(dtype).removeprefix("torch."), lat, st, args.images, mode, settings[0]),),
                 )
                 memory.append({"latent": lat, "steps": st, "mode": mode, **res})
     mem = pd.DataFrame(memory)

@@ -64,6 +64,7 @@ def group_cell(
     text_mask: torch.Tensor | None,
     h: torch.Tensor,
     fit: bool,
+    nw_rows: torch.Tensor | None = None,
 ) -> Cell:
     """A record's logits, masks and copy ids by group: ``(B, H, R, C)`` -> ``(groups, H, frames * R, C)``.
 
@@ -77,6 +78,8 @@ def group_cell(
         text_mask: ``(B, tokens)`` bool, the pass's prompt tokens (text branch), or ``None``.
         h: 0-d bandwidth on the device.
         fit: fit ``h`` per cell (``bandwidth="fit"``) instead of using ``h``.
+        nw_rows: optional ``(n,)`` row indices (the record's row sample, when nothing reads the other rows' NW
+            logits): ``nw`` holds these rows only (when a group is one batch item; every row otherwise).
     """
     batch, n_heads, n_queries, n_keys = attn.shape
 
@@ -113,6 +116,8 @@ def group_cell(
         nw = energy / (h_cell * h_cell)[..., None, None]
         return Cell(attn_c, nw, h_cell, key_mask, row_mask, copies, key_term)
     h_cell = h.expand(groups, n_heads)
+    if nw_rows is not None and batch == groups:  # only the sampled rows' NW logits are read (no maps)
+        q = q.index_select(2, nw_rows)
     return Cell(by_group(attn), by_group(nw_logits(q, k, h)), h_cell, key_mask, row_mask, copies, key_term)
 
 
@@ -146,7 +151,7 @@ def cell_values(
             over every row either way.
     """
     n_rows = cell.attn.shape[-2]
-    nw_frame, b = frame_logits(cell, pools)  # (2, groups, H, R, K), (2, groups, H, 1, K)
+    nw_frame, b = frame_logits(cell, pools, sample)  # (2, groups, H, R or n, K), (2, groups, H, 1, K)
     attn, nw, key_mask, row_mask = cell.attn, cell.nw, cell.key_mask, cell.row_mask
     copies, key_term = cell.copies, cell.key_term
 
@@ -157,7 +162,7 @@ def cell_values(
         return x.index_select(x.dim() + axis, sample)
 
     if sample is not None:
-        attn, nw, nw_frame, key_mask = rows_of(attn), rows_of(nw), rows_of(nw_frame), rows_of(key_mask)
+        attn, nw, key_mask = rows_of(attn), rows_of(nw), rows_of(key_mask)
         row_mask, copies, key_term = rows_of(row_mask, -1), rows_of(copies), rows_of(key_term)
     frames = [(nw, key_term, generators[0]), (nw_frame, b, generators[1])]
     replicates = SAMPLE_GROUPS if sample is not None else None
@@ -199,7 +204,7 @@ def cell_values(
     return torch.stack(fields, dim=-1)
 
 
-def frame_logits(cell: Cell, pools: int) -> tuple[torch.Tensor, torch.Tensor]:
+def frame_logits(cell: Cell, pools: int, sample: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The query-frame NW logits of a record's cells and their key term, both forms from one pass over the logits.
 
     Per pool of queries (the frame) and head, ``b_i`` is key ``i``'s log-partition over the frame's rows
@@ -215,9 +220,10 @@ def frame_logits(cell: Cell, pools: int) -> tuple[torch.Tensor, torch.Tensor]:
         cell: the record by group (:func:`group_cell`), ``groups`` groups.
         pools: how many frames the groups form, contiguous and of equal size: ``groups`` (one item each) or the
             pass's number of CFG branches (each branch's items pooled).
+        sample: optional ``(n,)`` row indices: the NW logits of these rows only (``b`` over every row still).
 
     Returns:
-        ``(nw, b)``: ``(2, groups, H, R, K)`` NW logits and ``(2, groups, H, 1, K)`` key terms, the exact form's,
+        ``(nw, b)``: ``(2, groups, H, R or n, K)`` NW logits and ``(2, groups, H, 1, K)`` key terms, the exact form's,
         then the Gaussian form's.
     """
     attn, key_mask = cell.attn, cell.key_mask  # (groups, H, R, K)
@@ -231,12 +237,15 @@ def frame_logits(cell: Cell, pools: int) -> tuple[torch.Tensor, torch.Tensor]:
         return x.flatten(2, 3)
 
     if pools == groups:
-        return query_frame_logits(attn, rows, key_mask, form="both")  # (2, groups, H, R, K), (2, groups, H, 1, K)
+        # (2, groups, H, R or n, K), (2, groups, H, 1, K)
+        return query_frame_logits(attn, rows, key_mask, form="both", select=sample)
     rows_p = pooled(rows.unsqueeze(-1)).squeeze(-1)
     key_mask_p = pooled(key_mask) if key_mask is not None else None
     nw, b = query_frame_logits(pooled(attn), rows_p, key_mask_p, form="both")  # (2, pools, H, n * R, K)
     # (2, pools, H, n * R, K) -> (2, groups, H, R, K): back to the groups' rows
     nw = nw.unflatten(3, (groups // pools, n_rows)).transpose(2, 3).reshape(2, groups, n_heads, n_rows, n_keys)
+    if sample is not None:
+        nw = nw.index_select(-2, sample)
     return nw, b.repeat_interleave(groups // pools, dim=1)  # b: (2, groups, H, 1, K)
 
 

@@ -393,13 +393,19 @@ class ProbeRun:
         groups = labels.shape[0]
         h = self._bandwidth(head_dim, q.device)
         fit = self.config.bandwidth == "fit"
-        cell = group_cell(groups, q, k, attn, text, rows, processor, state.text_mask, h, fit)
+        n_rows, most = attn.shape[-2] * (attn.shape[0] // groups), self.config.rows
+        sample = None
+        if self._row_generator is None or self._row_generator.device != q.device:
+            self._row_generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
+        if most is not None and n_rows > most:  # per-row statistics on a stratified sample (ProbeConfig.rows)
+            sample = stratified_rows(n_rows, most - most % SAMPLE_GROUPS, self._row_generator, q.device)
+        nw_rows = sample if self._maps is None or text else None  # the maps read every row's NW logits
+        cell = group_cell(groups, q, k, attn, text, rows, processor, state.text_mask, h, fit, nw_rows)
         if self._generator is None or self._generator.device != q.device:
             # the stored and query frames draw their nulls from two generators of the run's seed, so the stored-frame
             # columns draw exactly what they drew before the query frame existed
             self._generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
             self._frame_generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
-            self._row_generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
         tails = None
         if cell.key_mask is not None:
             n_keys, device = cell.attn.shape[-1], q.device
@@ -407,10 +413,6 @@ class ProbeRun:
         # the query frame's pools: each group (a batch item), or each chunk of the pass (one CFG branch's items)
         pools = groups if self.config.query_frame == "item" else chunks
         generators = (self._generator, self._frame_generator)
-        n_rows, most = cell.attn.shape[-2], self.config.rows
-        sample = None
-        if most is not None and n_rows > most:  # per-row statistics on a stratified sample (ProbeConfig.rows)
-            sample = stratified_rows(n_rows, most - most % SAMPLE_GROUPS, self._row_generator, q.device)
         values = cell_values(
             cell, groups, q, k, other, text, processor, generators, tails, state.text_mask, pools, sample
         )  # (groups, H, fields)
