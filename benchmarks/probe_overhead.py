@@ -28,6 +28,7 @@ Targets (issue #32): at 64 x 64 latents on the CPU, probed/plain <= 1.02 and map
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -234,6 +235,48 @@ def measure_point(
     }
 
 
+def _record_once(processor, q, k, h, setting, gens):
+    """The probe's work on one record (what its record callback runs, without the buffers)."""
+    from ipa_probe.capture.cells import cell_values, group_cell, record_logits
+    from ipa_probe.stats import stratified_rows
+
+    attn = record_logits(processor, q, k, False)
+    sample = None
+    if setting is not None and q.shape[2] > setting:
+        sample = stratified_rows(q.shape[2], setting - setting % 8, gens[0], "cpu")
+    cell = group_cell(2, q, k, attn, False, None, processor, None, h, False, sample)
+    return cell_values(cell, 2, q, k, None, False, processor, gens, None, None, 2, sample)
+
+
+def record_costs(queries: list[int], tokens: list[int], settings: list, repeats: int = 5) -> pd.DataFrame:
+    """The cost model's terms without a pipeline: CPU milliseconds (``time.process_time``, this process's threads) of
+    the probe's work on one synthetic SD 1.5 record (CFG batch of 2, 8 heads of width 40, random q and k) per number
+    of query rows and reference tokens and per ``rows`` setting (``None``: exact)."""
+
+    class Plain:  # a processor without custom image-branch logits: SDPA's, as IPAdapterAttnProcessor2_0
+        pass
+
+    processor, out = Plain(), []
+    for n_queries in queries:
+        for n_tokens in tokens:
+            g = torch.Generator().manual_seed(0)
+            q = torch.randn(2, 8, n_queries, 40, generator=g)
+            k = torch.randn(2, 8, n_tokens, 40, generator=g)
+            h = torch.full((), 40**0.25)
+            for setting in settings:
+                gens = (torch.Generator().manual_seed(0), torch.Generator().manual_seed(0))
+                one = functools.partial(_record_once, processor, q, k, h, setting, gens)
+                one()
+                start = time.process_time()
+                for _ in range(repeats):
+                    one()
+                total = (time.process_time() - start) / repeats
+                out.append({"queries": n_queries, "tokens": n_tokens, "rows": str(setting), "record_ms": 1e3 * total})
+    table = pd.DataFrame(out)
+    table["ms_per_1k_row_tokens"] = table["record_ms"] / (table["queries"] * table["tokens"] / 1e3)
+    return table
+
+
 def _table(rows: list[dict]) -> str:
     return pd.DataFrame(rows).to_string(index=False, float_format=lambda v: f"{v:.3f}")
 
@@ -257,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         help="ProbeConfig.rows of the probed calls (most query rows per cell before sampling): ints, 'none' for "
         "exact, 'default' for the library's default; several values in --sweep (default: 256)",
     )
+    parser.add_argument(
+        "--record-costs", action="store_true", help="the cost model's terms per record, no pipeline (fast)"
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--no-memory", action="store_true", help="time only (skip the fresh-process memory runs)")
     args = parser.parse_args(argv)
@@ -267,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (30 if gpu else 4)
     dtype = torch.float16 if gpu else torch.float32
     settings = [None if r == "none" else r if r == "default" else int(r) for r in args.rows]
+    if args.record_costs:
+        chosen = [None, *(s for s in settings if isinstance(s, int))]
+        load = os.getloadavg()[0]
+        print(f"one SD 1.5 record (B=2, H=8, d=40), torch threads {torch.get_num_threads()}, load {load:.1f}")
+        print(_table(record_costs([64, 256, 1024, 4096], args.tokens, chosen).to_dict("records")))
+        return 0
     if args.sweep:
         bad = [t for t in args.tokens if t % 4]
         if bad:
