@@ -6,8 +6,9 @@ Four checks, each side by side in one run (never a bare time):
    (64 x 64 latents), CFG: the latents with the probe on equal those with it off, bit for bit.
 2. **sync**: everything the probe runs inside the denoising loop passes ``torch.cuda.set_sync_debug_mode("error")``,
    and a probed call synchronises as often as a plain one (counted with ``"warn"``).
-3. **overhead**: median probed/plain wall-time ratio over alternating pairs, 512 x 512, fp16, 30 steps (target
-   <= 1.02).
+3. **overhead**: median probed/plain and maps/plain wall-time ratios over alternating rounds, 512 x 512, fp16, 30
+   steps (targets <= 1.02 and <= 1.05, as ``benchmarks/probe_overhead.py`` measures them), and the probe's kept
+   buffers against their up-front estimate.
 4. **nw_field**: ``benchmarks/nw_field.py --quick`` on the device (fused vs naive exact NW velocity: speedup and
    the fused path's relative error).
 
@@ -111,19 +112,28 @@ def check_sync(pipe, inputs: dict, device: str) -> dict:
 
 
 def check_overhead(pipe, inputs: dict, device: str, repeats: int) -> dict:
-    _call(pipe, inputs, device, False)  # warm-up, both paths
-    _call(pipe, inputs, device, True)
-    plain, probed = [], []
-    for r in range(repeats):  # alternate which goes first, so drift in the machine's load hits both
-        for flag in (False, True) if r % 2 == 0 else (True, False):
-            (probed if flag else plain).append(_call(pipe, inputs, device, flag)[1])
-    ratios = [p / q for p, q in zip(probed, plain, strict=True)]
-    ratio = statistics.median(ratios)
+    """probed/plain and maps/plain (medians of rounds alternating plain, probe and ``maps=True``, the order rotating),
+    as ``benchmarks/probe_overhead.py`` measures them, and the probe's kept buffers against their up-front estimate."""
+    from probe_overhead import MODES, buffer_bytes, buffer_estimate, timed_call
+
+    for mode in MODES:  # warm-up, every path
+        _, run = timed_call(pipe, inputs, mode, device)
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for r in range(repeats):  # rotate which goes first, so drift in the machine's load hits all
+        for mode in MODES[r % 3 :] + MODES[: r % 3]:
+            elapsed, done = timed_call(pipe, inputs, mode, device)
+            times[mode].append(elapsed)
+            run = done if mode == "probe" else run
+    ratios = {m: [p / q for p, q in zip(times[m], times["plain"], strict=True)] for m in ("probe", "maps")}
+    probe, maps = (statistics.median(ratios[m]) for m in ("probe", "maps"))
+    kept, estimate = buffer_bytes(run), buffer_estimate(run, inputs["num_inference_steps"])
     return {
-        "result": f"probed/plain {ratio:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}; "
-        f"plain {statistics.median(plain):.2f}s)",
-        "target": "<= 1.02 (GPU)",
-        "ok": ratio <= 1.02 if device.startswith("cuda") else None,  # a loaded CPU says nothing about the target
+        "result": f"probed/plain {probe:.3f} (min {min(ratios['probe']):.3f}, max {max(ratios['probe']):.3f}), "
+        f"maps/plain {maps:.3f}; plain {statistics.median(times['plain']):.2f}s; buffers {kept / 1024:.0f} KiB "
+        f"kept vs {estimate / 1024:.0f} KiB estimated",
+        "target": "<= 1.02 and maps <= 1.05 (GPU)",
+        # a loaded CPU says nothing about the target
+        "ok": probe <= 1.02 and maps <= 1.05 if device.startswith("cuda") else None,
     }
 
 

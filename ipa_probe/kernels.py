@@ -113,6 +113,7 @@ def query_frame_logits(
     row_mask: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
     form: str = "exact",
+    select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The query-frame NW logits ``L - b`` and the key term ``b``: Gaussian NW in the frame where the model's own
     queries are isotropic.
@@ -138,6 +139,8 @@ def query_frame_logits(
             ``b = 0``.
         form: ``"exact"``, ``"gaussian"``, or ``"both"`` (both from one centring, stacked in the order of
             :data:`QUERY_FRAME_FORMS` on a new leading dimension).
+        select: optional ``(n,)`` row indices: ``b`` is still taken over the whole frame, but the NW logits are
+            returned for these rows only (``(..., n, K)``), the same values as selecting them afterwards.
 
     Returns:
         ``(nw, b)`` in the logits' dtype: the NW logits ``L - b``, shape ``(..., R, K)``, and ``b``, shape
@@ -176,7 +179,7 @@ def query_frame_logits(
         if inside is not None:
             b = torch.where(n_rows > 0, b, 0.0)
         out.append(b)
-        logits_out.append(centred - b)
+        logits_out.append((centred if select is None else centred.index_select(-2, select)) - b)
     if form == "both":
         return torch.stack(logits_out), torch.stack(out)
     return logits_out[0], out[0]

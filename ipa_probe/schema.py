@@ -20,7 +20,9 @@ __all__ = [
     "QUERY_FRAME_COLUMNS",
     "QUERY_FRAME_PREFIXES",
     "QUERY_FRAME_STATS",
+    "ROW_SAMPLE_COLUMNS",
     "ROW_THRESHOLD",
+    "SAMPLED_COLUMNS",
     "STAT_NAMES",
     "SUMMARY_GAUGE_MEANS",
     "SUMMARY_HEADLINE",
@@ -32,6 +34,7 @@ __all__ = [
     "frac_null_column",
     "query_frame_column",
     "rows_column",
+    "se_column",
 ]
 
 #: The per-row rho threshold of the rows' shares in :data:`NULL_COLUMNS` (the paper's 0.9).
@@ -100,6 +103,23 @@ QUERY_FRAME_COLUMNS: tuple[str, ...] = tuple(
     query_frame_column(name, form) for form in QUERY_FRAME_PREFIXES for name in QUERY_FRAME_STATS
 )
 
+#: The per-cell statistics computed row by row, which a row sample (:class:`ipa_probe.ProbeConfig`'s ``rows``)
+#: estimates: :data:`STAT_NAMES`, then :data:`QUERY_FRAME_COLUMNS`.
+SAMPLED_COLUMNS: tuple[str, ...] = (*STAT_NAMES, *QUERY_FRAME_COLUMNS)
+
+
+def se_column(name: str) -> str:
+    """The name of the column holding the sampling error of ``name`` (one of :data:`SAMPLED_COLUMNS`), e.g.
+    ``"spearman_se"``."""
+    return f"{name}_se"
+
+
+#: The row sample's columns: ``row_fraction`` (the share of a cell's query rows its per-row statistics used: 1 when
+#: exact) and, per column of :data:`SAMPLED_COLUMNS`, its standard error (``<column>_se``: 0 when exact; the
+#: random-groups estimate of :func:`ipa_probe.stats.compare_frames` when sampled; for a mean over several cells
+#: the root of the summed variances over the count). The probe's buffers keep each standard error squared.
+ROW_SAMPLE_COLUMNS: tuple[str, ...] = ("row_fraction", *(se_column(name) for name in SAMPLED_COLUMNS))
+
 #: The pools of queries a query frame can be estimated over (:class:`ipa_probe.ProbeConfig`'s ``query_frame``):
 #: ``"item"``, one batch item's query positions (its frames pooled) at one step, per layer, head and adapter;
 #: ``"branch"``, every item of one CFG branch of the denoiser pass pooled.
@@ -121,6 +141,7 @@ CELL_FIELDS: tuple[str, ...] = (
     "ip_mass",
     "keys",
     *QUERY_FRAME_COLUMNS,
+    *ROW_SAMPLE_COLUMNS,
 )
 
 #: Columns that place a cell: call, step, timestep, layer, head, CFG branch, kind and adapter.
@@ -158,6 +179,7 @@ COLUMNS: tuple[str, ...] = (
     *NULL_COLUMNS,
     QUERY_FRAME_COLUMN,
     *QUERY_FRAME_COLUMNS,
+    *ROW_SAMPLE_COLUMNS,
 )
 
 #: Rows with fewer keys than this have a degenerate per-row Spearman (two keys give +-1, one key none).

@@ -14,17 +14,19 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .kernels import n_eff
-from .schema import ROW_THRESHOLD, STAT_NAMES
+from .schema import ROW_THRESHOLD, STAT_NAMES, rows_column
 
 __all__ = [
     "EXACT_NULL_KEYS",
     "STAT_NAMES",
     "RhoNull",
+    "compare_frames",
     "compare_weights",
     "copy_groups",
     "fit_bandwidth",
@@ -35,6 +37,7 @@ __all__ = [
     "rho_baseline",
     "rho_null",
     "row_spearman",
+    "stratified_rows",
 ]
 
 
@@ -224,19 +227,94 @@ def compare_weights(
         )
     if generator is None:
         generator = torch.Generator(device=attn_logits.device).manual_seed(0)
+    side = _attention_side(attn_logits, key_mask, key_groups)
+    return _frame_stats(side, nw_logits, generator, row_mask, key_term, null_tails)
+
+
+def compare_frames(
+    attn_logits: torch.Tensor,
+    frames: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Generator]],
+    key_mask: torch.Tensor | None = None,
+    row_mask: torch.Tensor | None = None,
+    key_groups: torch.Tensor | None = None,
+    null_tails: torch.Tensor | None = None,
+    replicates: int | None = None,
+) -> list[torch.Tensor]:
+    """:func:`compare_weights` of one attention against several NW weightings, its shared part computed once.
+
+    The attention's side of every statistic (its reordering for the key mask, log-softmax, ranks, arg-max, ``n_eff``,
+    its logits' spread and centred ranks) is computed once and broadcast against each frame's NW logits, so the
+    stored frame and both query frames cost one attention pass and one NW pass each. Each frame's result equals
+    :func:`compare_weights` of the same arguments (its own generator draws the same null).
+
+    Args:
+        attn_logits: ``(..., R, K)`` attention logits.
+        frames: per frame ``(nw_logits, key_term, generator)``: NW logits of shape ``(*F, ..., R, K)`` (extra
+            leading dimensions ``F`` allowed, e.g. the two query-frame forms), ``key_term`` broadcastable to them or
+            ``None``, the null's random source.
+        key_mask, row_mask, key_groups, null_tails: as for :func:`compare_weights`, shaped like (or broadcastable
+            to) ``attn_logits``.
+        replicates: ``G`` to also estimate each statistic's sampling error over the rows: the rows (a stratified
+            sample, strata in row order) are split into ``G`` interleaved groups (row ``j`` in group ``j mod G``;
+            ``R`` a multiple of ``G``), each statistic is computed in every group, and its standard error is
+            ``sd_g / sqrt(G)`` (the random-groups estimator); for a share of rows (``top1``, ``nonfinite``,
+            ``rows_rho_*``) at least the binomial error ``sqrt(p (1 - p) / n)`` at ``p = (hits + 1/2) / (n + 1)``,
+            so that an event the sample missed does not get an error of 0.
+
+    Returns:
+        per frame, ``(*F, ..., len(STAT_NAMES))`` float32; with ``replicates``, ``(*F, ..., 2, len(STAT_NAMES))``:
+        the estimates, then their standard errors.
+    """
+    if not isinstance(attn_logits, torch.Tensor):
+        raise TypeError(f"attn_logits: expected a tensor of shape (..., R, K), got {type(attn_logits).__name__}")
+    if replicates is not None and (replicates < 2 or attn_logits.shape[-2] % replicates):
+        raise ValueError(f"replicates: expected G >= 2 dividing the rows ({attn_logits.shape[-2]}), got {replicates}")
+    side = _attention_side(attn_logits, key_mask, key_groups)
+    out = []
+    for nw_logits, key_term, generator in frames:
+        if nw_logits.shape[-attn_logits.dim() :] != attn_logits.shape:
+            raise ValueError(f"expected NW logits of shape (..., {tuple(attn_logits.shape)}), got {nw_logits.shape}")
+        out.append(_frame_stats(side, nw_logits, generator, row_mask, key_term, null_tails, replicates))
+    return out
+
+
+@dataclass
+class _AttentionSide:
+    """What every NW frame shares: the attention's side of :func:`compare_weights`, keys reordered (kept first)."""
+
+    logits: torch.Tensor  # (..., R, K), masked keys -inf
+    log_a: torch.Tensor
+    a: torch.Tensor
+    finite: torch.Tensor  # (..., R)
+    top: torch.Tensor  # (..., R, 1) arg-max key (its copy group with key_groups)
+    neff: torch.Tensor  # (..., R)
+    ranks: torch.Tensor  # (..., R, K)
+    centred: torch.Tensor  # (..., R, K) ranks centred over the kept keys (0 elsewhere)
+    centred_sq: torch.Tensor  # (..., R) their sum of squares
+    sd: torch.Tensor  # (..., R) the logits' spread over the kept keys
+    keys: torch.Tensor  # (..., R) kept keys
+    key_mask: torch.Tensor | None  # (..., R, K), a prefix
+    mask_float: torch.Tensor | None
+    order: torch.Tensor | None  # the key permutation applied (kept keys first)
+    key_groups: torch.Tensor | None  # original key_groups (in the caller's key order)
+    groups_ordered: torch.Tensor | None  # key_groups in the new order
+    dtype: torch.dtype
+
+
+def _attention_side(
+    attn_logits: torch.Tensor, key_mask: torch.Tensor | None, key_groups: torch.Tensor | None
+) -> _AttentionSide:
     dtype = torch.promote_types(attn_logits.dtype, torch.float32)
-    attn_logits, nw_logits = attn_logits.to(dtype), nw_logits.to(dtype)
-    n_keys = attn_logits.shape[-1]
-    attn_order, nw_order = attn_logits, nw_logits  # what the ranks are taken on
+    attn_logits = attn_logits.to(dtype)
+    attn_order = attn_logits  # what the ranks are taken on
     if key_groups is not None:
         key_groups = key_groups.expand(attn_logits.shape)
         # Copies of one token are one key: both sides rank every copy on its group's first copy, so copies tie
         # exactly. Their logits, equal in exact arithmetic, can differ in the last bits on one side only (a matmul's
         # vector tail, another CPU's kernel), and an average rank on one side against split ranks on the other
         # lowered rho by ~1e-3 with nothing changed but the machine.
-        attn_order, nw_order = attn_logits.gather(-1, key_groups), nw_logits.gather(-1, key_groups)
-    if key_term is not None:
-        key_term = key_term.to(dtype).expand(attn_logits.shape)
+        attn_order = attn_logits.gather(-1, key_groups)
+    order, groups_ordered, mask_float = None, key_groups, None
     if key_mask is not None:
         key_mask = key_mask.to(torch.bool).expand(attn_logits.shape)
         # One permutation for both weightings, kept keys first: every statistic is invariant to it, and the mask
@@ -244,59 +322,190 @@ def compare_weights(
         order = (~key_mask).to(torch.uint8).argsort(dim=-1, stable=True)
         key_mask = key_mask.gather(-1, order)
         attn_logits = attn_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
-        nw_logits = nw_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
-        attn_order, nw_order = attn_order.gather(-1, order), nw_order.gather(-1, order)
-        key_groups = key_groups.gather(-1, order) if key_groups is not None else None
-        key_term = key_term.gather(-1, order) if key_term is not None else None
+        attn_order = attn_order.gather(-1, order)
+        groups_ordered = key_groups.gather(-1, order) if key_groups is not None else None
+        mask_float = key_mask.to(dtype)
     log_a = _log_softmax(attn_logits)  # (..., R, K)
-    log_w = _log_softmax(nw_logits)
-    a, w = log_a.exp(), log_w.exp()
-    finite = (a.isfinite() & w.isfinite()).all(-1)  # (..., R)
-    valid = finite if row_mask is None else finite & row_mask
-    a = torch.where(valid.unsqueeze(-1), a, 1.0)
-    w = torch.where(valid.unsqueeze(-1), w, 1.0)
+    a = log_a.exp()
+    top = a.argmax(-1, keepdim=True)  # (..., R, 1)
+    if groups_ordered is not None:
+        top = groups_ordered.gather(-1, top)
+    ranks = _masked_ranks(attn_order, key_mask)
+    if key_mask is None:
+        centred = ranks - ranks.mean(-1, keepdim=True)
+        keys = torch.full(ranks.shape[:-1], ranks.shape[-1], dtype=dtype, device=ranks.device)
+    else:
+        n = mask_float.sum(-1, keepdim=True)
+        centred = (ranks - (ranks * mask_float).sum(-1, keepdim=True) / n) * mask_float
+        keys = key_mask.sum(-1).to(dtype)
+    sd = _row_sd(attn_logits if key_mask is None else torch.where(key_mask, attn_logits, 0.0), key_mask)
+    return _AttentionSide(
+        attn_logits, log_a, a, a.isfinite().all(-1), top, n_eff(a), ranks, centred, (centred * centred).sum(-1), sd,
+        keys, key_mask, mask_float, order, key_groups, groups_ordered, dtype,
+    )  # fmt: skip
 
-    kl_rows = torch.where(a > 0, a * (log_a - log_w), 0.0).sum(-1)
-    top_a, top_w = a.argmax(-1, keepdim=True), w.argmax(-1, keepdim=True)  # (..., R, 1)
-    if key_groups is not None:
-        top_a, top_w = key_groups.gather(-1, top_a), key_groups.gather(-1, top_w)
-    top1_rows = (top_a == top_w).squeeze(-1).float()
+
+def _centred_pearson(side: _AttentionSide, b: torch.Tensor) -> torch.Tensor:
+    """Per-row Pearson of the attention's ranks (centred in ``side``) against ``b`` ``(*F, ..., R, K)``."""
+    if side.mask_float is None:
+        b = b - b.mean(-1, keepdim=True)
+    else:
+        m = side.mask_float
+        b = (b - (b * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True)) * m
+    return (side.centred * b).sum(-1) / (side.centred_sq * (b * b).sum(-1)).sqrt()
+
+
+def _frame_stats(
+    side: _AttentionSide,
+    nw_logits: torch.Tensor,
+    generator: torch.Generator,
+    row_mask: torch.Tensor | None,
+    key_term: torch.Tensor | None,
+    null_tails: torch.Tensor | None,
+    replicates: int | None = None,
+) -> torch.Tensor:
+    """The statistics of :func:`compare_weights` of one NW weighting against the shared attention side."""
+    dtype, key_mask = side.dtype, side.key_mask
+    nw_logits = nw_logits.to(dtype)
+    shape = nw_logits.shape
+    n_keys = shape[-1]
+    nw_order = nw_logits
+    if side.key_groups is not None:
+        nw_order = nw_logits.gather(-1, side.key_groups.expand(shape))
+    if key_term is not None:
+        key_term = key_term.to(dtype)
+    if key_mask is not None:
+        order = side.order.expand(shape)
+        nw_logits = nw_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
+        nw_order = nw_order.gather(-1, order)
+        key_term = key_term.expand(shape).gather(-1, order) if key_term is not None else None
+    log_w = _log_softmax(nw_logits)
+    w = log_w.exp()
+    finite = side.finite & w.isfinite().all(-1)  # (*F, ..., R)
+    valid = finite if row_mask is None else finite & row_mask
+    w = torch.where(valid.unsqueeze(-1), w, 1.0)
+    a = side.a
+    kl_rows = torch.where(a > 0, a * (side.log_a - log_w), 0.0).sum(-1)
+    top_w = w.argmax(-1, keepdim=True)
+    if side.groups_ordered is not None:
+        top_w = side.groups_ordered.expand(shape).gather(-1, top_w)
+    top1_rows = (side.top == top_w).squeeze(-1).float()
     # Ranks are taken on the logits: the same order as the weights, without the ties that underflow makes. The null
     # shuffles the NW ranks themselves (ranking is permutation-equivariant), so each side is ranked once.
     entries = valid if key_mask is None else valid.unsqueeze(-1) & key_mask
-    attn_ranks, nw_ranks = _masked_ranks(attn_order, key_mask), _masked_ranks(nw_order, key_mask)
-    rho_rows = _row_pearson(attn_ranks, nw_ranks, key_mask)  # (..., R)
+    nw_ranks = _masked_ranks(nw_order, key_mask)
+    rho_rows = _centred_pearson(side, nw_ranks)  # (*F, ..., R)
+    null_rows = _centred_pearson(side, _shuffle_rows(nw_ranks, generator, key_mask))
     ranked = valid & ~rho_rows.isnan()  # rows with a rank correlation
-    gauge = _gauge_rows(attn_logits, nw_logits, key_mask, key_term)
-    keys = key_mask.sum(-1).to(dtype) if key_mask is not None else torch.full_like(rho_rows, n_keys)  # (..., R)
+    if key_term is not None:
+        # the key term's spread; a term the same in every row (the probe's: (..., 1, K)) is measured once
+        if key_mask is not None or key_term.shape[-2] != 1:
+            key_term = key_term.expand(shape)
+        gauge = side.sd / _row_sd(key_term, key_mask)
+    else:
+        gauge = _gauge_rows(side.logits, nw_logits, key_mask, None)
+    keys = side.keys
     baseline_rows = rho_baseline(gauge, keys)
     if key_mask is None:
-        chance_rows = torch.full_like(rho_rows, null_tail(n_keys))
+        chance_rows = torch.full_like(keys, null_tail(n_keys))
     else:
-        table = null_tails if null_tails is not None else null_tail_table(n_keys, rho_rows.device)
+        table = null_tails if null_tails is not None else null_tail_table(n_keys, keys.device)
         chance_rows = table.to(dtype)[key_mask.sum(-1)]
-    kept = key_mask if key_mask is not None else torch.ones_like(attn_ranks, dtype=torch.bool)
-    same = ((attn_ranks == nw_ranks) | ~kept).all(-1).to(dtype)
-    reversed_ = ((attn_ranks == keys.unsqueeze(-1) + 1 - nw_ranks) | ~kept).all(-1).to(dtype)
-    stats = (
-        _masked_mean(rho_rows, valid),
-        _masked_mean(_row_pearson(attn_ranks, _shuffle_rows(nw_ranks, generator, key_mask), key_mask), valid),
-        raveled_pearson(a, w, entries),
-        _masked_mean(kl_rows, valid),
-        _masked_mean(top1_rows, valid),
-        _masked_mean(n_eff(a), valid),
-        _masked_mean(n_eff(w), valid),
-        1.0 - valid.float().mean(-1) if row_mask is None else 1.0 - valid.sum(-1) / row_mask.sum(-1),
-        _masked_mean(gauge, ranked & gauge.isfinite()),
-        _masked_mean(baseline_rows, ranked),
-        _masked_mean(rho_rows - baseline_rows, ranked),
-        _masked_mean((rho_rows > ROW_THRESHOLD + ROW_TIE).to(dtype), ranked),
-        _masked_mean(chance_rows, ranked),
-        _masked_mean(same, ranked),
-        _masked_mean(reversed_, ranked),
-        _masked_mean(torch.exp(-torch.lgamma(keys + 1)), ranked),
+    ranks = side.ranks
+    if key_mask is None:
+        same = (ranks == nw_ranks).all(-1).to(dtype)
+        reversed_ = (ranks == keys.unsqueeze(-1) + 1 - nw_ranks).all(-1).to(dtype)
+    else:
+        same = ((ranks == nw_ranks) | ~key_mask).all(-1).to(dtype)
+        reversed_ = ((ranks == keys.unsqueeze(-1) + 1 - nw_ranks) | ~key_mask).all(-1).to(dtype)
+    a_full = a.expand(shape)
+    row_mask_full = row_mask.expand(valid.shape) if row_mask is not None else None
+
+    def reduce(split) -> torch.Tensor:
+        """The statistics from per-row values; ``split`` maps a row axis (last, or ``-2`` with ``keyed``) to
+        replicate groups."""
+        v, rk = split(valid), split(ranked)
+        return torch.stack(
+            (
+                _masked_mean(split(rho_rows), v),
+                _masked_mean(split(null_rows), v),
+                raveled_pearson(split(a_full, True), split(w, True), split(entries, key_mask is not None)),
+                _masked_mean(split(kl_rows), v),
+                _masked_mean(split(top1_rows), v),
+                _masked_mean(split(side.neff.expand(valid.shape)), v),
+                _masked_mean(split(n_eff(w)), v),
+                1.0 - v.float().mean(-1) if row_mask is None else 1.0 - v.sum(-1) / split(row_mask_full).sum(-1),
+                _masked_mean(split(gauge.expand(valid.shape)), rk & split(gauge.expand(valid.shape)).isfinite()),
+                _masked_mean(split(baseline_rows.expand(valid.shape)), rk),
+                _masked_mean(split(rho_rows - baseline_rows), rk),
+                _masked_mean(split((rho_rows > ROW_THRESHOLD + ROW_TIE).to(dtype)), rk),
+                _masked_mean(split(chance_rows.expand(valid.shape)), rk),
+                _masked_mean(split(same), rk),
+                _masked_mean(split(reversed_), rk),
+                _masked_mean(split(torch.exp(-torch.lgamma(keys + 1)).expand(valid.shape)), rk),
+            ),
+            dim=-1,
+        ).float()
+
+    stats = reduce(lambda x, keyed=False: x)
+    if replicates is None:
+        return stats
+
+    def groups(x: torch.Tensor, keyed: bool = False) -> torch.Tensor:
+        # (..., R[, K]) -> (..., G, R / G[, K]): row j to group j mod G
+        axis = -2 if keyed else -1
+        x = x.unflatten(axis, (x.shape[axis] // replicates, replicates))
+        return x.transpose(axis - 1, axis)
+
+    per_group = reduce(groups)  # (*F, ..., G, S)
+    se = per_group.std(-2, correction=1) / math.sqrt(replicates)
+    # A share of rows (top1, nonfinite, the rows' rho shares) whose event no group saw (or every group saw) has a
+    # random-groups error of 0; its error is at least the binomial one at p = (hits + 1/2) / (n + 1), which is never 0.
+    counts = {"valid": valid.sum(-1), "ranked": ranked.sum(-1)}
+    counts["rows"] = (
+        row_mask_full.sum(-1) if row_mask is not None else torch.full_like(counts["valid"], valid.shape[-1])
     )
-    return torch.stack(stats, dim=-1).float()
+    floors = []
+    for name, over in _SHARES.items():
+        i, n = STAT_NAMES.index(name), counts[over].to(dtype)
+        p = (stats[..., i] * n + 0.5) / (n + 1)
+        floors.append((i, torch.sqrt(p * (1 - p) / n.clamp(min=1))))
+    se = se.clone()
+    for i, floor in floors:
+        se[..., i] = torch.maximum(se[..., i], floor.float())
+    return torch.stack((stats, se), dim=-2)
+
+
+#: The statistics that are shares of rows, and the rows they are shares of (see :func:`compare_frames`).
+_SHARES: dict[str, str] = {
+    "top1": "valid",
+    "nonfinite": "rows",
+    rows_column(): "ranked",
+    "rows_rho_pos1": "ranked",
+    "rows_rho_neg1": "ranked",
+}
+
+
+def stratified_rows(rows: int, n: int, generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """A seeded stratified sample of ``n`` of ``rows`` row indices: the rows (query positions in raster order) are cut
+    into ``n`` contiguous strata of ``rows // n`` or ``rows // n + 1`` rows (spatial blocks: runs of neighbouring
+    positions) and one row is drawn uniformly in each. Made on ``device`` from ``generator`` (no host sync).
+
+    Args:
+        rows: how many rows there are.
+        n: how many to draw, ``1 <= n <= rows``.
+        generator: the random source, on ``device``.
+        device: where the indices live.
+
+    Returns:
+        ``(n,)`` int64 indices, ascending (one per stratum, in stratum order).
+    """
+    if not 1 <= n <= rows:
+        raise ValueError(f"n: expected 1 <= n <= rows ({rows}), got {n}")
+    stratum = torch.arange(n + 1, device=device) * rows // n  # (n + 1,) stratum boundaries
+    start, size = stratum[:-1], stratum[1:] - stratum[:-1]
+    offset = (torch.rand(n, generator=generator, device=device) * size).long().clamp(max=size - 1)
+    return start + offset
 
 
 #: A row's rho within this of :data:`~ipa_probe.schema.ROW_THRESHOLD` counts as at it, not above it. rho takes discrete

@@ -17,15 +17,16 @@ import torch
 from ..kernels import dot_logits, matched_bandwidth, nw_logits, query_frame_logits
 from ..layers import image_branch_logits
 from ..schema import QUERY_FRAME_STATS, STAT_NAMES
-from ..stats import compare_weights, copy_groups, fit_bandwidth
+from ..stats import compare_frames, copy_groups, fit_bandwidth
+from .config import SAMPLE_GROUPS
 
 __all__ = [
     "CHUNK_ELEMENTS",
     "Cell",
     "cell_values",
+    "frame_logits",
     "group_cell",
     "image_share",
-    "query_frame_values",
     "record_logits",
 ]
 
@@ -42,8 +43,8 @@ class Cell:
     h: torch.Tensor  # (groups, H) bandwidth
     key_mask: torch.Tensor | None  # kept keys (text padding left out)
     row_mask: torch.Tensor | None  # (groups, H, rows) rows inside an IP-Adapter mask
-    copies: torch.Tensor | None  # (groups, H, rows, K) key ids, equal for copies of one token
-    key_term: torch.Tensor | None  # (groups, H, rows, K) |k|^2 / (2 sqrt(d)): NW ranks follow attn - key_term
+    copies: torch.Tensor | None  # (groups, H, 1 or rows, K) key ids, equal for copies of one token
+    key_term: torch.Tensor | None  # (groups, H, 1 or rows, K) |k|^2 / (2 sqrt(d)): NW ranks follow attn - key_term
 
 
 def record_logits(processor: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, text: bool) -> torch.Tensor:
@@ -63,6 +64,7 @@ def group_cell(
     text_mask: torch.Tensor | None,
     h: torch.Tensor,
     fit: bool,
+    nw_rows: torch.Tensor | None = None,
 ) -> Cell:
     """A record's logits, masks and copy ids by group: ``(B, H, R, C)`` -> ``(groups, H, frames * R, C)``.
 
@@ -76,6 +78,8 @@ def group_cell(
         text_mask: ``(B, tokens)`` bool, the pass's prompt tokens (text branch), or ``None``.
         h: 0-d bandwidth on the device.
         fit: fit ``h`` per cell (``bandwidth="fit"``) instead of using ``h``.
+        nw_rows: optional ``(n,)`` row indices (the record's row sample, when nothing reads the other rows' NW
+            logits): ``nw`` holds these rows only (when a group is one batch item; every row otherwise).
     """
     batch, n_heads, n_queries, n_keys = attn.shape
 
@@ -89,12 +93,19 @@ def group_cell(
     row_mask = None
     if rows is not None:
         row_mask = by_group(rows[:, None, :, None].expand(batch, n_heads, n_queries, 1)).squeeze(-1)
-    copies = by_group(copy_groups(k).unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
+
+    def per_key(x: torch.Tensor) -> torch.Tensor:
+        # (B, H, K) -> (groups, H, 1, K) when a group is one item (broadcast over its rows, never repeated), else
+        # (groups, H, frames * Q, K): each frame's rows carry their frame's keys
+        if batch == groups:
+            return x.unsqueeze(-2)
+        return by_group(x.unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
+
+    copies = per_key(copy_groups(k))
     key_term = None
     if text or getattr(processor, "image_branch_logits", None) is None:
         # dot-product logits q·k / sqrt(d): the NW ranks follow q·k - |k|^2 / 2, i.e. attn - |k|^2 / (2 sqrt(d))
-        half_sq = (k * k).sum(-1) / (2 * math.sqrt(k.shape[-1]))  # (B, H, K)
-        key_term = by_group(half_sq.unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
+        key_term = per_key((k * k).sum(-1) / (2 * math.sqrt(k.shape[-1])))  # (B, H, K) -> by group
     if fit:
         k_sq = (k * k).sum(-1)  # (B, H, K)
         energy = by_group(q @ k.transpose(-1, -2) - k_sq.unsqueeze(-2) / 2)  # NW logits times h^2
@@ -105,6 +116,8 @@ def group_cell(
         nw = energy / (h_cell * h_cell)[..., None, None]
         return Cell(attn_c, nw, h_cell, key_mask, row_mask, copies, key_term)
     h_cell = h.expand(groups, n_heads)
+    if nw_rows is not None and batch == groups:  # only the sampled rows' NW logits are read (no maps)
+        q = q.index_select(2, nw_rows)
     return Cell(by_group(attn), by_group(nw_logits(q, k, h)), h_cell, key_mask, row_mask, copies, key_term)
 
 
@@ -120,6 +133,7 @@ def cell_values(
     tails: torch.Tensor | None,
     text_mask: torch.Tensor | None,
     pools: int,
+    sample: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of one record, ``(groups, H, fields)``.
 
@@ -130,11 +144,33 @@ def cell_values(
         generators: the permutation nulls' random sources on the device: the stored frame's, the query frame's.
         tails: :func:`~ipa_probe.stats.null_tail_table` for the record's number of keys (with a key mask), or
             ``None``.
-        pools: how many query frames the groups form (:func:`query_frame_values`).
+        pools: how many query frames the groups form (:func:`frame_logits`).
+        sample: ``(n,)`` row indices (a multiple of :data:`~.config.SAMPLE_GROUPS`, from
+            :func:`~ipa_probe.stats.stratified_rows`) to compute the per-row statistics on, with their standard
+            errors; ``None`` for every row (exact, the standard errors 0). The query frame's key term is estimated
+            over every row either way.
     """
-    stats = compare_weights(
-        cell.attn, cell.nw, generators[0], cell.key_mask, cell.row_mask, cell.copies, cell.key_term, tails
-    )
+    n_rows = cell.attn.shape[-2]
+    nw_frame, b = frame_logits(cell, pools, sample)  # (2, groups, H, R or n, K), (2, groups, H, 1, K)
+    attn, nw, key_mask, row_mask = cell.attn, cell.nw, cell.key_mask, cell.row_mask
+    copies, key_term = cell.copies, cell.key_term
+
+    def rows_of(x: torch.Tensor | None, axis: int = -2) -> torch.Tensor | None:
+        # the sampled rows of a per-row tensor; per-key ones ((..., 1, K)) and None pass through
+        if x is None or sample is None or x.shape[axis] != n_rows:
+            return x
+        return x.index_select(x.dim() + axis, sample)
+
+    if sample is not None:
+        attn, nw, key_mask = rows_of(attn), rows_of(nw), rows_of(key_mask)
+        row_mask, copies, key_term = rows_of(row_mask, -1), rows_of(copies), rows_of(key_term)
+    frames = [(nw, key_term, generators[0]), (nw_frame, b, generators[1])]
+    replicates = SAMPLE_GROUPS if sample is not None else None
+    stats, frame = compare_frames(attn, frames, key_mask, row_mask, copies, tails, replicates)
+    if sample is None:  # exact: no sampling error
+        stats = torch.stack((stats, torch.zeros_like(stats)), dim=-2)
+        frame = torch.stack((frame, torch.zeros_like(frame)), dim=-2)
+    # stats (groups, H, 2, S), frame (2, groups, H, 2, S): estimate and standard error
     batch, n_heads, n_keys = k.shape[0], k.shape[1], k.shape[2]
 
     def by_group(x: torch.Tensor) -> torch.Tensor:  # (B, H, R) -> (groups, H, items * R)
@@ -157,17 +193,19 @@ def cell_values(
     if other is not None and not text:
         share = image_share(processor, q, k, other.float())  # (B, H, Q)
         ip_mass = by_group(share).mean(-1)
-    frame = query_frame_values(cell, pools, generators[1], tails)  # (forms, groups, H, stats)
     chosen = [STAT_NAMES.index(name) for name in QUERY_FRAME_STATS]
-    frame_fields = [frame[form, ..., i] for form in range(frame.shape[0]) for i in chosen]
-    fields = [cell.h, *stats.unbind(-1), q_norm, spread, ip_mass, keys, *frame_fields]
+    frame = frame[..., chosen]  # (2, groups, H, 2, stats)
+    frame_fields = [frame[form, ..., part, i] for part in range(2) for form in range(2) for i in range(len(chosen))]
+    estimates, errors = frame_fields[: len(frame_fields) // 2], frame_fields[len(frame_fields) // 2 :]
+    fraction = torch.full_like(q_norm, 1.0 if sample is None else sample.shape[0] / n_rows)
+    # the buffers keep each standard error squared, so that a mean over cells adds variances (report.run_table)
+    variances = [x * x for x in (*stats[..., 1, :].unbind(-1), *errors)]
+    fields = [cell.h, *stats[..., 0, :].unbind(-1), q_norm, spread, ip_mass, keys, *estimates, fraction, *variances]
     return torch.stack(fields, dim=-1)
 
 
-def query_frame_values(
-    cell: Cell, pools: int, generator: torch.Generator, tails: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The query-frame statistics of a record's cells, both forms from one pass over the logits.
+def frame_logits(cell: Cell, pools: int, sample: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query-frame NW logits of a record's cells and their key term, both forms from one pass over the logits.
 
     Per pool of queries (the frame) and head, ``b_i`` is key ``i``'s log-partition over the frame's rows
     (:func:`~ipa_probe.kernels.query_frame_logits`, exact and Gaussian), and the query-frame NW logits of a row are
@@ -182,11 +220,11 @@ def query_frame_values(
         cell: the record by group (:func:`group_cell`), ``groups`` groups.
         pools: how many frames the groups form, contiguous and of equal size: ``groups`` (one item each) or the
             pass's number of CFG branches (each branch's items pooled).
-        generator: the permutation null's random source, on the device.
-        tails: as for :func:`cell_values`.
+        sample: optional ``(n,)`` row indices: the NW logits of these rows only (``b`` over every row still).
 
     Returns:
-        ``(2, groups, H, len(STAT_NAMES))`` float32: the exact form's statistics, then the Gaussian form's.
+        ``(nw, b)``: ``(2, groups, H, R or n, K)`` NW logits and ``(2, groups, H, 1, K)`` key terms, the exact form's,
+        then the Gaussian form's.
     """
     attn, key_mask = cell.attn, cell.key_mask  # (groups, H, R, K)
     groups, n_heads, n_rows, n_keys = attn.shape
@@ -199,22 +237,16 @@ def query_frame_values(
         return x.flatten(2, 3)
 
     if pools == groups:
-        nw, b = query_frame_logits(attn, rows, key_mask, form="both")  # (2, groups, H, R, K), (2, groups, H, 1, K)
-    else:
-        rows_p = pooled(rows.unsqueeze(-1)).squeeze(-1)
-        key_mask_p = pooled(key_mask) if key_mask is not None else None
-        nw, b = query_frame_logits(pooled(attn), rows_p, key_mask_p, form="both")  # (2, pools, H, n * R, K)
-        # (2, pools, H, n * R, K) -> (2, groups, H, R, K): back to the groups' rows
-        nw = nw.unflatten(3, (groups // pools, n_rows)).transpose(2, 3).reshape(2, groups, n_heads, n_rows, n_keys)
-        b = b.repeat_interleave(groups // pools, dim=1)  # (2, groups, H, 1, K)
-    # Both forms in one call, on (2, groups, H, R, K) tensors made contiguous: the reductions, sorts and gathers of
-    # compare_weights take slow strided paths on stride-0 (expanded) views (about 2x the time on CPU), so the
-    # attention logits, the copy ids and b are repeated once rather than broadcast.
-    copies = cell.copies.expand(nw.shape).contiguous() if cell.copies is not None else None
-    stacked = attn.expand(nw.shape).contiguous()
-    return compare_weights(
-        stacked, nw, generator, key_mask, cell.row_mask, copies, b.expand(nw.shape).contiguous(), tails
-    )
+        # (2, groups, H, R or n, K), (2, groups, H, 1, K)
+        return query_frame_logits(attn, rows, key_mask, form="both", select=sample)
+    rows_p = pooled(rows.unsqueeze(-1)).squeeze(-1)
+    key_mask_p = pooled(key_mask) if key_mask is not None else None
+    nw, b = query_frame_logits(pooled(attn), rows_p, key_mask_p, form="both")  # (2, pools, H, n * R, K)
+    # (2, pools, H, n * R, K) -> (2, groups, H, R, K): back to the groups' rows
+    nw = nw.unflatten(3, (groups // pools, n_rows)).transpose(2, 3).reshape(2, groups, n_heads, n_rows, n_keys)
+    if sample is not None:
+        nw = nw.index_select(-2, sample)
+    return nw, b.repeat_interleave(groups // pools, dim=1)  # b: (2, groups, H, 1, K)
 
 
 def image_share(processor: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,15 @@ from ..bandwidth import BandwidthSpec
 from ..layers import LayerSelection, check_layer_selection
 from ..schema import QUERY_FRAMES
 
-__all__ = ["ProbeConfig"]
+__all__ = ["DEFAULT_ROWS", "SAMPLE_GROUPS", "ProbeConfig"]
+
+#: The default of :class:`ProbeConfig`'s ``rows``: exact. ``rows=256`` meets the overhead target at 512 px SD 1.5
+#: (docs/measured.md, "The probe at 512 px"); a row count alone cannot tell those layers from a tiny model's equally
+#: large ones, whose exact statistics the float64 tests hold, so sampling is asked for, not imposed.
+DEFAULT_ROWS: int | None = None
+
+#: Random groups a row sample is split into for its standard errors (:func:`~ipa_probe.stats.compare_frames`).
+SAMPLE_GROUPS: int = 8
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,14 @@ class ProbeConfig:
             cells are) or ``"branch"`` (every item of one CFG branch of the denoiser pass pooled). Rows outside an
             IP-Adapter mask, rows with non-finite logits and text padding keys are left out of the pool either way.
             The table's ``query_frame`` column and the saved settings name it.
+        rows: the most query rows per cell (one batch item's positions at one layer, head and step) that the
+            per-row statistics (:data:`~ipa_probe.schema.SAMPLED_COLUMNS`) run over; a cell with more uses a seeded
+            sample stratified over spatial blocks (:func:`~ipa_probe.stats.stratified_rows`, ``rows`` rounded down
+            to a multiple of 8), and reports each statistic's standard error beside it (``<column>_se``, 0 for
+            exact cells) and the share of rows used (``row_fraction``). The query frame's key term, the geometry
+            columns and the reference maps always use every row. ``None`` for exact statistics everywhere.
+            Default :data:`DEFAULT_ROWS` (exact); ``rows=256`` is what meets the overhead target at 512 px SD 1.5:
+            its 64 x 64 and 32 x 32 layers sampled, the rest exact (docs/measured.md, "The probe at 512 px").
     """
 
     bandwidth: BandwidthSpec = "matched"
@@ -71,8 +87,16 @@ class ProbeConfig:
     branches: Sequence[str] | None = None
     maps: bool = False
     query_frame: str = "item"
+    rows: int | None = DEFAULT_ROWS
 
     def __post_init__(self) -> None:
+        if self.rows is not None and (
+            isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 2 * SAMPLE_GROUPS
+        ):
+            raise ValueError(
+                f"rows: expected None (every row) or an int >= {2 * SAMPLE_GROUPS} (the most query rows per cell "
+                f"before the per-row statistics use a stratified sample), got {self.rows!r}"
+            )
         if not isinstance(self.query_frame, str) or self.query_frame not in QUERY_FRAMES:
             raise ValueError(
                 f"query_frame: expected one of {list(QUERY_FRAMES)} (the pool of queries the query-frame key term "
@@ -130,4 +154,5 @@ class ProbeConfig:
             "branches": None if self.branches is None else list(self.branches),
             "maps": self.maps,
             "query_frame": self.query_frame,
+            "rows": self.rows,
         }

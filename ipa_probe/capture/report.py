@@ -16,6 +16,7 @@ from ..schema import (
     COLUMNS,
     FEW_KEYS,
     QUERY_FRAME_COLUMN,
+    SAMPLED_COLUMNS,
     SUMMARY_GAUGE_MEANS,
     SUMMARY_HEADLINE,
     SUMMARY_KEYS,
@@ -24,6 +25,7 @@ from ..schema import (
     SUMMARY_QUERY_FRAME_MEANS,
     frac_column,
     frac_null_column,
+    se_column,
 )
 from .layer_order import network_order
 
@@ -61,6 +63,9 @@ def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot:
         values = (sums / counts.clamp(min=1).unsqueeze(-1)).reshape(-1, len(CELL_FIELDS)).numpy()[seen]
         step, layer, adapter, branch, head = (g[seen] for g in grid)
         frame = pd.DataFrame(values, columns=list(CELL_FIELDS))
+        # the buffers sum squared standard errors: the mean of n cells has the root of their sum over n
+        errors = [se_column(name) for name in SAMPLED_COLUMNS]
+        frame[errors] = np.sqrt(frame[errors].to_numpy() / counts.reshape(-1).numpy()[seen][:, None])
         frame.insert(0, "call", call["index"])
         frame.insert(1, "step", step)
         frame.insert(2, "timestep", call["timesteps"].double().numpy()[step])

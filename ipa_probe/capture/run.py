@@ -38,11 +38,12 @@ from ..layers import (
     release,
 )
 from ..schema import CELL_FIELDS
-from ..stats import null_tail_table
+from ..stats import null_tail_table, stratified_rows
 from .branches import Layout, PromptEvidence, label_vocabulary
+from .buffers import CallBuffers, grow, new_buffers
 from .cells import cell_values, group_cell, record_logits
 from .clock import CallClock
-from .config import ProbeConfig
+from .config import DEFAULT_ROWS, SAMPLE_GROUPS, ProbeConfig
 from .mapplots import plot_reference_maps
 from .maps import MapAccumulator, check_size, map_statistics, reference_mass, select_layers
 from .report import plot_run, run_table, save_run, select_branch, summarize
@@ -60,20 +61,8 @@ _FEATURE = "probe"
 
 
 @dataclass
-class _Call:
-    """Buffers of one pipeline call, on the device until the run ends."""
-
-    index: int
-    sums: torch.Tensor  # (steps, layers, slots, labels, heads, fields)
-    counts: torch.Tensor  # (steps, layers, slots, labels, heads)
-    timesteps: torch.Tensor  # (steps,)
-    steps_seen: int = 0
-    incomplete: set[int] = field(default_factory=set)  # steps whose denoiser pass did not finish
-
-
-@dataclass
 class _StepState:
-    call: _Call | None = None
+    call: CallBuffers | None = None
     step: int = -1
     timestep: torch.Tensor | None = None
     layout: Layout | None = None
@@ -121,7 +110,7 @@ class ProbeRun:
         #: per key of :attr:`maps`, each map's branch label per batch item (filled when the block ends)
         self.map_branches: dict[tuple[int, int, str, int], list[tuple[str, ...]]] = {}
         self._map_labels: dict[tuple[int, int, str, int], list[torch.Tensor]] = {}
-        self._calls: list[_Call] = []
+        self._calls: list[CallBuffers] = []
         self._state = _StepState()
         self._capture = Capture(record=self._record)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -130,6 +119,7 @@ class ProbeRun:
         self._processors = [layer.processor for layer in self.layers]  # as last seen at a pass
         self._generator: torch.Generator | None = None
         self._frame_generator: torch.Generator | None = None
+        self._row_generator: torch.Generator | None = None
         self._constants: dict[tuple, torch.Tensor] = {}
         self._result: dict[str, Any] | None = None
         self._active = False
@@ -295,7 +285,7 @@ class ProbeRun:
         state.step += 1
         state.bandwidth = {}
         if state.step >= call.sums.shape[0]:
-            self._grow(call)
+            grow(call)
         call.steps_seen = state.step + 1
         timestep = self.tap.timestep(args, kwargs)
         if isinstance(timestep, torch.Tensor):
@@ -306,23 +296,12 @@ class ProbeRun:
         state.timestep = call.timesteps[state.step]
 
     # ------------------------------------------------------------------ buffers
-    def _new_call(self, device: torch.device, capacity: int) -> _Call:
+    def _new_call(self, device: torch.device, capacity: int) -> CallBuffers:
         slots = self.num_adapters + (self.text_slot is not None)  # image adapters, then the text branch
         shape = (max(capacity, 1), len(self.layers), slots, len(self.labels), self.num_heads)
-        call = _Call(
-            index=len(self._calls),
-            sums=torch.zeros(*shape, len(CELL_FIELDS), device=device),
-            counts=torch.zeros(shape, device=device),
-            timesteps=torch.full((shape[0],), math.nan, device=device),
-        )
+        call = new_buffers(len(self._calls), device, shape)
         self._calls.append(call)
         return call
-
-    @staticmethod
-    def _grow(call: _Call) -> None:
-        call.sums = torch.cat([call.sums, torch.zeros_like(call.sums)])
-        call.counts = torch.cat([call.counts, torch.zeros_like(call.counts)])
-        call.timesteps = torch.cat([call.timesteps, torch.full_like(call.timesteps, math.nan)])
 
     def _check_map_budget(self, args: tuple, kwargs: dict, steps: int) -> None:
         """Estimate the bytes ``keep_maps`` will hold for this call and refuse above the limit, before step 0 runs."""
@@ -414,7 +393,14 @@ class ProbeRun:
         groups = labels.shape[0]
         h = self._bandwidth(head_dim, q.device)
         fit = self.config.bandwidth == "fit"
-        cell = group_cell(groups, q, k, attn, text, rows, processor, state.text_mask, h, fit)
+        n_rows, most = attn.shape[-2] * (attn.shape[0] // groups), self.config.rows
+        sample = None
+        if self._row_generator is None or self._row_generator.device != q.device:
+            self._row_generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
+        if most is not None and n_rows > most:  # per-row statistics on a stratified sample (ProbeConfig.rows)
+            sample = stratified_rows(n_rows, most - most % SAMPLE_GROUPS, self._row_generator, q.device)
+        nw_rows = sample if self._maps is None or text else None  # the maps read every row's NW logits
+        cell = group_cell(groups, q, k, attn, text, rows, processor, state.text_mask, h, fit, nw_rows)
         if self._generator is None or self._generator.device != q.device:
             # the stored and query frames draw their nulls from two generators of the run's seed, so the stored-frame
             # columns draw exactly what they drew before the query frame existed
@@ -428,7 +414,7 @@ class ProbeRun:
         pools = groups if self.config.query_frame == "item" else chunks
         generators = (self._generator, self._frame_generator)
         values = cell_values(
-            cell, groups, q, k, other, text, processor, generators, tails, state.text_mask, pools
+            cell, groups, q, k, other, text, processor, generators, tails, state.text_mask, pools, sample
         )  # (groups, H, fields)
         self._accumulate(index, slot, labels, values)
         if self.config.keep_maps:
@@ -648,6 +634,7 @@ def probe(
     branches: Sequence[str] | None = None,
     maps: bool = False,
     query_frame: str = "item",
+    rows: int | None = DEFAULT_ROWS,
     log_with: str | None = None,
     logging_dir: str | os.PathLike = "runs",
     run_name: str = "probe",
@@ -657,8 +644,8 @@ def probe(
     Args:
         pipe: a diffusers pipeline with an IP-Adapter loaded: Stable Diffusion 1.5 / SDXL, Flux or SD3 (see
             :mod:`ipa_probe.capture.taps` for what the image-branch weights are in each).
-        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps, query_frame: see
-            :class:`ProbeConfig`.
+        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps, query_frame, rows:
+            see :class:`ProbeConfig`.
         log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"`` to send the run (rho with its baseline and null,
             per-layer rho, histograms, overlays per step with ``maps=True``, settings with end-of-run metrics) to
             that tracker when the block ends normally (after the denoising loop and the one device-to-host
@@ -685,7 +672,7 @@ def probe(
         ```
     """
     config = ProbeConfig(
-        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps, query_frame
+        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps, query_frame, rows
     )
     if log_with is not None:
         from ..trackers import check_tracker
