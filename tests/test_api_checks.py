@@ -296,3 +296,23 @@ def test_reference_attribution_names_its_arguments(sd15, refs, kwargs, error, na
     with pytest.raises(error, match=f"^{name}"):
         reference_attribution(sd15, prompt="a", ip_adapter_image=[refs], **CALL, **kwargs)
     assert untouched(sd15) == before
+
+
+def test_probe_steps_the_call_never_had_raise_after_the_block():
+    """Issue 31: probe(steps=[999]) on a 2-step call named its steps nowhere and gave an empty table."""
+    import torch
+
+    import ipa_probe
+    from ipa_probe.tiny.digits import DIGITS_PROMPT
+
+    pipe = ipa_probe.digits_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    refs = ipa_probe.digits_reference_images(3, 1)
+    call = {"num_inference_steps": 2, "generator": torch.Generator().manual_seed(0), "output_type": "latent"}
+    with pytest.raises(ValueError, match=r"steps: \[999\] selects loop indices the call did not have"):
+        with ipa_probe.probe(pipe, steps=[999]):
+            pipe(DIGITS_PROMPT, ip_adapter_image=[refs], **call)
+    assert ipa_probe.list_hooks(pipe) == []  # the pipeline is given back all the same
+    with ipa_probe.probe(pipe, steps=[1]) as run:  # a step the call has: no error
+        pipe(DIGITS_PROMPT, ip_adapter_image=[refs], **call)
+    assert set(run.to_dataframe()["step"]) == {1}

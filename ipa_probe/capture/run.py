@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .. import bandwidth as bw
+from .._checks import check_steps_ran
 from ..bandwidth import BandwidthSpec
 from ..layers import (
     IPLayer,
@@ -44,8 +45,9 @@ from .buffers import CallBuffers, grow, new_buffers
 from .cells import cell_values, group_cell, record_logits
 from .clock import CallClock
 from .config import DEFAULT_ROWS, SAMPLE_GROUPS, ProbeConfig
+from .map_tables import map_statistics, reference_mass
 from .mapplots import plot_reference_maps
-from .maps import MapAccumulator, check_size, map_statistics, reference_mass, select_layers
+from .maps import MapAccumulator, check_size, select_layers
 from .report import plot_run, run_table, save_run, select_branch, summarize
 from .taps import Capture, Tap, tap_for
 
@@ -688,5 +690,7 @@ def probe(
         raise
     finally:
         run._uninstall(interrupted)
+    # steps the calls never had: an error naming them, not an empty table (issue 31)
+    check_steps_ran(config.steps, max((len(c["timesteps"]) for c in run._result["calls"]), default=0))
     if log_with is not None:  # only when the block ended normally: a failed run is not logged as a result
         run.log(log_with, logging_dir, run_name)
