@@ -16,9 +16,10 @@ in front of each when the block probed several pipeline calls):
   (down, mid, up) so that TensorBoard's alphabetical order is the network's; ``nw/qf_layer/...`` likewise.
 - ``debug/...``: every other numeric summary column (``bandwidth``, ``cells``, ``rho_cells``, ``nonfinite``,
   ``timestep``, ``q_norm``, ``logit_ratio``, ...), per series as above.
-- ``maps/attention_share/ref{r}``, ``maps/nw_share/ref{r}`` (``maps=True``): reference ``r``'s mean share per step
-  (:meth:`~ipa_probe.ProbeRun.reference_mass`, averaged over layers); ``maps/dominant_agree``, ``maps/tv``
-  (:meth:`~ipa_probe.ProbeRun.map_table`, averaged over layers and images).
+- ``maps/attention_share/ref{r}``, ``maps/nw_share/ref{r}``, ``maps/contribution_share/ref{r}`` (``maps=True``):
+  reference ``r``'s mean share per step of the attention, of the NW weights and of the image branch's output norm
+  after ``to_out`` (:meth:`~ipa_probe.ProbeRun.reference_mass`, averaged over layers); ``maps/dominant_agree``,
+  ``maps/tv`` (:meth:`~ipa_probe.ProbeRun.map_table`, averaged over layers and images).
 - histograms per step: ``hist/rho_per_layer_head_cell`` (the ``spearman`` of each layer × head × adapter cell),
   ``hist/rho_null_per_layer_head_cell``, ``hist/qf_rho_per_layer_head_cell`` when present; with maps
   ``hist/attention_share_per_position/ref{r}`` and ``hist/nw_share_per_position/ref{r}`` (reference ``r``'s share at
@@ -207,10 +208,13 @@ def _map_content(log: ProbeLog, run, head: str, calls: dict[int, str], base: np.
     mass, agreement = mass[mass["branch"] == head], agreement[agreement["branch"] == head]
     if mass.empty:
         return
-    shares = mass.groupby(["call", "step", "adapter", "reference"])[["attention", "nw"]].mean()
+    kinds = {"attention": "attention_share", "nw": "nw_share", "contribution_share": "contribution_share"}
+    kinds = {column: tag for column, tag in kinds.items() if column in mass.columns}
+    shares = mass.groupby(["call", "step", "adapter", "reference"])[list(kinds)].mean()
     for (call, step, adapter, reference), row in shares.iterrows():
-        for kind in ("attention", "nw"):
-            log.add(f"{calls[int(call)]}maps/{kind}_share/{_ref_label(adapter, reference)}", step, row[kind])
+        for column, tag in kinds.items():
+            if np.isfinite(row[column]):  # a contribution is NaN where it is not recorded (masks, SD3)
+                log.add(f"{calls[int(call)]}maps/{tag}/{_ref_label(adapter, reference)}", step, row[column])
     for (call, step), row in agreement.groupby(["call", "step"])[["dominant_agree", "tv"]].mean().iterrows():
         log.add(f"{calls[int(call)]}maps/dominant_agree", step, row["dominant_agree"])
         log.add(f"{calls[int(call)]}maps/tv", step, row["tv"])
@@ -410,6 +414,7 @@ def _layout(log: ProbeLog, head: str | None, calls: dict[int, str], series: str 
         shares = [
             ("attention share of each reference", prefix(maps + "attention_share/")),
             ("NW share of each reference", prefix(maps + "nw_share/")),
+            ("contribution share of each reference (after to_out)", prefix(maps + "contribution_share/")),
             ("attention and NW: same dominant reference; total variation", exact(maps, "dominant_agree", "tv")),
         ]
         layout.append((f"{where}reference shares: {head} branch, mean over layers and positions", shares))

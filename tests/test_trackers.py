@@ -170,11 +170,12 @@ def test_reference_share_scalars_equal_reference_mass(logged):
     run, _, folder, _, _ = logged
     events = _events(folder)
     mass = run.reference_mass()
-    means = mass[mass["branch"] == "cond"].groupby(["step", "reference"])[["attention", "nw"]].mean()
-    for kind in ("attention", "nw"):
+    columns = ["attention", "nw", "contribution_share"]  # the last checked against float64 in test_contributions
+    means = mass[mass["branch"] == "cond"].groupby(["step", "reference"])[columns].mean()
+    for kind, tag in zip(columns, ("attention_share", "nw_share", "contribution_share"), strict=True):
         for r in range(3):
             expected = {step: v for (step, ref), v in means[kind].items() if ref == r}
-            assert _scalar(events, f"maps/{kind}_share/ref{r}") == pytest.approx(expected, abs=FLOAT32)
+            assert _scalar(events, f"maps/{tag}/ref{r}") == pytest.approx(expected, abs=FLOAT32)
 
 
 def test_overlays_at_every_step_and_the_images_with_their_readings(logged):
