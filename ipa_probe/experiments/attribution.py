@@ -83,6 +83,7 @@ from .attribution_setup import (
     _interval_text,
     _matrix,
     observe,
+    predictor_test,
 )  # noqa: E402
 from .report import ExperimentResult, Row, as_records, from_record, save_figure  # noqa: E402
 
@@ -171,7 +172,7 @@ def predictors(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 def compare(effects: pd.DataFrame, overall: pd.DataFrame, per_step: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
     """Per predictor, effect and timestep (``"all"`` for the step mean): mean per-set Spearman, interval, p-value,
     and whether the predictor predicts the effect (p < ALPHA and interval above 0)."""
-    from ..attribution import ALPHA, paired_rank_test
+    from ..attribution import paired_rank_test
     from ..sweep.aggregation import bootstrap_ci
 
     rows = []
@@ -189,12 +190,7 @@ def compare(effects: pd.DataFrame, overall: pd.DataFrame, per_step: pd.DataFrame
                         "timestep": when,
                         "predictor": predictor,
                         "effect": effect,
-                        "spearman": t["mean"],
-                        "low": t["low"],
-                        "high": t["high"],
-                        "p": t["p"],
-                        "sets": t["sets"],
-                        "predicts": bool(t["p"] < ALPHA and t["low"] > 0),
+                        **predictor_test(t),
                     }
                 )
             difference = tests["posterior_weight"]["values"] - tests["attention_share"]["values"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .attribution_setup import EFFECTS, PREDICTORS, _call, _interval_text, _matrix
+from .attribution_setup import EFFECTS, PREDICTORS, _call, _interval_text, _matrix, predictor_test
 from .report import Row
 
 __all__ = ["compare_grid", "grid_effects", "grid_predictors", "grid_rows", "two_plus_two_example"]
@@ -68,7 +68,7 @@ def compare_grid(grid: pd.DataFrame, predictors_table: pd.DataFrame, seed: int =
     """Per (group, steps, mode, factor), effect and predictor: the mean over sets of the per-set Spearman over the
     references (:func:`ipa_probe.attribution.paired_rank_test`: 95 % bootstrap interval over sets, one-sided
     permutation p) and ``predicts`` (p < ALPHA and the interval above 0)."""
-    from ..attribution import ALPHA, paired_rank_test
+    from ..attribution import paired_rank_test
 
     rows = []
     merged = grid.merge(predictors_table, on=["set", "reference", "group", "steps"])
@@ -84,12 +84,7 @@ def compare_grid(grid: pd.DataFrame, predictors_table: pd.DataFrame, seed: int =
                         "factor": factor,
                         "effect": effect,
                         "predictor": predictor,
-                        "spearman": t["mean"],
-                        "low": t["low"],
-                        "high": t["high"],
-                        "p": t["p"],
-                        "sets": t["sets"],
-                        "predicts": bool(t["p"] < ALPHA and t["low"] > 0),
+                        **predictor_test(t),
                     }
                 )
     return pd.DataFrame(rows)

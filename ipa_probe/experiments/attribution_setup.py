@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = [
+    "predictor_test",
     "EFFECTS",
     "GUIDANCE_SCALE",
     "NUM_STEPS",
@@ -92,3 +93,13 @@ def _matrix(frame: pd.DataFrame, column: str) -> np.ndarray:
 
 def _interval_text(r: dict) -> str:
     return f"{r['spearman']:+.2f} [{r['low']:+.2f}, {r['high']:+.2f}]"
+
+
+def predictor_test(test: dict) -> dict:
+    """The columns of one predictor's test against an effect (from :func:`ipa_probe.attribution.paired_rank_test`'s
+    ``mean``, ``low``, ``high``, ``p``, ``sets``): its mean per-set Spearman, interval, p, set count, and whether it
+    predicts (p below ``ALPHA`` and the interval above 0)."""
+    from ..attribution import ALPHA
+
+    out = {"spearman": test["mean"], "low": test["low"], "high": test["high"], "p": test["p"], "sets": test["sets"]}
+    return {**out, "predicts": bool(test["p"] < ALPHA and test["low"] > 0)}
