@@ -191,3 +191,17 @@ def test_experiments_resume_under_their_manifest(tmp_path, capsys):
     capsys.readouterr()
     assert main(["probe", *ARGS, "--out", str(out)]) == 2
     assert "another run (ipa-probe experiments" in capsys.readouterr().err
+
+
+def test_the_same_command_twice_into_one_folder_is_the_same_run(tmp_path):
+    """`make demo` twice: the second run redoes the first (same settings) instead of being refused as another run's.
+    The organism's defaults (prompt, recipe, guidance) are filled in after the check; the run's key must not see that."""
+    from ipa_probe.cli import main
+
+    argv = ["probe", "--out", str(tmp_path / "demo"), "--steps", "2", "--num-images", "1"]
+    assert main(argv) == 0
+    first = json.loads((tmp_path / "demo" / "ipa_probe_manifest.json").read_text())
+    assert main(argv) == 0
+    second = json.loads((tmp_path / "demo" / "ipa_probe_manifest.json").read_text())
+    assert second["key"] == first["key"] and second["status"] == "finished"
+    assert main([*argv[:-3], "3", *argv[-2:]]) == 2  # other settings: refused (exit 2, nothing written)

@@ -486,8 +486,15 @@ def run_settings(args: argparse.Namespace) -> dict:
 
 def run_key(args: argparse.Namespace) -> dict:
     """What must be equal for a rerun of ``probe`` or ``compare`` into the same folder to be the same run: every
-    setting that shapes the files written."""
-    return {k: v for k, v in run_settings(args).items() if k not in _NOT_IN_KEY}
+    setting that shapes the files written, as given on the command line. Taken once, at the check before torch
+    loads, and kept on ``args``: loading the model fills defaults into ``args`` (the organism's prompt, recipe,
+    guidance), and a key taken after that would never equal the check's, so a rerun of the same command would be
+    refused as another run's."""
+    key = getattr(args, "_run_key", None)
+    if key is None:
+        key = {k: v for k, v in run_settings(args).items() if k not in _NOT_IN_KEY}
+        args._run_key = key  # a dict: run_settings leaves it out of the manifest's settings
+    return key
 
 
 def check_run_folder(
