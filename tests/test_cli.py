@@ -195,7 +195,8 @@ def test_experiments_resume_under_their_manifest(tmp_path, capsys):
 
 def test_the_same_command_twice_into_one_folder_is_the_same_run(tmp_path):
     """`make demo` twice: the second run redoes the first (same settings) instead of being refused as another run's.
-    The organism's defaults (prompt, recipe, guidance) are filled in after the check; the run's key must not see that."""
+    The organism's defaults (prompt, recipe, guidance) are filled in after the check; the run's key must not see
+    that."""
     from ipa_probe.cli import main
 
     argv = ["probe", "--out", str(tmp_path / "demo"), "--steps", "2", "--num-images", "1"]
