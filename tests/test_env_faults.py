@@ -257,11 +257,12 @@ def test_weight_files_that_load_badly_are_one_line_and_a_weight_file_path_works(
 # ------------------------------------------------------------------------------------------------ Ctrl-C
 
 
-@pytest.mark.slow
-def test_ctrl_c_in_a_real_process_prints_exactly_one_line(workdir):
-    # far more rows than run before the signal lands, however loaded the machine: the interrupt must find work left
+def _interrupted_sweep(workdir, name: str, signals: int):
+    """A real `ipa-probe sweep` of 400 rows (far more than run before the signal lands, however loaded the machine:
+    the interrupt must find work left), sent ``signals`` SIGINTs 0.15 s apart once two rows are done. Returns
+    ``(returncode, stdout, stderr, out)``."""
     rows = [{"prompt": f"p{i}", "images": f"refs/{i % 3}.png", "seed": i} for i in range(400)]
-    manifest, out = write_jsonl(workdir / "long.jsonl", rows), workdir / "interrupted"
+    manifest, out = write_jsonl(workdir / "long.jsonl", rows), workdir / name
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-m", "ipa_probe", "sweep", str(manifest), "--out", str(out), *SWEEP, "--steps", "3"]
     # SIGINT at its default in the child, as in a terminal: an ignored SIGINT is inherited through exec (something
@@ -279,9 +280,18 @@ def test_ctrl_c_in_a_real_process_prints_exactly_one_line(workdir):
     while len(list((out / "rows").glob("row-*.parquet"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     assert proc.poll() is None, "the sweep ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
+    for index in range(signals):
+        if index:
+            time.sleep(0.15)
+        proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr[-2000:]
+    return proc.returncode, stdout, stderr, out
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_real_process_prints_exactly_one_line(workdir):
+    code, stdout, stderr, out = _interrupted_sweep(workdir, "interrupted", signals=1)
+    assert code == 130, stderr[-2000:]
     assert stderr.strip().splitlines() == [
         "ipa-probe sweep: interrupted; finished work is kept, run the same command again to resume"
     ]
@@ -291,28 +301,8 @@ def test_ctrl_c_in_a_real_process_prints_exactly_one_line(workdir):
 @pytest.mark.slow
 def test_two_ctrl_c_in_a_real_sweep_end_with_130_and_keep_finished_rows(workdir):
     """The issue's case: two SIGINTs 0.15 s apart in a running sweep (it died by SIGINT, status -2)."""
-    rows = [{"prompt": f"p{i}", "images": f"refs/{i % 3}.png", "seed": i} for i in range(400)]
-    manifest, out = write_jsonl(workdir / "long.jsonl", rows), workdir / "twice"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-m", "ipa_probe", "sweep", str(manifest), "--out", str(out), *SWEEP, "--steps", "3"]
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
-    )
-    deadline = time.monotonic() + 240
-    while len(list((out / "rows").glob("row-*.parquet"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    assert proc.poll() is None, "the sweep ended before it could be interrupted"
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.15)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr[-2000:]
+    code, _, stderr, out = _interrupted_sweep(workdir, "twice", signals=2)
+    assert code == 130, stderr[-2000:]
     assert stderr.strip().splitlines() == [
         "ipa-probe sweep: interrupted; finished work is kept, run the same command again to resume"
     ]
