@@ -206,12 +206,17 @@ def controls(statistics: dict[str, pd.DataFrame], seed: int = 0) -> pd.DataFrame
 def shuffle_check(pipe, result, refs: list, seed: int, order: list[int]) -> dict:
     """Generate again with the references in ``order`` (reference ``j`` of the new call is ``refs[order[j]]``) and
     compare: the largest absolute difference of the final latents, and of the shares (average, per head, per
-    position) with the new references put back in their old places."""
+    position) with the new references put back in their old places, at the first recorded step (the same ``x_t``:
+    only the token order differs) and over every recorded step (later ``x_t`` carry the loop's float32 drift).
+
+    The check passes when the final latent agrees to :data:`SHUFFLE_LATENT_RTOL` of its largest value and the
+    first step's shares to :data:`SHUFFLE_SHARE_ATOL`; the later steps' share difference is reported beside it.
+    """
     again = observe(pipe, [refs[i] for i in order], seed)
     before = result.generation.latents.double()
     latent = float((again.generation.latents.double() - before).abs().max())
     scale = float(before.abs().max())
-    share = 0.0
+    share = first = 0.0
     for name in ("table", "heads", "positions"):
         old, new = getattr(result, name), getattr(again, name).copy()
         if not len(old):
@@ -221,14 +226,17 @@ def shuffle_check(pipe, result, refs: list, seed: int, order: list[int]) -> dict
         merged = old.merge(new, on=keys, suffixes=("", "_shuffled"), validate="one_to_one")
         if len(merged) != len(old):
             raise ValueError(f"shuffled order: the {name} tables do not pair ({len(merged)} of {len(old)} rows)")
-        share = max(share, float((merged["attention_share"] - merged["attention_share_shuffled"]).abs().max()))
+        diff = (merged["attention_share"] - merged["attention_share_shuffled"]).abs()
+        share = max(share, float(diff.max()))
+        first = max(first, float(diff[merged["step"] == merged["step"].min()].max()))
     return {
         "order": list(order),
         "latent_max_diff": latent,
         "latent_max_abs": scale,
+        "first_step_share_max_diff": first,
         "share_max_diff": share,
         "bit_equal": latent == 0.0 and share == 0.0,
-        "within_tolerance": latent <= SHUFFLE_LATENT_RTOL * scale and share <= SHUFFLE_SHARE_ATOL,
+        "within_tolerance": latent <= SHUFFLE_LATENT_RTOL * scale and first <= SHUFFLE_SHARE_ATOL,
     }
 
 
@@ -296,7 +304,9 @@ def control_rows(label: str, check: dict) -> list[Row]:
                 "shuffled reference order",
                 f"{label}, {len(shuffled)} sets",
                 f"max |Δ latent| {shuffled['latent_max_diff'].max():.2g} (|latent| up to "
-                f"{shuffled['latent_max_abs'].max():.2g}), max |Δ share| {shuffled['share_max_diff'].max():.2g}; "
+                f"{shuffled['latent_max_abs'].max():.2g}), max |Δ share| at the first step "
+                f"{shuffled['first_step_share_max_diff'].max():.2g}, at any step "
+                f"{shuffled['share_max_diff'].max():.2g}; "
                 f"within tolerance: {'yes' if shuffled['within_tolerance'].all() else 'NO'}"
                 f"{'; bit-equal' if shuffled['bit_equal'].all() else ''}",
                 "—",
