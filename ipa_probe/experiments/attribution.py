@@ -29,8 +29,8 @@ intervals over reference sets. Controls:
   (layer, position) cells whose TV from uniform exceeds :data:`~ipa_probe.attribution.POOLING_TV`, for the 2 + 2 and
   the four-digit sets against the one-digit sets;
 - **shuffled reference order**: the first ``attribution_control_sets`` 2 + 2 sets again with their references
-  permuted: the outputs must agree to :data:`SHUFFLE_LATENT_RTOL` and the shares, permuted back, to
-  :data:`SHUFFLE_SHARE_ATOL`.
+  permuted: the outputs must agree to :data:`SHUFFLE_LATENT_RTOL` and the first recorded step's shares, permuted
+  back, to :data:`SHUFFLE_SHARE_ATOL` (every step's largest difference is reported beside them).
 
 A statistic counts only where it differs from its control (:func:`~ipa_probe.attribution.control_difference`: the
 difference's 95 % bootstrap interval excludes 0).

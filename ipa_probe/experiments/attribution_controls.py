@@ -310,8 +310,8 @@ def control_rows(label: str, check: dict) -> list[Row]:
                 f"within tolerance: {'yes' if shuffled['within_tolerance'].all() else 'NO'}"
                 f"{'; bit-equal' if shuffled['bit_equal'].all() else ''}",
                 "—",
-                f"tolerances {SHUFFLE_LATENT_RTOL:g} x max |latent|, {SHUFFLE_SHARE_ATOL:g} on the shares permuted "
-                "back: float32 sums in another order",
+                f"tolerances {SHUFFLE_LATENT_RTOL:g} x max |latent|, {SHUFFLE_SHARE_ATOL:g} on the first step's "
+                "shares permuted back: float32 sums in another order (later steps' x_t carry the loop's drift)",
             )
         )
     return rows
