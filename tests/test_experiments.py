@@ -265,3 +265,18 @@ def test_cli_unwritable_output_folder(tmp_path, capsys):
 
 def test_icfm_model_is_exported():
     assert issubclass(ICFMVelocityNet, torch.nn.Module)
+
+
+def test_committed_full_tier_records_fit_the_tiers_budget():
+    """The full tier's promise (< 60 min on the project's 2-core CPU) held by its committed records: the wall times
+    the runs wrote into each ``record.json`` (docs/results/full, every experiment of ``experiments all``), summed."""
+    import json
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "docs" / "results" / "full"
+    records = {p.parent.name: json.loads(p.read_text()) for p in folder.glob("*/record.json")}
+    from ipa_probe.experiments.runner import EXPERIMENTS
+
+    assert set(records) == set(EXPERIMENTS)
+    assert all(r["tier"]["name"] == "full" for r in records.values())
+    assert sum(r["wall_time_s"] for r in records.values()) <= 60 * 60
