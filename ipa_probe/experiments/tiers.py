@@ -12,9 +12,10 @@ the learned model on 20 tasks × 500 points costs 2.6–15 s, one of the plug-in
 × 128 points) about a tenth of an evaluation. Two OpenMP threads spin against the other jobs, so run loaded machines
 with ``--threads 1``. :func:`ipa_probe.experiments.timing.project` at the pessimistic loaded costs (0.1 s per
 32-task step, 25 s per evaluation) puts ``smoke`` at 9.7 min and ``full`` at 57 min. Measured with the protocol
-on the quiet machine, ``full`` took 24 min (1 thread). Twice its shells and scarcity steps moved no number beyond its
-spread (``docs/results/full_2x_steps/``), so the step counts stay and the rest of the budget is left unspent; how
-the scarcity gap moves with training at the release's constant rate is :mod:`.scarcity_steps`.
+on the quiet machine, ``full`` took 31 min (1 thread; the committed records in docs/results/full, the ip-adapter and
+attribution experiments with their controls and grid 10 min of it). Twice its shells and scarcity steps moved no
+number beyond its spread (``docs/results/full_2x_steps/``), so the step counts stay and the rest of the budget is
+left unspent; how the scarcity gap moves with training at the release's constant rate is :mod:`.scarcity_steps`.
 
 ``paper`` (d_model 128, 3 layers, 256 tasks × 256 targets, lr 1e-4, 1000 warm-up steps then constant, 100k/50k steps,
 validation on 100 tasks × 500 points every 1000 steps, 3 seeds) runs on CUDA when present; the CLI refuses it
