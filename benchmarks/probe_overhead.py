@@ -240,6 +240,7 @@ def _record_once(processor, q, k, h, setting, gens):
     from ipa_probe.capture.cells import cell_values, group_cell, record_logits
     from ipa_probe.stats import stratified_rows
 
+    q = q.contiguous()  # as the probe's record callback does
     attn = record_logits(processor, q, k, False)
     sample = None
     if setting is not None and q.shape[2] > setting:

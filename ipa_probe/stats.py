@@ -21,6 +21,9 @@ from .kernels import n_eff
 from .nulls import EXACT_NULL_KEYS, RhoNull, null_tail, rho_baseline, rho_null
 from .schema import ROW_THRESHOLD, STAT_NAMES, rows_column
 
+#: A null's random source: one generator, or per block of the leading dimension ``(generator, slices)``.
+_Draws = torch.Generator | list[tuple[torch.Generator, int]]
+
 __all__ = [
     "EXACT_NULL_KEYS",
     "STAT_NAMES",
@@ -124,12 +127,19 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1)
 
 
-def _shuffle_rows(w: torch.Tensor, generator: torch.Generator, prefix: torch.Tensor | None = None) -> torch.Tensor:
+def _shuffle_rows(w: torch.Tensor, generator: _Draws, prefix: torch.Tensor | None = None) -> torch.Tensor:
     """``w`` with an independent uniformly random permutation of the last dimension in every row.
 
-    With a boolean ``prefix`` mask (kept entries first in every row), only the kept entries are shuffled.
+    With a boolean ``prefix`` mask (kept entries first in every row), only the kept entries are shuffled. With
+    several ``(generator, n)`` draws, the first ``n`` slices of ``w``'s leading dimension draw from the first
+    generator, and so on: each generator draws what it would draw for its slices alone.
     """
-    noise = torch.rand(w.shape, generator=generator, device=w.device, dtype=torch.float32)
+    if isinstance(generator, torch.Generator):
+        noise = torch.rand(w.shape, generator=generator, device=w.device, dtype=torch.float32)
+    else:
+        # (F, ...): one draw per generator of its frames' shape, stacked
+        parts = [torch.rand((n, *w.shape[1:]), generator=g, device=w.device) for g, n in generator]
+        noise = torch.cat(parts) if len(parts) > 1 else parts[0]
     if prefix is not None:
         noise = torch.where(prefix, noise, 2.0)
     return w.gather(-1, noise.argsort(-1))
@@ -268,13 +278,28 @@ def compare_frames(
         raise TypeError(f"attn_logits: expected a tensor of shape (..., R, K), got {type(attn_logits).__name__}")
     if replicates is not None and (replicates < 2 or attn_logits.shape[-2] % replicates):
         raise ValueError(f"replicates: expected G >= 2 dividing the rows ({attn_logits.shape[-2]}), got {replicates}")
-    side = _attention_side(attn_logits, key_mask, key_groups)
-    out = []
-    for nw_logits, key_term, generator in frames:
+    for nw_logits, _, _ in frames:
         if nw_logits.shape[-attn_logits.dim() :] != attn_logits.shape:
             raise ValueError(f"expected NW logits of shape (..., {tuple(attn_logits.shape)}), got {nw_logits.shape}")
-        out.append(_frame_stats(side, nw_logits, generator, row_mask, key_term, null_tails, replicates))
-    return out
+    side = _attention_side(attn_logits, key_mask, key_groups)
+    lead = [nw.shape[: nw.dim() - attn_logits.dim()] for nw, _, _ in frames]  # each frame's F
+    per_key = attn_logits.shape[:-2] + (1, attn_logits.shape[-1])  # (..., 1, K)
+    if len(frames) > 1 and all(t is not None and t.shape[-2] == 1 for _, t, _ in frames):
+        # Frames whose key terms are per key (the probe's stored and query frames) go through one stacked pass:
+        # (sum F, ..., R, K). Every statistic is per row and reduced per cell, so each frame's values are those of
+        # its own pass; each generator draws its own frames' nulls.
+        sizes = [math.prod(f) for f in lead]
+        nw_all = torch.cat([nw.reshape(-1, *attn_logits.shape) for nw, _, _ in frames])
+        terms = torch.cat(
+            [t.expand(*f, *per_key).reshape(-1, *per_key) for (_, t, _), f in zip(frames, lead, strict=True)]
+        )
+        draws = [(g, n) for (_, _, g), n in zip(frames, sizes, strict=True)]
+        stats = _frame_stats(side, nw_all, draws, row_mask, terms, null_tails, replicates)
+        return [part.reshape(*f, *part.shape[1:]) for part, f in zip(stats.split(sizes), lead, strict=True)]
+    return [
+        _frame_stats(side, nw, generator, row_mask, key_term, null_tails, replicates)
+        for nw, key_term, generator in frames
+    ]
 
 
 @dataclass
@@ -357,13 +382,14 @@ def _centred_pearson(side: _AttentionSide, b: torch.Tensor) -> torch.Tensor:
 def _frame_stats(
     side: _AttentionSide,
     nw_logits: torch.Tensor,
-    generator: torch.Generator,
+    generator: _Draws,
     row_mask: torch.Tensor | None,
     key_term: torch.Tensor | None,
     null_tails: torch.Tensor | None,
     replicates: int | None = None,
 ) -> torch.Tensor:
-    """The statistics of :func:`compare_weights` of one NW weighting against the shared attention side."""
+    """The statistics of :func:`compare_weights` of one NW weighting against the shared attention side (several
+    frames stacked on the leading dimension with per-block ``generator`` draws, see :func:`_shuffle_rows`)."""
     dtype, key_mask = side.dtype, side.key_mask
     nw_logits = nw_logits.to(dtype)
     shape = nw_logits.shape

@@ -383,7 +383,9 @@ class ProbeRun:
         if query.shape[0] % labels.shape[0]:  # a batch the layout does not describe: one unlabelled group
             labels = self.evidence.layout(None, query.device).items
             chunks = 1
-        q, k = query.float(), key.float()  # (B, H, Q, D), (B, H, K, D)
+        # (B, H, Q, D), (B, H, K, D); the query made contiguous once (a tap's heads split is a transposed view),
+        # where every matmul and norm over it would copy it again
+        q, k = query.float().contiguous(), key.float()
         head_dim = q.shape[-1]
         head_index = self._heads(q.device)
         if head_index is not None:
