@@ -78,7 +78,8 @@ class ProbeConfig:
             record's statistics on a CPU device and restored after, also on an exception; ``None`` (default) keeps
             the caller's. The probe's some 300 small operations per record gain nothing from a second thread, and on a
             busy machine each of them waits for it (docs/measured.md, "The probe at 512 px"), so ``threads=1`` can cut
-            the probe's cost several times there while the pipeline keeps its threads. No statistic depends on it.
+            the probe's cost several times there while the pipeline keeps its threads. The statistics are the same up
+            to float32 rounding (a reduction split over threads may round differently).
     """
 
     bandwidth: BandwidthSpec = "matched"
