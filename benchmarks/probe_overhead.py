@@ -87,13 +87,18 @@ class OwnTime:
         return total
 
 
-def timed_call(pipe, inputs: dict, mode: str, device: str, own: OwnTime | None = None, rows="default"):
+def timed_call(
+    pipe, inputs: dict, mode: str, device: str, own: OwnTime | None = None, rows="default", threads: int | None = None
+):
     """Seconds of one pipeline call (``mode``: plain, probe, or probe with maps=True), and the finished probe run
-    (``None`` when plain). With ``own``, the probe's and the plain layer calls' CPU time are added to it."""
+    (``None`` when plain). With ``own``, the probe's and the plain layer calls' CPU time are added to it; ``threads``
+    is the probe's ``threads`` option."""
     from ipa_probe import probe
 
     generator = torch.Generator(device).manual_seed(0)
     options = {} if rows == "default" else {"rows": rows}
+    if threads is not None:
+        options["threads"] = threads
     sync(device)
     start, cpu = time.perf_counter(), time.process_time()
     if mode != "plain":
@@ -198,23 +203,32 @@ def _peak_child(args: tuple) -> dict:
 
 
 def measure_point(
-    device: str, dtype, latent: int, steps: int, images: int, repeats: int, pipe=None, rows="default"
+    device: str,
+    dtype,
+    latent: int,
+    steps: int,
+    images: int,
+    repeats: int,
+    pipe=None,
+    rows="default",
+    threads: int | None = None,
 ) -> dict:
     """One point of the cost model: wall-time ratios (medians of alternating rounds) and the probe's own CPU time."""
     pipe = pipe if pipe is not None else sd15_pipeline(device, dtype)
     inputs = call_inputs(pipe, latent, steps, images, device, dtype)
     load_before = os.getloadavg()[0]
     for mode in MODES:  # warm-up, every path
-        timed_call(pipe, inputs, mode, device, rows=rows)
+        timed_call(pipe, inputs, mode, device, rows=rows, threads=threads)
     own = OwnTime(pipe)
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for r in range(repeats):  # rotate which goes first, so drift in the machine's load hits all
         for mode in MODES[r % 3 :] + MODES[: r % 3]:
-            times[mode].append(timed_call(pipe, inputs, mode, device, own, rows)[0])
+            times[mode].append(timed_call(pipe, inputs, mode, device, own, rows, threads)[0])
     ratio = {m: [p / q for p, q in zip(times[m], times["plain"], strict=True)] for m in ("probe", "maps")}
     layer_calls = statistics.median(own.layer_calls)
     return {
         "rows": "default" if rows == "default" else str(rows),
+        "probe_threads": "caller's" if threads is None else threads,
         "latent": latent,
         "tokens": 4 * images,
         "steps": steps,
@@ -240,6 +254,7 @@ def _record_once(processor, q, k, h, setting, gens):
     from ipa_probe.capture.cells import cell_values, group_cell, record_logits
     from ipa_probe.stats import stratified_rows
 
+    q = q.contiguous()  # as the probe's record callback does
     attn = record_logits(processor, q, k, False)
     sample = None
     if setting is not None and q.shape[2] > setting:
@@ -303,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--record-costs", action="store_true", help="the cost model's terms per record, no pipeline (fast)"
     )
+    parser.add_argument(
+        "--probe-threads",
+        type=int,
+        default=None,
+        help="probe(threads=N): torch threads for the probe's statistics (default: the caller's, --threads)",
+    )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--no-memory", action="store_true", help="time only (skip the fresh-process memory runs)")
     args = parser.parse_args(argv)
@@ -336,7 +357,17 @@ def main(argv: list[str] | None = None) -> int:
                 for st in args.sweep_steps:
                     for setting in settings:
                         rows.append(
-                            measure_point(args.device, dtype, lat, st, tokens // 4, args.repeats, pipe, setting)
+                            measure_point(
+                                args.device,
+                                dtype,
+                                lat,
+                                st,
+                                tokens // 4,
+                                args.repeats,
+                                pipe,
+                                setting,
+                                args.probe_threads,
+                            )
                         )
                         print(_table(rows[-1:]), flush=True)
         print("\nthe curve:")
@@ -348,10 +379,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"SD 1.5 UNet (random weights), {latent}x{latent} latents, {steps} steps, CFG, {args.images} reference "
         f"images, {args.device}, {str(dtype).removeprefix('torch.')}, torch threads {torch.get_num_threads()}, "
-        f"probe(rows={settings[0]})",
+        f"probe(rows={settings[0]}, threads={args.probe_threads})",
         flush=True,
     )
-    point = measure_point(args.device, dtype, latent, steps, args.images, args.repeats, rows=settings[0])
+    point = measure_point(
+        args.device, dtype, latent, steps, args.images, args.repeats, rows=settings[0], threads=args.probe_threads
+    )
     rows = []
     # targets (issue #32): the probe <= 1.02 and maps=True <= 1.05 at 64 x 64 latents, on the CPU and on a GPU
     for mode, target in (("probed", 1.02), ("maps", 1.05)):

@@ -166,23 +166,25 @@ def query_frame_logits(
         n_rows = torch.full((), logits.shape[-2], dtype=logits.dtype, device=logits.device)
     else:
         n_rows = inside.to(logits.dtype).sum(-2, keepdim=True)  # (..., 1, 1) or (..., 1, K)
-    out, logits_out = [], []
+    outside = ~inside if inside is not None else None
+    out = []
     for name in QUERY_FRAME_FORMS if form == "both" else (form,):
         if name == "exact":
-            terms = centred if inside is None else centred.masked_fill(~inside, -math.inf)
+            terms = centred if outside is None else centred.masked_fill(outside, -math.inf)
             b = torch.logsumexp(terms, dim=-2, keepdim=True) - torch.log(n_rows)  # (..., 1, K)
         else:
-            terms = centred if inside is None else torch.where(inside, centred, 0.0)
+            terms = centred if outside is None else centred.masked_fill(outside, 0.0)
             mean = terms.sum(-2, keepdim=True) / n_rows
-            dev = centred - mean if inside is None else torch.where(inside, centred - mean, 0.0)
+            dev = centred - mean if outside is None else (centred - mean).masked_fill_(outside, 0.0)
             b = mean + (dev * dev).sum(-2, keepdim=True) / (2 * n_rows)
         if inside is not None:
             b = torch.where(n_rows > 0, b, 0.0)
         out.append(b)
-        logits_out.append((centred if select is None else centred.index_select(-2, select)) - b)
+    rows = centred if select is None else centred.index_select(-2, select)  # (..., R or n, K)
     if form == "both":
-        return torch.stack(logits_out), torch.stack(out)
-    return logits_out[0], out[0]
+        b = torch.stack(out)  # (2, ..., 1, K)
+        return rows - b, b
+    return rows - out[0], out[0]
 
 
 def query_frame_bias(

@@ -17,7 +17,7 @@ import torch
 from ..kernels import dot_logits, matched_bandwidth, nw_logits, query_frame_logits
 from ..layers import image_branch_logits
 from ..schema import QUERY_FRAME_STATS, STAT_NAMES
-from ..stats import compare_frames, copy_groups, fit_bandwidth
+from ..stats import compare_frames, copy_groups, finite_rows, fit_bandwidth
 from .config import SAMPLE_GROUPS
 
 __all__ = [
@@ -194,14 +194,24 @@ def cell_values(
         share = image_share(processor, q, k, other.float())  # (B, H, Q)
         ip_mass = by_group(share).mean(-1)
     chosen = [STAT_NAMES.index(name) for name in QUERY_FRAME_STATS]
-    frame = frame[..., chosen]  # (2, groups, H, 2, stats)
-    frame_fields = [frame[form, ..., part, i] for part in range(2) for form in range(2) for i in range(len(chosen))]
-    estimates, errors = frame_fields[: len(frame_fields) // 2], frame_fields[len(frame_fields) // 2 :]
+    # (2, groups, H, 2, S) -> (groups, H, 2, 2 * C): per part (estimate, error) the exact form's statistics, then the
+    # Gaussian form's (the order of QUERY_FRAME_COLUMNS)
+    frame = frame[..., chosen].permute(1, 2, 3, 0, 4).flatten(-2)
     fraction = torch.full_like(q_norm, 1.0 if sample is None else sample.shape[0] / n_rows)
+    scalars = torch.stack(
+        (cell.h.expand_as(q_norm), q_norm, spread, ip_mass, keys, fraction), dim=-1
+    )  # (groups, H, 6)
     # the buffers keep each standard error squared, so that a mean over cells adds variances (report.run_table)
-    variances = [x * x for x in (*stats[..., 1, :].unbind(-1), *errors)]
-    fields = [cell.h, *stats[..., 0, :].unbind(-1), q_norm, spread, ip_mass, keys, *estimates, fraction, *variances]
-    return torch.stack(fields, dim=-1)
+    errors = torch.cat((stats[..., 1, :], frame[..., 1, :]), dim=-1)
+    parts = (
+        scalars[..., :1],
+        stats[..., 0, :],
+        scalars[..., 1:5],
+        frame[..., 0, :],
+        scalars[..., 5:],
+        errors * errors,
+    )
+    return torch.cat(parts, dim=-1)  # (groups, H, fields) in the order of CELL_FIELDS
 
 
 def frame_logits(cell: Cell, pools: int, sample: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,7 +238,7 @@ def frame_logits(cell: Cell, pools: int, sample: torch.Tensor | None = None) -> 
     """
     attn, key_mask = cell.attn, cell.key_mask  # (groups, H, R, K)
     groups, n_heads, n_rows, n_keys = attn.shape
-    finite = (attn if key_mask is None else torch.where(key_mask, attn, 0.0)).isfinite().all(-1)  # (groups, H, R)
+    finite = finite_rows(attn if key_mask is None else torch.where(key_mask, attn, 0.0))  # (groups, H, R)
     rows = finite if cell.row_mask is None else finite & cell.row_mask
 
     def pooled(x: torch.Tensor) -> torch.Tensor:

@@ -74,6 +74,12 @@ class ProbeConfig:
             columns and the reference maps always use every row. ``None`` for exact statistics everywhere.
             Default :data:`DEFAULT_ROWS` (exact); ``rows=256`` is what meets the overhead target at 512 px SD 1.5:
             its 64 x 64 and 32 x 32 layers sampled, the rest exact (docs/measured.md, "The probe at 512 px").
+        threads: torch's CPU threads for the probe's own statistics: set (``torch.set_num_threads``) around each
+            record's statistics on a CPU device and restored after, also on an exception; ``None`` (default) keeps
+            the caller's. The probe's some 300 small operations per record gain nothing from a second thread, and on a
+            busy machine each of them waits for it (docs/measured.md, "The probe at 512 px"), so ``threads=1`` can cut
+            the probe's cost several times there while the pipeline keeps its threads. The statistics are the same up
+            to float32 rounding (a reduction split over threads may round differently).
     """
 
     bandwidth: BandwidthSpec = "matched"
@@ -88,8 +94,16 @@ class ProbeConfig:
     maps: bool = False
     query_frame: str = "item"
     rows: int | None = DEFAULT_ROWS
+    threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.threads is not None and (
+            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
+        ):
+            raise ValueError(
+                f"threads: expected None (the caller's torch threads) or a positive int (torch CPU threads for the "
+                f"probe's statistics), got {self.threads!r}"
+            )
         if self.rows is not None and (
             isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 2 * SAMPLE_GROUPS
         ):

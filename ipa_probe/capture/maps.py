@@ -247,7 +247,8 @@ class MapAccumulator:
         """
         n_branch, _, rows, tokens = attention.shape
         items = self._batch // n_branch
-        shares = torch.stack([torch.softmax(attention, -1).mean(1), torch.softmax(nw, -1).mean(1)])  # (2, n, IQ, K)
+        weights_all = torch.softmax(attention, -1)  # (n, H, items * Q, K), taken once for every use below
+        shares = torch.stack([weights_all.mean(1), torch.softmax(nw, -1).mean(1)])  # (2, n, IQ, K)
         shares = shares.reshape(2, n_branch, items, rows // items, tokens)  # (2, n, items, Q, K)
         queries = shares.shape[-2]
         mask = self._masks[adapter] if adapter < len(self._masks) else None
@@ -255,7 +256,7 @@ class MapAccumulator:
         layer = self.layers[index]
         if mask is None and layer.family != "sd3" and attention.shape[1] == layer.heads:
             # (n, H, items * Q, K) -> (B, H, Q, K), the batch order the value projection sees
-            weights = torch.softmax(attention, -1).reshape(n_branch, attention.shape[1], items, queries, tokens)
+            weights = weights_all.reshape(n_branch, attention.shape[1], items, queries, tokens)
             self._pending[(index, adapter)] = (
                 (call, step, index, adapter),
                 labels,
@@ -265,7 +266,7 @@ class MapAccumulator:
             if mask is not None:
                 raise ValueError("per-head maps (keep_heads) do not support ip_adapter_masks; call without masks")
             heads = attention.shape[1]
-            per_head = torch.softmax(attention, -1).reshape(n_branch, heads, items, rows // items, tokens)
+            per_head = weights_all.reshape(n_branch, heads, items, rows // items, tokens)
             per_head = per_head.transpose(1, 2)  # (n, items, H, Q, K)
             self.head_store.setdefault((call, step, index, adapter), []).append((labels, per_head))
         if mask is None:

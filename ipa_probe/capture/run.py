@@ -356,8 +356,29 @@ class ProbeRun:
         return cached
 
     # ------------------------------------------------------------------ the statistics
-    @torch.no_grad()
     def _record(
+        self,
+        index: int,
+        slot: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        other: torch.Tensor | None,
+        rows: torch.Tensor | None = None,
+    ) -> None:
+        """:meth:`_record_stats`, with torch's CPU threads set to :attr:`ProbeConfig.threads` around it (on a CPU
+        device) and the caller's restored after, also on an exception."""
+        threads = self.config.threads
+        if threads is None or query.device.type != "cpu":
+            return self._record_stats(index, slot, query, key, other, rows)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return self._record_stats(index, slot, query, key, other, rows)
+        finally:
+            torch.set_num_threads(before)
+
+    @torch.no_grad()
+    def _record_stats(
         self,
         index: int,
         slot: int,
@@ -383,7 +404,9 @@ class ProbeRun:
         if query.shape[0] % labels.shape[0]:  # a batch the layout does not describe: one unlabelled group
             labels = self.evidence.layout(None, query.device).items
             chunks = 1
-        q, k = query.float(), key.float()  # (B, H, Q, D), (B, H, K, D)
+        # (B, H, Q, D), (B, H, K, D); the query made contiguous once (a tap's heads split is a transposed view),
+        # where every matmul and norm over it would copy it again
+        q, k = query.float().contiguous(), key.float()
         head_dim = q.shape[-1]
         head_index = self._heads(q.device)
         if head_index is not None:
@@ -637,6 +660,7 @@ def probe(
     maps: bool = False,
     query_frame: str = "item",
     rows: int | None = DEFAULT_ROWS,
+    threads: int | None = None,
     log_with: str | None = None,
     logging_dir: str | os.PathLike = "runs",
     run_name: str = "probe",
@@ -646,8 +670,8 @@ def probe(
     Args:
         pipe: a diffusers pipeline with an IP-Adapter loaded: Stable Diffusion 1.5 / SDXL, Flux or SD3 (see
             :mod:`ipa_probe.capture.taps` for what the image-branch weights are in each).
-        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps, query_frame, rows:
-            see :class:`ProbeConfig`.
+        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps, query_frame, rows,
+            threads: see :class:`ProbeConfig`.
         log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"`` to send the run (rho with its baseline and null,
             per-layer rho, histograms, overlays per step with ``maps=True``, settings with end-of-run metrics) to
             that tracker when the block ends normally (after the denoising loop and the one device-to-host
@@ -674,7 +698,19 @@ def probe(
         ```
     """
     config = ProbeConfig(
-        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps, query_frame, rows
+        bandwidth,
+        layers,
+        steps,
+        heads,
+        keep_maps,
+        max_map_bytes,
+        seed,
+        branch,
+        branches,
+        maps,
+        query_frame,
+        rows,
+        threads,
     )
     if log_with is not None:
         from ..trackers import check_tracker
