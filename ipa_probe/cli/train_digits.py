@@ -45,14 +45,14 @@ def add_parser(subparsers) -> None:
         "train-digits",
         help="train the digits model organism (the shipped weights are this command's output)",
         description=(
-            "Train the digits organism on scikit-learn's handwritten digits, deterministically on CPU. "
-            "--recipe support: the VAE, then the UNet, IP-Adapter and image encoder together on support sets of the "
-            "target's class. --recipe mixed: the same, with half of each UNet batch on mixed reference sets (each "
-            "reference's digit drawn at random, the target's digit one reference's). --recipe ip-adapter, as IP-Adapter is trained: --stage base trains the image-free base "
-            "UNet (16 cross-attention layers, 8 heads) and pretrains the image encoder; --stage adapter (the "
-            "default) trains only ImageProjection and to_k_ip/to_v_ip on the frozen base (--base, default the "
-            "shipped one), each image reconstructed from its own embedding. Resumes from the checkpoint in --out; "
-            "writes the weights, record.json and loss.png there. Load the result with "
+            "Train the digits organism on scikit-learn's handwritten digits, deterministically on CPU. --recipe "
+            "support: the VAE, then the UNet, IP-Adapter and image encoder together on support sets of the target's "
+            "class. --recipe mixed: the same, with half of each UNet batch on mixed reference sets (each reference's "
+            "digit drawn at random, the target's digit one reference's). --recipe ip-adapter, as IP-Adapter is "
+            "trained: --stage base trains the image-free base UNet (16 cross-attention layers, 8 heads) and pretrains"
+            " the image encoder; --stage adapter (the default) trains only ImageProjection and to_k_ip/to_v_ip on the"
+            " frozen base (--base, default the shipped one), each image reconstructed from its own embedding. Resumes"
+            " from the checkpoint in --out; writes the weights, record.json and loss.png there. Load the result with "
             "ipa_probe.digits_pipeline(OUT). One training per --out at a time. On a machine shared with other jobs, "
             "OMP_WAIT_POLICY=PASSIVE stops the threads spin-waiting. See docs/organism.md."
         ),
