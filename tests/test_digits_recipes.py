@@ -115,8 +115,8 @@ def test_the_training_call_equals_the_pipeline_call(ip_organism):
 
 
 def test_recipes_are_named_and_checked(tmp_path):
-    assert D.RECIPES == ("support", "ip-adapter") and D.DEFAULT_RECIPE in D.RECIPES
-    with pytest.raises(ValueError, match="expected recipe to be one of 'support', 'ip-adapter', got 'flow'"):
+    assert D.RECIPES == ("support", "ip-adapter", "mixed") and D.DEFAULT_RECIPE in D.RECIPES
+    with pytest.raises(ValueError, match="expected recipe to be one of 'support', 'ip-adapter', 'mixed', got 'flow'"):
         D.digits_pipeline(recipe="flow")
     with pytest.raises(ValueError, match="recipe"):
         D.untrained_digits_pipeline(recipe="flow")
