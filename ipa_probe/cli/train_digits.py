@@ -97,7 +97,8 @@ def check(args: argparse.Namespace) -> None:
     limit = max_refs_limit(training)
     if args.max_refs is not None and args.max_refs > limit:
         raise CLIError(
-            f"--max-refs {args.max_refs}: the {training} training draws a target's references from its class, and "
+            f"--max-refs {args.max_refs}: the {args.recipe if training == 'support' else training} training draws a "
+            "target's references from its class, and "
             f"the rarest digit has {DIGITS_SMALLEST_CLASS} training images; use at most {limit}"
         )
     if args.base is not None:
