@@ -197,6 +197,10 @@ def test_shipped_mixed_weights_are_a_clean_run_of_the_mixed_recipe(mixed_organis
         assert torch.equal(proc.to_k_ip[0].weight, shipped[f"ip_adapter.{2 * n + 1}.to_k_ip.weight"])
     support = load_file(str(D.DIGITS_WEIGHTS / "ip_adapter" / D.WEIGHT_NAME))
     assert not torch.equal(shipped["ip_adapter.1.to_k_ip.weight"], support["ip_adapter.1.to_k_ip.weight"])
+    # the stages before the UNet's do not see ``mixed``: the shipped VAE and text encoder are support's, bit for bit
+    for part in ("vae/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors"):
+        ours, theirs = (load_file(str(root / "model" / part)) for root in (D.DIGITS_MIXED_WEIGHTS, D.DIGITS_WEIGHTS))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), part
     with pytest.raises(ValueError, match="got a 'mixed' one; pass recipe='mixed'"):
         D.digits_pipeline(D.DIGITS_MIXED_WEIGHTS, recipe="support")
     with pytest.raises(ValueError, match="got a 'support' one; pass recipe='support'"):
