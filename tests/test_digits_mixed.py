@@ -5,7 +5,9 @@ folders, and the shipped ``mixed`` weights."""
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +19,8 @@ from ipa_probe._checks import DIGITS_MIXED_FRACTION
 from ipa_probe.tiny import digits as D
 from ipa_probe.tiny.digits.loop import step_generator, training_digits
 from ipa_probe.tiny.digits.train import _references
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +222,94 @@ def test_shipped_mixed_organism_generates_and_has_an_untrained_control(mixed_org
     assert untrained.vae.config.scaling_factor == pytest.approx(record["scaling_factor"])
     same = D.untrained_digits_pipeline(recipe="support").unet.state_dict()  # same architecture and initial weights
     assert all(torch.equal(v, same[k]) for k, v in untrained.unet.state_dict().items())
+
+
+# --------------------------------------------------------------------------- the records' tables in docs/organism.md
+
+
+def _t_interval(values, bounds=(0.0, 1.0)):
+    """Mean and Student's t 95% interval over seeds, recomputed with scipy (cut to ``bounds`` when given)."""
+    x = np.asarray(values, dtype=np.float64)
+    half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x))
+    low, high = x.mean() - half, x.mean() + half
+    return (x.mean(), *(np.clip([low, high], *bounds) if bounds else (low, high)))
+
+
+def _page_rows(prefixes):
+    """The cells of docs/organism.md's table rows that start with each prefix, as floats."""
+    page = (ROOT / "docs" / "organism.md").read_text()
+    rows = {}
+    for line in page.splitlines():
+        for prefix in prefixes:
+            if line.startswith(f"| {prefix} |"):
+                cells = line.split("|")[2:-1]
+                rows[prefix] = [[float(v) for v in re.findall(r"[−-]?\d+\.\d+", c.replace("−", "-"))] for c in cells]
+    assert set(rows) == set(prefixes), set(prefixes) - set(rows)
+    return rows
+
+
+RECIPES_IN_TABLES = ("support", "ip-adapter", "mixed")
+
+
+def test_the_mixed_references_table_is_recomputed_from_the_records_labels():
+    """organism.md's mixed-reference table, every column, from the labels in mixed_references.json."""
+    from pathlib import Path
+
+    record = json.loads(
+        (Path(__file__).resolve().parents[1] / "docs/results/digits/mixed_references.json").read_text()
+    )
+    rows = _page_rows(
+        (
+            "one-digit sets: output is the references' digit",
+            "mixed sets (digits d, d + 3, d + 6): output is one of the three",
+            "mixed sets: the first / second / third reference's digit",
+            "one-digit minus mixed (paired by seed)",
+        )
+    )
+    for column, recipe in enumerate(RECIPES_IN_TABLES):
+        by_seed: dict[int, dict[str, list]] = {}
+        for entry in record[recipe]["labels"]:
+            labels, d = np.asarray(entry["labels"]), entry["digit"]
+            seen = by_seed.setdefault(entry["seed"], {"same": [], "any": [], "positions": []})
+            if entry["kind"] == "same":
+                seen["same"].extend(labels == d)
+            else:
+                given = [(d + 3 * j) % 10 for j in range(3)]
+                seen["any"].extend(np.isin(labels, given))
+                seen["positions"].extend(labels[:, None] == np.asarray(given)[None])
+        seeds = sorted(by_seed)
+        same = [np.mean(by_seed[s]["same"]) for s in seeds]
+        any_ = [np.mean(by_seed[s]["any"]) for s in seeds]
+        positions = [np.mean([np.mean(np.asarray(by_seed[s]["positions"])[:, j]) for s in seeds]) for j in range(3)]
+        # the page rounds to 2 decimals
+        np.testing.assert_allclose(rows["one-digit sets: output is the references' digit"][column], _t_interval(same),
+                                   atol=0.005 + 1e-9)  # fmt: skip
+        np.testing.assert_allclose(
+            rows["mixed sets (digits d, d + 3, d + 6): output is one of the three"][column], _t_interval(any_),
+            atol=0.005 + 1e-9,
+        )  # fmt: skip
+        np.testing.assert_allclose(rows["mixed sets: the first / second / third reference's digit"][column],
+                                   positions, atol=0.005 + 1e-9)  # fmt: skip
+        diff = _t_interval(np.subtract(same, any_), bounds=None)
+        np.testing.assert_allclose(rows["one-digit minus mixed (paired by seed)"][column], diff, atol=0.005 + 1e-9)
+
+
+def test_the_counts_table_is_recomputed_from_the_records_labels():
+    """organism.md's 2 + 1 table, every column, from the labels in mixed_counts.json."""
+    record = json.loads((ROOT / "docs/results/digits/mixed_counts.json").read_text())
+    prefixes = ("output is d", "output is d + 5", "neither",
+                "d's share of the outputs that are d or d + 5 (in proportion: 0.67)")  # fmt: skip
+    rows = _page_rows(prefixes)
+    for column, recipe in enumerate(RECIPES_IN_TABLES):
+        two, one, neither = {}, {}, {}
+        for entry in record[recipe]["labels"]:
+            labels, d, e = np.asarray(entry["labels"]), entry["digit"], entry["lone"]
+            assert e == (d + 5) % 10
+            for store, hits in ((two, labels == d), (one, labels == e), (neither, ~np.isin(labels, [d, e]))):
+                store.setdefault(entry["seed"], []).extend(hits)
+        seeds = sorted(two)
+        per = [[np.mean(store[s]) for s in seeds] for store in (two, one, neither)]
+        share = [t / (t + o) for t, o in zip(per[0], per[1], strict=True)]
+        for prefix, values in zip(prefixes, [*per, share], strict=True):
+            # the page rounds to 2 decimals
+            np.testing.assert_allclose(rows[prefix][column], _t_interval(values), atol=0.005 + 1e-9, err_msg=prefix)
