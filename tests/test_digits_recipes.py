@@ -277,7 +277,7 @@ def test_shipped_organism_draws_the_reference_digit_and_not_at_scale_zero(recipe
     assert on["samples"] == off["samples"] == 30
     # the rates are recomputed here from the returned labels; a broken or untrained model fails these bounds
     assert (on["labels"] == on["targets"]).mean() == on["rate"]
-    # 500-sample rates are in docs/results/digits/<recipe>/rates.md (mixed: per_digit.md, 53%); 30 samples at 10
+    # 500-sample rates are in docs/results/digits/<recipe>/rates.md (96%, 74%, 53%); 30 samples at 10
     # steps vary by about 0.1, so each bound sits about 2 of those below its recipe's rate and far above chance (0.1)
     assert on["rate"] >= least, on
     assert off["rate"] <= 0.3, off
