@@ -18,6 +18,7 @@ __all__ = [
     "GAUGE_FACTOR_RANGE",
     "DEFAULT_DIGITS_RECIPE",
     "DIGITS_BASE_FILES",
+    "DIGITS_MIXED_FRACTION",
     "DIGITS_RECIPES",
     "DIGITS_SMALLEST_CLASS",
     "MAX_RESAMPLES",
@@ -62,9 +63,13 @@ PIPELINE_DEVICES = ("cpu", "cuda", "mps", "xpu")
 BANDWIDTH_RANGE = (1e-6, 1e6)
 
 #: How the digits organism is trained (docs/organism.md): ``support`` (UNet, adapter and image encoder together on
-#: support sets of the target's class, as the paper's flow model is) and ``ip-adapter`` (a frozen image-free base,
-#: then only the adapter, on self-reconstruction, as IP-Adapter is).
-DIGITS_RECIPES = ("support", "ip-adapter")
+#: support sets of the target's class, as the paper's flow model is), ``ip-adapter`` (a frozen image-free base, then
+#: only the adapter, on self-reconstruction, as IP-Adapter is) and ``mixed`` (``support`` with a fraction
+#: :data:`DIGITS_MIXED_FRACTION` of each batch on mixed reference sets, the target's digit one reference's).
+DIGITS_RECIPES = ("support", "ip-adapter", "mixed")
+
+#: The fraction of each UNet batch the ``mixed`` recipe trains on mixed reference sets (``DigitsTrainConfig.mixed``).
+DIGITS_MIXED_FRACTION = 0.5
 
 #: The files of an ``ip-adapter`` base (``train-digits --recipe ip-adapter --stage base``), by part, relative to its
 #: folder: the adapter stage loads both, and ``train-digits --base`` is checked for them before torch loads.

@@ -128,6 +128,13 @@ CASES = [
     Case("sweep --resamples 1e9", ("sweep", "{root}/ok.jsonl", "--resamples", "1000000000"), 2, "<= 100000"),
     Case("train-digits --max-refs 100000", ("train-digits", "--max-refs", "100000"), 2, "use at most 145"),
     Case(
+        "train-digits mixed --max-refs 146",
+        ("train-digits", "--recipe", "mixed", "--max-refs", "146"),
+        2,
+        "the mixed training draws a target's references from its class, and the rarest digit has 146 training "
+        "images; use at most 145",
+    ),
+    Case(
         "train-digits adapter --max-refs 147",
         ("train-digits", "--recipe", "ip-adapter", "--max-refs", "147"),
         2,

@@ -345,12 +345,13 @@ def test_the_per_digit_table_in_the_docs_is_the_records():
     page = (root / "docs" / "organism.md").read_text()
     rows = {}
     for line in page.splitlines():
-        match = re.match(r"\| (`support`: right digit|`ip-adapter`: right digit|references read as their digit"
+        match = re.match(r"\| (`support`: right digit|`ip-adapter`: right digit|`mixed`: right digit"
+                         r"|references read as their digit"
                          r"|their VAE round trip read so) \|(.*)\|$", line)  # fmt: skip
         if match:
             rows[match.group(1)] = [float(c.strip().strip("*").rstrip("%")) for c in match.group(2).split("|")]
-    assert len(rows) == 4
-    for recipe in ("support", "ip-adapter"):
+    assert len(rows) == 5
+    for recipe in ("support", "ip-adapter", "mixed"):
         record = json.loads((root / "docs/results/digits" / recipe / "per_digit.json").read_text())
         rates = record["rates"]["adapter on, CFG 3"]
         want = [100 * rates["per_digit"][str(d)]["mean"] for d in range(10)] + [100 * rates["rate"]["mean"]]

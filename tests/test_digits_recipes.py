@@ -115,8 +115,8 @@ def test_the_training_call_equals_the_pipeline_call(ip_organism):
 
 
 def test_recipes_are_named_and_checked(tmp_path):
-    assert D.RECIPES == ("support", "ip-adapter") and D.DEFAULT_RECIPE in D.RECIPES
-    with pytest.raises(ValueError, match="expected recipe to be one of 'support', 'ip-adapter', got 'flow'"):
+    assert D.RECIPES == ("support", "ip-adapter", "mixed") and D.DEFAULT_RECIPE in D.RECIPES
+    with pytest.raises(ValueError, match="expected recipe to be one of 'support', 'ip-adapter', 'mixed', got 'flow'"):
         D.digits_pipeline(recipe="flow")
     with pytest.raises(ValueError, match="recipe"):
         D.untrained_digits_pipeline(recipe="flow")
@@ -268,7 +268,7 @@ def test_reference_following_metrics_equal_an_independent_recomputation():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe, least", [("support", 0.75), ("ip-adapter", 0.6)])
+@pytest.mark.parametrize("recipe, least", [("support", 0.75), ("ip-adapter", 0.6), ("mixed", 0.3)])
 def test_shipped_organism_draws_the_reference_digit_and_not_at_scale_zero(recipe, least):
     pipe = D.digits_pipeline(recipe=recipe)
     pipe.set_progress_bar_config(disable=True)
@@ -277,6 +277,7 @@ def test_shipped_organism_draws_the_reference_digit_and_not_at_scale_zero(recipe
     assert on["samples"] == off["samples"] == 30
     # the rates are recomputed here from the returned labels; a broken or untrained model fails these bounds
     assert (on["labels"] == on["targets"]).mean() == on["rate"]
-    # 500-sample rates are in docs/results/digits/<recipe>/rates.md; 30 samples at 10 steps vary by about 0.1
+    # 500-sample rates are in docs/results/digits/<recipe>/rates.md (96%, 74%, 53%); 30 samples at 10
+    # steps vary by about 0.1, so each bound sits about 2 of those below its recipe's rate and far above chance (0.1)
     assert on["rate"] >= least, on
     assert off["rate"] <= 0.3, off

@@ -111,7 +111,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_kind: str = "sd
         choices=DIGITS_RECIPES,
         default=None,
         help="digits organism: how it was trained (support: everything together on support sets of the class; "
-        f"ip-adapter: adapter only on a frozen base, as IP-Adapter is; default: {DEFAULT_DIGITS_RECIPE}; "
+        "mixed: support with half of each batch on mixed reference sets; ip-adapter: adapter only on a frozen base, "
+        f"as IP-Adapter is; default: {DEFAULT_DIGITS_RECIPE}; "
         "see docs/organism.md)",
     )
     group.add_argument("--variant", choices=("base", "plus"), default="base", help="embedded IP-Adapter variant")

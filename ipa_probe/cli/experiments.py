@@ -65,7 +65,8 @@ def add_parser(subparsers) -> None:
         "--recipe",
         default="support",
         choices=DIGITS_RECIPES,
-        help="the digits organism's recipe that ip-adapter and attribution load: support (default) or ip-adapter",
+        help="the digits organism's recipe that ip-adapter and attribution load: support (default), ip-adapter or "
+        "mixed",
     )
     add_threads_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")

@@ -1,4 +1,4 @@
-"""``ipa-probe train-digits``: train the digits organism (SD 1.5-architecture pipeline + IP-Adapter), either recipe."""
+"""``ipa-probe train-digits``: train the digits organism (SD 1.5-architecture pipeline + IP-Adapter), any recipe."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 from .._checks import (
     DEFAULT_DIGITS_RECIPE,
     DIGITS_BASE_FILES,
+    DIGITS_MIXED_FRACTION,
     DIGITS_RECIPES,
     DIGITS_SMALLEST_CLASS,
     MAX_SEED,
@@ -26,7 +27,7 @@ from ._errors import CLIError
 
 COMMAND = "ipa-probe train-digits"
 
-#: flag -> (config field, which trainings take it: "support", "base", "adapter")
+#: flag -> (config field, which trainings take it: "support" (recipes support and mixed), "base", "adapter")
 _FLAGS = {
     "--seed": ("seed", "seed", ("support", "base", "adapter")),
     "--threads": ("threads", "torch threads", ("support", "base", "adapter")),
@@ -44,13 +45,14 @@ def add_parser(subparsers) -> None:
         "train-digits",
         help="train the digits model organism (the shipped weights are this command's output)",
         description=(
-            "Train the digits organism on scikit-learn's handwritten digits, deterministically on CPU. "
-            "--recipe support: the VAE, then the UNet, IP-Adapter and image encoder together on support sets of the "
-            "target's class. --recipe ip-adapter, as IP-Adapter is trained: --stage base trains the image-free base "
-            "UNet (16 cross-attention layers, 8 heads) and pretrains the image encoder; --stage adapter (the "
-            "default) trains only ImageProjection and to_k_ip/to_v_ip on the frozen base (--base, default the "
-            "shipped one), each image reconstructed from its own embedding. Resumes from the checkpoint in --out; "
-            "writes the weights, record.json and loss.png there. Load the result with "
+            "Train the digits organism on scikit-learn's handwritten digits, deterministically on CPU. --recipe "
+            "support: the VAE, then the UNet, IP-Adapter and image encoder together on support sets of the target's "
+            "class. --recipe mixed: the same, with half of each UNet batch on mixed reference sets (each reference's "
+            "digit drawn at random, the target's digit one reference's). --recipe ip-adapter, as IP-Adapter is "
+            "trained: --stage base trains the image-free base UNet (16 cross-attention layers, 8 heads) and pretrains"
+            " the image encoder; --stage adapter (the default) trains only ImageProjection and to_k_ip/to_v_ip on the"
+            " frozen base (--base, default the shipped one), each image reconstructed from its own embedding. Resumes"
+            " from the checkpoint in --out; writes the weights, record.json and loss.png there. Load the result with "
             "ipa_probe.digits_pipeline(OUT). One training per --out at a time. On a machine shared with other jobs, "
             "OMP_WAIT_POLICY=PASSIVE stops the threads spin-waiting. See docs/organism.md."
         ),
@@ -95,7 +97,8 @@ def check(args: argparse.Namespace) -> None:
     limit = max_refs_limit(training)
     if args.max_refs is not None and args.max_refs > limit:
         raise CLIError(
-            f"--max-refs {args.max_refs}: the {training} training draws a target's references from its class, and "
+            f"--max-refs {args.max_refs}: the {args.recipe if training == 'support' else training} training draws a "
+            "target's references from its class, and "
             f"the rarest digit has {DIGITS_SMALLEST_CLASS} training images; use at most {limit}"
         )
     if args.base is not None:
@@ -132,7 +135,7 @@ def _check_base(base: str) -> None:
 
 def _training(args: argparse.Namespace) -> str:
     """``support``, ``base`` or ``adapter``; a flag that does not apply to it is a usage error."""
-    if args.recipe == "support":
+    if args.recipe in ("support", "mixed"):
         if args.stage is not None or args.base is not None:
             raise CLIError("--stage and --base apply to --recipe ip-adapter only")
         training = "support"
@@ -156,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     settings = {field: getattr(args, field) for field, *_ in _FLAGS.values() if getattr(args, field) is not None}
     if training == "adapter" and args.base is not None:
         settings["base"] = args.base
+    if args.recipe == "mixed":
+        settings["mixed"] = DIGITS_MIXED_FRACTION
     try:
         config = kinds[training](**settings)
     except (ValueError, TypeError) as err:

@@ -43,8 +43,8 @@ class ExperimentContext:
         tier: run sizes.
         out: output folder (``OUT/runs`` holds checkpoints, ``OUT/NAME`` the results of each experiment).
         progress: show progress bars.
-        recipe: the digits organism's training recipe (``"support"`` or ``"ip-adapter"``) that the experiments on
-            the organism load (:func:`ipa_probe.digits_pipeline`).
+        recipe: the digits organism's training recipe (``"support"``, ``"ip-adapter"`` or ``"mixed"``) that the
+            experiments on the organism load (:func:`ipa_probe.digits_pipeline`).
     """
 
     tier: Tier
@@ -208,8 +208,8 @@ def run_experiments(
             with results of another tier (or other sizes) raises :class:`~.tiers.TierMismatch` before anything runs.
         progress: show progress bars.
         threads: torch threads; all cores (``os.cpu_count()``) by default.
-        recipe: the digits organism's recipe for ``ip-adapter`` and ``attribution`` (``"support"`` or
-            ``"ip-adapter"``).
+        recipe: the digits organism's recipe for ``ip-adapter`` and ``attribution`` (``"support"``,
+            ``"ip-adapter"`` or ``"mixed"``).
 
     Returns:
         the results by name; ``out/NAME/`` holds ``table.md``, ``table.csv``, ``record.json`` and PNG figures,

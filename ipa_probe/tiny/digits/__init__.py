@@ -25,7 +25,8 @@ no bias); the prompt is replaced by ``""`` part of the time. The organism trains
 which the evaluation classifier's accuracy is stated.
 
 :func:`train_digits` (``ipa-probe train-digits``) is seeded and resumable; the weights shipped in
-``ipa_probe/tiny/digits_weights/`` are its output, with their ``record.json`` and loss curve.
+``ipa_probe/tiny/digits_weights/`` are its output, with their ``record.json`` and loss curve (recipe ``mixed``:
+``digits_mixed_weights/``; recipe ``ip-adapter``: ``digits_ip_adapter_weights/``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ..._checks import DEFAULT_DIGITS_RECIPE as DEFAULT_RECIPE
 from ..._checks import DIGITS_RECIPES as RECIPES
 from .checkpoint import CheckpointError
 from .data import (
+    DIGITS_MIXED_WEIGHTS,
     DIGITS_PROMPT,
     DIGITS_WEIGHTS,
     IP_ADAPTER_WEIGHTS,
@@ -49,6 +51,7 @@ from .train_ip import DigitsAdapterConfig, DigitsBaseConfig
 
 __all__ = [
     "DEFAULT_RECIPE",
+    "DIGITS_MIXED_WEIGHTS",
     "DIGITS_PROMPT",
     "DIGITS_WEIGHTS",
     "IP_ADAPTER_WEIGHTS",

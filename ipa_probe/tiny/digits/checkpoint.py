@@ -98,7 +98,7 @@ class TrainingCheckpoint:
 
     Args:
         out: the run's output folder.
-        recipe: which training this is (``"support"``, ``"ip-adapter/base"``, ``"ip-adapter/adapter"``).
+        recipe: which training this is (``"support"``, ``"mixed"``, ``"ip-adapter/base"``, ``"ip-adapter/adapter"``).
         identity: what a resumed run must share with the checkpoint (the settings, the base's digest, ...); JSON.
         stages: stage name -> its number of steps, in order.
     """

@@ -29,8 +29,17 @@ IP_ADAPTER_WEIGHTS = Path(__file__).parent.parent / "digits_ip_adapter_weights"
 """The ``ip-adapter`` recipe as shipped: ``base/`` (``ipa-probe train-digits --recipe ip-adapter --stage base``:
 ``unet/``, ``image_encoder/``, ``record.json``, ``loss.png``) and ``adapter/`` (``ipa-probe train-digits --recipe
 ip-adapter``: ``ip_adapter/``, ``record.json``, ``loss.png``)."""
+DIGITS_MIXED_WEIGHTS = Path(__file__).parent.parent / "digits_mixed_weights"
+"""The ``mixed`` recipe as shipped (``ipa-probe train-digits --recipe mixed``), laid out as :data:`DIGITS_WEIGHTS`."""
 _TEXT_WIDTH = 32
 _VISION_WIDTH = 32
+
+
+def shipped_folder(recipe: str) -> Path:
+    """The shipped folder whose ``record.json`` is ``recipe``'s training record (``ip-adapter``: its adapter stage)."""
+    return {"support": DIGITS_WEIGHTS, "mixed": DIGITS_MIXED_WEIGHTS, "ip-adapter": IP_ADAPTER_WEIGHTS / "adapter"}[
+        recipe
+    ]
 
 
 # --- data ---------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from diffusers import StableDiffusionPipeline
 from ..._io import versions, write_atomic, write_json
 from ...compare import ROUNDTRIP, vae_roundtrip
 from .classifier import CLASSIFIER, classify_digit_images, digit_classifier
-from .data import DIGITS_PROMPT, DIGITS_WEIGHTS, digits_reference_images
+from .data import DIGITS_PROMPT, digits_reference_images
 from .following import FOLLOWING_METRICS, interval, reference_following
 from .model import digits_pipeline, untrained_digits_pipeline
 
@@ -342,12 +342,9 @@ def _main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
 
 def _weights_record(weights: str | None, recipe: str) -> dict[str, Any] | None:
     """The ``record.json`` of the training run the rates belong to (the adapter stage's, for ``ip-adapter``)."""
-    from .data import IP_ADAPTER_WEIGHTS
+    from .data import shipped_folder
 
-    if weights is not None:
-        path = Path(weights) / "record.json"
-    else:
-        path = (DIGITS_WEIGHTS if recipe == "support" else IP_ADAPTER_WEIGHTS / "adapter") / "record.json"
+    path = (Path(weights) if weights is not None else shipped_folder(recipe)) / "record.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 

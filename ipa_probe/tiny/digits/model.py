@@ -38,6 +38,7 @@ from .data import (
     LATENT_SIZE,
     NUM_IP_TOKENS,
     WEIGHT_NAME,
+    shipped_folder,
 )
 
 # --- components ---------------------------------------------------------------------------------------------------
@@ -167,17 +168,18 @@ def _install_ip_processors(
 def untrained_digits_pipeline(seed: int = 0, recipe: str = DEFAULT_RECIPE) -> StableDiffusionPipeline:
     """The organism's architecture with its initial (untrained) weights: the control of the experiments.
 
-    The VAE and image encoder are untrained too; the scaling factor is the trained run's. Built the way
-    :func:`train_digits` initialises them (for ``recipe="ip-adapter"``: the 16-layer UNet, an adapter whose
-    ``to_k_ip`` / ``to_v_ip`` are copies of ``to_k`` / ``to_v``), then loaded through ``load_ip_adapter`` like the
-    trained one.
+    The VAE and image encoder are untrained too; the scaling factor is the trained run's (the shipped ``support``
+    one's for ``ip-adapter``, whose VAE that is). Built the way :func:`train_digits` initialises them (``support``
+    and ``mixed`` share the architecture and initial weights; for ``recipe="ip-adapter"``: the 16-layer UNet, an
+    adapter whose ``to_k_ip`` / ``to_v_ip`` are copies of ``to_k`` / ``to_v``), then loaded through
+    ``load_ip_adapter`` like the trained one.
 
     Args:
         seed: the initialisation's seed.
-        recipe: ``"support"`` or ``"ip-adapter"`` (the architecture).
+        recipe: ``"support"``, ``"mixed"`` or ``"ip-adapter"`` (the architecture).
     """
     recipe = check_recipe(recipe)
-    parts = _init_modules(seed) if recipe == "support" else _init_base_modules(seed, with_adapter=True)
+    parts = _init_modules(seed) if recipe != "ip-adapter" else _init_base_modules(seed, with_adapter=True)
     if recipe == "ip-adapter":
         with _seeded(seed, "digits/vae"):
             parts["vae"] = _vae()
@@ -192,7 +194,7 @@ def untrained_digits_pipeline(seed: int = 0, recipe: str = DEFAULT_RECIPE) -> St
         image_encoder=parts["image_encoder"],
         requires_safety_checker=False,
     )
-    record = json.loads((DIGITS_WEIGHTS / "record.json").read_text())
+    record = json.loads((shipped_folder("mixed" if recipe == "mixed" else "support") / "record.json").read_text())
     pipe.vae.register_to_config(scaling_factor=record["scaling_factor"])
     state = _adapter_state_dict(parts["unet"], parts["ip_processors"], parts["image_proj"])
     _restore_default_processors(pipe.unet)
@@ -299,10 +301,12 @@ def _quiet_loading() -> Iterator[None]:
 def digits_pipeline(path: str | os.PathLike | None = None, recipe: str | None = None) -> StableDiffusionPipeline:
     """The trained digits organism: a ``StableDiffusionPipeline`` on CPU in float32, progress bar on.
 
-    Loaded offline through diffusers' ``from_pretrained`` and ``load_ip_adapter``. Two recipes (docs/organism.md):
+    Loaded offline through diffusers' ``from_pretrained`` and ``load_ip_adapter``. Three recipes (docs/organism.md):
 
     - ``"support"``: ``<path>/model`` (``from_pretrained``) and ``<path>/ip_adapter/ip-adapter.safetensors``; UNet,
       adapter and image encoder trained together on support sets of the target's class.
+    - ``"mixed"``: laid out as ``"support"`` (shipped in ``digits_mixed_weights/``); trained the same way with half
+      of each UNet batch on mixed reference sets, the target's digit one reference's.
     - ``"ip-adapter"``: the frozen base's ``unet/`` and ``image_encoder/`` (stage 1), the shipped VAE, text encoder
       and tokenizer (``from_pretrained`` of the support folder with those two components given), and
       ``<path>/ip_adapter/ip-adapter.safetensors`` (stage 2: only the adapter, trained on self-reconstruction).
@@ -310,8 +314,8 @@ def digits_pipeline(path: str | os.PathLike | None = None, recipe: str | None = 
     Args:
         path: a folder written by ``ipa-probe train-digits`` (for ``ip-adapter``: its adapter stage, whose
             ``record.json`` names the base); ``None`` loads the weights shipped with the package.
-        recipe: ``"support"`` or ``"ip-adapter"``; ``None``: the folder's own recipe, or for the shipped weights
-            :data:`ipa_probe._checks.DEFAULT_DIGITS_RECIPE`.
+        recipe: ``"support"``, ``"mixed"`` or ``"ip-adapter"``; ``None``: the folder's own recipe, or for the
+            shipped weights :data:`ipa_probe._checks.DEFAULT_DIGITS_RECIPE`.
 
     Returns:
         the pipeline; call it with ``ip_adapter_image=[digits_reference_images(d, n)]`` (one support set).
@@ -337,7 +341,7 @@ def digits_pipeline(path: str | os.PathLike | None = None, recipe: str | None = 
         raise ValueError(f"expected a {recipe!r} organism in {root}, got a {found!r} one; pass recipe={found!r}")
     if recipe == "ip-adapter":
         return _ip_adapter_pipeline(root)
-    root = root if root is not None else DIGITS_WEIGHTS
+    root = root if root is not None else shipped_folder(recipe)
     if not (root / "model" / "model_index.json").exists():
         raise FileNotFoundError(
             f"expected a digits organism in {root} (model/model_index.json); "

@@ -1,7 +1,8 @@
-"""``train_digits`` (``ipa-probe train-digits``): the seeded, resumable training of the organism, both recipes.
+"""``train_digits`` (``ipa-probe train-digits``): the seeded, resumable training of the organism, every recipe.
 
 The ``support`` recipe lives here (three stages: the VAE, the image encoder's pretraining, then UNet + adapter +
-image encoder together); the ``ip-adapter`` recipe's two commands in :mod:`.train_ip`. Part of
+image encoder together), and ``mixed``, the same with part of each UNet batch on mixed reference sets
+(``DigitsTrainConfig.mixed``); the ``ip-adapter`` recipe's two commands in :mod:`.train_ip`. Part of
 :mod:`ipa_probe.tiny.digits` (see its docstring).
 """
 
@@ -62,6 +63,10 @@ class DigitsTrainConfig:
         drop_embeds: fraction of targets trained with zero image embeddings (the CFG unconditional branch).
         drop_tokens: fraction trained with zero image tokens (identical to adapter scale 0).
         drop_text: fraction trained with the empty prompt.
+        mixed: fraction of each UNet batch trained on a mixed reference set (recipe ``mixed``; 0, the default, is
+            recipe ``support`` with exactly its batches): each reference's digit drawn uniformly and independently,
+            the target an image of one reference's digit, that reference chosen uniformly (so the target's digit
+            is ``c`` with probability ``(count of c in the set) / k``), not itself among the references.
         checkpoint_every: steps between checkpoints (both stages).
     """
 
@@ -80,19 +85,31 @@ class DigitsTrainConfig:
     drop_tokens: float = 0.05
     drop_text: float = 0.1
     checkpoint_every: int = 100
+    mixed: float = 0.0
 
     def __post_init__(self):
         counts = ("threads", "vae_steps", "encoder_steps", "steps", "batch", "max_refs", "checkpoint_every")
         check_settings(self, counts, ("drop_embeds", "drop_tokens"), ("vae_lr", "encoder_lr", "lr", "vae_kl"))
         check_settings(self, (), ("drop_text",))
+        check_settings(self, (), ("mixed",))
         if self.max_refs > max_refs_limit("support"):
             raise ValueError(
                 f"max_refs: expected at most {max_refs_limit('support')} (a target's references come from its class; "
                 f"the rarest digit has {DIGITS_SMALLEST_CLASS} training images), got {self.max_refs}"
             )
 
+    @property
+    def recipe(self) -> str:
+        """``"mixed"`` when part of each batch is on mixed reference sets, else ``"support"``."""
+        return "mixed" if self.mixed > 0 else "support"
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        # ``mixed`` only where it is set: a ``support`` run's record and checkpoint identity stay what they were
+        # before the field existed (its checkpoints still resume, its record still compares equal)
+        settings = asdict(self)
+        if not self.mixed:
+            del settings["mixed"]
+        return settings
 
 
 def _vae_loss(vae: AutoencoderKL, x: torch.Tensor, generator: torch.Generator, kl_weight: float) -> torch.Tensor:
@@ -115,7 +132,8 @@ def train_digits(
 
     - :class:`DigitsTrainConfig` (the default), recipe ``support``: the VAE, then the image encoder's pretraining as
       a digit classifier, then the UNet, the IP-Adapter and the image encoder together, on support sets of 1-4
-      other images of the target's class.
+      other images of the target's class; with ``mixed > 0``, recipe ``mixed``: that fraction of each UNet batch
+      on mixed reference sets instead.
     - :class:`~.train_ip.DigitsBaseConfig`, recipe ``ip-adapter`` stage 1: the image-free base UNet (and the image
       encoder's pretraining), on the shipped VAE's latents.
     - :class:`~.train_ip.DigitsAdapterConfig`, recipe ``ip-adapter`` stage 2: only ``ImageProjection`` and
@@ -172,7 +190,7 @@ def _train(out: Path, config: DigitsTrainConfig, progress: bool, stop_after: int
         "unet": torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0),
     }
     steps = {"vae": config.vae_steps, "encoder": config.encoder_steps, "unet": config.steps}
-    checkpoint = TrainingCheckpoint(out, "support", {"config": config.to_dict()}, steps)
+    checkpoint = TrainingCheckpoint(out, config.recipe, {"config": config.to_dict()}, steps)
     state = checkpoint.load(modules, optimizers)
     if state is None:
         state = new_state(STAGES)
@@ -216,7 +234,7 @@ def _train(out: Path, config: DigitsTrainConfig, progress: bool, stop_after: int
     fields = run_fields(state, config.threads)
     record = {
         "finished": True,
-        "recipe": "support",
+        "recipe": config.recipe,
         "config": config.to_dict(),
         "scaling_factor": scaling_factor,
         "wall_s": fields.pop("wall_s"),
@@ -264,14 +282,8 @@ def _unet_loss(config: DigitsTrainConfig, gen: torch.Generator, data: dict[str, 
     pixel_values, alphas_cumprod = data["pixel_values"], data["alphas_cumprod"]
     text_cond, text_uncond = data["text_cond"], data["text_uncond"]
     b = config.batch
-    k = int(torch.randint(1, config.max_refs + 1, (), generator=gen))
-    target = torch.randint(0, len(latents), (b,), generator=gen)
-    # k references of the target's class, other than the target: (B, k) indices into the training digits
-    refs = torch.empty(b, k, dtype=torch.long)
-    for i, t in enumerate(target.tolist()):
-        pool = by_class[int(labels[t])]
-        pool = pool[pool != t]
-        refs[i] = pool[torch.randperm(len(pool), generator=gen)[:k]]
+    refs, target = _references(config, gen, labels, by_class, len(latents))  # (B, k), (B,)
+    k = refs.shape[1]
     xt, t, noise = noisy(latents, alphas_cumprod, target, gen)
     embeds = image_encoder(pixel_values[refs.flatten()]).image_embeds.view(b, k, -1)  # (B, k, 32)
     u = torch.rand(b, generator=gen)
@@ -285,6 +297,45 @@ def _unet_loss(config: DigitsTrainConfig, gen: torch.Generator, data: dict[str, 
     # Without encoder_hid_proj the UNet passes the (text, [image tokens]) pair straight to the IP processors.
     pred = unet(xt, t, encoder_hidden_states=(text, [tokens])).sample
     return F.mse_loss(pred, noise)
+
+
+def _references(
+    config: DigitsTrainConfig, gen: torch.Generator, labels: torch.Tensor, by_class: list[torch.Tensor], n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch's reference sets and targets: ``(refs, target)``, (B, k) and (B,) indices into the training digits.
+
+    ``k`` is drawn from ``1..max_refs`` (one count per batch), then B targets uniformly. With ``mixed == 0`` every
+    item's k references are other images of its target's class (the draws are those of ``support`` before
+    ``mixed`` existed). Otherwise a fraction ``mixed`` of the items (each with that probability) gets a mixed set:
+    k digits drawn uniformly and independently, one of the k slots chosen uniformly gives the target's digit, and
+    the images are distinct images of their digits, the target not among them.
+    """
+    b = config.batch
+    k = int(torch.randint(1, config.max_refs + 1, (), generator=gen))
+    target = torch.randint(0, n, (b,), generator=gen)
+    if config.mixed > 0:  # drawn only then: the default batches stay bit-identical
+        is_mixed = (torch.rand(b, generator=gen) < config.mixed).tolist()
+        classes = torch.randint(0, 10, (b, k), generator=gen)  # (B, k) each reference's digit
+        chosen = torch.randint(0, k, (b,), generator=gen)  # the slot whose digit the target takes
+    else:
+        is_mixed = [False] * b
+    refs = torch.empty(b, k, dtype=torch.long)
+    for i, t in enumerate(target.tolist()):
+        if not is_mixed[i]:  # k references of the target's class, other than the target
+            pool = by_class[int(labels[t])]
+            pool = pool[pool != t]
+            refs[i] = pool[torch.randperm(len(pool), generator=gen)[:k]]
+            continue
+        target_class = int(classes[i, chosen[i]])
+        for c in torch.unique(classes[i]).tolist():  # sorted: a fixed order of draws
+            slots = classes[i] == c
+            extra = int(c == target_class)  # one more image of the target's digit: the target
+            pool = by_class[c]
+            picked = pool[torch.randperm(len(pool), generator=gen)[: int(slots.sum()) + extra]]
+            refs[i, slots] = picked[: int(slots.sum())]
+            if extra:
+                target[i] = picked[-1]
+    return refs, target
 
 
 def _save_outputs(out: Path, parts: dict[str, Any], scaling_factor: float) -> None:
