@@ -16,6 +16,7 @@ import torch
 from test_probe_matrix import check_against_reference, reference_cell
 
 from ipa_probe.capture.branches import PromptEvidence, label_vocabulary
+from ipa_probe.capture.config import DEFAULT_ROWS
 from ipa_probe.capture.run import probe
 from ipa_probe.layers import find_ip_layers, list_hooks
 from ipa_probe.tiny.sd import tiny_ip_adapter_state_dict, tiny_pipeline
@@ -245,13 +246,15 @@ def _generate(pipe, refs, **kwargs):
     return pipe(generator=torch.Generator().manual_seed(0), return_dict=False, **kwargs)[0]
 
 
-def probed_against_hooks(pipe, refs, layer_pattern=None, query_module=None, split_query=True, **kwargs):
+def probed_against_hooks(
+    pipe, refs, layer_pattern=None, query_module=None, split_query=True, rows=DEFAULT_ROWS, **kwargs
+):
     """Plain, then probed with the test's own hooks on one layer: ``(table, passes)``; outputs bit-identical."""
     plain = _generate(pipe, refs, **kwargs)
     layer = find_ip_layers(pipe, layer_pattern)[0]
     recorder = PassRecorder(layer, query_module(layer) if query_module else None, split_query)
     try:
-        with probe(pipe, layers=f"^{layer.name}$") as run:
+        with probe(pipe, layers=f"^{layer.name}$", rows=rows) as run:
             probed = _generate(pipe, refs, **kwargs)
     finally:
         recorder.remove()
@@ -293,7 +296,8 @@ def test_sag_degraded_pass_is_its_own_label_at_its_step(zoo, refs, cfg):
 @pytest.mark.slow
 def test_panorama_views_are_passes_of_one_step_in_one_call(zoo, refs):
     pipe = zoo.build("StableDiffusionPanoramaPipeline").pipe
-    df, passes, layer = probed_against_hooks(pipe, refs, height=512, width=576, output_type="latent")
+    # 64 x 64 views: 4,096 query rows per cell, which the default samples; the comparison with the hooks is exact
+    df, passes, layer = probed_against_hooks(pipe, refs, rows=None, height=512, width=576, output_type="latent")
     views = len(passes) // STEPS
     assert views == 2
     plan = [(step, ["uncond", "cond"]) for step in range(STEPS) for _ in range(views)]

@@ -13,20 +13,20 @@ import numpy as np
 import pytest
 import torch
 
-from ipa_probe.capture.config import SAMPLE_GROUPS
+from ipa_probe.capture.config import DEFAULT_ROWS, SAMPLE_GROUPS
 from ipa_probe.capture.run import probe
 from ipa_probe.schema import ROW_SAMPLE_COLUMNS, SAMPLED_COLUMNS, STAT_NAMES, se_column
 from ipa_probe.stats import compare_frames, compare_weights, stratified_rows
 
 
-def _table(pipe, refs, rows):
-    with probe(pipe, rows=rows) as run:
+def _table(pipe, refs, rows, size=128, **options):
+    with probe(pipe, rows=rows, **options) as run:
         pipe(
             "a photo",
             ip_adapter_image=[refs],
             num_inference_steps=2,
-            height=128,
-            width=128,
+            height=size,
+            width=size,
             generator=torch.Generator().manual_seed(0),
         )
     return run.to_dataframe()
@@ -35,6 +35,23 @@ def _table(pipe, refs, rows):
 @pytest.fixture(scope="module")
 def exact_and_sampled(sd15, refs):
     return _table(sd15, refs, None), _table(sd15, refs, 64)
+
+
+def test_default_samples_only_cells_above_256_rows(sd15, refs):
+    """The default (``DEFAULT_ROWS`` = 256), through ``probe(pipe)`` itself: at 256 px the tiny UNet's 32 x 32
+    layers (1,024 rows per cell) use a 256-row sample and its smaller layers are exact; at 128 px every cell is."""
+    assert DEFAULT_ROWS == 256
+
+    def fractions(size):
+        with probe(sd15) as run:
+            sd15("a photo", ip_adapter_image=[refs], num_inference_steps=1, height=size, width=size,
+                 generator=torch.Generator().manual_seed(0))  # fmt: skip
+        return run.to_dataframe().groupby("layer")["row_fraction"].agg(["min", "max"])
+
+    large = fractions(256)
+    assert (large["min"] == large["max"]).all()  # one fraction per layer
+    assert set(large["min"]) == {256 / 1024, 1.0}  # the 32 x 32 layers sampled, the 16 x 16 ones exact
+    assert (fractions(128)["min"] == 1).all()
 
 
 def test_exact_mode_reports_no_sampling_error(exact_and_sampled):

@@ -15,10 +15,11 @@ from ..schema import QUERY_FRAMES
 
 __all__ = ["DEFAULT_ROWS", "SAMPLE_GROUPS", "ProbeConfig"]
 
-#: The default of :class:`ProbeConfig`'s ``rows``: exact. ``rows=256`` meets the overhead target at 512 px SD 1.5
-#: (docs/measured.md, "The probe at 512 px"); a row count alone cannot tell those layers from a tiny model's equally
-#: large ones, whose exact statistics the float64 tests hold, so sampling is asked for, not imposed.
-DEFAULT_ROWS: int | None = None
+#: The default of :class:`ProbeConfig`'s ``rows``: cells of up to 256 query rows exact, larger ones on a 256-row
+#: stratified sample with standard errors. Exact statistics cost the same as the sample up to 256 rows, and above it
+#: they do not meet the overhead target at 512 px SD 1.5 (1.06 against 1.02 in CPU terms; each 1,024-row layer made
+#: exact would add about 0.01, docs/measured.md, "The probe at 512 px"); ``rows=None`` asks for exact everywhere.
+DEFAULT_ROWS: int | None = 256
 
 #: Random groups a row sample is split into for its standard errors (:func:`~ipa_probe.stats.compare_frames`).
 SAMPLE_GROUPS: int = 8
@@ -72,8 +73,9 @@ class ProbeConfig:
             to a multiple of 8), and reports each statistic's standard error beside it (``<column>_se``, 0 for
             exact cells) and the share of rows used (``row_fraction``). The query frame's key term, the geometry
             columns and the reference maps always use every row. ``None`` for exact statistics everywhere.
-            Default :data:`DEFAULT_ROWS` (exact); ``rows=256`` is what meets the overhead target at 512 px SD 1.5:
-            its 64 x 64 and 32 x 32 layers sampled, the rest exact (docs/measured.md, "The probe at 512 px").
+            Default :data:`DEFAULT_ROWS` (256): at 512 px SD 1.5 its 64 x 64 and 32 x 32 layers are sampled, the rest
+            exact, which is what meets the overhead target (docs/measured.md, "The probe at 512 px"); at 16 x 16
+            latents and below every cell is exact.
         threads: torch's CPU threads for the probe's own statistics: set (``torch.set_num_threads``) around each
             record's statistics on a CPU device and restored after, also on an exception; ``None`` (default) keeps
             the caller's. The probe's some 300 small operations per record gain nothing from a second thread, and on a
