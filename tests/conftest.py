@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from helpers import pinned_threads
 
 # Tests are small; one thread per process keeps parallel workers from fighting over 2 cores.
 torch.set_num_threads(int(os.environ.get("IPA_PROBE_TEST_THREADS", "1")))
@@ -60,10 +61,7 @@ def gen():
 @pytest.fixture
 def one_thread():
     """Tables are bit-identical across processes only at equal torch thread counts: pin one, restore after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    yield from pinned_threads(1)
 
 
 @pytest.fixture

@@ -197,3 +197,11 @@ class CaptureQK:
         q = q.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, Q, D)
         k = k.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, K, D)
         return near_ties(q @ k.transpose(-1, -2) / math.sqrt(d), k)
+
+
+def pinned_threads(threads: int):
+    """Run at ``threads`` torch threads until the generator resumes, then restore the caller's (a fixture body)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    yield
+    torch.set_num_threads(before)

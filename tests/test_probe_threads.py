@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
+from helpers import pinned_threads
 
 from ipa_probe.capture.config import ProbeConfig
 from ipa_probe.capture.run import probe
@@ -16,10 +17,7 @@ PROMPT = "a photo of a flower"
 @pytest.fixture
 def two_threads():
     """The caller runs at 2 torch threads (restored after), so that a probe at 1 thread is visible."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+    yield from pinned_threads(2)
 
 
 def generate(pipe, refs):

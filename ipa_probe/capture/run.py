@@ -356,24 +356,16 @@ class ProbeRun:
         return cached
 
     # ------------------------------------------------------------------ the statistics
-    def _record(
-        self,
-        index: int,
-        slot: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        other: torch.Tensor | None,
-        rows: torch.Tensor | None = None,
-    ) -> None:
-        """:meth:`_record_stats`, with torch's CPU threads set to :attr:`ProbeConfig.threads` around it (on a CPU
-        device) and the caller's restored after, also on an exception."""
+    def _record(self, index: int, slot: int, query: torch.Tensor, *rest) -> None:
+        """:meth:`_record_stats` (same arguments), with torch's CPU threads set to :attr:`ProbeConfig.threads` around
+        it (on a CPU device) and the caller's restored after, also on an exception."""
         threads = self.config.threads
         if threads is None or query.device.type != "cpu":
-            return self._record_stats(index, slot, query, key, other, rows)
+            return self._record_stats(index, slot, query, *rest)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return self._record_stats(index, slot, query, key, other, rows)
+            return self._record_stats(index, slot, query, *rest)
         finally:
             torch.set_num_threads(before)
 
