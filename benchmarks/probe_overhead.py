@@ -72,18 +72,24 @@ class OwnTime:
         return handles, total
 
     def wrap(self, run, mode: str):
-        """Time the run's record callback (everything the probe computes per layer call)."""
-        record, total = run._capture.record, [0.0, 0]
+        """Time the run's record callback (everything the probe computes per layer call) and, with maps, the value
+        hook's per-reference contributions (counted in the time, not as records)."""
+        total = [0.0, 0]
 
-        def timed(*args):
-            start = time.process_time()
-            try:
-                return record(*args)
-            finally:
-                total[0] += time.process_time() - start
-                total[1] += 1
+        def timer(function, counts: bool):
+            def timed(*args):
+                start = time.process_time()
+                try:
+                    return function(*args)
+                finally:
+                    total[0] += time.process_time() - start
+                    total[1] += counts
 
-        run._capture.record = timed
+            return timed
+
+        run._capture.record = timer(run._capture.record, True)
+        if run._maps is not None:  # the instance attribute shadows the method the value hooks look up
+            run._maps._contribute = timer(run._maps._contribute, False)
         return total
 
 

@@ -487,6 +487,29 @@ def test_cache_budget_is_checked_before_anything_is_stored(organism, refs):
             run(organism, **call(refs))
 
 
+@pytest.mark.parametrize("steps", [[1, STEPS + 2], slice(STEPS, None)])
+def test_steps_the_call_never_reached_are_an_error(organism, refs, steps):
+    """A selection of loop indices a call never had would act on (or record) nothing: both the callbacks and the cache
+    refuse it when the block ends, naming the steps the call ran; the pipeline comes back as it was."""
+    before = snapshot(organism)
+    name = f"{layers_of(organism)[-1].name}.ip.weights"
+    seen = []
+    with pytest.raises(ValueError, match=rf"selects loop indices the call did not have \(it ran {STEPS} steps"):
+        with ipa_probe.intervene(organism, hooks={name: lambda t, ctx: seen.append(ctx.step)}, steps=steps):
+            run(organism, **call(refs))
+    assert set(seen) <= {1}
+    with pytest.raises(ValueError, match=rf"it ran {STEPS} steps"):
+        with ipa_probe.cache_hook_points(organism, [name], steps=steps):
+            run(organism, **call(refs))
+    assert_unchanged(organism, before)
+    # within the call's steps, both accept, and a block without a call checks nothing
+    with ipa_probe.intervene(organism, hooks={name: lambda t, ctx: None}, steps=[STEPS - 1]) as state:
+        run(organism, **call(refs))
+    assert state.steps_run == STEPS
+    with ipa_probe.cache_hook_points(organism, [name], steps=[STEPS + 5]):
+        pass
+
+
 def test_selection_helpers(organism, refs):
     layer = layers_of(organism)[0]
     seen = {}

@@ -8,7 +8,15 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from ipa_probe.kernels import dot_logits, key_norm_bias, matched_bandwidth, n_eff, nw_logits, nw_weights
+from ipa_probe.kernels import (
+    dot_logits,
+    key_norm_bias,
+    matched_bandwidth,
+    n_eff,
+    nw_logits,
+    nw_weights,
+    softmax_keys,
+)
 from ipa_probe.stats import (
     STAT_NAMES,
     compare_weights,
@@ -70,6 +78,25 @@ def test_nw_identity_float64():
         torch.testing.assert_close(nw_weights(q, k, h), direct, rtol=0, atol=1e-12)
         biased = torch.softmax(dot_logits(q, k, 1 / h**2) + key_norm_bias(k, h), -1)
         torch.testing.assert_close(biased, direct, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("keys", [1, 4, 8, 15, 16, 77])
+def test_softmax_keys_equals_the_float64_softmax(keys):
+    """The key-axis softmax (a transposed copy for short rows on the CPU) against exp / sum in float64, on rows with
+    a large common offset and -inf entries (masked keys)."""
+    g = torch.Generator().manual_seed(keys)
+    logits = 30 * torch.randn(2, 3, 50, keys, generator=g) + 100
+    if keys > 1:
+        logits[..., 0, 1:] = -math.inf  # one row with one finite key: weight exactly 1 there
+    got = softmax_keys(logits)
+    assert got.shape == logits.shape
+    x = logits.double()
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    want = e / e.sum(-1, keepdim=True)
+    # float32 exp and sum over at most 77 terms in [0, 1]: errors ~1e-7 absolute; 1e-6 leaves 10x room
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+    if keys > 1:
+        assert torch.all(got[..., 0, 0] == 1.0) and torch.all(got[..., 0, 1:] == 0.0)
 
 
 def test_equal_key_norms_give_rho_one_and_zero_kl_at_matched_bandwidth():

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.image_processor import IPAdapterMaskProcessor
 
+from ..kernels import softmax_keys
 from ..layers import IPLayer, LayerSelection, _compile_selection, observer
 from .taps import Tap
 from .taps.base import Handle
@@ -247,8 +248,8 @@ class MapAccumulator:
         """
         n_branch, _, rows, tokens = attention.shape
         items = self._batch // n_branch
-        weights_all = torch.softmax(attention, -1)  # (n, H, items * Q, K), taken once for every use below
-        shares = torch.stack([weights_all.mean(1), torch.softmax(nw, -1).mean(1)])  # (2, n, IQ, K)
+        weights_all = softmax_keys(attention)  # (n, H, items * Q, K), taken once for every use below
+        shares = torch.stack([weights_all.mean(1), softmax_keys(nw).mean(1)]).contiguous()  # (2, n, IQ, K)
         shares = shares.reshape(2, n_branch, items, rows // items, tokens)  # (2, n, items, Q, K)
         queries = shares.shape[-2]
         mask = self._masks[adapter] if adapter < len(self._masks) else None
@@ -331,16 +332,19 @@ class MapAccumulator:
         references = keys // tokens
         v = values.float().reshape(batch, references, tokens, heads, -1)  # (B, R, T, H, D)
         w = weights.float().reshape(batch, heads, queries, references, tokens)  # (B, H, Q, R, T)
-        mixed = torch.einsum("bhqrt,brthd->bhrqd", w, v)  # (B, H, R, Q, D)
         out = layer.attention.to_out[0] if layer.family == "unet" else None
         if out is None:  # Flux: no W_o, the branch's output is the heads' values side by side (C = H * D)
-            per_head = float(scale) * mixed  # (B, H, R, Q, D), head h's own block of C
+            per_head = float(scale) * torch.einsum("bhqrt,brthd->bhrqd", w, v)  # (B, H, R, Q, D): head h's block of C
             total_ref = per_head.permute(0, 2, 3, 1, 4).flatten(-2)  # (B, R, Q, H * D)
         else:
+            # each token's value through W_o first (s W_o[:, h] v_{h,i}: B * K * H vectors of C, few), then one
+            # product per reference over its H * T (head, token) weights: Q * H * T * C multiply-adds per reference
+            # instead of Q * (H * D) * C through W_o after mixing (T = 4 tokens against D = 40-160 channels in SD)
             w_o = out.weight.float()  # (C, H * D)
             w_o = w_o.reshape(w_o.shape[0], heads, -1)  # (C, H, D)
-            per_head = float(scale) * torch.einsum("bhrqd,chd->bhrqc", mixed, w_o) if self.heads else None
-            total_ref = float(scale) * torch.einsum("bhrqd,chd->brqc", mixed, w_o)  # (B, R, Q, C)
+            projected = float(scale) * torch.einsum("brthd,chd->brhtc", v, w_o)  # (B, R, H, T, C)
+            per_head = torch.einsum("bhqrt,brhtc->bhrqc", w, projected) if self.heads else None
+            total_ref = torch.einsum("bhqrt,brhtc->brqc", w, projected)  # (B, R, Q, C)
         total = total_ref.sum(1)  # (B, Q, C)
         direction = total / total.norm(dim=-1, keepdim=True).clamp(min=1e-30)  # (B, Q, C)
         if per_head is not None:

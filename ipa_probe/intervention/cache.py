@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._checks import parse_step_selection
+from .._checks import check_steps_ran, parse_step_selection
 from ..layers import claim, release
 from .points import HookContext, PointUser, attach_points, check_hook_names, list_hook_points
 
@@ -173,6 +173,7 @@ def cache_hook_points(
         raise
     try:
         yield cache
+        check_steps_ran(selection, user.steps_run)  # steps the calls never had: an error, not an empty cache
     finally:
         try:
             detach()

@@ -30,12 +30,20 @@ class HookIntervention:
     Attributes:
         names: the hook point names that carry callbacks.
         calls: ``(step, name)`` pairs where a callback ran, in order.
+        steps: the step selection (from :func:`~ipa_probe._checks.parse_step_selection`; ``None`` for all).
     """
 
     names: list[str]
     calls: list[tuple[int, str]] = field(default_factory=list)
+    steps: Any = None
     _detach: Callable[[], None] | None = field(default=None, repr=False)
     _pipe: Any = field(default=None, repr=False)
+    _user: PointUser | None = field(default=None, repr=False)
+
+    @property
+    def steps_run(self) -> int:
+        """The most denoising steps a pipeline call ran while the callbacks were attached (0 before any call)."""
+        return 0 if self._user is None else self._user.steps_run
 
     @property
     def active(self) -> bool:
@@ -63,7 +71,7 @@ def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=N
     """
     callbacks = normalise_hooks(pipe, hooks)
     steps = parse_step_selection(steps)
-    state = HookIntervention(sorted(callbacks))
+    state = HookIntervention(sorted(callbacks), steps=steps)
 
     def logged(name: str, fn: HookFn) -> HookFn:
         def run(tensor: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
@@ -73,6 +81,7 @@ def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=N
         return run
 
     user = PointUser({name: [logged(name, fn) for fn in fns] for name, fns in callbacks.items()}, steps)
+    state._user = user
     layers = sorted({name.rsplit(".", 2)[0] for name in callbacks})
     claim(pipe, HOOKS, layers, f"callbacks on {len(callbacks)} hook point(s)")
     try:

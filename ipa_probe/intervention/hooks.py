@@ -393,7 +393,7 @@ def intervene(
         )
     try:
         yield state
-        if isinstance(state, Intervention):  # steps the calls never had: an error, not no effect
-            check_steps_ran(state.config.steps, state.steps_run)
+        # steps the calls never had: an error, not no effect
+        check_steps_ran(state.config.steps if isinstance(state, Intervention) else state.steps, state.steps_run)
     finally:
         state.remove()

@@ -265,11 +265,13 @@ class HookContext:
 class PointUser:
     """One user of the hook points: callbacks by name, the steps they run at, and what it wants to hear of a new
     pipeline call (``on_call(step_count, sizes)``, e.g. a cache's budget check; ``sizes(name)`` gives a point's
-    ``(shape, dtype)`` for one pass, or ``None`` when unknown)."""
+    ``(shape, dtype)`` for one pass, or ``None`` when unknown). ``steps_run`` is the most denoising steps a call
+    it saw ran (to tell a step selection the calls never reached from one that acted on nothing)."""
 
     callbacks: dict[str, list[HookFn]]
     steps: Any = None
     on_call: Callable[[int | None, Callable[[str], Any]], None] | None = None
+    steps_run: int = 0
 
     def acts_at(self, step: int) -> bool:
         return step_selected(self.steps, step)
@@ -369,6 +371,7 @@ class _Registry:
                     user.on_call(planned, self._sizes)
         active: dict[str, list[HookFn]] = {}
         for user in self.users:
+            user.steps_run = max(user.steps_run, self.step + 1)
             if user.acts_at(self.step):
                 for name, fns in user.callbacks.items():
                     active.setdefault(name, []).extend(fns)
