@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ipa_probe.capture.maps import REFERENCE_MASS_COLUMNS
+from ipa_probe.capture.maps import REFERENCE_MASS_COLUMNS, orthonormal_coordinates
 from ipa_probe.capture.run import probe
 
 STEPS = 2
@@ -90,6 +90,37 @@ def own_numbers(per_head):
         "head_share": head_norm / head_norm.sum((1, 2), keepdim=True),
         "head_projection": (per_head * direction[:, None, None]).sum(-1),
     }
+
+
+@pytest.mark.parametrize(("x", "c", "rank"), [(8, 40, 8), (12, 40, 5), (64, 320, 64), (40, 40, 40), (48, 32, 32)])
+def test_orthonormal_coordinates_keep_every_norm_and_dot_product(x, c, rank):
+    """The contributions are measured in coordinates of the token vectors' span: the coordinates' Gram matrix is the
+    vectors' (float64, the test's own), also for vectors of lower rank; with X >= C the vectors come back as they
+    are."""
+    g = torch.Generator().manual_seed(x + c)
+    vectors = torch.randn(2, x, rank, generator=g) @ torch.randn(2, rank, c, generator=g)  # (B, X, C) of rank `rank`
+    vectors = vectors * torch.logspace(-2, 1, x)[:, None]  # token vectors of very different sizes
+    got = orthonormal_coordinates(vectors)
+    assert got.shape == (2, x, min(x, c))
+    if x >= c:
+        assert got is vectors
+    v64 = vectors.double()
+    want = v64 @ v64.transpose(-1, -2)
+    have = got.double() @ got.double().transpose(-1, -2)
+    # Householder QR in float32 is backward stable: each entry <v_i, v_j> within a few float32 epsilons (1.2e-7)
+    # times |v_i| |v_j| (sum over up to 320 channels: ~1e-6 relative); 1e-5 leaves 10x room
+    sizes = v64.norm(dim=-1)
+    torch.testing.assert_close(
+        have / (sizes[..., :, None] * sizes[..., None, :]),
+        want / (sizes[..., :, None] * sizes[..., None, :]),
+        rtol=0,
+        atol=1e-5,
+    )
+    # a combination's norm (what _contribute keeps) against float64 in the full space
+    w = torch.rand(2, 7, x, generator=g)
+    torch.testing.assert_close(
+        (w.double() @ got.double()).norm(dim=-1), (w.double() @ v64).norm(dim=-1), rtol=1e-5, atol=0
+    )
 
 
 @pytest.fixture
