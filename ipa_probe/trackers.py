@@ -40,10 +40,12 @@ def check_tracker(name: Any) -> str:
     wandb can log when ``WANDB_MODE`` is ``offline``/``dryrun``/``disabled``, or with an API key: ``WANDB_API_KEY``
     or the netrc entry ``wandb login`` writes for its host (``WANDB_BASE_URL``, default ``api.wandb.ai``), read here
     as wandb reads it, without importing wandb or reaching the network. TensorBoard and MLflow (by default a local
-    ``mlruns`` store) need only their client.
+    store) need only their client; MLflow with an ``http(s)`` ``MLFLOW_TRACKING_URI`` also a server that accepts a
+    connection (one attempt, 3 s at most).
 
     Raises:
-        ValueError: not one of :data:`TRACKERS`, or wandb with no API key and not in offline mode.
+        ValueError: not one of :data:`TRACKERS`, wandb with no API key and not in offline mode, or an MLflow
+            tracking server that does not answer.
         ImportError: its client is not installed (the message names the extra to install).
     """
     if name not in TRACKERS:
@@ -55,7 +57,30 @@ def check_tracker(name: Any) -> str:
             "log_with='wandb': wandb is not logged in and not in offline mode, so it would fail after the run; run "
             "`wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to log locally"
         )
+    if name == "mlflow":
+        _check_mlflow_server(os.environ.get("MLFLOW_TRACKING_URI"))
     return name
+
+
+def _check_mlflow_server(uri: str | None, timeout: float = 3.0) -> None:
+    """An ``http(s)`` ``MLFLOW_TRACKING_URI`` must accept a connection now: MLflow's client would otherwise retry for
+    minutes after the run and then fail. Other URIs (a local database or folder, Databricks profiles) pass."""
+    if not uri:
+        return
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        socket.create_connection((parts.hostname, port), timeout=timeout).close()
+    except (OSError, ValueError) as err:
+        raise ValueError(
+            f"log_with='mlflow': no tracking server answers at MLFLOW_TRACKING_URI={uri!r} ({err}); start the server, "
+            "or unset MLFLOW_TRACKING_URI to log to a local store in the logging folder"
+        ) from None
 
 
 def _fresh_folder(logging_dir: Path, run_name: str) -> Path:

@@ -83,3 +83,15 @@ def seeded_global_rng():
 
     torch.manual_seed(0)
     np.random.seed(0)
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    """The figures a test's plotting calls returned are the test's to close: close what is left after it, so that the
+    suite does not hold hundreds of open figures (matplotlib warns above 20, and each holds its canvas's memory)."""
+    yield
+    import sys
+
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None:
+        pyplot.close("all")

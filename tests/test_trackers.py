@@ -283,6 +283,35 @@ def test_wandb_gets_the_same_content_and_its_real_run_folder(logged, tmp_path, m
     assert calls[-1][0] == "run.finish"
 
 
+def test_an_mlflow_server_that_does_not_answer_is_refused_before_the_run(monkeypatch):
+    """With an http MLFLOW_TRACKING_URI, check_tracker tries one connection: a closed port is refused at once with
+    the remedy; a listening one, a local store and no URI pass."""
+    import socket
+
+    from ipa_probe.trackers import check_tracker
+
+    _fake_module(monkeypatch, "mlflow", {})  # installed, as far as the check can tell
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{listening.getsockname()[1]}")
+        assert check_tracker("mlflow") == "mlflow"
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        closed.close()  # bound, then released: nothing listens there
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    with pytest.raises(
+        ValueError, match=r"no tracking server answers at MLFLOW_TRACKING_URI=.*unset MLFLOW_TRACKING_URI"
+    ):
+        check_tracker("mlflow")
+    for uri in ("sqlite:///somewhere/mlflow.db", "file:///tmp/mlruns", "databricks"):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        assert check_tracker("mlflow") == "mlflow"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert check_tracker("mlflow") == "mlflow"
+
+
 def test_mlflow_gets_the_same_content_recorded(logged, tmp_path, monkeypatch):
     """A recording stand-in for mlflow's client (the real one is tested below where mlflow is installed)."""
     calls = []
