@@ -54,7 +54,16 @@ MODES = ("plain", "probe", "maps")
 
 class HookClock:
     """Wall time spent inside ipa_probe's hooks: wraps :func:`ipa_probe.layers.observer` (through which the probe and
-    its maps register every hook) in the modules that use it, for the rest of the process."""
+    its maps register every hook) in the modules that use it, for the rest of the process; one per process
+    (:meth:`shared`), so that a sweep's points do not wrap the hooks again."""
+
+    _shared: HookClock | None = None
+
+    @classmethod
+    def shared(cls) -> HookClock:
+        if cls._shared is None:
+            cls._shared = cls()
+        return cls._shared
 
     def __init__(self):
         import ipa_probe.capture.maps
@@ -94,7 +103,7 @@ class OwnTime:
         self.layer_calls: list[int] = []
         self.call_s = {mode: [] for mode in MODES}  # per call: CPU seconds of the whole call
         self.in_call = {"probe": [], "maps": []}  # per call: wall / (wall - wall inside the hooks)
-        self.clock = HookClock()
+        self.clock = HookClock.shared()
 
     def plain_hooks(self):
         """Hooks timing every IP layer's attention module (plain calls only)."""

@@ -30,15 +30,18 @@ class HookIntervention:
     Attributes:
         names: the hook point names that carry callbacks.
         calls: ``(step, name)`` pairs where a callback ran, in order.
-        steps: the step selection (from :func:`~ipa_probe._checks.parse_step_selection`; ``None`` for all).
     """
 
     names: list[str]
     calls: list[tuple[int, str]] = field(default_factory=list)
-    steps: Any = None
     _detach: Callable[[], None] | None = field(default=None, repr=False)
     _pipe: Any = field(default=None, repr=False)
     _user: PointUser | None = field(default=None, repr=False)
+
+    @property
+    def steps(self) -> Any:
+        """The step selection (from :func:`~ipa_probe._checks.parse_step_selection`; ``None`` for all)."""
+        return None if self._user is None else self._user.steps
 
     @property
     def steps_run(self) -> int:
@@ -71,7 +74,7 @@ def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=N
     """
     callbacks = normalise_hooks(pipe, hooks)
     steps = parse_step_selection(steps)
-    state = HookIntervention(sorted(callbacks), steps=steps)
+    state = HookIntervention(sorted(callbacks))
 
     def logged(name: str, fn: HookFn) -> HookFn:
         def run(tensor: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
