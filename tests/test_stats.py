@@ -19,9 +19,11 @@ from ipa_probe.kernels import (
 )
 from ipa_probe.stats import (
     STAT_NAMES,
+    _shuffle_rows,
     compare_weights,
     copy_groups,
     fit_bandwidth,
+    permutations,
     rank,
     raveled_pearson,
     row_spearman,
@@ -143,6 +145,40 @@ def test_permutation_null_near_zero():
     s = compare_weights(a, a.clone())
     assert _stat(s, "spearman").item() == pytest.approx(1.0)
     assert abs(_stat(s, "spearman_null").item()) < 0.02
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_permutation_table_holds_every_permutation_once(k):
+    table = permutations(k, "cpu")
+    assert table.shape == (math.factorial(k), k)
+    assert torch.equal(table.long().sort(-1).values, torch.arange(k).expand(table.shape))  # each row a permutation
+    assert len({tuple(row) for row in table.tolist()}) == math.factorial(k)  # no two alike
+
+
+@pytest.mark.parametrize("k", [4, 9])  # from the table (K <= TABLE_KEYS), and by sorting random keys
+def test_null_shuffles_are_uniform_permutations(k):
+    """Every row gets an independent uniformly random permutation: the first two positions' keys are uniform over
+    the K (K - 1) ordered pairs (chi-square, 0.1 % level: a fixed seed, so this either always passes or never)."""
+    n = 30_000
+    rows = torch.arange(k, dtype=torch.float32).expand(n, k)
+    shuffled = _shuffle_rows(rows, torch.Generator().manual_seed(k)).long()
+    assert torch.equal(shuffled.sort(-1).values, rows.long())
+    pairs = (shuffled[:, 0] * k + shuffled[:, 1]).bincount(minlength=k * k).reshape(k, k)
+    counts = pairs[~torch.eye(k, dtype=torch.bool)].numpy()
+    assert (pairs.diagonal() == 0).all()
+    assert sps.chisquare(counts).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("k", [6, 12])
+def test_null_shuffle_draws_per_generator_as_alone(k):
+    """Frames stacked on the leading dimension with their own generators draw what each draws for its frames alone."""
+    w = torch.randn(3, 5, 7, k, generator=torch.Generator().manual_seed(0))
+    stacked = _shuffle_rows(w, [(torch.Generator().manual_seed(1), 1), (torch.Generator().manual_seed(2), 2)])
+    alone = [
+        _shuffle_rows(w[:1], torch.Generator().manual_seed(1)),
+        _shuffle_rows(w[1:], torch.Generator().manual_seed(2)),
+    ]
+    assert torch.equal(stacked, torch.cat(alone))
 
 
 def test_global_rng_untouched():
