@@ -49,6 +49,8 @@ import pandas as pd
 import torch
 from sd15_arch import call_inputs, sd15_pipeline, sync
 
+from ipa_probe.kernels import split_heads
+
 MODES = ("plain", "probe", "maps")
 
 
@@ -320,13 +322,12 @@ def _record_once(processor, q, k, h, setting, gens):
     from ipa_probe.capture.cells import cell_values, group_cell, record_logits
     from ipa_probe.stats import stratified_rows
 
-    q = q.contiguous()  # as the probe's record callback does
-    attn = record_logits(processor, q, k, False)
+    attn, q_norms = record_logits(processor, q, k, False)
     sample = None
     if setting is not None and q.shape[2] > setting:
         sample = stratified_rows(q.shape[2], setting - setting % 8, gens[0], "cpu")
     cell = group_cell(2, q, k, attn, False, None, processor, None, h, False, sample)
-    return cell_values(cell, 2, q, k, None, False, processor, gens, None, None, 2, sample)
+    return cell_values(cell, 2, q, k, None, False, processor, gens, None, None, 2, q_norms, sample)
 
 
 def record_costs(queries: list[int], tokens: list[int], settings: list, repeats: int = 5) -> pd.DataFrame:
@@ -341,8 +342,9 @@ def record_costs(queries: list[int], tokens: list[int], settings: list, repeats:
     for n_queries in queries:
         for n_tokens in tokens:
             g = torch.Generator().manual_seed(0)
-            q = torch.randn(2, 8, n_queries, 40, generator=g)
-            k = torch.randn(2, 8, n_tokens, 40, generator=g)
+            # as a tap gives them: heads split off the layer's (B, N, H * D) projections (views)
+            q = split_heads(torch.randn(2, n_queries, 320, generator=g), 8)
+            k = split_heads(torch.randn(2, n_tokens, 320, generator=g), 8)
             h = torch.full((), 40**0.25)
             for setting in settings:
                 gens = (torch.Generator().manual_seed(0), torch.Generator().manual_seed(0))

@@ -375,7 +375,7 @@ def _attention_side(
     attn_logits: torch.Tensor, key_mask: torch.Tensor | None, key_groups: torch.Tensor | None
 ) -> _AttentionSide:
     dtype = torch.promote_types(attn_logits.dtype, torch.float32)
-    attn_logits = attn_logits.to(dtype)
+    attn_logits = attn_logits.to(dtype).contiguous()  # rows along memory (the probe's logits are key-major views)
     attn_order = attn_logits  # what the ranks are taken on
     if key_groups is not None:
         key_groups = key_groups.expand(attn_logits.shape)

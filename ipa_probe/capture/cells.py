@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import dot_logits, matched_bandwidth, nw_logits, query_frame_logits
+from ..kernels import matched_bandwidth, nw_logits, query_frame_logits
 from ..layers import image_branch_logits
 from ..schema import QUERY_FRAME_STATS, STAT_NAMES
 from ..stats import compare_frames, copy_groups, finite_rows, fit_bandwidth
@@ -23,7 +23,10 @@ from .config import SAMPLE_GROUPS
 __all__ = [
     "CHUNK_ELEMENTS",
     "Cell",
+    "CellInputs",
+    "cell_inputs",
     "cell_values",
+    "compare_cells",
     "frame_logits",
     "group_cell",
     "image_share",
@@ -47,16 +50,28 @@ class Cell:
     key_term: torch.Tensor | None  # (groups, H, 1 or rows, K) |k|^2 / (2 sqrt(d)): NW ranks follow attn - key_term
 
 
-def record_logits(processor: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, text: bool) -> torch.Tensor:
-    """The logits the record's softmax uses, ``(B, H, Q, K)``: the text branch is plain scaled dot-product attention
-    in every processor; the image branch's are the processor's own (:func:`~ipa_probe.layers.image_branch_logits`).
+def record_logits(
+    processor: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, text: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits the record's softmax uses, ``(B, H, Q, K)``, and the queries' norms ``(B, H, Q)``: the text branch
+    is plain scaled dot-product attention in every processor; the image branch's are the processor's own
+    (:func:`~ipa_probe.layers.image_branch_logits`).
 
-    Dot-product logits are formed as ``(k q^T)^T`` (a transposed view): the same products as ``q k^T``
+    Dot-product logits are formed key-major, ``(k q^T)^T`` (a transposed view): the same products as ``q k^T``
     (:func:`~ipa_probe.kernels.dot_logits`), 2-3x faster on CPU where the queries outnumber the keys (4,096 x 8 per
-    head at 512 px), and the per-key reductions over the queries then run along contiguous memory."""
+    head at 512 px), and the per-key reductions over the queries then run along contiguous memory. A query that is a
+    view of the layer's ``(B, Q, H * D)`` projection (the taps' heads split) is read in place one head at a time,
+    its norms taken while the head is in cache, instead of being copied first (at 512 px on CPU, reading the query
+    costs more than the products)."""
     if not text and getattr(processor, "image_branch_logits", None) is not None:
-        return image_branch_logits(processor, q, k)
-    return dot_logits(k, q, 1.0 / math.sqrt(q.shape[-1])).transpose(-1, -2)
+        return image_branch_logits(processor, q, k), q.norm(dim=-1)
+    k = k * (1.0 / math.sqrt(q.shape[-1]))
+    if q.device.type == "cpu" and not q.is_contiguous():
+        heads = [(k[:, h] @ q[:, h].transpose(-1, -2), q[:, h].norm(dim=-1)) for h in range(q.shape[1])]
+        by_key, norms = (torch.stack(parts, 1) for parts in zip(*heads, strict=True))
+    else:
+        by_key, norms = k @ q.transpose(-1, -2), q.norm(dim=-1)
+    return by_key.transpose(-1, -2), norms  # (B, H, K, Q) -> (B, H, Q, K)
 
 
 def group_cell(
@@ -127,7 +142,34 @@ def group_cell(
     return Cell(by_group(attn), by_group(nw_logits(q, k, h)), h_cell, key_mask, row_mask, copies, key_term)
 
 
-def cell_values(
+@dataclass
+class CellInputs:
+    """What the per-row statistics of one record compare (its rows sampled), and its per-cell scalars: kept until the
+    pass ends, when :func:`compare_cells` runs the records of the pass that share a :meth:`signature` together."""
+
+    attn: torch.Tensor  # (groups, H, n, K) attention logits of the compared rows
+    nw: torch.Tensor  # (groups, H, n, K) stored-frame NW logits
+    key_term: torch.Tensor | None  # (groups, H, 1 or n, K)
+    frame_nw: torch.Tensor  # (2, groups, H, n, K) query-frame NW logits, exact and Gaussian forms
+    frame_b: torch.Tensor  # (2, groups, H, 1, K) their key terms
+    key_mask: torch.Tensor | None  # (groups, H, n, K)
+    row_mask: torch.Tensor | None  # (groups, H, n)
+    copies: torch.Tensor | None  # (groups, H, 1 or n, K)
+    tails: torch.Tensor | None  # (K + 1,)
+    sampled: bool  # rows sampled: standard errors from SAMPLE_GROUPS random groups (0 when exact)
+    scalars: torch.Tensor  # (groups, H, 6) bandwidth, q_norm, k_norm_spread, ip_mass, keys, row_fraction
+
+    def signature(self) -> tuple:
+        """Records with equal signatures can be compared in one pass (concatenated along their groups)."""
+
+        def form(x: torch.Tensor | None) -> tuple | None:
+            return None if x is None else (tuple(x.shape[1:]), x.dtype, x.device)
+
+        tensors = (self.attn, self.nw, self.key_term, self.key_mask, self.row_mask, self.copies, self.tails)
+        return (*(form(x) for x in tensors), self.frame_nw.shape[2:], self.sampled)
+
+
+def cell_inputs(
     cell: Cell,
     groups: int,
     q: torch.Tensor,
@@ -135,22 +177,22 @@ def cell_values(
     other: torch.Tensor | None,
     text: bool,
     processor: torch.nn.Module,
-    generators: tuple[torch.Generator, torch.Generator],
     tails: torch.Tensor | None,
     text_mask: torch.Tensor | None,
     pools: int,
+    q_norms: torch.Tensor,
     sample: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of one record, ``(groups, H, fields)``.
+) -> CellInputs:
+    """One record's :class:`CellInputs`: its rows sampled, its query frames formed and its per-cell scalars taken.
 
     Args:
         cell: the record by group (:func:`group_cell`).
         groups, q, k, text, processor, text_mask: as for :func:`group_cell`.
         other: ``(B, H, N, D)``, further keys of the same softmax (SD3's latent keys), or ``None``.
-        generators: the permutation nulls' random sources on the device: the stored frame's, the query frame's.
         tails: :func:`~ipa_probe.stats.null_tail_table` for the record's number of keys (with a key mask), or
             ``None``.
         pools: how many query frames the groups form (:func:`frame_logits`).
+        q_norms: ``(B, H, Q)``, the queries' norms (:func:`record_logits`).
         sample: ``(n,)`` row indices (a multiple of :data:`~.config.SAMPLE_GROUPS`, from
             :func:`~ipa_probe.stats.stratified_rows`) to compute the per-row statistics on, with their standard
             errors; ``None`` for every row (exact, the standard errors 0). The query frame's key term is estimated
@@ -170,19 +212,12 @@ def cell_values(
     if sample is not None:
         attn, nw, key_mask = rows_of(attn), rows_of(nw), rows_of(key_mask)
         row_mask, copies, key_term = rows_of(row_mask, -1), rows_of(copies), rows_of(key_term)
-    frames = [(nw, key_term, generators[0]), (nw_frame, b, generators[1])]
-    replicates = SAMPLE_GROUPS if sample is not None else None
-    stats, frame = compare_frames(attn, frames, key_mask, row_mask, copies, tails, replicates)
-    if sample is None:  # exact: no sampling error
-        stats = torch.stack((stats, torch.zeros_like(stats)), dim=-2)
-        frame = torch.stack((frame, torch.zeros_like(frame)), dim=-2)
-    # stats (groups, H, 2, S), frame (2, groups, H, 2, S): estimate and standard error
     batch, n_heads, n_keys = k.shape[0], k.shape[1], k.shape[2]
 
     def by_group(x: torch.Tensor) -> torch.Tensor:  # (B, H, R) -> (groups, H, items * R)
         return x.reshape(groups, batch // groups, n_heads, x.shape[-1]).transpose(1, 2).flatten(2, 3)
 
-    q_norm = by_group(q.norm(dim=-1))  # (groups, H, items * Q)
+    q_norm = by_group(q_norms)  # (groups, H, items * Q)
     if cell.row_mask is not None:
         inside = cell.row_mask.float()
         q_norm = (q_norm * inside).sum(-1) / inside.sum(-1)
@@ -199,14 +234,50 @@ def cell_values(
     if other is not None and not text:
         share = image_share(processor, q, k, other.float())  # (B, H, Q)
         ip_mass = by_group(share).mean(-1)
-    chosen = [STAT_NAMES.index(name) for name in QUERY_FRAME_STATS]
-    # (2, groups, H, 2, S) -> (groups, H, 2, 2 * C): per part (estimate, error) the exact form's statistics, then the
-    # Gaussian form's (the order of QUERY_FRAME_COLUMNS)
-    frame = frame[..., chosen].permute(1, 2, 3, 0, 4).flatten(-2)
     fraction = torch.full_like(q_norm, 1.0 if sample is None else sample.shape[0] / n_rows)
     scalars = torch.stack(
         (cell.h.expand_as(q_norm), q_norm, spread, ip_mass, keys, fraction), dim=-1
     )  # (groups, H, 6)
+    return CellInputs(attn, nw, key_term, nw_frame, b, key_mask, row_mask, copies, tails, sample is not None, scalars)
+
+
+def compare_cells(
+    records: list[CellInputs], generators: tuple[torch.Generator, torch.Generator]
+) -> list[torch.Tensor]:
+    """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of records of one :meth:`~CellInputs.signature`,
+    ``(groups, H, fields)`` each, from one :func:`~ipa_probe.stats.compare_frames` pass over all their rows: every
+    statistic is per row and reduced per cell, so each record's values are what its own pass would give; only the
+    permutation nulls draw differently (one draw for the batch), from the same seeded generators.
+
+    Args:
+        records: the records' inputs (:func:`cell_inputs`), equal signatures.
+        generators: the permutation nulls' random sources on the device: the stored frame's, the query frame's.
+    """
+    first = records[0]
+
+    def joined(name: str, axis: int = 0) -> torch.Tensor | None:
+        parts = [getattr(record, name) for record in records]
+        if parts[0] is None or len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts, axis)
+
+    frames = [
+        (joined("nw"), joined("key_term"), generators[0]),
+        (joined("frame_nw", 1), joined("frame_b", 1), generators[1]),
+    ]
+    replicates = SAMPLE_GROUPS if first.sampled else None
+    stats, frame = compare_frames(
+        joined("attn"), frames, joined("key_mask"), joined("row_mask"), joined("copies"), first.tails, replicates
+    )
+    if not first.sampled:  # exact: no sampling error
+        stats = torch.stack((stats, torch.zeros_like(stats)), dim=-2)
+        frame = torch.stack((frame, torch.zeros_like(frame)), dim=-2)
+    # stats (groups, H, 2, S), frame (2, groups, H, 2, S): estimate and standard error
+    chosen = [STAT_NAMES.index(name) for name in QUERY_FRAME_STATS]
+    # (2, groups, H, 2, S) -> (groups, H, 2, 2 * C): per part (estimate, error) the exact form's statistics, then the
+    # Gaussian form's (the order of QUERY_FRAME_COLUMNS)
+    frame = frame[..., chosen].permute(1, 2, 3, 0, 4).flatten(-2)
+    scalars = joined("scalars")
     # the buffers keep each standard error squared, so that a mean over cells adds variances (report.run_table)
     errors = torch.cat((stats[..., 1, :], frame[..., 1, :]), dim=-1)
     parts = (
@@ -217,7 +288,29 @@ def cell_values(
         scalars[..., 5:],
         errors * errors,
     )
-    return torch.cat(parts, dim=-1)  # (groups, H, fields) in the order of CELL_FIELDS
+    values = torch.cat(parts, dim=-1)  # (groups of every record, H, fields) in the order of CELL_FIELDS
+    return list(values.split([record.attn.shape[0] for record in records]))
+
+
+def cell_values(
+    cell: Cell,
+    groups: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    other: torch.Tensor | None,
+    text: bool,
+    processor: torch.nn.Module,
+    generators: tuple[torch.Generator, torch.Generator],
+    tails: torch.Tensor | None,
+    text_mask: torch.Tensor | None,
+    pools: int,
+    q_norms: torch.Tensor,
+    sample: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of one record on its own, ``(groups, H, fields)``:
+    :func:`compare_cells` of its :func:`cell_inputs` (same arguments; ``generators`` as for :func:`compare_cells`)."""
+    inputs = cell_inputs(cell, groups, q, k, other, text, processor, tails, text_mask, pools, q_norms, sample)
+    return compare_cells([inputs], generators)[0]
 
 
 def frame_logits(cell: Cell, pools: int, sample: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,9 @@ the processors stay the very same objects.
 This module is family-agnostic: a :class:`~.taps.Tap` says where the tensors are, how heads are split and how
 denoiser calls map to steps and CFG branches; here they become statistics. The statistics of each (step, layer,
 adapter, CFG branch, head) are computed on the pipeline's device and added into preallocated buffers; nothing is
-copied to the host until the ``with`` block ends (one transfer).
+copied to the host until the ``with`` block ends (one transfer). Each record's logits, row sample and query frames
+are formed in its hook; the per-row statistics of a denoiser pass's records run together when the pass returns
+(:func:`~.cells.compare_cells`: one pass over every record's rows instead of one per record).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from ..schema import CELL_FIELDS
 from ..stats import null_tail_table, stratified_rows
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .buffers import CallBuffers, grow, new_buffers
-from .cells import cell_values, group_cell, record_logits
+from .cells import CellInputs, cell_inputs, compare_cells, group_cell, record_logits
 from .clock import CallClock
 from .config import DEFAULT_ROWS, SAMPLE_GROUPS, ProbeConfig
 from .map_views import MapViews
@@ -57,6 +59,12 @@ logger = logging.getLogger(__name__)
 
 #: Per-cell values kept in the buffers (see :data:`ipa_probe.schema.CELL_FIELDS`).
 FIELDS: tuple[str, ...] = CELL_FIELDS
+
+#: Query-frame logits (elements) the records kept for the pass's statistics may hold before they are compared early:
+#: 2^22 float32 (16 MiB, about 20 MiB of inputs and 150 MiB of working tensors in the batched pass) bounds memory
+#: when rows are many (``rows=None`` at 1024 px); the default row sample keeps a 512 px SD 1.5 pass (16 records) in
+#: one batch.
+PENDING_ELEMENTS = 2**22
 
 _FEATURE = "probe"
 
@@ -121,6 +129,10 @@ class ProbeRun(MapViews):
         self._generator: torch.Generator | None = None
         self._frame_generator: torch.Generator | None = None
         self._row_generator: torch.Generator | None = None
+        #: records of the running pass whose per-row statistics are still to run: (call, step, layer, slot, labels,
+        #: inputs), compared together by :meth:`_flush`
+        self._pending: list[tuple[CallBuffers, int, int, int, torch.Tensor, CellInputs]] = []
+        self._pending_elements = 0
         self._constants: dict[tuple, torch.Tensor] = {}
         self._result: dict[str, Any] | None = None
         self._active = False
@@ -147,6 +159,13 @@ class ProbeRun(MapViews):
     def _uninstall(self, interrupted: bool = False) -> None:
         """Remove every hook and finalise the results. ``interrupted``: the run was stopped by Ctrl-C, so cut-short
         steps are logged at debug level only."""
+        try:
+            self._flush()  # a pass that raised or was interrupted keeps the records it made
+        finally:
+            self._close(interrupted)
+
+    def _close(self, interrupted: bool) -> None:
+        self._pending.clear()
         self.evidence.remove()
         for handle in [*self._handles, *self._tap_handles]:
             handle.remove()
@@ -201,6 +220,7 @@ class ProbeRun(MapViews):
 
     # ------------------------------------------------------------------ the step clock
     def _on_denoiser_call(self, module, args, kwargs) -> None:
+        self._flush()  # the previous pass's records, when it raised before returning
         state, tap = self._state, self.tap
         if state.in_pass and state.call is not None:  # the previous pass raised before returning
             state.call.incomplete.add(state.step)
@@ -219,6 +239,7 @@ class ProbeRun(MapViews):
         self.evidence.pass_seen()
 
     def _on_denoiser_return(self, module, args, output) -> None:
+        self._flush()
         state = self._state
         state.in_pass = False
         self._capture.stash.clear()
@@ -356,15 +377,19 @@ class ProbeRun(MapViews):
 
     # ------------------------------------------------------------------ the statistics
     def _record(self, index: int, slot: int, query: torch.Tensor, *rest) -> None:
-        """:meth:`_record_stats` (same arguments), with torch's CPU threads set to :attr:`ProbeConfig.threads` around
-        it (on a CPU device) and the caller's restored after, also on an exception."""
+        """:meth:`_record_stats` (same arguments) with :meth:`_threads`."""
+        return self._threads(query.device, self._record_stats, index, slot, query, *rest)
+
+    def _threads(self, device: torch.device, fn: Callable, *args) -> Any:
+        """``fn(*args)`` with torch's CPU threads set to :attr:`ProbeConfig.threads` (on a CPU device), the caller's
+        restored after, also on an exception."""
         threads = self.config.threads
-        if threads is None or query.device.type != "cpu":
-            return self._record_stats(index, slot, query, *rest)
+        if threads is None or device.type != "cpu":
+            return fn(*args)
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return self._record_stats(index, slot, query, *rest)
+            return fn(*args)
         finally:
             torch.set_num_threads(before)
 
@@ -395,9 +420,9 @@ class ProbeRun(MapViews):
         if query.shape[0] % labels.shape[0]:  # a batch the layout does not describe: one unlabelled group
             labels = self.evidence.layout(None, query.device).items
             chunks = 1
-        # (B, H, Q, D), (B, H, K, D); the query made contiguous once (a tap's heads split is a transposed view),
-        # where every matmul and norm over it would copy it again
-        q, k = query.float().contiguous(), key.float()
+        # (B, H, Q, D), (B, H, K, D); the query is left as the tap gives it (a view of the layer's projection): its
+        # logits read it in place (record_logits), where a contiguous copy would cost more than the logits
+        q, k = query.float(), key.float()
         head_dim = q.shape[-1]
         head_index = self._heads(q.device)
         if head_index is not None:
@@ -405,7 +430,7 @@ class ProbeRun(MapViews):
             other = other.index_select(1, head_index) if other is not None else None
         text = slot == self.text_slot
         processor = self.layers[index].attention.processor
-        attn = record_logits(processor, q, k, text)  # (B, H, Q, K)
+        attn, q_norms = record_logits(processor, q, k, text)  # (B, H, Q, K), (B, H, Q)
         groups = labels.shape[0]
         h = self._bandwidth(head_dim, q.device)
         fit = self.config.bandwidth == "fit"
@@ -417,22 +442,19 @@ class ProbeRun(MapViews):
             sample = stratified_rows(n_rows, most - most % SAMPLE_GROUPS, self._row_generator, q.device)
         nw_rows = sample if self._maps is None or text else None  # the maps read every row's NW logits
         cell = group_cell(groups, q, k, attn, text, rows, processor, state.text_mask, h, fit, nw_rows)
-        if self._generator is None or self._generator.device != q.device:
-            # the stored and query frames draw their nulls from two generators of the run's seed, so the stored-frame
-            # columns draw exactly what they drew before the query frame existed
-            self._generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
-            self._frame_generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
         tails = None
         if cell.key_mask is not None:
             n_keys, device = cell.attn.shape[-1], q.device
             tails = self._constant(f"tails{n_keys}", device, lambda: null_tail_table(n_keys, device))
         # the query frame's pools: each group (a batch item), or each chunk of the pass (one CFG branch's items)
         pools = groups if self.config.query_frame == "item" else chunks
-        generators = (self._generator, self._frame_generator)
-        values = cell_values(
-            cell, groups, q, k, other, text, processor, generators, tails, state.text_mask, pools, sample
-        )  # (groups, H, fields)
-        self._accumulate(index, slot, labels, values)
+        inputs = cell_inputs(
+            cell, groups, q, k, other, text, processor, tails, state.text_mask, pools, q_norms, sample
+        )
+        self._pending.append((state.call, state.step, index, slot, labels, inputs))
+        self._pending_elements += inputs.frame_nw.numel()
+        if self._pending_elements > PENDING_ELEMENTS:  # bounded memory: compare what is kept so far
+            self._flush()
         if self.config.keep_maps:
             key = (state.call.index, state.step, self.layers[index].name, slot)
             self._keep_map(key, attn)
@@ -440,12 +462,37 @@ class ProbeRun(MapViews):
         if self._maps is not None and not text:
             self._maps.add(state.call.index, state.step, index, slot, labels, cell.attn, cell.nw)
 
-    def _accumulate(self, index: int, slot: int, labels: torch.Tensor, values: torch.Tensor) -> None:
-        """Add ``values`` ``(groups, H, fields)`` into the buffers at each group's label (an index on the device)."""
-        state = self._state
+    def _flush(self) -> None:
+        """Run the per-row statistics of the kept records (:func:`~.cells.compare_cells`, one pass per signature, in
+        the order the records came) and add them into the buffers."""
+        pending, self._pending, self._pending_elements = self._pending, [], 0
+        if not pending:
+            return
+        batches: dict[tuple, list] = {}
+        for entry in pending:
+            batches.setdefault(entry[-1].signature(), []).append(entry)
+        device = pending[0][-1].attn.device
+        if self._generator is None or self._generator.device != device:
+            # the stored and query frames draw their nulls from two generators of the run's seed, so the stored-frame
+            # columns draw what they drew before the query frame existed
+            self._generator = torch.Generator(device=device).manual_seed(self.config.seed)
+            self._frame_generator = torch.Generator(device=device).manual_seed(self.config.seed)
+        generators = (self._generator, self._frame_generator)
+        with torch.no_grad():
+            for batch in batches.values():
+                values = self._threads(device, compare_cells, [entry[-1] for entry in batch], generators)
+                for (call, step, index, slot, labels, _), cell_values in zip(batch, values, strict=True):
+                    self._accumulate(call, step, index, slot, labels, cell_values)
+
+    @staticmethod
+    def _accumulate(
+        call: CallBuffers, step: int, index: int, slot: int, labels: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Add ``values`` ``(groups, H, fields)`` into ``call``'s buffers at ``step`` and each group's label (an index
+        on the device)."""
         n_heads = values.shape[1]
-        sums = state.call.sums[state.step, index, slot, :, :n_heads]  # (labels, H, fields), a view
-        counts = state.call.counts[state.step, index, slot, :, :n_heads]  # (labels, H)
+        sums = call.sums[step, index, slot, :, :n_heads]  # (labels, H, fields), a view
+        counts = call.counts[step, index, slot, :, :n_heads]  # (labels, H)
         sums.index_add_(0, labels, values)
         counts.index_add_(0, labels, torch.ones_like(values[..., 0]))
 
