@@ -117,9 +117,14 @@ def raveled_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None 
     return (da * db).sum((-2, -1)) / ((da * da).sum((-2, -1)) * (db * db).sum((-2, -1))).sqrt()
 
 
-def _log_softmax(x: torch.Tensor) -> torch.Tensor:
-    # x - logsumexp(x): the same values as torch.log_softmax, several times faster on CPU for short rows
-    return x - x.logsumexp(-1, keepdim=True)
+def _log_softmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x - logsumexp(x)`` over the last dimension (the values of torch.log_softmax, several times faster on CPU for
+    short rows) and whether each row's weights are finite, ``(..., K) -> (..., K), (...)``: the weights
+    ``exp(x - lse)`` are all finite exactly when ``lse`` is (a NaN or ``+inf`` logit makes it NaN or ``+inf``, and a
+    row of ``-inf`` makes it ``-inf``; ``-inf`` beside a finite logit is a weight of 0), which the row's sum already
+    holds."""
+    lse = x.logsumexp(-1, keepdim=True)
+    return x - lse, lse.squeeze(-1).isfinite()
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -395,35 +400,32 @@ def _attention_side(
         attn_order = attn_order.gather(-1, order)
         groups_ordered = key_groups.gather(-1, order) if key_groups is not None else None
         mask_float = key_mask.to(dtype)
-    log_a = _log_softmax(attn_logits)  # (..., R, K)
+    log_a, finite = _log_softmax(attn_logits)  # (..., R, K), (..., R)
     a = log_a.exp()
-    top = a.argmax(-1, keepdim=True)  # (..., R, 1)
+    top = a.max(-1, keepdim=True).indices  # (..., R, 1): the first largest, as argmax (and faster on CPU)
     if groups_ordered is not None:
         top = groups_ordered.gather(-1, top)
     ranks = _masked_ranks(attn_order, key_mask)
     if key_mask is None:
-        centred = ranks - ranks.mean(-1, keepdim=True)
         keys = torch.full(ranks.shape[:-1], ranks.shape[-1], dtype=dtype, device=ranks.device)
     else:
-        n = mask_float.sum(-1, keepdim=True)
-        centred = (ranks - (ranks * mask_float).sum(-1, keepdim=True) / n) * mask_float
         keys = key_mask.sum(-1).to(dtype)
+    centred = _centred(ranks, keys, mask_float)
     sd = _row_sd(attn_logits if key_mask is None else torch.where(key_mask, attn_logits, 0.0), key_mask)
     a_dev = a - 1.0 / a.shape[-1] if key_mask is None else None
     a_dev_sq = (a_dev * a_dev).sum(-1) if a_dev is not None else None
     return _AttentionSide(
-        attn_logits, log_a, a, finite_rows(a), top, n_eff(a), ranks, centred, (centred * centred).sum(-1), sd,
+        attn_logits, log_a, a, finite, top, n_eff(a), ranks, centred, (centred * centred).sum(-1), sd,
         a_dev, a_dev_sq, keys, key_mask, mask_float, order, key_groups, groups_ordered, dtype,
     )  # fmt: skip
 
 
-def _centred(side: _AttentionSide, b: torch.Tensor) -> torch.Tensor:
-    """``b`` ``(*F, ..., R, K)`` centred over each row's kept keys (0 at the others), as the attention's ranks are in
-    ``side``."""
-    if side.mask_float is None:
-        return b - b.mean(-1, keepdim=True)
-    m = side.mask_float
-    return (b - (b * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True)) * m
+def _centred(ranks: torch.Tensor, keys: torch.Tensor, mask_float: torch.Tensor | None) -> torch.Tensor:
+    """Ranks ``(..., R, K)`` (:func:`_masked_ranks`) centred over each row's ``keys`` kept keys, 0 at the others. The
+    kept keys' ranks are ``1..n`` with ties averaged, so their mean is ``(n + 1) / 2`` exactly: no pass over them."""
+    if mask_float is None:
+        return ranks - (ranks.shape[-1] + 1) / 2
+    return (ranks - (keys.unsqueeze(-1) + 1) / 2) * mask_float
 
 
 #: Most keys for which sums of squared centred ranks are exact in float32 (:func:`_frame_stats`' rank agreement):
@@ -457,21 +459,20 @@ def _frame_stats(
         nw_logits = nw_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
         nw_order = nw_order.gather(-1, order)
         key_term = key_term.expand(shape).gather(-1, order) if key_term is not None else None
-    log_w = _log_softmax(nw_logits)
-    w = log_w.exp()
-    finite = side.finite & finite_rows(w)  # (*F, ..., R)
+    log_w, finite_w = _log_softmax(nw_logits)
+    w = log_w.exp()  # not finite in rows left out of everything (valid), whose values every reduction masks
+    finite = side.finite & finite_w  # (*F, ..., R)
     valid = finite if row_mask is None else finite & row_mask
-    w = torch.where(valid.unsqueeze(-1), w, 1.0)
     a = side.a
     kl_rows = torch.where(a > 0, a * (side.log_a - log_w), 0.0).sum(-1)
-    top_w = w.argmax(-1, keepdim=True)
+    top_w = w.max(-1, keepdim=True).indices
     if side.groups_ordered is not None:
         top_w = side.groups_ordered.expand(shape).gather(-1, top_w)
     top1_rows = (side.top == top_w).squeeze(-1).to(dtype)
-    # Ranks are taken on the logits: the same order as the weights, without the ties that underflow makes. The null
-    # shuffles the NW ranks themselves (ranking is permutation-equivariant), so each side is ranked once.
+    # Ranks are taken on the logits: the same order as the weights, without the ties that underflow makes. Each side
+    # is ranked once: the null shuffles the NW ranks (ranking is permutation-equivariant).
     nw_ranks = _masked_ranks(nw_order, key_mask)
-    centred = _centred(side, nw_ranks)
+    centred = _centred(nw_ranks, side.keys, side.mask_float)
     cross, nw_sq = (side.centred * centred).sum(-1), (centred * centred).sum(-1)  # (*F, ..., R)
     rho_rows = cross / (side.centred_sq * nw_sq).sqrt()
     # The null shuffles the centred ranks: a row's kept ranks keep their mean and sum of squares under a permutation

@@ -1,0 +1,72 @@
+"""The probe compares a pass's records in one batched pass (:func:`ipa_probe.capture.cells.compare_cells`): each
+record's fields must be what its own pass gives, whatever else shares the batch; only the permutation nulls draw
+differently. That the single-record values match a float64 recomputation is held by tests/test_probe.py,
+tests/test_query_frame.py and tests/test_gauge_stats.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ipa_probe.capture.cells import cell_inputs, compare_cells, group_cell, record_logits
+from ipa_probe.kernels import split_heads
+from ipa_probe.schema import CELL_FIELDS, QUERY_FRAME_COLUMNS, se_column
+from ipa_probe.stats import stratified_rows
+
+#: The nulls' columns and their errors: one draw for a batch, not one per record.
+DRAWN = {"spearman_null", *(c for c in QUERY_FRAME_COLUMNS if c.endswith("spearman_null"))}
+DRAWN |= {se_column(name) for name in set(DRAWN)}
+
+
+class _Plain:  # a processor without its own image-branch logits: dot-product attention, as diffusers' IP processors
+    pass
+
+
+def _record(seed: int, queries: int, rows: int | None, heads: int = 2, tokens: int = 6):
+    """One record's inputs as the probe forms them: heads split off (B, N, H * D) projections, CFG batch of 2."""
+    g = torch.Generator().manual_seed(seed)
+    q = split_heads(torch.randn(2, queries, heads * 8, generator=g), heads)
+    k = split_heads(1.5 * torch.randn(2, tokens, heads * 8, generator=g), heads)
+    attn, norms = record_logits(_Plain(), q, k, False)
+    sample = None
+    if rows is not None and queries > rows:
+        sample = stratified_rows(queries, rows, torch.Generator().manual_seed(seed), "cpu")
+    h = torch.full((), 8**0.25)
+    cell = group_cell(2, q, k, attn, False, None, _Plain(), None, h, False, sample)
+    return cell_inputs(cell, 2, q, k, None, False, _Plain(), None, None, 2, norms, sample)
+
+
+def _generators():
+    return torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize("queries, rows", [(64, None), (512, 64)])  # exact, and a row sample with its errors
+def test_a_batched_record_gets_the_fields_of_its_own_pass(queries, rows):
+    records = [_record(seed, queries, rows) for seed in range(3)]
+    assert len({record.signature() for record in records}) == 1
+    batched = compare_cells(records, _generators())
+    checked = [i for i, name in enumerate(CELL_FIELDS) if name not in DRAWN and name != "ip_mass"]  # NaN: no SD3
+    for record, values in zip(records, batched, strict=True):
+        (alone,) = compare_cells([record], _generators())
+        assert values.shape == alone.shape == (2, 2, len(CELL_FIELDS))
+        assert alone[..., checked].isfinite().all()
+        # Every checked field is a per-row value reduced over the cell's rows: the same operations on the same rows;
+        # the tolerance only allows a reduction to vectorise differently over a larger batch (float32, 64 rows).
+        torch.testing.assert_close(values[..., checked], alone[..., checked], rtol=1e-6, atol=1e-6)
+    # the nulls are chance levels either way (|rho| of shuffled ranks, 6 keys, averaged over 64 rows: small)
+    null = torch.cat(batched)[..., CELL_FIELDS.index("spearman_null")]
+    assert null.abs().max() < 0.5
+
+
+def test_records_of_other_shapes_have_other_signatures():
+    exact, sampled, other = _record(0, 64, None), _record(0, 512, 64), _record(0, 64, None, tokens=4)
+    assert len({exact.signature(), sampled.signature(), other.signature()}) == 3
+    assert exact.signature() == _record(1, 64, None).signature()
+
+
+def test_nulls_of_a_batch_are_seeded():
+    records = [_record(seed, 64, None) for seed in range(2)]
+    first, second = compare_cells(records, _generators()), compare_cells(records, _generators())
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # ip_mass is NaN (no joint softmax)
+    assert torch.cat(first)[..., CELL_FIELDS.index("spearman_null")].abs().max() > 0  # a draw, not a constant
