@@ -123,8 +123,9 @@ class OwnTime:
         return handles, total
 
     def wrap(self, run, mode: str):
-        """Time the run's record callback (everything the probe computes per layer call) and, with maps, the value
-        hook's per-reference contributions (counted in the time, not as records)."""
+        """Time the run's record callback and the pass's batched per-row statistics (together, everything the probe
+        computes per layer call) and, with maps, the value hook's per-reference contributions (those two counted in
+        the time, not as records)."""
         total = [0.0, 0]
 
         def timer(function, counts: bool):
@@ -139,6 +140,7 @@ class OwnTime:
             return timed
 
         run._capture.record = timer(run._capture.record, True)
+        run._flush = timer(run._flush, False)  # the instance attribute shadows the method the pass's end calls
         if run._maps is not None:  # the instance attribute shadows the method the value hooks look up
             run._maps._contribute = timer(run._maps._contribute, False)
         return total
@@ -319,7 +321,7 @@ def measure_point(
 
 def _record_once(processor, q, k, h, setting, gens):
     """The probe's work on one record (what its record callback runs, without the buffers)."""
-    from ipa_probe.capture.cells import cell_values, group_cell, record_logits
+    from ipa_probe.capture.cells import cell_inputs, compare_cells, group_cell, record_logits
     from ipa_probe.stats import stratified_rows
 
     attn, q_norms = record_logits(processor, q, k, False)
@@ -327,7 +329,8 @@ def _record_once(processor, q, k, h, setting, gens):
     if setting is not None and q.shape[2] > setting:
         sample = stratified_rows(q.shape[2], setting - setting % 8, gens[0], "cpu")
     cell = group_cell(2, q, k, attn, False, None, processor, None, h, False, sample)
-    return cell_values(cell, 2, q, k, None, False, processor, gens, None, None, 2, q_norms, sample)
+    inputs = cell_inputs(cell, 2, q, k, None, False, processor, None, None, 2, q_norms, sample)
+    return compare_cells([inputs], gens)[0]
 
 
 def record_costs(queries: list[int], tokens: list[int], settings: list, repeats: int = 5) -> pd.DataFrame:

@@ -4,7 +4,9 @@ A *record* is what the probe's taps deliver once per layer, adapter (or the text
 ``(B, H, Q, D)`` and keys ``(B, H, K, D)`` the processor's softmax uses. Its *cells* are its batch items (a group:
 one item with its frames pooled) per head; every statistic of a cell is computed here on the pipeline's device and
 returned as one ``(groups, H, fields)`` tensor in the order of :data:`~ipa_probe.schema.CELL_FIELDS`, which
-:mod:`~.run` adds into its buffers. Nothing here reads the host or keeps state between records.
+:mod:`~.run` adds into its buffers. A record's inputs are formed in its hook (:func:`record_logits`,
+:func:`group_cell`, :func:`cell_inputs`); the per-row statistics of a pass's records run together
+(:func:`compare_cells`). Nothing here reads the host or keeps state between records.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ __all__ = [
     "Cell",
     "CellInputs",
     "cell_inputs",
-    "cell_values",
     "compare_cells",
     "frame_logits",
     "group_cell",
@@ -290,27 +291,6 @@ def compare_cells(
     )
     values = torch.cat(parts, dim=-1)  # (groups of every record, H, fields) in the order of CELL_FIELDS
     return list(values.split([record.attn.shape[0] for record in records]))
-
-
-def cell_values(
-    cell: Cell,
-    groups: int,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    other: torch.Tensor | None,
-    text: bool,
-    processor: torch.nn.Module,
-    generators: tuple[torch.Generator, torch.Generator],
-    tails: torch.Tensor | None,
-    text_mask: torch.Tensor | None,
-    pools: int,
-    q_norms: torch.Tensor,
-    sample: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of one record on its own, ``(groups, H, fields)``:
-    :func:`compare_cells` of its :func:`cell_inputs` (same arguments; ``generators`` as for :func:`compare_cells`)."""
-    inputs = cell_inputs(cell, groups, q, k, other, text, processor, tails, text_mask, pools, q_norms, sample)
-    return compare_cells([inputs], generators)[0]
 
 
 def frame_logits(cell: Cell, pools: int, sample: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -468,21 +468,21 @@ class ProbeRun(MapViews):
         pending, self._pending, self._pending_elements = self._pending, [], 0
         if not pending:
             return
-        batches: dict[tuple, list] = {}
+        batches: dict[tuple, list] = {}  # a signature includes the device
         for entry in pending:
             batches.setdefault(entry[-1].signature(), []).append(entry)
-        device = pending[0][-1].attn.device
-        if self._generator is None or self._generator.device != device:
-            # the stored and query frames draw their nulls from two generators of the run's seed, so the stored-frame
-            # columns draw what they drew before the query frame existed
-            self._generator = torch.Generator(device=device).manual_seed(self.config.seed)
-            self._frame_generator = torch.Generator(device=device).manual_seed(self.config.seed)
-        generators = (self._generator, self._frame_generator)
         with torch.no_grad():
             for batch in batches.values():
+                device = batch[0][-1].attn.device
+                if self._generator is None or self._generator.device != device:
+                    # the stored and query frames draw their nulls from two generators of the run's seed, so the
+                    # stored-frame columns draw what they drew before the query frame existed
+                    self._generator = torch.Generator(device=device).manual_seed(self.config.seed)
+                    self._frame_generator = torch.Generator(device=device).manual_seed(self.config.seed)
+                generators = (self._generator, self._frame_generator)
                 values = self._threads(device, compare_cells, [entry[-1] for entry in batch], generators)
-                for (call, step, index, slot, labels, _), cell_values in zip(batch, values, strict=True):
-                    self._accumulate(call, step, index, slot, labels, cell_values)
+                for (call, step, index, slot, labels, _), fields in zip(batch, values, strict=True):
+                    self._accumulate(call, step, index, slot, labels, fields)
 
     @staticmethod
     def _accumulate(
