@@ -322,7 +322,7 @@ def measure_point(
 def _record_once(processor, q, k, h, setting, gens):
     """The probe's work on one record (what its record callback runs, without the buffers)."""
     from ipa_probe.capture.cells import cell_inputs, compare_cells, group_cell, record_logits
-    from ipa_probe.stats import stratified_rows
+    from ipa_probe.draws import stratified_rows
 
     attn, q_norms = record_logits(processor, q, k, False)
     sample = None

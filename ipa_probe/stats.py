@@ -17,12 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .draws import Draws, shuffle_rows, stratified_rows
 from .kernels import n_eff
 from .nulls import EXACT_NULL_KEYS, RhoNull, null_tail, rho_baseline, rho_null
 from .schema import ROW_THRESHOLD, STAT_NAMES, rows_column
-
-#: A null's random source: one generator, or per block of the leading dimension ``(generator, slices)``.
-_Draws = torch.Generator | list[tuple[torch.Generator, int]]
 
 __all__ = [
     "EXACT_NULL_KEYS",
@@ -131,58 +129,6 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``x`` over the last dimension where ``mask`` holds (NaN where nothing does)."""
     mask = mask & ~x.isnan()
     return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1)
-
-
-#: Largest number of keys whose permutations :func:`_shuffle_rows` draws from a table of all of them (8! = 40,320
-#: rows of 8 bytes): one integer per row instead of a sort of ``K`` random keys (5x faster on CPU).
-TABLE_KEYS = 8
-
-_PERMUTATIONS: dict[tuple[int, str], torch.Tensor] = {}
-
-
-def permutations(k: int, device: torch.device | str) -> torch.Tensor:
-    """Every permutation of ``0..k-1`` (``k <= 255``) as a ``(k!, k)`` uint8 tensor on ``device`` (small, so that rows
-    drawn at random stay in cache), made there (no copy from the host) and kept for the process."""
-    device = torch.device(device)
-    key = (k, str(device))
-    table = _PERMUTATIONS.get(key)
-    if table is None:
-        table = torch.zeros((1, min(k, 1)), dtype=torch.uint8, device=device)
-        for m in range(2, k + 1):  # insert m - 1 at every position of every permutation of 0..m-2
-            top = torch.full((table.shape[0], 1), m - 1, dtype=torch.uint8, device=device)
-            table = torch.cat([torch.cat([table[:, :p], top, table[:, p:]], 1) for p in range(m)])
-        _PERMUTATIONS[key] = table
-    return table
-
-
-def _shuffle_rows(w: torch.Tensor, generator: _Draws, prefix: torch.Tensor | None = None) -> torch.Tensor:
-    """``w`` with an independent uniformly random permutation of the last dimension in every row.
-
-    With a boolean ``prefix`` mask (kept entries first in every row), only the kept entries are shuffled. With
-    several ``(generator, n)`` draws, the first ``n`` slices of ``w``'s leading dimension draw from the first
-    generator, and so on: each generator draws what it would draw for its slices alone. Up to :data:`TABLE_KEYS` keys
-    (and no mask) a row's permutation is one uniform draw from the table of all ``K!`` (:func:`permutations`);
-    otherwise the order of ``K`` uniform random keys.
-    """
-    k = w.shape[-1]
-    if prefix is None and 1 < k <= TABLE_KEYS:
-        table = permutations(k, w.device)
-        if isinstance(generator, torch.Generator):
-            draws = [(generator, math.prod(w.shape[:-1]))]
-        else:  # rows per generator: its slices of the leading dimension
-            draws = [(g, n * math.prod(w.shape[1:-1])) for g, n in generator]
-        picks = [torch.randint(table.shape[0], (rows,), generator=g, device=w.device) for g, rows in draws]
-        pick = torch.cat(picks) if len(picks) > 1 else picks[0]
-        return w.gather(-1, table.index_select(0, pick).view(w.shape).long())
-    if isinstance(generator, torch.Generator):
-        noise = torch.rand(w.shape, generator=generator, device=w.device, dtype=torch.float32)
-    else:
-        # (F, ...): one draw per generator of its frames' shape, stacked
-        parts = [torch.rand((n, *w.shape[1:]), generator=g, device=w.device) for g, n in generator]
-        noise = torch.cat(parts) if len(parts) > 1 else parts[0]
-    if prefix is not None:
-        noise = torch.where(prefix, noise, 2.0)
-    return w.gather(-1, noise.argsort(-1))
 
 
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
@@ -437,14 +383,15 @@ EXACT_RANK_SUMS = 128
 def _frame_stats(
     side: _AttentionSide,
     nw_logits: torch.Tensor,
-    generator: _Draws,
+    generator: Draws,
     row_mask: torch.Tensor | None,
     key_term: torch.Tensor | None,
     null_tails: torch.Tensor | None,
     replicates: int | None = None,
 ) -> torch.Tensor:
     """The statistics of :func:`compare_weights` of one NW weighting against the shared attention side (several
-    frames stacked on the leading dimension with per-block ``generator`` draws, see :func:`_shuffle_rows`)."""
+    frames stacked on the leading dimension with per-block ``generator`` draws, see
+    :func:`~ipa_probe.draws.shuffle_rows`)."""
     dtype, key_mask = side.dtype, side.key_mask
     nw_logits = nw_logits.to(dtype)
     shape = nw_logits.shape
@@ -477,7 +424,7 @@ def _frame_stats(
     rho_rows = cross / (side.centred_sq * nw_sq).sqrt()
     # The null shuffles the centred ranks: a row's kept ranks keep their mean and sum of squares under a permutation
     # (exactly: half-integers), so centring after the shuffle would give the same values.
-    null_cross = (side.centred * _shuffle_rows(centred, generator, key_mask)).sum(-1)
+    null_cross = (side.centred * shuffle_rows(centred, generator, key_mask)).sum(-1)
     null_rows = null_cross / (side.centred_sq * nw_sq).sqrt()
     ranked = valid & ~rho_rows.isnan()  # rows with a rank correlation
     if key_term is not None:
@@ -592,28 +539,6 @@ _SHARES: dict[str, str] = {
     "rows_rho_pos1": "ranked",
     "rows_rho_neg1": "ranked",
 }
-
-
-def stratified_rows(rows: int, n: int, generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
-    """A seeded stratified sample of ``n`` of ``rows`` row indices: the rows (query positions in raster order) are cut
-    into ``n`` contiguous strata of ``rows // n`` or ``rows // n + 1`` rows (spatial blocks: runs of neighbouring
-    positions) and one row is drawn uniformly in each. Made on ``device`` from ``generator`` (no host sync).
-
-    Args:
-        rows: how many rows there are.
-        n: how many to draw, ``1 <= n <= rows``.
-        generator: the random source, on ``device``.
-        device: where the indices live.
-
-    Returns:
-        ``(n,)`` int64 indices, ascending (one per stratum, in stratum order).
-    """
-    if not 1 <= n <= rows:
-        raise ValueError(f"n: expected 1 <= n <= rows ({rows}), got {n}")
-    stratum = torch.arange(n + 1, device=device) * rows // n  # (n + 1,) stratum boundaries
-    start, size = stratum[:-1], stratum[1:] - stratum[:-1]
-    offset = (torch.rand(n, generator=generator, device=device) * size).long().clamp(max=size - 1)
-    return start + offset
 
 
 #: A row's rho within this of :data:`~ipa_probe.schema.ROW_THRESHOLD` counts as at it, not above it. rho takes discrete

@@ -15,8 +15,9 @@ import torch
 
 from ipa_probe.capture.config import DEFAULT_ROWS, SAMPLE_GROUPS
 from ipa_probe.capture.run import probe
+from ipa_probe.draws import stratified_rows
 from ipa_probe.schema import ROW_SAMPLE_COLUMNS, SAMPLED_COLUMNS, STAT_NAMES, se_column
-from ipa_probe.stats import compare_frames, compare_weights, stratified_rows
+from ipa_probe.stats import compare_frames, compare_weights
 
 
 def _table(pipe, refs, rows, size=128, **options):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from scipy import stats as sps
 
+from ipa_probe.draws import permutations, shuffle_rows
 from ipa_probe.kernels import (
     dot_logits,
     key_norm_bias,
@@ -19,11 +20,9 @@ from ipa_probe.kernels import (
 )
 from ipa_probe.stats import (
     STAT_NAMES,
-    _shuffle_rows,
     compare_weights,
     copy_groups,
     fit_bandwidth,
-    permutations,
     rank,
     raveled_pearson,
     row_spearman,
@@ -161,7 +160,7 @@ def test_null_shuffles_are_uniform_permutations(k):
     the K (K - 1) ordered pairs (chi-square, 0.1 % level: a fixed seed, so this either always passes or never)."""
     n = 30_000
     rows = torch.arange(k, dtype=torch.float32).expand(n, k)
-    shuffled = _shuffle_rows(rows, torch.Generator().manual_seed(k)).long()
+    shuffled = shuffle_rows(rows, torch.Generator().manual_seed(k)).long()
     assert torch.equal(shuffled.sort(-1).values, rows.long())
     pairs = (shuffled[:, 0] * k + shuffled[:, 1]).bincount(minlength=k * k).reshape(k, k)
     counts = pairs[~torch.eye(k, dtype=torch.bool)].numpy()
@@ -173,10 +172,10 @@ def test_null_shuffles_are_uniform_permutations(k):
 def test_null_shuffle_draws_per_generator_as_alone(k):
     """Frames stacked on the leading dimension with their own generators draw what each draws for its frames alone."""
     w = torch.randn(3, 5, 7, k, generator=torch.Generator().manual_seed(0))
-    stacked = _shuffle_rows(w, [(torch.Generator().manual_seed(1), 1), (torch.Generator().manual_seed(2), 2)])
+    stacked = shuffle_rows(w, [(torch.Generator().manual_seed(1), 1), (torch.Generator().manual_seed(2), 2)])
     alone = [
-        _shuffle_rows(w[:1], torch.Generator().manual_seed(1)),
-        _shuffle_rows(w[1:], torch.Generator().manual_seed(2)),
+        shuffle_rows(w[:1], torch.Generator().manual_seed(1)),
+        shuffle_rows(w[1:], torch.Generator().manual_seed(2)),
     ]
     assert torch.equal(stacked, torch.cat(alone))
 

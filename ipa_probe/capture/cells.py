@@ -195,7 +195,7 @@ def cell_inputs(
         pools: how many query frames the groups form (:func:`frame_logits`).
         q_norms: ``(B, H, Q)``, the queries' norms (:func:`record_logits`).
         sample: ``(n,)`` row indices (a multiple of :data:`~.config.SAMPLE_GROUPS`, from
-            :func:`~ipa_probe.stats.stratified_rows`) to compute the per-row statistics on, with their standard
+            :func:`~ipa_probe.draws.stratified_rows`) to compute the per-row statistics on, with their standard
             errors; ``None`` for every row (exact, the standard errors 0). The query frame's key term is estimated
             over every row either way.
     """

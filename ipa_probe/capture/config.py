@@ -69,7 +69,7 @@ class ProbeConfig:
             The table's ``query_frame`` column and the saved settings name it.
         rows: the most query rows per cell (one batch item's positions at one layer, head and step) that the
             per-row statistics (:data:`~ipa_probe.schema.SAMPLED_COLUMNS`) run over; a cell with more uses a seeded
-            sample stratified over spatial blocks (:func:`~ipa_probe.stats.stratified_rows`, ``rows`` rounded down
+            sample stratified over spatial blocks (:func:`~ipa_probe.draws.stratified_rows`, ``rows`` rounded down
             to a multiple of 8), and reports each statistic's standard error beside it (``<column>_se``, 0 for
             exact cells) and the share of rows used (``row_fraction``). The query frame's key term, the geometry
             columns and the reference maps always use every row. ``None`` for exact statistics everywhere.

@@ -30,6 +30,7 @@ import torch
 from .. import bandwidth as bw
 from .._checks import check_steps_ran
 from ..bandwidth import BandwidthSpec
+from ..draws import stratified_rows
 from ..layers import (
     IPLayer,
     LayerSelection,
@@ -41,7 +42,7 @@ from ..layers import (
     release,
 )
 from ..schema import CELL_FIELDS
-from ..stats import null_tail_table, stratified_rows
+from ..stats import null_tail_table
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .buffers import CallBuffers, grow, new_buffers
 from .cells import CellInputs, cell_inputs, compare_cells, group_cell, record_logits
