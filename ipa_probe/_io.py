@@ -39,6 +39,8 @@ __all__ = [
     "data_digest",
     "jsonable",
     "os_error_of",
+    "holds_lock",
+    "lock_holder",
     "output_lock",
     "read_provenance",
     "versions",
@@ -336,12 +338,23 @@ def launch_id() -> str:
     return f"{socket.gethostname()}:pid{os.getpid()}"
 
 
+#: The most of a lock file read to name its holder (a record is about 200 bytes; a planted huge file is not read).
+_HOLDER_BYTES = 1 << 16
+
+
 def _read_holder(path: Path) -> _Holder | None:
+    """The holder a lock file names; ``None`` when it names none (empty, not a regular file, not a record)."""
     try:
-        data = json.loads(path.read_text())
-        fields = (int(data["pid"]), str(data["host"]), str(data["launch"]), float(data["started"]), data["command"])
-        return _Holder(*fields)
-    except (OSError, ValueError, KeyError, TypeError):
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            data = json.loads(os.read(fd, _HOLDER_BYTES))
+        finally:
+            os.close(fd)
+        fields = (int(data["pid"]), str(data["host"]), str(data["launch"]), float(data["started"]))
+        return _Holder(*fields, str(data["command"])[:300])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return None
 
 
@@ -367,6 +380,14 @@ def output_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
     folder = Path(folder).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
+    held = _held_key(folder)
+    if held in _HELD:  # this process holds it already (the command line takes it before torch loads): re-enter
+        _HELD[held] += 1
+        try:
+            yield path
+        finally:
+            _HELD[held] -= 1
+        return
     fd = _open_lock(path)
     try:
         try:
@@ -393,12 +414,58 @@ def output_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
             os.fsync(fd)
         except OSError as err:  # a full disk: name the lock file (os.pwrite knows only the descriptor)
             raise OSError(err.errno, os.strerror(err.errno), str(path)) from err
+        _HELD[held] = 1
         try:
             yield path
         finally:
+            del _HELD[held]
             os.ftruncate(fd, 0)  # released cleanly: an empty lock file is free
     finally:
         os.close(fd)  # closing releases the flock
+
+
+#: The output folders this process holds the lock of ((device, inode) -> how many blocks hold it). A second ``flock``
+#: on a new descriptor of the same file is refused even within one process, so a block nested in another that holds
+#: the folder (the command line holds it from before torch loads; the run folder and the sweep take it again) re-enters
+#: instead: per-process state by nature, like the kernel's own lock table.
+_HELD: dict[tuple[int, int], int] = {}
+
+
+def _held_key(folder: Path) -> tuple[int, int]:
+    info = os.stat(folder)
+    return info.st_dev, info.st_ino
+
+
+def holds_lock(folder: str | os.PathLike) -> bool:
+    """Whether this process holds the lock of ``folder`` (through :func:`output_lock`)."""
+    try:
+        return _held_key(Path(folder)) in _HELD
+    except OSError:
+        return False
+
+
+def lock_holder(folder: str | os.PathLike) -> str | None:
+    """Who holds the lock of ``folder``, in words, when a live process other than this one holds it; else ``None``.
+    Takes nothing: the lock is tried and released at once."""
+    import fcntl
+
+    if holds_lock(folder):
+        return None
+    path = Path(folder) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:  # no lock file (or not one to open): no one holds the folder through it
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read_holder(path)
+        return holder.describe() if holder else "another process"
+    finally:
+        os.close(fd)  # closing releases a lock taken here
+    return None
 
 
 def _open_lock(path: Path) -> int:

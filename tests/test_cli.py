@@ -22,7 +22,8 @@ def test_embedded_default_writes_the_output_folder(tmp_path, capsys):
     assert {"image_0.png", "probe.parquet", "summary.json", "rho_by_timestep.png"} <= files
     assert {"reference_maps.png", "map_table.parquet", "maps.pt"} <= files
     wrote = capsys.readouterr().out
-    assert all(name in wrote for name in files if not name.startswith("image_")), wrote  # the line names every file
+    # the line names every file (the folder's lock, held while a run writes, is no output)
+    assert all(name in wrote for name in files if not name.startswith(("image_", ".ipa_probe.lock"))), wrote
     assert "1 image(s)" in wrote
     assert "image_1.png" not in files and "digits.json" not in files  # one image, no digit verdict off the organism
     table = pd.read_parquet(tmp_path / "out" / "probe.parquet")
@@ -136,7 +137,7 @@ def test_the_readme_sequence_refuses_then_overwrite_leaves_no_file_unaccounted_f
 
     assert main([*second, "--overwrite"]) == 0
     err = capsys.readouterr().err
-    assert "notes.txt" in err and "left 1 file" in err  # said so
+    assert "notes.txt" in err and "kept 1 file" in err  # said so
     assert (out / "notes.txt").read_text() == "a user's notes"
     record = _manifest(out)
     assert record["settings"]["digit"] == 7 and record["status"] == "finished"

@@ -526,9 +526,21 @@ class ProbeRun(MapViews):
         """Matplotlib figure of the mean per-row Spearman against timestep, in the denoising direction."""
         return plot_run(self.to_dataframe(), ax=ax)
 
-    def save(self, directory, extra: dict | None = None):
-        """Write ``probe.parquet``, ``summary.json`` (settings, versions, seeds) and ``rho_by_timestep.png``."""
-        return save_run(self.to_dataframe(), directory, settings=self.config.describe(), extra=extra)
+    def save(self, path, overwrite: bool = False, extra: dict | None = None):
+        """Write ``probe.parquet``, ``summary.json`` (settings, versions, seeds) and ``rho_by_timestep.png`` into the
+        folder ``path``, by the folder rules of the command line (:class:`ipa_probe.runfolder.RunFolder`): under the
+        folder's lock, written aside and renamed into place when whole, with ``ipa_probe_manifest.json``. A folder
+        holding another run's files, or files no manifest lists, raises ``ValueError`` unless ``overwrite`` (which
+        replaces only the previous run's own files); a folder another process holds raises ``RuntimeError``.
+        Returns ``{"table", "summary", "plot"}`` paths."""
+        from ..runfolder import save_into
+
+        settings = self.config.describe()
+
+        def write(folder):
+            return save_run(self.to_dataframe(), folder, settings=settings, extra=extra)
+
+        return save_into(path, "ipa_probe ProbeRun.save", settings, write, overwrite=overwrite)
 
     def log(self, log_with: str, logging_dir="runs", run_name: str = "probe", **content):
         """Send the run to a tracker: rho with its baseline and null, per-layer rho, histograms, the overlays at every

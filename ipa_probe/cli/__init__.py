@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from .._io import os_error_of
+    from .._io import OutputLocked, os_error_of
     from ._common import check_path_arguments
     from ._runtime import describe_os_error, thread_scope
 
@@ -113,6 +113,7 @@ def _main(argv: list[str] | None) -> int:
     except _ArgumentError as err:
         _say(str(err))
         return EXIT_USAGE
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # names this run to a second writer (the lock)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         check_path_arguments(args)  # blank, undecodable, a leading ~: for every path argument alike
@@ -120,14 +121,20 @@ def _main(argv: list[str] | None) -> int:
             args.check(args)  # torch-free: a bad argument answers at once
         # the known-harmless library messages (diffusers' "should be kept in float32: []" on every
         # load_ip_adapter) are dropped for the command's duration only, not by a process-wide verbosity change
-        with thread_scope(getattr(args, "threads", None)), quiet_known_messages(), _named_stdout():
-            return int(args.func(args) or 0)
+        with _folder_locks(args), thread_scope(getattr(args, "threads", None)):
+            with quiet_known_messages(), _named_stdout():
+                return int(args.func(args) or 0)
     except CLIError as err:
         if not err.silent:
-            _say(f"ipa-probe {args.command}: error: {err}")
+            _say(f"ipa-probe {args.command}: error: {_with_notes(err)}")
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        _say(f"ipa-probe {args.command}: interrupted; finished work is kept, run the same command again to resume")
+    except OutputLocked as err:  # another live run holds an output folder: decided before torch loads
+        _say(f"ipa-probe {args.command}: error: {err}")
+        return EXIT_USAGE
+    except KeyboardInterrupt as err:
+        default = "finished work is kept, run the same command again to resume"
+        what = "; ".join(getattr(err, "__notes__", [])) or default
+        _say(f"ipa-probe {args.command}: interrupted; {what}")
         return EXIT_INTERRUPTED
     except Exception as err:
         # an OSError, or a writer's own error type wrapping one (safetensors: "... (os error 28)")
@@ -138,8 +145,32 @@ def _main(argv: list[str] | None) -> int:
             _silence(sys.stdout)
             return EXIT_ENVIRONMENT
         out = getattr(args, "out", None)
-        _say(f"ipa-probe {args.command}: error: {describe_os_error(fault, out)}")
+        _say(f"ipa-probe {args.command}: error: {_with_notes(err, describe_os_error(fault, out))}")
         return EXIT_ENVIRONMENT
+
+
+def _with_notes(err: BaseException, text: str | None = None) -> str:
+    """``err`` (or ``text``) and the notes added on its way up (what the output folder holds), as one line."""
+    return "; ".join([text if text is not None else str(err), *getattr(err, "__notes__", [])])
+
+
+@contextmanager
+def _folder_locks(args: argparse.Namespace) -> Iterator[None]:
+    """Hold the locks of the folders the command writes (its ``writes(args)``) from before torch loads until it
+    ends: a second writer is refused at once, naming this process and its command line. Under ``accelerate launch``
+    only the main process (``RANK`` 0) takes them; the others check that their launch holds the folder."""
+    import shlex
+    from contextlib import ExitStack
+
+    from .._io import output_lock
+
+    folders = args.writes(args) if getattr(args, "writes", None) else []
+    args.holder = f"ipa-probe {shlex.join(args.argv)}"[:200]
+    with ExitStack() as stack:
+        if os.environ.get("RANK", "0") == "0":
+            for folder in folders:
+                stack.enter_context(output_lock(folder, args.holder))
+        yield
 
 
 #: the file name a fault of the standard output carries (its errors have none: they would be read as --out's)

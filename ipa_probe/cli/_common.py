@@ -28,7 +28,7 @@ from .._checks import (
     parse_int,
 )
 from .._io import LOCK_NAME, OutputLocked, refuse_not_ours
-from .._manifest import MANIFEST_NAME, RunConflict, check_folder, claim_folder
+from ..runfolder import MANIFEST_NAME, RunConflict, RunFolder, check_folder, pending_commit, refuse_if_held
 from ._errors import CLIError
 from ._sources import check_model_source, ip_adapter_source
 
@@ -460,17 +460,18 @@ def output_dir(path: str | os.PathLike) -> Path:
 
 
 def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
-    """``--overwrite``: replace the previous run's files in the output folder (see :mod:`ipa_probe._manifest`)."""
+    """``--overwrite``: replace the previous run's files in the output folder (see :mod:`ipa_probe.runfolder`)."""
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help=f"the output folder holds another run's files: remove exactly the files its {MANIFEST_NAME} lists "
-        "(files no manifest lists are kept, and named), then run (default: refuse, exit code 2)",
+        help=f"the output folder holds another run's files: replace exactly the files its {MANIFEST_NAME} lists, "
+        "byte for byte as listed, once this run is whole (it is written aside, in OUT/.ipa_probe-staging, until "
+        "then); files no manifest lists are kept, and named (default: refuse, exit code 2)",
     )
 
 
 #: arguments that do not change what a run writes: left out of the key that says whether two runs are the same run
-_NOT_IN_KEY = frozenset({"out", "overwrite", "threads", "verbose", "no_progress", "command"})
+_NOT_IN_KEY = frozenset({"out", "overwrite", "threads", "verbose", "no_progress", "command", "argv", "holder"})
 
 
 def run_settings(args: argparse.Namespace) -> dict:
@@ -501,30 +502,43 @@ def run_key(args: argparse.Namespace) -> dict:
 def check_run_folder(
     folder, command: str, key: dict, overwrite: bool, flag: str = "--out", resumable: bool = False
 ) -> None:
-    """Before torch loads: refuse (exit code 2) a folder holding another run's files, unless ``--overwrite``
-    (``resumable``: see :func:`ipa_probe._manifest.check_folder`)."""
+    """Before torch loads: refuse (exit code 2) a folder a live run holds, or one holding another run's files
+    (unless ``--overwrite``), a changed file of the previous run, or a manifest that cannot be trusted. A folder with
+    a commit a killed run left half done is checked again, under the lock, once that commit is finished."""
     try:
-        check_folder(folder, command, key, overwrite=overwrite, flag=flag, resumable=resumable)
-    except RunConflict as err:
+        refuse_if_held(folder)
+        if not pending_commit(folder):
+            check_folder(folder, command, key, overwrite=overwrite, flag=flag, resumable=resumable)
+    except (RunConflict, OutputLocked) as err:
         raise CLIError(str(err)) from None
 
 
 @contextmanager
 def claimed_output(
     folder, command: str, args: argparse.Namespace, key: dict, flag: str = "--out", resumable: bool = False
-) -> Iterator:
-    """Claim an output folder for this run (:func:`ipa_probe._manifest.claim_folder`): its manifest lists what the
-    block writes there. What ``--overwrite`` removed or left goes to stderr as one line."""
-    settings = run_settings(args)
-    options = {"overwrite": args.overwrite, "flag": flag, "resumable": resumable}
+) -> Iterator[RunFolder]:
+    """Hold an output folder for this run (:class:`ipa_probe.runfolder.RunFolder`): the block writes into
+    ``run.staging``, which is renamed into place when the block ends without an error. What ``--overwrite`` kept goes
+    to stderr as one line; what the folder holds after a fault is a note on the error, which the command line
+    prints."""
+    run = RunFolder(
+        Path(folder),
+        command,
+        run_settings(args),
+        key,
+        overwrite=args.overwrite,
+        flag=flag,
+        resumable=resumable,
+        holder=getattr(args, "holder", None),
+    )
     try:
-        with claim_folder(folder, command, settings, key, **options) as claim:
-            note = claim.note() if args.overwrite else None  # a resumed folder's own files need no word
+        with run:
+            note = run.note() if args.overwrite else None
             if note:
                 print(f"{command}: note: {note}", file=sys.stderr)
-            yield claim
-    except (RunConflict, OutputLocked) as err:  # raised before anything in the folder changed
-        raise CLIError(str(err)) from None
+            yield run
+    except (RunConflict, OutputLocked) as err:  # one line; the folder is as it was
+        raise CLIError("; ".join([str(err), *getattr(err, "__notes__", [])])) from None
 
 
 #: ``--log-with`` choices (the trackers of :mod:`ipa_probe.trackers`; the list is repeated here so that argument
@@ -556,10 +570,12 @@ def check_tracker_arguments(args: argparse.Namespace) -> None:
         check_tracker(args.log_with)
     except (ImportError, ValueError) as err:  # not installed; wandb not logged in and not offline
         raise CLIError(str(err)) from None
+    check_output_dir(logging_dir(args), "--logging-dir")  # OUT/logs a file: refused now, not after the run
+
+
+def logging_dir(args: argparse.Namespace, root: str | os.PathLike | None = None) -> Path:
+    """``--logging-dir``, or ``ROOT/logs`` (``ROOT``: the run's staging folder, by default ``--out``; a leading ``~``
+    expanded)."""
     if args.logging_dir:
-        check_output_dir(args.logging_dir, "--logging-dir")
-
-
-def logging_dir(args: argparse.Namespace) -> Path:
-    """``--logging-dir``, or ``OUT/logs`` (both with a leading ``~`` expanded)."""
-    return Path(args.logging_dir).expanduser() if args.logging_dir else Path(args.out).expanduser() / "logs"
+        return Path(args.logging_dir).expanduser()
+    return Path(root if root is not None else args.out).expanduser() / "logs"

@@ -16,7 +16,6 @@ from ._common import (
     check_run_folder,
     claimed_output,
     load_pipeline,
-    output_dir,
     run_key,
     seed_type,
 )
@@ -75,7 +74,7 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument("--out", default="outputs/compare", help="output folder (default: outputs/compare)")
     add_overwrite_argument(parser)
-    parser.set_defaults(func=run, check=check)
+    parser.set_defaults(func=run, check=check, writes=lambda args: [Path(args.out)])
 
 
 def _seeds(args: argparse.Namespace) -> list[int]:
@@ -110,6 +109,15 @@ def check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    with claimed_output(args.out, COMMAND, args, run_key(args)) as folder:  # before the work: conflicts answer now
+        lines = _compare(args, folder.staging)
+    print("\n".join(lines))  # once the run is in place
+    return 0
+
+
+def _compare(args: argparse.Namespace, staging: Path) -> list[str]:
+    """Generate, score and write into ``staging`` (renamed into ``--out`` when the run is whole); returns the lines
+    to print."""
     from ..compare import RANDOM_WEIGHTS_NOTE, ClipScorer, compare_methods
 
     seeds = args.seed_list
@@ -135,20 +143,19 @@ def run(args: argparse.Namespace) -> int:
         from ..tiny.digits import add_digit_scores
 
         add_digit_scores(result, loaded.description["digit"])
-    out = output_dir(args.out)  # created only now that there is something to write
-    with claimed_output(out, COMMAND, args, run_key(args)):
-        paths = result.save(out)
-    print(result.markdown())
+    out = Path(args.out)
+    paths = result.save(staging)
+    lines = [result.markdown()]
     if "digit" in loaded.description:
         from ..tiny.digits.evaluate import digit_readings_line
 
-        print(digit_readings_line(result))
+        lines.append(digit_readings_line(result))
     if scorer.random_weights:
-        print(f"note: {RANDOM_WEIGHTS_NOTE}")
-    print(
+        lines.append(f"note: {RANDOM_WEIGHTS_NOTE}")
+    lines.append(
         f"wrote {out}: {paths['grid'].name} (references, VAE round trip, {len(result.images)} methods x "
         f"{len(seeds)} seeds), "
         f"{paths['table'].name}, {paths['markdown'].name}, {paths['per_image'].name}, {paths['record'].name}, "
         f"images/ ({sum(len(v) for v in result.images.values())} PNGs), ipa_probe_manifest.json"
     )
-    return 0
+    return lines

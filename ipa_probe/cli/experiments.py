@@ -72,7 +72,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_overwrite_argument(parser)
     add_tracker_arguments(parser)
-    parser.set_defaults(func=run, check=check)
+    parser.set_defaults(func=run, check=check, writes=lambda args: [args.out])
 
 
 def check(args: argparse.Namespace) -> None:
@@ -121,22 +121,26 @@ def run(args: argparse.Namespace) -> int:
                 f"tier {args.tier!r} has the paper's sizes and needs a CUDA GPU (tens of GPU-hours), and none is "
                 "visible; use --tier full on a CPU"
             )
-    with claimed_output(out, COMMAND, args, KEY, resumable=True):
+    lines = []
+    with claimed_output(out, COMMAND, args, KEY, resumable=True) as folder:  # written aside, renamed in when whole
+        staging = folder.staging
         try:
             threads = args.threads or torch.get_num_threads()  # OMP_NUM_THREADS, set before torch loaded
             results = run_experiments(
-                [args.name], tier, out, progress=not args.no_progress, threads=threads, recipe=args.recipe
+                [args.name], tier, staging, progress=not args.no_progress, threads=threads, recipe=args.recipe
             )
         except (CheckpointError, OutputLocked, TierMismatch) as err:
             raise CLIError(str(err)) from None
         for name, result in results.items():
-            print(f"{name}: {out / name / 'table.md'} ({result.record['wall_time_s']:.0f} s)")
-        print(f"summary: {out / 'summary.md'}")
+            lines.append(f"{name}: {out / name / 'table.md'} ({result.record['wall_time_s']:.0f} s)")
+        lines.append(f"summary: {out / 'summary.md'}")
         if args.log_with:
             from ..trackers import log_experiments
 
-            skip = ("func", "check", "tier", "tier_sizes")
+            skip = ("func", "check", "tier", "tier_sizes", "writes")
             settings = {"tier": tier.name, **{k: v for k, v in vars(args).items() if k not in skip}}
-            folder = log_experiments(results, out, settings, args.log_with, logging_dir(args))
-            print(f"{args.log_with} logs in {folder}")
+            logs = log_experiments(results, staging, settings, args.log_with, logging_dir(args, staging))
+            shown = out / logs.relative_to(staging) if logs.is_relative_to(staging) else logs
+            lines.append(f"{args.log_with} logs in {shown}")
+    print("\n".join(lines))  # once the run is in place
     return 0

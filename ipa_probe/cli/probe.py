@@ -8,7 +8,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from .._checks import DEFAULT_GAUGE_FACTORS, GAUGE_FACTOR_RANGE, parse_gauges
-from .._manifest import MANIFEST_NAME
+from ..runfolder import MANIFEST_NAME
 from ..schema import QUERY_FRAMES
 from ._common import (
     DIGITS_DEFAULTS,
@@ -24,7 +24,6 @@ from ._common import (
     images_type,
     load_pipeline,
     logging_dir,
-    output_dir,
     run_key,
 )
 from ._errors import CLIError
@@ -89,7 +88,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--out", default="outputs/probe", help="output folder (default: outputs/probe)")
     add_overwrite_argument(parser)
     add_tracker_arguments(parser)
-    parser.set_defaults(func=run, check=check)
+    parser.set_defaults(func=run, check=check, writes=_writes)
+
+
+def _writes(args: argparse.Namespace) -> list[Path]:
+    """The folders this run writes, locked before torch loads: ``--out`` and a separate ``--overlays``."""
+    return [Path(args.out)] + ([Path(args.overlays)] if _separate_overlays(args) else [])
 
 
 def _gauges_type(value: str) -> tuple[float | str, ...]:
@@ -125,14 +129,17 @@ def _separate_overlays(args: argparse.Namespace) -> bool:
     return out != overlays and out not in overlays.parents
 
 
-def _claim(args: argparse.Namespace, stack: ExitStack) -> Path:
-    """Create ``--out`` and claim it (and a separate ``--overlays`` folder) for this run: their manifests list
-    what the run writes."""
-    out = output_dir(args.out)  # created only now that there is something to write
-    stack.enter_context(claimed_output(out, COMMAND, args, run_key(args)))
+def _claim(args: argparse.Namespace, stack: ExitStack) -> tuple[Path, Path | None]:
+    """Hold ``--out`` (and a separate ``--overlays`` folder) for this run, before the work: returns the staging
+    folders the run writes into (the overlays' is ``None`` when they go under ``--out``); they are renamed into place
+    when the run is whole."""
+    out = stack.enter_context(claimed_output(args.out, COMMAND, args, run_key(args))).staging
+    overlays = None
     if _separate_overlays(args):
-        stack.enter_context(claimed_output(args.overlays, COMMAND, args, run_key(args), flag="--overlays"))
-    return out
+        overlays = stack.enter_context(
+            claimed_output(args.overlays, COMMAND, args, run_key(args), flag="--overlays")
+        ).staging
+    return out, overlays
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,33 +149,42 @@ def run(args: argparse.Namespace) -> int:
 
     from ..capture.run import probe
 
-    loaded = load_pipeline(args)
-    generator = torch.Generator(device=loaded.pipe.device).manual_seed(args.seed)
-    organism = args.model is None and args.kind == "digits"
-    num_images = args.num_images or (DIGITS_DEFAULTS["images"] if organism else 1)
-    loaded.description["num_images"] = num_images
-    maps = args.maps or bool(args.overlays)
-    try:
-        options = {"layers": args.layers, "keep_maps": args.keep_maps, "maps": maps, "query_frame": args.query_frame}
-        with probe(loaded.pipe, bandwidth=args.bandwidth, **options) as run_:
-            result = loaded.pipe(
-                ip_adapter_image=[loaded.references],
-                generator=generator,
-                num_images_per_prompt=num_images,
-                **loaded.call_kwargs,
-            )
-    except ValueError as err:
-        raise CLIError(str(err)) from None
     with ExitStack() as stack:
-        out = _claim(args, stack)
-        line = _write(args, loaded, result, run_, out, organism, maps)
+        staging = _claim(args, stack)  # before the work: a conflict answers before the generation
+        loaded = load_pipeline(args)
+        generator = torch.Generator(device=loaded.pipe.device).manual_seed(args.seed)
+        organism = args.model is None and args.kind == "digits"
+        num_images = args.num_images or (DIGITS_DEFAULTS["images"] if organism else 1)
+        loaded.description["num_images"] = num_images
+        maps = args.maps or bool(args.overlays)
+        try:
+            options = {
+                "layers": args.layers,
+                "keep_maps": args.keep_maps,
+                "maps": maps,
+                "query_frame": args.query_frame,
+            }
+            with probe(loaded.pipe, bandwidth=args.bandwidth, **options) as run_:
+                result = loaded.pipe(
+                    ip_adapter_image=[loaded.references],
+                    generator=generator,
+                    num_images_per_prompt=num_images,
+                    **loaded.call_kwargs,
+                )
+        except ValueError as err:
+            raise CLIError(str(err)) from None
+        line = _write(args, loaded, result, run_, staging, organism, maps)
     print(line)
     return 0
 
 
-def _write(args: argparse.Namespace, loaded, result, run_, out: Path, organism: bool, maps: bool) -> str:
-    """Write the probed generation's files into ``out``; return the line that lists them."""
+def _write(args: argparse.Namespace, loaded, result, run_, staging, organism: bool, maps: bool) -> str:
+    """Write the probed generation's files into the staging folders; return the line that lists them."""
     import torch
+
+    out, overlays = staging
+    if args.overlays and overlays is None:  # under --out: into --out's staging folder
+        overlays = out / Path(args.overlays).expanduser().resolve().relative_to(Path(args.out).expanduser().resolve())
 
     from .._io import atomic_path, write_image
 
@@ -189,7 +205,7 @@ def _write(args: argparse.Namespace, loaded, result, run_, out: Path, organism: 
 
         written += [p.name for p in save_reference_maps(run_, out, result.images[0], [loaded.references]).values()]
         if args.overlays:
-            files = save_overlays(run_, result.images[0], args.overlays, per_layer_step=args.overlay_steps)
+            files = save_overlays(run_, result.images[0], overlays, per_layer_step=args.overlay_steps)
             written.append(f"{len(files)} overlay(s) in {args.overlays}")
     if judged is not None:
         written.append("digits.json")
@@ -201,13 +217,14 @@ def _write(args: argparse.Namespace, loaded, result, run_, out: Path, organism: 
                 f"read as {v} (P({args.digit}) = {p[args.digit]:.2f})" for v, p in zip(labels, probs, strict=True)
             ]
         content = {"images": result.images, "references": loaded.references, "readings": readings}
-        folder = run_.log(args.log_with, logging_dir(args), "probe", settings=loaded.description, **content)
-        written.append(f"{args.log_with} logs in {folder}")
+        folder = run_.log(args.log_with, logging_dir(args, out), "probe", settings=loaded.description, **content)
+        shown = Path(args.out) / folder.relative_to(out) if folder.is_relative_to(out) else folder
+        written.append(f"{args.log_with} logs in {shown}")
     written.append(f"{MANIFEST_NAME} (which files are this run's)")
     summary = run_.summary()
     cond = summary[summary["branch"] == "cond"]
     last = cond.iloc[-1] if len(cond) else None
-    line = f"wrote {out}: " + ", ".join(written)
+    line = f"wrote {args.out}: " + ", ".join(written)
     if last is not None:
         line += f"; last step (t={last['timestep']:g}): query-frame rho {last['qf_spearman']:.3f} exact / "
         line += f"{last['qf_gauss_spearman']:.3f} Gaussian ({last['query_frame']} frame, gauge-invariant); "
@@ -228,9 +245,39 @@ _GAUGE_FIGURE_COLUMNS = ("spearman", "rho_baseline", "rho_excess", "qf_spearman"
 
 def _gauge_sweep(args: argparse.Namespace) -> int:
     """``--gauge-sweep``: :func:`ipa_probe.gauge.gauge_sweep` of the same generation; writes the table and figure."""
+    from .._io import write_figure, write_table
+    from ..gauge import plot_gauge_sweep
+
+    with ExitStack() as stack:
+        staging, _ = _claim(args, stack)  # before the work: a conflict answers before the generations
+        table, image, stamp = _gauge_table(args)
+        for suffix in (".parquet", ".csv"):
+            write_table(table, staging / f"gauge_sweep{suffix}")
+        write_figure(plot_gauge_sweep(table), staging / "gauge_sweep.png", provenance=stamp)
+    out = Path(args.out)
+    first = image[image["step"] == image["step"].min()]  # in the sweep's order of gauges
+    gauges = "; ".join(first["gauge"])
+    rho = "/".join(f"{v:.3f}" for v in first["spearman"])
+    excess = "/".join(f"{v:+.3f}" for v in first["rho_excess"])
+    where = f"t={first['timestep'].iloc[0]:g}, {first['branch'].iloc[0]}"
+    query = ""
+    if "qf_spearman" in first.columns:
+        qf = "/".join(f"{v:.4f}" for v in first["qf_spearman"])
+        qf_excess = "/".join(f"{v:+.4f}" for v in first["qf_rho_excess"])
+        query = f"query-frame rho (exact b) {qf}, its excess {qf_excess}; "
+    print(
+        f"wrote {out}: gauge_sweep.parquet, gauge_sweep.csv, gauge_sweep.png, {MANIFEST_NAME}; first step ({where}) "
+        f"under {gauges}: {query}stored-frame rho {rho}, rho_excess {excess}; outputs equal to the ungauged one "
+        f"within {table['output_max_abs_diff'].max():.3g}"
+    )
+    return 0
+
+
+def _gauge_table(args: argparse.Namespace):
+    """The gauge sweep's table, the rows its figure draws, and the figure's provenance stamp."""
     import torch
 
-    from .._io import code_digest, write_figure, write_table
+    from .._io import code_digest
     from ..gauge import gauge_sweep, plot_gauge_sweep
 
     loaded = load_pipeline(args)
@@ -260,27 +307,7 @@ def _gauge_sweep(args: argparse.Namespace) -> int:
         [c for c in (*_GAUGE_FIGURE_COLUMNS, "neff_attn") if c in image.columns]
     ]
     stamp = {"code": code_digest(plot_gauge_sweep), "data": drawn.round(6).to_numpy().ravel().tolist(), "atol": 1e-3}
-    with ExitStack() as stack:
-        out = _claim(args, stack)
-        for suffix in (".parquet", ".csv"):
-            write_table(table, out / f"gauge_sweep{suffix}")
-        write_figure(plot_gauge_sweep(table), out / "gauge_sweep.png", provenance=stamp)
-    first = image[image["step"] == image["step"].min()]  # in the sweep's order of gauges
-    gauges = "; ".join(first["gauge"])
-    rho = "/".join(f"{v:.3f}" for v in first["spearman"])
-    excess = "/".join(f"{v:+.3f}" for v in first["rho_excess"])
-    where = f"t={first['timestep'].iloc[0]:g}, {first['branch'].iloc[0]}"
-    query = ""
-    if "qf_spearman" in first.columns:
-        qf = "/".join(f"{v:.4f}" for v in first["qf_spearman"])
-        qf_excess = "/".join(f"{v:+.4f}" for v in first["qf_rho_excess"])
-        query = f"query-frame rho (exact b) {qf}, its excess {qf_excess}; "
-    print(
-        f"wrote {out}: gauge_sweep.parquet, gauge_sweep.csv, gauge_sweep.png, {MANIFEST_NAME}; first step ({where}) "
-        f"under {gauges}: {query}stored-frame rho {rho}, rho_excess {excess}; outputs equal to the ungauged one "
-        f"within {table['output_max_abs_diff'].max():.3g}"
-    )
-    return 0
+    return table, image, stamp
 
 
 def _write_strip(references: list, images: list, judged, digit: int, path) -> None:

@@ -6,8 +6,10 @@ import argparse
 import logging
 import os
 from datetime import timedelta
+from pathlib import Path
 
 from .._checks import MAX_RESAMPLES, parse_int
+from ..runfolder import STAGING_NAME
 from . import EXIT_OK, EXIT_ROWS_FAILED, EXIT_USAGE, CLIError
 from ._common import (
     add_model_arguments,
@@ -124,7 +126,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--maps-rows", type=int, nargs="+", help="manifest rows to draw reference maps for")
     add_overwrite_argument(parser)
     add_tracker_arguments(parser)
-    parser.set_defaults(func=run, check=check)
+    parser.set_defaults(func=run, check=check, writes=lambda args: [Path(args.out)])
 
 
 def _device(args: argparse.Namespace, state) -> str:
@@ -190,14 +192,17 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_pipeline(load_args, require_images=False)  # rows bring their own images
     loaded.pipe.set_progress_bar_config(disable=True)
     runner = _runner(args, loaded)
-    from contextlib import nullcontext
+    if not state.is_main_process:  # the main process holds the folder; every process writes into its staging folder
+        return _sweep(args, manifest, state, runner, load_args, fail, Path(args.out) / STAGING_NAME, [])
+    lines: list[str] = []
+    with claimed_output(args.out, COMMAND, args, KEY, resumable=True) as folder:
+        code = _sweep(args, manifest, state, runner, load_args, fail, folder.staging, lines)
+    print("\n".join(lines))  # once the run is in place
+    return code
 
-    with claimed_output(args.out, COMMAND, args, KEY, resumable=True) if state.is_main_process else nullcontext():
-        return _sweep(args, manifest, state, runner, load_args, fail)
 
-
-def _sweep(args: argparse.Namespace, manifest, state, runner, load_args, fail) -> int:
-    """Run the rows, then the summary line, maps and tracker; the main process holds the folder's claim."""
+def _sweep(args: argparse.Namespace, manifest, state, runner, load_args, fail, staging: Path, lines: list) -> int:
+    """Run the rows into ``staging``, then the maps and tracker; the lines to print go to ``lines``."""
     from .._io import OutputLocked
     from ..sweep import run_sweep
 
@@ -205,7 +210,7 @@ def _sweep(args: argparse.Namespace, manifest, state, runner, load_args, fail) -
         result = run_sweep(
             manifest,
             runner,
-            args.out,
+            staging,
             state=state,
             restart=args.restart,
             progress=not args.no_progress,
@@ -217,15 +222,17 @@ def _sweep(args: argparse.Namespace, manifest, state, runner, load_args, fail) -
         message = str(err).replace("or restart to replace them", "or pass --restart to replace them")
         return fail(message)
     if state.is_main_process:
-        print(result.describe())
         if args.maps or args.maps_rows:
-            _write_maps(args, manifest, runner)
+            _write_maps(args, manifest, runner, staging, lines)
         if args.log_with:
             from ..trackers import log_sweep
 
-            settings = {k: v for k, v in vars(args).items() if k not in ("func", "check")}
-            folder = log_sweep(result, args.out, settings, args.log_with, logging_dir(args))
-            print(f"{args.log_with} logs in {folder}")
+            settings = {k: v for k, v in vars(args).items() if k not in ("func", "check", "writes")}
+            folder = log_sweep(result, staging, settings, args.log_with, logging_dir(args, staging))
+            shown = Path(args.out) / folder.relative_to(staging) if folder.is_relative_to(staging) else folder
+            lines.append(f"{args.log_with} logs in {shown}")
+        result.out = Path(args.out)
+        lines.insert(0, result.describe())
     return EXIT_ROWS_FAILED if result.failed else EXIT_OK  # rows the manifest check rejected count as failed
 
 
@@ -246,9 +253,29 @@ def _read_and_check(args: argparse.Namespace):
         raise CLIError(f"manifest {args.manifest!r}: none of its {manifest.total} rows can run ({reasons}{more})")
     missing = sorted(set(args.maps_rows or ()) - {row.row for row in manifest.rows})
     if missing:
-        runnable = sorted(row.row for row in manifest.rows)
-        raise CLIError(f"--maps-rows {missing}: not rows of the manifest that can run (rows: {runnable})")
+        runnable = _ranges(sorted(row.row for row in manifest.rows))
+        raise CLIError(
+            f"--maps-rows {_few(missing)}: not rows of the manifest that can run (rows that can: {runnable})"
+        )
     return manifest
+
+
+def _few(values: list[int], shown: int = 5) -> str:
+    """At most ``shown`` values, then how many more: an error line stays one short line."""
+    text = ", ".join(map(str, values[:shown]))
+    return text + (f" and {len(values) - shown} more" if len(values) > shown else "")
+
+
+def _ranges(values: list[int], shown: int = 5) -> str:
+    """Sorted integers as runs (``0-99, 120``), at most ``shown`` runs, then how many more."""
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    words = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
+    return _few(words, shown) if len(words) > shown else ", ".join(words)
 
 
 def _state(args: argparse.Namespace):
@@ -299,14 +326,12 @@ def _run_record(args: argparse.Namespace, load_args: argparse.Namespace) -> dict
     return {"device": load_args.device, "threads": torch.get_num_threads(), "arguments": arguments}
 
 
-def _write_maps(args: argparse.Namespace, manifest, runner) -> None:
+def _write_maps(args: argparse.Namespace, manifest, runner, staging: Path, lines: list) -> None:
     """Reference-map figures for the rows --maps / --maps-rows choose (each row generated once more, with maps)."""
-    from pathlib import Path
-
     by_number = {row.row: row for row in manifest.rows}
     numbers = args.maps_rows if args.maps_rows else [row.row for row in manifest.rows[: args.maps]]
     for number in numbers:
-        folder = Path(args.out) / "maps" / f"row-{number:06d}"
+        folder = staging / "maps" / f"row-{number:06d}"
         folder.mkdir(parents=True, exist_ok=True)
         paths = runner.write_maps(by_number[number], folder)
-        print(f"wrote {paths['figure']}")
+        lines.append(f"wrote {Path(args.out) / paths['figure'].relative_to(staging)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .._checks import (
     DEFAULT_DIGITS_RECIPE,
@@ -20,7 +21,6 @@ from ._common import (
     check_output_dir,
     check_run_folder,
     claimed_output,
-    output_dir,
     threads_type,
 )
 from ._errors import CLIError
@@ -86,7 +86,7 @@ def add_parser(subparsers) -> None:
         parser.add_argument(flag, type=kind, default=None, help=f"{help_} (default: the shipped weights'{which})")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     add_overwrite_argument(parser)
-    parser.set_defaults(func=run, check=check)
+    parser.set_defaults(func=run, check=check, writes=lambda args: [Path(args.out)])
 
 
 def check(args: argparse.Namespace) -> None:
@@ -165,10 +165,10 @@ def run(args: argparse.Namespace) -> int:
         config = kinds[training](**settings)
     except (ValueError, TypeError) as err:
         raise CLIError(str(err)) from None
-    out = output_dir(args.out)
+    out = Path(args.out)
     try:
-        with claimed_output(out, COMMAND, args, _key(args, training), resumable=True):
-            record = train_digits(out, config, progress=not args.no_progress)
+        with claimed_output(out, COMMAND, args, _key(args, training), resumable=True) as folder:
+            record = train_digits(folder.staging, config, progress=not args.no_progress)  # renamed in when whole
     except (CheckpointError, OutputLocked, FileNotFoundError) as err:
         raise CLIError(str(err)) from None
     wall = record["wall_s"]

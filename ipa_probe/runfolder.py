@@ -1,0 +1,749 @@
+"""Run folders: a run writes aside, then renames into place, so that an output folder never loses work.
+
+Every writer of an output folder (the commands ``probe``, ``compare``, ``sweep``, ``experiments``, ``train-digits``,
+and :meth:`ipa_probe.ProbeRun.save`) enters a :class:`RunFolder`. It
+
+1. takes the folder's lock (:func:`~ipa_probe._io.output_lock`; the command line takes it before torch loads, so a
+   second writer is refused at once, naming the live run's pid and command);
+2. finishes a commit that a killed run left half done (see 5), then reads the folder's manifest
+   ``ipa_probe_manifest.json`` as untrusted input (:func:`read_run_manifest`: a regular file, at most
+   :data:`MAX_MANIFEST_BYTES`, every field checked) and refuses, in one line and before the work, a run that would
+   mix with another's files (:func:`check_folder`);
+3. gives the run a staging folder, ``OUT/.ipa_probe-staging``: inside ``OUT``, so on the same file system whatever is
+   mounted where, and hidden (dataset readers skip it). The run writes only there. A staging folder that a killed or
+   failed run left is resumed by the same resumable run (a sweep, an experiments run, a training: same command and
+   settings) and otherwise removed; a resumed run of those commands starts from a copy of its previous files;
+4. when the block ends without an error, commits: every staged file gets its size and SHA-256; a file of ``OUT``
+   that a staged file would replace must be the previous run's own, byte for byte as its manifest lists it (else the
+   commit is refused and ``OUT`` is left as it was, the whole new run staying in staging); then the staging manifest
+   is marked ``"committing"`` (the journal), the files are renamed into place one by one, the previous run's files the
+   new run does not replace are removed (again only when their bytes equal the manifest's), and the manifest is
+   written last. Ctrl-C is held back during those renames;
+5. a run killed during those few renames (SIGKILL, power loss) leaves the journal: the next writer of the folder
+   finishes the commit before anything else (:func:`recover`), as a database replays its log.
+
+A file is a run's own only if that run created it: nothing found in ``OUT`` is ever adopted into a manifest, and
+nothing is removed or replaced unless its bytes equal the SHA-256 a manifest lists, whatever that run's status.
+An interrupted, killed or failed run leaves ``OUT`` exactly as it was (the previous run, whole), plus the staging
+folder; :attr:`RunFolder.outcome` says so in one line, which the command line prints.
+
+Torch-free: the command line checks a folder before torch loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import stat
+import threading
+import time
+import uuid
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from ._io import LOCK_NAME, OutputLocked, jsonable, lock_holder, output_lock, versions, write_json
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MANIFEST_NAME",
+    "MAX_MANIFEST_BYTES",
+    "STAGING_NAME",
+    "FolderState",
+    "RunConflict",
+    "RunFolder",
+    "check_folder",
+    "file_digest",
+    "pending_commit",
+    "read_run_manifest",
+    "recover",
+    "save_into",
+]
+
+#: The manifest's file name in an output folder.
+MANIFEST_NAME = "ipa_probe_manifest.json"
+
+#: The staging folder inside an output folder, where a run writes until it is whole.
+STAGING_NAME = ".ipa_probe-staging"
+
+#: The finished manifest a commit journal carries, renamed into place as the commit's last step.
+FINAL_NAME = ".ipa_probe_manifest.final.json"
+
+#: The largest manifest read (a sweep of 100,000 rows lists about 15 MB); a larger file is refused unread.
+MAX_MANIFEST_BYTES = 64 << 20
+
+#: The deepest nesting of lists and dicts a manifest may hold (settings are flat; 32 is generous).
+MAX_DEPTH = 32
+
+#: The statuses a manifest may carry.
+STATUSES = ("running", "committing", "finished", "failed", "interrupted", "staged")
+
+#: How many file names a refusal or a note lists before "and N more".
+_SHOWN = 3
+
+
+class RunConflict(ValueError):
+    """The output folder holds another run's files, files no manifest lists, or a manifest that cannot be trusted;
+    the message is one line and nothing in the folder changed."""
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """The SHA-256 (hex) of a regular file's bytes, read without following a final symlink (``OSError`` else)."""
+    digest = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IsADirectoryError(f"{path} is not a regular file")
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------- reading a manifest as untrusted input
+
+
+def _safe_name(name: Any) -> bool:
+    """A listed name that stays inside the folder: text, relative, no NUL, no ``..``/``.``/empty part."""
+    if not isinstance(name, str) or not name or "\0" in name or len(name) > 4096 or "\\" in name:
+        return False
+    path = PurePosixPath(name)
+    return not path.is_absolute() and all(part not in ("", ".", "..") for part in name.split("/"))
+
+
+def _depth(value: Any) -> int:
+    """The nesting depth of lists and dicts in ``value``, iteratively (no recursion limit to hit)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth > MAX_DEPTH:
+                return depth
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _schema_problem(record: Any) -> str | None:
+    """What is wrong with a parsed manifest, or ``None``."""
+    if not isinstance(record, dict):
+        return f"is {type(record).__name__}, not a JSON object"
+    if _depth(record) > MAX_DEPTH:
+        return f"nests deeper than {MAX_DEPTH} levels"
+    for name, kind in (("run_id", str), ("command", str), ("status", str)):
+        if not isinstance(record.get(name), kind):
+            return f"field {name!r} is {record.get(name)!r:.40}, expected text"
+    if record["status"] not in STATUSES:
+        return f"field 'status' is {record['status']!r:.40}, expected one of {', '.join(STATUSES)}"
+    started = record.get("started_ns", 0)
+    if not isinstance(started, int) or isinstance(started, bool) or started < 0:
+        return f"field 'started_ns' is {started!r:.40}, expected a non-negative integer"
+    files = record.get("files")
+    if not isinstance(files, dict):
+        return "field 'files' is not an object of file name -> {size, sha256}"
+    for name, entry in files.items():
+        if not _safe_name(name):
+            return f"lists a file name {name!r:.60} that is not a plain relative path (NUL, '..', absolute or empty)"
+        ok = isinstance(entry, dict) and isinstance(entry.get("size"), int) and not isinstance(entry["size"], bool)
+        sha = entry.get("sha256") if isinstance(entry, dict) else None
+        if not (ok and entry["size"] >= 0 and isinstance(sha, str) and len(sha) == 64):
+            return f"lists {name!r:.60} with {entry!r:.60}, expected {{'size': bytes, 'sha256': 64 hex digits}}"
+        if any(c not in "0123456789abcdef" for c in sha):
+            return f"lists {name!r:.60} with a sha256 that is not 64 hex digits"
+    for name in ("folders", "foreign"):
+        names = record.get(name, [])
+        if not isinstance(names, list) or not all(_safe_name(n) for n in names):
+            return f"field {name!r} is not a list of plain relative paths"
+    remove = record.get("remove", {})
+    if not isinstance(remove, dict) or not all(_safe_name(n) and isinstance(v, str) for n, v in remove.items()):
+        return "field 'remove' is not an object of plain relative path -> sha256"
+    return None
+
+
+def read_run_manifest(folder: str | os.PathLike, name: str = MANIFEST_NAME) -> dict[str, Any] | None:
+    """The manifest of ``folder``, read as untrusted input, or ``None`` when it has none.
+
+    The file is opened without following a symbolic link and without blocking (a FIFO cannot hang the read), must be a
+    regular file of at most :data:`MAX_MANIFEST_BYTES`, and must parse to the manifest's schema (types, names without
+    NUL or ``..``, nesting depth).
+
+    Raises:
+        RunConflict: one line naming the manifest and what is wrong with it.
+    """
+    path = Path(folder) / name
+    fix = "it does not say which files are whose: choose a fresh --out, or remove the folder"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as err:  # ELOOP: a symbolic link; EACCES; ENXIO: a socket
+        kind = "a symbolic link" if os.path.islink(path) else f"unreadable ({err.strerror})"
+        raise RunConflict(f"{path} is {kind}; {fix}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise RunConflict(f"{path} is not a regular file (a FIFO, device, socket or folder); {fix}")
+        if info.st_size > MAX_MANIFEST_BYTES:
+            raise RunConflict(f"{path} is {info.st_size} bytes, more than a manifest's {MAX_MANIFEST_BYTES}; {fix}")
+        chunks, total = [], 0
+        while total <= MAX_MANIFEST_BYTES:  # a file that grows while it is read is cut here, not read to the end
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as err:
+        raise RunConflict(f"{path} cannot be read ({err.strerror}); {fix}") from None
+    finally:
+        os.close(fd)
+    if total > MAX_MANIFEST_BYTES:
+        raise RunConflict(f"{path} grew past a manifest's {MAX_MANIFEST_BYTES} bytes while it was read; {fix}")
+    try:
+        record = json.loads(b"".join(chunks).decode("utf-8"))
+    except (ValueError, RecursionError) as err:  # RecursionError: nesting past the parser's stack
+        reason = "nests too deep" if isinstance(err, RecursionError) else f"is not JSON ({str(err)[:80]})"
+        raise RunConflict(f"{path} {reason}; {fix}") from None
+    problem = _schema_problem(record)
+    if problem:
+        raise RunConflict(f"{path} {problem}; {fix}")
+    return record
+
+
+# ---------------------------------------------------------------- what a folder holds
+
+
+def _machinery(rel: str) -> bool:
+    """A top-level entry of the folder's machinery, never a run's file: the lock, the manifest, the staging folder
+    (and the temp folder it is made in)."""
+    return rel in (LOCK_NAME, MANIFEST_NAME, STAGING_NAME, FINAL_NAME) or rel.startswith(STAGING_NAME + ".")
+
+
+def _scan(folder: Path) -> tuple[dict[str, os.stat_result], set[str], list[str]]:
+    """Every regular file under ``folder`` (relative POSIX path -> lstat), every sub-folder, and every symlink or
+    special file; symlinks are listed, never followed; the folder's machinery is left out."""
+    files: dict[str, os.stat_result] = {}
+    dirs: set[str] = set()
+    odd: list[str] = []
+    if not folder.is_dir():
+        return files, dirs, odd
+    for root, subdirs, names in os.walk(folder, followlinks=False):
+        rel_root = Path(root).relative_to(folder)
+        for name in list(subdirs):
+            rel = (rel_root / name).as_posix()
+            if _machinery(rel):
+                subdirs.remove(name)
+            elif os.path.islink(os.path.join(root, name)):
+                odd.append(rel)
+                subdirs.remove(name)
+            else:
+                dirs.add(rel)
+        for name in names:
+            rel = (rel_root / name).as_posix()
+            if _machinery(rel):
+                continue
+            info = os.lstat(os.path.join(root, name))
+            if stat.S_ISREG(info.st_mode):
+                files[rel] = info
+            else:
+                odd.append(rel)
+    return files, dirs, sorted(odd)
+
+
+def _inside(folder: Path, name: str) -> Path | None:
+    """``folder / name`` when ``name`` is a plain relative path whose every parent inside ``folder`` is a real
+    folder or absent (no symlink, no file on the way), else ``None``."""
+    if not _safe_name(name):
+        return None
+    path = folder
+    for part in PurePosixPath(name).parts[:-1]:
+        path = path / part
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                return None
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+    return folder / name
+
+
+def _still_listed(folder: Path, name: str, sha: str) -> bool:
+    """``folder/name`` is a regular file, reached without a symlink, whose bytes have SHA-256 ``sha``."""
+    path = _inside(folder, name)
+    if path is None:
+        return False
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode) and file_digest(path) == sha
+    except OSError:
+        return False
+
+
+@dataclass
+class FolderState:
+    """What :func:`check_folder` found.
+
+    Attributes:
+        previous: the folder's manifest (``None``: none).
+        same_run: the manifest is this run's (same command and key).
+        ours: the files the manifest lists whose bytes still equal what it lists: the only files a run replaces.
+        changed: files the manifest lists whose bytes differ (edited since, or replaced): never removed or replaced.
+        unlisted: files (and symlinks) no manifest lists: never removed or replaced.
+    """
+
+    previous: dict[str, Any] | None
+    same_run: bool
+    ours: list[str]
+    changed: list[str]
+    unlisted: list[str]
+
+
+def check_folder(
+    folder: str | os.PathLike,
+    command: str,
+    key: dict[str, Any],
+    overwrite: bool = False,
+    flag: str = "--out",
+    resumable: bool = False,
+) -> FolderState:
+    """Read ``folder`` and refuse, in one line, a run that would mix with another's files or lose a file not its own.
+
+    Refused (:class:`RunConflict`):
+
+    - a manifest that cannot be trusted (:func:`read_run_manifest`);
+    - a file the manifest lists whose bytes changed since (a hand edit): a rerun would write the same name, and
+      only a run's own bytes are ever replaced; with or without ``overwrite``;
+    - without ``overwrite``: another run's files (another command or other settings), or files no manifest lists.
+
+    With ``overwrite``, files no manifest lists are kept and named; a staged file that would land on one stops the
+    commit (:class:`RunFolder`). ``resumable`` has no effect on the rules; it is accepted for the callers' symmetry.
+
+    Returns:
+        A :class:`FolderState`.
+    """
+    del resumable
+    folder = Path(folder)
+    previous = read_run_manifest(folder)
+    files, _, odd = _scan(folder)
+    listed = previous["files"] if previous else {}
+    same = previous is not None and previous["command"] == command and previous.get("key") == jsonable(key)
+    ours, changed = [], []
+    for name in sorted(set(listed) & set(files)):
+        (ours if _still_listed(folder, name, listed[name]["sha256"]) else changed).append(name)
+    unlisted = sorted(set(files) - set(listed)) + odd
+    state = FolderState(previous, same, ours, changed, unlisted)
+    if changed:
+        raise RunConflict(
+            f"{flag} {folder}: {_listed(changed)} changed after run {previous['run_id']} wrote "
+            f"{'them' if len(changed) > 1 else 'it'} (the sha256 its manifest lists differs); a run never replaces a "
+            f"file that is not byte for byte its own: move {'them' if len(changed) > 1 else 'it'} away, or choose a "
+            f"fresh {flag}"
+        )
+    if overwrite:
+        return state
+    fresh = f"pass --overwrite to replace them, or choose a fresh {flag}"
+    if previous is not None and not same and ours:
+        raise RunConflict(
+            f"{flag} {folder} holds the {len(ours)} files of another run ({previous['command']}, run "
+            f"{previous['run_id']}, other settings); {fresh}"
+        )
+    if unlisted:
+        raise RunConflict(
+            f"{flag} {folder} holds {len(unlisted)} file(s) no ipa_probe run manifest lists ({_listed(unlisted)}); "
+            f"they are never replaced: move them away, pass --overwrite to write beside them (they are kept), or "
+            f"choose a fresh {flag}"
+        )
+    return state
+
+
+# ---------------------------------------------------------------- the commit and its journal
+
+
+@contextmanager
+def _signals_held() -> Any:
+    """Hold back SIGINT and SIGTERM (delivered when the block ends) in the main thread."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _roll_forward(folder: Path, staging: Path, record: dict[str, Any]) -> None:
+    """Carry out a commit journal (a staging manifest marked ``"committing"``): rename every staged file still in
+    staging into place, remove the previous run's files the journal names (only when their bytes are still the
+    listed ones), remove the previous run's folders left empty, write the manifest, remove the staging folder."""
+    for name in sorted(record["files"]):
+        source, target = staging / name, _inside(folder, name)
+        if target is None:
+            raise RunConflict(f"{folder}: a symbolic link or a file stands on the way to {name}; nothing more renamed")
+        if os.path.lexists(source):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(source, target)
+    for name, sha in sorted(record.get("remove", {}).items()):
+        if _still_listed(folder, name, sha):
+            os.unlink(folder / name)
+    keep = set(record.get("folders", []))
+    for name in sorted(record.get("old_folders", []), key=lambda n: -len(PurePosixPath(n).parts)):
+        path = _inside(folder, name)
+        if name in keep or path is None:
+            continue
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                os.rmdir(path)  # only when empty: a folder holding anything else stays
+        except OSError:
+            pass
+    final = staging / FINAL_NAME
+    if os.path.lexists(final):  # written beside the journal, so that the last step needs no disk space
+        os.replace(final, folder / MANIFEST_NAME)  # the manifest last: until here the journal says what is under way
+    _remove_staging(staging)
+
+
+def _final(record: dict[str, Any]) -> dict[str, Any]:
+    """The manifest a commit journal leaves in the folder."""
+    final = {k: v for k, v in record.items() if k not in ("remove", "old_folders")}
+    final.update(status="finished", ended=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    return final
+
+
+def _remove_staging(staging: Path) -> None:
+    """Remove a staging folder (ours by its name and its manifest); never through a symbolic link."""
+    try:
+        mode = os.lstat(staging).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        raise RunConflict(f"{staging} is not a folder ipa_probe made (a file or a symbolic link); move it away")
+    shutil.rmtree(staging)
+
+
+def pending_commit(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds the journal of a commit a stopped run left half done (:func:`recover` finishes it)."""
+    staging = Path(folder) / STAGING_NAME
+    if not staging.is_dir() or staging.is_symlink():
+        return False
+    try:
+        record = read_run_manifest(staging)
+    except RunConflict:
+        return False
+    return record is not None and record["status"] == "committing"
+
+
+def recover(folder: str | os.PathLike) -> str | None:
+    """Finish a commit a killed run left half done in ``folder`` (its staging manifest marked ``"committing"``), and
+    remove the temp folders a killed run left while making its staging folder. Call with the folder's lock held.
+
+    Returns:
+        One line on what was finished, or ``None`` when there was nothing to do.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    for entry in folder.iterdir():
+        if entry.name.startswith(STAGING_NAME + ".") and entry.name.endswith(".tmp") and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+    staging = folder / STAGING_NAME
+    if not os.path.isdir(staging) or os.path.islink(staging):
+        return None
+    record = read_run_manifest(staging)
+    if record is None or record["status"] != "committing":
+        return None
+
+    with _signals_held():
+        _roll_forward(folder, staging, record)
+    return f"{folder}: finished the commit of run {record['run_id']} that a stopped process had begun"
+
+
+# ---------------------------------------------------------------- one run's hold on its folder
+
+#: The staging folders this process's runs hold (resolved): a writer handed one of them writes straight into it
+#: (:func:`save_into`), the run that holds it commits it.
+_ACTIVE: set[str] = set()
+
+
+@dataclass
+class RunFolder:
+    """A run's hold on its output folder: the lock, the staging folder it writes into, the commit when it ends.
+
+    Use as a context manager; write every file under :attr:`staging`. See the module docstring for the rules.
+
+    Args:
+        folder: the output folder (``--out``).
+        command: the command (``"ipa-probe probe"``), recorded and compared with the previous run's.
+        settings: the run's settings, recorded (JSON-able).
+        key: what must be equal for a later run to be this run redone or resumed (JSON-able).
+        overwrite: replace another run's files (only those byte for byte as its manifest lists them).
+        flag: the option that named the folder, for messages.
+        resumable: the command resumes by its own records (a sweep's rows, checkpoints): a rerun with the same key
+            starts from a copy of the previous run's files, and a staging folder a killed run of it left is resumed.
+        holder: what the lock records as holding the folder (default: ``command``).
+
+    Attributes:
+        staging: where the run writes.
+        run_id: this run's id (in the manifest).
+        state: what :func:`check_folder` found.
+        removed: the previous run's files the commit removed (the new run did not write them again).
+        kept: files no manifest lists, left in place (``overwrite``).
+        outcome: after the block, one line on what the folder holds.
+    """
+
+    folder: Path
+    command: str
+    settings: dict[str, Any]
+    key: dict[str, Any]
+    overwrite: bool = False
+    flag: str = "--out"
+    resumable: bool = False
+    holder: str | None = None
+    staging: Path = field(init=False)
+    run_id: str = field(init=False)
+    state: FolderState | None = field(init=False, default=None)
+    removed: list[str] = field(init=False, default_factory=list)
+    kept: list[str] = field(init=False, default_factory=list)
+    resumed: bool = field(init=False, default=False)
+    outcome: str | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.folder = Path(self.folder).expanduser()
+        self.staging = self.folder / STAGING_NAME
+        self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        self._stack = ExitStack()
+        self._journal = False
+        self._committed = False
+
+    def __enter__(self) -> RunFolder:
+        self._stack.enter_context(output_lock(self.folder, self.holder or self.command))
+        try:
+            note = recover(self.folder)
+            if note:
+                logger.warning("%s", note)
+            self.state = check_folder(self.folder, self.command, self.key, self.overwrite, self.flag)
+            self.kept = list(self.state.unlisted)
+            self._stage()
+        except BaseException:
+            self._stack.close()
+            raise
+        _ACTIVE.add(str(self.staging.resolve()))
+        return self
+
+    def _record(self, status: str) -> dict[str, Any]:
+        previous = self.state.previous if self.state else None
+        return {
+            "run_id": self.run_id,
+            "command": self.command,
+            "key": jsonable(self.key),
+            "settings": jsonable(self.settings),
+            "versions": versions(),
+            "status": status,
+            "mode": self._mode(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "started_ns": time.time_ns(),
+            "previous_run": previous["run_id"] if previous else None,
+            "resumed_from": previous["run_id"] if previous and self._mode() == "resume" else None,
+            "files": {},
+            "folders": [],
+        }
+
+    def _mode(self) -> str:
+        """How the staging folder started: empty, or a copy of the same run's previous files (a resume)."""
+        same = self.state is not None and self.state.same_run
+        return "resume" if self.resumable and same and not self.overwrite else "fresh"
+
+    def _stage(self) -> None:
+        """Resume the staging folder a killed run of this same resumable run left, or make a new one."""
+        if os.path.lexists(self.staging):
+            old = read_run_manifest(self.staging) if os.path.isdir(self.staging) else None
+            same = old is not None and old["command"] == self.command and old.get("key") == jsonable(self.key)
+            if self.resumable and same and old.get("mode") == self._mode() and old["status"] != "committing":
+                self.resumed = True
+                self.run_id = old["run_id"]
+                old.update(status="running", started_ns=time.time_ns())
+                write_json(self.staging / MANIFEST_NAME, old)
+                return
+            _remove_staging(self.staging)
+        temp = self.folder / f"{STAGING_NAME}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+        temp.mkdir()
+        try:
+            if self._mode() == "resume":  # the same run's files, copied, so that the run's own records resume it
+                listed = self.state.previous["files"]
+                for name in self.state.ours:
+                    target = temp / name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(self.folder / name, target, follow_symlinks=False)  # its times too: records by mtime
+                    if file_digest(target) != listed[name]["sha256"]:  # changed while it was copied
+                        raise RunConflict(f"{self.flag} {self.folder}: {name} changed while it was read; run again")
+                self.resumed = bool(self.state.ours)
+            write_json(temp / MANIFEST_NAME, self._record("running"))
+            os.rename(temp, self.staging)  # whole or not there: a staging folder always carries its manifest
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+
+    def __exit__(self, kind, err, traceback) -> bool:
+        _ACTIVE.discard(str(self.staging.resolve()))
+        try:
+            if kind is None:
+                try:
+                    self._commit()
+                except BaseException as error:  # a fault (or Ctrl-C, held back until the renames ended) in the commit
+                    self._failed(error)
+                    raise
+            else:
+                self._failed(err)
+        finally:
+            self._stack.close()
+        return False
+
+    def _failed(self, err: BaseException | None) -> None:
+        """Record a run that did not end well, and say in :attr:`outcome` (and a note on ``err``) what the folder
+        holds."""
+        if self._committed:
+            pass  # the interrupt came after the renames: the outcome says the folder holds this run, whole
+        elif self._journal:
+            self.outcome = (
+                f"{self.folder}: the commit of run {self.run_id} was cut short; the next run into the folder "
+                "finishes it before anything else (its journal is in the staging folder)"
+            )
+        elif self.outcome is None:
+            self._mark("interrupted" if isinstance(err, KeyboardInterrupt) else "failed")
+            self.outcome = (
+                f"{self.folder} is as it was before this run ({self._previous_words()}); this run's files so far "
+                f"are in {self.staging} ({self._next_words()})"
+            )
+        if isinstance(err, BaseException) and self.outcome and self.outcome not in str(err):
+            err.add_note(self.outcome)
+
+    def _previous_words(self) -> str:
+        previous = self.state.previous if self.state else None
+        if previous is None:
+            return "no run of ipa_probe"
+        return f"run {previous['run_id']}, {previous['status']}"
+
+    def _next_words(self) -> str:
+        if self.resumable:
+            return "the same command resumes from them; any other run into the folder removes them"
+        return "the next run into the folder removes them"
+
+    def _mark(self, status: str) -> None:
+        """Record a failed or interrupted run in its staging manifest (best effort: the disk may be full)."""
+        try:
+            record = read_run_manifest(self.staging)
+            if record is not None and record["status"] != "committing":
+                record.update(status=status, ended=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                write_json(self.staging / MANIFEST_NAME, record)
+        except (OSError, RunConflict) as error:
+            logger.warning("could not record the run's status in %s (%s)", self.staging, error)
+
+    def _commit(self) -> None:
+        """Check, journal, rename into place, manifest last (see the module docstring)."""
+        files, dirs, odd = _scan(self.staging)
+        if odd:
+            logger.warning("%s: not committed (not regular files): %s", self.staging, _listed(odd))
+        entries = {
+            name: {"size": info.st_size, "sha256": file_digest(self.staging / name)} for name, info in files.items()
+        }
+        previous = self.state.previous
+        listed = previous["files"] if previous else {}
+        blocked = []
+        for name in sorted(entries):
+            target = _inside(self.folder, name)
+            if target is None:
+                blocked.append(name)
+            elif os.path.lexists(target) and not (
+                name in listed and _still_listed(self.folder, name, listed[name]["sha256"])
+            ):
+                blocked.append(name)
+        if blocked:
+            self._mark("staged")
+            self.outcome = (
+                f"{self.folder} is as it was before this run; this run is whole in {self.staging}, not committed"
+            )
+            raise RunConflict(
+                f"{self.flag} {self.folder}: this run writes {_listed(blocked)}, where files stand that are not the "
+                "previous run's own (no manifest lists them, or they changed, or a symbolic link is on the way): move "
+                f"them away and run again, or choose a fresh {self.flag}; {self.outcome}"
+            )
+        remove = {
+            name: entry["sha256"] for name, entry in listed.items() if name not in entries and name in self.state.ours
+        }
+        old_folders = previous.get("folders", []) if previous else []
+        _, out_dirs, _ = _scan(self.folder)
+        made = {p for name in entries for p in map(str, PurePosixPath(name).parents) if p != "."}
+        record = read_run_manifest(self.staging) or self._record("running")
+        record.update(
+            status="committing",
+            files=dict(sorted(entries.items())),
+            remove=remove,
+            folders=sorted((made - out_dirs) | (made & set(old_folders))),
+            old_folders=sorted(old_folders),
+        )
+        del dirs
+        with _signals_held():
+            write_json(self.staging / FINAL_NAME, _final(record))
+            write_json(self.staging / MANIFEST_NAME, record)  # the journal: from here the commit goes on, if need be
+            self._journal = True  # by the next writer of the folder
+            _roll_forward(self.folder, self.staging, record)
+            self._committed = True
+        self.removed = sorted(remove)
+        kept = f"; kept {len(self.kept)} file(s) no run manifest lists ({_listed(self.kept)})" if self.kept else ""
+        self.outcome = f"{self.folder} holds run {self.run_id}, finished ({len(entries)} files){kept}"
+
+    def note(self) -> str | None:
+        """One line on the files ``overwrite`` left in place, or ``None``."""
+        if self.kept:
+            return f"{self.folder}: kept {len(self.kept)} file(s) no run manifest lists ({_listed(self.kept)})"
+        return None
+
+
+def held_staging(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is the staging folder of a run this process holds."""
+    try:
+        return str(Path(path).expanduser().resolve()) in _ACTIVE
+    except OSError:
+        return False
+
+
+def save_into(
+    path: str | os.PathLike,
+    command: str,
+    settings: dict[str, Any],
+    write,
+    overwrite: bool = False,
+) -> dict[str, Path]:
+    """Write a run's files into the folder ``path`` by the folder rules (:class:`RunFolder`), for the Python API.
+
+    ``write(folder)`` writes the files into ``folder`` and returns ``{label: path}``; the paths returned point into
+    ``path``. Where ``path`` is already the staging folder of a run this process holds (the command line's), ``write``
+    writes straight into it.
+
+    Raises:
+        RunConflict: the folder holds another run's files, or files no manifest lists (without ``overwrite``).
+        OutputLocked: another live process holds the folder.
+    """
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite: expected True or False, got {type(overwrite).__name__}")
+    if held_staging(path):
+        return write(Path(path))
+    with RunFolder(Path(path), command, settings, settings, overwrite=overwrite, flag="path") as run:
+        paths = write(run.staging)
+    return {label: run.folder / Path(p).relative_to(run.staging) for label, p in paths.items()}
+
+
+def refuse_if_held(folder: str | os.PathLike) -> None:
+    """Raise :class:`~ipa_probe._io.OutputLocked` when a live process other than this one holds ``folder``."""
+    who = lock_holder(folder)
+    if who is not None:
+        raise OutputLocked(f"{folder} is in use by {who}; wait for it to finish, or use another output folder")

@@ -1,0 +1,291 @@
+"""Run folders (ipa_probe/runfolder.py): a run writes aside and renames into place, manifest last; what a rerun
+refuses; that nothing but a run's own bytes is ever replaced or removed; manifests read as untrusted input; one writer.
+
+Torch-free and fast: runs here are blocks that write small text files. Digests are recomputed with hashlib on the
+bytes the test reads back, never through the module's own digest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ipa_probe._io import OutputLocked
+from ipa_probe.runfolder import (
+    MANIFEST_NAME,
+    STAGING_NAME,
+    RunConflict,
+    RunFolder,
+    check_folder,
+    read_run_manifest,
+    recover,
+    save_into,
+)
+
+CMD = "ipa-probe probe"
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _run(folder, files: dict[str, str], key=None, overwrite=False, command=CMD, resumable=False) -> RunFolder:
+    """One run that writes ``files`` (relative name -> text) into its staging folder; returns its hold."""
+    with RunFolder(folder, command, {"key": key}, {"k": key}, overwrite=overwrite, resumable=resumable) as run:
+        for name, text in files.items():
+            (run.staging / name).parent.mkdir(parents=True, exist_ok=True)
+            (run.staging / name).write_text(text)
+    return run
+
+
+def _whole(folder) -> dict:
+    """The folder's manifest, after checking that it says finished and that every listed file has its listed size
+    and sha256 (recomputed here)."""
+    record = json.loads((folder / MANIFEST_NAME).read_text())
+    assert record["status"] == "finished"
+    for name, entry in record["files"].items():
+        data = (folder / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    return record
+
+
+def _snapshot(folder) -> dict[str, bytes]:
+    """Every regular file under ``folder`` outside the staging folder and the lock, with its bytes."""
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in folder.rglob("*")
+        if p.is_file() and STAGING_NAME not in p.parts and p.name != ".ipa_probe.lock"
+    }
+
+
+def test_the_manifest_lists_each_file_with_its_size_and_sha256(tmp_path):
+    out = tmp_path / "out"
+    run = _run(out, {"a.txt": "alpha", "sub/b.bin": "beta!"}, key=1)
+    record = _whole(out)
+    assert record["run_id"] == run.run_id and record["command"] == CMD
+    assert set(record["files"]) == {"a.txt", "sub/b.bin"} and record["folders"] == ["sub"]
+    assert "python" in record["versions"] and not (out / STAGING_NAME).exists()
+    assert "finished (2 files)" in run.outcome
+
+
+def test_another_run_is_refused_in_one_line_and_nothing_changes(tmp_path):
+    out = tmp_path / "out"
+    _run(out, {"a.txt": "alpha"}, key=1)
+    before = _snapshot(out)
+    with pytest.raises(RunConflict) as err:
+        _run(out, {"b.txt": "beta"}, key=2)
+    message = str(err.value)
+    assert "\n" not in message and "--overwrite" in message and "fresh --out" in message
+    assert _snapshot(out) == before and not (out / STAGING_NAME).exists()
+
+
+def test_a_failed_or_interrupted_run_leaves_the_previous_run_exactly_as_it_was(tmp_path):
+    out = tmp_path / "out"
+    _run(out, {"a.txt": "alpha", "b.txt": "beta"}, key=1)
+    before = _snapshot(out)
+    for error in (KeyboardInterrupt, OSError):
+        with pytest.raises(error) as caught:
+            with RunFolder(out, CMD, {}, {"k": 2}, overwrite=True) as run:
+                (run.staging / "a.txt").write_text("half of a new run")
+                raise error()
+        assert _snapshot(out) == before  # the old run, byte for byte, its manifest included
+        _whole(out)
+        assert "is as it was before this run" in caught.value.__notes__[0]
+        staged = read_run_manifest(out / STAGING_NAME)
+        assert staged["status"] == ("interrupted" if error is KeyboardInterrupt else "failed")
+    _run(out, {"c.txt": "gamma"}, key=3, overwrite=True)  # the next run cleans the staging folder and replaces
+    assert set(_whole(out)["files"]) == {"c.txt"} and not (out / "a.txt").exists()
+    assert not (out / STAGING_NAME).exists()
+
+
+def test_overwrite_replaces_only_the_previous_runs_own_bytes_and_keeps_the_rest(tmp_path):
+    out = tmp_path / "out"
+    _run(out, {"a.txt": "alpha", "sub/b.txt": "beta", "keep/c.txt": "gamma"}, key=1)
+    (out / "mine.txt").write_text("a user's notes")  # listed by no manifest
+    (out / "keep" / "user.txt").write_text("inside a folder the run made")
+    run = _run(out, {"new.txt": "new", "a.txt": "alpha 2"}, key=2, overwrite=True)
+    assert sorted(run.removed) == ["keep/c.txt", "sub/b.txt"] and run.kept == ["keep/user.txt", "mine.txt"]
+    assert "mine.txt" in run.note() and "kept 2 file(s)" in run.outcome
+    assert (out / "mine.txt").read_text() == "a user's notes" and (out / "keep" / "user.txt").exists()
+    assert not (out / "sub").exists()  # a folder the previous run made, left empty
+    assert set(_whole(out)["files"]) == {"new.txt", "a.txt"} and (out / "a.txt").read_text() == "alpha 2"
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_hand_edited_file_of_the_previous_run_is_refused_before_the_work(tmp_path, overwrite):
+    out = tmp_path / "out"
+    _run(out, {"summary.json": "{}", "digits.json": "[]"}, key=1)
+    (out / "summary.json").write_text('{"my": "notes"}')
+    with pytest.raises(RunConflict, match=r"summary.json changed after run .* move it away") as err:
+        check_folder(out, CMD, {"k": 2}, overwrite=overwrite)
+    assert "\n" not in str(err.value)
+    with pytest.raises(RunConflict):
+        _run(out, {"summary.json": "new"}, key=2, overwrite=overwrite)
+    assert (out / "summary.json").read_text() == '{"my": "notes"}'  # never replaced
+
+
+def test_a_users_file_where_the_run_writes_stops_the_commit_and_is_kept(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text("mine")
+    with pytest.raises(RunConflict, match="this run writes summary.json") as err:
+        _run(out, {"summary.json": "ours", "table.csv": "x"}, key=1, overwrite=True)
+    assert "\n" not in str(err.value) and "whole in" in str(err.value)
+    assert _snapshot(out) == {"summary.json": b"mine"}  # nothing renamed in, not even the other file
+    assert read_run_manifest(out / STAGING_NAME)["status"] == "staged"
+
+
+def test_files_the_folder_gains_while_a_run_holds_it_are_not_the_runs(tmp_path):
+    out = tmp_path / "out"
+    with RunFolder(out, CMD, {}, {"k": 1}) as run:
+        (run.staging / "ours.txt").write_text("ours")
+        (out / "theirs.txt").write_text("another process wrote this meanwhile")
+    assert set(_whole(out)["files"]) == {"ours.txt"}
+    _run(out, {"x.txt": "x"}, key=2, overwrite=True)
+    assert (out / "theirs.txt").exists()  # never listed, so never removed
+
+
+def test_symlinks_are_never_followed_listed_or_replaced(tmp_path):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious.txt").write_text("keep me")
+    _run(out, {"a.txt": "alpha"}, key=1)
+    (out / "link.txt").symlink_to(elsewhere / "precious.txt")
+    (out / "linkdir").symlink_to(elsewhere)
+    with pytest.raises(RunConflict, match="no ipa_probe run manifest lists"):
+        check_folder(out, CMD, {"k": 1})
+    with pytest.raises(RunConflict, match="linkdir/precious.txt"):  # a staged file under a symlinked folder
+        _run(out, {"linkdir/precious.txt": "overwritten?"}, key=2, overwrite=True)
+    assert (elsewhere / "precious.txt").read_text() == "keep me" and (out / "link.txt").is_symlink()
+
+
+def test_a_rerun_of_a_resumable_run_starts_from_its_files_and_survives_any_number_of_kills(tmp_path):
+    out = tmp_path / "out"
+    _run(out, {"rows/row-0.parquet": "row 0"}, key=1, command="ipa-probe sweep", resumable=True)
+    for kill in range(3):  # a killed run leaves its staging folder (no manifest update, no cleanup)
+        run = RunFolder(out, "ipa-probe sweep", {}, {"k": 1}, resumable=True)
+        run.__enter__()
+        assert (run.staging / "rows/row-0.parquet").read_text() == "row 0"  # the previous run's rows, to resume
+        (run.staging / f"rows/row-{kill + 1}.parquet").write_text(f"row {kill + 1}")
+        run._stack.close()  # the lock goes with the process; nothing else happens
+        check_folder(out, "ipa-probe sweep", {"k": 1})  # a plain rerun is never refused
+    run = _run(out, {}, key=1, command="ipa-probe sweep", resumable=True)
+    assert run.resumed and set(_whole(out)["files"]) == {f"rows/row-{i}.parquet" for i in range(4)}
+
+
+def test_a_commit_cut_short_is_finished_by_the_next_writer(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    _run(out, {"a.txt": "old a", "b.txt": "old b", "gone.txt": "old"}, key=1)
+    real = os.replace
+
+    def dies_on_the_second_rename(src, dst):
+        if str(src).endswith(f"{STAGING_NAME}/b.txt"):  # a.txt is in place, b.txt is not
+            raise SystemExit("killed")  # as SIGKILL would, between two renames
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", dies_on_the_second_rename)
+    with pytest.raises(SystemExit):
+        _run(out, {"a.txt": "new a", "b.txt": "new b"}, key=2, overwrite=True)
+    monkeypatch.setattr(os, "replace", real)
+    assert (out / "a.txt").read_text() == "new a" and (out / "b.txt").read_text() == "old b"  # half way
+    assert "finished the commit" in recover(out)
+    record = _whole(out)
+    assert set(record["files"]) == {"a.txt", "b.txt"} and record["key"] == {"k": 2}
+    assert not (out / "gone.txt").exists() and not (out / STAGING_NAME).exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"{not json", "is not JSON"),
+        (b"[1]", "is list, not a JSON object"),
+        (b"[" * 100000 + b"]" * 100000, "nests"),
+        (
+            json.dumps({"run_id": "r", "command": "c", "status": "finished", "started_ns": "abc", "files": {}}),
+            "started_ns",
+        ),
+        (json.dumps({"run_id": "r", "command": "c", "status": "finished", "files": {"a\0b": {}}}), "not a plain"),
+        (json.dumps({"run_id": "r", "command": "c", "status": "finished", "files": {"../x": {}}}), "not a plain"),
+        (json.dumps({"run_id": "r", "command": "c", "status": "finished", "files": {}, "foreign": 5}), "foreign"),
+        (json.dumps({"run_id": "r", "command": "c", "status": "finished", "files": {"a": {"size": 1}}}), "sha256"),
+        (json.dumps({"run_id": "r", "command": "c", "status": "done?", "files": {}}), "status"),
+    ],
+)
+def test_a_tampered_manifest_is_one_line(tmp_path, content, message):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / MANIFEST_NAME).write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(RunConflict, match=message) as err:
+        check_folder(out, CMD, {})
+    assert "\n" not in str(err.value) and len(str(err.value)) < 400
+
+
+def test_a_manifest_that_is_a_fifo_or_a_device_is_refused_without_reading(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / MANIFEST_NAME)  # opened without blocking: no writer needed, no hang
+    with pytest.raises(RunConflict, match="not a regular file"):
+        check_folder(out, CMD, {})
+    (out / MANIFEST_NAME).unlink()
+    (out / MANIFEST_NAME).symlink_to("/dev/zero")  # a link is not followed: it would read until memory ran out
+    with pytest.raises(RunConflict, match="symbolic link"):
+        check_folder(out, CMD, {})
+
+
+def test_an_oversized_manifest_is_refused_unread(tmp_path, monkeypatch):
+    import ipa_probe.runfolder as runfolder
+
+    out = tmp_path / "out"
+    _run(out, {"a.txt": "alpha"}, key=1)
+    monkeypatch.setattr(runfolder, "MAX_MANIFEST_BYTES", 100)  # the real cap is 64 MiB; the rule is the same
+    with pytest.raises(RunConflict, match="more than a manifest's 100"):
+        check_folder(out, CMD, {"k": 1})
+
+
+HOLD = textwrap.dedent(
+    """
+    import sys, time
+    from ipa_probe.runfolder import RunFolder
+    holder = "ipa-probe sweep m.jsonl --out X"
+    with RunFolder(sys.argv[1], "ipa-probe sweep", {}, {}, overwrite=True, holder=holder) as run:
+        print("held", flush=True)
+        time.sleep(60)
+    """
+)
+
+
+def test_a_second_writer_is_refused_naming_the_live_run_and_touches_nothing(tmp_path):
+    out = tmp_path / "out"
+    _run(out, {"a.txt": "alpha"}, key=None, command="ipa-probe sweep")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        with pytest.raises(OutputLocked, match=rf"process {holder.pid} on .*ipa-probe sweep m.jsonl --out X"):
+            _run(out, {"b.txt": "beta"}, key=None, command="ipa-probe sweep", overwrite=True)
+        assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_save_into_writes_a_manifest_and_obeys_the_folder_rules(tmp_path):
+    out = tmp_path / "out"
+
+    def write(folder):
+        (folder / "t.txt").write_text("table")
+        return {"table": folder / "t.txt"}
+
+    paths = save_into(out, "ipa_probe ProbeRun.save", {"bandwidth": "matched"}, write)
+    assert paths == {"table": out / "t.txt"} and set(_whole(out)["files"]) == {"t.txt"}
+    with pytest.raises(RunConflict, match="another run"):
+        save_into(out, "ipa_probe ProbeRun.save", {"bandwidth": 0.5}, write)
+    save_into(out, "ipa_probe ProbeRun.save", {"bandwidth": 0.5}, write, overwrite=True)
+    assert _whole(out)["settings"] == {"bandwidth": 0.5}
+    with pytest.raises(TypeError, match="overwrite: expected True or False"):
+        save_into(out, "ipa_probe ProbeRun.save", {}, write, overwrite="yes")
