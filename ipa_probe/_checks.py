@@ -270,6 +270,71 @@ GAUGE_FACTOR_RANGE: tuple[float, float] = (2.0**-20, 2.0**20)
 
 _GAUGE_FORMS = "numbers c > 0, random[:SEED[:SPREAD]], adversarial[:up|down[:MAXCOND]] or shift[:SEED[:SCALE]]"
 
+#: The smallest adversarial condition bound: rounding the basis change into float32 weights alone moves cond(A) by
+#: about d eps (1e-5 at d = 64), so a bound closer to 1 than 1e-3 is one the written weights cannot be held to.
+ADVERSARIAL_MIN_COND = 1.001
+
+#: The largest row-shift scale (sd of b in key units): a shift moves every logit of a row by q.b, and float32 loses
+#: about eps |q.b| of each; beyond this scale the outputs and the query-frame statistics no longer stay within their
+#: tolerance (measured on the digits organism and the tiny SD 1.5 pipeline: docs/gauge.md, "How far a row shift
+#: holds").
+ROW_SHIFT_SCALE_MAX = 10.0
+
+#: The log-singular-value range, in units of SPREAD, that a random basis change's cond is checked against before
+#: torch loads: the range of d standard normals is about 5.2 at d = 128 (the widest heads), 6.5 leaves a margin.
+_RANDOM_RANGE_SIGMAS = 6.5
+
+#: Machine epsilon of the weight dtypes the command line offers (torch-free).
+_DTYPE_EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7, "float64": 2.0**-52}
+
+
+def max_gauge_cond(dtype: str) -> float:
+    """The largest cond(A) a basis change may have on weights of ``dtype`` (``1 / (16 eps)``, as
+    :func:`ipa_probe.gauge.transforms.max_condition_number`; float32: 5.2e5)."""
+    return 1 / (16 * _DTYPE_EPS[dtype])
+
+
+def check_gauge_ranges(specs: tuple, dtype: str, key: str = "--gauge-sweep") -> None:
+    """Before torch loads: the named gauges ``specs`` (from :func:`parse_gauges`) against what weights of ``dtype``
+    hold: a random SPREAD whose basis changes would pass ``max_gauge_cond`` for wide heads, an adversarial MAXCOND
+    above it, a row-shift SCALE above :data:`ROW_SHIFT_SCALE_MAX`.
+
+    Raises:
+        ValueError: one line naming the spec as typed and the largest value that holds.
+    """
+    import math
+
+    limit = max_gauge_cond(dtype)
+    for spec in specs:
+        if not isinstance(spec, str):
+            continue
+        kind, _, value = spec.split(":")
+        number = float(value)
+        if kind == "random" and number * _RANDOM_RANGE_SIGMAS > math.log(limit):
+            most = math.log(limit) / _RANDOM_RANGE_SIGMAS
+            raise ValueError(
+                f"{key}: {spec}: a SPREAD of {value} makes basis changes with cond(A) up to about "
+                f"exp({_RANDOM_RANGE_SIGMAS:g} x {value}) = {math.exp(number * _RANDOM_RANGE_SIGMAS):.3g} on wide "
+                f"heads, beyond the {limit:.3g} that {dtype} weights hold; use a SPREAD of at most {most:.2f}"
+            )
+        if kind == "adversarial" and number > limit:
+            raise ValueError(
+                f"{key}: {spec}: {dtype} weights hold basis changes up to cond(A) {limit:.3g}; use a MAXCOND of at "
+                f"most {limit:.3g}"
+            )
+        if kind == "shift" and number > ROW_SHIFT_SCALE_MAX:
+            raise ValueError(
+                f"{key}: {spec}: beyond a SCALE of {ROW_SHIFT_SCALE_MAX:g} float32 no longer keeps the outputs and "
+                f"the query-frame statistics of a row shift within tolerance (docs/gauge.md); use a SCALE of at most "
+                f"{ROW_SHIFT_SCALE_MAX:g}"
+            )
+
+
+def _number_text(value: float) -> str:
+    """``value`` as short as it reads back exactly: ``10`` for 10.0, ``1.000001`` kept as typed."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
+
 
 def _gauge_token(token: str, key: str) -> str:
     """One named gauge, normalised to ``kind:a:b`` with its defaults filled in."""
@@ -282,9 +347,12 @@ def _gauge_token(token: str, key: str) -> str:
         if first not in ("up", "down"):
             raise ValueError(f"{key}: expected adversarial:up or adversarial:down, got {token!r}")
         bound = parse_float(second, key)
-        if not 1 < bound <= 1e4:
-            raise ValueError(f"{key}: expected the adversarial condition bound MAXCOND in (1, 10000], got {token!r}")
-        return f"adversarial:{first}:{bound:g}"
+        if not ADVERSARIAL_MIN_COND <= bound <= 1e4:
+            raise ValueError(
+                f"{key}: expected the adversarial condition bound MAXCOND in [{ADVERSARIAL_MIN_COND:g}, 10000] "
+                f"(float32 weights cannot be held to a bound closer to 1), got {token!r}"
+            )
+        return f"adversarial:{first}:{_number_text(bound)}"
     try:
         seed = int(first)
     except ValueError:
@@ -296,7 +364,7 @@ def _gauge_token(token: str, key: str) -> str:
     if not 0 < size <= high:
         what = "SPREAD (sd of log singular values)" if kind == "random" else "SCALE (sd of the shift, key units)"
         raise ValueError(f"{key}: expected {what} in (0, {high:g}], got {token!r}")
-    return f"{kind}:{seed}:{size:g}"
+    return f"{kind}:{seed}:{_number_text(size)}"
 
 
 def parse_gauges(value: Any, key: str = "gauges", bounded: bool = True) -> tuple[float | str, ...]:

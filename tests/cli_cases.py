@@ -44,7 +44,14 @@ CASES = [
     Case("unknown CSV columns", ("sweep", "{root}/unknown.csv"), 2, "unknown column(s) 'colour'"),
     Case("manifest is a folder", ("sweep", "{root}/refs"), 2, "is a folder"),
     Case("no row can run", ("sweep", "{root}/missing_images.jsonl"), 2, "none of its 2 rows can run"),
-    Case("--maps-rows not in manifest", ("sweep", "{root}/ok.jsonl", "--maps-rows", "7"), 2, "--maps-rows [7]"),
+    Case("--maps-rows not in manifest", ("sweep", "{root}/ok.jsonl", "--maps-rows", "7"), 2, "--maps-rows 7: not"),
+    Case(  # issue 39: the line listed every runnable row (129 KB for a large manifest)
+        "--maps-rows in a large manifest",
+        ("sweep", "{root}/many.jsonl", "--maps-rows", "9999", "9998", "1", "5001", "5002", "5003", "5004"),
+        2,
+        "--maps-rows 5001, 5002, 5003, 5004, 9998 and 1 more: not rows of the manifest that can run (rows that can: "
+        "0-4999)",
+    ),
     # paths and values
     Case("--out names a file", ("probe", "--out", "{root}/a_file"), 2, "is a file"),
     Case("--out under a file", ("compare", "--out", "{root}/a_file/sub"), 2, "is a file"),
@@ -96,7 +103,44 @@ CASES = [
     Case("--gauge-sweep random:x", ("probe", "--gauge-sweep", "random:x"), 2, "integer SEED"),
     Case("--gauge-sweep random:0:9", ("probe", "--gauge-sweep", "random:0:9"), 2, "SPREAD"),
     Case("--gauge-sweep adversarial:left", ("probe", "--gauge-sweep", "adversarial:left"), 2, "adversarial:up or"),
-    Case("--gauge-sweep adversarial:up:1", ("probe", "--gauge-sweep", "adversarial:up:1"), 2, "MAXCOND in (1"),
+    Case("--gauge-sweep adversarial:up:1", ("probe", "--gauge-sweep", "adversarial:up:1"), 2, "MAXCOND in [1.001"),
+    # issue 39: bounds the generators cannot reach were refused after the work, naming gauges / matrices
+    Case(
+        "--gauge-sweep adversarial:down:1.000001",
+        ("probe", "--gauge-sweep", "adversarial:down:1.000001"),
+        2,
+        "MAXCOND in [1.001, 10000] (float32 weights cannot be held to a bound closer to 1), got "
+        "'adversarial:down:1.000001'",
+    ),
+    Case("--gauge-sweep random:0:4", ("probe", "--gauge-sweep", "random:0:4"), 2, "random:0:4: a SPREAD of 4 makes"),
+    Case(
+        "--gauge-sweep random:0:1 float16",
+        ("probe", "--gauge-sweep", "random:0:1", "--dtype", "float16"),
+        2,
+        "beyond the 64 that float16 weights hold; use a SPREAD of at most 0.64",
+    ),
+    Case("--gauge-sweep shift:0:1000", ("probe", "--gauge-sweep", "shift:0:1000"), 2, "shift:0:1000: beyond a SCALE"),
+    # issue 39: run manifests are read as untrusted input, before torch loads
+    Case("--out manifest a FIFO", ("probe", "--out", "{root}/m_fifo"), 2, "not a regular file (a FIFO"),
+    Case("--overlays manifest a FIFO", ("probe", "--overlays", "{root}/m_fifo"), 2, "not a regular file (a FIFO"),
+    Case("--out manifest links /dev/zero", ("probe", "--out", "{root}/m_zero"), 2, "is a symbolic link"),
+    Case("manifest started_ns 'abc'", ("sweep", "{root}/ok.jsonl", "--out", "{root}/m_abc"), 2, "'started_ns' is"),
+    Case("manifest [1]", ("compare", "--out", "{root}/m_list"), 2, "is list, not a JSON object"),
+    Case("manifest foreign 5", ("probe", "--out", "{root}/m_foreign", "--overwrite"), 2, "field 'foreign' is"),
+    Case("manifest nested deep", ("experiments", "collapse", "--out", "{root}/m_deep"), 2, "nests"),
+    Case("manifest NUL in a name", ("train-digits", "--out", "{root}/m_nul"), 2, "not a plain relative path"),
+    Case(
+        "a hand-edited file and --overwrite",
+        ("probe", "--seed", "1", "--overwrite", "--out", "{root}/m_edited"),
+        2,
+        "summary.json changed after run r1 wrote it",
+    ),
+    Case(  # issue 39: found only after the run
+        "OUT/logs is a file",
+        ("probe", "--log-with", "tensorboard", "--out", "{root}/logs_file"),
+        2,
+        "logs' is a file",
+    ),
     Case("--gauge-sweep shift:0:0", ("probe", "--gauge-sweep", "shift:0:0"), 2, "SCALE"),
     Case("--gauge-sweep 2,2", ("probe", "--gauge-sweep", "2,2"), 2, "distinct gauges"),
     Case("--gauge-sweep with --maps", ("probe", "--gauge-sweep", "--maps"), 2, "drop --keep-maps"),
@@ -262,7 +306,37 @@ def make_fixtures(root: Path) -> Path:
         _replace(fifo, os.mkfifo)
     _replace(root / "fifo.safetensors", os.mkfifo)
     (root / "fifo_image.jsonl").write_text('{"images": "fifo.png"}\n')
+    _manifest_fixtures(root)
     return root
+
+
+def _manifest_fixtures(root: Path) -> None:
+    """Output folders whose run manifest is not one to trust (issue 39), one hand-edited run, an OUT/logs file."""
+    import hashlib
+
+    (root / "many.jsonl").write_text("".join(f'{{"images": "ref.png", "seed": {i}}}\n' for i in range(5000)))
+    good = {"run_id": "r1", "command": "ipa-probe probe", "status": "finished", "started_ns": 1, "files": {}}
+    bodies = {
+        "m_abc": json.dumps({**good, "started_ns": "abc"}),
+        "m_list": "[1]",
+        "m_foreign": json.dumps({**good, "foreign": 5}),
+        "m_deep": "[" * 50000 + "]" * 50000,
+        "m_nul": json.dumps({**good, "files": {"a\u0000b": {"size": 0, "sha256": "0" * 64}}}),
+    }
+    for name, body in bodies.items():
+        (root / name).mkdir(exist_ok=True)
+        (root / name / "ipa_probe_manifest.json").write_text(body)
+    (root / "m_fifo").mkdir(exist_ok=True)
+    _replace(root / "m_fifo" / "ipa_probe_manifest.json", os.mkfifo)
+    (root / "m_zero").mkdir(exist_ok=True)
+    _replace(root / "m_zero" / "ipa_probe_manifest.json", lambda p: p.symlink_to("/dev/zero"))
+    edited = root / "m_edited"
+    edited.mkdir(exist_ok=True)
+    listed = {"size": 2, "sha256": hashlib.sha256(b"{}").hexdigest()}
+    (edited / "ipa_probe_manifest.json").write_text(json.dumps({**good, "files": {"summary.json": listed}}))
+    (edited / "summary.json").write_text('{"edited": "by hand"}')
+    (root / "logs_file").mkdir(exist_ok=True)
+    (root / "logs_file" / "logs").write_text("a file where the tracker's folder belongs\n")
 
 
 def _replace(path: Path, make) -> None:

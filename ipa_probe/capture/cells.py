@@ -273,6 +273,7 @@ def compare_cells(
     if not first.sampled:  # exact: no sampling error
         stats = torch.stack((stats, torch.zeros_like(stats)), dim=-2)
         frame = torch.stack((frame, torch.zeros_like(frame)), dim=-2)
+    _count_lost_rows(stats, frame, first.attn.shape[-1])
     # stats (groups, H, 2, S), frame (2, groups, H, 2, S): estimate and standard error
     chosen = [STAT_NAMES.index(name) for name in QUERY_FRAME_STATS]
     # (2, groups, H, 2, S) -> (groups, H, 2, 2 * C): per part (estimate, error) the exact form's statistics, then the
@@ -291,6 +292,25 @@ def compare_cells(
     )
     values = torch.cat(parts, dim=-1)  # (groups of every record, H, fields) in the order of CELL_FIELDS
     return list(values.split([record.attn.shape[0] for record in records]))
+
+
+def _count_lost_rows(stats: torch.Tensor, frame: torch.Tensor, keys: int) -> None:
+    """Every non-finite statistic counted in ``nonfinite`` (in place, on the estimates): the share of rows any frame
+    (stored, query exact, query Gaussian) left out for non-finite weights, and all of a cell's rows where a rank
+    correlation could be formed from none of them (with more than one key, a NaN rho means every row's weights were
+    tied or lost: float32 rounding under a far row shift, for one), so that a NaN rho never reads "0 rows lost".
+
+    Args:
+        stats: ``(groups, H, 2, S)`` the stored frame's estimates and errors.
+        frame: ``(2, groups, H, 2, S)`` the query frames'.
+        keys: the keys per row.
+    """
+    lost, rho = STAT_NAMES.index("nonfinite"), STAT_NAMES.index("spearman")
+    share = torch.maximum(stats[..., 0, lost], frame[..., 0, lost].amax(0))
+    if keys > 1:
+        unranked = stats[..., 0, rho].isnan() | frame[..., 0, rho].isnan().any(0)
+        share = torch.where(unranked, torch.ones_like(share), share)
+    stats[..., 0, lost] = share
 
 
 def frame_logits(cell: Cell, pools: int, sample: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,13 +97,12 @@ def check(args: argparse.Namespace) -> None:
             raise CLIError(f"{flag} has repeated values {repeated}; give each value once")
     args.out = check_output_dir(args.out or f"outputs/experiments-{args.tier}")  # made when the run starts
     args.tier_sizes = ALL_TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
+    if not args.overwrite:  # the more telling refusal first: another tier's results
+        try:
+            check_folder_tier(args.out, args.tier_sizes)
+        except TierMismatch as err:
+            raise CLIError(str(err)) from None
     check_run_folder(args.out, COMMAND, KEY, args.overwrite, resumable=True)
-    if args.overwrite:
-        return  # the previous run's files (its tier's) are removed before this one starts
-    try:
-        check_folder_tier(args.out, args.tier_sizes)
-    except TierMismatch as err:
-        raise CLIError(str(err)) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import logging
 from contextlib import ExitStack
 from pathlib import Path
 
-from .._checks import DEFAULT_GAUGE_FACTORS, GAUGE_FACTOR_RANGE, parse_gauges
+from .._checks import DEFAULT_GAUGE_FACTORS, GAUGE_FACTOR_RANGE, check_gauge_ranges, parse_gauges
 from ..runfolder import MANIFEST_NAME
 from ..schema import QUERY_FRAMES
 from ._common import (
@@ -109,6 +109,11 @@ def check(args: argparse.Namespace) -> None:
         raise CLIError(
             "--gauge-sweep writes its own table and figure; drop --keep-maps / --maps / --overlays / --log-with"
         )
+    if args.gauge_sweep is not None:
+        try:
+            check_gauge_ranges(args.gauge_sweep, args.dtype)  # what the weights' dtype holds, before torch loads
+        except ValueError as err:
+            raise CLIError(str(err)) from None
     check_output_dir(args.out)
     if args.overlay_steps and not args.overlays:
         raise CLIError("--overlay-steps needs --overlays DIR")

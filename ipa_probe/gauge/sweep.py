@@ -21,7 +21,7 @@ import torch
 from .._checks import DEFAULT_GAUGE_FACTORS, parse_gauges
 from ..layers import LayerSelection, find_ip_layers
 from .generators import resolve_gauge
-from .transforms import GaugeConfig, _check_layer, apply_gauge, plan_gauge
+from .transforms import GaugeConfig, _check_layer, apply_gauge, max_condition_number, plan_gauge
 
 __all__ = ["DEFAULT_FACTORS", "GAUGE_TABLE_COLUMNS", "gauge_sweep", "plot_gauge_sweep"]
 
@@ -142,16 +142,17 @@ def gauge_sweep(
         raise ValueError(f"tolerance: expected a finite number >= 0, got {tolerance!r}")
     if "maps" in probe_options or "keep_maps" in probe_options:
         raise ValueError("gauge_sweep keeps the reference maps itself; drop maps= / keep_maps= from its options")
-    for layer in find_ip_layers(pipe, layers):
+    found = find_ip_layers(pipe, layers)
+    for layer in found:
         _check_layer(layer)  # refuse before anything runs
-    # every gauge but the adversarial ones is resolved (and range-checked) before the first call
+    # every gauge is checked before the first call, and a refusal names it as it was given: the adversarial ones by
+    # their bound against the weights' dtype (their search needs the calls), the others resolved and planned
     configs: list[GaugeConfig | None] = []
     for spec in specs:
-        adversarial = isinstance(spec, str) and spec.startswith("adversarial")
-        config = None if adversarial or _is_adversarial(spec) else resolve_gauge(pipe, spec, layers, key=key)
-        if config is not None:
-            plan_gauge(pipe, config, layers)  # its range against the weights' dtype, before the first call
-        configs.append(config)
+        try:
+            configs.append(_checked(pipe, spec, layers, key, found))
+        except ValueError as err:
+            raise ValueError(f"{key}: {_spec_text(spec)}: {str(err).split(': ', 1)[-1]}") from None
     with probe(pipe, layers=layers, maps=True, **probe_options) as run:
         reference = _as_array(call())
     if not np.isfinite(reference).all():
@@ -180,6 +181,26 @@ def gauge_sweep(
         logger.info("gauge %s: outputs equal to the reference within %.3g", name, diff)
         tables.append(_rows(run, config, diff))
     return pd.concat(tables, ignore_index=True)
+
+
+def _checked(pipe, spec: Any, layers: LayerSelection, key: str, found: list) -> GaugeConfig | None:
+    """``spec`` resolved and planned against the weights (nothing written), or ``None`` for an adversarial gauge
+    whose bound the weights' dtype holds (it is searched for when its turn comes)."""
+    if (isinstance(spec, str) and spec.startswith("adversarial")) or _is_adversarial(spec):
+        bound = float(spec.split(":")[2]) if isinstance(spec, str) else spec.max_cond
+        dtype = found[0].attention.to_q.weight.dtype if found else torch.float32
+        limit = max_condition_number(dtype)
+        if bound > limit:
+            raise ValueError(f"max_cond: {dtype} weights hold basis changes up to cond(A) {limit:.3g}, got {bound:g}")
+        return None
+    config = resolve_gauge(pipe, spec, layers, key=key)
+    plan_gauge(pipe, config, layers)  # its range against the weights' dtype, before the first call
+    return config
+
+
+def _spec_text(spec: Any) -> str:
+    """A gauge as the caller gave it: the string, the number, or the generator's fields."""
+    return spec if isinstance(spec, str) else repr(spec)
 
 
 def _is_adversarial(spec: Any) -> bool:

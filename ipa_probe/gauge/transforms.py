@@ -38,9 +38,10 @@ from typing import Any
 
 import torch
 
+from .._checks import ROW_SHIFT_SCALE_MAX
 from ..layers import IPLayer, LayerSelection, claim, find_ip_layers, release
 
-__all__ = ["GaugeConfig", "apply_gauge", "max_condition_number", "plan_gauge"]
+__all__ = ["GaugeConfig", "apply_gauge", "max_condition_number", "max_shift_scale", "plan_gauge"]
 
 _FEATURE = "gauge"
 
@@ -322,10 +323,27 @@ def _plan(layer: IPLayer, config: GaugeConfig) -> list[_Change]:
             f"matrices[{layer.name!r}]: cond(A) = {cond:.3g} exceeds {limit:.3g}, the largest that {dtype} weights "
             "keep to rounding (1 / (16 eps)); use better-conditioned matrices"
         )
+    if shift is not None:
+        scale_limit = max_shift_scale(dtype)
+        scale = float(shift.to(torch.float64).pow(2).mean().sqrt())  # the RMS entry: the scale of N(0, scale^2) draws
+        # a draw's RMS over a layer's H * d entries (64 and more) is within 25% of its scale but for ~0.3% of draws
+        if not scale <= 1.25 * scale_limit:
+            raise ValueError(
+                f"shifts[{layer.name!r}]: a row shift of RMS entry {scale:.3g} is beyond {scale_limit:.3g} (x 1.25), "
+                f"where {dtype} still keeps the outputs and the query-frame statistics within tolerance "
+                "(docs/gauge.md, 'How far a row shift holds'); use a smaller shift"
+            )
     for change in changes:
         target = change.module.weight if change.created else getattr(change.module, change.name)
         _check_range(layer, change, target.dtype)
     return changes
+
+
+def max_shift_scale(dtype: torch.dtype) -> float:
+    """The largest row-shift scale (RMS entry of ``b``) for weights of ``dtype``: the measured float32 bound
+    (:data:`ipa_probe._checks.ROW_SHIFT_SCALE_MAX`) scaled by the dtype's precision (the rounding error of a logit
+    moved by ``q.b`` is about ``eps |q.b|``)."""
+    return ROW_SHIFT_SCALE_MAX * torch.finfo(torch.float32).eps / torch.finfo(dtype).eps
 
 
 def head_dim(layer: IPLayer) -> int:

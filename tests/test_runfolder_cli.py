@@ -1,0 +1,153 @@
+"""Run folders from the command line, in real processes (issue 39): a second writer is refused before torch loads,
+naming the live run; two writers started together end with one whole run and one exit 2; an ``--overwrite`` run
+killed (SIGINT, SIGKILL) at several moments leaves one whole run in the folder.
+
+A whole run: the manifest says finished and every file it lists has its listed size and sha256, recomputed here with
+hashlib. Few processes (each loads torch): the folder rules themselves are tests/test_runfolder.py's, in-process."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from cli_cases import Case, run_in_fresh_process
+
+from ipa_probe._io import output_lock
+from ipa_probe.runfolder import MANIFEST_NAME, STAGING_NAME, recover
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-c", "import sys; from ipa_probe.cli import main; sys.exit(main())"]
+ARGS = ["probe", "--kind", "sd15", "--steps", "2", "--size", "64", "64", "--threads", "1"]
+
+
+def _whole(folder: Path) -> dict:
+    record = json.loads((folder / MANIFEST_NAME).read_text())
+    assert record["status"] == "finished"
+    for name, entry in record["files"].items():
+        data = (folder / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    return record
+
+
+def _start(argv: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [*CLI, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+HOLD = textwrap.dedent(
+    """
+    import sys, time
+    from ipa_probe.runfolder import RunFolder
+    with RunFolder(sys.argv[1], "ipa-probe probe", {}, {}, holder="ipa-probe probe --seed 3 --out X"):
+        print("held", flush=True)
+        time.sleep(120)
+    """
+)
+
+
+def test_a_second_writer_of_every_command_is_refused_before_torch_loads(tmp_path):
+    out = tmp_path / "held"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (tmp_path / "ok.jsonl").write_text('{"seed": 1}\n')
+        cases = [
+            Case("probe", ("probe", "--overwrite"), 2, ""),
+            Case("compare", ("compare",), 2, ""),
+            Case("sweep", ("sweep", str(tmp_path / "ok.jsonl")), 2, ""),
+            Case("experiments", ("experiments", "collapse", "--tier", "quick"), 2, ""),
+            Case("train-digits", ("train-digits",), 2, ""),
+        ]
+        cases = [Case(c.name, (*c.argv, "--out", str(out)), c.code, c.message) for c in cases]
+        results = run_in_fresh_process(cases, tmp_path, ROOT)
+        for case in cases:
+            result = results[case.name]
+            lines = result["stderr"].strip().splitlines()
+            assert result["code"] == 2 and len(lines) == 1, result["stderr"]
+            assert (
+                f"is in use by process {holder.pid} on" in lines[0]
+                and "(ipa-probe probe --seed 3 --out X)" in lines[0]
+            )
+            assert result["heavy"] == [], f"{case.name} loaded {result['heavy']} before refusing"
+        assert sorted(p.name for p in out.iterdir()) == [".ipa_probe-staging", ".ipa_probe.lock"]  # untouched
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_two_writers_started_together_end_with_one_whole_run_and_one_refusal(tmp_path):
+    out = tmp_path / "out"
+    first = _start([*ARGS, "--seed", "1", "--overwrite", "--out", str(out)])
+    second = _start([*ARGS, "--seed", "2", "--overwrite", "--out", str(out)])
+    procs = {1: first, 2: second}
+    ended = []
+    while len(ended) < 2:
+        for seed, proc in procs.items():
+            if seed not in ended and proc.poll() is not None:
+                ended.append(seed)
+        time.sleep(0.05)
+    loser, winner = procs[ended[0]], procs[ended[1]]
+    loser_err = loser.stderr.read()
+    winner.stdout.read()
+    assert (loser.returncode, winner.returncode) == (2, 0), loser_err
+    lines = loser_err.strip().splitlines()
+    assert len(lines) == 1 and f"in use by process {winner.pid}" in lines[0] and "ipa-probe probe --kind" in lines[0]
+    record = _whole(out)
+    assert record["settings"]["seed"] == ended[1]  # the winner's run, whole; nothing of the loser's
+    assert not (out / STAGING_NAME).exists()
+
+
+#: (signal, what the folder shows when it is sent): the lock taken (before torch loads), the staging folder made
+#: (the model loading or the generation running), the first image staged, the table staged (the writes under way)
+MOMENTS = [
+    ("SIGKILL", "lock"),
+    ("SIGINT", "staging"),
+    ("SIGKILL", "staging/image_0.png"),
+    ("SIGINT", "staging/probe.parquet"),
+]
+
+
+def _reached(out: Path, moment: str) -> bool:
+    if moment == "lock":
+        lock = out / ".ipa_probe.lock"
+        return lock.exists() and lock.stat().st_size > 0
+    return (out / moment.replace("staging", STAGING_NAME)).exists()
+
+
+@pytest.mark.slow
+def test_an_overwrite_killed_at_any_moment_leaves_one_whole_run(tmp_path):
+    out = tmp_path / "out"
+    assert subprocess.run([*CLI, *ARGS, "--seed", "1", "--out", str(out)], cwd=ROOT, timeout=600).returncode == 0
+    old = _whole(out)
+    for name, moment in MOMENTS:
+        proc = _start([*ARGS, "--seed", "2", "--overwrite", "--out", str(out)])
+        while proc.poll() is None and not _reached(out, moment):
+            time.sleep(0.005)
+        proc.send_signal(getattr(signal, name))
+        _, err = proc.communicate(timeout=600)
+        with output_lock(out, "the test"):  # what the next writer does first: finish a commit a kill cut short
+            recover(out)
+        record = _whole(out)
+        if record["run_id"] == old["run_id"]:  # stopped before its commit: the old run, exactly
+            assert {n: (out / n).read_bytes() for n in old["files"]} == {
+                n: (out / n).read_bytes() for n in record["files"]
+            }
+        if name == "SIGINT" and proc.returncode == 130:
+            lines = err.strip().splitlines()
+            assert "Traceback" not in err and "interrupted; " in lines[-1], err
+            assert "is as it was before this run" in lines[-1] or "holds run" in lines[-1]
+    assert subprocess.run([*CLI, *ARGS, "--seed", "2", "--overwrite", "--out", str(out)], cwd=ROOT).returncode == 0
+    record = _whole(out)
+    assert record["settings"]["seed"] == 2 and not (out / STAGING_NAME).exists()
+    listed = set(record["files"]) | {MANIFEST_NAME, ".ipa_probe.lock"}
+    assert {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} == listed  # nothing else left
