@@ -126,27 +126,29 @@ def _reached(out: Path, moment: str) -> bool:
 
 @pytest.mark.slow
 def test_an_overwrite_killed_at_any_moment_leaves_one_whole_run(tmp_path):
+    from ipa_probe.cli import main
+
     out = tmp_path / "out"
-    assert subprocess.run([*CLI, *ARGS, "--seed", "1", "--out", str(out)], cwd=ROOT, timeout=600).returncode == 0
+    assert main([*ARGS, "--seed", "1", "--out", str(out)]) == 0  # the previous run (in this process: no start-up)
     old = _whole(out)
+    old_bytes = {n: (out / n).read_bytes() for n in old["files"]}
     for name, moment in MOMENTS:
         proc = _start([*ARGS, "--seed", "2", "--overwrite", "--out", str(out)])
         while proc.poll() is None and not _reached(out, moment):
             time.sleep(0.005)
         proc.send_signal(getattr(signal, name))
         _, err = proc.communicate(timeout=600)
+        assert proc.returncode in (-signal.SIGKILL, 130), (moment, proc.returncode, err)  # stopped mid-run
         with output_lock(out, "the test"):  # what the next writer does first: finish a commit a kill cut short
             recover(out)
         record = _whole(out)
-        if record["run_id"] == old["run_id"]:  # stopped before its commit: the old run, exactly
-            assert {n: (out / n).read_bytes() for n in old["files"]} == {
-                n: (out / n).read_bytes() for n in record["files"]
-            }
-        if name == "SIGINT" and proc.returncode == 130:
+        assert record["run_id"] == old["run_id"]  # stopped before its commit: the previous run, exactly
+        assert {n: (out / n).read_bytes() for n in record["files"]} == old_bytes
+        if name == "SIGINT":
             lines = err.strip().splitlines()
-            assert "Traceback" not in err and "interrupted; " in lines[-1], err
-            assert "is as it was before this run" in lines[-1] or "holds run" in lines[-1]
-    assert subprocess.run([*CLI, *ARGS, "--seed", "2", "--overwrite", "--out", str(out)], cwd=ROOT).returncode == 0
+            assert "Traceback" not in err and lines[-1].startswith("ipa-probe probe: interrupted; "), err
+            assert f"{out} is as it was before this run (run {old['run_id']}, finished)" in lines[-1]
+    assert main([*ARGS, "--seed", "2", "--overwrite", "--out", str(out)]) == 0
     record = _whole(out)
     assert record["settings"]["seed"] == 2 and not (out / STAGING_NAME).exists()
     listed = set(record["files"]) | {MANIFEST_NAME, ".ipa_probe.lock"}
