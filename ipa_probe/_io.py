@@ -359,7 +359,7 @@ def _read_holder(path: Path) -> _Holder | None:
 
 
 @contextmanager
-def output_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
+def output_lock(folder: str | os.PathLike, command: str, tidy: bool = False) -> Iterator[Path]:
     """Hold the lock of an output folder for the duration of the block: one writer per folder.
 
     The lock is ``folder/.ipa_probe.lock``, opened without following a symbolic link and refused unless it is a
@@ -371,6 +371,8 @@ def output_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
     Args:
         folder: the output folder.
         command: what holds it (e.g. ``"ipa-probe sweep"``), for the refusal message.
+        tidy: when the block ends, a folder this call made that holds nothing but the lock is removed again (a run
+            that failed before writing leaves no trace), while the lock is still held.
 
     Raises:
         OutputLocked: a live run holds the folder; the message names it.
@@ -378,6 +380,7 @@ def output_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
     import fcntl
 
     folder = Path(folder).expanduser()
+    made = not os.path.lexists(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
     held = _held_key(folder)
@@ -420,6 +423,8 @@ def output_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
         finally:
             del _HELD[held]
             os.ftruncate(fd, 0)  # released cleanly: an empty lock file is free
+            if tidy and made:
+                _remove_if_only_lock(folder, path)
     finally:
         os.close(fd)  # closing releases the flock
 
@@ -466,6 +471,17 @@ def lock_holder(folder: str | os.PathLike) -> str | None:
     finally:
         os.close(fd)  # closing releases a lock taken here
     return None
+
+
+def _remove_if_only_lock(folder: Path, path: Path) -> None:
+    """Remove ``folder`` when it holds nothing but its lock ``path`` (called with the lock held): a folder a run made
+    and never wrote into."""
+    try:
+        if [entry.name for entry in os.scandir(folder)] == [LOCK_NAME]:
+            path.unlink()
+            folder.rmdir()  # fails, harmlessly, if anything appeared meanwhile
+    except OSError:
+        pass
 
 
 def _open_lock(path: Path) -> int:

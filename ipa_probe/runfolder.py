@@ -617,6 +617,9 @@ class RunFolder:
                 f"{self.folder}: the commit of run {self.run_id} was cut short; the next run into the folder "
                 "finishes it before anything else (its journal is in the staging folder)"
             )
+        elif self.outcome is None and not _scan(self.staging)[0]:  # it wrote nothing: nothing to keep or resume
+            _remove_staging(self.staging)
+            self.outcome = f"{self.folder} is as it was before this run ({self._previous_words()}); it wrote nothing"
         elif self.outcome is None:
             self._mark("interrupted" if isinstance(err, KeyboardInterrupt) else "failed")
             self.outcome = (

@@ -27,6 +27,7 @@ from PIL import Image
 from ipa_probe._io import os_error_of
 from ipa_probe.cli import main
 from ipa_probe.cli._runtime import describe_os_error
+from ipa_probe.runfolder import STAGING_NAME
 from ipa_probe.sweep import SweepLayout, load_table
 from ipa_probe.tiny.sd import default_reference_images
 
@@ -111,18 +112,20 @@ def test_a_full_disk_in_a_sweep_is_one_line_and_a_rerun_resumes(
     workdir, reference, monkeypatch, capsys, one_thread, target
 ):
     out = workdir / "full"
+    staged = out / STAGING_NAME  # the run writes aside until it is whole
     with monkeypatch.context() as patch:
         fail_parquet_writes(patch, target)
         assert main(["sweep", str(workdir / "m.jsonl"), "--out", str(out), *SWEEP]) == 1
     line = one_error_line(capsys)
-    where = out / "rows" / target if target.startswith("row-") else out / target
+    where = staged / "rows" / target if target.startswith("row-") else staged / target
     assert f"'{where}': No space left on device [errno 28]; free space" in line
-    parts = [p.name for p in SweepLayout(out).parts()]
+    assert f"{out} is as it was before this run (no run of ipa_probe)" in line  # what the folder holds now
+    parts = [p.name for p in SweepLayout(staged).parts()]
     assert parts == (
         ["row-000000.parquet"] if target.startswith("row-") else [f"row-00000{i}.parquet" for i in range(3)]
     )
-    pd.testing.assert_frame_equal(load_table(out, rows=[0]), load_table(reference, rows=[0]))  # kept whole
-    assert no_temp_files(out) and not (out / "summary.json").exists()
+    pd.testing.assert_frame_equal(load_table(staged, rows=[0]), load_table(reference, rows=[0]))  # kept whole
+    assert no_temp_files(out) and not (out / "summary.json").exists() and not (out / "rows").exists()
     assert main(["sweep", str(workdir / "m.jsonl"), "--out", str(out), *SWEEP]) == 0  # space freed: resume
     assert ("1 resumed" if target.startswith("row-") else "3 resumed") in capsys.readouterr().out
     pd.testing.assert_frame_equal(load_table(out), load_table(reference))
@@ -140,12 +143,18 @@ def test_a_full_disk_at_the_lock_names_the_lock_file(workdir, monkeypatch, capsy
     assert main(["sweep", str(workdir / "m.jsonl"), "--out", str(out), *SWEEP]) == 1
     assert f"'{out / '.ipa_probe.lock'}': No space left on device" in one_error_line(capsys)
     names = sorted(p.name for p in out.iterdir())
-    assert names == [".ipa_probe.lock", "ipa_probe_manifest.json"] and not (out / ".ipa_probe.lock").read_text()
-    record = json.loads((out / "ipa_probe_manifest.json").read_text())
-    assert record["status"] == "failed" and record["files"] == {}  # the run's manifest: it wrote nothing
+    assert names == [".ipa_probe.lock"] and not (out / ".ipa_probe.lock").read_text()  # before any work: nothing
 
 
-def test_a_full_disk_in_probe_keeps_the_images_written_before(tmp_path, monkeypatch, capsys, one_thread):
+def test_a_full_disk_in_an_overwrite_probe_leaves_the_previous_run_whole(tmp_path, monkeypatch, capsys, one_thread):
+    """Issue 39: a full disk during `probe --overwrite` exited 0 with a "running" manifest listing no files. Now the
+    run stops with exit 1 naming the file, and the folder holds the previous run, byte for byte."""
+    import hashlib
+
+    out = tmp_path / "probe"
+    argv = ["probe", "--kind", "sd15", "--steps", "2", "--num-images", "3", "--out", str(out)]
+    assert main([*argv, "--seed", "1"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     real = os.replace
 
     def replace(src, dst):
@@ -154,15 +163,20 @@ def test_a_full_disk_in_probe_keeps_the_images_written_before(tmp_path, monkeypa
         return real(src, dst)
 
     monkeypatch.setattr(os, "replace", replace)
-    out = tmp_path / "probe"
-    argv = ["probe", "--kind", "sd15", "--steps", "2", "--num-images", "3", "--out", str(out)]
-    assert main(argv) == 1
+    capsys.readouterr()
+    assert main([*argv, "--seed", "2", "--overwrite"]) == 1
     line = one_error_line(capsys)
-    assert f"'{out / 'image_1.png'}': No space left on device [errno 28]" in line  # the file, not its temp copy
-    assert sorted(p.name for p in out.iterdir()) == ["image_0.png", "ipa_probe_manifest.json"]  # written before
-    record = json.loads((out / "ipa_probe_manifest.json").read_text())
-    assert record["status"] == "failed" and list(record["files"]) == ["image_0.png"]  # whose it is
-    assert Image.open(out / "image_0.png").size == (64, 64)
+    staged = out / STAGING_NAME
+    assert f"'{staged / 'image_1.png'}': No space left on device [errno 28]" in line  # the file, not its temp copy
+    assert f"{out} is as it was before this run (run " in line
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before  # the previous run, exactly
+    record = json.loads(before["ipa_probe_manifest.json"])
+    assert record["status"] == "finished" and record["settings"]["seed"] == 1
+    for name, entry in record["files"].items():
+        assert entry["sha256"] == hashlib.sha256((out / name).read_bytes()).hexdigest()
+    assert sorted(p.name for p in staged.iterdir()) == ["image_0.png", "ipa_probe_manifest.json"]  # written before
+    assert json.loads((staged / "ipa_probe_manifest.json").read_text())["status"] == "failed"
+    assert Image.open(staged / "image_0.png").size == (64, 64)
 
 
 def test_a_full_disk_in_experiments_names_the_checkpoint(tmp_path, monkeypatch, capsys, one_thread):
@@ -177,7 +191,8 @@ def test_a_full_disk_in_experiments_names_the_checkpoint(tmp_path, monkeypatch, 
     out = tmp_path / "experiments"
     assert main(["experiments", "collapse", "--tier", "quick", "--out", str(out), "--no-progress"]) == 1
     line = one_error_line(capsys)
-    assert "checkpoint.safetensors': No space left on device [errno 28]" in line and str(out / "runs") in line
+    assert "checkpoint.safetensors': No space left on device [errno 28]" in line
+    assert str(out / STAGING_NAME / "runs") in line  # the run writes aside until it is whole
     assert no_temp_files(out) and not list(out.rglob("checkpoint.safetensors"))
 
 
@@ -210,7 +225,8 @@ def test_a_read_only_rows_folder_is_reported_not_its_cleanup(workdir, monkeypatc
     out = workdir / "ro"
     assert main(["sweep", str(workdir / "m.jsonl"), "--out", str(out), *SWEEP]) == 1
     line = one_error_line(capsys)
-    assert f"'{out / 'rows' / 'row-000000.parquet'}': {os.strerror(code)} [errno {code}]; " in line and remedy in line
+    where = out / STAGING_NAME / "rows" / "row-000000.parquet"
+    assert f"'{where}': {os.strerror(code)} [errno {code}]; " in line and remedy in line
 
 
 def test_writer_errors_are_read_as_os_errors():
@@ -277,7 +293,8 @@ def _interrupted_sweep(workdir, name: str, signals: int):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 240
-    while len(list((out / "rows").glob("row-*.parquet"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+    rows = out / STAGING_NAME / "rows"  # the run writes aside until it is whole
+    while len(list(rows.glob("row-*.parquet"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     assert proc.poll() is None, "the sweep ended before it could be interrupted"
     for index in range(signals):
@@ -292,10 +309,17 @@ def _interrupted_sweep(workdir, name: str, signals: int):
 def test_ctrl_c_in_a_real_process_prints_exactly_one_line(workdir):
     code, stdout, stderr, out = _interrupted_sweep(workdir, "interrupted", signals=1)
     assert code == 130, stderr[-2000:]
-    assert stderr.strip().splitlines() == [
-        "ipa-probe sweep: interrupted; finished work is kept, run the same command again to resume"
-    ]
-    assert stdout == "" and len(SweepLayout(out).parts()) >= 2 and no_temp_files(out)
+    assert stderr.strip().splitlines() == [_interrupted_line(out)]
+    assert stdout == "" and len(SweepLayout(out / STAGING_NAME).parts()) >= 2 and no_temp_files(out)
+
+
+def _interrupted_line(out: Path) -> str:
+    """What an interrupted sweep into a fresh folder says the folder holds."""
+    return (
+        f"ipa-probe sweep: interrupted; {out} is as it was before this run (no run of ipa_probe); this run's files so "
+        f"far are in {out / STAGING_NAME} (the same command resumes from them; any other run into the folder removes "
+        "them)"
+    )
 
 
 @pytest.mark.slow
@@ -303,10 +327,9 @@ def test_two_ctrl_c_in_a_real_sweep_end_with_130_and_keep_finished_rows(workdir)
     """The issue's case: two SIGINTs 0.15 s apart in a running sweep (it died by SIGINT, status -2)."""
     code, _, stderr, out = _interrupted_sweep(workdir, "twice", signals=2)
     assert code == 130, stderr[-2000:]
-    assert stderr.strip().splitlines() == [
-        "ipa-probe sweep: interrupted; finished work is kept, run the same command again to resume"
-    ]
-    assert len(SweepLayout(out).parts()) >= 2 and no_temp_files(out) and not (out / ".ipa_probe.lock").read_text()
+    assert stderr.strip().splitlines() == [_interrupted_line(out)]
+    assert len(SweepLayout(out / STAGING_NAME).parts()) >= 2 and no_temp_files(out)
+    assert not (out / ".ipa_probe.lock").read_text()
 
 
 def test_a_full_disk_in_train_digits_names_the_checkpoint_and_leaves_nothing_half_written(
@@ -324,7 +347,7 @@ def test_a_full_disk_in_train_digits_names_the_checkpoint_and_leaves_nothing_hal
     argv = ["train-digits", "--out", str(out), "--no-progress", "--vae-steps", "1", "--encoder-steps", "1"]
     assert main([*argv, "--steps", "2", "--batch", "4", "--checkpoint-every", "1", "--threads", "1"]) == 1
     line = one_error_line(capsys)
-    assert "checkpoint.safetensors': No space left on device [errno 28]" in line and str(out) in line
+    assert "checkpoint.safetensors': No space left on device [errno 28]" in line and str(out / STAGING_NAME) in line
     # the first checkpoint write failed: no checkpoint, no temporary file, no outputs of a finished run
     assert no_temp_files(out) and not list(out.rglob("*.safetensors")) and not (out / "record.json").exists()
 
@@ -360,12 +383,12 @@ def test_an_unreadable_checkpoint_is_exit_1_not_delete_it(tmp_path, monkeypatch,
     checkpoint.write_bytes(b"a checkpoint this user may not read")
     unreadable(monkeypatch, checkpoint)
     argv = ["train-digits", "--out", str(out), "--no-progress", "--vae-steps", "1", "--encoder-steps", "1"]
-    try:
-        assert main([*argv, "--steps", "2", "--batch", "4", "--threads", "1"]) == 1
+    try:  # a checkpoint no manifest lists is not this run's to read, resume from or replace (issue 39)
+        assert main([*argv, "--steps", "2", "--batch", "4", "--threads", "1"]) == 2
     finally:
         checkpoint.chmod(0o644)
     line = one_error_line(capsys)
-    assert f"'{checkpoint}': Permission denied [errno 13]; no permission to read it" in line
+    assert "holds 1 file(s) no ipa_probe run manifest lists (checkpoint.safetensors)" in line
     assert "delete it" not in line and checkpoint.read_bytes() == b"a checkpoint this user may not read"
 
 

@@ -169,7 +169,7 @@ def _folder_locks(args: argparse.Namespace) -> Iterator[None]:
     with ExitStack() as stack:
         if os.environ.get("RANK", "0") == "0":
             for folder in folders:
-                stack.enter_context(output_lock(folder, args.holder))
+                stack.enter_context(output_lock(folder, args.holder, tidy=True))
         yield
 
 
