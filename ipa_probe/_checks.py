@@ -220,7 +220,9 @@ def parse_int(value: Any, key: str, minimum: int, maximum: int | None = None) ->
             raise ValueError(f"{key}: expected an integer, got {value!r}") from None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, int | float):  # a list, None: the wrong type
+        raise TypeError(f"{key}: expected an integer, got {value!r} ({type(value).__name__})")
+    if not isinstance(value, int):
         raise ValueError(f"{key}: expected an integer, got {value!r}")
     if value < minimum or (maximum is not None and value > maximum):
         upper = f" and <= {maximum}" if maximum is not None else ""

@@ -43,6 +43,15 @@ def untouched(pipe) -> dict:
         ({"bandwidth": None}, TypeError, "bandwidth"),
         ({"bandwidth": -1.0}, ValueError, "bandwidth"),
         ({"max_map_bytes": 0}, ValueError, "max_map_bytes"),
+        # issue 39: values of the wrong type raised ValueError where docs/failures.md promises TypeError
+        ({"max_map_bytes": "5"}, TypeError, "max_map_bytes"),
+        ({"rows": "5"}, TypeError, "rows"),
+        ({"rows": 4}, ValueError, "rows"),
+        ({"threads": "2"}, TypeError, "threads"),
+        ({"threads": 0}, ValueError, "threads"),
+        ({"branch": 5}, TypeError, "branch"),
+        ({"query_frame": 5}, TypeError, "query_frame"),
+        ({"query_frame": "all"}, ValueError, "query_frame"),
     ],
 )
 def test_probe_checks_every_argument_before_attaching(sd15, refs, kwargs, error, name):
@@ -139,6 +148,10 @@ def test_manifest_defaults_and_aggregate_check_their_arguments(tmp_path):
         read_manifest(tmp_path / "m.jsonl", require_images="yes")
     with pytest.raises(ValueError, match="^seed"):
         RowDefaults(seed=2**64)
+    with pytest.raises(TypeError, match="^seed"):  # issue 39: the wrong type was a ValueError
+        RowDefaults(seed=[1])
+    with pytest.raises(TypeError, match="^steps"):
+        RowDefaults(steps=None)
     for kwargs, name in (
         ({"confidence": 1.0}, "confidence"),
         ({"n_resamples": 0}, "n_resamples"),

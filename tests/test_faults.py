@@ -19,6 +19,7 @@ from helpers import Counting, runner_for, write_jsonl
 from PIL import Image
 
 from ipa_probe._io import LOCK_NAME, OutputLocked, check_launch_holds, output_lock
+from ipa_probe.runfolder import STAGING_NAME
 from ipa_probe.cli import main
 from ipa_probe.experiments.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ipa_probe.experiments.training import TrainConfig
@@ -287,8 +288,12 @@ def test_ctrl_c_ends_with_one_line_exit_130_and_keeps_finished_rows(workdir, mon
     assert main(["sweep", str(workdir / "m.jsonl"), "--out", str(out), *CLI]) == 130
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "interrupted" in err[0] and "resume" in err[0]
-    assert len(SweepLayout(out).parts()) == 2 and not SweepLayout(out).temp_files()
+    staged = SweepLayout(out / STAGING_NAME)  # the finished rows, aside until the sweep is whole
+    assert len(staged.parts()) == 2 and not staged.temp_files() and not (out / "rows").exists()
     assert not (out / LOCK_NAME).read_text()  # released
+    monkeypatch.undo()
+    assert main(["sweep", str(workdir / "m.jsonl"), "--out", str(out), *CLI]) == 0  # resumed from them
+    assert len(SweepLayout(out).parts()) == len(ROWS) and not (out / STAGING_NAME).exists()
 
 
 # ------------------------------------------------------------------------------------------------ rows without results

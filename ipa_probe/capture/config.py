@@ -99,6 +99,17 @@ class ProbeConfig:
     threads: int | None = None
 
     def __post_init__(self) -> None:
+        # a value of the wrong type is a TypeError, one out of range a ValueError (docs/failures.md, "The Python API")
+        for name, kinds, what in (
+            ("threads", (int, type(None)), "None or an int"),
+            ("rows", (int, type(None)), "None or an int"),
+            ("max_map_bytes", (int, float), "a number of bytes"),
+            ("branch", (str,), "a str"),
+            ("query_frame", (str,), "a str"),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise TypeError(f"{name}: expected {what}, got {value!r} ({type(value).__name__})")
         if self.threads is not None and (
             isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
         ):

@@ -48,6 +48,12 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         raise _ArgumentError(self.prog, message)
 
+    def _print_message(self, message: str, file=None) -> None:
+        """Write ``--help`` (or a usage line) without argparse's silence on a write error: a full device or a closed
+        pipe must not end with exit code 0."""
+        if message:
+            (file or sys.stderr).write(message)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
@@ -113,6 +119,8 @@ def _main(argv: list[str] | None) -> int:
     except _ArgumentError as err:
         _say(str(err))
         return EXIT_USAGE
+    except OSError as err:  # --help written to a standard output that cannot take it (a full device, a closed pipe)
+        return _stdout_failed(err, "ipa-probe", EXIT_OK)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # names this run to a second writer (the lock)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
@@ -248,14 +256,20 @@ def _settle_stdout(code: int, prog: str) -> int:
     try:
         sys.stdout.flush()
     except OSError as err:
-        _silence(sys.stdout)
-        if err.errno != errno.EPIPE:
-            reason = os.strerror(err.errno or errno.EIO)
-            _say(f"{prog}: error: '{STDOUT}': {reason}; the command's files are written, only what it prints is lost")
-        return code if code not in (EXIT_OK, EXIT_ROWS_FAILED) else EXIT_ENVIRONMENT
+        return _stdout_failed(err, prog, code)
     except ValueError:  # stdout closed
         return code
     return code
+
+
+def _stdout_failed(err: OSError, prog: str, code: int) -> int:
+    """A standard output that could not be written: quiet for a closed pipe, one line otherwise; an exit code that
+    said all went well becomes :data:`EXIT_ENVIRONMENT`."""
+    _silence(sys.stdout)
+    if err.errno != errno.EPIPE:
+        reason = os.strerror(err.errno or errno.EIO)
+        _say(f"{prog}: error: '{STDOUT}': {reason}; the command's files are written, only what it prints is lost")
+    return code if code not in (EXIT_OK, EXIT_ROWS_FAILED) else EXIT_ENVIRONMENT
 
 
 @contextmanager

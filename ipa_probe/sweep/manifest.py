@@ -281,7 +281,7 @@ def read_manifest(path: str | os.PathLike, *, require_images: bool = False) -> M
                 parsed = _parse_row(raw, index, line, path.parent, csv_cells=fmt == "csv")
                 if require_images and parsed.images is None:
                     raise ValueError("no 'images' and no default reference images (--image); add images")
-            except ValueError as err:
+            except (ValueError, TypeError) as err:  # a row with a value of the wrong type fails alone
                 error = str(err)
             else:
                 rows.append(parsed)
