@@ -32,8 +32,6 @@ Torch-free: the command line checks a folder before torch loads.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -48,6 +46,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ._io import LOCK_NAME, OutputLocked, jsonable, lock_holder, output_lock, versions, write_json
+from .run_manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, RunConflict, file_digest, read_run_manifest, safe_name
 
 logger = logging.getLogger(__name__)
 
@@ -66,157 +65,19 @@ __all__ = [
     "save_into",
 ]
 
-#: The manifest's file name in an output folder.
-MANIFEST_NAME = "ipa_probe_manifest.json"
-
 #: The staging folder inside an output folder, where a run writes until it is whole.
 STAGING_NAME = ".ipa_probe-staging"
 
 #: The finished manifest a commit journal carries, renamed into place as the commit's last step.
 FINAL_NAME = ".ipa_probe_manifest.final.json"
 
-#: The largest manifest read (a sweep of 100,000 rows lists about 15 MB); a larger file is refused unread.
-MAX_MANIFEST_BYTES = 64 << 20
-
-#: The deepest nesting of lists and dicts a manifest may hold (settings are flat; 32 is generous).
-MAX_DEPTH = 32
-
-#: The statuses a manifest may carry.
-STATUSES = ("running", "committing", "finished", "failed", "interrupted", "staged")
-
 #: How many file names a refusal or a note lists before "and N more".
 _SHOWN = 3
-
-
-class RunConflict(ValueError):
-    """The output folder holds another run's files, files no manifest lists, or a manifest that cannot be trusted;
-    the message is one line and nothing in the folder changed."""
 
 
 def _listed(names: list[str]) -> str:
     shown = ", ".join(names[:_SHOWN])
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
-
-
-def file_digest(path: str | os.PathLike) -> str:
-    """The SHA-256 (hex) of a regular file's bytes, read without following a final symlink (``OSError`` else)."""
-    digest = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise IsADirectoryError(f"{path} is not a regular file")
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-# ---------------------------------------------------------------- reading a manifest as untrusted input
-
-
-def _safe_name(name: Any) -> bool:
-    """A listed name that stays inside the folder: text, relative, no NUL, no ``..``/``.``/empty part."""
-    if not isinstance(name, str) or not name or "\0" in name or len(name) > 4096 or "\\" in name:
-        return False
-    path = PurePosixPath(name)
-    return not path.is_absolute() and all(part not in ("", ".", "..") for part in name.split("/"))
-
-
-def _depth(value: Any) -> int:
-    """The nesting depth of lists and dicts in ``value``, iteratively (no recursion limit to hit)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, depth = todo.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, depth)
-            if depth > MAX_DEPTH:
-                return depth
-            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
-def _schema_problem(record: Any) -> str | None:
-    """What is wrong with a parsed manifest, or ``None``."""
-    if not isinstance(record, dict):
-        return f"is {type(record).__name__}, not a JSON object"
-    if _depth(record) > MAX_DEPTH:
-        return f"nests deeper than {MAX_DEPTH} levels"
-    for name, kind in (("run_id", str), ("command", str), ("status", str)):
-        if not isinstance(record.get(name), kind):
-            return f"field {name!r} is {record.get(name)!r:.40}, expected text"
-    if record["status"] not in STATUSES:
-        return f"field 'status' is {record['status']!r:.40}, expected one of {', '.join(STATUSES)}"
-    started = record.get("started_ns", 0)
-    if not isinstance(started, int) or isinstance(started, bool) or started < 0:
-        return f"field 'started_ns' is {started!r:.40}, expected a non-negative integer"
-    files = record.get("files")
-    if not isinstance(files, dict):
-        return "field 'files' is not an object of file name -> {size, sha256}"
-    for name, entry in files.items():
-        if not _safe_name(name):
-            return f"lists a file name {name!r:.60} that is not a plain relative path (NUL, '..', absolute or empty)"
-        ok = isinstance(entry, dict) and isinstance(entry.get("size"), int) and not isinstance(entry["size"], bool)
-        sha = entry.get("sha256") if isinstance(entry, dict) else None
-        if not (ok and entry["size"] >= 0 and isinstance(sha, str) and len(sha) == 64):
-            return f"lists {name!r:.60} with {entry!r:.60}, expected {{'size': bytes, 'sha256': 64 hex digits}}"
-        if any(c not in "0123456789abcdef" for c in sha):
-            return f"lists {name!r:.60} with a sha256 that is not 64 hex digits"
-    for name in ("folders", "foreign"):
-        names = record.get(name, [])
-        if not isinstance(names, list) or not all(_safe_name(n) for n in names):
-            return f"field {name!r} is not a list of plain relative paths"
-    remove = record.get("remove", {})
-    if not isinstance(remove, dict) or not all(_safe_name(n) and isinstance(v, str) for n, v in remove.items()):
-        return "field 'remove' is not an object of plain relative path -> sha256"
-    return None
-
-
-def read_run_manifest(folder: str | os.PathLike, name: str = MANIFEST_NAME) -> dict[str, Any] | None:
-    """The manifest of ``folder``, read as untrusted input, or ``None`` when it has none.
-
-    The file is opened without following a symbolic link and without blocking (a FIFO cannot hang the read), must be a
-    regular file of at most :data:`MAX_MANIFEST_BYTES`, and must parse to the manifest's schema (types, names without
-    NUL or ``..``, nesting depth).
-
-    Raises:
-        RunConflict: one line naming the manifest and what is wrong with it.
-    """
-    path = Path(folder) / name
-    fix = "it does not say which files are whose: choose a fresh --out, or remove the folder"
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        return None
-    except OSError as err:  # ELOOP: a symbolic link; EACCES; ENXIO: a socket
-        kind = "a symbolic link" if os.path.islink(path) else f"unreadable ({err.strerror})"
-        raise RunConflict(f"{path} is {kind}; {fix}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise RunConflict(f"{path} is not a regular file (a FIFO, device, socket or folder); {fix}")
-        if info.st_size > MAX_MANIFEST_BYTES:
-            raise RunConflict(f"{path} is {info.st_size} bytes, more than a manifest's {MAX_MANIFEST_BYTES}; {fix}")
-        chunks, total = [], 0
-        while total <= MAX_MANIFEST_BYTES:  # a file that grows while it is read is cut here, not read to the end
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    except OSError as err:
-        raise RunConflict(f"{path} cannot be read ({err.strerror}); {fix}") from None
-    finally:
-        os.close(fd)
-    if total > MAX_MANIFEST_BYTES:
-        raise RunConflict(f"{path} grew past a manifest's {MAX_MANIFEST_BYTES} bytes while it was read; {fix}")
-    try:
-        record = json.loads(b"".join(chunks).decode("utf-8"))
-    except (ValueError, RecursionError) as err:  # RecursionError: nesting past the parser's stack
-        reason = "nests too deep" if isinstance(err, RecursionError) else f"is not JSON ({str(err)[:80]})"
-        raise RunConflict(f"{path} {reason}; {fix}") from None
-    problem = _schema_problem(record)
-    if problem:
-        raise RunConflict(f"{path} {problem}; {fix}")
-    return record
 
 
 # ---------------------------------------------------------------- what a folder holds
@@ -262,7 +123,7 @@ def _scan(folder: Path) -> tuple[dict[str, os.stat_result], set[str], list[str]]
 def _inside(folder: Path, name: str) -> Path | None:
     """``folder / name`` when ``name`` is a plain relative path whose every parent inside ``folder`` is a real
     folder or absent (no symlink, no file on the way), else ``None``."""
-    if not _safe_name(name):
+    if not safe_name(name):
         return None
     path = folder
     for part in PurePosixPath(name).parts[:-1]:

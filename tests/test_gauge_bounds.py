@@ -36,9 +36,12 @@ def _counting_call(pipe, refs, calls: list):
 def test_a_row_shift_beyond_the_bound_is_refused_before_the_first_call(sd15, refs):
     calls: list = []
     beyond = f"shift:0:{3 * ROW_SHIFT_SCALE_MAX:g}"
-    with pytest.raises(ValueError, match=rf"gauges: {beyond}: a row shift of RMS entry .* is beyond 10") as err:
+    with pytest.raises(ValueError, match=rf"gauges: {beyond}: beyond 10 torch.float32 no longer keeps") as err:
         gauge_sweep(sd15, _counting_call(sd15, refs, calls), f"1,{beyond}")
     assert calls == [] and "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"gauges: RowShift\(seed=0, scale=30.0\): a row shift of RMS entry"):
+        gauge_sweep(sd15, _counting_call(sd15, refs, calls), [1, RowShift(0, 30.0)])  # the generator: by its draw
+    assert calls == []
     # the bound itself is a scale float32 holds: equal outputs and an unchanged query-frame rho, against the
     # ungauged run (tolerances: outputs in [0, 1] move by rounding only, ~1e-6; rho measured to move < 1e-5 at this
     # scale and 7.7e-4 at 3x it, docs/gauge.md, so 1e-4 separates holding from not)

@@ -380,9 +380,35 @@ def test_save_and_plot(sd15, refs, tmp_path, monkeypatch):
 
     monkeypatch.setattr("matplotlib.figure.Figure.savefig", broken_savefig)
     with pytest.raises(OSError, match="disk full"):
-        run.save(tmp_path / "out")
-    assert paths["plot"].read_bytes() == before["plot"]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(p.name for p in paths.values())
+        run.save(tmp_path / "out")  # the same run again: allowed, and written aside until whole
+    assert {name: path.read_bytes() for name, path in paths.items()} == before  # the previous save, exactly
+    listed = sorted(p.name for p in (tmp_path / "out").iterdir() if p.name != ".ipa_probe-staging")
+    assert listed == sorted([*(p.name for p in paths.values()), ".ipa_probe.lock", "ipa_probe_manifest.json"])
+    assert not list((tmp_path / "out").rglob("*.tmp"))
+
+
+def test_save_writes_a_manifest_and_obeys_the_folder_rules(sd15, refs, tmp_path):
+    """Issue 39: ProbeRun.save wrote no manifest, so runs mixed through the Python API."""
+    import hashlib
+    import json
+
+    from ipa_probe.runfolder import RunConflict
+
+    with probe(sd15) as run:
+        generate(sd15, refs)
+    out = tmp_path / "out"
+    paths = run.save(out)
+    record = json.loads((out / "ipa_probe_manifest.json").read_text())
+    assert record["status"] == "finished" and record["command"] == "ipa_probe ProbeRun.save"
+    assert set(record["files"]) == {p.name for p in paths.values()}
+    for name, entry in record["files"].items():
+        assert entry["sha256"] == hashlib.sha256((out / name).read_bytes()).hexdigest()
+    with probe(sd15, bandwidth=0.5) as other:
+        generate(sd15, refs)
+    with pytest.raises(RunConflict, match="another run"):  # a ValueError: other settings, same folder
+        other.save(out)
+    other.save(out, overwrite=True)
+    assert json.loads((out / "ipa_probe_manifest.json").read_text())["settings"]["bandwidth"] == 0.5
 
 
 # --------------------------------------------------------------------------- bad input

@@ -238,11 +238,11 @@ def test_a_manifest_that_is_a_fifo_or_a_device_is_refused_without_reading(tmp_pa
 
 
 def test_an_oversized_manifest_is_refused_unread(tmp_path, monkeypatch):
-    import ipa_probe.runfolder as runfolder
+    import ipa_probe.run_manifest as run_manifest
 
     out = tmp_path / "out"
     _run(out, {"a.txt": "alpha"}, key=1)
-    monkeypatch.setattr(runfolder, "MAX_MANIFEST_BYTES", 100)  # the real cap is 64 MiB; the rule is the same
+    monkeypatch.setattr(run_manifest, "MAX_MANIFEST_BYTES", 100)  # the real cap is 64 MiB; the rule is the same
     with pytest.raises(RunConflict, match="more than a manifest's 100"):
         check_folder(out, CMD, {"k": 1})
 

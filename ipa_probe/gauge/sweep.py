@@ -21,7 +21,7 @@ import torch
 from .._checks import DEFAULT_GAUGE_FACTORS, parse_gauges
 from ..layers import LayerSelection, find_ip_layers
 from .generators import resolve_gauge
-from .transforms import GaugeConfig, _check_layer, apply_gauge, max_condition_number, plan_gauge
+from .transforms import GaugeConfig, _check_layer, apply_gauge, max_condition_number, max_shift_scale, plan_gauge
 
 __all__ = ["DEFAULT_FACTORS", "GAUGE_TABLE_COLUMNS", "gauge_sweep", "plot_gauge_sweep"]
 
@@ -193,6 +193,13 @@ def _checked(pipe, spec: Any, layers: LayerSelection, key: str, found: list) -> 
         if bound > limit:
             raise ValueError(f"max_cond: {dtype} weights hold basis changes up to cond(A) {limit:.3g}, got {bound:g}")
         return None
+    if isinstance(spec, str) and spec.startswith("shift:") and found:
+        scale, dtype = float(spec.split(":")[2]), found[0].attention.to_q.weight.dtype
+        if scale > max_shift_scale(dtype):
+            raise ValueError(
+                f"scale: beyond {max_shift_scale(dtype):.3g} {dtype} no longer keeps the outputs and the query-frame "
+                "statistics of a row shift within tolerance (docs/gauge.md, 'How far a row shift holds')"
+            )
     config = resolve_gauge(pipe, spec, layers, key=key)
     plan_gauge(pipe, config, layers)  # its range against the weights' dtype, before the first call
     return config
