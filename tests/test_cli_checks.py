@@ -213,3 +213,32 @@ def test_a_name_the_c_locale_cannot_decode_is_refused_before_the_run(tmp_path):
     assert proc.returncode == 2 and len(lines) == 1, lines
     assert "holds bytes that are not text in this locale's encoding" in lines[0] and "LC_ALL=C.UTF-8" in lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_help_to_a_full_device_is_exit_1_with_one_line():
+    """Issue 39: argparse swallowed the write error, so `--help > /dev/full` ended silently with exit code 0."""
+    for argv in (["--help"], ["probe", "--help"]):
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run(
+                [sys.executable, "-m", "ipa_probe", *argv], stdout=full, stderr=subprocess.PIPE, text=True, cwd=ROOT
+            )
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+        assert "'<standard output>': No space left on device" in lines[0]
+
+
+def test_the_cache_outside_out_is_documented_where_it_is(tmp_path, monkeypatch):
+    """Issue 39: the tiny pipelines write a tokenizer cache the docs did not mention."""
+    from ipa_probe.tiny.tokenizer import cache_root, clip_tokenizer_dir
+
+    text = (ROOT / "docs" / "failures.md").read_text()
+    for where in ("$IPA_PROBE_CACHE", "$XDG_CACHE_HOME/ipa_probe", "~/.cache/ipa_probe", "clip-tokenizer-"):
+        assert where in text, where
+    monkeypatch.delenv("IPA_PROBE_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cache_root() == Path.home() / ".cache" / "ipa_probe"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "ipa_probe"
+    monkeypatch.setenv("IPA_PROBE_CACHE", str(tmp_path / "mine"))
+    assert clip_tokenizer_dir().parent == tmp_path / "mine" and clip_tokenizer_dir().name.startswith("clip-tokenizer-")

@@ -289,3 +289,33 @@ def test_save_into_writes_a_manifest_and_obeys_the_folder_rules(tmp_path):
     assert _whole(out)["settings"] == {"bandwidth": 0.5}
     with pytest.raises(TypeError, match="overwrite: expected True or False"):
         save_into(out, "ipa_probe ProbeRun.save", {}, write, overwrite="yes")
+
+
+def test_a_file_edited_after_an_unfinished_run_is_never_removed_whatever_the_status(tmp_path):
+    """Issue 39: any listed file newer than an unfinished run's start was removable, its hash unchecked."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.txt").write_text("edited by hand after the run failed")
+    listed = {"size": 5, "sha256": hashlib.sha256(b"alpha").hexdigest()}
+    for status in ("running", "failed", "interrupted"):
+        record = {"run_id": "r0", "command": CMD, "key": {"k": 1}, "status": status, "started_ns": 0}
+        (out / MANIFEST_NAME).write_text(json.dumps({**record, "files": {"a.txt": listed}}))
+        with pytest.raises(RunConflict, match="a.txt changed after run r0"):
+            _run(out, {"b.txt": "beta"}, key=2, overwrite=True)
+        assert (out / "a.txt").read_text() == "edited by hand after the run failed"
+
+
+def test_a_file_dropped_in_after_a_killed_run_is_never_adopted(tmp_path):
+    out = tmp_path / "out"
+    _run(out, {"rows/row-0.parquet": "row 0"}, key=1, command="ipa-probe sweep", resumable=True)
+    run = RunFolder(out, "ipa-probe sweep", {}, {"k": 1}, resumable=True)
+    run.__enter__()
+    (run.staging / "rows/row-1.parquet").write_text("row 1")
+    run._stack.close()  # killed: the lock goes with the process, the staging folder stays
+    (out / "rows" / "dropped.parquet").write_text("a file someone put here")
+    with pytest.raises(RunConflict, match=r"no ipa_probe run manifest lists \(rows/dropped.parquet\)"):
+        _run(out, {}, key=1, command="ipa-probe sweep", resumable=True)
+    _run(out, {}, key=1, command="ipa-probe sweep", resumable=True, overwrite=True)  # beside it, never listed
+    assert "rows/dropped.parquet" not in _whole(out)["files"] and (out / "rows" / "dropped.parquet").exists()
+    _run(out, {"x.txt": "x"}, key=2, command="ipa-probe sweep", overwrite=True)  # a later --overwrite keeps it too
+    assert (out / "rows" / "dropped.parquet").read_text() == "a file someone put here"
