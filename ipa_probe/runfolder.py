@@ -231,16 +231,22 @@ def check_folder(
 
 @contextmanager
 def _signals_held() -> Any:
-    """Hold back SIGINT and SIGTERM (delivered when the block ends) in the main thread."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    """Hold back SIGINT and SIGTERM for the block: they are recorded and raised again when it ends. (Masking the
+    main thread would not do: the kernel hands a process's signal to any thread that does not block it, torch's
+    among them, and Python then runs its handler in the main thread at once.)"""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    pending: list[int] = []
+    held = [n for n in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(n) is not None]  # None: not Python's
+    previous = {number: signal.signal(number, lambda number, frame: pending.append(number)) for number in held}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for number in pending:
+            signal.raise_signal(number)
 
 
 def _roll_forward(folder: Path, staging: Path, record: dict[str, Any]) -> None:
@@ -561,9 +567,9 @@ class RunFolder:
             self._journal = True  # by the next writer of the folder
             _roll_forward(self.folder, self.staging, record)
             self._committed = True
-        self.removed = sorted(remove)
-        kept = f"; kept {len(self.kept)} file(s) no run manifest lists ({_listed(self.kept)})" if self.kept else ""
-        self.outcome = f"{self.folder} holds run {self.run_id}, finished ({len(entries)} files){kept}"
+            self.removed = sorted(remove)  # said before the held-back Ctrl-C, if any, is delivered
+            kept = f"; kept {len(self.kept)} file(s) no run manifest lists ({_listed(self.kept)})" if self.kept else ""
+            self.outcome = f"{self.folder} holds run {self.run_id}, finished ({len(entries)} files){kept}"
 
     def note(self) -> str | None:
         """One line on the files ``overwrite`` left in place, or ``None``."""

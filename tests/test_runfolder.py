@@ -319,3 +319,24 @@ def test_a_file_dropped_in_after_a_killed_run_is_never_adopted(tmp_path):
     assert "rows/dropped.parquet" not in _whole(out)["files"] and (out / "rows" / "dropped.parquet").exists()
     _run(out, {"x.txt": "x"}, key=2, command="ipa-probe sweep", overwrite=True)  # a later --overwrite keeps it too
     assert (out / "rows" / "dropped.parquet").read_text() == "a file someone put here"
+
+
+def test_ctrl_c_during_the_renames_is_held_back_until_the_run_is_in_place(tmp_path, monkeypatch):
+    import signal
+
+    out = tmp_path / "out"
+    _run(out, {"a.txt": "old"}, key=1)
+    real = os.replace
+
+    def interrupted_rename(src, dst):
+        if str(src).endswith(f"{STAGING_NAME}/a.txt"):
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the renames
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted_rename)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        _run(out, {"a.txt": "new", "b.txt": "new b"}, key=2, overwrite=True)
+    monkeypatch.setattr(os, "replace", real)
+    record = _whole(out)  # delivered once the commit ended: the new run is whole, and the note says so
+    assert set(record["files"]) == {"a.txt", "b.txt"} and (out / "a.txt").read_text() == "new"
+    assert f"{out} holds run {record['run_id']}, finished (2 files)" in caught.value.__notes__

@@ -80,7 +80,6 @@ def check(args: argparse.Namespace) -> None:
     tier's results."""
     from ..experiments.tiers import ALL_TIERS, DIM_RANGE, M_RANGE, TierMismatch, check_folder_tier
 
-    check_tracker_arguments(args)
     if args.name not in NAMES:
         raise CLIError(f"unknown experiment {args.name!r}; expected one of {', '.join(NAMES)}")
     if args.tier not in ALL_TIERS:
@@ -96,6 +95,7 @@ def check(args: argparse.Namespace) -> None:
         if repeated:  # a repeat would train the same model twice and count it twice in the statistics
             raise CLIError(f"{flag} has repeated values {repeated}; give each value once")
     args.out = check_output_dir(args.out or f"outputs/experiments-{args.tier}")  # made when the run starts
+    check_tracker_arguments(args)  # after --out is known: the logs go to OUT/logs by default
     args.tier_sizes = ALL_TIERS[args.tier].with_overrides(seeds=args.seeds, dims=args.dims, ms=args.ms)
     if not args.overwrite:  # the more telling refusal first: another tier's results
         try:
