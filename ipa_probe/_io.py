@@ -359,7 +359,9 @@ def _read_holder(path: Path) -> _Holder | None:
 
 
 @contextmanager
-def output_lock(folder: str | os.PathLike, command: str, tidy: bool = False) -> Iterator[Path]:
+def output_lock(
+    folder: str | os.PathLike, command: str, tidy: bool = False, reentrant: bool = False
+) -> Iterator[Path]:
     """Hold the lock of an output folder for the duration of the block: one writer per folder.
 
     The lock is ``folder/.ipa_probe.lock``, opened without following a symbolic link and refused unless it is a
@@ -371,6 +373,8 @@ def output_lock(folder: str | os.PathLike, command: str, tidy: bool = False) -> 
     Args:
         folder: the output folder.
         command: what holds it (e.g. ``"ipa-probe sweep"``), for the refusal message.
+        reentrant: when this process holds the lock already (the command line takes it before torch loads), enter
+            without taking it again; otherwise a second hold in one process is refused like any other.
         tidy: when the block ends, a folder this call made that holds nothing but the lock is removed again (a run
             that failed before writing leaves no trace), while the lock is still held.
 
@@ -384,7 +388,7 @@ def output_lock(folder: str | os.PathLike, command: str, tidy: bool = False) -> 
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
     held = _held_key(folder)
-    if held in _HELD:  # this process holds it already (the command line takes it before torch loads): re-enter
+    if reentrant and held in _HELD:  # this process holds it already (the command line's, before torch loads)
         _HELD[held] += 1
         try:
             yield path

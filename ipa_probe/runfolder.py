@@ -392,7 +392,7 @@ class RunFolder:
         self._committed = False
 
     def __enter__(self) -> RunFolder:
-        self._stack.enter_context(output_lock(self.folder, self.holder or self.command))
+        self._stack.enter_context(output_lock(self.folder, self.holder or self.command, reentrant=True))
         try:
             note = recover(self.folder)
             if note:

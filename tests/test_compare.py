@@ -199,7 +199,8 @@ def test_cli_compare_with_model_arguments(tiny_clip, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| ip_adapter |" in printed and "random weights" in printed and "grid.png" in printed
     wrote = printed.splitlines()[-1]
-    assert all(p.name in wrote for p in out.iterdir()) and "6 PNGs" in wrote, wrote  # every file and folder named
+    named = [p.name for p in out.iterdir() if p.name != ".ipa_probe.lock"]  # the lock: held while a run writes
+    assert all(name in wrote for name in named) and "6 PNGs" in wrote, wrote  # every file and folder named
     record = json.loads((out / "compare.json").read_text())
     assert record["seeds"] == [5, 9] and record["settings"]["run"]["model"] == "embedded tiny sd15"
 

@@ -236,14 +236,27 @@ def test_a_second_training_on_a_locked_folder_stops_at_once(tmp_path):
 
 def test_the_cli_answers_a_damaged_checkpoint_or_a_locked_folder_in_one_line(tmp_path, capsys):
     from ipa_probe.cli import main
+    from ipa_probe.runfolder import STAGING_NAME
 
     out = tmp_path / "run"
     out.mkdir()
-    (out / CHECKPOINT_NAME).write_bytes(b"\x00" * 20)
+    (out / CHECKPOINT_NAME).write_bytes(b"\x00" * 20)  # no manifest lists it: not this run's to resume (issue 39)
     argv = ["train-digits", "--out", str(out), "--no-progress", "--steps", "2", "--vae-steps", "2", "--batch", "4"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and str(out / CHECKPOINT_NAME) in err[0] and "delete it" in err[0]
+    assert len(err) == 1 and f"no ipa_probe run manifest lists ({CHECKPOINT_NAME})" in err[0]
+    (out / CHECKPOINT_NAME).unlink()
+    # a killed training's staging folder, resumed by the same command, holding a damaged checkpoint
+    staging = out / STAGING_NAME
+    staging.mkdir()
+    record = {"run_id": "r0", "command": "ipa-probe train-digits", "status": "interrupted", "mode": "fresh"}
+    key = {"recipe": D.DEFAULT_RECIPE, "training": "support"}
+    (staging / "ipa_probe_manifest.json").write_text(json.dumps({**record, "key": key, "files": {}}))
+    (staging / CHECKPOINT_NAME).write_bytes(b"\x00" * 20)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(staging / CHECKPOINT_NAME) in err[0] and "delete it" in err[0]
+    assert f"{out} is as it was before this run" in err[0]
     with output_lock(out, "another ipa-probe train-digits"):
         assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

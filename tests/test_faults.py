@@ -19,11 +19,11 @@ from helpers import Counting, runner_for, write_jsonl
 from PIL import Image
 
 from ipa_probe._io import LOCK_NAME, OutputLocked, check_launch_holds, output_lock
-from ipa_probe.runfolder import STAGING_NAME
 from ipa_probe.cli import main
 from ipa_probe.experiments.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from ipa_probe.experiments.training import TrainConfig
 from ipa_probe.images import load_image
+from ipa_probe.runfolder import STAGING_NAME
 from ipa_probe.sweep import (
     ManifestRow,
     RowInputError,

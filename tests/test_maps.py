@@ -394,7 +394,7 @@ def test_cli_probe_and_sweep_write_reference_maps(tmp_path, capsys):
     first = drawn[0]
     capsys.readouterr()
     assert main([*base, "--out", str(tmp_path / "sweep"), "--maps-rows", "99"]) == 2
-    assert "--maps-rows [99]" in capsys.readouterr().err
+    assert "--maps-rows 99: not rows of the manifest" in capsys.readouterr().err
     number = int(first.split("-")[1]) + 1
     assert main([*base, "--out", str(tmp_path / "sweep"), "--maps-rows", str(number)]) == 0
     assert (tmp_path / "sweep" / "maps" / f"row-{number:06d}" / "map_table.parquet").exists()

@@ -506,7 +506,8 @@ def test_done_when_probe_overlays_and_tensorboard_on_the_organism(tmp_path, caps
     argv = ["probe", "--maps", "--overlays", str(overlays), "--log-with", "tensorboard", "--out", str(out)]
     assert main([*argv, "--steps", "3", "--num-images", "2"]) == 0
     pngs = ["ref0.png", "ref1.png", "ref2.png"]
-    assert sorted(p.name for p in overlays.iterdir()) == ["ipa_probe_manifest.json", *pngs]  # a folder of its own
+    listed = sorted(p.name for p in overlays.iterdir())
+    assert listed == [".ipa_probe.lock", "ipa_probe_manifest.json", *pngs]  # a folder of its own, with its lock
     assert sorted(json.loads((overlays / "ipa_probe_manifest.json").read_text())["files"]) == pngs
     assert all(read_provenance(overlays / name)["code"] for name in pngs)
     printed = capsys.readouterr().out

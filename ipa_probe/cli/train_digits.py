@@ -169,8 +169,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with claimed_output(out, COMMAND, args, _key(args, training), resumable=True) as folder:
             record = train_digits(folder.staging, config, progress=not args.no_progress)  # renamed in when whole
-    except (CheckpointError, OutputLocked, FileNotFoundError) as err:
-        raise CLIError(str(err)) from None
+    except (CheckpointError, OutputLocked, FileNotFoundError) as err:  # with what the folder holds now
+        raise CLIError("; ".join([str(err), *getattr(err, "__notes__", [])])) from None
     wall = record["wall_s"]
     stages = ", ".join(f"{stage} {seconds:.0f} s" for stage, seconds in wall.items() if stage != "total")
     written = {
