@@ -7,8 +7,6 @@ hashlib. Few processes (each loads torch): the folder rules themselves are tests
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -19,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from cli_cases import Case, run_in_fresh_process
+from test_runfolder import _whole
 
 from ipa_probe._io import output_lock
 from ipa_probe.runfolder import MANIFEST_NAME, STAGING_NAME, recover
@@ -26,15 +25,6 @@ from ipa_probe.runfolder import MANIFEST_NAME, STAGING_NAME, recover
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-c", "import sys; from ipa_probe.cli import main; sys.exit(main())"]
 ARGS = ["probe", "--kind", "sd15", "--steps", "2", "--size", "64", "64", "--threads", "1"]
-
-
-def _whole(folder: Path) -> dict:
-    record = json.loads((folder / MANIFEST_NAME).read_text())
-    assert record["status"] == "finished"
-    for name, entry in record["files"].items():
-        data = (folder / name).read_bytes()
-        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
-    return record
 
 
 def _start(argv: list[str]) -> subprocess.Popen:
