@@ -444,12 +444,12 @@ class RunFolder:
         temp = self.folder / f"{STAGING_NAME}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
         temp.mkdir()
         try:
-            if self._mode() == "resume":  # the same run's files, copied, so that the run's own records resume it
+            if self._mode() == "resume":  # the same run's files, so that the run's own records resume it
                 listed = self.state.previous["files"]
                 for name in self.state.ours:
                     target = temp / name
                     target.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(self.folder / name, target, follow_symlinks=False)  # its times too: records by mtime
+                    _link_or_copy(self.folder / name, target)
                     if file_digest(target) != listed[name]["sha256"]:  # changed while it was copied
                         raise RunConflict(f"{self.flag} {self.folder}: {name} changed while it was read; run again")
                 self.resumed = bool(self.state.ours)
@@ -576,6 +576,17 @@ class RunFolder:
         if self.kept:
             return f"{self.folder}: kept {len(self.kept)} file(s) no run manifest lists ({_listed(self.kept)})"
         return None
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link of ``source`` at ``target`` (no copy of a paper-sized experiment's checkpoints), or a copy with its
+    times where the file system has no links. A link is safe because every writer of a resumable command replaces a
+    file (a temp file renamed over it: :func:`~ipa_probe._io.atomic_path`) and never writes into one, so the file in
+    ``OUT`` never changes through its twin in staging; renaming a twin over its original at the commit does nothing."""
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except OSError:
+        shutil.copy2(source, target, follow_symlinks=False)  # its times too: some records are checked by mtime
 
 
 def held_staging(path: str | os.PathLike) -> bool:
