@@ -260,7 +260,7 @@ def _read_and_check(args: argparse.Namespace):
     return manifest
 
 
-def _few(values: list[int], shown: int = 5) -> str:
+def _few(values: list, shown: int = 5) -> str:
     """At most ``shown`` values, then how many more: an error line stays one short line."""
     text = ", ".join(map(str, values[:shown]))
     return text + (f" and {len(values) - shown} more" if len(values) > shown else "")
