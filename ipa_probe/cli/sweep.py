@@ -241,7 +241,8 @@ def _read_and_check(args: argparse.Namespace):
     from ..sweep.manifest import ManifestError, read_manifest
 
     check_output_dir(args.out)
-    check_run_folder(args.out, COMMAND, KEY, args.overwrite, resumable=True)
+    if os.environ.get("RANK", "0") == "0":  # the main process holds the folder; the others write into its staging
+        check_run_folder(args.out, COMMAND, KEY, args.overwrite, resumable=True)
     check_tracker_arguments(args)
     try:
         manifest = read_manifest(args.manifest, require_images=args.model is not None and not args.image)
