@@ -67,7 +67,7 @@ INTERVAL_COLUMNS: tuple[str, ...] = (
 QUERY_FRAME_MEANS: tuple[str, ...] = tuple(
     query_frame_column(name, form)
     for form in ("exact", "gaussian")
-    for name in ("pearson", "spearman_null", "logit_ratio", "rho_baseline")
+    for name in ("pearson", "top1", "spearman_null", "logit_ratio", "rho_baseline")
 )
 
 
@@ -152,8 +152,8 @@ def summarize_sets(per_set: pd.DataFrame) -> pd.DataFrame:
         ``null``, ``frac_rho_gt_0.9`` (stored frame); ``sets``, ``entries``; the means of :data:`GAUGE_COLUMNS`; and
         where the table has them, each of :data:`INTERVAL_COLUMNS` with ``<column>_low`` / ``<column>_high``,
         ``qf_frac_rho_gt_0.9`` / ``qf_gauss_frac_rho_gt_0.9`` (share of entries with a query-frame rho above 0.9,
-        among the entries that have one), ``qf_entries`` (those entries) and the means of
-        :data:`QUERY_FRAME_MEANS`.
+        among the entries that have one), ``qf_entries`` (those entries), ``qf_undefined`` (the entries without
+        one: NaN, left out of every mean) and the NaN-skipping means of :data:`QUERY_FRAME_MEANS`.
     """
     from ..sweep.aggregation import bootstrap_ci
 
@@ -189,7 +189,9 @@ def summarize_sets(per_set: pd.DataFrame) -> pd.DataFrame:
                 row[f"{prefix}frac_rho_gt_0.9"] = float((values > 0.9).mean()) if values.size else math.nan
                 if form == "exact":
                     row["qf_entries"] = int(values.size)
-        row.update({c: float(frame[c].mean()) for c in QUERY_FRAME_MEANS if c in frame.columns})
+                    row["qf_undefined"] = int(len(frame) - values.size)  # no variation: NaN, left out, counted
+        # NaN (undefined: a frame of one query, all-tied rows) is left out of every mean (pandas skips it)
+        row.update({c: float(frame[c].mean(skipna=True)) for c in QUERY_FRAME_MEANS if c in frame.columns})
         rows.append(row)
     return pd.DataFrame(rows).sort_values("timestep", ascending=False).reset_index(drop=True)
 
