@@ -212,6 +212,17 @@ def test_shuffled_reference_order_float32_within_tolerance_and_float64_equal(org
     assert check["within_tolerance"] and check["latent_max_diff"] == pytest.approx(float((after - before).abs().max()))
     assert check["first_step_share_max_diff"] == pytest.approx(largest["first"], abs=1e-12)  # the same float32 shares
     assert check["share_max_diff"] == pytest.approx(largest["any"], abs=1e-12)
+    # every other per-reference column (#40.6), from the average table: the shuffled call's reference j is order[j]
+    from ipa_probe.experiments.attribution_controls import SHUFFLED_COLUMNS
+
+    old, new = first.table, again.table.copy()
+    new["reference"] = np.asarray(order)[new["reference"].to_numpy()]
+    merged = old.merge(new, on=["step", "layer", "reference"], suffixes=("", "_2"))
+    for column in SHUFFLED_COLUMNS[1:]:
+        gap = (merged[column] - merged[f"{column}_2"]).abs()
+        at_first = gap[merged["step"] == merged["step"].min()].max()
+        assert check[f"first_step_{column}_max_diff"] >= at_first - 1e-12  # the cell tables can only add to it
+        assert check[f"first_step_{column}_max_diff"] <= 1e-4 * max(1.0, merged[column].abs().max())
 
     wide = ipa_probe.digits_pipeline().to(torch.float64)
     wide.set_progress_bar_config(disable=True)

@@ -209,14 +209,18 @@ def shuffle_check(pipe, result, refs: list, seed: int, order: list[int]) -> dict
     position) with the new references put back in their old places, at the first recorded step (the same ``x_t``:
     only the token order differs) and over every recorded step (later ``x_t`` carry the loop's float32 drift).
 
-    The check passes when the final latent agrees to :data:`SHUFFLE_LATENT_RTOL` of its largest value and the
-    first step's shares to :data:`SHUFFLE_SHARE_ATOL`; the later steps' share difference is reported beside it.
+    Every per-reference column (:data:`SHUFFLED_COLUMNS`) is compared the same way (``first_step_<column>_max_diff``,
+    ``<column>_max_diff``; the share keeps its older names). The check passes when the final latent agrees to
+    :data:`SHUFFLE_LATENT_RTOL` of its largest value and every column at the first step to :data:`SHUFFLE_SHARE_ATOL`
+    of its largest absolute value (at least 1); the later steps' differences are reported beside them.
     """
     again = observe(pipe, [refs[i] for i in order], seed)
     before = result.generation.latents.double()
     latent = float((again.generation.latents.double() - before).abs().max())
     scale = float(before.abs().max())
-    share = first = 0.0
+    worst = {c: 0.0 for c in SHUFFLED_COLUMNS}
+    first = {c: 0.0 for c in SHUFFLED_COLUMNS}
+    size = {c: 0.0 for c in SHUFFLED_COLUMNS}
     for name in ("table", "heads", "positions"):
         old, new = getattr(result, name), getattr(again, name).copy()
         if not len(old):
@@ -226,18 +230,35 @@ def shuffle_check(pipe, result, refs: list, seed: int, order: list[int]) -> dict
         merged = old.merge(new, on=keys, suffixes=("", "_shuffled"), validate="one_to_one")
         if len(merged) != len(old):
             raise ValueError(f"shuffled order: the {name} tables do not pair ({len(merged)} of {len(old)} rows)")
-        diff = (merged["attention_share"] - merged["attention_share_shuffled"]).abs()
-        share = max(share, float(diff.max()))
-        first = max(first, float(diff[merged["step"] == merged["step"].min()].max()))
-    return {
-        "order": list(order),
-        "latent_max_diff": latent,
-        "latent_max_abs": scale,
-        "first_step_share_max_diff": first,
-        "share_max_diff": share,
-        "bit_equal": latent == 0.0 and share == 0.0,
-        "within_tolerance": latent <= SHUFFLE_LATENT_RTOL * scale and first <= SHUFFLE_SHARE_ATOL,
-    }
+        at_first = merged["step"] == merged["step"].min()
+        for column in SHUFFLED_COLUMNS:
+            if column not in old.columns:
+                continue
+            diff = (merged[column] - merged[f"{column}_shuffled"]).abs()
+            worst[column] = max(worst[column], float(diff.max()))
+            first[column] = max(first[column], float(diff[at_first].max()))
+            size[column] = max(size[column], float(merged[column].abs().max()))
+    out = {"order": list(order), "latent_max_diff": latent, "latent_max_abs": scale}
+    out["first_step_share_max_diff"], out["share_max_diff"] = first["attention_share"], worst["attention_share"]
+    for column in SHUFFLED_COLUMNS[1:]:
+        out[f"first_step_{column}_max_diff"], out[f"{column}_max_diff"] = first[column], worst[column]
+    # every per-reference column at the first step within SHUFFLE_SHARE_ATOL of its own scale (at least 1: shares and
+    # posterior weights are in [0, 1]; contribution norms carry the layer output's units)
+    columns_ok = all(first[c] <= SHUFFLE_SHARE_ATOL * max(1.0, size[c]) for c in SHUFFLED_COLUMNS)
+    out["bit_equal"] = latent == 0.0 and all(v == 0.0 for v in worst.values())
+    out["within_tolerance"] = latent <= SHUFFLE_LATENT_RTOL * scale and columns_ok
+    return out
+
+
+#: The per-reference columns the shuffled-order control compares (issue #40 point 6: every one, not the share alone).
+SHUFFLED_COLUMNS: tuple[str, ...] = (
+    "attention_share",
+    "contribution_norm",
+    "contribution_share",
+    "contribution_projection",
+    "posterior_weight",
+    "sq_distance",
+)
 
 
 def _order(index: int, refs: int) -> list[int]:
@@ -310,8 +331,14 @@ def control_rows(label: str, check: dict) -> list[Row]:
                 f"within tolerance: {'yes' if shuffled['within_tolerance'].all() else 'NO'}"
                 f"{'; bit-equal' if shuffled['bit_equal'].all() else ''}",
                 "—",
-                f"tolerances {SHUFFLE_LATENT_RTOL:g} x max |latent|, {SHUFFLE_SHARE_ATOL:g} on the first step's "
-                "shares permuted back: float32 sums in another order (later steps' x_t carry the loop's drift)",
+                f"tolerances {SHUFFLE_LATENT_RTOL:g} x max |latent|, {SHUFFLE_SHARE_ATOL:g} (x max(1, |column|)) on "
+                "the first step's per-reference columns permuted back: float32 sums in another order (later steps' "
+                "x_t carry the loop's drift); first step, every column: "
+                + ", ".join(
+                    f"{c} {shuffled[f'first_step_{c}_max_diff'].max():.2g}"
+                    for c in SHUFFLED_COLUMNS[1:]
+                    if f"first_step_{c}_max_diff" in shuffled.columns
+                ),
             )
         )
     return rows
