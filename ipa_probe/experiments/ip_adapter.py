@@ -293,6 +293,7 @@ def run(ctx) -> ExperimentResult:
 
     from .._io import write_table
     from ..attribution import ALPHA, POOLING_TV, sets_table, summarize_attribution
+    from .matched_control import per_set_means, run_controls
 
     tier, folder = ctx.tier, ctx.out / "ip-adapter"
     folder.mkdir(parents=True, exist_ok=True)
@@ -302,17 +303,18 @@ def run(ctx) -> ExperimentResult:
         "2+2 mixed": [refs for _, refs in _mixed_sets(tier.ip_mixed_sets)],
     }
     pipes = organism_pipelines(ctx.recipe)
-    summaries, attribution, raw = {}, {}, {"attribution": {}}
+    summaries, attribution, raw, per_set = {}, {}, {"attribution": {}}, {}
     for label, pipe in pipes.items():
         for population, sets in populations.items():
             probes, tables = [], []
             for i, refs in enumerate(tqdm(sets, desc=f"ip-adapter {label}, {population}", disable=not ctx.progress)):
                 table, attributed = run_reference_set(pipe, refs, seed=i, steps=steps)
                 probes.append(table.assign(set=i))
-                tables.append(attributed)
+                tables.append(attributed.assign(set=i))
             if population == "one digit":
                 summaries[label] = summarize_sets(pd.concat(probes, ignore_index=True))
                 raw[label] = summaries[label].to_dict(orient="records")
+                per_set[label] = per_set_means(pd.concat(probes), pd.concat(tables))
             key = f"{label}, {population} refs"
             attribution[key] = summarize_attribution(sets_table(tables), seed=0)
             raw["attribution"][key] = attribution[key].to_dict(orient="records")
@@ -325,10 +327,13 @@ def run(ctx) -> ExperimentResult:
         rows.extend(stored_frame_rows(label, summary))
     for key, summary in attribution.items():
         rows.extend(attribution_rows(key, summary))
+    control_rows, controls = run_controls(ctx, pipes, per_set, populations["one digit"], steps, folder)
+    rows.extend(control_rows)
 
     figures = [plot(summaries, attribution, ctx.recipe, folder)]
     record = {
         "measurements": raw,
+        **controls,
         "recipe": ctx.recipe,
         "num_inference_steps": NUM_STEPS,
         "timesteps": list(PAPER_TIMESTEPS),
