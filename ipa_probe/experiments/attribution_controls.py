@@ -77,14 +77,16 @@ def set_statistics(result, unseen: pd.DataFrame) -> pd.DataFrame:
         one row per timestep: ``attention_tv`` (mean over layers of the TV of ``A[l]`` from uniform),
         ``share_spearman`` (Spearman of the layer-mean shares with ``-d``), ``posterior_neff``, the same two against
         the unseen references (``share_spearman_unseen``, ``posterior_neff_unseen``: the attention's shares paired
-        with the unseen reference in the same place), and ``head_tv_above`` / ``position_tv_above``, the share of
-        (layer, head) / (layer, position) cells whose TV from uniform exceeds ``POOLING_TV``.
+        with the unseen reference in the same place), and ``head_tv_above`` / ``position_tv_above`` /
+        ``head_position_tv_above``, the share of (layer, head) / (layer, position) / (layer, head, position) cells
+        whose TV from uniform exceeds ``POOLING_TV``.
     """
     from scipy import stats
 
     from ..attribution import POOLING_TV, neff, tv_from_uniform
 
     rows = []
+    finest = getattr(result, "head_positions", None)
     for timestep, part in result.table.groupby("timestep"):
         shares = part.pivot(index="layer", columns="reference", values="attention_share").to_numpy(np.float64)
         first = part[part["layer"] == part["layer"].iloc[0]].sort_values("reference")
@@ -109,6 +111,7 @@ def set_statistics(result, unseen: pd.DataFrame) -> pd.DataFrame:
                 "posterior_neff_unseen": float(neff(other["posterior_weight"].to_numpy())),
                 "head_tv_above": above(result.heads) if len(result.heads) else np.nan,
                 "position_tv_above": above(result.positions),
+                "head_position_tv_above": above(finest) if finest is not None and len(finest) else np.nan,
             }
         )
     return pd.DataFrame(rows)
@@ -139,9 +142,17 @@ def resolution_verdicts(results: list, outer: int, seed: int = 0) -> pd.DataFram
             entry.update({key: float(row["verdict"] == v), f"{key}_low": np.nan, f"{key}_high": np.nan})
         average.append(entry)
     parts = [pd.DataFrame(average).assign(resolution="average")]
-    cells = {"layer": None, "layer x head": "heads", "layer x position": "positions"}
+    cells = {
+        "layer": None,
+        "layer x head": "heads",
+        "layer x position": "positions",
+        "layer x head x position": "head_positions",
+    }
     for resolution, name in cells.items():
-        stacked = None if name is None else sets_table([getattr(r, name) for r in results])
+        tables = None if name is None else [getattr(r, name, None) for r in results]
+        if tables is not None and any(t is None for t in tables):
+            continue  # a result from before this resolution
+        stacked = None if tables is None else sets_table(tables)
         if stacked is not None and not len(stacked):
             continue  # per_head=False
         shares = summarize_cells(table, stacked, outer=outer, seed=seed)
@@ -195,7 +206,8 @@ def controls(statistics: dict[str, pd.DataFrame], seed: int = 0) -> pd.DataFrame
             continue
         for timestep, part in frame.groupby("timestep"):
             base = same[same["timestep"] == timestep]
-            for statistic in ("attention_tv", "share_spearman", "head_tv_above", "position_tv_above"):
+            for statistic in ("attention_tv", "share_spearman", "head_tv_above", "position_tv_above",
+                              "head_position_tv_above"):  # fmt: skip
                 result = control_difference(part[statistic], base[statistic], False, seed)
                 add(population, timestep, statistic, "same-digit sets", result)
     return pd.DataFrame(rows).sort_values(
