@@ -218,7 +218,7 @@ def run(ctx) -> ExperimentResult:
     from .._io import write_table
     from ..attribution import posterior_at
     from ..sweep.aggregation import bootstrap_ci
-    from .ip_adapter import _mixed_sets, organism_pipelines
+    from .ip_adapter_setup import _mixed_sets, organism_pipelines
 
     tier, folder = ctx.tier, ctx.out / "attribution"
     folder.mkdir(parents=True, exist_ok=True)

@@ -69,7 +69,7 @@ def per_set_means(table: pd.DataFrame, shares: pd.DataFrame | None = None, colum
 def layer_logit_ratios(pipe, sets: list, steps: list[int]) -> pd.Series:
     """Per IP layer: the mean query-frame logit ratio over heads, recorded steps and ``sets`` (cond branch, image
     kind; NaN for a layer without one, the 1 x 1 mid block)."""
-    from .ip_adapter import run_reference_set
+    from .ip_adapter_setup import run_reference_set
 
     tables = [run_reference_set(pipe, refs, seed=CALIBRATION_SEED + i, steps=steps)[0] for i, refs in enumerate(sets)]
     table = pd.concat(tables, ignore_index=True)
@@ -224,7 +224,7 @@ def query_pool(pipes: dict, sets: list, steps: list[int], counts=(1, 3, 8), guid
 
     from ..capture.run import probe
     from ..tiny.digits import DIGITS_PROMPT
-    from .ip_adapter import NUM_STEPS
+    from .ip_adapter_setup import NUM_STEPS
 
     cells = []
     for organism, pipe in pipes.items():
@@ -286,7 +286,7 @@ def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], 
     """
     from .._io import write_table
     from ..tiny.digits import digits_reference_images, untrained_digits_pipeline
-    from .ip_adapter import REFS_PER_SET, run_reference_set
+    from .ip_adapter_setup import REFS_PER_SET, run_reference_set
     from .report import Row
 
     tier = ctx.tier
