@@ -18,8 +18,10 @@ ratio and K (``qf_rho_excess``, ``qf_gauss_rho_excess``) and the stored-frame rh
 the per-set mean (over layers and heads) with a 95 % bootstrap interval over sets, and the mean Pearson, the
 permutation null and the fraction of (set, layer, head) entries with rho > 0.9, beside the paper's figure (a
 stored-frame rho on SD 1.5). Set ``i`` generates from seed ``i``, so the interval over sets is over seeds too (the
-two vary together). Control: the same architecture with its initial (untrained) weights, on the same reference
-sets and seeds.
+two vary together). Controls: the same architecture with its initial (untrained) weights, on the same reference
+sets and seeds, and that twin with its image-key projection scaled per layer to the trained adapter's query-frame
+logit ratio, both compared with the trained organism set by set (:mod:`~.matched_control`, which also measures the
+query pool, ``"item"`` against ``"branch"``, at 1, 3 and 8 images).
 
 The stored-frame rho depends on the q/k gauge (issue #18, #28); beside it, from the same generations, the comparisons
 that do not
