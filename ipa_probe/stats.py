@@ -179,9 +179,11 @@ def compare_weights(
       e.g. ``K = 1`` or constant logits, are left out of it and of every statistic of rho below); keys of one
       ``key_groups`` group tie (their average rank) on both sides;
     - ``spearman_null``: the same with the key order of ``w`` shuffled independently in each row (chance level, ~0);
-    - ``pearson``: Pearson r over all ``R * K`` entries;
+    - ``pearson``: Pearson r over all ``R * K`` entries; NaN when either side has no spread in any row (every NW row
+      uniform, as in a query frame of one query);
     - ``kl``: ``KL(a || w) = sum_i a_i (log a_i - log w_i)``, averaged over rows;
-    - ``top1``: fraction of rows whose arg-max key agrees (keys of one ``key_groups`` group count as one key);
+    - ``top1``: fraction of rows whose arg-max key agrees (keys of one ``key_groups`` group count as one key), over
+      the rows with a rank correlation (an all-tied row's arg-max is a tie-break: undefined, left out);
     - ``neff_attn``, ``neff_nw``: Kish ``1 / sum_i w_i^2``, averaged over rows;
     - ``nonfinite``: fraction of rows whose logits give non-finite weights (left out of everything else);
     - ``logit_ratio``: per row ``r = sd_i(attn_logits) / sd_i(key_term)``, averaged over the rows where it is
@@ -415,7 +417,7 @@ def _frame_stats(
     top_w = w.max(-1, keepdim=True).indices
     if side.groups_ordered is not None:
         top_w = side.groups_ordered.expand(shape).gather(-1, top_w)
-    top1_rows = (side.top == top_w).squeeze(-1).to(dtype)
+    top1_rows = (side.top == top_w).squeeze(-1).to(dtype)  # NaN (undefined) below where either row is all tied
     # Ranks are taken on the logits: the same order as the weights, without the ties that underflow makes. Each side
     # is ranked once: the null shuffles the NW ranks (ranking is permutation-equivariant).
     nw_ranks = _masked_ranks(nw_order, key_mask)
@@ -427,6 +429,9 @@ def _frame_stats(
     null_cross = (side.centred * shuffle_rows(centred, generator, key_mask)).sum(-1)
     null_rows = null_cross / (side.centred_sq * nw_sq).sqrt()
     ranked = valid & ~rho_rows.isnan()  # rows with a rank correlation
+    # an arg-max of an all-tied row (a query frame of one query, constant logits) is a tie-break, not a choice: the
+    # row's top1 is undefined (NaN, left out of the mean, as rho is)
+    top1_rows = torch.where(rho_rows.isnan(), math.nan, top1_rows)
     if key_term is not None:
         # the key term's spread; a term the same in every row (the probe's: (..., 1, K)) is measured once
         if key_mask is not None or key_term.shape[-2] != 1:
@@ -485,6 +490,7 @@ def _frame_stats(
         ]
     )
     gauge_full = gauge.expand(valid.shape)
+    varies_a, varies_w = (side.centred_sq > 0).expand(valid.shape), (nw_sq > 0).expand(valid.shape)  # rank spread
 
     def reduce(split) -> torch.Tensor:
         """The statistics from per-row values; ``split`` maps a row axis (last, or ``-2`` with ``keyed``) to
@@ -497,6 +503,9 @@ def _frame_stats(
             pearson = cross / (sq_a * sq_w).sqrt()
         else:
             pearson = raveled_pearson(split(a_full, True), split(w, True), split(entries, True))
+        # a side without variation over the cell's rows (every NW row uniform, as in a query frame of one query) has
+        # no correlation: NaN, not the float noise of 1/K - softmax(0)
+        pearson = torch.where((v & split(varies_a)).any(-1) & (v & split(varies_w)).any(-1), pearson, math.nan)
         nonfinite = 1.0 - v.float().mean(-1) if row_mask is None else 1.0 - v.sum(-1) / split(row_mask_full).sum(-1)
         gauge_mean = _masked_mean(g, rk & g.isfinite())
         parts = (by_valid[..., :2], pearson, by_valid[..., 2:], nonfinite, gauge_mean, by_ranked)
@@ -533,7 +542,7 @@ def _frame_stats(
 
 #: The statistics that are shares of rows, and the rows they are shares of (see :func:`compare_frames`).
 _SHARES: dict[str, str] = {
-    "top1": "valid",
+    "top1": "ranked",
     "nonfinite": "rows",
     rows_column(): "ranked",
     "rows_rho_pos1": "ranked",

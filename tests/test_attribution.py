@@ -164,6 +164,10 @@ def test_per_head_and_per_position_shares_match_the_tests_own_hooks(organism, re
         np.testing.assert_allclose(got["attention_share"], w.mean(1).ravel(), atol=2e-6)
         got = positions[(positions["step"] == step) & (positions["layer"] == layer)].sort_values(["cell", "reference"])
         np.testing.assert_allclose(got["attention_share"], w.mean(0).ravel(), atol=2e-6)
+        # the finest resolution the TV rule runs at (#40.6): one head at one position, cell = head * Q + position
+        finest = result.head_positions
+        got = finest[(finest["step"] == step) & (finest["layer"] == layer)].sort_values(["cell", "reference"])
+        np.testing.assert_allclose(got["attention_share"], w.reshape(-1, w.shape[-1]).ravel(), atol=2e-6)
 
 
 def test_posterior_at_other_references_against_the_tests_own_recomputation(organism, refs):

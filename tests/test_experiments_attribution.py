@@ -212,6 +212,17 @@ def test_shuffled_reference_order_float32_within_tolerance_and_float64_equal(org
     assert check["within_tolerance"] and check["latent_max_diff"] == pytest.approx(float((after - before).abs().max()))
     assert check["first_step_share_max_diff"] == pytest.approx(largest["first"], abs=1e-12)  # the same float32 shares
     assert check["share_max_diff"] == pytest.approx(largest["any"], abs=1e-12)
+    # every other per-reference column (#40.6), from the average table: the shuffled call's reference j is order[j]
+    from ipa_probe.experiments.attribution_controls import SHUFFLED_COLUMNS
+
+    old, new = first.table, again.table.copy()
+    new["reference"] = np.asarray(order)[new["reference"].to_numpy()]
+    merged = old.merge(new, on=["step", "layer", "reference"], suffixes=("", "_2"))
+    for column in SHUFFLED_COLUMNS[1:]:
+        gap = (merged[column] - merged[f"{column}_2"]).abs()
+        at_first = gap[merged["step"] == merged["step"].min()].max()
+        assert check[f"first_step_{column}_max_diff"] >= at_first - 1e-12  # the cell tables can only add to it
+        assert check[f"first_step_{column}_max_diff"] <= 1e-4 * max(1.0, merged[column].abs().max())
 
     wide = ipa_probe.digits_pipeline().to(torch.float64)
     wide.set_progress_bar_config(disable=True)
@@ -259,7 +270,11 @@ def test_set_statistics_and_controls_against_numpy(organism):
         assert row.share_spearman == pytest.approx(stats.spearmanr(mean, -first["sq_distance"]).statistic)
         assert row.share_spearman_unseen == pytest.approx(stats.spearmanr(mean, -other["sq_distance"]).statistic)
         assert row.posterior_neff_unseen == pytest.approx(1 / (other["posterior_weight"] ** 2).sum(), rel=1e-12)
-        for name, cells in (("head_tv_above", result.heads), ("position_tv_above", result.positions)):
+        for name, cells in (
+            ("head_tv_above", result.heads),
+            ("position_tv_above", result.positions),
+            ("head_position_tv_above", result.head_positions),
+        ):
             part = cells[cells["timestep"] == row.timestep]
             tv = part.groupby(["layer", "cell"])["attention_share"].apply(lambda s: 0.5 * np.abs(s - 0.25).sum())
             assert getattr(row, name) == pytest.approx(np.mean(tv.to_numpy() > POOLING_TV))
@@ -290,6 +305,11 @@ def test_resolution_verdicts_and_rows(organism):
         "layer": n_layers,
         "layer x head": len(heads.drop_duplicates(["layer", "cell"])),
         "layer x position": len(results[0].positions.drop_duplicates(["layer", "cell"])),
+        # one head at one position (#40.6): every head times every position of every layer
+        "layer x head x position": sum(
+            heads[heads["layer"] == layer]["cell"].nunique() * part["cell"].nunique()
+            for layer, part in results[0].positions.groupby("layer")
+        ),
     }
     np.testing.assert_allclose(table[["pooling", "tracks_posterior", "undecided"]].sum(1), 1.0, atol=1e-12)
     stacked = sets_table([r.table for r in results])

@@ -296,10 +296,10 @@ def ip_organism():
     return pipe
 
 
-def test_organism_reproduces_the_research_notes_query_frame_rho(ip_organism):
+def test_organism_reproduces_the_documented_query_frame_rho(ip_organism):
     """Digit 3, three references (K = 12), 20 DDIM steps, CFG 3, seed 0, cond branch, item frame: the probe's mean
     qf rho over the step x layer x head cells equals the float64 recomputation from the test's own hooks and the
-    numbers measured independently in ../shared/research/gauge-invariant-nw.md (0.7896 exact, 0.7683 Gaussian)."""
+    numbers docs/gauge.md reports (0.7896 exact, 0.7683 Gaussian)."""
     from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_reference_images
 
     refs = digits_reference_images(3, 3, seed=0)

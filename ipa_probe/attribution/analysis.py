@@ -57,6 +57,8 @@ __all__ = [
     "VERDICTS",
     "cell_shares",
     "cell_verdicts",
+    "clopper_pearson",
+    "holm",
     "control_difference",
     "verdict_shares",
     "fit_bandwidth",
@@ -75,6 +77,38 @@ ALPHA = 0.05
 POOLING_TV = 0.05
 #: The verdict's values.
 VERDICTS: tuple[str, ...] = ("pooling", "tracks posterior", "undecided")
+
+
+def holm(p: np.ndarray) -> np.ndarray:
+    """Holm's step-down adjustment of one family of p-values (strong control of the family-wise error rate).
+
+    With the ``m`` finite p-values sorted, ``p_(1) <= ... <= p_(m)``, the adjusted value of ``p_(i)`` is
+    ``max_{j <= i} min(1, (m - j + 1) p_(j))``; a hypothesis is rejected at level ``alpha`` exactly when its adjusted
+    p is below ``alpha``. NaN entries (no test) stay NaN and do not count towards ``m``.
+
+    Args:
+        p: ``(m,)`` p-values of one family.
+
+    Returns:
+        ``(m,)`` adjusted p-values, in the input's order.
+    """
+    values = np.asarray(p, dtype=np.float64)
+    out = np.full(values.shape, np.nan)
+    finite = np.flatnonzero(np.isfinite(values))
+    order = finite[np.argsort(values[finite], kind="stable")]
+    m = len(order)
+    scaled = np.minimum(1.0, (m - np.arange(m)) * values[order])
+    out[order] = np.maximum.accumulate(scaled)
+    return out
+
+
+def clopper_pearson(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The exact (Clopper-Pearson) interval of a binomial proportion, ``scipy.stats.binomtest(...).proportion_ci``:
+    inside ``[0, 1]`` by construction (Student's t on 0/1 outcomes is not). ``(nan, nan)`` for no trials."""
+    if trials <= 0:
+        return math.nan, math.nan
+    ci = stats.binomtest(int(successes), int(trials)).proportion_ci(confidence_level=confidence, method="exact")
+    return float(ci.low), float(ci.high)
 
 
 def neff(weights: np.ndarray) -> np.ndarray:

@@ -91,6 +91,10 @@ class ReferenceAttribution:
             columns :data:`CELL_COLUMNS` with ``cell`` the head; empty when ``per_head=False``.
         positions: per (step, layer, query position, reference) the share averaged over heads, columns
             :data:`CELL_COLUMNS` with ``cell`` the position.
+        head_positions: per (step, layer, head, query position, reference) the one head's share at that position,
+            columns :data:`CELL_COLUMNS` with ``cell = head * Q + position`` (the contribution columns NaN: not
+            kept at this resolution); empty when ``per_head=False``. The finest resolution the verdict's TV rule is
+            applied at.
         samples: recorded step -> ``x_t`` (the conditional row of the denoiser's input, float64, flattened), where
             the posterior was evaluated; :func:`posterior_at` evaluates other references' posterior there.
     """
@@ -101,6 +105,7 @@ class ReferenceAttribution:
     heads: pd.DataFrame | None = None
     positions: pd.DataFrame | None = None
     samples: dict[int, torch.Tensor] | None = None
+    head_positions: pd.DataFrame | None = None
 
 
 def _references(call: dict[str, Any], adapter: int) -> list:
@@ -237,6 +242,7 @@ def reference_attribution(
     picked = run.map_steps(0)
     contributions = source.contribution_weights(0, 0, adapter, "cond", range(len(names)), picked)
     missing = torch.full((3, 1, len(references)), float("nan"), dtype=torch.float64)
+    nan = float("nan")
     rows, position_rows = [], []
     for (step, layer), w in weights.items():  # w: (Q, R)
         t = float(timesteps[step])
@@ -258,7 +264,7 @@ def reference_attribution(
             )
     table = pd.DataFrame(rows, columns=list(ATTRIBUTION_COLUMNS))
     positions = pd.DataFrame(position_rows, columns=list(CELL_COLUMNS))
-    head_rows = []
+    head_rows, head_position_rows = [], []
     if per_head:
         per_head_weights = source.head_weights(0, 0, adapter, "cond", range(len(names)), picked)
         head_contributions = source.contribution_weights(0, 0, adapter, "cond", range(len(names)), picked, heads=True)
@@ -270,13 +276,20 @@ def reference_attribution(
                 for head, row in enumerate(share.tolist())
                 for i, value in enumerate(row)
             )
+            flat = w.reshape(-1, w.shape[-1]).tolist()  # (H * Q, R): cell = head * Q + position
+            head_position_rows.extend(
+                (step, float(timesteps[step]), names[index], cell, i, value, nan, nan, nan)
+                for cell, row in enumerate(flat)
+                for i, value in enumerate(row)
+            )
     heads = pd.DataFrame(head_rows, columns=list(CELL_COLUMNS))
+    head_positions = pd.DataFrame(head_position_rows, columns=list(CELL_COLUMNS))
     if len(table) and table["reference"].max() + 1 != len(references):
         raise ValueError(
             f"the maps hold {table['reference'].max() + 1} references for {len(references)} images; "
             "reference_attribution needs the adapter's images as one list with one token group each"
         )
-    return ReferenceAttribution(table, generation, run, heads, positions, samples)
+    return ReferenceAttribution(table, generation, run, heads, positions, samples, head_positions)
 
 
 def sets_table(tables: list[pd.DataFrame]) -> pd.DataFrame:

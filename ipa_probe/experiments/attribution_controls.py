@@ -77,14 +77,16 @@ def set_statistics(result, unseen: pd.DataFrame) -> pd.DataFrame:
         one row per timestep: ``attention_tv`` (mean over layers of the TV of ``A[l]`` from uniform),
         ``share_spearman`` (Spearman of the layer-mean shares with ``-d``), ``posterior_neff``, the same two against
         the unseen references (``share_spearman_unseen``, ``posterior_neff_unseen``: the attention's shares paired
-        with the unseen reference in the same place), and ``head_tv_above`` / ``position_tv_above``, the share of
-        (layer, head) / (layer, position) cells whose TV from uniform exceeds ``POOLING_TV``.
+        with the unseen reference in the same place), and ``head_tv_above`` / ``position_tv_above`` /
+        ``head_position_tv_above``, the share of (layer, head) / (layer, position) / (layer, head, position) cells
+        whose TV from uniform exceeds ``POOLING_TV``.
     """
     from scipy import stats
 
     from ..attribution import POOLING_TV, neff, tv_from_uniform
 
     rows = []
+    finest = getattr(result, "head_positions", None)
     for timestep, part in result.table.groupby("timestep"):
         shares = part.pivot(index="layer", columns="reference", values="attention_share").to_numpy(np.float64)
         first = part[part["layer"] == part["layer"].iloc[0]].sort_values("reference")
@@ -109,6 +111,7 @@ def set_statistics(result, unseen: pd.DataFrame) -> pd.DataFrame:
                 "posterior_neff_unseen": float(neff(other["posterior_weight"].to_numpy())),
                 "head_tv_above": above(result.heads) if len(result.heads) else np.nan,
                 "position_tv_above": above(result.positions),
+                "head_position_tv_above": above(finest) if finest is not None and len(finest) else np.nan,
             }
         )
     return pd.DataFrame(rows)
@@ -139,9 +142,17 @@ def resolution_verdicts(results: list, outer: int, seed: int = 0) -> pd.DataFram
             entry.update({key: float(row["verdict"] == v), f"{key}_low": np.nan, f"{key}_high": np.nan})
         average.append(entry)
     parts = [pd.DataFrame(average).assign(resolution="average")]
-    cells = {"layer": None, "layer x head": "heads", "layer x position": "positions"}
+    cells = {
+        "layer": None,
+        "layer x head": "heads",
+        "layer x position": "positions",
+        "layer x head x position": "head_positions",
+    }
     for resolution, name in cells.items():
-        stacked = None if name is None else sets_table([getattr(r, name) for r in results])
+        tables = None if name is None else [getattr(r, name, None) for r in results]
+        if tables is not None and any(t is None for t in tables):
+            continue  # a result from before this resolution
+        stacked = None if tables is None else sets_table(tables)
         if stacked is not None and not len(stacked):
             continue  # per_head=False
         shares = summarize_cells(table, stacked, outer=outer, seed=seed)
@@ -195,7 +206,8 @@ def controls(statistics: dict[str, pd.DataFrame], seed: int = 0) -> pd.DataFrame
             continue
         for timestep, part in frame.groupby("timestep"):
             base = same[same["timestep"] == timestep]
-            for statistic in ("attention_tv", "share_spearman", "head_tv_above", "position_tv_above"):
+            for statistic in ("attention_tv", "share_spearman", "head_tv_above", "position_tv_above",
+                              "head_position_tv_above"):  # fmt: skip
                 result = control_difference(part[statistic], base[statistic], False, seed)
                 add(population, timestep, statistic, "same-digit sets", result)
     return pd.DataFrame(rows).sort_values(
@@ -209,14 +221,18 @@ def shuffle_check(pipe, result, refs: list, seed: int, order: list[int]) -> dict
     position) with the new references put back in their old places, at the first recorded step (the same ``x_t``:
     only the token order differs) and over every recorded step (later ``x_t`` carry the loop's float32 drift).
 
-    The check passes when the final latent agrees to :data:`SHUFFLE_LATENT_RTOL` of its largest value and the
-    first step's shares to :data:`SHUFFLE_SHARE_ATOL`; the later steps' share difference is reported beside it.
+    Every per-reference column (:data:`SHUFFLED_COLUMNS`) is compared the same way (``first_step_<column>_max_diff``,
+    ``<column>_max_diff``; the share keeps its older names). The check passes when the final latent agrees to
+    :data:`SHUFFLE_LATENT_RTOL` of its largest value and every column at the first step to :data:`SHUFFLE_SHARE_ATOL`
+    of its largest absolute value (at least 1); the later steps' differences are reported beside them.
     """
     again = observe(pipe, [refs[i] for i in order], seed)
     before = result.generation.latents.double()
     latent = float((again.generation.latents.double() - before).abs().max())
     scale = float(before.abs().max())
-    share = first = 0.0
+    worst = {c: 0.0 for c in SHUFFLED_COLUMNS}
+    first = {c: 0.0 for c in SHUFFLED_COLUMNS}
+    size = {c: 0.0 for c in SHUFFLED_COLUMNS}
     for name in ("table", "heads", "positions"):
         old, new = getattr(result, name), getattr(again, name).copy()
         if not len(old):
@@ -226,18 +242,35 @@ def shuffle_check(pipe, result, refs: list, seed: int, order: list[int]) -> dict
         merged = old.merge(new, on=keys, suffixes=("", "_shuffled"), validate="one_to_one")
         if len(merged) != len(old):
             raise ValueError(f"shuffled order: the {name} tables do not pair ({len(merged)} of {len(old)} rows)")
-        diff = (merged["attention_share"] - merged["attention_share_shuffled"]).abs()
-        share = max(share, float(diff.max()))
-        first = max(first, float(diff[merged["step"] == merged["step"].min()].max()))
-    return {
-        "order": list(order),
-        "latent_max_diff": latent,
-        "latent_max_abs": scale,
-        "first_step_share_max_diff": first,
-        "share_max_diff": share,
-        "bit_equal": latent == 0.0 and share == 0.0,
-        "within_tolerance": latent <= SHUFFLE_LATENT_RTOL * scale and first <= SHUFFLE_SHARE_ATOL,
-    }
+        at_first = merged["step"] == merged["step"].min()
+        for column in SHUFFLED_COLUMNS:
+            if column not in old.columns:
+                continue
+            diff = (merged[column] - merged[f"{column}_shuffled"]).abs()
+            worst[column] = max(worst[column], float(diff.max()))
+            first[column] = max(first[column], float(diff[at_first].max()))
+            size[column] = max(size[column], float(merged[column].abs().max()))
+    out = {"order": list(order), "latent_max_diff": latent, "latent_max_abs": scale}
+    out["first_step_share_max_diff"], out["share_max_diff"] = first["attention_share"], worst["attention_share"]
+    for column in SHUFFLED_COLUMNS[1:]:
+        out[f"first_step_{column}_max_diff"], out[f"{column}_max_diff"] = first[column], worst[column]
+    # every per-reference column at the first step within SHUFFLE_SHARE_ATOL of its own scale (at least 1: shares and
+    # posterior weights are in [0, 1]; contribution norms carry the layer output's units)
+    columns_ok = all(first[c] <= SHUFFLE_SHARE_ATOL * max(1.0, size[c]) for c in SHUFFLED_COLUMNS)
+    out["bit_equal"] = latent == 0.0 and all(v == 0.0 for v in worst.values())
+    out["within_tolerance"] = latent <= SHUFFLE_LATENT_RTOL * scale and columns_ok
+    return out
+
+
+#: The per-reference columns the shuffled-order control compares (issue #40 point 6: every one, not the share alone).
+SHUFFLED_COLUMNS: tuple[str, ...] = (
+    "attention_share",
+    "contribution_norm",
+    "contribution_share",
+    "contribution_projection",
+    "posterior_weight",
+    "sq_distance",
+)
 
 
 def _order(index: int, refs: int) -> list[int]:
@@ -310,8 +343,14 @@ def control_rows(label: str, check: dict) -> list[Row]:
                 f"within tolerance: {'yes' if shuffled['within_tolerance'].all() else 'NO'}"
                 f"{'; bit-equal' if shuffled['bit_equal'].all() else ''}",
                 "—",
-                f"tolerances {SHUFFLE_LATENT_RTOL:g} x max |latent|, {SHUFFLE_SHARE_ATOL:g} on the first step's "
-                "shares permuted back: float32 sums in another order (later steps' x_t carry the loop's drift)",
+                f"tolerances {SHUFFLE_LATENT_RTOL:g} x max |latent|, {SHUFFLE_SHARE_ATOL:g} (x max(1, |column|)) on "
+                "the first step's per-reference columns permuted back: float32 sums in another order (later steps' "
+                "x_t carry the loop's drift); first step, every column: "
+                + ", ".join(
+                    f"{c} {shuffled[f'first_step_{c}_max_diff'].max():.2g}"
+                    for c in SHUFFLED_COLUMNS[1:]
+                    if f"first_step_{c}_max_diff" in shuffled.columns
+                ),
             )
         )
     return rows

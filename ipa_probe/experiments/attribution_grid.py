@@ -122,15 +122,22 @@ def grid_rows(label: str, comparison: pd.DataFrame, example: pd.DataFrame, sets:
         for effect in EFFECTS:
             by = {r["predictor"]: r for r in part[part["effect"] == effect].to_dict(orient="records")}
             best = [p for p in PREDICTORS if by[p]["predicts"]]
+            family = by[next(iter(PREDICTORS))].get("family", "grid")
             where = f"{mode}" + (f" x{factor:g}" if mode == "scale" else "")
             rows.append(
                 Row(
-                    "which predicts the ablation effect (per layer group, step range)?",
+                    "which predicts the ablation effect (per layer group, step range)?"
+                    + (" [mid block: reported apart, effects below 0.001]" if family == "mid block" else ""),
                     f"{label} organism, {where} in {group} layers, steps {steps}, effect = {EFFECTS[effect]}",
                     ", ".join(best) if best else "none",
                     "—",
-                    "; ".join(f"{PREDICTORS[p]} {_interval_text(by[p])} (p {by[p]['p']:.2g})" for p in PREDICTORS)
-                    + f"; mean per-set Spearman over the 4 references, {sets} sets",
+                    "; ".join(
+                        f"{PREDICTORS[p]} {_interval_text(by[p])} (p {by[p]['p']:.2g}"
+                        + (f", Holm {by[p]['p_holm']:.2g})" if "p_holm" in by[p] else ")")
+                        for p in PREDICTORS
+                    )
+                    + f"; mean per-set Spearman over the 4 references, {sets} sets; one-sided p, Holm within the "
+                    f"{family} family",
                 )
             )
     for row in example.to_dict(orient="records"):
@@ -139,10 +146,11 @@ def grid_rows(label: str, comparison: pd.DataFrame, example: pd.DataFrame, sets:
                 "two 3s and two 5s: ablating a pair",
                 f"{label} organism, {row['reference']} ablated in {row['group']} layers, steps {row['steps']}",
                 f"RMS latent change {row['latent_effect']:.3f} [{row['latent_effect_low']:.3f}, "
-                f"{row['latent_effect_high']:.3f}]; outputs flipped {100 * row['flipped']:.0f}%",
+                f"{row['latent_effect_high']:.3f}]; outputs flipped {100 * row['flipped']:.0f}% "
+                f"[{100 * row['flipped_low']:.0f}, {100 * row['flipped_high']:.0f}]",
                 "—",
                 f"reads 5: {100 * row['baseline_reads_5']:.0f}% before, {100 * row['reads_5']:.0f}% after; "
-                f"{row['seeds']} seeds, Student's t 95% intervals",
+                f"{row['seeds']} seeds of one reference set; latent: Student's t 95%, rates: Clopper-Pearson 95%",
             )
         )
     return rows

@@ -71,7 +71,7 @@ POPULATIONS = ("2+2 digits", "same digit", "4 digits")
 
 
 #: Resolutions at which the verdict's rule is applied.
-RESOLUTIONS = ("average", "layer", "layer x head", "layer x position")
+RESOLUTIONS = ("average", "layer", "layer x head", "layer x position", "layer x head x position")
 
 
 def observe(pipe, refs: list, seed: int):

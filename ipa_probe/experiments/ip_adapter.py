@@ -18,8 +18,10 @@ ratio and K (``qf_rho_excess``, ``qf_gauss_rho_excess``) and the stored-frame rh
 the per-set mean (over layers and heads) with a 95 % bootstrap interval over sets, and the mean Pearson, the
 permutation null and the fraction of (set, layer, head) entries with rho > 0.9, beside the paper's figure (a
 stored-frame rho on SD 1.5). Set ``i`` generates from seed ``i``, so the interval over sets is over seeds too (the
-two vary together). Control: the same architecture with its initial (untrained) weights, on the same reference
-sets and seeds.
+two vary together). Controls: the same architecture with its initial (untrained) weights, on the same reference
+sets and seeds, and that twin with its image-key projection scaled per layer to the trained adapter's query-frame
+logit ratio, both compared with the trained organism set by set (:mod:`~.matched_control`, which also measures the
+query pool, ``"item"`` against ``"branch"``, at 1, 3 and 8 images).
 
 The stored-frame rho depends on the q/k gauge (issue #18, #28); beside it, from the same generations, the comparisons
 that do not
@@ -44,14 +46,18 @@ import pandas as pd  # noqa: E402
 
 from ..figstyle import fit_ylim  # noqa: E402
 from ..schema import GAUGE_COLUMNS, query_frame_column  # noqa: E402
+from .ip_adapter_setup import (  # noqa: E402, F401 (re-exported: the experiment's surface)
+    NUM_STEPS,
+    PAPER_LAST_SPEARMAN,
+    PAPER_TIMESTEPS,
+    REFS_PER_SET,
+    _mixed_sets,
+    _reference_sets,
+    organism_pipelines,
+    run_reference_set,
+    step_indices,
+)
 from .report import ExperimentResult, Row, as_records, from_record  # noqa: E402
-
-#: The paper's timesteps: the 50-step SD 1.x grid (steps_offset=1: 981, 961, ..., 1) at these step indices.
-PAPER_TIMESTEPS = (981, 761, 501, 261, 1)
-NUM_STEPS = 50
-REFS_PER_SET = 4
-#: The paper's mean per-row Spearman at the last timestep; it reports no value at the other timesteps.
-PAPER_LAST_SPEARMAN = 0.89
 
 #: The columns :func:`summarize_sets` gives a bootstrap interval over reference sets (``<column>_low``,
 #: ``<column>_high``), where the probe's table has them: the query-frame rho (exact, Gaussian) and its excess over
@@ -67,73 +73,8 @@ INTERVAL_COLUMNS: tuple[str, ...] = (
 QUERY_FRAME_MEANS: tuple[str, ...] = tuple(
     query_frame_column(name, form)
     for form in ("exact", "gaussian")
-    for name in ("pearson", "spearman_null", "logit_ratio", "rho_baseline")
+    for name in ("pearson", "top1", "spearman_null", "logit_ratio", "rho_baseline")
 )
-
-
-def step_indices(num_steps: int = NUM_STEPS) -> list[int]:
-    """Indices into the DDIM schedule of :data:`PAPER_TIMESTEPS` (50 steps, steps_offset=1: 0, 11, 24, 36, 49)."""
-    from ..tiny.digits.model import _scheduler
-
-    scheduler = _scheduler()
-    scheduler.set_timesteps(num_steps)
-    timesteps = scheduler.timesteps.tolist()
-    missing = [t for t in PAPER_TIMESTEPS if t not in timesteps]
-    if missing:
-        raise ValueError(f"expected the {num_steps}-step schedule to contain {missing}; use 50 steps")
-    return [timesteps.index(t) for t in PAPER_TIMESTEPS]
-
-
-def organism_pipelines(recipe: str = "support") -> dict:
-    """The trained organism of ``recipe`` and its untrained control (same architecture, initial weights), progress
-    bars off: ``{"trained": pipe, "untrained": pipe}``.
-
-    Raises:
-        ValueError: an unknown recipe (the message lists the recipes).
-    """
-    from ..tiny.digits import digits_pipeline, untrained_digits_pipeline
-
-    pipes = {"trained": digits_pipeline(recipe=recipe), "untrained": untrained_digits_pipeline(recipe=recipe)}
-    for pipe in pipes.values():
-        pipe.set_progress_bar_config(disable=True)
-    return pipes
-
-
-def _reference_sets(count: int, seed: int = 0) -> list[tuple[int, list]]:
-    from ..tiny.digits import digits_reference_images
-
-    return [(i % 10, digits_reference_images(i % 10, REFS_PER_SET, seed=seed + i // 10)) for i in range(count)]
-
-
-def _mixed_sets(count: int) -> list[tuple[tuple[int, int], list]]:
-    from ..tiny.digits import digits_reference_images
-
-    sets = []
-    for i in range(count):
-        a, b = i % 10, (i % 10 + 1 + (i // 10) % 9) % 10
-        sets.append(
-            ((a, b), digits_reference_images(a, 2, seed=100 + i) + digits_reference_images(b, 2, seed=200 + i))
-        )
-    return sets
-
-
-def run_reference_set(pipe, references: list, seed: int, steps: list[int], guidance_scale: float = 1.0):
-    """One generation with ``references``: the probe's table (conditional branch, image kind) and the attribution
-    table (:func:`ipa_probe.attribution.reference_attribution`) at ``steps``."""
-    from ..attribution import reference_attribution
-    from ..tiny.digits import DIGITS_PROMPT
-
-    result = reference_attribution(
-        pipe,
-        steps=steps,
-        seed=seed,
-        prompt=DIGITS_PROMPT,
-        ip_adapter_image=[references],
-        num_inference_steps=NUM_STEPS,
-        guidance_scale=guidance_scale,
-    )
-    table = result.run.to_dataframe()
-    return table[(table["branch"] == "cond") & (table["kind"] == "image")], result.table
 
 
 def summarize_sets(per_set: pd.DataFrame) -> pd.DataFrame:
@@ -152,8 +93,8 @@ def summarize_sets(per_set: pd.DataFrame) -> pd.DataFrame:
         ``null``, ``frac_rho_gt_0.9`` (stored frame); ``sets``, ``entries``; the means of :data:`GAUGE_COLUMNS`; and
         where the table has them, each of :data:`INTERVAL_COLUMNS` with ``<column>_low`` / ``<column>_high``,
         ``qf_frac_rho_gt_0.9`` / ``qf_gauss_frac_rho_gt_0.9`` (share of entries with a query-frame rho above 0.9,
-        among the entries that have one), ``qf_entries`` (those entries) and the means of
-        :data:`QUERY_FRAME_MEANS`.
+        among the entries that have one), ``qf_entries`` (those entries), ``qf_undefined`` (the entries without
+        one: NaN, left out of every mean) and the NaN-skipping means of :data:`QUERY_FRAME_MEANS`.
     """
     from ..sweep.aggregation import bootstrap_ci
 
@@ -189,7 +130,9 @@ def summarize_sets(per_set: pd.DataFrame) -> pd.DataFrame:
                 row[f"{prefix}frac_rho_gt_0.9"] = float((values > 0.9).mean()) if values.size else math.nan
                 if form == "exact":
                     row["qf_entries"] = int(values.size)
-        row.update({c: float(frame[c].mean()) for c in QUERY_FRAME_MEANS if c in frame.columns})
+                    row["qf_undefined"] = int(len(frame) - values.size)  # no variation: NaN, left out, counted
+        # NaN (undefined: a frame of one query, all-tied rows) is left out of every mean (pandas skips it)
+        row.update({c: float(frame[c].mean(skipna=True)) for c in QUERY_FRAME_MEANS if c in frame.columns})
         rows.append(row)
     return pd.DataFrame(rows).sort_values("timestep", ascending=False).reset_index(drop=True)
 
@@ -291,6 +234,7 @@ def run(ctx) -> ExperimentResult:
 
     from .._io import write_table
     from ..attribution import ALPHA, POOLING_TV, sets_table, summarize_attribution
+    from .matched_control import per_set_means, run_controls
 
     tier, folder = ctx.tier, ctx.out / "ip-adapter"
     folder.mkdir(parents=True, exist_ok=True)
@@ -300,17 +244,18 @@ def run(ctx) -> ExperimentResult:
         "2+2 mixed": [refs for _, refs in _mixed_sets(tier.ip_mixed_sets)],
     }
     pipes = organism_pipelines(ctx.recipe)
-    summaries, attribution, raw = {}, {}, {"attribution": {}}
+    summaries, attribution, raw, per_set = {}, {}, {"attribution": {}}, {}
     for label, pipe in pipes.items():
         for population, sets in populations.items():
             probes, tables = [], []
             for i, refs in enumerate(tqdm(sets, desc=f"ip-adapter {label}, {population}", disable=not ctx.progress)):
                 table, attributed = run_reference_set(pipe, refs, seed=i, steps=steps)
                 probes.append(table.assign(set=i))
-                tables.append(attributed)
+                tables.append(attributed.assign(set=i))
             if population == "one digit":
                 summaries[label] = summarize_sets(pd.concat(probes, ignore_index=True))
                 raw[label] = summaries[label].to_dict(orient="records")
+                per_set[label] = per_set_means(pd.concat(probes), pd.concat(tables))
             key = f"{label}, {population} refs"
             attribution[key] = summarize_attribution(sets_table(tables), seed=0)
             raw["attribution"][key] = attribution[key].to_dict(orient="records")
@@ -323,10 +268,13 @@ def run(ctx) -> ExperimentResult:
         rows.extend(stored_frame_rows(label, summary))
     for key, summary in attribution.items():
         rows.extend(attribution_rows(key, summary))
+    control_rows, controls = run_controls(ctx, pipes, per_set, populations["one digit"], steps, folder)
+    rows.extend(control_rows)
 
     figures = [plot(summaries, attribution, ctx.recipe, folder)]
     record = {
         "measurements": raw,
+        **controls,
         "recipe": ctx.recipe,
         "num_inference_steps": NUM_STEPS,
         "timesteps": list(PAPER_TIMESTEPS),

@@ -63,6 +63,9 @@ class Tier:
             (:func:`ipa_probe.intervention.ablation_grid`).
         attribution_example_seeds: seeds of the two-3s-two-5s example (both 3s or both 5s ablated per group and
             range).
+        ip_calibration_sets: reference sets (apart from the evaluated ones) on which the matched control's key scales
+            are chosen (:func:`ipa_probe.experiments.matched_control.matched_twin`).
+        ip_pool_sets: reference sets of the query-pool comparison ("item" vs "branch" at 1, 3 and 8 images).
         schedule: learning rate after warm-up, ``"cosine"`` decay or ``"constant"`` (the release).
         eval_every: steps between validations of a training run (``0``: none; the final weights are the result).
         val_tasks, val_points: validation tasks per run and generated (= reference) points per task.
@@ -105,6 +108,8 @@ class Tier:
     attribution_control_sets: int = 20
     attribution_grid_sets: int = 5
     attribution_example_seeds: int = 8
+    ip_calibration_sets: int = 4
+    ip_pool_sets: int = 10
     schedule: str = "cosine"
     eval_every: int = 0
     val_tasks: int = 8
@@ -171,6 +176,8 @@ TIERS: dict[str, Tier] = {
         attribution_control_sets=2,
         attribution_grid_sets=1,
         attribution_example_seeds=2,
+        ip_calibration_sets=1,
+        ip_pool_sets=1,
         eval_every=6,
         scarcity_check_data=("pcafeat",),
         val_tasks=2,
@@ -210,6 +217,8 @@ TIERS: dict[str, Tier] = {
         attribution_control_sets=6,
         attribution_grid_sets=3,
         attribution_example_seeds=8,
+        ip_calibration_sets=2,
+        ip_pool_sets=4,
         eval_every=400,
         scarcity_check_data=("pcafeat",),
     ),

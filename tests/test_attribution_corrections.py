@@ -1,0 +1,128 @@
+"""The attribution tests after correction (issue #40 points 5 and 6): Holm, Clopper-Pearson, the mid block apart, the
+near-circular label and the held-out choice of a predictor, each against the test's own recomputation."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from ipa_probe.attribution import clopper_pearson, holm
+from ipa_probe.experiments.attribution_tests import (
+    DECIDED_BELOW,
+    adjust_comparisons,
+    adjust_grid,
+    example_intervals,
+    held_out,
+)
+
+
+def _holm_by_definition(p: list[float]) -> list[float]:
+    """Holm from its step-down definition, by brute force over the sorted order."""
+    m = len(p)
+    order = sorted(range(m), key=lambda i: p[i])
+    out = [0.0] * m
+    for rank, i in enumerate(order):
+        out[i] = min(1.0, max((m - j) * p[order[j]] for j in range(rank + 1)))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_holm_against_its_definition(seed):
+    p = np.random.default_rng(seed).uniform(0, 0.2, 9)
+    np.testing.assert_allclose(holm(p), _holm_by_definition(list(p)), rtol=0, atol=1e-15)  # exact products
+    with_nan = np.append(p, np.nan)
+    adjusted = holm(with_nan)
+    assert np.isnan(adjusted[-1])
+    np.testing.assert_allclose(adjusted[:-1], _holm_by_definition(list(p)), atol=1e-15)  # NaN does not count to m
+
+
+def test_holm_rejects_what_the_issue_names():
+    """The issue's case: among 136 tests, p 0.0126 does not survive Holm."""
+    p = np.full(136, 0.5)
+    p[0] = 0.0126
+    assert holm(p)[0] > 0.05
+
+
+@pytest.mark.parametrize(("k", "n"), [(0, 8), (6, 8), (8, 8), (3, 40)])
+def test_clopper_pearson_against_beta_quantiles_and_inside_0_1(k, n):
+    low, high = clopper_pearson(k, n)
+    expected_low = 0.0 if k == 0 else stats.beta.ppf(0.025, k, n - k + 1)
+    expected_high = 1.0 if k == n else stats.beta.ppf(0.975, k + 1, n - k)
+    assert low == pytest.approx(expected_low, abs=1e-9)  # root-finding tolerance of scipy's binomtest
+    assert high == pytest.approx(expected_high, abs=1e-9)
+    assert 0.0 <= low <= k / n <= high <= 1.0
+
+
+def test_example_intervals_replace_students_t():
+    example = pd.DataFrame(
+        {"seeds": [8, 8], "flipped": [0.75, 0.0], "flipped_low": [0.4, -0.17], "flipped_high": [1.137, 0.1]}
+    ).assign(reads_5=[1.0, 0.5], baseline_reads_5=[1.0, 1.0])
+    out = example_intervals(example)
+    for row in out.to_dict(orient="records"):
+        low, high = clopper_pearson(row["flipped_count"], 8)
+        assert (row["flipped_low"], row["flipped_high"]) == (low, high)
+        assert 0.0 <= row["flipped_low"] <= row["flipped_high"] <= 1.0
+    assert list(out["flipped_count"]) == [6, 0]
+
+
+def test_comparisons_holm_over_the_table_and_near_circular():
+    rng = np.random.default_rng(3)
+    rows = [
+        {"timestep": t, "predictor": p, "effect": e, "p": rng.uniform(0, 0.05), "low": 0.1, "predicts": True}
+        for t, p, e in itertools.product(["all", "951", "451"], ["attention_share", "posterior_weight"], ["a", "b"])
+    ]
+    table = pd.DataFrame(rows)
+    out = adjust_comparisons(table)
+    np.testing.assert_allclose(out["p_holm"], _holm_by_definition(list(table["p"])), atol=1e-15)
+    assert (out["predicts"] == (out["p_holm"] < 0.05)).all()
+    assert out["predicts_unadjusted"].all()
+    for r in out.to_dict(orient="records"):
+        late = r["timestep"] == "all" or float(r["timestep"]) < DECIDED_BELOW
+        assert r["near_circular"] == (r["predictor"] == "posterior_weight" and late)
+
+
+def test_grid_mid_block_is_its_own_family():
+    rng = np.random.default_rng(4)
+    table = pd.DataFrame(
+        {"group": ["down", "mid", "up", "mid", "all", "up"], "p": rng.uniform(0, 0.1, 6), "predicts": False}
+    )
+    out = adjust_grid(table)
+    for family, groups in (("grid", ["down", "up", "all"]), ("mid block", ["mid"])):
+        part = table[table["group"].isin(groups)]
+        np.testing.assert_allclose(out.loc[part.index, "p_holm"], _holm_by_definition(list(part["p"])), atol=1e-15)
+        assert (out.loc[part.index, "family"] == family).all()
+
+
+def _effects(sets: int = 12, refs: int = 4, seed: int = 5) -> pd.DataFrame:
+    """Effects where ``contribution_norm`` ranks the references exactly as ``latent_effect`` does, the posterior
+    backwards, the rest at random."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for s in range(sets):
+        effect = rng.permutation(refs).astype(float)
+        for r in range(refs):
+            rows.append({"set": s, "reference": r, "latent_effect": effect[r], "class_drop": rng.normal(),
+                         "attention_share": rng.uniform(), "contribution_norm": 2 * effect[r] + 1,
+                         "contribution_projection": rng.normal(), "posterior_weight": -effect[r]})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_held_out_chooses_on_one_half_and_tests_on_the_other():
+    effects = _effects()
+    out = held_out(effects, permutations=999)
+    latent = out[out["effect"] == "latent_effect"]
+    # norm and the negated posterior both rank exactly: the first of the tie (PREDICTORS' order) is chosen
+    assert set(latent["chosen"]) == {"contribution_norm"} and (latent["sign"] == 1).all()
+    assert latent["spearman"].tolist() == [1.0, 1.0]
+    assert latent["agrees"].all()
+    # the held-out mean of a predictor, recomputed with scipy on the odd sets
+    odd = effects[effects["set"] % 2 == 1]
+    shares = [stats.spearmanr(g["attention_share"], g["class_drop"]).statistic for _, g in odd.groupby("set")]
+    row = out[(out["effect"] == "class_drop") & (out["fold"] == "even chooses")].iloc[0]
+    assert row["attention_share_held_out"] == pytest.approx(np.mean(shares), abs=1e-12)
+    assert row["sets"] == 6
+    np.testing.assert_allclose(out["p_holm"], _holm_by_definition(list(out["p"])), atol=1e-15)

@@ -1,0 +1,90 @@
+"""The matched control and the query pool (issue #40 points 1 and 3), against the test's own recomputations."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from ipa_probe.experiments import matched_control as mc
+
+
+def _per_set(rng, sets=6, shift=0.0):
+    rows = []
+    for s, t in itertools.product(range(sets), (981.0, 1.0)):
+        rows.append({"set": s, "timestep": t, "qf_spearman": rng.uniform(0.7, 0.9) + shift,
+                     "qf_rho_excess": rng.normal(-0.03, 0.01) + shift})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_paired_control_against_enumerated_sign_flips():
+    """Differences, their means and the one-sided p by enumerating all 2^6 sign flips; Holm over the table."""
+    from ipa_probe.attribution import holm
+
+    rng = np.random.default_rng(0)
+    per_set = {"trained": _per_set(rng), "untrained": _per_set(rng, shift=0.02), "matched": _per_set(rng)}
+    out = mc.paired_control(per_set)
+    assert len(out) == 2 * 2 * 2  # controls x statistics x timesteps
+    for r in out.to_dict(orient="records"):
+        a = per_set["trained"][per_set["trained"]["timestep"] == r["timestep"]].sort_values("set")
+        b = per_set[r["control"]][per_set[r["control"]]["timestep"] == r["timestep"]].sort_values("set")
+        d = a[r["statistic"]].to_numpy() - b[r["statistic"]].to_numpy()
+        assert r["difference"] == pytest.approx(d.mean(), abs=1e-12)
+        flips = np.array(list(itertools.product([1, -1], repeat=len(d))))  # (64, 6)
+        null = (flips * d).mean(1)
+        assert r["p"] == pytest.approx(np.mean(null <= d.mean() + 1e-12), abs=1e-12)  # exact enumeration either way
+    np.testing.assert_allclose(out["p_holm"], holm(out["p"].to_numpy()), atol=0)
+
+
+def test_per_set_means_leave_nan_out_and_measure_tv():
+    table = pd.DataFrame(
+        {"set": [0, 0, 0, 1, 1, 1], "timestep": [1.0] * 6, "qf_spearman": [0.5, np.nan, 0.7, 0.1, 0.3, np.nan],
+         "qf_rho_excess": [0.0, np.nan, 0.2, 0.1, 0.1, np.nan]}
+    )  # fmt: skip
+    shares = pd.DataFrame(
+        {"set": [0] * 4 + [1] * 4, "timestep": [1.0] * 8, "layer": ["a", "a", "b", "b"] * 2,
+         "reference": [0, 1] * 4, "attention_share": [0.5, 0.5, 0.9, 0.1, 0.6, 0.4, 0.3, 0.7]}
+    )  # fmt: skip
+    out = mc.per_set_means(table, shares).set_index("set")
+    assert out.loc[0, "qf_spearman"] == pytest.approx(0.6) and out.loc[1, "qf_spearman"] == pytest.approx(0.2)
+    assert out.loc[0, "entries"] == 2
+    # TV from uniform over 2 references: |w_0 - 1/2|, averaged over the layers
+    assert out.loc[0, "attention_tv"] == pytest.approx((0.0 + 0.4) / 2)
+    assert out.loc[1, "attention_tv"] == pytest.approx((0.1 + 0.2) / 2)
+
+
+def test_scale_key_projection_scales_the_image_keys():
+    from ipa_probe.layers import find_ip_layers
+    from ipa_probe.tiny.digits import digits_pipeline
+
+    pipe = digits_pipeline()
+    layers = find_ip_layers(pipe)
+    name = layers[0].name
+    x = torch.randn(2, 3, layers[0].processor.to_k_ip[0].in_features)
+    before = layers[0].processor.to_k_ip[0](x)
+    other = layers[1].processor.to_k_ip[0].weight.clone()
+    mc.scale_key_projection(pipe, {name: 2.5})
+    torch.testing.assert_close(layers[0].processor.to_k_ip[0](x), 2.5 * before, rtol=1e-6, atol=1e-6)  # float32
+    assert torch.equal(layers[1].processor.to_k_ip[0].weight, other)
+    with pytest.raises(ValueError, match="no IP layer named"):
+        mc.scale_key_projection(pipe, {"nowhere": 2.0})
+
+
+def test_pool_summary_against_numpy():
+    rng = np.random.default_rng(1)
+    rows = []
+    for s, layer, head in itertools.product(range(4), ("a", "mid"), range(2)):
+        item = np.nan if layer == "mid" else rng.uniform(0.6, 0.9)
+        rows.append({"organism": "o", "images": 3, "branch": "cond", "timestep": 1.0, "set": s, "layer": layer,
+                     "head": head, "pool_item": item, "pool_branch": rng.uniform(0.6, 0.9)})  # fmt: skip
+    cells = pd.DataFrame(rows)
+    cells["difference"] = cells["pool_branch"] - cells["pool_item"]
+    out = mc._pool_summary(cells).iloc[0]
+    both = cells[cells["layer"] == "a"]
+    per_set = both.groupby("set")["difference"].mean().to_numpy()
+    assert out["difference"] == pytest.approx(per_set.mean(), abs=1e-12)
+    assert out["se"] == pytest.approx(per_set.std(ddof=1) / 2, abs=1e-12)
+    assert out["item"] == pytest.approx(both["pool_item"].mean()) and out["branch_only_cells"] == 8
