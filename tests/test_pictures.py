@@ -511,21 +511,22 @@ def test_done_when_probe_overlays_and_tensorboard_on_the_organism(tmp_path, caps
     assert all(read_provenance(overlays / name)["code"] for name in pngs)
     printed = capsys.readouterr().out
     assert "3 overlay(s)" in printed and "tensorboard logs in" in printed
-    events = _scalars(out / "logs" / "probe")
+    folder = out / "logs" / "probe_digit3_seed0_frame-item_steps3"  # named by what differs between runs
+    events = _scalars(folder)
     table = pd.read_parquet(out / "probe.parquet")
-    for branch, where in (("cond", ""), ("uncond", "uncond/")):  # cond is the headline branch (tests/test_trackers.py)
+    for branch, group in (("cond", "2_stored_frame"), ("uncond", "uncond_stored_frame")):  # cond: the headline
         part = table[(table["branch"] == branch) & (table["kind"] == "image")]
-        logged = {e.step: e.value for e in events.Scalars(f"nw/{where}rho")}
-        assert sorted(logged) == [0, 1, 2]
-        for step, value in logged.items():
+        logged = {e.step: e.value for e in events.Scalars(f"{group}/rho")}
+        timesteps = part.groupby("step")["timestep"].first()
+        assert sorted(logged) == sorted(int(round(t)) for t in timesteps)  # the step is the timestep
+        for step, t in timesteps.items():
             rows = part.loc[part["step"] == step, "spearman"].to_numpy(np.float64)
-            assert value == pytest.approx(rows[np.isfinite(rows)].mean(), abs=1e-6)  # TensorBoard keeps float32
-        timesteps = {e.step: e.value for e in events.Scalars(f"debug/{where}timestep")}
-        assert timesteps == {s: float(part.loc[part["step"] == s, "timestep"].iloc[0]) for s in range(3)}
-    assert {"figures/rho_by_timestep", "figures/reference_maps", "overlays/reference_shares"} <= set(
+            # TensorBoard keeps float32
+            assert logged[int(round(t))] == pytest.approx(rows[np.isfinite(rows)].mean(), abs=1e-6)
+    assert {"8_figures/rho_by_timestep", "8_figures/reference_maps", "7_overlays/reference_shares"} <= set(
         events.Tags()["images"]
     )
-    assert not list((out / "logs" / "probe").glob("*/"))  # one run: no hparams sub-run
+    assert sorted(p.name for p in folder.glob("*/")) == ["baseline", "mean", "null"]  # sub-runs of references
 
 
 def test_logging_adds_no_host_synchronisation_inside_the_loop(sd15, refs, tmp_path):
@@ -536,7 +537,8 @@ def test_logging_adds_no_host_synchronisation_inside_the_loop(sd15, refs, tmp_pa
         with CountScalarReads() as probed:
             generate(sd15, refs, output_type="latent")
     assert probed.count == plain.count
-    assert {e.step for e in _scalars(tmp_path / "r").Scalars("nw/rho")} == set(range(3))
+    timesteps = {int(round(t)) for t in run.summary()["timestep"]}
+    assert {e.step for e in _scalars(tmp_path / "r").Scalars("2_stored_frame/rho")} == timesteps
     assert run.summary()["spearman"].notna().all()
 
 

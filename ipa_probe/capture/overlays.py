@@ -22,10 +22,13 @@ from .mapplots import MAP_SCALES, _as_array, _check_choice, _colour_scale
 from .maps import MAP_KINDS
 
 __all__ = [
+    "EFFECT_SIZE",
     "OVERLAY_LAYOUTS",
     "OverlayMap",
     "describe_selection",
+    "draw_outline",
     "layer_groups",
+    "overlay_figure",
     "overlay_map",
     "plot_overlay",
     "save_overlays",
@@ -434,3 +437,68 @@ def save_overlays(
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+#: The deviation from the uniform share at which a map's colour saturates, as a fraction of the uniform share: a
+#: reference that gets 1.5x (or 0.5x) its uniform share is full red (blue); smaller deviations are drawn paler, in
+#: proportion, so that a map within 1% of uniform looks flat.
+EFFECT_SIZE = 0.5
+
+
+def draw_outline(ax, image, color: str = "black") -> None:
+    """The outline of the generated image's subject (its luminance contour halfway between its darkest and lightest
+    pixel) over ``ax``, in image pixels, so that a map drawn there can be read against the digit it made."""
+    base = _as_array(image)
+    luminance = base.mean(axis=-1) if base.ndim == 3 else base  # (H, W)
+    low, high = float(luminance.min()), float(luminance.max())
+    if high - low < 1e-6:  # a flat field (no image given): nothing to outline
+        return
+    ax.contour(luminance, levels=[(low + high) / 2], colors=color, linewidths=0.8)
+
+
+def overlay_figure(run, image, *, call: int = 0, adapter: int = 0, branch: str = "cond", note: str = "") -> dict:
+    """Per recorded step, a card-sized figure (7 in wide): each reference's share minus 1/R under attention (top row)
+    and NW (bottom row), averaged over layers, with the image's outline on every map and one colour range for every
+    step, both rows and every reference: ±:data:`EFFECT_SIZE` of the uniform share (stated on the colorbar).
+
+    Returns:
+        ``{loop index: matplotlib.figure.Figure}``.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.cm import ScalarMappable
+
+    from ..figstyle import MIN_FONT_PT, paper_style
+
+    steps = run.map_steps(call)
+    size = _as_array(image).shape[:2]
+    timesteps = run.map_timesteps(call)
+    figures = {}
+    for step in steps:
+        drawn = {
+            kind: run.reference_maps(call, 0, adapter, kind, branch, None, [step], size).double().numpy()
+            for kind in MAP_KINDS
+        }  # kind -> (R, H, W)
+        count = drawn["attention"].shape[0]
+        uniform = 1.0 / count
+        transform, norm, cmap, _ = _colour_scale("deviation", [], uniform, EFFECT_SIZE * uniform)
+        with paper_style():
+            fig, axes = plt.subplots(2, count, figsize=(7.0, 1.0 + 2 * min(2.2, 6.0 / count)), squeeze=False,
+                                     layout="constrained")  # fmt: skip
+            for row, kind in enumerate(MAP_KINDS):
+                for r in range(count):
+                    ax = axes[row, r]
+                    ax.imshow(transform(drawn[kind][r]), cmap=cmap, norm=norm, interpolation="bilinear")
+                    draw_outline(ax, image)
+                    ax.set_xticks([])
+                    ax.set_yticks([])
+                    ax.set_title(f"ref {r}, {'attention' if kind == 'attention' else 'NW'}", fontsize=MIN_FONT_PT)
+            bar = fig.colorbar(ScalarMappable(norm, cmap), ax=axes, shrink=0.9, extend="both")
+            bar.set_label(f"share − 1/{count}\n(saturates at ±{EFFECT_SIZE:g}/{count})", fontsize=MIN_FONT_PT)
+            bar.ax.tick_params(labelsize=MIN_FONT_PT)
+            fig.suptitle(
+                f"t {timesteps[step]:.0f} (step {step}), {branch} branch, mean over layers and heads; "
+                f"outline: the generated image {note}".strip(),
+                fontsize=MIN_FONT_PT,
+            )
+        figures[step] = fig
+    return figures

@@ -201,7 +201,7 @@ def _write(args: argparse.Namespace, loaded, result, run_, out: Path, organism: 
                 f"read as {v} (P({args.digit}) = {p[args.digit]:.2f})" for v, p in zip(labels, probs, strict=True)
             ]
         content = {"images": result.images, "references": loaded.references, "readings": readings}
-        folder = run_.log(args.log_with, logging_dir(args), "probe", settings=loaded.description, **content)
+        folder = run_.log(args.log_with, logging_dir(args), None, settings=loaded.description, **content)
         written.append(f"{args.log_with} logs in {folder}")
     written.append(f"{MANIFEST_NAME} (which files are this run's)")
     summary = run_.summary()
