@@ -302,6 +302,9 @@ def plot_heatmap(table: pd.DataFrame, column: str = "spearman", ax=None, branch:
         high = high if high > low else low + 1e-6
         style, scale = {"cmap": "viridis", "vmin": low, "vmax": high}, f"sequential, {low:.3g} to {high:.3g}"
     image = ax.imshow(values, aspect="auto", interpolation="nearest", **style)
+    for row in np.flatnonzero(~np.isfinite(values).any(axis=1)):  # a blank row says why it is blank
+        ax.text(values.shape[1] / 2 - 0.5, row, "undefined here (e.g. one query position)", ha="center",
+                va="center", fontsize=MIN_FONT_PT, color="dimgrey")  # fmt: skip
     timesteps = grid.columns.to_numpy(np.float64)
     ticks = regular_ticks(len(timesteps))  # one stride: the labels step regularly
     ax.set_xticks(ticks, [f"{timesteps[i]:g}" for i in ticks], fontsize=MIN_FONT_PT)
