@@ -18,15 +18,13 @@ import torch.nn.functional as F
 
 from ..layers import LayerSelection
 from .layer_order import network_order
-from .mapplots import MAP_SCALES, _as_array, _check_choice, _colour_scale
+from .mapplots import EFFECT_SIZE, MAP_SCALES, _as_array, _check_choice, _colour_scale, draw_outline
 from .maps import MAP_KINDS
 
 __all__ = [
-    "EFFECT_SIZE",
     "OVERLAY_LAYOUTS",
     "OverlayMap",
     "describe_selection",
-    "draw_outline",
     "layer_groups",
     "overlay_figure",
     "overlay_map",
@@ -437,23 +435,6 @@ def save_overlays(
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-
-
-#: The deviation from the uniform share at which a map's colour saturates, as a fraction of the uniform share: a
-#: reference that gets 1.5x (or 0.5x) its uniform share is full red (blue); smaller deviations are drawn paler, in
-#: proportion, so that a map within 1% of uniform looks flat.
-EFFECT_SIZE = 0.5
-
-
-def draw_outline(ax, image, color: str = "black") -> None:
-    """The outline of the generated image's subject (its luminance contour halfway between its darkest and lightest
-    pixel) over ``ax``, in image pixels, so that a map drawn there can be read against the digit it made."""
-    base = _as_array(image)
-    luminance = base.mean(axis=-1) if base.ndim == 3 else base  # (H, W)
-    low, high = float(luminance.min()), float(luminance.max())
-    if high - low < 1e-6:  # a flat field (no image given): nothing to outline
-        return
-    ax.contour(luminance, levels=[(low + high) / 2], colors=color, linewidths=0.8)
 
 
 def overlay_figure(run, image, *, call: int = 0, adapter: int = 0, branch: str = "cond", note: str = "") -> dict:
