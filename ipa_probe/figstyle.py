@@ -20,6 +20,7 @@ __all__ = [
     "PAPER_RC",
     "SINGLE_COLUMN",
     "fit_ylim",
+    "label_log_axis",
     "layout_facts",
     "paper_style",
     "regular_ticks",
@@ -213,6 +214,9 @@ def layout_facts(fig) -> dict:
             )
             ticks = axis.get_major_ticks() + axis.get_minor_ticks()
             undrawn |= {id(t) for tick in ticks for t in (tick.label1, tick.label2) if id(t) not in drawn}
+    for ax in fig.axes:  # a hidden panel draws none of its texts
+        if not ax.get_visible():
+            undrawn |= {id(t) for t in ax.findobj(Text)}
     cut = [
         text.get_text()
         for text in fig.findobj(Text)
@@ -265,3 +269,20 @@ def saved_layout_problems(path, widths=(SINGLE_COLUMN, DOUBLE_COLUMN), minimum: 
         if legend["overlaps"]:
             problems.append(f"{path}: legend {i} covers {legend['overlaps']}")
     return problems
+
+
+def label_log_axis(ax, which: str = "y") -> None:
+    """Label a log axis readably: at 1, 2 and 5 times each decade when its range spans two decades or less (a range
+    of one or two decades otherwise shows one or two labels), at each decade above that; plain numbers (``0.5``,
+    ``20``), not powers. Call it after the axis' range is set."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis = ax.yaxis if which == "y" else ax.xaxis
+    low, high = sorted(ax.get_ylim() if which == "y" else ax.get_xlim())
+    decades = math.log10(high / low) if low > 0 else math.inf
+    subs = (1.0, 2.0, 5.0) if decades <= 2 else (1.0,)
+    axis.set_major_locator(LogLocator(base=10, subs=subs))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())

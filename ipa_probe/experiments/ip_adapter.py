@@ -42,7 +42,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ..figstyle import fit_ylim  # noqa: E402
+from ..figstyle import fit_ylim, label_log_axis  # noqa: E402
 from ..schema import GAUGE_COLUMNS, query_frame_column  # noqa: E402
 from .report import ExperimentResult, Row, as_records, from_record  # noqa: E402
 
@@ -374,7 +374,10 @@ def _series(ax, entries, x, frame, column, colour, style, label, band=True):
     if band and all(b in frame.columns for b in bounds):
         low, high = (frame[b].to_numpy(float) for b in bounds)
         if np.isfinite(low).any():
-            handle = (line, ax.fill_between(x, low, high, color=colour, alpha=0.2, linewidth=0, label="_band"))
+            # a pale fill with its own edges: overlapping bands stay told apart by their outlines
+            band = ax.fill_between(x, low, high, facecolor=colour, alpha=0.12, edgecolor=colour, linewidth=0.8,
+                                   label="_band")  # fmt: skip
+            handle = (line, band)
             drawn += [low, high]
             line.set_label(label := f"{label} (band: 95% CI)")
     entries.append((handle, label))
@@ -439,11 +442,19 @@ def _rho_panels(axes, summaries, x) -> None:
         if "rho_excess" in summary.columns:
             text = f"{name}: stored-frame ρ − its baseline"
             drawn += _series(axes[2], entries, x, summary, "rho_excess", colour, "^--", text, band=False)
-        drawn += _series(axes[2], entries, x, summary, "null", colour, "s:", f"{name}: permutation null", band=False)
     entries.append((axes[2].axhline(0, color="black", linewidth=0.8, label="zero", zorder=1), "zero"))
     fit_ylim(axes[2], np.concatenate(drawn))
-    axes[2].set(ylabel="ρ difference", title="(c) ρ beyond its logit-ratio baseline, and the null")
+    axes[2].set(ylabel="ρ − its baseline", title="(c) ρ beyond its logit-ratio baseline")
     _legend(axes[2], entries)
+    if len(axes) > 3:  # the permutation null: a ρ, not a difference, in a panel of its own
+        entries, drawn = [], [[0.0]]
+        for label, summary in summaries.items():
+            colour, name = POPULATIONS[label]
+            text = f"{name}: stored-frame ρ, NW weights shuffled"
+            drawn += _series(axes[3], entries, x, summary, "null", colour, "s:", text, band=False)
+        fit_ylim(axes[3], np.concatenate(drawn))
+        axes[3].set(ylabel="ρ under the null", title="(c′) chance: the permutation null of ρ")
+        _legend(axes[3], entries)
 
 
 def _attribution_panel(ax, attribution, x, column, title, ylabel, reference=None, extra=None) -> None:
@@ -481,12 +492,12 @@ def _bandwidths(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 def _temperature_panel(ax, attribution, x) -> None:
-    """The fitted data-space bandwidth h* against the exact denoiser's h(t), log scale; h* = ∞ (uniform weights
-    closest) as a triangle at the top edge, an interval reaching ∞ cut there."""
+    """The fitted data-space bandwidth h* against the exact denoiser's h(t), log scale, on the range of the finite
+    values only: h* = ∞ (uniform weights closest) is an arrow at the top edge marked ∞, and an interval whose upper end
+    is ∞ is drawn as an arrow up from its lower end, never as a band to a made-up finite value."""
     frames = {label: _bandwidths(s) for label, s in attribution.items()}
     columns = ("fitted_bandwidth", "fitted_bandwidth_low", "fitted_bandwidth_high", "bandwidth")
     finite = [v for f in frames.values() for c in columns for v in f[c].to_numpy(float) if np.isfinite(v) and v > 0]
-    top = 10 ** math.ceil(math.log10(max(finite) * 3))
     entries = []
     for index, (label, frame) in enumerate(frames.items()):
         colour, name = POPULATIONS[label]
@@ -494,25 +505,37 @@ def _temperature_panel(ax, attribution, x) -> None:
         infinite = np.isinf(fitted)
         (line,) = ax.plot(x, np.where(infinite, np.nan, fitted), "o-", color=colour, label=f"{name}: fitted h*")
         handle, text = line, f"{name}: fitted h*"
-        low, high = (np.clip(frame[f"fitted_bandwidth_{e}"].to_numpy(float), 0, top) for e in ("low", "high"))
-        if np.isfinite(low).any():
+        low, high = (frame[f"fitted_bandwidth_{e}"].to_numpy(float) for e in ("low", "high"))
+        closed = np.isfinite(low) & np.isfinite(high)
+        if closed.any():
             text += " (band: 95% CI)"
             line.set_label(text)
-            handle = (line, ax.fill_between(x, low, high, color=colour, alpha=0.2, linewidth=0, label="_band"))
+            band = ax.fill_between(x, np.where(closed, low, np.nan), np.where(closed, high, np.nan), color=colour,
+                                   alpha=0.2, linewidth=0, label="_band")  # fmt: skip
+            handle = (line, band)
         entries.append((handle, text))
+        open_ended = np.isfinite(low) & np.isinf(high)
+        for i in np.flatnonzero(open_ended):  # the interval reaches ∞: an arrow from its lower end to the top edge
+            ax.annotate("", xy=(x[i] + 0.08 * index, 1.0), xycoords=("data", "axes fraction"),
+                        xytext=(x[i] + 0.08 * index, low[i]), textcoords="data",
+                        arrowprops={"arrowstyle": "->", "color": colour, "alpha": 0.6})  # fmt: skip
+        if open_ended.any():  # named in the line's own entry: a legend of at most 7 entries
+            text += ", arrow: CI open to ∞"
+            line.set_label(text)
+            entries[-1] = (handle, text)
+        for i in np.flatnonzero(infinite):  # h* = ∞: marked at the top edge, not placed at a finite value
+            ax.annotate("∞", xy=(x[i] + 0.08 * index, 0.97), xycoords=("data", "axes fraction"), ha="center",
+                        va="top", color=colour, fontweight="bold")  # fmt: skip
         if infinite.any():
-            edge = top / 1.6**index  # one row of triangles per population, so that none hides another
-            text = f"{name}: h* = ∞ (uniform closest)"
-            (marker,) = ax.plot(
-                x[infinite], np.full(infinite.sum(), edge), "^", color=colour, markersize=8, label=text
-            )
-            entries.append((marker, text))
+            (proxy,) = ax.plot([], [], linestyle="none", marker="$∞$", color=colour, label="_proxy")
+            entries.append((proxy, f"{name}: h* = ∞ (uniform closest), at the top edge"))
     first = next(iter(frames.values()))
     text = "exact denoiser's h(t) = σ_t/α_t"
     entries.append((ax.plot(x, first["bandwidth"], "k.--", label=text)[0], text))
     ax.set_yscale("log")
-    fit_ylim(ax, finite, [top], log=True)
-    ax.set(ylabel="data-space bandwidth (log)", title="(i) fitted temperature (∞: drawn at the top)")
+    fit_ylim(ax, finite, log=True)
+    label_log_axis(ax)
+    ax.set(ylabel="data-space bandwidth (log)", title="(i) fitted temperature (∞: marked at the top)")
     _legend(ax, entries)
 
 
@@ -540,9 +563,9 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
     x = np.arange(len(timesteps))
     refs = int(max(s["references"].max() for s in shown.values()))
     with paper_style():
-        fig, grid = plt.subplots(3, 3, figsize=(17, 14), layout="constrained")
-        _rho_panels(grid[0], summaries, x)
-        axes = grid.flat[3:]
+        fig, grid = plt.subplots(4, 3, figsize=(17, 18.5), layout="constrained")
+        _rho_panels(grid.flat[:4], summaries, x)
+        axes = grid.flat[4:]
         _attribution_panel(
             axes[0], shown, x, "share_spearman", "(d) attention share vs exact posterior (ranks)",
             "mean per-set Spearman", (0.0, "chance (permutation null mean)"),
@@ -565,13 +588,15 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
             "TV distance", (POOLING_TV, f"pooling threshold {POOLING_TV:g}"),
         )  # fmt: skip
         _temperature_panel(axes[5], shown, x)
-        for ax in grid.flat:
+        for ax in grid.flat[10:]:
+            ax.set_visible(False)
+        for ax in grid.flat[:10]:
             ax.set_xticks(x, [f"{t:g}" for t in timesteps])
             ax.set_xlabel("timestep (noise → data)")
         fig.suptitle(f"IP-Adapter attention on the digits organism (recipe {recipe}); bands: 95% intervals")
     inputs = as_records({"summaries": summaries, "attribution": attribution, "recipe": recipe})
     code = code_digest(plot, _rho_panels, _attribution_panel, _temperature_panel, _series, fit_ylim, _legend,
-                       _bandwidths)  # fmt: skip
+                       _bandwidths, label_log_axis)  # fmt: skip
     stamp = {"code": code, "inputs": data_digest(inputs)}
     return write_figure(fig, Path(folder) / "ip_adapter.png", dpi=110, provenance=stamp)
 
