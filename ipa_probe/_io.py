@@ -273,12 +273,17 @@ def write_figure(fig: Any, path: str | os.PathLike, dpi: int = 120, provenance: 
     """A matplotlib figure in the format its suffix names, written atomically; the figure is closed.
 
     ``provenance`` (a JSON-able dict, e.g. ``{"code": code_digest(plot), "inputs": data_digest(data)}``) goes into a
-    PNG text chunk (:data:`PROVENANCE_KEY`), read back by :func:`read_provenance`.
+    PNG text chunk (:data:`PROVENANCE_KEY`), read back by :func:`read_provenance`, with the figure's layout facts
+    (:func:`ipa_probe.figstyle.layout_facts`: size, smallest text, legends) under ``"layout"``.
     """
     import matplotlib.pyplot as plt
 
     path = Path(path)
     fmt = path.suffix.lstrip(".")
+    if fmt == "png":  # what a reviewer measures (size, smallest text, legends), read back by figstyle
+        from .figstyle import layout_facts
+
+        provenance = {**(provenance or {}), "layout": layout_facts(fig)}
     metadata = _png_text(provenance) if fmt == "png" else {}
     try:
         with atomic_path(path) as temp:

@@ -1,9 +1,13 @@
-"""One text style for every figure, and the checks a reviewer would make of a figure, as functions.
+"""One text style for every figure, the sizes a paper prints them at, and the checks a reviewer would make of a
+figure, as functions.
 
-Font sizes in matplotlib are points: a 9 pt label is 9/72 inch tall in the saved PNG at any dpi (12.4 px at the
-110 dpi the figures are written at). :data:`MIN_FONT_PT` is the smallest size a figure may use, so that it stays
-readable printed at its saved size; :func:`paper_style` sets it as the default of every text element, and
-:func:`small_text` and :func:`unlegended_artists` find what a reviewer would send back.
+A figure is drawn at the width it is read at: one column of a paper (:data:`SINGLE_COLUMN`, 3.5 in) or the page
+(:data:`DOUBLE_COLUMN`, 7 in). Font sizes in matplotlib are points: an 8 pt label is 8/72 inch tall in the saved PNG
+at any dpi, so a figure drawn at its printed width keeps its sizes in print. :data:`MIN_FONT_PT` is the smallest size
+a figure may use; :func:`paper_style` sets it as the default of every text element; :func:`small_text`,
+:func:`unlegended_artists` and :func:`layout_facts` (size, smallest text, legends inside the figure and clear of other
+panels: stored in every saved PNG by :func:`ipa_probe._io.write_figure`, read back by :func:`saved_layout_problems`)
+find what a reviewer would send back.
 """
 
 from __future__ import annotations
@@ -11,29 +15,37 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 
 __all__ = [
+    "DOUBLE_COLUMN",
     "MIN_FONT_PT",
     "PAPER_RC",
+    "SINGLE_COLUMN",
     "fit_ylim",
+    "label_log_axis",
+    "layout_facts",
     "paper_style",
     "regular_ticks",
+    "saved_layout_problems",
     "small_text",
     "text_sizes",
     "unlegended_artists",
 ]
 
-#: The smallest font size (points) of any text in a figure.
-MIN_FONT_PT = 9.0
+#: The smallest font size (points) of any text in a figure, at the width it is drawn (and printed) at.
+MIN_FONT_PT = 8.0
 
-#: matplotlib rc settings of :func:`paper_style`: every text element at 9 pt or more.
+#: The widths (inches) a figure is drawn at: one column of a two-column paper, and the full page width.
+SINGLE_COLUMN, DOUBLE_COLUMN = 3.5, 7.0
+
+#: matplotlib rc settings of :func:`paper_style`: every text element at 8 pt or more.
 PAPER_RC = {
     "font.size": MIN_FONT_PT,
-    "axes.titlesize": 10.0,
+    "axes.titlesize": 9.0,
     "axes.labelsize": MIN_FONT_PT,
     "xtick.labelsize": MIN_FONT_PT,
     "ytick.labelsize": MIN_FONT_PT,
     "legend.fontsize": MIN_FONT_PT,
     "legend.title_fontsize": MIN_FONT_PT,
-    "figure.titlesize": 11.0,
+    "figure.titlesize": 9.0,
 }
 
 
@@ -155,3 +167,122 @@ def unlegended_artists(fig) -> list[str]:
             if label not in labels:
                 missing.append(f"{ax.get_title()}: {label}")
     return missing
+
+
+def _within(box, frame, slack: float = 1.0) -> bool:
+    """Whether ``box`` lies inside ``frame`` (display pixels) up to ``slack`` pixels (antialiasing)."""
+    return (box.x0 >= frame.x0 - slack and box.y0 >= frame.y0 - slack and box.x1 <= frame.x1 + slack
+            and box.y1 <= frame.y1 + slack)  # fmt: skip
+
+
+def layout_facts(fig) -> dict:
+    """What a reviewer measures of ``fig`` as it will be saved (drawn once): its size in inches, its smallest text in
+    points, and per legend whether it lies inside the figure and clear of every other panel (a legend cut by the edge
+    or covered by the next panel is the usual casualty of a shrunken figure).
+
+    Returns:
+        ``{"texts_cut": [texts cut by the figure's edge], "width_in", "height_in", "min_font_pt", "legends":
+        [{"inside": bool, "overlaps": [axes titles]}]}``.
+    """
+    sizes = [size for _, size in text_sizes(fig)]  # draws the figure
+    renderer = fig.canvas.get_renderer()
+    frame = fig.bbox
+    legends = [(ax, ax.get_legend()) for ax in fig.axes if ax.get_legend() is not None]
+    legends += [(None, legend) for legend in fig.legends]
+    out = []
+    for owner, legend in legends:
+        if not legend.get_visible():
+            continue
+        box = legend.get_window_extent(renderer)
+        inside = (
+            box.x0 >= frame.x0 - 1 and box.y0 >= frame.y0 - 1 and box.x1 <= frame.x1 + 1 and box.y1 <= frame.y1 + 1
+        )
+        overlaps = [
+            ax.get_title() or f"axes {i}"
+            for i, ax in enumerate(fig.axes)
+            if ax is not owner and ax.get_visible() and ax.axison and not hasattr(ax, "_colorbar")
+            and box.overlaps(ax.get_window_extent(renderer))
+        ]  # fmt: skip
+        out.append({"inside": bool(inside), "overlaps": overlaps})
+    from matplotlib.text import Text
+
+    undrawn = set()  # tick labels of ticks outside the view: matplotlib keeps them but does not draw them
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            drawn = (
+                {id(t) for tick in axis._update_ticks() for t in (tick.label1, tick.label2)} if ax.axison else set()
+            )
+            ticks = axis.get_major_ticks() + axis.get_minor_ticks()
+            undrawn |= {id(t) for tick in ticks for t in (tick.label1, tick.label2) if id(t) not in drawn}
+    for ax in fig.axes:  # a hidden panel draws none of its texts
+        if not ax.get_visible():
+            undrawn |= {id(t) for t in ax.findobj(Text)}
+    cut = [
+        text.get_text()
+        for text in fig.findobj(Text)
+        if text.get_visible() and text.get_text().strip() and id(text) not in undrawn
+        and not _within(text.get_window_extent(renderer), frame)
+    ]  # fmt: skip
+    width, height = fig.get_size_inches()
+    return {
+        "texts_cut": cut,
+        "width_in": round(float(width), 3),
+        "height_in": round(float(height), 3),
+        "min_font_pt": float(min(sizes)) if sizes else None,
+        "legends": out,
+    }
+
+
+def saved_layout_problems(path, widths=(SINGLE_COLUMN, DOUBLE_COLUMN), minimum: float = MIN_FONT_PT) -> list[str]:
+    """What is wrong with a saved PNG as a paper's figure, read from the file: its width (pixels over the dpi the PNG
+    records) is not one of ``widths``, the layout facts :func:`ipa_probe._io.write_figure` stored in it are missing or
+    disagree with its pixels, a text is under ``minimum`` points, or a legend is cut by the edge or covers a panel.
+
+    Returns:
+        one line per problem (empty when the figure is fit to print).
+    """
+    import json
+
+    from PIL import Image
+
+    with Image.open(path) as image:
+        pixels, dpi, text = image.size, image.info.get("dpi"), dict(getattr(image, "text", {}) or {})
+    if not dpi:
+        return [f"{path}: no dpi recorded, so its printed size is unknown"]
+    width, height = pixels[0] / float(dpi[0]), pixels[1] / float(dpi[1])
+    problems = []
+    if not any(abs(width - w) < 0.02 for w in widths):
+        problems.append(f"{path}: {width:.2f} in wide, expected one of {widths}")
+    raw = next((v for k, v in text.items() if k.startswith("ipa_probe")), None)
+    facts = (json.loads(raw) or {}).get("layout") if raw else None
+    if not facts:
+        return [*problems, f"{path}: no layout facts stored (write it with ipa_probe._io.write_figure)"]
+    if abs(facts["width_in"] - width) > 0.02 or abs(facts["height_in"] - height) > 0.02:
+        problems.append(f"{path}: stored size {facts['width_in']} x {facts['height_in']} in is not the file's")
+    if facts["min_font_pt"] is not None and facts["min_font_pt"] < minimum - 1e-9:
+        problems.append(f"{path}: text at {facts['min_font_pt']} pt, under {minimum} pt")
+    for text in facts.get("texts_cut", ["(not measured)"]):
+        problems.append(f"{path}: text cut by the figure's edge: {text!r}")
+    for i, legend in enumerate(facts["legends"]):
+        if not legend["inside"]:
+            problems.append(f"{path}: legend {i} is cut by the figure's edge")
+        if legend["overlaps"]:
+            problems.append(f"{path}: legend {i} covers {legend['overlaps']}")
+    return problems
+
+
+def label_log_axis(ax, which: str = "y") -> None:
+    """Label a log axis readably: at 1, 2 and 5 times each decade when its range spans two decades or less (a range
+    of one or two decades otherwise shows one or two labels), at each decade above that; plain numbers (``0.5``,
+    ``20``), not powers. Call it after the axis' range is set."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis = ax.yaxis if which == "y" else ax.xaxis
+    low, high = sorted(ax.get_ylim() if which == "y" else ax.get_xlim())
+    decades = math.log10(high / low) if low > 0 else math.inf
+    subs = (1.0, 2.0, 5.0) if decades <= 2 else (1.0,)
+    axis.set_major_locator(LogLocator(base=10, subs=subs))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())

@@ -1,44 +1,39 @@
 """What a finished probe sends to a tracker, and under which tags: the content, apart from the trackers' APIs.
 
 :func:`collect` reads a finished :class:`~ipa_probe.ProbeRun` (its table, summary and reference maps) into a
-:class:`ProbeLog`; :func:`write` hands it to a :class:`~ipa_probe.trackers.Tracker` step by step, in step order.
-Nothing here runs inside the denoising loop. The step of every tag is the denoising loop index. Tags (``call{c}/``
-in front of each when the block probed several pipeline calls):
+:class:`ProbeLog`; :func:`write` hands it to a :class:`~ipa_probe.trackers.Tracker`. Nothing here runs inside the
+denoising loop.
 
-- ``nw/rho``, ``nw/rho_baseline``, ``nw/rho_null``, ``nw/rho_excess``: the per-timestep means over layers, heads and
-  adapters of the stored-frame ``spearman``, ``rho_baseline``, ``spearman_null`` and ``rho_excess`` of the image
-  branch's CFG branch ``cond`` (the only branch without CFG); ``nw/pearson``, ``nw/top1``, ``nw/kl``,
-  ``nw/neff_attn``, ``nw/neff_nw``, ``nw/frac_rho_gt_0.9`` (``_null``), ``nw/rows_rho_gt_0.9`` (``_null``) beside them;
-  every query-frame column of the summary (``qf_*``, ``spearman`` written ``rho``: ``nw/qf_rho``,
-  ``nw/qf_rho_baseline``, ``nw/qf_rho_null``, ``nw/qf_rho_excess``, ``nw/qf_gauss_*``) when the probe has it. Other
-  branches: ``nw/{branch}/...``; the text branch: ``nw/text/...``.
-- ``nw/layer/{i}_{layer}``: ``spearman`` per layer (mean over heads and adapters), numbered in network order
-  (down, mid, up) so that TensorBoard's alphabetical order is the network's; ``nw/qf_layer/...`` likewise.
-- ``debug/...``: every other numeric summary column (``bandwidth``, ``cells``, ``rho_cells``, ``nonfinite``,
-  ``timestep``, ``q_norm``, ``logit_ratio``, ...), per series as above.
-- ``maps/attention_share/ref{r}``, ``maps/nw_share/ref{r}``, ``maps/contribution_share/ref{r}`` (``maps=True``):
-  reference ``r``'s mean share per step of the attention, of the NW weights and of the image branch's output norm
-  after ``to_out`` (:meth:`~ipa_probe.ProbeRun.reference_mass`, averaged over layers); ``maps/dominant_agree``,
-  ``maps/tv`` (:meth:`~ipa_probe.ProbeRun.map_table`, averaged over layers and images).
-- histograms per step: ``hist/rho_per_layer_head_cell`` (the ``spearman`` of each layer × head × adapter cell),
-  ``hist/rho_null_per_layer_head_cell``, ``hist/qf_rho_per_layer_head_cell`` when present; with maps
-  ``hist/attention_share_per_position/ref{r}`` and ``hist/nw_share_per_position/ref{r}`` (reference ``r``'s share at
-  every query position of every layer and every image of the branch). The probe records no per-reference
-  contribution (the image branch's output split by reference), so none is logged.
-- images: ``overlays/reference_shares`` at every step with maps (each reference's share minus ``1/R`` over the first
-  image, attention above NW, one colour range per reference over all steps), ``images/generated``,
-  ``images/references``, ``figures/rho_by_timestep``, ``figures/reference_maps``; text: ``images/readings`` (one line
-  per image), ``run/settings``.
-- hyper-parameters: the generation's settings and the probe's (``probe/...``), with the metrics ``end/rho``,
-  ``end/rho_baseline``, ``end/rho_null``, ``end/rho_excess`` (and ``end/qf_*``): the means over every cell of the
-  headline series, all steps, layers and heads.
+Ordered for the researcher who opens the dashboard: TensorBoard (and wandb, MLflow) sort tag groups by name, so each
+group starts with its rank, and the first one is the finding:
+
+- the x axis (the tracker's step) is the **timestep** (rounded to an integer), so every chart reads against the
+  scheduler's timestep, high t being the start of denoising; when two recorded steps of one call round to one
+  timestep the loop index is used instead, and ``run/settings`` says so;
+- a series and its references share one tag in sibling runs: ``1_query_frame/rho`` holds the query-frame rho in the
+  run itself, its gauge baseline in the sub-run ``baseline``, its permutation null in ``null``, and the run's mean
+  over every cell (a flat line over the timesteps) in ``mean``, so that one chart draws the four in four colours,
+  each named by its run;
+- ``1_query_frame/`` (gauge-invariant: ``rho``, ``rho_gaussian``, their excesses, the rows with rho > 0.9 and
+  chance), ``2_stored_frame/`` (gauge-dependent: ``rho``, ``rho_excess``, cells and rows with rho > 0.9),
+  ``3_agreement/`` (Pearson, top-1, KL, n_eff: one unit per chart), ``4_query_frame_rho_per_layer/NN_<layer>`` and
+  ``5_stored_frame_rho_per_layer/NN_<layer>`` (one small chart per layer, numbered in network order: down, mid, up;
+  baseline and null in their sub-runs), ``6_reference_shares/`` (``maps=True``), then images: ``7_overlays/`` (each
+  reference's share minus 1/R per timestep, a slider), ``8_figures/`` (the run's figures, drawn at card size: rho by
+  timestep, the query-frame rho per layer and timestep, the reference maps), ``9_images/`` (generated, references);
+  histograms under ``hist/``; the other CFG branches under ``{branch}_query_frame/`` and ``{branch}_stored_frame/``;
+  several pipeline calls add ``_call{c}`` to each group;
+- the bookkeeping (bandwidth, cell counts, norms, logit ratios, ...) is text (``debug/bookkeeping``: a table per
+  series, one row per step), not charts;
+- the end-of-run numbers are the HParams view's metrics only: the ``mean`` sub-run's ``1_query_frame/rho``,
+  ``1_query_frame/rho_excess``, ``2_stored_frame/rho`` and ``2_stored_frame/rho_excess`` (TensorBoard reads a
+  metric's value from a scalar; here it is the flat line drawn on the headline chart, never a one-point chart).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -46,6 +41,57 @@ import numpy as np
 import pandas as pd
 
 from .schema import ROW_THRESHOLD, frac_column, frac_null_column, rows_column
+
+__all__ = ["GROUPS", "MEAN_RUN", "ProbeLog", "collect", "headline_branch", "network_order", "write"]
+
+#: The tag groups in the order they are read (the rank is part of the name: trackers sort groups by name).
+GROUPS: dict[str, str] = {
+    "query_frame": "1_query_frame",
+    "stored_frame": "2_stored_frame",
+    "agreement": "3_agreement",
+    "qf_layer": "4_query_frame_rho_per_layer",
+    "layer": "5_stored_frame_rho_per_layer",
+    "shares": "6_reference_shares",
+    "overlays": "7_overlays",
+    "figures": "8_figures",
+    "images": "9_images",
+}
+
+#: The sub-run holding each run's means over every cell (the HParams view's metrics).
+MEAN_RUN = "mean"
+
+_ROWS, _ROWS_NULL = rows_column(), f"{rows_column()}_null"
+
+#: ``(group, tag, {sub-run: summary column})``: "" is the run itself. A chart per tag; one unit per tag.
+_CHARTS: tuple[tuple[str, str, dict[str, str]], ...] = (
+    ("query_frame", "rho", {"": "qf_spearman", "baseline": "qf_rho_baseline", "null": "qf_spearman_null"}),
+    ("query_frame", "rho_excess", {"": "qf_rho_excess"}),
+    ("query_frame", "rho_gaussian",
+     {"": "qf_gauss_spearman", "baseline": "qf_gauss_rho_baseline", "null": "qf_gauss_spearman_null"}),
+    ("query_frame", "rho_gaussian_excess", {"": "qf_gauss_rho_excess"}),
+    ("query_frame", _ROWS, {"": f"qf_{_ROWS}", "null": f"qf_{_ROWS_NULL}"}),
+    ("stored_frame", "rho", {"": "spearman", "baseline": "rho_baseline", "null": "spearman_null"}),
+    ("stored_frame", "rho_excess", {"": "rho_excess"}),
+    ("stored_frame", frac_column(ROW_THRESHOLD),
+     {"": frac_column(ROW_THRESHOLD), "null": frac_null_column(ROW_THRESHOLD)}),
+    ("stored_frame", _ROWS, {"": _ROWS, "null": _ROWS_NULL}),
+    ("agreement", "pearson", {"": "pearson"}),
+    ("agreement", "query_frame_pearson", {"": "qf_pearson"}),
+    ("agreement", "top1", {"": "top1"}),
+    ("agreement", "query_frame_top1", {"": "qf_top1"}),
+    ("agreement", "kl", {"": "kl"}),
+    ("agreement", "query_frame_kl", {"": "qf_kl"}),
+    ("agreement", "neff_attention", {"": "neff_attn"}),
+    ("agreement", "neff_nw", {"": "neff_nw"}),
+    ("agreement", "query_frame_neff_nw", {"": "qf_neff_nw"}),
+)  # fmt: skip
+
+#: The headline charts that get the run's mean (cell column averaged over every cell) in the ``mean`` sub-run.
+_MEANS = {("query_frame", "rho"): "qf_spearman", ("query_frame", "rho_excess"): "qf_rho_excess",
+          ("stored_frame", "rho"): "spearman", ("stored_frame", "rho_excess"): "rho_excess"}  # fmt: skip
+
+#: The summary and table columns that group rather than measure.
+_KEYS = ("call", "step", "kind", "branch")
 
 
 def flat_settings(values: Mapping, prefix: str = "") -> dict[str, bool | int | float | str]:
@@ -62,54 +108,19 @@ def flat_settings(values: Mapping, prefix: str = "") -> dict[str, bool | int | f
     return out
 
 
-def figure_array(fig):
-    """An ``(H, W, 3)`` uint8 array of a matplotlib figure (drawn with Agg; the figure is closed)."""
+def figure_array(fig, dpi: float | None = None):
+    """An ``(H, W, 3)`` uint8 array of a matplotlib figure (drawn with Agg at ``dpi``, default the figure's own; the
+    figure is closed)."""
     import matplotlib.pyplot as plt
-    import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+    if dpi is not None:
+        fig.set_dpi(dpi)
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     array = np.asarray(canvas.buffer_rgba())[..., :3].copy()
     plt.close(fig)
     return array
-
-
-__all__ = ["HEADLINE", "ProbeLog", "collect", "headline_branch", "headline_tag", "network_order", "write"]
-
-#: Summary columns logged under ``nw/`` and the name each gets there (query-frame ``qf_*`` columns are added by
-#: :func:`headline_tag`); every other numeric column goes under ``debug/``.
-HEADLINE: dict[str, str] = {
-    "spearman": "rho",
-    "rho_baseline": "rho_baseline",
-    "spearman_null": "rho_null",
-    "rho_excess": "rho_excess",
-    "pearson": "pearson",
-    "top1": "top1",
-    "kl": "kl",
-    "neff_attn": "neff_attn",
-    "neff_nw": "neff_nw",
-    frac_column(ROW_THRESHOLD): frac_column(ROW_THRESHOLD),
-    frac_null_column(ROW_THRESHOLD): frac_null_column(ROW_THRESHOLD),
-    rows_column(): rows_column(),
-    f"{rows_column()}_null": f"{rows_column()}_null",
-}
-
-#: The summary and table columns that group rather than measure.
-_KEYS = ("call", "step", "kind", "branch")
-
-#: The columns whose means over the headline series are the run's end-of-run metrics (those present).
-_METRICS = ("spearman", "rho_baseline", "spearman_null", "rho_excess")
-
-
-def headline_tag(column: str) -> str | None:
-    """The name of a summary column under ``nw/`` (``spearman`` -> ``rho``, ``qf_spearman_null`` ->
-    ``qf_rho_null``), or ``None`` for a bookkeeping column (logged under ``debug/``)."""
-    if column in HEADLINE:
-        return HEADLINE[column]
-    if column.startswith("qf_"):
-        return column.replace("spearman", "rho")
-    return None
 
 
 def network_order(names: Sequence[str]) -> list[str]:
@@ -135,17 +146,18 @@ class ProbeLog:
     """Everything a probe logs, tracker-independent.
 
     Attributes:
-        scalars: tag -> step -> value.
+        scalars: sub-run (``""``: the run itself) -> tag -> step -> value.
         histograms: ``(tag, step, values)``.
         images: step -> tag -> ``(H, W, 3)`` uint8 array.
         texts: tag -> markdown.
-        layout: the custom-scalars layout (see :data:`ipa_probe.trackers.Layout`).
+        layout: the chart layout (see :data:`ipa_probe.trackers.Layout`): exact tags.
         hparams: the settings (nested mappings allowed).
-        metrics: the end-of-run metrics (tag -> value).
-        last_step: the step the end-of-run content is written at.
+        metrics: the end-of-run metrics: tag -> value, in the sub-run :data:`MEAN_RUN`.
+        last_step: the step the end-of-run content is written at (the last denoising step's).
+        x_axis: what the step is: ``"timestep"`` or ``"loop index"``.
     """
 
-    scalars: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
+    scalars: dict[str, dict[str, dict[int, float]]] = dataclasses.field(default_factory=dict)
     histograms: list[tuple[str, int, np.ndarray]] = dataclasses.field(default_factory=list)
     images: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     texts: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -153,79 +165,136 @@ class ProbeLog:
     hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     last_step: int = 0
+    x_axis: str = "timestep"
 
-    def add(self, tag: str, step: int, value) -> None:
+    def add(self, tag: str, step: int, value, run: str = "") -> None:
         if value is not None and np.isfinite(float(value)):
-            self.scalars.setdefault(tag, {})[int(step)] = float(value)
+            self.scalars.setdefault(run, {}).setdefault(tag, {})[int(step)] = float(value)
 
 
-def _series_path(kind: str, branch: str, head: str) -> str:
-    """The part of a tag after ``nw/`` or ``debug/`` that names a (kind, branch) series: empty for the headline."""
-    return ("" if kind == "image" else f"{kind}/") + ("" if branch == head else f"{branch}/")
+def _steps(summary: pd.DataFrame) -> tuple[dict[tuple[int, int], int], str]:
+    """``(call, loop index) -> tracker step`` and what the step is: the rounded timestep, unless two recorded steps of
+    one call round to one timestep (then the loop index)."""
+    pairs = summary[["call", "step", "timestep"]].drop_duplicates(["call", "step"])
+    rounded = pairs["timestep"].round().astype(int)
+    unique = all(len(set(part)) == len(part) for _, part in rounded.groupby(pairs["call"]))
+    values = rounded if unique else pairs["step"].astype(int)
+    mapping = {(int(c), int(s)): int(v) for c, s, v in zip(pairs["call"], pairs["step"], values, strict=True)}
+    return mapping, ("timestep" if unique else "loop index")
 
 
-def _summary_scalars(log: ProbeLog, summary: pd.DataFrame, head: str, calls: dict[int, str]) -> None:
-    for _, row in summary.iterrows():
-        path = _series_path(row["kind"], row["branch"], head)
-        where = calls[int(row["call"])]
-        for column, value in row.items():
-            if column in _KEYS or isinstance(value, bool) or not pd.api.types.is_number(value):
+def _group(key: str, label: str, call: str) -> str:
+    """A group's name: the ranked one for the headline series (``label`` empty), else ``{label}_{key}``."""
+    return (GROUPS[key] if not label else f"{label}_{key}") + call
+
+
+def _summary_scalars(log: ProbeLog, summary, cells, head: tuple, calls: dict, steps: dict) -> list[str]:
+    """The charts' scalars of every (kind, branch) series; returns the columns they used."""
+    used = set()
+    for (call, kind, branch), part in summary.groupby(["call", "kind", "branch"], sort=True):
+        label = "" if (kind, branch) == head else (branch if kind == "image" else f"{kind}_{branch}")
+        for group, tag, columns in _CHARTS:
+            if label and group == "agreement":
                 continue
-            name = headline_tag(column)
-            tag = f"{where}nw/{path}{name}" if name is not None else f"{where}debug/{path}{column}"
-            log.add(tag, row["step"], value)
+            for run, column in columns.items():
+                if column not in part:
+                    continue
+                used.add(column)
+                for step, value in zip(part["step"], part[column], strict=True):
+                    log.add(f"{_group(group, label, calls[call])}/{tag}", steps[(call, int(step))], value, run)
+        if label:
+            continue
+        call_cells = cells[cells["call"] == call]
+        xs = [steps[(call, int(s))] for s in part["step"]]
+        for (group, tag), column in _MEANS.items():
+            if column in call_cells and call_cells[column].notna().any():
+                name = f"{_group(group, label, calls[call])}/{tag}"
+                mean = float(call_cells[column].mean())
+                for x in (min(xs), max(xs)):
+                    log.add(name, x, mean, MEAN_RUN)
+                log.metrics[name] = mean
+    return sorted(used)
 
 
-def _layer_scalars(log: ProbeLog, cells: pd.DataFrame, order: list[str], calls: dict[int, str]) -> None:
-    """``nw/layer/{i}_{layer}`` (and ``nw/qf_layer/...``): per step, the mean over heads and adapters."""
+def _bookkeeping(summary: pd.DataFrame, used: Sequence[str], steps: dict) -> str:
+    """The columns no chart draws, as one markdown table per series (rows: steps)."""
+    rest = [c for c in summary.columns if c not in (*_KEYS, *used) and pd.api.types.is_numeric_dtype(summary[c])]
+    rest = [c for c in rest if not pd.api.types.is_bool_dtype(summary[c])]
+    parts = []
+    for (call, kind, branch), part in summary.groupby(["call", "kind", "branch"], sort=True):
+        frame = part[["step", *rest]].copy()
+        frame.insert(0, "x", [steps[(call, int(s))] for s in part["step"]])
+        header = f"**call {call}, {kind} branch {branch}** (x: the chart step)\n\n"
+        cells = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+        cells += ["| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row) + " |"
+                  for row in frame.itertuples(index=False)]  # fmt: skip
+        parts.append(header + "\n".join(cells))
+    return "\n\n".join(parts)
+
+
+def _layer_scalars(log: ProbeLog, cells: pd.DataFrame, order: list[str], calls: dict, steps: dict) -> None:
+    """One small chart per layer (mean over heads and adapters), numbered in network order; baseline and null in
+    their sub-runs."""
+    from .capture.report import _short_names
+
     width = max(2, len(str(len(order) - 1)))
-    number = {name: f"{i:0{width}d}_{name}" for i, name in enumerate(order)}
-    for column, group in (("spearman", "layer"), ("qf_spearman", "qf_layer")):
-        if column not in cells:
-            continue
-        means = cells.groupby(["call", "step", "layer"], observed=True)[column].mean()
-        for (call, step, layer), value in means.items():
-            log.add(f"{calls[int(call)]}nw/{group}/{number[layer]}", step, value)
+    short, _ = _short_names(order)  # without the ending every layer id shares (".transformer_blocks.0.attn2")
+    number = {name: f"{i:0{width}d}_{cut}" for i, (name, cut) in enumerate(zip(order, short, strict=True))}
+    for group, columns in (
+        ("qf_layer", {"": "qf_spearman", "baseline": "qf_rho_baseline", "null": "qf_spearman_null"}),
+        ("layer", {"": "spearman", "baseline": "rho_baseline", "null": "spearman_null"}),
+    ):
+        for run, column in columns.items():
+            if column not in cells:
+                continue
+            means = cells.groupby(["call", "step", "layer"], observed=True)[column].mean()
+            for (call, step, layer), value in means.items():
+                log.add(f"{_group(group, '', calls[call])}/{number[layer]}", steps[(call, int(step))], value, run)
 
 
-def _cell_histograms(log: ProbeLog, cells: pd.DataFrame, calls: dict[int, str]) -> None:
-    for column in ("spearman", "spearman_null", "qf_spearman"):
+def _cell_histograms(log: ProbeLog, cells: pd.DataFrame, calls: dict, steps: dict) -> None:
+    for column, name in (("qf_spearman", "query_frame_rho"), ("spearman", "rho"), ("spearman_null", "rho_null")):
         if column not in cells:
             continue
-        name = headline_tag(column)
         for (call, step), part in cells.groupby(["call", "step"]):
             values = part[column].to_numpy(np.float64)
-            log.histograms.append((f"{calls[int(call)]}hist/{name}_per_layer_head_cell", int(step), values))
+            log.histograms.append((f"hist{calls[call]}/{name}_per_layer_head_cell", steps[(call, step)], values))
 
 
 def _ref_label(adapter: int, reference: int) -> str:
     return f"ref{reference}" if adapter == 0 else f"adapter{adapter}_ref{reference}"
 
 
-def _map_content(log: ProbeLog, run, head: str, calls: dict[int, str], base: np.ndarray, note: str) -> None:
+def _map_content(log: ProbeLog, run, head: str, calls: dict, steps: dict, base, note: str) -> None:
     """The maps' scalars (shares, agreement), share histograms and the overlays per step."""
+    from .capture.overlays import overlay_figure
+
     mass, agreement = run.reference_mass(), run.map_table()
     mass, agreement = mass[mass["branch"] == head], agreement[agreement["branch"] == head]
     if mass.empty:
         return
-    kinds = {"attention": "attention_share", "nw": "nw_share", "contribution_share": "contribution_share"}
+    kinds = {"attention": "attention", "nw": "nw", "contribution_share": "contribution"}
     kinds = {column: tag for column, tag in kinds.items() if column in mass.columns}
     shares = mass.groupby(["call", "step", "adapter", "reference"])[list(kinds)].mean()
     for (call, step, adapter, reference), row in shares.iterrows():
+        group = _group("shares", "", calls[call])
         for column, tag in kinds.items():
             if np.isfinite(row[column]):  # a contribution is NaN where it is not recorded (masks, SD3)
-                log.add(f"{calls[int(call)]}maps/{tag}/{_ref_label(adapter, reference)}", step, row[column])
+                log.add(f"{group}/{tag}_{_ref_label(adapter, reference)}", steps[(call, step)], row[column])
     for (call, step), row in agreement.groupby(["call", "step"])[["dominant_agree", "tv"]].mean().iterrows():
-        log.add(f"{calls[int(call)]}maps/dominant_agree", step, row["dominant_agree"])
-        log.add(f"{calls[int(call)]}maps/tv", step, row["tv"])
+        group = _group("shares", "", calls[call])
+        log.add(f"{group}/same_dominant_reference", steps[(call, step)], row["dominant_agree"])
+        log.add(f"{group}/total_variation", steps[(call, step)], row["tv"])
     for call, where in calls.items():
         for adapter in sorted(set(mass.loc[mass["call"] == call, "adapter"])):
+            tag = _group("overlays", "", where) + "/reference_shares" + ("" if adapter == 0 else f"_adapter{adapter}")
             for step in run.map_steps(call):
-                _share_histograms(log, run, call, step, adapter, head, where)
-            _overlays(log, run, call, adapter, head, where, base, note)
+                _share_histograms(log, run, call, step, adapter, head, where, steps)
+            for step, fig in overlay_figure(run, base, call=call, adapter=adapter, branch=head, note=note).items():
+                log.images.setdefault(steps[(call, step)], {})[tag] = figure_array(fig)
 
 
-def _share_histograms(log: ProbeLog, run, call: int, step: int, adapter: int, head: str, where: str) -> None:
+def _share_histograms(log: ProbeLog, run, call: int, step: int, adapter: int, head: str, where: str, steps) -> None:
     """Each reference's share at every query position of every layer and every image of the branch at ``step``."""
     per_kind: dict[str, list[np.ndarray]] = {"attention": [], "nw": []}
     for item in range(len(run.map_rows(call, step, head, adapter))):
@@ -236,56 +305,8 @@ def _share_histograms(log: ProbeLog, run, call: int, step: int, adapter: int, he
         if parts:
             stacked = np.concatenate(parts, axis=0)  # (positions over items and layers, R)
             for reference in range(stacked.shape[1]):
-                tag = f"{where}hist/{kind}_share_per_position/{_ref_label(adapter, reference)}"
-                log.histograms.append((tag, step, stacked[:, reference]))
-
-
-def _overlays(log: ProbeLog, run, call: int, adapter: int, head: str, where: str, base, note: str) -> None:
-    """One figure per recorded step: each reference's share over ``base``, attention above NW, one colour range per
-    reference over every step and both kinds (so that the step slider compares like with like)."""
-    import matplotlib.pyplot as plt
-
-    from .capture.overlays import overlay_map, plot_overlay
-
-    steps = run.map_steps(call)
-    size = base.shape[:2]
-    count = run.reference_maps(call, 0, adapter, "attention", head, steps=steps[:1], size=size).shape[0]
-    top = {}
-    for r in range(count):
-        spread = 1e-6
-        for kind in ("attention", "nw"):
-            for step in steps:
-                drawn = overlay_map(run, size, r, kind=kind, call=call, adapter=adapter, branch=head, steps=[step])
-                values, uniform = drawn.values, drawn.uniform
-                spread = max(spread, float(np.abs(values - uniform).max()))
-        top[r] = spread
-    timesteps = run.map_timesteps(call)
-    tag = f"{where}overlays/reference_shares" + ("" if adapter == 0 else f"_adapter{adapter}")
-    for step in steps:
-        # no constrained layout: it doubles the drawing time of these six-colorbar figures, one per step
-        fig, axes = plt.subplots(2, count, figsize=(2.9 * count, 5.4), squeeze=False)
-        fig.subplots_adjust(left=0.02, right=0.93, bottom=0.03, top=0.86, wspace=0.55, hspace=0.3)
-        for row, kind in enumerate(("attention", "nw")):
-            for r in range(count):
-                options = {"kind": kind, "call": call, "adapter": adapter, "branch": head, "steps": [step]}
-                title = f"reference {r}, {kind}"
-                plot_overlay(
-                    run,
-                    base,
-                    r,
-                    scale="deviation",
-                    vmax=top[r],
-                    layout="contours",
-                    ax=axes[row, r],
-                    title=title,
-                    **options,
-                )
-        fig.suptitle(
-            f"step {step} (t {timesteps[step]:.0f}), {head} branch: share minus 1/{count} {note}, mean over layers "
-            "and heads",
-            fontsize=9,
-        )
-        log.images.setdefault(step, {})[tag] = figure_array(fig)
+                tag = f"hist{where}/{kind}_share_per_position/{_ref_label(adapter, reference)}"
+                log.histograms.append((tag, steps[(call, step)], stacked[:, reference]))
 
 
 def _tiles(images: Sequence, height: int = 128) -> np.ndarray:
@@ -317,6 +338,23 @@ def _markdown(rows: Mapping[str, Any]) -> str:
     return "| setting | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows.items())
 
 
+def _figures(log: ProbeLog, run, table: pd.DataFrame, images, head: str) -> None:
+    """The run's figures at the size a TensorBoard card shows them (3.5 in wide; the reference maps 7 in)."""
+    from .capture.report import plot_heatmap, plot_run
+
+    end = log.images.setdefault(log.last_step, {})
+    group = GROUPS["figures"]
+    end[f"{group}/rho_by_timestep"] = figure_array(plot_run(table, heatmaps=None, branch=head), dpi=110)
+    if "qf_spearman" in table and table["qf_spearman"].notna().any():
+        part = table[table["branch"] == head]
+        kind = "image" if (part["kind"] == "image").any() else str(part["kind"].iloc[0])
+        fig = plot_heatmap(table, "qf_spearman", branch=head, kind=kind)
+        end[f"{group}/query_frame_rho_per_layer"] = figure_array(fig, dpi=110)
+    if run.config.maps:
+        extra = {"image": images[0]} if images else {}
+        end[f"{group}/reference_maps"] = figure_array(run.plot_reference_maps(**extra), dpi=90)
+
+
 def collect(
     run,
     *,
@@ -334,33 +372,34 @@ def collect(
     head = headline_branch(table)
     order = network_order([layer.name for layer in run.layers])
     several = table["call"].nunique() > 1
-    calls = {int(c): (f"call{int(c)}/" if several else "") for c in sorted(set(table["call"]))}
+    calls = {int(c): (f"_call{int(c)}" if several else "") for c in sorted(set(table["call"]))}
     kind = "image" if (table["kind"] == "image").any() else "text"  # a text-only probe: the text branch's series
     cells = table[(table["kind"] == kind) & (table["branch"] == head)] if head is not None else table
+    steps: dict[tuple[int, int], int] = {}
     if not summary.empty:
-        _summary_scalars(log, summary, head, calls)
-        log.last_step = int(summary["step"].max())
-    _layer_scalars(log, cells, order, calls)
-    _cell_histograms(log, cells, calls)
+        steps, log.x_axis = _steps(summary)
+        used = _summary_scalars(log, summary, cells, (kind, head), calls, steps)
+        log.texts["debug/bookkeeping"] = _bookkeeping(summary, used, steps)
+        last = summary.sort_values(["call", "step"]).iloc[-1]
+        log.last_step = steps[(int(last["call"]), int(last["step"]))]
+    _layer_scalars(log, cells, order, calls, steps)
+    _cell_histograms(log, cells, calls, steps)
     if run.config.maps and head is not None:
         base = np.asarray(images[0].convert("RGB")) if images else None
         if base is None:  # no image given: a grey field of the output's size under the maps
             size = run.reference_maps(0, 0, 0, branch=head, steps=run.map_steps(0)[:1]).shape[1:]
             base = np.full((*size, 3), 128, np.uint8)
-        _map_content(log, run, head, calls, base, "over the first image" if images else "(no image given)")
+        _map_content(log, run, head, calls, steps, base, "over the first image" if images else "(no image given)")
     end = log.images.setdefault(log.last_step, {})
     if images:
-        end["images/generated"] = _tiles(images)
+        end[f"{GROUPS['images']}/generated"] = _tiles(images)
     if references:
-        end["images/references"] = _tiles(references)
+        end[f"{GROUPS['images']}/references"] = _tiles(references)
     if readings is not None:
         lines = "\n".join(f"| {i} | {text} |" for i, text in enumerate(readings))
         log.texts["images/readings"] = "| image | reading |\n|---|---|\n" + lines
     if not table.empty:
-        end["figures/rho_by_timestep"] = figure_array(run.plot())
-        if run.config.maps:
-            extra = {"image": images[0]} if images else {}
-            end["figures/reference_maps"] = figure_array(run.plot_reference_maps(**extra))
+        _figures(log, run, table, images, head)
     log.hparams = {
         **dict(settings or {}),
         "probe": run.config.describe(),
@@ -372,78 +411,83 @@ def collect(
         "adapter_scale": _adapter_scale(run),
         "headline_branch": head,
     }
-    log.texts["run/settings"] = _markdown(flat_settings(log.hparams))
-    for column in (*_METRICS, *(c for c in cells.columns if c.startswith("qf_"))):
-        if column in cells and pd.api.types.is_numeric_dtype(cells[column]):
-            log.metrics[f"end/{headline_tag(column)}"] = float(cells[column].mean())
-    log.layout = _layout(log, head, calls, "" if kind == "image" else f"{kind}/")
+    axis = {"x axis": log.x_axis + ("" if log.x_axis == "timestep" else " (two steps share a rounded timestep)")}
+    log.texts["run/settings"] = _markdown({**axis, **flat_settings(log.hparams)})
+    log.layout = _layout(log, head, calls, kind)
     return log
 
 
-def _layout(log: ProbeLog, head: str | None, calls: dict[int, str], series: str = "") -> list:
-    """The custom-scalars layout: per call, the headline series' charts, the reference shares, then the other
-    branches. ``series``: the headline's part of the tags after ``nw/`` (``"text/"`` for a text-only probe). A chart
-    is kept only when one of its tags was logged; a category only when one of its charts is."""
-    tags = set(log.scalars)
+def _layout(log: ProbeLog, head: str | None, calls: dict[int, str], kind: str) -> list:
+    """The chart layout: per call, the query frame, the stored frame, the agreement measures, the reference shares,
+    then the other branches. Each chart lists exact tags; a tag draws every sub-run that has it (the run, its
+    baseline, null and mean). A chart is kept only when one of its tags was logged; a category only when one of its
+    charts is."""
+    tags = {tag for series in log.scalars.values() for tag in series}
 
-    def exact(base: str, *names: str) -> list[str]:
-        return [f"^{re.escape(base + n)}$" for n in names if base + n in tags]
+    def have(group: str, *names: str) -> list[str]:
+        return [f"{group}/{n}" for n in names if f"{group}/{n}" in tags]
 
-    def prefix(name: str) -> list[str]:
-        return [f"^{re.escape(name)}"] if any(t.startswith(name) for t in tags) else []
+    def starting(group: str, prefix: str) -> list[str]:
+        return sorted(t for t in tags if t.startswith(f"{group}/{prefix}"))
 
-    trio = ("rho", "rho_baseline", "rho_null")
-    chance = (frac_column(ROW_THRESHOLD), frac_null_column(ROW_THRESHOLD), rows_column(), f"{rows_column()}_null")
+    rows, frac = _ROWS, frac_column(ROW_THRESHOLD)
+    what = f"{head} branch" + ("" if kind == "image" else f" ({kind})")
     layout = []
     for where in calls.values():
-        nw, maps = f"{where}nw/{series}", f"{where}maps/"
-        charts = [
-            ("rho with its baseline and null (stored frame)", exact(nw, *trio)),
-            ("query-frame rho with its baseline and null", exact(nw, *(f"qf_{n}" for n in trio))),
-            ("excess over the baseline", exact(nw, "rho_excess", "qf_rho_excess")),
-            ("query-frame Gaussian columns", prefix(nw + "qf_gauss")),
-            ("rho per layer (network order)", prefix(f"{where}nw/layer/")),
-            ("query-frame rho per layer (network order)", prefix(f"{where}nw/qf_layer/")),
-            (f"cells and rows with rho > {ROW_THRESHOLD:g}, and chance", exact(nw, *chance)),
-            ("attention vs NW weights: Pearson and top-1 agreement", exact(nw, "pearson", "top1")),
-        ]
-        if charts[1][1]:  # the query-frame rho, once the probe has it, is the headline: its chart comes first
-            charts[0], charts[1] = charts[1], charts[0]
-        what = f"{head} branch" + (f" ({series[:-1]})" if series else "")
-        layout.append((f"{where}rho vs Gaussian NW: {what}, mean over layers and heads", charts))
-        shares = [
-            ("attention share of each reference", prefix(maps + "attention_share/")),
-            ("NW share of each reference", prefix(maps + "nw_share/")),
-            ("contribution share of each reference (after to_out)", prefix(maps + "contribution_share/")),
-            ("attention and NW: same dominant reference; total variation", exact(maps, "dominant_agree", "tv")),
-        ]
-        layout.append((f"{where}reference shares: {head} branch, mean over layers and positions", shares))
-        base = f"{where}nw/"
-        others = {t[len(base) :].rsplit("/", 1)[0] for t in tags if t.startswith(base) and "/" in t[len(base) :]}
-        for name in sorted(others - {"layer", "qf_layer", series[:-1]}):
-            charts = [
-                ("rho with its baseline and null", exact(f"{base}{name}/", *trio)),
-                ("query-frame rho with its baseline and null", exact(f"{base}{name}/", *(f"qf_{n}" for n in trio))),
-            ]
-            layout.append((f"{where}rho vs Gaussian NW: {name}", charts))
+        qf, st, ag, sh = (_group(key, "", where) for key in ("query_frame", "stored_frame", "agreement", "shares"))
+        layout += [
+            (f"query frame (gauge-invariant): {what}{where}, mean over layers and heads", [
+                ("query-frame rho: run, baseline, null, mean", have(qf, "rho")),
+                ("excess over the baseline", have(qf, "rho_excess", "rho_gaussian_excess")),
+                ("Gaussian NW query-frame rho: run, baseline, null", have(qf, "rho_gaussian")),
+                (f"rows with rho > {ROW_THRESHOLD:g}: run and chance", have(qf, rows)),
+            ]),
+            (f"stored frame (gauge-dependent): {what}{where}", [
+                ("stored-frame rho: run, baseline, null, mean", have(st, "rho")),
+                ("excess over the baseline", have(st, "rho_excess")),
+                (f"cells and rows with rho > {ROW_THRESHOLD:g}: run and chance", have(st, frac, rows)),
+            ]),
+            (f"attention vs NW weights: {what}{where}", [
+                ("Pearson r", have(ag, "pearson", "query_frame_pearson")),
+                ("top-1 agreement", have(ag, "top1", "query_frame_top1")),
+                ("KL divergence", have(ag, "kl", "query_frame_kl")),
+                ("effective number of keys", have(ag, "neff_attention", "neff_nw", "query_frame_neff_nw")),
+            ]),
+            (f"reference shares: {head} branch{where}, mean over layers and positions", [
+                ("attention share of each reference", starting(sh, "attention_")),
+                ("NW share of each reference", starting(sh, "nw_")),
+                ("contribution share of each reference (after to_out)", starting(sh, "contribution_")),
+                ("attention and NW pick the same dominant reference", have(sh, "same_dominant_reference")),
+                ("total variation between attention and NW shares", have(sh, "total_variation")),
+            ]),
+        ]  # fmt: skip
+        others = sorted(
+            {t.split("/")[0] for t in tags} - set(GROUPS.values()) - {f"{g}{where}" for g in GROUPS.values()}
+        )
+        for group in (g for g in others if g.endswith(where) and not g[0].isdigit()):
+            layout.append((group, [("rho: run, baseline, null", have(group, "rho")),
+                                   ("excess over the baseline", have(group, "rho_excess"))]))  # fmt: skip
     return [(category, [(t, p) for t, p in charts if p]) for category, charts in layout if any(p for _, p in charts)]
 
 
 def write(log: ProbeLog, tracker) -> None:
     """Hand ``log`` to ``tracker`` (a :class:`~ipa_probe.trackers.Tracker`): the hyper-parameters with the end-of-run
-    metrics, then in step order each step's scalars, histograms and images, then the texts and the layout."""
-    tracker.hparams(log.hparams, log.metrics, log.last_step)
-    by_step: dict[int, dict[str, float]] = {}
-    for tag, values in log.scalars.items():
-        for step, value in values.items():
-            by_step.setdefault(step, {})[tag] = value
+    metrics, then each sub-run's scalars in step order, the histograms and images in step order, then the texts and
+    the layout."""
+    tracker.hparams(log.hparams, log.metrics, log.last_step, group=MEAN_RUN)
+    for run in ("", *sorted(r for r in log.scalars if r)):
+        by_step: dict[int, dict[str, float]] = {}
+        for tag, values in log.scalars.get(run, {}).items():
+            for step, value in values.items():
+                by_step.setdefault(step, {})[tag] = value
+        for step in sorted(by_step):
+            tracker.scalars(by_step[step], step, run)
     histograms: dict[int, list] = {}
     for tag, step, values in log.histograms:
         histograms.setdefault(step, []).append((tag, values))
-    for step in sorted({*by_step, *histograms, *log.images}):
-        tracker.scalars(by_step.get(step, {}), step)
+    for step in sorted({*histograms, *log.images}):
         for tag, values in histograms.get(step, []):
             tracker.histogram(tag, values, step)
         tracker.figures(log.images.get(step, {}), step)
     tracker.text(log.texts, log.last_step)
-    tracker.layout(log.layout, log.scalars)
+    tracker.layout(log.layout, log.scalars, log.x_axis)

@@ -25,7 +25,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TRACKERS", "Layout", "Tracker", "check_tracker", "log_experiments", "log_probe_run", "log_sweep"]
+__all__ = [
+    "TRACKERS",
+    "Layout",
+    "Tracker",
+    "check_tracker",
+    "log_experiments",
+    "log_probe_run",
+    "log_sweep",
+    "run_name_for",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +92,33 @@ def _check_mlflow_server(uri: str | None, timeout: float = 3.0) -> None:
         ) from None
 
 
-def _fresh_folder(logging_dir: Path, run_name: str) -> Path:
-    """``logging_dir/run_name``, or the first of ``run_name-2``, ``run_name-3``, ... that holds no event file: a
-    TensorBoard run is a folder, and two probes writing into one would show as one run with every step twice."""
-    folder, n = logging_dir / run_name, 1
-    while folder.is_dir() and any(folder.glob("events.out.tfevents.*")):
-        n += 1
-        folder = logging_dir / f"{run_name}-{n}"
+def run_name_for(base: str, settings: Mapping | None = None, probe: Mapping | None = None) -> str:
+    """A run's name from what tells it apart from its neighbours: ``base`` then, where known, the digit, the seed, the
+    gauge, the query frame and the number of steps (``probe_digit3_seed0_frame-item_steps20``). Two runs with the
+    same settings get the same name, so that a rerun replaces its run instead of adding a copy beside it."""
+    settings, probe = dict(settings or {}), dict(probe or {})
+    parts = [base]
+    for key, short in (("digit", "digit"), ("seed", "seed"), ("gauge", "gauge")):
+        if settings.get(key) is not None:
+            parts.append(f"{short}{settings[key]}")
+    if probe.get("query_frame") is not None:
+        parts.append(f"frame-{probe['query_frame']}")
+    if settings.get("steps") is not None:
+        parts.append(f"steps{settings['steps']}")
+    return "_".join(str(p).replace("/", "-").replace(" ", "-") for p in parts)
+
+
+def _run_folder(logging_dir: Path, run_name: str) -> Path:
+    """``logging_dir/run_name``, emptied of the event files a previous run of that name wrote there (in it and in its
+    sub-runs: subfolders that hold nothing but event files): a rerun with the same name replaces its run, so that no
+    curve shows twice. Nothing else is removed."""
+    folder = logging_dir / run_name
+    if folder.is_dir():
+        subruns = [f for f in folder.iterdir() if f.is_dir() and any(f.iterdir())]
+        subruns = [f for f in subruns if all(p.name.startswith("events.out.tfevents.") for p in f.iterdir())]
+        for place in (folder, *subruns):
+            for old in place.glob("events.out.tfevents.*"):
+                old.unlink()
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
@@ -120,7 +149,8 @@ def _netrc_has(host: str, environ: Mapping[str, str]) -> bool:
     return bool(entry and entry[2])
 
 
-#: A custom-scalars layout: ``[(category title, [(chart title, [tag regex, ...]), ...]), ...]``.
+#: A chart layout: ``[(category title, [(chart title, [tag, ...]), ...]), ...]`` (exact tags; each chart draws the
+#: run's series of each tag and every sub-run's).
 Layout = list[tuple[str, list[tuple[str, list[str]]]]]
 
 
@@ -151,9 +181,9 @@ class Tracker:
 
     Args:
         name: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"``.
-        logging_dir: where the logs go (TensorBoard: ``logging_dir/run_name``, or ``run_name-2``, ``-3``, ... when
-            that folder already holds event files; wandb: its ``dir``; MLflow: ``logging_dir/mlflow.db`` and the
-            artifacts in ``logging_dir/mlartifacts``).
+        logging_dir: where the logs go (TensorBoard: ``logging_dir/run_name``, its sub-runs in subfolders; the event
+            files an earlier run of that name left there are removed first, so that a rerun replaces its run;
+            wandb: its ``dir``; MLflow: ``logging_dir/mlflow.db`` and the artifacts in ``logging_dir/mlartifacts``).
         run_name: the run's name (TensorBoard's folder, wandb's project and run name, MLflow's experiment and run
             name).
 
@@ -177,8 +207,9 @@ class Tracker:
         if name == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
-            self.folder = _fresh_folder(self.logging_dir, run_name)
+            self.folder = _run_folder(self.logging_dir, run_name)
             self._writer = SummaryWriter(log_dir=str(self.folder))
+            self._subwriters: dict[str, Any] = {}
         elif name == "wandb":
             import wandb
 
@@ -210,9 +241,16 @@ class Tracker:
         local = artifact_uri.removeprefix("file://")
         self.folder = Path(local) if "://" not in local else artifact_uri  # a remote store: where it keeps them
 
-    def hparams(self, values: Mapping, metrics: Mapping[str, float] | None = None, step: int = 0) -> None:
-        """The run's settings as hyper-parameters and, when given, its end-of-run metrics (TensorBoard: the
-        HParams view's columns, written as scalars at ``step`` in the same run)."""
+    def hparams(
+        self, values: Mapping, metrics: Mapping[str, float] | None = None, step: int = 0, group: str | None = None
+    ) -> None:
+        """The run's settings as hyper-parameters and, when given, its end-of-run metrics.
+
+        ``group``: the sub-run whose scalars (of the metrics' tags) already hold the metrics' values (the probe's
+        ``mean`` run: TensorBoard's HParams view reads a metric as the last value of that scalar, so no one-point
+        chart is written); ``None``: the values are written here as scalars at ``step``. wandb: the run's summary
+        (``tag_group``); MLflow: the metrics of the run (written with the sub-run's scalars when ``group`` is given).
+        """
         if not self.active:
             return
         from .probe_log import flat_settings  # pandas: not before the run (the CLI checks trackers torch-free)
@@ -220,33 +258,58 @@ class Tracker:
         flat = {k: (str(v) if isinstance(v, bool) else v) for k, v in flat_settings(values).items()}
         metrics = {k: float(v) for k, v in (metrics or {}).items() if v is not None and math.isfinite(float(v))}
         if self.name == "tensorboard":
+            from tensorboard.plugins.hparams import plugin_data_pb2
             from torch.utils.tensorboard.summary import hparams
 
-            for summary in hparams(flat, metrics):  # experiment, session start, session end: into this run's file
+            experiment, start, end = hparams(flat, metrics)
+            if group:  # the metrics' values live in the sub-run `group`: name it in each metric's info
+                plugin = experiment.value[0].metadata.plugin_data
+                data = plugin_data_pb2.HParamsPluginData.FromString(plugin.content)
+                for info in data.experiment.metric_infos:
+                    info.name.group = group
+                plugin.content = data.SerializeToString()
+            for summary in (experiment, start, end):  # into this run's file: no second, timestamped run
                 self._writer.file_writer.add_summary(summary)
-            for tag, value in metrics.items():
-                self._writer.add_scalar(tag, value, step)
+            if not group:
+                for tag, value in metrics.items():
+                    self._writer.add_scalar(tag, value, step)
         elif self.name == "wandb":
             self._run.config.update(flat, allow_val_change=True)
-            self._run.summary.update(metrics)
+            self._run.summary.update({f"{k}_{group}" if group else k: v for k, v in metrics.items()})
         else:
             from mlflow.entities import Param
 
             params = [Param(k, str(v)[:6000]) for k, v in flat.items()]  # MLflow's limit on a parameter's length
             for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
                 self._client.log_batch(self._run_id, params=params[i : i + 100])
-            if metrics:
+            if metrics and not group:
                 self.scalars(metrics, step)
 
-    def scalars(self, values: Mapping[str, float], step: int) -> None:
-        """Numbers at one step (non-finite ones are left out: the trackers reject or mis-draw NaN)."""
+    def scalars(self, values: Mapping[str, float], step: int, series: str = "") -> None:
+        """Numbers at one step (non-finite ones are left out: the trackers reject or mis-draw NaN).
+
+        ``series``: a sub-run (``"baseline"``, ``"null"``, ``"mean"``) holding references to the run's own series
+        under the same tags: TensorBoard writes it to the subfolder ``series`` (one chart then draws the run and its
+        sub-runs in their own colours, each named by its run); wandb and MLflow, which have no sub-runs, log it as
+        ``tag_series``.
+        """
         finite = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(float(v))}
         if not finite or not self.active:
             return
         if self.name == "tensorboard":
+            writer = self._writer
+            if series:
+                if series not in self._subwriters:
+                    from torch.utils.tensorboard import SummaryWriter
+
+                    self._subwriters[series] = SummaryWriter(log_dir=str(self.folder / series))
+                writer = self._subwriters[series]
             for tag, value in finite.items():
-                self._writer.add_scalar(tag, value, step)
-        elif self.name == "wandb":
+                writer.add_scalar(tag, value, step)
+            return
+        if series:
+            finite = {f"{tag}_{series}": value for tag, value in finite.items()}
+        if self.name == "wandb":
             self._run.log({**finite, "step": step})
         else:
             import time
@@ -314,41 +377,56 @@ class Tracker:
             for key, array in arrays.items():
                 self._client.log_image(self._run_id, array, key=key, step=step)
 
-    def layout(self, layout: Layout, series: Mapping[str, Mapping[int, float]]) -> None:
-        """Charts that draw several scalars together. TensorBoard: a custom-scalars layout (its Custom Scalars
-        view); wandb: one line-series chart per entry, of the ``series`` (tag -> step -> value) its regexes match;
-        MLflow, which has no chart API: ``layout.json``, the charts and the tags each one draws."""
+    def layout(
+        self, layout: Layout, series: Mapping[str, Mapping[str, Mapping[int, float]]], x_axis: str = "step"
+    ) -> None:
+        """Charts that draw several scalars together: each chart lists exact tags and draws every sub-run that has
+        them. TensorBoard: a custom-scalars layout (its Custom Scalars view; a tag's sub-runs are drawn by
+        TensorBoard itself); wandb: one line-series chart per entry, of the ``series`` (sub-run -> tag -> step ->
+        value) it names, against ``x_axis``; MLflow, which has no chart API: ``layout.json``, the charts and the
+        metric names each one draws."""
         import re
 
         if not self.active:
             return
         if self.name == "tensorboard":
             self._writer.add_custom_scalars(
-                {category: {title: ["Multiline", tags] for title, tags in charts} for category, charts in layout}
+                {
+                    category: {title: ["Multiline", [f"^{re.escape(t)}$" for t in tags]] for title, tags in charts}
+                    for category, charts in layout
+                }
             )
             return
         drawn = {
-            f"{category}/{title}": [t for t in sorted(series) if any(re.search(p, t) for p in patterns)]
+            f"{category}/{title}": [
+                (f"{tag}_{run}" if run else tag, values[tag])
+                for tag in tags
+                for run, values in sorted(series.items())
+                if tag in values
+            ]
             for category, charts in layout
-            for title, patterns in charts
+            for title, tags in charts
         }
         if self.name == "wandb":
             import wandb
 
-            for number, (title, tags) in enumerate((k, v) for k, v in drawn.items() if v):
-                xs = [sorted(series[t]) for t in tags]
-                ys = [[series[t][s] for s in x] for t, x in zip(tags, xs, strict=True)]
-                chart = wandb.plot.line_series(xs=xs, ys=ys, keys=tags, title=title, xname="step")
+            for number, (title, lines) in enumerate((k, v) for k, v in drawn.items() if v):
+                xs = [sorted(values) for _, values in lines]
+                ys = [[values[s] for s in x] for (_, values), x in zip(lines, xs, strict=True)]
+                keys = [name for name, _ in lines]
+                chart = wandb.plot.line_series(xs=xs, ys=ys, keys=keys, title=title, xname=x_axis)
                 # the key names a wandb artifact (at most 128 characters): a number and the chart's title, cut
                 self._run.log({f"charts/{number:02d} {title.rsplit('/', 1)[-1]}"[:60]: chart})
         else:
-            self._client.log_dict(self._run_id, drawn, "layout.json")
+            self._client.log_dict(self._run_id, {k: [n for n, _ in v] for k, v in drawn.items()}, "layout.json")
 
     def finish(self) -> None:
         if not self.active:
             return
         if self.name == "tensorboard":
             self._writer.close()
+            for writer in self._subwriters.values():
+                writer.close()
         elif self.name == "wandb":
             self._run.finish()
         else:
@@ -361,7 +439,7 @@ def log_probe_run(
     run,
     log_with: str,
     logging_dir: str | os.PathLike = "runs",
-    run_name: str = "probe",
+    run_name: str | None = None,
     *,
     images: Sequence | None = None,
     references: Sequence | None = None,
@@ -375,7 +453,8 @@ def log_probe_run(
     Args:
         run: a finished :class:`~ipa_probe.ProbeRun`.
         log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"``.
-        logging_dir, run_name: see :class:`Tracker`.
+        logging_dir, run_name: see :class:`Tracker`; ``run_name=None``: named by what differs between runs
+            (:func:`run_name_for` of ``settings`` and the probe's settings).
         images: the generated images (PIL), the overlays' background (the first one); ``None``: a grey field.
         references: the reference images (PIL) of the first adapter.
         readings: one line per generated image (e.g. the digit classifier's reading), as a text table.
@@ -388,6 +467,8 @@ def log_probe_run(
     from .probe_log import collect, write
 
     content = collect(run, images=images, references=references, readings=readings, settings=settings)
+    if run_name is None:
+        run_name = run_name_for("probe", settings, run.config.describe())
     tracker = Tracker(log_with, logging_dir, run_name)
     try:
         write(content, tracker)

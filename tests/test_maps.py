@@ -341,10 +341,10 @@ def test_plot_reference_maps(sd15, refs):
     with probe(sd15, maps=True) as run:
         image = generate(sd15, refs, num_inference_steps=3)[0]
     fig = run.plot_reference_maps(image=image, references=refs)
-    assert len(fig.axes) == (1 + len(refs)) * (1 + 3 * 3) + 3  # the panels and three colorbars
-    assert "early" in fig.axes[1].get_title() and "late" in fig.axes[7].get_title()
+    assert len(fig.axes) == (1 + len(refs)) * (1 + 2 * 3) + 2  # the panels and two colorbars
+    assert "early" in fig.axes[1].get_title() and "late" in fig.axes[5].get_title()
     fig = run.plot_reference_maps(ranges=1)  # without images: maps only
-    assert len(fig.axes) == (1 + len(refs)) * 4 + 3
+    assert len(fig.axes) == (1 + len(refs)) * 3 + 2
 
 
 def test_bad_input(sd15, refs):

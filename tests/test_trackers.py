@@ -61,93 +61,141 @@ def _cells(run, branch="cond"):
     return table[(table["kind"] == "image") & (table["branch"] == branch)]
 
 
-def test_one_run_folder_holds_every_event(logged):
+def _x(run, call=0) -> dict[int, int]:
+    """Loop index -> the tracker's step: the timestep, rounded (computed here from the table)."""
+    table = run.to_dataframe()
+    pairs = table[table["call"] == call].groupby("step")["timestep"].first()
+    return {int(s): int(round(float(t))) for s, t in pairs.items()}
+
+
+def _by_x(run, means, call=0) -> dict[int, float]:
+    x = _x(run, call)
+    return {x[int(s)]: v for s, v in means.items()}
+
+
+def test_one_run_with_its_baseline_null_and_mean_subruns(logged):
     _, logs, folder, _, _ = logged
     event_files = sorted(Path(logs).rglob("events.out.tfevents.*"))
-    assert [p.parent for p in event_files] == [Path(folder)] == [Path(logs) / "digits"]  # no hparams sub-run
+    assert sorted({p.parent for p in event_files}) == [
+        Path(folder),
+        *(Path(folder) / s for s in ("baseline", "mean", "null")),
+    ]
+    assert [len(list(Path(f).glob("events.out.tfevents.*"))) for f in sorted({p.parent for p in event_files})] == [
+        1
+    ] * 4
     assert not list(Path(logs).rglob("hparams.yml"))
 
 
-def test_a_second_probe_gets_its_own_folder(logged, tmp_path):
+def test_a_rerun_with_the_same_name_replaces_its_run_and_names_say_what_differs(logged, tmp_path):
+    from ipa_probe.trackers import run_name_for
+
     run = logged[0]
     first = run.log("tensorboard", tmp_path, "again")
     second = run.log("tensorboard", tmp_path, "again")
-    assert (first.name, second.name) == ("again", "again-2")
-    assert [len(list(f.glob("events.out.tfevents.*"))) for f in (first, second)] == [1, 1]
+    assert first == second == tmp_path / "again" and sorted(p.name for p in tmp_path.iterdir()) == ["again"]
+    assert len(list(second.glob("events.out.tfevents.*"))) == 1  # the first run's file is gone: no curve twice
+    assert _scalar(_events(second), "1_query_frame/rho")  # and the replacement holds the run
+    named = run.log("tensorboard", tmp_path, None, settings={"digit": 3, "seed": 0, "steps": STEPS})
+    assert named.name == f"probe_digit3_seed0_frame-item_steps{STEPS}"
+    assert run_name_for("probe", {"digit": 5, "seed": 1, "gauge": "c2"}, {"query_frame": "pooled"}) == (
+        "probe_digit5_seed1_gaugec2_frame-pooled"
+    )
 
 
-def test_headline_scalars_equal_the_table_averaged_with_pandas(logged):
+def test_the_timestep_is_the_step_and_the_query_frame_comes_first(logged):
+    """What a researcher lands on: the sorted tag groups start with the query frame, its first chart is rho, and its
+    baseline, null and mean are the same tag in the sub-runs; every step is a timestep."""
     run, _, folder, _, _ = logged
     events = _events(folder)
-    for branch, path in (("cond", "nw/"), ("uncond", "nw/uncond/")):
-        cells = _cells(run, branch)
-        means = cells.groupby("step")[["spearman", "rho_baseline", "spearman_null", "rho_excess"]].mean()
-        for column, name in (("spearman", "rho"), ("rho_baseline", "rho_baseline"), ("spearman_null", "rho_null"),
-                             ("rho_excess", "rho_excess")):  # fmt: skip
-            logged_values = _scalar(events, path + name)
-            assert sorted(logged_values) == list(range(STEPS))
-            assert logged_values == pytest.approx(means[column].to_dict(), abs=FLOAT32)
-        counts = cells.groupby("step").size()
-        assert _scalar(events, f"debug/{path[3:]}cells") == counts.astype(float).to_dict()
-    timesteps = _cells(run).groupby("step")["timestep"].first()
-    assert _scalar(events, "debug/timestep") == pytest.approx(timesteps.to_dict(), abs=1e-3)
-    tags = set(events.Tags()["scalars"])
-    assert {"debug/bandwidth", "debug/nonfinite", "debug/rho_cells"} <= tags  # bookkeeping under debug/ only
-    assert not {"nw/bandwidth", "nw/nonfinite", "nw/cells", "nw/timestep"} & tags
+    tags = sorted(events.Tags()["scalars"])
+    assert tags[0] == "1_query_frame/rho"
+    groups = list(dict.fromkeys(t.split("/")[0] for t in tags))
+    assert groups[:6] == ["1_query_frame", "2_stored_frame", "3_agreement", "4_query_frame_rho_per_layer",
+                          "5_stored_frame_rho_per_layer", "6_reference_shares"]  # fmt: skip
+    assert not [t for t in tags if t.split("/")[0] in ("debug", "end", "nw")]  # bookkeeping and end numbers: no charts
+    cells = _cells(run)
+    for sub, column in (("", "qf_spearman"), ("baseline", "qf_rho_baseline"), ("null", "qf_spearman_null")):
+        values = _scalar(_events(Path(folder) / sub), "1_query_frame/rho")
+        assert sorted(values) == sorted(_x(run).values())  # timesteps, not loop indices
+        assert values == pytest.approx(_by_x(run, cells.groupby("step")[column].mean()), abs=FLOAT32)
+    for sub, column in (("", "spearman"), ("baseline", "rho_baseline"), ("null", "spearman_null")):
+        values = _scalar(_events(Path(folder) / sub), "2_stored_frame/rho")
+        assert values == pytest.approx(_by_x(run, cells.groupby("step")[column].mean()), abs=FLOAT32)
+    uncond = _cells(run, "uncond")
+    values = _scalar(events, "uncond_query_frame/rho")
+    assert values == pytest.approx(_by_x(run, uncond.groupby("step")["qf_spearman"].mean()), abs=FLOAT32)
+    for sub in ("", "baseline", "null", "mean"):  # no one-point chart anywhere
+        sub_events = _events(Path(folder) / sub)
+        assert all(len(sub_events.Scalars(t)) > 1 for t in sub_events.Tags()["scalars"])
 
 
-def test_per_layer_rho_in_network_order(logged):
+def test_bookkeeping_is_text(logged):
+    from tensorboard.util import tensor_util
+
+    run, _, folder, _, _ = logged
+    (text,) = _events(folder).Tensors("debug/bookkeeping/text_summary")
+    table = tensor_util.make_ndarray(text.tensor_proto).item().decode()
+    header = next(line for line in table.splitlines() if line.startswith("| x |"))
+    assert {"bandwidth", "cells", "nonfinite", "timestep"} <= {c.strip() for c in header.split("|")}
+    counts = _cells(run).groupby("step").size()
+    lines = table.splitlines()
+    first = lines.index(header) + 2  # under the header and its |---| line: the cond image branch's steps
+    rows = [line.split("|")[1:-1] for line in lines[first : first + STEPS]]
+    columns = [c.strip() for c in header.split("|")[1:-1]]
+    assert [int(r[columns.index("cells")]) for r in rows] == counts.tolist()
+
+
+def test_per_layer_rho_one_small_chart_per_layer_in_network_order(logged):
     run, _, folder, _, _ = logged
     events = _events(folder)
-    tags = sorted(t for t in events.Tags()["scalars"] if t.startswith("nw/layer/"))
-    names = [t.split("_", 1)[1] for t in tags]
-    assert sorted(names) == sorted(layer.name for layer in run.layers)
-    blocks = [n.split(".")[0] for n in names]
-    assert blocks == sorted(blocks, key=["down_blocks", "mid_block", "up_blocks"].index)  # down, mid, up
-    assert "mid_block" in blocks
+    tags = sorted(t for t in events.Tags()["scalars"] if t.startswith("5_stored_frame_rho_per_layer/"))
+    assert len(tags) == len(run.layers)
+    from ipa_probe.capture.layer_order import network_order
+
+    order = network_order([layer.name for layer in run.layers])
     means = _cells(run).groupby(["step", "layer"], observed=True)["spearman"].mean()
-    for tag, name in zip(tags, names, strict=True):
+    for tag, name in zip(tags, order, strict=True):
+        assert name.startswith(tag.split("/", 1)[1][3:])  # numbered in network order, without the shared ending
         expected = {step: value for (step, layer), value in means.items() if layer == name}
-        assert _scalar(events, tag) == pytest.approx(expected, abs=FLOAT32)
+        assert _scalar(events, tag) == pytest.approx(_by_x(run, expected), abs=FLOAT32)
 
 
-def test_layout_names_the_tags_that_exist(logged):
+def _layout_of(events):
     from tensorboard.plugins.custom_scalar import layout_pb2
     from tensorboard.util import tensor_util
 
-    events = _events(logged[2])
     (config,) = events.Tensors("custom_scalars__config__")
-    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(config.tensor_proto).item())
+    return layout_pb2.Layout.FromString(tensor_util.make_ndarray(config.tensor_proto).item())
+
+
+def test_layout_names_the_tags_that_exist_one_unit_per_chart(logged):
+    events = _events(logged[2])
+    layout = _layout_of(events)
     scalars = set(events.Tags()["scalars"])
     for category in layout.category:
         for chart in category.chart:
             for pattern in chart.multiline.tag:
                 assert any(re.search(pattern, t) for t in scalars), (category.title, chart.title, pattern)
-    charts = {chart.title: list(chart.multiline.tag) for c in layout.category[:2] for chart in c.chart}
-
-    def drawn(title):
-        return sorted(t for t in scalars if any(re.search(p, t) for p in charts[title]))
-
-    assert drawn("rho with its baseline and null (stored frame)") == ["nw/rho", "nw/rho_baseline", "nw/rho_null"]
-    assert drawn("rho per layer (network order)") == sorted(t for t in scalars if t.startswith("nw/layer/"))
-    assert len(drawn("rho per layer (network order)")) == len(logged[0].layers)
-    assert drawn("attention share of each reference") == [f"maps/attention_share/ref{r}" for r in range(3)]
-    assert layout.category[0].title.startswith("rho vs Gaussian NW: cond branch")
-    # the probe records the query-frame columns: the view opens on them, the stored frame's chart beside it
-    assert layout.category[0].chart[0].title == "query-frame rho with its baseline and null"
-    assert drawn("query-frame rho with its baseline and null") == ["nw/qf_rho", "nw/qf_rho_baseline", "nw/qf_rho_null"]
-    assert layout.category[0].chart[1].title == "rho with its baseline and null (stored frame)"
+            assert len(chart.multiline.tag) <= 4  # a chart of a few series of one unit, never 14
+    first = layout.category[0]
+    assert first.title.startswith("query frame (gauge-invariant): cond branch")
+    assert first.chart[0].title == "query-frame rho: run, baseline, null, mean"
+    assert list(first.chart[0].multiline.tag) == ["^1_query_frame/rho$"]
+    charts = {chart.title: list(chart.multiline.tag) for c in layout.category for chart in c.chart}
+    assert charts["attention share of each reference"] == [f"^6_reference_shares/attention_ref{r}$" for r in range(3)]
 
 
 def test_histograms_of_cells_and_shares_have_the_right_counts(logged):
     run, _, folder, _, _ = logged
     events = _events(folder)
     cells = _cells(run)
+    x = _x(run)
     tags = {"spearman": "hist/rho_per_layer_head_cell", "spearman_null": "hist/rho_null_per_layer_head_cell"}
     for column, tag in tags.items():
         histograms = {e.step: e.histogram_value for e in events.Histograms(tag)}
-        assert sorted(histograms) == list(range(STEPS))
-        for step, h in histograms.items():
+        assert sorted(histograms) == sorted(x.values())
+        for step in range(STEPS):
+            h = histograms[x[step]]
             values = cells.loc[cells["step"] == step, column].to_numpy(np.float64)
             values = values[np.isfinite(values)]
             assert h.num == values.size == run.num_heads * len(run.layers)  # one per layer x head cell
@@ -161,7 +209,7 @@ def test_histograms_of_cells_and_shares_have_the_right_counts(logged):
             for r in range(3):
                 values = np.concatenate([w[:, r].numpy() for w in weights])
                 (h,) = [e.histogram_value for e in events.Histograms(f"hist/{kind}_share_per_position/ref{r}")
-                        if e.step == step]  # fmt: skip
+                        if e.step == x[step]]  # fmt: skip
                 assert h.num == values.size  # every query position of every layer and image
                 assert h.sum == pytest.approx(values.sum(), rel=1e-9)
 
@@ -172,26 +220,36 @@ def test_reference_share_scalars_equal_reference_mass(logged):
     mass = run.reference_mass()
     columns = ["attention", "nw", "contribution_share"]  # the last checked against float64 in test_contributions
     means = mass[mass["branch"] == "cond"].groupby(["step", "reference"])[columns].mean()
-    for kind, tag in zip(columns, ("attention_share", "nw_share", "contribution_share"), strict=True):
+    for kind, tag in zip(columns, ("attention", "nw", "contribution"), strict=True):
         for r in range(3):
             expected = {step: v for (step, ref), v in means[kind].items() if ref == r}
-            assert _scalar(events, f"maps/{tag}/ref{r}") == pytest.approx(expected, abs=FLOAT32)
+            assert _scalar(events, f"6_reference_shares/{tag}_ref{r}") == pytest.approx(
+                _by_x(run, expected), abs=FLOAT32
+            )
 
 
-def test_overlays_at_every_step_and_the_images_with_their_readings(logged):
+def test_overlays_first_in_images_at_every_timestep_and_drawn_for_a_card(logged):
     from tensorboard.util import tensor_util
 
     run, _, folder, readings, _ = logged
     events = _events(folder)
-    assert [e.step for e in events.Images("overlays/reference_shares")] == run.map_steps(0) == list(range(STEPS))
-    for tag in ("images/generated", "images/references", "figures/rho_by_timestep", "figures/reference_maps"):
-        assert [e.step for e in events.Images(tag)] == [STEPS - 1]
+    images = sorted(events.Tags()["images"])
+    assert images[0] == "7_overlays/reference_shares"  # the Images view lists groups by name: overlays first
+    x = _x(run)
+    assert [e.step for e in events.Images("7_overlays/reference_shares")] == sorted(x[s] for s in run.map_steps(0))
+    last = x[STEPS - 1]
+    for tag in ("9_images/generated", "9_images/references", "8_figures/rho_by_timestep", "8_figures/reference_maps",
+                "8_figures/query_frame_rho_per_layer"):  # fmt: skip
+        assert [e.step for e in events.Images(tag)] == [last]
+    for tag in ("7_overlays/reference_shares", "8_figures/rho_by_timestep", "8_figures/query_frame_rho_per_layer"):
+        width = events.Images(tag)[0].width
+        assert width <= 800  # at most 7 in at 110 dpi: a card shows it at about its own size
     (text,) = events.Tensors("images/readings/text_summary")
     table = tensor_util.make_ndarray(text.tensor_proto).item().decode()
     assert [line.strip("| ").split(" | ")[1] for line in table.splitlines()[2:]] == readings
 
 
-def test_hparams_carry_the_settings_and_end_of_run_metrics(logged):
+def test_hparams_carry_the_settings_and_end_of_run_metrics_from_the_mean_run(logged):
     from tensorboard.plugins.hparams import plugin_data_pb2
 
     run, _, folder, _, _ = logged
@@ -202,16 +260,17 @@ def test_hparams_carry_the_settings_and_end_of_run_metrics(logged):
     assert {k: hparams[k] for k in SETTINGS} == SETTINGS
     assert hparams["probe/bandwidth"] == "matched" and hparams["adapter_scale"] == 1.0
     experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"]).experiment
-    metrics = [m.name.tag for m in experiment.metric_infos]
-    assert metrics[:4] == ["end/rho", "end/rho_baseline", "end/rho_null", "end/rho_excess"]
-    assert {"end/qf_rho", "end/qf_rho_baseline", "end/qf_rho_null", "end/qf_rho_excess"} <= set(metrics)
+    metrics = [(m.name.group, m.name.tag) for m in experiment.metric_infos]
+    assert metrics == [("mean", "1_query_frame/rho"), ("mean", "1_query_frame/rho_excess"),
+                       ("mean", "2_stored_frame/rho"), ("mean", "2_stored_frame/rho_excess")]  # fmt: skip
     cells = _cells(run)
-    columns = {"rho": "spearman", "rho_null": "spearman_null", "rho_baseline": "rho_baseline"}
-    columns.update(rho_excess="rho_excess", qf_rho="qf_spearman", qf_rho_null="qf_spearman_null")
-    columns.update(qf_rho_baseline="qf_rho_baseline", qf_rho_excess="qf_rho_excess")
-    for name, column in columns.items():
-        # the mean over the cond branch's finite cells (pandas skips the NaN rho of a one-query layer)
-        assert list(_scalar(events, f"end/{name}").values()) == pytest.approx([cells[column].mean()], abs=FLOAT32)
+    mean = _events(Path(folder) / "mean")
+    for (_, tag), column in zip(metrics, ("qf_spearman", "qf_rho_excess", "spearman", "rho_excess"), strict=True):
+        # the mean over the cond branch's finite cells (pandas skips the NaN rho of a one-query layer): a flat line
+        # over the timesteps, whose last value the HParams view reads
+        values = _scalar(mean, tag)
+        assert sorted(values) == [min(_x(run).values()), max(_x(run).values())]
+        assert list(values.values()) == pytest.approx([cells[column].mean()] * 2, abs=FLOAT32)
 
 
 # --------------------------------------------------------------------------- wandb and MLflow
@@ -262,24 +321,29 @@ def test_wandb_gets_the_same_content_and_its_real_run_folder(logged, tmp_path, m
     assert folder == tmp_path / "wandb" / "offline-run-x" and folder.is_dir()
     assert calls[0] == ("init", (), {"project": "digits", "name": "digits", "dir": str(tmp_path)})
     rows = [args[0] for name, args, _ in calls if name == "run.log"]
-    rho = {row["step"]: row["nw/rho"] for row in rows if "nw/rho" in row}
-    expected = _cells(run).groupby("step")["spearman"].mean().to_dict()
-    assert rho == pytest.approx(expected, rel=1e-12)
-    steps = [row["step"] for row in rows if "step" in row]
-    assert steps == sorted(steps)  # rows in step order
+    cells = _cells(run)
+    for key, column in (("1_query_frame/rho", "qf_spearman"), ("1_query_frame/rho_baseline", "qf_rho_baseline"),
+                        ("1_query_frame/rho_null", "qf_spearman_null")):  # fmt: skip
+        logged_values = {row["step"]: row[key] for row in rows if key in row}
+        assert logged_values == pytest.approx(_by_x(run, cells.groupby("step")[column].mean()), rel=1e-12)
+    first = next(row for row in rows if any(k[0].isdigit() for k in row))
+    assert sorted(k for k in first if k != "step")[0] == "1_query_frame/rho"  # the same order as TensorBoard
     histograms = {(row["step"]) for row in rows for v in row.values() if isinstance(v, tuple) and v[0] == "histogram"}
-    assert histograms == set(range(STEPS))
-    overlays = [row["step"] for row in rows if "overlays/reference_shares" in row]
-    assert overlays == list(range(STEPS))
+    assert histograms == set(_x(run).values())
+    overlays = [row["step"] for row in rows if "7_overlays/reference_shares" in row]
+    assert overlays == sorted(_x(run).values())
     charts = [v[1] for row in rows for k, v in row.items() if k.startswith("charts/")]
-    (rho_chart,) = [c for c in charts if c["title"].endswith("rho with its baseline and null (stored frame)")]
+    (rho_chart,) = [c for c in charts if c["title"].endswith("query-frame rho: run, baseline, null, mean")]
     assert all(len(k) <= 60 for row in rows for k in row if k.startswith("charts/"))  # wandb names an artifact so
-    assert rho_chart["keys"] == ["nw/rho", "nw/rho_baseline", "nw/rho_null"]
-    assert rho_chart["ys"][0] == [expected[s] for s in range(STEPS)]
+    assert rho_chart["keys"] == ["1_query_frame/rho", "1_query_frame/rho_baseline", "1_query_frame/rho_mean",
+                                 "1_query_frame/rho_null"]  # fmt: skip
+    assert rho_chart["xname"] == "timestep"
+    expected = _by_x(run, cells.groupby("step")["qf_spearman"].mean())
+    assert rho_chart["ys"][0] == [expected[x] for x in sorted(expected)]
     config = [args[0] for name, args, _ in calls if name == "run.config.update"][0]
     assert {k: config[k] for k in SETTINGS} == SETTINGS
     summary = [args[0] for name, args, _ in calls if name == "run.summary.update"][0]
-    assert summary["end/rho"] == pytest.approx(_cells(run)["spearman"].mean(), rel=1e-12)
+    assert summary["1_query_frame/rho_mean"] == pytest.approx(cells["qf_spearman"].mean(), rel=1e-12)
     assert calls[-1][0] == "run.finish"
 
 
@@ -346,14 +410,16 @@ def test_mlflow_gets_the_same_content_recorded(logged, tmp_path, monkeypatch):
     assert folder == tmp_path / "mlartifacts" / "1" / "r1"
     assert calls[0] == ("MlflowClient", (), {"tracking_uri": f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"})
     metrics = [m for name, _, kw in calls if name == "client.log_batch" for m in kw.get("metrics", [])]
-    rho = {step: value for key, value, step in metrics if key == "nw/rho"}
-    assert rho == pytest.approx(_cells(run).groupby("step")["spearman"].mean().to_dict(), rel=1e-12)
+    rho = {step: value for key, value, step in metrics if key == "1_query_frame/rho"}
+    assert rho == pytest.approx(_by_x(run, _cells(run).groupby("step")["qf_spearman"].mean()), rel=1e-12)
+    null = {step: value for key, value, step in metrics if key == "1_query_frame/rho_null"}
+    assert null == pytest.approx(_by_x(run, _cells(run).groupby("step")["qf_spearman_null"].mean()), rel=1e-12)
     params = dict(p for name, _, kw in calls if name == "client.log_batch" for p in kw.get("params", []))
     assert params["digit"] == "3" and params["probe/bandwidth"] == "matched"
     images = [(kw["key"], kw["step"]) for name, _, kw in calls if name == "client.log_image"]
-    assert [s for k, s in images if k == "overlays/reference_shares"] == list(range(STEPS))
+    assert [s for k, s in images if k == "7_overlays/reference_shares"] == sorted(_x(run).values())
     dicts = {args[2]: args[1] for name, args, _ in calls if name == "client.log_dict"}
-    assert set(dicts["histograms.json"]["hist/rho_per_layer_head_cell"]) == set(range(STEPS))
+    assert set(dicts["histograms.json"]["hist/rho_per_layer_head_cell"]) == set(_x(run).values())
     assert dicts["layout.json"]
     assert calls[-1][0] == "client.set_terminated"
 
@@ -369,13 +435,13 @@ def test_mlflow_local_store_read_back(logged, tmp_path, monkeypatch):
     folder = run.log("mlflow", tmp_path, "digits", **logged[4])
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}")
     (found,) = client.search_runs([client.get_experiment_by_name("digits").experiment_id])
-    history = {m.step: m.value for m in client.get_metric_history(found.info.run_id, "nw/rho")}
-    assert history == pytest.approx(_cells(run).groupby("step")["spearman"].mean().to_dict(), rel=1e-12)
+    history = {m.step: m.value for m in client.get_metric_history(found.info.run_id, "1_query_frame/rho")}
+    assert history == pytest.approx(_by_x(run, _cells(run).groupby("step")["qf_spearman"].mean()), rel=1e-12)
     assert found.data.params["guidance_scale"] == "3.0"
-    assert found.data.metrics["end/rho"] == pytest.approx(_cells(run)["spearman"].mean(), rel=1e-12)
+    assert found.data.metrics["1_query_frame/rho_mean"] == pytest.approx(_cells(run)["qf_spearman"].mean(), rel=1e-12)
     files = {p.relative_to(folder).as_posix() for p in Path(folder).rglob("*") if p.is_file()}
     assert {"histograms.json", "layout.json", "run/settings.md", "images/readings.md"} <= files
-    overlays = [f for f in files if f.startswith("images/overlays~reference_shares+step+") and f.endswith(".png")]
+    overlays = [f for f in files if f.startswith("images/7_overlays~reference_shares+step+") and f.endswith(".png")]
     assert len(overlays) == STEPS
 
 
@@ -387,8 +453,9 @@ def test_cli_prints_the_folder_of_the_event_file(tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     folder = re.search(r"tensorboard logs in (\S+?)[,;]", printed).group(1)
-    (event,) = Path(out / "logs").rglob("events.out.tfevents.*")
-    assert Path(folder) == event.parent
+    events_files = sorted(Path(out / "logs").rglob("events.out.tfevents.*"))
+    assert Path(folder) in {event.parent for event in events_files}
+    assert Path(folder).name == "probe_digit3_seed0_frame-item_steps2"  # named by what differs between runs
     events = _events(folder)
     (text,) = events.Tensors("images/readings/text_summary")
     from tensorboard.util import tensor_util
@@ -400,47 +467,13 @@ def test_cli_prints_the_folder_of_the_event_file(tmp_path, capsys):
     ]
 
 
-def test_query_frame_columns_get_their_tags_charts_and_metrics_once_they_exist(logged, tmp_path, monkeypatch):
-    """The query-frame columns (another part of the probe adds them) are found by name: here they are added to the
-    run's table and summary by the test, with values that differ from the stored frame's."""
-    run = logged[0]
-    table, summary = run.to_dataframe(), run.summary()
-    for frame in (table, summary):
-        frame["qf_spearman"] = frame["spearman"] / 2
-        frame["qf_rho_baseline"] = frame["rho_baseline"] / 3
-        frame["qf_spearman_null"] = frame["spearman_null"] / 4
-        frame["qf_rho_excess"] = frame["qf_spearman"] - frame["qf_rho_baseline"]
-        frame["qf_gauss_rho"] = frame["spearman"] / 5
-    monkeypatch.setattr(run, "to_dataframe", lambda: table.copy())
-    monkeypatch.setattr(run, "summary", lambda: summary.copy())
-    events = _events(run.log("tensorboard", tmp_path, "qf"))
-    cells = table[(table["kind"] == "image") & (table["branch"] == "cond")]
-    means = cells.groupby("step")[["qf_spearman", "qf_rho_baseline", "qf_spearman_null", "qf_gauss_rho"]].mean()
-    for column, tag in (("qf_spearman", "nw/qf_rho"), ("qf_rho_baseline", "nw/qf_rho_baseline"),
-                        ("qf_spearman_null", "nw/qf_rho_null"), ("qf_gauss_rho", "nw/qf_gauss_rho")):  # fmt: skip
-        assert _scalar(events, tag) == pytest.approx(means[column].to_dict(), abs=FLOAT32)
-    from tensorboard.plugins.custom_scalar import layout_pb2
-    from tensorboard.util import tensor_util
+def test_the_loop_index_is_the_step_when_timesteps_collide():
+    from ipa_probe.probe_log import _steps
 
-    (config,) = events.Tensors("custom_scalars__config__")
-    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(config.tensor_proto).item())
-    assert layout.category[0].title.startswith("rho vs Gaussian NW: cond branch")
-    charts = {chart.title: list(chart.multiline.tag) for chart in layout.category[0].chart}
-    assert next(iter(charts)) == "query-frame rho with its baseline and null"  # the headline's chart first
-    assert charts["query-frame rho with its baseline and null"] == ["^nw/qf_rho$", "^nw/qf_rho_baseline$",
-                                                                     "^nw/qf_rho_null$"]  # fmt: skip
-    assert charts["query-frame Gaussian columns"] == ["^nw/qf_gauss"]
-    assert charts["excess over the baseline"] == ["^nw/rho_excess$", "^nw/qf_rho_excess$"]
-    layers = sorted(t for t in events.Tags()["scalars"] if t.startswith("nw/qf_layer/"))
-    assert len(layers) == len(run.layers)
-    histograms = {e.step: e.histogram_value.num for e in events.Histograms("hist/qf_rho_per_layer_head_cell")}
-    assert histograms == cells.groupby("step")["qf_spearman"].count().astype(float).to_dict()
-    from tensorboard.plugins.hparams import plugin_data_pb2
-
-    content = events.PluginTagToContent("hparams")["_hparams_/experiment"]
-    metrics = [m.name.tag for m in plugin_data_pb2.HParamsPluginData.FromString(content).experiment.metric_infos]
-    assert {"end/qf_rho", "end/qf_rho_baseline", "end/qf_rho_null", "end/qf_rho_excess"} <= set(metrics)
-    assert list(_scalar(events, "end/qf_rho").values()) == pytest.approx([cells["qf_spearman"].mean()], abs=FLOAT32)
+    summary = pd.DataFrame({"call": [0, 0, 0, 1], "step": [0, 1, 2, 0], "timestep": [999.4, 500.0, 1.0, 999.0]})
+    assert _steps(summary) == ({(0, 0): 999, (0, 1): 500, (0, 2): 1, (1, 0): 999}, "timestep")
+    summary["timestep"] = [999.4, 999.2, 1.0, 999.0]  # two steps of call 0 round to 999
+    assert _steps(summary) == ({(0, 0): 0, (0, 1): 1, (0, 2): 2, (1, 0): 0}, "loop index")
 
 
 def test_probe_log_with_draws_the_overlays_over_a_grey_field(organism, tmp_path):
@@ -452,10 +485,11 @@ def test_probe_log_with_draws_the_overlays_over_a_grey_field(organism, tmp_path)
         organism(DIGITS_PROMPT, ip_adapter_image=[refs], num_inference_steps=2, guidance_scale=3.0,
                  generator=torch.Generator().manual_seed(0))  # fmt: skip
     events = _events(tmp_path / "ctx")
-    assert [e.step for e in events.Images("overlays/reference_shares")] == run.map_steps(0) == [0, 1]
-    assert "images/generated" not in events.Tags()["images"]
-    expected = _cells(run).groupby("step")["spearman"].mean().to_dict()
-    assert _scalar(events, "nw/rho") == pytest.approx(expected, abs=FLOAT32)
+    x = _x(run)
+    assert [e.step for e in events.Images("7_overlays/reference_shares")] == sorted(x[s] for s in run.map_steps(0))
+    assert len(x) == 2 and "9_images/generated" not in events.Tags()["images"]
+    expected = _by_x(run, _cells(run).groupby("step")["qf_spearman"].mean())
+    assert _scalar(events, "1_query_frame/rho") == pytest.approx(expected, abs=FLOAT32)
 
 
 def test_several_calls_in_one_block_get_a_prefix_and_a_layout_each(sd15, refs, tmp_path):
@@ -467,16 +501,11 @@ def test_several_calls_in_one_block_get_a_prefix_and_a_layout_each(sd15, refs, t
     table = run.to_dataframe()
     for call in (0, 1):
         cells = table[(table["call"] == call) & (table["kind"] == "image") & (table["branch"] == "cond")]
-        expected = cells.groupby("step")["spearman"].mean().to_dict()
-        assert _scalar(events, f"call{call}/nw/rho") == pytest.approx(expected, abs=FLOAT32)
-    assert "nw/rho" not in events.Tags()["scalars"]
-    from tensorboard.plugins.custom_scalar import layout_pb2
-    from tensorboard.util import tensor_util
-
-    (config,) = events.Tensors("custom_scalars__config__")
-    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(config.tensor_proto).item())
-    titles = [c.title for c in layout.category if "cond branch" in c.title]
-    assert titles == [f"call{c}/rho vs Gaussian NW: cond branch, mean over layers and heads" for c in (0, 1)]
+        expected = _by_x(run, cells.groupby("step")["spearman"].mean(), call)
+        assert _scalar(events, f"2_stored_frame_call{call}/rho") == pytest.approx(expected, abs=FLOAT32)
+    assert "2_stored_frame/rho" not in events.Tags()["scalars"]
+    titles = [c.title for c in _layout_of(events).category if c.title.startswith("stored frame")]
+    assert titles == [f"stored frame (gauge-dependent): cond branch_call{c}" for c in (0, 1)]
 
 
 @pytest.mark.parametrize("branch", ["text", "both"])
@@ -488,17 +517,14 @@ def test_text_branch_series_and_layout(sd15, refs, tmp_path, branch):
     events = _events(run.log("tensorboard", tmp_path, branch))
     table = run.to_dataframe()
     text = table[(table["kind"] == "text") & (table["branch"] == "cond")]
-    expected = text.groupby("step")["spearman"].mean().to_dict()
-    assert _scalar(events, "nw/text/rho") == pytest.approx(expected, abs=FLOAT32)
-    from tensorboard.plugins.custom_scalar import layout_pb2
-    from tensorboard.util import tensor_util
-
-    (config,) = events.Tensors("custom_scalars__config__")
-    layout = layout_pb2.Layout.FromString(tensor_util.make_ndarray(config.tensor_proto).item())
-    charts = {(c.title, chart.title): list(chart.multiline.tag) for c in layout.category for chart in c.chart}
+    expected = _by_x(run, text.groupby("step")["spearman"].mean())
+    tag = "2_stored_frame/rho" if branch == "text" else "text_cond_stored_frame/rho"  # text-only: the headline
+    assert _scalar(events, tag) == pytest.approx(expected, abs=FLOAT32)
+    charts = {
+        (c.title, chart.title): list(chart.multiline.tag) for c in _layout_of(events).category for chart in c.chart
+    }
     scalars = set(events.Tags()["scalars"])
     assert all(any(re.search(p, t) for t in scalars) for patterns in charts.values() for p in patterns)
-    drawn = [tags for (category, title), tags in charts.items() if title.startswith("rho with its baseline")]
-    assert ["^nw/text/rho$", "^nw/text/rho_baseline$", "^nw/text/rho_null$"] in drawn
-    layers = {t for t in scalars if t.startswith("nw/layer/")}
+    assert any(f"^{re.escape(tag)}$" in tags for tags in charts.values())
+    layers = {t for t in scalars if t.startswith("5_stored_frame_rho_per_layer/")}
     assert len(layers) == len(run.layers)  # per layer: the headline series (text-only: the text branch)

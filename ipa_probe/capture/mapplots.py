@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..layers import LayerSelection
 from .maps import MAP_KINDS
 
-__all__ = ["MAP_SCALES", "plot_reference_maps", "save_reference_maps"]
+__all__ = ["EFFECT_SIZE", "MAP_SCALES", "draw_outline", "plot_reference_maps", "save_reference_maps"]
 
 #: How shares become colours: ``"deviation"`` (share - uniform, diverging, symmetric range), ``"absolute"`` (the
 #: share on [0, 1]) or ``"max"`` (the share on [0, the map's largest value]; for text-token maps).
@@ -91,15 +91,32 @@ def _colour_scale(scale: str, values: Sequence[np.ndarray], uniform: float, vmax
     return (lambda v: v), Normalize(0.0, top), SEQUENTIAL, f"share (0 to the largest, {top:.3g})"
 
 
-def _panel_grid(rows: int, cols: int, header: float, panel: float = 1.5, gap: float = 0.12):
-    """A figure of ``rows x cols`` square panels under a ``header`` (inches) of text, and three colorbar axes at the
-    right (one beside row 0, two side by side beside rows 1...), laid out in inches so that every count of rows and
-    columns fits and 9 pt titles have room."""
+#: The deviation from the uniform share at which a share map's colour saturates, as a fraction of the uniform share:
+#: a reference given 1.5x (or 0.5x) its uniform share is full red (blue); smaller deviations are paler in proportion,
+#: so that a map within 1% of uniform looks flat instead of painted in saturated colour.
+EFFECT_SIZE = 0.5
+
+
+def draw_outline(ax, image, color: str = "black") -> None:
+    """The outline of the generated image's subject (its luminance contour halfway between its darkest and lightest
+    pixel) over ``ax``, in image pixels, so that a map drawn there reads against the digit it made."""
+    base = _as_array(image)
+    luminance = base.mean(axis=-1) if base.ndim == 3 else base  # (H, W)
+    low, high = float(luminance.min()), float(luminance.max())
+    if high - low < 1e-6:  # a flat field (no image given): nothing to outline
+        return
+    ax.contour(luminance, levels=[(low + high) / 2], colors=color, linewidths=0.8)
+
+
+def _panel_grid(rows: int, cols: int, header: float, width: float = 7.0, gap: float = 0.06):
+    """A figure ``width`` inches wide of ``rows x cols`` square panels under a ``header`` (inches) of text, and two
+    colorbar axes at the right (one beside row 0, one beside rows 1...), laid out in inches so that 8 pt titles have
+    room."""
     import matplotlib.pyplot as plt
 
-    first_title, title, bottom, left = 0.62, 0.3, 0.1, 0.1
-    bar_gap, bar, labels = 0.25, 0.16, 1.25
-    width = left + cols * panel + (cols - 1) * gap + 2 * (bar_gap + bar + labels)
+    first_title, title, bottom, left = 0.42, 0.08, 0.05, 0.2
+    bar_gap, bar, labels = 0.1, 0.12, 0.8
+    panel = (width - left - (cols - 1) * gap - (bar_gap + bar + labels)) / cols
     height = header + first_title + panel + (rows - 1) * (title + panel) + bottom
     fig = plt.figure(figsize=(width, height))
 
@@ -114,11 +131,7 @@ def _panel_grid(rows: int, cols: int, header: float, panel: float = 1.5, gap: fl
     x = left + cols * panel + (cols - 1) * gap + bar_gap
     y = header + first_title + panel + title
     span = (rows - 1) * (panel + title) - title
-    bars = (
-        fig.add_axes(box(x, header + first_title, bar, panel)),
-        fig.add_axes(box(x, y, bar, span)),
-        fig.add_axes(box(x + bar + labels + bar_gap, y, bar, span)),
-    )
+    bars = (fig.add_axes(box(x, header + first_title, bar, panel)), fig.add_axes(box(x, y, bar, span)))
     return fig, axes, bars
 
 
@@ -152,111 +165,96 @@ def _fingerprint(data: dict) -> list[float]:
 
 
 def _header(lines: list[str], width: float) -> tuple[str, float]:
-    """``lines`` wrapped to a figure ``width`` inches wide at 9 pt, and the height (inches) they take."""
-    columns = int(width * 12)  # characters of 9 pt text per line of `width` inches
+    """``lines`` wrapped to a figure ``width`` inches wide at 8 pt, and the height (inches) they take."""
+    columns = int(width * 13)  # characters of 8 pt text per line of `width` inches
     text = "\n".join(textwrap.fill(line, columns) for line in lines)
-    return text, 0.2 + (text.count("\n") + 1) * 9 * 1.3 / 72
+    return text, 0.15 + (text.count("\n") + 1) * 8 * 1.3 / 72
 
 
 def _draw_reference_maps(data, call, item, adapter, branch, image, references, scale, margin):
     import matplotlib.pyplot as plt
     from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import BoundaryNorm, ListedColormap, Normalize
+    from matplotlib.colors import BoundaryNorm, ListedColormap
 
-    from ..figstyle import MIN_FONT_PT, paper_style
+    from ..figstyle import DOUBLE_COLUMN, MIN_FONT_PT, paper_style
 
     maps, names, spans = data["maps"], data["names"], data["spans"]
     n_refs = maps["attention"][0].shape[0]
     uniform = 1.0 / n_refs
     base = _as_array(image) if image is not None else None
-    cols, rows = 1 + 3 * len(names), 1 + n_refs
+    cols, rows = 1 + 2 * len(names), 1 + n_refs
     every = [m for kind in MAP_KINDS for m in maps[kind]]
-    transform, norm, cmap, share_label = _colour_scale(scale, every, uniform)
+    vmax = EFFECT_SIZE * uniform if scale == "deviation" else None
+    transform, norm, cmap, share_label = _colour_scale(scale, every, uniform, vmax)
+    if scale == "deviation":
+        share_label = f"share − 1/{n_refs}\n(saturates at ±{EFFECT_SIZE:g}/{n_refs})"
+    largest = max(float(np.abs(m - uniform).max(initial=0.0)) for m in every)
     scale_text = {
-        "deviation": f"colour: share − uniform 1/{n_refs}, one symmetric range for every panel",
+        "deviation": f"colour: share − 1/{n_refs}, saturating at ±{EFFECT_SIZE:g}/{n_refs} (a reference given "
+        f"{1 + EFFECT_SIZE:g}x its uniform share); the largest deviation drawn is {largest:.3g}",
         "absolute": "colour: share on the absolute 0–1 scale",
         "max": "colour: share from 0 to the largest share in the figure",
     }[scale]
+    ranges = "; ".join(f"{n}: {s}" for n, s in zip(names, spans, strict=True))
     lines = [
-        f"Where each reference goes (call {call}, item {item}, adapter {adapter}, {branch} branch; every layer, the "
-        "steps of each range averaged).",
-        f"{scale_text}; a reference is dominant where its share leads the runner-up by more than {margin:g}, else "
-        "grey (no clear winner).",
+        f"Where each reference goes: call {call}, item {item}, adapter {adapter}, {branch} branch, every layer, the "
+        f"steps of each range averaged ({ranges}); outline: the generated image.",
+        f"{scale_text}. Top row: the dominant reference where it leads the runner-up by more than {margin:g}.",
     ]
     with paper_style():
-        width = 0.1 + cols * 1.5 + (cols - 1) * 0.12 + 2 * (0.25 + 0.16 + 1.25)
-        text, header = _header(lines, width)
-        fig, axes, (category_ax, share_ax, gap_ax) = _panel_grid(rows, cols, header)
-        fig.text(0.5, 1 - 0.1 / fig.get_figheight(), text, ha="center", va="top", fontsize=MIN_FONT_PT)
-        gaps = [np.abs(a - n) for a, n in zip(maps["attention"], maps["nw"], strict=True)]
-        tvs = [0.5 * g.sum(0) for g in gaps]
-        top = max(max(float(g.max(initial=0.0)) for g in gaps), max(float(t.max(initial=0.0)) for t in tvs))
-        gap_norm = Normalize(0.0, top or 1e-3)
+        text, header = _header(lines, DOUBLE_COLUMN)
+        fig, axes, (category_ax, share_ax) = _panel_grid(rows, cols, header, DOUBLE_COLUMN)
+        fig.text(0.5, 1 - 0.08 / fig.get_figheight(), text, ha="center", va="top", fontsize=MIN_FONT_PT)
         colours = [plt.get_cmap("tab10")(r % 10) for r in range(n_refs)]
         categorical = ListedColormap([*colours, NO_WINNER])
         category_norm = BoundaryNorm(np.arange(-0.5, n_refs + 1.0), n_refs + 1)
 
         def show(ax, values, title, **style):
             ax.imshow(values, interpolation="nearest", **style)
-            ax.set_title(title, fontsize=MIN_FONT_PT)
+            if base is not None and values.shape[:2] == base.shape[:2]:
+                draw_outline(ax, base)
+            if title:
+                ax.set_title(title, fontsize=MIN_FONT_PT)
 
         if base is not None:
             axes[0, 0].imshow(base)
-        axes[0, 0].set_title("generated" if base is not None else "(image not given)", fontsize=MIN_FONT_PT)
-        for c, (name, span) in enumerate(zip(names, spans, strict=True)):
+        axes[0, 0].set_title("generated" if base is not None else "(no image)", fontsize=MIN_FONT_PT)
+        drawn_winner = False
+        for c, name in enumerate(names):
             a, n = maps["attention"][c], maps["nw"][c]
             winners = [dominant(values, margin) for values in (a, n)]
-            panels = axes[0, 1 + 3 * c], axes[0, 2 + 3 * c]
-            if all(clear == 0 for _, clear in winners):
-                # two empty grey panels say less than one line of text across them
-                for ax in panels:
-                    ax.set_axis_off()
-                panels[0].set_title(f"{name} ({span})", fontsize=MIN_FONT_PT)
-                panels[0].text(
-                    1.04, 0.5, f"no reference leads by > {margin:g}", transform=panels[0].transAxes, ha="center",
-                    va="center", fontsize=MIN_FONT_PT,
-                )  # fmt: skip
-            else:
-                for offset, (kind, (values, clear)) in enumerate(zip(("attention", "NW"), winners, strict=True)):
-                    head = f"{name} ({span})\n" if offset == 0 else ""
-                    if clear == 0:
-                        panels[offset].set_axis_off()
-                        panels[offset].set_title(f"{head}{kind}: dominant ref", fontsize=MIN_FONT_PT)
-                        panels[offset].text(
-                            0.5, 0.5, f"none: no ref\nleads by > {margin:g}", transform=panels[offset].transAxes,
-                            ha="center", va="center", fontsize=MIN_FONT_PT,
-                        )  # fmt: skip
-                        continue
-                    title = f"{head}{kind}: dominant ref\n(clear at {clear:.0%})"
-                    show(panels[offset], values, title, cmap=categorical, norm=category_norm)
-            show(axes[0, 3 + 3 * c], tvs[c], "TV(attention, NW)", cmap=DIFFERENCE, norm=gap_norm)
+            panels = axes[0, 1 + 2 * c], axes[0, 2 + 2 * c]
+            for offset, (kind, (values, clear)) in enumerate(zip(("attn", "NW"), winners, strict=True)):
+                if clear == 0:
+                    panels[offset].set_axis_off()
+                    panels[offset].set_title(f"{name}: {kind}", fontsize=MIN_FONT_PT)
+                    note = f"no ref\nleads by\n> {margin:g}"
+                    panels[offset].text(0.5, 0.5, note, transform=panels[offset].transAxes, ha="center",
+                                        va="center", fontsize=MIN_FONT_PT)  # fmt: skip
+                    continue
+                drawn_winner = True
+                show(panels[offset], values, f"{name}: {kind}\n(clear {clear:.0%})", cmap=categorical,
+                     norm=category_norm)  # fmt: skip
             for r in range(n_refs):
-                show(axes[1 + r, 1 + 3 * c], transform(a[r]), f"ref {r}: attention", cmap=cmap, norm=norm)
-                show(axes[1 + r, 2 + 3 * c], transform(n[r]), f"ref {r}: NW", cmap=cmap, norm=norm)
-                show(axes[1 + r, 3 + 3 * c], gaps[c][r], "|attention − NW|", cmap=DIFFERENCE, norm=gap_norm)
+                show(axes[1 + r, 1 + 2 * c], transform(a[r]), "", cmap=cmap, norm=norm)  # titled in the top row
+                show(axes[1 + r, 2 + 2 * c], transform(n[r]), "", cmap=cmap, norm=norm)
         for r in range(n_refs):
             if references is not None and r < len(references):
                 axes[1 + r, 0].imshow(_as_array(references[r]))
             else:
                 axes[1 + r, 0].set_facecolor("white")
-            axes[1 + r, 0].set_title(f"reference {r}", fontsize=MIN_FONT_PT, color=colours[r])
+            axes[1 + r, 0].set_ylabel(f"ref {r}", fontsize=MIN_FONT_PT, color=colours[r])
         for ax in axes.flat:
             ax.set_xticks([])
             ax.set_yticks([])
-        if any(
-            clear > 0
-            for values in (a for kind in MAP_KINDS for a in maps[kind])
-            for _, clear in [dominant(values, margin)]
-        ):
+        if drawn_winner:
             bar = fig.colorbar(ScalarMappable(category_norm, categorical), cax=category_ax)
             bar.set_ticks(range(n_refs + 1), labels=[f"ref {r}" for r in range(n_refs)] + ["no clear\nwinner"])
         else:  # no panel draws a dominant reference: a legend of reference colours would describe nothing
             category_ax.set_visible(False)
-        bar = fig.colorbar(ScalarMappable(norm, cmap), cax=share_ax)
+        bar = fig.colorbar(ScalarMappable(norm, cmap), cax=share_ax, extend="both" if vmax is not None else "neither")
         bar.set_label(share_label, fontsize=MIN_FONT_PT)
-        bar = fig.colorbar(ScalarMappable(gap_norm, DIFFERENCE), cax=gap_ax)
-        bar.set_label("|attention − NW|, TV\n(share units)", fontsize=MIN_FONT_PT)
-        for cax in (category_ax, share_ax, gap_ax):
+        for cax in (category_ax, share_ax):
             cax.tick_params(labelsize=MIN_FONT_PT)
     return fig
 
@@ -312,6 +310,7 @@ _REFERENCE_MAP_CODE = (
     _draw_reference_maps,
     _panel_grid,
     _header,
+    draw_outline,
     dominant,
     _colour_scale,
     _as_array,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..layers import LayerSelection
 from .layer_order import network_order
-from .mapplots import MAP_SCALES, _as_array, _check_choice, _colour_scale
+from .mapplots import EFFECT_SIZE, MAP_SCALES, _as_array, _check_choice, _colour_scale, draw_outline
 from .maps import MAP_KINDS
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "OverlayMap",
     "describe_selection",
     "layer_groups",
+    "overlay_figure",
     "overlay_map",
     "plot_overlay",
     "save_overlays",
@@ -434,3 +435,51 @@ def save_overlays(
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def overlay_figure(run, image, *, call: int = 0, adapter: int = 0, branch: str = "cond", note: str = "") -> dict:
+    """Per recorded step, a card-sized figure (7 in wide): each reference's share minus 1/R under attention (top row)
+    and NW (bottom row), averaged over layers, with the image's outline on every map and one colour range for every
+    step, both rows and every reference: ±:data:`EFFECT_SIZE` of the uniform share (stated on the colorbar).
+
+    Returns:
+        ``{loop index: matplotlib.figure.Figure}``.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.cm import ScalarMappable
+
+    from ..figstyle import MIN_FONT_PT, paper_style
+
+    steps = run.map_steps(call)
+    size = _as_array(image).shape[:2]
+    timesteps = run.map_timesteps(call)
+    figures = {}
+    for step in steps:
+        drawn = {
+            kind: run.reference_maps(call, 0, adapter, kind, branch, None, [step], size).double().numpy()
+            for kind in MAP_KINDS
+        }  # kind -> (R, H, W)
+        count = drawn["attention"].shape[0]
+        uniform = 1.0 / count
+        transform, norm, cmap, _ = _colour_scale("deviation", [], uniform, EFFECT_SIZE * uniform)
+        with paper_style():
+            fig, axes = plt.subplots(2, count, figsize=(7.0, 1.0 + 2 * min(2.2, 6.0 / count)), squeeze=False,
+                                     layout="constrained")  # fmt: skip
+            for row, kind in enumerate(MAP_KINDS):
+                for r in range(count):
+                    ax = axes[row, r]
+                    ax.imshow(transform(drawn[kind][r]), cmap=cmap, norm=norm, interpolation="bilinear")
+                    draw_outline(ax, image)
+                    ax.set_xticks([])
+                    ax.set_yticks([])
+                    ax.set_title(f"ref {r}, {'attention' if kind == 'attention' else 'NW'}", fontsize=MIN_FONT_PT)
+            bar = fig.colorbar(ScalarMappable(norm, cmap), ax=axes, shrink=0.9, extend="both")
+            bar.set_label(f"share − 1/{count}\n(saturates at ±{EFFECT_SIZE:g}/{count})", fontsize=MIN_FONT_PT)
+            bar.ax.tick_params(labelsize=MIN_FONT_PT)
+            fig.suptitle(
+                f"t {timesteps[step]:.0f} (step {step}), {branch} branch, mean over layers and heads; "
+                f"outline: the generated image {note}".strip(),
+                fontsize=MIN_FONT_PT,
+            )
+        figures[step] = fig
+    return figures

@@ -172,17 +172,18 @@ def plot_run(
     heatmaps: tuple[str, ...] | None = HEATMAP_COLUMNS,
 ):
     """The query-frame rho (``qf_spearman``, exact form, and ``qf_gauss_spearman``; invariant under every per-head
-    basis change of q and k: the headline) and the stored-frame per-row Spearman (band: ± one std over layers and
-    heads; gauge-dependent) beside its gauge baseline (the rho expected from the logit ratio and the number of keys
-    alone, docs/gauge.md), raveled Pearson and the null, by timestep; and, in a new figure, a layer x timestep heat
-    map of each of ``heatmaps`` that the table has (:func:`plot_heatmap`).
+    basis change of q and k: the headline) with its baseline, and the stored-frame per-row Spearman (band: ± one std
+    of the stored-frame rho over layers and heads; gauge-dependent) with its baseline, by timestep; the permutation
+    nulls in a panel of their own; and a layer x timestep heat map of each of ``heatmaps`` that the table has
+    (:func:`plot_heatmap`). The title states the selection (branch, steps, layers, heads averaged).
 
-    The x axes run in the denoising direction (high timestep on the left); the y axis of the lines fits the values
-    drawn (and 0). Falls back to the table's only kind when ``kind`` is absent (a text-only probe).
+    Drawn for a paper: 7 in wide with heat maps, 3.5 in (one column) without; text at 8 pt or more. The x axes run
+    in the denoising direction (high timestep on the left); each panel's y range fits what it draws. Falls back to the
+    table's only kind when ``kind`` is absent (a text-only probe).
 
     Args:
         table: a probe's table (:meth:`~ipa_probe.ProbeRun.to_dataframe`).
-        ax: an axes for the lines alone (no heat maps), or ``None`` for a new figure with the heat maps.
+        ax: an axes for the lines alone (nulls on the same axes, no heat maps), or ``None`` for a new figure.
         branch, kind: the CFG branch and the kind (``"image"`` or ``"text"``) drawn.
         heatmaps: the columns drawn as heat maps (those absent from ``table`` are left out); ``None`` or ``()`` for
             none.
@@ -192,71 +193,111 @@ def plot_run(
     """
     import matplotlib.pyplot as plt
 
+    from ..figstyle import DOUBLE_COLUMN, SINGLE_COLUMN, paper_style
+
     if not table.empty and kind not in set(table["kind"]):  # e.g. a text-only probe
         kind = str(table["kind"].iloc[0])
     columns = [c for c in (heatmaps or ()) if c in table.columns and not table.empty] if ax is None else []
-    if ax is None:
-        fig, axes = plt.subplots(
-            1,
-            1 + len(columns),
-            figsize=(6.4 + 5.6 * len(columns), _height(table)),
-            squeeze=False,
-            layout="constrained",
-        )
-        ax = axes[0, 0]
-        for column, heat_ax in zip(columns, axes[0, 1:], strict=True):
-            plot_heatmap(table, column, ax=heat_ax, branch=branch, kind=kind)
-    fig = ax.figure
+    with paper_style():
+        if ax is None:
+            layers = table["layer"].nunique() if "layer" in table.columns and not table.empty else 0
+            if columns:
+                fig = plt.figure(figsize=(DOUBLE_COLUMN, 4.6 + 0.16 * layers), layout="constrained")
+                grid = fig.add_gridspec(3, len(columns), height_ratios=[2.2, 1.0, 1.0 + 0.16 * layers])
+                ax = fig.add_subplot(grid[0, : max(1, len(columns) - 1)])
+                null_ax = fig.add_subplot(grid[0, -1]) if len(columns) > 1 else None
+                legend_ax = fig.add_subplot(grid[1, :])
+                for i, column in enumerate(columns):
+                    plot_heatmap(table, column, ax=fig.add_subplot(grid[2, i]), branch=branch, kind=kind,
+                                 labels=i == 0)  # fmt: skip
+            else:
+                fig = plt.figure(figsize=(SINGLE_COLUMN, 5.6), layout="constrained")
+                grid = fig.add_gridspec(3, 1, height_ratios=[2.2, 1.2, 1.6])
+                ax, null_ax, legend_ax = (fig.add_subplot(grid[i, 0]) for i in range(3))
+        else:
+            fig, null_ax, legend_ax = ax.figure, None, None
+        _draw_lines(table, ax, null_ax, legend_ax, branch, kind)
+    return fig
+
+
+def _draw_lines(table, ax, null_ax, legend_ax, branch: str, kind: str) -> None:
+    """The lines of :func:`plot_run`: headline and stored frame on ``ax``, nulls on ``null_ax`` (``ax`` if none), the
+    legend on ``legend_ax`` (under ``ax`` if none)."""
     summary = summarize(table)
     if not summary.empty:
         summary = summary[(summary["branch"] == branch) & (summary["kind"] == kind)]
-    drawn = [0.0]
+    nulls = null_ax if null_ax is not None else ax
+    drawn, drawn_null = [0.0], [0.0]
     for call, part in summary.groupby("call") if not summary.empty else ():
         suffix = f" (call {call})" if summary["call"].nunique() > 1 else ""
         x = part["timestep"].to_numpy()
         frame = f", {part[QUERY_FRAME_COLUMN].iloc[0]} frame" if QUERY_FRAME_COLUMN in part else ""
         for column, style, what in (
-            (SUMMARY_HEADLINE[0], {"marker": "s", "linewidth": 2.2, "color": "black"}, "exact"),
+            (SUMMARY_HEADLINE[0], {"marker": "s", "linewidth": 2.0, "color": "black"}, "exact"),
             (SUMMARY_HEADLINE[1], {"linestyle": "--", "color": "dimgrey"}, "Gaussian"),
         ):
             if column in part and part[column].notna().any():
-                label = f"query-frame ρ ({what}{frame}; gauge-invariant){suffix}"
-                ax.plot(x, part[column], markersize=3, label=label, **style)
+                ax.plot(x, part[column], markersize=3, label=f"query-frame ρ ({what}{frame}){suffix}", **style)
                 drawn += [*part[column]]
+        if "qf_rho_baseline" in part and part["qf_rho_baseline"].notna().any():
+            ax.plot(x, part["qf_rho_baseline"], color="black", linestyle=":", label=f"query-frame ρ baseline{suffix}")
+            drawn += [*part["qf_rho_baseline"]]
         rho = part["spearman"].to_numpy()
         std = part["spearman_std"].fillna(0).to_numpy()
-        label = f"stored-frame ρ (gauge-dependent), mean over layers × heads{suffix}"
-        line = ax.plot(x, rho, marker="o", markersize=3, label=label)[0]
-        ax.fill_between(x, rho - std, rho + std, color=line.get_color(), alpha=0.2, label=f"± 1 std of ρ{suffix}")
+        line = ax.plot(x, rho, marker="o", markersize=3, color="tab:blue", label=f"stored-frame ρ{suffix}")[0]
+        ax.fill_between(x, rho - std, rho + std, color=line.get_color(), alpha=0.15,
+                        label=f"stored-frame ρ ± 1 std over layers × heads{suffix}")  # fmt: skip
         if "rho_baseline" in part and part["rho_baseline"].notna().any():
-            baseline = part["rho_baseline"].to_numpy()
-            label = f"stored-frame ρ baseline from r and K{suffix}"
-            ax.plot(x, baseline, color=line.get_color(), linestyle="-.", label=label)
-            drawn += [*baseline]
-        ax.plot(x, part["pearson"], marker=".", linestyle="--", label=f"stored-frame Pearson r (raveled){suffix}")
-        ax.plot(x, part["spearman_null"], color="grey", linestyle=":", label=f"permutation null of ρ{suffix}")
-        drawn += [*(rho - std), *(rho + std), *part["pearson"], *part["spearman_null"]]
-    style_timestep_axes(ax, drawn)
+            ax.plot(
+                x, part["rho_baseline"], color="tab:blue", linestyle="-.", label=f"stored-frame ρ baseline{suffix}"
+            )
+            drawn += [*part["rho_baseline"]]
+        drawn += [*(rho - std), *(rho + std)]
+        if "qf_spearman_null" in part and part["qf_spearman_null"].notna().any():
+            nulls.plot(x, part["qf_spearman_null"], color="black", linestyle=":", marker=".",
+                       label=f"query-frame ρ, permutation null{suffix}")  # fmt: skip
+            drawn_null += [*part["qf_spearman_null"]]
+        nulls.plot(x, part["spearman_null"], color="tab:blue", linestyle=":", marker=".",
+                   label=f"stored-frame ρ, permutation null{suffix}")  # fmt: skip
+        drawn_null += [*part["spearman_null"]]
+    if null_ax is None:
+        drawn += drawn_null
+    # the nulls in a panel of their own: the headline's range fits the headline alone
+    style_timestep_axes(ax, drawn[1:] if null_ax is not None else drawn, zero=null_ax is None)
+    ax.set_ylabel("ρ (attention vs NW)")
+    steps = summary["step"].nunique() if not summary.empty else 0
+    layers = table["layer"].nunique() if "layer" in table and not table.empty else 0
+    heads = table["head"].nunique() if "head" in table and not table.empty else 0
+    span = f", t {summary['timestep'].max():.0f}→{summary['timestep'].min():.0f}" if steps else ""
     what = "IP-Adapter" if kind == "image" else "text"
-    ax.set_title(f"{what} attention vs Gaussian NW ({branch} branch)", fontsize=10)
-    # under the axes, where it covers no line; two columns keep it short
-    ax.legend(fontsize=MIN_FONT_PT, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
-    return fig
+    ax.set_title(f"{what} attention vs NW: {branch} branch, {steps} steps{span},\nmean over {layers} layers × {heads} "
+                 "heads", fontsize=MIN_FONT_PT)  # fmt: skip
+    if null_ax is not None:
+        style_timestep_axes(null_ax, drawn_null)
+        null_ax.set_ylabel("ρ under the null")
+        null_ax.set_title("chance: NW shuffled", fontsize=MIN_FONT_PT)
+    handles, labels = [], []
+    for a in dict.fromkeys([ax, nulls]):
+        more, names = a.get_legend_handles_labels()
+        handles, labels = handles + more, labels + names
+    if legend_ax is not None:
+        legend_ax.set_axis_off()
+        legend_ax.legend(handles, labels, loc="center", ncol=2 if legend_ax.bbox.width > 400 else 1,
+                         frameon=False, fontsize=MIN_FONT_PT)  # fmt: skip
+    else:
+        ax.legend(handles, labels, fontsize=MIN_FONT_PT, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
 
+
+#: Where the colour of a heat map of differences (``rho_excess``) saturates: a rho 0.1 above or below its baseline.
+EXCESS_RANGE = 0.1
 
 #: Titles of the heat maps' columns (a column name is no title).
 _READABLE = {
     "qf_spearman": "query-frame ρ (exact)",
     "qf_gauss_spearman": "query-frame ρ (Gaussian)",
     "spearman": "stored-frame ρ",
-    "rho_excess": "stored-frame ρ minus its baseline",
+    "rho_excess": "stored-frame ρ − baseline",
 }
-
-
-def _height(table: pd.DataFrame) -> float:
-    """Inches for :func:`plot_run`: the legend under the lines, and a 9 pt label per layer of the heat maps."""
-    layers = table["layer"].nunique() if "layer" in table.columns and not table.empty else 0
-    return max(6.0, 1.6 + 0.2 * layers)
 
 
 def heatmap_table(table: pd.DataFrame, column: str = "spearman", branch: str = "cond", kind: str = "image"):
@@ -277,7 +318,9 @@ def heatmap_table(table: pd.DataFrame, column: str = "spearman", branch: str = "
     return grid.sort_index(axis=1, ascending=False)
 
 
-def plot_heatmap(table: pd.DataFrame, column: str = "spearman", ax=None, branch: str = "cond", kind: str = "image"):
+def plot_heatmap(
+    table: pd.DataFrame, column: str = "spearman", ax=None, branch: str = "cond", kind: str = "image", labels=True
+):
     """A layer x timestep heat map of ``column`` (mean over heads, adapters and calls), with a colorbar.
 
     Colour: a diverging map centred at 0 with a symmetric range when the values take both signs (``rho_excess``
@@ -291,30 +334,49 @@ def plot_heatmap(table: pd.DataFrame, column: str = "spearman", ax=None, branch:
     grid = heatmap_table(table, column, branch, kind)
     values = grid.to_numpy(np.float64)  # (layers, timesteps)
     if ax is None:
-        _, ax = plt.subplots(figsize=(6.0, 1.4 + 0.2 * len(grid)), layout="constrained")
+        _, ax = plt.subplots(figsize=(3.5, 2.0 + 0.16 * len(grid)), layout="constrained")
     fig = ax.figure
     finite = values[np.isfinite(values)]
     low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
-    if low < 0 < high:
-        top = max(-low, high)
-        style, scale = {"cmap": "RdBu_r", "vmin": -top, "vmax": top}, f"diverging, centred at 0, ±{top:.3g}"
+    if low < 0 < high:  # a difference: its colour saturates at a stated effect size, not at the data's extreme
+        top = EXCESS_RANGE
+        style, scale = (
+            {"cmap": "RdBu_r", "vmin": -top, "vmax": top},
+            f"saturates at ±{top:g}",
+        )
     else:
         high = high if high > low else low + 1e-6
         style, scale = {"cmap": "viridis", "vmin": low, "vmax": high}, f"sequential, {low:.3g} to {high:.3g}"
     image = ax.imshow(values, aspect="auto", interpolation="nearest", **style)
+    for row in np.flatnonzero(~np.isfinite(values).any(axis=1)):  # a blank row says why it is blank
+        ax.text(values.shape[1] / 2 - 0.5, row, "undefined", ha="center",
+                va="center", fontsize=MIN_FONT_PT, color="dimgrey")  # fmt: skip
     timesteps = grid.columns.to_numpy(np.float64)
     ticks = regular_ticks(len(timesteps))  # one stride: the labels step regularly
     ax.set_xticks(ticks, [f"{timesteps[i]:g}" for i in ticks], fontsize=MIN_FONT_PT)
-    labels, suffix = _short_names([str(name) for name in grid.index])
-    ax.set_yticks(range(len(grid)), labels, fontsize=MIN_FONT_PT)
+    names, suffix = _short_names([str(name) for name in grid.index])
+    ax.set_yticks(range(len(grid)), [_compact(n) for n in names] if labels else [], fontsize=MIN_FONT_PT)
     ax.set_xlabel("timestep (denoising →)", fontsize=MIN_FONT_PT)
-    ax.set_ylabel(f"layer (ids end in {suffix})" if suffix else "layer", fontsize=MIN_FONT_PT)
+    if labels:
+        ax.set_ylabel("layer (network order)", fontsize=MIN_FONT_PT)
     what = _READABLE.get(column, column)
-    ax.set_title(f"{what} per layer and timestep\n({branch} branch, mean over heads)", fontsize=10)
-    bar = fig.colorbar(image, ax=ax, shrink=0.9)
-    bar.set_label(f"{column} ({scale})", fontsize=MIN_FONT_PT)
+    ax.set_title(f"{what}\n({branch}, mean over heads)", fontsize=MIN_FONT_PT)
+    bar = fig.colorbar(image, ax=ax, shrink=0.9, location="bottom", extend="both" if low < 0 < high else "neither")
+    bar.set_label(f"{column}\n({scale})", fontsize=MIN_FONT_PT)
     bar.ax.tick_params(labelsize=MIN_FONT_PT)
     return fig
+
+
+def _compact(name: str) -> str:
+    """A layer id short enough for a tick label: ``down_blocks.1.attentions.0`` -> ``down1.a0``, ``mid_block...`` ->
+    ``mid``, ``transformer_blocks.3`` -> ``block3``."""
+    import re
+
+    name = re.sub(r"^down_blocks\.(\d+)", r"down\1", name)
+    name = re.sub(r"^up_blocks\.(\d+)", r"up\1", name)
+    name = re.sub(r"^mid_block(\.attentions\.0)?", "mid", name)
+    name = re.sub(r"\.attentions\.(\d+)", r".a\1", name)
+    return re.sub(r"^(single_)?transformer_blocks\.(\d+)", r"\1block\2", name)
 
 
 def _short_names(names: list[str]) -> tuple[list[str], str]:
@@ -328,19 +390,23 @@ def _short_names(names: list[str]) -> tuple[list[str], str]:
     return [".".join(p[:-shared]) for p in parts], "." + ".".join(parts[0][-shared:])
 
 
-def style_timestep_axes(ax, values=None) -> None:
+def style_timestep_axes(ax, values=None, zero: bool = True) -> None:
     """Axes of a correlation-by-timestep plot: x in the denoising direction, a zero line, and y fitting ``values``
-    (the numbers drawn; 0 is always in range) with a margin, within [-1.05, 1.05]; [-1.05, 1.05] without values."""
+    (the numbers drawn; 0 in range unless ``zero=False``) with a margin, within [-1.05, 1.05]; [-1.05, 1.05] without
+    values."""
     ax.set_xlabel("timestep (denoising →)")
     ax.set_ylabel("attention vs NW")
     finite = np.asarray([v for v in (values if values is not None else []) if np.isfinite(v)], dtype=np.float64)
     if finite.size:
-        low, high = min(float(finite.min()), 0.0), max(float(finite.max()), 0.0)
+        low, high = float(finite.min()), float(finite.max())
+        if zero:
+            low, high = min(low, 0.0), max(high, 0.0)
         pad = max(0.05 * (high - low), 0.02)
         ax.set_ylim(max(low - pad, -1.05), min(high + pad, 1.05))
     else:
         ax.set_ylim(-1.05, 1.05)
-    ax.axhline(0, color="black", linewidth=0.5)
+    if ax.get_ylim()[0] <= 0 <= ax.get_ylim()[1]:
+        ax.axhline(0, color="black", linewidth=0.5)
     if not ax.xaxis_inverted():
         ax.invert_xaxis()
 
@@ -364,5 +430,5 @@ def save_run(table: pd.DataFrame, directory, settings: dict | None = None, extra
         "summary": summary.to_dict(orient="records"),
     }
     write_json(paths["summary"], record)
-    write_figure(plot_run(table), paths["plot"], dpi=120)
+    write_figure(plot_run(table), paths["plot"], dpi=150)
     return paths

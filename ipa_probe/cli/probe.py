@@ -222,7 +222,7 @@ def _write(args: argparse.Namespace, loaded, result, run_, staging, organism: bo
                 f"read as {v} (P({args.digit}) = {p[args.digit]:.2f})" for v, p in zip(labels, probs, strict=True)
             ]
         content = {"images": result.images, "references": loaded.references, "readings": readings}
-        folder = run_.log(args.log_with, logging_dir(args, out), "probe", settings=loaded.description, **content)
+        folder = run_.log(args.log_with, logging_dir(args, out), None, settings=loaded.description, **content)
         shown = Path(args.out) / folder.relative_to(out) if folder.is_relative_to(out) else folder
         written.append(f"{args.log_with} logs in {shown}")
     written.append(f"{MANIFEST_NAME} (which files are this run's)")

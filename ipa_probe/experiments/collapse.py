@@ -141,10 +141,10 @@ def table(raw: dict[str, dict]) -> list[Row]:
 def plot(raw: dict[str, dict], folder: Path) -> Path:
     """Benefit against ``d`` (mean ± std over seeds, and each seed) and ``n_eff`` against ``d``, beside the paper's
     points; every mark in its panel's legend."""
-    from ..figstyle import paper_style
+    from ..figstyle import DOUBLE_COLUMN, label_log_axis, paper_style
 
     with paper_style():
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.8))
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(DOUBLE_COLUMN, 3.4), layout="constrained")
         dims = list(raw["benefit"])
         seeds = max(len(raw["benefit"][d]["per_seed"]) for d in dims)
         ax1.axhline(0, color="grey", lw=0.8, label="no benefit")
@@ -162,7 +162,7 @@ def plot(raw: dict[str, dict], folder: Path) -> Path:
             ax1.scatter(*zip(*points, strict=True), color="C0", alpha=0.35, s=14, label="each seed")
         ax1.scatter([2, 16], [28, 0], marker="x", color="C3", label="paper (d = 2, 16)")
         ax1.set(xscale="log", xlabel="dimension d", ylabel="MMD² reduction by the exact head (%)",
-                title="benefit of the exact-NW head (ON vs OFF)")  # fmt: skip
+                title="benefit of the exact-NW head\n(ON vs OFF)")  # fmt: skip
         ax1.set_xticks(dims, [str(d) for d in dims])
         ax1.minorticks_off()
         ax1.legend()
@@ -171,11 +171,12 @@ def plot(raw: dict[str, dict], folder: Path) -> Path:
         ax2.scatter([2, 16], [9, 1], marker="x", color="C3", label="paper (d = 2, 16)")
         ax2.axhline(1, color="grey", ls="--", lw=0.8, label="n_eff = 1 (nearest neighbour)")
         ax2.set(xscale="log", yscale="log", xlabel="dimension d", ylabel=f"NW n_eff at t = {NEFF_T}",
-                title="kernel collapse: NW n_eff against dimension")  # fmt: skip
+                title="kernel collapse:\nNW n_eff against dimension")  # fmt: skip
         ax2.set_xticks(nd, [str(d) for d in nd])
         ax2.minorticks_off()
+        label_log_axis(ax2)
         ax2.legend()
-        return save_figure(fig, folder / "collapse.png", plot, raw)
+        return save_figure(fig, folder / "collapse.png", (plot, label_log_axis), raw)
 
 
 def redraw(record: dict, folder: Path) -> list[Path]:

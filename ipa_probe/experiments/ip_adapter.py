@@ -44,7 +44,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ..figstyle import fit_ylim  # noqa: E402
+from ..figstyle import fit_ylim, label_log_axis  # noqa: E402
 from ..schema import GAUGE_COLUMNS, query_frame_column  # noqa: E402
 from .ip_adapter_setup import (  # noqa: E402, F401 (re-exported: the experiment's surface)
     NUM_STEPS,
@@ -322,18 +322,43 @@ def _series(ax, entries, x, frame, column, colour, style, label, band=True):
     if band and all(b in frame.columns for b in bounds):
         low, high = (frame[b].to_numpy(float) for b in bounds)
         if np.isfinite(low).any():
-            handle = (line, ax.fill_between(x, low, high, color=colour, alpha=0.2, linewidth=0, label="_band"))
+            # a pale fill with its own edges: overlapping bands stay told apart by their outlines
+            band = ax.fill_between(x, low, high, facecolor=colour, alpha=0.12, edgecolor=colour, linewidth=0.8,
+                                   label="_band")  # fmt: skip
+            handle = (line, band)
             drawn += [low, high]
-            line.set_label(label := f"{label} (band: 95% CI)")
+            line.set_label(label := f"{label} (band)")
     entries.append((handle, label))
     return drawn
 
 
 def _legend(ax, entries, columns: int = 1) -> None:
+    """The panel's legend: one entry per statistic, drawn in black (colour names the population, once for the whole
+    figure), under the panel."""
+    from matplotlib.lines import Line2D
+
     from ..figstyle import MIN_FONT_PT
 
-    ax.legend(*zip(*entries, strict=True), fontsize=MIN_FONT_PT, loc="upper center", bbox_to_anchor=(0.5, -0.2),
-              ncol=columns, frameon=False)  # fmt: skip
+    handles, labels = [], []
+    for handle, label in entries:
+        if label in labels:
+            continue
+        line = handle[0] if isinstance(handle, tuple) else handle
+        if isinstance(line, Line2D):
+            proxy = Line2D(
+                [],
+                [],
+                color="black",
+                linestyle=line.get_linestyle(),
+                marker=line.get_marker(),
+                markerfacecolor=line.get_markerfacecolor() if line.get_markerfacecolor() == "white" else "black",
+            )
+            handle = (proxy, handle[1]) if isinstance(handle, tuple) else proxy
+        handles.append(handle)
+        labels.append(label)
+    legend = ax.legend(handles, labels, fontsize=MIN_FONT_PT, loc="upper center", bbox_to_anchor=(0.5, -0.3),
+                       ncol=columns, frameon=False, handlelength=2.0, borderaxespad=0.0)  # fmt: skip
+    legend.set_in_layout(False)  # the rows are spaced for it: the panels keep their width
 
 
 def _rho_panels(axes, summaries, x) -> None:
@@ -345,26 +370,26 @@ def _rho_panels(axes, summaries, x) -> None:
     for label, summary in summaries.items():
         colour, name = POPULATIONS[label]
         if exact in summary.columns:
-            drawn += _series(axes[0], entries, x, summary, exact, colour, "o-", f"{name}: query-frame ρ, exact b")
-            text = f"{name}: query-frame ρ, Gaussian b"
+            drawn += _series(axes[0], entries, x, summary, exact, colour, "o-", "query-frame ρ, exact b")
+            text = "query-frame ρ, Gaussian b"
             drawn += _series(axes[0], entries, x, summary, gauss, colour, "^--", text, band=False)
-            text = f"{name}: its ρ from the logit ratio alone"
+            text = "its ρ from the logit ratio alone"
             drawn += _series(axes[0], entries, x, summary, "qf_rho_baseline", colour, "s:", text, band=False)
     if drawn:
         fit_ylim(axes[0], np.concatenate(drawn))
-        axes[0].set(ylabel="mean per-row Spearman ρ", title="(a) query frame (invariant): attention vs NW")
+        axes[0].set(ylabel="mean per-row ρ", title="(a) query frame (invariant)")
         _legend(axes[0], entries)
     else:  # a record from before the query-frame columns
         axes[0].text(0.5, 0.5, "no query-frame columns in this record", ha="center", va="center")
-        axes[0].set(title="(a) query frame (invariant): attention vs NW")
+        axes[0].set(title="(a) query frame (invariant)")
 
     entries, drawn = [], []
     for label, summary in summaries.items():
         colour, name = POPULATIONS[label]
-        drawn += _series(axes[1], entries, x, summary, "spearman", colour, "o-", f"{name}: stored-frame ρ")
-        drawn += _series(axes[1], entries, x, summary, "pearson", colour, "s:", f"{name}: Pearson", band=False)
+        drawn += _series(axes[1], entries, x, summary, "spearman", colour, "o-", "stored-frame ρ")
+        drawn += _series(axes[1], entries, x, summary, "pearson", colour, "s:", "Pearson r", band=False)
         if "rho_baseline" in summary.columns:
-            text = f"{name}: ρ from the logit ratio r alone"
+            text = "ρ from the logit ratio r alone"
             drawn += _series(axes[1], entries, x, summary, "rho_baseline", colour, "^--", text, band=False)
     timesteps = next(iter(summaries.values()))["timestep"].tolist()
     include = []
@@ -374,7 +399,7 @@ def _rho_panels(axes, summaries, x) -> None:
         entries.append((paper, "paper (SD 1.5, t=1)"))
         include.append(PAPER_LAST_SPEARMAN)
     fit_ylim(axes[1], np.concatenate(drawn), include)
-    axes[1].set(ylabel="statistic", title="(b) stored frame (gauge-dependent), the paper's")
+    axes[1].set(ylabel="statistic", title="(b) stored frame (the paper's)")
     _legend(axes[1], entries)
 
     entries, drawn = [], [[0.0]]
@@ -382,16 +407,24 @@ def _rho_panels(axes, summaries, x) -> None:
         colour, name = POPULATIONS[label]
         excess = query_frame_column("rho_excess")
         if excess in summary.columns:
-            text = f"{name}: query-frame ρ − its baseline"
+            text = "query-frame ρ − baseline"
             drawn += _series(axes[2], entries, x, summary, excess, colour, "o-", text)
         if "rho_excess" in summary.columns:
-            text = f"{name}: stored-frame ρ − its baseline"
+            text = "stored-frame ρ − baseline"
             drawn += _series(axes[2], entries, x, summary, "rho_excess", colour, "^--", text, band=False)
-        drawn += _series(axes[2], entries, x, summary, "null", colour, "s:", f"{name}: permutation null", band=False)
     entries.append((axes[2].axhline(0, color="black", linewidth=0.8, label="zero", zorder=1), "zero"))
     fit_ylim(axes[2], np.concatenate(drawn))
-    axes[2].set(ylabel="ρ difference", title="(c) ρ beyond its logit-ratio baseline, and the null")
+    axes[2].set(ylabel="ρ − its baseline", title="(c) ρ beyond its baseline")
     _legend(axes[2], entries)
+    if len(axes) > 3:  # the permutation null: a ρ, not a difference, in a panel of its own
+        entries, drawn = [], [[0.0]]
+        for label, summary in summaries.items():
+            colour, name = POPULATIONS[label]
+            text = "stored-frame ρ, NW shuffled"
+            drawn += _series(axes[3], entries, x, summary, "null", colour, "s:", text, band=False)
+        fit_ylim(axes[3], np.concatenate(drawn))
+        axes[3].set(ylabel="ρ under the null", title="(c′) chance: permutation null")
+        _legend(axes[3], entries)
 
 
 def _attribution_panel(ax, attribution, x, column, title, ylabel, reference=None, extra=None) -> None:
@@ -400,9 +433,9 @@ def _attribution_panel(ax, attribution, x, column, title, ylabel, reference=None
     entries, drawn = [], []
     for label, summary in attribution.items():
         colour, name = POPULATIONS[label]
-        drawn += _series(ax, entries, x, summary, column, colour, "o-", name)
+        drawn += _series(ax, entries, x, summary, column, colour, "o-", "mean over sets")
         if extra is not None:
-            text = f"{name}: {extra[1]} (open)"
+            text = f"{extra[1]} (open)"
             drawn += _series(ax, entries, x, summary, extra[0], colour, "^:", text, band=False)
             ax.lines[-1].set(markerfacecolor="white", zorder=3)  # open markers: seen over the line they may equal
     include = []
@@ -413,6 +446,22 @@ def _attribution_panel(ax, attribution, x, column, title, ylabel, reference=None
     fit_ylim(ax, np.concatenate(drawn), include)
     ax.set(ylabel=ylabel, title=title)
     _legend(ax, entries)
+
+
+def _population_key(ax, populations) -> None:
+    """The one legend of colours: which population each colour is, in a panel of its own."""
+    from matplotlib.patches import Patch
+
+    from ..figstyle import MIN_FONT_PT
+
+    seen = {}
+    for label in populations:
+        colour, name = POPULATIONS[label]
+        seen.setdefault(colour, []).append(name)
+    handles = [Patch(color=colour, label=" / ".join(names)) for colour, names in seen.items()]
+    ax.set_axis_off()
+    ax.set_title("colour: population", fontsize=MIN_FONT_PT)
+    ax.legend(handles=handles, loc="upper left", fontsize=MIN_FONT_PT, frameon=False)
 
 
 def _bandwidths(summary: pd.DataFrame) -> pd.DataFrame:
@@ -429,38 +478,50 @@ def _bandwidths(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 def _temperature_panel(ax, attribution, x) -> None:
-    """The fitted data-space bandwidth h* against the exact denoiser's h(t), log scale; h* = ∞ (uniform weights
-    closest) as a triangle at the top edge, an interval reaching ∞ cut there."""
+    """The fitted data-space bandwidth h* against the exact denoiser's h(t), log scale, on the range of the finite
+    values only: h* = ∞ (uniform weights closest) is an arrow at the top edge marked ∞, and an interval whose upper end
+    is ∞ is drawn as an arrow up from its lower end, never as a band to a made-up finite value."""
     frames = {label: _bandwidths(s) for label, s in attribution.items()}
     columns = ("fitted_bandwidth", "fitted_bandwidth_low", "fitted_bandwidth_high", "bandwidth")
     finite = [v for f in frames.values() for c in columns for v in f[c].to_numpy(float) if np.isfinite(v) and v > 0]
-    top = 10 ** math.ceil(math.log10(max(finite) * 3))
     entries = []
     for index, (label, frame) in enumerate(frames.items()):
         colour, name = POPULATIONS[label]
         fitted = frame["fitted_bandwidth"].to_numpy(float)
         infinite = np.isinf(fitted)
-        (line,) = ax.plot(x, np.where(infinite, np.nan, fitted), "o-", color=colour, label=f"{name}: fitted h*")
-        handle, text = line, f"{name}: fitted h*"
-        low, high = (np.clip(frame[f"fitted_bandwidth_{e}"].to_numpy(float), 0, top) for e in ("low", "high"))
-        if np.isfinite(low).any():
-            text += " (band: 95% CI)"
+        (line,) = ax.plot(x, np.where(infinite, np.nan, fitted), "o-", color=colour, label="fitted h*")
+        handle, text = line, "fitted h*"
+        low, high = (frame[f"fitted_bandwidth_{e}"].to_numpy(float) for e in ("low", "high"))
+        closed = np.isfinite(low) & np.isfinite(high)
+        if closed.any():
+            text += " (band)"
             line.set_label(text)
-            handle = (line, ax.fill_between(x, low, high, color=colour, alpha=0.2, linewidth=0, label="_band"))
+            band = ax.fill_between(x, np.where(closed, low, np.nan), np.where(closed, high, np.nan), color=colour,
+                                   alpha=0.2, linewidth=0, label="_band")  # fmt: skip
+            handle = (line, band)
         entries.append((handle, text))
+        open_ended = np.isfinite(low) & np.isinf(high)
+        for i in np.flatnonzero(open_ended):  # the interval reaches ∞: an arrow from its lower end to the top edge
+            ax.annotate("", xy=(x[i] + 0.08 * index, 1.0), xycoords=("data", "axes fraction"),
+                        xytext=(x[i] + 0.08 * index, low[i]), textcoords="data",
+                        arrowprops={"arrowstyle": "->", "color": colour, "alpha": 0.6})  # fmt: skip
+        if open_ended.any():  # named in the line's own entry: a legend of at most 7 entries
+            text += ", arrow: CI to ∞"
+            line.set_label(text)
+            entries[-1] = (handle, text)
+        for i in np.flatnonzero(infinite):  # h* = ∞: marked at the top edge, not placed at a finite value
+            ax.annotate("∞", xy=(x[i] + 0.08 * index, 0.97), xycoords=("data", "axes fraction"), ha="center",
+                        va="top", color=colour, fontweight="bold")  # fmt: skip
         if infinite.any():
-            edge = top / 1.6**index  # one row of triangles per population, so that none hides another
-            text = f"{name}: h* = ∞ (uniform closest)"
-            (marker,) = ax.plot(
-                x[infinite], np.full(infinite.sum(), edge), "^", color=colour, markersize=8, label=text
-            )
-            entries.append((marker, text))
+            (proxy,) = ax.plot([], [], linestyle="none", marker="$∞$", color=colour, label="_proxy")
+            entries.append((proxy, "h* = ∞ (uniform closest): ∞ at the top"))
     first = next(iter(frames.values()))
-    text = "exact denoiser's h(t) = σ_t/α_t"
+    text = "exact h(t) = σ_t/α_t"
     entries.append((ax.plot(x, first["bandwidth"], "k.--", label=text)[0], text))
     ax.set_yscale("log")
-    fit_ylim(ax, finite, [top], log=True)
-    ax.set(ylabel="data-space bandwidth (log)", title="(i) fitted temperature (∞: drawn at the top)")
+    fit_ylim(ax, finite, log=True)
+    label_log_axis(ax)
+    ax.set(ylabel="bandwidth (log)", title="(i) fitted temperature")
     _legend(ax, entries)
 
 
@@ -481,26 +542,27 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
     """
     from .._io import code_digest, data_digest, write_figure
     from ..attribution import POOLING_TV
-    from ..figstyle import paper_style
+    from ..figstyle import DOUBLE_COLUMN, paper_style
 
     shown = {k: v for k, v in attribution.items() if k != "untrained, one digit refs"}
     timesteps = next(iter(summaries.values()))["timestep"].tolist()
     x = np.arange(len(timesteps))
     refs = int(max(s["references"].max() for s in shown.values()))
     with paper_style():
-        fig, grid = plt.subplots(3, 3, figsize=(17, 14), layout="constrained")
-        _rho_panels(grid[0], summaries, x)
-        axes = grid.flat[3:]
+        fig, grid = plt.subplots(4, 3, figsize=(DOUBLE_COLUMN, 12.0))
+        fig.subplots_adjust(left=0.1, right=0.92, top=0.95, bottom=0.11, wspace=0.62, hspace=1.2)
+        _rho_panels(grid.flat[:4], summaries, x)
+        axes = grid.flat[4:]
         _attribution_panel(
-            axes[0], shown, x, "share_spearman", "(d) attention share vs exact posterior (ranks)",
-            "mean per-set Spearman", (0.0, "chance (permutation null mean)"),
+            axes[0], shown, x, "share_spearman", "(d) attention share vs posterior",
+            "mean per-set Spearman", (0.0, "chance (null mean)"),
         )  # fmt: skip
         _attribution_panel(
-            axes[1], shown, x, "layer_agreement", "(e) agreement between layers", "mean per-set Spearman",
-            (0.0, "chance (permutation null mean)"),
+            axes[1], shown, x, "layer_agreement", "(e) between layers", "mean per-set Spearman",
+            (0.0, "chance (null mean)"),
         )  # fmt: skip
         _attribution_panel(
-            axes[2], shown, x, "attention_neff", "(f) attention n_eff: per layer, and per position",
+            axes[2], shown, x, "attention_neff", "(f) attention n_eff",
             f"effective number of refs (of {refs})", (refs, f"uniform over {refs} references"),
             extra=("position_neff", "per position"),
         )  # fmt: skip
@@ -509,17 +571,21 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
             f"effective number of refs (of {refs})", (refs, f"uniform over {refs} references"),
         )  # fmt: skip
         _attribution_panel(
-            axes[4], shown, x, "attention_tv", "(h) attention TV from uniform (verdict: pooling below the line)",
+            axes[4], shown, x, "attention_tv", "(h) TV from uniform",
             "TV distance", (POOLING_TV, f"pooling threshold {POOLING_TV:g}"),
         )  # fmt: skip
         _temperature_panel(axes[5], shown, x)
-        for ax in grid.flat:
+        _population_key(grid.flat[10], {**summaries, **shown})
+        grid.flat[11].set_visible(False)
+        for ax in grid.flat[:10]:
+            ax.tick_params(axis="x", labelrotation=0)
             ax.set_xticks(x, [f"{t:g}" for t in timesteps])
             ax.set_xlabel("timestep (noise → data)")
-        fig.suptitle(f"IP-Adapter attention on the digits organism (recipe {recipe}); bands: 95% intervals")
+        fig.suptitle(f"IP-Adapter attention on the digits organism (recipe {recipe}); bands: 95% intervals",
+                     fontsize=9)  # fmt: skip
     inputs = as_records({"summaries": summaries, "attribution": attribution, "recipe": recipe})
     code = code_digest(plot, _rho_panels, _attribution_panel, _temperature_panel, _series, fit_ylim, _legend,
-                       _bandwidths)  # fmt: skip
+                       _bandwidths, label_log_axis, _population_key)  # fmt: skip
     stamp = {"code": code, "inputs": data_digest(inputs)}
     return write_figure(fig, Path(folder) / "ip_adapter.png", dpi=110, provenance=stamp)
 

@@ -122,10 +122,10 @@ def table(raw: dict[str, dict], neff_spread: dict[int, float]) -> list[Row]:
 def plot(raw: dict[str, dict], folder: Path) -> Path:
     """MMD² plug-in against learned per dimension (log scale, with their ratio written beside), and the layer-0
     heads' ``n_eff`` against NW across ``t`` beside the ``n_eff`` of uniform weights."""
-    from ..figstyle import fit_ylim, paper_style
+    from ..figstyle import DOUBLE_COLUMN, fit_ylim, label_log_axis, paper_style
 
     with paper_style():
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4.0), layout="constrained")
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(DOUBLE_COLUMN, 3.6), layout="constrained")
         dims = list(raw["ratio"])
         x = range(len(dims))
         plugin = [raw["ratio"][d]["plugin_mmd"] for d in dims]
@@ -142,13 +142,14 @@ def plot(raw: dict[str, dict], folder: Path) -> Path:
             ax1.scatter(*zip(*points, strict=True), color="C1", alpha=0.45, s=16, label="learned, each seed")
         for i, p, m in zip(x, plugin, means, strict=True):
             if p > 0 and m > 0:  # an unbiased MMD² estimate can fall to 0 or below: no ratio, no point on a log axis
-                ax1.annotate(f"plug-in / learned\n= {p / m:.3g}×", (i, (p * m) ** 0.5), xytext=(12, 0),
+                ax1.annotate(f"ratio\n{p / m:.3g}×", (i, (p * m) ** 0.5), xytext=(8, 0),
                              textcoords="offset points", va="center")  # fmt: skip
         ax1.set_xticks(list(x), [f"d={d}" for d in dims])
         ax1.set_xlim(-0.5, len(dims) - 0.3)
         ax1.set(yscale="log", ylabel="MMD², generated vs reference samples",
-                title="shells: plug-in against learned MMD² per dimension")  # fmt: skip
+                title="shells: plug-in against learned\nMMD² per dimension (ratio: plug-in / learned)")  # fmt: skip
         fit_ylim(ax1, [*plugin, *(v for values in learned for v in values)], pad=0.3, log=True)
+        label_log_axis(ax1)
         ax1.legend(loc="lower right")
         ts = list(raw["heads"])
         heads = list(zip(*[raw["heads"][t]["head_neff_layer0"] for t in ts], strict=True))
@@ -157,9 +158,10 @@ def plot(raw: dict[str, dict], folder: Path) -> Path:
         ax2.plot(ts, [raw["heads"][t]["nw_neff"] for t in ts], "k--", marker="s", label="isotropic NW")
         ax2.axhline(SUPPORT, color="grey", lw=0.8, ls=":", label=f"uniform weights (n_eff = {SUPPORT})")
         ax2.set(yscale="log", xlabel="flow time t", ylabel=f"n_eff (of {SUPPORT} support points)",
-                title=f"shells d={dims[0]}: n_eff of learned heads against NW")  # fmt: skip
+                title=f"shells d={dims[0]}: n_eff of learned\nheads against NW")  # fmt: skip
+        label_log_axis(ax2)
         ax2.legend(loc="lower left")
-        return save_figure(fig, folder / "shells.png", (plot, fit_ylim), raw)
+        return save_figure(fig, folder / "shells.png", (plot, fit_ylim, label_log_axis), raw)
 
 
 def redraw(record: dict, folder: Path) -> list[Path]:
