@@ -29,8 +29,15 @@ buffers are reported next to their up-front estimate (steps x layers x adapters 
 
 Targets (issue #32): at 64 x 64 latents on the CPU, probed/plain <= 1.02 and maps/plain <= 1.05.
 
+The curve (``--sweep``, issue #42): latents 16/32/64 (and ``--large`` 128, one step) x reference tokens 4/16/64 (and
+8 at 64 x 64), each point one process's rotation of the plain call, the probe and ``maps=True`` at the library's
+default ``rows`` and exact (``rows=None``), and attention-map-diffusers 1.0 (when installed; it refuses IP-Adapter
+processors, so it runs on the same pipeline with the adapter taken off, against that pipeline's plain calls). Per
+point: the whole calls' CPU-time ratio (``cpu``), the probe's own CPU over the plain call's (``own``) and the in-call
+ratio, then the issue's targets checked and any miss named.
+
     python benchmarks/probe_overhead.py --latent 64      # one point: 512 px, 2 reference images, 4 steps
-    python benchmarks/probe_overhead.py --sweep          # the curve: latents 16/32/64 x tokens 4/16/64 x steps
+    python benchmarks/probe_overhead.py --sweep          # the curve (pip install attention-map-diffusers==1.0.0)
     python benchmarks/probe_overhead.py --device cuda    # GPU, 64x64 latents (512 px), fp16, 30 steps
 """
 
