@@ -29,14 +29,23 @@ buffers are reported next to their up-front estimate (steps x layers x adapters 
 
 Targets (issue #32): at 64 x 64 latents on the CPU, probed/plain <= 1.02 and maps/plain <= 1.05.
 
+The curve (``--sweep``, issue #42): latents 16/32/64 (and ``--large`` 128, one step) x reference tokens 4/16/64 (and
+8 at 64 x 64), each point one process's rotation of the plain call, the probe and ``maps=True`` at the library's
+default ``rows`` and exact (``rows=None``), and attention-map-diffusers 1.0 (when installed; it refuses IP-Adapter
+processors, so it runs on the same pipeline with the adapter taken off, against that pipeline's plain calls). Per
+point: the whole calls' CPU-time ratio (``cpu``), the probe's own CPU over the plain call's (``own``) and the in-call
+ratio, then the issue's targets checked and any miss named.
+
     python benchmarks/probe_overhead.py --latent 64      # one point: 512 px, 2 reference images, 4 steps
-    python benchmarks/probe_overhead.py --sweep          # the curve: latents 16/32/64 x tokens 4/16/64 x steps
+    python benchmarks/probe_overhead.py --sweep          # the curve (pip install attention-map-diffusers==1.0.0)
     python benchmarks/probe_overhead.py --device cuda    # GPU, 64x64 latents (512 px), fp16, 30 steps
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import functools
 import json
 import multiprocessing as mp
@@ -99,12 +108,13 @@ class OwnTime:
         from ipa_probe.layers import find_ip_layers
 
         self.modules = [layer.attention for layer in find_ip_layers(pipe.unet, None)]
-        self.probe_s = {"probe": [], "maps": []}  # per call: CPU seconds in the probe's record callback
-        self.records = {"probe": [], "maps": []}  # per call: record callbacks
+        # keyed by the call's label (its mode, or mode and rows setting in --sweep)
+        self.probe_s = collections.defaultdict(list)  # per call: CPU seconds in the probe's record callback
+        self.records = collections.defaultdict(list)  # per call: record callbacks
         self.layer_s: list[float] = []  # per plain call: CPU seconds in the IP layers' attention modules
         self.layer_calls: list[int] = []
-        self.call_s = {mode: [] for mode in MODES}  # per call: CPU seconds of the whole call
-        self.in_call = {"probe": [], "maps": []}  # per call: wall / (wall - wall inside the hooks)
+        self.call_s = collections.defaultdict(list)  # per call: CPU seconds of the whole call
+        self.in_call = collections.defaultdict(list)  # per call: wall / (wall - wall inside the hooks)
         self.clock = HookClock.shared()
 
     def plain_hooks(self):
@@ -147,11 +157,19 @@ class OwnTime:
 
 
 def timed_call(
-    pipe, inputs: dict, mode: str, device: str, own: OwnTime | None = None, rows="default", threads: int | None = None
+    pipe,
+    inputs: dict,
+    mode: str,
+    device: str,
+    own: OwnTime | None = None,
+    rows="default",
+    threads: int | None = None,
+    label: str | None = None,
 ):
     """Seconds of one pipeline call (``mode``: plain, probe, or probe with maps=True), and the finished probe run
-    (``None`` when plain). With ``own``, the probe's and the plain layer calls' CPU time are added to it; ``threads``
-    is the probe's ``threads`` option."""
+    (``None`` when plain). With ``own``, the probe's and the plain layer calls' CPU time are added to it under
+    ``label`` (default: ``mode``); ``threads`` is the probe's ``threads`` option."""
+    label = label or mode
     from ipa_probe import probe
 
     generator = torch.Generator(device).manual_seed(0)
@@ -180,14 +198,14 @@ def timed_call(
     sync(device)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     if own is not None:
-        own.call_s[mode].append(cpu)
+        own.call_s[label].append(cpu)
         if mode == "plain":
             own.layer_s.append(total[0])
             own.layer_calls.append(total[1])
         else:
-            own.probe_s[mode].append(total[0])
-            own.records[mode].append(total[1])
-            own.in_call[mode].append(elapsed / (elapsed - (own.clock.seconds - hooks_before) - outside))
+            own.probe_s[label].append(total[0])
+            own.records[label].append(total[1])
+            own.in_call[label].append(elapsed / (elapsed - (own.clock.seconds - hooks_before) - outside))
     return elapsed, run
 
 
@@ -319,6 +337,105 @@ def measure_point(
     }
 
 
+@contextlib.contextmanager
+def without_ip_adapter(pipe):
+    """The pipeline as a plain SD 1.5 UNet for the peer (attention-map-diffusers 1.0 refuses IP-Adapter processors):
+    the image projection off and every IP-Adapter processor replaced by diffusers' ``AttnProcessor2_0`` (what
+    ``unload_ip_adapter`` does), the same weights otherwise; everything restored on exit."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    from ipa_probe.layers import find_ip_layers
+
+    unet = pipe.unet
+    saved = dict(unet.attn_processors), unet.encoder_hid_proj, unet.config.encoder_hid_dim_type
+    ip = {f"{layer.name}.processor" for layer in find_ip_layers(unet, None)}
+    unet.set_attn_processor({name: AttnProcessor2_0() if name in ip else p for name, p in saved[0].items()})
+    unet.encoder_hid_proj, unet.config.encoder_hid_dim_type = None, None
+    try:
+        yield
+    finally:
+        unet.set_attn_processor(dict(saved[0]))
+        unet.encoder_hid_proj, unet.config.encoder_hid_dim_type = saved[1], saved[2]
+
+
+def peer_call(pipe, inputs: dict, capture: bool, own: OwnTime) -> float:
+    """One call of the IP-Adapter-free pipeline (:func:`without_ip_adapter`), plain or with attention-map-diffusers
+    1.0's ``AttentionCapture`` capturing every step's cross-attention (``timesteps="all"``, its default fast mode:
+    queries and keys kept, maps formed after the call by ``compute()``, which is timed with the call); its CPU time
+    goes to ``own.call_s`` under ``peer`` or ``peer_plain``. Returns the wall seconds."""
+    from attention_map_diffusers import AttentionCapture
+
+    plain_inputs = {k: v for k, v in inputs.items() if k != "ip_adapter_image_embeds"}
+    generator = torch.Generator("cpu").manual_seed(0)
+    start, cpu = time.perf_counter(), time.process_time()
+    with without_ip_adapter(pipe):
+        if capture:
+            with AttentionCapture(pipe, relations="image->text", timesteps="all") as cap:
+                pipe(generator=generator, **plain_inputs)
+            cap.compute()
+        else:
+            pipe(generator=generator, **plain_inputs)
+    own.call_s["peer" if capture else "peer_plain"].append(time.process_time() - cpu)
+    return time.perf_counter() - start
+
+
+def curve_point(pipe, latent: int, steps: int, images: int, repeats: int, settings: list, peer: bool, warm: bool):
+    """One point of ``--sweep``: plain, then per ``rows`` setting the probe and ``maps=True``, and (``peer``) the
+    IP-Adapter-free pipeline plain and under attention-map-diffusers, in rotating order, ``repeats`` rounds (after
+    one warm-up round when ``warm``). CPU-time ratios (``time.process_time``, the whole call) of each probed call over
+    the plain calls of the same point (medians), the peer's over its own plain calls, and the probe's in-call
+    ratios."""
+    device = "cpu"
+    inputs = call_inputs(pipe, latent, steps, images, device, torch.float32)
+    own = OwnTime(pipe)
+    calls = [("plain", "plain", "default")]
+    for setting in settings:
+        name = "default" if setting == "default" else "exact" if setting is None else f"rows={setting}"
+        calls += [(f"probe {name}", "probe", setting), (f"maps {name}", "maps", setting)]
+    if peer:
+        calls += [("peer_plain", None, None), ("peer", None, None)]
+    load_before = os.getloadavg()[0]
+    for r in range(repeats + warm):
+        scratch = OwnTime(pipe) if warm and r == 0 else own  # the warm-up round's times are dropped
+        shift = r % len(calls)
+        for label, mode, setting in calls[shift:] + calls[:shift]:
+            if mode is None:
+                peer_call(pipe, inputs, label == "peer", scratch)
+            else:
+                timed_call(pipe, inputs, mode, device, scratch, setting, label=label)
+    plain = statistics.median(own.call_s["plain"])
+    out = {"latent": latent, "tokens": 4 * images, "steps": steps}
+    for label, mode, _ in calls[1:]:
+        if mode is None:
+            continue
+        out[f"{label} cpu"] = statistics.median(own.call_s[label]) / plain
+        # the probe's own CPU (its record callback, the pass's batched statistics, the maps' value hook) over the
+        # plain call's: steadier than the whole calls' ratio, which a loaded machine moves by a few points per call
+        out[f"{label} own"] = 1 + statistics.median(own.probe_s[label]) / plain
+        out[f"{label} in-call"] = statistics.median(own.in_call[label])
+    if peer:
+        out["peer cpu"] = statistics.median(own.call_s["peer"]) / statistics.median(own.call_s["peer_plain"])
+    out["plain_cpu_s"] = plain
+    out["load"] = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"
+    return out
+
+
+#: The targets of the curve (issue #42), CPU-time ratio of probed over plain calls, read as the whole calls' ratio
+#: (``cpu``) and as the probe's own CPU over the plain call's (``own``): (latent, tokens, column) -> limit.
+TARGETS = {
+    **{(64, t, f"probe default {c}"): 1.02 for t in (4, 16, 64) for c in ("cpu", "own")},
+    **{(64, t, f"maps default {c}"): 1.05 for t in (4, 16, 64) for c in ("cpu", "own")},
+    **{
+        (lat, t, f"{m} default {c}"): 1.05
+        for lat in (16, 32)
+        for t in (4, 16)
+        for m in ("probe", "maps")
+        for c in ("cpu", "own")
+    },
+    **{(64, 8, f"probe exact {c}"): 1.05 for c in ("cpu", "own")},
+}
+
+
 def _record_once(processor, q, k, h, setting, gens):
     """The probe's work on one record (what its record callback runs, without the buffers)."""
     from ipa_probe.capture.cells import cell_inputs, compare_cells, group_cell, record_logits
@@ -378,13 +495,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="the cost model: every latent x tokens x steps point")
     parser.add_argument("--latents", type=int, nargs="+", default=[16, 32, 64], help="--sweep: latent sides")
     parser.add_argument("--tokens", type=int, nargs="+", default=[4, 16, 64], help="--sweep: reference tokens")
-    parser.add_argument("--sweep-steps", type=int, nargs="+", default=[2, 4], help="--sweep: steps")
+    parser.add_argument("--sweep-steps", type=int, nargs="+", default=[1], help="--sweep: steps")
+    parser.add_argument("--small-repeats", type=int, default=3, help="--sweep: rounds at latents <= 32 (cheap)")
+    parser.add_argument("--large", type=int, default=128, help="--sweep: a larger latent side, 1 step (0: none)")
+    parser.add_argument("--large-tokens", type=int, nargs="+", default=[4], help="--sweep: its reference tokens")
     parser.add_argument(
         "--rows",
         nargs="+",
-        default=["256"],
+        default=None,
         help="ProbeConfig.rows of the probed calls (most query rows per cell before sampling): ints, 'none' for "
-        "exact, 'default' for the library's default; several values in --sweep (default: 256)",
+        "exact, 'default' for the library's default; several values in --sweep (default: 256; --sweep: default none)",
     )
     parser.add_argument(
         "--record-costs", action="store_true", help="the cost model's terms per record, no pipeline (fast)"
@@ -404,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     latent = args.latent or (64 if gpu else 32)
     steps = args.steps or (30 if gpu else 4)
     dtype = torch.float16 if gpu else torch.float32
+    if args.rows is None:  # the single point probes rows=256 as before; the sweep the library's default and exact
+        args.rows = ["default", "none"] if args.sweep else ["256"]
     settings = [None if r == "none" else r if r == "default" else int(r) for r in args.rows]
     if args.record_costs:
         chosen = [None, *(s for s in settings if isinstance(s, int))]
@@ -422,27 +544,44 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         pipe = sd15_pipeline(args.device, dtype)
+        try:
+            import attention_map_diffusers  # noqa: F401
+
+            peer = not gpu
+        except ImportError:
+            peer = False
+            print(
+                "attention-map-diffusers is not installed: no peer column (pip install attention-map-diffusers==1.0.0)"
+            )
         rows = []
-        for lat in args.latents:
-            for tokens in args.tokens:
-                for st in args.sweep_steps:
-                    for setting in settings:
-                        rows.append(
-                            measure_point(
-                                args.device,
-                                dtype,
-                                lat,
-                                st,
-                                tokens // 4,
-                                args.repeats,
-                                pipe,
-                                setting,
-                                args.probe_threads,
-                            )
-                        )
-                        print(_table(rows[-1:]), flush=True)
-        print("\nthe curve:")
+        points = [(lat, t, st) for lat in args.latents for t in args.tokens for st in args.sweep_steps]
+        if 64 in args.latents and 8 not in args.tokens:  # the exact target's point (rows=None, 8 tokens at 64 x 64)
+            points += [(64, 8, st) for st in args.sweep_steps]
+        points += [(args.large, t, 1) for t in args.large_tokens] if args.large else []
+        seen = set()
+        for lat, tokens, st in points:
+            repeats = max(args.repeats, args.small_repeats) if lat <= 32 else args.repeats
+            rows.append(curve_point(pipe, lat, st, tokens // 4, repeats, settings, peer, lat not in seen))
+            seen.add(lat)
+            print(_table(rows[-1:]), flush=True)
+        print(
+            "\nthe curve (CPU time of each call over the plain calls' of the same point, medians; in-call: the call's "
+            "wall time over its wall time outside ipa_probe's hooks; peer: attention-map-diffusers 1.0 capturing "
+            "every step's cross-attention on the IP-Adapter-free pipeline, over that pipeline's plain calls):"
+        )
         print(_table(rows))
+        misses = [
+            f"{lat}x{lat}, {tokens} tokens, {column}: {row[column]:.3f} > {limit}"
+            for (lat, tokens, column), limit in TARGETS.items()
+            for row in rows
+            if (row["latent"], row["tokens"]) == (lat, tokens) and column in row and row[column] > limit
+        ]
+        checked = sum(
+            1 for key in TARGETS for row in rows if (row["latent"], row["tokens"]) == key[:2] and key[2] in row
+        )
+        print(f"\ntargets checked: {checked}, missed: {len(misses)}")
+        for miss in misses:
+            print("  missed:", miss)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"sweep": rows}, fh, indent=2)

@@ -154,7 +154,7 @@ def test_permutation_table_holds_every_permutation_once(k):
     assert len({tuple(row) for row in table.tolist()}) == math.factorial(k)  # no two alike
 
 
-@pytest.mark.parametrize("k", [4, 9])  # from the table (K <= TABLE_KEYS), and by sorting random keys
+@pytest.mark.parametrize("k", [4, 9, 64])  # from the table (K <= TABLE_KEYS), and by Fisher-Yates swaps
 def test_null_shuffles_are_uniform_permutations(k):
     """Every row gets an independent uniformly random permutation: the first two positions' keys are uniform over
     the K (K - 1) ordered pairs (chi-square, 0.1 % level: a fixed seed, so this either always passes or never)."""
@@ -166,6 +166,22 @@ def test_null_shuffles_are_uniform_permutations(k):
     counts = pairs[~torch.eye(k, dtype=torch.bool)].numpy()
     assert (pairs.diagonal() == 0).all()
     assert sps.chisquare(counts).pvalue > 1e-3
+
+
+def test_null_shuffle_of_a_prefix_is_uniform_and_leaves_the_rest():
+    """With a prefix mask (kept keys first, as the key mask's reordering makes them), each row's kept entries get a
+    uniformly random permutation among themselves and the left-out entries stay where they were: the kept entry that
+    lands first is uniform over the kept ones (chi-square, 0.1 % level, fixed seed)."""
+    n, k = 40_000, 12
+    kept = torch.arange(n) % 4 + 5  # 5..8 kept keys per row
+    prefix = torch.arange(k) < kept[:, None]
+    rows = torch.arange(k, dtype=torch.float32).expand(n, k)
+    shuffled = shuffle_rows(rows, torch.Generator().manual_seed(3), prefix).long()
+    assert torch.equal(torch.where(prefix, -1, shuffled), torch.where(prefix, -1, rows.long()))  # the rest in place
+    assert torch.equal(torch.where(prefix, shuffled, k).sort(-1).values, torch.where(prefix, rows.long(), k))
+    for m in (5, 8):
+        first = shuffled[kept == m, 0].bincount(minlength=m).numpy()
+        assert len(first) == m and sps.chisquare(first).pvalue > 1e-3
 
 
 @pytest.mark.parametrize("k", [6, 12])
