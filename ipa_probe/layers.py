@@ -345,7 +345,9 @@ def list_hooks(pipe) -> Attachments:
     return Attachments(denoiser_of(pipe).__dict__.get(_CLAIM_ATTRIBUTE, ()))
 
 
-def claim(pipe, feature: str, layers: Iterable[str] = (), what: str = "") -> torch.nn.Module:
+def claim(
+    pipe, feature: str, layers: Iterable[str] = (), what: str = "", *, exclusive: bool = True
+) -> torch.nn.Module:
     """Mark a pipeline's denoiser as being modified by ``feature`` (e.g. ``"probe"``); raise if it already is.
 
     Args:
@@ -353,13 +355,14 @@ def claim(pipe, feature: str, layers: Iterable[str] = (), what: str = "") -> tor
         feature: the feature's name.
         layers: the layer ids it will touch, and
         what: how, for :func:`list_hooks`.
+        exclusive: refuse a second claim of ``feature`` (``False`` for features that nest, like ``intervene``).
 
     Returns:
         the denoiser.
     """
     denoiser = denoiser_of(pipe)
     claims = denoiser.__dict__.get(_CLAIM_ATTRIBUTE, ())
-    if any(c.feature == feature for c in claims):
+    if exclusive and any(c.feature == feature for c in claims):
         raise RuntimeError(
             f"ipa_probe.{feature} is already active on this pipeline; leave the running "
             f"`with ipa_probe.{feature}(...)` block (or remove it) before applying it again"
@@ -368,10 +371,15 @@ def claim(pipe, feature: str, layers: Iterable[str] = (), what: str = "") -> tor
     return denoiser
 
 
-def release(pipe, feature: str) -> None:
-    """Undo :func:`claim`; the denoiser is left without any ipa_probe attribute once nothing claims it."""
+def release(pipe, feature: str, attachment: Attachment | None = None) -> None:
+    """Undo :func:`claim` (every claim of ``feature``, or only ``attachment``, one of :func:`list_hooks`); the
+    denoiser is left without any ipa_probe attribute once nothing claims it."""
     denoiser = denoiser_of(pipe)
-    claims = tuple(c for c in denoiser.__dict__.get(_CLAIM_ATTRIBUTE, ()) if c.feature != feature)
+    claims = tuple(
+        c
+        for c in denoiser.__dict__.get(_CLAIM_ATTRIBUTE, ())
+        if (c is not attachment if attachment is not None else c.feature != feature)
+    )
     if claims:
         denoiser.__dict__[_CLAIM_ATTRIBUTE] = claims
     else:

@@ -421,7 +421,7 @@ def test_bad_names_and_callbacks_are_refused_before_attaching(organism):
     with pytest.raises(ValueError, match="drop \\['reference'\\]"):
         ipa_probe.intervene(organism, 0, hooks={name: lambda t, c: None}).__enter__()
     with pytest.raises(ValueError, match="^factor"):
-        ipa_probe.intervene(organism, 0, mode="scale", factor=1.5).__enter__()
+        ipa_probe.intervene(organism, 0, mode="scale", factor=-0.5).__enter__()
     with pytest.raises(ValueError, match="^factor"):
         ipa_probe.intervene(organism, 0, factor=0.5).__enter__()
     with pytest.raises(ValueError, match="^names"):

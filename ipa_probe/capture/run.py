@@ -37,20 +37,20 @@ from ..layers import (
     claim,
     denoiser_of,
     find_ip_layers,
-    observer,
     refind_ip_layers,
     release,
 )
 from ..schema import CELL_FIELDS
 from ..stats import null_tail_table
+from . import spine
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .buffers import CallBuffers, grow, new_buffers
 from .cells import CellInputs, cell_inputs, compare_cells, group_cell, record_logits
-from .clock import CallClock
 from .config import DEFAULT_ROWS, SAMPLE_GROUPS, ProbeConfig
 from .map_views import MapViews
 from .maps import MapAccumulator
 from .report import plot_run, run_table, save_run, select_branch, summarize
+from .spine import Spine, expand_references, kept_tokens
 from .taps import Capture, Tap, tap_for
 
 __all__ = ["FIELDS", "ProbeConfig", "ProbeRun", "probe"]
@@ -125,7 +125,7 @@ class ProbeRun(MapViews):
         self._capture = Capture(record=self._record)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._tap_handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._clock = CallClock(pipe)
+        self._spine: Spine | None = None
         self._processors = [layer.processor for layer in self.layers]  # as last seen at a pass
         self._generator: torch.Generator | None = None
         self._frame_generator: torch.Generator | None = None
@@ -145,10 +145,8 @@ class ProbeRun(MapViews):
         denoiser = claim(self.pipe, _FEATURE, [layer.name for layer in self.layers], what)
         self._active = True
         try:
-            clock = observer(self._on_denoiser_call)
-            done = observer(self._on_denoiser_return)
-            self._handles.append(denoiser.register_forward_pre_hook(clock, with_kwargs=True))
-            self._handles.append(denoiser.register_forward_hook(done))  # not run when the pass raises
+            self._spine = spine.attach(self.pipe, self)  # its clock, then on_pass / on_return (not on a raise)
+            self._capture.spine = self._spine
             self._tap_handles = self.tap.install(self._capture, self.images, self.text_slot)
             self.evidence.install()
             if self._maps is not None:
@@ -172,7 +170,8 @@ class ProbeRun(MapViews):
             handle.remove()
         self._handles.clear()
         self._tap_handles.clear()
-        self._clock.reset()
+        spine.detach(self.pipe, self)
+        self._spine = None
         self.tap.running = self.pipe
         if self._state.in_pass and self._state.call is not None:
             self._state.call.incomplete.add(self._state.step)
@@ -202,6 +201,7 @@ class ProbeRun(MapViews):
                     "counts": call.counts[: call.steps_seen].cpu(),
                     "timesteps": call.timesteps[: call.steps_seen].cpu(),
                     "incomplete": sorted(call.incomplete),
+                    "edits": {step: ";".join(edits) for step, edits in call.edits.items()},
                 }
                 for call in self._calls
             ]
@@ -220,15 +220,16 @@ class ProbeRun(MapViews):
         self._calls.clear()
 
     # ------------------------------------------------------------------ the step clock
-    def _on_denoiser_call(self, module, args, kwargs) -> None:
+    def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
+        """A denoiser pass starts (the spine's clock has placed it)."""
         self._flush()  # the previous pass's records, when it raised before returning
         state, tap = self._state, self.tap
         if state.in_pass and state.call is not None:  # the previous pass raised before returning
             state.call.incomplete.add(state.step)
         self._capture.stash.clear()  # nothing a failed pass left may pair with this pass's tensors
         self._follow_processors()
-        self._start_call_if_new(args, kwargs)
-        denoiser_pass = tap.begin_pass(args, kwargs)
+        self._start_call_if_new(spine, args, kwargs)
+        denoiser_pass = spine.now.denoiser_pass
         if denoiser_pass.new_step or state.step < 0:
             self._advance_step(args, kwargs)
         context = tap.argument("encoder_hidden_states", args, kwargs)
@@ -238,10 +239,16 @@ class ProbeRun(MapViews):
         state.in_pass, state.records = True, 0
         self._capture.recording = denoiser_pass.record and self.config.records_step(state.step)
         self.evidence.pass_seen()
+        if self._maps is not None:
+            self._maps.on_pass(args, kwargs, spine.now.masks)
 
-    def _on_denoiser_return(self, module, args, output) -> None:
+    def on_return(self, spine: Spine, output) -> None:
+        """The denoiser pass returned (the edits that acted in it are known now: :attr:`PassInfo.edits`)."""
         self._flush()
         state = self._state
+        if state.call is not None and spine.now.edits:
+            edits = state.call.edits.setdefault(state.step, [])
+            edits.extend(e for e in spine.now.edits if e not in edits)
         state.in_pass = False
         self._capture.stash.clear()
         if self.compiled and self._capture.recording and state.records == 0 and self._ip_branch_runs():
@@ -284,14 +291,14 @@ class ProbeRun(MapViews):
             self._maps.read_projections(denoiser_of(self.pipe))
         logger.info("probe: re-attached to the IP-Adapter processors replaced inside the block")
 
-    def _start_call_if_new(self, args: tuple, kwargs: dict) -> None:
+    def _start_call_if_new(self, spine: Spine, args: tuple, kwargs: dict) -> None:
         """Start a new call's buffers when the pass starts a new pipeline call (see :mod:`~.clock`)."""
         state = self._state
-        new = self._clock.new_call()
-        self.tap.running = self.evidence.running = self._clock.running
+        new = spine.now.new_call
+        self.tap.running = self.evidence.running = spine.running
         if state.call is not None and not new:
             return
-        planned = self._clock.planned_steps()
+        planned = spine.planned_steps()
         state.call = self._new_call(self.tap.sample(args, kwargs).device, planned or 64)
         state.step = -1
         self.tap.begin_call(args, kwargs)
@@ -403,6 +410,7 @@ class ProbeRun(MapViews):
         key: torch.Tensor,
         other: torch.Tensor | None,
         rows: torch.Tensor | None = None,
+        used: torch.Tensor | None = None,
     ) -> None:
         """Add one layer's statistics for one adapter (or the text slot) into the buffers.
 
@@ -413,6 +421,8 @@ class ProbeRun(MapViews):
             key: ``(B, H, K, D)``, the image-token (or text-token) keys.
             other: ``(B, H, N, D)``, further keys of the same softmax (SD3's latent keys), or ``None``.
             rows: ``(B, Q)`` bool, the queries inside the branch's IP-Adapter mask, or ``None`` for all.
+            used: ``(B, H, Q, K)``, the weights the layer used when an edit of its weights point changed them (their
+                logits ``log w`` are read instead of ``q·k``), or ``None``.
         """
         state = self._state
         state.records += 1
@@ -432,6 +442,13 @@ class ProbeRun(MapViews):
         text = slot == self.text_slot
         processor = self.layers[index].attention.processor
         attn, q_norms = record_logits(processor, q, k, text)  # (B, H, Q, K), (B, H, Q)
+        # an edit removed references from the keys: the maps put them back at weight 0 (kept, total)
+        kept = None if text or self._spine is None else self._spine.kept.get((self.layers[index].name, slot))
+        if used is not None:  # the edited weights: their logits, a zero weight at float32's smallest (share 0)
+            used = used if head_index is None else used.index_select(1, head_index)
+            if kept is not None:  # the weights point holds every reference; the keys only the kept ones
+                used = used.index_select(-1, kept_tokens(kept[0], used.shape[-1] // kept[1], used.device))
+            attn = used.float().clamp_min(torch.finfo(torch.float32).tiny).log()  # (B, H, Q, K)
         groups = labels.shape[0]
         h = self._bandwidth(head_dim, q.device)
         fit = self.config.bandwidth == "fit"
@@ -458,10 +475,14 @@ class ProbeRun(MapViews):
             self._flush()
         if self.config.keep_maps:
             key = (state.call.index, state.step, self.layers[index].name, slot)
-            self._keep_map(key, attn)
+            self._keep_map(key, attn if kept is None else expand_references(attn, *kept, -1, -math.inf))
             self._map_labels.setdefault(key, []).append(labels.repeat_interleave(query.shape[0] // groups))
         if self._maps is not None and not text:
-            self._maps.add(state.call.index, state.step, index, slot, labels, cell.attn, cell.nw)
+            maps_attn, maps_nw = cell.attn, cell.nw
+            if kept is not None:
+                maps_attn, maps_nw = (expand_references(x, *kept, -1, -math.inf) for x in (maps_attn, maps_nw))
+                self._maps.kept[(index, slot)] = kept
+            self._maps.add(state.call.index, state.step, index, slot, labels, maps_attn, maps_nw)
 
     def _flush(self) -> None:
         """Run the per-row statistics of the kept records (:func:`~.cells.compare_cells`, one pass per signature, in
@@ -511,8 +532,13 @@ class ProbeRun(MapViews):
         return self._result
 
     def to_dataframe(self):
-        """The tidy table: one row per call × step × layer × head × CFG branch × adapter (see README for columns)."""
-        return run_table(self._finished(), [layer.name for layer in self.layers], self.config, self.text_slot)
+        """The tidy table: one row per call × step × layer × head × CFG branch × adapter (see README for columns),
+        with ``edits``: the interventions that acted at that step, in the order they act (``""`` for none)."""
+        result = self._finished()
+        table = run_table(result, [layer.name for layer in self.layers], self.config, self.text_slot)
+        edits = {(c["index"], step): e for c in result["calls"] for step, e in c.get("edits", {}).items()}
+        table["edits"] = [edits.get(key, "") for key in zip(table["call"], table["step"], strict=True)]
+        return table
 
     def summary(self, branch: str | None = None):
         """Per-timestep means over layers x heads x adapters (``attrs["mean_over"]``) of :meth:`to_dataframe`, one row

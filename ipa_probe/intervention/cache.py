@@ -164,7 +164,7 @@ def cache_hook_points(
 
         return fn
 
-    user = PointUser({name: [record(name)] for name in chosen}, selection, on_call)
+    user = PointUser({name: [record(name)] for name in chosen}, selection, on_call, edits=False)
     claim(pipe, CACHE, sorted({name.rsplit(".", 2)[0] for name in chosen}), f"cache of {len(chosen)} hook point(s)")
     try:
         detach = attach_points(pipe, user)

@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import step_selected
-from ..capture.clock import CallClock
-from ..capture.taps import tap_for
+from ..capture import spine
+from ..capture.spine import Spine, expand_references, normalise_masks
 from ..capture.taps.unet import _unet_resolution_factor
 from ..kernels import split_heads
 from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, observer
@@ -272,6 +272,10 @@ class PointUser:
     steps: Any = None
     on_call: Callable[[int | None, Callable[[str], Any]], None] | None = None
     steps_run: int = 0
+    #: whether the callbacks may edit (``False`` for a cache's readers): readers of the layer then wait for them
+    edits: bool = True
+    #: the edit in words, for the probe's ``edits`` column
+    label: str = ""
 
     def acts_at(self, step: int) -> bool:
         return step_selected(self.steps, step)
@@ -293,12 +297,12 @@ class _Registry:
     """The hooks that compute the points on one denoiser, shared by every :class:`PointUser`."""
 
     def __init__(self, pipe, denoiser: torch.nn.Module, layers: list[IPLayer]) -> None:
+        self.pipe = pipe
         self.denoiser = denoiser
         self.layers = layers
         self.users: list[PointUser] = []
         self.handles: list[Any] = []
-        self.clock = CallClock(pipe)
-        self.tap = tap_for(pipe, layers)
+        self.spine: Spine | None = None
         self.step = -1
         self.pass_index = 0
         self.timestep: Any = None
@@ -310,9 +314,7 @@ class _Registry:
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
-        self.handles.append(
-            self.denoiser.register_forward_pre_hook(observer(self._on_denoiser_call), with_kwargs=True)
-        )
+        self.spine = spine.attach(self.pipe, self)
         for layer in self.layers:
             attn, heads = layer.attention, layer.heads
             self.handles.append(attn.register_forward_pre_hook(observer(self._on_layer(layer)), with_kwargs=True))
@@ -339,33 +341,25 @@ class _Registry:
             self.handles.clear()
             self.stash.clear()
             self.active = {}
-            self.clock.reset()
-            self.tap.reset()
+            spine.detach(self.pipe, self)
+            self.spine = None
             self.denoiser.__dict__.pop(_REGISTRY_ATTRIBUTE, None)
 
     # ------------------------------------------------------------------ the clock
-    def _on_denoiser_call(self, module, args, kwargs) -> None:
+    def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
+        """A denoiser pass starts: the loop index from the spine's clock, the callbacks of this pass."""
         self.stash.clear()
-        new_call = self.clock.new_call()
-        if new_call:
-            self.step = -1
-            self.tap.begin_call(args, kwargs)
-        self.tap.running = self.clock.running
-        if self.tap.begin_pass(args, kwargs).new_step or self.step < 0:
-            self.step += 1
-            self.pass_index = 0
-        else:
-            self.pass_index += 1
-        sample = self.tap.sample(args, kwargs)
+        now = spine.now
+        new_call, self.step, self.pass_index, self.timestep = now.new_call, now.step, now.pass_index, now.timestep
+        sample = spine.tap.sample(args, kwargs)
         self.sample_shape = tuple(sample.shape)
         self.batch = sample.shape[0]
-        self.timestep = self.tap.timestep(args, kwargs)
         if self.layers[0].family == "unet":
             self._image_embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds")
         else:
             self._image_embeds = (kwargs.get("joint_attention_kwargs") or {}).get("ip_adapter_image_embeds")
         if new_call:
-            planned = self.clock.planned_steps()
+            planned = spine.planned_steps()
             for user in self.users:
                 if user.on_call is not None:
                     user.on_call(planned, self._sizes)
@@ -375,6 +369,11 @@ class _Registry:
             if user.acts_at(self.step):
                 for name, fns in user.callbacks.items():
                     active.setdefault(name, []).extend(fns)
+                    if user.edits and name.endswith(".weights"):  # readers of the layer wait for its weights
+                        layer, adapter, _ = _parse_name(name)
+                        spine.weight_edits.add((layer, adapter))
+                if user.edits and user.label:
+                    now.edits.append(user.label)
         self.active = active
 
     def _sizes(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
@@ -409,8 +408,8 @@ class _Registry:
                 del self.stash[key]
             if not self._wanted(layer.name):
                 return
-            masks = kwargs.get("ip_adapter_masks")
-            if masks is not None and (isinstance(masks, torch.Tensor) or any(m is not None for m in masks)):
+            masks = normalise_masks(kwargs.get("ip_adapter_masks"))
+            if masks is not None and any(m is not None for m in masks):
                 raise ValueError(
                     "ipa_probe hook points do not support ip_adapter_masks (diffusers then runs one softmax per "
                     "reference image); call the pipeline without masks"
@@ -497,7 +496,13 @@ class _Registry:
 
         to_out = layer.attention.to_out[0] if layer.family == "unet" else None  # Flux: the branch has no W_o
         computed = image_branch_logits(layer.processor, q, k).softmax(-1).to(v.dtype)  # (B, H, Q, K)
+        kept = self.spine.kept.get((layer.name, adapter)) if self.spine is not None else None
+        if kept is not None:  # an ablation removed references from the keys: they are back here at weight 0
+            computed, v = expand_references(computed, *kept, -1, 0.0), expand_references(v, *kept, -2, 0.0)
+            references = kept[1]
         weights, edited = self._run(names[0], computed, context("weights"))
+        if edited and self.spine is not None:  # what the layer uses from here on: the probe reads these
+            self.spine.use_weights(layer.name, adapter, weights)
         if not edited and names[1] not in self.active and names[2] not in self.active:
             return None  # only the weights were wanted, and read
 

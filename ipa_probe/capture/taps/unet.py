@@ -110,7 +110,7 @@ class UNetTap(Tap):
             # the processor views the keys with the query's batch size, as here (after a callback turns CFG off
             # mid-run, the unconditional and conditional image tokens become one item's keys)
             keys = split_heads(output.reshape(query.shape[0], -1, output.shape[-1]), heads)
-            capture.record(index, adapter, split_heads(query, heads), keys, None, rows)
+            self._record(capture, index, adapter, split_heads(query, heads), keys, None, rows)
 
         return hook
 
