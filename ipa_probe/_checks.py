@@ -39,7 +39,6 @@ __all__ = [
     "check_steps",
     "max_refs_limit",
     "parse_bandwidth",
-    "parse_factors",
     "parse_gauges",
     "parse_step_selection",
     "step_selected",
@@ -244,24 +243,6 @@ def parse_float(value: Any, key: str, minimum: float | None = None) -> float:
 
 #: The q/k gauge factors a gauge sweep uses by default (powers of two: the reparametrisation is exact in floats).
 DEFAULT_GAUGE_FACTORS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
-
-
-def parse_factors(value: Any, key: str = "factors") -> tuple[float, ...]:
-    """Gauge factors: finite numbers > 0, distinct, from a sequence or a comma-separated string (``"0.5,1,2"``)."""
-    items = value.split(",") if isinstance(value, str) else value
-    if isinstance(items, bytes) or not hasattr(items, "__iter__"):
-        raise ValueError(f"{key}: expected numbers > 0, e.g. 0.5,1,2, got {value!r}")
-    factors = []
-    for item in items:
-        factor = parse_float(item, key)
-        if factor <= 0:
-            raise ValueError(f"{key}: expected numbers > 0 (a gauge factor scales q by c and k by 1/c), got {item!r}")
-        factors.append(factor)
-    if not factors:
-        raise ValueError(f"{key}: expected at least one number > 0, e.g. 0.5,1,2, got {value!r}")
-    if len(set(factors)) != len(factors):
-        raise ValueError(f"{key}: expected distinct factors, got {value!r}")
-    return tuple(factors)
 
 
 #: The scalar gauge factors the command line accepts (checked before torch loads): beyond them float32 weights lose

@@ -243,3 +243,53 @@ def test_every_pair_restores_the_pipeline_bit_for_bit(organism, refs, outer, inn
         latents(organism, refs)
     assert_unchanged(organism, before)
     assert torch.equal(latents(organism, refs), plain)
+
+
+# ------------------------------------------------------------------------------------------------------ edits kept
+
+
+def ablate_zero(w, ctx):
+    return ctx.where(w, 0.0, references=[0])
+
+
+def in_place_then_view(w, ctx):
+    w[..., ctx.reference_tokens(0)] = 0.0
+    return w[:]  # a view of the edited tensor
+
+
+def contribution_in_place_then_clone(c, ctx):
+    c[:, 0] = 0.0
+    return c.clone()
+
+
+def contribution_zero(c, ctx):
+    return ctx.where(c, 0.0, references=[0])
+
+
+@pytest.mark.parametrize(
+    ("point", "in_place", "copy"),
+    [
+        ("weights", in_place_then_view, ablate_zero),
+        ("contribution", contribution_in_place_then_clone, contribution_zero),
+    ],
+)
+def test_an_edit_in_place_is_honoured(organism, refs, point, in_place, copy):
+    name = f"{LAYER}.ip.{point}"
+    plain = latents(organism, refs)
+    with intervene(organism, hooks={name: copy}):
+        expected = latents(organism, refs)
+    with intervene(organism, hooks={name: in_place}):
+        got = latents(organism, refs)
+    assert not torch.equal(expected, plain)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # the same edit, formed the same way: bitwise
+
+
+def test_nan_from_a_hook_is_counted_and_warned_once(organism, refs):
+    def nan(w, ctx):
+        return torch.full_like(w, math.nan)
+
+    names = [f"{LAYER}.ip.weights", f"{LAYER.replace('up_blocks.1', 'up_blocks.2')}.ip.output"]
+    with pytest.warns(RuntimeWarning, match="NaN") as record:
+        with intervene(organism, hooks={names[0]: nan, names[1]: lambda t, c: t * math.nan}):
+            latents(organism, refs)
+    assert len([w for w in record if "NaN" in str(w.message)]) == 1

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -303,6 +304,8 @@ class _Registry:
         self.users: list[PointUser] = []
         self.handles: list[Any] = []
         self.spine: Spine | None = None
+        #: hook point name -> NaN returned there by callbacks (a 0-d device tensor, read when the hooks come off)
+        self.nan: dict[str, torch.Tensor] = {}
         self.step = -1
         self.pass_index = 0
         self.timestep: Any = None
@@ -495,12 +498,20 @@ class _Registry:
             )
 
         to_out = layer.attention.to_out[0] if layer.family == "unet" else None  # Flux: the branch has no W_o
-        computed = image_branch_logits(layer.processor, q, k).softmax(-1).to(v.dtype)  # (B, H, Q, K)
         kept = self.spine.kept.get((layer.name, adapter)) if self.spine is not None else None
         if kept is not None:  # an ablation removed references from the keys: they are back here at weight 0
-            computed, v = expand_references(computed, *kept, -1, 0.0), expand_references(v, *kept, -2, 0.0)
+            v = expand_references(v, *kept, -2, 0.0)
             references = kept[1]
+
+        def weights_used() -> torch.Tensor:  # (B, H, Q, K): what the processor's softmax computed
+            w = image_branch_logits(layer.processor, q, k).softmax(-1).to(v.dtype)
+            return w if kept is None else expand_references(w, *kept, -1, 0.0)
+
+        computed = weights_used()
+        version = computed._version
         weights, edited = self._run(names[0], computed, context("weights"))
+        if computed._version != version:  # edited in place (honoured): the unedited weights, formed again
+            computed = weights_used()
         if edited and self.spine is not None:  # what the layer uses from here on: the probe reads these
             self.spine.use_weights(layer.name, adapter, weights)
         if not edited and names[1] not in self.active and names[2] not in self.active:
@@ -514,13 +525,14 @@ class _Registry:
             return scale * (F.linear(y, to_out.weight) if to_out is not None else y)  # (B, R, Q, C)
 
         original = contributions(computed)
+        original_output = original.sum(1)  # (B, Q, C), before a callback may edit ``original`` in place
         contribution = contributions(weights) if edited else original
         contribution, changed = self._run(names[1], contribution, context("contribution"))
         edited = edited or changed
         output, changed = self._run(names[2], contribution.sum(1), context("output"))  # (B, Q, C)
         if not (edited or changed):
             return None
-        return output - original.sum(1)
+        return output - original_output
 
     def _run(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> tuple[torch.Tensor, bool]:
         """Run a point's callbacks in order; return the final tensor and whether any callback changed it."""
@@ -531,12 +543,11 @@ class _Registry:
         for fn in fns:
             version = tensor._version
             result = fn(tensor, ctx)
+            in_place = tensor._version != version  # an edit in place is an edit (honoured, never lost)
             if result is None or result is tensor:
-                if tensor._version != version:
-                    raise ValueError(
-                        f"hook {name!r} edited its tensor in place; return the edited copy instead (e.g. "
-                        "ctx.where(tensor, value, ...) or tensor.clone() then edit)"
-                    )
+                edited = edited or in_place
+                if in_place:
+                    self._count_nan(name, tensor)
                 continue
             if not isinstance(result, torch.Tensor):
                 raise TypeError(f"hook {name!r} returned {type(result).__name__}; expected a tensor or None")
@@ -547,7 +558,27 @@ class _Registry:
                     "(or None to keep it)"
                 )
             tensor, edited = result, True
+            self._count_nan(name, tensor)
         return tensor, edited
+
+    def _count_nan(self, name: str, tensor: torch.Tensor) -> None:
+        """Count the NaN a callback returned, on the device (read once, when the hooks come off: :meth:`warn_nan`)."""
+        if tensor.is_floating_point():
+            count = torch.isnan(tensor).sum()
+            self.nan[name] = count if name not in self.nan else self.nan[name] + count
+
+    def warn_nan(self) -> None:
+        """Warn once (then forget) when callbacks returned NaN since the last warning."""
+        counts, self.nan = {name: int(count) for name, count in self.nan.items()}, {}
+        bad = {name: count for name, count in counts.items() if count}
+        if bad:
+            first = next(iter(bad))
+            warnings.warn(
+                f"hook points: callbacks returned {sum(bad.values())} NaN value(s) at {len(bad)} point(s) (first: "
+                f"{first!r}); the layer used them. Return finite tensors (e.g. torch.nan_to_num)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 def attach_points(pipe, user: PointUser) -> Callable[[], None]:
@@ -570,8 +601,11 @@ def attach_points(pipe, user: PointUser) -> Callable[[], None]:
     def detach() -> None:
         if user in registry.users:
             registry.users.remove(user)
-        if not registry.users:
-            registry.uninstall()
+        try:
+            registry.warn_nan()
+        finally:
+            if not registry.users:
+                registry.uninstall()
 
     return detach
 
