@@ -193,6 +193,18 @@ class Spine:
         """The pipeline whose call is running (the probed one, or a ``from_pipe`` sibling sharing the denoiser)."""
         return self.clock.running
 
+    def cfg_labels(self, batch: int) -> tuple[str, ...]:
+        """Each batch item's classifier-free-guidance label in this pass: diffusers' UNet pipelines concatenate the
+        unconditional half first when ``do_classifier_free_guidance`` holds (read from the running pipeline, the
+        evidence its own loop acts on); else every item is conditional."""
+        try:
+            guided = bool(getattr(self.running, "do_classifier_free_guidance", False))
+        except (AttributeError, TypeError):  # the property reads call state that a bare loop never set
+            guided = False
+        if guided and batch % 2 == 0 and self.tap.family == "unet":
+            return ("uncond",) * (batch // 2) + ("cond",) * (batch // 2)
+        return ("cond",) * batch
+
     def planned_steps(self) -> int | None:
         """How many steps the running call's loop has, or ``None`` when unknown."""
         return self.clock.planned_steps()

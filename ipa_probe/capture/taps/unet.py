@@ -15,7 +15,7 @@ from ...layers import IPLayer, denoiser_of, observer
 from .base import Capture, DenoiserPass, Handle, Tap
 
 
-def _unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
+def unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
     """Downsampling factor of a UNet layer's feature map relative to the latent."""
     levels = len(getattr(denoiser, "down_blocks", ())) or 1
     match = re.search(r"(down|up)_blocks\.(\d+)\.", layer_name)
@@ -199,7 +199,7 @@ class UNetTap(Tap):
     def map_elements(self, layer: IPLayer, args: tuple, kwargs: dict) -> int:
         sample = self.sample(args, kwargs)
         height, width = sample.shape[-2:]
-        factor = _unet_resolution_factor(denoiser_of(self.pipe), layer.name)
+        factor = unet_resolution_factor(denoiser_of(self.pipe), layer.name)
         queries = math.ceil(height / factor) * math.ceil(width / factor)
         embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds") or []
         total = 0
