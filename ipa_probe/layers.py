@@ -43,6 +43,7 @@ __all__ = [
     "IPLayer",
     "LayerSelection",
     "check_layer_selection",
+    "compile_selection",
     "claim",
     "denoiser_of",
     "family_of",
@@ -137,10 +138,10 @@ def denoiser_of(pipe) -> torch.nn.Module:
 def check_layer_selection(layers: LayerSelection) -> None:
     """Raise ``TypeError`` / ``ValueError`` unless ``layers`` is ``None``, a regex, a compiled pattern or a list of
     them, each a valid regular expression (whether it matches a layer is checked against the pipeline)."""
-    _compile_selection(layers)
+    compile_selection(layers)
 
 
-def _compile_selection(layers: LayerSelection) -> list[re.Pattern] | None:
+def compile_selection(layers: LayerSelection) -> list[re.Pattern] | None:
     if layers is None:
         return None
     if isinstance(layers, str | re.Pattern):
@@ -177,7 +178,7 @@ def find_ip_layers(pipe, layers: LayerSelection = None) -> list[IPLayer]:
         ValueError: no IP-Adapter is loaded, a processor class is not supported, or the selection matches nothing.
     """
     denoiser = denoiser_of(pipe)
-    patterns = _compile_selection(layers)
+    patterns = compile_selection(layers)
     found: list[IPLayer] = []
     for name, module in denoiser.named_modules():
         if not isinstance(module, Attention | AttentionModuleMixin):

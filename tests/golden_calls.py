@@ -35,7 +35,7 @@ def _digits(pipe):
 def _sd15(pipe):
     from ipa_probe.tiny.sd import default_reference_images
 
-    with ipa_probe.probe(pipe, bandwidth="fit", branch="both", rows=64, seed=2) as run:
+    with ipa_probe.probe(pipe, bandwidth="fit", kind="both", rows=64, seed=2) as run:
         pipe(
             "a photo",
             ip_adapter_image=[default_reference_images(2)],

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from diffusers.image_processor import IPAdapterMaskProcessor
 
 from ..kernels import softmax_keys
-from ..layers import IPLayer, LayerSelection, _compile_selection, observer
+from ..layers import IPLayer, LayerSelection, compile_selection, observer
 from .spine import expand_references
 from .taps import Tap
 from .taps.base import Handle
@@ -622,7 +622,7 @@ def query_grid(latent: tuple[int, int] | None, queries: int) -> tuple[int, int]:
 
 def select_layers(names: list[str], layers: LayerSelection) -> list[int]:
     """Positions of the probe's layers a selection (regex or list of them, or None) picks; raises if none."""
-    patterns = _compile_selection(layers)
+    patterns = compile_selection(layers)
     if patterns is None:
         return list(range(len(names)))
     chosen = [i for i, name in enumerate(names) if any(p.search(name) for p in patterns)]

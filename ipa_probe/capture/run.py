@@ -98,10 +98,10 @@ class ProbeRun(MapViews):
         self.layers: list[IPLayer] = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser), config.layers)
         self.compiled = hasattr(denoiser, "_orig_mod") or getattr(denoiser, "_compiled_call_impl", None) is not None
         self.tap: Tap = tap_for(pipe, self.layers)
-        if config.branch != "image" and not self.tap.supports_text:
+        if config.kind != "image" and not self.tap.supports_text:
             raise ValueError(
-                f'branch="{config.branch}" reads a text cross-attention, which {self.tap.family} models do not have: '
-                'their text tokens share one joint self-attention with the image latents; use branch="image"'
+                f'kind="{config.kind}" reads a text cross-attention, which {self.tap.family} models do not have: '
+                'their text tokens share one joint self-attention with the image latents; use kind="image"'
             )
         if config.heads is not None:
             fewest = min(layer.heads for layer in self.layers)
@@ -112,8 +112,8 @@ class ProbeRun(MapViews):
                 )
         self.num_heads = len(config.heads) if config.heads is not None else max(layer.heads for layer in self.layers)
         self.num_adapters = max(layer.num_adapters for layer in self.layers)
-        self.images = config.branch in ("image", "both")
-        self.text_slot = self.num_adapters if config.branch in ("text", "both") else None
+        self.images = config.kind in ("image", "both")
+        self.text_slot = self.num_adapters if config.kind in ("text", "both") else None
         self.labels: tuple[str, ...] = label_vocabulary(config.branches)
         self.evidence = PromptEvidence(pipe, self.labels, config.branches, on_encode=self.tap.on_encode)
         self.maps: dict[tuple[int, int, str, int], list[torch.Tensor]] = {}
@@ -141,7 +141,7 @@ class ProbeRun(MapViews):
 
     # ------------------------------------------------------------------ lifecycle
     def _install(self) -> None:
-        what = f"read-only forward hooks ({self.config.branch} branch), bandwidth={bw.describe(self.config.bandwidth)}"
+        what = f"read-only forward hooks ({self.config.kind} branch), bandwidth={bw.describe(self.config.bandwidth)}"
         denoiser = claim(self.pipe, _FEATURE, [layer.name for layer in self.layers], what)
         self._active = True
         try:
@@ -409,7 +409,7 @@ class ProbeRun(MapViews):
         query: torch.Tensor,
         key: torch.Tensor,
         other: torch.Tensor | None,
-        rows: torch.Tensor | None = None,
+        inside: torch.Tensor | None = None,
         used: torch.Tensor | None = None,
     ) -> None:
         """Add one layer's statistics for one adapter (or the text slot) into the buffers.
@@ -420,7 +420,7 @@ class ProbeRun(MapViews):
             query: ``(B, H, Q, D)``, the query the branch's softmax uses.
             key: ``(B, H, K, D)``, the image-token (or text-token) keys.
             other: ``(B, H, N, D)``, further keys of the same softmax (SD3's latent keys), or ``None``.
-            rows: ``(B, Q)`` bool, the queries inside the branch's IP-Adapter mask, or ``None`` for all.
+            inside: ``(B, Q)`` bool, the queries inside the branch's IP-Adapter mask, or ``None`` for all.
             used: ``(B, H, Q, K)``, the weights the layer used when an edit of its weights point changed them (their
                 logits ``log w`` are read instead of ``q·k``), or ``None``.
         """
@@ -459,7 +459,19 @@ class ProbeRun(MapViews):
         if most is not None and n_rows > most:  # per-row statistics on a stratified sample (ProbeConfig.rows)
             sample = stratified_rows(n_rows, most - most % SAMPLE_GROUPS, self._row_generator, q.device)
         nw_rows = sample if self._maps is None or text else None  # the maps read every row's NW logits
-        cell = group_cell(groups, q, k, attn, text, rows, processor, state.text_mask, h, fit, nw_rows)
+        cell = group_cell(
+            groups=groups,
+            q=q,
+            k=k,
+            attn=attn,
+            text=text,
+            rows=inside,
+            processor=processor,
+            text_mask=state.text_mask,
+            h=h,
+            fit=fit,
+            nw_rows=nw_rows,
+        )
         tails = None
         if cell.key_mask is not None:
             n_keys, device = cell.attn.shape[-1], q.device
@@ -467,7 +479,18 @@ class ProbeRun(MapViews):
         # the query frame's pools: each group (a batch item), or each chunk of the pass (one CFG branch's items)
         pools = groups if self.config.query_frame == "item" else chunks
         inputs = cell_inputs(
-            cell, groups, q, k, other, text, processor, tails, state.text_mask, pools, q_norms, sample
+            cell=cell,
+            groups=groups,
+            q=q,
+            k=k,
+            other=other,
+            text=text,
+            processor=processor,
+            tails=tails,
+            text_mask=state.text_mask,
+            pools=pools,
+            q_norms=q_norms,
+            sample=sample,
         )
         self._pending.append((state.call, state.step, index, slot, labels, inputs))
         self._pending_elements += inputs.frame_nw.numel()
@@ -578,7 +601,7 @@ def probe(
     keep_maps: bool = False,
     max_map_bytes: int = 4 * 2**30,
     seed: int = 0,
-    branch: str = "image",
+    kind: str = "image",
     branches: Sequence[str] | None = None,
     maps: bool = False,
     query_frame: str = "item",
@@ -587,14 +610,16 @@ def probe(
     log_with: str | None = None,
     logging_dir: str | os.PathLike = "runs",
     run_name: str = "probe",
+    branch: str | None = None,
 ) -> Iterator[ProbeRun]:
     """Record the IP-Adapter attention of every denoising step and compare it with Gaussian NW weights.
 
     Args:
         pipe: a diffusers pipeline with an IP-Adapter loaded: Stable Diffusion 1.5 / SDXL, Flux or SD3 (see
             :mod:`ipa_probe.capture.taps` for what the image-branch weights are in each).
-        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps, query_frame, rows,
+        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, kind, branches, maps, query_frame, rows,
             threads: see :class:`ProbeConfig`.
+        branch: the former name of ``kind`` (accepted with a DeprecationWarning).
         log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"`` to send the run (rho with its baseline and null,
             per-layer rho, histograms, overlays per step with ``maps=True``, settings with end-of-run metrics) to
             that tracker when the block ends normally (after the denoising loop and the one device-to-host
@@ -621,19 +646,20 @@ def probe(
         ```
     """
     config = ProbeConfig(
-        bandwidth,
-        layers,
-        steps,
-        heads,
-        keep_maps,
-        max_map_bytes,
-        seed,
-        branch,
-        branches,
-        maps,
-        query_frame,
-        rows,
-        threads,
+        bandwidth=bandwidth,
+        layers=layers,
+        steps=steps,
+        heads=heads,
+        keep_maps=keep_maps,
+        max_map_bytes=max_map_bytes,
+        seed=seed,
+        kind=kind,
+        branches=branches,
+        maps=maps,
+        query_frame=query_frame,
+        rows=rows,
+        threads=threads,
+        branch=branch,
     )
     if log_with is not None:
         from ..trackers import check_tracker

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._checks import _given, parse_step_selection, step_selected
-from ..layers import LayerSelection, _compile_selection
+from .._checks import describe_value, parse_step_selection, step_selected
+from ..layers import LayerSelection, compile_selection
 
 __all__ = ["INTERVENE", "MODES", "InterventionConfig"]
 
@@ -71,14 +71,14 @@ class InterventionConfig:
         if self.mode == "swap" and not _is_image(self.other):
             raise TypeError(
                 "other: expected the image swapped in: a PIL image, an (H, W, C) array or a (C, H, W) tensor, got "
-                f"{_given(self.other)}"
+                f"{describe_value(self.other)}"
             )
         if self.mode == "ablate" and self.other is not None:
             raise ValueError('other= is the image swapped in with mode="swap"; mode="ablate" takes none: drop other=')
         if not _is_index(self.adapter):
             raise ValueError(f"adapter: expected the index (int >= 0) of a loaded IP-Adapter, got {self.adapter!r}")
         self._check_factor(references)
-        _compile_selection(self.layers)  # a bad regex fails here, before anything is attached
+        compile_selection(self.layers)  # a bad regex fails here, before anything is attached
         object.__setattr__(self, "steps", parse_step_selection(self.steps))
 
     def _check_factor(self, references: tuple[int, ...]) -> None:

@@ -70,7 +70,7 @@ class Tap:
     ARGUMENTS: ClassVar[dict[str, int]] = {}
     #: The name of the latent input among :data:`ARGUMENTS`.
     SAMPLE: ClassVar[str] = "hidden_states"
-    #: Whether :meth:`install` can read the text cross-attention (``branch="text"``).
+    #: Whether :meth:`install` can read the text cross-attention (``kind="text"``).
     supports_text: ClassVar[bool] = False
 
     def __init__(self, pipe, layers: list[IPLayer]) -> None:
