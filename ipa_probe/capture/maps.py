@@ -189,7 +189,8 @@ class MapAccumulator:
         self._pending.clear()
         self.kept.clear()
         self._images_seen.clear()  # per pass: which reference image a masked adapter's next key projection is
-        masks = masks or []
+        if masks is None or not all(m is None or isinstance(m, torch.Tensor) for m in masks):
+            masks = []
         if len(masks) != len(self._masks) or any(a is not b for a, b in zip(masks, self._masks, strict=True)):
             self._mask_cache.clear()
         self._masks = list(masks)

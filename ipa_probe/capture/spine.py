@@ -29,29 +29,12 @@ import torch
 from ..layers import denoiser_of, find_ip_layers, observer
 from .clock import CallClock
 from .taps import tap_for
-from .taps.base import DenoiserPass, Tap
+from .taps.base import DenoiserPass, Tap, normalise_masks
 
 __all__ = ["PassInfo", "Spine", "attach", "detach", "expand_references", "kept_tokens", "normalise_masks", "spine_of"]
 
 #: Where the spine is kept on the denoiser (its ``__dict__``, removed with the last client).
 SPINE_ATTRIBUTE = "_ipa_probe_spine"
-
-
-def normalise_masks(masks: Any) -> list[torch.Tensor | None] | None:
-    """diffusers' ``ip_adapter_masks`` as one entry per adapter, each ``(1 or B, images, height, width)`` or ``None``.
-
-    Args:
-        masks: what the pipeline passes in ``cross_attention_kwargs`` (or ``joint_attention_kwargs``): a list with
-            one entry per adapter, the legacy tensor form ``(adapters, 1, height, width)``, or ``None``.
-
-    Returns:
-        the list (``None`` when no masks, or a form that is no list of tensors).
-    """
-    if isinstance(masks, torch.Tensor):  # diffusers' legacy form: (adapters, 1, height, width)
-        return list(masks.unsqueeze(1))
-    if masks is None or not all(m is None or isinstance(m, torch.Tensor) for m in masks):
-        return None
-    return list(masks)
 
 
 def expand_references(x: torch.Tensor, kept: tuple[int, ...], total: int, dim: int, fill: float) -> torch.Tensor:

@@ -10,10 +10,25 @@ import torch
 
 from ...layers import IPLayer
 
-__all__ = ["Capture", "DenoiserPass", "Handle", "Tap"]
+__all__ = ["Capture", "DenoiserPass", "Handle", "Tap", "normalise_masks"]
 
 Handle = torch.utils.hooks.RemovableHandle
 RecordFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None]
+
+
+def normalise_masks(masks: Any) -> list[torch.Tensor | None] | None:
+    """diffusers' ``ip_adapter_masks`` as one entry per adapter, each ``(1 or B, images, height, width)`` or ``None``.
+
+    Args:
+        masks: what the pipeline passes in ``cross_attention_kwargs`` (or ``joint_attention_kwargs``): a list with
+            one entry per adapter, the legacy tensor form ``(adapters, 1, height, width)``, or ``None``.
+
+    Returns:
+        the list (``None`` when no masks); its entries as given (a reader checks they are tensors).
+    """
+    if isinstance(masks, torch.Tensor):  # diffusers' legacy form: (adapters, 1, height, width)
+        return list(masks.unsqueeze(1))
+    return None if masks is None else list(masks)
 
 
 @dataclass

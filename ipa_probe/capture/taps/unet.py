@@ -12,7 +12,7 @@ from diffusers.image_processor import IPAdapterMaskProcessor
 
 from ...kernels import split_heads
 from ...layers import IPLayer, denoiser_of, observer
-from .base import Capture, DenoiserPass, Handle, Tap
+from .base import Capture, DenoiserPass, Handle, Tap, normalise_masks
 
 
 def unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
@@ -85,10 +85,7 @@ class UNetTap(Tap):
 
         def hook(module, args, kwargs):
             if capture.recording:
-                masks = kwargs.get("ip_adapter_masks")
-                if isinstance(masks, torch.Tensor):  # diffusers' legacy form: (adapters, 1, height, width)
-                    masks = list(masks.unsqueeze(1))
-                capture.stash[(index, "masks")] = masks
+                capture.stash[(index, "masks")] = normalise_masks(kwargs.get("ip_adapter_masks"))
 
         return hook
 
