@@ -5,7 +5,10 @@ and image-token keys with modules it owns or borrows (``attn.to_q`` and ``proces
 :mod:`~.taps` for Flux and SD3). Forward hooks on exactly those modules see the tensors the processor uses;
 the image branch's weights are ``softmax(q k_ip^T / sqrt(d_head))`` per head, a small ``(B, H, Q, K_ip)`` block. The
 processor keeps running its own fused path, so the pipeline's output is bit-identical with the probe on or off, and
-the processors stay the very same objects.
+the processors stay the very same objects. The probe is a client of the pipeline's attachment core
+(:mod:`~.spine`: the step clock, the denoiser's one pre-hook): inside an intervention or under edited hook points it
+reads the weights the layer used (the references an ablation kept, the weights an edit published), and its table's
+``edits`` column names the edits that acted at each step.
 
 This module is family-agnostic: a :class:`~.taps.Tap` says where the tensors are, how heads are split and how
 denoiser calls map to steps and CFG branches; here they become statistics. The statistics of each (step, layer,

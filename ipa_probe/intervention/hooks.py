@@ -3,10 +3,9 @@
 
 It acts through forward pre-hooks on the chosen layers' ``to_k_ip`` / ``to_v_ip`` (the image branch's key and value
 projections, which diffusers' IP-Adapter processor calls on the adapter's image tokens ``(B, images, tokens, C)``)
-and a pre-hook on the denoiser that keeps the loop index, with the probe's own rules for where a pipeline call and a
-denoising step start (:mod:`ipa_probe.capture.clock`, the family's tap: a panorama's views and a guidance pass are
-passes of one step); no processor, weight or buffer of the pipeline is replaced,
-so removing the hooks gives the pipeline back bit for bit.
+as a client of the pipeline's attachment core (:mod:`ipa_probe.capture.spine`: its step clock, and where an ablation
+says which references the keys kept, so that a probe inside reads them); no processor, weight or buffer of the
+pipeline is replaced, so removing the hooks gives the pipeline back bit for bit.
 
 - ``"ablate"``: the chosen references' tokens are dropped from the tokens the projections see, so that the layer's
   softmax runs over the other references' keys only (their weights are renormalised among themselves). This is the
@@ -22,7 +21,7 @@ so removing the hooks gives the pipeline back bit for bit.
   would embed the other image as zeros too.
 
 - ``"scale"``: the reference's weights in the image branch's softmax are multiplied by a factor and renormalised,
-  through the hook points (:mod:`.points`, :func:`~.custom.scale_hooks`): 0 is ``"ablate"``, 1 nothing.
+  through the hook points (:mod:`.points`, :func:`~.custom.scale_hooks`): 0 is ``"ablate"``, 1 nothing, 2 doubles.
 
 ``intervene(pipe, hooks={name: fn})`` attaches user callbacks to named hook points instead (:mod:`.custom`).
 
@@ -34,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -344,7 +343,7 @@ def intervene(
     other: Any = None,
     adapter: int = 0,
     factor: float | Sequence[float] | None = None,
-    hooks: Mapping[str, Callable | Sequence[Callable]] | None = None,
+    hooks: Any = None,
 ) -> Iterator[Intervention | HookIntervention]:
     """Run a pipeline with one reference image's tokens removed (or swapped, or scaled) in the chosen layers and
     steps, or with callbacks on named hook points (``hooks=``).
@@ -353,19 +352,14 @@ def intervene(
     exit after a pipeline call, ``steps`` naming loop indices no call had (``steps=[999]`` on a 20-step call) raise a
     ``ValueError``: the intervention acted on nothing.
 
+    Blocks nest: token edits (ablate, swap) act on the keys, edits of the hook points in the order attached, and a
+    probe inside reads what the layer used (docs/api.md, "Features together").
+
     Args:
         pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter loaded.
-        reference: the reference image's index in ``ip_adapter_image=[[...]]`` (or, to ablate, a list of them).
-        layers: a regex or list of regexes selecting layer ids; ``None`` for every IP-Adapter layer.
-        steps: denoising loop indices (ints or a ``slice``); ``None`` for every step.
-        mode: ``"ablate"`` (leave the softmax), ``"swap"`` (replaced by ``other``'s tokens) or ``"scale"`` (weight in
-            the softmax multiplied by ``factor``).
-        other: the image swapped in (``mode="swap"``).
-        adapter: which loaded IP-Adapter.
-        factor: ``mode="scale"``: a number in ``[0, 1]``, or one per reference.
-        hooks: instead of ``reference``: ``{hook point name: fn(tensor, ctx)}`` (names from
-            :func:`~.points.list_hook_points`, callbacks as in :mod:`.points`), run at ``steps``; ``layers``, ``mode``,
-            ``other``, ``adapter`` and ``factor`` do not apply (the names say where).
+        reference, layers, steps, mode, other, adapter, factor: as in :class:`~.config.InterventionConfig`.
+        hooks: instead of ``reference``: ``{name: fn(tensor, ctx)}`` or ``[(name, fn), ...]`` (names, regexes or
+            filters: :func:`~.points.normalise_hooks`), run at ``steps``; the other arguments do not apply.
 
     Yields:
         the :class:`Intervention` (its ``acted`` lists the (step, layer) pairs it changed), or with ``hooks=`` the
