@@ -400,22 +400,9 @@ class MapAccumulator:
     def finalize(self) -> None:
         """Move the maps to the host once, when the probe ends (``.cpu()`` waits for the device's queued work)."""
         if not self._on_host:
-            self.store = {
-                key: [(labels.cpu(), shares.cpu()) for labels, shares in entries]
-                for key, entries in self.store.items()
-            }
-            self.head_store = {
-                key: [(labels.cpu(), shares.cpu()) for labels, shares in entries]
-                for key, entries in self.head_store.items()
-            }
-            self.contribution_store = {
-                key: [(labels.cpu(), values.cpu()) for labels, values in entries]
-                for key, entries in self.contribution_store.items()
-            }
-            self.contribution_head_store = {
-                key: [(labels.cpu(), values.cpu()) for labels, values in entries]
-                for key, entries in self.contribution_head_store.items()
-            }
+            for name in ("store", "head_store", "contribution_store", "contribution_head_store"):
+                stored = getattr(self, name)  # key -> [(labels, values), ...] per pass
+                setattr(self, name, {key: [(a.cpu(), b.cpu()) for a, b in entries] for key, entries in stored.items()})
             self._pending.clear()
             self._mask_cache.clear()
             self._masks = []
