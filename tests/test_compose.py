@@ -293,3 +293,41 @@ def test_nan_from_a_hook_is_counted_and_warned_once(organism, refs):
         with intervene(organism, hooks={names[0]: nan, names[1]: lambda t, c: t * math.nan}):
             latents(organism, refs)
     assert len([w for w in record if "NaN" in str(w.message)]) == 1
+
+
+# ------------------------------------------------------------------------------------------------------ tiny SDXL
+
+
+@pytest.fixture(scope="module")
+def sdxl():
+    from ipa_probe.tiny.sd import tiny_pipeline
+
+    pipe = tiny_pipeline("sdxl")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("probe_first", [True, False])
+def test_sdxl_probe_inside_an_ablation_and_back_bit_for_bit(sdxl, probe_first, one_thread):
+    from ipa_probe.tiny.sd import default_reference_images
+
+    refs = default_reference_images(2)
+    kwargs = dict(prompt="a photo", ip_adapter_image=[refs], num_inference_steps=2, output_type="latent")
+
+    def generate():
+        return sdxl(**kwargs, generator=torch.Generator().manual_seed(0)).images
+
+    plain = generate()
+    before = snapshot(sdxl)  # after a first call: the pipeline keeps its call settings as attributes
+    pre_hooks = len(sdxl.unet._forward_pre_hooks)
+    probe, ablation = ipa_probe.probe(sdxl, maps=True), intervene(sdxl, 1)
+    with contextlib.ExitStack() as stack:
+        entered = [stack.enter_context(f) for f in ((probe, ablation) if probe_first else (ablation, probe))]
+        assert len(sdxl.unet._forward_pre_hooks) == pre_hooks + 1
+        generate()
+    run = entered[0] if probe_first else entered[1]
+    mass = run.reference_mass()
+    assert len(mass) and (mass[mass.reference == 1].attention == 0).all()
+    assert (mass[mass.reference == 0].attention == 1).all()  # the one reference left holds every weight
+    assert_unchanged(sdxl, before)
+    assert torch.equal(generate(), plain)
