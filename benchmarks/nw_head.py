@@ -74,7 +74,8 @@ def head_ratio(pipe, inputs: dict, repeats: int, device: str) -> dict:
 @torch.no_grad()
 def processor_ratio(pipe, latent: int, repeats: int, device: str, dtype: torch.dtype) -> dict:
     """Time all IP-Adapter processors (learned vs NW) on the inputs they get in one CFG UNet forward."""
-    from ipa_probe import NWHeadAttnProcessor, find_ip_layers
+    from ipa_probe import find_ip_layers
+    from ipa_probe.nwhead import NWHeadAttnProcessor
 
     layers = find_ip_layers(pipe)
     captured = {}

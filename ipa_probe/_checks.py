@@ -35,11 +35,11 @@ __all__ = [
     "PIPELINE_DEVICES",
     "check_device",
     "check_device_name",
+    "describe_value",
     "check_recipe",
     "check_steps",
     "max_refs_limit",
     "parse_bandwidth",
-    "parse_factors",
     "parse_gauges",
     "parse_step_selection",
     "step_selected",
@@ -120,7 +120,7 @@ def check_nw_frame(frame: Any, form: Any = None, bandwidth: Any = "matched") -> 
         ValueError: an unknown frame or form, a form with the stored frame, or a bandwidth with the query frame.
     """
     if not isinstance(frame, str):
-        raise TypeError(f"frame: expected one of {NW_FRAMES}, got {_given(frame)}")
+        raise TypeError(f"frame: expected one of {NW_FRAMES}, got {describe_value(frame)}")
     if frame not in NW_FRAMES:
         raise ValueError(f"frame: expected one of {NW_FRAMES}, got {frame!r}")
     if frame == "stored":
@@ -129,7 +129,7 @@ def check_nw_frame(frame: Any, form: Any = None, bandwidth: Any = "matched") -> 
         return frame, None
     form = "exact" if form is None else form
     if not isinstance(form, str):
-        raise TypeError(f"form: expected one of {NW_FORMS}, got {_given(form)}")
+        raise TypeError(f"form: expected one of {NW_FORMS}, got {describe_value(form)}")
     if form not in NW_FORMS:
         raise ValueError(f"form: expected one of {NW_FORMS}, got {form!r}")
     if not (isinstance(bandwidth, str) and bandwidth == "matched"):
@@ -148,7 +148,7 @@ def check_recipe(recipe: Any) -> str:
     return recipe
 
 
-def _given(value: Any) -> str:
+def describe_value(value: Any) -> str:
     text = repr(value)
     return f"{text[:60]}..." if len(text) > 60 else f"{text} ({type(value).__name__})"
 
@@ -160,7 +160,7 @@ def check_int(value: Any, name: str, minimum: int | None = None, maximum: int | 
         TypeError: not an integer. ValueError: out of range.
     """
     if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name}: expected an int, got {_given(value)}")
+        raise TypeError(f"{name}: expected an int, got {describe_value(value)}")
     value = value.__index__()
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         low = "-inf" if minimum is None else minimum
@@ -177,14 +177,14 @@ def check_seed(value: Any, name: str = "seed") -> int:
 def check_flag(value: Any, name: str) -> bool:
     """``True`` or ``False`` (numpy booleans too); anything else, a string such as ``"no"`` included, is refused."""
     if type(value).__name__ not in ("bool", "bool_"):
-        raise TypeError(f"{name}: expected True or False, got {_given(value)}")
+        raise TypeError(f"{name}: expected True or False, got {describe_value(value)}")
     return bool(value)
 
 
 def check_fraction(value: Any, name: str) -> float:
     """A number strictly between 0 and 1 (a confidence level, a threshold on a correlation's fraction)."""
     if isinstance(value, bool) or not isinstance(value, int | float) and not hasattr(value, "__float__"):
-        raise TypeError(f"{name}: expected a number in (0, 1), got {_given(value)}")
+        raise TypeError(f"{name}: expected a number in (0, 1), got {describe_value(value)}")
     number = float(value)
     if not 0 < number < 1:
         raise ValueError(f"{name}: expected a number in (0, 1), e.g. 0.95, got {value!r}")
@@ -194,7 +194,7 @@ def check_fraction(value: Any, name: str) -> float:
 def check_threshold(value: Any, name: str = "threshold") -> float:
     """A correlation threshold: a number in (-1, 1) (the fraction of cells whose rho is above it is reported)."""
     if isinstance(value, bool) or not isinstance(value, int | float) and not hasattr(value, "__float__"):
-        raise TypeError(f"{name}: expected a number in (-1, 1), got {_given(value)}")
+        raise TypeError(f"{name}: expected a number in (-1, 1), got {describe_value(value)}")
     if not -1 < float(value) < 1:
         raise ValueError(f"{name}: expected a correlation threshold in (-1, 1), e.g. 0.9, got {value!r}")
     return float(value)
@@ -207,7 +207,7 @@ def check_items(value: Any, name: str, what: str) -> tuple:
         TypeError: a string, bytes, a mapping or a non-iterable (e.g. ``5`` where ``[5]`` was meant).
     """
     if isinstance(value, str | bytes | dict) or not hasattr(value, "__iter__"):
-        raise TypeError(f"{name}: expected a list of {what}, got {_given(value)}")
+        raise TypeError(f"{name}: expected a list of {what}, got {describe_value(value)}")
     return tuple(value)
 
 
@@ -246,24 +246,6 @@ def parse_float(value: Any, key: str, minimum: float | None = None) -> float:
 
 #: The q/k gauge factors a gauge sweep uses by default (powers of two: the reparametrisation is exact in floats).
 DEFAULT_GAUGE_FACTORS: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
-
-
-def parse_factors(value: Any, key: str = "factors") -> tuple[float, ...]:
-    """Gauge factors: finite numbers > 0, distinct, from a sequence or a comma-separated string (``"0.5,1,2"``)."""
-    items = value.split(",") if isinstance(value, str) else value
-    if isinstance(items, bytes) or not hasattr(items, "__iter__"):
-        raise ValueError(f"{key}: expected numbers > 0, e.g. 0.5,1,2, got {value!r}")
-    factors = []
-    for item in items:
-        factor = parse_float(item, key)
-        if factor <= 0:
-            raise ValueError(f"{key}: expected numbers > 0 (a gauge factor scales q by c and k by 1/c), got {item!r}")
-        factors.append(factor)
-    if not factors:
-        raise ValueError(f"{key}: expected at least one number > 0, e.g. 0.5,1,2, got {value!r}")
-    if len(set(factors)) != len(factors):
-        raise ValueError(f"{key}: expected distinct factors, got {value!r}")
-    return tuple(factors)
 
 
 #: The scalar gauge factors the command line accepts (checked before torch loads): beyond them float32 weights lose

@@ -43,6 +43,7 @@ __all__ = [
     "IPLayer",
     "LayerSelection",
     "check_layer_selection",
+    "compile_selection",
     "claim",
     "denoiser_of",
     "family_of",
@@ -137,10 +138,10 @@ def denoiser_of(pipe) -> torch.nn.Module:
 def check_layer_selection(layers: LayerSelection) -> None:
     """Raise ``TypeError`` / ``ValueError`` unless ``layers`` is ``None``, a regex, a compiled pattern or a list of
     them, each a valid regular expression (whether it matches a layer is checked against the pipeline)."""
-    _compile_selection(layers)
+    compile_selection(layers)
 
 
-def _compile_selection(layers: LayerSelection) -> list[re.Pattern] | None:
+def compile_selection(layers: LayerSelection) -> list[re.Pattern] | None:
     if layers is None:
         return None
     if isinstance(layers, str | re.Pattern):
@@ -177,7 +178,7 @@ def find_ip_layers(pipe, layers: LayerSelection = None) -> list[IPLayer]:
         ValueError: no IP-Adapter is loaded, a processor class is not supported, or the selection matches nothing.
     """
     denoiser = denoiser_of(pipe)
-    patterns = _compile_selection(layers)
+    patterns = compile_selection(layers)
     found: list[IPLayer] = []
     for name, module in denoiser.named_modules():
         if not isinstance(module, Attention | AttentionModuleMixin):
@@ -345,7 +346,9 @@ def list_hooks(pipe) -> Attachments:
     return Attachments(denoiser_of(pipe).__dict__.get(_CLAIM_ATTRIBUTE, ()))
 
 
-def claim(pipe, feature: str, layers: Iterable[str] = (), what: str = "") -> torch.nn.Module:
+def claim(
+    pipe, feature: str, layers: Iterable[str] = (), what: str = "", *, exclusive: bool = True
+) -> torch.nn.Module:
     """Mark a pipeline's denoiser as being modified by ``feature`` (e.g. ``"probe"``); raise if it already is.
 
     Args:
@@ -353,13 +356,14 @@ def claim(pipe, feature: str, layers: Iterable[str] = (), what: str = "") -> tor
         feature: the feature's name.
         layers: the layer ids it will touch, and
         what: how, for :func:`list_hooks`.
+        exclusive: refuse a second claim of ``feature`` (``False`` for features that nest, like ``intervene``).
 
     Returns:
         the denoiser.
     """
     denoiser = denoiser_of(pipe)
     claims = denoiser.__dict__.get(_CLAIM_ATTRIBUTE, ())
-    if any(c.feature == feature for c in claims):
+    if exclusive and any(c.feature == feature for c in claims):
         raise RuntimeError(
             f"ipa_probe.{feature} is already active on this pipeline; leave the running "
             f"`with ipa_probe.{feature}(...)` block (or remove it) before applying it again"
@@ -368,10 +372,15 @@ def claim(pipe, feature: str, layers: Iterable[str] = (), what: str = "") -> tor
     return denoiser
 
 
-def release(pipe, feature: str) -> None:
-    """Undo :func:`claim`; the denoiser is left without any ipa_probe attribute once nothing claims it."""
+def release(pipe, feature: str, attachment: Attachment | None = None) -> None:
+    """Undo :func:`claim` (every claim of ``feature``, or only ``attachment``, one of :func:`list_hooks`); the
+    denoiser is left without any ipa_probe attribute once nothing claims it."""
     denoiser = denoiser_of(pipe)
-    claims = tuple(c for c in denoiser.__dict__.get(_CLAIM_ATTRIBUTE, ()) if c.feature != feature)
+    claims = tuple(
+        c
+        for c in denoiser.__dict__.get(_CLAIM_ATTRIBUTE, ())
+        if (c is not attachment if attachment is not None else c.feature != feature)
+    )
     if claims:
         denoiser.__dict__[_CLAIM_ATTRIBUTE] = claims
     else:

@@ -38,7 +38,7 @@ def untouched(pipe) -> dict:
         ({"steps": "abc"}, TypeError, "steps"),
         ({"heads": 3}, TypeError, "heads"),
         ({"heads": [-1]}, ValueError, "heads"),
-        ({"branch": "neither"}, ValueError, "branch"),
+        ({"kind": "neither"}, ValueError, "kind"),
         ({"branches": 5}, TypeError, "branches"),
         ({"bandwidth": None}, TypeError, "bandwidth"),
         ({"bandwidth": -1.0}, ValueError, "bandwidth"),
@@ -195,7 +195,7 @@ def test_one_image_as_references_names_the_fix(sd15, refs):
 
 def test_compare_weights_names_a_non_tensor():
     with pytest.raises(TypeError, match="^nw_logits"):
-        ipa_probe.compare_weights(torch.rand(2, 3), "x")
+        ipa_probe.stats.compare_weights(torch.rand(2, 3), "x")
 
 
 @pytest.mark.parametrize(

@@ -109,8 +109,10 @@ def test_pipeline_comes_back_bit_for_bit(organism, refs, one_thread):
         assert [a.feature for a in ipa_probe.list_hooks(organism)] == ["intervene"]
         assert ipa_probe.list_hooks(organism)[0].layers == tuple(state.layers)
         changed = latents(organism, **call(refs))
-        with pytest.raises(RuntimeError, match="already active"):
-            ipa_probe.apply_intervention(organism, 0)
+        inner = ipa_probe.apply_intervention(organism, 0)  # interventions nest (issue 38): the innermost goes first
+        assert [a.feature for a in ipa_probe.list_hooks(organism)] == ["intervene", "intervene"]
+        ipa_probe.remove_intervention(organism)
+        assert not inner.active and state.active
     assert not torch.equal(changed, plain)
     assert not state.active
     assert_unchanged(organism, before)

@@ -208,7 +208,7 @@ def test_text_token_overlay_against_the_tests_own_hooks(sd15, refs3):
     handles = [m.to_q.register_forward_hook(keep((n, "q"))) for n, m in attn.items()]
     handles += [m.to_k.register_forward_hook(keep((n, "k"))) for n, m in attn.items()]
     try:
-        with probe(sd15, branch="both", keep_maps=True) as run:
+        with probe(sd15, kind="both", keep_maps=True) as run:
             image = generate(sd15, refs3, steps=2)[0]
     finally:
         for handle in handles:

@@ -83,7 +83,7 @@ def test_text_branch_leaves_padding_out(refs):
 def test_prompt_embeds_without_text_encoder_use_all_tokens(refs):
     pipe = tiny_pipeline("sd15")
     embeds, negative = pipe.encode_prompt(PROMPT, "cpu", 1, True)
-    with probe(pipe, branch="text") as run:
+    with probe(pipe, kind="text") as run:
         pipe(
             prompt_embeds=embeds,
             negative_prompt_embeds=negative,

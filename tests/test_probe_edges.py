@@ -64,7 +64,7 @@ def sd15_cfg():
 def test_no_host_tensors_or_scalar_reads_inside_the_denoising_loop(sd15_cfg, refs, bandwidth, branch):
     """Probed and plain calls make the same number of tensors from host data and read the same number of scalars,
     with masks and two adapters, so the probe adds no host-to-device copy and no device-to-host read per layer; the
-    gauge and null columns are among what it computed (``branch="both"``: the text branch's padded rows, whose
+    gauge and null columns are among what it computed (``kind="both"``: the text branch's padded rows, whose
     chance levels come from a per-run table of the number of keys)."""
     masks = masks_for(len(refs))
     kwargs = {"guidance_scale": 5.0, "cross_attention_kwargs": {"ip_adapter_masks": masks * 2}}
@@ -210,7 +210,7 @@ def test_denoiser_compiled_and_run_before_the_probe_is_refused_never_empty(refs,
 
 def test_rows_with_fewer_than_three_keys_are_flagged(refs, caplog):
     pipe = tiny_pipeline("sd15")
-    with caplog.at_level(logging.WARNING, logger="ipa_probe"), probe(pipe, branch="both") as run:
+    with caplog.at_level(logging.WARNING, logger="ipa_probe"), probe(pipe, kind="both") as run:
         pipe("", ip_adapter_image=[refs[:1]], num_inference_steps=1, guidance_scale=1.0, output_type="latent")
     df = run.to_dataframe()
     text, image = df[df["kind"] == "text"], df[df["kind"] == "image"]

@@ -233,7 +233,7 @@ def test_text_branch_leaves_padding_out_of_the_frame(refs, frame):
     layer = "up_blocks.1.attentions.0.transformer_blocks.0.attn2"
     with (
         CaptureQK(pipe, text=True) as capture,
-        probe(pipe, layers=f"^{layer}$", branch="text", query_frame=frame) as run,
+        probe(pipe, layers=f"^{layer}$", kind="text", query_frame=frame) as run,
     ):
         pipe(
             prompts,
@@ -393,7 +393,7 @@ def test_query_frame_columns_do_not_move_under_a_per_head_basis_change(refs):
         pipe = tiny_pipeline("sd15")
         if changed:
             _basis_change(pipe, seed=5)
-        with probe(pipe, branch="both") as run:
+        with probe(pipe, kind="both") as run:
             out = pipe("a photo of a flower", ip_adapter_image=[refs], num_inference_steps=2, guidance_scale=5.0,
                        generator=torch.Generator().manual_seed(0), output_type="np")  # fmt: skip
         images.append(out.images)

@@ -22,6 +22,7 @@ class CallBuffers:
     timesteps: torch.Tensor  # (steps,)
     steps_seen: int = 0
     incomplete: set[int] = field(default_factory=set)  # steps whose denoiser pass did not finish
+    edits: dict[int, list[str]] = field(default_factory=dict)  # step -> the edits that acted in it, in order
 
 
 def new_buffers(index: int, device: torch.device, shape: tuple[int, ...]) -> CallBuffers:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 from .. import bandwidth as bw
@@ -47,17 +48,19 @@ class ProbeConfig:
             gives each masked image its own softmax over its own tokens; queries outside the mask are included in
             the map, though the table leaves them out). :attr:`ProbeRun.map_branches` has, under the same key, each
             map's branch label per batch item. For SD3 the maps are the joint weights restricted to the image
-            tokens and renormalised; for ``branch="text"`` rows the text tokens (padding included).
+            tokens and renormalised; for ``kind="text"`` rows the text tokens (padding included).
         maps: also keep per-reference attribution maps (attention and NW shares of each image token per query
             position, averaged over heads, float32 on the device): read them with :meth:`ProbeRun.reference_maps`,
             :meth:`ProbeRun.token_maps`, :meth:`ProbeRun.map_table` and :meth:`ProbeRun.plot_reference_maps` (see
             :mod:`ipa_probe.capture.maps`).
         max_map_bytes: refuse ``keep_maps`` or ``maps`` when the estimated size of the maps of a call exceeds this.
         seed: seed of the permutation null's random generator (the global RNG is never used).
-        branch: which cross-attention to compare with NW weights: ``"image"`` (the IP-Adapter branch, over the
+        kind: which cross-attention to compare with NW weights (the table's ``kind`` column): ``"image"`` (the
+            IP-Adapter branch, over the
             image tokens), ``"text"`` (the text branch of the same layers, over the prompt tokens up to the first
             end-of-text token: padding is left out) or ``"both"``. Text rows have ``kind="text"`` and
-            ``adapter=-1``. SD 1.5 / SDXL only: Flux and SD3 have no separate text cross-attention.
+            ``adapter=-1``. SD 1.5 / SDXL only: Flux and SD3 have no separate text cross-attention. (Formerly
+            ``branch=``, a word the table keeps for the CFG branch: still accepted, with a DeprecationWarning.)
         branches: the batch layout of every denoiser pass, one label per equal chunk (e.g. ``("uncond", "cond")``
             for a hand-written CFG loop); ``None`` to decide each chunk's label from the prompt embeddings the
             pipeline passes to its denoiser (see :mod:`~ipa_probe.capture.branches`).
@@ -91,20 +94,29 @@ class ProbeConfig:
     keep_maps: bool = False
     max_map_bytes: int = 4 * 2**30
     seed: int = 0
-    branch: str = "image"
+    kind: str = "image"
     branches: Sequence[str] | None = None
     maps: bool = False
     query_frame: str = "item"
     rows: int | None = DEFAULT_ROWS
     threads: int | None = None
+    branch: InitVar[str | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, branch: str | None) -> None:
+        if branch is not None:
+            warnings.warn(
+                'ProbeConfig(branch=...) is now kind= ("image", "text" or "both"); branch names the CFG branch in '
+                "the table",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            object.__setattr__(self, "kind", branch)
         # a value of the wrong type is a TypeError, one out of range a ValueError (docs/failures.md, "The Python API")
         for name, kinds, what in (
             ("threads", (int, type(None)), "None or an int"),
             ("rows", (int, type(None)), "None or an int"),
             ("max_map_bytes", (int, float), "a number of bytes"),
-            ("branch", (str,), "a str"),
+            ("kind", (str,), "a str"),
             ("query_frame", (str,), "a str"),
         ):
             value = getattr(self, name)
@@ -133,10 +145,10 @@ class ProbeConfig:
         check_flag(self.keep_maps, "keep_maps")
         object.__setattr__(self, "seed", check_seed(self.seed))
         check_layer_selection(self.layers)
-        if self.maps and self.branch == "text":
-            raise ValueError('maps=True attributes the image branch; use branch="image" or "both"')
-        if self.branch not in ("image", "text", "both"):
-            raise ValueError(f'branch: expected "image", "text" or "both", got {self.branch!r}')
+        if self.maps and self.kind == "text":
+            raise ValueError('maps=True attributes the image branch; use kind="image" or "both"')
+        if self.kind not in ("image", "text", "both"):
+            raise ValueError(f'kind: expected "image", "text" or "both", got {self.kind!r}')
         object.__setattr__(self, "bandwidth", bw.check(self.bandwidth, ("matched", "fit")))
         if self.branches is not None:
             if isinstance(self.branches, str):
@@ -177,7 +189,7 @@ class ProbeConfig:
             "heads": None if self.heads is None else list(self.heads),
             "keep_maps": self.keep_maps,
             "seed": self.seed,
-            "branch": self.branch,
+            "kind": self.kind,
             "branches": None if self.branches is None else list(self.branches),
             "maps": self.maps,
             "query_frame": self.query_frame,

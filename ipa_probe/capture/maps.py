@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from diffusers.image_processor import IPAdapterMaskProcessor
 
 from ..kernels import softmax_keys
-from ..layers import IPLayer, LayerSelection, _compile_selection, observer
+from ..layers import IPLayer, LayerSelection, compile_selection, observer
+from .spine import expand_references
 from .taps import Tap
 from .taps.base import Handle
 
@@ -154,6 +155,9 @@ class MapAccumulator:
         #: (layer index, adapter) -> what :meth:`add` left for the value hook of the same pass: ``(key, labels,
         #: weights (B, H, Q, K))``.
         self._pending: dict[tuple[int, int], tuple[tuple[int, int, int, int], torch.Tensor, torch.Tensor]] = {}
+        #: (layer index, adapter) -> ``(kept, total)`` when an edit removed references from this pass's keys and
+        #: values (:meth:`~.spine.Spine.keep_references`): the value hook puts them back at 0
+        self.kept: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
 
     def keep_heads(self) -> None:
         """Also keep the attention's shares per head (before the first call starts; unmasked adapters only)."""
@@ -163,9 +167,9 @@ class MapAccumulator:
 
     # ------------------------------------------------------------------ capture
     def install(self, denoiser: torch.nn.Module) -> list[Handle]:
-        """Register the pre-hook that reads each denoiser call's ``ip_adapter_masks`` (after the probe's clock)."""
+        """Register the value hooks (the probe calls :meth:`on_pass` from its place on the spine, after its clock)."""
         self.read_projections(denoiser)
-        handles = [denoiser.register_forward_pre_hook(observer(self._on_denoiser_call), with_kwargs=True)]
+        handles = []
         for index, layer in enumerate(self.layers):
             if layer.family == "sd3":  # one softmax over latent and image tokens: no per-reference split
                 continue
@@ -179,14 +183,12 @@ class MapAccumulator:
         projection = getattr(getattr(denoiser, "_orig_mod", denoiser), "encoder_hid_proj", None)
         self._projections = getattr(projection, "image_projection_layers", None)
 
-    def _on_denoiser_call(self, module, args, kwargs) -> None:
+    def on_pass(self, args: tuple, kwargs: dict, masks: list[torch.Tensor | None] | None) -> None:
+        """A denoiser pass starts (``masks``: its normalised ``ip_adapter_masks``)."""
         self._batch = self.tap.sample(args, kwargs).shape[0]
         self._pending.clear()
+        self.kept.clear()
         self._images_seen.clear()  # per pass: which reference image a masked adapter's next key projection is
-        extra = kwargs.get("cross_attention_kwargs") or kwargs.get("joint_attention_kwargs") or {}
-        masks = extra.get("ip_adapter_masks")
-        if isinstance(masks, torch.Tensor):  # diffusers' legacy form: (adapters, 1, H, W)
-            masks = list(masks.unsqueeze(1))
         if masks is None or not all(m is None or isinstance(m, torch.Tensor) for m in masks):
             masks = []
         if len(masks) != len(self._masks) or any(a is not b for a, b in zip(masks, self._masks, strict=True)):
@@ -307,6 +309,9 @@ class MapAccumulator:
 
         def hook(module, args, output):
             pending = self._pending.pop((index, adapter), None)
+            kept = self.kept.pop((index, adapter), None)
+            if kept is not None and isinstance(output, torch.Tensor) and output.ndim == 4:  # (B, R - removed, T, C)
+                output = expand_references(output, *kept, 1, 0.0)
             if pending is not None and isinstance(output, torch.Tensor):
                 self._contribute(index, adapter, *pending, output)
 
@@ -395,22 +400,9 @@ class MapAccumulator:
     def finalize(self) -> None:
         """Move the maps to the host once, when the probe ends (``.cpu()`` waits for the device's queued work)."""
         if not self._on_host:
-            self.store = {
-                key: [(labels.cpu(), shares.cpu()) for labels, shares in entries]
-                for key, entries in self.store.items()
-            }
-            self.head_store = {
-                key: [(labels.cpu(), shares.cpu()) for labels, shares in entries]
-                for key, entries in self.head_store.items()
-            }
-            self.contribution_store = {
-                key: [(labels.cpu(), values.cpu()) for labels, values in entries]
-                for key, entries in self.contribution_store.items()
-            }
-            self.contribution_head_store = {
-                key: [(labels.cpu(), values.cpu()) for labels, values in entries]
-                for key, entries in self.contribution_head_store.items()
-            }
+            for name in ("store", "head_store", "contribution_store", "contribution_head_store"):
+                stored = getattr(self, name)  # key -> [(labels, values), ...] per pass
+                setattr(self, name, {key: [(a.cpu(), b.cpu()) for a, b in entries] for key, entries in stored.items()})
             self._pending.clear()
             self._mask_cache.clear()
             self._masks = []
@@ -618,7 +610,7 @@ def query_grid(latent: tuple[int, int] | None, queries: int) -> tuple[int, int]:
 
 def select_layers(names: list[str], layers: LayerSelection) -> list[int]:
     """Positions of the probe's layers a selection (regex or list of them, or None) picks; raises if none."""
-    patterns = _compile_selection(layers)
+    patterns = compile_selection(layers)
     if patterns is None:
         return list(range(len(names)))
     chosen = [i for i, name in enumerate(names) if any(p.search(name) for p in patterns)]

@@ -100,13 +100,13 @@ class OverlayMap(NamedTuple):
 
 def _text_token_map(run, token: int, call, item, branch, layers, steps, size) -> tuple[np.ndarray, list, list]:
     """Text token ``token``'s attention weight per position, ``(H, W)``, from the full maps of
-    ``probe(branch="text" | "both", keep_maps=True)``: mean over heads, then over the selected layers and steps; with
+    ``probe(kind="text" | "both", keep_maps=True)``: mean over heads, then over the selected layers and steps; with
     the steps and layer ids averaged."""
     from .maps import query_grid, select_layers
 
     if run.text_slot is None or not run.config.keep_maps:
         raise ValueError(
-            "token= without reference= draws a text token, which needs probe(pipe, branch='text' or 'both', "
+            "token= without reference= draws a text token, which needs probe(pipe, kind='text' or 'both', "
             "keep_maps=True); for an image token of reference i pass reference=i, token=j (with maps=True)"
         )
     names = [layer.name for layer in run.layers]
@@ -230,7 +230,7 @@ def plot_overlay(
     The title names the map, the branch, the steps and layers averaged, and the largest ``|share − uniform|``.
 
     Args:
-        run: a finished :class:`~ipa_probe.ProbeRun`: ``maps=True`` for ``reference=``; ``branch="text"`` or
+        run: a finished :class:`~ipa_probe.ProbeRun`: ``maps=True`` for ``reference=``; ``kind="text"`` or
             ``"both"`` with ``keep_maps=True`` for a text ``token=``.
         image: the generated image (PIL, ``(H, W, 3)`` array or ``(3, H, W)`` tensor); the map is resized
             bilinearly from each layer's grid to its size.

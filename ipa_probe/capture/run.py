@@ -5,7 +5,10 @@ and image-token keys with modules it owns or borrows (``attn.to_q`` and ``proces
 :mod:`~.taps` for Flux and SD3). Forward hooks on exactly those modules see the tensors the processor uses;
 the image branch's weights are ``softmax(q k_ip^T / sqrt(d_head))`` per head, a small ``(B, H, Q, K_ip)`` block. The
 processor keeps running its own fused path, so the pipeline's output is bit-identical with the probe on or off, and
-the processors stay the very same objects.
+the processors stay the very same objects. The probe is a client of the pipeline's attachment core
+(:mod:`~.spine`: the step clock, the denoiser's one pre-hook): inside an intervention or under edited hook points it
+reads the weights the layer used (the references an ablation kept, the weights an edit published), and its table's
+``edits`` column names the edits that acted at each step.
 
 This module is family-agnostic: a :class:`~.taps.Tap` says where the tensors are, how heads are split and how
 denoiser calls map to steps and CFG branches; here they become statistics. The statistics of each (step, layer,
@@ -37,20 +40,20 @@ from ..layers import (
     claim,
     denoiser_of,
     find_ip_layers,
-    observer,
     refind_ip_layers,
     release,
 )
 from ..schema import CELL_FIELDS
 from ..stats import null_tail_table
+from . import spine
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .buffers import CallBuffers, grow, new_buffers
 from .cells import CellInputs, cell_inputs, compare_cells, group_cell, record_logits
-from .clock import CallClock
 from .config import DEFAULT_ROWS, SAMPLE_GROUPS, ProbeConfig
 from .map_views import MapViews
 from .maps import MapAccumulator
 from .report import plot_run, run_table, save_run, select_branch, summarize
+from .spine import Spine, expand_references, kept_tokens
 from .taps import Capture, Tap, tap_for
 
 __all__ = ["FIELDS", "ProbeConfig", "ProbeRun", "probe"]
@@ -98,10 +101,10 @@ class ProbeRun(MapViews):
         self.layers: list[IPLayer] = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser), config.layers)
         self.compiled = hasattr(denoiser, "_orig_mod") or getattr(denoiser, "_compiled_call_impl", None) is not None
         self.tap: Tap = tap_for(pipe, self.layers)
-        if config.branch != "image" and not self.tap.supports_text:
+        if config.kind != "image" and not self.tap.supports_text:
             raise ValueError(
-                f'branch="{config.branch}" reads a text cross-attention, which {self.tap.family} models do not have: '
-                'their text tokens share one joint self-attention with the image latents; use branch="image"'
+                f'kind="{config.kind}" reads a text cross-attention, which {self.tap.family} models do not have: '
+                'their text tokens share one joint self-attention with the image latents; use kind="image"'
             )
         if config.heads is not None:
             fewest = min(layer.heads for layer in self.layers)
@@ -112,8 +115,8 @@ class ProbeRun(MapViews):
                 )
         self.num_heads = len(config.heads) if config.heads is not None else max(layer.heads for layer in self.layers)
         self.num_adapters = max(layer.num_adapters for layer in self.layers)
-        self.images = config.branch in ("image", "both")
-        self.text_slot = self.num_adapters if config.branch in ("text", "both") else None
+        self.images = config.kind in ("image", "both")
+        self.text_slot = self.num_adapters if config.kind in ("text", "both") else None
         self.labels: tuple[str, ...] = label_vocabulary(config.branches)
         self.evidence = PromptEvidence(pipe, self.labels, config.branches, on_encode=self.tap.on_encode)
         self.maps: dict[tuple[int, int, str, int], list[torch.Tensor]] = {}
@@ -125,7 +128,7 @@ class ProbeRun(MapViews):
         self._capture = Capture(record=self._record)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._tap_handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._clock = CallClock(pipe)
+        self._spine: Spine | None = None
         self._processors = [layer.processor for layer in self.layers]  # as last seen at a pass
         self._generator: torch.Generator | None = None
         self._frame_generator: torch.Generator | None = None
@@ -141,14 +144,12 @@ class ProbeRun(MapViews):
 
     # ------------------------------------------------------------------ lifecycle
     def _install(self) -> None:
-        what = f"read-only forward hooks ({self.config.branch} branch), bandwidth={bw.describe(self.config.bandwidth)}"
+        what = f"read-only forward hooks ({self.config.kind} branch), bandwidth={bw.describe(self.config.bandwidth)}"
         denoiser = claim(self.pipe, _FEATURE, [layer.name for layer in self.layers], what)
         self._active = True
         try:
-            clock = observer(self._on_denoiser_call)
-            done = observer(self._on_denoiser_return)
-            self._handles.append(denoiser.register_forward_pre_hook(clock, with_kwargs=True))
-            self._handles.append(denoiser.register_forward_hook(done))  # not run when the pass raises
+            self._spine = spine.attach(self.pipe, self)  # its clock, then on_pass / on_return (not on a raise)
+            self._capture.spine = self._spine
             self._tap_handles = self.tap.install(self._capture, self.images, self.text_slot)
             self.evidence.install()
             if self._maps is not None:
@@ -172,7 +173,8 @@ class ProbeRun(MapViews):
             handle.remove()
         self._handles.clear()
         self._tap_handles.clear()
-        self._clock.reset()
+        spine.detach(self.pipe, self)
+        self._spine = None
         self.tap.running = self.pipe
         if self._state.in_pass and self._state.call is not None:
             self._state.call.incomplete.add(self._state.step)
@@ -202,6 +204,7 @@ class ProbeRun(MapViews):
                     "counts": call.counts[: call.steps_seen].cpu(),
                     "timesteps": call.timesteps[: call.steps_seen].cpu(),
                     "incomplete": sorted(call.incomplete),
+                    "edits": {step: ";".join(edits) for step, edits in call.edits.items()},
                 }
                 for call in self._calls
             ]
@@ -220,15 +223,16 @@ class ProbeRun(MapViews):
         self._calls.clear()
 
     # ------------------------------------------------------------------ the step clock
-    def _on_denoiser_call(self, module, args, kwargs) -> None:
+    def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
+        """A denoiser pass starts (the spine's clock has placed it)."""
         self._flush()  # the previous pass's records, when it raised before returning
         state, tap = self._state, self.tap
         if state.in_pass and state.call is not None:  # the previous pass raised before returning
             state.call.incomplete.add(state.step)
         self._capture.stash.clear()  # nothing a failed pass left may pair with this pass's tensors
         self._follow_processors()
-        self._start_call_if_new(args, kwargs)
-        denoiser_pass = tap.begin_pass(args, kwargs)
+        self._start_call_if_new(spine, args, kwargs)
+        denoiser_pass = spine.now.denoiser_pass
         if denoiser_pass.new_step or state.step < 0:
             self._advance_step(args, kwargs)
         context = tap.argument("encoder_hidden_states", args, kwargs)
@@ -238,10 +242,16 @@ class ProbeRun(MapViews):
         state.in_pass, state.records = True, 0
         self._capture.recording = denoiser_pass.record and self.config.records_step(state.step)
         self.evidence.pass_seen()
+        if self._maps is not None:
+            self._maps.on_pass(args, kwargs, spine.now.masks)
 
-    def _on_denoiser_return(self, module, args, output) -> None:
+    def on_return(self, spine: Spine, output) -> None:
+        """The denoiser pass returned (the edits that acted in it are known now: :attr:`PassInfo.edits`)."""
         self._flush()
         state = self._state
+        if state.call is not None and spine.now.edits:
+            edits = state.call.edits.setdefault(state.step, [])
+            edits.extend(e for e in spine.now.edits if e not in edits)
         state.in_pass = False
         self._capture.stash.clear()
         if self.compiled and self._capture.recording and state.records == 0 and self._ip_branch_runs():
@@ -284,14 +294,14 @@ class ProbeRun(MapViews):
             self._maps.read_projections(denoiser_of(self.pipe))
         logger.info("probe: re-attached to the IP-Adapter processors replaced inside the block")
 
-    def _start_call_if_new(self, args: tuple, kwargs: dict) -> None:
+    def _start_call_if_new(self, spine: Spine, args: tuple, kwargs: dict) -> None:
         """Start a new call's buffers when the pass starts a new pipeline call (see :mod:`~.clock`)."""
         state = self._state
-        new = self._clock.new_call()
-        self.tap.running = self.evidence.running = self._clock.running
+        new = spine.now.new_call
+        self.tap.running = self.evidence.running = spine.running
         if state.call is not None and not new:
             return
-        planned = self._clock.planned_steps()
+        planned = spine.planned_steps()
         state.call = self._new_call(self.tap.sample(args, kwargs).device, planned or 64)
         state.step = -1
         self.tap.begin_call(args, kwargs)
@@ -402,7 +412,8 @@ class ProbeRun(MapViews):
         query: torch.Tensor,
         key: torch.Tensor,
         other: torch.Tensor | None,
-        rows: torch.Tensor | None = None,
+        inside: torch.Tensor | None = None,
+        used: torch.Tensor | None = None,
     ) -> None:
         """Add one layer's statistics for one adapter (or the text slot) into the buffers.
 
@@ -412,7 +423,9 @@ class ProbeRun(MapViews):
             query: ``(B, H, Q, D)``, the query the branch's softmax uses.
             key: ``(B, H, K, D)``, the image-token (or text-token) keys.
             other: ``(B, H, N, D)``, further keys of the same softmax (SD3's latent keys), or ``None``.
-            rows: ``(B, Q)`` bool, the queries inside the branch's IP-Adapter mask, or ``None`` for all.
+            inside: ``(B, Q)`` bool, the queries inside the branch's IP-Adapter mask, or ``None`` for all.
+            used: ``(B, H, Q, K)``, the weights the layer used when an edit of its weights point changed them (their
+                logits ``log w`` are read instead of ``q·k``), or ``None``.
         """
         state = self._state
         state.records += 1
@@ -432,6 +445,13 @@ class ProbeRun(MapViews):
         text = slot == self.text_slot
         processor = self.layers[index].attention.processor
         attn, q_norms = record_logits(processor, q, k, text)  # (B, H, Q, K), (B, H, Q)
+        # an edit removed references from the keys: the maps put them back at weight 0 (kept, total)
+        kept = None if text or self._spine is None else self._spine.kept.get((self.layers[index].name, slot))
+        if used is not None:  # the edited weights: their logits, a zero weight at float32's smallest (share 0)
+            used = used if head_index is None else used.index_select(1, head_index)
+            if kept is not None:  # the weights point holds every reference; the keys only the kept ones
+                used = used.index_select(-1, kept_tokens(kept[0], used.shape[-1] // kept[1], used.device))
+            attn = used.float().clamp_min(torch.finfo(torch.float32).tiny).log()  # (B, H, Q, K)
         groups = labels.shape[0]
         h = self._bandwidth(head_dim, q.device)
         fit = self.config.bandwidth == "fit"
@@ -442,7 +462,19 @@ class ProbeRun(MapViews):
         if most is not None and n_rows > most:  # per-row statistics on a stratified sample (ProbeConfig.rows)
             sample = stratified_rows(n_rows, most - most % SAMPLE_GROUPS, self._row_generator, q.device)
         nw_rows = sample if self._maps is None or text else None  # the maps read every row's NW logits
-        cell = group_cell(groups, q, k, attn, text, rows, processor, state.text_mask, h, fit, nw_rows)
+        cell = group_cell(
+            groups=groups,
+            q=q,
+            k=k,
+            attn=attn,
+            text=text,
+            rows=inside,
+            processor=processor,
+            text_mask=state.text_mask,
+            h=h,
+            fit=fit,
+            nw_rows=nw_rows,
+        )
         tails = None
         if cell.key_mask is not None:
             n_keys, device = cell.attn.shape[-1], q.device
@@ -450,7 +482,18 @@ class ProbeRun(MapViews):
         # the query frame's pools: each group (a batch item), or each chunk of the pass (one CFG branch's items)
         pools = groups if self.config.query_frame == "item" else chunks
         inputs = cell_inputs(
-            cell, groups, q, k, other, text, processor, tails, state.text_mask, pools, q_norms, sample
+            cell=cell,
+            groups=groups,
+            q=q,
+            k=k,
+            other=other,
+            text=text,
+            processor=processor,
+            tails=tails,
+            text_mask=state.text_mask,
+            pools=pools,
+            q_norms=q_norms,
+            sample=sample,
         )
         self._pending.append((state.call, state.step, index, slot, labels, inputs))
         self._pending_elements += inputs.frame_nw.numel()
@@ -458,10 +501,14 @@ class ProbeRun(MapViews):
             self._flush()
         if self.config.keep_maps:
             key = (state.call.index, state.step, self.layers[index].name, slot)
-            self._keep_map(key, attn)
+            self._keep_map(key, attn if kept is None else expand_references(attn, *kept, -1, -math.inf))
             self._map_labels.setdefault(key, []).append(labels.repeat_interleave(query.shape[0] // groups))
         if self._maps is not None and not text:
-            self._maps.add(state.call.index, state.step, index, slot, labels, cell.attn, cell.nw)
+            maps_attn, maps_nw = cell.attn, cell.nw
+            if kept is not None:
+                maps_attn, maps_nw = (expand_references(x, *kept, -1, -math.inf) for x in (maps_attn, maps_nw))
+                self._maps.kept[(index, slot)] = kept
+            self._maps.add(state.call.index, state.step, index, slot, labels, maps_attn, maps_nw)
 
     def _flush(self) -> None:
         """Run the per-row statistics of the kept records (:func:`~.cells.compare_cells`, one pass per signature, in
@@ -511,8 +558,13 @@ class ProbeRun(MapViews):
         return self._result
 
     def to_dataframe(self):
-        """The tidy table: one row per call × step × layer × head × CFG branch × adapter (see README for columns)."""
-        return run_table(self._finished(), [layer.name for layer in self.layers], self.config, self.text_slot)
+        """The tidy table: one row per call × step × layer × head × CFG branch × adapter (see README for columns),
+        with ``edits``: the interventions that acted at that step, in the order they act (``""`` for none)."""
+        result = self._finished()
+        table = run_table(result, [layer.name for layer in self.layers], self.config, self.text_slot)
+        edits = {(c["index"], step): e for c in result["calls"] for step, e in c.get("edits", {}).items()}
+        table["edits"] = [edits.get(key, "") for key in zip(table["call"], table["step"], strict=True)]
+        return table
 
     def summary(self, branch: str | None = None):
         """Per-timestep means over layers x heads x adapters (``attrs["mean_over"]``) of :meth:`to_dataframe`, one row
@@ -564,7 +616,7 @@ def probe(
     keep_maps: bool = False,
     max_map_bytes: int = 4 * 2**30,
     seed: int = 0,
-    branch: str = "image",
+    kind: str = "image",
     branches: Sequence[str] | None = None,
     maps: bool = False,
     query_frame: str = "item",
@@ -573,14 +625,16 @@ def probe(
     log_with: str | None = None,
     logging_dir: str | os.PathLike = "runs",
     run_name: str = "probe",
+    branch: str | None = None,
 ) -> Iterator[ProbeRun]:
     """Record the IP-Adapter attention of every denoising step and compare it with Gaussian NW weights.
 
     Args:
         pipe: a diffusers pipeline with an IP-Adapter loaded: Stable Diffusion 1.5 / SDXL, Flux or SD3 (see
             :mod:`ipa_probe.capture.taps` for what the image-branch weights are in each).
-        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, branch, branches, maps, query_frame, rows,
+        bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, kind, branches, maps, query_frame, rows,
             threads: see :class:`ProbeConfig`.
+        branch: the former name of ``kind`` (accepted with a DeprecationWarning).
         log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"`` to send the run (rho with its baseline and null,
             per-layer rho, histograms, overlays per step with ``maps=True``, settings with end-of-run metrics) to
             that tracker when the block ends normally (after the denoising loop and the one device-to-host
@@ -607,19 +661,20 @@ def probe(
         ```
     """
     config = ProbeConfig(
-        bandwidth,
-        layers,
-        steps,
-        heads,
-        keep_maps,
-        max_map_bytes,
-        seed,
-        branch,
-        branches,
-        maps,
-        query_frame,
-        rows,
-        threads,
+        bandwidth=bandwidth,
+        layers=layers,
+        steps=steps,
+        heads=heads,
+        keep_maps=keep_maps,
+        max_map_bytes=max_map_bytes,
+        seed=seed,
+        kind=kind,
+        branches=branches,
+        maps=maps,
+        query_frame=query_frame,
+        rows=rows,
+        threads=threads,
+        branch=branch,
     )
     if log_with is not None:
         from ..trackers import check_tracker

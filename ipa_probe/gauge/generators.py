@@ -171,37 +171,26 @@ def _surrogate_spearman(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 def _capture(pipe, call: Callable[[], Any], layers: list[IPLayer], rows: int, seed: int) -> dict[str, tuple]:
     """Queries and image keys of each layer from one call: per layer ``(q (N, H, d), k (N, H, K, d))``, float64,
-    ``N <= rows`` query rows sampled without replacement over passes, items and positions (seeded)."""
-    store: dict[str, list[dict]] = {layer.name: [] for layer in layers}
-    handles = []
+    ``N <= rows`` query rows sampled without replacement over steps, items and positions (seeded). Read at the hook
+    points ``<layer>.ip.q`` / ``.ip.k`` (:mod:`ipa_probe.intervention.points`): what the layer's softmax used."""
+    from ..intervention.cache import cache_hook_points
+    from ..intervention.points import point_name
+
+    names = [point_name(layer.name, point) for layer in layers for point in ("q", "k")]
+    with torch.no_grad(), cache_hook_points(pipe, names) as cache:
+        call()
+    store: dict[str, list[dict]] = {}
     for layer in layers:
-        records = store[layer.name]
-        handles.append(layer.attention.to_q.register_forward_hook(lambda m, a, out, r=records: r.append({"q": out})))
-
-        def keys(module, args, out, r=records):
-            if r:
-                r[-1].setdefault("k", out)
-
-        handles.append(layer.processor.to_k_ip[0].register_forward_hook(keys))
-    try:
-        with torch.no_grad():
-            call()
-    finally:
-        for handle in handles:
-            handle.remove()
+        q_name, k_name = point_name(layer.name, "q"), point_name(layer.name, "k")
+        store[layer.name] = [{"q": cache[q_name, step], "k": cache[k_name, step]} for step in cache.steps(k_name)]
     generator = torch.Generator().manual_seed(seed)
     captured = {}
     for layer in layers:
         heads, d = layer.heads, head_dim(layer)
         qs, ks = [], []
         for record in store[layer.name]:
-            if "k" not in record:
-                continue
-            q = record["q"].detach().to("cpu", torch.float64)  # (B, Q, H*d)
-            k = record["k"].detach().to("cpu", torch.float64)  # (B, [R,] T, H*d)
-            b = q.shape[0]
-            q = q.reshape(b, -1, heads, d)  # (B, Q, H, d)
-            k = k.reshape(b, -1, heads, d).transpose(1, 2)  # (B, H, K, d)
+            q = record["q"].to("cpu", torch.float64).transpose(1, 2)  # (B, H, Q, d) -> (B, Q, H, d)
+            k = record["k"].to("cpu", torch.float64)  # (B, H, K, d)
             qs.append(q.reshape(-1, heads, d))  # (B*Q, H, d)
             ks.append(k.repeat_interleave(q.shape[1], dim=0))  # (B*Q, H, K, d)
         if not qs:

@@ -89,7 +89,7 @@ class GaugeConfig:
     Example:
         ```py
         >>> A = {"down_blocks.0.attentions.0.transformer_blocks.0.attn2": torch.eye(8).repeat(2, 1, 1) * 2}
-        >>> with ipa_probe.qk_gauge(pipe, ipa_probe.GaugeConfig(matrices=A)):
+        >>> with ipa_probe.qk_gauge(pipe, ipa_probe.gauge.GaugeConfig(matrices=A)):
         ...     ...
         ```
     """

@@ -10,14 +10,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .._checks import check_steps_ran, parse_step_selection
 from ..layers import claim, release
-from .points import HookContext, PointUser, attach_points, check_hook_names, list_hook_points
+from .points import HookContext, PointUser, attach_points, list_hook_points, select_points
 
 __all__ = ["CACHE", "HookCache", "cache_hook_points", "run_with_cache"]
 
@@ -67,7 +67,11 @@ class HookCache:
             raise KeyError(f"cache: {name!r} has no step {step}; recorded steps: {sorted(steps)}")
         return steps[step]
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, key: str | tuple[str, int]) -> torch.Tensor:
+        """``cache[name]``: the point's steps stacked, ``(S, *shape)``; ``cache[name, step]``: one step's tensor."""
+        if isinstance(key, tuple):
+            return self.get(*key)
+        name = key
         steps = self._store[self._check(name)]
         if not steps:
             raise KeyError(f"cache: {name!r} recorded no step (did the pipeline run inside the block?)")
@@ -91,6 +95,10 @@ class HookCache:
     def keys(self) -> list[str]:
         return list(self.names)
 
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, cache[name])`` for every name that recorded a step, in the order the points are computed."""
+        return ((name, self[name]) for name in self.names if self._store[name])
+
     @property
     def nbytes(self) -> int:
         """Bytes held."""
@@ -100,28 +108,29 @@ class HookCache:
         return f"HookCache({len(self.names)} point(s), steps {self.steps()}, {self.nbytes / 2**20:.1f} MiB)"
 
 
-def _select(pipe, names: str | Iterable[str]) -> list[str]:
-    if isinstance(names, str | re.Pattern):
-        pattern = re.compile(names) if isinstance(names, str) else names
-        chosen = [name for name in list_hook_points(pipe) if pattern.search(name)]
-        if not chosen:
-            raise ValueError(
-                f"names={pattern.pattern!r} matches no hook point; see ipa_probe.list_hook_points(pipe) for the names"
-            )
-        return chosen
-    return check_hook_names(pipe, names, "names")
+def _select(pipe, names: Any) -> list[str]:
+    """The points ``names`` selects, in the order they are computed: ``None`` every one, a string or compiled
+    regex every one it searches, a callable filter ``name -> bool``, or a list of names (or of regexes, filters)."""
+    known = list_hook_points(pipe)
+    if names is None:
+        return known
+    if isinstance(names, str):
+        names = re.compile(names)
+    items = [names] if isinstance(names, re.Pattern) or callable(names) else list(names)
+    if not items:
+        raise ValueError("names: expected at least one hook point name (see ipa_probe.list_hook_points(pipe))")
+    chosen = {point for item in items for point in select_points(known, item, "names")}
+    return [point for point in known if point in chosen]
 
 
 @contextlib.contextmanager
-def cache_hook_points(
-    pipe, names: str | Iterable[str], *, steps=None, max_bytes: int = 2 * 2**30
-) -> Iterator[HookCache]:
+def cache_hook_points(pipe, names: Any = None, *, steps=None, max_bytes: int = 2 * 2**30) -> Iterator[HookCache]:
     """Record what the selected hook points compute while the block runs.
 
     Args:
         pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter.
-        names: hook point names (see :func:`~.points.list_hook_points`), or one regex searched in them
-            (``r"up_blocks.*\\.contribution$"``).
+        names: ``None`` for every hook point (:func:`~.points.list_hook_points`), one regex searched in the names
+            (``r"up_blocks.*\\.contribution$"``), a filter ``name -> bool``, or a list of names.
         steps: denoising loop indices to record (ints or a ``slice``); ``None`` for all.
         max_bytes: refuse a pipeline call whose recording is estimated above this, at its first denoiser pass (from
             the call's latent size, reference count and planned steps), before anything is stored.
@@ -164,7 +173,7 @@ def cache_hook_points(
 
         return fn
 
-    user = PointUser({name: [record(name)] for name in chosen}, selection, on_call)
+    user = PointUser({name: [record(name)] for name in chosen}, selection, on_call, edits=False)
     claim(pipe, CACHE, sorted({name.rsplit(".", 2)[0] for name in chosen}), f"cache of {len(chosen)} hook point(s)")
     try:
         detach = attach_points(pipe, user)
@@ -182,7 +191,7 @@ def cache_hook_points(
 
 
 def run_with_cache(
-    pipe, names: str | Iterable[str], *, steps=None, max_bytes: int = 2 * 2**30, **call: Any
+    pipe, names: Any = None, *, steps=None, max_bytes: int = 2 * 2**30, **call: Any
 ) -> tuple[Any, HookCache]:
     """Call ``pipe(**call)`` while recording the selected hook points (see :func:`cache_hook_points`).
 

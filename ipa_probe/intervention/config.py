@@ -7,8 +7,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._checks import _given, parse_step_selection, step_selected
-from ..layers import LayerSelection, _compile_selection
+from .._checks import describe_value, parse_step_selection, step_selected
+from ..layers import LayerSelection, compile_selection
 
 __all__ = ["INTERVENE", "MODES", "InterventionConfig"]
 
@@ -17,7 +17,7 @@ INTERVENE = "intervene"
 
 #: What happens to the chosen reference's image tokens: ``"ablate"`` removes them from the image branch's softmax,
 #: ``"swap"`` replaces them by another image's tokens, ``"scale"`` multiplies their weight in the softmax by a factor
-#: in ``[0, 1]`` (0 is ``"ablate"``, 1 changes nothing).
+#: ``>= 0`` (0 is ``"ablate"``, 1 changes nothing, above 1 amplifies).
 MODES: tuple[str, ...] = ("ablate", "swap", "scale")
 
 
@@ -39,7 +39,7 @@ class InterventionConfig:
         other: the image swapped in (a PIL image, an ``(H, W, C)`` array or a ``(C, H, W)`` tensor, as the pipeline's
             ``ip_adapter_image`` takes); required for ``"swap"``, refused for ``"ablate"``.
         adapter: which loaded IP-Adapter (0 for the first).
-        factor: for ``mode="scale"``, a number in ``[0, 1]`` for every chosen reference or one per reference (in the
+        factor: for ``mode="scale"``, a number ``>= 0`` for every chosen reference or one per reference (in the
             order of ``reference``); refused for the other modes.
     """
 
@@ -71,14 +71,14 @@ class InterventionConfig:
         if self.mode == "swap" and not _is_image(self.other):
             raise TypeError(
                 "other: expected the image swapped in: a PIL image, an (H, W, C) array or a (C, H, W) tensor, got "
-                f"{_given(self.other)}"
+                f"{describe_value(self.other)}"
             )
         if self.mode == "ablate" and self.other is not None:
             raise ValueError('other= is the image swapped in with mode="swap"; mode="ablate" takes none: drop other=')
         if not _is_index(self.adapter):
             raise ValueError(f"adapter: expected the index (int >= 0) of a loaded IP-Adapter, got {self.adapter!r}")
         self._check_factor(references)
-        _compile_selection(self.layers)  # a bad regex fails here, before anything is attached
+        compile_selection(self.layers)  # a bad regex fails here, before anything is attached
         object.__setattr__(self, "steps", parse_step_selection(self.steps))
 
     def _check_factor(self, references: tuple[int, ...]) -> None:
@@ -87,14 +87,14 @@ class InterventionConfig:
                 raise ValueError(f'factor= is the weight multiplier of mode="scale"; mode="{self.mode}" takes none')
             return
         if self.factor is None:
-            raise ValueError('mode="scale" needs factor=: a number in [0, 1] (0 ablates, 1 changes nothing)')
+            raise ValueError('mode="scale" needs factor=: a number >= 0 (0 ablates, 1 changes nothing, 2 doubles)')
         factors = [self.factor] * len(references) if _is_number(self.factor) else self.factor
         if isinstance(factors, str | bytes) or not isinstance(factors, Iterable):
-            raise TypeError(f"factor: expected a number in [0, 1] or one per reference, got {self.factor!r}")
+            raise TypeError(f"factor: expected a number >= 0 or one per reference, got {self.factor!r}")
         factors = tuple(factors)
-        if len(factors) != len(references) or not all(_is_number(f) and 0 <= f <= 1 for f in factors):
+        if len(factors) != len(references) or not all(_is_number(f) and 0 <= f < math.inf for f in factors):
             raise ValueError(
-                f"factor: expected a number in [0, 1] or {len(references)} of them (one per reference), "
+                f"factor: expected a finite number >= 0 or {len(references)} of them (one per reference), "
                 f"got {self.factor!r}"
             )
         object.__setattr__(self, "factor", factors[0] if _is_number(self.factor) else factors)

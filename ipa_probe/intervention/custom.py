@@ -83,7 +83,11 @@ def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=N
 
         return run
 
-    user = PointUser({name: [logged(name, fn) for fn in fns] for name, fns in callbacks.items()}, steps)
+    user = PointUser(
+        {name: [logged(name, fn) for fn in fns] for name, fns in callbacks.items()},
+        steps,
+        label=f"hooks:{len(callbacks)}",
+    )
     state._user = user
     layers = sorted({name.rsplit(".", 2)[0] for name in callbacks})
     claim(pipe, HOOKS, layers, f"callbacks on {len(callbacks)} hook point(s)")

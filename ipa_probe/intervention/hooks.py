@@ -3,10 +3,9 @@
 
 It acts through forward pre-hooks on the chosen layers' ``to_k_ip`` / ``to_v_ip`` (the image branch's key and value
 projections, which diffusers' IP-Adapter processor calls on the adapter's image tokens ``(B, images, tokens, C)``)
-and a pre-hook on the denoiser that keeps the loop index, with the probe's own rules for where a pipeline call and a
-denoising step start (:mod:`ipa_probe.capture.clock`, the family's tap: a panorama's views and a guidance pass are
-passes of one step); no processor, weight or buffer of the pipeline is replaced,
-so removing the hooks gives the pipeline back bit for bit.
+as a client of the pipeline's attachment core (:mod:`ipa_probe.capture.spine`: its step clock, and where an ablation
+says which references the keys kept, so that a probe inside reads them); no processor, weight or buffer of the
+pipeline is replaced, so removing the hooks gives the pipeline back bit for bit.
 
 - ``"ablate"``: the chosen references' tokens are dropped from the tokens the projections see, so that the layer's
   softmax runs over the other references' keys only (their weights are renormalised among themselves). This is the
@@ -22,7 +21,7 @@ so removing the hooks gives the pipeline back bit for bit.
   would embed the other image as zeros too.
 
 - ``"scale"``: the reference's weights in the image branch's softmax are multiplied by a factor and renormalised,
-  through the hook points (:mod:`.points`, :func:`~.custom.scale_hooks`): 0 is ``"ablate"``, 1 nothing.
+  through the hook points (:mod:`.points`, :func:`~.custom.scale_hooks`): 0 is ``"ablate"``, 1 nothing, 2 doubles.
 
 ``intervene(pipe, hooks={name: fn})`` attaches user callbacks to named hook points instead (:mod:`.custom`).
 
@@ -34,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,10 +41,9 @@ import torch
 from diffusers.models.embeddings import ImageProjection
 
 from .._checks import check_steps_ran
-from ..capture.clock import CallClock
-from ..capture.taps import tap_for
-from ..capture.taps.base import Tap
-from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, observer, release
+from ..capture import spine
+from ..capture.spine import Spine
+from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, list_hooks, observer, release
 from .config import INTERVENE, InterventionConfig
 from .custom import HookIntervention, apply_hooks
 
@@ -75,8 +73,9 @@ class Intervention:
     step: int = -1
     _denoiser: torch.nn.Module | None = field(default=None, repr=False)
     _handles: list[Any] = field(default_factory=list, repr=False)
-    _clock: CallClock | None = field(default=None, repr=False)
-    _tap: Tap | None = field(default=None, repr=False)
+    _pipe: Any = field(default=None, repr=False)
+    _spine: Spine | None = field(default=None, repr=False)
+    _claim: Any = field(default=None, repr=False)
     _acting: bool = field(default=False, repr=False)
     _conditioned: torch.Tensor | None = field(default=None, repr=False)
     _other_tokens: torch.Tensor | None = field(default=None, repr=False)
@@ -102,33 +101,32 @@ class Intervention:
             if detach is not None:
                 detach()
         finally:
-            denoiser.__dict__.pop(_STATE_ATTRIBUTE, None)
-            release(denoiser, INTERVENE)
-            if self._clock is not None:
-                self._clock.reset()  # drops the last pipeline call's frame
+            stack = denoiser.__dict__.get(_STATE_ATTRIBUTE, [])
+            if self in stack:
+                stack.remove(self)
+            if not stack:
+                denoiser.__dict__.pop(_STATE_ATTRIBUTE, None)
+            release(denoiser, INTERVENE, self._claim)
+            if self._spine is not None:
+                spine.detach(self._pipe, self)
+            self._spine = None
             self._denoiser = None
             self._conditioned = None
             self._other_tokens = None
 
     # ------------------------------------------------------------------ hooks
-    def _on_denoiser_call(self, module, args, kwargs) -> None:
-        """Keep the loop index (the probe's rules: :class:`~ipa_probe.capture.clock.CallClock` for a new pipeline
-        call, the tap's :meth:`begin_pass` for a new step), check the call's masks, and find the conditioned rows for
-        a swap."""
-        if self._clock.new_call():
-            self.step = -1
-        self._tap.running = self._clock.running
-        if self._tap.begin_pass(args, kwargs).new_step or self.step < 0:
-            self.step += 1
+    def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
+        """Read the loop index from the spine's clock, check the call's masks, and find the conditioned rows for a
+        swap."""
+        self.step = spine.now.step
         self.steps_run = max(self.steps_run, self.step + 1)
         self._acting = self.config.acts_at(self.step)
         if not self._acting:
             return
         adapter = self.config.adapter
-        masks = (kwargs.get("cross_attention_kwargs") or {}).get("ip_adapter_masks")
-        if masks is not None and (
-            isinstance(masks, torch.Tensor) or (adapter < len(masks) and masks[adapter] is not None)
-        ):
+        spine.now.edits.append(self.describe())
+        masks = spine.now.masks
+        if masks is not None and adapter < len(masks) and masks[adapter] is not None:
             self._acting = False
             raise ValueError(
                 "ipa_probe.intervene does not support ip_adapter_masks (diffusers then runs one softmax per reference "
@@ -150,6 +148,14 @@ class Intervention:
                     "in this call (batch, images, dim); pass an index below its number of reference images"
                 )
             self._conditioned = embeds[:, reference].ne(0).any(-1)  # (B,): False in the unconditional branch
+
+    def describe(self) -> str:
+        """The edit in words, as the probe's table records it (``edits`` column)."""
+        config = self.config
+        refs = ",".join(map(str, config.references))
+        if config.mode == "scale":
+            return f"scale:{config.adapter}:{refs}:" + ",".join(f"{f:g}" for f in config.factors)
+        return f"{config.mode}:{config.adapter}:{refs}"
 
     def _edit_tokens(self, layer: str, keys: bool):
         """Forward pre-hook on ``to_k_ip`` (``keys``) or ``to_v_ip`` of the adapter: remove or replace the
@@ -185,6 +191,8 @@ class Intervention:
                 self._emptied = True
                 return None
             self._emptied = False
+            if keys:  # the readers of this layer's keys (the probe's maps) place the kept references by index
+                self._spine.keep_references(layer, config.adapter, tuple(keep), images)
             return (tokens[:, keep], *args[1:])  # (B, images - removed, T, C)
 
         return hook
@@ -272,23 +280,16 @@ def apply_intervention(
     what = f"pre-hooks on to_k_ip/to_v_ip: {config.mode} reference(s) {list(config.references)}"
     if config.mode == "scale":
         what = f"hook points (weights): scale reference(s) {list(config.references)} by {list(config.factors)}"
-    denoiser = claim(pipe, INTERVENE, names, what)
-    state = Intervention(
-        config,
-        names,
-        _denoiser=denoiser,
-        _clock=CallClock(pipe),
-        _tap=tap_for(pipe, found),
-        _other_tokens=other_tokens,
-    )
+    denoiser = claim(pipe, INTERVENE, names, what, exclusive=False)
+    state = Intervention(config, names, _denoiser=denoiser, _pipe=pipe, _other_tokens=other_tokens)
+    state._claim = list_hooks(pipe)[-1]  # this block's own record: nested blocks release only theirs
     try:
-        denoiser.__dict__[_STATE_ATTRIBUTE] = state
+        denoiser.__dict__.setdefault(_STATE_ATTRIBUTE, []).append(state)
         if config.mode == "scale":
             state._detach_points = _attach_scale(pipe, state, names)
             found = []
         else:
-            hook = observer(state._on_denoiser_call)
-            state._handles.append(denoiser.register_forward_pre_hook(hook, with_kwargs=True))
+            state._spine = spine.attach(pipe, state)
         for layer in found:
             to_k_ip = layer.processor.to_k_ip[config.adapter]
             to_v_ip = layer.processor.to_v_ip[config.adapter]
@@ -316,7 +317,7 @@ def _attach_scale(pipe, state: Intervention, names: list[str]):
         return run
 
     callbacks = {name: [logged(fn)] for name, fn in scale_hooks(state.config, names).items()}
-    return attach_points(pipe, PointUser(callbacks, state.config.steps))
+    return attach_points(pipe, PointUser(callbacks, state.config.steps, label=state.describe()))
 
 
 def remove_intervention(pipe) -> None:
@@ -325,10 +326,10 @@ def remove_intervention(pipe) -> None:
     Raises:
         ValueError: no intervention is applied to this pipeline.
     """
-    state = denoiser_of(pipe).__dict__.get(_STATE_ATTRIBUTE)
-    if state is None:
+    stack = denoiser_of(pipe).__dict__.get(_STATE_ATTRIBUTE)
+    if not stack:
         raise ValueError("no intervention is applied to this pipeline; call ipa_probe.apply_intervention(pipe) first")
-    state.remove()
+    stack[-1].remove()  # the innermost, as leaving nested blocks does
 
 
 @contextlib.contextmanager
@@ -342,7 +343,7 @@ def intervene(
     other: Any = None,
     adapter: int = 0,
     factor: float | Sequence[float] | None = None,
-    hooks: Mapping[str, Callable | Sequence[Callable]] | None = None,
+    hooks: Any = None,
 ) -> Iterator[Intervention | HookIntervention]:
     """Run a pipeline with one reference image's tokens removed (or swapped, or scaled) in the chosen layers and
     steps, or with callbacks on named hook points (``hooks=``).
@@ -351,19 +352,14 @@ def intervene(
     exit after a pipeline call, ``steps`` naming loop indices no call had (``steps=[999]`` on a 20-step call) raise a
     ``ValueError``: the intervention acted on nothing.
 
+    Blocks nest: token edits (ablate, swap) act on the keys, edits of the hook points in the order attached, and a
+    probe inside reads what the layer used (docs/api.md, "Features together").
+
     Args:
         pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter loaded.
-        reference: the reference image's index in ``ip_adapter_image=[[...]]`` (or, to ablate, a list of them).
-        layers: a regex or list of regexes selecting layer ids; ``None`` for every IP-Adapter layer.
-        steps: denoising loop indices (ints or a ``slice``); ``None`` for every step.
-        mode: ``"ablate"`` (leave the softmax), ``"swap"`` (replaced by ``other``'s tokens) or ``"scale"`` (weight in
-            the softmax multiplied by ``factor``).
-        other: the image swapped in (``mode="swap"``).
-        adapter: which loaded IP-Adapter.
-        factor: ``mode="scale"``: a number in ``[0, 1]``, or one per reference.
-        hooks: instead of ``reference``: ``{hook point name: fn(tensor, ctx)}`` (names from
-            :func:`~.points.list_hook_points`, callbacks as in :mod:`.points`), run at ``steps``; ``layers``, ``mode``,
-            ``other``, ``adapter`` and ``factor`` do not apply (the names say where).
+        reference, layers, steps, mode, other, adapter, factor: as in :class:`~.config.InterventionConfig`.
+        hooks: instead of ``reference``: ``{name: fn(tensor, ctx)}`` or ``[(name, fn), ...]`` (names, regexes or
+            filters: :func:`~.points.normalise_hooks`), run at ``steps``; the other arguments do not apply.
 
     Yields:
         the :class:`Intervention` (its ``acted`` lists the (step, layer) pairs it changed), or with ``hooks=`` the

@@ -38,19 +38,23 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+import re
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .._checks import step_selected
-from ..capture.clock import CallClock
-from ..capture.taps import tap_for
-from ..capture.taps.unet import _unet_resolution_factor
-from ..kernels import split_heads
+from ..capture import spine
+from ..capture.layer_order import network_key
+from ..capture.spine import Spine, expand_references, normalise_masks
+from ..capture.taps.unet import unet_resolution_factor
+from ..kernels import dot_logits, split_heads
 from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, observer
+from .context import HookContext
 
 __all__ = [
     "POINTS",
@@ -63,10 +67,14 @@ __all__ = [
     "list_hook_points",
     "normalise_hooks",
     "point_name",
+    "select_points",
 ]
 
-#: The points of each layer's image branch, in the order they are computed.
-POINTS: tuple[str, ...] = ("weights", "contribution", "output")
+#: The points of each branch (an adapter's image branch, or the UNet's text branch), in the order they are computed.
+POINTS: tuple[str, ...] = ("q", "k", "logits", "weights", "contribution", "output")
+
+#: The branch label of the text cross-attention (UNets): ``<layer id>.text.<point>``.
+TEXT = "text"
 
 #: A hook point callback: ``fn(tensor, ctx)`` returns ``None`` (keep) or a replacement tensor.
 HookFn = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]
@@ -75,13 +83,14 @@ HookFn = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]
 _REGISTRY_ATTRIBUTE = "_ipa_probe_points"
 
 
-def _branch(adapter: int) -> str:
-    return "ip" if adapter == 0 else f"ip{adapter}"
+def _branch(adapter: int | str) -> str:
+    return TEXT if adapter == TEXT else "ip" if adapter == 0 else f"ip{adapter}"
 
 
-def point_name(layer: str, point: str, adapter: int = 0) -> str:
+def point_name(layer: str, point: str, adapter: int | str = 0) -> str:
     """The dotted name of a hook point, e.g. ``point_name("mid_block...attn2", "weights")`` ->
-    ``"mid_block...attn2.ip.weights"`` (adapter 1: ``...attn2.ip1.weights``)."""
+    ``"mid_block...attn2.ip.weights"`` (adapter 1: ``...attn2.ip1.weights``; ``adapter="text"``: the text branch,
+    ``...attn2.text.weights``)."""
     return f"{layer}.{_branch(adapter)}.{point}"
 
 
@@ -89,6 +98,7 @@ def hook_point_layers(pipe) -> list[IPLayer]:
     """The IP-Adapter layers whose image branch has hook points; raises for model families without them."""
     denoiser = denoiser_of(pipe)
     found = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser))
+    found = sorted(found, key=lambda layer: network_key(layer.name))  # the order the denoiser runs them
     if found[0].family == "sd3":
         raise ValueError(
             "hook points exist for SD 1.5 / SDXL UNets and Flux; SD3's image branch runs one softmax over the latent "
@@ -99,29 +109,40 @@ def hook_point_layers(pipe) -> list[IPLayer]:
 
 
 def list_hook_points(pipe) -> list[str]:
-    """Every hook point name of a pipeline's image branches, in module order (layer, adapter, then
-    ``weights``, ``contribution``, ``output``).
+    """Every hook point name, in the order the denoiser computes them: layers as the network runs them (down, mid,
+    up), in each the text branch (UNets) then each adapter's image branch, in each :data:`POINTS`.
 
     Example:
         ```py
-        >>> ipa_probe.list_hook_points(pipe)[:3]
-        ['down_blocks.0.attentions.0.transformer_blocks.0.attn2.ip.weights',
-         'down_blocks.0.attentions.0.transformer_blocks.0.attn2.ip.contribution',
-         'down_blocks.0.attentions.0.transformer_blocks.0.attn2.ip.output']
+        >>> ipa_probe.list_hook_points(pipe)[:2]
+        ['down_blocks.0.attentions.0.transformer_blocks.0.attn2.text.q',
+         'down_blocks.0.attentions.0.transformer_blocks.0.attn2.text.k']
         ```
     """
     return [
-        point_name(layer.name, point, adapter)
+        point_name(layer.name, point, branch)
         for layer in hook_point_layers(pipe)
-        for adapter in range(layer.num_adapters)
+        for branch in _branches(layer)
         for point in POINTS
     ]
 
 
+def _projections(layer: IPLayer, branch: int | str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The key and value projections of a branch: ``attn.to_k`` / ``to_v`` (text), ``to_k_ip`` / ``to_v_ip``."""
+    if branch == TEXT:
+        return layer.attention.to_k, layer.attention.to_v
+    return layer.processor.to_k_ip[branch], layer.processor.to_v_ip[branch]
+
+
+def _branches(layer: IPLayer) -> list[int | str]:
+    """The branches of a layer with hook points: the text branch (UNets), then each adapter."""
+    return ([TEXT] if layer.family == "unet" else []) + list(range(layer.num_adapters))
+
+
 def check_hook_names(pipe, names: Iterable[Any], argument: str = "hooks") -> list[str]:
     """Raise ``TypeError`` / ``ValueError`` (one line, naming the first bad name and close matches) unless every name
-    is a hook point of ``pipe``; returns the names as a list."""
-    known = list_hook_points(pipe)
+    is a hook point of ``pipe`` (or of the list of names given instead); returns the names as a list."""
+    known = pipe if isinstance(pipe, list) else list_hook_points(pipe)
     known_set = set(known)
     names = list(names)
     if not names:
@@ -133,132 +154,15 @@ def check_hook_names(pipe, names: Iterable[Any], argument: str = "hooks") -> lis
             close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
             hint = f"did you mean {close}? " if close else ""
             raise ValueError(
-                f"{argument}: unknown hook point {name!r}; {hint}names are '<layer id>.ip.<point>' with point in "
-                f"{list(POINTS)}: see ipa_probe.list_hook_points(pipe)"
+                f"{argument}: unknown hook point {name!r}; {hint}names are '<layer id>.<ip|ip1|text>.<point>' with "
+                f"point in {list(POINTS)}: see ipa_probe.list_hook_points(pipe)"
             )
     return names
 
 
-def _parse_name(name: str) -> tuple[str, int, str]:
+def _parse_name(name: str) -> tuple[str, int | str, str]:
     layer, branch, point = name.rsplit(".", 2)
-    return layer, (0 if branch == "ip" else int(branch[2:])), point
-
-
-@dataclass(frozen=True)
-class HookContext:
-    """What a callback knows about the tensor it is given.
-
-    Attributes:
-        name: the hook point's name.
-        layer: the layer id.
-        point: ``"weights"``, ``"contribution"`` or ``"output"``.
-        adapter: the IP-Adapter's index.
-        step: the denoising loop index.
-        timestep: the scheduler's timestep of this pass (as the denoiser got it: a tensor, or a number).
-        heads: the layer's attention heads ``H``.
-        references: the reference images ``R`` the branch saw in this call.
-        tokens: image tokens per reference ``T`` (``K = R * T``).
-        grid: ``(height, width)`` of the layer's query positions (``Q = height * width``).
-        scale: the adapter scale ``s`` the branch is multiplied by.
-        device: where the tensors live.
-        pass_index: the denoiser pass within the step (0 for the first; Flux's true-CFG negative pass is 1).
-    """
-
-    name: str
-    layer: str
-    point: str
-    adapter: int
-    step: int
-    timestep: Any
-    heads: int
-    references: int
-    tokens: int
-    grid: tuple[int, int] | None
-    scale: float
-    device: torch.device = field(repr=False, default=torch.device("cpu"))
-    pass_index: int = 0
-
-    @property
-    def queries(self) -> int:
-        """Query positions ``Q``."""
-        return self.grid[0] * self.grid[1] if self.grid is not None else -1
-
-    def reference_tokens(self, reference: int) -> slice:
-        """The key positions (last axis of ``weights``) of reference ``reference``'s image tokens."""
-        if not 0 <= reference < self.references:
-            raise ValueError(f"reference={reference}: this call has {self.references} reference image(s)")
-        return slice(reference * self.tokens, (reference + 1) * self.tokens)
-
-    def select(
-        self,
-        *,
-        heads: Sequence[int] | int | None = None,
-        positions: Any = None,
-        references: Sequence[int] | int | None = None,
-    ) -> torch.Tensor:
-        """A bool mask on the device, broadcastable to this point's tensor, ``True`` where all given selections hold.
-
-        Args:
-            heads: head indices (``weights`` only: ``to_out`` sums heads into the contribution and output).
-            positions: query positions: indices, a ``slice``, a bool ``(Q,)`` mask or a bool ``(height, width)`` mask
-                over :attr:`grid`.
-            references: reference indices (``weights``: their tokens; ``contribution``: their slots; not ``output``).
-
-        Returns:
-            ``(1, H, Q, K)`` for weights, ``(1, R, Q, 1)`` for contributions, ``(1, Q, 1)`` for the output.
-        """
-        if heads is not None and self.point != "weights":
-            raise ValueError(
-                f"{self.name}: heads= selects heads of the weights point only (to_out sums the heads into the "
-                "contribution); hook '<layer id>.ip.weights' for per-head edits"
-            )
-        if references is not None and self.point == "output":
-            raise ValueError(f"{self.name}: the output sums the references; hook '.ip.contribution' to select them")
-        queries = self._positions(positions)  # (Q,)
-        if self.point == "output":
-            return queries[None, :, None]  # (1, Q, 1)
-        refs = self._indices(references, self.references, "references")  # (R,)
-        if self.point == "contribution":
-            return (refs[:, None] & queries[None, :])[None, ..., None]  # (1, R, Q, 1)
-        keys = refs.repeat_interleave(self.tokens)  # (K,)
-        head_mask = self._indices(heads, self.heads, "heads")  # (H,)
-        return (head_mask[:, None, None] & queries[None, :, None] & keys[None, None, :])[None]  # (1, H, Q, K)
-
-    def where(self, tensor: torch.Tensor, value: float | torch.Tensor, **selection: Any) -> torch.Tensor:
-        """``tensor`` with ``value`` where :meth:`select` (``heads``, ``positions``, ``references``) holds: a new
-        tensor, e.g. ``lambda w, ctx: ctx.where(w, 0.0, heads=[1], references=[0])``."""
-        value = torch.as_tensor(value, dtype=tensor.dtype, device=tensor.device)
-        return torch.where(self.select(**selection), value, tensor)
-
-    def _indices(self, chosen: Sequence[int] | int | None, size: int, argument: str) -> torch.Tensor:
-        mask = torch.zeros(size, dtype=torch.bool, device=self.device)
-        if chosen is None:
-            return mask.fill_(True)
-        chosen = [chosen] if isinstance(chosen, int) else list(chosen)
-        bad = [c for c in chosen if not isinstance(c, int) or isinstance(c, bool) or not 0 <= c < size]
-        if bad:
-            raise ValueError(f"{self.name}: {argument}={bad} out of range; this point has {size} {argument}")
-        mask[chosen] = True
-        return mask
-
-    def _positions(self, positions: Any) -> torch.Tensor:
-        queries = self.queries
-        if positions is None:
-            return torch.ones(queries, dtype=torch.bool, device=self.device)
-        if isinstance(positions, torch.Tensor) and positions.dtype == torch.bool:
-            if positions.ndim == 2 and self.grid is not None and tuple(positions.shape) == self.grid:
-                positions = positions.reshape(-1)
-            if positions.shape != (queries,):
-                raise ValueError(
-                    f"{self.name}: positions= mask of shape {tuple(positions.shape)}; expected ({queries},) or the "
-                    f"grid {self.grid}"
-                )
-            return positions.to(self.device)
-        mask = torch.zeros(queries, dtype=torch.bool, device=self.device)
-        if isinstance(positions, slice):
-            mask[positions] = True
-            return mask
-        return self._indices(positions, queries, "positions")
+    return layer, (TEXT if branch == TEXT else 0 if branch == "ip" else int(branch[2:])), point
 
 
 @dataclass(eq=False)
@@ -272,6 +176,10 @@ class PointUser:
     steps: Any = None
     on_call: Callable[[int | None, Callable[[str], Any]], None] | None = None
     steps_run: int = 0
+    #: whether the callbacks may edit (``False`` for a cache's readers): readers of the layer then wait for them
+    edits: bool = True
+    #: the edit in words, for the probe's ``edits`` column
+    label: str = ""
 
     def acts_at(self, step: int) -> bool:
         return step_selected(self.steps, step)
@@ -293,12 +201,14 @@ class _Registry:
     """The hooks that compute the points on one denoiser, shared by every :class:`PointUser`."""
 
     def __init__(self, pipe, denoiser: torch.nn.Module, layers: list[IPLayer]) -> None:
+        self.pipe = pipe
         self.denoiser = denoiser
         self.layers = layers
         self.users: list[PointUser] = []
         self.handles: list[Any] = []
-        self.clock = CallClock(pipe)
-        self.tap = tap_for(pipe, layers)
+        self.spine: Spine | None = None
+        #: hook point name -> NaN returned there by callbacks (a 0-d device tensor, read when the hooks come off)
+        self.nan: dict[str, torch.Tensor] = {}
         self.step = -1
         self.pass_index = 0
         self.timestep: Any = None
@@ -306,13 +216,13 @@ class _Registry:
         self.batch = 0
         self.stash: dict[tuple, torch.Tensor] = {}
         self.active: dict[str, list[HookFn]] = {}  # the callbacks of this pass, by point name
+        self.cfg: tuple[str, ...] = ()  # each batch item's CFG label in this pass
+        self._text_tokens: int | None = None
         self._image_embeds: Any = None
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
-        self.handles.append(
-            self.denoiser.register_forward_pre_hook(observer(self._on_denoiser_call), with_kwargs=True)
-        )
+        self.spine = spine.attach(self.pipe, self)
         for layer in self.layers:
             attn, heads = layer.attention, layer.heads
             self.handles.append(attn.register_forward_pre_hook(observer(self._on_layer(layer)), with_kwargs=True))
@@ -326,10 +236,10 @@ class _Registry:
                 )  # (B, N, H, D) -> (B, H, N, D)
                 self.handles.append(attn.norm_q.register_forward_hook(observer(query)))
                 self.handles.append(attn.register_forward_hook(observer(self._on_out(layer))))
-            for adapter in range(layer.num_adapters):
-                to_k_ip, to_v_ip = layer.processor.to_k_ip[adapter], layer.processor.to_v_ip[adapter]
-                self.handles.append(to_k_ip.register_forward_hook(observer(self._keep(layer.name, "k", adapter))))
-                self.handles.append(to_v_ip.register_forward_hook(observer(self._keep(layer.name, "v", adapter))))
+            for branch in _branches(layer):
+                to_k, to_v = _projections(layer, branch)
+                self.handles.append(to_k.register_forward_hook(observer(self._keep(layer.name, "k", branch))))
+                self.handles.append(to_v.register_forward_hook(observer(self._keep(layer.name, "v", branch))))
 
     def uninstall(self) -> None:
         try:
@@ -339,33 +249,28 @@ class _Registry:
             self.handles.clear()
             self.stash.clear()
             self.active = {}
-            self.clock.reset()
-            self.tap.reset()
+            spine.detach(self.pipe, self)
+            self.spine = None
             self.denoiser.__dict__.pop(_REGISTRY_ATTRIBUTE, None)
 
     # ------------------------------------------------------------------ the clock
-    def _on_denoiser_call(self, module, args, kwargs) -> None:
+    def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
+        """A denoiser pass starts: the loop index from the spine's clock, the callbacks of this pass."""
         self.stash.clear()
-        new_call = self.clock.new_call()
-        if new_call:
-            self.step = -1
-            self.tap.begin_call(args, kwargs)
-        self.tap.running = self.clock.running
-        if self.tap.begin_pass(args, kwargs).new_step or self.step < 0:
-            self.step += 1
-            self.pass_index = 0
-        else:
-            self.pass_index += 1
-        sample = self.tap.sample(args, kwargs)
+        now = spine.now
+        new_call, self.step, self.pass_index, self.timestep = now.new_call, now.step, now.pass_index, now.timestep
+        sample = spine.tap.sample(args, kwargs)
         self.sample_shape = tuple(sample.shape)
         self.batch = sample.shape[0]
-        self.timestep = self.tap.timestep(args, kwargs)
+        context = spine.tap.argument("encoder_hidden_states", args, kwargs) if spine.tap.family == "unet" else None
+        self._text_tokens = context.shape[1] if isinstance(context, torch.Tensor) and context.ndim == 3 else None
+        self.cfg = spine.cfg_labels(self.batch)
         if self.layers[0].family == "unet":
             self._image_embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds")
         else:
             self._image_embeds = (kwargs.get("joint_attention_kwargs") or {}).get("ip_adapter_image_embeds")
         if new_call:
-            planned = self.clock.planned_steps()
+            planned = spine.planned_steps()
             for user in self.users:
                 if user.on_call is not None:
                     user.on_call(planned, self._sizes)
@@ -375,25 +280,37 @@ class _Registry:
             if user.acts_at(self.step):
                 for name, fns in user.callbacks.items():
                     active.setdefault(name, []).extend(fns)
+                    if user.edits and name.endswith(".weights"):  # readers of the layer wait for its weights
+                        layer, adapter, _ = _parse_name(name)
+                        spine.weight_edits.add((layer, adapter))
+                if user.edits and user.label:
+                    now.edits.append(user.label)
         self.active = active
 
     def _sizes(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
         """A point's shape and dtype in one pass of this call, from the call's arguments (before step 0 runs)."""
         layer_name, adapter, point = _parse_name(name)
         layer = next(layer for layer in self.layers if layer.name == layer_name)
-        embeds = self._image_embeds
-        if not isinstance(embeds, list | tuple) or adapter >= len(embeds) or embeds[adapter].ndim != 3:
-            return None
-        references = embeds[adapter].shape[1]
-        tokens = _tokens_per_image(self.denoiser, layer, adapter)
+        if adapter == TEXT:
+            references, tokens = 1, self._text_tokens
+        else:
+            embeds = self._image_embeds
+            if not isinstance(embeds, list | tuple) or adapter >= len(embeds) or embeds[adapter].ndim != 3:
+                return None
+            references = embeds[adapter].shape[1]
+            tokens = _tokens_per_image(self.denoiser, layer, adapter)
         if tokens is None:
             return None
         queries = self._grid(layer)
         queries = queries[0] * queries[1]
         out = layer.attention.to_out[0] if layer.family == "unet" else layer.processor.to_v_ip[adapter]
         channels, dtype = out.out_features, out.weight.dtype
+        keys, head_dim = references * tokens, _projections(layer, adapter)[0].out_features // layer.heads
         shape = {
-            "weights": (self.batch, layer.heads, queries, references * tokens),
+            "q": (self.batch, layer.heads, queries, head_dim),
+            "k": (self.batch, layer.heads, keys, head_dim),
+            "logits": (self.batch, layer.heads, queries, keys),
+            "weights": (self.batch, layer.heads, queries, keys),
             "contribution": (self.batch, references, queries, channels),
             "output": (self.batch, queries, channels),
         }[point]
@@ -401,7 +318,7 @@ class _Registry:
 
     # ------------------------------------------------------------------ per layer
     def _wanted(self, layer: str) -> bool:
-        return any(name.startswith(layer + ".ip") for name in self.active)
+        return any(name.startswith(layer + ".") for name in self.active)
 
     def _on_layer(self, layer: IPLayer) -> Callable:
         def hook(module, args, kwargs):
@@ -409,8 +326,13 @@ class _Registry:
                 del self.stash[key]
             if not self._wanted(layer.name):
                 return
-            masks = kwargs.get("ip_adapter_masks")
-            if masks is not None and (isinstance(masks, torch.Tensor) or any(m is not None for m in masks)):
+            if kwargs.get("attention_mask") is not None and any(".text." in name for name in self.active):
+                raise ValueError(
+                    "ipa_probe's text-branch hook points do not support an encoder attention mask (the text softmax "
+                    "is then masked); call the pipeline without one, or hook the image branch ('.ip.') only"
+                )
+            masks = normalise_masks(kwargs.get("ip_adapter_masks"))
+            if masks is not None and any(m is not None for m in masks):
                 raise ValueError(
                     "ipa_probe hook points do not support ip_adapter_masks (diffusers then runs one softmax per "
                     "reference image); call the pipeline without masks"
@@ -422,7 +344,7 @@ class _Registry:
         """``(height, width)`` of a layer's query positions in this pass (Flux's packed tokens: ``(1, N)``)."""
         if layer.family != "unet":
             return (1, self.sample_shape[1])
-        factor = _unet_resolution_factor(self.denoiser, layer.name)
+        factor = unet_resolution_factor(self.denoiser, layer.name)
         return (math.ceil(self.sample_shape[-2] / factor), math.ceil(self.sample_shape[-1] / factor))
 
     def _keep(self, layer: str, what: str, adapter: int = 0, transform: Callable | None = None) -> Callable:
@@ -440,8 +362,8 @@ class _Registry:
             if not self._wanted(layer.name):
                 return None
             delta = None
-            for adapter in range(layer.num_adapters):
-                change = self._branch(layer, adapter)
+            for branch in _branches(layer):
+                change = self._branch(layer, branch)
                 if change is not None:
                     delta = change if delta is None else delta + change
             for key in [key for key in self.stash if key[0] == layer.name]:
@@ -455,51 +377,81 @@ class _Registry:
 
         return hook
 
-    def _branch(self, layer: IPLayer, adapter: int) -> torch.Tensor | None:
-        """Compute one adapter's points, run their callbacks, and return the change of the layer's output (or
-        ``None`` when nothing was edited)."""
-        names = [point_name(layer.name, point, adapter) for point in POINTS]
-        if not any(name in self.active for name in names):
+    def _branch(self, layer: IPLayer, adapter: int | str) -> torch.Tensor | None:
+        """Compute one branch's points (an adapter's image branch, or ``adapter="text"``), run their callbacks in
+        order, and return the change of the layer's output (or ``None`` when nothing was edited)."""
+        names = dict(zip(POINTS, (point_name(layer.name, point, adapter) for point in POINTS), strict=True))
+        if not any(name in self.active for name in names.values()):
             return None
         query = self.stash.get((layer.name, "q", 0))
         keys = self.stash.get((layer.name, "k", adapter))
         values = self.stash.get((layer.name, "v", adapter))
         if query is None or keys is None or values is None:
             return None  # the branch did not run (adapter scale 0)
+        text = adapter == TEXT
         heads, batch = layer.heads, query.shape[0]
-        tokens = keys.shape[-2] if keys.ndim == 4 else keys.shape[1]
-        q = query  # (B, H, Q, D)
-        k = split_heads(keys.reshape(batch, -1, keys.shape[-1]), heads)  # (B, H, K, D)
+        tokens = keys.shape[-2] if keys.ndim == 4 or text else keys.shape[1]
+        q0 = query  # (B, H, Q, D)
+        k0 = split_heads(keys.reshape(batch, -1, keys.shape[-1]), heads)  # (B, H, K, D)
         v = split_heads(values.reshape(batch, -1, values.shape[-1]), heads)  # (B, H, K, D)
-        references = k.shape[2] // tokens
-        scale = float(layer.processor.scale[adapter])
-        queries = q.shape[2]
+        references = k0.shape[2] // tokens
+        scale = 1.0 if text else float(layer.processor.scale[adapter])
+        queries = q0.shape[2]
         grid = self._grid(layer)
         if grid[0] * grid[1] != queries:
             grid = (1, queries)
+        keyed = references  # references among the keys (fewer than the call's when an ablation removed some)
+        kept = None if text or self.spine is None else self.spine.kept.get((layer.name, adapter))
+        if kept is not None:  # an ablation removed references from the keys: they are back here at weight 0
+            v = expand_references(v, *kept, -2, 0.0)
+            references = kept[1]
 
         def context(point: str) -> HookContext:
             return HookContext(
-                point_name(layer.name, point, adapter),
-                layer.name,
-                point,
-                adapter,
-                self.step,
-                self.timestep,
-                heads,
-                references,
-                tokens,
-                grid,
-                scale,
-                query.device,
-                self.pass_index,
+                name=names[point],
+                layer=layer.name,
+                point=point,
+                adapter=adapter,
+                step=self.step,
+                timestep=self.timestep,
+                heads=heads,
+                references=keyed if point in ("k", "logits") else references,
+                tokens=tokens,
+                grid=grid,
+                scale=scale,
+                device=query.device,
+                pass_index=self.pass_index,
+                cfg=self.cfg,
             )
 
+        def logits_of(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K)
+            return dot_logits(q, k) if text else image_branch_logits(layer.processor, q, k)
+
+        def weights_of(logits: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K) with the removed references at 0
+            w = logits.softmax(-1).to(v.dtype)
+            return w if kept is None else expand_references(w, *kept, -1, 0.0)
+
+        upstream = any(names[point] in self.active for point in ("q", "k", "logits"))
+        edited = False
+        if upstream:  # copies: an edit in place must not reach the tensors the layer (and the probe) computed with
+            q, changed_q = self._run(names["q"], q0.clone(), context("q"))
+            k, changed_k = self._run(names["k"], k0.clone(), context("k"))
+            logits, changed_logits = self._run(names["logits"], logits_of(q, k), context("logits"))
+            edited = changed_q or changed_k or changed_logits
+            start = weights_of(logits)
+        else:
+            start = weights_of(logits_of(q0, k0))
+        version = start._version
+        weights, changed = self._run(names["weights"], start, context("weights"))
+        edited = edited or changed
+        # the weights the processor computed, for the change of the output: formed again when edits reached them
+        computed = weights_of(logits_of(q0, k0)) if edited or start._version != version else start
+        if edited and self.spine is not None and not text:  # what the layer uses from here on: the probe reads these
+            self.spine.use_weights(layer.name, adapter, weights)
+        if not edited and names["contribution"] not in self.active and names["output"] not in self.active:
+            return None  # nothing edited, and nothing downstream wanted
+
         to_out = layer.attention.to_out[0] if layer.family == "unet" else None  # Flux: the branch has no W_o
-        computed = image_branch_logits(layer.processor, q, k).softmax(-1).to(v.dtype)  # (B, H, Q, K)
-        weights, edited = self._run(names[0], computed, context("weights"))
-        if not edited and names[1] not in self.active and names[2] not in self.active:
-            return None  # only the weights were wanted, and read
 
         def contributions(w: torch.Tensor) -> torch.Tensor:
             w = w.reshape(*w.shape[:3], references, tokens)  # (B, H, Q, R, T)
@@ -509,13 +461,14 @@ class _Registry:
             return scale * (F.linear(y, to_out.weight) if to_out is not None else y)  # (B, R, Q, C)
 
         original = contributions(computed)
+        original_output = original.sum(1)  # (B, Q, C), before a callback may edit ``original`` in place
         contribution = contributions(weights) if edited else original
-        contribution, changed = self._run(names[1], contribution, context("contribution"))
+        contribution, changed = self._run(names["contribution"], contribution, context("contribution"))
         edited = edited or changed
-        output, changed = self._run(names[2], contribution.sum(1), context("output"))  # (B, Q, C)
+        output, changed = self._run(names["output"], contribution.sum(1), context("output"))  # (B, Q, C)
         if not (edited or changed):
             return None
-        return output - original.sum(1)
+        return output - original_output
 
     def _run(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> tuple[torch.Tensor, bool]:
         """Run a point's callbacks in order; return the final tensor and whether any callback changed it."""
@@ -526,12 +479,11 @@ class _Registry:
         for fn in fns:
             version = tensor._version
             result = fn(tensor, ctx)
+            in_place = tensor._version != version  # an edit in place is an edit (honoured, never lost)
             if result is None or result is tensor:
-                if tensor._version != version:
-                    raise ValueError(
-                        f"hook {name!r} edited its tensor in place; return the edited copy instead (e.g. "
-                        "ctx.where(tensor, value, ...) or tensor.clone() then edit)"
-                    )
+                edited = edited or in_place
+                if in_place:
+                    self._count_nan(name, tensor)
                 continue
             if not isinstance(result, torch.Tensor):
                 raise TypeError(f"hook {name!r} returned {type(result).__name__}; expected a tensor or None")
@@ -542,7 +494,27 @@ class _Registry:
                     "(or None to keep it)"
                 )
             tensor, edited = result, True
+            self._count_nan(name, tensor)
         return tensor, edited
+
+    def _count_nan(self, name: str, tensor: torch.Tensor) -> None:
+        """Count the NaN a callback returned, on the device (read once, when the hooks come off: :meth:`warn_nan`)."""
+        if tensor.is_floating_point():
+            count = torch.isnan(tensor).sum()
+            self.nan[name] = count if name not in self.nan else self.nan[name] + count
+
+    def warn_nan(self) -> None:
+        """Warn once (then forget) when callbacks returned NaN since the last warning."""
+        counts, self.nan = {name: int(count) for name, count in self.nan.items()}, {}
+        bad = {name: count for name, count in counts.items() if count}
+        if bad:
+            first = next(iter(bad))
+            warnings.warn(
+                f"hook points: callbacks returned {sum(bad.values())} NaN value(s) at {len(bad)} point(s) (first: "
+                f"{first!r}); the layer used them. Return finite tensors (e.g. torch.nan_to_num)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 def attach_points(pipe, user: PointUser) -> Callable[[], None]:
@@ -565,22 +537,54 @@ def attach_points(pipe, user: PointUser) -> Callable[[], None]:
     def detach() -> None:
         if user in registry.users:
             registry.users.remove(user)
-        if not registry.users:
-            registry.uninstall()
+        try:
+            registry.warn_nan()
+        finally:
+            if not registry.users:
+                registry.uninstall()
 
     return detach
 
 
-def normalise_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]]) -> dict[str, list[HookFn]]:
-    """Check a ``{name: fn or [fn, ...]}`` mapping against ``pipe``'s hook points (one-line errors)."""
-    if not isinstance(hooks, Mapping):
-        raise TypeError(f"hooks: expected a dict {{hook point name: fn(tensor, ctx)}}, got {type(hooks).__name__}")
-    check_hook_names(pipe, hooks)
+def normalise_hooks(pipe, hooks: Any) -> dict[str, list[HookFn]]:
+    """Check hooks against ``pipe``'s hook points (one-line errors) and return ``{name: [fn, ...]}``.
+
+    Args:
+        hooks: ``{name: fn or [fn, ...]}`` or, as TransformerLens takes them, a list of ``(name, fn)`` pairs; a name
+            is a hook point's name, a compiled regex (``re.compile(r"\\.ip\\.weights$")``: every point it
+            searches) or a callable filter ``name -> bool``. Callbacks of one point run in the order given.
+    """
+    if isinstance(hooks, Mapping):
+        pairs = list(hooks.items())
+    elif isinstance(hooks, list | tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in hooks):
+        pairs = list(hooks)
+    else:
+        raise TypeError(
+            "hooks: expected a dict {hook point name: fn(tensor, ctx)} or a list of (name, fn) pairs, got "
+            f"{type(hooks).__name__}"
+        )
+    known = list_hook_points(pipe)
     callbacks: dict[str, list[HookFn]] = {}
-    for name, fns in hooks.items():
+    for name, fns in pairs:
         fns = list(fns) if isinstance(fns, list | tuple) else [fns]
         for fn in fns:
             if not callable(fn):
                 raise TypeError(f"hooks[{name!r}]: expected a callable fn(tensor, ctx), got {fn!r}")
-        callbacks[name] = fns
+        for point in select_points(known, name, "hooks"):
+            callbacks.setdefault(point, []).extend(fns)
+    if not callbacks:
+        raise ValueError("hooks: expected at least one hook point name (see ipa_probe.list_hook_points(pipe))")
     return callbacks
+
+
+def select_points(known: list[str], name: Any, argument: str) -> list[str]:
+    """The hook points of ``known`` that ``name`` selects: itself (checked, with close matches in the error), every
+    point a compiled regex searches, or every point a callable filter accepts."""
+    if isinstance(name, re.Pattern) or (callable(name) and not isinstance(name, str)):
+        test = name.search if isinstance(name, re.Pattern) else name
+        chosen = [point for point in known if test(point)]
+        if not chosen:
+            shown = name.pattern if isinstance(name, re.Pattern) else getattr(name, "__name__", repr(name))
+            raise ValueError(f"{argument}: {shown!r} selects no hook point; see ipa_probe.list_hook_points(pipe)")
+        return chosen
+    return check_hook_names(known, [name], argument)

@@ -22,7 +22,7 @@ diffusers processor they replace (its very modules and settings, no copies).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,9 +31,6 @@ from .. import bandwidth as bw
 from .._checks import check_nw_frame
 from ..bandwidth import BandwidthSpec
 from ..kernels import dot_logits, key_norm_bias, nw_logits, query_frame_bias
-
-if TYPE_CHECKING:
-    from ..capture.taps import Tap
 
 __all__ = ["NWKernel", "ProcessorView", "TimestepClock", "check_head_bandwidth"]
 
@@ -55,28 +52,22 @@ def check_head_bandwidth(spec: Any) -> BandwidthSpec:
 class TimestepClock:
     """Holds the denoiser's current timestep for processors whose bandwidth is a function of it.
 
-    A forward pre-hook on the denoiser (:meth:`hook`) asks the model family's :class:`~ipa_probe.capture.taps.Tap`
-    where the call carries its timestep and stores it on the scheduler's 0-1000 scale (a reference, no copy and no
-    host synchronisation); the processors read it during the same forward.
-
-    Args:
-        tap: the family's tap (it knows each denoiser's argument positions); only :meth:`hook` needs it.
+    A client of the pipeline's :class:`~ipa_probe.capture.spine.Spine` (:meth:`on_pass`): each denoiser pass it
+    stores the pass's timestep on the scheduler's 0-1000 scale (a reference, no copy and no host synchronisation);
+    the processors read it during the same forward.
     """
 
-    def __init__(self, tap: Tap | None = None) -> None:
-        self.tap = tap
+    def __init__(self) -> None:
         self.timestep: torch.Tensor | None = None
 
-    def hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.tap is None:
-            raise RuntimeError("TimestepClock.hook needs the model family's Tap: TimestepClock(tap_for(pipe, layers))")
-        timestep = self.tap.timestep(args, kwargs)
+    def on_pass(self, spine, args: tuple, kwargs: dict) -> None:
+        timestep = spine.now.timestep
         if timestep is None:
             self.timestep = None
         elif isinstance(timestep, torch.Tensor):
             self.timestep = timestep.reshape(-1)[0]  # 0-d view: the pipelines pass one timestep per call
         else:
-            sample = self.tap.sample(args, kwargs)
+            sample = spine.tap.sample(args, kwargs)
             device = sample.device if isinstance(sample, torch.Tensor) else None
             self.timestep = torch.tensor(float(timestep), device=device)
 

@@ -32,7 +32,7 @@ import torch
 from .. import bandwidth as bw
 from .._checks import check_nw_frame
 from ..bandwidth import BandwidthSpec
-from ..capture.taps import tap_for
+from ..capture import spine
 from ..layers import (
     IPLayer,
     LayerSelection,
@@ -40,7 +40,6 @@ from ..layers import (
     claim,
     denoiser_of,
     find_ip_layers,
-    observer,
     release,
 )
 from .flux import FluxNWHeadAttnProcessor
@@ -157,7 +156,7 @@ class NWHeadSwap:
             return
         try:
             if self._handle is not None:
-                self._handle.remove()
+                spine.detach(denoiser, self.clock)
                 self._handle = None
             model = _model(denoiser)
             current = model.attn_processors
@@ -214,7 +213,7 @@ def apply_nw_head(
     """
     config = NWHeadConfig(bandwidth, layers, frame, form)
     found = find_ip_layers(_model(denoiser_of(pipe)), config.layers)
-    clock = TimestepClock(tap_for(pipe, found))  # the tap knows where each family's denoiser takes its timestep
+    clock = TimestepClock()  # a client of the pipeline's spine, whose clock knows where the timestep is
     installed = {f"{layer.name}.processor": _nw_processor(layer, config, clock) for layer in found}
     what = f"NW processors swapped in, {config.summary()}"
     denoiser = claim(pipe, NW_HEAD, [layer.name for layer in found], what)
@@ -225,7 +224,7 @@ def apply_nw_head(
         model = _model(denoiser)
         model.set_attn_processor({**model.attn_processors, **installed})  # a fresh dict: it is popped
         if callable(config.bandwidth):
-            swap._handle = denoiser.register_forward_pre_hook(observer(clock.hook), with_kwargs=True)
+            swap._handle = spine.attach(pipe, clock)
     except BaseException:
         swap.remove()
         raise

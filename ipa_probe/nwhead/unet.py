@@ -22,6 +22,7 @@ from diffusers.image_processor import IPAdapterMaskProcessor
 from diffusers.models.attention_processor import Attention, IPAdapterAttnProcessor2_0
 
 from ..bandwidth import BandwidthSpec
+from ..capture.taps.base import normalise_masks
 from ..kernels import merge_heads, split_heads
 from .kernel import NWKernel, TimestepClock
 
@@ -140,10 +141,9 @@ class NWHeadAttnProcessor(NWKernel, IPAdapterAttnProcessor2_0):
 
     @staticmethod
     def _checked_masks(masks, scales: list, image_states: list[torch.Tensor]) -> list:
+        masks = normalise_masks(masks)  # the legacy (adapters, 1, H, W) tensor: one entry per adapter
         if masks is None:
             return [None] * len(scales)
-        if not isinstance(masks, list):
-            masks = list(masks.unsqueeze(1))  # (adapters, H, W) tensor -> one (1, H, W) mask per adapter
         if not len(masks) == len(scales) == len(image_states):
             raise ValueError(
                 f"got {len(masks)} ip_adapter_masks for {len(scales)} IP-Adapters and {len(image_states)} image "

@@ -10,10 +10,25 @@ import torch
 
 from ...layers import IPLayer
 
-__all__ = ["Capture", "DenoiserPass", "Handle", "Tap"]
+__all__ = ["Capture", "DenoiserPass", "Handle", "Tap", "normalise_masks"]
 
 Handle = torch.utils.hooks.RemovableHandle
 RecordFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None]
+
+
+def normalise_masks(masks: Any) -> list[torch.Tensor | None] | None:
+    """diffusers' ``ip_adapter_masks`` as one entry per adapter, each ``(1 or B, images, height, width)`` or ``None``.
+
+    Args:
+        masks: what the pipeline passes in ``cross_attention_kwargs`` (or ``joint_attention_kwargs``): a list with
+            one entry per adapter, the legacy tensor form ``(adapters, 1, height, width)``, or ``None``.
+
+    Returns:
+        the list (``None`` when no masks); its entries as given (a reader checks they are tensors).
+    """
+    if isinstance(masks, torch.Tensor):  # diffusers' legacy form: (adapters, 1, height, width)
+        return list(masks.unsqueeze(1))
+    return None if masks is None else list(masks)
 
 
 @dataclass
@@ -29,11 +44,14 @@ class Capture:
         recording: whether the current denoiser pass is recorded (set by the probe's step clock).
         stash: per-layer tensors waiting for their partner (a query waiting for its keys), cleared after each layer
             and at the start of every denoiser pass (so nothing left by a failed pass leaks into a later one).
+        spine: the pipeline's :class:`~ipa_probe.capture.spine.Spine`: where an edit of a layer's weights point
+            publishes the weights the layer used; a record of such a layer waits for them (:meth:`Tap.record`).
     """
 
     record: RecordFn
     recording: bool = False
     stash: dict[tuple[int, str], Any] = field(default_factory=dict)
+    spine: Any = None
 
 
 @dataclass(frozen=True)
@@ -67,7 +85,7 @@ class Tap:
     ARGUMENTS: ClassVar[dict[str, int]] = {}
     #: The name of the latent input among :data:`ARGUMENTS`.
     SAMPLE: ClassVar[str] = "hidden_states"
-    #: Whether :meth:`install` can read the text cross-attention (``branch="text"``).
+    #: Whether :meth:`install` can read the text cross-attention (``kind="text"``).
     supports_text: ClassVar[bool] = False
 
     def __init__(self, pipe, layers: list[IPLayer]) -> None:
@@ -130,10 +148,24 @@ class Tap:
         """Elements per head of the image-branch weights of ``layer`` in one recorded step (all adapters)."""
         raise NotImplementedError
 
+    def _record(self, capture: Capture, index: int, adapter: int, *record) -> None:
+        """``capture.record(index, adapter, *record)`` now, or, when a client edits this layer's weights point in
+        this pass, when the layer returns (:meth:`_forget`), with the weights the layer used."""
+        spine = capture.spine
+        if spine is not None and spine.edits_weights(self.layers[index].name, adapter):
+            capture.stash.setdefault((index, "deferred"), []).append((adapter, record))
+            return
+        capture.record(index, adapter, *record)
+
     def _forget(self, capture: Capture, index: int) -> Callable:
-        """Forward hook on the attention module: drop what the layer left in the stash."""
+        """Forward hook on the attention module: record what waited for the layer's edited weights, then drop what
+        the layer left in the stash."""
 
         def hook(module, args, output):
+            name = self.layers[index].name
+            for adapter, record in capture.stash.pop((index, "deferred"), []):
+                used = capture.spine.used.get((name, adapter)) if capture.spine is not None else None
+                capture.record(index, adapter, *record, used)
             for key in [key for key in capture.stash if key[0] == index]:
                 del capture.stash[key]
 

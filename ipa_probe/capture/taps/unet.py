@@ -12,10 +12,10 @@ from diffusers.image_processor import IPAdapterMaskProcessor
 
 from ...kernels import split_heads
 from ...layers import IPLayer, denoiser_of, observer
-from .base import Capture, DenoiserPass, Handle, Tap
+from .base import Capture, DenoiserPass, Handle, Tap, normalise_masks
 
 
-def _unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
+def unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
     """Downsampling factor of a UNet layer's feature map relative to the latent."""
     levels = len(getattr(denoiser, "down_blocks", ())) or 1
     match = re.search(r"(down|up)_blocks\.(\d+)\.", layer_name)
@@ -85,10 +85,7 @@ class UNetTap(Tap):
 
         def hook(module, args, kwargs):
             if capture.recording:
-                masks = kwargs.get("ip_adapter_masks")
-                if isinstance(masks, torch.Tensor):  # diffusers' legacy form: (adapters, 1, height, width)
-                    masks = list(masks.unsqueeze(1))
-                capture.stash[(index, "masks")] = masks
+                capture.stash[(index, "masks")] = normalise_masks(kwargs.get("ip_adapter_masks"))
 
         return hook
 
@@ -110,7 +107,7 @@ class UNetTap(Tap):
             # the processor views the keys with the query's batch size, as here (after a callback turns CFG off
             # mid-run, the unconditional and conditional image tokens become one item's keys)
             keys = split_heads(output.reshape(query.shape[0], -1, output.shape[-1]), heads)
-            capture.record(index, adapter, split_heads(query, heads), keys, None, rows)
+            self._record(capture, index, adapter, split_heads(query, heads), keys, None, rows)
 
         return hook
 
@@ -199,7 +196,7 @@ class UNetTap(Tap):
     def map_elements(self, layer: IPLayer, args: tuple, kwargs: dict) -> int:
         sample = self.sample(args, kwargs)
         height, width = sample.shape[-2:]
-        factor = _unet_resolution_factor(denoiser_of(self.pipe), layer.name)
+        factor = unet_resolution_factor(denoiser_of(self.pipe), layer.name)
         queries = math.ceil(height / factor) * math.ceil(width / factor)
         embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds") or []
         total = 0

@@ -1,0 +1,262 @@
+"""The attachment core: one per denoiser, shared by every ipa_probe feature attached to it.
+
+The probe, its maps, ``intervene`` (ablate, swap, scale), the hook points (hooks, cache, patch) and the NW head are
+*clients* of one :class:`Spine`. The spine owns
+
+- the denoiser's **one** forward pre-hook and **one** forward hook, however many features are attached: each pass
+  it places the call in the denoising loop once and then calls its clients in the order they attached;
+- the **step clock**: which pipeline call (:class:`~.clock.CallClock`), which denoising step and which pass of the
+  step (the family's :meth:`~.taps.Tap.begin_pass`), and the pass's timestep, as :class:`PassInfo`;
+- the **mask normalisation** (:func:`normalise_masks`): diffusers' ``ip_adapter_masks`` in one form;
+- the **meeting point of reading and editing** in each IP-Adapter layer's image branch: an edit that removes
+  references from the keys says which ones stay (:meth:`Spine.keep_references`), an edit of the weights publishes
+  the weights the layer then used (:meth:`Spine.use_weights`), and every reader (the probe, its maps) reads those,
+  so a feature inside another measures what the layer computed, not what it would have computed without the edit.
+
+The spine is created by the first client and taken off the denoiser with the last (:func:`attach`,
+:func:`detach`): with nothing attached, the denoiser carries no trace of it. Nothing here synchronises with the
+device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..layers import denoiser_of, find_ip_layers, observer
+from .clock import CallClock
+from .taps import tap_for
+from .taps.base import DenoiserPass, Tap, normalise_masks
+
+__all__ = ["PassInfo", "Spine", "attach", "detach", "expand_references", "kept_tokens", "normalise_masks", "spine_of"]
+
+#: Where the spine is kept on the denoiser (its ``__dict__``, removed with the last client).
+SPINE_ATTRIBUTE = "_ipa_probe_spine"
+
+
+def expand_references(x: torch.Tensor, kept: tuple[int, ...], total: int, dim: int, fill: float) -> torch.Tensor:
+    """``x`` with the references an edit removed put back as ``fill`` along ``dim`` (reference-major tokens).
+
+    Args:
+        x: a tensor whose ``dim`` holds ``len(kept) * T`` image tokens (``T`` per reference).
+        kept: the references present, in order.
+        total: how many the call passed.
+        dim: the token axis.
+        fill: the value of the removed references' tokens (``-inf`` for logits: weight 0; ``0`` for values).
+
+    Returns:
+        ``x`` with ``total * T`` tokens along ``dim``.
+    """
+    dim = dim % x.dim()
+    tokens = x.shape[dim] // max(len(kept), 1)
+    shape = list(x.shape)
+    shape[dim] = total * tokens
+    return x.new_full(shape, fill).index_copy(dim, kept_tokens(kept, tokens, x.device), x)
+
+
+def kept_tokens(kept: tuple[int, ...], tokens: int, device: torch.device) -> torch.Tensor:
+    """The token positions ``(len(kept) * T,)`` of the ``kept`` references among all (reference-major)."""
+    return torch.tensor([r * tokens + t for r in kept for t in range(tokens)], dtype=torch.long, device=device)
+
+
+def pass_masks(kwargs: dict) -> list[torch.Tensor | None] | None:
+    """The normalised ``ip_adapter_masks`` of a denoiser call (UNet, Flux or SD3 keyword arguments)."""
+    extra = kwargs.get("cross_attention_kwargs") or kwargs.get("joint_attention_kwargs") or {}
+    return normalise_masks(extra.get("ip_adapter_masks"))
+
+
+@dataclass
+class PassInfo:
+    """Where one denoiser pass sits in the loop (read by the clients in their ``on_pass``).
+
+    Attributes:
+        new_call: the pass starts a new pipeline call (:mod:`~.clock`).
+        new_step: the pass starts a new denoising step.
+        call: the pipeline call's index since the spine was created.
+        step: the denoising loop index (0 at a call's first pass).
+        pass_index: the pass within its step (0 for the first; Flux's true-CFG negative pass is 1).
+        timestep: the scheduler timestep as the denoiser got it (a tensor or a number, or ``None``).
+        denoiser_pass: the family's reading of the pass (:class:`~.taps.base.DenoiserPass`: its guidance label,
+            whether it is recorded).
+        masks: the pass's normalised ``ip_adapter_masks`` (:func:`normalise_masks`).
+        edits: the edits acting in this pass, in the order they act (each client that edits names itself here).
+    """
+
+    new_call: bool = False
+    new_step: bool = False
+    call: int = -1
+    step: int = -1
+    pass_index: int = 0
+    timestep: Any = None
+    denoiser_pass: DenoiserPass = field(default_factory=lambda: DenoiserPass(new_step=True))
+    masks: list[torch.Tensor | None] | None = None
+    edits: list[str] = field(default_factory=list)
+
+
+class Spine:
+    """The attachment core of one denoiser (create it through :func:`attach`).
+
+    Args:
+        pipe: the pipeline (its call frames and scheduler tell the call boundaries), or its denoiser.
+        denoiser: the denoiser the hooks sit on.
+    """
+
+    def __init__(self, pipe, denoiser: torch.nn.Module) -> None:
+        self.pipe = pipe
+        self.denoiser = denoiser
+        model = getattr(denoiser, "_orig_mod", denoiser)
+        self.tap: Tap = tap_for(pipe, find_ip_layers(model))  # the family's clock rules (not its taps)
+        self.clock = CallClock(pipe)
+        self.clients: list[Any] = []
+        self.now = PassInfo()
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        #: (layer id, adapter) -> ``(kept, total)``: the references whose tokens the layer's image keys hold in this
+        #: pass, in order, of the ``total`` the call passed, when an edit removed some (:meth:`keep_references`)
+        self.kept: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
+        #: (layer id, adapter) -> the weights ``(B, H, Q, K)`` the layer used in this pass, when an edit of the
+        #: weights point changed them (:meth:`use_weights`)
+        self.used: dict[tuple[str, int], torch.Tensor] = {}
+        #: (layer id, adapter) pairs whose weights an attached client will edit in this pass (set in ``on_pass``)
+        self.weight_edits: set[tuple[str, int]] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+    def install(self) -> None:
+        self._handles.append(self.denoiser.register_forward_pre_hook(observer(self._on_call), with_kwargs=True))
+        self._handles.append(self.denoiser.register_forward_hook(observer(self._on_return)))
+
+    def uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.clock.reset()
+        self.tap.reset()
+        self.kept.clear()
+        self.used.clear()
+        self.now = PassInfo()
+
+    # ------------------------------------------------------------------ the clock
+    def _on_call(self, module, args, kwargs) -> None:
+        now, tap = self.now, self.tap
+        new_call = self.clock.new_call()
+        tap.running = self.clock.running
+        if new_call:
+            tap.begin_call(args, kwargs)
+        denoiser_pass = tap.begin_pass(args, kwargs)
+        step = -1 if new_call else now.step
+        new_step = denoiser_pass.new_step or step < 0
+        self.now = PassInfo(
+            new_call=new_call,
+            new_step=new_step,
+            call=now.call + new_call,
+            step=step + new_step,
+            pass_index=0 if new_step else now.pass_index + 1,
+            timestep=tap.timestep(args, kwargs),
+            denoiser_pass=denoiser_pass,
+            masks=pass_masks(kwargs),
+        )
+        self.kept.clear()
+        self.used.clear()
+        self.weight_edits = set()
+        for client in list(self.clients):
+            hook = getattr(client, "on_pass", None)
+            if hook is not None:
+                hook(self, args, kwargs)
+
+    def _on_return(self, module, args, output) -> None:
+        for client in list(self.clients):
+            hook = getattr(client, "on_return", None)
+            if hook is not None:
+                hook(self, output)
+
+    @property
+    def running(self):
+        """The pipeline whose call is running (the probed one, or a ``from_pipe`` sibling sharing the denoiser)."""
+        return self.clock.running
+
+    def cfg_labels(self, batch: int) -> tuple[str, ...]:
+        """Each batch item's classifier-free-guidance label in this pass: diffusers' UNet pipelines concatenate the
+        unconditional half first when ``do_classifier_free_guidance`` holds (read from the running pipeline, the
+        evidence its own loop acts on); else every item is conditional."""
+        try:
+            guided = bool(getattr(self.running, "do_classifier_free_guidance", False))
+        except (AttributeError, TypeError):  # the property reads call state that a bare loop never set
+            guided = False
+        if guided and batch % 2 == 0 and self.tap.family == "unet":
+            return ("uncond",) * (batch // 2) + ("cond",) * (batch // 2)
+        return ("cond",) * batch
+
+    def planned_steps(self) -> int | None:
+        """How many steps the running call's loop has, or ``None`` when unknown."""
+        return self.clock.planned_steps()
+
+    # ------------------------------------------------------------------ where reading and editing meet
+    def keep_references(self, layer: str, adapter: int, kept: tuple[int, ...], total: int) -> None:
+        """An edit removed references from ``layer``'s image keys in this pass: ``kept`` are those that stay, of
+        ``total``."""
+        self.kept[(layer, adapter)] = (tuple(kept), total)
+
+    def use_weights(self, layer: str, adapter: int, weights: torch.Tensor) -> None:
+        """An edit of the weights point: ``weights`` ``(B, H, Q, K)`` are what ``layer``'s image branch used."""
+        self.used[(layer, adapter)] = weights
+
+    def edits_weights(self, layer: str, adapter: int) -> bool:
+        """Whether a client edits ``layer``'s image-branch weights in this pass (readers then wait for them)."""
+        return (layer, adapter) in self.weight_edits
+
+
+def spine_of(pipe) -> Spine | None:
+    """The spine attached to ``pipe``'s denoiser, or ``None``."""
+    return denoiser_of(pipe).__dict__.get(SPINE_ATTRIBUTE)
+
+
+def attach(pipe, client: Any) -> Spine:
+    """Add ``client`` to ``pipe``'s spine (creating it, and its two denoiser hooks, for the first client).
+
+    A client may define ``on_pass(spine, args, kwargs)`` (after the clock, in attach order, every denoiser pass) and
+    ``on_return(spine, output)`` (when the pass returns; not when it raises).
+
+    Returns:
+        the spine.
+    """
+    denoiser = denoiser_of(pipe)
+    spine = denoiser.__dict__.get(SPINE_ATTRIBUTE)
+    if spine is None:
+        spine = Spine(pipe, denoiser)
+        denoiser.__dict__[SPINE_ATTRIBUTE] = spine
+        try:
+            spine.install()
+        except BaseException:
+            spine.uninstall()
+            denoiser.__dict__.pop(SPINE_ATTRIBUTE, None)
+            raise
+    spine.clients.append(client)
+    return spine
+
+
+def detach(pipe, client: Any) -> None:
+    """Take ``client`` off ``pipe``'s spine (and the spine off the denoiser with its last client); idempotent."""
+    denoiser = denoiser_of(pipe)
+    spine = denoiser.__dict__.get(SPINE_ATTRIBUTE)
+    if spine is None:
+        return
+    if client in spine.clients:
+        spine.clients.remove(client)
+    if not spine.clients:
+        try:
+            spine.uninstall()
+        finally:
+            denoiser.__dict__.pop(SPINE_ATTRIBUTE, None)
+
+
+def client(on_pass: Callable | None = None, on_return: Callable | None = None) -> Any:
+    """A client made of two functions (for features whose whole denoiser hook is one function)."""
+    return _FunctionClient(on_pass, on_return)
+
+
+@dataclass(eq=False)
+class _FunctionClient:
+    on_pass: Callable | None = None
+    on_return: Callable | None = None

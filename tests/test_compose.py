@@ -1,0 +1,333 @@
+"""Features composed on one pipeline (issue 38): the probe measures the weights the layer used inside an intervention,
+under an NW head it reads that head's weights, nested interventions apply in order, the denoiser carries one
+pre-hook however many features are attached, and the pipeline comes back bit for bit from every pair in both orders.
+
+The reference weights are the test's own: forward hooks on ``attn.to_q`` and ``to_k_ip`` (after the intervention's
+edit of the tokens, i.e. the very keys the layer's softmax runs over), the softmax taken here in float64."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+import ipa_probe
+from ipa_probe.capture.spine import spine_of
+from ipa_probe.intervention import intervene
+from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_reference_images
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return digits_reference_images(3, 1, seed=100) + digits_reference_images(5, 1, seed=200)
+
+
+def latents(pipe, refs, **kwargs):
+    kwargs.setdefault("num_inference_steps", STEPS)
+    kwargs.setdefault("guidance_scale", 1.0)
+    return pipe(
+        DIGITS_PROMPT,
+        ip_adapter_image=[list(refs)],
+        generator=torch.Generator().manual_seed(0),
+        output_type="latent",
+        **kwargs,
+    ).images
+
+
+def layer_of(pipe, name):
+    return pipe.unet.get_submodule(name)
+
+
+@contextlib.contextmanager
+def own_weights(pipe, name):
+    """The test's own reading of one layer's image-branch softmax: float64 ``softmax(q k^T / sqrt(d))`` over the keys
+    ``to_k_ip`` returned (after any edit of its input), one ``(B, H, Q, K)`` per pass."""
+    attn = layer_of(pipe, name)
+    heads = attn.heads
+    seen, found = {}, []
+
+    def split(x):  # (B, N, H * D) -> (B, H, N, D)
+        return x.reshape(x.shape[0], -1, heads, x.shape[-1] // heads).transpose(1, 2).double()
+
+    def keep_q(module, args, output):
+        seen["q"] = split(output)
+
+    def keys(module, args, output):
+        q = seen["q"]
+        k = split(output.reshape(q.shape[0], -1, output.shape[-1]))
+        found.append((q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1))
+
+    handles = [attn.to_q.register_forward_hook(keep_q), attn.processor.to_k_ip[0].register_forward_hook(keys)]
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+LAYER = "up_blocks.1.attentions.0.transformer_blocks.0.attn2"
+
+
+def probe_weights(run, step, name=LAYER):
+    """The probe's kept map (float16 weights) of one layer at one step, as float64."""
+    return torch.cat([m.double() for m in run.maps[(0, step, name, 0)]])
+
+
+# ------------------------------------------------------------------------------------------------------ the probe
+
+
+@pytest.mark.parametrize("reference", [0, 1])
+@pytest.mark.parametrize("probe_first", [True, False])
+def test_probe_inside_an_ablation_reads_the_weights_the_layer_used(organism, refs, reference, probe_first):
+    probe = ipa_probe.probe(organism, keep_maps=True, maps=True)
+    ablation = intervene(organism, reference, steps=[1])
+    with own_weights(organism, LAYER) as own:
+        with contextlib.ExitStack() as stack:
+            first, second = (probe, ablation) if probe_first else (ablation, probe)
+            entered = [stack.enter_context(first), stack.enter_context(second)]
+            latents(organism, refs)
+    run = entered[0] if probe_first else entered[1]
+    tokens = own[0].shape[-1] // 2
+    # step 0: untouched, both references in the keys; step 1: the ablated one is gone from the layer's softmax
+    assert own[0].shape[-1] == 2 * tokens and own[1].shape[-1] == tokens
+    expected = own[1].new_zeros(*own[1].shape[:-1], 2 * tokens)
+    kept = 1 - reference
+    expected[..., kept * tokens : (kept + 1) * tokens] = own[1]
+    # 2e-3: the probe keeps its maps in float16 (11-bit mantissa: 5e-4 relative on weights below 1)
+    torch.testing.assert_close(probe_weights(run, 1), expected, rtol=0, atol=2e-3)
+    torch.testing.assert_close(probe_weights(run, 0), own[0], rtol=0, atol=2e-3)
+    mass = run.reference_mass()
+    ablated = mass[(mass.step == 1) & (mass.reference == reference)]
+    assert len(ablated) and (ablated.attention == 0).all() and (ablated.nw == 0).all()
+    assert (mass[(mass.step == 0) & (mass.reference == reference)].attention > 0).all()
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.5, 3.0])
+def test_probe_inside_a_scale_reads_the_scaled_weights(organism, refs, factor):
+    with own_weights(organism, LAYER) as own:
+        with ipa_probe.probe(organism, keep_maps=True) as run, intervene(organism, 0, mode="scale", factor=factor):
+            latents(organism, refs)
+    tokens = own[0].shape[-1] // 2
+    scale = torch.ones(2 * tokens, dtype=torch.float64)
+    scale[:tokens] = factor
+    for step in range(STEPS):
+        expected = own[step] * scale
+        expected = expected / expected.sum(-1, keepdim=True)
+        torch.testing.assert_close(probe_weights(run, step), expected, rtol=0, atol=2e-3)  # float16 maps
+
+
+def test_probe_table_records_the_active_edits(organism, refs):
+    with ipa_probe.probe(organism) as run:
+        with intervene(organism, 1, steps=[1]), intervene(organism, 0, mode="scale", factor=2.0):
+            latents(organism, refs)
+    table = run.to_dataframe()
+    by_step = table.groupby("step")["edits"].unique()
+    assert list(by_step[0]) == ["scale:0:0:2"]
+    assert list(by_step[1]) == ["ablate:0:1;scale:0:0:2"]
+
+
+@pytest.mark.parametrize("frame", ["query", "stored"])
+@pytest.mark.parametrize("probe_first", [True, False])
+def test_probe_under_an_nw_head_reads_rho_1(organism, refs, frame, probe_first):
+    probe = ipa_probe.probe(organism, rows=None)
+    head = ipa_probe.nw_head(organism, frame=frame)
+    with contextlib.ExitStack() as stack:
+        first, second = (probe, head) if probe_first else (head, probe)
+        entered = [stack.enter_context(first), stack.enter_context(second)]
+        latents(organism, refs)
+    run = entered[0] if probe_first else entered[1]
+    table = run.to_dataframe()
+    column = "qf_spearman" if frame == "query" else "spearman"
+    # the mid block's grid is one query per item: the query frame's key term is then that query's own logits, every
+    # weight equal and rho undefined (NaN in both frames' columns there, with or without the head)
+    defined = table[~table["layer"].astype(str).str.startswith("mid_block")]
+    # 1e-6: float32 ranks of equal weights (the head's logits are the probe's NW logits up to a per-row constant)
+    assert len(defined) and (defined[column] > 1 - 1e-6).all(), defined[column].min()
+
+
+# ------------------------------------------------------------------------------------------------------ nesting
+
+
+def test_nested_scales_apply_in_order(organism, refs):
+    with intervene(organism, 0, mode="scale", factor=0.25):
+        once = latents(organism, refs)
+    seen = []
+
+    def read(weights, ctx):
+        seen.append(weights[..., ctx.reference_tokens(0)].sum(-1).mean().item())
+
+    name = f"{LAYER}.ip.weights"
+    with ipa_probe.probe(organism):
+        with intervene(organism, 0, mode="scale", factor=0.5), intervene(organism, 0, mode="scale", factor=0.5):
+            with intervene(organism, hooks={name: read}):
+                twice = latents(organism, refs)
+    # 1e-5: two renormalisations in float32 against one (same weights up to rounding)
+    torch.testing.assert_close(twice, once, rtol=1e-5, atol=1e-5)
+    with intervene(organism, hooks={name: read}):
+        latents(organism, refs)
+    plain_share, scaled_share = seen[STEPS], seen[0]
+    assert scaled_share < plain_share  # the reader attached last sees both scales applied
+
+
+def test_points_inside_an_ablation_index_references_as_the_call_passed_them(organism, refs):
+    shapes = []
+
+    def read(weights, ctx):
+        shapes.append((ctx.references, weights[..., ctx.reference_tokens(1)].abs().max().item()))
+
+    with intervene(organism, 1), intervene(organism, hooks={f"{LAYER}.ip.weights": read}):
+        latents(organism, refs)
+    assert shapes and all(references == 2 and largest == 0 for references, largest in shapes)
+
+
+# ------------------------------------------------------------------------------------------------------ the spine
+
+
+def snapshot(pipe):
+    unet = pipe.unet
+    return {
+        "hooks": {
+            name: tuple(len(getattr(m, attr)) for attr in ("_forward_pre_hooks", "_forward_hooks"))
+            for name, m in unet.named_modules()
+        },
+        "attributes": set(unet.__dict__),
+        "pipe": set(vars(pipe)),
+        "processors": dict(unet.attn_processors),
+    }
+
+
+def assert_unchanged(pipe, before):
+    after = snapshot(pipe)
+    assert after["hooks"] == before["hooks"]
+    assert after["attributes"] == before["attributes"]
+    assert after["pipe"] == before["pipe"]
+    assert all(after["processors"][k] is v for k, v in before["processors"].items())
+    assert ipa_probe.list_hooks(pipe) == []
+    assert spine_of(pipe) is None
+
+
+FEATURES = {
+    "probe": lambda pipe: ipa_probe.probe(pipe, maps=True),
+    "ablate": lambda pipe: intervene(pipe, 0, steps=[1]),
+    "scale": lambda pipe: intervene(pipe, 1, mode="scale", factor=2.0),
+    "hooks": lambda pipe: intervene(pipe, hooks={f"{LAYER}.ip.output": lambda t, c: t * 0.5}),
+    "cache": lambda pipe: ipa_probe.cache_hook_points(pipe, [f"{LAYER}.ip.weights"]),
+    "nw_head": lambda pipe: ipa_probe.nw_head(pipe, bandwidth=lambda t: 1.0 + t / 1000),
+}
+
+
+def test_everything_attached_adds_one_denoiser_pre_hook(organism, refs):
+    before = len(organism.unet._forward_pre_hooks)
+    with contextlib.ExitStack() as stack:
+        for make in FEATURES.values():
+            stack.enter_context(make(organism))
+        assert len(organism.unet._forward_pre_hooks) == before + 1
+        # probe, ablation, the hook points (scale, hooks and cache share them) and the NW head's timestep clock
+        assert len(spine_of(organism).clients) == 4
+        latents(organism, refs)
+    assert len(organism.unet._forward_pre_hooks) == before
+
+
+PAIRS = [(a, b) for a in FEATURES for b in FEATURES if a != b and {a, b} != {"scale", "hooks"}]
+
+
+@pytest.mark.parametrize(("outer", "inner"), PAIRS)
+def test_every_pair_restores_the_pipeline_bit_for_bit(organism, refs, outer, inner, one_thread):
+    before = snapshot(organism)
+    plain = latents(organism, refs)
+    with FEATURES[outer](organism), FEATURES[inner](organism):
+        latents(organism, refs)
+    assert_unchanged(organism, before)
+    assert torch.equal(latents(organism, refs), plain)
+
+
+# ------------------------------------------------------------------------------------------------------ edits kept
+
+
+def ablate_zero(w, ctx):
+    return ctx.where(w, 0.0, references=[0])
+
+
+def in_place_then_view(w, ctx):
+    w[..., ctx.reference_tokens(0)] = 0.0
+    return w[:]  # a view of the edited tensor
+
+
+def contribution_in_place_then_clone(c, ctx):
+    c[:, 0] = 0.0
+    return c.clone()
+
+
+def contribution_zero(c, ctx):
+    return ctx.where(c, 0.0, references=[0])
+
+
+@pytest.mark.parametrize(
+    ("point", "in_place", "copy"),
+    [
+        ("weights", in_place_then_view, ablate_zero),
+        ("contribution", contribution_in_place_then_clone, contribution_zero),
+    ],
+)
+def test_an_edit_in_place_is_honoured(organism, refs, point, in_place, copy):
+    name = f"{LAYER}.ip.{point}"
+    plain = latents(organism, refs)
+    with intervene(organism, hooks={name: copy}):
+        expected = latents(organism, refs)
+    with intervene(organism, hooks={name: in_place}):
+        got = latents(organism, refs)
+    assert not torch.equal(expected, plain)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # the same edit, formed the same way: bitwise
+
+
+def test_nan_from_a_hook_is_counted_and_warned_once(organism, refs):
+    def nan(w, ctx):
+        return torch.full_like(w, math.nan)
+
+    names = [f"{LAYER}.ip.weights", f"{LAYER.replace('up_blocks.1', 'up_blocks.2')}.ip.output"]
+    with pytest.warns(RuntimeWarning, match="NaN") as record:
+        with intervene(organism, hooks={names[0]: nan, names[1]: lambda t, c: t * math.nan}):
+            latents(organism, refs)
+    assert len([w for w in record if "NaN" in str(w.message)]) == 1
+
+
+# ------------------------------------------------------------------------------------------------------ tiny SDXL
+
+
+@pytest.fixture(scope="module")
+def sdxl():
+    from ipa_probe.tiny.sd import tiny_pipeline
+
+    pipe = tiny_pipeline("sdxl")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("probe_first", [True, False])
+def test_sdxl_probe_inside_an_ablation_and_back_bit_for_bit(sdxl, probe_first, one_thread):
+    from ipa_probe.tiny.sd import default_reference_images
+
+    refs = default_reference_images(2)
+    kwargs = dict(prompt="a photo", ip_adapter_image=[refs], num_inference_steps=2, output_type="latent")
+
+    def generate():
+        return sdxl(**kwargs, generator=torch.Generator().manual_seed(0)).images
+
+    plain = generate()
+    before = snapshot(sdxl)  # after a first call: the pipeline keeps its call settings as attributes
+    pre_hooks = len(sdxl.unet._forward_pre_hooks)
+    probe, ablation = ipa_probe.probe(sdxl, maps=True), intervene(sdxl, 1)
+    with contextlib.ExitStack() as stack:
+        entered = [stack.enter_context(f) for f in ((probe, ablation) if probe_first else (ablation, probe))]
+        assert len(sdxl.unet._forward_pre_hooks) == pre_hooks + 1
+        generate()
+    run = entered[0] if probe_first else entered[1]
+    mass = run.reference_mass()
+    assert len(mass) and (mass[mass.reference == 1].attention == 0).all()
+    assert (mass[mass.reference == 0].attention == 1).all()  # the one reference left holds every weight
+    assert_unchanged(sdxl, before)
+    assert torch.equal(generate(), plain)
