@@ -380,8 +380,9 @@ def output_lock(
         command: what holds it (e.g. ``"ipa-probe sweep"``), for the refusal message.
         reentrant: when this process holds the lock already (the command line takes it before torch loads), enter
             without taking it again; otherwise a second hold in one process is refused like any other.
-        tidy: when the block ends, a folder this call made that holds nothing but the lock is removed again (a run
-            that failed before writing leaves no trace), while the lock is still held.
+        tidy: when the block ends, a folder this call made that holds nothing but the lock is removed again, and in a
+            folder that was there, a lock file this call made is removed when it is all the folder holds (a run that
+            failed before writing leaves no trace), while the lock is still held.
 
     Raises:
         OutputLocked: a live run holds the folder; the message names it.
@@ -392,6 +393,7 @@ def output_lock(
     made = not os.path.lexists(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
+    made_lock = not os.path.lexists(path)
     held = _held_key(folder)
     if reentrant and held in _HELD:  # this process holds it already (the command line's, before torch loads)
         _HELD[held] += 1
@@ -432,8 +434,8 @@ def output_lock(
         finally:
             del _HELD[held]
             os.ftruncate(fd, 0)  # released cleanly: an empty lock file is free
-            if tidy and made:
-                _remove_if_only_lock(folder, path)
+            if tidy and made_lock:
+                _remove_if_only_lock(folder, path, remove_folder=made)
     finally:
         os.close(fd)  # closing releases the flock
 
@@ -482,13 +484,14 @@ def lock_holder(folder: str | os.PathLike) -> str | None:
     return None
 
 
-def _remove_if_only_lock(folder: Path, path: Path) -> None:
-    """Remove ``folder`` when it holds nothing but its lock ``path`` (called with the lock held): a folder a run made
-    and never wrote into."""
+def _remove_if_only_lock(folder: Path, path: Path, remove_folder: bool = True) -> None:
+    """Remove the lock ``path`` (and ``folder`` itself, with ``remove_folder``) when the folder holds nothing but the
+    lock (called with the lock held): a run that never wrote into it."""
     try:
         if [entry.name for entry in os.scandir(folder)] == [LOCK_NAME]:
             path.unlink()
-            folder.rmdir()  # fails, harmlessly, if anything appeared meanwhile
+            if remove_folder:
+                folder.rmdir()  # fails, harmlessly, if anything appeared meanwhile
     except OSError:
         pass
 

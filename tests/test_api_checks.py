@@ -49,7 +49,7 @@ def untouched(pipe) -> dict:
         ({"rows": 4}, ValueError, "rows"),
         ({"threads": "2"}, TypeError, "threads"),
         ({"threads": 0}, ValueError, "threads"),
-        ({"branch": 5}, TypeError, "branch"),
+        ({"kind": 5}, TypeError, "kind"),
         ({"query_frame": 5}, TypeError, "query_frame"),
         ({"query_frame": "all"}, ValueError, "query_frame"),
     ],

@@ -86,7 +86,18 @@ def test_a_callable_returning_a_bad_float_is_refused_when_resolved():
         bandwidth.resolve(spec, 8, torch.tensor(999.0))
 
 
-@pytest.mark.parametrize("limit", [math.nan, math.inf, 0, -5, True, "1GB"])
-def test_max_map_bytes_must_be_a_positive_finite_number(limit):
-    with pytest.raises(ValueError, match="max_map_bytes"):
+@pytest.mark.parametrize(
+    "limit, error",
+    [
+        (math.nan, ValueError),
+        (math.inf, ValueError),
+        (0, ValueError),
+        (-5, ValueError),
+        (True, TypeError),
+        ("1GB", TypeError),
+    ],
+)
+def test_max_map_bytes_must_be_a_positive_finite_number(limit, error):
+    # out of range: ValueError; the wrong type: TypeError (docs/failures.md, "The Python API")
+    with pytest.raises(error, match="max_map_bytes"):
         ipa_probe.ProbeConfig(keep_maps=True, max_map_bytes=limit)

@@ -39,7 +39,9 @@ def test_a_bad_command_line_is_one_line_before_torch_loads(answers, case):
     assert lines[0].startswith(f"ipa-probe {case.argv[0]}: error: ")
     assert result["heavy"] == [], f"{case.name} imported {result['heavy']} before answering"
     assert not (root / "out" / case.name.replace(" ", "_")).exists()  # nothing written
-    assert result["seconds"] < 3, f"{case.name} took {result['seconds']:.1f} s to answer"  # an argument error: at once
+    # Not a speed test (speed is measured in benchmarks/): "before torch loads" is held by `heavy` above. The bound only
+    # catches a hang or a client's retry loop (minutes), with room for a loaded machine (3 s was exceeded at load 6).
+    assert result["seconds"] < 30, f"{case.name} took {result['seconds']:.1f} s to answer"
 
 
 def test_the_refusals_leave_every_file_byte_identical(fixtures, answers):

@@ -460,7 +460,7 @@ def test_ablation_grid_bad_input(organism):
     with pytest.raises(ValueError, match="modes"):
         ablation_grid(organism, [0], modes=("swap",), **call)
     with pytest.raises(ValueError, match="factor"):
-        ablation_grid(organism, [0], modes=("scale",), factors=(1.5,), **call)
+        ablation_grid(organism, [0], modes=("scale",), factors=(-0.5,), **call)  # > 1 amplifies; < 0 is refused
     with pytest.raises(ValueError, match=r"groups\['x'\]"):
         ablation_grid(organism, [0], groups={"x": "^nowhere"}, **call)
     with pytest.raises(ValueError, match="num_inference_steps"):

@@ -1,6 +1,11 @@
 """Golden tables: every statistic the probe reports on three fixed calls (the digits organism with maps, a tiny
 SD 1.5 with the fitted bandwidth and both branches, a tiny SDXL with the per-branch query frame) stays what the probe
-reported before the attachment core was rebuilt (tests/golden_calls.py wrote the fixtures)."""
+reported before the attachment core was rebuilt (tests/golden_calls.py wrote the fixtures).
+
+Two intentional changes merged beside the rebuild rewrote only their own columns of the fixtures, every other value
+kept as first written: the permutation nulls beyond K = 8 draw by Fisher-Yates swaps (``*_null``: other draws, the
+same distribution), and an all-tied row's top-1 is undefined (``qf_top1`` / ``qf_gauss_top1`` NaN in the organism's
+one-query mid block)."""
 
 from __future__ import annotations
 

@@ -68,7 +68,10 @@ def test_the_callers_threads_come_back_when_a_record_fails(sd15, refs, two_threa
     assert seen == [1] and torch.get_num_threads() == 2
 
 
-@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "1"])
-def test_bad_threads_are_refused_naming_the_argument(bad):
-    with pytest.raises(ValueError, match="threads: expected None"):
+@pytest.mark.parametrize(
+    "bad, error", [(0, ValueError), (-1, ValueError), (True, TypeError), (1.5, TypeError), ("1", TypeError)]
+)
+def test_bad_threads_are_refused_naming_the_argument(bad, error):
+    # out of range: ValueError; the wrong type: TypeError (docs/failures.md, "The Python API")
+    with pytest.raises(error, match="threads: expected None"):
         ProbeConfig(threads=bad)

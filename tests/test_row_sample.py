@@ -138,7 +138,8 @@ def test_random_group_errors_against_a_recomputation():
 
 
 def test_rows_setting_is_checked(sd15):
-    for bad in (0, 15, 2.5, True, "all"):
-        with pytest.raises(ValueError, match="rows: expected"):
+    # a value out of range is a ValueError, one of the wrong type a TypeError (docs/failures.md, "The Python API")
+    for bad, error in ((0, ValueError), (15, ValueError), (2.5, TypeError), (True, TypeError), ("all", TypeError)):
+        with pytest.raises(error, match="rows: expected"):
             with probe(sd15, rows=bad):
                 pass

@@ -298,17 +298,21 @@ def _count_lost_rows(stats: torch.Tensor, frame: torch.Tensor, keys: int) -> Non
     """Every non-finite statistic counted in ``nonfinite`` (in place, on the estimates): the share of rows any frame
     (stored, query exact, query Gaussian) left out for non-finite weights, and all of a cell's rows where a rank
     correlation could be formed from none of them (with more than one key, a NaN rho means every row's weights were
-    tied or lost: float32 rounding under a far row shift, for one), so that a NaN rho never reads "0 rows lost".
+    tied or lost: float32 rounding under a far row shift, for one), so that a NaN rho never reads "0 rows lost". A
+    query frame whose NW rows are uniform by construction (one query) is undefined, not lost, and is not counted.
 
     Args:
         stats: ``(groups, H, 2, S)`` the stored frame's estimates and errors.
         frame: ``(2, groups, H, 2, S)`` the query frames'.
         keys: the keys per row.
     """
-    lost, rho = STAT_NAMES.index("nonfinite"), STAT_NAMES.index("spearman")
+    lost, rho, neff = (STAT_NAMES.index(name) for name in ("nonfinite", "spearman", "neff_nw"))
     share = torch.maximum(stats[..., 0, lost], frame[..., 0, lost].amax(0))
     if keys > 1:
-        unranked = stats[..., 0, rho].isnan() | frame[..., 0, rho].isnan().any(0)
+        # a query frame whose NW rows are all uniform (n_eff = K: a frame of one query, as in a 1 x 1 mid block) has
+        # no rho by construction: undefined, not lost (1e-4: float32 rounding of a Kish sum of K equal weights)
+        uniform = frame[..., 0, neff] >= keys * (1 - 1e-4)
+        unranked = stats[..., 0, rho].isnan() | (frame[..., 0, rho].isnan() & ~uniform).any(0)
         share = torch.where(unranked, torch.ones_like(share), share)
     stats[..., 0, lost] = share
 
