@@ -812,6 +812,9 @@ PAPER_SIZED = [
     *(f"docs/results/{tier}/shells/shells.png" for tier in ("full", "smoke", "full_2x_steps")),
     *(f"docs/results/{tier}/ip-adapter/ip_adapter.png"
       for tier in ("full", "smoke", "full_recipe_ip_adapter", "full_recipe_mixed", "smoke_recipe_ip_adapter")),
+    *(f"docs/results/{tier}/{name}/{name}.png" for tier in ("full", "smoke") for name in ("attention", "heads")),
+    *(f"docs/results/{tier}/scarcity/scarcity.png" for tier in ("full", "smoke", "full_2x_steps")),
+    "docs/results/scarcity_steps/scarcity_steps.png",
 ]  # fmt: skip
 
 
