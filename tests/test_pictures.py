@@ -815,6 +815,8 @@ PAPER_SIZED = [
     *(f"docs/results/{tier}/{name}/{name}.png" for tier in ("full", "smoke") for name in ("attention", "heads")),
     *(f"docs/results/{tier}/scarcity/scarcity.png" for tier in ("full", "smoke", "full_2x_steps")),
     "docs/results/scarcity_steps/scarcity_steps.png",
+    *(f"docs/results/{tier}/attribution/attribution.png"
+      for tier in ("full", "smoke", "full_recipe_ip_adapter", "full_recipe_mixed", "smoke_recipe_ip_adapter")),
 ]  # fmt: skip
 
 
