@@ -815,6 +815,7 @@ PAPER_SIZED = [
     *(f"docs/results/{tier}/{name}/{name}.png" for tier in ("full", "smoke") for name in ("attention", "heads")),
     *(f"docs/results/{tier}/scarcity/scarcity.png" for tier in ("full", "smoke", "full_2x_steps")),
     "docs/results/scarcity_steps/scarcity_steps.png",
+    "docs/images/gauge_sweep.png",
     *(f"docs/results/{tier}/attribution/attribution.png"
       for tier in ("full", "smoke", "full_recipe_ip_adapter", "full_recipe_mixed", "smoke_recipe_ip_adapter")),
 ]  # fmt: skip
@@ -849,3 +850,19 @@ def test_the_saved_file_check_catches_a_wide_figure_small_text_and_a_clipped_leg
     ax.plot([0, 1], label="fits")
     ax.legend()
     assert saved_layout_problems(write_figure(fig, tmp_path / "fits.png", dpi=150)) == []
+
+
+def test_the_saved_file_check_catches_two_keys_drawn_over_each_other(tmp_path):
+    """Two figure legends placed at one side (both 'outside lower center') overlap: the check names it."""
+    import matplotlib.pyplot as plt
+
+    from ipa_probe._io import write_figure
+    from ipa_probe.figstyle import saved_layout_problems
+
+    fig, ax = plt.subplots(figsize=(3.5, 3.0), layout="constrained")
+    ax.plot([0, 1], label="a line")
+    ax.plot([1, 0], label="another line")
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles[:1], labels[:1], loc="outside lower center")
+    fig.legend(handles[1:], labels[1:], loc="outside lower center")
+    assert any("covers ['legend" in p for p in saved_layout_problems(write_figure(fig, tmp_path / "keys.png")))
