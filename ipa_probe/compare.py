@@ -70,6 +70,7 @@ METHOD_LABELS: dict[str, str] = {
 }
 #: The table row of the references passed through the VAE (the memorisation floor).
 ROUNDTRIP = "vae_roundtrip"
+GRID_DPI = 110  #: the dots per inch of ``grid.png`` (7 in wide: 770 pixels)
 #: Per-image score columns.
 SCORES: tuple[str, ...] = ("clip_i_nearest", "clip_i_mean", "pixel_nearest")
 RANDOM_WEIGHTS_NOTE = (
@@ -385,8 +386,28 @@ class Comparison:
     roundtrip: list[PIL.Image.Image] | None = None
 
     def grid(self) -> PIL.Image.Image:
-        """The image grid: references (and their VAE round trip), then one row per method, one column per seed."""
-        return make_grid(self.references, self.images, self.seeds, self.roundtrip)
+        """The image grid: references (and their VAE round trip), then one row per method, one column per seed,
+        titled, each image's scores under it (:meth:`grid_captions`), as ``grid.png`` holds it."""
+        return make_grid(self.references, self.images, self.seeds, self.roundtrip, *self.grid_captions())
+
+    def grid_captions(self) -> tuple[dict[str, list], str]:
+        """The grid's captions (row -> per image ``(text, read right or None)``) and title: CLIP-I to the nearest
+        reference and RMS pixel distance to it under each image, and on the organism the digit classifier's
+        probability of the digit (green where it reads the digit, red where not) and the references' readings."""
+        captions, digit = {}, self.settings.get("run", {}).get("digit")
+        for method, rows in self.per_image.groupby("method", sort=False):
+            read = [np.isfinite(getattr(r, "digit_confidence", np.nan)) for r in rows.itertuples()]
+            captions[method] = [(f"CLIP-I {r.clip_i_nearest:.2f}\npixel {r.pixel_nearest:.3f}"
+                                 + (f"\np({digit}) {r.digit_confidence:.2f}" if ok else ""), bool(r.digit_right) if ok
+                                 else None) for r, ok in zip(rows.itertuples(), read, strict=True)]  # fmt: skip
+        readings = self.settings.get("digit_readings", {}).get("references", {}).get("labels", [])
+        captions["references"] = [(f"reads {label}", label == digit) for label in readings]
+        clip = "CLIP with random weights: scores only compare methods" * bool(self.settings.get("clip_random_weights"))
+        title = (f"{len(self.references)} references" + (f" of a {digit}" if digit is not None else "")
+                 + f", {len(self.images)} methods x {len(self.seeds)} seeds\nunder each image: CLIP-I and RMS pixel "
+                 "distance to the nearest reference" + (f",\nthe digit classifier's p({digit}) (green: read as a "
+                 f"{digit}, red: not)" if readings else "") + (f"\n({clip})" if clip else ""))  # fmt: skip
+        return captions, title
 
     def grid_provenance(self) -> dict:
         """What ``grid.png`` carries: the digest of :data:`GRID_CODE` and each image's mean brightness (the rows in
@@ -407,7 +428,7 @@ class Comparison:
         Returns:
             name -> path of each file written.
         """
-        from ._io import versions, write_atomic, write_image, write_json, write_table
+        from ._io import versions, write_atomic, write_figure, write_image, write_json, write_table
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -422,7 +443,8 @@ class Comparison:
         write_table(self.per_image, paths["per_image"])
         note = f"\n\n_{RANDOM_WEIGHTS_NOTE}._\n" if self.settings.get("clip_random_weights") else "\n"
         write_atomic(paths["markdown"], self.markdown() + note)
-        write_image(self.grid(), paths["grid"], provenance=self.grid_provenance(), optimize=True)
+        figure = grid_figure(self.references, self.images, self.seeds, self.roundtrip, *self.grid_captions())
+        write_figure(figure, paths["grid"], dpi=GRID_DPI, provenance=self.grid_provenance())
         images_dir = directory / "images"
         images_dir.mkdir(exist_ok=True)
         for method, items in self.images.items():
@@ -475,16 +497,21 @@ def grid_figure(
     images: dict[str, Sequence[PIL.Image.Image]],
     seeds: Sequence[int],
     roundtrip: Sequence[PIL.Image.Image] | None = None,
+    captions: dict[str, Sequence[tuple[str, bool | None]]] | None = None,
+    title: str | None = None,
 ):
-    """The labelled grid of :func:`make_grid` as a matplotlib figure: each row named at its left (references, their
-    VAE round trip, each method), the columns by reference and by seed, every text at 9 pt or more; a cell with no
-    image (fewer references than seeds) is left blank without a frame.
+    """The labelled grid of :func:`make_grid` as a matplotlib figure 7 in wide (a paper's page): each row named at its
+    left (references, their VAE round trip, each method), the columns by reference and by seed, optional captions
+    under the images, every text at 8 pt or more; a cell with no image (fewer references than seeds) is left blank.
 
     Args:
         references: the reference images (first row).
         images: method -> one image per seed (one row each, in order).
         seeds: the seeds (column titles).
         roundtrip: optionally the references through the VAE (a second row, under the references).
+        captions: row (``"references"``, ``ROUNDTRIP`` or a method) -> per image ``(text, right)``: ``right``
+            colours it green (``True``), red (``False``) or black (``None``).
+        title: the figure's title (say, the selection and what the captions are).
 
     Returns:
         a ``matplotlib.figure.Figure`` on an Agg canvas (no pyplot state).
@@ -493,14 +520,17 @@ def grid_figure(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from .figstyle import PAPER_RC
+    from .figstyle import DOUBLE_COLUMN, PAPER_RC
 
     head_rows = [("references", references)] + ([("references\nthrough the VAE", roundtrip)] if roundtrip else [])
     rows = len(head_rows) + len(images)
     cols = max(len(seeds), len(references))
-    cell = 1.6
+    captions = captions or {}
+    lines = max((text.count("\n") + 1 for row in captions.values() for text, _ in row), default=0)
+    cell = min(1.1, (DOUBLE_COLUMN - 1.3) / cols - 0.1)
     size = PAPER_RC["font.size"]
-    fig = Figure(figsize=(1.7 + cols * cell, rows * cell))
+    height = rows * (cell + 0.2 + 0.14 * lines) + (0.14 * (title.count("\n") + 1) + 0.1 if title else 0.0)
+    fig = Figure(figsize=(DOUBLE_COLUMN, height), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.flat:
@@ -508,22 +538,24 @@ def grid_figure(
         ax.set_yticks([])
         for spine in ax.spines.values():
             spine.set_visible(False)
-    for i, (label, items) in enumerate(head_rows):
+    colours = {True: "#1a7f37", False: "#cf222e", None: "black"}
+    keys = ["references", ROUNDTRIP][: len(head_rows)] + list(images)
+    named = [label for label, _ in head_rows] + [METHOD_LABELS.get(m, m).replace(" (", "\n(") for m in images]
+    for i, (key, label, items) in enumerate(zip(keys, named, [r for _, r in head_rows] + list(images.values()),
+                                                strict=True)):  # fmt: skip
         for j, image in enumerate(items):
             axes[i, j].imshow(image.convert("RGB"))
-            if i == 0:
-                axes[i, j].set_title(f"reference {j}", fontsize=size)
+            if i in (0, len(head_rows)):
+                axes[i, j].set_title(f"reference {j}" if i == 0 else f"seed {seeds[j]}", fontsize=size)
+            if j < len(captions.get(key, ())):
+                text, right = captions[key][j]
+                axes[i, j].set_xlabel(text, fontsize=size, color=colours[right], labelpad=2)
         axes[i, 0].set_ylabel(label, fontsize=size)
-    for i, (method, items) in enumerate(images.items(), start=len(head_rows)):
-        for j, image in enumerate(items):
-            axes[i, j].imshow(image.convert("RGB"))
-            if i == len(head_rows):
-                axes[i, j].set_title(f"seed {seeds[j]}", fontsize=size)
-        axes[i, 0].set_ylabel(METHOD_LABELS.get(method, method).replace(" (", "\n("), fontsize=size)
     for ax in axes.flat:
         if not ax.get_images():  # nothing drawn in this cell: no axes either
             ax.set_axis_off()
-    fig.tight_layout()
+    if title:
+        fig.suptitle(title, fontsize=size)
     return fig
 
 
@@ -532,25 +564,30 @@ def make_grid(
     images: dict[str, Sequence[PIL.Image.Image]],
     seeds: Sequence[int],
     roundtrip: Sequence[PIL.Image.Image] | None = None,
+    captions: dict[str, Sequence[tuple[str, bool | None]]] | None = None,
+    title: str | None = None,
 ) -> PIL.Image.Image:
-    """A labelled grid: references first row, then one row per method, one column per seed (:func:`grid_figure`).
+    """A labelled grid: references first row, then one row per method, one column per seed (:func:`grid_figure`),
+    at the resolution ``grid.png`` is saved with (:data:`GRID_DPI`).
 
     Args:
         references: the reference images (first row).
         images: method -> one image per seed (one row each, in order).
         seeds: the seeds (column titles).
         roundtrip: optionally the references through the VAE (a second row, under the references).
+        captions, title: as :func:`grid_figure` takes them.
 
     Returns:
         the grid as an RGB PIL image.
     """
-    fig = grid_figure(references, images, seeds, roundtrip)
+    fig = grid_figure(references, images, seeds, roundtrip, captions, title)
+    fig.set_dpi(GRID_DPI)
     fig.canvas.draw()
     return PIL.Image.fromarray(np.asarray(fig.canvas.buffer_rgba())).convert("RGB")
 
 
 #: The code that draws ``grid.png``: its digest is the grid's provenance (``make figures``).
-GRID_CODE = (grid_figure, make_grid)
+GRID_CODE = (grid_figure, make_grid, Comparison.grid_captions)
 
 
 def _check_seeds(seeds: Any) -> list[int]:

@@ -177,8 +177,8 @@ def _within(box, frame, slack: float = 1.0) -> bool:
 
 def layout_facts(fig) -> dict:
     """What a reviewer measures of ``fig`` as it will be saved (drawn once): its size in inches, its smallest text in
-    points, and per legend whether it lies inside the figure and clear of every other panel (a legend cut by the edge
-    or covered by the next panel is the usual casualty of a shrunken figure).
+    points, and per legend whether it lies inside the figure and clear of every other panel and legend (a legend cut
+    by the edge or covered by the next panel is the usual casualty of a shrunken figure).
 
     Returns:
         ``{"texts_cut": [texts cut by the figure's edge], "width_in", "height_in", "min_font_pt", "legends":
@@ -190,6 +190,7 @@ def layout_facts(fig) -> dict:
     legends = [(ax, ax.get_legend()) for ax in fig.axes if ax.get_legend() is not None]
     legends += [(None, legend) for legend in fig.legends]
     out = []
+    shown = [legend for _, legend in legends if legend.get_visible()]
     for owner, legend in legends:
         if not legend.get_visible():
             continue
@@ -202,6 +203,10 @@ def layout_facts(fig) -> dict:
             for i, ax in enumerate(fig.axes)
             if ax is not owner and ax.get_visible() and ax.axison and not hasattr(ax, "_colorbar")
             and box.overlaps(ax.get_window_extent(renderer))
+        ]  # fmt: skip
+        overlaps += [  # two legends drawn over each other (two keys placed at one side of the figure)
+            f"legend {j}" for j, other in enumerate(shown)
+            if other is not legend and box.overlaps(other.get_window_extent(renderer))
         ]  # fmt: skip
         out.append({"inside": bool(inside), "overlaps": overlaps})
     from matplotlib.text import Text

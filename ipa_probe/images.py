@@ -183,6 +183,7 @@ def plot_image_strip(
     correct: Sequence[bool | None] | None = None,
     title: str | None = None,
     cell: float = 1.0,
+    width: float | None = None,
 ):
     """A titled strip: the references (framed and labelled as references), then the generated images, each with an
     optional caption (e.g. a classifier's verdict) coloured by whether it is right.
@@ -193,7 +194,9 @@ def plot_image_strip(
         captions: one caption per generated image (e.g. ``"read as 3"``), or ``None``.
         correct: per generated image, ``True`` (caption in green), ``False`` (red) or ``None`` (black).
         title: the figure's title, or ``None``.
-        cell: side of each image in inches.
+        cell: side of each image in inches (the largest, with ``width``).
+        width: the figure's width in inches (say :data:`ipa_probe.figstyle.DOUBLE_COLUMN`, a paper's page): the
+            images shrink to fit it and the strip is centred; ``None``: as wide as the images at ``cell``.
 
     Returns:
         a ``matplotlib.figure.Figure`` (small images are drawn with nearest-neighbour pixels).
@@ -207,10 +210,18 @@ def plot_image_strip(
     for name, values in (("captions", captions), ("correct", correct)):
         if values is not None and len(values) != len(generated):
             raise ValueError(f"{name}: expected one per generated image ({len(generated)}), got {len(values)}")
-    # every text at 9 pt or more (ipa_probe.figstyle.MIN_FONT_PT), the gaps in inches sized for it
-    step, gap, side = cell + 0.1, (0.35 if references and generated else 0.0), 0.1
-    width = (len(references) + len(generated)) * step + gap + 2 * side
-    label_y = (0.42 if title else 0.08) + 0.14  # the group labels' middle, inches from the top
+    # every text at 8 pt or more (ipa_probe.figstyle.MIN_FONT_PT), the gaps in inches sized for it
+    count, gap, side = len(references) + len(generated), (0.35 if references and generated else 0.0), 0.1
+    if width is not None:
+        cell = min(cell, (width - gap - 2 * side) / count - 0.1)
+        if cell <= 0.05:
+            raise ValueError(f"width: {width} in has no room for {count} images; give a larger width or fewer images")
+        side = (width - count * (cell + 0.1) - gap) / 2  # centred
+    step = cell + 0.1
+    width = count * step + gap + 2 * side
+    short = cell < 0.8  # "ref 0" under a narrow reference, "reference 0" where it fits
+    lines = title.count("\n") + 1 if title else 0
+    label_y = (0.06 + 0.17 * lines + 0.1 if title else 0.08) + 0.14  # the group labels' middle, inches from the top
     top = label_y + 0.34  # the images' top edge
     height = top + cell + (0.34 if captions is not None else 0.1)
     fig = plt.figure(figsize=(width, height))
@@ -224,23 +235,23 @@ def plot_image_strip(
         ax.set_xticks([])
         ax.set_yticks([])
         if is_reference:
-            ax.set_title(f"reference {i}", fontsize=9, color=blue, pad=2)
+            ax.set_title(f"ref {i}" if short else f"reference {i}", fontsize=8, color=blue, pad=2)
             for spine in ax.spines.values():
                 spine.set_edgecolor(blue)
                 spine.set_linewidth(2.0)
             continue
         j = i - len(references)
-        ax.set_title(f"image {j}", fontsize=9, pad=2)
+        ax.set_title(f"#{j}" if short else f"image {j}", fontsize=8, pad=2)
         if captions is not None:
             ok = correct[j] if correct is not None else None
-            ax.set_xlabel(captions[j], fontsize=9, color=colours[ok], labelpad=2)
+            ax.set_xlabel(captions[j], fontsize=8, color=colours[ok], labelpad=2)
     for start, count, label, colour in (
         (side, len(references), "references", blue),
         (side + len(references) * step + gap, len(generated), "generated", "black"),
     ):
         if count:
             middle = start + (count * step - 0.08) / 2
-            fig.text(middle / width, 1 - label_y / height, label, ha="center", va="center", fontsize=10, color=colour)
+            fig.text(middle / width, 1 - label_y / height, label, ha="center", va="center", fontsize=9, color=colour)
     if title:
-        fig.text(0.5, 1 - 0.06 / height, title, ha="center", va="top", fontsize=10)
+        fig.text(0.5, 1 - 0.06 / height, title, ha="center", va="top", fontsize=9)
     return fig

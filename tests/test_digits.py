@@ -203,7 +203,7 @@ def test_probe_with_no_model_arguments_probes_the_organism(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["probe", "--out", str(out), "--steps", "3"]) == 0
     row = Image.open(out / "references_and_output.png")
-    assert row.width > 4 * row.height  # 3 references and the 8 generated digits side by side, titled
+    assert row.width > 3 * row.height  # 3 references and the 8 generated digits side by side, two title lines
     assert {Image.open(out / f"image_{i}.png").size for i in range(8)} == {(16, 16)}
     assert not (out / "image_8.png").exists()
     record = json.loads((out / "summary.json").read_text())

@@ -69,15 +69,22 @@ def test_plot_gauge_sweep_draws_both_frames_with_fitted_ranges_and_a_full_legend
     # the titles state the largest gap between gauges at one step, recomputed here
     gap = cond.groupby("timestep")["spearman"].agg(lambda v: v.max() - v.min()).max()
     assert f"ρ {gap:.2g}" in stored.get_title()
-    # every gauge and every line style is named in the legend
-    labels = [text.get_text() for text in fig.legends[0].get_texts()]
+    # every gauge and every line style is named in a legend (two keys: colours, line styles; at most 7 entries each)
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    assert len(legends) == 2 and all(len(legend.get_texts()) <= 7 for legend in legends)
+    labels = [text.get_text() for legend in legends for text in legend.get_texts()]
     assert all(g in labels for g in GAUGES)
     for what in ("stored-frame ρ", "baseline", "query-frame ρ, exact b", "query-frame ρ, Gaussian b"):
         assert any(what in label for label in labels), what
-    # text at 9 pt or more at the figure's own size (it is saved at that size); drawn first so tick labels exist
-    fig.canvas.draw()
-    sizes = [t.get_fontsize() for t in fig.findobj(matplotlib.text.Text) if t.get_text()]
-    assert min(sizes) >= 9
+    # drawn at a paper's page width with text at 8 pt or more at that size, nothing cut, no legend over a panel
+    from ipa_probe.figstyle import DOUBLE_COLUMN, layout_facts, small_text
+
+    assert small_text(fig) == []
+    facts = layout_facts(fig)
+    assert facts["width_in"] == DOUBLE_COLUMN and facts["texts_cut"] == []
+    assert all(legend["inside"] and not legend["overlaps"] for legend in facts["legends"])
+    # the selection (attention branch, CFG branch) is in the title
+    assert "image branch" in fig._suptitle.get_text() and "cond CFG branch" in fig._suptitle.get_text()
     matplotlib.pyplot.close(fig)
 
 

@@ -502,6 +502,15 @@ def test_image_strip_titles_references_and_verdicts():
     assert {"references", "generated", "demo"} <= {t.get_text() for t in fig.texts}
     with pytest.raises(ValueError, match="captions"):
         plot_image_strip(refs, out, ["x"])
+    # at a paper's page width: 7 in whatever the count, the images shrink and the short labels fit
+    from ipa_probe.figstyle import DOUBLE_COLUMN, layout_facts, small_text
+
+    fig = plot_image_strip(refs, out * 3, ["reads 3"] * 9, [True] * 9, title="two\nlines", width=DOUBLE_COLUMN)
+    facts = layout_facts(fig)
+    assert facts["width_in"] == DOUBLE_COLUMN and facts["texts_cut"] == [] and small_text(fig) == []
+    assert [ax.get_title() for ax in fig.axes[:2]] == ["ref 0", "ref 1"]
+    with pytest.raises(ValueError, match="no room"):
+        plot_image_strip(refs, out * 40, width=DOUBLE_COLUMN)
 
 
 # --------------------------------------------------------------------------- trackers
@@ -804,15 +813,30 @@ def test_docs_figures_read_at_their_saved_size(path, monkeypatch):
 
 # --------------------------------------------------------------------------- a paper's column, read from the files
 
-#: The docs figures drawn at a paper's width (3.5 or 7 in), read back from the saved PNGs. The others (see
-#: docs/figures.md, "Sizes") are still drawn at their older, wider sizes; each moves here when it is redrawn.
+#: The docs figures drawn at a paper's width (3.5 or 7 in), read back from the saved PNGs: every figure of
+#: docs/figures.md (test_every_docs_figure_is_paper_sized holds the list to it).
 PAPER_SIZED = [
     "docs/images/reference_maps.png",
     *(f"docs/results/{tier}/collapse/collapse.png" for tier in ("full", "smoke")),
     *(f"docs/results/{tier}/shells/shells.png" for tier in ("full", "smoke", "full_2x_steps")),
     *(f"docs/results/{tier}/ip-adapter/ip_adapter.png"
       for tier in ("full", "smoke", "full_recipe_ip_adapter", "full_recipe_mixed", "smoke_recipe_ip_adapter")),
+    *(f"docs/results/{tier}/{name}/{name}.png" for tier in ("full", "smoke") for name in ("attention", "heads")),
+    *(f"docs/results/{tier}/scarcity/scarcity.png" for tier in ("full", "smoke", "full_2x_steps")),
+    "docs/results/scarcity_steps/scarcity_steps.png",
+    "docs/images/gauge_sweep.png",
+    "docs/images/demo_digits.png",
+    "docs/images/compare_grid.png",
+    *(f"docs/results/{tier}/attribution/attribution.png"
+      for tier in ("full", "smoke", "full_recipe_ip_adapter", "full_recipe_mixed", "smoke_recipe_ip_adapter")),
 ]  # fmt: skip
+
+
+def test_every_docs_figure_is_paper_sized():
+    """Every figure `make figures` makes (those docs/figures.md lists) is held to a paper's column below."""
+    from ipa_probe.devtools.figures import all_figures
+
+    assert sorted(f.path for f in all_figures(ROOT)) == sorted(PAPER_SIZED)
 
 
 @pytest.mark.parametrize("path", PAPER_SIZED)
@@ -844,3 +868,46 @@ def test_the_saved_file_check_catches_a_wide_figure_small_text_and_a_clipped_leg
     ax.plot([0, 1], label="fits")
     ax.legend()
     assert saved_layout_problems(write_figure(fig, tmp_path / "fits.png", dpi=150)) == []
+
+
+def test_the_saved_file_check_catches_two_keys_drawn_over_each_other(tmp_path):
+    """Two figure legends placed at one side (both 'outside lower center') overlap: the check names it."""
+    import matplotlib.pyplot as plt
+
+    from ipa_probe._io import write_figure
+    from ipa_probe.figstyle import saved_layout_problems
+
+    fig, ax = plt.subplots(figsize=(3.5, 3.0), layout="constrained")
+    ax.plot([0, 1], label="a line")
+    ax.plot([1, 0], label="another line")
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles[:1], labels[:1], loc="outside lower center")
+    fig.legend(handles[1:], labels[1:], loc="outside lower center")
+    assert any("covers ['legend" in p for p in saved_layout_problems(write_figure(fig, tmp_path / "keys.png")))
+
+
+def test_compare_grid_is_titled_with_each_images_scores_and_the_classifiers_reading(tmp_path):
+    """grid.png: 7 in wide, the selection in its title, under each image its CLIP-I, pixel distance and p(digit)
+    (green where the classifier reads the digit, red where not), the references' readings under them."""
+    import pandas as pd
+    from PIL import Image
+
+    from ipa_probe.compare import METHODS, Comparison
+    from ipa_probe.figstyle import saved_layout_problems
+
+    refs = [Image.new("RGB", (16, 16), (60 * i, 60 * i, 60 * i)) for i in range(3)]
+    images = {m: refs[:2] for m in METHODS}
+    per_image = pd.DataFrame(
+        [{"method": m, "seed": s, "clip_i_nearest": 0.9 + 0.01 * s, "pixel_nearest": 0.1 * (s + 1),
+          "digit_confidence": 0.2 + 0.7 * s, "digit_right": float(s == 1)} for m in METHODS for s in (0, 1)]
+    )  # fmt: skip
+    settings = {"run": {"digit": 3}, "digit_readings": {"references": {"labels": [3, 5, 3]}}}
+    result = Comparison(refs, [0, 1], images, per_image, pd.DataFrame(), settings)
+    path = tmp_path / "out"
+    result.save(path)
+    assert saved_layout_problems(path / "grid.png") == []
+    captions, title = result.grid_captions()
+    assert "3 references of a 3" in title and f"{len(METHODS)} methods x 2 seeds" in title and "p(3)" in title
+    assert captions["references"] == [("reads 3", True), ("reads 5", False), ("reads 3", True)]
+    assert captions[METHODS[0]] == [("CLIP-I 0.90\npixel 0.100\np(3) 0.20", False),
+                                    ("CLIP-I 0.91\npixel 0.200\np(3) 0.90", True)]  # fmt: skip

@@ -321,21 +321,24 @@ def _write_strip(references: list, images: list, judged, digit: int, path) -> No
     import numpy as np
 
     from .._io import code_digest, write_figure
+    from ..figstyle import DOUBLE_COLUMN
     from ..images import plot_image_strip
 
     brightness = [round(float(np.asarray(im.convert("L"), dtype=np.float64).mean() / 255.0), 3) for im in images]
     if judged is None:
-        fig = plot_image_strip(references, images, title=f"{len(references)} reference(s), then the generated images")
+        title = f"{len(references)} reference(s), then the generated images"
+        fig = plot_image_strip(references, images, title=title, width=DOUBLE_COLUMN)
         fingerprint = brightness
     else:
         labels, probs = judged
-        captions = [f"read as {label}" for label in labels.tolist()]
+        captions = [f"reads {label}" for label in labels.tolist()]
         right = int((labels == digit).sum())
         title = (
-            f"{len(references)} references of a {digit}, then {len(images)} generated images; the digit classifier "
-            f"reads {right} of {len(images)} as a {digit} (green: right, red: wrong)"
+            f"{len(references)} references of a {digit}, then {len(images)} generated images\n"
+            f"the digit classifier reads {right} of {len(images)} as a {digit} (under each: green right, red wrong)"
         )
-        fig = plot_image_strip(references, images, captions, [bool(v == digit) for v in labels], title=title)
+        fig = plot_image_strip(references, images, captions, [bool(v == digit) for v in labels], title=title,
+                               width=DOUBLE_COLUMN)  # fmt: skip
         fingerprint = brightness + [round(float(p), 3) for p in probs[:, digit]]
     # tolerance: pixels and classifier probabilities move by ~1e-6 between CPUs; 0.02 is far below a visible change
     stamp = {"code": code_digest(plot_image_strip, _write_strip), "data": fingerprint, "atol": 0.02}

@@ -137,19 +137,19 @@ def plot(raw: dict[str, dict[float, dict]], ts: list[float], folder: Path) -> Pa
     figure under the panels, each panel's range fitted to what it draws; returns the file."""
     import numpy as np
 
-    from ..figstyle import fit_ylim, paper_style
+    from ..figstyle import DOUBLE_COLUMN, SINGLE_COLUMN, fit_ylim, paper_style
 
     paper = 0.89  # the paper's per-row Spearman at IP-Adapter's last timestep
     with paper_style():
-        fig, axes = plt.subplots(1, len(raw), figsize=(5.2 * len(raw), 4.0), squeeze=False, layout="constrained")
+        width = DOUBLE_COLUMN if len(raw) > 1 else SINGLE_COLUMN
+        fig, axes = plt.subplots(1, len(raw), figsize=(width, 3.9), squeeze=False, layout="constrained")
         for ax, (label, values) in zip(axes[0], raw.items(), strict=True):
             series = {key: [values[t][key] for t in ts] for key in ("spearman", "pearson", "frac_rho_gt_0.9", "null")}
-            ax.plot(ts, series["spearman"], marker="o", label="per-row Spearman ρ (mean over tasks, layers, heads)")
-            ax.plot(ts, series["pearson"], marker="s", label="Pearson r (all weights raveled)")
+            ax.plot(ts, series["spearman"], marker="o", label="per-row Spearman ρ")
+            ax.plot(ts, series["pearson"], marker="s", label="Pearson r (weights raveled)")
             ax.plot(ts, series["frac_rho_gt_0.9"], marker="^", label="fraction of heads with ρ > 0.9")
             ax.plot(ts, series["null"], "k--", label="permutation null of ρ")
-            ax.set(xlabel="flow time t (noise → data)", ylabel="agreement with NW weights",
-                   title=f"learned heads against data-space NW ({label})")  # fmt: skip
+            ax.set(xlabel="flow time t (noise → data)", ylabel="agreement with NW weights", title=label)
             flat = sum(abs(v) for v in series["spearman"]) / len(ts) < FLAT_RHO
             if not flat:
                 named = "paper: IP-Adapter ρ at its last step"
@@ -160,13 +160,14 @@ def plot(raw: dict[str, dict[float, dict]], ts: list[float], folder: Path) -> Pa
             if flat:  # say why the lines sit at zero, above the panel where no line runs under it
                 neff = sum(values[t]["neff_attn"] for t in ts) / len(ts)
                 ax.set_title(
-                    f"{ax.get_title()}\nρ ≈ 0 (paper's IP-Adapter: {paper}): these heads attend almost uniformly\n"
-                    f"(n_eff {neff:.0f} of {SUPPORT} support points), so their weights have no order to match"
+                    f"{ax.get_title()}: ρ ≈ 0 (paper's IP-Adapter: {paper})\nheads attend almost uniformly "
+                    f"(n_eff {neff:.0f} of {SUPPORT}),\nso their weights have no order to match"
                 )
         entries = {}  # every panel's lines, each label once (a flat panel has no paper marker)
         for ax in axes[0]:
             entries.update(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
-        fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=3, frameon=False)
+        fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=2, frameon=False)
+        fig.suptitle("learned heads against data-space NW (ρ: mean over tasks, layers and heads)")
         return save_figure(fig, folder / "attention.png", (plot, fit_ylim), {"raw": raw, "ts": ts})
 
 

@@ -410,10 +410,26 @@ def _set_digits(effects: pd.DataFrame) -> np.ndarray:
     return effects.pivot(index="set", columns="reference", values="digit").sort_index().to_numpy()
 
 
+def _stacked(values: np.ndarray, row: float, height: float) -> tuple[np.ndarray, np.ndarray]:
+    """Dots of equal ``values`` stacked upwards from ``row`` within ``height`` (a dot plot of a statistic that takes
+    a few values: R references give per-set Spearman values 2 / (R (R² - 1) / 6) apart), NaN left out."""
+    values = np.round(values[np.isfinite(values)], 9)  # 1e-9: equal Spearman values differ in the last float digits
+    if not values.size:
+        return values, values
+    step = height / np.unique(values, return_counts=True)[1].max()
+    counts: dict[float, int] = {}
+    ys = []
+    for value in values:
+        ys.append(row + step * counts.get(value, 0))
+        counts[value] = counts.get(value, 0) + 1
+    return values, np.asarray(ys)
+
+
 def plot(effects_by: dict[str, pd.DataFrame], trained: pd.DataFrame, recipe: str, folder) -> Path:
-    """The experiment's figure: each reference's ablation effect against its attention share and against its exact
-    posterior weight (one point per set and reference), and per recorded step the mean per-set Spearman of each
-    predictor with the effect (trained organism).
+    """The experiment's figure, 7 in wide, drawing what the statistic uses: (a) per predictor and organism, the
+    per-set Spearman of the predictor with the ablation effect (RMS latent change) over the set's references, one dot
+    per set, and their mean (the statistic); (b) per recorded step, that mean with its 95% bootstrap interval on the
+    trained organism, one marker and colour per predictor, set side by side so that no interval hides another.
 
     Args:
         effects_by: ``"trained"`` / ``"untrained"`` -> effects with the predictors beside them.
@@ -421,53 +437,57 @@ def plot(effects_by: dict[str, pd.DataFrame], trained: pd.DataFrame, recipe: str
         recipe: the organism's recipe (for the title).
         folder: where ``attribution.png`` goes.
     """
-    from ..figstyle import MIN_FONT_PT, fit_ylim, paper_style
+    from ..attribution.analysis import paired_rank_test
+    from ..figstyle import DOUBLE_COLUMN, fit_ylim, paper_style
 
-    def legend(ax, entries=None) -> None:  # under the axes, where it covers no point
-        args = zip(*entries, strict=True) if entries else ()
-        ax.legend(*args, fontsize=MIN_FONT_PT, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
-
+    effect = "latent_effect"
+    names = [p for p in PREDICTORS if p in next(iter(effects_by.values())).columns]
     with paper_style():
-        fig, axes = plt.subplots(1, 3, figsize=(16, 6.2), layout="constrained")
+        fig, (left, right) = plt.subplots(1, 2, figsize=(DOUBLE_COLUMN, 4.4), layout="constrained")
         for index, (label, effects) in enumerate(effects_by.items()):
-            colour = f"C{index}"
-            refs = effects["reference"].nunique()
-            axes[0].scatter(effects["attention_share"] - 1 / refs, effects["latent_effect"], s=12, color=colour,
-                            label=f"{label}: one point per (set, reference)")  # fmt: skip
-            axes[1].scatter(effects["posterior_weight"], effects["latent_effect"], s=12, color=colour,
-                            label=f"{label}: one point per (set, reference)")  # fmt: skip
-        axes[0].axvline(0, color="black", linewidth=0.8, linestyle=":", label="uniform share (1/R)")
-        xlabel = "attention share − 1/R (mean over layers, steps)"
-        axes[0].set(xlabel=xlabel, ylabel="ablation effect (RMS latent change)")
-        axes[0].set_title("attention share vs causal effect")
-        axes[1].set(xlabel="exact posterior weight (mean over steps)", ylabel="ablation effect (RMS latent change)")
-        axes[1].set_title("exact posterior vs causal effect")
-        for ax in axes[:2]:
-            legend(ax)
-        ax = axes[2]
-        steps = trained[(trained["timestep"] != "all") & (trained["effect"] == "latent_effect")]
-        entries, drawn = [], [[0.0]]
-        for index, predictor in enumerate(PREDICTORS):
+            for row, predictor in zip(range(len(names) - 1, -1, -1), names, strict=True):  # the first on top
+                # the statistic's own per-set values (no permutations needed for them)
+                values = paired_rank_test(_matrix(effects, predictor), _matrix(effects, effect), permutations=0)
+                xs, ys = _stacked(values["values"], row + 0.06 + 0.45 * index, 0.36)
+                left.scatter(xs, ys, s=7, color=f"C{index}", label=f"{label}: one dot per set")
+                mean = np.nanmean(values["values"]) if np.isfinite(values["values"]).any() else np.nan
+                left.plot([mean, mean], [row + 0.45 * index, row + 0.45 * index + 0.42], color="black", lw=1.6,
+                          label="mean over sets (the statistic)")  # fmt: skip
+        left.axvline(0, color="grey", lw=0.8, ls=":", label="chance (permutation null mean)")
+        left.set_yticks([r + 0.45 for r in range(len(names))], [PREDICTORS[p] for p in reversed(names)])
+        left.set_ylim(-0.1, len(names) - 0.05)
+        left.set_xlim(-1.08, 1.08)
+        sets = next(iter(effects_by.values()))["set"].nunique()
+        refs = next(iter(effects_by.values()))["reference"].nunique()
+        left.set(xlabel="per-set Spearman with the ablation effect", title="(a) predictors averaged over steps")
+        steps = trained[(trained["timestep"] != "all") & (trained["effect"] == effect)]
+        drawn = [[0.0]]
+        markers = "osD^"
+        for index, predictor in enumerate(names):
             part = steps[steps["predictor"] == predictor]
             if part.empty:  # a record from before this predictor
                 continue
-            x = np.arange(len(part))
-            text = f"trained: {PREDICTORS[predictor]} (band: 95% CI)"
-            (line,) = ax.plot(x, part["spearman"], "o-", color=f"C{index + 2}", label=text)
-            band = ax.fill_between(x, part["low"], part["high"], color=f"C{index + 2}", alpha=0.2, linewidth=0,
-                                   label="_band")  # fmt: skip
-            entries.append(((line, band), text))
-            drawn += [part["spearman"], part["low"], part["high"]]
-            ax.set_xticks(x, list(part["timestep"]))
-        line = ax.axhline(0, color="black", linewidth=0.8, linestyle=":", label="chance (permutation null mean)")
-        entries.append((line, "chance (permutation null mean)"))
-        fit_ylim(ax, np.concatenate([np.asarray(d, float) for d in drawn]))
-        ax.set(xlabel="timestep of the predictor (noise → data)", ylabel="mean per-set Spearman")
-        ax.set_title("which predicts the ablation effect?")
-        legend(ax, entries)
-        fig.suptitle(f"Attribution by intervention on the digits organism (recipe {recipe}, CFG 3, 20 steps)")
+            x = np.arange(len(part)) + (index - (len(names) - 1) / 2) * 0.14
+            mean, low, high = (part[c].to_numpy(float) for c in ("spearman", "low", "high"))
+            text = f"trained: {PREDICTORS[predictor]} (bars: 95% CI)"
+            right.errorbar(x, mean, yerr=[mean - low, high - mean], marker=markers[index % 4], ls="", capsize=2,
+                           color=f"C{index + 2}", label=text)  # fmt: skip
+            drawn += [mean, low, high]
+            right.set_xticks(np.arange(len(part)), list(part["timestep"]))
+        right.axhline(0, color="grey", lw=0.8, ls=":", label="chance (permutation null mean)")
+        fit_ylim(right, np.concatenate([np.asarray(d, float) for d in drawn]))
+        right.set(xlabel="timestep of the predictor (noise → data)", ylabel="mean per-set Spearman",
+                  title="(b) trained, per recorded step")  # fmt: skip
+        for ax in (left, right):  # each panel's key under it (constrained layout makes room), each label once
+            entries = dict(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
+            ax.legend(list(entries.values()), list(entries), loc="upper center", bbox_to_anchor=(0.5, -0.16),
+                      frameon=False)  # fmt: skip
+        fig.suptitle(
+            f"Which predicts a reference's ablation effect (RMS latent change)?\n"
+            f"recipe {recipe}, {sets} sets of {refs} references, CFG 3, 20 steps"
+        )
     inputs = as_records({"effects": effects_by, "trained": trained, "recipe": recipe})
-    return save_figure(fig, Path(folder) / "attribution.png", plot, inputs)
+    return save_figure(fig, Path(folder) / "attribution.png", (plot, _stacked, paired_rank_test), inputs)
 
 
 def redraw(record: dict, folder) -> list[Path]:

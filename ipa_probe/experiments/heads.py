@@ -127,15 +127,16 @@ def table(raw: dict[int, dict], d_model: int) -> list[Row]:
 
 def plot(raw: dict[int, dict], folder: Path) -> Path:
     """MMD² against ``m`` per head count, and the fitted exponent (with its 95% interval) against ``H`` beside the
-    paper's range; one legend per panel, placed where it hides no mark."""
-    from ..figstyle import paper_style
+    paper's range; 7 in wide, the right panel's key under the figure where it hides no interval."""
+    from ..figstyle import DOUBLE_COLUMN, label_log_axis, paper_style
 
     with paper_style():
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.5, 3.8))
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(DOUBLE_COLUMN, 3.4), layout="constrained")
         for n_heads, values in raw.items():
             ax1.plot(values["ms"], [max(v, 1e-6) for v in values["learned"]], marker="o", label=f"H = {n_heads}")
         ax1.set(xscale="log", yscale="log", xlabel="support size m", ylabel="MMD² (learned model)",
-                title=f"MMD² against support size per head count (d={DIM})")  # fmt: skip
+                title=f"MMD² against support size\nper head count H (d = {DIM})")  # fmt: skip
+        label_log_axis(ax1)
         ax1.legend(title="heads")
         hs = list(raw)
         alphas = [raw[h]["fit"]["alpha"] for h in hs]
@@ -145,11 +146,12 @@ def plot(raw: dict[int, dict], folder: Path) -> Path:
         ]
         ax2.errorbar(hs, alphas, yerr=err, marker="o", capsize=3, label="ours: fitted α (bars: 95% CI of the fit)")
         ax2.axhspan(0.45, 0.72, color="C3", alpha=0.15, label="paper's range of α")
-        ax2.set(xscale="log", xlabel="heads H", ylabel="α", title="fitted exponent α of MMD² ∝ m^(−α)")
+        ax2.set(xscale="log", xlabel="heads H", ylabel="α", title=f"fitted exponent α of MMD² ∝ m^(−α)\n(d = {DIM})")
         ax2.set_xticks(hs, [str(h) for h in hs])
         ax2.minorticks_off()
-        ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
-        return save_figure(fig, folder / "heads.png", plot, raw)
+        # the right panel's key under the figure, where it hides no interval
+        fig.legend(*ax2.get_legend_handles_labels(), loc="outside lower center", ncols=2, frameon=False)
+        return save_figure(fig, folder / "heads.png", (plot, label_log_axis), raw)
 
 
 def redraw(record: dict, folder: Path) -> list[Path]:

@@ -119,12 +119,14 @@ def table(raw: dict[str, dict[int, dict]], checks: dict[str, dict] | None = None
 
 def plot(raw: dict[str, dict[int, dict]], folder: Path, checks: dict[str, dict] | None = None) -> Path:
     """One panel per data set: MMD² of the plug-in and of the learned model against the support size (bars: ± 1
-    s.e.m. over held-out tasks), and the model trained at one ``m`` (§D.3 check) where there is one."""
-    from ..figstyle import paper_style
+    s.e.m. over held-out tasks), and the model trained at one ``m`` (§D.3 check) where there is one; 7 in wide, one key
+    under the panels."""
+    from ..figstyle import DOUBLE_COLUMN, SINGLE_COLUMN, label_log_axis, paper_style
 
     checks = checks or {}
+    width = DOUBLE_COLUMN if len(raw) > 1 else SINGLE_COLUMN
     with paper_style():
-        fig, axes = plt.subplots(1, len(raw), figsize=(4.75 * len(raw), 3.8), squeeze=False)
+        fig, axes = plt.subplots(1, len(raw), figsize=(width, 3.3), squeeze=False, layout="constrained")
         for ax, (data, values) in zip(axes[0], raw.items(), strict=True):
             ms = list(values)
             for key, label in (("plugin", "plug-in estimate"), ("learned", "learned model (OFF)")):
@@ -134,7 +136,7 @@ def plot(raw: dict[str, dict[int, dict]], folder: Path, checks: dict[str, dict] 
                     yerr=[values[m][f"{key}_sem"] for m in ms],
                     marker="o",
                     capsize=3,
-                    label=f"{label} ± s.e.m. over tasks",
+                    label=label,
                 )
             if data in checks:
                 check = checks[data]
@@ -147,10 +149,15 @@ def plot(raw: dict[str, dict[int, dict]], folder: Path, checks: dict[str, dict] 
                     capsize=3,
                     label=f"learned, trained at m = {check['m']} only",
                 )
-            ax.set(xscale="log", yscale="log", xlabel="support size m", ylabel="MMD², generated vs reference samples",
-                   title=f"MMD² against support size: {data} (d={DIM})")  # fmt: skip
-            ax.legend()
-        return save_figure(fig, folder / "scarcity.png", plot, {"raw": raw, "checks": checks})
+            ax.set(xscale="log", yscale="log", xlabel="support size m", ylabel="MMD², generated vs reference",
+                   title=f"{data} (d = {DIM})")  # fmt: skip
+            label_log_axis(ax)
+        entries = {}  # every panel's marks, each label once (the one-m check exists for some data sets only)
+        for ax in axes[0]:
+            entries.update(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
+        fig.legend(list(entries.values()), list(entries), loc="outside lower center", ncols=2, frameon=False)
+        fig.suptitle("MMD² against support size (bars: ± 1 s.e.m. over held-out tasks)")
+        return save_figure(fig, folder / "scarcity.png", (plot, label_log_axis), {"raw": raw, "checks": checks})
 
 
 def redraw(record: dict, folder: Path) -> list[Path]:

@@ -139,27 +139,29 @@ def plot(frame: pd.DataFrame, path: Path) -> Path:
     are the snapshot steps themselves, the legend (the same lines in every panel) sits once under the panels."""
     from matplotlib.ticker import NullFormatter
 
-    from ..figstyle import paper_style
+    from ..figstyle import DOUBLE_COLUMN, SINGLE_COLUMN, label_log_axis, paper_style
 
     datas = list(dict.fromkeys(frame["data"]))
+    width = DOUBLE_COLUMN if len(datas) > 1 else SINGLE_COLUMN
     with paper_style():
-        fig, axes = plt.subplots(1, len(datas), figsize=(4.8 * len(datas), 4.0), squeeze=False, layout="constrained")
+        fig, axes = plt.subplots(1, len(datas), figsize=(width, 3.8), squeeze=False, layout="constrained")
         steps = sorted(set(frame["step"]))
         for ax, data in zip(axes[0], datas, strict=True):
             for i, m in enumerate(MS):
                 part = frame[(frame["data"] == data) & (frame["m"] == m)].sort_values("step")
                 ax.errorbar(part["step"], part["learned"], yerr=part["learned_sem"], marker="o", color=f"C{i}",
-                            capsize=3, label=f"learned, m={m} (± s.e.m. over tasks)")  # fmt: skip
-                ax.axhline(part["plugin"].iloc[0], color=f"C{i}", ls="--", lw=1, label=f"plug-in, m={m}")
+                            capsize=3, label=f"learned, m = {m}")  # fmt: skip
+                ax.axhline(part["plugin"].iloc[0], color=f"C{i}", ls="--", lw=1, label=f"plug-in, m = {m}")
             ax.set(xscale="log", yscale="log", xlabel="training steps (constant lr)",
-                   ylabel="MMD², generated vs reference samples",
-                   title=f"MMD² against training length: {data} (d={DIM})")  # fmt: skip
+                   ylabel="MMD², generated vs reference", title=f"{data} (d = {DIM})")  # fmt: skip
             ax.set_xticks(steps, [f"{s:g}" for s in steps])
             ax.xaxis.set_minor_formatter(NullFormatter())
+            label_log_axis(ax)
         handles, labels = axes[0, 0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="outside lower center", ncols=2, frameon=False)
+        fig.legend(handles, labels, loc="outside lower center", ncols=3, frameon=False)
+        fig.suptitle("MMD² against training length (bars: ± 1 s.e.m. over held-out tasks)")
         records = frame.to_dict(orient="records")
-        return save_figure(fig, path, plot, records)
+        return save_figure(fig, path, (plot, label_log_axis), records)
 
 
 def redraw(record: dict, folder: Path) -> list[Path]:

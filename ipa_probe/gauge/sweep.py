@@ -285,10 +285,14 @@ def plot_gauge_sweep(table: pd.DataFrame, branch: str = "cond", kind: str = "ima
         kind: ``"image"`` (default) or ``"text"``.
 
     Returns:
-        the matplotlib figure (12 x 10.5 inches, text at 9 pt or more at that size).
+        the matplotlib figure, 7 in wide (a paper's page width) with text at 8 pt or more at that size, the
+        selection (image or text branch of the attention, CFG branch) in its title, one key of the gauges' colours
+        and one of the statistics' line styles.
     """
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
+
+    from ..figstyle import DOUBLE_COLUMN, paper_style
 
     part = table[(table["kind"] == kind) & (table["branch"] == branch)]
     if part.empty and not table.empty:
@@ -297,15 +301,16 @@ def plot_gauge_sweep(table: pd.DataFrame, branch: str = "cond", kind: str = "ima
     gauges = list(dict.fromkeys(part["gauge"]))  # in the sweep's order
     colours = plt.get_cmap("tab10")
     panels = (
-        (_STORED, "Stored frame: ρ and its baseline (gauge-dependent)", "Spearman ρ", False),
-        (_QUERY, "Query frame: ρ (invariant under the group)", "Spearman ρ", False),
+        (_STORED, "Stored frame: ρ, baseline (gauge-dependent)", "Spearman ρ", False),
+        (_QUERY, "Query frame: ρ (invariant)", "Spearman ρ", False),
         (_EXCESS, "ρ minus its baseline (from r and K)", "ρ − baseline", True),
-        (_NEFF, "Attention n_eff (invariant under the group)", "effective number of keys", False),
+        (_NEFF, "Attention n_eff (invariant)", "effective number of keys", False),
     )
-    with plt.rc_context(
-        {"font.size": 10, "axes.titlesize": 10, "legend.fontsize": 9, "xtick.labelsize": 9, "ytick.labelsize": 9}
-    ):
-        fig, axes = plt.subplots(2, 2, figsize=(12, 10.5))
+    with paper_style():
+        fig = plt.figure(figsize=(DOUBLE_COLUMN, 8.6), layout="constrained")
+        grid = fig.add_gridspec(3, 2, height_ratios=(1.0, 1.0, 0.36))
+        axes = np.array([[fig.add_subplot(grid[row, col]) for col in range(2)] for row in range(2)])
+        keys = [fig.add_subplot(grid[2, col]) for col in range(2)]  # a row of its own for the two keys
         for ax, (lines, title, ylabel, zero) in zip(axes.ravel(), panels, strict=True):
             drawn, spreads = [], []
             for i, gauge in enumerate(gauges):
@@ -328,22 +333,22 @@ def plot_gauge_sweep(table: pd.DataFrame, branch: str = "cond", kind: str = "ima
                 ax.text(0.5, 0.5, "not in this table", transform=ax.transAxes, ha="center", va="center")
             if zero:
                 ax.axhline(0, color="black", linewidth=0.6)
-            ax.set_title(f"{title}\nlargest gap between gauges: {' · '.join(spreads)}")
+            ax.set_title(f"{title}\nlargest gap between gauges:\n{' · '.join(spreads)}")
             ax.set(xlabel="timestep (denoising →)", ylabel=ylabel)
             ax.invert_xaxis()
             ax.grid(alpha=0.3)
+        # two keys (at most 7 entries each) side by side under the panels: the gauges' colours, the line styles
         handles = [Line2D([], [], color=colours(i % 10), linewidth=2.5) for i in range(len(gauges))]
-        labels = list(gauges)
+        keys[0].legend(handles, list(gauges), loc="upper center", title="colour: gauge", frameon=False)
+        handles, labels = [], []
         for _, style, _, label in (*_STORED, *_QUERY, *_EXCESS):
             handles.append(Line2D([], [], color="0.3", linestyle=style, linewidth=1.5))
             labels.append(label)
-        fig.legend(
-            handles,
-            labels,
-            loc="lower center",
-            ncol=3,
-            title=f"colour: gauge ({kind}, {branch} branch); line: statistic",
+        keys[1].legend(handles, labels, loc="upper center", title="line: statistic", frameon=False)
+        for key in keys:
+            key.set_axis_off()
+        fig.suptitle(
+            "One model under reparametrisations of q and k that leave every output unchanged\n"
+            f"({kind} branch of the attention, {branch} CFG branch; mean over layers and heads)"
         )
-        fig.suptitle("One model under reparametrisations of q and k that leave every output unchanged", fontsize=11)
-        fig.tight_layout(rect=(0, 0.15, 1, 0.97))
     return fig
