@@ -54,6 +54,7 @@ __all__ = [
     "MANIFEST_NAME",
     "MAX_MANIFEST_BYTES",
     "STAGING_NAME",
+    "TRACKER_STORES",
     "FolderState",
     "RunConflict",
     "RunFolder",
@@ -83,10 +84,22 @@ def _listed(names: list[str]) -> str:
 # ---------------------------------------------------------------- what a folder holds
 
 
+#: The stores of the trackers that keep many runs in one store (MLflow's database and artifacts, wandb's runs) under
+#: the default ``OUT/logs``. A store is written where it lives, never staged: it records absolute paths (MLflow's
+#: artifact locations) that a rename would break, and it is append-only, so a run adds to it and never replaces it.
+#: Not a run's file: never listed in a manifest, never removed, not "a file no manifest lists".
+TRACKER_STORES = ("logs/mlflow.db", "logs/mlartifacts", "logs/wandb")
+
+
 def _machinery(rel: str) -> bool:
-    """A top-level entry of the folder's machinery, never a run's file: the lock, the manifest, the staging folder
-    (and the temp folder it is made in)."""
-    return rel in (LOCK_NAME, MANIFEST_NAME, STAGING_NAME, FINAL_NAME) or rel.startswith(STAGING_NAME + ".")
+    """An entry of the folder's machinery, never a run's file: the lock, the manifest, the staging folder (and the
+    temp folder it is made in) at the top, and the trackers' stores (:data:`TRACKER_STORES`, SQLite's side files
+    with them)."""
+    return (
+        rel in (LOCK_NAME, MANIFEST_NAME, STAGING_NAME, FINAL_NAME, *TRACKER_STORES)
+        or rel.startswith(STAGING_NAME + ".")
+        or rel.startswith("logs/mlflow.db-")
+    )
 
 
 def _scan(folder: Path) -> tuple[dict[str, os.stat_result], set[str], list[str]]:

@@ -150,6 +150,19 @@ CASES = [
     Case("--out blank", ("sweep", "{root}/ok.jsonl", "--out", "  "), 2, "--out is empty"),
     Case("--image empty", ("probe", "--image", ""), 2, "--image is empty"),
     Case("--logging-dir blank", ("probe", "--log-with", "tensorboard", "--logging-dir", " "), 2, "--logging-dir is"),
+    # issue 41: tracker files inside a run folder would be files no manifest lists there, refusing its next run
+    Case(
+        "--logging-dir in another run",
+        ("probe", "--log-with", "tensorboard", "--logging-dir", "{root}/a_run/tb"),
+        2,
+        "is inside the run folder '{root}/a_run' (it holds ipa_probe_manifest.json)",
+    ),
+    Case(
+        "--logging-dir in --out",
+        ("probe", "--log-with", "tensorboard", "--out", "{root}/own", "--logging-dir", "{root}/own/tb"),
+        2,
+        "is inside --out",
+    ),
     Case("--out undecodable", ("probe", "--out", "o\udcff"), 2, "holds bytes that are not text"),
     Case("--out ~ expanded", ("probe", "--out", "~/a_file"), 2, "'{root}/a_file' is a file", (("HOME", "{root}"),)),
     Case("lock is a symlink", ("sweep", "{root}/ok.jsonl", "--out", "{root}/linked"), 1, "a symbolic link stands"),
@@ -292,6 +305,8 @@ def make_fixtures(root: Path) -> Path:
     (weights / "truncated.safetensors").write_bytes(data[: len(data) - 16])
     (weights / "random.safetensors").write_bytes(np.random.default_rng(0).bytes(4096))
     save_file({"text_model.weight": np.zeros(3, np.float32)}, str(weights / "other.safetensors"))
+    (root / "a_run").mkdir(exist_ok=True)
+    (root / "a_run" / "ipa_probe_manifest.json").write_text("{}\n")  # its presence marks a run folder
     (root / "locked").mkdir(exist_ok=True)
     (root / "locked" / ".ipa_probe.lock").mkdir(exist_ok=True)
     record = {"tier": {"name": "smoke", "d_model": 32}, "experiment": "collapse"}

@@ -439,6 +439,21 @@ def test_mlflow_local_store_read_back(logged, tmp_path, monkeypatch):
     assert history == pytest.approx(_by_x(run, _cells(run).groupby("step")["qf_spearman"].mean()), rel=1e-12)
     assert found.data.params["guidance_scale"] == "3.0"
     assert found.data.metrics["1_query_frame/rho_mean"] == pytest.approx(_cells(run)["qf_spearman"].mean(), rel=1e-12)
+    # the order, names and steps the TensorBoard test checks, read back from the store: MLflow lists metrics by name,
+    # so the sorted names start with the query frame's rho; the sub-runs are TAG_baseline/_null; steps are timesteps
+    charts = sorted(k for k in found.data.metrics if k.split("/")[0] not in ("end",) and not k.endswith("_mean"))
+    assert charts[0] == "1_query_frame/rho"
+    groups = list(dict.fromkeys(t.split("/")[0] for t in charts))
+    assert groups[:6] == ["1_query_frame", "2_stored_frame", "3_agreement", "4_query_frame_rho_per_layer",
+                          "5_stored_frame_rho_per_layer", "6_reference_shares"]  # fmt: skip
+    assert not [t for t in charts if t.split("/")[0] in ("debug", "nw")]  # bookkeeping: no metric
+    cells = _cells(run)
+    for tag, column in (("1_query_frame/rho", "qf_spearman"), ("1_query_frame/rho_baseline", "qf_rho_baseline"),
+                        ("1_query_frame/rho_null", "qf_spearman_null"), ("2_stored_frame/rho", "spearman"),
+                        ("2_stored_frame/rho_null", "spearman_null")):  # fmt: skip
+        values = {m.step: m.value for m in client.get_metric_history(found.info.run_id, tag)}
+        assert sorted(values) == sorted(_x(run).values())  # timesteps, not loop indices
+        assert values == pytest.approx(_by_x(run, cells.groupby("step")[column].mean()), rel=1e-12)
     files = {p.relative_to(folder).as_posix() for p in Path(folder).rglob("*") if p.is_file()}
     assert {"histograms.json", "layout.json", "run/settings.md", "images/readings.md"} <= files
     overlays = [f for f in files if f.startswith("images/7_overlays~reference_shares+step+") and f.endswith(".png")]

@@ -28,7 +28,15 @@ from .._checks import (
     parse_int,
 )
 from .._io import LOCK_NAME, OutputLocked, refuse_not_ours
-from ..runfolder import MANIFEST_NAME, RunConflict, RunFolder, check_folder, pending_commit, refuse_if_held
+from ..runfolder import (
+    MANIFEST_NAME,
+    STAGING_NAME,
+    RunConflict,
+    RunFolder,
+    check_folder,
+    pending_commit,
+    refuse_if_held,
+)
 from ._errors import CLIError
 from ._sources import check_model_source, ip_adapter_source
 
@@ -570,12 +578,47 @@ def check_tracker_arguments(args: argparse.Namespace) -> None:
         check_tracker(args.log_with)
     except (ImportError, ValueError) as err:  # not installed; wandb not logged in and not offline
         raise CLIError(str(err)) from None
+    if args.logging_dir:
+        check_logging_dir(args)
     check_output_dir(logging_dir(args), "--logging-dir")  # OUT/logs a file: refused now, not after the run
 
 
+def check_logging_dir(args: argparse.Namespace) -> None:
+    """Refuse, before torch loads, a ``--logging-dir`` inside ``--out`` or inside any other run folder (one holding a
+    run manifest, a lock or a staging folder, or a staging folder itself): the tracker's files there would be files
+    no manifest lists, and that folder's next run (the identical command too) would be refused for them. Naming
+    ``OUT/logs`` itself is the default, and is taken as it."""
+    place = Path(args.logging_dir).expanduser().resolve()
+    out = Path(args.out).expanduser().resolve() if getattr(args, "out", None) else None
+    if out is not None and place == out / "logs":
+        args.logging_dir = None  # the default: the logs are the run's own (staged with it)
+        return
+    remedy = (
+        "leave --logging-dir out to log under OUT/logs with the run, or choose a folder outside every ipa_probe "
+        "run folder"
+    )
+    if out is not None and place.is_relative_to(out):
+        raise CLIError(f"--logging-dir {args.logging_dir} is inside --out {args.out}: {remedy}")
+    for folder in (place, *place.parents):
+        marks = [n for n in (MANIFEST_NAME, LOCK_NAME, STAGING_NAME) if os.path.lexists(folder / n)]
+        if marks or folder.name == STAGING_NAME:
+            why = f"it holds {marks[0]}" if marks else "a run's staging folder"
+            raise CLIError(
+                f"--logging-dir {args.logging_dir} is inside the run folder '{folder}' ({why}): the tracker's files "
+                f"would be files no manifest lists there, and that folder's next run would be refused; {remedy}"
+            )
+
+
+#: Trackers whose local store holds many runs and records absolute paths (see ``runfolder.TRACKER_STORES``): under
+#: the default ``OUT/logs`` they write where the store lives, not into the run's staging folder.
+STORE_TRACKERS = ("wandb", "mlflow")
+
+
 def logging_dir(args: argparse.Namespace, root: str | os.PathLike | None = None) -> Path:
-    """``--logging-dir``, or ``ROOT/logs`` (``ROOT``: the run's staging folder, by default ``--out``; a leading ``~``
-    expanded)."""
+    """``--logging-dir``, or ``ROOT/logs`` (``ROOT``: the run's staging folder, by default ``--out``; ``--out`` itself
+    for wandb and MLflow, whose stores are never staged; a leading ``~`` expanded)."""
     if args.logging_dir:
         return Path(args.logging_dir).expanduser()
+    if getattr(args, "log_with", None) in STORE_TRACKERS:
+        root = None
     return Path(root if root is not None else args.out).expanduser() / "logs"
