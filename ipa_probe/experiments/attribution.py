@@ -68,7 +68,7 @@ from .attribution_controls import (
     shuffle_check,
     unseen_references,
 )  # noqa: E402
-from .attribution_grid import GRID_BATCH, compare_grid, grid_effects, grid_predictors, grid_rows, two_plus_two_example  # noqa: E402
+from .attribution_grid import compare_grid, grid_effects, grid_predictors, grid_rows, two_plus_two_example  # noqa: E402
 from .attribution_setup import (
     EFFECTS,
     GUIDANCE_SCALE,
@@ -135,27 +135,28 @@ def ablation_effects(pipe, digits: list[int], refs: list, seed: int) -> tuple[pd
 
 def _ablated(pipe, digits: list[int], refs: list, seed: int):
     """:func:`ablation_effects` with the whole :class:`~ipa_probe.attribution.ReferenceAttribution`."""
-    from ..intervention import ablation_grid
+    from ..intervention import measure_intervention
     from ..tiny.digits import classify_digit_images
 
+    call = _call(refs)
     result = observe(pipe, refs, seed)
-    # every reference ablated in every layer and step, the set's references as the rows of one call (GRID_BATCH)
-    grid = ablation_grid(
-        pipe, list(range(len(digits))), groups={"all": None}, steps={"all": None}, seeds=(seed,),
-        classify=classify_digit_images, baselines={seed: result.generation}, batch=GRID_BATCH, **_call(refs),
-    )  # fmt: skip
     rows = []
-    for cell, digit in zip(grid.to_dict(orient="records"), digits, strict=True):
+    for reference, digit in enumerate(digits):
+        effect = measure_intervention(
+            pipe, reference, seed=seed, classify=classify_digit_images, baseline=result.generation, **call
+        )
         rows.append(
             {
-                "reference": int(cell["reference"]),
+                "reference": reference,
                 "digit": digit,
-                "latent_effect": cell["latent_effect"],
-                "pixel_effect": cell["pixel_effect"],
-                "class_drop": cell[f"baseline_probability_{digit}"] - cell[f"probability_{digit}"],
-                "flipped": bool(cell["flipped"]),
-                "baseline_label": int(cell["baseline_label"]),
-                "ablated_label": int(cell["label"]),
+                "latent_effect": float(effect.latent_distance[0]),
+                "pixel_effect": float(effect.pixel_distance[0]),
+                "class_drop": float(
+                    effect.baseline_probabilities[0, digit] - effect.intervened_probabilities[0, digit]
+                ),
+                "flipped": bool(effect.flipped[0]),
+                "baseline_label": int(effect.baseline_labels[0]),
+                "ablated_label": int(effect.intervened_labels[0]),
             }
         )
     return result, pd.DataFrame(rows)
