@@ -8,8 +8,9 @@ seeds with a Student's t 95 % interval.
 
 Layer groups are regexes on the layer ids (:data:`LAYER_GROUPS`: the UNet's down blocks, mid block and up blocks;
 ``"all"`` for every IP-Adapter layer); step ranges are consecutive parts of the loop (:func:`step_ranges`: thirds by
-default; ``"all"`` for every step). Each cell is a separate seeded generation: the cells of one seed share the clean
-run, not a batch (an intervention applies to the whole denoiser call).
+default; ``"all"`` for every step). By default each cell is a separate seeded generation (the cells of one seed share
+the clean run); with ``batch > 1`` up to that many cells of a seed run as the rows of one pipeline call, each row's
+cell applied on the ``weights`` hook point, the same numbers up to float32 rounding.
 """
 
 from __future__ import annotations
