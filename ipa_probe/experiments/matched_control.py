@@ -95,6 +95,19 @@ def scale_key_projection(pipe, factors: dict[str, float]) -> None:
                     linear.bias.mul_(factor)
 
 
+def _key_projections(pipe) -> list:
+    """Every IP layer's ``to_k_ip`` weights and biases (the tensors :func:`scale_key_projection` scales)."""
+    from ..layers import find_ip_layers
+
+    return [
+        tensor
+        for layer in find_ip_layers(pipe)
+        for linear in layer.processor.to_k_ip
+        for tensor in (linear.weight, linear.bias)
+        if tensor is not None
+    ]
+
+
 #: The key scales :func:`matched_twin` tries (every layer at once, then each layer takes its closest).
 SCALE_GRID: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
@@ -284,6 +297,8 @@ def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], 
     Returns:
         ``(rows, record)``: table rows and the record's entries.
     """
+    import torch
+
     from .._io import write_table
     from ..tiny.digits import digits_reference_images, untrained_digits_pipeline
     from .ip_adapter_setup import REFS_PER_SET, run_reference_set
@@ -291,9 +306,18 @@ def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], 
 
     tier = ctx.tier
 
+    twin = untrained_digits_pipeline(recipe=ctx.recipe)
+    twin.set_progress_bar_config(disable=True)
+    keys = _key_projections(twin)
+    initial = [tensor.detach().clone() for tensor in keys]
+
     def make_twin():
-        twin = untrained_digits_pipeline(recipe=ctx.recipe)
-        twin.set_progress_bar_config(disable=True)
+        # the one untrained twin with its image-key projections back at their initial weights: the same pipeline a
+        # fresh build gives (seeded), without rebuilding it for every key scale tried (most of the calibration's
+        # time beside the generations); matched_twin uses each twin before asking for the next
+        with torch.no_grad():
+            for tensor, value in zip(keys, initial, strict=True):
+                tensor.copy_(value)
         return twin
 
     count = tier.ip_calibration_sets

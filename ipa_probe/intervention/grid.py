@@ -8,8 +8,9 @@ seeds with a Student's t 95 % interval.
 
 Layer groups are regexes on the layer ids (:data:`LAYER_GROUPS`: the UNet's down blocks, mid block and up blocks;
 ``"all"`` for every IP-Adapter layer); step ranges are consecutive parts of the loop (:func:`step_ranges`: thirds by
-default; ``"all"`` for every step). Each cell is a separate seeded generation: the cells of one seed share the clean
-run, not a batch (an intervention applies to the whole denoiser call).
+default; ``"all"`` for every step). By default each cell is a separate seeded generation (the cells of one seed share
+the clean run); with ``batch > 1`` up to that many cells of a seed run as the rows of one pipeline call, each row's
+cell applied on the ``weights`` hook point, the same numbers up to float32 rounding.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 
+from ..layers import denoiser_of
 from .config import InterventionConfig
-from .effect import Classifier, Generation, _check_baseline, _rms, generate
+from .effect import Classifier, Generation, _check_baseline, _rms, call_digest, decode_latents, generate
 from .hooks import intervene
 from .points import hook_point_layers
 
@@ -109,6 +112,7 @@ def ablation_grid(
     adapter: int = 0,
     baselines: Mapping[int, Generation] | None = None,
     whole: bool = True,
+    batch: int = 1,
     **call: Any,
 ) -> pd.DataFrame:
     """Each reference's effect on the output when ablated (or scaled) in one layer group during one step range.
@@ -129,6 +133,14 @@ def ablation_grid(
         baselines: ``{seed: generate(pipe, seed=seed, **call)}`` already made (checked as in
             :func:`~.effect.measure_intervention`); the others are made here.
         whole: with ``steps`` an int, add the range ``"all"`` (every step) beside the parts.
+        batch: cells per pipeline call. ``1``: each cell is its own call, the intervention applied by
+            :func:`~.hooks.intervene` (``"ablate"`` drops the reference's tokens). Above 1: up to ``batch`` cells of a
+            seed run as the rows of one call (``num_images_per_prompt``, every row starting from the seed's noise),
+            each row's cell applied on the ``weights`` hook point as :func:`~.custom.scale_hooks` does (``"ablate"``
+            is factor 0: the same softmax over the other references), rows whose cell does not act at a (layer,
+            step) left as computed. Same numbers up to float32 rounding (batched kernels and the explicit softmax
+            sum in another order; measured on the digits organism: final latents within 1e-5 of the one-call
+            cells); far cheaper where the denoiser is small. SD 1.5 / SDXL UNets.
         **call: the pipeline's arguments (with ``num_inference_steps`` when ``steps`` is an int).
 
     Returns:
@@ -168,6 +180,15 @@ def ablation_grid(
         ranges = dict(steps)
     else:
         raise ValueError(f"steps: expected a number of parts or a {{name: range or None}} mapping, got {steps!r}")
+    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+        raise ValueError(f"batch: expected a number of cells per pipeline call >= 1, got {batch!r}")
+    cells = [
+        (unit, group, pattern, name, chosen, mode, factor)
+        for unit in units
+        for group, pattern in layer_groups.items()
+        for name, chosen in ranges.items()
+        for mode, factor in settings
+    ]
     rows = []
     for seed in seeds:
         if baselines is not None and seed in baselines:
@@ -176,41 +197,110 @@ def ablation_grid(
         else:
             baseline = generate(pipe, seed=seed, **call)
         base_labels, base_probabilities = classify(baseline.images) if classify is not None else (None, None)
-        for unit in units:
-            for group, pattern in layer_groups.items():
-                for name, chosen in ranges.items():
-                    for mode, factor in settings:
-                        where = {"layers": pattern, "steps": None if chosen is None else list(chosen)}
-                        with intervene(pipe, unit, **where, mode=mode, factor=factor, adapter=adapter):
-                            out = generate(pipe, seed=seed, **call)
-                        row = {
-                            "seed": seed,
-                            "reference": _label(unit),
-                            "group": group,
-                            "steps": name,
-                            "first_step": -1 if chosen is None else chosen.start,
-                            "last_step": -1 if chosen is None else chosen.stop - 1,
-                            "mode": mode,
-                            "factor": 0.0 if factor is None else float(factor),
-                            "latent_effect": float(_rms(baseline.latents.numpy(), out.latents.numpy())[0]),
-                            "pixel_effect": float(_rms(baseline.images, out.images)[0]),
-                            "baseline_label": -1,
-                            "label": -1,
-                            "flipped": False,
-                        }
-                        if classify is not None:
-                            labels, probabilities = classify(out.images)
-                            row.update(
-                                baseline_label=int(base_labels[0]),
-                                label=int(labels[0]),
-                                flipped=bool(labels[0] != base_labels[0]),
-                            )
-                            row.update(
-                                {f"baseline_probability_{k}": float(p) for k, p in enumerate(base_probabilities[0])}
-                            )
-                            row.update({f"probability_{k}": float(p) for k, p in enumerate(probabilities[0])})
-                        rows.append(row)
+        outputs = _batched_cells(pipe, cells, seed, batch, adapter, call) if batch > 1 else None
+        for index, (unit, group, pattern, name, chosen, mode, factor) in enumerate(cells):
+            if outputs is None:
+                where = {"layers": pattern, "steps": None if chosen is None else list(chosen)}
+                with intervene(pipe, unit, **where, mode=mode, factor=factor, adapter=adapter):
+                    out = generate(pipe, seed=seed, **call)
+            else:
+                out = outputs[index]
+            row = {
+                "seed": seed,
+                "reference": _label(unit),
+                "group": group,
+                "steps": name,
+                "first_step": -1 if chosen is None else chosen.start,
+                "last_step": -1 if chosen is None else chosen.stop - 1,
+                "mode": mode,
+                "factor": 0.0 if factor is None else float(factor),
+                "latent_effect": float(_rms(baseline.latents.numpy(), out.latents.numpy())[0]),
+                "pixel_effect": float(_rms(baseline.images, out.images)[0]),
+                "baseline_label": -1,
+                "label": -1,
+                "flipped": False,
+            }
+            if classify is not None:
+                labels, probabilities = classify(out.images)
+                row.update(
+                    baseline_label=int(base_labels[0]),
+                    label=int(labels[0]),
+                    flipped=bool(labels[0] != base_labels[0]),
+                )
+                row.update({f"baseline_probability_{k}": float(p) for k, p in enumerate(base_probabilities[0])})
+                row.update({f"probability_{k}": float(p) for k, p in enumerate(probabilities[0])})
+            rows.append(row)
     return pd.DataFrame(rows)
+
+
+def _initial_noise(pipe, seed: int, call: dict[str, Any]) -> torch.Tensor:
+    """``(1, C, h, w)`` the noise :func:`~.effect.generate` starts from with ``seed`` (drawn as the pipeline draws it,
+    before its scheduler's ``init_noise_sigma``)."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    config = denoiser_of(pipe).config
+    scale = getattr(pipe, "vae_scale_factor", 8)
+    height = call.get("height") or config.sample_size * scale
+    width = call.get("width") or config.sample_size * scale
+    shape = (1, config.in_channels, height // scale, width // scale)
+    dtype = next(denoiser_of(pipe).parameters()).dtype
+    return randn_tensor(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _batched_cells(pipe, cells: list, seed: int, batch: int, adapter: int, call: dict[str, Any]) -> list[Generation]:
+    """Every cell's intervened generation, ``batch`` cells per pipeline call (see :func:`ablation_grid`)."""
+    from .custom import scale_hooks
+    from .points import point_name
+
+    for name in ("generator", "output_type", "return_dict", "latents", "num_images_per_prompt"):
+        if name in call:
+            raise ValueError(f"ablation_grid(batch > 1) sets {name}= itself; drop it from the call (or pass batch=1)")
+    layers = [layer.name for layer in hook_point_layers(pipe)]
+    noise = _initial_noise(pipe, seed, call)  # (1, C, h, w)
+    digest = call_digest(**call)
+    out: list[Generation] = []
+    for start in range(0, len(cells), batch):
+        chunk = cells[start : start + batch]
+        # per cell: the scale callback of its setting (factor 0: ablate), the layers and steps where it acts
+        edits = [
+            (
+                next(
+                    iter(
+                        scale_hooks(
+                            InterventionConfig(unit, mode="scale", factor=0.0 if f is None else f), [""]
+                        ).values()
+                    )
+                ),  # fmt: skip
+                {n for n in layers if pattern is None or re.search(pattern, n)},
+                None if chosen is None else set(chosen),
+            )
+            for unit, _, pattern, _, chosen, _, f in chunk
+        ]
+
+        def weights(w: torch.Tensor, ctx, edits=edits) -> torch.Tensor | None:  # w: (B, H, Q, K), B = rows x cells
+            cells_here = len(edits)
+            acting = [ctx.layer in names and (steps is None or ctx.step in steps) for _, names, steps in edits]
+            if not any(acting):
+                return None
+            per_cell = w.reshape(-1, cells_here, *w.shape[1:])  # (rows, cells, H, Q, K): cells vary fastest
+            edited = [
+                (fn(per_cell[:, c], ctx) if act else None)
+                for c, ((fn, _, _), act) in enumerate(zip(edits, acting, strict=True))
+            ]
+            return torch.stack([per_cell[:, c] if e is None else e for c, e in enumerate(edited)], 1).reshape(w.shape)
+
+        hooks = {point_name(layer, "weights", adapter): weights for layer in layers}
+        with intervene(pipe, hooks=hooks):
+            latents = pipe(
+                **call,
+                num_images_per_prompt=len(chunk),
+                latents=noise.expand(len(chunk), *noise.shape[1:]).clone(),
+                output_type="latent",
+            ).images
+        images = decode_latents(pipe, latents)
+        latents = latents.detach().float().cpu()
+        out.extend(Generation(latents[i : i + 1], images[i : i + 1], seed, digest) for i in range(len(chunk)))
+    return out
 
 
 def _t_interval(values: np.ndarray) -> tuple[float, float, float]:
