@@ -40,7 +40,7 @@ def test_a_bad_command_line_is_one_line_before_torch_loads(answers, case):
     assert result["heavy"] == [], f"{case.name} imported {result['heavy']} before answering"
     assert not (root / "out" / case.name.replace(" ", "_")).exists()  # nothing written
     # Not a speed test (speed is measured in benchmarks/): "before torch loads" is held by `heavy` above; the bound
-    # only catches a hang or a client's retry loop (minutes), with room for a loaded machine (3 s was exceeded at load 6).
+    # only catches a hang or a client's retry loop (minutes), with room for a loaded machine (3 s was over at load 6).
     assert result["seconds"] < 30, f"{case.name} took {result['seconds']:.1f} s to answer"
 
 

@@ -334,9 +334,12 @@ def test_ctrl_c_during_the_renames_is_held_back_until_the_run_is_in_place(tmp_pa
         return real(src, dst)
 
     monkeypatch.setattr(os, "replace", interrupted_rename)
+    # Ctrl-C as at a terminal, also when the suite runs in the background (started with SIGINT ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     with pytest.raises(KeyboardInterrupt) as caught:
         _run(out, {"a.txt": "new", "b.txt": "new b"}, key=2, overwrite=True)
     monkeypatch.setattr(os, "replace", real)
+    signal.signal(signal.SIGINT, previous)
     record = _whole(out)  # delivered once the commit ended: the new run is whole, and the note says so
     assert set(record["files"]) == {"a.txt", "b.txt"} and (out / "a.txt").read_text() == "new"
     assert f"{out} holds run {record['run_id']}, finished (2 files)" in caught.value.__notes__

@@ -29,8 +29,16 @@ ARGS = ["probe", "--kind", "sd15", "--steps", "2", "--size", "64", "64", "--thre
 
 def _start(argv: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Ctrl-C as at a terminal, also when the suite itself runs in the background (a shell starts background jobs with
+    # SIGINT ignored, which the child would inherit, and Python then installs no KeyboardInterrupt handler)
     return subprocess.Popen(
-        [*CLI, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [*CLI, *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
