@@ -79,6 +79,8 @@ from .attribution_setup import (
     RESOLUTIONS,
     SHUFFLE_LATENT_RTOL,
     SHUFFLE_SHARE_ATOL,
+    STEP_PREDICTORS,
+    WHOLE_RUN_PREDICTORS,
     _call,
     _interval_text,
     _matrix,
@@ -99,6 +101,8 @@ __all__ = [
     "RESOLUTIONS",
     "SHUFFLE_LATENT_RTOL",
     "SHUFFLE_SHARE_ATOL",
+    "STEP_PREDICTORS",
+    "WHOLE_RUN_PREDICTORS",
     "ablation_effects",
     "compare",
     "compare_grid",
@@ -135,11 +139,13 @@ def ablation_effects(pipe, digits: list[int], refs: list, seed: int) -> tuple[pd
 
 def _ablated(pipe, digits: list[int], refs: list, seed: int):
     """:func:`ablation_effects` with the whole :class:`~ipa_probe.attribution.ReferenceAttribution`."""
+    from ..attribution import digit_probability_gradients
     from ..intervention import measure_intervention
     from ..tiny.digits import classify_digit_images
 
     call = _call(refs)
     result = observe(pipe, refs, seed)
+    patching = digit_probability_gradients(pipe, digits, seed=seed, **call)  # one forward and one backward pass
     rows = []
     for reference, digit in enumerate(digits):
         effect = measure_intervention(
@@ -159,14 +165,15 @@ def _ablated(pipe, digits: list[int], refs: list, seed: int):
                 "ablated_label": int(effect.intervened_labels[0]),
             }
         )
-    return result, pd.DataFrame(rows)
+    return result, pd.DataFrame(rows).merge(patching, on="reference")
 
 
 def predictors(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per (set, reference): the attention share (mean over layers and recorded steps) and the posterior weight (mean
     over recorded steps); and per (set, reference, timestep) the same at that step."""
-    per_step = table.groupby(["set", "reference", "timestep"], as_index=False)[list(PREDICTORS)].mean()
-    overall = per_step.groupby(["set", "reference"], as_index=False)[list(PREDICTORS)].mean()
+    columns = list(STEP_PREDICTORS)
+    per_step = table.groupby(["set", "reference", "timestep"], as_index=False)[columns].mean()
+    overall = per_step.groupby(["set", "reference"], as_index=False)[columns].mean()
     return overall, per_step
 
 
@@ -184,6 +191,8 @@ def compare(effects: pd.DataFrame, overall: pd.DataFrame, per_step: pd.DataFrame
         for effect in EFFECTS:
             tests = {}
             for predictor in PREDICTORS:
+                if predictor not in merged.columns or (when != "all" and predictor in WHOLE_RUN_PREDICTORS):
+                    continue  # the whole run's predictors once; effects without them (older records) skip them
                 tests[predictor] = paired_rank_test(_matrix(merged, predictor), _matrix(merged, effect), seed=seed)
                 t = tests[predictor]
                 rows.append(
@@ -301,7 +310,8 @@ def run(ctx) -> ExperimentResult:
             answer = "yes" if attention["predicts"] else "no"
             others = "; ".join(
                 f"{PREDICTORS[p]} {_interval_text(part[p])}, p {part[p]['p']:.2g} (Holm {part[p]['p_holm']:.2g})"
-                for p in ("contribution_norm", "contribution_projection")
+                for p in ("contribution_norm", "contribution_projection", *WHOLE_RUN_PREDICTORS)
+                if p in part
             )
             rows.append(
                 Row(
@@ -327,7 +337,9 @@ def run(ctx) -> ExperimentResult:
                         f"{r['p_holm']:.2g})",
                         "—",
                         f"chosen at {r['selection_spearman']:+.2f} on the other half; held-out means: "
-                        + ", ".join(f"{PREDICTORS[p]} {r[f'{p}_held_out']:+.2f}" for p in PREDICTORS)
+                        + ", ".join(
+                            f"{PREDICTORS[p]} {r[f'{p}_held_out']:+.2f}" for p in PREDICTORS if f"{p}_held_out" in r
+                        )
                         + f"; {r['sets']} held-out sets",
                     )
                 )
