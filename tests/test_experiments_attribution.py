@@ -490,9 +490,10 @@ def test_grid_predictors_and_comparisons_against_scipy():
     rng = np.random.default_rng(3)
     layers = ["down_blocks.0.attn2", "mid_block.attn2", "up_blocks.1.attn2", "up_blocks.2.attn2"]
     steps = [0, 5, 10, 15, 19]
+    step_predictors = experiment.STEP_PREDICTORS
     table = pd.DataFrame(
         [
-            {"set": s, "reference": r, "layer": layer, "step": t, **{p: rng.uniform() for p in experiment.STEP_PREDICTORS}}
+            {"set": s, "reference": r, "layer": layer, "step": t, **{p: rng.uniform() for p in step_predictors}}
             for s in range(6) for r in range(4) for layer in layers for t in steps
         ]
     )  # fmt: skip
