@@ -252,3 +252,32 @@ def test_cli_compare_runs_with_no_arguments(tmp_path, monkeypatch, capsys):
     record = json.loads((out / "compare.json").read_text())
     assert record["settings"]["clip_model"] == "ViT-B-32" and record["settings"]["clip_random_weights"] is True
     assert len(record["seeds"]) == 3
+
+
+def test_cli_compare_prints_and_saves_the_nw_heads_digit_rates(tiny_clip, tmp_path, capsys):
+    """On the digits organism, compare prints and saves each head's right-digit rate (learned, NW head in both
+    frames, adapter off); the learned and adapter-off counts against the test's own generations and classifier."""
+    from ipa_probe.tiny.digits import DIGITS_PROMPT, classify_digit_images, digits_pipeline, digits_reference_images
+
+    out = tmp_path / "cmp"
+    argv = ["compare", "--out", str(out), "--steps", "3", "--seeds", "5", "9", "--clip-model", tiny_clip]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    rates = pd.read_csv(out / "digit_rates.csv").set_index("method")
+    assert list(rates.index) == ["learned", "nw_head_query", "nw_head_stored", "adapter_off"]
+    assert (rates["images"] == 2).all() and (rates["digit"] == 3).all()
+    line = next(x for x in printed.splitlines() if x.startswith("digit-right rate"))
+    for name, method in (("learned", "learned"), ("(query frame)", "nw_head_query"), ("adapter off", "adapter_off")):
+        assert f"{name} {rates.loc[method, 'right']}/2" in line, line
+    assert "digit_rates.csv" in printed.splitlines()[-1]
+    pipe = digits_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    refs = digits_reference_images(3, 3, seed=0)
+    for method, scale in (("learned", 1.0), ("adapter_off", 0.0)):
+        pipe.set_ip_adapter_scale(scale)
+        images = [
+            pipe(DIGITS_PROMPT, ip_adapter_image=[refs], num_inference_steps=3, guidance_scale=3.0,
+                 generator=torch.Generator().manual_seed(s)).images[0]
+            for s in (5, 9)
+        ]  # fmt: skip
+        assert rates.loc[method, "right"] == int((classify_digit_images(images)[0] == 3).sum())

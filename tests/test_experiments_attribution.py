@@ -49,9 +49,9 @@ def synthetic(sets=7, refs=4, steps=(901.0, 1.0), seed=0):
         ],  # fmt: skip
     )
     effects = pd.DataFrame(
-        [(s, r, rng.uniform(), rng.normal()) for s in range(sets) for r in range(refs)],
-        columns=["set", "reference", "latent_effect", "class_drop"],
-    )
+        [(s, r, rng.uniform(), rng.normal(), rng.normal(), rng.normal()) for s in range(sets) for r in range(refs)],
+        columns=["set", "reference", "latent_effect", "class_drop", "attribution_patching", "output_projection"],
+    )  # the whole run's predictors (one backward pass) come with the effects
     return per_step, effects
 
 
@@ -60,7 +60,7 @@ def test_predictors_and_comparisons_against_scipy():
     table = per_step.copy()
     table["layer"] = "l0"
     overall, by_step = experiment.predictors(table)
-    for column in experiment.PREDICTORS:
+    for column in experiment.STEP_PREDICTORS:
         expected = [
             per_step[(per_step["set"] == s) & (per_step["reference"] == r)][column].to_numpy().mean()
             for s, r in zip(overall["set"], overall["reference"], strict=True)
@@ -76,7 +76,9 @@ def test_predictors_and_comparisons_against_scipy():
     for when, frame in [("all", overall), ("901", by_step[by_step["timestep"] == 901.0])]:
         for effect in experiment.EFFECTS:
             rows = result[(result["timestep"] == when) & (result["effect"] == effect)].set_index("predictor")
-            values = {p: per_set(frame, p, effect) for p in experiment.PREDICTORS}
+            compared = experiment.PREDICTORS if when == "all" else experiment.STEP_PREDICTORS  # whole run: once
+            assert set(rows.index) == {*compared, "posterior - attention"}
+            values = {p: per_set(frame, p, effect) for p in compared}
             for predictor, v in values.items():
                 assert rows.loc[predictor, "spearman"] == pytest.approx(v.mean(), abs=1e-12)
                 r = rows.loc[predictor]
@@ -147,6 +149,10 @@ def test_ip_adapter_summary_query_frame_against_numpy():
     assert not experiment_ip.query_frame_rows("trained", summarize_sets(frame.drop(columns=["qf_spearman"])))
 
 
+#: The central difference's step along the ablation path in the organism's float32 check (see its tolerance).
+PATCH_EPS = 0.05
+
+
 def test_ablation_effects_against_the_tests_own_generations(organism):
     pipe = organism
     refs = digits_reference_images(1, 2, seed=100) + digits_reference_images(7, 2, seed=200)
@@ -182,6 +188,17 @@ def test_ablation_effects_against_the_tests_own_generations(organism):
         # 1e-6: the pipeline's postprocess and this test's decode round the same float32 pixels differently
         assert row.class_drop == pytest.approx(drop, abs=1e-6)
         assert row.flipped == (int(np.argmax(probabilities(ablated))) != int(np.argmax(base_probabilities)))
+        # attribution patching: dP(digit)/df_j along the ablation path, against the test's own central difference
+        # through mode="scale" (factor 1 +- EPS) and this test's decode and classifier
+        ends = []
+        for factor in (1 + PATCH_EPS, 1 - PATCH_EPS):
+            with ipa_probe.intervene(pipe, row.reference, mode="scale", factor=factor):
+                ends.append(probabilities(generate())[row.digit])
+        slope = (ends[0] - ends[1]) / (2 * PATCH_EPS)
+        # tolerance: float32 latents over 20 steps (differences ~1e-7 of P, /2 EPS) and the central difference's
+        # truncation (EPS^2 times the third derivative), plus the patching's own central difference in the classifier
+        assert row.attribution_patching == pytest.approx(slope, rel=0.05, abs=2e-4)
+    assert effects["attribution_patching"].abs().max() > 1e-3  # something to estimate
 
 
 # ------------------------------------------------------------------------------------ the controls' pieces
@@ -484,9 +501,10 @@ def test_grid_predictors_and_comparisons_against_scipy():
     rng = np.random.default_rng(3)
     layers = ["down_blocks.0.attn2", "mid_block.attn2", "up_blocks.1.attn2", "up_blocks.2.attn2"]
     steps = [0, 5, 10, 15, 19]
+    step_predictors = experiment.STEP_PREDICTORS
     table = pd.DataFrame(
         [
-            {"set": s, "reference": r, "layer": layer, "step": t, **{p: rng.uniform() for p in experiment.PREDICTORS}}
+            {"set": s, "reference": r, "layer": layer, "step": t, **{p: rng.uniform() for p in step_predictors}}
             for s in range(6) for r in range(4) for layer in layers for t in steps
         ]
     )  # fmt: skip
@@ -506,13 +524,13 @@ def test_grid_predictors_and_comparisons_against_scipy():
             (table["set"] == row.set) & (table["reference"] == row.reference)
             & table["layer"].isin(pick[row.group]) & table["step"].isin(chosen[row.steps])
         ]  # fmt: skip
-        for p in experiment.PREDICTORS:
+        for p in experiment.STEP_PREDICTORS:
             assert getattr(row, p) == pytest.approx(part[p].mean(), rel=1e-12)
     result = experiment.compare_grid(grid, predictors)
     merged = grid.merge(predictors, on=["set", "reference", "group", "steps"])
     for g, n, *_ in cells:
         for effect in experiment.EFFECTS:
-            for p in experiment.PREDICTORS:
+            for p in experiment.STEP_PREDICTORS:
                 part = merged[(merged["group"] == g) & (merged["steps"] == n)]
                 want = np.mean([stats.spearmanr(x[p], x[effect]).statistic for _, x in part.groupby("set")])
                 got = result[(result["group"] == g) & (result["steps"] == n) & (result["effect"] == effect)]

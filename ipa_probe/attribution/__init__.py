@@ -4,7 +4,8 @@
 the exact NW posterior over the reference latents at the same noisy latent (:func:`reference_attribution`);
 ``analysis`` compares them over many reference sets with gauge-invariant statistics, intervals, permutation tests,
 a fitted data-space temperature and a verdict by a pre-stated rule (:func:`summarize_attribution`). The causal side,
-removing a reference's tokens, is :mod:`ipa_probe.intervention`.
+removing a reference's tokens, is :mod:`ipa_probe.intervention`; ``patching`` estimates its effect to first order
+from one backward pass (attribution patching).
 """
 
 from .analysis import (
@@ -35,12 +36,14 @@ from .collect import (
     reference_attribution,
     sets_table,
 )
+from .patching import PATCHING_COLUMNS, digit_probability_gradients, patching_gradients
 
 __all__ = [
     "ALPHA",
     "ATTRIBUTION_COLUMNS",
     "CELL_COLUMNS",
     "CONTRIBUTION_COLUMNS",
+    "PATCHING_COLUMNS",
     "POOLING_TV",
     "ReferenceAttribution",
     "VERDICTS",
@@ -48,11 +51,13 @@ __all__ = [
     "cell_verdicts",
     "clopper_pearson",
     "control_difference",
+    "digit_probability_gradients",
     "fit_bandwidth",
     "holm",
     "layer_agreement_test",
     "neff",
     "paired_rank_test",
+    "patching_gradients",
     "posterior_at",
     "reference_attribution",
     "sets_table",

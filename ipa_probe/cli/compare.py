@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_SEEDS = 3
 
+#: The digits organism's right-digit rates per head (learned, NW head in both frames, adapter off), in ``--out``.
+RATES_FILE = "digit_rates.csv"
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -147,15 +150,26 @@ def _compare(args: argparse.Namespace, staging: Path) -> list[str]:
     paths = result.save(staging)
     lines = [result.markdown()]
     if "digit" in loaded.description:
+        from .._io import write_table
+        from ..compare_rates import digit_rate_line, label_rates
+        from ..tiny.digits import classify_digit_images
         from ..tiny.digits.evaluate import digit_readings_line
 
         lines.append(digit_readings_line(result))
+        # the NW baseline's quality beside the learned head and the adapter off, from the same seeds (#40 point 7)
+        digit = int(loaded.description["digit"])
+        rates = label_rates(
+            loaded.pipe, [(digit, loaded.references)], seeds, classify_digit_images, loaded.call_kwargs
+        )
+        write_table(rates.assign(digit=digit), staging / RATES_FILE)
+        lines.append(digit_rate_line(rates, digit))
     if scorer.random_weights:
         lines.append(f"note: {RANDOM_WEIGHTS_NOTE}")
     lines.append(
         f"wrote {out}: {paths['grid'].name} (references, VAE round trip, {len(result.images)} methods x "
         f"{len(seeds)} seeds), "
         f"{paths['table'].name}, {paths['markdown'].name}, {paths['per_image'].name}, {paths['record'].name}, "
-        f"images/ ({sum(len(v) for v in result.images.values())} PNGs), ipa_probe_manifest.json"
+        + (f"{RATES_FILE}, " if "digit" in loaded.description else "")
+        + f"images/ ({sum(len(v) for v in result.images.values())} PNGs), ipa_probe_manifest.json"
     )
     return lines

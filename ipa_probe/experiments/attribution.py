@@ -79,6 +79,8 @@ from .attribution_setup import (
     RESOLUTIONS,
     SHUFFLE_LATENT_RTOL,
     SHUFFLE_SHARE_ATOL,
+    STEP_PREDICTORS,
+    WHOLE_RUN_PREDICTORS,
     _call,
     _interval_text,
     _matrix,
@@ -99,7 +101,10 @@ __all__ = [
     "RESOLUTIONS",
     "SHUFFLE_LATENT_RTOL",
     "SHUFFLE_SHARE_ATOL",
+    "STEP_PREDICTORS",
+    "WHOLE_RUN_PREDICTORS",
     "ablation_effects",
+    "add_patching",
     "compare",
     "compare_grid",
     "control_rows",
@@ -135,11 +140,13 @@ def ablation_effects(pipe, digits: list[int], refs: list, seed: int) -> tuple[pd
 
 def _ablated(pipe, digits: list[int], refs: list, seed: int):
     """:func:`ablation_effects` with the whole :class:`~ipa_probe.attribution.ReferenceAttribution`."""
+    from ..attribution import digit_probability_gradients
     from ..intervention import measure_intervention
     from ..tiny.digits import classify_digit_images
 
     call = _call(refs)
     result = observe(pipe, refs, seed)
+    patching = digit_probability_gradients(pipe, digits, seed=seed, **call)  # one forward and one backward pass
     rows = []
     for reference, digit in enumerate(digits):
         effect = measure_intervention(
@@ -159,14 +166,15 @@ def _ablated(pipe, digits: list[int], refs: list, seed: int):
                 "ablated_label": int(effect.intervened_labels[0]),
             }
         )
-    return result, pd.DataFrame(rows)
+    return result, pd.DataFrame(rows).merge(patching, on="reference")
 
 
 def predictors(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per (set, reference): the attention share (mean over layers and recorded steps) and the posterior weight (mean
     over recorded steps); and per (set, reference, timestep) the same at that step."""
-    per_step = table.groupby(["set", "reference", "timestep"], as_index=False)[list(PREDICTORS)].mean()
-    overall = per_step.groupby(["set", "reference"], as_index=False)[list(PREDICTORS)].mean()
+    columns = list(STEP_PREDICTORS)
+    per_step = table.groupby(["set", "reference", "timestep"], as_index=False)[columns].mean()
+    overall = per_step.groupby(["set", "reference"], as_index=False)[columns].mean()
     return overall, per_step
 
 
@@ -184,6 +192,8 @@ def compare(effects: pd.DataFrame, overall: pd.DataFrame, per_step: pd.DataFrame
         for effect in EFFECTS:
             tests = {}
             for predictor in PREDICTORS:
+                if predictor not in merged.columns or (when != "all" and predictor in WHOLE_RUN_PREDICTORS):
+                    continue  # the whole run's predictors once; effects without them (older records) skip them
                 tests[predictor] = paired_rank_test(_matrix(merged, predictor), _matrix(merged, effect), seed=seed)
                 t = tests[predictor]
                 rows.append(
@@ -301,7 +311,8 @@ def run(ctx) -> ExperimentResult:
             answer = "yes" if attention["predicts"] else "no"
             others = "; ".join(
                 f"{PREDICTORS[p]} {_interval_text(part[p])}, p {part[p]['p']:.2g} (Holm {part[p]['p_holm']:.2g})"
-                for p in ("contribution_norm", "contribution_projection")
+                for p in ("contribution_norm", "contribution_projection", *WHOLE_RUN_PREDICTORS)
+                if p in part
             )
             rows.append(
                 Row(
@@ -327,7 +338,9 @@ def run(ctx) -> ExperimentResult:
                         f"{r['p_holm']:.2g})",
                         "—",
                         f"chosen at {r['selection_spearman']:+.2f} on the other half; held-out means: "
-                        + ", ".join(f"{PREDICTORS[p]} {r[f'{p}_held_out']:+.2f}" for p in PREDICTORS)
+                        + ", ".join(
+                            f"{PREDICTORS[p]} {r[f'{p}_held_out']:+.2f}" for p in PREDICTORS if f"{p}_held_out" in r
+                        )
                         + f"; {r['sets']} held-out sets",
                     )
                 )
@@ -403,6 +416,58 @@ def run(ctx) -> ExperimentResult:
 
 #: The label of a posterior read after the output is decided (:data:`~.attribution_tests.DECIDED_BELOW`).
 CIRCULAR = ", near-circular: read after the output is decided"
+
+
+def add_patching(folder: str | Path, recipe: str, progress: bool = False) -> list[Path]:
+    """Add the whole run's predictors (:data:`~.attribution_setup.WHOLE_RUN_PREDICTORS`: one forward and one
+    backward pass per set) to a committed attribution folder without redoing its ablations: per organism, each set of
+    ``effects_<label>.csv`` is generated again with gradients (the experiment's sets and seeds, checked against the
+    digits the file holds), the columns join the effects, their comparisons join ``comparisons_<label>.csv`` (Holm
+    then runs over the grown table) and ``held_out_<label>.csv`` is chosen again among every candidate.
+
+    Returns:
+        the files written.
+    """
+    from tqdm.auto import tqdm
+
+    from .._io import write_table
+    from ..attribution import digit_probability_gradients
+    from .ip_adapter_setup import _mixed_sets, organism_pipelines
+
+    folder = Path(folder)
+    written = []
+    for label, pipe in organism_pipelines(recipe).items():
+        path = folder / f"effects_{label}.csv"
+        if not path.exists():
+            continue
+        effects = pd.read_csv(path).drop(columns=list(WHOLE_RUN_PREDICTORS), errors="ignore")
+        sets = _mixed_sets(int(effects["set"].max()) + 1)
+        columns = []
+        for i in tqdm(sorted(effects["set"].unique()), desc=f"attribution patching {label}", disable=not progress):
+            (a, b), refs = sets[i]
+            digits = effects[effects["set"] == i].sort_values("reference")["digit"].tolist()
+            if digits != [a, a, b, b]:
+                raise ValueError(f"{path}: set {i} holds digits {digits}, the experiment's set {i} is {[a, a, b, b]}")
+            columns.append(digit_probability_gradients(pipe, digits, seed=int(i), **_call(refs)).assign(set=i))
+        effects = effects.merge(pd.concat(columns, ignore_index=True), on=["set", "reference"])
+        write_table(effects, path)
+        written.append(path)
+        path = folder / f"comparisons_{label}.csv"
+        if path.exists():
+            table = pd.read_csv(path, dtype={"timestep": str})
+            table = table[~table["predictor"].isin(WHOLE_RUN_PREDICTORS)]
+            overall = effects[["set", "reference", *STEP_PREDICTORS]]
+            added = compare(
+                effects.drop(columns=list(STEP_PREDICTORS)), overall, overall.iloc[:0].assign(timestep=0.0)
+            )
+            added = added[added["predictor"].isin(WHOLE_RUN_PREDICTORS)]
+            write_table(adjust_comparisons(pd.concat([table, added], ignore_index=True)), path)
+            written.append(path)
+        if effects["set"].nunique() >= 4:
+            target = folder / f"held_out_{label}.csv"
+            write_table(held_out(effects), target)
+            written.append(target)
+    return written
 
 
 def _set_digits(effects: pd.DataFrame) -> np.ndarray:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .attribution_setup import EFFECTS, PREDICTORS, _call, _interval_text, _matrix, predictor_test
+from .attribution_setup import EFFECTS, PREDICTORS, STEP_PREDICTORS, _call, _interval_text, _matrix, predictor_test
 from .report import Row
 
 __all__ = ["compare_grid", "grid_effects", "grid_predictors", "grid_rows", "two_plus_two_example"]
@@ -65,7 +65,7 @@ def grid_predictors(table: pd.DataFrame, grid: pd.DataFrame) -> pd.DataFrame:
             part = part[(part["step"] >= cell.first_step) & (part["step"] <= cell.last_step)]
         if not len(part):
             continue
-        means = part.groupby(["set", "reference"], as_index=False)[list(PREDICTORS)].mean()
+        means = part.groupby(["set", "reference"], as_index=False)[list(STEP_PREDICTORS)].mean()
         rows.append(means.assign(group=cell.group, steps=cell.steps))
     return pd.concat(rows, ignore_index=True)
 
@@ -80,7 +80,7 @@ def compare_grid(grid: pd.DataFrame, predictors_table: pd.DataFrame, seed: int =
     merged = grid.merge(predictors_table, on=["set", "reference", "group", "steps"])
     for (group, steps, mode, factor), part in merged.groupby(["group", "steps", "mode", "factor"], sort=False):
         for effect in EFFECTS:
-            for predictor in PREDICTORS:
+            for predictor in STEP_PREDICTORS:
                 t = paired_rank_test(_matrix(part, predictor), _matrix(part, effect), seed=seed)
                 rows.append(
                     {
@@ -131,8 +131,8 @@ def grid_rows(label: str, comparison: pd.DataFrame, example: pd.DataFrame, sets:
     for (group, steps, mode, factor), part in comparison.groupby(["group", "steps", "mode", "factor"], sort=False):
         for effect in EFFECTS:
             by = {r["predictor"]: r for r in part[part["effect"] == effect].to_dict(orient="records")}
-            best = [p for p in PREDICTORS if by[p]["predicts"]]
-            family = by[next(iter(PREDICTORS))].get("family", "grid")
+            best = [p for p in STEP_PREDICTORS if by[p]["predicts"]]
+            family = by[STEP_PREDICTORS[0]].get("family", "grid")
             where = f"{mode}" + (f" x{factor:g}" if mode == "scale" else "")
             rows.append(
                 Row(
@@ -144,7 +144,7 @@ def grid_rows(label: str, comparison: pd.DataFrame, example: pd.DataFrame, sets:
                     "; ".join(
                         f"{PREDICTORS[p]} {_interval_text(by[p])} (p {by[p]['p']:.2g}"
                         + (f", Holm {by[p]['p_holm']:.2g})" if "p_holm" in by[p] else ")")
-                        for p in PREDICTORS
+                        for p in STEP_PREDICTORS
                     )
                     + f"; mean per-set Spearman over the 4 references, {sets} sets; one-sided p, Holm within the "
                     f"{family} family",

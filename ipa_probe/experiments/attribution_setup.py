@@ -18,6 +18,8 @@ __all__ = [
     "RESOLUTIONS",
     "SHUFFLE_LATENT_RTOL",
     "SHUFFLE_SHARE_ATOL",
+    "STEP_PREDICTORS",
+    "WHOLE_RUN_PREDICTORS",
     "_call",
     "_interval_text",
     "_matrix",
@@ -43,7 +45,18 @@ PREDICTORS = {
     "contribution_norm": "contribution norm",
     "contribution_projection": "contribution projection",
     "posterior_weight": "exact posterior weight",
+    "attribution_patching": "attribution patching",
+    "output_projection": "contribution on the output's gradient",
 }
+
+
+#: Predictors of the whole generation (one backward pass, :mod:`ipa_probe.attribution.patching`), not read per step:
+#: compared once (timestep ``"all"``), beside the step means of the others.
+WHOLE_RUN_PREDICTORS = ("attribution_patching", "output_projection")
+
+
+#: The predictors read per (layer, step): averaged over a layer group and step range in the grid.
+STEP_PREDICTORS = tuple(p for p in PREDICTORS if p not in WHOLE_RUN_PREDICTORS)
 
 
 #: Reordering the references permutes the image tokens, so every softmax normaliser and every weighted sum of values

@@ -115,6 +115,7 @@ def held_out(effects: pd.DataFrame, permutations: int = 4999, seed: int = 0) -> 
     """
     from ..attribution import ALPHA, holm, paired_rank_test
 
+    candidates = [p for p in PREDICTORS if p in effects.columns]  # a record from before a predictor lacks it
     sets = np.sort(effects["set"].unique())
     halves = {"even": sets[::2], "odd": sets[1::2]}
     rows = []
@@ -123,7 +124,7 @@ def held_out(effects: pd.DataFrame, permutations: int = 4999, seed: int = 0) -> 
             choose = effects[effects["set"].isin(halves[chooser])]
             test = effects[effects["set"].isin(halves[tester])]
             scores = {}
-            for predictor in PREDICTORS:
+            for predictor in candidates:
                 values = _mean_spearman(choose, predictor, effect)
                 scores[predictor] = float(np.nanmean(values)) if np.isfinite(values).any() else np.nan
             chosen = max(scores, key=lambda k: abs(scores[k]) if np.isfinite(scores[k]) else -1.0)
@@ -143,7 +144,7 @@ def held_out(effects: pd.DataFrame, permutations: int = 4999, seed: int = 0) -> 
                 "p": result["p"],
                 "sets": result["sets"],
             }
-            for predictor in PREDICTORS:
+            for predictor in candidates:
                 values = _mean_spearman(test, predictor, effect)
                 row[f"{predictor}_held_out"] = float(np.nanmean(values)) if np.isfinite(values).any() else np.nan
             rows.append(row)

@@ -6,90 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import pandas as pd
-import PIL.Image
 
-from .._checks import check_items
-from ..compare import _check_seeds, _generator
+from ..compare_rates import RATE_METHODS, label_rates
 
 __all__ = ["RATE_METHODS", "label_rates", "recipe_rates"]
-
-
-#: The heads :func:`label_rates` compares: the learned adapter, the NW head in either frame, and the adapter off.
-RATE_METHODS: tuple[str, ...] = ("learned", "nw_head_query", "nw_head_stored", "adapter_off")
-
-
-def label_rates(
-    pipe,
-    sets: Sequence[tuple[int, Sequence[PIL.Image.Image]]],
-    seeds: Sequence[int],
-    classify,
-    call_kwargs: dict | None = None,
-    methods: Sequence[str] = RATE_METHODS,
-) -> pd.DataFrame:
-    """How often each head's output reads as the references' label: the NW baseline's quality beside the learned
-    adapter's and the adapter switched off (issue #40 point 7).
-
-    For every ``(label, references)`` set and seed, one image per method from the same initial noise: ``learned``
-    (the pipeline as it is), ``nw_head_query`` / ``nw_head_stored`` (:func:`ipa_probe.nw_head`, matched bandwidth,
-    query or stored frame) and ``adapter_off`` (every IP-Adapter's scale 0, restored after); ``classify`` labels the
-    images. The rate's interval is Clopper-Pearson (exact, inside [0, 1]).
-
-    Args:
-        pipe: a pipeline with one IP-Adapter loaded.
-        sets: ``(label, references)`` pairs.
-        seeds: generator seeds, one image per set, seed and method.
-        classify: images (PIL) -> ``(labels, probabilities)`` (e.g.
-            :func:`ipa_probe.tiny.digits.classify_digit_images`).
-        call_kwargs: more pipeline arguments.
-        methods: a subset of :data:`RATE_METHODS`.
-
-    Returns:
-        one row per method: ``method``, ``right`` (count), ``images``, ``rate``, ``low``, ``high``.
-    """
-    from ..attribution import clopper_pearson
-    from ..layers import find_ip_layers
-    from ..nwhead import nw_head
-
-    unknown = [m for m in check_items(methods, "methods", "method names") if m not in RATE_METHODS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; choose from {list(RATE_METHODS)}")
-    seeds = _check_seeds(seeds)
-    call = dict(call_kwargs or {})
-    processors = [layer.processor for layer in find_ip_layers(pipe)]
-
-    def images(references) -> list[PIL.Image.Image]:
-        return [
-            pipe(ip_adapter_image=[list(references)], generator=_generator(pipe.device, s), **call).images[0]
-            for s in seeds
-        ]
-
-    rows = []
-    for method in methods:
-        right = total = 0
-        for label, references in sets:
-            if method.startswith("nw_head"):
-                with nw_head(pipe, frame=method.removeprefix("nw_head_")):
-                    out = images(references)
-            elif method == "adapter_off":
-                saved = [list(p.scale) for p in processors]
-                try:
-                    for p in processors:
-                        p.scale = [0.0] * len(p.scale)
-                    out = images(references)
-                finally:
-                    for p, scale in zip(processors, saved, strict=True):
-                        p.scale = scale
-            else:
-                out = images(references)
-            labels, _ = classify(out)
-            right += int((np.asarray(labels) == label).sum())
-            total += len(out)
-        low, high = clopper_pearson(right, total)
-        rows.append({"method": method, "right": right, "images": total, "rate": right / total})
-        rows[-1].update(low=low, high=high)
-    return pd.DataFrame(rows)
 
 
 def recipe_rates(

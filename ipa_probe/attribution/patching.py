@@ -1,0 +1,167 @@
+"""Attribution patching: each reference's ablation effect estimated to first order from one forward and one backward
+pass (issue #40 point 5), and its contribution projected on the direction that changes the output.
+
+Ablating reference ``j`` (``mode="ablate"``) removes its tokens from the image branch's softmax in every IP-Adapter
+layer at every step. It is the end point ``f_j = 0`` of the path ``mode="scale"`` follows
+(:func:`ipa_probe.intervention.custom.scale_hooks`): the reference's unnormalised weights times ``f_j`` and the
+weights renormalised,
+
+    w'_i(f) = f_{r(i)} w_i / sum_k f_{r(k)} w_k,       f = 1: the clean run,  f_j = 0: reference j ablated.
+
+For a scalar ``m`` of the final latents (a metric), the change ablation makes is ``m(f = 1 - e_j) - m(1)``; its
+first-order estimate along that path is ``-dm/df_j`` at ``f = 1``. One backward pass gives ``dm/df`` for every
+reference at once (``f`` is shared by every layer and step, so the derivative sums their paths, through the
+renormalisation and through every later step's ``x_t``):
+
+    attribution_patching_j = dm/df_j |_{f=1}   (the estimated drop m(clean) - m(ablated)).
+
+The second column gates each reference's contribution ``c_j`` (the ``contribution`` hook point: after ``W_o``, as it
+enters the residual stream) by ``g_j`` and differentiates at ``g = 1``:
+
+    output_projection_j = dm/dg_j |_{g=1} = sum over layers, steps and queries of  < dm/dy , c_j >,
+
+the contribution projected on the gradient of the metric with respect to the layer's output ``y``: the part of
+``c_j`` that lies along the direction in which the output (read through ``m``) changes. It is the first-order drop of
+``m`` when ``c_j`` is zeroed without renormalising the other references' weights.
+
+The metric used by the attribution experiment is the digit classifier's probability of the reference's own digit
+(:func:`digit_probability_gradients`), so both columns estimate ``class_drop``. The RMS change of the final latent
+(``latent_effect``) has no first-order estimate: it is a norm of the change, zero with zero gradient at the clean
+run; the held-out comparison still ranks it against both columns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["PATCHING_COLUMNS", "digit_probability_gradients", "patching_gradients"]
+
+#: The columns :func:`digit_probability_gradients` adds per reference.
+PATCHING_COLUMNS: tuple[str, ...] = ("attribution_patching", "output_projection")
+
+#: Central-difference step of the digit classifier's input (8 x 8 grey values in [0, 16]): the SVC's probabilities
+#: are smooth at that scale (RBF of width ~ the data's spread, tens of units), so a step of 1e-2 has truncation error
+#: ~1e-4 of the slope and stays far above float64 rounding of probabilities (~1e-16 / 1e-2).
+CLASSIFIER_STEP = 1e-2
+
+
+def patching_gradients(
+    pipe,
+    metrics: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+    *,
+    seed: int = 0,
+    adapter: int = 0,
+    **call: Any,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One seeded generation with gradients: ``dm/df`` and ``dm/dg`` (module docstring) for each metric.
+
+    Args:
+        pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter (float32 or float64).
+        metrics: given the final latents ``(1, C, h, w)`` (with their graph) returns scalars ``m_0, m_1, ...``.
+        seed: the generator's seed (as :func:`ipa_probe.intervention.generate`: the same initial noise).
+        adapter: the IP-Adapter whose references are gated.
+        **call: the pipeline's arguments, one prompt, ``ip_adapter_image=[[...]]``; without ``generator`` /
+            ``output_type``.
+
+    Returns:
+        ``(df, dg)``, each ``(M, R)`` float64: row ``m`` the gradient of metric ``m`` over the ``R`` references.
+    """
+    from .._checks import check_seed
+    from ..intervention import intervene
+    from ..intervention.points import hook_point_layers, list_hook_points, point_name
+    from .collect import _references
+
+    references = len(_references(call, adapter))
+    dtype = pipe.unet.dtype
+    f = torch.ones(references, dtype=dtype, requires_grad=True)  # (R,) the ablation path's factors
+    g = torch.ones(references, dtype=dtype, requires_grad=True)  # (R,) the contributions' gates
+
+    def scale(weights: torch.Tensor, ctx) -> torch.Tensor:  # (B, H, Q, K), K = R * T
+        scaled = weights * f.to(weights.device).repeat_interleave(ctx.tokens)
+        return scaled / scaled.sum(-1, keepdim=True)
+
+    def gate(contribution: torch.Tensor, ctx) -> torch.Tensor:  # (B, R, Q, C)
+        return contribution * g.to(contribution.device)[None, :, None, None]
+
+    known = set(list_hook_points(pipe))
+    hooks = {}
+    for layer in hook_point_layers(pipe):
+        weights, contribution = (point_name(layer.name, p, adapter) for p in ("weights", "contribution"))
+        if weights in known:
+            hooks[weights], hooks[contribution] = scale, gate
+    # diffusers' __call__ runs under torch.no_grad(); its undecorated body keeps the graph
+    body = getattr(type(pipe).__call__, "__wrapped__", None)
+    if body is None:
+        raise ValueError(f"{type(pipe).__name__}.__call__ is not a no_grad-wrapped diffusers call; cannot backprop")
+    generator = torch.Generator().manual_seed(check_seed(seed))
+    with torch.enable_grad(), intervene(pipe, hooks=hooks):
+        latents = body(pipe, **call, generator=generator, output_type="latent").images  # (1, C, h, w)
+        values = list(metrics(latents))
+        df, dg = [], []
+        for i, value in enumerate(values):
+            a, b = torch.autograd.grad(value, (f, g), retain_graph=i + 1 < len(values), allow_unused=True)
+            df.append(np.zeros(references) if a is None else a.double().cpu().numpy())
+            dg.append(np.zeros(references) if b is None else b.double().cpu().numpy())
+    return np.array(df), np.array(dg)
+
+
+def _grey_8x8(pipe, latents: torch.Tensor) -> torch.Tensor:
+    """The classifier's input from final latents, differentiable: decode, ``[0, 1]`` as ``output_type="np"``,
+    grey (mean of RGB), area-downsampled to 8 x 8, times 16 (:func:`ipa_probe.tiny.digits.classify_digit_images`)."""
+    vae = pipe.vae
+    pixels = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor).sample  # (1, 3, H, W)
+    images = (pixels / 2 + 0.5).clamp(0, 1)
+    _, _, h, w = images.shape
+    grey = images.mean(1).reshape(1, 8, h // 8, 8, w // 8).mean((2, 4)) * 16.0  # (1, 8, 8)
+    return grey.reshape(64)
+
+
+def _classifier_slope(grey: np.ndarray, digit: int) -> tuple[float, np.ndarray]:
+    """``P(digit | grey)`` and its gradient over the 64 inputs by central differences (:data:`CLASSIFIER_STEP`)."""
+    from ..tiny.digits import digit_classifier
+
+    clf, _ = digit_classifier()
+    column = int(np.flatnonzero(clf.classes_ == digit)[0])
+    steps = np.eye(64) * CLASSIFIER_STEP
+    rows = np.concatenate([grey[None], grey[None] + steps, grey[None] - steps])  # (129, 64)
+    p = clf.predict_proba(rows)[:, column]
+    return float(p[0]), (p[1:65] - p[65:]) / (2 * CLASSIFIER_STEP)
+
+
+def digit_probability_gradients(pipe, digits: Sequence[int], *, seed: int = 0, **call: Any):
+    """Per reference, :data:`PATCHING_COLUMNS` for the metric ``P(digits[j] | image)`` (the experiment's
+    ``class_drop`` measure): ``attribution_patching`` estimates ``class_drop``, ``output_projection`` the same
+    without renormalisation (module docstring). The classifier (an SVC) is differentiated by central differences
+    over its 64 inputs; the model by autograd.
+
+    Returns:
+        a DataFrame with ``reference``, ``attribution_patching``, ``output_projection``.
+    """
+    import pandas as pd
+
+    wanted = sorted(set(digits))
+    slopes: dict[int, np.ndarray] = {}
+
+    def metrics(latents: torch.Tensor):
+        grey = _grey_8x8(pipe, latents)
+        host = grey.detach().double().cpu().numpy()
+        out = []
+        for digit in wanted:  # m = slope . grey: its gradient is the classifier's slope times the model's Jacobian
+            _, slopes[digit] = _classifier_slope(host, digit)
+            out.append((grey * torch.as_tensor(slopes[digit], dtype=grey.dtype, device=grey.device)).sum())
+        return out
+
+    df, dg = patching_gradients(pipe, metrics, seed=seed, **call)
+    rows = [
+        {
+            "reference": j,
+            "attribution_patching": float(df[wanted.index(d), j]),
+            "output_projection": float(dg[wanted.index(d), j]),
+        }
+        for j, d in enumerate(digits)
+    ]
+    return pd.DataFrame(rows)
