@@ -188,10 +188,9 @@ def reference_attribution(
         contributions (:attr:`ReferenceAttribution.heads`, :attr:`ReferenceAttribution.positions`).
     """
     from ..capture.run import probe
-    from ..capture.taps import tap_for
+    from ..capture.spine import attach, client, detach
     from ..exact import encode_references
     from ..intervention.effect import generate
-    from ..layers import denoiser_of, find_ip_layers, observer
     from ..theory.schedules import VPSchedule
 
     check_seed(seed)
@@ -206,22 +205,23 @@ def reference_attribution(
         check_steps_ran(selection, planned)
     schedule = VPSchedule.from_scheduler(pipe.scheduler)
     support = encode_references(pipe, references).double().flatten(1)  # (R, D)
-    tap = tap_for(pipe, find_ip_layers(pipe))  # where the family's denoiser takes its sample and timestep
     passes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (timestep, denoiser input) of every pass, on its device
 
-    def keep_input(module, args, kwargs):
+    def keep_input(spine, args, kwargs):
+        # a client of the attachment core (its clock's timestep, its tap's sample), not a denoiser hook of its own;
         # the timestep as the probe stores it (first element, float32), so that the steps match exactly
-        timestep = torch.as_tensor(tap.timestep(args, kwargs)).reshape(-1)[0].float()
-        passes.append((timestep, tap.sample(args, kwargs).detach().clone()))
+        timestep = torch.as_tensor(spine.now.timestep).reshape(-1)[0].float()
+        passes.append((timestep, spine.tap.sample(args, kwargs).detach().clone()))
 
-    handle = denoiser_of(pipe).register_forward_pre_hook(observer(keep_input), with_kwargs=True)
+    keeper = client(on_pass=keep_input)
+    attach(pipe, keeper)
     try:
         with probe(pipe, steps=selection, maps=True) as run:
             if per_head:
                 run._maps.keep_heads()  # the probe's own accumulator, before its first pass
             generation = generate(pipe, seed=seed, **call)
     finally:
-        handle.remove()
+        detach(pipe, keeper)
     weights = run.reference_weights(adapter=adapter, branch="cond")
     timesteps = run.map_timesteps(0)
     stamps = torch.stack([t for t, _ in passes]).double().cpu().tolist() if passes else []  # one transfer
