@@ -57,7 +57,7 @@ def host_timestep(timestep: Any) -> float | None:
         return float(timestep)
     if isinstance(timestep, torch.Tensor) and timestep.device.type == "cpu" and timestep.numel() > 0:
         # through numpy: a view of the host memory, no dispatched scalar read
-        return float(timestep.detach().reshape(-1)[:1].numpy()[0])
+        return float(timestep.detach().reshape(-1)[:1].double().numpy()[0])  # bfloat16 has no numpy type
     return None
 
 
