@@ -235,10 +235,10 @@ def _bookkeeping(summary: pd.DataFrame, used: Sequence[str], steps: dict) -> str
 def _layer_scalars(log: ProbeLog, cells: pd.DataFrame, order: list[str], calls: dict, steps: dict) -> None:
     """One small chart per layer (mean over heads and adapters), numbered in network order; baseline and null in
     their sub-runs."""
-    from .capture.report import _short_names
+    from .capture.report import short_layer_names
 
     width = max(2, len(str(len(order) - 1)))
-    short, _ = _short_names(order)  # without the ending every layer id shares (".transformer_blocks.0.attn2")
+    short, _ = short_layer_names(order)  # without the ending every layer id shares (".transformer_blocks.0.attn2")
     number = {name: f"{i:0{width}d}_{cut}" for i, (name, cut) in enumerate(zip(order, short, strict=True))}
     for group, columns in (
         ("qf_layer", {"": "qf_spearman", "baseline": "qf_rho_baseline", "null": "qf_spearman_null"}),

@@ -363,9 +363,26 @@ def _attention_side(
     a_dev = a - 1.0 / a.shape[-1] if key_mask is None else None
     a_dev_sq = (a_dev * a_dev).sum(-1) if a_dev is not None else None
     return _AttentionSide(
-        attn_logits, log_a, a, finite, top, n_eff(a), ranks, centred, (centred * centred).sum(-1), sd,
-        a_dev, a_dev_sq, keys, key_mask, mask_float, order, key_groups, groups_ordered, dtype,
-    )  # fmt: skip
+        logits=attn_logits,
+        log_a=log_a,
+        a=a,
+        finite=finite,
+        top=top,
+        neff=n_eff(a),
+        ranks=ranks,
+        centred=centred,
+        centred_sq=(centred * centred).sum(-1),
+        sd=sd,
+        a_dev=a_dev,
+        a_dev_sq=a_dev_sq,
+        keys=keys,
+        key_mask=key_mask,
+        mask_float=mask_float,
+        order=order,
+        key_groups=key_groups,
+        groups_ordered=groups_ordered,
+        dtype=dtype,
+    )
 
 
 def _centred(ranks: torch.Tensor, keys: torch.Tensor, mask_float: torch.Tensor | None) -> torch.Tensor:

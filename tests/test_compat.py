@@ -72,3 +72,26 @@ def test_a_fresh_run_gives_the_pages_row(zoo, refs, page_rows, name):
         assert row.runs == 0
     else:
         assert row.ok, row.failures
+
+
+def test_the_checks_own_reading_is_a_client_of_the_spine(refs):
+    """The check reads each pass beside the probe without a denoiser pre-hook of its own: one with both attached,
+    none after; its own timesteps count the loop's steps."""
+    import torch
+
+    from ipa_probe.capture.run import probe
+    from ipa_probe.devtools.compat import _Passes
+    from ipa_probe.tiny.sd import tiny_pipeline
+
+    pipe = tiny_pipeline("sd15")
+    before = len(pipe.unet._forward_pre_hooks)
+    passes = _Passes(pipe)
+    try:
+        with probe(pipe):
+            assert len(pipe.unet._forward_pre_hooks) == before + 1
+            pipe("a", ip_adapter_image=[refs[:1]], num_inference_steps=3, output_type="latent",
+                 generator=torch.Generator().manual_seed(0))  # fmt: skip
+    finally:
+        passes.remove()
+    assert len(pipe.unet._forward_pre_hooks) == before
+    assert passes.steps() == 3 and passes.timesteps == pipe.scheduler.timesteps.tolist()  # CFG batched: a pass a step

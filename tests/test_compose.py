@@ -331,3 +331,101 @@ def test_sdxl_probe_inside_an_ablation_and_back_bit_for_bit(sdxl, probe_first, o
     assert (mass[mass.reference == 0].attention == 1).all()  # the one reference left holds every weight
     assert_unchanged(sdxl, before)
     assert torch.equal(generate(), plain)
+
+
+# ------------------------------------------------------------------------------------------------------ tiny Flux
+
+
+def flux_snapshot(pipe):
+    transformer = pipe.transformer
+    return {
+        "hooks": {
+            name: tuple(len(getattr(m, attr)) for attr in ("_forward_pre_hooks", "_forward_hooks"))
+            for name, m in transformer.named_modules()
+        },
+        "attributes": set(transformer.__dict__),
+        "pipe": set(vars(pipe)),
+        "processors": dict(transformer.attn_processors),
+    }
+
+
+@contextlib.contextmanager
+def own_flux_weights(layer):
+    """The test's own reading of one Flux layer's image branch: float64 ``softmax(q k^T / sqrt(d))`` from
+    ``attn.norm_q`` (the query the branch uses, before RoPE) and ``to_k_ip[0]``, one ``(B, H, Q, K)`` per pass."""
+    attn, heads = layer.attention, layer.heads
+    seen, found = {}, []
+
+    def keep_q(module, args, output):  # (B, N, H, D) -> (B, H, N, D)
+        seen["q"] = output.transpose(1, 2).double()
+
+    def keys(module, args, output):
+        q = seen["q"]
+        k = output.reshape(q.shape[0], -1, heads, output.shape[-1] // heads).transpose(1, 2).double()
+        found.append((q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1))
+
+    handles = [attn.norm_q.register_forward_hook(keep_q), layer.processor.to_k_ip[0].register_forward_hook(keys)]
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+FLUX_FACTOR = 4.0  # reference 0's weights scaled by this and the rows renormalised, in the hook and in the test
+
+
+def flux_edit(weights, ctx):
+    scaled = weights.clone()
+    scaled[..., ctx.reference_tokens(0)] *= FLUX_FACTOR
+    return scaled / scaled.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("probe_first", [True, False])
+def test_flux_probe_reads_the_weights_a_hook_edited(flux, probe_first, one_thread):
+    """On Flux the hook points edit in a forward hook on the attention module, where the probe's record waits for
+    the weights the layer used: whichever is attached first, the probe's maps and reference shares are the test's
+    own float64 softmax with the same edit, and the pipeline comes back bit for bit."""
+    from ipa_probe.layers import find_ip_layers
+    from ipa_probe.tiny.sd import default_reference_images
+
+    refs = default_reference_images(2)
+    kwargs = dict(prompt="a", ip_adapter_image=[refs], num_inference_steps=2, height=64, width=64)
+
+    def generate():
+        return flux(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+    layer = find_ip_layers(flux)[0]
+    plain = generate()
+    before = flux_snapshot(flux)  # after a first call: the pipeline keeps its call settings as attributes
+    probe = ipa_probe.probe(flux, keep_maps=True, maps=True, layers=f"^{layer.name}$")
+    edit = intervene(flux, hooks={f"{layer.name}.ip.weights": flux_edit})
+    with own_flux_weights(layer) as own:
+        with contextlib.ExitStack() as stack:
+            entered = [stack.enter_context(f) for f in ((probe, edit) if probe_first else (edit, probe))]
+            edited = generate()
+    run = entered[0] if probe_first else entered[1]
+    assert not torch.equal(edited, plain)  # the edit acted
+    tokens = own[0].shape[-1] // 2
+    mass = run.reference_mass()
+    assert len(own) == STEPS and len(mass) == 2 * STEPS  # one pass per step (no true CFG), two references
+    for step, weights in enumerate(own):
+        expected = weights.clone()
+        expected[..., :tokens] *= FLUX_FACTOR
+        expected = expected / expected.sum(-1, keepdim=True)
+        # 2e-3: the probe keeps its maps in float16 (11-bit mantissa: 5e-4 relative on weights below 1)
+        got = torch.cat([m.double() for m in run.maps[(0, step, layer.name, 0)]])
+        torch.testing.assert_close(got, expected, rtol=0, atol=2e-3)
+        shares = expected.reshape(*expected.shape[:-1], 2, tokens).sum(-1).mean(dim=(0, 1, 2))  # (references,)
+        at_step = mass[mass.step == step].sort_values("reference")
+        # 1e-5: the layer forms its weights in float32 (~1e-7 relative); the probe's shares are float32 means
+        torch.testing.assert_close(torch.tensor(at_step.attention.to_numpy(), dtype=torch.float64), shares,
+                                   rtol=0, atol=1e-5)  # fmt: skip
+        unedited = weights.reshape(*weights.shape[:-1], 2, tokens).sum(-1).mean(dim=(0, 1, 2))
+        assert shares[0] - unedited[0] > 0.05  # the edit moved the share far beyond the tolerance
+    after = flux_snapshot(flux)
+    assert after["hooks"] == before["hooks"] and after["attributes"] == before["attributes"]
+    assert after["pipe"] == before["pipe"]
+    assert all(after["processors"][k] is v for k, v in before["processors"].items())
+    assert ipa_probe.list_hooks(flux) == [] and spine_of(flux) is None
+    assert torch.equal(generate(), plain)

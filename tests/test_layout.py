@@ -1,4 +1,5 @@
 """docs/layout.md is held to the tree: every module of the package is named there, and every module it names exists.
+No module imports an underscore-private name from another subpackage (a scan of the package's imports).
 
 The page's block gives each top-level module an entry of its own (``kernels.py ...``) and each folder one entry
 (``capture/ ...``) whose text names its modules by their path inside the folder (``run.py``, ``taps/unet.py``), so
@@ -6,6 +7,7 @@ The page's block gives each top-level module an entry of its own (``kernels.py .
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -47,3 +49,70 @@ def test_layout_names_every_module():
 def test_layout_names_no_module_that_is_gone():
     gone = sorted(named_modules() - package_modules())
     assert not gone, f"docs/layout.md names modules that do not exist: {gone}"
+
+
+#: Top-level modules that are the package's shared internals: their public names may be imported anywhere.
+SHARED_INTERNALS = {"ipa_probe._checks", "ipa_probe._io", "ipa_probe._quiet", "ipa_probe._lazy"}
+
+
+def _module_name(path: Path, package: Path) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _subpackage(module: str, package: Path) -> str:
+    """``ipa_probe.capture.taps.unet`` -> ``capture``; a top-level module (``ipa_probe.compare``) -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and (package / parts[1]).is_dir() else ""
+
+
+def private_imports_across_subpackages(package: Path = ROOT / "ipa_probe") -> list[str]:
+    """Every ``from ipa_probe.<a>... import _name`` (absolute or relative) in a module of another subpackage than
+    ``<a>`` (top-level modules count as one subpackage of their own), as ``path:line: module._name``."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        module = _module_name(path, package)
+        here = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = here.split(".")[: len(here.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != package.name:
+                continue
+            for alias in node.names:
+                name = alias.name
+                if not name.startswith("_") or name.startswith("__"):
+                    continue
+                if f"{target}.{name}" in SHARED_INTERNALS:  # the shared internal module itself
+                    continue
+                if _subpackage(target, package) != _subpackage(module, package):
+                    found.append(f"{path.relative_to(package.parent)}:{node.lineno}: {target}.{name}")
+    return found
+
+
+def test_no_private_name_is_imported_across_subpackages():
+    assert private_imports_across_subpackages() == []
+
+
+def test_the_private_import_scan_finds_a_planted_violation(tmp_path):
+    """The scan itself: a relative and an absolute import of a private name across subpackages are found; the same
+    inside one subpackage, or of a shared internal module, is not."""
+    package = tmp_path / "ipa_probe"
+    for folder in ("capture", "devtools"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "capture" / "maps.py").write_text("from .report import _short\nfrom .. import _io\n")
+    (package / "devtools" / "figures.py").write_text(
+        "from ..capture.maps import _CODE, PUBLIC\nimport os\n\n\ndef f():\n    from ipa_probe.capture import _x\n"
+    )
+    (package / "probe_log.py").write_text("from ._io import write\nfrom .capture.report import _names\n")
+    assert private_imports_across_subpackages(package) == [
+        "ipa_probe/devtools/figures.py:1: ipa_probe.capture.maps._CODE",
+        "ipa_probe/devtools/figures.py:6: ipa_probe.capture._x",
+        "ipa_probe/probe_log.py:2: ipa_probe.capture.report._names",
+    ]

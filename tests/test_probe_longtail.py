@@ -293,8 +293,19 @@ def test_sag_degraded_pass_is_its_own_label_at_its_step(zoo, refs, cfg):
     assert timesteps == pipe.scheduler.timesteps.tolist()  # the loop's timesteps, one step each
 
 
+@pytest.fixture
+def device_timesteps(monkeypatch):
+    """The clock as it runs on an accelerator: a pass's timestep value is never read (it would sync)."""
+    import ipa_probe.capture.clock as clock
+
+    monkeypatch.setattr(clock, "host_timestep", lambda timestep: None)
+
+
 @pytest.mark.slow
-def test_panorama_views_are_passes_of_one_step_in_one_call(zoo, refs):
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+def test_panorama_views_are_passes_of_one_step_in_one_call(zoo, refs, on_device, request):
+    if on_device:
+        request.getfixturevalue("device_timesteps")
     pipe = zoo.build("StableDiffusionPanoramaPipeline").pipe
     # 64 x 64 views: 4,096 query rows per cell, which the default samples; the comparison with the hooks is exact
     df, passes, layer = probed_against_hooks(pipe, refs, rows=None, height=512, width=576, output_type="latent")
@@ -321,6 +332,69 @@ def test_from_pipe_sibling_with_its_own_scheduler_has_its_own_calls(refs):
     assert pipe.scheduler.timesteps is None or not torch.equal(pipe.scheduler.timesteps, scheduler.timesteps)
 
 
+class _TwiceOverLoop(diffusers.StableDiffusionPipeline):
+    """A pipeline whose ``__call__`` runs its loop twice over the same ``timesteps`` tensor, sets no
+    ``_num_timesteps`` and starts its schedule at ``begin``: the clock's evidence is the pass, not these locals."""
+
+    def __call__(self, latents, context, image_embeds, begin=0):
+        self.scheduler.set_timesteps(4)
+        self.scheduler.set_begin_index(begin)
+        timesteps = self.scheduler.timesteps[begin:]
+        for _ in range(2):
+            for t in timesteps:
+                self.unet(latents, t, encoder_hidden_states=context, added_cond_kwargs={"image_embeds": image_embeds})
+
+
+def test_the_clock_reads_calls_from_the_passes_not_the_loops_locals(sd15, refs):
+    """One ``__call__`` running its loop twice over one ``timesteps`` local is two calls (the timestep rises); the
+    planned steps come from the scheduler past its ``begin_index`` when the pipeline sets no ``_num_timesteps``."""
+    from ipa_probe.capture import spine
+
+    scheduler = diffusers.EulerDiscreteScheduler.from_config(sd15.scheduler.config)  # one with a begin_index
+    pipe = _TwiceOverLoop(**{**sd15.components, "scheduler": scheduler})
+    image_embeds = sd15.prepare_ip_adapter_image_embeds([refs], None, "cpu", 1, False)
+    context, _ = sd15.encode_prompt(PROMPT, "cpu", 1, False)
+    latents = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    planned = []
+    watcher = spine.client(on_pass=lambda core, *_: core.now.new_call and planned.append(core.planned_steps()))
+    with probe(pipe) as run:
+        assert spine.attach(pipe, watcher) is spine.spine_of(pipe)  # the probe's spine, shared by the watcher
+        try:
+            pipe(latents, context, image_embeds, begin=1)
+        finally:
+            spine.detach(pipe, watcher)
+    df = run.to_dataframe()
+    timesteps = pipe.scheduler.timesteps[1:].tolist()
+    assert sorted(df["call"].unique()) == [0, 1]
+    for _, call in df.groupby("call"):
+        assert call.groupby("step")["timestep"].first().tolist() == timesteps
+    assert planned == [3, 3]  # 4 scheduler timesteps past begin_index 1
+
+
+def test_planned_steps_are_the_pipelines_own_count(sd15, refs):
+    """img2img runs ``strength`` of the schedule: the planned steps are its ``_num_timesteps``, not the scheduler's."""
+    from ipa_probe.capture import spine
+
+    pipe = diffusers.StableDiffusionImg2ImgPipeline.from_pipe(sd15)
+    pipe.set_progress_bar_config(disable=True)
+    planned = []
+    watcher = spine.client(on_pass=lambda core, *_: core.now.new_call and planned.append(core.planned_steps()))
+    spine.attach(pipe, watcher)
+    try:
+        pipe(
+            prompt=PROMPT,
+            image=torch.zeros(1, 3, 64, 64),
+            ip_adapter_image=[refs],
+            strength=0.5,
+            num_inference_steps=4,
+            output_type="latent",
+        )
+    finally:
+        spine.detach(pipe, watcher)
+    assert planned == [pipe.num_timesteps] == [2]  # half of 4 steps
+    assert len(pipe.scheduler.timesteps) == 4
+
+
 def test_a_loop_repeating_a_timestep_value_counts_each_iteration(sd15, refs):
     """A second-order scheduler passes the same value twice as new tensors: two steps; the very same tensor is a
     further pass of one step."""
@@ -338,7 +412,12 @@ def test_a_loop_repeating_a_timestep_value_counts_each_iteration(sd15, refs):
 
 
 @pytest.mark.slow
-def test_freeinit_iterations_restart_the_loop_as_calls(zoo, refs):
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+def test_freeinit_iterations_restart_the_loop_as_calls(zoo, refs, on_device, request):
+    """FreeInit re-runs the loop inside one ``__call__``: the timestep rises (on the host), or the loop's timesteps
+    are a new tensor (on a device, where the value is not read)."""
+    if on_device:
+        request.getfixturevalue("device_timesteps")
     pipe = zoo.build("AnimateDiffPipeline").pipe
     pipe.enable_free_init(num_iters=2)
     with probe(pipe) as run:

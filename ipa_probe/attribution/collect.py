@@ -289,7 +289,15 @@ def reference_attribution(
             f"the maps hold {table['reference'].max() + 1} references for {len(references)} images; "
             "reference_attribution needs the adapter's images as one list with one token group each"
         )
-    return ReferenceAttribution(table, generation, run, heads, positions, samples, head_positions)
+    return ReferenceAttribution(
+        table=table,
+        generation=generation,
+        run=run,
+        heads=heads,
+        positions=positions,
+        samples=samples,
+        head_positions=head_positions,
+    )
 
 
 def sets_table(tables: list[pd.DataFrame]) -> pd.DataFrame:

@@ -136,11 +136,21 @@ def group_cell(
             attn_c, energy = attn_c.masked_fill(~key_mask, -math.inf), energy.masked_fill(~key_mask, -math.inf)
         h_cell = fit_bandwidth(attn_c, energy, matched_bandwidth(q.shape[-1]))  # (groups, H)
         nw = energy / (h_cell * h_cell)[..., None, None]
-        return Cell(attn_c, nw, h_cell, key_mask, row_mask, copies, key_term)
+        return Cell(
+            attn=attn_c, nw=nw, h=h_cell, key_mask=key_mask, row_mask=row_mask, copies=copies, key_term=key_term
+        )
     h_cell = h.expand(groups, n_heads)
     if nw_rows is not None and batch == groups:  # only the sampled rows' NW logits are read (no maps)
         q = q.index_select(2, nw_rows)
-    return Cell(by_group(attn), by_group(nw_logits(q, k, h)), h_cell, key_mask, row_mask, copies, key_term)
+    return Cell(
+        attn=by_group(attn),
+        nw=by_group(nw_logits(q, k, h)),
+        h=h_cell,
+        key_mask=key_mask,
+        row_mask=row_mask,
+        copies=copies,
+        key_term=key_term,
+    )
 
 
 @dataclass
@@ -239,7 +249,19 @@ def cell_inputs(
     scalars = torch.stack(
         (cell.h.expand_as(q_norm), q_norm, spread, ip_mass, keys, fraction), dim=-1
     )  # (groups, H, 6)
-    return CellInputs(attn, nw, key_term, nw_frame, b, key_mask, row_mask, copies, tails, sample is not None, scalars)
+    return CellInputs(
+        attn=attn,
+        nw=nw,
+        key_term=key_term,
+        frame_nw=nw_frame,
+        frame_b=b,
+        key_mask=key_mask,
+        row_mask=row_mask,
+        copies=copies,
+        tails=tails,
+        sampled=sample is not None,
+        scalars=scalars,
+    )
 
 
 def compare_cells(

@@ -305,7 +305,7 @@ def _check_margin(margin) -> None:
 
 
 #: The code a reference-map figure depends on (its provenance digest).
-_REFERENCE_MAP_CODE = (
+REFERENCE_MAP_CODE = (
     _reference_map_data,
     _draw_reference_maps,
     _panel_grid,
@@ -345,7 +345,7 @@ def save_reference_maps(run, directory, image=None, references: Sequence | None 
         key, name = ("figure", "reference_maps.png") if adapter == 0 else (f"figure_adapter{adapter}", None)
         path = directory / (name or f"reference_maps_adapter{adapter}.png")
         # the fingerprint's tolerance: shares move by ~1e-6 between CPUs, far below 2e-3 (an invisible colour step)
-        stamp = {"code": code_digest(*_REFERENCE_MAP_CODE), "data": _fingerprint(data), "atol": 2e-3}
+        stamp = {"code": code_digest(*REFERENCE_MAP_CODE), "data": _fingerprint(data), "atol": 2e-3}
         paths[key] = write_figure(fig, path, dpi=110, provenance=stamp)
     paths["table"] = write_table(run.map_table(), directory / "map_table.parquet")
     return paths

@@ -354,7 +354,7 @@ def plot_heatmap(
     timesteps = grid.columns.to_numpy(np.float64)
     ticks = regular_ticks(len(timesteps))  # one stride: the labels step regularly
     ax.set_xticks(ticks, [f"{timesteps[i]:g}" for i in ticks], fontsize=MIN_FONT_PT)
-    names, suffix = _short_names([str(name) for name in grid.index])
+    names, suffix = short_layer_names([str(name) for name in grid.index])
     ax.set_yticks(range(len(grid)), [_compact(n) for n in names] if labels else [], fontsize=MIN_FONT_PT)
     ax.set_xlabel("timestep (denoising →)", fontsize=MIN_FONT_PT)
     if labels:
@@ -379,7 +379,7 @@ def _compact(name: str) -> str:
     return re.sub(r"^(single_)?transformer_blocks\.(\d+)", r"\1block\2", name)
 
 
-def _short_names(names: list[str]) -> tuple[list[str], str]:
+def short_layer_names(names: list[str]) -> tuple[list[str], str]:
     """Layer ids without the dotted ending they all share (e.g. ``.transformer_blocks.0.attn2``), and that ending."""
     parts = [name.split(".") for name in names]
     shared = 0

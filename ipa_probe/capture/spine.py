@@ -140,7 +140,7 @@ class Spine:
     # ------------------------------------------------------------------ the clock
     def _on_call(self, module, args, kwargs) -> None:
         now, tap = self.now, self.tap
-        new_call = self.clock.new_call()
+        new_call = self.clock.new_call(tap.argument("timestep", args, kwargs))  # the denoiser's own input
         tap.running = self.clock.running
         if new_call:
             tap.begin_call(args, kwargs)

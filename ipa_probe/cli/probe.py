@@ -315,6 +315,14 @@ def _gauge_table(args: argparse.Namespace):
     return table, image, stamp
 
 
+def strip_code() -> tuple:
+    """The code the references-and-output strip depends on (its provenance digest; :func:`_write_strip` stamps the
+    same, its source unchanged so that the committed figure's digest holds)."""
+    from ..images import plot_image_strip
+
+    return (plot_image_strip, _write_strip)
+
+
 def _write_strip(references: list, images: list, judged, digit: int, path) -> None:
     """The references and the generated images as one titled strip; on the organism with the classifier's verdict
     under each image. The PNG carries its provenance: the drawing code's digest and per-image fingerprints."""

@@ -106,24 +106,28 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class _Passes:
-    """The test's own hooks: each denoiser pass's timestep, and image-branch key projections per pass."""
+    """The check's own reading: each denoiser pass's timestep (from the pass's arguments, not the spine's clock), and
+    image-branch key projections per pass. It reads the passes as a client of the pipeline's attachment core
+    (:mod:`ipa_probe.capture.spine`), so the denoiser carries one pre-hook with the probe beside it."""
 
     def __init__(self, pipe) -> None:
+        from ipa_probe.capture import spine
         from ipa_probe.capture.taps import tap_class
-        from ipa_probe.layers import denoiser_of, find_ip_layers
+        from ipa_probe.layers import find_ip_layers
 
         layers = find_ip_layers(pipe)
         self.tap = tap_class(layers[0].family)
         self.timesteps: list[float] = []
         self.projections = 0
-        denoiser = denoiser_of(pipe)
-        self.handles = [denoiser.register_forward_pre_hook(self._pass, with_kwargs=True)]
+        self.pipe, self.client = pipe, spine.client(on_pass=lambda core, args, kwargs: self._pass(args, kwargs))
+        self.handles = []
+        spine.attach(pipe, self.client)
         for layer in layers:
             to_k_ip = layer.processor.to_k_ip
             for module in to_k_ip if isinstance(to_k_ip, torch.nn.ModuleList) else [to_k_ip]:
                 self.handles.append(module.register_forward_hook(self._projection))
 
-    def _pass(self, module, args, kwargs) -> None:
+    def _pass(self, args, kwargs) -> None:
         t = self.tap.argument("timestep", args, kwargs)
         self.timesteps.append(float(t.reshape(-1)[0]) if isinstance(t, torch.Tensor) else float(t))
 
@@ -135,6 +139,9 @@ class _Passes:
         return sum(1 for i, t in enumerate(self.timesteps) if i == 0 or t != self.timesteps[i - 1])
 
     def remove(self) -> None:
+        from ipa_probe.capture import spine
+
+        spine.detach(self.pipe, self.client)
         for handle in self.handles:
             handle.remove()
 

@@ -67,13 +67,12 @@ class Figure:
 
 def _probe_code() -> dict[str, str]:
     from .._io import code_digest
-    from ..capture.mapplots import _REFERENCE_MAP_CODE
-    from ..cli.probe import _write_strip
-    from ..images import plot_image_strip
+    from ..capture.mapplots import REFERENCE_MAP_CODE
+    from ..cli.probe import strip_code
 
     return {
-        "reference_maps.png": code_digest(*_REFERENCE_MAP_CODE),
-        "references_and_output.png": code_digest(plot_image_strip, _write_strip),
+        "reference_maps.png": code_digest(*REFERENCE_MAP_CODE),
+        "references_and_output.png": code_digest(*strip_code()),
     }
 
 

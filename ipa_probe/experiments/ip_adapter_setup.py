@@ -23,9 +23,9 @@ PAPER_LAST_SPEARMAN = 0.89
 
 def step_indices(num_steps: int = NUM_STEPS) -> list[int]:
     """Indices into the DDIM schedule of :data:`PAPER_TIMESTEPS` (50 steps, steps_offset=1: 0, 11, 24, 36, 49)."""
-    from ..tiny.digits.model import _scheduler
+    from ..tiny.digits.model import organism_scheduler
 
-    scheduler = _scheduler()
+    scheduler = organism_scheduler()
     scheduler.set_timesteps(num_steps)
     timesteps = scheduler.timesteps.tolist()
     missing = [t for t in PAPER_TIMESTEPS if t not in timesteps]

@@ -480,5 +480,11 @@ def train(
     else:
         best["step"] = step
     return TrainResult(
-        model.eval(), losses, time.perf_counter() - start, resumed_from, validation, best["step"], best["val"]
+        model=model.eval(),
+        losses=losses,
+        wall_time=time.perf_counter() - start,
+        resumed_from=resumed_from,
+        validation=validation,
+        best_step=best["step"],
+        best_val=best["val"],
     )

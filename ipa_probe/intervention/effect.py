@@ -222,7 +222,9 @@ def measure_intervention(
         ```
     """
     check_seed(seed)
-    config = InterventionConfig(reference, layers, steps, mode, other, adapter, factor)
+    config = InterventionConfig(
+        reference=reference, layers=layers, steps=steps, mode=mode, other=other, adapter=adapter, factor=factor
+    )
     planned = call.get("num_inference_steps")
     if isinstance(planned, int) and not isinstance(planned, bool):  # the loop runs at most that many steps
         check_steps_ran(config.steps, planned)

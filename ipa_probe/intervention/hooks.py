@@ -273,7 +273,9 @@ def apply_intervention(
             matching nothing: raised before anything is attached.
         RuntimeError: an intervention is already applied to this pipeline.
     """
-    config = InterventionConfig(reference, layers, steps, mode, other, adapter, factor)
+    config = InterventionConfig(
+        reference=reference, layers=layers, steps=steps, mode=mode, other=other, adapter=adapter, factor=factor
+    )
     found = _unet_layers(pipe, config)
     other_tokens = _other_tokens(pipe, config) if config.mode == "swap" else None
     names = [layer.name for layer in found]

@@ -235,7 +235,9 @@ class _Registry:
                     layer.name, "q", transform=lambda q: q.transpose(1, 2)
                 )  # (B, N, H, D) -> (B, H, N, D)
                 self.handles.append(attn.norm_q.register_forward_hook(observer(query)))
-                self.handles.append(attn.register_forward_hook(observer(self._on_out(layer))))
+                # first of the attention module's forward hooks, whenever attached: a reader hooked there (the
+                # probe's record of edited weights, a map) sees the edit, in either order of attaching
+                self.handles.append(attn.register_forward_hook(observer(self._on_out(layer)), prepend=True))
             for branch in _branches(layer):
                 to_k, to_v = _projections(layer, branch)
                 self.handles.append(to_k.register_forward_hook(observer(self._keep(layer.name, "k", branch))))

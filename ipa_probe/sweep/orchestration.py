@@ -319,7 +319,16 @@ def run_sweep(
         state.wait_for_everyone()  # everyone has listed the pending rows before anyone writes
         seconds = _run_rows(pending, runner, layout, state, progress, clock)
         if not state.is_main_process:
-            return SweepResult(layout.root, len(manifest.rows), 0, 0, len(resumed), [], state.num_processes, seconds)
+            return SweepResult(
+                out=layout.root,
+                rows=len(manifest.rows),
+                done=0,
+                ran=0,
+                resumed=len(resumed),
+                skipped=[],
+                processes=state.num_processes,
+                seconds=seconds,
+            )
         return _merge(
             manifest,
             runner,

@@ -55,12 +55,14 @@ class FluxTap(Tap):
                 handles.append(to_k_ip.register_forward_hook(observer(self._keys(capture, index, adapter, layer))))
         return handles
 
-    @staticmethod
-    def _keys(capture: Capture, index: int, adapter: int, layer: IPLayer) -> Callable:
+    def _keys(self, capture: Capture, index: int, adapter: int, layer: IPLayer) -> Callable:
+        """Forward hook on ``to_k_ip[adapter]``: record the branch now, or (a client edits its weights point) when the
+        attention module returns with the weights the layer used (:meth:`~.base.Tap._record`)."""
+
         def hook(module, args, output):
             query = capture.stash.get((index, "q"))
             if query is not None:
-                capture.record(index, adapter, query, split_heads(output, layer.heads), None, None)
+                self._record(capture, index, adapter, query, split_heads(output, layer.heads), None, None)
 
         return hook
 

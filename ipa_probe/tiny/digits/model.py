@@ -122,7 +122,8 @@ def _feature_extractor() -> CLIPImageProcessor:
     )
 
 
-def _scheduler() -> DDIMScheduler:
+def organism_scheduler() -> DDIMScheduler:
+    """The organism's DDIM scheduler (SD 1.x's betas, ``steps_offset=1``), as it trains and samples."""
     return DDIMScheduler(
         beta_start=0.00085,
         beta_end=0.012,
@@ -188,7 +189,7 @@ def untrained_digits_pipeline(seed: int = 0, recipe: str = DEFAULT_RECIPE) -> St
         text_encoder=parts["text_encoder"],
         tokenizer=clip_tokenizer(),
         unet=parts["unet"],
-        scheduler=_scheduler(),
+        scheduler=organism_scheduler(),
         safety_checker=None,
         feature_extractor=_feature_extractor(),
         image_encoder=parts["image_encoder"],

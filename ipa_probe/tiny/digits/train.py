@@ -43,7 +43,7 @@ from .model import (
     _init_modules,
     _quiet_loading,
     _restore_default_processors,
-    _scheduler,
+    organism_scheduler,
 )
 
 # --- training -----------------------------------------------------------------------------------------------------
@@ -272,7 +272,7 @@ def _unet_data(vae, train_x, train_y, text_encoder) -> dict[str, Any]:
         "by_class": [torch.nonzero(train_y == c).flatten() for c in range(10)],
         "text_cond": prompt_states(text_encoder, DIGITS_PROMPT),
         "text_uncond": prompt_states(text_encoder, ""),
-        "alphas_cumprod": _scheduler().alphas_cumprod,
+        "alphas_cumprod": organism_scheduler().alphas_cumprod,
     }
 
 
@@ -349,7 +349,7 @@ def _save_outputs(out: Path, parts: dict[str, Any], scaling_factor: float) -> No
         text_encoder=parts["text_encoder"].half(),
         tokenizer=clip_tokenizer(),
         unet=unet.eval(),
-        scheduler=_scheduler(),
+        scheduler=organism_scheduler(),
         safety_checker=None,
         feature_extractor=_feature_extractor(),
         image_encoder=parts["image_encoder"].eval(),

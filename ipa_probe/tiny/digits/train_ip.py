@@ -54,9 +54,9 @@ from .model import (
     _init_adapter,
     _init_base_modules,
     _quiet_loading,
-    _scheduler,
     base_digest,
     load_base,
+    organism_scheduler,
     resolve_base,
 )
 
@@ -182,7 +182,7 @@ def _latents_and_prompts(vae: AutoencoderKL, text_encoder: CLIPTextModel, x: tor
         "latents": latents * vae.config.scaling_factor,  # (1500, 4, 8, 8)
         "text_cond": prompt_states(text_encoder, DIGITS_PROMPT),  # (1, 77, 32)
         "text_uncond": prompt_states(text_encoder, ""),
-        "alphas_cumprod": _scheduler().alphas_cumprod,
+        "alphas_cumprod": organism_scheduler().alphas_cumprod,
     }
 
 
