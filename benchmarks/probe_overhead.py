@@ -507,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--large-tokens", type=int, nargs="+", default=[4, 64], help="--sweep: its reference tokens (default 4 64)"
     )
+    parser.add_argument("--no-peer", action="store_true", help="--sweep: leave attention-map-diffusers out")
     parser.add_argument(
         "--large-only", action="store_true", help="--sweep: only the --large point (its warm-up one plain call)"
     )
@@ -558,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import attention_map_diffusers  # noqa: F401
 
-            peer = not gpu
+            peer = not gpu and not args.no_peer
         except ImportError:
             peer = False
             print(
@@ -567,9 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         points = [(lat, t, st) for lat in args.latents for t in args.tokens for st in args.sweep_steps]
         points = [] if args.large_only else points
-        if (
-            64 in args.latents and 8 not in args.tokens and not args.large_only
-        ):  # the exact target's point (rows=None, 8 tokens at 64 x 64)
+        # the exact target's point (rows=None, 8 tokens at 64 x 64), where exact statistics are measured
+        if 64 in args.latents and 8 not in args.tokens and not args.large_only and None in settings:
             points += [(64, 8, st) for st in args.sweep_steps]
         points += [(args.large, t, 1) for t in args.large_tokens] if args.large else []
         seen = set()

@@ -12,7 +12,7 @@ from .. import bandwidth as bw
 from .._checks import check_flag, check_items, check_seed, parse_step_selection, step_selected
 from ..bandwidth import BandwidthSpec
 from ..layers import LayerSelection, check_layer_selection
-from ..schema import QUERY_FRAMES
+from ..schema import AUTO_SAMPLE_ROWS, QUERY_FRAMES, ROW_KEY_BUDGET, SAMPLE_GROUPS
 
 __all__ = [
     "AUTO_SAMPLE_ROWS",
@@ -29,20 +29,6 @@ __all__ = [
 #: of :func:`auto_sample_rows` rows with standard errors. ``rows=None`` asks for exact everywhere, an int for the old
 #: rule (exact up to that many rows, a sample of that many beyond, whatever the keys).
 DEFAULT_ROWS: int | str | None = "auto"
-
-#: ``rows="auto"``: the most query rows x keys per cell computed exactly. The measured curve (docs/measured.md, "The
-#: curve at every adapter size", one torch thread) met the 1.05 target with exact statistics at 16 x 16 latents with
-#: 4 and 16 tokens (256 rows: up to 4,096 row-keys) and at 32 x 32 with 4 tokens (1,024 rows x 4 = 4,096), and missed
-#: it everywhere beyond (32 x 32 with 16 tokens, 16,384 row-keys: 1.12; 64 tokens: 1.30-2.15).
-ROW_KEY_BUDGET: int = 4096
-
-#: ``rows="auto"``: the most rows of a sample (the former default ``rows=256``, which met the 1.02 target at 512 px
-#: with 4 and 8 tokens), and the fewest (the sample size whose interval coverage tests/test_row_sample.py holds;
-#: below it the random groups' standard errors rest on 8 rows each).
-AUTO_SAMPLE_ROWS: tuple[int, int] = (64, 256)
-
-#: Random groups a row sample is split into for its standard errors (:func:`~ipa_probe.stats.compare_frames`).
-SAMPLE_GROUPS: int = 8
 
 
 def auto_sample_rows(rows: int, keys: int) -> int | None:
@@ -151,6 +137,12 @@ class ProbeConfig:
             busy machine each of them waits for it (docs/measured.md, "The probe at 512 px"), so ``threads=1`` can cut
             the probe's cost several times there while the pipeline keeps its threads. The statistics are the same up
             to float32 rounding (a reduction split over threads may round differently).
+        compile: run each pass's per-row statistics (:func:`~ipa_probe.stats.compare_frames`, the part of a record
+            that dominates) through ``torch.compile(dynamic=True)`` (:func:`~ipa_probe.stats.compiled_statistics`):
+            one compile per process, minutes on a CPU, then fused statistics. Where the installed torch cannot
+            compile, a warning and the eager path, with the same numbers (equal to 1e-6: float32 rounding of fused
+            reductions). Default ``False``: a probe left switched on should not spend minutes compiling; it pays
+            in long runs (docs/measured.md, "Compiled statistics").
     """
 
     bandwidth: BandwidthSpec = "matched"
@@ -166,6 +158,7 @@ class ProbeConfig:
     query_frame: str = "item"
     rows: int | str | None = DEFAULT_ROWS
     threads: int | None = None
+    compile: bool = False
     branch: InitVar[str | None] = None
 
     def __post_init__(self, branch: str | None) -> None:
@@ -211,6 +204,7 @@ class ProbeConfig:
                 f"is estimated over), got {self.query_frame!r}"
             )
         check_flag(self.maps, "maps")
+        check_flag(self.compile, "compile")
         check_flag(self.keep_maps, "keep_maps")
         object.__setattr__(self, "seed", check_seed(self.seed))
         check_layer_selection(self.layers)
@@ -272,4 +266,5 @@ class ProbeConfig:
             "maps": self.maps,
             "query_frame": self.query_frame,
             "rows": self.rows,
+            "compile": self.compile,
         }

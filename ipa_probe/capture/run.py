@@ -44,7 +44,7 @@ from ..layers import (
     release,
 )
 from ..schema import CELL_FIELDS
-from ..stats import null_tail_table
+from ..stats import compiled_statistics, null_tail_table
 from . import spine
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .buffers import CallBuffers, grow, new_buffers
@@ -531,9 +531,14 @@ class ProbeRun(MapViews):
                     self._generator = torch.Generator(device=device).manual_seed(self.config.seed)
                     self._frame_generator = torch.Generator(device=device).manual_seed(self.config.seed)
                 generators = (self._generator, self._frame_generator)
-                values = self._threads(device, compare_cells, [entry[-1] for entry in batch], generators)
+                values = self._threads(device, self._compare, [entry[-1] for entry in batch], generators)
                 for (call, step, index, slot, labels, _), fields in zip(batch, values, strict=True):
                     self._accumulate(call, step, index, slot, labels, fields)
+
+    def _compare(self, records: list, generators: tuple) -> list[torch.Tensor]:
+        """:func:`~.cells.compare_cells`, compiled with :attr:`ProbeConfig.compile`."""
+        with compiled_statistics(self.config.compile):
+            return compare_cells(records, generators)
 
     @staticmethod
     def _accumulate(
@@ -627,6 +632,7 @@ def probe(
     query_frame: str = "item",
     rows: int | str | None = DEFAULT_ROWS,
     threads: int | None = None,
+    compile: bool = False,
     log_with: str | None = None,
     logging_dir: str | os.PathLike = "runs",
     run_name: str = "probe",
@@ -638,7 +644,7 @@ def probe(
         pipe: a diffusers pipeline with an IP-Adapter loaded: Stable Diffusion 1.5 / SDXL, Flux or SD3 (see
             :mod:`ipa_probe.capture.taps` for what the image-branch weights are in each).
         bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, kind, branches, maps, query_frame, rows,
-            threads: see :class:`ProbeConfig`.
+            threads, compile: see :class:`ProbeConfig`.
         branch: the former name of ``kind`` (accepted with a DeprecationWarning).
         log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"`` to send the run (rho with its baseline and null,
             per-layer rho, histograms, overlays per step with ``maps=True``, settings with end-of-run metrics) to
@@ -679,6 +685,7 @@ def probe(
         query_frame=query_frame,
         rows=rows,
         threads=threads,
+        compile=compile,
         branch=branch,
     )
     if log_with is not None:
