@@ -108,3 +108,25 @@ def test_compiled_statistics_equal_eager(fresh_compile):
         assert stats._COMPILED["compare_frames"] is not False
         assert torch.equal(compiled.isnan(), eager.isnan())
         torch.testing.assert_close(compiled.nan_to_num(0), eager.nan_to_num(0), rtol=0, atol=1e-6)
+
+
+def test_probe_compile_runs_the_same_table(sd15, refs, monkeypatch, fresh_compile):
+    """probe(compile=True) reaches the statistics: with a compiler that fails, one warning and the eager table."""
+    from ipa_probe.capture.run import probe
+
+    def call(**options):
+        with probe(sd15, **options) as run:
+            sd15("a photo", ip_adapter_image=[refs], num_inference_steps=1, height=64, width=64,
+                 generator=torch.Generator().manual_seed(0))  # fmt: skip
+        return run.to_dataframe()
+
+    eager = call()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.warns(RuntimeWarning, match="compile=True"):
+        compiled = call(compile=True)
+    numbers = eager.select_dtypes("number").columns
+    assert compiled[numbers].fillna(-9).equals(eager[numbers].fillna(-9))
