@@ -51,14 +51,38 @@ def _run(records, compiled: bool) -> tuple[torch.Tensor, float]:
     return out, time.process_time() - start
 
 
+def rank_only(shapes: list[tuple[int, ...]], repeats: int) -> None:
+    """``--rank``: :func:`ipa_probe.stats.rank` alone, ``torch.compile(dynamic=True)`` against eager, per shape."""
+    from ipa_probe.stats import rank
+
+    wall = time.perf_counter()
+    compiled = torch.compile(lambda x: rank(x), dynamic=True)
+    compiled(torch.randn(2, 8, 256, 16))
+    print(f"rank: compile {time.perf_counter() - wall:.0f} s wall (dynamic shapes)", flush=True)
+    for shape in shapes:
+        x = torch.randn(*shape)
+        assert torch.equal(compiled(x), rank(x))  # ranks are exact (half-integers): equal, not close
+        times = {}
+        for name, fn in (("compiled", compiled), ("eager", rank)):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                fn(x)
+            times[name] = (time.perf_counter() - start) / repeats
+        print(f"rank {shape}: compiled {1e3 * times['compiled']:.1f} ms, eager {1e3 * times['eager']:.1f} ms")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--queries", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4, 16, 64])
+    parser.add_argument("--rank", action="store_true", help="the rank function alone (as measured before)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.rank:
+        rank_only([(2, 8, 256, 64), (6, 8, 64, 4), (2, 8, 1024, 8)], 20)
+        return 0
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, one record of 2 x 8 heads", flush=True)
     first = True
     for n_queries in args.queries:

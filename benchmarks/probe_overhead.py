@@ -38,6 +38,7 @@ ratio, then the issue's targets checked and any miss named.
 
     python benchmarks/probe_overhead.py --latent 64      # one point: 512 px, 2 reference images, 4 steps
     python benchmarks/probe_overhead.py --sweep          # the curve (pip install attention-map-diffusers==1.0.0)
+    python benchmarks/probe_overhead.py --sweep --threads 1 --large-only --rows default   # 128 x 128, 4 and 64 tokens
     python benchmarks/probe_overhead.py --device cuda    # GPU, 64x64 latents (512 px), fp16, 30 steps
 """
 

@@ -141,8 +141,10 @@ class ProbeConfig:
             that dominates) through ``torch.compile(dynamic=True)`` (:func:`~ipa_probe.stats.compiled_statistics`):
             one compile per process, minutes on a CPU, then fused statistics. Where the installed torch cannot
             compile, a warning and the eager path, with the same numbers (equal to 1e-6: float32 rounding of fused
-            reductions). Default ``False``: a probe left switched on should not spend minutes compiling; it pays
-            in long runs (docs/measured.md, "Compiled statistics").
+            reductions). Default ``False``: on the 2-core CPU it was measured on, the compile took 21 minutes
+            (load 10) and the compiled statistics ran 0.81x as fast as eager (docs/measured.md, "Compiled
+            statistics"), so it pays nowhere there; a long run on a device whose compiled kernels beat eager
+            (a GPU, unmeasured) is where it could.
     """
 
     bandwidth: BandwidthSpec = "matched"

@@ -65,8 +65,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="run the per-row statistics through torch.compile (one compile per process, minutes on a CPU; pays in "
-        "long runs; eager with a warning where torch cannot compile; the same numbers)",
+        help="run the per-row statistics through torch.compile (one compile per process: 21 min on a loaded 2-core "
+        "CPU, where it ran 0.81x as fast as eager; for long runs on a GPU; eager with a warning where torch cannot "
+        "compile; the same numbers to 1e-6)",
     )
     parser.add_argument("--keep-maps", action="store_true", help="also save the full attention maps (fp16, .pt)")
     parser.add_argument("--maps", action="store_true", help="also write reference_maps.png and map_table.parquet")
