@@ -38,6 +38,7 @@ ratio, then the issue's targets checked and any miss named.
 
     python benchmarks/probe_overhead.py --latent 64      # one point: 512 px, 2 reference images, 4 steps
     python benchmarks/probe_overhead.py --sweep          # the curve (pip install attention-map-diffusers==1.0.0)
+    python benchmarks/probe_overhead.py --sweep --threads 1 --large-only --rows default   # 128 x 128, 4 and 64 tokens
     python benchmarks/probe_overhead.py --device cuda    # GPU, 64x64 latents (512 px), fp16, 30 steps
 """
 
@@ -379,12 +380,15 @@ def peer_call(pipe, inputs: dict, capture: bool, own: OwnTime) -> float:
     return time.perf_counter() - start
 
 
-def curve_point(pipe, latent: int, steps: int, images: int, repeats: int, settings: list, peer: bool, warm: bool):
+def curve_point(
+    pipe, latent: int, steps: int, images: int, repeats: int, settings: list, peer: bool, warm: bool | str
+):
     """One point of ``--sweep``: plain, then per ``rows`` setting the probe and ``maps=True``, and (``peer``) the
     IP-Adapter-free pipeline plain and under attention-map-diffusers, in rotating order, ``repeats`` rounds (after
-    one warm-up round when ``warm``). CPU-time ratios (``time.process_time``, the whole call) of each probed call over
-    the plain calls of the same point (medians), the peer's over its own plain calls, and the probe's in-call
-    ratios."""
+    one warm-up round when ``warm``; ``warm="plain"``: one plain call only, for the large point, where a round costs
+    many minutes and the first call's one-off allocations are a small share of a call). CPU-time ratios
+    (``time.process_time``, the whole call) of each probed call over the plain calls of the same point (medians),
+    the peer's over its own plain calls, and the probe's in-call ratios."""
     device = "cpu"
     inputs = call_inputs(pipe, latent, steps, images, device, torch.float32)
     own = OwnTime(pipe)
@@ -395,6 +399,9 @@ def curve_point(pipe, latent: int, steps: int, images: int, repeats: int, settin
     if peer:
         calls += [("peer_plain", None, None), ("peer", None, None)]
     load_before = os.getloadavg()[0]
+    if warm == "plain":
+        timed_call(pipe, inputs, "plain", device, OwnTime(pipe), label="plain")  # its times dropped
+        warm = False
     for r in range(repeats + warm):
         scratch = OwnTime(pipe) if warm and r == 0 else own  # the warm-up round's times are dropped
         shift = r % len(calls)
@@ -498,7 +505,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-steps", type=int, nargs="+", default=[1], help="--sweep: steps")
     parser.add_argument("--small-repeats", type=int, default=3, help="--sweep: rounds at latents <= 32 (cheap)")
     parser.add_argument("--large", type=int, default=128, help="--sweep: a larger latent side, 1 step (0: none)")
-    parser.add_argument("--large-tokens", type=int, nargs="+", default=[4], help="--sweep: its reference tokens")
+    parser.add_argument(
+        "--large-tokens", type=int, nargs="+", default=[4, 64], help="--sweep: its reference tokens (default 4 64)"
+    )
+    parser.add_argument("--no-peer", action="store_true", help="--sweep: leave attention-map-diffusers out")
+    parser.add_argument(
+        "--large-only", action="store_true", help="--sweep: only the --large point (its warm-up one plain call)"
+    )
     parser.add_argument(
         "--rows",
         nargs="+",
@@ -547,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import attention_map_diffusers  # noqa: F401
 
-            peer = not gpu
+            peer = not gpu and not args.no_peer
         except ImportError:
             peer = False
             print(
@@ -555,13 +568,16 @@ def main(argv: list[str] | None = None) -> int:
             )
         rows = []
         points = [(lat, t, st) for lat in args.latents for t in args.tokens for st in args.sweep_steps]
-        if 64 in args.latents and 8 not in args.tokens:  # the exact target's point (rows=None, 8 tokens at 64 x 64)
+        points = [] if args.large_only else points
+        # the exact target's point (rows=None, 8 tokens at 64 x 64), where exact statistics are measured
+        if 64 in args.latents and 8 not in args.tokens and not args.large_only and None in settings:
             points += [(64, 8, st) for st in args.sweep_steps]
         points += [(args.large, t, 1) for t in args.large_tokens] if args.large else []
         seen = set()
         for lat, tokens, st in points:
             repeats = max(args.repeats, args.small_repeats) if lat <= 32 else args.repeats
-            rows.append(curve_point(pipe, lat, st, tokens // 4, repeats, settings, peer, lat not in seen))
+            warm = ("plain" if lat == args.large else True) if lat not in seen else False
+            rows.append(curve_point(pipe, lat, st, tokens // 4, repeats, settings, peer, warm))
             seen.add(lat)
             print(_table(rows[-1:]), flush=True)
         print(

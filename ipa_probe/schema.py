@@ -8,6 +8,7 @@ and forgotten in another. This module imports nothing: it sits below every modul
 from __future__ import annotations
 
 __all__ = [
+    "AUTO_SAMPLE_ROWS",
     "BRANCH_LABELS",
     "CELL_FIELDS",
     "COLUMNS",
@@ -20,9 +21,11 @@ __all__ = [
     "QUERY_FRAME_COLUMNS",
     "QUERY_FRAME_PREFIXES",
     "QUERY_FRAME_STATS",
+    "ROW_KEY_BUDGET",
     "ROW_SAMPLE_COLUMNS",
     "ROW_THRESHOLD",
     "SAMPLED_COLUMNS",
+    "SAMPLE_GROUPS",
     "STAT_NAMES",
     "SUMMARY_GAUGE_MEANS",
     "SUMMARY_HEADLINE",
@@ -124,6 +127,20 @@ ROW_SAMPLE_COLUMNS: tuple[str, ...] = ("row_fraction", *(se_column(name) for nam
 #: ``"item"``, one batch item's query positions (its frames pooled) at one step, per layer, head and adapter;
 #: ``"branch"``, every item of one CFG branch of the denoiser pass pooled.
 QUERY_FRAMES: tuple[str, ...] = ("item", "branch")
+
+#: ``rows="auto"``: the most query rows x keys per cell computed exactly. The measured curve (docs/measured.md, "The
+#: curve at every adapter size", one torch thread) met the 1.05 target with exact statistics at 16 x 16 latents with
+#: 4 and 16 tokens (256 rows: up to 4,096 row-keys) and at 32 x 32 with 4 tokens (1,024 rows x 4 = 4,096), and missed
+#: it everywhere beyond (32 x 32 with 16 tokens, 16,384 row-keys: 1.12; 64 tokens: 1.30-2.15).
+ROW_KEY_BUDGET: int = 4096
+
+#: ``rows="auto"``: the most rows of a sample (the former default ``rows=256``, which met the 1.02 target at 512 px
+#: with 4 and 8 tokens), and the fewest (the sample size whose interval coverage tests/test_row_sample.py holds;
+#: below it the random groups' standard errors rest on 8 rows each).
+AUTO_SAMPLE_ROWS: tuple[int, int] = (64, 256)
+
+#: Random groups a row sample is split into for its standard errors (:func:`~ipa_probe.stats.compare_frames`).
+SAMPLE_GROUPS: int = 8
 
 #: The table column (and summary column) naming the pool the query-frame columns were estimated over.
 QUERY_FRAME_COLUMN: str = "query_frame"

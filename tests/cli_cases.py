@@ -59,6 +59,8 @@ CASES = [
     Case("--size 7 9", ("probe", "--size", "7", "9"), 2, "--size must be two multiples of 8"),
     Case("--device nonsense", ("probe", "--device", "nonsense"), 2, "torch device"),
     Case("--threads 0", ("probe", "--threads", "0"), 2, "--threads"),
+    Case("--rows 8", ("probe", "--rows", "8"), 2, "--rows: expected auto, none or an int >= 16"),
+    Case("--rows all", ("probe", "--rows", "all"), 2, "--rows: expected auto, none or an int >= 16"),
     Case("--image not an image", ("probe", "--image", "{root}/a_file"), 2, "not an image"),
     Case("--image missing", ("compare", "--image", "{root}/nope.png"), 2, "does not exist"),
     Case("sweep --seed -1", ("sweep", "{root}/ok.jsonl", "--seed", "-1"), 2, "--seed"),

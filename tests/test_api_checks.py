@@ -45,7 +45,7 @@ def untouched(pipe) -> dict:
         ({"max_map_bytes": 0}, ValueError, "max_map_bytes"),
         # issue 39: values of the wrong type raised ValueError where docs/failures.md promises TypeError
         ({"max_map_bytes": "5"}, TypeError, "max_map_bytes"),
-        ({"rows": "5"}, TypeError, "rows"),
+        ({"rows": "5"}, ValueError, "rows"),  # a str other than "auto"
         ({"rows": 4}, ValueError, "rows"),
         ({"threads": "2"}, TypeError, "threads"),
         ({"threads": 0}, ValueError, "threads"),

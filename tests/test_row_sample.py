@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from ipa_probe.capture.config import DEFAULT_ROWS, SAMPLE_GROUPS
+from ipa_probe.capture.config import DEFAULT_ROWS, ROW_KEY_BUDGET, SAMPLE_GROUPS, auto_sample_rows
 from ipa_probe.capture.run import probe
 from ipa_probe.draws import stratified_rows
 from ipa_probe.schema import ROW_SAMPLE_COLUMNS, SAMPLED_COLUMNS, STAT_NAMES, se_column
 from ipa_probe.stats import compare_frames, compare_weights
+from ipa_probe.tiny.sd import default_reference_images
 
 
 def _table(pipe, refs, rows, size=128, **options):
@@ -38,21 +39,58 @@ def exact_and_sampled(sd15, refs):
     return _table(sd15, refs, None), _table(sd15, refs, 64)
 
 
-def test_default_samples_only_cells_above_256_rows(sd15, refs):
-    """The default (``DEFAULT_ROWS`` = 256), through ``probe(pipe)`` itself: at 256 px the tiny UNet's 32 x 32
-    layers (1,024 rows per cell) use a 256-row sample and its smaller layers are exact; at 128 px every cell is."""
-    assert DEFAULT_ROWS == 256
+@pytest.fixture(scope="module")
+def exact_and_auto_many_keys(sd15):
+    """The auto sample at many keys (16 references x 4 tokens = 64 keys, 128 px): 64 of the 16 x 16 layers' 256 rows,
+    the sample size rows="auto" takes there, against the exact run."""
+    many = default_reference_images(16)
+    return _table(sd15, many, None), _table(sd15, many, "auto")
 
-    def fractions(size):
-        with probe(sd15) as run:
-            sd15("a photo", ip_adapter_image=[refs], num_inference_steps=1, height=size, width=size,
-                 generator=torch.Generator().manual_seed(0))  # fmt: skip
-        return run.to_dataframe().groupby("layer")["row_fraction"].agg(["min", "max"])
 
-    large = fractions(256)
+def _fractions(pipe, refs, size, rows=DEFAULT_ROWS):
+    with probe(pipe, rows=rows) as run:
+        pipe("a photo", ip_adapter_image=[refs], num_inference_steps=1, height=size, width=size,
+             generator=torch.Generator().manual_seed(0))  # fmt: skip
+    return run, run.to_dataframe().groupby("layer", observed=True)["row_fraction"].agg(["min", "max"])
+
+
+def test_default_is_exact_within_its_row_key_budget(sd15, refs):
+    """The default (``rows="auto"``), through ``probe(pipe)`` itself. Two references (8 keys): at 256 px the tiny
+    UNet's 32 x 32 layers (1,024 rows x 8 keys, over the 4,096 budget) use a 256-row sample and its 16 x 16 ones
+    (2,048) are exact; at 128 px every cell is. Sixteen references (64 keys) at 128 px: the 16 x 16 layers (16,384
+    row-keys) use 64 rows (fewer rows when keys are many), the 8 x 8 ones (4,096) are exact; summary() says so."""
+    assert DEFAULT_ROWS == "auto" and ROW_KEY_BUDGET == 4096
+
+    _, large = _fractions(sd15, refs, 256)
     assert (large["min"] == large["max"]).all()  # one fraction per layer
     assert set(large["min"]) == {256 / 1024, 1.0}  # the 32 x 32 layers sampled, the 16 x 16 ones exact
-    assert (fractions(128)["min"] == 1).all()
+    assert (_fractions(sd15, refs, 128)[1]["min"] == 1).all()
+    many = default_reference_images(16)  # 16 x 4 = 64 keys
+    run, fractions = _fractions(sd15, many, 128)
+    assert set(fractions["min"]) == set(fractions["max"]) == {64 / 256, 1.0}
+    statement = run.summary().attrs["rows"]
+    sampled = fractions.index[fractions["min"] < 1]
+    assert f"Sampled in {len(sampled)} layer(s)" in statement and "256 rows x 64 keys = 16,384, 64 rows" in statement
+    assert f"Exact in {len(fractions) - len(sampled)} layer(s)" in statement and 'rows="auto"' in statement
+    # an explicit int keeps its meaning: exact up to that many rows whatever the keys
+    assert (_fractions(sd15, many, 128, rows=256)[1]["min"] == 1).all()
+
+
+def test_auto_sample_size():
+    """The rule itself: exact within the budget or when the sample would hold every row; 256 rows at few keys, the
+    budget's rows at many, never below 64; a multiple of the random groups."""
+    assert auto_sample_rows(1024, 4) is None and auto_sample_rows(256, 16) is None
+    assert auto_sample_rows(4096, 4) == 256 and auto_sample_rows(4096, 16) == 256
+    assert auto_sample_rows(4096, 64) == 64 and auto_sample_rows(4096, 40) == 96  # 4,096 // 40 = 102 -> 96
+    assert auto_sample_rows(4096, 1000) == 64 and auto_sample_rows(64, 1000) is None  # 64 of 64: every row
+    for rows in (100, 257, 1024, 4096, 16384):
+        for keys in (1, 3, 8, 16, 50, 64, 77, 300):
+            n = auto_sample_rows(rows, keys)
+            assert n is None or (n % SAMPLE_GROUPS == 0 and 64 <= n <= 256 and n < rows)
+            if rows * keys <= ROW_KEY_BUDGET:
+                assert n is None
+            elif n is None:  # over the budget, exact only where the sample would hold every row
+                assert rows <= min(256, max(64, ROW_KEY_BUDGET // keys))
 
 
 def test_exact_mode_reports_no_sampling_error(exact_and_sampled):
@@ -62,8 +100,9 @@ def test_exact_mode_reports_no_sampling_error(exact_and_sampled):
     assert set(ROW_SAMPLE_COLUMNS) <= set(exact.columns)
 
 
-def test_sample_is_within_its_stated_error_of_exact(exact_and_sampled):
-    exact, sampled = exact_and_sampled
+@pytest.mark.parametrize("runs", ["exact_and_sampled", "exact_and_auto_many_keys"])
+def test_sample_is_within_its_stated_error_of_exact(runs, request):
+    exact, sampled = request.getfixturevalue(runs)
     keys = ["call", "step", "layer", "head", "branch", "kind", "adapter"]
     merged = exact.merge(sampled, on=keys, suffixes=("", "_s"))
     large = merged[merged["row_fraction_s"] < 1]
@@ -139,7 +178,14 @@ def test_random_group_errors_against_a_recomputation():
 
 def test_rows_setting_is_checked(sd15):
     # a value out of range is a ValueError, one of the wrong type a TypeError (docs/failures.md, "The Python API")
-    for bad, error in ((0, ValueError), (15, ValueError), (2.5, TypeError), (True, TypeError), ("all", TypeError)):
+    for bad, error in (
+        (0, ValueError),
+        (15, ValueError),
+        (2.5, TypeError),
+        (True, TypeError),
+        ("all", ValueError),
+        (b"auto", TypeError),
+    ):
         with pytest.raises(error, match="rows: expected"):
             with probe(sd15, rows=bad):
                 pass

@@ -12,18 +12,66 @@ from .. import bandwidth as bw
 from .._checks import check_flag, check_items, check_seed, parse_step_selection, step_selected
 from ..bandwidth import BandwidthSpec
 from ..layers import LayerSelection, check_layer_selection
-from ..schema import QUERY_FRAMES
+from ..schema import AUTO_SAMPLE_ROWS, QUERY_FRAMES, ROW_KEY_BUDGET, SAMPLE_GROUPS
 
-__all__ = ["DEFAULT_ROWS", "SAMPLE_GROUPS", "ProbeConfig"]
+__all__ = [
+    "AUTO_SAMPLE_ROWS",
+    "DEFAULT_ROWS",
+    "ROW_KEY_BUDGET",
+    "SAMPLE_GROUPS",
+    "ProbeConfig",
+    "auto_sample_rows",
+    "rows_statement",
+]
 
-#: The default of :class:`ProbeConfig`'s ``rows``: cells of up to 256 query rows exact, larger ones on a 256-row
-#: stratified sample with standard errors. Exact statistics cost the same as the sample up to 256 rows, and above it
-#: they do not meet the overhead target at 512 px SD 1.5 (1.06 against 1.02 in CPU terms; each 1,024-row layer made
-#: exact would add about 0.01, docs/measured.md, "The probe at 512 px"); ``rows=None`` asks for exact everywhere.
-DEFAULT_ROWS: int | None = 256
+#: The default of :class:`ProbeConfig`'s ``rows``: ``"auto"``, a budget in row x key units per cell
+#: (:data:`ROW_KEY_BUDGET`): a cell whose query rows times keys fit it is exact, a larger one uses a stratified sample
+#: of :func:`auto_sample_rows` rows with standard errors. ``rows=None`` asks for exact everywhere, an int for the old
+#: rule (exact up to that many rows, a sample of that many beyond, whatever the keys).
+DEFAULT_ROWS: int | str | None = "auto"
 
-#: Random groups a row sample is split into for its standard errors (:func:`~ipa_probe.stats.compare_frames`).
-SAMPLE_GROUPS: int = 8
+
+def auto_sample_rows(rows: int, keys: int) -> int | None:
+    """``rows="auto"``: ``None`` (exact) when a cell's ``rows`` x ``keys`` fit :data:`ROW_KEY_BUDGET` or the sample
+    would hold every row, else the sample's size: the budget's rows at ``keys`` keys (fewer rows when keys are many,
+    so that the sample's per-row work stays near the budget), within :data:`AUTO_SAMPLE_ROWS`, a multiple of
+    :data:`SAMPLE_GROUPS`. Read from shapes only (no device value), so choosing it never synchronises."""
+    if rows * keys <= ROW_KEY_BUDGET:
+        return None
+    fewest, most = AUTO_SAMPLE_ROWS
+    size = min(most, max(fewest, ROW_KEY_BUDGET // max(keys, 1)))
+    size -= size % SAMPLE_GROUPS
+    return None if size >= rows else size
+
+
+def rows_statement(setting: int | str | None, plan: dict[tuple[str, str], tuple[int, int, int | None]]) -> str:
+    """Which cells' per-row statistics were exact and which sampled, and why: one sentence from the probe's plan
+    ``(layer, kind) -> (rows, keys, sample size or None)`` under ``setting`` (:attr:`ProbeConfig.rows`)."""
+    if setting == "auto":
+        rule = f'rows="auto": exact where a cell\'s rows x keys <= {ROW_KEY_BUDGET:,}'
+    elif setting is None:
+        rule = "rows=None: exact everywhere"
+    else:
+        rule = f"rows={setting}: exact up to {setting} rows per cell"
+    exact = sorted((name, kind, r, k) for (name, kind), (r, k, n) in plan.items() if n is None)
+    sampled = sorted((name, kind, r, k, n) for (name, kind), (r, k, n) in plan.items() if n is not None)
+
+    def shape(r: int, k: int) -> str:
+        return f"{r:,} rows x {k} keys = {r * k:,}"
+
+    def kinds(name: str, kind: str) -> str:
+        return name if kind == "image" else f"{name} ({kind})"
+
+    parts = [f"{rule}."]
+    if exact:
+        largest = max(exact, key=lambda e: e[2] * e[3])
+        parts.append(f"Exact in {len(exact)} layer(s) (largest: {kinds(*largest[:2])}, {shape(*largest[2:])}).")
+    if sampled:
+        listed = "; ".join(f"{kinds(n, kd)}: {shape(r, k)}, {s} rows sampled" for n, kd, r, k, s in sampled)
+        parts.append(f"Sampled in {len(sampled)} layer(s), with standard errors in the _se columns ({listed}).")
+    if not plan:
+        parts.append("Nothing was recorded.")
+    return " ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -70,21 +118,33 @@ class ProbeConfig:
             cells are) or ``"branch"`` (every item of one CFG branch of the denoiser pass pooled). Rows outside an
             IP-Adapter mask, rows with non-finite logits and text padding keys are left out of the pool either way.
             The table's ``query_frame`` column and the saved settings name it.
-        rows: the most query rows per cell (one batch item's positions at one layer, head and step) that the
-            per-row statistics (:data:`~ipa_probe.schema.SAMPLED_COLUMNS`) run over; a cell with more uses a seeded
-            sample stratified over spatial blocks (:func:`~ipa_probe.draws.stratified_rows`, ``rows`` rounded down
-            to a multiple of 8), and reports each statistic's standard error beside it (``<column>_se``, 0 for
-            exact cells) and the share of rows used (``row_fraction``). The query frame's key term, the geometry
-            columns and the reference maps always use every row. ``None`` for exact statistics everywhere.
-            Default :data:`DEFAULT_ROWS` (256): at 512 px SD 1.5 its 64 x 64 and 32 x 32 layers are sampled, the rest
-            exact, which is what meets the overhead target (docs/measured.md, "The probe at 512 px"); at 16 x 16
-            latents and below every cell is exact.
+        rows: how many query rows per cell (one batch item's positions at one layer, head and step) the per-row
+            statistics (:data:`~ipa_probe.schema.SAMPLED_COLUMNS`) run over. ``"auto"`` (default,
+            :data:`DEFAULT_ROWS`): exact where the cell's rows x keys fit :data:`ROW_KEY_BUDGET` (4,096: every
+            cell of a 16 x 16 latent up to 16 tokens, a 32 x 32 one with 4), a sample of
+            :func:`auto_sample_rows` rows beyond (256, fewer when keys are many: 64 at 64 tokens), the budget the
+            measured curve shows meets the overhead target (docs/measured.md, "The curve at every adapter size").
+            An int: the most rows per cell, a cell with more on a sample of that many (the rule before
+            ``"auto"``). ``None``: exact statistics everywhere. A sample is seeded and stratified over spatial
+            blocks (:func:`~ipa_probe.draws.stratified_rows`, rounded down to a multiple of 8), and each statistic
+            comes with its standard error (``<column>_se``, 0 for exact cells) and the share of rows used
+            (``row_fraction``); :meth:`ProbeRun.summary` says which cells were exact and which sampled
+            (``attrs["rows"]``). The query frame's key term, the geometry columns and the reference maps always use
+            every row.
         threads: torch's CPU threads for the probe's own statistics: set (``torch.set_num_threads``) around each
             record's statistics on a CPU device and restored after, also on an exception; ``None`` (default) keeps
             the caller's. The probe's some 300 small operations per record gain nothing from a second thread, and on a
             busy machine each of them waits for it (docs/measured.md, "The probe at 512 px"), so ``threads=1`` can cut
             the probe's cost several times there while the pipeline keeps its threads. The statistics are the same up
             to float32 rounding (a reduction split over threads may round differently).
+        compile: run each pass's per-row statistics (:func:`~ipa_probe.stats.compare_frames`, the part of a record
+            that dominates) through ``torch.compile(dynamic=True)`` (:func:`~ipa_probe.stats.compiled_statistics`):
+            one compile per process, minutes on a CPU, then fused statistics. Where the installed torch cannot
+            compile, a warning and the eager path, with the same numbers (equal to 1e-6: float32 rounding of fused
+            reductions). Default ``False``: on the 2-core CPU it was measured on, the compile took 21 minutes
+            (load 10) and the compiled statistics ran 0.81x as fast as eager (docs/measured.md, "Compiled
+            statistics"), so it pays nowhere there; a long run on a device whose compiled kernels beat eager
+            (a GPU, unmeasured) is where it could.
     """
 
     bandwidth: BandwidthSpec = "matched"
@@ -98,8 +158,9 @@ class ProbeConfig:
     branches: Sequence[str] | None = None
     maps: bool = False
     query_frame: str = "item"
-    rows: int | None = DEFAULT_ROWS
+    rows: int | str | None = DEFAULT_ROWS
     threads: int | None = None
+    compile: bool = False
     branch: InitVar[str | None] = None
 
     def __post_init__(self, branch: str | None) -> None:
@@ -114,7 +175,7 @@ class ProbeConfig:
         # a value of the wrong type is a TypeError, one out of range a ValueError (docs/failures.md, "The Python API")
         for name, kinds, what in (
             ("threads", (int, type(None)), "None or an int"),
-            ("rows", (int, type(None)), "None or an int"),
+            ("rows", (int, str, type(None)), '"auto", None or an int'),
             ("max_map_bytes", (int, float), "a number of bytes"),
             ("kind", (str,), "a str"),
             ("query_frame", (str,), "a str"),
@@ -129,12 +190,15 @@ class ProbeConfig:
                 f"threads: expected None (the caller's torch threads) or a positive int (torch CPU threads for the "
                 f"probe's statistics), got {self.threads!r}"
             )
-        if self.rows is not None and (
-            isinstance(self.rows, bool) or not isinstance(self.rows, int) or self.rows < 2 * SAMPLE_GROUPS
-        ):
+        if isinstance(self.rows, str) and self.rows != "auto":
             raise ValueError(
-                f"rows: expected None (every row) or an int >= {2 * SAMPLE_GROUPS} (the most query rows per cell "
-                f"before the per-row statistics use a stratified sample), got {self.rows!r}"
+                f'rows: expected "auto" (exact within a budget of {ROW_KEY_BUDGET} rows x keys per cell, a sample '
+                f"beyond), None (every row) or an int, got {self.rows!r}"
+            )
+        if isinstance(self.rows, int) and self.rows < 2 * SAMPLE_GROUPS:
+            raise ValueError(
+                f'rows: expected "auto", None (every row) or an int >= {2 * SAMPLE_GROUPS} (the most query rows per '
+                f"cell before the per-row statistics use a stratified sample), got {self.rows!r}"
             )
         if not isinstance(self.query_frame, str) or self.query_frame not in QUERY_FRAMES:
             raise ValueError(
@@ -142,6 +206,7 @@ class ProbeConfig:
                 f"is estimated over), got {self.query_frame!r}"
             )
         check_flag(self.maps, "maps")
+        check_flag(self.compile, "compile")
         check_flag(self.keep_maps, "keep_maps")
         object.__setattr__(self, "seed", check_seed(self.seed))
         check_layer_selection(self.layers)
@@ -174,6 +239,15 @@ class ProbeConfig:
         ):
             raise ValueError(f"max_map_bytes: expected a positive byte count, got {self.max_map_bytes!r}")
 
+    def sample_rows(self, rows: int, keys: int) -> int | None:
+        """The row sample's size for a cell of ``rows`` query rows and ``keys`` keys per row (:attr:`rows`), or
+        ``None`` for exact statistics."""
+        if self.rows == "auto":
+            return auto_sample_rows(rows, keys)
+        if self.rows is None or rows <= self.rows:
+            return None
+        return self.rows - self.rows % SAMPLE_GROUPS
+
     def records_step(self, step: int) -> bool:
         return step_selected(self.steps, step)
 
@@ -194,4 +268,5 @@ class ProbeConfig:
             "maps": self.maps,
             "query_frame": self.query_frame,
             "rows": self.rows,
+            "compile": self.compile,
         }

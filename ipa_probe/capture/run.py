@@ -44,12 +44,12 @@ from ..layers import (
     release,
 )
 from ..schema import CELL_FIELDS
-from ..stats import null_tail_table
+from ..stats import compiled_statistics, null_tail_table
 from . import spine
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .buffers import CallBuffers, grow, new_buffers
 from .cells import CellInputs, cell_inputs, compare_cells, group_cell, record_logits
-from .config import DEFAULT_ROWS, SAMPLE_GROUPS, ProbeConfig
+from .config import DEFAULT_ROWS, ProbeConfig, rows_statement
 from .map_views import MapViews
 from .maps import MapAccumulator
 from .report import plot_run, run_table, save_run, select_branch, summarize
@@ -133,6 +133,8 @@ class ProbeRun(MapViews):
         self._generator: torch.Generator | None = None
         self._frame_generator: torch.Generator | None = None
         self._row_generator: torch.Generator | None = None
+        #: (layer, kind) -> (rows, keys, sample size or None): what ProbeConfig.rows chose per cell (shapes only)
+        self._row_plan: dict[tuple[str, str], tuple[int, int, int | None]] = {}
         #: records of the running pass whose per-row statistics are still to run: (call, step, layer, slot, labels,
         #: inputs), compared together by :meth:`_flush`
         self._pending: list[tuple[CallBuffers, int, int, int, torch.Tensor, CellInputs]] = []
@@ -455,12 +457,13 @@ class ProbeRun(MapViews):
         groups = labels.shape[0]
         h = self._bandwidth(head_dim, q.device)
         fit = self.config.bandwidth == "fit"
-        n_rows, most = attn.shape[-2] * (attn.shape[0] // groups), self.config.rows
-        sample = None
+        n_rows = attn.shape[-2] * (attn.shape[0] // groups)
+        size, sample = self.config.sample_rows(n_rows, attn.shape[-1]), None  # from shapes: no device read
         if self._row_generator is None or self._row_generator.device != q.device:
             self._row_generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
-        if most is not None and n_rows > most:  # per-row statistics on a stratified sample (ProbeConfig.rows)
-            sample = stratified_rows(n_rows, most - most % SAMPLE_GROUPS, self._row_generator, q.device)
+        self._row_plan[(self.layers[index].name, "text" if text else "image")] = (n_rows, attn.shape[-1], size)
+        if size is not None:  # per-row statistics on a stratified sample (ProbeConfig.rows)
+            sample = stratified_rows(n_rows, size, self._row_generator, q.device)
         nw_rows = sample if self._maps is None or text else None  # the maps read every row's NW logits
         cell = group_cell(
             groups=groups,
@@ -528,9 +531,14 @@ class ProbeRun(MapViews):
                     self._generator = torch.Generator(device=device).manual_seed(self.config.seed)
                     self._frame_generator = torch.Generator(device=device).manual_seed(self.config.seed)
                 generators = (self._generator, self._frame_generator)
-                values = self._threads(device, compare_cells, [entry[-1] for entry in batch], generators)
+                values = self._threads(device, self._compare, [entry[-1] for entry in batch], generators)
                 for (call, step, index, slot, labels, _), fields in zip(batch, values, strict=True):
                     self._accumulate(call, step, index, slot, labels, fields)
+
+    def _compare(self, records: list, generators: tuple) -> list[torch.Tensor]:
+        """:func:`~.cells.compare_cells`, compiled with :attr:`ProbeConfig.compile`."""
+        with compiled_statistics(self.config.compile):
+            return compare_cells(records, generators)
 
     @staticmethod
     def _accumulate(
@@ -569,9 +577,11 @@ class ProbeRun(MapViews):
     def summary(self, branch: str | None = None):
         """Per-timestep means over layers x heads x adapters (``attrs["mean_over"]``) of :meth:`to_dataframe`, one row
         per call, step, kind and CFG branch (:func:`~ipa_probe.capture.report.summarize`). ``branch``: one CFG
-        branch (``"cond"``, what the README reads), or ``None`` for each on its own rows."""
+        branch (``"cond"``, what the README reads), or ``None`` for each on its own rows. ``attrs["rows"]`` says which
+        cells' per-row statistics were exact and which sampled, and why (:attr:`ProbeConfig.rows`)."""
         table = select_branch(summarize(self.to_dataframe()), branch, "summary")
         table.attrs["mean_over"] = ("layer", "head", "adapter")
+        table.attrs["rows"] = rows_statement(self.config.rows, self._row_plan)
         return table
 
     def plot(self, ax=None):
@@ -620,8 +630,9 @@ def probe(
     branches: Sequence[str] | None = None,
     maps: bool = False,
     query_frame: str = "item",
-    rows: int | None = DEFAULT_ROWS,
+    rows: int | str | None = DEFAULT_ROWS,
     threads: int | None = None,
+    compile: bool = False,
     log_with: str | None = None,
     logging_dir: str | os.PathLike = "runs",
     run_name: str = "probe",
@@ -633,7 +644,7 @@ def probe(
         pipe: a diffusers pipeline with an IP-Adapter loaded: Stable Diffusion 1.5 / SDXL, Flux or SD3 (see
             :mod:`ipa_probe.capture.taps` for what the image-branch weights are in each).
         bandwidth, layers, steps, heads, keep_maps, max_map_bytes, seed, kind, branches, maps, query_frame, rows,
-            threads: see :class:`ProbeConfig`.
+            threads, compile: see :class:`ProbeConfig`.
         branch: the former name of ``kind`` (accepted with a DeprecationWarning).
         log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"`` to send the run (rho with its baseline and null,
             per-layer rho, histograms, overlays per step with ``maps=True``, settings with end-of-run metrics) to
@@ -674,6 +685,7 @@ def probe(
         query_frame=query_frame,
         rows=rows,
         threads=threads,
+        compile=compile,
         branch=branch,
     )
     if log_with is not None:

@@ -479,7 +479,10 @@ def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
 
 
 #: arguments that do not change what a run writes: left out of the key that says whether two runs are the same run
-_NOT_IN_KEY = frozenset({"out", "overwrite", "threads", "verbose", "no_progress", "command", "argv", "holder"})
+#: ``compile`` changes how the statistics run, not the files (the same numbers)
+_NOT_IN_KEY = frozenset(
+    {"out", "overwrite", "threads", "verbose", "no_progress", "command", "argv", "holder", "compile"}
+)
 
 
 def run_settings(args: argparse.Namespace) -> dict:

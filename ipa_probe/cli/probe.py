@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .._checks import DEFAULT_GAUGE_FACTORS, GAUGE_FACTOR_RANGE, check_gauge_ranges, parse_gauges
 from ..runfolder import MANIFEST_NAME
-from ..schema import QUERY_FRAMES
+from ..schema import QUERY_FRAMES, ROW_KEY_BUDGET, SAMPLE_GROUPS
 from ._common import (
     DIGITS_DEFAULTS,
     add_model_arguments,
@@ -51,6 +51,23 @@ def add_parser(subparsers) -> None:
         default="item",
         help="the pool of queries the query-frame key term is estimated over: one batch item's positions (default) "
         "or every item of one CFG branch (docs/gauge.md, 'The query frame')",
+    )
+    parser.add_argument(
+        "--rows",
+        type=_rows_type,
+        default="auto",
+        metavar="auto|none|N",
+        help="query rows per cell for the per-row statistics: 'auto' (default: exact where a cell's rows x keys "
+        f"<= {ROW_KEY_BUDGET:,}, a 64-256-row stratified sample with standard errors beyond), 'none' (exact "
+        "everywhere) or N (exact up to N rows per cell, a sample of N beyond); docs/measured.md, 'The curve at "
+        "every adapter size'",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the per-row statistics through torch.compile (one compile per process: 21 min on a loaded 2-core "
+        "CPU, where it ran 0.81x as fast as eager; for long runs on a GPU; eager with a warning where torch cannot "
+        "compile; the same numbers to 1e-6)",
     )
     parser.add_argument("--keep-maps", action="store_true", help="also save the full attention maps (fp16, .pt)")
     parser.add_argument("--maps", action="store_true", help="also write reference_maps.png and map_table.parquet")
@@ -94,6 +111,19 @@ def add_parser(subparsers) -> None:
 def _writes(args: argparse.Namespace) -> list[Path]:
     """The folders this run writes, locked before torch loads: ``--out`` and a separate ``--overlays``."""
     return [Path(args.out)] + ([Path(args.overlays)] if _separate_overlays(args) else [])
+
+
+def _rows_type(value: str) -> int | str | None:
+    """``--rows``: ``auto``, ``none`` or an int >= 16 (ProbeConfig.rows)."""
+    if value in ("auto", "none"):
+        return None if value == "none" else value
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = 0
+    if rows < 2 * SAMPLE_GROUPS:
+        raise argparse.ArgumentTypeError(f"expected auto, none or an int >= {2 * SAMPLE_GROUPS}, got {value!r}")
+    return rows
 
 
 def _gauges_type(value: str) -> tuple[float | str, ...]:
@@ -168,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
                 "keep_maps": args.keep_maps,
                 "maps": maps,
                 "query_frame": args.query_frame,
+                "rows": args.rows,
+                "compile": args.compile,
             }
             with probe(loaded.pipe, bandwidth=args.bandwidth, **options) as run_:
                 result = loaded.pipe(
