@@ -125,3 +125,22 @@ def test_observe_again_refuses_a_record_whose_sets_are_not_the_experiments(tmp_p
     with pytest.raises(ValueError, match=r"set 0 holds digits \[5, 5, 6, 6\]"):
         observe_again(tmp_path, "support", labels=("trained",))
 
+
+@pytest.mark.parametrize(
+    "folder", ["full", "full_recipe_ip_adapter", "full_recipe_mixed", "smoke", "smoke_recipe_ip_adapter"]
+)
+def test_committed_tables_are_what_their_csvs_say(folder, tmp_path):
+    """Each committed attribution ``table.md`` / ``table.csv`` is :func:`table_rows` of the folder's own CSVs."""
+    import shutil
+    from pathlib import Path
+
+    from ipa_probe.experiments.attribution import retable
+
+    source = Path(__file__).parents[1] / "docs" / "results" / folder / "attribution"
+    copy = tmp_path / "attribution"
+    shutil.copytree(source, copy)
+    retable(copy)
+    for name in ("table.md", "table.csv"):
+        assert (copy / name).read_text() == (source / name).read_text(), f"{folder}/attribution/{name}"
+    held = pd.read_csv(source / "held_out_trained.csv")
+    assert {"group", "steps", "candidates"} <= set(held.columns)  # chosen over predictors x aggregations

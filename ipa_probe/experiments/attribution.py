@@ -299,7 +299,8 @@ def run(ctx) -> ExperimentResult:
         "intervention": "ablate one reference in every IP-Adapter layer at every step (removed from the softmax)",
         "rule": "predicts: the one-sided permutation p after Holm's adjustment over the organism's table below 0.05 "
         "(the 95% bootstrap intervals describe, they do not decide); the posterior read at t < 651 or averaged over "
-        "every step is labelled near-circular; held out: even sets choose the predictor, odd sets test it, and back",
+        "every step is labelled near-circular; held out: even sets choose the predictor and its aggregation (layer "
+        "group x steps, attribution_aggregate), odd sets test it, and back",
         "control_sets": tier.attribution_control_sets,
         "control_rule": "a statistic counts only where its difference from its control has a 95% bootstrap interval "
         "excluding 0 (paired by set for unseen references, two populations resampled apart for same-digit sets)",
@@ -425,13 +426,16 @@ def table_rows(
     return rows
 
 
-def retable(folder: str | Path) -> list[Path]:
+def retable(folder: str | Path, revision: str | None = None) -> list[Path]:
     """Write ``table.md`` and ``table.csv`` of a committed attribution folder again from its CSVs and
-    ``record.json`` (:func:`table_rows`; no generation). Returns the files written."""
+    ``record.json`` (:func:`table_rows`; no generation). With ``revision`` (what changed the CSVs, and how), the
+    record's measurements (effects, comparisons) and controls (verdicts, controls, shuffled, grid, example) are
+    replaced by the CSVs' and ``revision`` is appended to its ``revisions`` (so that :func:`redraw` draws what the
+    CSVs hold). Returns the files written."""
     import csv
     import json
 
-    from .._io import atomic_path, write_atomic
+    from .._io import atomic_path, write_atomic, write_json
     from .report import TABLE_COLUMNS, markdown_table
 
     folder = Path(folder)
@@ -456,7 +460,16 @@ def retable(folder: str | Path) -> list[Path]:
         writer.writerow(TABLE_COLUMNS)
         for row in rows:
             writer.writerow([getattr(row, c) for c in TABLE_COLUMNS])
-    return [folder / "table.md", folder / "table.csv"]
+    written = [folder / "table.md", folder / "table.csv"]
+    if revision is not None:
+        for label in comparisons:
+            record["measurements"][label] = as_records(
+                {"comparisons": comparisons[label], "effects": effects_by[label]}
+            )
+        record["controls"] = as_records(checks)
+        record["revisions"] = [*record.get("revisions", []), revision]
+        written.append(write_json(folder / "record.json", record))
+    return written
 
 
 #: The label of a posterior read after the output is decided (:data:`~.attribution_tests.DECIDED_BELOW`).
@@ -567,12 +580,13 @@ def plot(effects_by: dict[str, pd.DataFrame], trained: pd.DataFrame, recipe: str
                 left.plot([mean, mean], [row + 0.45 * index, row + 0.45 * index + 0.42], color="black", lw=1.6,
                           label="mean over sets (the statistic)")  # fmt: skip
         left.axvline(0, color="grey", lw=0.8, ls=":", label="chance (permutation null mean)")
-        left.set_yticks([r + 0.45 for r in range(len(names))], [PREDICTORS[p] for p in reversed(names)])
+        short = {**PREDICTORS, "output_projection": "output-gradient projection"}  # the panel's width
+        left.set_yticks([r + 0.45 for r in range(len(names))], [short[p] for p in reversed(names)])
         left.set_ylim(-0.1, len(names) - 0.05)
         left.set_xlim(-1.08, 1.08)
         sets = next(iter(effects_by.values()))["set"].nunique()
         refs = next(iter(effects_by.values()))["reference"].nunique()
-        left.set(xlabel="per-set Spearman with the ablation effect", title="(a) predictors averaged over steps")
+        left.set(xlabel="per-set Spearman with the ablation effect", title="(a) each predictor over all steps")
         steps = trained[(trained["timestep"] != "all") & (trained["effect"] == effect)]
         drawn = [[0.0]]
         markers = "osD^"
