@@ -84,6 +84,18 @@ def test_comparisons_holm_over_the_table_and_near_circular():
         late = r["timestep"] == "all" or float(r["timestep"]) < DECIDED_BELOW
         assert r["near_circular"] == (r["predictor"] == "posterior_weight" and late)
 
+    # rows joining the adjusted table (as add_patching's do) keep their own unadjusted rule, the rest theirs
+    joined = pd.concat(
+        [out, pd.DataFrame([{"timestep": "all", "predictor": "attribution_patching", "effect": "a", "p": 0.04,
+                             "low": -0.1, "predicts": False}, {"timestep": "all", "predictor": "output_projection",
+                             "effect": "a", "p": 0.001, "low": 0.2, "predicts": True}])],  # fmt: skip
+        ignore_index=True,
+    )
+    again = adjust_comparisons(joined)
+    assert again["predicts_unadjusted"].dtype == bool
+    assert again["predicts_unadjusted"].tolist() == [True] * len(out) + [False, True]
+    np.testing.assert_allclose(again["p_holm"], _holm_by_definition(list(joined["p"])), atol=1e-15)
+
 
 def test_grid_mid_block_is_its_own_family():
     rng = np.random.default_rng(4)

@@ -57,12 +57,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from .attribution_aggregate import aggregate, held_out_aggregations  # noqa: E402
 from .attribution_controls import (
-    _order,
     control_rows,
     control_sets,
     controls,
     mixed_following,
+    observed_checks,
     resolution_verdicts,
     set_statistics,
     shuffle_check,
@@ -87,7 +88,7 @@ from .attribution_setup import (
     observe,
     predictor_test,
 )  # noqa: E402
-from .attribution_tests import adjust_comparisons, adjust_grid, example_intervals, held_out  # noqa: E402
+from .attribution_tests import adjust_comparisons, adjust_grid, example_intervals  # noqa: E402
 from .report import ExperimentResult, Row, as_records, from_record, save_figure  # noqa: E402
 
 #: The experiment's whole surface, its parts (setup, controls, grid) included, as one module's.
@@ -119,9 +120,11 @@ __all__ = [
     "predictors",
     "redraw",
     "resolution_verdicts",
+    "retable",
     "run",
     "set_statistics",
     "shuffle_check",
+    "table_rows",
     "two_plus_two_example",
     "unseen_references",
 ]
@@ -226,8 +229,6 @@ def run(ctx) -> ExperimentResult:
     from tqdm.auto import tqdm
 
     from .._io import write_table
-    from ..attribution import posterior_at
-    from ..sweep.aggregation import bootstrap_ci
     from .ip_adapter_setup import _mixed_sets, organism_pipelines
 
     tier, folder = ctx.tier, ctx.out / "attribution"
@@ -249,26 +250,11 @@ def run(ctx) -> ExperimentResult:
                 tqdm(members, desc=f"controls {label}: {population}", disable=not ctx.progress)
             ):
                 observed[population].append((digits, refs, observe(pipe, refs, seed=i)))
-        statistics, verdicts = {}, []
-        for population, members in observed.items():
-            per_set = []
-            for i, (digits, refs, result) in enumerate(members):
-                timesteps = dict(zip(result.table["step"], result.table["timestep"], strict=True))
-                unseen = posterior_at(pipe, unseen_references(digits, refs, seed=i), result.samples, timesteps)
-                per_set.append(set_statistics(result, unseen).assign(set=i))
-            statistics[population] = pd.concat(per_set, ignore_index=True)
-            by_resolution = resolution_verdicts([result for *_, result in members], outer)
-            verdicts.append(by_resolution.assign(population=population))
-        verdicts = pd.concat(verdicts, ignore_index=True)
-        control_table = controls(statistics)
-        shuffled = [
-            shuffle_check(pipe, result, refs, i, _order(i, len(refs)))
-            for i, (_, refs, result) in enumerate(observed["2+2 digits"][: tier.attribution_control_sets])
-        ]
-        checks[label] = {"verdicts": verdicts, "controls": control_table, "shuffled": pd.DataFrame(shuffled)}
+        verdicts, control_table, shuffled = observed_checks(pipe, observed, tier.attribution_control_sets, outer)
+        checks[label] = {"verdicts": verdicts, "controls": control_table, "shuffled": shuffled}
         write_table(verdicts, folder / f"verdicts_{label}.csv")
         write_table(control_table, folder / f"controls_{label}.csv")
-        write_table(pd.DataFrame(shuffled), folder / f"shuffled_{label}.csv")
+        write_table(shuffled, folder / f"shuffled_{label}.csv")
         if label == "trained" and tier.attribution_grid_sets:
             grids = []
             members = observed["2+2 digits"][: tier.attribution_grid_sets]
@@ -289,14 +275,71 @@ def run(ctx) -> ExperimentResult:
         effects = effects.merge(overall, on=["set", "reference"])  # the predictors beside the effects
         effects_by[label] = effects
         if effects["set"].nunique() >= 4:  # two sets on each side at least
-            held[label] = held_out(effects)
+            aggregates = aggregate(pd.concat(tables, ignore_index=True))
+            held[label], scores = held_out_aggregations(effects, aggregates)
+            write_table(aggregates, folder / f"aggregates_{label}.csv")
             write_table(held[label], folder / f"held_out_{label}.csv")
+            write_table(scores, folder / f"held_out_scores_{label}.csv")
         write_table(effects, folder / f"effects_{label}.csv")
         write_table(comparisons[label], folder / f"comparisons_{label}.csv")
         raw[label] = {
             "comparisons": comparisons[label].to_dict(orient="records"),
             "effects": effects.to_dict(orient="records"),
         }
+
+    rows = table_rows(comparisons, held, effects_by, checks, tier.attribution_grid_sets)
+    figures = [plot(effects_by, comparisons["trained"], ctx.recipe, folder)]
+    record = {
+        "measurements": raw,
+        "recipe": ctx.recipe,
+        "sets": tier.attribution_sets,
+        "num_inference_steps": NUM_STEPS,
+        "guidance_scale": GUIDANCE_SCALE,
+        "recorded_steps": list(RECORDED_STEPS),
+        "intervention": "ablate one reference in every IP-Adapter layer at every step (removed from the softmax)",
+        "rule": "predicts: the one-sided permutation p after Holm's adjustment over the organism's table below 0.05 "
+        "(the 95% bootstrap intervals describe, they do not decide); the posterior read at t < 651 or averaged over "
+        "every step is labelled near-circular; held out: even sets choose the predictor and its aggregation (layer "
+        "group x steps, attribution_aggregate), odd sets test it, and back",
+        "control_sets": tier.attribution_control_sets,
+        "control_rule": "a statistic counts only where its difference from its control has a 95% bootstrap interval "
+        "excluding 0 (paired by set for unseen references, two populations resampled apart for same-digit sets)",
+        "verdict_intervals": {"bootstrap_resamples_of_sets": outer},
+        "shuffle_tolerance": {"latent_rtol": SHUFFLE_LATENT_RTOL, "share_atol": SHUFFLE_SHARE_ATOL},
+        "controls": {label: as_records(check) for label, check in checks.items()},
+        "grid": {
+            "sets": tier.attribution_grid_sets,
+            "organism": "trained",
+            "groups": "down / mid / up blocks and all layers (ipa_probe.intervention.LAYER_GROUPS)",
+            "step_ranges": "thirds of the 20 steps (0-6, 7-13, 14-19) and all",
+            "modes": "ablate in every (group, range); scale x0.5 in all layers at all steps",
+            "predictors": "means over the group's layers and the recorded steps inside the range",
+            "example_seeds": tier.attribution_example_seeds,
+        },
+    }
+    return ExperimentResult("attribution", rows, record, figures)
+
+
+def _aggregation_text(r: dict) -> str:
+    """Where a held-out row's predictor was read (older rows without the aggregation: every layer and step)."""
+    group, steps = r.get("group", "all"), r.get("steps", "all steps")
+    if steps == "whole run":
+        return "the whole run"
+    return f"{group} layers, {steps}"
+
+
+def table_rows(
+    comparisons: dict[str, pd.DataFrame],
+    held: dict[str, pd.DataFrame],
+    effects_by: dict[str, pd.DataFrame],
+    checks: dict[str, dict],
+    grid_sets: int,
+) -> list[Row]:
+    """The experiment's table (``table.md``) from its tables: per organism the comparisons
+    (``comparisons_<label>.csv``), the held-out choice (``held_out_<label>.csv``), the effects
+    (``effects_<label>.csv``) and the checks (``verdicts``, ``controls``, ``shuffled``; ``grid`` and ``example`` for
+    the trained one); ``grid_sets`` the grid's set count."""
+    from ..sweep.aggregation import bootstrap_ci
 
     rows = []
     for label, table in comparisons.items():
@@ -331,17 +374,15 @@ def run(ctx) -> ExperimentResult:
             for r in held[label].to_dict(orient="records"):
                 rows.append(
                     Row(
-                        "predictor chosen on half the sets, tested on the other half (held out)",
+                        "predictor and aggregation chosen on half the sets, tested on the other half (held out)",
                         f"{label} organism, effect = {EFFECTS[r['effect']]}, {r['fold']}",
                         f"{'agrees' if r['agrees'] else 'does not agree'}: {PREDICTORS[r['chosen']]}"
-                        f"{' (negated)' if r['sign'] < 0 else ''} {_interval_text(r)}, p {r['p']:.2g} (Holm "
-                        f"{r['p_holm']:.2g})",
+                        f"{' (negated)' if r['sign'] < 0 else ''} over {_aggregation_text(r)} "
+                        f"{_interval_text(r)}, p {r['p']:.2g} (Holm {r['p_holm']:.2g})",
                         "—",
-                        f"chosen at {r['selection_spearman']:+.2f} on the other half; held-out means: "
-                        + ", ".join(
-                            f"{PREDICTORS[p]} {r[f'{p}_held_out']:+.2f}" for p in PREDICTORS if f"{p}_held_out" in r
-                        )
-                        + f"; {r['sets']} held-out sets",
+                        f"chosen among {r.get('candidates', len(PREDICTORS))} candidates at "
+                        f"{r['selection_spearman']:+.2f} on the other half; {r['sets']} held-out sets; one-sided p, "
+                        "Holm over the organism's held-out tests",
                     )
                 )
         effects = effects_by[label]
@@ -365,7 +406,7 @@ def run(ctx) -> ExperimentResult:
     for label, check in checks.items():
         rows.extend(control_rows(label, check))
         if "grid" in check:
-            rows.extend(grid_rows(label, check["grid"], check["example"], tier.attribution_grid_sets))
+            rows.extend(grid_rows(label, check["grid"], check["example"], grid_sets))
     trained = comparisons["trained"]
     for when in [w for w in trained["timestep"].unique() if w != "all"]:
         part = trained[(trained["timestep"] == when) & (trained["effect"] == "latent_effect")]
@@ -382,36 +423,53 @@ def run(ctx) -> ExperimentResult:
                 f"{CIRCULAR if by['posterior_weight']['near_circular'] else ''})",
             )
         )
+    return rows
 
-    figures = [plot(effects_by, comparisons["trained"], ctx.recipe, folder)]
-    record = {
-        "measurements": raw,
-        "recipe": ctx.recipe,
-        "sets": tier.attribution_sets,
-        "num_inference_steps": NUM_STEPS,
-        "guidance_scale": GUIDANCE_SCALE,
-        "recorded_steps": list(RECORDED_STEPS),
-        "intervention": "ablate one reference in every IP-Adapter layer at every step (removed from the softmax)",
-        "rule": "predicts: the one-sided permutation p after Holm's adjustment over the organism's table below 0.05 "
-        "(the 95% bootstrap intervals describe, they do not decide); the posterior read at t < 651 or averaged over "
-        "every step is labelled near-circular; held out: even sets choose the predictor, odd sets test it, and back",
-        "control_sets": tier.attribution_control_sets,
-        "control_rule": "a statistic counts only where its difference from its control has a 95% bootstrap interval "
-        "excluding 0 (paired by set for unseen references, two populations resampled apart for same-digit sets)",
-        "verdict_intervals": {"bootstrap_resamples_of_sets": outer},
-        "shuffle_tolerance": {"latent_rtol": SHUFFLE_LATENT_RTOL, "share_atol": SHUFFLE_SHARE_ATOL},
-        "controls": {label: as_records(check) for label, check in checks.items()},
-        "grid": {
-            "sets": tier.attribution_grid_sets,
-            "organism": "trained",
-            "groups": "down / mid / up blocks and all layers (ipa_probe.intervention.LAYER_GROUPS)",
-            "step_ranges": "thirds of the 20 steps (0-6, 7-13, 14-19) and all",
-            "modes": "ablate in every (group, range); scale x0.5 in all layers at all steps",
-            "predictors": "means over the group's layers and the recorded steps inside the range",
-            "example_seeds": tier.attribution_example_seeds,
-        },
-    }
-    return ExperimentResult("attribution", rows, record, figures)
+
+def retable(folder: str | Path, revision: str | None = None) -> list[Path]:
+    """Write ``table.md`` and ``table.csv`` of a committed attribution folder again from its CSVs and
+    ``record.json`` (:func:`table_rows`; no generation). With ``revision`` (what changed the CSVs, and how), the
+    record's measurements (effects, comparisons) and controls (verdicts, controls, shuffled, grid, example) are
+    replaced by the CSVs' and ``revision`` is appended to its ``revisions`` (so that :func:`redraw` draws what the
+    CSVs hold). Returns the files written."""
+    import csv
+    import json
+
+    from .._io import atomic_path, write_atomic, write_json
+    from .report import TABLE_COLUMNS, markdown_table
+
+    folder = Path(folder)
+    record = json.loads((folder / "record.json").read_text())
+    comparisons, held, effects_by, checks = {}, {}, {}, {}
+    for label in ("trained", "untrained"):
+        if not (folder / f"comparisons_{label}.csv").exists():
+            continue
+        comparisons[label] = pd.read_csv(folder / f"comparisons_{label}.csv", dtype={"timestep": str})
+        effects_by[label] = pd.read_csv(folder / f"effects_{label}.csv")
+        if (folder / f"held_out_{label}.csv").exists():
+            held[label] = pd.read_csv(folder / f"held_out_{label}.csv")
+        check = {name: pd.read_csv(folder / f"{name}_{label}.csv") for name in ("verdicts", "controls", "shuffled")}
+        if label == "trained" and (folder / "grid_comparisons_trained.csv").exists():
+            check["grid"] = pd.read_csv(folder / "grid_comparisons_trained.csv")
+            check["example"] = pd.read_csv(folder / "example_3s_5s_trained.csv")
+        checks[label] = check
+    rows = table_rows(comparisons, held, effects_by, checks, int(record["grid"]["sets"]))
+    write_atomic(folder / "table.md", "### attribution\n\n" + markdown_table(rows))
+    with atomic_path(folder / "table.csv") as temp, temp.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(TABLE_COLUMNS)
+        for row in rows:
+            writer.writerow([getattr(row, c) for c in TABLE_COLUMNS])
+    written = [folder / "table.md", folder / "table.csv"]
+    if revision is not None:
+        for label in comparisons:
+            record["measurements"][label] = as_records(
+                {"comparisons": comparisons[label], "effects": effects_by[label]}
+            )
+        record["controls"] = as_records(checks)
+        record["revisions"] = [*record.get("revisions", []), revision]
+        written.append(write_json(folder / "record.json", record))
+    return written
 
 
 #: The label of a posterior read after the output is decided (:data:`~.attribution_tests.DECIDED_BELOW`).
@@ -464,9 +522,12 @@ def add_patching(folder: str | Path, recipe: str, progress: bool = False) -> lis
             write_table(adjust_comparisons(pd.concat([table, added], ignore_index=True)), path)
             written.append(path)
         if effects["set"].nunique() >= 4:
-            target = folder / f"held_out_{label}.csv"
-            write_table(held_out(effects), target)
-            written.append(target)
+            aggregates = folder / f"aggregates_{label}.csv"
+            aggregates = pd.read_csv(aggregates) if aggregates.exists() else None
+            held, scores = held_out_aggregations(effects, aggregates)
+            for name, frame in (("held_out", held), ("held_out_scores", scores)):
+                write_table(frame, folder / f"{name}_{label}.csv")
+                written.append(folder / f"{name}_{label}.csv")
     return written
 
 
@@ -519,12 +580,13 @@ def plot(effects_by: dict[str, pd.DataFrame], trained: pd.DataFrame, recipe: str
                 left.plot([mean, mean], [row + 0.45 * index, row + 0.45 * index + 0.42], color="black", lw=1.6,
                           label="mean over sets (the statistic)")  # fmt: skip
         left.axvline(0, color="grey", lw=0.8, ls=":", label="chance (permutation null mean)")
-        left.set_yticks([r + 0.45 for r in range(len(names))], [PREDICTORS[p] for p in reversed(names)])
+        short = {**PREDICTORS, "output_projection": "output-gradient projection"}  # the panel's width
+        left.set_yticks([r + 0.45 for r in range(len(names))], [short[p] for p in reversed(names)])
         left.set_ylim(-0.1, len(names) - 0.05)
         left.set_xlim(-1.08, 1.08)
         sets = next(iter(effects_by.values()))["set"].nunique()
         refs = next(iter(effects_by.values()))["reference"].nunique()
-        left.set(xlabel="per-set Spearman with the ablation effect", title="(a) predictors averaged over steps")
+        left.set(xlabel="per-set Spearman with the ablation effect", title="(a) each predictor over all steps")
         steps = trained[(trained["timestep"] != "all") & (trained["effect"] == effect)]
         drawn = [[0.0]]
         markers = "osD^"

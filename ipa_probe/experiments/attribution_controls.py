@@ -23,6 +23,7 @@ __all__ = [
     "control_sets",
     "controls",
     "mixed_following",
+    "observed_checks",
     "resolution_verdicts",
     "set_statistics",
     "shuffle_check",
@@ -213,6 +214,40 @@ def controls(statistics: dict[str, pd.DataFrame], seed: int = 0) -> pd.DataFrame
     return pd.DataFrame(rows).sort_values(
         ["population", "statistic", "control", "timestep"], ascending=[True, True, True, False]
     )
+
+
+def observed_checks(pipe, observed: dict, shuffled_sets: int, outer: int) -> tuple[pd.DataFrame, ...]:
+    """The controls of one organism from its observed generations (no ablation): the verdict at every resolution per
+    population, every statistic against its control, and the shuffled-order check on the first ``shuffled_sets``
+    2 + 2 sets.
+
+    Args:
+        pipe: the organism's pipeline.
+        observed: population -> ``[(digits, refs, ReferenceAttribution), ...]`` (set ``i`` generated from seed ``i``).
+        shuffled_sets: how many 2 + 2 sets are generated again in another order.
+        outer: :func:`resolution_verdicts`' bootstrap resamples.
+
+    Returns:
+        ``(verdicts, controls, shuffled)``, as ``verdicts_<label>.csv``, ``controls_<label>.csv`` and
+        ``shuffled_<label>.csv``.
+    """
+    from ..attribution import posterior_at
+
+    statistics, verdicts = {}, []
+    for population, members in observed.items():
+        per_set = []
+        for i, (digits, refs, result) in enumerate(members):
+            timesteps = dict(zip(result.table["step"], result.table["timestep"], strict=True))
+            unseen = posterior_at(pipe, unseen_references(digits, refs, seed=i), result.samples, timesteps)
+            per_set.append(set_statistics(result, unseen).assign(set=i))
+        statistics[population] = pd.concat(per_set, ignore_index=True)
+        by_resolution = resolution_verdicts([result for *_, result in members], outer)
+        verdicts.append(by_resolution.assign(population=population))
+    shuffled = [
+        shuffle_check(pipe, result, refs, i, _order(i, len(refs)))
+        for i, (_, refs, result) in enumerate(observed["2+2 digits"][:shuffled_sets])
+    ]
+    return pd.concat(verdicts, ignore_index=True), controls(statistics), pd.DataFrame(shuffled)
 
 
 def shuffle_check(pipe, result, refs: list, seed: int, order: list[int]) -> dict:

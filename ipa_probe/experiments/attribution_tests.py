@@ -49,8 +49,11 @@ def _decide(frame: pd.DataFrame, family: pd.Series | None = None) -> pd.DataFram
     from ..attribution import ALPHA, holm
 
     out = frame.copy()
-    if "predicts" in out.columns and "predicts_unadjusted" not in out.columns:
-        out["predicts_unadjusted"] = out["predicts"].astype(bool)
+    if "predicts" in out.columns:
+        # rows that joined an adjusted table (add_patching's) still carry the old rule in ``predicts``
+        before = out["predicts"].astype(bool)
+        kept = out["predicts_unadjusted"] if "predicts_unadjusted" in out.columns else pd.Series(np.nan, out.index)
+        out["predicts_unadjusted"] = kept.where(kept.notna(), before).astype(bool)
     out["p_holm"] = np.nan
     keys = pd.Series(0, index=out.index) if family is None else family
     for _, index in out.groupby(keys.to_numpy()).groups.items():
@@ -157,8 +160,10 @@ def held_out(effects: pd.DataFrame, permutations: int = 4999, seed: int = 0) -> 
 def rewrite(folder: str | Path) -> list[Path]:
     """Correct one attribution folder's committed tables in place (no generation): ``comparisons_<label>.csv`` and
     ``grid_comparisons_trained.csv`` gain ``p_holm``, ``predicts`` (on it) and ``predicts_unadjusted``;
-    ``example_3s_5s_trained.csv`` gets Clopper-Pearson intervals; ``held_out_<label>.csv`` is written from
-    ``effects_<label>.csv``. Returns the files written."""
+    ``example_3s_5s_trained.csv`` gets Clopper-Pearson intervals; ``held_out_<label>.csv`` and
+    ``held_out_scores_<label>.csv`` are written from ``effects_<label>.csv`` and, where the folder has it,
+    ``aggregates_<label>.csv`` (:func:`~.attribution_aggregate.held_out_aggregations`; without it the candidates are
+    the predictors over every layer and step). Returns the files written."""
     from .._io import write_table
 
     folder = Path(folder)
@@ -170,9 +175,14 @@ def rewrite(folder: str | Path) -> list[Path]:
             written.append(path)
         path = folder / f"effects_{label}.csv"
         if path.exists():
-            target = folder / f"held_out_{label}.csv"
-            write_table(held_out(pd.read_csv(path)), target)
-            written.append(target)
+            from .attribution_aggregate import held_out_aggregations
+
+            aggregates = folder / f"aggregates_{label}.csv"
+            aggregates = pd.read_csv(aggregates) if aggregates.exists() else None
+            held, scores = held_out_aggregations(pd.read_csv(path), aggregates)
+            for name, frame in (("held_out", held), ("held_out_scores", scores)):
+                write_table(frame, folder / f"{name}_{label}.csv")
+                written.append(folder / f"{name}_{label}.csv")
     corrections = {"grid_comparisons_trained.csv": adjust_grid, "example_3s_5s_trained.csv": example_intervals}
     for name, correct in corrections.items():
         path = folder / name
