@@ -21,6 +21,7 @@ __all__ = [
     "QUERY_FRAME_COLUMNS",
     "QUERY_FRAME_PREFIXES",
     "QUERY_FRAME_STATS",
+    "QUERY_POOL_OTHER_COLUMN",
     "ROW_KEY_BUDGET",
     "ROW_SAMPLE_COLUMNS",
     "ROW_THRESHOLD",
@@ -145,11 +146,18 @@ SAMPLE_GROUPS: int = 8
 #: The table column (and summary column) naming the pool the query-frame columns were estimated over.
 QUERY_FRAME_COLUMN: str = "query_frame"
 
+#: The query-frame rho (exact form) had the query frame been estimated over the *other* pool of
+#: :data:`QUERY_FRAMES` than the run's ``query_frame`` (``"branch"`` for an ``"item"`` run and the reverse), over the
+#: same rows. Computed only where a CFG branch of the pass holds two or more items; where each holds one, the pools
+#: are the same rows and the column repeats ``qf_spearman`` (nothing more is computed). A summary states how far it
+#: would move the mean query-frame rho (:func:`ipa_probe.capture.report.summarize`).
+QUERY_POOL_OTHER_COLUMN: str = "qf_spearman_other_pool"
+
 #: Per-cell values kept in the probe's buffers, in order: the bandwidth used, then :data:`STAT_NAMES`, then the
 #: query and key geometry, ``ip_mass`` (the share of a joint softmax's mass on the image tokens: SD3, where the
 #: image tokens share one softmax with the latent tokens; NaN where the image branch is a softmax of its own),
 #: ``keys`` (how many keys each row's weights run over, after the text padding is left out), then
-#: :data:`QUERY_FRAME_COLUMNS`.
+#: :data:`QUERY_FRAME_COLUMNS`, :data:`ROW_SAMPLE_COLUMNS` and :data:`QUERY_POOL_OTHER_COLUMN`.
 CELL_FIELDS: tuple[str, ...] = (
     "bandwidth",
     *STAT_NAMES,
@@ -159,6 +167,7 @@ CELL_FIELDS: tuple[str, ...] = (
     "keys",
     *QUERY_FRAME_COLUMNS,
     *ROW_SAMPLE_COLUMNS,
+    QUERY_POOL_OTHER_COLUMN,
 )
 
 #: Columns that place a cell: call, step, timestep, layer, head, CFG branch, kind and adapter.
@@ -197,6 +206,7 @@ COLUMNS: tuple[str, ...] = (
     QUERY_FRAME_COLUMN,
     *QUERY_FRAME_COLUMNS,
     *ROW_SAMPLE_COLUMNS,
+    QUERY_POOL_OTHER_COLUMN,
 )
 
 #: Rows with fewer keys than this have a degenerate per-row Spearman (two keys give +-1, one key none).

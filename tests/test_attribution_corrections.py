@@ -86,9 +86,29 @@ def test_comparisons_holm_over_the_table_and_near_circular():
 
     # rows joining the adjusted table (as add_patching's do) keep their own unadjusted rule, the rest theirs
     joined = pd.concat(
-        [out, pd.DataFrame([{"timestep": "all", "predictor": "attribution_patching", "effect": "a", "p": 0.04,
-                             "low": -0.1, "predicts": False}, {"timestep": "all", "predictor": "output_projection",
-                             "effect": "a", "p": 0.001, "low": 0.2, "predicts": True}])],  # fmt: skip
+        [
+            out,
+            pd.DataFrame(
+                [
+                    {
+                        "timestep": "all",
+                        "predictor": "attribution_patching",
+                        "effect": "a",
+                        "p": 0.04,
+                        "low": -0.1,
+                        "predicts": False,
+                    },
+                    {
+                        "timestep": "all",
+                        "predictor": "output_projection",
+                        "effect": "a",
+                        "p": 0.001,
+                        "low": 0.2,
+                        "predicts": True,
+                    },
+                ]
+            ),
+        ],  # fmt: skip
         ignore_index=True,
     )
     again = adjust_comparisons(joined)

@@ -35,6 +35,8 @@ def test_embedded_default_writes_the_output_folder(tmp_path, capsys):
     last = summary[summary["branch"] == "cond"].iloc[-1]
     assert f"query-frame rho {last['qf_spearman']:.3f} exact / {last['qf_gauss_spearman']:.3f} Gaussian" in wrote
     assert "(item frame, gauge-invariant); stored-frame rho" in wrote
+    # one image: one item per CFG branch, so the other query pool is the same rows, and the run says so
+    assert "query pool: the pools coincide" in wrote and record["query_pool"].startswith("query pool: the pools coin")
     assert record["settings"]["query_frame"] == "item" and (table["query_frame"] == "item").all()
 
 

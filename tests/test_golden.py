@@ -5,8 +5,9 @@ reported before the attachment core was rebuilt (tests/golden_calls.py wrote the
 Two intentional changes merged beside the rebuild rewrote only their own columns of the fixtures, every other value
 kept as first written: the permutation nulls beyond K = 8 draw by Fisher-Yates swaps (``*_null``: other draws, the
 same distribution), and an all-tied row's top-1 is undefined (``qf_top1`` / ``qf_gauss_top1`` NaN in the organism's
-one-query mid block). Every value is held to 1e-6 but two float32 families that move across CPUs (see
-:func:`tolerance`)."""
+one-query mid block). A column added later (``qf_spearman_other_pool``) is checked against the fixture's own
+``qf_spearman``, which it must repeat in these one-item-per-branch calls. Every value is held to 1e-6 but two float32
+families that move across CPUs (see :func:`tolerance`)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ def test_golden_table(tables, name):
     got = tables[name].reset_index(drop=True)
     if "edits" in got:  # added with the attachment core: no edit acts in these calls
         assert (got.pop("edits") == "").all()
+    if "qf_spearman_other_pool" in got:  # added with the query pool's effect (#40); every call here has one item per
+        # CFG branch, so the other pool is the same rows and the column repeats qf_spearman, NaN where it is NaN
+        other = got.pop("qf_spearman_other_pool").to_numpy(float)
+        assert np.array_equal(other, got["qf_spearman"].to_numpy(float), equal_nan=True)
     assert list(got.columns) == list(expected.columns)
     assert len(got) == len(expected)
     for column in expected.columns:

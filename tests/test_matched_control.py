@@ -88,3 +88,27 @@ def test_pool_summary_against_numpy():
     assert out["difference"] == pytest.approx(per_set.mean(), abs=1e-12)
     assert out["se"] == pytest.approx(per_set.std(ddof=1) / 2, abs=1e-12)
     assert out["item"] == pytest.approx(both["pool_item"].mean()) and out["branch_only_cells"] == 8
+
+
+def test_query_pool_from_one_run_equals_a_run_per_pool():
+    """The branch pool read from the item run (``qf_spearman_other_pool``) is what a run with
+    ``query_frame="branch"`` reports for the same cells, so the pool table needs half the generations."""
+    from ipa_probe.tiny.digits import digits_pipeline, digits_reference_images
+
+    pipe = digits_pipeline(recipe="support")
+    pipe.set_progress_bar_config(disable=True)
+    sets = [digits_reference_images(3, 4, seed=0)]
+    (_, one), (_, both) = (
+        mc.query_pool({"support": pipe}, sets, [0, 49], counts=(1, 2), runs=r) for r in ("one", "both")
+    )
+    keys = ["organism", "images", "set", "step", "layer", "head", "branch"]
+    one, both = (c.sort_values(keys).reset_index(drop=True) for c in (one, both))
+    assert one[keys].equals(both[keys])
+    assert np.array_equal(one["pool_item"], both["pool_item"], equal_nan=True)  # the same run's own column
+    # the same rows and arithmetic in another pass: float32 reductions may vectorise differently (1e-6)
+    np.testing.assert_allclose(one["pool_branch"], both["pool_branch"], rtol=0, atol=1e-6)
+    two = one["images"] == 2
+    assert (one.loc[two, "pool_item"].isna() & one.loc[two, "pool_branch"].notna()).any()  # the mid block gains a rho
+    assert not np.allclose(one.loc[two, "difference"].dropna(), 0)  # two items per branch: the pools differ
+    with pytest.raises(ValueError, match="runs: expected 'one' or 'both'"):
+        mc.query_pool({"support": pipe}, sets, [0], runs="all")

@@ -19,6 +19,7 @@ from diffusers.image_processor import IPAdapterMaskProcessor
 from helpers import CaptureQK, masks_for, near_ties
 from scipy import special, stats
 
+from ipa_probe.capture.report import query_pool_note
 from ipa_probe.capture.run import probe
 from ipa_probe.schema import QUERY_FRAME_COLUMN, QUERY_FRAME_STATS, query_frame_column
 from ipa_probe.tiny.sd import tiny_pipeline
@@ -413,3 +414,159 @@ def test_query_frame_columns_do_not_move_under_a_per_head_basis_change(refs):
     np.testing.assert_allclose(after[ratios].to_numpy(), before[ratios].to_numpy(), rtol=1e-2, atol=1e-5)
     stored = (before["spearman"] - after["spearman"]).abs()
     assert stored.mean() > 0.02, stored.mean()  # so the test can fail: the stored frame does move
+
+
+# --------------------------------------------------------------------------- the other query pool, on the organism
+
+
+def _organism_pool_reference(capture, items: int) -> tuple[dict, dict]:
+    """Per (step, layer, head) of the cond branch (the last ``items`` of each pass's batch), the float64 query-frame
+    rho (exact form) under both pools, and each cell's near-tie slack in each: ``({pool: {cell: rho}}, {pool: {cell:
+    slack}})``.
+
+    The item pool estimates ``b`` over one item's queries, the branch pool over the cond items' queries together; a
+    cell is the mean over the branch's items, as the probe's cells are."""
+    rho_of = {"item": {}, "branch": {}}
+    slack = {"item": {}, "branch": {}}
+    for layer in capture.layers:
+        heads = layer.attention.heads
+        captured = capture.captured[layer.name]
+        for step, (q, k) in enumerate(zip(captured["q"], captured["k"], strict=True)):
+            q, k = q.double().numpy()[-items:], k.double().numpy()[-items:]  # the cond items ([negative, prompt])
+            d = q.shape[-1] // heads
+            q = q.reshape(items, -1, heads, d).transpose(0, 2, 1, 3)  # (items, H, Q, D)
+            k = k.reshape(items, -1, heads, d).transpose(0, 2, 1, 3)  # (items, H, K, D)
+            logits = q @ k.swapaxes(-1, -2) / math.sqrt(d)  # (items, H, Q, K)
+            centred = logits - logits.mean(-1, keepdims=True)
+            queries = centred.shape[2]
+            b = {
+                "item": special.logsumexp(centred, axis=2, keepdims=True) - math.log(queries),
+                # every cond item's queries in one frame: (1, H, 1, K), the same b for each item
+                "branch": special.logsumexp(centred.transpose(1, 0, 2, 3).reshape(heads, -1, centred.shape[-1]),
+                                            axis=1, keepdims=True)[None] - math.log(items * queries),
+            }  # fmt: skip
+            keys = torch.from_numpy(k)
+            tied_attention = near_ties(torch.from_numpy(logits), keys)[0]  # (items, H, Q)
+            for pool, term in b.items():
+                nw = centred - term
+                ra, rw = stats.rankdata(logits, axis=-1), stats.rankdata(nw, axis=-1)
+                ra, rw = ra - ra.mean(-1, keepdims=True), rw - rw.mean(-1, keepdims=True)
+                with np.errstate(invalid="ignore"):  # constant NW rows (a one-query item frame): no rho
+                    rho = (ra * rw).sum(-1) / np.sqrt((ra * ra).sum(-1) * (rw * rw).sum(-1))  # (items, H, Q)
+                if pool == "item" and queries == 1:
+                    rho[:] = np.nan  # exactly constant in exact arithmetic; float64 rounding must not rank noise
+                tied = (tied_attention | near_ties(torch.from_numpy(nw), keys)[0]).double()
+                for head in range(heads):
+                    rho_of[pool][(step, layer.name, head)] = float(rho[:, head].mean(-1).mean())
+                    # a near-tied row may move its item's rho by 2 / Q, so the cell (mean over items) by 2 x the share
+                    slack[pool][(step, layer.name, head)] = float(2 * tied[:, head].mean())
+    return rho_of, slack
+
+
+@pytest.mark.parametrize("frame", ["item", "branch"])
+def test_other_pool_and_its_effect_match_the_float64_reference(ip_organism, frame):
+    """Three images per prompt (CFG 3: three items per branch): every cond cell's ``qf_spearman`` and
+    ``qf_spearman_other_pool`` equal the test's own float64 rho under the run's pool and under the other one, and the
+    summary's pool effect (the shift of the mean, on the shared cells, the cells with a rho, the standard error of the
+    mean over cells and whether the shift exceeds it) is that reference's, stated in ``attrs["query_pool"]``."""
+    from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_reference_images
+
+    items, other = 3, {"item": "branch", "branch": "item"}[frame]
+    refs = digits_reference_images(3, 3, seed=0)
+    with CaptureQK(ip_organism) as capture, probe(ip_organism, query_frame=frame) as run:
+        ip_organism(DIGITS_PROMPT, ip_adapter_image=[refs], num_inference_steps=5, guidance_scale=3.0,
+                    num_images_per_prompt=items, generator=torch.Generator().manual_seed(0),
+                    output_type="latent")  # fmt: skip
+    reference, slack = _organism_pool_reference(capture, items)
+    df = run.to_dataframe()
+    cond = df[(df["kind"] == "image") & (df["branch"] == "cond")]
+    compared = 0
+    for column, pool in (("qf_spearman", frame), ("qf_spearman_other_pool", other)):
+        got = cond.set_index(["step", "layer", "head"])[column]
+        keys = list(reference[pool])
+        want = np.array([reference[pool][key] for key in keys])
+        probed = got.loc[keys].to_numpy(np.float64)
+        allowed = np.array([slack[pool][key] for key in keys])
+        assert (np.isnan(want) == np.isnan(probed)).all(), column  # the item pool's one-query mid block: NaN
+        finite = ~np.isnan(want)
+        # per cell float32 against float64: 1e-5 covers the float32 rank correlation's sums (as above), plus what
+        # near-tied rows may move; most cells have none, so the check bites
+        assert (np.abs(probed - want)[finite] <= 1e-5 + allowed[finite]).all(), column
+        # a cell here holds three items' rows, so thrice the chance of a near-tied row (the largest share seen: 0.16)
+        assert (allowed[finite] == 0).mean() > 0.75, column
+        compared += int(finite.sum())
+    assert compared > 2 * 0.9 * len(cond)
+    # the pools differ on these cells, so the column is not the run's own rho again
+    assert not np.allclose(cond["qf_spearman"], cond["qf_spearman_other_pool"], equal_nan=True)
+
+    summary = run.summary()
+    assert summary.attrs["query_pool"].startswith(f"query pool: query_frame={other!r} instead of {frame!r}")
+    rows = summary[(summary["kind"] == "image") & (summary["branch"] == "cond")]
+    decided = 0
+    for row in rows.itertuples():
+        cells = [key for key in reference[frame] if key[0] == row.step]
+        own, alt = (np.array([reference[pool][key] for key in cells]) for pool in (frame, other))
+        # what the probe's float32 cells may differ from these by (the per-cell bound above), NaN cells counting 0
+        err_own, err_alt = (np.array([1e-5 + slack[pool][key] for key in cells]) for pool in (frame, other))
+        err_own, err_alt = np.where(np.isnan(own), 0, err_own), np.where(np.isnan(alt), 0, err_alt)
+        n_own, n_alt = np.isfinite(own).sum(), np.isfinite(alt).sum()
+        shift = np.nanmean(alt) - np.nanmean(own)
+        shared = ~np.isnan(own) & ~np.isnan(alt)
+        sem = np.nanstd(own, ddof=1) / math.sqrt(n_own)
+        # a mean moves by at most the mean of its cells' bounds; a standard deviation by at most the bounds' root sum
+        # of squares over sqrt(n - 1) (it is a norm of the centred values), so the standard error by that over sqrt(n)
+        room = err_own.sum() / n_own + err_alt.sum() / n_alt
+        room_sem = np.sqrt((err_own**2).sum() / (n_own - 1) / n_own)
+        assert row.qf_pool_shift == pytest.approx(shift, abs=room)
+        both = (err_own + err_alt)[shared].mean()
+        assert row.qf_pool_shift_shared == pytest.approx((alt - own)[shared].mean(), abs=both)
+        assert (row.qf_cells, row.qf_other_pool_cells) == (n_own, n_alt)
+        assert row.qf_spearman_sem == pytest.approx(sem, abs=room_sem)
+        assert not row.qf_pools_coincide
+        # the decision is the reference's wherever the reference's margin exceeds how far the probe's two numbers
+        # lie from it (each within the bounds just checked)
+        if abs(abs(shift) - sem) > abs(row.qf_pool_shift - shift) + abs(row.qf_spearman_sem - sem):
+            assert row.qf_pool_exceeds_se == (abs(shift) > sem), row.step
+            decided += 1
+        if row.qf_pool_exceeds_se:  # named in the note (every row named: the default names the 6 largest)
+            named = query_pool_note(summary, most=len(summary))
+            assert f"t={row.timestep:g} image cond {row.qf_pool_shift:+.4f}" in named
+    assert summary.attrs["query_pool"] == query_pool_note(summary)
+    assert decided == len(rows)  # no step sits within float rounding of its standard error
+
+
+def test_one_image_per_branch_pays_nothing_and_the_pools_coincide(ip_organism, monkeypatch):
+    """With one item per CFG branch the other pool is the same rows: its frame is never formed (a one-image run costs
+    what it cost before the column existed), the column repeats ``qf_spearman`` bit for bit (NaN where NaN), and the
+    summary says the pools coincide; with two items per branch the other frame is formed once per record."""
+    from ipa_probe.capture import cells as cells_module
+    from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_reference_images
+
+    formed = []
+    frame_logits = cells_module.frame_logits
+
+    def counted(cell, pools, sample=None, form="both"):
+        formed.append(form)
+        return frame_logits(cell, pools, sample, form)
+
+    monkeypatch.setattr(cells_module, "frame_logits", counted)
+    refs = digits_reference_images(3, 3, seed=0)
+    for images in (1, 2):
+        formed.clear()
+        with probe(ip_organism, steps=[0, 1]) as run:
+            ip_organism(DIGITS_PROMPT, ip_adapter_image=[refs], num_inference_steps=3, guidance_scale=3.0,
+                        num_images_per_prompt=images, generator=torch.Generator().manual_seed(0),
+                        output_type="latent")  # fmt: skip
+        df, summary = run.to_dataframe(), run.summary()
+        records = 2 * df["layer"].nunique()  # two recorded steps, one record per layer and step
+        if images == 1:
+            assert formed == ["both"] * records  # the run's own frames only
+            own, alt = df["qf_spearman"].to_numpy(float), df["qf_spearman_other_pool"].to_numpy(float)
+            assert np.array_equal(own, alt, equal_nan=True) and np.isnan(own).any()  # the mid block's NaN kept
+            assert summary["qf_pools_coincide"].all() and (summary["qf_pool_shift"] == 0).all()
+            assert not summary["qf_pool_exceeds_se"].any()
+            assert "the pools coincide" in summary.attrs["query_pool"]
+        else:
+            assert sorted(formed) == sorted(["both", "exact"] * records)
+            assert not summary["qf_pools_coincide"].any()
+            assert "would move the mean query-frame rho" in summary.attrs["query_pool"]

@@ -4,6 +4,11 @@ own float64 recomputation (numpy, scipy), never through the code under test."""
 
 from __future__ import annotations
 
+import functools
+import json
+import math
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -86,3 +91,61 @@ def test_summary_leaves_undefined_entries_out_and_counts_them():
         assert row["qf_top1"] == pytest.approx(kept["qf_top1"].to_numpy().mean(), rel=1e-12)
         assert row["qf_undefined"] == int(part["layer"].eq("mid").sum())
         assert row["qf_entries"] == len(kept)
+
+
+# --------------------------------------------------------------------------- the committed tables
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: The committed ip-adapter records made with the NaN rule (docs/results/README.md, "Issue #40"), by folder.
+COMMITTED = ("smoke", "smoke_recipe_ip_adapter")
+
+
+@functools.cache
+def _one_query_heads(recipe: str) -> tuple[int, int]:
+    """``(heads, heads of one-query layers)`` of the organism's IP-Adapter layers, counted from the queries that
+    ``to_q`` returns to the test's own hooks in one denoiser pass (a layer whose latent grid is 1 x 1 has one query,
+    hence a query frame of one row and no query-frame rho)."""
+    from helpers import CaptureQK
+
+    from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_pipeline, digits_reference_images
+
+    pipe = digits_pipeline(recipe=recipe)
+    pipe.set_progress_bar_config(disable=True)
+    with CaptureQK(pipe) as capture:
+        pipe(DIGITS_PROMPT, ip_adapter_image=[digits_reference_images(3, 4, seed=0)], num_inference_steps=1,
+             guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="latent")  # fmt: skip
+    heads = {layer.name: layer.attention.heads for layer in capture.layers}
+    queries = {name: capture.captured[name]["q"][0].shape[1] for name in heads}
+    return sum(heads.values()), sum(h for name, h in heads.items() if queries[name] == 1)
+
+
+@pytest.mark.parametrize("folder", COMMITTED)
+def test_committed_ip_adapter_tables_count_undefined_entries_and_leave_them_out(folder):
+    """In every committed ip-adapter record made with the NaN rule, per weights and timestep: the entries are the
+    organism's (set, layer, head) cells; exactly those of its one-query layers (counted from the test's own hooks)
+    are undefined and counted (``qf_undefined``), the rest have a rho (``qf_entries``), every mean over entries is a
+    number (NaN left out, not propagated), the table's note quotes the counts; the query pool's table counts the cells
+    only the branch pool defines; the matched control's rows carry their sets and Holm-adjusted p."""
+    path = ROOT / "docs" / "results" / folder / "ip-adapter"
+    record = json.loads((path / "record.json").read_text())
+    heads, one_query = _one_query_heads(record["recipe"])
+    assert one_query > 0  # the organism has a one-query layer, so the rule has something to count
+    note = (path / "table.csv").read_text()
+    means = ("qf_spearman", "qf_gauss_spearman", "qf_pearson", "qf_top1", "qf_gauss_pearson", "qf_gauss_top1")
+    for weights in ("trained", "untrained"):
+        for row in record["measurements"][weights]:
+            assert row["entries"] == row["sets"] * heads, (weights, row["timestep"])
+            assert row["qf_undefined"] == row["sets"] * one_query, (weights, row["timestep"])
+            assert row["qf_entries"] == row["entries"] - row["qf_undefined"]
+            assert all(math.isfinite(row[c]) for c in means), (weights, row["timestep"])
+            assert f"{row['qf_entries']} of {row['entries']} entries" in note
+    pool = pd.read_csv(path / "query_pool.csv")
+    single = pool["images"] == 1
+    assert (pool.loc[single, ["difference", "branch_only_cells"]] == 0).all().all()  # one item: the same pool
+    # several items: the one-query layers' frames gain queries, so each set gains those cells, counted apart
+    assert (pool.loc[~single, "branch_only_cells"] == pool.loc[~single, "sets"] * one_query).all()
+    assert np.isfinite(pool[["item", "branch_pool", "difference", "se"]].to_numpy()).all()
+    control = pd.read_csv(path / "matched_control.csv")
+    assert (control["sets"] >= 2).all() and (control["p_holm"] >= control["p"]).all()
+    assert np.isfinite(control[["trained", "control_value", "difference", "low", "high", "p", "p_holm"]]).all().all()

@@ -169,6 +169,10 @@ class CellInputs:
     tails: torch.Tensor | None  # (K + 1,)
     sampled: bool  # rows sampled: standard errors from SAMPLE_GROUPS random groups (0 when exact)
     scalars: torch.Tensor  # (groups, H, 6) bandwidth, q_norm, k_norm_spread, ip_mass, keys, row_fraction
+    # (1, groups, H, n, K), (1, groups, H, 1, K): the exact form's query frame over the other pool, or None where the
+    # two pools are the same rows (one item per CFG branch: schema.QUERY_POOL_OTHER_COLUMN)
+    other_nw: torch.Tensor | None = None
+    other_b: torch.Tensor | None = None
 
     def signature(self) -> tuple:
         """Records with equal signatures can be compared in one pass (concatenated along their groups)."""
@@ -177,7 +181,7 @@ class CellInputs:
             return None if x is None else (tuple(x.shape[1:]), x.dtype, x.device)
 
         tensors = (self.attn, self.nw, self.key_term, self.key_mask, self.row_mask, self.copies, self.tails)
-        return (*(form(x) for x in tensors), self.frame_nw.shape[2:], self.sampled)
+        return (*(form(x) for x in tensors), self.frame_nw.shape[2:], self.sampled, self.other_nw is not None)
 
 
 def cell_inputs(
@@ -193,6 +197,7 @@ def cell_inputs(
     pools: int,
     q_norms: torch.Tensor,
     sample: torch.Tensor | None = None,
+    other_pools: int | None = None,
 ) -> CellInputs:
     """One record's :class:`CellInputs`: its rows sampled, its query frames formed and its per-cell scalars taken.
 
@@ -208,9 +213,15 @@ def cell_inputs(
             :func:`~ipa_probe.draws.stratified_rows`) to compute the per-row statistics on, with their standard
             errors; ``None`` for every row (exact, the standard errors 0). The query frame's key term is estimated
             over every row either way.
+        other_pools: the number of frames of the other query pool (:data:`~ipa_probe.schema.QUERY_POOL_OTHER_COLUMN`):
+            its exact-form frame is formed too, over the same rows; ``None`` (or ``pools``) where the two pools are
+            the same rows, which forms nothing more.
     """
     n_rows = cell.attn.shape[-2]
     nw_frame, b = frame_logits(cell, pools, sample)  # (2, groups, H, R or n, K), (2, groups, H, 1, K)
+    other_nw = other_b = None
+    if other_pools is not None and other_pools != pools:
+        other_nw, other_b = frame_logits(cell, other_pools, sample, form="exact")  # (1, groups, H, n, K), ...
     attn, nw, key_mask, row_mask = cell.attn, cell.nw, cell.key_mask, cell.row_mask
     copies, key_term = cell.copies, cell.key_term
 
@@ -261,6 +272,8 @@ def cell_inputs(
         tails=tails,
         sampled=sample is not None,
         scalars=scalars,
+        other_nw=other_nw,
+        other_b=other_b,
     )
 
 
@@ -274,7 +287,9 @@ def compare_cells(
 
     Args:
         records: the records' inputs (:func:`cell_inputs`), equal signatures.
-        generators: the permutation nulls' random sources on the device: the stored frame's, the query frame's.
+        generators: the permutation nulls' random sources on the device: the stored frame's, the query frame's, and
+            optionally the other pool's (its null is drawn and discarded: a generator of its own keeps the other two
+            drawing what they draw without it; one seeded 0 when not given).
     """
     first = records[0]
 
@@ -288,13 +303,23 @@ def compare_cells(
         (joined("nw"), joined("key_term"), generators[0]),
         (joined("frame_nw", 1), joined("frame_b", 1), generators[1]),
     ]
+    if first.other_nw is not None:
+        device = first.attn.device
+        spare = generators[2] if len(generators) > 2 else torch.Generator(device=device).manual_seed(0)
+        frames.append((joined("other_nw", 1), joined("other_b", 1), spare))
     replicates = SAMPLE_GROUPS if first.sampled else None
-    stats, frame = compare_frames(
+    stats, frame, *other = compare_frames(
         joined("attn"), frames, joined("key_mask"), joined("row_mask"), joined("copies"), first.tails, replicates
     )
     if not first.sampled:  # exact: no sampling error
         stats = torch.stack((stats, torch.zeros_like(stats)), dim=-2)
         frame = torch.stack((frame, torch.zeros_like(frame)), dim=-2)
+    rho = STAT_NAMES.index("spearman")
+    if other:  # the other pool's exact-form rho: (1, groups, H, S), or (1, groups, H, 2, S) with errors
+        other_rho = other[0][0][..., 0, rho] if first.sampled else other[0][0][..., rho]
+    else:  # the pools are the same rows: the query frame's own (exact form)
+        other_rho = frame[0][..., 0, rho]
+    other_rho = other_rho.unsqueeze(-1)  # (groups, H, 1)
     _count_lost_rows(stats, frame, first.attn.shape[-1])
     # stats (groups, H, 2, S), frame (2, groups, H, 2, S): estimate and standard error
     chosen = [STAT_NAMES.index(name) for name in QUERY_FRAME_STATS]
@@ -311,6 +336,7 @@ def compare_cells(
         frame[..., 0, :],
         scalars[..., 5:],
         errors * errors,
+        other_rho,
     )
     values = torch.cat(parts, dim=-1)  # (groups of every record, H, fields) in the order of CELL_FIELDS
     return list(values.split([record.attn.shape[0] for record in records]))
@@ -339,7 +365,9 @@ def _count_lost_rows(stats: torch.Tensor, frame: torch.Tensor, keys: int) -> Non
     stats[..., 0, lost] = share
 
 
-def frame_logits(cell: Cell, pools: int, sample: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def frame_logits(
+    cell: Cell, pools: int, sample: torch.Tensor | None = None, form: str = "both"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The query-frame NW logits of a record's cells and their key term, both forms from one pass over the logits.
 
     Per pool of queries (the frame) and head, ``b_i`` is key ``i``'s log-partition over the frame's rows
@@ -356,11 +384,13 @@ def frame_logits(cell: Cell, pools: int, sample: torch.Tensor | None = None) -> 
         pools: how many frames the groups form, contiguous and of equal size: ``groups`` (one item each) or the
             pass's number of CFG branches (each branch's items pooled).
         sample: optional ``(n,)`` row indices: the NW logits of these rows only (``b`` over every row still).
+        form: ``"both"``, or one form (``"exact"`` or ``"gaussian"``) alone, on a leading dimension of 1.
 
     Returns:
         ``(nw, b)``: ``(2, groups, H, R or n, K)`` NW logits and ``(2, groups, H, 1, K)`` key terms, the exact form's,
-        then the Gaussian form's.
+        then the Gaussian form's (``(1, ...)`` each for one form).
     """
+    forms = 2 if form == "both" else 1
     attn, key_mask = cell.attn, cell.key_mask  # (groups, H, R, K)
     groups, n_heads, n_rows, n_keys = attn.shape
     finite = finite_rows(attn if key_mask is None else torch.where(key_mask, attn, 0.0))  # (groups, H, R)
@@ -373,12 +403,15 @@ def frame_logits(cell: Cell, pools: int, sample: torch.Tensor | None = None) -> 
 
     if pools == groups:
         # (2, groups, H, R or n, K), (2, groups, H, 1, K)
-        return query_frame_logits(attn, rows, key_mask, form="both", select=sample)
+        nw, b = query_frame_logits(attn, rows, key_mask, form=form, select=sample)
+        return (nw, b) if forms == 2 else (nw.unsqueeze(0), b.unsqueeze(0))
     rows_p = pooled(rows.unsqueeze(-1)).squeeze(-1)
     key_mask_p = pooled(key_mask) if key_mask is not None else None
-    nw, b = query_frame_logits(pooled(attn), rows_p, key_mask_p, form="both")  # (2, pools, H, n * R, K)
-    # (2, pools, H, n * R, K) -> (2, groups, H, R, K): back to the groups' rows
-    nw = nw.unflatten(3, (groups // pools, n_rows)).transpose(2, 3).reshape(2, groups, n_heads, n_rows, n_keys)
+    nw, b = query_frame_logits(pooled(attn), rows_p, key_mask_p, form=form)  # (2, pools, H, n * R, K)
+    if forms == 1:
+        nw, b = nw.unsqueeze(0), b.unsqueeze(0)
+    # (F, pools, H, n * R, K) -> (F, groups, H, R, K): back to the groups' rows
+    nw = nw.unflatten(3, (groups // pools, n_rows)).transpose(2, 3).reshape(forms, groups, n_heads, n_rows, n_keys)
     if sample is not None:
         nw = nw.index_select(-2, sample)
     return nw, b.repeat_interleave(groups // pools, dim=1)  # b: (2, groups, H, 1, K)

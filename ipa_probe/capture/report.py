@@ -16,6 +16,8 @@ from ..schema import (
     COLUMNS,
     FEW_KEYS,
     QUERY_FRAME_COLUMN,
+    QUERY_FRAMES,
+    QUERY_POOL_OTHER_COLUMN,
     SAMPLED_COLUMNS,
     SUMMARY_GAUGE_MEANS,
     SUMMARY_HEADLINE,
@@ -37,6 +39,7 @@ __all__ = [
     "heatmap_table",
     "plot_heatmap",
     "plot_run",
+    "query_pool_note",
     "run_table",
     "save_run",
     "select_branch",
@@ -113,8 +116,9 @@ def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
     gauge diagnostics ``logit_ratio``, ``rho_baseline``, ``rho_excess`` and the per-row shares against chance) and
     ``frac_rho_gt_<threshold>_null``: the same fraction of cells over their permutation-null rho (``spearman_null``),
     the chance level of ``frac_rho_gt_<threshold>`` (see docs/gauge.md); last the means of the other query-frame
-    columns (:data:`~ipa_probe.schema.SUMMARY_QUERY_FRAME_MEANS`). Tables made before the query frame existed give
-    the same summary without its columns.
+    columns (:data:`~ipa_probe.schema.SUMMARY_QUERY_FRAME_MEANS`); then the query pool's effect (:data:`POOL_COLUMNS`,
+    from the table's :data:`~ipa_probe.schema.QUERY_POOL_OTHER_COLUMN`). Tables made before the query frame (or the
+    other pool's column) existed give the same summary without those columns.
     """
     if table.empty:
         return pd.DataFrame()
@@ -140,7 +144,91 @@ def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
         out[frac_null_column(threshold)] = chance.groupby(keys, observed=True).mean()
     last = [name for name in SUMMARY_QUERY_FRAME_MEANS if name in out.columns]
     out = out[[name for name in out.columns if name not in last] + last]
+    if QUERY_POOL_OTHER_COLUMN in table.columns and "qf_spearman" in table.columns:
+        out = out.join(_pool_effect(table.groupby(list(SUMMARY_KEYS), observed=True, sort=True)))
     return out.reset_index()
+
+
+#: The summary's query-pool columns (:func:`summarize`), appended last: ``qf_spearman_other_pool`` (the mean
+#: query-frame rho, exact form, had the frame been estimated over the other pool), ``qf_pool_shift`` (that mean minus
+#: the mean ``qf_spearman``: each over its own defined cells, as each run would report it), ``qf_pool_shift_shared``
+#: (the mean of the per-cell differences over the cells with a rho in both pools: what the pool does to the same
+#: cells), ``qf_cells`` and ``qf_other_pool_cells`` (the cells with a rho in each pool: pooling a branch gives a
+#: one-query layer a rho it has not per item), ``qf_spearman_sem`` (the standard error of the mean ``qf_spearman``:
+#: the sample standard deviation of its defined cells over the square root of their number), ``qf_pools_coincide``
+#: (every cell's rho is the same in both pools: each CFG branch held one item, so the pools are the same rows) and
+#: ``qf_pool_exceeds_se`` (``|qf_pool_shift| > qf_spearman_sem``).
+POOL_COLUMNS: tuple[str, ...] = (
+    QUERY_POOL_OTHER_COLUMN,
+    "qf_pool_shift",
+    "qf_pool_shift_shared",
+    "qf_cells",
+    "qf_other_pool_cells",
+    "qf_spearman_sem",
+    "qf_pools_coincide",
+    "qf_pool_exceeds_se",
+)
+
+
+def _pool_effect(grouped) -> pd.DataFrame:
+    """:data:`POOL_COLUMNS` per group of a table's cells (a ``groupby`` of it)."""
+    rows, keys = [], []
+    for key, part in grouped:
+        own, other = part["qf_spearman"].to_numpy(np.float64), part[QUERY_POOL_OTHER_COLUMN].to_numpy(np.float64)
+        own_defined, other_defined = own[np.isfinite(own)], other[np.isfinite(other)]
+        mean = own_defined.mean() if own_defined.size else np.nan
+        other_mean = other_defined.mean() if other_defined.size else np.nan
+        shared = np.isfinite(own) & np.isfinite(other)
+        sem = own_defined.std(ddof=1) / np.sqrt(own_defined.size) if own_defined.size > 1 else np.nan
+        coincide = bool(np.array_equal(own, other, equal_nan=True))
+        shift = 0.0 if coincide else other_mean - mean
+        shift_shared = (other[shared] - own[shared]).mean() if shared.any() else np.nan
+        keys.append(key)
+        exceeds = bool(not coincide and abs(shift) > sem)  # False where sem is NaN (fewer than 2 cells)
+        rows.append((other_mean, shift, shift_shared, own_defined.size, other_defined.size, sem, coincide, exceeds))
+    index = pd.MultiIndex.from_tuples(keys, names=list(SUMMARY_KEYS))
+    return pd.DataFrame(rows, index=index, columns=list(POOL_COLUMNS))
+
+
+def query_pool_note(summary: pd.DataFrame, most: int = 6) -> str:
+    """One paragraph on the query pool from a summary's :data:`POOL_COLUMNS` (:meth:`~ipa_probe.ProbeRun.summary`
+    puts it in ``attrs["query_pool"]``): "the pools coincide" where every CFG branch held one item; otherwise how
+    far the other pool would move the mean query-frame rho, per summary row, and where that exceeds the standard error
+    of the mean over cells (``qf_spearman_sem``), the ``most`` largest such rows named. ``""`` for a summary without
+    the columns."""
+    if summary.empty or "qf_pool_shift" not in summary.columns:
+        return ""
+    pool = str(summary[QUERY_FRAME_COLUMN].iloc[0]) if QUERY_FRAME_COLUMN in summary.columns else QUERY_FRAMES[0]
+    other = next(name for name in QUERY_FRAMES if name != pool)
+    if summary["qf_pools_coincide"].all():
+        return (
+            f"query pool: the pools coincide (each CFG branch held one item): query_frame={other!r} gives the same "
+            f"query-frame rho as {pool!r} in every cell."
+        )
+    shift, shared = summary["qf_pool_shift"], summary["qf_pool_shift_shared"]
+    over = summary[summary["qf_pool_exceeds_se"].astype(bool)]
+    over = over.loc[over["qf_pool_shift"].abs().sort_values(ascending=False, kind="stable").index]  # largest first
+    gained = int((summary["qf_other_pool_cells"] - summary["qf_cells"]).sum())
+    text = (
+        f"query pool: query_frame={other!r} instead of {pool!r} would move the mean query-frame rho (qf_spearman) by "
+        f"{shift.min():+.4f} to {shift.max():+.4f} over {len(summary)} rows (step x kind x branch), "
+        f"{shared.min():+.4f} to {shared.max():+.4f} on the cells with a rho in both pools"
+    )
+    if gained > 0:
+        text += f" (the other pool has a rho in {gained} more cells: pooled, a one-query layer's frame has several)"
+    elif gained < 0:
+        text += f" (the other pool has a rho in {-gained} fewer cells: per item, a one-query layer's frame has one)"
+    text += (
+        f"; by more than the standard error of the mean (sd of the cells' rho / sqrt(cells), qf_spearman_sem) in "
+        f"{len(over)} of {len(summary)} rows"
+    )
+    if len(over):
+        named = [
+            f"t={row.timestep:g} {row.kind} {row.branch} {row.qf_pool_shift:+.4f} (SE {row.qf_spearman_sem:.4f})"
+            for row in over.head(most).itertuples()
+        ]
+        text += ": " + "; ".join(named) + ("; ..." if len(over) > most else "")
+    return text + "."
 
 
 def select_branch(table, branch: str | None, what: str):
@@ -412,7 +500,8 @@ def style_timestep_axes(ax, values=None, zero: bool = True) -> None:
 
 
 def save_run(table: pd.DataFrame, directory, settings: dict | None = None, extra: dict | None = None) -> dict:
-    """Write ``probe.parquet``, ``summary.json`` and ``rho_by_timestep.png`` into ``directory``; return their paths."""
+    """Write ``probe.parquet``, ``summary.json`` (with the query pool's effect in words, :func:`query_pool_note`) and
+    ``rho_by_timestep.png`` into ``directory``; return their paths."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -428,6 +517,7 @@ def save_run(table: pd.DataFrame, directory, settings: dict | None = None, extra
         **(extra or {}),
         "rows": len(table),
         "summary": summary.to_dict(orient="records"),
+        "query_pool": query_pool_note(summary),
     }
     write_json(paths["summary"], record)
     write_figure(plot_run(table), paths["plot"], dpi=150)

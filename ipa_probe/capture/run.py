@@ -52,7 +52,7 @@ from .cells import CellInputs, cell_inputs, compare_cells, group_cell, record_lo
 from .config import DEFAULT_ROWS, ProbeConfig, rows_statement
 from .map_views import MapViews
 from .maps import MapAccumulator
-from .report import plot_run, run_table, save_run, select_branch, summarize
+from .report import plot_run, query_pool_note, run_table, save_run, select_branch, summarize
 from .spine import Spine, expand_references, kept_tokens
 from .taps import Capture, Tap, tap_for
 
@@ -132,6 +132,7 @@ class ProbeRun(MapViews):
         self._processors = [layer.processor for layer in self.layers]  # as last seen at a pass
         self._generator: torch.Generator | None = None
         self._frame_generator: torch.Generator | None = None
+        self._pool_generator: torch.Generator | None = None
         self._row_generator: torch.Generator | None = None
         #: (layer, kind) -> (rows, keys, sample size or None): what ProbeConfig.rows chose per cell (shapes only)
         self._row_plan: dict[tuple[str, str], tuple[int, int, int | None]] = {}
@@ -484,6 +485,8 @@ class ProbeRun(MapViews):
             tails = self._constant(f"tails{n_keys}", device, lambda: null_tail_table(n_keys, device))
         # the query frame's pools: each group (a batch item), or each chunk of the pass (one CFG branch's items)
         pools = groups if self.config.query_frame == "item" else chunks
+        # and the other pool's (schema.QUERY_POOL_OTHER_COLUMN): formed only where a branch holds several items
+        other_pools = chunks if pools == groups else groups
         inputs = cell_inputs(
             cell=cell,
             groups=groups,
@@ -497,6 +500,7 @@ class ProbeRun(MapViews):
             pools=pools,
             q_norms=q_norms,
             sample=sample,
+            other_pools=other_pools,
         )
         self._pending.append((state.call, state.step, index, slot, labels, inputs))
         self._pending_elements += inputs.frame_nw.numel()
@@ -530,7 +534,8 @@ class ProbeRun(MapViews):
                     # stored-frame columns draw what they drew before the query frame existed
                     self._generator = torch.Generator(device=device).manual_seed(self.config.seed)
                     self._frame_generator = torch.Generator(device=device).manual_seed(self.config.seed)
-                generators = (self._generator, self._frame_generator)
+                    self._pool_generator = torch.Generator(device=device).manual_seed(self.config.seed)
+                generators = (self._generator, self._frame_generator, self._pool_generator)
                 values = self._threads(device, self._compare, [entry[-1] for entry in batch], generators)
                 for (call, step, index, slot, labels, _), fields in zip(batch, values, strict=True):
                     self._accumulate(call, step, index, slot, labels, fields)
@@ -578,10 +583,17 @@ class ProbeRun(MapViews):
         """Per-timestep means over layers x heads x adapters (``attrs["mean_over"]``) of :meth:`to_dataframe`, one row
         per call, step, kind and CFG branch (:func:`~ipa_probe.capture.report.summarize`). ``branch``: one CFG
         branch (``"cond"``, what the README reads), or ``None`` for each on its own rows. ``attrs["rows"]`` says which
-        cells' per-row statistics were exact and which sampled, and why (:attr:`ProbeConfig.rows`)."""
+        cells' per-row statistics were exact and which sampled, and why (:attr:`ProbeConfig.rows`).
+
+        The query pool's effect is stated, in the last columns (:data:`~ipa_probe.capture.report.POOL_COLUMNS`) and
+        in words in ``attrs["query_pool"]`` (:func:`~ipa_probe.capture.report.query_pool_note`): "the pools
+        coincide" where each CFG branch held one item; otherwise how far the other ``query_frame`` would move each
+        row's mean query-frame rho, and where that exceeds the mean's standard error over the row's cells
+        (``qf_spearman_sem``: sd / sqrt(cells))."""
         table = select_branch(summarize(self.to_dataframe()), branch, "summary")
         table.attrs["mean_over"] = ("layer", "head", "adapter")
         table.attrs["rows"] = rows_statement(self.config.rows, self._row_plan)
+        table.attrs["query_pool"] = query_pool_note(table)
         return table
 
     def plot(self, ax=None):

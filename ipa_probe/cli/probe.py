@@ -267,6 +267,8 @@ def _write(args: argparse.Namespace, loaded, result, run_, staging, organism: bo
         line += f"{last['qf_gauss_spearman']:.3f} Gaussian ({last['query_frame']} frame, gauge-invariant); "
         line += f"stored-frame rho {last['spearman']:.3f} (gauge-dependent; baseline from r and K "
         line += f"{last['rho_baseline']:.3f}, docs/gauge.md), pearson {last['pearson']:.3f}"
+    if summary.attrs.get("query_pool"):  # the other query pool's effect, or that the pools coincide
+        line += "\n" + summary.attrs["query_pool"]
     if judged is not None:
         labels = judged[0]
         right = int((labels == args.digit).sum())

@@ -14,8 +14,10 @@ per timestep and statistic (the query-frame rho and its excess over its own base
 per-set difference trained - control, its 95 % BCa bootstrap interval over sets, and a one-sided sign-flip
 permutation p for "trained below control" (the direction the docs claimed), Holm-adjusted over the table.
 
-**Query pool.** :func:`query_pool` runs the probe with ``query_frame="item"`` and ``"branch"`` on the same generations
-(same seed and references, ``num_images_per_prompt`` 1, 3 and 8, CFG 3 so both branches are there) and reports per
+**Query pool.** :func:`query_pool` reads both pools, ``query_frame="item"`` and ``"branch"``, from one probed
+generation per set and image count (the item run's ``qf_spearman`` and ``qf_spearman_other_pool``: the same rows
+under the branch pool; same seed and references, ``num_images_per_prompt`` 1, 3 and 8, CFG 3 so both branches are
+there; ``runs="both"`` probes each pool in a run of its own, as before, for a check) and reports per
 organism, image count, branch and timestep the mean query-frame rho in each pool, the mean per-set difference
 branch - item with its standard error over sets, and the largest single-cell difference.
 """
@@ -216,7 +218,9 @@ def paired_control(per_set: dict[str, pd.DataFrame], controls=("untrained", "mat
     return out
 
 
-def query_pool(pipes: dict, sets: list, steps: list[int], counts=(1, 3, 8), guidance_scale: float = 3.0):
+def query_pool(
+    pipes: dict, sets: list, steps: list[int], counts=(1, 3, 8), guidance_scale: float = 3.0, runs: str = "one"
+):
     """Both query pools on the same generations (module docstring).
 
     Args:
@@ -225,6 +229,8 @@ def query_pool(pipes: dict, sets: list, steps: list[int], counts=(1, 3, 8), guid
         steps: recorded step indices (of the 50-step schedule).
         counts: ``num_images_per_prompt`` values.
         guidance_scale: CFG scale (above 1: both branches).
+        runs: ``"one"``: one item-pool run per generation, the branch pool from its ``qf_spearman_other_pool``;
+            ``"both"``: a run per pool (twice the generations).
 
     Returns:
         ``(summary, cells)``: per (organism, images, CFG branch, timestep) ``item``, ``branch_pool`` (mean query-frame
@@ -235,6 +241,8 @@ def query_pool(pipes: dict, sets: list, steps: list[int], counts=(1, 3, 8), guid
     """
     import torch
 
+    if runs not in ("one", "both"):
+        raise ValueError(f"runs: expected 'one' or 'both', got {runs!r}")
     from ..capture.run import probe
     from ..tiny.digits import DIGITS_PROMPT
     from .ip_adapter_setup import NUM_STEPS
@@ -244,7 +252,7 @@ def query_pool(pipes: dict, sets: list, steps: list[int], counts=(1, 3, 8), guid
         for count in counts:
             for i, refs in enumerate(sets):
                 frames = []
-                for pool in ("item", "branch"):
+                for pool in ("item", "branch") if runs == "both" else ("item",):
                     with probe(pipe, steps=steps, query_frame=pool) as run:
                         pipe(
                             prompt=DIGITS_PROMPT, ip_adapter_image=[refs], num_inference_steps=NUM_STEPS,
@@ -255,6 +263,8 @@ def query_pool(pipes: dict, sets: list, steps: list[int], counts=(1, 3, 8), guid
                     table = table[table["kind"] == "image"]
                     keys = ["step", "timestep", "layer", "head", "branch"]  # one row each (items pooled per cell)
                     frames.append(table.set_index(keys)["qf_spearman"].rename(f"pool_{pool}"))
+                    if runs != "both":  # the same rows under the branch pool, from the same run
+                        frames.append(table.set_index(keys)["qf_spearman_other_pool"].rename("pool_branch"))
                 pair = pd.concat(frames, axis=1).reset_index()
                 cells.append(pair.assign(organism=organism, images=count, set=i))
     cells = pd.concat(cells, ignore_index=True)
