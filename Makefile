@@ -13,7 +13,7 @@ TIER ?= smoke
 # a value set in the environment wins. The ipa-probe commands set the same default themselves (docs/failures.md).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: venv demo test test-fast lint format hooks bench experiments figures figures-check clean
+.PHONY: venv demo test test-compile test-fast lint format hooks bench experiments figures figures-check clean
 
 # Recipes run in bash with pipefail, so that a command piped through a filter still fails the target when it fails.
 SHELL := /bin/bash
@@ -39,6 +39,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+# The real torch.compile of the probe's statistics against eager (5-20 min of compiling on a 2-core CPU).
+test-compile: $(STAMP)
+	IPA_PROBE_TEST_COMPILE=1 $(PY) -m pytest -q tests/test_stats_compile.py
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" -x $(PYTEST_ARGS)
