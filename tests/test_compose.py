@@ -188,15 +188,17 @@ def test_points_inside_an_ablation_index_references_as_the_call_passed_them(orga
 
 
 def snapshot(pipe):
-    unet = pipe.unet
+    """What a feature could leave behind on a pipeline: hook counts per module, the denoiser's and the pipeline's
+    attributes, the processors (the test's own reading; the UNet, or Flux's transformer)."""
+    denoiser = getattr(pipe, "unet", None) or pipe.transformer
     return {
         "hooks": {
             name: tuple(len(getattr(m, attr)) for attr in ("_forward_pre_hooks", "_forward_hooks"))
-            for name, m in unet.named_modules()
+            for name, m in denoiser.named_modules()
         },
-        "attributes": set(unet.__dict__),
+        "attributes": set(denoiser.__dict__),
         "pipe": set(vars(pipe)),
-        "processors": dict(unet.attn_processors),
+        "processors": dict(denoiser.attn_processors),
     }
 
 
@@ -336,19 +338,6 @@ def test_sdxl_probe_inside_an_ablation_and_back_bit_for_bit(sdxl, probe_first, o
 # ------------------------------------------------------------------------------------------------------ tiny Flux
 
 
-def flux_snapshot(pipe):
-    transformer = pipe.transformer
-    return {
-        "hooks": {
-            name: tuple(len(getattr(m, attr)) for attr in ("_forward_pre_hooks", "_forward_hooks"))
-            for name, m in transformer.named_modules()
-        },
-        "attributes": set(transformer.__dict__),
-        "pipe": set(vars(pipe)),
-        "processors": dict(transformer.attn_processors),
-    }
-
-
 @contextlib.contextmanager
 def own_flux_weights(layer):
     """The test's own reading of one Flux layer's image branch: float64 ``softmax(q k^T / sqrt(d))`` from
@@ -397,7 +386,7 @@ def test_flux_probe_reads_the_weights_a_hook_edited(flux, probe_first, one_threa
 
     layer = find_ip_layers(flux)[0]
     plain = generate()
-    before = flux_snapshot(flux)  # after a first call: the pipeline keeps its call settings as attributes
+    before = snapshot(flux)  # after a first call: the pipeline keeps its call settings as attributes
     probe = ipa_probe.probe(flux, keep_maps=True, maps=True, layers=f"^{layer.name}$")
     edit = intervene(flux, hooks={f"{layer.name}.ip.weights": flux_edit})
     with own_flux_weights(layer) as own:
@@ -423,7 +412,7 @@ def test_flux_probe_reads_the_weights_a_hook_edited(flux, probe_first, one_threa
                                    rtol=0, atol=1e-5)  # fmt: skip
         unedited = weights.reshape(*weights.shape[:-1], 2, tokens).sum(-1).mean(dim=(0, 1, 2))
         assert shares[0] - unedited[0] > 0.05  # the edit moved the share far beyond the tolerance
-    after = flux_snapshot(flux)
+    after = snapshot(flux)
     assert after["hooks"] == before["hooks"] and after["attributes"] == before["attributes"]
     assert after["pipe"] == before["pipe"]
     assert all(after["processors"][k] is v for k, v in before["processors"].items())
