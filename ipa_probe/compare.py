@@ -422,16 +422,27 @@ class Comparison:
         """The per-method table as GitHub markdown."""
         return markdown_table(self.table)
 
-    def save(self, directory: str | Path) -> dict[str, Path]:
-        """Write ``compare.csv``, ``compare.md``, ``per_image.csv``, ``grid.png``, ``compare.json`` and the images.
+    def save(self, directory: str | Path, overwrite: bool = False) -> dict[str, Path]:
+        """Write ``compare.csv``, ``compare.md``, ``per_image.csv``, ``grid.png``, ``compare.json`` and the images
+        into the folder ``directory`` by the folder rules of the command line (:class:`ipa_probe.runfolder.RunFolder`):
+        under the folder's lock, written aside and renamed into place when whole, with ``ipa_probe_manifest.json``,
+        so that an interrupted save leaves the folder as it was. A folder holding another run's files, or files no
+        manifest lists, raises :class:`~ipa_probe.runfolder.RunConflict` unless ``overwrite`` (which replaces only
+        the previous run's own files); a folder another process holds raises
+        :class:`~ipa_probe._io.OutputLocked`.
 
         Returns:
             name -> path of each file written.
         """
+        from .runfolder import save_into
+
+        return save_into(directory, "ipa_probe Comparison.save", self.settings, self._write, overwrite=overwrite)
+
+    def _write(self, directory: Path) -> dict[str, Path]:
+        """:meth:`save`'s files, written into ``directory`` (a staging folder)."""
         from ._io import versions, write_atomic, write_figure, write_image, write_json, write_table
 
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         paths = {
             "table": directory / "compare.csv",
             "markdown": directory / "compare.md",

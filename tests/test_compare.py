@@ -18,6 +18,7 @@ from ipa_probe.compare import (
     METHODS,
     ROUNDTRIP,
     ClipScorer,
+    Comparison,
     compare_methods,
     diversity,
     make_grid,
@@ -281,3 +282,49 @@ def test_cli_compare_prints_and_saves_the_nw_heads_digit_rates(tiny_clip, tmp_pa
             for s in (5, 9)
         ]  # fmt: skip
         assert rates.loc[method, "right"] == int((classify_digit_images(images)[0] == 3).sum())
+
+
+def _small_comparison() -> Comparison:
+    """A :class:`Comparison` built by hand (no pipeline): two seeds of every method, the references as images."""
+    refs = [Image.new("RGB", (16, 16), (60 * i, 60 * i, 60 * i)) for i in range(2)]
+    per_image = pd.DataFrame(
+        [{"method": m, "seed": s, "clip_i_nearest": 0.9, "pixel_nearest": 0.1} for m in METHODS for s in (0, 1)]
+    )
+    table = pd.DataFrame({"method": list(METHODS), "clip_i_nearest": 0.9})
+    return Comparison(refs, [0, 1], {m: refs for m in METHODS}, per_image, table, {"run": {"steps": 2}})
+
+
+def test_compare_save_writes_aside_and_never_loses_a_file(tmp_path, monkeypatch):
+    """``Comparison.save`` keeps the folder rules of the command line: the same save again replaces its own files; a
+    hand-edited file and a file no run wrote are refused by name (the remedy in the message), ``overwrite`` writes
+    beside a stranger's file and keeps it; a save that fails half way leaves the folder byte for byte as it was."""
+    from ipa_probe.runfolder import MANIFEST_NAME, RunConflict
+
+    result, out = _small_comparison(), tmp_path / "out"
+    paths = result.save(out)
+    assert paths["table"] == out / "compare.csv" and (out / MANIFEST_NAME).is_file()
+    assert len(list((out / "images").glob("*.png"))) == 2 * len(METHODS)
+    result.save(out)  # the same run's files, replaced
+
+    def snapshot():
+        return {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and ".ipa_probe" not in str(p)}
+
+    before = snapshot()
+    other = _small_comparison()
+    other.table["clip_i_nearest"] = 0.5  # other numbers: written in place, compare.csv would change
+    monkeypatch.setattr(Comparison, "markdown", lambda self: 1 / 0)  # fails after the tables are written
+    with pytest.raises(ZeroDivisionError):
+        other.save(out)
+    monkeypatch.undo()
+    assert snapshot() == before  # the failed save's tables stayed in staging, never in the folder
+
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(RunConflict, match="notes.txt.*--overwrite"):
+        result.save(out)
+    result.save(out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine"
+
+    (out / "compare.md").write_text("edited by hand")
+    with pytest.raises(RunConflict, match="compare.md changed"):
+        result.save(out, overwrite=True)
+    assert (out / "compare.md").read_text() == "edited by hand"
