@@ -1,7 +1,7 @@
 """Run folders: a run writes aside, then renames into place, so that an output folder never loses work.
 
 Every writer of an output folder (the commands ``probe``, ``compare``, ``sweep``, ``experiments``, ``train-digits``,
-and :meth:`ipa_probe.ProbeRun.save`) enters a :class:`RunFolder`. It
+and :meth:`ipa_probe.ProbeRun.save` / :meth:`ipa_probe.compare.Comparison.save`) enters a :class:`RunFolder`. It
 
 1. takes the folder's lock (:func:`~ipa_probe._io.output_lock`; the command line takes it before torch loads, so a
    second writer is refused at once, naming the live run's pid and command);

@@ -420,19 +420,31 @@ class Tracker:
         else:
             self._client.log_dict(self._run_id, {k: [n for n, _ in v] for k, v in drawn.items()}, "layout.json")
 
-    def finish(self) -> None:
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, kind, err, traceback) -> bool:
+        self.finish(err)
+        return False
+
+    def finish(self, error: BaseException | None = None) -> None:
+        """Close the run. A run left by ``error`` is closed as what it is, so that a tracker's list of runs never
+        shows it as complete or, after an interrupt, as still running: MLflow ``KILLED`` (Ctrl-C) or ``FAILED``,
+        wandb exit code 1 (TensorBoard keeps no status)."""
         if not self.active:
             return
+        self.active = False
         if self.name == "tensorboard":
             self._writer.close()
             for writer in self._subwriters.values():
                 writer.close()
         elif self.name == "wandb":
-            self._run.finish()
+            self._run.finish(exit_code=0 if error is None else 1)
         else:
-            if self._histograms:
+            if self._histograms and error is None:
                 self._client.log_dict(self._run_id, self._histograms, "histograms.json")
-            self._client.set_terminated(self._run_id)
+            status = "FINISHED" if error is None else "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+            self._client.set_terminated(self._run_id, status=status)
 
 
 def log_probe_run(
@@ -469,11 +481,8 @@ def log_probe_run(
     content = collect(run, images=images, references=references, readings=readings, settings=settings)
     if run_name is None:
         run_name = run_name_for("probe", settings, run.config.describe())
-    tracker = Tracker(log_with, logging_dir, run_name)
-    try:
+    with Tracker(log_with, logging_dir, run_name) as tracker:
         write(content, tracker)
-    finally:
-        tracker.finish()
     return tracker.folder
 
 
@@ -496,8 +505,7 @@ def log_sweep(
     from .sweep.storage import SweepLayout
 
     layout = SweepLayout(Path(directory))
-    tracker = Tracker(log_with, logging_dir, run_name)
-    try:
+    with Tracker(log_with, logging_dir, run_name) as tracker:
         tracker.hparams(settings)
         if layout.aggregate.exists():
             agg = pd.read_parquet(layout.aggregate)
@@ -519,8 +527,6 @@ def log_sweep(
         if layout.plot.exists():
             with Image.open(layout.plot) as image:
                 tracker.figures({"sweep/rho_by_timestep": np.asarray(image.convert("RGB"))})
-    finally:
-        tracker.finish()
     return tracker.folder
 
 
@@ -560,8 +566,7 @@ def log_experiments(
     import numpy as np
     from PIL import Image
 
-    tracker = Tracker(log_with, logging_dir, run_name)
-    try:
+    with Tracker(log_with, logging_dir, run_name) as tracker:
         tracker.hparams(settings)
         for name, result in results.items():
             table = Path(folder) / name / "table.md"
@@ -577,6 +582,4 @@ def log_experiments(
                 tracker.scalars(values, position)
             if "wall_time_s" in result.record:
                 tracker.scalars({f"{name}/wall_time_s": result.record["wall_time_s"]}, 0)
-    finally:
-        tracker.finish()
     return tracker.folder

@@ -376,8 +376,8 @@ def test_an_mlflow_server_that_does_not_answer_is_refused_before_the_run(monkeyp
     assert check_tracker("mlflow") == "mlflow"
 
 
-def test_mlflow_gets_the_same_content_recorded(logged, tmp_path, monkeypatch):
-    """A recording stand-in for mlflow's client (the real one is tested below where mlflow is installed)."""
+def _fake_mlflow(monkeypatch, tmp_path) -> list:
+    """A recording stand-in for mlflow's client, installed as ``mlflow``; returns the list its calls go to."""
     calls = []
 
     class Client(_Recorder):
@@ -405,6 +405,12 @@ def test_mlflow_gets_the_same_content_recorded(logged, tmp_path, monkeypatch):
     _fake_module(monkeypatch, "mlflow", {"MlflowClient": Client})
     _fake_module(monkeypatch, "mlflow.entities", {"Metric": Metric, "Param": lambda k, v: (k, v)})
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return calls
+
+
+def test_mlflow_gets_the_same_content_recorded(logged, tmp_path, monkeypatch):
+    """A recording stand-in for mlflow's client (the real one is tested below where mlflow is installed)."""
+    calls = _fake_mlflow(monkeypatch, tmp_path)
     run = logged[0]
     folder = run.log("mlflow", tmp_path, "digits", **logged[4])
     assert folder == tmp_path / "mlartifacts" / "1" / "r1"
@@ -422,6 +428,29 @@ def test_mlflow_gets_the_same_content_recorded(logged, tmp_path, monkeypatch):
     assert set(dicts["histograms.json"]["hist/rho_per_layer_head_cell"]) == set(_x(run).values())
     assert dicts["layout.json"]
     assert calls[-1][0] == "client.set_terminated"
+
+
+@pytest.mark.parametrize("error", [RuntimeError("disk full"), KeyboardInterrupt()])
+def test_a_run_that_fails_while_logging_is_closed_as_failed_not_finished(logged, tmp_path, monkeypatch, error):
+    """A log that stops on an error (or Ctrl-C) closes its MLflow run as ``FAILED`` (``KILLED``) and re-raises: the
+    tracker's list never shows it complete, nor running forever; a whole log closes it ``FINISHED``."""
+    import ipa_probe.probe_log
+
+    calls = _fake_mlflow(monkeypatch, tmp_path)
+    logged[0].log("mlflow", tmp_path, "digits", **logged[4])
+    assert calls[-1] == ("client.set_terminated", ("r1",), {"status": "FINISHED"})
+
+    def fail(content, tracker):
+        tracker.scalars({"x": 1.0}, 0)
+        raise error
+
+    calls.clear()
+    monkeypatch.setattr(ipa_probe.probe_log, "write", fail)
+    with pytest.raises(type(error)):
+        logged[0].log("mlflow", tmp_path, "digits", **logged[4])
+    expected = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+    assert calls[-1] == ("client.set_terminated", ("r1",), {"status": expected})
+    assert [c for c in calls if c[0] == "client.set_terminated"] == [calls[-1]]  # closed once
 
 
 def test_mlflow_local_store_read_back(logged, tmp_path, monkeypatch):
