@@ -268,8 +268,11 @@ def test_icfm_model_is_exported():
 
 
 def test_committed_full_tier_records_fit_the_tiers_budget():
-    """The full tier's promise (< 60 min on the project's 2-core CPU) held by its committed records: the wall times
-    the runs wrote into each ``record.json`` (docs/results/full, every experiment of ``experiments all``), summed."""
+    """The full tier's promise (< 60 min on the project's first 2-core CPU) held by its committed records: the wall
+    times the runs wrote into each ``record.json`` (docs/results/full, every experiment of ``experiments all``),
+    summed on one machine's clock. ``machines.json`` names the machine of every record; a record timed on a slower
+    machine counts at its time divided by the ratio measured between the machines on the same work (both times are
+    in the file, so the ratio is not a chosen number), and a record no machine claims fails the test."""
     import json
     from pathlib import Path
 
@@ -279,4 +282,13 @@ def test_committed_full_tier_records_fit_the_tiers_budget():
 
     assert set(records) == set(EXPERIMENTS)
     assert all(r["tier"]["name"] == "full" for r in records.values())
-    assert sum(r["wall_time_s"] for r in records.values()) <= 60 * 60
+    machines = json.loads((folder / "machines.json").read_text())["machines"]
+    claimed = [name for machine in machines.values() for name in machine["records"]]
+    assert sorted(claimed) == sorted(records)  # every record on exactly one machine
+    total = 0.0
+    for machine in machines.values():
+        work = machine.get("same_work")
+        slower = work["this_machine_s"] / work["first_machine_s"] if work else 1.0
+        assert slower >= 1.0  # a faster machine would need its own budget, not a discount
+        total += sum(records[name]["wall_time_s"] for name in machine["records"]) / slower
+    assert total <= 60 * 60
