@@ -11,11 +11,8 @@ counted in ``nonfinite`` and left out of every other statistic instead of raisin
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +21,7 @@ from .draws import Draws, shuffle_rows, stratified_rows
 from .kernels import n_eff
 from .nulls import EXACT_NULL_KEYS, RhoNull, null_tail, rho_baseline, rho_null
 from .schema import ROW_THRESHOLD, STAT_NAMES, rows_column
+from .stats_compile import compiled_statistics, compiling, run_compiled
 
 __all__ = [
     "EXACT_NULL_KEYS",
@@ -241,68 +239,6 @@ def compare_weights(
     return _frame_stats(side, nw_logits, generator, row_mask, key_term, null_tails)
 
 
-#: Whether :func:`compare_frames` runs through ``torch.compile`` (:func:`compiled_statistics`).
-_COMPILE: contextvars.ContextVar[bool] = contextvars.ContextVar("ipa_probe_compile", default=False)
-#: The compiled :func:`compare_frames` of this process (one, for every shape: ``dynamic=True``), or ``False`` once
-#: compiling or running it failed (eager from then on; warned once).
-_COMPILED: dict[str, Callable | bool] = {}
-
-
-@contextlib.contextmanager
-def compiled_statistics(enabled: bool = True) -> Iterator[None]:
-    """Within the block, :func:`compare_frames` runs as ``torch.compile(compare_frames, dynamic=True)`` (one compile
-    per process for every shape: inductor fuses the statistics' some 300 small operations; the random draws of the
-    nulls stay eager, at a graph break, from the same generators). Where the installed torch cannot compile (no C++
-    compiler, an unsupported device or operation), the first failure warns once and the eager function runs from
-    then on, from the generators' states before the failed call: the numbers equal eager's up to float32 rounding
-    (fused reductions may sum in another order; tests/test_stats_compile.py holds them to 1e-6). Used by
-    ``probe(compile=True)`` (:attr:`~ipa_probe.capture.config.ProbeConfig.compile`)."""
-    token = _COMPILE.set(enabled)
-    try:
-        yield
-    finally:
-        _COMPILE.reset(token)
-
-
-def _generators(frames: Sequence[tuple]) -> list[torch.Generator]:
-    found = []
-    for _, _, draws in frames:
-        found += [draws] if isinstance(draws, torch.Generator) else [g for g, _ in draws]
-    return found
-
-
-def _compare_frames_compiled(*args) -> list[torch.Tensor]:
-    """:func:`compare_frames` through its compiled form, or eager (warned once) where that fails."""
-    compiled = _COMPILED.get("compare_frames")
-    if compiled is None:
-        try:
-            compiled = torch.compile(_compare_frames, dynamic=True)
-        except Exception as err:  # noqa: BLE001 - any failure of the installed torch's compiler means eager
-            compiled = _compile_failed(err)
-        _COMPILED["compare_frames"] = compiled
-    if compiled is False:
-        return _compare_frames(*args)
-    generators = _generators(args[1])
-    states = [g.get_state() for g in generators]
-    try:
-        return compiled(*args)
-    except Exception as err:  # noqa: BLE001
-        _COMPILED["compare_frames"] = _compile_failed(err)
-        for g, state in zip(generators, states, strict=True):  # the draws eager would have made
-            g.set_state(state)
-        return _compare_frames(*args)
-
-
-def _compile_failed(err: Exception) -> bool:
-    warnings.warn(
-        f"compile=True: torch.compile of the probe's statistics failed ({type(err).__name__}: "
-        f"{str(err).splitlines()[0] if str(err) else ''}); the statistics run eagerly (the same numbers)",
-        RuntimeWarning,
-        stacklevel=4,
-    )
-    return False
-
-
 def compare_frames(
     attn_logits: torch.Tensor,
     frames: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Generator]],
@@ -338,8 +274,8 @@ def compare_frames(
         the estimates, then their standard errors.
     """
     args = (attn_logits, frames, key_mask, row_mask, key_groups, null_tails, replicates)
-    if _COMPILE.get():
-        return _compare_frames_compiled(*args)
+    if compiling():
+        return run_compiled(_compare_frames, *args)
     return _compare_frames(*args)
 
 

@@ -307,7 +307,8 @@ def test_compare_save_writes_aside_and_never_loses_a_file(tmp_path, monkeypatch)
     result.save(out)  # the same run's files, replaced
 
     def snapshot():
-        return {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and ".ipa_probe" not in str(p)}
+        files = [p for p in out.rglob("*") if p.is_file() and ".ipa_probe" not in str(p)]
+        return {p.relative_to(out): p.read_bytes() for p in files}
 
     before = snapshot()
     other = _small_comparison()

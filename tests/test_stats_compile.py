@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from ipa_probe import stats
+from ipa_probe import stats_compile
 from ipa_probe.capture.cells import cell_inputs, compare_cells, group_cell, record_logits
 from ipa_probe.capture.config import ProbeConfig
 from ipa_probe.draws import stratified_rows
@@ -43,7 +43,7 @@ def _values(records, compiled: bool) -> torch.Tensor:
 @pytest.fixture
 def fresh_compile(monkeypatch):
     """Each test starts without a compiled function (and leaves the process's as it was)."""
-    monkeypatch.setattr(stats, "_COMPILED", {})
+    monkeypatch.setattr(stats_compile, "_COMPILED", {})
 
 
 def test_compile_failure_falls_back_to_eager_once(monkeypatch, fresh_compile):
@@ -112,7 +112,7 @@ def test_compiled_statistics_equal_eager(fresh_compile):
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # no fallback: the compiled path ran
             compiled = _values(records, True)
-        assert stats._COMPILED["compare_frames"] is not False
+        assert stats_compile._COMPILED["compare_frames"] is not False
         assert torch.equal(compiled.isnan(), eager.isnan())
         torch.testing.assert_close(compiled.nan_to_num(0), eager.nan_to_num(0), rtol=1e-6, atol=1e-6)
 
