@@ -98,7 +98,7 @@ def test_summary_leaves_undefined_entries_out_and_counts_them():
 ROOT = Path(__file__).resolve().parents[1]
 
 #: The committed ip-adapter records made with the NaN rule (docs/results/README.md, "Issue #40"), by folder.
-COMMITTED = ("smoke", "smoke_recipe_ip_adapter", "full", "full_recipe_mixed")
+COMMITTED = ("smoke", "smoke_recipe_ip_adapter", "full", "full_recipe_ip_adapter", "full_recipe_mixed")
 
 
 @functools.cache
