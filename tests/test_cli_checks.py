@@ -158,6 +158,47 @@ def test_commands_set_the_wait_policy_and_threads_before_torch_loads(tmp_path, e
     assert (result["policy"], result["omp"], result["torch"]) == (policy, threads, int(threads))
 
 
+CPU_TIER = """
+import json, os, sys
+import ipa_probe.cli.experiments as command
+from ipa_probe.cli import main
+seen = {}
+
+def spy(args):  # records the environment the run would start in, and runs nothing
+    import torch
+    seen.update(omp=os.environ.get("OMP_NUM_THREADS"), torch=torch.get_num_threads())
+    return 0
+
+command.run = spy
+code = main(["experiments", "collapse", "--tier", "quick", "--out", sys.argv[1], *sys.argv[2:]])
+print(json.dumps({"code": code, **seen}))
+"""
+
+
+@pytest.mark.parametrize(
+    "environ, flags, expected",
+    [
+        ({}, [], "1"),  # the CPU tiers' tiny models: one thread unless asked otherwise
+        ({}, ["--threads", "2"], "2"),
+        ({"OMP_NUM_THREADS": "2"}, [], "2"),  # the user's variable wins over the tier's default
+    ],
+)
+def test_cpu_tiers_default_to_one_thread(tmp_path, environ, flags, expected):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    env.update(environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(
+        [sys.executable, "-c", CPU_TIER, str(tmp_path / "out"), *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["code"] == 0, out.stderr
+    assert (result["omp"], result["torch"]) == (expected, int(expected))
+
+
 def test_configure_threads_keeps_what_the_user_set():
     from ipa_probe.cli._runtime import configure_threads, default_threads
 

@@ -5,17 +5,18 @@ Protocol (every tier, the release's ``trainer.py``): linear warm-up, then cosine
 (``paper``, as the release); validation MMD² every ``eval_every`` steps on fixed tasks of the training law, and the
 best-validation weights kept as the run's result (``record.json`` names its step).
 
-Sizes come from timing runs on the project's 2-core machine (``python -m ipa_probe.experiments.timing``). At the
-full tier's model (``d_model = 64``, 2 layers, 4 heads, 16 tasks × 64 targets) one step costs 21–45 ms with one thread
-at a load average of about 2 (0.1 s at a load of 7–10, when five other jobs share the two cores); one evaluation of
-the learned model on 20 tasks × 500 points costs 2.6–15 s, one of the plug-in 0.3–2.2 s, and one validation (8 tasks
-× 128 points) about a tenth of an evaluation. Two OpenMP threads spin against the other jobs, so run loaded machines
-with ``--threads 1``. :func:`ipa_probe.experiments.timing.project` at the pessimistic loaded costs (0.1 s per
-32-task step, 25 s per evaluation) puts ``smoke`` at 9.7 min and ``full`` at 57 min. Measured with the protocol
+Sizes come from timing runs on the project's 2-core machine (``python -m ipa_probe.experiments.timing``). At the full
+tier's model (``d_model = 64``, 2 layers, 4 heads, 16 tasks × 64 targets) one step costs 21–45 ms with one thread at a
+load average of about 2 (0.1 s at a load of 7–10, when five other jobs share the two cores); one evaluation of the
+learned model on 20 tasks × 500 points costs 2.6–15 s, one of the plug-in 0.3–2.2 s, and one validation (8 tasks × 128
+points) about a tenth of an evaluation. ``ipa-probe experiments`` runs the CPU tiers on one thread unless told
+otherwise: these models are too small to share their kernels between threads (the quick tier took 217 s at 2 threads
+and 107 s at 1 on the quiet machine). :func:`ipa_probe.experiments.timing.project` at the pessimistic loaded costs (0.1
+s per 32-task step, 25 s per evaluation) puts ``smoke`` at 9.7 min and ``full`` at 57 min. Measured with the protocol
 on the quiet machine, ``full`` took 31 min (1 thread; the committed records in docs/results/full, the ip-adapter and
-attribution experiments with their controls and grid 10 min of it). Twice its shells and scarcity steps moved no
-number beyond its spread (``docs/results/full_2x_steps/``), so the step counts stay and the rest of the budget is
-left unspent; how the scarcity gap moves with training at the release's constant rate is :mod:`.scarcity_steps`.
+attribution experiments with their controls and grid 10 min of it). Twice its shells and scarcity steps moved no number
+beyond its spread (``docs/results/full_2x_steps/``), so the step counts stay and the rest of the budget is left
+unspent; how the scarcity gap moves with training at the release's constant rate is :mod:`.scarcity_steps`.
 
 ``paper`` (d_model 128, 3 layers, 256 tasks × 256 targets, lr 1e-4, 1000 warm-up steps then constant, 100k/50k steps,
 validation on 100 tasks × 500 points every 1000 steps, 3 seeds) runs on CUDA when present; the CLI refuses it
