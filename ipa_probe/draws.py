@@ -3,35 +3,12 @@ permutation nulls' shuffles of each row's keys and the stratified samples of que
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-__all__ = ["TABLE_KEYS", "Draws", "permutations", "shuffle_rows", "stratified_rows"]
+__all__ = ["Draws", "shuffle_rows", "stratified_rows"]
 
 #: A null's random source: one generator, or per block of the leading dimension ``(generator, slices)``.
 Draws = torch.Generator | list[tuple[torch.Generator, int]]
-
-#: Largest number of keys whose permutations :func:`shuffle_rows` draws from a table of all of them (8! = 40,320
-#: rows of 8 bytes): one integer per row instead of a sort of ``K`` random keys (5x faster on CPU).
-TABLE_KEYS = 8
-
-_PERMUTATIONS: dict[tuple[int, str], torch.Tensor] = {}
-
-
-def permutations(k: int, device: torch.device | str) -> torch.Tensor:
-    """Every permutation of ``0..k-1`` (``k <= 255``) as a ``(k!, k)`` uint8 tensor on ``device`` (small, so that rows
-    drawn at random stay in cache), made there (no copy from the host) and kept for the process."""
-    device = torch.device(device)
-    key = (k, str(device))
-    table = _PERMUTATIONS.get(key)
-    if table is None:
-        table = torch.zeros((1, min(k, 1)), dtype=torch.uint8, device=device)
-        for m in range(2, k + 1):  # insert m - 1 at every position of every permutation of 0..m-2
-            top = torch.full((table.shape[0], 1), m - 1, dtype=torch.uint8, device=device)
-            table = torch.cat([torch.cat([table[:, :p], top, table[:, p:]], 1) for p in range(m)])
-        _PERMUTATIONS[key] = table
-    return table
 
 
 def shuffle_rows(w: torch.Tensor, generator: Draws, prefix: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,20 +16,10 @@ def shuffle_rows(w: torch.Tensor, generator: Draws, prefix: torch.Tensor | None 
 
     With a boolean ``prefix`` mask (kept entries first in every row), only the kept entries are shuffled. With
     several ``(generator, n)`` draws, the first ``n`` slices of ``w``'s leading dimension draw from the first
-    generator, and so on: each generator draws what it would draw for its slices alone. Up to :data:`TABLE_KEYS` keys
-    (and no mask) a row's permutation is one uniform draw from the table of all ``K!`` (:func:`permutations`);
-    otherwise ``K - 1`` Fisher-Yates swaps driven by ``K`` uniform draws per row (:func:`_fisher_yates`, ``O(K)``).
+    generator, and so on: each generator draws what it would draw for its slices alone. Every row costs ``K - 1``
+    Fisher-Yates swaps driven by ``K`` uniform draws (:func:`_fisher_yates`, ``O(K)``), whatever ``K``: no table of
+    permutations, no sort.
     """
-    k = w.shape[-1]
-    if prefix is None and 1 < k <= TABLE_KEYS:
-        table = permutations(k, w.device)
-        if isinstance(generator, torch.Generator):
-            draws = [(generator, math.prod(w.shape[:-1]))]
-        else:  # rows per generator: its slices of the leading dimension
-            draws = [(g, n * math.prod(w.shape[1:-1])) for g, n in generator]
-        picks = [torch.randint(table.shape[0], (rows,), generator=g, device=w.device) for g, rows in draws]
-        pick = torch.cat(picks) if len(picks) > 1 else picks[0]
-        return w.gather(-1, table.index_select(0, pick).view(w.shape).long())
     if isinstance(generator, torch.Generator):
         noise = torch.rand(w.shape, generator=generator, device=w.device, dtype=torch.float32)
     else:
