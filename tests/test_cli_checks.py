@@ -126,6 +126,22 @@ print(json.dumps({"code": code, **seen, "torch": torch.get_num_threads()}))
 """
 
 
+def _run_experiments_script(script: str, tmp_path: Path, environ: dict, flags: list) -> tuple:
+    """Run ``script`` in a fresh interpreter with ``environ`` instead of the caller's OpenMP variables; its process
+    and the JSON object of its last line."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    env.update(environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "out"), *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    return out, json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the paper tier would start training on a GPU")
 @pytest.mark.parametrize(
     "environ, flags, expected",
@@ -141,17 +157,7 @@ def test_commands_set_the_wait_policy_and_threads_before_torch_loads(tmp_path, e
     environment the command set up."""
     from ipa_probe.cli._runtime import default_threads
 
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
-    env.update(environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run(
-        [sys.executable, "-c", THREADS, str(tmp_path / "out"), *flags],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    out, result = _run_experiments_script(THREADS, tmp_path, environ, flags)
     policy, threads = expected
     threads = threads or str(default_threads())
     assert result["code"] == 2 and "needs a CUDA GPU" in out.stderr
@@ -184,17 +190,7 @@ print(json.dumps({"code": code, **seen}))
     ],
 )
 def test_cpu_tiers_default_to_one_thread(tmp_path, environ, flags, expected):
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
-    env.update(environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run(
-        [sys.executable, "-c", CPU_TIER, str(tmp_path / "out"), *flags],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    out, result = _run_experiments_script(CPU_TIER, tmp_path, environ, flags)
     assert result["code"] == 0, out.stderr
     assert (result["omp"], result["torch"]) == (expected, int(expected))
 
