@@ -292,3 +292,25 @@ def test_committed_full_tier_records_fit_the_tiers_budget():
         assert slower >= 1.0  # a faster machine would need its own budget, not a discount
         total += sum(records[name]["wall_time_s"] for name in machine["records"]) / slower
     assert total <= 60 * 60
+
+
+def test_cpu_tiers_run_on_one_thread_and_give_the_callers_back(tmp_path):
+    """The Python API follows the CLI: a CPU tier runs its tiny models on one torch thread unless ``threads`` says
+    otherwise (the record names the count it ran with), and the caller's count is restored afterwards."""
+    import json
+
+    from ipa_probe.experiments import run_experiments
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_experiments(["attention"], get_tier("quick"), tmp_path / "one", progress=False)
+        assert torch.get_num_threads() == 2
+        run_experiments(["attention"], get_tier("quick"), tmp_path / "two", progress=False, threads=2)
+    finally:
+        torch.set_num_threads(before)
+    ran = [
+        json.loads((tmp_path / d / "attention" / "record.json").read_text())["versions"]["threads"]
+        for d in ("one", "two")
+    ]
+    assert ran == [1, 2]

@@ -207,7 +207,9 @@ def run_experiments(
             folder raises :class:`~.._io.OutputLocked` naming this one). It holds one tier's results: a folder
             with results of another tier (or other sizes) raises :class:`~.tiers.TierMismatch` before anything runs.
         progress: show progress bars.
-        threads: torch threads; all cores (``os.cpu_count()``) by default.
+        threads: torch threads; by default one on the CPU tiers (their models are too small to share kernels
+            between threads: the quick tier ran twice as fast on one as on two) and all cores
+            (``os.cpu_count()``) on ``paper``.
         recipe: the digits organism's recipe for ``ip-adapter`` and ``attribution`` (``"support"``,
             ``"ip-adapter"`` or ``"mixed"``).
 
@@ -227,7 +229,7 @@ def run_experiments(
         stack.enter_context(output_lock(out, "ipa-probe experiments"))  # one writer per folder
         check_folder_tier(out, tier)  # one tier per folder: no table of another tier is replaced
         stack.callback(torch.set_num_threads, previous_threads)
-        torch.set_num_threads(threads or os.cpu_count() or 1)
+        torch.set_num_threads(threads or (1 if tier.device == "cpu" else os.cpu_count() or 1))
         ctx = ExperimentContext(tier, out, progress, recipe)
         for name in names:
             start = time.perf_counter()
