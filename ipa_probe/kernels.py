@@ -33,6 +33,7 @@ __all__ = [
     "nw_weights",
     "query_frame_bias",
     "query_frame_logits",
+    "query_frame_terms",
     "softmax_keys",
     "split_heads",
 ]
@@ -163,6 +164,22 @@ def query_frame_logits(
         so a frame of one row gives rows that are exactly constant (uniform NW weights, no rank correlation), where
         ``logits - b`` would give float rounding noise; left-out keys have ``nw = 0``.
     """
+    rows, b = query_frame_terms(logits, row_mask, key_mask, form)
+    if select is not None:
+        rows = rows.index_select(-2, select)  # (..., n, K)
+    return (rows - b, b) if form == "both" else (rows - b[0], b[0])
+
+
+def query_frame_terms(
+    logits: torch.Tensor,
+    row_mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    form: str = "exact",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two parts of :func:`query_frame_logits` (same arguments), whose NW logits are ``rows - b``: the row-centred
+    logits ``rows`` ``(..., R, K)`` (left-out keys 0) and the key terms ``b``, ``(F, ..., 1, K)`` with one entry of
+    ``F`` per form (1, or 2 for ``"both"``). Apart, so that a caller can take the rows it needs before subtracting
+    (:func:`~ipa_probe.capture.cells.form_frames` takes each record's row sample from a batch of records)."""
     if form not in (*QUERY_FRAME_FORMS, "both"):
         raise ValueError(f"form: expected one of {(*QUERY_FRAME_FORMS, 'both')}, got {form!r}")
     # Worked key-major, (..., K, R): every reduction over the frame's rows then runs along the last dimension, which
@@ -211,14 +228,7 @@ def query_frame_logits(
     for name in forms:
         b = out[name] if inside is None else torch.where(n_rows > 0, out[name], 0.0)
         out[name] = b.transpose(-1, -2)  # (..., 1, K)
-    out = [out[name] for name in forms]
-    rows = centred.transpose(-1, -2)  # (..., R, K)
-    if select is not None:
-        rows = rows.index_select(-2, select)  # (..., n, K)
-    if form == "both":
-        b = torch.stack(out)  # (2, ..., 1, K)
-        return rows - b, b
-    return rows - out[0], out[0]
+    return centred.transpose(-1, -2), torch.stack([out[name] for name in forms])  # (..., R, K), (F, ..., 1, K)
 
 
 def query_frame_bias(
@@ -230,7 +240,8 @@ def query_frame_bias(
     """The query-frame key term ``b_i`` of :func:`query_frame_logits` (same arguments), shape ``(..., 1, K)``
     (``(2, ..., 1, K)`` for ``form="both"``): subtract it from the logits (or pass ``-b`` as an SDPA float mask) to
     get the query-frame NW logits up to a per-row constant."""
-    return query_frame_logits(logits, row_mask, key_mask, form)[1]
+    b = query_frame_terms(logits, row_mask, key_mask, form)[1]
+    return b if form == "both" else b[0]
 
 
 def nw_mean(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

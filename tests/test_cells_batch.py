@@ -22,8 +22,9 @@ class _Plain:  # a processor without its own image-branch logits: dot-product at
     pass
 
 
-def _record(seed: int, queries: int, rows: int | None, heads: int = 2, tokens: int = 6):
-    """One record's inputs as the probe forms them: heads split off (B, N, H * D) projections, CFG batch of 2."""
+def _record(seed: int, queries: int, rows: int | None, heads: int = 2, tokens: int = 6, pools: int = 2):
+    """One record's inputs as the probe forms them: heads split off (B, N, H * D) projections, CFG batch of 2; its
+    query frames one per item (``pools=2``, the default) or over both items (``pools=1``, the other pool per item)."""
     g = torch.Generator().manual_seed(seed)
     q = split_heads(torch.randn(2, queries, heads * 8, generator=g), heads)
     k = split_heads(1.5 * torch.randn(2, tokens, heads * 8, generator=g), heads)
@@ -33,21 +34,26 @@ def _record(seed: int, queries: int, rows: int | None, heads: int = 2, tokens: i
         sample = stratified_rows(queries, rows, torch.Generator().manual_seed(seed), "cpu")
     h = torch.full((), 8**0.25)
     cell = group_cell(2, q, k, attn, False, None, _Plain(), None, h, False, sample)
-    return cell_inputs(cell, 2, q, k, None, False, _Plain(), None, None, 2, norms, sample)
+    return cell_inputs(cell, 2, q, k, None, False, _Plain(), None, None, pools, norms, sample, other_pools=2)
 
 
 def _generators():
     return torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
 
 
-@pytest.mark.parametrize("queries, rows", [(64, None), (512, 64)])  # exact, and a row sample with its errors
-def test_a_batched_record_gets_the_fields_of_its_own_pass(queries, rows):
-    records = [_record(seed, queries, rows) for seed in range(3)]
+# exact, a row sample with its errors, and frames pooled over the items (with the other pool's frame)
+@pytest.mark.parametrize("queries, rows, pools", [(64, None, 2), (512, 64, 2), (512, 64, 1)])
+def test_a_batched_record_gets_the_fields_of_its_own_pass(queries, rows, pools):
+    """Frames and statistics of records formed together (the frames from every row of each, joined) equal each
+    record's formed alone."""
+    records = [_record(seed, queries, rows, pools=pools) for seed in range(3)]
     assert len({record.signature() for record in records}) == 1
+    assert len({record.source.signature() for record in records}) == 1
     batched = compare_cells(records, _generators())
+    assert all(record.source is None and record.frame_nw is not None for record in records)  # formed, source let go
     checked = [i for i, name in enumerate(CELL_FIELDS) if name not in DRAWN and name != "ip_mass"]  # NaN: no SD3
-    for record, values in zip(records, batched, strict=True):
-        (alone,) = compare_cells([record], _generators())
+    for seed, values in enumerate(batched):
+        (alone,) = compare_cells([_record(seed, queries, rows, pools=pools)], _generators())
         assert values.shape == alone.shape == (2, 2, len(CELL_FIELDS))
         assert alone[..., checked].isfinite().all()
         # Every checked field is a per-row value reduced over the cell's rows: the same operations on the same rows;
@@ -70,3 +76,33 @@ def test_nulls_of_a_batch_are_seeded():
     for a, b in zip(first, second, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)  # ip_mass is NaN (no joint softmax)
     assert torch.cat(first)[..., CELL_FIELDS.index("spearman_null")].abs().max() > 0  # a draw, not a constant
+
+
+def test_frames_formed_early_under_the_memory_bound_change_nothing(sd15, refs, monkeypatch):
+    """With no room for kept logits (``FRAME_ELEMENTS`` 1), every record's frames are formed in its own hook instead
+    of with its pass's equal-size layers: the same table, nulls included (the statistics are still compared once per
+    pass, so every null draws what it drew)."""
+    import numpy as np
+
+    import ipa_probe.capture.run as run_module
+
+    def table():
+        with run_module.probe(sd15) as run:
+            sd15("a photo", ip_adapter_image=[refs], num_inference_steps=2, num_images_per_prompt=2,
+                 generator=torch.Generator().manual_seed(0), output_type="latent")  # fmt: skip
+        return run.to_dataframe()
+
+    early_calls = []  # the hook's early formations (at the pass's end, compare_cells forms the frames)
+    form_frames = run_module.form_frames
+    monkeypatch.setattr(run_module, "form_frames", lambda records: early_calls.append(1) or form_frames(records))
+    batched = table()
+    assert not early_calls
+    monkeypatch.setattr(run_module, "FRAME_ELEMENTS", 1)
+    early = table()
+    assert len(early_calls) == len(early) // early["head"].nunique() // 2  # each record's hook (2 branches a record)
+    assert batched["qf_spearman_other_pool"].notna().any()  # two items per branch: the other pool's frame too
+    numbers = batched.select_dtypes("number").columns
+    assert list(early.columns) == list(batched.columns) and len(early) == len(batched)
+    # the same per-row and per-key reductions over the same rows; 1e-6 only lets a reduction vectorise differently
+    # over a batch of several records (float32)
+    np.testing.assert_allclose(early[numbers].to_numpy(float), batched[numbers].to_numpy(float), rtol=1e-6, atol=1e-6)

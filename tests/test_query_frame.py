@@ -538,18 +538,19 @@ def test_other_pool_and_its_effect_match_the_float64_reference(ip_organism, fram
 def test_one_image_per_branch_pays_nothing_and_the_pools_coincide(ip_organism, monkeypatch):
     """With one item per CFG branch the other pool is the same rows: its frame is never formed (a one-image run costs
     what it cost before the column existed), the column repeats ``qf_spearman`` bit for bit (NaN where NaN), and the
-    summary says the pools coincide; with two items per branch the other frame is formed once per record."""
+    summary says the pools coincide; with two items per branch the other frame is formed once per record. Each
+    record's frames are formed once, with the other records of its pass and size (one pass per size and step)."""
     from ipa_probe.capture import cells as cells_module
     from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_reference_images
 
-    formed = []
-    frame_logits = cells_module.frame_logits
+    formed = []  # (form, groups) of each pass that forms frames
+    frame_terms = cells_module.frame_terms
 
-    def counted(cell, pools, sample=None, form="both"):
-        formed.append(form)
-        return frame_logits(cell, pools, sample, form)
+    def counted(attn, key_mask, row_mask, pools, form="both"):
+        formed.append((form, attn.shape[0]))
+        return frame_terms(attn, key_mask, row_mask, pools, form)
 
-    monkeypatch.setattr(cells_module, "frame_logits", counted)
+    monkeypatch.setattr(cells_module, "frame_terms", counted)
     refs = digits_reference_images(3, 3, seed=0)
     for images in (1, 2):
         formed.clear()
@@ -559,14 +560,18 @@ def test_one_image_per_branch_pays_nothing_and_the_pools_coincide(ip_organism, m
                         output_type="latent")  # fmt: skip
         df, summary = run.to_dataframe(), run.summary()
         records = 2 * df["layer"].nunique()  # two recorded steps, one record per layer and step
+        sizes = 2 * len({plan[0] for plan in run._row_plan.values()})  # one pass per step and size (rows per item)
+        groups = 2 * images  # a group per batch item: CFG's two branches, each of `images` items
+        both = [n for form, n in formed if form == "both"]
+        assert sum(both) == records * groups and len(both) == sizes < records  # every record once, sizes batched
         if images == 1:
-            assert formed == ["both"] * records  # the run's own frames only
+            assert {form for form, _ in formed} == {"both"}  # the run's own frames only
             own, alt = df["qf_spearman"].to_numpy(float), df["qf_spearman_other_pool"].to_numpy(float)
             assert np.array_equal(own, alt, equal_nan=True) and np.isnan(own).any()  # the mid block's NaN kept
             assert summary["qf_pools_coincide"].all() and (summary["qf_pool_shift"] == 0).all()
             assert not summary["qf_pool_exceeds_se"].any()
             assert "the pools coincide" in summary.attrs["query_pool"]
         else:
-            assert sorted(formed) == sorted(["both", "exact"] * records)
+            assert sorted(n for form, n in formed if form == "exact") == sorted(both)  # the other pool, each pass
             assert not summary["qf_pools_coincide"].any()
             assert "would move the mean query-frame rho" in summary.attrs["query_pool"]

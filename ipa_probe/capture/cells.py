@@ -5,8 +5,10 @@ A *record* is what the probe's taps deliver once per layer, adapter (or the text
 one item with its frames pooled) per head; every statistic of a cell is computed here on the pipeline's device and
 returned as one ``(groups, H, fields)`` tensor in the order of :data:`~ipa_probe.schema.CELL_FIELDS`, which
 :mod:`~.run` adds into its buffers. A record's inputs are formed in its hook (:func:`record_logits`,
-:func:`group_cell`, :func:`cell_inputs`); the per-row statistics of a pass's records run together
-(:func:`compare_cells`). Nothing here reads the host or keeps state between records.
+:func:`group_cell`, :func:`cell_inputs`); its query frames, which need every row, and the per-row statistics run
+with the other records of the pass at its end (:func:`form_frames`, :func:`compare_cells`): the frames of equal-size
+layers in one pass over their rows, the statistics of records with equal row samples in another. Nothing here reads
+the host or keeps state between records.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import matched_bandwidth, nw_logits, query_frame_logits
+from ..kernels import matched_bandwidth, nw_logits, query_frame_terms
 from ..layers import image_branch_logits
 from ..schema import QUERY_FRAME_STATS, STAT_NAMES
 from ..stats import compare_frames, copy_groups, finite_rows, fit_bandwidth
@@ -26,9 +28,11 @@ __all__ = [
     "CHUNK_ELEMENTS",
     "Cell",
     "CellInputs",
+    "FrameSource",
     "cell_inputs",
     "compare_cells",
-    "frame_logits",
+    "form_frames",
+    "frame_terms",
     "group_cell",
     "image_share",
     "record_logits",
@@ -36,6 +40,16 @@ __all__ = [
 
 #: Largest logit block formed at once for ``ip_mass`` (elements; queries are taken in chunks below it).
 CHUNK_ELEMENTS = 2**26
+
+#: Most logits (elements) :func:`form_frames` joins into one query-frame pass on a CPU (1 MiB of float32). Joining
+#: saves each record's fixed cost (some 30 small operations) but makes every pass over the logits read a larger block:
+#: on one SD 1.5 pass (2 CPU cores, one thread), joining all five records of a size formed the frames in 0.62x the
+#: time of one record at a time at 16 x 16 latents with 4 tokens (0.33 MB joined) and 0.76-0.87x with 16 (1.3 MB),
+#: but 1.06-1.12x with 64 tokens (5 MB) and 1.8-2.0x at 64 x 64 latents (20-84 MB), whose joined passes no longer
+#: stay in cache; under this bound 0.62x and 0.87x where records join, and one record at a time (within the
+#: measurement's +-5 %) where they do not. Other devices join a size's records whole (what joining saves there is
+#: kernel launches; :data:`~.run.FRAME_ELEMENTS` bounds the memory; not measured on a GPU).
+JOIN_ELEMENTS_CPU = 2**18
 
 
 @dataclass
@@ -154,25 +168,57 @@ def group_cell(
 
 
 @dataclass
+class FrameSource:
+    """What a record's query frames are formed from (:func:`form_frames`): every row of its cells, kept from its hook
+    until the frames of the pass's records of equal shape are formed together."""
+
+    attn: torch.Tensor  # (groups, H, R, K) attention logits of every row (the record's own tensor, not a copy)
+    key_mask: torch.Tensor | None  # (groups, H, R, K)
+    row_mask: torch.Tensor | None  # (groups, H, R)
+    pools: int  # the query frames the groups form (frame_terms)
+    other_pools: int | None  # the other pool's frames (schema.QUERY_POOL_OTHER_COLUMN), None where it is the same
+    sample: torch.Tensor | None  # (n,) the rows whose NW logits the statistics compare, None for all
+
+    def signature(self) -> tuple:
+        """Sources with equal signatures form their frames in one pass (concatenated along their groups): same rows,
+        heads, keys and masks, and as many groups to a pool (so that the joined groups pool as each record's do)."""
+        groups = self.attn.shape[0]
+        other = None if self.other_pools is None else groups // self.other_pools
+        masks = (self.key_mask is not None, self.row_mask is not None)
+        return (tuple(self.attn.shape[1:]), self.attn.dtype, self.attn.device, groups // self.pools, other, masks)
+
+
+@dataclass
 class CellInputs:
     """What the per-row statistics of one record compare (its rows sampled), and its per-cell scalars: kept until the
-    pass ends, when :func:`compare_cells` runs the records of the pass that share a :meth:`signature` together."""
+    pass ends, when :func:`compare_cells` runs the records of the pass that share a :meth:`signature` together. The
+    query frames (``frame_*``, ``other_*``) are formed there too, from :attr:`source` (:func:`form_frames`)."""
 
     attn: torch.Tensor  # (groups, H, n, K) attention logits of the compared rows
     nw: torch.Tensor  # (groups, H, n, K) stored-frame NW logits
     key_term: torch.Tensor | None  # (groups, H, 1 or n, K)
-    frame_nw: torch.Tensor  # (2, groups, H, n, K) query-frame NW logits, exact and Gaussian forms
-    frame_b: torch.Tensor  # (2, groups, H, 1, K) their key terms
     key_mask: torch.Tensor | None  # (groups, H, n, K)
     row_mask: torch.Tensor | None  # (groups, H, n)
     copies: torch.Tensor | None  # (groups, H, 1 or n, K)
     tails: torch.Tensor | None  # (K + 1,)
     sampled: bool  # rows sampled: standard errors from SAMPLE_GROUPS random groups (0 when exact)
     scalars: torch.Tensor  # (groups, H, 6) bandwidth, q_norm, k_norm_spread, ip_mass, keys, row_fraction
+    source: FrameSource | None = None  # what the frames below are formed from; None once they are
+    frame_nw: torch.Tensor | None = None  # (2, groups, H, n, K) query-frame NW logits, exact and Gaussian forms
+    frame_b: torch.Tensor | None = None  # (2, groups, H, 1, K) their key terms
     # (1, groups, H, n, K), (1, groups, H, 1, K): the exact form's query frame over the other pool, or None where the
     # two pools are the same rows (one item per CFG branch: schema.QUERY_POOL_OTHER_COLUMN)
     other_nw: torch.Tensor | None = None
     other_b: torch.Tensor | None = None
+
+    @property
+    def has_other(self) -> bool:
+        """Whether the record has a query frame over the other pool."""
+        return self.other_nw is not None if self.source is None else self.source.other_pools is not None
+
+    def pending_elements(self) -> int:
+        """The query-frame NW logits the record's statistics will compare (both forms, and the other pool's)."""
+        return (3 if self.has_other else 2) * self.attn.numel()
 
     def signature(self) -> tuple:
         """Records with equal signatures can be compared in one pass (concatenated along their groups)."""
@@ -181,7 +227,7 @@ class CellInputs:
             return None if x is None else (tuple(x.shape[1:]), x.dtype, x.device)
 
         tensors = (self.attn, self.nw, self.key_term, self.key_mask, self.row_mask, self.copies, self.tails)
-        return (*(form(x) for x in tensors), self.frame_nw.shape[2:], self.sampled, self.other_nw is not None)
+        return (*(form(x) for x in tensors), self.sampled, self.has_other)
 
 
 def cell_inputs(
@@ -199,7 +245,8 @@ def cell_inputs(
     sample: torch.Tensor | None = None,
     other_pools: int | None = None,
 ) -> CellInputs:
-    """One record's :class:`CellInputs`: its rows sampled, its query frames formed and its per-cell scalars taken.
+    """One record's :class:`CellInputs`: its rows sampled and its per-cell scalars taken; its query frames are formed
+    later, with the pass's other records (:func:`form_frames`, which :func:`compare_cells` calls).
 
     Args:
         cell: the record by group (:func:`group_cell`).
@@ -207,7 +254,7 @@ def cell_inputs(
         other: ``(B, H, N, D)``, further keys of the same softmax (SD3's latent keys), or ``None``.
         tails: :func:`~ipa_probe.stats.null_tail_table` for the record's number of keys (with a key mask), or
             ``None``.
-        pools: how many query frames the groups form (:func:`frame_logits`).
+        pools: how many query frames the groups form (:func:`frame_terms`).
         q_norms: ``(B, H, Q)``, the queries' norms (:func:`record_logits`).
         sample: ``(n,)`` row indices (a multiple of :data:`~.config.SAMPLE_GROUPS`, from
             :func:`~ipa_probe.draws.stratified_rows`) to compute the per-row statistics on, with their standard
@@ -218,10 +265,8 @@ def cell_inputs(
             the same rows, which forms nothing more.
     """
     n_rows = cell.attn.shape[-2]
-    nw_frame, b = frame_logits(cell, pools, sample)  # (2, groups, H, R or n, K), (2, groups, H, 1, K)
-    other_nw = other_b = None
-    if other_pools is not None and other_pools != pools:
-        other_nw, other_b = frame_logits(cell, other_pools, sample, form="exact")  # (1, groups, H, n, K), ...
+    other_pools = other_pools if other_pools != pools else None
+    source = FrameSource(cell.attn, cell.key_mask, cell.row_mask, pools, other_pools, sample)
     attn, nw, key_mask, row_mask = cell.attn, cell.nw, cell.key_mask, cell.row_mask
     copies, key_term = cell.copies, cell.key_term
 
@@ -264,16 +309,13 @@ def cell_inputs(
         attn=attn,
         nw=nw,
         key_term=key_term,
-        frame_nw=nw_frame,
-        frame_b=b,
         key_mask=key_mask,
         row_mask=row_mask,
         copies=copies,
         tails=tails,
         sampled=sample is not None,
         scalars=scalars,
-        other_nw=other_nw,
-        other_b=other_b,
+        source=source,
     )
 
 
@@ -285,12 +327,15 @@ def compare_cells(
     statistic is per row and reduced per cell, so each record's values are what its own pass would give; only the
     permutation nulls draw differently (one draw for the batch), from the same seeded generators.
 
+    The records' query frames are formed first where they are not yet (:func:`form_frames`).
+
     Args:
         records: the records' inputs (:func:`cell_inputs`), equal signatures.
         generators: the permutation nulls' random sources on the device: the stored frame's, the query frame's, and
             optionally the other pool's (its null is drawn and discarded: a generator of its own keeps the other two
             drawing what they draw without it; one seeded 0 when not given).
     """
+    form_frames(records)
     first = records[0]
 
     def joined(name: str, axis: int = 0) -> torch.Tensor | None:
@@ -365,10 +410,15 @@ def _count_lost_rows(stats: torch.Tensor, frame: torch.Tensor, keys: int) -> Non
     stats[..., 0, lost] = share
 
 
-def frame_logits(
-    cell: Cell, pools: int, sample: torch.Tensor | None = None, form: str = "both"
+def frame_terms(
+    attn: torch.Tensor,
+    key_mask: torch.Tensor | None,
+    row_mask: torch.Tensor | None,
+    pools: int,
+    form: str = "both",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The query-frame NW logits of a record's cells and their key term, both forms from one pass over the logits.
+    """The query frames of cells, in two parts whose difference is their NW logits: each row's centred logits and each
+    frame's key term, both forms from one pass over the logits.
 
     Per pool of queries (the frame) and head, ``b_i`` is key ``i``'s log-partition over the frame's rows
     (:func:`~ipa_probe.kernels.query_frame_logits`, exact and Gaussian), and the query-frame NW logits of a row are
@@ -380,41 +430,83 @@ def frame_logits(
     arithmetic.
 
     Args:
-        cell: the record by group (:func:`group_cell`), ``groups`` groups.
+        attn: ``(groups, H, R, K)`` attention logits of every row (several records' groups side by side, see
+            :func:`form_frames`); reduced along the rows, so key-major memory (the probe's) is read contiguously.
+        key_mask: ``(groups, H, R, K)`` kept keys, or ``None``.
+        row_mask: ``(groups, H, R)`` rows inside an IP-Adapter mask, or ``None``.
         pools: how many frames the groups form, contiguous and of equal size: ``groups`` (one item each) or the
             pass's number of CFG branches (each branch's items pooled).
-        sample: optional ``(n,)`` row indices: the NW logits of these rows only (``b`` over every row still).
-        form: ``"both"``, or one form (``"exact"`` or ``"gaussian"``) alone, on a leading dimension of 1.
+        form: ``"both"``, or one form (``"exact"`` or ``"gaussian"``) alone.
 
     Returns:
-        ``(nw, b)``: ``(2, groups, H, R or n, K)`` NW logits and ``(2, groups, H, 1, K)`` key terms, the exact form's,
-        then the Gaussian form's (``(1, ...)`` each for one form).
+        ``(rows, b)``: ``(groups, H, R, K)`` centred logits (left-out keys 0) and ``(F, groups, H, 1, K)`` key terms
+        (each group its frame's), the exact form's, then the Gaussian form's (``F = 1`` for one form); the NW logits
+        of any rows are ``rows[..., some, :] - b``.
     """
-    forms = 2 if form == "both" else 1
-    attn, key_mask = cell.attn, cell.key_mask  # (groups, H, R, K)
     groups, n_heads, n_rows, n_keys = attn.shape
     finite = finite_rows(attn if key_mask is None else torch.where(key_mask, attn, 0.0))  # (groups, H, R)
-    rows = finite if cell.row_mask is None else finite & cell.row_mask
+    rows = finite if row_mask is None else finite & row_mask
+    if pools == groups:
+        return query_frame_terms(attn, rows, key_mask, form=form)
 
     def pooled(x: torch.Tensor) -> torch.Tensor:
         # (groups, H, R, ...) -> (pools, H, groups / pools * R, ...): the frame's rows side by side
         x = x.reshape(pools, groups // pools, *x.shape[1:]).transpose(1, 2)
         return x.flatten(2, 3)
 
-    if pools == groups:
-        # (2, groups, H, R or n, K), (2, groups, H, 1, K)
-        nw, b = query_frame_logits(attn, rows, key_mask, form=form, select=sample)
-        return (nw, b) if forms == 2 else (nw.unsqueeze(0), b.unsqueeze(0))
     rows_p = pooled(rows.unsqueeze(-1)).squeeze(-1)
     key_mask_p = pooled(key_mask) if key_mask is not None else None
-    nw, b = query_frame_logits(pooled(attn), rows_p, key_mask_p, form=form)  # (2, pools, H, n * R, K)
-    if forms == 1:
-        nw, b = nw.unsqueeze(0), b.unsqueeze(0)
-    # (F, pools, H, n * R, K) -> (F, groups, H, R, K): back to the groups' rows
-    nw = nw.unflatten(3, (groups // pools, n_rows)).transpose(2, 3).reshape(forms, groups, n_heads, n_rows, n_keys)
-    if sample is not None:
-        nw = nw.index_select(-2, sample)
-    return nw, b.repeat_interleave(groups // pools, dim=1)  # b: (2, groups, H, 1, K)
+    centred, b = query_frame_terms(pooled(attn), rows_p, key_mask_p, form=form)  # (pools, H, n * R, K), (F, ...)
+    # (pools, H, n * R, K) -> (groups, H, R, K): back to the groups' rows
+    centred = centred.unflatten(2, (groups // pools, n_rows)).transpose(1, 2).reshape(groups, n_heads, n_rows, n_keys)
+    return centred, b.repeat_interleave(groups // pools, dim=1)
+
+
+def form_frames(records: list[CellInputs]) -> None:
+    """Form the query frames of records that hold a :class:`FrameSource` (in place; the source is then let go).
+
+    The records whose sources share a :meth:`~FrameSource.signature` (a pass's equal-size layers) are joined along
+    their groups and go through one :func:`frame_terms` pass, every row of each; each record then takes its own row
+    sample from the centred rows before its key term is subtracted. Every reduction is per row or per key within a
+    frame, so each record's frames are what its own pass gives.
+    """
+    batches: dict[tuple, list[CellInputs]] = {}
+    for record in records:
+        if record.source is not None:
+            batches.setdefault(record.source.signature(), []).append(record)
+    for same in batches.values():
+        attn = same[0].source.attn
+        step = len(same) if attn.device.type != "cpu" else max(1, JOIN_ELEMENTS_CPU // attn.numel())
+        for start in range(0, len(same), step):
+            _form_joined(same[start : start + step])
+
+
+def _form_joined(batch: list[CellInputs]) -> None:
+    """:func:`form_frames` of records whose sources share a signature, joined into one pass."""
+    sources = [record.source for record in batch]
+    sizes = [source.attn.shape[0] for source in sources]
+
+    def joined(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        if parts[0] is None or len(parts) == 1:
+            return parts[0]
+        # joined key-major, (groups, H, K, R) in memory, as each record's logits are: frame_terms reduces rows
+        return torch.cat([x.transpose(-1, -2) for x in parts]).transpose(-1, -2)
+
+    attn, key_mask = joined([s.attn for s in sources]), joined([s.key_mask for s in sources])
+    row_mask = None if sources[0].row_mask is None else torch.cat([s.row_mask for s in sources])
+    frames = [("frame", "both", sum(s.pools for s in sources))]
+    if sources[0].other_pools is not None:  # the other pool's exact form (schema.QUERY_POOL_OTHER_COLUMN)
+        frames.append(("other", "exact", sum(s.other_pools for s in sources)))
+    for name, form, pools in frames:
+        centred, b = frame_terms(attn, key_mask, row_mask, pools, form)
+        parts = zip(batch, sources, centred.split(sizes), b.split(sizes, dim=1), strict=True)
+        for record, source, rows, term in parts:
+            if source.sample is not None:
+                rows = rows.index_select(-2, source.sample)
+            setattr(record, f"{name}_nw", rows - term)  # (F, groups, H, n, K)
+            setattr(record, f"{name}_b", term)  # (F, groups, H, 1, K)
+    for record in batch:
+        record.source = None
 
 
 def image_share(processor: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

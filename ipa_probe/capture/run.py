@@ -13,9 +13,10 @@ reads the weights the layer used (the references an ablation kept, the weights a
 This module is family-agnostic: a :class:`~.taps.Tap` says where the tensors are, how heads are split and how
 denoiser calls map to steps and CFG branches; here they become statistics. The statistics of each (step, layer,
 adapter, CFG branch, head) are computed on the pipeline's device and added into preallocated buffers; nothing is
-copied to the host until the ``with`` block ends (one transfer). Each record's logits, row sample and query frames
-are formed in its hook; the per-row statistics of a denoiser pass's records run together when the pass returns
-(:func:`~.cells.compare_cells`: one pass over every record's rows instead of one per record).
+copied to the host until the ``with`` block ends (one transfer). Each record's logits and row sample are formed in
+its hook; its query frames and per-row statistics run with the other records of the denoiser pass when the pass
+returns (:func:`~.cells.form_frames`: one pass over the rows of every equal-size layer; :func:`~.cells.compare_cells`:
+one over every record's sampled rows), instead of one each per record.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from ..stats import compiled_statistics, null_tail_table
 from . import spine
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .buffers import CallBuffers, grow, new_buffers
-from .cells import CellInputs, cell_inputs, compare_cells, group_cell, record_logits
+from .cells import CellInputs, cell_inputs, compare_cells, form_frames, group_cell, record_logits
 from .config import DEFAULT_ROWS, ProbeConfig, rows_statement
 from .map_views import MapViews
 from .maps import MapAccumulator
@@ -69,6 +70,12 @@ FIELDS: tuple[str, ...] = CELL_FIELDS
 #: when rows are many (``rows=None`` at 1024 px); the default row sample keeps a 512 px SD 1.5 pass (16 records) in
 #: one batch.
 PENDING_ELEMENTS = 2**22
+
+#: Full-resolution logits (elements) the kept records may hold for their query frames before those are formed early
+#: (:func:`~.cells.form_frames`; the records are still compared at the pass's end): 2^25 float32 (128 MiB, with
+#: about as much again of working tensors while the frames are formed) keeps a 512 px SD 1.5 pass with 64 reference
+#: tokens in one batch and bounds memory at 1024 px.
+FRAME_ELEMENTS = 2**25
 
 _FEATURE = "probe"
 
@@ -140,6 +147,7 @@ class ProbeRun(MapViews):
         #: inputs), compared together by :meth:`_flush`
         self._pending: list[tuple[CallBuffers, int, int, int, torch.Tensor, CellInputs]] = []
         self._pending_elements = 0
+        self._frame_elements = 0  # full-resolution logits kept for the pending records' query frames
         self._constants: dict[tuple, torch.Tensor] = {}
         self._result: dict[str, Any] | None = None
         self._active = False
@@ -503,9 +511,13 @@ class ProbeRun(MapViews):
             other_pools=other_pools,
         )
         self._pending.append((state.call, state.step, index, slot, labels, inputs))
-        self._pending_elements += inputs.frame_nw.numel()
+        self._pending_elements += inputs.pending_elements()
+        self._frame_elements += inputs.source.attn.numel()
         if self._pending_elements > PENDING_ELEMENTS:  # bounded memory: compare what is kept so far
             self._flush()
+        elif self._frame_elements > FRAME_ELEMENTS:  # bounded memory: form the kept records' frames now
+            self._frame_elements = 0
+            form_frames([entry[-1] for entry in self._pending])
         if self.config.keep_maps:
             key = (state.call.index, state.step, self.layers[index].name, slot)
             self._keep_map(key, attn if kept is None else expand_references(attn, *kept, -1, -math.inf))
@@ -520,7 +532,7 @@ class ProbeRun(MapViews):
     def _flush(self) -> None:
         """Run the per-row statistics of the kept records (:func:`~.cells.compare_cells`, one pass per signature, in
         the order the records came) and add them into the buffers."""
-        pending, self._pending, self._pending_elements = self._pending, [], 0
+        pending, self._pending, self._pending_elements, self._frame_elements = self._pending, [], 0, 0
         if not pending:
             return
         batches: dict[tuple, list] = {}  # a signature includes the device
