@@ -78,12 +78,15 @@ def test_nulls_of_a_batch_are_seeded():
     assert torch.cat(first)[..., CELL_FIELDS.index("spearman_null")].abs().max() > 0  # a draw, not a constant
 
 
-def test_frames_formed_early_under_the_memory_bound_change_nothing(sd15, refs, monkeypatch):
-    """With no room for kept logits (``FRAME_ELEMENTS`` 1), every record's frames are formed in its own hook instead
-    of with its pass's equal-size layers: the same table, nulls included (the statistics are still compared once per
-    pass, so every null draws what it drew)."""
+@pytest.mark.parametrize("bound", ["FRAME_ELEMENTS", "JOIN_ELEMENTS_CPU"])
+def test_frames_formed_in_the_hook_change_nothing(sd15, refs, monkeypatch, bound):
+    """With no room for kept logits (``FRAME_ELEMENTS`` 1), or no joining on the CPU (``JOIN_ELEMENTS_CPU`` 0, as for
+    large records), every record's frames are formed in its own hook instead of with its pass's equal-size layers:
+    the same table, nulls included (the statistics are still compared once per pass, so every null draws what it
+    drew)."""
     import numpy as np
 
+    import ipa_probe.capture.cells as cells_module
     import ipa_probe.capture.run as run_module
 
     def table():
@@ -97,7 +100,10 @@ def test_frames_formed_early_under_the_memory_bound_change_nothing(sd15, refs, m
     monkeypatch.setattr(run_module, "form_frames", lambda records: early_calls.append(1) or form_frames(records))
     batched = table()
     assert not early_calls
-    monkeypatch.setattr(run_module, "FRAME_ELEMENTS", 1)
+    if bound == "FRAME_ELEMENTS":
+        monkeypatch.setattr(run_module, "FRAME_ELEMENTS", 1)
+    else:
+        monkeypatch.setattr(cells_module, "JOIN_ELEMENTS_CPU", 0)
     early = table()
     assert len(early_calls) == len(early) // early["head"].nunique() // 2  # each record's hook (2 branches a record)
     assert batched["qf_spearman_other_pool"].notna().any()  # two items per branch: the other pool's frame too

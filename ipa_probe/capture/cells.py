@@ -46,8 +46,8 @@ CHUNK_ELEMENTS = 2**26
 #: on one SD 1.5 pass (2 CPU cores, one thread), joining all five records of a size formed the frames in 0.62x the
 #: time of one record at a time at 16 x 16 latents with 4 tokens (0.33 MB joined) and 0.76-0.87x with 16 (1.3 MB),
 #: but 1.06-1.12x with 64 tokens (5 MB) and 1.8-2.0x at 64 x 64 latents (20-84 MB), whose joined passes no longer
-#: stay in cache; under this bound 0.62x and 0.87x where records join, and one record at a time (within the
-#: measurement's +-5 %) where they do not. Other devices join a size's records whole (what joining saves there is
+#: stay in cache; under this bound 0.62x and 0.87x where records join. A record too large to join
+#: (:meth:`FrameSource.joins`) is formed in its hook, as before, while its logits are in cache. Other devices join a size's records whole (what joining saves there is
 #: kernel launches; :data:`~.run.FRAME_ELEMENTS` bounds the memory; not measured on a GPU).
 JOIN_ELEMENTS_CPU = 2**18
 
@@ -186,6 +186,11 @@ class FrameSource:
         other = None if self.other_pools is None else groups // self.other_pools
         masks = (self.key_mask is not None, self.row_mask is not None)
         return (tuple(self.attn.shape[1:]), self.attn.dtype, self.attn.device, groups // self.pools, other, masks)
+
+    def joins(self) -> bool:
+        """Whether :func:`form_frames` would join this record with another of its shape (:data:`JOIN_ELEMENTS_CPU`):
+        one that would not is better formed at once, while its logits are still in cache."""
+        return self.attn.device.type != "cpu" or 2 * self.attn.numel() <= JOIN_ELEMENTS_CPU
 
 
 @dataclass

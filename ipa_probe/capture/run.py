@@ -74,7 +74,8 @@ PENDING_ELEMENTS = 2**22
 #: Full-resolution logits (elements) the kept records may hold for their query frames before those are formed early
 #: (:func:`~.cells.form_frames`; the records are still compared at the pass's end): 2^25 float32 (128 MiB, with
 #: about as much again of working tensors while the frames are formed) keeps a 512 px SD 1.5 pass with 64 reference
-#: tokens in one batch and bounds memory at 1024 px.
+#: tokens in one batch and bounds memory at 1024 px. On a CPU only small records are kept (the others' frames are
+#: formed in their hooks, :meth:`~.cells.FrameSource.joins`).
 FRAME_ELEMENTS = 2**25
 
 _FEATURE = "probe"
@@ -512,7 +513,10 @@ class ProbeRun(MapViews):
         )
         self._pending.append((state.call, state.step, index, slot, labels, inputs))
         self._pending_elements += inputs.pending_elements()
-        self._frame_elements += inputs.source.attn.numel()
+        if not inputs.source.joins():  # formed alone either way: now, while its logits are in cache
+            form_frames([inputs])
+        else:
+            self._frame_elements += inputs.source.attn.numel()
         if self._pending_elements > PENDING_ELEMENTS:  # bounded memory: compare what is kept so far
             self._flush()
         elif self._frame_elements > FRAME_ELEMENTS:  # bounded memory: form the kept records' frames now
