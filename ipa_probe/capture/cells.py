@@ -47,8 +47,9 @@ CHUNK_ELEMENTS = 2**26
 #: time of one record at a time at 16 x 16 latents with 4 tokens (0.33 MB joined) and 0.76-0.87x with 16 (1.3 MB),
 #: but 1.06-1.12x with 64 tokens (5 MB) and 1.8-2.0x at 64 x 64 latents (20-84 MB), whose joined passes no longer
 #: stay in cache; under this bound 0.62x and 0.87x where records join. A record too large to join
-#: (:meth:`FrameSource.joins`) is formed in its hook, as before, while its logits are in cache. Other devices join a size's records whole (what joining saves there is
-#: kernel launches; :data:`~.run.FRAME_ELEMENTS` bounds the memory; not measured on a GPU).
+#: (:meth:`FrameSource.joins`) is formed in its hook, as before, while its logits are in cache. Other devices join a
+#: size's records whole (what joining saves there is kernel launches; :data:`~.run.FRAME_ELEMENTS` bounds the memory;
+#: not measured on a GPU).
 JOIN_ELEMENTS_CPU = 2**18
 
 
