@@ -16,9 +16,9 @@ def shuffle_rows(w: torch.Tensor, generator: Draws, prefix: torch.Tensor | None 
 
     With a boolean ``prefix`` mask (kept entries first in every row), only the kept entries are shuffled. With
     several ``(generator, n)`` draws, the first ``n`` slices of ``w``'s leading dimension draw from the first
-    generator, and so on: each generator draws what it would draw for its slices alone. Every row costs ``K - 1``
-    Fisher-Yates swaps driven by ``K`` uniform draws (:func:`_fisher_yates`, ``O(K)``), whatever ``K``: no table of
-    permutations, no sort.
+    generator, and so on: each generator draws what it would draw for its slices alone. Every row is permuted by
+    sorting ``K`` uniform keys (:func:`_sort_keys`): one sort and one gather for all rows, whatever ``K`` (a few
+    kernel launches on a GPU, where a loop of swaps would cost four per key).
     """
     if isinstance(generator, torch.Generator):
         noise = torch.rand(w.shape, generator=generator, device=w.device, dtype=torch.float32)
@@ -26,35 +26,23 @@ def shuffle_rows(w: torch.Tensor, generator: Draws, prefix: torch.Tensor | None 
         # (F, ...): one draw per generator of its frames' shape, stacked
         parts = [torch.rand((n, *w.shape[1:]), generator=g, device=w.device) for g, n in generator]
         noise = torch.cat(parts) if len(parts) > 1 else parts[0]
-    kept = prefix.sum(-1, keepdim=True) if prefix is not None else None
-    return _fisher_yates(w, noise, kept)
+    return w.gather(-1, _sort_keys(noise, prefix))
 
 
-def _fisher_yates(w: torch.Tensor, noise: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
-    """``w`` shuffled along its last dimension by the Fisher-Yates (Durstenfeld) swaps: for ``i = K-1 .. 1`` entry
-    ``i`` is swapped with entry ``j_i = floor(u_i (i + 1))``, uniform on ``0..i``; every permutation has probability
-    ``1 / K!`` (up to the float32 resolution of ``u``, as for sorting random keys). Each swap is one pass over the
-    rows, so a row costs ``O(K)`` instead of the ``O(K log K)`` of an argsort of ``K`` random keys (8x fewer
-    operations' worth of CPU time at 64 keys). With ``kept`` (``(..., 1)`` counts of a prefix), swaps at ``i >= kept``
-    are skipped (``j_i = i``): only the first ``kept`` entries of a row are shuffled.
+def _sort_keys(noise: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
+    """The permutation of each row that sorts its random keys: ``argsort(u)``, uniform over the ``K!`` orders (ties
+    among float32 keys aside, probability below ``K^2 / 2^25``). With a ``prefix`` mask, a left-out entry ``i`` gets
+    the key ``1 + i`` (every kept entry's key is below 1): the kept entries are permuted among the first places and
+    the rest stay where they are.
 
     Args:
-        w: ``(..., K)`` values.
-        noise: ``(..., K)`` uniform on ``[0, 1)``, ``u_i`` for position ``i``.
-        kept: optional ``(..., 1)`` integers.
+        noise: ``(..., K)`` uniform on ``[0, 1)``.
+        prefix: optional ``(..., K)`` bool, kept entries first in every row.
     """
-    k = w.shape[-1]
-    position = torch.arange(k, device=w.device)
-    j = (noise * (position + 1)).long().minimum(position)  # (..., K): j_i in 0..i
-    if kept is not None:
-        j = torch.where(position < kept, j, position)
-    out = w.clone()
-    for i in range(k - 1, 0, -1):
-        j_i = j[..., i : i + 1]  # (..., 1)
-        here = out[..., i : i + 1].clone()
-        out[..., i : i + 1] = out.gather(-1, j_i)
-        out.scatter_(-1, j_i, here)
-    return out
+    if prefix is not None:
+        position = torch.arange(noise.shape[-1], device=noise.device, dtype=noise.dtype)
+        noise = torch.where(prefix, noise, position + 1)
+    return noise.argsort(dim=-1)
 
 
 def stratified_rows(rows: int, n: int, generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
