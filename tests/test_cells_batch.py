@@ -112,3 +112,39 @@ def test_frames_formed_in_the_hook_change_nothing(sd15, refs, monkeypatch, bound
     # the same per-row and per-key reductions over the same rows; 1e-6 only lets a reduction vectorise differently
     # over a batch of several records (float32)
     np.testing.assert_allclose(early[numbers].to_numpy(float), batched[numbers].to_numpy(float), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows, query_frame", [("auto", "item"), (16, "item"), (16, "branch")])
+def test_records_stacked_in_one_pass_equal_records_formed_alone(sd15, refs, monkeypatch, rows, query_frame):
+    """The probe holds a pass's records and forms those of equal shape stacked along the batch (one pass per layer
+    size): with row samples (each record its own, drawn in record order), two items per CFG branch and pooled query
+    frames, every column equals the run whose records are each formed alone (``JOIN_ELEMENTS_CPU`` 0); only the
+    nulls, drawn once per batch of the pass, may draw otherwise (their distribution is held by tests/test_stats.py)."""
+    import numpy as np
+
+    import ipa_probe.capture.cells as cells_module
+    import ipa_probe.capture.run as run_module
+
+    formed = []
+    form = run_module.ProbeRun._form
+    monkeypatch.setattr(run_module.ProbeRun, "_form", lambda self, held: formed.append(len(held)) or form(self, held))
+
+    def table():
+        formed.clear()
+        with run_module.probe(sd15, rows=rows, query_frame=query_frame) as run:
+            sd15("a photo", ip_adapter_image=[refs], num_inference_steps=2, num_images_per_prompt=2,
+                 generator=torch.Generator().manual_seed(0), output_type="latent")  # fmt: skip
+        return run.to_dataframe(), list(formed)
+
+    stacked, sizes = table()
+    assert max(sizes) > 1, "equal-size layers are formed together"
+    monkeypatch.setattr(cells_module, "JOIN_ELEMENTS_CPU", 0)
+    alone, sizes_alone = table()
+    assert set(sizes_alone) == {1} and sum(sizes_alone) == sum(sizes)
+    assert list(alone.columns) == list(stacked.columns) and len(alone) == len(stacked)
+    if rows == 16:
+        assert (stacked["row_fraction"] < 1).any(), "some cells are read on a row sample"
+    numbers = [c for c in stacked.select_dtypes("number").columns if c not in DRAWN]
+    np.testing.assert_allclose(
+        stacked[numbers].to_numpy(float), alone[numbers].to_numpy(float), rtol=1e-6, atol=1e-6, equal_nan=True
+    )

@@ -36,6 +36,7 @@ __all__ = [
     "group_cell",
     "image_share",
     "record_logits",
+    "take_rows",
 ]
 
 #: Largest logit block formed at once for ``ip_mass`` (elements; queries are taken in chunks below it).
@@ -156,7 +157,7 @@ def group_cell(
         )
     h_cell = h.expand(groups, n_heads)
     if nw_rows is not None and batch == groups:  # only the sampled rows' NW logits are read (no maps)
-        q = q.index_select(2, nw_rows)
+        q = take_rows(q, nw_rows, 2)
     return Cell(
         attn=by_group(attn),
         nw=by_group(nw_logits(q, k, h)),
@@ -280,7 +281,7 @@ def cell_inputs(
         # the sampled rows of a per-row tensor; per-key ones ((..., 1, K)) and None pass through
         if x is None or sample is None or x.shape[axis] != n_rows:
             return x
-        return x.index_select(x.dim() + axis, sample)
+        return take_rows(x, sample, axis)
 
     if sample is not None:
         attn, nw, key_mask = rows_of(attn), rows_of(nw), rows_of(key_mask)
@@ -307,7 +308,7 @@ def cell_inputs(
     if other is not None and not text:
         share = image_share(processor, q, k, other.float())  # (B, H, Q)
         ip_mass = by_group(share).mean(-1)
-    fraction = torch.full_like(q_norm, 1.0 if sample is None else sample.shape[0] / n_rows)
+    fraction = torch.full_like(q_norm, 1.0 if sample is None else sample.shape[-1] / n_rows)
     scalars = torch.stack(
         (cell.h.expand_as(q_norm), q_norm, spread, ip_mass, keys, fraction), dim=-1
     )  # (groups, H, 6)
@@ -508,11 +509,26 @@ def _form_joined(batch: list[CellInputs]) -> None:
         parts = zip(batch, sources, centred.split(sizes), b.split(sizes, dim=1), strict=True)
         for record, source, rows, term in parts:
             if source.sample is not None:
-                rows = rows.index_select(-2, source.sample)
+                rows = take_rows(rows, source.sample, -2)
             setattr(record, f"{name}_nw", rows - term)  # (F, groups, H, n, K)
             setattr(record, f"{name}_b", term)  # (F, groups, H, 1, K)
     for record in batch:
         record.source = None
+
+
+def take_rows(x: torch.Tensor, sample: torch.Tensor, axis: int) -> torch.Tensor:
+    """``x``'s rows (along ``axis``) at ``sample``: ``(n,)`` indices for every slice of the leading dimension, or
+    ``(L, n)`` for records stacked along it (``x``'s leading dimension ``L`` equal blocks, block ``l`` read at
+    ``sample[l]``), one gather either way."""
+    if sample.dim() == 1:
+        return x.index_select(axis, sample)
+    axis = axis % x.dim()
+    blocks = x.unflatten(0, (sample.shape[0], -1))  # (L, lead / L, ...)
+    shape = [1] * blocks.dim()
+    shape[0], shape[axis + 1] = sample.shape
+    size = list(blocks.shape)
+    size[axis + 1] = sample.shape[1]
+    return blocks.gather(axis + 1, sample.reshape(shape).expand(size)).flatten(0, 1)
 
 
 def image_share(processor: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

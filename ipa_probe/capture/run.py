@@ -46,7 +46,7 @@ from ..layers import (
 )
 from ..schema import CELL_FIELDS
 from ..stats import compiled_statistics, null_tail_table
-from . import spine
+from . import cells, spine
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .buffers import CallBuffers, grow, new_buffers
 from .cells import CellInputs, cell_inputs, compare_cells, form_frames, group_cell, record_logits
@@ -91,6 +91,51 @@ class _StepState:
     in_pass: bool = False  # a denoiser pass started and has not returned
     records: int = 0  # (q, k) pairs recorded in the current pass
     bandwidth: dict[int, torch.Tensor] = field(default_factory=dict)  # head_dim -> h of the current step
+
+
+@dataclass
+class _Held:
+    """One record as its hook delivered it, held until the pass ends (:meth:`ProbeRun._form_held`)."""
+
+    call: CallBuffers
+    step: int
+    index: int  # the layer's position in ProbeRun.layers
+    slot: int  # the adapter, or the text slot
+    labels: torch.Tensor  # (groups,) each group's branch label
+    chunks: int  # the pass's CFG branches
+    q: torch.Tensor  # (B, H, Q, D)
+    k: torch.Tensor  # (B, H, K, D)
+    other: torch.Tensor | None  # (B, H, N, D) SD3's latent keys
+    inside: torch.Tensor | None  # (B, Q) bool
+    used: torch.Tensor | None  # (B, H, Q, K) the edited weights' logits
+    kept: tuple | None  # the references an ablation kept (Spine.kept)
+    text: bool
+    processor: torch.nn.Module
+    h: torch.Tensor  # 0-d bandwidth
+    sample: torch.Tensor | None  # (n,) the record's row sample
+    text_mask: torch.Tensor | None  # (B, tokens)
+
+    def signature(self) -> tuple:
+        """Records with equal signatures are formed in one pass, stacked along the batch."""
+
+        def form(x: torch.Tensor | None) -> tuple | None:
+            return None if x is None else (tuple(x.shape), x.dtype, x.device)
+
+        tensors = (self.q, self.k, self.inside, self.sample)
+        return (*(form(x) for x in tensors), self.slot, self.text, id(self.h), id(self.labels), self.chunks)
+
+
+def _filled(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``(n,)`` int64 holding ``values``, made by fills on the device (no host-to-device copy)."""
+    index = torch.zeros(len(values), dtype=torch.long, device=device)
+    for position, value in enumerate(values):
+        index[position] = value
+    return index
+
+
+def stacked_samples(held: list[_Held]) -> torch.Tensor:
+    """``(L, n)``: each stacked record's row sample (:func:`~.cells.take_rows` reads block ``l`` with row ``l``)."""
+    return torch.stack([entry.sample for entry in held])
 
 
 class ProbeRun(RunViews, MapViews):
@@ -144,11 +189,14 @@ class ProbeRun(RunViews, MapViews):
         self._row_generator: torch.Generator | None = None
         #: (layer, kind) -> (rows, keys, sample size or None): what ProbeConfig.rows chose per cell (shapes only)
         self._row_plan: dict[tuple[str, str], tuple[int, int, int | None]] = {}
-        #: records of the running pass whose per-row statistics are still to run: (call, step, layer, slot, labels,
+        #: formed records of the running pass whose per-row statistics are still to run: (the records stacked, their
         #: inputs), compared together by :meth:`_flush`
-        self._pending: list[tuple[CallBuffers, int, int, int, torch.Tensor, CellInputs]] = []
+        self._pending: list[tuple[list[_Held], CellInputs]] = []
         self._pending_elements = 0
-        self._frame_elements = 0  # full-resolution logits kept for the pending records' query frames
+        self._frame_elements = 0
+        #: records of the running pass held until it ends (:meth:`_form_held`), and their query elements
+        self._held: list[_Held] = []
+        self._held_elements = 0  # full-resolution logits kept for the pending records' query frames
         self._constants: dict[tuple, torch.Tensor] = {}
         self._result: dict[str, Any] | None = None
         self._active = False
@@ -180,6 +228,7 @@ class ProbeRun(RunViews, MapViews):
 
     def _close(self, interrupted: bool) -> None:
         self._pending.clear()
+        self._held.clear()
         self.evidence.remove()
         for handle in [*self._handles, *self._tap_handles]:
             handle.remove()
@@ -375,14 +424,7 @@ class ProbeRun(RunViews, MapViews):
         heads = self.config.heads
         if heads is None:
             return None
-
-        def make() -> torch.Tensor:
-            index = torch.zeros(len(heads), dtype=torch.long, device=device)
-            for position, head in enumerate(heads):
-                index[position] = head  # a fill on the device, not a copy from the host
-            return index
-
-        return self._constant("heads", device, make)
+        return self._constant("heads", device, lambda: _filled(heads, device))
 
     def _bandwidth(self, head_dim: int, device: torch.device) -> torch.Tensor:
         """The bandwidth ``h`` as a 0-d float32 device tensor: made once per run for a fixed one, once per step for
@@ -427,7 +469,8 @@ class ProbeRun(RunViews, MapViews):
         inside: torch.Tensor | None = None,
         used: torch.Tensor | None = None,
     ) -> None:
-        """Add one layer's statistics for one adapter (or the text slot) into the buffers.
+        """Hold one layer's record for one adapter (or the text slot) until the pass ends, when the records of equal
+        shape are formed together (:meth:`_form_held`); a record that cannot join others is formed at once.
 
         Args:
             index: the layer's position in :attr:`layers`.
@@ -446,46 +489,118 @@ class ProbeRun(RunViews, MapViews):
         if query.shape[0] % labels.shape[0]:  # a batch the layout does not describe: one unlabelled group
             labels = self.evidence.layout(None, query.device).items
             chunks = 1
-        # (B, H, Q, D), (B, H, K, D); the query is left as the tap gives it (a view of the layer's projection): its
-        # logits read it in place (record_logits), where a contiguous copy would cost more than the logits
-        q, k = query.float(), key.float()
-        head_dim = q.shape[-1]
-        head_index = self._heads(q.device)
+        head_index = self._heads(query.device)
         if head_index is not None:
-            q, k = q.index_select(1, head_index), k.index_select(1, head_index)
+            query, key = query.index_select(1, head_index), key.index_select(1, head_index)
             other = other.index_select(1, head_index) if other is not None else None
         text = slot == self.text_slot
         processor = self.layers[index].attention.processor
-        attn, q_norms = record_logits(processor, q, k, text)  # (B, H, Q, K), (B, H, Q)
         # an edit removed references from the keys: the maps put them back at weight 0 (kept, total)
         kept = None if text or self._spine is None else self._spine.kept.get((self.layers[index].name, slot))
         if used is not None:  # the edited weights: their logits, a zero weight at float32's smallest (share 0)
             used = used if head_index is None else used.index_select(1, head_index)
             if kept is not None:  # the weights point holds every reference; the keys only the kept ones
                 used = used.index_select(-1, kept_tokens(kept[0], used.shape[-1] // kept[1], used.device))
-            attn = used.float().clamp_min(torch.finfo(torch.float32).tiny).log()  # (B, H, Q, K)
+            used = used.float().clamp_min(torch.finfo(torch.float32).tiny).log()  # (B, H, Q, K)
         groups = labels.shape[0]
-        h = self._bandwidth(head_dim, q.device)
-        fit = self.config.bandwidth == "fit"
-        n_rows = attn.shape[-2] * (attn.shape[0] // groups)
-        size, sample = self.config.sample_rows(n_rows, attn.shape[-1]), None  # from shapes: no device read
-        if self._row_generator is None or self._row_generator.device != q.device:
-            self._row_generator = torch.Generator(device=q.device).manual_seed(self.config.seed)
-        self._row_plan[(self.layers[index].name, "text" if text else "image")] = (n_rows, attn.shape[-1], size)
-        if size is not None:  # per-row statistics on a stratified sample (ProbeConfig.rows)
-            sample = stratified_rows(n_rows, size, self._row_generator, q.device)
-        nw_rows = sample if self._maps is None or text else None  # the maps read every row's NW logits
+        n_rows, n_keys = query.shape[-2] * (query.shape[0] // groups), key.shape[-2]
+        size, sample = self.config.sample_rows(n_rows, n_keys), None  # from shapes: no device read
+        if self._row_generator is None or self._row_generator.device != query.device:
+            self._row_generator = torch.Generator(device=query.device).manual_seed(self.config.seed)
+        self._row_plan[(self.layers[index].name, "text" if text else "image")] = (n_rows, n_keys, size)
+        if size is not None:  # per-row statistics on a stratified sample (ProbeConfig.rows), drawn in record order
+            sample = stratified_rows(n_rows, size, self._row_generator, query.device)
+        held = _Held(
+            call=state.call,
+            step=state.step,
+            index=index,
+            slot=slot,
+            labels=labels,
+            chunks=chunks,
+            q=query,
+            k=key,
+            other=other,
+            inside=inside,
+            used=used,
+            kept=kept,
+            text=text,
+            processor=processor,
+            h=self._bandwidth(query.shape[-1], query.device),
+            sample=sample,
+            text_mask=state.text_mask,
+        )
+        # the maps read each record's weights in its layer (the value projection's hook), so theirs form at once
+        joins = (
+            used is None
+            and kept is None
+            and other is None
+            and self.config.bandwidth != "fit"
+            and getattr(processor, "image_branch_logits", None) is None
+            and (self._maps is None or text)
+        )
+        if not joins:
+            self._form([held])
+            return
+        self._held.append(held)
+        self._held_elements += query.numel()
+        if self._held_elements > FRAME_ELEMENTS:  # bounded memory: form what is held so far
+            self._form_held()
+
+    def _form_held(self) -> None:
+        """Form the held records (:meth:`_record_stats`), those of equal shape stacked along the batch into one pass:
+        the per-record work of a pass then costs one pass per layer size, not one per layer. On a CPU a stack stays
+        within :data:`~.cells.JOIN_ELEMENTS_CPU` logits (a larger one leaves the cache; see there)."""
+        held, self._held, self._held_elements = self._held, [], 0
+        batches: dict[tuple, list[_Held]] = {}
+        for entry in held:
+            batches.setdefault(entry.signature(), []).append(entry)
+        for same in batches.values():
+            first = same[0]
+            if first.q.device.type == "cpu":
+                logits = first.q.shape[0] * first.q.shape[1] * first.q.shape[2] * first.k.shape[2]
+                step = max(1, cells.JOIN_ELEMENTS_CPU // (2 * logits))
+            else:
+                step = len(same)
+            for start in range(0, len(same), step):
+                self._threads(first.q.device, self._form, same[start : start + step])
+
+    @torch.no_grad()
+    def _form(self, held: list[_Held]) -> None:
+        """The logits, cells and row samples of records of one :meth:`_Held.signature`, stacked along the batch
+        (records ``l`` holds batch items ``l * B .. (l + 1) * B - 1``): every step below is per batch item or per
+        group, so each record's values are what its own pass gives."""
+        first = held[0]
+
+        def stacked(name: str) -> torch.Tensor | None:
+            parts = [getattr(entry, name) for entry in held]
+            if parts[0] is None or len(parts) == 1:
+                return parts[0]
+            return torch.cat(parts)  # (L * B, ...)
+
+        # (L * B, H, Q, D), (L * B, H, K, D); a single record's query is left as the tap gives it (a view of the
+        # layer's projection): its logits read it in place (record_logits), where a copy would cost more
+        q, k = stacked("q").float(), stacked("k").float()
+        other = first.other.float() if first.other is not None else None
+        attn, q_norms = record_logits(first.processor, q, k, first.text)  # (L * B, H, Q, K), (L * B, H, Q)
+        if first.used is not None:
+            attn = first.used
+        groups = len(held) * first.labels.shape[0]
+        text_mask = first.text_mask
+        if text_mask is not None and len(held) > 1:
+            text_mask = text_mask.repeat(len(held), 1)
+        sample = None if first.sample is None else first.sample if len(held) == 1 else stacked_samples(held)
+        nw_rows = sample if self._maps is None or first.text else None  # the maps read every row's NW logits
         cell = group_cell(
             groups=groups,
             q=q,
             k=k,
             attn=attn,
-            text=text,
-            rows=inside,
-            processor=processor,
-            text_mask=state.text_mask,
-            h=h,
-            fit=fit,
+            text=first.text,
+            rows=stacked("inside"),
+            processor=first.processor,
+            text_mask=text_mask,
+            h=first.h,
+            fit=self.config.bandwidth == "fit",
             nw_rows=nw_rows,
         )
         tails = None
@@ -493,25 +608,26 @@ class ProbeRun(RunViews, MapViews):
             n_keys, device = cell.attn.shape[-1], q.device
             tails = self._constant(f"tails{n_keys}", device, lambda: null_tail_table(n_keys, device))
         # the query frame's pools: each group (a batch item), or each chunk of the pass (one CFG branch's items)
-        pools = groups if self.config.query_frame == "item" else chunks
+        per_record = first.labels.shape[0]
+        pools = per_record if self.config.query_frame == "item" else first.chunks
         # and the other pool's (schema.QUERY_POOL_OTHER_COLUMN): formed only where a branch holds several items
-        other_pools = chunks if pools == groups else groups
+        other_pools = first.chunks if pools == per_record else per_record
         inputs = cell_inputs(
             cell=cell,
             groups=groups,
             q=q,
             k=k,
             other=other,
-            text=text,
-            processor=processor,
+            text=first.text,
+            processor=first.processor,
             tails=tails,
-            text_mask=state.text_mask,
-            pools=pools,
+            text_mask=text_mask,
+            pools=pools * len(held),
             q_norms=q_norms,
             sample=sample,
-            other_pools=other_pools,
+            other_pools=other_pools * len(held),
         )
-        self._pending.append((state.call, state.step, index, slot, labels, inputs))
+        self._pending.append((held, inputs))
         self._pending_elements += inputs.pending_elements()
         if not inputs.source.joins():  # formed alone either way: now, while its logits are in cache
             form_frames([inputs])
@@ -522,20 +638,33 @@ class ProbeRun(RunViews, MapViews):
         elif self._frame_elements > FRAME_ELEMENTS:  # bounded memory: form the kept records' frames now
             self._frame_elements = 0
             form_frames([entry[-1] for entry in self._pending])
+        if not self.config.keep_maps and (self._maps is None or first.text):
+            return
+        # per record: (L * B, ...) -> L blocks of B items (views)
+        for entry, logits, cell_attn, cell_nw in zip(
+            held, attn.chunk(len(held)), cell.attn.chunk(len(held)), cell.nw.chunk(len(held)), strict=True
+        ):
+            self._record_views(entry, logits, cell_attn, cell_nw)
+
+    def _record_views(self, entry: _Held, attn: torch.Tensor, cell_attn: torch.Tensor, cell_nw: torch.Tensor) -> None:
+        """A formed record's kept weights (``keep_maps``) and reference maps (``maps``)."""
+        kept, labels = entry.kept, entry.labels
         if self.config.keep_maps:
-            key = (state.call.index, state.step, self.layers[index].name, slot)
+            key = (entry.call.index, entry.step, self.layers[entry.index].name, entry.slot)
             self._keep_map(key, attn if kept is None else expand_references(attn, *kept, -1, -math.inf))
-            self._map_labels.setdefault(key, []).append(labels.repeat_interleave(query.shape[0] // groups))
-        if self._maps is not None and not text:
-            maps_attn, maps_nw = cell.attn, cell.nw
+            self._map_labels.setdefault(key, []).append(labels.repeat_interleave(attn.shape[0] // labels.shape[0]))
+        if self._maps is not None and not entry.text:
+            maps_attn, maps_nw = cell_attn, cell_nw
             if kept is not None:
                 maps_attn, maps_nw = (expand_references(x, *kept, -1, -math.inf) for x in (maps_attn, maps_nw))
-                self._maps.kept[(index, slot)] = kept
-            self._maps.add(state.call.index, state.step, index, slot, labels, maps_attn, maps_nw)
+                self._maps.kept[(entry.index, entry.slot)] = kept
+            self._maps.add(entry.call.index, entry.step, entry.index, entry.slot, labels, maps_attn, maps_nw)
 
     def _flush(self) -> None:
-        """Run the per-row statistics of the kept records (:func:`~.cells.compare_cells`, one pass per signature, in
-        the order the records came) and add them into the buffers."""
+        """Form the held records (:meth:`_form_held`), run the per-row statistics of the kept ones
+        (:func:`~.cells.compare_cells`, one pass per signature, in the order the records came) and add them into the
+        buffers."""
+        self._form_held()
         pending, self._pending, self._pending_elements, self._frame_elements = self._pending, [], 0, 0
         if not pending:
             return
@@ -553,25 +682,30 @@ class ProbeRun(RunViews, MapViews):
                     self._pool_generator = torch.Generator(device=device).manual_seed(self.config.seed)
                 generators = (self._generator, self._frame_generator, self._pool_generator)
                 values = self._threads(device, self._compare, [entry[-1] for entry in batch], generators)
-                for (call, step, index, slot, labels, _), fields in zip(batch, values, strict=True):
-                    self._accumulate(call, step, index, slot, labels, fields)
+                for (held, _), fields in zip(batch, values, strict=True):
+                    self._accumulate(held, fields)
 
     def _compare(self, records: list, generators: tuple) -> list[torch.Tensor]:
         """:func:`~.cells.compare_cells`, compiled with :attr:`ProbeConfig.compile`."""
         with compiled_statistics(self.config.compile):
             return compare_cells(records, generators)
 
-    @staticmethod
-    def _accumulate(
-        call: CallBuffers, step: int, index: int, slot: int, labels: torch.Tensor, values: torch.Tensor
-    ) -> None:
-        """Add ``values`` ``(groups, H, fields)`` into ``call``'s buffers at ``step`` and each group's label (an index
-        on the device)."""
-        n_heads = values.shape[1]
-        sums = call.sums[step, index, slot, :, :n_heads]  # (labels, H, fields), a view
-        counts = call.counts[step, index, slot, :, :n_heads]  # (labels, H)
-        sums.index_add_(0, labels, values)
-        counts.index_add_(0, labels, torch.ones_like(values[..., 0]))
+    def _accumulate(self, held: list[_Held], values: torch.Tensor) -> None:
+        """Add ``values`` ``(L * groups, H, fields)`` of stacked records into their call's buffers at their step, layer
+        and slot and each group's label: one indexed add for all of them (the indices made on the device)."""
+        first, n_heads = held[0], values.shape[1]
+        sums = first.call.sums[first.step, :, first.slot, :, :n_heads]  # (layers, labels, H, fields), a view
+        counts = first.call.counts[first.step, :, first.slot, :, :n_heads]  # (layers, labels, H)
+        if len(held) == 1:
+            sums, counts = sums[first.index], counts[first.index]  # (labels, H, ...)
+            sums.index_add_(0, first.labels, values)
+            counts.index_add_(0, first.labels, torch.ones_like(values[..., 0]))
+            return
+        layers = tuple(entry.index for entry in held)
+        index = self._constant(("layers", layers), values.device, lambda: _filled(layers, values.device))
+        index = (index.repeat_interleave(first.labels.shape[0]), first.labels.repeat(len(held)))  # (L * groups,) each
+        sums.index_put_(index, values, accumulate=True)
+        counts.index_put_(index, torch.ones_like(values[..., 0]), accumulate=True)
 
     def _keep_map(self, key: tuple[int, int, str, int], logits: torch.Tensor) -> None:
         weights = torch.softmax(logits, dim=-1).half()
