@@ -35,6 +35,7 @@ __all__ = [
     "fit_bandwidth",
     "null_tail",
     "null_tail_table",
+    "Segments",
     "rank",
     "raveled_pearson",
     "rho_baseline",
@@ -127,10 +128,41 @@ def _log_softmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x - lse, lse.squeeze(-1).isfinite()
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x`` over the last dimension where ``mask`` holds (NaN where nothing does)."""
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor, total=None) -> torch.Tensor:
+    """Mean of ``x`` over the last dimension where ``mask`` holds (NaN where nothing does); ``total`` sums over the
+    rows of each cell instead (:meth:`Segments.sum`)."""
     mask = mask & ~x.isnan()
-    return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1)
+    if total is None:
+        return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1)
+    return total(torch.where(mask, x, 0.0)) / total(mask.to(x.dtype))
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The rows of many cells flattened on one axis (cells of any number of rows in one pass): each row's cell, and
+    its replicate group for the sampling errors (:func:`compare_frames`' ``replicates``: row ``j`` of a cell in group
+    ``j mod G``).
+
+    Attributes:
+        ids: ``(N,)`` int64, each row's cell in ``0..cells - 1``.
+        cells: how many cells.
+        replicate_ids: ``(N,)`` int64, ``cell * G + j mod G``, or ``None`` without replicates.
+        replicates: ``G``, or ``None``.
+    """
+
+    ids: torch.Tensor
+    cells: int
+    replicate_ids: torch.Tensor | None = None
+    replicates: int | None = None
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Per cell, the sum of ``x``'s rows: ``(..., N) -> (..., cells)``."""
+        return x.new_zeros(*x.shape[:-1], self.cells).index_add_(x.dim() - 1, self.ids, x)
+
+    def sum_replicates(self, x: torch.Tensor) -> torch.Tensor:
+        """Per cell and replicate group, the sum of ``x``'s rows: ``(..., N) -> (..., cells * G)``."""
+        size = self.cells * self.replicates
+        return x.new_zeros(*x.shape[:-1], size).index_add_(x.dim() - 1, self.replicate_ids, x)
 
 
 def finite_rows(x: torch.Tensor) -> torch.Tensor:
@@ -247,6 +279,7 @@ def compare_frames(
     key_groups: torch.Tensor | None = None,
     null_tails: torch.Tensor | None = None,
     replicates: int | None = None,
+    segments: Segments | None = None,
 ) -> list[torch.Tensor]:
     """:func:`compare_weights` of one attention against several NW weightings, its shared part computed once.
 
@@ -268,12 +301,15 @@ def compare_frames(
             ``sd_g / sqrt(G)`` (the random-groups estimator); for a share of rows (``top1``, ``nonfinite``,
             ``rows_rho_*``) at least the binomial error ``sqrt(p (1 - p) / n)`` at ``p = (hits + 1/2) / (n + 1)``,
             so that an event the sample missed does not get an error of 0.
+        segments: the rows of many cells flattened on one axis (``attn_logits`` ``(N, K)``, NW logits ``(*F, N, K)``,
+            masks and key terms per row): each statistic is reduced per cell (:class:`Segments`), so cells of any
+            sizes go through one pass; without a key mask.
 
     Returns:
         per frame, ``(*F, ..., len(STAT_NAMES))`` float32; with ``replicates``, ``(*F, ..., 2, len(STAT_NAMES))``:
-        the estimates, then their standard errors.
+        the estimates, then their standard errors (``...`` is the cells with ``segments``).
     """
-    args = (attn_logits, frames, key_mask, row_mask, key_groups, null_tails, replicates)
+    args = (attn_logits, frames, key_mask, row_mask, key_groups, null_tails, replicates, segments)
     if compiling():
         return run_compiled(_compare_frames, *args)
     return _compare_frames(*args)
@@ -287,10 +323,13 @@ def _compare_frames(
     key_groups: torch.Tensor | None,
     null_tails: torch.Tensor | None,
     replicates: int | None,
+    segments: Segments | None = None,
 ) -> list[torch.Tensor]:
     if not isinstance(attn_logits, torch.Tensor):
         raise TypeError(f"attn_logits: expected a tensor of shape (..., R, K), got {type(attn_logits).__name__}")
-    if replicates is not None and (replicates < 2 or attn_logits.shape[-2] % replicates):
+    if segments is not None and (key_mask is not None or attn_logits.dim() != 2):
+        raise ValueError("segments: expected flattened rows (N, K) without a key mask")
+    if segments is None and replicates is not None and (replicates < 2 or attn_logits.shape[-2] % replicates):
         raise ValueError(f"replicates: expected G >= 2 dividing the rows ({attn_logits.shape[-2]}), got {replicates}")
     for nw_logits, _, _ in frames:
         if nw_logits.shape[-attn_logits.dim() :] != attn_logits.shape:
@@ -298,20 +337,26 @@ def _compare_frames(
     side = _attention_side(attn_logits, key_mask, key_groups)
     lead = [nw.shape[: nw.dim() - attn_logits.dim()] for nw, _, _ in frames]  # each frame's F
     per_key = attn_logits.shape[:-2] + (1, attn_logits.shape[-1])  # (..., 1, K)
-    if len(frames) > 1 and all(t is not None and t.shape[-2] == 1 for _, t, _ in frames):
+    if all(t is not None and t.shape[-2] == 1 for _, t, _ in frames):
+        term_shape = per_key
+    elif segments is not None and all(t is not None for _, t, _ in frames):
+        term_shape = attn_logits.shape  # flattened rows: each row carries its cell's key term
+    else:
+        term_shape = None
+    if len(frames) > 1 and term_shape is not None:
         # Frames whose key terms are per key (the probe's stored and query frames) go through one stacked pass:
         # (sum F, ..., R, K). Every statistic is per row and reduced per cell, so each frame's values are those of
         # its own pass; each generator draws its own frames' nulls.
         sizes = [math.prod(f) for f in lead]
         nw_all = torch.cat([nw.reshape(-1, *attn_logits.shape) for nw, _, _ in frames])
         terms = torch.cat(
-            [t.expand(*f, *per_key).reshape(-1, *per_key) for (_, t, _), f in zip(frames, lead, strict=True)]
+            [t.expand(*f, *term_shape).reshape(-1, *term_shape) for (_, t, _), f in zip(frames, lead, strict=True)]
         )
         draws = [(g, n) for (_, _, g), n in zip(frames, sizes, strict=True)]
-        stats = _frame_stats(side, nw_all, draws, row_mask, terms, null_tails, replicates)
+        stats = _frame_stats(side, nw_all, draws, row_mask, terms, null_tails, replicates, segments)
         return [part.reshape(*f, *part.shape[1:]) for part, f in zip(stats.split(sizes), lead, strict=True)]
     return [
-        _frame_stats(side, nw, generator, row_mask, key_term, null_tails, replicates)
+        _frame_stats(side, nw, generator, row_mask, key_term, null_tails, replicates, segments)
         for nw, key_term, generator in frames
     ]
 
@@ -424,10 +469,11 @@ def _frame_stats(
     key_term: torch.Tensor | None,
     null_tails: torch.Tensor | None,
     replicates: int | None = None,
+    segments: Segments | None = None,
 ) -> torch.Tensor:
     """The statistics of :func:`compare_weights` of one NW weighting against the shared attention side (several
     frames stacked on the leading dimension with per-block ``generator`` draws, see
-    :func:`~ipa_probe.draws.shuffle_rows`)."""
+    :func:`~ipa_probe.draws.shuffle_rows`); per cell of ``segments`` where given."""
     dtype, key_mask = side.dtype, side.key_mask
     nw_logits = nw_logits.to(dtype)
     shape = nw_logits.shape
@@ -526,26 +572,31 @@ def _frame_stats(
     gauge_full = gauge.expand(valid.shape)
     varies_a, varies_w = (side.centred_sq > 0).expand(valid.shape), (nw_sq > 0).expand(valid.shape)  # rank spread
 
-    def reduce(split) -> torch.Tensor:
-        """The statistics from per-row values; ``split`` maps a row axis (last, or ``-2`` with ``keyed``) to
-        replicate groups."""
+    def reduce(split, total) -> torch.Tensor:
+        """The statistics from per-row values: ``split`` lays the rows out for ``total``, which sums over a cell's rows
+        (the last axis, its replicate groups', or each segment's); ``keyed``: rows on axis ``-2``."""
         v, rk, g = split(valid), split(ranked), split(gauge_full)
-        by_valid = _masked_mean(split(over_valid), v).movedim(0, -1)  # rho, null, kl, top1, neff_attn, neff_nw
-        by_ranked = _masked_mean(split(over_ranked), rk).movedim(0, -1)  # rho_baseline ... rows_rho_pos1_null
+        by_valid = _masked_mean(split(over_valid), v, total).movedim(0, -1)  # rho, null, kl, top1, neff_attn, neff_nw
+        by_ranked = _masked_mean(split(over_ranked), rk, total).movedim(0, -1)  # rho_baseline ... rows_rho_pos1_null
         if key_mask is None:
-            cross, sq_a, sq_w = torch.where(v, split(raveled), 0.0).sum(-1)
+            cross, sq_a, sq_w = total(torch.where(v, split(raveled), 0.0))
             pearson = cross / (sq_a * sq_w).sqrt()
         else:
             pearson = raveled_pearson(split(a_full, True), split(w, True), split(entries, True))
         # a side without variation over the cell's rows (every NW row uniform, as in a query frame of one query) has
         # no correlation: NaN, not the float noise of 1/K - softmax(0)
-        pearson = torch.where((v & split(varies_a)).any(-1) & (v & split(varies_w)).any(-1), pearson, math.nan)
-        nonfinite = 1.0 - v.float().mean(-1) if row_mask is None else 1.0 - v.sum(-1) / split(row_mask_full).sum(-1)
-        gauge_mean = _masked_mean(g, rk & g.isfinite())
+        varies = total((v & split(varies_a)).to(dtype)) * total((v & split(varies_w)).to(dtype))
+        pearson = torch.where(varies > 0, pearson, math.nan)
+        rows = total(torch.ones_like(v, dtype=dtype)) if row_mask is None else total(split(row_mask_full).to(dtype))
+        nonfinite = 1.0 - total(v.to(dtype)) / rows
+        gauge_mean = _masked_mean(g, rk & g.isfinite(), total)
         parts = (by_valid[..., :2], pearson, by_valid[..., 2:], nonfinite, gauge_mean, by_ranked)
         return torch.cat([x if x.dim() == by_valid.dim() else x.unsqueeze(-1).to(dtype) for x in parts], -1).float()
 
-    stats = reduce(lambda x, keyed=False: x)
+    if segments is None:
+        stats = reduce(lambda x, keyed=False: x, lambda x: x.sum(-1))
+    else:
+        stats = reduce(lambda x, keyed=False: x, segments.sum)
     if replicates is None:
         return stats
 
@@ -555,13 +606,17 @@ def _frame_stats(
         x = x.unflatten(axis, (x.shape[axis] // replicates, replicates))
         return x.transpose(axis - 1, axis)
 
-    per_group = reduce(groups)  # (*F, ..., G, S)
+    if segments is None:
+        per_group = reduce(groups, lambda x: x.sum(-1))  # (*F, ..., G, S)
+    else:  # (*F, cells * G, S) -> (*F, cells, G, S)
+        per_group = reduce(lambda x, keyed=False: x, segments.sum_replicates).unflatten(-2, (-1, replicates))
     se = per_group.std(-2, correction=1) / math.sqrt(replicates)
     # A share of rows (top1, nonfinite, the rows' rho shares) whose event no group saw (or every group saw) has a
     # random-groups error of 0; its error is at least the binomial one at p = (hits + 1/2) / (n + 1), which is never 0.
-    counts = {"valid": valid.sum(-1), "ranked": ranked.sum(-1)}
+    total = (lambda x: x.sum(-1)) if segments is None else segments.sum
+    counts = {"valid": total(valid.to(dtype)), "ranked": total(ranked.to(dtype))}
     counts["rows"] = (
-        row_mask_full.sum(-1) if row_mask is not None else torch.full_like(counts["valid"], valid.shape[-1])
+        total(row_mask_full.to(dtype)) if row_mask is not None else total(torch.ones_like(valid, dtype=dtype))
     )
     floors = []
     for name, over in _SHARES.items():

@@ -21,7 +21,7 @@ import torch
 from ..kernels import matched_bandwidth, nw_logits, query_frame_terms
 from ..layers import image_branch_logits
 from ..schema import QUERY_FRAME_STATS, STAT_NAMES
-from ..stats import compare_frames, copy_groups, finite_rows, fit_bandwidth
+from ..stats import Segments, compare_frames, copy_groups, finite_rows, fit_bandwidth
 from .config import SAMPLE_GROUPS
 
 __all__ = [
@@ -228,7 +228,13 @@ class CellInputs:
         return (3 if self.has_other else 2) * self.attn.numel()
 
     def signature(self) -> tuple:
-        """Records with equal signatures can be compared in one pass (concatenated along their groups)."""
+        """Records with equal signatures are compared in one pass: without a key mask (the image branch), their rows
+        flattened side by side whatever their heads and rows (:class:`~ipa_probe.stats.Segments`), so a pass's
+        records of every layer size go through one pass; with one (the text branch), concatenated along their groups
+        when their shapes are equal."""
+        if self.key_mask is None:
+            present = tuple(x is not None for x in (self.key_term, self.row_mask, self.copies))
+            return (self.attn.shape[-1], self.attn.dtype, self.attn.device, present, self.sampled, self.has_other)
 
         def form(x: torch.Tensor | None) -> tuple | None:
             return None if x is None else (tuple(x.shape[1:]), x.dtype, x.device)
@@ -327,7 +333,7 @@ def cell_inputs(
 
 
 def compare_cells(
-    records: list[CellInputs], generators: tuple[torch.Generator, torch.Generator]
+    records: list[CellInputs], generators: tuple[torch.Generator, torch.Generator], cache: dict | None = None
 ) -> list[torch.Tensor]:
     """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of records of one :meth:`~CellInputs.signature`,
     ``(groups, H, fields)`` each, from one :func:`~ipa_probe.stats.compare_frames` pass over all their rows: every
@@ -341,14 +347,27 @@ def compare_cells(
         generators: the permutation nulls' random sources on the device: the stored frame's, the query frame's, and
             optionally the other pool's (its null is drawn and discarded: a generator of its own keeps the other two
             drawing what they draw without it; one seeded 0 when not given).
+        cache: where the rows' cell ids are kept between calls (they depend on the records' shapes only), or
+            ``None``.
     """
     form_frames(records)
     first = records[0]
+    flat = first.key_mask is None  # every record's rows side by side, reduced per cell (stats.Segments)
+    keys = first.attn.shape[-1]
 
     def joined(name: str, axis: int = 0) -> torch.Tensor | None:
         parts = [getattr(record, name) for record in records]
-        if parts[0] is None or len(parts) == 1:
+        if parts[0] is None or (len(parts) == 1 and not flat):
             return parts[0]
+        if flat:  # (*F, groups, H, 1 or n, C) -> (*F, groups * H * n, C), rows of every record side by side
+            lead = axis  # the frames' leading axes
+            parts = [
+                x.expand(*x.shape[:-2], record.attn.shape[-2], x.shape[-1]).reshape(*x.shape[:lead], -1, x.shape[-1])
+                if x.dim() == record.attn.dim() + lead
+                else x.reshape(*x.shape[:lead], -1)  # (groups, H, n) row masks
+                for x, record in zip(parts, records, strict=True)
+            ]
+            return torch.cat(parts, lead) if len(parts) > 1 else parts[0]
         return torch.cat(parts, axis)
 
     frames = [
@@ -360,25 +379,33 @@ def compare_cells(
         spare = generators[2] if len(generators) > 2 else torch.Generator(device=device).manual_seed(0)
         frames.append((joined("other_nw", 1), joined("other_b", 1), spare))
     replicates = SAMPLE_GROUPS if first.sampled else None
+    segments = _segments(records, replicates, cache) if flat else None
     stats, frame, *other = compare_frames(
-        joined("attn"), frames, joined("key_mask"), joined("row_mask"), joined("copies"), first.tails, replicates
+        joined("attn"),
+        frames,
+        joined("key_mask"),
+        joined("row_mask"),
+        joined("copies"),
+        first.tails,
+        replicates,
+        segments,
     )
     if not first.sampled:  # exact: no sampling error
         stats = torch.stack((stats, torch.zeros_like(stats)), dim=-2)
         frame = torch.stack((frame, torch.zeros_like(frame)), dim=-2)
     rho = STAT_NAMES.index("spearman")
-    if other:  # the other pool's exact-form rho: (1, groups, H, S), or (1, groups, H, 2, S) with errors
+    if other:  # the other pool's exact-form rho: (1, cells, S), or (1, cells, 2, S) with errors
         other_rho = other[0][0][..., 0, rho] if first.sampled else other[0][0][..., rho]
     else:  # the pools are the same rows: the query frame's own (exact form)
         other_rho = frame[0][..., 0, rho]
-    other_rho = other_rho.unsqueeze(-1)  # (groups, H, 1)
-    _count_lost_rows(stats, frame, first.attn.shape[-1])
-    # stats (groups, H, 2, S), frame (2, groups, H, 2, S): estimate and standard error
+    other_rho = other_rho.unsqueeze(-1)  # (cells, 1)
+    _count_lost_rows(stats, frame, keys)
+    # stats (cells, 2, S), frame (2, cells, 2, S): estimate and standard error (cells: (groups, H), or flat)
     chosen = [STAT_NAMES.index(name) for name in QUERY_FRAME_STATS]
-    # (2, groups, H, 2, S) -> (groups, H, 2, 2 * C): per part (estimate, error) the exact form's statistics, then the
+    # (2, cells, 2, S) -> (cells, 2, 2 * C): per part (estimate, error) the exact form's statistics, then the
     # Gaussian form's (the order of QUERY_FRAME_COLUMNS)
-    frame = frame[..., chosen].permute(1, 2, 3, 0, 4).flatten(-2)
-    scalars = joined("scalars")
+    frame = frame[..., chosen].movedim(0, -2).flatten(-2)
+    scalars = joined("scalars") if not flat else torch.cat([r.scalars.flatten(0, 1) for r in records])
     # the buffers keep each standard error squared, so that a mean over cells adds variances (report.run_table)
     errors = torch.cat((stats[..., 1, :], frame[..., 1, :]), dim=-1)
     parts = (
@@ -390,8 +417,33 @@ def compare_cells(
         errors * errors,
         other_rho,
     )
-    values = torch.cat(parts, dim=-1)  # (groups of every record, H, fields) in the order of CELL_FIELDS
-    return list(values.split([record.attn.shape[0] for record in records]))
+    values = torch.cat(parts, dim=-1)  # (cells of every record, fields) in the order of CELL_FIELDS
+    if not flat:
+        return list(values.split([record.attn.shape[0] for record in records]))
+    cells = [record.attn.shape[0] * record.attn.shape[1] for record in records]
+    return [part.unflatten(0, r.attn.shape[:2]) for part, r in zip(values.split(cells), records, strict=True)]
+
+
+def _segments(records: list[CellInputs], replicates: int | None, cache: dict | None) -> Segments:
+    """Each flattened row's cell (and replicate group): records' rows side by side, ``(groups, H, n)`` each in order,
+    made on the device once per shape (kept in ``cache``)."""
+    shapes = tuple(tuple(record.attn.shape[:3]) for record in records)
+    device = records[0].attn.device
+    key = ("segments", shapes, replicates, device)
+    if cache is not None and key in cache:
+        return cache[key]
+    ids, groups, offset = [], [], 0
+    for cells_h, heads, rows in shapes:
+        position = torch.arange(cells_h * heads * rows, device=device)
+        cell = position // rows + offset
+        ids.append(cell)
+        if replicates is not None:
+            groups.append(cell * replicates + position % rows % replicates)
+        offset += cells_h * heads
+    segments = Segments(torch.cat(ids), offset, torch.cat(groups) if groups else None, replicates)
+    if cache is not None:
+        cache[key] = segments
+    return segments
 
 
 def _count_lost_rows(stats: torch.Tensor, frame: torch.Tensor, keys: int) -> None:

@@ -155,6 +155,8 @@ class MapAccumulator:
         #: (layer index, adapter) -> what :meth:`add` left for the value hook of the same pass: ``(key, labels,
         #: weights (B, H, Q, K))``.
         self._pending: dict[tuple[int, int], tuple[tuple[int, int, int, int], torch.Tensor, torch.Tensor]] = {}
+        #: (layer index, adapter) -> the value projection's output of this pass, when it came before :meth:`add`
+        self._values: dict[tuple[int, int], torch.Tensor] = {}
         #: (layer index, adapter) -> ``(kept, total)`` when an edit removed references from this pass's keys and
         #: values (:meth:`~.spine.Spine.keep_references`): the value hook puts them back at 0
         self.kept: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
@@ -187,6 +189,7 @@ class MapAccumulator:
         """A denoiser pass starts (``masks``: its normalised ``ip_adapter_masks``)."""
         self._batch = self.tap.sample(args, kwargs).shape[0]
         self._pending.clear()
+        self._values.clear()
         self.kept.clear()
         self._images_seen.clear()  # per pass: which reference image a masked adapter's next key projection is
         if masks is None or not all(m is None or isinstance(m, torch.Tensor) for m in masks):
@@ -283,6 +286,8 @@ class MapAccumulator:
                 labels,
                 weights.transpose(1, 2).flatten(0, 1),
             )
+            if (index, adapter) in self._values:  # the values came first (a record held until the pass's end)
+                self._deliver(index, adapter, self._values.pop((index, adapter)))
         if self.heads:
             if mask is not None:
                 raise ValueError("per-head maps (keep_heads) do not support ip_adapter_masks; call without masks")
@@ -308,14 +313,27 @@ class MapAccumulator:
         each reference's contribution to the layer output (:meth:`_contribute`)."""
 
         def hook(module, args, output):
-            pending = self._pending.pop((index, adapter), None)
-            kept = self.kept.pop((index, adapter), None)
-            if kept is not None and isinstance(output, torch.Tensor) and output.ndim == 4:  # (B, R - removed, T, C)
-                output = expand_references(output, *kept, 1, 0.0)
-            if pending is not None and isinstance(output, torch.Tensor):
-                self._contribute(index, adapter, *pending, output)
+            if not isinstance(output, torch.Tensor):
+                return
+            if (index, adapter) in self._pending:
+                self._deliver(index, adapter, output)
+            else:  # the probe holds this layer's record until the pass ends (:meth:`add` delivers them then)
+                self._values[(index, adapter)] = output
 
         return hook
+
+    def _deliver(self, index: int, adapter: int, output: torch.Tensor) -> None:
+        """The layer's values meet the weights :meth:`add` left: each reference's contribution."""
+        pending = self._pending.pop((index, adapter))
+        kept = self.kept.pop((index, adapter), None)
+        if kept is not None and output.ndim == 4:  # (B, R - removed, T, C)
+            output = expand_references(output, *kept, 1, 0.0)
+        self._contribute(index, adapter, *pending, output)
+
+    def masks_adapter(self, adapter: int) -> bool:
+        """Whether the running pass gives ``adapter`` an ``ip_adapter_masks`` entry (its images then run one softmax
+        each, and their maps are formed in the layer)."""
+        return adapter < len(self._masks) and self._masks[adapter] is not None
 
     @torch.no_grad()
     def _contribute(
@@ -404,6 +422,7 @@ class MapAccumulator:
                 stored = getattr(self, name)  # key -> [(labels, values), ...] per pass
                 setattr(self, name, {key: [(a.cpu(), b.cpu()) for a, b in entries] for key, entries in stored.items()})
             self._pending.clear()
+            self._values.clear()
             self._mask_cache.clear()
             self._masks = []
             self._on_host = True

@@ -529,14 +529,14 @@ class ProbeRun(RunViews, MapViews):
             sample=sample,
             text_mask=state.text_mask,
         )
-        # the maps read each record's weights in its layer (the value projection's hook), so theirs form at once
+        # a masked adapter's maps are formed per reference image in the layer (one softmax each): at once
         joins = (
             used is None
             and kept is None
             and other is None
             and self.config.bandwidth != "fit"
             and getattr(processor, "image_branch_logits", None) is None
-            and (self._maps is None or text)
+            and (self._maps is None or text or not self._maps.masks_adapter(slot))
         )
         if not joins:
             self._form([held])
@@ -688,7 +688,7 @@ class ProbeRun(RunViews, MapViews):
     def _compare(self, records: list, generators: tuple) -> list[torch.Tensor]:
         """:func:`~.cells.compare_cells`, compiled with :attr:`ProbeConfig.compile`."""
         with compiled_statistics(self.config.compile):
-            return compare_cells(records, generators)
+            return compare_cells(records, generators, self._constants)
 
     def _accumulate(self, held: list[_Held], values: torch.Tensor) -> None:
         """Add ``values`` ``(L * groups, H, fields)`` of stacked records into their call's buffers at their step, layer
