@@ -57,6 +57,13 @@ VERSIONED_PACKAGES = ("torch", "diffusers", "transformers", "numpy", "pandas", "
 #: The lock file of an output folder (hidden: Parquet dataset readers skip it).
 LOCK_NAME = ".ipa_probe.lock"
 
+
+def swap_folder(folder: str | os.PathLike) -> Path:
+    """The sibling ``.OUT.ipa_probe-swap`` where a commit builds the new ``OUT`` (:mod:`ipa_probe.run_commit`)."""
+    folder = Path(os.path.abspath(Path(folder).expanduser()))
+    return folder.parent / f".{folder.name}.ipa_probe-swap"
+
+
 #: The PNG text chunk holding a figure's provenance (:func:`write_figure`, :func:`write_image`,
 #: :func:`read_provenance`): JSON with the digest of the code that drew it and of its inputs.
 PROVENANCE_KEY = "ipa_probe:provenance"
@@ -153,6 +160,10 @@ def refuse_not_ours(path: Path) -> None:
         raise NotOurs(path, _kind(mode))
 
 
+#: The name of :func:`atomic_path`'s temp files: a killed writer's, in a folder of its own, are its own.
+TEMP_NAME = re.compile(r"\..+\.\d+-[0-9a-f]{8}\.tmp")
+
+
 def _create_new(path: Path) -> None:
     """Create ``path`` as a new empty regular file: never through a symbolic link, never over an existing file."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
@@ -170,7 +181,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     socket, nothing is written: :class:`NotOurs` is raised (the rename would replace what the user put there).
     """
     path = Path(path)
-    temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")  # TEMP_NAME
     created = False
     try:
         refuse_not_ours(path)
@@ -394,8 +405,8 @@ def output_lock(
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
     made_lock = not os.path.lexists(path)
-    held = _held_key(folder)
-    if reentrant and held in _HELD:  # this process holds it already (the command line's, before torch loads)
+    if reentrant and _held_key(folder) in _HELD:  # this process holds it already (the command line's)
+        held = _held_key(folder)
         _HELD[held] += 1
         try:
             yield path
@@ -404,6 +415,8 @@ def output_lock(
         return
     fd = _open_lock(path)
     try:
+        info = os.fstat(fd)
+        held = (info.st_dev, info.st_ino)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -440,15 +453,19 @@ def output_lock(
         os.close(fd)  # closing releases the flock
 
 
-#: The output folders this process holds the lock of ((device, inode) -> how many blocks hold it). A second ``flock``
+#: The output folders this process holds the lock of (the lock file's (device, inode) -> how many blocks hold it: the
+#: lock file, unlike the folder, is the same inode on both sides of a commit's swap). A second ``flock``
 #: on a new descriptor of the same file is refused even within one process, so a block nested in another that holds
 #: the folder (the command line holds it from before torch loads; the run folder and the sweep take it again) re-enters
 #: instead: per-process state by nature, like the kernel's own lock table.
 _HELD: dict[tuple[int, int], int] = {}
 
 
-def _held_key(folder: Path) -> tuple[int, int]:
-    info = os.stat(folder)
+def _held_key(folder: Path) -> tuple[int, int] | None:
+    try:
+        info = os.lstat(Path(folder) / LOCK_NAME)
+    except FileNotFoundError:
+        return None
     return info.st_dev, info.st_ino
 
 
@@ -509,12 +526,26 @@ def _open_lock(path: Path) -> int:
             except FileNotFoundError:
                 pass
         raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    info = os.fstat(fd)
+    problem = None if stat.S_ISREG(info.st_mode) else _kind(info.st_mode)
+    if info.st_nlink > 1 and not _swap_twin(path, info):
+        problem = "a hard link to another file"
+    elif info.st_uid != os.geteuid():
+        problem = "another user's file"
+    if problem:
         os.close(fd)
-        raise NotOurs(path, _kind(mode))
+        raise NotOurs(path, problem)
     os.set_blocking(fd, True)
     return fd
+
+
+def _swap_twin(path: Path, info: os.stat_result) -> bool:
+    """The lock's second name is the one a commit's swap made (:func:`swap_folder`, cleared by the next writer)."""
+    try:
+        twin = os.lstat(swap_folder(path.parent) / LOCK_NAME)
+    except OSError:
+        return False
+    return info.st_nlink == 2 and (twin.st_dev, twin.st_ino) == (info.st_dev, info.st_ino)
 
 
 def check_input_file(path: str | os.PathLike, what: str, expected: str = "an existing file") -> Path:

@@ -97,9 +97,10 @@ def _schema_problem(record: Any) -> str | None:
         names = record.get(name, [])
         if not isinstance(names, list) or not all(safe_name(n) for n in names):
             return f"field {name!r} is not a list of plain relative paths"
-    remove = record.get("remove", {})
-    if not isinstance(remove, dict) or not all(safe_name(n) and isinstance(v, str) for n, v in remove.items()):
-        return "field 'remove' is not an object of plain relative path -> sha256"
+    for name in ("remove", "replace"):
+        shas = record.get(name, {})
+        if not isinstance(shas, dict) or not all(safe_name(n) and isinstance(v, str) for n, v in shas.items()):
+            return f"field {name!r} is not an object of plain relative path -> sha256"
     return None
 
 

@@ -6,16 +6,21 @@ bytes the test reads back, never through the module's own digest."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from ipa_probe._io import OutputLocked
+from ipa_probe import run_commit, runfolder
+from ipa_probe._io import OutputLocked, output_lock
 from ipa_probe.runfolder import (
     MANIFEST_NAME,
     STAGING_NAME,
@@ -178,8 +183,18 @@ def test_a_rerun_of_a_resumable_run_starts_from_its_files_and_survives_any_numbe
     assert run.resumed and set(_whole(out)["files"]) == {f"rows/row-{i}.parquet" for i in range(4)}
 
 
-def test_a_commit_cut_short_is_finished_by_the_next_writer(tmp_path, monkeypatch):
+def _no_exchange(monkeypatch) -> None:
+    """The system has no renameat2 (not Linux, an old C library): the commit falls back to its journal."""
+
+    def unsupported(source, target, flags):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS), str(source))
+
+    monkeypatch.setattr(run_commit, "rename2", unsupported)
+
+
+def test_a_journal_cut_short_is_finished_by_the_next_writer(tmp_path, monkeypatch):
     out = tmp_path / "out"
+    _no_exchange(monkeypatch)
     _run(out, {"a.txt": "old a", "b.txt": "old b", "gone.txt": "old"}, key=1)
     real = os.replace
 
@@ -321,25 +336,130 @@ def test_a_file_dropped_in_after_a_killed_run_is_never_adopted(tmp_path):
     assert (out / "rows" / "dropped.parquet").read_text() == "a file someone put here"
 
 
-def test_ctrl_c_during_the_renames_is_held_back_until_the_run_is_in_place(tmp_path, monkeypatch):
+@pytest.mark.parametrize("call", ["link", "replace"])  # the swap links the staged files, the journal renames them
+def test_ctrl_c_during_the_commit_is_held_back_until_the_run_is_in_place(tmp_path, monkeypatch, call):
     import signal
 
     out = tmp_path / "out"
     _run(out, {"a.txt": "old"}, key=1)
-    real = os.replace
+    if call == "replace":
+        _no_exchange(monkeypatch)
+    real = getattr(os, call)
 
-    def interrupted_rename(src, dst):
+    def interrupted(src, dst, **options):
         if str(src).endswith(f"{STAGING_NAME}/a.txt"):
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the renames
-        return real(src, dst)
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the commit
+        return real(src, dst, **options)
 
-    monkeypatch.setattr(os, "replace", interrupted_rename)
+    monkeypatch.setattr(os, call, interrupted)
     # Ctrl-C as at a terminal, also when the suite runs in the background (started with SIGINT ignored)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     with pytest.raises(KeyboardInterrupt) as caught:
         _run(out, {"a.txt": "new", "b.txt": "new b"}, key=2, overwrite=True)
-    monkeypatch.setattr(os, "replace", real)
+    monkeypatch.setattr(os, call, real)
     signal.signal(signal.SIGINT, previous)
     record = _whole(out)  # delivered once the commit ended: the new run is whole, and the note says so
     assert set(record["files"]) == {"a.txt", "b.txt"} and (out / "a.txt").read_text() == "new"
     assert f"{out} holds run {record['run_id']}, finished (2 files)" in caught.value.__notes__
+
+
+# ---------------------------------------------------------------- a writer stopped before each of its calls
+
+#: The calls that change the file system during a run (``os.open`` counted only when it creates), and the exchange.
+_CALLS = ("mkdir", "link", "unlink", "rmdir", "replace", "rename", "chmod", "open")
+_OLD = {"a.txt": "old a", "sub/b.txt": "old b", "gone/c.txt": "old c"}
+_NEW = {"a.txt": "new a", "sub/b.txt": "new b", "fresh/d.txt": "new d"}
+_USERS = {"mine.txt": "a user's notes", "notes/n.txt": "a user's folder"}
+
+
+def _whole_run(out) -> str:
+    """Check that ``out`` holds one whole run (every listed file with its sha256, recomputed here) and the user's
+    files, and nothing else outside the folder's machinery; return the run's key."""
+    record = _whole(out)
+    files = {
+        p.relative_to(out).as_posix()
+        for p in out.rglob("*")
+        if (p.is_file() or p.is_symlink())
+        and p.name != ".ipa_probe.lock"
+        and not any(part.startswith(STAGING_NAME) for part in p.parts)  # the staging folder and its temp folder
+    }
+    assert files == set(record["files"]) | set(_USERS) | {MANIFEST_NAME}, files
+    assert all((out / name).read_text() == text for name, text in _USERS.items())
+    assert set(record["files"]) == set(_OLD if record["key"] == {"k": 1} else _NEW)
+    return record["key"]["k"]
+
+
+def _stopped_commit(out, stop: int | None, check: bool) -> int:
+    """Run the new run's commit in a child process whose ``stop``-th file-system call ends it on the spot (as
+    SIGKILL would: no handler, no ``finally``); with ``check``, the child first asserts before every call that
+    ``out`` holds a whole run. Returns the child's exit status (with ``stop=None``: the number of calls made)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        calls = [0]
+
+        def counted(real, name):
+            def call(*args, **options):
+                if name != "open" or args[1] & os.O_CREAT:
+                    calls[0] += 1
+                    if calls[0] == stop:
+                        os._exit(100)
+                    if check:
+                        try:
+                            _whole_run(out)
+                        except BaseException:
+                            os._exit(101)
+                return real(*args, **options)
+
+            return call
+
+        try:
+            for name in _CALLS:
+                setattr(os, name, counted(getattr(os, name), name))
+            run_commit.rename2 = counted(run_commit.rename2, "rename2")
+            _run(out, _NEW, key=2, overwrite=True)
+            os._exit(min(calls[0], 99))
+        except BaseException:
+            os._exit(102)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.parametrize("mode", ["swap", "journal"])
+def test_a_writer_stopped_before_any_of_its_calls_leaves_a_whole_run_and_the_next_one_recovers(
+    tmp_path, monkeypatch, request, mode
+):
+    """The swap: the folder holds the old run or the new one, whole, before every call of the commit (checked in the
+    writer) and wherever it is stopped. The journal (where there is no exchange): whole once the next writer has
+    replayed it. Either way the next writer recovers, and the user's files are never lost."""
+    monkeypatch.setattr(runfolder, "versions", lambda: {})  # a git subprocess per run: not what is tested here
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # a kill, unlike a power cut, keeps what was written
+    if mode == "journal":
+        _no_exchange(monkeypatch)
+    if os.path.isdir("/dev/shm"):  # tmpfs (renameat2 and hard links as on ext4), where a run takes a few ms
+        tmp_path = Path(tempfile.mkdtemp(dir="/dev/shm"))
+        request.addfinalizer(lambda: shutil.rmtree(tmp_path, ignore_errors=True))
+    total = _stopped_commit(_prepared(tmp_path / "unstopped"), None, check=mode == "swap")
+    assert 20 < total < 99 and _whole_run(tmp_path / "unstopped" / "out") == 2  # how many calls a commit makes
+    seen = set()
+    for stop in range(1, total + 1):
+        out = _prepared(tmp_path / str(stop))
+        assert _stopped_commit(out, stop, check=False) == 100, stop
+        if mode == "swap":
+            seen.add(_whole_run(out))  # whole at the instant it stopped
+        with output_lock(out, "the next writer"):
+            recover(out)
+        seen.add(_whole_run(out))
+        assert [p.name for p in out.parent.iterdir()] == ["out"], stop  # no sibling left beside it
+        _run(out, _NEW, key=2, overwrite=True)  # and the next writer commits
+        assert _whole_run(out) == 2 and not (out / STAGING_NAME).exists()
+        shutil.rmtree(out.parent)
+    assert seen == {1, 2}  # stopped before and after the commit's decisive step
+
+
+def _prepared(parent):
+    """``parent/out`` holding the previous run and the user's files."""
+    out = parent / "out"
+    _run(out, _OLD, key=1)
+    for name, text in _USERS.items():
+        (out / name).parent.mkdir(exist_ok=True)
+        (out / name).write_text(text)
+    return out
