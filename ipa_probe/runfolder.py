@@ -185,7 +185,14 @@ def check_folder(
     del resumable
     folder = Path(folder)
     previous = read_run_manifest(folder)
-    files, _, odd = _scan(folder)
+    files, dirs, odd = _scan(folder)
+    for name in sorted(dirs):  # what the commit needs of every folder it may write in or clear, checked now
+        mounted = os.lstat(folder / name).st_dev != os.lstat(folder).st_dev
+        if mounted or not os.access(folder / name, os.W_OK | os.X_OK):
+            raise RunConflict(
+                f"{flag} {folder}: its folder {name} is {'another file system' if mounted else 'not writable'}; a "
+                f"commit links, renames and removes files in it: fix that, or choose a fresh {flag}"
+            )
     listed = previous["files"] if previous else {}
     same = previous is not None and previous["command"] == command and previous.get("key") == jsonable(key)
     ours, changed = [], []

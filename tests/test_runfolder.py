@@ -463,3 +463,92 @@ def _prepared(parent):
         (out / name).parent.mkdir(exist_ok=True)
         (out / name).write_text(text)
     return out
+
+
+# ---------------------------------------------------------------- recovery as careful as a first write
+
+
+def _journal_left(out, monkeypatch) -> None:
+    """A commit of ``a.txt``/``sub/b.txt`` (new) over the previous run, stopped just before its exchange: the journal
+    is in the staging folder, ``out`` holds the previous run."""
+    real = run_commit.rename2
+
+    def stopped(source, target, flags):
+        if flags == run_commit._EXCHANGE:
+            raise SystemExit("stopped")
+        return real(source, target, flags)
+
+    monkeypatch.setattr(run_commit, "rename2", stopped)
+    with pytest.raises(SystemExit):
+        _run(out, {"a.txt": "new a", "sub/b.txt": "new b"}, key=2, overwrite=True)
+    monkeypatch.setattr(run_commit, "rename2", real)
+    assert read_run_manifest(out / STAGING_NAME)["status"] == "committing" and _whole(out)["key"] == {"k": 1}
+
+
+def test_a_replay_refuses_by_name_a_target_changed_since_and_keeps_it(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    _run(out, {"a.txt": "old a", "sub/b.txt": "old b"}, key=1)
+    _journal_left(out, monkeypatch)
+    (out / "sub" / "b.txt").write_text("the user's edit")
+    with output_lock(out, "the next writer"), pytest.raises(RunConflict, match="sub/b.txt changed after run"):
+        recover(out)
+    assert (out / "sub" / "b.txt").read_text() == "the user's edit" and (out / "a.txt").read_text() == "old a"
+    (out / "sub" / "b.txt").write_text("old b")  # put back: the replay goes through
+    with output_lock(out, "the next writer"):
+        assert "finished the commit" in recover(out)
+    assert _whole(out)["key"] == {"k": 2} and (out / "sub" / "b.txt").read_text() == "new b"
+
+
+def test_a_pending_journal_is_finished_and_checked_before_torch_loads(tmp_path, monkeypatch):
+    from ipa_probe.cli._common import check_run_folder
+    from ipa_probe.cli._errors import CLIError
+
+    out = tmp_path / "out"
+    _run(out, {"a.txt": "old a"}, key=1)
+    _journal_left(out, monkeypatch)
+    with pytest.raises(CLIError, match="holds the 2 files of another run"):  # the finished commit, then the check
+        check_run_folder(out, CMD, {"k": 3}, overwrite=False)
+    assert _whole(out)["key"] == {"k": 2} and not (out / STAGING_NAME).exists()
+
+
+def test_a_forged_journal_whose_manifest_is_a_link_is_refused(tmp_path, monkeypatch):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere.json"
+    _run(out, {"a.txt": "old a"}, key=1)
+    _no_exchange(monkeypatch)
+    staging = out / STAGING_NAME
+    staging.mkdir()
+    old = _whole(out)
+    record = {**old, "run_id": "forged", "status": "committing", "files": {}, "previous_run": old["run_id"]}
+    (staging / MANIFEST_NAME).write_text(json.dumps(record))
+    elsewhere.write_text(json.dumps({**record, "status": "finished"}))
+    (staging / run_commit.FINAL_NAME).symlink_to(elsewhere)
+    with output_lock(out, "the next writer"), pytest.raises(RunConflict, match="final.json is a symbolic link"):
+        recover(out)
+    assert not (out / MANIFEST_NAME).is_symlink() and _whole(out)["key"] == {"k": 1}
+
+
+def test_a_staging_folder_that_is_a_link_or_holds_no_manifest_is_refused_and_kept(tmp_path):
+    out, theirs = tmp_path / "out", tmp_path / "theirs"
+    _run(out, {"a.txt": "old a"}, key=1)
+    shutil.copytree(out, theirs, ignore=shutil.ignore_patterns(".ipa_probe.lock"))
+    (theirs / "foreign.txt").write_text("not the run's")
+    (out / STAGING_NAME).symlink_to(theirs)  # a link to a folder with a matching manifest
+    with pytest.raises(RunConflict, match="not a folder ipa_probe made"):
+        _run(out, {"a.txt": "new"}, key=1, overwrite=True)
+    assert sorted(p.name for p in theirs.iterdir()) == ["a.txt", "foreign.txt", MANIFEST_NAME]
+    (out / STAGING_NAME).unlink()
+    (out / STAGING_NAME).mkdir()
+    (out / STAGING_NAME / "notes.txt").write_text("a user's file")  # no manifest: not a run's
+    with pytest.raises(RunConflict, match="holds no ipa_probe manifest"):
+        _run(out, {"a.txt": "new"}, key=1, overwrite=True)
+    assert (out / STAGING_NAME / "notes.txt").read_text() == "a user's file" and _whole(out)["key"] == {"k": 1}
+
+
+def test_a_lock_hard_linked_to_a_users_file_is_never_truncated(tmp_path):
+    out, theirs = tmp_path / "out", tmp_path / "theirs.txt"
+    out.mkdir()
+    theirs.write_text("a user's file")
+    os.link(theirs, out / ".ipa_probe.lock")
+    with pytest.raises(OSError, match="a hard link to another file"):
+        _run(out, {"a.txt": "new"}, key=1)
+    assert theirs.read_text() == "a user's file"
