@@ -31,6 +31,7 @@ __all__ = [
     "OutputLocked",
     "PROVENANCE_KEY",
     "NotOurs",
+    "Unreadable",
     "atomic_path",
     "check_launch_holds",
     "check_input_file",
@@ -42,6 +43,8 @@ __all__ = [
     "holds_lock",
     "lock_holder",
     "output_lock",
+    "parse_json",
+    "read_bounded",
     "read_provenance",
     "versions",
     "write_atomic",
@@ -546,6 +549,93 @@ def _swap_twin(path: Path, info: os.stat_result) -> bool:
     except OSError:
         return False
     return info.st_nlink == 2 and (twin.st_dev, twin.st_ino) == (info.st_dev, info.st_ino)
+
+
+#: The most of a file the project reads back (a manifest, a record, a sweep's rows) that is read: a sweep manifest of
+#: 100,000 rows lists about 15 MB; a larger file is refused unread.
+MAX_READ_BYTES = 64 << 20
+
+#: The deepest nesting of lists and objects a JSON file read back may hold (settings are flat; 32 is generous).
+MAX_DEPTH = 32
+
+
+class Unreadable(ValueError):
+    """A file read back is not one to read (not a regular file, too large, not UTF-8 JSON, nested too deep): the
+    message is one line naming it."""
+
+
+def read_bounded(path: str | os.PathLike, follow: bool = False, limit: int | None = None) -> bytes | None:
+    """The bytes of ``path``, read as untrusted input; ``None`` when it does not exist.
+
+    Opened without blocking (a FIFO cannot hang the read) and, unless ``follow``, without following a symbolic link;
+    it must be a regular file (not a FIFO, a device such as ``/dev/zero``, a socket or a folder) of at most ``limit``
+    bytes (default :data:`MAX_READ_BYTES`); a file that grows while it is read is cut at the limit and refused.
+
+    Raises:
+        Unreadable: one line naming the file and what it is (a ``PermissionError`` stays one: a fault of the
+            environment, with its remedy).
+    """
+    limit = MAX_READ_BYTES if limit is None else limit
+    try:
+        fd = os.open(path, os.O_RDONLY | (0 if follow else _NOFOLLOW) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return None
+    except PermissionError as err:
+        raise _unreadable(Path(path), err.errno) from None
+    except OSError as err:  # ELOOP: a symbolic link; ENXIO: a socket
+        kind = "a symbolic link" if os.path.islink(path) else f"unreadable ({err.strerror})"
+        raise Unreadable(f"{path} is {kind}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise Unreadable(f"{path} is {_kind(info.st_mode)}, not a regular file")
+        if info.st_size > limit:
+            raise Unreadable(f"{path} is {info.st_size} bytes, more than the {limit} bytes read back")
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as err:
+        raise Unreadable(f"{path} cannot be read ({err.strerror})") from None
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise Unreadable(f"{path} grew past the {limit} bytes read back while it was read")
+    return b"".join(chunks)
+
+
+def nesting(value: Any) -> int:
+    """The nesting depth of lists and dicts in ``value``, iteratively (no recursion limit to hit), counted up to
+    one past :data:`MAX_DEPTH`."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth > MAX_DEPTH:
+                return depth
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def parse_json(text: str | bytes) -> Any:
+    """``json.loads`` with the nesting capped at :data:`MAX_DEPTH`.
+
+    Raises:
+        ValueError: ``json.JSONDecodeError`` for text that is not JSON; a plain ``ValueError`` ("nests deeper than
+            32 levels") for nesting past the cap, however deep (the parser's own recursion limit included).
+    """
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = None
+    else:
+        if nesting(value) <= MAX_DEPTH:
+            return value
+    raise ValueError(f"nests deeper than {MAX_DEPTH} levels")
 
 
 def check_input_file(path: str | os.PathLike, what: str, expected: str = "an existing file") -> Path:

@@ -258,7 +258,7 @@ def test_an_oversized_manifest_is_refused_unread(tmp_path, monkeypatch):
     out = tmp_path / "out"
     _run(out, {"a.txt": "alpha"}, key=1)
     monkeypatch.setattr(run_manifest, "MAX_MANIFEST_BYTES", 100)  # the real cap is 64 MiB; the rule is the same
-    with pytest.raises(RunConflict, match="more than a manifest's 100"):
+    with pytest.raises(RunConflict, match="more than the 100 bytes read back"):
         check_folder(out, CMD, {"k": 1})
 
 
@@ -552,3 +552,56 @@ def test_a_lock_hard_linked_to_a_users_file_is_never_truncated(tmp_path):
     with pytest.raises(OSError, match="a hard link to another file"):
         _run(out, {"a.txt": "new"}, key=1)
     assert theirs.read_text() == "a user's file"
+
+
+# ---------------------------------------------------------------- one bounded reader for every file read back
+
+
+def test_the_bounded_reader_reads_regular_files_only_within_its_cap(tmp_path):
+    from ipa_probe._io import Unreadable, parse_json, read_bounded
+
+    os.mkfifo(tmp_path / "fifo")  # opened without blocking: no writer needed, no hang
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    (tmp_path / "big").write_bytes(b"x" * 11)
+    with pytest.raises(Unreadable, match="a FIFO"):
+        read_bounded(tmp_path / "fifo")
+    with pytest.raises(Unreadable, match="a symbolic link"):
+        read_bounded(tmp_path / "zero")
+    with pytest.raises(Unreadable, match="a character device"):  # a link followed on purpose, still refused
+        read_bounded(tmp_path / "zero", follow=True)
+    with pytest.raises(Unreadable, match="11 bytes, more than the 10 bytes"):
+        read_bounded(tmp_path / "big", limit=10)
+    assert read_bounded(tmp_path / "big", limit=11) == b"x" * 11 and read_bounded(tmp_path / "none") is None
+    for depth in (33, 10_000, 1_000_000):  # past the cap; past the parser's own recursion limit
+        with pytest.raises(ValueError, match="nests deeper than 32 levels"):
+            parse_json("[" * depth + "]" * depth)
+    value = parse_json("[" * 32 + "]" * 32)
+    for _ in range(31):
+        (value,) = value
+    assert value == []
+
+
+def test_records_read_before_torch_never_hang_or_raise(tmp_path):
+    from ipa_probe.experiments.tiers import TIERS, check_folder_tier
+
+    out = tmp_path / "out"
+    for name in ("fifo", "zero", "deep"):
+        (out / name).mkdir(parents=True)
+    os.mkfifo(out / "fifo" / "record.json")
+    (out / "zero" / "record.json").symlink_to("/dev/zero")
+    (out / "deep" / "record.json").write_text("[" * 10_000 + "]" * 10_000)
+    check_folder_tier(out, TIERS["smoke"])  # not records: skipped (the folder check names them as not a run's)
+
+
+def test_sweep_inputs_are_read_bounded(tmp_path, monkeypatch):
+    from ipa_probe import _io
+    from ipa_probe.sweep.manifest import ManifestError, read_manifest
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a cat", "seed": 1}\n' + '{"prompt": ' + "[" * 10_000 + "]" * 10_000 + "}\n")
+    manifest = read_manifest(rows)
+    assert len(manifest.rows) == 1 and "nests deeper than 32 levels" in manifest.skipped[0].reason
+    monkeypatch.setattr(_io, "MAX_READ_BYTES", 100)  # the real cap is 64 MiB; the rule is the same
+    with pytest.raises(ManifestError, match=r"more than the 100 bytes read back") as err:
+        read_manifest(rows)
+    assert "\n" not in str(err.value)
