@@ -605,3 +605,25 @@ def test_sweep_inputs_are_read_bounded(tmp_path, monkeypatch):
     with pytest.raises(ManifestError, match=r"more than the 100 bytes read back") as err:
         read_manifest(rows)
     assert "\n" not in str(err.value)
+
+
+def test_files_made_during_the_swap_go_back_into_the_folder_or_are_kept_aside(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    _run(out, {"a.txt": "old a"}, key=1)
+    (out / "mine.txt").write_text("version 1")
+    real = run_commit.rename2
+
+    def user_writes_first(source, target, flags):
+        if flags == run_commit._EXCHANGE:  # the user, just before the exchange: a new file, and an atomic save
+            (out / "late.txt").write_text("made during the commit")
+            (out / "mine.tmp").write_text("version 2")
+            os.replace(out / "mine.tmp", out / "mine.txt")
+        return real(source, target, flags)
+
+    monkeypatch.setattr(run_commit, "rename2", user_writes_first)
+    run = _run(out, {"a.txt": "new a"}, key=2, overwrite=True)
+    assert _whole(out)["key"] == {"k": 2} and (out / "late.txt").read_text() == "made during the commit"
+    (aside,) = tmp_path.glob("out.ipa_probe-kept-*")  # its name was taken in the new folder (by version 1)
+    assert (aside / "mine.txt").read_text() == "version 2" and (out / "mine.txt").read_text() == "version 1"
+    assert "kept aside files made during the commit" in run.outcome and "mine.txt" in run.outcome
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", aside.name]
