@@ -364,16 +364,10 @@ _HOLDER_BYTES = 1 << 16
 def _read_holder(path: Path) -> _Holder | None:
     """The holder a lock file names; ``None`` when it names none (empty, not a regular file, not a record)."""
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            data = json.loads(os.read(fd, _HOLDER_BYTES))
-        finally:
-            os.close(fd)
+        data = parse_json(read_bounded(path, limit=_HOLDER_BYTES) or b"null")
         fields = (int(data["pid"]), str(data["host"]), str(data["launch"]), float(data["started"]))
         return _Holder(*fields, str(data["command"])[:300])
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 

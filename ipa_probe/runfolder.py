@@ -1,33 +1,22 @@
-"""Run folders: a run writes aside, then renames into place, so that an output folder never loses work.
+"""Run folders: a run writes aside, then is swapped into place whole, so that an output folder never loses work.
 
-Every writer of an output folder (the commands ``probe``, ``compare``, ``sweep``, ``experiments``, ``train-digits``,
-and :meth:`ipa_probe.ProbeRun.save` / :meth:`ipa_probe.compare.Comparison.save`) enters a :class:`RunFolder`. It
+Every writer of an output folder (the commands, :meth:`ipa_probe.ProbeRun.save`, ``Comparison.save``) enters a
+:class:`RunFolder`. It
 
-1. takes the folder's lock (:func:`~ipa_probe._io.output_lock`; the command line takes it before torch loads, so a
-   second writer is refused at once, naming the live run's pid and command);
-2. finishes a commit that a killed run left half done (see 5), then reads the folder's manifest
-   ``ipa_probe_manifest.json`` as untrusted input (:func:`read_run_manifest`: a regular file, at most
-   :data:`MAX_MANIFEST_BYTES`, every field checked) and refuses, in one line and before the work, a run that would
-   mix with another's files (:func:`check_folder`);
-3. gives the run a staging folder, ``OUT/.ipa_probe-staging``: inside ``OUT``, so on the same file system whatever is
-   mounted where, and hidden (dataset readers skip it). The run writes only there. A staging folder that a killed or
-   failed run left is resumed by the same resumable run (a sweep, an experiments run, a training: same command and
-   settings) and otherwise removed; a resumed run of those commands starts from a copy of its previous files;
-4. when the block ends without an error, commits: every staged file gets its size and SHA-256; a file of ``OUT``
-   that a staged file would replace must be the previous run's own, byte for byte as its manifest lists it (else the
-   commit is refused and ``OUT`` is left as it was, the whole new run staying in staging); then the staging manifest
-   is marked ``"committing"`` (the journal), the files are renamed into place one by one, the previous run's files the
-   new run does not replace are removed (again only when their bytes equal the manifest's), and the manifest is
-   written last. Ctrl-C is held back during those renames;
-5. a run killed during those few renames (SIGKILL, power loss) leaves the journal: the next writer of the folder
-   finishes the commit before anything else (:func:`recover`), as a database replays its log.
+1. takes the folder's lock (:func:`~ipa_probe._io.output_lock`; the command line takes it before torch loads);
+2. finishes what a stopped commit left (:func:`recover`), then reads the folder's manifest as untrusted input
+   (:func:`read_run_manifest`) and refuses, in one line and before the work, a run that would mix with another's
+   files or that the commit could not finish (:func:`check_folder`);
+3. gives the run a staging folder, ``OUT/.ipa_probe-staging`` (same file system, hidden); the run writes only there.
+   One a killed run left is resumed by the same resumable run (same command and settings) and otherwise removed;
+4. when the block ends without an error, commits (Ctrl-C held back): every staged file gets its size and SHA-256, a
+   file of ``OUT`` it would replace must be the previous run's own, byte for byte; the staging manifest is marked
+   ``"committing"`` (the journal) and :mod:`ipa_probe.run_commit` swaps the new run in whole, by one exchange where
+   Linux allows it, else by the journal's renames.
 
 A file is a run's own only if that run created it: nothing found in ``OUT`` is ever adopted into a manifest, and
-nothing is removed or replaced unless its bytes equal the SHA-256 a manifest lists, whatever that run's status.
-An interrupted, killed or failed run leaves ``OUT`` exactly as it was (the previous run, whole), plus the staging
-folder; :attr:`RunFolder.outcome` says so in one line, which the command line prints.
-
-Torch-free: the command line checks a folder before torch loads.
+nothing is removed or replaced unless its bytes equal the SHA-256 a manifest lists. An interrupted, killed or failed
+run leaves ``OUT`` as it was plus the staging folder; :attr:`RunFolder.outcome` says so in one line. Torch-free.
 """
 
 from __future__ import annotations

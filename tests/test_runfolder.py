@@ -437,11 +437,14 @@ def test_a_writer_stopped_before_any_of_its_calls_leaves_a_whole_run_and_the_nex
     if os.path.isdir("/dev/shm"):  # tmpfs (renameat2 and hard links as on ext4), where a run takes a few ms
         tmp_path = Path(tempfile.mkdtemp(dir="/dev/shm"))
         request.addfinalizer(lambda: shutil.rmtree(tmp_path, ignore_errors=True))
-    total = _stopped_commit(_prepared(tmp_path / "unstopped"), None, check=mode == "swap")
+    template = _prepared(tmp_path / "template")
+    shutil.copytree(template, tmp_path / "unstopped" / "out")
+    total = _stopped_commit(tmp_path / "unstopped" / "out", None, check=mode == "swap")
     assert 20 < total < 99 and _whole_run(tmp_path / "unstopped" / "out") == 2  # how many calls a commit makes
     seen = set()
     for stop in range(1, total + 1):
-        out = _prepared(tmp_path / str(stop))
+        out = tmp_path / str(stop) / "out"
+        shutil.copytree(template, out)  # the previous run and the user's files, as _prepared leaves them
         assert _stopped_commit(out, stop, check=False) == 100, stop
         if mode == "swap":
             seen.add(_whole_run(out))  # whole at the instant it stopped
