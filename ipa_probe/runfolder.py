@@ -185,9 +185,9 @@ def check_folder(
     listed = previous["files"] if previous else {}
     same = previous is not None and previous["command"] == command and previous.get("key") == jsonable(key)
     ours, changed = [], []
-    for name in sorted(set(listed) & set(files)):
+    for name in sorted(set(listed) & (set(files) | set(odd))):  # a link or a FIFO at a listed name: changed
         (ours if still_listed(folder, name, listed[name]["sha256"]) else changed).append(name)
-    unlisted = sorted(set(files) - set(listed)) + odd
+    unlisted = sorted(set(files) - set(listed)) + [name for name in odd if name not in listed]
     state = FolderState(previous, same, ours, changed, unlisted)
     if changed:
         raise RunConflict(

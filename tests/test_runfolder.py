@@ -630,3 +630,15 @@ def test_files_made_during_the_swap_go_back_into_the_folder_or_are_kept_aside(tm
     assert (aside / "mine.txt").read_text() == "version 2" and (out / "mine.txt").read_text() == "version 1"
     assert "kept aside files made during the commit" in run.outcome and "mine.txt" in run.outcome
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", aside.name]
+
+
+def test_a_listed_file_replaced_by_a_link_is_refused_before_the_work(tmp_path):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere.txt"
+    _run(out, {"a.txt": "old a"}, key=1)
+    elsewhere.write_text("a user's file")
+    (out / "a.txt").unlink()
+    (out / "a.txt").symlink_to(elsewhere)
+    for overwrite in (False, True):  # refused when the run is entered, before any work
+        with pytest.raises(RunConflict, match="a.txt changed after run"):
+            check_folder(out, CMD, {"k": 2}, overwrite=overwrite)
+    assert (out / "a.txt").is_symlink() and elsewhere.read_text() == "a user's file"
