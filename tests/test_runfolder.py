@@ -389,10 +389,10 @@ def _whole_run(out) -> str:
     return record["key"]["k"]
 
 
-def _stopped_commit(out, stop: int | None, check: bool) -> int:
-    """Run the new run's commit in a child process whose ``stop``-th file-system call ends it on the spot (as
-    SIGKILL would: no handler, no ``finally``); with ``check``, the child first asserts before every call that
-    ``out`` holds a whole run. Returns the child's exit status (with ``stop=None``: the number of calls made)."""
+def _stopped_commit(out, stop: int | None, check: bool, work=None) -> int:
+    """Run the new run's commit (or ``work()``) in a child process whose ``stop``-th file-system call ends it on the
+    spot (as SIGKILL would: no handler, no ``finally``); with ``check``, the child first asserts before every call
+    that ``out`` holds a whole run. Returns the child's exit status (with ``stop=None``: the number of calls made)."""
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
         calls = [0]
@@ -416,7 +416,7 @@ def _stopped_commit(out, stop: int | None, check: bool) -> int:
             for name in _CALLS:
                 setattr(os, name, counted(getattr(os, name), name))
             run_commit.rename2 = counted(run_commit.rename2, "rename2")
-            _run(out, _NEW, key=2, overwrite=True)
+            work() if work else _run(out, _NEW, key=2, overwrite=True)
             os._exit(min(calls[0], 99))
         except BaseException:
             os._exit(102)
@@ -642,3 +642,45 @@ def test_a_listed_file_replaced_by_a_link_is_refused_before_the_work(tmp_path):
         with pytest.raises(RunConflict, match="a.txt changed after run"):
             check_folder(out, CMD, {"k": 2}, overwrite=overwrite)
     assert (out / "a.txt").is_symlink() and elsewhere.read_text() == "a user's file"
+
+
+def _exchanged_then_stopped(parent, monkeypatch):
+    """``parent/out`` just after a commit's exchange, before the old folder is cleared: the new run in ``out``, the
+    previous one (with the staging folder and the lock's second name) in the sibling."""
+    out = _prepared(parent)
+    real = run_commit.clear
+
+    def stopped(folder, swap=None):
+        if swap is None and run_commit._exchanged(folder):
+            raise SystemExit("stopped after the exchange")
+        return real(folder, swap)
+
+    monkeypatch.setattr(run_commit, "clear", stopped)
+    with pytest.raises(SystemExit):
+        _run(out, _NEW, key=2, overwrite=True)
+    monkeypatch.setattr(run_commit, "clear", real)
+    assert _whole_run(out) == 2 and (out.parent / ".out.ipa_probe-swap" / STAGING_NAME).is_dir()
+    return out
+
+
+def test_a_recovery_stopped_before_any_of_its_calls_is_finished_by_the_next(tmp_path, monkeypatch, request):
+    monkeypatch.setattr(runfolder, "versions", lambda: {})
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+    if os.path.isdir("/dev/shm"):
+        tmp_path = Path(tempfile.mkdtemp(dir="/dev/shm"))
+        request.addfinalizer(lambda: shutil.rmtree(tmp_path, ignore_errors=True))
+
+    def recovery(out):
+        with output_lock(out, "the next writer"):
+            recover(out)
+
+    out = _exchanged_then_stopped(tmp_path / "unstopped", monkeypatch)
+    total = _stopped_commit(out, None, check=True, work=lambda: recovery(out))
+    assert 5 < total < 99 and [p.name for p in out.parent.iterdir()] == ["out"]
+    for stop in range(1, total + 1):
+        out = _exchanged_then_stopped(tmp_path / str(stop), monkeypatch)
+        assert _stopped_commit(out, stop, check=True, work=lambda out=out: recovery(out)) == 100, stop
+        assert _whole_run(out) == 2
+        recovery(out)
+        assert _whole_run(out) == 2 and [p.name for p in out.parent.iterdir()] == ["out"], stop
+        shutil.rmtree(out.parent)
