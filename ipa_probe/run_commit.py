@@ -183,7 +183,7 @@ def swap_in(folder: Path, record: dict[str, Any], previous: dict[str, Any] | Non
     except BaseException as err:
         if os.path.lexists(swap) and not _exchanged(folder):
             clear(folder)
-        if isinstance(err, OSError) and err.errno in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        if isinstance(err, OSError) and err.errno in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EPERM):
             raise Unsupported(err.errno, err.strerror, str(folder)) from err
         raise
     return clear(folder)
