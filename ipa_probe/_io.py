@@ -184,7 +184,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     socket, nothing is written: :class:`NotOurs` is raised (the rename would replace what the user put there).
     """
     path = Path(path)
-    temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")  # TEMP_NAME
+    temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")  # matches TEMP_NAME
     created = False
     try:
         refuse_not_ours(path)
