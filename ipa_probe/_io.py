@@ -31,6 +31,7 @@ __all__ = [
     "OutputLocked",
     "PROVENANCE_KEY",
     "NotOurs",
+    "Unreadable",
     "atomic_path",
     "check_launch_holds",
     "check_input_file",
@@ -42,6 +43,8 @@ __all__ = [
     "holds_lock",
     "lock_holder",
     "output_lock",
+    "parse_json",
+    "read_bounded",
     "read_provenance",
     "versions",
     "write_atomic",
@@ -56,6 +59,13 @@ VERSIONED_PACKAGES = ("torch", "diffusers", "transformers", "numpy", "pandas", "
 
 #: The lock file of an output folder (hidden: Parquet dataset readers skip it).
 LOCK_NAME = ".ipa_probe.lock"
+
+
+def swap_folder(folder: str | os.PathLike) -> Path:
+    """The sibling ``.OUT.ipa_probe-swap`` where a commit builds the new ``OUT`` (:mod:`ipa_probe.run_commit`)."""
+    folder = Path(os.path.abspath(Path(folder).expanduser()))
+    return folder.parent / f".{folder.name}.ipa_probe-swap"
+
 
 #: The PNG text chunk holding a figure's provenance (:func:`write_figure`, :func:`write_image`,
 #: :func:`read_provenance`): JSON with the digest of the code that drew it and of its inputs.
@@ -153,6 +163,10 @@ def refuse_not_ours(path: Path) -> None:
         raise NotOurs(path, _kind(mode))
 
 
+#: The name of :func:`atomic_path`'s temp files: a killed writer's, in a folder of its own, are its own.
+TEMP_NAME = re.compile(r"\..+\.\d+-[0-9a-f]{8}\.tmp")
+
+
 def _create_new(path: Path) -> None:
     """Create ``path`` as a new empty regular file: never through a symbolic link, never over an existing file."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
@@ -170,7 +184,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     socket, nothing is written: :class:`NotOurs` is raised (the rename would replace what the user put there).
     """
     path = Path(path)
-    temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    temp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")  # matches TEMP_NAME
     created = False
     try:
         refuse_not_ours(path)
@@ -350,16 +364,10 @@ _HOLDER_BYTES = 1 << 16
 def _read_holder(path: Path) -> _Holder | None:
     """The holder a lock file names; ``None`` when it names none (empty, not a regular file, not a record)."""
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            data = json.loads(os.read(fd, _HOLDER_BYTES))
-        finally:
-            os.close(fd)
+        data = parse_json(read_bounded(path, limit=_HOLDER_BYTES) or b"null")
         fields = (int(data["pid"]), str(data["host"]), str(data["launch"]), float(data["started"]))
         return _Holder(*fields, str(data["command"])[:300])
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -394,8 +402,8 @@ def output_lock(
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
     made_lock = not os.path.lexists(path)
-    held = _held_key(folder)
-    if reentrant and held in _HELD:  # this process holds it already (the command line's, before torch loads)
+    if reentrant and _held_key(folder) in _HELD:  # this process holds it already (the command line's)
+        held = _held_key(folder)
         _HELD[held] += 1
         try:
             yield path
@@ -404,6 +412,8 @@ def output_lock(
         return
     fd = _open_lock(path)
     try:
+        info = os.fstat(fd)
+        held = (info.st_dev, info.st_ino)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -440,15 +450,19 @@ def output_lock(
         os.close(fd)  # closing releases the flock
 
 
-#: The output folders this process holds the lock of ((device, inode) -> how many blocks hold it). A second ``flock``
+#: The output folders this process holds the lock of (the lock file's (device, inode) -> how many blocks hold it: the
+#: lock file, unlike the folder, is the same inode on both sides of a commit's swap). A second ``flock``
 #: on a new descriptor of the same file is refused even within one process, so a block nested in another that holds
 #: the folder (the command line holds it from before torch loads; the run folder and the sweep take it again) re-enters
 #: instead: per-process state by nature, like the kernel's own lock table.
 _HELD: dict[tuple[int, int], int] = {}
 
 
-def _held_key(folder: Path) -> tuple[int, int]:
-    info = os.stat(folder)
+def _held_key(folder: Path) -> tuple[int, int] | None:
+    try:
+        info = os.lstat(Path(folder) / LOCK_NAME)
+    except FileNotFoundError:
+        return None
     return info.st_dev, info.st_ino
 
 
@@ -509,12 +523,113 @@ def _open_lock(path: Path) -> int:
             except FileNotFoundError:
                 pass
         raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    info = os.fstat(fd)
+    problem = None if stat.S_ISREG(info.st_mode) else _kind(info.st_mode)
+    if info.st_nlink > 1 and not _swap_twin(path, info):
+        problem = "a hard link to another file"
+    elif info.st_uid != os.geteuid():
+        problem = "another user's file"
+    if problem:
         os.close(fd)
-        raise NotOurs(path, _kind(mode))
+        raise NotOurs(path, problem)
     os.set_blocking(fd, True)
     return fd
+
+
+def _swap_twin(path: Path, info: os.stat_result) -> bool:
+    """The lock's second name is the one a commit's swap made (:func:`swap_folder`, cleared by the next writer)."""
+    try:
+        twin = os.lstat(swap_folder(path.parent) / LOCK_NAME)
+    except OSError:
+        return False
+    return info.st_nlink == 2 and (twin.st_dev, twin.st_ino) == (info.st_dev, info.st_ino)
+
+
+#: The most of a file the project reads back (a manifest, a record, a sweep's rows) that is read: a sweep manifest of
+#: 100,000 rows lists about 15 MB; a larger file is refused unread.
+MAX_READ_BYTES = 64 << 20
+
+#: The deepest nesting of lists and objects a JSON file read back may hold (settings are flat; 32 is generous).
+MAX_DEPTH = 32
+
+
+class Unreadable(ValueError):
+    """A file read back is not one to read (not a regular file, too large, not UTF-8 JSON, nested too deep): the
+    message is one line naming it."""
+
+
+def read_bounded(path: str | os.PathLike, follow: bool = False, limit: int | None = None) -> bytes | None:
+    """The bytes of ``path``, read as untrusted input; ``None`` when it does not exist.
+
+    Opened without blocking (a FIFO cannot hang the read) and, unless ``follow``, without following a symbolic link;
+    it must be a regular file (not a FIFO, a device such as ``/dev/zero``, a socket or a folder) of at most ``limit``
+    bytes (default :data:`MAX_READ_BYTES`); a file that grows while it is read is cut at the limit and refused.
+
+    Raises:
+        Unreadable: one line naming the file and what it is (a ``PermissionError`` stays one: a fault of the
+            environment, with its remedy).
+    """
+    limit = MAX_READ_BYTES if limit is None else limit
+    try:
+        fd = os.open(path, os.O_RDONLY | (0 if follow else _NOFOLLOW) | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        return None
+    except PermissionError as err:
+        raise _unreadable(Path(path), err.errno) from None
+    except OSError as err:  # ELOOP: a symbolic link; ENXIO: a socket
+        kind = "a symbolic link" if os.path.islink(path) else f"unreadable ({err.strerror})"
+        raise Unreadable(f"{path} is {kind}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise Unreadable(f"{path} is {_kind(info.st_mode)}, not a regular file")
+        if info.st_size > limit:
+            raise Unreadable(f"{path} is {info.st_size} bytes, more than the {limit} bytes read back")
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as err:
+        raise Unreadable(f"{path} cannot be read ({err.strerror})") from None
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise Unreadable(f"{path} grew past the {limit} bytes read back while it was read")
+    return b"".join(chunks)
+
+
+def nesting(value: Any) -> int:
+    """The nesting depth of lists and dicts in ``value``, iteratively (no recursion limit to hit), counted up to
+    one past :data:`MAX_DEPTH`."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth > MAX_DEPTH:
+                return depth
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def parse_json(text: str | bytes) -> Any:
+    """``json.loads`` with the nesting capped at :data:`MAX_DEPTH`.
+
+    Raises:
+        ValueError: ``json.JSONDecodeError`` for text that is not JSON; a plain ``ValueError`` ("nests deeper than
+            32 levels") for nesting past the cap, however deep (the parser's own recursion limit included).
+    """
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = None
+    else:
+        if nesting(value) <= MAX_DEPTH:
+            return value
+    raise ValueError(f"nests deeper than {MAX_DEPTH} levels")
 
 
 def check_input_file(path: str | os.PathLike, what: str, expected: str = "an existing file") -> Path:

@@ -14,16 +14,15 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from ._io import MAX_READ_BYTES, Unreadable, parse_json, read_bounded
+
 __all__ = ["MANIFEST_NAME", "MAX_MANIFEST_BYTES", "RunConflict", "file_digest", "read_run_manifest", "safe_name"]
 
 #: The manifest's file name in an output folder.
 MANIFEST_NAME = "ipa_probe_manifest.json"
 
 #: The largest manifest read (a sweep of 100,000 rows lists about 15 MB); a larger file is refused unread.
-MAX_MANIFEST_BYTES = 64 << 20
-
-#: The deepest nesting of lists and dicts a manifest may hold (settings are flat; 32 is generous).
-MAX_DEPTH = 32
+MAX_MANIFEST_BYTES = MAX_READ_BYTES
 
 #: The statuses a manifest may carry.
 STATUSES = ("running", "committing", "finished", "failed", "interrupted", "staged")
@@ -54,25 +53,10 @@ def safe_name(name: Any) -> bool:
     return not path.is_absolute() and all(part not in ("", ".", "..") for part in name.split("/"))
 
 
-def _depth(value: Any) -> int:
-    """The nesting depth of lists and dicts in ``value``, iteratively (no recursion limit to hit)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, depth = todo.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, depth)
-            if depth > MAX_DEPTH:
-                return depth
-            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
 def _schema_problem(record: Any) -> str | None:
     """What is wrong with a parsed manifest, or ``None``."""
     if not isinstance(record, dict):
         return f"is {type(record).__name__}, not a JSON object"
-    if _depth(record) > MAX_DEPTH:
-        return f"nests deeper than {MAX_DEPTH} levels"
     for name, kind in (("run_id", str), ("command", str), ("status", str)):
         if not isinstance(record.get(name), kind):
             return f"field {name!r} is {record.get(name)!r:.40}, expected text"
@@ -97,9 +81,10 @@ def _schema_problem(record: Any) -> str | None:
         names = record.get(name, [])
         if not isinstance(names, list) or not all(safe_name(n) for n in names):
             return f"field {name!r} is not a list of plain relative paths"
-    remove = record.get("remove", {})
-    if not isinstance(remove, dict) or not all(safe_name(n) and isinstance(v, str) for n, v in remove.items()):
-        return "field 'remove' is not an object of plain relative path -> sha256"
+    for name in ("remove", "replace"):
+        shas = record.get(name, {})
+        if not isinstance(shas, dict) or not all(safe_name(n) and isinstance(v, str) for n, v in shas.items()):
+            return f"field {name!r} is not an object of plain relative path -> sha256"
     return None
 
 
@@ -116,37 +101,17 @@ def read_run_manifest(folder: str | os.PathLike, name: str = MANIFEST_NAME) -> d
     path = Path(folder) / name
     fix = "it does not say which files are whose: choose a fresh --out, or remove the folder"
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        return None
-    except OSError as err:  # ELOOP: a symbolic link; EACCES; ENXIO: a socket
-        kind = "a symbolic link" if os.path.islink(path) else f"unreadable ({err.strerror})"
-        raise RunConflict(f"{path} is {kind}; {fix}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise RunConflict(f"{path} is not a regular file (a FIFO, device, socket or folder); {fix}")
-        if info.st_size > MAX_MANIFEST_BYTES:
-            raise RunConflict(f"{path} is {info.st_size} bytes, more than a manifest's {MAX_MANIFEST_BYTES}; {fix}")
-        chunks, total = [], 0
-        while total <= MAX_MANIFEST_BYTES:  # a file that grows while it is read is cut here, not read to the end
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    except OSError as err:
-        raise RunConflict(f"{path} cannot be read ({err.strerror}); {fix}") from None
-    finally:
-        os.close(fd)
-    if total > MAX_MANIFEST_BYTES:
-        raise RunConflict(f"{path} grew past a manifest's {MAX_MANIFEST_BYTES} bytes while it was read; {fix}")
-    try:
-        record = json.loads(b"".join(chunks).decode("utf-8"))
-    except (ValueError, RecursionError) as err:  # RecursionError: nesting past the parser's stack
-        reason = "nests too deep" if isinstance(err, RecursionError) else f"is not JSON ({str(err)[:80]})"
+        data = read_bounded(path, limit=MAX_MANIFEST_BYTES)
+        record = None if data is None else parse_json(data.decode("utf-8"))
+    except PermissionError as err:
+        raise RunConflict(f"{path} is unreadable ({err.strerror}); {fix}") from None
+    except Unreadable as err:
+        raise RunConflict(f"{err}; {fix}") from None
+    except ValueError as err:  # not UTF-8, not JSON, or nested past the cap
+        bad = isinstance(err, json.JSONDecodeError | UnicodeDecodeError)
+        reason = f"is not JSON ({str(err)[:80]})" if bad else str(err)
         raise RunConflict(f"{path} {reason}; {fix}") from None
-    problem = _schema_problem(record)
+    problem = None if record is None else _schema_problem(record)
     if problem:
         raise RunConflict(f"{path} {problem}; {fix}")
     return record

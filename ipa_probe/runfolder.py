@@ -1,33 +1,22 @@
-"""Run folders: a run writes aside, then renames into place, so that an output folder never loses work.
+"""Run folders: a run writes aside, then is swapped into place whole, so that an output folder never loses work.
 
-Every writer of an output folder (the commands ``probe``, ``compare``, ``sweep``, ``experiments``, ``train-digits``,
-and :meth:`ipa_probe.ProbeRun.save` / :meth:`ipa_probe.compare.Comparison.save`) enters a :class:`RunFolder`. It
+Every writer of an output folder (the commands, :meth:`ipa_probe.ProbeRun.save`, ``Comparison.save``) enters a
+:class:`RunFolder`. It
 
-1. takes the folder's lock (:func:`~ipa_probe._io.output_lock`; the command line takes it before torch loads, so a
-   second writer is refused at once, naming the live run's pid and command);
-2. finishes a commit that a killed run left half done (see 5), then reads the folder's manifest
-   ``ipa_probe_manifest.json`` as untrusted input (:func:`read_run_manifest`: a regular file, at most
-   :data:`MAX_MANIFEST_BYTES`, every field checked) and refuses, in one line and before the work, a run that would
-   mix with another's files (:func:`check_folder`);
-3. gives the run a staging folder, ``OUT/.ipa_probe-staging``: inside ``OUT``, so on the same file system whatever is
-   mounted where, and hidden (dataset readers skip it). The run writes only there. A staging folder that a killed or
-   failed run left is resumed by the same resumable run (a sweep, an experiments run, a training: same command and
-   settings) and otherwise removed; a resumed run of those commands starts from a copy of its previous files;
-4. when the block ends without an error, commits: every staged file gets its size and SHA-256; a file of ``OUT``
-   that a staged file would replace must be the previous run's own, byte for byte as its manifest lists it (else the
-   commit is refused and ``OUT`` is left as it was, the whole new run staying in staging); then the staging manifest
-   is marked ``"committing"`` (the journal), the files are renamed into place one by one, the previous run's files the
-   new run does not replace are removed (again only when their bytes equal the manifest's), and the manifest is
-   written last. Ctrl-C is held back during those renames;
-5. a run killed during those few renames (SIGKILL, power loss) leaves the journal: the next writer of the folder
-   finishes the commit before anything else (:func:`recover`), as a database replays its log.
+1. takes the folder's lock (:func:`~ipa_probe._io.output_lock`; the command line takes it before torch loads);
+2. finishes what a stopped commit left (:func:`recover`), then reads the folder's manifest as untrusted input
+   (:func:`read_run_manifest`) and refuses, in one line and before the work, a run that would mix with another's
+   files or that the commit could not finish (:func:`check_folder`);
+3. gives the run a staging folder, ``OUT/.ipa_probe-staging`` (same file system, hidden); the run writes only there.
+   One a killed run left is resumed by the same resumable run (same command and settings) and otherwise removed;
+4. when the block ends without an error, commits (Ctrl-C held back): every staged file gets its size and SHA-256, a
+   file of ``OUT`` it would replace must be the previous run's own, byte for byte; the staging manifest is marked
+   ``"committing"`` (the journal) and :mod:`ipa_probe.run_commit` swaps the new run in whole, by one exchange where
+   Linux allows it, else by the journal's renames.
 
 A file is a run's own only if that run created it: nothing found in ``OUT`` is ever adopted into a manifest, and
-nothing is removed or replaced unless its bytes equal the SHA-256 a manifest lists, whatever that run's status.
-An interrupted, killed or failed run leaves ``OUT`` exactly as it was (the previous run, whole), plus the staging
-folder; :attr:`RunFolder.outcome` says so in one line, which the command line prints.
-
-Torch-free: the command line checks a folder before torch loads.
+nothing is removed or replaced unless its bytes equal the SHA-256 a manifest lists. An interrupted, killed or failed
+run leaves ``OUT`` as it was plus the staging folder; :attr:`RunFolder.outcome` says so in one line. Torch-free.
 """
 
 from __future__ import annotations
@@ -45,8 +34,21 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ._io import LOCK_NAME, OutputLocked, jsonable, lock_holder, output_lock, versions, write_json
-from .run_manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, RunConflict, file_digest, read_run_manifest, safe_name
+from ._io import LOCK_NAME, OutputLocked, jsonable, lock_holder, output_lock, swap_folder, versions, write_json
+from .run_commit import (
+    FINAL_NAME,
+    STAGING_NAME,
+    Unsupported,
+    clear,
+    inside,
+    own_folder,
+    record_final,
+    remove_staging,
+    roll_forward,
+    still_listed,
+    swap_in,
+)
+from .run_manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, RunConflict, file_digest, read_run_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +67,6 @@ __all__ = [
     "recover",
     "save_into",
 ]
-
-#: The staging folder inside an output folder, where a run writes until it is whole.
-STAGING_NAME = ".ipa_probe-staging"
-
-#: The finished manifest a commit journal carries, renamed into place as the commit's last step.
-FINAL_NAME = ".ipa_probe_manifest.final.json"
 
 #: How many file names a refusal or a note lists before "and N more".
 _SHOWN = 3
@@ -133,35 +129,6 @@ def _scan(folder: Path) -> tuple[dict[str, os.stat_result], set[str], list[str]]
     return files, dirs, sorted(odd)
 
 
-def _inside(folder: Path, name: str) -> Path | None:
-    """``folder / name`` when ``name`` is a plain relative path whose every parent inside ``folder`` is a real
-    folder or absent (no symlink, no file on the way), else ``None``."""
-    if not safe_name(name):
-        return None
-    path = folder
-    for part in PurePosixPath(name).parts[:-1]:
-        path = path / part
-        try:
-            if not stat.S_ISDIR(os.lstat(path).st_mode):
-                return None
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return None
-    return folder / name
-
-
-def _still_listed(folder: Path, name: str, sha: str) -> bool:
-    """``folder/name`` is a regular file, reached without a symlink, whose bytes have SHA-256 ``sha``."""
-    path = _inside(folder, name)
-    if path is None:
-        return False
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode) and file_digest(path) == sha
-    except OSError:
-        return False
-
-
 @dataclass
 class FolderState:
     """What :func:`check_folder` found.
@@ -207,13 +174,20 @@ def check_folder(
     del resumable
     folder = Path(folder)
     previous = read_run_manifest(folder)
-    files, _, odd = _scan(folder)
+    files, dirs, odd = _scan(folder)
+    for name in sorted(dirs):  # what the commit needs of every folder it may write in or clear, checked now
+        mounted = os.lstat(folder / name).st_dev != os.lstat(folder).st_dev
+        if mounted or not os.access(folder / name, os.W_OK | os.X_OK):
+            raise RunConflict(
+                f"{flag} {folder}: its folder {name} is {'another file system' if mounted else 'not writable'}; a "
+                f"commit links, renames and removes files in it: fix that, or choose a fresh {flag}"
+            )
     listed = previous["files"] if previous else {}
     same = previous is not None and previous["command"] == command and previous.get("key") == jsonable(key)
     ours, changed = [], []
-    for name in sorted(set(listed) & set(files)):
-        (ours if _still_listed(folder, name, listed[name]["sha256"]) else changed).append(name)
-    unlisted = sorted(set(files) - set(listed)) + odd
+    for name in sorted(set(listed) & (set(files) | set(odd))):  # a link or a FIFO at a listed name: changed
+        (ours if still_listed(folder, name, listed[name]["sha256"]) else changed).append(name)
+    unlisted = sorted(set(files) - set(listed)) + [name for name in odd if name not in listed]
     state = FolderState(previous, same, ours, changed, unlisted)
     if changed:
         raise RunConflict(
@@ -262,89 +236,69 @@ def _signals_held() -> Any:
             signal.raise_signal(number)
 
 
-def _roll_forward(folder: Path, staging: Path, record: dict[str, Any]) -> None:
-    """Carry out a commit journal (a staging manifest marked ``"committing"``): rename every staged file still in
-    staging into place, remove the previous run's files the journal names (only when their bytes are still the
-    listed ones), remove the previous run's folders left empty, write the manifest, remove the staging folder."""
-    for name in sorted(record["files"]):
-        source, target = staging / name, _inside(folder, name)
-        if target is None:
-            raise RunConflict(f"{folder}: a symbolic link or a file stands on the way to {name}; nothing more renamed")
-        if os.path.lexists(source):
-            target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(source, target)
-    for name, sha in sorted(record.get("remove", {}).items()):
-        if _still_listed(folder, name, sha):
-            os.unlink(folder / name)
-    keep = set(record.get("folders", []))
-    for name in sorted(record.get("old_folders", []), key=lambda n: -len(PurePosixPath(n).parts)):
-        path = _inside(folder, name)
-        if name in keep or path is None:
-            continue
-        try:
-            if stat.S_ISDIR(os.lstat(path).st_mode):
-                os.rmdir(path)  # only when empty: a folder holding anything else stays
-        except OSError:
-            pass
-    final = staging / FINAL_NAME
-    if os.path.lexists(final):  # written beside the journal, so that the last step needs no disk space
-        os.replace(final, folder / MANIFEST_NAME)  # the manifest last: until here the journal says what is under way
-    _remove_staging(staging)
-
-
-def _final(record: dict[str, Any]) -> dict[str, Any]:
-    """The manifest a commit journal leaves in the folder."""
-    final = {k: v for k, v in record.items() if k not in ("remove", "old_folders")}
-    final.update(status="finished", ended=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    return final
-
-
-def _remove_staging(staging: Path) -> None:
-    """Remove a staging folder (ours by its name and its manifest); never through a symbolic link."""
+def _apply(folder: Path, record: dict[str, Any], previous: dict[str, Any] | None, verify: bool) -> list[str]:
+    """Carry out the commit journal ``record``: by the swap where the system allows it, else by the journal's
+    renames (:mod:`ipa_probe.run_commit`). Returns the paths the swap's clearing kept aside."""
     try:
-        mode = os.lstat(staging).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(mode):
-        raise RunConflict(f"{staging} is not a folder ipa_probe made (a file or a symbolic link); move it away")
-    shutil.rmtree(staging)
+        return swap_in(folder, record, previous, verify)
+    except Unsupported as why:
+        logger.info("%s: committing by renames (%s)", folder, why.strerror)
+        roll_forward(folder, record)
+        return []
 
 
 def pending_commit(folder: str | os.PathLike) -> bool:
-    """Whether ``folder`` holds the journal of a commit a stopped run left half done (:func:`recover` finishes it)."""
+    """Whether ``folder`` holds what a stopped commit left: the swap's sibling, or a journal (:func:`recover`)."""
     staging = Path(folder) / STAGING_NAME
-    if not staging.is_dir() or staging.is_symlink():
-        return False
+    if os.path.lexists(swap_folder(folder)):
+        return True
     try:
-        record = read_run_manifest(staging)
+        record = read_run_manifest(staging) if own_folder(staging) else None
     except RunConflict:
         return False
     return record is not None and record["status"] == "committing"
 
 
 def recover(folder: str | os.PathLike) -> str | None:
-    """Finish a commit a killed run left half done in ``folder`` (its staging manifest marked ``"committing"``), and
-    remove the temp folders a killed run left while making its staging folder. Call with the folder's lock held.
+    """Finish what a stopped commit left in ``folder``, as carefully as a first commit: clear the swap's sibling
+    (:func:`~ipa_probe.run_commit.clear`), carry out a journal (a staging manifest marked ``"committing"``) after
+    checking it against the manifest it replaces, clear the temp folders a killed run left while making its staging
+    folder. Call with the folder's lock held.
 
     Returns:
         One line on what was finished, or ``None`` when there was nothing to do.
+
+    Raises:
+        RunConflict: something there is not what the commit left (named); it is left as it is.
     """
-    folder = Path(folder)
+    folder = Path(os.path.abspath(Path(folder).expanduser()))
     if not folder.is_dir():
         return None
-    for entry in folder.iterdir():
-        if entry.name.startswith(STAGING_NAME + ".") and entry.name.endswith(".tmp") and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-    staging = folder / STAGING_NAME
-    if not os.path.isdir(staging) or os.path.islink(staging):
-        return None
-    record = read_run_manifest(staging)
-    if record is None or record["status"] != "committing":
-        return None
-
+    kept = []
     with _signals_held():
-        _roll_forward(folder, staging, record)
-    return f"{folder}: finished the commit of run {record['run_id']} that a stopped process had begun"
+        for entry in folder.iterdir():
+            if entry.name.startswith(STAGING_NAME + ".") and entry.name.endswith(".tmp"):
+                kept += clear(folder, entry)
+        kept += clear(folder)
+        staging = folder / STAGING_NAME
+        record = read_run_manifest(staging) if own_folder(staging) else None
+        if record is not None and record["status"] == "committing":
+            previous = read_run_manifest(folder)
+            if (previous or {}).get("run_id") == record["run_id"]:  # in place: stopped while removing the staging
+                remove_staging(staging)
+            elif (previous or {}).get("run_id") != record.get("previous_run"):
+                raise RunConflict(
+                    f"{folder}: the commit journal in {staging} replaces run {record.get('previous_run')}, but the "
+                    "folder holds another; move the staging folder away"
+                )
+            elif all(os.path.lexists(staging / name) for name in record["files"]):
+                kept += _apply(folder, record, previous, verify=True)
+            else:  # a journal under way: finished by its renames
+                roll_forward(folder, record)
+    words = f"; kept what was not the commit's: {_listed(kept)}" if kept else ""
+    if record is not None and record["status"] == "committing":
+        return f"{folder}: finished the commit of run {record['run_id']} that a stopped process had begun{words}"
+    return f"{folder}: cleared what a stopped commit left{words}" if kept else None
 
 
 # ---------------------------------------------------------------- one run's hold on its folder
@@ -444,8 +398,8 @@ class RunFolder:
 
     def _stage(self) -> None:
         """Resume the staging folder a killed run of this same resumable run left, or make a new one."""
-        if os.path.lexists(self.staging):
-            old = read_run_manifest(self.staging) if os.path.isdir(self.staging) else None
+        if own_folder(self.staging):  # a link, a file or another user's folder there is refused by name
+            old = read_run_manifest(self.staging)
             same = old is not None and old["command"] == self.command and old.get("key") == jsonable(self.key)
             if self.resumable and same and old.get("mode") == self._mode() and old["status"] != "committing":
                 self.resumed = True
@@ -453,7 +407,7 @@ class RunFolder:
                 old.update(status="running", started_ns=time.time_ns())
                 write_json(self.staging / MANIFEST_NAME, old)
                 return
-            _remove_staging(self.staging)
+            remove_staging(self.staging)
         temp = self.folder / f"{STAGING_NAME}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
         temp.mkdir()
         try:
@@ -498,7 +452,7 @@ class RunFolder:
                 "finishes it before anything else (its journal is in the staging folder)"
             )
         elif self.outcome is None and not _scan(self.staging)[0]:  # it wrote nothing: nothing to keep or resume
-            _remove_staging(self.staging)
+            remove_staging(self.staging)
             self.outcome = f"{self.folder} is as it was before this run ({self._previous_words()}); it wrote nothing"
         elif self.outcome is None:
             self._mark("interrupted" if isinstance(err, KeyboardInterrupt) else "failed")
@@ -542,11 +496,11 @@ class RunFolder:
         listed = previous["files"] if previous else {}
         blocked = []
         for name in sorted(entries):
-            target = _inside(self.folder, name)
+            target = inside(self.folder, name)
             if target is None:
                 blocked.append(name)
             elif os.path.lexists(target) and not (
-                name in listed and _still_listed(self.folder, name, listed[name]["sha256"])
+                name in listed and still_listed(self.folder, name, listed[name]["sha256"])
             ):
                 blocked.append(name)
         if blocked:
@@ -570,18 +524,20 @@ class RunFolder:
             status="committing",
             files=dict(sorted(entries.items())),
             remove=remove,
+            replace={name: listed[name]["sha256"] for name in entries if name in listed},
             folders=sorted((made - out_dirs) | (made & set(old_folders))),
             old_folders=sorted(old_folders),
         )
         del dirs
         with _signals_held():
-            write_json(self.staging / FINAL_NAME, _final(record))
+            write_json(self.staging / FINAL_NAME, record_final(record))
             write_json(self.staging / MANIFEST_NAME, record)  # the journal: from here the commit goes on, if need be
             self._journal = True  # by the next writer of the folder
-            _roll_forward(self.folder, self.staging, record)
+            aside = _apply(Path(os.path.abspath(self.folder)), record, previous, verify=False)
             self._committed = True
             self.removed = sorted(remove)  # said before the held-back Ctrl-C, if any, is delivered
             kept = f"; kept {len(self.kept)} file(s) no run manifest lists ({_listed(self.kept)})" if self.kept else ""
+            kept += f"; kept aside files made during the commit: {_listed(aside)}" if aside else ""
             self.outcome = f"{self.folder} holds run {self.run_id}, finished ({len(entries)} files){kept}"
 
     def note(self) -> str | None:

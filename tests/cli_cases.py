@@ -123,8 +123,13 @@ CASES = [
     ),
     Case("--gauge-sweep shift:0:1000", ("probe", "--gauge-sweep", "shift:0:1000"), 2, "shift:0:1000: beyond a SCALE"),
     # issue 39: run manifests are read as untrusted input, before torch loads
-    Case("--out manifest a FIFO", ("probe", "--out", "{root}/m_fifo"), 2, "not a regular file (a FIFO"),
-    Case("--overlays manifest a FIFO", ("probe", "--overlays", "{root}/m_fifo"), 2, "not a regular file (a FIFO"),
+    Case("--out manifest a FIFO", ("probe", "--out", "{root}/m_fifo"), 2, "FIFO (named pipe), not a regular file"),
+    Case(
+        "--overlays manifest a FIFO",
+        ("probe", "--overlays", "{root}/m_fifo"),
+        2,
+        "is a FIFO (named pipe), not a regular file",
+    ),
     Case("--out manifest links /dev/zero", ("probe", "--out", "{root}/m_zero"), 2, "is a symbolic link"),
     Case("manifest started_ns 'abc'", ("sweep", "{root}/ok.jsonl", "--out", "{root}/m_abc"), 2, "'started_ns' is"),
     Case("manifest [1]", ("compare", "--out", "{root}/m_list"), 2, "is list, not a JSON object"),

@@ -6,16 +6,21 @@ bytes the test reads back, never through the module's own digest."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from ipa_probe._io import OutputLocked
+from ipa_probe import run_commit, runfolder
+from ipa_probe._io import OutputLocked, output_lock
 from ipa_probe.runfolder import (
     MANIFEST_NAME,
     STAGING_NAME,
@@ -178,8 +183,18 @@ def test_a_rerun_of_a_resumable_run_starts_from_its_files_and_survives_any_numbe
     assert run.resumed and set(_whole(out)["files"]) == {f"rows/row-{i}.parquet" for i in range(4)}
 
 
-def test_a_commit_cut_short_is_finished_by_the_next_writer(tmp_path, monkeypatch):
+def _no_exchange(monkeypatch) -> None:
+    """The system has no renameat2 (not Linux, an old C library): the commit falls back to its journal."""
+
+    def unsupported(source, target, flags):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS), str(source))
+
+    monkeypatch.setattr(run_commit, "rename2", unsupported)
+
+
+def test_a_journal_cut_short_is_finished_by_the_next_writer(tmp_path, monkeypatch):
     out = tmp_path / "out"
+    _no_exchange(monkeypatch)
     _run(out, {"a.txt": "old a", "b.txt": "old b", "gone.txt": "old"}, key=1)
     real = os.replace
 
@@ -243,7 +258,7 @@ def test_an_oversized_manifest_is_refused_unread(tmp_path, monkeypatch):
     out = tmp_path / "out"
     _run(out, {"a.txt": "alpha"}, key=1)
     monkeypatch.setattr(run_manifest, "MAX_MANIFEST_BYTES", 100)  # the real cap is 64 MiB; the rule is the same
-    with pytest.raises(RunConflict, match="more than a manifest's 100"):
+    with pytest.raises(RunConflict, match="more than the 100 bytes read back"):
         check_folder(out, CMD, {"k": 1})
 
 
@@ -321,25 +336,351 @@ def test_a_file_dropped_in_after_a_killed_run_is_never_adopted(tmp_path):
     assert (out / "rows" / "dropped.parquet").read_text() == "a file someone put here"
 
 
-def test_ctrl_c_during_the_renames_is_held_back_until_the_run_is_in_place(tmp_path, monkeypatch):
+@pytest.mark.parametrize("call", ["link", "replace"])  # the swap links the staged files, the journal renames them
+def test_ctrl_c_during_the_commit_is_held_back_until_the_run_is_in_place(tmp_path, monkeypatch, call):
     import signal
 
     out = tmp_path / "out"
     _run(out, {"a.txt": "old"}, key=1)
-    real = os.replace
+    if call == "replace":
+        _no_exchange(monkeypatch)
+    real = getattr(os, call)
 
-    def interrupted_rename(src, dst):
+    def interrupted(src, dst, **options):
         if str(src).endswith(f"{STAGING_NAME}/a.txt"):
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the renames
-        return real(src, dst)
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the commit
+        return real(src, dst, **options)
 
-    monkeypatch.setattr(os, "replace", interrupted_rename)
+    monkeypatch.setattr(os, call, interrupted)
     # Ctrl-C as at a terminal, also when the suite runs in the background (started with SIGINT ignored)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     with pytest.raises(KeyboardInterrupt) as caught:
         _run(out, {"a.txt": "new", "b.txt": "new b"}, key=2, overwrite=True)
-    monkeypatch.setattr(os, "replace", real)
+    monkeypatch.setattr(os, call, real)
     signal.signal(signal.SIGINT, previous)
     record = _whole(out)  # delivered once the commit ended: the new run is whole, and the note says so
     assert set(record["files"]) == {"a.txt", "b.txt"} and (out / "a.txt").read_text() == "new"
     assert f"{out} holds run {record['run_id']}, finished (2 files)" in caught.value.__notes__
+
+
+# ---------------------------------------------------------------- a writer stopped before each of its calls
+
+#: The calls that change the file system during a run (``os.open`` counted only when it creates), and the exchange.
+_CALLS = ("mkdir", "link", "unlink", "rmdir", "replace", "rename", "chmod", "open")
+_OLD = {"a.txt": "old a", "sub/b.txt": "old b", "gone/c.txt": "old c"}
+_NEW = {"a.txt": "new a", "sub/b.txt": "new b", "fresh/d.txt": "new d"}
+_USERS = {"mine.txt": "a user's notes", "notes/n.txt": "a user's folder"}
+
+
+def _whole_run(out) -> str:
+    """Check that ``out`` holds one whole run (every listed file with its sha256, recomputed here) and the user's
+    files, and nothing else outside the folder's machinery; return the run's key."""
+    record = _whole(out)
+    files = {
+        p.relative_to(out).as_posix()
+        for p in out.rglob("*")
+        if (p.is_file() or p.is_symlink())
+        and p.name != ".ipa_probe.lock"
+        and not any(part.startswith(STAGING_NAME) for part in p.parts)  # the staging folder and its temp folder
+    }
+    assert files == set(record["files"]) | set(_USERS) | {MANIFEST_NAME}, files
+    assert all((out / name).read_text() == text for name, text in _USERS.items())
+    assert set(record["files"]) == set(_OLD if record["key"] == {"k": 1} else _NEW)
+    return record["key"]["k"]
+
+
+def _stopped_commit(out, stop: int | None, check: bool, work=None) -> int:
+    """Run the new run's commit (or ``work()``) in a child process whose ``stop``-th file-system call ends it on the
+    spot (as SIGKILL would: no handler, no ``finally``); with ``check``, the child first asserts before every call
+    that ``out`` holds a whole run. Returns the child's exit status (with ``stop=None``: the number of calls made)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        calls = [0]
+
+        def counted(real, name):
+            def call(*args, **options):
+                if name != "open" or args[1] & os.O_CREAT:
+                    calls[0] += 1
+                    if calls[0] == stop:
+                        os._exit(100)
+                    if check:
+                        try:
+                            _whole_run(out)
+                        except BaseException:
+                            os._exit(101)
+                return real(*args, **options)
+
+            return call
+
+        try:
+            for name in _CALLS:
+                setattr(os, name, counted(getattr(os, name), name))
+            run_commit.rename2 = counted(run_commit.rename2, "rename2")
+            work() if work else _run(out, _NEW, key=2, overwrite=True)
+            os._exit(min(calls[0], 99))
+        except BaseException:
+            os._exit(102)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.parametrize("mode", ["swap", "journal"])
+def test_a_writer_stopped_before_any_of_its_calls_leaves_a_whole_run_and_the_next_one_recovers(
+    tmp_path, monkeypatch, request, mode
+):
+    """The swap: the folder holds the old run or the new one, whole, before every call of the commit (checked in the
+    writer) and wherever it is stopped. The journal (where there is no exchange): whole once the next writer has
+    replayed it. Either way the next writer recovers, and the user's files are never lost."""
+    monkeypatch.setattr(runfolder, "versions", lambda: {})  # a git subprocess per run: not what is tested here
+    monkeypatch.setattr(os, "fsync", lambda fd: None)  # a kill, unlike a power cut, keeps what was written
+    if mode == "journal":
+        _no_exchange(monkeypatch)
+    if os.path.isdir("/dev/shm"):  # tmpfs (renameat2 and hard links as on ext4), where a run takes a few ms
+        tmp_path = Path(tempfile.mkdtemp(dir="/dev/shm"))
+        request.addfinalizer(lambda: shutil.rmtree(tmp_path, ignore_errors=True))
+    template = _prepared(tmp_path / "template")
+    shutil.copytree(template, tmp_path / "unstopped" / "out")
+    total = _stopped_commit(tmp_path / "unstopped" / "out", None, check=mode == "swap")
+    assert 20 < total < 99 and _whole_run(tmp_path / "unstopped" / "out") == 2  # how many calls a commit makes
+    seen = set()
+    for stop in range(1, total + 1):
+        out = tmp_path / str(stop) / "out"
+        shutil.copytree(template, out)  # the previous run and the user's files, as _prepared leaves them
+        assert _stopped_commit(out, stop, check=False) == 100, stop
+        if mode == "swap":
+            seen.add(_whole_run(out))  # whole at the instant it stopped
+        with output_lock(out, "the next writer"):
+            recover(out)
+        seen.add(_whole_run(out))
+        assert [p.name for p in out.parent.iterdir()] == ["out"], stop  # no sibling left beside it
+        _run(out, _NEW, key=2, overwrite=True)  # and the next writer commits
+        assert _whole_run(out) == 2 and not (out / STAGING_NAME).exists()
+        shutil.rmtree(out.parent)
+    assert seen == {1, 2}  # stopped before and after the commit's decisive step
+
+
+def _prepared(parent):
+    """``parent/out`` holding the previous run and the user's files."""
+    out = parent / "out"
+    _run(out, _OLD, key=1)
+    for name, text in _USERS.items():
+        (out / name).parent.mkdir(exist_ok=True)
+        (out / name).write_text(text)
+    return out
+
+
+# ---------------------------------------------------------------- recovery as careful as a first write
+
+
+def _journal_left(out, monkeypatch) -> None:
+    """A commit of ``a.txt``/``sub/b.txt`` (new) over the previous run, stopped just before its exchange: the journal
+    is in the staging folder, ``out`` holds the previous run."""
+    real = run_commit.rename2
+
+    def stopped(source, target, flags):
+        if flags == run_commit._EXCHANGE:
+            raise SystemExit("stopped")
+        return real(source, target, flags)
+
+    monkeypatch.setattr(run_commit, "rename2", stopped)
+    with pytest.raises(SystemExit):
+        _run(out, {"a.txt": "new a", "sub/b.txt": "new b"}, key=2, overwrite=True)
+    monkeypatch.setattr(run_commit, "rename2", real)
+    assert read_run_manifest(out / STAGING_NAME)["status"] == "committing" and _whole(out)["key"] == {"k": 1}
+
+
+def test_a_replay_refuses_by_name_a_target_changed_since_and_keeps_it(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    _run(out, {"a.txt": "old a", "sub/b.txt": "old b"}, key=1)
+    _journal_left(out, monkeypatch)
+    (out / "sub" / "b.txt").write_text("the user's edit")
+    with output_lock(out, "the next writer"), pytest.raises(RunConflict, match="sub/b.txt changed after run"):
+        recover(out)
+    assert (out / "sub" / "b.txt").read_text() == "the user's edit" and (out / "a.txt").read_text() == "old a"
+    (out / "sub" / "b.txt").write_text("old b")  # put back: the replay goes through
+    with output_lock(out, "the next writer"):
+        assert "finished the commit" in recover(out)
+    assert _whole(out)["key"] == {"k": 2} and (out / "sub" / "b.txt").read_text() == "new b"
+
+
+def test_a_pending_journal_is_finished_and_checked_before_torch_loads(tmp_path, monkeypatch):
+    from ipa_probe.cli._common import check_run_folder
+    from ipa_probe.cli._errors import CLIError
+
+    out = tmp_path / "out"
+    _run(out, {"a.txt": "old a"}, key=1)
+    _journal_left(out, monkeypatch)
+    with pytest.raises(CLIError, match="holds the 2 files of another run"):  # the finished commit, then the check
+        check_run_folder(out, CMD, {"k": 3}, overwrite=False)
+    assert _whole(out)["key"] == {"k": 2} and not (out / STAGING_NAME).exists()
+
+
+def test_a_forged_journal_whose_manifest_is_a_link_is_refused(tmp_path, monkeypatch):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere.json"
+    _run(out, {"a.txt": "old a"}, key=1)
+    _no_exchange(monkeypatch)
+    staging = out / STAGING_NAME
+    staging.mkdir()
+    old = _whole(out)
+    record = {**old, "run_id": "forged", "status": "committing", "files": {}, "previous_run": old["run_id"]}
+    (staging / MANIFEST_NAME).write_text(json.dumps(record))
+    elsewhere.write_text(json.dumps({**record, "status": "finished"}))
+    (staging / run_commit.FINAL_NAME).symlink_to(elsewhere)
+    with output_lock(out, "the next writer"), pytest.raises(RunConflict, match="final.json is a symbolic link"):
+        recover(out)
+    assert not (out / MANIFEST_NAME).is_symlink() and _whole(out)["key"] == {"k": 1}
+
+
+def test_a_staging_folder_that_is_a_link_or_holds_no_manifest_is_refused_and_kept(tmp_path):
+    out, theirs = tmp_path / "out", tmp_path / "theirs"
+    _run(out, {"a.txt": "old a"}, key=1)
+    shutil.copytree(out, theirs, ignore=shutil.ignore_patterns(".ipa_probe.lock"))
+    (theirs / "foreign.txt").write_text("not the run's")
+    (out / STAGING_NAME).symlink_to(theirs)  # a link to a folder with a matching manifest
+    with pytest.raises(RunConflict, match="not a folder ipa_probe made"):
+        _run(out, {"a.txt": "new"}, key=1, overwrite=True)
+    assert sorted(p.name for p in theirs.iterdir()) == ["a.txt", "foreign.txt", MANIFEST_NAME]
+    (out / STAGING_NAME).unlink()
+    (out / STAGING_NAME).mkdir()
+    (out / STAGING_NAME / "notes.txt").write_text("a user's file")  # no manifest: not a run's
+    with pytest.raises(RunConflict, match="holds no ipa_probe manifest"):
+        _run(out, {"a.txt": "new"}, key=1, overwrite=True)
+    assert (out / STAGING_NAME / "notes.txt").read_text() == "a user's file" and _whole(out)["key"] == {"k": 1}
+
+
+def test_a_lock_hard_linked_to_a_users_file_is_never_truncated(tmp_path):
+    out, theirs = tmp_path / "out", tmp_path / "theirs.txt"
+    out.mkdir()
+    theirs.write_text("a user's file")
+    os.link(theirs, out / ".ipa_probe.lock")
+    with pytest.raises(OSError, match="a hard link to another file"):
+        _run(out, {"a.txt": "new"}, key=1)
+    assert theirs.read_text() == "a user's file"
+
+
+# ---------------------------------------------------------------- one bounded reader for every file read back
+
+
+def test_the_bounded_reader_reads_regular_files_only_within_its_cap(tmp_path):
+    from ipa_probe._io import Unreadable, parse_json, read_bounded
+
+    os.mkfifo(tmp_path / "fifo")  # opened without blocking: no writer needed, no hang
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    (tmp_path / "big").write_bytes(b"x" * 11)
+    with pytest.raises(Unreadable, match="a FIFO"):
+        read_bounded(tmp_path / "fifo")
+    with pytest.raises(Unreadable, match="a symbolic link"):
+        read_bounded(tmp_path / "zero")
+    with pytest.raises(Unreadable, match="a character device"):  # a link followed on purpose, still refused
+        read_bounded(tmp_path / "zero", follow=True)
+    with pytest.raises(Unreadable, match="11 bytes, more than the 10 bytes"):
+        read_bounded(tmp_path / "big", limit=10)
+    assert read_bounded(tmp_path / "big", limit=11) == b"x" * 11 and read_bounded(tmp_path / "none") is None
+    for depth in (33, 10_000, 1_000_000):  # past the cap; past the parser's own recursion limit
+        with pytest.raises(ValueError, match="nests deeper than 32 levels"):
+            parse_json("[" * depth + "]" * depth)
+    value = parse_json("[" * 32 + "]" * 32)
+    for _ in range(31):
+        (value,) = value
+    assert value == []
+
+
+def test_records_read_before_torch_never_hang_or_raise(tmp_path):
+    from ipa_probe.experiments.tiers import TIERS, check_folder_tier
+
+    out = tmp_path / "out"
+    for name in ("fifo", "zero", "deep"):
+        (out / name).mkdir(parents=True)
+    os.mkfifo(out / "fifo" / "record.json")
+    (out / "zero" / "record.json").symlink_to("/dev/zero")
+    (out / "deep" / "record.json").write_text("[" * 10_000 + "]" * 10_000)
+    check_folder_tier(out, TIERS["smoke"])  # not records: skipped (the folder check names them as not a run's)
+
+
+def test_sweep_inputs_are_read_bounded(tmp_path, monkeypatch):
+    from ipa_probe import _io
+    from ipa_probe.sweep.manifest import ManifestError, read_manifest
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a cat", "seed": 1}\n' + '{"prompt": ' + "[" * 10_000 + "]" * 10_000 + "}\n")
+    manifest = read_manifest(rows)
+    assert len(manifest.rows) == 1 and "nests deeper than 32 levels" in manifest.skipped[0].reason
+    monkeypatch.setattr(_io, "MAX_READ_BYTES", 100)  # the real cap is 64 MiB; the rule is the same
+    with pytest.raises(ManifestError, match=r"more than the 100 bytes read back") as err:
+        read_manifest(rows)
+    assert "\n" not in str(err.value)
+
+
+def test_files_made_during_the_swap_go_back_into_the_folder_or_are_kept_aside(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    _run(out, {"a.txt": "old a"}, key=1)
+    (out / "mine.txt").write_text("version 1")
+    real = run_commit.rename2
+
+    def user_writes_first(source, target, flags):
+        if flags == run_commit._EXCHANGE:  # the user, just before the exchange: a new file, and an atomic save
+            (out / "late.txt").write_text("made during the commit")
+            (out / "mine.tmp").write_text("version 2")
+            os.replace(out / "mine.tmp", out / "mine.txt")
+        return real(source, target, flags)
+
+    monkeypatch.setattr(run_commit, "rename2", user_writes_first)
+    run = _run(out, {"a.txt": "new a"}, key=2, overwrite=True)
+    assert _whole(out)["key"] == {"k": 2} and (out / "late.txt").read_text() == "made during the commit"
+    (aside,) = tmp_path.glob("out.ipa_probe-kept-*")  # its name was taken in the new folder (by version 1)
+    assert (aside / "mine.txt").read_text() == "version 2" and (out / "mine.txt").read_text() == "version 1"
+    assert "kept aside files made during the commit" in run.outcome and "mine.txt" in run.outcome
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", aside.name]
+
+
+def test_a_listed_file_replaced_by_a_link_is_refused_before_the_work(tmp_path):
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere.txt"
+    _run(out, {"a.txt": "old a"}, key=1)
+    elsewhere.write_text("a user's file")
+    (out / "a.txt").unlink()
+    (out / "a.txt").symlink_to(elsewhere)
+    for overwrite in (False, True):  # refused when the run is entered, before any work
+        with pytest.raises(RunConflict, match="a.txt changed after run"):
+            check_folder(out, CMD, {"k": 2}, overwrite=overwrite)
+    assert (out / "a.txt").is_symlink() and elsewhere.read_text() == "a user's file"
+
+
+def _exchanged_then_stopped(parent, monkeypatch):
+    """``parent/out`` just after a commit's exchange, before the old folder is cleared: the new run in ``out``, the
+    previous one (with the staging folder and the lock's second name) in the sibling."""
+    out = _prepared(parent)
+    real = run_commit.clear
+
+    def stopped(folder, swap=None):
+        if swap is None and run_commit._exchanged(folder):
+            raise SystemExit("stopped after the exchange")
+        return real(folder, swap)
+
+    monkeypatch.setattr(run_commit, "clear", stopped)
+    with pytest.raises(SystemExit):
+        _run(out, _NEW, key=2, overwrite=True)
+    monkeypatch.setattr(run_commit, "clear", real)
+    assert _whole_run(out) == 2 and (out.parent / ".out.ipa_probe-swap" / STAGING_NAME).is_dir()
+    return out
+
+
+def test_a_recovery_stopped_before_any_of_its_calls_is_finished_by_the_next(tmp_path, monkeypatch, request):
+    monkeypatch.setattr(runfolder, "versions", lambda: {})
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+    if os.path.isdir("/dev/shm"):
+        tmp_path = Path(tempfile.mkdtemp(dir="/dev/shm"))
+        request.addfinalizer(lambda: shutil.rmtree(tmp_path, ignore_errors=True))
+
+    def recovery(out):
+        with output_lock(out, "the next writer"):
+            recover(out)
+
+    out = _exchanged_then_stopped(tmp_path / "unstopped", monkeypatch)
+    total = _stopped_commit(out, None, check=True, work=lambda: recovery(out))
+    assert 5 < total < 99 and [p.name for p in out.parent.iterdir()] == ["out"]
+    for stop in range(1, total + 1):
+        out = _exchanged_then_stopped(tmp_path / str(stop), monkeypatch)
+        assert _stopped_commit(out, stop, check=True, work=lambda out=out: recovery(out)) == 100, stop
+        assert _whole_run(out) == 2
+        recovery(out)
+        assert _whole_run(out) == 2 and [p.name for p in out.parent.iterdir()] == ["out"], stop
+        shutil.rmtree(out.parent)

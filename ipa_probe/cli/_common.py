@@ -27,7 +27,7 @@ from .._checks import (
     parse_float,
     parse_int,
 )
-from .._io import LOCK_NAME, OutputLocked, refuse_not_ours
+from .._io import LOCK_NAME, OutputLocked, output_lock, refuse_not_ours
 from ..runfolder import (
     MANIFEST_NAME,
     STAGING_NAME,
@@ -35,6 +35,7 @@ from ..runfolder import (
     RunFolder,
     check_folder,
     pending_commit,
+    recover,
     refuse_if_held,
 )
 from ._errors import CLIError
@@ -515,11 +516,15 @@ def check_run_folder(
 ) -> None:
     """Before torch loads: refuse (exit code 2) a folder a live run holds, or one holding another run's files
     (unless ``--overwrite``), a changed file of the previous run, or a manifest that cannot be trusted. A folder with
-    a commit a killed run left half done is checked again, under the lock, once that commit is finished."""
+    what a stopped commit left is finished first, under the lock, as the next writer would (:func:`recover`)."""
     try:
         refuse_if_held(folder)
-        if not pending_commit(folder):
-            check_folder(folder, command, key, overwrite=overwrite, flag=flag, resumable=resumable)
+        if pending_commit(folder):
+            with output_lock(folder, command):
+                note = recover(folder)
+            if note:
+                print(f"{command}: note: {note}", file=sys.stderr)
+        check_folder(folder, command, key, overwrite=overwrite, flag=flag, resumable=resumable)
     except (RunConflict, OutputLocked) as err:
         raise CLIError(str(err)) from None
 

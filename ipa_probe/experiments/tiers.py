@@ -31,6 +31,8 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from .._io import parse_json, read_bounded
+
 __all__ = ["ALL_TIERS", "GPU_TIERS", "TIERS", "Tier", "TierMismatch", "check_folder_tier", "get_tier"]
 
 #: valid ranges of user-supplied dimensions and support sizes.
@@ -325,9 +327,9 @@ def check_folder_tier(out: str | os.PathLike, tier: Tier) -> None:
     """
     mine = json.loads(json.dumps(tier.to_dict()))  # tuples as lists, as the records hold them
     for record in sorted(Path(out).glob("*/record.json")):
-        try:
-            held = json.loads(record.read_text(encoding="utf-8"))["tier"]
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        try:  # bounded: a FIFO, a link to /dev/zero, a deep nesting is not a record (the folder check names it)
+            held = parse_json(read_bounded(record) or b"null")["tier"]
+        except (OSError, ValueError, KeyError, TypeError):
             continue  # not an experiment's record
         if not isinstance(held, dict) or held == mine:
             continue

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .._checks import MAX_SEED, check_flag, parse_bandwidth, parse_float, parse_int
-from .._io import check_input_file
+from .._io import Unreadable, check_input_file, parse_json, read_bounded
 from ..images import IMAGE_SUFFIXES, check_image_file
 
 #: Keys a manifest row may have. All are optional: a row leaves out what the sweep's defaults should fill in.
@@ -168,9 +168,12 @@ def _jsonl_records(text: str) -> Iterator[tuple[int, dict[str, Any] | None, str 
         if not line.strip():
             continue
         try:
-            value = json.loads(line)
+            value = parse_json(line)
         except json.JSONDecodeError as err:
             yield number, None, f"not valid JSON ({err.msg} at column {err.colno})"
+            continue
+        except ValueError as err:  # nested past the cap
+            yield number, None, f"not a row: it {err}"
             continue
         if not isinstance(value, dict):
             yield number, None, f"expected a JSON object {{...}}, got {type(value).__name__}"
@@ -243,14 +246,12 @@ def read_manifest(path: str | os.PathLike, *, require_images: bool = False) -> M
         check_input_file(path, "manifest", "a JSON Lines or CSV file")  # stat only: a FIFO is never opened
     except (FileNotFoundError, ValueError) as err:
         raise ManifestError(str(err)) from None
-    try:
-        text = path.read_text(encoding="utf-8-sig")
+    try:  # regular, at most MAX_READ_BYTES (a FIFO swapped in after the check cannot hang it either)
+        text = (read_bounded(path, follow=True) or b"").decode("utf-8-sig")
     except UnicodeDecodeError:
         raise ManifestError(f"manifest {name!r} is not UTF-8 text; expected JSON Lines or CSV") from None
-    except OSError as err:
-        if isinstance(err, PermissionError):
-            raise  # a fault of the environment, not of the manifest
-        raise ManifestError(f"manifest {name!r} cannot be read ({err.strerror or err})") from None
+    except Unreadable as err:
+        raise ManifestError(f"manifest {err}; pass a JSON Lines or CSV file") from None
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise ManifestError(f"manifest {name!r} is empty; expected one row per run (JSON Lines or CSV)")
