@@ -181,9 +181,13 @@ def predictors(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     return overall, per_step
 
 
-def compare(effects: pd.DataFrame, overall: pd.DataFrame, per_step: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
-    """Per predictor, effect and timestep (``"all"`` for the step mean): mean per-set Spearman, interval, p-value,
-    and whether the predictor predicts the effect (p < ALPHA and interval above 0)."""
+def compare(
+    effects: pd.DataFrame, overall: pd.DataFrame, per_step: pd.DataFrame, permutations: int = 49999, seed: int = 0
+) -> pd.DataFrame:
+    """Per predictor, effect and timestep (``"all"`` for the step mean): mean per-set Spearman, interval, p-value
+    (``permutations`` permutations: the table's 52 tests put Holm's floor at 52 / (1 + permutations)), whether the
+    predictor predicts the effect (p < ALPHA and interval above 0, before :func:`.attribution_tests._decide`), and
+    the per-set values (``_values``)."""
     from ..attribution import paired_rank_test
     from ..sweep.aggregation import bootstrap_ci
 
@@ -197,7 +201,9 @@ def compare(effects: pd.DataFrame, overall: pd.DataFrame, per_step: pd.DataFrame
             for predictor in PREDICTORS:
                 if predictor not in merged.columns or (when != "all" and predictor in WHOLE_RUN_PREDICTORS):
                     continue  # the whole run's predictors once; effects without them (older records) skip them
-                tests[predictor] = paired_rank_test(_matrix(merged, predictor), _matrix(merged, effect), seed=seed)
+                tests[predictor] = paired_rank_test(
+                    _matrix(merged, predictor), _matrix(merged, effect), permutations, seed
+                )
                 t = tests[predictor]
                 rows.append(
                     {
