@@ -560,8 +560,8 @@ def _stacked(values: np.ndarray, row: float, height: float) -> tuple[np.ndarray,
 def plot(effects_by: dict[str, pd.DataFrame], trained: pd.DataFrame, recipe: str, folder) -> Path:
     """The experiment's figure, 7 in wide, drawing what the statistic uses: (a) per predictor and organism, the
     per-set Spearman of the predictor with the ablation effect (RMS latent change) over the set's references, one dot
-    per set, and their mean (the statistic); (b) per recorded step, that mean with its 95% bootstrap interval on the
-    trained organism, one marker and colour per predictor, set side by side so that no interval hides another.
+    per set, and their mean (the statistic); (b) per recorded step, that mean on the trained organism, filled where
+    the table's decision (one-sided, Holm) says it predicts, one marker and colour per predictor, set side by side.
 
     Args:
         effects_by: ``"trained"`` / ``"untrained"`` -> effects with the predictors beside them.
@@ -601,11 +601,11 @@ def plot(effects_by: dict[str, pd.DataFrame], trained: pd.DataFrame, recipe: str
             if part.empty:  # a record from before this predictor
                 continue
             x = np.arange(len(part)) + (index - (len(names) - 1) / 2) * 0.14
-            mean, low, high = (part[c].to_numpy(float) for c in ("spearman", "low", "high"))
-            text = f"trained: {PREDICTORS[predictor]} (bars: 95% CI)"
-            right.errorbar(x, mean, yerr=[mean - low, high - mean], marker=markers[index % 4], ls="", capsize=2,
-                           color=f"C{index + 2}", label=text)  # fmt: skip
-            drawn += [mean, low, high]
+            mean, decided = part["spearman"].to_numpy(float), part["predicts"].to_numpy(bool)
+            color = f"C{index + 2}"
+            right.scatter(x, mean, marker=markers[index % 4], color=color, facecolors=np.where(decided, color, "none"),
+                          label=f"trained: {PREDICTORS[predictor]} (filled: predicts after Holm)")  # fmt: skip
+            drawn += [mean]
             right.set_xticks(np.arange(len(part)), list(part["timestep"]))
         right.axhline(0, color="grey", lw=0.8, ls=":", label="chance (permutation null mean)")
         fit_ylim(right, np.concatenate([np.asarray(d, float) for d in drawn]))

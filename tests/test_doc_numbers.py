@@ -1,0 +1,248 @@
+"""Every number the docs take from a committed record, read from the record (issue #52 point 5).
+
+Each claim is a line of text as the doc states it, rebuilt here from the CSV it comes from (the claim's table of
+(doc, text, record, rows, column)): the test fails when the prose and its record drift apart, either way. Numbers are
+formatted as the prose writes them (signs, the minus sign, significant digits); whitespace is normalised.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+ORGANISMS = {"support": "full", "ip-adapter": "full_recipe_ip_adapter", "mixed": "full_recipe_mixed"}
+
+
+def doc(name: str) -> str:
+    return re.sub(r"\s+", " ", (ROOT / name).read_text())
+
+
+def record(path: str) -> pd.DataFrame:
+    return pd.read_csv(RESULTS / path, dtype={"timestep": str} if "attribution/" in path else None)
+
+
+def one(table: pd.DataFrame, **where) -> pd.Series:
+    rows = table
+    for column, value in where.items():
+        rows = rows[rows[column].astype(str) == str(value)]
+    assert len(rows) == 1, f"{where}: {len(rows)} rows"
+    return rows.iloc[0]
+
+
+def signed(x: float, digits: int = 2) -> str:
+    """``+0.43`` / ``−0.02``: the docs' signed numbers, with the minus sign."""
+    return f"{x:+.{digits}f}".replace("-", "−")
+
+
+def g(x: float) -> str:
+    """Two significant digits, as p-values are written (``0.0012``, ``1``)."""
+    return f"{x:.2g}"
+
+
+def assert_in(name: str, text: str) -> None:
+    text = re.sub(r"\s+", " ", text)
+    assert text in doc(name), f"{name} does not state, from its record: {text!r}"
+
+
+# ------------------------------------------------------------------------------------------- findings.md section 2
+@pytest.mark.parametrize("organism", list(ORGANISMS))
+def test_matched_control_tables(organism):
+    table = record(f"{ORGANISMS[organism]}/ip-adapter/matched_control.csv")
+    for timestep in sorted(table["timestep"].unique(), reverse=True):
+        cells = []
+        for statistic in ("qf_spearman", "qf_rho_excess"):
+            for control in ("untrained", "matched"):
+                r = one(table, control=control, statistic=statistic, timestep=timestep)
+                interval = f"[{signed(r['low'], 3)}, {signed(r['high'], 3)}]"
+                cells.append(f"{signed(r['difference'], 3)} {interval}, Holm {g(r['p_holm'])}")
+        assert_in("docs/findings.md", f"| {timestep:g} | " + " | ".join(cells) + " |")
+
+
+# ------------------------------------------------------------------------------------------- findings.md section 7
+def test_nw_quality_rates():
+    table = record("nw_quality/rates.csv")
+    for organism in ORGANISMS:
+        cells = []
+        for method in ("learned", "nw_head_query", "nw_head_stored", "adapter_off"):
+            r = one(table, recipe=organism, method=method)
+            cells.append(
+                f"{r['right']}/{r['images']} ({100 * r['rate']:.0f}%) [{100 * r['low']:.0f}, {100 * r['high']:.0f}]"
+            )
+        assert_in("docs/findings.md", f"| `{organism}` | " + " | ".join(cells) + " |")
+
+
+# --------------------------------------------------------------------------------- attribution.md, verdicts per cell
+def test_verdict_share_ranges():
+    populations = {"one digit": "same digit", "2 + 2 digits": "2+2 digits", "4 digits": "4 digits"}
+    resolutions = ("layer", "layer x head", "layer x position", "layer x head x position")
+    for organism in ("support", "ip-adapter"):
+        table = record(f"{ORGANISMS[organism]}/attribution/verdicts_trained.csv")
+        for words, population in populations.items():
+            cells = []
+            for resolution in resolutions:
+                share = 100 * table[(table["population"] == population) & (table["resolution"] == resolution)][
+                    "pooling"
+                ].to_numpy(np.float64)
+                low, high = f"{share.min():.0f}", f"{share.max():.0f}"
+                cells.append(f"{low}%" if low == high else f"{low}–{high}%")
+            assert_in("docs/attribution.md", f"| `{organism}`, {words} | " + " | ".join(cells) + " |")
+
+
+# -------------------------------------------------------------- attribution.md and findings.md section 6: predictors
+PREDICTOR_WORDS = {
+    "attention_share": "attention share",
+    "contribution_norm": "contribution norm",
+    "contribution_projection": "contribution projection",
+    "posterior_weight": "exact posterior weight",
+    "attribution_patching": "attribution patching",
+    "output_projection": "contribution on the output's gradient",
+}
+EFFECT_WORDS = {"latent_effect": "RMS latent change", "class_drop": "drop of P(digit)"}
+
+
+def comparison_row(organism: str, effect: str) -> str:
+    """One row of the whole-table comparison: per predictor (all 40 sets, the step mean or the whole run), the mean
+    per-set Spearman and its Holm p, in bold where it predicts."""
+    table = record(f"{ORGANISMS[organism]}/attribution/comparisons_trained.csv")
+    cells = []
+    for predictor in PREDICTOR_WORDS:
+        r = one(table, timestep="all", predictor=predictor, effect=effect)
+        cell = f"{signed(r['spearman'])}, Holm {g(r['p_holm'])}"
+        cells.append(f"**{cell}**" if r["predicts"] else cell)
+    return f"| `{organism}`, {EFFECT_WORDS[effect]} | " + " | ".join(cells) + " |"
+
+
+def held_out_cell(r: pd.Series) -> str:
+    where = "" if r["steps"] == "whole run" else f", {r['group']} layers × {r['steps']}"
+    negated = " (negated)" if r["sign"] < 0 else ""
+    return f"{PREDICTOR_WORDS[r['chosen']]}{where}{negated} → {signed(r['spearman'])}, Holm {g(r['p_holm'])}"
+
+
+def held_out_row(organism: str, effect: str) -> str:
+    table = record(f"{ORGANISMS[organism]}/attribution/held_out_trained.csv")
+    folds = [one(table, effect=effect, fold=f"{side} chooses") for side in ("even", "odd")]
+    agrees = sum(bool(r["agrees"]) for r in folds)
+    verdict = {0: "no", 1: "in one fold", 2: "**in both folds**"}[agrees]
+    return (
+        f"| `{organism}`, {EFFECT_WORDS[effect]} | " + " | ".join(held_out_cell(r) for r in folds) + f" | {verdict} |"
+    )
+
+
+@pytest.mark.parametrize("organism", list(ORGANISMS))
+@pytest.mark.parametrize("effect", list(EFFECT_WORDS))
+def test_predictor_tables(organism, effect):
+    assert_in("docs/attribution.md", comparison_row(organism, effect))
+    assert_in("docs/attribution.md", held_out_row(organism, effect))
+
+
+def survivors(organism: str) -> str:
+    """What predicts after Holm on one trained organism, in words: on the step mean or the whole run, and per
+    recorded step (timesteps in the table's order)."""
+    table = record(f"{ORGANISMS[organism]}/attribution/comparisons_trained.csv")
+    table = table[table["predicts"]]
+    whole = [
+        f"{PREDICTOR_WORDS[r.predictor]} ({EFFECT_WORDS[r.effect]})" for r in table.itertuples() if r.timestep == "all"
+    ]
+    steps = table[table["timestep"] != "all"]
+    per_step = [
+        f"{PREDICTOR_WORDS[p]} ({EFFECT_WORDS[e]}) at t = {', '.join(part['timestep'])}"
+        for (p, e), part in steps.groupby(["predictor", "effect"], sort=False)
+    ]
+    return (
+        f"`{organism}`: step mean or whole run: {', '.join(whole) or 'none'}; per recorded step: "
+        f"{'; '.join(per_step) or 'none'}"
+    )
+
+
+@pytest.mark.parametrize("organism", list(ORGANISMS))
+def test_what_survives_holm(organism):
+    assert_in("docs/attribution.md", survivors(organism))
+    untrained = record(f"{ORGANISMS[organism]}/attribution/comparisons_untrained.csv")
+    assert not untrained["predicts"].any()
+
+
+def test_untrained_smallest_holm_p():
+    smallest = min(record(f"{f}/attribution/comparisons_untrained.csv")["p_holm"].min() for f in ORGANISMS.values())
+    assert_in("docs/attribution.md", f"no untrained row predicts after Holm (smallest Holm p {g(smallest)})")
+
+
+def effect_sizes(organism: str) -> str:
+    """The size of one reference's ablation on an organism: mean RMS latent change and flipped share, trained and
+    untrained, and the range of the trained attention shares."""
+    folder = ORGANISMS[organism]
+    trained, untrained = (record(f"{folder}/attribution/effects_{w}.csv") for w in ("trained", "untrained"))
+    shares = trained["attention_share"]
+    return (
+        f"`{organism}`: {trained['latent_effect'].mean():.2f} RMS, {100 * trained['flipped'].mean():.0f}% flipped "
+        f"(untrained {untrained['latent_effect'].mean():.2f}, {100 * untrained['flipped'].mean():.0f}%); "
+        f"attention shares {shares.min():.3f}–{shares.max():.3f}"
+    )
+
+
+@pytest.mark.parametrize("organism", list(ORGANISMS))
+def test_effect_sizes(organism):
+    assert_in("docs/attribution.md", effect_sizes(organism))
+
+
+def grid_counts_row(organism: str, effect: str) -> str:
+    """The grid's uncorrected counts (``predicts_unadjusted``, the mid block apart): per predictor, in how many of
+    the grid family's cells it 'predicted' the effect."""
+    table = record(f"{ORGANISMS[organism]}/attribution/grid_comparisons_trained.csv")
+    table = table[(table["family"] == "grid") & (table["effect"] == effect)]
+    cells = []
+    for predictor in list(PREDICTOR_WORDS)[:4]:
+        part = table[table["predictor"] == predictor]
+        cells.append(f"{int(part['predicts_unadjusted'].sum())} of {len(part)}")
+    return f"| `{organism}`, {EFFECT_WORDS[effect]} | " + " | ".join(cells) + " |"
+
+
+@pytest.mark.parametrize("organism", list(ORGANISMS))
+def test_grid_counts(organism):
+    for effect in EFFECT_WORDS:
+        assert_in("docs/attribution.md", grid_counts_row(organism, effect))
+
+
+# ------------------------------------------------------------------------------------------- findings.md section 8
+def shuffle_sentence(folders=("smoke", "smoke_recipe_ip_adapter")) -> str:
+    """The shuffled-order control's largest differences over the smoke tier's organisms (``shuffled_<w>.csv``)."""
+    tables = {
+        w: pd.concat([record(f"{f}/attribution/shuffled_{w}.csv") for f in folders]) for w in ("trained", "untrained")
+    }
+    first = [c for c in tables["trained"].columns if c.startswith("first_step_")]
+    overall = max(tables[w][first].to_numpy(np.float64).max() for w in tables)
+    t = tables["trained"].max()
+    return (
+        f"at the first recorded step every column agrees to {overall:.2g} or better (trained: shares "
+        f"{t['first_step_share_max_diff']:.2g}, contribution norms {t['first_step_contribution_norm_max_diff']:.2g}, "
+        f"posterior weights {t['first_step_posterior_weight_max_diff']:.2g}, distances "
+        f"{t['first_step_sq_distance_max_diff']:.2g}), final latents within {t['latent_max_diff']:.2g} (trained) and "
+        f"{tables['untrained']['latent_max_diff'].max():.2g} of |x| ≤ "
+        f"{tables['untrained']['latent_max_abs'].max():.0f} (untrained"
+    )
+
+
+def test_shuffle_sentence():
+    assert_in("docs/findings.md", shuffle_sentence())
+
+
+# ------------------------------------------------------------------------------------------------------ README.md
+def test_readme_findings():
+    rho = []
+    for folder in ORGANISMS.values():
+        table = record(f"{folder}/ip-adapter/table.csv")
+        rows = table[table["quantity"].str.startswith("query-frame per-row Spearman, exact b")]
+        rows = rows[rows["setting"].str.startswith("trained organism")]
+        rho += [float(v.split()[0]) for v in rows["ours"]]
+    assert len(rho) == 15  # 3 organisms x 5 timesteps
+    assert_in("README.md", f"query-frame ρ is {min(rho):.2f}–{max(rho):.2f} on the three trained organisms")
+    r = one(
+        record("full_recipe_ip_adapter/attribution/held_out_trained.csv"), effect="class_drop", fold="even chooses"
+    )
+    assert r["chosen"] == "attribution_patching" and r["agrees"]
+    assert_in("README.md", f"(`ip-adapter` {signed(r['spearman'])}, Holm {g(r['p_holm'])})")
