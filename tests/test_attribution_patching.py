@@ -108,16 +108,3 @@ def test_gradients_leave_the_pipeline_as_it_was(pipe):
     patching_gradients(pipe, lambda x: [_metric(x)], seed=3, **call)
     assert _run(pipe, call) == before  # bit for bit: the hooks came off
     assert not torch.is_grad_enabled() or all(not p.requires_grad or p.grad is None for p in pipe.unet.parameters())
-
-
-def test_add_patching_refuses_a_record_whose_sets_are_not_the_experiments(tmp_path):
-    """The backfill regenerates each set from its index: a file whose digits differ from that set is refused."""
-    import pandas as pd
-
-    from ipa_probe.experiments.attribution import add_patching
-
-    pd.DataFrame({"set": [0] * 4, "reference": range(4), "digit": [5, 5, 6, 6]}).to_csv(
-        tmp_path / "effects_trained.csv", index=False
-    )  # set 0 of the experiment is digits 0, 0, 1, 1
-    with pytest.raises(ValueError, match=r"set 0 holds digits \[5, 5, 6, 6\]"):
-        add_patching(tmp_path, "support")

@@ -105,7 +105,6 @@ __all__ = [
     "STEP_PREDICTORS",
     "WHOLE_RUN_PREDICTORS",
     "ablation_effects",
-    "add_patching",
     "compare",
     "compare_grid",
     "control_rows",
@@ -480,61 +479,6 @@ def retable(folder: str | Path, revision: str | None = None) -> list[Path]:
 
 #: The label of a posterior read after the output is decided (:data:`~.attribution_tests.DECIDED_BELOW`).
 CIRCULAR = ", near-circular: read after the output is decided"
-
-
-def add_patching(folder: str | Path, recipe: str, progress: bool = False) -> list[Path]:
-    """Add the whole run's predictors (:data:`~.attribution_setup.WHOLE_RUN_PREDICTORS`: one forward and one
-    backward pass per set) to a committed attribution folder without redoing its ablations: per organism, each set of
-    ``effects_<label>.csv`` is generated again with gradients (the experiment's sets and seeds, checked against the
-    digits the file holds), the columns join the effects, their comparisons join ``comparisons_<label>.csv`` (Holm
-    then runs over the grown table) and ``held_out_<label>.csv`` is chosen again among every candidate.
-
-    Returns:
-        the files written.
-    """
-    from tqdm.auto import tqdm
-
-    from .._io import write_table
-    from ..attribution import digit_probability_gradients
-    from .ip_adapter_setup import _mixed_sets, organism_pipelines
-
-    folder = Path(folder)
-    written = []
-    for label, pipe in organism_pipelines(recipe).items():
-        path = folder / f"effects_{label}.csv"
-        if not path.exists():
-            continue
-        effects = pd.read_csv(path).drop(columns=list(WHOLE_RUN_PREDICTORS), errors="ignore")
-        sets = _mixed_sets(int(effects["set"].max()) + 1)
-        columns = []
-        for i in tqdm(sorted(effects["set"].unique()), desc=f"attribution patching {label}", disable=not progress):
-            (a, b), refs = sets[i]
-            digits = effects[effects["set"] == i].sort_values("reference")["digit"].tolist()
-            if digits != [a, a, b, b]:
-                raise ValueError(f"{path}: set {i} holds digits {digits}, the experiment's set {i} is {[a, a, b, b]}")
-            columns.append(digit_probability_gradients(pipe, digits, seed=int(i), **_call(refs)).assign(set=i))
-        effects = effects.merge(pd.concat(columns, ignore_index=True), on=["set", "reference"])
-        write_table(effects, path)
-        written.append(path)
-        path = folder / f"comparisons_{label}.csv"
-        if path.exists():
-            table = pd.read_csv(path, dtype={"timestep": str})
-            table = table[~table["predictor"].isin(WHOLE_RUN_PREDICTORS)]
-            overall = effects[["set", "reference", *STEP_PREDICTORS]]
-            added = compare(
-                effects.drop(columns=list(STEP_PREDICTORS)), overall, overall.iloc[:0].assign(timestep=0.0)
-            )
-            added = added[added["predictor"].isin(WHOLE_RUN_PREDICTORS)]
-            write_table(adjust_comparisons(pd.concat([table, added], ignore_index=True)), path)
-            written.append(path)
-        if effects["set"].nunique() >= 4:
-            aggregates = folder / f"aggregates_{label}.csv"
-            aggregates = pd.read_csv(aggregates) if aggregates.exists() else None
-            held, scores = held_out_aggregations(effects, aggregates)
-            for name, frame in (("held_out", held), ("held_out_scores", scores)):
-                write_table(frame, folder / f"{name}_{label}.csv")
-                written.append(folder / f"{name}_{label}.csv")
-    return written
 
 
 def _set_digits(effects: pd.DataFrame) -> np.ndarray:
