@@ -246,3 +246,50 @@ def test_readme_findings():
     )
     assert r["chosen"] == "attribution_patching" and r["agrees"]
     assert_in("README.md", f"(`ip-adapter` {signed(r['spearman'])}, Holm {g(r['p_holm'])})")
+
+
+# ------------------------------------------------------------------------------------------- findings.md section 3
+def query_frame(organism: str) -> dict[int, tuple[str, str, str]]:
+    """Per timestep of the trained organism's ``ip-adapter/table.csv``: the query-frame ρ with its interval as the
+    table writes it, the point value, and the excess over the logit-ratio baseline (exact b), signed."""
+    table = record(f"{ORGANISMS[organism]}/ip-adapter/table.csv")
+    rows = table[table["quantity"].str.startswith("query-frame per-row Spearman, exact b")]
+    out = {}
+    for r in rows[rows["setting"].str.startswith("trained organism")].itertuples():
+        excess = float(re.search(r"exact (-?[0-9.]+) \[", r.note).group(1))
+        out[int(r.setting.split("t=")[1])] = (r.ours, r.ours.split()[0], signed(excess, 3))
+    return out
+
+
+def test_query_frame_claims():
+    for organism in ("ip-adapter", "support"):
+        q = query_frame(organism)
+        assert_in("docs/findings.md", f"`{organism}` {q[981][0]} → {q[501][1]} → {q[1][0]}")
+        assert_in("docs/findings.md", f"{q[981][2]} → {q[501][2]} → {q[1][2]} (`{organism}`)")
+    q = query_frame("mixed")
+    assert_in(
+        "docs/findings.md", f"{q[981][1]} → {q[501][1]} → {q[1][1]}, excess {q[981][2]} → {q[501][2]} → {q[1][2]}"
+    )
+    assert_in(
+        "docs/attribution.md",
+        f"{q[981][0]} → {q[501][1]} → {q[261][1]} (t = 261) → {q[1][0]} (t = 981, 501, 261, 1), excess {q[981][2]} → "
+        f"{q[501][2]} → {q[261][2]} → {q[1][2]}",
+    )
+
+
+# ------------------------------------------------------------------------------------------- findings.md section 5
+def test_finest_verdict_ranges_in_findings():
+    ranges = {}
+    for organism in ("support", "ip-adapter"):
+        table = record(f"{ORGANISMS[organism]}/attribution/verdicts_trained.csv")
+        table = table[table["resolution"] == "layer x head x position"]
+        for population in ("same digit", "2+2 digits", "4 digits"):
+            share = 100 * table[table["population"] == population]["pooling"].to_numpy(np.float64)
+            ranges[organism, population] = f"{share.min():.0f}–{share.max():.0f}%"
+    s, i = (lambda p, o=o: ranges[o, p] for o in ("support", "ip-adapter"))
+    assert_in(
+        "docs/findings.md",
+        f"`pooling` covers {s('same digit')} of those cells with one-digit references on `support`, "
+        f"{s('2+2 digits')} with 2 + 2 digits and {s('4 digits')} with four; on `ip-adapter` {i('same digit')}, "
+        f"{i('2+2 digits')} and {i('4 digits')}",
+    )
