@@ -38,7 +38,7 @@ from .collect import (
     reference_attribution,
     sets_table,
 )
-from .patching import PATCHING_COLUMNS, digit_probability_gradients, patching_gradients
+from .patching import PATCHING_COLUMNS, digit_probability_gradients, integrated_patching, patching_gradients
 
 __all__ = [
     "ALPHA",
@@ -57,6 +57,7 @@ __all__ = [
     "fit_bandwidth",
     "holm",
     "holm_lower_bounds",
+    "integrated_patching",
     "layer_agreement_test",
     "neff",
     "paired_rank_test",
