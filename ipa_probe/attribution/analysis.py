@@ -111,15 +111,9 @@ def holm_lower_bounds(values: list[np.ndarray], p_holm: np.ndarray, alpha: float
     ``max(0, t bound at level alpha / m)`` when every hypothesis is rejected; a retained mean's bound is Student's t
     one-sided bound at level ``alpha / |I|``, capped at 0 (where the t bound and the family's own test disagree, the
     test decides). All ``m`` bounds hold together with probability at least ``1 - alpha``, and a bound above 0 goes
-    with a rejection and only with one.
-
-    Args:
-        values: ``m`` arrays, the per-set values whose mean each test is about (NaN left out).
-        p_holm: ``(m,)`` the family's Holm-adjusted p-values (NaN: no test, NaN bound, not counted).
-
-    Returns:
-        ``(m,)`` lower bounds; NaN where a test has fewer than 2 values.
-    """
+    with a rejection and only with one. ``values``: ``m`` arrays of the per-set values whose mean each test is about
+    (NaN left out); ``p_holm``: the family's adjusted p (NaN: no test). Returns ``(m,)`` bounds (NaN: no test, or
+    fewer than 2 values)."""
     adjusted = np.asarray(p_holm, dtype=np.float64)
     tested = np.isfinite(adjusted)
     rejected = tested & (adjusted < alpha)
@@ -507,19 +501,15 @@ def verdict_shares(
     Spearman at once (:func:`simultaneous_band`, ``outer`` bootstrap resamples of the sets) puts each cell's verdict
     in a set of possible ones; ``<v>_low`` is the share of cells whose only possible verdict is ``v`` and ``<v>_high``
     the share where ``v`` is possible. When every true mean lies in its band (probability about 95 %), all three
-    true shares lie between their bounds together. (Resampling the cells' decisions instead re-decides every
-    thresholded cell, and its percentile interval centres on the mean decision probability: it covered neither the
-    point value nor the true share in simulation; ``tests/test_attribution_coverage.py``.)
+    true shares lie between their bounds together (``tests/test_attribution_coverage.py``).
 
     Args:
-        shares: ``(S, C, R)``; distance: ``(S, R)`` (as in :func:`cell_verdicts`).
-        permutations, resamples: of the point value's rule.
-        outer: bootstrap resamples of the sets for the bounds (0: no bounds, NaN).
-        seed: the generator's seed.
+        shares, distance: as in :func:`cell_verdicts`; permutations, resamples: of the point value's rule.
+        outer: bootstrap resamples of the sets for the bounds (0: no bounds, NaN); seed: the generator's seed.
 
     Returns:
-        ``{"cells": C, "<v>": share, "<v>_low": ..., "<v>_high": ...}`` for every ``v`` in :data:`VERDICTS` (the
-        keys use ``_`` for spaces: ``pooling``, ``tracks_posterior``, ``undecided``).
+        ``{"cells": C, "<v>": share, "<v>_low": ..., "<v>_high": ...}`` for ``v`` in ``pooling``,
+        ``tracks_posterior``, ``undecided``.
     """
     a, d = np.asarray(shares, dtype=np.float64), np.asarray(distance, dtype=np.float64)
     point = cell_verdicts(a, d, permutations, resamples, seed)["verdict"].to_numpy()

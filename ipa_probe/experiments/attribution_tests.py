@@ -107,16 +107,11 @@ def example_intervals(example: pd.DataFrame) -> pd.DataFrame:
 
 
 def rewrite(folder: str | Path, permutations: int = 49999) -> list[Path]:
-    """Re-derive one attribution folder's tests in place from its committed records (no generation).
-
-    ``comparisons_<label>.csv`` is recomputed from ``effects_<label>.csv`` (the step means and the whole-run
-    predictors) and ``aggregates_<label>.csv`` (all layers at each recorded timestep) with ``permutations``
-    permutations (the Holm floor is ``m / (1 + permutations)``), ``grid_comparisons_trained.csv`` from
-    ``grid_trained.csv``; their tested rows get the decision's interval (:func:`_decide`). Without the aggregates
-    (older folders) the committed comparisons are only adjusted. ``held_out_<label>.csv`` and
-    ``held_out_scores_<label>.csv`` are written from the effects and aggregates
-    (:func:`~.attribution_aggregate.held_out_aggregations`); ``example_3s_5s_trained.csv`` gets Clopper-Pearson
-    intervals. Returns the files written."""
+    """Re-derive one attribution folder's tests in place from its committed records (no generation): comparisons
+    from ``effects_<label>.csv`` and ``aggregates_<label>.csv`` (all layers per recorded timestep; without them the
+    committed table is only adjusted), the grid's from ``grid_trained.csv``, each with ``permutations`` permutations
+    and the decision's interval (:func:`_decide`); the held-out choice (:func:`~.attribution_aggregate.
+    held_out_aggregations`); the example's intervals (:func:`example_intervals`). Returns the files written."""
     from .._io import write_table
     from .attribution import compare
     from .attribution_aggregate import held_out_aggregations
