@@ -14,6 +14,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from ipa_probe.experiments.attribution_setup import PREDICTORS as PREDICTOR_WORDS  # the tables' wording
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 ORGANISMS = {"support": "full", "ip-adapter": "full_recipe_ip_adapter", "mixed": "full_recipe_mixed"}
@@ -95,14 +97,6 @@ def test_verdict_share_ranges():
 
 
 # -------------------------------------------------------------- attribution.md and findings.md section 6: predictors
-PREDICTOR_WORDS = {
-    "attention_share": "attention share",
-    "contribution_norm": "contribution norm",
-    "contribution_projection": "contribution projection",
-    "posterior_weight": "exact posterior weight",
-    "attribution_patching": "attribution patching",
-    "output_projection": "contribution on the output's gradient",
-}
 EFFECT_WORDS = {"latent_effect": "RMS latent change", "class_drop": "drop of P(digit)"}
 
 
