@@ -287,3 +287,78 @@ def test_finest_verdict_ranges_in_findings():
         f"{s('2+2 digits')} with 2 + 2 digits and {s('4 digits')} with four; on `ip-adapter` {i('same digit')}, "
         f"{i('2+2 digits')} and {i('4 digits')}",
     )
+
+
+# ----------------------------------------------------------------------- attribution.md, the observational table
+def observational_cells(weights: str, population: str) -> list[str]:
+    """The first columns of a row of the observational table (``full/ip-adapter/attribution_<w>_<p>.csv``): TV from
+    uniform (its range over timesteps and the largest upper end), attention n_eff, posterior n_eff first → last."""
+    t = record(f"full/ip-adapter/attribution_{weights}_{population}.csv")
+    tv = f"{t['attention_tv'].min():.3f}–{t['attention_tv'].max():.3f} (≤ {t['attention_tv_high'].max():.3f})"
+    if f"{t['attention_tv'].max():.3f}" == f"{t['attention_tv_high'].max():.3f}":
+        tv = f"{t['attention_tv'].max():.3f}"  # no spread to state
+    neff = f"{t['attention_neff'].min():.2f}–{t['attention_neff'].max():.2f}"
+    if neff.split("–")[0] == neff.split("–")[1]:
+        neff = neff.split("–")[0]
+    return [tv, neff, f"{t['posterior_neff'].iloc[0]:.2f} → {t['posterior_neff'].iloc[-1]:.2f}"]
+
+
+@pytest.mark.parametrize("weights", ["trained", "untrained"])
+@pytest.mark.parametrize("population, words", [("one", "one digit (100 sets)"), ("2+2", "2 + 2 digits (40 sets)")])
+def test_observational_table(weights, population, words):
+    t = record(f"full/ip-adapter/attribution_{weights}_{population}.csv")
+    assert (t["verdict"] == "pooling").all() and len(t) == 5
+    row = f"| {weights}, {words} | " + " | ".join(observational_cells(weights, population)) + " |"
+    if weights == "trained":  # the ranking, the layers' agreement and the fitted bandwidth
+        assert ((t["share_spearman_low"] < 0) & (t["share_spearman_high"] > 0)).all()
+        assert np.isinf(t["fitted_bandwidth"]).all()
+        row += (
+            f" {signed(t['share_spearman'].iloc[0])} → {signed(t['share_spearman'].iloc[-1])}, every interval "
+            f"includes 0, p ≥ {t['share_spearman_p'].min():.2f} | {signed(t['layer_agreement'].min())} to "
+            f"{signed(t['layer_agreement'].max())} | ∞ at every t (lower ends {t['fitted_bandwidth_low'].min():.0f}–"
+            f"{t['fitted_bandwidth_low'].max():.0f}) | pooling × 5 |"
+        )
+    assert_in("docs/attribution.md", row)
+
+
+# ------------------------------------------------------------------------ attribution.md, the two-3s-two-5s example
+def test_two_plus_two_example():
+    def row(organism, reference, group="all", steps="all"):
+        t = record(f"{ORGANISMS[organism]}/attribution/example_3s_5s_trained.csv")
+        return one(t, reference=reference, group=group, steps=steps)
+
+    def ci(r):
+        return f"{r['latent_effect']:.3f} [{r['latent_effect_low']:.3f}, {r['latent_effect_high']:.3f}]"
+
+    def flips(r):
+        return f"{r['flipped_count']} of {r['seeds']} [{100 * r['flipped_low']:.0f}%, {100 * r['flipped_high']:.0f}%]"
+
+    five, three = row("support", "both 5s"), row("support", "both 3s")
+    assert five["baseline_reads_5"] == 1.0 and three["flipped_count"] == 0
+    assert_in(
+        "docs/attribution.md",
+        f"Ablating both 5s in every layer and step changes the latent by {ci(five)} and flips {flips(five)} "
+        f"(to another digit); ablating both 3s changes it by {ci(three)} and flips none "
+        f"[0%, {100 * three['flipped_high']:.0f}%].",
+    )
+    up, down, mid = (row("support", "both 5s", g) for g in ("up", "down", "mid"))
+    thirds = " / ".join(
+        f"{row('support', 'both 5s', 'all', s)['latent_effect']:.3f}" for s in ("0-6", "7-13", "14-19")
+    )
+    assert_in(
+        "docs/attribution.md",
+        f"(both 5s: {up['latent_effect']:.3f}, {up['flipped_count']} of 8 flips; down {down['latent_effect']:.3f}, "
+        f"mid {mid['latent_effect']:.3f}), and the first third of the steps most ({thirds},",
+    )
+    five, three = row("ip-adapter", "both 5s"), row("ip-adapter", "both 3s")
+    down, up = (row("ip-adapter", "both 5s", g)["latent_effect"] for g in ("down", "up"))
+    thirds = " / ".join(
+        f"{row('ip-adapter', 'both 5s', 'all', s)['latent_effect']:.3f}" for s in ("0-6", "7-13", "14-19")
+    )
+    assert_in(
+        "docs/attribution.md",
+        f"ablating both 5s flips {five['flipped_count']} of 8 (reads 5: {100 * five['baseline_reads_5']:.0f}% → "
+        f"{100 * five['reads_5']:.0f}%; latent {ci(five)}), both 3s {three['flipped_count']} of 8 "
+        f"({three['latent_effect']:.3f}); down ({down:.3f}) and up ({up:.3f}) blocks carry it alike, mid nothing; "
+        f"thirds {thirds}.",
+    )
