@@ -362,3 +362,49 @@ def test_two_plus_two_example():
         f"({three['latent_effect']:.3f}); down ({down:.3f}) and up ({up:.3f}) blocks carry it alike, mid nothing; "
         f"thirds {thirds}.",
     )
+
+
+def test_matched_control_calibration_gaps():
+    """The median over layers (the 1 x 1 mid block has no ratio) of |twin ratio - trained ratio|, raw and matched,
+    and the largest matched gap (``matched_calibration.csv``)."""
+    gaps = {}
+    for organism, folder in ORGANISMS.items():
+        t = record(f"{folder}/ip-adapter/matched_calibration.csv")
+        raw, matched = ((t[c] - t["trained_ratio"]).abs() for c in ("untrained_ratio", "matched_ratio"))
+        gaps[organism] = (f"{np.nanmedian(raw):.2f}", f"{np.nanmedian(matched):.2f}", f"{np.nanmax(matched):.2f}")
+    raw, matched, largest = gaps["support"]
+    assert_in("docs/findings.md", f"ratio falls from {raw} to {matched} (largest remaining {largest};")
+    for organism in ("ip-adapter", "mixed"):
+        raw, matched, largest = gaps[organism]
+        assert_in("docs/findings.md", f"median ratio gap {raw} → {matched}, largest {largest})")
+
+
+# ------------------------------------------------------------------------------------------- findings.md section 4
+def test_query_pool_claims():
+    tables = {o: record(f"{f}/ip-adapter/query_pool.csv") for o, f in ORGANISMS.items()}
+    several = pd.concat([t[t["images"] > 1] for t in tables.values()])
+    assert (several["difference"] > several["se"]).all()  # "by more than its standard error everywhere"
+    assert (pd.concat(tables.values()).query("images == 1")["difference"] == 0).all()
+    assert_in(
+        "docs/findings.md",
+        f"(differences {several['difference'].min():.3f}–{several['difference'].max():.3f}, standard errors "
+        f"{several['se'].min():.4f}–{several['se'].max():.4f})",
+    )
+    parts, cells = [], []
+    for organism, t in tables.items():
+        cond = t[(t["images"] > 1) & (t["branch"] == "cond")]
+
+        def ends(n, cond=cond):
+            part = cond[cond["images"] == n].set_index("timestep")["difference"]
+            return f"{signed(part[981.0], 3)} → {signed(part[1.0], 3)}"
+
+        uncond = signed(t[(t["images"] > 1) & (t["branch"] == "uncond")]["difference"].max(), 3)
+        parts.append((organism, ends(3), ends(8), uncond))
+        cells.append(f"{t['max_cell_difference'].max():.2f}")
+    (_, a3, a8, au), (_, b3, b8, bu), (_, c3, c8, cu) = parts
+    assert_in(
+        "docs/findings.md",
+        f"`support` cond {a3} (3 images) and {a8} (8 images) from t = 981 to 1, uncond up to {au}; `ip-adapter` {b3} "
+        f"and {b8}, uncond up to {bu}; `mixed` {c3} and {c8}, uncond up to {cu}. Single cells move by up to "
+        f"{cells[0]} (`support`), {cells[1]} (`ip-adapter`) and {cells[2]} (`mixed`).",
+    )
