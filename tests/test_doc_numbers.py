@@ -408,3 +408,25 @@ def test_query_pool_claims():
         f"and {b8}, uncond up to {bu}; `mixed` {c3} and {c8}, uncond up to {cu}. Single cells move by up to "
         f"{cells[0]} (`support`), {cells[1]} (`ip-adapter`) and {cells[2]} (`mixed`).",
     )
+
+
+def test_grid_effect_sizes():
+    """The grid's mean RMS latent change per layer group (every step) and per step third (every layer), and of the
+    scale-0.5 cell (``grid_trained.csv``)."""
+    sizes = {}
+    for organism in ("support", "ip-adapter"):
+        t = record(f"{ORGANISMS[organism]}/attribution/grid_trained.csv")
+        ablate = t[t["mode"] == "ablate"]
+        group = ablate[ablate["steps"] == "all"].groupby("group")["latent_effect"].mean()
+        third = ablate[ablate["group"] == "all"].groupby("steps")["latent_effect"].mean()
+        sizes[organism] = (group, third, t[t["mode"] == "scale"]["latent_effect"].mean())
+    (g, s, scale), (h, u, scale_ip) = sizes["support"], sizes["ip-adapter"]
+    assert_in(
+        "docs/attribution.md",
+        f"changes the final latent by {g['up']:.2f} on `support` (down {g['down']:.2f}, mid {g['mid']:.3f}; all "
+        f"layers {g['all']:.2f}), and by {h['up']:.2f} on `ip-adapter`, where the down blocks carry almost as much "
+        f"({h['down']:.2f}; mid {h['mid']:.3f}; all {h['all']:.2f}). By step third (all layers) it is "
+        f"{s['0-6']:.2f} / {s['7-13']:.2f} / {s['14-19']:.2f} on `support` and {u['0-6']:.2f} / {u['7-13']:.2f} / "
+        f"{u['14-19']:.2f} on `ip-adapter`",
+    )
+    assert_in("docs/attribution.md", f"about half as much as removing it ({scale:.2f} and {scale_ip:.2f})")
