@@ -47,6 +47,11 @@ def g(x: float) -> str:
     return f"{x:.2g}"
 
 
+def e(x: float) -> str:
+    """Two significant digits with a short exponent, as the docs write small numbers (``4.1e-6``, ``0.0089``)."""
+    return re.sub(r"e([+-])0*(\d)", lambda m: f"e{m.group(1).replace('+', '')}{m.group(2)}", f"{x:.2g}")
+
+
 def assert_in(name: str, text: str) -> None:
     text = re.sub(r"\s+", " ", text)
     assert text in doc(name), f"{name} does not state, from its record: {text!r}"
@@ -212,11 +217,11 @@ def shuffle_sentence(folders=("smoke", "smoke_recipe_ip_adapter")) -> str:
     overall = max(tables[w][first].to_numpy(np.float64).max() for w in tables)
     t = tables["trained"].max()
     return (
-        f"at the first recorded step every column agrees to {overall:.2g} or better (trained: shares "
-        f"{t['first_step_share_max_diff']:.2g}, contribution norms {t['first_step_contribution_norm_max_diff']:.2g}, "
-        f"posterior weights {t['first_step_posterior_weight_max_diff']:.2g}, distances "
-        f"{t['first_step_sq_distance_max_diff']:.2g}), final latents within {t['latent_max_diff']:.2g} (trained) and "
-        f"{tables['untrained']['latent_max_diff'].max():.2g} of |x| ≤ "
+        f"at the first recorded step every column agrees to {e(overall)} or better (trained: shares "
+        f"{e(t['first_step_share_max_diff'])}, contribution norms {e(t['first_step_contribution_norm_max_diff'])}, "
+        f"posterior weights {e(t['first_step_posterior_weight_max_diff'])}, distances "
+        f"{e(t['first_step_sq_distance_max_diff'])}), final latents within {e(t['latent_max_diff'])} (trained) and "
+        f"{e(tables['untrained']['latent_max_diff'].max())} of |x| ≤ "
         f"{tables['untrained']['latent_max_abs'].max():.0f} (untrained"
     )
 
@@ -430,3 +435,39 @@ def test_grid_effect_sizes():
         f"{u['14-19']:.2f} on `ip-adapter`",
     )
     assert_in("docs/attribution.md", f"about half as much as removing it ({scale:.2f} and {scale_ip:.2f})")
+
+
+def test_full_tier_shuffle_and_tracking():
+    r = {
+        (o, w): record(f"{ORGANISMS[o]}/attribution/shuffled_{w}.csv").max()
+        for o in ("support", "ip-adapter")
+        for w in ("trained", "untrained")
+    }
+    s, i, su, iu = (
+        r["support", "trained"],
+        r["ip-adapter", "trained"],
+        r["support", "untrained"],
+        r["ip-adapter", "untrained"],
+    )
+    norm = max(s["first_step_contribution_norm_max_diff"], i["first_step_contribution_norm_max_diff"])
+    post = max(s["first_step_posterior_weight_max_diff"], i["first_step_posterior_weight_max_diff"])
+    assert s["first_step_sq_distance_max_diff"] == i["first_step_sq_distance_max_diff"] == 0  # "distances equal"
+    assert_in(
+        "docs/attribution.md",
+        f"final latents within {e(s['latent_max_diff'])} (`support`) and {e(i['latent_max_diff'])} (`ip-adapter`) "
+        f"for the trained organisms, {e(su['latent_max_diff'])} and {e(iu['latent_max_diff'])} (at |x| up to "
+        f"{su['latent_max_abs']:.0f} and {iu['latent_max_abs']:.0f}) for the untrained ones, whose random weights "
+        f"amplify rounding; at the first step the shares within {e(s['first_step_share_max_diff'])} and "
+        f"{e(i['first_step_share_max_diff'])} trained, contribution norms within {e(norm)}, posterior weights within "
+        f"{e(post)}, distances equal",
+    )
+    t = record("full/attribution/verdicts_trained.csv")
+    cells = t[t["resolution"] != "average"]
+    top = cells.loc[cells["tracks_posterior"].idxmax()]
+    assert (top["population"], top["resolution"]) == ("4 digits", "layer x head")
+    for folder in ORGANISMS.values():  # the largest over every trained organism's cells is support's
+        other = record(f"{folder}/attribution/verdicts_trained.csv")
+        assert other[other["resolution"] != "average"]["tracks_posterior"].max() <= top["tracks_posterior"]
+    assert_in(
+        "docs/attribution.md", f"at most {100 * top['tracks_posterior']:.1f}% of any resolution's cells at any step"
+    )
