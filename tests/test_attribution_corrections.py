@@ -11,12 +11,12 @@ import pytest
 from scipy import stats
 
 from ipa_probe.attribution import clopper_pearson, holm
+from ipa_probe.experiments.attribution_aggregate import held_out_aggregations
 from ipa_probe.experiments.attribution_tests import (
     DECIDED_BELOW,
     adjust_comparisons,
     adjust_grid,
     example_intervals,
-    held_out,
 )
 
 
@@ -145,7 +145,7 @@ def _effects(sets: int = 12, refs: int = 4, seed: int = 5) -> pd.DataFrame:
 
 def test_held_out_chooses_on_one_half_and_tests_on_the_other():
     effects = _effects()
-    out = held_out(effects, permutations=999)
+    out, scores = held_out_aggregations(effects, None, permutations=999)
     latent = out[out["effect"] == "latent_effect"]
     # norm and the negated posterior both rank exactly: the first of the tie (PREDICTORS' order) is chosen
     assert set(latent["chosen"]) == {"contribution_norm"} and (latent["sign"] == 1).all()
@@ -155,6 +155,9 @@ def test_held_out_chooses_on_one_half_and_tests_on_the_other():
     odd = effects[effects["set"] % 2 == 1]
     shares = [stats.spearmanr(g["attention_share"], g["class_drop"]).statistic for _, g in odd.groupby("set")]
     row = out[(out["effect"] == "class_drop") & (out["fold"] == "even chooses")].iloc[0]
-    assert row["attention_share_held_out"] == pytest.approx(np.mean(shares), abs=1e-12)
+    held = scores[(scores["effect"] == "class_drop") & (scores["fold"] == "even chooses")]
+    assert held[held["predictor"] == "attention_share"]["held_out_spearman"].item() == pytest.approx(
+        np.mean(shares), abs=1e-12
+    )
     assert row["sets"] == 6
     np.testing.assert_allclose(out["p_holm"], _holm_by_definition(list(out["p"])), atol=1e-15)

@@ -110,14 +110,27 @@ def test_gradients_leave_the_pipeline_as_it_was(pipe):
     assert not torch.is_grad_enabled() or all(not p.requires_grad or p.grad is None for p in pipe.unet.parameters())
 
 
-def test_add_patching_refuses_a_record_whose_sets_are_not_the_experiments(tmp_path):
-    """The backfill regenerates each set from its index: a file whose digits differ from that set is refused."""
-    import pandas as pd
+def test_integrated_patching_sizes_the_exact_ablation(pipe):
+    """The ablation path integrated (midpoint rule, 16 points) equals the exact change from ablating the reference
+    (``intervene(mode="ablate")``, another code path); at adapter scale 4 the first-order estimate at the clean run
+    is measurably off, so the test can tell the two apart."""
+    from ipa_probe.attribution import integrated_patching
 
-    from ipa_probe.experiments.attribution import add_patching
-
-    pd.DataFrame({"set": [0] * 4, "reference": range(4), "digit": [5, 5, 6, 6]}).to_csv(
-        tmp_path / "effects_trained.csv", index=False
-    )  # set 0 of the experiment is digits 0, 0, 1, 1
-    with pytest.raises(ValueError, match=r"set 0 holds digits \[5, 5, 6, 6\]"):
-        add_patching(tmp_path, "support")
+    call = _call(pipe)
+    pipe.set_ip_adapter_scale(4.0)
+    try:
+        clean = _run(pipe, call)
+        df, _ = patching_gradients(pipe, lambda x: [_metric(x)], seed=3, **call)
+        worst_first_order = 0.0
+        for j in range(3):
+            with ipa_probe.intervene(pipe, reference=j, mode="ablate"):
+                exact = _run(pipe, call) - clean
+            integrated = integrated_patching(pipe, lambda x: [_metric(x)], [j], points=16, seed=3, **call)[0]
+            # tolerance: the midpoint rule's error, ~ m'' / (24 * 16^2) of a smooth path
+            assert integrated == pytest.approx(exact, rel=1e-2)
+            worst_first_order = max(worst_first_order, abs(-df[0, j] - exact) / abs(exact))
+        assert worst_first_order > 0.05, f"first order within {worst_first_order:.3f}: the case does not discriminate"
+    finally:
+        pipe.set_ip_adapter_scale(1.0)
+    with pytest.raises(ValueError, match="factors"):
+        patching_gradients(pipe, lambda x: [_metric(x)], factors=[0.0, 0.0, 0.0], **call)

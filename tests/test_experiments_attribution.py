@@ -66,7 +66,7 @@ def test_predictors_and_comparisons_against_scipy():
             for s, r in zip(overall["set"], overall["reference"], strict=True)
         ]
         np.testing.assert_allclose(overall[column], expected, rtol=1e-12)
-    result = experiment.compare(effects, overall, by_step)
+    result = experiment.compare(effects, overall, by_step, permutations=999)
     assert list(result["timestep"].unique()) == ["all", "901", "1"]  # noise first
 
     def per_set(frame, predictor, effect):
@@ -526,7 +526,7 @@ def test_grid_predictors_and_comparisons_against_scipy():
         ]  # fmt: skip
         for p in experiment.STEP_PREDICTORS:
             assert getattr(row, p) == pytest.approx(part[p].mean(), rel=1e-12)
-    result = experiment.compare_grid(grid, predictors)
+    result = experiment.compare_grid(grid, predictors, permutations=999)
     merged = grid.merge(predictors, on=["set", "reference", "group", "steps"])
     for g, n, *_ in cells:
         for effect in experiment.EFFECTS:

@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from scipy import stats
 
 from ipa_probe.experiments import matched_control as mc
 
@@ -21,11 +22,11 @@ def _per_set(rng, sets=6, shift=0.0):
 
 
 def test_paired_control_against_enumerated_sign_flips():
-    """Differences, their means and the one-sided p by enumerating all 2^6 sign flips; Holm over the table."""
+    """Differences, their means and the one-sided p by enumerating all 2^12 sign flips; Holm over the table."""
     from ipa_probe.attribution import holm
 
     rng = np.random.default_rng(0)
-    per_set = {"trained": _per_set(rng), "untrained": _per_set(rng, shift=0.02), "matched": _per_set(rng)}
+    per_set = {"trained": _per_set(rng, 12), "untrained": _per_set(rng, 12, 0.08), "matched": _per_set(rng, 12)}
     out = mc.paired_control(per_set)
     assert len(out) == 2 * 2 * 2  # controls x statistics x timesteps
     for r in out.to_dict(orient="records"):
@@ -33,10 +34,19 @@ def test_paired_control_against_enumerated_sign_flips():
         b = per_set[r["control"]][per_set[r["control"]]["timestep"] == r["timestep"]].sort_values("set")
         d = a[r["statistic"]].to_numpy() - b[r["statistic"]].to_numpy()
         assert r["difference"] == pytest.approx(d.mean(), abs=1e-12)
-        flips = np.array(list(itertools.product([1, -1], repeat=len(d))))  # (64, 6)
+        flips = np.array(list(itertools.product([1, -1], repeat=len(d))))  # (4096, 12)
         null = (flips * d).mean(1)
         assert r["p"] == pytest.approx(np.mean(null <= d.mean() + 1e-12), abs=1e-12)  # exact enumeration either way
+        # the decision's interval (-inf, U]: Student's t at 0.05 / (tests Holm keeps), Holm-compatible (0 for a
+        # rejection while some are kept; never below 0 for a kept one)
+        rejected = out["p_holm"] < 0.05
+        kept = int((~rejected).sum())
+        t_bound = d.mean() + stats.t.ppf(1 - 0.05 / (kept or len(out)), len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
+        expected = (0.0 if kept else min(0.0, t_bound)) if r["p_holm"] < 0.05 else max(0.0, t_bound)
+        assert r["high"] == pytest.approx(expected, abs=1e-12) and r["low"] == -np.inf
+        assert (r["high"] < 0) <= (r["p_holm"] < 0.05)
     np.testing.assert_allclose(out["p_holm"], holm(out["p"].to_numpy()), atol=0)
+    assert (out["p_holm"] < 0.05).any() and (out["p_holm"] >= 0.05).any()  # both kinds of row are checked
 
 
 def test_per_set_means_leave_nan_out_and_measure_tv():

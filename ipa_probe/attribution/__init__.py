@@ -18,9 +18,11 @@ from .analysis import (
     control_difference,
     fit_bandwidth,
     holm,
+    holm_lower_bounds,
     layer_agreement_test,
     neff,
     paired_rank_test,
+    simultaneous_band,
     summarize_attribution,
     summarize_cells,
     tv_from_uniform,
@@ -36,7 +38,7 @@ from .collect import (
     reference_attribution,
     sets_table,
 )
-from .patching import PATCHING_COLUMNS, digit_probability_gradients, patching_gradients
+from .patching import PATCHING_COLUMNS, digit_probability_gradients, integrated_patching, patching_gradients
 
 __all__ = [
     "ALPHA",
@@ -54,6 +56,8 @@ __all__ = [
     "digit_probability_gradients",
     "fit_bandwidth",
     "holm",
+    "holm_lower_bounds",
+    "integrated_patching",
     "layer_agreement_test",
     "neff",
     "paired_rank_test",
@@ -61,6 +65,7 @@ __all__ = [
     "posterior_at",
     "reference_attribution",
     "sets_table",
+    "simultaneous_band",
     "summarize_attribution",
     "summarize_cells",
     "tv_from_uniform",

@@ -59,7 +59,9 @@ __all__ = [
     "cell_verdicts",
     "clopper_pearson",
     "holm",
+    "holm_lower_bounds",
     "control_difference",
+    "simultaneous_band",
     "verdict_shares",
     "fit_bandwidth",
     "layer_agreement_test",
@@ -99,6 +101,32 @@ def holm(p: np.ndarray) -> np.ndarray:
     m = len(order)
     scaled = np.minimum(1.0, (m - np.arange(m)) * values[order])
     out[order] = np.maximum.accumulate(scaled)
+    return out
+
+
+def holm_lower_bounds(values: list[np.ndarray], p_holm: np.ndarray, alpha: float = ALPHA) -> np.ndarray:
+    """One-sided lower confidence bounds for the means of one Holm family of tests of "mean <= 0", compatible with
+    Holm's decisions (Strassburger and Bretz's bounds for Holm's procedure). With ``R`` the hypotheses Holm rejects
+    (``p_holm < alpha``) and ``I`` the rest: a rejected mean's bound is 0 while ``I`` is not empty, and
+    ``max(0, t bound at level alpha / m)`` when every hypothesis is rejected; a retained mean's bound is Student's t
+    one-sided bound at level ``alpha / |I|``, capped at 0 (where the t bound and the family's own test disagree, the
+    test decides). All ``m`` bounds hold together with probability at least ``1 - alpha``, and a bound above 0 goes
+    with a rejection and only with one. ``values``: ``m`` arrays of the per-set values whose mean each test is about
+    (NaN left out); ``p_holm``: the family's adjusted p (NaN: no test). Returns ``(m,)`` bounds (NaN: no test, or
+    fewer than 2 values)."""
+    adjusted = np.asarray(p_holm, dtype=np.float64)
+    tested = np.isfinite(adjusted)
+    rejected = tested & (adjusted < alpha)
+    kept = int((tested & ~rejected).sum())
+    level = alpha / (kept or int(tested.sum()) or 1)
+    out = np.full(len(values), np.nan)
+    for i, v in enumerate(values):
+        x = np.asarray(v, dtype=np.float64).ravel()
+        x = x[np.isfinite(x)]
+        if not tested[i] or len(x) < 2:
+            continue
+        bound = x.mean() - stats.t.ppf(1 - level, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+        out[i] = (0.0 if kept else max(0.0, bound)) if rejected[i] else min(0.0, bound)
     return out
 
 
@@ -438,6 +466,24 @@ def cell_verdicts(
     return out
 
 
+def simultaneous_band(values: np.ndarray, counts: np.ndarray, confidence: float = 0.95) -> tuple[np.ndarray, ...]:
+    """Simultaneous confidence bands for the means over sets of every column of ``values`` ``(S, C)`` (NaN = left
+    out): ``mean_c -/+ q se_c``, ``se_c`` the bootstrap standard error over the resample counts ``(B, S)`` and ``q``
+    the ``confidence`` quantile of the largest studentised deviation ``max_c |mean*_c - mean_c| / se_c`` (the max-|t|
+    bootstrap): every column's true mean lies in its band at once with probability about ``confidence``. Columns
+    with fewer than 2 usable sets get ``(-inf, inf)``, columns without spread their mean."""
+    usable = np.isfinite(values)
+    filled = np.where(usable, values, 0.0)
+    n = usable.sum(0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = filled.sum(0) / n
+        boot = (counts @ filled) / (counts @ usable)  # (B, C): each resample's means
+        se = np.nanstd(boot, axis=0)
+        t = np.where((se > 0) & (n >= 2), np.abs(boot - mean) / se, 0.0)  # (B, C)
+    q = float(np.quantile(np.nan_to_num(t).max(1), confidence))
+    return np.where(n < 2, -np.inf, mean - q * se), np.where(n < 2, np.inf, mean + q * se)
+
+
 def verdict_shares(
     shares: np.ndarray,
     distance: np.ndarray,
@@ -446,50 +492,46 @@ def verdict_shares(
     outer: int = 999,
     seed: int = 0,
 ) -> dict[str, float]:
-    """The share of cells on each side of the verdict, with 95 % percentile intervals over reference sets.
+    """The share of cells on each side of the verdict, with simultaneous 95 % bounds on the true shares.
 
-    The point value applies :func:`cell_verdicts` to the sets as drawn. The interval re-takes every cell's decision on
-    ``outer`` bootstrap resamples of the sets: the resample's means of the per-set TV and Spearman against the rule
-    with each cell's interval half-widths (``attention_tv_high - attention_tv``, ``share_spearman -
-    share_spearman_low``) and permutation critical value held at their values on the sets as drawn, so that the
-    identity resample gives the point value. (Re-running the intervals and the permutation test inside each resample
-    would narrow them wherever a resample repeats a set, and shift the shares towards ``pooling`` by about 1/S.)
+    The point value applies :func:`cell_verdicts` to the sets as drawn: a count of per-cell decisions. A cell's
+    **true** verdict is the rule applied to its population means: ``pooling`` when its mean TV from uniform is below
+    :data:`POOLING_TV`, else ``tracks posterior`` when its mean Spearman with the posterior is above 0, else
+    ``undecided``. The bounds certify the true shares: a simultaneous band over every cell's mean TV and mean
+    Spearman at once (:func:`simultaneous_band`, ``outer`` bootstrap resamples of the sets) puts each cell's verdict
+    in a set of possible ones; ``<v>_low`` is the share of cells whose only possible verdict is ``v`` and ``<v>_high``
+    the share where ``v`` is possible. When every true mean lies in its band (probability about 95 %), all three
+    true shares lie between their bounds together (``tests/test_attribution_coverage.py``).
 
     Args:
-        shares: ``(S, C, R)``; distance: ``(S, R)`` (as in :func:`cell_verdicts`).
-        permutations, resamples: of the point value's rule.
-        outer: bootstrap resamples of the sets for the intervals (0: no intervals, NaN).
-        seed: the generator's seed.
+        shares, distance: as in :func:`cell_verdicts`; permutations, resamples: of the point value's rule.
+        outer: bootstrap resamples of the sets for the bounds (0: no bounds, NaN); seed: the generator's seed.
 
     Returns:
-        ``{"cells": C, "<v>": share, "<v>_low": ..., "<v>_high": ...}`` for every ``v`` in :data:`VERDICTS` (the
-        keys use ``_`` for spaces: ``pooling``, ``tracks_posterior``, ``undecided``).
+        ``{"cells": C, "<v>": share, "<v>_low": ..., "<v>_high": ...}`` for ``v`` in ``pooling``,
+        ``tracks_posterior``, ``undecided``.
     """
     a, d = np.asarray(shares, dtype=np.float64), np.asarray(distance, dtype=np.float64)
-    table = cell_verdicts(a, d, permutations, resamples, seed)
-    point = table["verdict"].to_numpy()
-    out: dict[str, float] = {"cells": int(a.shape[1])}
-    boot = np.full((outer, len(VERDICTS)), np.nan)
+    point = cell_verdicts(a, d, permutations, resamples, seed)["verdict"].to_numpy()
+    cells = a.shape[1]
+    out: dict[str, float] = {"cells": int(cells)}
+    bounds = {v: (math.nan, math.nan) for v in VERDICTS}
     if outer:
         counts = _resample_counts(np.random.default_rng(seed + 1), outer, a.shape[0])  # (B, S)
-        tv = tv_from_uniform(a)  # (S, C)
         zx, zy = _standard_ranks(a), _standard_ranks(-d)
         rho = np.where(np.isfinite(zx).all(-1) & np.isfinite(zy).all(-1)[:, None], (zx * zy[:, None]).sum(-1), np.nan)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            tv_b = counts @ tv / counts.sum(1, keepdims=True)  # (B, C)
-            usable = np.isfinite(rho)
-            rho_b = counts @ np.where(usable, rho, 0.0) / (counts @ usable)  # (B, C)
-        upper = tv_b + (table["attention_tv_high"] - table["attention_tv"]).to_numpy()
-        lower = rho_b - (table["share_spearman"] - table["share_spearman_low"]).to_numpy()
-        pooling = upper < POOLING_TV
-        tracks = ~pooling & (rho_b > table["share_spearman_critical"].to_numpy()) & (lower > 0)
-        boot[:, 0], boot[:, 1] = pooling.mean(1), tracks.mean(1)
-        boot[:, 2] = 1 - boot[:, 0] - boot[:, 1]
-    for j, v in enumerate(VERDICTS):
+        low, high = simultaneous_band(np.concatenate([tv_from_uniform(a), rho], 1), counts)  # (2C,): TV, then rho
+        (tv_low, rho_low), (tv_high, rho_high) = np.split(low, 2), np.split(high, 2)
+        certain_pool, maybe_pool = tv_high < POOLING_TV, tv_low < POOLING_TV
+        possible = {"pooling": maybe_pool, "tracks posterior": ~certain_pool & (rho_high > 0)}
+        possible["undecided"] = ~certain_pool & (rho_low <= 0)
+        for v in VERDICTS:
+            others = np.logical_or.reduce([possible[w] for w in VERDICTS if w != v])
+            bounds[v] = (float((possible[v] & ~others).mean()), float(possible[v].mean()))
+    for v in VERDICTS:
         key = v.replace(" ", "_")
         out[key] = float((point == v).mean())
-        low, high = np.quantile(boot[:, j], [0.025, 0.975]) if outer else (math.nan, math.nan)
-        out[f"{key}_low"], out[f"{key}_high"] = float(low), float(high)
+        out[f"{key}_low"], out[f"{key}_high"] = bounds[v]
     return out
 
 

@@ -105,7 +105,6 @@ __all__ = [
     "STEP_PREDICTORS",
     "WHOLE_RUN_PREDICTORS",
     "ablation_effects",
-    "add_patching",
     "compare",
     "compare_grid",
     "control_rows",
@@ -181,9 +180,13 @@ def predictors(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     return overall, per_step
 
 
-def compare(effects: pd.DataFrame, overall: pd.DataFrame, per_step: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
-    """Per predictor, effect and timestep (``"all"`` for the step mean): mean per-set Spearman, interval, p-value,
-    and whether the predictor predicts the effect (p < ALPHA and interval above 0)."""
+def compare(
+    effects: pd.DataFrame, overall: pd.DataFrame, per_step: pd.DataFrame, permutations: int = 49999, seed: int = 0
+) -> pd.DataFrame:
+    """Per predictor, effect and timestep (``"all"`` for the step mean): mean per-set Spearman, interval, p-value
+    (``permutations`` permutations: the table's 52 tests put Holm's floor at 52 / (1 + permutations)), whether the
+    predictor predicts the effect (p < ALPHA and interval above 0, before :func:`.attribution_tests._decide`), and
+    the per-set values (``_values``)."""
     from ..attribution import paired_rank_test
     from ..sweep.aggregation import bootstrap_ci
 
@@ -197,7 +200,9 @@ def compare(effects: pd.DataFrame, overall: pd.DataFrame, per_step: pd.DataFrame
             for predictor in PREDICTORS:
                 if predictor not in merged.columns or (when != "all" and predictor in WHOLE_RUN_PREDICTORS):
                     continue  # the whole run's predictors once; effects without them (older records) skip them
-                tests[predictor] = paired_rank_test(_matrix(merged, predictor), _matrix(merged, effect), seed=seed)
+                tests[predictor] = paired_rank_test(
+                    _matrix(merged, predictor), _matrix(merged, effect), permutations, seed
+                )
                 t = tests[predictor]
                 rows.append(
                     {
@@ -476,61 +481,6 @@ def retable(folder: str | Path, revision: str | None = None) -> list[Path]:
 CIRCULAR = ", near-circular: read after the output is decided"
 
 
-def add_patching(folder: str | Path, recipe: str, progress: bool = False) -> list[Path]:
-    """Add the whole run's predictors (:data:`~.attribution_setup.WHOLE_RUN_PREDICTORS`: one forward and one
-    backward pass per set) to a committed attribution folder without redoing its ablations: per organism, each set of
-    ``effects_<label>.csv`` is generated again with gradients (the experiment's sets and seeds, checked against the
-    digits the file holds), the columns join the effects, their comparisons join ``comparisons_<label>.csv`` (Holm
-    then runs over the grown table) and ``held_out_<label>.csv`` is chosen again among every candidate.
-
-    Returns:
-        the files written.
-    """
-    from tqdm.auto import tqdm
-
-    from .._io import write_table
-    from ..attribution import digit_probability_gradients
-    from .ip_adapter_setup import _mixed_sets, organism_pipelines
-
-    folder = Path(folder)
-    written = []
-    for label, pipe in organism_pipelines(recipe).items():
-        path = folder / f"effects_{label}.csv"
-        if not path.exists():
-            continue
-        effects = pd.read_csv(path).drop(columns=list(WHOLE_RUN_PREDICTORS), errors="ignore")
-        sets = _mixed_sets(int(effects["set"].max()) + 1)
-        columns = []
-        for i in tqdm(sorted(effects["set"].unique()), desc=f"attribution patching {label}", disable=not progress):
-            (a, b), refs = sets[i]
-            digits = effects[effects["set"] == i].sort_values("reference")["digit"].tolist()
-            if digits != [a, a, b, b]:
-                raise ValueError(f"{path}: set {i} holds digits {digits}, the experiment's set {i} is {[a, a, b, b]}")
-            columns.append(digit_probability_gradients(pipe, digits, seed=int(i), **_call(refs)).assign(set=i))
-        effects = effects.merge(pd.concat(columns, ignore_index=True), on=["set", "reference"])
-        write_table(effects, path)
-        written.append(path)
-        path = folder / f"comparisons_{label}.csv"
-        if path.exists():
-            table = pd.read_csv(path, dtype={"timestep": str})
-            table = table[~table["predictor"].isin(WHOLE_RUN_PREDICTORS)]
-            overall = effects[["set", "reference", *STEP_PREDICTORS]]
-            added = compare(
-                effects.drop(columns=list(STEP_PREDICTORS)), overall, overall.iloc[:0].assign(timestep=0.0)
-            )
-            added = added[added["predictor"].isin(WHOLE_RUN_PREDICTORS)]
-            write_table(adjust_comparisons(pd.concat([table, added], ignore_index=True)), path)
-            written.append(path)
-        if effects["set"].nunique() >= 4:
-            aggregates = folder / f"aggregates_{label}.csv"
-            aggregates = pd.read_csv(aggregates) if aggregates.exists() else None
-            held, scores = held_out_aggregations(effects, aggregates)
-            for name, frame in (("held_out", held), ("held_out_scores", scores)):
-                write_table(frame, folder / f"{name}_{label}.csv")
-                written.append(folder / f"{name}_{label}.csv")
-    return written
-
-
 def _set_digits(effects: pd.DataFrame) -> np.ndarray:
     """``(S, R)`` the digit of each set's references, in set order."""
     return effects.pivot(index="set", columns="reference", values="digit").sort_index().to_numpy()
@@ -554,8 +504,8 @@ def _stacked(values: np.ndarray, row: float, height: float) -> tuple[np.ndarray,
 def plot(effects_by: dict[str, pd.DataFrame], trained: pd.DataFrame, recipe: str, folder) -> Path:
     """The experiment's figure, 7 in wide, drawing what the statistic uses: (a) per predictor and organism, the
     per-set Spearman of the predictor with the ablation effect (RMS latent change) over the set's references, one dot
-    per set, and their mean (the statistic); (b) per recorded step, that mean with its 95% bootstrap interval on the
-    trained organism, one marker and colour per predictor, set side by side so that no interval hides another.
+    per set, and their mean (the statistic); (b) per recorded step, that mean on the trained organism, filled where
+    the table's decision (one-sided, Holm) says it predicts, one marker and colour per predictor, set side by side.
 
     Args:
         effects_by: ``"trained"`` / ``"untrained"`` -> effects with the predictors beside them.
@@ -595,11 +545,11 @@ def plot(effects_by: dict[str, pd.DataFrame], trained: pd.DataFrame, recipe: str
             if part.empty:  # a record from before this predictor
                 continue
             x = np.arange(len(part)) + (index - (len(names) - 1) / 2) * 0.14
-            mean, low, high = (part[c].to_numpy(float) for c in ("spearman", "low", "high"))
-            text = f"trained: {PREDICTORS[predictor]} (bars: 95% CI)"
-            right.errorbar(x, mean, yerr=[mean - low, high - mean], marker=markers[index % 4], ls="", capsize=2,
-                           color=f"C{index + 2}", label=text)  # fmt: skip
-            drawn += [mean, low, high]
+            mean, decided = part["spearman"].to_numpy(float), part["predicts"].to_numpy(bool)
+            color = f"C{index + 2}"
+            right.scatter(x, mean, marker=markers[index % 4], color=color, facecolors=np.where(decided, color, "none"),
+                          label=f"trained: {PREDICTORS[predictor]} (filled: predicts after Holm)")  # fmt: skip
+            drawn += [mean]
             right.set_xticks(np.arange(len(part)), list(part["timestep"]))
         right.axhline(0, color="grey", lw=0.8, ls=":", label="chance (permutation null mean)")
         fit_ylim(right, np.concatenate([np.asarray(d, float) for d in drawn]))

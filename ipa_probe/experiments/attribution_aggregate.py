@@ -143,7 +143,8 @@ def held_out_aggregations(
     that ranks the references backwards is read negated) with the largest absolute mean per-set Spearman with the
     effect; the odd sets test it with :func:`ipa_probe.attribution.paired_rank_test` (one-sided permutation p); then
     the roles swap. The held-out tests of one organism (effects x 2 folds) are one Holm family; ``agrees`` is
-    ``p_holm < ALPHA``. Nothing chosen on a half is tested on it.
+    ``p_holm < ALPHA``, and its interval ``[low, 1]`` the family's Holm-compatible one-sided bound
+    (:func:`ipa_probe.attribution.holm_lower_bounds`). Nothing chosen on a half is tested on it.
 
     Returns:
         ``(held_out, scores)``. ``held_out``: one row per (effect, fold) with ``effect``, ``fold``, ``chosen`` (the
@@ -151,7 +152,7 @@ def held_out_aggregations(
         ``spearman``, ``low``, ``high``, ``p``, ``sets``, ``p_holm``, ``agrees``. ``scores``: every candidate's mean
         per-set Spearman on the choosing half and on the held-out half, per (effect, fold) (descriptive).
     """
-    from ..attribution import ALPHA, holm, paired_rank_test
+    from ..attribution import ALPHA, holm, holm_lower_bounds, paired_rank_test
 
     wide, names = candidates(effects, aggregates)
     if names.empty:
@@ -160,7 +161,7 @@ def held_out_aggregations(
     if len(sets) < 4:
         raise ValueError(f"{len(sets)} sets: the held-out split needs two sets on each side at least")
     halves = {"even": sets[::2], "odd": sets[1::2]}
-    rows, scores = [], []
+    rows, scores, values = [], [], []
     for effect in EFFECTS:
         if effect not in wide.columns:
             continue
@@ -198,8 +199,10 @@ def held_out_aggregations(
                     "sets": result["sets"],
                 }
             )
+            values.append(result["values"])
     out = pd.DataFrame(rows)
     out["p_holm"] = holm(out["p"].to_numpy(np.float64))
+    out["low"], out["high"] = holm_lower_bounds(values, out["p_holm"].to_numpy()), 1.0  # the decision's interval
     out["agrees"] = out["p_holm"] < ALPHA
     return out, pd.concat(scores, ignore_index=True)
 

@@ -123,7 +123,7 @@ def resolution_verdicts(results: list, outer: int, seed: int = 0) -> pd.DataFram
 
     Args:
         results: the sets' :class:`~ipa_probe.attribution.ReferenceAttribution`.
-        outer: :func:`~ipa_probe.attribution.verdict_shares`' bootstrap resamples of the sets for the intervals.
+        outer: :func:`~ipa_probe.attribution.verdict_shares`' bootstrap resamples of the sets for the bounds.
         seed: the generator's seed.
 
     Returns:
@@ -344,8 +344,9 @@ def control_rows(label: str, check: dict) -> list[Row]:
                     f"{label}, {population} sets, {resolution} ({first['cells']} cells)",
                     text,
                     "—",
-                    "the rule of ipa_probe.attribution.verdict per cell; 95% interval over reference sets "
-                    "(each cell's decision re-taken on bootstrap resamples of the sets); first and last timestep",
+                    "the rule of ipa_probe.attribution.verdict per cell; [certified, possible] simultaneous 95% "
+                    "bounds on the true share (max-|t| bootstrap over reference sets; none in records from before "
+                    "issue #52); first and last timestep",
                 )
             )
     table = check["controls"]

@@ -70,7 +70,9 @@ def grid_predictors(table: pd.DataFrame, grid: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(rows, ignore_index=True)
 
 
-def compare_grid(grid: pd.DataFrame, predictors_table: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+def compare_grid(
+    grid: pd.DataFrame, predictors_table: pd.DataFrame, permutations: int = 49999, seed: int = 0
+) -> pd.DataFrame:
     """Per (group, steps, mode, factor), effect and predictor: the mean over sets of the per-set Spearman over the
     references (:func:`ipa_probe.attribution.paired_rank_test`: 95 % bootstrap interval over sets, one-sided
     permutation p) and ``predicts`` (p < ALPHA and the interval above 0)."""
@@ -81,7 +83,7 @@ def compare_grid(grid: pd.DataFrame, predictors_table: pd.DataFrame, seed: int =
     for (group, steps, mode, factor), part in merged.groupby(["group", "steps", "mode", "factor"], sort=False):
         for effect in EFFECTS:
             for predictor in STEP_PREDICTORS:
-                t = paired_rank_test(_matrix(part, predictor), _matrix(part, effect), seed=seed)
+                t = paired_rank_test(_matrix(part, predictor), _matrix(part, effect), permutations, seed)
                 rows.append(
                     {
                         "group": group,

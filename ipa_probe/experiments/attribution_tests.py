@@ -7,8 +7,9 @@ Conventions, stated before the numbers:
 - **one side**: every test asks whether a predictor ranks the references as the ablation effect does (larger
   predictor, larger effect); its p-value is the one-sided permutation p of
   :func:`ipa_probe.attribution.paired_rank_test`, and the decision is that p after Holm's adjustment below
-  :data:`~ipa_probe.attribution.ALPHA`. The 95 % bootstrap intervals stay in the tables as descriptions; they
-  decide nothing.
+  :data:`~ipa_probe.attribution.ALPHA`. A tested row's interval is the decision's own, ``[low, 1]`` with ``low``
+  the family's Holm-compatible one-sided bound (:func:`ipa_probe.attribution.holm_lower_bounds`): above 0 exactly
+  where the row predicts (issue #52).
 - **families**: one organism's whole comparison table (every timestep, predictor and effect) is one Holm family;
   the ablation grid is one family without the mid block and the mid block (one 1 x 1 layer, effects below 0.001)
   is a family of its own, reported apart.
@@ -28,14 +29,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .attribution_setup import EFFECTS, PREDICTORS, _matrix
-
 __all__ = [
     "DECIDED_BELOW",
     "adjust_comparisons",
     "adjust_grid",
     "example_intervals",
-    "held_out",
     "rewrite",
 ]
 
@@ -45,8 +43,11 @@ DECIDED_BELOW = 651.0
 
 def _decide(frame: pd.DataFrame, family: pd.Series | None = None) -> pd.DataFrame:
     """``p_holm`` per family (one family when ``family`` is None) and ``predicts`` = ``p_holm < ALPHA``; the old
-    rule (unadjusted p and the interval above 0) stays as ``predicts_unadjusted``."""
-    from ..attribution import ALPHA, holm
+    rule (unadjusted p and the interval above 0) stays as ``predicts_unadjusted``. Where the frame carries each
+    test's per-set values (a ``_values`` column, dropped here), the tested rows' interval becomes the one the decision
+    uses: ``[low, 1]``, ``low`` the family's Holm-compatible one-sided bound
+    (:func:`ipa_probe.attribution.holm_lower_bounds`; above 0 exactly where ``predicts``)."""
+    from ..attribution import ALPHA, holm, holm_lower_bounds
 
     out = frame.copy()
     if "predicts" in out.columns:
@@ -58,8 +59,12 @@ def _decide(frame: pd.DataFrame, family: pd.Series | None = None) -> pd.DataFram
     keys = pd.Series(0, index=out.index) if family is None else family
     for _, index in out.groupby(keys.to_numpy()).groups.items():
         out.loc[index, "p_holm"] = holm(out.loc[index, "p"].to_numpy(np.float64))
+        if "_values" in out.columns:
+            low = holm_lower_bounds(list(out.loc[index, "_values"]), out.loc[index, "p_holm"].to_numpy(np.float64))
+            tested = np.isfinite(low)
+            out.loc[index[tested], "low"], out.loc[index[tested], "high"] = low[tested], 1.0
     out["predicts"] = (out["p_holm"] < ALPHA).to_numpy()
-    return out
+    return out.drop(columns="_values", errors="ignore")
 
 
 def adjust_comparisons(table: pd.DataFrame) -> pd.DataFrame:
@@ -82,10 +87,15 @@ def adjust_grid(table: pd.DataFrame) -> pd.DataFrame:
 
 def example_intervals(example: pd.DataFrame) -> pd.DataFrame:
     """The 2 + 2 example's rates (``flipped``, ``baseline_reads_5``, ``reads_5``) with Clopper-Pearson intervals over
-    its seeds in place of Student's t, and the counts they come from (``<rate>_count`` of ``seeds``)."""
+    its seeds in place of Student's t, and the counts they come from (``<rate>_count`` of ``seeds``); the RMS
+    changes' Student's t intervals cut at 0, where the RMS cannot go (a confidence interval intersected with the
+    parameter's range covers as often as before)."""
     from ..attribution import clopper_pearson
 
     out = example.copy()
+    for column in ("latent_effect_low", "pixel_effect_low"):
+        if column in out.columns:
+            out[column] = out[column].clip(lower=0.0)
     for column in ("flipped", "baseline_reads_5", "reads_5"):
         if column not in out.columns:
             continue
@@ -96,97 +106,50 @@ def example_intervals(example: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _mean_spearman(frame: pd.DataFrame, predictor: str, effect: str) -> float:
-    from ..attribution import paired_rank_test
-
-    return paired_rank_test(_matrix(frame, predictor), _matrix(frame, effect), permutations=0)["values"]
-
-
-def held_out(effects: pd.DataFrame, permutations: int = 4999, seed: int = 0) -> pd.DataFrame:
-    """Choose a predictor on half of the sets and test it on the other half (module docstring).
-
-    Args:
-        effects: one organism's effects with the predictors beside them (``set``, ``reference``, the columns of
-            :data:`EFFECTS` and :data:`PREDICTORS`).
-        permutations, seed: of the held-out permutation test.
-
-    Returns:
-        one row per (effect, fold): ``effect``, ``fold`` (``"even chooses"`` / ``"odd chooses"``), ``chosen``,
-        ``sign``, ``selection_spearman`` (its mean per-set Spearman on the choosing half), ``spearman``, ``low``,
-        ``high``, ``p`` (one-sided) and ``sets`` on the held-out half, ``p_holm`` (over the organism's rows),
-        ``agrees`` (``p_holm < ALPHA``), and ``<predictor>_held_out`` every candidate's held-out mean (descriptive).
-    """
-    from ..attribution import ALPHA, holm, paired_rank_test
-
-    candidates = [p for p in PREDICTORS if p in effects.columns]  # a record from before a predictor lacks it
-    sets = np.sort(effects["set"].unique())
-    halves = {"even": sets[::2], "odd": sets[1::2]}
-    rows = []
-    for effect in EFFECTS:
-        for chooser, tester in (("even", "odd"), ("odd", "even")):
-            choose = effects[effects["set"].isin(halves[chooser])]
-            test = effects[effects["set"].isin(halves[tester])]
-            scores = {}
-            for predictor in candidates:
-                values = _mean_spearman(choose, predictor, effect)
-                scores[predictor] = float(np.nanmean(values)) if np.isfinite(values).any() else np.nan
-            chosen = max(scores, key=lambda k: abs(scores[k]) if np.isfinite(scores[k]) else -1.0)
-            sign = 1.0 if scores[chosen] >= 0 else -1.0
-            result = paired_rank_test(
-                sign * _matrix(test, chosen), _matrix(test, effect), permutations=permutations, seed=seed
-            )
-            row = {
-                "effect": effect,
-                "fold": f"{chooser} chooses",
-                "chosen": chosen,
-                "sign": sign,
-                "selection_spearman": scores[chosen],
-                "spearman": result["mean"],
-                "low": result["low"],
-                "high": result["high"],
-                "p": result["p"],
-                "sets": result["sets"],
-            }
-            for predictor in candidates:
-                values = _mean_spearman(test, predictor, effect)
-                row[f"{predictor}_held_out"] = float(np.nanmean(values)) if np.isfinite(values).any() else np.nan
-            rows.append(row)
-    out = pd.DataFrame(rows)
-    out["p_holm"] = holm(out["p"].to_numpy(np.float64))
-    out["agrees"] = out["p_holm"] < ALPHA
-    return out
-
-
-def rewrite(folder: str | Path) -> list[Path]:
-    """Correct one attribution folder's committed tables in place (no generation): ``comparisons_<label>.csv`` and
-    ``grid_comparisons_trained.csv`` gain ``p_holm``, ``predicts`` (on it) and ``predicts_unadjusted``;
-    ``example_3s_5s_trained.csv`` gets Clopper-Pearson intervals; ``held_out_<label>.csv`` and
-    ``held_out_scores_<label>.csv`` are written from ``effects_<label>.csv`` and, where the folder has it,
-    ``aggregates_<label>.csv`` (:func:`~.attribution_aggregate.held_out_aggregations`; without it the candidates are
-    the predictors over every layer and step). Returns the files written."""
+def rewrite(folder: str | Path, permutations: int = 49999) -> list[Path]:
+    """Re-derive one attribution folder's tests in place from its committed records (no generation): comparisons
+    from ``effects_<label>.csv`` and ``aggregates_<label>.csv`` (all layers per recorded timestep; without them the
+    committed table is only adjusted), the grid's from ``grid_trained.csv``, each with ``permutations`` permutations
+    and the decision's interval (:func:`_decide`); the held-out choice (:func:`~.attribution_aggregate.
+    held_out_aggregations`); the example's intervals (:func:`example_intervals`). Returns the files written."""
     from .._io import write_table
+    from .attribution import compare
+    from .attribution_aggregate import held_out_aggregations
+    from .attribution_grid import compare_grid
+    from .attribution_setup import STEP_PREDICTORS
 
     folder = Path(folder)
     written = []
     for label in ("trained", "untrained"):
-        path = folder / f"comparisons_{label}.csv"
-        if path.exists():
+        path, effects_path = folder / f"comparisons_{label}.csv", folder / f"effects_{label}.csv"
+        aggregates = folder / f"aggregates_{label}.csv"
+        aggregates = pd.read_csv(aggregates) if aggregates.exists() else None
+        effects = pd.read_csv(effects_path) if effects_path.exists() else None
+        if path.exists() and effects is not None and aggregates is not None:
+            keys = ["set", "reference", *STEP_PREDICTORS]
+            steps = aggregates[(aggregates["group"] == "all") & aggregates["steps"].str.startswith("t=")]
+            per_step = steps.assign(timestep=steps["steps"].str[2:].astype(float))[[*keys, "timestep"]]
+            table = compare(effects.drop(columns=list(STEP_PREDICTORS)), effects[keys], per_step, permutations)
+            write_table(adjust_comparisons(table), path)
+            written.append(path)
+        elif path.exists():
             write_table(adjust_comparisons(pd.read_csv(path, dtype={"timestep": str})), path)
             written.append(path)
-        path = folder / f"effects_{label}.csv"
-        if path.exists():
-            from .attribution_aggregate import held_out_aggregations
-
-            aggregates = folder / f"aggregates_{label}.csv"
-            aggregates = pd.read_csv(aggregates) if aggregates.exists() else None
-            held, scores = held_out_aggregations(pd.read_csv(path), aggregates)
+        if effects is not None:
+            held, scores = held_out_aggregations(effects, aggregates)
             for name, frame in (("held_out", held), ("held_out_scores", scores)):
                 write_table(frame, folder / f"{name}_{label}.csv")
                 written.append(folder / f"{name}_{label}.csv")
-    corrections = {"grid_comparisons_trained.csv": adjust_grid, "example_3s_5s_trained.csv": example_intervals}
-    for name, correct in corrections.items():
-        path = folder / name
-        if path.exists():
-            write_table(correct(pd.read_csv(path)), path)
-            written.append(path)
+    grid = folder / "grid_trained.csv"
+    if grid.exists():
+        grid = pd.read_csv(grid)
+        keys = ["set", "reference", "group", "steps"]
+        table = grid[[*keys, *STEP_PREDICTORS]].drop_duplicates(keys)
+        comparison = compare_grid(grid.drop(columns=list(STEP_PREDICTORS)), table, permutations=permutations)
+        write_table(adjust_grid(comparison), folder / "grid_comparisons_trained.csv")
+        written.append(folder / "grid_comparisons_trained.csv")
+    path = folder / "example_3s_5s_trained.csv"
+    if path.exists():
+        write_table(example_intervals(pd.read_csv(path)), path)
+        written.append(path)
     return written

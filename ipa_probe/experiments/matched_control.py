@@ -11,8 +11,8 @@ keeps ``c = 1``. Calibration sets are drawn apart from the evaluation sets (seed
 
 :func:`paired_control` then compares the trained organism with each control set by set (same references, same seed):
 per timestep and statistic (the query-frame rho and its excess over its own baseline), the mean over sets of the
-per-set difference trained - control, its 95 % BCa bootstrap interval over sets, and a one-sided sign-flip
-permutation p for "trained below control" (the direction the docs claimed), Holm-adjusted over the table.
+per-set difference trained - control, a one-sided sign-flip permutation p for "trained below control" (the
+direction the docs claimed), Holm-adjusted over the table, and the decision's one-sided Holm-compatible upper bound.
 
 **Query pool.** :func:`query_pool` reads both pools, ``query_frame="item"`` and ``"branch"``, from one probed
 generation per set and image count (the item run's ``qf_spearman`` and ``qf_spearman_other_pool``: the same rows
@@ -173,16 +173,17 @@ def paired_control(per_set: dict[str, pd.DataFrame], controls=("untrained", "mat
 
     Returns:
         one row per (control, statistic, timestep), noise first: ``trained``, ``control_value``, ``difference``
-        (mean over sets of trained - control), ``low``, ``high`` (95 % BCa over sets), ``p`` (one-sided: trained
-        below control; sign-flip permutation, 9999 draws), ``p_holm`` (over the table), ``sets``.
+        (mean over sets of trained - control), ``p`` (one-sided: trained below control; sign-flip permutation, 9999
+        draws), ``sets``, ``p_holm`` (over the table) and the decision's interval ``[low, high]`` = ``(-inf, U]``,
+        ``U`` the Holm-compatible one-sided upper bound (:func:`ipa_probe.attribution.holm_lower_bounds` of the
+        negated differences: below 0 exactly where ``p_holm < ALPHA``).
     """
     from scipy import stats
 
-    from ..attribution import holm
-    from ..sweep.aggregation import bootstrap_ci
+    from ..attribution import holm, holm_lower_bounds
 
     trained = per_set["trained"]
-    rows = []
+    rows, differences = [], []
     for control in controls:
         if control not in per_set:
             continue
@@ -191,7 +192,7 @@ def paired_control(per_set: dict[str, pd.DataFrame], controls=("untrained", "mat
             for timestep, part in sorted(merged.groupby("timestep"), key=lambda item: -item[0]):
                 difference = (part[statistic] - part[f"{statistic}_control"]).to_numpy(np.float64)
                 difference = difference[np.isfinite(difference)]
-                low, high = bootstrap_ci(difference)
+                differences.append(difference)
                 p = math.nan
                 if difference.size >= 2:
                     test = stats.permutation_test(
@@ -207,14 +208,15 @@ def paired_control(per_set: dict[str, pd.DataFrame], controls=("untrained", "mat
                         "trained": float(part[statistic].mean()),
                         "control_value": float(part[f"{statistic}_control"].mean()),
                         "difference": float(difference.mean()) if difference.size else math.nan,
-                        "low": low,
-                        "high": high,
                         "p": p,
                         "sets": int(difference.size),
                     }
                 )
     out = pd.DataFrame(rows)
     out["p_holm"] = holm(out["p"].to_numpy(np.float64)) if len(out) else []
+    if len(out):  # the decision's interval: one-sided (trained below), Holm-compatible over the table
+        out["high"] = -holm_lower_bounds([-d for d in differences], out["p_holm"].to_numpy(np.float64))
+        out["low"] = -np.inf
     return out
 
 
@@ -350,7 +352,7 @@ def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], 
             Row(
                 "trained minus control, paired by set (one-sided: trained below; Holm over the table)",
                 f"{r['statistic']} vs {r['control']} twin, t={r['timestep']:g}",
-                f"{r['difference']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}], p {r['p']:.2g} (Holm {r['p_holm']:.2g})",
+                f"{r['difference']:+.3f} (≤ {r['high']:+.3f}), p {r['p']:.2g} (Holm {r['p_holm']:.2g})",
                 "—",
                 f"trained {r['trained']:.3f}, control {r['control_value']:.3f}; attention TV from uniform: trained "
                 f"{tv['trained'].get(r['timestep'], np.nan):.3f}, control "
@@ -375,7 +377,8 @@ def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], 
             "paired": paired.to_dict(orient="records"),
             "calibration_sets": tier.ip_calibration_sets,
             "scale_grid": list(SCALE_GRID),
-            "rule": "per set: trained - control; 95% BCa over sets; one-sided sign-flip p (trained below); Holm",
+            "rule": "per set: trained - control; one-sided sign-flip p (trained below); Holm; one-sided "
+            "Holm-compatible upper bound",
         },
         "query_pool": {"summary": pool.to_dict(orient="records"), "sets": tier.ip_pool_sets, "guidance_scale": 3.0},
     }

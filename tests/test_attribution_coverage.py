@@ -1,0 +1,108 @@
+"""Coverage of the attribution intervals, simulated from a known truth (issue #52 point 3).
+
+Each interval is checked where its decision lives: the verdict shares' simultaneous bounds against the true share
+of cells on each side of the rule, and the Holm-compatible one-sided bounds against every true mean of a family at
+once. Each check is run on a known-bad interval as well and must fail there: the percentile bootstrap that re-takes
+every cell's decision (the verdict shares' former interval), and one-sided bounds unadjusted for the family.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from ipa_probe.attribution import POOLING_TV, holm, holm_lower_bounds, verdict_shares
+
+SETS, REFS, REPLICATES = 20, 4, 60
+#: per cell, the true mean TV from uniform and the true mean Spearman with the posterior's ranking
+TRUE_TV = np.repeat([0.03, 0.04, 0.048, 0.052, 0.06, 0.1], 4)
+TRUE_RHO = np.tile([0.0, 0.25, 0.6, 1.0], 6)
+PROFILE = np.array([3.0, 1.0, -1.0, -3.0]) / 16  # TV of 0.25 + a * PROFILE (any order) is a / 4
+
+
+def true_shares() -> dict[str, float]:
+    """The rule applied to the population means, per cell, then counted (truth written out from the constants)."""
+    pooling = TRUE_TV < POOLING_TV
+    tracks = ~pooling & (TRUE_RHO > 0)
+    return {"pooling": pooling.mean(), "tracks_posterior": tracks.mean(), "undecided": (~pooling & ~tracks).mean()}
+
+
+def draw(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Shares ``(S, C, R)`` whose cell means are known exactly: TV is ``a / 4`` with ``E a = 4 TRUE_TV``; the shares
+    follow the posterior's ranking (Spearman +1) with probability ``TRUE_RHO`` and a uniform random order (Spearman
+    0 on average) otherwise."""
+    distance = rng.uniform(0, 50, (SETS, REFS))
+    nearest_first = np.argsort(distance, -1)  # (S, R)
+    cells = len(TRUE_TV)
+    shares = np.empty((SETS, cells, REFS))
+    for s in range(SETS):
+        for c in range(cells):
+            a = 4 * TRUE_TV[c] * rng.uniform(0.5, 1.5)
+            order = nearest_first[s] if rng.random() < TRUE_RHO[c] else rng.permutation(REFS)
+            shares[s, c, order] = 0.25 + a * PROFILE
+    return shares, distance
+
+
+def redecided_interval(shares: np.ndarray, distance: np.ndarray, outer: int, seed: int) -> dict[str, float]:
+    """The known-bad interval: each cell's decision re-taken on bootstrap resamples of the sets (here with the
+    per-cell percentile rule recomputed inside every resample), percentile interval of the shares."""
+    rng = np.random.default_rng(seed)
+    tv = 0.5 * np.abs(shares - 0.25).sum(-1)  # (S, C)
+    rho = np.array([[stats.spearmanr(shares[s, c], -distance[s]).statistic for c in range(shares.shape[1])]
+                    for s in range(SETS)])  # fmt: skip
+    decided = []
+    for _ in range(outer):
+        index = rng.integers(0, SETS, SETS)
+        inner = rng.integers(0, SETS, (99, SETS))
+        high = np.quantile(tv[index][inner].mean(1), 0.975, axis=0)
+        low = np.quantile(rho[index][inner].mean(1), 0.025, axis=0)
+        pooling = high < POOLING_TV
+        decided.append((pooling.mean(), (~pooling & (low > 0)).mean()))
+    decided = np.array(decided)
+    out = {}
+    for j, key in enumerate(("pooling", "tracks_posterior")):
+        out[f"{key}_low"], out[f"{key}_high"] = np.quantile(decided[:, j], [0.025, 0.975])
+    return out
+
+
+def covered(result: dict[str, float], truth: dict[str, float], keys) -> bool:
+    return all(result[f"{k}_low"] - 1e-12 <= truth[k] <= result[f"{k}_high"] + 1e-12 for k in keys)
+
+
+def test_verdict_share_bounds_cover_the_true_shares():
+    truth = true_shares()
+    assert truth == pytest.approx({"pooling": 0.5, "tracks_posterior": 0.375, "undecided": 0.125})
+    rng = np.random.default_rng(52)
+    hits, bad_hits = 0, 0
+    for replicate in range(REPLICATES):
+        shares, distance = draw(rng)
+        result = verdict_shares(shares, distance, permutations=199, resamples=199, outer=499, seed=replicate)
+        hits += covered(result, truth, ("pooling", "tracks_posterior", "undecided"))
+        if replicate < 20:
+            bad = redecided_interval(shares, distance, outer=99, seed=replicate)
+            bad_hits += covered(bad, truth, ("pooling", "tracks_posterior"))
+    # nominal 95 % simultaneous: P(at most 50 of 60 | 0.95) = 0.003
+    assert hits >= 51, f"simultaneous bounds covered the true shares in {hits} of {REPLICATES}"
+    # the check has power: the re-decided percentile interval covers far less often
+    assert bad_hits <= 10, f"the re-decided interval covered in {bad_hits} of 20: the check cannot fail"
+
+
+def test_holm_lower_bounds_cover_every_mean_of_the_family():
+    """A family of 6 one-sided tests of "mean <= 0" on 30 sets (3 true means at 0, 3 above), decided by Holm on the
+    t test's p: the bounds cover all 6 true means at once in at least 95 % of families (binomial slack), a bound above
+    0 goes with a rejection only; unadjusted 95 % one-sided bounds miss far more often."""
+    means = np.array([0.0, 0.0, 0.0, 0.15, 0.3, 0.5])
+    rng = np.random.default_rng(7)
+    families, hits, naive_hits = 300, 0, 0
+    for _ in range(families):
+        values = [rng.normal(mu, 1.0, 30) for mu in means]
+        p = np.array([stats.ttest_1samp(v, 0.0, alternative="greater").pvalue for v in values])
+        p_holm = holm(p)
+        bounds = holm_lower_bounds(values, p_holm)
+        assert ((bounds > 0) <= (p_holm < 0.05)).all() and ((p_holm < 0.05) <= (bounds >= 0)).all()
+        hits += bool((bounds <= means).all())
+        naive = np.array([stats.ttest_1samp(v, 0).confidence_interval(0.90).low for v in values])  # one side at 5 %
+        naive_hits += bool((naive <= means).all())
+    assert hits >= 276, f"{hits} of {families}"  # P(at most 275 | 0.95) = 0.01
+    assert naive_hits <= 260, f"unadjusted bounds covered {naive_hits} of {families}: the check cannot fail"

@@ -1,0 +1,473 @@
+"""Every number the docs take from a committed record, read from the record (issue #52 point 5).
+
+Each claim is a line of text as the doc states it, rebuilt here from the CSV it comes from (the claim's table of
+(doc, text, record, rows, column)): the test fails when the prose and its record drift apart, either way. Numbers are
+formatted as the prose writes them (signs, the minus sign, significant digits); whitespace is normalised.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ipa_probe.experiments.attribution_setup import PREDICTORS as PREDICTOR_WORDS  # the tables' wording
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+ORGANISMS = {"support": "full", "ip-adapter": "full_recipe_ip_adapter", "mixed": "full_recipe_mixed"}
+
+
+def doc(name: str) -> str:
+    return re.sub(r"\s+", " ", (ROOT / name).read_text())
+
+
+def record(path: str) -> pd.DataFrame:
+    return pd.read_csv(RESULTS / path, dtype={"timestep": str} if "attribution/" in path else None)
+
+
+def one(table: pd.DataFrame, **where) -> pd.Series:
+    rows = table
+    for column, value in where.items():
+        rows = rows[rows[column].astype(str) == str(value)]
+    assert len(rows) == 1, f"{where}: {len(rows)} rows"
+    return rows.iloc[0]
+
+
+def signed(x: float, digits: int = 2) -> str:
+    """``+0.43`` / ``−0.02``: the docs' signed numbers, with the minus sign."""
+    return f"{x:+.{digits}f}".replace("-", "−")
+
+
+def g(x: float) -> str:
+    """Two significant digits, as p-values are written (``0.0012``, ``1``)."""
+    return f"{x:.2g}"
+
+
+def e(x: float) -> str:
+    """Two significant digits with a short exponent, as the docs write small numbers (``4.1e-6``, ``0.0089``)."""
+    return re.sub(r"e([+-])0*(\d)", lambda m: f"e{m.group(1).replace('+', '')}{m.group(2)}", f"{x:.2g}")
+
+
+def assert_in(name: str, text: str) -> None:
+    text = re.sub(r"\s+", " ", text)
+    assert text in doc(name), f"{name} does not state, from its record: {text!r}"
+
+
+# ------------------------------------------------------------------------------------------- findings.md section 2
+@pytest.mark.parametrize("organism", list(ORGANISMS))
+def test_matched_control_tables(organism):
+    table = record(f"{ORGANISMS[organism]}/ip-adapter/matched_control.csv")
+    for timestep in sorted(table["timestep"].unique(), reverse=True):
+        cells = []
+        for statistic in ("qf_spearman", "qf_rho_excess"):
+            for control in ("untrained", "matched"):
+                r = one(table, control=control, statistic=statistic, timestep=timestep)
+                interval = f"[{signed(r['low'], 3)}, {signed(r['high'], 3)}]"
+                cells.append(f"{signed(r['difference'], 3)} {interval}, Holm {g(r['p_holm'])}")
+        assert_in("docs/findings.md", f"| {timestep:g} | " + " | ".join(cells) + " |")
+
+
+# ------------------------------------------------------------------------------------------- findings.md section 7
+def test_nw_quality_rates():
+    table = record("nw_quality/rates.csv")
+    for organism in ORGANISMS:
+        cells = []
+        for method in ("learned", "nw_head_query", "nw_head_stored", "adapter_off"):
+            r = one(table, recipe=organism, method=method)
+            cells.append(
+                f"{r['right']}/{r['images']} ({100 * r['rate']:.0f}%) [{100 * r['low']:.0f}, {100 * r['high']:.0f}]"
+            )
+        assert_in("docs/findings.md", f"| `{organism}` | " + " | ".join(cells) + " |")
+
+
+# --------------------------------------------------------------------------------- attribution.md, verdicts per cell
+def test_verdict_share_ranges():
+    populations = {"one digit": "same digit", "2 + 2 digits": "2+2 digits", "4 digits": "4 digits"}
+    resolutions = ("layer", "layer x head", "layer x position", "layer x head x position")
+    for organism in ("support", "ip-adapter"):
+        table = record(f"{ORGANISMS[organism]}/attribution/verdicts_trained.csv")
+        for words, population in populations.items():
+            cells = []
+            for resolution in resolutions:
+                share = 100 * table[(table["population"] == population) & (table["resolution"] == resolution)][
+                    "pooling"
+                ].to_numpy(np.float64)
+                low, high = f"{share.min():.0f}", f"{share.max():.0f}"
+                cells.append(f"{low}%" if low == high else f"{low}–{high}%")
+            assert_in("docs/attribution.md", f"| `{organism}`, {words} | " + " | ".join(cells) + " |")
+
+
+# -------------------------------------------------------------- attribution.md and findings.md section 6: predictors
+EFFECT_WORDS = {"latent_effect": "RMS latent change", "class_drop": "drop of P(digit)"}
+
+
+def comparison_row(organism: str, effect: str) -> str:
+    """One row of the whole-table comparison: per predictor (all 40 sets, the step mean or the whole run), the mean
+    per-set Spearman and its Holm p, in bold where it predicts."""
+    table = record(f"{ORGANISMS[organism]}/attribution/comparisons_trained.csv")
+    cells = []
+    for predictor in PREDICTOR_WORDS:
+        r = one(table, timestep="all", predictor=predictor, effect=effect)
+        cell = f"{signed(r['spearman'])}, Holm {g(r['p_holm'])}"
+        cells.append(f"**{cell}**" if r["predicts"] else cell)
+    return f"| `{organism}`, {EFFECT_WORDS[effect]} | " + " | ".join(cells) + " |"
+
+
+def held_out_cell(r: pd.Series) -> str:
+    where = "" if r["steps"] == "whole run" else f", {r['group']} layers × {r['steps']}"
+    negated = " (negated)" if r["sign"] < 0 else ""
+    return f"{PREDICTOR_WORDS[r['chosen']]}{where}{negated} → {signed(r['spearman'])}, Holm {g(r['p_holm'])}"
+
+
+def held_out_row(organism: str, effect: str) -> str:
+    table = record(f"{ORGANISMS[organism]}/attribution/held_out_trained.csv")
+    folds = [one(table, effect=effect, fold=f"{side} chooses") for side in ("even", "odd")]
+    agrees = sum(bool(r["agrees"]) for r in folds)
+    verdict = {0: "no", 1: "in one fold", 2: "**in both folds**"}[agrees]
+    return (
+        f"| `{organism}`, {EFFECT_WORDS[effect]} | " + " | ".join(held_out_cell(r) for r in folds) + f" | {verdict} |"
+    )
+
+
+@pytest.mark.parametrize("organism", list(ORGANISMS))
+@pytest.mark.parametrize("effect", list(EFFECT_WORDS))
+def test_predictor_tables(organism, effect):
+    assert_in("docs/attribution.md", comparison_row(organism, effect))
+    assert_in("docs/attribution.md", held_out_row(organism, effect))
+
+
+def survivors(organism: str) -> str:
+    """What predicts after Holm on one trained organism, in words: on the step mean or the whole run, and per
+    recorded step (timesteps in the table's order)."""
+    table = record(f"{ORGANISMS[organism]}/attribution/comparisons_trained.csv")
+    table = table[table["predicts"]]
+    whole = [
+        f"{PREDICTOR_WORDS[r.predictor]} ({EFFECT_WORDS[r.effect]})" for r in table.itertuples() if r.timestep == "all"
+    ]
+    steps = table[table["timestep"] != "all"]
+    per_step = [
+        f"{PREDICTOR_WORDS[p]} ({EFFECT_WORDS[e]}) at t = {', '.join(part['timestep'])}"
+        for (p, e), part in steps.groupby(["predictor", "effect"], sort=False)
+    ]
+    return (
+        f"`{organism}`: step mean or whole run: {', '.join(whole) or 'none'}; per recorded step: "
+        f"{'; '.join(per_step) or 'none'}"
+    )
+
+
+@pytest.mark.parametrize("organism", list(ORGANISMS))
+def test_what_survives_holm(organism):
+    assert_in("docs/attribution.md", survivors(organism))
+    untrained = record(f"{ORGANISMS[organism]}/attribution/comparisons_untrained.csv")
+    assert not untrained["predicts"].any()
+
+
+def test_untrained_smallest_holm_p():
+    smallest = min(record(f"{f}/attribution/comparisons_untrained.csv")["p_holm"].min() for f in ORGANISMS.values())
+    assert_in("docs/attribution.md", f"no untrained row predicts after Holm (smallest Holm p {g(smallest)})")
+
+
+def effect_sizes(organism: str) -> str:
+    """The size of one reference's ablation on an organism: mean RMS latent change and flipped share, trained and
+    untrained, and the range of the trained attention shares."""
+    folder = ORGANISMS[organism]
+    trained, untrained = (record(f"{folder}/attribution/effects_{w}.csv") for w in ("trained", "untrained"))
+    shares = trained["attention_share"]
+    return (
+        f"`{organism}`: {trained['latent_effect'].mean():.2f} RMS, {100 * trained['flipped'].mean():.0f}% flipped "
+        f"(untrained {untrained['latent_effect'].mean():.2f}, {100 * untrained['flipped'].mean():.0f}%); "
+        f"attention shares {shares.min():.3f}–{shares.max():.3f}"
+    )
+
+
+@pytest.mark.parametrize("organism", list(ORGANISMS))
+def test_effect_sizes(organism):
+    assert_in("docs/attribution.md", effect_sizes(organism))
+
+
+def grid_counts_row(organism: str, effect: str) -> str:
+    """The grid's uncorrected counts (``predicts_unadjusted``, the mid block apart): per predictor, in how many of
+    the grid family's cells it 'predicted' the effect."""
+    table = record(f"{ORGANISMS[organism]}/attribution/grid_comparisons_trained.csv")
+    table = table[(table["family"] == "grid") & (table["effect"] == effect)]
+    cells = []
+    for predictor in list(PREDICTOR_WORDS)[:4]:
+        part = table[table["predictor"] == predictor]
+        cells.append(f"{int(part['predicts_unadjusted'].sum())} of {len(part)}")
+    return f"| `{organism}`, {EFFECT_WORDS[effect]} | " + " | ".join(cells) + " |"
+
+
+@pytest.mark.parametrize("organism", list(ORGANISMS))
+def test_grid_counts(organism):
+    for effect in EFFECT_WORDS:
+        assert_in("docs/attribution.md", grid_counts_row(organism, effect))
+
+
+# ------------------------------------------------------------------------------------------- findings.md section 8
+def shuffle_sentence(folders=("smoke", "smoke_recipe_ip_adapter")) -> str:
+    """The shuffled-order control's largest differences over the smoke tier's organisms (``shuffled_<w>.csv``)."""
+    tables = {
+        w: pd.concat([record(f"{f}/attribution/shuffled_{w}.csv") for f in folders]) for w in ("trained", "untrained")
+    }
+    first = [c for c in tables["trained"].columns if c.startswith("first_step_")]
+    overall = max(tables[w][first].to_numpy(np.float64).max() for w in tables)
+    t = tables["trained"].max()
+    return (
+        f"at the first recorded step every column agrees to {e(overall)} or better (trained: shares "
+        f"{e(t['first_step_share_max_diff'])}, contribution norms {e(t['first_step_contribution_norm_max_diff'])}, "
+        f"posterior weights {e(t['first_step_posterior_weight_max_diff'])}, distances "
+        f"{e(t['first_step_sq_distance_max_diff'])}), final latents within {e(t['latent_max_diff'])} (trained) and "
+        f"{e(tables['untrained']['latent_max_diff'].max())} of |x| ≤ "
+        f"{tables['untrained']['latent_max_abs'].max():.0f} (untrained"
+    )
+
+
+def test_shuffle_sentence():
+    assert_in("docs/findings.md", shuffle_sentence())
+
+
+# ------------------------------------------------------------------------------------------------------ README.md
+def test_readme_findings():
+    rho = []
+    for folder in ORGANISMS.values():
+        table = record(f"{folder}/ip-adapter/table.csv")
+        rows = table[table["quantity"].str.startswith("query-frame per-row Spearman, exact b")]
+        rows = rows[rows["setting"].str.startswith("trained organism")]
+        rho += [float(v.split()[0]) for v in rows["ours"]]
+    assert len(rho) == 15  # 3 organisms x 5 timesteps
+    assert_in("README.md", f"query-frame ρ is {min(rho):.2f}–{max(rho):.2f} on the three trained organisms")
+    r = one(
+        record("full_recipe_ip_adapter/attribution/held_out_trained.csv"), effect="class_drop", fold="even chooses"
+    )
+    assert r["chosen"] == "attribution_patching" and r["agrees"]
+    assert_in("README.md", f"(`ip-adapter` {signed(r['spearman'])}, Holm {g(r['p_holm'])})")
+
+
+# ------------------------------------------------------------------------------------------- findings.md section 3
+def query_frame(organism: str) -> dict[int, tuple[str, str, str]]:
+    """Per timestep of the trained organism's ``ip-adapter/table.csv``: the query-frame ρ with its interval as the
+    table writes it, the point value, and the excess over the logit-ratio baseline (exact b), signed."""
+    table = record(f"{ORGANISMS[organism]}/ip-adapter/table.csv")
+    rows = table[table["quantity"].str.startswith("query-frame per-row Spearman, exact b")]
+    out = {}
+    for r in rows[rows["setting"].str.startswith("trained organism")].itertuples():
+        excess = float(re.search(r"exact (-?[0-9.]+) \[", r.note).group(1))
+        out[int(r.setting.split("t=")[1])] = (r.ours, r.ours.split()[0], signed(excess, 3))
+    return out
+
+
+def test_query_frame_claims():
+    for organism in ("ip-adapter", "support"):
+        q = query_frame(organism)
+        assert_in("docs/findings.md", f"`{organism}` {q[981][0]} → {q[501][1]} → {q[1][0]}")
+        assert_in("docs/findings.md", f"{q[981][2]} → {q[501][2]} → {q[1][2]} (`{organism}`)")
+    q = query_frame("mixed")
+    assert_in(
+        "docs/findings.md", f"{q[981][1]} → {q[501][1]} → {q[1][1]}, excess {q[981][2]} → {q[501][2]} → {q[1][2]}"
+    )
+    assert_in(
+        "docs/attribution.md",
+        f"{q[981][0]} → {q[501][1]} → {q[261][1]} (t = 261) → {q[1][0]} (t = 981, 501, 261, 1), excess {q[981][2]} → "
+        f"{q[501][2]} → {q[261][2]} → {q[1][2]}",
+    )
+
+
+# ------------------------------------------------------------------------------------------- findings.md section 5
+def test_finest_verdict_ranges_in_findings():
+    ranges = {}
+    for organism in ("support", "ip-adapter"):
+        table = record(f"{ORGANISMS[organism]}/attribution/verdicts_trained.csv")
+        table = table[table["resolution"] == "layer x head x position"]
+        for population in ("same digit", "2+2 digits", "4 digits"):
+            share = 100 * table[table["population"] == population]["pooling"].to_numpy(np.float64)
+            ranges[organism, population] = f"{share.min():.0f}–{share.max():.0f}%"
+    s, i = (lambda p, o=o: ranges[o, p] for o in ("support", "ip-adapter"))
+    assert_in(
+        "docs/findings.md",
+        f"`pooling` covers {s('same digit')} of those cells with one-digit references on `support`, "
+        f"{s('2+2 digits')} with 2 + 2 digits and {s('4 digits')} with four; on `ip-adapter` {i('same digit')}, "
+        f"{i('2+2 digits')} and {i('4 digits')}",
+    )
+
+
+# ----------------------------------------------------------------------- attribution.md, the observational table
+def observational_cells(weights: str, population: str) -> list[str]:
+    """The first columns of a row of the observational table (``full/ip-adapter/attribution_<w>_<p>.csv``): TV from
+    uniform (its range over timesteps and the largest upper end), attention n_eff, posterior n_eff first → last."""
+    t = record(f"full/ip-adapter/attribution_{weights}_{population}.csv")
+    tv = f"{t['attention_tv'].min():.3f}–{t['attention_tv'].max():.3f} (≤ {t['attention_tv_high'].max():.3f})"
+    if f"{t['attention_tv'].max():.3f}" == f"{t['attention_tv_high'].max():.3f}":
+        tv = f"{t['attention_tv'].max():.3f}"  # no spread to state
+    neff = f"{t['attention_neff'].min():.2f}–{t['attention_neff'].max():.2f}"
+    if neff.split("–")[0] == neff.split("–")[1]:
+        neff = neff.split("–")[0]
+    return [tv, neff, f"{t['posterior_neff'].iloc[0]:.2f} → {t['posterior_neff'].iloc[-1]:.2f}"]
+
+
+@pytest.mark.parametrize("weights", ["trained", "untrained"])
+@pytest.mark.parametrize("population, words", [("one", "one digit (100 sets)"), ("2+2", "2 + 2 digits (40 sets)")])
+def test_observational_table(weights, population, words):
+    t = record(f"full/ip-adapter/attribution_{weights}_{population}.csv")
+    assert (t["verdict"] == "pooling").all() and len(t) == 5
+    row = f"| {weights}, {words} | " + " | ".join(observational_cells(weights, population)) + " |"
+    if weights == "trained":  # the ranking, the layers' agreement and the fitted bandwidth
+        assert ((t["share_spearman_low"] < 0) & (t["share_spearman_high"] > 0)).all()
+        assert np.isinf(t["fitted_bandwidth"]).all()
+        row += (
+            f" {signed(t['share_spearman'].iloc[0])} → {signed(t['share_spearman'].iloc[-1])}, every interval "
+            f"includes 0, p ≥ {t['share_spearman_p'].min():.2f} | {signed(t['layer_agreement'].min())} to "
+            f"{signed(t['layer_agreement'].max())} | ∞ at every t (lower ends {t['fitted_bandwidth_low'].min():.0f}–"
+            f"{t['fitted_bandwidth_low'].max():.0f}) | pooling × 5 |"
+        )
+    assert_in("docs/attribution.md", row)
+
+
+# ------------------------------------------------------------------------ attribution.md, the two-3s-two-5s example
+def test_two_plus_two_example():
+    def row(organism, reference, group="all", steps="all"):
+        t = record(f"{ORGANISMS[organism]}/attribution/example_3s_5s_trained.csv")
+        return one(t, reference=reference, group=group, steps=steps)
+
+    def ci(r):
+        return f"{r['latent_effect']:.3f} [{r['latent_effect_low']:.3f}, {r['latent_effect_high']:.3f}]"
+
+    def flips(r):
+        return f"{r['flipped_count']} of {r['seeds']} [{100 * r['flipped_low']:.0f}%, {100 * r['flipped_high']:.0f}%]"
+
+    five, three = row("support", "both 5s"), row("support", "both 3s")
+    assert five["baseline_reads_5"] == 1.0 and three["flipped_count"] == 0
+    assert_in(
+        "docs/attribution.md",
+        f"Ablating both 5s in every layer and step changes the latent by {ci(five)} and flips {flips(five)} "
+        f"(to another digit); ablating both 3s changes it by {ci(three)} and flips none "
+        f"[0%, {100 * three['flipped_high']:.0f}%].",
+    )
+    up, down, mid = (row("support", "both 5s", g) for g in ("up", "down", "mid"))
+    thirds = " / ".join(
+        f"{row('support', 'both 5s', 'all', s)['latent_effect']:.3f}" for s in ("0-6", "7-13", "14-19")
+    )
+    assert_in(
+        "docs/attribution.md",
+        f"(both 5s: {up['latent_effect']:.3f}, {up['flipped_count']} of 8 flips; down {down['latent_effect']:.3f}, "
+        f"mid {mid['latent_effect']:.3f}), and the first third of the steps most ({thirds},",
+    )
+    five, three = row("ip-adapter", "both 5s"), row("ip-adapter", "both 3s")
+    down, up = (row("ip-adapter", "both 5s", g)["latent_effect"] for g in ("down", "up"))
+    thirds = " / ".join(
+        f"{row('ip-adapter', 'both 5s', 'all', s)['latent_effect']:.3f}" for s in ("0-6", "7-13", "14-19")
+    )
+    assert_in(
+        "docs/attribution.md",
+        f"ablating both 5s flips {five['flipped_count']} of 8 (reads 5: {100 * five['baseline_reads_5']:.0f}% → "
+        f"{100 * five['reads_5']:.0f}%; latent {ci(five)}), both 3s {three['flipped_count']} of 8 "
+        f"({three['latent_effect']:.3f}); down ({down:.3f}) and up ({up:.3f}) blocks carry it alike, mid nothing; "
+        f"thirds {thirds}.",
+    )
+
+
+def test_matched_control_calibration_gaps():
+    """The median over layers (the 1 x 1 mid block has no ratio) of |twin ratio - trained ratio|, raw and matched,
+    and the largest matched gap (``matched_calibration.csv``)."""
+    gaps = {}
+    for organism, folder in ORGANISMS.items():
+        t = record(f"{folder}/ip-adapter/matched_calibration.csv")
+        raw, matched = ((t[c] - t["trained_ratio"]).abs() for c in ("untrained_ratio", "matched_ratio"))
+        gaps[organism] = (f"{np.nanmedian(raw):.2f}", f"{np.nanmedian(matched):.2f}", f"{np.nanmax(matched):.2f}")
+    raw, matched, largest = gaps["support"]
+    assert_in("docs/findings.md", f"ratio falls from {raw} to {matched} (largest remaining {largest};")
+    for organism in ("ip-adapter", "mixed"):
+        raw, matched, largest = gaps[organism]
+        assert_in("docs/findings.md", f"median ratio gap {raw} → {matched}, largest {largest})")
+
+
+# ------------------------------------------------------------------------------------------- findings.md section 4
+def test_query_pool_claims():
+    tables = {o: record(f"{f}/ip-adapter/query_pool.csv") for o, f in ORGANISMS.items()}
+    several = pd.concat([t[t["images"] > 1] for t in tables.values()])
+    assert (several["difference"] > several["se"]).all()  # "by more than its standard error everywhere"
+    assert (pd.concat(tables.values()).query("images == 1")["difference"] == 0).all()
+    assert_in(
+        "docs/findings.md",
+        f"(differences {several['difference'].min():.3f}–{several['difference'].max():.3f}, standard errors "
+        f"{several['se'].min():.4f}–{several['se'].max():.4f})",
+    )
+    parts, cells = [], []
+    for organism, t in tables.items():
+        cond = t[(t["images"] > 1) & (t["branch"] == "cond")]
+
+        def ends(n, cond=cond):
+            part = cond[cond["images"] == n].set_index("timestep")["difference"]
+            return f"{signed(part[981.0], 3)} → {signed(part[1.0], 3)}"
+
+        uncond = signed(t[(t["images"] > 1) & (t["branch"] == "uncond")]["difference"].max(), 3)
+        parts.append((organism, ends(3), ends(8), uncond))
+        cells.append(f"{t['max_cell_difference'].max():.2f}")
+    (_, a3, a8, au), (_, b3, b8, bu), (_, c3, c8, cu) = parts
+    assert_in(
+        "docs/findings.md",
+        f"`support` cond {a3} (3 images) and {a8} (8 images) from t = 981 to 1, uncond up to {au}; `ip-adapter` {b3} "
+        f"and {b8}, uncond up to {bu}; `mixed` {c3} and {c8}, uncond up to {cu}. Single cells move by up to "
+        f"{cells[0]} (`support`), {cells[1]} (`ip-adapter`) and {cells[2]} (`mixed`).",
+    )
+
+
+def test_grid_effect_sizes():
+    """The grid's mean RMS latent change per layer group (every step) and per step third (every layer), and of the
+    scale-0.5 cell (``grid_trained.csv``)."""
+    sizes = {}
+    for organism in ("support", "ip-adapter"):
+        t = record(f"{ORGANISMS[organism]}/attribution/grid_trained.csv")
+        ablate = t[t["mode"] == "ablate"]
+        group = ablate[ablate["steps"] == "all"].groupby("group")["latent_effect"].mean()
+        third = ablate[ablate["group"] == "all"].groupby("steps")["latent_effect"].mean()
+        sizes[organism] = (group, third, t[t["mode"] == "scale"]["latent_effect"].mean())
+    (g, s, scale), (h, u, scale_ip) = sizes["support"], sizes["ip-adapter"]
+    assert_in(
+        "docs/attribution.md",
+        f"changes the final latent by {g['up']:.2f} on `support` (down {g['down']:.2f}, mid {g['mid']:.3f}; all "
+        f"layers {g['all']:.2f}), and by {h['up']:.2f} on `ip-adapter`, where the down blocks carry almost as much "
+        f"({h['down']:.2f}; mid {h['mid']:.3f}; all {h['all']:.2f}). By step third (all layers) it is "
+        f"{s['0-6']:.2f} / {s['7-13']:.2f} / {s['14-19']:.2f} on `support` and {u['0-6']:.2f} / {u['7-13']:.2f} / "
+        f"{u['14-19']:.2f} on `ip-adapter`",
+    )
+    assert_in("docs/attribution.md", f"about half as much as removing it ({scale:.2f} and {scale_ip:.2f})")
+
+
+def test_full_tier_shuffle_and_tracking():
+    r = {
+        (o, w): record(f"{ORGANISMS[o]}/attribution/shuffled_{w}.csv").max()
+        for o in ("support", "ip-adapter")
+        for w in ("trained", "untrained")
+    }
+    s, i, su, iu = (
+        r["support", "trained"],
+        r["ip-adapter", "trained"],
+        r["support", "untrained"],
+        r["ip-adapter", "untrained"],
+    )
+    norm = max(s["first_step_contribution_norm_max_diff"], i["first_step_contribution_norm_max_diff"])
+    post = max(s["first_step_posterior_weight_max_diff"], i["first_step_posterior_weight_max_diff"])
+    assert s["first_step_sq_distance_max_diff"] == i["first_step_sq_distance_max_diff"] == 0  # "distances equal"
+    assert_in(
+        "docs/attribution.md",
+        f"final latents within {e(s['latent_max_diff'])} (`support`) and {e(i['latent_max_diff'])} (`ip-adapter`) "
+        f"for the trained organisms, {e(su['latent_max_diff'])} and {e(iu['latent_max_diff'])} (at |x| up to "
+        f"{su['latent_max_abs']:.0f} and {iu['latent_max_abs']:.0f}) for the untrained ones, whose random weights "
+        f"amplify rounding; at the first step the shares within {e(s['first_step_share_max_diff'])} and "
+        f"{e(i['first_step_share_max_diff'])} trained, contribution norms within {e(norm)}, posterior weights within "
+        f"{e(post)}, distances equal",
+    )
+    t = record("full/attribution/verdicts_trained.csv")
+    cells = t[t["resolution"] != "average"]
+    top = cells.loc[cells["tracks_posterior"].idxmax()]
+    assert (top["population"], top["resolution"]) == ("4 digits", "layer x head")
+    for folder in ORGANISMS.values():  # the largest over every trained organism's cells is support's
+        other = record(f"{folder}/attribution/verdicts_trained.csv")
+        assert other[other["resolution"] != "average"]["tracks_posterior"].max() <= top["tracks_posterior"]
+    assert_in(
+        "docs/attribution.md", f"at most {100 * top['tracks_posterior']:.1f}% of any resolution's cells at any step"
+    )
