@@ -1,0 +1,117 @@
+"""What a GPU pays, counted on any machine: every operation PyTorch dispatches, sorted into kernel launches, views
+(metadata only) and operations that wait for the device.
+
+On a GPU each eager operation costs some 5-10 us of host time whatever its size, so a record made of many small
+operations is bound by their count, not by arithmetic. The count is exact and does not depend on the machine's load,
+so the suite can hold budgets on it (``tests/test_launch_budget.py``) and ``benchmarks/launches.py`` tables it.
+
+Example:
+    >>> with DispatchCount() as count:
+    ...     pipe(**call)
+    >>> count.launches, count.views, count.syncs
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["DispatchCount", "SYNC_OPS"]
+
+_aten = torch.ops.aten
+
+#: Operations that read a device value on the host (a GPU stalls until the queue drains).
+SYNC_OPS = frozenset(
+    {
+        _aten._local_scalar_dense,
+        _aten.nonzero,
+        _aten.masked_select,
+        _aten.is_nonzero,
+        _aten.equal,
+        _aten._unique2,
+        _aten.unique_dim,
+        _aten.unique_consecutive,
+        _aten.repeat_interleave,
+    }
+)
+
+#: Operations that allocate or alias memory without launching a kernel (besides the schema's views).
+_NO_LAUNCH = frozenset(
+    {
+        _aten.empty,
+        _aten.empty_strided,
+        _aten.empty_like,
+        _aten._unsafe_view,
+        _aten.detach,
+        _aten.alias,
+        _aten.lift_fresh,
+        _aten.set_,
+        _aten.resize_,
+        _aten.sym_size,
+        _aten.sym_stride,
+        _aten.sym_numel,
+        _aten.sym_storage_offset,
+    }
+)
+
+
+def is_view(func) -> bool:
+    """An operation that only makes new metadata over the same memory (``view``, ``select``, ``expand``, ...)."""
+    return bool(getattr(func, "is_view", False)) or func.overloadpacket in _NO_LAUNCH
+
+
+class DispatchCount(TorchDispatchMode):
+    """Counts the operations dispatched inside the ``with`` block.
+
+    Attributes:
+        launches: operations that launch a kernel on the device (every operation that is not a view).
+        views: operations that only make metadata (views, empty allocations).
+        syncs: operations that wait for the device (``item``, ``nonzero``, boolean indexing, ...), also counted in
+            ``launches``.
+        by_op: launches per ``aten`` operation name.
+        by_site: launches per ``module:function`` of the innermost ``ipa_probe`` frame that issued them
+            (``by_site=True`` only: walking the stack costs host time), ``"model"`` for the rest.
+    """
+
+    def __init__(self, by_site: bool = False):
+        super().__init__()
+        self.launches = self.views = self.syncs = 0
+        self.by_op: collections.Counter = collections.Counter()
+        self.by_site: collections.Counter = collections.Counter()
+        self._by_site = by_site
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if is_view(func):
+            self.views += 1
+        else:
+            self.launches += 1
+            self.by_op[func.overloadpacket.__name__] += 1
+            self.syncs += func.overloadpacket in SYNC_OPS or _boolean_index(func, args)
+            if self._by_site:
+                self.by_site[_site()] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return self.launches + self.views
+
+
+def _boolean_index(func, args: tuple) -> bool:
+    """``x[mask]`` or ``x[mask] = v``: the kernel finds the mask's true entries, whose count the host must read."""
+    if func.overloadpacket not in (_aten.index, _aten.index_put, _aten.index_put_, _aten._index_put_impl_):
+        return False
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+def _site() -> str:
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("ipa_probe.") and not name.startswith("ipa_probe.devtools"):
+            return f"{name.removeprefix('ipa_probe.')}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "model"

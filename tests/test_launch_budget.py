@@ -1,0 +1,78 @@
+"""What a probed step costs a GPU, held in the suite: the operations it dispatches, counted exactly on the CPU.
+
+On a GPU each eager operation costs some 5-10 us of host time whatever its size, so the probe's cost there is the
+number of kernel launches it adds to a denoising step. The counts are exact and load-independent
+(:class:`ipa_probe.devtools.dispatch.DispatchCount`), so a change that adds launches fails here instead of showing up
+as a slower GPU. The budgets are the counts the probe reaches today, with a small margin, on Stable Diffusion 1.5's
+UNet at 16 x 16 latents with CFG, under the GPU's joining policy (``benchmarks/launches.py`` tables them,
+docs/measured.md records them; the UNet is narrowed eightfold, which leaves every count as it is); the
+issue's targets (probe <= 0.15x the plain step's launches, maps and ``rows=None`` <= 0.25x) are not reached yet, and
+these budgets say where the probe stands against them.
+
+The counter itself is checked against hand-counted operations, views and device reads.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ipa_probe.devtools.dispatch import DispatchCount
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+#: Launches a probed step may add, as a share of the plain step's (SD 1.5 UNet, 16 x 16 latents, CFG), by mode and
+#: reference tokens: today's counts (docs/measured.md) with about 5 % of margin.
+BUDGETS = {
+    ("probe", 4): 0.88,  # 706 of 844 launches (0.84x; 2,401 before the stacked records and the one statistics pass)
+    ("maps", 4): 1.26,  # 1,010 (1.20x; 2,705 before)
+    ("exact", 4): 0.88,  # 706 (0.84x)
+    ("probe", 64): 1.41,  # 1,135 (1.34x: the row sample's replicate errors; 3,726 before)
+    ("maps", 64): 1.76,  # 1,423 (1.69x)
+    ("exact", 64): 0.88,  # 706 (0.84x)
+}
+
+
+def test_the_counter_sorts_launches_views_and_device_reads():
+    x = torch.arange(12.0).reshape(3, 4)
+    with DispatchCount() as count:
+        y = x.t()  # a view
+        z = y * 2  # one launch
+        z.sum().item()  # sum: a launch; item: a launch that waits for the device
+        x[x > 5]  # gt, then boolean indexing (nonzero waits for the device)
+    assert count.views >= 1
+    assert count.by_op["mul"] == 1 and count.by_op["sum"] == 1
+    assert count.syncs >= 2  # _local_scalar_dense, nonzero
+    assert count.launches == sum(count.by_op.values())
+
+
+@pytest.fixture(scope="module")
+def counts():
+    launches = pytest.importorskip("launches")  # benchmarks/launches.py
+    pipe = launches.build("sd15", narrow=8)  # SD 1.5's layers, heads and tokens at an eighth of its widths
+    out = {}
+    with pytest.MonkeyPatch.context() as patch:
+        from ipa_probe.capture import cells
+
+        patch.setattr(cells, "JOIN_ELEMENTS_CPU", 2**62)  # the GPU's policy: every record of a size stacked
+        for tokens in (4, 64):
+            rows = launches.table("sd15", tokens, ("plain", "probe", "maps", "exact"), pipe=pipe)
+            out.update({(row["mode"], tokens): row for row in rows})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, tokens", sorted(BUDGETS))
+def test_a_probed_step_stays_within_its_launch_budget(counts, mode, tokens):
+    plain, probed = counts[("plain", tokens)], counts[(mode, tokens)]
+    added = probed["launches"] - plain["launches"]
+    assert added > 0, "the probe does some work"
+    assert added <= BUDGETS[(mode, tokens)] * plain["launches"], (
+        f"{mode} with {tokens} tokens adds {added} launches per step ({added / plain['launches']:.2f}x the plain "
+        f"step's {plain['launches']}), over its budget of {BUDGETS[(mode, tokens)]}x: see benchmarks/launches.py "
+        "--by-site for where they come from"
+    )
+    assert probed["syncs"] == plain["syncs"], "the probe adds no operation that waits for the device"
