@@ -384,7 +384,7 @@ def _write_strip(references: list, images: list, judged, digit: int, path) -> No
         fingerprint = brightness + [round(float(p), 3) for p in probs[:, digit]]
     # tolerance: pixels and classifier probabilities move by ~1e-6 between CPUs; 0.02 is far below a visible change
     stamp = {"code": code_digest(plot_image_strip, _write_strip), "data": fingerprint, "atol": 0.02}
-    write_figure(fig, path, dpi=110, provenance=stamp)
+    write_figure(fig, path, provenance=stamp)
 
 
 def _digit_verdict(images: list, digit: int, out):
