@@ -472,7 +472,7 @@ def overlay_figure(run, image, *, call: int = 0, adapter: int = 0, branch: str =
                     draw_outline(ax, image)
                     ax.set_xticks([])
                     ax.set_yticks([])
-                    ax.set_title(f"ref {r}, {'attention' if kind == 'attention' else 'NW'}", fontsize=MIN_FONT_PT)
+                    ax.set_title(f"ref {r}\n{'attention' if kind == 'attention' else 'NW'}", fontsize=MIN_FONT_PT)
             bar = fig.colorbar(ScalarMappable(norm, cmap), ax=axes, shrink=0.9, extend="both")
             bar.set_label(f"share − 1/{count}\n(saturates at ±{EFFECT_SIZE:g}/{count})", fontsize=MIN_FONT_PT)
             bar.ax.tick_params(labelsize=MIN_FONT_PT)
