@@ -275,8 +275,7 @@ def write_figure(fig: Any, path: str | os.PathLike, dpi: int | None = None, prov
 
     ``provenance`` (a JSON-able dict, e.g. ``{"code": code_digest(plot), "inputs": data_digest(data)}``) goes into a
     PNG text chunk (:data:`PROVENANCE_KEY`), read back by :func:`read_provenance`, with the figure's layout facts
-    (:func:`ipa_probe.figstyle.layout_facts`: its size and what :func:`~ipa_probe.figstyle.drawn_problems` finds)
-    under ``"layout"``.
+    (its size in inches and what :func:`ipa_probe.figstyle.drawn_problems` finds) under ``"layout"``.
     """
     import matplotlib.pyplot as plt
 
@@ -285,9 +284,11 @@ def write_figure(fig: Any, path: str | os.PathLike, dpi: int | None = None, prov
     path = Path(path)
     fmt = path.suffix.lstrip(".")
     if fmt == "png":  # what a reviewer measures (size, overlaps, small text, legends), read back by figstyle
-        from .figstyle import layout_facts
+        from .figstyle import drawn_problems
 
-        provenance = {**(provenance or {}), "layout": layout_facts(fig)}
+        width, height = (round(float(v), 3) for v in fig.get_size_inches())
+        facts = {"width_in": width, "height_in": height, "problems": drawn_problems(fig)}
+        provenance = {**(provenance or {}), "layout": facts}
     metadata = _png_text(provenance) if fmt == "png" else {}
     try:
         with atomic_path(path) as temp:

@@ -2,12 +2,11 @@
 figure, as functions.
 
 A figure is drawn at the width it is read at: one column of a paper (:data:`SINGLE_COLUMN`, 3.5 in) or the page
-(:data:`DOUBLE_COLUMN`, 7 in). Font sizes in matplotlib are points: an 8 pt label is 8/72 inch tall in the saved PNG
-at any dpi, so a figure drawn at its printed width keeps its sizes in print. :data:`MIN_FONT_PT` is the smallest size
-a figure may use; :func:`paper_style` sets it as the default of every text element; :func:`small_text`,
-:func:`unlegended_artists` and :func:`layout_facts` (size, smallest text, legends inside the figure and clear of other
-panels: stored in every saved PNG by :func:`ipa_probe._io.write_figure`, read back by :func:`saved_layout_problems`)
-find what a reviewer would send back.
+(:data:`DOUBLE_COLUMN`, 7 in), at most a page tall, and saved at :data:`SAVE_DPI`. Font sizes in matplotlib are
+points: an 8 pt label is 8/72 inch tall at any dpi. :func:`paper_style` sets :data:`MIN_FONT_PT` as the default of
+every text element; :func:`drawn_problems` measures the drawn figure as a reviewer would (overlapping or small text,
+legends over data, unlabelled axes; stored in every saved PNG by :func:`ipa_probe._io.write_figure`, read back with
+its size by :func:`saved_layout_problems`), and :func:`small_text` and :func:`unlegended_artists` list the rest.
 """
 
 from __future__ import annotations
@@ -26,13 +25,11 @@ __all__ = [
     "fit_ylim",
     "label_log_axis",
     "legend_below",
-    "layout_facts",
     "paper_style",
     "regular_ticks",
     "saved_layout_problems",
     "size_problems",
     "small_text",
-    "text_sizes",
     "unlegended_artists",
 ]
 
@@ -154,14 +151,9 @@ def _drawn_texts(fig) -> list:
     return [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip() and id(t) not in undrawn]
 
 
-def text_sizes(fig) -> list[tuple[str, float]]:
-    """Every text ``fig`` draws (titles, labels, tick labels, legends, annotations) with its size in points."""
-    return [(text.get_text(), float(text.get_fontsize())) for text in _drawn_texts(fig)]
-
-
 def small_text(fig, minimum: float = MIN_FONT_PT) -> list[tuple[str, float]]:
-    """The texts of ``fig`` smaller than ``minimum`` points (empty when every text is readable)."""
-    return [(text, size) for text, size in text_sizes(fig) if size < minimum - 1e-9]
+    """The texts ``fig`` draws under ``minimum`` points, with their sizes (empty when every text is readable)."""
+    return [(t.get_text(), float(t.get_fontsize())) for t in _drawn_texts(fig) if t.get_fontsize() < minimum - 1e-9]
 
 
 def unlegended_artists(fig) -> list[str]:
@@ -201,37 +193,31 @@ def unlegended_artists(fig) -> list[str]:
 
 
 def _data_points(ax, renderer):
-    """The display coordinates of what ``ax`` plots inside its frame: its lines (points along each segment, so that a
-    line crossing a box between two points is found), markers, error bars and bars' corners and centres."""
+    """The display coordinates of what ``ax`` plots inside its frame: its lines and error bars (24 points along each
+    segment: a line crossing a box between two points is found), markers, and a 5 x 5 grid over each bar."""
     import numpy as np
     from matplotlib.collections import LineCollection, PathCollection
     from matplotlib.patches import Rectangle
 
-    parts = []
-    for line in ax.lines:
-        xy = line.get_transform().transform(np.asarray(line.get_xydata(), float).reshape(-1, 2))
-        if line.get_linestyle() not in ("None", "", " ") and len(xy) > 1:
-            steps = np.linspace(0, 1, 24)[:, None, None]
-            xy = np.concatenate([xy, (xy[:-1] + steps * (xy[1:] - xy[:-1])).reshape(-1, 2)])
-        parts.append(xy)
-    for collection in ax.collections:
-        if isinstance(collection, PathCollection):
-            parts.append(collection.get_offset_transform().transform(collection.get_offsets()))
-        elif isinstance(collection, LineCollection):
-            for segment in collection.get_segments():
-                xy = collection.get_transform().transform(np.asarray(segment, float))
-                steps = np.linspace(0, 1, 24)[:, None, None]
-                parts.append((xy[:-1] + steps * (xy[1:] - xy[:-1])).reshape(-1, 2))
-    for patch in ax.patches:
-        if isinstance(patch, Rectangle) and patch.get_visible():
-            box = patch.get_window_extent(renderer)
-            xs, ys = np.linspace(box.x0, box.x1, 5), np.linspace(box.y0, box.y1, 5)
-            parts.append(np.stack(np.meshgrid(xs, ys), -1).reshape(-1, 2))
-    xy = np.concatenate(parts) if parts else np.zeros((0, 2))
-    xy = xy[np.isfinite(xy).all(1)]
-    frame = ax.bbox
-    keep = (xy[:, 0] >= frame.x0) & (xy[:, 0] <= frame.x1) & (xy[:, 1] >= frame.y0) & (xy[:, 1] <= frame.y1)
-    return xy[keep]
+    def along(xy, joined=True):  # display points of a polyline, and points along its segments when they are drawn
+        return np.concatenate([xy, *([] if not joined or len(xy) < 2 else [
+            (xy[:-1] + np.linspace(0, 1, 24)[:, None, None] * (xy[1:] - xy[:-1])).reshape(-1, 2)])])  # fmt: skip
+
+    parts = [along(ln.get_transform().transform(np.reshape(ln.get_xydata(), (-1, 2))),
+                   ln.get_linestyle() not in ("None", "", " ")) for ln in ax.lines]  # fmt: skip
+    for c in ax.collections:
+        if isinstance(c, PathCollection):
+            parts.append(c.get_offset_transform().transform(c.get_offsets()))
+        elif isinstance(c, LineCollection):
+            parts += [along(c.get_transform().transform(np.asarray(segment, float))) for segment in c.get_segments()]
+    for box in (p.get_window_extent(renderer) for p in ax.patches if isinstance(p, Rectangle) and p.get_visible()):
+        grid = np.meshgrid(np.linspace(box.x0, box.x1, 5), np.linspace(box.y0, box.y1, 5))
+        parts.append(np.stack(grid, -1).reshape(-1, 2))
+    xy = np.concatenate([np.zeros((0, 2)), *parts])
+    f = ax.bbox
+    return xy[
+        np.isfinite(xy).all(1) & (xy[:, 0] >= f.x0) & (xy[:, 0] <= f.x1) & (xy[:, 1] >= f.y0) & (xy[:, 1] <= f.y1)
+    ]
 
 
 def drawn_problems(fig, minimum: float = MIN_FONT_PT) -> list[str]:
@@ -281,16 +267,6 @@ def drawn_problems(fig, minimum: float = MIN_FONT_PT) -> list[str]:
             if any(t.get_visible() and t.get_text().strip() for t in ticks) and not labelled:
                 problems.append(f"an unlabelled {axis.axis_name} axis in {ax.get_title()!r}")
     return problems
-
-
-def layout_facts(fig) -> dict:
-    """What a reviewer measures of ``fig`` as it will be saved: its size in inches and :func:`drawn_problems`.
-
-    Returns:
-        ``{"width_in", "height_in", "problems": [...]}``.
-    """
-    width, height = fig.get_size_inches()
-    return {"width_in": round(float(width), 3), "height_in": round(float(height), 3), "problems": drawn_problems(fig)}
 
 
 def size_problems(width: float, height: float, dpi: float | None = SAVE_DPI) -> list[str]:

@@ -41,9 +41,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .capture.layer_order import network_order
 from .schema import ROW_THRESHOLD, frac_column, frac_null_column, rows_column
 
-__all__ = ["GROUPS", "MEAN_RUN", "ProbeLog", "collect", "headline_branch", "network_order", "write"]
+__all__ = ["GROUPS", "MEAN_RUN", "ProbeLog", "collect", "headline_branch", "write"]
 
 #: The tag groups in the order they are read (the rank is part of the name: trackers sort groups by name).
 GROUPS: dict[str, str] = {
@@ -153,13 +154,6 @@ def card_array(fig, pixels: int = CARD_PIXELS, text_px: float = 12.0):
         text.set_fontsize(text.get_fontsize() * scale)
         text.set_wrap(True)
     return figure_array(fig, dpi)
-
-
-def network_order(names: Sequence[str]) -> list[str]:
-    """Layer ids in the order the network runs them: ``down_blocks``, ``mid_block``, ``up_blocks`` (diffusers lists
-    ``mid_block`` last); any other layers keep their order (DiT blocks are already in order)."""
-    rank = {"down_blocks": 0, "mid_block": 1, "up_blocks": 2}
-    return sorted(names, key=lambda name: rank.get(name.split(".")[0], 1))  # stable: within a block, as listed
 
 
 def headline_branch(table: pd.DataFrame) -> str | None:
