@@ -283,25 +283,30 @@ def _png_text(provenance: dict | None) -> dict[str, str]:
     return {} if provenance is None else {PROVENANCE_KEY: json.dumps(jsonable(provenance), sort_keys=True)}
 
 
-def write_figure(fig: Any, path: str | os.PathLike, dpi: int = 120, provenance: dict | None = None) -> Path:
-    """A matplotlib figure in the format its suffix names, written atomically; the figure is closed.
+def write_figure(fig: Any, path: str | os.PathLike, dpi: int | None = None, provenance: dict | None = None) -> Path:
+    """A matplotlib figure in the format its suffix names, written atomically at ``dpi`` (default a printer's,
+    :data:`ipa_probe.figstyle.SAVE_DPI`); the figure is closed.
 
     ``provenance`` (a JSON-able dict, e.g. ``{"code": code_digest(plot), "inputs": data_digest(data)}``) goes into a
     PNG text chunk (:data:`PROVENANCE_KEY`), read back by :func:`read_provenance`, with the figure's layout facts
-    (:func:`ipa_probe.figstyle.layout_facts`: size, smallest text, legends) under ``"layout"``.
+    (its size in inches and what :func:`ipa_probe.figstyle.drawn_problems` finds) under ``"layout"``.
     """
     import matplotlib.pyplot as plt
 
+    from .figstyle import SAVE_DPI
+
     path = Path(path)
     fmt = path.suffix.lstrip(".")
-    if fmt == "png":  # what a reviewer measures (size, smallest text, legends), read back by figstyle
-        from .figstyle import layout_facts
+    if fmt == "png":  # what a reviewer measures (size, overlaps, small text, legends), read back by figstyle
+        from .figstyle import drawn_problems
 
-        provenance = {**(provenance or {}), "layout": layout_facts(fig)}
+        width, height = (round(float(v), 3) for v in fig.get_size_inches())
+        facts = {"width_in": width, "height_in": height, "problems": drawn_problems(fig)}
+        provenance = {**(provenance or {}), "layout": facts}
     metadata = _png_text(provenance) if fmt == "png" else {}
     try:
         with atomic_path(path) as temp:
-            fig.savefig(temp, dpi=dpi, format=fmt, metadata=metadata or None)
+            fig.savefig(temp, dpi=dpi or SAVE_DPI, format=fmt, metadata=metadata or None)
     finally:
         plt.close(fig)
     return path

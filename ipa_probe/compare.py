@@ -70,7 +70,6 @@ METHOD_LABELS: dict[str, str] = {
 }
 #: The table row of the references passed through the VAE (the memorisation floor).
 ROUNDTRIP = "vae_roundtrip"
-GRID_DPI = 110  #: the dots per inch of ``grid.png`` (7 in wide: 770 pixels)
 # ---------------------------------------------------------------------------------------------------------------------
 # Generation
 # ---------------------------------------------------------------------------------------------------------------------
@@ -324,7 +323,7 @@ class Comparison:
         note = f"\n\n_{RANDOM_WEIGHTS_NOTE}._\n" if self.settings.get("clip_random_weights") else "\n"
         write_atomic(paths["markdown"], self.markdown() + note)
         figure = grid_figure(self.references, self.images, self.seeds, self.roundtrip, *self.grid_captions())
-        write_figure(figure, paths["grid"], dpi=GRID_DPI, provenance=self.grid_provenance())
+        write_figure(figure, paths["grid"], provenance=self.grid_provenance())
         images_dir = directory / "images"
         images_dir.mkdir(exist_ok=True)
         for method, items in self.images.items():
@@ -400,16 +399,17 @@ def grid_figure(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from .figstyle import DOUBLE_COLUMN, PAPER_RC
+    from .figstyle import DOUBLE_COLUMN, MAX_HEIGHT, PAPER_RC
 
     head_rows = [("references", references)] + ([("references\nthrough the VAE", roundtrip)] if roundtrip else [])
     rows = len(head_rows) + len(images)
     cols = max(len(seeds), len(references))
     captions = captions or {}
     lines = max((text.count("\n") + 1 for row in captions.values() for text, _ in row), default=0)
-    cell = min(1.1, (DOUBLE_COLUMN - 1.3) / cols - 0.1)
+    head = 0.14 * (title.count("\n") + 1) + 0.1 if title else 0.0
+    cell = min(1.1, (DOUBLE_COLUMN - 1.3) / cols - 0.1, (MAX_HEIGHT - head) / rows - 0.2 - 0.14 * lines)
     size = PAPER_RC["font.size"]
-    height = rows * (cell + 0.2 + 0.14 * lines) + (0.14 * (title.count("\n") + 1) + 0.1 if title else 0.0)
+    height = rows * (cell + 0.2 + 0.14 * lines) + head
     fig = Figure(figsize=(DOUBLE_COLUMN, height), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, cols, squeeze=False)
@@ -448,7 +448,7 @@ def make_grid(
     title: str | None = None,
 ) -> PIL.Image.Image:
     """A labelled grid: references first row, then one row per method, one column per seed (:func:`grid_figure`),
-    at the resolution ``grid.png`` is saved with (:data:`GRID_DPI`).
+    at the resolution ``grid.png`` is saved with (:data:`ipa_probe.figstyle.SAVE_DPI`).
 
     Args:
         references: the reference images (first row).
@@ -460,8 +460,10 @@ def make_grid(
     Returns:
         the grid as an RGB PIL image.
     """
+    from .figstyle import SAVE_DPI
+
     fig = grid_figure(references, images, seeds, roundtrip, captions, title)
-    fig.set_dpi(GRID_DPI)
+    fig.set_dpi(SAVE_DPI)
     fig.canvas.draw()
     return PIL.Image.fromarray(np.asarray(fig.canvas.buffer_rgba())).convert("RGB")
 

@@ -2,12 +2,11 @@
 figure, as functions.
 
 A figure is drawn at the width it is read at: one column of a paper (:data:`SINGLE_COLUMN`, 3.5 in) or the page
-(:data:`DOUBLE_COLUMN`, 7 in). Font sizes in matplotlib are points: an 8 pt label is 8/72 inch tall in the saved PNG
-at any dpi, so a figure drawn at its printed width keeps its sizes in print. :data:`MIN_FONT_PT` is the smallest size
-a figure may use; :func:`paper_style` sets it as the default of every text element; :func:`small_text`,
-:func:`unlegended_artists` and :func:`layout_facts` (size, smallest text, legends inside the figure and clear of other
-panels: stored in every saved PNG by :func:`ipa_probe._io.write_figure`, read back by :func:`saved_layout_problems`)
-find what a reviewer would send back.
+(:data:`DOUBLE_COLUMN`, 7 in), at most a page tall, and saved at :data:`SAVE_DPI`. Font sizes in matplotlib are
+points: an 8 pt label is 8/72 inch tall at any dpi. :func:`paper_style` sets :data:`MIN_FONT_PT` as the default of
+every text element; :func:`drawn_problems` measures the drawn figure as a reviewer would (overlapping or small text,
+legends over data, unlabelled axes; stored in every saved PNG by :func:`ipa_probe._io.write_figure`, read back with
+its size by :func:`saved_layout_problems`), and :func:`small_text` and :func:`unlegended_artists` list the rest.
 """
 
 from __future__ import annotations
@@ -15,18 +14,22 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 
 __all__ = [
+    "COLUMN_WIDTHS",
     "DOUBLE_COLUMN",
+    "MAX_HEIGHT",
     "MIN_FONT_PT",
     "PAPER_RC",
+    "SAVE_DPI",
     "SINGLE_COLUMN",
+    "drawn_problems",
     "fit_ylim",
     "label_log_axis",
-    "layout_facts",
+    "legend_below",
     "paper_style",
     "regular_ticks",
     "saved_layout_problems",
+    "size_problems",
     "small_text",
-    "text_sizes",
     "unlegended_artists",
 ]
 
@@ -35,6 +38,10 @@ MIN_FONT_PT = 8.0
 
 #: The widths (inches) a figure is drawn at: one column of a two-column paper, and the full page width.
 SINGLE_COLUMN, DOUBLE_COLUMN = 3.5, 7.0
+
+#: The widths (inches) a paper prints a figure at, (low, high): a column, the page; the tallest figure a page holds
+#: (a letter page's text block); the resolution every figure is saved at (a printer's).
+COLUMN_WIDTHS, MAX_HEIGHT, SAVE_DPI = ((3.3, 3.5), (7.0, 7.2)), 9.0, 300
 
 #: matplotlib rc settings of :func:`paper_style`: every text element at 8 pt or more.
 PAPER_RC = {
@@ -54,6 +61,21 @@ def paper_style() -> AbstractContextManager:
     import matplotlib
 
     return matplotlib.rc_context(PAPER_RC)
+
+
+def legend_below(ax, *args, **kwargs):
+    """``ax.legend(*args, **kwargs)`` under the panel, below its tick labels and x label, so that it covers none of
+    the panel's data; constrained layout makes room for it."""
+    from matplotlib import rcParams
+    from matplotlib.font_manager import FontProperties
+
+    label = ax.xaxis.label
+    lines = label.get_text().count("\n") + 1 if label.get_text() else 0
+    ticks = FontProperties(size=rcParams["xtick.labelsize"]).get_size_in_points()
+    below = ticks + 3.5 + 1.25 * lines * label.get_fontsize() + 6  # points: tick labels, their pad, the label
+    size = FontProperties(size=kwargs.get("fontsize", rcParams["legend.fontsize"])).get_size_in_points()
+    return ax.legend(*args, **{"loc": "upper center", "bbox_to_anchor": (0.5, 0.0), "borderaxespad": below / size,
+                               "frameon": False, **kwargs})  # fmt: skip
 
 
 def fit_ylim(ax, values, include=(), pad: float = 0.12, log: bool = False) -> tuple[float, float]:
@@ -108,29 +130,30 @@ def regular_ticks(count: int, most: int = 8) -> list[int]:
     return list(range(0, count, stride))
 
 
-def text_sizes(fig) -> list[tuple[str, float]]:
-    """Every visible, non-empty text of ``fig`` (titles, labels, tick labels, legends, annotations) with its size in
-    points, after drawing the figure once (tick labels exist only then); the texts of a hidden axes, and the tick and
-    axis labels of an axes drawn without axes (``set_axis_off``), are left out: they are not drawn."""
+def _drawn_texts(fig) -> list:
+    """Every text matplotlib draws in ``fig`` (drawn once here): visible, non-empty, not of a hidden panel, not a
+    tick label of a tick outside the view nor of an axes drawn without axes (``set_axis_off``)."""
     from matplotlib.text import Text
 
     fig.canvas.draw()
-    hidden = set()
+    undrawn = set()
     for ax in fig.axes:
         if not ax.get_visible():
-            hidden |= {id(t) for t in ax.findobj(Text)}
-        elif not ax.axison:
-            hidden |= {id(t) for axis in (ax.xaxis, ax.yaxis) for t in axis.findobj(Text)}
-    return [
-        (text.get_text(), float(text.get_fontsize()))
-        for text in fig.findobj(Text)
-        if text.get_visible() and text.get_text().strip() and id(text) not in hidden
-    ]
+            undrawn |= {id(t) for t in ax.findobj(Text)}
+        for axis in (ax.xaxis, ax.yaxis):
+            drawn = (
+                {id(t) for tick in axis._update_ticks() for t in (tick.label1, tick.label2)} if ax.axison else set()
+            )
+            if not ax.axison:
+                undrawn |= {id(t) for t in axis.findobj(Text)}
+            ticks = axis.get_major_ticks() + axis.get_minor_ticks()
+            undrawn |= {id(t) for tick in ticks for t in (tick.label1, tick.label2) if id(t) not in drawn}
+    return [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip() and id(t) not in undrawn]
 
 
 def small_text(fig, minimum: float = MIN_FONT_PT) -> list[tuple[str, float]]:
-    """The texts of ``fig`` smaller than ``minimum`` points (empty when every text is readable)."""
-    return [(text, size) for text, size in text_sizes(fig) if size < minimum - 1e-9]
+    """The texts ``fig`` draws under ``minimum`` points, with their sizes (empty when every text is readable)."""
+    return [(t.get_text(), float(t.get_fontsize())) for t in _drawn_texts(fig) if t.get_fontsize() < minimum - 1e-9]
 
 
 def unlegended_artists(fig) -> list[str]:
@@ -169,79 +192,99 @@ def unlegended_artists(fig) -> list[str]:
     return missing
 
 
-def _within(box, frame, slack: float = 1.0) -> bool:
-    """Whether ``box`` lies inside ``frame`` (display pixels) up to ``slack`` pixels (antialiasing)."""
-    return (box.x0 >= frame.x0 - slack and box.y0 >= frame.y0 - slack and box.x1 <= frame.x1 + slack
-            and box.y1 <= frame.y1 + slack)  # fmt: skip
+def _data_points(ax, renderer):
+    """The display coordinates of what ``ax`` plots inside its frame: its lines and error bars (24 points along each
+    segment: a line crossing a box between two points is found), markers, and a 5 x 5 grid over each bar."""
+    import numpy as np
+    from matplotlib.collections import LineCollection, PathCollection
+    from matplotlib.patches import Rectangle
+
+    def along(xy, joined=True):  # display points of a polyline, and points along its segments when they are drawn
+        return np.concatenate([xy, *([] if not joined or len(xy) < 2 else [
+            (xy[:-1] + np.linspace(0, 1, 24)[:, None, None] * (xy[1:] - xy[:-1])).reshape(-1, 2)])])  # fmt: skip
+
+    parts = [along(ln.get_transform().transform(np.reshape(ln.get_xydata(), (-1, 2))),
+                   ln.get_linestyle() not in ("None", "", " ")) for ln in ax.lines]  # fmt: skip
+    for c in ax.collections:
+        if isinstance(c, PathCollection):
+            parts.append(c.get_offset_transform().transform(c.get_offsets()))
+        elif isinstance(c, LineCollection):
+            parts += [along(c.get_transform().transform(np.asarray(segment, float))) for segment in c.get_segments()]
+    for box in (p.get_window_extent(renderer) for p in ax.patches if isinstance(p, Rectangle) and p.get_visible()):
+        grid = np.meshgrid(np.linspace(box.x0, box.x1, 5), np.linspace(box.y0, box.y1, 5))
+        parts.append(np.stack(grid, -1).reshape(-1, 2))
+    xy = np.concatenate([np.zeros((0, 2)), *parts])
+    f = ax.bbox
+    return xy[
+        np.isfinite(xy).all(1) & (xy[:, 0] >= f.x0) & (xy[:, 0] <= f.x1) & (xy[:, 1] >= f.y0) & (xy[:, 1] <= f.y1)
+    ]
 
 
-def layout_facts(fig) -> dict:
-    """What a reviewer measures of ``fig`` as it will be saved (drawn once): its size in inches, its smallest text in
-    points, and per legend whether it lies inside the figure and clear of every other panel and legend (a legend cut
-    by the edge or covered by the next panel is the usual casualty of a shrunken figure).
+def drawn_problems(fig, minimum: float = MIN_FONT_PT) -> list[str]:
+    """What a reviewer finds on ``fig`` drawn at its size, measured by matplotlib's renderer on every text and mark
+    as drawn (nothing read from what the code meant to draw): a text under ``minimum`` points, two texts that
+    overlap (by more than half a point), a text cut by the figure's edge, a legend over another legend or over the
+    lines, markers, error bars or bars of any panel, and an axis whose tick labels are drawn without an axis label
+    (a colorbar's included; a figure's ``supxlabel`` / ``supylabel`` labels every panel's x / y axis).
 
     Returns:
-        ``{"texts_cut": [texts cut by the figure's edge], "width_in", "height_in", "min_font_pt", "legends":
-        [{"inside": bool, "overlaps": [axes titles]}]}``.
+        one line per problem (empty when the figure is fit to print).
     """
-    sizes = [size for _, size in text_sizes(fig)]  # draws the figure
+    import numpy as np
+
+    texts = _drawn_texts(fig)  # draws the figure
     renderer = fig.canvas.get_renderer()
-    frame = fig.bbox
-    legends = [(ax, ax.get_legend()) for ax in fig.axes if ax.get_legend() is not None]
-    legends += [(None, legend) for legend in fig.legends]
-    out = []
-    shown = [legend for _, legend in legends if legend.get_visible()]
-    for owner, legend in legends:
-        if not legend.get_visible():
+    frame, slack = fig.bbox, fig.dpi / 144  # half a point: boxes that merely touch do not collide
+    problems = [f"text under {minimum:g} pt: {t.get_text()!r} at {t.get_fontsize():g} pt" for t in texts
+                if t.get_fontsize() < minimum - 1e-9]  # fmt: skip
+    boxes = np.array([tuple(t.get_window_extent(renderer).extents) for t in texts]).reshape(-1, 4)
+    for text, (x0, y0, x1, y1) in zip(texts, boxes, strict=True):
+        if x0 < frame.x0 - 1 or y0 < frame.y0 - 1 or x1 > frame.x1 + 1 or y1 > frame.y1 + 1:
+            problems.append(f"text cut by the figure's edge: {text.get_text()!r}")
+    wide = np.minimum(boxes[:, None, 2], boxes[None, :, 2]) - np.maximum(boxes[:, None, 0], boxes[None, :, 0])
+    tall = np.minimum(boxes[:, None, 3], boxes[None, :, 3]) - np.maximum(boxes[:, None, 1], boxes[None, :, 1])
+    for i, j in zip(*np.nonzero(np.triu((wide > slack) & (tall > slack), 1)), strict=True):
+        problems.append(f"texts overlap: {texts[i].get_text()!r} and {texts[j].get_text()!r}")
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None and ax.get_visible()]
+    legends = [legend for legend in [*legends, *fig.legends] if legend.get_visible()]
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    for i, legend in enumerate(legends):
+        box = legend.get_window_extent(renderer).expanded(1, 1).padded(-slack)
+        for other in legends[i + 1 :]:
+            if box.overlaps(other.get_window_extent(renderer)):
+                problems.append(f"two legends overlap: {legend.get_texts()[0].get_text()!r}…")
+        for ax in panels:
+            xy = _data_points(ax, renderer)
+            inside = (xy[:, 0] > box.x0) & (xy[:, 0] < box.x1) & (xy[:, 1] > box.y0) & (xy[:, 1] < box.y1)
+            if inside.any():
+                problems.append(f"a legend ({legend.get_texts()[0].get_text()!r}…) covers data in {ax.get_title()!r}")
+    for ax in panels:
+        if not ax.axison:
             continue
-        box = legend.get_window_extent(renderer)
-        inside = (
-            box.x0 >= frame.x0 - 1 and box.y0 >= frame.y0 - 1 and box.x1 <= frame.x1 + 1 and box.y1 <= frame.y1 + 1
-        )
-        overlaps = [
-            ax.get_title() or f"axes {i}"
-            for i, ax in enumerate(fig.axes)
-            if ax is not owner and ax.get_visible() and ax.axison and not hasattr(ax, "_colorbar")
-            and box.overlaps(ax.get_window_extent(renderer))
-        ]  # fmt: skip
-        overlaps += [  # two legends drawn over each other (two keys placed at one side of the figure)
-            f"legend {j}" for j, other in enumerate(shown)
-            if other is not legend and box.overlaps(other.get_window_extent(renderer))
-        ]  # fmt: skip
-        out.append({"inside": bool(inside), "overlaps": overlaps})
-    from matplotlib.text import Text
-
-    undrawn = set()  # tick labels of ticks outside the view: matplotlib keeps them but does not draw them
-    for ax in fig.axes:
-        for axis in (ax.xaxis, ax.yaxis):
-            drawn = (
-                {id(t) for tick in axis._update_ticks() for t in (tick.label1, tick.label2)} if ax.axison else set()
-            )
-            ticks = axis.get_major_ticks() + axis.get_minor_ticks()
-            undrawn |= {id(t) for tick in ticks for t in (tick.label1, tick.label2) if id(t) not in drawn}
-    for ax in fig.axes:  # a hidden panel draws none of its texts
-        if not ax.get_visible():
-            undrawn |= {id(t) for t in ax.findobj(Text)}
-    cut = [
-        text.get_text()
-        for text in fig.findobj(Text)
-        if text.get_visible() and text.get_text().strip() and id(text) not in undrawn
-        and not _within(text.get_window_extent(renderer), frame)
-    ]  # fmt: skip
-    width, height = fig.get_size_inches()
-    return {
-        "texts_cut": cut,
-        "width_in": round(float(width), 3),
-        "height_in": round(float(height), 3),
-        "min_font_pt": float(min(sizes)) if sizes else None,
-        "legends": out,
-    }
+        for axis, sup in ((ax.xaxis, fig._supxlabel), (ax.yaxis, fig._supylabel)):
+            ticks = [t for tick in axis._update_ticks() for t in (tick.label1, tick.label2)]
+            labelled = axis.label.get_visible() and axis.label.get_text().strip() or sup is not None
+            if any(t.get_visible() and t.get_text().strip() for t in ticks) and not labelled:
+                problems.append(f"an unlabelled {axis.axis_name} axis in {ax.get_title()!r}")
+    return problems
 
 
-def saved_layout_problems(path, widths=(SINGLE_COLUMN, DOUBLE_COLUMN), minimum: float = MIN_FONT_PT) -> list[str]:
-    """What is wrong with a saved PNG as a paper's figure, read from the file: its width (pixels over the dpi the PNG
-    records) is not one of ``widths``, the layout facts :func:`ipa_probe._io.write_figure` stored in it are missing or
-    disagree with its pixels, a text is under ``minimum`` points, or a legend is cut by the edge or covers a panel.
+def size_problems(width: float, height: float, dpi: float | None = SAVE_DPI) -> list[str]:
+    """What is wrong with a figure's saved size (inches, dots per inch) for a paper: a width outside a column's
+    (:data:`COLUMN_WIDTHS`), a height over :data:`MAX_HEIGHT`, a resolution under :data:`SAVE_DPI`."""
+    problems = [] if any(low - 0.01 <= width <= high + 0.01 for low, high in COLUMN_WIDTHS) else [
+        f"{width:.2f} in wide, not a column's or a page's width {COLUMN_WIDTHS}"]  # fmt: skip
+    if height > MAX_HEIGHT + 0.01:
+        problems.append(f"{height:.2f} in tall, over a page's {MAX_HEIGHT} in")
+    if dpi is None or dpi < SAVE_DPI - 0.5:
+        problems.append(f"saved at {dpi or 0:.0f} dpi, under {SAVE_DPI}")
+    return problems
+
+
+def saved_layout_problems(path) -> list[str]:
+    """What is wrong with a saved PNG as a paper's figure, read from the file: its size (pixels over the dpi it
+    records, :func:`size_problems`), and the :func:`drawn_problems` :func:`ipa_probe._io.write_figure` measured on
+    the figure when it drew it (missing when it was written otherwise).
 
     Returns:
         one line per problem (empty when the figure is fit to print).
@@ -255,25 +298,14 @@ def saved_layout_problems(path, widths=(SINGLE_COLUMN, DOUBLE_COLUMN), minimum: 
     if not dpi:
         return [f"{path}: no dpi recorded, so its printed size is unknown"]
     width, height = pixels[0] / float(dpi[0]), pixels[1] / float(dpi[1])
-    problems = []
-    if not any(abs(width - w) < 0.02 for w in widths):
-        problems.append(f"{path}: {width:.2f} in wide, expected one of {widths}")
+    problems = [f"{path}: {problem}" for problem in size_problems(width, height, float(dpi[0]))]
     raw = next((v for k, v in text.items() if k.startswith("ipa_probe")), None)
     facts = (json.loads(raw) or {}).get("layout") if raw else None
-    if not facts:
+    if not facts or "problems" not in facts:
         return [*problems, f"{path}: no layout facts stored (write it with ipa_probe._io.write_figure)"]
     if abs(facts["width_in"] - width) > 0.02 or abs(facts["height_in"] - height) > 0.02:
         problems.append(f"{path}: stored size {facts['width_in']} x {facts['height_in']} in is not the file's")
-    if facts["min_font_pt"] is not None and facts["min_font_pt"] < minimum - 1e-9:
-        problems.append(f"{path}: text at {facts['min_font_pt']} pt, under {minimum} pt")
-    for text in facts.get("texts_cut", ["(not measured)"]):
-        problems.append(f"{path}: text cut by the figure's edge: {text!r}")
-    for i, legend in enumerate(facts["legends"]):
-        if not legend["inside"]:
-            problems.append(f"{path}: legend {i} is cut by the figure's edge")
-        if legend["overlaps"]:
-            problems.append(f"{path}: legend {i} covers {legend['overlaps']}")
-    return problems
+    return problems + [f"{path}: {problem}" for problem in facts["problems"]]
 
 
 def label_log_axis(ax, which: str = "y") -> None:

@@ -7,13 +7,13 @@ denoising loop.
 Ordered for the researcher who opens the dashboard: TensorBoard (and wandb, MLflow) sort tag groups by name, so each
 group starts with its rank, and the first one is the finding:
 
-- the x axis (the tracker's step) is the **timestep** (rounded to an integer), so every chart reads against the
-  scheduler's timestep, high t being the start of denoising; when two recorded steps of one call round to one
-  timestep the loop index is used instead, and ``run/settings`` says so;
-- a series and its references share one tag in sibling runs: ``1_query_frame/rho`` holds the query-frame rho in the
-  run itself, its gauge baseline in the sub-run ``baseline``, its permutation null in ``null``, and the run's mean
-  over every cell (a flat line over the timesteps) in ``mean``, so that one chart draws the four in four colours,
-  each named by its run;
+- the x axis (the tracker's step) is the **denoising step** (the loop index: 0 is the noisiest timestep), so every
+  chart reads left to right in the order the image is made; ``1_finding/rho`` and ``2_run/settings`` give each
+  step's timestep;
+- a series and its reference share one tag in sibling runs: ``1_query_frame/rho`` holds the query-frame rho in the
+  run itself, its gauge baseline in the sub-run ``baseline`` and the run's mean over every cell (a flat line) in
+  ``mean``, so that one chart, whose range fits them, draws the three in three colours, each named by its run; the
+  permutation null, near 0, is its own chart (``1_query_frame/rho_null``);
 - ``1_query_frame/`` (gauge-invariant: ``rho``, ``rho_gaussian``, their excesses, the rows with rho > 0.9 and
   chance), ``2_stored_frame/`` (gauge-dependent: ``rho``, ``rho_excess``, cells and rows with rho > 0.9),
   ``3_agreement/`` (Pearson, top-1, KL, n_eff: one unit per chart), ``4_query_frame_rho_per_layer/NN_<layer>`` and
@@ -23,8 +23,9 @@ group starts with its rank, and the first one is the finding:
   timestep, the query-frame rho per layer and timestep, the reference maps), ``9_images/`` (generated, references);
   histograms under ``hist/``; the other CFG branches under ``{branch}_query_frame/`` and ``{branch}_stored_frame/``;
   several pipeline calls add ``_call{c}`` to each group;
-- the bookkeeping (bandwidth, cell counts, norms, logit ratios, ...) is text (``debug/bookkeeping``: a table per
-  series, one row per step), not charts;
+- text, in the order the Text view lists it: ``1_finding/rho`` (per step: timestep, query-frame rho, its baseline,
+  their difference, the null), ``2_run/settings``, ``3_images/readings``, and last the bookkeeping (bandwidth, cell
+  counts, norms, logit ratios, ...: ``9_bookkeeping/columns``, a table per series, one row per step);
 - the end-of-run numbers are the HParams view's metrics only: the ``mean`` sub-run's ``1_query_frame/rho``,
   ``1_query_frame/rho_excess``, ``2_stored_frame/rho`` and ``2_stored_frame/rho_excess`` (TensorBoard reads a
   metric's value from a scalar; here it is the flat line drawn on the headline chart, never a one-point chart).
@@ -40,9 +41,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .capture.layer_order import network_order
 from .schema import ROW_THRESHOLD, frac_column, frac_null_column, rows_column
 
-__all__ = ["GROUPS", "MEAN_RUN", "ProbeLog", "collect", "headline_branch", "network_order", "write"]
+__all__ = ["GROUPS", "MEAN_RUN", "ProbeLog", "collect", "headline_branch", "write"]
 
 #: The tag groups in the order they are read (the rank is part of the name: trackers sort groups by name).
 GROUPS: dict[str, str] = {
@@ -64,13 +66,15 @@ _ROWS, _ROWS_NULL = rows_column(), f"{rows_column()}_null"
 
 #: ``(group, tag, {sub-run: summary column})``: "" is the run itself. A chart per tag; one unit per tag.
 _CHARTS: tuple[tuple[str, str, dict[str, str]], ...] = (
-    ("query_frame", "rho", {"": "qf_spearman", "baseline": "qf_rho_baseline", "null": "qf_spearman_null"}),
+    ("query_frame", "rho", {"": "qf_spearman", "baseline": "qf_rho_baseline"}),
+    ("query_frame", "rho_null", {"": "qf_spearman_null"}),
     ("query_frame", "rho_excess", {"": "qf_rho_excess"}),
-    ("query_frame", "rho_gaussian",
-     {"": "qf_gauss_spearman", "baseline": "qf_gauss_rho_baseline", "null": "qf_gauss_spearman_null"}),
+    ("query_frame", "rho_gaussian", {"": "qf_gauss_spearman", "baseline": "qf_gauss_rho_baseline"}),
+    ("query_frame", "rho_gaussian_null", {"": "qf_gauss_spearman_null"}),
     ("query_frame", "rho_gaussian_excess", {"": "qf_gauss_rho_excess"}),
     ("query_frame", _ROWS, {"": f"qf_{_ROWS}", "null": f"qf_{_ROWS_NULL}"}),
-    ("stored_frame", "rho", {"": "spearman", "baseline": "rho_baseline", "null": "spearman_null"}),
+    ("stored_frame", "rho", {"": "spearman", "baseline": "rho_baseline"}),
+    ("stored_frame", "rho_null", {"": "spearman_null"}),
     ("stored_frame", "rho_excess", {"": "rho_excess"}),
     ("stored_frame", frac_column(ROW_THRESHOLD),
      {"": frac_column(ROW_THRESHOLD), "null": frac_null_column(ROW_THRESHOLD)}),
@@ -89,6 +93,9 @@ _CHARTS: tuple[tuple[str, str, dict[str, str]], ...] = (
 #: The headline charts that get the run's mean (cell column averaged over every cell) in the ``mean`` sub-run.
 _MEANS = {("query_frame", "rho"): "qf_spearman", ("query_frame", "rho_excess"): "qf_rho_excess",
           ("stored_frame", "rho"): "spearman", ("stored_frame", "rho_excess"): "rho_excess"}  # fmt: skip
+
+#: The settings TensorBoard's HParams table shows besides the caller's own (the rest: ``2_run/settings``).
+_SHOWN = ("probe/bandwidth", "adapter_scale", "headline_branch", "layers", "heads")
 
 #: The summary and table columns that group rather than measure.
 _KEYS = ("call", "step", "kind", "branch")
@@ -123,11 +130,30 @@ def figure_array(fig, dpi: float | None = None):
     return array
 
 
-def network_order(names: Sequence[str]) -> list[str]:
-    """Layer ids in the order the network runs them: ``down_blocks``, ``mid_block``, ``up_blocks`` (diffusers lists
-    ``mid_block`` last); any other layers keep their order (DiT blocks are already in order)."""
-    rank = {"down_blocks": 0, "mid_block": 1, "up_blocks": 2}
-    return sorted(names, key=lambda name: rank.get(name.split(".")[0], 1))  # stable: within a block, as listed
+#: The width (pixels) of a TensorBoard image card at its default size.
+CARD_PIXELS = 340
+
+
+def card_array(fig, pixels: int = CARD_PIXELS, text_px: float = 12.0):
+    """:func:`figure_array` of ``fig`` drawn ``pixels`` wide, every text enlarged to at least ``text_px`` pixels and
+    wrapped at the figure's edge (constrained layout makes room), so that a card shows it legible at its size."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()  # the tick labels exist only once drawn
+    dpi = pixels / fig.get_size_inches()[0]
+    texts = [t for t in fig.findobj(Text) if t.get_text().strip()]
+    scale = max(1.0, text_px * 72 / dpi / min((t.get_fontsize() for t in texts), default=text_px))
+    ticks = set()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            labels = axis.get_ticklabels()
+            ticks |= {id(label) for label in labels}
+            if labels:
+                ax.tick_params(axis=axis.axis_name, labelsize=labels[0].get_fontsize() * scale)
+    for text in (t for t in texts if id(t) not in ticks):
+        text.set_fontsize(text.get_fontsize() * scale)
+        text.set_wrap(True)
+    return figure_array(fig, dpi)
 
 
 def headline_branch(table: pd.DataFrame) -> str | None:
@@ -154,7 +180,9 @@ class ProbeLog:
         hparams: the settings (nested mappings allowed).
         metrics: the end-of-run metrics: tag -> value, in the sub-run :data:`MEAN_RUN`.
         last_step: the step the end-of-run content is written at (the last denoising step's).
-        x_axis: what the step is: ``"timestep"`` or ``"loop index"``.
+        x_axis: what the step is: the denoising step.
+        settings: the names of the caller's own settings (TensorBoard's HParams table shows them).
+        timesteps: step -> timestep (the first call's).
     """
 
     scalars: dict[str, dict[str, dict[int, float]]] = dataclasses.field(default_factory=dict)
@@ -165,22 +193,43 @@ class ProbeLog:
     hparams: dict[str, Any] = dataclasses.field(default_factory=dict)
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     last_step: int = 0
-    x_axis: str = "timestep"
+    x_axis: str = "denoising step"
+    settings: tuple[str, ...] = ()
+    timesteps: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def add(self, tag: str, step: int, value, run: str = "") -> None:
         if value is not None and np.isfinite(float(value)):
             self.scalars.setdefault(run, {}).setdefault(tag, {})[int(step)] = float(value)
 
 
-def _steps(summary: pd.DataFrame) -> tuple[dict[tuple[int, int], int], str]:
-    """``(call, loop index) -> tracker step`` and what the step is: the rounded timestep, unless two recorded steps of
-    one call round to one timestep (then the loop index)."""
+def _steps(summary: pd.DataFrame) -> tuple[dict[tuple[int, int], int], dict[tuple[int, int], float]]:
+    """``(call, loop index) -> tracker step`` (the loop index: charts read left to right in denoising order) and
+    ``(call, loop index) -> timestep``."""
     pairs = summary[["call", "step", "timestep"]].drop_duplicates(["call", "step"])
-    rounded = pairs["timestep"].round().astype(int)
-    unique = all(len(set(part)) == len(part) for _, part in rounded.groupby(pairs["call"]))
-    values = rounded if unique else pairs["step"].astype(int)
-    mapping = {(int(c), int(s)): int(v) for c, s, v in zip(pairs["call"], pairs["step"], values, strict=True)}
-    return mapping, ("timestep" if unique else "loop index")
+    keys = [(int(c), int(s)) for c, s in zip(pairs["call"], pairs["step"], strict=True)]
+    return {key: key[1] for key in keys}, dict(zip(keys, pairs["timestep"].astype(float), strict=True))
+
+
+def _finding(summary: pd.DataFrame, head: tuple, timesteps: dict) -> str:
+    """The headline per step as a markdown table: the first text a reader opens."""
+    kind, branch = head
+    part = summary[(summary["kind"] == kind) & (summary["branch"] == branch)]
+    columns = {
+        "qf_spearman": "query-frame ρ",
+        "qf_rho_baseline": "its baseline",
+        "qf_rho_excess": "ρ − baseline",
+        "qf_spearman_null": "null (chance)",
+        "spearman": "stored-frame ρ",
+        "rho_baseline": "its baseline",
+    }
+    columns = {k: v for k, v in columns.items() if k in part}  # fmt: skip
+    lines = ["| call | step | timestep | " + " | ".join(columns.values()) + " |", "|---" * (len(columns) + 3) + "|"]
+    for row in part.itertuples(index=False):
+        call, step = int(row.call), int(row.step)
+        values = " | ".join(f"{getattr(row, c):.3f}" for c in columns)
+        lines.append(f"| {call} | {step} | {timesteps[(call, step)]:g} | {values} |")
+    header = f"**{branch} branch, {kind}, mean over layers and heads** (x of every chart: the step)"
+    return header + "\n\n" + "\n".join(lines)
 
 
 def _group(key: str, label: str, call: str) -> str:
@@ -233,16 +282,16 @@ def _bookkeeping(summary: pd.DataFrame, used: Sequence[str], steps: dict) -> str
 
 
 def _layer_scalars(log: ProbeLog, cells: pd.DataFrame, order: list[str], calls: dict, steps: dict) -> None:
-    """One small chart per layer (mean over heads and adapters), numbered in network order; baseline and null in
-    their sub-runs."""
+    """One small chart per layer (mean over heads and adapters), numbered in network order; the baseline in its
+    sub-run."""
     from .capture.report import short_layer_names
 
     width = max(2, len(str(len(order) - 1)))
     short, _ = short_layer_names(order)  # without the ending every layer id shares (".transformer_blocks.0.attn2")
     number = {name: f"{i:0{width}d}_{cut}" for i, (name, cut) in enumerate(zip(order, short, strict=True))}
     for group, columns in (
-        ("qf_layer", {"": "qf_spearman", "baseline": "qf_rho_baseline", "null": "qf_spearman_null"}),
-        ("layer", {"": "spearman", "baseline": "rho_baseline", "null": "spearman_null"}),
+        ("qf_layer", {"": "qf_spearman", "baseline": "qf_rho_baseline"}),
+        ("layer", {"": "spearman", "baseline": "rho_baseline"}),
     ):
         for run, column in columns.items():
             if column not in cells:
@@ -291,7 +340,7 @@ def _map_content(log: ProbeLog, run, head: str, calls: dict, steps: dict, base, 
             for step in run.map_steps(call):
                 _share_histograms(log, run, call, step, adapter, head, where, steps)
             for step, fig in overlay_figure(run, base, call=call, adapter=adapter, branch=head, note=note).items():
-                log.images.setdefault(steps[(call, step)], {})[tag] = figure_array(fig)
+                log.images.setdefault(steps[(call, step)], {})[tag] = card_array(fig)
 
 
 def _share_histograms(log: ProbeLog, run, call: int, step: int, adapter: int, head: str, where: str, steps) -> None:
@@ -339,20 +388,21 @@ def _markdown(rows: Mapping[str, Any]) -> str:
 
 
 def _figures(log: ProbeLog, run, table: pd.DataFrame, images, head: str) -> None:
-    """The run's figures at the size a TensorBoard card shows them (3.5 in wide; the reference maps 7 in)."""
+    """The run's figures at the size a TensorBoard card shows them (:func:`card_array`)."""
     from .capture.report import plot_heatmap, plot_run
 
     end = log.images.setdefault(log.last_step, {})
     group = GROUPS["figures"]
-    end[f"{group}/rho_by_timestep"] = figure_array(plot_run(table, heatmaps=None, branch=head), dpi=110)
+    end[f"{group}/rho_by_timestep"] = card_array(plot_run(table, heatmaps=None, branch=head))
     if "qf_spearman" in table and table["qf_spearman"].notna().any():
         part = table[table["branch"] == head]
         kind = "image" if (part["kind"] == "image").any() else str(part["kind"].iloc[0])
         fig = plot_heatmap(table, "qf_spearman", branch=head, kind=kind)
-        end[f"{group}/query_frame_rho_per_layer"] = figure_array(fig, dpi=110)
+        end[f"{group}/query_frame_rho_per_layer"] = card_array(fig)
     if run.config.maps:
         extra = {"image": images[0]} if images else {}
-        end[f"{group}/reference_maps"] = figure_array(run.plot_reference_maps(**extra), dpi=90)
+        # a page-wide grid of maps: at two cards' width (its text at 8 pt then reads at 10 px), not squeezed into one
+        end[f"{group}/reference_maps"] = figure_array(run.plot_reference_maps(**extra), dpi=2 * CARD_PIXELS / 7.0)
 
 
 def collect(
@@ -376,10 +426,13 @@ def collect(
     kind = "image" if (table["kind"] == "image").any() else "text"  # a text-only probe: the text branch's series
     cells = table[(table["kind"] == kind) & (table["branch"] == head)] if head is not None else table
     steps: dict[tuple[int, int], int] = {}
+    timesteps: dict[tuple[int, int], float] = {}
     if not summary.empty:
-        steps, log.x_axis = _steps(summary)
+        steps, timesteps = _steps(summary)
+        log.timesteps = {s: t for (c, s), t in timesteps.items() if c == min(calls)}
         used = _summary_scalars(log, summary, cells, (kind, head), calls, steps)
-        log.texts["debug/bookkeeping"] = _bookkeeping(summary, used, steps)
+        log.texts["1_finding/rho"] = _finding(summary, (kind, head), timesteps)
+        log.texts["9_bookkeeping/columns"] = _bookkeeping(summary, used, steps)
         last = summary.sort_values(["call", "step"]).iloc[-1]
         log.last_step = steps[(int(last["call"]), int(last["step"]))]
     _layer_scalars(log, cells, order, calls, steps)
@@ -397,9 +450,10 @@ def collect(
         end[f"{GROUPS['images']}/references"] = _tiles(references)
     if readings is not None:
         lines = "\n".join(f"| {i} | {text} |" for i, text in enumerate(readings))
-        log.texts["images/readings"] = "| image | reading |\n|---|---|\n" + lines
+        log.texts["3_images/readings"] = "| image | reading |\n|---|---|\n" + lines
     if not table.empty:
         _figures(log, run, table, images, head)
+    log.settings = tuple(settings or ())
     log.hparams = {
         **dict(settings or {}),
         "probe": run.config.describe(),
@@ -411,8 +465,10 @@ def collect(
         "adapter_scale": _adapter_scale(run),
         "headline_branch": head,
     }
-    axis = {"x axis": log.x_axis + ("" if log.x_axis == "timestep" else " (two steps share a rounded timestep)")}
-    log.texts["run/settings"] = _markdown({**axis, **flat_settings(log.hparams)})
+    ends = [(f"call {c} " if several else "") + f"step 0 = t {timesteps[(c, 0)]:g}, step {s} = t {t:g}"
+            for (c, s), t in timesteps.items() if (c, s + 1) not in timesteps and (c, 0) in timesteps]  # fmt: skip
+    axis = {"x axis": "denoising step (the loop index)" + (f": {'; '.join(ends)}" if ends else "")}
+    log.texts["2_run/settings"] = _markdown({**axis, **flat_settings(log.hparams)})
     log.layout = _layout(log, head, calls, kind)
     return log
 
@@ -436,15 +492,17 @@ def _layout(log: ProbeLog, head: str | None, calls: dict[int, str], kind: str) -
     for where in calls.values():
         qf, st, ag, sh = (_group(key, "", where) for key in ("query_frame", "stored_frame", "agreement", "shares"))
         layout += [
-            (f"query frame (gauge-invariant): {what}{where}, mean over layers and heads", [
-                ("query-frame rho: run, baseline, null, mean", have(qf, "rho")),
+            (f"query frame (gauge-invariant): {what}{where}, mean over layers and heads; x: denoising step", [
+                ("query-frame rho: run, baseline, mean (read at smoothing 0)", have(qf, "rho")),
                 ("excess over the baseline", have(qf, "rho_excess", "rho_gaussian_excess")),
-                ("Gaussian NW query-frame rho: run, baseline, null", have(qf, "rho_gaussian")),
+                ("chance: permutation null", have(qf, "rho_null", "rho_gaussian_null")),
+                ("Gaussian NW query-frame rho: run, baseline", have(qf, "rho_gaussian")),
                 (f"rows with rho > {ROW_THRESHOLD:g}: run and chance", have(qf, rows)),
             ]),
             (f"stored frame (gauge-dependent): {what}{where}", [
-                ("stored-frame rho: run, baseline, null, mean", have(st, "rho")),
+                ("stored-frame rho: run, baseline, mean", have(st, "rho")),
                 ("excess over the baseline", have(st, "rho_excess")),
+                ("chance: permutation null", have(st, "rho_null")),
                 (f"cells and rows with rho > {ROW_THRESHOLD:g}: run and chance", have(st, frac, rows)),
             ]),
             (f"attention vs NW weights: {what}{where}", [
@@ -465,7 +523,7 @@ def _layout(log: ProbeLog, head: str | None, calls: dict[int, str], kind: str) -
             {t.split("/")[0] for t in tags} - set(GROUPS.values()) - {f"{g}{where}" for g in GROUPS.values()}
         )
         for group in (g for g in others if g.endswith(where) and not g[0].isdigit()):
-            layout.append((group, [("rho: run, baseline, null", have(group, "rho")),
+            layout.append((group, [("rho: run, baseline", have(group, "rho")), ("chance", have(group, "rho_null")),
                                    ("excess over the baseline", have(group, "rho_excess"))]))  # fmt: skip
     return [(category, [(t, p) for t, p in charts if p]) for category, charts in layout if any(p for _, p in charts)]
 
@@ -474,7 +532,10 @@ def write(log: ProbeLog, tracker) -> None:
     """Hand ``log`` to ``tracker`` (a :class:`~ipa_probe.trackers.Tracker`): the hyper-parameters with the end-of-run
     metrics, then each sub-run's scalars in step order, the histograms and images in step order, then the texts and
     the layout."""
-    tracker.hparams(log.hparams, log.metrics, log.last_step, group=MEAN_RUN)
+    hparams = log.hparams
+    if tracker.name == "tensorboard":  # the HParams table lists settings before metrics: few, the finding in view
+        hparams = {k: v for k, v in flat_settings(hparams).items() if k in _SHOWN or k.split("/")[0] in log.settings}
+    tracker.hparams(hparams, log.metrics, log.last_step, group=MEAN_RUN)
     for run in ("", *sorted(r for r in log.scalars if r)):
         by_step: dict[int, dict[str, float]] = {}
         for tag, values in log.scalars.get(run, {}).items():
@@ -488,6 +549,7 @@ def write(log: ProbeLog, tracker) -> None:
     for step in sorted({*histograms, *log.images}):
         for tag, values in histograms.get(step, []):
             tracker.histogram(tag, values, step)
-        tracker.figures(log.images.get(step, {}), step)
+        timestep = log.timesteps.get(step)
+        tracker.figures(log.images.get(step, {}), step, None if timestep is None else f"step {step}, t {timestep:g}")
     tracker.text(log.texts, log.last_step)
     tracker.layout(log.layout, log.scalars, log.x_axis)

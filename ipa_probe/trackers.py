@@ -265,8 +265,9 @@ class Tracker:
             if group:  # the metrics' values live in the sub-run `group`: name it in each metric's info
                 plugin = experiment.value[0].metadata.plugin_data
                 data = plugin_data_pb2.HParamsPluginData.FromString(plugin.content)
-                for info in data.experiment.metric_infos:
+                for info in data.experiment.metric_infos:  # a short header: "query frame rho", not cut
                     info.name.group = group
+                    info.display_name = info.name.tag.split("_", 1)[-1].replace("_", " ").replace("/", " ")
                 plugin.content = data.SerializeToString()
             for summary in (experiment, start, end):  # into this run's file: no second, timestamped run
                 self._writer.file_writer.add_summary(summary)
@@ -356,9 +357,10 @@ class Tracker:
             for key, value in values.items():
                 self._client.log_text(self._run_id, value, f"{key}.md")
 
-    def figures(self, figures: Mapping[str, Any], step: int = 0) -> None:
+    def figures(self, figures: Mapping[str, Any], step: int = 0, caption: str | None = None) -> None:
         """Matplotlib figures (closed afterwards) or ``(H, W, 3)`` uint8 arrays, as images at ``step`` (TensorBoard
-        and MLflow show a slider over the steps of one tag)."""
+        and MLflow show a slider over the steps of one tag; wandb, which numbers its files by its own step, shows
+        ``caption`` under each image: the probe's is the step and its timestep)."""
         import numpy as np
 
         from .probe_log import figure_array
@@ -372,7 +374,7 @@ class Tracker:
         elif self.name == "wandb":
             import wandb
 
-            self._run.log({k: wandb.Image(a) for k, a in arrays.items()} | {"step": step})
+            self._run.log({k: wandb.Image(a, caption=caption) for k, a in arrays.items()} | {"step": step})
         else:
             for key, array in arrays.items():
                 self._client.log_image(self._run_id, array, key=key, step=step)

@@ -33,16 +33,19 @@ def test_embedded_default_writes_the_output_folder(tmp_path, capsys):
     # the headline is the query-frame rho, printed with its frame; the stored-frame rho is named as such
     summary = pd.DataFrame(record["summary"])
     last = summary[summary["branch"] == "cond"].iloc[-1]
-    assert f"query-frame rho {last['qf_spearman']:.3f} exact / {last['qf_gauss_spearman']:.3f} Gaussian" in wrote
-    assert "(item frame, gauge-invariant); stored-frame rho" in wrote
-    # one image: one item per CFG branch, so the other query pool is the same rows, and the run says so
-    assert "query pool: the pools coincide" in wrote and record["query_pool"].startswith("query pool: the pools coin")
+    assert (f"query-frame rho at the last step (t={last['timestep']:g}): {last['qf_spearman']:.3f} against its "
+            f"baseline {last['qf_rho_baseline']:.3f} (item frame, gauge-invariant") in wrote  # fmt: skip
+    assert f"stored-frame rho: {last['spearman']:.3f} against its baseline {last['rho_baseline']:.3f}" in wrote
+    assert all(len(line) <= 160 for line in wrote.splitlines()[1:])  # one short line per finding
+    # one image: one item per CFG branch, so the other query pool is the same rows: nothing to print, summary.json
+    # says so
+    assert "query pool" not in wrote and record["query_pool"].startswith("query pool: the pools coin")
     assert record["settings"]["query_frame"] == "item" and (table["query_frame"] == "item").all()
 
 
 def test_query_frame_option_reaches_the_table_and_settings(tmp_path, capsys):
     assert main(["probe", "--out", str(tmp_path / "out"), *ARGS, "--query-frame", "branch"]) == 0
-    assert "(branch frame, gauge-invariant)" in capsys.readouterr().out
+    assert "(branch frame, gauge-invariant;" in capsys.readouterr().out
     record = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert record["settings"]["query_frame"] == "branch"
     assert (pd.read_parquet(tmp_path / "out" / "probe.parquet")["query_frame"] == "branch").all()

@@ -76,13 +76,12 @@ def test_plot_gauge_sweep_draws_both_frames_with_fitted_ranges_and_a_full_legend
     assert all(g in labels for g in GAUGES)
     for what in ("stored-frame ρ", "baseline", "query-frame ρ, exact b", "query-frame ρ, Gaussian b"):
         assert any(what in label for label in labels), what
-    # drawn at a paper's page width with text at 8 pt or more at that size, nothing cut, no legend over a panel
-    from ipa_probe.figstyle import DOUBLE_COLUMN, layout_facts, small_text
+    # drawn at a paper's page width and measured as drawn: text at 8 pt or more, none overlapping or cut, no legend
+    # over data, every axis labelled, at most a page tall
+    from ipa_probe.figstyle import DOUBLE_COLUMN, drawn_problems, size_problems
 
-    assert small_text(fig) == []
-    facts = layout_facts(fig)
-    assert facts["width_in"] == DOUBLE_COLUMN and facts["texts_cut"] == []
-    assert all(legend["inside"] and not legend["overlaps"] for legend in facts["legends"])
+    assert drawn_problems(fig) == []
+    assert fig.get_size_inches()[0] == DOUBLE_COLUMN and size_problems(*fig.get_size_inches()) == []
     # the selection (attention branch, CFG branch) is in the title
     assert "image branch" in fig._suptitle.get_text() and "cond CFG branch" in fig._suptitle.get_text()
     matplotlib.pyplot.close(fig)

@@ -180,12 +180,13 @@ def test_a_narrowed_overlay_is_titled_with_its_selection_and_drawn_as_contours(m
 
 def test_overlay_text_is_readable_at_the_saved_size(mapped):
     from ipa_probe import plot_overlay
-    from ipa_probe.figstyle import MIN_FONT_PT, small_text
+    from ipa_probe.figstyle import MIN_FONT_PT, drawn_problems, size_problems
 
     run, image = mapped
     for layout in ("beside", "contours"):
-        assert small_text(plot_overlay(run, image, reference=0, layout=layout)) == []
-    assert small_text(run.plot_reference_maps(image=image)) == []
+        assert drawn_problems(plot_overlay(run, image, reference=0, layout=layout)) == []
+    fig = run.plot_reference_maps(image=image)
+    assert drawn_problems(fig) == [] and size_problems(*fig.get_size_inches()) == []
     assert MIN_FONT_PT >= 8  # a paper's floor at the printed size, which is the drawn size
 
 
@@ -390,7 +391,7 @@ def ip_adapter_figure():
 
     caught, real = [], io.write_figure
 
-    def keep(fig, path, dpi=120, provenance=None):
+    def keep(fig, path, dpi=None, provenance=None):
         caught.append((fig, dpi))
         return Path(path)
 
@@ -407,7 +408,7 @@ def test_ip_adapter_figure_names_every_line_at_9_pt(ip_adapter_figure):
     from ipa_probe.figstyle import small_text, unlegended_artists
 
     fig, dpi = ip_adapter_figure
-    assert small_text(fig) == [] and dpi == 110
+    assert small_text(fig) == [] and dpi is None  # write_figure's default: figstyle.SAVE_DPI
     assert unlegended_artists(fig) == []
     shown = [ax for ax in fig.axes if ax.get_visible()]
     assert all(len(ax.get_legend().get_texts()) <= 7 for ax in shown)  # no 9-10-entry legends
@@ -503,11 +504,10 @@ def test_image_strip_titles_references_and_verdicts():
     with pytest.raises(ValueError, match="captions"):
         plot_image_strip(refs, out, ["x"])
     # at a paper's page width: 7 in whatever the count, the images shrink and the short labels fit
-    from ipa_probe.figstyle import DOUBLE_COLUMN, layout_facts, small_text
+    from ipa_probe.figstyle import DOUBLE_COLUMN, drawn_problems
 
     fig = plot_image_strip(refs, out * 3, ["reads 3"] * 9, [True] * 9, title="two\nlines", width=DOUBLE_COLUMN)
-    facts = layout_facts(fig)
-    assert facts["width_in"] == DOUBLE_COLUMN and facts["texts_cut"] == [] and small_text(fig) == []
+    assert fig.get_size_inches()[0] == DOUBLE_COLUMN and drawn_problems(fig) == []
     assert [ax.get_title() for ax in fig.axes[:2]] == ["ref 0", "ref 1"]
     with pytest.raises(ValueError, match="no room"):
         plot_image_strip(refs, out * 40, width=DOUBLE_COLUMN)
@@ -546,12 +546,12 @@ def test_done_when_probe_overlays_and_tensorboard_on_the_organism(tmp_path, caps
     for branch, group in (("cond", "2_stored_frame"), ("uncond", "uncond_stored_frame")):  # cond: the headline
         part = table[(table["branch"] == branch) & (table["kind"] == "image")]
         logged = {e.step: e.value for e in events.Scalars(f"{group}/rho")}
-        timesteps = part.groupby("step")["timestep"].first()
-        assert sorted(logged) == sorted(int(round(t)) for t in timesteps)  # the step is the timestep
-        for step, t in timesteps.items():
+        steps = sorted(set(part["step"]))
+        assert sorted(logged) == steps  # the step is the denoising step: the chart reads left to right
+        for step in steps:
             rows = part.loc[part["step"] == step, "spearman"].to_numpy(np.float64)
             # TensorBoard keeps float32
-            assert logged[int(round(t))] == pytest.approx(rows[np.isfinite(rows)].mean(), abs=1e-6)
+            assert logged[step] == pytest.approx(rows[np.isfinite(rows)].mean(), abs=1e-6)
     assert {"8_figures/rho_by_timestep", "8_figures/reference_maps", "7_overlays/reference_shares"} <= set(
         events.Tags()["images"]
     )
@@ -566,8 +566,8 @@ def test_logging_adds_no_host_synchronisation_inside_the_loop(sd15, refs, tmp_pa
         with CountScalarReads() as probed:
             generate(sd15, refs, output_type="latent")
     assert probed.count == plain.count
-    timesteps = {int(round(t)) for t in run.summary()["timestep"]}
-    assert {e.step for e in _scalars(tmp_path / "r").Scalars("2_stored_frame/rho")} == timesteps
+    steps = set(run.summary()["step"])  # the denoising steps
+    assert {e.step for e in _scalars(tmp_path / "r").Scalars("2_stored_frame/rho")} == steps
     assert run.summary()["spearman"].notna().all()
 
 
@@ -697,16 +697,13 @@ def test_the_organisms_figures_match_what_their_commands_make_today():
 
 
 def test_rho_by_timestep_reads_at_its_saved_size(mapped):
-    from ipa_probe.figstyle import small_text
+    from ipa_probe.figstyle import DOUBLE_COLUMN, drawn_problems, size_problems
 
     run, _ = mapped
-    from ipa_probe.figstyle import DOUBLE_COLUMN, layout_facts
 
     fig = run.plot()
-    assert small_text(fig) == []  # every text >= 8 pt at the paper's width
-    facts = layout_facts(fig)
-    assert facts["width_in"] == DOUBLE_COLUMN and not facts["texts_cut"]
-    assert all(legend["inside"] and not legend["overlaps"] for legend in facts["legends"])
+    assert drawn_problems(fig) == []  # no overlapping ticks, no text under 8 pt, no legend over data, axes labelled
+    assert fig.get_size_inches()[0] == DOUBLE_COLUMN and size_problems(*fig.get_size_inches()) == []
     heat = [ax for ax in fig.axes if "mean over heads" in ax.get_title()]
     assert heat and all("_" not in ax.get_title().split("\n")[0] for ax in heat)  # titles, not column names
     for ax in heat:
@@ -728,7 +725,7 @@ def _caught_figures(monkeypatch, draw):
 
     caught = []
 
-    def keep(fig, path, dpi=120, provenance=None):
+    def keep(fig, path, dpi=None, provenance=None):
         caught.append((fig, dpi))
         return Path(path)
 
@@ -756,7 +753,7 @@ def _command_figure(name, monkeypatch):
         labels, probs = np.array([3, 3, 9, 3, 9, 3, 3, 3]), np.full((8, 10), 0.1)
         draw = lambda: _write_strip(images[:3], images[:2] * 4, (labels, probs), 3, Path("unused.png"))  # noqa: E731
         caught = _caught_figures(monkeypatch, draw)
-        assert [dpi for _, dpi in caught] == [110]
+        assert [dpi for _, dpi in caught] == [None]  # write_figure's default: figstyle.SAVE_DPI
         return caught[0][0]
     from ipa_probe.compare import METHODS, grid_figure
 
@@ -774,7 +771,9 @@ FIGURE_CASES = [
 @pytest.mark.parametrize("path", FIGURE_CASES)
 def test_docs_figures_read_at_their_saved_size(path, monkeypatch):
     """Each figure of docs/figures.md not tested elsewhere, drawn as `make figures` draws it (the experiments' from
-    their committed record.json, the organism's from 16-pixel images): no text under 9 pt, every line and mark in a
+    their committed record.json, the organism's from 16-pixel images) and measured by matplotlib's renderer at its
+    saved size (:func:`figstyle.drawn_problems`): no text under 8 pt, no two texts overlapping, no legend over
+    data, no unlabelled axis; a column's or a page's width and at most a page's height; every line and mark in a
     legend of at most 7 entries, no empty panel, and no linear y range more than 1.3x the span of what the panel
     draws (matplotlib's 5% margins give 1.1x, fit_ylim's 12% 1.24x; a fixed -0.2...1.05 range over lines at 0.02
     gives 50x). Every panel of an experiment's figure has a title."""
@@ -783,7 +782,7 @@ def test_docs_figures_read_at_their_saved_size(path, monkeypatch):
     import matplotlib.pyplot as plt
 
     from ipa_probe.devtools.figures import EXPERIMENT_MODULES
-    from ipa_probe.figstyle import small_text, unlegended_artists
+    from ipa_probe.figstyle import drawn_problems, size_problems, unlegended_artists
 
     figure = next((f for f in _record_figure_cases() if f.path == path), None)
     if figure is None:
@@ -793,9 +792,10 @@ def test_docs_figures_read_at_their_saved_size(path, monkeypatch):
         name = Path(figure.record).parent.name
         module = importlib.import_module(f"ipa_probe.experiments.{EXPERIMENT_MODULES.get(name, name)}")
         caught = _caught_figures(monkeypatch, lambda: module.redraw(record, Path("unused")))
-        assert [dpi for _, dpi in caught] == [110]  # the size the points are measured at
+        assert [dpi for _, dpi in caught] == [None]  # write_figure's default: figstyle.SAVE_DPI
         fig = caught[0][0]
-    assert small_text(fig) == []
+    assert drawn_problems(fig) == []  # measured by the renderer on the figure as it is saved
+    assert size_problems(*fig.get_size_inches()) == []
     assert unlegended_artists(fig) == []
     legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + list(fig.legends)
     assert all(len(legend.get_texts()) <= 7 for legend in legends)
@@ -848,42 +848,62 @@ def test_docs_figures_fit_a_papers_column_read_from_the_saved_file(path):
     assert saved_layout_problems(ROOT / path) == []
 
 
-def test_the_saved_file_check_catches_a_wide_figure_small_text_and_a_clipped_legend(tmp_path):
-    """The check fails what it should: drawn here too wide, with 6 pt text and a legend pushed past the edge."""
+def test_the_drawn_check_catches_overlapping_ticks_small_text_a_legend_over_data_and_a_bare_axis():
+    """Each fault drawn on purpose, measured on the drawn figure, and the clean figure that passes."""
     import matplotlib.pyplot as plt
+
+    from ipa_probe.figstyle import SINGLE_COLUMN, drawn_problems, legend_below
+
+    fig, ax = plt.subplots(figsize=(SINGLE_COLUMN, 2.5), layout="constrained")
+    ax.plot(np.arange(20), np.linspace(0, 1, 20), label="a rising line")
+    ax.set_xticks(range(20), [f"{t}" for t in range(951, -49, -50)])  # 20 three-digit labels in 3 in: they collide
+    ax.legend(loc="center")  # the line runs through the middle of the panel
+    ax.set_title("tiny", fontsize=6)
+    ax.set_xlabel("timestep")
+    text = "\n".join(drawn_problems(fig))
+    assert "texts overlap: '951' and '901'" in text and "text under 8 pt: 'tiny'" in text
+    assert "covers data in 'tiny'" in text and "an unlabelled y axis in 'tiny'" in text
+    assert "unlabelled x axis" not in text
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(SINGLE_COLUMN, 2.5), layout="constrained")
+    ax.errorbar([0, 1, 2], [1.5, 1.5, 1.5], yerr=1.5, fmt="o", label="mean ± s.e.m.")
+    ax.set(xlabel="x", ylabel="y", ylim=(-2, 3.5))
+    ax.legend(loc="center")  # clear of the markers, over the middle error bar
+    assert any("covers data" in problem for problem in drawn_problems(fig))
+    ax.get_legend().remove()
+    legend_below(ax)  # the same entry under the panel: clear of every bar, and of the x label
+    assert drawn_problems(fig) == []
+    handles, labels = ax.get_legend_handles_labels()
+    for _ in range(2):  # two keys placed at one side of the figure are drawn over each other
+        fig.legend(handles, labels, loc="outside upper center")
+    assert any("two legends overlap" in problem for problem in drawn_problems(fig))
+    plt.close(fig)
+
+
+def test_the_saved_file_check_reads_size_resolution_and_what_was_drawn(tmp_path):
+    """A figure too wide, too tall and too coarse, with 6 pt text and a legend cut by the edge, read from the file;
+    a figure fit to print reads clean."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
 
     from ipa_probe._io import write_figure
     from ipa_probe.figstyle import saved_layout_problems
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9.0, 3.0))
-    left.plot([0, 1], label="a line")
-    left.legend(loc="upper left", bbox_to_anchor=(0.9, 1.0))  # runs into the right panel
-    right.set_title("tiny", fontsize=6)
-    right.plot([0, 1], label="cut")
-    right.legend(loc="upper left", bbox_to_anchor=(1.2, 1.0))  # past the figure's edge
-    problems = saved_layout_problems(write_figure(fig, tmp_path / "wide.png", dpi=50))
-    text = "\n".join(problems)
-    assert "9.00 in wide" in text and "6.0 pt" in text and "cut by the figure's edge" in text and "covers" in text
+    fig, ax = plt.subplots(figsize=(9.0, 10.0))
+    ax.plot([0, 1], label="cut")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.2, 1.0))  # past the figure's edge
+    ax.set(title="tiny", xlabel="x", ylabel="y")
+    ax.title.set_fontsize(6)
+    text = "\n".join(saved_layout_problems(write_figure(fig, tmp_path / "wide.png", dpi=50)))
+    for what in ("9.00 in wide", "10.00 in tall", "saved at 50 dpi", "'tiny' at 6 pt", "cut by the figure's edge"):
+        assert what in text, what
     fig, ax = plt.subplots(figsize=(3.5, 2.5), layout="constrained")
     ax.plot([0, 1], label="fits")
-    ax.legend()
-    assert saved_layout_problems(write_figure(fig, tmp_path / "fits.png", dpi=150)) == []
-
-
-def test_the_saved_file_check_catches_two_keys_drawn_over_each_other(tmp_path):
-    """Two figure legends placed at one side (both 'outside lower center') overlap: the check names it."""
-    import matplotlib.pyplot as plt
-
-    from ipa_probe._io import write_figure
-    from ipa_probe.figstyle import saved_layout_problems
-
-    fig, ax = plt.subplots(figsize=(3.5, 3.0), layout="constrained")
-    ax.plot([0, 1], label="a line")
-    ax.plot([1, 0], label="another line")
-    handles, labels = ax.get_legend_handles_labels()
-    fig.legend(handles[:1], labels[:1], loc="outside lower center")
-    fig.legend(handles[1:], labels[1:], loc="outside lower center")
-    assert any("covers ['legend" in p for p in saved_layout_problems(write_figure(fig, tmp_path / "keys.png")))
+    ax.set(xlabel="x", ylabel="y")
+    ax.legend(loc="upper left")
+    path = write_figure(fig, tmp_path / "fits.png")
+    assert saved_layout_problems(path) == []
+    assert Image.open(path).size == (1050, 750)  # 300 dpi by default
 
 
 def test_compare_grid_is_titled_with_each_images_scores_and_the_classifiers_reading(tmp_path):

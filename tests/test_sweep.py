@@ -375,6 +375,9 @@ def test_plot_aggregate_draws_the_interval_as_a_band():
     assert math.isclose(ys.min(), cond["spearman_ci_low"].min())
     assert math.isclose(ys.max(), cond["spearman_ci_high"].max())
     assert ax.xaxis_inverted()
+    from ipa_probe.figstyle import drawn_problems, size_problems
+
+    assert drawn_problems(fig) == [] and size_problems(*fig.get_size_inches()) == []  # legend clear of the lines
 
 
 def test_row_summary_keeps_the_row_identity(workdir, pipe):

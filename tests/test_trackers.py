@@ -62,10 +62,9 @@ def _cells(run, branch="cond"):
 
 
 def _x(run, call=0) -> dict[int, int]:
-    """Loop index -> the tracker's step: the timestep, rounded (computed here from the table)."""
+    """Loop index -> the tracker's step: the loop index itself, so that charts read in denoising order."""
     table = run.to_dataframe()
-    pairs = table[table["call"] == call].groupby("step")["timestep"].first()
-    return {int(s): int(round(float(t))) for s, t in pairs.items()}
+    return {int(s): int(s) for s in sorted(set(table.loc[table["call"] == call, "step"]))}
 
 
 def _by_x(run, means, call=0) -> dict[int, float]:
@@ -78,7 +77,7 @@ def test_one_run_with_its_baseline_null_and_mean_subruns(logged):
     event_files = sorted(Path(logs).rglob("events.out.tfevents.*"))
     assert sorted({p.parent for p in event_files}) == [
         Path(folder),
-        *(Path(folder) / s for s in ("baseline", "mean", "null")),
+        *(Path(folder) / s for s in ("baseline", "mean", "null")),  # null: the chance of rows with rho > 0.9
     ]
     assert [len(list(Path(f).glob("events.out.tfevents.*"))) for f in sorted({p.parent for p in event_files})] == [
         1
@@ -102,9 +101,10 @@ def test_a_rerun_with_the_same_name_replaces_its_run_and_names_say_what_differs(
     )
 
 
-def test_the_timestep_is_the_step_and_the_query_frame_comes_first(logged):
+def test_the_denoising_step_is_the_step_and_the_query_frame_comes_first(logged):
     """What a researcher lands on: the sorted tag groups start with the query frame, its first chart is rho, and its
-    baseline, null and mean are the same tag in the sub-runs; every step is a timestep."""
+    baseline and mean are the same tag in the sub-runs (one chart whose range fits them), the null a chart of its
+    own; every step is the loop index, so that the x axis reads left to right in denoising order."""
     run, _, folder, _, _ = logged
     events = _events(folder)
     tags = sorted(events.Tags()["scalars"])
@@ -114,12 +114,14 @@ def test_the_timestep_is_the_step_and_the_query_frame_comes_first(logged):
                           "5_stored_frame_rho_per_layer", "6_reference_shares"]  # fmt: skip
     assert not [t for t in tags if t.split("/")[0] in ("debug", "end", "nw")]  # bookkeeping and end numbers: no charts
     cells = _cells(run)
-    for sub, column in (("", "qf_spearman"), ("baseline", "qf_rho_baseline"), ("null", "qf_spearman_null")):
-        values = _scalar(_events(Path(folder) / sub), "1_query_frame/rho")
-        assert sorted(values) == sorted(_x(run).values())  # timesteps, not loop indices
+    for sub, tag, column in (("", "rho", "qf_spearman"), ("baseline", "rho", "qf_rho_baseline"),
+                             ("", "rho_null", "qf_spearman_null")):  # fmt: skip
+        values = _scalar(_events(Path(folder) / sub), f"1_query_frame/{tag}")
+        assert sorted(values) == list(range(STEPS))  # step 0 is the noisiest timestep: denoising reads left to right
         assert values == pytest.approx(_by_x(run, cells.groupby("step")[column].mean()), abs=FLOAT32)
-    for sub, column in (("", "spearman"), ("baseline", "rho_baseline"), ("null", "spearman_null")):
-        values = _scalar(_events(Path(folder) / sub), "2_stored_frame/rho")
+    for sub, tag, column in (("", "rho", "spearman"), ("baseline", "rho", "rho_baseline"),
+                             ("", "rho_null", "spearman_null")):  # fmt: skip
+        values = _scalar(_events(Path(folder) / sub), f"2_stored_frame/{tag}")
         assert values == pytest.approx(_by_x(run, cells.groupby("step")[column].mean()), abs=FLOAT32)
     uncond = _cells(run, "uncond")
     values = _scalar(events, "uncond_query_frame/rho")
@@ -129,11 +131,20 @@ def test_the_timestep_is_the_step_and_the_query_frame_comes_first(logged):
         assert all(len(sub_events.Scalars(t)) > 1 for t in sub_events.Tags()["scalars"])
 
 
-def test_bookkeeping_is_text(logged):
+def test_the_text_view_opens_on_the_finding_and_bookkeeping_is_last(logged):
     from tensorboard.util import tensor_util
 
     run, _, folder, _, _ = logged
-    (text,) = _events(folder).Tensors("debug/bookkeeping/text_summary")
+    texts = sorted(t.removesuffix("/text_summary") for t in _events(folder).Tags()["tensors"] if "text_summary" in t)
+    assert texts == ["1_finding/rho", "2_run/settings", "3_images/readings", "9_bookkeeping/columns"]
+    (text,) = _events(folder).Tensors("1_finding/rho/text_summary")
+    finding = tensor_util.make_ndarray(text.tensor_proto).item().decode()
+    cells = _cells(run)
+    timesteps = cells.groupby("step")["timestep"].first()
+    for step, rho in cells.groupby("step")["qf_spearman"].mean().items():  # step, timestep, rho, baseline, ...
+        baseline = cells.loc[cells["step"] == step, "qf_rho_baseline"].mean()
+        assert f"| 0 | {step} | {timesteps[step]:g} | {rho:.3f} | {baseline:.3f} |" in finding
+    (text,) = _events(folder).Tensors("9_bookkeeping/columns/text_summary")
     table = tensor_util.make_ndarray(text.tensor_proto).item().decode()
     header = next(line for line in table.splitlines() if line.startswith("| x |"))
     assert {"bandwidth", "cells", "nonfinite", "timestep"} <= {c.strip() for c in header.split("|")}
@@ -179,8 +190,9 @@ def test_layout_names_the_tags_that_exist_one_unit_per_chart(logged):
             assert len(chart.multiline.tag) <= 4  # a chart of a few series of one unit, never 14
     first = layout.category[0]
     assert first.title.startswith("query frame (gauge-invariant): cond branch")
-    assert first.chart[0].title == "query-frame rho: run, baseline, null, mean"
+    assert first.chart[0].title == "query-frame rho: run, baseline, mean (read at smoothing 0)"
     assert list(first.chart[0].multiline.tag) == ["^1_query_frame/rho$"]
+    assert list(first.chart[2].multiline.tag) == ["^1_query_frame/rho_null$", "^1_query_frame/rho_gaussian_null$"]
     charts = {chart.title: list(chart.multiline.tag) for c in layout.category for chart in c.chart}
     assert charts["attention share of each reference"] == [f"^6_reference_shares/attention_ref{r}$" for r in range(3)]
 
@@ -242,9 +254,9 @@ def test_overlays_first_in_images_at_every_timestep_and_drawn_for_a_card(logged)
                 "8_figures/query_frame_rho_per_layer"):  # fmt: skip
         assert [e.step for e in events.Images(tag)] == [last]
     for tag in ("7_overlays/reference_shares", "8_figures/rho_by_timestep", "8_figures/query_frame_rho_per_layer"):
-        width = events.Images(tag)[0].width
-        assert width <= 800  # at most 7 in at 110 dpi: a card shows it at about its own size
-    (text,) = events.Tensors("images/readings/text_summary")
+        assert events.Images(tag)[0].width == 340  # a card's own width: shown 1:1, its text enlarged to be read
+    assert events.Images("8_figures/reference_maps")[0].width == 680  # a page of maps: two cards wide
+    (text,) = events.Tensors("3_images/readings/text_summary")
     table = tensor_util.make_ndarray(text.tensor_proto).item().decode()
     assert [line.strip("| ").split(" | ")[1] for line in table.splitlines()[2:]] == readings
 
@@ -314,7 +326,8 @@ def test_wandb_gets_the_same_content_and_its_real_run_folder(logged, tmp_path, m
 
     plot = types.SimpleNamespace(line_series=lambda **kw: ("line_series", kw))
     _fake_module(monkeypatch, "wandb", {"init": init, "Histogram": lambda v: ("histogram", np.asarray(v)),
-                                        "Image": lambda a: ("image", a.shape), "Html": lambda h: ("html", h),
+                                        "Image": lambda a, caption=None: ("image", a.shape, caption),
+                                        "Html": lambda h: ("html", h),
                                         "plot": plot})  # fmt: skip
     run = logged[0]
     folder = run.log("wandb", tmp_path, "digits", **logged[4])
@@ -330,14 +343,18 @@ def test_wandb_gets_the_same_content_and_its_real_run_folder(logged, tmp_path, m
     assert sorted(k for k in first if k != "step")[0] == "1_query_frame/rho"  # the same order as TensorBoard
     histograms = {(row["step"]) for row in rows for v in row.values() if isinstance(v, tuple) and v[0] == "histogram"}
     assert histograms == set(_x(run).values())
-    overlays = [row["step"] for row in rows if "7_overlays/reference_shares" in row]
-    assert overlays == sorted(_x(run).values())
+    overlays = [
+        (row["step"], row["7_overlays/reference_shares"][2]) for row in rows if "7_overlays/reference_shares" in row
+    ]
+    timesteps = cells.groupby("step")["timestep"].first()
+    assert overlays == [(x, f"step {x}, t {timesteps[x]:g}") for x in sorted(_x(run).values())]  # W&B's own step aside
     charts = [v[1] for row in rows for k, v in row.items() if k.startswith("charts/")]
-    (rho_chart,) = [c for c in charts if c["title"].endswith("query-frame rho: run, baseline, null, mean")]
+    (rho_chart,) = [
+        c for c in charts if c["title"].endswith("query-frame rho: run, baseline, mean (read at smoothing 0)")
+    ]
     assert all(len(k) <= 60 for row in rows for k in row if k.startswith("charts/"))  # wandb names an artifact so
-    assert rho_chart["keys"] == ["1_query_frame/rho", "1_query_frame/rho_baseline", "1_query_frame/rho_mean",
-                                 "1_query_frame/rho_null"]  # fmt: skip
-    assert rho_chart["xname"] == "timestep"
+    assert rho_chart["keys"] == ["1_query_frame/rho", "1_query_frame/rho_baseline", "1_query_frame/rho_mean"]
+    assert rho_chart["xname"] == "denoising step"
     expected = _by_x(run, cells.groupby("step")["qf_spearman"].mean())
     assert rho_chart["ys"][0] == [expected[x] for x in sorted(expected)]
     config = [args[0] for name, args, _ in calls if name == "run.config.update"][0]
@@ -469,7 +486,7 @@ def test_mlflow_local_store_read_back(logged, tmp_path, monkeypatch):
     assert found.data.params["guidance_scale"] == "3.0"
     assert found.data.metrics["1_query_frame/rho_mean"] == pytest.approx(_cells(run)["qf_spearman"].mean(), rel=1e-12)
     # the order, names and steps the TensorBoard test checks, read back from the store: MLflow lists metrics by name,
-    # so the sorted names start with the query frame's rho; the sub-runs are TAG_baseline/_null; steps are timesteps
+    # so the sorted names start with the query frame's rho; the sub-runs are TAG_baseline/_mean; steps: denoising
     charts = sorted(k for k in found.data.metrics if k.split("/")[0] not in ("end",) and not k.endswith("_mean"))
     assert charts[0] == "1_query_frame/rho"
     groups = list(dict.fromkeys(t.split("/")[0] for t in charts))
@@ -481,10 +498,10 @@ def test_mlflow_local_store_read_back(logged, tmp_path, monkeypatch):
                         ("1_query_frame/rho_null", "qf_spearman_null"), ("2_stored_frame/rho", "spearman"),
                         ("2_stored_frame/rho_null", "spearman_null")):  # fmt: skip
         values = {m.step: m.value for m in client.get_metric_history(found.info.run_id, tag)}
-        assert sorted(values) == sorted(_x(run).values())  # timesteps, not loop indices
+        assert sorted(values) == sorted(_x(run).values())  # denoising steps
         assert values == pytest.approx(_by_x(run, cells.groupby("step")[column].mean()), rel=1e-12)
     files = {p.relative_to(folder).as_posix() for p in Path(folder).rglob("*") if p.is_file()}
-    assert {"histograms.json", "layout.json", "run/settings.md", "images/readings.md"} <= files
+    assert {"histograms.json", "layout.json", "2_run/settings.md", "3_images/readings.md"} <= files
     overlays = [f for f in files if f.startswith("images/7_overlays~reference_shares+step+") and f.endswith(".png")]
     assert len(overlays) == STEPS
 
@@ -501,7 +518,7 @@ def test_cli_prints_the_folder_of_the_event_file(tmp_path, capsys):
     assert Path(folder) in {event.parent for event in events_files}
     assert Path(folder).name == "probe_digit3_seed0_frame-item_steps2"  # named by what differs between runs
     events = _events(folder)
-    (text,) = events.Tensors("images/readings/text_summary")
+    (text,) = events.Tensors("3_images/readings/text_summary")
     from tensorboard.util import tensor_util
 
     readings = tensor_util.make_ndarray(text.tensor_proto).item().decode()
@@ -511,13 +528,12 @@ def test_cli_prints_the_folder_of_the_event_file(tmp_path, capsys):
     ]
 
 
-def test_the_loop_index_is_the_step_when_timesteps_collide():
+def test_the_step_is_the_loop_index_and_the_timestep_is_kept_beside_it():
     from ipa_probe.probe_log import _steps
 
-    summary = pd.DataFrame({"call": [0, 0, 0, 1], "step": [0, 1, 2, 0], "timestep": [999.4, 500.0, 1.0, 999.0]})
-    assert _steps(summary) == ({(0, 0): 999, (0, 1): 500, (0, 2): 1, (1, 0): 999}, "timestep")
-    summary["timestep"] = [999.4, 999.2, 1.0, 999.0]  # two steps of call 0 round to 999
-    assert _steps(summary) == ({(0, 0): 0, (0, 1): 1, (0, 2): 2, (1, 0): 0}, "loop index")
+    summary = pd.DataFrame({"call": [0, 0, 0, 1], "step": [0, 1, 2, 0], "timestep": [999.4, 999.2, 1.0, 999.0]})
+    assert _steps(summary) == ({(0, 0): 0, (0, 1): 1, (0, 2): 2, (1, 0): 0},
+                               {(0, 0): 999.4, (0, 1): 999.2, (0, 2): 1.0, (1, 0): 999.0})  # fmt: skip
 
 
 def test_probe_log_with_draws_the_overlays_over_a_grey_field(organism, tmp_path):

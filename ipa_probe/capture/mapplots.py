@@ -346,6 +346,6 @@ def save_reference_maps(run, directory, image=None, references: Sequence | None 
         path = directory / (name or f"reference_maps_adapter{adapter}.png")
         # the fingerprint's tolerance: shares move by ~1e-6 between CPUs, far below 2e-3 (an invisible colour step)
         stamp = {"code": code_digest(*REFERENCE_MAP_CODE), "data": _fingerprint(data), "atol": 2e-3}
-        paths[key] = write_figure(fig, path, dpi=110, provenance=stamp)
+        paths[key] = write_figure(fig, path, provenance=stamp)
     paths["table"] = write_table(run.map_table(), directory / "map_table.parquet")
     return paths

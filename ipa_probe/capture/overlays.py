@@ -300,7 +300,7 @@ def _draw_overlay(base, drawn: OverlayMap, scale, vmax, layout, ax, title):
     with paper_style():
         if ax is None:
             panels = 2 if layout == "beside" else 1
-            fig, axes = plt.subplots(1, panels, figsize=(6.4, 3.9), layout="constrained", squeeze=False)
+            fig, axes = plt.subplots(1, panels, figsize=(7.0, 3.9), layout="constrained", squeeze=False)
             axes = list(axes[0])
             fig.suptitle(title, fontsize=MIN_FONT_PT)
         else:
@@ -399,7 +399,7 @@ def save_overlays(
         prefix = "" if adapter == 0 else f"adapter{adapter}_"
         for r in range(count):
             fig = plot_overlay(run, base, r, adapter=adapter, scale=scale, layout=layout, **options)
-            paths.append(write_figure(fig, directory / f"{prefix}ref{r}.png", dpi=110, provenance=stamp))
+            paths.append(write_figure(fig, directory / f"{prefix}ref{r}.png", provenance=stamp))
         if not per_layer_step:
             continue
         groups = layer_groups([layer.name for layer in run.layers])
@@ -429,7 +429,7 @@ def save_overlays(
             for (group, step), drawn in cells.items():
                 fig = _draw_overlay(base, drawn, scale, top, layout, None, None)
                 path = folder / f"{_safe(group)}_step{step:03d}.png"
-                paths.append(write_figure(fig, path, dpi=90, provenance=stamp))
+                paths.append(write_figure(fig, path, provenance=stamp))
     return paths
 
 
@@ -472,7 +472,7 @@ def overlay_figure(run, image, *, call: int = 0, adapter: int = 0, branch: str =
                     draw_outline(ax, image)
                     ax.set_xticks([])
                     ax.set_yticks([])
-                    ax.set_title(f"ref {r}, {'attention' if kind == 'attention' else 'NW'}", fontsize=MIN_FONT_PT)
+                    ax.set_title(f"ref {r}\n{'attention' if kind == 'attention' else 'NW'}", fontsize=MIN_FONT_PT)
             bar = fig.colorbar(ScalarMappable(norm, cmap), ax=axes, shrink=0.9, extend="both")
             bar.set_label(f"share − 1/{count}\n(saturates at ±{EFFECT_SIZE:g}/{count})", fontsize=MIN_FONT_PT)
             bar.ax.tick_params(labelsize=MIN_FONT_PT)

@@ -440,7 +440,7 @@ def plot_heatmap(
         ax.text(values.shape[1] / 2 - 0.5, row, "undefined", ha="center",
                 va="center", fontsize=MIN_FONT_PT, color="dimgrey")  # fmt: skip
     timesteps = grid.columns.to_numpy(np.float64)
-    ticks = regular_ticks(len(timesteps))  # one stride: the labels step regularly
+    ticks = regular_ticks(len(timesteps), most=5)  # one stride, labels clear of each other on a third of a page
     ax.set_xticks(ticks, [f"{timesteps[i]:g}" for i in ticks], fontsize=MIN_FONT_PT)
     names, suffix = short_layer_names([str(name) for name in grid.index])
     ax.set_yticks(range(len(grid)), [_compact(n) for n in names] if labels else [], fontsize=MIN_FONT_PT)
@@ -520,5 +520,5 @@ def save_run(table: pd.DataFrame, directory, settings: dict | None = None, extra
         "query_pool": query_pool_note(summary),
     }
     write_json(paths["summary"], record)
-    write_figure(plot_run(table), paths["plot"], dpi=150)
+    write_figure(plot_run(table), paths["plot"])
     return paths

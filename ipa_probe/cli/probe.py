@@ -262,13 +262,16 @@ def _write(args: argparse.Namespace, loaded, result, run_, staging, organism: bo
     cond = summary[summary["branch"] == "cond"]
     last = cond.iloc[-1] if len(cond) else None
     line = f"wrote {args.out}: " + ", ".join(written)
-    if last is not None:
-        line += f"; last step (t={last['timestep']:g}): query-frame rho {last['qf_spearman']:.3f} exact / "
-        line += f"{last['qf_gauss_spearman']:.3f} Gaussian ({last['query_frame']} frame, gauge-invariant); "
-        line += f"stored-frame rho {last['spearman']:.3f} (gauge-dependent; baseline from r and K "
-        line += f"{last['rho_baseline']:.3f}, docs/gauge.md), pearson {last['pearson']:.3f}"
-    if summary.attrs.get("query_pool"):  # the other query pool's effect, or that the pools coincide
-        line += "\n" + summary.attrs["query_pool"]
+    if last is not None:  # one short line per finding; the detail is in the files named
+        line += (f"\nquery-frame rho at the last step (t={last['timestep']:g}): {last['qf_spearman']:.3f} against its "
+                 f"baseline {last['qf_rho_baseline']:.3f} ({last['query_frame']} frame, gauge-invariant; every step: "
+                 "rho_by_timestep.png, summary.json)")  # fmt: skip
+        line += (f"\nstored-frame rho: {last['spearman']:.3f} against its baseline {last['rho_baseline']:.3f} "
+                 "(gauge-dependent: docs/gauge.md)")  # fmt: skip
+    if "qf_pool_shift" in summary and not summary["qf_pools_coincide"].all():
+        shift = summary["qf_pool_shift"].abs().max()
+        line += (f"\nquery pool: the other pool moves the query-frame rho by up to {shift:.3f} (in words: "
+                 "summary.json's query_pool; docs/api.md)")  # fmt: skip
     if judged is not None:
         labels = judged[0]
         right = int((labels == args.digit).sum())
@@ -384,7 +387,7 @@ def _write_strip(references: list, images: list, judged, digit: int, path) -> No
         fingerprint = brightness + [round(float(p), 3) for p in probs[:, digit]]
     # tolerance: pixels and classifier probabilities move by ~1e-6 between CPUs; 0.02 is far below a visible change
     stamp = {"code": code_digest(plot_image_strip, _write_strip), "data": fingerprint, "atol": 0.02}
-    write_figure(fig, path, dpi=110, provenance=stamp)
+    write_figure(fig, path, provenance=stamp)
 
 
 def _digit_verdict(images: list, digit: int, out):

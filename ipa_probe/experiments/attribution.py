@@ -536,7 +536,11 @@ def plot(effects_by: dict[str, pd.DataFrame], trained: pd.DataFrame, recipe: str
         left.set_xlim(-1.08, 1.08)
         sets = next(iter(effects_by.values()))["set"].nunique()
         refs = next(iter(effects_by.values()))["reference"].nunique()
-        left.set(xlabel="per-set Spearman with the ablation effect", title="(a) each predictor over all steps")
+        left.set(
+            xlabel="per-set Spearman with the ablation effect",
+            ylabel="predictor",
+            title="(a) each predictor over all steps",
+        )
         steps = trained[(trained["timestep"] != "all") & (trained["effect"] == effect)]
         drawn = [[0.0]]
         markers = "osD^"

@@ -141,10 +141,10 @@ def table(raw: dict[str, dict]) -> list[Row]:
 def plot(raw: dict[str, dict], folder: Path) -> Path:
     """Benefit against ``d`` (mean ± std over seeds, and each seed) and ``n_eff`` against ``d``, beside the paper's
     points; every mark in its panel's legend."""
-    from ..figstyle import DOUBLE_COLUMN, label_log_axis, paper_style
+    from ..figstyle import DOUBLE_COLUMN, label_log_axis, legend_below, paper_style
 
     with paper_style():
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(DOUBLE_COLUMN, 3.4), layout="constrained")
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(DOUBLE_COLUMN, 4.0), layout="constrained")
         dims = list(raw["benefit"])
         seeds = max(len(raw["benefit"][d]["per_seed"]) for d in dims)
         ax1.axhline(0, color="grey", lw=0.8, label="no benefit")
@@ -165,7 +165,7 @@ def plot(raw: dict[str, dict], folder: Path) -> Path:
                 title="benefit of the exact-NW head\n(ON vs OFF)")  # fmt: skip
         ax1.set_xticks(dims, [str(d) for d in dims])
         ax1.minorticks_off()
-        ax1.legend()
+        legend_below(ax1)  # inside, it covers the widest error bars
         nd = list(raw["neff"])
         ax2.plot(nd, [raw["neff"][d]["mean"] for d in nd], marker="o", label="ours (mean over tasks)")
         ax2.scatter([2, 16], [9, 1], marker="x", color="C3", label="paper (d = 2, 16)")
@@ -175,7 +175,7 @@ def plot(raw: dict[str, dict], folder: Path) -> Path:
         ax2.set_xticks(nd, [str(d) for d in nd])
         ax2.minorticks_off()
         label_log_axis(ax2)
-        ax2.legend()
+        legend_below(ax2)
         return save_figure(fig, folder / "collapse.png", (plot, label_log_axis), raw)
 
 

@@ -44,7 +44,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ..figstyle import fit_ylim, label_log_axis  # noqa: E402
+from ..figstyle import fit_ylim, label_log_axis, legend_below  # noqa: E402
 from ..schema import GAUGE_COLUMNS, query_frame_column  # noqa: E402
 from .ip_adapter_setup import (  # noqa: E402, F401 (re-exported: the experiment's surface)
     NUM_STEPS,
@@ -356,8 +356,7 @@ def _legend(ax, entries, columns: int = 1) -> None:
             handle = (proxy, handle[1]) if isinstance(handle, tuple) else proxy
         handles.append(handle)
         labels.append(label)
-    legend = ax.legend(handles, labels, fontsize=MIN_FONT_PT, loc="upper center", bbox_to_anchor=(0.5, -0.3),
-                       ncol=columns, frameon=False, handlelength=2.0, borderaxespad=0.0)  # fmt: skip
+    legend = legend_below(ax, handles, labels, fontsize=MIN_FONT_PT, ncol=columns, handlelength=2.0)
     legend.set_in_layout(False)  # the rows are spaced for it: the panels keep their width
 
 
@@ -487,6 +486,7 @@ def _temperature_panel(ax, attribution, x) -> None:
     entries = []
     for index, (label, frame) in enumerate(frames.items()):
         colour, name = POPULATIONS[label]
+        shift = 0.28 * (index - (len(frames) - 1) / 2)  # the populations' marks side by side, clear of each other
         fitted = frame["fitted_bandwidth"].to_numpy(float)
         infinite = np.isinf(fitted)
         (line,) = ax.plot(x, np.where(infinite, np.nan, fitted), "o-", color=colour, label="fitted h*")
@@ -502,16 +502,16 @@ def _temperature_panel(ax, attribution, x) -> None:
         entries.append((handle, text))
         open_ended = np.isfinite(low) & np.isinf(high)
         for i in np.flatnonzero(open_ended):  # the interval reaches ∞: an arrow from its lower end to the top edge
-            ax.annotate("", xy=(x[i] + 0.08 * index, 1.0), xycoords=("data", "axes fraction"),
-                        xytext=(x[i] + 0.08 * index, low[i]), textcoords="data",
+            ax.annotate("", xy=(x[i] + shift, 1.0), xycoords=("data", "axes fraction"),
+                        xytext=(x[i] + shift, low[i]), textcoords="data",
                         arrowprops={"arrowstyle": "->", "color": colour, "alpha": 0.6})  # fmt: skip
         if open_ended.any():  # named in the line's own entry: a legend of at most 7 entries
             text += ", arrow: CI to ∞"
             line.set_label(text)
             entries[-1] = (handle, text)
         for i in np.flatnonzero(infinite):  # h* = ∞: marked at the top edge, not placed at a finite value
-            ax.annotate("∞", xy=(x[i] + 0.08 * index, 0.97), xycoords=("data", "axes fraction"), ha="center",
-                        va="top", color=colour, fontweight="bold")  # fmt: skip
+            ax.annotate("∞", xy=(x[i] + shift, 0.97), xycoords=("data", "axes fraction"), ha="center", va="top",
+                        color=colour)  # fmt: skip
         if infinite.any():
             (proxy,) = ax.plot([], [], linestyle="none", marker="$∞$", color=colour, label="_proxy")
             entries.append((proxy, "h* = ∞ (uniform closest): ∞ at the top"))
@@ -542,23 +542,40 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
     """
     from .._io import code_digest, data_digest, write_figure
     from ..attribution import POOLING_TV
-    from ..figstyle import DOUBLE_COLUMN, paper_style
+    from ..figstyle import DOUBLE_COLUMN, MAX_HEIGHT, paper_style
 
     shown = {k: v for k, v in attribution.items() if k != "untrained, one digit refs"}
     timesteps = next(iter(summaries.values()))["timestep"].tolist()
     x = np.arange(len(timesteps))
     refs = int(max(s["references"].max() for s in shown.values()))
     with paper_style():
-        fig, grid = plt.subplots(4, 3, figsize=(DOUBLE_COLUMN, 12.0))
-        fig.subplots_adjust(left=0.1, right=0.92, top=0.95, bottom=0.11, wspace=0.62, hspace=1.2)
+        fig = plt.figure(figsize=(DOUBLE_COLUMN, MAX_HEIGHT))  # a page: 4 rows of 3 panels
+        gaps = [1.3, 1.0, 1.15]  # inches under a row: its x labels, its legends (4, 2, 3 entries), the next titles
+        rows = (MAX_HEIGHT - 0.55 - 1.2 - sum(gaps)) / 4  # a suptitle over them, 5 legend entries under them
+        spec = fig.add_gridspec(
+            7,
+            3,
+            height_ratios=[rows, gaps[0], rows, gaps[1], rows, gaps[2], rows],
+            hspace=0,
+            left=0.11,
+            right=0.92,
+            top=1 - 0.55 / MAX_HEIGHT,
+            bottom=1.2 / MAX_HEIGHT,
+            wspace=0.62,
+        )
+        grid = np.array([[fig.add_subplot(spec[2 * r, c]) for c in range(3)] for r in range(4)])
+        for ax in grid.flat[:10]:  # before the legends, which sit under the x labels
+            ax.tick_params(axis="x", labelrotation=0)
+            ax.set_xticks(x, [f"{t:g}" for t in timesteps])
+            ax.set_xlabel("timestep (noise → data)")
         _rho_panels(grid.flat[:4], summaries, x)
         axes = grid.flat[4:]
         _attribution_panel(
             axes[0], shown, x, "share_spearman", "(d) attention share vs posterior",
-            "mean per-set Spearman", (0.0, "chance (null mean)"),
+            "Spearman ρ", (0.0, "chance (null mean)"),
         )  # fmt: skip
         _attribution_panel(
-            axes[1], shown, x, "layer_agreement", "(e) between layers", "mean per-set Spearman",
+            axes[1], shown, x, "layer_agreement", "(e) between layers", "Spearman ρ",
             (0.0, "chance (null mean)"),
         )  # fmt: skip
         _attribution_panel(
@@ -577,17 +594,13 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
         _temperature_panel(axes[5], shown, x)
         _population_key(grid.flat[10], {**summaries, **shown})
         grid.flat[11].set_visible(False)
-        for ax in grid.flat[:10]:
-            ax.tick_params(axis="x", labelrotation=0)
-            ax.set_xticks(x, [f"{t:g}" for t in timesteps])
-            ax.set_xlabel("timestep (noise → data)")
         fig.suptitle(f"IP-Adapter attention on the digits organism (recipe {recipe}); bands: 95% intervals",
-                     fontsize=9)  # fmt: skip
+                     fontsize=9, y=1 - 0.06 / MAX_HEIGHT)  # fmt: skip
     inputs = as_records({"summaries": summaries, "attribution": attribution, "recipe": recipe})
     code = code_digest(plot, _rho_panels, _attribution_panel, _temperature_panel, _series, fit_ylim, _legend,
                        _bandwidths, label_log_axis, _population_key)  # fmt: skip
     stamp = {"code": code, "inputs": data_digest(inputs)}
-    return write_figure(fig, Path(folder) / "ip_adapter.png", dpi=110, provenance=stamp)
+    return write_figure(fig, Path(folder) / "ip_adapter.png", provenance=stamp)
 
 
 def redraw(record: dict, folder) -> list[Path]:

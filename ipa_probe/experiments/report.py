@@ -111,7 +111,7 @@ def save_figure(fig, path: Path, code=None, inputs=None) -> Path:
         fig.tight_layout()
     functions = code if isinstance(code, tuple) else (code,)
     provenance = None if code is None else {"code": code_digest(*functions), "inputs": data_digest(inputs)}
-    return write_figure(fig, path, dpi=110, provenance=provenance)
+    return write_figure(fig, path, provenance=provenance)
 
 
 def as_records(value):

@@ -122,10 +122,10 @@ def table(raw: dict[str, dict], neff_spread: dict[int, float]) -> list[Row]:
 def plot(raw: dict[str, dict], folder: Path) -> Path:
     """MMD² plug-in against learned per dimension (log scale, with their ratio written beside), and the layer-0
     heads' ``n_eff`` against NW across ``t`` beside the ``n_eff`` of uniform weights."""
-    from ..figstyle import DOUBLE_COLUMN, fit_ylim, label_log_axis, paper_style
+    from ..figstyle import DOUBLE_COLUMN, fit_ylim, label_log_axis, legend_below, paper_style
 
     with paper_style():
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(DOUBLE_COLUMN, 3.6), layout="constrained")
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(DOUBLE_COLUMN, 4.6), layout="constrained")
         dims = list(raw["ratio"])
         x = range(len(dims))
         plugin = [raw["ratio"][d]["plugin_mmd"] for d in dims]
@@ -146,11 +146,11 @@ def plot(raw: dict[str, dict], folder: Path) -> Path:
                              textcoords="offset points", va="center")  # fmt: skip
         ax1.set_xticks(list(x), [f"d={d}" for d in dims])
         ax1.set_xlim(-0.5, len(dims) - 0.3)
-        ax1.set(yscale="log", ylabel="MMD², generated vs reference samples",
+        ax1.set(yscale="log", xlabel="dimension of the shells", ylabel="MMD², generated vs reference samples",
                 title="shells: plug-in against learned\nMMD² per dimension (ratio: plug-in / learned)")  # fmt: skip
         fit_ylim(ax1, [*plugin, *(v for values in learned for v in values)], pad=0.3, log=True)
         label_log_axis(ax1)
-        ax1.legend(loc="lower right")
+        legend_below(ax1)
         ts = list(raw["heads"])
         heads = list(zip(*[raw["heads"][t]["head_neff_layer0"] for t in ts], strict=True))
         for h, series in enumerate(heads):
@@ -160,7 +160,7 @@ def plot(raw: dict[str, dict], folder: Path) -> Path:
         ax2.set(yscale="log", xlabel="flow time t", ylabel=f"n_eff (of {SUPPORT} support points)",
                 title=f"shells d={dims[0]}: n_eff of learned\nheads against NW")  # fmt: skip
         label_log_axis(ax2)
-        ax2.legend(loc="lower left")
+        legend_below(ax2)  # inside, it covers the NW line
         return save_figure(fig, folder / "shells.png", (plot, fit_ylim, label_log_axis), raw)
 
 

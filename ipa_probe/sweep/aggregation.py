@@ -184,8 +184,10 @@ def plot_aggregate(agg: pd.DataFrame, ax=None, branch: str = "cond", confidence:
     """
     import matplotlib.pyplot as plt
 
+    from ..figstyle import DOUBLE_COLUMN, legend_below
+
     if ax is None:
-        fig, ax = plt.subplots(figsize=(6, 3.6))
+        fig, ax = plt.subplots(figsize=(DOUBLE_COLUMN, 4.4), layout="constrained")
     else:
         fig = ax.figure
     part = agg[agg["branch"] == branch] if not agg.empty else agg
@@ -220,6 +222,5 @@ def plot_aggregate(agg: pd.DataFrame, ax=None, branch: str = "cond", confidence:
         ax.set_title("IP-Adapter attention vs Gaussian NW (no rows)")
         drawn = None
     style_timestep_axes(ax, drawn)
-    ax.legend(fontsize=8, loc="best", framealpha=0.85)
-    fig.tight_layout()
+    legend_below(ax, fontsize=8, ncol=2)  # inside, "best" still covers a line of 20 points
     return fig

@@ -536,4 +536,4 @@ def _write_derived(layout: SweepLayout, per_row: pd.DataFrame, agg: pd.DataFrame
         write_table(per_row, layout.row_summary)
     write_table(agg, layout.aggregate)
     write_json(layout.summary, record)
-    write_figure(plot_aggregate(agg, confidence=confidence), layout.plot, dpi=120)
+    write_figure(plot_aggregate(agg, confidence=confidence), layout.plot)

@@ -203,17 +203,17 @@ def plot_losses(path: Path, losses: dict[str, list[float]], titles: dict[str, st
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    fig, axes = plt.subplots(1, len(titles), figsize=(4.2 * len(titles), 3.2), squeeze=False)
-    for ax, (stage, title) in zip(axes[0], titles.items(), strict=True):
-        series = pd.Series(losses[stage], dtype=float)
-        ax.plot(series.index + 1, series, color="0.8", linewidth=0.6, label="step")
-        ax.plot(series.index + 1, series.rolling(50, min_periods=1).mean(), color="C0", label="mean of 50")
-        ax.set_yscale("log")
-        ax.set_xlabel("step")
-        ax.set_title(title)
-        ax.legend()
-    fig.tight_layout()
-    write_figure(fig, path, dpi=110)
+    from ...figstyle import DOUBLE_COLUMN, paper_style
+
+    with paper_style():
+        fig, axes = plt.subplots(1, len(titles), figsize=(DOUBLE_COLUMN, 3.2), squeeze=False, layout="constrained")
+        for ax, (stage, title) in zip(axes[0], titles.items(), strict=True):
+            series = pd.Series(losses[stage], dtype=float)
+            ax.plot(series.index + 1, series, color="0.8", linewidth=0.6, label="step")
+            ax.plot(series.index + 1, series.rolling(50, min_periods=1).mean(), color="C0", label="mean of 50")
+            ax.set(yscale="log", xlabel="step", ylabel="training loss (log)", title=title)
+            ax.legend()
+    write_figure(fig, path)
 
 
 def final_losses(losses: dict[str, list[float]]) -> dict[str, float]:
