@@ -173,6 +173,49 @@ def test_nested_scales_apply_in_order(organism, refs):
     assert scaled_share < plain_share  # the reader attached last sees both scales applied
 
 
+@pytest.fixture(scope="module")
+def three():
+    return refs_of(3, 5, 7)
+
+
+def refs_of(*digits):
+    return [digits_reference_images(d, 1, seed=100 * i)[0] for i, d in enumerate(digits, 1)]
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner", "together"),
+    [(0, 1, [0, 1]), (1, 0, [0, 1]), (0, 2, [0, 2]), (2, [0, 1], [0, 1, 2]), ([0, 1], 1, [0, 1])],
+)
+def test_nested_ablations_compose_as_given_at_once(organism, three, outer, inner, together):
+    """References are the call's whatever the nesting: the inner block removes what its index names in the call's
+    list, not in what the outer block left; a probe between them reports the references the layer kept."""
+    with intervene(organism, together):
+        expected = latents(organism, three)
+    with intervene(organism, outer), ipa_probe.probe(organism, maps=True) as run, intervene(organism, inner):
+        got = latents(organism, three)
+    assert torch.equal(got, expected)
+    removed = set(together)
+    if len(removed) == 3:  # every reference removed: the branch's values are zero, its weights read nothing
+        return
+    mass = run.reference_mass()
+    assert sorted(mass.reference.unique()) == [0, 1, 2]  # every reference of the call, the removed ones at 0
+    assert (mass[mass.reference.isin(removed)].attention == 0).all()
+    left = mass[~mass.reference.isin(removed)].groupby(["step", "layer"], observed=True).attention.sum()
+    # 1e-5: float32 sums of the shares the probe formed over the kept keys
+    assert len(left) and ((left - 1).abs() < 1e-5).all()
+
+
+def test_nested_swap_indexes_the_calls_references(organism, three):
+    other = digits_reference_images(8, 1, seed=900)[0]
+    with intervene(organism, 0), intervene(organism, 2, mode="swap", other=other):
+        nested = latents(organism, three)
+    swapped = [three[0], three[1], other]
+    with intervene(organism, 0):
+        expected = latents(organism, swapped)
+    # 1e-5: the pipeline encodes the swapped-in image in a batch of one here and of three there
+    torch.testing.assert_close(nested, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_points_inside_an_ablation_index_references_as_the_call_passed_them(organism, refs):
     shapes = []
 

@@ -116,6 +116,8 @@ class Spine:
         #: (layer id, adapter) -> ``(kept, total)``: the references whose tokens the layer's image keys hold in this
         #: pass, in order, of the ``total`` the call passed, when an edit removed some (:meth:`keep_references`)
         self.kept: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
+        #: the same for the image values (edits of the keys and of the values run separately, in the same order)
+        self.kept_values: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
         #: (layer id, adapter) -> the weights ``(B, H, Q, K)`` the layer used in this pass, when an edit of the
         #: weights point changed them (:meth:`use_weights`)
         self.used: dict[tuple[str, int], torch.Tensor] = {}
@@ -134,6 +136,7 @@ class Spine:
         self.clock.reset()
         self.tap.reset()
         self.kept.clear()
+        self.kept_values.clear()
         self.used.clear()
         self.now = PassInfo()
 
@@ -158,6 +161,7 @@ class Spine:
             masks=pass_masks(kwargs),
         )
         self.kept.clear()
+        self.kept_values.clear()
         self.used.clear()
         self.weight_edits = set()
         for client in list(self.clients):
@@ -193,10 +197,16 @@ class Spine:
         return self.clock.planned_steps()
 
     # ------------------------------------------------------------------ where reading and editing meet
-    def keep_references(self, layer: str, adapter: int, kept: tuple[int, ...], total: int) -> None:
-        """An edit removed references from ``layer``'s image keys in this pass: ``kept`` are those that stay, of
-        ``total``."""
-        self.kept[(layer, adapter)] = (tuple(kept), total)
+    def keep_references(self, layer: str, adapter: int, kept: tuple[int, ...], total: int, keys: bool = True) -> None:
+        """An edit removed references from ``layer``'s image keys (``keys``) or values in this pass: ``kept`` are
+        those that stay, of ``total``, as the call indexed them."""
+        (self.kept if keys else self.kept_values)[(layer, adapter)] = (tuple(kept), total)
+
+    def kept_references(self, layer: str, adapter: int, keys: bool, images: int) -> tuple[tuple[int, ...], int]:
+        """``(kept, total)``: the references ``layer``'s image keys (``keys``) or values hold so far in this pass, as
+        the call indexed them; ``images`` tokens' references when no edit removed any. Edits applied one after
+        another index the call's references through this, so that nested ones compose as if given at once."""
+        return (self.kept if keys else self.kept_values).get((layer, adapter), (tuple(range(images)), images))
 
     def use_weights(self, layer: str, adapter: int, weights: torch.Tensor) -> None:
         """An edit of the weights point: ``weights`` ``(B, H, Q, K)`` are what ``layer``'s image branch used."""

@@ -171,7 +171,8 @@ class Intervention:
                     f"ipa_probe.intervene: layer {layer!r} got image tokens of shape {tuple(tokens.shape)}; expected "
                     "(batch, images, tokens, channels) as diffusers' IP-Adapter processor passes them without masks"
                 )
-            images = tokens.shape[1]
+            # the references these tokens hold, as the call indexed them (an outer ablation may have removed some)
+            kept, images = self._spine.kept_references(layer, config.adapter, keys, tokens.shape[1])
             if config.references[-1] >= images:
                 raise ValueError(
                     f"reference={config.reference}: adapter {config.adapter} has {images} reference image(s) in this "
@@ -180,20 +181,22 @@ class Intervention:
             if keys:
                 self.acted.append((self.step, layer))
             if config.mode == "swap":
+                if config.reference not in kept:  # an ablation removed it: nothing to swap
+                    return None
                 other = self._other_tokens.to(device=tokens.device, dtype=tokens.dtype)  # (1, T, C)
                 edited = tokens.clone()
-                reference = config.reference
+                at = kept.index(config.reference)
                 rows = self._conditioned.reshape(-1, 1, 1)  # (B, 1, 1)
-                edited[:, reference] = torch.where(rows, other.expand_as(tokens[:, reference]), tokens[:, reference])
+                edited[:, at] = torch.where(rows, other.expand_as(tokens[:, at]), tokens[:, at])
                 return (edited, *args[1:])
-            keep = [i for i in range(images) if i not in config.references]
+            keep = [i for i, r in enumerate(kept) if r not in config.references]
             if not keep:  # an empty softmax: zero the values instead (see the module docstring)
                 self._emptied = True
                 return None
             self._emptied = False
-            if keys:  # the readers of this layer's keys (the probe's maps) place the kept references by index
-                self._spine.keep_references(layer, config.adapter, tuple(keep), images)
-            return (tokens[:, keep], *args[1:])  # (B, images - removed, T, C)
+            # the readers of this layer's keys (the probe's maps) and the edits after this one index by reference
+            self._spine.keep_references(layer, config.adapter, tuple(kept[i] for i in keep), images, keys)
+            return (tokens[:, keep], *args[1:])  # (B, kept - removed, T, C)
 
         return hook
 
