@@ -216,6 +216,38 @@ def test_nested_swap_indexes_the_calls_references(organism, three):
     torch.testing.assert_close(nested, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_steps_take_timesteps_or_a_predicate(organism, refs):
+    """``steps=`` by timestep (a predicate or ``Timesteps``) acts where the loop indices with those timesteps do."""
+    from ipa_probe.intervention import Timesteps
+
+    organism.scheduler.set_timesteps(3)
+    timesteps = [float(t) for t in organism.scheduler.timesteps]
+    late = [i for i, t in enumerate(timesteps) if t > 500]
+    assert 0 < len(late) < 3
+    with intervene(organism, 0, steps=late):
+        expected = latents(organism, refs, num_inference_steps=3)
+    with intervene(organism, 0, steps=lambda step, t: t > 500) as state:
+        by_predicate = latents(organism, refs, num_inference_steps=3)
+    with intervene(organism, 0, steps=Timesteps([timesteps[i] for i in late])):
+        by_values = latents(organism, refs, num_inference_steps=3)
+    with intervene(organism, 0, steps=Timesteps(low=math.nextafter(500, 1000))):
+        by_bounds = latents(organism, refs, num_inference_steps=3)
+    assert sorted({step for step, _ in state.acted}) == late
+    assert all(torch.equal(got, expected) for got in (by_predicate, by_values, by_bounds))
+    name = f"{LAYER}.ip.weights"
+    with ipa_probe.cache_hook_points(organism, [name], steps=Timesteps(low=501)) as cache:
+        latents(organism, refs, num_inference_steps=3)
+    assert cache.steps() == late
+    with pytest.raises(ValueError, match="selected no pass"):
+        with intervene(organism, 0, steps=Timesteps(high=-1)):
+            latents(organism, refs)
+    with pytest.raises(TypeError, match="loop indices"):
+        ipa_probe.probe(organism, steps=lambda step, t: True).__enter__()
+    with pytest.raises(ValueError, match="Timesteps"):
+        Timesteps()
+    assert ipa_probe.list_hooks(organism) == []
+
+
 def test_points_inside_an_ablation_index_references_as_the_call_passed_them(organism, refs):
     shapes = []
 

@@ -23,6 +23,7 @@ class HookContext:
         reference_tokens(j) gives reference ``j``'s key positions; ``references`` counts those in the keys at the
         ``k`` and ``logits`` points (an ablation removes some there), those the call passed at the others.
         step: the denoising loop index.
+        call: the pipeline call's index since the pipeline's first feature was attached.
         timestep: the scheduler's timestep of this pass (as the denoiser got it: a tensor, or a number).
         heads: the layer's attention heads ``H``.
         references: the reference images ``R`` the branch saw in this call.
@@ -49,6 +50,7 @@ class HookContext:
     device: torch.device = field(repr=False, default=torch.device("cpu"))
     pass_index: int = 0
     cfg: tuple[str, ...] = ()
+    call: int = 0
 
     @property
     def queries(self) -> int:

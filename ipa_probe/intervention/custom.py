@@ -49,6 +49,11 @@ class HookIntervention:
         return 0 if self._user is None else self._user.steps_run
 
     @property
+    def selected(self) -> int:
+        """The passes the step selection selected."""
+        return 0 if self._user is None else self._user.selected
+
+    @property
     def active(self) -> bool:
         return self._detach is not None
 
@@ -73,7 +78,7 @@ def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=N
         RuntimeError: callbacks are already attached to this pipeline (leave that block first).
     """
     callbacks = normalise_hooks(pipe, hooks)
-    steps = parse_step_selection(steps)
+    steps = parse_step_selection(steps, when=True)
     state = HookIntervention(sorted(callbacks))
 
     def logged(name: str, fn: HookFn) -> HookFn:

@@ -83,6 +83,8 @@ class Intervention:
     _detach_points: Any = field(default=None, repr=False)
     #: the most denoising steps a pipeline call has run while attached (to check ``steps`` against on exit)
     steps_run: int = 0
+    #: the passes its step selection selected
+    selected: int = 0
 
     @property
     def active(self) -> bool:
@@ -120,9 +122,10 @@ class Intervention:
         swap."""
         self.step = spine.now.step
         self.steps_run = max(self.steps_run, self.step + 1)
-        self._acting = self.config.acts_at(self.step)
+        self._acting = self.config.acts_at(self.step, spine.now.timestep)
         if not self._acting:
             return
+        self.selected += 1
         adapter = self.config.adapter
         spine.now.edits.append(self.describe())
         masks = spine.now.masks
@@ -395,6 +398,7 @@ def intervene(
     try:
         yield state
         # steps the calls never had: an error, not no effect
-        check_steps_ran(state.config.steps if isinstance(state, Intervention) else state.steps, state.steps_run)
+        steps = state.config.steps if isinstance(state, Intervention) else state.steps
+        check_steps_ran(steps, state.steps_run, selected=state.selected)
     finally:
         state.remove()

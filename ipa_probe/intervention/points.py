@@ -176,13 +176,15 @@ class PointUser:
     steps: Any = None
     on_call: Callable[[int | None, Callable[[str], Any]], None] | None = None
     steps_run: int = 0
+    #: the passes its step selection selected
+    selected: int = 0
     #: whether the callbacks may edit (``False`` for a cache's readers): readers of the layer then wait for them
     edits: bool = True
     #: the edit in words, for the probe's ``edits`` column
     label: str = ""
 
-    def acts_at(self, step: int) -> bool:
-        return step_selected(self.steps, step)
+    def acts_at(self, step: int, timestep: Any = None) -> bool:
+        return step_selected(self.steps, step, timestep)
 
 
 def _tokens_per_image(denoiser: torch.nn.Module, layer: IPLayer, adapter: int) -> int | None:
@@ -210,6 +212,7 @@ class _Registry:
         #: hook point name -> NaN returned there by callbacks (a 0-d device tensor, read when the hooks come off)
         self.nan: dict[str, torch.Tensor] = {}
         self.step = -1
+        self.call = 0
         self.pass_index = 0
         self.timestep: Any = None
         self.sample_shape: tuple[int, ...] = ()
@@ -261,6 +264,7 @@ class _Registry:
         self.stash.clear()
         now = spine.now
         new_call, self.step, self.pass_index, self.timestep = now.new_call, now.step, now.pass_index, now.timestep
+        self.call = now.call
         sample = spine.tap.sample(args, kwargs)
         self.sample_shape = tuple(sample.shape)
         self.batch = sample.shape[0]
@@ -279,7 +283,8 @@ class _Registry:
         active: dict[str, list[HookFn]] = {}
         for user in self.users:
             user.steps_run = max(user.steps_run, self.step + 1)
-            if user.acts_at(self.step):
+            if user.acts_at(self.step, self.timestep):
+                user.selected += 1
                 for name, fns in user.callbacks.items():
                     active.setdefault(name, []).extend(fns)
                     if user.edits and name.endswith(".weights"):  # readers of the layer wait for its weights
@@ -415,6 +420,7 @@ class _Registry:
                 point=point,
                 adapter=adapter,
                 step=self.step,
+                call=self.call,
                 timestep=self.timestep,
                 heads=heads,
                 references=keyed if point in ("k", "logits") else references,
@@ -553,8 +559,9 @@ def normalise_hooks(pipe, hooks: Any) -> dict[str, list[HookFn]]:
 
     Args:
         hooks: ``{name: fn or [fn, ...]}`` or, as TransformerLens takes them, a list of ``(name, fn)`` pairs; a name
-            is a hook point's name, a compiled regex (``re.compile(r"\\.ip\\.weights$")``: every point it
-            searches) or a callable filter ``name -> bool``. Callbacks of one point run in the order given.
+            is a hook point's name, a regex as a string or compiled (``r"\\.ip\\.weights$"``: every point it
+            searches) or a callable filter ``name -> bool`` (:func:`select_points`). Callbacks of one point run in
+            the order given.
     """
     if isinstance(hooks, Mapping):
         pairs = list(hooks.items())
@@ -580,8 +587,18 @@ def normalise_hooks(pipe, hooks: Any) -> dict[str, list[HookFn]]:
 
 
 def select_points(known: list[str], name: Any, argument: str) -> list[str]:
-    """The hook points of ``known`` that ``name`` selects: itself (checked, with close matches in the error), every
-    point a compiled regex searches, or every point a callable filter accepts."""
+    """The hook points of ``known`` that ``name`` selects: a point's own name; else every point a string or compiled
+    regex searches (``r"\\.ip\\.weights$"``) or a callable filter accepts. A string that is neither a name nor a
+    pattern selecting one, or a name with a typo, is refused with the closest names."""
+    # a string is a regex unless it is a name, or a plain dotted string one character or two off a name (a typo)
+    typo = isinstance(name, str) and re.fullmatch(r"[\w.]+", name) and difflib.get_close_matches(name, known, 1, 0.95)
+    if isinstance(name, str) and name not in known and not typo:
+        try:
+            pattern = re.compile(name)
+        except re.error:
+            pattern = None
+        if pattern is not None and any(pattern.search(point) for point in known):
+            name = pattern
     if isinstance(name, re.Pattern) or (callable(name) and not isinstance(name, str)):
         test = name.search if isinstance(name, re.Pattern) else name
         chosen = [point for point in known if test(point)]
