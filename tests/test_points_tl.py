@@ -1,6 +1,7 @@
 """Hook points the way TransformerLens users write them (issue 38 point 3): hooks as a list of (name, fn) pairs or a
 dict, names chosen by a regex or a filter, a cache of every point read as ``cache[name]``, ``cache[point, layer]``,
-``cache.get(name, step)`` and ``.items()``, the q, k and logits points and the text branch, checked against the test's own float64 hooks."""
+``cache.get(name, step)`` and ``.items()``, the q, k and logits points and the text branch, checked against the
+test's own float64 hooks."""
 
 from __future__ import annotations
 
