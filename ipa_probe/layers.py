@@ -365,8 +365,8 @@ def claim(
     claims = denoiser.__dict__.get(_CLAIM_ATTRIBUTE, ())
     if exclusive and any(c.feature == feature for c in claims):
         raise RuntimeError(
-            f"ipa_probe.{feature} is already active on this pipeline; leave the running "
-            f"`with ipa_probe.{feature}(...)` block (or remove it) before applying it again"
+            f"{feature!r} is already active on this pipeline (ipa_probe.list_hooks(pipe) lists it); leave its "
+            "block (or remove it) before attaching it again"
         )
     denoiser.__dict__[_CLAIM_ATTRIBUTE] = (*claims, Attachment(feature, tuple(layers), what))
     return denoiser

@@ -248,6 +248,49 @@ def test_steps_take_timesteps_or_a_predicate(organism, refs):
     assert ipa_probe.list_hooks(organism) == []
 
 
+def test_hook_blocks_nest_as_one(organism, refs):
+    """Two ``intervene(hooks=...)`` blocks (a patch, then a custom hook) run their callbacks as one block given both
+    in that order; and a cache block spans two pipeline calls."""
+    name = f"{LAYER}.ip.contribution"
+    with ipa_probe.cache_hook_points(organism, [name]) as cache:
+        latents(organism, refs[::-1])  # the source run: the references the other way round
+        source = latents(organism, refs[::-1])
+    assert cache.calls == 2 and cache[name].shape[0] == 2 * STEPS
+    assert torch.equal(cache.get(name, 1, call=0), cache.get(name, 1, call=1))  # one seed, one computation
+
+    def halve(c, ctx):
+        return c * 0.5
+
+    patch = ipa_probe.patch_hooks(cache, [name], references=0)
+    with intervene(organism, hooks={name: [patch[name], halve]}):
+        together = latents(organism, refs)
+    with intervene(organism, hooks=patch), intervene(organism, hooks={name: halve}):
+        nested = latents(organism, refs)
+    assert torch.equal(nested, together) and not torch.equal(nested, source)
+    assert ipa_probe.list_hooks(organism) == []
+
+
+def test_gauge_tools_inside_a_cache_block(organism, refs):
+    from ipa_probe.gauge import gauge_sweep
+
+    name = f"{LAYER}.ip.k"
+    with ipa_probe.cache_hook_points(organism, [name]) as cache:
+        table = gauge_sweep(organism, lambda: latents(organism, refs), "1,adversarial:down:4", layers=LAYER)
+    assert len(table) and cache.calls >= 3  # the reference call, the adversarial search's call, the gauged call
+    assert ipa_probe.list_hooks(organism) == []
+
+
+@pytest.mark.parametrize("head_first", [True, False])
+def test_a_stored_frame_head_and_a_gauge_are_refused_in_either_order(organism, head_first):
+    head, gauge = (lambda: ipa_probe.nw_head(organism, frame="stored")), (lambda: ipa_probe.qk_gauge(organism, 2.0))
+    first, second = (head, gauge) if head_first else (gauge, head)
+    with first(), pytest.raises(ValueError, match=r"\|k\|\^2.*frame='query'"):
+        second().__enter__()
+    assert ipa_probe.list_hooks(organism) == []
+    with ipa_probe.qk_gauge(organism, 2.0), ipa_probe.nw_head(organism, frame="query"):  # the query frame: either way
+        pass
+
+
 def test_points_inside_an_ablation_index_references_as_the_call_passed_them(organism, refs):
     shapes = []
 

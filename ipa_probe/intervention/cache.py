@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._checks import check_steps_ran, parse_step_selection
-from ..layers import claim, release
+from ..layers import claim, list_hooks, release
 from .points import HookContext, PointUser, attach_points, list_hook_points, select_points
 
 __all__ = ["CACHE", "HookCache", "cache_hook_points", "run_with_cache"]
@@ -199,11 +199,13 @@ def cache_hook_points(pipe, names: Any = None, *, steps=None, max_bytes: int = 2
         return fn
 
     user = PointUser({name: [record(name)] for name in chosen}, selection, on_call, edits=False)
-    claim(pipe, CACHE, sorted({name.rsplit(".", 2)[0] for name in chosen}), f"cache of {len(chosen)} hook point(s)")
+    layers = sorted({name.rsplit(".", 2)[0] for name in chosen})
+    claim(pipe, CACHE, layers, f"cache of {len(chosen)} hook point(s)", exclusive=False)
+    own = list_hooks(pipe)[-1]  # this block's record: nested caches release only theirs
     try:
         detach = attach_points(pipe, user)
     except BaseException:
-        release(pipe, CACHE)
+        release(pipe, CACHE, own)
         raise
     try:
         yield cache
@@ -213,7 +215,7 @@ def cache_hook_points(pipe, names: Any = None, *, steps=None, max_bytes: int = 2
         try:
             detach()
         finally:
-            release(pipe, CACHE)
+            release(pipe, CACHE, own)
 
 
 def run_with_cache(

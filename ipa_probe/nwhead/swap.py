@@ -40,6 +40,7 @@ from ..layers import (
     claim,
     denoiser_of,
     find_ip_layers,
+    list_hooks,
     release,
 )
 from .flux import FluxNWHeadAttnProcessor
@@ -213,6 +214,12 @@ def apply_nw_head(
     """
     config = NWHeadConfig(bandwidth, layers, frame, form)
     found = find_ip_layers(_model(denoiser_of(pipe)), config.layers)
+    gauged = {name for c in list_hooks(pipe) if c.feature == "gauge" for name in c.layers}
+    if config.frame == "stored" and gauged & {layer.name for layer in found}:  # as the gauge refuses a stored head
+        raise ValueError(
+            "nw_head(frame='stored') reads the NW key term |k|^2, which the active q/k gauge changes; leave the "
+            "gauge first, or swap in nw_head(pipe, frame='query')"
+        )
     clock = TimestepClock()  # a client of the pipeline's spine, whose clock knows where the timestep is
     installed = {f"{layer.name}.processor": _nw_processor(layer, config, clock) for layer in found}
     what = f"NW processors swapped in, {config.summary()}"
