@@ -536,3 +536,58 @@ def test_flux_probe_reads_the_weights_a_hook_edited(flux, probe_first, one_threa
     assert all(after["processors"][k] is v for k, v in before["processors"].items())
     assert ipa_probe.list_hooks(flux) == [] and spine_of(flux) is None
     assert torch.equal(generate(), plain)
+
+
+@pytest.mark.parametrize(("outer", "inner"), [(0, 1), (1, 0)])
+def test_flux_ablations_nest_and_equal_leaving_the_reference_out(flux, outer, inner, one_thread):
+    """On Flux ``intervene(reference=...)`` ablates as on UNets: nested blocks equal the edits given at once, a probe
+    inside reads the ablated reference at share 0, and ablating reference 2 of three equals the call without it."""
+    from ipa_probe.tiny.sd import default_reference_images
+
+    refs = default_reference_images(3)
+
+    def generate(images):
+        kwargs = dict(prompt="a", ip_adapter_image=[images], num_inference_steps=STEPS, height=64, width=64)
+        return flux(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+    plain = generate(refs)
+    before = snapshot(flux)
+    with intervene(flux, [0, 1]):
+        together = generate(refs)
+    with intervene(flux, outer), ipa_probe.probe(flux, maps=True) as run, intervene(flux, inner):
+        nested = generate(refs)
+    assert torch.equal(nested, together) and not torch.equal(nested, plain)
+    mass = run.reference_mass()
+    assert len(mass) and (mass[mass.reference < 2].attention == 0).all()
+    assert (mass[mass.reference == 2].attention == 1).all()
+    with intervene(flux, 2):
+        ablated = generate(refs)
+    # 1e-5: the image encoder runs on a batch of three there and of two here
+    torch.testing.assert_close(ablated, generate(refs[:2]), rtol=1e-5, atol=1e-5)
+    with intervene(flux, 0, mode="scale", factor=0.0):
+        scaled = generate(refs)
+    with intervene(flux, 0):
+        # 1e-5: the scale renormalises the float32 weights the softmax gave; the ablation's softmax runs without them
+        torch.testing.assert_close(scaled, generate(refs), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match='mode="ablate" / "scale" on Flux'):
+        intervene(flux, 0, mode="swap", other=refs[0]).__enter__()
+    assert_unchanged(flux, before)
+    assert torch.equal(generate(refs), plain)
+
+
+def test_flux_true_cfg_labels_agree_with_the_probe(flux):
+    """One labeller: the hook context labels Flux's true-CFG negative pass as the probe's table does."""
+    from ipa_probe.layers import find_ip_layers
+    from ipa_probe.tiny.sd import default_reference_images
+
+    layer = find_ip_layers(flux)[0]
+    kwargs = dict(prompt="a", negative_prompt="b", true_cfg_scale=2.0, ip_adapter_image=[default_reference_images(1)],
+                  negative_ip_adapter_image=[default_reference_images(1)], num_inference_steps=STEPS, height=64,
+                  width=64, output_type="latent")  # fmt: skip
+    seen = []
+    with ipa_probe.probe(flux, layers=f"^{layer.name}$") as run:
+        with intervene(flux, hooks={f"{layer.name}.ip.weights": lambda w, ctx: seen.append((ctx.step, ctx.cfg))}):
+            flux(**kwargs, generator=torch.Generator().manual_seed(0))
+    table = run.to_dataframe()
+    expected = [(step, (branch,)) for step in range(STEPS) for branch in table[table.step == step].branch.unique()]
+    assert seen == expected == [(0, ("cond",)), (0, ("uncond",)), (1, ("cond",)), (1, ("uncond",))]

@@ -86,10 +86,12 @@ def test_settings_describe_and_select_steps():
     assert config.describe()["reference"] == [0, 2] and config.describe()["steps"] == "slice(1, None, 2)"
 
 
-def test_refuses_other_families_and_missing_adapters(flux, organism):
-    with pytest.raises(ValueError, match="SD 1.5 / SDXL"):
-        ipa_probe.apply_intervention(flux, 0)
-    assert ipa_probe.list_hooks(flux) == []
+def test_refuses_other_families_and_missing_adapters(sd3, flux, organism):
+    with pytest.raises(ValueError, match="SD 1.5 / SDXL, Flux"):
+        ipa_probe.apply_intervention(sd3, 0)
+    with pytest.raises(ValueError, match='"ablate" / "scale" on Flux'):
+        ipa_probe.apply_intervention(flux, 0, mode="swap", other=np.zeros((8, 8, 3), dtype=np.uint8))
+    assert ipa_probe.list_hooks(flux) == [] and ipa_probe.list_hooks(sd3) == []
     with pytest.raises(ValueError, match="hold 1 IP-Adapter"):
         ipa_probe.apply_intervention(organism, 0, adapter=1)
     with pytest.raises(ValueError, match="matched none"):

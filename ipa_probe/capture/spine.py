@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..layers import denoiser_of, find_ip_layers, observer
+from .branches import PromptEvidence, label_vocabulary
 from .clock import CallClock
 from .taps import tap_for
 from .taps.base import DenoiserPass, Tap, normalise_masks
@@ -123,6 +124,8 @@ class Spine:
         self.used: dict[tuple[str, int], torch.Tensor] = {}
         #: (layer id, adapter) pairs whose weights an attached client will edit in this pass (set in ``on_pass``)
         self.weight_edits: set[tuple[str, int]] = set()
+        #: the prompt embeddings seen, when a client asked for branch labels (:meth:`watch_prompts`)
+        self.evidence: PromptEvidence | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
@@ -135,6 +138,7 @@ class Spine:
         self._handles.clear()
         self.clock.reset()
         self.tap.reset()
+        self.watch_prompts(False)
         self.kept.clear()
         self.kept_values.clear()
         self.used.clear()
@@ -164,6 +168,8 @@ class Spine:
         self.kept_values.clear()
         self.used.clear()
         self.weight_edits = set()
+        if self.evidence is not None:
+            self.evidence.pass_seen()
         for client in list(self.clients):
             hook = getattr(client, "on_pass", None)
             if hook is not None:
@@ -180,17 +186,27 @@ class Spine:
         """The pipeline whose call is running (the probed one, or a ``from_pipe`` sibling sharing the denoiser)."""
         return self.clock.running
 
-    def cfg_labels(self, batch: int) -> tuple[str, ...]:
-        """Each batch item's classifier-free-guidance label in this pass: diffusers' UNet pipelines concatenate the
-        unconditional half first when ``do_classifier_free_guidance`` holds (read from the running pipeline, the
-        evidence its own loop acts on); else every item is conditional."""
-        try:
-            guided = bool(getattr(self.running, "do_classifier_free_guidance", False))
-        except (AttributeError, TypeError):  # the property reads call state that a bare loop never set
-            guided = False
-        if guided and batch % 2 == 0 and self.tap.family == "unet":
-            return ("uncond",) * (batch // 2) + ("cond",) * (batch // 2)
-        return ("cond",) * batch
+    def watch_prompts(self, on: bool = True) -> None:
+        """Keep the prompt embeddings the pipeline computes from now on (:class:`~.branches.PromptEvidence`), for
+        :meth:`branch_labels`, or stop (``on=False``): a client calls this when it attaches, before the pipeline
+        encodes its prompts, and again when it leaves (so that the encoders' wrappers come off in the order they
+        went on, as nested blocks leave)."""
+        if on and self.evidence is None:
+            self.evidence = PromptEvidence(self.pipe, label_vocabulary(None))
+            self.evidence.install()
+        elif not on and self.evidence is not None:
+            evidence, self.evidence = self.evidence, None
+            evidence.remove()
+
+    def branch_labels(self, args: tuple, kwargs: dict) -> tuple[str, ...]:
+        """Each batch item's branch label in this pass (``"cond"``, ``"uncond"``, ``"batch"`` when no evidence
+        matched, ...), decided from the evidence as the probe's table decides it (:mod:`.branches`). Reads the labels
+        back from the device (one synchronisation per pass)."""
+        context = self.tap.argument("encoder_hidden_states", args, kwargs)
+        device = self.tap.sample(args, kwargs).device
+        self.evidence.running = self.running
+        items = self.evidence.layout(context, device, self.now.denoiser_pass.label).items.tolist()
+        return tuple(self.evidence.vocabulary[i] for i in items)
 
     def planned_steps(self) -> int | None:
         """How many steps the running call's loop has, or ``None`` when unknown."""

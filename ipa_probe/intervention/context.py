@@ -32,8 +32,9 @@ class HookContext:
         scale: the adapter scale ``s`` the branch is multiplied by.
         device: where the tensors live.
         pass_index: the denoiser pass within the step (0 for the first; Flux's true-CFG negative pass is 1).
-        cfg: each batch item's classifier-free-guidance label, ``"uncond"`` or ``"cond"`` (diffusers' batch puts
-            the unconditional half first when the running pipeline's ``do_classifier_free_guidance`` holds).
+        cfg: each batch item's branch label, as the probe's table labels it: ``"cond"`` or ``"uncond"`` where the
+            item's prompt embeddings equal the prompt's or the negative prompt's the pipeline encoded (Flux's true-CFG
+            negative pass is ``"uncond"``), ``"batch"`` where no evidence matched (:mod:`ipa_probe.capture.branches`).
     """
 
     name: str

@@ -26,7 +26,9 @@ pipeline is replaced, so removing the hooks gives the pipeline back bit for bit.
 ``intervene(pipe, hooks={name: fn})`` attaches user callbacks to named hook points instead (:mod:`.custom`).
 
 Supported: SD 1.5 / SDXL UNets with ``IPAdapterAttnProcessor2_0`` (or ipa_probe's NW head, which shares the same
-``to_k_ip`` / ``to_v_ip``), without ``ip_adapter_masks`` (a masked call raises at its first intervened step).
+``to_k_ip`` / ``to_v_ip``) and, for ``"ablate"`` and ``"scale"``, Flux (``FluxIPAdapterAttnProcessor`` also calls
+the projections on ``(B, images, tokens, C)``), without ``ip_adapter_masks`` (a masked call raises at its first
+intervened step). SD3 is refused: its image branch shares one softmax with the latent tokens.
 """
 
 from __future__ import annotations
@@ -210,15 +212,17 @@ class Intervention:
         return None
 
 
-def _unet_layers(pipe, config: InterventionConfig) -> list[IPLayer]:
+def _layers(pipe, config: InterventionConfig) -> list[IPLayer]:
     denoiser = denoiser_of(pipe)
     found = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser), config.layers)
     families = {layer.family for layer in found}
-    if families != {"unet"}:
+    supported = {"unet"} if config.mode == "swap" else {"unet", "flux"}
+    if not families <= supported:
+        where = "SD 1.5 / SDXL UNets" if config.mode == "swap" else "SD 1.5 / SDXL, Flux"
         raise ValueError(
-            f"ipa_probe.intervene supports SD 1.5 / SDXL UNets (IPAdapterAttnProcessor2_0); this pipeline's "
-            f"IP-Adapter layers are of the {sorted(families)} family. Interventions on Flux and SD3 are not "
-            "implemented: use a UNet pipeline"
+            f'ipa_probe.intervene(mode="{config.mode}") supports {where}; this pipeline\'s IP-Adapter layers are of '
+            f"the {sorted(families)} family (SD3's image branch shares one softmax with the latent tokens). Use a "
+            'UNet pipeline, or mode="ablate" / "scale" on Flux'
         )
     fewest = min(layer.num_adapters for layer in found)
     if config.adapter >= fewest:
@@ -282,7 +286,7 @@ def apply_intervention(
     config = InterventionConfig(
         reference=reference, layers=layers, steps=steps, mode=mode, other=other, adapter=adapter, factor=factor
     )
-    found = _unet_layers(pipe, config)
+    found = _layers(pipe, config)
     other_tokens = _other_tokens(pipe, config) if config.mode == "swap" else None
     names = [layer.name for layer in found]
     what = f"pre-hooks on to_k_ip/to_v_ip: {config.mode} reference(s) {list(config.references)}"

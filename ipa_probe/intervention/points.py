@@ -226,6 +226,7 @@ class _Registry:
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
         self.spine = spine.attach(self.pipe, self)
+        self.spine.watch_prompts()
         for layer in self.layers:
             attn, heads = layer.attention, layer.heads
             self.handles.append(attn.register_forward_pre_hook(observer(self._on_layer(layer)), with_kwargs=True))
@@ -254,6 +255,8 @@ class _Registry:
             self.handles.clear()
             self.stash.clear()
             self.active = {}
+            if self.spine is not None:
+                self.spine.watch_prompts(False)
             spine.detach(self.pipe, self)
             self.spine = None
             self.denoiser.__dict__.pop(_REGISTRY_ATTRIBUTE, None)
@@ -270,7 +273,6 @@ class _Registry:
         self.batch = sample.shape[0]
         context = spine.tap.argument("encoder_hidden_states", args, kwargs) if spine.tap.family == "unet" else None
         self._text_tokens = context.shape[1] if isinstance(context, torch.Tensor) and context.ndim == 3 else None
-        self.cfg = spine.cfg_labels(self.batch)
         if self.layers[0].family == "unet":
             self._image_embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds")
         else:
@@ -293,6 +295,7 @@ class _Registry:
                 if user.edits and user.label:
                     now.edits.append(user.label)
         self.active = active
+        self.cfg = spine.branch_labels(args, kwargs) if active else ()  # read back only when a callback runs
 
     def _sizes(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
         """A point's shape and dtype in one pass of this call, from the call's arguments (before step 0 runs)."""
