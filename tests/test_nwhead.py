@@ -280,11 +280,11 @@ def test_double_application_raises_and_keeps_the_first(sd15, refs):
 
 def test_apply_and_remove_for_notebooks(sd15):
     processors = dict(sd15.unet.attn_processors)
-    swap = ipa_probe.apply_nw_head(sd15, bandwidth=2.0, layers="down_blocks")
+    swap = ipa_probe.nwhead.apply_nw_head(sd15, bandwidth=2.0, layers="down_blocks")
     assert swap.layers and all(name.startswith("down_blocks") for name in swap.layers)
     untouched = [k for k in processors if not k.startswith("down_blocks")]
     assert all(sd15.unet.attn_processors[k] is processors[k] for k in untouched)
-    ipa_probe.remove_nw_head(sd15)
+    ipa_probe.nwhead.remove_nw_head(sd15)
     assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
     with pytest.raises(ValueError, match="no NW head is applied"):
         remove_nw_head(sd15)

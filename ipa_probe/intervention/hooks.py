@@ -340,7 +340,7 @@ def remove_intervention(pipe) -> None:
     """
     stack = denoiser_of(pipe).__dict__.get(_STATE_ATTRIBUTE)
     if not stack:
-        raise ValueError("no intervention is applied to this pipeline; call ipa_probe.apply_intervention(pipe) first")
+        raise ValueError("no intervention is applied to this pipeline; call apply_intervention(pipe, ...) first")
     stack[-1].remove()  # the innermost, as leaving nested blocks does
 
 

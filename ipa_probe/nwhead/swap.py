@@ -247,7 +247,7 @@ def remove_nw_head(pipe) -> None:
     """
     swap = denoiser_of(pipe).__dict__.get(_STATE_ATTRIBUTE)
     if swap is None:
-        raise ValueError("no NW head is applied to this pipeline; call ipa_probe.apply_nw_head(pipe) first")
+        raise ValueError("no NW head is applied to this pipeline; call ipa_probe.nwhead.apply_nw_head(pipe) first")
     swap.remove()
 
 
