@@ -26,16 +26,13 @@ from typing import Any
 
 import torch
 
-from ..layers import denoiser_of, find_ip_layers, observer
+from ..layers import denoiser_of, find_ip_layers, keep, kept, observer
 from .branches import PromptEvidence, label_vocabulary
 from .clock import CallClock
 from .taps import tap_for
 from .taps.base import DenoiserPass, Tap, normalise_masks
 
 __all__ = ["PassInfo", "Spine", "attach", "detach", "expand_references", "kept_tokens", "normalise_masks", "spine_of"]
-
-#: Where the spine is kept on the denoiser (its ``__dict__``, removed with the last client).
-SPINE_ATTRIBUTE = "_ipa_probe_spine"
 
 
 def expand_references(x: torch.Tensor, kept: tuple[int, ...], total: int, dim: int, fill: float) -> torch.Tensor:
@@ -235,7 +232,7 @@ class Spine:
 
 def spine_of(pipe) -> Spine | None:
     """The spine attached to ``pipe``'s denoiser, or ``None``."""
-    return denoiser_of(pipe).__dict__.get(SPINE_ATTRIBUTE)
+    return kept(denoiser_of(pipe), "spine")
 
 
 def attach(pipe, client: Any) -> Spine:
@@ -248,15 +245,15 @@ def attach(pipe, client: Any) -> Spine:
         the spine.
     """
     denoiser = denoiser_of(pipe)
-    spine = denoiser.__dict__.get(SPINE_ATTRIBUTE)
+    spine = kept(denoiser, "spine")
     if spine is None:
         spine = Spine(pipe, denoiser)
-        denoiser.__dict__[SPINE_ATTRIBUTE] = spine
+        keep(denoiser, "spine", spine)
         try:
             spine.install()
         except BaseException:
             spine.uninstall()
-            denoiser.__dict__.pop(SPINE_ATTRIBUTE, None)
+            keep(denoiser, "spine", None)
             raise
     spine.clients.append(client)
     return spine
@@ -265,7 +262,7 @@ def attach(pipe, client: Any) -> Spine:
 def detach(pipe, client: Any) -> None:
     """Take ``client`` off ``pipe``'s spine (and the spine off the denoiser with its last client); idempotent."""
     denoiser = denoiser_of(pipe)
-    spine = denoiser.__dict__.get(SPINE_ATTRIBUTE)
+    spine = kept(denoiser, "spine")
     if spine is None:
         return
     if client in spine.clients:
@@ -274,7 +271,7 @@ def detach(pipe, client: Any) -> None:
         try:
             spine.uninstall()
         finally:
-            denoiser.__dict__.pop(SPINE_ATTRIBUTE, None)
+            keep(denoiser, "spine", None)
 
 
 def client(on_pass: Callable | None = None, on_return: Callable | None = None) -> Any:

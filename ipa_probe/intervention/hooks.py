@@ -45,16 +45,24 @@ from diffusers.models.embeddings import ImageProjection
 from .._checks import check_steps_ran
 from ..capture import spine
 from ..capture.spine import Spine
-from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, list_hooks, observer, release
+from ..layers import (
+    IPLayer,
+    LayerSelection,
+    claim,
+    denoiser_of,
+    find_ip_layers,
+    keep,
+    kept,
+    list_hooks,
+    observer,
+    release,
+)
 from .config import INTERVENE, InterventionConfig
 from .custom import HookIntervention, apply_hooks
 
 __all__ = ["Intervention", "apply_intervention", "intervene", "remove_intervention"]
 
 logger = logging.getLogger(__name__)
-
-#: Where the active intervention is kept on the denoiser (in its ``__dict__``, not as a module attribute).
-_STATE_ATTRIBUTE = "_ipa_probe_intervention"
 
 
 @dataclass
@@ -105,11 +113,7 @@ class Intervention:
             if detach is not None:
                 detach()
         finally:
-            stack = denoiser.__dict__.get(_STATE_ATTRIBUTE, [])
-            if self in stack:
-                stack.remove(self)
-            if not stack:
-                denoiser.__dict__.pop(_STATE_ATTRIBUTE, None)
+            keep(denoiser, INTERVENE, [s for s in kept(denoiser, INTERVENE, []) if s is not self])
             release(denoiser, INTERVENE, self._claim)
             if self._spine is not None:
                 spine.detach(self._pipe, self)
@@ -296,7 +300,7 @@ def apply_intervention(
     state = Intervention(config, names, _denoiser=denoiser, _pipe=pipe, _other_tokens=other_tokens)
     state._claim = list_hooks(pipe)[-1]  # this block's own record: nested blocks release only theirs
     try:
-        denoiser.__dict__.setdefault(_STATE_ATTRIBUTE, []).append(state)
+        keep(denoiser, INTERVENE, [*kept(denoiser, INTERVENE, []), state])
         if config.mode == "scale":
             state._detach_points = _attach_scale(pipe, state, names)
             found = []
@@ -338,7 +342,7 @@ def remove_intervention(pipe) -> None:
     Raises:
         ValueError: no intervention is applied to this pipeline.
     """
-    stack = denoiser_of(pipe).__dict__.get(_STATE_ATTRIBUTE)
+    stack = kept(denoiser_of(pipe), INTERVENE)
     if not stack:
         raise ValueError("no intervention is applied to this pipeline; call apply_intervention(pipe, ...) first")
     stack[-1].remove()  # the innermost, as leaving nested blocks does

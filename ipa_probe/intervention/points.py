@@ -53,7 +53,7 @@ from ..capture.layer_order import network_key
 from ..capture.spine import Spine, expand_references, normalise_masks
 from ..capture.taps.unet import unet_resolution_factor
 from ..kernels import dot_logits, split_heads
-from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, observer
+from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, keep, kept, observer
 from .context import HookContext
 
 __all__ = [
@@ -78,9 +78,6 @@ TEXT = "text"
 
 #: A hook point callback: ``fn(tensor, ctx)`` returns ``None`` (keep) or a replacement tensor.
 HookFn = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]
-
-#: Where the installed points are kept on the denoiser (its ``__dict__``).
-_REGISTRY_ATTRIBUTE = "_ipa_probe_points"
 
 
 def _branch(adapter: int | str) -> str:
@@ -259,7 +256,7 @@ class _Registry:
                 self.spine.watch_prompts(False)
             spine.detach(self.pipe, self)
             self.spine = None
-            self.denoiser.__dict__.pop(_REGISTRY_ATTRIBUTE, None)
+            keep(self.denoiser, "points", None)
 
     # ------------------------------------------------------------------ the clock
     def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
@@ -534,10 +531,10 @@ def attach_points(pipe, user: PointUser) -> Callable[[], None]:
     (:func:`check_hook_names`)."""
     layers = hook_point_layers(pipe)
     denoiser = denoiser_of(pipe)
-    registry = denoiser.__dict__.get(_REGISTRY_ATTRIBUTE)
+    registry = kept(denoiser, "points")
     if registry is None:
         registry = _Registry(pipe, denoiser, layers)
-        denoiser.__dict__[_REGISTRY_ATTRIBUTE] = registry
+        keep(denoiser, "points", registry)
         try:
             registry.install()
         except BaseException:

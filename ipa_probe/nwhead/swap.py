@@ -40,6 +40,8 @@ from ..layers import (
     claim,
     denoiser_of,
     find_ip_layers,
+    keep,
+    kept,
     list_hooks,
     release,
 )
@@ -54,8 +56,6 @@ logger = logging.getLogger(__name__)
 
 #: The feature's name: its claim on the denoiser (:func:`ipa_probe.list_hooks`) and the key of its state there.
 NW_HEAD = "nw_head"
-#: Where the active swap is kept on the denoiser (in its ``__dict__``, not as a module attribute).
-_STATE_ATTRIBUTE = "_ipa_probe_nw_head"
 
 #: The NW processor of each model family (see :data:`ipa_probe.layers.FAMILIES`).
 NW_PROCESSORS: dict[str, type] = {
@@ -169,7 +169,7 @@ class NWHeadSwap:
             if skipped:
                 logger.info("nw_head: %d layer(s) no longer held the NW head and were left as they are", skipped)
         finally:
-            denoiser.__dict__.pop(_STATE_ATTRIBUTE, None)
+            keep(denoiser, NW_HEAD, None)
             release(denoiser, NW_HEAD)
             self._denoiser = None
 
@@ -227,7 +227,7 @@ def apply_nw_head(
     swap = NWHeadSwap(config, {f"{layer.name}.processor": layer.processor for layer in found}, installed, clock)
     swap._denoiser = denoiser
     try:
-        denoiser.__dict__[_STATE_ATTRIBUTE] = swap
+        keep(denoiser, NW_HEAD, swap)
         model = _model(denoiser)
         model.set_attn_processor({**model.attn_processors, **installed})  # a fresh dict: it is popped
         if callable(config.bandwidth):
@@ -245,7 +245,7 @@ def remove_nw_head(pipe) -> None:
     Raises:
         ValueError: no NW head is applied to this pipeline.
     """
-    swap = denoiser_of(pipe).__dict__.get(_STATE_ATTRIBUTE)
+    swap = kept(denoiser_of(pipe), NW_HEAD)
     if swap is None:
         raise ValueError("no NW head is applied to this pipeline; call ipa_probe.nwhead.apply_nw_head(pipe) first")
     swap.remove()
