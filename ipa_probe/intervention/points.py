@@ -40,7 +40,7 @@ import difflib
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +62,6 @@ __all__ = [
     "HookFn",
     "PointUser",
     "attach_points",
-    "check_hook_names",
     "hook_point_layers",
     "list_hook_points",
     "normalise_hooks",
@@ -134,27 +133,6 @@ def _projections(layer: IPLayer, branch: int | str) -> tuple[torch.nn.Module, to
 def _branches(layer: IPLayer) -> list[int | str]:
     """The branches of a layer with hook points: the text branch (UNets), then each adapter."""
     return ([TEXT] if layer.family == "unet" else []) + list(range(layer.num_adapters))
-
-
-def check_hook_names(pipe, names: Iterable[Any], argument: str = "hooks") -> list[str]:
-    """Raise ``TypeError`` / ``ValueError`` (one line, naming the first bad name and close matches) unless every name
-    is a hook point of ``pipe`` (or of the list of names given instead); returns the names as a list."""
-    known = pipe if isinstance(pipe, list) else list_hook_points(pipe)
-    known_set = set(known)
-    names = list(names)
-    if not names:
-        raise ValueError(f"{argument}: expected at least one hook point name (see ipa_probe.list_hook_points(pipe))")
-    for name in names:
-        if not isinstance(name, str):
-            raise TypeError(f"{argument}: expected hook point names (str), got {name!r}")
-        if name not in known_set:
-            close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
-            hint = f"did you mean {close}? " if close else ""
-            raise ValueError(
-                f"{argument}: unknown hook point {name!r}; {hint}names are '<layer id>.<ip|ip1|text>.<point>' with "
-                f"point in {list(POINTS)}: see ipa_probe.list_hook_points(pipe)"
-            )
-    return names
 
 
 def _parse_name(name: str) -> tuple[str, int | str, str]:
@@ -527,8 +505,7 @@ class _Registry:
 
 def attach_points(pipe, user: PointUser) -> Callable[[], None]:
     """Add a user of the hook points to ``pipe`` (installing the hooks if it is the first); returns the function that
-    removes it (and the hooks with the last user). Names must be checked by the caller
-    (:func:`check_hook_names`)."""
+    removes it (and the hooks with the last user). Names must be checked by the caller (:func:`select_points`)."""
     layers = hook_point_layers(pipe)
     denoiser = denoiser_of(pipe)
     registry = kept(denoiser, "points")
@@ -588,22 +565,29 @@ def normalise_hooks(pipe, hooks: Any) -> dict[str, list[HookFn]]:
 
 def select_points(known: list[str], name: Any, argument: str) -> list[str]:
     """The hook points of ``known`` that ``name`` selects: a point's own name; else every point a string or compiled
-    regex searches (``r"\\.ip\\.weights$"``) or a callable filter accepts. A string that is neither a name nor a
-    pattern selecting one, or a name with a typo, is refused with the closest names."""
-    # a string is a regex unless it is a name, or a plain dotted string one character or two off a name (a typo)
-    typo = isinstance(name, str) and re.fullmatch(r"[\w.]+", name) and difflib.get_close_matches(name, known, 1, 0.95)
-    if isinstance(name, str) and name not in known and not typo:
+    regex searches (``r"\\.ip\\.weights$"``) or a callable filter accepts. A string that selects nothing, or a plain
+    dotted string a character or two off a name (a typo), is refused with the closest names."""
+    if isinstance(name, str):
+        if name in known:
+            return [name]
+        typo = re.fullmatch(r"[\w.]+", name) and difflib.get_close_matches(name, known, 1, 0.95)
         try:
-            pattern = re.compile(name)
+            pattern = None if typo else re.compile(name)
         except re.error:
             pattern = None
-        if pattern is not None and any(pattern.search(point) for point in known):
-            name = pattern
-    if isinstance(name, re.Pattern) or (callable(name) and not isinstance(name, str)):
-        test = name.search if isinstance(name, re.Pattern) else name
-        chosen = [point for point in known if test(point)]
-        if not chosen:
-            shown = name.pattern if isinstance(name, re.Pattern) else getattr(name, "__name__", repr(name))
-            raise ValueError(f"{argument}: {shown!r} selects no hook point; see ipa_probe.list_hook_points(pipe)")
-        return chosen
-    return check_hook_names(known, [name], argument)
+        chosen = [point for point in known if pattern.search(point)] if pattern else []
+        if chosen:
+            return chosen
+        close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+        raise ValueError(
+            f"{argument}: unknown hook point {name!r}; {f'did you mean {close}? ' if close else ''}names are "
+            f"'<layer id>.<ip|ip1|text>.<point>' with point in {list(POINTS)}: see ipa_probe.list_hook_points(pipe)"
+        )
+    if not (isinstance(name, re.Pattern) or callable(name)):
+        raise TypeError(f"{argument}: expected hook point names (str), regexes or filters, got {name!r}")
+    test = name.search if isinstance(name, re.Pattern) else name
+    chosen = [point for point in known if test(point)]
+    if not chosen:
+        shown = name.pattern if isinstance(name, re.Pattern) else getattr(name, "__name__", repr(name))
+        raise ValueError(f"{argument}: {shown!r} selects no hook point; see ipa_probe.list_hook_points(pipe)")
+    return chosen
