@@ -1,6 +1,7 @@
-"""Features composed on one pipeline (issue 38): the probe measures the weights the layer used inside an intervention,
-under an NW head it reads that head's weights, nested interventions apply in order, the denoiser carries one
-pre-hook however many features are attached, and the pipeline comes back bit for bit from every pair in both orders.
+"""Features composed on one pipeline (issues 38, 49): the probe measures the weights the layer used inside an
+intervention, under an NW head it reads that head's weights, nested interventions compose as if given at once, the
+denoiser carries one pre-hook however many features are attached, and a generated matrix of every pair of features
+in both orders on SD 1.5 and Flux computes the same in either order and restores the pipeline bit for bit.
 
 The reference weights are the test's own: forward hooks on ``attn.to_q`` and ``to_k_ip`` (after the intervention's
 edit of the tokens, i.e. the very keys the layer's softmax runs over), the softmax taken here in float64."""
@@ -352,17 +353,107 @@ def test_everything_attached_adds_one_denoiser_pre_hook(organism, refs):
     assert len(organism.unet._forward_pre_hooks) == before
 
 
-PAIRS = [(a, b) for a in FEATURES for b in FEATURES if a != b and {a, b} != {"scale", "hooks"}]
+# ------------------------------------------------------------------------------------------------------ the matrix
+# Every pair of features, generated from one table, in both nesting orders: the two orders compute the same latents
+# (token edits act on the keys, point edits in the order the points are computed, the NW head in the processor,
+# whatever the nesting), a reader changes nothing (a pair with a reader equals the other feature alone), the scalar
+# gauge 2 changes no bit (it scales q and k by powers of two), and the pipeline comes back bit for bit, also after an
+# exception inside the inner block. The stored-frame NW head and a gauge refuse each other in either order.
 
 
-@pytest.mark.parametrize(("outer", "inner"), PAIRS)
-def test_every_pair_restores_the_pipeline_bit_for_bit(organism, refs, outer, inner, one_thread):
-    plain = latents(organism, refs)
-    before = snapshot(organism)  # after a first call: the pipeline keeps its call settings as attributes
-    with FEATURES[outer](organism), FEATURES[inner](organism):
-        latents(organism, refs)
-    assert_unchanged(organism, before)
-    assert torch.equal(latents(organism, refs), plain)
+class Boom(Exception):
+    pass
+
+
+def matrix_features(pipe, refs, other):
+    """name -> (kind, make): ``"read"`` features compute nothing, ``"gauge"`` ones are output symmetries."""
+    layer = next(n for n in ipa_probe.list_hook_points(pipe) if n.endswith(".ip.output")).rsplit(".", 2)[0]
+    features = {
+        "probe": ("read", lambda: ipa_probe.probe(pipe, maps=True)),
+        "probe_nomaps": ("read", lambda: ipa_probe.probe(pipe)),
+        "cache": ("read", lambda: ipa_probe.cache_hook_points(pipe, r"\.ip\.(weights|contribution)$")),
+        "ablate": ("edit", lambda: intervene(pipe, 0, steps=[1])),
+        "scale": ("edit", lambda: intervene(pipe, 1, mode="scale", factor=2.0)),
+        "hooks": ("edit", lambda: intervene(pipe, hooks={f"{layer}.ip.output": lambda t, c: t * 0.5})),
+        "nw_query": ("edit", lambda: ipa_probe.nw_head(pipe, frame="query")),
+        "nw_stored": ("edit", lambda: ipa_probe.nw_head(pipe, frame="stored")),
+        "gauge": ("gauge", lambda: ipa_probe.qk_gauge(pipe, 2.0)),
+    }
+    if other is not None:
+        features["swap"] = ("edit", lambda: intervene(pipe, 1, mode="swap", other=other))
+    return features
+
+
+def boom(pipe, step, timestep, kwargs):
+    raise Boom  # inside the pipeline call, after its first step
+
+
+def run_nested(pipe, generate, outer, inner, fail=False):
+    with outer(), inner():
+        return generate(callback_on_step_end=boom) if fail else generate()
+
+
+PLAIN = {}
+
+
+def check_pair(pipe, generate, features, a, b):
+    plain = PLAIN.setdefault(id(pipe), generate())
+    before = snapshot(pipe)
+    (kind_a, make_a), (kind_b, make_b) = features[a], features[b]
+    if {a, b} == {"gauge", "nw_stored"}:
+        for outer, inner in ((make_a, make_b), (make_b, make_a)):
+            with pytest.raises(ValueError, match=r"\|k\|\^2"):
+                run_nested(pipe, generate, outer, inner)
+            assert_unchanged(pipe, before)
+        return
+    ab = run_nested(pipe, generate, make_a, make_b)
+    ba = run_nested(pipe, generate, make_b, make_a)
+    assert torch.equal(ab, ba), (a, b)
+    alone = [make for kind, make in ((kind_a, make_a), (kind_b, make_b)) if kind == "edit"]
+    if len(alone) < 2:  # a reader or the gauge beside at most one edit: the edit alone, bit for bit
+        with contextlib.ExitStack() as stack:
+            for make in alone:
+                stack.enter_context(make())
+            assert torch.equal(ab, generate()), (a, b)
+    for outer, inner in ((make_a, make_b), (make_b, make_a)):
+        with pytest.raises(Boom):
+            run_nested(pipe, generate, outer, inner, fail=True)
+        assert_unchanged(pipe, before)
+    assert torch.equal(generate(), plain)
+
+
+def matrix(names):
+    """Every unordered pair (both orders are checked in one test), but two of one exclusive feature (one probe, one
+    NW head per pipeline)."""
+    return [
+        pytest.param(a, b, id=f"{a}-{b}")
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+        if a.split("_")[0] != b.split("_")[0]
+    ]
+
+
+FLUX_FEATURES = ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge"]
+SD15_FEATURES = [*FLUX_FEATURES, "probe_nomaps", "swap"]
+
+
+@pytest.mark.parametrize(("a", "b"), matrix(SD15_FEATURES))
+def test_every_pair_composes_and_restores_sd15(organism, refs, a, b, one_thread):
+    other = digits_reference_images(8, 1, seed=900)[0]
+    check_pair(organism, lambda **kw: latents(organism, refs, **kw), matrix_features(organism, refs, other), a, b)
+
+
+@pytest.mark.parametrize(("a", "b"), matrix(FLUX_FEATURES))
+def test_every_pair_composes_and_restores_flux(flux, a, b, one_thread):
+    from ipa_probe.tiny.sd import default_reference_images
+
+    refs = default_reference_images(2)
+
+    def generate(**extra):
+        kwargs = dict(prompt="a", ip_adapter_image=[refs], num_inference_steps=STEPS, height=64, width=64, **extra)
+        return flux(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+    check_pair(flux, generate, matrix_features(flux, refs, None), a, b)
 
 
 # ------------------------------------------------------------------------------------------------------ edits kept

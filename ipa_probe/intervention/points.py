@@ -380,7 +380,8 @@ class _Registry:
         k0 = split_heads(keys.reshape(batch, -1, keys.shape[-1]), heads)  # (B, H, K, D)
         v = split_heads(values.reshape(batch, -1, values.shape[-1]), heads)  # (B, H, K, D)
         references = k0.shape[2] // tokens
-        scale = 1.0 if text else float(layer.processor.scale[adapter])
+        processor = layer.attention.processor  # the one running now (an NW head swapped in after the points)
+        scale = 1.0 if text else float(processor.scale[adapter])
         queries = q0.shape[2]
         grid = self._grid(layer)
         if grid[0] * grid[1] != queries:
@@ -411,7 +412,7 @@ class _Registry:
             )
 
         def logits_of(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K)
-            return dot_logits(q, k) if text else image_branch_logits(layer.processor, q, k)
+            return dot_logits(q, k) if text else image_branch_logits(processor, q, k)
 
         def weights_of(logits: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K) with the removed references at 0
             w = logits.softmax(-1).to(v.dtype)
