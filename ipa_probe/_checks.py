@@ -463,30 +463,16 @@ def check_device(name: str) -> None:
 
 
 class Timesteps:
-    """A step selection by the scheduler's timestep instead of the loop index, for ``steps=``: the passes whose
-    timestep (as the denoiser gets it) is one of ``values`` or lies in ``[low, high]``. Unlike loop indices it holds
-    under img2img ``strength`` and custom timesteps.
-
-    Args:
-        values: timesteps to act at (each read as the pass's, equal as floats), or ``None``.
-        low, high: bounds, both included; ``None`` leaves a side open.
-
-    Example:
-        ```py
-        >>> with intervene(pipe, 0, layers="mid_block", steps=Timesteps(low=500)):  # t >= 500
-        ...     pipe(...)
-        ```
-    """
+    """``steps=`` by the scheduler's timestep (as the denoiser gets it), not the loop index, so that it holds under
+    img2img ``strength`` and custom timesteps: the passes whose timestep is one of ``values``, or lies in
+    ``[low, high]`` (``None``: open), e.g. ``Timesteps(low=500)``."""
 
     def __init__(self, values: Any = None, *, low: float | None = None, high: float | None = None) -> None:
-        chosen = None if values is None else check_items(values, "Timesteps", "timesteps (numbers)")
-        bounds = [b for b in (low, high) if b is not None]
-        if (values is None) == (not bounds) or not all(_finite(v) for v in (*(chosen or ()), *bounds)):
-            raise ValueError(
-                f"Timesteps: expected finite timesteps (values=[...]) or bounds (low=, high=), got values={values!r}, "
-                f"low={low!r}, high={high!r}"
-            )
-        self.values = None if chosen is None else frozenset(float(v) for v in chosen)
+        chosen = None if values is None else check_items(values, "Timesteps", "timesteps")
+        given = [*(chosen or ()), low, high]
+        if (values is None) == (low is None and high is None) or not all(_finite(v) for v in given if v is not None):
+            raise ValueError(f"Timesteps: expected finite values=[...] or bounds low=, high=; got {given}")
+        self.values = None if chosen is None else frozenset(map(float, chosen))
         self.low, self.high = low, high
 
     def __call__(self, step: int, timestep: float) -> bool:
@@ -495,8 +481,7 @@ class Timesteps:
         return (self.low is None or timestep >= self.low) and (self.high is None or timestep <= self.high)
 
     def __repr__(self) -> str:
-        shown = f"values={sorted(self.values)}" if self.values is not None else f"low={self.low}, high={self.high}"
-        return f"Timesteps({shown})"
+        return f"Timesteps({sorted(self.values) if self.values is not None else f'low={self.low}, high={self.high}'})"
 
 
 def _finite(value: Any) -> bool:

@@ -75,7 +75,7 @@ def test_cache_of_everything(organism, refs):
     assert torch.equal(cache["text.k", -1], cache[f"{layers[-1]}.text.k"])
     with pytest.raises(TypeError, match=r"cache.get\(name, step\)"):
         cache[name, 1]
-    with pytest.raises(KeyError, match="layer index below"):
+    with pytest.raises(KeyError, match="recorded layer"):
         cache["weights", len(layers)]
 
 

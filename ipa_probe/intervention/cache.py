@@ -89,20 +89,15 @@ class HookCache:
 
     def _layer_point(self, point: str, layer: int) -> str:
         """The name ``cache[point, layer]`` reads (TransformerLens' ``(name, layer)`` indexing)."""
-        if not isinstance(point, str) or "." in point.strip(".").replace("ip.", "").replace("text.", "", 1):
-            point = str(point)
-            if point in self._store:
-                raise TypeError(
-                    f"cache[{point!r}, {layer!r}]: a tuple key is (point, layer index) as in TransformerLens, e.g. "
-                    f"cache['weights', 3]; for one step of a named point use cache.get(name, step)"
-                )
-        suffix = "." + (point if "." in point else f"ip.{point}")
+        if point in self._store:
+            raise TypeError(
+                f"cache[{point!r}, {layer!r}]: a tuple key is (point, layer index) as in TransformerLens, e.g. "
+                "cache['weights', 3]; one step of a named point is cache.get(name, step)"
+            )
+        suffix = "." + (point if "." in str(point) else f"ip.{point}")
         layers = [name[: -len(suffix)] for name in self.names if name.endswith(suffix)]
         if isinstance(layer, bool) or not isinstance(layer, int) or not -len(layers) <= layer < len(layers):
-            raise KeyError(
-                f"cache[{point!r}, {layer!r}]: expected a layer index below {len(layers)} (the recorded layers with "
-                f"a {suffix[1:]!r} point, in the order the denoiser runs them)"
-            )
+            raise KeyError(f"cache[{point!r}, {layer!r}]: {len(layers)} recorded layer(s) have a {suffix[1:]!r} point")
         return layers[layer] + suffix
 
     def _check(self, name: str) -> str:
