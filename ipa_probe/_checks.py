@@ -475,9 +475,9 @@ class Timesteps:
         self.values = None if chosen is None else frozenset(map(float, chosen))
         self.low, self.high = low, high
 
-    def __call__(self, step: int, timestep: float) -> bool:
-        if self.values is not None:
-            return timestep in self.values
+    def __call__(self, step: int, timestep: float | None) -> bool:
+        if timestep is None or self.values is not None:
+            return timestep in (self.values or ())
         return (self.low is None or timestep >= self.low) and (self.high is None or timestep <= self.high)
 
     def __repr__(self) -> str:
