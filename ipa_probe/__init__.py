@@ -1,10 +1,12 @@
 """ipa_probe: IP-Adapter attention against Gaussian Nadaraya–Watson kernel smoothing.
 
 The front door holds the names the README and the notebooks call; everything else stays in its submodule
-(``ipa_probe.kernels``, ``ipa_probe.stats``, ``ipa_probe.gauge``, ...). Explicit re-exports only, imported lazily.
+(``ipa_probe.kernels``, ``ipa_probe.stats``, ``ipa_probe.gauge``, ...; the notebook pairs ``apply_intervention`` /
+``remove_intervention`` and ``apply_nw_head`` / ``remove_nw_head`` in ``ipa_probe.intervention`` and
+``ipa_probe.nwhead``). Explicit re-exports only, imported lazily.
 """
 
-from ._lazy import lazy_attributes
+from ._lazy import lazy_attributes as _lazy_attributes
 
 #: name -> module (relative to this package) that defines it; imported on first use, so that `import ipa_probe`
 #: and the command line's argument parsing stay fast (torch and diffusers load only when a name needs them).
@@ -16,14 +18,10 @@ _EXPORTS = {
     "plot_overlay": ".capture.overlays",
     # the NW head and the exact NW denoiser
     "nw_head": ".nwhead",
-    "apply_nw_head": ".nwhead",
-    "remove_nw_head": ".nwhead",
     "exact_pipeline": ".exact",
     "ExactNWDenoiser": ".exact",
     # interventions and hook points
     "intervene": ".intervention",
-    "apply_intervention": ".intervention",
-    "remove_intervention": ".intervention",
     "measure_intervention": ".intervention",
     "list_hook_points": ".intervention",
     "run_with_cache": ".intervention",
@@ -61,6 +59,7 @@ _SUBMODULES = (
 
 __version__ = "0.1.0"
 
-__all__ = [*_EXPORTS, *_SUBMODULES, "__version__"]
+#: the names a user calls (at most 25); the subpackages are reachable as attributes too, but not star-imported
+__all__ = [*_EXPORTS, "__version__"]
 
-__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, _SUBMODULES)
+__getattr__, __dir__ = _lazy_attributes(__name__, _EXPORTS, _SUBMODULES)

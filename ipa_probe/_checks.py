@@ -43,6 +43,7 @@ __all__ = [
     "parse_gauges",
     "parse_step_selection",
     "step_selected",
+    "Timesteps",
     "check_steps_ran",
     "parse_float",
     "parse_int",
@@ -461,12 +462,39 @@ def check_device(name: str) -> None:
         raise ValueError(f"device {name!r} is not present on this machine; use --device cpu")
 
 
-def parse_step_selection(steps: Any) -> frozenset[int] | slice | None:
+class Timesteps:
+    """``steps=`` by the scheduler's timestep (as the denoiser gets it), not the loop index, so that it holds under
+    img2img ``strength`` and custom timesteps: the passes whose timestep is one of ``values``, or lies in
+    ``[low, high]`` (``None``: open), e.g. ``Timesteps(low=500)``."""
+
+    def __init__(self, values: Any = None, *, low: float | None = None, high: float | None = None) -> None:
+        chosen = None if values is None else check_items(values, "Timesteps", "timesteps")
+        given = [*(chosen or ()), low, high]
+        if (values is None) == (low is None and high is None) or not all(_finite(v) for v in given if v is not None):
+            raise ValueError(f"Timesteps: expected finite values=[...] or bounds low=, high=; got {given}")
+        self.values = None if chosen is None else frozenset(map(float, chosen))
+        self.low, self.high = low, high
+
+    def __call__(self, step: int, timestep: float | None) -> bool:
+        if timestep is None or self.values is not None:
+            return timestep in (self.values or ())
+        return (self.low is None or timestep >= self.low) and (self.high is None or timestep <= self.high)
+
+    def __repr__(self) -> str:
+        return f"Timesteps({sorted(self.values) if self.values is not None else f'low={self.low}, high={self.high}'})"
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_step_selection(steps: Any, when: bool = False) -> frozenset[int] | slice | Any:
     """Denoising loop indices to act on: ``None`` (all), a list (or other iterable) of non-negative ints, or a
-    ``slice`` with non-negative bounds and a positive step (negative indices cannot be resolved before the loop ends).
+    ``slice`` with non-negative bounds and a positive step (negative indices cannot be resolved before the loop ends);
+    with ``when``, also a :class:`Timesteps` or a predicate ``fn(step, timestep) -> bool`` (``timestep`` a float).
 
     Returns:
-        ``None``, the slice, or the indices as a ``frozenset``.
+        ``None``, the slice, the predicate, or the indices as a ``frozenset``.
 
     Raises:
         TypeError: not a list or a slice (e.g. ``5`` where ``[5]`` was meant).
@@ -474,6 +502,13 @@ def parse_step_selection(steps: Any) -> frozenset[int] | slice | None:
     """
     if steps is None:
         return None
+    if callable(steps):
+        if not when:
+            raise TypeError(
+                f"steps: this feature selects loop indices (ints or a slice), got {describe_value(steps)}; "
+                "select by timestep with intervene, hook points or the cache"
+            )
+        return steps
     if isinstance(steps, slice):
         s = steps
         if any(v is not None and (not isinstance(v, int) or v < 0) for v in (s.start, s.stop)) or (
@@ -482,33 +517,44 @@ def parse_step_selection(steps: Any) -> frozenset[int] | slice | None:
             raise ValueError(
                 f"steps: expected a slice of non-negative loop indices with a positive step, got {s!r}; ipa_probe "
                 "cannot resolve negative indices before the loop ends (Img2Img's strength, for one, shortens the "
-                "loop): write slice(n - 3, None) for the last 3 of n steps"
+                "loop): write slice(n - 3, None) for the last 3 of n steps, or select by timestep (Timesteps)"
             )
         return steps
-    chosen = check_items(steps, "steps", "loop indices (ints), or a slice")
+    what = "loop indices (ints), a slice, Timesteps(...) or fn(step, timestep)" if when else "loop indices (ints)"
+    chosen = check_items(steps, "steps", what + ", or a slice" * (not when))
     if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in chosen):
         raise ValueError(f"steps: expected non-negative loop indices (ints) or a slice, got {chosen!r}")
     return frozenset(chosen)
 
 
-def step_selected(steps: frozenset[int] | slice | None, step: int) -> bool:
-    """Whether loop index ``step`` is in a selection made by :func:`parse_step_selection`."""
+def step_selected(steps: Any, step: int, timestep: Any = None) -> bool:
+    """Whether the pass at loop index ``step`` (scheduler ``timestep``, as the denoiser got it) is in a selection
+    made by :func:`parse_step_selection`. A predicate reads the timestep as a float (a device tensor is read back)."""
     if steps is None:
         return True
+    if callable(steps):
+        if hasattr(timestep, "reshape"):
+            timestep = timestep.reshape(-1)[0].item()
+        return bool(steps(step, None if timestep is None else float(timestep)))
     if isinstance(steps, slice):
         start, stop, stride = steps.start or 0, steps.stop, steps.step or 1
         return step >= start and (stop is None or step < stop) and (step - start) % stride == 0
     return step in steps
 
 
-def check_steps_ran(steps: frozenset[int] | slice | None, ran: int, name: str = "steps") -> None:
+def check_steps_ran(steps: Any, ran: int, name: str = "steps", selected: int | None = None) -> None:
     """Raise when a step selection (from :func:`parse_step_selection`) names loop indices a call that ran ``ran``
-    denoising steps did not have: acting on nothing would report a zero effect, not an error. ``ran == 0`` (no
-    call yet) checks nothing.
+    denoising steps did not have, or when a timestep selection or predicate selected none of the ``selected`` passes
+    it was asked about (``None``: not counted): acting on nothing would report a zero effect, not an error.
+    ``ran == 0`` (no call yet) checks nothing.
 
     Raises:
         ValueError: naming the indices (or the slice) and the steps the call had.
     """
+    if callable(steps):
+        if ran > 0 and selected == 0:
+            raise ValueError(f"{name}: {steps!r} selected no pass of the {ran} step(s) the calls ran; widen it")
+        return
     if steps is None or ran <= 0:
         return
     if isinstance(steps, slice):

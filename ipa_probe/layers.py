@@ -21,6 +21,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from diffusers.models.attention import AttentionModuleMixin
@@ -74,7 +75,26 @@ _UNSUPPORTED_REASONS: dict[str, str] = {
 
 LayerSelection = str | re.Pattern | Iterable[str] | None
 
-_CLAIM_ATTRIBUTE = "_ipa_probe_claims"
+#: ipa_probe's one attribute on a denoiser (its ``__dict__``): a dict of what the attached features keep there (the
+#: attachment core, the hook points, the interventions, the NW head, the claims), gone with its last entry
+STATE_ATTRIBUTE = "_ipa_probe"
+
+
+def kept(denoiser: torch.nn.Module, key: str, default: Any = None) -> Any:
+    """What the features attached to ``denoiser`` keep under ``key`` (:data:`STATE_ATTRIBUTE`), or ``default``."""
+    return denoiser.__dict__.get(STATE_ATTRIBUTE, {}).get(key, default)
+
+
+def keep(denoiser: torch.nn.Module, key: str, value: Any = None) -> None:
+    """Keep ``value`` under ``key`` on ``denoiser``, or drop the key for an empty ``value``; the attribute goes with
+    its last key, so that a denoiser with nothing attached carries no trace of ipa_probe."""
+    state = denoiser.__dict__.setdefault(STATE_ATTRIBUTE, {})
+    if value is None or (isinstance(value, list | tuple) and not value):
+        state.pop(key, None)
+    else:
+        state[key] = value
+    if not state:
+        del denoiser.__dict__[STATE_ATTRIBUTE]
 
 
 def _supported_names() -> str:
@@ -343,7 +363,7 @@ def list_hooks(pipe) -> Attachments:
         probe    10 layers  read-only forward hooks (image branch), bandwidth=matched
         ```
     """
-    return Attachments(denoiser_of(pipe).__dict__.get(_CLAIM_ATTRIBUTE, ()))
+    return Attachments(kept(denoiser_of(pipe), "claims", ()))
 
 
 def claim(
@@ -362,13 +382,13 @@ def claim(
         the denoiser.
     """
     denoiser = denoiser_of(pipe)
-    claims = denoiser.__dict__.get(_CLAIM_ATTRIBUTE, ())
+    claims = kept(denoiser, "claims", ())
     if exclusive and any(c.feature == feature for c in claims):
         raise RuntimeError(
-            f"ipa_probe.{feature} is already active on this pipeline; leave the running "
-            f"`with ipa_probe.{feature}(...)` block (or remove it) before applying it again"
+            f"{feature!r} is already active on this pipeline (ipa_probe.list_hooks(pipe) lists it); leave its "
+            "block (or remove it) before attaching it again"
         )
-    denoiser.__dict__[_CLAIM_ATTRIBUTE] = (*claims, Attachment(feature, tuple(layers), what))
+    keep(denoiser, "claims", (*claims, Attachment(feature, tuple(layers), what)))
     return denoiser
 
 
@@ -376,12 +396,6 @@ def release(pipe, feature: str, attachment: Attachment | None = None) -> None:
     """Undo :func:`claim` (every claim of ``feature``, or only ``attachment``, one of :func:`list_hooks`); the
     denoiser is left without any ipa_probe attribute once nothing claims it."""
     denoiser = denoiser_of(pipe)
-    claims = tuple(
-        c
-        for c in denoiser.__dict__.get(_CLAIM_ATTRIBUTE, ())
-        if (c is not attachment if attachment is not None else c.feature != feature)
-    )
-    if claims:
-        denoiser.__dict__[_CLAIM_ATTRIBUTE] = claims
-    else:
-        denoiser.__dict__.pop(_CLAIM_ATTRIBUTE, None)
+    claims = kept(denoiser, "claims", ())
+    left = tuple(c for c in claims if (c is not attachment if attachment is not None else c.feature != feature))
+    keep(denoiser, "claims", left)

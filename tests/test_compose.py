@@ -1,6 +1,7 @@
-"""Features composed on one pipeline (issue 38): the probe measures the weights the layer used inside an intervention,
-under an NW head it reads that head's weights, nested interventions apply in order, the denoiser carries one
-pre-hook however many features are attached, and the pipeline comes back bit for bit from every pair in both orders.
+"""Features composed on one pipeline (issues 38, 49): the probe measures the weights the layer used inside an
+intervention, under an NW head it reads that head's weights, nested interventions compose as if given at once, the
+denoiser carries one pre-hook however many features are attached, and a generated matrix of every pair of features
+in both orders on SD 1.5 and Flux computes the same in either order and restores the pipeline bit for bit.
 
 The reference weights are the test's own: forward hooks on ``attn.to_q`` and ``to_k_ip`` (after the intervention's
 edit of the tokens, i.e. the very keys the layer's softmax runs over), the softmax taken here in float64."""
@@ -173,6 +174,124 @@ def test_nested_scales_apply_in_order(organism, refs):
     assert scaled_share < plain_share  # the reader attached last sees both scales applied
 
 
+@pytest.fixture(scope="module")
+def three():
+    return refs_of(3, 5, 7)
+
+
+def refs_of(*digits):
+    return [digits_reference_images(d, 1, seed=100 * i)[0] for i, d in enumerate(digits, 1)]
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner", "together"),
+    [(0, 1, [0, 1]), (1, 0, [0, 1]), (0, 2, [0, 2]), (2, [0, 1], [0, 1, 2]), ([0, 1], 1, [0, 1])],
+)
+def test_nested_ablations_compose_as_given_at_once(organism, three, outer, inner, together):
+    """References are the call's whatever the nesting: the inner block removes what its index names in the call's
+    list, not in what the outer block left; a probe between them reports the references the layer kept."""
+    with intervene(organism, together):
+        expected = latents(organism, three)
+    with intervene(organism, outer), ipa_probe.probe(organism, maps=True) as run, intervene(organism, inner):
+        got = latents(organism, three)
+    assert torch.equal(got, expected)
+    removed = set(together)
+    if len(removed) == 3:  # every reference removed: the branch's values are zero, its weights read nothing
+        return
+    mass = run.reference_mass()
+    assert sorted(mass.reference.unique()) == [0, 1, 2]  # every reference of the call, the removed ones at 0
+    assert (mass[mass.reference.isin(removed)].attention == 0).all()
+    left = mass[~mass.reference.isin(removed)].groupby(["step", "layer"], observed=True).attention.sum()
+    # 1e-5: float32 sums of the shares the probe formed over the kept keys
+    assert len(left) and ((left - 1).abs() < 1e-5).all()
+
+
+def test_nested_swap_indexes_the_calls_references(organism, three):
+    other = digits_reference_images(8, 1, seed=900)[0]
+    with intervene(organism, 0), intervene(organism, 2, mode="swap", other=other):
+        nested = latents(organism, three)
+    swapped = [three[0], three[1], other]
+    with intervene(organism, 0):
+        expected = latents(organism, swapped)
+    # 1e-5: the pipeline encodes the swapped-in image in a batch of one here and of three there
+    torch.testing.assert_close(nested, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_steps_take_timesteps_or_a_predicate(organism, refs):
+    """``steps=`` by timestep (a predicate or ``Timesteps``) acts where the loop indices with those timesteps do."""
+    from ipa_probe.intervention import Timesteps
+
+    organism.scheduler.set_timesteps(3)
+    timesteps = [float(t) for t in organism.scheduler.timesteps]
+    late = [i for i, t in enumerate(timesteps) if t > 500]
+    assert 0 < len(late) < 3
+    with intervene(organism, 0, steps=late):
+        expected = latents(organism, refs, num_inference_steps=3)
+    with intervene(organism, 0, steps=lambda step, t: t > 500) as state:
+        by_predicate = latents(organism, refs, num_inference_steps=3)
+    with intervene(organism, 0, steps=Timesteps([timesteps[i] for i in late])):
+        by_values = latents(organism, refs, num_inference_steps=3)
+    with intervene(organism, 0, steps=Timesteps(low=math.nextafter(500, 1000))):
+        by_bounds = latents(organism, refs, num_inference_steps=3)
+    assert sorted({step for step, _ in state.acted}) == late
+    assert all(torch.equal(got, expected) for got in (by_predicate, by_values, by_bounds))
+    name = f"{LAYER}.ip.weights"
+    with ipa_probe.cache_hook_points(organism, [name], steps=Timesteps(low=501)) as cache:
+        latents(organism, refs, num_inference_steps=3)
+    assert cache.steps() == late
+    with pytest.raises(ValueError, match="selected no pass"):
+        with intervene(organism, 0, steps=Timesteps(high=-1)):
+            latents(organism, refs)
+    with pytest.raises(TypeError, match="loop indices"):
+        ipa_probe.probe(organism, steps=lambda step, t: True).__enter__()
+    with pytest.raises(ValueError, match="Timesteps"):
+        Timesteps()
+    assert ipa_probe.list_hooks(organism) == []
+
+
+def test_hook_blocks_nest_as_one(organism, refs):
+    """Two ``intervene(hooks=...)`` blocks (a patch, then a custom hook) run their callbacks as one block given both
+    in that order; and a cache block spans two pipeline calls."""
+    name = f"{LAYER}.ip.contribution"
+    with ipa_probe.cache_hook_points(organism, [name]) as cache:
+        latents(organism, refs[::-1])  # the source run: the references the other way round
+        source = latents(organism, refs[::-1])
+    assert cache.calls == 2 and cache[name].shape[0] == 2 * STEPS
+    assert torch.equal(cache.get(name, 1, call=0), cache.get(name, 1, call=1))  # one seed, one computation
+
+    def halve(c, ctx):
+        return c * 0.5
+
+    patch = ipa_probe.patch_hooks(cache, [name], references=0)
+    with intervene(organism, hooks={name: [patch[name], halve]}):
+        together = latents(organism, refs)
+    with intervene(organism, hooks=patch), intervene(organism, hooks={name: halve}):
+        nested = latents(organism, refs)
+    assert torch.equal(nested, together) and not torch.equal(nested, source)
+    assert ipa_probe.list_hooks(organism) == []
+
+
+def test_gauge_tools_inside_a_cache_block(organism, refs):
+    from ipa_probe.gauge import gauge_sweep
+
+    name = f"{LAYER}.ip.k"
+    with ipa_probe.cache_hook_points(organism, [name]) as cache:
+        table = gauge_sweep(organism, lambda: latents(organism, refs), "1,adversarial:down:4", layers=LAYER)
+    assert len(table) and cache.calls >= 3  # the reference call, the adversarial search's call, the gauged call
+    assert ipa_probe.list_hooks(organism) == []
+
+
+@pytest.mark.parametrize("head_first", [True, False])
+def test_a_stored_frame_head_and_a_gauge_are_refused_in_either_order(organism, head_first):
+    head, gauge = (lambda: ipa_probe.nw_head(organism, frame="stored")), (lambda: ipa_probe.qk_gauge(organism, 2.0))
+    first, second = (head, gauge) if head_first else (gauge, head)
+    with first(), pytest.raises(ValueError, match=r"\|k\|\^2.*frame='query'"):
+        second().__enter__()
+    assert ipa_probe.list_hooks(organism) == []
+    with ipa_probe.qk_gauge(organism, 2.0), ipa_probe.nw_head(organism, frame="query"):  # the query frame: either way
+        pass
+
+
 def test_points_inside_an_ablation_index_references_as_the_call_passed_them(organism, refs):
     shapes = []
 
@@ -234,17 +353,107 @@ def test_everything_attached_adds_one_denoiser_pre_hook(organism, refs):
     assert len(organism.unet._forward_pre_hooks) == before
 
 
-PAIRS = [(a, b) for a in FEATURES for b in FEATURES if a != b and {a, b} != {"scale", "hooks"}]
+# ------------------------------------------------------------------------------------------------------ the matrix
+# Every pair of features, generated from one table, in both nesting orders: the two orders compute the same latents
+# (token edits act on the keys, point edits in the order the points are computed, the NW head in the processor,
+# whatever the nesting), a reader changes nothing (a pair with a reader equals the other feature alone), the scalar
+# gauge 2 changes no bit (it scales q and k by powers of two), and the pipeline comes back bit for bit, also after an
+# exception inside the inner block. The stored-frame NW head and a gauge refuse each other in either order.
 
 
-@pytest.mark.parametrize(("outer", "inner"), PAIRS)
-def test_every_pair_restores_the_pipeline_bit_for_bit(organism, refs, outer, inner, one_thread):
-    plain = latents(organism, refs)
-    before = snapshot(organism)  # after a first call: the pipeline keeps its call settings as attributes
-    with FEATURES[outer](organism), FEATURES[inner](organism):
-        latents(organism, refs)
-    assert_unchanged(organism, before)
-    assert torch.equal(latents(organism, refs), plain)
+class Boom(Exception):
+    pass
+
+
+def matrix_features(pipe, refs, other):
+    """name -> (kind, make): ``"read"`` features compute nothing, ``"gauge"`` ones are output symmetries."""
+    layer = next(n for n in ipa_probe.list_hook_points(pipe) if n.endswith(".ip.output")).rsplit(".", 2)[0]
+    features = {
+        "probe": ("read", lambda: ipa_probe.probe(pipe, maps=True)),
+        "probe_nomaps": ("read", lambda: ipa_probe.probe(pipe)),
+        "cache": ("read", lambda: ipa_probe.cache_hook_points(pipe, r"\.ip\.(weights|contribution)$")),
+        "ablate": ("edit", lambda: intervene(pipe, 0, steps=[1])),
+        "scale": ("edit", lambda: intervene(pipe, 1, mode="scale", factor=2.0)),
+        "hooks": ("edit", lambda: intervene(pipe, hooks={f"{layer}.ip.output": lambda t, c: t * 0.5})),
+        "nw_query": ("edit", lambda: ipa_probe.nw_head(pipe, frame="query")),
+        "nw_stored": ("edit", lambda: ipa_probe.nw_head(pipe, frame="stored")),
+        "gauge": ("gauge", lambda: ipa_probe.qk_gauge(pipe, 2.0)),
+    }
+    if other is not None:
+        features["swap"] = ("edit", lambda: intervene(pipe, 1, mode="swap", other=other))
+    return features
+
+
+def boom(pipe, step, timestep, kwargs):
+    raise Boom  # inside the pipeline call, after its first step
+
+
+def run_nested(pipe, generate, outer, inner, fail=False):
+    with outer(), inner():
+        return generate(callback_on_step_end=boom) if fail else generate()
+
+
+PLAIN = {}
+
+
+def check_pair(pipe, generate, features, a, b):
+    plain = PLAIN.setdefault(id(pipe), generate())
+    before = snapshot(pipe)
+    (kind_a, make_a), (kind_b, make_b) = features[a], features[b]
+    if {a, b} == {"gauge", "nw_stored"}:
+        for outer, inner in ((make_a, make_b), (make_b, make_a)):
+            with pytest.raises(ValueError, match=r"\|k\|\^2"):
+                run_nested(pipe, generate, outer, inner)
+            assert_unchanged(pipe, before)
+        return
+    ab = run_nested(pipe, generate, make_a, make_b)
+    ba = run_nested(pipe, generate, make_b, make_a)
+    assert torch.equal(ab, ba), (a, b)
+    alone = [make for kind, make in ((kind_a, make_a), (kind_b, make_b)) if kind == "edit"]
+    if len(alone) < 2:  # a reader or the gauge beside at most one edit: the edit alone, bit for bit
+        with contextlib.ExitStack() as stack:
+            for make in alone:
+                stack.enter_context(make())
+            assert torch.equal(ab, generate()), (a, b)
+    for outer, inner in ((make_a, make_b), (make_b, make_a)):
+        with pytest.raises(Boom):
+            run_nested(pipe, generate, outer, inner, fail=True)
+        assert_unchanged(pipe, before)
+    assert torch.equal(generate(), plain)
+
+
+def matrix(names):
+    """Every unordered pair (both orders are checked in one test), but two of one exclusive feature (one probe, one
+    NW head per pipeline)."""
+    return [
+        pytest.param(a, b, id=f"{a}-{b}")
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+        if a.split("_")[0] != b.split("_")[0]
+    ]
+
+
+FLUX_FEATURES = ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge"]
+SD15_FEATURES = [*FLUX_FEATURES, "probe_nomaps", "swap"]
+
+
+@pytest.mark.parametrize(("a", "b"), matrix(SD15_FEATURES))
+def test_every_pair_composes_and_restores_sd15(organism, refs, a, b, one_thread):
+    other = digits_reference_images(8, 1, seed=900)[0]
+    check_pair(organism, lambda **kw: latents(organism, refs, **kw), matrix_features(organism, refs, other), a, b)
+
+
+@pytest.mark.parametrize(("a", "b"), matrix(FLUX_FEATURES))
+def test_every_pair_composes_and_restores_flux(flux, a, b, one_thread):
+    from ipa_probe.tiny.sd import default_reference_images
+
+    refs = default_reference_images(2)
+
+    def generate(**extra):
+        kwargs = dict(prompt="a", ip_adapter_image=[refs], num_inference_steps=STEPS, height=64, width=64, **extra)
+        return flux(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+    check_pair(flux, generate, matrix_features(flux, refs, None), a, b)
 
 
 # ------------------------------------------------------------------------------------------------------ edits kept
@@ -418,3 +627,58 @@ def test_flux_probe_reads_the_weights_a_hook_edited(flux, probe_first, one_threa
     assert all(after["processors"][k] is v for k, v in before["processors"].items())
     assert ipa_probe.list_hooks(flux) == [] and spine_of(flux) is None
     assert torch.equal(generate(), plain)
+
+
+@pytest.mark.parametrize(("outer", "inner"), [(0, 1), (1, 0)])
+def test_flux_ablations_nest_and_equal_leaving_the_reference_out(flux, outer, inner, one_thread):
+    """On Flux ``intervene(reference=...)`` ablates as on UNets: nested blocks equal the edits given at once, a probe
+    inside reads the ablated reference at share 0, and ablating reference 2 of three equals the call without it."""
+    from ipa_probe.tiny.sd import default_reference_images
+
+    refs = default_reference_images(3)
+
+    def generate(images):
+        kwargs = dict(prompt="a", ip_adapter_image=[images], num_inference_steps=STEPS, height=64, width=64)
+        return flux(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+    plain = generate(refs)
+    before = snapshot(flux)
+    with intervene(flux, [0, 1]):
+        together = generate(refs)
+    with intervene(flux, outer), ipa_probe.probe(flux, maps=True) as run, intervene(flux, inner):
+        nested = generate(refs)
+    assert torch.equal(nested, together) and not torch.equal(nested, plain)
+    mass = run.reference_mass()
+    assert len(mass) and (mass[mass.reference < 2].attention == 0).all()
+    assert (mass[mass.reference == 2].attention == 1).all()
+    with intervene(flux, 2):
+        ablated = generate(refs)
+    # 1e-5: the image encoder runs on a batch of three there and of two here
+    torch.testing.assert_close(ablated, generate(refs[:2]), rtol=1e-5, atol=1e-5)
+    with intervene(flux, 0, mode="scale", factor=0.0):
+        scaled = generate(refs)
+    with intervene(flux, 0):
+        # 1e-5: the scale renormalises the float32 weights the softmax gave; the ablation's softmax runs without them
+        torch.testing.assert_close(scaled, generate(refs), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match='mode="ablate" / "scale" on Flux'):
+        intervene(flux, 0, mode="swap", other=refs[0]).__enter__()
+    assert_unchanged(flux, before)
+    assert torch.equal(generate(refs), plain)
+
+
+def test_flux_true_cfg_labels_agree_with_the_probe(flux):
+    """One labeller: the hook context labels Flux's true-CFG negative pass as the probe's table does."""
+    from ipa_probe.layers import find_ip_layers
+    from ipa_probe.tiny.sd import default_reference_images
+
+    layer = find_ip_layers(flux)[0]
+    kwargs = dict(prompt="a", negative_prompt="b", true_cfg_scale=2.0, ip_adapter_image=[default_reference_images(1)],
+                  negative_ip_adapter_image=[default_reference_images(1)], num_inference_steps=STEPS, height=64,
+                  width=64, output_type="latent")  # fmt: skip
+    seen = []
+    with ipa_probe.probe(flux, layers=f"^{layer.name}$") as run:
+        with intervene(flux, hooks={f"{layer.name}.ip.weights": lambda w, ctx: seen.append((ctx.step, ctx.cfg))}):
+            flux(**kwargs, generator=torch.Generator().manual_seed(0))
+    table = run.to_dataframe()
+    expected = [(step, (branch,)) for step in range(STEPS) for branch in table[table.step == step].branch.unique()]
+    assert seen == expected == [(0, ("cond",)), (0, ("uncond",)), (1, ("cond",)), (1, ("uncond",))]

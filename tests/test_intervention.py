@@ -86,16 +86,18 @@ def test_settings_describe_and_select_steps():
     assert config.describe()["reference"] == [0, 2] and config.describe()["steps"] == "slice(1, None, 2)"
 
 
-def test_refuses_other_families_and_missing_adapters(flux, organism):
-    with pytest.raises(ValueError, match="SD 1.5 / SDXL"):
-        ipa_probe.apply_intervention(flux, 0)
-    assert ipa_probe.list_hooks(flux) == []
+def test_refuses_other_families_and_missing_adapters(sd3, flux, organism):
+    with pytest.raises(ValueError, match="SD 1.5 / SDXL, Flux"):
+        ipa_probe.intervention.apply_intervention(sd3, 0)
+    with pytest.raises(ValueError, match='"ablate" / "scale" on Flux'):
+        ipa_probe.intervention.apply_intervention(flux, 0, mode="swap", other=np.zeros((8, 8, 3), dtype=np.uint8))
+    assert ipa_probe.list_hooks(flux) == [] and ipa_probe.list_hooks(sd3) == []
     with pytest.raises(ValueError, match="hold 1 IP-Adapter"):
-        ipa_probe.apply_intervention(organism, 0, adapter=1)
+        ipa_probe.intervention.apply_intervention(organism, 0, adapter=1)
     with pytest.raises(ValueError, match="matched none"):
-        ipa_probe.apply_intervention(organism, 0, layers="no_such_layer")
+        ipa_probe.intervention.apply_intervention(organism, 0, layers="no_such_layer")
     with pytest.raises(ValueError, match="no intervention is applied"):
-        ipa_probe.remove_intervention(organism)
+        ipa_probe.intervention.remove_intervention(organism)
     assert ipa_probe.list_hooks(organism) == []
 
 
@@ -109,9 +111,9 @@ def test_pipeline_comes_back_bit_for_bit(organism, refs, one_thread):
         assert [a.feature for a in ipa_probe.list_hooks(organism)] == ["intervene"]
         assert ipa_probe.list_hooks(organism)[0].layers == tuple(state.layers)
         changed = latents(organism, **call(refs))
-        inner = ipa_probe.apply_intervention(organism, 0)  # interventions nest (issue 38): the innermost goes first
+        inner = ipa_probe.intervention.apply_intervention(organism, 0)  # interventions nest: the innermost goes first
         assert [a.feature for a in ipa_probe.list_hooks(organism)] == ["intervene", "intervene"]
-        ipa_probe.remove_intervention(organism)
+        ipa_probe.intervention.remove_intervention(organism)
         assert not inner.active and state.active
     assert not torch.equal(changed, plain)
     assert not state.active
@@ -231,7 +233,7 @@ def test_swap_equals_giving_the_other_image(organism, refs, guidance):
 
 def test_swap_refuses_a_bare_denoiser(organism, refs):
     with pytest.raises(ValueError, match="image_encoder"):
-        ipa_probe.apply_intervention(organism.unet, 0, mode="swap", other=refs[0])
+        ipa_probe.intervention.apply_intervention(organism.unet, 0, mode="swap", other=refs[0])
     assert ipa_probe.list_hooks(organism) == []
 
 

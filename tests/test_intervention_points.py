@@ -592,10 +592,21 @@ def test_flux_true_cfg_passes_share_a_step(flux):
         width=64,
         output_type="latent",
     )
-    with ipa_probe.intervene(flux, hooks={name: lambda t, ctx: seen.append((ctx.step, ctx.pass_index))}):
+    tensors = []
+
+    def note(t, ctx):
+        seen.append((ctx.step, ctx.pass_index))
+        tensors.append(t.clone())
+
+    with ipa_probe.intervene(flux, hooks={name: note}):
         run(flux, **kwargs)
     assert seen == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    with pytest.raises(ValueError, match="ran twice in step 0"):
-        with ipa_probe.cache_hook_points(flux, [name]):
-            run(flux, **kwargs)
+    # the cache keeps both passes of a step, and spans two calls of one block
+    with ipa_probe.cache_hook_points(flux, [name]) as cache:
+        run(flux, **kwargs)
+        run(flux, **kwargs)
+    assert cache.calls == 2 and cache[name].shape[0] == 8
+    for call in (0, 1):
+        for (step, pass_index), tensor in zip(seen, tensors, strict=True):
+            assert torch.equal(cache.get(name, step, call=call, pass_index=pass_index), tensor)
     assert ipa_probe.list_hooks(flux) == []

@@ -210,7 +210,7 @@ def test_bad_bandwidth_raises_before_anything_changes(sd15, bandwidth, error, ma
     with pytest.raises(error, match=match):
         apply_nw_head(sd15, bandwidth)
     assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
-    assert "_ipa_probe_claims" not in sd15.unet.__dict__
+    assert "_ipa_probe" not in sd15.unet.__dict__
 
 
 # --------------------------------------------------------------------------- in the tiny pipelines
@@ -248,7 +248,7 @@ def test_restores_the_same_processor_objects_and_leaves_no_trace(sd15, refs):
         assert all(isinstance(sd15.unet.attn_processors[f"{n}.processor"], NWHeadAttnProcessor) for n in swap.layers)
         generate(sd15, refs)
     assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
-    assert "_ipa_probe_claims" not in sd15.unet.__dict__ and "_ipa_probe_nw_head" not in sd15.unet.__dict__
+    assert "_ipa_probe" not in sd15.unet.__dict__ and "_ipa_probe" not in sd15.unet.__dict__
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in sd15.unet.modules())
     assert not swap.active
 
@@ -280,11 +280,11 @@ def test_double_application_raises_and_keeps_the_first(sd15, refs):
 
 def test_apply_and_remove_for_notebooks(sd15):
     processors = dict(sd15.unet.attn_processors)
-    swap = ipa_probe.apply_nw_head(sd15, bandwidth=2.0, layers="down_blocks")
+    swap = ipa_probe.nwhead.apply_nw_head(sd15, bandwidth=2.0, layers="down_blocks")
     assert swap.layers and all(name.startswith("down_blocks") for name in swap.layers)
     untouched = [k for k in processors if not k.startswith("down_blocks")]
     assert all(sd15.unet.attn_processors[k] is processors[k] for k in untouched)
-    ipa_probe.remove_nw_head(sd15)
+    ipa_probe.nwhead.remove_nw_head(sd15)
     assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
     with pytest.raises(ValueError, match="no NW head is applied"):
         remove_nw_head(sd15)
@@ -312,7 +312,7 @@ def test_unload_ip_adapter_while_swapped_is_not_undone(refs):
         pipe.unload_ip_adapter()
         pipe("a photo", num_inference_steps=1, output_type="latent")
     assert all(isinstance(p, AttnProcessor2_0) for p in pipe.unet.attn_processors.values())
-    assert "_ipa_probe_claims" not in pipe.unet.__dict__
+    assert "_ipa_probe" not in pipe.unet.__dict__
     with pytest.raises(ValueError, match="no IP-Adapter loaded"):
         apply_nw_head(pipe)
 
@@ -322,7 +322,7 @@ def test_selection_matching_nothing_raises_before_anything_changes(sd15):
     with pytest.raises(ValueError, match="matched none"):
         apply_nw_head(sd15, layers="no_such_block")
     assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
-    assert "_ipa_probe_claims" not in sd15.unet.__dict__
+    assert "_ipa_probe" not in sd15.unet.__dict__
 
 
 def test_callable_bandwidth_sees_every_timestep_and_matches_the_float_head(sd15, refs):
@@ -521,7 +521,7 @@ def test_nw_head_swaps_restores_and_composes_with_the_probe(refs, family):
     np.testing.assert_allclose(df["kl"], 0.0, atol=1e-5)
     assert all(pipe.transformer.attn_processors[k] is v for k, v in processors.items())
     assert torch.equal(generate_dit(pipe, refs, cfg=True), plain)
-    assert "_ipa_probe_claims" not in pipe.transformer.__dict__
+    assert "_ipa_probe" not in pipe.transformer.__dict__
     with pytest.raises(RuntimeError, match="boom"), nw_head(pipe):
         raise RuntimeError("boom")
     assert all(pipe.transformer.attn_processors[k] is v for k, v in processors.items())

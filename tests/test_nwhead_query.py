@@ -362,7 +362,7 @@ def _assert_restored(pipe, snapshot):
     assert all(pipe.unet.attn_processors[k] is v for k, v in processors.items())
     state = pipe.unet.state_dict()
     assert state.keys() == weights.keys() and all(torch.equal(state[k], weights[k]) for k in weights)
-    assert "_ipa_probe_claims" not in pipe.unet.__dict__ and "_ipa_probe_nw_head" not in pipe.unet.__dict__
+    assert "_ipa_probe" not in pipe.unet.__dict__ and "_ipa_probe" not in pipe.unet.__dict__
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in pipe.unet.modules())
 
 

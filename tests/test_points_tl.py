@@ -1,6 +1,7 @@
 """Hook points the way TransformerLens users write them (issue 38 point 3): hooks as a list of (name, fn) pairs or a
-dict, names chosen by a regex or a filter, a cache of every point read as ``cache[name]``, ``cache[name, step]`` and
-``.items()``, the q, k and logits points and the text branch, checked against the test's own float64 hooks."""
+dict, names chosen by a regex or a filter, a cache of every point read as ``cache[name]``, ``cache[point, layer]``,
+``cache.get(name, step)`` and ``.items()``, the q, k and logits points and the text branch, checked against the
+test's own float64 hooks."""
 
 from __future__ import annotations
 
@@ -67,8 +68,27 @@ def test_cache_of_everything(organism, refs):
     assert list(items) == names
     name = f"{LAYER}.text.weights"
     assert cache[name].shape[0] == STEPS
-    assert torch.equal(cache[name, 1], cache[name][1])
-    assert torch.equal(cache[name, 0], cache.get(name, 0))
+    assert torch.equal(cache.get(name, 1), cache[name][1])
+    # a tuple key is TransformerLens' (point, layer): the layer's index in the order the denoiser runs them
+    layers = [n.removesuffix(".ip.weights") for n in names if n.endswith(".ip.weights")]
+    assert torch.equal(cache["weights", 2], cache[f"{layers[2]}.ip.weights"])
+    assert torch.equal(cache["text.k", -1], cache[f"{layers[-1]}.text.k"])
+    with pytest.raises(TypeError, match=r"cache.get\(name, step\)"):
+        cache[name, 1]
+    with pytest.raises(KeyError, match="recorded layer"):
+        cache["weights", len(layers)]
+
+
+def test_names_are_strings_or_patterns_everywhere(organism, refs):
+    """A plain string that is no point's name is a regex searched in the names, in hooks= as in the cache."""
+    seen = []
+    with ipa_probe.intervene(organism, hooks={r"\.ip\.weights$": lambda w, c: seen.append(c.name)}, steps=[0]):
+        _, cache = ipa_probe.run_with_cache(organism, re.compile(r"\.ip\.weights$"), steps=[0], **call(refs))
+    expected = [n for n in ipa_probe.list_hook_points(organism) if n.endswith(".ip.weights")]
+    assert seen == expected and cache.keys() == expected
+    with pytest.raises(ValueError, match="unknown hook point"):
+        ipa_probe.intervene(organism, hooks={"no_such_layer.ip.weights": lambda w, c: None}).__enter__()
+    assert ipa_probe.list_hooks(organism) == []
 
 
 def own_branch(pipe, name):
@@ -111,15 +131,15 @@ def test_q_k_logits_and_text_points_match_the_tests_own_hooks(organism, refs):
         q, k, v, k_ip = (seen[key][step] for key in ("q", "k", "v", "k_ip"))
         scale = 1 / math.sqrt(q.shape[-1])
         # float32 projections and products over <= 64 channels against float64: ~1e-6 relative; 1e-5 is margin
-        assert close(cache[f"{LAYER}.ip.q", step], q, 1e-5)
-        assert close(cache[f"{LAYER}.ip.k", step], k_ip, 1e-5)
-        assert close(cache[f"{LAYER}.text.k", step], k, 1e-5)
-        assert close(cache[f"{LAYER}.ip.logits", step], q @ k_ip.transpose(-1, -2) * scale, 1e-5)
+        assert close(cache.get(f"{LAYER}.ip.q", step), q, 1e-5)
+        assert close(cache.get(f"{LAYER}.ip.k", step), k_ip, 1e-5)
+        assert close(cache.get(f"{LAYER}.text.k", step), k, 1e-5)
+        assert close(cache.get(f"{LAYER}.ip.logits", step), q @ k_ip.transpose(-1, -2) * scale, 1e-5)
         text = (q @ k.transpose(-1, -2) * scale).softmax(-1)  # (B, H, Q, 77)
-        assert close(cache[f"{LAYER}.text.weights", step], text, 1e-5)
+        assert close(cache.get(f"{LAYER}.text.weights", step), text, 1e-5)
         w_o = organism.unet.get_submodule(LAYER).to_out[0].weight.double()  # (C, H * D)
         y = (text @ v).transpose(1, 2).flatten(2)  # (B, Q, H * D)
-        assert close(cache[f"{LAYER}.text.output", step], y @ w_o.T, 1e-5)
+        assert close(cache.get(f"{LAYER}.text.output", step), y @ w_o.T, 1e-5)
 
 
 def test_text_branch_edits_reach_the_output(organism, refs):

@@ -70,7 +70,7 @@ def test_restores_pipeline_exactly_after_normal_exit(sd15, refs):
         generate(sd15, refs)
     assert all(sd15.unet.attn_processors[k] is v for k, v in processors.items())
     assert _hook_snapshot(sd15) == hooks
-    assert "_ipa_probe_claims" not in sd15.unet.__dict__
+    assert "_ipa_probe" not in sd15.unet.__dict__
     assert "encode_prompt" not in vars(sd15)  # the evidence wrapper lived on the instance only while probing
 
 
@@ -455,7 +455,7 @@ def test_bad_settings_raise_before_anything_changes(sd15, kwargs, match):
         with probe(sd15, **kwargs):
             pass
     assert _hook_snapshot(sd15) == hooks
-    assert "_ipa_probe_claims" not in sd15.unet.__dict__
+    assert "_ipa_probe" not in sd15.unet.__dict__
 
 
 def test_not_an_image_is_a_clear_error(tmp_path):

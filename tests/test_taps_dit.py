@@ -262,7 +262,7 @@ def test_pipeline_without_ip_adapter_raises_naming_the_remedy(family):
         with pytest.raises(ValueError, match=r"load_ip_adapter"):
             apply()
     assert all(pipe.transformer.attn_processors[k] is v for k, v in processors.items())
-    assert "_ipa_probe_claims" not in pipe.transformer.__dict__
+    assert "_ipa_probe" not in pipe.transformer.__dict__
     assert _hooks(pipe.transformer) == [({}, {})] * len(list(pipe.transformer.modules()))
 
 
@@ -273,7 +273,7 @@ def test_text_branch_is_refused_before_anything_changes(flux, sd3, family, branc
     with pytest.raises(ValueError, match="joint self-attention"):
         with probe(pipe, branch=branch):
             pass
-    assert "_ipa_probe_claims" not in pipe.transformer.__dict__
+    assert "_ipa_probe" not in pipe.transformer.__dict__
 
 
 # --------------------------------------------------------------------------- tiny pipelines

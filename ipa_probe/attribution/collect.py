@@ -218,7 +218,7 @@ def reference_attribution(
     try:
         with probe(pipe, steps=selection, maps=True) as run:
             if per_head:
-                run._maps.keep_heads()  # the probe's own accumulator, before its first pass
+                run.keep_head_maps()  # before its first pass
             generation = generate(pipe, seed=seed, **call)
     finally:
         detach(pipe, keeper)
@@ -237,10 +237,8 @@ def reference_attribution(
         x = sample[run.map_rows(0, step, "cond", adapter)[0]].double().flatten().cpu()  # (D,)
         samples[step] = x
         posterior[step] = _posterior(schedule, support, x, timesteps[step])
-    source = run._map_source()
     names = [layer.name for layer in run.layers]
-    picked = run.map_steps(0)
-    contributions = source.contribution_weights(0, 0, adapter, "cond", range(len(names)), picked)
+    contributions = run.contributions(0, 0, adapter, "cond")
     missing = torch.full((3, 1, len(references)), float("nan"), dtype=torch.float64)
     nan = float("nan")
     rows, position_rows = [], []
@@ -266,8 +264,8 @@ def reference_attribution(
     positions = pd.DataFrame(position_rows, columns=list(CELL_COLUMNS))
     head_rows, head_position_rows = [], []
     if per_head:
-        per_head_weights = source.head_weights(0, 0, adapter, "cond", range(len(names)), picked)
-        head_contributions = source.contribution_weights(0, 0, adapter, "cond", range(len(names)), picked, heads=True)
+        per_head_weights = run.head_shares(0, 0, adapter, "cond")
+        head_contributions = run.contributions(0, 0, adapter, "cond", heads=True)
         for (step, index), w in per_head_weights.items():  # w: (H, Q, R)
             share = w.mean(1)  # (H, R) mean over query positions
             c = head_contributions.get((step, index), missing[:, None].expand(3, *w.shape)).mean(2)  # (3, H, R)

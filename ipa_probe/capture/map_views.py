@@ -41,9 +41,10 @@ class MapViews:
         return sorted({key[1] for key in self._map_source().store if key[0] == call})
 
     def map_rows(self, call: int = 0, step: int = 0, branch: str = "cond", adapter: int = 0) -> list[int]:
-        """The denoiser-input batch rows of ``call`` at loop index ``step`` that the probe labelled ``branch``, in
-        batch order (``item`` of :meth:`reference_maps` indexes them), read from the labels its maps were stored
-        with; empty when no row had that label. Needs ``maps=True``."""
+        """The batch items (indices into the denoiser input's batch, not the query rows of ``probe(rows=...)``) of
+        ``call`` at loop index ``step`` that the probe labelled ``branch``, in batch order (``item`` of
+        :meth:`reference_maps` indexes them), read from the labels its maps were stored with; empty when no item had
+        that label. Needs ``maps=True``."""
         self._map_call(call)
         if branch not in self.labels:
             raise ValueError(f"branch: expected one of {list(self.labels)}, got {branch!r}")
@@ -139,6 +140,26 @@ class MapViews:
         """:meth:`reference_maps` per image token: ``(R, T, H, W)``, ``T`` tokens per reference (4 for a base
         IP-Adapter, 16 for Plus); summing over ``T`` gives :meth:`reference_maps`."""
         return self.reference_maps(*args, _per_token=True, **kwargs)
+
+    def keep_head_maps(self) -> None:
+        """Also keep the shares and contributions per head (call it inside the block, before the pipeline runs)."""
+        if self._maps is None:
+            raise ValueError("per-head maps need probe(pipe, maps=True)")
+        self._maps.keep_heads()
+
+    def contributions(self, call: int = 0, item: int = 0, adapter: int = 0, branch: str = "cond", heads=False):
+        """Each (step, layer position)'s contributions per reference at every query position of ``call``'s
+        ``item`` of ``branch``: ``{(step, layer index): (3, Q, R)}`` float64 CPU tensors (norm, share, projection;
+        :meth:`~.maps.MapAccumulator.contribution_weights`), per head ``(3, H, Q, R)`` with ``heads=True`` (after
+        :meth:`keep_head_maps`)."""
+        layers, steps = range(len(self.layers)), self.map_steps(call)
+        return self._map_source().contribution_weights(call, item, adapter, branch, layers, steps, heads)
+
+    def head_shares(self, call: int = 0, item: int = 0, adapter: int = 0, branch: str = "cond"):
+        """Each (step, layer position)'s attention weights over the references per head and query position,
+        ``{(step, layer index): (H, Q, R)}`` float64 CPU tensors (after :meth:`keep_head_maps`)."""
+        layers, steps = range(len(self.layers)), self.map_steps(call)
+        return self._map_source().head_weights(call, item, adapter, branch, layers, steps)
 
     def map_table(self, branch: str | None = None):
         """Per (call, step, layer, adapter, branch, item): how often attention and NW pick the same dominant

@@ -26,15 +26,13 @@ from typing import Any
 
 import torch
 
-from ..layers import denoiser_of, find_ip_layers, observer
+from ..layers import denoiser_of, find_ip_layers, keep, kept, observer
+from .branches import PromptEvidence, label_vocabulary
 from .clock import CallClock
 from .taps import tap_for
 from .taps.base import DenoiserPass, Tap, normalise_masks
 
 __all__ = ["PassInfo", "Spine", "attach", "detach", "expand_references", "kept_tokens", "normalise_masks", "spine_of"]
-
-#: Where the spine is kept on the denoiser (its ``__dict__``, removed with the last client).
-SPINE_ATTRIBUTE = "_ipa_probe_spine"
 
 
 def expand_references(x: torch.Tensor, kept: tuple[int, ...], total: int, dim: int, fill: float) -> torch.Tensor:
@@ -116,11 +114,15 @@ class Spine:
         #: (layer id, adapter) -> ``(kept, total)``: the references whose tokens the layer's image keys hold in this
         #: pass, in order, of the ``total`` the call passed, when an edit removed some (:meth:`keep_references`)
         self.kept: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
+        #: the same for the image values (edits of the keys and of the values run separately, in the same order)
+        self.kept_values: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
         #: (layer id, adapter) -> the weights ``(B, H, Q, K)`` the layer used in this pass, when an edit of the
         #: weights point changed them (:meth:`use_weights`)
         self.used: dict[tuple[str, int], torch.Tensor] = {}
         #: (layer id, adapter) pairs whose weights an attached client will edit in this pass (set in ``on_pass``)
         self.weight_edits: set[tuple[str, int]] = set()
+        #: the prompt embeddings seen, when a client asked for branch labels (:meth:`watch_prompts`)
+        self.evidence: PromptEvidence | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
@@ -133,7 +135,9 @@ class Spine:
         self._handles.clear()
         self.clock.reset()
         self.tap.reset()
+        self.watch_prompts(False)
         self.kept.clear()
+        self.kept_values.clear()
         self.used.clear()
         self.now = PassInfo()
 
@@ -158,8 +162,11 @@ class Spine:
             masks=pass_masks(kwargs),
         )
         self.kept.clear()
+        self.kept_values.clear()
         self.used.clear()
         self.weight_edits = set()
+        if self.evidence is not None:
+            self.evidence.pass_seen()
         for client in list(self.clients):
             hook = getattr(client, "on_pass", None)
             if hook is not None:
@@ -176,27 +183,43 @@ class Spine:
         """The pipeline whose call is running (the probed one, or a ``from_pipe`` sibling sharing the denoiser)."""
         return self.clock.running
 
-    def cfg_labels(self, batch: int) -> tuple[str, ...]:
-        """Each batch item's classifier-free-guidance label in this pass: diffusers' UNet pipelines concatenate the
-        unconditional half first when ``do_classifier_free_guidance`` holds (read from the running pipeline, the
-        evidence its own loop acts on); else every item is conditional."""
-        try:
-            guided = bool(getattr(self.running, "do_classifier_free_guidance", False))
-        except (AttributeError, TypeError):  # the property reads call state that a bare loop never set
-            guided = False
-        if guided and batch % 2 == 0 and self.tap.family == "unet":
-            return ("uncond",) * (batch // 2) + ("cond",) * (batch // 2)
-        return ("cond",) * batch
+    def watch_prompts(self, on: bool = True) -> None:
+        """Keep the prompt embeddings the pipeline computes from now on (:class:`~.branches.PromptEvidence`), for
+        :meth:`branch_labels`, or stop (``on=False``): a client calls this when it attaches, before the pipeline
+        encodes its prompts, and again when it leaves (so that the encoders' wrappers come off in the order they
+        went on, as nested blocks leave)."""
+        if on and self.evidence is None:
+            self.evidence = PromptEvidence(self.pipe, label_vocabulary(None))
+            self.evidence.install()
+        elif not on and self.evidence is not None:
+            evidence, self.evidence = self.evidence, None
+            evidence.remove()
+
+    def branch_labels(self, args: tuple, kwargs: dict) -> tuple[str, ...]:
+        """Each batch item's branch label in this pass (``"cond"``, ``"uncond"``, ``"batch"`` when no evidence
+        matched, ...), decided from the evidence as the probe's table decides it (:mod:`.branches`). Reads the labels
+        back from the device (one synchronisation per pass)."""
+        context = self.tap.argument("encoder_hidden_states", args, kwargs)
+        device = self.tap.sample(args, kwargs).device
+        self.evidence.running = self.running
+        items = self.evidence.layout(context, device, self.now.denoiser_pass.label).items.tolist()
+        return tuple(self.evidence.vocabulary[i] for i in items)
 
     def planned_steps(self) -> int | None:
         """How many steps the running call's loop has, or ``None`` when unknown."""
         return self.clock.planned_steps()
 
     # ------------------------------------------------------------------ where reading and editing meet
-    def keep_references(self, layer: str, adapter: int, kept: tuple[int, ...], total: int) -> None:
-        """An edit removed references from ``layer``'s image keys in this pass: ``kept`` are those that stay, of
-        ``total``."""
-        self.kept[(layer, adapter)] = (tuple(kept), total)
+    def keep_references(self, layer: str, adapter: int, kept: tuple[int, ...], total: int, keys: bool = True) -> None:
+        """An edit removed references from ``layer``'s image keys (``keys``) or values in this pass: ``kept`` are
+        those that stay, of ``total``, as the call indexed them."""
+        (self.kept if keys else self.kept_values)[(layer, adapter)] = (tuple(kept), total)
+
+    def kept_references(self, layer: str, adapter: int, keys: bool, images: int) -> tuple[tuple[int, ...], int]:
+        """``(kept, total)``: the references ``layer``'s image keys (``keys``) or values hold so far in this pass, as
+        the call indexed them; ``images`` tokens' references when no edit removed any. Edits applied one after
+        another index the call's references through this, so that nested ones compose as if given at once."""
+        return (self.kept if keys else self.kept_values).get((layer, adapter), (tuple(range(images)), images))
 
     def use_weights(self, layer: str, adapter: int, weights: torch.Tensor) -> None:
         """An edit of the weights point: ``weights`` ``(B, H, Q, K)`` are what ``layer``'s image branch used."""
@@ -209,7 +232,7 @@ class Spine:
 
 def spine_of(pipe) -> Spine | None:
     """The spine attached to ``pipe``'s denoiser, or ``None``."""
-    return denoiser_of(pipe).__dict__.get(SPINE_ATTRIBUTE)
+    return kept(denoiser_of(pipe), "spine")
 
 
 def attach(pipe, client: Any) -> Spine:
@@ -222,15 +245,15 @@ def attach(pipe, client: Any) -> Spine:
         the spine.
     """
     denoiser = denoiser_of(pipe)
-    spine = denoiser.__dict__.get(SPINE_ATTRIBUTE)
+    spine = kept(denoiser, "spine")
     if spine is None:
         spine = Spine(pipe, denoiser)
-        denoiser.__dict__[SPINE_ATTRIBUTE] = spine
+        keep(denoiser, "spine", spine)
         try:
             spine.install()
         except BaseException:
             spine.uninstall()
-            denoiser.__dict__.pop(SPINE_ATTRIBUTE, None)
+            keep(denoiser, "spine", None)
             raise
     spine.clients.append(client)
     return spine
@@ -239,7 +262,7 @@ def attach(pipe, client: Any) -> Spine:
 def detach(pipe, client: Any) -> None:
     """Take ``client`` off ``pipe``'s spine (and the spine off the denoiser with its last client); idempotent."""
     denoiser = denoiser_of(pipe)
-    spine = denoiser.__dict__.get(SPINE_ATTRIBUTE)
+    spine = kept(denoiser, "spine")
     if spine is None:
         return
     if client in spine.clients:
@@ -248,7 +271,7 @@ def detach(pipe, client: Any) -> None:
         try:
             spine.uninstall()
         finally:
-            denoiser.__dict__.pop(SPINE_ATTRIBUTE, None)
+            keep(denoiser, "spine", None)
 
 
 def client(on_pass: Callable | None = None, on_return: Callable | None = None) -> Any:

@@ -182,7 +182,7 @@ def _capture(pipe, call: Callable[[], Any], layers: list[IPLayer], rows: int, se
     store: dict[str, list[dict]] = {}
     for layer in layers:
         q_name, k_name = point_name(layer.name, "q"), point_name(layer.name, "k")
-        store[layer.name] = [{"q": cache[q_name, step], "k": cache[k_name, step]} for step in cache.steps(k_name)]
+        store[layer.name] = [{"q": q, "k": k} for q, k in zip(cache[q_name], cache[k_name], strict=True)]
     generator = torch.Generator().manual_seed(seed)
     captured = {}
     for layer in layers:

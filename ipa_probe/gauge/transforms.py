@@ -170,7 +170,7 @@ def _check_layer(layer: IPLayer) -> None:
     if getattr(layer.processor, "image_branch_logits", None) is not None and stored_head:
         raise ValueError(
             f"layer {layer.name!r} runs {type(layer.processor).__name__} with frame='stored', whose NW key term |k|^2 "
-            "the gauge changes; remove it (ipa_probe.remove_nw_head) first, or swap in nw_head(pipe, frame='query')"
+            "the gauge changes; leave the head first, or swap in nw_head(pipe, frame='query')"
         )
     attn = layer.attention
     if getattr(attn, "fused_projections", False):

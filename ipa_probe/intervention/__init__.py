@@ -13,6 +13,7 @@ names, :func:`list_hook_points`, and the hooks that compute ``weights``, ``contr
 :func:`summarize_grid`: means with intervals over seeds).
 """
 
+from .._checks import Timesteps
 from .cache import HookCache, cache_hook_points, run_with_cache
 from .config import INTERVENE, MODES, InterventionConfig
 from .custom import HookIntervention, apply_hooks
@@ -28,6 +29,7 @@ __all__ = [
     "LAYER_GROUPS",
     "MODES",
     "POINTS",
+    "Timesteps",
     "Generation",
     "HookCache",
     "HookContext",

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._checks import check_steps_ran, parse_step_selection
-from ..layers import claim, release
+from ..layers import claim, list_hooks, release
 from .points import HookContext, PointUser, attach_points, list_hook_points, select_points
 
 __all__ = ["CACHE", "HookCache", "cache_hook_points", "run_with_cache"]
@@ -28,54 +28,77 @@ CACHE = "cache_hook_points"
 
 
 class HookCache:
-    """The tensors the selected hook points computed, per denoising step, on the device where they were computed.
+    """The tensors the selected hook points computed, per denoiser pass, on the device where they were computed.
 
-    ``cache[name]`` stacks a point's steps, ``(S, *shape)`` in the order of :meth:`steps`; ``cache.get(name, step)``
-    gives one step's tensor. Values are what the point held after the callbacks attached before the cache (an
-    ``intervene`` block entered first); ``timesteps`` maps each recorded step to its timestep.
+    A record is one pass: ``(call, step, pass_index)``, the pipeline call (counted from 0 by the cache, so one block
+    may span several calls), the denoising loop index and the pass within the step (Flux's true-CFG negative pass is
+    1). Values are what the point held after the callbacks attached before the cache (an ``intervene`` block entered
+    first); ``timesteps`` maps each recorded ``(call, step)`` to its timestep.
+
+    - ``cache[name]``: the point's records stacked in that order, ``(N, *shape)`` (one call with one pass per step:
+      ``N`` steps);
+    - ``cache[point, layer]``: as TransformerLens reads ``cache["pattern", 3]``: ``point`` a point of the first
+      adapter's image branch (``"weights"``, or ``"text.k"``, ``"ip1.weights"``), ``layer`` the index of its layer
+      among the recorded ones in the order the denoiser runs them; the same stack as ``cache[name]``;
+    - ``cache.get(name, step, call=0, pass_index=0)``: one record.
 
     Attributes:
         names: the recorded hook point names.
-        timesteps: ``{step: timestep}`` as the denoiser got it.
+        timesteps: ``{(call, step): timestep}`` as the denoiser got it.
     """
 
     def __init__(self, names: list[str]) -> None:
         self.names = list(names)
-        self.timesteps: dict[int, Any] = {}
-        self._store: dict[str, dict[int, torch.Tensor]] = {name: {} for name in names}
+        self.timesteps: dict[tuple[int, int], Any] = {}
+        self._store: dict[str, dict[tuple[int, int, int], torch.Tensor]] = {name: {} for name in names}
+        self._calls: dict[int, int] = {}  # the pipeline's call index -> the cache's
 
     def _record(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> None:
-        steps = self._store[name]
-        if ctx.step in steps:
-            raise ValueError(
-                f"cache: hook point {name!r} ran twice in step {ctx.step} (a second denoiser pass of one step: a "
-                "panorama's views or a guidance pass); cache one pass per step, e.g. a plain pipeline call"
-            )
-        steps[ctx.step] = tensor.detach().clone()
-        self.timesteps.setdefault(ctx.step, ctx.timestep)
+        call = self._calls.setdefault(ctx.call, len(self._calls))
+        self._store[name][(call, ctx.step, ctx.pass_index)] = tensor.detach().clone()
+        self.timesteps.setdefault((call, ctx.step), ctx.timestep)
+
+    @property
+    def calls(self) -> int:
+        """How many pipeline calls recorded something."""
+        return len(self._calls)
 
     def steps(self, name: str | None = None) -> list[int]:
-        """The recorded steps (of ``name``, or of any point), in order."""
-        if name is not None:
-            return sorted(self._store[self._check(name)])
-        return sorted({step for steps in self._store.values() for step in steps})
+        """The recorded loop indices (of ``name``, or of any point), in order, over every call."""
+        names = [self._check(name)] if name is not None else self.names
+        return sorted({key[1] for n in names for key in self._store[n]})
 
-    def get(self, name: str, step: int) -> torch.Tensor:
-        """One step's tensor of hook point ``name``."""
-        steps = self._store[self._check(name)]
-        if step not in steps:
-            raise KeyError(f"cache: {name!r} has no step {step}; recorded steps: {sorted(steps)}")
-        return steps[step]
+    def get(self, name: str, step: int, call: int = 0, pass_index: int = 0) -> torch.Tensor:
+        """One record of hook point ``name``: loop index ``step`` of the cache's ``call`` (0 for the first),
+        pass ``pass_index`` of the step."""
+        records = self._store[self._check(name)]
+        if (call, step, pass_index) not in records:
+            raise KeyError(
+                f"cache: {name!r} has no record of call {call}, step {step}, pass {pass_index}; recorded "
+                f"(call, step, pass): {sorted(records)}"
+            )
+        return records[(call, step, pass_index)]
 
     def __getitem__(self, key: str | tuple[str, int]) -> torch.Tensor:
-        """``cache[name]``: the point's steps stacked, ``(S, *shape)``; ``cache[name, step]``: one step's tensor."""
-        if isinstance(key, tuple):
-            return self.get(*key)
-        name = key
-        steps = self._store[self._check(name)]
-        if not steps:
-            raise KeyError(f"cache: {name!r} recorded no step (did the pipeline run inside the block?)")
-        return torch.stack([steps[s] for s in sorted(steps)])  # (S, *shape)
+        """``cache[name]`` or ``cache[point, layer]``: the point's records stacked, ``(N, *shape)``."""
+        name = self._layer_point(*key) if isinstance(key, tuple) else key
+        records = self._store[self._check(name)]
+        if not records:
+            raise KeyError(f"cache: {name!r} recorded nothing (did the pipeline run inside the block?)")
+        return torch.stack([records[k] for k in sorted(records)])  # (N, *shape)
+
+    def _layer_point(self, point: str, layer: int) -> str:
+        """The name ``cache[point, layer]`` reads (TransformerLens' ``(name, layer)`` indexing)."""
+        if point in self._store:
+            raise TypeError(
+                f"cache[{point!r}, {layer!r}]: a tuple key is (point, layer index) as in TransformerLens, e.g. "
+                "cache['weights', 3]; one step of a named point is cache.get(name, step)"
+            )
+        suffix = "." + (point if "." in str(point) else f"ip.{point}")
+        layers = [name[: -len(suffix)] for name in self.names if name.endswith(suffix)]
+        if isinstance(layer, bool) or not isinstance(layer, int) or not -len(layers) <= layer < len(layers):
+            raise KeyError(f"cache[{point!r}, {layer!r}]: {len(layers)} recorded layer(s) have a {suffix[1:]!r} point")
+        return layers[layer] + suffix
 
     def _check(self, name: str) -> str:
         if name not in self._store:
@@ -102,21 +125,19 @@ class HookCache:
     @property
     def nbytes(self) -> int:
         """Bytes held."""
-        return sum(t.numel() * t.element_size() for steps in self._store.values() for t in steps.values())
+        return sum(t.numel() * t.element_size() for records in self._store.values() for t in records.values())
 
     def __repr__(self) -> str:
-        return f"HookCache({len(self.names)} point(s), steps {self.steps()}, {self.nbytes / 2**20:.1f} MiB)"
+        return f"HookCache({len(self.names)} point(s), {self.calls} call(s), {self.nbytes / 2**20:.1f} MiB)"
 
 
 def _select(pipe, names: Any) -> list[str]:
-    """The points ``names`` selects, in the order they are computed: ``None`` every one, a string or compiled
-    regex every one it searches, a callable filter ``name -> bool``, or a list of names (or of regexes, filters)."""
+    """The points ``names`` selects, in the order they are computed: ``None`` every one, else a name, a regex (a
+    string or compiled), a callable filter ``name -> bool``, or a list of them (:func:`~.points.select_points`)."""
     known = list_hook_points(pipe)
     if names is None:
         return known
-    if isinstance(names, str):
-        names = re.compile(names)
-    items = [names] if isinstance(names, re.Pattern) or callable(names) else list(names)
+    items = [names] if isinstance(names, str | re.Pattern) or callable(names) else list(names)
     if not items:
         raise ValueError("names: expected at least one hook point name (see ipa_probe.list_hook_points(pipe))")
     chosen = {point for item in items for point in select_points(known, item, "names")}
@@ -129,9 +150,11 @@ def cache_hook_points(pipe, names: Any = None, *, steps=None, max_bytes: int = 2
 
     Args:
         pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter.
-        names: ``None`` for every hook point (:func:`~.points.list_hook_points`), one regex searched in the names
-            (``r"up_blocks.*\\.contribution$"``), a filter ``name -> bool``, or a list of names.
-        steps: denoising loop indices to record (ints or a ``slice``); ``None`` for all.
+        names: ``None`` for every hook point (:func:`~.points.list_hook_points`), a name, a regex searched in the
+            names (a string, ``r"up_blocks.*\\.contribution$"``, or compiled), a filter ``name -> bool``, or a list of
+            them: as ``intervene(hooks=...)`` takes names.
+        steps: denoising loop indices to record (ints or a ``slice``), a :class:`~ipa_probe._checks.Timesteps` or a
+            predicate ``fn(step, timestep) -> bool``; ``None`` for all.
         max_bytes: refuse a pipeline call whose recording is estimated above this, at its first denoiser pass (from
             the call's latent size, reference count and planned steps), before anything is stored.
 
@@ -144,28 +167,25 @@ def cache_hook_points(pipe, names: Any = None, *, steps=None, max_bytes: int = 2
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int | float) or not max_bytes > 0:
         raise ValueError(f"max_bytes: expected a positive byte count, got {max_bytes!r}")
     chosen = _select(pipe, names)
-    selection = parse_step_selection(steps)
+    selection = parse_step_selection(steps, when=True)
     cache = HookCache(chosen)
 
     def on_call(planned: int | None, sizes) -> None:
-        recorded = sum(step_is_recorded(s) for s in range(planned or 1))
+        recorded = planned or 1 if callable(selection) else sum(user.acts_at(s) for s in range(planned or 1))
         total = 0
         for name in chosen:
             size = sizes(name)
             if size is not None:
                 shape, dtype = size
                 total += torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        total *= recorded
+        total = total * recorded + cache.nbytes  # with what earlier calls of the block keep
         if total > max_bytes:
             raise ValueError(
-                f"cache_hook_points would keep about {total / 2**30:.2f} GiB for this call ({len(chosen)} point(s), "
+                f"cache_hook_points would keep about {total / 2**30:.2f} GiB after this call ({len(chosen)} point(s), "
                 f"{recorded} step(s)), above max_bytes={max_bytes / 2**30:.2f} GiB; select fewer names or steps, or "
                 "raise max_bytes"
             )
         logger.info("cache: about %.1f MiB for this call", total / 2**20)
-
-    def step_is_recorded(step: int) -> bool:
-        return user.acts_at(step)
 
     def record(name: str):
         def fn(tensor: torch.Tensor, ctx: HookContext) -> None:
@@ -174,20 +194,23 @@ def cache_hook_points(pipe, names: Any = None, *, steps=None, max_bytes: int = 2
         return fn
 
     user = PointUser({name: [record(name)] for name in chosen}, selection, on_call, edits=False)
-    claim(pipe, CACHE, sorted({name.rsplit(".", 2)[0] for name in chosen}), f"cache of {len(chosen)} hook point(s)")
+    layers = sorted({name.rsplit(".", 2)[0] for name in chosen})
+    claim(pipe, CACHE, layers, f"cache of {len(chosen)} hook point(s)", exclusive=False)
+    own = list_hooks(pipe)[-1]  # this block's record: nested caches release only theirs
     try:
         detach = attach_points(pipe, user)
     except BaseException:
-        release(pipe, CACHE)
+        release(pipe, CACHE, own)
         raise
     try:
         yield cache
-        check_steps_ran(selection, user.steps_run)  # steps the calls never had: an error, not an empty cache
+        # steps the calls never had: an error, not an empty cache
+        check_steps_ran(selection, user.steps_run, selected=user.selected)
     finally:
         try:
             detach()
         finally:
-            release(pipe, CACHE)
+            release(pipe, CACHE, own)
 
 
 def run_with_cache(

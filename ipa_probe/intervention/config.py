@@ -30,7 +30,9 @@ class InterventionConfig:
         reference: the reference image's index in the adapter's image list (``ip_adapter_image=[[img0, img1, ...]]``),
             or, for ``mode="ablate"``, a sequence of indices removed together.
         layers: a regex (``re.search`` on the layer id), a list of them, or ``None`` for every IP-Adapter layer.
-        steps: denoising loop indices (an iterable of ints or a ``slice``); ``None`` for every step.
+        steps: denoising loop indices (an iterable of ints or a ``slice``), a
+            :class:`~ipa_probe._checks.Timesteps` (scheduler timesteps: values or bounds) or a predicate
+            ``fn(step, timestep) -> bool``; ``None`` for every step.
         mode: ``"ablate"`` (the reference's tokens leave the image branch's softmax: the other references'
             weights are renormalised, as if the reference had not been given to that layer at that step) or
             ``"swap"`` (its tokens are replaced by those of ``other``; base IP-Adapters only) or ``"scale"`` (the
@@ -45,7 +47,7 @@ class InterventionConfig:
 
     reference: int | Sequence[int]
     layers: LayerSelection = None
-    steps: Iterable[int] | slice | None = None
+    steps: Any = None
     mode: str = "ablate"
     other: Any = None
     adapter: int = 0
@@ -79,7 +81,7 @@ class InterventionConfig:
             raise ValueError(f"adapter: expected the index (int >= 0) of a loaded IP-Adapter, got {self.adapter!r}")
         self._check_factor(references)
         compile_selection(self.layers)  # a bad regex fails here, before anything is attached
-        object.__setattr__(self, "steps", parse_step_selection(self.steps))
+        object.__setattr__(self, "steps", parse_step_selection(self.steps, when=True))
 
     def _check_factor(self, references: tuple[int, ...]) -> None:
         if self.mode != "scale":
@@ -114,9 +116,9 @@ class InterventionConfig:
         """The intervened reference indices, sorted."""
         return tuple(sorted((self.reference,) if isinstance(self.reference, int) else self.reference))
 
-    def acts_at(self, step: int) -> bool:
-        """Whether the intervention acts at denoising loop index ``step``."""
-        return step_selected(self.steps, step)
+    def acts_at(self, step: int, timestep: Any = None) -> bool:
+        """Whether the intervention acts at denoising loop index ``step`` (scheduler ``timestep``)."""
+        return step_selected(self.steps, step, timestep)
 
     def describe(self) -> dict[str, Any]:
         """JSON-friendly settings."""
@@ -125,7 +127,7 @@ class InterventionConfig:
         return {
             "reference": list(self.references) if not isinstance(self.reference, int) else self.reference,
             "layers": layers if isinstance(layers, str | None) else [getattr(p, "pattern", p) for p in layers],
-            "steps": None if steps is None else (repr(steps) if isinstance(steps, slice) else sorted(steps)),
+            "steps": sorted(steps) if isinstance(steps, frozenset) else steps if steps is None else repr(steps),
             "mode": self.mode,
             "other": None if self.other is None else type(self.other).__name__,
             "adapter": self.adapter,

@@ -23,6 +23,7 @@ class HookContext:
         reference_tokens(j) gives reference ``j``'s key positions; ``references`` counts those in the keys at the
         ``k`` and ``logits`` points (an ablation removes some there), those the call passed at the others.
         step: the denoising loop index.
+        call: the pipeline call's index since the pipeline's first feature was attached.
         timestep: the scheduler's timestep of this pass (as the denoiser got it: a tensor, or a number).
         heads: the layer's attention heads ``H``.
         references: the reference images ``R`` the branch saw in this call.
@@ -31,8 +32,9 @@ class HookContext:
         scale: the adapter scale ``s`` the branch is multiplied by.
         device: where the tensors live.
         pass_index: the denoiser pass within the step (0 for the first; Flux's true-CFG negative pass is 1).
-        cfg: each batch item's classifier-free-guidance label, ``"uncond"`` or ``"cond"`` (diffusers' batch puts
-            the unconditional half first when the running pipeline's ``do_classifier_free_guidance`` holds).
+        cfg: each batch item's branch label, as the probe's table labels it: ``"cond"`` or ``"uncond"`` where the
+            item's prompt embeddings equal the prompt's or the negative prompt's the pipeline encoded (Flux's true-CFG
+            negative pass is ``"uncond"``), ``"batch"`` where no evidence matched (:mod:`ipa_probe.capture.branches`).
     """
 
     name: str
@@ -49,6 +51,7 @@ class HookContext:
     device: torch.device = field(repr=False, default=torch.device("cpu"))
     pass_index: int = 0
     cfg: tuple[str, ...] = ()
+    call: int = 0
 
     @property
     def queries(self) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .._checks import parse_step_selection
-from ..layers import claim, release
+from ..layers import claim, list_hooks, release
 from .config import InterventionConfig
 from .points import HookContext, HookFn, PointUser, attach_points, normalise_hooks, point_name
 
@@ -37,6 +37,7 @@ class HookIntervention:
     _detach: Callable[[], None] | None = field(default=None, repr=False)
     _pipe: Any = field(default=None, repr=False)
     _user: PointUser | None = field(default=None, repr=False)
+    _claim: Any = field(default=None, repr=False)
 
     @property
     def steps(self) -> Any:
@@ -47,6 +48,11 @@ class HookIntervention:
     def steps_run(self) -> int:
         """The most denoising steps a pipeline call ran while the callbacks were attached (0 before any call)."""
         return 0 if self._user is None else self._user.steps_run
+
+    @property
+    def selected(self) -> int:
+        """The passes the step selection selected."""
+        return 0 if self._user is None else self._user.selected
 
     @property
     def active(self) -> bool:
@@ -60,7 +66,7 @@ class HookIntervention:
         try:
             detach()
         finally:
-            release(self._pipe, HOOKS)
+            release(self._pipe, HOOKS, self._claim)
             self._pipe = None
 
 
@@ -70,10 +76,9 @@ def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=N
     Raises:
         ValueError / TypeError: an unknown name, a callback that is not callable, a bad step selection, a pipeline
             without hook points; raised before anything is attached.
-        RuntimeError: callbacks are already attached to this pipeline (leave that block first).
     """
     callbacks = normalise_hooks(pipe, hooks)
-    steps = parse_step_selection(steps)
+    steps = parse_step_selection(steps, when=True)
     state = HookIntervention(sorted(callbacks))
 
     def logged(name: str, fn: HookFn) -> HookFn:
@@ -90,12 +95,13 @@ def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=N
     )
     state._user = user
     layers = sorted({name.rsplit(".", 2)[0] for name in callbacks})
-    claim(pipe, HOOKS, layers, f"callbacks on {len(callbacks)} hook point(s)")
+    claim(pipe, HOOKS, layers, f"callbacks on {len(callbacks)} hook point(s)", exclusive=False)
+    state._claim = list_hooks(pipe)[-1]  # this block's own record: nested blocks release only theirs
     try:
         state._pipe = pipe
         state._detach = attach_points(pipe, user)
     except BaseException:
-        release(pipe, HOOKS)
+        release(pipe, HOOKS, state._claim)
         raise
     logger.info("intervene: callbacks on %d hook point(s)", len(callbacks))
     return state

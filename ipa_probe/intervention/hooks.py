@@ -26,7 +26,9 @@ pipeline is replaced, so removing the hooks gives the pipeline back bit for bit.
 ``intervene(pipe, hooks={name: fn})`` attaches user callbacks to named hook points instead (:mod:`.custom`).
 
 Supported: SD 1.5 / SDXL UNets with ``IPAdapterAttnProcessor2_0`` (or ipa_probe's NW head, which shares the same
-``to_k_ip`` / ``to_v_ip``), without ``ip_adapter_masks`` (a masked call raises at its first intervened step).
+``to_k_ip`` / ``to_v_ip``) and, for ``"ablate"`` and ``"scale"``, Flux (``FluxIPAdapterAttnProcessor`` also calls
+the projections on ``(B, images, tokens, C)``), without ``ip_adapter_masks`` (a masked call raises at its first
+intervened step). SD3 is refused: its image branch shares one softmax with the latent tokens.
 """
 
 from __future__ import annotations
@@ -43,16 +45,24 @@ from diffusers.models.embeddings import ImageProjection
 from .._checks import check_steps_ran
 from ..capture import spine
 from ..capture.spine import Spine
-from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, list_hooks, observer, release
+from ..layers import (
+    IPLayer,
+    LayerSelection,
+    claim,
+    denoiser_of,
+    find_ip_layers,
+    keep,
+    kept,
+    list_hooks,
+    observer,
+    release,
+)
 from .config import INTERVENE, InterventionConfig
 from .custom import HookIntervention, apply_hooks
 
 __all__ = ["Intervention", "apply_intervention", "intervene", "remove_intervention"]
 
 logger = logging.getLogger(__name__)
-
-#: Where the active intervention is kept on the denoiser (in its ``__dict__``, not as a module attribute).
-_STATE_ATTRIBUTE = "_ipa_probe_intervention"
 
 
 @dataclass
@@ -83,6 +93,8 @@ class Intervention:
     _detach_points: Any = field(default=None, repr=False)
     #: the most denoising steps a pipeline call has run while attached (to check ``steps`` against on exit)
     steps_run: int = 0
+    #: the passes its step selection selected
+    selected: int = 0
 
     @property
     def active(self) -> bool:
@@ -101,11 +113,7 @@ class Intervention:
             if detach is not None:
                 detach()
         finally:
-            stack = denoiser.__dict__.get(_STATE_ATTRIBUTE, [])
-            if self in stack:
-                stack.remove(self)
-            if not stack:
-                denoiser.__dict__.pop(_STATE_ATTRIBUTE, None)
+            keep(denoiser, INTERVENE, [s for s in kept(denoiser, INTERVENE, []) if s is not self])
             release(denoiser, INTERVENE, self._claim)
             if self._spine is not None:
                 spine.detach(self._pipe, self)
@@ -120,9 +128,10 @@ class Intervention:
         swap."""
         self.step = spine.now.step
         self.steps_run = max(self.steps_run, self.step + 1)
-        self._acting = self.config.acts_at(self.step)
+        self._acting = self.config.acts_at(self.step, spine.now.timestep)
         if not self._acting:
             return
+        self.selected += 1
         adapter = self.config.adapter
         spine.now.edits.append(self.describe())
         masks = spine.now.masks
@@ -171,7 +180,8 @@ class Intervention:
                     f"ipa_probe.intervene: layer {layer!r} got image tokens of shape {tuple(tokens.shape)}; expected "
                     "(batch, images, tokens, channels) as diffusers' IP-Adapter processor passes them without masks"
                 )
-            images = tokens.shape[1]
+            # the references these tokens hold, as the call indexed them (an outer ablation may have removed some)
+            kept, images = self._spine.kept_references(layer, config.adapter, keys, tokens.shape[1])
             if config.references[-1] >= images:
                 raise ValueError(
                     f"reference={config.reference}: adapter {config.adapter} has {images} reference image(s) in this "
@@ -180,20 +190,22 @@ class Intervention:
             if keys:
                 self.acted.append((self.step, layer))
             if config.mode == "swap":
+                if config.reference not in kept:  # an ablation removed it: nothing to swap
+                    return None
                 other = self._other_tokens.to(device=tokens.device, dtype=tokens.dtype)  # (1, T, C)
                 edited = tokens.clone()
-                reference = config.reference
+                at = kept.index(config.reference)
                 rows = self._conditioned.reshape(-1, 1, 1)  # (B, 1, 1)
-                edited[:, reference] = torch.where(rows, other.expand_as(tokens[:, reference]), tokens[:, reference])
+                edited[:, at] = torch.where(rows, other.expand_as(tokens[:, at]), tokens[:, at])
                 return (edited, *args[1:])
-            keep = [i for i in range(images) if i not in config.references]
+            keep = [i for i, r in enumerate(kept) if r not in config.references]
             if not keep:  # an empty softmax: zero the values instead (see the module docstring)
                 self._emptied = True
                 return None
             self._emptied = False
-            if keys:  # the readers of this layer's keys (the probe's maps) place the kept references by index
-                self._spine.keep_references(layer, config.adapter, tuple(keep), images)
-            return (tokens[:, keep], *args[1:])  # (B, images - removed, T, C)
+            # the readers of this layer's keys (the probe's maps) and the edits after this one index by reference
+            self._spine.keep_references(layer, config.adapter, tuple(kept[i] for i in keep), images, keys)
+            return (tokens[:, keep], *args[1:])  # (B, kept - removed, T, C)
 
         return hook
 
@@ -204,15 +216,17 @@ class Intervention:
         return None
 
 
-def _unet_layers(pipe, config: InterventionConfig) -> list[IPLayer]:
+def _layers(pipe, config: InterventionConfig) -> list[IPLayer]:
     denoiser = denoiser_of(pipe)
     found = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser), config.layers)
     families = {layer.family for layer in found}
-    if families != {"unet"}:
+    supported = {"unet"} if config.mode == "swap" else {"unet", "flux"}
+    if not families <= supported:
+        where = "SD 1.5 / SDXL UNets" if config.mode == "swap" else "SD 1.5 / SDXL, Flux"
         raise ValueError(
-            f"ipa_probe.intervene supports SD 1.5 / SDXL UNets (IPAdapterAttnProcessor2_0); this pipeline's "
-            f"IP-Adapter layers are of the {sorted(families)} family. Interventions on Flux and SD3 are not "
-            "implemented: use a UNet pipeline"
+            f'ipa_probe.intervene(mode="{config.mode}") supports {where}; this pipeline\'s IP-Adapter layers are of '
+            f"the {sorted(families)} family (SD3's image branch shares one softmax with the latent tokens). Use a "
+            'UNet pipeline, or mode="ablate" / "scale" on Flux'
         )
     fewest = min(layer.num_adapters for layer in found)
     if config.adapter >= fewest:
@@ -276,7 +290,7 @@ def apply_intervention(
     config = InterventionConfig(
         reference=reference, layers=layers, steps=steps, mode=mode, other=other, adapter=adapter, factor=factor
     )
-    found = _unet_layers(pipe, config)
+    found = _layers(pipe, config)
     other_tokens = _other_tokens(pipe, config) if config.mode == "swap" else None
     names = [layer.name for layer in found]
     what = f"pre-hooks on to_k_ip/to_v_ip: {config.mode} reference(s) {list(config.references)}"
@@ -286,7 +300,7 @@ def apply_intervention(
     state = Intervention(config, names, _denoiser=denoiser, _pipe=pipe, _other_tokens=other_tokens)
     state._claim = list_hooks(pipe)[-1]  # this block's own record: nested blocks release only theirs
     try:
-        denoiser.__dict__.setdefault(_STATE_ATTRIBUTE, []).append(state)
+        keep(denoiser, INTERVENE, [*kept(denoiser, INTERVENE, []), state])
         if config.mode == "scale":
             state._detach_points = _attach_scale(pipe, state, names)
             found = []
@@ -328,9 +342,9 @@ def remove_intervention(pipe) -> None:
     Raises:
         ValueError: no intervention is applied to this pipeline.
     """
-    stack = denoiser_of(pipe).__dict__.get(_STATE_ATTRIBUTE)
+    stack = kept(denoiser_of(pipe), INTERVENE)
     if not stack:
-        raise ValueError("no intervention is applied to this pipeline; call ipa_probe.apply_intervention(pipe) first")
+        raise ValueError("no intervention is applied to this pipeline; call apply_intervention(pipe, ...) first")
     stack[-1].remove()  # the innermost, as leaving nested blocks does
 
 
@@ -392,6 +406,7 @@ def intervene(
     try:
         yield state
         # steps the calls never had: an error, not no effect
-        check_steps_ran(state.config.steps if isinstance(state, Intervention) else state.steps, state.steps_run)
+        steps = state.config.steps if isinstance(state, Intervention) else state.steps
+        check_steps_ran(steps, state.steps_run, selected=state.selected)
     finally:
         state.remove()

@@ -55,7 +55,7 @@ def patch_hooks(
         missing = [name for name in chosen if name not in cache]
         if missing:
             raise ValueError(f"names: {missing[0]!r} is not in the cache; cache it in the source run, or drop it")
-    selection = parse_step_selection(steps)
+    selection = parse_step_selection(steps, when=True)
     if references is not None:
         references = [references] if isinstance(references, int) else list(references)
         if not references or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in references):
@@ -69,7 +69,7 @@ def patch_hooks(
 
     def patch(name: str) -> HookFn:
         def fn(tensor: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
-            if not step_selected(selection, ctx.step):
+            if not step_selected(selection, ctx.step, ctx.timestep):
                 return None
             if ctx.step not in cache.steps(name):
                 raise ValueError(

@@ -40,7 +40,7 @@ import difflib
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +53,7 @@ from ..capture.layer_order import network_key
 from ..capture.spine import Spine, expand_references, normalise_masks
 from ..capture.taps.unet import unet_resolution_factor
 from ..kernels import dot_logits, split_heads
-from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, observer
+from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, keep, kept, observer
 from .context import HookContext
 
 __all__ = [
@@ -62,7 +62,6 @@ __all__ = [
     "HookFn",
     "PointUser",
     "attach_points",
-    "check_hook_names",
     "hook_point_layers",
     "list_hook_points",
     "normalise_hooks",
@@ -78,9 +77,6 @@ TEXT = "text"
 
 #: A hook point callback: ``fn(tensor, ctx)`` returns ``None`` (keep) or a replacement tensor.
 HookFn = Callable[[torch.Tensor, "HookContext"], torch.Tensor | None]
-
-#: Where the installed points are kept on the denoiser (its ``__dict__``).
-_REGISTRY_ATTRIBUTE = "_ipa_probe_points"
 
 
 def _branch(adapter: int | str) -> str:
@@ -139,27 +135,6 @@ def _branches(layer: IPLayer) -> list[int | str]:
     return ([TEXT] if layer.family == "unet" else []) + list(range(layer.num_adapters))
 
 
-def check_hook_names(pipe, names: Iterable[Any], argument: str = "hooks") -> list[str]:
-    """Raise ``TypeError`` / ``ValueError`` (one line, naming the first bad name and close matches) unless every name
-    is a hook point of ``pipe`` (or of the list of names given instead); returns the names as a list."""
-    known = pipe if isinstance(pipe, list) else list_hook_points(pipe)
-    known_set = set(known)
-    names = list(names)
-    if not names:
-        raise ValueError(f"{argument}: expected at least one hook point name (see ipa_probe.list_hook_points(pipe))")
-    for name in names:
-        if not isinstance(name, str):
-            raise TypeError(f"{argument}: expected hook point names (str), got {name!r}")
-        if name not in known_set:
-            close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
-            hint = f"did you mean {close}? " if close else ""
-            raise ValueError(
-                f"{argument}: unknown hook point {name!r}; {hint}names are '<layer id>.<ip|ip1|text>.<point>' with "
-                f"point in {list(POINTS)}: see ipa_probe.list_hook_points(pipe)"
-            )
-    return names
-
-
 def _parse_name(name: str) -> tuple[str, int | str, str]:
     layer, branch, point = name.rsplit(".", 2)
     return layer, (TEXT if branch == TEXT else 0 if branch == "ip" else int(branch[2:])), point
@@ -176,13 +151,15 @@ class PointUser:
     steps: Any = None
     on_call: Callable[[int | None, Callable[[str], Any]], None] | None = None
     steps_run: int = 0
+    #: the passes its step selection selected
+    selected: int = 0
     #: whether the callbacks may edit (``False`` for a cache's readers): readers of the layer then wait for them
     edits: bool = True
     #: the edit in words, for the probe's ``edits`` column
     label: str = ""
 
-    def acts_at(self, step: int) -> bool:
-        return step_selected(self.steps, step)
+    def acts_at(self, step: int, timestep: Any = None) -> bool:
+        return step_selected(self.steps, step, timestep)
 
 
 def _tokens_per_image(denoiser: torch.nn.Module, layer: IPLayer, adapter: int) -> int | None:
@@ -210,6 +187,7 @@ class _Registry:
         #: hook point name -> NaN returned there by callbacks (a 0-d device tensor, read when the hooks come off)
         self.nan: dict[str, torch.Tensor] = {}
         self.step = -1
+        self.call = 0
         self.pass_index = 0
         self.timestep: Any = None
         self.sample_shape: tuple[int, ...] = ()
@@ -223,6 +201,7 @@ class _Registry:
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
         self.spine = spine.attach(self.pipe, self)
+        self.spine.watch_prompts()
         for layer in self.layers:
             attn, heads = layer.attention, layer.heads
             self.handles.append(attn.register_forward_pre_hook(observer(self._on_layer(layer)), with_kwargs=True))
@@ -251,9 +230,11 @@ class _Registry:
             self.handles.clear()
             self.stash.clear()
             self.active = {}
+            if self.spine is not None:
+                self.spine.watch_prompts(False)
             spine.detach(self.pipe, self)
             self.spine = None
-            self.denoiser.__dict__.pop(_REGISTRY_ATTRIBUTE, None)
+            keep(self.denoiser, "points", None)
 
     # ------------------------------------------------------------------ the clock
     def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
@@ -261,12 +242,12 @@ class _Registry:
         self.stash.clear()
         now = spine.now
         new_call, self.step, self.pass_index, self.timestep = now.new_call, now.step, now.pass_index, now.timestep
+        self.call = now.call
         sample = spine.tap.sample(args, kwargs)
         self.sample_shape = tuple(sample.shape)
         self.batch = sample.shape[0]
         context = spine.tap.argument("encoder_hidden_states", args, kwargs) if spine.tap.family == "unet" else None
         self._text_tokens = context.shape[1] if isinstance(context, torch.Tensor) and context.ndim == 3 else None
-        self.cfg = spine.cfg_labels(self.batch)
         if self.layers[0].family == "unet":
             self._image_embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds")
         else:
@@ -279,7 +260,8 @@ class _Registry:
         active: dict[str, list[HookFn]] = {}
         for user in self.users:
             user.steps_run = max(user.steps_run, self.step + 1)
-            if user.acts_at(self.step):
+            if user.acts_at(self.step, self.timestep):
+                user.selected += 1
                 for name, fns in user.callbacks.items():
                     active.setdefault(name, []).extend(fns)
                     if user.edits and name.endswith(".weights"):  # readers of the layer wait for its weights
@@ -288,6 +270,7 @@ class _Registry:
                 if user.edits and user.label:
                     now.edits.append(user.label)
         self.active = active
+        self.cfg = spine.branch_labels(args, kwargs) if active else ()  # read back only when a callback runs
 
     def _sizes(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
         """A point's shape and dtype in one pass of this call, from the call's arguments (before step 0 runs)."""
@@ -397,7 +380,8 @@ class _Registry:
         k0 = split_heads(keys.reshape(batch, -1, keys.shape[-1]), heads)  # (B, H, K, D)
         v = split_heads(values.reshape(batch, -1, values.shape[-1]), heads)  # (B, H, K, D)
         references = k0.shape[2] // tokens
-        scale = 1.0 if text else float(layer.processor.scale[adapter])
+        processor = layer.attention.processor  # the one running now (an NW head swapped in after the points)
+        scale = 1.0 if text else float(processor.scale[adapter])
         queries = q0.shape[2]
         grid = self._grid(layer)
         if grid[0] * grid[1] != queries:
@@ -415,6 +399,7 @@ class _Registry:
                 point=point,
                 adapter=adapter,
                 step=self.step,
+                call=self.call,
                 timestep=self.timestep,
                 heads=heads,
                 references=keyed if point in ("k", "logits") else references,
@@ -427,7 +412,7 @@ class _Registry:
             )
 
         def logits_of(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K)
-            return dot_logits(q, k) if text else image_branch_logits(layer.processor, q, k)
+            return dot_logits(q, k) if text else image_branch_logits(processor, q, k)
 
         def weights_of(logits: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K) with the removed references at 0
             w = logits.softmax(-1).to(v.dtype)
@@ -521,14 +506,13 @@ class _Registry:
 
 def attach_points(pipe, user: PointUser) -> Callable[[], None]:
     """Add a user of the hook points to ``pipe`` (installing the hooks if it is the first); returns the function that
-    removes it (and the hooks with the last user). Names must be checked by the caller
-    (:func:`check_hook_names`)."""
+    removes it (and the hooks with the last user). Names must be checked by the caller (:func:`select_points`)."""
     layers = hook_point_layers(pipe)
     denoiser = denoiser_of(pipe)
-    registry = denoiser.__dict__.get(_REGISTRY_ATTRIBUTE)
+    registry = kept(denoiser, "points")
     if registry is None:
         registry = _Registry(pipe, denoiser, layers)
-        denoiser.__dict__[_REGISTRY_ATTRIBUTE] = registry
+        keep(denoiser, "points", registry)
         try:
             registry.install()
         except BaseException:
@@ -553,8 +537,9 @@ def normalise_hooks(pipe, hooks: Any) -> dict[str, list[HookFn]]:
 
     Args:
         hooks: ``{name: fn or [fn, ...]}`` or, as TransformerLens takes them, a list of ``(name, fn)`` pairs; a name
-            is a hook point's name, a compiled regex (``re.compile(r"\\.ip\\.weights$")``: every point it
-            searches) or a callable filter ``name -> bool``. Callbacks of one point run in the order given.
+            is a hook point's name, a regex as a string or compiled (``r"\\.ip\\.weights$"``: every point it
+            searches) or a callable filter ``name -> bool`` (:func:`select_points`). Callbacks of one point run in
+            the order given.
     """
     if isinstance(hooks, Mapping):
         pairs = list(hooks.items())
@@ -580,13 +565,30 @@ def normalise_hooks(pipe, hooks: Any) -> dict[str, list[HookFn]]:
 
 
 def select_points(known: list[str], name: Any, argument: str) -> list[str]:
-    """The hook points of ``known`` that ``name`` selects: itself (checked, with close matches in the error), every
-    point a compiled regex searches, or every point a callable filter accepts."""
-    if isinstance(name, re.Pattern) or (callable(name) and not isinstance(name, str)):
-        test = name.search if isinstance(name, re.Pattern) else name
-        chosen = [point for point in known if test(point)]
-        if not chosen:
-            shown = name.pattern if isinstance(name, re.Pattern) else getattr(name, "__name__", repr(name))
-            raise ValueError(f"{argument}: {shown!r} selects no hook point; see ipa_probe.list_hook_points(pipe)")
-        return chosen
-    return check_hook_names(known, [name], argument)
+    """The hook points of ``known`` that ``name`` selects: a point's own name; else every point a string or compiled
+    regex searches (``r"\\.ip\\.weights$"``) or a callable filter accepts. A string that selects nothing, or a plain
+    dotted string a character or two off a name (a typo), is refused with the closest names."""
+    if isinstance(name, str):
+        if name in known:
+            return [name]
+        typo = re.fullmatch(r"[\w.]+", name) and difflib.get_close_matches(name, known, 1, 0.95)
+        try:
+            pattern = None if typo else re.compile(name)
+        except re.error:
+            pattern = None
+        chosen = [point for point in known if pattern.search(point)] if pattern else []
+        if chosen:
+            return chosen
+        close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+        raise ValueError(
+            f"{argument}: unknown hook point {name!r}; {f'did you mean {close}? ' if close else ''}names are "
+            f"'<layer id>.<ip|ip1|text>.<point>' with point in {list(POINTS)}: see ipa_probe.list_hook_points(pipe)"
+        )
+    if not (isinstance(name, re.Pattern) or callable(name)):
+        raise TypeError(f"{argument}: expected hook point names (str), regexes or filters, got {name!r}")
+    test = name.search if isinstance(name, re.Pattern) else name
+    chosen = [point for point in known if test(point)]
+    if not chosen:
+        shown = name.pattern if isinstance(name, re.Pattern) else getattr(name, "__name__", repr(name))
+        raise ValueError(f"{argument}: {shown!r} selects no hook point; see ipa_probe.list_hook_points(pipe)")
+    return chosen

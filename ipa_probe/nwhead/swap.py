@@ -40,6 +40,9 @@ from ..layers import (
     claim,
     denoiser_of,
     find_ip_layers,
+    keep,
+    kept,
+    list_hooks,
     release,
 )
 from .flux import FluxNWHeadAttnProcessor
@@ -53,8 +56,6 @@ logger = logging.getLogger(__name__)
 
 #: The feature's name: its claim on the denoiser (:func:`ipa_probe.list_hooks`) and the key of its state there.
 NW_HEAD = "nw_head"
-#: Where the active swap is kept on the denoiser (in its ``__dict__``, not as a module attribute).
-_STATE_ATTRIBUTE = "_ipa_probe_nw_head"
 
 #: The NW processor of each model family (see :data:`ipa_probe.layers.FAMILIES`).
 NW_PROCESSORS: dict[str, type] = {
@@ -168,7 +169,7 @@ class NWHeadSwap:
             if skipped:
                 logger.info("nw_head: %d layer(s) no longer held the NW head and were left as they are", skipped)
         finally:
-            denoiser.__dict__.pop(_STATE_ATTRIBUTE, None)
+            keep(denoiser, NW_HEAD, None)
             release(denoiser, NW_HEAD)
             self._denoiser = None
 
@@ -213,6 +214,12 @@ def apply_nw_head(
     """
     config = NWHeadConfig(bandwidth, layers, frame, form)
     found = find_ip_layers(_model(denoiser_of(pipe)), config.layers)
+    gauged = {name for c in list_hooks(pipe) if c.feature == "gauge" for name in c.layers}
+    if config.frame == "stored" and gauged & {layer.name for layer in found}:  # as the gauge refuses a stored head
+        raise ValueError(
+            "nw_head(frame='stored') reads the NW key term |k|^2, which the active q/k gauge changes; leave the "
+            "gauge first, or swap in nw_head(pipe, frame='query')"
+        )
     clock = TimestepClock()  # a client of the pipeline's spine, whose clock knows where the timestep is
     installed = {f"{layer.name}.processor": _nw_processor(layer, config, clock) for layer in found}
     what = f"NW processors swapped in, {config.summary()}"
@@ -220,7 +227,7 @@ def apply_nw_head(
     swap = NWHeadSwap(config, {f"{layer.name}.processor": layer.processor for layer in found}, installed, clock)
     swap._denoiser = denoiser
     try:
-        denoiser.__dict__[_STATE_ATTRIBUTE] = swap
+        keep(denoiser, NW_HEAD, swap)
         model = _model(denoiser)
         model.set_attn_processor({**model.attn_processors, **installed})  # a fresh dict: it is popped
         if callable(config.bandwidth):
@@ -238,9 +245,9 @@ def remove_nw_head(pipe) -> None:
     Raises:
         ValueError: no NW head is applied to this pipeline.
     """
-    swap = denoiser_of(pipe).__dict__.get(_STATE_ATTRIBUTE)
+    swap = kept(denoiser_of(pipe), NW_HEAD)
     if swap is None:
-        raise ValueError("no NW head is applied to this pipeline; call ipa_probe.apply_nw_head(pipe) first")
+        raise ValueError("no NW head is applied to this pipeline; call ipa_probe.nwhead.apply_nw_head(pipe) first")
     swap.remove()
 
 
