@@ -133,11 +133,6 @@ def _filled(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return index
 
 
-def stacked_samples(held: list[_Held]) -> torch.Tensor:
-    """``(L, n)``: each stacked record's row sample (:func:`~.cells.take_rows` reads block ``l`` with row ``l``)."""
-    return torch.stack([entry.sample for entry in held])
-
-
 class ProbeRun(RunViews, MapViews):
     """A running (then finished) probe. Create it with :func:`probe`.
 
@@ -193,10 +188,10 @@ class ProbeRun(RunViews, MapViews):
         #: inputs), compared together by :meth:`_flush`
         self._pending: list[tuple[list[_Held], CellInputs]] = []
         self._pending_elements = 0
-        self._frame_elements = 0
-        #: records of the running pass held until it ends (:meth:`_form_held`), and their query elements
+        self._frame_elements = 0  # full-resolution logits kept for the pending records' query frames
+        #: records of the running pass held until it ends (:meth:`_form_held`), and their queries' elements
         self._held: list[_Held] = []
-        self._held_elements = 0  # full-resolution logits kept for the pending records' query frames
+        self._held_elements = 0
         self._constants: dict[tuple, torch.Tensor] = {}
         self._result: dict[str, Any] | None = None
         self._active = False
@@ -588,7 +583,9 @@ class ProbeRun(RunViews, MapViews):
         text_mask = first.text_mask
         if text_mask is not None and len(held) > 1:
             text_mask = text_mask.repeat(len(held), 1)
-        sample = None if first.sample is None else first.sample if len(held) == 1 else stacked_samples(held)
+        sample = first.sample  # (n,), or (L, n) for stacked records: cells.take_rows reads block l at row l
+        if sample is not None and len(held) > 1:
+            sample = torch.stack([entry.sample for entry in held])
         nw_rows = sample if self._maps is None or first.text else None  # the maps read every row's NW logits
         cell = group_cell(
             groups=groups,
@@ -696,11 +693,6 @@ class ProbeRun(RunViews, MapViews):
         first, n_heads = held[0], values.shape[1]
         sums = first.call.sums[first.step, :, first.slot, :, :n_heads]  # (layers, labels, H, fields), a view
         counts = first.call.counts[first.step, :, first.slot, :, :n_heads]  # (layers, labels, H)
-        if len(held) == 1:
-            sums, counts = sums[first.index], counts[first.index]  # (labels, H, ...)
-            sums.index_add_(0, first.labels, values)
-            counts.index_add_(0, first.labels, torch.ones_like(values[..., 0]))
-            return
         layers = tuple(entry.index for entry in held)
         index = self._constant(("layers", layers), values.device, lambda: _filled(layers, values.device))
         index = (index.repeat_interleave(first.labels.shape[0]), first.labels.repeat(len(held)))  # (L * groups,) each
