@@ -457,17 +457,6 @@ def check_output_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     return out
 
 
-def output_dir(path: str | os.PathLike) -> Path:
-    """Create ``path`` (and parents) when the work starts, or fail with a clear message."""
-    out = check_output_dir(path)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        reason = err.strerror or err
-        raise CLIError(f"cannot write to --out {str(out)!r} ({reason}); choose a writable folder") from None
-    return out
-
-
 def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
     """``--overwrite``: replace the previous run's files in the output folder (see :mod:`ipa_probe.runfolder`)."""
     parser.add_argument(
