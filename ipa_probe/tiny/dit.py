@@ -48,6 +48,7 @@ from transformers import (
 from .._quiet import quiet_known_messages
 from .sd import (
     _adapter_seed,
+    _base_to_checkpoint_layout,
     _check_seed,
     _feature_extractor,
     _image_encoder,
@@ -251,13 +252,7 @@ def tiny_flux_ip_adapter_state_dict(
             cross_attention_dim=cross_dim,
             num_image_text_embeds=FLUX_IP_TOKENS,
         )
-        state = proj.state_dict()
-        image_proj = {
-            "proj.weight": state["image_embeds.weight"],
-            "proj.bias": state["image_embeds.bias"],
-            "norm.weight": state["norm.weight"],
-            "norm.bias": state["norm.bias"],
-        }
+        image_proj = _base_to_checkpoint_layout(proj)
     layers: dict[str, torch.Tensor] = {}
     with _seeded(seed, "flux_ip_adapter/layers"):
         for n in range(transformer.config.num_layers):
