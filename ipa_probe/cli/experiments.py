@@ -112,7 +112,7 @@ def check(args: argparse.Namespace) -> None:
             check_folder_tier(args.out, args.tier_sizes)
         except TierMismatch as err:
             raise CLIError(str(err)) from None
-    check_run_folder(args.out, COMMAND, KEY, args.overwrite, resumable=True)
+    check_run_folder(args.out, COMMAND, KEY, args.overwrite)
 
 
 def run(args: argparse.Namespace) -> int:
