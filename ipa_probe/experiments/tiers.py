@@ -18,10 +18,8 @@ attribution experiments with their controls and grid 10 min of it). Twice its sh
 beyond its spread (``docs/results/full_2x_steps/``), so the step counts stay and the rest of the budget is left
 unspent; how the scarcity gap moves with training at the release's constant rate is :mod:`.scarcity_steps`.
 
-``paper`` (d_model 128, 3 layers, 256 tasks × 256 targets, lr 1e-4, 1000 warm-up steps then constant, 100k/50k steps,
-validation on 100 tasks × 500 points every 1000 steps, 3 seeds) runs on CUDA when present; the CLI refuses it
-without a GPU. Its projected cost is tens of GPU-hours (about 3.4 million steps of 65k points each); the paper
-reports 350 GPU-hours for all its configurations.
+``paper`` (:data:`GPU_TIERS`) runs on CUDA only (the CLI refuses it without a GPU); its sizes and projected cost (tens
+of GPU-hours) are in docs/reproducing.md.
 """
 
 from __future__ import annotations

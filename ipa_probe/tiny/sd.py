@@ -612,9 +612,7 @@ def save_tiny_pipeline(
 
     Args:
         directory: the output folder (created if missing; existing files of the same names are overwritten).
-        kind: ``"sd15"`` or ``"sdxl"``.
-        ip_adapter: ``"base"`` or ``"plus"``.
-        seed: non-negative int.
+        kind, ip_adapter, seed: as in :func:`tiny_pipeline`.
 
     Returns:
         a :class:`SavedTinyPipeline` with the paths and ``load_ip_adapter_kwargs``.
