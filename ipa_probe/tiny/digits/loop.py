@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import CLIPTextModel, CLIPVisionModelWithProjection
 
+from ..._checks import DIGITS_SMALLEST_CLASS, max_refs_limit
 from ..._io import output_lock, write_figure
 from ..tokenizer import clip_tokenizer
 from .data import TRAIN_SIZE, _to_pil, digit_images
@@ -27,10 +28,15 @@ _STAGE_OFFSETS = {"vae": 0, "unet": 1, "encoder": 2, "adapter": 3}
 
 
 def check_settings(
-    config: Any, counts: Sequence[str], fractions: Sequence[str] = (), positives: Sequence[str] = ()
+    config: Any,
+    counts: Sequence[str],
+    fractions: Sequence[str] = (),
+    positives: Sequence[str] = (),
+    max_refs_of: str | None = None,
 ) -> None:
     """Check a training config's fields: ``seed`` a non-negative int, ``counts`` ints >= 1, ``fractions`` in [0, 1)
-    summing below 1 (some targets must see their references), ``positives`` > 0 (rates, weights)."""
+    summing below 1 (some targets must see their references), ``positives`` > 0 (rates, weights), and with
+    ``max_refs_of`` (``"support"`` or ``"adapter"``) ``max_refs`` at most what that training can draw."""
     if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
         raise ValueError(f"expected seed to be a non-negative int, got {config.seed!r}")
     for name in counts:
@@ -47,6 +53,11 @@ def check_settings(
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise ValueError(f"expected {name} > 0, got {value!r}")
+    if max_refs_of is not None and config.max_refs > max_refs_limit(max_refs_of):
+        raise ValueError(
+            f"max_refs: expected at most {max_refs_limit(max_refs_of)} (a target's references come from its class; "
+            f"the rarest digit has {DIGITS_SMALLEST_CLASS} training images), got {config.max_refs}"
+        )
 
 
 def step_generator(seed: int, stage: str, step: int) -> torch.Generator:

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, StableDiffusionPipeline
 
-from ..._checks import DIGITS_SMALLEST_CLASS, max_refs_limit
 from ..._io import write_json
 from ..sd import _seeded
 from ..tokenizer import clip_tokenizer
@@ -91,12 +90,7 @@ class DigitsTrainConfig:
         counts = ("threads", "vae_steps", "encoder_steps", "steps", "batch", "max_refs", "checkpoint_every")
         check_settings(self, counts, ("drop_embeds", "drop_tokens"), ("vae_lr", "encoder_lr", "lr", "vae_kl"))
         check_settings(self, (), ("drop_text",))
-        check_settings(self, (), ("mixed",))
-        if self.max_refs > max_refs_limit("support"):
-            raise ValueError(
-                f"max_refs: expected at most {max_refs_limit('support')} (a target's references come from its class; "
-                f"the rarest digit has {DIGITS_SMALLEST_CLASS} training images), got {self.max_refs}"
-            )
+        check_settings(self, (), ("mixed",), max_refs_of="support")
 
     @property
     def recipe(self) -> str:

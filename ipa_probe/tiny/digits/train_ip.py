@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL
 from transformers import CLIPTextModel
 
-from ..._checks import DIGITS_SMALLEST_CLASS, max_refs_limit
 from ..._io import write_json
 from ..sd import _seeded
 from .checkpoint import TrainingCheckpoint
@@ -133,12 +132,7 @@ class DigitsAdapterConfig:
         if self.base is not None:
             object.__setattr__(self, "base", os.fspath(self.base))
         counts = ("threads", "steps", "batch", "max_refs", "checkpoint_every")
-        check_settings(self, counts, ("drop_embeds", "drop_text", "drop_both"), ("lr",))
-        if self.max_refs > max_refs_limit("adapter"):
-            raise ValueError(
-                f"max_refs: expected at most {max_refs_limit('adapter')} (a target's references come from its class; "
-                f"the rarest digit has {DIGITS_SMALLEST_CLASS} training images), got {self.max_refs}"
-            )
+        check_settings(self, counts, ("drop_embeds", "drop_text", "drop_both"), ("lr",), max_refs_of="adapter")
 
     def to_dict(self) -> dict:
         return asdict(self)
