@@ -73,8 +73,13 @@ def lr_factor(step: int, steps: int, warmup: int = 100) -> float:
     return 0.1 + 0.45 * (1.0 + float(np.cos(np.pi * progress)))
 
 
-def new_state(stages: Sequence[str]) -> dict[str, Any]:
-    """The run state a fresh training starts from (what the checkpoint carries besides tensors)."""
+def load_state(checkpoint: Any, modules: dict, optimizers: dict, stages: Sequence[str]) -> dict[str, Any]:
+    """The run state (what the checkpoint carries besides tensors): ``checkpoint``'s, with ``modules`` and
+    ``optimizers`` loaded from it and one more resume counted; without one, the state a fresh training starts from."""
+    state = checkpoint.load(modules, optimizers)
+    if state is not None:
+        state["resumed"] += 1
+        return state
     return {
         "stage": stages[0],
         "step": 0,
@@ -248,8 +253,9 @@ def run_fields(state: dict[str, Any], threads: int) -> dict[str, Any]:
     }
 
 
-def save_adapter(out: Path, flat: dict[str, torch.Tensor], note: str) -> None:
-    """``out/ip_adapter/ip-adapter.safetensors`` in ``load_ip_adapter``'s layout, written atomically."""
+def save_adapter(out: Path, state: dict[str, dict[str, torch.Tensor]], note: str) -> None:
+    """``out/ip_adapter/ip-adapter.safetensors`` in ``load_ip_adapter``'s layout (``state``'s groups flattened to
+    ``group.key``), written atomically."""
     from safetensors.torch import save_file
 
     from ..._io import atomic_path
@@ -257,6 +263,7 @@ def save_adapter(out: Path, flat: dict[str, torch.Tensor], note: str) -> None:
 
     (out / "ip_adapter").mkdir(exist_ok=True)
     with atomic_path(out / "ip_adapter" / WEIGHT_NAME) as temp:
+        flat = {f"{group}.{key}": value for group, tensors in state.items() for key, value in tensors.items()}
         save_file(flat, str(temp), metadata={"format": "pt", "ipa_probe": note})
 
 

@@ -26,7 +26,7 @@ from .loop import (
     check_settings,
     encoder_accuracy,
     encoder_loss,
-    new_state,
+    load_state,
     noisy,
     plot_losses,
     prompt_states,
@@ -185,11 +185,7 @@ def _train(out: Path, config: DigitsTrainConfig, progress: bool, stop_after: int
     }
     steps = {"vae": config.vae_steps, "encoder": config.encoder_steps, "unet": config.steps}
     checkpoint = TrainingCheckpoint(out, config.recipe, {"config": config.to_dict()}, steps)
-    state = checkpoint.load(modules, optimizers)
-    if state is None:
-        state = new_state(STAGES)
-    else:
-        state["resumed"] += 1
+    state = load_state(checkpoint, modules, optimizers, STAGES)
     data: dict[str, Any] = training_digits()
     train_x, train_y, pixel_values = data["x"], data["y"], data["pixel_values"]
 
@@ -352,5 +348,4 @@ def _save_outputs(out: Path, parts: dict[str, Any], scaling_factor: float) -> No
     with _quiet_loading():  # no "Writing model shards" bars
         pipe.save_pretrained(out / "model", safe_serialization=True)
     parts["text_encoder"].float()
-    flat = {f"{group}.{key}": value for group, tensors in state.items() for key, value in tensors.items()}
-    save_adapter(out, flat, "digits")
+    save_adapter(out, state, "digits")

@@ -39,7 +39,7 @@ from .loop import (
     check_settings,
     encoder_accuracy,
     encoder_loss,
-    new_state,
+    load_state,
     noisy,
     plot_losses,
     prompt_states,
@@ -201,11 +201,7 @@ def train_base(out: Path, config: DigitsBaseConfig, progress: bool = True, stop_
     shared = _shared_digest()
     identity = {"config": config.to_dict(), "vae_and_text_encoder_sha256": shared}
     checkpoint = TrainingCheckpoint(out, config.recipe, identity, steps)
-    state = checkpoint.load(modules, optimizers)
-    if state is None:
-        state = new_state(BASE_STAGES)
-    else:
-        state["resumed"] += 1
+    state = load_state(checkpoint, modules, optimizers, BASE_STAGES)
     vae, text_encoder = _shipped_vae_and_text()
     data: dict[str, Any] = training_digits()
     data.update(_latents_and_prompts(vae, text_encoder, data["x"]))
@@ -281,11 +277,7 @@ def train_adapter(
     optimizers = {"adapter": torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)}
     identity = {"config": config.to_dict(), "base_sha256": digest, "vae_and_text_encoder_sha256": _shared_digest()}
     checkpoint = TrainingCheckpoint(out, config.recipe, identity, {"adapter": config.steps})
-    state = checkpoint.load(modules, optimizers)
-    if state is None:
-        state = new_state(("adapter",))
-    else:
-        state["resumed"] += 1
+    state = load_state(checkpoint, modules, optimizers, ("adapter",))
     vae, text_encoder = _shipped_vae_and_text()
     data: dict[str, Any] = training_digits()
     data.update(_latents_and_prompts(vae, text_encoder, data["x"]))
@@ -320,8 +312,7 @@ def train_adapter(
         + (f" plus 0-{config.max_refs - 1} others of its class" if config.max_refs > 1 else ""),
     }
     state_dict = _adapter_state_dict(unet, ip_processors, image_proj)
-    flat = {f"{group}.{key}": value for group, tensors in state_dict.items() for key, value in tensors.items()}
-    save_adapter(out, flat, "digits ip-adapter recipe")
+    save_adapter(out, state_dict, "digits ip-adapter recipe")
     plot_losses(out / "loss.png", state["losses"], {"adapter": "adapter only, base frozen (eps MSE)"})
     write_json(out / "record.json", record)
     return record
