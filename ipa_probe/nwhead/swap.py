@@ -195,14 +195,7 @@ def apply_nw_head(
 ) -> NWHeadSwap:
     """Swap the NW head into a pipeline's IP-Adapter layers (until :func:`remove_nw_head`).
 
-    Prefer the context manager :func:`nw_head` in scripts; this pair is for notebooks.
-
-    Args:
-        pipe: a diffusers pipeline (SD 1.5 / SDXL, Flux, SD3) with an IP-Adapter loaded, or its denoiser.
-        bandwidth: ``"matched"``, a positive float or a callable of the timestep (see :class:`NWHeadConfig`).
-        layers: a regex or list of regexes selecting layer ids; ``None`` for every IP-Adapter layer.
-        frame: ``"stored"`` (default, gauge dependent) or ``"query"`` (gauge invariant); see :class:`NWHeadConfig`.
-        form: query frame only: ``"exact"`` (default) or ``"gaussian"``.
+    Prefer the context manager :func:`nw_head` in scripts; this pair is for notebooks. Arguments as in :func:`nw_head`.
 
     Returns:
         the :class:`NWHeadSwap` (its ``layers`` lists the swapped layer ids).
