@@ -278,9 +278,7 @@ def tiny_flux_pipeline(
 
     Args:
         num_adapters: how many IP-Adapters to load (>= 1), each from its own seed.
-        seed: non-negative int. The same seed gives bit-identical weights; the caller's RNG is untouched.
-        device: where the pipeline is moved after building (it is built on CPU).
-        dtype: its parameter dtype.
+        seed, device, dtype: as in :func:`ipa_probe.tiny.sd.tiny_pipeline`.
 
     Returns:
         a ``FluxPipeline``.
