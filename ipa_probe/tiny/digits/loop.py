@@ -261,9 +261,9 @@ def save_adapter(out: Path, state: dict[str, dict[str, torch.Tensor]], note: str
     from ..._io import atomic_path
     from .data import WEIGHT_NAME
 
+    flat = {f"{group}.{key}": value for group, tensors in state.items() for key, value in tensors.items()}
     (out / "ip_adapter").mkdir(exist_ok=True)
     with atomic_path(out / "ip_adapter" / WEIGHT_NAME) as temp:
-        flat = {f"{group}.{key}": value for group, tensors in state.items() for key, value in tensors.items()}
         save_file(flat, str(temp), metadata={"format": "pt", "ipa_probe": note})
 
 
