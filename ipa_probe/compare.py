@@ -509,15 +509,9 @@ def compare_methods(
     """Generate with the learned IP-Adapter, the NW head and the exact denoiser from the same seeds, and score them.
 
     Args:
-        pipe: an SD 1.5 / SDXL pipeline with one IP-Adapter loaded.
-        references: reference images (PIL): the image prompt and the exact denoiser's support.
+        pipe, references, call_kwargs, bandwidth, methods, nw_frame: as in :func:`generate_methods`.
         seeds: generator seeds (one image per method and seed).
-        call_kwargs: more pipeline arguments (``prompt``, ``num_inference_steps``, ``height``, ``width``, ...).
-        bandwidth: the NW head's bandwidth (stored frame only).
-        nw_frame: the NW head's frame: ``"stored"`` (default; key term ``|k|^2`` of the stored keys, gauge dependent)
-            or ``"query"`` (key term from the pass's own queries, gauge invariant); see :func:`ipa_probe.nw_head`.
         scorer: the :class:`ClipScorer` (default: ``ViT-B-32`` with random weights, offline).
-        methods: a subset of :data:`METHODS`.
         settings: extra JSON-friendly settings to record.
         progress: show one progress bar per method.
 

@@ -154,7 +154,6 @@ def check_folder(
     key: dict[str, Any],
     overwrite: bool = False,
     flag: str = "--out",
-    resumable: bool = False,
 ) -> FolderState:
     """Read ``folder`` and refuse, in one line, a run that would mix with another's files or lose a file not its own.
 
@@ -166,12 +165,11 @@ def check_folder(
     - without ``overwrite``: another run's files (another command or other settings), or files no manifest lists.
 
     With ``overwrite``, files no manifest lists are kept and named; a staged file that would land on one stops the
-    commit (:class:`RunFolder`). ``resumable`` has no effect on the rules; it is accepted for the callers' symmetry.
+    commit (:class:`RunFolder`).
 
     Returns:
         A :class:`FolderState`.
     """
-    del resumable
     folder = Path(folder)
     previous = read_run_manifest(folder)
     files, dirs, odd = _scan(folder)

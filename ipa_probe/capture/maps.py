@@ -483,28 +483,22 @@ class MapAccumulator:
         if size == "image":
             target = self.image_size(call)
         total, count = None, 0
-        for step in steps:
-            for index in layers:
-                buffer = self.chunk((call, step, index, adapter), branch)  # (2, items, Q, K)
-                if buffer is None:
-                    continue
-                if item >= buffer.shape[1]:
-                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[1]} images per branch")
-                weights = buffer[which, item].double()  # (Q, K)
-                queries, keys = weights.shape
-                tokens = self.tokens_per_image(adapter, index) or keys
-                per_ref = weights.reshape(queries, keys // tokens, tokens)  # (Q, R, T)
-                if (call, adapter) in self.masked:
-                    per_ref, _ = _over_references(per_ref, (1, 2))
-                values = per_ref if per_token else per_ref.sum(-1)  # (Q, R, T) or (Q, R)
-                h, w = self.grid(call, queries)
-                if target is None:  # "latent"
-                    target = self.latent_grid(call) or (h, w)
-                spatial = values.reshape(h, w, -1).permute(2, 0, 1)  # (R[*T], h, w)
-                if (h, w) != tuple(target):
-                    spatial = F.interpolate(spatial[None], size=tuple(target), mode="bilinear", align_corners=False)[0]
-                total = spatial if total is None else total + spatial
-                count += 1
+        for _, index, buffer in self._chunks(call, item, adapter, branch, layers, steps):
+            weights = buffer[which, item].double()  # (Q, K)
+            queries, keys = weights.shape
+            tokens = self.tokens_per_image(adapter, index) or keys
+            per_ref = weights.reshape(queries, keys // tokens, tokens)  # (Q, R, T)
+            if (call, adapter) in self.masked:
+                per_ref, _ = _over_references(per_ref, (1, 2))
+            values = per_ref if per_token else per_ref.sum(-1)  # (Q, R, T) or (Q, R)
+            h, w = self.grid(call, queries)
+            if target is None:  # "latent"
+                target = self.latent_grid(call) or (h, w)
+            spatial = values.reshape(h, w, -1).permute(2, 0, 1)  # (R[*T], h, w)
+            if (h, w) != tuple(target):
+                spatial = F.interpolate(spatial[None], size=tuple(target), mode="bilinear", align_corners=False)[0]
+            total = spatial if total is None else total + spatial
+            count += 1
         if total is None:
             raise ValueError(
                 f"no maps recorded for call={call}, adapter={adapter}, branch {branch_name!r} at the selected layers "
@@ -524,7 +518,13 @@ class MapAccumulator:
         """Each selected (step, layer position)'s weights over the references at every query position, at the layer's
         own grid: ``(Q, R)`` float64 CPU tensors (see :func:`_reference_shares`); pairs without maps are left out."""
         which, label = MAP_KINDS.index(kind), self.labels.index(branch)
-        out = {}
+        return {
+            (step, index): _reference_shares(self, (call, step, index, adapter), label)[0][which, item]
+            for step, index, _ in self._chunks(call, item, adapter, label, layers, steps)
+        }
+
+    def _chunks(self, call: int, item: int, adapter: int, label: int, layers: Iterable[int], steps: Iterable[int]):
+        """Each selected (step, layer position) that has maps, with its ``(2, items, Q, K)`` :meth:`chunk`."""
         for step in steps:
             for index in layers:
                 buffer = self.chunk((call, step, index, adapter), label)  # (2, items, Q, K)
@@ -532,8 +532,7 @@ class MapAccumulator:
                     continue
                 if item >= buffer.shape[1]:
                     raise ValueError(f"item={item}: call {call} generated {buffer.shape[1]} images per branch")
-                out[(step, index)] = _reference_shares(self, (call, step, index, adapter), label)[0][which, item]
-        return out
+                yield step, index, buffer
 
     def head_weights(
         self, call: int, item: int, adapter: int, branch: str, layers: Iterable[int], steps: Iterable[int]

@@ -500,9 +500,7 @@ def run_key(args: argparse.Namespace) -> dict:
     return key
 
 
-def check_run_folder(
-    folder, command: str, key: dict, overwrite: bool, flag: str = "--out", resumable: bool = False
-) -> None:
+def check_run_folder(folder, command: str, key: dict, overwrite: bool, flag: str = "--out") -> None:
     """Before torch loads: refuse (exit code 2) a folder a live run holds, or one holding another run's files
     (unless ``--overwrite``), a changed file of the previous run, or a manifest that cannot be trusted. A folder with
     what a stopped commit left is finished first, under the lock, as the next writer would (:func:`recover`)."""
@@ -513,7 +511,7 @@ def check_run_folder(
                 note = recover(folder)
             if note:
                 print(f"{command}: note: {note}", file=sys.stderr)
-        check_folder(folder, command, key, overwrite=overwrite, flag=flag, resumable=resumable)
+        check_folder(folder, command, key, overwrite=overwrite, flag=flag)
     except (RunConflict, OutputLocked) as err:
         raise CLIError(str(err)) from None
 

@@ -41,27 +41,12 @@ def add_parser(subparsers) -> None:
         help="quick (< 2 min), smoke (< 10 min) or full (< 60 min) on a CPU; paper: the paper's sizes, for a CUDA GPU",
     )
     parser.add_argument("--out", default=None, help="output folder (default outputs/experiments-TIER)")
-    parser.add_argument(
-        "--seeds",
-        type=seed_type,
-        nargs="+",
-        default=None,
-        help=f"training seeds, distinct, each in [0, {MAX_SEED}] (default: the tier's)",
-    )
-    parser.add_argument(
-        "--dims",
-        type=int,
-        nargs="+",
-        default=None,
-        help="dimensions d of collapse and shells, distinct, each in [2, 64] (default: the tier's)",
-    )
-    parser.add_argument(
-        "--ms",
-        type=int,
-        nargs="+",
-        default=None,
-        help="support sizes m of scarcity and heads, distinct, each in [1, 100] (default: the tier's)",
-    )
+    for flag, kind, what in (
+        ("--seeds", seed_type, f"training seeds, distinct, each in [0, {MAX_SEED}]"),
+        ("--dims", int, "dimensions d of collapse and shells, distinct, each in [2, 64]"),
+        ("--ms", int, "support sizes m of scarcity and heads, distinct, each in [1, 100]"),
+    ):
+        parser.add_argument(flag, type=kind, nargs="+", default=None, help=f"{what} (default: the tier's)")
     parser.add_argument(
         "--recipe",
         default="support",
@@ -112,7 +97,7 @@ def check(args: argparse.Namespace) -> None:
             check_folder_tier(args.out, args.tier_sizes)
         except TierMismatch as err:
             raise CLIError(str(err)) from None
-    check_run_folder(args.out, COMMAND, KEY, args.overwrite, resumable=True)
+    check_run_folder(args.out, COMMAND, KEY, args.overwrite)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -242,7 +242,7 @@ def _read_and_check(args: argparse.Namespace):
 
     check_output_dir(args.out)
     if os.environ.get("RANK", "0") == "0":  # the main process holds the folder; the others write into its staging
-        check_run_folder(args.out, COMMAND, KEY, args.overwrite, resumable=True)
+        check_run_folder(args.out, COMMAND, KEY, args.overwrite)
     check_tracker_arguments(args)
     try:
         manifest = read_manifest(args.manifest, require_images=args.model is not None and not args.image)

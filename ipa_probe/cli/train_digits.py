@@ -104,7 +104,7 @@ def check(args: argparse.Namespace) -> None:
     if args.base is not None:
         _check_base(args.base)
     check_output_dir(args.out)
-    check_run_folder(args.out, COMMAND, _key(args, training), args.overwrite, resumable=True)
+    check_run_folder(args.out, COMMAND, _key(args, training), args.overwrite)
 
 
 def _key(args: argparse.Namespace, training: str) -> dict:

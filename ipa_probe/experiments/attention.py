@@ -50,11 +50,8 @@ def _models(ctx) -> list[tuple[str, str, int, object]]:
 
 
 def run(ctx) -> ExperimentResult:
-    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot` of the measurements.
-
-    Returns:
-        the rows, the measurements and the figure, written under ``ctx.out / "attention"``.
-    """
+    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot`; the rows, the measurements and the
+    figure, written under ``ctx.out / "attention"``."""
     folder = ctx.out / "attention"
     folder.mkdir(parents=True, exist_ok=True)
     raw = measure(ctx)

@@ -7,25 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-__all__ = [
-    "predictor_test",
-    "EFFECTS",
-    "GUIDANCE_SCALE",
-    "NUM_STEPS",
-    "POPULATIONS",
-    "PREDICTORS",
-    "RECORDED_STEPS",
-    "RESOLUTIONS",
-    "SHUFFLE_LATENT_RTOL",
-    "SHUFFLE_SHARE_ATOL",
-    "STEP_PREDICTORS",
-    "WHOLE_RUN_PREDICTORS",
-    "_call",
-    "_interval_text",
-    "_matrix",
-    "observe",
-]
-
 NUM_STEPS = 20
 
 

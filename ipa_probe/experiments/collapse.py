@@ -37,11 +37,8 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def run(ctx) -> ExperimentResult:
-    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot` of the measurements.
-
-    Returns:
-        the rows, the measurements and the figure, written under ``ctx.out / "collapse"``.
-    """
+    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot`; the rows, the measurements and the
+    figure, written under ``ctx.out / "collapse"``."""
     folder = ctx.out / "collapse"
     folder.mkdir(parents=True, exist_ok=True)
     raw = measure(ctx)

@@ -42,11 +42,8 @@ def fit_exponent(ms: list[int], mmd: list[float]) -> dict:
 
 
 def run(ctx) -> ExperimentResult:
-    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot` of the measurements.
-
-    Returns:
-        the rows, the measurements and the figure, written under ``ctx.out / "heads"``.
-    """
+    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot`; the rows, the measurements and the
+    figure, written under ``ctx.out / "heads"``."""
     folder = ctx.out / "heads"
     folder.mkdir(parents=True, exist_ok=True)
     raw = measure(ctx)

@@ -26,11 +26,8 @@ PAPER_GAIN = {10: "+24%", 50: "≈ +1% (ratio 0.99)"}
 
 
 def run(ctx) -> ExperimentResult:
-    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot` of the measurements.
-
-    Returns:
-        the rows, the measurements and the figure, written under ``ctx.out / "scarcity"``.
-    """
+    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot`; the rows, the measurements and the
+    figure, written under ``ctx.out / "scarcity"``."""
     folder = ctx.out / "scarcity"
     folder.mkdir(parents=True, exist_ok=True)
     raw, checks = measure(ctx)

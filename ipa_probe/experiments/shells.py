@@ -31,11 +31,8 @@ def shell_model(ctx, dim: int, seed: int):
 
 
 def run(ctx) -> ExperimentResult:
-    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot` of the measurements.
-
-    Returns:
-        the rows, the measurements and the figure, written under ``ctx.out / "shells"``.
-    """
+    """Run the experiment: :func:`measure`, then :func:`table` and :func:`plot`; the rows, the measurements and the
+    figure, written under ``ctx.out / "shells"``."""
     folder = ctx.out / "shells"
     folder.mkdir(parents=True, exist_ok=True)
     raw, neff_spread = measure(ctx)

@@ -18,10 +18,8 @@ attribution experiments with their controls and grid 10 min of it). Twice its sh
 beyond its spread (``docs/results/full_2x_steps/``), so the step counts stay and the rest of the budget is left
 unspent; how the scarcity gap moves with training at the release's constant rate is :mod:`.scarcity_steps`.
 
-``paper`` (d_model 128, 3 layers, 256 tasks × 256 targets, lr 1e-4, 1000 warm-up steps then constant, 100k/50k steps,
-validation on 100 tasks × 500 points every 1000 steps, 3 seeds) runs on CUDA when present; the CLI refuses it
-without a GPU. Its projected cost is tens of GPU-hours (about 3.4 million steps of 65k points each); the paper
-reports 350 GPU-hours for all its configurations.
+``paper`` (:data:`GPU_TIERS`) runs on CUDA only (the CLI refuses it without a GPU); its sizes and projected cost (tens
+of GPU-hours) are in docs/reproducing.md.
 """
 
 from __future__ import annotations
@@ -144,8 +142,17 @@ class Tier:
         return replace(self, **changes)
 
 
+#: the sizes every tier shares; then those the larger tiers (smoke, full, paper) share; then the CPU model of smoke and
+#: full.
+_ALL = dict(euler_steps=100, neff_dims=(2, 4, 8, 16, 32, 64), scarcity_data=("pcafeat", "digits"))
+_LARGE = dict(_ALL, neff_tasks=30, neff_queries=256, scarcity_ms=(1, 5, 10, 25, 50), heads_ms=(5, 10, 25, 50, 100))
+_LARGE.update(heads_m_range=(5, 100), attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99))
+_CPU = dict(_LARGE, d_model=64, n_layers=2, n_heads=4, batch_tasks=16, n_target=64, lr=1e-3, warmup=100)
+_CPU.update(shells_dims=(8, 32), scarcity_check_data=("pcafeat",))
+
 TIERS: dict[str, Tier] = {
     "quick": Tier(
+        **_ALL,
         name="quick",
         d_model=16,
         n_layers=1,
@@ -161,14 +168,11 @@ TIERS: dict[str, Tier] = {
         heads_steps=12,
         eval_tasks=3,
         eval_points=48,
-        euler_steps=100,
         neff_tasks=4,
         neff_queries=32,
         collapse_dims=(2, 4),
-        neff_dims=(2, 4, 8, 16, 32, 64),
         shells_dims=(8,),
         scarcity_ms=(1, 5, 10),
-        scarcity_data=("pcafeat", "digits"),
         heads_list=(1, 2),
         heads_ms=(5, 10, 25),
         heads_m_range=(5, 25),
@@ -187,14 +191,8 @@ TIERS: dict[str, Tier] = {
         val_points=32,
     ),
     "smoke": Tier(
+        **_CPU,
         name="smoke",
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        batch_tasks=16,
-        n_target=64,
-        lr=1e-3,
-        warmup=100,
         seeds=(0,),
         collapse_steps=600,
         shells_steps=800,
@@ -202,18 +200,8 @@ TIERS: dict[str, Tier] = {
         heads_steps=500,
         eval_tasks=10,
         eval_points=200,
-        euler_steps=100,
-        neff_tasks=30,
-        neff_queries=256,
         collapse_dims=(2, 16),
-        neff_dims=(2, 4, 8, 16, 32, 64),
-        shells_dims=(8, 32),
-        scarcity_ms=(1, 5, 10, 25, 50),
-        scarcity_data=("pcafeat", "digits"),
         heads_list=(1, 4),
-        heads_ms=(5, 10, 25, 50, 100),
-        heads_m_range=(5, 100),
-        attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
         ip_sets=20,
         ip_mixed_sets=10,
         attribution_sets=10,
@@ -223,17 +211,10 @@ TIERS: dict[str, Tier] = {
         ip_calibration_sets=2,
         ip_pool_sets=4,
         eval_every=400,
-        scarcity_check_data=("pcafeat",),
     ),
     "full": Tier(
+        **_CPU,
         name="full",
-        d_model=64,
-        n_layers=2,
-        n_heads=4,
-        batch_tasks=16,
-        n_target=64,
-        lr=1e-3,
-        warmup=100,
         seeds=(0, 1, 2),
         collapse_steps=1000,
         shells_steps=1600,
@@ -241,28 +222,18 @@ TIERS: dict[str, Tier] = {
         heads_steps=1500,
         eval_tasks=20,
         eval_points=250,
-        euler_steps=100,
-        neff_tasks=30,
-        neff_queries=256,
         collapse_dims=(2, 4, 8, 16),
-        neff_dims=(2, 4, 8, 16, 32, 64),
-        shells_dims=(8, 32),
-        scarcity_ms=(1, 5, 10, 25, 50),
-        scarcity_data=("pcafeat", "digits"),
         heads_list=(1, 2, 4, 8),
-        heads_ms=(5, 10, 25, 50, 100),
-        heads_m_range=(5, 100),
-        attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
         ip_sets=100,
         ip_mixed_sets=40,
         eval_every=500,
-        scarcity_check_data=("pcafeat",),
     ),
 }
 
 #: the paper's sizes (§A.4): for a CUDA machine, never run in tests (hours even on a GPU).
 GPU_TIERS: dict[str, Tier] = {
     "paper": Tier(
+        **_LARGE,
         name="paper",
         d_model=128,
         n_layers=3,
@@ -278,18 +249,9 @@ GPU_TIERS: dict[str, Tier] = {
         heads_steps=50_000,
         eval_tasks=100,
         eval_points=500,
-        euler_steps=100,
-        neff_tasks=30,
-        neff_queries=256,
         collapse_dims=(2, 4, 8, 16),
-        neff_dims=(2, 4, 8, 16, 32, 64),
         shells_dims=(8, 16, 32),
-        scarcity_ms=(1, 5, 10, 25, 50),
-        scarcity_data=("pcafeat", "digits"),
         heads_list=(1, 2, 4, 8, 16),
-        heads_ms=(5, 10, 25, 50, 100),
-        heads_m_range=(5, 100),
-        attention_ts=(0.1, 0.3, 0.5, 0.7, 0.9, 0.99),
         ip_sets=100,
         ip_mixed_sets=40,
         schedule="constant",

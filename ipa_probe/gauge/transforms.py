@@ -1,31 +1,13 @@
 """The q/k gauge group of IP-Adapter attention, applied to a pipeline's weights in place and restored bit for bit.
 
-Dot-product attention sees its queries and keys only through ``q·k``. Three families of reparametrisation leave every
-logit that enters a softmax (hence every attention weight and every output) unchanged:
-
-- **scalar** ``c``: ``q -> c q``, ``k -> k / c`` (the subgroup ``A = c I`` below);
-- **per-head basis change** ``A`` (any invertible ``d x d`` matrix per layer and head): the head's rows of ``to_q``
-  (weight and bias) map ``q -> A q``, the head's rows of every key projection the query meets (the text keys'
-  ``to_k`` and each adapter's ``to_k_ip``, weight and bias) map ``k -> A^-T k``, so ``(A q)·(A^-T k) = q·k``;
-- **per-row shift** ``b`` (a vector per layer and head): ``b`` is added to every image key of the head, through the
-  ``to_k_ip`` bias (created for the duration when the projection has none). Each image logit of a row gains the
-  same ``q·b``, which the image branch's own softmax removes (IP-Adapter runs one softmax per adapter over its image
-  tokens only). The shift is applied after ``A``: ``k_ip -> A^-T k_ip + b``.
-
-What each does to the probe's statistics is in docs/gauge.md: anything made from the attention weights alone, and the
-query-frame columns (row-centred logits), cannot move; the stored-frame Spearman rho and ``rho_excess`` can.
-
-**Flux and SD3** normalise q and k with RMSNorm before the dot product, so a change of ``to_q`` is undone by the
-norm. What survives is a per-channel scaling of the norm's weight shared by all heads (``A = diag(D)``, the same in
-every head): Flux scales ``attn.norm_q`` and ``norm_added_q`` by ``D`` and ``norm_k``, ``norm_added_k`` and the rows of
-every ``to_k_ip`` by ``1 / D``, with ``D`` equal on each RoPE channel pair ``(2i, 2i+1)`` (RoPE rotates the query at
-position m and the key at n by different angles, ``q^T D R_(n-m) D^-1 k``, which is ``q^T R_(n-m) k`` only when ``D``
-commutes with the pair rotations); SD3
-scales its IP processor's ``norm_q`` by ``D`` and ``norm_k``, ``norm_ip_k`` by ``1 / D``. Orthogonal or general basis
-changes are refused there: RMSNorm's per-channel weight sits between the normalisation and the dot product, and a
-rotation of ``to_q`` does not commute with it (nor, in Flux, with RoPE), so they are no change of weights; the
-subgroup of orthogonal maps acting on both normalised q and k is missing for that reason. SD3's
-image keys share one softmax with the latent keys and pass through ``norm_ip_k``, so the row shift is refused there.
+Three reparametrisations leave every logit that enters a softmax unchanged: a **scalar** ``c`` (``q -> c q``,
+``k -> k / c``: the subgroup ``A = c I``); a **per-head basis change** ``A``, the head's rows of ``to_q`` (weight and
+bias) mapping ``q -> A q`` and those of every key projection the query meets (``to_k``, each ``to_k_ip``)
+``k -> A^-T k``; a **per-row shift** ``b`` added to every image key through the ``to_k_ip`` bias (created for the
+duration when there is none; applied after ``A``), which the image branch's own softmax removes. **Flux and SD3**
+normalise q and k with RMSNorm, so only ``A = diag(D)`` on the norms' weights survives (in Flux, ``D`` equal on each
+RoPE channel pair); other basis changes, and SD3's row shift, are refused. Which norms each scales, why, and what each
+gauge does to the probe's statistics: docs/gauge.md, "The whole group, and what each statistic is invariant under".
 """
 
 from __future__ import annotations

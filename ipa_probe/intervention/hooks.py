@@ -1,34 +1,16 @@
 """The intervention's lifecycle: :func:`apply_intervention`, :func:`remove_intervention` and the context manager
 :func:`intervene`.
 
-It acts through forward pre-hooks on the chosen layers' ``to_k_ip`` / ``to_v_ip`` (the image branch's key and value
-projections, which diffusers' IP-Adapter processor calls on the adapter's image tokens ``(B, images, tokens, C)``)
-as a client of the pipeline's attachment core (:mod:`ipa_probe.capture.spine`: its step clock, and where an ablation
-says which references the keys kept, so that a probe inside reads them); no processor, weight or buffer of the
-pipeline is replaced, so removing the hooks gives the pipeline back bit for bit.
-
-- ``"ablate"``: the chosen references' tokens are dropped from the tokens the projections see, so that the layer's
-  softmax runs over the other references' keys only (their weights are renormalised among themselves). This is the
-  clean ablation: the layer computes exactly what it would with that reference absent from the list. Zeroing the
-  reference's keys instead would leave its tokens in the softmax at logit ``q·0 = 0`` (a weight that depends on the
-  other logits, and with zero values a pure loss of mass), and zeroing only its values would keep its share of the
-  softmax and shrink the output by that share: both mix "remove this reference" with "change the output's norm".
-  When every reference of the adapter is removed, the softmax would be empty: the branch's values are zeroed instead,
-  so that it adds nothing, as ``set_ip_adapter_scale(0)`` does in that layer.
-- ``"swap"``: the reference's tokens are replaced by those of another image (encoded with the pipeline's own image
-  encoder and the adapter's ``ImageProjection``, so base IP-Adapters only). Batch rows whose embedding of the reference
-  is all zero (diffusers' unconditional branch under classifier-free guidance) keep their tokens: there the pipeline
-  would embed the other image as zeros too.
-
-- ``"scale"``: the reference's weights in the image branch's softmax are multiplied by a factor and renormalised,
-  through the hook points (:mod:`.points`, :func:`~.custom.scale_hooks`): 0 is ``"ablate"``, 1 nothing, 2 doubles.
-
+It acts through forward pre-hooks on the chosen layers' ``to_k_ip`` / ``to_v_ip`` (which the IP-Adapter processor, or
+ipa_probe's NW head sharing them, calls on the adapter's image tokens ``(B, images, tokens, C)``) as a client of the
+pipeline's attachment core (:mod:`ipa_probe.capture.spine`: its step clock, and where an ablation says which
+references the keys kept, so that a probe inside reads them); no processor, weight or buffer is replaced, so removing
+the hooks gives the pipeline back bit for bit. ``"ablate"`` drops the references' tokens from what the projections see
+(the softmax runs over the others' keys; with none left, the branch's values are zeroed, as scale 0 does); ``"swap"``
+replaces them by another image's (base IP-Adapters; all-zero CFG rows keep theirs); ``"scale"`` goes through the hook
+points (:func:`~.custom.scale_hooks`). Why, and what is supported (SD 1.5 / SDXL; Flux for ``"ablate"`` and
+``"scale"``; no ``ip_adapter_masks``, no SD3): docs/attribution.md, "The causal comparison: interventions".
 ``intervene(pipe, hooks={name: fn})`` attaches user callbacks to named hook points instead (:mod:`.custom`).
-
-Supported: SD 1.5 / SDXL UNets with ``IPAdapterAttnProcessor2_0`` (or ipa_probe's NW head, which shares the same
-``to_k_ip`` / ``to_v_ip``) and, for ``"ablate"`` and ``"scale"``, Flux (``FluxIPAdapterAttnProcessor`` also calls
-the projections on ``(B, images, tokens, C)``), without ``ip_adapter_masks`` (a masked call raises at its first
-intervened step). SD3 is refused: its image branch shares one softmax with the latent tokens.
 """
 
 from __future__ import annotations

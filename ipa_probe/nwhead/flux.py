@@ -35,12 +35,7 @@ class FluxNWHeadAttnProcessor(ProcessorView, FluxIPAdapterAttnProcessor):
     uses), ``k_a = to_k_ip[a](c_a)`` and ``v_a = to_v_ip[a](c_a)`` over all reference images of the adapter. The
     joint text-image attention is the parent's. ``ip_adapter_masks`` are accepted and ignored, as by the parent.
 
-    Args:
-        original: the ``FluxIPAdapterAttnProcessor`` to stand in for.
-        bandwidth: ``"matched"`` (``h^2 = sqrt(d_head)``), a positive float or a callable of the timestep (0-1000).
-        clock: where a callable bandwidth reads the timestep; required for a callable bandwidth.
-        frame: ``"stored"`` or ``"query"`` (see :class:`~.kernel.NWKernel`).
-        form: for the query frame, ``"exact"`` (default) or ``"gaussian"``.
+    Arguments as in :class:`~.kernel.ProcessorView`; ``original``: the ``FluxIPAdapterAttnProcessor``.
     """
 
     _mirrored = FluxIPAdapterAttnProcessor

@@ -196,10 +196,8 @@ class ProcessorView(NWKernel):
 
     Args:
         original: the diffusers processor to stand in for (an instance of the subclass's ``_mirrored``).
-        bandwidth: ``"matched"``, a positive float or a callable of the timestep (0-1000).
-        clock: where a callable bandwidth reads the timestep; required for a callable bandwidth.
-        frame: ``"stored"`` or ``"query"`` (see :class:`NWKernel`).
-        form: for the query frame, ``"exact"`` (default) or ``"gaussian"``.
+        bandwidth, clock, frame, form: as :class:`NWKernel`'s attributes (``"matched"``: ``h^2 = sqrt(d_head)``; a
+            callable bandwidth, of the timestep 0-1000, needs ``clock``; ``form`` defaults to ``"exact"``).
     """
 
     #: diffusers' processor class this head mirrors.

@@ -38,12 +38,7 @@ class SD3NWHeadAttnProcessor(ProcessorView, SD3IPAdapterJointAttnProcessor2_0):
     own RMS norms) and ``k_ip = norm_ip_k(to_k_ip(c))``, ``v_ip = to_v_ip(c)``, ``c = norm_ip(c_ip, temb)``. The joint
     text-latent attention is unchanged. With ``scale == 0`` or no image prompt the parent runs as is.
 
-    Args:
-        original: the ``SD3IPAdapterJointAttnProcessor2_0`` to stand in for.
-        bandwidth: ``"matched"`` (``h^2 = sqrt(d_head)``), a positive float or a callable of the timestep (0-1000).
-        clock: where a callable bandwidth reads the timestep; required for a callable bandwidth.
-        frame: ``"stored"`` or ``"query"`` (see :class:`~.kernel.NWKernel`).
-        form: for the query frame, ``"exact"`` (default) or ``"gaussian"``.
+    Arguments as in :class:`~.kernel.ProcessorView`; ``original``: the ``SD3IPAdapterJointAttnProcessor2_0``.
     """
 
     _mirrored = SD3IPAdapterJointAttnProcessor2_0

@@ -195,14 +195,7 @@ def apply_nw_head(
 ) -> NWHeadSwap:
     """Swap the NW head into a pipeline's IP-Adapter layers (until :func:`remove_nw_head`).
 
-    Prefer the context manager :func:`nw_head` in scripts; this pair is for notebooks.
-
-    Args:
-        pipe: a diffusers pipeline (SD 1.5 / SDXL, Flux, SD3) with an IP-Adapter loaded, or its denoiser.
-        bandwidth: ``"matched"``, a positive float or a callable of the timestep (see :class:`NWHeadConfig`).
-        layers: a regex or list of regexes selecting layer ids; ``None`` for every IP-Adapter layer.
-        frame: ``"stored"`` (default, gauge dependent) or ``"query"`` (gauge invariant); see :class:`NWHeadConfig`.
-        form: query frame only: ``"exact"`` (default) or ``"gaussian"``.
+    Prefer the context manager :func:`nw_head` in scripts; this pair is for notebooks. Arguments as in :func:`nw_head`.
 
     Returns:
         the :class:`NWHeadSwap` (its ``layers`` lists the swapped layer ids).
@@ -270,11 +263,8 @@ def nw_head(
         pipe: a diffusers pipeline (SD 1.5 / SDXL, Flux, SD3) with an IP-Adapter loaded, or its denoiser.
         bandwidth: ``"matched"`` (``h^2 = sqrt(d_head)``), a positive float, or a callable of the timestep (0-d
             tensor on the device, scheduler scale 0-1000 -> float or tensor). Stored frame only.
-        layers: a regex or list of regexes selecting layer ids; ``None`` for every IP-Adapter layer.
-        frame: ``"stored"`` (default): key term ``|k|^2 / (2 h^2)`` of the stored keys, gauge dependent (two models
-            related by a per-head basis change of q/k give different images). ``"query"``: key term estimated from
-            the current pass's queries per layer, head, batch item and step, on the device; gauge invariant.
-        form: query frame only: ``"exact"`` (default) or ``"gaussian"``.
+        layers, frame, form: as :class:`NWHeadConfig` states them (``frame="stored"``, the default, is gauge
+            dependent: two models related by a per-head basis change of q/k give different images; ``"query"`` not).
 
     Yields:
         the :class:`NWHeadSwap`.

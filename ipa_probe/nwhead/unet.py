@@ -47,10 +47,8 @@ class NWHeadAttnProcessor(NWKernel, IPAdapterAttnProcessor2_0):
 
     Args:
         original: the IP-Adapter processor to mirror (``IPAdapterAttnProcessor2_0`` or ``IPAdapterAttnProcessor``).
-        bandwidth: ``"matched"``, a positive float or a callable of the timestep (see :class:`NWHeadConfig`).
-        clock: where a callable bandwidth reads the timestep; required for a callable bandwidth.
-        frame: ``"stored"`` (gauge dependent) or ``"query"`` (gauge invariant; bandwidth must stay ``"matched"``).
-        form: for the query frame, ``"exact"`` (default) or ``"gaussian"``.
+        bandwidth, clock, frame, form: as :class:`~.kernel.NWKernel`'s attributes (a callable bandwidth needs
+            ``clock``; ``form`` defaults to ``"exact"`` for the query frame).
     """
 
     def __init__(

@@ -97,17 +97,7 @@ class ExactNWHead(nn.Module):
         return self._mean(x, t, support)[0]
 
     def forward(self, x: torch.Tensor, t: float | torch.Tensor, support: torch.Tensor) -> torch.Tensor:
-        """The exact velocity ``u_t(x)`` of the support.
-
-        Args:
-            x: points on the path, shape ``(n, d)`` or ``(B, n, d)``.
-            t: flow times in ``[0, 1]``: a float or a tensor broadcastable to the rows of ``x`` (``()``, ``(n,)``,
-                ``(B, n)``, ``(B, n, 1)``); clamped to ``>= 1e-5``.
-            support: support points, shape ``(m, d)`` or ``(B, m, d)``.
-
-        Returns:
-            velocity, shape of ``x`` (broadcast against a batched support).
-        """
+        """The support's exact velocity ``u_t(x)``, as :func:`~ipa_probe.theory.nw_velocity` takes and returns it."""
         m, t, sigma_t, x = self._mean(x, t, support)
         return (m - (1.0 - self.sigma_min) * x) / sigma_t
 

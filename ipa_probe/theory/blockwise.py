@@ -138,12 +138,9 @@ def blockwise_nw_velocity(
     With ``H = 1`` (the default) it is the exact field :func:`~ipa_probe.theory.nw_velocity`.
 
     Args:
-        x: points on the path, shape ``(n, d)`` or ``(B, n, d)``.
-        t: flow times in ``[0, 1]``, a float or a tensor broadcastable to the rows of ``x``; clamped to ``>= 1e-5``.
-        support: support points, shape ``(m, d)`` or ``(B, m, d)``.
+        x, t, support, sigma_min: as in :func:`~ipa_probe.theory.nw_velocity`.
         n_heads: number of contiguous coordinate blocks (default 1, or ``len(projections)``).
         projections: the heads' orthonormal bases instead of coordinate blocks (see :func:`blockwise_nw_weights`).
-        sigma_min: the path's noise level at ``t = 1``.
 
     Returns:
         velocity, shape of ``x``.
@@ -168,9 +165,7 @@ def mahalanobis_nw_weights(
     """NW weights under the Mahalanobis metric ``M = L L^T``: ``softmax_i(-|L^T (x - s_i)|^2 / (2 h^2))``.
 
     Args:
-        query: points, shape ``(n, d)`` or ``(B, n, d)``.
-        support: support points, shape ``(m, d)`` or ``(B, m, d)``.
-        h: bandwidth, a float or a tensor broadcastable to the query rows; must be > 0.
+        query, support, h: as in :func:`~ipa_probe.theory.nw_weights`.
         L: the metric's factor, shape ``(d, k)`` or ``(B, d, k)`` (``k < d`` gives a degenerate metric that
             ignores the directions outside the column span of ``L``).
 
@@ -193,11 +188,8 @@ def mahalanobis_nw_velocity(
     source ``N(0, M^{-1})``, and ``u @ L`` equals ``nw_velocity(x @ L, t, support @ L)``.
 
     Args:
-        x: points on the path, shape ``(n, d)`` or ``(B, n, d)``.
-        t: flow times in ``[0, 1]``, a float or a tensor broadcastable to the rows of ``x``; clamped to ``>= 1e-5``.
-        support: support points, shape ``(m, d)`` or ``(B, m, d)``.
+        x, t, support, sigma_min: as in :func:`~ipa_probe.theory.nw_velocity`.
         L: the metric's factor, shape ``(d, k)`` or ``(B, d, k)``.
-        sigma_min: the path's noise level at ``t = 1``.
 
     Returns:
         velocity, shape of ``x``.

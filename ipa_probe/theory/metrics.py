@@ -98,14 +98,8 @@ def energy_distance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Unbiased energy distance ``2 E|X - Y| - E|X - X'| - E|Y - Y'|`` (Székely & Rizzo).
 
     The cross term is the mean over all ``n n'`` pairs; the within-sample terms are U-statistics (means over the
-    ``n(n-1)`` pairs ``i != j``), so the estimate is unbiased and scatters around 0 for equal laws.
-
-    Args:
-        x: first sample, shape ``(n, d)`` or ``(B, n, d)``, ``n >= 2``.
-        y: second sample, shape ``(n', d)`` or ``(B, n', d)``, ``n' >= 2``.
-
-    Returns:
-        energy distance, shape ``()`` or ``(B,)``.
+    ``n(n-1)`` pairs ``i != j``), so the estimate is unbiased and scatters around 0 for equal laws. Arguments as in
+    :func:`mmd2` (``n, n' >= 2``); returns shape ``()`` or ``(B,)``.
     """
     _check_pair(x, y, 2)
     y = y.to(x.dtype)
@@ -121,8 +115,7 @@ def c2st(x: torch.Tensor, y: torch.Tensor, folds: int = 5, seed: int = 0) -> flo
     classifier only sees differences that a hyperplane separates (means, not variances).
 
     Args:
-        x: first sample, shape ``(n, d)`` or ``(B, n, d)``.
-        y: second sample, shape ``(n', d)`` or ``(B, n', d)``.
+        x, y: as in :func:`median_bandwidth`.
         folds: number of cross-validation folds, >= 2 and at most the smaller sample size.
         seed: seed of the fold shuffling.
 

@@ -37,12 +37,7 @@ def _prepare(
 
 
 def nw_log_weights(query: torch.Tensor, support: torch.Tensor, h: float | torch.Tensor) -> torch.Tensor:
-    """Log NW weights ``log w_i(x) = log_softmax_i(-|x - s_i|^2 / (2 h^2))``.
-
-    Args:
-        query: points ``x``, shape ``(n, d)`` or ``(B, n, d)``.
-        support: support points ``s_i``, shape ``(m, d)`` or ``(B, m, d)``.
-        h: bandwidth, a float or a tensor broadcastable to the query rows; must be > 0.
+    """Log NW weights ``log w_i(x) = log_softmax_i(-|x - s_i|^2 / (2 h^2))``; arguments as in :func:`nw_weights`.
 
     Returns:
         log-weights, shape ``(n, m)`` or ``(B, n, m)``.
@@ -80,9 +75,7 @@ def nw_mean(
     """The NW local mean ``m_h(x) = sum_i w_i(x) s_i``: a point of the convex hull of the support.
 
     Args:
-        query: points ``x``, shape ``(n, d)`` or ``(B, n, d)``.
-        support: support points ``s_i``, shape ``(m, d)`` or ``(B, m, d)``.
-        h: bandwidth, a float or a tensor broadcastable to the query rows; must be > 0.
+        query, support, h: as in :func:`nw_weights`.
         chunk_size: if given, process at most this many query rows at a time, so that no more than
             ``chunk_size * m`` weights per task exist at once.
 
@@ -113,12 +106,8 @@ def n_eff(weights: torch.Tensor) -> torch.Tensor:
 
 
 def kde_log_density(query: torch.Tensor, support: torch.Tensor, h: float | torch.Tensor) -> torch.Tensor:
-    """Log of the Gaussian kernel density estimate ``(1/m) sum_i N(x; s_i, h^2 I)`` (paper Prop 4.2).
-
-    Args:
-        query: points ``x``, shape ``(n, d)`` or ``(B, n, d)``.
-        support: support points ``s_i``, shape ``(m, d)`` or ``(B, m, d)``.
-        h: bandwidth, a float or a tensor broadcastable to the query rows; must be > 0.
+    """Log of the Gaussian kernel density estimate ``(1/m) sum_i N(x; s_i, h^2 I)`` (paper Prop 4.2); arguments as
+    in :func:`nw_weights`.
 
     Returns:
         log-density, shape ``(n,)`` or ``(B, n)``.

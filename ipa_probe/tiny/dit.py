@@ -48,6 +48,7 @@ from transformers import (
 from .._quiet import quiet_known_messages
 from .sd import (
     _adapter_seed,
+    _base_to_checkpoint_layout,
     _check_seed,
     _feature_extractor,
     _image_encoder,
@@ -172,13 +173,8 @@ def tiny_flux_components(seed: int = 0) -> dict[str, Any]:
 
     Two double-stream blocks (where Flux IP-Adapters act) and one single-stream block, 2 heads of width 16 with
     rotary axes (4, 6, 6), guidance embedding (as in Flux.1-dev); CLIP (pooled, width 32) and T5 (width 32) text
-    encoders; a CLIP image encoder with 32-wide ``image_embeds``.
-
-    Args:
-        seed: non-negative int.
-
-    Returns:
-        keyword arguments for ``FluxPipeline``.
+    encoders; a CLIP image encoder with 32-wide ``image_embeds``. Returns the keyword arguments for ``FluxPipeline``;
+    ``seed``: a non-negative int.
     """
     _check_seed(seed)
     tokenizer_2 = tiny_t5_tokenizer()
@@ -251,13 +247,7 @@ def tiny_flux_ip_adapter_state_dict(
             cross_attention_dim=cross_dim,
             num_image_text_embeds=FLUX_IP_TOKENS,
         )
-        state = proj.state_dict()
-        image_proj = {
-            "proj.weight": state["image_embeds.weight"],
-            "proj.bias": state["image_embeds.bias"],
-            "norm.weight": state["norm.weight"],
-            "norm.bias": state["norm.bias"],
-        }
+        image_proj = _base_to_checkpoint_layout(proj)
     layers: dict[str, torch.Tensor] = {}
     with _seeded(seed, "flux_ip_adapter/layers"):
         for n in range(transformer.config.num_layers):
@@ -288,9 +278,7 @@ def tiny_flux_pipeline(
 
     Args:
         num_adapters: how many IP-Adapters to load (>= 1), each from its own seed.
-        seed: non-negative int. The same seed gives bit-identical weights; the caller's RNG is untouched.
-        device: where the pipeline is moved after building (it is built on CPU).
-        dtype: its parameter dtype.
+        seed, device, dtype: as in :func:`ipa_probe.tiny.sd.tiny_pipeline`.
 
     Returns:
         a ``FluxPipeline``.
@@ -341,13 +329,8 @@ def tiny_sd3_components(seed: int = 0) -> dict[str, Any]:
 
     Two joint blocks with RMS query/key norms (SD3.5), 2 heads of width 16; two CLIP text encoders with projection
     (pooled width 2 x 32) and a T5 encoder of width 64 (the joint attention width); a SigLIP image encoder
-    (``SiglipVisionModel``, 64 patch tokens of width 32) with its ``SiglipImageProcessor``.
-
-    Args:
-        seed: non-negative int.
-
-    Returns:
-        keyword arguments for ``StableDiffusion3Pipeline``.
+    (``SiglipVisionModel``, 64 patch tokens of width 32) with its ``SiglipImageProcessor``. Returns the keyword
+    arguments for ``StableDiffusion3Pipeline``; ``seed``: a non-negative int.
     """
     _check_seed(seed)
     tokenizer_3 = tiny_t5_tokenizer()
@@ -483,15 +466,7 @@ def tiny_sd3_pipeline(
     Every joint-attention layer holds an ``SD3IPAdapterJointAttnProcessor2_0`` (SD3 supports one adapter, scale 0.5
     by default); ``pipe(..., ip_adapter_image=image)`` takes one reference image per prompt. Classifier-free
     guidance concatenates ``[uncond, cond]`` in one transformer pass, as in SD 1.5. Default image size 64 x 64 (64
-    latent tokens).
-
-    Args:
-        seed: non-negative int.
-        device: where the pipeline is moved after building (it is built on CPU).
-        dtype: its parameter dtype.
-
-    Returns:
-        a ``StableDiffusion3Pipeline``.
+    latent tokens). Arguments as in :func:`tiny_flux_pipeline` (one adapter: no ``num_adapters``).
     """
     torch_dtype = _resolve_dtype(dtype)
     pipe = StableDiffusion3Pipeline(**tiny_sd3_components(seed))

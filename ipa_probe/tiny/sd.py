@@ -262,6 +262,13 @@ def _ip_layer_widths(unet: UNet2DConditionModel) -> list[int]:
     return widths
 
 
+def _base_to_checkpoint_layout(proj: ImageProjection) -> dict[str, torch.Tensor]:
+    """An ``ImageProjection``'s weights under the published base adapters' ``image_proj.{proj,norm}.*`` keys."""
+    sd = proj.state_dict()
+    keys = ("proj.weight", "image_embeds.weight"), ("proj.bias", "image_embeds.bias")
+    return {new: sd[old] for new, old in (*keys, ("norm.weight", "norm.weight"), ("norm.bias", "norm.bias"))}
+
+
 def _plus_to_checkpoint_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rename an ``IPAdapterPlusImageProjection`` state dict to the published Plus checkpoints' ``image_proj`` keys
     (the Resampler of tencent-ailab/IP-Adapter), which ``load_ip_adapter`` converts back."""
@@ -331,13 +338,7 @@ def tiny_ip_adapter_state_dict(
                 cross_attention_dim=cross_dim,
                 num_image_text_embeds=IP_ADAPTER_NUM_TOKENS["base"],
             )
-            sd = proj.state_dict()
-            image_proj = {
-                "proj.weight": sd["image_embeds.weight"],
-                "proj.bias": sd["image_embeds.bias"],
-                "norm.weight": sd["norm.weight"],
-                "norm.bias": sd["norm.bias"],
-            }
+            image_proj = _base_to_checkpoint_layout(proj)
         else:
             proj = IPAdapterPlusImageProjection(
                 embed_dims=image_encoder.config.hidden_size,
@@ -611,9 +612,7 @@ def save_tiny_pipeline(
 
     Args:
         directory: the output folder (created if missing; existing files of the same names are overwritten).
-        kind: ``"sd15"`` or ``"sdxl"``.
-        ip_adapter: ``"base"`` or ``"plus"``.
-        seed: non-negative int.
+        kind, ip_adapter, seed: as in :func:`tiny_pipeline`.
 
     Returns:
         a :class:`SavedTinyPipeline` with the paths and ``load_ip_adapter_kwargs``.

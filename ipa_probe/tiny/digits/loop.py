@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import CLIPTextModel, CLIPVisionModelWithProjection
 
+from ..._checks import DIGITS_SMALLEST_CLASS, max_refs_limit
 from ..._io import output_lock, write_figure
 from ..tokenizer import clip_tokenizer
 from .data import TRAIN_SIZE, _to_pil, digit_images
@@ -27,10 +28,15 @@ _STAGE_OFFSETS = {"vae": 0, "unet": 1, "encoder": 2, "adapter": 3}
 
 
 def check_settings(
-    config: Any, counts: Sequence[str], fractions: Sequence[str] = (), positives: Sequence[str] = ()
+    config: Any,
+    counts: Sequence[str],
+    fractions: Sequence[str] = (),
+    positives: Sequence[str] = (),
+    max_refs_of: str | None = None,
 ) -> None:
     """Check a training config's fields: ``seed`` a non-negative int, ``counts`` ints >= 1, ``fractions`` in [0, 1)
-    summing below 1 (some targets must see their references), ``positives`` > 0 (rates, weights)."""
+    summing below 1 (some targets must see their references), ``positives`` > 0 (rates, weights), and with
+    ``max_refs_of`` (``"support"`` or ``"adapter"``) ``max_refs`` at most what that training can draw."""
     if isinstance(config.seed, bool) or not isinstance(config.seed, int) or config.seed < 0:
         raise ValueError(f"expected seed to be a non-negative int, got {config.seed!r}")
     for name in counts:
@@ -47,6 +53,11 @@ def check_settings(
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
             raise ValueError(f"expected {name} > 0, got {value!r}")
+    if max_refs_of is not None and config.max_refs > max_refs_limit(max_refs_of):
+        raise ValueError(
+            f"max_refs: expected at most {max_refs_limit(max_refs_of)} (a target's references come from its class; "
+            f"the rarest digit has {DIGITS_SMALLEST_CLASS} training images), got {config.max_refs}"
+        )
 
 
 def step_generator(seed: int, stage: str, step: int) -> torch.Generator:
@@ -62,8 +73,13 @@ def lr_factor(step: int, steps: int, warmup: int = 100) -> float:
     return 0.1 + 0.45 * (1.0 + float(np.cos(np.pi * progress)))
 
 
-def new_state(stages: Sequence[str]) -> dict[str, Any]:
-    """The run state a fresh training starts from (what the checkpoint carries besides tensors)."""
+def load_state(checkpoint: Any, modules: dict, optimizers: dict, stages: Sequence[str]) -> dict[str, Any]:
+    """The run state (what the checkpoint carries besides tensors): ``checkpoint``'s, with ``modules`` and
+    ``optimizers`` loaded from it and one more resume counted; without one, the state a fresh training starts from."""
+    state = checkpoint.load(modules, optimizers)
+    if state is not None:
+        state["resumed"] += 1
+        return state
     return {
         "stage": stages[0],
         "step": 0,
@@ -237,13 +253,15 @@ def run_fields(state: dict[str, Any], threads: int) -> dict[str, Any]:
     }
 
 
-def save_adapter(out: Path, flat: dict[str, torch.Tensor], note: str) -> None:
-    """``out/ip_adapter/ip-adapter.safetensors`` in ``load_ip_adapter``'s layout, written atomically."""
+def save_adapter(out: Path, state: dict[str, dict[str, torch.Tensor]], note: str) -> None:
+    """``out/ip_adapter/ip-adapter.safetensors`` in ``load_ip_adapter``'s layout (``state``'s groups flattened to
+    ``group.key``), written atomically."""
     from safetensors.torch import save_file
 
     from ..._io import atomic_path
     from .data import WEIGHT_NAME
 
+    flat = {f"{group}.{key}": value for group, tensors in state.items() for key, value in tensors.items()}
     (out / "ip_adapter").mkdir(exist_ok=True)
     with atomic_path(out / "ip_adapter" / WEIGHT_NAME) as temp:
         save_file(flat, str(temp), metadata={"format": "pt", "ipa_probe": note})

@@ -27,7 +27,7 @@ from transformers import (
 from ..._checks import DEFAULT_DIGITS_RECIPE as DEFAULT_RECIPE
 from ..._checks import DIGITS_BASE_FILES, check_recipe
 from ..._quiet import quiet_known_messages
-from ..sd import _seeded, realign_weights
+from ..sd import _base_to_checkpoint_layout, _seeded, realign_weights
 from ..tokenizer import CLIP_MODEL_MAX_LENGTH, CLIP_VOCAB_SIZE, clip_tokenizer
 from .data import (
     _TEXT_WIDTH,
@@ -260,13 +260,7 @@ def _adapter_state_dict(
 ) -> dict[str, dict[str, torch.Tensor]]:
     """The adapter in the published checkpoints' layout: ``image_proj.{proj,norm}.*`` and, for the ``n``-th
     cross-attention layer in ``unet.attn_processors`` order, ``ip_adapter.{2n+1}.to_{k,v}_ip.weight``."""
-    sd = image_proj.state_dict()
-    proj = {
-        "proj.weight": sd["image_embeds.weight"],
-        "proj.bias": sd["image_embeds.bias"],
-        "norm.weight": sd["norm.weight"],
-        "norm.bias": sd["norm.bias"],
-    }
+    proj = _base_to_checkpoint_layout(image_proj)
     layers = {}
     for n, proc in enumerate(ip_processors):
         layers[f"{2 * n + 1}.to_k_ip.weight"] = proc.to_k_ip[0].weight

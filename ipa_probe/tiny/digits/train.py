@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL, StableDiffusionPipeline
 
-from ..._checks import DIGITS_SMALLEST_CLASS, max_refs_limit
 from ..._io import write_json
 from ..sd import _seeded
 from ..tokenizer import clip_tokenizer
@@ -27,7 +26,7 @@ from .loop import (
     check_settings,
     encoder_accuracy,
     encoder_loss,
-    new_state,
+    load_state,
     noisy,
     plot_losses,
     prompt_states,
@@ -91,12 +90,7 @@ class DigitsTrainConfig:
         counts = ("threads", "vae_steps", "encoder_steps", "steps", "batch", "max_refs", "checkpoint_every")
         check_settings(self, counts, ("drop_embeds", "drop_tokens"), ("vae_lr", "encoder_lr", "lr", "vae_kl"))
         check_settings(self, (), ("drop_text",))
-        check_settings(self, (), ("mixed",))
-        if self.max_refs > max_refs_limit("support"):
-            raise ValueError(
-                f"max_refs: expected at most {max_refs_limit('support')} (a target's references come from its class; "
-                f"the rarest digit has {DIGITS_SMALLEST_CLASS} training images), got {self.max_refs}"
-            )
+        check_settings(self, (), ("mixed",), max_refs_of="support")
 
     @property
     def recipe(self) -> str:
@@ -191,11 +185,7 @@ def _train(out: Path, config: DigitsTrainConfig, progress: bool, stop_after: int
     }
     steps = {"vae": config.vae_steps, "encoder": config.encoder_steps, "unet": config.steps}
     checkpoint = TrainingCheckpoint(out, config.recipe, {"config": config.to_dict()}, steps)
-    state = checkpoint.load(modules, optimizers)
-    if state is None:
-        state = new_state(STAGES)
-    else:
-        state["resumed"] += 1
+    state = load_state(checkpoint, modules, optimizers, STAGES)
     data: dict[str, Any] = training_digits()
     train_x, train_y, pixel_values = data["x"], data["y"], data["pixel_values"]
 
@@ -358,5 +348,4 @@ def _save_outputs(out: Path, parts: dict[str, Any], scaling_factor: float) -> No
     with _quiet_loading():  # no "Writing model shards" bars
         pipe.save_pretrained(out / "model", safe_serialization=True)
     parts["text_encoder"].float()
-    flat = {f"{group}.{key}": value for group, tensors in state.items() for key, value in tensors.items()}
-    save_adapter(out, flat, "digits")
+    save_adapter(out, state, "digits")

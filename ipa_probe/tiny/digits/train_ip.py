@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL
 from transformers import CLIPTextModel
 
-from ..._checks import DIGITS_SMALLEST_CLASS, max_refs_limit
 from ..._io import write_json
 from ..sd import _seeded
 from .checkpoint import TrainingCheckpoint
@@ -40,7 +39,7 @@ from .loop import (
     check_settings,
     encoder_accuracy,
     encoder_loss,
-    new_state,
+    load_state,
     noisy,
     plot_losses,
     prompt_states,
@@ -133,12 +132,7 @@ class DigitsAdapterConfig:
         if self.base is not None:
             object.__setattr__(self, "base", os.fspath(self.base))
         counts = ("threads", "steps", "batch", "max_refs", "checkpoint_every")
-        check_settings(self, counts, ("drop_embeds", "drop_text", "drop_both"), ("lr",))
-        if self.max_refs > max_refs_limit("adapter"):
-            raise ValueError(
-                f"max_refs: expected at most {max_refs_limit('adapter')} (a target's references come from its class; "
-                f"the rarest digit has {DIGITS_SMALLEST_CLASS} training images), got {self.max_refs}"
-            )
+        check_settings(self, counts, ("drop_embeds", "drop_text", "drop_both"), ("lr",), max_refs_of="adapter")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -207,11 +201,7 @@ def train_base(out: Path, config: DigitsBaseConfig, progress: bool = True, stop_
     shared = _shared_digest()
     identity = {"config": config.to_dict(), "vae_and_text_encoder_sha256": shared}
     checkpoint = TrainingCheckpoint(out, config.recipe, identity, steps)
-    state = checkpoint.load(modules, optimizers)
-    if state is None:
-        state = new_state(BASE_STAGES)
-    else:
-        state["resumed"] += 1
+    state = load_state(checkpoint, modules, optimizers, BASE_STAGES)
     vae, text_encoder = _shipped_vae_and_text()
     data: dict[str, Any] = training_digits()
     data.update(_latents_and_prompts(vae, text_encoder, data["x"]))
@@ -287,11 +277,7 @@ def train_adapter(
     optimizers = {"adapter": torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)}
     identity = {"config": config.to_dict(), "base_sha256": digest, "vae_and_text_encoder_sha256": _shared_digest()}
     checkpoint = TrainingCheckpoint(out, config.recipe, identity, {"adapter": config.steps})
-    state = checkpoint.load(modules, optimizers)
-    if state is None:
-        state = new_state(("adapter",))
-    else:
-        state["resumed"] += 1
+    state = load_state(checkpoint, modules, optimizers, ("adapter",))
     vae, text_encoder = _shipped_vae_and_text()
     data: dict[str, Any] = training_digits()
     data.update(_latents_and_prompts(vae, text_encoder, data["x"]))
@@ -326,8 +312,7 @@ def train_adapter(
         + (f" plus 0-{config.max_refs - 1} others of its class" if config.max_refs > 1 else ""),
     }
     state_dict = _adapter_state_dict(unet, ip_processors, image_proj)
-    flat = {f"{group}.{key}": value for group, tensors in state_dict.items() for key, value in tensors.items()}
-    save_adapter(out, flat, "digits ip-adapter recipe")
+    save_adapter(out, state_dict, "digits ip-adapter recipe")
     plot_losses(out / "loss.png", state["losses"], {"adapter": "adapter only, base frozen (eps MSE)"})
     write_json(out / "record.json", record)
     return record
