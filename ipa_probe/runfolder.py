@@ -164,7 +164,8 @@ def check_folder(
     - a manifest that cannot be trusted (:func:`read_run_manifest`);
     - a file the manifest lists whose bytes changed since (a hand edit): a rerun would write the same name, and
       only a run's own bytes are ever replaced; with or without ``overwrite``; also one with a hard link elsewhere
-      (``st_nlink > 1``) but its twin in a staging folder a resumable run left (call after :func:`recover`);
+      (``st_nlink > 1``, its twin in a resumable run's staging folder not counted; call after :func:`recover`,
+      which clears the links a stopped commit made);
     - without ``overwrite``: another run's files (another command or other settings), or files no manifest lists.
 
     With ``overwrite``, files no manifest lists are kept and named; a staged file that would land on one stops the
