@@ -30,7 +30,7 @@ from typing import Any
 from ._io import TEMP_NAME, swap_folder, write_json
 from .run_manifest import MANIFEST_NAME, RunConflict, file_digest, read_run_manifest, safe_name
 
-__all__ = ["FINAL_NAME", "STAGING_NAME", "Unsupported", "clear", "roll_forward", "swap_in", "still_listed"]
+__all__ = ["FINAL_NAME", "STAGING_NAME", "Unsupported", "clear", "roll_forward", "swap_in", "still_listed", "twins"]
 
 #: The staging folder inside an output folder, where a run writes until it is whole.
 STAGING_NAME = ".ipa_probe-staging"
@@ -57,7 +57,7 @@ def rename2(source: Path, target: Path, flags: int) -> None:
         raise OSError(code, os.strerror(code), str(source), None, str(target))
 
 
-def _twins(a: Path, b: Path) -> bool:
+def twins(a: Path, b: Path) -> bool:
     """``a`` and ``b`` are names of one inode (links are not followed)."""
     try:
         x, y = os.lstat(a), os.lstat(b)
@@ -233,9 +233,9 @@ def clear(folder: Path, swap: Path | None = None) -> list[str]:
             if key in (MANIFEST_NAME, f"{STAGING_NAME}/{MANIFEST_NAME}"):
                 continue  # removed last: until then they say whose the rest is
             if (
-                _twins(path, folder / key)
-                or _twins(path, folder / mine)
-                or _twins(path, folder / STAGING_NAME / key)
+                twins(path, folder / key)
+                or twins(path, folder / mine)
+                or twins(path, folder / STAGING_NAME / key)
                 or (ours and mine != key)
                 or TEMP_NAME.fullmatch(name)  # a temp file a killed write left (O_EXCL: made by ipa_probe)
                 or (key in theirs["files"] and still_listed(swap, key, theirs["files"][key]["sha256"]))
@@ -281,7 +281,7 @@ def roll_forward(folder: Path, record: dict[str, Any]) -> None:
         source, target = staging / name, inside(folder, name)
         if target is None:
             raise RunConflict(f"{folder}: a symbolic link or a file stands on the way to {name}; nothing more renamed")
-        if not os.path.lexists(source) or _twins(source, target):
+        if not os.path.lexists(source) or twins(source, target):
             continue
         old = record.get("replace", {}).get(name)
         if os.path.lexists(target) and not (old and still_listed(folder, name, old)):

@@ -47,6 +47,7 @@ from .run_commit import (
     roll_forward,
     still_listed,
     swap_in,
+    twins,
 )
 from .run_manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, RunConflict, file_digest, read_run_manifest
 
@@ -161,7 +162,9 @@ def check_folder(
 
     - a manifest that cannot be trusted (:func:`read_run_manifest`);
     - a file the manifest lists whose bytes changed since (a hand edit): a rerun would write the same name, and
-      only a run's own bytes are ever replaced; with or without ``overwrite``;
+      only a run's own bytes are ever replaced; with or without ``overwrite``; also one with a hard link elsewhere
+      (``st_nlink > 1``, its twin in a resumable run's staging folder not counted; call after :func:`recover`,
+      which clears the links a stopped commit made);
     - without ``overwrite``: another run's files (another command or other settings), or files no manifest lists.
 
     With ``overwrite``, files no manifest lists are kept and named; a staged file that would land on one stops the
@@ -193,6 +196,14 @@ def check_folder(
             f"{'them' if len(changed) > 1 else 'it'} (the sha256 its manifest lists differs); a run never replaces a "
             f"file that is not byte for byte its own: move {'them' if len(changed) > 1 else 'it'} away, or choose a "
             f"fresh {flag}"
+        )
+    # a second name of a file the run replaces or removes, but its twin in a resumable run's staging folder
+    linked = [n for n in ours if files[n].st_nlink > 1 + twins(folder / n, folder / STAGING_NAME / n)]
+    if linked:
+        raise RunConflict(
+            f"{flag} {folder}: a hard link elsewhere shares {_listed(linked)} of run {previous['run_id']}; a run "
+            f"never replaces or removes a file another name shares: move that link away or make it a copy (cp), or "
+            f"choose a fresh {flag}"
         )
     if overwrite:
         return state
@@ -246,9 +257,10 @@ def _apply(folder: Path, record: dict[str, Any], previous: dict[str, Any] | None
 
 
 def pending_commit(folder: str | os.PathLike) -> bool:
-    """Whether ``folder`` holds what a stopped commit left: the swap's sibling, or a journal (:func:`recover`)."""
+    """Whether ``folder`` holds what a stopped commit left: the swap's sibling, a staging folder's temp folder (it
+    may hold hard links of ``OUT``'s files), or a journal (:func:`recover`)."""
     staging = Path(folder) / STAGING_NAME
-    if os.path.lexists(swap_folder(folder)):
+    if os.path.lexists(swap_folder(folder)) or any(Path(folder).glob(f"{STAGING_NAME}.*.tmp")):
         return True
     try:
         record = read_run_manifest(staging) if own_folder(staging) else None

@@ -644,6 +644,50 @@ def test_a_listed_file_replaced_by_a_link_is_refused_before_the_work(tmp_path):
     assert (out / "a.txt").is_symlink() and elsewhere.read_text() == "a user's file"
 
 
+def test_a_listed_file_hard_linked_elsewhere_is_refused_before_the_work_and_both_names_kept(tmp_path):
+    from ipa_probe.cli._common import check_run_folder
+    from ipa_probe.cli._errors import CLIError
+
+    out, keep = tmp_path / "out", tmp_path / "keep.txt"
+    _run(out, {"a.txt": "old a", "b.txt": "old b"}, key=1)
+    os.link(out / "a.txt", keep)  # the user's second name for the run's file (`ln OUT/a.txt keep.txt`)
+    worked = []
+    for overwrite in (False, True):
+        with pytest.raises(RunConflict, match=r"a hard link elsewhere shares a.txt of run .* make it a copy") as err:
+            with RunFolder(out, CMD, {}, {"k": 1}, overwrite=overwrite):
+                worked.append(overwrite)
+        assert "\n" not in str(err.value)
+        with pytest.raises(CLIError, match="a hard link elsewhere shares a.txt"):  # exit 2, before torch loads
+            check_run_folder(out, CMD, {"k": 1}, overwrite=overwrite)
+    assert worked == [] and not (out / STAGING_NAME).exists()  # refused before the block ran
+    assert keep.read_text() == (out / "a.txt").read_text() == "old a" and os.path.samefile(keep, out / "a.txt")
+    _whole(out)
+    keep.unlink()  # the remedy: the same run then goes through
+    _run(out, {"a.txt": "new a"}, key=1)
+    assert (out / "a.txt").read_text() == "new a"
+
+
+def test_the_hard_links_a_killed_resumable_run_left_are_not_refused(tmp_path):
+    from ipa_probe.cli._common import check_run_folder
+
+    out, sweep, row = tmp_path / "out", "ipa-probe sweep", "rows/row-0.parquet"
+    _run(out, {row: "row 0"}, key=1, command=sweep, resumable=True)
+    run = RunFolder(out, sweep, {}, {"k": 1}, resumable=True)
+    run.__enter__()  # killed after making its staging folder, which holds a hard link of row 0 (to resume from)
+    run._stack.close()
+    temp = out / f"{STAGING_NAME}.1-0123abcd.tmp"  # and a rerun killed while making its own: one more link
+    (temp / "rows").mkdir(parents=True)
+    os.link(out / row, temp / row)
+    assert os.lstat(out / row).st_nlink == 3
+    check_run_folder(out, sweep, {"k": 1}, overwrite=False, resumable=True)  # clears the temp folder first
+    assert not temp.exists() and os.lstat(out / row).st_nlink == 2
+    os.link(out / row, tmp_path / "keep.parquet")  # a link no run made
+    with pytest.raises(RunConflict, match=f"shares {row}"):
+        check_folder(out, sweep, {"k": 1})
+    (tmp_path / "keep.parquet").unlink()
+    assert _run(out, {}, key=1, command=sweep, resumable=True).resumed and set(_whole(out)["files"]) == {row}
+
+
 def _exchanged_then_stopped(parent, monkeypatch):
     """``parent/out`` just after a commit's exchange, before the old folder is cleared: the new run in ``out``, the
     previous one (with the staging folder and the lock's second name) in the sibling."""
@@ -661,6 +705,17 @@ def _exchanged_then_stopped(parent, monkeypatch):
     monkeypatch.setattr(run_commit, "clear", real)
     assert _whole_run(out) == 2 and (out.parent / ".out.ipa_probe-swap" / STAGING_NAME).is_dir()
     return out
+
+
+def test_a_commit_stopped_after_its_exchange_is_recovered_by_the_next_run(tmp_path, monkeypatch):
+    from ipa_probe.cli._common import check_run_folder
+
+    out = _exchanged_then_stopped(tmp_path, monkeypatch)  # each new file has its twin in the sibling's staging folder
+    assert os.lstat(out / "a.txt").st_nlink == 2
+    check_run_folder(out, CMD, {"k": 2}, overwrite=True)  # the sibling cleared before the check: not refused
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and os.lstat(out / "a.txt").st_nlink == 1
+    _run(out, _NEW, key=2, overwrite=True)
+    assert _whole_run(out) == 2
 
 
 def test_a_recovery_stopped_before_any_of_its_calls_is_finished_by_the_next(tmp_path, monkeypatch, request):
