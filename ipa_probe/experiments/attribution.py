@@ -552,17 +552,17 @@ def plot(effects_by: dict[str, pd.DataFrame], trained: pd.DataFrame, recipe: str
             mean, decided = part["spearman"].to_numpy(float), part["predicts"].to_numpy(bool)
             color = f"C{index + 2}"
             right.scatter(x, mean, marker=markers[index % 4], color=color, facecolors=np.where(decided, color, "none"),
-                          label=f"trained: {PREDICTORS[predictor]} (filled: predicts after Holm)")  # fmt: skip
+                          label=PREDICTORS[predictor])  # fmt: skip
             drawn += [mean]
             right.set_xticks(np.arange(len(part)), list(part["timestep"]))
         right.axhline(0, color="grey", lw=0.8, ls=":", label="chance (permutation null mean)")
         fit_ylim(right, np.concatenate([np.asarray(d, float) for d in drawn]))
         right.set(xlabel="timestep of the predictor (noise → data)", ylabel="mean per-set Spearman",
                   title="(b) trained, per recorded step")  # fmt: skip
-        for ax in (left, right):  # each panel's key under it (constrained layout makes room), each label once
-            entries = dict(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
+        for ax, title in ((left, None), (right, "trained (filled: predicts after Holm)")):  # each panel's key under
+            entries = dict(zip(*reversed(ax.get_legend_handles_labels()), strict=True))  # it, each label once
             ax.legend(list(entries.values()), list(entries), loc="upper center", bbox_to_anchor=(0.5, -0.16),
-                      frameon=False)  # fmt: skip
+                      frameon=False, title=title)  # fmt: skip
         fig.suptitle(
             f"Which predicts a reference's ablation effect (RMS latent change)?\n"
             f"recipe {recipe}, {sets} sets of {refs} references, CFG 3, 20 steps"

@@ -24,8 +24,6 @@ Conventions, stated before the numbers:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 
@@ -34,7 +32,6 @@ __all__ = [
     "adjust_comparisons",
     "adjust_grid",
     "example_intervals",
-    "rewrite",
 ]
 
 #: Timesteps below this are read after the output is decided (the grid: the effect lives in steps 0-6, t >= 651).
@@ -104,52 +101,3 @@ def example_intervals(example: pd.DataFrame) -> pd.DataFrame:
         out[f"{column}_count"] = counts
         out[f"{column}_low"], out[f"{column}_high"] = (np.array(b) for b in zip(*bounds, strict=True))
     return out
-
-
-def rewrite(folder: str | Path, permutations: int = 49999) -> list[Path]:
-    """Re-derive one attribution folder's tests in place from its committed records (no generation): comparisons
-    from ``effects_<label>.csv`` and ``aggregates_<label>.csv`` (all layers per recorded timestep; without them the
-    committed table is only adjusted), the grid's from ``grid_trained.csv``, each with ``permutations`` permutations
-    and the decision's interval (:func:`_decide`); the held-out choice (:func:`~.attribution_aggregate.
-    held_out_aggregations`); the example's intervals (:func:`example_intervals`). Returns the files written."""
-    from .._io import write_table
-    from .attribution import compare
-    from .attribution_aggregate import held_out_aggregations
-    from .attribution_grid import compare_grid
-    from .attribution_setup import STEP_PREDICTORS
-
-    folder = Path(folder)
-    written = []
-    for label in ("trained", "untrained"):
-        path, effects_path = folder / f"comparisons_{label}.csv", folder / f"effects_{label}.csv"
-        aggregates = folder / f"aggregates_{label}.csv"
-        aggregates = pd.read_csv(aggregates) if aggregates.exists() else None
-        effects = pd.read_csv(effects_path) if effects_path.exists() else None
-        if path.exists() and effects is not None and aggregates is not None:
-            keys = ["set", "reference", *STEP_PREDICTORS]
-            steps = aggregates[(aggregates["group"] == "all") & aggregates["steps"].str.startswith("t=")]
-            per_step = steps.assign(timestep=steps["steps"].str[2:].astype(float))[[*keys, "timestep"]]
-            table = compare(effects.drop(columns=list(STEP_PREDICTORS)), effects[keys], per_step, permutations)
-            write_table(adjust_comparisons(table), path)
-            written.append(path)
-        elif path.exists():
-            write_table(adjust_comparisons(pd.read_csv(path, dtype={"timestep": str})), path)
-            written.append(path)
-        if effects is not None:
-            held, scores = held_out_aggregations(effects, aggregates)
-            for name, frame in (("held_out", held), ("held_out_scores", scores)):
-                write_table(frame, folder / f"{name}_{label}.csv")
-                written.append(folder / f"{name}_{label}.csv")
-    grid = folder / "grid_trained.csv"
-    if grid.exists():
-        grid = pd.read_csv(grid)
-        keys = ["set", "reference", "group", "steps"]
-        table = grid[[*keys, *STEP_PREDICTORS]].drop_duplicates(keys)
-        comparison = compare_grid(grid.drop(columns=list(STEP_PREDICTORS)), table, permutations=permutations)
-        write_table(adjust_grid(comparison), folder / "grid_comparisons_trained.csv")
-        written.append(folder / "grid_comparisons_trained.csv")
-    path = folder / "example_3s_5s_trained.csv"
-    if path.exists():
-        write_table(example_intervals(pd.read_csv(path)), path)
-        written.append(path)
-    return written
