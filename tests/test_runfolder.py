@@ -679,7 +679,7 @@ def test_the_hard_links_a_killed_resumable_run_left_are_not_refused(tmp_path):
     (temp / "rows").mkdir(parents=True)
     os.link(out / row, temp / row)
     assert os.lstat(out / row).st_nlink == 3
-    check_run_folder(out, sweep, {"k": 1}, overwrite=False, resumable=True)  # clears the temp folder first
+    check_run_folder(out, sweep, {"k": 1}, overwrite=False)  # clears the temp folder first
     assert not temp.exists() and os.lstat(out / row).st_nlink == 2
     os.link(out / row, tmp_path / "keep.parquet")  # a link no run made
     with pytest.raises(RunConflict, match=f"shares {row}"):
