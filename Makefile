@@ -27,7 +27,8 @@ PIP_QUIET := 2>&1 | { grep -v -E "$(PIP_NOISE)" || true; }
 
 # Without an NVIDIA GPU (no working `nvidia-smi`), torch and torchvision come from PyTorch's CPU index before the
 # package, so that pip keeps them instead of fetching the CUDA build (about 6 GB, docs/machine.md); a torch already
-# in the environment is kept. `make demo TORCH_CPU_INDEX=` installs pip's default build.
+# in the environment is kept. `make demo TORCH_CPU_INDEX=` installs pip's default build, as does an index that cannot be
+# reached (one try, no retries: a machine without that host answers at once and goes on).
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NO_GPU_TORCH := $(PY) -c "import torch" 2>/dev/null || nvidia-smi -L >/dev/null 2>&1 || [ -z "$(TORCH_CPU_INDEX)" ]
 
@@ -36,7 +37,8 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install --quiet --upgrade pip $(PIP_QUIET)
 	@$(NO_GPU_TORCH) || { echo "no NVIDIA GPU: the CPU build of torch, from $(TORCH_CPU_INDEX)"; \
-		$(PY) -m pip install --quiet torch torchvision --index-url $(TORCH_CPU_INDEX) $(PIP_QUIET); }
+		$(PY) -m pip install --quiet --retries 0 --timeout 10 torch torchvision --index-url $(TORCH_CPU_INDEX) \
+			>/dev/null 2>&1 || echo "$(TORCH_CPU_INDEX) cannot be reached: pip's default build of torch instead"; }
 	@PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install --quiet -e '.[dev]' $(PIP_QUIET)
 	@touch $(STAMP)
 
