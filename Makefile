@@ -25,20 +25,10 @@ SHELL := /bin/bash
 PIP_NOISE := ^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.$$
 PIP_QUIET := 2>&1 | { grep -v -E "$(PIP_NOISE)" || true; }
 
-# Without an NVIDIA GPU (no working `nvidia-smi`), torch and torchvision come from PyTorch's CPU index before the
-# package, so that pip keeps them instead of fetching the CUDA build (about 6 GB, docs/machine.md); a torch already
-# in the environment is kept. `make demo TORCH_CPU_INDEX=` installs pip's default build, as does an index that cannot be
-# reached (one try, no retries: a machine without that host answers at once and goes on).
-TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-NO_GPU_TORCH := $(PY) -c "import torch" 2>/dev/null || nvidia-smi -L >/dev/null 2>&1 || [ -z "$(TORCH_CPU_INDEX)" ]
-
 $(STAMP): pyproject.toml
 	@echo "creating $(VENV) and installing ipa-probe with its dependencies (a few minutes, once)"
 	@$(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install --quiet --upgrade pip $(PIP_QUIET)
-	@$(NO_GPU_TORCH) || { echo "no NVIDIA GPU: the CPU build of torch, from $(TORCH_CPU_INDEX)"; \
-		$(PY) -m pip install --quiet --retries 0 --timeout 10 torch torchvision --index-url $(TORCH_CPU_INDEX) \
-			>/dev/null 2>&1 || echo "$(TORCH_CPU_INDEX) cannot be reached: pip's default build of torch instead"; }
 	@PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install --quiet -e '.[dev]' $(PIP_QUIET)
 	@touch $(STAMP)
 
