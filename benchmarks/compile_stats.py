@@ -4,10 +4,10 @@ per record, and the largest difference of the numbers.
 One synthetic SD 1.5 record per point (CFG batch of 2, 8 heads of width 40, random q and k, as a tap gives them),
 formed once (:func:`~ipa_probe.capture.cells.record_logits`, ``group_cell``, ``cell_inputs``, the library's default
 ``rows="auto"`` sample); then its statistics (:func:`~ipa_probe.capture.cells.compare_cells`, what a pass's flush
-runs, the part that dominates a record) are timed eagerly and under :func:`ipa_probe.stats.compiled_statistics`,
-each from generators of the same seed, so both draw the same nulls. The first compiled call is the compile
-(``dynamic=True``: later shapes reuse it unless a guard fails). CPU time is ``time.process_time`` (this process's
-threads), the median of ``--repeats`` calls.
+runs, the part that dominates a record) are timed eagerly and under
+:func:`ipa_probe.statistics.compiled.compiled_statistics`, each from generators of the same seed, so both draw the same
+nulls. The first compiled call is the compile (``dynamic=True``: later shapes reuse it unless a guard fails). CPU time
+is ``time.process_time`` (this process's threads), the median of ``--repeats`` calls.
 
     python benchmarks/compile_stats.py --threads 1
 """
@@ -24,7 +24,7 @@ import torch
 def _inputs(n_queries: int, n_tokens: int):
     from ipa_probe.capture.cells import cell_inputs, group_cell, record_logits
     from ipa_probe.capture.config import auto_sample_rows
-    from ipa_probe.draws import stratified_rows
+    from ipa_probe.statistics.draws import stratified_rows
 
     class Plain:  # a processor without custom image-branch logits: SDPA's, as IPAdapterAttnProcessor2_0
         pass
@@ -42,7 +42,7 @@ def _inputs(n_queries: int, n_tokens: int):
 
 def _run(records, compiled: bool) -> tuple[torch.Tensor, float]:
     from ipa_probe.capture.cells import compare_cells
-    from ipa_probe.stats import compiled_statistics
+    from ipa_probe.statistics.compiled import compiled_statistics
 
     gens = (torch.Generator().manual_seed(0), torch.Generator().manual_seed(0))
     start = time.process_time()
@@ -52,8 +52,9 @@ def _run(records, compiled: bool) -> tuple[torch.Tensor, float]:
 
 
 def rank_only(shapes: list[tuple[int, ...]], repeats: int) -> None:
-    """``--rank``: :func:`ipa_probe.stats.rank` alone, ``torch.compile(dynamic=True)`` against eager, per shape."""
-    from ipa_probe.stats import rank
+    """``--rank``: :func:`ipa_probe.statistics.rows.rank` alone, ``torch.compile(dynamic=True)`` against eager, per
+    shape."""
+    from ipa_probe.statistics.rows import rank
 
     wall = time.perf_counter()
     compiled = torch.compile(lambda x: rank(x), dynamic=True)

@@ -59,7 +59,7 @@ import pandas as pd
 import torch
 from sd15_arch import call_inputs, sd15_pipeline, sync
 
-from ipa_probe.kernels import split_heads
+from ipa_probe.statistics.kernels import split_heads
 
 MODES = ("plain", "probe", "maps")
 
@@ -218,7 +218,7 @@ def buffer_bytes(run) -> int:
 def buffer_estimate(run, steps: int) -> int:
     """The up-front estimate of :func:`buffer_bytes`: steps x layers x slots x branches x heads x (fields + 1) x 4
     bytes, plus the timesteps (float32)."""
-    from ipa_probe.schema import CELL_FIELDS
+    from ipa_probe.statistics.schema import CELL_FIELDS
 
     slots = run.num_adapters + (run.text_slot is not None)
     cells = steps * len(run.layers) * slots * len(run.labels) * run.num_heads
@@ -446,7 +446,7 @@ TARGETS = {
 def _record_once(processor, q, k, h, setting, gens):
     """The probe's work on one record (what its record callback runs, without the buffers)."""
     from ipa_probe.capture.cells import cell_inputs, compare_cells, group_cell, record_logits
-    from ipa_probe.draws import stratified_rows
+    from ipa_probe.statistics.draws import stratified_rows
 
     attn, q_norms = record_logits(processor, q, k, False)
     sample = None

@@ -1,9 +1,9 @@
 """ipa_probe: IP-Adapter attention against Gaussian Nadaraya–Watson kernel smoothing.
 
 The front door holds the names the README and the notebooks call; everything else stays in its submodule
-(``ipa_probe.kernels``, ``ipa_probe.stats``, ``ipa_probe.gauge``, ...; the notebook pairs ``apply_intervention`` /
-``remove_intervention`` and ``apply_nw_head`` / ``remove_nw_head`` in ``ipa_probe.intervention`` and
-``ipa_probe.nwhead``). Explicit re-exports only, imported lazily.
+(``ipa_probe.statistics.kernels``, ``ipa_probe.statistics``, ``ipa_probe.gauge``, ...; the notebook pairs
+``apply_intervention`` / ``remove_intervention`` and ``apply_nw_head`` / ``remove_nw_head`` in
+``ipa_probe.intervention`` and ``ipa_probe.nwhead``). Explicit re-exports only, imported lazily.
 """
 
 from ._lazy import lazy_attributes as _lazy_attributes
@@ -48,10 +48,9 @@ _SUBMODULES = (
     "gauge",
     "images",
     "intervention",
-    "kernels",
     "layers",
     "nwhead",
-    "stats",
+    "statistics",
     "sweep",
     "theory",
     "tiny",

@@ -100,7 +100,7 @@ DEFAULT_DIGITS_RECIPE = "support"
 #: ``query`` (each key's log-partition over the current pass's queries: invariant under every q/k basis change).
 NW_FRAMES = ("stored", "query")
 
-#: How the query-frame head estimates its key term (see :func:`ipa_probe.kernels.query_frame_bias`).
+#: How the query-frame head estimates its key term (see :func:`ipa_probe.statistics.kernels.query_frame_bias`).
 NW_FORMS = ("exact", "gaussian")
 
 

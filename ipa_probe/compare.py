@@ -40,8 +40,8 @@ import PIL.Image
 import torch
 
 from ._checks import check_items, check_nw_frame, check_seed
-from .bandwidth import describe as describe_bandwidth
 from .compare_scores import RANDOM_WEIGHTS_NOTE, SCORES, ClipScorer, diversity, image_pixels, score_method
+from .statistics.bandwidth import describe as describe_bandwidth
 
 __all__ = [
     "METHODS",

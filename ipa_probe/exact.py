@@ -33,7 +33,7 @@ from diffusers.models.unets.unet_2d_condition import UNet2DConditionOutput
 from diffusers.pipelines.pipeline_utils import ImagePipelineOutput
 from diffusers.utils.torch_utils import randn_tensor
 
-from . import kernels
+from .statistics import kernels
 from .theory.schedules import VPSchedule
 
 __all__ = ["PREDICTION_TYPES", "ExactNWDenoiser", "ExactNWPipeline", "exact_pipeline", "encode_references"]

@@ -34,7 +34,7 @@ from diffusers.models.attention_processor import (
 )
 from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
-from .kernels import dot_logits
+from .statistics.kernels import dot_logits
 
 __all__ = [
     "FAMILIES",

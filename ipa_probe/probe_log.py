@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 
 from .capture.layer_order import network_order
-from .schema import ROW_THRESHOLD, frac_column, frac_null_column, rows_column
+from .statistics.schema import ROW_THRESHOLD, frac_column, frac_null_column, rows_column
 
 __all__ = ["GROUPS", "MEAN_RUN", "ProbeLog", "collect", "headline_branch", "write"]
 

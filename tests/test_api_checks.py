@@ -195,7 +195,7 @@ def test_one_image_as_references_names_the_fix(sd15, refs):
 
 def test_compare_weights_names_a_non_tensor():
     with pytest.raises(TypeError, match="^nw_logits"):
-        ipa_probe.stats.compare_weights(torch.rand(2, 3), "x")
+        ipa_probe.statistics.agreement.compare_weights(torch.rand(2, 3), "x")
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ipa_probe
-from ipa_probe import bandwidth
+from ipa_probe.statistics import bandwidth
 
 
 @pytest.mark.parametrize(

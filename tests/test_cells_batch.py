@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ipa_probe.capture.cells import cell_inputs, compare_cells, group_cell, record_logits
-from ipa_probe.draws import stratified_rows
-from ipa_probe.kernels import split_heads
-from ipa_probe.schema import CELL_FIELDS, QUERY_FRAME_COLUMNS, se_column
+from ipa_probe.statistics.draws import stratified_rows
+from ipa_probe.statistics.kernels import split_heads
+from ipa_probe.statistics.schema import CELL_FIELDS, QUERY_FRAME_COLUMNS, se_column
 
 #: The nulls' columns and their errors: one draw for a batch, not one per record.
 DRAWN = {"spearman_null", *(c for c in QUERY_FRAME_COLUMNS if c.endswith("spearman_null"))}

@@ -27,7 +27,7 @@ from ipa_probe.experiments import (
 from ipa_probe.experiments.evaluate import generate, head_neff, head_statistics
 from ipa_probe.experiments.heads import fit_exponent
 from ipa_probe.experiments.tiers import TIERS, get_tier
-from ipa_probe.stats import STAT_NAMES
+from ipa_probe.statistics.schema import STAT_NAMES
 
 DIMS = {"gmm": 3, "mixed2d": 2, "shells": 4, "pcafeat": 16, "digits": 8}
 

@@ -15,7 +15,7 @@ import ipa_probe
 from ipa_probe.experiments import attribution as experiment
 from ipa_probe.experiments import ip_adapter as experiment_ip
 from ipa_probe.experiments.ip_adapter import organism_pipelines, summarize_sets
-from ipa_probe.schema import GAUGE_COLUMNS
+from ipa_probe.statistics.schema import GAUGE_COLUMNS
 from ipa_probe.tiny.digits import DIGITS_PROMPT, digit_classifier, digits_reference_images
 
 

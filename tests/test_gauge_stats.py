@@ -1,4 +1,4 @@
-"""The gauge diagnostics and the rows' nulls of ipa_probe.stats against simulation, enumeration and float64 numpy.
+"""The gauge diagnostics and the rows' nulls of ipa_probe.statistics against simulation, enumeration and float64 numpy.
 
 Every expected value here is computed by the test itself (numpy, scipy, itertools), never through ipa_probe.
 """
@@ -13,14 +13,9 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from ipa_probe.stats import (
-    EXACT_NULL_KEYS,
-    STAT_NAMES,
-    compare_weights,
-    null_tail,
-    rho_baseline,
-    rho_null,
-)
+from ipa_probe.statistics.agreement import compare_weights
+from ipa_probe.statistics.nulls import EXACT_NULL_KEYS, null_tail, rho_baseline, rho_null
+from ipa_probe.statistics.schema import STAT_NAMES
 
 
 def _stat(s, name):

@@ -2,7 +2,7 @@
 equal to a float64 reference built from the test's own hooks, and a pipeline restored bit for bit.
 
 The reference implementations here use numpy and scipy on tensors read by forward hooks; they never call
-:func:`ipa_probe.kernels.query_frame_bias`.
+:func:`ipa_probe.statistics.kernels.query_frame_bias`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import ipa_probe.capture.cells
 import ipa_probe.images
 import ipa_probe.layers
 from ipa_probe.capture.run import probe
-from ipa_probe.schema import GAUGE_COLUMNS, NULL_COLUMNS
+from ipa_probe.statistics.schema import GAUGE_COLUMNS, NULL_COLUMNS
 from ipa_probe.tiny.sd import tiny_pipeline
 
 STEPS = 3

@@ -19,7 +19,7 @@ from ipa_probe.capture.config import ProbeConfig
 from ipa_probe.capture.report import summarize
 from ipa_probe.capture.run import probe
 from ipa_probe.layers import find_ip_layers
-from ipa_probe.schema import GAUGE_COLUMNS, NULL_COLUMNS
+from ipa_probe.statistics.schema import GAUGE_COLUMNS, NULL_COLUMNS
 from ipa_probe.tiny.dit import tiny_sd3_pipeline
 from ipa_probe.tiny.sd import tiny_pipeline
 

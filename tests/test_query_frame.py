@@ -21,7 +21,7 @@ from scipy import special, stats
 
 from ipa_probe.capture.report import query_pool_note
 from ipa_probe.capture.run import probe
-from ipa_probe.schema import QUERY_FRAME_COLUMN, QUERY_FRAME_STATS, query_frame_column
+from ipa_probe.statistics.schema import QUERY_FRAME_COLUMN, QUERY_FRAME_STATS, query_frame_column
 from ipa_probe.tiny.sd import tiny_pipeline
 
 FORMS = ("exact", "gaussian")

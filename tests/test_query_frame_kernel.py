@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.special import logsumexp
 
-from ipa_probe.kernels import query_frame_bias
+from ipa_probe.statistics.kernels import query_frame_bias
 
 
 def _reference(logits: np.ndarray, rows: np.ndarray, keys: np.ndarray, form: str) -> np.ndarray:

@@ -15,9 +15,9 @@ import torch
 
 from ipa_probe.capture.config import DEFAULT_ROWS, ROW_KEY_BUDGET, SAMPLE_GROUPS, auto_sample_rows
 from ipa_probe.capture.run import probe
-from ipa_probe.draws import stratified_rows
-from ipa_probe.schema import ROW_SAMPLE_COLUMNS, SAMPLED_COLUMNS, STAT_NAMES, se_column
-from ipa_probe.stats import compare_frames, compare_weights
+from ipa_probe.statistics.agreement import compare_frames, compare_weights
+from ipa_probe.statistics.draws import stratified_rows
+from ipa_probe.statistics.schema import ROW_SAMPLE_COLUMNS, SAMPLED_COLUMNS, STAT_NAMES, se_column
 from ipa_probe.tiny.sd import default_reference_images
 
 

@@ -1,4 +1,4 @@
-"""ipa_probe.stats and ipa_probe.kernels against scipy and closed forms."""
+"""ipa_probe.statistics and ipa_probe.statistics.kernels against scipy and closed forms."""
 
 import math
 import warnings
@@ -8,8 +8,9 @@ import pytest
 import torch
 from scipy import stats as sps
 
-from ipa_probe.draws import shuffle_rows
-from ipa_probe.kernels import (
+from ipa_probe.statistics.agreement import compare_weights
+from ipa_probe.statistics.draws import shuffle_rows
+from ipa_probe.statistics.kernels import (
     dot_logits,
     key_norm_bias,
     matched_bandwidth,
@@ -18,15 +19,8 @@ from ipa_probe.kernels import (
     nw_weights,
     softmax_keys,
 )
-from ipa_probe.stats import (
-    STAT_NAMES,
-    compare_weights,
-    copy_groups,
-    fit_bandwidth,
-    rank,
-    raveled_pearson,
-    row_spearman,
-)
+from ipa_probe.statistics.rows import copy_groups, fit_bandwidth, rank, raveled_pearson, row_spearman
+from ipa_probe.statistics.schema import STAT_NAMES
 
 
 def _stat(s, name):
@@ -279,8 +273,8 @@ def test_nw_logits_keep_float32_precision_under_a_common_offset():
 def test_top1_counts_an_argmax_on_any_copy_of_one_token_as_agreement():
     """Copies of one token (several reference images' unconditional tokens) differ only by float noise; which copy
     each weighting's arg-max lands on must not decide ``top1``."""
-    from ipa_probe.kernels import dot_logits, nw_logits
-    from ipa_probe.stats import copy_groups
+    from ipa_probe.statistics.kernels import dot_logits, nw_logits
+    from ipa_probe.statistics.rows import copy_groups
 
     q = torch.tensor([[[0.5, 0.0]]])  # (1, Q=1, D=2)
     k = torch.tensor([[[1.0, 0.0], [1.0 + 1e-6, 0.0], [-1.0, 0.0]]])  # keys 0 and 1: one token, rounded apart

@@ -13,11 +13,11 @@ import warnings
 import pytest
 import torch
 
-from ipa_probe import stats_compile
 from ipa_probe.capture.cells import cell_inputs, compare_cells, group_cell, record_logits
 from ipa_probe.capture.config import ProbeConfig
-from ipa_probe.draws import stratified_rows
-from ipa_probe.stats import compiled_statistics
+from ipa_probe.statistics import compiled as stats_compile
+from ipa_probe.statistics.compiled import compiled_statistics
+from ipa_probe.statistics.draws import stratified_rows
 
 
 class _Plain:  # a processor without custom image-branch logits (SDPA's)

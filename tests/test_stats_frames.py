@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ipa_probe.stats import compare_frames, compare_weights
+from ipa_probe.statistics.agreement import compare_frames, compare_weights
 
 G, H, R, K = 2, 3, 48, 8
 

@@ -20,7 +20,7 @@ from scipy import stats as sps
 from ipa_probe.capture.run import probe
 from ipa_probe.layers import find_ip_layers
 from ipa_probe.nwhead import apply_nw_head
-from ipa_probe.schema import GAUGE_COLUMNS, NULL_COLUMNS
+from ipa_probe.statistics.schema import GAUGE_COLUMNS, NULL_COLUMNS
 from ipa_probe.tiny.dit import (
     FLUX_IP_TOKENS,
     SD3_IP_TOKENS,

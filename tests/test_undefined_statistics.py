@@ -16,8 +16,8 @@ import torch
 from scipy import stats
 
 from ipa_probe.experiments.ip_adapter import summarize_sets
-from ipa_probe.schema import STAT_NAMES
-from ipa_probe.stats import compare_weights
+from ipa_probe.statistics.agreement import compare_weights
+from ipa_probe.statistics.schema import STAT_NAMES
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

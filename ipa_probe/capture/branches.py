@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from ..schema import BRANCH_LABELS
+from ..statistics.schema import BRANCH_LABELS
 
 __all__ = ["Layout", "PromptEvidence", "label_vocabulary"]
 
@@ -79,7 +79,7 @@ _TUPLE_POSITIONS: dict[int, tuple[int, int] | None] = {
 
 
 def label_vocabulary(declared: tuple[str, ...] | None) -> tuple[str, ...]:
-    """The branch labels a run can give, in buffer order: :data:`~ipa_probe.schema.BRANCH_LABELS`, then any
+    """The branch labels a run can give, in buffer order: :data:`~ipa_probe.statistics.schema.BRANCH_LABELS`, then any
     user-declared label not among them."""
     extra = tuple(dict.fromkeys(b for b in declared or () if b not in BRANCH_LABELS))
     return (*BRANCH_LABELS, *extra)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..schema import CELL_FIELDS
+from ..statistics.schema import CELL_FIELDS
 
 __all__ = ["CallBuffers", "grow", "new_buffers"]
 

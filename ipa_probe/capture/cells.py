@@ -3,7 +3,7 @@
 A *record* is what the probe's taps deliver once per layer, adapter (or the text branch) and pass: the query
 ``(B, H, Q, D)`` and keys ``(B, H, K, D)`` the processor's softmax uses. Its *cells* are its batch items (a group:
 one item with its frames pooled) per head; every statistic of a cell is computed here on the pipeline's device and
-returned as one ``(groups, H, fields)`` tensor in the order of :data:`~ipa_probe.schema.CELL_FIELDS`, which
+returned as one ``(groups, H, fields)`` tensor in the order of :data:`~ipa_probe.statistics.schema.CELL_FIELDS`, which
 :mod:`~.run` adds into its buffers. A record's inputs are formed in its hook (:func:`record_logits`,
 :func:`group_cell`, :func:`cell_inputs`); its query frames, which need every row, and the per-row statistics run
 with the other records of the pass at its end (:func:`form_frames`, :func:`compare_cells`): the frames of equal-size
@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import matched_bandwidth, nw_logits, query_frame_terms
 from ..layers import image_branch_logits
-from ..schema import QUERY_FRAME_STATS, STAT_NAMES
-from ..stats import Segments, compare_frames, copy_groups, finite_rows, fit_bandwidth
+from ..statistics.agreement import compare_frames
+from ..statistics.kernels import matched_bandwidth, nw_logits, query_frame_terms
+from ..statistics.rows import Segments, copy_groups, finite_rows, fit_bandwidth
+from ..statistics.schema import QUERY_FRAME_STATS, STAT_NAMES
 from .config import SAMPLE_GROUPS
 
 __all__ = [
@@ -75,9 +76,9 @@ def record_logits(
     (:func:`~ipa_probe.layers.image_branch_logits`).
 
     Dot-product logits are formed key-major, ``(k q^T)^T`` (a transposed view): the same products as ``q k^T``
-    (:func:`~ipa_probe.kernels.dot_logits`), 2-3x faster on CPU where the queries outnumber the keys (4,096 x 8 per
-    head at 512 px), and the per-key reductions over the queries then run along contiguous memory. A query that is a
-    view of the layer's ``(B, Q, H * D)`` projection (the taps' heads split) is read in place one head at a time,
+    (:func:`~ipa_probe.statistics.kernels.dot_logits`), 2-3x faster on CPU where the queries outnumber the keys (4,096
+    x 8 per head at 512 px), and the per-key reductions over the queries then run along contiguous memory. A query that
+    is a view of the layer's ``(B, Q, H * D)`` projection (the taps' heads split) is read in place one head at a time,
     its norms taken while the head is in cache, instead of being copied first (at 512 px on CPU, reading the query
     costs more than the products)."""
     if not text and getattr(processor, "image_branch_logits", None) is not None:
@@ -229,9 +230,9 @@ class CellInputs:
 
     def signature(self) -> tuple:
         """Records with equal signatures are compared in one pass: without a key mask (the image branch), their rows
-        flattened side by side whatever their heads and rows (:class:`~ipa_probe.stats.Segments`), so a pass's
-        records of every layer size go through one pass; with one (the text branch), concatenated along their groups
-        when their shapes are equal."""
+        flattened side by side whatever their heads and rows (:class:`~ipa_probe.statistics.rows.Segments`), so a
+        pass's records of every layer size go through one pass; with one (the text branch), concatenated along their
+        groups when their shapes are equal."""
         if self.key_mask is None:
             present = tuple(x is not None for x in (self.key_term, self.row_mask, self.copies))
             return (self.attn.shape[-1], self.attn.dtype, self.attn.device, present, self.sampled, self.has_other)
@@ -265,15 +266,17 @@ def cell_inputs(
         cell: the record by group (:func:`group_cell`).
         groups, q, k, text, processor, text_mask: as for :func:`group_cell`.
         other: ``(B, H, N, D)``, further keys of the same softmax (SD3's latent keys), or ``None``.
-        tails: :func:`~ipa_probe.stats.null_tail_table` for the record's number of keys (with a key mask), or
+        tails: :func:`~ipa_probe.statistics.agreement.null_tail_table` for the record's number of keys (with a key
+        mask), or
             ``None``.
         pools: how many query frames the groups form (:func:`frame_terms`).
         q_norms: ``(B, H, Q)``, the queries' norms (:func:`record_logits`).
         sample: ``(n,)`` row indices (a multiple of :data:`~.config.SAMPLE_GROUPS`, from
-            :func:`~ipa_probe.draws.stratified_rows`) to compute the per-row statistics on, with their standard
-            errors; ``None`` for every row (exact, the standard errors 0). The query frame's key term is estimated
-            over every row either way.
-        other_pools: the number of frames of the other query pool (:data:`~ipa_probe.schema.QUERY_POOL_OTHER_COLUMN`):
+            :func:`~ipa_probe.statistics.draws.stratified_rows`) to compute the per-row statistics on, with their
+            standard errors; ``None`` for every row (exact, the standard errors 0). The query frame's key term is
+            estimated over every row either way.
+        other_pools: the number of frames of the other query pool
+        (:data:`~ipa_probe.statistics.schema.QUERY_POOL_OTHER_COLUMN`):
             its exact-form frame is formed too, over the same rows; ``None`` (or ``pools``) where the two pools are
             the same rows, which forms nothing more.
     """
@@ -335,10 +338,11 @@ def cell_inputs(
 def compare_cells(
     records: list[CellInputs], generators: tuple[torch.Generator, torch.Generator], cache: dict | None = None
 ) -> list[torch.Tensor]:
-    """The per-cell fields (:data:`~ipa_probe.schema.CELL_FIELDS`) of records of one :meth:`~CellInputs.signature`,
-    ``(groups, H, fields)`` each, from one :func:`~ipa_probe.stats.compare_frames` pass over all their rows: every
-    statistic is per row and reduced per cell, so each record's values are what its own pass would give; only the
-    permutation nulls draw differently (one draw for the batch), from the same seeded generators.
+    """The per-cell fields (:data:`~ipa_probe.statistics.schema.CELL_FIELDS`) of records of one
+    :meth:`~CellInputs.signature`, ``(groups, H, fields)`` each, from one
+    :func:`~ipa_probe.statistics.agreement.compare_frames` pass over all their rows: every statistic is per row and
+    reduced per cell, so each record's values are what its own pass would give; only the permutation nulls draw
+    differently (one draw for the batch), from the same seeded generators.
 
     The records' query frames are formed first where they are not yet (:func:`form_frames`).
 
@@ -480,9 +484,9 @@ def frame_terms(
     frame's key term, both forms from one pass over the logits.
 
     Per pool of queries (the frame) and head, ``b_i`` is key ``i``'s log-partition over the frame's rows
-    (:func:`~ipa_probe.kernels.query_frame_logits`, exact and Gaussian), and the query-frame NW logits of a row are
-    its centred logits minus ``b`` (``attn - b`` up to the row's constant): the cell's attention against them is
-    :func:`~ipa_probe.stats.compare_weights` with ``key_term=b``, so every statistic, ``logit_ratio``
+    (:func:`~ipa_probe.statistics.kernels.query_frame_logits`, exact and Gaussian), and the query-frame NW logits of a
+    row are its centred logits minus ``b`` (``attn - b`` up to the row's constant): the cell's attention against them
+    is :func:`~ipa_probe.statistics.agreement.compare_weights` with ``key_term=b``, so every statistic, ``logit_ratio``
     (``sd_i(attn) / sd_i(b)``), its baseline and excess and the rows' nulls included, means what it means in the
     stored frame. Rows outside the IP-Adapter mask and rows with non-finite logits take no part in the frame. A frame
     of one row (a 1 x 1 latent grid, one item) gives uniform NW weights: no rank correlation (NaN), as in exact

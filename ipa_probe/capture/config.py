@@ -8,11 +8,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import InitVar, dataclass
 from typing import Any
 
-from .. import bandwidth as bw
 from .._checks import check_flag, check_items, check_seed, parse_step_selection, step_selected
-from ..bandwidth import BandwidthSpec
 from ..layers import LayerSelection, check_layer_selection
-from ..schema import AUTO_SAMPLE_ROWS, QUERY_FRAMES, ROW_KEY_BUDGET, SAMPLE_GROUPS
+from ..statistics import bandwidth as bw
+from ..statistics.bandwidth import BandwidthSpec
+from ..statistics.schema import AUTO_SAMPLE_ROWS, QUERY_FRAMES, ROW_KEY_BUDGET, SAMPLE_GROUPS
 
 __all__ = [
     "AUTO_SAMPLE_ROWS",
@@ -113,21 +113,21 @@ class ProbeConfig:
             for a hand-written CFG loop); ``None`` to decide each chunk's label from the prompt embeddings the
             pipeline passes to its denoiser (see :mod:`~ipa_probe.capture.branches`).
         query_frame: the pool of queries over which the query-frame key term ``b_i`` (the key's log-partition,
-            :func:`~ipa_probe.kernels.query_frame_bias`) of the ``qf_*`` columns is estimated, per step, layer,
-            adapter and head: ``"item"`` (default: one batch item's query positions, its frames pooled, as the
+            :func:`~ipa_probe.statistics.kernels.query_frame_bias`) of the ``qf_*`` columns is estimated, per step,
+            layer, adapter and head: ``"item"`` (default: one batch item's query positions, its frames pooled, as the
             cells are) or ``"branch"`` (every item of one CFG branch of the denoiser pass pooled). Rows outside an
             IP-Adapter mask, rows with non-finite logits and text padding keys are left out of the pool either way.
             The table's ``query_frame`` column and the saved settings name it.
         rows: how many query rows per cell (one batch item's positions at one layer, head and step) the per-row
-            statistics (:data:`~ipa_probe.schema.SAMPLED_COLUMNS`) run over. ``"auto"`` (default,
+            statistics (:data:`~ipa_probe.statistics.schema.SAMPLED_COLUMNS`) run over. ``"auto"`` (default,
             :data:`DEFAULT_ROWS`): exact where the cell's rows x keys fit :data:`ROW_KEY_BUDGET` (4,096: every
             cell of a 16 x 16 latent up to 16 tokens, a 32 x 32 one with 4), a sample of
             :func:`auto_sample_rows` rows beyond (256, fewer when keys are many: 64 at 64 tokens), the budget the
             measured curve shows meets the overhead target (docs/measured.md, "The curve at every adapter size").
             An int: the most rows per cell, a cell with more on a sample of that many (the rule before
             ``"auto"``). ``None``: exact statistics everywhere. A sample is seeded and stratified over spatial
-            blocks (:func:`~ipa_probe.draws.stratified_rows`, rounded down to a multiple of 8), and each statistic
-            comes with its standard error (``<column>_se``, 0 for exact cells) and the share of rows used
+            blocks (:func:`~ipa_probe.statistics.draws.stratified_rows`, rounded down to a multiple of 8), and each
+            statistic comes with its standard error (``<column>_se``, 0 for exact cells) and the share of rows used
             (``row_fraction``); :meth:`ProbeRun.summary` says which cells were exact and which sampled
             (``attrs["rows"]``). The query frame's key term, the geometry columns and the reference maps always use
             every row.
@@ -137,14 +137,15 @@ class ProbeConfig:
             busy machine each of them waits for it (docs/measured.md, "The probe at 512 px"), so ``threads=1`` can cut
             the probe's cost several times there while the pipeline keeps its threads. The statistics are the same up
             to float32 rounding (a reduction split over threads may round differently).
-        compile: run each pass's per-row statistics (:func:`~ipa_probe.stats.compare_frames`, the part of a record
-            that dominates) through ``torch.compile(dynamic=True)`` (:func:`~ipa_probe.stats.compiled_statistics`):
-            one compile per process, minutes on a CPU, then fused statistics. Where the installed torch cannot
-            compile, a warning and the eager path, with the same numbers (equal to 1e-6: float32 rounding of fused
-            reductions). Default ``False``: on the 2-core CPU it was measured on, the compile took 21 minutes
-            (load 10) and the compiled statistics ran 0.81x as fast as eager (docs/measured.md, "Compiled
-            statistics"), so it pays nowhere there; a long run on a device whose compiled kernels beat eager
-            (a GPU, unmeasured) is where it could.
+        compile: run each pass's per-row statistics (:func:`~ipa_probe.statistics.agreement.compare_frames`, the part
+        of a record
+            that dominates) through ``torch.compile(dynamic=True)``
+            (:func:`~ipa_probe.statistics.compiled.compiled_statistics`): one compile per process, minutes on a CPU,
+            then fused statistics. Where the installed torch cannot compile, a warning and the eager path, with the
+            same numbers (equal to 1e-6: float32 rounding of fused reductions). Default ``False``: on the 2-core CPU it
+            was measured on, the compile took 21 minutes (load 10) and the compiled statistics ran 0.81x as fast as
+            eager (docs/measured.md, "Compiled statistics"), so it pays nowhere there; a long run on a device whose
+            compiled kernels beat eager (a GPU, unmeasured) is where it could.
     """
 
     bandwidth: BandwidthSpec = "matched"

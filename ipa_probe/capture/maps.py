@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from diffusers.image_processor import IPAdapterMaskProcessor
 
-from ..kernels import softmax_keys
 from ..layers import IPLayer, LayerSelection, compile_selection, observer
+from ..statistics.kernels import softmax_keys
 from .spine import expand_references
 from .taps import Tap
 from .taps.base import Handle

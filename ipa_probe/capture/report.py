@@ -11,7 +11,7 @@ import pandas as pd
 
 from .._io import versions, write_figure, write_json, write_table
 from ..figstyle import MIN_FONT_PT, regular_ticks
-from ..schema import (
+from ..statistics.schema import (
     CELL_FIELDS,
     COLUMNS,
     FEW_KEYS,
@@ -103,22 +103,23 @@ def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot:
 def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
     """Per-timestep aggregates over layers, heads and adapters (one row per call × step × kind × branch).
 
-    Columns: the group (:data:`~ipa_probe.schema.SUMMARY_KEYS`); first the headline, the means of
-    :data:`~ipa_probe.schema.SUMMARY_HEADLINE` (``qf_spearman``, ``qf_gauss_spearman``: the query-frame rho, exact and
-    Gaussian, invariant under every per-head basis change of q and k) and ``query_frame`` (the pool of queries that
-    defined it); then the stored-frame statistics (NW weights from the stored q and k, gauge-dependent: see
-    docs/gauge.md), the means of :data:`~ipa_probe.schema.SUMMARY_MEANS` (``spearman``, ``pearson``,
+    Columns: the group (:data:`~ipa_probe.statistics.schema.SUMMARY_KEYS`); first the headline, the means of
+    :data:`~ipa_probe.statistics.schema.SUMMARY_HEADLINE` (``qf_spearman``, ``qf_gauss_spearman``: the query-frame rho,
+    exact and Gaussian, invariant under every per-head basis change of q and k) and ``query_frame`` (the pool of
+    queries that defined it); then the stored-frame statistics (NW weights from the stored q and k, gauge-dependent:
+    see docs/gauge.md), the means of :data:`~ipa_probe.statistics.schema.SUMMARY_MEANS` (``spearman``, ``pearson``,
     ``spearman_null``, ``kl``, ``top1``, ``neff_attn``, ``neff_nw``, ``q_norm``, ``k_norm_spread``, ``ip_mass``,
     ``bandwidth``), ``spearman_std``,
     ``frac_rho_gt_<threshold>`` (fraction of the layer × head × adapter cells with a finite rho whose rho is above
     ``threshold``), ``rho_cells`` (how many finite-rho cells that fraction counts), the max of ``nonfinite``,
-    ``cells`` (how many cells were averaged), then the means of :data:`~ipa_probe.schema.SUMMARY_GAUGE_MEANS` (the
-    gauge diagnostics ``logit_ratio``, ``rho_baseline``, ``rho_excess`` and the per-row shares against chance) and
-    ``frac_rho_gt_<threshold>_null``: the same fraction of cells over their permutation-null rho (``spearman_null``),
-    the chance level of ``frac_rho_gt_<threshold>`` (see docs/gauge.md); last the means of the other query-frame
-    columns (:data:`~ipa_probe.schema.SUMMARY_QUERY_FRAME_MEANS`); then the query pool's effect (:data:`POOL_COLUMNS`,
-    from the table's :data:`~ipa_probe.schema.QUERY_POOL_OTHER_COLUMN`). Tables made before the query frame (or the
-    other pool's column) existed give the same summary without those columns.
+    ``cells`` (how many cells were averaged), then the means of
+    :data:`~ipa_probe.statistics.schema.SUMMARY_GAUGE_MEANS` (the gauge diagnostics ``logit_ratio``, ``rho_baseline``,
+    ``rho_excess`` and the per-row shares against chance) and ``frac_rho_gt_<threshold>_null``: the same fraction of
+    cells over their permutation-null rho (``spearman_null``), the chance level of ``frac_rho_gt_<threshold>`` (see
+    docs/gauge.md); last the means of the other query-frame columns
+    (:data:`~ipa_probe.statistics.schema.SUMMARY_QUERY_FRAME_MEANS`); then the query pool's effect
+    (:data:`POOL_COLUMNS`, from the table's :data:`~ipa_probe.statistics.schema.QUERY_POOL_OTHER_COLUMN`). Tables made
+    before the query frame (or the other pool's column) existed give the same summary without those columns.
     """
     if table.empty:
         return pd.DataFrame()

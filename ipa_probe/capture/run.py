@@ -31,10 +31,7 @@ from typing import Any
 
 import torch
 
-from .. import bandwidth as bw
 from .._checks import check_steps_ran
-from ..bandwidth import BandwidthSpec
-from ..draws import stratified_rows
 from ..layers import (
     IPLayer,
     LayerSelection,
@@ -44,8 +41,12 @@ from ..layers import (
     refind_ip_layers,
     release,
 )
-from ..schema import CELL_FIELDS
-from ..stats import compiled_statistics, null_tail_table
+from ..statistics import bandwidth as bw
+from ..statistics.agreement import null_tail_table
+from ..statistics.bandwidth import BandwidthSpec
+from ..statistics.compiled import compiled_statistics
+from ..statistics.draws import stratified_rows
+from ..statistics.schema import CELL_FIELDS
 from . import cells, spine
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .buffers import CallBuffers, grow, new_buffers
@@ -62,7 +63,7 @@ __all__ = ["FIELDS", "ProbeConfig", "ProbeRun", "probe"]
 logger = logging.getLogger(__name__)
 
 
-#: Per-cell values kept in the buffers (see :data:`ipa_probe.schema.CELL_FIELDS`).
+#: Per-cell values kept in the buffers (see :data:`ipa_probe.statistics.schema.CELL_FIELDS`).
 FIELDS: tuple[str, ...] = CELL_FIELDS
 
 #: Query-frame logits (elements) the records kept for the pass's statistics may hold before they are compared early:

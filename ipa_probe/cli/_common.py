@@ -47,7 +47,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 def bandwidth_type(*names: str):
     """An argparse ``type`` accepting the given keywords (e.g. ``"matched"``, ``"fit"``) or a bandwidth number in
     :data:`~.._checks.BANDWIDTH_RANGE` (where float32 NW weights stay finite). Imports no torch, unlike
-    :mod:`ipa_probe.bandwidth`, so that arguments are checked before torch loads."""
+    :mod:`ipa_probe.statistics.bandwidth`, so that arguments are checked before torch loads."""
 
     def bandwidth(value: str) -> str | float:
         try:

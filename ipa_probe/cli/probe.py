@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .._checks import DEFAULT_GAUGE_FACTORS, GAUGE_FACTOR_RANGE, check_gauge_ranges, parse_gauges
 from ..runfolder import MANIFEST_NAME
-from ..schema import QUERY_FRAMES, ROW_KEY_BUDGET, SAMPLE_GROUPS
+from ..statistics.schema import QUERY_FRAMES, ROW_KEY_BUDGET, SAMPLE_GROUPS
 from ._common import (
     DIGITS_DEFAULTS,
     add_model_arguments,

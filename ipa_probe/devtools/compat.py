@@ -211,7 +211,7 @@ def check_class(zoo, name: str, refs: Sequence[PIL.Image.Image]) -> Row:
 def _check_run(entry, run, refs: Sequence[PIL.Image.Image], plain: Any, row: Row) -> None:
     """Make ``run`` probed and add its results and failed checks to ``row``."""
     from ipa_probe.capture.run import probe
-    from ipa_probe.schema import BRANCH_LABELS
+    from ipa_probe.statistics.schema import BRANCH_LABELS
 
     if entry.prepare is not None:  # before the probe attaches
         entry.prepare(entry.pipe)

@@ -1,9 +1,10 @@
 """Tabulate ``P(rho > 0.9)`` of the per-row Spearman rho under independent rankings, above the exact range.
 
 Usage: ``python -m ipa_probe.devtools.rho_null_table [--samples 16777216] [--max-keys 40]``. Prints the entries of
-:data:`ipa_probe.stats._TAIL_HITS` (one ``K: hits,`` line per number of keys, with the chance level) from
-:func:`ipa_probe.stats.rho_null` with seed 0, from ``EXACT_NULL_KEYS + 1`` keys up to the first ``K`` where no draw
-reached 0.9 (or ``--max-keys``). Single-threaded: about 20 minutes in all at the default on a loaded 2-core machine.
+:data:`ipa_probe.statistics.nulls._TAIL_HITS` (one ``K: hits,`` line per number of keys, with the chance level) from
+:func:`ipa_probe.statistics.nulls.rho_null` with seed 0, from ``EXACT_NULL_KEYS + 1`` keys up to the first ``K`` where
+no draw reached 0.9 (or ``--max-keys``). Single-threaded: about 20 minutes in all at the default on a loaded 2-core
+machine.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import sys
 
 import torch
 
-from ..schema import ROW_THRESHOLD
-from ..stats import EXACT_NULL_KEYS, rho_null
+from ..statistics.nulls import EXACT_NULL_KEYS, rho_null
+from ..statistics.schema import ROW_THRESHOLD
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,9 +3,10 @@
 The CPU surrogate of the paper's IP-Adapter analysis: for the learned OFF models of the ``shells`` experiment
 (first dimension, first seed) and of the ``collapse`` experiment (largest Gaussian-mixture dimension, first seed),
 every (task, layer, head) entry compares the head's attention over the support with the Gaussian NW weights of
-``x~ = x_t / t`` at ``h(t)``, through the probe's own statistics (:func:`ipa_probe.stats.compare_weights`):
-per-row Spearman mean, raveled Pearson, the permutation null, and the fraction of entries with rho > 0.9. Flow
-times ``t`` in (0.1 … 0.99) stand for the paper's diffusion timesteps 981 … 1.
+``x~ = x_t / t`` at ``h(t)``, through the probe's own statistics
+(:func:`ipa_probe.statistics.agreement.compare_weights`): per-row Spearman mean, raveled Pearson, the permutation null,
+and the fraction of entries with rho > 0.9. Flow times ``t`` in (0.1 … 0.99) stand for the paper's diffusion timesteps
+981 … 1.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from ..schema import GAUGE_COLUMNS, NULL_COLUMNS, rows_column  # noqa: E402
-from ..stats import STAT_NAMES  # noqa: E402
+from ..statistics.schema import (  # noqa: E402
+    GAUGE_COLUMNS,
+    NULL_COLUMNS,
+    STAT_NAMES,  # noqa: E402
+    rows_column,
+)
 from .evaluate import head_statistics, held_out_tasks  # noqa: E402
 from .report import ExperimentResult, Row, from_record, save_figure  # noqa: E402
 from .shells import shell_model  # noqa: E402
@@ -67,9 +72,10 @@ def measure(ctx) -> dict[str, dict[float, dict]]:
         model label -> flow time -> means over tasks, layers and heads (``spearman``, ``pearson``, ``null``,
         ``frac_rho_gt_0.9``, ``top1``, ``neff_attn``, ``neff_nw``, the gauge columns ``logit_ratio``,
         ``rho_baseline``, ``rho_excess`` and the per-row shares against chance of
-        :data:`~ipa_probe.schema.NULL_COLUMNS`; ``spearman_layer0``; ``per_head_spearman``, a (layers, heads) list).
-        The NW weights here come from the data, not from the heads' own queries and keys, so the logit ratio is the
-        estimate from the logits' per-row Pearson correlation (see :func:`ipa_probe.stats.compare_weights`).
+        :data:`~ipa_probe.statistics.schema.NULL_COLUMNS`; ``spearman_layer0``; ``per_head_spearman``, a (layers,
+        heads) list). The NW weights here come from the data, not from the heads' own queries and keys, so the logit
+        ratio is the estimate from the logits' per-row Pearson correlation (see
+        :func:`ipa_probe.statistics.agreement.compare_weights`).
     """
     tier = ctx.tier
     raw = {}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import theory
-from ..stats import compare_weights
+from ..statistics.agreement import compare_weights
 from .model import ICFMVelocityNet
 from .tasks import MetaDistribution, TaskBatch
 
@@ -172,7 +172,8 @@ def head_neff(model: ICFMVelocityNet, tasks: TaskBatch, t: float, seed: int = 0)
 
 
 def head_statistics(model: ICFMVelocityNet, tasks: TaskBatch, t: float, seed: int = 0) -> torch.Tensor:
-    """The probe's statistics (:func:`ipa_probe.stats.compare_weights`) of every (task, layer, head) at time ``t``.
+    """The probe's statistics (:func:`ipa_probe.statistics.agreement.compare_weights`) of every (task, layer, head) at
+    time ``t``.
 
     Returns:
         statistics, shape ``(B, L, H, len(STAT_NAMES))``.

@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from ..figstyle import fit_ylim, label_log_axis, legend_below  # noqa: E402
-from ..schema import GAUGE_COLUMNS, query_frame_column  # noqa: E402
+from ..statistics.schema import GAUGE_COLUMNS, query_frame_column  # noqa: E402
 from .ip_adapter_setup import (  # noqa: E402, F401 (re-exported: the experiment's surface)
     NUM_STEPS,
     PAPER_LAST_SPEARMAN,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import merge_heads, split_heads
+from ..statistics.kernels import merge_heads, split_heads
 
 __all__ = ["CrossAttention", "ICFMVelocityNet", "ModelConfig", "ModelOutput", "time_embedding"]
 

@@ -52,8 +52,8 @@ from ..capture import spine
 from ..capture.layer_order import network_key
 from ..capture.spine import Spine, expand_references, normalise_masks
 from ..capture.taps.unet import unet_resolution_factor
-from ..kernels import dot_logits, split_heads
 from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, keep, kept, observer
+from ..statistics.kernels import dot_logits, split_heads
 from .context import HookContext
 
 __all__ = [

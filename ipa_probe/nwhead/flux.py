@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
 
-from ..kernels import merge_heads, split_heads
+from ..statistics.kernels import merge_heads, split_heads
 from .kernel import ProcessorView
 
 __all__ = ["FluxNWHeadAttnProcessor"]

@@ -13,9 +13,9 @@ the weights happen to be stored in, so two models related by a per-head basis ch
 The *query frame* (``frame="query"``) takes the key term from the logits instead: with ``L`` the model's own logits
 ``q·k_i / sqrt(d)``, row-centred, ``b_i = log mean_q exp(L_qi)`` over the queries of the current call (one batch item,
 one head, the rows inside an IP-Adapter mask), or its Gaussian form ``mean + var / 2``
-(:func:`ipa_probe.kernels.query_frame_bias`), and the head's weights are ``softmax_i(q·k_i / sqrt(d) - b_i)``: Gaussian
-NW in the frame where the model's own queries are isotropic, a function of the logits alone and so the same for every
-basis in which the weights are stored. :class:`NWKernel` is mixed into each family's processor
+(:func:`ipa_probe.statistics.kernels.query_frame_bias`), and the head's weights are ``softmax_i(q·k_i / sqrt(d) -
+b_i)``: Gaussian NW in the frame where the model's own queries are isotropic, a function of the logits alone and so the
+same for every basis in which the weights are stored. :class:`NWKernel` is mixed into each family's processor
 (:mod:`.unet`, :mod:`.flux`, :mod:`.sd3`); :class:`ProcessorView` is how the Flux and SD3 heads stand in for the
 diffusers processor they replace (its very modules and settings, no copies).
 """
@@ -27,16 +27,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .. import bandwidth as bw
 from .._checks import check_nw_frame
-from ..bandwidth import BandwidthSpec
-from ..kernels import dot_logits, key_norm_bias, nw_logits, query_frame_bias
+from ..statistics import bandwidth as bw
+from ..statistics.bandwidth import BandwidthSpec
+from ..statistics.kernels import dot_logits, key_norm_bias, nw_logits, query_frame_bias
 
 __all__ = ["NWKernel", "ProcessorView", "TimestepClock", "check_head_bandwidth"]
 
 
 def check_head_bandwidth(spec: Any) -> BandwidthSpec:
-    """Validate the NW head's bandwidth (:func:`ipa_probe.bandwidth.check`, where ``"fit"`` gets its own remedy).
+    """Validate the NW head's bandwidth (:func:`ipa_probe.statistics.bandwidth.check`, where ``"fit"`` gets its own
+    remedy).
 
     Returns:
         the spec, with an int made a float.
@@ -76,7 +77,8 @@ class NWKernel:
     """The NW head's frame, bandwidth and kernel, mixed into each family's processor (before the diffusers class).
 
     Attributes:
-        bandwidth: ``"matched"``, a positive float or a callable of the timestep (see :mod:`ipa_probe.bandwidth`);
+        bandwidth: ``"matched"``, a positive float or a callable of the timestep (see
+        :mod:`ipa_probe.statistics.bandwidth`);
             ``"matched"`` only for the query frame (its logits carry the model's own temperature).
         clock: where a callable bandwidth reads the timestep.
         frame: ``"stored"`` (key term ``|k|^2 / (2 h^2)``: gauge dependent) or ``"query"`` (key term ``b_i`` from the
@@ -136,7 +138,7 @@ class NWKernel:
         """The query-frame head's float mask ``-b``, shifted so that its largest entry is 0 (a per-row constant).
 
         ``b`` is estimated on the device, per batch item and head, from the logits ``q·k / sqrt(d)`` in at least
-        float32 (:func:`ipa_probe.kernels.query_frame_bias`); nothing is read back to the host.
+        float32 (:func:`ipa_probe.statistics.kernels.query_frame_bias`); nothing is read back to the host.
 
         Args:
             query: ``(B, H, Q, D)``.

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, SD3IPAdapterJointAttnProcessor2_0
 
-from ..kernels import merge_heads, split_heads
+from ..statistics.kernels import merge_heads, split_heads
 from .kernel import ProcessorView
 
 __all__ = ["SD3NWHeadAttnProcessor"]

@@ -29,9 +29,7 @@ from typing import Any
 
 import torch
 
-from .. import bandwidth as bw
 from .._checks import check_nw_frame
-from ..bandwidth import BandwidthSpec
 from ..capture import spine
 from ..layers import (
     IPLayer,
@@ -45,6 +43,8 @@ from ..layers import (
     list_hooks,
     release,
 )
+from ..statistics import bandwidth as bw
+from ..statistics.bandwidth import BandwidthSpec
 from .flux import FluxNWHeadAttnProcessor
 from .kernel import TimestepClock, check_head_bandwidth
 from .sd3 import SD3NWHeadAttnProcessor
@@ -72,15 +72,16 @@ class NWHeadConfig:
     Args:
         bandwidth: the Gaussian bandwidth ``h`` of the image branch: ``"matched"`` (``h^2 = sqrt(d_head)``, the
             learned head's own temperature, so the two heads differ only by the key-norm bias), a positive float,
-            or a callable of the timestep (see :mod:`ipa_probe.bandwidth`). Stored frame only: the query frame's
-            logits are the model's own ``q·k / sqrt(d_head)`` and any other value than ``"matched"`` is refused.
+            or a callable of the timestep (see :mod:`ipa_probe.statistics.bandwidth`). Stored frame only: the query
+            frame's logits are the model's own ``q·k / sqrt(d_head)`` and any other value than ``"matched"`` is
+            refused.
         layers: a regex (``re.search`` on the layer id), a list of them, or ``None`` for every IP-Adapter layer.
         frame: ``"stored"`` (default): the key term is ``|k_i|^2 / (2 h^2)`` of the stored keys, which depends on
             the basis the q/k weights are stored in (gauge dependent). ``"query"``: the key term is
             ``b_i = log mean_q exp(L_qi)`` over the current call's queries (per layer, head, batch item and step),
             ``L`` the row-centred model logits; a function of the logits alone, hence gauge invariant.
         form: query frame only: ``"exact"`` (default) or ``"gaussian"`` (``b_i = mean_q L_qi + Var_q(L_qi) / 2``);
-            see :func:`ipa_probe.kernels.query_frame_bias`.
+            see :func:`ipa_probe.statistics.kernels.query_frame_bias`.
     """
 
     bandwidth: BandwidthSpec = "matched"

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from diffusers.image_processor import IPAdapterMaskProcessor
 from diffusers.models.attention_processor import Attention, IPAdapterAttnProcessor2_0
 
-from ..bandwidth import BandwidthSpec
 from ..capture.taps.base import normalise_masks
-from ..kernels import merge_heads, split_heads
+from ..statistics.bandwidth import BandwidthSpec
+from ..statistics.kernels import merge_heads, split_heads
 from .kernel import NWKernel, TimestepClock
 
 __all__ = ["NWHeadAttnProcessor"]

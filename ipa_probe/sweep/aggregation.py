@@ -10,7 +10,7 @@ import pandas as pd
 
 from .._checks import MAX_RESAMPLES, check_fraction, check_int, check_seed, check_threshold
 from ..capture.report import style_timestep_axes, summarize
-from ..schema import (
+from ..statistics.schema import (
     SUMMARY_GAUGE_MEANS,
     SUMMARY_HEADLINE,
     SUMMARY_KEYS,
@@ -121,16 +121,17 @@ def aggregate(
         some of their cells are not finite, see :func:`row_summary`), ``spearman`` (mean over rows),
         ``spearman_ci_low``, ``spearman_ci_high``, ``spearman_std`` (over rows), ``pearson``,
         ``frac_rho_gt_<threshold>`` (mean over rows of the fraction of layer x head cells with rho above the
-        threshold), then the means over rows of the other summary means (:data:`~ipa_probe.schema.SUMMARY_MEANS`:
-        ``pearson``, ``spearman_null`` (the permutation null), ``kl``, ``top1``, ``neff_attn``, ``neff_nw``,
-        ``q_norm``, ``k_norm_spread``, ``ip_mass``, ``bandwidth``; NaN where the summaries lack one) and the maxima
-        of :data:`~ipa_probe.schema.SUMMARY_MAX` (``nonfinite``) over every row, partial ones included; then the
-        means over rows of :data:`~ipa_probe.schema.SUMMARY_GAUGE_MEANS` (``logit_ratio``, ``rho_baseline``,
-        ``rho_excess`` and the per-row shares against chance) and of ``frac_rho_gt_<threshold>_null`` (the chance
-        level of the fraction; see docs/gauge.md); last the means over rows of the query-frame columns
-        (:data:`~ipa_probe.schema.SUMMARY_HEADLINE`: ``qf_spearman``, ``qf_gauss_spearman``, then
-        :data:`~ipa_probe.schema.SUMMARY_QUERY_FRAME_MEANS`; NaN for summaries made before the query frame). The
-        unprefixed statistics are the stored frame's, which a per-head basis change of q and k moves.
+        threshold), then the means over rows of the other summary means
+        (:data:`~ipa_probe.statistics.schema.SUMMARY_MEANS`: ``pearson``, ``spearman_null`` (the permutation null),
+        ``kl``, ``top1``, ``neff_attn``, ``neff_nw``, ``q_norm``, ``k_norm_spread``, ``ip_mass``, ``bandwidth``; NaN
+        where the summaries lack one) and the maxima of :data:`~ipa_probe.statistics.schema.SUMMARY_MAX`
+        (``nonfinite``) over every row, partial ones included; then the means over rows of
+        :data:`~ipa_probe.statistics.schema.SUMMARY_GAUGE_MEANS` (``logit_ratio``, ``rho_baseline``, ``rho_excess`` and
+        the per-row shares against chance) and of ``frac_rho_gt_<threshold>_null`` (the chance level of the fraction;
+        see docs/gauge.md); last the means over rows of the query-frame columns
+        (:data:`~ipa_probe.statistics.schema.SUMMARY_HEADLINE`: ``qf_spearman``, ``qf_gauss_spearman``, then
+        :data:`~ipa_probe.statistics.schema.SUMMARY_QUERY_FRAME_MEANS`; NaN for summaries made before the query frame).
+        The unprefixed statistics are the stored frame's, which a per-head basis change of q and k moves.
     """
     check_threshold(threshold)
     check_fraction(confidence, "confidence")

@@ -26,7 +26,7 @@ from .._io import (
     write_json,
     write_table,
 )
-from ..schema import frac_column
+from ..statistics.schema import frac_column
 from .aggregation import aggregate, plot_aggregate, row_summary
 from .manifest import Manifest, ManifestRow, RowInputError, SkippedRow
 from .runner import SweepRunner

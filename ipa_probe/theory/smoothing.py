@@ -4,7 +4,7 @@ Given a support ``S = {s_1 .. s_m}`` and a bandwidth ``h``, the NW weights and l
 
     w_i(x) = softmax_i( -|x - s_i|^2 / (2 h^2) ),        m_h(x) = sum_i w_i(x) s_i.
 
-The logits come from :func:`ipa_probe.kernels.nw_logits` (a dot product plus the key-norm bias), computed on
+The logits come from :func:`ipa_probe.statistics.kernels.nw_logits` (a dot product plus the key-norm bias), computed on
 coordinates centred at the support mean: the weights are translation invariant, and centring keeps the dot products
 small so that float32 stays accurate far from the origin. The softmax is log-sum-exp stable.
 
@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .. import kernels
+from ..statistics import kernels
 from ._checks import check_points, check_positive, check_support, row_param
 
 __all__ = ["kde_log_density", "n_eff", "nw_log_weights", "nw_mean", "nw_weights"]

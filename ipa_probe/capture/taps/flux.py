@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from ...kernels import split_heads
 from ...layers import IPLayer, denoiser_of, observer
+from ...statistics.kernels import split_heads
 from .base import Capture, DenoiserPass, Handle, Tap
 
 

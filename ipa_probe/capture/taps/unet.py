@@ -10,8 +10,8 @@ from collections.abc import Callable
 import torch
 from diffusers.image_processor import IPAdapterMaskProcessor
 
-from ...kernels import split_heads
 from ...layers import IPLayer, denoiser_of, observer
+from ...statistics.kernels import split_heads
 from .base import Capture, DenoiserPass, Handle, Tap, normalise_masks
 
 

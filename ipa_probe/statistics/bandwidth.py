@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ._checks import BANDWIDTH_RANGE, parse_bandwidth
+from .._checks import BANDWIDTH_RANGE, parse_bandwidth
 from .kernels import matched_bandwidth
 
 __all__ = ["BandwidthSpec", "argument_type", "check", "describe", "parse", "resolve"]

@@ -68,7 +68,7 @@ NULL_COLUMNS: tuple[str, ...] = (
     "rows_rho_pos1_null",
 )
 
-#: The fields of :func:`ipa_probe.stats.compare_weights`' last dimension, in order.
+#: The fields of :func:`ipa_probe.statistics.agreement.compare_weights`' last dimension, in order.
 STAT_NAMES: tuple[str, ...] = (
     "spearman",
     "spearman_null",
@@ -86,8 +86,8 @@ STAT_NAMES: tuple[str, ...] = (
 #: ``neff_attn`` and ``nonfinite``, which are the attention's own and the same in every frame.
 QUERY_FRAME_STATS: tuple[str, ...] = tuple(name for name in STAT_NAMES if name not in ("neff_attn", "nonfinite"))
 
-#: Column prefix of each form of the query-frame key term (:data:`ipa_probe.kernels.QUERY_FRAME_FORMS`): the exact
-#: log-partition over the frame's queries, and its Gaussian (mean + variance / 2) form.
+#: Column prefix of each form of the query-frame key term (:data:`ipa_probe.statistics.kernels.QUERY_FRAME_FORMS`): the
+# exact  log-partition over the frame's queries, and its Gaussian (mean + variance / 2) form.
 QUERY_FRAME_PREFIXES: dict[str, str] = {"exact": "qf_", "gaussian": "qf_gauss_"}
 
 
@@ -99,7 +99,7 @@ def query_frame_column(name: str, form: str = "exact") -> str:
 
 #: The query-frame statistics per cell: :data:`QUERY_FRAME_STATS` of NW weights ``softmax_i(L_qi - b_i)`` against
 #: the attention, ``b_i`` the key's log-partition over the frame's queries
-#: (:func:`ipa_probe.kernels.query_frame_bias`), exact form first (``qf_*``), then the Gaussian form
+#: (:func:`ipa_probe.statistics.kernels.query_frame_bias`), exact form first (``qf_*``), then the Gaussian form
 #: (``qf_gauss_*``). Unlike the stored-frame columns (the unprefixed ``spearman``, ``pearson``, ..., whose NW
 #: weights use the stored keys' norms and so move under a per-head basis change of q and k that changes no
 #: output), they depend on the attention logits alone.
@@ -120,8 +120,9 @@ def se_column(name: str) -> str:
 
 #: The row sample's columns: ``row_fraction`` (the share of a cell's query rows its per-row statistics used: 1 when
 #: exact) and, per column of :data:`SAMPLED_COLUMNS`, its standard error (``<column>_se``: 0 when exact; the
-#: random-groups estimate of :func:`ipa_probe.stats.compare_frames` when sampled; for a mean over several cells
-#: the root of the summed variances over the count). The probe's buffers keep each standard error squared.
+#: random-groups estimate of :func:`ipa_probe.statistics.agreement.compare_frames` when sampled; for a mean over
+# several cells  the root of the summed variances over the count). The probe's buffers keep each standard error
+# squared.
 ROW_SAMPLE_COLUMNS: tuple[str, ...] = ("row_fraction", *(se_column(name) for name in SAMPLED_COLUMNS))
 
 #: The pools of queries a query frame can be estimated over (:class:`ipa_probe.ProbeConfig`'s ``query_frame``):
@@ -140,7 +141,8 @@ ROW_KEY_BUDGET: int = 4096
 #: below it the random groups' standard errors rest on 8 rows each).
 AUTO_SAMPLE_ROWS: tuple[int, int] = (64, 256)
 
-#: Random groups a row sample is split into for its standard errors (:func:`~ipa_probe.stats.compare_frames`).
+#: Random groups a row sample is split into for its standard errors
+# (:func:`~ipa_probe.statistics.agreement.compare_frames`).
 SAMPLE_GROUPS: int = 8
 
 #: The table column (and summary column) naming the pool the query-frame columns were estimated over.

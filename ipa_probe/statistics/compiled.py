@@ -13,17 +13,17 @@ import torch
 __all__ = ["compiled_statistics", "compiling", "run_compiled"]
 
 
-#: Whether :func:`~ipa_probe.stats.compare_frames` runs through ``torch.compile``
+#: Whether :func:`~ipa_probe.statistics.agreement.compare_frames` runs through ``torch.compile``
 #: (:func:`compiled_statistics`).
 _COMPILE: contextvars.ContextVar[bool] = contextvars.ContextVar("ipa_probe_compile", default=False)
-#: The compiled :func:`~ipa_probe.stats.compare_frames` of this process (one, for every shape: ``dynamic=True``),
-#: or ``False`` once compiling or running it failed (eager from then on; warned once).
+#: The compiled :func:`~ipa_probe.statistics.agreement.compare_frames` of this process (one, for every shape:
+# ``dynamic=True``),  or ``False`` once compiling or running it failed (eager from then on; warned once).
 _COMPILED: dict[str, Callable | bool] = {}
 
 
 @contextlib.contextmanager
 def compiled_statistics(enabled: bool = True) -> Iterator[None]:
-    """Within the block, :func:`~ipa_probe.stats.compare_frames` runs as ``torch.compile(compare_frames,
+    """Within the block, :func:`~ipa_probe.statistics.agreement.compare_frames` runs as ``torch.compile(compare_frames,
     dynamic=True)`` (one compile per process for every shape: inductor fuses the statistics' some 300 small
     operations; the random draws of the nulls stay eager, at a graph break, from the same generators). Where the
     installed torch cannot compile (no C++ compiler, an unsupported device or operation), the first failure warns
@@ -50,8 +50,8 @@ def compiling() -> bool:
 
 
 def run_compiled(eager: Callable[..., list[torch.Tensor]], *args) -> list[torch.Tensor]:
-    """``eager(*args)`` (the statistics of :func:`~ipa_probe.stats.compare_frames`) through its compiled form, or
-    eagerly (warned once) where compiling or running it fails."""
+    """``eager(*args)`` (the statistics of :func:`~ipa_probe.statistics.agreement.compare_frames`) through its compiled
+    form, or eagerly (warned once) where compiling or running it fails."""
     compiled = _COMPILED.get("compare_frames")
     if compiled is None:
         try:

@@ -3,7 +3,7 @@
 :func:`rho_null` is the distribution of rho between two independent rankings of ``K`` keys (exact by enumeration up to
 :data:`EXACT_NULL_KEYS`, simulated beyond), :func:`null_tail` its tail above the rows' threshold, and
 :func:`rho_baseline` the rho a row of a given logit ratio and number of keys gives when its key-norm term is
-independent of its attention logits (docs/gauge.md). :mod:`ipa_probe.stats` reads them.
+independent of its attention logits (docs/gauge.md). :mod:`ipa_probe.statistics` reads them.
 """
 
 from __future__ import annotations
@@ -138,8 +138,8 @@ _TAIL_HITS: dict[int, int] = {
 
 
 def null_tail(keys: int) -> float:
-    """The chance that a row of ``keys`` distinct keys has rho above :data:`~ipa_probe.schema.ROW_THRESHOLD` (0.9)
-    under independent rankings: exact up to :data:`EXACT_NULL_KEYS` keys, tabulated from a simulation above (see
+    """The chance that a row of ``keys`` distinct keys has rho above :data:`~ipa_probe.statistics.schema.ROW_THRESHOLD`
+    (0.9) under independent rankings: exact up to :data:`EXACT_NULL_KEYS` keys, tabulated from a simulation above (see
     :data:`_TAIL_HITS`), 0 beyond the table (no simulated row got there), NaN for fewer than 2 keys."""
     if keys < 2:
         return math.nan

@@ -1,0 +1,227 @@
+"""Per-row statistics of attention-weight matrices, reduced over the last axis or over the rows of many cells
+flattened side by side (:class:`Segments`): ranks, Spearman and Pearson correlations, masked means and spreads, the
+copies among keys, and the KL-optimal bandwidth. Pure torch; everything stays on the device."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Segments",
+    "copy_groups",
+    "finite_rows",
+    "fit_bandwidth",
+    "rank",
+    "raveled_pearson",
+    "row_spearman",
+]
+
+
+def rank(x: torch.Tensor) -> torch.Tensor:
+    """Ranks ``1..K`` along the last dimension, ties given their average rank (as ``scipy.stats.rankdata``).
+
+    Args:
+        x: values, shape ``(..., K)``.
+
+    Returns:
+        ranks in ``x``'s floating dtype (float32 for integer input), shape ``(..., K)``.
+    """
+    dtype = x.dtype if x.is_floating_point() else torch.float32
+    k = x.shape[-1]
+    sorted_x, order = x.sort(dim=-1)
+    position = torch.arange(1, k + 1, device=x.device, dtype=dtype).expand(sorted_x.shape)
+    starts = torch.ones_like(sorted_x, dtype=torch.bool)
+    starts[..., 1:] = sorted_x[..., 1:] != sorted_x[..., :-1]
+    group = starts.cumsum(-1) - 1  # (..., K) index of each sorted value's tie group within its row
+    total = torch.zeros_like(position).scatter_add_(-1, group, position)
+    count = torch.zeros_like(position).scatter_add_(-1, group, torch.ones_like(position))
+    average = total.gather(-1, group) / count.gather(-1, group)
+    return torch.empty_like(average).scatter_(-1, order, average)
+
+
+def _row_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    if mask is None:
+        a = a - a.mean(-1, keepdim=True)
+        b = b - b.mean(-1, keepdim=True)
+    else:
+        m = mask.to(a.dtype)
+        n = m.sum(-1, keepdim=True)
+        a = (a - (a * m).sum(-1, keepdim=True) / n) * m
+        b = (b - (b * m).sum(-1, keepdim=True) / n) * m
+    return (a * b).sum(-1) / ((a * a).sum(-1) * (b * b).sum(-1)).sqrt()
+
+
+def _masked_ranks(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    # Left-out entries rank above every kept one, so the kept entries get ranks 1..n among themselves.
+    return rank(x if mask is None else torch.where(mask, x, math.inf))
+
+
+def row_spearman(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Spearman's rho of each row of ``a`` against the same row of ``b``: ``(..., K), (..., K) -> (...)``.
+
+    A row that is constant in ``a`` or ``b`` has no rank correlation and gives NaN, as in scipy.
+
+    Args:
+        a, b: values, shape ``(..., K)``.
+        mask: optional boolean ``(..., K)``: only the entries where it holds take part (ranked among themselves).
+    """
+    return _row_pearson(_masked_ranks(a, mask), _masked_ranks(b, mask), mask)
+
+
+def raveled_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Pearson's r over all entries of the last two dimensions: ``(..., R, K) -> (...)``.
+
+    Args:
+        a, b: weights, shape ``(..., R, K)``.
+        mask: optional boolean, ``(..., R)`` (rows where it is False are left out) or ``(..., R, K)`` (entries).
+    """
+    if mask is None:
+        mask = torch.ones(a.shape[:-1], dtype=torch.bool, device=a.device)
+    if mask.dim() == a.dim() - 1:
+        mask = mask.unsqueeze(-1)
+    m = mask.to(a.dtype).expand(a.shape)
+    a = torch.where(m > 0, a, 0.0)
+    b = torch.where(m > 0, b, 0.0)
+    n = m.sum((-2, -1))
+    mean_a = a.sum((-2, -1)) / n
+    mean_b = b.sum((-2, -1)) / n
+    da = (a - mean_a[..., None, None]) * m
+    db = (b - mean_b[..., None, None]) * m
+    return (da * db).sum((-2, -1)) / ((da * da).sum((-2, -1)) * (db * db).sum((-2, -1))).sqrt()
+
+
+def _log_softmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x - logsumexp(x)`` over the last dimension (the values of torch.log_softmax, several times faster on CPU for
+    short rows) and whether each row's weights are finite, ``(..., K) -> (..., K), (...)``: the weights
+    ``exp(x - lse)`` are all finite exactly when ``lse`` is (a NaN or ``+inf`` logit makes it NaN or ``+inf``, and a
+    row of ``-inf`` makes it ``-inf``; ``-inf`` beside a finite logit is a weight of 0), which the row's sum already
+    holds."""
+    lse = x.logsumexp(-1, keepdim=True)
+    return x - lse, lse.squeeze(-1).isfinite()
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor, total=None) -> torch.Tensor:
+    """Mean of ``x`` over the last dimension where ``mask`` holds (NaN where nothing does); ``total`` sums over the
+    rows of each cell instead (:meth:`Segments.sum`)."""
+    mask = mask & ~x.isnan()
+    if total is None:
+        return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1)
+    return total(torch.where(mask, x, 0.0)) / total(mask.to(x.dtype))
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The rows of many cells flattened on one axis (cells of any number of rows in one pass): each row's cell, and
+    its replicate group for the sampling errors (:func:`~.agreement.compare_frames`' ``replicates``: row ``j`` of a
+    cell in group ``j mod G``).
+
+    Attributes:
+        ids: ``(N,)`` int64, each row's cell in ``0..cells - 1``.
+        cells: how many cells.
+        replicate_ids: ``(N,)`` int64, ``cell * G + j mod G``, or ``None`` without replicates.
+        replicates: ``G``, or ``None``.
+    """
+
+    ids: torch.Tensor
+    cells: int
+    replicate_ids: torch.Tensor | None = None
+    replicates: int | None = None
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Per cell, the sum of ``x``'s rows: ``(..., N) -> (..., cells)``."""
+        return x.new_zeros(*x.shape[:-1], self.cells).index_add_(x.dim() - 1, self.ids, x)
+
+    def sum_replicates(self, x: torch.Tensor) -> torch.Tensor:
+        """Per cell and replicate group, the sum of ``x``'s rows: ``(..., N) -> (..., cells * G)``."""
+        size = self.cells * self.replicates
+        return x.new_zeros(*x.shape[:-1], size).index_add_(x.dim() - 1, self.replicate_ids, x)
+
+
+def finite_rows(x: torch.Tensor) -> torch.Tensor:
+    """Whether every entry of each row is finite, ``(..., K) -> (...)``: ``x.isfinite().all(-1)``, as the sum of
+    ``x * 0`` (0 for a finite entry, NaN for an infinite or NaN one), which is several times faster on CPU."""
+    return (x * 0).sum(-1) == 0
+
+
+def _row_sd(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Population standard deviation of each row, over the entries where ``mask`` holds: ``(..., K) -> (...)``."""
+    if mask is None:
+        # two passes (mean, then the centred squares), several times faster than torch.std's per-row Welford on CPU
+        # for short rows; equal to it within float32 rounding (a few ulp)
+        centred = x - x.mean(-1, keepdim=True)
+        return (centred * centred).mean(-1).sqrt()
+    m = mask.to(x.dtype)
+    x = torch.where(mask, x, 0.0)
+    n = m.sum(-1, keepdim=True)
+    centred = (x - x.sum(-1, keepdim=True) / n) * m
+    return ((centred * centred).sum(-1) / n.squeeze(-1)).sqrt()
+
+
+def copy_groups(keys: torch.Tensor, rtol: float = 1e-5) -> torch.Tensor:
+    """Which keys are copies of one token: for each key, the index of the first key equal to it up to float noise.
+
+    Two keys count as copies when ``|k_i - k_j|^2 <= rtol * (|k_i|^2 + |k_j|^2)`` (e.g. the unconditional image
+    tokens of several reference images, projected from the same zero embedding, agree up to rounding).
+
+    Args:
+        keys: ``(..., K, D)``.
+        rtol: relative tolerance on the squared distance.
+
+    Returns:
+        group ids, shape ``(..., K)``, int64: equal ids mark copies (pass them as ``key_groups`` to
+        :func:`~.agreement.compare_weights`).
+    """
+    keys = keys.float()
+    sq = (keys * keys).sum(-1)  # (..., K)
+    dist = sq.unsqueeze(-1) + sq.unsqueeze(-2) - 2 * keys @ keys.transpose(-1, -2)  # (..., K, K)
+    same = dist <= rtol * (sq.unsqueeze(-1) + sq.unsqueeze(-2))
+    return same.to(torch.uint8).argmax(-1)  # the first True of each row (the diagonal is always True)
+
+
+def fit_bandwidth(
+    attn_logits: torch.Tensor,
+    energy: torch.Tensor,
+    center: float,
+    coarse: int = 25,
+    fine: int = 17,
+    span: float = 6.0,
+) -> torch.Tensor:
+    """The bandwidth ``h`` per group that minimises the row-mean ``KL(attention || NW_h)``, by a two-stage grid.
+
+    NW logits at bandwidth ``h`` are ``energy / h^2`` with ``energy = q·k - |k|^2 / 2`` (paper §C.3). The search runs
+    over ``log h^2`` in ``log(center^2) ± span`` on ``coarse`` points, then on ``fine`` points within one coarse step
+    of the best, all on the device (no host synchronisation).
+
+    Args:
+        attn_logits: attention logits, shape ``(..., R, K)``.
+        energy: ``q·k - |k|^2 / 2`` for the same rows and keys, shape ``(..., R, K)``.
+        center: the bandwidth around which to search (e.g. the matched one).
+
+    Returns:
+        ``h``, shape ``(...)``, float32.
+    """
+    log_a = torch.log_softmax(attn_logits.float(), dim=-1)
+    a = log_a.exp()
+    energy = energy.float()
+
+    def mean_kl(log_tau: torch.Tensor) -> torch.Tensor:
+        log_w = torch.log_softmax(energy * torch.exp(-log_tau)[..., None, None], dim=-1)
+        kl = torch.where(a > 0, a * (log_a - log_w), 0.0).sum(-1)
+        return torch.nan_to_num(kl, nan=math.inf).mean(-1)
+
+    group_shape = attn_logits.shape[:-2]
+    step = 2 * span / (coarse - 1)
+    best = torch.full(group_shape, 2 * math.log(center), device=attn_logits.device)
+    best_kl = torch.full(group_shape, math.inf, device=attn_logits.device)
+    for offsets, around in ((torch.linspace(-span, span, coarse), None), (torch.linspace(-step, step, fine), True)):
+        base = best.clone() if around else best
+        for offset in offsets.tolist():  # host-side grid, no device sync
+            log_tau = base + offset
+            kl = mean_kl(log_tau)
+            better = kl < best_kl
+            best = torch.where(better, log_tau, best)
+            best_kl = torch.where(better, kl, best_kl)
+    return torch.exp(best / 2)
