@@ -1,26 +1,11 @@
 """Side by side: the learned IP-Adapter, the zero-parameter NW head, and the exact empirical denoiser.
 
-From the same seeds, one pipeline generates with
-
-- ``ip_adapter``: the learned IP-Adapter as loaded;
-- ``nw_head``: the same pipeline with the image branch swapped for Gaussian NW weights (:func:`ipa_probe.nw_head`);
-- ``exact``: the exact empirical denoiser of the references' VAE latents (:func:`ipa_probe.exact_pipeline`),
-  which reproduces its support (paper §C.5);
-
-and each image is scored against the reference set with open_clip image embeddings (:mod:`.compare_scores`):
-
-- ``clip_i_nearest``: cosine similarity to the nearest reference (CLIP-I);
-- ``clip_i_mean``: cosine similarity to the mean reference embedding;
-- ``pixel_nearest``: RMS pixel distance in ``[0, 1]`` to the nearest reference at the generated size (memorisation:
-  0 means a copy);
-- ``diversity`` (per method): mean pairwise cosine distance ``1 - cos`` between the images of different seeds.
-
-A fourth row, ``vae_roundtrip``, scores the references passed through the pipeline's VAE (encode, decode): the
-floor of ``pixel_nearest`` that a method copying a reference in latent space (as the exact denoiser does) reaches.
-
-Offline, the open_clip model is built from its config with random weights: the scores then only compare the
-methods with each other through one fixed random feature map, and every output says so. A real checkpoint (an
-open_clip ``pretrained`` tag whose weights are cached, or a local file) gives the usual CLIP-I.
+From the same seeds, one pipeline generates with ``ip_adapter`` (as loaded), ``nw_head`` (the image branch swapped
+for Gaussian NW weights, :func:`ipa_probe.nw_head`) and ``exact`` (the exact empirical denoiser of the references'
+VAE latents, :func:`ipa_probe.exact_pipeline`, paper §C.5), and each image is scored against the reference set with
+open_clip image embeddings (:mod:`.compare_scores`: ``clip_i_nearest``, ``clip_i_mean``, ``pixel_nearest``,
+``diversity``), beside a ``vae_roundtrip`` row (the references through the VAE: the floor of ``pixel_nearest``).
+Offline, the open_clip model has random weights and every output says so. The columns: docs/nw-head.md.
 """
 
 from __future__ import annotations

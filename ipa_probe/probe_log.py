@@ -4,31 +4,10 @@
 :class:`ProbeLog`; :func:`write` hands it to a :class:`~ipa_probe.trackers.Tracker`. Nothing here runs inside the
 denoising loop.
 
-Ordered for the researcher who opens the dashboard: TensorBoard (and wandb, MLflow) sort tag groups by name, so each
-group starts with its rank, and the first one is the finding:
-
-- the x axis (the tracker's step) is the **denoising step** (the loop index: 0 is the noisiest timestep), so every
-  chart reads left to right in the order the image is made; ``1_finding/rho`` and ``2_run/settings`` give each
-  step's timestep;
-- a series and its reference share one tag in sibling runs: ``1_query_frame/rho`` holds the query-frame rho in the
-  run itself, its gauge baseline in the sub-run ``baseline`` and the run's mean over every cell (a flat line) in
-  ``mean``, so that one chart, whose range fits them, draws the three in three colours, each named by its run; the
-  permutation null, near 0, is its own chart (``1_query_frame/rho_null``);
-- ``1_query_frame/`` (gauge-invariant: ``rho``, ``rho_gaussian``, their excesses, the rows with rho > 0.9 and
-  chance), ``2_stored_frame/`` (gauge-dependent: ``rho``, ``rho_excess``, cells and rows with rho > 0.9),
-  ``3_agreement/`` (Pearson, top-1, KL, n_eff: one unit per chart), ``4_query_frame_rho_per_layer/NN_<layer>`` and
-  ``5_stored_frame_rho_per_layer/NN_<layer>`` (one small chart per layer, numbered in network order: down, mid, up;
-  baseline and null in their sub-runs), ``6_reference_shares/`` (``maps=True``), then images: ``7_overlays/`` (each
-  reference's share minus 1/R per timestep, a slider), ``8_figures/`` (the run's figures, drawn at card size: rho by
-  timestep, the query-frame rho per layer and timestep, the reference maps), ``9_images/`` (generated, references);
-  histograms under ``hist/``; the other CFG branches under ``{branch}_query_frame/`` and ``{branch}_stored_frame/``;
-  several pipeline calls add ``_call{c}`` to each group;
-- text, in the order the Text view lists it: ``1_finding/rho`` (per step: timestep, query-frame rho, its baseline,
-  their difference, the null), ``2_run/settings``, ``3_images/readings``, and last the bookkeeping (bandwidth, cell
-  counts, norms, logit ratios, ...: ``9_bookkeeping/columns``, a table per series, one row per step);
-- the end-of-run numbers are the HParams view's metrics only: the ``mean`` sub-run's ``1_query_frame/rho``,
-  ``1_query_frame/rho_excess``, ``2_stored_frame/rho`` and ``2_stored_frame/rho_excess`` (TensorBoard reads a
-  metric's value from a scalar; here it is the flat line drawn on the headline chart, never a one-point chart).
+Ordered for the researcher who opens the dashboard: the x axis is the denoising step, each tag group starts with
+its rank (``1_query_frame/``, ``2_stored_frame/``, ... ``9_images/``; the first one is the finding), a series and its
+references share one tag in sibling runs (``baseline``, ``mean``), and the end-of-run numbers are the HParams view's
+metrics only. Every tag, chart and text is listed in docs/logging.md ("What you see").
 """
 
 from __future__ import annotations

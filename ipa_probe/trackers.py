@@ -1,18 +1,10 @@
 """Send a finished run to TensorBoard, Weights & Biases or MLflow, through each one's own public API.
 
-Storage side, apart from the capture code: nothing here runs inside a denoising loop. A probe logs when its ``with``
-block ends (``probe(pipe, log_with="tensorboard")``) or when asked (``run.log(...)``), after the one device-to-host
-transfer of its buffers; a sweep and the experiments log when they have finished.
-
-- :class:`Tracker`: one run of one tracker (scalars, histograms, images, text, a chart layout, hyper-parameters with
-  metrics). A TensorBoard run is one folder with one event file (never a second run for the hyper-parameters); the
-  folder it reports is where its files are.
-- :func:`log_probe_run`: a probe; what it logs and under which tags is :mod:`ipa_probe.probe_log`'s (docs/logging.md).
-- :func:`log_sweep`, :func:`log_experiments`: a sweep's aggregate and rows, the experiments' tables, figures and
-  series.
-
-TensorBoard ships with ``ipa_probe`` (the tested one); ``pip install 'ipa_probe[wandb]'`` or ``'ipa_probe[mlflow]'``
-adds the others. wandb charts against the step it is given as the value ``step`` (its own step counts rows).
+Storage side, apart from the capture code: nothing here runs inside a denoising loop. :class:`Tracker` is one run of
+one tracker; :func:`log_probe_run` logs a probe (what and under which tags: :mod:`ipa_probe.probe_log`),
+:func:`log_sweep` and :func:`log_experiments` a sweep's aggregate and rows and the experiments' tables, figures and
+series. TensorBoard ships with ``ipa_probe``; ``pip install 'ipa_probe[wandb]'`` or ``'ipa_probe[mlflow]'`` adds the
+others. What each tracker shows, and where: docs/logging.md.
 """
 
 from __future__ import annotations
@@ -170,27 +162,18 @@ def _histogram_record(values) -> dict[str, Any]:
 
 
 class Tracker:
-    """One run of a tracker, written through the tracker's own public API.
-
-    TensorBoard: one ``torch.utils.tensorboard.SummaryWriter`` folder holds every event of the run (scalars,
-    histograms, images, text, the custom-scalars layout, and the hyper-parameters with their metrics: no second run).
-    wandb: ``wandb.init`` (offline or online as wandb is configured). MLflow: an ``MlflowClient`` on
-    ``MLFLOW_TRACKING_URI`` when that is set, else on a SQLite store in ``logging_dir`` (no server). Under
-    ``accelerate launch`` only the main process writes (the other processes' calls do nothing), as with accelerate's
-    trackers.
+    """One run of a tracker, written through the tracker's own public API (how each tracker stores it:
+    docs/logging.md). Under ``accelerate launch`` only the main process writes, as with accelerate's trackers.
 
     Args:
         name: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"``.
-        logging_dir: where the logs go (TensorBoard: ``logging_dir/run_name``, its sub-runs in subfolders; the event
-            files an earlier run of that name left there are removed first, so that a rerun replaces its run;
-            wandb: its ``dir``; MLflow: ``logging_dir/mlflow.db`` and the artifacts in ``logging_dir/mlartifacts``).
-        run_name: the run's name (TensorBoard's folder, wandb's project and run name, MLflow's experiment and run
-            name).
+        logging_dir: where the logs go (TensorBoard: ``logging_dir/run_name``, the event files an earlier run of that
+            name left removed first; wandb: its ``dir``; MLflow: ``logging_dir/mlflow.db`` and ``mlartifacts``).
+        run_name: the run's name (TensorBoard's folder, wandb's project and run, MLflow's experiment and run).
 
     Attributes:
-        folder: where the run's files are: TensorBoard, the folder of its event file; wandb, the run's local folder
-            (``.../wandb/run-<time>-<id>``, ``offline-run-...`` offline); MLflow, the run's artifact folder (a
-            remote store: its tracking URI).
+        folder: where the run's files are (TensorBoard's event folder, wandb's run folder, MLflow's artifact folder
+            or, for a remote store, its tracking URI).
     """
 
     def __init__(self, name: str, logging_dir: str | os.PathLike = "runs", run_name: str = "ipa_probe") -> None:

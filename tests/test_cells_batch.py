@@ -87,6 +87,7 @@ def test_frames_formed_in_the_hook_change_nothing(sd15, refs, monkeypatch, bound
     import numpy as np
 
     import ipa_probe.capture.cells as cells_module
+    import ipa_probe.capture.forming as forming_module
     import ipa_probe.capture.run as run_module
 
     def table():
@@ -96,12 +97,12 @@ def test_frames_formed_in_the_hook_change_nothing(sd15, refs, monkeypatch, bound
         return run.to_dataframe()
 
     early_calls = []  # the hook's early formations (at the pass's end, compare_cells forms the frames)
-    form_frames = run_module.form_frames
-    monkeypatch.setattr(run_module, "form_frames", lambda records: early_calls.append(1) or form_frames(records))
+    form_frames = forming_module.form_frames
+    monkeypatch.setattr(forming_module, "form_frames", lambda records: early_calls.append(1) or form_frames(records))
     batched = table()
     assert not early_calls
     if bound == "FRAME_ELEMENTS":
-        monkeypatch.setattr(run_module, "FRAME_ELEMENTS", 1)
+        monkeypatch.setattr(forming_module, "FRAME_ELEMENTS", 1)
     else:
         monkeypatch.setattr(cells_module, "JOIN_ELEMENTS_CPU", 0)
     early = table()

@@ -3,37 +3,11 @@
 Input: the tables of :func:`~.collect.reference_attribution` for many reference sets, stacked with a ``set`` column
 (:func:`~.collect.sets_table`). Per timestep, with ``A[s, l, i]`` the attention share of reference ``i`` in layer
 ``l`` for set ``s``, ``a[s, i] = mean_l A[s, l, i]``, ``w[s, i]`` the exact posterior and ``d[s, i]`` the squared
-data-space distance ``|x_t / alpha_t - s_i|^2``:
-
-- **reference attribution**: ``share_spearman``, the mean over sets of Spearman(``a[s]``, ``w[s]``); the posterior
-  ranks the references as ``-d`` does at every bandwidth, so ``-d`` is what is ranked (no ties from underflow at
-  small ``h``). Its 95 % bootstrap interval over sets (BCa, :func:`ipa_probe.sweep.bootstrap_ci`) and a one-sided
-  permutation p-value (references permuted independently within every set; :func:`paired_rank_test`).
-  ``layer_agreement``: the mean over sets of the mean Spearman between every two layers' shares ``A[s, l]``, with
-  its interval and a permutation p-value (each layer's shares permuted independently): do the layers rank the
-  references alike? ``tv_attention_posterior``: mean total-variation distance between ``a[s]`` and ``w[s]``.
-- **concentration**: ``attention_tv`` (mean over sets and layers of the TV distance of ``A[s, l]`` from uniform,
-  ``0`` = perfect pooling, ``1 - 1/R`` = all on one reference) and ``posterior_tv`` (the same for ``w[s]``).
-- **sharpness over time**: ``attention_neff`` (mean over sets and layers of ``1 / sum_i A[s, l, i]^2``),
-  ``position_neff`` (the same per query position, then averaged: attention may pick different references at
-  different positions), ``posterior_neff`` (``1 / sum_i w[s, i]^2``) and the exact denoiser's bandwidth
-  ``h(t) = sigma_t / alpha_t``.
-- **fitted data-space temperature**: ``fitted_bandwidth`` ``h*`` minimising ``sum_s KL(a[s] || softmax(-d[s] /
-  (2 h^2)))`` (:func:`fit_bandwidth`; ``inf`` when the uniform weights are closest, i.e. the attention favours the
-  nearer references no more than uniform weights do), with a 95 % percentile bootstrap interval over sets, and
-  ``fitted_ratio = h* / h(t)``; the same as an inverse temperature ``fitted_beta = 1 / (2 h*^2)`` (0 for
-  ``h* = inf``: finite, so that JSON records keep it).
-- **verdict** (:func:`verdict`), decided by a rule stated before the data were seen (:data:`POOLING_TV`,
-  :data:`ALPHA`):
-
-  1. ``pooling`` when the upper end of the interval of ``attention_tv`` is below :data:`POOLING_TV` (0.05): on the
-     average over sets and layers of shares already averaged over heads and positions, the attention moves less
-     than 5 % of its mass away from uniform, whatever the ranking does (a statement about the average only:
-     :func:`cell_verdicts` and :func:`verdict_shares` apply the rule per layer, head or position);
-  2. else ``tracks posterior`` when ``share_spearman`` has a permutation p-value below :data:`ALPHA` (0.05) and its
-     interval lies above 0;
-  3. else ``undecided`` (the attention concentrates, but not on the references the posterior favours, or too few
-     sets to tell).
+data-space distance ``|x_t / alpha_t - s_i|^2``: reference attribution (``share_spearman``, ``layer_agreement``,
+``tv_attention_posterior``), concentration (``attention_tv``, ``posterior_tv``), sharpness over time (the ``*_neff``
+columns) and the fitted data-space temperature (:func:`fit_bandwidth`), each column defined in docs/attribution.md
+("The observational comparison"); and the :func:`verdict`, a rule stated before the data were seen
+(:data:`POOLING_TV`, :data:`ALPHA`; "The verdict" there), per cell in :func:`cell_verdicts` and :func:`verdict_shares`.
 
 Every quantity is a function of the attention weights and the latents, so it does not move under a q/k gauge
 change (``to_q`` times c, ``to_k``/``to_k_ip`` divided by c).

@@ -1,22 +1,12 @@
 """Collect, in one seeded generation, each reference's share of the image-branch attention and its exact posterior.
 
-For every recorded step ``t`` (loop index) and IP-Adapter layer ``l`` of the conditional branch:
-
-    attention_share[l, i] = mean over query positions p of  sum_{tokens j of reference i} mean_h A_h[p, j],
-
-the probe's per-reference maps (:meth:`ipa_probe.ProbeRun.reference_weights`) averaged over the layer's positions;
-the posterior over the reference latents ``s_i`` (VAE latents times the scaling factor) at the same noisy latent
-``x_t`` (the UNet's input at that step, conditional batch row), in the variance-preserving form of the exact
-denoiser (:class:`ipa_probe.exact.ExactNWDenoiser`, paper §C.5):
-
-    w_i(x_t) = softmax_i(-|x_t - alpha_t s_i|^2 / (2 sigma_t^2)) = softmax_i(-|x_t / alpha_t - s_i|^2 / (2 h_t^2)),
-    h_t = sigma_t / alpha_t,
-
-with ``alpha_t``, ``sigma_t`` from the scheduler's ``alphas_cumprod`` in float64. The squared distances
-``|x_t / alpha_t - s_i|^2`` are kept too (the temperature fit of :mod:`.analysis` needs them).
-
-Attention weights do not depend on the q/k gauge (scaling ``to_q`` by c and the keys by 1/c), and the posterior is
-made from latents only, so every column here is gauge invariant.
+For every recorded step ``t`` (loop index) and IP-Adapter layer ``l`` of the conditional branch: the attention share
+of each reference (the probe's per-reference maps, :meth:`ipa_probe.ProbeRun.reference_weights`, averaged over the
+layer's positions and heads) and the posterior over the reference latents at the same ``x_t`` in the exact denoiser's
+form (:class:`ipa_probe.exact.ExactNWDenoiser`, paper §C.5: ``w_i = softmax_i(-|x_t / alpha_t - s_i|^2 / (2 h_t^2))``,
+``h_t = sigma_t / alpha_t``, float64), with the squared distances the temperature fit of :mod:`.analysis` needs. Each
+column: docs/attribution.md ("The observational comparison"). Attention weights do not depend on the q/k gauge and
+the posterior is made from latents only, so every column here is gauge invariant.
 """
 
 from __future__ import annotations
@@ -179,13 +169,9 @@ def reference_attribution(
             without ``generator`` / ``output_type``.
 
     Returns:
-        a :class:`ReferenceAttribution`; its table has one row per (recorded step, layer, reference):
-        ``attention_share`` (sums to 1 over references), ``position_neff`` (the mean over query positions of
-        ``1 / sum_i share(p, i)^2``, the same for every reference of a (step, layer)), ``sq_distance``
-        ``|x_t / alpha_t - s_i|^2``, ``bandwidth`` ``h_t`` and ``posterior_weight`` ``w_i(x_t)``, and the
-        reference's contribution to the layer output (:data:`CONTRIBUTION_COLUMNS`: norm, share of the norms,
-        projection onto the total; mean over query positions); and the per-head and per-position shares and
-        contributions (:attr:`ReferenceAttribution.heads`, :attr:`ReferenceAttribution.positions`).
+        a :class:`ReferenceAttribution`: one row per (recorded step, layer, reference), columns as tabled in
+        docs/attribution.md ("The observational comparison"), and the per-head and per-position tables
+        (:attr:`ReferenceAttribution.heads`, :attr:`ReferenceAttribution.positions`).
     """
     from ..capture.run import probe
     from ..capture.spine import attach, client, detach

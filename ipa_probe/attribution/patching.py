@@ -1,33 +1,14 @@
 """Attribution patching: each reference's ablation effect estimated to first order from one forward and one backward
 pass (issue #40 point 5), and its contribution projected on the direction that changes the output.
 
-Ablating reference ``j`` (``mode="ablate"``) removes its tokens from the image branch's softmax in every IP-Adapter
-layer at every step. It is the end point ``f_j = 0`` of the path ``mode="scale"`` follows
-(:func:`ipa_probe.intervention.custom.scale_hooks`): the reference's unnormalised weights times ``f_j`` and the
-weights renormalised,
-
-    w'_i(f) = f_{r(i)} w_i / sum_k f_{r(k)} w_k,       f = 1: the clean run,  f_j = 0: reference j ablated.
-
-For a scalar ``m`` of the final latents (a metric), the change ablation makes is ``m(f = 1 - e_j) - m(1)``; its
-first-order estimate along that path is ``-dm/df_j`` at ``f = 1``. One backward pass gives ``dm/df`` for every
-reference at once (``f`` is shared by every layer and step, so the derivative sums their paths, through the
-renormalisation and through every later step's ``x_t``):
-
-    attribution_patching_j = dm/df_j |_{f=1}   (the estimated drop m(clean) - m(ablated)).
-
-The second column gates each reference's contribution ``c_j`` (the ``contribution`` hook point: after ``W_o``, as it
-enters the residual stream) by ``g_j`` and differentiates at ``g = 1``:
-
-    output_projection_j = dm/dg_j |_{g=1} = sum over layers, steps and queries of  < dm/dy , c_j >,
-
-the contribution projected on the gradient of the metric with respect to the layer's output ``y``: the part of
-``c_j`` that lies along the direction in which the output (read through ``m``) changes. It is the first-order drop of
-``m`` when ``c_j`` is zeroed without renormalising the other references' weights.
-
-The metric used by the attribution experiment is the digit classifier's probability of the reference's own digit
-(:func:`digit_probability_gradients`), so both columns estimate ``class_drop``. The RMS change of the final latent
-(``latent_effect``) has no first-order estimate: it is a norm of the change, zero with zero gradient at the clean
-run; the held-out comparison still ranks it against both columns.
+Ablating reference ``j`` is the end point ``f_j = 0`` of the path ``mode="scale"`` follows
+(:func:`ipa_probe.intervention.custom.scale_hooks`): ``w'_i(f) = f_{r(i)} w_i / sum_k f_{r(k)} w_k``. For a scalar
+metric ``m`` of the final latents, ``attribution_patching_j = dm/df_j`` at ``f = 1`` estimates the drop
+``m(clean) - m(ablated)``; ``output_projection_j = dm/dg_j`` at ``g = 1``, ``g_j`` a gate on reference ``j``'s
+``contribution``, is ``sum < dm/dy, c_j >`` over layers, steps and queries. The experiment's metric is the digit
+classifier's probability of the reference's own digit (:func:`digit_probability_gradients`). Definitions, what each
+column estimates and how the tests hold them: docs/attribution.md ("Attribution patching: the ablation to first
+order").
 """
 
 from __future__ import annotations

@@ -2,51 +2,22 @@
 
 A pipeline encodes its prompts before the loop; the probe keeps what the encoder returned (the prompt's and the
 negative prompt's embeddings) and, at every denoiser pass, compares each contiguous chunk of the
-``encoder_hidden_states`` the denoiser receives with them, on the device (no host synchronisation):
+``encoder_hidden_states`` the denoiser receives with them, on the device (no host synchronisation). A chunk equal to
+the prompt embeddings is ``"cond"``, one equal to the negative prompt embeddings ``"uncond"``; PAG's last half of the
+prompt's chunks are ``"perturbed"``, InstructPix2Pix's first half of the negative ones ``"uncond_text"``, the safety
+concept's chunk of ``StableDiffusionPipelineSafe`` ``"safety"``, a guidance pass of its own
+(:class:`~.taps.DenoiserPass`) gets its tap's label (``"sag"``), and a chunk matching none or several, or a pass with
+no prompt embeddings seen or a batch that does not divide by the prompt's, is ``"batch"``. Each pipeline's layout is
+tabled in docs/compatibility.md ("What the labels, steps and calls mean on the long tail"); each pass is matched on its
+own, so a CFG switched off mid-run gives ``"cond"`` rows from then on. ``probe(pipe, branches=("uncond", "cond"))``
+declares the layout instead: every pass cut into that many equal chunks, in order.
 
-- a chunk equal to the prompt embeddings is ``"cond"``, one equal to the negative prompt embeddings ``"uncond"``;
-- with perturbed-attention guidance active (diffusers' PAG pipelines), the batch is ``[uncond, cond, perturbed]``
-  (or ``[cond, perturbed]``), each part possibly repeated per frame (AnimateDiff PAG): of the chunks equal to the
-  prompt, the last half are ``"perturbed"``;
-- InstructPix2Pix orders its batch ``[prompt, negative, negative]`` (the middle chunk sees the image, the last one
-  neither image nor text): of the chunks equal to the negative prompt, the first half are ``"uncond_text"``;
-- ``StableDiffusionPipelineSafe`` with safety guidance adds a chunk of its safety concept's embeddings:
-  ``"safety"``;
-- a chunk matching none (or several: a negative prompt equal to the prompt) is ``"batch"``, and so is a whole pass
-  when no prompt embeddings were seen (a hand-written loop calling ``pipe.unet``, or a ``from_pipe`` sibling
-  running another prompt) or its batch does not divide into chunks of the prompt's size.
-
-A pass that is not a branch of the loop but a guidance pass of its own gets its own label for all its items, given
-by the model family's tap (:class:`~.taps.DenoiserPass`): ``"sag"`` for the degraded pass of self-attention
-guidance (``StableDiffusionSAGPipeline``), recorded at the step it belongs to.
-
-What the encoders return (:data:`ENCODERS`; only the outermost encoding counts when one encoder calls another, as
-AnimateDiff's FreeNoise does):
-
-=====================================  =========================================================================
-``encode_prompt`` returns              read as
-=====================================  =========================================================================
-2-tuple                                ``(prompt, negative or None)``: SD 1.5, AnimateDiff, PAG, LCM, ...
-3-tuple                                ``(prompt, pooled, text_ids)``: Flux; one prompt per encoding, the first
-                                       encoding of a call is the prompt, a second one the negative prompt
-4-tuple                                ``(prompt, negative, pooled, negative pooled)``: SDXL, SD3, Kolors
-5-tuple                                ``(negative, edit concepts, ...)``: LEdits++
-6-tuple                                ``(prompt, ids, mask, negative, negative ids, negative mask)``: Chroma
-dict                                   its ``"prompt_embeds"`` and ``"negative_prompt_embeds"``
-tensor (``_encode_prompt``)            the batch already concatenated: InstructPix2Pix ``[prompt, negative,
-                                       negative]``; ``StableDiffusionPipelineSafe`` ``[negative, prompt(,
-                                       safety)]``
-``_encode_prompt_free_noise``          ``([negative; prompt] or prompt, negative or None)``, per frame
-=====================================  =========================================================================
-
-The embeddings are compared as the denoiser receives them: Kolors' UNet projects its ChatGLM embeddings inside its
-own forward, so its pre-hook sees what ``encode_prompt`` returned.
-
-``probe(pipe, branches=("uncond", "cond"))`` declares the layout instead: every pass is cut into that many equal
-chunks, labelled in that order.
-
-Because each pass is matched on its own, a pipeline whose CFG is switched off mid-run (a ``callback_on_step_end``
-setting ``pipe._guidance_scale = 0`` and keeping only the conditional embeddings) gets ``"cond"`` rows from then on.
+What the encoders return (:data:`ENCODERS`; only the outermost encoding counts, as in AnimateDiff's FreeNoise): the
+tuples of :data:`_TUPLE_POSITIONS`; LEdits++'s 5-tuple ``(negative, edit concepts, ...)``; a dict's
+``"prompt_embeds"`` and ``"negative_prompt_embeds"``; ``_encode_prompt``'s concatenated batch (InstructPix2Pix
+``[prompt, negative, negative]``, Safe ``[negative, prompt(, safety)]``); ``_encode_prompt_free_noise``'s
+``([negative; prompt] or prompt, negative or None)`` per frame. They are compared as the denoiser receives them
+(Kolors' UNet projects its ChatGLM embeddings inside its own forward).
 """
 
 from __future__ import annotations

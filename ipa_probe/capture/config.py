@@ -76,76 +76,38 @@ def rows_statement(setting: int | str | None, plan: dict[tuple[str, str], tuple[
 
 @dataclass(frozen=True)
 class ProbeConfig:
-    """What to record. Validated on construction; nothing about a pipeline is touched here.
+    """What to record. Validated on construction; nothing about a pipeline is touched here. Each option in full:
+    docs/api.md ("Options of ``probe(pipe, ...)``").
 
     Args:
-        bandwidth: the NW bandwidth ``h``: ``"matched"`` (``h^2 = sqrt(d_head)``, the attention's own temperature, so
-            the two weightings differ only by the key-norm bias), a positive float, a callable of the timestep (it
-            receives the timestep as a 0-d tensor on the device and returns a float or tensor; keep it free of
-            ``.item()`` to stay sync-free), or ``"fit"`` (per step, layer, adapter, branch and head, the ``h``
-            minimising ``KL(attention || NW)``; reported in the ``bandwidth`` column). Rank statistics (``spearman``,
-            ``top1``) do not depend on ``h``: per row the NW ranks follow ``q·k - |k|^2/2`` and the attention ranks
-            ``q·k``.
+        bandwidth: the NW bandwidth ``h``: ``"matched"`` (``h^2 = sqrt(d_head)``), a positive float, a callable of the
+            0-d timestep tensor (keep it free of ``.item()`` to stay sync-free), or ``"fit"`` (the ``h`` minimising
+            ``KL(attention || NW)`` per cell, in the ``bandwidth`` column). Rank statistics do not depend on ``h``.
         layers: regex (``re.search`` on the layer id) or list of them; ``None`` for every IP-Adapter layer.
         steps: denoising loop indices to record (an iterable of ints or a ``slice``); ``None`` for all.
         heads: head indices to record; ``None`` for all.
-        keep_maps: also keep the full attention maps (fp16, moved off the device without blocking): in
-            :attr:`ProbeRun.maps`, ``(call, step, layer, adapter)`` -> a list of ``(B, H, Q, K)`` weights, one per
-            record: one per denoiser pass (SD/SDXL/SD3 concatenate their CFG branches in one pass; Flux with true
-            CFG runs one pass per branch), and with ``ip_adapter_masks`` one per reference image and pass (diffusers
-            gives each masked image its own softmax over its own tokens; queries outside the mask are included in
-            the map, though the table leaves them out). :attr:`ProbeRun.map_branches` has, under the same key, each
-            map's branch label per batch item. For SD3 the maps are the joint weights restricted to the image
-            tokens and renormalised; for ``kind="text"`` rows the text tokens (padding included).
-        maps: also keep per-reference attribution maps (attention and NW shares of each image token per query
-            position, averaged over heads, float32 on the device): read them with :meth:`ProbeRun.reference_maps`,
-            :meth:`ProbeRun.token_maps`, :meth:`ProbeRun.map_table` and :meth:`ProbeRun.plot_reference_maps` (see
-            :mod:`ipa_probe.capture.maps`).
+        keep_maps: also keep the full attention maps (fp16, off the device without blocking) in :attr:`ProbeRun.maps`
+            (``(call, step, layer, adapter)`` -> one ``(B, H, Q, K)`` per record) and their branch labels in
+            :attr:`ProbeRun.map_branches`; SD3's are the joint weights restricted to the image tokens, renormalised.
+        maps: also keep per-reference attribution maps on the device (:mod:`ipa_probe.capture.maps`).
         max_map_bytes: refuse ``keep_maps`` or ``maps`` when the estimated size of the maps of a call exceeds this.
         seed: seed of the permutation null's random generator (the global RNG is never used).
-        kind: which cross-attention to compare with NW weights (the table's ``kind`` column): ``"image"`` (the
-            IP-Adapter branch, over the
-            image tokens), ``"text"`` (the text branch of the same layers, over the prompt tokens up to the first
-            end-of-text token: padding is left out) or ``"both"``. Text rows have ``kind="text"`` and
-            ``adapter=-1``. SD 1.5 / SDXL only: Flux and SD3 have no separate text cross-attention. (Formerly
-            ``branch=``, a word the table keeps for the CFG branch: still accepted, with a DeprecationWarning.)
-        branches: the batch layout of every denoiser pass, one label per equal chunk (e.g. ``("uncond", "cond")``
-            for a hand-written CFG loop); ``None`` to decide each chunk's label from the prompt embeddings the
-            pipeline passes to its denoiser (see :mod:`~ipa_probe.capture.branches`).
-        query_frame: the pool of queries over which the query-frame key term ``b_i`` (the key's log-partition,
-            :func:`~ipa_probe.statistics.kernels.query_frame_bias`) of the ``qf_*`` columns is estimated, per step,
-            layer, adapter and head: ``"item"`` (default: one batch item's query positions, its frames pooled, as the
-            cells are) or ``"branch"`` (every item of one CFG branch of the denoiser pass pooled). Rows outside an
-            IP-Adapter mask, rows with non-finite logits and text padding keys are left out of the pool either way.
-            The table's ``query_frame`` column and the saved settings name it.
-        rows: how many query rows per cell (one batch item's positions at one layer, head and step) the per-row
-            statistics (:data:`~ipa_probe.statistics.schema.SAMPLED_COLUMNS`) run over. ``"auto"`` (default,
-            :data:`DEFAULT_ROWS`): exact where the cell's rows x keys fit :data:`ROW_KEY_BUDGET` (4,096: every
-            cell of a 16 x 16 latent up to 16 tokens, a 32 x 32 one with 4), a sample of
-            :func:`auto_sample_rows` rows beyond (256, fewer when keys are many: 64 at 64 tokens), the budget the
-            measured curve shows meets the overhead target (docs/measured.md, "The curve at every adapter size").
-            An int: the most rows per cell, a cell with more on a sample of that many (the rule before
-            ``"auto"``). ``None``: exact statistics everywhere. A sample is seeded and stratified over spatial
-            blocks (:func:`~ipa_probe.statistics.draws.stratified_rows`, rounded down to a multiple of 8), and each
-            statistic comes with its standard error (``<column>_se``, 0 for exact cells) and the share of rows used
-            (``row_fraction``); :meth:`ProbeRun.summary` says which cells were exact and which sampled
-            (``attrs["rows"]``). The query frame's key term, the geometry columns and the reference maps always use
-            every row.
-        threads: torch's CPU threads for the probe's own statistics: set (``torch.set_num_threads``) around each
-            record's statistics on a CPU device and restored after, also on an exception; ``None`` (default) keeps
-            the caller's. The probe's some 300 small operations per record gain nothing from a second thread, and on a
-            busy machine each of them waits for it (docs/measured.md, "The probe at 512 px"), so ``threads=1`` can cut
-            the probe's cost several times there while the pipeline keeps its threads. The statistics are the same up
-            to float32 rounding (a reduction split over threads may round differently).
-        compile: run each pass's per-row statistics (:func:`~ipa_probe.statistics.agreement.compare_frames`, the part
-        of a record
-            that dominates) through ``torch.compile(dynamic=True)``
-            (:func:`~ipa_probe.statistics.compiled.compiled_statistics`): one compile per process, minutes on a CPU,
-            then fused statistics. Where the installed torch cannot compile, a warning and the eager path, with the
-            same numbers (equal to 1e-6: float32 rounding of fused reductions). Default ``False``: on the 2-core CPU it
-            was measured on, the compile took 21 minutes (load 10) and the compiled statistics ran 0.81x as fast as
-            eager (docs/measured.md, "Compiled statistics"), so it pays nowhere there; a long run on a device whose
-            compiled kernels beat eager (a GPU, unmeasured) is where it could.
+        kind: ``"image"`` (the IP-Adapter branch), ``"text"`` (the text branch of the same layers, padding left out;
+            ``adapter=-1``; SD 1.5 / SDXL only) or ``"both"``; ``branch=`` is its old name (a DeprecationWarning).
+        branches: the batch layout, one label per equal chunk; ``None`` to decide it from evidence
+            (:mod:`~ipa_probe.capture.branches`).
+        query_frame: the pool of queries over which the ``qf_*`` columns' key term
+            (:func:`~ipa_probe.statistics.kernels.query_frame_bias`) is estimated: ``"item"`` (default) or
+            ``"branch"``.
+        rows: query rows per cell for the per-row statistics (:data:`~ipa_probe.statistics.schema.SAMPLED_COLUMNS`):
+            ``"auto"`` (:data:`DEFAULT_ROWS`: exact within :data:`ROW_KEY_BUDGET`, else :func:`auto_sample_rows`),
+            an int (the most rows per cell), or ``None`` (exact everywhere); a sample is seeded and stratified
+            (:func:`~ipa_probe.statistics.draws.stratified_rows`) and each statistic gets its ``<column>_se``.
+        threads: torch's CPU threads around each record's statistics on a CPU device (the caller's restored after,
+            also on an exception); ``None`` keeps the caller's.
+        compile: run each pass's per-row statistics through ``torch.compile(dynamic=True)``
+            (:func:`~ipa_probe.statistics.compiled.compiled_statistics`); where torch cannot compile, a warning and the
+            eager path.
     """
 
     bandwidth: BandwidthSpec = "matched"

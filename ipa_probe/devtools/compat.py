@@ -1,19 +1,11 @@
 """The compatibility table: every diffusers pipeline class that takes an IP-Adapter, built tiny, run plain and probed.
 
 For each class of :func:`~ipa_probe.tiny.zoo.ip_adapter_pipeline_classes`, :func:`check_class` builds the tiny
-pipeline of :mod:`ipa_probe.tiny.zoo` and makes each of its runs twice from the same seed, plain and inside
-``ipa_probe.probe``, and checks, independently of the probe's code:
-
-- the outputs are bit-identical;
-- the probe's branch labels are those diffusers' source gives the batch (the zoo's ``labels``);
-- one call, with one step per loop iteration: the test's own pre-hook on the denoiser reads each pass's timestep,
-  and consecutive passes at the same timestep are one step (a panorama's views, SAG's degraded pass, Flux's true-CFG
-  negative pass);
-- the image branch ran (its key projections were called) and left rows.
-
-``python -m ipa_probe.devtools.compat --write docs/compatibility.md`` writes the table; ``tests/test_compat.py``
-checks that the page lists every class of the installed diffusers and, per class, that a fresh run gives the page's
-row.
+pipeline of :mod:`ipa_probe.tiny.zoo`, makes each of its runs twice from the same seed, plain and inside
+``ipa_probe.probe``, and checks, independently of the probe's code, what the page's introduction (:data:`_INTRO`)
+states: bit-identical outputs, the branch labels diffusers' source gives, one step per loop iteration (the test's own
+pre-hook), and an image branch that ran. ``python -m ipa_probe.devtools.compat --write docs/compatibility.md`` writes
+the table; ``tests/test_compat.py`` checks it against the installed diffusers.
 """
 
 from __future__ import annotations

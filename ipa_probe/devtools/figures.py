@@ -1,20 +1,10 @@
 """Every figure of README.md and docs/ from one command, and a check that each is current.
 
-``make figures`` (``python -m ipa_probe.devtools.figures``) remakes them all:
-
-- figures of a command on the embedded organism (``docs/images/``): the command runs into a temporary folder and its
-  PNG is copied (``ipa-probe probe --maps`` makes the README's reference-map figure and the demo strip; ``ipa-probe
-  compare`` the method grid);
-- figures of an experiment (``docs/results/``): redrawn from the experiment's committed ``record.json`` (the
-  measurements the figure draws), without training or evaluating anything; the experiment's own command (minutes to
-  an hour) is listed beside them and remakes the record too.
-
-Every PNG carries its provenance in a text chunk (:func:`ipa_probe._io.read_provenance`): the digest of the code
-that drew it, and either the digest of its inputs (experiments: the measurements in ``record.json``) or a few hundred
-numbers that follow what it draws, with a tolerance (commands: the run's shares, pixels, classifier probabilities,
-which differ between CPUs in the last digits). ``--check`` says, per figure, whether it exists, carries provenance,
-was drawn by the current code from the current inputs and (commands, with ``--rerun``) from the data the command
-makes today. File times mean nothing in a fresh clone, so none are compared.
+``make figures`` (``python -m ipa_probe.devtools.figures``) runs the organism's commands into a temporary folder and
+copies their PNGs (``docs/images/``), and redraws each experiment's figures from its committed ``record.json``
+(``docs/results/``). Every PNG carries its provenance (:func:`ipa_probe._io.read_provenance`), and ``--check`` (with
+``--rerun``: the commands rerun) says per figure whether it is current. What each provenance holds and why no file
+time is compared: docs/figures.md.
 """
 
 from __future__ import annotations

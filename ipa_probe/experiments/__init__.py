@@ -42,38 +42,7 @@ _EXPORTS = {
     "train": ".training",
 }
 
-__all__ = [
-    "EXPERIMENTS",
-    "META_NAMES",
-    "TIERS",
-    "DigitsTasks",
-    "ExperimentContext",
-    "ExperimentResult",
-    "GaussianMixtureTasks",
-    "ICFMVelocityNet",
-    "MMDResult",
-    "MetaDistribution",
-    "Mixed2DTasks",
-    "ModelConfig",
-    "ModelOutput",
-    "PCAFeatureTasks",
-    "Row",
-    "ShellTasks",
-    "TaskBatch",
-    "Tier",
-    "TrainConfig",
-    "TrainResult",
-    "build_model",
-    "get_tier",
-    "held_out_tasks",
-    "learned_velocity",
-    "load_model",
-    "make_meta",
-    "nw_neff",
-    "plugin_velocity",
-    "run_experiments",
-    "train",
-]
+__all__ = sorted(_EXPORTS)
 
 
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)

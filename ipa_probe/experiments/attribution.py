@@ -1,49 +1,14 @@
 """Experiment ``attribution``: does a reference's attention share predict its causal influence? (issue #21 point 4)
 
-On the digits organism (recipe ``--recipe``) with sets of 2 + 2 references of two digits, each set generates once
-(DDIM 20 steps, CFG 3: the organism's working setting, where the references decide the digit) while
-:func:`ipa_probe.attribution.reference_attribution` records each reference's attention share and exact posterior
-weight at five steps, and once more per reference with that reference ablated in every IP-Adapter layer at every
-step (:func:`ipa_probe.measure_intervention`, ``mode="ablate"``: its tokens leave the image branch's softmax).
-Causal effect of reference ``i``: the root-mean-square change of the final latent (``latent_effect``) and the drop in
-the classifier's probability of reference ``i``'s digit (``class_drop``). Predictors per set and reference: the
-attention share (mean over layers and recorded steps) and the exact posterior weight (mean over recorded steps),
-and each at every recorded step. Per predictor and effect: the mean over sets of the per-set Spearman over the four
-references, a 95 % bootstrap interval over sets and a one-sided permutation p-value
-(:func:`ipa_probe.attribution.paired_rank_test`); the answer "predicts" needs p < 0.05 and an interval above 0.
-Control: the untrained organism (same architecture, initial weights).
-
-**Verdicts at the resolution they claim, and their controls** (issue #29 points 2 and 3). Beside the 2 + 2 sets
-(``attribution_sets``), each organism generates ``attribution_control_sets`` sets of four images of one digit and as
-many of four different digits (one generation each, no ablation). For every population and recorded step the rule
-of :func:`ipa_probe.attribution.verdict` is applied on the average
-(:func:`~ipa_probe.attribution.summarize_attribution`) and per cell (:func:`~ipa_probe.attribution.verdict_shares`):
-per layer, per (layer, head) and per (layer, query position), with the share of cells on each side and 95 %
-intervals over reference sets. Controls:
-
-- **unseen references**: other held-out images of the same digits, in the same places, never given to the
-  generation; their exact posterior at the same ``x_t`` (:func:`~ipa_probe.attribution.posterior_at`). The
-  posterior's own collapse (``posterior_neff``) and the attention's rank agreement with the posterior
-  (``share_spearman``) are compared with the same statistic on the unseen references, set by set;
-- **mixed against same-digit sets**: ``attention_tv``, ``share_spearman`` and the per-set share of (layer, head) and
-  (layer, position) cells whose TV from uniform exceeds :data:`~ipa_probe.attribution.POOLING_TV`, for the 2 + 2 and
-  the four-digit sets against the one-digit sets;
-- **shuffled reference order**: the first ``attribution_control_sets`` 2 + 2 sets again with their references
-  permuted: the outputs must agree to :data:`SHUFFLE_LATENT_RTOL` and the first recorded step's shares, permuted
-  back, to :data:`SHUFFLE_SHARE_ATOL` (every step's largest difference is reported beside them).
-
-A statistic counts only where it differs from its control (:func:`~ipa_probe.attribution.control_difference`: the
-difference's 95 % bootstrap interval excludes 0).
-
-**Causal ground truth with resolution** (issue #29 point 4). The predictors are the attention share, the
-contribution norm and projection (each reference's part of the layer output after ``to_out``, see
-:data:`ipa_probe.attribution.CONTRIBUTION_COLUMNS`) and the exact posterior weight. On the first
-``attribution_grid_sets`` 2 + 2 sets of the trained organism each reference is also ablated per layer group (down /
-mid / up blocks, all) and step third (and all steps), and scaled by 0.5 everywhere
-(:func:`ipa_probe.intervention.ablation_grid`, the set's generation as the clean run); :func:`compare_grid` gives,
-per (group, range), each predictor's mean per-set Spearman with the effect (predictors averaged over the group's
-layers and the recorded steps in the range). :func:`two_plus_two_example` ablates both 3s or both 5s of a two-3s,
-two-5s set per group and per third over ``attribution_example_seeds`` seeds.
+On the digits organism (recipe ``--recipe``, DDIM 20 steps, CFG 3) each 2 + 2 set generates once while
+:func:`ipa_probe.attribution.reference_attribution` records the per-reference predictors, and once more per reference
+ablated everywhere (:func:`ipa_probe.measure_intervention`); each predictor's per-set Spearman with the effect
+(``latent_effect``, ``class_drop``) is tested with :func:`ipa_probe.attribution.paired_rank_test` against the untrained
+organism. Beside them: the verdicts per cell and their controls (issue #29 points 2 and 3: unseen references,
+mixed against same-digit sets, shuffled reference order held to :data:`SHUFFLE_LATENT_RTOL` and
+:data:`SHUFFLE_SHARE_ATOL`), and the causal ground truth per layer group and step range (point 4:
+:func:`compare_grid`, :func:`two_plus_two_example`). What each file holds and what was measured: docs/attribution.md
+("Verdicts per cell and controls", "Causal ground truth per layer group and step range").
 """
 
 from __future__ import annotations

@@ -2,24 +2,12 @@
 each table, the mid block apart, the posterior labelled where it is read after the output is decided, exact flip-rate
 intervals, and a predictor chosen on one half of the reference sets and tested on the other.
 
-Conventions, stated before the numbers:
-
-- **one side**: every test asks whether a predictor ranks the references as the ablation effect does (larger
-  predictor, larger effect); its p-value is the one-sided permutation p of
-  :func:`ipa_probe.attribution.paired_rank_test`, and the decision is that p after Holm's adjustment below
-  :data:`~ipa_probe.attribution.ALPHA`. A tested row's interval is the decision's own, ``[low, 1]`` with ``low``
-  the family's Holm-compatible one-sided bound (:func:`ipa_probe.attribution.holm_lower_bounds`): above 0 exactly
-  where the row predicts (issue #52).
-- **families**: one organism's whole comparison table (every timestep, predictor and effect) is one Holm family;
-  the ablation grid is one family without the mid block and the mid block (one 1 x 1 layer, effects below 0.001)
-  is a family of its own, reported apart.
-- **near-circular**: the exact posterior is a function of the un-ablated ``x_t``. Read at a step after the output
-  is decided it partly restates the output; the grid puts the effect in the first third of the 20 steps (t >= 651),
-  so the posterior read at ``t <`` :data:`DECIDED_BELOW` (and its mean over every recorded step) is labelled
-  ``near_circular``.
-- **held out**: sets with an even index choose the predictor (and its sign: a predictor that ranks the references
-  backwards is read negated) with the largest mean per-set Spearman with the effect; the odd sets test it, and then
-  the roles swap. The held-out tests of one organism (effects x 2 folds) are one Holm family.
+Every p-value is the one-sided permutation p of :func:`ipa_probe.attribution.paired_rank_test` (a predictor ranks
+the references as the effect does), decided after Holm's adjustment below :data:`~ipa_probe.attribution.ALPHA`, with
+the decision's own interval ``[low, 1]`` (:func:`ipa_probe.attribution.holm_lower_bounds`). Families: one organism's
+comparison table; the grid without the mid block; the mid block; one organism's held-out tests. The posterior read at
+``t <`` :data:`DECIDED_BELOW` is labelled ``near_circular``. Held out: the even sets choose the predictor (and its
+sign), the odd sets test it, then the roles swap. The conventions in full: docs/attribution.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
 """Experiment ``ip-adapter``: the paper's IP-Adapter analysis (§A.5 S5, §D.4), in kind, on the trained digits organism.
 
-For many reference sets (4 held-out images of one digit each), the trained organism
-(:func:`ipa_probe.tiny.digits.digits_pipeline`, recipe ``--recipe``) generates with the 50-step DDIM schedule of SD 1.x
-while the probe (:func:`ipa_probe.probe`, matched bandwidth ``h^2 = sqrt(d_head)``, query frame ``"item"``) records,
-at the paper's timesteps 981, 761, 501, 261 and 1, every image-branch head's per-row comparison of the attention with
-Gaussian NW weights in two frames:
-
-- the **query frame** (the headline, docs/gauge.md "The query frame"): NW weights ``softmax_i(L_qi - b_i)`` with
-  ``b_i`` each key's log-partition over the item's own queries, exact (``qf_*``) and Gaussian (``qf_gauss_*``) form;
-  made from the attention logits alone, so no reparametrisation of q and k that leaves the outputs unchanged moves
-  them;
-- the **stored frame** (the paper's definition): NW weights on the stored ``q, k``, which a per-head basis change
-  of q and k moves at will.
-
-Per timestep the table gives, for the query-frame rho (both forms), its excess over the baseline from its own logit
-ratio and K (``qf_rho_excess``, ``qf_gauss_rho_excess``) and the stored-frame rho, the mean over reference sets of
-the per-set mean (over layers and heads) with a 95 % bootstrap interval over sets, and the mean Pearson, the
-permutation null and the fraction of (set, layer, head) entries with rho > 0.9, beside the paper's figure (a
-stored-frame rho on SD 1.5). Set ``i`` generates from seed ``i``, so the interval over sets is over seeds too (the
-two vary together). Controls: the same architecture with its initial (untrained) weights, on the same reference
-sets and seeds, and that twin with its image-key projection scaled per layer to the trained adapter's query-frame
-logit ratio, both compared with the trained organism set by set (:mod:`~.matched_control`, which also measures the
-query pool, ``"item"`` against ``"branch"``, at 1, 3 and 8 images).
-
-The stored-frame rho depends on the q/k gauge (issue #18, #28); beside it, from the same generations, the comparisons
-that do not
-(:mod:`ipa_probe.attribution`): each reference's share of the image-branch attention against the exact posterior over
-the references' latents at the same ``x_t`` (rank agreement with a permutation test and bootstrap interval,
-between-layer agreement, concentration, n_eff against the bandwidth ``h(t)``, a fitted data-space temperature) and
-a verdict by the pre-stated rule of :func:`ipa_probe.attribution.verdict`, for the one-digit sets and for sets that
-mix two digits (2 + 2 references, where the posterior has references of another class to rule out).
+For many reference sets (4 held-out images of one digit each; set ``i`` from seed ``i``) the trained organism
+(:func:`ipa_probe.tiny.digits.digits_pipeline`, recipe ``--recipe``, 50-step DDIM) generates while the probe records,
+at the paper's timesteps 981, 761, 501, 261 and 1, every image-branch head's comparison of the attention with
+Gaussian NW weights in the query frame (the headline, gauge-invariant, docs/gauge.md "The query frame") and the
+stored frame (the paper's definition, gauge-dependent). Per timestep: each rho and its excess over its own logit-ratio
+baseline, means over sets with a 95 % bootstrap interval, Pearson, the null and the rho > 0.9 fractions. Controls:
+the untrained twin and the twin matched to the trained logit ratio (:mod:`~.matched_control`, also the query pool);
+beside them, from the same generations, the gauge-invariant reference attribution of :mod:`ipa_probe.attribution`
+for one-digit and 2 + 2 sets. The findings: docs/findings.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """The headline against a matched control, and the query pool measured (issue #40 points 1 and 3).
 
-**Matched control.** The untrained twin is not a fair control for the query-frame rho: its attention over references
-is within TV 0.001 of uniform, and its logit ratio ``r`` (3.0-3.5) is above the trained adapter's (2.1-2.7), while
-rho tracks ``r``. :func:`matched_twin` scales the twin's image-key projection (``to_k_ip``, weight and bias) per layer
-by a factor ``c_l``, which multiplies that layer's image-branch logits by ``c_l``, until its mean query-frame logit
-ratio (over heads, recorded steps and calibration sets) comes closest to the trained adapter's (a search over
-:data:`SCALE_GRID`: the ratio is neither linear nor always monotone in ``c``; the achieved ratios are reported). The
-1 x 1 mid block has no query-frame ``r`` (a frame of one query) and
-keeps ``c = 1``. Calibration sets are drawn apart from the evaluation sets (seeds from :data:`CALIBRATION_SEED`).
-
-:func:`paired_control` then compares the trained organism with each control set by set (same references, same seed):
-per timestep and statistic (the query-frame rho and its excess over its own baseline), the mean over sets of the
-per-set difference trained - control, a one-sided sign-flip permutation p for "trained below control" (the
-direction the docs claimed), Holm-adjusted over the table, and the decision's one-sided Holm-compatible upper bound.
-
-**Query pool.** :func:`query_pool` reads both pools, ``query_frame="item"`` and ``"branch"``, from one probed
-generation per set and image count (the item run's ``qf_spearman`` and ``qf_spearman_other_pool``: the same rows
-under the branch pool; same seed and references, ``num_images_per_prompt`` 1, 3 and 8, CFG 3 so both branches are
-there; ``runs="both"`` probes each pool in a run of its own, as before, for a check) and reports per
-organism, image count, branch and timestep the mean query-frame rho in each pool, the mean per-set difference
-branch - item with its standard error over sets, and the largest single-cell difference.
+**Matched control.** The untrained twin is no fair control for the query-frame rho (its attention is near uniform and
+its logit ratio ``r`` above the trained adapter's, while rho tracks ``r``): :func:`matched_twin` scales the twin's
+``to_k_ip`` per layer by the factor of :data:`SCALE_GRID` whose mean query-frame ``r`` comes closest to the trained
+adapter's on calibration sets (seeds from :data:`CALIBRATION_SEED`; the 1 x 1 mid block keeps ``c = 1``), and
+:func:`paired_control` compares trained and control set by set (one-sided sign-flip permutation p, Holm over the
+table, the decision's one-sided bound). **Query pool.** :func:`query_pool` reads both pools (``"item"``, ``"branch"``)
+from one probed generation per set and image count (1, 3, 8; CFG 3) and reports their difference. The design and
+numbers: docs/findings.md ("Training and NW-likeness: against a matched control", "The query pool").
 """
 
 from __future__ import annotations

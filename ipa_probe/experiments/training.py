@@ -1,25 +1,15 @@
 """Training on the OT-path flow-matching loss, with validation, best-checkpoint selection and exact resumption.
 
-Loss (paper §A.4, §D.0, the release's ``src/training/trainer.py``): per task, draw support ``S`` and target ``x_1``
-independently; ``x_0 ~ N(0, I)``, ``t ~ U(0, 1)`` clamped at ``1e-5`` (or the release's ``log_uniform_bandwidth``
-option: ``log h ~ U(log sigma_min, 5)``, ``t = 1 / (h + 1 - sigma_min)``), ``x_t = t x_1 + sigma_t x_0`` with
-``sigma_t = 1 - (1 - sigma_min) t``, and regress ``v_theta(x_t, t; S)`` on ``y = x_1 - (1 - sigma_min) x_0``:
-``loss = mean_points sum_dims (v - y)^2`` (every point weighted equally, as in the release).
+Loss, time sampling, learning-rate schedule and validation follow the paper's release (``src/training/trainer.py``;
+docs/reproducing.md lists each choice): ``x_t = t x_1 + sigma_t x_0``, ``sigma_t = 1 - (1 - sigma_min) t``,
+``v_theta(x_t, t; S)`` regressed on ``y = x_1 - (1 - sigma_min) x_0`` (``loss = mean_points sum_dims (v - y)^2``);
+linear warm-up, then a constant rate or a cosine decay; the weights with the lowest validation MMD² (on fixed tasks of
+the training law) are the run's result.
 
-Learning rate: the release's linear warm-up ``max(k, 1) / warmup`` for step index ``k < warmup``, then either
-constant (``schedule="constant"``, the release) or cosine decay to zero over the remaining steps
-(``schedule="cosine"``, this project's CPU tiers).
-
-Validation (the release's ``evaluate`` / ``best.pt``): every ``eval_every`` steps and at the last step, MMD² of
-100-step Euler samples against reference points on ``val_tasks`` fixed validation tasks, drawn once from a seed of
-their own from the *training* law (``split="train"``; never the held-out test tasks); the weights with the lowest
-validation MMD² (first one on ties) are the run's result.
-
-Every random draw (tasks, noise, times, support sizes) comes from one :class:`torch.Generator` seeded by the run's
-seed, and the model's initial weights from a forked global RNG seeded the same way. A checkpoint stores the
-model, the optimiser, the learning-rate schedule, the step and the generator's state, so a run interrupted at any
-point and restarted replays the same stream from its last checkpoint and ends with the same weights as an
-uninterrupted run (on the same machine and thread count).
+Every random draw comes from one :class:`torch.Generator` seeded by the run's seed (the initial weights from a forked
+global RNG seeded the same way), and a checkpoint stores the model, the optimiser, the schedule, the step and the
+generator's state, so a run interrupted at any point and restarted ends with the same weights as an uninterrupted
+run (on the same machine and thread count).
 """
 
 from __future__ import annotations

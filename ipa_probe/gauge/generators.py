@@ -1,20 +1,12 @@
 """Named elements of the gauge group: random basis changes, row shifts, and an adversarial search.
 
-- :class:`RandomGauge` ``(seed, spread)``: per layer and head ``A = Q diag(exp z)``, ``Q`` Haar-orthogonal (QR of a
-  Gaussian matrix, signs fixed), ``z ~ N(0, spread^2)`` i.i.d. per channel. ``cond(A) = exp(max z - min z)``: with
-  spread 1, e to the expected range of d standard normals is e^2.1 = 8 for d = 4, e^2.8 = 17 for d = 8, e^3.5 = 34
-  for d = 16 and e^4.9 = 128 for d = 64, and the largest over many heads is larger (over all the organism's heads,
-  d = 4 and 8: 70 and 167 for seeds 0 and 1); tables report the largest. On Flux / SD3 only ``diag(exp z)``
-  shared by all heads is drawn (the subgroup that survives RMSNorm), on Flux with one ``z`` per RoPE channel pair.
-- :class:`RowShift` ``(seed, scale)``: per layer and head a vector ``b ~ N(0, scale^2 I)`` in key units added to every
-  image key (the ``to_k_ip`` bias): each image logit of a row gains the same ``q·b``.
-- :class:`AdversarialGauge` ``(direction, max_cond, ...)``: per layer and head ``A = U diag(exp s) V^T`` with ``U, V``
-  orthogonal (matrix exponentials of skew-symmetric parameters) and ``s = (log(max_cond)/2) tanh(u)`` centred, so
-  ``det A = 1`` and ``cond(A) <= max_cond`` by construction. It is optimised with torch autograd (Adam) on a
-  differentiable surrogate of the chosen statistic, computed from queries and image keys captured with forward hooks
-  in one pipeline call (a seeded sample of query rows per layer): for ``"spearman"`` (the stored-frame rho) the mean
-  per-row Pearson correlation between the attention logits ``q·k_i`` (unchanged by ``A``) and the Gaussian NW logits
-  ``q·k_i - |A^-T k_i|^2 / 2``. The real statistic is then measured by the probe (:func:`gauge_sweep`).
+:class:`RandomGauge` ``(seed, spread)``: per layer and head ``A = Q diag(exp z)``, ``Q`` Haar-orthogonal,
+``z ~ N(0, spread^2)`` (on Flux / SD3 only ``diag(exp z)`` shared by the heads). :class:`RowShift` ``(seed, scale)``:
+a vector ``b ~ N(0, scale^2 I)`` added to every image key. :class:`AdversarialGauge` ``(direction, max_cond, ...)``:
+``A = U diag(exp s) V^T`` with ``det A = 1`` and ``cond(A) <= max_cond`` by construction, optimised with torch
+autograd (Adam) on a differentiable surrogate of the stored-frame rho from queries and keys captured in one call; the
+real statistic is then measured by the probe (:func:`gauge_sweep`). Their conditioning and the surrogate in full:
+docs/gauge.md ("Named generators").
 """
 
 from __future__ import annotations

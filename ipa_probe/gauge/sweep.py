@@ -78,50 +78,29 @@ def gauge_sweep(
     layers: LayerSelection = None,
     **probe_options,
 ) -> pd.DataFrame:
-    """Probe one generation under several q/k gauges and tabulate what moves and what does not.
-
-    The ungauged pipeline runs first, as the reference; then, per gauge, the pipeline's IP-Adapter layers are
-    reparametrised (:func:`ipa_probe.qk_gauge`), ``call()`` runs the pipeline once under :func:`ipa_probe.probe`
-    (with ``maps=True`` for the attention mass per reference), and the weights are restored bit for bit afterwards,
-    whatever happens. Each output is compared with the reference output: every gauge must reproduce it (exactly for
-    powers of two; to rounding for matrices, which round ``A W`` once per weight).
+    """Probe one generation under several q/k gauges and tabulate what moves and what does not: ``call()`` runs once
+    ungauged (the reference), then once per gauge under :func:`ipa_probe.qk_gauge` and :func:`ipa_probe.probe`
+    (``maps=True``), each output checked against the reference and the weights restored bit for bit, whatever happens.
+    The full account (gauges, columns, refusals, an example): docs/gauge.md ("Measuring it: ``gauge_sweep``").
 
     Args:
         pipe: a pipeline with an IP-Adapter: SD 1.5 / SDXL (the whole group), Flux / SD3 (the per-channel subgroup).
-        call: a function of no arguments that runs ``pipe`` once and returns its output; it must seed its own
-            generator, so that two calls give the same output (e.g.
-            ``lambda: pipe(prompt, ip_adapter_image=[refs], generator=torch.Generator().manual_seed(0))``).
-        gauges: the gauges, each anything :func:`ipa_probe.qk_gauge` accepts (numbers, :class:`GaugeConfig`,
-            :class:`RandomGauge`, :class:`RowShift`) or an :class:`AdversarialGauge` (searched on ``call``), or
+        call: a function of no arguments that runs ``pipe`` once, seeding its own generator, and returns its output.
+        gauges: anything :func:`ipa_probe.qk_gauge` accepts, an :class:`AdversarialGauge` (searched on ``call``), or
             strings such as ``"0.5,random:0:1,adversarial:down:10,shift:0:1"`` (default: 0.25, 0.5, 1, 2, 4).
         factors: the older name of ``gauges`` (numbers only); give one of the two.
         tolerance: the largest allowed ``max |output_g - output_ref|``, relative to ``max(1, max |output_ref|)``.
         layers: the layers to reparametrise and probe (regex or list of them; default: all IP-Adapter layers).
-        **probe_options: further :func:`ipa_probe.probe` options (``bandwidth``, ``steps``, ``heads``, ``branch``,
-            ``branches``, ``seed``).
+        **probe_options: further :func:`ipa_probe.probe` options.
 
     Returns:
-        one row per gauge x (call, step, timestep, kind, branch): ``gauge`` (its description), ``factor`` (the
-        scalar c, NaN for a gauge with matrices or shifts), ``max_cond`` (the largest cond(A), 1 for scalars),
-        ``output_max_abs_diff`` (the largest absolute difference of that gauge's output from the reference output),
-        every column of the probe's summary (among them ``spearman``, ``logit_ratio``, ``rho_baseline``,
-        ``rho_excess``, the attention-only ``neff_attn`` and any query-frame columns the probe produces) and, for
-        the image branch, ``ref_mass_<adapter>_<reference>``: each reference image's mean share of the attention
-        weight (over layers, heads, query positions and items; :meth:`ipa_probe.ProbeRun.reference_mass`).
+        one row per gauge x (call, step, timestep, kind, branch): ``gauge``, ``factor``, ``max_cond``,
+        ``output_max_abs_diff``, every column of the probe's summary and ``ref_mass_<adapter>_<reference>``.
 
     Raises:
-        TypeError: ``call`` is not callable or returns no pipeline output (e.g. ``None``).
-        ValueError: bad gauges or options, a gauge outside the range the weights keep finite, or a pipeline where a
-            gauge is no symmetry (see :func:`ipa_probe.qk_gauge`), before anything runs.
-        RuntimeError: an output differs from the reference output beyond ``tolerance`` (then ``call`` is not
-            deterministic: seed its generator).
-
-    Example:
-        ```py
-        >>> table = ipa_probe.gauge_sweep(pipe, lambda: pipe("a photo", ip_adapter_image=[refs],
-        ...     num_inference_steps=4, generator=torch.Generator().manual_seed(0)), ["random:0:1", 2.0])
-        >>> table.pivot_table(index="timestep", columns="gauge", values="spearman")
-        ```
+        TypeError: ``call`` is not callable or returns no pipeline output.
+        ValueError: bad gauges or options, or a gauge that is no symmetry of ``pipe``, before anything runs.
+        RuntimeError: an output differs from the reference beyond ``tolerance`` (``call`` is not deterministic).
     """
     from ..capture.run import probe
 

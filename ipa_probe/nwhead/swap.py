@@ -8,15 +8,7 @@ This module sits above the per-family processors (:mod:`.unet`, :mod:`.flux`, :m
 Two frames (see :mod:`.kernel`): ``frame="stored"`` (the default) takes the key term ``|k|^2 / (2 h^2)`` from the
 stored keys and so depends on the basis the q/k weights are stored in (a per-head ``q -> A q``, ``k -> A^-T k`` that
 changes no output of the model changes its images); ``frame="query"`` takes it from the current pass's own logits and
-gives the same images for every such basis.
-
-Example:
-    ```py
-    >>> with ipa_probe.nw_head(pipe, bandwidth="matched"):
-    ...     image = pipe(prompt, ip_adapter_image=refs).images[0]
-    >>> with ipa_probe.nw_head(pipe, frame="query"):  # gauge invariant
-    ...     image = pipe(prompt, ip_adapter_image=refs).images[0]
-    ```
+gives the same images for every such basis. Usage: docs/nw-head.md.
 """
 
 from __future__ import annotations

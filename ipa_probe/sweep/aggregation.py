@@ -116,22 +116,15 @@ def aggregate(
         seed: seeds the bootstrap, group by group (the result does not depend on the order of ``per_row``).
 
     Returns:
-        one row per (branch, timestep), timesteps in denoising order (high to low): ``rows`` (how many manifest rows
-        are averaged: those whose every cell is finite there), ``rows_partial`` (rows left out of every mean because
-        some of their cells are not finite, see :func:`row_summary`), ``spearman`` (mean over rows),
-        ``spearman_ci_low``, ``spearman_ci_high``, ``spearman_std`` (over rows), ``pearson``,
-        ``frac_rho_gt_<threshold>`` (mean over rows of the fraction of layer x head cells with rho above the
-        threshold), then the means over rows of the other summary means
-        (:data:`~ipa_probe.statistics.schema.SUMMARY_MEANS`: ``pearson``, ``spearman_null`` (the permutation null),
-        ``kl``, ``top1``, ``neff_attn``, ``neff_nw``, ``q_norm``, ``k_norm_spread``, ``ip_mass``, ``bandwidth``; NaN
-        where the summaries lack one) and the maxima of :data:`~ipa_probe.statistics.schema.SUMMARY_MAX`
-        (``nonfinite``) over every row, partial ones included; then the means over rows of
-        :data:`~ipa_probe.statistics.schema.SUMMARY_GAUGE_MEANS` (``logit_ratio``, ``rho_baseline``, ``rho_excess`` and
-        the per-row shares against chance) and of ``frac_rho_gt_<threshold>_null`` (the chance level of the fraction;
-        see docs/gauge.md); last the means over rows of the query-frame columns
-        (:data:`~ipa_probe.statistics.schema.SUMMARY_HEADLINE`: ``qf_spearman``, ``qf_gauss_spearman``, then
-        :data:`~ipa_probe.statistics.schema.SUMMARY_QUERY_FRAME_MEANS`; NaN for summaries made before the query frame).
-        The unprefixed statistics are the stored frame's, which a per-head basis change of q and k moves.
+        one row per (branch, timestep), timesteps in denoising order (high to low): ``rows`` (the manifest rows
+        whose every cell is finite there), ``rows_partial`` (those left out, see :func:`row_summary`), ``spearman``
+        with ``spearman_ci_low`` / ``_high`` / ``_std`` over rows, ``frac_rho_gt_<threshold>`` and its ``_null``, then
+        the means over rows of :data:`~ipa_probe.statistics.schema.SUMMARY_MEANS`,
+        :data:`~ipa_probe.statistics.schema.SUMMARY_GAUGE_MEANS` and the query-frame columns
+        (:data:`~ipa_probe.statistics.schema.SUMMARY_HEADLINE`,
+        :data:`~ipa_probe.statistics.schema.SUMMARY_QUERY_FRAME_MEANS`; NaN where the summaries lack one) and the
+        maxima of :data:`~ipa_probe.statistics.schema.SUMMARY_MAX` over every row. The unprefixed statistics are the
+        stored frame's.
     """
     check_threshold(threshold)
     check_fraction(confidence, "confidence")

@@ -213,14 +213,10 @@ def _looks_like_csv_header(first_line: str) -> bool:
 def read_manifest(path: str | os.PathLike, *, require_images: bool = False) -> Manifest:
     """Parse a sweep manifest (JSON Lines or CSV) and validate every row.
 
-    JSON Lines: one object per line, e.g. ``{"prompt": "a cat", "images": ["refs/a.png", "refs/b.png"], "seed": 3}``;
-    ``images`` is a path, a folder or a list of them. CSV: a header row naming some of :data:`MANIFEST_KEYS`, then one
-    row per run; several images in one cell are separated by ``;`` or ``|``. Blank lines are ignored; an empty cell
-    or a JSON ``null`` means "use the default". Relative image paths are resolved against the manifest's folder.
-    The format follows the suffix (``.jsonl``/``.ndjson``/``.json``, ``.csv``) or, for other names, the content.
-
-    A row with an unknown key, a missing or unreadable image, or a bad value is not run: it is listed in
-    :attr:`Manifest.skipped` with its line number (and logged as a warning by :func:`run_sweep`).
+    The format (keys, image lists, defaults; docs/sweeps.md) follows the suffix (``.jsonl``/``.ndjson``/``.json``,
+    ``.csv``) or, for other names, the content; relative image paths start from the manifest's folder. A row with an
+    unknown key, a missing or unreadable image, or a bad value is not run: it is listed in :attr:`Manifest.skipped`
+    with its line number.
 
     Args:
         path: the manifest file.

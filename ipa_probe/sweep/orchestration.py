@@ -263,23 +263,12 @@ def run_sweep(
     writes ``row_summary.parquet``, ``aggregate.parquet``, ``summary.json`` and the plot. Every row's table depends
     only on the row (its seed, settings, images and the model), so any split gives the same dataset.
 
-    What is on disk is never lost to a run that does not finish:
-
-    - One writer per folder: the main process holds ``out``'s lock (:func:`~.._io.output_lock`) for the whole call;
-      a second sweep on the same folder stops at once with :class:`~.._io.OutputLocked` naming the holder.
-    - Resuming: a row whose part exists with the same fingerprint (:meth:`SweepRunner.fingerprint`) and the same
-      image bytes (:meth:`SweepRunner.inputs`) is not run again; a part whose images changed, a damaged part and a
-      part of a row no longer in the manifest are moved to ``set_aside/`` and their rows (if any) run again. A
-      finished row whose images cannot be read now (missing, unreadable) keeps its part in ``rows/``, is left out
-      of the aggregate and fails with the reason; once its images are back unchanged it counts without running.
-    - A part written under other settings stops the sweep before anything in ``out`` is touched, unless
-      ``restart`` (then those parts are moved to ``set_aside/`` and their rows run again).
-    - Rows fail alone: any error while running a row is logged with its manifest line, recorded in ``skipped/``
-      and in :attr:`SweepResult.failed`, and the sweep goes on; the next run tries those rows again. Rows the
-      manifest check rejected are in :attr:`SweepResult.failed` too (with ``stage="manifest"``).
-    - The derived files (``row_summary.parquet``, ``aggregate.parquet``, ``summary.json``, the plot) are replaced
-      atomically after a complete merge only; an interrupt (Ctrl-C) or kill leaves the previous ones, every finished
-      part and no partial file.
+    What is on disk is never lost to a run that does not finish (docs/failures.md, "Sweeps"): one writer per folder
+    (:func:`~.._io.output_lock`); a row whose part exists with the same fingerprint (:meth:`SweepRunner.fingerprint`)
+    and image bytes (:meth:`SweepRunner.inputs`) is not run again, and a damaged, outdated or orphaned part moves to
+    ``set_aside/``; parts written under other settings stop the sweep untouched unless ``restart``; rows fail alone
+    (``skipped/``, :attr:`SweepResult.failed`, manifest rejections with ``stage="manifest"``); and the derived files
+    are replaced atomically after a complete merge only.
 
     Args:
         manifest: from :func:`read_manifest`.

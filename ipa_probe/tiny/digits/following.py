@@ -1,22 +1,11 @@
 """Does the organism follow *its* references, or only their class? Retrieval among same-class images and a swap test.
 
-Part of :mod:`ipa_probe.tiny.digits` (see its docstring). For every seed and digit, ``n_refs + 1`` different held-out
-images of the digit are drawn: the first ``n_refs`` are the references, the last is the swap-in. The pipeline draws
-``samples`` images from the references, and again from the same latents with the first reference replaced by the
-swap-in. Images are compared as 16 x 16 grey pixels in [0, 1] (Euclidean distance), the space the references are
-rendered in, with no learned features (nothing the organism was trained with or against).
-
-- **retrieval**: among all held-out images of the digit (about 30), is the nearest to the output one of its own
-  references? Chance: ``n_refs / pool size``.
-- **percentile**: the fraction of the other same-class images that are farther from the output than its own
-  reference (averaged over its references). Chance 0.5; 1 means every own reference is nearer than every other.
-- **gap**: mean distance to the other same-class images minus mean distance to its own references (pixels; > 0:
-  nearer its own).
-- **swap toward**: with ``a = d(o, old) - d(o, new)`` before the swap and ``b`` the same after, the fraction of
-  samples with ``b > a`` (the output moved, relative to the two, towards the swapped-in image); ties count one half,
-  so an adapter with no effect scores 0.5.
-
-Each is averaged over digits and samples per seed; the interval is Student's t 95% over seeds.
+Part of :mod:`ipa_probe.tiny.digits` (see its docstring). For every seed and digit, ``n_refs + 1`` held-out images of
+the digit: ``n_refs`` references and a swap-in; the pipeline draws ``samples`` images from the references, and again
+from the same latents with the first reference swapped. Images are compared as 16 x 16 grey pixels in [0, 1]
+(Euclidean), with no learned features. The scores (retrieval, percentile, gap, swap toward; averaged over digits and
+samples per seed, Student's t 95% over seeds) and their chance levels: docs/organism.md ("Does it follow its own
+reference, or only the class?").
 """
 
 from __future__ import annotations

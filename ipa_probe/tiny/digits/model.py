@@ -296,15 +296,10 @@ def _quiet_loading() -> Iterator[None]:
 def digits_pipeline(path: str | os.PathLike | None = None, recipe: str | None = None) -> StableDiffusionPipeline:
     """The trained digits organism: a ``StableDiffusionPipeline`` on CPU in float32, progress bar on.
 
-    Loaded offline through diffusers' ``from_pretrained`` and ``load_ip_adapter``. Three recipes (docs/organism.md):
-
-    - ``"support"``: ``<path>/model`` (``from_pretrained``) and ``<path>/ip_adapter/ip-adapter.safetensors``; UNet,
-      adapter and image encoder trained together on support sets of the target's class.
-    - ``"mixed"``: laid out as ``"support"`` (shipped in ``digits_mixed_weights/``); trained the same way with half
-      of each UNet batch on mixed reference sets, the target's digit one reference's.
-    - ``"ip-adapter"``: the frozen base's ``unet/`` and ``image_encoder/`` (stage 1), the shipped VAE, text encoder
-      and tokenizer (``from_pretrained`` of the support folder with those two components given), and
-      ``<path>/ip_adapter/ip-adapter.safetensors`` (stage 2: only the adapter, trained on self-reconstruction).
+    Loaded offline through diffusers' ``from_pretrained`` and ``load_ip_adapter``: ``"support"`` and ``"mixed"`` from
+    ``<path>/model`` and ``<path>/ip_adapter/ip-adapter.safetensors``; ``"ip-adapter"`` from its frozen base's
+    ``unet/`` and ``image_encoder/``, the support folder's other components and its own ``ip_adapter/``. How each
+    recipe was trained: docs/organism.md.
 
     Args:
         path: a folder written by ``ipa-probe train-digits`` (for ``ip-adapter``: its adapter stage, whose

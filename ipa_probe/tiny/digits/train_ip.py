@@ -1,22 +1,13 @@
 """The ``ip-adapter`` recipe: an image-free base UNet (stage 1), then only the adapter on the frozen base (stage 2).
 
-This is how IP-Adapter itself is trained (Ye et al. 2023): a pretrained text-to-image UNet, frozen; a pretrained
-image encoder (CLIP there; here the image encoder pretrained as a digit classifier), frozen; and only
-``ImageProjection`` plus each cross-attention layer's ``to_k_ip`` / ``to_v_ip`` trained, the latter initialised
-from that layer's ``to_k`` / ``to_v``, to reconstruct each training image from its own embedding (the image
-condition dropped 10% of the time, the prompt 10%, as the paper drops each 5% and both 5%).
-
-- Stage 1, :func:`train_base` (``ipa-probe train-digits --recipe ip-adapter --stage base``): pretrains the image
-  encoder as a digit classifier, then trains the base UNet (SD 1.5's blocks at ``layers_per_block=2``: 16
-  cross-attention layers, 8 heads) on the shipped VAE's latents with the constant prompt (or ``""``), no image.
-  Writes ``unet/`` in float16 (stage 2 and the pipeline load exactly that), ``image_encoder/``, ``record.json``,
-  ``loss.png``. Shipped in ``digits_ip_adapter_weights/base``.
-- Stage 2, :func:`train_adapter` (``ipa-probe train-digits --recipe ip-adapter``): writes ``ip_adapter/``
-  (``load_ip_adapter``'s layout), ``record.json`` (naming the base and its digest) and ``loss.png``. Shipped in
-  ``digits_ip_adapter_weights/adapter``.
-
-The VAE, text encoder and tokenizer are the ``support`` recipe's shipped ones (random text encoder, frozen).
-Part of :mod:`ipa_probe.tiny.digits` (see its docstring).
+This is how IP-Adapter itself is trained (Ye et al. 2023): a frozen pretrained UNet and image encoder, and only
+``ImageProjection`` plus each cross-attention layer's ``to_k_ip`` / ``to_v_ip`` (initialised from ``to_k`` /
+``to_v``) trained to reconstruct each image from its own embedding. Stage 1, :func:`train_base` (``--stage base``),
+writes ``unet/`` (float16), ``image_encoder/``, ``record.json`` and ``loss.png`` (shipped in
+``digits_ip_adapter_weights/base``); stage 2, :func:`train_adapter`, writes ``ip_adapter/`` (``load_ip_adapter``'s
+layout), ``record.json`` (naming the base and its digest) and ``loss.png`` (``digits_ip_adapter_weights/adapter``).
+The VAE, text encoder and tokenizer are the ``support`` recipe's. Settings and how they were chosen:
+docs/organism.md. Part of :mod:`ipa_probe.tiny.digits` (see its docstring).
 """
 
 from __future__ import annotations

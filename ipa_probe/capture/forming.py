@@ -1,0 +1,274 @@
+"""Forming a pass's records: :class:`RecordForming`, the :class:`~.run.ProbeRun` methods that hold each record its
+hook delivers (:class:`_Held`) until the denoiser pass returns, then form the records of equal shape stacked along the
+batch (their logits, cells, row samples and query frames, :mod:`.cells`) and keep their weights and reference maps.
+The step clock, the hooks and the buffers the statistics are added into live in :mod:`.run`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..statistics.agreement import null_tail_table
+from ..statistics.draws import stratified_rows
+from . import cells
+from .buffers import CallBuffers
+from .cells import cell_inputs, form_frames, group_cell, record_logits
+from .spine import expand_references, kept_tokens
+
+__all__ = ["FRAME_ELEMENTS", "PENDING_ELEMENTS", "RecordForming"]
+
+#: Query-frame logits (elements) the records kept for the pass's statistics may hold before they are compared early:
+#: 2^22 float32 (16 MiB, about 20 MiB of inputs and 150 MiB of working tensors in the batched pass) bounds memory
+#: when rows are many (``rows=None`` at 1024 px); the default row sample keeps a 512 px SD 1.5 pass (16 records) in
+#: one batch.
+PENDING_ELEMENTS = 2**22
+
+#: Full-resolution logits (elements) the kept records may hold for their query frames before those are formed early
+#: (:func:`~.cells.form_frames`; the records are still compared at the pass's end): 2^25 float32 (128 MiB, with
+#: about as much again of working tensors while the frames are formed) keeps a 512 px SD 1.5 pass with 64 reference
+#: tokens in one batch and bounds memory at 1024 px. On a CPU only small records are kept (the others' frames are
+#: formed in their hooks, :meth:`~.cells.FrameSource.joins`).
+FRAME_ELEMENTS = 2**25
+
+
+@dataclass
+class _Held:
+    """One record as its hook delivered it, held until the pass ends (:meth:`ProbeRun._form_held`)."""
+
+    call: CallBuffers
+    step: int
+    index: int  # the layer's position in ProbeRun.layers
+    slot: int  # the adapter, or the text slot
+    labels: torch.Tensor  # (groups,) each group's branch label
+    chunks: int  # the pass's CFG branches
+    q: torch.Tensor  # (B, H, Q, D)
+    k: torch.Tensor  # (B, H, K, D)
+    other: torch.Tensor | None  # (B, H, N, D) SD3's latent keys
+    inside: torch.Tensor | None  # (B, Q) bool
+    used: torch.Tensor | None  # (B, H, Q, K) the edited weights' logits
+    kept: tuple | None  # the references an ablation kept (Spine.kept)
+    text: bool
+    processor: torch.nn.Module
+    h: torch.Tensor  # 0-d bandwidth
+    sample: torch.Tensor | None  # (n,) the record's row sample
+    text_mask: torch.Tensor | None  # (B, tokens)
+
+    def signature(self) -> tuple:
+        """Records with equal signatures are formed in one pass, stacked along the batch."""
+
+        def form(x: torch.Tensor | None) -> tuple | None:
+            return None if x is None else (tuple(x.shape), x.dtype, x.device)
+
+        tensors = (self.q, self.k, self.inside, self.sample)
+        return (*(form(x) for x in tensors), self.slot, self.text, id(self.h), id(self.labels), self.chunks)
+
+
+class RecordForming:
+    """Record forming of :class:`~.run.ProbeRun` (it provides ``_state``, ``_held``, ``_pending``, ``_maps``,
+    ``config``, ``layers``, ``_constant``, ``_threads``, ``_flush`` and ``_keep_map``)."""
+
+    @torch.no_grad()
+    def _record_stats(
+        self,
+        index: int,
+        slot: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        other: torch.Tensor | None,
+        inside: torch.Tensor | None = None,
+        used: torch.Tensor | None = None,
+    ) -> None:
+        """Hold one layer's record for one adapter (or the text slot) until the pass ends, when the records of equal
+        shape are formed together (:meth:`_form_held`); a record that cannot join others is formed at once.
+
+        Args:
+            index: the layer's position in :attr:`layers`.
+            slot: the adapter index, or :attr:`text_slot`.
+            query: ``(B, H, Q, D)``, the query the branch's softmax uses.
+            key: ``(B, H, K, D)``, the image-token (or text-token) keys.
+            other: ``(B, H, N, D)``, further keys of the same softmax (SD3's latent keys), or ``None``.
+            inside: ``(B, Q)`` bool, the queries inside the branch's IP-Adapter mask, or ``None`` for all.
+            used: ``(B, H, Q, K)``, the weights the layer used when an edit of its weights point changed them (their
+                logits ``log w`` are read instead of ``q·k``), or ``None``.
+        """
+        state = self._state
+        state.records += 1
+        labels = state.layout.items  # (items,): a statistic per batch item (frames of one item pooled)
+        chunks = state.layout.chunks  # the pass's CFG branches, contiguous and of equal size
+        if query.shape[0] % labels.shape[0]:  # a batch the layout does not describe: one unlabelled group
+            labels = self.evidence.layout(None, query.device).items
+            chunks = 1
+        head_index = self._heads(query.device)
+        if head_index is not None:
+            query, key = query.index_select(1, head_index), key.index_select(1, head_index)
+            other = other.index_select(1, head_index) if other is not None else None
+        text = slot == self.text_slot
+        processor = self.layers[index].attention.processor
+        # an edit removed references from the keys: the maps put them back at weight 0 (kept, total)
+        kept = None if text or self._spine is None else self._spine.kept.get((self.layers[index].name, slot))
+        if used is not None:  # the edited weights: their logits, a zero weight at float32's smallest (share 0)
+            used = used if head_index is None else used.index_select(1, head_index)
+            if kept is not None:  # the weights point holds every reference; the keys only the kept ones
+                used = used.index_select(-1, kept_tokens(kept[0], used.shape[-1] // kept[1], used.device))
+            used = used.float().clamp_min(torch.finfo(torch.float32).tiny).log()  # (B, H, Q, K)
+        groups = labels.shape[0]
+        n_rows, n_keys = query.shape[-2] * (query.shape[0] // groups), key.shape[-2]
+        size, sample = self.config.sample_rows(n_rows, n_keys), None  # from shapes: no device read
+        if self._row_generator is None or self._row_generator.device != query.device:
+            self._row_generator = torch.Generator(device=query.device).manual_seed(self.config.seed)
+        self._row_plan[(self.layers[index].name, "text" if text else "image")] = (n_rows, n_keys, size)
+        if size is not None:  # per-row statistics on a stratified sample (ProbeConfig.rows), drawn in record order
+            sample = stratified_rows(n_rows, size, self._row_generator, query.device)
+        held = _Held(
+            call=state.call,
+            step=state.step,
+            index=index,
+            slot=slot,
+            labels=labels,
+            chunks=chunks,
+            q=query,
+            k=key,
+            other=other,
+            inside=inside,
+            used=used,
+            kept=kept,
+            text=text,
+            processor=processor,
+            h=self._bandwidth(query.shape[-1], query.device),
+            sample=sample,
+            text_mask=state.text_mask,
+        )
+        # a masked adapter's maps are formed per reference image in the layer (one softmax each): at once
+        joins = (
+            used is None
+            and kept is None
+            and other is None
+            and self.config.bandwidth != "fit"
+            and getattr(processor, "image_branch_logits", None) is None
+            and (self._maps is None or text or not self._maps.masks_adapter(slot))
+        )
+        if not joins:
+            self._form([held])
+            return
+        self._held.append(held)
+        self._held_elements += query.numel()
+        if self._held_elements > FRAME_ELEMENTS:  # bounded memory: form what is held so far
+            self._form_held()
+
+    def _form_held(self) -> None:
+        """Form the held records (:meth:`_record_stats`), those of equal shape stacked along the batch into one pass:
+        the per-record work of a pass then costs one pass per layer size, not one per layer. On a CPU a stack stays
+        within :data:`~.cells.JOIN_ELEMENTS_CPU` logits (a larger one leaves the cache; see there)."""
+        held, self._held, self._held_elements = self._held, [], 0
+        batches: dict[tuple, list[_Held]] = {}
+        for entry in held:
+            batches.setdefault(entry.signature(), []).append(entry)
+        for same in batches.values():
+            first = same[0]
+            if first.q.device.type == "cpu":
+                logits = first.q.shape[0] * first.q.shape[1] * first.q.shape[2] * first.k.shape[2]
+                step = max(1, cells.JOIN_ELEMENTS_CPU // (2 * logits))
+            else:
+                step = len(same)
+            for start in range(0, len(same), step):
+                self._threads(first.q.device, self._form, same[start : start + step])
+
+    @torch.no_grad()
+    def _form(self, held: list[_Held]) -> None:
+        """The logits, cells and row samples of records of one :meth:`_Held.signature`, stacked along the batch
+        (records ``l`` holds batch items ``l * B .. (l + 1) * B - 1``): every step below is per batch item or per
+        group, so each record's values are what its own pass gives."""
+        first = held[0]
+
+        def stacked(name: str) -> torch.Tensor | None:
+            parts = [getattr(entry, name) for entry in held]
+            if parts[0] is None or len(parts) == 1:
+                return parts[0]
+            return torch.cat(parts)  # (L * B, ...)
+
+        # (L * B, H, Q, D), (L * B, H, K, D); a single record's query is left as the tap gives it (a view of the
+        # layer's projection): its logits read it in place (record_logits), where a copy would cost more
+        q, k = stacked("q").float(), stacked("k").float()
+        other = first.other.float() if first.other is not None else None
+        attn, q_norms = record_logits(first.processor, q, k, first.text)  # (L * B, H, Q, K), (L * B, H, Q)
+        if first.used is not None:
+            attn = first.used
+        groups = len(held) * first.labels.shape[0]
+        text_mask = first.text_mask
+        if text_mask is not None and len(held) > 1:
+            text_mask = text_mask.repeat(len(held), 1)
+        sample = first.sample  # (n,), or (L, n) for stacked records: cells.take_rows reads block l at row l
+        if sample is not None and len(held) > 1:
+            sample = torch.stack([entry.sample for entry in held])
+        nw_rows = sample if self._maps is None or first.text else None  # the maps read every row's NW logits
+        cell = group_cell(
+            groups=groups,
+            q=q,
+            k=k,
+            attn=attn,
+            text=first.text,
+            rows=stacked("inside"),
+            processor=first.processor,
+            text_mask=text_mask,
+            h=first.h,
+            fit=self.config.bandwidth == "fit",
+            nw_rows=nw_rows,
+        )
+        tails = None
+        if cell.key_mask is not None:
+            n_keys, device = cell.attn.shape[-1], q.device
+            tails = self._constant(f"tails{n_keys}", device, lambda: null_tail_table(n_keys, device))
+        # the query frame's pools: each group (a batch item), or each chunk of the pass (one CFG branch's items)
+        per_record = first.labels.shape[0]
+        pools = per_record if self.config.query_frame == "item" else first.chunks
+        # and the other pool's (schema.QUERY_POOL_OTHER_COLUMN): formed only where a branch holds several items
+        other_pools = first.chunks if pools == per_record else per_record
+        inputs = cell_inputs(
+            cell=cell,
+            groups=groups,
+            q=q,
+            k=k,
+            other=other,
+            text=first.text,
+            processor=first.processor,
+            tails=tails,
+            text_mask=text_mask,
+            pools=pools * len(held),
+            q_norms=q_norms,
+            sample=sample,
+            other_pools=other_pools * len(held),
+        )
+        self._pending.append((held, inputs))
+        self._pending_elements += inputs.pending_elements()
+        if not inputs.source.joins():  # formed alone either way: now, while its logits are in cache
+            form_frames([inputs])
+        else:
+            self._frame_elements += inputs.source.attn.numel()
+        if self._pending_elements > PENDING_ELEMENTS:  # bounded memory: compare what is kept so far
+            self._flush()
+        elif self._frame_elements > FRAME_ELEMENTS:  # bounded memory: form the kept records' frames now
+            self._frame_elements = 0
+            form_frames([entry[-1] for entry in self._pending])
+        if not self.config.keep_maps and (self._maps is None or first.text):
+            return
+        # per record: (L * B, ...) -> L blocks of B items (views)
+        for entry, logits, cell_attn, cell_nw in zip(
+            held, attn.chunk(len(held)), cell.attn.chunk(len(held)), cell.nw.chunk(len(held)), strict=True
+        ):
+            self._record_views(entry, logits, cell_attn, cell_nw)
+
+    def _record_views(self, entry: _Held, attn: torch.Tensor, cell_attn: torch.Tensor, cell_nw: torch.Tensor) -> None:
+        """A formed record's kept weights (``keep_maps``) and reference maps (``maps``)."""
+        kept, labels = entry.kept, entry.labels
+        if self.config.keep_maps:
+            key = (entry.call.index, entry.step, self.layers[entry.index].name, entry.slot)
+            self._keep_map(key, attn if kept is None else expand_references(attn, *kept, -1, -math.inf))
+            self._map_labels.setdefault(key, []).append(labels.repeat_interleave(attn.shape[0] // labels.shape[0]))
+        if self._maps is not None and not entry.text:
+            maps_attn, maps_nw = cell_attn, cell_nw
+            if kept is not None:
+                maps_attn, maps_nw = (expand_references(x, *kept, -1, -math.inf) for x in (maps_attn, maps_nw))
+                self._maps.kept[(entry.index, entry.slot)] = kept
+            self._maps.add(entry.call.index, entry.step, entry.index, entry.slot, labels, maps_attn, maps_nw)
