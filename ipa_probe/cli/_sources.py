@@ -44,10 +44,8 @@ def check_safetensors(path: str | os.PathLike, flag: str, prefixes: tuple[str, .
             expected tensors.
         PermissionError: it cannot be read (the path, and the remedy in ``remedy``).
     """
-    try:  # stat only: a FIFO is never opened; no permission passes on (exit 1, with the path and the remedy)
+    with cli_errors(FileNotFoundError, ValueError):  # stat only: a FIFO is never opened; no permission passes on
         path = check_input_file(path, f"{flag} weight file", "a safetensors file")
-    except (FileNotFoundError, ValueError) as err:
-        raise CLIError(str(err)) from None
     size = path.stat().st_size
 
     def bad(reason: str) -> CLIError:
