@@ -571,10 +571,8 @@ def check_tracker_arguments(args: argparse.Namespace) -> None:
 
 
 def check_logging_dir(args: argparse.Namespace) -> None:
-    """Refuse, before torch loads, a ``--logging-dir`` inside ``--out`` or inside any other run folder (one holding a
-    run manifest, a lock or a staging folder, or a staging folder itself): the tracker's files there would be files
-    no manifest lists, and that folder's next run (the identical command too) would be refused for them. Naming
-    ``OUT/logs`` itself is the default, and is taken as it."""
+    """Refuse, before torch loads, a ``--logging-dir`` inside ``--out`` or inside any other run folder, why being
+    docs/failures.md's 'Tracker logs'; ``OUT/logs`` itself is the default, and is taken as it."""
     place = Path(args.logging_dir).expanduser().resolve()
     out = Path(args.out).expanduser().resolve() if getattr(args, "out", None) else None
     if out is not None and place == out / "logs":
