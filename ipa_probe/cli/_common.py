@@ -38,7 +38,7 @@ from ..runfolder import (
     recover,
     refuse_if_held,
 )
-from ._errors import CLIError
+from ._errors import CLIError, cli_errors
 from ._sources import check_model_source, ip_adapter_source
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -194,10 +194,8 @@ def check_model_arguments(args: argparse.Namespace, require_images: bool = True)
 def check_device_argument(name: str) -> None:
     """The form of ``--device`` without torch (``auto``: the sweep's default, accelerate's device or the best one)."""
     if name != "auto":
-        try:
+        with cli_errors(prefix="--"):
             check_device_name(name)
-        except ValueError as err:
-            raise CLIError(f"--{err}") from None
 
 
 def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Loaded:
@@ -219,10 +217,8 @@ def load_pipeline(args: argparse.Namespace, require_images: bool = True) -> Load
         references = references or _default_references(args)
     else:
         pipe, steps, size, description = _pretrained_pipeline(args, device, dtype)
-    try:
+    with cli_errors(prefix="--"):
         check_steps(pipe.scheduler, steps)
-    except ValueError as err:
-        raise CLIError(f"--{err}") from None
     pipe.set_progress_bar_config(disable=False, desc="denoising")
     if args.scale is not None:
         pipe.set_ip_adapter_scale(args.scale)
@@ -266,10 +262,8 @@ def _device(args: argparse.Namespace):
     """The torch device of ``--device``, checked to be present and able to hold data."""
     import torch
 
-    try:
+    with cli_errors(prefix="--"):
         check_device(args.device)
-    except ValueError as err:
-        raise CLIError(f"--{err}") from None
     return torch.device(args.device)
 
 
@@ -569,20 +563,16 @@ def check_tracker_arguments(args: argparse.Namespace) -> None:
         return
     from ..trackers import check_tracker
 
-    try:
+    with cli_errors(ImportError, ValueError):  # not installed; wandb not logged in and not offline
         check_tracker(args.log_with)
-    except (ImportError, ValueError) as err:  # not installed; wandb not logged in and not offline
-        raise CLIError(str(err)) from None
     if args.logging_dir:
         check_logging_dir(args)
     check_output_dir(logging_dir(args), "--logging-dir")  # OUT/logs a file: refused now, not after the run
 
 
 def check_logging_dir(args: argparse.Namespace) -> None:
-    """Refuse, before torch loads, a ``--logging-dir`` inside ``--out`` or inside any other run folder (one holding a
-    run manifest, a lock or a staging folder, or a staging folder itself): the tracker's files there would be files
-    no manifest lists, and that folder's next run (the identical command too) would be refused for them. Naming
-    ``OUT/logs`` itself is the default, and is taken as it."""
+    """Refuse, before torch loads, a ``--logging-dir`` inside ``--out`` or inside any other run folder, why being
+    docs/failures.md's 'Tracker logs'; ``OUT/logs`` itself is the default, and is taken as it."""
     place = Path(args.logging_dir).expanduser().resolve()
     out = Path(args.out).expanduser().resolve() if getattr(args, "out", None) else None
     if out is not None and place == out / "logs":

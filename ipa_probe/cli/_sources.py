@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._io import check_input_file
-from ._errors import CLIError
+from ._errors import CLIError, cli_errors
 
 __all__ = ["WeightSource", "check_model_source", "check_safetensors", "ip_adapter_source"]
 
@@ -44,10 +44,8 @@ def check_safetensors(path: str | os.PathLike, flag: str, prefixes: tuple[str, .
             expected tensors.
         PermissionError: it cannot be read (the path, and the remedy in ``remedy``).
     """
-    try:  # stat only: a FIFO is never opened; no permission passes on (exit 1, with the path and the remedy)
+    with cli_errors(FileNotFoundError, ValueError):  # stat only: a FIFO is never opened; no permission passes on
         path = check_input_file(path, f"{flag} weight file", "a safetensors file")
-    except (FileNotFoundError, ValueError) as err:
-        raise CLIError(str(err)) from None
     size = path.stat().st_size
 
     def bad(reason: str) -> CLIError:
@@ -103,10 +101,8 @@ class WeightSource:
 def _refuse_special(path: Path, flag: str) -> None:
     """A FIFO, device or socket given as a model or weights: refused by ``stat``, never opened."""
     if not path.is_dir() and not path.is_file():
-        try:
+        with cli_errors():
             check_input_file(path, flag, "a folder or a weight file")
-        except ValueError as err:
-            raise CLIError(str(err)) from None
 
 
 def check_model_source(value: str) -> str:

@@ -19,7 +19,7 @@ from ._common import (
     run_key,
     seed_type,
 )
-from ._errors import CLIError
+from ._errors import CLIError, cli_errors
 
 COMMAND = "ipa-probe compare"
 
@@ -125,10 +125,8 @@ def _compare(args: argparse.Namespace, staging: Path) -> list[str]:
 
     seeds = args.seed_list
     loaded = load_pipeline(args)
-    try:
+    with cli_errors():
         scorer = ClipScorer(args.clip_model, args.clip_pretrained, device=loaded.pipe.device)
-    except ValueError as err:
-        raise CLIError(str(err)) from None
     try:
         result = compare_methods(
             loaded.pipe,

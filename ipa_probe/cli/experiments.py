@@ -17,7 +17,7 @@ from ._common import (
     logging_dir,
     seed_type,
 )
-from ._errors import CLIError
+from ._errors import CLIError, cli_errors
 
 COMMAND = "ipa-probe experiments"
 #: experiments resume and add to a folder by their own records (the tier check, the checkpoints under OUT/runs)
@@ -93,10 +93,8 @@ def check(args: argparse.Namespace) -> None:
         # 2-core machine, the quick tier took 217 s of wall time (208 s CPU) at 2 threads and 107 s at 1.
         args.threads = 1
     if not args.overwrite:  # the more telling refusal first: another tier's results
-        try:
+        with cli_errors(TierMismatch):
             check_folder_tier(args.out, args.tier_sizes)
-        except TierMismatch as err:
-            raise CLIError(str(err)) from None
     check_run_folder(args.out, COMMAND, KEY, args.overwrite)
 
 

@@ -15,6 +15,7 @@ from ._common import (
     add_model_arguments,
     add_overwrite_argument,
     add_tracker_arguments,
+    argument_type,
     bandwidth_type,
     check_model_arguments,
     check_output_dir,
@@ -26,7 +27,7 @@ from ._common import (
     logging_dir,
     run_key,
 )
-from ._errors import CLIError
+from ._errors import CLIError, cli_errors
 
 COMMAND = "ipa-probe probe"
 
@@ -126,11 +127,7 @@ def _rows_type(value: str) -> int | str | None:
     return rows
 
 
-def _gauges_type(value: str) -> tuple[float | str, ...]:
-    try:
-        return parse_gauges(value, "--gauge-sweep")
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err).split(": ", 1)[-1]) from None
+_gauges_type = argument_type(lambda v: parse_gauges(v, "--gauge-sweep"), "gauges")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -140,10 +137,8 @@ def check(args: argparse.Namespace) -> None:
             "--gauge-sweep writes its own table and figure; drop --keep-maps / --maps / --overlays / --log-with"
         )
     if args.gauge_sweep is not None:
-        try:
-            check_gauge_ranges(args.gauge_sweep, args.dtype)  # what the weights' dtype holds, before torch loads
-        except ValueError as err:
-            raise CLIError(str(err)) from None
+        with cli_errors():  # what the weights' dtype holds, before torch loads
+            check_gauge_ranges(args.gauge_sweep, args.dtype)
     check_output_dir(args.out)
     if args.overlay_steps and not args.overlays:
         raise CLIError("--overlay-steps needs --overlays DIR")
@@ -337,10 +332,8 @@ def _gauge_table(args: argparse.Namespace):
             **loaded.call_kwargs,
         )
 
-    try:
+    with cli_errors(ValueError, RuntimeError):
         table = gauge_sweep(pipe, call, args.gauge_sweep, bandwidth=args.bandwidth, layers=args.layers)
-    except (ValueError, RuntimeError) as err:
-        raise CLIError(str(err)) from None
     image = table[(table["kind"] == "image") & (table["branch"] == "cond")]
     if image.empty:
         image = table[table["kind"] == "image"]

@@ -25,6 +25,7 @@ from ._common import (
     load_pipeline,
     logging_dir,
 )
+from ._errors import cli_errors
 
 COMMAND = "ipa-probe sweep"
 #: a sweep resumes in its folder by its own record (each row's fingerprint; --restart for rows of other settings)
@@ -145,10 +146,8 @@ def _device(args: argparse.Namespace, state) -> str:
         return "cpu" if device.type == "cpu" else str(device)
     if args.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
+    with cli_errors(prefix="--"):
         check_device(args.device)
-    except ValueError as err:
-        raise CLIError(f"--{err}") from None
     return args.device
 
 
@@ -244,10 +243,8 @@ def _read_and_check(args: argparse.Namespace):
     if os.environ.get("RANK", "0") == "0":  # the main process holds the folder; the others write into its staging
         check_run_folder(args.out, COMMAND, KEY, args.overwrite)
     check_tracker_arguments(args)
-    try:
+    with cli_errors(ManifestError):
         manifest = read_manifest(args.manifest, require_images=args.model is not None and not args.image)
-    except ManifestError as err:
-        raise CLIError(str(err)) from None
     if not manifest.rows:
         reasons = "; ".join(s.describe() for s in manifest.skipped[:3])
         more = f"; and {len(manifest.skipped) - 3} more" if len(manifest.skipped) > 3 else ""

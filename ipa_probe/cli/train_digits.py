@@ -23,7 +23,7 @@ from ._common import (
     claimed_output,
     threads_type,
 )
-from ._errors import CLIError
+from ._errors import CLIError, cli_errors
 
 COMMAND = "ipa-probe train-digits"
 
@@ -161,10 +161,8 @@ def run(args: argparse.Namespace) -> int:
         settings["base"] = args.base
     if args.recipe == "mixed":
         settings["mixed"] = DIGITS_MIXED_FRACTION
-    try:
+    with cli_errors(ValueError, TypeError):
         config = kinds[training](**settings)
-    except (ValueError, TypeError) as err:
-        raise CLIError(str(err)) from None
     out = Path(args.out)
     try:
         with claimed_output(out, COMMAND, args, _key(args, training), resumable=True) as folder:

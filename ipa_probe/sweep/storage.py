@@ -17,6 +17,11 @@ _PART_METADATA_KEY = b"ipa_probe.sweep"
 _PART_PREFIX = "row-"
 
 
+def _under(name: str) -> property:
+    """A read-only attribute: the path ``root / name``."""
+    return property(lambda self: self.root / name, doc=f"``root / {name!r}``")
+
+
 @dataclass(frozen=True)
 class SweepLayout:
     """Where a sweep keeps its files under ``root``.
@@ -31,33 +36,13 @@ class SweepLayout:
 
     root: Path
 
-    @property
-    def rows(self) -> Path:
-        return self.root / "rows"
-
-    @property
-    def skipped(self) -> Path:
-        return self.root / "skipped"
-
-    @property
-    def set_aside(self) -> Path:
-        return self.root / "set_aside"
-
-    @property
-    def row_summary(self) -> Path:
-        return self.root / "row_summary.parquet"
-
-    @property
-    def aggregate(self) -> Path:
-        return self.root / "aggregate.parquet"
-
-    @property
-    def summary(self) -> Path:
-        return self.root / "summary.json"
-
-    @property
-    def plot(self) -> Path:
-        return self.root / "rho_by_timestep.png"
+    rows = _under("rows")
+    skipped = _under("skipped")
+    set_aside = _under("set_aside")
+    row_summary = _under("row_summary.parquet")
+    aggregate = _under("aggregate.parquet")
+    summary = _under("summary.json")
+    plot = _under("rho_by_timestep.png")
 
     def part(self, row: int) -> Path:
         return self.rows / f"{_PART_PREFIX}{row:06d}.parquet"

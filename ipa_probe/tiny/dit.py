@@ -48,11 +48,13 @@ from transformers import (
 from .._quiet import quiet_known_messages
 from .sd import (
     _adapter_seed,
+    _adapter_state,
     _base_to_checkpoint_layout,
     _check_seed,
     _feature_extractor,
     _image_encoder,
     _move,
+    _renamed_layers,
     _resolve_dtype,
     _seeded,
     _text_config,
@@ -256,10 +258,7 @@ def tiny_flux_ip_adapter_state_dict(
                 torch.nn.init.normal_(linear.bias, std=0.5)  # a visible bias: keys are affine in the image tokens
                 layers[f"{n}.{name}.weight"] = linear.weight.detach()
                 layers[f"{n}.{name}.bias"] = linear.bias.detach()
-    return {
-        "image_proj": {k: v.detach().clone().contiguous() for k, v in image_proj.items()},
-        "ip_adapter": {k: v.clone().contiguous() for k, v in layers.items()},
-    }
+    return _adapter_state(image_proj, layers)
 
 
 def tiny_flux_pipeline(
@@ -375,31 +374,18 @@ def tiny_sd3_components(seed: int = 0) -> dict[str, Any]:
     )
 
 
-def _resampler_to_checkpoint_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename an ``IPAdapterTimeImageProjection`` state dict to the published SD3.5 adapter's ``image_proj`` keys
-    (InstantX), which diffusers' loader converts back."""
-    renames = (
-        (".ln0.", ".0.norm1."),
-        (".ln1.", ".0.norm2."),
-        (".attn.to_q.", ".0.to_q."),
-        (".attn.to_kv.", ".0.to_kv."),
-        (".attn.to_out.0.", ".0.to_out."),
-        (".adaln_norm.", ".1.0."),
-        (".ff.net.0.proj.", ".1.1."),
-        (".ff.net.2.", ".1.3."),
-        (".adaln_proj.", ".2.1."),
-    )
-    out = {}
-    for key, value in state.items():
-        if key.startswith("layers."):
-            for diffusers_name, checkpoint_name in renames:
-                if diffusers_name in key:
-                    key = key.replace(diffusers_name, checkpoint_name)
-                    break
-            else:
-                raise RuntimeError(f"unexpected key {key!r} in IPAdapterTimeImageProjection; diffusers changed it")
-        out[key] = value
-    return out
+#: the published SD3.5 adapter's (InstantX) ``image_proj`` key parts for diffusers' ``IPAdapterTimeImageProjection``'s
+_SD3_RESAMPLER_RENAMES = (
+    (".ln0.", ".0.norm1."),
+    (".ln1.", ".0.norm2."),
+    (".attn.to_q.", ".0.to_q."),
+    (".attn.to_kv.", ".0.to_kv."),
+    (".attn.to_out.0.", ".0.to_out."),
+    (".adaln_norm.", ".1.0."),
+    (".ff.net.0.proj.", ".1.1."),
+    (".ff.net.2.", ".1.3."),
+    (".adaln_proj.", ".2.1."),
+)
 
 
 def tiny_sd3_ip_adapter_state_dict(
@@ -437,7 +423,7 @@ def tiny_sd3_ip_adapter_state_dict(
             num_queries=SD3_IP_TOKENS,
             timestep_in_dim=_SD3_TIME_WIDTH,
         )
-        image_proj = _resampler_to_checkpoint_layout(resampler.state_dict())
+        image_proj = _renamed_layers(resampler.state_dict(), _SD3_RESAMPLER_RENAMES)
     layers: dict[str, torch.Tensor] = {}
     with _seeded(seed, "sd3_ip_adapter/layers"):
         for n, _ in enumerate(transformer.attn_processors):
@@ -451,10 +437,7 @@ def tiny_sd3_ip_adapter_state_dict(
                 for norm in (processor.norm_q, processor.norm_k, processor.norm_ip_k):
                     norm.weight.add_(0.3 * torch.randn_like(norm.weight))
             layers.update({f"{n}.{k}": v.detach() for k, v in processor.state_dict().items()})
-    return {
-        "image_proj": {k: v.detach().clone().contiguous() for k, v in image_proj.items()},
-        "ip_adapter": {k: v.clone().contiguous() for k, v in layers.items()},
-    }
+    return _adapter_state(image_proj, layers)
 
 
 def tiny_sd3_pipeline(

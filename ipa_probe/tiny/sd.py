@@ -269,38 +269,41 @@ def _base_to_checkpoint_layout(proj: ImageProjection) -> dict[str, torch.Tensor]
     return {new: sd[old] for new, old in (*keys, ("norm.weight", "norm.weight"), ("norm.bias", "norm.bias"))}
 
 
-def _plus_to_checkpoint_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename an ``IPAdapterPlusImageProjection`` state dict to the published Plus checkpoints' ``image_proj`` keys
-    (the Resampler of tencent-ailab/IP-Adapter), which ``load_ip_adapter`` converts back."""
-    out: dict[str, torch.Tensor] = {}
+def _renamed_layers(state: dict[str, torch.Tensor], renames: tuple[tuple[str, str], ...]) -> dict[str, torch.Tensor]:
+    """A resampler's state dict with each ``layers.*`` key's first matching ``renames`` part replaced: diffusers'
+    names to the published checkpoints', which ``load_ip_adapter`` converts back."""
+    out = {}
     for key, value in state.items():
-        parts = key.split(".")
-        if parts[0] != "layers":
-            out[key] = value  # latents, proj_in, proj_out, norm_out
-            continue
-        i, rest = parts[1], ".".join(parts[2:])
-        if rest.startswith("ln0."):
-            out[f"layers.{i}.0.norm1.{parts[-1]}"] = value
-        elif rest.startswith("ln1."):
-            out[f"layers.{i}.0.norm2.{parts[-1]}"] = value
-        elif rest == "attn.to_q.weight":
-            out[f"layers.{i}.0.to_q.weight"] = value
-        elif rest == "attn.to_k.weight":
-            # The checkpoints fuse keys and values: to_kv = cat([to_k, to_v]).
-            out[f"layers.{i}.0.to_kv.weight"] = torch.cat([value, state[f"layers.{i}.attn.to_v.weight"]], dim=0)
-        elif rest == "attn.to_v.weight":
-            continue
-        elif rest == "attn.to_out.0.weight":
-            out[f"layers.{i}.0.to_out.weight"] = value
-        elif rest.startswith("ff.0."):
-            out[f"layers.{i}.1.0.{parts[-1]}"] = value
-        elif rest == "ff.1.net.0.proj.weight":
-            out[f"layers.{i}.1.1.weight"] = value
-        elif rest == "ff.1.net.2.weight":
-            out[f"layers.{i}.1.3.weight"] = value
-        else:
-            raise RuntimeError(f"unexpected key {key!r} in IPAdapterPlusImageProjection; diffusers changed its layout")
+        if key.startswith("layers."):
+            new = next((key.replace(old, checkpoint) for old, checkpoint in renames if old in key), None)
+            if new is None:
+                raise RuntimeError(f"unexpected key {key!r} in the image projection; diffusers changed its layout")
+            key = new
+        out[key] = value
     return out
+
+
+def _plus_to_checkpoint_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An ``IPAdapterPlusImageProjection`` state dict under the published Plus checkpoints' ``image_proj`` keys (the
+    Resampler of tencent-ailab/IP-Adapter), whose attention fuses keys and values: ``to_kv = cat([to_k, to_v])``."""
+    fused = {}
+    for key, value in state.items():
+        if key.endswith(".attn.to_k.weight"):
+            key, value = key.replace(".to_k.", ".to_kv."), torch.cat([value, state[key.replace("_k.", "_v.")]])
+        if not key.endswith(".attn.to_v.weight"):
+            fused[key] = value
+    renames = (".ln0.", ".0.norm1."), (".ln1.", ".0.norm2."), (".attn.to_out.0.", ".0.to_out."), (".attn.", ".0.")
+    return _renamed_layers(
+        fused, (*renames, (".ff.0.", ".1.0."), (".ff.1.net.0.proj.", ".1.1."), (".ff.1.net.2.", ".1.3."))
+    )
+
+
+def _adapter_state(image_proj: dict[str, torch.Tensor], layers: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """The ``{"image_proj": ..., "ip_adapter": ...}`` dict the loaders take, of contiguous copies."""
+    return {
+        "image_proj": {k: v.detach().clone().contiguous() for k, v in image_proj.items()},
+        "ip_adapter": {k: v.clone().contiguous() for k, v in layers.items()},
+    }
 
 
 def tiny_ip_adapter_state_dict(
@@ -360,10 +363,7 @@ def tiny_ip_adapter_state_dict(
             to_v = torch.nn.Linear(cross_dim, width, bias=False)
             ip_layers[f"{key_id}.to_k_ip.weight"] = to_k.weight.detach()
             ip_layers[f"{key_id}.to_v_ip.weight"] = to_v.weight.detach()
-    return {
-        "image_proj": {k: v.detach().clone().contiguous() for k, v in image_proj.items()},
-        "ip_adapter": {k: v.clone().contiguous() for k, v in ip_layers.items()},
-    }
+    return _adapter_state(image_proj, ip_layers)
 
 
 def _adapter_seed(seed: int, index: int) -> int:

@@ -109,6 +109,16 @@ def _frames(n: int = _FRAMES) -> list:
     return [_image((40 * i, 80, 120)) for i in range(n)]
 
 
+def _image_inputs(name: str, key: str = "image", **extra: Any) -> dict[str, Any]:
+    """``extra`` and what the class ``name`` takes besides: an init image under ``key`` (Img2Img, Inpaint), with
+    ``strength=1.0``, and a mask (Inpaint)."""
+    if "Img2Img" in name or "Inpaint" in name:
+        extra.update({key: _image(), "strength": 1.0})
+    if "Inpaint" in name:
+        extra["mask_image"] = _mask()
+    return extra
+
+
 # --------------------------------------------------------------------------- Stable Diffusion 1.5
 
 
@@ -129,10 +139,7 @@ def _sd(zoo: ZooBases, name: str) -> ZooEntry:
 )
 def _sd_image(zoo: ZooBases, name: str) -> ZooEntry:
     pipe = _cls(name).from_pipe(zoo.base(_kind(name)))
-    extra = {"image": _image(), "strength": 1.0}
-    if "Inpaint" in name:
-        extra["mask_image"] = _mask()
-    return ZooEntry(pipe, _with([CFG, NO_CFG], **extra))
+    return ZooEntry(pipe, _with([CFG, NO_CFG], **_image_inputs(name)))
 
 
 @builds("StableDiffusionInstructPix2PixPipeline")
@@ -157,10 +164,7 @@ _PAG_NO_CFG = Run("pag no cfg", {"guidance_scale": 1.0, "pag_scale": 3.0}, ("con
 )
 def _sd_pag(zoo: ZooBases, name: str) -> ZooEntry:
     pipe = _cls(name).from_pipe(zoo.base(_kind(name)), pag_applied_layers=["mid"])
-    extra = {"image": _image(), "strength": 1.0} if "Img2Img" in name or "Inpaint" in name else {}
-    if "Inpaint" in name:
-        extra["mask_image"] = _mask()
-    return ZooEntry(pipe, _with([_PAG, _PAG_NO_CFG], **extra))
+    return ZooEntry(pipe, _with([_PAG, _PAG_NO_CFG], **_image_inputs(name)))
 
 
 @builds(
@@ -179,11 +183,7 @@ def _sd_controlnet(zoo: ZooBases, name: str) -> ZooEntry:
     kind, pag = _kind(name), "PAG" in name
     options = {"pag_applied_layers": ["mid"]} if pag else {}
     pipe = _cls(name).from_pipe(zoo.base(kind), controlnet=_controlnet(kind, zoo.seed), **options)
-    extra = {"image": _image()}
-    if "Img2Img" in name or "Inpaint" in name:
-        extra.update(control_image=_image(), strength=1.0)
-    if "Inpaint" in name:
-        extra["mask_image"] = _mask()
+    extra = _image_inputs(name, "control_image", image=_image())  # ``image`` is the control image here
     return ZooEntry(pipe, _with([_PAG, _PAG_NO_CFG] if pag else [CFG, NO_CFG], **extra))
 
 
@@ -369,11 +369,7 @@ def _sdxl_controlnet_union(zoo: ZooBases, name: str) -> ZooEntry:
             num_proj_channel=32,
         ),
     )
-    extra: dict[str, Any] = {"control_image": [_image()], "control_mode": [0]}
-    if "Img2Img" in name or "Inpaint" in name:
-        extra.update(image=_image(), strength=1.0)
-    if "Inpaint" in name:
-        extra["mask_image"] = _mask()
+    extra = _image_inputs(name, control_image=[_image()], control_mode=[0])
     return ZooEntry(pipe, _with([CFG, NO_CFG], **extra))
 
 
