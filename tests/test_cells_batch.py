@@ -44,13 +44,10 @@ def _generators():
 # exact, a row sample with its errors, and frames pooled over the items (with the other pool's frame)
 @pytest.mark.parametrize("queries, rows, pools", [(64, None, 2), (512, 64, 2), (512, 64, 1)])
 def test_a_batched_record_gets_the_fields_of_its_own_pass(queries, rows, pools):
-    """Frames and statistics of records formed together (the frames from every row of each, joined) equal each
-    record's formed alone."""
+    """Statistics of records compared together equal each record's compared alone."""
     records = [_record(seed, queries, rows, pools=pools) for seed in range(3)]
     assert len({record.signature() for record in records}) == 1
-    assert len({record.source.signature() for record in records}) == 1
     batched = compare_cells(records, _generators())
-    assert all(record.source is None and record.frame_nw is not None for record in records)  # formed, source let go
     checked = [i for i, name in enumerate(CELL_FIELDS) if name not in DRAWN and name != "ip_mass"]  # NaN: no SD3
     for seed, values in enumerate(batched):
         (alone,) = compare_cells([_record(seed, queries, rows, pools=pools)], _generators())
@@ -78,52 +75,21 @@ def test_nulls_of_a_batch_are_seeded():
     assert torch.cat(first)[..., CELL_FIELDS.index("spearman_null")].abs().max() > 0  # a draw, not a constant
 
 
-@pytest.mark.parametrize("bound", ["FRAME_ELEMENTS", "JOIN_ELEMENTS_CPU"])
-def test_frames_formed_in_the_hook_change_nothing(sd15, refs, monkeypatch, bound):
-    """With no room for kept logits (``FRAME_ELEMENTS`` 1), or no joining on the CPU (``JOIN_ELEMENTS_CPU`` 0, as for
-    large records), every record's frames are formed in its own hook instead of with its pass's equal-size layers:
-    the same table. The nulls are drawn once for the pass's rows in the order the records were formed (stacked by
-    layer size, or one at a time), so they draw otherwise (their distribution is held by tests/test_stats.py)."""
-    import numpy as np
-
-    import ipa_probe.capture.cells as cells_module
-    import ipa_probe.capture.forming as forming_module
-    import ipa_probe.capture.run as run_module
-
-    def table():
-        with run_module.probe(sd15) as run:
-            sd15("a photo", ip_adapter_image=[refs], num_inference_steps=2, num_images_per_prompt=2,
-                 generator=torch.Generator().manual_seed(0), output_type="latent")  # fmt: skip
-        return run.to_dataframe()
-
-    early_calls = []  # the hook's early formations (at the pass's end, compare_cells forms the frames)
-    form_frames = forming_module.form_frames
-    monkeypatch.setattr(forming_module, "form_frames", lambda records: early_calls.append(1) or form_frames(records))
-    batched = table()
-    assert not early_calls
-    if bound == "FRAME_ELEMENTS":
-        monkeypatch.setattr(forming_module, "FRAME_ELEMENTS", 1)
-    else:
-        monkeypatch.setattr(cells_module, "JOIN_ELEMENTS_CPU", 0)
-    early = table()
-    assert len(early_calls) == len(early) // early["head"].nunique() // 2  # each record's hook (2 branches a record)
-    assert batched["qf_spearman_other_pool"].notna().any()  # two items per branch: the other pool's frame too
-    numbers = [c for c in batched.select_dtypes("number").columns if c not in DRAWN]
-    assert list(early.columns) == list(batched.columns) and len(early) == len(batched)
-    # the same per-row and per-key reductions over the same rows; 1e-6 only lets a reduction vectorise differently
-    # over a batch of several records (float32)
-    np.testing.assert_allclose(early[numbers].to_numpy(float), batched[numbers].to_numpy(float), rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("rows, query_frame", [("auto", "item"), (16, "item"), (16, "branch")])
-def test_records_stacked_in_one_pass_equal_records_formed_alone(sd15, refs, monkeypatch, rows, query_frame):
+@pytest.mark.parametrize(
+    "rows, query_frame, bound",
+    [("auto", "item", "JOIN_ELEMENTS_CPU"), (16, "item", "JOIN_ELEMENTS_CPU"), (16, "branch", "JOIN_ELEMENTS_CPU")]
+    + [("auto", "branch", "FRAME_ELEMENTS")],
+)
+def test_records_stacked_in_one_pass_equal_records_formed_alone(sd15, refs, monkeypatch, rows, query_frame, bound):
     """The probe holds a pass's records and forms those of equal shape stacked along the batch (one pass per layer
     size): with row samples (each record its own, drawn in record order), two items per CFG branch and pooled query
-    frames, every column equals the run whose records are each formed alone (``JOIN_ELEMENTS_CPU`` 0); only the
+    frames, every column equals the run whose records are each formed alone (no stacking on the CPU,
+    ``JOIN_ELEMENTS_CPU`` 0, or no room to hold records, ``FRAME_ELEMENTS`` 1: each formed in its hook); only the
     nulls, drawn once per batch of the pass, may draw otherwise (their distribution is held by tests/test_stats.py)."""
     import numpy as np
 
     import ipa_probe.capture.cells as cells_module
+    import ipa_probe.capture.forming as forming_module
     import ipa_probe.capture.run as run_module
 
     formed = []
@@ -139,12 +105,16 @@ def test_records_stacked_in_one_pass_equal_records_formed_alone(sd15, refs, monk
 
     stacked, sizes = table()
     assert max(sizes) > 1, "equal-size layers are formed together"
-    monkeypatch.setattr(cells_module, "JOIN_ELEMENTS_CPU", 0)
+    if bound == "JOIN_ELEMENTS_CPU":
+        monkeypatch.setattr(cells_module, "JOIN_ELEMENTS_CPU", 0)
+    else:
+        monkeypatch.setattr(forming_module, "FRAME_ELEMENTS", 1)
     alone, sizes_alone = table()
     assert set(sizes_alone) == {1} and sum(sizes_alone) == sum(sizes)
     assert list(alone.columns) == list(stacked.columns) and len(alone) == len(stacked)
     if rows == 16:
         assert (stacked["row_fraction"] < 1).any(), "some cells are read on a row sample"
+    assert stacked["qf_spearman_other_pool"].notna().any()  # two items per branch: the other pool's frame too
     numbers = [c for c in stacked.select_dtypes("number").columns if c not in DRAWN]
     np.testing.assert_allclose(
         stacked[numbers].to_numpy(float), alone[numbers].to_numpy(float), rtol=1e-6, atol=1e-6, equal_nan=True

@@ -4,10 +4,9 @@ A *record* is what the probe's taps deliver once per layer, adapter (or the text
 ``(B, H, Q, D)`` and keys ``(B, H, K, D)`` the processor's softmax uses. Its *cells* are its batch items (a group:
 one item with its frames pooled) per head; every statistic of a cell is computed here on the pipeline's device and
 returned as one ``(groups, H, fields)`` tensor in the order of :data:`~ipa_probe.statistics.schema.CELL_FIELDS`, which
-:mod:`~.run` adds into its buffers. A record's inputs are formed in its hook (:func:`record_logits`,
-:func:`group_cell`, :func:`cell_inputs`); its query frames, which need every row, and the per-row statistics run
-with the other records of the pass at its end (:func:`form_frames`, :func:`compare_cells`): the frames of equal-size
-layers in one pass over their rows, the statistics of records with equal row samples in another. Nothing here reads
+:mod:`~.run` adds into its buffers. A record's inputs and query frames are formed at the
+pass's end, the records of one layer size stacked (:func:`record_logits`, :func:`group_cell`, :func:`cell_inputs`);
+the per-row statistics of every record of the pass then run in one pass (:func:`compare_cells`). Nothing here reads
 the host or keeps state between records.
 """
 
@@ -29,10 +28,8 @@ __all__ = [
     "CHUNK_ELEMENTS",
     "Cell",
     "CellInputs",
-    "FrameSource",
     "cell_inputs",
     "compare_cells",
-    "form_frames",
     "frame_terms",
     "group_cell",
     "image_share",
@@ -43,15 +40,13 @@ __all__ = [
 #: Largest logit block formed at once for ``ip_mass`` (elements; queries are taken in chunks below it).
 CHUNK_ELEMENTS = 2**26
 
-#: Most logits (elements) :func:`form_frames` joins into one query-frame pass on a CPU (1 MiB of float32). Joining
-#: saves each record's fixed cost (some 30 small operations) but makes every pass over the logits read a larger block:
-#: on one SD 1.5 pass (2 CPU cores, one thread), joining all five records of a size formed the frames in 0.62x the
-#: time of one record at a time at 16 x 16 latents with 4 tokens (0.33 MB joined) and 0.76-0.87x with 16 (1.3 MB),
-#: but 1.06-1.12x with 64 tokens (5 MB) and 1.8-2.0x at 64 x 64 latents (20-84 MB), whose joined passes no longer
-#: stay in cache; under this bound 0.62x and 0.87x where records join. A record too large to join
-#: (:meth:`FrameSource.joins`) is formed in its hook, as before, while its logits are in cache. Other devices join a
-#: size's records whole (what joining saves there is kernel launches; :data:`~.run.FRAME_ELEMENTS` bounds the memory;
-#: not measured on a GPU).
+#: Most logits (elements) the probe stacks into one pass on a CPU (1 MiB of float32;
+#: :meth:`~.forming.RecordForming._form_held`). Stacking saves each record's fixed cost (some 30 small operations)
+#: but makes every pass over the logits read a larger block: on one SD 1.5 pass (2 CPU cores, one thread), forming
+#: the frames of all five records of a size together took 0.62x the time of one record at a time at 16 x 16 latents
+#: with 4 tokens (0.33 MB) and 0.76-0.87x with 16 (1.3 MB), but 1.06-1.12x with 64 tokens (5 MB) and 1.8-2.0x at
+#: 64 x 64 latents (20-84 MB), which no longer stay in cache. Other devices stack a size's records whole (what it
+#: saves there is kernel launches; :data:`~.forming.FRAME_ELEMENTS` bounds the memory).
 JOIN_ELEMENTS_CPU = 2**18
 
 
@@ -171,36 +166,9 @@ def group_cell(
 
 
 @dataclass
-class FrameSource:
-    """What a record's query frames are formed from (:func:`form_frames`): every row of its cells, kept from its hook
-    until the frames of the pass's records of equal shape are formed together."""
-
-    attn: torch.Tensor  # (groups, H, R, K) attention logits of every row (the record's own tensor, not a copy)
-    key_mask: torch.Tensor | None  # (groups, H, R, K)
-    row_mask: torch.Tensor | None  # (groups, H, R)
-    pools: int  # the query frames the groups form (frame_terms)
-    other_pools: int | None  # the other pool's frames (schema.QUERY_POOL_OTHER_COLUMN), None where it is the same
-    sample: torch.Tensor | None  # (n,) the rows whose NW logits the statistics compare, None for all
-
-    def signature(self) -> tuple:
-        """Sources with equal signatures form their frames in one pass (concatenated along their groups): same rows,
-        heads, keys and masks, and as many groups to a pool (so that the joined groups pool as each record's do)."""
-        groups = self.attn.shape[0]
-        other = None if self.other_pools is None else groups // self.other_pools
-        masks = (self.key_mask is not None, self.row_mask is not None)
-        return (tuple(self.attn.shape[1:]), self.attn.dtype, self.attn.device, groups // self.pools, other, masks)
-
-    def joins(self) -> bool:
-        """Whether :func:`form_frames` would join this record with another of its shape (:data:`JOIN_ELEMENTS_CPU`):
-        one that would not is better formed at once, while its logits are still in cache."""
-        return self.attn.device.type != "cpu" or 2 * self.attn.numel() <= JOIN_ELEMENTS_CPU
-
-
-@dataclass
 class CellInputs:
     """What the per-row statistics of one record compare (its rows sampled), and its per-cell scalars: kept until the
-    pass ends, when :func:`compare_cells` runs the records of the pass that share a :meth:`signature` together. The
-    query frames (``frame_*``, ``other_*``) are formed there too, from :attr:`source` (:func:`form_frames`)."""
+    pass ends, when :func:`compare_cells` runs the records of the pass that share a :meth:`signature` together."""
 
     attn: torch.Tensor  # (groups, H, n, K) attention logits of the compared rows
     nw: torch.Tensor  # (groups, H, n, K) stored-frame NW logits
@@ -211,7 +179,6 @@ class CellInputs:
     tails: torch.Tensor | None  # (K + 1,)
     sampled: bool  # rows sampled: standard errors from SAMPLE_GROUPS random groups (0 when exact)
     scalars: torch.Tensor  # (groups, H, 6) bandwidth, q_norm, k_norm_spread, ip_mass, keys, row_fraction
-    source: FrameSource | None = None  # what the frames below are formed from; None once they are
     frame_nw: torch.Tensor | None = None  # (2, groups, H, n, K) query-frame NW logits, exact and Gaussian forms
     frame_b: torch.Tensor | None = None  # (2, groups, H, 1, K) their key terms
     # (1, groups, H, n, K), (1, groups, H, 1, K): the exact form's query frame over the other pool, or None where the
@@ -222,7 +189,7 @@ class CellInputs:
     @property
     def has_other(self) -> bool:
         """Whether the record has a query frame over the other pool."""
-        return self.other_nw is not None if self.source is None else self.source.other_pools is not None
+        return self.other_nw is not None
 
     def pending_elements(self) -> int:
         """The query-frame NW logits the record's statistics will compare (both forms, and the other pool's)."""
@@ -259,16 +226,15 @@ def cell_inputs(
     sample: torch.Tensor | None = None,
     other_pools: int | None = None,
 ) -> CellInputs:
-    """One record's :class:`CellInputs`: its rows sampled and its per-cell scalars taken; its query frames are formed
-    later, with the pass's other records (:func:`form_frames`, which :func:`compare_cells` calls).
+    """One record's :class:`CellInputs`: its query frames formed over every row (:func:`frame_terms`), then its rows
+    sampled and its per-cell scalars taken.
 
     Args:
         cell: the record by group (:func:`group_cell`).
         groups, q, k, text, processor, text_mask: as for :func:`group_cell`.
         other: ``(B, H, N, D)``, further keys of the same softmax (SD3's latent keys), or ``None``.
         tails: :func:`~ipa_probe.statistics.agreement.null_tail_table` for the record's number of keys (with a key
-        mask), or
-            ``None``.
+            mask), or ``None``.
         pools: how many query frames the groups form (:func:`frame_terms`).
         q_norms: ``(B, H, Q)``, the queries' norms (:func:`record_logits`).
         sample: ``(n,)`` row indices (a multiple of :data:`~.config.SAMPLE_GROUPS`, from
@@ -276,13 +242,14 @@ def cell_inputs(
             standard errors; ``None`` for every row (exact, the standard errors 0). The query frame's key term is
             estimated over every row either way.
         other_pools: the number of frames of the other query pool
-        (:data:`~ipa_probe.statistics.schema.QUERY_POOL_OTHER_COLUMN`):
-            its exact-form frame is formed too, over the same rows; ``None`` (or ``pools``) where the two pools are
-            the same rows, which forms nothing more.
+            (:data:`~ipa_probe.statistics.schema.QUERY_POOL_OTHER_COLUMN`): its exact-form frame is formed too, over
+            the same rows; ``None`` (or ``pools``) where the two pools are the same rows, which forms nothing more.
     """
     n_rows = cell.attn.shape[-2]
     other_pools = other_pools if other_pools != pools else None
-    source = FrameSource(cell.attn, cell.key_mask, cell.row_mask, pools, other_pools, sample)
+    frames = {"frame": frame_terms(cell.attn, cell.key_mask, cell.row_mask, pools, "both")}
+    if other_pools is not None:  # the other pool's exact form (schema.QUERY_POOL_OTHER_COLUMN)
+        frames["other"] = frame_terms(cell.attn, cell.key_mask, cell.row_mask, other_pools, "exact")
     attn, nw, key_mask, row_mask = cell.attn, cell.nw, cell.key_mask, cell.row_mask
     copies, key_term = cell.copies, cell.key_term
 
@@ -331,7 +298,8 @@ def cell_inputs(
         tails=tails,
         sampled=sample is not None,
         scalars=scalars,
-        source=source,
+        **{f"{name}_nw": rows_of(rows) - b for name, (rows, b) in frames.items()},  # (F, groups, H, n, K)
+        **{f"{name}_b": b for name, (_, b) in frames.items()},  # (F, groups, H, 1, K)
     )
 
 
@@ -344,8 +312,6 @@ def compare_cells(
     reduced per cell, so each record's values are what its own pass would give; only the permutation nulls draw
     differently (one draw for the batch), from the same seeded generators.
 
-    The records' query frames are formed first where they are not yet (:func:`form_frames`).
-
     Args:
         records: the records' inputs (:func:`cell_inputs`), equal signatures.
         generators: the permutation nulls' random sources on the device: the stored frame's, the query frame's, and
@@ -354,7 +320,6 @@ def compare_cells(
         cache: where the rows' cell ids are kept between calls (they depend on the records' shapes only), or
             ``None``.
     """
-    form_frames(records)
     first = records[0]
     flat = first.key_mask is None  # every record's rows side by side, reduced per cell (stats.Segments)
     keys = first.attn.shape[-1]
@@ -494,7 +459,7 @@ def frame_terms(
 
     Args:
         attn: ``(groups, H, R, K)`` attention logits of every row (several records' groups side by side, see
-            :func:`form_frames`); reduced along the rows, so key-major memory (the probe's) is read contiguously.
+            stacked records); reduced along the rows, so key-major memory (the probe's) is read contiguously.
         key_mask: ``(groups, H, R, K)`` kept keys, or ``None``.
         row_mask: ``(groups, H, R)`` rows inside an IP-Adapter mask, or ``None``.
         pools: how many frames the groups form, contiguous and of equal size: ``groups`` (one item each) or the
@@ -523,53 +488,6 @@ def frame_terms(
     # (pools, H, n * R, K) -> (groups, H, R, K): back to the groups' rows
     centred = centred.unflatten(2, (groups // pools, n_rows)).transpose(1, 2).reshape(groups, n_heads, n_rows, n_keys)
     return centred, b.repeat_interleave(groups // pools, dim=1)
-
-
-def form_frames(records: list[CellInputs]) -> None:
-    """Form the query frames of records that hold a :class:`FrameSource` (in place; the source is then let go).
-
-    The records whose sources share a :meth:`~FrameSource.signature` (a pass's equal-size layers) are joined along
-    their groups and go through one :func:`frame_terms` pass, every row of each; each record then takes its own row
-    sample from the centred rows before its key term is subtracted. Every reduction is per row or per key within a
-    frame, so each record's frames are what its own pass gives.
-    """
-    batches: dict[tuple, list[CellInputs]] = {}
-    for record in records:
-        if record.source is not None:
-            batches.setdefault(record.source.signature(), []).append(record)
-    for same in batches.values():
-        attn = same[0].source.attn
-        step = len(same) if attn.device.type != "cpu" else max(1, JOIN_ELEMENTS_CPU // attn.numel())
-        for start in range(0, len(same), step):
-            _form_joined(same[start : start + step])
-
-
-def _form_joined(batch: list[CellInputs]) -> None:
-    """:func:`form_frames` of records whose sources share a signature, joined into one pass."""
-    sources = [record.source for record in batch]
-    sizes = [source.attn.shape[0] for source in sources]
-
-    def joined(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-        if parts[0] is None or len(parts) == 1:
-            return parts[0]
-        # joined key-major, (groups, H, K, R) in memory, as each record's logits are: frame_terms reduces rows
-        return torch.cat([x.transpose(-1, -2) for x in parts]).transpose(-1, -2)
-
-    attn, key_mask = joined([s.attn for s in sources]), joined([s.key_mask for s in sources])
-    row_mask = None if sources[0].row_mask is None else torch.cat([s.row_mask for s in sources])
-    frames = [("frame", "both", sum(s.pools for s in sources))]
-    if sources[0].other_pools is not None:  # the other pool's exact form (schema.QUERY_POOL_OTHER_COLUMN)
-        frames.append(("other", "exact", sum(s.other_pools for s in sources)))
-    for name, form, pools in frames:
-        centred, b = frame_terms(attn, key_mask, row_mask, pools, form)
-        parts = zip(batch, sources, centred.split(sizes), b.split(sizes, dim=1), strict=True)
-        for record, source, rows, term in parts:
-            if source.sample is not None:
-                rows = take_rows(rows, source.sample, -2)
-            setattr(record, f"{name}_nw", rows - term)  # (F, groups, H, n, K)
-            setattr(record, f"{name}_b", term)  # (F, groups, H, 1, K)
-    for record in batch:
-        record.source = None
 
 
 def take_rows(x: torch.Tensor, sample: torch.Tensor, axis: int) -> torch.Tensor:

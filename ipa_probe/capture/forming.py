@@ -14,7 +14,7 @@ from ..statistics.agreement import null_tail_table
 from ..statistics.draws import stratified_rows
 from . import cells
 from .buffers import CallBuffers
-from .cells import cell_inputs, form_frames, group_cell, record_logits
+from .cells import cell_inputs, group_cell, record_logits
 from .spine import expand_references, kept_tokens
 
 __all__ = ["FRAME_ELEMENTS", "PENDING_ELEMENTS", "RecordForming"]
@@ -25,11 +25,9 @@ __all__ = ["FRAME_ELEMENTS", "PENDING_ELEMENTS", "RecordForming"]
 #: one batch.
 PENDING_ELEMENTS = 2**22
 
-#: Full-resolution logits (elements) the kept records may hold for their query frames before those are formed early
-#: (:func:`~.cells.form_frames`; the records are still compared at the pass's end): 2^25 float32 (128 MiB, with
-#: about as much again of working tensors while the frames are formed) keeps a 512 px SD 1.5 pass with 64 reference
-#: tokens in one batch and bounds memory at 1024 px. On a CPU only small records are kept (the others' frames are
-#: formed in their hooks, :meth:`~.cells.FrameSource.joins`).
+#: Queries (elements) the held records may hold before they are formed early (:meth:`RecordForming._form_held`;
+#: they are still compared at the pass's end): 2^25 float32 (128 MiB, with about as much again of logits and working
+#: tensors while a stack is formed) keeps a 512 px SD 1.5 pass in one batch and bounds memory at 1024 px.
 FRAME_ELEMENTS = 2**25
 
 
@@ -242,15 +240,8 @@ class RecordForming:
         )
         self._pending.append((held, inputs))
         self._pending_elements += inputs.pending_elements()
-        if not inputs.source.joins():  # formed alone either way: now, while its logits are in cache
-            form_frames([inputs])
-        else:
-            self._frame_elements += inputs.source.attn.numel()
         if self._pending_elements > PENDING_ELEMENTS:  # bounded memory: compare what is kept so far
             self._flush()
-        elif self._frame_elements > FRAME_ELEMENTS:  # bounded memory: form the kept records' frames now
-            self._frame_elements = 0
-            form_frames([entry[-1] for entry in self._pending])
         if not self.config.keep_maps and (self._maps is None or first.text):
             return
         # per record: (L * B, ...) -> L blocks of B items (views)

@@ -13,10 +13,10 @@ reads the weights the layer used (the references an ablation kept, the weights a
 This module is family-agnostic: a :class:`~.taps.Tap` says where the tensors are, how heads are split and how
 denoiser calls map to steps and CFG branches; here they become statistics. The statistics of each (step, layer,
 adapter, CFG branch, head) are computed on the pipeline's device and added into preallocated buffers; nothing is
-copied to the host until the ``with`` block ends (one transfer). Each record's logits and row sample are formed in
-its hook; its query frames and per-row statistics run with the other records of the denoiser pass when the pass
-returns (:func:`~.cells.form_frames`: one pass over the rows of every equal-size layer; :func:`~.cells.compare_cells`:
-one over every record's sampled rows), instead of one each per record.
+copied to the host until the ``with`` block ends (one transfer). Each record is held from its hook until the denoiser
+pass returns; then the records of one layer size are formed stacked (logits, row samples, query frames:
+:mod:`.forming`), and the per-row statistics of every record run in one pass (:func:`~.cells.compare_cells`),
+instead of one each per record.
 """
 
 from __future__ import annotations
@@ -143,7 +143,6 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         #: inputs), compared together by :meth:`_flush`
         self._pending: list[tuple[list[_Held], CellInputs]] = []
         self._pending_elements = 0
-        self._frame_elements = 0  # full-resolution logits kept for the pending records' query frames
         #: records of the running pass held until it ends (:meth:`_form_held`), and their queries' elements
         self._held: list[_Held] = []
         self._held_elements = 0
@@ -413,7 +412,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         (:func:`~.cells.compare_cells`, one pass per signature, in the order the records came) and add them into the
         buffers."""
         self._form_held()
-        pending, self._pending, self._pending_elements, self._frame_elements = self._pending, [], 0, 0
+        pending, self._pending, self._pending_elements = self._pending, [], 0
         if not pending:
             return
         batches: dict[tuple, list] = {}  # a signature includes the device

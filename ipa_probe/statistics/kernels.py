@@ -179,7 +179,7 @@ def query_frame_terms(
     """The two parts of :func:`query_frame_logits` (same arguments), whose NW logits are ``rows - b``: the row-centred
     logits ``rows`` ``(..., R, K)`` (left-out keys 0) and the key terms ``b``, ``(F, ..., 1, K)`` with one entry of
     ``F`` per form (1, or 2 for ``"both"``). Apart, so that a caller can take the rows it needs before subtracting
-    (:func:`~ipa_probe.capture.cells.form_frames` takes each record's row sample from a batch of records)."""
+    (:func:`~ipa_probe.capture.cells.cell_inputs` takes its row sample from the centred rows of every row)."""
     if form not in (*QUERY_FRAME_FORMS, "both"):
         raise ValueError(f"form: expected one of {(*QUERY_FRAME_FORMS, 'both')}, got {form!r}")
     # Worked key-major, (..., K, R): every reduction over the frame's rows then runs along the last dimension, which
