@@ -160,6 +160,8 @@ class MapAccumulator:
         #: (layer index, adapter) -> ``(kept, total)`` when an edit removed references from this pass's keys and
         #: values (:meth:`~.spine.Spine.keep_references`): the value hook puts them back at 0
         self.kept: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
+        #: records whose contributions an edit of the contribution or output point set (:meth:`add`), warned of once
+        self.edited_contributions = 0
 
     def keep_heads(self) -> None:
         """Also keep the attention's shares per head (before the first call starts; unmasked adapters only)."""
@@ -259,6 +261,8 @@ class MapAccumulator:
         labels: torch.Tensor,
         attention: torch.Tensor,
         nw: torch.Tensor,
+        used: torch.Tensor | None = None,
+        contribution: torch.Tensor | None = None,
     ) -> None:
         """Add one layer's shares (device work only: no host synchronisation).
 
@@ -268,17 +272,26 @@ class MapAccumulator:
             attention, nw: logits ``(n, H, items * Q, K)`` of the ``n`` groups of the batch (CFG chunks or single
                 batch items; ``K`` = one reference's tokens when the adapter runs with a mask, else all of the
                 adapter's tokens).
+            used: ``(n, H, items * Q, K)`` the weights the layer used when an edit changed them, kept as they are
+                (not renormalised: a zeroed head or reference stays at 0), else ``None`` (the softmax of
+                ``attention``).
+            contribution: ``(B, R, Q, C)`` the per-reference contributions the layer used when an edit of its
+                contribution or output point changed them (all NaN after an edit of the output, which leaves the
+                split undefined), else ``None`` (formed from the weights and the values).
         """
         n_branch, _, rows, tokens = attention.shape
         items = self._batch // n_branch
-        weights_all = softmax_keys(attention)  # (n, H, items * Q, K), taken once for every use below
+        weights_all = softmax_keys(attention) if used is None else used  # (n, H, items * Q, K), for every use below
         shares = torch.stack([weights_all.mean(1), softmax_keys(nw).mean(1)]).contiguous()  # (2, n, IQ, K)
         shares = shares.reshape(2, n_branch, items, rows // items, tokens)  # (2, n, items, Q, K)
         queries = shares.shape[-2]
         mask = self._masks[adapter] if adapter < len(self._masks) else None
         entries = self.store.setdefault((call, step, index, adapter), [])
         layer = self.layers[index]
-        if mask is None and layer.family != "sd3" and attention.shape[1] == layer.heads:
+        if contribution is not None:  # an edit of the contributions: what the layer used, not formed here
+            self._keep_contributions((call, step, index, adapter), labels, contribution.float(), None)
+            self.edited_contributions += 1
+        elif mask is None and layer.family != "sd3" and attention.shape[1] == layer.heads:
             # (n, H, items * Q, K) -> (B, H, Q, K), the batch order the value projection sees
             weights = weights_all.reshape(n_branch, attention.shape[1], items, queries, tokens)
             self._pending[(index, adapter)] = (
@@ -388,10 +401,19 @@ class MapAccumulator:
             projected = orthonormal_coordinates(projected.flatten(1, 3)).unflatten(1, projected.shape[1:4])
             per_head = torch.einsum("bhqrt,brhtc->bhrqc", w, projected) if self.heads else None
             total_ref = torch.einsum("bhqrt,brhtc->brqc", w, projected)  # (B, R, Q, C or its coordinates)
+        self._keep_contributions(key, labels, total_ref, per_head, out is None)
+
+    def _keep_contributions(
+        self, key: tuple, labels: torch.Tensor, total_ref: torch.Tensor, per_head: torch.Tensor | None, flux=False
+    ) -> None:
+        """Keep the norms ``|c_j|`` and projections ``c_j . c / |c|`` of ``total_ref`` ``(B, R, Q, C)`` (and of
+        ``per_head`` ``(B, H, R, Q, C)``, Flux's head ``h`` in its block of ``C``), ``c = sum_j c_j``."""
+        batch, references, queries, _ = total_ref.shape
         total = total_ref.sum(1)  # (B, Q, C)
         direction = total / total.norm(dim=-1, keepdim=True).clamp(min=1e-30)  # (B, Q, C)
         if per_head is not None:
-            if out is None:  # head h's block of the direction
+            heads = per_head.shape[1]
+            if flux:  # head h's block of the direction
                 on_head = direction.reshape(batch, queries, heads, -1).transpose(1, 2)[:, :, None]  # (B, H, 1, Q, D)
             else:
                 on_head = direction[:, None, None]  # (B, 1, 1, Q, C)
@@ -417,6 +439,15 @@ class MapAccumulator:
 
     def finalize(self) -> None:
         """Move the maps to the host once, when the probe ends (``.cpu()`` waits for the device's queued work)."""
+        if self.edited_contributions:
+            warnings.warn(
+                f"maps: an edit of the contribution or output hook point acted at {self.edited_contributions} "
+                "record(s): their contribution columns are the edited contributions (NaN after an output edit, which "
+                "leaves the per-reference split undefined) and they have no per-head contributions (docs/api.md)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self.edited_contributions = 0
         if not self._on_host:
             for name in ("store", "head_store", "contribution_store", "contribution_head_store"):
                 stored = getattr(self, name)  # key -> [(labels, values), ...] per pass
@@ -605,7 +636,7 @@ def with_share(values: torch.Tensor) -> torch.Tensor:
     norm = values[0]
     dims = (-1,) if norm.ndim == 2 else (0, -1)  # (Q, R), or (H, Q, R): all heads and references of a position
     total = norm.sum(dims, keepdim=True)
-    share = torch.where(total > 0, norm / total.clamp(min=1e-300), torch.zeros_like(norm))
+    share = torch.where(total > 0, norm / total.clamp(min=1e-300), norm * 0)  # NaN stays NaN (an edited output)
     return torch.stack([norm, share, values[1]])
 
 
@@ -662,13 +693,15 @@ def _over_references(weights: torch.Tensor, dims) -> tuple[torch.Tensor, torch.T
 def _reference_shares(
     accumulator: MapAccumulator, key: tuple[int, int, int, int], label: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The per-reference shares at ``key`` for the items labelled ``label``, normalised over the adapter's references
-    at each query position: ``(shares (2, items, Q, R) float64, covered (items, Q) bool, references)``; a position
-    is covered when some reference's mask reaches it under both attributions (always, without masks)."""
+    """The per-reference shares at ``key`` for the items labelled ``label`` at each query position, normalised over
+    the adapter's references where masks weighted them (else as the layer used them: an edit that leaves the weights
+    unnormalised leaves the shares so): ``(shares (2, items, Q, R) float64, covered (items, Q) bool, references)``; a
+    position is covered when some reference gets weight there under both attributions."""
     buffer = accumulator.chunk(key, label)  # (2, items, Q, K)
     _, items, queries, keys = buffer.shape
     tokens = accumulator.tokens_per_image(key[3], key[2]) or keys
     refs = buffer.double().reshape(2, items, queries, keys // tokens, tokens).sum(-1)  # (2, I, Q, R)
-    refs, mass = _over_references(refs, -1)  # mass: (2, I, Q, 1)
+    normalised, mass = _over_references(refs, -1)  # mass: (2, I, Q, 1)
+    refs = normalised if (key[0], key[3]) in accumulator.masked else refs
     covered = (mass[0, ..., 0] > 0) & (mass[1, ..., 0] > 0)  # (I, Q)
     return refs, covered, keys // tokens

@@ -264,8 +264,8 @@ class _Registry:
                 user.selected += 1
                 for name, fns in user.callbacks.items():
                     active.setdefault(name, []).extend(fns)
-                    if user.edits and name.endswith(".weights"):  # readers of the layer wait for its weights
-                        layer, adapter, _ = _parse_name(name)
+                    layer, adapter, _ = _parse_name(name)
+                    if user.edits and adapter != TEXT:  # readers of the layer wait for what its image branch used
                         spine.weight_edits.add((layer, adapter))
                 if user.edits and user.label:
                     now.edits.append(user.label)
@@ -434,7 +434,7 @@ class _Registry:
         # the weights the processor computed, for the change of the output: formed again when edits reached them
         computed = weights_of(logits_of(q0, k0)) if edited or start._version != version else start
         if edited and self.spine is not None and not text:  # what the layer uses from here on: the probe reads these
-            self.spine.use_weights(layer.name, adapter, weights)
+            self.spine.use(layer.name, adapter, "weights", weights)
         if not edited and names["contribution"] not in self.active and names["output"] not in self.active:
             return None  # nothing edited, and nothing downstream wanted
 
@@ -452,9 +452,12 @@ class _Registry:
         contribution = contributions(weights) if edited else original
         contribution, changed = self._run(names["contribution"], contribution, context("contribution"))
         edited = edited or changed
-        output, changed = self._run(names["output"], contribution.sum(1), context("output"))  # (B, Q, C)
-        if not (edited or changed):
+        output, changed_output = self._run(names["output"], contribution.sum(1), context("output"))  # (B, Q, C)
+        if not (edited or changed_output):
             return None
+        if (changed or changed_output) and self.spine is not None and not text:  # the split the probe reads: none
+            used = torch.full_like(contribution, math.nan) if changed_output else contribution  # once the output moved
+            self.spine.use(layer.name, adapter, "contribution", used)
         return output - original_output
 
     def _run(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> tuple[torch.Tensor, bool]:
