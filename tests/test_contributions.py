@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from ipa_probe.capture.maps import REFERENCE_MASS_COLUMNS, orthonormal_coordinates
+from ipa_probe.capture.maps import REFERENCE_MASS_COLUMNS
 from ipa_probe.capture.run import probe
 from ipa_probe.intervention import intervene
+from ipa_probe.kernels import orthonormal_coordinates
 
 STEPS = 2
 CONTRIBUTION_COLUMNS = ["contribution_norm", "contribution_share", "contribution_projection"]

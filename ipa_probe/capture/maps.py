@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.image_processor import IPAdapterMaskProcessor
 
-from ..kernels import softmax_keys
+from ..kernels import reference_contributions, softmax_keys
 from ..layers import IPLayer, LayerSelection, compile_selection, observer
 from .spine import expand_references
 from .taps import Tap
@@ -88,24 +88,6 @@ REFERENCE_MASS_COLUMNS: tuple[str, ...] = (
 )
 
 _BYTES = 4  # float32 shares
-
-
-def orthonormal_coordinates(vectors: torch.Tensor) -> torch.Tensor:
-    """``vectors`` ``(..., X, C)`` as coordinates in an orthonormal basis of their span, ``(..., X, min(X, C))``.
-
-    Every norm and dot product of linear combinations of the vectors is unchanged, so the per-reference contributions
-    (:meth:`MapAccumulator._contribute`: combinations of ``X = R * H * T`` token vectors of the layer's ``C``
-    channels) can be formed and measured in ``X`` dimensions instead of ``C``: 64 against 320-1280 for SD 1.5 with two
-    4-token references, and that many times less to write and read per query position. The basis comes from a
-    Householder QR of the vectors (``V^T = Q R``: row ``x`` of ``V`` has coordinates ``R[:, x]``), backward stable, so
-    the numbers keep float32's accuracy relative to the vectors' size.
-
-    Only on the CPU and where it shrinks something (``X < C``): elsewhere the vectors come back as they are (on a GPU
-    the full-width products are cheap and a batched QR is a solver call; MPS has none).
-    """
-    if vectors.device.type != "cpu" or vectors.shape[-2] >= vectors.shape[-1]:
-        return vectors
-    return torch.linalg.qr(vectors.transpose(-1, -2), mode="r").R.transpose(-1, -2)
 
 
 class MapAccumulator:
@@ -184,8 +166,7 @@ class MapAccumulator:
 
     def read_projections(self, denoiser: torch.nn.Module) -> None:
         """Read the denoiser's per-adapter image projections (again, after ``load_ip_adapter`` replaced them)."""
-        projection = getattr(getattr(denoiser, "_orig_mod", denoiser), "encoder_hid_proj", None)
-        self._projections = getattr(projection, "image_projection_layers", None)
+        self._projections = image_projections(denoiser)
 
     def on_pass(self, args: tuple, kwargs: dict, masks: list[torch.Tensor | None] | None) -> None:
         """A denoiser pass starts (``masks``: its normalised ``ip_adapter_masks``)."""
@@ -358,12 +339,8 @@ class MapAccumulator:
         weights: torch.Tensor,
         values: torch.Tensor,
     ) -> None:
-        """Each reference's contribution to the image branch's output as it enters the residual stream (device only).
-
-        Per reference ``j`` (its tokens ``i``), head ``h`` and query position ``q``, with ``s`` the adapter scale and
-        ``W_o`` the weight of ``attn.to_out[0]`` without its bias (Flux's branch has none: ``W_o = I``):
-
-            c_{j,h}(q) = s W_o[:, h] sum_{i in j} w_{h,i}(q) v_{h,i},   c_j = sum_h c_{j,h},   c = sum_j c_j.
+        """Each reference's contribution ``c_j`` to the image branch's output as it enters the residual stream
+        (:func:`~ipa_probe.kernels.reference_contributions`; device only), ``c = sum_j c_j``.
 
         Kept: ``|c_j|`` and ``c_j . c / |c|`` (the projections sum over ``j`` to ``|c|``), and per head with
         :meth:`keep_heads`. Both are unchanged by the q/k group (the weights are) and by a per-head basis change of
@@ -381,26 +358,11 @@ class MapAccumulator:
         batch, heads, queries, keys = weights.shape
         if values.numel() != batch * keys * values.shape[-1]:
             return
-        values = values.reshape(batch, keys, values.shape[-1])  # (B, R, T, H * D) or (B, K, H * D) -> (B, K, H * D)
+        values = values.float().reshape(batch, keys, heads, -1).transpose(1, 2)  # (B, K, H * D) -> (B, H, K, D)
+        out = layer.attention.to_out[0].weight.float() if layer.family == "unet" else None  # Flux: no W_o
         tokens = self.tokens_per_image(adapter, index) or keys
-        references = keys // tokens
-        v = values.float().reshape(batch, references, tokens, heads, -1)  # (B, R, T, H, D)
-        w = weights.float().reshape(batch, heads, queries, references, tokens)  # (B, H, Q, R, T)
-        out = layer.attention.to_out[0] if layer.family == "unet" else None
-        if out is None:  # Flux: no W_o, the branch's output is the heads' values side by side (C = H * D)
-            per_head = float(scale) * torch.einsum("bhqrt,brthd->bhrqd", w, v)  # (B, H, R, Q, D): head h's block of C
-            total_ref = per_head.permute(0, 2, 3, 1, 4).flatten(-2)  # (B, R, Q, H * D)
-        else:
-            # each token's value through W_o first (s W_o[:, h] v_{h,i}: B * K * H vectors of C, few), then one
-            # product per reference over its H * T (head, token) weights: Q * H * T * C multiply-adds per reference
-            # instead of Q * (H * D) * C through W_o after mixing (T = 4 tokens against D = 40-160 channels in SD)
-            w_o = out.weight.float()  # (C, H * D)
-            w_o = w_o.reshape(w_o.shape[0], heads, -1)  # (C, H, D)
-            projected = float(scale) * torch.einsum("brthd,chd->brhtc", v, w_o)  # (B, R, H, T, C)
-            # only norms and dot products of the contributions are kept: work in coordinates of the tokens' span
-            projected = orthonormal_coordinates(projected.flatten(1, 3)).unflatten(1, projected.shape[1:4])
-            per_head = torch.einsum("bhqrt,brhtc->bhrqc", w, projected) if self.heads else None
-            total_ref = torch.einsum("bhqrt,brhtc->brqc", w, projected)  # (B, R, Q, C or its coordinates)
+        # only norms and dot products of the contributions are kept: coordinates of the tokens' span will do
+        total_ref, per_head = reference_contributions(weights.float(), values, tokens, scale, out, self.heads, True)
         self._keep_contributions(key, labels, total_ref, per_head, out is None)
 
     def _keep_contributions(
@@ -462,26 +424,11 @@ class MapAccumulator:
     def chunk(self, key: tuple[int, int, int, int], label: int) -> torch.Tensor | None:
         """The ``(2, items, Q, K)`` shares of the batch items labelled ``label`` at ``key`` (host, in batch order, over
         the passes in order), or ``None`` when no item has that label."""
-        parts = [
-            shares[:, position]  # (2, items, Q, K)
-            for labels, shares in self.store.get(key, ())
-            for position, value in enumerate(labels.tolist())
-            if value == label
-        ]
-        return torch.cat(parts, 1) if parts else None
+        return _by_label(self.store, key, label, 1)
 
     def tokens_per_image(self, adapter: int, index: int) -> int:
-        """Tokens per reference image of ``adapter``: the processor's ``num_tokens`` (UNet), else what the adapter's
-        image projection makes of one image (Flux: ``ImageProjection.num_image_text_embeds``); 0 (all keys are one
-        image) when neither says."""
-        num_tokens = getattr(self.layers[index].processor, "num_tokens", None)
-        if isinstance(num_tokens, Sequence) and adapter < len(num_tokens):
-            return int(num_tokens[adapter])
-        if self._projections is not None and adapter < len(self._projections):
-            per_image = getattr(self._projections[adapter], "num_image_text_embeds", None)
-            if isinstance(per_image, int) and per_image > 0:
-                return per_image
-        return 0
+        """:func:`tokens_per_image` of layer ``index``; 0 (all keys are one image) when unknown."""
+        return tokens_per_image(self.layers[index].processor, self._projections, adapter) or 0
 
     def grid(self, call: int, queries: int) -> tuple[int, int]:
         """The ``(h, w)`` query grid of a layer with ``queries`` positions in ``call``."""
@@ -576,16 +523,9 @@ class MapAccumulator:
         out = {}
         for step in steps:
             for index in layers:
-                key = (call, step, index, adapter)
-                parts = [
-                    shares[position]  # (items, H, Q, K)
-                    for labels, shares in self.head_store.get(key, ())
-                    for position, value in enumerate(labels.tolist())
-                    if value == label
-                ]
-                if not parts:
+                buffer = _by_label(self.head_store, (call, step, index, adapter), label, 0)  # (items, H, Q, K)
+                if buffer is None:
                     continue
-                buffer = torch.cat(parts, 0)  # (items, H, Q, K)
                 if item >= buffer.shape[0]:
                     raise ValueError(f"item={item}: call {call} generated {buffer.shape[0]} images per branch")
                 _, heads, queries, keys = buffer.shape
@@ -599,14 +539,8 @@ class MapAccumulator:
         """The contributions of the batch items labelled ``label`` at ``key`` (host, batch order, passes in order):
         ``(2, items, Q, R)`` (norm, projection onto the total), or per head ``(2, items, H, Q, R)``; ``None`` when
         none were recorded (masked adapters, SD3, a head selection, per-image scales)."""
-        store = self.contribution_head_store if heads else self.contribution_store
-        parts = [
-            values[:, position]  # (2, items, [H,] Q, R)
-            for labels, values in store.get(key, ())
-            for position, value in enumerate(labels.tolist())
-            if value == label
-        ]
-        return torch.cat(parts, 1).double() if parts else None
+        values = _by_label(self.contribution_head_store if heads else self.contribution_store, key, label, 1)
+        return None if values is None else values.double()  # (2, items, [H,] Q, R)
 
     def contribution_weights(
         self, call: int, item: int, adapter: int, branch: str, layers: Iterable[int], steps: Iterable[int], heads=False
@@ -628,6 +562,35 @@ class MapAccumulator:
                     raise ValueError(f"item={item}: call {call} generated {buffer.shape[1]} images per branch")
                 out[(step, index)] = with_share(buffer[:, item])
         return out
+
+
+def image_projections(denoiser: torch.nn.Module) -> Sequence[torch.nn.Module] | None:
+    """The denoiser's per-adapter image projections (``encoder_hid_proj.image_projection_layers``), or ``None``."""
+    projection = getattr(getattr(denoiser, "_orig_mod", denoiser), "encoder_hid_proj", None)
+    return getattr(projection, "image_projection_layers", None)
+
+
+def tokens_per_image(processor, projections: Sequence[torch.nn.Module] | None, adapter: int) -> int | None:
+    """Tokens per reference image of ``adapter``: the processor's ``num_tokens`` (UNet), else what the adapter's
+    image projection makes of one image (Flux: ``ImageProjection.num_image_text_embeds``); ``None`` when neither
+    says."""
+    num_tokens = getattr(processor, "num_tokens", None)
+    if isinstance(num_tokens, Sequence) and adapter < len(num_tokens):
+        return int(num_tokens[adapter])
+    per_image = getattr(projections[adapter], "num_image_text_embeds", None) if adapter < len(projections or ()) else 0
+    return per_image if isinstance(per_image, int) and per_image > 0 else None
+
+
+def _by_label(store: dict, key: tuple, label: int, axis: int) -> torch.Tensor | None:
+    """The values of ``store[key]`` (a ``(labels, values)`` pair per pass, the groups along ``axis`` of ``values``) of
+    the groups labelled ``label``, joined along ``axis`` (batch order, passes in order); ``None`` when none."""
+    parts = [
+        values.select(axis, position)
+        for labels, values in store.get(key, ())
+        for position, value in enumerate(labels.tolist())
+        if value == label
+    ]
+    return torch.cat(parts, axis) if parts else None
 
 
 def with_share(values: torch.Tensor) -> torch.Tensor:

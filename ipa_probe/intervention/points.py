@@ -45,14 +45,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .._checks import step_selected
 from ..capture import spine
 from ..capture.layer_order import network_key
+from ..capture.maps import image_projections, tokens_per_image
 from ..capture.spine import Spine, expand_references, normalise_masks
 from ..capture.taps.unet import unet_resolution_factor
-from ..kernels import dot_logits, split_heads
+from ..kernels import dot_logits, reference_contributions, split_heads
 from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, keep, kept, observer
 from .context import HookContext
 
@@ -160,18 +160,6 @@ class PointUser:
 
     def acts_at(self, step: int, timestep: Any = None) -> bool:
         return step_selected(self.steps, step, timestep)
-
-
-def _tokens_per_image(denoiser: torch.nn.Module, layer: IPLayer, adapter: int) -> int | None:
-    """Image tokens per reference of an adapter: the processor's ``num_tokens`` (UNet), else the adapter's image
-    projection's ``num_image_text_embeds`` (Flux); ``None`` when neither says."""
-    num_tokens = getattr(layer.processor, "num_tokens", None)
-    if num_tokens is not None and adapter < len(num_tokens):
-        return int(num_tokens[adapter])
-    model = getattr(denoiser, "_orig_mod", denoiser)
-    projections = getattr(getattr(model, "encoder_hid_proj", None), "image_projection_layers", None) or []
-    tokens = getattr(projections[adapter], "num_image_text_embeds", None) if adapter < len(projections) else None
-    return None if tokens is None else int(tokens)
 
 
 class _Registry:
@@ -283,7 +271,7 @@ class _Registry:
             if not isinstance(embeds, list | tuple) or adapter >= len(embeds) or embeds[adapter].ndim != 3:
                 return None
             references = embeds[adapter].shape[1]
-            tokens = _tokens_per_image(self.denoiser, layer, adapter)
+            tokens = tokens_per_image(layer.processor, image_projections(self.denoiser), adapter)
         if tokens is None:
             return None
         queries = self._grid(layer)
@@ -438,14 +426,10 @@ class _Registry:
         if not edited and names["contribution"] not in self.active and names["output"] not in self.active:
             return None  # nothing edited, and nothing downstream wanted
 
-        to_out = layer.attention.to_out[0] if layer.family == "unet" else None  # Flux: the branch has no W_o
+        w_o = layer.attention.to_out[0].weight if layer.family == "unet" else None  # Flux: the branch has no W_o
 
-        def contributions(w: torch.Tensor) -> torch.Tensor:
-            w = w.reshape(*w.shape[:3], references, tokens)  # (B, H, Q, R, T)
-            vr = v.reshape(batch, heads, references, tokens, v.shape[-1])  # (B, H, R, T, D)
-            per_head = torch.einsum("bhqrt,bhrtd->brhqd", w, vr)  # (B, R, H, Q, D)
-            y = per_head.transpose(2, 3).flatten(3)  # (B, R, Q, H*D)
-            return scale * (F.linear(y, to_out.weight) if to_out is not None else y)  # (B, R, Q, C)
+        def contributions(w: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K) -> (B, R, Q, C)
+            return reference_contributions(w, v, tokens, scale, w_o)[0]
 
         original = contributions(computed)
         original_output = original.sum(1)  # (B, Q, C), before a callback may edit ``original`` in place
