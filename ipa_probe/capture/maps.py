@@ -48,22 +48,13 @@ logger = logging.getLogger(__name__)
 #: The two attributions kept, in buffer order.
 MAP_KINDS: tuple[str, ...] = ("attention", "nw")
 
+#: The columns that say where a map was recorded, first in both tables below.
+_WHERE: tuple[str, ...] = ("call", "step", "timestep", "layer", "adapter", "branch")
+
 #: Columns of :meth:`ipa_probe.ProbeRun.map_table`: per (call, step, layer, adapter, branch, item), the fraction of
 #: query positions whose dominant reference is the same under attention and NW (``dominant_agree``) and the mean
 #: total-variation distance between the two reference-share vectors (``tv``), over ``positions`` query positions.
-MAP_TABLE_COLUMNS: tuple[str, ...] = (
-    "call",
-    "step",
-    "timestep",
-    "layer",
-    "adapter",
-    "branch",
-    "item",
-    "references",
-    "positions",
-    "dominant_agree",
-    "tv",
-)
+MAP_TABLE_COLUMNS: tuple[str, ...] = (*_WHERE, "item", "references", "positions", "dominant_agree", "tv")
 
 #: Columns of :meth:`ipa_probe.ProbeRun.reference_mass`: per (call, step, layer, adapter, branch) and reference
 #: image, its mean share of the attention (``attention``) and of the NW weights (``nw``) over query positions and
@@ -71,20 +62,10 @@ MAP_TABLE_COLUMNS: tuple[str, ...] = (
 #: way: the norm ``|c_j|`` (``contribution_norm``), the norm's share ``|c_j| / sum_k |c_k|`` of the position
 #: (``contribution_share``) and the projection ``c_j . c / |c|`` onto the branch's total ``c``
 #: (``contribution_projection``; the projections of a position sum to ``|c|``). NaN where no contribution was
-#: recorded (``ip_adapter_masks``, SD3, a ``heads=`` selection).
+#: recorded (``ip_adapter_masks``, SD3, a ``heads=`` selection) and after an edit of the layer's output hook point.
 REFERENCE_MASS_COLUMNS: tuple[str, ...] = (
-    "call",
-    "step",
-    "timestep",
-    "layer",
-    "adapter",
-    "branch",
-    "reference",
-    "attention",
-    "nw",
-    "contribution_norm",
-    "contribution_share",
-    "contribution_projection",
+    *_WHERE,
+    *("reference", "attention", "nw", "contribution_norm", "contribution_share", "contribution_projection"),
 )
 
 _BYTES = 4  # float32 shares
