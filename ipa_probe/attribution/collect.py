@@ -180,12 +180,13 @@ def reference_attribution(
 
     Returns:
         a :class:`ReferenceAttribution`; its table has one row per (recorded step, layer, reference):
-        ``attention_share`` (sums to 1 over references), ``position_neff`` (the mean over query positions of
-        ``1 / sum_i share(p, i)^2``, the same for every reference of a (step, layer)), ``sq_distance``
-        ``|x_t / alpha_t - s_i|^2``, ``bandwidth`` ``h_t`` and ``posterior_weight`` ``w_i(x_t)``, and the
-        reference's contribution to the layer output (:data:`CONTRIBUTION_COLUMNS`: norm, share of the norms,
-        projection onto the total; mean over query positions); and the per-head and per-position shares and
-        contributions (:attr:`ReferenceAttribution.heads`, :attr:`ReferenceAttribution.positions`).
+        ``attention_share`` (sums to 1 over references, unless an edit it runs inside left the weights unnormalised:
+        docs/api.md), ``position_neff`` (the mean over query positions of ``1 / sum_i share(p, i)^2``, the same for
+        every reference of a (step, layer)), ``sq_distance`` ``|x_t / alpha_t - s_i|^2``, ``bandwidth`` ``h_t`` and
+        ``posterior_weight`` ``w_i(x_t)``, and the reference's contribution to the layer output
+        (:data:`CONTRIBUTION_COLUMNS`: norm, share of the norms, projection onto the total; mean over query positions);
+        and the per-head and per-position shares and contributions (:attr:`ReferenceAttribution.heads`,
+        :attr:`ReferenceAttribution.positions`).
     """
     from ..capture.run import probe
     from ..capture.spine import attach, client, detach

@@ -29,6 +29,7 @@ import logging
 import math
 import warnings
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -234,12 +235,10 @@ class MapAccumulator:
             attention, nw: logits ``(n, H, items * Q, K)`` of the ``n`` groups of the batch (CFG chunks or single
                 batch items; ``K`` = one reference's tokens when the adapter runs with a mask, else all of the
                 adapter's tokens).
-            used: ``(n, H, items * Q, K)`` the weights the layer used when an edit changed them, kept as they are
-                (not renormalised: a zeroed head or reference stays at 0), else ``None`` (the softmax of
-                ``attention``).
-            contribution: ``(B, R, Q, C)`` the per-reference contributions the layer used when an edit of its
-                contribution or output point changed them (all NaN after an edit of the output, which leaves the
-                split undefined), else ``None`` (formed from the weights and the values).
+            used: the weights ``(n, H, items * Q, K)`` the layer used when an edit changed them, read as they are
+                (not renormalised: a zeroed head stays at 0), else ``None`` (the softmax of ``attention``).
+            contribution: the contributions ``(B, R, Q, C)`` the layer used after an edit of its contribution point
+                (all NaN after one of its output point), else ``None`` (formed from the weights and the values).
         """
         n_branch, _, rows, tokens = attention.shape
         items = self._batch // n_branch
@@ -251,7 +250,7 @@ class MapAccumulator:
         entries = self.store.setdefault((call, step, index, adapter), [])
         layer = self.layers[index]
         if contribution is not None:  # an edit of the contributions: what the layer used, not formed here
-            self._keep_contributions((call, step, index, adapter), labels, contribution.float(), None)
+            self._keep_contributions((call, step, index, adapter), labels, contribution.float())
             self.edited_contributions += 1
         elif mask is None and layer.family != "sd3" and attention.shape[1] == layer.heads:
             # (n, H, items * Q, K) -> (B, H, Q, K), the batch order the value projection sees
@@ -344,19 +343,17 @@ class MapAccumulator:
         tokens = self.tokens_per_image(adapter, index) or keys
         # only norms and dot products of the contributions are kept: coordinates of the tokens' span will do
         total_ref, per_head = reference_contributions(weights.float(), values, tokens, scale, out, self.heads, True)
-        self._keep_contributions(key, labels, total_ref, per_head, out is None)
+        self._keep_contributions(key, labels, total_ref, per_head)
 
-    def _keep_contributions(
-        self, key: tuple, labels: torch.Tensor, total_ref: torch.Tensor, per_head: torch.Tensor | None, flux=False
-    ) -> None:
-        """Keep the norms ``|c_j|`` and projections ``c_j . c / |c|`` of ``total_ref`` ``(B, R, Q, C)`` (and of
-        ``per_head`` ``(B, H, R, Q, C)``, Flux's head ``h`` in its block of ``C``), ``c = sum_j c_j``."""
+    def _keep_contributions(self, key: tuple, labels: torch.Tensor, total_ref: torch.Tensor, per_head=None) -> None:
+        """Keep the norms ``|c_j|`` and projections ``c_j . c / |c|`` of ``total_ref`` ``(B, R, Q, C)``, ``c = sum_j
+        c_j``, and of ``per_head`` ``(B, H, R, Q, C)`` (or Flux's ``(B, H, R, Q, D)``: head ``h``'s block of ``C``)."""
         batch, references, queries, _ = total_ref.shape
         total = total_ref.sum(1)  # (B, Q, C)
         direction = total / total.norm(dim=-1, keepdim=True).clamp(min=1e-30)  # (B, Q, C)
         if per_head is not None:
             heads = per_head.shape[1]
-            if flux:  # head h's block of the direction
+            if per_head.shape[-1] != total.shape[-1]:  # Flux: head h's block of the direction
                 on_head = direction.reshape(batch, queries, heads, -1).transpose(1, 2)[:, :, None]  # (B, H, 1, Q, D)
             else:
                 on_head = direction[:, None, None]  # (B, 1, 1, Q, C)
@@ -482,15 +479,16 @@ class MapAccumulator:
             for step, index, _ in self._chunks(call, item, adapter, label, layers, steps)
         }
 
-    def _chunks(self, call: int, item: int, adapter: int, label: int, layers: Iterable[int], steps: Iterable[int]):
-        """Each selected (step, layer position) that has maps, with its ``(2, items, Q, K)`` :meth:`chunk`."""
+    def _chunks(self, call, item, adapter, label, layers: Iterable[int], steps: Iterable[int], get=None, axis=1):
+        """Each selected (step, layer position) that has maps, with its ``(2, items, Q, K)`` :meth:`chunk` (or what
+        ``get(key, label)`` gives, the items along ``axis``)."""
         for step in steps:
             for index in layers:
-                buffer = self.chunk((call, step, index, adapter), label)  # (2, items, Q, K)
+                buffer = (get or self.chunk)((call, step, index, adapter), label)
                 if buffer is None:
                     continue
-                if item >= buffer.shape[1]:
-                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[1]} images per branch")
+                if item >= buffer.shape[axis]:
+                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[axis]} images per branch")
                 yield step, index, buffer
 
     def head_weights(
@@ -500,18 +498,12 @@ class MapAccumulator:
         ``(H, Q, R)`` float64 CPU tensors (sum 1 over ``R``); needs :meth:`keep_heads`."""
         if not self.heads:
             raise ValueError("per-head weights need MapAccumulator.keep_heads() before the pipeline runs")
-        label = self.labels.index(branch)
-        out = {}
-        for step in steps:
-            for index in layers:
-                buffer = _by_label(self.head_store, (call, step, index, adapter), label, 0)  # (items, H, Q, K)
-                if buffer is None:
-                    continue
-                if item >= buffer.shape[0]:
-                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[0]} images per branch")
-                _, heads, queries, keys = buffer.shape
-                tokens = self.tokens_per_image(adapter, index) or keys
-                out[(step, index)] = buffer[item].double().reshape(heads, queries, keys // tokens, tokens).sum(-1)
+        label, out = self.labels.index(branch), {}
+        get = partial(_by_label, self.head_store, axis=0)  # (items, H, Q, K)
+        for step, index, buffer in self._chunks(call, item, adapter, label, layers, steps, get, 0):
+            _, heads, queries, keys = buffer.shape
+            tokens = self.tokens_per_image(adapter, index) or keys
+            out[(step, index)] = buffer[item].double().reshape(heads, queries, keys // tokens, tokens).sum(-1)
         return out
 
     def contribution_chunk(
@@ -532,17 +524,9 @@ class MapAccumulator:
         (needs :meth:`keep_heads`); pairs without contributions are left out."""
         if heads and not self.heads:
             raise ValueError("per-head contributions need MapAccumulator.keep_heads() before the pipeline runs")
-        label = self.labels.index(branch)
-        out = {}
-        for step in steps:
-            for index in layers:
-                buffer = self.contribution_chunk((call, step, index, adapter), label, heads)
-                if buffer is None:
-                    continue
-                if item >= buffer.shape[1]:
-                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[1]} images per branch")
-                out[(step, index)] = with_share(buffer[:, item])
-        return out
+        get, label = partial(self.contribution_chunk, heads=heads), self.labels.index(branch)
+        chunks = self._chunks(call, item, adapter, label, layers, steps, get)
+        return {(step, index): with_share(buffer[:, item]) for step, index, buffer in chunks}
 
 
 def image_projections(denoiser: torch.nn.Module) -> Sequence[torch.nn.Module] | None:

@@ -656,9 +656,8 @@ class ProbeRun(RunViews, MapViews):
             if kept is not None:
                 maps_attn, maps_nw = (expand_references(x, *kept, -1, -math.inf) for x in (maps_attn, maps_nw))
                 self._maps.kept[(entry.index, entry.slot)] = kept
-            if used is not None:  # (B, H, Q, K) -> (groups, H, items * Q, K), the cells' rows
-                groups, (batch, heads, queries, keys) = labels.shape[0], used.shape
-                used = used.reshape(groups, batch // groups, heads, queries, keys).transpose(1, 2).flatten(2, 3)
+            if used is not None:  # (B, H, Q, K) -> (groups, items, H, Q, K) -> (groups, H, items * Q, K), the cells'
+                used = used.unflatten(0, (labels.shape[0], -1)).transpose(1, 2).flatten(2, 3)
             edited = None if self._spine is None else self._spine.used.get((name, entry.slot, "contribution"))
             where = (entry.call.index, entry.step, entry.index, entry.slot)
             self._maps.add(*where, labels, maps_attn, maps_nw, used, edited)

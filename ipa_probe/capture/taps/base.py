@@ -149,9 +149,8 @@ class Tap:
         raise NotImplementedError
 
     def _record(self, capture: Capture, index: int, adapter: int, *record) -> None:
-        """``capture.record(index, adapter, *record)`` now, or, when a client edits this layer's weights point in
-        this pass (any point of its image branch), when the layer returns (:meth:`_forget`), with the weights the layer
-        used."""
+        """``capture.record(index, adapter, *record)`` now, or, when a client edits a point of this layer's image
+        branch in this pass, when the layer returns (:meth:`_forget`), with the weights the layer used."""
         spine = capture.spine
         if spine is not None and spine.edits_weights(self.layers[index].name, adapter):
             capture.stash.setdefault((index, "deferred"), []).append((adapter, record))
