@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from ipa_probe.capture.maps import REFERENCE_MASS_COLUMNS, orthonormal_coordinates
+from ipa_probe.capture.maps import REFERENCE_MASS_COLUMNS
 from ipa_probe.capture.run import probe
+from ipa_probe.intervention import intervene
+from ipa_probe.statistics.kernels import orthonormal_coordinates
 
 STEPS = 2
 CONTRIBUTION_COLUMNS = ["contribution_norm", "contribution_share", "contribution_projection"]
@@ -56,17 +58,27 @@ class OwnHooks:
         for handle in self.handles:
             handle.remove()
 
-    def contributions(self, step, name, references):
-        """float64 ``(B, H, R, Q, C)``: ``c_{j,h}(q) = s W_o[:, h] sum_{i in j} w_{h,i}(q) v_{h,i}``."""
-        attn, proc = self.layers[name]
-        heads = attn.heads
-        q, k, v = (self.calls[step][(name, what)] for what in ("q", "k", "v"))
+    def weights(self, step, name, edit=None):
+        """float64 ``(B, H, Q, K)``: ``softmax(q k^T / sqrt(d))``, then the test's own copy of an edit, ``edit(w)``."""
+        heads = self.layers[name][0].heads
+        q, k = (self.calls[step][(name, what)] for what in ("q", "k"))
         batch, queries, inner = q.shape
         d = inner // heads
         qh = q.reshape(batch, queries, heads, d).transpose(1, 2)  # (B, H, Q, D)
         kh = k.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, K, D)
-        vh = v.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, K, D)
         w = torch.softmax(qh @ kh.transpose(-1, -2) / math.sqrt(d), -1)  # (B, H, Q, K)
+        return w if edit is None else edit(w)
+
+    def contributions(self, step, name, references, edit=None):
+        """float64 ``(B, H, R, Q, C)``: ``c_{j,h}(q) = s W_o[:, h] sum_{i in j} w_{h,i}(q) v_{h,i}`` (``w`` after
+        ``edit``, as in :meth:`weights`)."""
+        attn, proc = self.layers[name]
+        heads = attn.heads
+        w = self.weights(step, name, edit)
+        batch, _, queries, _ = w.shape
+        v = self.calls[step][(name, "v")]
+        d = v.shape[-1] // heads
+        vh = v.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, K, D)
         tokens = w.shape[-1] // references
         w = w.reshape(batch, heads, queries, references, tokens)  # (B, H, Q, R, T)
         vr = vh.reshape(batch, heads, references, tokens, d)  # (B, H, R, T, D)
@@ -287,3 +299,109 @@ def test_flux_contributions_equal_the_hook_points_own_computation(flux, refs):
         torch.testing.assert_close(values[0], norm, atol=atol, rtol=0)
         torch.testing.assert_close(values[1], norm / norm.sum(-1, keepdim=True), atol=1e-5, rtol=0)
         torch.testing.assert_close(values[2], projection, atol=atol, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------- inside an edit
+# Issue #49 points 2 and 3: inside an edit the probe reads what the layer used, the edited weights unnormalised where
+# the edit left them so, and the contributions formed from them, or the edited contributions themselves. The test
+# applies each edit to its own float64 readings: to the weights ``(B, H, Q, K)``, or (``c_edit``) to the
+# contributions ``(B, H, R, Q, C)`` (an edit of the head sum that acts on every head alike).
+
+
+def _own_scale(factor):
+    def edit(w):  # reference 0 (the first half of the keys: two references) times factor, renormalised
+        f = torch.ones(w.shape[-1], dtype=w.dtype)
+        f[: w.shape[-1] // 2] = factor
+        return w * f / (w * f).sum(-1, keepdim=True)
+
+    return edit
+
+
+def _zero_last_head(w, ctx=None):
+    w = w.clone()
+    w[:, -1] = 0
+    return w
+
+
+def _zero_reference(c, ctx=None):
+    c = c.clone()
+    c[:, 0] = 0  # (B, R, Q, C): reference 0's contribution
+    return c
+
+
+def _own_zero_reference(per_head):
+    per_head = per_head.clone()
+    per_head[:, :, 0] = 0  # (B, H, R, Q, C): reference 0's, in every head
+    return per_head
+
+
+EDITS = {
+    "scale_0.5": (lambda pipe: intervene(pipe, 0, mode="scale", factor=0.5), _own_scale(0.5), None),
+    "scale_1": (lambda pipe: intervene(pipe, 0, mode="scale", factor=1.0), None, None),
+    "scale_2": (lambda pipe: intervene(pipe, 0, mode="scale", factor=2.0), _own_scale(2.0), None),
+    "zero_head": (lambda pipe: intervene(pipe, hooks={r"\.ip\.weights$": _zero_last_head}), _zero_last_head, None),
+    "zero_reference": (
+        lambda pipe: intervene(pipe, hooks={r"\.ip\.contribution$": _zero_reference}),
+        None,
+        _own_zero_reference,
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_readings_inside_an_edit_equal_own_float64_recomputation(sd15, refs, edit):
+    make, w_edit, c_edit = EDITS[edit]
+    warns = pytest.warns(RuntimeWarning, match="no per-head") if c_edit else contextlib.nullcontext()
+    with warns, probe(sd15, maps=True, keep_maps=True) as run, make(sd15), OwnHooks(sd15) as own:
+        run.keep_head_maps()
+        generate(sd15, refs, guidance_scale=5.0)
+    names = [layer.name for layer in run.layers]
+    mass = run.reference_mass()
+    assert not mass[["attention", *CONTRIBUTION_COLUMNS]].isna().any().any()
+    for row, branch in enumerate(["uncond", "cond"]):
+        got = run.contributions(0, 0, 0, branch)  # {(step, index): (3, Q, R)}
+        got_heads = run.contributions(0, 0, 0, branch, heads=True)
+        assert len(got) == STEPS * len(names)
+        # per-head contributions are undefined under an edit of their head sum: not recorded there
+        assert len(got_heads) == (0 if c_edit else len(got))
+        for (step, index), values in got.items():
+            name = names[index]
+            w = own.weights(step, name, w_edit)  # (B, H, Q, K)
+            # the kept map: the edited weights as the layer used them (float16 maps: 5e-4 relative; 2e-3)
+            kept = torch.cat([m.double() for m in run.maps[(0, step, name, 0)]])
+            torch.testing.assert_close(kept, w, rtol=0, atol=2e-3)
+            # the reference shares: head mean of each reference's weight, not renormalised, mean over positions
+            shares = w[row].mean(0).reshape(w.shape[-2], 2, -1).sum(-1).mean(0)  # (R,)
+            part = mass[(mass["branch"] == branch) & (mass["step"] == step) & (mass["layer"] == name)]
+            part = part.sort_values("reference")
+            np.testing.assert_allclose(part["attention"].to_numpy(), shares.numpy(), rtol=0, atol=1e-6)
+            per_head = own.contributions(step, name, 2, w_edit)
+            want = own_numbers(per_head if c_edit is None else c_edit(per_head))
+            atol = 1e-5 * float(want["norm"][row].abs().max())
+            torch.testing.assert_close(values[0], want["norm"][row].T, atol=atol, rtol=0)
+            torch.testing.assert_close(values[1], want["share"][row].T, atol=1e-5, rtol=0)
+            torch.testing.assert_close(values[2], want["projection"][row].T, atol=atol, rtol=0)
+            np.testing.assert_allclose(part["contribution_norm"], want["norm"][row].mean(-1), rtol=0, atol=atol)
+            if not c_edit:
+                heads = got_heads[(step, index)]  # (3, H, Q, R)
+                torch.testing.assert_close(heads[0], want["head_norm"][row].transpose(-1, -2), atol=atol, rtol=0)
+                torch.testing.assert_close(heads[2], want["head_projection"][row].transpose(-1, -2), atol=atol, rtol=0)
+    if edit == "zero_head":  # the probe's table before the fix read 1.0 here: the layer used 1 - 1/H
+        sums = mass.groupby(["step", "layer", "branch"], observed=True).attention.sum()
+        heads = sd15.unet.get_submodule(names[0]).heads
+        np.testing.assert_allclose(sums.to_numpy(), 1 - 1 / heads, rtol=0, atol=1e-6)
+
+
+def test_contributions_are_nan_and_said_so_after_an_output_edit(sd15, refs):
+    """An edit of ``.ip.output`` leaves no per-reference split of what the layer added: the contribution columns are
+    NaN with a warning; the weights, which it did not touch, read as the layer's own."""
+    halve = {r"\.ip\.output$": lambda t, ctx: t * 0.5}
+    with pytest.warns(RuntimeWarning, match="NaN after an output edit"):
+        with probe(sd15, maps=True) as run, intervene(sd15, hooks=halve), OwnHooks(sd15) as own:
+            generate(sd15, refs, guidance_scale=1.0)
+    mass = run.reference_mass()
+    assert len(mass) and mass[CONTRIBUTION_COLUMNS].isna().all().all()
+    for (step, name), part in mass.groupby(["step", "layer"], observed=True):
+        w = own.weights(step, name)[0].mean(0)  # (Q, K)
+        shares = w.reshape(w.shape[0], 2, -1).sum(-1).mean(0)
+        np.testing.assert_allclose(part.sort_values("reference")["attention"], shares.numpy(), rtol=0, atol=1e-6)

@@ -171,7 +171,8 @@ def reference_attribution(
     Returns:
         a :class:`ReferenceAttribution`: one row per (recorded step, layer, reference), columns as tabled in
         docs/attribution.md ("The observational comparison"), and the per-head and per-position tables
-        (:attr:`ReferenceAttribution.heads`, :attr:`ReferenceAttribution.positions`).
+        (:attr:`ReferenceAttribution.heads`, :attr:`ReferenceAttribution.positions`); ``attention_share`` sums to 1
+        over references unless an edit it runs inside left the weights unnormalised (docs/api.md).
     """
     from ..capture.run import probe
     from ..capture.spine import attach, client, detach

@@ -45,7 +45,7 @@ class _Held:
     k: torch.Tensor  # (B, H, K, D)
     other: torch.Tensor | None  # (B, H, N, D) SD3's latent keys
     inside: torch.Tensor | None  # (B, Q) bool
-    used: torch.Tensor | None  # (B, H, Q, K) the edited weights' logits
+    used: torch.Tensor | None  # (B, H, Q, K) the edited weights, every reference (those removed at 0)
     kept: tuple | None  # the references an ablation kept (Spine.kept)
     text: bool
     processor: torch.nn.Module
@@ -88,8 +88,8 @@ class RecordForming:
             key: ``(B, H, K, D)``, the image-token (or text-token) keys.
             other: ``(B, H, N, D)``, further keys of the same softmax (SD3's latent keys), or ``None``.
             inside: ``(B, Q)`` bool, the queries inside the branch's IP-Adapter mask, or ``None`` for all.
-            used: ``(B, H, Q, K)``, the weights the layer used when an edit of its weights point changed them (their
-                logits ``log w`` are read instead of ``q·k``), or ``None``.
+            used: ``(B, H, Q, K)``, the weights the layer used when an edit changed them (the statistics read their
+                logits ``log w`` instead of ``q·k``, the maps the weights as they are), or ``None``.
         """
         state = self._state
         state.records += 1
@@ -106,11 +106,8 @@ class RecordForming:
         processor = self.layers[index].attention.processor
         # an edit removed references from the keys: the maps put them back at weight 0 (kept, total)
         kept = None if text or self._spine is None else self._spine.kept.get((self.layers[index].name, slot))
-        if used is not None:  # the edited weights: their logits, a zero weight at float32's smallest (share 0)
-            used = used if head_index is None else used.index_select(1, head_index)
-            if kept is not None:  # the weights point holds every reference; the keys only the kept ones
-                used = used.index_select(-1, kept_tokens(kept[0], used.shape[-1] // kept[1], used.device))
-            used = used.float().clamp_min(torch.finfo(torch.float32).tiny).log()  # (B, H, Q, K)
+        if used is not None:  # the edited weights (the weights point holds every reference)
+            used = (used if head_index is None else used.index_select(1, head_index)).float()  # (B, H, Q, K)
         groups = labels.shape[0]
         n_rows, n_keys = query.shape[-2] * (query.shape[0] // groups), key.shape[-2]
         size, sample = self.config.sample_rows(n_rows, n_keys), None  # from shapes: no device read
@@ -191,8 +188,13 @@ class RecordForming:
         q, k = stacked("q").float(), stacked("k").float()
         other = first.other.float() if first.other is not None else None
         attn, q_norms = record_logits(first.processor, q, k, first.text)  # (L * B, H, Q, K), (L * B, H, Q)
-        if first.used is not None:
-            attn = first.used
+        if first.used is not None:  # the edited weights' logits over the keys, a zero weight at float32's smallest
+            used, kept = first.used, first.kept
+            if kept is not None:  # the keys hold the kept references only
+                used = used.index_select(-1, kept_tokens(kept[0], used.shape[-1] // kept[1], used.device))
+            attn = used.clamp_min(torch.finfo(torch.float32).tiny).log()  # (B, H, Q, K)
+            # a row the edit zeroed has no weighting to compare: NaN, counted in nonfinite (not read as uniform)
+            attn = attn.masked_fill((used.sum(-1, keepdim=True) > 0).logical_not_(), math.nan)
         groups = len(held) * first.labels.shape[0]
         text_mask = first.text_mask
         if text_mask is not None and len(held) > 1:
@@ -252,14 +254,19 @@ class RecordForming:
 
     def _record_views(self, entry: _Held, attn: torch.Tensor, cell_attn: torch.Tensor, cell_nw: torch.Tensor) -> None:
         """A formed record's kept weights (``keep_maps``) and reference maps (``maps``)."""
-        kept, labels = entry.kept, entry.labels
-        if self.config.keep_maps:
-            key = (entry.call.index, entry.step, self.layers[entry.index].name, entry.slot)
-            self._keep_map(key, attn if kept is None else expand_references(attn, *kept, -1, -math.inf))
+        kept, labels, used, name = entry.kept, entry.labels, entry.used, self.layers[entry.index].name
+        if self.config.keep_maps:  # the weights the layer used: an edit's as they are (unnormalised where it left so)
+            key = (entry.call.index, entry.step, name, entry.slot)
+            logits = attn if kept is None else expand_references(attn, *kept, -1, -math.inf)
+            self._keep_map(key, used if used is not None else logits.softmax(-1))
             self._map_labels.setdefault(key, []).append(labels.repeat_interleave(attn.shape[0] // labels.shape[0]))
         if self._maps is not None and not entry.text:
             maps_attn, maps_nw = cell_attn, cell_nw
             if kept is not None:
                 maps_attn, maps_nw = (expand_references(x, *kept, -1, -math.inf) for x in (maps_attn, maps_nw))
                 self._maps.kept[(entry.index, entry.slot)] = kept
-            self._maps.add(entry.call.index, entry.step, entry.index, entry.slot, labels, maps_attn, maps_nw)
+            if used is not None:  # (B, H, Q, K) -> (groups, items, H, Q, K) -> (groups, H, items * Q, K), the cells'
+                used = used.unflatten(0, (labels.shape[0], -1)).transpose(1, 2).flatten(2, 3)
+            edited = None if self._spine is None else self._spine.used.get((name, entry.slot, "contribution"))
+            where = (entry.call.index, entry.step, entry.index, entry.slot)
+            self._maps.add(*where, labels, maps_attn, maps_nw, used, edited)

@@ -32,13 +32,14 @@ def _chunks(accumulator: MapAccumulator, calls: list[dict[str, Any]], names: lis
 def reference_mass(accumulator: MapAccumulator, calls: list[dict[str, Any]], names: list[str]) -> pd.DataFrame:
     """The share of each reference image in the image branch's weight, per (call, step, layer, adapter, branch).
 
-    For every query position the attention (and NW) weight on a reference's tokens, averaged over heads and
-    normalised over the adapter's references, then averaged over the covered positions of each batch item and over
-    the items of the branch. The attention's shares depend on the attention weights only, so no reparametrisation of
-    the queries and keys moves them (see :func:`ipa_probe.gauge_sweep`). Beside them, each reference's contribution
-    to the layer output after ``to_out`` (norm, share of the norms, projection onto the total), averaged the same
-    way over heads' sum, positions and items: what the values carry, which the weights alone do not show; invariant
-    under the q/k group and under a per-head basis change of the values (``W_v -> B W_v``, ``W_o -> W_o B^-1``).
+    For every query position the attention (and NW) weight on a reference's tokens, averaged over heads (normalised
+    over the adapter's references under masks; inside an edit, the weights the layer used, as they are), then
+    averaged over the covered positions of each batch item and over the items of the branch. The attention's shares
+    depend on the attention weights only, so no reparametrisation of the queries and keys moves them (see
+    :func:`ipa_probe.gauge_sweep`). Beside them, each reference's contribution to the layer output after ``to_out``
+    (norm, share of the norms, projection onto the total), averaged the same way over heads' sum, positions and
+    items: what the values carry, which the weights alone do not show; invariant under the q/k group and under a
+    per-head basis change of the values (``W_v -> B W_v``, ``W_o -> W_o B^-1``).
 
     Returns:
         a DataFrame with :data:`REFERENCE_MASS_COLUMNS`, one row per reference.

@@ -111,7 +111,7 @@ class MapViews:
 
         Returns:
             ``(step, layer id) -> (Q, R)`` float64 CPU tensors: per position, the weight on each reference's tokens,
-            averaged over heads and renormalised over the references.
+            averaged over heads (renormalised over the references under masks; an edit's weights as it left them).
         """
         chosen, picked = self._map_selection(call, item, adapter, kind, branch, layers, steps)
         weights = self._maps.reference_weights(call, item, adapter, kind, branch, chosen, picked)

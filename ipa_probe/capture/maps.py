@@ -29,6 +29,7 @@ import logging
 import math
 import warnings
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from diffusers.image_processor import IPAdapterMaskProcessor
 
 from ..layers import IPLayer, LayerSelection, compile_selection, observer
-from ..statistics.kernels import softmax_keys
+from ..statistics.kernels import reference_contributions, softmax_keys
 from .spine import expand_references
 from .taps import Tap
 from .taps.base import Handle
@@ -48,22 +49,13 @@ logger = logging.getLogger(__name__)
 #: The two attributions kept, in buffer order.
 MAP_KINDS: tuple[str, ...] = ("attention", "nw")
 
+#: The columns that say where a map was recorded, first in both tables below.
+_WHERE: tuple[str, ...] = ("call", "step", "timestep", "layer", "adapter", "branch")
+
 #: Columns of :meth:`ipa_probe.ProbeRun.map_table`: per (call, step, layer, adapter, branch, item), the fraction of
 #: query positions whose dominant reference is the same under attention and NW (``dominant_agree``) and the mean
 #: total-variation distance between the two reference-share vectors (``tv``), over ``positions`` query positions.
-MAP_TABLE_COLUMNS: tuple[str, ...] = (
-    "call",
-    "step",
-    "timestep",
-    "layer",
-    "adapter",
-    "branch",
-    "item",
-    "references",
-    "positions",
-    "dominant_agree",
-    "tv",
-)
+MAP_TABLE_COLUMNS: tuple[str, ...] = (*_WHERE, "item", "references", "positions", "dominant_agree", "tv")
 
 #: Columns of :meth:`ipa_probe.ProbeRun.reference_mass`: per (call, step, layer, adapter, branch) and reference
 #: image, its mean share of the attention (``attention``) and of the NW weights (``nw``) over query positions and
@@ -71,41 +63,13 @@ MAP_TABLE_COLUMNS: tuple[str, ...] = (
 #: way: the norm ``|c_j|`` (``contribution_norm``), the norm's share ``|c_j| / sum_k |c_k|`` of the position
 #: (``contribution_share``) and the projection ``c_j . c / |c|`` onto the branch's total ``c``
 #: (``contribution_projection``; the projections of a position sum to ``|c|``). NaN where no contribution was
-#: recorded (``ip_adapter_masks``, SD3, a ``heads=`` selection).
+#: recorded (``ip_adapter_masks``, SD3, a ``heads=`` selection) and after an edit of the layer's output hook point.
 REFERENCE_MASS_COLUMNS: tuple[str, ...] = (
-    "call",
-    "step",
-    "timestep",
-    "layer",
-    "adapter",
-    "branch",
-    "reference",
-    "attention",
-    "nw",
-    "contribution_norm",
-    "contribution_share",
-    "contribution_projection",
+    *_WHERE,
+    *("reference", "attention", "nw", "contribution_norm", "contribution_share", "contribution_projection"),
 )
 
 _BYTES = 4  # float32 shares
-
-
-def orthonormal_coordinates(vectors: torch.Tensor) -> torch.Tensor:
-    """``vectors`` ``(..., X, C)`` as coordinates in an orthonormal basis of their span, ``(..., X, min(X, C))``.
-
-    Every norm and dot product of linear combinations of the vectors is unchanged, so the per-reference contributions
-    (:meth:`MapAccumulator._contribute`: combinations of ``X = R * H * T`` token vectors of the layer's ``C``
-    channels) can be formed and measured in ``X`` dimensions instead of ``C``: 64 against 320-1280 for SD 1.5 with two
-    4-token references, and that many times less to write and read per query position. The basis comes from a
-    Householder QR of the vectors (``V^T = Q R``: row ``x`` of ``V`` has coordinates ``R[:, x]``), backward stable, so
-    the numbers keep float32's accuracy relative to the vectors' size.
-
-    Only on the CPU and where it shrinks something (``X < C``): elsewhere the vectors come back as they are (on a GPU
-    the full-width products are cheap and a batched QR is a solver call; MPS has none).
-    """
-    if vectors.device.type != "cpu" or vectors.shape[-2] >= vectors.shape[-1]:
-        return vectors
-    return torch.linalg.qr(vectors.transpose(-1, -2), mode="r").R.transpose(-1, -2)
 
 
 class MapAccumulator:
@@ -160,6 +124,8 @@ class MapAccumulator:
         #: (layer index, adapter) -> ``(kept, total)`` when an edit removed references from this pass's keys and
         #: values (:meth:`~.spine.Spine.keep_references`): the value hook puts them back at 0
         self.kept: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
+        #: records whose contributions an edit of the contribution or output point set (:meth:`add`), warned of once
+        self.edited_contributions = 0
 
     def keep_heads(self) -> None:
         """Also keep the attention's shares per head (before the first call starts; unmasked adapters only)."""
@@ -182,8 +148,7 @@ class MapAccumulator:
 
     def read_projections(self, denoiser: torch.nn.Module) -> None:
         """Read the denoiser's per-adapter image projections (again, after ``load_ip_adapter`` replaced them)."""
-        projection = getattr(getattr(denoiser, "_orig_mod", denoiser), "encoder_hid_proj", None)
-        self._projections = getattr(projection, "image_projection_layers", None)
+        self._projections = image_projections(denoiser)
 
     def on_pass(self, args: tuple, kwargs: dict, masks: list[torch.Tensor | None] | None) -> None:
         """A denoiser pass starts (``masks``: its normalised ``ip_adapter_masks``)."""
@@ -259,6 +224,8 @@ class MapAccumulator:
         labels: torch.Tensor,
         attention: torch.Tensor,
         nw: torch.Tensor,
+        used: torch.Tensor | None = None,
+        contribution: torch.Tensor | None = None,
     ) -> None:
         """Add one layer's shares (device work only: no host synchronisation).
 
@@ -268,17 +235,24 @@ class MapAccumulator:
             attention, nw: logits ``(n, H, items * Q, K)`` of the ``n`` groups of the batch (CFG chunks or single
                 batch items; ``K`` = one reference's tokens when the adapter runs with a mask, else all of the
                 adapter's tokens).
+            used: the weights ``(n, H, items * Q, K)`` the layer used when an edit changed them, read as they are
+                (not renormalised: a zeroed head stays at 0), else ``None`` (the softmax of ``attention``).
+            contribution: the contributions ``(B, R, Q, C)`` the layer used after an edit of its contribution point
+                (all NaN after one of its output point), else ``None`` (formed from the weights and the values).
         """
         n_branch, _, rows, tokens = attention.shape
         items = self._batch // n_branch
-        weights_all = softmax_keys(attention)  # (n, H, items * Q, K), taken once for every use below
+        weights_all = softmax_keys(attention) if used is None else used  # (n, H, items * Q, K), for every use below
         shares = torch.stack([weights_all.mean(1), softmax_keys(nw).mean(1)]).contiguous()  # (2, n, IQ, K)
         shares = shares.reshape(2, n_branch, items, rows // items, tokens)  # (2, n, items, Q, K)
         queries = shares.shape[-2]
         mask = self._masks[adapter] if adapter < len(self._masks) else None
         entries = self.store.setdefault((call, step, index, adapter), [])
         layer = self.layers[index]
-        if mask is None and layer.family != "sd3" and attention.shape[1] == layer.heads:
+        if contribution is not None:  # an edit of the contributions: what the layer used, not formed here
+            self._keep_contributions((call, step, index, adapter), labels, contribution.float())
+            self.edited_contributions += 1
+        elif mask is None and layer.family != "sd3" and attention.shape[1] == layer.heads:
             # (n, H, items * Q, K) -> (B, H, Q, K), the batch order the value projection sees
             weights = weights_all.reshape(n_branch, attention.shape[1], items, queries, tokens)
             self._pending[(index, adapter)] = (
@@ -345,12 +319,8 @@ class MapAccumulator:
         weights: torch.Tensor,
         values: torch.Tensor,
     ) -> None:
-        """Each reference's contribution to the image branch's output as it enters the residual stream (device only).
-
-        Per reference ``j`` (its tokens ``i``), head ``h`` and query position ``q``, with ``s`` the adapter scale and
-        ``W_o`` the weight of ``attn.to_out[0]`` without its bias (Flux's branch has none: ``W_o = I``):
-
-            c_{j,h}(q) = s W_o[:, h] sum_{i in j} w_{h,i}(q) v_{h,i},   c_j = sum_h c_{j,h},   c = sum_j c_j.
+        """Each reference's contribution ``c_j`` to the image branch's output as it enters the residual stream
+        (:func:`~ipa_probe.statistics.kernels.reference_contributions`; device only), ``c = sum_j c_j``.
 
         Kept: ``|c_j|`` and ``c_j . c / |c|`` (the projections sum over ``j`` to ``|c|``), and per head with
         :meth:`keep_heads`. Both are unchanged by the q/k group (the weights are) and by a per-head basis change of
@@ -368,30 +338,22 @@ class MapAccumulator:
         batch, heads, queries, keys = weights.shape
         if values.numel() != batch * keys * values.shape[-1]:
             return
-        values = values.reshape(batch, keys, values.shape[-1])  # (B, R, T, H * D) or (B, K, H * D) -> (B, K, H * D)
+        values = values.float().reshape(batch, keys, heads, -1).transpose(1, 2)  # (B, K, H * D) -> (B, H, K, D)
+        out = layer.attention.to_out[0].weight.float() if layer.family == "unet" else None  # Flux: no W_o
         tokens = self.tokens_per_image(adapter, index) or keys
-        references = keys // tokens
-        v = values.float().reshape(batch, references, tokens, heads, -1)  # (B, R, T, H, D)
-        w = weights.float().reshape(batch, heads, queries, references, tokens)  # (B, H, Q, R, T)
-        out = layer.attention.to_out[0] if layer.family == "unet" else None
-        if out is None:  # Flux: no W_o, the branch's output is the heads' values side by side (C = H * D)
-            per_head = float(scale) * torch.einsum("bhqrt,brthd->bhrqd", w, v)  # (B, H, R, Q, D): head h's block of C
-            total_ref = per_head.permute(0, 2, 3, 1, 4).flatten(-2)  # (B, R, Q, H * D)
-        else:
-            # each token's value through W_o first (s W_o[:, h] v_{h,i}: B * K * H vectors of C, few), then one
-            # product per reference over its H * T (head, token) weights: Q * H * T * C multiply-adds per reference
-            # instead of Q * (H * D) * C through W_o after mixing (T = 4 tokens against D = 40-160 channels in SD)
-            w_o = out.weight.float()  # (C, H * D)
-            w_o = w_o.reshape(w_o.shape[0], heads, -1)  # (C, H, D)
-            projected = float(scale) * torch.einsum("brthd,chd->brhtc", v, w_o)  # (B, R, H, T, C)
-            # only norms and dot products of the contributions are kept: work in coordinates of the tokens' span
-            projected = orthonormal_coordinates(projected.flatten(1, 3)).unflatten(1, projected.shape[1:4])
-            per_head = torch.einsum("bhqrt,brhtc->bhrqc", w, projected) if self.heads else None
-            total_ref = torch.einsum("bhqrt,brhtc->brqc", w, projected)  # (B, R, Q, C or its coordinates)
+        # only norms and dot products of the contributions are kept: coordinates of the tokens' span will do
+        total_ref, per_head = reference_contributions(weights.float(), values, tokens, scale, out, self.heads, True)
+        self._keep_contributions(key, labels, total_ref, per_head)
+
+    def _keep_contributions(self, key: tuple, labels: torch.Tensor, total_ref: torch.Tensor, per_head=None) -> None:
+        """Keep the norms ``|c_j|`` and projections ``c_j . c / |c|`` of ``total_ref`` ``(B, R, Q, C)``, ``c = sum_j
+        c_j``, and of ``per_head`` ``(B, H, R, Q, C)`` (or Flux's ``(B, H, R, Q, D)``: head ``h``'s block of ``C``)."""
+        batch, references, queries, _ = total_ref.shape
         total = total_ref.sum(1)  # (B, Q, C)
         direction = total / total.norm(dim=-1, keepdim=True).clamp(min=1e-30)  # (B, Q, C)
         if per_head is not None:
-            if out is None:  # head h's block of the direction
+            heads = per_head.shape[1]
+            if per_head.shape[-1] != total.shape[-1]:  # Flux: head h's block of the direction
                 on_head = direction.reshape(batch, queries, heads, -1).transpose(1, 2)[:, :, None]  # (B, H, 1, Q, D)
             else:
                 on_head = direction[:, None, None]  # (B, 1, 1, Q, C)
@@ -417,6 +379,15 @@ class MapAccumulator:
 
     def finalize(self) -> None:
         """Move the maps to the host once, when the probe ends (``.cpu()`` waits for the device's queued work)."""
+        if self.edited_contributions:
+            warnings.warn(
+                f"maps: an edit of the contribution or output hook point acted at {self.edited_contributions} "
+                "record(s): their contribution columns are the edited contributions (NaN after an output edit, which "
+                "leaves the per-reference split undefined) and they have no per-head contributions (docs/api.md)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self.edited_contributions = 0
         if not self._on_host:
             for name in ("store", "head_store", "contribution_store", "contribution_head_store"):
                 stored = getattr(self, name)  # key -> [(labels, values), ...] per pass
@@ -431,26 +402,11 @@ class MapAccumulator:
     def chunk(self, key: tuple[int, int, int, int], label: int) -> torch.Tensor | None:
         """The ``(2, items, Q, K)`` shares of the batch items labelled ``label`` at ``key`` (host, in batch order, over
         the passes in order), or ``None`` when no item has that label."""
-        parts = [
-            shares[:, position]  # (2, items, Q, K)
-            for labels, shares in self.store.get(key, ())
-            for position, value in enumerate(labels.tolist())
-            if value == label
-        ]
-        return torch.cat(parts, 1) if parts else None
+        return _by_label(self.store, key, label, 1)
 
     def tokens_per_image(self, adapter: int, index: int) -> int:
-        """Tokens per reference image of ``adapter``: the processor's ``num_tokens`` (UNet), else what the adapter's
-        image projection makes of one image (Flux: ``ImageProjection.num_image_text_embeds``); 0 (all keys are one
-        image) when neither says."""
-        num_tokens = getattr(self.layers[index].processor, "num_tokens", None)
-        if isinstance(num_tokens, Sequence) and adapter < len(num_tokens):
-            return int(num_tokens[adapter])
-        if self._projections is not None and adapter < len(self._projections):
-            per_image = getattr(self._projections[adapter], "num_image_text_embeds", None)
-            if isinstance(per_image, int) and per_image > 0:
-                return per_image
-        return 0
+        """:func:`tokens_per_image` of layer ``index``; 0 (all keys are one image) when unknown."""
+        return tokens_per_image(self.layers[index].processor, self._projections, adapter) or 0
 
     def grid(self, call: int, queries: int) -> tuple[int, int]:
         """The ``(h, w)`` query grid of a layer with ``queries`` positions in ``call``."""
@@ -523,15 +479,16 @@ class MapAccumulator:
             for step, index, _ in self._chunks(call, item, adapter, label, layers, steps)
         }
 
-    def _chunks(self, call: int, item: int, adapter: int, label: int, layers: Iterable[int], steps: Iterable[int]):
-        """Each selected (step, layer position) that has maps, with its ``(2, items, Q, K)`` :meth:`chunk`."""
+    def _chunks(self, call, item, adapter, label, layers: Iterable[int], steps: Iterable[int], get=None, axis=1):
+        """Each selected (step, layer position) that has maps, with its ``(2, items, Q, K)`` :meth:`chunk` (or what
+        ``get(key, label)`` gives, the items along ``axis``)."""
         for step in steps:
             for index in layers:
-                buffer = self.chunk((call, step, index, adapter), label)  # (2, items, Q, K)
+                buffer = (get or self.chunk)((call, step, index, adapter), label)
                 if buffer is None:
                     continue
-                if item >= buffer.shape[1]:
-                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[1]} images per branch")
+                if item >= buffer.shape[axis]:
+                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[axis]} images per branch")
                 yield step, index, buffer
 
     def head_weights(
@@ -541,25 +498,12 @@ class MapAccumulator:
         ``(H, Q, R)`` float64 CPU tensors (sum 1 over ``R``); needs :meth:`keep_heads`."""
         if not self.heads:
             raise ValueError("per-head weights need MapAccumulator.keep_heads() before the pipeline runs")
-        label = self.labels.index(branch)
-        out = {}
-        for step in steps:
-            for index in layers:
-                key = (call, step, index, adapter)
-                parts = [
-                    shares[position]  # (items, H, Q, K)
-                    for labels, shares in self.head_store.get(key, ())
-                    for position, value in enumerate(labels.tolist())
-                    if value == label
-                ]
-                if not parts:
-                    continue
-                buffer = torch.cat(parts, 0)  # (items, H, Q, K)
-                if item >= buffer.shape[0]:
-                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[0]} images per branch")
-                _, heads, queries, keys = buffer.shape
-                tokens = self.tokens_per_image(adapter, index) or keys
-                out[(step, index)] = buffer[item].double().reshape(heads, queries, keys // tokens, tokens).sum(-1)
+        label, out = self.labels.index(branch), {}
+        get = partial(_by_label, self.head_store, axis=0)  # (items, H, Q, K)
+        for step, index, buffer in self._chunks(call, item, adapter, label, layers, steps, get, 0):
+            _, heads, queries, keys = buffer.shape
+            tokens = self.tokens_per_image(adapter, index) or keys
+            out[(step, index)] = buffer[item].double().reshape(heads, queries, keys // tokens, tokens).sum(-1)
         return out
 
     def contribution_chunk(
@@ -568,14 +512,8 @@ class MapAccumulator:
         """The contributions of the batch items labelled ``label`` at ``key`` (host, batch order, passes in order):
         ``(2, items, Q, R)`` (norm, projection onto the total), or per head ``(2, items, H, Q, R)``; ``None`` when
         none were recorded (masked adapters, SD3, a head selection, per-image scales)."""
-        store = self.contribution_head_store if heads else self.contribution_store
-        parts = [
-            values[:, position]  # (2, items, [H,] Q, R)
-            for labels, values in store.get(key, ())
-            for position, value in enumerate(labels.tolist())
-            if value == label
-        ]
-        return torch.cat(parts, 1).double() if parts else None
+        values = _by_label(self.contribution_head_store if heads else self.contribution_store, key, label, 1)
+        return None if values is None else values.double()  # (2, items, [H,] Q, R)
 
     def contribution_weights(
         self, call: int, item: int, adapter: int, branch: str, layers: Iterable[int], steps: Iterable[int], heads=False
@@ -586,17 +524,38 @@ class MapAccumulator:
         (needs :meth:`keep_heads`); pairs without contributions are left out."""
         if heads and not self.heads:
             raise ValueError("per-head contributions need MapAccumulator.keep_heads() before the pipeline runs")
-        label = self.labels.index(branch)
-        out = {}
-        for step in steps:
-            for index in layers:
-                buffer = self.contribution_chunk((call, step, index, adapter), label, heads)
-                if buffer is None:
-                    continue
-                if item >= buffer.shape[1]:
-                    raise ValueError(f"item={item}: call {call} generated {buffer.shape[1]} images per branch")
-                out[(step, index)] = with_share(buffer[:, item])
-        return out
+        get, label = partial(self.contribution_chunk, heads=heads), self.labels.index(branch)
+        chunks = self._chunks(call, item, adapter, label, layers, steps, get)
+        return {(step, index): with_share(buffer[:, item]) for step, index, buffer in chunks}
+
+
+def image_projections(denoiser: torch.nn.Module) -> Sequence[torch.nn.Module] | None:
+    """The denoiser's per-adapter image projections (``encoder_hid_proj.image_projection_layers``), or ``None``."""
+    projection = getattr(getattr(denoiser, "_orig_mod", denoiser), "encoder_hid_proj", None)
+    return getattr(projection, "image_projection_layers", None)
+
+
+def tokens_per_image(processor, projections: Sequence[torch.nn.Module] | None, adapter: int) -> int | None:
+    """Tokens per reference image of ``adapter``: the processor's ``num_tokens`` (UNet), else what the adapter's
+    image projection makes of one image (Flux: ``ImageProjection.num_image_text_embeds``); ``None`` when neither
+    says."""
+    num_tokens = getattr(processor, "num_tokens", None)
+    if isinstance(num_tokens, Sequence) and adapter < len(num_tokens):
+        return int(num_tokens[adapter])
+    per_image = getattr(projections[adapter], "num_image_text_embeds", None) if adapter < len(projections or ()) else 0
+    return per_image if isinstance(per_image, int) and per_image > 0 else None
+
+
+def _by_label(store: dict, key: tuple, label: int, axis: int) -> torch.Tensor | None:
+    """The values of ``store[key]`` (a ``(labels, values)`` pair per pass, the groups along ``axis`` of ``values``) of
+    the groups labelled ``label``, joined along ``axis`` (batch order, passes in order); ``None`` when none."""
+    parts = [
+        values.select(axis, position)
+        for labels, values in store.get(key, ())
+        for position, value in enumerate(labels.tolist())
+        if value == label
+    ]
+    return torch.cat(parts, axis) if parts else None
 
 
 def with_share(values: torch.Tensor) -> torch.Tensor:
@@ -605,7 +564,7 @@ def with_share(values: torch.Tensor) -> torch.Tensor:
     norm = values[0]
     dims = (-1,) if norm.ndim == 2 else (0, -1)  # (Q, R), or (H, Q, R): all heads and references of a position
     total = norm.sum(dims, keepdim=True)
-    share = torch.where(total > 0, norm / total.clamp(min=1e-300), torch.zeros_like(norm))
+    share = torch.where(total > 0, norm / total.clamp(min=1e-300), norm * 0)  # NaN stays NaN (an edited output)
     return torch.stack([norm, share, values[1]])
 
 
@@ -662,13 +621,15 @@ def _over_references(weights: torch.Tensor, dims) -> tuple[torch.Tensor, torch.T
 def _reference_shares(
     accumulator: MapAccumulator, key: tuple[int, int, int, int], label: int
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The per-reference shares at ``key`` for the items labelled ``label``, normalised over the adapter's references
-    at each query position: ``(shares (2, items, Q, R) float64, covered (items, Q) bool, references)``; a position
-    is covered when some reference's mask reaches it under both attributions (always, without masks)."""
+    """The per-reference shares at ``key`` for the items labelled ``label`` at each query position, normalised over
+    the adapter's references where masks weighted them (else as the layer used them: an edit that leaves the weights
+    unnormalised leaves the shares so): ``(shares (2, items, Q, R) float64, covered (items, Q) bool, references)``; a
+    position is covered when some reference gets weight there under both attributions."""
     buffer = accumulator.chunk(key, label)  # (2, items, Q, K)
     _, items, queries, keys = buffer.shape
     tokens = accumulator.tokens_per_image(key[3], key[2]) or keys
     refs = buffer.double().reshape(2, items, queries, keys // tokens, tokens).sum(-1)  # (2, I, Q, R)
-    refs, mass = _over_references(refs, -1)  # mass: (2, I, Q, 1)
+    normalised, mass = _over_references(refs, -1)  # mass: (2, I, Q, 1)
+    refs = normalised if (key[0], key[3]) in accumulator.masked else refs
     covered = (mass[0, ..., 0] > 0) & (mass[1, ..., 0] > 0)  # (I, Q)
     return refs, covered, keys // tokens

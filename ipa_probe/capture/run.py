@@ -449,8 +449,8 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         sums.index_put_(index, values, accumulate=True)
         counts.index_put_(index, torch.ones_like(values[..., 0]), accumulate=True)
 
-    def _keep_map(self, key: tuple[int, int, str, int], logits: torch.Tensor) -> None:
-        weights = torch.softmax(logits, dim=-1).half()
+    def _keep_map(self, key: tuple[int, int, str, int], weights: torch.Tensor) -> None:
+        weights = weights.half()
         pinned = weights.device.type == "cuda"
         host = torch.empty(weights.shape, dtype=torch.float16, device="cpu", pin_memory=pinned)
         host.copy_(weights, non_blocking=pinned)

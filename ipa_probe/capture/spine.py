@@ -9,9 +9,10 @@ The probe, its maps, ``intervene`` (ablate, swap, scale), the hook points (hooks
   step (the family's :meth:`~.taps.Tap.begin_pass`), and the pass's timestep, as :class:`PassInfo`;
 - the **mask normalisation** (:func:`normalise_masks`): diffusers' ``ip_adapter_masks`` in one form;
 - the **meeting point of reading and editing** in each IP-Adapter layer's image branch: an edit that removes
-  references from the keys says which ones stay (:meth:`Spine.keep_references`), an edit of the weights publishes
-  the weights the layer then used (:meth:`Spine.use_weights`), and every reader (the probe, its maps) reads those,
-  so a feature inside another measures what the layer computed, not what it would have computed without the edit.
+  references from the keys says which ones stay (:meth:`Spine.keep_references`), an edit of the weights or the
+  contributions publishes what the layer then used (:meth:`Spine.use`), and every reader (the probe, its maps) reads
+  those, so a feature inside another measures what the layer computed, not what it would have computed without the
+  edit.
 
 The spine is created by the first client and taken off the denoiser with the last (:func:`attach`,
 :func:`detach`): with nothing attached, the denoiser carries no trace of it. Nothing here synchronises with the
@@ -116,10 +117,10 @@ class Spine:
         self.kept: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
         #: the same for the image values (edits of the keys and of the values run separately, in the same order)
         self.kept_values: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
-        #: (layer id, adapter) -> the weights ``(B, H, Q, K)`` the layer used in this pass, when an edit of the
-        #: weights point changed them (:meth:`use_weights`)
-        self.used: dict[tuple[str, int], torch.Tensor] = {}
-        #: (layer id, adapter) pairs whose weights an attached client will edit in this pass (set in ``on_pass``)
+        #: (layer id, adapter, point) -> what the layer used at that hook point in this pass, when an edit changed it
+        #: (:meth:`use`): ``"weights"`` ``(B, H, Q, K)``, ``"contribution"`` ``(B, R, Q, C)``
+        self.used: dict[tuple[str, int, str], torch.Tensor] = {}
+        #: (layer id, adapter) pairs whose image branch an attached client will edit in this pass (set in ``on_pass``)
         self.weight_edits: set[tuple[str, int]] = set()
         #: the prompt embeddings seen, when a client asked for branch labels (:meth:`watch_prompts`)
         self.evidence: PromptEvidence | None = None
@@ -221,12 +222,13 @@ class Spine:
         another index the call's references through this, so that nested ones compose as if given at once."""
         return (self.kept if keys else self.kept_values).get((layer, adapter), (tuple(range(images)), images))
 
-    def use_weights(self, layer: str, adapter: int, weights: torch.Tensor) -> None:
-        """An edit of the weights point: ``weights`` ``(B, H, Q, K)`` are what ``layer``'s image branch used."""
-        self.used[(layer, adapter)] = weights
+    def use(self, layer: str, adapter: int, point: str, value: torch.Tensor) -> None:
+        """An edit reached ``point`` (``"weights"`` or ``"contribution"``): ``value`` is what ``layer``'s image branch
+        used there (contributions all NaN where an edit of the output left the per-reference split undefined)."""
+        self.used[(layer, adapter, point)] = value
 
     def edits_weights(self, layer: str, adapter: int) -> bool:
-        """Whether a client edits ``layer``'s image-branch weights in this pass (readers then wait for them)."""
+        """Whether a client edits ``layer``'s image branch in this pass (readers then wait for what it used)."""
         return (layer, adapter) in self.weight_edits
 
 

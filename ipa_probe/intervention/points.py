@@ -45,15 +45,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from .._checks import step_selected
 from ..capture import spine
 from ..capture.layer_order import network_key
+from ..capture.maps import image_projections, tokens_per_image
 from ..capture.spine import Spine, expand_references, normalise_masks
 from ..capture.taps.unet import unet_resolution_factor
 from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, keep, kept, observer
-from ..statistics.kernels import dot_logits, split_heads
+from ..statistics.kernels import dot_logits, reference_contributions, split_heads
 from .context import HookContext
 
 __all__ = [
@@ -162,18 +162,6 @@ class PointUser:
         return step_selected(self.steps, step, timestep)
 
 
-def _tokens_per_image(denoiser: torch.nn.Module, layer: IPLayer, adapter: int) -> int | None:
-    """Image tokens per reference of an adapter: the processor's ``num_tokens`` (UNet), else the adapter's image
-    projection's ``num_image_text_embeds`` (Flux); ``None`` when neither says."""
-    num_tokens = getattr(layer.processor, "num_tokens", None)
-    if num_tokens is not None and adapter < len(num_tokens):
-        return int(num_tokens[adapter])
-    model = getattr(denoiser, "_orig_mod", denoiser)
-    projections = getattr(getattr(model, "encoder_hid_proj", None), "image_projection_layers", None) or []
-    tokens = getattr(projections[adapter], "num_image_text_embeds", None) if adapter < len(projections) else None
-    return None if tokens is None else int(tokens)
-
-
 class _Registry:
     """The hooks that compute the points on one denoiser, shared by every :class:`PointUser`."""
 
@@ -264,8 +252,8 @@ class _Registry:
                 user.selected += 1
                 for name, fns in user.callbacks.items():
                     active.setdefault(name, []).extend(fns)
-                    if user.edits and name.endswith(".weights"):  # readers of the layer wait for its weights
-                        layer, adapter, _ = _parse_name(name)
+                    layer, adapter, _ = _parse_name(name)
+                    if user.edits and adapter != TEXT:  # readers of the layer wait for what its image branch used
                         spine.weight_edits.add((layer, adapter))
                 if user.edits and user.label:
                     now.edits.append(user.label)
@@ -283,7 +271,7 @@ class _Registry:
             if not isinstance(embeds, list | tuple) or adapter >= len(embeds) or embeds[adapter].ndim != 3:
                 return None
             references = embeds[adapter].shape[1]
-            tokens = _tokens_per_image(self.denoiser, layer, adapter)
+            tokens = tokens_per_image(layer.processor, image_projections(self.denoiser), adapter)
         if tokens is None:
             return None
         queries = self._grid(layer)
@@ -434,27 +422,26 @@ class _Registry:
         # the weights the processor computed, for the change of the output: formed again when edits reached them
         computed = weights_of(logits_of(q0, k0)) if edited or start._version != version else start
         if edited and self.spine is not None and not text:  # what the layer uses from here on: the probe reads these
-            self.spine.use_weights(layer.name, adapter, weights)
+            self.spine.use(layer.name, adapter, "weights", weights)
         if not edited and names["contribution"] not in self.active and names["output"] not in self.active:
             return None  # nothing edited, and nothing downstream wanted
 
-        to_out = layer.attention.to_out[0] if layer.family == "unet" else None  # Flux: the branch has no W_o
+        w_o = layer.attention.to_out[0].weight if layer.family == "unet" else None  # Flux: the branch has no W_o
 
-        def contributions(w: torch.Tensor) -> torch.Tensor:
-            w = w.reshape(*w.shape[:3], references, tokens)  # (B, H, Q, R, T)
-            vr = v.reshape(batch, heads, references, tokens, v.shape[-1])  # (B, H, R, T, D)
-            per_head = torch.einsum("bhqrt,bhrtd->brhqd", w, vr)  # (B, R, H, Q, D)
-            y = per_head.transpose(2, 3).flatten(3)  # (B, R, Q, H*D)
-            return scale * (F.linear(y, to_out.weight) if to_out is not None else y)  # (B, R, Q, C)
+        def contributions(w: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K) -> (B, R, Q, C)
+            return reference_contributions(w, v, tokens, scale, w_o)[0]
 
         original = contributions(computed)
         original_output = original.sum(1)  # (B, Q, C), before a callback may edit ``original`` in place
         contribution = contributions(weights) if edited else original
         contribution, changed = self._run(names["contribution"], contribution, context("contribution"))
         edited = edited or changed
-        output, changed = self._run(names["output"], contribution.sum(1), context("output"))  # (B, Q, C)
-        if not (edited or changed):
+        output, changed_output = self._run(names["output"], contribution.sum(1), context("output"))  # (B, Q, C)
+        if not (edited or changed_output):
             return None
+        if (changed or changed_output) and self.spine is not None and not text:  # the split the probe reads: none
+            used = torch.full_like(contribution, math.nan) if changed_output else contribution  # once the output moved
+            self.spine.use(layer.name, adapter, "contribution", used)
         return output - original_output
 
     def _run(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> tuple[torch.Tensor, bool]:

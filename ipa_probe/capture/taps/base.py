@@ -149,8 +149,8 @@ class Tap:
         raise NotImplementedError
 
     def _record(self, capture: Capture, index: int, adapter: int, *record) -> None:
-        """``capture.record(index, adapter, *record)`` now, or, when a client edits this layer's weights point in
-        this pass, when the layer returns (:meth:`_forget`), with the weights the layer used."""
+        """``capture.record(index, adapter, *record)`` now, or, when a client edits a point of this layer's image
+        branch in this pass, when the layer returns (:meth:`_forget`), with the weights the layer used."""
         spine = capture.spine
         if spine is not None and spine.edits_weights(self.layers[index].name, adapter):
             capture.stash.setdefault((index, "deferred"), []).append((adapter, record))
@@ -164,7 +164,7 @@ class Tap:
         def hook(module, args, output):
             name = self.layers[index].name
             for adapter, record in capture.stash.pop((index, "deferred"), []):
-                used = capture.spine.used.get((name, adapter)) if capture.spine is not None else None
+                used = capture.spine.used.get((name, adapter, "weights")) if capture.spine is not None else None
                 capture.record(index, adapter, *record, used)
             for key in [key for key in capture.stash if key[0] == index]:
                 del capture.stash[key]
