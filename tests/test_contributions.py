@@ -390,6 +390,14 @@ def test_readings_inside_an_edit_equal_own_float64_recomputation(sd15, refs, edi
         sums = mass.groupby(["step", "layer", "branch"], observed=True).attention.sum()
         heads = sd15.unet.get_submodule(names[0]).heads
         np.testing.assert_allclose(sums.to_numpy(), 1 - 1 / heads, rtol=0, atol=1e-6)
+        # the statistics table: the zeroed head's rows have no weighting to compare (NaN, every row counted lost),
+        # where renormalising read them as uniform; the other heads keep their numbers
+        table = run.to_dataframe()
+        table = table[table["branch"].isin(["cond", "uncond"])]
+        zeroed, kept = table[table["head"] == heads - 1], table[table["head"] != heads - 1]
+        undefined = ["spearman", "kl", "neff_attn", "neff_nw", "qf_kl", "qf_neff_nw"]  # kl, neff read uniform before
+        assert len(zeroed) and zeroed[undefined].isna().all().all() and (zeroed["nonfinite"] == 1).all()
+        assert kept[undefined].notna().all().all() and (kept["nonfinite"] == 0).all()
 
 
 def test_contributions_are_nan_and_said_so_after_an_output_edit(sd15, refs):
