@@ -549,7 +549,6 @@ def write(log: ProbeLog, tracker) -> None:
     for step in sorted({*histograms, *log.images}):
         for tag, values in histograms.get(step, []):
             tracker.histogram(tag, values, step)
-        timestep = log.timesteps.get(step)
-        tracker.figures(log.images.get(step, {}), step, None if timestep is None else f"step {step}, t {timestep:g}")
+        tracker.figures(log.images.get(step, {}), step, log.timesteps.get(step))
     tracker.text(log.texts, log.last_step)
     tracker.layout(log.layout, log.scalars, log.x_axis)

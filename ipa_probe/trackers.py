@@ -357,10 +357,11 @@ class Tracker:
             for key, value in values.items():
                 self._client.log_text(self._run_id, value, f"{key}.md")
 
-    def figures(self, figures: Mapping[str, Any], step: int = 0, caption: str | None = None) -> None:
+    def figures(self, figures: Mapping[str, Any], step: int = 0, timestep: float | None = None) -> None:
         """Matplotlib figures (closed afterwards) or ``(H, W, 3)`` uint8 arrays, as images at ``step`` (TensorBoard
-        and MLflow show a slider over the steps of one tag; wandb, which numbers its files by its own step, shows
-        ``caption`` under each image: the probe's is the step and its timestep)."""
+        and MLflow show a slider over the steps of one tag). wandb writes an image logged under ``key`` to
+        ``media/images/{key}_{its own step}_{hash}.png`` (a ``/`` in the key is a folder): given the ``timestep``,
+        each image is logged under ``TAG/t0951`` so that its file carries the timestep, captioned with the step."""
         import numpy as np
 
         from .probe_log import figure_array
@@ -374,7 +375,10 @@ class Tracker:
         elif self.name == "wandb":
             import wandb
 
-            self._run.log({k: wandb.Image(a, caption=caption) for k, a in arrays.items()} | {"step": step})
+            key, caption = (
+                ("{}", None) if timestep is None else (f"{{}}/t{timestep:04.0f}", f"step {step}, t {timestep:g}")
+            )
+            self._run.log({key.format(k): wandb.Image(a, caption=caption) for k, a in arrays.items()} | {"step": step})
         else:
             for key, array in arrays.items():
                 self._client.log_image(self._run_id, array, key=key, step=step)
