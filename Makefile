@@ -13,7 +13,7 @@ TIER ?= smoke
 # a value set in the environment wins. The ipa-probe commands set the same default themselves (docs/failures.md).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: venv demo test test-compile test-fast lint format hooks bench experiments figures figures-check clean
+.PHONY: venv demo test test-compile test-fast lint format hooks bench experiments figures figures-check screens clean
 
 # Recipes run in bash with pipefail, so that a command piped through a filter still fails the target when it fails.
 SHELL := /bin/bash
@@ -92,6 +92,11 @@ figures: $(STAMP)
 
 figures-check: $(STAMP)
 	$(PY) -m ipa_probe.devtools.figures --check --rerun
+
+# docs/images/tensorboard.png: TensorBoard's first screen for docs/logging.md's command, by headless Chromium (which
+# it needs; not part of `make test`).
+screens: $(STAMP)
+	$(PY) docs/screens/tensorboard_shot.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

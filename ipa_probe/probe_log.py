@@ -492,7 +492,8 @@ def _layout(log: ProbeLog, head: str | None, calls: dict[int, str], kind: str) -
     for where in calls.values():
         qf, st, ag, sh = (_group(key, "", where) for key in ("query_frame", "stored_frame", "agreement", "shares"))
         layout += [
-            (f"query frame (gauge-invariant): {what}{where}, mean over layers and heads; x: denoising step", [
+            (f"query frame (gauge-invariant): {what}{where}, mean over layers and heads; x: denoising step; y: untick"
+             " Ignore outliers to fit each chart's lowest and highest 5% of points", [
                 ("query-frame rho: run, baseline, mean (read at smoothing 0)", have(qf, "rho")),
                 ("excess over the baseline", have(qf, "rho_excess", "rho_gaussian_excess")),
                 ("chance: permutation null", have(qf, "rho_null", "rho_gaussian_null")),

@@ -190,6 +190,8 @@ def test_layout_names_the_tags_that_exist_one_unit_per_chart(logged):
             assert len(chart.multiline.tag) <= 4  # a chart of a few series of one unit, never 14
     first = layout.category[0]
     assert first.title.startswith("query frame (gauge-invariant): cond branch")
+    # TensorBoard's default y range leaves out the lowest and highest ~5% of a chart's points (its t = 1 end here)
+    assert "untick Ignore outliers" in first.title
     assert first.chart[0].title == "query-frame rho: run, baseline, mean (read at smoothing 0)"
     assert list(first.chart[0].multiline.tag) == ["^1_query_frame/rho$"]
     assert list(first.chart[2].multiline.tag) == ["^1_query_frame/rho_null$", "^1_query_frame/rho_gaussian_null$"]
