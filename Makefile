@@ -93,7 +93,7 @@ figures: $(STAMP)
 figures-check: $(STAMP)
 	$(PY) -m ipa_probe.devtools.figures --check --rerun
 
-# docs/images/tensorboard.png: TensorBoard's first screen for docs/logging.md's command, by headless Chromium (which
+# docs/screens/tensorboard.png: TensorBoard's first screen for docs/logging.md's command, by headless Chromium (which
 # it needs; not part of `make test`).
 screens: $(STAMP)
 	$(PY) docs/screens/tensorboard_shot.py

@@ -1,4 +1,4 @@
-"""docs/images/tensorboard.png: TensorBoard's first screen for the run of docs/logging.md, taken by a headless browser.
+"""docs/screens/tensorboard.png: TensorBoard's first screen for the run of docs/logging.md, by a headless browser.
 
     python docs/screens/tensorboard_shot.py        # or: make screens
 
@@ -47,7 +47,7 @@ def _wait_for(url: str, seconds: float) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--logdir", type=Path, help="logs already written (default: run docs/logging.md's command)")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "images" / "tensorboard.png")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "screens" / "tensorboard.png")
     parser.add_argument("--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser"))
     parser.add_argument("--size", default="1400,1000", help="window width,height in pixels")
     args = parser.parse_args(argv)
