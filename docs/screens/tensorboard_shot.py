@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             _wait_for(f"http://127.0.0.1:{port}/data/runs", 120)
+            # without a GPU, headless Chromium has no WebGL for TensorBoard's charts, which then stay empty: with
+            # WebGL off TensorBoard draws them as SVG
             browser = [
                 args.chromium,
                 "--headless=new",
