@@ -13,7 +13,7 @@ TIER ?= smoke
 # a value set in the environment wins. The ipa-probe commands set the same default themselves (docs/failures.md).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: venv demo test test-compile test-fast lint format hooks bench experiments figures figures-check clean
+.PHONY: venv demo test test-compile test-fast lint format hooks bench experiments figures figures-check screens clean
 
 # Recipes run in bash with pipefail, so that a command piped through a filter still fails the target when it fails.
 SHELL := /bin/bash
@@ -25,11 +25,28 @@ SHELL := /bin/bash
 PIP_NOISE := ^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.$$
 PIP_QUIET := 2>&1 | { grep -v -E "$(PIP_NOISE)" || true; }
 
+# torch and torchvision are installed as one matching pair (a torchvision built for another torch fails at import:
+# "operator torchvision::nms does not exist"); a torch already in the environment is kept. Without an NVIDIA GPU (no
+# working `nvidia-smi`) the pair is first asked of PyTorch's CPU index by exact version (+cpu), once, with no retries,
+# so that pip does not fetch the CUDA build (about 6 GB, docs/machine.md); where that index cannot be reached, or
+# lacks the pair, nothing is installed by that step and pip's default build of the same pair follows.
+# `make venv TORCH_CPU_INDEX=` skips the CPU index.
+TORCH_VERSION ?= 2.14.1
+TORCHVISION_VERSION ?= 0.29.1
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+HAVE_TORCH := $(PY) -c "import torch" 2>/dev/null
+
 $(STAMP): pyproject.toml
 	@echo "creating $(VENV) and installing ipa-probe with its dependencies (a few minutes, once)"
 	@$(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install --quiet --upgrade pip $(PIP_QUIET)
-	@PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install --quiet -e '.[dev]' $(PIP_QUIET)
+	@$(HAVE_TORCH) || nvidia-smi -L >/dev/null 2>&1 || [ -z "$(TORCH_CPU_INDEX)" ] || { \
+		echo "no NVIDIA GPU: torch $(TORCH_VERSION)+cpu from $(TORCH_CPU_INDEX)"; \
+		$(PY) -m pip install --quiet --retries 0 --timeout 10 --index-url $(TORCH_CPU_INDEX) \
+			torch==$(TORCH_VERSION)+cpu torchvision==$(TORCHVISION_VERSION)+cpu >/dev/null 2>&1 \
+		|| echo "not there: pip's default build of torch $(TORCH_VERSION) and torchvision $(TORCHVISION_VERSION)"; }
+	@pair="torch==$(TORCH_VERSION) torchvision==$(TORCHVISION_VERSION)"; $(HAVE_TORCH) && pair=; \
+		PYTHONWARNINGS='ignore:Editable installation' $(PY) -m pip install --quiet -e '.[dev]' $$pair $(PIP_QUIET)
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -75,6 +92,11 @@ figures: $(STAMP)
 
 figures-check: $(STAMP)
 	$(PY) -m ipa_probe.devtools.figures --check --rerun
+
+# docs/screens/tensorboard.png: TensorBoard's first screen for docs/logging.md's command, by headless Chromium (which
+# it needs; not part of `make test`).
+screens: $(STAMP)
+	$(PY) docs/screens/tensorboard_shot.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -471,7 +471,8 @@ def _layout(log: ProbeLog, head: str | None, calls: dict[int, str], kind: str) -
     for where in calls.values():
         qf, st, ag, sh = (_group(key, "", where) for key in ("query_frame", "stored_frame", "agreement", "shares"))
         layout += [
-            (f"query frame (gauge-invariant): {what}{where}, mean over layers and heads; x: denoising step", [
+            (f"query frame (gauge-invariant): {what}{where}, mean over layers and heads; x: denoising step; y: untick"
+             " Ignore outliers to fit each chart's lowest and highest 5% of points", [
                 ("query-frame rho: run, baseline, mean (read at smoothing 0)", have(qf, "rho")),
                 ("excess over the baseline", have(qf, "rho_excess", "rho_gaussian_excess")),
                 ("chance: permutation null", have(qf, "rho_null", "rho_gaussian_null")),
@@ -528,7 +529,6 @@ def write(log: ProbeLog, tracker) -> None:
     for step in sorted({*histograms, *log.images}):
         for tag, values in histograms.get(step, []):
             tracker.histogram(tag, values, step)
-        timestep = log.timesteps.get(step)
-        tracker.figures(log.images.get(step, {}), step, None if timestep is None else f"step {step}, t {timestep:g}")
+        tracker.figures(log.images.get(step, {}), step, log.timesteps.get(step))
     tracker.text(log.texts, log.last_step)
     tracker.layout(log.layout, log.scalars, log.x_axis)

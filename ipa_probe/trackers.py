@@ -281,13 +281,11 @@ class Tracker:
         if not finite or not self.active:
             return
         if self.name == "tensorboard":
-            writer = self._writer
-            if series:
-                if series not in self._subwriters:
-                    from torch.utils.tensorboard import SummaryWriter
+            if series and series not in self._subwriters:
+                from torch.utils.tensorboard import SummaryWriter
 
-                    self._subwriters[series] = SummaryWriter(log_dir=str(self.folder / series))
-                writer = self._subwriters[series]
+                self._subwriters[series] = SummaryWriter(log_dir=str(self.folder / series))
+            writer = self._subwriters[series] if series else self._writer
             for tag, value in finite.items():
                 writer.add_scalar(tag, value, step)
             return
@@ -340,10 +338,10 @@ class Tracker:
             for key, value in values.items():
                 self._client.log_text(self._run_id, value, f"{key}.md")
 
-    def figures(self, figures: Mapping[str, Any], step: int = 0, caption: str | None = None) -> None:
+    def figures(self, figures: Mapping[str, Any], step: int = 0, timestep: float | None = None) -> None:
         """Matplotlib figures (closed afterwards) or ``(H, W, 3)`` uint8 arrays, as images at ``step`` (TensorBoard
-        and MLflow show a slider over the steps of one tag; wandb, which numbers its files by its own step, shows
-        ``caption`` under each image: the probe's is the step and its timestep)."""
+        and MLflow: a slider over the steps of one tag). wandb names the file of an image logged under ``key``
+        ``media/images/{key}_{its own step}_{hash}.png``: given the ``timestep``, the key is ``TAG/t0951``."""
         import numpy as np
 
         from .probe_log import figure_array
@@ -357,7 +355,9 @@ class Tracker:
         elif self.name == "wandb":
             import wandb
 
-            self._run.log({k: wandb.Image(a, caption=caption) for k, a in arrays.items()} | {"step": step})
+            tail = "" if timestep is None else f"/t{timestep:04.0f}"
+            caption = f"step {step}, t {timestep:g}" if tail else None
+            self._run.log({k + tail: wandb.Image(a, caption=caption) for k, a in arrays.items()} | {"step": step})
         else:
             for key, array in arrays.items():
                 self._client.log_image(self._run_id, array, key=key, step=step)
@@ -420,8 +420,7 @@ class Tracker:
             return
         self.active = False
         if self.name == "tensorboard":
-            self._writer.close()
-            for writer in self._subwriters.values():
+            for writer in (self._writer, *self._subwriters.values()):
                 writer.close()
         elif self.name == "wandb":
             self._run.finish(exit_code=0 if error is None else 1)

@@ -190,6 +190,8 @@ def test_layout_names_the_tags_that_exist_one_unit_per_chart(logged):
             assert len(chart.multiline.tag) <= 4  # a chart of a few series of one unit, never 14
     first = layout.category[0]
     assert first.title.startswith("query frame (gauge-invariant): cond branch")
+    # TensorBoard's default y range leaves out the lowest and highest ~5% of a chart's points (its t = 1 end here)
+    assert "untick Ignore outliers" in first.title
     assert first.chart[0].title == "query-frame rho: run, baseline, mean (read at smoothing 0)"
     assert list(first.chart[0].multiline.tag) == ["^1_query_frame/rho$"]
     assert list(first.chart[2].multiline.tag) == ["^1_query_frame/rho_null$", "^1_query_frame/rho_gaussian_null$"]
@@ -343,11 +345,24 @@ def test_wandb_gets_the_same_content_and_its_real_run_folder(logged, tmp_path, m
     assert sorted(k for k in first if k != "step")[0] == "1_query_frame/rho"  # the same order as TensorBoard
     histograms = {(row["step"]) for row in rows for v in row.values() if isinstance(v, tuple) and v[0] == "histogram"}
     assert histograms == set(_x(run).values())
-    overlays = [
-        (row["step"], row["7_overlays/reference_shares"][2]) for row in rows if "7_overlays/reference_shares" in row
-    ]
+    # wandb's rule for a media file (wandb.sdk.data_types.base_types.media._wb_filename, bound at run.log): the image
+    # logged under KEY goes to media/images/{KEY}_{wandb's own step}_{hash}.png, a "/" in KEY making a folder, and
+    # wandb's own step counts the run.log calls (no step= is passed). The overlay's files must carry the timestep.
+    files = {
+        f"media/images/{key}_{own_step}_HASH.png": (row["step"], value[2])
+        for own_step, row in enumerate(rows)
+        for key, value in row.items()
+        if key.startswith("7_overlays/reference_shares")
+    }
     timesteps = cells.groupby("step")["timestep"].first()
-    assert overlays == [(x, f"step {x}, t {timesteps[x]:g}") for x in sorted(_x(run).values())]  # W&B's own step aside
+    own_steps = [int(name.split("_")[-2]) for name in files]
+    assert files == {
+        f"media/images/7_overlays/reference_shares/t{round(timesteps[x]):04d}_{n}_HASH.png": (
+            x,
+            f"step {x}, t {timesteps[x]:g}",
+        )
+        for x, n in zip(sorted(_x(run).values()), own_steps, strict=True)
+    }
     charts = [v[1] for row in rows for k, v in row.items() if k.startswith("charts/")]
     (rho_chart,) = [
         c for c in charts if c["title"].endswith("query-frame rho: run, baseline, mean (read at smoothing 0)")
