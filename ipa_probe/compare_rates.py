@@ -35,7 +35,9 @@ def label_rates(
     For every ``(label, references)`` set and seed, one image per method from the same initial noise: ``learned``
     (the pipeline as it is), ``nw_head_query`` / ``nw_head_stored`` (:func:`ipa_probe.nw_head`, matched bandwidth,
     query or stored frame) and ``adapter_off`` (every IP-Adapter's scale 0, restored after); ``classify`` labels the
-    images. The rate's interval is Clopper-Pearson (exact, inside [0, 1]).
+    images. The rate's interval is Clopper-Pearson (exact, inside [0, 1]), clustered by reference set where there are
+    several (the seeds of one set share its references: :func:`~ipa_probe.attribution.clustered_clopper_pearson`);
+    for one set it is the plain interval over the seeds, a statement about that set.
 
     Args:
         pipe: a pipeline with one IP-Adapter loaded.
@@ -49,7 +51,7 @@ def label_rates(
     Returns:
         one row per method: ``method``, ``right`` (count), ``images``, ``rate``, ``low``, ``high``.
     """
-    from .attribution import clopper_pearson
+    from .attribution import clopper_pearson, clustered_clopper_pearson
     from .layers import find_ip_layers
     from .nwhead import nw_head
 
@@ -68,7 +70,7 @@ def label_rates(
 
     rows = []
     for method in methods:
-        right = total = 0
+        right, total = [], []  # per reference set
         for label, references in sets:
             if method.startswith("nw_head"):
                 with nw_head(pipe, frame=method.removeprefix("nw_head_")):
@@ -85,10 +87,13 @@ def label_rates(
             else:
                 out = images(references)
             labels, _ = classify(out)
-            right += int((np.asarray(labels) == label).sum())
-            total += len(out)
-        low, high = clopper_pearson(right, total)
-        rows.append({"method": method, "right": right, "images": total, "rate": right / total})
+            right.append(int((np.asarray(labels) == label).sum()))
+            total.append(len(out))
+        if len(sets) > 1:
+            low, high = clustered_clopper_pearson(right, total)
+        else:
+            low, high = clopper_pearson(sum(right), sum(total))
+        rows.append({"method": method, "right": sum(right), "images": sum(total), "rate": sum(right) / sum(total)})
         rows[-1].update(low=low, high=high)
     return pd.DataFrame(rows)
 

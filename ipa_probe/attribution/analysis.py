@@ -32,6 +32,7 @@ __all__ = [
     "cell_shares",
     "cell_verdicts",
     "clopper_pearson",
+    "clustered_clopper_pearson",
     "holm",
     "holm_lower_bounds",
     "control_difference",
@@ -111,6 +112,34 @@ def clopper_pearson(successes: int, trials: int, confidence: float = 0.95) -> tu
         return math.nan, math.nan
     ci = stats.binomtest(int(successes), int(trials)).proportion_ci(confidence_level=confidence, method="exact")
     return float(ci.low), float(ci.high)
+
+
+def clustered_clopper_pearson(successes, trials, confidence: float = 0.95) -> tuple[float, float]:
+    """The Clopper-Pearson interval of a proportion whose trials come in clusters (images that share a reference
+    set), by Korn and Graubard's effective sample size: the pooled proportion ``p = sum x_c / sum n_c``, its
+    between-cluster variance ``v = C / (C - 1) sum (x_c - p n_c)^2 / N^2``, ``n* = min(N, p (1 - p) / v)`` scaled by
+    ``(z / t_{C-1})^2`` for the clusters' degrees of freedom, and the exact interval of ``p n*`` successes in ``n*``
+    trials (beta quantiles; ``n*`` need not be whole). Inside ``[0, 1]``, never narrower than the clusters' spread
+    allows; with clusters no more alike than independent trials it is about the plain interval. ``(nan, nan)`` for no
+    trials or fewer than 2 clusters.
+
+    Args:
+        successes, trials: per cluster, equal lengths.
+    """
+    x = np.asarray(successes, dtype=np.float64)
+    n = np.asarray(trials, dtype=np.float64)
+    total, clusters = n.sum(), len(n)
+    if total <= 0 or clusters < 2:
+        return math.nan, math.nan
+    p = x.sum() / total
+    v = clusters / (clusters - 1) * ((x - p * n) ** 2).sum() / total**2
+    n_eff = min(total, p * (1 - p) / v) if v > 0 else total
+    alpha = 1 - confidence
+    n_eff *= (stats.norm.ppf(1 - alpha / 2) / stats.t.ppf(1 - alpha / 2, clusters - 1)) ** 2
+    k = p * n_eff
+    low = 0.0 if k <= 0 else float(stats.beta.ppf(alpha / 2, k, n_eff - k + 1))
+    high = 1.0 if k >= n_eff else float(stats.beta.ppf(1 - alpha / 2, k + 1, n_eff - k))
+    return low, high
 
 
 def neff(weights: np.ndarray) -> np.ndarray:
