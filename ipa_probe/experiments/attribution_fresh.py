@@ -10,12 +10,13 @@ are counted and set aside from the agreement (not from the calibration, which ne
 
 Each predictor scores both pairs (:data:`PAIR_PREDICTORS`), chooses the higher, and its score is its predicted size
 of the pair's effect, the drop of ``P(pair's digit)`` under the ablation (``real_drop``). Per predictor
-(:func:`summarize`): agreement of its choice with the deciding pair (exact Clopper-Pearson interval; one generation per
-set, so sets are independent; chance 1/2 and a one-sided binomial p against it), and calibration over every
-(set, pair): the least-squares slope of the real drop on the predicted one and their Spearman correlation, each with
-a 95 % percentile bootstrap interval over sets (a set's two pairs are resampled together).
+(:func:`summarize`): agreement of its choice with the deciding pair, with chance 1/2, the one-sided binomial p of
+agreement above chance and its exact (Clopper-Pearson) one-sided 95 % lower bound (one generation per set, so sets
+are independent); and calibration over every (set, pair): the least-squares slope of the real drop on the predicted
+one and their Spearman correlation, each with a 95 % percentile bootstrap interval over sets (a set's two pairs are
+resampled together).
 
-Run: ``python -m ipa_probe.experiments.attribution_fresh --sets 16 --out docs/results/attribution_fresh``.
+Run: ``python -m ipa_probe.experiments.attribution_fresh --sets 16 --points 2 --out docs/results/attribution_fresh``.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def deciding_pairs(records: pd.DataFrame) -> pd.Series:
     flip."""
     flips = records.pivot(index="set", columns="pair", values="flipped").astype(bool)  # (S, 2)
     single = flips.sum(axis=1) == 1
-    return flips.idxmax(axis=1).where(single, None)
+    return flips.idxmax(axis=1).where(single)
 
 
 def _calibration(predicted: np.ndarray, real: np.ndarray) -> tuple[float, float]:
@@ -120,8 +121,9 @@ def _calibration(predicted: np.ndarray, real: np.ndarray) -> tuple[float, float]
 
 
 def summarize(records: pd.DataFrame, resamples: int = 1999, seed: int = 0) -> pd.DataFrame:
-    """Per predictor: agreement with the deciding pair (``hits`` of ``decided`` sets, ``agreement``,
-    Clopper-Pearson ``agreement_low``/``_high``, ``chance`` 0.5, one-sided binomial ``p``), and calibration over
+    """Per predictor: agreement with the deciding pair (``hits`` of ``decided`` sets, ``agreement``, its one-sided
+    95 % Clopper-Pearson lower bound ``agreement_low``, ``chance`` 0.5 and the one-sided binomial ``p`` of agreement
+    above chance), and calibration over
     every (set, pair): ``slope`` of the real drop on the predicted one and ``spearman``, each with a percentile
     bootstrap interval over sets (``resamples``); ``median_predicted`` and ``median_real`` of the deciding pairs."""
     from scipy import stats
@@ -139,11 +141,11 @@ def summarize(records: pd.DataFrame, resamples: int = 1999, seed: int = 0) -> pd
         n = int(decided.sum())
         entry = {"predictor": predictor, "sets": len(sets), "decided": n, "hits": hits,
                  "agreement": hits / n if n else np.nan, "chance": 0.5}  # fmt: skip
-        low, high, p = np.nan, np.nan, np.nan
-        if n:
+        low, p = np.nan, np.nan
+        if n:  # the one-sided test against chance and its exact bound: low > 0.5 exactly when p < 0.05
             test = stats.binomtest(hits, n, 0.5, alternative="greater")
-            (low, high), p = test.proportion_ci(method="exact"), test.pvalue
-        entry.update({"agreement_low": low, "agreement_high": high, "p": p})
+            low, p = test.proportion_ci(method="exact").low, test.pvalue
+        entry.update({"agreement_low": low, "p": p})
         entry["slope"], entry["spearman"] = _calibration(score.ravel(), real.ravel())
         for k, name in enumerate(("slope", "spearman")):
             bounds = (np.nan, np.nan)
