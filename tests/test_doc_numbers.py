@@ -471,3 +471,47 @@ def test_full_tier_shuffle_and_tracking():
     assert_in(
         "docs/attribution.md", f"at most {100 * top['tracks_posterior']:.1f}% of any resolution's cells at any step"
     )
+
+
+# ------------------------------------------------------- attribution.md and findings.md section 6: fresh sets (#52.1)
+FRESH_ORGANISMS = ("support", "ip-adapter", "mixed")
+FRESH_WORDS = {
+    "output_digit": "reading the output's digit",
+    "contribution_norm": "contribution norm",
+    "attention_share": "attention share",
+    "attribution_patching": "attribution patching",
+    "integrated_patching": "integrated patching",
+}
+
+
+def fresh_rows() -> list[str]:
+    """attribution.md's two tables of the fresh sets, row by row, from ``attribution_fresh/summary.csv``."""
+    table = record("attribution_fresh/summary.csv")
+    agreement, calibration = [], []
+    for predictor, words in FRESH_WORDS.items():
+        rows = [one(table, organism=o, predictor=predictor) for o in FRESH_ORGANISMS]
+        agreement.append(
+            f"| {words} | "
+            + " | ".join(f"{r['hits']} of {r['decided']} (≥ {r['agreement_low']:.2f}, p {g(r['p'])})" for r in rows)
+            + " |"
+        )
+        calibration.append(
+            f"| {words} | "
+            + " | ".join(
+                f"{signed(r['spearman'])} [{signed(r['spearman_low'])}, {signed(r['spearman_high'])}]; "
+                f"{e(r['slope'])} [{e(r['slope_low'])}, {e(r['slope_high'])}]; "
+                f"{e(r['median_predicted'])} vs {e(r['median_real'])}"
+                for r in rows
+            )
+            + " |"
+        )
+    return agreement + calibration
+
+
+def test_fresh_set_tables():
+    for row in fresh_rows():
+        assert_in("docs/attribution.md", row)
+    table = record("attribution_fresh/summary.csv")
+    for organism in FRESH_ORGANISMS:
+        r = one(table, organism=organism, predictor="output_digit")
+        assert_in("docs/attribution.md", f"`{organism}`: {r['decided']} of {r['sets']} sets decided")

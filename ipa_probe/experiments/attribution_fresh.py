@@ -105,8 +105,8 @@ def fresh_set(pipe, spec: dict, points: int = 2, steps: int | None = None) -> pd
 
 
 def deciding_pairs(records: pd.DataFrame) -> pd.Series:
-    """Per set, the deciding pair: the one pair whose ablation alone flips the digit; ``None`` where both or neither
-    flip."""
+    """Per set, the deciding pair: the one pair whose ablation alone flips the digit; missing (NaN) where both or
+    neither flip."""
     flips = records.pivot(index="set", columns="pair", values="flipped").astype(bool)  # (S, 2)
     single = flips.sum(axis=1) == 1
     return flips.idxmax(axis=1).where(single)
