@@ -123,9 +123,9 @@ def _calibration(predicted: np.ndarray, real: np.ndarray) -> tuple[float, float]
 def summarize(records: pd.DataFrame, resamples: int = 1999, seed: int = 0) -> pd.DataFrame:
     """Per predictor: agreement with the deciding pair (``hits`` of ``decided`` sets, ``agreement``, its one-sided
     95 % Clopper-Pearson lower bound ``agreement_low``, ``chance`` 0.5 and the one-sided binomial ``p`` of agreement
-    above chance), and calibration over
-    every (set, pair): ``slope`` of the real drop on the predicted one and ``spearman``, each with a percentile
-    bootstrap interval over sets (``resamples``); ``median_predicted`` and ``median_real`` of the deciding pairs."""
+    above chance), and calibration over every (set, pair): ``slope`` of the real drop on the predicted one and
+    ``spearman``, each with a 95 % percentile bootstrap interval over sets (``resamples``; ``_low``, ``_high``);
+    ``median_predicted`` and ``median_real`` of the deciding pairs."""
     from scipy import stats
 
     deciding = deciding_pairs(records)
