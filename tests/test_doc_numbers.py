@@ -471,3 +471,79 @@ def test_full_tier_shuffle_and_tracking():
     assert_in(
         "docs/attribution.md", f"at most {100 * top['tracks_posterior']:.1f}% of any resolution's cells at any step"
     )
+
+
+# ------------------------------------------------------- attribution.md and findings.md section 6: fresh sets (#52.1)
+FRESH_ORGANISMS = ("support", "ip-adapter", "mixed")
+FRESH_WORDS = {
+    "output_digit": "reading the output's digit",
+    "contribution_norm": "contribution norm",
+    "attention_share": "attention share",
+    "attribution_patching": "attribution patching",
+    "integrated_patching": "integrated patching",
+}
+
+
+def fresh_rows() -> list[str]:
+    """attribution.md's two tables of the fresh sets, row by row, from ``attribution_fresh/summary.csv``."""
+    table = record("attribution_fresh/summary.csv")
+    agreement, calibration = [], []
+    for predictor, words in FRESH_WORDS.items():
+        rows = [one(table, organism=o, predictor=predictor) for o in FRESH_ORGANISMS]
+        agreement.append(
+            f"| {words} | "
+            + " | ".join(f"{r['hits']} of {r['decided']} (≥ {r['agreement_low']:.2f}, p {g(r['p'])})" for r in rows)
+            + " |"
+        )
+        calibration.append(
+            f"| {words} | "
+            + " | ".join(
+                f"{signed(r['spearman'])} [{signed(r['spearman_low'])}, {signed(r['spearman_high'])}]; "
+                f"{e(r['slope'])} [{e(r['slope_low'])}, {e(r['slope_high'])}]; "
+                f"{e(r['median_predicted'])} vs {e(r['median_real'])}"
+                for r in rows
+            )
+            + " |"
+        )
+    return agreement + calibration
+
+
+def test_fresh_set_tables():
+    for row in fresh_rows():
+        assert_in("docs/attribution.md", row)
+    table = record("attribution_fresh/summary.csv")
+    for organism in FRESH_ORGANISMS:
+        r = one(table, organism=organism, predictor="output_digit")
+        assert_in("docs/attribution.md", f"`{organism}`: {r['decided']} of {r['sets']} sets decided")
+
+
+def fresh_claims() -> list[str]:
+    """The prose of the fresh-set section (attribution.md, findings.md section 6), rebuilt from ``summary.csv``."""
+    table = record("attribution_fresh/summary.csv")
+    by = {(r["organism"], r["predictor"]): r for r in table.to_dict(orient="records")}
+    read = [by[o, "output_digit"] for o in FRESH_ORGANISMS]
+    hits = ", ".join(f"{r['hits']} of {r['decided']}" for r in read[:-1]) + f" and {read[-1]['hits']} of "
+    slopes, ranks = [r["slope"] for r in read], [r["spearman"] for r in read]
+
+    def medians(predictor: str, key: str = "median_predicted") -> str:
+        return " / ".join(e(by[o, predictor][key]) for o in FRESH_ORGANISMS)
+
+    attribution = [p for p in FRESH_WORDS if p != "output_digit"]
+    above = sorted((o, p) for o in FRESH_ORGANISMS for p in attribution if by[o, p]["p"] < 0.05)
+    assert above == [("mixed", "integrated_patching"), ("support", "attention_share")]  # the prose names these two
+    assert len({g(by[k]["p"]) for k in above}) == 1
+    ranked = {(o, p) for o in FRESH_ORGANISMS for p in ("attribution_patching", "integrated_patching")}
+    assert {k for k in ranked if by[k]["spearman_low"] <= 0} == {("ip-adapter", "attribution_patching")}
+    return [
+        f"chooses the deciding pair in {hits}{read[-1]['decided']} decided sets",
+        f"(slopes {e(min(slopes))}–{e(max(slopes))}, Spearman at least {signed(min(ranks))})",
+        f"each at an unadjusted p of {g(by[above[0]]['p'])} in a table of {len(table)} tests",
+        f"{medians('attribution_patching')} (first order) and {medians('integrated_patching')} (integrated, 2 "
+        f"points) against real drops of {medians('output_digit', 'median_real')}",
+    ]
+
+
+def test_fresh_set_claims():
+    for claim in fresh_claims():
+        assert_in("docs/attribution.md", claim)
+        assert_in("docs/findings.md", claim)

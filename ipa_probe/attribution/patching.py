@@ -19,7 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["PATCHING_COLUMNS", "digit_probability_gradients", "integrated_patching", "patching_gradients"]
+__all__ = [
+    "PATCHING_COLUMNS",
+    "digit_metrics",
+    "digit_probability_gradients",
+    "integrated_patching",
+    "patching_gradients",
+]
 
 #: The columns :func:`digit_probability_gradients` adds per reference.
 PATCHING_COLUMNS: tuple[str, ...] = ("attribution_patching", "output_projection")
@@ -140,6 +146,21 @@ def _classifier_slope(grey: np.ndarray, digit: int) -> tuple[float, np.ndarray]:
     return float(p[0]), (p[1:65] - p[65:]) / (2 * CLASSIFIER_STEP)
 
 
+def digit_metrics(pipe, digits: Sequence[int]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+    """The metrics ``P(d | image)`` for each ``d`` in ``digits``, for :func:`patching_gradients` and
+    :func:`integrated_patching`: ``m_d = slope_d . grey``, the classifier's slope (central differences, taken at the
+    current image) times the model's differentiable 8 x 8 input, so that ``dm_d`` is ``dP(d)`` to first order at
+    every point of a path (integrated over the path: the change of ``P(d)`` itself)."""
+
+    def metrics(latents: torch.Tensor) -> list[torch.Tensor]:
+        grey = _grey_8x8(pipe, latents)  # (64,)
+        host = grey.detach().double().cpu().numpy()
+        slopes = [_classifier_slope(host, digit)[1] for digit in digits]
+        return [(grey * torch.as_tensor(s, dtype=grey.dtype, device=grey.device)).sum() for s in slopes]
+
+    return metrics
+
+
 def digit_probability_gradients(pipe, digits: Sequence[int], *, seed: int = 0, **call: Any):
     """Per reference, :data:`PATCHING_COLUMNS` for the metric ``P(digits[j] | image)`` (the experiment's
     ``class_drop`` measure): ``attribution_patching`` estimates ``class_drop``, ``output_projection`` the same
@@ -152,18 +173,7 @@ def digit_probability_gradients(pipe, digits: Sequence[int], *, seed: int = 0, *
     import pandas as pd
 
     wanted = sorted(set(digits))
-    slopes: dict[int, np.ndarray] = {}
-
-    def metrics(latents: torch.Tensor):
-        grey = _grey_8x8(pipe, latents)
-        host = grey.detach().double().cpu().numpy()
-        out = []
-        for digit in wanted:  # m = slope . grey: its gradient is the classifier's slope times the model's Jacobian
-            _, slopes[digit] = _classifier_slope(host, digit)
-            out.append((grey * torch.as_tensor(slopes[digit], dtype=grey.dtype, device=grey.device)).sum())
-        return out
-
-    df, dg = patching_gradients(pipe, metrics, seed=seed, **call)
+    df, dg = patching_gradients(pipe, digit_metrics(pipe, wanted), seed=seed, **call)
     rows = [
         {
             "reference": j,

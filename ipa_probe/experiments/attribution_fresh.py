@@ -1,0 +1,225 @@
+"""Attribution validated on fresh reference sets (issue #52 point 1): which predictor names the references that drive
+the output, and which sizes their effect?
+
+The experiment draws its own 2 + 2 sets (two held-out images of digit ``a``, two of ``b``; the digits, the image draws
+and the generation's seed all from :data:`FRESH_SEED` on, a range no other experiment uses) and generates each once
+(DDIM :data:`~.attribution_setup.NUM_STEPS` steps, CFG 3). Ground truth by exact ablation: each same-digit pair
+(both ``a``, both ``b``) is removed in every IP-Adapter layer at every step (``mode="ablate"``); the deciding pair is
+the one whose removal alone flips the classifier's digit. Sets where both or neither flip have no deciding pair: they
+are counted and set aside from the agreement (not from the calibration, which needs no decision).
+
+Each predictor scores both pairs (:data:`PAIR_PREDICTORS`), chooses the higher, and its score is its predicted size
+of the pair's effect, the drop of ``P(pair's digit)`` under the ablation (``real_drop``). Per predictor
+(:func:`summarize`): agreement of its choice with the deciding pair, with chance 1/2, the one-sided binomial p of
+agreement above chance and its exact (Clopper-Pearson) one-sided 95 % lower bound (one generation per set, so sets
+are independent); and calibration over every (set, pair): the least-squares slope of the real drop on the predicted
+one and their Spearman correlation, each with a 95 % percentile bootstrap interval over sets (a set's two pairs are
+resampled together).
+
+Run: ``python -m ipa_probe.experiments.attribution_fresh --sets 16 --points 2 --out docs/results/attribution_fresh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .attribution_setup import _call
+
+__all__ = [
+    "FRESH_SEED",
+    "PAIR_PREDICTORS",
+    "deciding_pairs",
+    "fresh_set",
+    "fresh_sets",
+    "run",
+    "summaries",
+    "summarize",
+]
+
+#: First seed of the fresh range: digits of set ``i`` from ``default_rng(FRESH_SEED + i)``, its images drawn with
+#: seeds ``FRESH_SEED + 2 i`` (digit ``a``) and ``FRESH_SEED + 2 i + 1`` (``b``), its generation seeded
+#: ``FRESH_SEED + i`` (every other experiment's seeds are below 10,000).
+FRESH_SEED = 520_000
+
+#: Per pair, the score each predictor gives (its predicted drop of ``P(pair's digit)``).
+PAIR_PREDICTORS = {
+    "output_digit": "reading the output's digit (P(digit) in the clean output)",
+    "contribution_norm": "contribution norm (sum over the pair, mean over layers and every step)",
+    "attention_share": "attention share (sum over the pair, mean over layers and every step)",
+    "attribution_patching": "attribution patching (first order at the clean run)",
+    "integrated_patching": "integrated patching (the ablation path, midpoint rule)",
+}
+
+
+def fresh_sets(count: int, start: int = FRESH_SEED) -> list[dict]:
+    """``count`` fresh 2 + 2 sets: ``set``, digits ``a`` != ``b``, the draws' seeds and the generation's ``seed``."""
+    out = []
+    for i in range(count):
+        a, b = np.random.default_rng(start + i).choice(10, size=2, replace=False)
+        out.append({"set": i, "a": int(a), "b": int(b), "draw_a": start + 2 * i, "draw_b": start + 2 * i + 1,
+                    "seed": start + i})  # fmt: skip
+    return out
+
+
+def fresh_set(pipe, spec: dict, points: int = 2, steps: int | None = None) -> pd.DataFrame:
+    """One set (a :func:`fresh_sets` entry): one row per pair (``pair`` ``"a"`` / ``"b"``) with ``digit``, the
+    clean and ablated labels, ``flipped``, ``real_drop`` and every :data:`PAIR_PREDICTORS` score.
+
+    Args:
+        points: the midpoint rule's points per pair for ``integrated_patching`` (one forward and backward pass each).
+        steps: denoising steps (default :data:`~.attribution_setup.NUM_STEPS`; fewer for tests).
+    """
+    from ..attribution import digit_probability_gradients, integrated_patching, reference_attribution
+    from ..attribution.patching import digit_metrics
+    from ..intervention import measure_intervention
+    from ..tiny.digits import classify_digit_images, digits_reference_images
+
+    a, b, seed = spec["a"], spec["b"], spec["seed"]
+    refs = digits_reference_images(a, 2, seed=spec["draw_a"]) + digits_reference_images(b, 2, seed=spec["draw_b"])
+    call = {**_call(refs), **({} if steps is None else {"num_inference_steps": steps})}
+    result = reference_attribution(pipe, steps=None, seed=seed, per_head=False, **call)
+    means = result.table.groupby("reference")[["contribution_norm", "attention_share"]].mean()  # layers x steps
+    first = digit_probability_gradients(pipe, [a, a, b, b], seed=seed, **call)["attribution_patching"].to_numpy()
+    rows = []
+    for pair, digit, members in (("a", a, [0, 1]), ("b", b, [2, 3])):
+        effect = measure_intervention(
+            pipe, members, seed=seed, classify=classify_digit_images, baseline=result.generation, **call
+        )
+        clean = float(effect.baseline_probabilities[0, digit])
+        path = integrated_patching(pipe, digit_metrics(pipe, [digit]), members, points=points, seed=seed, **call)
+        rows.append(
+            {**spec, "pair": pair, "digit": digit, "clean_label": int(effect.baseline_labels[0]),
+             "ablated_label": int(effect.intervened_labels[0]), "flipped": bool(effect.flipped[0]),
+             "real_drop": clean - float(effect.intervened_probabilities[0, digit]), "output_digit": clean,
+             "contribution_norm": float(means.loc[members, "contribution_norm"].sum()),
+             "attention_share": float(means.loc[members, "attention_share"].sum()),
+             "attribution_patching": float(first[members].sum()), "integrated_patching": -float(path[0])}
+        )  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def deciding_pairs(records: pd.DataFrame) -> pd.Series:
+    """Per set, the deciding pair: the one pair whose ablation alone flips the digit; missing (NaN) where both or
+    neither flip."""
+    flips = records.pivot(index="set", columns="pair", values="flipped").astype(bool)  # (S, 2)
+    single = flips.sum(axis=1) == 1
+    return flips.idxmax(axis=1).where(single)
+
+
+def _calibration(predicted: np.ndarray, real: np.ndarray) -> tuple[float, float]:
+    from scipy import stats
+
+    if np.ptp(predicted) == 0 or np.ptp(real) == 0:
+        return np.nan, np.nan
+    return float(stats.linregress(predicted, real).slope), float(stats.spearmanr(predicted, real).statistic)
+
+
+def summarize(records: pd.DataFrame, resamples: int = 1999, seed: int = 0) -> pd.DataFrame:
+    """Per predictor: agreement with the deciding pair (``hits`` of ``decided`` sets, ``agreement``, its one-sided
+    95 % Clopper-Pearson lower bound ``agreement_low``, ``chance`` 0.5 and the one-sided binomial ``p`` of agreement
+    above chance), and calibration over every (set, pair): ``slope`` of the real drop on the predicted one and
+    ``spearman``, each with a 95 % percentile bootstrap interval over sets (``resamples``; ``_low``, ``_high``);
+    ``median_predicted`` and ``median_real`` of the deciding pairs."""
+    from scipy import stats
+
+    deciding = deciding_pairs(records)
+    rows = records.sort_values(["set", "pair"])
+    sets = rows["set"].unique()
+    real = rows["real_drop"].to_numpy(np.float64).reshape(len(sets), 2)  # (S, 2) pairs a, b
+    out = []
+    for predictor in PAIR_PREDICTORS:
+        score = rows[predictor].to_numpy(np.float64).reshape(len(sets), 2)  # (S, 2)
+        choice = np.where(score[:, 0] >= score[:, 1], "a", "b")
+        decided = deciding.loc[sets].notna().to_numpy()
+        hits = int((choice[decided] == deciding.loc[sets].to_numpy()[decided]).sum())
+        n = int(decided.sum())
+        entry = {"predictor": predictor, "sets": len(sets), "decided": n, "hits": hits,
+                 "agreement": hits / n if n else np.nan, "chance": 0.5}  # fmt: skip
+        low, p = np.nan, np.nan
+        if n:  # the one-sided test against chance and its exact bound: low > 0.5 exactly when p < 0.05
+            test = stats.binomtest(hits, n, 0.5, alternative="greater")
+            low, p = test.proportion_ci(method="exact").low, test.pvalue
+        entry.update({"agreement_low": low, "p": p})
+        entry["slope"], entry["spearman"] = _calibration(score.ravel(), real.ravel())
+        for k, name in enumerate(("slope", "spearman")):
+            bounds = (np.nan, np.nan)
+            if len(sets) > 1 and np.isfinite(entry[name]):
+                ci = stats.bootstrap(
+                    (np.arange(len(sets)),),
+                    lambda i, k=k, score=score: _calibration(score[i].ravel(), real[i].ravel())[k],
+                    n_resamples=resamples, method="percentile", random_state=seed, vectorized=False,
+                ).confidence_interval  # fmt: skip
+                bounds = (float(ci.low), float(ci.high))
+            entry[f"{name}_low"], entry[f"{name}_high"] = bounds
+        chosen = (rows.assign(deciding=rows["set"].map(deciding))).query("pair == deciding")
+        entry["median_predicted"] = float(chosen[predictor].median()) if len(chosen) else np.nan
+        entry["median_real"] = float(chosen["real_drop"].median()) if len(chosen) else np.nan
+        out.append(entry)
+    return pd.DataFrame(out)
+
+
+def summaries(records: pd.DataFrame) -> pd.DataFrame:
+    """:func:`summarize` per ``organism`` of ``records`` (``records.csv``), with the count of sets ``set_aside``."""
+    parts = [
+        summarize(frame).assign(organism=organism, set_aside=int(deciding_pairs(frame).isna().sum()))
+        for organism, frame in records.groupby("organism", sort=False)
+    ]
+    return pd.concat(parts, ignore_index=True)
+
+
+def run(recipes: list[str], sets: int, out: Path, points: int = 2, steps: int | None = None) -> dict:
+    """:func:`fresh_set` on ``sets`` fresh sets per recipe's trained organism: ``records.csv`` (one row per
+    organism, set and pair), ``summary.csv`` (:func:`summarize` per organism) and ``record.json`` under ``out``."""
+    import torch
+
+    from .._io import versions, write_json, write_table
+    from ..tiny.digits import digits_pipeline
+
+    out.mkdir(parents=True, exist_ok=True)
+    records, cpu = [], {}
+    for recipe in recipes:
+        pipe = digits_pipeline(recipe=recipe)
+        pipe.set_progress_bar_config(disable=True)
+        start = time.process_time()
+        frame = pd.concat([fresh_set(pipe, spec, points, steps) for spec in fresh_sets(sets)], ignore_index=True)
+        cpu[recipe] = round(time.process_time() - start, 1)
+        records.append(frame.assign(organism=recipe))
+        write_table(pd.concat(records, ignore_index=True), out / "records.csv")
+    write_table(summaries(pd.concat(records, ignore_index=True)), out / "summary.csv")
+    record = {"command": f"python -m ipa_probe.experiments.attribution_fresh --sets {sets} --points {points} "
+              f"--recipes {' '.join(recipes)} --out {out}", "fresh_seed": FRESH_SEED, "sets": fresh_sets(sets),
+              "points": points, "num_inference_steps": steps or _call([])["num_inference_steps"],
+              "threads": torch.get_num_threads(), "cpu_seconds": cpu, "versions": versions()}  # fmt: skip
+    write_json(out / "record.json", record)
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
+    import torch
+
+    from .._io import write_table
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sets", type=int, default=16)
+    parser.add_argument("--points", type=int, default=2, help="integrated patching's midpoint-rule points")
+    parser.add_argument("--recipes", nargs="+", default=["support", "ip-adapter", "mixed"])
+    parser.add_argument("--resummarize", action="store_true", help="rewrite summary.csv from --out's records.csv")
+    args = parser.parse_args(argv)
+    if args.resummarize:
+        write_table(summaries(pd.read_csv(args.out / "records.csv")), args.out / "summary.csv")
+        return
+    if args.sets < 1 or args.points < 1:
+        parser.error(f"--sets and --points must be at least 1, got {args.sets} and {args.points}")
+    torch.set_num_threads(1)
+    print(json.dumps(run(args.recipes, args.sets, args.out, args.points)["cpu_seconds"]))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
