@@ -245,6 +245,16 @@ def test_readme_findings():
     )
     assert r["chosen"] == "attribution_patching" and r["agrees"]
     assert_in("README.md", f"(`ip-adapter` {signed(r['spearman'])}, Holm {g(r['p_holm'])})")
+    # fresh sets: on every organism no predictor agrees with the deciding pair more often than reading the output,
+    # and none of them beats chance after Holm over the table's tests
+    fresh = record("attribution_fresh/summary.csv")
+    baseline = fresh[fresh["predictor"] == "output_digit"].set_index("organism")["agreement"]
+    others = fresh[fresh["predictor"] != "output_digit"]
+    assert (others["agreement"].to_numpy() <= baseline.loc[others["organism"]].to_numpy()).all()
+    p = np.sort(others["p"].to_numpy())
+    holm = np.maximum.accumulate(np.minimum(1, p * (len(p) - np.arange(len(p)))))
+    assert holm.min() >= 0.05
+    assert_in("README.md", "on fresh 2+2 sets no predictor beats reading the output")
 
 
 # ------------------------------------------------------------------------------------------- findings.md section 3
