@@ -4,9 +4,10 @@ A *record* is what the probe's taps deliver once per layer, adapter (or the text
 ``(B, H, Q, D)`` and keys ``(B, H, K, D)`` the processor's softmax uses. Its *cells* are its batch items (a group:
 one item with its frames pooled) per head; every statistic of a cell is computed here on the pipeline's device and
 returned as one ``(groups, H, fields)`` tensor in the order of :data:`~ipa_probe.statistics.schema.CELL_FIELDS`, which
-:mod:`~.run` adds into its buffers. A record's inputs and query frames are formed at the
-pass's end, the records of one layer size stacked (:func:`record_logits`, :func:`group_cell`, :func:`cell_inputs`);
-the per-row statistics of every record of the pass then run in one pass (:func:`compare_cells`). Nothing here reads
+:mod:`~.run` adds into its buffers. A record's inputs and query frames are formed when the
+pass ends, the records of one layer size stacked (:func:`record_logits`, :func:`group_cell`, :func:`cell_inputs`;
+an edited, masked or SD3 record in its hook); the per-row statistics of every record of the pass then run in one
+pass (:func:`compare_cells`). Nothing here reads
 the host or keeps state between records.
 """
 
