@@ -38,7 +38,6 @@ from ..layers import (
     claim,
     denoiser_of,
     find_ip_layers,
-    list_hooks,
     refind_ip_layers,
     release,
 )
@@ -155,15 +154,14 @@ class ProbeRun(RecordForming, RunViews, MapViews):
     # ------------------------------------------------------------------ lifecycle
     def _install(self) -> None:
         what = f"read-only forward hooks ({self.config.kind} branch), bandwidth={bw.describe(self.config.bandwidth)}"
-        denoiser = claim(self.pipe, _FEATURE, [layer.name for layer in self.layers], what, exclusive=False)
-        self._claim = list_hooks(self.pipe)[-1]  # its own record: a probe nested in another releases only it
+        self._claim = claim(self.pipe, _FEATURE, [layer.name for layer in self.layers], what, exclusive=False)
         try:
             self._spine = spine.attach(self.pipe, self)  # its clock, then on_pass / on_return (not on a raise)
             self._capture.spine = self._spine
             self._tap_handles = self.tap.install(self._capture, self.images, self.text_slot)
             self.evidence.install()
             if self._maps is not None:
-                self._handles.extend(self._maps.install(denoiser))
+                self._handles.extend(self._maps.install(denoiser_of(self.pipe)))
         except BaseException:
             self._uninstall()
             raise
