@@ -276,11 +276,17 @@ def test_hook_blocks_nest_as_one(organism, refs):
 def test_gauge_tools_inside_a_cache_block(organism, refs):
     from ipa_probe.gauge import gauge_sweep
 
-    name = f"{LAYER}.ip.k"
+    name, gauges = f"{LAYER}.ip.k", "1,adversarial:down:4"
+    alone = gauge_sweep(organism, lambda: latents(organism, refs), gauges, layers=LAYER)
+    with ipa_probe.cache_hook_points(organism, [name]) as plain:
+        latents(organism, refs)
     with ipa_probe.cache_hook_points(organism, [name]) as cache:
-        table = gauge_sweep(organism, lambda: latents(organism, refs), "1,adversarial:down:4", layers=LAYER)
-    assert len(table) and cache.calls >= 3  # the reference call, the adversarial search's call, the gauged call
-    assert ipa_probe.list_hooks(organism) == []
+        table = gauge_sweep(organism, lambda: latents(organism, refs), gauges, layers=LAYER)
+    pd.testing.assert_frame_equal(table, alone, check_exact=True)
+    # the reference call (the plain call's keys), the adversarial search's call, the gauged call (gauged keys)
+    assert cache.calls == 3 and ipa_probe.list_hooks(organism) == []
+    assert all(torch.equal(cache.get(name, step, call=0), plain.get(name, step)) for step in range(STEPS))
+    assert not torch.equal(cache.get(name, 0, call=2), plain.get(name, 0))
 
 
 # attribution and gauge_sweep open a probe of their own; inside an open probe it is a second client of the same core:
