@@ -355,6 +355,39 @@ def test_gauge_sweep_joins_an_open_probe(organism, refs):
         torch.testing.assert_close(read, softmax, rtol=0, atol=2e-3)
 
 
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_a_probe_and_gauge_sweep_join_an_open_probe_on_dits(family, refs, request, one_thread):
+    """On Flux (true CFG) and SD3: a probe and gauge_sweep inside an open probe read and return what they do alone,
+    and the open probe reads every call as a probe alone around them."""
+    from helpers import generate_dit
+
+    from ipa_probe.gauge import gauge_sweep
+
+    pipe = request.getfixturevalue(family)
+
+    def call():
+        return generate_dit(pipe, refs, cfg=True)
+
+    call()  # diffusers' Flux pipeline leaves its own hook registry on the transformer at its first call
+    before = snapshot(pipe)
+    with ipa_probe.probe(pipe, maps=True) as outer:
+        with ipa_probe.probe(pipe, seed=2) as inner:
+            call()
+        joined = gauge_sweep(pipe, call, "1,2")
+    assert_unchanged(pipe, before)
+    with ipa_probe.probe(pipe, maps=True) as outer_alone:
+        call()
+        call()
+        with ipa_probe.qk_gauge(pipe, 2.0):
+            call()
+    with ipa_probe.probe(pipe, seed=2) as inner_alone:
+        call()
+    pd.testing.assert_frame_equal(joined, gauge_sweep(pipe, call, "1,2"), check_exact=True)
+    assert_same_run(inner, inner_alone)
+    assert_same_run(outer, outer_alone)
+    assert set(outer.to_dataframe()["branch"]) == {"cond", "uncond"}
+
+
 @pytest.mark.parametrize("inside", ["attribution", "gauge_sweep"])
 def test_a_failure_inside_a_joined_probe_gives_the_pipeline_back(organism, refs, inside):
     from ipa_probe.gauge import gauge_sweep
