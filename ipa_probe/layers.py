@@ -366,9 +366,7 @@ def list_hooks(pipe) -> Attachments:
     return Attachments(kept(denoiser_of(pipe), "claims", ()))
 
 
-def claim(
-    pipe, feature: str, layers: Iterable[str] = (), what: str = "", *, exclusive: bool = True
-) -> torch.nn.Module:
+def claim(pipe, feature: str, layers: Iterable[str] = (), what: str = "", *, exclusive: bool = True) -> Attachment:
     """Mark a pipeline's denoiser as being modified by ``feature`` (e.g. ``"probe"``); raise if it already is.
 
     Args:
@@ -379,7 +377,7 @@ def claim(
         exclusive: refuse a second claim of ``feature`` (``False`` for features that nest, like ``intervene``).
 
     Returns:
-        the denoiser.
+        this claim's record, for :func:`release` (nested claims of one feature each release their own).
     """
     denoiser = denoiser_of(pipe)
     claims = kept(denoiser, "claims", ())
@@ -388,8 +386,9 @@ def claim(
             f"{feature!r} is already active on this pipeline (ipa_probe.list_hooks(pipe) lists it); leave its "
             "block (or remove it) before attaching it again"
         )
-    keep(denoiser, "claims", (*claims, Attachment(feature, tuple(layers), what)))
-    return denoiser
+    own = Attachment(feature, tuple(layers), what)
+    keep(denoiser, "claims", (*claims, own))
+    return own
 
 
 def release(pipe, feature: str, attachment: Attachment | None = None) -> None:

@@ -1,7 +1,8 @@
 """Features composed on one pipeline (issues 38, 49): the probe measures the weights the layer used inside an
 intervention, under an NW head it reads that head's weights, nested interventions compose as if given at once, the
 denoiser carries one pre-hook however many features are attached, and a generated matrix of every pair of features
-in both orders on SD 1.5 and Flux computes the same in either order and restores the pipeline bit for bit.
+in both orders on SD 1.5 and Flux computes the same in either order and restores the pipeline bit for bit; attribution
+and gauge_sweep inside an open probe return what they return alone, and the open probe reads their calls as alone.
 
 The reference weights are the test's own: forward hooks on ``attn.to_q`` and ``to_k_ip`` (after the intervention's
 edit of the tokens, i.e. the very keys the layer's softmax runs over), the softmax taken here in float64."""
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 
+import pandas as pd
 import pytest
 import torch
 
@@ -73,9 +75,9 @@ def own_weights(pipe, name):
 LAYER = "up_blocks.1.attentions.0.transformer_blocks.0.attn2"
 
 
-def probe_weights(run, step, name=LAYER):
+def probe_weights(run, step, name=LAYER, call=0):
     """The probe's kept map (float16 weights) of one layer at one step, as float64."""
-    return torch.cat([m.double() for m in run.maps[(0, step, name, 0)]])
+    return torch.cat([m.double() for m in run.maps[(call, step, name, 0)]])
 
 
 # ------------------------------------------------------------------------------------------------------ the probe
@@ -274,11 +276,137 @@ def test_hook_blocks_nest_as_one(organism, refs):
 def test_gauge_tools_inside_a_cache_block(organism, refs):
     from ipa_probe.gauge import gauge_sweep
 
-    name = f"{LAYER}.ip.k"
+    name, gauges = f"{LAYER}.ip.k", "1,adversarial:down:4"
+    alone = gauge_sweep(organism, lambda: latents(organism, refs), gauges, layers=LAYER)
+    with ipa_probe.cache_hook_points(organism, [name]) as plain:
+        latents(organism, refs)
     with ipa_probe.cache_hook_points(organism, [name]) as cache:
-        table = gauge_sweep(organism, lambda: latents(organism, refs), "1,adversarial:down:4", layers=LAYER)
-    assert len(table) and cache.calls >= 3  # the reference call, the adversarial search's call, the gauged call
-    assert ipa_probe.list_hooks(organism) == []
+        table = gauge_sweep(organism, lambda: latents(organism, refs), gauges, layers=LAYER)
+    pd.testing.assert_frame_equal(table, alone, check_exact=True)
+    # the reference call (the plain call's keys), the adversarial search's call, the gauged call (gauged keys)
+    assert cache.calls == 3 and ipa_probe.list_hooks(organism) == []
+    assert all(torch.equal(cache.get(name, step, call=0), plain.get(name, step)) for step in range(STEPS))
+    assert not torch.equal(cache.get(name, 0, call=2), plain.get(name, 0))
+
+
+# attribution and gauge_sweep open a probe of their own; inside an open probe it is a second client of the same core:
+# what they return is what they return alone, and the open probe records the calls they run as a probe alone would
+
+
+def attribute(pipe, refs, **extra):
+    from ipa_probe.attribution import reference_attribution
+
+    call = dict(prompt=DIGITS_PROMPT, ip_adapter_image=[list(refs)], num_inference_steps=STEPS, guidance_scale=3.0)
+    return reference_attribution(pipe, steps=[0, 1], **call, **extra), call
+
+
+def parameters(pipe):
+    return {name: p.detach().clone() for name, p in pipe.unet.named_parameters()}
+
+
+def assert_same_run(run, alone):
+    """Two probes read the same: their tables and kept maps, bit for bit."""
+    pd.testing.assert_frame_equal(run.to_dataframe(), alone.to_dataframe(), check_exact=True)
+    assert run.maps.keys() == alone.maps.keys()
+    assert all(torch.equal(torch.cat(run.maps[k]), torch.cat(alone.maps[k])) for k in run.maps)
+
+
+def test_attribution_joins_an_open_probe(organism, refs):
+    from ipa_probe.intervention import generate
+
+    alone, call = attribute(organism, refs)
+    before = snapshot(organism)
+    with own_weights(organism, LAYER) as own, ipa_probe.probe(organism, keep_maps=True) as outer:
+        joined, _ = attribute(organism, refs)
+    assert_unchanged(organism, before)
+    for name in ("table", "heads", "positions", "head_positions"):
+        pd.testing.assert_frame_equal(getattr(joined, name), getattr(alone, name), check_exact=True)
+    assert torch.equal(joined.generation.latents, alone.generation.latents)
+    assert all(torch.equal(joined.samples[step], alone.samples[step]) for step in alone.samples)
+    assert_same_run(joined.run, alone.run)
+    with ipa_probe.probe(organism, keep_maps=True) as single:
+        generate(organism, seed=0, **call)
+    assert_same_run(outer, single)
+    for step in range(STEPS):  # the open probe's maps against the test's own float64 softmax (float16 maps: 2e-3)
+        torch.testing.assert_close(probe_weights(outer, step), own[step], rtol=0, atol=2e-3)
+
+
+def test_gauge_sweep_joins_an_open_probe(organism, refs):
+    from ipa_probe.gauge import gauge_sweep
+
+    def call():
+        return latents(organism, refs, guidance_scale=3.0)
+
+    alone = gauge_sweep(organism, call, "1,2", layers=LAYER)
+    before, weights = snapshot(organism), parameters(organism)
+    with own_weights(organism, LAYER) as own, ipa_probe.probe(organism, keep_maps=True) as outer:
+        joined = gauge_sweep(organism, call, "1,2", layers=LAYER)
+    assert_unchanged(organism, before)
+    assert all(torch.equal(p, weights[name]) for name, p in organism.unet.named_parameters())
+    pd.testing.assert_frame_equal(joined, alone, check_exact=True)
+    with ipa_probe.probe(organism, keep_maps=True) as single:  # the ungauged reference call, then the gauge 2's
+        call()
+        with ipa_probe.qk_gauge(organism, 2.0, layers=LAYER):
+            call()
+    assert_same_run(outer, single)
+    assert len(own) == 2 * STEPS  # a power of two rescales q and k exactly: one softmax in both calls
+    for index, softmax in enumerate(own):  # (call, step) in order; float16 maps: 2e-3
+        read = probe_weights(outer, index % STEPS, call=index // STEPS)
+        torch.testing.assert_close(read, softmax, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_a_probe_and_gauge_sweep_join_an_open_probe_on_dits(family, refs, request, one_thread):
+    """On Flux (true CFG) and SD3: a probe and gauge_sweep inside an open probe read and return what they do alone,
+    and the open probe reads every call as a probe alone around them."""
+    from helpers import generate_dit
+
+    from ipa_probe.gauge import gauge_sweep
+
+    pipe = request.getfixturevalue(family)
+
+    def call():
+        return generate_dit(pipe, refs, cfg=True)
+
+    call()  # diffusers' Flux pipeline leaves its own hook registry on the transformer at its first call
+    before = snapshot(pipe)
+    with ipa_probe.probe(pipe, maps=True) as outer:
+        with ipa_probe.probe(pipe, seed=2) as inner:
+            call()
+        joined = gauge_sweep(pipe, call, "1,2")
+    assert_unchanged(pipe, before)
+    with ipa_probe.probe(pipe, maps=True) as outer_alone:
+        call()
+        call()
+        with ipa_probe.qk_gauge(pipe, 2.0):
+            call()
+    with ipa_probe.probe(pipe, seed=2) as inner_alone:
+        call()
+    pd.testing.assert_frame_equal(joined, gauge_sweep(pipe, call, "1,2"), check_exact=True)
+    assert_same_run(inner, inner_alone)
+    assert_same_run(outer, outer_alone)
+    assert set(outer.to_dataframe()["branch"]) == {"cond", "uncond"}
+
+
+@pytest.mark.parametrize("inside", ["attribution", "gauge_sweep"])
+def test_a_failure_inside_a_joined_probe_gives_the_pipeline_back(organism, refs, inside):
+    from ipa_probe.gauge import gauge_sweep
+
+    calls = []
+
+    def fails_gauged():  # the reference call runs, the gauged one raises after its first step
+        calls.append(1)
+        return latents(organism, refs, **({"callback_on_step_end": boom} if len(calls) > 1 else {}))
+
+    before, weights = snapshot(organism), parameters(organism)
+    with pytest.raises(Boom), ipa_probe.probe(organism, maps=True) as outer:
+        if inside == "attribution":
+            attribute(organism, refs, callback_on_step_end=boom)
+        else:
+            gauge_sweep(organism, fails_gauged, "2", layers=LAYER)
+    assert_unchanged(organism, before)
+    assert all(torch.equal(p, weights[name]) for name, p in organism.unet.named_parameters())
+    assert outer.to_dataframe()["call"].nunique() == (1 if inside == "attribution" else 2)  # what ran is kept
 
 
 @pytest.mark.parametrize("head_first", [True, False])
@@ -423,13 +551,12 @@ def check_pair(pipe, generate, features, a, b):
 
 
 def matrix(names):
-    """Every unordered pair (both orders are checked in one test), but two of one exclusive feature (one probe, one
-    NW head per pipeline)."""
+    """Every unordered pair (both orders are checked in one test), but two NW heads (one head per pipeline)."""
     return [
         pytest.param(a, b, id=f"{a}-{b}")
         for i, a in enumerate(names)
         for b in names[i + 1 :]
-        if a.split("_")[0] != b.split("_")[0]
+        if not a.startswith("nw_") or not b.startswith("nw_")
     ]
 
 

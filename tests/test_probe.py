@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
@@ -89,13 +90,23 @@ def test_restores_pipeline_after_exception(sd15, refs, error):
         pass
 
 
-def test_double_probe_raises_and_leaves_the_first_intact(sd15, refs):
-    with probe(sd15) as run:
-        with pytest.raises(RuntimeError, match="already active"):
-            with probe(sd15):
-                pass
+def test_a_probe_inside_a_probe_reads_as_each_does_alone(sd15, refs):
+    """Two probes with their own options on one pipeline: each table equals that of a probe alone around the same
+    calls (its own null draws, its own steps), bit for bit; the outer one also records the inner block's call."""
+    hooks = _hook_snapshot(sd15)
+    with probe(sd15, maps=True) as outer:
         generate(sd15, refs)
-    assert run.to_dataframe()["step"].nunique() == STEPS
+        with probe(sd15, steps=[1], rows=None, seed=3) as inner:
+            generate(sd15, refs)
+    assert _hook_snapshot(sd15) == hooks and ipa_probe.list_hooks(sd15) == []
+    with probe(sd15, maps=True) as outer_alone:
+        generate(sd15, refs)
+        generate(sd15, refs)
+    with probe(sd15, steps=[1], rows=None, seed=3) as inner_alone:
+        generate(sd15, refs)
+    for run, alone in ((outer, outer_alone), (inner, inner_alone)):
+        pd.testing.assert_frame_equal(run.to_dataframe(), alone.to_dataframe(), check_exact=True)
+    assert outer.to_dataframe()["call"].nunique() == 2 and set(inner.to_dataframe()["step"]) == {1}
 
 
 def test_set_ip_adapter_scale_and_unload_work_while_probing(refs):

@@ -148,21 +148,20 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         self._held_elements = 0
         self._constants: dict[tuple, torch.Tensor] = {}
         self._result: dict[str, Any] | None = None
-        self._active = False
+        self._claim = None
         self._maps = MapAccumulator(pipe, self.layers, self.tap, self.labels) if config.maps else None
 
     # ------------------------------------------------------------------ lifecycle
     def _install(self) -> None:
         what = f"read-only forward hooks ({self.config.kind} branch), bandwidth={bw.describe(self.config.bandwidth)}"
-        denoiser = claim(self.pipe, _FEATURE, [layer.name for layer in self.layers], what)
-        self._active = True
+        self._claim = claim(self.pipe, _FEATURE, [layer.name for layer in self.layers], what, exclusive=False)
         try:
             self._spine = spine.attach(self.pipe, self)  # its clock, then on_pass / on_return (not on a raise)
             self._capture.spine = self._spine
             self._tap_handles = self.tap.install(self._capture, self.images, self.text_slot)
             self.evidence.install()
             if self._maps is not None:
-                self._handles.extend(self._maps.install(denoiser))
+                self._handles.extend(self._maps.install(denoiser_of(self.pipe)))
         except BaseException:
             self._uninstall()
             raise
@@ -192,9 +191,9 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         self._capture.recording = False
         self._capture.stash.clear()
         self.tap.reset()
-        if self._active:
-            release(self.pipe, _FEATURE)
-            self._active = False
+        if self._claim is not None:
+            release(self.pipe, _FEATURE, self._claim)
+            self._claim = None
         self._finalize(interrupted)
 
     def _finalize(self, interrupted: bool = False) -> None:
@@ -497,12 +496,12 @@ def probe(
             ``run_name-2``, ... when that folder already holds a run).
 
     Yields:
-        the :class:`ProbeRun`; read its results after the block.
+        the :class:`ProbeRun`; read its results after the block. Inside another probe's block it reads as it does
+        alone, and the other one records the same calls too (docs/api.md, "Features together").
 
     Raises:
         ValueError / TypeError: bad settings or a pipeline without a supported IP-Adapter, before anything changes.
         ImportError: ``log_with`` names a tracker whose client is not installed (the message names the extra).
-        RuntimeError: the pipeline is already being probed.
 
     Example:
         ```py

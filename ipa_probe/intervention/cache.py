@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._checks import check_steps_ran, parse_step_selection
-from ..layers import claim, list_hooks, release
+from ..layers import claim, release
 from .points import HookContext, PointUser, attach_points, list_hook_points, select_points
 
 __all__ = ["CACHE", "HookCache", "cache_hook_points", "run_with_cache"]
@@ -195,8 +195,7 @@ def cache_hook_points(pipe, names: Any = None, *, steps=None, max_bytes: int = 2
 
     user = PointUser({name: [record(name)] for name in chosen}, selection, on_call, edits=False)
     layers = sorted({name.rsplit(".", 2)[0] for name in chosen})
-    claim(pipe, CACHE, layers, f"cache of {len(chosen)} hook point(s)", exclusive=False)
-    own = list_hooks(pipe)[-1]  # this block's record: nested caches release only theirs
+    own = claim(pipe, CACHE, layers, f"cache of {len(chosen)} hook point(s)", exclusive=False)
     try:
         detach = attach_points(pipe, user)
     except BaseException:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .._checks import parse_step_selection
-from ..layers import claim, list_hooks, release
+from ..layers import claim, release
 from .config import InterventionConfig
 from .points import HookContext, HookFn, PointUser, attach_points, normalise_hooks, point_name
 
@@ -95,8 +95,7 @@ def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=N
     )
     state._user = user
     layers = sorted({name.rsplit(".", 2)[0] for name in callbacks})
-    claim(pipe, HOOKS, layers, f"callbacks on {len(callbacks)} hook point(s)", exclusive=False)
-    state._claim = list_hooks(pipe)[-1]  # this block's own record: nested blocks release only theirs
+    state._claim = claim(pipe, HOOKS, layers, f"callbacks on {len(callbacks)} hook point(s)", exclusive=False)
     try:
         state._pipe = pipe
         state._detach = attach_points(pipe, user)

@@ -35,7 +35,6 @@ from ..layers import (
     find_ip_layers,
     keep,
     kept,
-    list_hooks,
     observer,
     release,
 )
@@ -278,9 +277,9 @@ def apply_intervention(
     what = f"pre-hooks on to_k_ip/to_v_ip: {config.mode} reference(s) {list(config.references)}"
     if config.mode == "scale":
         what = f"hook points (weights): scale reference(s) {list(config.references)} by {list(config.factors)}"
-    denoiser = claim(pipe, INTERVENE, names, what, exclusive=False)
+    denoiser = denoiser_of(pipe)
     state = Intervention(config, names, _denoiser=denoiser, _pipe=pipe, _other_tokens=other_tokens)
-    state._claim = list_hooks(pipe)[-1]  # this block's own record: nested blocks release only theirs
+    state._claim = claim(pipe, INTERVENE, names, what, exclusive=False)
     try:
         keep(denoiser, INTERVENE, [*kept(denoiser, INTERVENE, []), state])
         if config.mode == "scale":

@@ -209,9 +209,9 @@ def apply_nw_head(
     clock = TimestepClock()  # a client of the pipeline's spine, whose clock knows where the timestep is
     installed = {f"{layer.name}.processor": _nw_processor(layer, config, clock) for layer in found}
     what = f"NW processors swapped in, {config.summary()}"
-    denoiser = claim(pipe, NW_HEAD, [layer.name for layer in found], what)
+    claim(pipe, NW_HEAD, [layer.name for layer in found], what)
     swap = NWHeadSwap(config, {f"{layer.name}.processor": layer.processor for layer in found}, installed, clock)
-    swap._denoiser = denoiser
+    swap._denoiser = denoiser = denoiser_of(pipe)
     try:
         keep(denoiser, NW_HEAD, swap)
         model = _model(denoiser)
