@@ -33,7 +33,17 @@ from .clock import CallClock
 from .taps import tap_for
 from .taps.base import DenoiserPass, Tap, normalise_masks
 
-__all__ = ["PassInfo", "Spine", "attach", "detach", "expand_references", "kept_tokens", "normalise_masks", "spine_of"]
+__all__ = [
+    "PassInfo",
+    "Spine",
+    "attach",
+    "detach",
+    "expand_references",
+    "kept_tokens",
+    "normalise_masks",
+    "pass_image_embeds",
+    "spine_of",
+]
 
 
 def expand_references(x: torch.Tensor, kept: tuple[int, ...], total: int, dim: int, fill: float) -> torch.Tensor:
@@ -65,6 +75,18 @@ def pass_masks(kwargs: dict) -> list[torch.Tensor | None] | None:
     """The normalised ``ip_adapter_masks`` of a denoiser call (UNet, Flux or SD3 keyword arguments)."""
     extra = kwargs.get("cross_attention_kwargs") or kwargs.get("joint_attention_kwargs") or {}
     return normalise_masks(extra.get("ip_adapter_masks"))
+
+
+def pass_image_embeds(kwargs: dict) -> Any:
+    """The image embeddings a denoiser call got: UNets' ``added_cond_kwargs["image_embeds"]`` (a list per adapter of
+    ``(B, images, D)``), Flux's ``joint_attention_kwargs["ip_adapter_image_embeds"]`` (the same) or SD3's (one
+    ``(B, tokens, D)`` tensor), or ``None``."""
+    added = kwargs.get("added_cond_kwargs") or {}
+    return (
+        added["image_embeds"]
+        if "image_embeds" in added
+        else (kwargs.get("joint_attention_kwargs") or {}).get("ip_adapter_image_embeds")
+    )
 
 
 @dataclass
@@ -122,8 +144,9 @@ class Spine:
         self.used: dict[tuple[str, int, str], torch.Tensor] = {}
         #: (layer id, adapter) pairs whose image branch an attached client will edit in this pass (set in ``on_pass``)
         self.weight_edits: set[tuple[str, int]] = set()
-        #: the prompt embeddings seen, when a client asked for branch labels (:meth:`watch_prompts`)
+        #: the prompt embeddings seen, when a client asked for branch labels (:meth:`watch_prompts`), and how many ask
         self.evidence: PromptEvidence | None = None
+        self._watchers = 0
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
@@ -136,6 +159,7 @@ class Spine:
         self._handles.clear()
         self.clock.reset()
         self.tap.reset()
+        self._watchers = 1
         self.watch_prompts(False)
         self.kept.clear()
         self.kept_values.clear()
@@ -187,12 +211,13 @@ class Spine:
     def watch_prompts(self, on: bool = True) -> None:
         """Keep the prompt embeddings the pipeline computes from now on (:class:`~.branches.PromptEvidence`), for
         :meth:`branch_labels`, or stop (``on=False``): a client calls this when it attaches, before the pipeline
-        encodes its prompts, and again when it leaves (so that the encoders' wrappers come off in the order they
-        went on, as nested blocks leave)."""
-        if on and self.evidence is None:
+        encodes its prompts, and again when it leaves; the encoders' wrappers come off when the last client that asked
+        leaves (nested blocks leave in the reverse order, so they come off in the order they went on)."""
+        self._watchers = max(self._watchers + (1 if on else -1), 0)
+        if self._watchers and self.evidence is None:
             self.evidence = PromptEvidence(self.pipe, label_vocabulary(None))
             self.evidence.install()
-        elif not on and self.evidence is not None:
+        elif not self._watchers and self.evidence is not None:
             evidence, self.evidence = self.evidence, None
             evidence.remove()
 

@@ -26,7 +26,7 @@ from diffusers.models.embeddings import ImageProjection
 
 from .._checks import check_steps_ran
 from ..capture import spine
-from ..capture.spine import Spine
+from ..capture.spine import Spine, pass_image_embeds
 from ..layers import (
     IPLayer,
     LayerSelection,
@@ -71,6 +71,8 @@ class Intervention:
     _acting: bool = field(default=False, repr=False)
     _conditioned: torch.Tensor | None = field(default=None, repr=False)
     _other_tokens: torch.Tensor | None = field(default=None, repr=False)
+    _other_embeds: torch.Tensor | None = field(default=None, repr=False)  # SD3: the resampler runs per timestep
+    _watching: bool = field(default=False, repr=False)
     _emptied: bool = field(default=False, repr=False)
     _detach_points: Any = field(default=None, repr=False)
     #: the most denoising steps a pipeline call has run while attached (to check ``steps`` against on exit)
@@ -98,19 +100,23 @@ class Intervention:
             keep(denoiser, INTERVENE, [s for s in kept(denoiser, INTERVENE, []) if s is not self])
             release(denoiser, INTERVENE, self._claim)
             if self._spine is not None:
+                if self._watching:
+                    self._spine.watch_prompts(False)
                 spine.detach(self._pipe, self)
             self._spine = None
             self._denoiser = None
             self._conditioned = None
-            self._other_tokens = None
+            self._other_tokens = self._other_embeds = None
 
     # ------------------------------------------------------------------ hooks
     def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
-        """Read the loop index from the spine's clock, check the call's masks, and find the conditioned rows for a
-        swap."""
+        """Read the loop index from the spine's clock, check the call's masks, and find the conditioned rows (and,
+        on SD3, the other image's tokens at this timestep) for a swap."""
         self.step = spine.now.step
         self.steps_run = max(self.steps_run, self.step + 1)
         self._acting = self.config.acts_at(self.step, spine.now.timestep)
+        if self._acting and self._watching:  # Flux: the true-CFG negative pass holds negative_ip_adapter_image
+            self._acting = not negative_pass(spine.branch_labels(args, kwargs))
         if not self._acting:
             return
         self.selected += 1
@@ -123,22 +129,27 @@ class Intervention:
                 "ipa_probe.intervene does not support ip_adapter_masks (diffusers then runs one softmax per reference "
                 "image and masks its output); call the pipeline without masks, or mask the reference out yourself"
             )
-        if self.config.mode == "swap":
-            embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds")
-            if not isinstance(embeds, list | tuple) or adapter >= len(embeds):
-                raise ValueError(
-                    'mode="swap" reads the image embeddings the pipeline passes to its UNet '
-                    "(added_cond_kwargs['image_embeds']); call the pipeline with ip_adapter_image= or "
-                    "ip_adapter_image_embeds="
-                )
-            embeds = embeds[adapter]  # (B, images, D)
-            reference = self.config.reference
-            if embeds.ndim != 3 or reference >= embeds.shape[1]:
-                raise ValueError(
-                    f"reference={reference}: adapter {adapter} got image embeddings of shape {tuple(embeds.shape)} "
-                    "in this call (batch, images, dim); pass an index below its number of reference images"
-                )
-            self._conditioned = embeds[:, reference].ne(0).any(-1)  # (B,): False in the unconditional branch
+        if self.config.mode != "swap":
+            return
+        embeds = pass_image_embeds(kwargs)
+        if self._other_embeds is not None:  # SD3: one reference, (B, tokens, D); tokens from the resampler at t
+            self._conditioned = embeds.ne(0).flatten(1).any(-1)  # (B,): False in the unconditional branch
+            timestep = spine.tap.argument("timestep", args, kwargs)[:1]
+            self._other_tokens = denoiser_of(self._pipe).image_proj(self._other_embeds, timestep)[0]  # (1, K, C)
+            return
+        if not isinstance(embeds, list | tuple) or adapter >= len(embeds):
+            raise ValueError(
+                'mode="swap" reads the image embeddings the pipeline passes to its denoiser; call the pipeline with '
+                "ip_adapter_image= or ip_adapter_image_embeds="
+            )
+        embeds = embeds[adapter]  # (B, images, D)
+        reference = self.config.reference
+        if embeds.ndim != 3 or reference >= embeds.shape[1]:
+            raise ValueError(
+                f"reference={reference}: adapter {adapter} got image embeddings of shape {tuple(embeds.shape)} "
+                "in this call (batch, images, dim); pass an index below its number of reference images"
+            )
+        self._conditioned = embeds[:, reference].ne(0).any(-1)  # (B,): False in the unconditional branch
 
     def describe(self) -> str:
         """The edit in words, as the probe's table records it (``edits`` column)."""
@@ -191,6 +202,24 @@ class Intervention:
 
         return hook
 
+    def _edit_sd3(self, layer: str):
+        """SD3: forward pre-hook on the joint attention module, whose image tokens ``ip_hidden_states``
+        ``(B, K, C)`` come from the call's one reference: ``"ablate"`` passes none (the processor then skips its image
+        branch, which adds nothing, as on UNets with every reference removed), ``"swap"`` the other image's."""
+
+        def hook(module, args, kwargs):
+            tokens = kwargs.get("ip_hidden_states")
+            if not self._acting or tokens is None:
+                return None
+            self.acted.append((self.step, layer))
+            if self.config.mode == "ablate":
+                return args, {**kwargs, "ip_hidden_states": None}
+            other = self._other_tokens.to(device=tokens.device, dtype=tokens.dtype)  # (1, K, C)
+            swapped = torch.where(self._conditioned.reshape(-1, 1, 1), other.expand_as(tokens), tokens)
+            return args, {**kwargs, "ip_hidden_states": swapped}
+
+        return hook
+
     def _zero_values(self, module, args, output):
         """Forward hook on ``to_v_ip``: when every reference is removed, the branch's values are zero."""
         if self._acting and self.config.mode == "ablate" and self._emptied:
@@ -198,17 +227,27 @@ class Intervention:
         return None
 
 
+def negative_pass(labels: Sequence[str]) -> bool:
+    """Whether a Flux pass is true CFG's negative one (every item labelled ``"uncond"`` by the one labeller,
+    :mod:`ipa_probe.capture.branches`): it holds ``negative_ip_adapter_image`` (a black image unless given), not the
+    call's references, so an edit of a reference leaves it as it is, as leaving the reference out of the call does."""
+    return bool(labels) and all(label == "uncond" for label in labels)
+
+
 def _layers(pipe, config: InterventionConfig) -> list[IPLayer]:
     denoiser = denoiser_of(pipe)
     found = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser), config.layers)
     families = {layer.family for layer in found}
-    supported = {"unet"} if config.mode == "swap" else {"unet", "flux"}
-    if not families <= supported:
-        where = "SD 1.5 / SDXL UNets" if config.mode == "swap" else "SD 1.5 / SDXL, Flux"
+    if config.mode == "scale" and "sd3" in families:
         raise ValueError(
-            f'ipa_probe.intervene(mode="{config.mode}") supports {where}; this pipeline\'s IP-Adapter layers are of '
-            f"the {sorted(families)} family (SD3's image branch shares one softmax with the latent tokens). Use a "
-            'UNet pipeline, or mode="ablate" / "scale" on Flux'
+            'ipa_probe.intervene(mode="scale") supports SD 1.5 / SDXL and Flux: SD3\'s image tokens share one softmax '
+            "with the latent tokens inside its processor, where no hook reaches the weights (SD3 has no hook points). "
+            'Use mode="ablate" or "swap" on SD3, or pipe.set_ip_adapter_scale for the whole branch'
+        )
+    if "sd3" in families and config.references != (0,):
+        raise ValueError(
+            f"reference={config.reference}: SD3 pipelines take one reference image per prompt "
+            "(ip_adapter_image=image), whose tokens are all the image tokens; pass reference=0"
         )
     fewest = min(layer.num_adapters for layer in found)
     if config.adapter >= fewest:
@@ -219,13 +258,23 @@ def _layers(pipe, config: InterventionConfig) -> list[IPLayer]:
 
 
 @torch.no_grad()
-def _other_tokens(pipe, config: InterventionConfig) -> torch.Tensor:
-    """The swapped-in image's tokens ``(1, T, C)``: the pipeline's image encoder, then the adapter's projection."""
+def _other_tokens(pipe, config: InterventionConfig, family: str) -> torch.Tensor:
+    """The swapped-in image: its tokens ``(1, T, C)`` (the pipeline's image encoder, then the adapter's projection),
+    or on SD3 its encoder states ``(1, N, D)`` (the resampler runs per timestep, in :meth:`Intervention.on_pass`)."""
+    encode = getattr(pipe, "encode_image", None)
+    if encode is None or getattr(pipe, "image_encoder", None) is None:
+        raise ValueError(
+            'mode="swap" encodes other= with the pipeline\'s image encoder: pass the pipeline (with its '
+            "image_encoder), not the bare denoiser"
+        )
     model = getattr(denoiser_of(pipe), "_orig_mod", denoiser_of(pipe))
+    if family == "sd3":
+        resampler = next(model.image_proj.parameters())
+        return encode(config.other, resampler.device).to(resampler.dtype)  # (1, N, D)
     projections = getattr(getattr(model, "encoder_hid_proj", None), "image_projection_layers", None)
     if projections is None or config.adapter >= len(projections):
         raise ValueError(
-            'mode="swap" needs the UNet\'s IP-Adapter image projection (unet.encoder_hid_proj); load the adapter '
+            'mode="swap" needs the denoiser\'s IP-Adapter image projection (encoder_hid_proj); load the adapter '
             "with pipe.load_ip_adapter(...)"
         )
     projection = projections[config.adapter]
@@ -234,14 +283,9 @@ def _other_tokens(pipe, config: InterventionConfig) -> torch.Tensor:
             f'mode="swap" supports base IP-Adapters (ImageProjection); adapter {config.adapter} projects with '
             f'{type(projection).__name__}, whose unconditional tokens are not zero embeddings; use mode="ablate"'
         )
-    encode = getattr(pipe, "encode_image", None)
-    if encode is None or getattr(pipe, "image_encoder", None) is None:
-        raise ValueError(
-            'mode="swap" encodes other= with the pipeline\'s image encoder: pass the pipeline (with its '
-            "image_encoder), not the bare denoiser"
-        )
     device = next(projection.parameters()).device
-    embeds, _ = encode(config.other, device, 1, False)  # (1, D)
+    embeds = encode(config.other, device, 1)  # (1, D); SD / SDXL return (embeds, unconditional embeds)
+    embeds = embeds[0] if isinstance(embeds, tuple) else embeds
     return projection(embeds.to(next(projection.parameters()).dtype))  # (1, T, C)
 
 
@@ -273,22 +317,31 @@ def apply_intervention(
         reference=reference, layers=layers, steps=steps, mode=mode, other=other, adapter=adapter, factor=factor
     )
     found = _layers(pipe, config)
-    other_tokens = _other_tokens(pipe, config) if config.mode == "swap" else None
+    family = found[0].family
+    other = _other_tokens(pipe, config, family) if config.mode == "swap" else None
     names = [layer.name for layer in found]
     what = f"pre-hooks on to_k_ip/to_v_ip: {config.mode} reference(s) {list(config.references)}"
     if config.mode == "scale":
         what = f"hook points (weights): scale reference(s) {list(config.references)} by {list(config.factors)}"
     denoiser = claim(pipe, INTERVENE, names, what, exclusive=False)
-    state = Intervention(config, names, _denoiser=denoiser, _pipe=pipe, _other_tokens=other_tokens)
+    state = Intervention(config, names, _denoiser=denoiser, _pipe=pipe)
+    state._other_tokens, state._other_embeds = (None, other) if family == "sd3" else (other, None)
     state._claim = list_hooks(pipe)[-1]  # this block's own record: nested blocks release only theirs
     try:
         keep(denoiser, INTERVENE, [*kept(denoiser, INTERVENE, []), state])
         if config.mode == "scale":
-            state._detach_points = _attach_scale(pipe, state, names)
+            state._detach_points = _attach_scale(pipe, state, names, family == "flux")
             found = []
         else:
             state._spine = spine.attach(pipe, state)
+            state._watching = family == "flux"
+            if state._watching:
+                state._spine.watch_prompts()
         for layer in found:
+            if family == "sd3":
+                hook = observer(state._edit_sd3(layer.name))
+                state._handles.append(layer.attention.register_forward_pre_hook(hook, with_kwargs=True))
+                continue
             to_k_ip = layer.processor.to_k_ip[config.adapter]
             to_v_ip = layer.processor.to_v_ip[config.adapter]
             state._handles.append(to_k_ip.register_forward_pre_hook(observer(state._edit_tokens(layer.name, True))))
@@ -301,13 +354,16 @@ def apply_intervention(
     return state
 
 
-def _attach_scale(pipe, state: Intervention, names: list[str]):
-    """``mode="scale"``: weights callbacks on the hook points of the selected layers at the selected steps."""
+def _attach_scale(pipe, state: Intervention, names: list[str], flux: bool):
+    """``mode="scale"``: weights callbacks on the hook points of the selected layers at the selected steps (on Flux
+    not in true CFG's negative pass: :func:`negative_pass`)."""
     from .custom import scale_hooks
     from .points import PointUser, attach_points
 
     def logged(fn):
         def run(weights, ctx):
+            if flux and negative_pass(ctx.cfg):
+                return None
             state.step = ctx.step
             state.acted.append((ctx.step, ctx.layer))
             return fn(weights, ctx)

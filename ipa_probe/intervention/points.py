@@ -50,7 +50,7 @@ from .._checks import step_selected
 from ..capture import spine
 from ..capture.layer_order import network_key
 from ..capture.maps import image_projections, tokens_per_image
-from ..capture.spine import Spine, expand_references, normalise_masks
+from ..capture.spine import Spine, expand_references, normalise_masks, pass_image_embeds
 from ..capture.taps.unet import unet_resolution_factor
 from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, keep, kept, observer
 from ..statistics.kernels import dot_logits, reference_contributions, split_heads
@@ -97,9 +97,10 @@ def hook_point_layers(pipe) -> list[IPLayer]:
     found = sorted(found, key=lambda layer: network_key(layer.name))  # the order the denoiser runs them
     if found[0].family == "sd3":
         raise ValueError(
-            "hook points exist for SD 1.5 / SDXL UNets and Flux; SD3's image branch runs one softmax over the latent "
-            "and the image tokens and normalises its keys after to_k_ip, so its output does not split into "
-            "per-reference contributions as here: use a UNet or Flux pipeline"
+            "hook points exist for SD 1.5 / SDXL UNets and Flux: SD3's image tokens share one softmax with the "
+            "latent tokens inside its processor, so an edit of their weights moves the latent tokens' too, which "
+            "these points (a branch with its own softmax) do not compute; on SD3 use intervene(pipe, 0) (ablate, "
+            "swap) or the probe"
         )
     return found
 
@@ -236,10 +237,7 @@ class _Registry:
         self.batch = sample.shape[0]
         context = spine.tap.argument("encoder_hidden_states", args, kwargs) if spine.tap.family == "unet" else None
         self._text_tokens = context.shape[1] if isinstance(context, torch.Tensor) and context.ndim == 3 else None
-        if self.layers[0].family == "unet":
-            self._image_embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds")
-        else:
-            self._image_embeds = (kwargs.get("joint_attention_kwargs") or {}).get("ip_adapter_image_embeds")
+        self._image_embeds = pass_image_embeds(kwargs)
         if new_call:
             planned = spine.planned_steps()
             for user in self.users:
