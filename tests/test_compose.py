@@ -1,7 +1,7 @@
 """Features composed on one pipeline (issues 38, 49): the probe measures the weights the layer used inside an
 intervention, under an NW head it reads that head's weights, nested interventions compose as if given at once, the
 denoiser carries one pre-hook however many features are attached, and a generated matrix of every pair of features
-in both orders on SD 1.5 and Flux computes the same in either order and restores the pipeline bit for bit.
+in both orders on SD 1.5, Flux and SD3 computes the same in either order and restores the pipeline bit for bit.
 
 The reference weights are the test's own: forward hooks on ``attn.to_q`` and ``to_k_ip`` (after the intervention's
 edit of the tokens, i.e. the very keys the layer's softmax runs over), the softmax taken here in float64."""

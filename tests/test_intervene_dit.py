@@ -56,6 +56,10 @@ def test_flux_edits_equal_the_call_given_the_edited_references(flux, refs, extra
         assert sorted(edit.acted) == [(step, name) for step in range(STEPS) for name in layers]
         with intervene(flux, reference, mode="scale", factor=0.0):
             close(generate(flux, refs[:2], extra), without)
+    with intervene(flux, 1):  # a block that labels passes too leaves inside it: the outer one still tells them
+        with ipa_probe.cache_hook_points(flux, r"\.ip\.output$"):
+            generate(flux, refs[:2], extra)
+        close(generate(flux, refs[:2], extra), without)  # ``without``: reference 1 left out, from the loop
     with intervene(flux, 1, mode="swap", other=refs[2]):
         swapped = generate(flux, refs[:2], extra)
     close(swapped, generate(flux, [refs[0], refs[2]], extra))

@@ -8,8 +8,9 @@ references the keys kept, so that a probe inside reads them); no processor, weig
 the hooks gives the pipeline back bit for bit. ``"ablate"`` drops the references' tokens from what the projections see
 (the softmax runs over the others' keys; with none left, the branch's values are zeroed, as scale 0 does); ``"swap"``
 replaces them by another image's (base IP-Adapters; all-zero CFG rows keep theirs); ``"scale"`` goes through the hook
-points (:func:`~.custom.scale_hooks`). Why, and what is supported (SD 1.5 / SDXL; Flux for ``"ablate"`` and
-``"scale"``; no ``ip_adapter_masks``, no SD3): docs/attribution.md, "The causal comparison: interventions".
+points (:func:`~.custom.scale_hooks`). SD3's one reference is edited in a pre-hook on the joint attention
+(:meth:`Intervention._edit_sd3`). Why, and what is supported (no ``ip_adapter_masks``, no SD3 ``"scale"``):
+docs/attribution.md, "The causal comparison: interventions".
 ``intervene(pipe, hooks={name: fn})`` attaches user callbacks to named hook points instead (:mod:`.custom`).
 """
 
