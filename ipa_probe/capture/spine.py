@@ -78,15 +78,9 @@ def pass_masks(kwargs: dict) -> list[torch.Tensor | None] | None:
 
 
 def pass_image_embeds(kwargs: dict) -> Any:
-    """The image embeddings a denoiser call got: UNets' ``added_cond_kwargs["image_embeds"]`` (a list per adapter of
-    ``(B, images, D)``), Flux's ``joint_attention_kwargs["ip_adapter_image_embeds"]`` (the same) or SD3's (one
-    ``(B, tokens, D)`` tensor), or ``None``."""
-    added = kwargs.get("added_cond_kwargs") or {}
-    return (
-        added["image_embeds"]
-        if "image_embeds" in added
-        else (kwargs.get("joint_attention_kwargs") or {}).get("ip_adapter_image_embeds")
-    )
+    """A denoiser call's image embeddings: per adapter ``(B, images, D)`` (SD3: one ``(B, tokens, D)``), or None."""
+    extra = kwargs.get("added_cond_kwargs") or kwargs.get("joint_attention_kwargs") or {}
+    return extra.get("image_embeds", extra.get("ip_adapter_image_embeds"))
 
 
 @dataclass

@@ -130,27 +130,14 @@ class Intervention:
                 "ipa_probe.intervene does not support ip_adapter_masks (diffusers then runs one softmax per reference "
                 "image and masks its output); call the pipeline without masks, or mask the reference out yourself"
             )
-        if self.config.mode != "swap":
-            return
         embeds = pass_image_embeds(kwargs)
-        if self._other_embeds is not None:  # SD3: one reference, (B, tokens, D); tokens from the resampler at t
-            self._conditioned = embeds.ne(0).flatten(1).any(-1)  # (B,): False in the unconditional branch
+        if self.config.mode != "swap" or embeds is None:
+            return
+        embeds = embeds[adapter] if isinstance(embeds, list | tuple) else embeds[:, None]  # (B, images, ..., D)
+        self._conditioned = embeds.ne(0).flatten(2).any(-1)  # (B, images): False in the unconditional branch
+        if self._other_embeds is not None:  # SD3: the resampler's tokens depend on the timestep
             timestep = spine.tap.argument("timestep", args, kwargs)[:1]
             self._other_tokens = denoiser_of(self._pipe).image_proj(self._other_embeds, timestep)[0]  # (1, K, C)
-            return
-        if not isinstance(embeds, list | tuple) or adapter >= len(embeds):
-            raise ValueError(
-                'mode="swap" reads the image embeddings the pipeline passes to its denoiser; call the pipeline with '
-                "ip_adapter_image= or ip_adapter_image_embeds="
-            )
-        embeds = embeds[adapter]  # (B, images, D)
-        reference = self.config.reference
-        if embeds.ndim != 3 or reference >= embeds.shape[1]:
-            raise ValueError(
-                f"reference={reference}: adapter {adapter} got image embeddings of shape {tuple(embeds.shape)} "
-                "in this call (batch, images, dim); pass an index below its number of reference images"
-            )
-        self._conditioned = embeds[:, reference].ne(0).any(-1)  # (B,): False in the unconditional branch
 
     def describe(self) -> str:
         """The edit in words, as the probe's table records it (``edits`` column)."""
@@ -186,11 +173,9 @@ class Intervention:
             if config.mode == "swap":
                 if config.reference not in kept:  # an ablation removed it: nothing to swap
                     return None
-                other = self._other_tokens.to(device=tokens.device, dtype=tokens.dtype)  # (1, T, C)
                 edited = tokens.clone()
                 at = kept.index(config.reference)
-                rows = self._conditioned.reshape(-1, 1, 1)  # (B, 1, 1)
-                edited[:, at] = torch.where(rows, other.expand_as(tokens[:, at]), tokens[:, at])
+                edited[:, at] = self._swap_in(tokens[:, at])
                 return (edited, *args[1:])
             keep = [i for i, r in enumerate(kept) if r not in config.references]
             if not keep:  # an empty softmax: zero the values instead (see the module docstring)
@@ -204,9 +189,8 @@ class Intervention:
         return hook
 
     def _edit_sd3(self, layer: str):
-        """SD3: forward pre-hook on the joint attention module, whose image tokens ``ip_hidden_states``
-        ``(B, K, C)`` come from the call's one reference: ``"ablate"`` passes none (the processor then skips its image
-        branch, which adds nothing, as on UNets with every reference removed), ``"swap"`` the other image's."""
+        """SD3: forward pre-hook on the joint attention, whose image tokens ``(B, K, C)`` are its one reference's:
+        ``"ablate"`` passes none (the image branch is then skipped, as with no image), ``"swap"`` the other's."""
 
         def hook(module, args, kwargs):
             tokens = kwargs.get("ip_hidden_states")
@@ -215,11 +199,15 @@ class Intervention:
             self.acted.append((self.step, layer))
             if self.config.mode == "ablate":
                 return args, {**kwargs, "ip_hidden_states": None}
-            other = self._other_tokens.to(device=tokens.device, dtype=tokens.dtype)  # (1, K, C)
-            swapped = torch.where(self._conditioned.reshape(-1, 1, 1), other.expand_as(tokens), tokens)
-            return args, {**kwargs, "ip_hidden_states": swapped}
+            return args, {**kwargs, "ip_hidden_states": self._swap_in(tokens)}
 
         return hook
+
+    def _swap_in(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The reference's tokens ``(B, T, C)`` with the other image's in the conditioned rows."""
+        other = self._other_tokens.to(device=tokens.device, dtype=tokens.dtype)  # (1, T, C)
+        rows = self._conditioned[:, self.config.reference].reshape(-1, 1, 1)  # (B, 1, 1)
+        return torch.where(rows, other.expand_as(tokens), tokens)
 
     def _zero_values(self, module, args, output):
         """Forward hook on ``to_v_ip``: when every reference is removed, the branch's values are zero."""
@@ -229,9 +217,8 @@ class Intervention:
 
 
 def negative_pass(labels: Sequence[str]) -> bool:
-    """Whether a Flux pass is true CFG's negative one (every item labelled ``"uncond"`` by the one labeller,
-    :mod:`ipa_probe.capture.branches`): it holds ``negative_ip_adapter_image`` (a black image unless given), not the
-    call's references, so an edit of a reference leaves it as it is, as leaving the reference out of the call does."""
+    """Whether a Flux pass is true CFG's negative one (every item labelled ``"uncond"`` by the one labeller): it holds
+    ``negative_ip_adapter_image``, not the call's references, edits of references leave it, as leaving one out does."""
     return bool(labels) and all(label == "uncond" for label in labels)
 
 
@@ -272,13 +259,7 @@ def _other_tokens(pipe, config: InterventionConfig, family: str) -> torch.Tensor
     if family == "sd3":
         resampler = next(model.image_proj.parameters())
         return encode(config.other, resampler.device).to(resampler.dtype)  # (1, N, D)
-    projections = getattr(getattr(model, "encoder_hid_proj", None), "image_projection_layers", None)
-    if projections is None or config.adapter >= len(projections):
-        raise ValueError(
-            'mode="swap" needs the denoiser\'s IP-Adapter image projection (encoder_hid_proj); load the adapter '
-            "with pipe.load_ip_adapter(...)"
-        )
-    projection = projections[config.adapter]
+    projection = model.encoder_hid_proj.image_projection_layers[config.adapter]  # found with the layers
     if not isinstance(projection, ImageProjection):
         raise ValueError(
             f'mode="swap" supports base IP-Adapters (ImageProjection); adapter {config.adapter} projects with '
@@ -310,8 +291,8 @@ def apply_intervention(
         the :class:`Intervention`.
 
     Raises:
-        ValueError / TypeError: bad settings, a pipeline that is not a UNet with an IP-Adapter, a layer selection
-            matching nothing: raised before anything is attached.
+        ValueError / TypeError: bad settings, a pipeline without IP-Adapter layers, a mode or reference its family
+            lacks, a layer selection matching nothing: raised before anything is attached.
         RuntimeError: an intervention is already applied to this pipeline.
     """
     config = InterventionConfig(
@@ -321,7 +302,8 @@ def apply_intervention(
     family = found[0].family
     other = _other_tokens(pipe, config, family) if config.mode == "swap" else None
     names = [layer.name for layer in found]
-    what = f"pre-hooks on to_k_ip/to_v_ip: {config.mode} reference(s) {list(config.references)}"
+    hooked = "the joint attention" if family == "sd3" else "to_k_ip/to_v_ip"
+    what = f"pre-hooks on {hooked}: {config.mode} reference(s) {list(config.references)}"
     if config.mode == "scale":
         what = f"hook points (weights): scale reference(s) {list(config.references)} by {list(config.factors)}"
     denoiser = claim(pipe, INTERVENE, names, what, exclusive=False)
@@ -411,7 +393,7 @@ def intervene(
     probe inside reads what the layer used (docs/api.md, "Features together").
 
     Args:
-        pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter loaded.
+        pipe: an SD 1.5 / SDXL, Flux or SD3 pipeline with an IP-Adapter loaded.
         reference, layers, steps, mode, other, adapter, factor: as in :class:`~.config.InterventionConfig`.
         hooks: instead of ``reference``: ``{name: fn(tensor, ctx)}`` or ``[(name, fn), ...]`` (names, regexes or
             filters: :func:`~.points.normalise_hooks`), run at ``steps``; the other arguments do not apply.
