@@ -33,17 +33,7 @@ from .clock import CallClock
 from .taps import tap_for
 from .taps.base import DenoiserPass, Tap, normalise_masks
 
-__all__ = [
-    "PassInfo",
-    "Spine",
-    "attach",
-    "detach",
-    "expand_references",
-    "kept_tokens",
-    "normalise_masks",
-    "pass_image_embeds",
-    "spine_of",
-]
+__all__ = ["PassInfo", "Spine", "attach", "detach", "expand_references", "kept_tokens", "normalise_masks", "spine_of"]
 
 
 def expand_references(x: torch.Tensor, kept: tuple[int, ...], total: int, dim: int, fill: float) -> torch.Tensor:
@@ -75,12 +65,6 @@ def pass_masks(kwargs: dict) -> list[torch.Tensor | None] | None:
     """The normalised ``ip_adapter_masks`` of a denoiser call (UNet, Flux or SD3 keyword arguments)."""
     extra = kwargs.get("cross_attention_kwargs") or kwargs.get("joint_attention_kwargs") or {}
     return normalise_masks(extra.get("ip_adapter_masks"))
-
-
-def pass_image_embeds(kwargs: dict) -> Any:
-    """A denoiser call's image embeddings: per adapter ``(B, images, D)`` (SD3: one ``(B, tokens, D)``), or None."""
-    extra = kwargs.get("added_cond_kwargs") or kwargs.get("joint_attention_kwargs") or {}
-    return extra.get("image_embeds", extra.get("ip_adapter_image_embeds"))
 
 
 @dataclass

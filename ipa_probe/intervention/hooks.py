@@ -27,7 +27,7 @@ from diffusers.models.embeddings import ImageProjection
 
 from .._checks import check_steps_ran
 from ..capture import spine
-from ..capture.spine import Spine, pass_image_embeds
+from ..capture.spine import Spine
 from ..layers import (
     IPLayer,
     LayerSelection,
@@ -130,7 +130,7 @@ class Intervention:
                 "ipa_probe.intervene does not support ip_adapter_masks (diffusers then runs one softmax per reference "
                 "image and masks its output); call the pipeline without masks, or mask the reference out yourself"
             )
-        embeds = pass_image_embeds(kwargs)
+        embeds = spine.tap.image_embeds(kwargs)
         if self.config.mode != "swap" or embeds is None:
             return
         embeds = embeds[adapter] if isinstance(embeds, list | tuple) else embeds[:, None]  # (B, images, ..., D)

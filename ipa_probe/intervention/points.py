@@ -32,7 +32,7 @@ from .._checks import step_selected
 from ..capture import spine
 from ..capture.layer_order import network_key
 from ..capture.maps import image_projections, tokens_per_image
-from ..capture.spine import Spine, expand_references, normalise_masks, pass_image_embeds
+from ..capture.spine import Spine, expand_references, normalise_masks
 from ..capture.taps.unet import unet_resolution_factor
 from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, keep, kept, observer
 from ..statistics.kernels import dot_logits, reference_contributions, split_heads
@@ -219,7 +219,7 @@ class _Registry:
         self.batch = sample.shape[0]
         context = spine.tap.argument("encoder_hidden_states", args, kwargs) if spine.tap.family == "unet" else None
         self._text_tokens = context.shape[1] if isinstance(context, torch.Tensor) and context.ndim == 3 else None
-        self._image_embeds = pass_image_embeds(kwargs)
+        self._image_embeds = spine.tap.image_embeds(kwargs)
         if new_call:
             planned = spine.planned_steps()
             for user in self.users:
