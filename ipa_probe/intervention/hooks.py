@@ -1,17 +1,11 @@
-"""The intervention's lifecycle: :func:`apply_intervention`, :func:`remove_intervention` and the context manager
-:func:`intervene`.
+"""The intervention's lifecycle: :func:`intervene` (and :func:`apply_intervention` / :func:`remove_intervention`).
 
-It acts through forward pre-hooks on the chosen layers' ``to_k_ip`` / ``to_v_ip`` (which the IP-Adapter processor, or
-ipa_probe's NW head sharing them, calls on the adapter's image tokens ``(B, images, tokens, C)``) as a client of the
-pipeline's attachment core (:mod:`ipa_probe.capture.spine`: its step clock, and where an ablation says which
-references the keys kept, so that a probe inside reads them); no processor, weight or buffer is replaced, so removing
-the hooks gives the pipeline back bit for bit. ``"ablate"`` drops the references' tokens from what the projections see
-(the softmax runs over the others' keys; with none left, the branch's values are zeroed, as scale 0 does); ``"swap"``
-replaces them by another image's (base IP-Adapters; all-zero CFG rows keep theirs); ``"scale"`` goes through the hook
-points (:func:`~.custom.scale_hooks`). SD3's one reference is edited in a pre-hook on the joint attention
-(:meth:`Intervention._edit_sd3`). Why, and what is supported (no ``ip_adapter_masks``, no SD3 ``"scale"``):
-docs/attribution.md, "The causal comparison: interventions".
-``intervene(pipe, hooks={name: fn})`` attaches user callbacks to named hook points instead (:mod:`.custom`).
+A client of the pipeline's attachment core (:mod:`ipa_probe.capture.spine`: the step clock, and where an ablation
+says which references the keys kept, so that a probe inside reads them), it edits the adapter's image tokens in
+forward pre-hooks on ``to_k_ip`` / ``to_v_ip`` (SD3: on the joint attention), or for ``"scale"`` the weights through
+the hook points (:func:`~.custom.scale_hooks`); nothing is replaced, so removing the hooks gives the pipeline back bit
+for bit. What each mode does, and where: docs/attribution.md, "The causal comparison: interventions". ``hooks=``
+attaches user callbacks to named hook points instead (:mod:`.custom`).
 """
 
 from __future__ import annotations
