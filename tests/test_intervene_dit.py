@@ -60,9 +60,14 @@ def test_flux_edits_equal_the_call_given_the_edited_references(flux, refs, extra
         with ipa_probe.cache_hook_points(flux, r"\.ip\.output$"):
             generate(flux, refs[:2], extra)
         close(generate(flux, refs[:2], extra), without)  # ``without``: reference 1 left out, from the loop
-    with intervene(flux, 1, mode="swap", other=refs[2]):
+    with intervene(flux, 1, mode="swap", other=refs[2]), ipa_probe.probe(flux, maps=True) as run:
         swapped = generate(flux, refs[:2], extra)
-    close(swapped, generate(flux, [refs[0], refs[2]], extra))
+    with ipa_probe.probe(flux, maps=True) as given:
+        close(swapped, generate(flux, [refs[0], refs[2]], extra))
+    # a probe inside reads the swapped keys: the shares of the call given the other image
+    mass, expected = run.reference_mass(), given.reference_mass()
+    assert len(mass) == len(expected) > 0
+    close(torch.tensor(mass.attention.to_numpy()), torch.tensor(expected.attention.to_numpy()))
     assert (swapped - plain).abs().max() > 1e-3
     with intervene(flux, [0, 1], mode="scale", factor=1.0):
         assert torch.equal(generate(flux, refs[:2], extra), plain)
