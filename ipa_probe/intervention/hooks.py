@@ -110,8 +110,8 @@ class Intervention:
         self.step = spine.now.step
         self.steps_run = max(self.steps_run, self.step + 1)
         self._acting = self.config.acts_at(self.step, spine.now.timestep)
-        if self._acting and self._watching:  # Flux: the true-CFG negative pass holds negative_ip_adapter_image
-            self._acting = not negative_pass(spine.branch_labels(args, kwargs))
+        if self._acting and self._watching:  # Flux
+            self._acting = holds_references(spine, args, kwargs)
         if not self._acting:
             return
         self.selected += 1
@@ -172,7 +172,7 @@ class Intervention:
                 edited[:, at] = self._swap_in(tokens[:, at])
                 return (edited, *args[1:])
             keep = [i for i, r in enumerate(kept) if r not in config.references]
-            if not keep:  # an empty softmax: zero the values instead (see the module docstring)
+            if not keep:  # an empty softmax: zero the values instead (the branch adds nothing, as scale 0 does)
                 self._emptied = True
                 return None
             self._emptied = False
@@ -210,10 +210,12 @@ class Intervention:
         return None
 
 
-def negative_pass(labels: Sequence[str]) -> bool:
-    """Whether a Flux pass is true CFG's negative one (every item labelled ``"uncond"`` by the one labeller): it holds
-    ``negative_ip_adapter_image``, not the call's references, edits of references leave it, as leaving one out does."""
-    return bool(labels) and all(label == "uncond" for label in labels)
+def holds_references(spine: Spine, args: tuple, kwargs: dict) -> bool:
+    """Whether a Flux pass holds the call's references: not true CFG's negative pass (every item labelled ``"uncond"``
+    by the one labeller), which holds ``negative_ip_adapter_image``; edits of references leave it, as leaving one out
+    of the call does."""
+    labels = spine.branch_labels(args, kwargs)
+    return not (labels and all(label == "uncond" for label in labels))
 
 
 def _layers(pipe, config: InterventionConfig) -> list[IPLayer]:
@@ -333,14 +335,12 @@ def apply_intervention(
 
 def _attach_scale(pipe, state: Intervention, names: list[str], flux: bool):
     """``mode="scale"``: weights callbacks on the hook points of the selected layers at the selected steps (on Flux
-    not in true CFG's negative pass: :func:`negative_pass`)."""
+    in the passes that :func:`holds_references`)."""
     from .custom import scale_hooks
     from .points import PointUser, attach_points
 
     def logged(fn):
         def run(weights, ctx):
-            if flux and negative_pass(ctx.cfg):
-                return None
             state.step = ctx.step
             state.acted.append((ctx.step, ctx.layer))
             return fn(weights, ctx)
@@ -348,7 +348,8 @@ def _attach_scale(pipe, state: Intervention, names: list[str], flux: bool):
         return run
 
     callbacks = {name: [logged(fn)] for name, fn in scale_hooks(state.config, names).items()}
-    return attach_points(pipe, PointUser(callbacks, state.config.steps, label=state.describe()))
+    user = PointUser(callbacks, state.config.steps, label=state.describe(), when=holds_references if flux else None)
+    return attach_points(pipe, user)
 
 
 def remove_intervention(pipe) -> None:

@@ -136,6 +136,8 @@ class PointUser:
     steps_run: int = 0
     #: the passes its step selection selected
     selected: int = 0
+    #: which passes of a selected step it runs in, ``when(spine, args, kwargs) -> bool`` (``None``: every pass)
+    when: Callable[[Spine, tuple, dict], bool] | None = None
     #: whether the callbacks may edit (``False`` for a cache's readers): readers of the layer then wait for them
     edits: bool = True
     #: the edit in words, for the probe's ``edits`` column
@@ -228,7 +230,7 @@ class _Registry:
         active: dict[str, list[HookFn]] = {}
         for user in self.users:
             user.steps_run = max(user.steps_run, self.step + 1)
-            if user.acts_at(self.step, self.timestep):
+            if user.acts_at(self.step, self.timestep) and (user.when is None or user.when(spine, args, kwargs)):
                 user.selected += 1
                 for name, fns in user.callbacks.items():
                     active.setdefault(name, []).extend(fns)
