@@ -688,7 +688,7 @@ def test_flux_true_cfg_labels_agree_with_the_probe(flux):
     assert seen == expected == [(0, ("cond",)), (0, ("uncond",)), (1, ("cond",)), (1, ("uncond",))]
 
 
-SD3_FEATURES = ["probe", "probe_nomaps", "ablate", "swap", "nw_query", "nw_stored", "gauge"]
+SD3_FEATURES = ["probe", "ablate", "swap", "nw_query", "nw_stored", "gauge"]
 
 
 @pytest.mark.parametrize(("a", "b"), matrix(SD3_FEATURES))
