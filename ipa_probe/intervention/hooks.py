@@ -130,7 +130,7 @@ class Intervention:
         embeds = embeds[adapter] if isinstance(embeds, list | tuple) else embeds[:, None]  # (B, images, ..., D)
         self._conditioned = embeds.ne(0).flatten(2).any(-1)  # (B, images): False in the unconditional branch
         if self._other_embeds is not None:  # SD3: the resampler's tokens depend on the timestep
-            timestep = spine.tap.argument("timestep", args, kwargs)[:1]
+            timestep = spine.tap.argument("timestep", args, kwargs).reshape(-1)[:1]
             self._other_tokens = denoiser_of(self._pipe).image_proj(self._other_embeds, timestep)[0]  # (1, K, C)
 
     def describe(self) -> str:
