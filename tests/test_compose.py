@@ -1,8 +1,9 @@
 """Features composed on one pipeline (issues 38, 49): the probe measures the weights the layer used inside an
 intervention, under an NW head it reads that head's weights, nested interventions compose as if given at once, the
 denoiser carries one pre-hook however many features are attached, and a generated matrix of every pair of features
-in both orders on SD 1.5 and Flux computes the same in either order and restores the pipeline bit for bit; attribution
-and gauge_sweep inside an open probe return what they return alone, and the open probe reads their calls as alone.
+in both orders on SD 1.5, Flux and SD3 computes the same in either order and restores the pipeline bit for bit;
+attribution and gauge_sweep inside an open probe return what they return alone, and the open probe reads their calls
+as alone.
 
 The reference weights are the test's own: forward hooks on ``attn.to_q`` and ``to_k_ip`` (after the intervention's
 edit of the tokens, i.e. the very keys the layer's softmax runs over), the softmax taken here in float64."""
@@ -493,22 +494,26 @@ class Boom(Exception):
     pass
 
 
-def matrix_features(pipe, refs, other):
-    """name -> (kind, make): ``"read"`` features compute nothing, ``"gauge"`` ones are output symmetries."""
-    layer = next(n for n in ipa_probe.list_hook_points(pipe) if n.endswith(".ip.output")).rsplit(".", 2)[0]
+def matrix_features(pipe, refs, other, swapped=1):
+    """name -> (kind, make): ``"read"`` features compute nothing, ``"gauge"`` ones are output symmetries; ``swap``
+    puts ``other`` in reference ``swapped``'s place."""
+
+    def output_point():  # SD3 has no hook points: asked only where the hook features are in the matrix
+        return next(n for n in ipa_probe.list_hook_points(pipe) if n.endswith(".ip.output"))
+
     features = {
         "probe": ("read", lambda: ipa_probe.probe(pipe, maps=True)),
         "probe_nomaps": ("read", lambda: ipa_probe.probe(pipe)),
         "cache": ("read", lambda: ipa_probe.cache_hook_points(pipe, r"\.ip\.(weights|contribution)$")),
         "ablate": ("edit", lambda: intervene(pipe, 0, steps=[1])),
         "scale": ("edit", lambda: intervene(pipe, 1, mode="scale", factor=2.0)),
-        "hooks": ("edit", lambda: intervene(pipe, hooks={f"{layer}.ip.output": lambda t, c: t * 0.5})),
+        "hooks": ("edit", lambda: intervene(pipe, hooks={output_point(): lambda t, c: t * 0.5})),
         "nw_query": ("edit", lambda: ipa_probe.nw_head(pipe, frame="query")),
         "nw_stored": ("edit", lambda: ipa_probe.nw_head(pipe, frame="stored")),
         "gauge": ("gauge", lambda: ipa_probe.qk_gauge(pipe, 2.0)),
     }
     if other is not None:
-        features["swap"] = ("edit", lambda: intervene(pipe, 1, mode="swap", other=other))
+        features["swap"] = ("edit", lambda: intervene(pipe, swapped, mode="swap", other=other))
     return features
 
 
@@ -560,8 +565,8 @@ def matrix(names):
     ]
 
 
-FLUX_FEATURES = ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge"]
-SD15_FEATURES = [*FLUX_FEATURES, "probe_nomaps", "swap"]
+FLUX_FEATURES = ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge", "swap"]
+SD15_FEATURES = [*FLUX_FEATURES, "probe_nomaps"]
 
 
 @pytest.mark.parametrize(("a", "b"), matrix(SD15_FEATURES))
@@ -574,13 +579,13 @@ def test_every_pair_composes_and_restores_sd15(organism, refs, a, b, one_thread)
 def test_every_pair_composes_and_restores_flux(flux, a, b, one_thread):
     from ipa_probe.tiny.sd import default_reference_images
 
-    refs = default_reference_images(2)
+    refs = default_reference_images(3)
 
     def generate(**extra):
-        kwargs = dict(prompt="a", ip_adapter_image=[refs], num_inference_steps=STEPS, height=64, width=64, **extra)
+        kwargs = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS, height=64, width=64, **extra)
         return flux(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
 
-    check_pair(flux, generate, matrix_features(flux, refs, None), a, b)
+    check_pair(flux, generate, matrix_features(flux, refs, refs[2]), a, b)
 
 
 # ------------------------------------------------------------------------------------------------------ edits kept
@@ -789,8 +794,6 @@ def test_flux_ablations_nest_and_equal_leaving_the_reference_out(flux, outer, in
     with intervene(flux, 0):
         # 1e-5: the scale renormalises the float32 weights the softmax gave; the ablation's softmax runs without them
         torch.testing.assert_close(scaled, generate(refs), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match='mode="ablate" / "scale" on Flux'):
-        intervene(flux, 0, mode="swap", other=refs[0]).__enter__()
     assert_unchanged(flux, before)
     assert torch.equal(generate(refs), plain)
 
@@ -811,3 +814,19 @@ def test_flux_true_cfg_labels_agree_with_the_probe(flux):
     table = run.to_dataframe()
     expected = [(step, (branch,)) for step in range(STEPS) for branch in table[table.step == step].branch.unique()]
     assert seen == expected == [(0, ("cond",)), (0, ("uncond",)), (1, ("cond",)), (1, ("uncond",))]
+
+
+SD3_FEATURES = ["probe", "ablate", "swap", "nw_query", "nw_stored", "gauge"]
+
+
+@pytest.mark.parametrize(("a", "b"), matrix(SD3_FEATURES))
+def test_every_pair_composes_and_restores_sd3(sd3, a, b, one_thread):
+    from ipa_probe.tiny.sd import default_reference_images
+
+    refs = default_reference_images(2)  # SD3 takes one reference image per prompt: refs[1] is the one swapped in
+
+    def generate(**extra):
+        kwargs = dict(prompt="a", ip_adapter_image=refs[0], num_inference_steps=STEPS, height=64, width=64, **extra)
+        return sd3(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+    check_pair(sd3, generate, matrix_features(sd3, refs, refs[1], swapped=0), a, b)

@@ -86,11 +86,11 @@ def test_settings_describe_and_select_steps():
     assert config.describe()["reference"] == [0, 2] and config.describe()["steps"] == "slice(1, None, 2)"
 
 
-def test_refuses_other_families_and_missing_adapters(sd3, flux, organism):
-    with pytest.raises(ValueError, match="SD 1.5 / SDXL, Flux"):
-        ipa_probe.intervention.apply_intervention(sd3, 0)
-    with pytest.raises(ValueError, match='"ablate" / "scale" on Flux'):
-        ipa_probe.intervention.apply_intervention(flux, 0, mode="swap", other=np.zeros((8, 8, 3), dtype=np.uint8))
+def test_refuses_what_a_family_lacks_and_missing_adapters(sd3, flux, organism):
+    with pytest.raises(ValueError, match="SD 1.5 / SDXL and Flux"):
+        ipa_probe.intervention.apply_intervention(sd3, 0, mode="scale", factor=0.5)
+    with pytest.raises(ValueError, match="hold 1 IP-Adapter"):
+        ipa_probe.intervention.apply_intervention(flux, 0, adapter=1)
     assert ipa_probe.list_hooks(flux) == [] and ipa_probe.list_hooks(sd3) == []
     with pytest.raises(ValueError, match="hold 1 IP-Adapter"):
         ipa_probe.intervention.apply_intervention(organism, 0, adapter=1)

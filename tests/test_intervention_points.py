@@ -129,7 +129,7 @@ def test_names_listed_per_layer_and_point(organism):
 
 
 def test_sd3_refused_in_one_line(sd3):
-    with pytest.raises(ValueError, match="UNets and Flux; SD3") as err:
+    with pytest.raises(ValueError, match="UNets and Flux: SD3") as err:
         ipa_probe.list_hook_points(sd3)
     assert "\n" not in str(err.value)
 

@@ -122,8 +122,9 @@ class Spine:
         self.used: dict[tuple[str, int, str], torch.Tensor] = {}
         #: (layer id, adapter) pairs whose image branch an attached client will edit in this pass (set in ``on_pass``)
         self.weight_edits: set[tuple[str, int]] = set()
-        #: the prompt embeddings seen, when a client asked for branch labels (:meth:`watch_prompts`)
+        #: the prompt embeddings seen, when a client asked for branch labels (:meth:`watch_prompts`), and how many ask
         self.evidence: PromptEvidence | None = None
+        self._watchers = 0
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
@@ -136,6 +137,7 @@ class Spine:
         self._handles.clear()
         self.clock.reset()
         self.tap.reset()
+        self._watchers = 1
         self.watch_prompts(False)
         self.kept.clear()
         self.kept_values.clear()
@@ -187,12 +189,13 @@ class Spine:
     def watch_prompts(self, on: bool = True) -> None:
         """Keep the prompt embeddings the pipeline computes from now on (:class:`~.branches.PromptEvidence`), for
         :meth:`branch_labels`, or stop (``on=False``): a client calls this when it attaches, before the pipeline
-        encodes its prompts, and again when it leaves (so that the encoders' wrappers come off in the order they
-        went on, as nested blocks leave)."""
-        if on and self.evidence is None:
+        encodes its prompts, and again when it leaves; the encoders' wrappers come off when the last client that asked
+        leaves (nested blocks leave in the reverse order, so they come off in the order they went on)."""
+        self._watchers = max(self._watchers + (1 if on else -1), 0)
+        if self._watchers and self.evidence is None:
             self.evidence = PromptEvidence(self.pipe, label_vocabulary(None))
             self.evidence.install()
-        elif not on and self.evidence is not None:
+        elif not self._watchers and self.evidence is not None:
             evidence, self.evidence = self.evidence, None
             evidence.remove()
 

@@ -1,16 +1,9 @@
-"""Interventions on one reference image's tokens, to test what the attention maps suggest (issue #21 point 4).
+"""Interventions on the reference images' tokens and on named hook points, to test what the attention maps suggest.
 
-``config`` holds the settings (:class:`InterventionConfig`), ``hooks`` the lifecycle (:func:`intervene`,
-:func:`apply_intervention`, :func:`remove_intervention`, claimed on the denoiser as :data:`INTERVENE` and shown by
-:func:`ipa_probe.list_hooks`), ``effect`` the measurement (:func:`measure_intervention`: the same seeded generation
-with and without the intervention, compared in latent and pixel space and, given a classifier, by its verdict).
-
-Issue #30 point 5 adds TransformerLens-style tools on named hook points of every layer's image branch: ``points`` (the
-names, :func:`list_hook_points`, and the hooks that compute ``weights``, ``contribution``, ``output``), ``custom``
-(user callbacks, ``intervene(pipe, hooks=...)``, and ``mode="scale"``), ``cache`` (:func:`run_with_cache`,
-:func:`cache_hook_points`) and ``patch`` (:func:`patch_hooks`: one run's values into another). Issue #29 point 4:
-``grid`` (:func:`ablation_grid`: references x layer groups x step ranges x modes, one clean run per seed, and
-:func:`summarize_grid`: means with intervals over seeds).
+``config`` and ``hooks``: :func:`intervene` (ablate, swap or scale references; claimed as :data:`INTERVENE`);
+``points``: :func:`list_hook_points` and the hooks that form them; ``custom``: ``intervene(pipe, hooks=...)`` and
+``mode="scale"``; ``cache``: :func:`run_with_cache`; ``patch``: :func:`patch_hooks`; ``effect``:
+:func:`measure_intervention` (one seeded generation with and without, compared); ``grid``: :func:`ablation_grid`.
 """
 
 from .._checks import Timesteps

@@ -15,9 +15,10 @@ __all__ = ["INTERVENE", "MODES", "InterventionConfig"]
 #: The feature's name: its claim on the denoiser (:func:`ipa_probe.list_hooks`) and the key of its state there.
 INTERVENE = "intervene"
 
-#: What happens to the chosen reference's image tokens: ``"ablate"`` removes them from the image branch's softmax,
-#: ``"swap"`` replaces them by another image's tokens, ``"scale"`` multiplies their weight in the softmax by a factor
-#: ``>= 0`` (0 is ``"ablate"``, 1 changes nothing, above 1 amplifies).
+#: What happens to the chosen reference's image tokens: ``"ablate"`` removes them from the image branch's softmax (the
+#: others' weights renormalised, as if the reference had not been given to that layer at that step; SD3: the branch
+#: then has no image tokens and is skipped), ``"swap"`` replaces them by another image's tokens, ``"scale"`` multiplies
+#: their weight in the softmax by a factor ``>= 0`` (0 is ``"ablate"``, 1 changes nothing, above 1 amplifies).
 MODES: tuple[str, ...] = ("ablate", "swap", "scale")
 
 
@@ -33,11 +34,7 @@ class InterventionConfig:
         steps: denoising loop indices (an iterable of ints or a ``slice``), a
             :class:`~ipa_probe._checks.Timesteps` (scheduler timesteps: values or bounds) or a predicate
             ``fn(step, timestep) -> bool``; ``None`` for every step.
-        mode: ``"ablate"`` (the reference's tokens leave the image branch's softmax: the other references'
-            weights are renormalised, as if the reference had not been given to that layer at that step) or
-            ``"swap"`` (its tokens are replaced by those of ``other``; base IP-Adapters only) or ``"scale"`` (the
-            reference's unnormalised softmax weights are multiplied by ``factor`` and the weights renormalised:
-            ``factor=0`` is ``"ablate"``, ``factor=1`` nothing; see :func:`~.custom.scale_hooks`).
+        mode: one of :data:`MODES` (``"swap"``: base IP-Adapters only; ``"scale"``: :func:`~.custom.scale_hooks`).
         other: the image swapped in (a PIL image, an ``(H, W, C)`` array or a ``(C, H, W)`` tensor, as the pipeline's
             ``ip_adapter_image`` takes); required for ``"swap"``, refused for ``"ablate"``.
         adapter: which loaded IP-Adapter (0 for the first).

@@ -1,16 +1,11 @@
-"""The intervention's lifecycle: :func:`apply_intervention`, :func:`remove_intervention` and the context manager
-:func:`intervene`.
+"""The intervention's lifecycle: :func:`intervene` (and :func:`apply_intervention` / :func:`remove_intervention`).
 
-It acts through forward pre-hooks on the chosen layers' ``to_k_ip`` / ``to_v_ip`` (which the IP-Adapter processor, or
-ipa_probe's NW head sharing them, calls on the adapter's image tokens ``(B, images, tokens, C)``) as a client of the
-pipeline's attachment core (:mod:`ipa_probe.capture.spine`: its step clock, and where an ablation says which
-references the keys kept, so that a probe inside reads them); no processor, weight or buffer is replaced, so removing
-the hooks gives the pipeline back bit for bit. ``"ablate"`` drops the references' tokens from what the projections see
-(the softmax runs over the others' keys; with none left, the branch's values are zeroed, as scale 0 does); ``"swap"``
-replaces them by another image's (base IP-Adapters; all-zero CFG rows keep theirs); ``"scale"`` goes through the hook
-points (:func:`~.custom.scale_hooks`). Why, and what is supported (SD 1.5 / SDXL; Flux for ``"ablate"`` and
-``"scale"``; no ``ip_adapter_masks``, no SD3): docs/attribution.md, "The causal comparison: interventions".
-``intervene(pipe, hooks={name: fn})`` attaches user callbacks to named hook points instead (:mod:`.custom`).
+A client of the pipeline's attachment core (:mod:`ipa_probe.capture.spine`: the step clock, and where an ablation
+says which references the keys kept, so that a probe inside reads them), it edits the adapter's image tokens in
+forward pre-hooks on ``to_k_ip`` / ``to_v_ip`` (SD3: on the joint attention), or for ``"scale"`` the weights through
+the hook points (:func:`~.custom.scale_hooks`); nothing is replaced, so removing the hooks gives the pipeline back bit
+for bit. What each mode does, and where: docs/attribution.md, "The causal comparison: interventions". ``hooks=``
+attaches user callbacks to named hook points instead (:mod:`.custom`).
 """
 
 from __future__ import annotations
@@ -70,6 +65,8 @@ class Intervention:
     _acting: bool = field(default=False, repr=False)
     _conditioned: torch.Tensor | None = field(default=None, repr=False)
     _other_tokens: torch.Tensor | None = field(default=None, repr=False)
+    _other_embeds: torch.Tensor | None = field(default=None, repr=False)  # SD3: the resampler runs per timestep
+    _watching: bool = field(default=False, repr=False)
     _emptied: bool = field(default=False, repr=False)
     _detach_points: Any = field(default=None, repr=False)
     #: the most denoising steps a pipeline call has run while attached (to check ``steps`` against on exit)
@@ -97,19 +94,23 @@ class Intervention:
             keep(denoiser, INTERVENE, [s for s in kept(denoiser, INTERVENE, []) if s is not self])
             release(denoiser, INTERVENE, self._claim)
             if self._spine is not None:
+                if self._watching:
+                    self._spine.watch_prompts(False)
                 spine.detach(self._pipe, self)
             self._spine = None
             self._denoiser = None
             self._conditioned = None
-            self._other_tokens = None
+            self._other_tokens = self._other_embeds = None
 
     # ------------------------------------------------------------------ hooks
     def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
-        """Read the loop index from the spine's clock, check the call's masks, and find the conditioned rows for a
-        swap."""
+        """Read the loop index from the spine's clock, check the call's masks, and find the conditioned rows (and,
+        on SD3, the other image's tokens at this timestep) for a swap."""
         self.step = spine.now.step
         self.steps_run = max(self.steps_run, self.step + 1)
         self._acting = self.config.acts_at(self.step, spine.now.timestep)
+        if self._acting and self._watching:  # Flux
+            self._acting = holds_references(spine, args, kwargs)
         if not self._acting:
             return
         self.selected += 1
@@ -122,22 +123,14 @@ class Intervention:
                 "ipa_probe.intervene does not support ip_adapter_masks (diffusers then runs one softmax per reference "
                 "image and masks its output); call the pipeline without masks, or mask the reference out yourself"
             )
-        if self.config.mode == "swap":
-            embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds")
-            if not isinstance(embeds, list | tuple) or adapter >= len(embeds):
-                raise ValueError(
-                    'mode="swap" reads the image embeddings the pipeline passes to its UNet '
-                    "(added_cond_kwargs['image_embeds']); call the pipeline with ip_adapter_image= or "
-                    "ip_adapter_image_embeds="
-                )
-            embeds = embeds[adapter]  # (B, images, D)
-            reference = self.config.reference
-            if embeds.ndim != 3 or reference >= embeds.shape[1]:
-                raise ValueError(
-                    f"reference={reference}: adapter {adapter} got image embeddings of shape {tuple(embeds.shape)} "
-                    "in this call (batch, images, dim); pass an index below its number of reference images"
-                )
-            self._conditioned = embeds[:, reference].ne(0).any(-1)  # (B,): False in the unconditional branch
+        embeds = spine.tap.image_embeds(kwargs)
+        if self.config.mode != "swap" or embeds is None:
+            return
+        embeds = embeds[adapter] if isinstance(embeds, list | tuple) else embeds[:, None]  # (B, images, ..., D)
+        self._conditioned = embeds.ne(0).flatten(2).any(-1)  # (B, images): False in the unconditional branch
+        if self._other_embeds is not None:  # SD3: the resampler's tokens depend on the timestep
+            timestep = spine.tap.argument("timestep", args, kwargs).reshape(-1)[:1]
+            self._other_tokens = denoiser_of(self._pipe).image_proj(self._other_embeds, timestep)[0]  # (1, K, C)
 
     def describe(self) -> str:
         """The edit in words, as the probe's table records it (``edits`` column)."""
@@ -173,14 +166,12 @@ class Intervention:
             if config.mode == "swap":
                 if config.reference not in kept:  # an ablation removed it: nothing to swap
                     return None
-                other = self._other_tokens.to(device=tokens.device, dtype=tokens.dtype)  # (1, T, C)
                 edited = tokens.clone()
                 at = kept.index(config.reference)
-                rows = self._conditioned.reshape(-1, 1, 1)  # (B, 1, 1)
-                edited[:, at] = torch.where(rows, other.expand_as(tokens[:, at]), tokens[:, at])
+                edited[:, at] = self._swap_in(tokens[:, at])
                 return (edited, *args[1:])
             keep = [i for i, r in enumerate(kept) if r not in config.references]
-            if not keep:  # an empty softmax: zero the values instead (see the module docstring)
+            if not keep:  # an empty softmax: zero the values instead (the branch adds nothing, as scale 0 does)
                 self._emptied = True
                 return None
             self._emptied = False
@@ -190,6 +181,27 @@ class Intervention:
 
         return hook
 
+    def _edit_sd3(self, layer: str):
+        """SD3: forward pre-hook on the joint attention, whose image tokens ``(B, K, C)`` are its one reference's:
+        ``"ablate"`` passes none (the image branch is then skipped, as with no image), ``"swap"`` the other's."""
+
+        def hook(module, args, kwargs):
+            tokens = kwargs.get("ip_hidden_states")
+            if not self._acting or tokens is None:
+                return None
+            self.acted.append((self.step, layer))
+            if self.config.mode == "ablate":
+                return args, {**kwargs, "ip_hidden_states": None}
+            return args, {**kwargs, "ip_hidden_states": self._swap_in(tokens)}
+
+        return hook
+
+    def _swap_in(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The reference's tokens ``(B, T, C)`` with the other image's in the conditioned rows."""
+        other = self._other_tokens.to(device=tokens.device, dtype=tokens.dtype)  # (1, T, C)
+        rows = self._conditioned[:, self.config.reference].reshape(-1, 1, 1)  # (B, 1, 1)
+        return torch.where(rows, other.expand_as(tokens), tokens)
+
     def _zero_values(self, module, args, output):
         """Forward hook on ``to_v_ip``: when every reference is removed, the branch's values are zero."""
         if self._acting and self.config.mode == "ablate" and self._emptied:
@@ -197,17 +209,28 @@ class Intervention:
         return None
 
 
+def holds_references(spine: Spine, args: tuple, kwargs: dict) -> bool:
+    """Whether a Flux pass holds the call's references: not true CFG's negative pass (every item labelled ``"uncond"``
+    by the one labeller), which holds ``negative_ip_adapter_image``; edits of references leave it, as leaving one out
+    of the call does."""
+    labels = spine.branch_labels(args, kwargs)
+    return not (labels and all(label == "uncond" for label in labels))
+
+
 def _layers(pipe, config: InterventionConfig) -> list[IPLayer]:
     denoiser = denoiser_of(pipe)
     found = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser), config.layers)
     families = {layer.family for layer in found}
-    supported = {"unet"} if config.mode == "swap" else {"unet", "flux"}
-    if not families <= supported:
-        where = "SD 1.5 / SDXL UNets" if config.mode == "swap" else "SD 1.5 / SDXL, Flux"
+    if config.mode == "scale" and "sd3" in families:
         raise ValueError(
-            f'ipa_probe.intervene(mode="{config.mode}") supports {where}; this pipeline\'s IP-Adapter layers are of '
-            f"the {sorted(families)} family (SD3's image branch shares one softmax with the latent tokens). Use a "
-            'UNet pipeline, or mode="ablate" / "scale" on Flux'
+            'ipa_probe.intervene(mode="scale") supports SD 1.5 / SDXL and Flux: SD3\'s image tokens share one softmax '
+            "with the latent tokens inside its processor, where no hook reaches the weights (SD3 has no hook points). "
+            'Use mode="ablate" or "swap" on SD3, or pipe.set_ip_adapter_scale for the whole branch'
+        )
+    if "sd3" in families and config.references != (0,):
+        raise ValueError(
+            f"reference={config.reference}: SD3 pipelines take one reference image per prompt "
+            "(ip_adapter_image=image), whose tokens are all the image tokens; pass reference=0"
         )
     fewest = min(layer.num_adapters for layer in found)
     if config.adapter >= fewest:
@@ -218,29 +241,28 @@ def _layers(pipe, config: InterventionConfig) -> list[IPLayer]:
 
 
 @torch.no_grad()
-def _other_tokens(pipe, config: InterventionConfig) -> torch.Tensor:
-    """The swapped-in image's tokens ``(1, T, C)``: the pipeline's image encoder, then the adapter's projection."""
-    model = getattr(denoiser_of(pipe), "_orig_mod", denoiser_of(pipe))
-    projections = getattr(getattr(model, "encoder_hid_proj", None), "image_projection_layers", None)
-    if projections is None or config.adapter >= len(projections):
-        raise ValueError(
-            'mode="swap" needs the UNet\'s IP-Adapter image projection (unet.encoder_hid_proj); load the adapter '
-            "with pipe.load_ip_adapter(...)"
-        )
-    projection = projections[config.adapter]
-    if not isinstance(projection, ImageProjection):
-        raise ValueError(
-            f'mode="swap" supports base IP-Adapters (ImageProjection); adapter {config.adapter} projects with '
-            f'{type(projection).__name__}, whose unconditional tokens are not zero embeddings; use mode="ablate"'
-        )
+def _other_tokens(pipe, config: InterventionConfig, family: str) -> torch.Tensor:
+    """The swapped-in image: its tokens ``(1, T, C)`` (the pipeline's image encoder, then the adapter's projection),
+    or on SD3 its encoder states ``(1, N, D)`` (the resampler runs per timestep, in :meth:`Intervention.on_pass`)."""
     encode = getattr(pipe, "encode_image", None)
     if encode is None or getattr(pipe, "image_encoder", None) is None:
         raise ValueError(
             'mode="swap" encodes other= with the pipeline\'s image encoder: pass the pipeline (with its '
             "image_encoder), not the bare denoiser"
         )
+    model = getattr(denoiser_of(pipe), "_orig_mod", denoiser_of(pipe))
+    if family == "sd3":
+        resampler = next(model.image_proj.parameters())
+        return encode(config.other, resampler.device).to(resampler.dtype)  # (1, N, D)
+    projection = model.encoder_hid_proj.image_projection_layers[config.adapter]  # found with the layers
+    if not isinstance(projection, ImageProjection):
+        raise ValueError(
+            f'mode="swap" supports base IP-Adapters (ImageProjection); adapter {config.adapter} projects with '
+            f'{type(projection).__name__}, whose unconditional tokens are not zero embeddings; use mode="ablate"'
+        )
     device = next(projection.parameters()).device
-    embeds, _ = encode(config.other, device, 1, False)  # (1, D)
+    embeds = encode(config.other, device, 1)  # (1, D); SD / SDXL return (embeds, unconditional embeds)
+    embeds = embeds[0] if isinstance(embeds, tuple) else embeds
     return projection(embeds.to(next(projection.parameters()).dtype))  # (1, T, C)
 
 
@@ -264,30 +286,40 @@ def apply_intervention(
         the :class:`Intervention`.
 
     Raises:
-        ValueError / TypeError: bad settings, a pipeline that is not a UNet with an IP-Adapter, a layer selection
-            matching nothing: raised before anything is attached.
+        ValueError / TypeError: bad settings, a pipeline without IP-Adapter layers, a mode or reference its family
+            lacks, a layer selection matching nothing: raised before anything is attached.
         RuntimeError: an intervention is already applied to this pipeline.
     """
     config = InterventionConfig(
         reference=reference, layers=layers, steps=steps, mode=mode, other=other, adapter=adapter, factor=factor
     )
     found = _layers(pipe, config)
-    other_tokens = _other_tokens(pipe, config) if config.mode == "swap" else None
+    family = found[0].family
+    other = _other_tokens(pipe, config, family) if config.mode == "swap" else None
     names = [layer.name for layer in found]
-    what = f"pre-hooks on to_k_ip/to_v_ip: {config.mode} reference(s) {list(config.references)}"
+    hooked = "the joint attention" if family == "sd3" else "to_k_ip/to_v_ip"
+    what = f"pre-hooks on {hooked}: {config.mode} reference(s) {list(config.references)}"
     if config.mode == "scale":
         what = f"hook points (weights): scale reference(s) {list(config.references)} by {list(config.factors)}"
     denoiser = denoiser_of(pipe)
-    state = Intervention(config, names, _denoiser=denoiser, _pipe=pipe, _other_tokens=other_tokens)
+    state = Intervention(config, names, _denoiser=denoiser, _pipe=pipe)
+    state._other_tokens, state._other_embeds = (None, other) if family == "sd3" else (other, None)
     state._claim = claim(pipe, INTERVENE, names, what, exclusive=False)
     try:
         keep(denoiser, INTERVENE, [*kept(denoiser, INTERVENE, []), state])
         if config.mode == "scale":
-            state._detach_points = _attach_scale(pipe, state, names)
+            state._detach_points = _attach_scale(pipe, state, names, family == "flux")
             found = []
         else:
             state._spine = spine.attach(pipe, state)
+            state._watching = family == "flux"
+            if state._watching:
+                state._spine.watch_prompts()
         for layer in found:
+            if family == "sd3":
+                hook = observer(state._edit_sd3(layer.name))
+                state._handles.append(layer.attention.register_forward_pre_hook(hook, with_kwargs=True))
+                continue
             to_k_ip = layer.processor.to_k_ip[config.adapter]
             to_v_ip = layer.processor.to_v_ip[config.adapter]
             state._handles.append(to_k_ip.register_forward_pre_hook(observer(state._edit_tokens(layer.name, True))))
@@ -300,8 +332,9 @@ def apply_intervention(
     return state
 
 
-def _attach_scale(pipe, state: Intervention, names: list[str]):
-    """``mode="scale"``: weights callbacks on the hook points of the selected layers at the selected steps."""
+def _attach_scale(pipe, state: Intervention, names: list[str], flux: bool):
+    """``mode="scale"``: weights callbacks on the hook points of the selected layers at the selected steps (on Flux
+    in the passes that :func:`holds_references`)."""
     from .custom import scale_hooks
     from .points import PointUser, attach_points
 
@@ -314,7 +347,8 @@ def _attach_scale(pipe, state: Intervention, names: list[str]):
         return run
 
     callbacks = {name: [logged(fn)] for name, fn in scale_hooks(state.config, names).items()}
-    return attach_points(pipe, PointUser(callbacks, state.config.steps, label=state.describe()))
+    user = PointUser(callbacks, state.config.steps, label=state.describe(), when=holds_references if flux else None)
+    return attach_points(pipe, user)
 
 
 def remove_intervention(pipe) -> None:
@@ -353,7 +387,7 @@ def intervene(
     probe inside reads what the layer used (docs/api.md, "Features together").
 
     Args:
-        pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter loaded.
+        pipe: an SD 1.5 / SDXL, Flux or SD3 pipeline with an IP-Adapter loaded.
         reference, layers, steps, mode, other, adapter, factor: as in :class:`~.config.InterventionConfig`.
         hooks: instead of ``reference``: ``{name: fn(tensor, ctx)}`` or ``[(name, fn), ...]`` (names, regexes or
             filters: :func:`~.points.normalise_hooks`), run at ``steps``; the other arguments do not apply.

@@ -1,33 +1,15 @@
-"""Named hook points on the image branch of every IP-Adapter layer (issue #30 point 5), TransformerLens-style.
+"""Named hook points on the branches of every IP-Adapter layer, ``<layer id>.<ip|ip1|text>.<point>`` with the points
+of :data:`POINTS`, TransformerLens-style; what each holds and how callbacks read and edit it: docs/api.md, "Hook
+points: callbacks, caching, patching".
 
-Per layer ``L`` (a layer id, see :mod:`ipa_probe.layers`) and adapter (``ip`` for the first, ``ip1``, ``ip2`` ... for
-further ones), three points:
-
-- ``L.ip.weights``: the image branch's attention weights ``softmax(q k_ip^T / sqrt(d))``, ``(B, H, Q, K)`` with
-  ``K = R * T`` image tokens, reference-major (reference ``j`` owns tokens ``j*T ... (j+1)*T - 1``).
-- ``L.ip.contribution``: per reference ``j``, its share of the branch's output as it enters the residual stream:
-  ``c_j = s * W_o sum_{i in j} w_i v_i`` (``s`` the adapter scale, ``W_o`` the weight of ``attn.to_out[0]`` without
-  its bias, which belongs to the whole layer; Flux: no ``W_o``), ``(B, R, Q, C)``; summed over heads, since ``to_out``
-  mixes them (edit heads at ``weights``).
-- ``L.ip.output``: the branch's total contribution ``sum_j c_j``, ``(B, Q, C)``.
-
-A callback ``fn(tensor, ctx) -> tensor | None`` on a point reads it, or returns a replacement of the same shape, dtype
-and device (``None``, or the tensor itself unedited, keeps it). The points are computed in that order from what the
-layer's own modules compute (forward hooks on ``attn.to_q``, ``to_k_ip[a]``, ``to_v_ip[a]``; nothing replaced), and an
-edit flows on: new weights give new contributions, new contributions a new output. The layer then adds the change of
-the output to what ``attn.to_out[0]`` returns (a forward hook). No processor, weight or buffer is replaced, so with no
-edit the pipeline computes bit for bit what it computes without ipa_probe; with an edit, the unedited part of the
-layer (text branch, bias, other adapters) is still the processor's own.
-
-The points of a layer exist in a call when its image branch runs: an adapter scale of 0 skips the branch (no point
-fires there), and ``ip_adapter_masks`` (one softmax per reference image) are refused at the first selected step.
-
-Supported: SD 1.5 / SDXL UNets (``IPAdapterAttnProcessor2_0`` and ipa_probe's NW head, which shares its
-``to_k_ip``/``to_v_ip`` and declares its own logits) and Flux (``FluxIPAdapterAttnProcessor``: ``q`` is read after
-``attn.norm_q``, before RoPE, as the branch uses it; the branch has no output projection, so ``c_j = s sum w_i v_i``
-and ``C`` is the inner dimension; the change is added to the attention's third output, which the block adds to the
-residual stream; true CFG runs two denoiser passes per step, both with the same ``ctx.step``). SD3 is refused: its
-image branch shares one softmax with the latent tokens.
+The points are formed from what the layer's own modules compute (forward hooks on ``attn.to_q``, on Flux
+``attn.norm_q`` before RoPE, and on the branch's key and value projections; nothing replaced), in :data:`POINTS`'
+order, an edit at one flowing into the next; the layer then adds the change of the branch's output to what
+``attn.to_out[0]`` returns (Flux, whose branch has no output projection: to the attention's third output, in its first
+forward hook). With no edit the pipeline computes bit for bit what it computes without ipa_probe; with one, the
+unedited part of the layer (bias, other branches) is still the processor's own. A layer's points fire when its branch
+runs (not at adapter scale 0); ``ip_adapter_masks`` are refused at the first selected step, SD3 at once
+(:func:`hook_point_layers` says why).
 
 Several users may hold points on one pipeline at once (an intervention's callbacks, then a cache's readers): the
 hooks are installed once per denoiser, callbacks of one point run in order of attachment, and the hooks come off when
@@ -97,9 +79,10 @@ def hook_point_layers(pipe) -> list[IPLayer]:
     found = sorted(found, key=lambda layer: network_key(layer.name))  # the order the denoiser runs them
     if found[0].family == "sd3":
         raise ValueError(
-            "hook points exist for SD 1.5 / SDXL UNets and Flux; SD3's image branch runs one softmax over the latent "
-            "and the image tokens and normalises its keys after to_k_ip, so its output does not split into "
-            "per-reference contributions as here: use a UNet or Flux pipeline"
+            "hook points exist for SD 1.5 / SDXL UNets and Flux: SD3's image tokens share one softmax with the "
+            "latent tokens inside its processor, so an edit of their weights moves the latent tokens' too, which "
+            "these points (a branch with its own softmax) do not compute; on SD3 use intervene(pipe, 0) (ablate, "
+            "swap) or the probe"
         )
     return found
 
@@ -153,6 +136,8 @@ class PointUser:
     steps_run: int = 0
     #: the passes its step selection selected
     selected: int = 0
+    #: which passes of a selected step it runs in, ``when(spine, args, kwargs) -> bool`` (``None``: every pass)
+    when: Callable[[Spine, tuple, dict], bool] | None = None
     #: whether the callbacks may edit (``False`` for a cache's readers): readers of the layer then wait for them
     edits: bool = True
     #: the edit in words, for the probe's ``edits`` column
@@ -236,10 +221,7 @@ class _Registry:
         self.batch = sample.shape[0]
         context = spine.tap.argument("encoder_hidden_states", args, kwargs) if spine.tap.family == "unet" else None
         self._text_tokens = context.shape[1] if isinstance(context, torch.Tensor) and context.ndim == 3 else None
-        if self.layers[0].family == "unet":
-            self._image_embeds = (kwargs.get("added_cond_kwargs") or {}).get("image_embeds")
-        else:
-            self._image_embeds = (kwargs.get("joint_attention_kwargs") or {}).get("ip_adapter_image_embeds")
+        self._image_embeds = spine.tap.image_embeds(kwargs)
         if new_call:
             planned = spine.planned_steps()
             for user in self.users:
@@ -248,7 +230,7 @@ class _Registry:
         active: dict[str, list[HookFn]] = {}
         for user in self.users:
             user.steps_run = max(user.steps_run, self.step + 1)
-            if user.acts_at(self.step, self.timestep):
+            if user.acts_at(self.step, self.timestep) and (user.when is None or user.when(spine, args, kwargs)):
                 user.selected += 1
                 for name, fns in user.callbacks.items():
                     active.setdefault(name, []).extend(fns)

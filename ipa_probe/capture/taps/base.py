@@ -139,6 +139,12 @@ class Tap:
         """The scheduler timestep of a denoiser call, on the scheduler's scale (0-1000 for all families here)."""
         return self.argument("timestep", args, kwargs)
 
+    @staticmethod
+    def image_embeds(kwargs: dict) -> Any:
+        """A call's image embeddings: per adapter ``(B, images, D)`` (SD3: one ``(B, tokens, D)``), or None."""
+        extra = kwargs.get("added_cond_kwargs") or kwargs.get("joint_attention_kwargs") or {}
+        return extra.get("image_embeds", extra.get("ip_adapter_image_embeds"))
+
     # ------------------------------------------------------------------ taps
     def install(self, capture: Capture, images: bool, text_slot: int | None) -> list[Handle]:
         """Register the hooks that deliver ``(q, k)`` pairs to ``capture.record``; return their handles."""
