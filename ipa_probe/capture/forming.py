@@ -63,6 +63,25 @@ class _Held:
         return (*(form(x) for x in tensors), self.slot, self.text, id(self.h), id(self.labels), self.chunks)
 
 
+@dataclass
+class _Formed:
+    """Records of one signature formed up to their query frames (:meth:`RecordForming._begin`)."""
+
+    held: list[_Held]
+    q: torch.Tensor  # (L * B, H, Q, D)
+    k: torch.Tensor  # (L * B, H, K, D)
+    other: torch.Tensor | None
+    attn: torch.Tensor  # (L * B, H, Q, K)
+    q_norms: torch.Tensor  # (L * B, H, Q)
+    cell: cells.Cell
+    groups: int
+    text_mask: torch.Tensor | None
+    sample: torch.Tensor | None
+    tails: torch.Tensor | None
+    pools: int
+    other_pools: int
+
+
 class RecordForming:
     """Record forming of :class:`~.run.ProbeRun` (it provides ``_state``, ``_held``, ``_pending``, ``_maps``,
     ``config``, ``layers``, ``_constant``, ``_threads``, ``_flush`` and ``_keep_map``)."""
@@ -160,21 +179,37 @@ class RecordForming:
         batches: dict[tuple, list[_Held]] = {}
         for entry in held:
             batches.setdefault(entry.signature(), []).append(entry)
+        parts, logits = [], 0
         for same in batches.values():
             first = same[0]
+            size = first.q.shape[0] * first.q.shape[1] * first.q.shape[2] * first.k.shape[2]
+            step = len(same)
             if first.q.device.type == "cpu":
-                logits = first.q.shape[0] * first.q.shape[1] * first.q.shape[2] * first.k.shape[2]
-                step = max(1, cells.JOIN_ELEMENTS_CPU // (2 * logits))
-            else:
-                step = len(same)
-            for start in range(0, len(same), step):
-                self._threads(first.q.device, self._form, same[start : start + step])
+                step = max(1, cells.JOIN_ELEMENTS_CPU // (2 * size))
+            parts += [same[start : start + step] for start in range(0, len(same), step)]
+            logits += size * len(same)
+        # the sizes' query frames joined too (cells.joint_frames), by the same rule on a CPU
+        joins = len(parts) > 1 and (parts[0][0].q.device.type != "cpu" or 2 * logits <= cells.JOIN_ELEMENTS_CPU)
+        if not joins:
+            for part in parts:
+                self._threads(part[0].q.device, self._form, part)
+            return
+        device = parts[0][0].q.device
+        formed = [self._threads(device, self._begin, part) for part in parts]
+        joined = [entry for entry in formed if entry.cell.key_mask is None]  # the text branch's are formed apart
+        frames = cells.joint_frames([e.cell for e in joined], [e.pools for e in joined], self._constants)
+        for entry in formed:
+            self._threads(device, self._finish, entry, frames[joined.index(entry)] if entry in joined else None)
 
-    @torch.no_grad()
     def _form(self, held: list[_Held]) -> None:
         """The logits, cells and row samples of records of one :meth:`_Held.signature`, stacked along the batch
         (records ``l`` holds batch items ``l * B .. (l + 1) * B - 1``): every step below is per batch item or per
         group, so each record's values are what its own pass gives."""
+        self._finish(self._begin(held))
+
+    @torch.no_grad()
+    def _begin(self, held: list[_Held]) -> _Formed:
+        """:meth:`_form` up to the query frames: the records' logits and cell."""
         first = held[0]
 
         def stacked(name: str) -> torch.Tensor | None:
@@ -225,20 +260,41 @@ class RecordForming:
         pools = per_record if self.config.query_frame == "item" else first.chunks
         # and the other pool's (schema.QUERY_POOL_OTHER_COLUMN): formed only where a branch holds several items
         other_pools = first.chunks if pools == per_record else per_record
+        return _Formed(
+            held,
+            q,
+            k,
+            other,
+            attn,
+            q_norms,
+            cell,
+            groups,
+            text_mask,
+            sample,
+            tails,
+            pools * len(held),
+            other_pools * len(held),
+        )
+
+    @torch.no_grad()
+    def _finish(self, formed: _Formed, frame: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """:meth:`_form` from the query frames on (``frame``: formed with other records', or ``None``)."""
+        held, attn, cell, first = formed.held, formed.attn, formed.cell, formed.held[0]
         inputs = cell_inputs(
             cell=cell,
-            groups=groups,
-            q=q,
-            k=k,
-            other=other,
+            groups=formed.groups,
+            q=formed.q,
+            k=formed.k,
+            other=formed.other,
             text=first.text,
             processor=first.processor,
-            tails=tails,
-            text_mask=text_mask,
-            pools=pools * len(held),
-            q_norms=q_norms,
-            sample=sample,
-            other_pools=other_pools * len(held),
+            tails=formed.tails,
+            text_mask=formed.text_mask,
+            pools=formed.pools,
+            q_norms=formed.q_norms,
+            sample=formed.sample,
+            other_pools=formed.other_pools,
+            frame=frame,
         )
         self._pending.append((held, inputs))
         self._pending_elements += inputs.pending_elements()
