@@ -196,10 +196,18 @@ class RecordForming:
             return
         device = parts[0][0].q.device
         formed = [self._threads(device, self._begin, part) for part in parts]
-        joined = [entry for entry in formed if entry.cell.key_mask is None]  # the text branch's are formed apart
-        frames = cells.joint_frames([e.cell for e in joined], [e.pools for e in joined], self._constants)
+        joins: dict[int, list[_Formed]] = {}  # by keys; the text branch's (a key mask) are formed apart
         for entry in formed:
-            self._threads(device, self._finish, entry, frames[joined.index(entry)] if entry in joined else None)
+            if entry.cell.key_mask is None:
+                joins.setdefault(entry.cell.attn.shape[-1], []).append(entry)
+        frames = {}
+        for same in joins.values():
+            joint = self._threads(
+                device, cells.joint_frames, [e.cell for e in same], [e.pools for e in same], self._constants
+            )
+            frames.update({id(entry): frame for entry, frame in zip(same, joint, strict=True)})
+        for entry in formed:
+            self._threads(device, self._finish, entry, frames.get(id(entry)))
 
     def _form(self, held: list[_Held]) -> None:
         """The logits, cells and row samples of records of one :meth:`_Held.signature`, stacked along the batch
@@ -250,6 +258,7 @@ class RecordForming:
             h=first.h,
             fit=self.config.bandwidth == "fit",
             nw_rows=nw_rows,
+            dot=first.used is None,
         )
         tails = None
         if cell.key_mask is not None:
