@@ -101,6 +101,7 @@ def group_cell(
     h: torch.Tensor,
     fit: bool,
     nw_rows: torch.Tensor | None = None,
+    dot: bool = True,
 ) -> Cell:
     """A record's logits, masks and copy ids by group: ``(B, H, R, C)`` -> ``(groups, H, frames * R, C)``.
 
@@ -116,6 +117,8 @@ def group_cell(
         fit: fit ``h`` per cell (``bandwidth="fit"``) instead of using ``h``.
         nw_rows: optional ``(n,)`` row indices (the record's row sample, when nothing reads the other rows' NW
             logits): ``nw`` holds these rows only (when a group is one batch item; every row otherwise).
+        dot: ``attn`` are the dot-product logits of ``q`` and ``k`` (not an edit's): the NW logits are formed from
+            them and the key norms, without a second product.
     """
     batch, n_heads, n_queries, n_keys = attn.shape
 
@@ -138,10 +141,11 @@ def group_cell(
         return by_group(x.unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
 
     copies = per_key(copy_groups(k))
-    key_term = None
+    key_term = k_term = None
     if text or getattr(processor, "image_branch_logits", None) is None:
         # dot-product logits q·k / sqrt(d): the NW ranks follow q·k - |k|^2 / 2, i.e. attn - |k|^2 / (2 sqrt(d))
-        key_term = per_key((k * k).sum(-1) / (2 * math.sqrt(k.shape[-1])))  # (B, H, K) -> by group
+        k_term = (k * k).sum(-1) / (2 * math.sqrt(k.shape[-1]))  # (B, H, K)
+        key_term = per_key(k_term)  # by group
     if fit:
         k_sq = (k * k).sum(-1)  # (B, H, K)
         energy = by_group(q @ k.transpose(-1, -2) - k_sq.unsqueeze(-2) / 2)  # NW logits times h^2
@@ -154,11 +158,16 @@ def group_cell(
             attn=attn_c, nw=nw, h=h_cell, key_mask=key_mask, row_mask=row_mask, copies=copies, key_term=key_term
         )
     h_cell = h.expand(groups, n_heads)
+    nw_attn = attn
     if nw_rows is not None and batch == groups:  # only the sampled rows' NW logits are read (no maps)
-        q = take_rows(q, nw_rows, 2)
+        q, nw_attn = take_rows(q, nw_rows, 2), take_rows(attn, nw_rows, 2)
+    if k_term is not None and dot:  # (q·k - |k|^2 / 2) / h^2 from the logits: (attn - k_term) sqrt(d) / h^2
+        nw = (nw_attn - k_term.unsqueeze(-2)) * (math.sqrt(k.shape[-1]) / (h * h))
+    else:
+        nw = nw_logits(q, k, h)
     return Cell(
         attn=by_group(attn),
-        nw=by_group(nw_logits(q, k, h)),
+        nw=by_group(nw),
         h=h_cell,
         key_mask=key_mask,
         row_mask=row_mask,
@@ -280,12 +289,14 @@ def cell_inputs(
     else:
         q_norm = q_norm.mean(-1)
     k_norm = by_group(k.norm(dim=-1))  # (groups, H, items * K)
-    kept = torch.ones_like(k_norm)
-    if cell.key_mask is not None:
+    if cell.key_mask is None:
+        sd, mean = torch.std_mean(k_norm, dim=-1, correction=0)
+        spread, keys = sd / mean, torch.full_like(mean, n_keys)  # (groups, H), keys per row
+    else:
         kept = by_group(text_mask[:, None, :].expand(batch, n_heads, n_keys).float())
-    mean = (k_norm * kept).sum(-1) / kept.sum(-1)
-    spread = (((k_norm - mean[..., None]) ** 2 * kept).sum(-1) / kept.sum(-1)).sqrt() / mean
-    keys = kept.sum(-1) / (batch // groups)  # (groups, H) keys per row
+        mean = (k_norm * kept).sum(-1) / kept.sum(-1)
+        spread = (((k_norm - mean[..., None]) ** 2 * kept).sum(-1) / kept.sum(-1)).sqrt() / mean
+        keys = kept.sum(-1) / (batch // groups)  # (groups, H) keys per row
     ip_mass = torch.full_like(q_norm, math.nan)
     if other is not None and not text:
         share = image_share(processor, q, k, other.float())  # (B, H, Q)
@@ -329,13 +340,21 @@ def compare_cells(
     first = records[0]
     flat = first.key_mask is None  # every record's rows side by side, reduced per cell (stats.Segments)
     keys = first.attn.shape[-1]
+    replicates = SAMPLE_GROUPS if first.sampled else None
+    segments = _segments(records, replicates, cache) if flat else None
 
     def joined(name: str, axis: int = 0) -> torch.Tensor | None:
         parts = [getattr(record, name) for record in records]
         if parts[0] is None or (len(parts) == 1 and not flat):
             return parts[0]
+        lead = axis  # the frames' leading axes
+        if flat and all(
+            x.dim() == r.attn.dim() + lead and x.shape[-2] == 1 for x, r in zip(parts, records, strict=True)
+        ):
+            # per key, (*F, groups, H, 1, C): every cell's row, then each flattened row its cell's (one gather)
+            cells = torch.cat([x.reshape(*x.shape[:lead], -1, x.shape[-1]) for x in parts], lead)
+            return cells.index_select(lead, segments.ids)  # (*F, rows, C)
         if flat:  # (*F, groups, H, 1 or n, C) -> (*F, groups * H * n, C), rows of every record side by side
-            lead = axis  # the frames' leading axes
             parts = [
                 x.expand(*x.shape[:-2], record.attn.shape[-2], x.shape[-1]).reshape(*x.shape[:lead], -1, x.shape[-1])
                 if x.dim() == record.attn.dim() + lead
@@ -353,8 +372,6 @@ def compare_cells(
         device = first.attn.device
         spare = generators[2] if len(generators) > 2 else torch.Generator(device=device).manual_seed(0)
         frames.append((joined("other_nw", 1), joined("other_b", 1), spare))
-    replicates = SAMPLE_GROUPS if first.sampled else None
-    segments = _segments(records, replicates, cache) if flat else None
     stats, frame, *other = compare_frames(
         joined("attn"),
         frames,
