@@ -260,9 +260,7 @@ def cell_inputs(
     """
     n_rows = cell.attn.shape[-2]
     other_pools = other_pools if other_pools != pools else None
-    frames = {
-        "frame": frame if frame is not None else frame_terms(cell.attn, cell.key_mask, cell.row_mask, pools, "both")
-    }
+    frames = {"frame": frame or frame_terms(cell.attn, cell.key_mask, cell.row_mask, pools, "both")}
     if other_pools is not None:  # the other pool's exact form (schema.QUERY_POOL_OTHER_COLUMN)
         frames["other"] = frame_terms(cell.attn, cell.key_mask, cell.row_mask, other_pools, "exact")
     attn, nw, key_mask, row_mask = cell.attn, cell.nw, cell.key_mask, cell.row_mask
@@ -513,73 +511,45 @@ def frame_terms(
     return centred, b.repeat_interleave(groups // pools, dim=1)
 
 
-def joint_frames(
-    records: list[Cell], pools: list[int], cache: dict | None = None
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`frame_terms` (both forms) of several records without a key mask, whatever their rows, in one pass: their
-    logits flattened side by side and every frame's terms taken by segment
-    (:func:`~ipa_probe.statistics.kernels.segment_query_frame_terms`), so a pass's records of every layer size cost
-    the operations of one. Each record's values are those of its own :func:`frame_terms` up to float rounding (the
-    sums run in another order).
-
-    Args:
-        records: the records by group (:func:`group_cell`), ``(groups, H, R, K)`` logits each, equal ``K``.
-        pools: each record's number of frames (as for :func:`frame_terms`).
-        cache: where the entries' rows and frames are kept between calls (they depend on the shapes only), or
-            ``None``.
-
-    Returns:
-        per record, ``(rows, b)`` as :func:`frame_terms` returns them (``rows`` a key-major view).
-    """
-    shapes = tuple(tuple(cell.attn.shape) for cell in records)
-    rows, frames, cell_frames = _frame_segments(shapes, tuple(pools), records[0].attn.device, cache)
+def joint_frames(records: list[Cell], pools: list[int], cache: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`frame_terms` (both forms) of records without a key mask and of equal ``K``, ``(groups, H, R, K)`` logits
+    and ``pools`` frames each, in one pass: their logits side by side, every frame's terms by segment
+    (:func:`~ipa_probe.statistics.kernels.segment_query_frame_terms`), so a pass's records of every layer size cost the
+    operations of one. Each record's ``(rows, b)`` are those of its own :func:`frame_terms` up to float rounding (the
+    sums run in another order); the entries' ids depend on the shapes only and are kept in ``cache``."""
+    shapes, device = tuple(tuple(cell.attn.shape) for cell in records), records[0].attn.device
+    keys, key = shapes[0][-1], ("frames", shapes, tuple(pools), device)
+    if key not in cache:  # entry (g, h, k, r) of each record: row (g, h, r), frame (g // (groups / pools), h)
+        row_ids, segment_ids, cell_frames, row_offset, frame_offset = [], [], [], 0, 0
+        for (groups, heads, n_rows, _), n_pools in zip(shapes, pools, strict=True):
+            g, h, k, r = torch.meshgrid(
+                *(torch.arange(n, device=device) for n in (groups, heads, keys, n_rows)), indexing="ij"
+            )
+            row_ids.append((row_offset + (g * heads + h) * n_rows + r).reshape(-1))
+            frame = frame_offset + g // (groups // n_pools) * heads + h
+            segment_ids.append((frame * keys + k).reshape(-1))
+            cell_frames.append(frame[:, :, 0, 0].reshape(-1))
+            row_offset, frame_offset = row_offset + groups * heads * n_rows, frame_offset + n_pools * heads
+        rows, frames = Segments(torch.cat(row_ids), row_offset), Segments(torch.cat(segment_ids), frame_offset * keys)
+        cache[key] = rows, frames, torch.cat(cell_frames)
+    rows, frames, cell_frames = cache[key]
     logits = torch.cat([cell.attn.transpose(-1, -2).reshape(-1) for cell in records])  # (N,) key-major
-    # the rows that form their frame: finite, and inside the IP-Adapter mask
-    inside = rows.sum(logits * 0) == 0
+    inside = rows.sum(logits * 0) == 0  # the rows that form their frame: finite, and inside the IP-Adapter mask
     if any(cell.row_mask is not None for cell in records):
-        masks = [torch.ones(x.shape[:3], dtype=torch.bool, device=logits.device) for x in (c.attn for c in records)]
-        masks = [mask if cell.row_mask is None else cell.row_mask for mask, cell in zip(masks, records, strict=True)]
+        masks = [
+            torch.ones(c.attn.shape[:3], dtype=torch.bool, device=device) if c.row_mask is None else c.row_mask
+            for c in records
+        ]
         inside &= torch.cat([mask.reshape(-1) for mask in masks])
     centred, b = segment_query_frame_terms(logits, rows, inside, frames, "both")  # (N,), (2, frames * K)
-    keys = shapes[0][-1]
     b = b.unflatten(1, (-1, keys)).index_select(1, cell_frames)  # (2, cells, K)
-    sizes = [math.prod(shape) for shape in shapes]
-    cells_of = [shape[0] * shape[1] for shape in shapes]
-    out = []
-    for part, b_part, (groups, heads, n_rows, _) in zip(
-        centred.split(sizes), b.split(cells_of, dim=1), shapes, strict=True
-    ):
-        by_key = part.view(groups, heads, keys, n_rows)  # (groups, H, K, R)
-        out.append((by_key.transpose(-1, -2), b_part.unflatten(1, (groups, heads)).unsqueeze(-2)))
-    return out
-
-
-def _frame_segments(shapes: tuple, pools: tuple, device: torch.device, cache: dict | None) -> tuple:
-    """The entries' rows and (frame, key) segments of :func:`joint_frames` (records' ``(groups, H, K, R)`` entries
-    side by side), and each cell's frame, made on the device once per shape (kept in ``cache``)."""
-    key = ("frames", shapes, pools, device)
-    if cache is not None and key in cache:
-        return cache[key]
-    row_ids, segment_ids, cell_frames = [], [], []
-    row_offset = frame_offset = 0
-    keys = shapes[0][-1]
-    for (groups, heads, n_rows, _), n_pools in zip(shapes, pools, strict=True):
-        # entry (g, h, k, r): row (g, h, r), frame (g // (groups / pools), h)
-        g, h, k, r = torch.meshgrid(
-            *(torch.arange(n, device=device) for n in (groups, heads, keys, n_rows)), indexing="ij"
-        )
-        row_ids.append((row_offset + (g * heads + h) * n_rows + r).reshape(-1))
-        frame = frame_offset + g // (groups // n_pools) * heads + h
-        segment_ids.append((frame * keys + k).reshape(-1))
-        cell_frames.append(frame[:, :, 0, 0].reshape(-1))
-        row_offset += groups * heads * n_rows
-        frame_offset += n_pools * heads
-    rows = Segments(torch.cat(row_ids), row_offset)
-    frames = Segments(torch.cat(segment_ids), frame_offset * keys)
-    made = (rows, frames, torch.cat(cell_frames))
-    if cache is not None:
-        cache[key] = made
-    return made
+    parts = zip(
+        centred.split([math.prod(x) for x in shapes]), b.split([x[0] * x[1] for x in shapes], 1), shapes, strict=True
+    )
+    # (groups, H, K, R) key-major -> (groups, H, R, K) views; (2, groups, H, 1, K)
+    return [
+        (x.view(g, h, keys, r).transpose(-1, -2), y.unflatten(1, (g, h)).unsqueeze(-2)) for x, y, (g, h, r, _) in parts
+    ]
 
 
 def take_rows(x: torch.Tensor, sample: torch.Tensor, axis: int) -> torch.Tensor:

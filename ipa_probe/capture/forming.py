@@ -63,25 +63,6 @@ class _Held:
         return (*(form(x) for x in tensors), self.slot, self.text, id(self.h), id(self.labels), self.chunks)
 
 
-@dataclass
-class _Formed:
-    """Records of one signature formed up to their query frames (:meth:`RecordForming._begin`)."""
-
-    held: list[_Held]
-    q: torch.Tensor  # (L * B, H, Q, D)
-    k: torch.Tensor  # (L * B, H, K, D)
-    other: torch.Tensor | None
-    attn: torch.Tensor  # (L * B, H, Q, K)
-    q_norms: torch.Tensor  # (L * B, H, Q)
-    cell: cells.Cell
-    groups: int
-    text_mask: torch.Tensor | None
-    sample: torch.Tensor | None
-    tails: torch.Tensor | None
-    pools: int
-    other_pools: int
-
-
 class RecordForming:
     """Record forming of :class:`~.run.ProbeRun` (it provides ``_state``, ``_held``, ``_pending``, ``_maps``,
     ``config``, ``layers``, ``_constant``, ``_threads``, ``_flush`` and ``_keep_map``)."""
@@ -188,36 +169,30 @@ class RecordForming:
                 step = max(1, cells.JOIN_ELEMENTS_CPU // (2 * size))
             parts += [same[start : start + step] for start in range(0, len(same), step)]
             logits += size * len(same)
-        # the sizes' query frames joined too (cells.joint_frames), by the same rule on a CPU
-        joins = len(parts) > 1 and (parts[0][0].q.device.type != "cpu" or 2 * logits <= cells.JOIN_ELEMENTS_CPU)
-        if not joins:
+        # the sizes' query frames joined too (cells.joint_frames; on a CPU by the same rule), where the records have
+        # equal keys and no key mask (the text branch's are formed apart)
+        first = parts[0][0] if parts else None
+        joins = len(parts) > 1 and not first.text and len({(p[0].text, p[0].k.shape[2]) for p in parts}) == 1
+        if not joins or (first.q.device.type == "cpu" and 2 * logits > cells.JOIN_ELEMENTS_CPU):
             for part in parts:
                 self._threads(part[0].q.device, self._form, part)
             return
-        device = parts[0][0].q.device
-        formed = [self._threads(device, self._begin, part) for part in parts]
-        joins: dict[int, list[_Formed]] = {}  # by keys; the text branch's (a key mask) are formed apart
-        for entry in formed:
-            if entry.cell.key_mask is None:
-                joins.setdefault(entry.cell.attn.shape[-1], []).append(entry)
-        frames = {}
-        for same in joins.values():
-            joint = self._threads(
-                device, cells.joint_frames, [e.cell for e in same], [e.pools for e in same], self._constants
-            )
-            frames.update({id(entry): frame for entry, frame in zip(same, joint, strict=True)})
-        for entry in formed:
-            self._threads(device, self._finish, entry, frames.get(id(entry)))
+        formed = [self._threads(first.q.device, self._begin, part) for part in parts]
+        cells_of, pools = [entry[2] for entry in formed], [entry[3]["pools"] for entry in formed]
+        frames = self._threads(first.q.device, cells.joint_frames, cells_of, pools, self._constants)
+        for entry, frame in zip(formed, frames, strict=True):
+            self._threads(first.q.device, self._finish, *entry, frame)
 
     def _form(self, held: list[_Held]) -> None:
         """The logits, cells and row samples of records of one :meth:`_Held.signature`, stacked along the batch
         (records ``l`` holds batch items ``l * B .. (l + 1) * B - 1``): every step below is per batch item or per
         group, so each record's values are what its own pass gives."""
-        self._finish(self._begin(held))
+        self._finish(*self._begin(held))
 
     @torch.no_grad()
-    def _begin(self, held: list[_Held]) -> _Formed:
-        """:meth:`_form` up to the query frames: the records' logits and cell."""
+    def _begin(self, held: list[_Held]) -> tuple:
+        """:meth:`_form` up to the query frames: the records, their logits and cell, and the rest of
+        :func:`~.cells.cell_inputs`' arguments."""
         first = held[0]
 
         def stacked(name: str) -> torch.Tensor | None:
@@ -269,42 +244,15 @@ class RecordForming:
         pools = per_record if self.config.query_frame == "item" else first.chunks
         # and the other pool's (schema.QUERY_POOL_OTHER_COLUMN): formed only where a branch holds several items
         other_pools = first.chunks if pools == per_record else per_record
-        return _Formed(
-            held,
-            q,
-            k,
-            other,
-            attn,
-            q_norms,
-            cell,
-            groups,
-            text_mask,
-            sample,
-            tails,
-            pools * len(held),
-            other_pools * len(held),
-        )
+        inputs = dict(groups=groups, q=q, k=k, other=other, text=first.text, processor=first.processor, tails=tails)
+        inputs.update(text_mask=text_mask, pools=pools * len(held), q_norms=q_norms, sample=sample)
+        return held, attn, cell, dict(inputs, other_pools=other_pools * len(held))
 
     @torch.no_grad()
-    def _finish(self, formed: _Formed, frame: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def _finish(self, held: list[_Held], attn: torch.Tensor, cell: cells.Cell, inputs: dict, frame=None) -> None:
         """:meth:`_form` from the query frames on (``frame``: formed with other records', or ``None``)."""
-        held, attn, cell, first = formed.held, formed.attn, formed.cell, formed.held[0]
-        inputs = cell_inputs(
-            cell=cell,
-            groups=formed.groups,
-            q=formed.q,
-            k=formed.k,
-            other=formed.other,
-            text=first.text,
-            processor=first.processor,
-            tails=formed.tails,
-            text_mask=formed.text_mask,
-            pools=formed.pools,
-            q_norms=formed.q_norms,
-            sample=formed.sample,
-            other_pools=formed.other_pools,
-            frame=frame,
-        )
+        first = held[0]
+        inputs = cell_inputs(cell=cell, frame=frame, **inputs)
         self._pending.append((held, inputs))
         self._pending_elements += inputs.pending_elements()
         if self._pending_elements > PENDING_ELEMENTS:  # bounded memory: compare what is kept so far

@@ -185,7 +185,6 @@ def query_frame_terms(
     logits ``rows`` ``(..., R, K)`` (left-out keys 0) and the key terms ``b``, ``(F, ..., 1, K)`` with one entry of
     ``F`` per form (1, or 2 for ``"both"``). Apart, so that a caller can take the rows it needs before subtracting
     (:func:`~ipa_probe.capture.cells.cell_inputs` takes its row sample from the centred rows of every row)."""
-    forms = _frame_forms(form)
     # Worked key-major, (..., K, R): every reduction over the frame's rows then runs along the last dimension, which
     # is contiguous for the probe's logits (key-major views, see capture.cells.record_logits): a max over 4,096 rows
     # takes 16 us there against 745 us along a row-major tensor's outer dimension (2 CPU cores, (2, 8, 4096, 8)).
@@ -206,64 +205,37 @@ def query_frame_terms(
     if key_mask is not None:
         inside = key_mask if inside is None else inside & key_mask
 
-    def norm_sq(x: torch.Tensor) -> torch.Tensor:
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        return norm * norm
-
-    def total(x: torch.Tensor) -> torch.Tensor:
-        return x.sum(-1, keepdim=True)
-
-    reduce = (lambda x: x.amax(-1, keepdim=True), total, norm_sq, lambda x: x)
-    b = _frame_key_terms(centred, inside, logits.shape[-2], forms, reduce)  # (F, ..., K, 1)
+    reduce = (lambda x: x.amax(-1, keepdim=True), lambda x: x.sum(-1, keepdim=True), lambda x: x)
+    b = _frame_key_terms(centred, inside, logits.shape[-2], form, reduce)  # (F, ..., K, 1)
     return centred.transpose(-1, -2), b.transpose(-1, -2)  # (..., R, K), (F, ..., 1, K)
 
 
 def segment_query_frame_terms(
     logits: torch.Tensor, rows: Segments, row_mask: torch.Tensor, frames: Segments, form: str = "exact"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`query_frame_terms` of many frames of any sizes in one pass: their logits flattened side by side, each
-    entry's row and each entry's (frame, key) segment given (:class:`~.rows.Segments`), every reduction a segment
-    reduction, so the number of operations does not grow with the frames' sizes and count.
-
-    Args:
-        logits: ``(N,)`` every row's logits (``K`` entries each, no key mask), in any order.
-        rows: each entry's row (``rows.cells`` rows of ``K`` entries).
-        row_mask: ``(rows.cells,)`` bool, the rows that form their frame (finite, inside the IP-Adapter mask).
-        frames: each entry's frame and key, ``frame * K + key`` (``frames.cells`` = frames times ``K``).
-        form: as for :func:`query_frame_terms`.
-
-    Returns:
-        ``(rows, b)``: ``(N,)`` the row-centred logits and ``(F, frames.cells)`` the key terms, each frame's ``K`` in
-        a row (a key no row of the frame keeps has ``b = 0``).
-    """
-    forms = _frame_forms(form)
+    """:func:`query_frame_terms` of frames of any sizes in one pass, every reduction by segment: ``logits`` ``(N,)``
+    rows of ``K`` entries without a key mask, ``rows`` each entry's row, ``row_mask`` ``(rows.cells,)`` the rows that
+    form their frame, ``frames`` each entry's ``frame * K + key``. Returns ``(N,)`` the centred logits and ``b``
+    ``(F, frames.cells)``."""
     keys = logits.shape[-1] // rows.cells
     centred = logits - rows.sum(logits).div_(keys).index_select(0, rows.ids)  # (N,)
-    inside = row_mask.index_select(0, rows.ids)  # (N,)
-
-    def total(x: torch.Tensor) -> torch.Tensor:
-        return frames.sum(x)
 
     def peak(x: torch.Tensor) -> torch.Tensor:
         return x.new_full((frames.cells,), -math.inf).scatter_reduce_(0, frames.ids, x, "amax")
 
-    reduce = (peak, total, lambda x: total(x * x), lambda x: x.index_select(0, frames.ids))
-    return centred, _frame_key_terms(centred, inside, None, forms, reduce)
-
-
-def _frame_forms(form: str) -> tuple[str, ...]:
-    if form not in (*QUERY_FRAME_FORMS, "both"):
-        raise ValueError(f"form: expected one of {(*QUERY_FRAME_FORMS, 'both')}, got {form!r}")
-    return QUERY_FRAME_FORMS if form == "both" else (form,)
+    reduce = (peak, frames.sum, lambda x: x.index_select(0, frames.ids))
+    return centred, _frame_key_terms(centred, row_mask.index_select(0, rows.ids), None, form, reduce)
 
 
 def _frame_key_terms(
-    centred: torch.Tensor, inside: torch.Tensor | None, n_all: int | None, forms: tuple[str, ...], reduce: tuple
+    centred: torch.Tensor, inside: torch.Tensor | None, n_all: int | None, form: str, reduce: tuple
 ) -> torch.Tensor:
     """The key terms ``b`` of :func:`query_frame_terms` from the centred logits (key-major), stacked per form:
-    ``reduce`` holds the frame's max, sum and sum of squares (each ``(..., S)`` -> ``(..., frames)``) and the way back
-    from frames to entries; ``inside`` the frame's entries (``None`` for all: ``n_all`` of them)."""
-    peak_of, total, total_sq, back = reduce
+    ``reduce`` holds the frames' max and sum (``(..., S)`` -> ``(..., frames)``) and the way back from frames to
+    entries; ``inside`` the frames' entries (``None`` for all: ``n_all`` of them)."""
+    if form not in (*QUERY_FRAME_FORMS, "both"):
+        raise ValueError(f"form: expected one of {(*QUERY_FRAME_FORMS, 'both')}, got {form!r}")
+    forms, (peak_of, total, back) = QUERY_FRAME_FORMS if form == "both" else (form,), reduce
     if inside is None:
         n_rows = torch.full((), n_all, dtype=centred.dtype, device=centred.device)
     else:
@@ -285,7 +257,7 @@ def _frame_key_terms(
         dev = torch.sub(terms, back(mean), out=work) if "exact" in forms else terms - back(mean)
         if outside is not None:
             dev.masked_fill_(outside, 0.0)
-        out["gaussian"] = mean + total_sq(dev) / (2 * n_rows)
+        out["gaussian"] = mean + total(dev * dev) / (2 * n_rows)
     b = torch.stack([out[name] for name in forms])
     return b if inside is None else torch.where(n_rows > 0, b, 0.0)
 
