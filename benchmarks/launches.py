@@ -16,9 +16,10 @@ A step's count is the difference of a 3-step and a 2-step call (the call's fixed
 CPU the probe forms large records apart instead of stacked (``ipa_probe.capture.cells.JOIN_ELEMENTS_CPU``: a stack
 that leaves the cache costs CPU time), on a GPU it stacks every record of a size, which is what saves launches.
 
-Modes: the plain call, the probe (default rows), ``maps=True``, ``rows=None``, the NW head and an ablation of
-reference 0. Counts are the same on every run and machine; the
-suite holds budgets on them (``tests/test_launch_budget.py``).
+Modes: the plain call, the probe (default rows), ``maps=True``, ``rows=None``, ``compile=True`` (counted with
+``DispatchCount(compiled=True)``: the operations the compiled statistics still dispatch plus one launch per fused
+kernel they run; the first call compiles), the NW head and an ablation of reference 0. Counts are the same on every
+run and machine; the suite holds budgets on them (``tests/test_launch_budget.py``).
 
     python benchmarks/launches.py                      # sd15 at 16 x 16 latents, 4 and 64 tokens
     python benchmarks/launches.py --arch sd15 sdxl flux --tokens 4 64 --by-site
@@ -38,7 +39,7 @@ from ipa_probe.devtools.dispatch import DispatchCount
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sd15_arch beside this file
 
-MODES = ("plain", "probe", "maps", "exact", "nw_head", "ablate")
+MODES = ("plain", "probe", "maps", "exact", "compiled", "nw_head", "ablate")
 
 
 def sdxl_pipeline(seed: int = 0):
@@ -149,12 +150,12 @@ def feature(pipe, mode: str):
         return ipa_probe.nw_head(pipe)
     if mode == "ablate":
         return ipa_probe.intervene(pipe, 0)
-    options = {"probe": {}, "maps": {"maps": True}, "exact": {"rows": None}}[mode]
+    options = {"probe": {}, "maps": {"maps": True}, "exact": {"rows": None}, "compiled": {"compile": True}}[mode]
     return ipa_probe.probe(pipe, **options)
 
 
 def count(pipe, arch: str, mode: str, tokens: int, steps: int, by_site: bool) -> DispatchCount:
-    counter = DispatchCount(by_site=by_site)
+    counter = DispatchCount(by_site=by_site, compiled=mode == "compiled")
     kwargs = call_kwargs(pipe, arch, tokens, steps)
     with feature(pipe, mode), torch.no_grad(), counter:
         pipe(**kwargs)

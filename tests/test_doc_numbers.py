@@ -7,6 +7,7 @@ formatted as the prose writes them (signs, the minus sign, significant digits); 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -55,6 +56,46 @@ def e(x: float) -> str:
 def assert_in(name: str, text: str) -> None:
     text = re.sub(r"\s+", " ", text)
     assert text in doc(name), f"{name} does not state, from its record: {text!r}"
+
+
+# ------------------------------------------------------------------------------------------- findings.md section 1
+def test_gauge_group_claims():
+    """The headline's invariance: the query-frame rho's means over the group's 9 gauges, their spread, the outputs'
+    largest change and the stored-frame rho's range (the table gauge_sweep/group/README.md says the docs quote)."""
+    table = pd.read_csv(RESULTS / "gauge_sweep" / "group" / "gauge_sweep.csv")
+    table = table[(table.kind == "image") & (table.branch == "cond")]
+    means = table.groupby("gauge", sort=False).mean(numeric_only=True)
+    assert len(means) == 9
+    exact, gauss, stored = means["qf_spearman"], means["qf_gauss_spearman"], means["spearman"]
+    spread = max(np.ptp(exact.to_numpy()), np.ptp(gauss.to_numpy()))
+    assert_in(
+        "docs/findings.md",
+        f"`ip-adapter` organism: {exact.mean():.4f} (exact) / {gauss.mean():.4f} (Gaussian) under every gauge, means "
+        f"within {e(spread)}, outputs within {e(table['output_max_abs_diff'].max())}; the stored-frame ρ of the same "
+        f"model spans {signed(stored.min())} to {stored.max():.2f}",
+    )
+
+
+# ------------------------------------------------------------------------------------------- findings.md section 9
+def test_organism_claims():
+    """The README's organism figures as findings.md section 9 restates them: the right-digit rates with the adapter on
+    and at scale 0 (CFG 3), and the largest share of outputs a same-class swap moves (organism.md's records)."""
+    digits = RESULTS / "digits"
+    rates = {o: json.loads((digits / o / "rates.json").read_text())["rates"] for o in ("support", "ip-adapter")}
+    following = {o: json.loads((digits / o / "following.json").read_text())["following"] for o in rates}
+
+    def rate(organism: str, arm: str) -> str:
+        return f"{100 * rates[organism][arm]['rate']['mean']:.1f}%"
+
+    on, off = "adapter on, CFG 3", "adapter scale 0, CFG 3"
+    assert_in(
+        "docs/findings.md",
+        f"(`support` {rate('support', on)}, `ip-adapter` {rate('ip-adapter', on)}; [organism.md](organism.md)). "
+        f"Control: the adapter at scale 0 ({rate('support', off)}, {rate('ip-adapter', off)})",
+    )
+    swaps = [run["metrics"]["swap_toward"]["mean"] for runs in following.values() for run in runs.values()]
+    assert_in("docs/findings.md", f"swapping the reference moves the output** ({100 * max(swaps):.0f}%)")
+    assert_in("docs/organism.md", f"moves {100 * min(swaps):.0f}–{100 * max(swaps):.0f}% of outputs")
 
 
 # ------------------------------------------------------------------------------------------- findings.md section 2

@@ -49,6 +49,30 @@ def test_the_counter_sorts_launches_views_and_device_reads():
     assert count.launches == sum(count.by_op.values())
 
 
+def test_the_counter_counts_compiled_code_as_it_runs():
+    """Dynamo compiles nothing while a dispatch mode is active, so a plain count sees eager's operations; a
+    ``compiled=True`` count lets the code compile and counts what its artifact runs: here one fused C++ kernel for the
+    three elementwise operations (read from the profiler), and the one operation inductor leaves to aten."""
+
+    def f(x):
+        return x.sin().cos().mul(2) @ x
+
+    compiled = torch.compile(f)
+    x = torch.randn(8, 8)
+    try:
+        torch.compile(lambda y: y + 1)(x)
+    except Exception as err:  # noqa: BLE001 - no working compiler here (the counter's eager path is tested above)
+        pytest.skip(f"torch.compile does not work here: {type(err).__name__}")
+    with DispatchCount() as eager:
+        compiled(x)
+    assert eager.launches == 4 and eager.by_op["fused"] == 0  # sin, cos, mul, mm: ran eagerly
+    with DispatchCount(compiled=True) as count:
+        out = compiled(x)  # compiles here (the profiled kernels are generated inside the block), then runs
+    torch.testing.assert_close(out, f(x))
+    assert count.by_op == {"fused": 1, "mm": 1}, count.by_op  # the matrix product: an extern (aten) kernel
+    assert count.launches == 2
+
+
 @pytest.fixture(scope="module")
 def counts():
     launches = pytest.importorskip("launches")  # benchmarks/launches.py

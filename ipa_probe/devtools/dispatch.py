@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
 
 import torch
@@ -74,14 +75,45 @@ class DispatchCount(TorchDispatchMode):
         by_op: launches per ``aten`` operation name.
         by_site: launches per ``module:function`` of the innermost ``ipa_probe`` frame that issued them
             (``by_site=True`` only: walking the stack costs host time), ``"model"`` for the rest.
+
+    With ``compiled=True`` the block's ``torch.compile``'d code is counted as it runs: Dynamo traces no frame while a
+    dispatch mode is active (code compiled with ``torch.compile`` runs eagerly inside a plain count, which then counts
+    eager's operations), so this count lets it compile and run its artifacts; the operations they still dispatch are
+    counted as above and each fused kernel they run adds one launch (``by_op["fused"]``, read from the profiler: on a
+    CPU inductor's C++ kernels, profiled when they are generated inside such a block).
     """
 
-    def __init__(self, by_site: bool = False):
+    def __init__(self, by_site: bool = False, compiled: bool = False):
         super().__init__()
         self.launches = self.views = self.syncs = 0
         self.by_op: collections.Counter = collections.Counter()
         self.by_site: collections.Counter = collections.Counter()
         self._by_site = by_site
+        self._compiled = compiled
+        self._profile: contextlib.ExitStack | None = None
+
+    def ignore_compile_internals(self) -> bool:  # Dynamo asks the modes on the stack whether it may compile
+        return self._compiled
+
+    def __enter__(self):
+        if self._compiled:
+            from torch._inductor import config
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profile = contextlib.ExitStack()
+            self._profile.enter_context(config.patch({"cpp.enable_kernel_profile": True}))
+            self._profiler = self._profile.enter_context(profile(activities=[ProfilerActivity.CPU]))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        if self._profile is not None:
+            self._profile.close()
+            fused = sum(event.count for event in self._profiler.key_averages() if "cpp_fused" in event.key)
+            self.by_op["fused"] += fused
+            self.launches += fused
+            self._profile = None
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if is_view(func):
