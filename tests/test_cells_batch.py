@@ -110,9 +110,11 @@ def test_records_stacked_in_one_pass_equal_records_formed_alone(sd15, refs, monk
                  generator=torch.Generator().manual_seed(0), output_type="latent")  # fmt: skip
         return run.to_dataframe(), list(formed)
 
+    monkeypatch.setattr(cells_module, "JOIN_FRAMES_CPU", 2**62)  # the GPU's policy: the sizes' frames joined
     stacked, sizes = table()
     assert max(sizes) > 1, "equal-size layers are formed together"
     assert len(joint) == 2, "the sizes' query frames are joined, one pass per step"
+    monkeypatch.setattr(cells_module, "JOIN_FRAMES_CPU", 0)
     if bound == "JOIN_ELEMENTS_CPU":
         monkeypatch.setattr(cells_module, "JOIN_ELEMENTS_CPU", 0)
     else:

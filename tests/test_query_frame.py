@@ -539,8 +539,7 @@ def test_one_image_per_branch_pays_nothing_and_the_pools_coincide(ip_organism, m
     """With one item per CFG branch the other pool is the same rows: its frame is never formed (a one-image run costs
     what it cost before the column existed), the column repeats ``qf_spearman`` bit for bit (NaN where NaN), and the
     summary says the pools coincide; with two items per branch the other frame is formed once per record. Each
-    record's frames are formed once, with the other records of its pass and size (one pass per size and step, or one
-    per step where the sizes' frames are joined)."""
+    record's frames are formed once, with the other records of its pass and size (one pass per size and step)."""
     from ipa_probe.capture import cells as cells_module
     from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_reference_images
 
@@ -551,14 +550,7 @@ def test_one_image_per_branch_pays_nothing_and_the_pools_coincide(ip_organism, m
         formed.append((form, attn.shape[0]))
         return frame_terms(attn, key_mask, row_mask, pools, form)
 
-    joint_frames = cells_module.joint_frames
-
-    def counted_joint(records, pools, cache=None):  # the sizes of a pass joined (small passes): each record's frames
-        formed.extend(("both", cell.attn.shape[0]) for cell in records)
-        return joint_frames(records, pools, cache)
-
     monkeypatch.setattr(cells_module, "frame_terms", counted)
-    monkeypatch.setattr(cells_module, "joint_frames", counted_joint)
     refs = digits_reference_images(3, 3, seed=0)
     for images in (1, 2):
         formed.clear()

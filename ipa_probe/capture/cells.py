@@ -27,6 +27,7 @@ from .config import SAMPLE_GROUPS
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "JOIN_FRAMES_CPU",
     "Cell",
     "CellInputs",
     "cell_inputs",
@@ -50,6 +51,13 @@ CHUNK_ELEMENTS = 2**26
 #: 64 x 64 latents (20-84 MB), which no longer stay in cache. Other devices stack a size's records whole (what it
 #: saves there is kernel launches; :data:`~.forming.FRAME_ELEMENTS` bounds the memory).
 JOIN_ELEMENTS_CPU = 2**18
+
+
+#: Most logits (elements) a CPU joins into one query-frame pass over a pass's layer sizes (:func:`joint_frames`): none.
+#: The joint pass's segment reductions took 1.5x the CPU time of one pass per size (medians of 6 calls, 28 against
+#: 19 ms of forming per call: SD 1.5 at full width, 16 x 16 latents, 4 tokens, 3 steps, one thread); other devices
+#: join every size (what it saves there is kernel launches).
+JOIN_FRAMES_CPU = 0
 
 
 @dataclass
@@ -470,7 +478,7 @@ def frame_terms(
     frame's key term, both forms from one pass over the logits.
 
     Per pool of queries (the frame) and head, ``b_i`` is key ``i``'s log-partition over the frame's rows
-    (:func:`~ipa_probe.statistics.kernels.query_frame_logits`, exact and Gaussian), and the query-frame NW logits of a
+    (:func:`~ipa_probe.statistics.kernels.query_frame_terms`, exact and Gaussian), and the query-frame NW logits of a
     row are its centred logits minus ``b`` (``attn - b`` up to the row's constant): the cell's attention against them
     is :func:`~ipa_probe.statistics.agreement.compare_weights` with ``key_term=b``, so every statistic, ``logit_ratio``
     (``sd_i(attn) / sd_i(b)``), its baseline and excess and the rows' nulls included, means what it means in the

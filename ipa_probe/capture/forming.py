@@ -169,11 +169,11 @@ class RecordForming:
                 step = max(1, cells.JOIN_ELEMENTS_CPU // (2 * size))
             parts += [same[start : start + step] for start in range(0, len(same), step)]
             logits += size * len(same)
-        # the sizes' query frames joined too (cells.joint_frames; on a CPU by the same rule), where the records have
-        # equal keys and no key mask (the text branch's are formed apart)
+        # the sizes' query frames joined too (cells.joint_frames; on a CPU within JOIN_FRAMES_CPU), where the records
+        # have equal keys and no key mask (the text branch's are formed apart)
         first = parts[0][0] if parts else None
         joins = len(parts) > 1 and not first.text and len({(p[0].text, p[0].k.shape[2]) for p in parts}) == 1
-        if not joins or (first.q.device.type == "cpu" and 2 * logits > cells.JOIN_ELEMENTS_CPU):
+        if not joins or (first.q.device.type == "cpu" and logits > cells.JOIN_FRAMES_CPU):
             for part in parts:
                 self._threads(part[0].q.device, self._form, part)
             return
