@@ -25,7 +25,6 @@ from .rows import Segments
 __all__ = [
     "QUERY_FRAME_FORMS",
     "dot_logits",
-    "entropy",
     "key_norm_bias",
     "matched_bandwidth",
     "merge_heads",
@@ -35,7 +34,6 @@ __all__ = [
     "nw_weights",
     "orthonormal_coordinates",
     "query_frame_bias",
-    "query_frame_logits",
     "query_frame_terms",
     "reference_contributions",
     "segment_query_frame_terms",
@@ -129,15 +127,14 @@ def softmax_keys(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.transpose(-1, -2).contiguous(), dim=-2).transpose(-1, -2)
 
 
-def query_frame_logits(
+def query_frame_terms(
     logits: torch.Tensor,
     row_mask: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
     form: str = "exact",
-    select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The query-frame NW logits ``L - b`` and the key term ``b``: Gaussian NW in the frame where the model's own
-    queries are isotropic.
+    """The query-frame key term ``b`` and the row-centred logits ``L``, whose difference ``L - b`` is the query-frame
+    NW logits: Gaussian NW in the frame where the model's own queries are isotropic.
 
     With ``L_qi`` the row-centred logits of one head (``logits_qi - mean_j logits_qj`` over the kept keys ``j``), a
     query frame is the pool of rows ``q`` it is estimated over (one item's query positions at one step, say), and
@@ -159,32 +156,15 @@ def query_frame_logits(
             every key when the mask is the same for every row of a pool); a key no row of the frame keeps has
             ``b = 0``.
         form: ``"exact"``, ``"gaussian"``, or ``"both"`` (both from one centring, stacked in the order of
-            :data:`QUERY_FRAME_FORMS` on a new leading dimension).
-        select: optional ``(n,)`` row indices: ``b`` is still taken over the whole frame, but the NW logits are
-            returned for these rows only (``(..., n, K)``), the same values as selecting them afterwards.
+            :data:`QUERY_FRAME_FORMS`).
 
     Returns:
-        ``(nw, b)`` in the logits' dtype: the NW logits ``L - b``, shape ``(..., R, K)``, and ``b``, shape
-        ``(..., 1, K)`` (each with a leading dimension of 2 for ``"both"``). ``nw`` is taken from the centred logits,
-        so a frame of one row gives rows that are exactly constant (uniform NW weights, no rank correlation), where
-        ``logits - b`` would give float rounding noise; left-out keys have ``nw = 0``.
+        ``(L, b)`` in the logits' dtype: ``(..., R, K)`` (left-out keys 0) and ``(F, ..., 1, K)``, one entry of ``F``
+        per form. Apart, so that a caller can take the rows it needs before subtracting
+        (:func:`~ipa_probe.capture.cells.cell_inputs` takes its row sample of the centred rows); ``L - b`` from the
+        centred logits gives a frame of one row exactly constant rows (uniform NW weights, no rank correlation), where
+        ``logits - b`` would give float rounding noise.
     """
-    rows, b = query_frame_terms(logits, row_mask, key_mask, form)
-    if select is not None:
-        rows = rows.index_select(-2, select)  # (..., n, K)
-    return (rows - b, b) if form == "both" else (rows - b[0], b[0])
-
-
-def query_frame_terms(
-    logits: torch.Tensor,
-    row_mask: torch.Tensor | None = None,
-    key_mask: torch.Tensor | None = None,
-    form: str = "exact",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two parts of :func:`query_frame_logits` (same arguments), whose NW logits are ``rows - b``: the row-centred
-    logits ``rows`` ``(..., R, K)`` (left-out keys 0) and the key terms ``b``, ``(F, ..., 1, K)`` with one entry of
-    ``F`` per form (1, or 2 for ``"both"``). Apart, so that a caller can take the rows it needs before subtracting
-    (:func:`~ipa_probe.capture.cells.cell_inputs` takes its row sample from the centred rows of every row)."""
     # Worked key-major, (..., K, R): every reduction over the frame's rows then runs along the last dimension, which
     # is contiguous for the probe's logits (key-major views, see capture.cells.record_logits): a max over 4,096 rows
     # takes 16 us there against 745 us along a row-major tensor's outer dimension (2 CPU cores, (2, 8, 4096, 8)).
@@ -268,7 +248,7 @@ def query_frame_bias(
     key_mask: torch.Tensor | None = None,
     form: str = "exact",
 ) -> torch.Tensor:
-    """The query-frame key term ``b_i`` of :func:`query_frame_logits` (same arguments), shape ``(..., 1, K)``
+    """The query-frame key term ``b_i`` of :func:`query_frame_terms` (same arguments), shape ``(..., 1, K)``
     (``(2, ..., 1, K)`` for ``form="both"``): subtract it from the logits (or pass ``-b`` as an SDPA float mask) to
     get the query-frame NW logits up to a per-row constant."""
     b = query_frame_terms(logits, row_mask, key_mask, form)[1]
@@ -294,11 +274,6 @@ def n_eff(weights: torch.Tensor) -> torch.Tensor:
     1 means the weight sits on one key (nearest neighbour), ``K`` means uniform weights.
     """
     return 1.0 / (weights * weights).sum(-1)
-
-
-def entropy(weights: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy ``-sum_i w_i log w_i`` (nats) of normalised weights ``(..., K)`` -> ``(...)``."""
-    return -torch.special.xlogy(weights, weights).sum(-1)
 
 
 def orthonormal_coordinates(vectors: torch.Tensor) -> torch.Tensor:
