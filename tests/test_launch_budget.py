@@ -27,12 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 #: Launches a probed step may add, as a share of the plain step's (SD 1.5 UNet, 16 x 16 latents, CFG), by mode and
 #: reference tokens: today's counts (docs/measured.md) with about 5 % of margin.
 BUDGETS = {
-    ("probe", 4): 0.88,  # 706 of 844 launches (0.84x; 2,401 before the stacked records and the one statistics pass)
-    ("maps", 4): 1.26,  # 1,010 (1.20x; 2,705 before)
-    ("exact", 4): 0.88,  # 706 (0.84x)
-    ("probe", 64): 1.41,  # 1,135 (1.34x: the row sample's replicate errors; 3,726 before)
-    ("maps", 64): 1.76,  # 1,423 (1.69x)
-    ("exact", 64): 0.88,  # 706 (0.84x)
+    ("probe", 4): 0.60,  # 484 of 844 launches (0.57x; 706 before the query frames of every layer size were joined and
+    # the per-size forming trimmed, 2,401 before the stacked records and the one statistics pass)
+    ("maps", 4): 0.96,  # 772 (0.91x; 1,010 before, 2,705 at first)
+    ("exact", 4): 0.60,  # 484 (0.57x)
+    ("probe", 64): 1.14,  # 919 (1.09x: the row sample's replicate errors; 1,135 before, 3,726 at first)
+    ("maps", 64): 1.51,  # 1,217 (1.44x; 1,423 before)
+    ("exact", 64): 0.60,  # 484 (0.57x)
 }
 
 
@@ -81,7 +82,9 @@ def counts():
     with pytest.MonkeyPatch.context() as patch:
         from ipa_probe.capture import cells
 
-        patch.setattr(cells, "JOIN_ELEMENTS_CPU", 2**62)  # the GPU's policy: every record of a size stacked
+        # the GPU's policy: every record of a size stacked, the query frames of every size in one pass
+        patch.setattr(cells, "JOIN_ELEMENTS_CPU", 2**62)
+        patch.setattr(cells, "JOIN_FRAMES_CPU", 2**62)
         for tokens in (4, 64):
             rows = launches.table("sd15", tokens, ("plain", "probe", "maps", "exact"), pipe=pipe)
             out.update({(row["mode"], tokens): row for row in rows})

@@ -3,7 +3,7 @@
 The reference is written here with numpy and scipy (``scipy.special.logsumexp`` for the key term's exact form,
 ``scipy.stats.spearmanr`` / ``rankdata`` for the ranks), from the query and keys that ``to_q``, ``to_k_ip`` (and for
 the text branch ``to_k``) return to hooks the test registers itself (:class:`helpers.CaptureQK`); it never calls
-``query_frame_bias``, ``query_frame_logits`` or ``compare_weights``. The masks it applies (IP-Adapter masks, the
+``query_frame_bias``, ``query_frame_terms`` or ``compare_weights``. The masks it applies (IP-Adapter masks, the
 prompt's padding) are rebuilt here from the inputs the test gives the pipeline.
 """
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from scipy.special import logsumexp
 
-from ipa_probe.statistics.kernels import query_frame_bias
+from ipa_probe.statistics.kernels import query_frame_bias, segment_query_frame_terms
+from ipa_probe.statistics.rows import Segments
 
 
 def _reference(logits: np.ndarray, rows: np.ndarray, keys: np.ndarray, form: str) -> np.ndarray:
@@ -110,3 +111,34 @@ def test_both_forms_at_once_equal_each_form():
     # the same operations on the same centred tensor: equal bit for bit
     assert torch.equal(both[0], query_frame_bias(logits, rows, form="exact"))
     assert torch.equal(both[1], query_frame_bias(logits, rows, form="gaussian"))
+
+
+@pytest.mark.parametrize("form", ["exact", "gaussian"])
+def test_segment_frames_of_any_sizes_match_float64_reference(form):
+    """Frames of 7, 1, 12 and 3 rows (the last with no row inside: b = 0) flattened key-major side by side, as
+    capture.cells.joint_frames passes every layer size of a pass: each frame's b and centred rows are its own."""
+    gen = torch.Generator().manual_seed(1)
+    keys, sizes = 5, (7, 1, 12, 3)
+    pools = [torch.randn(n, keys, generator=gen, dtype=torch.float64) * 3 for n in sizes]  # (R, K) each
+    inside = [torch.rand(n, generator=gen) > 0.3 for n in sizes]
+    inside[0][0], inside[1][0], inside[3][:] = True, True, False
+    row_ids, segment_ids, offset = [], [], 0
+    for frame, n in enumerate(sizes):  # entry (k, r) of frame f: row offset + r, segment f * K + k
+        k, r = torch.meshgrid(torch.arange(keys), torch.arange(n), indexing="ij")
+        row_ids.append((offset + r).reshape(-1))
+        segment_ids.append((frame * keys + k).reshape(-1))
+        offset += n
+    logits = torch.cat([pool.t().reshape(-1) for pool in pools])  # (N,) key-major
+    rows, frames = Segments(torch.cat(row_ids), offset), Segments(torch.cat(segment_ids), len(sizes) * keys)
+    centred, b = segment_query_frame_terms(logits, rows, torch.cat(inside), frames, form)
+    assert b.shape == (1, len(sizes) * keys)
+    b = b[0].reshape(len(sizes), keys)
+    every_key = np.ones(keys, dtype=bool)
+    start = 0
+    for frame, (pool, rows_in) in enumerate(zip(pools, inside, strict=True)):
+        x = pool.numpy()
+        expected = _reference(x, rows_in.numpy(), every_key, form) if rows_in.any() else np.zeros(keys)
+        np.testing.assert_allclose(b[frame].numpy(), expected, rtol=1e-12, atol=1e-12)
+        mine = centred[start : start + x.size].reshape(keys, -1).t().numpy()
+        np.testing.assert_allclose(mine, x - x.mean(-1, keepdims=True), rtol=1e-12, atol=1e-12)
+        start += x.size

@@ -20,13 +20,14 @@ import torch
 
 from ..layers import image_branch_logits
 from ..statistics.agreement import compare_frames
-from ..statistics.kernels import matched_bandwidth, nw_logits, query_frame_terms
+from ..statistics.kernels import matched_bandwidth, nw_logits, query_frame_terms, segment_query_frame_terms
 from ..statistics.rows import Segments, copy_groups, finite_rows, fit_bandwidth
 from ..statistics.schema import QUERY_FRAME_STATS, STAT_NAMES
 from .config import SAMPLE_GROUPS
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "JOIN_FRAMES_CPU",
     "Cell",
     "CellInputs",
     "cell_inputs",
@@ -34,6 +35,7 @@ __all__ = [
     "frame_terms",
     "group_cell",
     "image_share",
+    "joint_frames",
     "record_logits",
     "take_rows",
 ]
@@ -49,6 +51,13 @@ CHUNK_ELEMENTS = 2**26
 #: 64 x 64 latents (20-84 MB), which no longer stay in cache. Other devices stack a size's records whole (what it
 #: saves there is kernel launches; :data:`~.forming.FRAME_ELEMENTS` bounds the memory).
 JOIN_ELEMENTS_CPU = 2**18
+
+
+#: Most logits (elements) a CPU joins into one query-frame pass over a pass's layer sizes (:func:`joint_frames`): none.
+#: The joint pass's segment reductions took 1.5x the CPU time of one pass per size (medians of 6 calls, 28 against
+#: 19 ms of forming per call: SD 1.5 at full width, 16 x 16 latents, 4 tokens, 3 steps, one thread); other devices
+#: join every size (what it saves there is kernel launches).
+JOIN_FRAMES_CPU = 0
 
 
 @dataclass
@@ -100,6 +109,7 @@ def group_cell(
     h: torch.Tensor,
     fit: bool,
     nw_rows: torch.Tensor | None = None,
+    dot: bool = True,
 ) -> Cell:
     """A record's logits, masks and copy ids by group: ``(B, H, R, C)`` -> ``(groups, H, frames * R, C)``.
 
@@ -115,6 +125,8 @@ def group_cell(
         fit: fit ``h`` per cell (``bandwidth="fit"``) instead of using ``h``.
         nw_rows: optional ``(n,)`` row indices (the record's row sample, when nothing reads the other rows' NW
             logits): ``nw`` holds these rows only (when a group is one batch item; every row otherwise).
+        dot: ``attn`` are the dot-product logits of ``q`` and ``k`` (not an edit's): the NW logits are formed from
+            them and the key norms, without a second product.
     """
     batch, n_heads, n_queries, n_keys = attn.shape
 
@@ -137,10 +149,11 @@ def group_cell(
         return by_group(x.unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
 
     copies = per_key(copy_groups(k))
-    key_term = None
+    key_term = k_term = None
     if text or getattr(processor, "image_branch_logits", None) is None:
         # dot-product logits q·k / sqrt(d): the NW ranks follow q·k - |k|^2 / 2, i.e. attn - |k|^2 / (2 sqrt(d))
-        key_term = per_key((k * k).sum(-1) / (2 * math.sqrt(k.shape[-1])))  # (B, H, K) -> by group
+        k_term = (k * k).sum(-1) / (2 * math.sqrt(k.shape[-1]))  # (B, H, K)
+        key_term = per_key(k_term)  # by group
     if fit:
         k_sq = (k * k).sum(-1)  # (B, H, K)
         energy = by_group(q @ k.transpose(-1, -2) - k_sq.unsqueeze(-2) / 2)  # NW logits times h^2
@@ -153,11 +166,16 @@ def group_cell(
             attn=attn_c, nw=nw, h=h_cell, key_mask=key_mask, row_mask=row_mask, copies=copies, key_term=key_term
         )
     h_cell = h.expand(groups, n_heads)
+    nw_attn = attn
     if nw_rows is not None and batch == groups:  # only the sampled rows' NW logits are read (no maps)
-        q = take_rows(q, nw_rows, 2)
+        q, nw_attn = take_rows(q, nw_rows, 2), take_rows(attn, nw_rows, 2)
+    if k_term is not None and dot:  # (q·k - |k|^2 / 2) / h^2 from the logits: (attn - k_term) sqrt(d) / h^2
+        nw = (nw_attn - k_term.unsqueeze(-2)) * (math.sqrt(k.shape[-1]) / (h * h))
+    else:
+        nw = nw_logits(q, k, h)
     return Cell(
         attn=by_group(attn),
-        nw=by_group(nw_logits(q, k, h)),
+        nw=by_group(nw),
         h=h_cell,
         key_mask=key_mask,
         row_mask=row_mask,
@@ -226,6 +244,7 @@ def cell_inputs(
     q_norms: torch.Tensor,
     sample: torch.Tensor | None = None,
     other_pools: int | None = None,
+    frame: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> CellInputs:
     """One record's :class:`CellInputs`: its query frames formed over every row (:func:`frame_terms`), then its rows
     sampled and its per-cell scalars taken.
@@ -245,10 +264,11 @@ def cell_inputs(
         other_pools: the number of frames of the other query pool
             (:data:`~ipa_probe.statistics.schema.QUERY_POOL_OTHER_COLUMN`): its exact-form frame is formed too, over
             the same rows; ``None`` (or ``pools``) where the two pools are the same rows, which forms nothing more.
+        frame: the record's query frame, both forms, when formed with others' (:func:`joint_frames`), or ``None``.
     """
     n_rows = cell.attn.shape[-2]
     other_pools = other_pools if other_pools != pools else None
-    frames = {"frame": frame_terms(cell.attn, cell.key_mask, cell.row_mask, pools, "both")}
+    frames = {"frame": frame or frame_terms(cell.attn, cell.key_mask, cell.row_mask, pools, "both")}
     if other_pools is not None:  # the other pool's exact form (schema.QUERY_POOL_OTHER_COLUMN)
         frames["other"] = frame_terms(cell.attn, cell.key_mask, cell.row_mask, other_pools, "exact")
     attn, nw, key_mask, row_mask = cell.attn, cell.nw, cell.key_mask, cell.row_mask
@@ -275,12 +295,14 @@ def cell_inputs(
     else:
         q_norm = q_norm.mean(-1)
     k_norm = by_group(k.norm(dim=-1))  # (groups, H, items * K)
-    kept = torch.ones_like(k_norm)
-    if cell.key_mask is not None:
+    if cell.key_mask is None:
+        sd, mean = torch.std_mean(k_norm, dim=-1, correction=0)
+        spread, keys = sd / mean, torch.full_like(mean, n_keys)  # (groups, H), keys per row
+    else:
         kept = by_group(text_mask[:, None, :].expand(batch, n_heads, n_keys).float())
-    mean = (k_norm * kept).sum(-1) / kept.sum(-1)
-    spread = (((k_norm - mean[..., None]) ** 2 * kept).sum(-1) / kept.sum(-1)).sqrt() / mean
-    keys = kept.sum(-1) / (batch // groups)  # (groups, H) keys per row
+        mean = (k_norm * kept).sum(-1) / kept.sum(-1)
+        spread = (((k_norm - mean[..., None]) ** 2 * kept).sum(-1) / kept.sum(-1)).sqrt() / mean
+        keys = kept.sum(-1) / (batch // groups)  # (groups, H) keys per row
     ip_mass = torch.full_like(q_norm, math.nan)
     if other is not None and not text:
         share = image_share(processor, q, k, other.float())  # (B, H, Q)
@@ -324,13 +346,21 @@ def compare_cells(
     first = records[0]
     flat = first.key_mask is None  # every record's rows side by side, reduced per cell (stats.Segments)
     keys = first.attn.shape[-1]
+    replicates = SAMPLE_GROUPS if first.sampled else None
+    segments = _segments(records, replicates, cache) if flat else None
 
     def joined(name: str, axis: int = 0) -> torch.Tensor | None:
         parts = [getattr(record, name) for record in records]
         if parts[0] is None or (len(parts) == 1 and not flat):
             return parts[0]
+        lead = axis  # the frames' leading axes
+        if flat and all(
+            x.dim() == r.attn.dim() + lead and x.shape[-2] == 1 for x, r in zip(parts, records, strict=True)
+        ):
+            # per key, (*F, groups, H, 1, C): every cell's row, then each flattened row its cell's (one gather)
+            cells = torch.cat([x.reshape(*x.shape[:lead], -1, x.shape[-1]) for x in parts], lead)
+            return cells.index_select(lead, segments.ids)  # (*F, rows, C)
         if flat:  # (*F, groups, H, 1 or n, C) -> (*F, groups * H * n, C), rows of every record side by side
-            lead = axis  # the frames' leading axes
             parts = [
                 x.expand(*x.shape[:-2], record.attn.shape[-2], x.shape[-1]).reshape(*x.shape[:lead], -1, x.shape[-1])
                 if x.dim() == record.attn.dim() + lead
@@ -348,8 +378,6 @@ def compare_cells(
         device = first.attn.device
         spare = generators[2] if len(generators) > 2 else torch.Generator(device=device).manual_seed(0)
         frames.append((joined("other_nw", 1), joined("other_b", 1), spare))
-    replicates = SAMPLE_GROUPS if first.sampled else None
-    segments = _segments(records, replicates, cache) if flat else None
     stats, frame, *other = compare_frames(
         joined("attn"),
         frames,
@@ -450,7 +478,7 @@ def frame_terms(
     frame's key term, both forms from one pass over the logits.
 
     Per pool of queries (the frame) and head, ``b_i`` is key ``i``'s log-partition over the frame's rows
-    (:func:`~ipa_probe.statistics.kernels.query_frame_logits`, exact and Gaussian), and the query-frame NW logits of a
+    (:func:`~ipa_probe.statistics.kernels.query_frame_terms`, exact and Gaussian), and the query-frame NW logits of a
     row are its centred logits minus ``b`` (``attn - b`` up to the row's constant): the cell's attention against them
     is :func:`~ipa_probe.statistics.agreement.compare_weights` with ``key_term=b``, so every statistic, ``logit_ratio``
     (``sd_i(attn) / sd_i(b)``), its baseline and excess and the rows' nulls included, means what it means in the
@@ -489,6 +517,47 @@ def frame_terms(
     # (pools, H, n * R, K) -> (groups, H, R, K): back to the groups' rows
     centred = centred.unflatten(2, (groups // pools, n_rows)).transpose(1, 2).reshape(groups, n_heads, n_rows, n_keys)
     return centred, b.repeat_interleave(groups // pools, dim=1)
+
+
+def joint_frames(records: list[Cell], pools: list[int], cache: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`frame_terms` (both forms) of records without a key mask and of equal ``K``, ``(groups, H, R, K)`` logits
+    and ``pools`` frames each, in one pass: their logits side by side, every frame's terms by segment
+    (:func:`~ipa_probe.statistics.kernels.segment_query_frame_terms`), so a pass's records of every layer size cost the
+    operations of one. Each record's ``(rows, b)`` are those of its own :func:`frame_terms` up to float rounding (the
+    sums run in another order); the entries' ids depend on the shapes only and are kept in ``cache``."""
+    shapes, device = tuple(tuple(cell.attn.shape) for cell in records), records[0].attn.device
+    keys, key = shapes[0][-1], ("frames", shapes, tuple(pools), device)
+    if key not in cache:  # entry (g, h, k, r) of each record: row (g, h, r), frame (g // (groups / pools), h)
+        row_ids, segment_ids, cell_frames, row_offset, frame_offset = [], [], [], 0, 0
+        for (groups, heads, n_rows, _), n_pools in zip(shapes, pools, strict=True):
+            g, h, k, r = torch.meshgrid(
+                *(torch.arange(n, device=device) for n in (groups, heads, keys, n_rows)), indexing="ij"
+            )
+            row_ids.append((row_offset + (g * heads + h) * n_rows + r).reshape(-1))
+            frame = frame_offset + g // (groups // n_pools) * heads + h
+            segment_ids.append((frame * keys + k).reshape(-1))
+            cell_frames.append(frame[:, :, 0, 0].reshape(-1))
+            row_offset, frame_offset = row_offset + groups * heads * n_rows, frame_offset + n_pools * heads
+        rows, frames = Segments(torch.cat(row_ids), row_offset), Segments(torch.cat(segment_ids), frame_offset * keys)
+        cache[key] = rows, frames, torch.cat(cell_frames)
+    rows, frames, cell_frames = cache[key]
+    logits = torch.cat([cell.attn.transpose(-1, -2).reshape(-1) for cell in records])  # (N,) key-major
+    inside = rows.sum(logits * 0) == 0  # the rows that form their frame: finite, and inside the IP-Adapter mask
+    if any(cell.row_mask is not None for cell in records):
+        masks = [
+            torch.ones(c.attn.shape[:3], dtype=torch.bool, device=device) if c.row_mask is None else c.row_mask
+            for c in records
+        ]
+        inside &= torch.cat([mask.reshape(-1) for mask in masks])
+    centred, b = segment_query_frame_terms(logits, rows, inside, frames, "both")  # (N,), (2, frames * K)
+    b = b.unflatten(1, (-1, keys)).index_select(1, cell_frames)  # (2, cells, K)
+    parts = zip(
+        centred.split([math.prod(x) for x in shapes]), b.split([x[0] * x[1] for x in shapes], 1), shapes, strict=True
+    )
+    # (groups, H, K, R) key-major -> (groups, H, R, K) views; (2, groups, H, 1, K)
+    return [
+        (x.view(g, h, keys, r).transpose(-1, -2), y.unflatten(1, (g, h)).unsqueeze(-2)) for x, y, (g, h, r, _) in parts
+    ]
 
 
 def take_rows(x: torch.Tensor, sample: torch.Tensor, axis: int) -> torch.Tensor:

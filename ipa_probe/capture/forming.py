@@ -160,21 +160,39 @@ class RecordForming:
         batches: dict[tuple, list[_Held]] = {}
         for entry in held:
             batches.setdefault(entry.signature(), []).append(entry)
+        parts, logits = [], 0
         for same in batches.values():
             first = same[0]
+            size = first.q.shape[0] * first.q.shape[1] * first.q.shape[2] * first.k.shape[2]
+            step = len(same)
             if first.q.device.type == "cpu":
-                logits = first.q.shape[0] * first.q.shape[1] * first.q.shape[2] * first.k.shape[2]
-                step = max(1, cells.JOIN_ELEMENTS_CPU // (2 * logits))
-            else:
-                step = len(same)
-            for start in range(0, len(same), step):
-                self._threads(first.q.device, self._form, same[start : start + step])
+                step = max(1, cells.JOIN_ELEMENTS_CPU // (2 * size))
+            parts += [same[start : start + step] for start in range(0, len(same), step)]
+            logits += size * len(same)
+        # the sizes' query frames joined too (cells.joint_frames; on a CPU within JOIN_FRAMES_CPU), where the records
+        # have equal keys and no key mask (the text branch's are formed apart)
+        first = parts[0][0] if parts else None
+        joins = len(parts) > 1 and not first.text and len({(p[0].text, p[0].k.shape[2]) for p in parts}) == 1
+        if not joins or (first.q.device.type == "cpu" and logits > cells.JOIN_FRAMES_CPU):
+            for part in parts:
+                self._threads(part[0].q.device, self._form, part)
+            return
+        formed = [self._threads(first.q.device, self._begin, part) for part in parts]
+        cells_of, pools = [entry[2] for entry in formed], [entry[3]["pools"] for entry in formed]
+        frames = self._threads(first.q.device, cells.joint_frames, cells_of, pools, self._constants)
+        for entry, frame in zip(formed, frames, strict=True):
+            self._threads(first.q.device, self._finish, *entry, frame)
 
-    @torch.no_grad()
     def _form(self, held: list[_Held]) -> None:
         """The logits, cells and row samples of records of one :meth:`_Held.signature`, stacked along the batch
         (records ``l`` holds batch items ``l * B .. (l + 1) * B - 1``): every step below is per batch item or per
         group, so each record's values are what its own pass gives."""
+        self._finish(*self._begin(held))
+
+    @torch.no_grad()
+    def _begin(self, held: list[_Held]) -> tuple:
+        """:meth:`_form` up to the query frames: the records, their logits and cell, and the rest of
+        :func:`~.cells.cell_inputs`' arguments."""
         first = held[0]
 
         def stacked(name: str) -> torch.Tensor | None:
@@ -215,6 +233,7 @@ class RecordForming:
             h=first.h,
             fit=self.config.bandwidth == "fit",
             nw_rows=nw_rows,
+            dot=first.used is None,
         )
         tails = None
         if cell.key_mask is not None:
@@ -225,21 +244,15 @@ class RecordForming:
         pools = per_record if self.config.query_frame == "item" else first.chunks
         # and the other pool's (schema.QUERY_POOL_OTHER_COLUMN): formed only where a branch holds several items
         other_pools = first.chunks if pools == per_record else per_record
-        inputs = cell_inputs(
-            cell=cell,
-            groups=groups,
-            q=q,
-            k=k,
-            other=other,
-            text=first.text,
-            processor=first.processor,
-            tails=tails,
-            text_mask=text_mask,
-            pools=pools * len(held),
-            q_norms=q_norms,
-            sample=sample,
-            other_pools=other_pools * len(held),
-        )
+        inputs = dict(groups=groups, q=q, k=k, other=other, text=first.text, processor=first.processor, tails=tails)
+        inputs.update(text_mask=text_mask, pools=pools * len(held), q_norms=q_norms, sample=sample)
+        return held, attn, cell, dict(inputs, other_pools=other_pools * len(held))
+
+    @torch.no_grad()
+    def _finish(self, held: list[_Held], attn: torch.Tensor, cell: cells.Cell, inputs: dict, frame=None) -> None:
+        """:meth:`_form` from the query frames on (``frame``: formed with other records', or ``None``)."""
+        first = held[0]
+        inputs = cell_inputs(cell=cell, frame=frame, **inputs)
         self._pending.append((held, inputs))
         self._pending_elements += inputs.pending_elements()
         if self._pending_elements > PENDING_ELEMENTS:  # bounded memory: compare what is kept so far

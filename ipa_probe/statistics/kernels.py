@@ -20,10 +20,11 @@ import math
 
 import torch
 
+from .rows import Segments
+
 __all__ = [
     "QUERY_FRAME_FORMS",
     "dot_logits",
-    "entropy",
     "key_norm_bias",
     "matched_bandwidth",
     "merge_heads",
@@ -33,9 +34,9 @@ __all__ = [
     "nw_weights",
     "orthonormal_coordinates",
     "query_frame_bias",
-    "query_frame_logits",
     "query_frame_terms",
     "reference_contributions",
+    "segment_query_frame_terms",
     "softmax_keys",
     "split_heads",
 ]
@@ -126,15 +127,14 @@ def softmax_keys(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.transpose(-1, -2).contiguous(), dim=-2).transpose(-1, -2)
 
 
-def query_frame_logits(
+def query_frame_terms(
     logits: torch.Tensor,
     row_mask: torch.Tensor | None = None,
     key_mask: torch.Tensor | None = None,
     form: str = "exact",
-    select: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The query-frame NW logits ``L - b`` and the key term ``b``: Gaussian NW in the frame where the model's own
-    queries are isotropic.
+    """The query-frame key term ``b`` and the row-centred logits ``L``, whose difference ``L - b`` is the query-frame
+    NW logits: Gaussian NW in the frame where the model's own queries are isotropic.
 
     With ``L_qi`` the row-centred logits of one head (``logits_qi - mean_j logits_qj`` over the kept keys ``j``), a
     query frame is the pool of rows ``q`` it is estimated over (one item's query positions at one step, say), and
@@ -156,34 +156,15 @@ def query_frame_logits(
             every key when the mask is the same for every row of a pool); a key no row of the frame keeps has
             ``b = 0``.
         form: ``"exact"``, ``"gaussian"``, or ``"both"`` (both from one centring, stacked in the order of
-            :data:`QUERY_FRAME_FORMS` on a new leading dimension).
-        select: optional ``(n,)`` row indices: ``b`` is still taken over the whole frame, but the NW logits are
-            returned for these rows only (``(..., n, K)``), the same values as selecting them afterwards.
+            :data:`QUERY_FRAME_FORMS`).
 
     Returns:
-        ``(nw, b)`` in the logits' dtype: the NW logits ``L - b``, shape ``(..., R, K)``, and ``b``, shape
-        ``(..., 1, K)`` (each with a leading dimension of 2 for ``"both"``). ``nw`` is taken from the centred logits,
-        so a frame of one row gives rows that are exactly constant (uniform NW weights, no rank correlation), where
-        ``logits - b`` would give float rounding noise; left-out keys have ``nw = 0``.
+        ``(L, b)`` in the logits' dtype: ``(..., R, K)`` (left-out keys 0) and ``(F, ..., 1, K)``, one entry of ``F``
+        per form. Apart, so that a caller can take the rows it needs before subtracting
+        (:func:`~ipa_probe.capture.cells.cell_inputs` takes its row sample of the centred rows); ``L - b`` from the
+        centred logits gives a frame of one row exactly constant rows (uniform NW weights, no rank correlation), where
+        ``logits - b`` would give float rounding noise.
     """
-    rows, b = query_frame_terms(logits, row_mask, key_mask, form)
-    if select is not None:
-        rows = rows.index_select(-2, select)  # (..., n, K)
-    return (rows - b, b) if form == "both" else (rows - b[0], b[0])
-
-
-def query_frame_terms(
-    logits: torch.Tensor,
-    row_mask: torch.Tensor | None = None,
-    key_mask: torch.Tensor | None = None,
-    form: str = "exact",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two parts of :func:`query_frame_logits` (same arguments), whose NW logits are ``rows - b``: the row-centred
-    logits ``rows`` ``(..., R, K)`` (left-out keys 0) and the key terms ``b``, ``(F, ..., 1, K)`` with one entry of
-    ``F`` per form (1, or 2 for ``"both"``). Apart, so that a caller can take the rows it needs before subtracting
-    (:func:`~ipa_probe.capture.cells.cell_inputs` takes its row sample from the centred rows of every row)."""
-    if form not in (*QUERY_FRAME_FORMS, "both"):
-        raise ValueError(f"form: expected one of {(*QUERY_FRAME_FORMS, 'both')}, got {form!r}")
     # Worked key-major, (..., K, R): every reduction over the frame's rows then runs along the last dimension, which
     # is contiguous for the probe's logits (key-major views, see capture.cells.record_logits): a max over 4,096 rows
     # takes 16 us there against 745 us along a row-major tensor's outer dimension (2 CPU cores, (2, 8, 4096, 8)).
@@ -203,34 +184,62 @@ def query_frame_terms(
         inside = row_mask.to(torch.bool).unsqueeze(-2)
     if key_mask is not None:
         inside = key_mask if inside is None else inside & key_mask
+
+    reduce = (lambda x: x.amax(-1, keepdim=True), lambda x: x.sum(-1, keepdim=True), lambda x: x)
+    b = _frame_key_terms(centred, inside, logits.shape[-2], form, reduce)  # (F, ..., K, 1)
+    return centred.transpose(-1, -2), b.transpose(-1, -2)  # (..., R, K), (F, ..., 1, K)
+
+
+def segment_query_frame_terms(
+    logits: torch.Tensor, rows: Segments, row_mask: torch.Tensor, frames: Segments, form: str = "exact"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`query_frame_terms` of frames of any sizes in one pass, every reduction by segment: ``logits`` ``(N,)``
+    rows of ``K`` entries without a key mask, ``rows`` each entry's row, ``row_mask`` ``(rows.cells,)`` the rows that
+    form their frame, ``frames`` each entry's ``frame * K + key``. Returns ``(N,)`` the centred logits and ``b``
+    ``(F, frames.cells)``."""
+    keys = logits.shape[-1] // rows.cells
+    centred = logits - rows.sum(logits).div_(keys).index_select(0, rows.ids)  # (N,)
+
+    def peak(x: torch.Tensor) -> torch.Tensor:
+        return x.new_full((frames.cells,), -math.inf).scatter_reduce_(0, frames.ids, x, "amax")
+
+    reduce = (peak, frames.sum, lambda x: x.index_select(0, frames.ids))
+    return centred, _frame_key_terms(centred, row_mask.index_select(0, rows.ids), None, form, reduce)
+
+
+def _frame_key_terms(
+    centred: torch.Tensor, inside: torch.Tensor | None, n_all: int | None, form: str, reduce: tuple
+) -> torch.Tensor:
+    """The key terms ``b`` of :func:`query_frame_terms` from the centred logits (key-major), stacked per form:
+    ``reduce`` holds the frames' max and sum (``(..., S)`` -> ``(..., frames)``) and the way back from frames to
+    entries; ``inside`` the frames' entries (``None`` for all: ``n_all`` of them)."""
+    if form not in (*QUERY_FRAME_FORMS, "both"):
+        raise ValueError(f"form: expected one of {(*QUERY_FRAME_FORMS, 'both')}, got {form!r}")
+    forms, (peak_of, total, back) = QUERY_FRAME_FORMS if form == "both" else (form,), reduce
     if inside is None:
-        n_rows = torch.full((), logits.shape[-2], dtype=logits.dtype, device=logits.device)
+        n_rows = torch.full((), n_all, dtype=centred.dtype, device=centred.device)
     else:
-        n_rows = inside.to(logits.dtype).sum(-1, keepdim=True)  # (..., 1, 1) or (..., K, 1)
+        n_rows = total(inside.to(centred.dtype))  # (..., 1, 1), (..., K, 1) or (frames,)
     outside = ~inside if inside is not None else None
-    forms = QUERY_FRAME_FORMS if form == "both" else (form,)
     # two working tensors of the logits' size, reused in place: the frame's terms (centred, left-out entries -inf, then
     # 0) and their deviations
     terms = centred if outside is None else centred.masked_fill(outside, -math.inf)
     out = {}
     if "exact" in forms:
-        peak = terms.amax(-1, keepdim=True)  # (..., K, 1); -inf for a key no row of the frame keeps
+        peak = peak_of(terms)  # -inf for a key no row of the frame keeps
         peak = torch.where(peak.isfinite(), peak, 0.0)
-        work = torch.sub(terms, peak).exp_()
-        out["exact"] = work.sum(-1, keepdim=True).log_().add_(peak) - torch.log(n_rows)  # (..., K, 1)
+        work = torch.sub(terms, back(peak)).exp_()
+        out["exact"] = total(work).log_().add_(peak) - torch.log(n_rows)
     if "gaussian" in forms:
         if outside is not None:
             terms = terms.masked_fill_(outside, 0.0)  # a copy of the centred logits (above)
-        mean = terms.sum(-1, keepdim=True) / n_rows
-        dev = torch.sub(terms, mean, out=work) if "exact" in forms else terms - mean
+        mean = total(terms) / n_rows
+        dev = torch.sub(terms, back(mean), out=work) if "exact" in forms else terms - back(mean)
         if outside is not None:
             dev.masked_fill_(outside, 0.0)
-        spread = torch.linalg.vector_norm(dev, dim=-1, keepdim=True)
-        out["gaussian"] = mean + spread * spread / (2 * n_rows)
-    for name in forms:
-        b = out[name] if inside is None else torch.where(n_rows > 0, out[name], 0.0)
-        out[name] = b.transpose(-1, -2)  # (..., 1, K)
-    return centred.transpose(-1, -2), torch.stack([out[name] for name in forms])  # (..., R, K), (F, ..., 1, K)
+        out["gaussian"] = mean + total(dev * dev) / (2 * n_rows)
+    b = torch.stack([out[name] for name in forms])
+    return b if inside is None else torch.where(n_rows > 0, b, 0.0)
 
 
 def query_frame_bias(
@@ -239,7 +248,7 @@ def query_frame_bias(
     key_mask: torch.Tensor | None = None,
     form: str = "exact",
 ) -> torch.Tensor:
-    """The query-frame key term ``b_i`` of :func:`query_frame_logits` (same arguments), shape ``(..., 1, K)``
+    """The query-frame key term ``b_i`` of :func:`query_frame_terms` (same arguments), shape ``(..., 1, K)``
     (``(2, ..., 1, K)`` for ``form="both"``): subtract it from the logits (or pass ``-b`` as an SDPA float mask) to
     get the query-frame NW logits up to a per-row constant."""
     b = query_frame_terms(logits, row_mask, key_mask, form)[1]
@@ -265,11 +274,6 @@ def n_eff(weights: torch.Tensor) -> torch.Tensor:
     1 means the weight sits on one key (nearest neighbour), ``K`` means uniform weights.
     """
     return 1.0 / (weights * weights).sum(-1)
-
-
-def entropy(weights: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy ``-sum_i w_i log w_i`` (nats) of normalised weights ``(..., K)`` -> ``(...)``."""
-    return -torch.special.xlogy(weights, weights).sum(-1)
 
 
 def orthonormal_coordinates(vectors: torch.Tensor) -> torch.Tensor:

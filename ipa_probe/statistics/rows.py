@@ -175,9 +175,10 @@ def copy_groups(keys: torch.Tensor, rtol: float = 1e-5) -> torch.Tensor:
         :func:`~.agreement.compare_weights`).
     """
     keys = keys.float()
-    sq = (keys * keys).sum(-1)  # (..., K)
-    dist = sq.unsqueeze(-1) + sq.unsqueeze(-2) - 2 * keys @ keys.transpose(-1, -2)  # (..., K, K)
-    same = dist <= rtol * (sq.unsqueeze(-1) + sq.unsqueeze(-2))
+    gram = keys @ keys.transpose(-1, -2)  # (..., K, K)
+    sq = gram.diagonal(dim1=-2, dim2=-1)  # (..., K) |k_i|^2
+    # |k_i - k_j|^2 = sq_i + sq_j - 2 k_i·k_j <= rtol (sq_i + sq_j), i.e. (1 - rtol) (sq_i + sq_j) / 2 <= k_i·k_j
+    same = (sq.unsqueeze(-1) + sq.unsqueeze(-2)).mul_((1 - rtol) / 2) <= gram
     return same.to(torch.uint8).argmax(-1)  # the first True of each row (the diagonal is always True)
 
 
