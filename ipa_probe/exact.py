@@ -64,16 +64,8 @@ def nw_mean_chunked(query: torch.Tensor, support: torch.Tensor, h: torch.Tensor,
     """NW local mean ``sum_i w_i s_i``, ``w = softmax_i(-|q - s_i|^2 / (2 h^2))``, streamed over the support.
 
     A running log-sum-exp (maximum ``m``, normaliser ``Z`` and numerator ``N``, rescaled by ``exp(m_old - m_new)``
-    whenever the maximum grows) keeps the working memory at ``O(B x (D + chunk_size))``.
-
-    Args:
-        query: ``(B, D)``, float32.
-        support: ``(m, D)``, float32, ``m >= 1``.
-        h: bandwidth, shape ``(B, 1)`` or ``()``.
-        chunk_size: support points per chunk.
-
-    Returns:
-        ``(B, D)``.
+    whenever the maximum grows) keeps the working memory at ``O(B x (D + chunk_size))``. ``query`` ``(B, D)`` and
+    ``support`` ``(m >= 1, D)`` in float32, the bandwidth ``h`` ``(B, 1)`` or ``()``; returns ``(B, D)``.
     """
     batch, dim = query.shape
     running_max = query.new_full((batch, 1), float("-inf"))
@@ -163,12 +155,8 @@ class ExactNWDenoiser(torch.nn.Module):
         return self.support.dtype
 
     def coefficients(self, timestep: torch.Tensor | float | int, batch: int) -> tuple[torch.Tensor, ...]:
-        """``(alpha_t, sigma_t, h_t)`` as ``(B, 1)`` float32 columns on the support's device (no host sync).
-
-        Args:
-            timestep: a number, a 0-d tensor or a ``(B,)`` tensor of (possibly fractional) training timesteps.
-            batch: the batch size ``B``.
-        """
+        """``(alpha_t, sigma_t, h_t)`` as ``(B, 1)`` float32 columns on the support's device (no host sync), for a
+        number, a 0-d or a ``(B,)`` tensor of (possibly fractional) training timesteps."""
         t = torch.as_tensor(timestep, device=self.device).reshape(-1).float()
         if t.numel() not in (1, batch):
             raise ValueError(
@@ -217,18 +205,9 @@ class ExactNWDenoiser(torch.nn.Module):
         encoder_attention_mask: torch.Tensor | None = None,
         return_dict: bool = True,
     ) -> UNet2DConditionOutput | tuple:
-        """The exact prediction for ``sample`` at ``timestep``, as ``UNet2DConditionModel.forward`` returns it.
-
-        Conditioning arguments are accepted for compatibility and ignored: the support alone defines the model.
-
-        Args:
-            sample: noisy latents ``x_t``, shape ``(B, C, H, W)`` matching the support's ``(C, H, W)``.
-            timestep: the training timestep(s), a number, 0-d or ``(B,)`` tensor.
-            return_dict: return a ``UNet2DConditionOutput`` (default) or a 1-tuple.
-
-        Returns:
-            ``x0^``, ``eps^`` or ``v^`` (by the scheduler's ``prediction_type``) in ``sample``'s dtype.
-        """
+        """``x0^``, ``eps^`` or ``v^`` (by the scheduler's ``prediction_type``) for the noisy latents ``sample``
+        ``(B, C, H, W)`` at ``timestep``, in ``sample``'s dtype, as ``UNet2DConditionModel.forward`` returns it.
+        Conditioning arguments are accepted for compatibility and ignored: the support alone defines the model."""
         if tuple(sample.shape[1:]) != self.latent_shape:
             raise ValueError(
                 f"expected latents of shape (B, {', '.join(map(str, self.latent_shape))}) like the support, got "
@@ -314,17 +293,9 @@ def encode_references(
     """Encode reference images to diffusion latents with the pipeline's VAE: ``(z - shift) * scaling_factor``.
 
     Images are resized to ``height x width`` (the pipeline's default resolution unless given); references whose size
-    differs are resized with a warning. The VAE's posterior mode is used (deterministic).
-
-    Args:
-        pipe: a diffusers pipeline with ``vae`` and ``image_processor``.
-        reference_images: a PIL image, an ``(H, W, C)`` array or ``(C, H, W)`` tensor in ``[0, 1]``, a batch of
-            them, or a list; at least one.
-        height, width: the resolution to encode at.
-        batch_size: images per VAE call.
-
-    Returns:
-        latents ``(m, C, height / f, width / f)`` in float32 on the VAE's device.
+    differs are resized with a warning. The VAE's posterior mode is used (deterministic). ``reference_images``: a
+    PIL image, an ``(H, W, C)`` array or ``(C, H, W)`` tensor in ``[0, 1]``, a batch of them, or a list; at least
+    one. Returns latents ``(m, C, height / f, width / f)`` in float32 on the VAE's device.
     """
     return _encode(pipe, reference_images, height, width, batch_size, stacklevel=3)
 
@@ -367,13 +338,8 @@ class ExactNWPipeline(DiffusionPipeline):
 
     Built by :func:`exact_pipeline`; the VAE, scheduler and image processor are the user's pipeline's own objects.
     The initial noise is drawn exactly as Stable Diffusion pipelines draw it, so the same generator seed gives the
-    same starting latents as the learned pipeline at the same resolution.
-
-    Args:
-        vae: the autoencoder.
-        unet: the :class:`ExactNWDenoiser`.
-        scheduler: any diffusers scheduler on the VP path (DDIM, Euler, DPM-Solver, ...).
-        image_processor: the ``VaeImageProcessor`` used for postprocessing.
+    same starting latents as the learned pipeline at the same resolution. ``unet`` is the :class:`ExactNWDenoiser`;
+    ``scheduler`` any diffusers scheduler on the VP path (DDIM, Euler, DPM-Solver, ...).
     """
 
     model_cpu_offload_seq = "unet->vae"
@@ -384,7 +350,7 @@ class ExactNWPipeline(DiffusionPipeline):
         if image_processor is None:
             from diffusers.image_processor import VaeImageProcessor
 
-            image_processor = VaeImageProcessor(vae_scale_factor=2 ** (len(vae.config.block_out_channels) - 1))
+            image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor)
         self.image_processor = image_processor
 
     @property
@@ -394,13 +360,8 @@ class ExactNWPipeline(DiffusionPipeline):
     def _step_kwargs(self, generator, eta: float) -> dict[str, Any]:
         import inspect
 
-        accepted = set(inspect.signature(self.scheduler.step).parameters)
-        kwargs: dict[str, Any] = {}
-        if "eta" in accepted:
-            kwargs["eta"] = eta
-        if "generator" in accepted:
-            kwargs["generator"] = generator
-        return kwargs
+        accepted = inspect.signature(self.scheduler.step).parameters
+        return {key: value for key, value in (("eta", eta), ("generator", generator)) if key in accepted}
 
     @torch.no_grad()
     def __call__(
@@ -413,20 +374,9 @@ class ExactNWPipeline(DiffusionPipeline):
         output_type: str = "pil",
         return_dict: bool = True,
     ) -> ImagePipelineOutput | tuple:
-        """Sample ``num_images`` images from the exact flow of the reference set.
-
-        Args:
-            num_inference_steps: scheduler steps.
-            num_images: images to generate.
-            generator: torch generator(s) for the initial noise (and stochastic schedulers).
-            latents: initial noisy latents ``(num_images, C, h, w)`` instead of drawing them.
-            eta: DDIM's eta, passed to schedulers that accept it.
-            output_type: ``"pil"``, ``"np"``, ``"pt"`` or ``"latent"``.
-            return_dict: return an ``ImagePipelineOutput`` (default) or a 1-tuple.
-
-        Returns:
-            the images (or final latents for ``output_type="latent"``).
-        """
+        """Sample ``num_images`` images (or final latents for ``output_type="latent"``) from the exact flow of the
+        reference set; ``latents`` ``(num_images, C, h, w)`` replace the drawn initial noise, ``eta`` goes to the
+        schedulers that accept it."""
         denoiser: ExactNWDenoiser = self.unet
         if self.scheduler is not denoiser.scheduler:
             denoiser.use_scheduler(self.scheduler)  # the scheduler was swapped on the pipeline: follow it
@@ -471,16 +421,9 @@ def exact_pipeline(
 
     The returned pipeline shares ``pipe``'s VAE, scheduler and image processor (the same objects); ``pipe`` itself is
     not modified. Its denoiser is an :class:`ExactNWDenoiser` over the VAE latents (times
-    ``vae.config.scaling_factor``) of the references.
-
-    Args:
-        pipe: a diffusers Stable Diffusion / SDXL pipeline (any VP scheduler: DDIM, Euler, DPM-Solver, ...).
-        reference_images: the support: PIL images, arrays or tensors (see :func:`encode_references`); at least one.
-        height, width: generation resolution (the pipeline's default if not given); references are resized to it.
-        chunk_size: support points per chunk in the denoiser.
-
-    Returns:
-        the :class:`ExactNWPipeline`; call it with ``num_inference_steps`` and ``generator``.
+    ``vae.config.scaling_factor``) of the references (PIL images, arrays or tensors, as :func:`encode_references`
+    takes them), resized to ``height x width`` (the pipeline's default if not given). Call the result with
+    ``num_inference_steps`` and ``generator``.
 
     Raises:
         ValueError: no reference images, or a scheduler ``prediction_type`` it cannot produce (before any encoding).

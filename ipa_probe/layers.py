@@ -185,17 +185,10 @@ def compile_selection(layers: LayerSelection) -> list[re.Pattern] | None:
 def find_ip_layers(pipe, layers: LayerSelection = None) -> list[IPLayer]:
     """Find the IP-Adapter cross-attention layers of a pipeline (or denoiser), optionally selected by regex.
 
-    Nothing is modified. Errors name the remedy.
-
-    Args:
-        pipe: a diffusers pipeline with a ``unet`` or ``transformer``, or the denoiser module itself.
-        layers: ``None`` for all IP layers; a regex (``re.search`` on the layer id) or a list of them (union).
-
-    Returns:
-        the selected layers in module order.
-
-    Raises:
-        ValueError: no IP-Adapter is loaded, a processor class is not supported, or the selection matches nothing.
+    ``pipe``: a diffusers pipeline with a ``unet`` or ``transformer``, or the denoiser module itself. ``layers``:
+    ``None`` for all IP layers; a regex (``re.search`` on the layer id) or a list of them (union). Returns the
+    selected layers in module order; nothing is modified. ValueError, naming the remedy: no IP-Adapter is loaded, a
+    processor class is not supported, or the selection matches nothing.
     """
     denoiser = denoiser_of(pipe)
     patterns = compile_selection(layers)
@@ -240,19 +233,10 @@ def find_ip_layers(pipe, layers: LayerSelection = None) -> list[IPLayer]:
 
 def refind_ip_layers(pipe, layers: list[IPLayer], selection: LayerSelection = None) -> list[IPLayer] | None:
     """The IP-Adapter layers of ``pipe`` found again after processors were replaced (``load_ip_adapter`` called
-    again, or processor subclasses swapped in), when they match the ``layers`` found before.
-
-    Args:
-        pipe: the pipeline (or denoiser) the ``layers`` were found in.
-        layers: the layers found before.
-        selection: the layer selection they were found with.
-
-    Returns:
-        the new layers (same ids, families, adapter counts and heads, each with its current processor), or ``None``
-        when no layer holds an IP-Adapter processor any more (``unload_ip_adapter``).
-
-    Raises:
-        RuntimeError: the layers, adapters or heads changed, naming ``load_ip_adapter``.
+    again, or processor subclasses swapped in, ``selection`` the one they were found with), when they match the
+    ``layers`` found before: the same ids, families, adapter counts and heads, each with its current processor.
+    ``None`` when no layer holds an IP-Adapter processor any more (``unload_ip_adapter``); RuntimeError, naming
+    ``load_ip_adapter``, when the layers, adapters or heads changed.
     """
     denoiser = denoiser_of(pipe)
     denoiser = getattr(denoiser, "_orig_mod", denoiser)
@@ -284,14 +268,7 @@ def image_branch_logits(processor: torch.nn.Module, query: torch.Tensor, key: to
     ``q k^T / sqrt(d_head)``, on the query and keys that :mod:`ipa_probe.capture.taps` reads. A processor may declare
     otherwise by defining ``image_branch_logits(query, key)`` (ipa_probe's NW heads do). The logits are per key, so
     the same function gives the logits of any other keys the branch's softmax runs over (SD3's latent keys).
-
-    Args:
-        processor: the layer's processor.
-        query: ``(B, H, Q, D)``.
-        key: image-token keys ``(B, H, K, D)``.
-
-    Returns:
-        logits ``(B, H, Q, K)``.
+    ``(B, H, Q, D)`` queries, ``(B, H, K, D)`` keys -> ``(B, H, Q, K)``.
     """
     custom = getattr(processor, "image_branch_logits", None)
     if custom is not None:
@@ -367,17 +344,9 @@ def list_hooks(pipe) -> Attachments:
 
 
 def claim(pipe, feature: str, layers: Iterable[str] = (), what: str = "", *, exclusive: bool = True) -> Attachment:
-    """Mark a pipeline's denoiser as being modified by ``feature`` (e.g. ``"probe"``); raise if it already is.
-
-    Args:
-        pipe: the pipeline or its denoiser.
-        feature: the feature's name.
-        layers: the layer ids it will touch, and
-        what: how, for :func:`list_hooks`.
-        exclusive: refuse a second claim of ``feature`` (``False`` for features that nest, like ``intervene``).
-
-    Returns:
-        this claim's record, for :func:`release` (nested claims of one feature each release their own).
+    """Mark a pipeline's denoiser as being modified by ``feature`` (e.g. ``"probe"``) in ``layers`` (ids), ``what``
+    saying how for :func:`list_hooks`; raise if it already is, unless ``exclusive=False`` (features that nest, like
+    ``intervene``). Returns this claim's record, for :func:`release` (nested claims each release their own).
     """
     denoiser = denoiser_of(pipe)
     claims = kept(denoiser, "claims", ())

@@ -61,13 +61,8 @@ def holm(p: np.ndarray) -> np.ndarray:
 
     With the ``m`` finite p-values sorted, ``p_(1) <= ... <= p_(m)``, the adjusted value of ``p_(i)`` is
     ``max_{j <= i} min(1, (m - j + 1) p_(j))``; a hypothesis is rejected at level ``alpha`` exactly when its adjusted
-    p is below ``alpha``. NaN entries (no test) stay NaN and do not count towards ``m``.
-
-    Args:
-        p: ``(m,)`` p-values of one family.
-
-    Returns:
-        ``(m,)`` adjusted p-values, in the input's order.
+    p is below ``alpha``. NaN entries (no test) stay NaN and do not count towards ``m``. Returns the ``(m,)`` adjusted
+    p-values in the input's order.
     """
     values = np.asarray(p, dtype=np.float64)
     out = np.full(values.shape, np.nan)
@@ -171,16 +166,10 @@ def paired_rank_test(x: np.ndarray, y: np.ndarray, permutations: int = 4999, see
     """Per set, Spearman between ``x[s]`` and ``y[s]``; their mean, its bootstrap interval and a permutation p-value.
 
     The null permutes ``y[s]`` independently within every set (the references carry no order), and the p-value is
-    one-sided, ``(1 + #{null mean >= observed}) / (1 + permutations)``.
-
-    Args:
-        x, y: ``(S, R)`` values per set and reference. Sets where either has no spread are left out.
-        permutations: random permutations drawn.
-        seed: the generator's seed.
-
-    Returns:
-        ``{"mean", "low", "high", "p", "sets", "values"}``: ``values`` ``(S,)`` the per-set Spearman (NaN for sets
-        left out); the others NaN where fewer than 2 sets are usable.
+    one-sided, ``(1 + #{null mean >= observed}) / (1 + permutations)``. ``x``, ``y``: ``(S, R)`` values per set and
+    reference; sets where either has no spread are left out. Returns ``{"mean", "low", "high", "p", "sets",
+    "values"}``: ``values`` ``(S,)`` the per-set Spearman (NaN for sets left out); the others NaN where fewer than 2
+    sets are usable.
     """
     zx, zy = _standard_ranks(x), _standard_ranks(y)
     usable = np.isfinite(zx).all(-1) & np.isfinite(zy).all(-1)
@@ -206,17 +195,9 @@ def paired_rank_test(x: np.ndarray, y: np.ndarray, permutations: int = 4999, see
 
 
 def layer_agreement_test(shares: np.ndarray, permutations: int = 4999, seed: int = 0) -> dict[str, float]:
-    """Between-layer agreement of the reference ranking: per set, the mean Spearman over every pair of layers.
-
-    Args:
-        shares: ``(S, L, R)`` attention shares per set, layer and reference.
-        permutations: random permutations drawn for the p-value (each layer's shares permuted independently
-            within every set; one-sided).
-        seed: the generator's seed.
-
-    Returns:
-        ``{"mean", "low", "high", "p", "sets"}`` (mean over sets, its bootstrap interval, the p-value).
-    """
+    """Between-layer agreement of the reference ranking of ``shares`` ``(S, L, R)``: per set, the mean Spearman over
+    every pair of layers. Returns ``{"mean", "low", "high", "p", "sets"}``: the mean over sets, its bootstrap interval
+    and a one-sided permutation p-value (each layer's shares permuted independently within every set)."""
     z = _standard_ranks(shares)  # (S, L, R)
     usable = np.isfinite(z).all((-1, -2))
     z = z[usable]
@@ -256,14 +237,8 @@ def fit_bandwidth(shares: np.ndarray, distance: np.ndarray) -> float:
 
     Minimises ``F(beta) = sum_s KL(a_s || softmax_i(-beta d_s,i))`` over ``beta = 1 / (2 h^2) >= 0``. ``F`` is convex
     in ``beta`` (a log-sum-exp plus a linear term) with derivative ``sum_s (a_s - w_s(beta)) . d_s``, increasing in
-    ``beta``; its root is found by Brent's method.
-
-    Args:
-        shares: ``(S, R)`` attention shares (rows sum to 1).
-        distance: ``(S, R)`` squared distances ``|x_t / alpha_t - s_i|^2``.
-
-    Returns:
-        ``h*``: ``inf`` when ``beta* = 0`` (uniform weights are closest: the attention favours the nearer references
+    ``beta``; its root is found by Brent's method. ``shares``: ``(S, R)``, rows summing to 1; ``distance``: ``(S, R)``
+    squared distances ``|x_t / alpha_t - s_i|^2``. ``h*`` is ``inf`` when ``beta* = 0`` (uniform weights are closest: the attention favours the nearer references
         no more than uniform weights do), ``0`` when the attention puts all its mass on the nearest references.
     """
     a = np.asarray(shares, dtype=np.float64)
@@ -321,16 +296,9 @@ def verdict(attention_tv_high: float, share_p: float, share_low: float) -> str:
 def summarize_attribution(
     frame: pd.DataFrame, permutations: int = 4999, resamples: int = 999, seed: int = 0
 ) -> pd.DataFrame:
-    """Per timestep: the gauge-invariant comparisons of the attention with the exact posterior (module docstring).
-
-    Args:
-        frame: stacked :func:`~.collect.reference_attribution` tables with a ``set`` column.
-        permutations: random permutations of each permutation test.
-        resamples: bootstrap resamples of the fitted bandwidth's interval.
-        seed: seed of the permutation and bootstrap generators.
-
-    Returns:
-        one row per timestep (noise first) with ``timestep``, ``sets``, ``references``, ``layers``,
+    """Per timestep: the gauge-invariant comparisons of the attention with the exact posterior (module docstring),
+    from stacked :func:`~.collect.reference_attribution` tables with a ``set`` column; ``resamples`` is for the fitted
+    bandwidth's interval. Returns one row per timestep (noise first) with ``timestep``, ``sets``, ``references``, ``layers``,
         ``share_spearman`` (+ ``_low``, ``_high``, ``_p``), ``layer_agreement`` (+ ``_low``, ``_high``, ``_p``),
         ``tv_attention_posterior`` (+ ``_low``, ``_high``), ``attention_tv`` (+ ``_low``, ``_high``),
         ``posterior_tv``, ``attention_neff`` (+ ``_low``, ``_high``), ``position_neff``, ``posterior_neff``
@@ -408,17 +376,9 @@ def cell_verdicts(
     within every set, as :func:`paired_rank_test`). The resamples of the sets and the permutations are drawn once
     and shared by all cells (each cell's test is valid on its own; the cells' tests are then not independent). At
     the resolution of one cell a BCa interval per cell would cost one scipy call each, so the percentile interval is
-    used here (the average's verdict, :func:`summarize_attribution`, keeps BCa).
-
-    Args:
-        shares: ``(S, C, R)`` attention shares per set, cell and reference (rows sum to 1).
-        distance: ``(S, R)`` squared data-space distances (the posterior ranks the references as ``-distance``).
-        permutations: permutations of the rank test.
-        resamples: bootstrap resamples of the sets.
-        seed: the generator's seed.
-
-    Returns:
-        one row per cell: ``cell``, ``attention_tv`` (``_low``, ``_high``), ``share_spearman`` (``_low``,
+    used here (the average's verdict, :func:`summarize_attribution`, keeps BCa). ``shares``: ``(S, C, R)`` per set,
+    cell and reference (rows sum to 1); ``distance``: ``(S, R)`` squared data-space distances (the posterior ranks the
+    references as ``-distance``). Returns one row per cell: ``cell``, ``attention_tv`` (``_low``, ``_high``), ``share_spearman`` (``_low``,
         ``_high``, ``_p``, ``_critical``: ``p < ALPHA`` exactly when ``share_spearman > critical``), ``verdict``.
     """
     a = np.asarray(shares, dtype=np.float64)
@@ -504,14 +464,8 @@ def verdict_shares(
     Spearman at once (:func:`simultaneous_band`, ``outer`` bootstrap resamples of the sets) puts each cell's verdict
     in a set of possible ones; ``<v>_low`` is the share of cells whose only possible verdict is ``v`` and ``<v>_high``
     the share where ``v`` is possible. When every true mean lies in its band (probability about 95 %), all three
-    true shares lie between their bounds together (``tests/test_attribution_coverage.py``).
-
-    Args:
-        shares, distance: as in :func:`cell_verdicts`; permutations, resamples: of the point value's rule.
-        outer: bootstrap resamples of the sets for the bounds (0: no bounds, NaN); seed: the generator's seed.
-
-    Returns:
-        ``{"cells": C, "<v>": share, "<v>_low": ..., "<v>_high": ...}`` for ``v`` in ``pooling``,
+    true shares lie between their bounds together (``tests/test_attribution_coverage.py``). ``outer=0``: no bounds
+    (NaN). Returns ``{"cells": C, "<v>": share, "<v>_low": ..., "<v>_high": ...}`` for ``v`` in ``pooling``,
         ``tracks_posterior``, ``undecided``.
     """
     a, d = np.asarray(shares, dtype=np.float64), np.asarray(distance, dtype=np.float64)
@@ -556,17 +510,11 @@ def control_difference(values: np.ndarray, control: np.ndarray, paired: bool, se
     """A statistic against its control: the mean of ``values`` minus the mean of ``control`` with a 95 % bootstrap
     interval; it **counts** only when the interval excludes 0.
 
-    Args:
-        values: ``(S,)`` the statistic per set (non-finite entries are left out).
-        control: ``(S,)`` per set, the same statistic on the control of that set (``paired=True``: e.g. references the
-            generation never saw at the same ``x_t``), or ``(S',)`` on independent control sets (``paired=False``:
-            e.g. same-digit sets against mixed ones).
-        paired: whether ``values[s]`` and ``control[s]`` belong to the same set (bootstrap of the per-set
-            difference, BCa) or not (the two populations resampled independently, percentile).
-        seed: the generator's seed.
-
-    Returns:
-        ``{"value", "control", "difference", "low", "high", "counts"}``.
+    ``values``: ``(S,)`` the statistic per set (non-finite entries left out). ``paired=True``: ``control`` ``(S,)``
+    is the same statistic on each set's control (e.g. references the generation never saw at the same ``x_t``), the
+    per-set difference bootstrapped (BCa); ``paired=False``: ``(S',)`` on independent control sets (e.g. same-digit
+    sets against mixed ones), the two resampled independently (percentile). Returns ``{"value", "control",
+    "difference", "low", "high", "counts"}``.
     """
     x, y = np.asarray(values, dtype=np.float64), np.asarray(control, dtype=np.float64)
     out = {"value": float(np.nanmean(x)) if np.isfinite(x).any() else math.nan}
@@ -600,15 +548,9 @@ def summarize_cells(
 ) -> pd.DataFrame:
     """Per timestep: the share of cells on each side of the verdict (:func:`verdict_shares`).
 
-    Args:
-        frame: stacked :func:`~.collect.reference_attribution` tables with a ``set`` column (the distances; and the
-            cells when ``cells`` is None).
-        cells: stacked per-cell tables (``result.heads`` or ``result.positions`` with a ``set`` column, sets numbered
-            as in ``frame``), or ``None`` for one cell per layer.
-        permutations, resamples, outer, seed: as in :func:`verdict_shares`.
-
-    Returns:
-        one row per timestep (noise first): ``timestep``, ``cells`` and ``pooling``, ``tracks_posterior``,
+    ``frame``: stacked :func:`~.collect.reference_attribution` tables with a ``set`` column (the distances; and the
+    cells when ``cells`` is None); ``cells``: stacked per-cell tables (``result.heads`` or ``result.positions`` with
+    a ``set`` column, sets numbered as in ``frame``), or ``None`` for one cell per layer. Returns one row per timestep (noise first): ``timestep``, ``cells`` and ``pooling``, ``tracks_posterior``,
         ``undecided``, each with ``_low`` and ``_high``.
     """
     rows = []

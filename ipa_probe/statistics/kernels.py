@@ -61,31 +61,17 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
 
 
 def dot_logits(q: torch.Tensor, k: torch.Tensor, scale: float | torch.Tensor | None = None) -> torch.Tensor:
-    """Scaled dot-product logits ``scale * q k^T`` (``scale`` defaults to ``1/sqrt(D)``, as in SDPA).
-
-    Args:
-        q: queries, shape ``(..., Q, D)``.
-        k: keys, shape ``(..., K, D)``.
-        scale: multiplier of the dot products; a float or a tensor broadcastable to ``(..., 1, 1)``.
-
-    Returns:
-        logits, shape ``(..., Q, K)``.
-    """
+    """Scaled dot-product logits ``scale * q k^T``, ``(..., Q, D)`` x ``(..., K, D)`` -> ``(..., Q, K)``; ``scale``
+    (default ``1/sqrt(D)``, as in SDPA) a float or a tensor broadcastable to ``(..., 1, 1)``."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return (q @ k.transpose(-1, -2)) * scale
 
 
 def key_norm_bias(k: torch.Tensor, h: float | torch.Tensor) -> torch.Tensor:
-    """The per-key bias ``-|k_i|^2 / (2 h^2)`` that turns dot-product logits into Gaussian logits.
-
-    Args:
-        k: keys, shape ``(..., K, D)``.
-        h: bandwidth, a float or a tensor broadcastable to ``(..., 1, 1)``.
-
-    Returns:
-        bias, shape ``(..., 1, K)``, ready to add to ``(..., Q, K)`` logits or to pass as an SDPA float mask.
-    """
+    """The per-key bias ``-|k_i|^2 / (2 h^2)`` that turns dot-product logits into Gaussian logits: keys
+    ``(..., K, D)``, bandwidth a float or broadcastable to ``(..., 1, 1)``; shape ``(..., 1, K)``, ready to add to
+    ``(..., Q, K)`` logits or to pass as an SDPA float mask."""
     return -(k * k).sum(-1).unsqueeze(-2) / (2 * h * h)
 
 
@@ -93,15 +79,8 @@ def nw_logits(q: torch.Tensor, k: torch.Tensor, h: float | torch.Tensor) -> torc
     """Gaussian NW logits ``-|q - k_i|^2 / (2 h^2)`` up to a per-row constant: ``(q·k_i - |k_i|^2/2) / h^2``.
 
     Queries and keys are first centred at the keys' mean (the weights are translation invariant), so float32 keeps
-    its precision when the keys share a large common offset.
-
-    Args:
-        q: queries, shape ``(..., Q, D)``.
-        k: keys, shape ``(..., K, D)``.
-        h: bandwidth, a float or a tensor broadcastable to ``(..., 1, 1)``.
-
-    Returns:
-        logits, shape ``(..., Q, K)``; their softmax over the last dimension is the NW weight matrix.
+    its precision when the keys share a large common offset. Shapes as :func:`dot_logits`; their softmax over the
+    last dimension is the NW weight matrix.
     """
     center = k.mean(-2, keepdim=True)  # (..., 1, D)
     q, k = q - center, k - center
@@ -256,15 +235,7 @@ def query_frame_bias(
 
 
 def nw_mean(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The NW local mean ``m(q) = sum_i w_i v_i``.
-
-    Args:
-        weights: ``(..., Q, K)``.
-        values: ``(..., K, Dv)``.
-
-    Returns:
-        ``(..., Q, Dv)``.
-    """
+    """The NW local mean ``m(q) = sum_i w_i v_i``: ``(..., Q, K) @ (..., K, Dv)``."""
     return weights @ values
 
 

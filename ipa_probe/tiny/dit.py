@@ -102,14 +102,9 @@ def tiny_t5_tokenizer(model_max_length: int = _T5_MAX_LENGTH) -> T5Tokenizer:
 
     Layout as in T5: ``<pad>`` = 0, ``</s>`` = 1 (appended to every sequence), ``<unk>`` = 2; then ``"▁"``, the
     printable ASCII characters, the same characters word-initially (``"▁c"``), and common prompt words (``"▁photo"``).
-    Any ASCII prompt tokenizes without ``<unk>``; no sentinel (``<extra_id_*>``) tokens.
-
-    Args:
-        model_max_length: the tokenizer's default maximum length (the pipelines pass their own
-            ``max_sequence_length``).
-
-    Returns:
-        a ``transformers.T5Tokenizer``; ``len(tokenizer)`` is the vocabulary size for the text encoder.
+    Any ASCII prompt tokenizes without ``<unk>``; no sentinel (``<extra_id_*>``) tokens. ``model_max_length`` is
+    the default maximum length (the pipelines pass their own ``max_sequence_length``); ``len(tokenizer)`` is the
+    vocabulary size for the text encoder.
 
     Example:
         ```py
@@ -230,15 +225,8 @@ def tiny_flux_ip_adapter_state_dict(
     ``image_proj``: ``proj.{weight,bias}`` (``image_embeds`` -> 4 tokens of ``joint_attention_dim``) and
     ``norm.{weight,bias}`` (diffusers' ``ImageProjection``). ``ip_adapter``: for each double-stream block ``n``,
     ``{n}.to_k_ip.{weight,bias}`` and ``{n}.to_v_ip.{weight,bias}``, shape ``(heads * head_dim, joint_attention_dim)``
-    and ``(heads * head_dim,)``: Flux's image keys have a bias (and no normalisation).
-
-    Args:
-        transformer: the Flux transformer (only its configuration is read).
-        image_encoder: the CLIP image encoder whose ``image_embeds`` the projection consumes.
-        seed: non-negative int.
-
-    Returns:
-        ``{"image_proj": {...}, "ip_adapter": {...}}``, float32 CPU tensors.
+    and ``(heads * head_dim,)``: Flux's image keys have a bias (and no normalisation). Only the transformer's
+    configuration is read; float32 CPU tensors.
     """
     _check_seed(seed)
     cross_dim = transformer.config.joint_attention_dim
@@ -273,14 +261,7 @@ def tiny_flux_pipeline(
     adapter); ``pipe(..., ip_adapter_image=[refs])`` takes one entry per adapter, a list of images in an entry being
     that adapter's support set (4 tokens per image). Classifier-free guidance in Flux is "true CFG": pass
     ``negative_prompt`` and ``true_cfg_scale > 1`` and the transformer runs a separate unconditional pass per step.
-    Default image size 64 x 64 (64 latent tokens).
-
-    Args:
-        num_adapters: how many IP-Adapters to load (>= 1), each from its own seed.
-        seed, device, dtype: as in :func:`ipa_probe.tiny.sd.tiny_pipeline`.
-
-    Returns:
-        a ``FluxPipeline``.
+    Default image size 64 x 64 (64 latent tokens). Arguments as in :func:`ipa_probe.tiny.sd.tiny_pipeline`.
 
     Example:
         ```py
@@ -400,15 +381,8 @@ def tiny_sd3_ip_adapter_state_dict(
     resampler's timestep embedding), ``to_k_ip``/``to_v_ip`` (no bias), and the RMS norms ``norm_q``, ``norm_k``,
     ``norm_ip_k``. The RMS gains are drawn around 1 (``1 + 0.3 * N(0, 1)``, as trained gains are): with all gains at
     1 every normalised key would have norm ``sqrt(d_head)`` and the Gaussian NW weights would equal the attention
-    exactly.
-
-    Args:
-        transformer: the SD3 transformer (configuration and processor names are read).
-        image_encoder: the SigLIP encoder whose penultimate hidden states the resampler consumes.
-        seed: non-negative int.
-
-    Returns:
-        ``{"image_proj": {...}, "ip_adapter": {...}}``, float32 CPU tensors.
+    exactly. ``image_encoder``: the SigLIP encoder whose penultimate hidden states the resampler consumes; float32
+    CPU tensors.
     """
     _check_seed(seed)
     inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim

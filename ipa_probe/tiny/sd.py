@@ -210,16 +210,9 @@ def tiny_components(kind: PipelineKind = "sd15", seed: int = 0) -> dict[str, Any
     """The components of a tiny pipeline, without IP-Adapter, on CPU in float32.
 
     Each module is initialised under its own seed derived from ``seed`` and its name, so changing one component's
-    configuration does not change the others' weights. The caller's global RNG is untouched.
-
-    Args:
-        kind: ``"sd15"`` (``StableDiffusionPipeline``) or ``"sdxl"`` (``StableDiffusionXLPipeline``).
-        seed: non-negative int.
-
-    Returns:
-        keyword arguments for the pipeline class: ``unet``, ``vae``, ``scheduler``, text encoder(s) and
-        tokenizer(s), ``image_encoder`` (``CLIPVisionModelWithProjection``), ``feature_extractor``
-        (``CLIPImageProcessor``), and for SD 1.5 ``safety_checker=None``, ``requires_safety_checker=False``.
+    configuration does not change the others' weights. The caller's global RNG is untouched. Returns keyword
+    arguments for ``StableDiffusionPipeline`` (``kind="sd15"``, with ``safety_checker=None``) or
+    ``StableDiffusionXLPipeline`` (``"sdxl"``), ``image_encoder`` and ``feature_extractor`` included.
     """
     _check_choice(kind, "kind", PIPELINE_KINDS)
     _check_seed(seed)
@@ -320,16 +313,9 @@ def tiny_ip_adapter_state_dict(
     hidden states, ``hidden_size`` wide; diffusers fixes depth 4 and head width 64 when loading). For every
     cross-attention layer ``n`` (counted as diffusers does: ``1, 3, 5, ...`` over ``unet.attn_processors``),
     ``ip_adapter`` holds ``{n}.to_k_ip.weight`` and ``{n}.to_v_ip.weight``, shape ``(hidden, cross_attention_dim)``.
-
-    Args:
-        unet: the UNet the adapter is for (only its configuration and layer widths are read).
-        image_encoder: the CLIP image encoder whose outputs the projection consumes.
-        ip_adapter: ``"base"`` or ``"plus"``.
-        seed: non-negative int; the weights are a deterministic function of the seed and the shapes.
-
-    Returns:
-        ``{"image_proj": {...}, "ip_adapter": {...}}``, float32 CPU tensors, for
-        ``pipe.load_ip_adapter([state_dict], subfolder=[""], weight_name=[""], image_encoder_folder=None)``.
+    Only the UNet's configuration and layer widths are read; the float32 CPU weights are a deterministic function of
+    the seed and the shapes, for
+    ``pipe.load_ip_adapter([state_dict], subfolder=[""], weight_name=[""], image_encoder_folder=None)``.
     """
     _check_choice(ip_adapter, "ip_adapter", IP_ADAPTER_KINDS)
     _check_seed(seed)
@@ -411,9 +397,6 @@ def tiny_pipeline(
         device: where the pipeline is moved after building (it is built on CPU).
         dtype: its parameter dtype (a ``torch.dtype`` or its name).
 
-    Returns:
-        a ``StableDiffusionPipeline`` (``kind="sd15"``) or ``StableDiffusionXLPipeline`` (``kind="sdxl"``).
-
     Example:
         ```py
         >>> from ipa_probe.tiny.sd import default_reference_images, tiny_pipeline
@@ -471,15 +454,8 @@ def default_reference_images(n: int = 2, size: int | tuple[int, int] | None = No
     The first two are ``china.jpg`` and ``flower.jpg`` (640 x 427) from ``sklearn.datasets.load_sample_images``;
     further ones are square crops (60 % of the short side) of the two photos, alternating, at positions
     ``(frac(k * 0.618), frac(k * 0.414))`` of the free range for the ``k``-th crop of a photo: deterministic and
-    all different.
-
-    Args:
-        n: how many images (>= 1).
-        size: ``None`` keeps each image's own size; an int ``s`` centre-crops to a square and resizes to ``s x s``;
-            a pair ``(width, height)`` resizes to exactly that.
-
-    Returns:
-        ``n`` RGB ``PIL.Image.Image``.
+    all different. ``size``: ``None`` keeps each image's own size; an int ``s`` centre-crops to a square and resizes
+    to ``s x s``; a pair ``(width, height)`` resizes to exactly that.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"expected n to be an int >= 1, got {n!r}")
@@ -522,17 +498,8 @@ def _resize(image: PIL.Image.Image, size: int | tuple[int, int] | None) -> PIL.I
 
 @dataclass(frozen=True)
 class SavedTinyPipeline:
-    """Where :func:`save_tiny_pipeline` wrote a tiny pipeline, and how to load it back.
-
-    Attributes:
-        model_dir: the ``save_pretrained`` folder (``<directory>/model``), for ``Pipeline.from_pretrained``.
-        ip_adapter_dir: the folder holding the adapter file (``<directory>/ip_adapter``).
-        weight_name: the adapter file's name (``"ip-adapter.safetensors"``).
-        weight_file: its full path.
-        kind: ``"sd15"`` or ``"sdxl"``.
-        ip_adapter: ``"base"`` or ``"plus"``.
-        seed: the seed it was built from.
-    """
+    """Where :func:`save_tiny_pipeline` wrote a tiny pipeline (``model_dir``: the ``save_pretrained`` folder;
+    ``ip_adapter_dir``: the folder holding the adapter file ``weight_file``), and how to load it back."""
 
     model_dir: Path
     ip_adapter_dir: Path
@@ -574,12 +541,7 @@ def realign_weights(pipe: Any) -> Any:
     not 64-byte aligned. CPU BLAS kernels pick a different code path for unaligned operands, so a loaded model can
     differ from the same weights built in memory in the last bits (about 1e-7 relative). After this call the
     weights live in ordinary (aligned) allocations and the two agree exactly; the files are no longer referenced.
-
-    Args:
-        pipe: a ``DiffusionPipeline`` (any object with a ``components`` dict).
-
-    Returns:
-        ``pipe`` itself.
+    Returns ``pipe`` (any object with a ``components`` dict) itself.
     """
     for component in pipe.components.values():
         if not isinstance(component, torch.nn.Module):
@@ -608,14 +570,8 @@ def save_tiny_pipeline(
     ``tiny_pipeline(kind, ip_adapter, seed=seed)`` as one file with ``image_proj.*`` and ``ip_adapter.*`` keys, the
     layout ``load_ip_adapter`` reads from a local folder. Loaded back, the pipeline's output is bit-identical to
     ``tiny_pipeline(kind, ip_adapter, seed=seed)``'s once the weights are copied out of the memory-mapped files
-    (:func:`realign_weights`; :meth:`SavedTinyPipeline.load` does it).
-
-    Args:
-        directory: the output folder (created if missing; existing files of the same names are overwritten).
-        kind, ip_adapter, seed: as in :func:`tiny_pipeline`.
-
-    Returns:
-        a :class:`SavedTinyPipeline` with the paths and ``load_ip_adapter_kwargs``.
+    (:func:`realign_weights`; :meth:`SavedTinyPipeline.load` does it). ``directory`` is created if missing;
+    existing files of the same names are overwritten.
 
     Example:
         ```py
