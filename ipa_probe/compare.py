@@ -91,19 +91,11 @@ def generate_methods(
     One progress bar per method, labelled with its name, counts its denoising steps over all seeds (the pipelines'
     own per-call bars are off meanwhile; the pipeline's progress-bar settings are restored on exit).
 
-    Args:
-        pipe: an SD 1.5 / SDXL pipeline with one IP-Adapter loaded (the references are its image prompt).
-        references: the reference images (PIL), the IP-Adapter's support set and the exact denoiser's support.
-        seeds: generator seeds, one image each.
-        call_kwargs: more pipeline arguments (``prompt``, ``num_inference_steps``, ``height``, ``width``, ...).
-        bandwidth: the NW head's bandwidth (see :func:`ipa_probe.nw_head`).
-        methods: a subset of :data:`METHODS`.
-        progress: show the progress bars.
-        nw_frame: the NW head's frame, ``"stored"`` (gauge dependent) or ``"query"`` (gauge invariant; the bandwidth
-            must then stay ``"matched"``); see :func:`ipa_probe.nw_head`.
-
-    Returns:
-        ``(images, seconds)``: method -> list of PIL images (one per seed), and method -> wall time in seconds.
+    ``pipe``: an SD 1.5 / SDXL pipeline with one IP-Adapter loaded; ``references`` (PIL) are its image prompt and
+    the exact denoiser's support; ``call_kwargs``: more pipeline arguments (``prompt``, ``num_inference_steps``, ...);
+    ``bandwidth`` and ``nw_frame`` (``"stored"``, or ``"query"`` with ``"matched"``) are the NW head's
+    (:func:`ipa_probe.nw_head`); ``methods`` a subset of :data:`METHODS`. Returns ``(images, seconds)``: method ->
+    list of PIL images (one per seed), and method -> wall time in seconds.
     """
     from .exact import exact_pipeline
     from .nwhead import nw_head
@@ -368,17 +360,10 @@ def grid_figure(
     left (references, their VAE round trip, each method), the columns by reference and by seed, optional captions
     under the images, every text at 8 pt or more; a cell with no image (fewer references than seeds) is left blank.
 
-    Args:
-        references: the reference images (first row).
-        images: method -> one image per seed (one row each, in order).
-        seeds: the seeds (column titles).
-        roundtrip: optionally the references through the VAE (a second row, under the references).
-        captions: row (``"references"``, ``ROUNDTRIP`` or a method) -> per image ``(text, right)``: ``right``
-            colours it green (``True``), red (``False``) or black (``None``).
-        title: the figure's title (say, the selection and what the captions are).
-
-    Returns:
-        a ``matplotlib.figure.Figure`` on an Agg canvas (no pyplot state).
+    Rows: the references, optionally their VAE ``roundtrip``, then ``images`` (method -> one image per seed, in
+    order); columns titled by ``seeds``. ``captions``: row (``"references"``, ``ROUNDTRIP`` or a method) -> per image
+    ``(text, right)``: ``right`` colours it green (``True``), red (``False``) or black (``None``). Returns a
+    ``matplotlib.figure.Figure`` on an Agg canvas (no pyplot state).
     """
     # The object-oriented API with an Agg canvas: no pyplot state, no backend switch in the caller's session.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -435,15 +420,7 @@ def make_grid(
     """A labelled grid: references first row, then one row per method, one column per seed (:func:`grid_figure`),
     at the resolution ``grid.png`` is saved with (:data:`ipa_probe.figstyle.SAVE_DPI`).
 
-    Args:
-        references: the reference images (first row).
-        images: method -> one image per seed (one row each, in order).
-        seeds: the seeds (column titles).
-        roundtrip: optionally the references through the VAE (a second row, under the references).
-        captions, title: as :func:`grid_figure` takes them.
-
-    Returns:
-        the grid as an RGB PIL image.
+    Arguments as :func:`grid_figure` takes them; an RGB PIL image.
     """
     from .figstyle import SAVE_DPI
 
@@ -493,15 +470,8 @@ def compare_methods(
 ) -> Comparison:
     """Generate with the learned IP-Adapter, the NW head and the exact denoiser from the same seeds, and score them.
 
-    Args:
-        pipe, references, call_kwargs, bandwidth, methods, nw_frame: as in :func:`generate_methods`.
-        seeds: generator seeds (one image per method and seed).
-        scorer: the :class:`ClipScorer` (default: ``ViT-B-32`` with random weights, offline).
-        settings: extra JSON-friendly settings to record.
-        progress: show one progress bar per method.
-
-    Returns:
-        the :class:`Comparison`.
+    Arguments as in :func:`generate_methods` (one image per method and seed); ``scorer``: the :class:`ClipScorer`
+    (default: ``ViT-B-32`` with random weights, offline); ``settings``: extra JSON-friendly settings to record.
 
     Example:
         ```py

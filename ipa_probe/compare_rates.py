@@ -39,17 +39,9 @@ def label_rates(
     several (the seeds of one set share its references: :func:`~ipa_probe.attribution.clustered_clopper_pearson`);
     for one set it is the plain interval over the seeds, a statement about that set.
 
-    Args:
-        pipe: a pipeline with one IP-Adapter loaded.
-        sets: ``(label, references)`` pairs.
-        seeds: generator seeds, one image per set, seed and method.
-        classify: images (PIL) -> ``(labels, probabilities)`` (e.g.
-            :func:`ipa_probe.tiny.digits.classify_digit_images`).
-        call_kwargs: more pipeline arguments.
-        methods: a subset of :data:`RATE_METHODS`.
-
-    Returns:
-        one row per method: ``method``, ``right`` (count), ``images``, ``rate``, ``low``, ``high``.
+    ``classify``: PIL images -> ``(labels, probabilities)`` (e.g. :func:`ipa_probe.tiny.digits.classify_digit_images`);
+    ``methods``: a subset of :data:`RATE_METHODS`. Returns one row per method: ``method``, ``right`` (count),
+    ``images``, ``rate``, ``low``, ``high``.
     """
     from .attribution import clopper_pearson, clustered_clopper_pearson
     from .layers import find_ip_layers

@@ -50,20 +50,10 @@ class FluxNWHeadAttnProcessor(ProcessorView, FluxIPAdapterAttnProcessor):
         ip_hidden_states: list[torch.Tensor] | None = None,
         ip_adapter_masks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Joint attention (the parent's) and the NW image branch; same signature and outputs as the parent.
-
-        Args:
-            attn: the ``FluxAttention`` module.
-            hidden_states: latent tokens ``(B, N, C)``.
-            encoder_hidden_states: text tokens ``(B, T, C)`` (double-stream blocks), or ``None``.
-            attention_mask: optional mask of the joint attention.
-            image_rotary_emb: RoPE tables of the joint attention (not used by the image branch).
-            ip_hidden_states: per adapter, the projected image tokens ``(B, [images,] tokens, C_ctx)``.
-            ip_adapter_masks: ignored (as by diffusers' processor).
-
-        Returns:
-            ``(hidden_states, encoder_hidden_states, ip_out)`` with ``ip_out`` ``(B, N, H*D)``, or ``hidden_states``
-            alone when there are no text tokens (as the parent).
+        """Joint attention (the parent's) and the NW image branch; same signature and outputs as the parent:
+        ``(hidden_states, encoder_hidden_states, ip_out)`` with ``ip_out`` ``(B, N, H*D)``, or ``hidden_states`` alone
+        when there are no text tokens. ``ip_hidden_states``: per adapter, the projected image tokens ``(B, [images,]
+        tokens, C_ctx)``; ``ip_adapter_masks`` is ignored (as by diffusers' processor).
         """
         if encoder_hidden_states is None:
             return super().__call__(attn, hidden_states, None, attention_mask, image_rotary_emb)

@@ -95,20 +95,10 @@ class NWHeadAttnProcessor(NWKernel, IPAdapterAttnProcessor2_0):
         """Cross-attention with a learned text branch and a Gaussian NW image branch.
 
         The signature is exactly the parent's, return annotation included (``Attention.forward`` passes only the
-        keyword arguments that ``inspect.signature`` finds).
-
-        Args:
-            attn: the ``Attention`` module.
-            hidden_states: ``(B, N, C)`` or ``(B, C, H, W)``.
-            encoder_hidden_states: ``(text_states (B, T, C_ctx), [image_states per adapter])``; each image state is
-                ``(B, tokens, C_ctx)`` or ``(B, images, tokens, C_ctx)``.
-            attention_mask: optional text attention mask.
-            temb: time embedding for a spatial norm, if the layer has one.
-            scale: unused (kept for signature compatibility; the adapter scales live in ``self.scale``).
-            ip_adapter_masks: optional per-adapter masks ``(1, images, H, W)``, as from ``IPAdapterMaskProcessor``.
-
-        Returns:
-            the layer output, shaped like ``hidden_states``.
+        keyword arguments that ``inspect.signature`` finds); ``scale`` is unused (the adapter scales live in
+        ``self.scale``). ``encoder_hidden_states``: ``(text_states (B, T, C_ctx), [image_states per adapter])``, each
+        image state ``(B, [images,] tokens, C_ctx)``; ``ip_adapter_masks``: per adapter ``(1, images, H, W)``, as from
+        ``IPAdapterMaskProcessor``.
         """
         text_states, image_states = self._split_context(encoder_hidden_states)
         masks = self._checked_masks(ip_adapter_masks, self.scale, image_states)

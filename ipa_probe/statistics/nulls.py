@@ -69,14 +69,6 @@ def rho_null(keys: int, samples: int = 2**20, seed: int = 0) -> RhoNull:
     random permutations (``argsort`` of uniform noise from a generator seeded with ``seed``), whose probabilities have
     the standard error ``sqrt(p (1 - p) / samples)``.
 
-    Args:
-        keys: ``K >= 2``, the keys in a row.
-        samples: random permutations drawn above the exact range.
-        seed: the simulation's seed.
-
-    Returns:
-        the :class:`RhoNull`.
-
     Example:
         ```py
         >>> rho_null(4).tail(0.9)  # rho = 1 exactly: one ranking in 4! = 24
@@ -158,12 +150,8 @@ def rho_baseline(ratio: torch.Tensor, keys: torch.Tensor | int) -> torch.Tensor:
 
         E[rho] = 6 / (pi (K + 1)) * (asin(c) + (K - 2) asin(c / 2)).
 
-    Args:
-        ratio: ``r``, any shape; ``inf`` gives ``c = 1``, a negative ``r`` a negative ``c``.
-        keys: ``K``, an int or a tensor broadcastable to ``ratio``.
-
-    Returns:
-        ``E[rho]``, the broadcast shape, in ``ratio``'s floating dtype.
+    ``ratio`` of any shape (``inf`` gives ``c = 1``, a negative ``r`` a negative ``c``), ``keys`` an int or
+    broadcastable to it; the result in ``ratio``'s floating dtype.
     """
     ratio = ratio if ratio.is_floating_point() else ratio.float()
     c = torch.sign(ratio) / torch.sqrt(1 + 1 / (ratio * ratio))  # r / sqrt(1 + r^2), finite for r = inf

@@ -36,16 +36,9 @@ def lifted_keys(support: torch.Tensor) -> torch.Tensor:
 
 
 def lifted_queries(x: torch.Tensor, t: torch.Tensor, sigma_min: float = 0.01) -> torch.Tensor:
-    """The feature-lifted queries ``q = [x~ / h^2, 1 / h^2] = [t x / sigma_t^2, t^2 / sigma_t^2]``.
-
-    Args:
-        x: points on the path, shape ``(..., n, d)``.
-        t: flow times as a column broadcastable to ``(..., n, 1)``, in ``(0, 1]``.
-        sigma_min: the path's noise level at ``t = 1``.
-
-    Returns:
-        queries, shape ``(..., n, d + 1)``; ``q · k_i`` equals the Gaussian logit of ``x~`` against ``s_i`` at
-        ``h(t)`` up to a per-row constant.
+    """The feature-lifted queries ``q = [x~ / h^2, 1 / h^2] = [t x / sigma_t^2, t^2 / sigma_t^2]``, ``(..., n, d + 1)``
+    for points ``(..., n, d)`` and flow times in ``(0, 1]`` broadcastable to ``(..., n, 1)``: ``q · k_i`` equals the
+    Gaussian logit of ``x~`` against ``s_i`` at ``h(t)`` up to a per-row constant.
     """
     sigma_t = 1.0 - (1.0 - sigma_min) * t
     inv_h2 = (t / sigma_t).square()  # 1 / h^2, (..., n, 1)
@@ -67,10 +60,7 @@ class ExactNWHead(nn.Module):
     The output equals :func:`~ipa_probe.theory.nw_velocity` to 1e-10 in float64, and in float32 to about 1e-5 for
     unit-scale data at moderate ``t``. In float32 both lose absolute accuracy as ``t -> 1``, like any dot-product
     form of the logits: rounding errors of size ``eps * |x~| |s| / h^2`` in the logits are divided by ``sigma_t``
-    (the relative error of the velocity stays near 1e-5).
-
-    Args:
-        sigma_min: the path's noise level at ``t = 1``, in ``[0, 1)``.
+    (the relative error of the velocity stays near 1e-5). ``sigma_min``: the noise level at ``t = 1``, in ``[0, 1)``.
 
     Example:
         >>> head = ExactNWHead()

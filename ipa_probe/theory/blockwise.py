@@ -87,17 +87,10 @@ def blockwise_nw_weights(
 ) -> torch.Tensor:
     """Each head's NW weights ``w^(j) = softmax_i(-|P_j^T (x - s_i)|^2 / (2 h^2))`` (paper §C.4).
 
-    Args:
-        query: points, shape ``(n, d)`` or ``(B, n, d)``.
-        support: support points, shape ``(m, d)`` or ``(B, m, d)``.
-        h: bandwidth, a float or a tensor broadcastable to the query rows; must be > 0.
-        n_heads: number of contiguous coordinate blocks (sizes differ by at most one when ``H`` does not divide
-            ``d``); defaults to 1, or to ``len(projections)``.
-        projections: instead of coordinate blocks, the heads' orthonormal bases: a ``(H, d, k)`` tensor or a list
-            of ``(d, k_j)`` tensors whose columns together form an orthonormal basis of ``R^d``.
-
-    Returns:
-        weights, shape ``(H, n, m)`` or ``(H, B, n, m)``.
+    Arguments as in :func:`~ipa_probe.theory.nw_weights`, and ``n_heads`` contiguous coordinate blocks (sizes
+    differ by at most one when ``H`` does not divide ``d``; default 1, or ``len(projections)``), or ``projections``,
+    the heads' orthonormal bases: a ``(H, d, k)`` tensor or a list of ``(d, k_j)`` tensors whose columns together
+    form an orthonormal basis of ``R^d``. Shape ``(H, n, m)`` or ``(H, B, n, m)``.
     """
     check_points(query, "query")
     support = check_support(support, query)
@@ -135,15 +128,8 @@ def blockwise_nw_velocity(
 ) -> torch.Tensor:
     """The H-head blockwise plug-in velocity ``u_H = (m_H(x / t) - (1 - sigma_min) x) / sigma_t`` (paper §C.4).
 
-    With ``H = 1`` (the default) it is the exact field :func:`~ipa_probe.theory.nw_velocity`.
-
-    Args:
-        x, t, support, sigma_min: as in :func:`~ipa_probe.theory.nw_velocity`.
-        n_heads: number of contiguous coordinate blocks (default 1, or ``len(projections)``).
-        projections: the heads' orthonormal bases instead of coordinate blocks (see :func:`blockwise_nw_weights`).
-
-    Returns:
-        velocity, shape of ``x``.
+    With ``H = 1`` (the default) it is the exact field :func:`~ipa_probe.theory.nw_velocity`. Arguments as there,
+    and ``n_heads`` or ``projections`` as in :func:`blockwise_nw_weights`.
     """
     check_points(x, "x")
     support = check_support(support, x)
@@ -164,13 +150,8 @@ def mahalanobis_nw_weights(
 ) -> torch.Tensor:
     """NW weights under the Mahalanobis metric ``M = L L^T``: ``softmax_i(-|L^T (x - s_i)|^2 / (2 h^2))``.
 
-    Args:
-        query, support, h: as in :func:`~ipa_probe.theory.nw_weights`.
-        L: the metric's factor, shape ``(d, k)`` or ``(B, d, k)`` (``k < d`` gives a degenerate metric that
-            ignores the directions outside the column span of ``L``).
-
-    Returns:
-        weights, shape ``(n, m)`` or ``(B, n, m)``.
+    Arguments as in :func:`~ipa_probe.theory.nw_weights`, and the metric's factor ``L``, ``(d, k)`` or ``(B, d, k)``
+    (``k < d`` gives a degenerate metric that ignores the directions outside the column span of ``L``).
     """
     check_points(query, "query")
     support = check_support(support, query)
@@ -185,14 +166,8 @@ def mahalanobis_nw_velocity(
 
     ``m_M`` is the Mahalanobis NW mean (weights of :func:`mahalanobis_nw_weights`, values ``s_i``) at
     ``h(t) = sigma_t / t``. For invertible ``L`` this is the exact velocity of the support on the OT path with
-    source ``N(0, M^{-1})``, and ``u @ L`` equals ``nw_velocity(x @ L, t, support @ L)``.
-
-    Args:
-        x, t, support, sigma_min: as in :func:`~ipa_probe.theory.nw_velocity`.
-        L: the metric's factor, shape ``(d, k)`` or ``(B, d, k)``.
-
-    Returns:
-        velocity, shape of ``x``.
+    source ``N(0, M^{-1})``, and ``u @ L`` equals ``nw_velocity(x @ L, t, support @ L)``. Arguments as in
+    :func:`~ipa_probe.theory.nw_velocity` and :func:`mahalanobis_nw_weights`.
     """
     check_points(x, "x")
     support = check_support(support, x)

@@ -55,18 +55,9 @@ def nw_velocity(
 
     ``m_h`` is the Gaussian NW mean of the support at the bandwidth ``h(t) = sigma_t / t`` (paper §C.2, form 1;
     equal to form 2 ``x~ + (m_h(x~) - x~) / sigma_t`` with ``x~ = x / t``). Integrating it from ``t ~ 0`` to 1
-    transports ``N(0, I)`` onto the support, blurred by ``sigma_min``.
-
-    Args:
-        x: points on the path, shape ``(n, d)`` or ``(B, n, d)``.
-        t: flow times in ``[0, 1]``: a float or a tensor broadcastable to the rows of ``x`` (``()``, ``(n,)``,
-            ``(B, n)``, ``(B, n, 1)``); clamped to ``>= T_EPS = 1e-5``.
-        support: support points, shape ``(m, d)`` or ``(B, m, d)``.
-        sigma_min: the path's noise level at ``t = 1``, in ``[0, 1)``.
-        chunk_size: optional number of rows processed at a time (see :func:`nw_mean`).
-
-    Returns:
-        velocity ``u_t(x)``, shape of ``x`` (broadcast against a batched support).
+    transports ``N(0, I)`` onto the support, blurred by ``sigma_min`` (the noise level at ``t = 1``, in ``[0, 1)``).
+    Shapes as in :mod:`~ipa_probe.theory.smoothing` (``x`` the queries); the flow times ``t`` in ``[0, 1]`` are a
+    float or broadcastable to the rows of ``x``, clamped to ``>= T_EPS = 1e-5``. Returns ``x``'s shape.
 
     Example:
         >>> s = torch.tensor([[1.0, 2.0]])  # m = 1: every point flows to s (up to sigma_min)
@@ -86,16 +77,8 @@ def ot_log_density(
     """Log of the OT-path marginal density ``p_t(x) = (1/m) sum_i N(x; t s_i, sigma_t^2 I)``.
 
     Its gradient is the score of the score form ``u_t(x) = x / t + (sigma_t / t) grad log p_t(x)``, and
-    ``t^d p_t(t x~)`` is the Gaussian KDE of the support at bandwidth ``h(t)`` (paper Prop 4.2).
-
-    Args:
-        x: points, shape ``(n, d)`` or ``(B, n, d)``.
-        t: flow times, as in :func:`nw_velocity` (clamped to ``>= T_EPS``).
-        support: support points, shape ``(m, d)`` or ``(B, m, d)``.
-        sigma_min: the path's noise level at ``t = 1``.
-
-    Returns:
-        log-density, shape ``(n,)`` or ``(B, n)``.
+    ``t^d p_t(t x~)`` is the Gaussian KDE of the support at bandwidth ``h(t)`` (paper Prop 4.2). Arguments as in
+    :func:`nw_velocity`; shape ``(n,)`` or ``(B, n)``.
     """
     check_points(x, "x")
     support = check_support(support, x)
@@ -134,18 +117,9 @@ def nw_x0(
 
     The bandwidth is ``h = sigma_t / alpha_t`` and the weights are the posterior
     ``P(x_0 = s_i | x_t = x) = softmax_i(-|x - alpha_t s_i|^2 / (2 sigma_t^2))``
-    (paper §C.5).
-
-    Args:
-        x: noisy points ``x_t``, shape ``(n, d)`` or ``(B, n, d)`` (flatten latents to vectors).
-        alpha_t: data coefficient ``sqrt(abar_t)`` (e.g. ``VPSchedule(...)(timestep).alpha_t``), a float or a
-            tensor broadcastable to the rows of ``x``; must be > 0.
-        sigma_t: noise coefficient ``sqrt(1 - abar_t)``, same form; must be > 0.
-        support: support points (clean data), shape ``(m, d)`` or ``(B, m, d)``.
-        chunk_size: optional number of rows processed at a time (see :func:`nw_mean`).
-
-    Returns:
-        predicted clean points, shape of ``x``.
+    (paper §C.5). ``x``: noisy points (latents flattened to vectors), shapes as in :func:`nw_velocity`; ``alpha_t =
+    sqrt(abar_t)`` (e.g. ``VPSchedule(...)(timestep).alpha_t``) and ``sigma_t = sqrt(1 - abar_t)``: floats or
+    broadcastable to the rows of ``x``, > 0. Returns ``x``'s shape.
     """
     return _vp_mean(x, alpha_t, sigma_t, support, chunk_size)[2]
 

@@ -38,14 +38,8 @@ def median_bandwidth(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The median-heuristic bandwidth of :func:`mmd2`: the lower median of all pooled pairwise distances.
 
     With ``z = concat(x, y)`` (``N = n + n'`` points), ``sigma`` is the lower median of the ``N x N`` matrix
-    ``torch.cdist(z, z)``, zero diagonal included (``N^2`` entries); values below ``1e-8`` become 1.
-
-    Args:
-        x: first sample, shape ``(n, d)`` or ``(B, n, d)``.
-        y: second sample, shape ``(n', d)`` or ``(B, n', d)``.
-
-    Returns:
-        bandwidths, shape ``()`` or ``(B,)``.
+    ``torch.cdist(z, z)``, zero diagonal included (``N^2`` entries); values below ``1e-8`` become 1. Shape ``()`` or
+    ``(B,)``.
     """
     _check_pair(x, y, 1)
     z = torch.cat([x, y.to(x.dtype)], dim=-2)  # (..., N, d)
@@ -68,16 +62,8 @@ def mmd2(x: torch.Tensor, y: torch.Tensor, bandwidth: float | torch.Tensor | Non
     Its expectation is the population MMD², 0 when both samples come from one law, so estimates scatter around
     0 (negative values included) for equal laws. ``sigma`` defaults to the median heuristic of
     :func:`median_bandwidth`: the lower median of the ``(n + n')^2`` pooled ``torch.cdist`` distances, zero
-    diagonal included, replaced by 1 below 1e-8 (exactly the authors' ``metrics.py``).
-
-    Args:
-        x: first sample, shape ``(n, d)`` or ``(B, n, d)``, ``n >= 2``.
-        y: second sample, shape ``(n', d)`` or ``(B, n', d)``, ``n' >= 2``.
-        bandwidth: ``sigma``; a float, a tensor of shape ``(B,)`` (one per task), or ``None`` for the median
-            heuristic computed per task.
-
-    Returns:
-        MMD², shape ``()`` or ``(B,)``, in ``x``'s dtype.
+    diagonal included, replaced by 1 below 1e-8 (exactly the authors' ``metrics.py``), per task; a given ``bandwidth``
+    is a float or ``(B,)``. ``n, n' >= 2``; shape ``()`` or ``(B,)``, in ``x``'s dtype.
     """
     _check_pair(x, y, 2)
     n = x.shape[-2]
@@ -112,15 +98,8 @@ def c2st(x: torch.Tensor, y: torch.Tensor, folds: int = 5, seed: int = 0) -> flo
     scikit-learn's ``LogisticRegression(max_iter=1000)`` (lbfgs) on the raw coordinates, labels 0 for ``x`` and
     1 for ``y``, scored by the mean accuracy over ``folds`` shuffled stratified folds (as in the authors' code).
     About 0.5 means the classifier cannot tell the samples apart; 1.0 means they are separable. A linear
-    classifier only sees differences that a hyperplane separates (means, not variances).
-
-    Args:
-        x, y: as in :func:`median_bandwidth`.
-        folds: number of cross-validation folds, >= 2 and at most the smaller sample size.
-        seed: seed of the fold shuffling.
-
-    Returns:
-        accuracy: a float for one task, a float64 tensor of shape ``(B,)`` for a batch.
+    classifier only sees differences that a hyperplane separates (means, not variances). ``folds``: >= 2 and at most
+    the smaller sample size; ``seed`` shuffles them. A float for one task, a float64 ``(B,)`` tensor for a batch.
     """
     from sklearn.linear_model import LogisticRegression  # optional at import time: only this function needs it
     from sklearn.model_selection import StratifiedKFold, cross_val_score

@@ -53,19 +53,9 @@ def euler_sample(
 
     ``n_steps`` counts grid points, as in the authors' code: the default makes 99 Euler updates
     ``x <- x + (t_{k+1} - t_k) velocity_fn(x, t_k)``. Gradients flow if the caller's grad mode allows; wrap the
-    call in ``torch.no_grad()`` to sample a learned model cheaply.
-
-    Args:
-        velocity_fn: ``velocity_fn(x, t) -> v``; ``t`` is a 0-dim tensor in ``x0``'s dtype and device.
-        x0: starting points at ``t_min`` (usually ``N(0, I)`` noise), shape ``(..., n, d)``.
-        n_steps: number of grid points, >= 2.
-        t_min: start time, in ``[0, t_max)``.
-        t_max: end time, in ``(t_min, 1]``.
-        trajectory: also return every intermediate state.
-
-    Returns:
-        the points at ``t_max``, shape of ``x0``; with ``trajectory=True`` the states at every grid time,
-        shape ``(n_steps, *x0.shape)``.
+    call in ``torch.no_grad()`` to sample a learned model cheaply. ``x0``: the starting points at ``t_min`` (usually
+    ``N(0, I)`` noise); ``0 <= t_min < t_max <= 1``. Returns the points at ``t_max``, or with ``trajectory=True`` the
+    states at every grid time, ``(n_steps, *x0.shape)``.
 
     Example:
         >>> support = torch.randn(50, 2)
@@ -98,20 +88,7 @@ def odeint_sample(
 
     The default adaptive Dormand–Prince solver (``dopri5``) takes small steps where the exact field is stiff (near
     ``t = 1``) and large ones elsewhere. Any torchdiffeq method works (``"euler"`` and ``"rk4"`` need
-    ``options={"step_size": ...}``).
-
-    Args:
-        velocity_fn: ``velocity_fn(x, t) -> v``; ``t`` is a 0-dim tensor.
-        x0: starting points at ``t_min``, shape ``(..., n, d)``.
-        t_min: start time, in ``[0, t_max)``.
-        t_max: end time, in ``(t_min, 1]``.
-        method: a torchdiffeq solver name.
-        rtol: relative tolerance of adaptive solvers.
-        atol: absolute tolerance of adaptive solvers.
-        options: extra solver options passed to ``odeint``.
-
-    Returns:
-        the points at ``t_max``, shape of ``x0``.
+    ``options={"step_size": ...}``, passed to ``odeint`` with ``rtol`` and ``atol``). Returns the points at ``t_max``.
     """
     from torchdiffeq import odeint  # optional at import time: only this function needs it
 
@@ -140,17 +117,8 @@ def sample_nw_flow(
     """Draw samples from the plug-in model: noise ``N(0, I)`` carried to ``t = 1`` by the exact NW field.
 
     This is the paper's plug-in baseline (Euler on ``linspace(1e-5, 1, n_steps)``); the samples land on the
-    support points, blurred by about ``sigma_min``.
-
-    Args:
-        support: support points, shape ``(m, d)`` or ``(B, m, d)`` (one support per task).
-        n_samples: number of samples per task.
-        n_steps: number of Euler grid points.
-        sigma_min: the path's noise level at ``t = 1``.
-        generator: random source of the starting noise (on the support's device).
-
-    Returns:
-        samples, shape ``(n_samples, d)`` or ``(B, n_samples, d)``, in the support's dtype.
+    support points, blurred by about ``sigma_min``. ``support``: ``(m, d)`` or ``(B, m, d)`` (one per task); returns
+    ``(n_samples, d)`` or ``(B, n_samples, d)`` in its dtype, the noise drawn from ``generator`` on its device.
     """
     if not isinstance(support, torch.Tensor) or support.ndim not in (2, 3) or not support.is_floating_point():
         raise ValueError(

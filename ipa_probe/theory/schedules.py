@@ -57,10 +57,7 @@ class OTSchedule:
         h(t) = sigma_t / t = 1/t - (1 - sigma_min),
 
     which decreases from ``+inf`` at ``t = 0`` (uniform weights: the global mean) to ``sigma_min`` at ``t = 1``
-    (nearest neighbour). Its inverse is ``t(h) = 1 / (h + 1 - sigma_min)``.
-
-    Args:
-        sigma_min: the noise level left at ``t = 1``, in ``[0, 1)``.
+    (nearest neighbour). Its inverse is ``t(h) = 1 / (h + 1 - sigma_min)``; ``sigma_min`` is in ``[0, 1)``.
 
     Example:
         >>> schedule = OTSchedule(sigma_min=0.01)
@@ -148,10 +145,7 @@ class VPSchedule:
     ``alpha_t = sqrt(abar_t)`` and ``sigma_t = sqrt(1 - abar_t)`` come from the cumulative products ``abar`` of a
     discrete schedule. The exact denoiser of a finite support weights support points by Gaussian NW weights of
     ``x / alpha_t`` at the bandwidth ``h_t = sigma_t / alpha_t``, which shrinks about 300-fold over SD-1.x's
-    denoising (13.1 at timestep 981, 0.041 at timestep 1).
-
-    Args:
-        alphas_cumprod: ``abar_t`` for timesteps ``0 .. T-1``, shape ``(T,)``, each in ``(0, 1)``.
+    denoising (13.1 at timestep 981, 0.041 at timestep 1). ``alphas_cumprod``: ``(T,)``, each in ``(0, 1)``.
 
     Example:
         >>> from diffusers import DDIMScheduler

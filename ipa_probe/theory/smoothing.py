@@ -37,11 +37,7 @@ def _prepare(
 
 
 def nw_log_weights(query: torch.Tensor, support: torch.Tensor, h: float | torch.Tensor) -> torch.Tensor:
-    """Log NW weights ``log w_i(x) = log_softmax_i(-|x - s_i|^2 / (2 h^2))``; arguments as in :func:`nw_weights`.
-
-    Returns:
-        log-weights, shape ``(n, m)`` or ``(B, n, m)``.
-    """
+    """Log NW weights ``log w_i(x) = log_softmax_i(-|x - s_i|^2 / (2 h^2))``; arguments as in :func:`nw_weights`."""
     q, s, h, _ = _prepare(query, support, h)
     return torch.log_softmax(kernels.nw_logits(q, s, h), dim=-1)  # (..., n, m)
 
@@ -50,15 +46,7 @@ def nw_weights(query: torch.Tensor, support: torch.Tensor, h: float | torch.Tens
     """Gaussian NW weights ``w_i(x) = softmax_i(-|x - s_i|^2 / (2 h^2))`` (paper §C.2).
 
     Each row lies in the probability simplex. As ``h -> inf`` the weights become uniform (``1/m``); as ``h -> 0``
-    they concentrate on the nearest support point.
-
-    Args:
-        query: points ``x``, shape ``(n, d)`` or ``(B, n, d)``.
-        support: support points ``s_i``, shape ``(m, d)`` or ``(B, m, d)``.
-        h: bandwidth, a float or a tensor broadcastable to the query rows; must be > 0.
-
-    Returns:
-        weights, shape ``(n, m)`` or ``(B, n, m)``; every row sums to 1.
+    they concentrate on the nearest support point. Shape ``(n, m)`` or ``(B, n, m)``; ``h > 0``.
 
     Example:
         >>> s = torch.tensor([[0.0], [1.0]])
@@ -72,15 +60,8 @@ def nw_weights(query: torch.Tensor, support: torch.Tensor, h: float | torch.Tens
 def nw_mean(
     query: torch.Tensor, support: torch.Tensor, h: float | torch.Tensor, chunk_size: int | None = None
 ) -> torch.Tensor:
-    """The NW local mean ``m_h(x) = sum_i w_i(x) s_i``: a point of the convex hull of the support.
-
-    Args:
-        query, support, h: as in :func:`nw_weights`.
-        chunk_size: if given, process at most this many query rows at a time, so that no more than
-            ``chunk_size * m`` weights per task exist at once.
-
-    Returns:
-        local means, shape ``(n, d)`` or ``(B, n, d)`` (the broadcast batch shape of query and support).
+    """The NW local mean ``m_h(x) = sum_i w_i(x) s_i``: a point of the convex hull of the support, shape ``(n, d)``
+    or ``(B, n, d)``. ``chunk_size``: at most this many query rows at a time (``chunk_size * m`` weights per task).
     """
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"expected chunk_size >= 1 or None, got {chunk_size}")
@@ -107,11 +88,7 @@ def n_eff(weights: torch.Tensor) -> torch.Tensor:
 
 def kde_log_density(query: torch.Tensor, support: torch.Tensor, h: float | torch.Tensor) -> torch.Tensor:
     """Log of the Gaussian kernel density estimate ``(1/m) sum_i N(x; s_i, h^2 I)`` (paper Prop 4.2); arguments as
-    in :func:`nw_weights`.
-
-    Returns:
-        log-density, shape ``(n,)`` or ``(B, n)``.
-    """
+    in :func:`nw_weights`; shape ``(n,)`` or ``(B, n)``."""
     check_points(query, "query")
     support = check_support(support, query)
     h = check_positive(row_param(h, query, "bandwidth h"), "bandwidth h")  # (..., n, 1)
