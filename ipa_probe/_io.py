@@ -641,10 +641,8 @@ def check_input_file(path: str | os.PathLike, what: str, expected: str = "an exi
     """``path`` if it is a regular file this process may read; checked with ``stat``, so that nothing is opened (a
     FIFO would block the open until someone writes to it).
 
-    Args:
-        path: the file (a leading ``~`` is expanded).
-        what: what it is, for the messages (e.g. ``"reference image"``).
-        expected: what to pass instead, for the messages (e.g. ``"an existing PNG or JPEG file"``).
+    A leading ``~`` is expanded; ``what`` it is (e.g. ``"reference image"``) and what to pass instead (``expected``)
+    go into the messages.
 
     Raises:
         FileNotFoundError: it does not exist (the message names it and what to pass).

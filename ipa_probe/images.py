@@ -152,14 +152,7 @@ def image_row(
 
     Small images (the digits organism's 16 x 16) are enlarged with nearest-neighbour sampling so pixels stay sharp.
 
-    Args:
-        references: reference images (left).
-        generated: generated images (right).
-        cell: side of each square cell in pixels.
-        gap: pixels between cells (four times that between the two groups).
-
-    Returns:
-        the strip, on a white ground.
+    ``gap``: pixels between cells (four times that between the two groups), on a white ground.
     """
     left, right = [im.convert("RGB") for im in references], [im.convert("RGB") for im in generated]
     if not left and not right:
@@ -188,18 +181,11 @@ def plot_image_strip(
     """A titled strip: the references (framed and labelled as references), then the generated images, each with an
     optional caption (e.g. a classifier's verdict) coloured by whether it is right.
 
-    Args:
-        references: the reference images (left, under a "references" label).
-        generated: the generated images (right).
-        captions: one caption per generated image (e.g. ``"read as 3"``), or ``None``.
-        correct: per generated image, ``True`` (caption in green), ``False`` (red) or ``None`` (black).
-        title: the figure's title, or ``None``.
-        cell: side of each image in inches (the largest, with ``width``).
-        width: the figure's width in inches (say :data:`ipa_probe.figstyle.DOUBLE_COLUMN`, a paper's page): the
-            images shrink to fit it and the strip is centred; ``None``: as wide as the images at ``cell``.
-
-    Returns:
-        a ``matplotlib.figure.Figure`` (small images are drawn with nearest-neighbour pixels).
+    ``captions``: one per generated image (e.g. ``"read as 3"``); ``correct``: per generated image, ``True`` (caption
+    in green), ``False`` (red) or ``None`` (black). ``cell``: side of each image in inches (the largest); ``width``:
+    the figure's width in inches (say :data:`ipa_probe.figstyle.DOUBLE_COLUMN`): the images shrink to fit it and the
+    strip is centred; ``None``: as wide as the images at ``cell``. Small images are drawn with nearest-neighbour
+    pixels.
     """
     import matplotlib.pyplot as plt
     import numpy as np

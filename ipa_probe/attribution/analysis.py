@@ -238,8 +238,9 @@ def fit_bandwidth(shares: np.ndarray, distance: np.ndarray) -> float:
     Minimises ``F(beta) = sum_s KL(a_s || softmax_i(-beta d_s,i))`` over ``beta = 1 / (2 h^2) >= 0``. ``F`` is convex
     in ``beta`` (a log-sum-exp plus a linear term) with derivative ``sum_s (a_s - w_s(beta)) . d_s``, increasing in
     ``beta``; its root is found by Brent's method. ``shares``: ``(S, R)``, rows summing to 1; ``distance``: ``(S, R)``
-    squared distances ``|x_t / alpha_t - s_i|^2``. ``h*`` is ``inf`` when ``beta* = 0`` (uniform weights are closest: the attention favours the nearer references
-        no more than uniform weights do), ``0`` when the attention puts all its mass on the nearest references.
+    squared distances ``|x_t / alpha_t - s_i|^2``. ``h*`` is ``inf`` when ``beta* = 0`` (uniform weights are closest:
+    the attention favours the nearer references no more than uniform weights do), ``0`` when the attention puts all its
+    mass on the nearest references.
     """
     a = np.asarray(shares, dtype=np.float64)
     d = np.asarray(distance, dtype=np.float64)
@@ -296,14 +297,14 @@ def verdict(attention_tv_high: float, share_p: float, share_low: float) -> str:
 def summarize_attribution(
     frame: pd.DataFrame, permutations: int = 4999, resamples: int = 999, seed: int = 0
 ) -> pd.DataFrame:
-    """Per timestep: the gauge-invariant comparisons of the attention with the exact posterior (module docstring),
-    from stacked :func:`~.collect.reference_attribution` tables with a ``set`` column; ``resamples`` is for the fitted
-    bandwidth's interval. Returns one row per timestep (noise first) with ``timestep``, ``sets``, ``references``, ``layers``,
-        ``share_spearman`` (+ ``_low``, ``_high``, ``_p``), ``layer_agreement`` (+ ``_low``, ``_high``, ``_p``),
-        ``tv_attention_posterior`` (+ ``_low``, ``_high``), ``attention_tv`` (+ ``_low``, ``_high``),
-        ``posterior_tv``, ``attention_neff`` (+ ``_low``, ``_high``), ``position_neff``, ``posterior_neff``
-        (+ ``_low``, ``_high``), ``bandwidth``, ``fitted_bandwidth`` (+ ``_low``, ``_high``), ``fitted_ratio``,
-        ``fitted_beta`` (+ ``_low``, ``_high``) and ``verdict``.
+    """Per timestep: the gauge-invariant comparisons of the attention with the exact posterior (module docstring), from
+    stacked :func:`~.collect.reference_attribution` tables with a ``set`` column; ``resamples`` is for the fitted
+    bandwidth's interval. Returns one row per timestep (noise first) with ``timestep``, ``sets``, ``references``,
+    ``layers``, ``share_spearman`` (+ ``_low``, ``_high``, ``_p``), ``layer_agreement`` (+ ``_low``, ``_high``,
+    ``_p``), ``tv_attention_posterior`` (+ ``_low``, ``_high``), ``attention_tv`` (+ ``_low``, ``_high``),
+    ``posterior_tv``, ``attention_neff`` (+ ``_low``, ``_high``), ``position_neff``, ``posterior_neff`` (+ ``_low``,
+    ``_high``), ``bandwidth``, ``fitted_bandwidth`` (+ ``_low``, ``_high``), ``fitted_ratio``, ``fitted_beta`` (+
+    ``_low``, ``_high``) and ``verdict``.
     """
     rows = []
     for timestep in sorted(frame["timestep"].unique(), reverse=True):
@@ -370,16 +371,17 @@ def cell_verdicts(
 ) -> pd.DataFrame:
     """The verdict's rule (:func:`verdict`) applied to every cell (a layer's head, or a layer's query position).
 
-    Per cell ``c``: ``attention_tv`` the mean over sets of the TV distance of ``shares[s, c]`` from uniform, with a
-    95 % percentile bootstrap interval over sets; ``share_spearman`` the mean over sets of Spearman(``shares[s, c]``,
-    ``-distance[s]``), its interval and a one-sided permutation p-value (the references permuted independently
-    within every set, as :func:`paired_rank_test`). The resamples of the sets and the permutations are drawn once
-    and shared by all cells (each cell's test is valid on its own; the cells' tests are then not independent). At
-    the resolution of one cell a BCa interval per cell would cost one scipy call each, so the percentile interval is
-    used here (the average's verdict, :func:`summarize_attribution`, keeps BCa). ``shares``: ``(S, C, R)`` per set,
-    cell and reference (rows sum to 1); ``distance``: ``(S, R)`` squared data-space distances (the posterior ranks the
-    references as ``-distance``). Returns one row per cell: ``cell``, ``attention_tv`` (``_low``, ``_high``), ``share_spearman`` (``_low``,
-        ``_high``, ``_p``, ``_critical``: ``p < ALPHA`` exactly when ``share_spearman > critical``), ``verdict``.
+    Per cell ``c``: ``attention_tv`` the mean over sets of the TV distance of ``shares[s, c]`` from uniform, with a 95
+    % percentile bootstrap interval over sets; ``share_spearman`` the mean over sets of Spearman(``shares[s, c]``,
+    ``-distance[s]``), its interval and a one-sided permutation p-value (the references permuted independently within
+    every set, as :func:`paired_rank_test`). The resamples of the sets and the permutations are drawn once and shared
+    by all cells (each cell's test is valid on its own; the cells' tests are then not independent). At the resolution
+    of one cell a BCa interval per cell would cost one scipy call each, so the percentile interval is used here (the
+    average's verdict, :func:`summarize_attribution`, keeps BCa). ``shares``: ``(S, C, R)`` per set, cell and reference
+    (rows sum to 1); ``distance``: ``(S, R)`` squared data-space distances (the posterior ranks the references as
+    ``-distance``). Returns one row per cell: ``cell``, ``attention_tv`` (``_low``, ``_high``), ``share_spearman``
+    (``_low``, ``_high``, ``_p``, ``_critical``: ``p < ALPHA`` exactly when ``share_spearman > critical``),
+    ``verdict``.
     """
     a = np.asarray(shares, dtype=np.float64)
     sets, cells, refs = a.shape
@@ -549,9 +551,10 @@ def summarize_cells(
     """Per timestep: the share of cells on each side of the verdict (:func:`verdict_shares`).
 
     ``frame``: stacked :func:`~.collect.reference_attribution` tables with a ``set`` column (the distances; and the
-    cells when ``cells`` is None); ``cells``: stacked per-cell tables (``result.heads`` or ``result.positions`` with
-    a ``set`` column, sets numbered as in ``frame``), or ``None`` for one cell per layer. Returns one row per timestep (noise first): ``timestep``, ``cells`` and ``pooling``, ``tracks_posterior``,
-        ``undecided``, each with ``_low`` and ``_high``.
+    cells when ``cells`` is None); ``cells``: stacked per-cell tables (``result.heads`` or ``result.positions`` with a
+    ``set`` column, sets numbered as in ``frame``), or ``None`` for one cell per layer. Returns one row per timestep
+    (noise first): ``timestep``, ``cells`` and ``pooling``, ``tracks_posterior``, ``undecided``, each with ``_low`` and
+    ``_high``.
     """
     rows = []
     for timestep in sorted(frame["timestep"].unique(), reverse=True):

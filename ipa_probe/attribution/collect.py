@@ -119,15 +119,9 @@ def posterior_at(
     """The exact posterior over ``references`` at given noisy latents: for the controls, references the generation
     never saw evaluated at the ``x_t`` it passed through.
 
-    Args:
-        pipe: the pipeline (its VAE encodes the references; its scheduler gives ``alpha_t``, ``h_t``).
-        references: images.
-        samples: step -> ``x_t`` (flattened; :attr:`ReferenceAttribution.samples`).
-        timesteps: step -> scheduler timestep.
-
-    Returns:
-        one row per (step, reference): ``step``, ``timestep``, ``reference``, ``sq_distance``, ``bandwidth``,
-        ``posterior_weight`` (as in :data:`ATTRIBUTION_COLUMNS`).
+    ``pipe``'s VAE encodes the references, its scheduler gives ``alpha_t``, ``h_t``; ``samples``: step -> ``x_t``
+    (flattened; :attr:`ReferenceAttribution.samples`). One row per (step, reference): ``step``, ``timestep``,
+    ``reference``, ``sq_distance``, ``bandwidth``, ``posterior_weight`` (as in :data:`ATTRIBUTION_COLUMNS`).
     """
     from ..exact import encode_references
     from ..theory.schedules import VPSchedule

@@ -59,13 +59,8 @@ def _check_choice(name: str, value, choices: Sequence[str]) -> None:
 def dominant(shares: np.ndarray, margin: float) -> tuple[np.ndarray, float]:
     """The dominant reference per position where it leads the runner-up by more than ``margin``.
 
-    Args:
-        shares: ``(R, H, W)`` shares.
-        margin: the lead (in share units) a reference needs to be called dominant.
-
-    Returns:
-        ``(H, W)`` int array: the reference index, or ``R`` ("no clear winner"); and the fraction of positions with a
-        clear winner.
+    ``shares``: ``(R, H, W)``. Returns an ``(H, W)`` int array, the reference index or ``R`` ("no clear winner"),
+    and the fraction of positions with a clear winner.
     """
     if shares.shape[0] == 1:
         return np.zeros(shares.shape[1:], dtype=int), 1.0
@@ -280,18 +275,12 @@ def plot_reference_maps(
     attention share, its NW share and ``|attention - NW|``. Three colorbars: the references, the shares (one range for
     every panel, attention and NW alike) and the differences.
 
-    Args:
-        run: a finished :class:`~ipa_probe.ProbeRun` made with ``maps=True``.
-        call, item, adapter, branch, layers: as in :meth:`~ipa_probe.ProbeRun.reference_maps`.
-        image: the generated image (PIL, array or ``(3, H, W)`` tensor), or ``None``.
-        references: the adapter's reference images (PIL / arrays), or ``None``.
-        ranges: how many consecutive ranges the recorded steps are split into (3: early, middle, late).
-        scale: ``"deviation"`` (share - 1/R on a diverging colormap centred at 0, symmetric range), ``"absolute"``
-            (share on [0, 1]) or ``"max"`` (share on [0, the largest share drawn]).
-        margin: the lead over the runner-up (share units) a reference needs to be drawn as dominant.
-
-    Returns:
-        a ``matplotlib.figure.Figure``.
+    ``run`` made with ``maps=True``; the selection as in :meth:`~ipa_probe.ProbeRun.reference_maps`; ``image``
+    (PIL, array or ``(3, H, W)`` tensor) and the adapter's ``references`` are optional; ``ranges``: how many
+    consecutive ranges the recorded steps are split into (3: early, middle, late); ``scale``: ``"deviation"`` (share
+    - 1/R on a diverging colormap centred at 0, symmetric range), ``"absolute"`` (share on [0, 1]) or ``"max"``
+    (share on [0, the largest share drawn]); ``margin``: the lead over the runner-up (share units) a reference needs
+    to be drawn as dominant.
     """
     _check_choice("scale", scale, MAP_SCALES)
     _check_margin(margin)
@@ -324,15 +313,8 @@ def save_reference_maps(run, directory, image=None, references: Sequence | None 
     Each PNG carries its provenance (:func:`ipa_probe._io.read_provenance`): the digest of the drawing code and a
     fingerprint of the shares it draws.
 
-    Args:
-        run: a finished probe made with ``maps=True``.
-        directory: an existing folder.
-        image: the generated image (first item), or ``None``.
-        references: per adapter, its reference images (a list of lists), or ``None``.
-        call: the pipeline call to draw.
-
-    Returns:
-        ``{"figure": path, "table": path}`` (and ``"figure_adapter{a}"`` for further adapters).
+    ``directory`` must exist; ``references``: per adapter, its reference images (a list of lists). Returns
+    ``{"figure": path, "table": path}`` (and ``"figure_adapter{a}"`` for further adapters).
     """
     from .._io import code_digest, write_figure, write_table
 

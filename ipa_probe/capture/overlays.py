@@ -372,16 +372,9 @@ def save_overlays(
     step; with ``per_layer_step`` also ``ref{r}/{group}_step{s:03d}.png`` for each layer group (:func:`layer_groups`)
     and recorded step, all of one reference on one colour range, so that they can be flipped through.
 
-    Args:
-        run: a finished probe made with ``maps=True``.
-        image: the generated image of ``item``.
-        directory: the folder (created).
-        per_layer_step: also write the per (layer group, step) overlays.
-        steps: the recorded steps of those (``None``: every one).
-        kind, call, item, branch, scale, layout: as in :func:`plot_overlay`.
-
-    Returns:
-        the paths written.
+    ``run`` made with ``maps=True``; ``image``: the generated image of ``item``; ``directory`` is created;
+    ``steps``: the recorded steps of the per-step overlays (``None``: every one); the rest as in
+    :func:`plot_overlay`. Returns the paths written.
     """
     from .._io import code_digest, write_figure
 

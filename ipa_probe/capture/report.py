@@ -270,15 +270,7 @@ def plot_run(
     in the denoising direction (high timestep on the left); each panel's y range fits what it draws. Falls back to the
     table's only kind when ``kind`` is absent (a text-only probe).
 
-    Args:
-        table: a probe's table (:meth:`~ipa_probe.ProbeRun.to_dataframe`).
-        ax: an axes for the lines alone (nulls on the same axes, no heat maps), or ``None`` for a new figure.
-        branch, kind: the CFG branch and the kind (``"image"`` or ``"text"``) drawn.
-        heatmaps: the columns drawn as heat maps (those absent from ``table`` are left out); ``None`` or ``()`` for
-            none.
-
-    Returns:
-        the ``matplotlib.figure.Figure``.
+    ``ax``: an axes for the lines alone (nulls on the same axes, no heat maps), or ``None`` for a new figure.
     """
     import matplotlib.pyplot as plt
 

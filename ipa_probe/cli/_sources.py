@@ -33,11 +33,8 @@ def check_safetensors(path: str | os.PathLike, flag: str, prefixes: tuple[str, .
     A file cut short by an interrupted download, random bytes or an HTML error page saved under the name are caught
     here, without torch (the format: an 8-byte little-endian header length, a JSON header, the tensor bytes).
 
-    Args:
-        path: the file.
-        flag: the command-line flag that named it (for the message).
-        prefixes: when given, at least one tensor name must start with each (IP-Adapter weights: ``image_proj.``
-            and ``ip_adapter.``).
+    ``flag`` named the file on the command line; ``prefixes``: when given, at least one tensor name must start with
+    each (IP-Adapter weights: ``image_proj.`` and ``ip_adapter.``).
 
     Raises:
         CLIError: the file is not a regular file (a FIFO, a device) or not a whole safetensors file, or lacks the

@@ -53,13 +53,10 @@ WHOLE_RUN = "whole run"
 def aggregate(table: pd.DataFrame) -> pd.DataFrame:
     """Every aggregation of the step predictors.
 
-    Args:
-        table: the sets' stacked attribution tables (``set``, ``step``, ``timestep``, ``layer``, ``reference`` and
-            :data:`~.attribution_setup.STEP_PREDICTORS`).
-
-    Returns:
-        one row per (set, reference, group, steps): the predictors' means over the group's layers and the
-        selection's recorded steps (``steps`` is a name of :data:`STEP_SELECTIONS` or ``"t=<timestep>"``).
+    ``table``: the sets' stacked attribution tables (``set``, ``step``, ``timestep``, ``layer``, ``reference`` and
+    :data:`~.attribution_setup.STEP_PREDICTORS`). One row per (set, reference, group, steps): the predictors' means
+    over the group's layers and the selection's recorded steps (``steps`` is a name of :data:`STEP_SELECTIONS` or
+    ``"t=<timestep>"``).
     """
     from ..intervention import LAYER_GROUPS
 
@@ -90,15 +87,9 @@ def _label(predictor: str, group: str, steps: str) -> str:
 def candidates(effects: pd.DataFrame, aggregates: pd.DataFrame | None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Every candidate as a column beside the effects.
 
-    Args:
-        effects: one organism's ``effects_<label>.csv`` (``set``, ``reference``, the effects, the overall predictors
-            and the whole-run predictors where measured).
-        aggregates: :func:`aggregate` of the same sets, or None (then the candidates are the predictors as
-            ``effects`` holds them: all layers, all steps).
-
-    Returns:
-        ``(wide, names)``: the effects with one column per candidate, and per candidate ``column``, ``predictor``,
-        ``group``, ``steps``.
+    ``effects``: one organism's ``effects_<label>.csv``; ``aggregates``: :func:`aggregate` of the same sets, or None
+    (the candidates are then the predictors as ``effects`` holds them: all layers, all steps). ``(wide, names)``: the
+    effects with one column per candidate, and per candidate ``column``, ``predictor``, ``group``, ``steps``.
     """
     names, columns = [], {}
     base = effects[["set", "reference", *[e for e in EFFECTS if e in effects.columns]]].reset_index(drop=True)
@@ -229,17 +220,9 @@ def observe_again(
     ``verdicts_<label>.csv``, ``controls_<label>.csv`` and ``shuffled_<label>.csv``. The effects, comparisons, grid
     and example (which need the ablations) are left as they are.
 
-    Args:
-        folder: the attribution folder (with ``effects_<label>.csv`` and ``record.json``).
-        recipe: the organism's recipe.
-        outer: the verdicts' bootstrap resamples (the experiment's 999).
-        checks: also the controls (the control populations' generations, the unseen references' posteriors, the
-            shuffled-order generations); False writes the aggregates and the held-out choice only.
-        labels: the organisms (``"trained"``, ``"untrained"``) to observe.
-
-    Returns:
-        the files written, and per organism the largest absolute difference between the regenerated overall
-        predictors and the committed ones.
+    ``outer``: the verdicts' bootstrap resamples (the experiment's 999); ``checks=False`` writes the aggregates and the
+    held-out choice only, without the controls. Returns the files written, and per organism the largest absolute
+    difference between the regenerated overall predictors and the committed ones.
     """
     from tqdm.auto import tqdm
 

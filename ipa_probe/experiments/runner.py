@@ -39,12 +39,8 @@ EVAL_SEED = 10_000
 class ExperimentContext:
     """Shared state of one invocation: the tier, the output folder and the cache of trained models.
 
-    Args:
-        tier: run sizes.
-        out: output folder (``OUT/runs`` holds checkpoints, ``OUT/NAME`` the results of each experiment).
-        progress: show progress bars.
-        recipe: the digits organism's training recipe (``"support"``, ``"ip-adapter"`` or ``"mixed"``) that the
-            experiments on the organism load (:func:`ipa_probe.digits_pipeline`).
+    ``OUT/runs`` holds checkpoints, ``OUT/NAME`` the results of each experiment; ``recipe``: the digits organism's
+    training recipe (``"support"``, ``"ip-adapter"`` or ``"mixed"``) that the experiments on it load.
     """
 
     tier: Tier
@@ -200,22 +196,13 @@ def run_experiments(
 ) -> dict[str, ExperimentResult]:
     """Run the named experiments at ``tier`` and write their outputs under ``out``.
 
-    Args:
-        names: experiment names from :data:`EXPERIMENTS` (``"all"`` expands to every one).
-        tier: run sizes.
-        out: output folder; created if missing, and locked while the experiments run (a second run on the same
-            folder raises :class:`~.._io.OutputLocked` naming this one). It holds one tier's results: a folder
-            with results of another tier (or other sizes) raises :class:`~.tiers.TierMismatch` before anything runs.
-        progress: show progress bars.
-        threads: torch threads; by default one on the CPU tiers (their models are too small to share kernels
-            between threads: the quick tier ran twice as fast on one as on two) and all cores
-            (``os.cpu_count()``) on ``paper``.
-        recipe: the digits organism's recipe for ``ip-adapter`` and ``attribution`` (``"support"``,
-            ``"ip-adapter"`` or ``"mixed"``).
-
-    Returns:
-        the results by name; ``out/NAME/`` holds ``table.md``, ``table.csv``, ``record.json`` and PNG figures,
-        and ``out/summary.md`` all tables together.
+    ``names`` from :data:`EXPERIMENTS` (``"all"`` expands to every one). ``out`` is created if missing and locked while
+    the experiments run (a second run on it raises :class:`~.._io.OutputLocked` naming this one); it holds one tier's
+    results: one with another tier's (or other sizes) raises :class:`~.tiers.TierMismatch` before anything runs.
+    ``threads``: by default one on the CPU tiers (their models are too small to share kernels between threads: the
+    quick tier ran twice as fast on one as on two) and all cores on ``paper``. ``recipe``: the digits organism's, for
+    ``ip-adapter`` and ``attribution``. Returns the results by name; ``out/NAME/`` holds ``table.md``, ``table.csv``,
+    ``record.json`` and PNG figures, and ``out/summary.md`` all tables together.
     """
     names = list(EXPERIMENTS) if "all" in names else list(names)
     unknown = [n for n in names if n not in EXPERIMENTS]

@@ -171,11 +171,7 @@ def flow_matching_loss(
 ) -> torch.Tensor:
     """OT-path flow-matching loss ``mean_points sum_dims (v(x_t, t; S) - (x_1 - (1 - sigma_min) x_0))^2``.
 
-    Args:
-        support: ``(B, m, d)``.
-        x1: target points, ``(B, n, d)``.
-        generator: source of ``x_0`` and ``t``.
-        time_sampling: see :func:`sample_time`.
+    ``support`` ``(B, m, d)``, target points ``x1`` ``(B, n, d)``; ``x_0`` and ``t`` drawn from ``generator``.
     """
     sigma_min = model.config.sigma_min
     # drawn on the generator's device (the CPU) and moved: the same stream on every device
@@ -192,12 +188,9 @@ def sample_time(
 ) -> torch.Tensor:
     """Flow times of the release's two samplers, clamped to ``[1e-5, 1]``.
 
-    Args:
-        shape: output shape.
-        generator: source of the draws (one uniform per time).
-        method: ``"uniform"`` (``t ~ U(0, 1)``) or ``"log_uniform_bandwidth"`` (``log h ~ U(log sigma_min, 5)``
-            and ``t = 1 / (h + 1 - sigma_min)``, i.e. the NW bandwidth ``h(t) = sigma_t / t`` is log-uniform).
-        sigma_min: the OT path's final noise level.
+    ``method``: ``"uniform"`` (``t ~ U(0, 1)``) or ``"log_uniform_bandwidth"`` (``log h ~ U(log sigma_min, 5)`` and
+    ``t = 1 / (h + 1 - sigma_min)``, i.e. the NW bandwidth ``h(t) = sigma_t / t`` is log-uniform); one uniform draw
+    from ``generator`` per time.
     """
     u = torch.rand(shape, generator=generator)
     if method == "uniform":
@@ -358,22 +351,12 @@ def train(
 ) -> TrainResult:
     """Train :class:`ICFMVelocityNet` on tasks from ``meta``; resume from ``run_dir``'s checkpoint if there is one.
 
-    Args:
-        model_config: the architecture (its ``dim`` must equal ``meta.dim``).
-        train_config: optimisation settings, validation and seed.
-        meta: the training meta-distribution (tasks drawn with ``split="train"``; validation tasks too, from a
-            seed of their own).
-        run_dir: folder for ``checkpoint.safetensors`` (see :mod:`.checkpoint`); ``None`` trains without checkpoints.
-        progress: show a tqdm progress bar.
-        callback: called as ``callback(step, loss)`` after every step (e.g. to log, or to interrupt a test run).
-        description: the progress bar's label.
-        observe: called as ``observe(step, model)`` after every step, after validation and checkpointing (e.g. to
-            evaluate snapshots); it must leave the model's weights and the global random state alone.
-        device: where the model trains (e.g. ``"cuda"``). Every random draw still comes from the CPU generator,
-            so the data stream is the same on every device; bit-exact resumption is only promised on the CPU.
-
-    Returns:
-        :class:`TrainResult` with the run's result (best-validation weights when validating) in eval mode.
+    Tasks come from ``meta`` with ``split="train"`` (validation tasks too, from a seed of their own); ``run_dir``
+    holds ``checkpoint.safetensors`` (``None``: no checkpoints). ``callback(step, loss)`` runs after every step (e.g.
+    to log, or to interrupt a test run), then ``observe(step, model)`` after validation and checkpointing (e.g. to
+    evaluate snapshots; it must leave the weights and the global random state alone). On any ``device`` every random
+    draw still comes from the CPU generator, so the data stream is the same; bit-exact resumption is only promised
+    on the CPU. The result (best-validation weights when validating) is in eval mode.
     """
     if model_config.dim != meta.dim:
         raise ValueError(f"expected the model's dim to equal the tasks' dim, got {model_config.dim} and {meta.dim}")

@@ -201,14 +201,9 @@ def adversarial_gauge(
 ) -> GaugeConfig:
     """Search a bounded-condition per-head basis change that pushes ``spec.statistic`` up or down.
 
-    Args:
-        pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter (Flux / SD3 have no basis change to search).
-        call: a function of no arguments that runs ``pipe`` once (seeded); its queries and keys are captured.
-        spec: the search's settings (default ``AdversarialGauge()``: push the stored-frame rho down, cond <= 10).
-        layers: the layers to search over (default: all IP-Adapter layers).
-
-    Returns:
-        a :class:`GaugeConfig` with the found matrices; its label says the direction and bound.
+    ``pipe``: SD 1.5 / SDXL (Flux / SD3 have no basis change to search); ``call``: a function of no arguments that
+    runs ``pipe`` once (seeded), its queries and keys captured; ``spec`` defaults to ``AdversarialGauge()`` (push
+    the stored-frame rho down, cond <= 10). Returns a :class:`GaugeConfig` whose label says the direction and bound.
     """
     spec = AdversarialGauge() if spec is None else spec
     if not isinstance(spec, AdversarialGauge):

@@ -258,13 +258,8 @@ def plot_gauge_sweep(table: pd.DataFrame, branch: str = "cond", kind: str = "ima
     forms (cannot move), the excess of each over its baseline, and the attention n_eff (cannot move). Each panel's y
     range fits its data, and its title gives the largest difference between gauges at one timestep.
 
-    Args:
-        table: a :func:`gauge_sweep` table (tables without the query-frame columns draw that panel empty).
-        branch: the CFG branch to draw (the first in the table when it has none of it).
-        kind: ``"image"`` (default) or ``"text"``.
-
-    Returns:
-        the matplotlib figure, 7 in wide (a paper's page width) with text at 8 pt or more at that size, the
+    A table without the query-frame columns draws that panel empty; the table's first CFG branch is drawn when it
+    has none of ``branch``. The figure is 7 in wide (a paper's page width) with text at 8 pt or more at that size, the
         selection (image or text branch of the attention, CFG branch) in its title, one key of the gauges' colours
         and one of the statistics' line styles.
     """

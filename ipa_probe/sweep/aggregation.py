@@ -32,16 +32,8 @@ def bootstrap_ci(
     """Bootstrap confidence interval of the mean of ``values`` (``scipy.stats.bootstrap``, BCa).
 
     Falls back to the percentile method when BCa is undefined; returns ``(nan, nan)`` for fewer than two finite values
-    and ``(v, v)`` when all values equal ``v``.
-
-    Args:
-        values: shape ``(n,)``; non-finite entries are dropped.
-        confidence: two-sided confidence level in (0, 1).
-        n_resamples: bootstrap resamples.
-        rng: the random generator (default: seeded with 0, so the interval is reproducible).
-
-    Returns:
-        ``(low, high)``.
+    and ``(v, v)`` when all values equal ``v``. Non-finite values are dropped; ``confidence`` is two-sided; ``rng``
+    defaults to one seeded with 0, so the interval is reproducible.
     """
     import inspect
 
@@ -107,16 +99,9 @@ def aggregate(
     (per latent pixel) Spearman rho between the attention weights and the NW weights (paper §D.4,
     ``per_row_spearman_mean``), and the interval is a bootstrap over rows of the mean of those values.
 
-    Args:
-        per_row: rows of :func:`row_summary` for many manifest rows (columns ``row``, ``branch``, ``timestep``,
-            ``spearman``, ``pearson``, ``spearman_null``, ``frac_rho_gt_<threshold>``, ...).
-        threshold: the rho threshold used when ``per_row`` was made.
-        confidence: confidence level of the interval.
-        n_resamples: bootstrap resamples.
-        seed: seeds the bootstrap, group by group (the result does not depend on the order of ``per_row``).
-
-    Returns:
-        one row per (branch, timestep), timesteps in denoising order (high to low): ``rows`` (the manifest rows
+    ``per_row``: rows of :func:`row_summary` for many manifest rows, made with the rho ``threshold``; ``seed`` seeds
+    the bootstrap group by group (the result does not depend on the order of ``per_row``). Returns one row per
+    (branch, timestep), timesteps in denoising order (high to low): ``rows`` (the manifest rows
         whose every cell is finite there), ``rows_partial`` (those left out, see :func:`row_summary`), ``spearman``
         with ``spearman_ci_low`` / ``_high`` / ``_std`` over rows, ``frac_rho_gt_<threshold>`` and its ``_null``, then
         the means over rows of :data:`~ipa_probe.statistics.schema.SUMMARY_MEANS`,

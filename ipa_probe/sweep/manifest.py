@@ -41,16 +41,10 @@ class RowInputError(ValueError):
 class ManifestRow:
     """One valid manifest row, as written (``None``: the row leaves that key to the sweep's defaults).
 
-    Args:
-        row: position of the row among the manifest's rows, from 0 (skipped rows count, so a row keeps its index
-            when an earlier row is fixed). This is the ``row`` column of the results.
-        line: 1-based line of the manifest file where the row starts.
-        prompt: the text prompt.
-        images: reference image files, folders already expanded and paths resolved against the manifest's folder.
-        seed: generator seed (also seeds the probe's permutation null).
-        scale: IP-Adapter scale (``pipe.set_ip_adapter_scale``).
-        steps: denoising steps.
-        bandwidth: ``"matched"``, ``"fit"`` or a positive NW bandwidth ``h``.
+    ``row``: position among the manifest's rows, from 0 (skipped rows count, so a row keeps its index when an earlier
+    row is fixed), the ``row`` column of the results; ``line``: the 1-based line where the row starts; ``images``:
+    folders already expanded, paths resolved against the manifest's folder; ``seed`` also seeds the probe's
+    permutation null; ``bandwidth``: ``"matched"``, ``"fit"`` or a positive NW bandwidth ``h``.
     """
 
     row: int
@@ -218,12 +212,7 @@ def read_manifest(path: str | os.PathLike, *, require_images: bool = False) -> M
     unknown key, a missing or unreadable image, or a bad value is not run: it is listed in :attr:`Manifest.skipped`
     with its line number.
 
-    Args:
-        path: the manifest file.
-        require_images: also skip rows without ``images`` (when the sweep has no default reference images).
-
-    Returns:
-        a :class:`Manifest`.
+    ``require_images``: also skip rows without ``images`` (when the sweep has no default reference images).
 
     Raises:
         PermissionError: the file cannot be read (the path, and the remedy in ``remedy``).

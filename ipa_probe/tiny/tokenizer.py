@@ -85,12 +85,9 @@ def clip_bpe_path() -> Path:
 def clip_vocab_and_merges(bpe_path: str | os.PathLike | None = None) -> tuple[dict[str, int], list[str]]:
     """CLIP's vocabulary and merge list, read from the gzipped BPE file.
 
-    Args:
-        bpe_path: the ``bpe_simple_vocab_16e6.txt.gz`` file; ``None`` uses :func:`clip_bpe_path`.
-
-    Returns:
-        ``(vocab, merges)``: ``vocab`` maps each of the 49,408 tokens to its id (the order given in the module
-        docstring); ``merges`` holds the 48,894 merges as ``"a b"`` strings, highest priority first.
+    ``bpe_path``: the ``bpe_simple_vocab_16e6.txt.gz`` file (default :func:`clip_bpe_path`). ``vocab`` maps each of the
+    49,408 tokens to its id (the order given in the module docstring); ``merges`` holds the 48,894 merges as ``"a b"``
+    strings, highest priority first.
     """
     path = Path(bpe_path) if bpe_path is not None else clip_bpe_path()
     lines = gzip.open(path, "rt", encoding="utf-8").read().split("\n")
@@ -134,11 +131,8 @@ def clip_tokenizer_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     under a temporary name beside its final name and renamed into place; a writer that loses the race discards its
     copy.
 
-    Args:
-        cache_dir: parent folder; ``None`` uses :func:`cache_root`.
-
-    Returns:
-        the folder, ``<cache_dir>/clip-tokenizer-<sha256 of the BPE file, 16 hex digits>``.
+    The folder is ``<cache_dir>/clip-tokenizer-<sha256 of the BPE file, 16 hex digits>`` (``cache_dir`` default
+    :func:`cache_root`).
     """
     bpe = clip_bpe_path()
     parent = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
@@ -180,13 +174,8 @@ def clip_tokenizer(cache_dir: str | os.PathLike | None = None, pad_token: str = 
     It tokenizes like ``open_clip.tokenizer.SimpleTokenizer`` (bos, BPE tokens, eos), which is what Stable Diffusion
     1.5 and SDXL use.
 
-    Args:
-        cache_dir: where the vocabulary files are written once; see :func:`clip_tokenizer_dir`.
-        pad_token: the padding token. ``"<|endoftext|>"`` (id 49407) as in SD 1.5; SDXL's second tokenizer pads with
-            ``"!"`` (id 0).
-
-    Returns:
-        a ``CLIPTokenizer``.
+    ``cache_dir``: see :func:`clip_tokenizer_dir`; ``pad_token``: ``"<|endoftext|>"`` (id 49407) as in SD 1.5;
+    SDXL's second tokenizer pads with ``"!"`` (id 0).
 
     Example:
         ```py
