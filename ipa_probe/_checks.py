@@ -10,6 +10,7 @@ imported at module level (the command line checks its arguments before torch is 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "MAX_SEED",
     "NW_FRAMES",
     "NW_FORMS",
+    "check_choice",
     "check_flag",
     "check_fraction",
     "check_int",
@@ -173,6 +175,13 @@ def check_int(value: Any, name: str, minimum: int | None = None, maximum: int | 
 def check_seed(value: Any, name: str = "seed") -> int:
     """A seed: an int in ``[0, MAX_SEED]`` (what ``torch.Generator.manual_seed`` takes and an int64 column holds)."""
     return check_int(value, name, 0, MAX_SEED)
+
+
+def check_choice(value: Any, name: str, choices: Sequence[str]) -> Any:
+    """``value`` if it is one of ``choices``; a ValueError naming them otherwise."""
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
 
 
 def check_flag(value: Any, name: str) -> bool:

@@ -165,15 +165,10 @@ class Tracker:
     """One run of a tracker, written through the tracker's own public API (how each tracker stores it:
     docs/logging.md). Under ``accelerate launch`` only the main process writes, as with accelerate's trackers.
 
-    Args:
-        name: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"``.
-        logging_dir: where the logs go (TensorBoard: ``logging_dir/run_name``, the event files an earlier run of that
-            name left removed first; wandb: its ``dir``; MLflow: ``logging_dir/mlflow.db`` and ``mlartifacts``).
-        run_name: the run's name (TensorBoard's folder, wandb's project and run, MLflow's experiment and run).
-
-    Attributes:
-        folder: where the run's files are (TensorBoard's event folder, wandb's run folder, MLflow's artifact folder
-            or, for a remote store, its tracking URI).
+    ``logging_dir``: TensorBoard writes to ``logging_dir/run_name`` (the event files an earlier run of that name left
+    removed first), wandb takes it as its ``dir``, MLflow writes ``logging_dir/mlflow.db`` and ``mlartifacts``.
+    ``run_name`` names TensorBoard's folder, wandb's project and run, MLflow's experiment and run. :attr:`folder`:
+    where the run's files are (for a remote MLflow store, its tracking URI).
     """
 
     def __init__(self, name: str, logging_dir: str | os.PathLike = "runs", run_name: str = "ipa_probe") -> None:
@@ -446,19 +441,11 @@ def log_probe_run(
     the overlays at every step, the generated images and their readings, and the settings with end-of-run metrics
     (what and under which tags: :mod:`ipa_probe.probe_log` and docs/logging.md).
 
-    Args:
-        run: a finished :class:`~ipa_probe.ProbeRun`.
-        log_with: ``"tensorboard"``, ``"wandb"`` or ``"mlflow"``.
-        logging_dir, run_name: see :class:`Tracker`; ``run_name=None``: named by what differs between runs
-            (:func:`run_name_for` of ``settings`` and the probe's settings).
-        images: the generated images (PIL), the overlays' background (the first one); ``None``: a grey field.
-        references: the reference images (PIL) of the first adapter.
-        readings: one line per generated image (e.g. the digit classifier's reading), as a text table.
-        settings: the generation's settings (steps, guidance, adapter scale, model, ...), logged as hyper-parameters
-            beside the probe's own.
-
-    Returns:
-        where the files are (:attr:`Tracker.folder`).
+    ``logging_dir``, ``run_name``: see :class:`Tracker` (``run_name=None``: named by what differs between runs,
+    :func:`run_name_for`). ``images``: the generated images (PIL), the first the overlays' background (``None``: a
+    grey field); ``references``: the first adapter's; ``readings``: one line per generated image (e.g. the digit
+    classifier's reading); ``settings``: the generation's (steps, guidance, adapter scale, model, ...), logged as
+    hyper-parameters beside the probe's own. Returns :attr:`Tracker.folder`.
     """
     from .probe_log import collect, write
 

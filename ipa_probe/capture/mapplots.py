@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .._checks import check_choice
 from ..layers import LayerSelection
 from .maps import MAP_KINDS
 
@@ -49,11 +50,6 @@ def _as_array(image) -> np.ndarray:
     if array.max(initial=0.0) > 1.0:
         array = array / 255.0
     return array.clip(0.0, 1.0)
-
-
-def _check_choice(name: str, value, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
 def dominant(shares: np.ndarray, margin: float) -> tuple[np.ndarray, float]:
@@ -282,7 +278,7 @@ def plot_reference_maps(
     (share on [0, the largest share drawn]); ``margin``: the lead over the runner-up (share units) a reference needs
     to be drawn as dominant.
     """
-    _check_choice("scale", scale, MAP_SCALES)
+    check_choice(scale, "scale", MAP_SCALES)
     _check_margin(margin)
     data = _reference_map_data(run, call, item, adapter, branch, layers, ranges)
     return _draw_reference_maps(data, call, item, adapter, branch, image, references, scale, margin)

@@ -16,9 +16,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .._checks import check_choice
 from ..layers import LayerSelection
 from .layer_order import network_order
-from .mapplots import EFFECT_SIZE, MAP_SCALES, _as_array, _check_choice, _colour_scale, draw_outline
+from .mapplots import EFFECT_SIZE, MAP_SCALES, _as_array, _colour_scale, draw_outline
 from .maps import MAP_KINDS
 
 __all__ = [
@@ -175,7 +176,7 @@ def overlay_map(
         keys = next(v[0].shape[-1] for k, v in run.maps.items() if k[3] == run.text_slot)
         selection = describe_selection(used, recorded, timesteps, chosen, names)
         return OverlayMap(values, 1.0 / keys, f"text token {token} (attention, {branch} branch)", selection)
-    _check_choice("kind", kind, MAP_KINDS)
+    check_choice(kind, "kind", MAP_KINDS)
     recorded = run.map_steps(call)
     used = recorded if steps is None else [s for s in recorded if s in set(steps)]
     chosen = [names[i] for i in select_layers(names, layers)]
@@ -260,8 +261,8 @@ def plot_overlay(
         >>> fig = ipa_probe.plot_overlay(run, image, reference=0, steps=[5], layers=r"^up_blocks", layout="contours")
         ```
     """
-    _check_choice("scale", scale, MAP_SCALES)
-    _check_choice("layout", layout, OVERLAY_LAYOUTS)
+    check_choice(scale, "scale", MAP_SCALES)
+    check_choice(layout, "layout", OVERLAY_LAYOUTS)
     if vmax is not None and (isinstance(vmax, bool) or not isinstance(vmax, int | float) or not vmax > 0):
         raise ValueError(f"vmax: expected a positive colour-range end, got {vmax!r}")
     base = _as_array(image)
@@ -378,8 +379,8 @@ def save_overlays(
     """
     from .._io import code_digest, write_figure
 
-    _check_choice("scale", scale, MAP_SCALES)
-    _check_choice("layout", layout, OVERLAY_LAYOUTS)
+    check_choice(scale, "scale", MAP_SCALES)
+    check_choice(layout, "layout", OVERLAY_LAYOUTS)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     stamp = {"code": code_digest(*_OVERLAY_CODE, save_overlays)}

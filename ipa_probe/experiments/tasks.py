@@ -139,13 +139,7 @@ class GaussianMixtureTasks(MetaDistribution):
     Paper's parameters [PAPER/CODE meta_params]: ``K ~ U{2..8}``, equal weights, ``mean_scale = 5``,
     ``cov_scale = 1``. Assumed [ASSUMED, §D.1]: the covariance form (random rotation times per-axis standard
     deviations ``U(0.3, 1.0)``). With these, the NW ``n_eff`` at ``t = 0.56`` is about 8 at ``d = 2`` and about 2
-    at ``d = 16`` (the paper reports about 9 and about 1).
-
-    Args:
-        dim: dimension ``d`` in ``[1, 256]``.
-        k_min, k_max: range of the number of components.
-        mean_scale: standard deviation of the component means.
-        std_low, std_high: range of the per-axis standard deviations inside a component.
+    at ``d = 16`` (the paper reports about 9 and about 1). ``dim`` is in ``[1, 256]``.
     """
 
     name = "gmm"
@@ -367,10 +361,7 @@ class DigitsTasks(MetaDistribution):
     (the paper used DINOv2-ImageNet, which needs a hub download), training classes ``0..6`` and test classes
     ``7..9``, training tasks augmented by random subsets and random rotations.
 
-    Args:
-        dim: number of PCA components ``d`` in ``[1, 64]``.
-        train_classes: digits used for training (the others are test classes).
-        augment: rotate every training task by a random orthogonal matrix.
+    ``dim``: PCA components, in ``[1, 64]``; ``augment``: rotate every training task by a random orthogonal matrix.
     """
 
     name = "digits"

@@ -61,26 +61,19 @@ TIME_SAMPLINGS = ("uniform", "log_uniform_bandwidth")
 class TrainConfig:
     """Optimisation settings (paper §A.4; CPU values of §D.0 by default).
 
-    Args:
-        steps: optimiser steps.
-        batch_tasks: tasks per batch (paper 256, CPU 32).
-        n_target: target points per task (paper 256, CPU 64).
+    Attributes:
+        batch_tasks, n_target: tasks per batch and target points per task (paper 256 and 256, CPU 32 and 64).
         m: support size per task; with ``m_max`` set, each batch draws its size uniformly from ``{m..m_max}``.
-        m_max: upper end of the support-size range, or ``None`` for a fixed ``m``.
-        lr: AdamW peak learning rate, reached at the end of warm-up (paper 1e-4, CPU 1e-3).
-        warmup: linear warm-up steps (paper 1000, CPU 200).
+        lr: AdamW peak learning rate, reached at the end of the linear warm-up (paper 1e-4 after 1000 steps, CPU
+            1e-3 after 200).
         schedule: after warm-up, ``"constant"`` (the release) or ``"cosine"`` decay to zero at the last step.
         time_sampling: ``"uniform"`` (the release's default) or ``"log_uniform_bandwidth"`` (its ``f1`` option).
-        weight_decay: AdamW weight decay (1e-5).
-        grad_clip: gradient-norm clip (1.0).
         seed: seeds the initial weights and every random draw.
-        checkpoint_every: steps between checkpoints.
         eval_every: steps between validations (the last step is always validated); ``0`` turns validation off
             and the run's result is its final weights.
-        val_tasks: fixed validation tasks (release 100).
-        val_points: generated (= reference) points per validation task (release 500).
+        val_tasks, val_points: fixed validation tasks (release 100) and their generated (= reference) points (release
+            500); ``val_euler_steps``: the validation sampler's Euler grid (release 100).
         val_m: support size of the validation tasks; ``None`` means ``m_max`` (or ``m``).
-        val_euler_steps: Euler grid of the validation sampler (release 100).
     """
 
     steps: int = 3000

@@ -99,17 +99,9 @@ def argument_type(*keywords: str) -> Callable[[str], str | float]:
 def resolve(
     spec: BandwidthSpec, head_dim: int, timestep: torch.Tensor | None = None, device: torch.device | None = None
 ) -> float | torch.Tensor:
-    """The bandwidth ``h`` a checked spec gives now.
-
-    Args:
-        spec: ``"matched"``, a positive float or a callable of the timestep (callers map their own keywords, such
-            as the probe's ``"fit"``, before resolving).
-        head_dim: the head width ``d_head`` (for ``"matched"``: ``h = d_head ** 0.25``).
-        timestep: the current timestep, a 0-d tensor; required for a callable.
-        device: where a callable's value is put.
-
-    Returns:
-        a float, or for a callable a 0-d float32 tensor on ``device``.
+    """The bandwidth ``h`` a checked spec gives now: ``"matched"`` (``h = head_dim ** 0.25``), a positive float, or
+    a callable of the 0-d ``timestep`` (required then), whose value is a 0-d float32 tensor on ``device``. Callers
+    map their own keywords, such as the probe's ``"fit"``, before resolving.
 
     Raises:
         RuntimeError: a callable spec but no timestep.

@@ -45,12 +45,12 @@ from transformers import (
     T5Tokenizer,
 )
 
+from .._checks import check_int, check_seed
 from .._quiet import quiet_known_messages
 from .sd import (
     _adapter_seed,
     _adapter_state,
     _base_to_checkpoint_layout,
-    _check_seed,
     _feature_extractor,
     _image_encoder,
     _move,
@@ -173,7 +173,7 @@ def tiny_flux_components(seed: int = 0) -> dict[str, Any]:
     encoders; a CLIP image encoder with 32-wide ``image_embeds``. Returns the keyword arguments for ``FluxPipeline``;
     ``seed``: a non-negative int.
     """
-    _check_seed(seed)
+    check_seed(seed)
     tokenizer_2 = tiny_t5_tokenizer()
     with _seeded(seed, "flux/transformer"):
         transformer = FluxTransformer2DModel(
@@ -228,7 +228,7 @@ def tiny_flux_ip_adapter_state_dict(
     and ``(heads * head_dim,)``: Flux's image keys have a bias (and no normalisation). Only the transformer's
     configuration is read; float32 CPU tensors.
     """
-    _check_seed(seed)
+    check_seed(seed)
     cross_dim = transformer.config.joint_attention_dim
     inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim
     with _seeded(seed, "flux_ip_adapter/image_proj"):
@@ -270,8 +270,7 @@ def tiny_flux_pipeline(
         >>> out = pipe("a photo", ip_adapter_image=[refs], num_inference_steps=2, max_sequence_length=16)
         ```
     """
-    if isinstance(num_adapters, bool) or not isinstance(num_adapters, int) or num_adapters < 1:
-        raise ValueError(f"expected num_adapters to be an int >= 1, got {num_adapters!r}")
+    check_int(num_adapters, "num_adapters", 1)
     torch_dtype = _resolve_dtype(dtype)
     pipe = FluxPipeline(**tiny_flux_components(seed))
     pipe.default_sample_size = _IMAGE_SIZE // _VAE_FACTOR  # 64 x 64 images by default
@@ -312,7 +311,7 @@ def tiny_sd3_components(seed: int = 0) -> dict[str, Any]:
     (``SiglipVisionModel``, 64 patch tokens of width 32) with its ``SiglipImageProcessor``. Returns the keyword
     arguments for ``StableDiffusion3Pipeline``; ``seed``: a non-negative int.
     """
-    _check_seed(seed)
+    check_seed(seed)
     tokenizer_3 = tiny_t5_tokenizer()
     with _seeded(seed, "sd3/transformer"):
         transformer = SD3Transformer2DModel(
@@ -384,7 +383,7 @@ def tiny_sd3_ip_adapter_state_dict(
     exactly. ``image_encoder``: the SigLIP encoder whose penultimate hidden states the resampler consumes; float32
     CPU tensors.
     """
-    _check_seed(seed)
+    check_seed(seed)
     inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim
     with _seeded(seed, "sd3_ip_adapter/image_proj"):
         resampler = IPAdapterTimeImageProjection(

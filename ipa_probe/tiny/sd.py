@@ -48,6 +48,7 @@ from transformers import (
     CLIPVisionModelWithProjection,
 )
 
+from .._checks import check_choice, check_int, check_seed
 from .._quiet import quiet_known_messages
 from .tokenizer import CLIP_MODEL_MAX_LENGTH, CLIP_VOCAB_SIZE, clip_tokenizer
 
@@ -96,18 +97,6 @@ def _seeded(seed: int, name: str) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_derived_seed(seed, name))
         yield
-
-
-def _check_choice(value: Any, name: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"expected {name} to be one of {', '.join(map(repr, choices))}, got {value!r}")
-
-
-def _check_seed(seed: Any) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"expected seed to be an int, got {type(seed).__name__} {seed!r}; pass e.g. seed=0")
-    if seed < 0:
-        raise ValueError(f"expected seed to be a non-negative int, got {seed}")
 
 
 def _text_config(projection: bool) -> CLIPTextConfig:
@@ -214,8 +203,8 @@ def tiny_components(kind: PipelineKind = "sd15", seed: int = 0) -> dict[str, Any
     arguments for ``StableDiffusionPipeline`` (``kind="sd15"``, with ``safety_checker=None``) or
     ``StableDiffusionXLPipeline`` (``"sdxl"``), ``image_encoder`` and ``feature_extractor`` included.
     """
-    _check_choice(kind, "kind", PIPELINE_KINDS)
-    _check_seed(seed)
+    check_choice(kind, "kind", PIPELINE_KINDS)
+    check_seed(seed)
     with _seeded(seed, f"{kind}/unet"):
         unet = _unet(kind)
     with _seeded(seed, f"{kind}/vae"):
@@ -317,8 +306,8 @@ def tiny_ip_adapter_state_dict(
     the seed and the shapes, for
     ``pipe.load_ip_adapter([state_dict], subfolder=[""], weight_name=[""], image_encoder_folder=None)``.
     """
-    _check_choice(ip_adapter, "ip_adapter", IP_ADAPTER_KINDS)
-    _check_seed(seed)
+    check_choice(ip_adapter, "ip_adapter", IP_ADAPTER_KINDS)
+    check_seed(seed)
     cross_dim = unet.config.cross_attention_dim
     with _seeded(seed, f"ip_adapter/{ip_adapter}/image_proj"):
         if ip_adapter == "base":
@@ -407,11 +396,10 @@ def tiny_pipeline(
         (1, 64, 64, 3)
         ```
     """
-    _check_choice(kind, "kind", PIPELINE_KINDS)
-    _check_choice(ip_adapter, "ip_adapter", IP_ADAPTER_KINDS)
-    _check_seed(seed)
-    if isinstance(num_adapters, bool) or not isinstance(num_adapters, int) or num_adapters < 1:
-        raise ValueError(f"expected num_adapters to be an int >= 1, got {num_adapters!r}")
+    check_choice(kind, "kind", PIPELINE_KINDS)
+    check_choice(ip_adapter, "ip_adapter", IP_ADAPTER_KINDS)
+    check_seed(seed)
+    check_int(num_adapters, "num_adapters", 1)
     torch_dtype = _resolve_dtype(dtype)
     pipe = _pipeline_class(kind)(**tiny_components(kind, seed))
     state_dicts = [
@@ -582,9 +570,9 @@ def save_tiny_pipeline(
     """
     from safetensors.torch import save_file
 
-    _check_choice(kind, "kind", PIPELINE_KINDS)
-    _check_choice(ip_adapter, "ip_adapter", IP_ADAPTER_KINDS)
-    _check_seed(seed)
+    check_choice(kind, "kind", PIPELINE_KINDS)
+    check_choice(ip_adapter, "ip_adapter", IP_ADAPTER_KINDS)
+    check_seed(seed)
     root = Path(directory)
     model_dir, adapter_dir = root / "model", root / "ip_adapter"
     pipe = _pipeline_class(kind)(**tiny_components(kind, seed))
