@@ -152,14 +152,9 @@ class ProbeLog:
 
     Attributes:
         scalars: sub-run (``""``: the run itself) -> tag -> step -> value.
-        histograms: ``(tag, step, values)``.
-        images: step -> tag -> ``(H, W, 3)`` uint8 array.
-        texts: tag -> markdown.
         layout: the chart layout (see :data:`ipa_probe.trackers.Layout`): exact tags.
-        hparams: the settings (nested mappings allowed).
         metrics: the end-of-run metrics: tag -> value, in the sub-run :data:`MEAN_RUN`.
         last_step: the step the end-of-run content is written at (the last denoising step's).
-        x_axis: what the step is: the denoising step.
         settings: the names of the caller's own settings (TensorBoard's HParams table shows them).
         timesteps: step -> timestep (the first call's).
     """

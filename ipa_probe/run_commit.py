@@ -121,13 +121,10 @@ def _link(source: Path, target: Path) -> None:
 def swap_in(folder: Path, record: dict[str, Any], previous: dict[str, Any] | None, verify: bool) -> list[str]:
     """Commit the run staged in ``folder``/:data:`STAGING_NAME` by the swap (module docstring).
 
-    Args:
-        record: the journal: ``files`` (name -> size, sha256) are the staged files; its finished form is written.
-        previous: the manifest in ``folder`` (the run replaced), or ``None``.
-        verify: check each staged file's sha256 against ``record`` (a replay: the folder may have changed since).
-
-    Returns:
-        What :func:`clear` kept (files made during the commit that could not go back).
+    ``record``: the journal, whose ``files`` (name -> size, sha256) are the staged files; its finished form is
+    written. ``previous``: the manifest of the run replaced. ``verify``: check each staged file's sha256 against
+    ``record`` (a replay: the folder may have changed since). Returns what :func:`clear` kept (files made during the
+    commit that could not go back).
 
     Raises:
         Unsupported: no swap here; nothing changed (the sibling is removed again).

@@ -325,19 +325,14 @@ class RunFolder:
     Use as a context manager; write every file under :attr:`staging`. See the module docstring for the rules.
 
     Args:
-        folder: the output folder (``--out``).
         command: the command (``"ipa-probe probe"``), recorded and compared with the previous run's.
-        settings: the run's settings, recorded (JSON-able).
         key: what must be equal for a later run to be this run redone or resumed (JSON-able).
         overwrite: replace another run's files (only those byte for byte as its manifest lists them).
-        flag: the option that named the folder, for messages.
         resumable: the command resumes by its own records (a sweep's rows, checkpoints): a rerun with the same key
             starts from a copy of the previous run's files, and a staging folder a killed run of it left is resumed.
         holder: what the lock records as holding the folder (default: ``command``).
 
     Attributes:
-        staging: where the run writes.
-        run_id: this run's id (in the manifest).
         state: what :func:`check_folder` found.
         removed: the previous run's files the commit removed (the new run did not write them again).
         kept: files no manifest lists, left in place (``overwrite``).

@@ -90,10 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     are kept), a second one while that finishes is ignored, a third stops the process at once. A standard output
     that cannot be written (a reader that closed the pipe, a full device) ends with :data:`EXIT_ENVIRONMENT`, quietly
     for a closed pipe and with one line for a full device, never with Python's "Exception ignored" at exit.
-
-    Args:
-        argv: the arguments; ``None`` (the ``ipa-probe`` command itself) reads ``sys.argv`` and also settles the
-            process's own standard output before returning, and leaves a second Ctrl-C ignored until it exits.
+    ``argv=None`` (the ``ipa-probe`` command itself) reads ``sys.argv``, also settles the process's own standard
+    output before returning, and leaves a second Ctrl-C ignored until it exits.
     """
     command_line = argv is None
     with _interrupts(command_line):

@@ -41,18 +41,13 @@ class SweepResult:
     and ``seconds`` are filled in (``done``, ``ran`` are 0 and the tables ``None``).
 
     Attributes:
-        out: the output folder.
-        rows: valid manifest rows.
-        done: rows with results now.
-        ran: rows computed by this call (all processes).
-        resumed: rows already written before this call.
+        rows: valid manifest rows; ``total``: rows in the manifest, valid or not.
+        ran: rows computed by this call (all processes); ``resumed``: rows already written before it.
         skipped: rows the manifest check rejected (a bad value, a missing or unreadable image), in row order.
-        processes: how many processes shared the rows.
         seconds: wall time of the row loop (from the split to the last process finishing).
         rows_by_process: process index -> rows it computed in this call (main process only).
         failed: every row of the manifest without results: those in ``skipped`` and those that failed while running
             or whose finished part could not be checked (``stage`` says which); a rerun tries them again.
-        total: rows in the manifest, valid or not.
     """
 
     out: Path
@@ -270,19 +265,10 @@ def run_sweep(
     (``skipped/``, :attr:`SweepResult.failed`, manifest rejections with ``stage="manifest"``); and the derived files
     are replaced atomically after a complete merge only.
 
-    Args:
-        manifest: from :func:`read_manifest`.
-        runner: runs one row.
-        out: output folder (created).
-        state: accelerate's ``PartialState`` (or ``None`` for one process).
-        restart: replace rows written with other settings instead of stopping.
-        progress: a tqdm bar per process (on stderr).
-        threshold, confidence, n_resamples: see :func:`aggregate`.
-        extra: JSON-able record added to ``summary.json``.
-        clock: time source for ``seconds``.
-
-    Returns:
-        a :class:`SweepResult` (its tables only on the main process).
+    ``state``: accelerate's ``PartialState`` (``None``: one process); ``restart``: replace rows written with other
+    settings instead of stopping; ``threshold``, ``confidence``, ``n_resamples``: see :func:`aggregate`; ``extra``: a
+    JSON-able record added to ``summary.json``; ``clock``: the time source of ``seconds``. The result's tables are
+    filled in on the main process only.
 
     Raises:
         TypeError / ValueError: an argument of the wrong type or out of range (named), before anything is touched.
