@@ -371,8 +371,8 @@ def cell_verdicts(
 ) -> pd.DataFrame:
     """The verdict's rule (:func:`verdict`) applied to every cell (a layer's head, or a layer's query position).
 
-    Per cell ``c``: ``attention_tv`` the mean over sets of the TV distance of ``shares[s, c]`` from uniform, with a 95
-    % percentile bootstrap interval over sets; ``share_spearman`` the mean over sets of Spearman(``shares[s, c]``,
+    Per cell ``c``: ``attention_tv`` the mean over sets of the TV distance of ``shares[s, c]`` from uniform, with a
+    95 % percentile bootstrap interval over sets; ``share_spearman`` the mean over sets of Spearman(``shares[s, c]``,
     ``-distance[s]``), its interval and a one-sided permutation p-value (the references permuted independently within
     every set, as :func:`paired_rank_test`). The resamples of the sets and the permutations are drawn once and shared
     by all cells (each cell's test is valid on its own; the cells' tests are then not independent). At the resolution

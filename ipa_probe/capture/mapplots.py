@@ -273,8 +273,8 @@ def plot_reference_maps(
 
     ``run`` made with ``maps=True``; the selection as in :meth:`~ipa_probe.ProbeRun.reference_maps`; ``image``
     (PIL, array or ``(3, H, W)`` tensor) and the adapter's ``references`` are optional; ``ranges``: how many
-    consecutive ranges the recorded steps are split into (3: early, middle, late); ``scale``: ``"deviation"`` (share
-    - 1/R on a diverging colormap centred at 0, symmetric range), ``"absolute"`` (share on [0, 1]) or ``"max"``
+    consecutive ranges the recorded steps are split into (3: early, middle, late); ``scale``: ``"deviation"``
+    (share - 1/R on a diverging colormap centred at 0, symmetric range), ``"absolute"`` (share on [0, 1]) or ``"max"``
     (share on [0, the largest share drawn]); ``margin``: the lead over the runner-up (share units) a reference needs
     to be drawn as dominant.
     """
