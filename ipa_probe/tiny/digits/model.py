@@ -197,7 +197,29 @@ def untrained_digits_pipeline(seed: int = 0, recipe: str = DEFAULT_RECIPE) -> St
     )
     record = json.loads((shipped_folder("mixed" if recipe == "mixed" else "support") / "record.json").read_text())
     pipe.vae.register_to_config(scaling_factor=record["scaling_factor"])
-    state = _adapter_state_dict(parts["unet"], parts["ip_processors"], parts["image_proj"])
+    return _load_initial_adapter(pipe, parts, seed)
+
+
+def init_adapter_pipeline(recipe: str = DEFAULT_RECIPE, seed: int = 0) -> StableDiffusionPipeline:
+    """The trained organism of ``recipe`` with only its adapter back at the weights its training started from: the
+    control that isolates training the adapter (docs/findings.md, section 2).
+
+    The adapter is ``ImageProjection`` and every cross-attention layer's ``to_k_ip`` / ``to_v_ip``; the starting
+    tensors come from the recipe's own seeded initialiser: ``support`` and ``mixed`` (the adapter trained jointly with
+    the UNet and image encoder) :func:`_init_modules` (random ``nn.Linear`` keys and values); ``ip-adapter`` (the
+    adapter trained alone on the frozen base) :func:`_init_adapter` on the trained base (copies of its ``to_k`` /
+    ``to_v``). Every other weight is the trained pipeline's (:func:`digits_pipeline`). ``seed``: the training's
+    (the shipped weights': 0)."""
+    recipe = check_recipe(recipe)
+    pipe = digits_pipeline(recipe=recipe)
+    parts = _init_adapter(pipe.unet, seed) if recipe == "ip-adapter" else _init_modules(seed)
+    return _load_initial_adapter(pipe, parts, seed)
+
+
+def _load_initial_adapter(pipe: StableDiffusionPipeline, parts: dict[str, Any], seed: int) -> StableDiffusionPipeline:
+    """Load the adapter of ``parts`` (``image_proj``, ``ip_processors``) into ``pipe`` through ``load_ip_adapter``,
+    replacing any it had (the image encoder stays)."""
+    state = _adapter_state_dict(pipe.unet, parts["ip_processors"], parts["image_proj"])
     _restore_default_processors(pipe.unet)
     with _seeded(seed, "digits/load_ip_adapter"), quiet_known_messages():
         pipe.load_ip_adapter([state], subfolder=[""], weight_name=[""], image_encoder_folder=None)
