@@ -93,19 +93,6 @@ def scale_key_projection(pipe, factors: dict[str, float]) -> None:
                     linear.bias.mul_(factor)
 
 
-def _key_projections(pipe) -> list:
-    """Every IP layer's ``to_k_ip`` weights and biases (the tensors :func:`scale_key_projection` scales)."""
-    from ..layers import find_ip_layers
-
-    return [
-        tensor
-        for layer in find_ip_layers(pipe)
-        for linear in layer.processor.to_k_ip
-        for tensor in (linear.weight, linear.bias)
-        if tensor is not None
-    ]
-
-
 #: The key scales :func:`matched_twin` tries (every layer at once, then each layer takes its closest).
 SCALE_GRID: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
@@ -174,12 +161,10 @@ def paired_tests(differences: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
 
     Returns:
         one row per (control, statistic, timestep), noise first: ``difference`` (mean over sets), ``sets``,
-        ``p_above`` / ``p_below`` (one-sided: the mean above / below 0), ``p_holm_above`` / ``p_holm_below`` (Holm
-        over both directions and every row), the decision's interval ``[low, high]``: ``low`` the Holm-compatible
-        one-sided lower bound of the "above" test, ``high`` the upper bound of the "below" test
-        (:func:`ipa_probe.attribution.holm_lower_bounds` over the 2 x rows hypotheses: all hold together with
-        probability at least 0.95; ``low`` > 0 exactly where "above" is rejected, ``high`` < 0 where "below" is), and
-        ``decision`` (``"above"``, ``"below"`` or ``"neither"``).
+        ``p_above`` / ``p_below``, ``p_holm_above`` / ``p_holm_below`` (Holm over both directions and every row),
+        ``[low, high]``: the Holm-compatible bounds of "above" and "below" (:func:`ipa_probe.attribution.
+        holm_lower_bounds` over the 2 x rows hypotheses; ``low`` > 0 exactly where "above" is rejected, ``high`` < 0
+        where "below" is), and ``decision`` (``"above"``, ``"below"`` or ``"neither"``).
     """
     from scipy import stats
 
@@ -410,6 +395,7 @@ def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], 
     import torch
 
     from .._io import write_table
+    from ..layers import find_ip_layers
     from ..tiny.digits import digits_reference_images, untrained_digits_pipeline
     from .ip_adapter_setup import REFS_PER_SET, run_reference_set
     from .report import Row
@@ -418,7 +404,8 @@ def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], 
 
     twin = untrained_digits_pipeline(recipe=ctx.recipe)
     twin.set_progress_bar_config(disable=True)
-    keys = _key_projections(twin)
+    linears = [linear for layer in find_ip_layers(twin) for linear in layer.processor.to_k_ip]
+    keys = [t for linear in linears for t in (linear.weight, linear.bias) if t is not None]  # what scaling scales
     initial = [tensor.detach().clone() for tensor in keys]
 
     def make_twin():

@@ -201,15 +201,10 @@ def untrained_digits_pipeline(seed: int = 0, recipe: str = DEFAULT_RECIPE) -> St
 
 
 def init_adapter_pipeline(recipe: str = DEFAULT_RECIPE, seed: int = 0) -> StableDiffusionPipeline:
-    """The trained organism of ``recipe`` with only its adapter back at the weights its training started from: the
-    control that isolates training the adapter (docs/findings.md, section 2).
-
-    The adapter is ``ImageProjection`` and every cross-attention layer's ``to_k_ip`` / ``to_v_ip``; the starting
-    tensors come from the recipe's own seeded initialiser: ``support`` and ``mixed`` (the adapter trained jointly with
-    the UNet and image encoder) :func:`_init_modules` (random ``nn.Linear`` keys and values); ``ip-adapter`` (the
-    adapter trained alone on the frozen base) :func:`_init_adapter` on the trained base (copies of its ``to_k`` /
-    ``to_v``). Every other weight is the trained pipeline's (:func:`digits_pipeline`). ``seed``: the training's
-    (the shipped weights': 0)."""
+    """The trained organism of ``recipe`` with only its adapter (``ImageProjection``, every ``to_k_ip`` / ``to_v_ip``)
+    back at the tensors its training started from, built by the recipe's seeded initialiser (``support``, ``mixed``:
+    :func:`_init_modules`; ``ip-adapter``: :func:`_init_adapter` on the trained base); every other weight is the
+    trained one's. The control that isolates training (docs/findings.md, section 2); ``seed``: the training's."""
     recipe = check_recipe(recipe)
     pipe = digits_pipeline(recipe=recipe)
     parts = _init_adapter(pipe.unet, seed) if recipe == "ip-adapter" else _init_modules(seed)
