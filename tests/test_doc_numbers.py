@@ -112,6 +112,63 @@ def test_matched_control_tables(organism):
         assert_in("docs/findings.md", f"| {timestep:g} | " + " | ".join(cells) + " |")
 
 
+def bound(x: float) -> str:
+    """A Holm-compatible bound as the docs write it: ``0`` where exactly 0 (a rejection while others are kept)."""
+    return "0" if x == 0 else signed(x, 3)
+
+
+def init_adapter(organism: str) -> pd.DataFrame:
+    return record(f"init_adapter/{organism}_tests.csv")
+
+
+@pytest.mark.parametrize("organism", list(ORGANISMS))
+def test_init_adapter_table(organism):
+    """The table of the control that isolates training, row by row from ``init_adapter/<organism>_tests.csv``."""
+    table = init_adapter(organism)
+    for timestep in sorted(table["timestep"].unique(), reverse=True):
+        rho, excess = (one(table, statistic=s, timestep=timestep) for s in ("qf_spearman", "qf_rho_excess"))
+        cells = [f"`{organism}`", f"{timestep:g}", f"{signed(rho['r_gap'])} ({100 * rho['r_gap_positive']:.0f}%)",
+                 signed(rho["raw_difference"], 3)]  # fmt: skip
+        for r in (rho, excess):
+            cells.append(
+                f"{signed(r['difference'], 3)} [{bound(r['low'])}, {bound(r['high'])}], Holm ↑{g(r['p_holm_above'])} "
+                f"↓{g(r['p_holm_below'])}: {r['decision']}"
+            )
+        assert_in("docs/findings.md", "| " + " | ".join(cells) + " |")
+
+
+def test_init_adapter_claims():
+    """The prose under the table and the README's line: counts of each decision and the ranges, from the records."""
+    t = pd.concat([init_adapter(o).assign(organism=o) for o in ORGANISMS], ignore_index=True)
+    rho, excess = t[t["statistic"] == "qf_spearman"], t[t["statistic"] == "qf_rho_excess"]
+    below, above = (int((rho["decision"] == d).sum()) for d in ("below", "above"))
+    assert above == 0 and len(rho) == 15
+    assert_in("docs/findings.md", f"lowers the query-frame ρ at {below} of 15 (organism, timestep) cells")
+    assert_in("README.md", f"adapter training lowers it at {below} of 15 organism-timesteps, raising none.")
+    small = rho[rho["organism"] != "mixed"]
+    sizes = small.loc[small["decision"] == "below", "difference"].abs()
+    mixed = rho.loc[rho["organism"] == "mixed", "difference"].abs()
+    assert (rho.loc[rho["organism"] == "mixed", "decision"] == "below").all()
+    assert_in(
+        "docs/findings.md",
+        f"by {sizes.min():.3f}–{sizes.max():.3f} on `support` and `ip-adapter` (raw gaps "
+        f"{signed(small['raw_difference'].min(), 3)} to {signed(small['raw_difference'].max(), 3)}, partly the "
+        f"trained adapter's lower r) and by {mixed.min():.3f}–{mixed.max():.3f} on `mixed`.",
+    )
+    assert_in("docs/findings.md", f"by at most {sizes.max():.3f} except on `mixed`")
+    moved = excess[excess["decision"] != "neither"]
+    assert set(moved["organism"] + moved["decision"]) == {"mixedbelow", "supportabove"}
+    down, up = moved[moved["decision"] == "below"], one(moved, decision="above")
+    assert_in(
+        "docs/findings.md",
+        f"below on `mixed` at {len(down)} of 5 timesteps ({signed(down['difference'].min(), 3)} to "
+        f"{signed(down['difference'].max(), 3)}), above on `support` at t = {up['timestep']:g} "
+        f"({signed(up['difference'], 3)}), neither at the other {len(excess) - len(moved)}.",
+    )
+    share = rho["r_gap_positive"]
+    assert_in("docs/findings.md", f"trained r above in {100 * share.min():.0f}–{100 * share.max():.0f}% of cells")
+
+
 # ------------------------------------------------------------------------------------------- findings.md section 7
 def test_nw_quality_rates():
     table = record("nw_quality/rates.csv")

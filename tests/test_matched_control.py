@@ -22,31 +22,77 @@ def _per_set(rng, sets=6, shift=0.0):
 
 
 def test_paired_control_against_enumerated_sign_flips():
-    """Differences, their means and the one-sided p by enumerating all 2^12 sign flips; Holm over the table."""
+    """Differences, their means and both one-sided p by enumerating all 2^12 sign flips; Holm over both directions
+    and the table; each direction's Holm-compatible bound."""
     from ipa_probe.attribution import holm
 
     rng = np.random.default_rng(0)
-    per_set = {"trained": _per_set(rng, 12), "untrained": _per_set(rng, 12, 0.08), "matched": _per_set(rng, 12)}
+    per_set = {"trained": _per_set(rng, 12), "untrained": _per_set(rng, 12, 0.08), "matched": _per_set(rng, 12, -0.05)}
     out = mc.paired_control(per_set)
     assert len(out) == 2 * 2 * 2  # controls x statistics x timesteps
+    assert list(out["control"].unique()) == ["untrained", "matched"] and out["timestep"].iloc[0] == 981.0
+    np.testing.assert_allclose(
+        np.concatenate([out["p_holm_above"], out["p_holm_below"]]),
+        holm(np.concatenate([out["p_above"], out["p_below"]])),
+        atol=0,
+    )
+    rejected = np.concatenate([out["p_holm_above"], out["p_holm_below"]]) < 0.05
+    kept = int((~rejected).sum())
+    flips = np.array(list(itertools.product([1, -1], repeat=12)))  # (4096, 12)
     for r in out.to_dict(orient="records"):
         a = per_set["trained"][per_set["trained"]["timestep"] == r["timestep"]].sort_values("set")
         b = per_set[r["control"]][per_set[r["control"]]["timestep"] == r["timestep"]].sort_values("set")
         d = a[r["statistic"]].to_numpy() - b[r["statistic"]].to_numpy()
         assert r["difference"] == pytest.approx(d.mean(), abs=1e-12)
-        flips = np.array(list(itertools.product([1, -1], repeat=len(d))))  # (4096, 12)
-        null = (flips * d).mean(1)
-        assert r["p"] == pytest.approx(np.mean(null <= d.mean() + 1e-12), abs=1e-12)  # exact enumeration either way
-        # the decision's interval (-inf, U]: Student's t at 0.05 / (tests Holm keeps), Holm-compatible (0 for a
-        # rejection while some are kept; never below 0 for a kept one)
-        rejected = out["p_holm"] < 0.05
-        kept = int((~rejected).sum())
-        t_bound = d.mean() + stats.t.ppf(1 - 0.05 / (kept or len(out)), len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
-        expected = (0.0 if kept else min(0.0, t_bound)) if r["p_holm"] < 0.05 else max(0.0, t_bound)
-        assert r["high"] == pytest.approx(expected, abs=1e-12) and r["low"] == -np.inf
-        assert (r["high"] < 0) <= (r["p_holm"] < 0.05)
-    np.testing.assert_allclose(out["p_holm"], holm(out["p"].to_numpy()), atol=0)
-    assert (out["p_holm"] < 0.05).any() and (out["p_holm"] >= 0.05).any()  # both kinds of row are checked
+        assert r["trained"] == pytest.approx(a[r["statistic"]].mean()) and r["sets"] == 12
+        null = (flips * d).mean(1)  # exact enumeration either way
+        assert r["p_above"] == pytest.approx(np.mean(null >= d.mean() - 1e-12), abs=1e-12)
+        assert r["p_below"] == pytest.approx(np.mean(null <= d.mean() + 1e-12), abs=1e-12)
+        # each direction's bound: Student's t at 0.05 / (hypotheses Holm keeps, of both directions), Holm-compatible
+        half = stats.t.ppf(1 - 0.05 / (kept or 2 * len(out)), len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
+        for side, bound, sign in (("above", r["low"], 1), ("below", r["high"], -1)):
+            t_bound = sign * d.mean() - half
+            expected = (0.0 if kept else max(0.0, t_bound)) if r[f"p_holm_{side}"] < 0.05 else min(0.0, t_bound)
+            assert sign * bound == pytest.approx(expected, abs=1e-12)
+        decision = "above" if r["p_holm_above"] < 0.05 else "below" if r["p_holm_below"] < 0.05 else "neither"
+        assert r["decision"] == decision and (r["low"] > 0) <= (decision == "above")
+        assert (r["high"] < 0) <= (decision == "below")
+    assert set(out["decision"]) == {"above", "below", "neither"}  # every kind of row is checked
+
+
+def test_equal_r_difference_is_the_intercept_of_the_gap_line():
+    """Constructed cells where the rho gap is 0.03 - 0.2 x the r gap plus small noise: the per-set intercept is
+    scipy's linregress intercept (the difference at equal r), not the raw mean gap; NaN cells are left out."""
+    rng = np.random.default_rng(2)
+    rows = {"trained": [], "control": []}
+    for s, layer, head in itertools.product(range(3), range(6), range(4)):
+        r_control = rng.uniform(1.5, 3.5)
+        gap = rng.normal(0.5, 0.3)  # the trained r mostly above: the raw mean gap is confounded by it
+        rho_control = rng.uniform(0.6, 0.9)
+        rho_gap = 0.03 - 0.2 * gap + rng.normal(0, 0.002)
+        nan = layer == 5 and head == 0
+        for label, r, rho in (
+            ("control", r_control, rho_control),
+            ("trained", r_control + gap, rho_control + rho_gap),
+        ):
+            rows[label].append({"set": s, "timestep": 1.0, "layer": layer, "head": head, "qf_logit_ratio": r,
+                                "qf_spearman": np.nan if nan else rho, "qf_rho_excess": rho - 0.5})  # fmt: skip
+    trained, control = (pd.DataFrame(rows[k]) for k in ("trained", "control"))
+    out = mc.equal_r_differences(trained, control)
+    assert len(out) == 3 * 2
+    for r in out.to_dict(orient="records"):
+        a = trained[trained["set"] == r["set"]]
+        b = control[control["set"] == r["set"]]
+        gap = a["qf_logit_ratio"].to_numpy() - b["qf_logit_ratio"].to_numpy()
+        d = a[r["statistic"]].to_numpy() - b[r["statistic"]].to_numpy()
+        ok = np.isfinite(d)
+        fit = stats.linregress(gap[ok], d[ok])
+        assert r["difference"] == pytest.approx(fit.intercept, abs=1e-10)
+        assert r["slope"] == pytest.approx(fit.slope, abs=1e-10)
+        assert r["raw_difference"] == pytest.approx(d[ok].mean(), abs=1e-12)
+        assert r["r_gap_positive"] == pytest.approx(np.mean(gap[ok] > 0)) and r["cells"] == ok.sum()
+        assert r["difference"] == pytest.approx(0.03, abs=0.005)  # the known difference at equal r
+        assert r["raw_difference"] < 0  # what a comparison at unequal r would read
 
 
 def test_per_set_means_leave_nan_out_and_measure_tv():
@@ -122,3 +168,57 @@ def test_query_pool_from_one_run_equals_a_run_per_pool():
     assert not np.allclose(one.loc[two, "difference"].dropna(), 0)  # two items per branch: the pools differ
     with pytest.raises(ValueError, match="runs: expected 'one' or 'both'"):
         mc.query_pool({"support": pipe}, sets, [0], runs="all")
+
+
+@pytest.mark.parametrize("recipe", ["support", "ip-adapter"])
+def test_init_adapter_pipeline_starts_where_training_did(recipe, tmp_path):
+    """The control's adapter is exactly the tensors a training run of the recipe starts from (its checkpoint after 0
+    steps), and every other weight is the trained organism's (``mixed`` shares ``support``'s initialiser)."""
+    from safetensors.torch import load_file
+
+    from ipa_probe.layers import find_ip_layers
+    from ipa_probe.tiny.digits import DigitsAdapterConfig, DigitsTrainConfig, digits_pipeline, train_digits
+    from ipa_probe.tiny.digits.model import init_adapter_pipeline
+
+    config = DigitsAdapterConfig() if recipe == "ip-adapter" else DigitsTrainConfig()
+    assert train_digits(tmp_path, config, progress=False, stop_after=0)["finished"] is False
+    start = {k.removeprefix("model/"): v for k, v in load_file(str(tmp_path / "checkpoint.safetensors")).items()}
+    control, trained = init_adapter_pipeline(recipe), digits_pipeline(recipe=recipe)
+    for n, layer in enumerate(find_ip_layers(control)):
+        for kind in ("to_k_ip", "to_v_ip"):
+            key = (
+                f"ip_layers/{n}.{kind}.0.weight"
+                if recipe == "ip-adapter"
+                else f"unet/{layer.name}.processor.{kind}.0.weight"
+            )
+            assert torch.equal(getattr(layer.processor, kind)[0].weight, start[key])
+    projection = control.unet.encoder_hid_proj.image_projection_layers[0].state_dict()
+    assert all(torch.equal(v, start[f"image_proj/{k}"]) for k, v in projection.items()) and len(projection) == 4
+    adapter = ("_ip.", "encoder_hid_proj")
+    ours, theirs = control.unet.state_dict(), trained.unet.state_dict()
+    assert ours.keys() == theirs.keys()
+    same = [torch.equal(ours[k], theirs[k]) for k in ours if not any(a in k for a in adapter)]
+    assert all(same) and len(same) > 100
+    assert not all(torch.equal(ours[k], theirs[k]) for k in ours if "_ip." in k)  # training moved the adapter
+    for module in ("image_encoder", "vae", "text_encoder"):
+        pairs = zip(getattr(control, module).parameters(), getattr(trained, module).parameters(), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+
+
+@pytest.mark.parametrize("recipe", ["support", "ip-adapter", "mixed"])
+def test_committed_init_adapter_run_reproduces_the_experiments_trained_organism(recipe):
+    """The init-adapter records' trained generations are the ip-adapter experiment's (same sets and seeds): their
+    means over the 100 sets equal the full tier's committed ones (to float32 rounding: that run also kept maps), so
+    the control is compared on the experiment's own data."""
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "docs" / "results"
+    means = pd.read_csv(results / "init_adapter" / f"{recipe}_means.csv")
+    ours = means[means["organism"] == "trained"].groupby("timestep")[["qf_spearman", "qf_logit_ratio"]].mean()
+    folder = {"support": "full", "ip-adapter": "full_recipe_ip_adapter", "mixed": "full_recipe_mixed"}[recipe]
+    full = json.loads((results / folder / "ip-adapter" / "record.json").read_text())
+    assert full["recipe"] == recipe and full["reference_sets"] == means["set"].nunique() == 100
+    for row in full["measurements"]["trained"]:
+        assert ours.loc[row["timestep"], "qf_spearman"] == pytest.approx(row["qf_spearman"], abs=1e-5)
+        assert ours.loc[row["timestep"], "qf_logit_ratio"] == pytest.approx(row["qf_logit_ratio"], abs=1e-5)

@@ -4,10 +4,13 @@
 its logit ratio ``r`` above the trained adapter's, while rho tracks ``r``): :func:`matched_twin` scales the twin's
 ``to_k_ip`` per layer by the factor of :data:`SCALE_GRID` whose mean query-frame ``r`` comes closest to the trained
 adapter's on calibration sets (seeds from :data:`CALIBRATION_SEED`; the 1 x 1 mid block keeps ``c = 1``), and
-:func:`paired_control` compares trained and control set by set (one-sided sign-flip permutation p, Holm over the
-table, the decision's one-sided bound). **Query pool.** :func:`query_pool` reads both pools (``"item"``, ``"branch"``)
-from one probed generation per set and image count (1, 3, 8; CFG 3) and reports their difference. The design and
-numbers: docs/findings.md ("Training and NW-likeness: against a matched control", "The query pool").
+:func:`paired_control` compares trained and control set by set (:func:`paired_tests`: both one-sided sign-flip
+tests, Holm over both and the table, each decision's one-sided bound). **The control that isolates training.**
+:func:`init_adapter_control`: the trained organism against itself with the adapter at its starting weights,
+compared at equal ``r`` (:func:`equal_r_differences`). **Query pool.** :func:`query_pool` reads both pools
+(``"item"``, ``"branch"``) from one probed generation per set and image count (1, 3, 8; CFG 3) and reports their
+difference. The design and numbers: docs/findings.md ("Training and NW-likeness: against a matched control", "The
+query pool").
 """
 
 from __future__ import annotations
@@ -19,11 +22,16 @@ import pandas as pd
 
 __all__ = [
     "CALIBRATION_SEED",
+    "DIRECTIONS",
     "SCALE_GRID",
+    "equal_r_differences",
+    "init_adapter_control",
     "layer_logit_ratios",
     "matched_twin",
     "paired_control",
+    "paired_tests",
     "per_set_means",
+    "probed",
     "query_pool",
     "run_controls",
     "scale_key_projection",
@@ -85,19 +93,6 @@ def scale_key_projection(pipe, factors: dict[str, float]) -> None:
                     linear.bias.mul_(factor)
 
 
-def _key_projections(pipe) -> list:
-    """Every IP layer's ``to_k_ip`` weights and biases (the tensors :func:`scale_key_projection` scales)."""
-    from ..layers import find_ip_layers
-
-    return [
-        tensor
-        for layer in find_ip_layers(pipe)
-        for linear in layer.processor.to_k_ip
-        for tensor in (linear.weight, linear.bias)
-        if tensor is not None
-    ]
-
-
 #: The key scales :func:`matched_twin` tries (every layer at once, then each layer takes its closest).
 SCALE_GRID: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
@@ -151,61 +146,174 @@ def matched_twin(trained, make_twin, sets: list, steps: list[int], grid=SCALE_GR
     return calibration, twin
 
 
+#: Both directions of every paired test, fixed before the data: "above" (trained - control > 0: the trained
+#: attention more NW-like) and "below"; each one-sided, Holm over both directions and the whole table.
+DIRECTIONS = ("above", "below")
+
+
+def paired_tests(differences: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
+    """Both one-sided sign-flip tests of the mean per-set difference, per (control, statistic, timestep).
+
+    Args:
+        differences: one row per set with ``control``, ``statistic``, ``timestep`` and ``difference`` (trained -
+            control; NaN left out).
+        seed: the permutation test's seed (9999 sign-flip draws).
+
+    Returns:
+        one row per (control, statistic, timestep), noise first: ``difference`` (mean over sets), ``sets``,
+        ``p_above`` / ``p_below``, ``p_holm_above`` / ``p_holm_below`` (Holm over both directions and every row),
+        ``[low, high]``: the Holm-compatible bounds of "above" and "below" (:func:`ipa_probe.attribution.
+        holm_lower_bounds` over the 2 x rows hypotheses; ``low`` > 0 exactly where "above" is rejected, ``high`` < 0
+        where "below" is), and ``decision`` (``"above"``, ``"below"`` or ``"neither"``).
+    """
+    from scipy import stats
+
+    from ..attribution import ALPHA, holm, holm_lower_bounds
+
+    rows, values = [], []
+    keys = ["control", "statistic", "timestep"]
+    pairs = zip(differences["control"], differences["statistic"], strict=True)
+    order = {pair: i for i, pair in enumerate(dict.fromkeys(pairs))}  # first seen first, then noise first
+    groups = sorted(differences.groupby(keys, sort=False), key=lambda item: (order[item[0][:2]], -item[0][2]))
+    for key, part in groups:
+        d = part["difference"].to_numpy(np.float64)
+        d = d[np.isfinite(d)]
+        values.append(d)
+        p = {direction: math.nan for direction in DIRECTIONS}
+        for direction, alternative in zip(DIRECTIONS, ("greater", "less"), strict=True):
+            if d.size >= 2:
+                test = stats.permutation_test(
+                    (d,), np.mean, permutation_type="samples", alternative=alternative, n_resamples=9999,
+                    random_state=seed,
+                )  # fmt: skip
+                p[direction] = float(test.pvalue)
+        row = dict(zip(keys, key, strict=True))
+        row.update(difference=float(d.mean()) if d.size else math.nan, sets=int(d.size))
+        rows.append(row | {f"p_{direction}": p[direction] for direction in DIRECTIONS})
+    out = pd.DataFrame(rows)
+    m = len(out)
+    adjusted = holm(np.concatenate([out["p_above"], out["p_below"]]).astype(np.float64)) if m else np.empty(0)
+    out["p_holm_above"], out["p_holm_below"] = adjusted[:m], adjusted[m:]
+    bounds = holm_lower_bounds(values + [-d for d in values], adjusted) if m else np.empty(0)
+    out["low"], out["high"] = bounds[:m], -bounds[m:]
+    above, below = out["p_holm_above"] < ALPHA, out["p_holm_below"] < ALPHA
+    out["decision"] = np.where(above, "above", np.where(below, "below", "neither"))
+    return out
+
+
 def paired_control(per_set: dict[str, pd.DataFrame], controls=("untrained", "matched"), seed: int = 0) -> pd.DataFrame:
-    """Trained against each control, set by set (module docstring).
+    """Trained against each control, set by set: :func:`paired_tests` of the per-set differences of each of
+    :data:`PAIRED_STATISTICS`, with ``trained`` and ``control_value`` (the means over sets) beside them.
 
     Args:
         per_set: ``"trained"`` and each control -> :func:`per_set_means` of the same sets and seeds.
         controls: the controls to compare with.
-        seed: the bootstrap's and the permutation test's seed.
-
-    Returns:
-        one row per (control, statistic, timestep), noise first: ``trained``, ``control_value``, ``difference``
-        (mean over sets of trained - control), ``p`` (one-sided: trained below control; sign-flip permutation, 9999
-        draws), ``sets``, ``p_holm`` (over the table) and the decision's interval ``[low, high]`` = ``(-inf, U]``,
-        ``U`` the Holm-compatible one-sided upper bound (:func:`ipa_probe.attribution.holm_lower_bounds` of the
-        negated differences: below 0 exactly where ``p_holm < ALPHA``).
+        seed: the permutation test's seed.
     """
-    from scipy import stats
-
-    from ..attribution import holm, holm_lower_bounds
-
-    trained = per_set["trained"]
-    rows, differences = [], []
+    frames, means = [], []
     for control in controls:
         if control not in per_set:
             continue
-        merged = trained.merge(per_set[control], on=["set", "timestep"], suffixes=("", "_control"))
+        merged = per_set["trained"].merge(per_set[control], on=["set", "timestep"], suffixes=("", "_control"))
         for statistic in PAIRED_STATISTICS:
-            for timestep, part in sorted(merged.groupby("timestep"), key=lambda item: -item[0]):
-                difference = (part[statistic] - part[f"{statistic}_control"]).to_numpy(np.float64)
-                difference = difference[np.isfinite(difference)]
-                differences.append(difference)
-                p = math.nan
-                if difference.size >= 2:
-                    test = stats.permutation_test(
-                        (difference,), np.mean, permutation_type="samples", alternative="less",
-                        n_resamples=9999, random_state=seed,
-                    )  # fmt: skip
-                    p = float(test.pvalue)
-                rows.append(
-                    {
-                        "control": control,
-                        "statistic": statistic,
-                        "timestep": float(timestep),
-                        "trained": float(part[statistic].mean()),
-                        "control_value": float(part[f"{statistic}_control"].mean()),
-                        "difference": float(difference.mean()) if difference.size else math.nan,
-                        "p": p,
-                        "sets": int(difference.size),
-                    }
-                )
-    out = pd.DataFrame(rows)
-    out["p_holm"] = holm(out["p"].to_numpy(np.float64)) if len(out) else []
-    if len(out):  # the decision's interval: one-sided (trained below), Holm-compatible over the table
-        out["high"] = -holm_lower_bounds([-d for d in differences], out["p_holm"].to_numpy(np.float64))
-        out["low"] = -np.inf
-    return out
+            part = merged[["set", "timestep"]].assign(control=control, statistic=statistic)
+            frames.append(part.assign(difference=merged[statistic] - merged[f"{statistic}_control"]))
+            mean = merged.groupby("timestep")[[statistic, f"{statistic}_control"]].mean().reset_index()
+            mean.columns = ["timestep", "trained", "control_value"]
+            means.append(mean.assign(control=control, statistic=statistic))
+    out = paired_tests(pd.concat(frames, ignore_index=True), seed)
+    return out.merge(pd.concat(means), on=["control", "statistic", "timestep"], how="left")
+
+
+def equal_r_differences(trained: pd.DataFrame, control: pd.DataFrame, columns=PAIRED_STATISTICS) -> pd.DataFrame:
+    """Per (set, timestep) and statistic: the trained - control difference at equal logit ratio r.
+
+    Trained and control generate from the same sets and seeds, so each (set, timestep, layer, head) cell is a pair.
+    Over one set's cells at one timestep, the least-squares line of the statistic's difference on the r difference,
+    ``d_c = delta + beta (r_trained - r_control)_c``, has at ``r_trained = r_control`` the value ``delta`` (its
+    intercept): the difference at equal r. Chosen over matching r by rescaling the image keys per step (an edit
+    of the weights the probe reads, calibrated per layer, step and set) because it leaves both pipelines as trained
+    and started, and over binning r because a set has a few dozen cells; it assumes the difference is linear in the
+    r gap over the cells' range (``r_gap_positive`` shows how far the line is extrapolated to reach 0).
+
+    Args:
+        trained, control: probe tables (cond branch, image kind) with ``set``; columns ``layer``, ``head``,
+            ``timestep``, ``qf_logit_ratio`` and ``columns``.
+        columns: the statistics.
+
+    Returns:
+        one row per (set, timestep, statistic): ``difference`` (``delta``), ``raw_difference`` (the mean cell
+        difference), ``slope`` (``beta``), ``r_gap`` (mean r_trained - r_control), ``r_gap_positive`` (the share of
+        cells with r_trained above) and ``cells`` (cells with every value finite; under 3: NaN).
+    """
+    keys = ["set", "timestep", "layer", "head"]
+    merged = trained.merge(control, on=keys, suffixes=("", "_control"))
+    rows = []
+    for (s, timestep), part in merged.groupby(["set", "timestep"]):
+        gap = (part["qf_logit_ratio"] - part["qf_logit_ratio_control"]).to_numpy(np.float64)
+        for statistic in columns:
+            d = (part[statistic] - part[f"{statistic}_control"]).to_numpy(np.float64)
+            ok = np.isfinite(d) & np.isfinite(gap)
+            fit = np.polynomial.polynomial.polyfit(gap[ok], d[ok], 1) if ok.sum() >= 3 else (math.nan, math.nan)
+            rows.append(
+                {"set": s, "timestep": float(timestep), "statistic": statistic, "difference": float(fit[0]),
+                 "raw_difference": float(d[ok].mean()) if ok.any() else math.nan, "slope": float(fit[1]),
+                 "r_gap": float(gap[ok].mean()) if ok.any() else math.nan,
+                 "r_gap_positive": float((gap[ok] > 0).mean()) if ok.any() else math.nan, "cells": int(ok.sum())}
+            )  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def probed(pipe, references: list, seed: int, steps: list[int], guidance_scale: float = 1.0, count: int = 1,
+           pool: str = "item") -> pd.DataFrame:  # fmt: skip
+    """The probe's table of one generation from ``references`` (generator seeded with ``seed``), image kind."""
+    import torch
+
+    from ..capture.run import probe
+    from ..tiny.digits import DIGITS_PROMPT
+    from .ip_adapter_setup import NUM_STEPS
+
+    with probe(pipe, steps=steps, query_frame=pool) as run:
+        pipe(
+            prompt=DIGITS_PROMPT, ip_adapter_image=[references], num_inference_steps=NUM_STEPS,
+            guidance_scale=guidance_scale, num_images_per_prompt=count,
+            generator=torch.Generator().manual_seed(seed), output_type="latent",
+        )  # fmt: skip
+    table = run.to_dataframe()
+    return table[table["kind"] == "image"]
+
+
+def init_adapter_control(recipe: str, sets: int = 20, seed: int = 0) -> dict[str, pd.DataFrame]:
+    """The control that isolates training (docs/findings.md, section 2): the trained organism of ``recipe`` against
+    itself with the adapter at its starting weights (:func:`ipa_probe.tiny.digits.model.init_adapter_pipeline`),
+    on the one-digit reference sets ``0..sets-1`` of the ip-adapter experiment (set ``i`` from seed ``i``), 50 DDIM
+    steps, no CFG, at its timesteps.
+
+    Returns:
+        ``"tests"``: :func:`paired_tests` of the :func:`equal_r_differences` (control ``"init-adapter"``) with the
+        per-timestep means over sets of ``raw_difference``, ``r_gap`` and ``r_gap_positive`` beside them;
+        ``"per_set"``: those differences; ``"means"``: per organism, set and timestep the means over layers and
+        heads of the statistics and ``qf_logit_ratio``.
+    """
+    from ..tiny.digits.model import digits_pipeline, init_adapter_pipeline
+    from .ip_adapter_setup import _reference_sets, step_indices
+
+    steps = step_indices()
+    references = [refs for _, refs in _reference_sets(sets)]
+    tables = {}
+    for label, make in (("trained", digits_pipeline), ("init-adapter", init_adapter_pipeline)):
+        pipe = make(recipe=recipe)
+        pipe.set_progress_bar_config(disable=True)
+        frames = [probed(pipe, refs, i, steps).assign(set=i) for i, refs in enumerate(references)]
+        tables[label] = pd.concat(frames, ignore_index=True)
+    per_set = equal_r_differences(tables["trained"], tables["init-adapter"]).assign(control="init-adapter")
+    described = per_set.groupby(["statistic", "timestep"])[["raw_difference", "r_gap", "r_gap_positive"]].mean()
+    tests = paired_tests(per_set, seed).merge(described.reset_index(), on=["statistic", "timestep"], how="left")
+    columns = [*PAIRED_STATISTICS, "qf_logit_ratio"]
+    means = pd.concat(
+        [per_set_means(t, columns=columns).assign(organism=label) for label, t in tables.items()], ignore_index=True
+    )
+    return {"tests": tests, "per_set": per_set, "means": means}
 
 
 def query_pool(
@@ -229,28 +337,15 @@ def query_pool(
         per-set branch - item), ``se`` (its standard error over sets), ``max_cell_difference`` (largest
         |difference| of one cell), ``sets``; and the per-cell differences.
     """
-    import torch
-
     if runs not in ("one", "both"):
         raise ValueError(f"runs: expected 'one' or 'both', got {runs!r}")
-    from ..capture.run import probe
-    from ..tiny.digits import DIGITS_PROMPT
-    from .ip_adapter_setup import NUM_STEPS
-
     cells = []
     for organism, pipe in pipes.items():
         for count in counts:
             for i, refs in enumerate(sets):
                 frames = []
                 for pool in ("item", "branch") if runs == "both" else ("item",):
-                    with probe(pipe, steps=steps, query_frame=pool) as run:
-                        pipe(
-                            prompt=DIGITS_PROMPT, ip_adapter_image=[refs], num_inference_steps=NUM_STEPS,
-                            guidance_scale=guidance_scale, num_images_per_prompt=count,
-                            generator=torch.Generator().manual_seed(i), output_type="latent",
-                        )  # fmt: skip
-                    table = run.to_dataframe()
-                    table = table[table["kind"] == "image"]
+                    table = probed(pipe, refs, i, steps, guidance_scale, count, pool)
                     keys = ["step", "timestep", "layer", "head", "branch"]  # one row each (items pooled per cell)
                     frames.append(table.set_index(keys)["qf_spearman"].rename(f"pool_{pool}"))
                     if runs != "both":  # the same rows under the branch pool, from the same run
@@ -300,6 +395,7 @@ def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], 
     import torch
 
     from .._io import write_table
+    from ..layers import find_ip_layers
     from ..tiny.digits import digits_reference_images, untrained_digits_pipeline
     from .ip_adapter_setup import REFS_PER_SET, run_reference_set
     from .report import Row
@@ -308,7 +404,8 @@ def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], 
 
     twin = untrained_digits_pipeline(recipe=ctx.recipe)
     twin.set_progress_bar_config(disable=True)
-    keys = _key_projections(twin)
+    linears = [linear for layer in find_ip_layers(twin) for linear in layer.processor.to_k_ip]
+    keys = [t for linear in linears for t in (linear.weight, linear.bias) if t is not None]  # what scaling scales
     initial = [tensor.detach().clone() for tensor in keys]
 
     def make_twin():
@@ -338,9 +435,11 @@ def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], 
     for r in paired.to_dict(orient="records"):
         rows.append(
             Row(
-                "trained minus control, paired by set (one-sided: trained below; Holm over the table)",
+                "trained minus control, paired by set (both one-sided tests; Holm over both and the table)",
                 f"{r['statistic']} vs {r['control']} twin, t={r['timestep']:g}",
-                f"{r['difference']:+.3f} (≤ {r['high']:+.3f}), p {r['p']:.2g} (Holm {r['p_holm']:.2g})",
+                f"{r['decision']}: {r['difference']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}], p above "
+                f"{r['p_above']:.2g} (Holm {r['p_holm_above']:.2g}), below {r['p_below']:.2g} (Holm "
+                f"{r['p_holm_below']:.2g})",
                 "—",
                 f"trained {r['trained']:.3f}, control {r['control_value']:.3f}; attention TV from uniform: trained "
                 f"{tv['trained'].get(r['timestep'], np.nan):.3f}, control "
@@ -365,8 +464,8 @@ def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], 
             "paired": paired.to_dict(orient="records"),
             "calibration_sets": tier.ip_calibration_sets,
             "scale_grid": list(SCALE_GRID),
-            "rule": "per set: trained - control; one-sided sign-flip p (trained below); Holm; one-sided "
-            "Holm-compatible upper bound",
+            "rule": "per set: trained - control; both one-sided sign-flip p (above, below); Holm over both and the "
+            "table; Holm-compatible one-sided bounds of each direction",
         },
         "query_pool": {"summary": pool.to_dict(orient="records"), "sets": tier.ip_pool_sets, "guidance_scale": 3.0},
     }

@@ -197,7 +197,24 @@ def untrained_digits_pipeline(seed: int = 0, recipe: str = DEFAULT_RECIPE) -> St
     )
     record = json.loads((shipped_folder("mixed" if recipe == "mixed" else "support") / "record.json").read_text())
     pipe.vae.register_to_config(scaling_factor=record["scaling_factor"])
-    state = _adapter_state_dict(parts["unet"], parts["ip_processors"], parts["image_proj"])
+    return _load_initial_adapter(pipe, parts, seed)
+
+
+def init_adapter_pipeline(recipe: str = DEFAULT_RECIPE, seed: int = 0) -> StableDiffusionPipeline:
+    """The trained organism of ``recipe`` with only its adapter (``ImageProjection``, every ``to_k_ip`` / ``to_v_ip``)
+    back at the tensors its training started from, built by the recipe's seeded initialiser (``support``, ``mixed``:
+    :func:`_init_modules`; ``ip-adapter``: :func:`_init_adapter` on the trained base); every other weight is the
+    trained one's. The control that isolates training (docs/findings.md, section 2); ``seed``: the training's."""
+    recipe = check_recipe(recipe)
+    pipe = digits_pipeline(recipe=recipe)
+    parts = _init_adapter(pipe.unet, seed) if recipe == "ip-adapter" else _init_modules(seed)
+    return _load_initial_adapter(pipe, parts, seed)
+
+
+def _load_initial_adapter(pipe: StableDiffusionPipeline, parts: dict[str, Any], seed: int) -> StableDiffusionPipeline:
+    """Load the adapter of ``parts`` (``image_proj``, ``ip_processors``) into ``pipe`` through ``load_ip_adapter``,
+    replacing any it had (the image encoder stays)."""
+    state = _adapter_state_dict(pipe.unet, parts["ip_processors"], parts["image_proj"])
     _restore_default_processors(pipe.unet)
     with _seeded(seed, "digits/load_ip_adapter"), quiet_known_messages():
         pipe.load_ip_adapter([state], subfolder=[""], weight_name=[""], image_encoder_folder=None)
