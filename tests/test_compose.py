@@ -11,6 +11,7 @@ edit of the tokens, i.e. the very keys the layer's softmax runs over), the softm
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 
 import pandas as pd
@@ -301,8 +302,12 @@ def attribute(pipe, refs, **extra):
     return reference_attribution(pipe, steps=[0, 1], **call, **extra), call
 
 
+def denoiser(pipe):
+    return getattr(pipe, "unet", None) or pipe.transformer
+
+
 def parameters(pipe):
-    return {name: p.detach().clone() for name, p in pipe.unet.named_parameters()}
+    return {name: p.detach().clone() for name, p in denoiser(pipe).named_parameters()}
 
 
 def assert_same_run(run, alone):
@@ -438,15 +443,14 @@ def test_points_inside_an_ablation_index_references_as_the_call_passed_them(orga
 def snapshot(pipe):
     """What a feature could leave behind on a pipeline: hook counts per module, the denoiser's and the pipeline's
     attributes, the processors (the test's own reading; the UNet, or Flux's transformer)."""
-    denoiser = getattr(pipe, "unet", None) or pipe.transformer
     return {
         "hooks": {
             name: tuple(len(getattr(m, attr)) for attr in ("_forward_pre_hooks", "_forward_hooks"))
-            for name, m in denoiser.named_modules()
+            for name, m in denoiser(pipe).named_modules()
         },
-        "attributes": set(denoiser.__dict__),
+        "attributes": set(denoiser(pipe).__dict__),
         "pipe": set(vars(pipe)),
-        "processors": dict(denoiser.attn_processors),
+        "processors": dict(denoiser(pipe).attn_processors),
     }
 
 
@@ -483,30 +487,35 @@ def test_everything_attached_adds_one_denoiser_pre_hook(organism, refs):
 
 
 # ------------------------------------------------------------------------------------------------------ the matrix
-# Every pair of features, generated from one table, in both nesting orders: the two orders compute the same latents
-# (token edits act on the keys, point edits in the order the points are computed, the NW head in the processor,
-# whatever the nesting), a reader changes nothing (a pair with a reader equals the other feature alone), the scalar
-# gauge 2 changes no bit (it scales q and k by powers of two), and the pipeline comes back bit for bit, also after an
-# exception inside the inner block. The stored-frame NW head and a gauge refuse each other in either order.
+# Every pair of features, generated from one table, in both nesting orders, and a covering set of ordered triples
+# (below): every order computes the latents of its edits given alone in the table's order (token edits act on the
+# keys, point edits in the order the points are computed, the NW head in the processor, whatever the nesting; a reader
+# changes nothing; the scalar gauge 2 changes no bit, it scales q and k by powers of two); the probe's maps of one
+# layer and attribution's shares there are the test's own float64 softmax under the edits (where no NW head replaced
+# the weights: tests above read those); and the pipeline comes back bit for bit (hooks, attributes, processors,
+# parameters, and the plain call's latents), also after an exception inside the innermost block. Attribution is a
+# call, not a block: it runs innermost. The stored-frame NW head and a gauge refuse each other in either order.
 
 
 class Boom(Exception):
     pass
 
 
-def matrix_features(pipe, refs, other, swapped=1):
-    """name -> (kind, make): ``"read"`` features compute nothing, ``"gauge"`` ones are output symmetries; ``swap``
-    puts ``other`` in reference ``swapped``'s place."""
+def matrix_features(pipe, refs, other, swapped=1, call=None):
+    """name -> (kind, make): ``"read"`` features compute nothing, ``"gauge"`` ones are output symmetries, the
+    ``"call"`` (``reference_attribution`` of ``call``'s arguments, where given) runs the pipeline; ``swap`` puts
+    ``other`` in reference ``swapped``'s place."""
+    from ipa_probe.attribution import reference_attribution
 
     def output_point():  # SD3 has no hook points: asked only where the hook features are in the matrix
         return next(n for n in ipa_probe.list_hook_points(pipe) if n.endswith(".ip.output"))
 
     features = {
-        "probe": ("read", lambda: ipa_probe.probe(pipe, maps=True)),
+        "probe": ("read", lambda: ipa_probe.probe(pipe, maps=True, keep_maps=True)),
         "probe_nomaps": ("read", lambda: ipa_probe.probe(pipe)),
         "cache": ("read", lambda: ipa_probe.cache_hook_points(pipe, r"\.ip\.(weights|contribution)$")),
         "ablate": ("edit", lambda: intervene(pipe, 0, steps=[1])),
-        "scale": ("edit", lambda: intervene(pipe, 1, mode="scale", factor=2.0)),
+        "scale": ("edit", lambda: intervene(pipe, 1, mode="scale", factor=SCALE)),
         "hooks": ("edit", lambda: intervene(pipe, hooks={output_point(): lambda t, c: t * 0.5})),
         "nw_query": ("edit", lambda: ipa_probe.nw_head(pipe, frame="query")),
         "nw_stored": ("edit", lambda: ipa_probe.nw_head(pipe, frame="stored")),
@@ -514,49 +523,114 @@ def matrix_features(pipe, refs, other, swapped=1):
     }
     if other is not None:
         features["swap"] = ("edit", lambda: intervene(pipe, swapped, mode="swap", other=other))
+    if call is not None:
+        features["attribution"] = ("call", lambda **extra: reference_attribution(pipe, **call, **extra))
     return features
+
+
+SCALE = 2.0  # the matrix's scale of reference 1
 
 
 def boom(pipe, step, timestep, kwargs):
     raise Boom  # inside the pipeline call, after its first step
 
 
-def run_nested(pipe, generate, outer, inner, fail=False):
-    with outer(), inner():
-        return generate(callback_on_step_end=boom) if fail else generate()
+def run_nested(pipe, generate, features, order, fail=False):
+    """The blocks of ``order`` entered outermost first, the call inside: (its latents, its result, the blocks' values
+    by name)."""
+    call = features["attribution"][1] if "attribution" in order else generate
+    with contextlib.ExitStack() as stack:
+        entered = {name: stack.enter_context(features[name][1]()) for name in order if name != "attribution"}
+        result = call(callback_on_step_end=boom) if fail else call()
+    return (result.generation.latents if "attribution" in order else result), result, entered
 
 
-PLAIN = {}
+def expected_weights(own, order, references):
+    """The test's own weights of every pass, laid out over every reference of the call: the softmax over the keys
+    the layer kept (``ablate`` removes reference 0 at step 1), a removed reference at 0; ``scale`` multiplies
+    reference 1's weights by its factor and renormalises the rows."""
+    tokens = own[0].shape[-1] // references  # step 0 keeps every reference
+    out = []
+    for step, w in enumerate(own):
+        kept = [r for r in range(references) if not ("ablate" in order and step == 1 and r == 0)]
+        full = w.new_zeros(*w.shape[:-1], references, tokens)  # (B, H, Q, R, T)
+        full[..., kept, :] = w.reshape(*w.shape[:-1], len(kept), tokens)
+        if "scale" in order:
+            full[..., 1, :] *= SCALE
+        full = full.flatten(-2)
+        out.append(full / full.sum(-1, keepdim=True))
+    return out
 
 
-def check_pair(pipe, generate, features, a, b):
+def check_readings(own, order, entered, result, reading):
+    """The probe's kept maps and attribution's shares at one layer against the test's own float64 softmax."""
+    layer, references = reading
+    expected = expected_weights(own, order, references)
+    run = entered.get("probe")
+    for step, weights in enumerate(expected):
+        if run is not None:  # float16 maps (11-bit mantissa: 5e-4 relative on weights below 1)
+            torch.testing.assert_close(probe_weights(run, step, layer), weights, rtol=0, atol=2e-3)
+        if "attribution" in order:  # the conditional row (the last), means over heads and queries
+            shares = weights[-1].reshape(*weights.shape[1:-1], references, -1).sum(-1).mean(dim=(0, 1))  # (R,)
+            table = result.table[(result.table.step == step) & (result.table.layer == layer)]
+            got = torch.tensor(table.sort_values("reference").attention_share.to_numpy(), dtype=torch.float64)
+            # 1e-5: the layer's float32 softmax against the test's float64 one, through float32 means
+            torch.testing.assert_close(got, shares, rtol=0, atol=1e-5)
+
+
+PLAIN, ALONE = {}, {}
+
+
+def check_nesting(pipe, generate, features, orders, reading=None):
+    """Each order of one set of features (outermost first) computes what its edits compute alone, in the table's
+    order; its readings are the test's own (``reading``: (layer, references) on a UNet, where no NW head acts); the
+    pipeline comes back bit for bit after each order and after an exception inside it."""
     plain = PLAIN.setdefault(id(pipe), generate())
-    before = snapshot(pipe)
-    (kind_a, make_a), (kind_b, make_b) = features[a], features[b]
-    if {a, b} == {"gauge", "nw_stored"}:
-        for outer, inner in ((make_a, make_b), (make_b, make_a)):
-            with pytest.raises(ValueError, match=r"\|k\|\^2"):
-                run_nested(pipe, generate, outer, inner)
-            assert_unchanged(pipe, before)
-        return
-    ab = run_nested(pipe, generate, make_a, make_b)
-    ba = run_nested(pipe, generate, make_b, make_a)
-    assert torch.equal(ab, ba), (a, b)
-    alone = [make for kind, make in ((kind_a, make_a), (kind_b, make_b)) if kind == "edit"]
-    if len(alone) < 2:  # a reader or the gauge beside at most one edit: the edit alone, bit for bit
+    before, weights = snapshot(pipe), parameters(pipe)
+    edits = tuple(name for name, (kind, _) in features.items() if kind == "edit" and name in orders[0])
+    if (id(pipe), edits) not in ALONE:
         with contextlib.ExitStack() as stack:
-            for make in alone:
-                stack.enter_context(make())
-            assert torch.equal(ab, generate()), (a, b)
-    for outer, inner in ((make_a, make_b), (make_b, make_a)):
+            for name in edits:
+                stack.enter_context(features[name][1]())
+            ALONE[id(pipe), edits] = generate()
+    read = reading is not None and not any(name.startswith("nw_") for name in orders[0])
+    for order in orders:
+        with own_weights(pipe, reading[0]) if read else contextlib.nullcontext([]) as own:
+            latents, result, entered = run_nested(pipe, generate, features, order)
+        assert torch.equal(latents, ALONE[id(pipe), edits]), order
+        if read:
+            check_readings(own, order, entered, result, reading)
         with pytest.raises(Boom):
-            run_nested(pipe, generate, outer, inner, fail=True)
+            run_nested(pipe, generate, features, order, fail=True)
         assert_unchanged(pipe, before)
+    assert all(torch.equal(p, weights[name]) for name, p in denoiser(pipe).named_parameters())
     assert torch.equal(generate(), plain)
 
 
+def check_pair(pipe, generate, features, a, b, reading=None):
+    """Both nesting orders of two features (attribution, a call, only inside the other)."""
+    if {a, b} == {"gauge", "nw_stored"}:
+        before = snapshot(pipe)
+        for order in ((a, b), (b, a)):
+            with pytest.raises(ValueError, match=r"\|k\|\^2"):
+                run_nested(pipe, generate, features, order)
+            assert_unchanged(pipe, before)
+        return
+    orders = [(a, b)] if b == "attribution" else [(a, b), (b, a)]
+    check_nesting(pipe, generate, features, orders, reading)
+
+
+def allowed(names):
+    """A set of features that runs together: one NW head per pipeline; the stored-frame head refuses a gauge (both
+    checked in the pair matrix); attribution innermost."""
+    heads = sum(name.startswith("nw_") for name in names)
+    innermost = "attribution" not in names or names[-1] == "attribution"
+    return heads < 2 and not {"nw_stored", "gauge"} <= set(names) and innermost
+
+
 def matrix(names):
-    """Every unordered pair (both orders are checked in one test), but two NW heads (one head per pipeline)."""
+    """Every unordered pair (both orders are checked in one test), but two NW heads (one head per pipeline), with
+    attribution second."""
     return [
         pytest.param(a, b, id=f"{a}-{b}")
         for i, a in enumerate(names)
@@ -565,14 +639,41 @@ def matrix(names):
     ]
 
 
+def covering_triples(names):
+    """Ordered triples (outer, middle, inner) in which every ordered pair of features that may run together stands in
+    each of the three positions of a triple (outer-middle, outer-inner, middle-inner): each feature outside and inside
+    each other one, next to it and with a third between. Built greedily (the triple that covers most of what is left
+    first, ties to the first in ``itertools.permutations`` order), so the set is fixed; about ``N**2`` triples where
+    every order is ``N (N - 1) (N - 2)``."""
+    candidates = [t for t in itertools.permutations(names, 3) if allowed(t)]
+    covers = {t: {(t[p], t[q], p, q) for p, q in ((0, 1), (0, 2), (1, 2))} for t in candidates}
+    left, chosen = set().union(*covers.values()), []
+    while left:
+        best = max(candidates, key=lambda t: len(covers[t] & left))
+        chosen.append(best)
+        left -= covers[best]
+    return chosen
+
+
 FLUX_FEATURES = ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge", "swap"]
 SD15_FEATURES = [*FLUX_FEATURES, "probe_nomaps"]
 
 
+def organism_matrix(organism, refs):
+    other = digits_reference_images(8, 1, seed=900)[0]
+    return (lambda **kw: latents(organism, refs, **kw)), matrix_features(organism, refs, other)
+
+
 @pytest.mark.parametrize(("a", "b"), matrix(SD15_FEATURES))
 def test_every_pair_composes_and_restores_sd15(organism, refs, a, b, one_thread):
-    other = digits_reference_images(8, 1, seed=900)[0]
-    check_pair(organism, lambda **kw: latents(organism, refs, **kw), matrix_features(organism, refs, other), a, b)
+    check_pair(organism, *organism_matrix(organism, refs), a, b, reading=(LAYER, len(refs)))
+
+
+@pytest.mark.parametrize("order", [pytest.param(t, id="-".join(t)) for t in covering_triples(SD15_FEATURES)])
+def test_triples_compose_and_restore_sd15(organism, refs, order, one_thread):
+    """Triples on the digits organism: the covering set above, each in its one order (all orders of a set meet in
+    the latents of its edits alone)."""
+    check_nesting(organism, *organism_matrix(organism, refs), [order], reading=(LAYER, len(refs)))
 
 
 @pytest.mark.parametrize(("a", "b"), matrix(FLUX_FEATURES))
@@ -650,32 +751,23 @@ def sdxl():
     return pipe
 
 
-@pytest.mark.parametrize("probe_first", [True, False])
-def test_sdxl_probe_inside_an_ablation_and_back_bit_for_bit(sdxl, probe_first, one_thread):
+SDXL_FEATURES = [*SD15_FEATURES, "attribution"]
+
+
+@pytest.mark.parametrize(("a", "b"), matrix(SDXL_FEATURES))
+def test_every_pair_composes_and_restores_sdxl(sdxl, a, b, one_thread):
+    """SDXL (two text encoders, added time ids) with CFG, attribution among the features."""
+    from ipa_probe.layers import find_ip_layers
     from ipa_probe.tiny.sd import default_reference_images
 
-    refs = default_reference_images(2)
-    kwargs = dict(prompt="a photo", ip_adapter_image=[refs], num_inference_steps=2, output_type="latent")
+    refs = [image.resize((64, 64)) for image in default_reference_images(3)]  # the generation's size
+    call = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS)
 
-    def generate():
-        return sdxl(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    def generate(**extra):
+        return sdxl(**call, **extra, output_type="latent", generator=torch.Generator().manual_seed(0)).images
 
-    plain = generate()
-    before = snapshot(sdxl)  # after a first call: the pipeline keeps its call settings as attributes
-    pre_hooks = len(sdxl.unet._forward_pre_hooks)
-    probe, ablation = ipa_probe.probe(sdxl, maps=True), intervene(sdxl, 1)
-    with contextlib.ExitStack() as stack:
-        entered = [stack.enter_context(f) for f in ((probe, ablation) if probe_first else (ablation, probe))]
-        assert len(sdxl.unet._forward_pre_hooks) == pre_hooks + 1
-        generate()
-    run = entered[0] if probe_first else entered[1]
-    mass = run.reference_mass()
-    assert len(mass) and (mass[mass.reference == 1].attention == 0).all()
-    # the one reference left holds every weight: 1 up to float32 softmax sums (the shares are the layer's weights as
-    # they are, never renormalised, since an edit may leave them unnormalised)
-    assert ((mass[mass.reference == 0].attention - 1).abs() < 1e-6).all()
-    assert_unchanged(sdxl, before)
-    assert torch.equal(generate(), plain)
+    layer = find_ip_layers(sdxl)[0].name
+    check_pair(sdxl, generate, matrix_features(sdxl, refs, refs[2], call=call), a, b, reading=(layer, 2))
 
 
 # ------------------------------------------------------------------------------------------------------ tiny Flux
