@@ -2,7 +2,7 @@
 intervention, under an NW head it reads that head's weights, nested interventions compose as if given at once, the
 denoiser carries one pre-hook however many features are attached, and a generated matrix of every pair of features
 in both orders on SD 1.5, SDXL, Flux and SD3, and of triples on SD 1.5, computes in every order what its edits compute
-alone, reads (probe maps, attribution shares) what the test's own softmax says and restores the pipeline bit for bit;
+alone, reads (probe maps, attribution shares) what the test's own weights say and restores the pipeline bit for bit;
 attribution and gauge_sweep inside an open probe return what they return alone, and the open probe reads their calls
 as alone.
 
@@ -57,10 +57,30 @@ def layer_of(pipe, name):
     return pipe.unet.get_submodule(name)
 
 
+def dot_softmax(q, k):  # (B, H, Q, D), (B, H, K, D) -> (B, H, Q, K): the layer's own weights
+    return (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1)
+
+
+def stored_frame(q, k):
+    """The stored-frame NW head's weights at its matched bandwidth ``h^2 = sqrt(d)``: softmax of -|q - k|^2 / 2h^2."""
+    distances = ((q.unsqueeze(-2) - k.unsqueeze(-3)) ** 2).sum(-1)  # (B, H, Q, K)
+    return (-distances / (2 * math.sqrt(q.shape[-1]))).softmax(-1)
+
+
+def query_frame(q, k):
+    """The query-frame NW head's weights: ``softmax_i(L_qi - b_i)`` with ``L`` the logits centred per row and
+    ``b_i = log mean_q exp(L_qi)`` over the item's queries (the head's "exact" form)."""
+    logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    centred = logits - logits.mean(-1, keepdim=True)
+    b = centred.logsumexp(-2, keepdim=True) - math.log(centred.shape[-2])  # (B, H, 1, K)
+    return (centred - b).softmax(-1)
+
+
 @contextlib.contextmanager
-def own_weights(pipe, name):
-    """The test's own reading of one layer's image-branch softmax: float64 ``softmax(q k^T / sqrt(d))`` over the keys
-    ``to_k_ip`` returned (after any edit of its input), one ``(B, H, Q, K)`` per pass."""
+def own_weights(pipe, name, kernel=dot_softmax):
+    """The test's own reading of one layer's image-branch weights: float64 ``kernel(q, k)`` (by default the softmax
+    of ``q k^T / sqrt(d)``) over the keys ``to_k_ip`` returned (after any edit of its input), one ``(B, H, Q, K)`` per
+    pass."""
     attn = layer_of(pipe, name)
     heads = attn.heads
     seen, found = {}, []
@@ -74,7 +94,7 @@ def own_weights(pipe, name):
     def keys(module, args, output):
         q = seen["q"]
         k = split(output.reshape(q.shape[0], -1, output.shape[-1]))
-        found.append((q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1))
+        found.append(kernel(q, k))
 
     handles = [attn.to_q.register_forward_hook(keep_q), attn.processor.to_k_ip[0].register_forward_hook(keys)]
     try:
@@ -501,8 +521,8 @@ def test_everything_attached_adds_one_denoiser_pre_hook(organism, refs):
 # (below): every order computes the latents of its edits given alone in the table's order (token edits act on the
 # keys, point edits in the order the points are computed, the NW head in the processor, whatever the nesting; a reader
 # changes nothing; the scalar gauge 2 changes no bit, it scales q and k by powers of two); the probe's maps of one
-# layer and attribution's shares there are the test's own float64 softmax under the edits (where no NW head replaced
-# the weights: tests above read those); and the pipeline comes back bit for bit (hooks, attributes, processors,
+# layer and attribution's shares there are the test's own float64 weights under the edits (the softmax, or an NW
+# head's Gaussian kernel in its frame); and the pipeline comes back bit for bit (hooks, attributes, processors,
 # parameters, and the plain call's latents), also after an exception inside the innermost block. Attribution is a
 # call, not a block: it runs innermost. The stored-frame NW head and a gauge refuse each other in either order.
 
@@ -556,7 +576,7 @@ def run_nested(pipe, generate, features, order, fail=False):
 
 
 def expected_weights(own, order, references):
-    """The test's own weights of every pass, laid out over every reference of the call: the softmax over the keys
+    """The test's own weights of every pass, laid out over every reference of the call: the kernel over the keys
     the layer kept (``ablate`` removes reference 0 at step 1), a removed reference at 0; ``scale`` multiplies
     reference 1's weights by its factor and renormalises the rows."""
     tokens = own[0].shape[-1] // references  # step 0 keeps every reference
@@ -573,7 +593,7 @@ def expected_weights(own, order, references):
 
 
 def check_readings(own, order, entered, result, reading):
-    """The probe's kept maps and attribution's shares at one layer against the test's own float64 softmax."""
+    """The probe's kept maps and attribution's shares at one layer against the test's own float64 weights."""
     layer, references = reading
     expected = expected_weights(own, order, references)
     run = entered.get("probe")
@@ -593,8 +613,8 @@ PLAIN, ALONE = {}, {}
 
 def check_nesting(pipe, generate, features, orders, reading=None):
     """Each order of one set of features (outermost first) computes what its edits compute alone, in the table's
-    order; its readings are the test's own (``reading``: (layer, references) on a UNet, where no NW head acts); the
-    pipeline comes back bit for bit after each order and after an exception inside it."""
+    order; its readings are the test's own (``reading``: (layer, references) on a UNet); the pipeline comes back bit
+    for bit after each order and after an exception inside it."""
     if id(pipe) not in PLAIN:  # once per pipeline (``setdefault`` would run the call every time)
         PLAIN[id(pipe)] = generate()
     before, weights = snapshot(pipe), parameters(pipe)
@@ -604,12 +624,12 @@ def check_nesting(pipe, generate, features, orders, reading=None):
             for name in edits:
                 stack.enter_context(features[name][1]())
             ALONE[id(pipe), edits] = generate()
-    read = reading is not None and not any(name.startswith("nw_") for name in orders[0])
+    kernel = query_frame if "nw_query" in orders[0] else stored_frame if "nw_stored" in orders[0] else dot_softmax
     for order in orders:
-        with own_weights(pipe, reading[0]) if read else contextlib.nullcontext([]) as own:
+        with own_weights(pipe, reading[0], kernel) if reading else contextlib.nullcontext([]) as own:
             latents, result, entered = run_nested(pipe, generate, features, order)
         assert torch.equal(latents, ALONE[id(pipe), edits]), order
-        if read:
+        if reading:
             check_readings(own, order, entered, result, reading)
         with pytest.raises(Boom):
             run_nested(pipe, generate, features, order, fail=True)
