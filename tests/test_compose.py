@@ -6,17 +6,18 @@ alone, reads (probe maps, attribution shares) what the test's own weights say an
 attribution and gauge_sweep inside an open probe return what they return alone, and the open probe reads their calls
 as alone.
 
-Triples: the ten SD 1.5 features and attribution (a call, so only innermost) allow 716 ordered triples, each a test
-of several pipeline calls: far over the suite's budget. Pairs already show each feature beside each other one; what
-a third adds is position: a feature wrapped by another with a third between them, or standing between two (the
+Triples: the eleven SD 1.5 features and attribution (a call, so only innermost) allow 994 ordered triples, each a test
+of several pipeline calls: far over the suite's budget. Pairs already show each feature beside each other one; what a
+third adds is position: a feature wrapped by another with a third between them, or standing between two (the
 nested-ablation bug of issue 49 showed with a probe between two ablations). So the triples are a covering array: each
-ordered pair of features that may run together stands in each of the three position pairs (outer-middle,
-outer-inner, middle-inner) of some triple. That needs at least one triple per ordered pair in the outer-middle place
-(86); the greedy construction takes 108, the same every run. Every unordered triple (148) in one order and its reverse
-would cost nearly three times as much and never put the list's first and last features in the middle.
+ordered pair of features that may run together stands in each of the three position pairs (outer-middle, outer-inner,
+middle-inner) of some triple. That needs at least one triple per ordered pair in the outer-middle place (106); the
+greedy construction takes 128, the same every run. Every unordered triple (201) in one order and its reverse would
+cost nearly three times as much and never put the list's first and last features in the middle.
 
 The reference weights are the test's own: forward hooks on ``attn.to_q`` and ``to_k_ip`` (after the intervention's
-edit of the tokens, i.e. the very keys the layer's softmax runs over), the softmax taken here in float64."""
+edit of the tokens, i.e. the very keys the layer's softmax runs over), the softmax (or an NW head's kernel) taken here
+in float64."""
 
 from __future__ import annotations
 
@@ -531,10 +532,24 @@ class Boom(Exception):
     pass
 
 
-def matrix_features(pipe, refs, other, swapped=1, call=None):
+PATCHES = {}
+
+
+def patch_from(pipe, source):
+    """``patch_hooks`` that put reference 0's contribution at the first layer from a cache of ``source()`` (the
+    call's references the other way round), recorded once per pipeline and outside every block."""
+    if id(pipe) not in PATCHES:
+        name = next(n for n in ipa_probe.list_hook_points(pipe) if n.endswith(".ip.contribution"))
+        with ipa_probe.cache_hook_points(pipe, [name]) as cache:
+            source()
+        PATCHES[id(pipe)] = ipa_probe.patch_hooks(cache, [name], references=0)
+    return PATCHES[id(pipe)]
+
+
+def matrix_features(pipe, refs, other, swapped=1, call=None, source=None):
     """name -> (kind, make): ``"read"`` features compute nothing, ``"gauge"`` ones are output symmetries, the
     ``"call"`` (``reference_attribution`` of ``call``'s arguments, where given) runs the pipeline; ``swap`` puts
-    ``other`` in reference ``swapped``'s place."""
+    ``other`` in reference ``swapped``'s place; ``patch`` (where ``source`` is given) patches from its run."""
     from ipa_probe.attribution import reference_attribution
 
     def output_point():  # SD3 has no hook points: asked only where the hook features are in the matrix
@@ -553,6 +568,9 @@ def matrix_features(pipe, refs, other, swapped=1, call=None):
     }
     if other is not None:
         features["swap"] = ("edit", lambda: intervene(pipe, swapped, mode="swap", other=other))
+    if source is not None:
+        patch = patch_from(pipe, source)
+        features["patch"] = ("edit", lambda: intervene(pipe, hooks=patch))
     if call is not None:
         features["attribution"] = ("call", lambda **extra: reference_attribution(pipe, **call, **extra))
     return features
@@ -687,14 +705,16 @@ def covering_triples(names):
 
 
 FLUX_FEATURES = ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge", "swap"]
-SD15_FEATURES = [*FLUX_FEATURES, "probe_nomaps"]
+SD15_FEATURES = [*FLUX_FEATURES, "probe_nomaps", "patch"]
 UNET_FEATURES = [*SD15_FEATURES, "attribution"]  # SDXL's pairs, SD 1.5's triples (which hold every attribution pair)
 
 
 def organism_matrix(organism, refs):
     other = digits_reference_images(8, 1, seed=900)[0]
     call = dict(prompt=DIGITS_PROMPT, ip_adapter_image=[list(refs)], num_inference_steps=STEPS, guidance_scale=1.0)
-    return (lambda **kw: latents(organism, refs, **kw)), matrix_features(organism, refs, other, call=call)
+    source = lambda: latents(organism, refs[::-1])  # noqa: E731
+    features = matrix_features(organism, refs, other, call=call, source=source)
+    return (lambda **kw: latents(organism, refs, **kw)), features
 
 
 @pytest.mark.parametrize(("a", "b"), matrix(SD15_FEATURES))
@@ -794,10 +814,12 @@ def test_every_pair_composes_and_restores_sdxl(sdxl, a, b, one_thread):
     call = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS)
 
     def generate(**extra):
-        return sdxl(**call, **extra, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+        return sdxl(**{**call, **extra}, output_type="latent", generator=torch.Generator().manual_seed(0)).images
 
     layer = find_ip_layers(sdxl)[0].name
-    check_pair(sdxl, generate, matrix_features(sdxl, refs, refs[2], call=call), a, b, reading=(layer, 2))
+    source = lambda: generate(ip_adapter_image=[refs[1::-1]])  # noqa: E731
+    features = matrix_features(sdxl, refs, refs[2], call=call, source=source)
+    check_pair(sdxl, generate, features, a, b, reading=(layer, 2))
 
 
 # ------------------------------------------------------------------------------------------------------ tiny Flux
