@@ -1,16 +1,28 @@
 """Features composed on one pipeline (issues 38, 49): the probe measures the weights the layer used inside an
 intervention, under an NW head it reads that head's weights, nested interventions compose as if given at once, the
 denoiser carries one pre-hook however many features are attached, and a generated matrix of every pair of features
-in both orders on SD 1.5, Flux and SD3 computes the same in either order and restores the pipeline bit for bit;
+in both orders on SD 1.5, SDXL, Flux and SD3, and of triples on SD 1.5, computes in every order what its edits compute
+alone, reads (probe maps, attribution shares) what the test's own weights say and restores the pipeline bit for bit;
 attribution and gauge_sweep inside an open probe return what they return alone, and the open probe reads their calls
 as alone.
 
+Triples: the eleven SD 1.5 features and attribution (a call, so only innermost) allow 994 ordered triples, each a test
+of several pipeline calls: far over the suite's budget. Pairs already show each feature beside each other one; what a
+third adds is position: a feature wrapped by another with a third between them, or standing between two (the
+nested-ablation bug of issue 49 showed with a probe between two ablations). So the triples are a covering array: each
+ordered pair of features that may run together stands in each of the three position pairs (outer-middle, outer-inner,
+middle-inner) of some triple. That needs at least one triple per ordered pair in the outer-middle place (106); the
+greedy construction takes 128, the same every run. Every unordered triple (201) in one order and its reverse would
+cost nearly three times as much and never put the list's first and last features in the middle.
+
 The reference weights are the test's own: forward hooks on ``attn.to_q`` and ``to_k_ip`` (after the intervention's
-edit of the tokens, i.e. the very keys the layer's softmax runs over), the softmax taken here in float64."""
+edit of the tokens, i.e. the very keys the layer's softmax runs over), the softmax (or an NW head's kernel) taken here
+in float64."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 
 import pandas as pd
@@ -46,10 +58,30 @@ def layer_of(pipe, name):
     return pipe.unet.get_submodule(name)
 
 
+def dot_softmax(q, k):  # (B, H, Q, D), (B, H, K, D) -> (B, H, Q, K): the layer's own weights
+    return (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1)
+
+
+def stored_frame(q, k):
+    """The stored-frame NW head's weights at its matched bandwidth ``h^2 = sqrt(d)``: softmax of -|q - k|^2 / 2h^2."""
+    distances = ((q.unsqueeze(-2) - k.unsqueeze(-3)) ** 2).sum(-1)  # (B, H, Q, K)
+    return (-distances / (2 * math.sqrt(q.shape[-1]))).softmax(-1)
+
+
+def query_frame(q, k):
+    """The query-frame NW head's weights: ``softmax_i(L_qi - b_i)`` with ``L`` the logits centred per row and
+    ``b_i = log mean_q exp(L_qi)`` over the item's queries (the head's "exact" form)."""
+    logits = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    centred = logits - logits.mean(-1, keepdim=True)
+    b = centred.logsumexp(-2, keepdim=True) - math.log(centred.shape[-2])  # (B, H, 1, K)
+    return (centred - b).softmax(-1)
+
+
 @contextlib.contextmanager
-def own_weights(pipe, name):
-    """The test's own reading of one layer's image-branch softmax: float64 ``softmax(q k^T / sqrt(d))`` over the keys
-    ``to_k_ip`` returned (after any edit of its input), one ``(B, H, Q, K)`` per pass."""
+def own_weights(pipe, name, kernel=dot_softmax):
+    """The test's own reading of one layer's image-branch weights: float64 ``kernel(q, k)`` (by default the softmax
+    of ``q k^T / sqrt(d)``) over the keys ``to_k_ip`` returned (after any edit of its input), one ``(B, H, Q, K)`` per
+    pass."""
     attn = layer_of(pipe, name)
     heads = attn.heads
     seen, found = {}, []
@@ -63,7 +95,7 @@ def own_weights(pipe, name):
     def keys(module, args, output):
         q = seen["q"]
         k = split(output.reshape(q.shape[0], -1, output.shape[-1]))
-        found.append((q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1))
+        found.append(kernel(q, k))
 
     handles = [attn.to_q.register_forward_hook(keep_q), attn.processor.to_k_ip[0].register_forward_hook(keys)]
     try:
@@ -301,8 +333,12 @@ def attribute(pipe, refs, **extra):
     return reference_attribution(pipe, steps=[0, 1], **call, **extra), call
 
 
+def denoiser(pipe):
+    return getattr(pipe, "unet", None) or pipe.transformer
+
+
 def parameters(pipe):
-    return {name: p.detach().clone() for name, p in pipe.unet.named_parameters()}
+    return {name: p.detach().clone() for name, p in denoiser(pipe).named_parameters()}
 
 
 def assert_same_run(run, alone):
@@ -438,15 +474,14 @@ def test_points_inside_an_ablation_index_references_as_the_call_passed_them(orga
 def snapshot(pipe):
     """What a feature could leave behind on a pipeline: hook counts per module, the denoiser's and the pipeline's
     attributes, the processors (the test's own reading; the UNet, or Flux's transformer)."""
-    denoiser = getattr(pipe, "unet", None) or pipe.transformer
     return {
         "hooks": {
             name: tuple(len(getattr(m, attr)) for attr in ("_forward_pre_hooks", "_forward_hooks"))
-            for name, m in denoiser.named_modules()
+            for name, m in denoiser(pipe).named_modules()
         },
-        "attributes": set(denoiser.__dict__),
+        "attributes": set(denoiser(pipe).__dict__),
         "pipe": set(vars(pipe)),
-        "processors": dict(denoiser.attn_processors),
+        "processors": dict(denoiser(pipe).attn_processors),
     }
 
 
@@ -483,30 +518,49 @@ def test_everything_attached_adds_one_denoiser_pre_hook(organism, refs):
 
 
 # ------------------------------------------------------------------------------------------------------ the matrix
-# Every pair of features, generated from one table, in both nesting orders: the two orders compute the same latents
-# (token edits act on the keys, point edits in the order the points are computed, the NW head in the processor,
-# whatever the nesting), a reader changes nothing (a pair with a reader equals the other feature alone), the scalar
-# gauge 2 changes no bit (it scales q and k by powers of two), and the pipeline comes back bit for bit, also after an
-# exception inside the inner block. The stored-frame NW head and a gauge refuse each other in either order.
+# Every pair of features, generated from one table, in both nesting orders, and a covering set of ordered triples
+# (below): every order computes the latents of its edits given alone in the table's order (token edits act on the
+# keys, point edits in the order the points are computed, the NW head in the processor, whatever the nesting; a reader
+# changes nothing; the scalar gauge 2 changes no bit, it scales q and k by powers of two); the probe's maps of one
+# layer and attribution's shares there are the test's own float64 weights under the edits (the softmax, or an NW
+# head's Gaussian kernel in its frame); and the pipeline comes back bit for bit (hooks, attributes, processors,
+# parameters, and the plain call's latents), also after an exception inside the innermost block. Attribution is a
+# call, not a block: it runs innermost. The stored-frame NW head and a gauge refuse each other in either order.
 
 
 class Boom(Exception):
     pass
 
 
-def matrix_features(pipe, refs, other, swapped=1):
-    """name -> (kind, make): ``"read"`` features compute nothing, ``"gauge"`` ones are output symmetries; ``swap``
-    puts ``other`` in reference ``swapped``'s place."""
+PATCHES = {}
+
+
+def patch_from(pipe, source):
+    """``patch_hooks`` that put reference 0's contribution at the first layer from a cache of ``source()`` (the
+    call's references the other way round), recorded once per pipeline and outside every block."""
+    if id(pipe) not in PATCHES:
+        name = next(n for n in ipa_probe.list_hook_points(pipe) if n.endswith(".ip.contribution"))
+        with ipa_probe.cache_hook_points(pipe, [name]) as cache:
+            source()
+        PATCHES[id(pipe)] = ipa_probe.patch_hooks(cache, [name], references=0)
+    return PATCHES[id(pipe)]
+
+
+def matrix_features(pipe, refs, other, swapped=1, call=None, source=None):
+    """name -> (kind, make): ``"read"`` features compute nothing, ``"gauge"`` ones are output symmetries, the
+    ``"call"`` (``reference_attribution`` of ``call``'s arguments, where given) runs the pipeline; ``swap`` puts
+    ``other`` in reference ``swapped``'s place; ``patch`` (where ``source`` is given) patches from its run."""
+    from ipa_probe.attribution import reference_attribution
 
     def output_point():  # SD3 has no hook points: asked only where the hook features are in the matrix
         return next(n for n in ipa_probe.list_hook_points(pipe) if n.endswith(".ip.output"))
 
     features = {
-        "probe": ("read", lambda: ipa_probe.probe(pipe, maps=True)),
+        "probe": ("read", lambda: ipa_probe.probe(pipe, maps=True, keep_maps=True)),
         "probe_nomaps": ("read", lambda: ipa_probe.probe(pipe)),
         "cache": ("read", lambda: ipa_probe.cache_hook_points(pipe, r"\.ip\.(weights|contribution)$")),
         "ablate": ("edit", lambda: intervene(pipe, 0, steps=[1])),
-        "scale": ("edit", lambda: intervene(pipe, 1, mode="scale", factor=2.0)),
+        "scale": ("edit", lambda: intervene(pipe, 1, mode="scale", factor=SCALE)),
         "hooks": ("edit", lambda: intervene(pipe, hooks={output_point(): lambda t, c: t * 0.5})),
         "nw_query": ("edit", lambda: ipa_probe.nw_head(pipe, frame="query")),
         "nw_stored": ("edit", lambda: ipa_probe.nw_head(pipe, frame="stored")),
@@ -514,49 +568,118 @@ def matrix_features(pipe, refs, other, swapped=1):
     }
     if other is not None:
         features["swap"] = ("edit", lambda: intervene(pipe, swapped, mode="swap", other=other))
+    if source is not None:
+        patch = patch_from(pipe, source)
+        features["patch"] = ("edit", lambda: intervene(pipe, hooks=patch))
+    if call is not None:
+        features["attribution"] = ("call", lambda **extra: reference_attribution(pipe, **call, **extra))
     return features
+
+
+SCALE = 2.0  # the matrix's scale of reference 1
 
 
 def boom(pipe, step, timestep, kwargs):
     raise Boom  # inside the pipeline call, after its first step
 
 
-def run_nested(pipe, generate, outer, inner, fail=False):
-    with outer(), inner():
-        return generate(callback_on_step_end=boom) if fail else generate()
+def run_nested(pipe, generate, features, order, fail=False):
+    """The blocks of ``order`` entered outermost first, the call inside: (its latents, its result, the blocks' values
+    by name)."""
+    call = features["attribution"][1] if "attribution" in order else generate
+    with contextlib.ExitStack() as stack:
+        entered = {name: stack.enter_context(features[name][1]()) for name in order if name != "attribution"}
+        result = call(callback_on_step_end=boom) if fail else call()
+    return (result.generation.latents if "attribution" in order else result), result, entered
 
 
-PLAIN = {}
+def expected_weights(own, order, references):
+    """The test's own weights of every pass, laid out over every reference of the call: the kernel over the keys
+    the layer kept (``ablate`` removes reference 0 at step 1), a removed reference at 0; ``scale`` multiplies
+    reference 1's weights by its factor and renormalises the rows."""
+    tokens = own[0].shape[-1] // references  # step 0 keeps every reference
+    out = []
+    for step, w in enumerate(own):
+        kept = [r for r in range(references) if not ("ablate" in order and step == 1 and r == 0)]
+        full = w.new_zeros(*w.shape[:-1], references, tokens)  # (B, H, Q, R, T)
+        full[..., kept, :] = w.reshape(*w.shape[:-1], len(kept), tokens)
+        if "scale" in order:
+            full[..., 1, :] *= SCALE
+        full = full.flatten(-2)
+        out.append(full / full.sum(-1, keepdim=True))
+    return out
 
 
-def check_pair(pipe, generate, features, a, b):
-    plain = PLAIN.setdefault(id(pipe), generate())
-    before = snapshot(pipe)
-    (kind_a, make_a), (kind_b, make_b) = features[a], features[b]
+def check_readings(own, order, entered, result, reading):
+    """The probe's kept maps and attribution's shares at one layer against the test's own float64 weights."""
+    layer, references = reading
+    expected = expected_weights(own, order, references)
+    run = entered.get("probe")
+    for step, weights in enumerate(expected):
+        if run is not None:  # float16 maps (11-bit mantissa: 5e-4 relative on weights below 1)
+            torch.testing.assert_close(probe_weights(run, step, layer), weights, rtol=0, atol=2e-3)
+        if "attribution" in order:  # the conditional row (the last), means over heads and queries
+            shares = weights[-1].reshape(*weights.shape[1:-1], references, -1).sum(-1).mean(dim=(0, 1))  # (R,)
+            table = result.table[(result.table.step == step) & (result.table.layer == layer)]
+            got = torch.tensor(table.sort_values("reference").attention_share.to_numpy(), dtype=torch.float64)
+            # 1e-5: the layer's float32 softmax against the test's float64 one, through float32 means
+            torch.testing.assert_close(got, shares, rtol=0, atol=1e-5)
+
+
+PLAIN, ALONE = {}, {}
+
+
+def check_nesting(pipe, generate, features, orders, reading=None):
+    """Each order of one set of features (outermost first) computes what its edits compute alone, in the table's
+    order; its readings are the test's own (``reading``: (layer, references) on a UNet); the pipeline comes back bit
+    for bit after each order and after an exception inside it."""
+    if id(pipe) not in PLAIN:  # once per pipeline (``setdefault`` would run the call every time)
+        PLAIN[id(pipe)] = generate()
+    before, weights = snapshot(pipe), parameters(pipe)
+    edits = tuple(name for name, (kind, _) in features.items() if kind == "edit" and name in orders[0])
+    if (id(pipe), edits) not in ALONE:
+        with contextlib.ExitStack() as stack:
+            for name in edits:
+                stack.enter_context(features[name][1]())
+            ALONE[id(pipe), edits] = generate()
+    kernel = query_frame if "nw_query" in orders[0] else stored_frame if "nw_stored" in orders[0] else dot_softmax
+    for order in orders:
+        with own_weights(pipe, reading[0], kernel) if reading else contextlib.nullcontext([]) as own:
+            latents, result, entered = run_nested(pipe, generate, features, order)
+        assert torch.equal(latents, ALONE[id(pipe), edits]), order
+        if reading:
+            check_readings(own, order, entered, result, reading)
+        with pytest.raises(Boom):
+            run_nested(pipe, generate, features, order, fail=True)
+        assert_unchanged(pipe, before)
+    assert all(torch.equal(p, weights[name]) for name, p in denoiser(pipe).named_parameters())
+    assert torch.equal(generate(), PLAIN[id(pipe)])
+
+
+def check_pair(pipe, generate, features, a, b, reading=None):
+    """Both nesting orders of two features (attribution, a call, only inside the other)."""
     if {a, b} == {"gauge", "nw_stored"}:
-        for outer, inner in ((make_a, make_b), (make_b, make_a)):
+        before = snapshot(pipe)
+        for order in ((a, b), (b, a)):
             with pytest.raises(ValueError, match=r"\|k\|\^2"):
-                run_nested(pipe, generate, outer, inner)
+                run_nested(pipe, generate, features, order)
             assert_unchanged(pipe, before)
         return
-    ab = run_nested(pipe, generate, make_a, make_b)
-    ba = run_nested(pipe, generate, make_b, make_a)
-    assert torch.equal(ab, ba), (a, b)
-    alone = [make for kind, make in ((kind_a, make_a), (kind_b, make_b)) if kind == "edit"]
-    if len(alone) < 2:  # a reader or the gauge beside at most one edit: the edit alone, bit for bit
-        with contextlib.ExitStack() as stack:
-            for make in alone:
-                stack.enter_context(make())
-            assert torch.equal(ab, generate()), (a, b)
-    for outer, inner in ((make_a, make_b), (make_b, make_a)):
-        with pytest.raises(Boom):
-            run_nested(pipe, generate, outer, inner, fail=True)
-        assert_unchanged(pipe, before)
-    assert torch.equal(generate(), plain)
+    orders = [(a, b)] if b == "attribution" else [(a, b), (b, a)]
+    check_nesting(pipe, generate, features, orders, reading)
+
+
+def allowed(names):
+    """A set of features that runs together: one NW head per pipeline; the stored-frame head refuses a gauge (both
+    checked in the pair matrix); attribution innermost."""
+    heads = sum(name.startswith("nw_") for name in names)
+    innermost = "attribution" not in names or names[-1] == "attribution"
+    return heads < 2 and not {"nw_stored", "gauge"} <= set(names) and innermost
 
 
 def matrix(names):
-    """Every unordered pair (both orders are checked in one test), but two NW heads (one head per pipeline)."""
+    """Every unordered pair (both orders are checked in one test), but two NW heads (one head per pipeline), with
+    attribution second."""
     return [
         pytest.param(a, b, id=f"{a}-{b}")
         for i, a in enumerate(names)
@@ -565,14 +688,45 @@ def matrix(names):
     ]
 
 
+def covering_triples(names):
+    """Ordered triples (outer, middle, inner) in which every ordered pair of features that may run together stands in
+    each of the three positions of a triple (outer-middle, outer-inner, middle-inner): each feature outside and inside
+    each other one, next to it and with a third between. Built greedily (the triple that covers most of what is left
+    first, ties to the first in ``itertools.permutations`` order), so the set is fixed; about ``N**2`` triples where
+    every order is ``N (N - 1) (N - 2)``."""
+    candidates = [t for t in itertools.permutations(names, 3) if allowed(t)]
+    covers = {t: {(t[p], t[q], p, q) for p, q in ((0, 1), (0, 2), (1, 2))} for t in candidates}
+    left, chosen = set().union(*covers.values()), []
+    while left:
+        best = max(candidates, key=lambda t: len(covers[t] & left))
+        chosen.append(best)
+        left -= covers[best]
+    return chosen
+
+
 FLUX_FEATURES = ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge", "swap"]
-SD15_FEATURES = [*FLUX_FEATURES, "probe_nomaps"]
+SD15_FEATURES = [*FLUX_FEATURES, "probe_nomaps", "patch"]
+UNET_FEATURES = [*SD15_FEATURES, "attribution"]  # SDXL's pairs, SD 1.5's triples (which hold every attribution pair)
+
+
+def organism_matrix(organism, refs):
+    other = digits_reference_images(8, 1, seed=900)[0]
+    call = dict(prompt=DIGITS_PROMPT, ip_adapter_image=[list(refs)], num_inference_steps=STEPS, guidance_scale=1.0)
+    source = lambda: latents(organism, refs[::-1])  # noqa: E731
+    features = matrix_features(organism, refs, other, call=call, source=source)
+    return (lambda **kw: latents(organism, refs, **kw)), features
 
 
 @pytest.mark.parametrize(("a", "b"), matrix(SD15_FEATURES))
 def test_every_pair_composes_and_restores_sd15(organism, refs, a, b, one_thread):
-    other = digits_reference_images(8, 1, seed=900)[0]
-    check_pair(organism, lambda **kw: latents(organism, refs, **kw), matrix_features(organism, refs, other), a, b)
+    check_pair(organism, *organism_matrix(organism, refs), a, b, reading=(LAYER, len(refs)))
+
+
+@pytest.mark.parametrize("order", [pytest.param(t, id="-".join(t)) for t in covering_triples(UNET_FEATURES)])
+def test_triples_compose_and_restore_sd15(organism, refs, order, one_thread):
+    """Triples on the digits organism: the covering set above, each in its one order (all orders of a set meet in
+    the latents of its edits alone)."""
+    check_nesting(organism, *organism_matrix(organism, refs), [order], reading=(LAYER, len(refs)))
 
 
 @pytest.mark.parametrize(("a", "b"), matrix(FLUX_FEATURES))
@@ -650,32 +804,22 @@ def sdxl():
     return pipe
 
 
-@pytest.mark.parametrize("probe_first", [True, False])
-def test_sdxl_probe_inside_an_ablation_and_back_bit_for_bit(sdxl, probe_first, one_thread):
+@pytest.mark.parametrize(("a", "b"), matrix(UNET_FEATURES))
+def test_every_pair_composes_and_restores_sdxl(sdxl, a, b, one_thread):
+    """SDXL (two text encoders, added time ids) with CFG, attribution among the features."""
+    from ipa_probe.layers import find_ip_layers
     from ipa_probe.tiny.sd import default_reference_images
 
-    refs = default_reference_images(2)
-    kwargs = dict(prompt="a photo", ip_adapter_image=[refs], num_inference_steps=2, output_type="latent")
+    refs = [image.resize((64, 64)) for image in default_reference_images(3)]  # the generation's size
+    call = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS)
 
-    def generate():
-        return sdxl(**kwargs, generator=torch.Generator().manual_seed(0)).images
+    def generate(**extra):
+        return sdxl(**{**call, **extra}, output_type="latent", generator=torch.Generator().manual_seed(0)).images
 
-    plain = generate()
-    before = snapshot(sdxl)  # after a first call: the pipeline keeps its call settings as attributes
-    pre_hooks = len(sdxl.unet._forward_pre_hooks)
-    probe, ablation = ipa_probe.probe(sdxl, maps=True), intervene(sdxl, 1)
-    with contextlib.ExitStack() as stack:
-        entered = [stack.enter_context(f) for f in ((probe, ablation) if probe_first else (ablation, probe))]
-        assert len(sdxl.unet._forward_pre_hooks) == pre_hooks + 1
-        generate()
-    run = entered[0] if probe_first else entered[1]
-    mass = run.reference_mass()
-    assert len(mass) and (mass[mass.reference == 1].attention == 0).all()
-    # the one reference left holds every weight: 1 up to float32 softmax sums (the shares are the layer's weights as
-    # they are, never renormalised, since an edit may leave them unnormalised)
-    assert ((mass[mass.reference == 0].attention - 1).abs() < 1e-6).all()
-    assert_unchanged(sdxl, before)
-    assert torch.equal(generate(), plain)
+    layer = find_ip_layers(sdxl)[0].name
+    source = lambda: generate(ip_adapter_image=[refs[1::-1]])  # noqa: E731
+    features = matrix_features(sdxl, refs, refs[2], call=call, source=source)
+    check_pair(sdxl, generate, features, a, b, reading=(layer, 2))
 
 
 # ------------------------------------------------------------------------------------------------------ tiny Flux
