@@ -30,6 +30,9 @@ __all__ = ["T_EPS", "nw_eps", "nw_v", "nw_velocity", "nw_x0", "ot_log_density"]
 #: Flow times are clamped to at least this value: ``t = 0`` is singular in ``x~ = x / t`` (as in the authors' code).
 T_EPS = 1e-5
 
+#: A VP coefficient (``alpha_t``, ``sigma_t``): a float, or a tensor broadcastable to the rows of ``x``.
+Coef = float | torch.Tensor
+
 
 def _ot_time(t: float | torch.Tensor, x: torch.Tensor, sigma_min: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate per-row flow times and clamp them to ``>= T_EPS``. Returns the columns ``(t, sigma_t)``."""
@@ -91,11 +94,7 @@ def ot_log_density(
 
 
 def _vp_mean(
-    x: torch.Tensor,
-    alpha_t: float | torch.Tensor,
-    sigma_t: float | torch.Tensor,
-    support: torch.Tensor,
-    chunk_size: int | None,
+    x: torch.Tensor, alpha_t: Coef, sigma_t: Coef, support: torch.Tensor, chunk_size: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate and return ``(alpha_t, sigma_t, x0^)`` with the coefficients as row columns ``(..., n, 1)``."""
     check_points(x, "x")
@@ -107,11 +106,7 @@ def _vp_mean(
 
 
 def nw_x0(
-    x: torch.Tensor,
-    alpha_t: float | torch.Tensor,
-    sigma_t: float | torch.Tensor,
-    support: torch.Tensor,
-    chunk_size: int | None = None,
+    x: torch.Tensor, alpha_t: Coef, sigma_t: Coef, support: torch.Tensor, chunk_size: int | None = None
 ) -> torch.Tensor:
     """The optimal VP denoiser (x0-prediction) of a finite support: ``x0^(x) = m_h(x / alpha_t)``.
 
@@ -125,11 +120,7 @@ def nw_x0(
 
 
 def nw_eps(
-    x: torch.Tensor,
-    alpha_t: float | torch.Tensor,
-    sigma_t: float | torch.Tensor,
-    support: torch.Tensor,
-    chunk_size: int | None = None,
+    x: torch.Tensor, alpha_t: Coef, sigma_t: Coef, support: torch.Tensor, chunk_size: int | None = None
 ) -> torch.Tensor:
     """The optimal VP noise prediction ``eps^(x) = (x - alpha_t x0^(x)) / sigma_t`` (paper §C.5).
 
@@ -140,11 +131,7 @@ def nw_eps(
 
 
 def nw_v(
-    x: torch.Tensor,
-    alpha_t: float | torch.Tensor,
-    sigma_t: float | torch.Tensor,
-    support: torch.Tensor,
-    chunk_size: int | None = None,
+    x: torch.Tensor, alpha_t: Coef, sigma_t: Coef, support: torch.Tensor, chunk_size: int | None = None
 ) -> torch.Tensor:
     """The optimal VP v-prediction ``v^(x) = alpha_t eps^(x) - sigma_t x0^(x)`` (paper §C.5).
 
