@@ -158,11 +158,8 @@ def cache_hook_points(pipe, names: Any = None, *, steps=None, max_bytes: int = 2
         max_bytes: refuse a pipeline call whose recording is estimated above this, at its first denoiser pass (from
             the call's latent size, reference count and planned steps), before anything is stored.
 
-    Yields:
-        the :class:`HookCache` (filled as the pipeline runs; tensors stay on the device).
-
-    Raises:
-        ValueError: unknown names, a bad step selection, a budget below the estimate.
+    Yields the :class:`HookCache` (filled as the pipeline runs; tensors stay on the device). Raises ``ValueError``
+    for unknown names, a bad step selection, a budget below the estimate.
     """
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int | float) or not max_bytes > 0:
         raise ValueError(f"max_bytes: expected a positive byte count, got {max_bytes!r}")
@@ -215,10 +212,8 @@ def cache_hook_points(pipe, names: Any = None, *, steps=None, max_bytes: int = 2
 def run_with_cache(
     pipe, names: Any = None, *, steps=None, max_bytes: int = 2 * 2**30, **call: Any
 ) -> tuple[Any, HookCache]:
-    """Call ``pipe(**call)`` while recording the selected hook points (see :func:`cache_hook_points`).
-
-    Returns:
-        ``(the pipeline's output, the HookCache)``.
+    """Call ``pipe(**call)`` while recording the selected hook points (see :func:`cache_hook_points`); returns
+    ``(the pipeline's output, the HookCache)``.
 
     Example:
         ```py

@@ -16,17 +16,15 @@ class HookContext:
     """What a callback knows about the tensor it is given.
 
     Attributes:
-        name: the hook point's name.
-        layer: the layer id.
-        point: one of :data:`POINTS`.
+        name, layer, point: the hook point's name, its layer id and one of :data:`POINTS`.
         adapter: the IP-Adapter's index, or ``"text"`` for the text branch.
-        reference_tokens(j) gives reference ``j``'s key positions; ``references`` counts those in the keys at the
-        ``k`` and ``logits`` points (an ablation removes some there), those the call passed at the others.
         step: the denoising loop index.
         call: the pipeline call's index since the pipeline's first feature was attached.
         timestep: the scheduler's timestep of this pass (as the denoiser got it: a tensor, or a number).
         heads: the layer's attention heads ``H``.
-        references: the reference images ``R`` the branch saw in this call.
+        references: the reference images ``R`` the branch saw in this call: at the ``k`` and ``logits`` points those in
+            the keys (an ablation removes some there), at the others those the call passed; ``reference_tokens(j)``
+            gives reference ``j``'s key positions.
         tokens: image tokens per reference ``T`` (``K = R * T``).
         grid: ``(height, width)`` of the layer's query positions (``Q = height * width``).
         scale: the adapter scale ``s`` the branch is multiplied by.

@@ -49,8 +49,7 @@ class InterventionEffect:
     """An intervention's effect on a generation (per generated image).
 
     Attributes:
-        config: the intervention's settings.
-        baseline, intervened: the two generations (same seed and call).
+        config, baseline, intervened: the intervention's settings and the two generations (same seed and call).
         latent_distance: ``(N,)`` root-mean-square difference of the final latents.
         pixel_distance: ``(N,)`` root-mean-square difference of the images, on the ``[0, 1]`` scale.
         baseline_labels, intervened_labels: ``(N,)`` the classifier's labels, or ``None`` without a classifier.
@@ -92,15 +91,8 @@ class InterventionEffect:
 
 @torch.no_grad()
 def decode_latents(pipe, latents: torch.Tensor) -> np.ndarray:
-    """Decode final latents as an SD 1.5 / SDXL pipeline does for ``output_type="np"``.
-
-    Args:
-        pipe: the pipeline (its ``vae`` and ``image_processor``).
-        latents: ``(N, C, h, w)``.
-
-    Returns:
-        images ``(N, H, W, 3)`` in ``[0, 1]``.
-    """
+    """Decode final latents ``(N, C, h, w)`` with ``pipe``'s ``vae`` and ``image_processor`` as an SD 1.5 / SDXL
+    pipeline does for ``output_type="np"``: images ``(N, H, W, 3)`` in ``[0, 1]``."""
     vae = pipe.vae
     z = latents.to(device=vae.device, dtype=vae.dtype) / vae.config.scaling_factor
     decoded = vae.decode(z, return_dict=False)[0]
@@ -141,13 +133,9 @@ def call_digest(**call: Any) -> str:
 
 
 def generate(pipe, *, seed: int = 0, **call: Any) -> Generation:
-    """Run ``pipe(**call)`` with a CPU generator seeded with ``seed`` and return its latents and decoded images.
-
-    Args:
-        pipe: an SD 1.5 / SDXL pipeline.
-        seed: the generator's seed (the same seed gives the same initial noise).
-        **call: the pipeline's arguments (prompt, ``ip_adapter_image``, ``num_inference_steps``, ...), without
-            ``generator`` and ``output_type``.
+    """Run an SD 1.5 / SDXL ``pipe(**call)`` with a CPU generator seeded with ``seed`` (the same seed, the same
+    initial noise) and return its latents and decoded images. ``call``: the pipeline's arguments (prompt,
+    ``ip_adapter_image``, ``num_inference_steps``, ...), without ``generator`` and ``output_type``.
     """
     for name in ("generator", "output_type", "return_dict"):
         if name in call:
@@ -198,7 +186,7 @@ def measure_intervention(
     baseline: Generation | None = None,
     **call: Any,
 ) -> InterventionEffect:
-    """Generate with and without an intervention (same seed and call) and compare the outputs.
+    """Generate with and without an intervention (same seed and call) and compare them: an :class:`InterventionEffect`.
 
     Args:
         pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter.
@@ -210,9 +198,6 @@ def measure_intervention(
             One made with another seed or other call arguments (or not by :func:`generate`) is refused: the
             distances would measure the change of seed or call, not the intervention.
         **call: the pipeline's arguments (without ``generator`` / ``output_type``).
-
-    Returns:
-        the :class:`InterventionEffect`.
 
     Example:
         ```py

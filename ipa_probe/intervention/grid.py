@@ -316,16 +316,11 @@ def _t_interval(values: np.ndarray) -> tuple[float, float, float]:
 
 
 def summarize_grid(grid: pd.DataFrame, columns: Sequence[str] | None = None) -> pd.DataFrame:
-    """Each cell's mean over seeds with a Student's t 95 % interval.
+    """Each cell of :func:`ablation_grid`'s table: its mean over seeds with a Student's t 95 % interval.
 
-    Args:
-        grid: :func:`ablation_grid`'s table.
-        columns: the effects summarised; ``None``: ``latent_effect``, ``pixel_effect``, ``flipped`` and the
-            ``probability_k`` columns.
-
-    Returns:
-        one row per (reference, group, steps, mode, factor): ``seeds`` and per effect ``X``: ``X``, ``X_low``,
-        ``X_high``.
+    ``columns``: the effects summarised; ``None``: ``latent_effect``, ``pixel_effect``, ``flipped`` and the
+    ``probability_k`` columns. Returns one row per (reference, group, steps, mode, factor): ``seeds`` and per effect
+    ``X``: ``X``, ``X_low``, ``X_high``.
     """
     if columns is None:
         columns = ["latent_effect", "pixel_effect", "flipped"] + [c for c in grid if c.startswith("probability_")]

@@ -46,8 +46,7 @@ class Intervention:
     """An applied intervention: its settings, what it hooks, and what it has done.
 
     Attributes:
-        config: the settings.
-        layers: the intervened layer ids.
+        config, layers: the settings and the intervened layer ids.
         acted: ``(step, layer id)`` pairs where the reference's tokens were changed, in order (read it after the
             pipeline call to check that the selection did what was meant).
         step: the current denoising loop index (``-1`` before the first denoiser call).
@@ -277,13 +276,11 @@ def apply_intervention(
     adapter: int = 0,
     factor: float | Sequence[float] | None = None,
 ) -> Intervention:
-    """Attach an intervention on one reference image's tokens (until :func:`remove_intervention`).
+    """Attach an intervention on one reference image's tokens (until :func:`remove_intervention`); returns the
+    :class:`Intervention`.
 
     Prefer the context manager :func:`intervene` in scripts; this pair is for notebooks. Arguments as in
     :class:`~.config.InterventionConfig`.
-
-    Returns:
-        the :class:`Intervention`.
 
     Raises:
         ValueError / TypeError: bad settings, a pipeline without IP-Adapter layers, a mode or reference its family
@@ -352,11 +349,7 @@ def _attach_scale(pipe, state: Intervention, names: list[str], flux: bool):
 
 
 def remove_intervention(pipe) -> None:
-    """Undo :func:`apply_intervention` (see :meth:`Intervention.remove`).
-
-    Raises:
-        ValueError: no intervention is applied to this pipeline.
-    """
+    """Undo :func:`apply_intervention` (see :meth:`Intervention.remove`); ``ValueError`` if none is applied."""
     stack = kept(denoiser_of(pipe), INTERVENE)
     if not stack:
         raise ValueError("no intervention is applied to this pipeline; call apply_intervention(pipe, ...) first")
