@@ -30,10 +30,9 @@ CACHE = "cache_hook_points"
 class HookCache:
     """The tensors the selected hook points computed, per denoiser pass, on the device where they were computed.
 
-    A record is one pass: ``(call, step, pass_index)``, the pipeline call (counted from 0 by the cache, so one block
-    may span several calls), the denoising loop index and the pass within the step (Flux's true-CFG negative pass is
-    1). Values are what the point held after the callbacks attached before the cache (an ``intervene`` block entered
-    first); ``timesteps`` maps each recorded ``(call, step)`` to its timestep.
+    A record is one pass: ``(call, step, pass_index)``, the pipeline call (counted from 0 by the cache: one block may
+    span several calls), the denoising loop index and the pass within the step (Flux's true-CFG negative pass is 1).
+    Values are what the point held after callbacks attached before the cache (an ``intervene`` block entered first).
 
     - ``cache[name]``: the point's records stacked in that order, ``(N, *shape)`` (one call with one pass per step:
       ``N`` steps);
