@@ -39,15 +39,9 @@ __all__ = ["PassInfo", "Spine", "attach", "detach", "expand_references", "kept_t
 def expand_references(x: torch.Tensor, kept: tuple[int, ...], total: int, dim: int, fill: float) -> torch.Tensor:
     """``x`` with the references an edit removed put back as ``fill`` along ``dim`` (reference-major tokens).
 
-    Args:
-        x: a tensor whose ``dim`` holds ``len(kept) * T`` image tokens (``T`` per reference).
-        kept: the references present, in order.
-        total: how many the call passed.
-        dim: the token axis.
-        fill: the value of the removed references' tokens (``-inf`` for logits: weight 0; ``0`` for values).
-
-    Returns:
-        ``x`` with ``total * T`` tokens along ``dim``.
+    ``x``'s axis ``dim`` holds ``len(kept) * T`` image tokens (``T`` per reference; ``kept``: the references present,
+    in order); the result holds ``total * T`` (``total``: how many the call passed). ``fill``: ``-inf`` for logits
+    (weight 0), ``0`` for values.
     """
     dim = dim % x.dim()
     tokens = x.shape[dim] // max(len(kept), 1)
@@ -72,8 +66,7 @@ class PassInfo:
     """Where one denoiser pass sits in the loop (read by the clients in their ``on_pass``).
 
     Attributes:
-        new_call: the pass starts a new pipeline call (:mod:`~.clock`).
-        new_step: the pass starts a new denoising step.
+        new_call, new_step: the pass starts a new pipeline call (:mod:`~.clock`), a new denoising step.
         call: the pipeline call's index since the spine was created.
         step: the denoising loop index (0 at a call's first pass).
         pass_index: the pass within its step (0 for the first; Flux's true-CFG negative pass is 1).
@@ -96,12 +89,8 @@ class PassInfo:
 
 
 class Spine:
-    """The attachment core of one denoiser (create it through :func:`attach`).
-
-    Args:
-        pipe: the pipeline (its call frames and scheduler tell the call boundaries), or its denoiser.
-        denoiser: the denoiser the hooks sit on.
-    """
+    """The attachment core of one denoiser (create it through :func:`attach`): hooks sit on ``denoiser``; ``pipe``
+    (its call frames and scheduler tell the call boundaries) may be the denoiser itself."""
 
     def __init__(self, pipe, denoiser: torch.nn.Module) -> None:
         self.pipe = pipe
@@ -241,13 +230,11 @@ def spine_of(pipe) -> Spine | None:
 
 
 def attach(pipe, client: Any) -> Spine:
-    """Add ``client`` to ``pipe``'s spine (creating it, and its two denoiser hooks, for the first client).
+    """Add ``client`` to ``pipe``'s spine and return the spine (created, with its two denoiser hooks, for the first
+    client).
 
     A client may define ``on_pass(spine, args, kwargs)`` (after the clock, in attach order, every denoiser pass) and
     ``on_return(spine, output)`` (when the pass returns; not when it raises).
-
-    Returns:
-        the spine.
     """
     denoiser = denoiser_of(pipe)
     spine = kept(denoiser, "spine")

@@ -58,14 +58,11 @@ QUERY_FRAME_MEANS: tuple[str, ...] = tuple(
 
 def summarize_sets(per_set: pd.DataFrame) -> pd.DataFrame:
     """Per timestep: the query-frame and stored-frame rho over reference sets with bootstrap intervals, and the means
-    of the other columns.
+    of the other columns, from the probe tables of all sets (``per_set``, with a ``set`` column).
 
     Each rho is first averaged within a set (over its layers and heads; cells without a value, such as a query frame
     of one query, are left out), then over sets; the interval is a 95 % BCa bootstrap of that mean over sets
     (:func:`ipa_probe.sweep.aggregation.bootstrap_ci`, seeded).
-
-    Args:
-        per_set: the probe tables of all sets with a ``set`` column.
 
     Returns:
         one row per timestep (noise first): ``spearman`` (stored frame) with ``ci_low``, ``ci_high``; ``pearson``,
@@ -512,12 +509,9 @@ def plot(summaries: dict[str, pd.DataFrame], attribution: dict[str, pd.DataFrame
     then the gauge-invariant statistics of :mod:`ipa_probe.attribution` per population: (d) rank agreement of attention
     share with the exact posterior, (e) between-layer agreement, (f) attention n_eff, (g) the exact posterior's n_eff,
     (h) attention TV from uniform against the pooling threshold, (i) the fitted data-space temperature against h(t).
-
-    Args:
-        summaries: ``"trained"`` / ``"untrained"`` -> :func:`summarize_sets` tables.
-        attribution: ``"<label>, <population> refs"`` -> :func:`ipa_probe.attribution.summarize_attribution` tables.
-        recipe: the organism's recipe (for the title).
-        folder: where ``ip_adapter.png`` goes.
+    ``summaries``: ``"trained"`` / ``"untrained"`` -> :func:`summarize_sets` tables; ``attribution``: ``"<label>,
+    <population> refs"`` -> :func:`ipa_probe.attribution.summarize_attribution` tables; written to
+    ``folder/ip_adapter.png``.
     """
     from .._io import code_digest, data_digest, write_figure
     from ..attribution import POOLING_TV

@@ -36,10 +36,7 @@ def step_indices(num_steps: int = NUM_STEPS) -> list[int]:
 
 def organism_pipelines(recipe: str = "support") -> dict:
     """The trained organism of ``recipe`` and its untrained control (same architecture, initial weights), progress
-    bars off: ``{"trained": pipe, "untrained": pipe}``.
-
-    Raises:
-        ValueError: an unknown recipe (the message lists the recipes).
+    bars off: ``{"trained": pipe, "untrained": pipe}``. An unknown recipe raises ``ValueError`` listing the recipes.
     """
     from ..tiny.digits import digits_pipeline, untrained_digits_pipeline
 

@@ -98,20 +98,13 @@ SCALE_GRID: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 
 
 def matched_twin(trained, make_twin, sets: list, steps: list[int], grid=SCALE_GRID) -> tuple[pd.DataFrame, object]:
-    """An untrained twin whose image-key projection is scaled per layer so that its query-frame logit ratio comes
-    closest to ``trained``'s.
+    """An untrained twin (a fresh one from ``make_twin()``) whose image-key projection is scaled per layer so that
+    its query-frame logit ratio comes closest to ``trained``'s (read only) on the calibration ``sets`` (of images).
 
     The ratio is not linear in the key scale ``c`` (nor always monotone: ``b`` is a log-partition over the queries,
     and both spreads scale with ``c`` at small ``c``), so ``c`` is searched, not solved for: every layer scaled by
     each ``c`` of ``grid`` at once, then each layer takes the ``c`` whose ratio was closest to the trained one; the
     twin so scaled is measured again (the layers feed each other, so the achieved ratios are reported, not assumed).
-
-    Args:
-        trained: the trained organism's pipeline (read only).
-        make_twin: a function returning a fresh untrained pipeline of the same architecture.
-        sets: calibration reference sets (lists of images).
-        steps: the recorded step indices.
-        grid: the key scales tried.
 
     Returns:
         ``(calibration, twin)``: per layer ``layer``, ``trained_ratio``, ``untrained_ratio`` (c = 1),
@@ -152,12 +145,9 @@ DIRECTIONS = ("above", "below")
 
 
 def paired_tests(differences: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
-    """Both one-sided sign-flip tests of the mean per-set difference, per (control, statistic, timestep).
-
-    Args:
-        differences: one row per set with ``control``, ``statistic``, ``timestep`` and ``difference`` (trained -
-            control; NaN left out).
-        seed: the permutation test's seed (9999 sign-flip draws).
+    """Both one-sided sign-flip tests (9999 draws from ``seed``) of the mean per-set difference, per (control,
+    statistic, timestep). ``differences``: one row per set with ``control``, ``statistic``, ``timestep`` and
+    ``difference`` (trained - control; NaN left out).
 
     Returns:
         one row per (control, statistic, timestep), noise first: ``difference`` (mean over sets), ``sets``,
@@ -203,12 +193,8 @@ def paired_tests(differences: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
 
 def paired_control(per_set: dict[str, pd.DataFrame], controls=("untrained", "matched"), seed: int = 0) -> pd.DataFrame:
     """Trained against each control, set by set: :func:`paired_tests` of the per-set differences of each of
-    :data:`PAIRED_STATISTICS`, with ``trained`` and ``control_value`` (the means over sets) beside them.
-
-    Args:
-        per_set: ``"trained"`` and each control -> :func:`per_set_means` of the same sets and seeds.
-        controls: the controls to compare with.
-        seed: the permutation test's seed.
+    :data:`PAIRED_STATISTICS`, with ``trained`` and ``control_value`` (the means over sets) beside them. ``per_set``:
+    ``"trained"`` and each control -> :func:`per_set_means` of the same sets and seeds.
     """
     frames, means = [], []
     for control in controls:
@@ -235,11 +221,8 @@ def equal_r_differences(trained: pd.DataFrame, control: pd.DataFrame, columns=PA
     of the weights the probe reads, calibrated per layer, step and set) because it leaves both pipelines as trained
     and started, and over binning r because a set has a few dozen cells; it assumes the difference is linear in the
     r gap over the cells' range (``r_gap_positive`` shows how far the line is extrapolated to reach 0).
-
-    Args:
-        trained, control: probe tables (cond branch, image kind) with ``set``; columns ``layer``, ``head``,
-            ``timestep``, ``qf_logit_ratio`` and ``columns``.
-        columns: the statistics.
+    ``trained``, ``control``: probe tables (cond branch, image kind) with ``set``, ``layer``, ``head``, ``timestep``,
+    ``qf_logit_ratio`` and the statistics ``columns``.
 
     Returns:
         one row per (set, timestep, statistic): ``difference`` (``delta``), ``raw_difference`` (the mean cell
@@ -322,11 +305,9 @@ def query_pool(
     """Both query pools on the same generations (module docstring).
 
     Args:
-        pipes: organism name -> trained pipeline.
-        sets: reference sets (lists of images); set ``i`` generates from seed ``i``.
-        steps: recorded step indices (of the 50-step schedule).
-        counts: ``num_images_per_prompt`` values.
-        guidance_scale: CFG scale (above 1: both branches).
+        pipes: organism name -> trained pipeline; set ``i`` of ``sets`` generates from seed ``i``; ``steps`` index the
+            50-step schedule.
+        counts: ``num_images_per_prompt`` values; ``guidance_scale`` above 1 probes both branches.
         runs: ``"one"``: one item-pool run per generation, the branch pool from its ``qf_spearman_other_pool``;
             ``"both"``: a run per pool (twice the generations).
 
@@ -381,16 +362,9 @@ def _pool_summary(cells: pd.DataFrame) -> pd.DataFrame:
 def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], folder) -> tuple[list, dict]:
     """The ip-adapter experiment's matched control and query pool (module docstring), at the tier's sizes.
 
-    Args:
-        ctx: the experiment's context (tier, recipe, progress).
-        pipes: ``"trained"``, ``"untrained"`` pipelines.
-        per_set: ``"trained"``, ``"untrained"`` -> :func:`per_set_means` of the one-digit sets already generated.
-        sets: those sets (lists of images); set ``i`` generated from seed ``i``.
-        steps: the recorded step indices.
-        folder: where ``matched_control.csv``, ``matched_calibration.csv`` and ``query_pool.csv`` go.
-
-    Returns:
-        ``(rows, record)``: table rows and the record's entries.
+    ``pipes``: ``"trained"``, ``"untrained"``; ``per_set``: the same keys -> :func:`per_set_means` of the one-digit
+    ``sets`` already generated (set ``i`` from seed ``i``). Writes ``matched_control.csv``, ``matched_calibration.csv``
+    and ``query_pool.csv`` to ``folder``; returns ``(rows, record)``: table rows and the record's entries.
     """
     import torch
 

@@ -114,7 +114,8 @@ def evaluate_digits(
 
 
 def add_digit_scores(comparison: Any, digit: int) -> None:
-    """Score a :class:`ipa_probe.compare.Comparison` of the organism with :func:`digit_classifier`, in place.
+    """Score a :class:`ipa_probe.compare.Comparison` (from :func:`ipa_probe.compare.compare_methods` on the organism,
+    references of ``digit``) with :func:`digit_classifier`, in place.
 
     Adds ``digit_right`` (1 if the image is classified as ``digit``) and ``digit_confidence`` (the probability the
     classifier gives ``digit``) to ``comparison.per_image``, and their means and standard deviations over seeds
@@ -123,10 +124,6 @@ def add_digit_scores(comparison: Any, digit: int) -> None:
     and of their VAE round trips, that the classifier itself reads as ``digit`` (the ceiling of a method that copies
     its references); each reading (label, probability of ``digit``) is in ``comparison.settings["digit_readings"]``
     and :func:`digit_readings_line` puts them in one line.
-
-    Args:
-        comparison: the result of :func:`ipa_probe.compare.compare_methods` on the digits organism.
-        digit: the references' digit.
     """
     per = comparison.per_image
     right = np.full(len(per), np.nan)

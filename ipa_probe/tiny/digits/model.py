@@ -173,11 +173,7 @@ def untrained_digits_pipeline(seed: int = 0, recipe: str = DEFAULT_RECIPE) -> St
     one's for ``ip-adapter``, whose VAE that is). Built the way :func:`train_digits` initialises them (``support``
     and ``mixed`` share the architecture and initial weights; for ``recipe="ip-adapter"``: the 16-layer UNet, an
     adapter whose ``to_k_ip`` / ``to_v_ip`` are copies of ``to_k`` / ``to_v``), then loaded through
-    ``load_ip_adapter`` like the trained one.
-
-    Args:
-        seed: the initialisation's seed.
-        recipe: ``"support"``, ``"mixed"`` or ``"ip-adapter"`` (the architecture).
+    ``load_ip_adapter`` like the trained one. ``recipe``: ``"support"``, ``"mixed"`` or ``"ip-adapter"``.
     """
     recipe = check_recipe(recipe)
     parts = _init_modules(seed) if recipe != "ip-adapter" else _init_base_modules(seed, with_adapter=True)
@@ -316,16 +312,14 @@ def digits_pipeline(path: str | os.PathLike | None = None, recipe: str | None = 
     Loaded offline through diffusers' ``from_pretrained`` and ``load_ip_adapter``: ``"support"`` and ``"mixed"`` from
     ``<path>/model`` and ``<path>/ip_adapter/ip-adapter.safetensors``; ``"ip-adapter"`` from its frozen base's
     ``unet/`` and ``image_encoder/``, the support folder's other components and its own ``ip_adapter/``. How each
-    recipe was trained: docs/organism.md.
+    recipe was trained: docs/organism.md. Call it with ``ip_adapter_image=[digits_reference_images(d, n)]`` (one
+    support set).
 
     Args:
         path: a folder written by ``ipa-probe train-digits`` (for ``ip-adapter``: its adapter stage, whose
             ``record.json`` names the base); ``None`` loads the weights shipped with the package.
         recipe: ``"support"``, ``"mixed"`` or ``"ip-adapter"``; ``None``: the folder's own recipe, or for the
             shipped weights :data:`ipa_probe._checks.DEFAULT_DIGITS_RECIPE`.
-
-    Returns:
-        the pipeline; call it with ``ip_adapter_image=[digits_reference_images(d, n)]`` (one support set).
 
     Raises:
         ValueError: an unknown recipe, or a folder of the other recipe.
@@ -405,10 +399,8 @@ def base_digest(base: str | os.PathLike) -> str:
 
 def load_base(base: str | os.PathLike) -> tuple[UNet2DConditionModel, CLIPVisionModelWithProjection]:
     """A base written by ``train-digits --recipe ip-adapter --stage base``: its UNet (stored in float16, returned in
-    float32) and its image encoder, in eval mode with gradients off.
-
-    Raises:
-        FileNotFoundError: a file is missing; the message names it and the remedy.
+    float32) and its image encoder, in eval mode with gradients off. A missing file raises ``FileNotFoundError``
+    naming it and the remedy.
     """
     base = Path(base)
     for rel in BASE_FILES.values():

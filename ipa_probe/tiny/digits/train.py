@@ -120,7 +120,8 @@ def train_digits(
     progress: bool = True,
     stop_after: int | None = None,
 ) -> dict:
-    """Train the digits organism from scratch (or resume ``out``'s checkpoint) and save it in ``out``.
+    """Train the digits organism from scratch (or resume ``out``'s checkpoint) and save it in ``out``; returns the
+    record (also written to ``record.json``; ``{"finished": False, ...}`` if stopped early).
 
     The recipe follows the type of ``config``:
 
@@ -142,13 +143,9 @@ def train_digits(
             (the adapter in the published layout, for ``load_ip_adapter``), ``record.json``, ``loss.png``, and the
             checkpoint ``checkpoint.safetensors`` (kept, so that a finished run is not retrained). The other
             recipes' outputs: :func:`~.train_ip.train_base`, :func:`~.train_ip.train_adapter`.
-        config: the settings (defaults: the shipped weights').
-        progress: show tqdm progress bars.
+        config: the settings (defaults: the shipped weights'); ``progress``: show tqdm progress bars.
         stop_after: stop (with a checkpoint) once this many steps, over all stages, are done in this call; for
             testing resumption.
-
-    Returns:
-        the record (also written to ``record.json``); ``{"finished": False, ...}`` if stopped early.
 
     Raises:
         CheckpointError: ``out`` holds a checkpoint that cannot be used (the message names it and the remedy).
