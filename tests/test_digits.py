@@ -169,9 +169,12 @@ def test_train_digits_command_writes_a_loadable_organism(tmp_path, capsys):
 
     out = tmp_path / "organism"
     argv = ["train-digits", "--out", str(out), "--no-progress", "--threads", "1"]
-    assert main([*argv, "--vae-steps", "2", "--steps", "2", "--batch", "4", "--checkpoint-every", "1"]) == 0
+    # the smallest stages the command takes (the image encoder's pretraining defaults to 300 steps)
+    sizes = ["--vae-steps", "1", "--encoder-steps", "1", "--steps", "2", "--batch", "4", "--checkpoint-every", "1"]
+    assert main([*argv, *sizes]) == 0
     record = json.loads((out / "record.json").read_text())
     assert record["config"]["steps"] == 2 and record["config"]["threads"] == 1 and record["resumed"] == 0
+    assert record["config"]["encoder_steps"] == 1
     printed = capsys.readouterr().out
     assert f"{record['final_losses']['unet']:.4f}" in printed and str(out) in printed
     trained, shipped = D.digits_pipeline(out).unet.config, D.digits_pipeline().unet.config

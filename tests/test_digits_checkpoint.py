@@ -169,7 +169,8 @@ class _Killed(BaseException):
 
 def _write_calls(monkeypatch, kill_at: int | None) -> list[str]:
     """Count (and at call ``kill_at`` interrupt) every write the training makes: tensors written, files flushed,
-    files renamed into place, JSON and figures written."""
+    files renamed into place, JSON and figures written. A checkpoint's ``save_file`` is named
+    ``"save_file:checkpoint"``."""
     import safetensors.torch
 
     calls: list[str] = []
@@ -178,7 +179,8 @@ def _write_calls(monkeypatch, kill_at: int | None) -> list[str]:
         original = getattr(owner, name)
 
         def counted(*args, **kwargs):
-            calls.append(name)
+            is_checkpoint = name == "save_file" and CHECKPOINT_NAME in str(args[1] if len(args) > 1 else "")
+            calls.append("save_file:checkpoint" if is_checkpoint else name)
             if kill_at is not None and len(calls) == kill_at:
                 raise _Killed(name)
             return original(*args, **kwargs)
@@ -191,9 +193,28 @@ def _write_calls(monkeypatch, kill_at: int | None) -> list[str]:
     return calls
 
 
+def _kill_points(calls: list[str]) -> list[int]:
+    """The writes (1-based) to interrupt: every write, except that of a checkpoint's three (tensors written, flushed,
+    renamed into place) one is taken per checkpoint, in turn (the first checkpoint's tensors, the second's flush, the
+    third's rename, ...), and the last checkpoint also takes those no earlier one took. So each of the three is
+    interrupted, every checkpoint is interrupted, and a resume starts once from nothing and once from each
+    checkpoint (a kill at checkpoint ``j`` resumes from checkpoint ``j - 1``; one at the first write after the last
+    checkpoint, from the last)."""
+    starts = [i for i, name in enumerate(calls) if name == "save_file:checkpoint"]
+    assert all(calls[i + 1 : i + 3] == ["fsync", "replace"] for i in starts), calls
+    skipped = set()
+    for j, start in enumerate(starts):
+        taken = {j % 3} | (set(range(j + 1, 3)) if j == len(starts) - 1 else set())
+        skipped |= {start + position for position in range(3) if position not in taken}
+    return [i + 1 for i in range(len(calls)) if i not in skipped]
+
+
 def _weights(out) -> dict[str, torch.Tensor]:
     files = [p for p in out.rglob("*.safetensors") if p.name != CHECKPOINT_NAME]
     return {f"{p.relative_to(out)}:{k}": v for p in files for k, v in load_file(str(p)).items()}
+
+
+_STEP_FIELDS = {"support": ("vae_steps", "encoder_steps", "steps"), "adapter": ("steps",)}
 
 
 def _config(kind, base):
@@ -212,8 +233,14 @@ def test_a_kill_at_any_write_resumes_to_the_weights_of_an_uninterrupted_run(tmp_
         calls = _write_calls(patch, None)
         straight = D.train_digits(tmp_path / "straight", config, progress=False)
     expected = _weights(tmp_path / "straight")
-    assert straight["finished"] and len(calls) > 10 and set(calls) == {"save_file", "fsync", "replace"}
-    for kill_at in range(1, len(calls) + 1):
+    assert straight["finished"] and len(calls) > 10
+    assert set(calls) == {"save_file:checkpoint", "save_file", "fsync", "replace"}
+    # one checkpoint per step (checkpoint_every=1), every one of them interrupted
+    checkpoints = calls.count("save_file:checkpoint")
+    assert checkpoints == sum(straight["config"][field] for field in _STEP_FIELDS[kind]) >= 2
+    points = _kill_points(calls)
+    assert len(points) == len(calls) - 2 * checkpoints + max(0, 3 - checkpoints)
+    for kill_at in points:
         out = tmp_path / f"killed_at_{kill_at}"
         with monkeypatch.context() as patch:
             _write_calls(patch, kill_at)
