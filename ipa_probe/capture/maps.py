@@ -36,11 +36,11 @@ import torch
 import torch.nn.functional as F
 from diffusers.image_processor import IPAdapterMaskProcessor
 
-from ..layers import IPLayer, LayerSelection, compile_selection, observer
+from ..layers import IPLayer, LayerSelection, compile_selection
 from ..statistics.kernels import reference_contributions, softmax_keys
-from .spine import expand_references
+from .spine import LayerHooks, expand_references
 from .taps import Tap
-from .taps.base import Handle
+from .taps.base import Handle, layer_module
 
 __all__ = ["MAP_KINDS", "MAP_TABLE_COLUMNS", "REFERENCE_MASS_COLUMNS", "MapAccumulator"]
 
@@ -134,17 +134,16 @@ class MapAccumulator:
         self.heads = True
 
     # ------------------------------------------------------------------ capture
-    def install(self, denoiser: torch.nn.Module) -> list[Handle]:
-        """Register the value hooks (the probe calls :meth:`on_pass` from its place on the spine, after its clock)."""
+    def install(self, denoiser: torch.nn.Module, hooks: LayerHooks) -> list[Handle]:
+        """Add the value readers to the spine's per-layer hooks (the probe calls :meth:`on_pass` from its place on the
+        spine, after its clock)."""
         self.read_projections(denoiser)
-        handles = []
-        for index, layer in enumerate(self.layers):
-            if layer.family == "sd3":  # one softmax over latent and image tokens: no per-reference split
-                continue
-            for adapter in range(layer.num_adapters):
-                to_v_ip = layer.processor.to_v_ip[adapter]
-                handles.append(to_v_ip.register_forward_hook(observer(self._value_hook(index, adapter))))
-        return handles
+        return [
+            hooks.add(layer_module(layer, "v", adapter), self._value_hook(index, adapter))
+            for index, layer in enumerate(self.layers)
+            if layer.family != "sd3"  # one softmax over latent and image tokens: no per-reference split
+            for adapter in range(layer.num_adapters)
+        ]
 
     def read_projections(self, denoiser: torch.nn.Module) -> None:
         """Read the denoiser's per-adapter image projections (again, after ``load_ip_adapter`` replaced them)."""

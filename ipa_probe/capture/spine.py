@@ -7,6 +7,10 @@ The probe, its maps, ``intervene`` (ablate, swap, scale), the hook points (hooks
   it places the call in the denoising loop once and then calls its clients in the order they attached;
 - the **step clock**: which pipeline call (:class:`~.clock.CallClock`), which denoising step and which pass of the
   step (the family's :meth:`~.taps.Tap.begin_pass`), and the pass's timestep, as :class:`PassInfo`;
+- the **per-layer hooks** (:class:`LayerHooks`): one forward pre-hook and one forward hook on each module of the
+  IP-Adapter layers that some client reads or edits (the query, the branches' key and value projections, where a
+  branch's output is added, the attention), calling the clients' callbacks in one order (edits, then readers), and
+  what the layer computed there kept once for all of them;
 - the **mask normalisation** (:func:`normalise_masks`): diffusers' ``ip_adapter_masks`` in one form;
 - the **meeting point of reading and editing** in each IP-Adapter layer's image branch: an edit that removes
   references from the keys says which ones stay (:meth:`Spine.keep_references`), an edit of the weights or the
@@ -27,13 +31,30 @@ from typing import Any
 
 import torch
 
-from ..layers import denoiser_of, find_ip_layers, keep, kept, observer
+from ..layers import IPLayer, denoiser_of, find_ip_layers, keep, kept, observer
 from .branches import PromptEvidence, label_vocabulary
 from .clock import CallClock
 from .taps import tap_for
-from .taps.base import DenoiserPass, Tap, normalise_masks
+from .taps.base import DenoiserPass, Tap, heads_first, layer_module, normalise_masks
 
-__all__ = ["PassInfo", "Spine", "attach", "detach", "expand_references", "kept_tokens", "normalise_masks", "spine_of"]
+__all__ = [
+    "EDIT",
+    "READ",
+    "LayerHooks",
+    "PassInfo",
+    "Spine",
+    "attach",
+    "detach",
+    "expand_references",
+    "kept_tokens",
+    "layer_module",
+    "normalise_masks",
+    "spine_of",
+]
+
+#: The order of the callbacks on one module (:meth:`LayerHooks.add`): edits (in the order added), what the layer
+#: computed kept (:meth:`LayerHooks.keep`), readers; a layer's kept tensors are dropped first and last.
+FIRST, EDIT, KEEP, READ, LAST = range(5)
 
 
 def expand_references(x: torch.Tensor, kept: tuple[int, ...], total: int, dim: int, fill: float) -> torch.Tensor:
@@ -59,6 +80,110 @@ def pass_masks(kwargs: dict) -> list[torch.Tensor | None] | None:
     """The normalised ``ip_adapter_masks`` of a denoiser call (UNet, Flux or SD3 keyword arguments)."""
     extra = kwargs.get("cross_attention_kwargs") or kwargs.get("joint_attention_kwargs") or {}
     return normalise_masks(extra.get("ip_adapter_masks"))
+
+
+@dataclass(eq=False)
+class _Callback:
+    order: int
+    fn: Callable
+    key: tuple[int, bool]
+    hooks: LayerHooks
+
+    def remove(self) -> None:
+        self.hooks._remove(self)
+
+
+class LayerHooks:
+    """The per-layer hooks of one denoiser (:attr:`Spine.hooks`), shared by every client: at most one forward
+    pre-hook and one forward hook on a module, however many clients read or edit it, off with its last callback.
+
+    Attributes:
+        seen: ``(layer id, site, branch)`` -> what the layer computed at a site in its running call, for the clients
+            that asked (:meth:`keep`): ``"q"`` heads first ``(B, H, Q, D)``, keys and values as their module returned
+            them (after the edits there); dropped when the layer is called and when it returns.
+    """
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, str, int | str], torch.Tensor] = {}
+        self._chains: dict[tuple[int, bool], tuple[list[_Callback], torch.utils.hooks.RemovableHandle]] = {}
+
+    def add(self, module: torch.nn.Module, fn: Callable, *, pre: bool = False, order: int = READ) -> _Callback:
+        """Call ``fn`` at every forward of ``module``, after the callbacks of a lower ``order`` (:data:`EDIT`,
+        :data:`READ`) and those added before: ``fn(module, args, kwargs)`` before the forward (``pre``), returning
+        ``None`` or the ``(args, kwargs)`` it then gets, else ``fn(module, args, output)`` after it, returning ``None``
+        or the output that replaces it (the next callbacks get what the last returned). Returns the callback:
+        ``.remove()`` takes it off (idempotent)."""
+        key = (id(module), pre)
+        if key not in self._chains:
+            chain: list[_Callback] = []
+            if pre:
+                handle = module.register_forward_pre_hook(observer(_run_pre(chain)), with_kwargs=True)
+            else:
+                handle = module.register_forward_hook(observer(_run_forward(chain)))
+            self._chains[key] = (chain, handle)
+        chain = self._chains[key][0]
+        callback = _Callback(order, fn, key, self)
+        chain.insert(sum(c.order <= order for c in chain), callback)
+        return callback
+
+    def keep(self, layer: IPLayer, *sites: tuple[str, int | str]) -> list[_Callback]:
+        """Keep what ``layer`` computes at each ``(site, branch)`` in :attr:`seen` while it runs; returns the callbacks
+        (to remove)."""
+        name = layer.name
+
+        def forget(module, *_) -> None:
+            for key in [key for key in self.seen if key[0] == name]:
+                del self.seen[key]
+
+        def keeper(site: str, branch: int | str) -> Callable:
+            def store(module, args, output) -> None:
+                self.seen[(name, site, branch)] = heads_first(layer, output) if site == "q" else output
+
+            return store
+
+        attn = layer.attention
+        kept = [self.add(layer_module(layer, *site), keeper(*site), order=KEEP) for site in sites]
+        return [self.add(attn, forget, pre=True, order=FIRST), *kept, self.add(attn, forget, order=LAST)]
+
+    def _remove(self, callback: _Callback) -> None:
+        chain, handle = self._chains.get(callback.key, ([], None))
+        if callback in chain:
+            chain.remove(callback)
+            if not chain:
+                handle.remove()
+                del self._chains[callback.key]
+
+    def clear(self) -> None:
+        """Take every hook off (what clients left when they raised on the way out)."""
+        for chain, handle in self._chains.values():
+            chain.clear()
+            handle.remove()
+        self._chains.clear()
+        self.seen.clear()
+
+
+def _run_pre(chain: list[_Callback]) -> Callable:
+    def run(module, args, kwargs):
+        changed = False
+        for callback in list(chain):
+            result = callback.fn(module, args, kwargs)
+            if result is not None:
+                (args, kwargs), changed = result, True
+        return (args, kwargs) if changed else None
+
+    return run
+
+
+def _run_forward(chain: list[_Callback]) -> Callable:
+    def run(module, args, output):
+        changed = False
+        for callback in list(chain):
+            result = callback.fn(module, args, output)
+            if result is not None:
+                output, changed = result, True
+        return output if changed else None
+
+    return run
 
 
 @dataclass
@@ -101,6 +226,8 @@ class Spine:
         self.clients: list[Any] = []
         self.now = PassInfo()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        #: the per-layer hooks every client reads and edits through
+        self.hooks = LayerHooks()
         #: (layer id, adapter) -> ``(kept, total)``: the references whose tokens the layer's image keys hold in this
         #: pass, in order, of the ``total`` the call passed, when an edit removed some (:meth:`keep_references`)
         self.kept: dict[tuple[str, int], tuple[tuple[int, ...], int]] = {}
@@ -124,6 +251,7 @@ class Spine:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.hooks.clear()
         self.clock.reset()
         self.tap.reset()
         self._watchers = 1
@@ -156,6 +284,7 @@ class Spine:
         self.kept.clear()
         self.kept_values.clear()
         self.used.clear()
+        self.hooks.seen.clear()
         self.weight_edits = set()
         if self.evidence is not None:
             self.evidence.pass_seen()

@@ -21,7 +21,8 @@ from diffusers.models.embeddings import ImageProjection
 
 from .._checks import check_steps_ran
 from ..capture import spine
-from ..capture.spine import Spine
+from ..capture.spine import EDIT, Spine
+from ..capture.taps.base import layer_module
 from ..layers import (
     IPLayer,
     LayerSelection,
@@ -30,7 +31,6 @@ from ..layers import (
     find_ip_layers,
     keep,
     kept,
-    observer,
     release,
 )
 from .config import INTERVENE, InterventionConfig
@@ -144,7 +144,7 @@ class Intervention:
         reference's tokens in the input ``(B, images, tokens, C)``."""
         config = self.config
 
-        def hook(module, args):
+        def hook(module, args, kwargs):
             if not self._acting:
                 return None
             tokens = args[0]
@@ -168,7 +168,7 @@ class Intervention:
                 edited = tokens.clone()
                 at = kept.index(config.reference)
                 edited[:, at] = self._swap_in(tokens[:, at])
-                return (edited, *args[1:])
+                return (edited, *args[1:]), kwargs
             keep = [i for i, r in enumerate(kept) if r not in config.references]
             if not keep:  # an empty softmax: zero the values instead (the branch adds nothing, as scale 0 does)
                 self._emptied = True
@@ -176,7 +176,7 @@ class Intervention:
             self._emptied = False
             # the readers of this layer's keys (the probe's maps) and the edits after this one index by reference
             self._spine.keep_references(layer, config.adapter, tuple(kept[i] for i in keep), images, keys)
-            return (tokens[:, keep], *args[1:])  # (B, kept - removed, T, C)
+            return (tokens[:, keep], *args[1:]), kwargs  # (B, kept - removed, T, C)
 
         return hook
 
@@ -306,27 +306,32 @@ def apply_intervention(
         keep(denoiser, INTERVENE, [*kept(denoiser, INTERVENE, []), state])
         if config.mode == "scale":
             state._detach_points = _attach_scale(pipe, state, names, family == "flux")
-            found = []
         else:
             state._spine = spine.attach(pipe, state)
             state._watching = family == "flux"
             if state._watching:
                 state._spine.watch_prompts()
-        for layer in found:
-            if family == "sd3":
-                hook = observer(state._edit_sd3(layer.name))
-                state._handles.append(layer.attention.register_forward_pre_hook(hook, with_kwargs=True))
-                continue
-            to_k_ip = layer.processor.to_k_ip[config.adapter]
-            to_v_ip = layer.processor.to_v_ip[config.adapter]
-            state._handles.append(to_k_ip.register_forward_pre_hook(observer(state._edit_tokens(layer.name, True))))
-            state._handles.append(to_v_ip.register_forward_pre_hook(observer(state._edit_tokens(layer.name, False))))
-            state._handles.append(to_v_ip.register_forward_hook(observer(state._zero_values)))
+            state._handles = _edit_tokens(state, found)
     except BaseException:
         state.remove()
         raise
-    logger.info("intervene: %s on %d layer(s)", what, len(found))
+    logger.info("intervene: %s on %d layer(s)", what, len(names))
     return state
+
+
+def _edit_tokens(state: Intervention, layers: list[IPLayer]) -> list:
+    """``"ablate"`` and ``"swap"``: edits of the adapter's image tokens on the spine's per-layer hooks, before any
+    reader there (SD3: of the joint attention's keyword ``ip_hidden_states``); returns the callbacks."""
+    hooks, adapter, handles = state._spine.hooks, state.config.adapter, []
+    for layer in layers:
+        if layer.family == "sd3":
+            handles.append(hooks.add(layer.attention, state._edit_sd3(layer.name), pre=True, order=EDIT))
+            continue
+        to_k_ip, to_v_ip = (layer_module(layer, site, adapter) for site in ("k", "v"))
+        handles.append(hooks.add(to_k_ip, state._edit_tokens(layer.name, True), pre=True, order=EDIT))
+        handles.append(hooks.add(to_v_ip, state._edit_tokens(layer.name, False), pre=True, order=EDIT))
+        handles.append(hooks.add(to_v_ip, state._zero_values, order=EDIT))
+    return handles
 
 
 def _attach_scale(pipe, state: Intervention, names: list[str], flux: bool):

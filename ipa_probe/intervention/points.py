@@ -2,17 +2,17 @@
 of :data:`POINTS`, TransformerLens-style; what each holds and how callbacks read and edit it: docs/api.md, "Hook
 points: callbacks, caching, patching".
 
-The points are formed from what the layer's own modules compute (forward hooks on ``attn.to_q``, on Flux
-``attn.norm_q`` before RoPE, and on the branch's key and value projections; nothing replaced), in :data:`POINTS`'
+The points are formed from what the layer's own modules compute, as the spine's per-layer hooks keep it (the query, the
+branch's keys and values: :func:`~ipa_probe.capture.taps.base.layer_module`; nothing replaced), in :data:`POINTS`'
 order, an edit at one flowing into the next; the layer then adds the change of the branch's output to what
-``attn.to_out[0]`` returns (Flux, whose branch has no output projection: to the attention's third output, in its first
-forward hook). With no edit the pipeline computes bit for bit what it computes without ipa_probe; with one, the
+``attn.to_out[0]`` returns (Flux, whose branch has no output projection: to the attention's third output, before the
+readers there). With no edit the pipeline computes bit for bit what it computes without ipa_probe; with one, the
 unedited part of the layer (bias, other branches) is still the processor's own. A layer's points fire when its branch
 runs (not at adapter scale 0); ``ip_adapter_masks`` are refused at the first selected step, SD3 at once
 (:func:`hook_point_layers` says why).
 
 Several users may hold points on one pipeline at once (an intervention's callbacks, then a cache's readers): the
-hooks are installed once per denoiser, callbacks of one point run in order of attachment, and the hooks come off when
+callbacks are added once per denoiser, callbacks of one point run in order of attachment, and the hooks come off when
 the last user leaves.
 """
 
@@ -32,9 +32,10 @@ from .._checks import step_selected
 from ..capture import spine
 from ..capture.layer_order import network_key
 from ..capture.maps import image_projections, tokens_per_image
-from ..capture.spine import Spine, expand_references, normalise_masks
+from ..capture.spine import EDIT, Spine, expand_references, normalise_masks
+from ..capture.taps.base import layer_module
 from ..capture.taps.unet import unet_resolution_factor
-from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, keep, kept, observer
+from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, keep, kept
 from ..statistics.kernels import dot_logits, reference_contributions, split_heads
 from .context import HookContext
 
@@ -106,13 +107,6 @@ def list_hook_points(pipe) -> list[str]:
     ]
 
 
-def _projections(layer: IPLayer, branch: int | str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The key and value projections of a branch: ``attn.to_k`` / ``to_v`` (text), ``to_k_ip`` / ``to_v_ip``."""
-    if branch == TEXT:
-        return layer.attention.to_k, layer.attention.to_v
-    return layer.processor.to_k_ip[branch], layer.processor.to_v_ip[branch]
-
-
 def _branches(layer: IPLayer) -> list[int | str]:
     """The branches of a layer with hook points: the text branch (UNets), then each adapter."""
     return ([TEXT] if layer.family == "unet" else []) + list(range(layer.num_adapters))
@@ -165,7 +159,6 @@ class _Registry:
         self.timestep: Any = None
         self.sample_shape: tuple[int, ...] = ()
         self.batch = 0
-        self.stash: dict[tuple, torch.Tensor] = {}
         self.active: dict[str, list[HookFn]] = {}  # the callbacks of this pass, by point name
         self.cfg: tuple[str, ...] = ()  # each batch item's CFG label in this pass
         self._text_tokens: int | None = None
@@ -175,25 +168,13 @@ class _Registry:
     def install(self) -> None:
         self.spine = spine.attach(self.pipe, self)
         self.spine.watch_prompts()
+        hooks = self.spine.hooks
         for layer in self.layers:
-            attn, heads = layer.attention, layer.heads
-            self.handles.append(attn.register_forward_pre_hook(observer(self._on_layer(layer)), with_kwargs=True))
-            if layer.family == "unet":  # q = to_q(h), split into heads; the branch is added before to_out[0]
-                query = self._keep(layer.name, "q", transform=lambda q, h=heads: split_heads(q, h))  # (B, H, Q, D)
-                self.handles.append(attn.to_q.register_forward_hook(observer(query)))
-                self.handles.append(attn.to_out[0].register_forward_hook(observer(self._on_out(layer))))
-            else:  # Flux: q = norm_q(to_q(h)) (B, N, H, D), before RoPE; the branch is the attention's third output
-                query = self._keep(
-                    layer.name, "q", transform=lambda q: q.transpose(1, 2)
-                )  # (B, N, H, D) -> (B, H, N, D)
-                self.handles.append(attn.norm_q.register_forward_hook(observer(query)))
-                # first of the attention module's forward hooks, whenever attached: a reader hooked there (the
-                # probe's record of edited weights, a map) sees the edit, in either order of attaching
-                self.handles.append(attn.register_forward_hook(observer(self._on_out(layer)), prepend=True))
-            for branch in _branches(layer):
-                to_k, to_v = _projections(layer, branch)
-                self.handles.append(to_k.register_forward_hook(observer(self._keep(layer.name, "k", branch))))
-                self.handles.append(to_v.register_forward_hook(observer(self._keep(layer.name, "v", branch))))
+            sites = [("q", 0)] + [(site, branch) for branch in _branches(layer) for site in ("k", "v")]
+            self.handles += hooks.keep(layer, *sites)
+            self.handles.append(hooks.add(layer.attention, self._on_layer(layer), pre=True))
+            # an edit: before the readers of the same module (Flux: the probe's record of the edited weights)
+            self.handles.append(hooks.add(layer_module(layer, "out"), self._on_out(layer), order=EDIT))
 
     def uninstall(self) -> None:
         try:
@@ -201,7 +182,6 @@ class _Registry:
                 handle.remove()
         finally:
             self.handles.clear()
-            self.stash.clear()
             self.active = {}
             if self.spine is not None:
                 self.spine.watch_prompts(False)
@@ -212,7 +192,6 @@ class _Registry:
     # ------------------------------------------------------------------ the clock
     def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
         """A denoiser pass starts: the loop index from the spine's clock, the callbacks of this pass."""
-        self.stash.clear()
         now = spine.now
         new_call, self.step, self.pass_index, self.timestep = now.new_call, now.step, now.pass_index, now.timestep
         self.call = now.call
@@ -260,7 +239,7 @@ class _Registry:
         queries = queries[0] * queries[1]
         out = layer.attention.to_out[0] if layer.family == "unet" else layer.processor.to_v_ip[adapter]
         channels, dtype = out.out_features, out.weight.dtype
-        keys, head_dim = references * tokens, _projections(layer, adapter)[0].out_features // layer.heads
+        keys, head_dim = references * tokens, layer_module(layer, "k", adapter).out_features // layer.heads
         shape = {
             "q": (self.batch, layer.heads, queries, head_dim),
             "k": (self.batch, layer.heads, keys, head_dim),
@@ -277,8 +256,6 @@ class _Registry:
 
     def _on_layer(self, layer: IPLayer) -> Callable:
         def hook(module, args, kwargs):
-            for key in [key for key in self.stash if key[0] == layer.name]:
-                del self.stash[key]
             if not self._wanted(layer.name):
                 return
             if kwargs.get("attention_mask") is not None and any(".text." in name for name in self.active):
@@ -302,13 +279,6 @@ class _Registry:
         factor = unet_resolution_factor(self.denoiser, layer.name)
         return (math.ceil(self.sample_shape[-2] / factor), math.ceil(self.sample_shape[-1] / factor))
 
-    def _keep(self, layer: str, what: str, adapter: int = 0, transform: Callable | None = None) -> Callable:
-        def hook(module, args, output):
-            if self._wanted(layer):
-                self.stash[(layer, what, adapter)] = output if transform is None else transform(output)
-
-        return hook
-
     def _on_out(self, layer: IPLayer) -> Callable:
         """Forward hook on ``to_out[0]`` (UNet) or on the attention module (Flux, whose third output is the image
         branch's): add the change of the branch's output."""
@@ -321,8 +291,6 @@ class _Registry:
                 change = self._branch(layer, branch)
                 if change is not None:
                     delta = change if delta is None else delta + change
-            for key in [key for key in self.stash if key[0] == layer.name]:
-                del self.stash[key]
             if delta is None:
                 return None
             if layer.family == "unet":
@@ -338,9 +306,9 @@ class _Registry:
         names = dict(zip(POINTS, (point_name(layer.name, point, adapter) for point in POINTS), strict=True))
         if not any(name in self.active for name in names.values()):
             return None
-        query = self.stash.get((layer.name, "q", 0))
-        keys = self.stash.get((layer.name, "k", adapter))
-        values = self.stash.get((layer.name, "v", adapter))
+        seen = self.spine.hooks.seen
+        query = seen.get((layer.name, "q", 0))  # (B, H, Q, D)
+        keys, values = (seen.get((layer.name, site, adapter)) for site in ("k", "v"))
         if query is None or keys is None or values is None:
             return None  # the branch did not run (adapter scale 0)
         text = adapter == TEXT

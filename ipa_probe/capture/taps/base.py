@@ -9,10 +9,12 @@ from typing import Any, ClassVar
 import torch
 
 from ...layers import IPLayer
+from ...statistics.kernels import split_heads
 
-__all__ = ["Capture", "DenoiserPass", "Handle", "Tap", "normalise_masks"]
+__all__ = ["Capture", "DenoiserPass", "Handle", "Tap", "heads_first", "layer_module", "normalise_masks"]
 
-Handle = torch.utils.hooks.RemovableHandle
+#: what :meth:`Tap.install` returns: anything with ``remove()`` (the spine's callbacks, torch's hook handles)
+Handle = Any
 RecordFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None]
 
 
@@ -29,6 +31,40 @@ def normalise_masks(masks: Any) -> list[torch.Tensor | None] | None:
     if isinstance(masks, torch.Tensor):  # diffusers' legacy form: (adapters, 1, height, width)
         return list(masks.unsqueeze(1))
     return None if masks is None else list(masks)
+
+
+def layer_module(layer: IPLayer, site: str, branch: int | str = 0) -> torch.nn.Module:
+    """The module of ``layer`` whose forward hook sees ``site`` of ``branch`` (an adapter's index; ``"text"``: a UNet's
+    text cross-attention; ``"latent"``: SD3's latent keys), the one place that knows them:
+
+    - ``"q"``: the query the branch's softmax uses: UNet ``attn.to_q``, Flux ``attn.norm_q`` (before RoPE), SD3
+      ``processor.norm_q``;
+    - ``"k"``, ``"v"``: the key and value projections, ``to_k_ip[a]`` / ``to_v_ip[a]`` (their forward pre-hooks see
+      the image tokens), text ``attn.to_k`` / ``attn.to_v``; SD3's keys ``processor.norm_ip_k``, latent
+      ``processor.norm_k``;
+    - ``"out"``: where the branch's output joins the layer's: UNet ``attn.to_out[0]``, Flux the attention (its third
+      output);
+    - ``"layer"``: the attention module.
+    """
+    attn, processor, family = layer.attention, layer.processor, layer.family
+    if site == "layer" or (site == "out" and family != "unet"):
+        return attn
+    if site == "out":
+        return attn.to_out[0]
+    if site == "q":
+        return attn.to_q if family == "unet" else attn.norm_q if family == "flux" else processor.norm_q
+    if branch == "text":
+        return attn.to_k if site == "k" else attn.to_v
+    if family == "sd3":
+        return processor.norm_k if branch == "latent" else processor.norm_ip_k
+    return (processor.to_k_ip if site == "k" else processor.to_v_ip)[branch]
+
+
+def heads_first(layer: IPLayer, query: torch.Tensor) -> torch.Tensor:
+    """What ``layer``'s ``"q"`` module returns (:func:`layer_module`) as ``(B, H, Q, D)``."""
+    if layer.family == "unet":
+        return split_heads(query, layer.heads)  # (B, Q, H*D) -> (B, H, Q, D)
+    return query.transpose(1, 2) if layer.family == "flux" else query  # Flux (B, N, H, D); SD3 heads first already
 
 
 @dataclass
@@ -147,8 +183,28 @@ class Tap:
 
     # ------------------------------------------------------------------ taps
     def install(self, capture: Capture, images: bool, text_slot: int | None) -> list[Handle]:
-        """Register the hooks that deliver ``(q, k)`` pairs to ``capture.record``; return their handles."""
+        """Add the callbacks that deliver ``(q, k)`` pairs to ``capture.record`` to the spine's per-layer hooks
+        (``capture.spine.hooks``: the query kept there, the keys read as their module returns them); return them
+        (each has ``remove()``)."""
+        hooks, handles = capture.spine.hooks, []
+        for index, layer in enumerate(self.layers):
+            handles += hooks.keep(layer, *self._kept(layer))
+            handles.append(hooks.add(layer.attention, self._forget(capture, index)))
+            for branch in range(layer.num_adapters) if images else ():
+                handles.append(hooks.add(layer_module(layer, "k", branch), self._keys(capture, index, branch)))
+        return handles
+
+    def _kept(self, layer: IPLayer) -> list[tuple[str, int | str]]:
+        """What the tap reads of a layer from :attr:`~ipa_probe.capture.spine.LayerHooks.seen`: the query."""
+        return [("q", 0)]
+
+    def _keys(self, capture: Capture, index: int, adapter: int) -> Callable:
+        """Forward hook on an adapter's key module: record its keys against the kept query (:meth:`_record`)."""
         raise NotImplementedError
+
+    def _query(self, capture: Capture, index: int, site: str = "q", branch: int | str = 0) -> torch.Tensor | None:
+        """What layer ``index`` computed at ``site`` in this call (the query heads first), while recording."""
+        return capture.spine.hooks.seen.get((self.layers[index].name, site, branch)) if capture.recording else None
 
     def map_elements(self, layer: IPLayer, args: tuple, kwargs: dict) -> int:
         """Elements per head of the image-branch weights of ``layer`` in one recorded step (all adapters)."""
@@ -174,15 +230,5 @@ class Tap:
                 capture.record(index, adapter, *record, used)
             for key in [key for key in capture.stash if key[0] == index]:
                 del capture.stash[key]
-
-        return hook
-
-    @staticmethod
-    def _keep(capture: Capture, index: int, name: str, transform: Callable | None = None) -> Callable:
-        """Forward hook: stash the module's output under ``(index, name)`` while recording."""
-
-        def hook(module, args, output):
-            if capture.recording:
-                capture.stash[(index, name)] = output if transform is None else transform(output)
 
         return hook

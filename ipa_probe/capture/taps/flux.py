@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import torch
 
-from ...layers import IPLayer, denoiser_of, observer
+from ...layers import IPLayer, denoiser_of
 from ...statistics.kernels import split_heads
-from .base import Capture, DenoiserPass, Handle, Tap
+from .base import Capture, DenoiserPass, Tap
 
 
 class FluxTap(Tap):
@@ -43,26 +43,15 @@ class FluxTap(Tap):
         timestep = self.argument("timestep", args, kwargs)
         return timestep * 1000 if timestep is not None else None
 
-    def install(self, capture: Capture, images: bool, text_slot: int | None) -> list[Handle]:
-        handles: list[Handle] = []
-        for index, layer in enumerate(self.layers):
-            attn = layer.attention
-            # (B, N, H, D) -> (B, H, N, D)
-            query_hook = self._keep(capture, index, "q", lambda q: q.transpose(1, 2))
-            handles.append(attn.norm_q.register_forward_hook(observer(query_hook)))
-            handles.append(attn.register_forward_hook(observer(self._forget(capture, index))))
-            for adapter, to_k_ip in enumerate(layer.processor.to_k_ip):
-                handles.append(to_k_ip.register_forward_hook(observer(self._keys(capture, index, adapter, layer))))
-        return handles
-
-    def _keys(self, capture: Capture, index: int, adapter: int, layer: IPLayer) -> Callable:
+    def _keys(self, capture: Capture, index: int, adapter: int) -> Callable:
         """Forward hook on ``to_k_ip[adapter]``: record the branch now, or (a client edits its weights point) when the
         attention module returns with the weights the layer used (:meth:`~.base.Tap._record`)."""
+        heads = self.layers[index].heads
 
         def hook(module, args, output):
-            query = capture.stash.get((index, "q"))
+            query = self._query(capture, index)
             if query is not None:
-                self._record(capture, index, adapter, query, split_heads(output, layer.heads), None, None)
+                self._record(capture, index, adapter, query, split_heads(output, heads), None, None)
 
         return hook
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from ...layers import IPLayer, denoiser_of, observer
-from .base import Capture, DenoiserPass, Handle, Tap
+from ...layers import IPLayer, denoiser_of
+from .base import Capture, DenoiserPass, Tap
 
 
 class SD3Tap(Tap):
@@ -31,22 +31,14 @@ class SD3Tap(Tap):
             return DenoiserPass(new_step=False, record=False)
         return DenoiserPass(new_step=True)
 
-    def install(self, capture: Capture, images: bool, text_slot: int | None) -> list[Handle]:
-        handles: list[Handle] = []
-        for index, layer in enumerate(self.layers):
-            processor = layer.processor
-            handles.append(processor.norm_q.register_forward_hook(observer(self._keep(capture, index, "q"))))
-            handles.append(processor.norm_k.register_forward_hook(observer(self._keep(capture, index, "k"))))
-            handles.append(processor.norm_ip_k.register_forward_hook(observer(self._keys(capture, index))))
-            handles.append(layer.attention.register_forward_hook(observer(self._forget(capture, index))))
-        return handles
+    def _kept(self, layer: IPLayer) -> list[tuple[str, int | str]]:
+        return [("q", 0), ("k", "latent")]  # the joint softmax also runs over the latent keys
 
-    @staticmethod
-    def _keys(capture: Capture, index: int) -> Callable:
+    def _keys(self, capture: Capture, index: int, adapter: int) -> Callable:
         def hook(module, args, output):
-            query = capture.stash.get((index, "q"))
+            query = self._query(capture, index)
             if query is not None:
-                capture.record(index, 0, query, output, capture.stash.get((index, "k")), None)
+                capture.record(index, 0, query, output, self._query(capture, index, "k", "latent"), None)
 
         return hook
 

@@ -57,7 +57,8 @@ class UNetTap(Tap):
         return DenoiserPass(new_step=not same_step)
 
     def install(self, capture: Capture, images: bool, text_slot: int | None) -> list[Handle]:
-        handles: list[Handle] = []
+        handles = super().install(capture, images, text_slot)
+        hooks = capture.spine.hooks
         if text_slot is not None:
             candidates = (getattr(self.pipe, "text_encoder", None), getattr(self.pipe, "text_encoder_2", None))
             encoder = next((m for m in candidates if m is not None), None)
@@ -65,17 +66,9 @@ class UNetTap(Tap):
                 hook = observer(self._on_text_encoder_call)
                 handles.append(encoder.register_forward_pre_hook(hook, with_kwargs=True))
         for index, layer in enumerate(self.layers):
-            attn, heads = layer.attention, layer.heads
-            handles.append(attn.register_forward_pre_hook(observer(self._masks(capture, index)), with_kwargs=True))
-            handles.append(attn.to_q.register_forward_hook(observer(self._keep(capture, index, "q"))))
-            handles.append(attn.register_forward_hook(observer(self._forget(capture, index))))
-            if images:
-                for adapter, to_k_ip in enumerate(layer.processor.to_k_ip):
-                    hook = observer(self._image_keys(capture, index, adapter, heads))
-                    handles.append(to_k_ip.register_forward_hook(hook))
+            handles.append(hooks.add(layer.attention, self._masks(capture, index), pre=True))
             if text_slot is not None:
-                hook = observer(self._text_keys(capture, index, text_slot, heads))
-                handles.append(attn.to_k.register_forward_hook(hook))
+                handles.append(hooks.add(layer.attention.to_k, self._text_keys(capture, index, text_slot)))
         return handles
 
     @staticmethod
@@ -89,12 +82,13 @@ class UNetTap(Tap):
 
         return hook
 
-    def _image_keys(self, capture: Capture, index: int, adapter: int, heads: int) -> Callable:
+    def _keys(self, capture: Capture, index: int, adapter: int) -> Callable:
         """Forward hook on ``to_k_ip[adapter]``. With masks, diffusers calls it once per reference image, in order,
         and gives each image its own softmax; the rows are then the queries inside that image's mask."""
+        heads = self.layers[index].heads
 
         def hook(module, args, output):
-            query = capture.stash.get((index, "q"))
+            query = self._query(capture, index)  # (B, H, Q, D)
             if query is None:
                 return
             masks = capture.stash.get((index, "masks"))
@@ -103,20 +97,21 @@ class UNetTap(Tap):
             if mask is not None:
                 image = capture.stash.get((index, "image", adapter), 0)
                 capture.stash[(index, "image", adapter)] = image + 1
-                rows = self._mask_rows(mask, image, query.shape[0], query.shape[1], query.device)
+                rows = self._mask_rows(mask, image, query.shape[0], query.shape[2], query.device)
             # the processor views the keys with the query's batch size, as here (after a callback turns CFG off
             # mid-run, the unconditional and conditional image tokens become one item's keys)
             keys = split_heads(output.reshape(query.shape[0], -1, output.shape[-1]), heads)
-            self._record(capture, index, adapter, split_heads(query, heads), keys, None, rows)
+            self._record(capture, index, adapter, query, keys, None, rows)
 
         return hook
 
-    @staticmethod
-    def _text_keys(capture: Capture, index: int, slot: int, heads: int) -> Callable:
+    def _text_keys(self, capture: Capture, index: int, slot: int) -> Callable:
+        heads = self.layers[index].heads
+
         def hook(module, args, output):
-            query = capture.stash.get((index, "q"))
+            query = self._query(capture, index)
             if query is not None:
-                capture.record(index, slot, split_heads(query, heads), split_heads(output, heads), None, None)
+                capture.record(index, slot, query, split_heads(output, heads), None, None)
 
         return hook
 
