@@ -189,7 +189,6 @@ class ProbeRun(RecordForming, RunViews, MapViews):
             self._state.call.incomplete.add(self._state.step)
         self._state = _StepState()
         self._capture.recording = False
-        self._capture.stash.clear()
         self.tap.reset()
         if self._claim is not None:
             release(self.pipe, _FEATURE, self._claim)
@@ -238,7 +237,6 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         state, tap = self._state, self.tap
         if state.in_pass and state.call is not None:  # the previous pass raised before returning
             state.call.incomplete.add(state.step)
-        self._capture.stash.clear()  # nothing a failed pass left may pair with this pass's tensors
         self._follow_processors()
         self._start_call_if_new(spine, args, kwargs)
         denoiser_pass = spine.now.denoiser_pass
@@ -262,7 +260,6 @@ class ProbeRun(RecordForming, RunViews, MapViews):
             edits = state.call.edits.setdefault(state.step, [])
             edits.extend(e for e in spine.now.edits if e not in edits)
         state.in_pass = False
-        self._capture.stash.clear()
         if self.compiled and self._capture.recording and state.records == 0 and self._ip_branch_runs():
             self._capture.recording = False
             raise RuntimeError(

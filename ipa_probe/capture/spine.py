@@ -27,30 +27,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from .._checks import step_selected
 from ..layers import IPLayer, denoiser_of, find_ip_layers, keep, kept, observer
 from .branches import PromptEvidence, label_vocabulary
 from .clock import CallClock
 from .taps import tap_for
 from .taps.base import DenoiserPass, Tap, heads_first, layer_module, normalise_masks
 
-__all__ = [
-    "EDIT",
-    "READ",
-    "LayerHooks",
-    "PassInfo",
-    "Spine",
-    "attach",
-    "detach",
-    "expand_references",
-    "kept_tokens",
-    "layer_module",
-    "normalise_masks",
-    "spine_of",
-]
+__all__ = ["EDIT", "READ", "LayerHooks", "PassInfo", "Spine", "attach", "detach", "expand_references", "kept_tokens"]
+__all__ += ["normalise_masks", "spine_of"]
 
 #: The order of the callbacks on one module (:meth:`LayerHooks.add`): edits (in the order added), what the layer
 #: computed kept (:meth:`LayerHooks.keep`), readers; a layer's kept tensors are dropped first and last.
@@ -82,17 +73,6 @@ def pass_masks(kwargs: dict) -> list[torch.Tensor | None] | None:
     return normalise_masks(extra.get("ip_adapter_masks"))
 
 
-@dataclass(eq=False)
-class _Callback:
-    order: int
-    fn: Callable
-    key: tuple[int, bool]
-    hooks: LayerHooks
-
-    def remove(self) -> None:
-        self.hooks._remove(self)
-
-
 class LayerHooks:
     """The per-layer hooks of one denoiser (:attr:`Spine.hooks`), shared by every client: at most one forward
     pre-hook and one forward hook on a module, however many clients read or edit it, off with its last callback.
@@ -100,90 +80,70 @@ class LayerHooks:
     Attributes:
         seen: ``(layer id, site, branch)`` -> what the layer computed at a site in its running call, for the clients
             that asked (:meth:`keep`): ``"q"`` heads first ``(B, H, Q, D)``, keys and values as their module returned
-            them (after the edits there); dropped when the layer is called and when it returns.
+            them (after the edits there); clients keep what else they hold for the running call here too (the probe's
+            records that wait for edited weights); dropped when the layer is called, when it returns and when a
+            denoiser pass starts.
     """
 
     def __init__(self) -> None:
         self.seen: dict[tuple[str, str, int | str], torch.Tensor] = {}
-        self._chains: dict[tuple[int, bool], tuple[list[_Callback], torch.utils.hooks.RemovableHandle]] = {}
+        self._chains: dict[tuple[int, bool], tuple[list[tuple[int, Callable]], Any]] = {}
 
-    def add(self, module: torch.nn.Module, fn: Callable, *, pre: bool = False, order: int = READ) -> _Callback:
+    def add(self, module: torch.nn.Module, fn: Callable, *, pre: bool = False, order: int = READ) -> Any:
         """Call ``fn`` at every forward of ``module``, after the callbacks of a lower ``order`` (:data:`EDIT`,
         :data:`READ`) and those added before: ``fn(module, args, kwargs)`` before the forward (``pre``), returning
         ``None`` or the ``(args, kwargs)`` it then gets, else ``fn(module, args, output)`` after it, returning ``None``
-        or the output that replaces it (the next callbacks get what the last returned). Returns the callback:
-        ``.remove()`` takes it off (idempotent)."""
+        or the output that replaces it (the next callbacks get what the last returned). Returns a handle whose
+        ``remove()`` takes ``fn`` off (idempotent)."""
         key = (id(module), pre)
         if key not in self._chains:
-            chain: list[_Callback] = []
-            if pre:
-                handle = module.register_forward_pre_hook(observer(_run_pre(chain)), with_kwargs=True)
-            else:
-                handle = module.register_forward_hook(observer(_run_forward(chain)))
-            self._chains[key] = (chain, handle)
+            chain: list[tuple[int, Callable]] = []
+            register = module.register_forward_pre_hook if pre else module.register_forward_hook
+            self._chains[key] = (chain, register(observer(partial(_run, chain, pre)), with_kwargs=pre))
         chain = self._chains[key][0]
-        callback = _Callback(order, fn, key, self)
-        chain.insert(sum(c.order <= order for c in chain), callback)
-        return callback
+        chain.insert(sum(o <= order for o, _ in chain), (order, fn))
+        return SimpleNamespace(remove=partial(self._remove, key, (order, fn)))
 
-    def keep(self, layer: IPLayer, *sites: tuple[str, int | str]) -> list[_Callback]:
-        """Keep what ``layer`` computes at each ``(site, branch)`` in :attr:`seen` while it runs; returns the callbacks
-        (to remove)."""
+    def keep(self, layer: IPLayer, *sites: tuple[str, int | str]) -> list[Any]:
+        """Keep what ``layer`` computes at each ``(site, branch)`` in :attr:`seen` while it runs; returns handles."""
         name = layer.name
 
         def forget(module, *_) -> None:
             for key in [key for key in self.seen if key[0] == name]:
                 del self.seen[key]
 
-        def keeper(site: str, branch: int | str) -> Callable:
-            def store(module, args, output) -> None:
-                self.seen[(name, site, branch)] = heads_first(layer, output) if site == "q" else output
-
-            return store
+        def store(site: str, branch: int | str, module, args, output) -> None:
+            self.seen[(name, site, branch)] = heads_first(layer, output) if site == "q" else output
 
         attn = layer.attention
-        kept = [self.add(layer_module(layer, *site), keeper(*site), order=KEEP) for site in sites]
+        kept = [self.add(layer_module(layer, *site), partial(store, *site), order=KEEP) for site in sites]
         return [self.add(attn, forget, pre=True, order=FIRST), *kept, self.add(attn, forget, order=LAST)]
 
-    def _remove(self, callback: _Callback) -> None:
-        chain, handle = self._chains.get(callback.key, ([], None))
-        if callback in chain:
-            chain.remove(callback)
+    def _remove(self, key: tuple[int, bool], entry: tuple[int, Callable]) -> None:
+        chain, handle = self._chains.get(key, ([], None))
+        if entry in chain:
+            chain.remove(entry)
             if not chain:
                 handle.remove()
-                del self._chains[callback.key]
+                del self._chains[key]
 
     def clear(self) -> None:
         """Take every hook off (what clients left when they raised on the way out)."""
-        for chain, handle in self._chains.values():
-            chain.clear()
+        for _, handle in self._chains.values():
             handle.remove()
         self._chains.clear()
         self.seen.clear()
 
 
-def _run_pre(chain: list[_Callback]) -> Callable:
-    def run(module, args, kwargs):
-        changed = False
-        for callback in list(chain):
-            result = callback.fn(module, args, kwargs)
-            if result is not None:
-                (args, kwargs), changed = result, True
-        return (args, kwargs) if changed else None
-
-    return run
-
-
-def _run_forward(chain: list[_Callback]) -> Callable:
-    def run(module, args, output):
-        changed = False
-        for callback in list(chain):
-            result = callback.fn(module, args, output)
-            if result is not None:
-                output, changed = result, True
-        return output if changed else None
-
-    return run
+def _run(chain: list[tuple[int, Callable]], pre: bool, module, args, last):
+    """A module's one hook: its callbacks in order, each given what the one before returned (``last``: the keyword
+    arguments before the forward, ``pre``, or the output)."""
+    changed = False
+    for _, fn in list(chain):
+        result = fn(module, args, last)
+        if result is not None:
+            (args, last), changed = (result if pre else (args, result)), True
+    return None if not changed else (args, last) if pre else last
 
 
 @dataclass
@@ -326,6 +286,20 @@ class Spine:
         self.evidence.running = self.running
         items = self.evidence.layout(context, device, self.now.denoiser_pass.label).items.tolist()
         return tuple(self.evidence.vocabulary[i] for i in items)
+
+    def selects(self, client: Any, steps: Any, when: Callable | None, label: str, args: tuple, kwargs: dict) -> bool:
+        """Whether ``client`` (an edit, a reader) acts in this pass: ``steps`` selects its step
+        (:func:`~ipa_probe._checks.step_selected`) and ``when(spine, args, kwargs)`` (``None``: any) the pass. Counts
+        the step in ``client.steps_run`` and a selected pass in ``client.selected``, and names the edit ``label``
+        (when given) in :attr:`PassInfo.edits`."""
+        now = self.now
+        client.steps_run = max(client.steps_run, now.step + 1)
+        if not step_selected(steps, now.step, now.timestep) or (when is not None and not when(self, args, kwargs)):
+            return False
+        client.selected += 1
+        if label:
+            now.edits.append(label)
+        return True
 
     def planned_steps(self) -> int | None:
         """How many steps the running call's loop has, or ``None`` when unknown."""

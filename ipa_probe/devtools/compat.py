@@ -100,11 +100,12 @@ def _same(a: Any, b: Any) -> bool:
 class _Passes:
     """The check's own reading: each denoiser pass's timestep (from the pass's arguments, not the spine's clock), and
     image-branch key projections per pass. It reads the passes as a client of the pipeline's attachment core
-    (:mod:`ipa_probe.capture.spine`), so the denoiser carries one pre-hook with the probe beside it."""
+    (:mod:`ipa_probe.capture.spine`), so the denoiser and its layers carry one set of hooks, the probe beside it."""
 
     def __init__(self, pipe) -> None:
         from ipa_probe.capture import spine
         from ipa_probe.capture.taps import tap_class
+        from ipa_probe.capture.taps.base import layer_module
         from ipa_probe.layers import find_ip_layers
 
         layers = find_ip_layers(pipe)
@@ -112,12 +113,12 @@ class _Passes:
         self.timesteps: list[float] = []
         self.projections = 0
         self.pipe, self.client = pipe, spine.client(on_pass=lambda core, args, kwargs: self._pass(args, kwargs))
-        self.handles = []
-        spine.attach(pipe, self.client)
-        for layer in layers:
-            to_k_ip = layer.processor.to_k_ip
-            for module in to_k_ip if isinstance(to_k_ip, torch.nn.ModuleList) else [to_k_ip]:
-                self.handles.append(module.register_forward_hook(self._projection))
+        hooks = spine.attach(pipe, self.client).hooks
+        self.handles = [
+            hooks.add(layer_module(layer, "k", adapter), self._projection)
+            for layer in layers
+            for adapter in range(layer.num_adapters)
+        ]
 
     def _pass(self, args, kwargs) -> None:
         t = self.tap.argument("timestep", args, kwargs)
@@ -133,9 +134,9 @@ class _Passes:
     def remove(self) -> None:
         from ipa_probe.capture import spine
 
-        spine.detach(self.pipe, self.client)
         for handle in self.handles:
             handle.remove()
+        spine.detach(self.pipe, self.client)
 
 
 def _call(entry, run, refs: Sequence[PIL.Image.Image], prepare: bool = True) -> Any:

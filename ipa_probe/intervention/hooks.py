@@ -23,16 +23,7 @@ from .._checks import check_steps_ran
 from ..capture import spine
 from ..capture.spine import EDIT, Spine
 from ..capture.taps.base import layer_module
-from ..layers import (
-    IPLayer,
-    LayerSelection,
-    claim,
-    denoiser_of,
-    find_ip_layers,
-    keep,
-    kept,
-    release,
-)
+from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, keep, kept, release
 from .config import INTERVENE, InterventionConfig
 from .custom import HookIntervention, apply_hooks
 
@@ -106,15 +97,11 @@ class Intervention:
         """Read the loop index from the spine's clock, check the call's masks, and find the conditioned rows (and,
         on SD3, the other image's tokens at this timestep) for a swap."""
         self.step = spine.now.step
-        self.steps_run = max(self.steps_run, self.step + 1)
-        self._acting = self.config.acts_at(self.step, spine.now.timestep)
-        if self._acting and self._watching:  # Flux
-            self._acting = holds_references(spine, args, kwargs)
+        when = holds_references if self._watching else None  # Flux
+        self._acting = spine.selects(self, self.config.steps, when, self.describe(), args, kwargs)
         if not self._acting:
             return
-        self.selected += 1
         adapter = self.config.adapter
-        spine.now.edits.append(self.describe())
         masks = spine.now.masks
         if masks is not None and adapter < len(masks) and masks[adapter] is not None:
             self._acting = False

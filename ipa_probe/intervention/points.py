@@ -32,7 +32,7 @@ from .._checks import step_selected
 from ..capture import spine
 from ..capture.layer_order import network_key
 from ..capture.maps import image_projections, tokens_per_image
-from ..capture.spine import EDIT, Spine, expand_references, normalise_masks
+from ..capture.spine import EDIT, Spine, expand_references
 from ..capture.taps.base import layer_module
 from ..capture.taps.unet import unet_resolution_factor
 from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, keep, kept
@@ -153,10 +153,6 @@ class _Registry:
         self.spine: Spine | None = None
         #: hook point name -> NaN returned there by callbacks (a 0-d device tensor, read when the hooks come off)
         self.nan: dict[str, torch.Tensor] = {}
-        self.step = -1
-        self.call = 0
-        self.pass_index = 0
-        self.timestep: Any = None
         self.sample_shape: tuple[int, ...] = ()
         self.batch = 0
         self.active: dict[str, list[HookFn]] = {}  # the callbacks of this pass, by point name
@@ -193,31 +189,30 @@ class _Registry:
     def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
         """A denoiser pass starts: the loop index from the spine's clock, the callbacks of this pass."""
         now = spine.now
-        new_call, self.step, self.pass_index, self.timestep = now.new_call, now.step, now.pass_index, now.timestep
-        self.call = now.call
         sample = spine.tap.sample(args, kwargs)
         self.sample_shape = tuple(sample.shape)
         self.batch = sample.shape[0]
         context = spine.tap.argument("encoder_hidden_states", args, kwargs) if spine.tap.family == "unet" else None
         self._text_tokens = context.shape[1] if isinstance(context, torch.Tensor) and context.ndim == 3 else None
         self._image_embeds = spine.tap.image_embeds(kwargs)
-        if new_call:
+        if now.new_call:
             planned = spine.planned_steps()
             for user in self.users:
                 if user.on_call is not None:
                     user.on_call(planned, self._sizes)
         active: dict[str, list[HookFn]] = {}
         for user in self.users:
-            user.steps_run = max(user.steps_run, self.step + 1)
-            if user.acts_at(self.step, self.timestep) and (user.when is None or user.when(spine, args, kwargs)):
-                user.selected += 1
+            if spine.selects(user, user.steps, user.when, user.label if user.edits else "", args, kwargs):
                 for name, fns in user.callbacks.items():
                     active.setdefault(name, []).extend(fns)
                     layer, adapter, _ = _parse_name(name)
                     if user.edits and adapter != TEXT:  # readers of the layer wait for what its image branch used
                         spine.weight_edits.add((layer, adapter))
-                if user.edits and user.label:
-                    now.edits.append(user.label)
+        if active and now.masks is not None and any(m is not None for m in now.masks):
+            raise ValueError(
+                "ipa_probe hook points do not support ip_adapter_masks (diffusers then runs one softmax per "
+                "reference image); call the pipeline without masks"
+            )
         self.active = active
         self.cfg = spine.branch_labels(args, kwargs) if active else ()  # read back only when a callback runs
 
@@ -262,12 +257,6 @@ class _Registry:
                 raise ValueError(
                     "ipa_probe's text-branch hook points do not support an encoder attention mask (the text softmax "
                     "is then masked); call the pipeline without one, or hook the image branch ('.ip.') only"
-                )
-            masks = normalise_masks(kwargs.get("ip_adapter_masks"))
-            if masks is not None and any(m is not None for m in masks):
-                raise ValueError(
-                    "ipa_probe hook points do not support ip_adapter_masks (diffusers then runs one softmax per "
-                    "reference image); call the pipeline without masks"
                 )
 
         return hook
@@ -325,10 +314,12 @@ class _Registry:
         if grid[0] * grid[1] != queries:
             grid = (1, queries)
         keyed = references  # references among the keys (fewer than the call's when an ablation removed some)
-        kept = None if text or self.spine is None else self.spine.kept.get((layer.name, adapter))
+        kept = None if text else self.spine.kept.get((layer.name, adapter))
         if kept is not None:  # an ablation removed references from the keys: they are back here at weight 0
             v = expand_references(v, *kept, -2, 0.0)
             references = kept[1]
+
+        now = self.spine.now
 
         def context(point: str) -> HookContext:
             return HookContext(
@@ -336,16 +327,16 @@ class _Registry:
                 layer=layer.name,
                 point=point,
                 adapter=adapter,
-                step=self.step,
-                call=self.call,
-                timestep=self.timestep,
+                step=now.step,
+                call=now.call,
+                timestep=now.timestep,
                 heads=heads,
                 references=keyed if point in ("k", "logits") else references,
                 tokens=tokens,
                 grid=grid,
                 scale=scale,
                 device=query.device,
-                pass_index=self.pass_index,
+                pass_index=now.pass_index,
                 cfg=self.cfg,
             )
 
@@ -371,7 +362,7 @@ class _Registry:
         edited = edited or changed
         # the weights the processor computed, for the change of the output: formed again when edits reached them
         computed = weights_of(logits_of(q0, k0)) if edited or start._version != version else start
-        if edited and self.spine is not None and not text:  # what the layer uses from here on: the probe reads these
+        if edited and not text:  # what the layer uses from here on: the probe reads these
             self.spine.use(layer.name, adapter, "weights", weights)
         if not edited and names["contribution"] not in self.active and names["output"] not in self.active:
             return None  # nothing edited, and nothing downstream wanted
@@ -389,7 +380,7 @@ class _Registry:
         output, changed_output = self._run(names["output"], contribution.sum(1), context("output"))  # (B, Q, C)
         if not (edited or changed_output):
             return None
-        if (changed or changed_output) and self.spine is not None and not text:  # the split the probe reads: none
+        if (changed or changed_output) and not text:  # the split the probe reads: none
             used = torch.full_like(contribution, math.nan) if changed_output else contribution  # once the output moved
             self.spine.use(layer.name, adapter, "contribution", used)
         return output - original_output

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -34,23 +34,14 @@ def normalise_masks(masks: Any) -> list[torch.Tensor | None] | None:
 
 
 def layer_module(layer: IPLayer, site: str, branch: int | str = 0) -> torch.nn.Module:
-    """The module of ``layer`` whose forward hook sees ``site`` of ``branch`` (an adapter's index; ``"text"``: a UNet's
-    text cross-attention; ``"latent"``: SD3's latent keys), the one place that knows them:
-
-    - ``"q"``: the query the branch's softmax uses: UNet ``attn.to_q``, Flux ``attn.norm_q`` (before RoPE), SD3
-      ``processor.norm_q``;
-    - ``"k"``, ``"v"``: the key and value projections, ``to_k_ip[a]`` / ``to_v_ip[a]`` (their forward pre-hooks see
-      the image tokens), text ``attn.to_k`` / ``attn.to_v``; SD3's keys ``processor.norm_ip_k``, latent
-      ``processor.norm_k``;
-    - ``"out"``: where the branch's output joins the layer's: UNet ``attn.to_out[0]``, Flux the attention (its third
-      output);
-    - ``"layer"``: the attention module.
-    """
+    """The module of ``layer`` whose forward hook sees ``site`` of ``branch``, the one place that knows them (per
+    family: :mod:`~ipa_probe.capture.taps`): ``"q"`` the query the image branch uses; ``"k"``, ``"v"`` the key and
+    value projections of an adapter (``branch``: its index; their pre-hooks see the image tokens; SD3's keys:
+    ``norm_ip_k``, its latent keys ``"latent"``: ``norm_k``) or of the text (``"text"``); ``"out"`` where the branch's
+    output joins the layer's (UNet ``to_out[0]``, Flux the attention's third output)."""
     attn, processor, family = layer.attention, layer.processor, layer.family
-    if site == "layer" or (site == "out" and family != "unet"):
-        return attn
     if site == "out":
-        return attn.to_out[0]
+        return attn.to_out[0] if family == "unet" else attn
     if site == "q":
         return attn.to_q if family == "unet" else attn.norm_q if family == "flux" else processor.norm_q
     if branch == "text":
@@ -78,15 +69,14 @@ class Capture:
             ``None``, and ``rows`` ``(B, Q)`` bool, the queries the branch's output reaches (an IP-Adapter mask), or
             ``None`` for all.
         recording: whether the current denoiser pass is recorded (set by the probe's step clock).
-        stash: per-layer tensors waiting for their partner (a query waiting for its keys), cleared after each layer
-            and at the start of every denoiser pass (so nothing left by a failed pass leaks into a later one).
-        spine: the pipeline's :class:`~ipa_probe.capture.spine.Spine`: where an edit of a layer's weights point
-            publishes the weights the layer used; a record of such a layer waits for them (:meth:`Tap.record`).
+        spine: the pipeline's :class:`~ipa_probe.capture.spine.Spine`: its per-layer hooks keep what a layer computed
+            (:attr:`~ipa_probe.capture.spine.LayerHooks.seen`, the query the keys pair with), and an edit of a
+            layer's weights point publishes the weights the layer used there; a record of such a layer waits for them
+            (:meth:`Tap._record`).
     """
 
     record: RecordFn
     recording: bool = False
-    stash: dict[tuple[int, str], Any] = field(default_factory=dict)
     spine: Any = None
 
 
@@ -188,19 +178,34 @@ class Tap:
         (each has ``remove()``)."""
         hooks, handles = capture.spine.hooks, []
         for index, layer in enumerate(self.layers):
-            handles += hooks.keep(layer, *self._kept(layer))
-            handles.append(hooks.add(layer.attention, self._forget(capture, index)))
+            sd3 = layer.family == "sd3"  # whose joint softmax also runs over its latent keys
+            handles += hooks.keep(layer, ("q", 0), *[("k", "latent")] * sd3)
+            handles.append(hooks.add(layer.attention, self._deferred(capture, index)))
             for branch in range(layer.num_adapters) if images else ():
                 handles.append(hooks.add(layer_module(layer, "k", branch), self._keys(capture, index, branch)))
         return handles
 
-    def _kept(self, layer: IPLayer) -> list[tuple[str, int | str]]:
-        """What the tap reads of a layer from :attr:`~ipa_probe.capture.spine.LayerHooks.seen`: the query."""
-        return [("q", 0)]
-
     def _keys(self, capture: Capture, index: int, adapter: int) -> Callable:
-        """Forward hook on an adapter's key module: record its keys against the kept query (:meth:`_record`)."""
-        raise NotImplementedError
+        """Forward hook on an adapter's key module (:func:`layer_module`): record its keys against the kept query
+        (:meth:`_record`), with SD3's latent keys and the rows a mask leaves (:meth:`_rows`)."""
+        layer = self.layers[index]
+
+        def hook(module, args, output):
+            query = self._query(capture, index)  # (B, H, Q, D)
+            if query is None:
+                return
+            # the processor views the keys with the query's batch size, as here (after a callback turns CFG off
+            # mid-run, the unconditional and conditional image tokens become one item's keys); SD3's: (B, H, K, D)
+            if layer.family != "sd3":
+                output = split_heads(output.reshape(query.shape[0], -1, output.shape[-1]), layer.heads)
+            latent = self._query(capture, index, "k", "latent")
+            self._record(capture, index, adapter, query, output, latent, self._rows(capture, index, adapter, query))
+
+        return hook
+
+    def _rows(self, capture: Capture, index: int, adapter: int, query: torch.Tensor) -> torch.Tensor | None:
+        """The queries ``(B, Q)`` an adapter's keys reach in this call of layer ``index`` (``None``: all)."""
+        return None
 
     def _query(self, capture: Capture, index: int, site: str = "q", branch: int | str = 0) -> torch.Tensor | None:
         """What layer ``index`` computed at ``site`` in this call (the query heads first), while recording."""
@@ -212,23 +217,19 @@ class Tap:
 
     def _record(self, capture: Capture, index: int, adapter: int, *record) -> None:
         """``capture.record(index, adapter, *record)`` now, or, when a client edits a point of this layer's image
-        branch in this pass, when the layer returns (:meth:`_forget`), with the weights the layer used."""
-        spine = capture.spine
-        if spine is not None and spine.edits_weights(self.layers[index].name, adapter):
-            capture.stash.setdefault((index, "deferred"), []).append((adapter, record))
+        branch in this pass, when the layer returns (:meth:`_deferred`), with the weights the layer used."""
+        name = self.layers[index].name
+        if capture.spine.edits_weights(name, adapter):
+            capture.spine.hooks.seen.setdefault((name, "deferred", 0), []).append((adapter, record))
             return
         capture.record(index, adapter, *record)
 
-    def _forget(self, capture: Capture, index: int) -> Callable:
-        """Forward hook on the attention module: record what waited for the layer's edited weights, then drop what
-        the layer left in the stash."""
+    def _deferred(self, capture: Capture, index: int) -> Callable:
+        """Forward hook on the attention module: record what waited for the layer's edited weights."""
 
         def hook(module, args, output):
             name = self.layers[index].name
-            for adapter, record in capture.stash.pop((index, "deferred"), []):
-                used = capture.spine.used.get((name, adapter, "weights")) if capture.spine is not None else None
-                capture.record(index, adapter, *record, used)
-            for key in [key for key in capture.stash if key[0] == index]:
-                del capture.stash[key]
+            for adapter, record in capture.spine.hooks.seen.pop((name, "deferred", 0), []):
+                capture.record(index, adapter, *record, capture.spine.used.get((name, adapter, "weights")))
 
         return hook

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ...layers import IPLayer, denoiser_of
-from ...statistics.kernels import split_heads
-from .base import Capture, DenoiserPass, Tap
+from .base import DenoiserPass, Tap
 
 
 class FluxTap(Tap):
@@ -42,18 +39,6 @@ class FluxTap(Tap):
             return current
         timestep = self.argument("timestep", args, kwargs)
         return timestep * 1000 if timestep is not None else None
-
-    def _keys(self, capture: Capture, index: int, adapter: int) -> Callable:
-        """Forward hook on ``to_k_ip[adapter]``: record the branch now, or (a client edits its weights point) when the
-        attention module returns with the weights the layer used (:meth:`~.base.Tap._record`)."""
-        heads = self.layers[index].heads
-
-        def hook(module, args, output):
-            query = self._query(capture, index)
-            if query is not None:
-                self._record(capture, index, adapter, query, split_heads(output, heads), None, None)
-
-        return hook
 
     def map_elements(self, layer: IPLayer, args: tuple, kwargs: dict) -> int:
         sample = self.sample(args, kwargs)  # (B, N, C) packed latent tokens

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
 from ...layers import IPLayer, denoiser_of
-from .base import Capture, DenoiserPass, Tap
+from .base import DenoiserPass, Tap
 
 
 class SD3Tap(Tap):
@@ -30,17 +29,6 @@ class SD3Tap(Tap):
             # skip-layer guidance: an extra conditional pass of the same step with some blocks skipped
             return DenoiserPass(new_step=False, record=False)
         return DenoiserPass(new_step=True)
-
-    def _kept(self, layer: IPLayer) -> list[tuple[str, int | str]]:
-        return [("q", 0), ("k", "latent")]  # the joint softmax also runs over the latent keys
-
-    def _keys(self, capture: Capture, index: int, adapter: int) -> Callable:
-        def hook(module, args, output):
-            query = self._query(capture, index)
-            if query is not None:
-                capture.record(index, 0, query, output, self._query(capture, index, "k", "latent"), None)
-
-        return hook
 
     def map_elements(self, layer: IPLayer, args: tuple, kwargs: dict) -> int:
         sample = self.sample(args, kwargs)  # (B, C, H, W)

@@ -12,7 +12,7 @@ from diffusers.image_processor import IPAdapterMaskProcessor
 
 from ...layers import IPLayer, denoiser_of, observer
 from ...statistics.kernels import split_heads
-from .base import Capture, DenoiserPass, Handle, Tap, normalise_masks
+from .base import Capture, DenoiserPass, Handle, Tap, layer_module
 
 
 def unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
@@ -65,45 +65,20 @@ class UNetTap(Tap):
             if encoder is not None:
                 hook = observer(self._on_text_encoder_call)
                 handles.append(encoder.register_forward_pre_hook(hook, with_kwargs=True))
-        for index, layer in enumerate(self.layers):
-            handles.append(hooks.add(layer.attention, self._masks(capture, index), pre=True))
-            if text_slot is not None:
-                handles.append(hooks.add(layer.attention.to_k, self._text_keys(capture, index, text_slot)))
+        for index, layer in enumerate(self.layers) if text_slot is not None else ():
+            handles.append(hooks.add(layer_module(layer, "k", "text"), self._text_keys(capture, index, text_slot)))
         return handles
 
-    @staticmethod
-    def _masks(capture: Capture, index: int) -> Callable:
-        """Pre-hook on the attention module: keep the call's ``ip_adapter_masks`` (one entry per adapter, each
-        ``(1 or B, images, height, width)``, or ``None``)."""
-
-        def hook(module, args, kwargs):
-            if capture.recording:
-                capture.stash[(index, "masks")] = normalise_masks(kwargs.get("ip_adapter_masks"))
-
-        return hook
-
-    def _keys(self, capture: Capture, index: int, adapter: int) -> Callable:
-        """Forward hook on ``to_k_ip[adapter]``. With masks, diffusers calls it once per reference image, in order,
-        and gives each image its own softmax; the rows are then the queries inside that image's mask."""
-        heads = self.layers[index].heads
-
-        def hook(module, args, output):
-            query = self._query(capture, index)  # (B, H, Q, D)
-            if query is None:
-                return
-            masks = capture.stash.get((index, "masks"))
-            mask = masks[adapter] if masks is not None and adapter < len(masks) else None
-            rows = None
-            if mask is not None:
-                image = capture.stash.get((index, "image", adapter), 0)
-                capture.stash[(index, "image", adapter)] = image + 1
-                rows = self._mask_rows(mask, image, query.shape[0], query.shape[2], query.device)
-            # the processor views the keys with the query's batch size, as here (after a callback turns CFG off
-            # mid-run, the unconditional and conditional image tokens become one item's keys)
-            keys = split_heads(output.reshape(query.shape[0], -1, output.shape[-1]), heads)
-            self._record(capture, index, adapter, query, keys, None, rows)
-
-        return hook
+    def _rows(self, capture: Capture, index: int, adapter: int, query: torch.Tensor) -> torch.Tensor | None:
+        """With masks, diffusers calls ``to_k_ip[adapter]`` once per reference image, in order, and gives each image
+        its own softmax; the rows are then the queries inside that image's mask."""
+        masks, seen = capture.spine.now.masks, capture.spine.hooks.seen
+        mask = masks[adapter] if masks is not None and adapter < len(masks) else None
+        if mask is None:
+            return None
+        key = (self.layers[index].name, "image", adapter)  # dropped when the layer is called again
+        image = seen[key] = seen.get(key, -1) + 1
+        return self._mask_rows(mask, image, query.shape[0], query.shape[2], query.device)
 
     def _text_keys(self, capture: Capture, index: int, slot: int) -> Callable:
         heads = self.layers[index].heads
