@@ -181,13 +181,15 @@ class Tap:
             sd3 = layer.family == "sd3"  # whose joint softmax also runs over its latent keys
             handles += hooks.keep(layer, ("q", 0), *[("k", "latent")] * sd3)
             handles.append(hooks.add(layer.attention, self._deferred(capture, index)))
-            for branch in range(layer.num_adapters) if images else ():
-                handles.append(hooks.add(layer_module(layer, "k", branch), self._keys(capture, index, branch)))
+            slots = [(branch, branch) for branch in range(layer.num_adapters)] if images else []
+            for branch, slot in slots + [("text", text_slot)] * (text_slot is not None):
+                handles.append(hooks.add(layer_module(layer, "k", branch), self._keys(capture, index, slot)))
         return handles
 
     def _keys(self, capture: Capture, index: int, adapter: int) -> Callable:
-        """Forward hook on an adapter's key module (:func:`layer_module`): record its keys against the kept query
-        (:meth:`_record`), with SD3's latent keys and the rows a mask leaves (:meth:`_rows`)."""
+        """Forward hook on the key module of an adapter or the text (slot ``adapter``; :func:`layer_module`): record
+        its keys against the kept query (:meth:`_record`), with SD3's latent keys and the rows a mask leaves
+        (:meth:`_rows`)."""
         layer = self.layers[index]
 
         def hook(module, args, output):

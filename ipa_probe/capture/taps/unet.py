@@ -5,14 +5,12 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from collections.abc import Callable
 
 import torch
 from diffusers.image_processor import IPAdapterMaskProcessor
 
 from ...layers import IPLayer, denoiser_of, observer
-from ...statistics.kernels import split_heads
-from .base import Capture, DenoiserPass, Handle, Tap, layer_module
+from .base import Capture, DenoiserPass, Handle, Tap
 
 
 def unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
@@ -58,15 +56,12 @@ class UNetTap(Tap):
 
     def install(self, capture: Capture, images: bool, text_slot: int | None) -> list[Handle]:
         handles = super().install(capture, images, text_slot)
-        hooks = capture.spine.hooks
         if text_slot is not None:
             candidates = (getattr(self.pipe, "text_encoder", None), getattr(self.pipe, "text_encoder_2", None))
             encoder = next((m for m in candidates if m is not None), None)
             if encoder is not None:
                 hook = observer(self._on_text_encoder_call)
                 handles.append(encoder.register_forward_pre_hook(hook, with_kwargs=True))
-        for index, layer in enumerate(self.layers) if text_slot is not None else ():
-            handles.append(hooks.add(layer_module(layer, "k", "text"), self._text_keys(capture, index, text_slot)))
         return handles
 
     def _rows(self, capture: Capture, index: int, adapter: int, query: torch.Tensor) -> torch.Tensor | None:
@@ -79,16 +74,6 @@ class UNetTap(Tap):
         key = (self.layers[index].name, "image", adapter)  # dropped when the layer is called again
         image = seen[key] = seen.get(key, -1) + 1
         return self._mask_rows(mask, image, query.shape[0], query.shape[2], query.device)
-
-    def _text_keys(self, capture: Capture, index: int, slot: int) -> Callable:
-        heads = self.layers[index].heads
-
-        def hook(module, args, output):
-            query = self._query(capture, index)
-            if query is not None:
-                capture.record(index, slot, query, split_heads(output, heads), None, None)
-
-        return hook
 
     def _mask_rows(
         self, mask: torch.Tensor, image: int, batch: int, queries: int, device: torch.device
