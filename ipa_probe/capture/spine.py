@@ -86,7 +86,7 @@ class LayerHooks:
     """
 
     def __init__(self) -> None:
-        self.seen: dict[tuple[str, str, int | str], torch.Tensor] = {}
+        self.seen: dict[tuple[str, str, int | str], Any] = {}
         self._chains: dict[tuple[int, bool], tuple[list[tuple[int, Callable]], Any]] = {}
 
     def add(self, module: torch.nn.Module, fn: Callable, *, pre: bool = False, order: int = READ) -> Any:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -58,7 +59,6 @@ class Intervention:
     _other_embeds: torch.Tensor | None = field(default=None, repr=False)  # SD3: the resampler runs per timestep
     _watching: bool = field(default=False, repr=False)
     _emptied: bool = field(default=False, repr=False)
-    _detach_points: Any = field(default=None, repr=False)
     #: the most denoising steps a pipeline call has run while attached (to check ``steps`` against on exit)
     steps_run: int = 0
     #: the passes its step selection selected
@@ -74,12 +74,9 @@ class Intervention:
         if denoiser is None:
             return
         try:
-            for handle in self._handles:
+            handles, self._handles = self._handles, []
+            for handle in handles:  # the token edits' callbacks, or the scale's points
                 handle.remove()
-            self._handles.clear()
-            detach, self._detach_points = self._detach_points, None
-            if detach is not None:
-                detach()
         finally:
             keep(denoiser, INTERVENE, [s for s in kept(denoiser, INTERVENE, []) if s is not self])
             release(denoiser, INTERVENE, self._claim)
@@ -292,13 +289,13 @@ def apply_intervention(
     try:
         keep(denoiser, INTERVENE, [*kept(denoiser, INTERVENE, []), state])
         if config.mode == "scale":
-            state._detach_points = _attach_scale(pipe, state, names, family == "flux")
+            state._handles.append(SimpleNamespace(remove=_attach_scale(pipe, state, names, family == "flux")))
         else:
             state._spine = spine.attach(pipe, state)
             state._watching = family == "flux"
             if state._watching:
                 state._spine.watch_prompts()
-            state._handles = _edit_tokens(state, found)
+            _edit_tokens(state, found)
     except BaseException:
         state.remove()
         raise
@@ -306,10 +303,10 @@ def apply_intervention(
     return state
 
 
-def _edit_tokens(state: Intervention, layers: list[IPLayer]) -> list:
+def _edit_tokens(state: Intervention, layers: list[IPLayer]) -> None:
     """``"ablate"`` and ``"swap"``: edits of the adapter's image tokens on the spine's per-layer hooks, before any
-    reader there (SD3: of the joint attention's keyword ``ip_hidden_states``); returns the callbacks."""
-    hooks, adapter, handles = state._spine.hooks, state.config.adapter, []
+    reader there (SD3: of the joint attention's keyword ``ip_hidden_states``), kept in ``state._handles``."""
+    hooks, adapter, handles = state._spine.hooks, state.config.adapter, state._handles
     for layer in layers:
         if layer.family == "sd3":
             handles.append(hooks.add(layer.attention, state._edit_sd3(layer.name), pre=True, order=EDIT))
@@ -318,7 +315,6 @@ def _edit_tokens(state: Intervention, layers: list[IPLayer]) -> list:
         handles.append(hooks.add(to_k_ip, state._edit_tokens(layer.name, True), pre=True, order=EDIT))
         handles.append(hooks.add(to_v_ip, state._edit_tokens(layer.name, False), pre=True, order=EDIT))
         handles.append(hooks.add(to_v_ip, state._zero_values, order=EDIT))
-    return handles
 
 
 def _attach_scale(pipe, state: Intervention, names: list[str], flux: bool):

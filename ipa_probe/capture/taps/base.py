@@ -220,9 +220,8 @@ class Tap:
     def _record(self, capture: Capture, index: int, adapter: int, *record) -> None:
         """``capture.record(index, adapter, *record)`` now, or, when a client edits a point of this layer's image
         branch in this pass, when the layer returns (:meth:`_deferred`), with the weights the layer used."""
-        name = self.layers[index].name
-        if capture.spine.edits_weights(name, adapter):
-            capture.spine.hooks.seen.setdefault((name, "deferred", 0), []).append((adapter, record))
+        if capture.spine.edits_weights(self.layers[index].name, adapter):
+            capture.spine.hooks.seen.setdefault(self._held(capture, index, "deferred"), []).append((adapter, record))
             return
         capture.record(index, adapter, *record)
 
@@ -231,7 +230,12 @@ class Tap:
 
         def hook(module, args, output):
             name = self.layers[index].name
-            for adapter, record in capture.spine.hooks.seen.pop((name, "deferred", 0), []):
+            for adapter, record in capture.spine.hooks.seen.pop(self._held(capture, index, "deferred"), []):
                 capture.record(index, adapter, *record, capture.spine.used.get((name, adapter, "weights")))
 
         return hook
+
+    def _held(self, capture: Capture, index: int, what: str) -> tuple[str, str, int]:
+        """Where this tap's ``capture`` holds ``what`` for the running call of layer ``index`` among what the layer
+        keeps (another probe on the same pipeline holds its own)."""
+        return (self.layers[index].name, what, id(capture))

@@ -71,7 +71,7 @@ class UNetTap(Tap):
         mask = masks[adapter] if masks is not None and adapter < len(masks) else None
         if mask is None:
             return None
-        key = (self.layers[index].name, "image", adapter)  # dropped when the layer is called again
+        key = self._held(capture, index, f"image{adapter}")  # dropped when the layer is called again
         image = seen[key] = seen.get(key, -1) + 1
         return self._mask_rows(mask, image, query.shape[0], query.shape[2], query.device)
 
