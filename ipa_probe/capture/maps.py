@@ -40,7 +40,7 @@ from ..layers import IPLayer, LayerSelection, compile_selection
 from ..statistics.kernels import reference_contributions, softmax_keys
 from .spine import LayerHooks, expand_references
 from .taps import Tap
-from .taps.base import Handle, layer_module
+from .taps.base import layer_module
 
 __all__ = ["MAP_KINDS", "MAP_TABLE_COLUMNS", "REFERENCE_MASS_COLUMNS", "MapAccumulator"]
 
@@ -134,7 +134,7 @@ class MapAccumulator:
         self.heads = True
 
     # ------------------------------------------------------------------ capture
-    def install(self, denoiser: torch.nn.Module, hooks: LayerHooks) -> list[Handle]:
+    def install(self, denoiser: torch.nn.Module, hooks: LayerHooks) -> list[Any]:
         """Add the value readers to the spine's per-layer hooks (the probe calls :meth:`on_pass` from its place on the
         spine, after its clock)."""
         self.read_projections(denoiser)

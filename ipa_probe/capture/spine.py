@@ -127,8 +127,7 @@ class LayerHooks:
                 handle.remove()
                 del self._chains[key]
 
-    def clear(self) -> None:
-        """Take every hook off (what clients left when they raised on the way out)."""
+    def clear(self) -> None:  # every hook off, with what clients left when they raised on the way out
         for _, handle in self._chains.values():
             handle.remove()
         self._chains.clear()
@@ -321,10 +320,6 @@ class Spine:
         """An edit reached ``point`` (``"weights"`` or ``"contribution"``): ``value`` is what ``layer``'s image branch
         used there (contributions all NaN where an edit of the output left the per-reference split undefined)."""
         self.used[(layer, adapter, point)] = value
-
-    def edits_weights(self, layer: str, adapter: int) -> bool:
-        """Whether a client edits ``layer``'s image branch in this pass (readers then wait for what it used)."""
-        return (layer, adapter) in self.weight_edits
 
 
 def spine_of(pipe) -> Spine | None:

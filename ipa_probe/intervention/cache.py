@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._checks import check_steps_ran, parse_step_selection
+from .._checks import check_steps_ran, parse_step_selection, step_selected
 from ..layers import claim, release
 from .points import HookContext, PointUser, attach_points, list_hook_points, select_points
 
@@ -167,7 +167,8 @@ def cache_hook_points(pipe, names: Any = None, *, steps=None, max_bytes: int = 2
     cache = HookCache(chosen)
 
     def on_call(planned: int | None, sizes) -> None:
-        recorded = planned or 1 if callable(selection) else sum(user.acts_at(s) for s in range(planned or 1))
+        steps = range(planned or 1)
+        recorded = planned or 1 if callable(selection) else sum(step_selected(selection, s) for s in steps)
         total = 0
         for name in chosen:
             size = sizes(name)

@@ -1,11 +1,11 @@
 """The intervention's lifecycle: :func:`intervene` (and :func:`apply_intervention` / :func:`remove_intervention`).
 
-A client of the pipeline's attachment core (:mod:`ipa_probe.capture.spine`: the step clock, and where an ablation
-says which references the keys kept, so that a probe inside reads them), it edits the adapter's image tokens in
-forward pre-hooks on ``to_k_ip`` / ``to_v_ip`` (SD3: on the joint attention), or for ``"scale"`` the weights through
-the hook points (:func:`~.custom.scale_hooks`); nothing is replaced, so removing the hooks gives the pipeline back bit
-for bit. What each mode does, and where: docs/attribution.md, "The causal comparison: interventions". ``hooks=``
-attaches user callbacks to named hook points instead (:mod:`.custom`).
+A client of the pipeline's attachment core (:mod:`ipa_probe.capture.spine`: the step clock, its per-layer hooks, and
+where an ablation says which references the keys kept, so that a probe inside reads them), it edits the adapter's image
+tokens in the pre-hooks of ``to_k_ip`` / ``to_v_ip`` (SD3: of the joint attention), or for ``"scale"`` the weights at
+the hook points (:func:`~.custom.scale_hooks`; factor 0 and an ablation differ in floating point); nothing is replaced,
+so removing the callbacks gives the pipeline back bit for bit. What each mode does, and where: docs/attribution.md,
+"The causal comparison: interventions". ``hooks=`` attaches callbacks to named hook points instead (:mod:`.custom`).
 """
 
 from __future__ import annotations

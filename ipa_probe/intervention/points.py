@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from .._checks import step_selected
 from ..capture import spine
 from ..capture.layer_order import network_key
 from ..capture.maps import image_projections, tokens_per_image
@@ -136,9 +135,6 @@ class PointUser:
     edits: bool = True
     #: the edit in words, for the probe's ``edits`` column
     label: str = ""
-
-    def acts_at(self, step: int, timestep: Any = None) -> bool:
-        return step_selected(self.steps, step, timestep)
 
 
 class _Registry:

@@ -11,10 +11,8 @@ import torch
 from ...layers import IPLayer
 from ...statistics.kernels import split_heads
 
-__all__ = ["Capture", "DenoiserPass", "Handle", "Tap", "heads_first", "layer_module", "normalise_masks"]
+__all__ = ["Capture", "DenoiserPass", "Tap", "heads_first", "layer_module", "normalise_masks"]
 
-#: what :meth:`Tap.install` returns: anything with ``remove()`` (the spine's callbacks, torch's hook handles)
-Handle = Any
 RecordFn = Callable[[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None]
 
 
@@ -172,10 +170,9 @@ class Tap:
         return extra.get("image_embeds", extra.get("ip_adapter_image_embeds"))
 
     # ------------------------------------------------------------------ taps
-    def install(self, capture: Capture, images: bool, text_slot: int | None) -> list[Handle]:
-        """Add the callbacks that deliver ``(q, k)`` pairs to ``capture.record`` to the spine's per-layer hooks
-        (``capture.spine.hooks``: the query kept there, the keys read as their module returns them); return them
-        (each has ``remove()``)."""
+    def install(self, capture: Capture, images: bool, text_slot: int | None) -> list[Any]:
+        """Add the callbacks that deliver ``(q, k)`` pairs to ``capture.record`` to the spine's per-layer hooks (the
+        query kept there, the keys read as their module returns them); return them (each has ``remove()``)."""
         hooks, handles = capture.spine.hooks, []
         for index, layer in enumerate(self.layers):
             sd3 = layer.family == "sd3"  # whose joint softmax also runs over its latent keys
@@ -187,9 +184,8 @@ class Tap:
         return handles
 
     def _keys(self, capture: Capture, index: int, adapter: int) -> Callable:
-        """Forward hook on the key module of an adapter or the text (slot ``adapter``; :func:`layer_module`): record
-        its keys against the kept query (:meth:`_record`), with SD3's latent keys and the rows a mask leaves
-        (:meth:`_rows`)."""
+        """Forward hook on the keys of an adapter or the text (slot ``adapter``): record them against the kept query
+        (:meth:`_record`), with SD3's latent keys and the rows a mask leaves (:meth:`_rows`)."""
         layer = self.layers[index]
 
         def hook(module, args, output):
@@ -220,7 +216,7 @@ class Tap:
     def _record(self, capture: Capture, index: int, adapter: int, *record) -> None:
         """``capture.record(index, adapter, *record)`` now, or, when a client edits a point of this layer's image
         branch in this pass, when the layer returns (:meth:`_deferred`), with the weights the layer used."""
-        if capture.spine.edits_weights(self.layers[index].name, adapter):
+        if (self.layers[index].name, adapter) in capture.spine.weight_edits:
             capture.spine.hooks.seen.setdefault(self._held(capture, index, "deferred"), []).append((adapter, record))
             return
         capture.record(index, adapter, *record)

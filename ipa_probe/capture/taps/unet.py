@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from typing import Any
 
 import torch
 from diffusers.image_processor import IPAdapterMaskProcessor
 
 from ...layers import IPLayer, denoiser_of, observer
-from .base import Capture, DenoiserPass, Handle, Tap
+from .base import Capture, DenoiserPass, Tap
 
 
 def unet_resolution_factor(denoiser: torch.nn.Module, layer_name: str) -> int:
@@ -54,7 +55,7 @@ class UNetTap(Tap):
             return DenoiserPass(new_step=False, label="sag")
         return DenoiserPass(new_step=not same_step)
 
-    def install(self, capture: Capture, images: bool, text_slot: int | None) -> list[Handle]:
+    def install(self, capture: Capture, images: bool, text_slot: int | None) -> list[Any]:
         handles = super().install(capture, images, text_slot)
         if text_slot is not None:
             candidates = (getattr(self.pipe, "text_encoder", None), getattr(self.pipe, "text_encoder_2", None))
