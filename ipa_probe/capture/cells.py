@@ -14,12 +14,14 @@ the host or keeps state between records.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..layers import image_branch_logits
 from ..statistics.agreement import compare_frames
+from ..statistics.draws import uniform_keys
 from ..statistics.kernels import matched_bandwidth, nw_logits, query_frame_terms, segment_query_frame_terms
 from ..statistics.rows import Segments, copy_groups, finite_rows, fit_bandwidth
 from ..statistics.schema import QUERY_FRAME_STATS, STAT_NAMES
@@ -32,10 +34,13 @@ __all__ = [
     "CellInputs",
     "cell_inputs",
     "compare_cells",
+    "compare_joined",
     "frame_terms",
     "group_cell",
     "image_share",
+    "join_cells",
     "joint_frames",
+    "null_keys",
     "record_logits",
     "take_rows",
 ]
@@ -327,7 +332,7 @@ def cell_inputs(
 
 
 def compare_cells(
-    records: list[CellInputs], generators: tuple[torch.Generator, torch.Generator], cache: dict | None = None
+    records: list[CellInputs], generators: tuple[torch.Generator, ...], cache: dict | None = None
 ) -> list[torch.Tensor]:
     """The per-cell fields (:data:`~ipa_probe.statistics.schema.CELL_FIELDS`) of records of one
     :meth:`~CellInputs.signature`, ``(groups, H, fields)`` each, from one
@@ -339,13 +344,25 @@ def compare_cells(
         records: the records' inputs (:func:`cell_inputs`), equal signatures.
         generators: the permutation nulls' random sources on the device: the stored frame's, the query frame's, and
             optionally the other pool's (its null is drawn and discarded: a generator of its own keeps the other two
-            drawing what they draw without it; one seeded 0 when not given).
+            drawing what they draw without it; one seeded 0 when not given); or the keys they draw
+            (:func:`null_keys`).
         cache: where the rows' cell ids are kept between calls (they depend on the records' shapes only), or
             ``None``.
     """
+    return compare_joined(records, join_cells(records, cache), generators)
+
+
+def null_keys(joined: tuple, generators: tuple[torch.Generator, ...]) -> list[torch.Tensor]:
+    """The uniform keys the nulls of :func:`compare_joined` draw from ``generators`` (one draw per frame, in its order:
+    what :func:`compare_cells` draws), drawn beforehand so that a compiled pass draws nothing."""
+    return [uniform_keys(nw.shape, g, nw.device) for (nw, _), g in zip(joined[1], generators, strict=False)]
+
+
+def join_cells(records: list[CellInputs], cache: dict | None = None) -> tuple:
+    """:func:`~ipa_probe.statistics.agreement.compare_frames`' arguments for the records of :func:`compare_cells` (the
+    frames without their random sources), and the records' scalars: one batch's tensors side by side."""
     first = records[0]
     flat = first.key_mask is None  # every record's rows side by side, reduced per cell (stats.Segments)
-    keys = first.attn.shape[-1]
     replicates = SAMPLE_GROUPS if first.sampled else None
     segments = _segments(records, replicates, cache) if flat else None
 
@@ -370,24 +387,24 @@ def compare_cells(
             return torch.cat(parts, lead) if len(parts) > 1 else parts[0]
         return torch.cat(parts, axis)
 
-    frames = [
-        (joined("nw"), joined("key_term"), generators[0]),
-        (joined("frame_nw", 1), joined("frame_b", 1), generators[1]),
-    ]
+    frames = [(joined("nw"), joined("key_term")), (joined("frame_nw", 1), joined("frame_b", 1))]
     if first.other_nw is not None:
-        device = first.attn.device
-        spare = generators[2] if len(generators) > 2 else torch.Generator(device=device).manual_seed(0)
-        frames.append((joined("other_nw", 1), joined("other_b", 1), spare))
-    stats, frame, *other = compare_frames(
-        joined("attn"),
-        frames,
-        joined("key_mask"),
-        joined("row_mask"),
-        joined("copies"),
-        first.tails,
-        replicates,
-        segments,
-    )
+        frames.append((joined("other_nw", 1), joined("other_b", 1)))
+    scalars = joined("scalars") if not flat else torch.cat([r.scalars.flatten(0, 1) for r in records])
+    rest = (joined("key_mask"), joined("row_mask"), joined("copies"), first.tails, replicates, segments)
+    return joined("attn"), frames, rest, scalars
+
+
+def compare_joined(records: list[CellInputs], joined: tuple, draws: Sequence) -> list[torch.Tensor]:
+    """:func:`compare_cells` from the records' :func:`join_cells`, each frame's null drawn from ``draws`` (a generator
+    or the keys it draws, per frame)."""
+    first, (attn, frames, rest, scalars) = records[0], joined
+    flat, keys = first.key_mask is None, attn.shape[-1]
+    frames = [(nw, term, d) for (nw, term), d in zip(frames, draws, strict=False)]
+    if len(frames) < len(joined[1]):  # the other pool's null, from a generator of its own
+        (nw, term), device = joined[1][-1], attn.device
+        frames.append((nw, term, torch.Generator(device=device).manual_seed(0)))
+    stats, frame, *other = compare_frames(attn, frames, *rest)
     if not first.sampled:  # exact: no sampling error
         stats = torch.stack((stats, torch.zeros_like(stats)), dim=-2)
         frame = torch.stack((frame, torch.zeros_like(frame)), dim=-2)
@@ -403,7 +420,6 @@ def compare_cells(
     # (2, cells, 2, S) -> (cells, 2, 2 * C): per part (estimate, error) the exact form's statistics, then the
     # Gaussian form's (the order of QUERY_FRAME_COLUMNS)
     frame = frame[..., chosen].movedim(0, -2).flatten(-2)
-    scalars = joined("scalars") if not flat else torch.cat([r.scalars.flatten(0, 1) for r in records])
     # the buffers keep each standard error squared, so that a mean over cells adds variances (report.run_table)
     errors = torch.cat((stats[..., 1, :], frame[..., 1, :]), dim=-1)
     parts = (

@@ -154,8 +154,14 @@ class RecordForming:
 
     def _form_held(self) -> None:
         """Form the held records (:meth:`_record_stats`), those of equal shape stacked along the batch into one pass:
-        the per-record work of a pass then costs one pass per layer size, not one per layer. On a CPU a stack stays
-        within :data:`~.cells.JOIN_ELEMENTS_CPU` logits (a larger one leaves the cache; see there)."""
+        the per-record work of a pass then costs one pass per layer size, not one per layer
+        (:meth:`_held_parts`, :meth:`_form_parts`)."""
+        self._form_parts(*self._held_parts())
+
+    def _held_parts(self) -> tuple[list[list[_Held]], bool]:
+        """The held records taken (:attr:`_held` emptied), in stacks of equal :meth:`_Held.signature` (on a CPU, each
+        within :data:`~.cells.JOIN_ELEMENTS_CPU` logits: a larger one leaves the cache; see there), and whether the
+        stacks' query frames are formed jointly (:func:`~.cells.joint_frames`). Python only: no tensor is touched."""
         held, self._held, self._held_elements = self._held, [], 0
         batches: dict[tuple, list[_Held]] = {}
         for entry in held:
@@ -173,13 +179,19 @@ class RecordForming:
         # have equal keys and no key mask (the text branch's are formed apart)
         first = parts[0][0] if parts else None
         joins = len(parts) > 1 and not first.text and len({(p[0].text, p[0].k.shape[2]) for p in parts}) == 1
-        if not joins or (first.q.device.type == "cpu" and logits > cells.JOIN_FRAMES_CPU):
+        return parts, joins and not (first.q.device.type == "cpu" and logits > cells.JOIN_FRAMES_CPU)
+
+    def _form_parts(self, parts: list[list[_Held]], joins: bool) -> None:
+        """Form the stacks of :meth:`_held_parts`: their query frames jointly where ``joins``."""
+        if not joins:
             for part in parts:
                 self._threads(part[0].q.device, self._form, part)
             return
+        first = parts[0][0]
+        cache = {} if torch.compiler.is_compiling() else self._constants  # a compiled pass caches nothing
         formed = [self._threads(first.q.device, self._begin, part) for part in parts]
         cells_of, pools = [entry[2] for entry in formed], [entry[3]["pools"] for entry in formed]
-        frames = self._threads(first.q.device, cells.joint_frames, cells_of, pools, self._constants)
+        frames = self._threads(first.q.device, cells.joint_frames, cells_of, pools, cache)
         for entry, frame in zip(formed, frames, strict=True):
             self._threads(first.q.device, self._finish, *entry, frame)
 

@@ -43,12 +43,12 @@ from ..layers import (
 )
 from ..statistics import bandwidth as bw
 from ..statistics.bandwidth import BandwidthSpec
-from ..statistics.compiled import compiled_statistics
+from ..statistics.compiled import run_once_compiled
 from ..statistics.schema import CELL_FIELDS
 from . import spine
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .buffers import CallBuffers, grow, new_buffers
-from .cells import CellInputs, compare_cells
+from .cells import CellInputs, compare_joined, join_cells, null_keys
 from .config import DEFAULT_ROWS, ProbeConfig
 from .forming import RecordForming, _Held
 from .map_views import MapViews
@@ -407,34 +407,50 @@ class ProbeRun(RecordForming, RunViews, MapViews):
             torch.set_num_threads(before)
 
     def _flush(self) -> None:
-        """Form the held records (:meth:`_form_held`), run the per-row statistics of the kept ones
-        (:func:`~.cells.compare_cells`, one pass per signature, in the order the records came) and add them into the
-        buffers."""
-        self._form_held()
-        pending, self._pending, self._pending_elements = self._pending, [], 0
-        if not pending:
+        """Form the held records (:meth:`_join_pass`), run the per-row statistics of the pass (:func:`_compare_pass`)
+        and add them into the buffers. With :attr:`ProbeConfig.compile` the two run compiled
+        (:func:`~ipa_probe.statistics.compiled.run_once_compiled`, static shapes), the nulls' keys drawn between."""
+        device = next((x.q.device for x in self._held), None) or next((x[-1].attn.device for x in self._pending), None)
+        if device is None:
             return
-        batches: dict[tuple, list] = {}  # a signature includes the device
+        if self._generator is None or self._generator.device != device:
+            # the stored and query frames draw their nulls from two generators of the run's seed, so the stored-frame
+            # columns draw what they drew before the query frame existed
+            self._generator, self._frame_generator, self._pool_generator = (
+                torch.Generator(device=device).manual_seed(self.config.seed) for _ in range(3)
+            )
+        generators = (self._generator, self._frame_generator, self._pool_generator)
+        parts, pending, elements = self._held_parts(), list(self._pending), self._pending_elements
+
+        def undo() -> None:  # what a failed compiled call changed, put back before the eager run
+            self._pending, self._pending_elements = pending, elements
+
+        def run(name: str, fn: Callable, *args, undo: Callable | None = None) -> Any:  # compiled: static shapes
+            if not self.config.compile or torch.compiler.is_compiling():
+                return self._threads(device, fn, *args)
+            return self._threads(device, lambda: run_once_compiled(name, fn, (), *args, undo=undo))
+
+        batches = run("join", type(self)._join_pass, self, *parts, undo=undo)
+        draws = [null_keys(joined, generators) for _, _, joined in batches]  # a compiled region draws nothing
+        done = run("compare", _compare_pass, batches, draws)
+        for held, fields in done:
+            self._accumulate(held, fields)
+
+    def _join_pass(self, parts: list[list[_Held]], joins: bool) -> list[tuple[list[list[_Held]], list, tuple]]:
+        """:meth:`_form_parts` (:meth:`_held_parts`), then the kept records by signature (in the order they came), each
+        batch's tensors joined for one statistics pass (:func:`~.cells.join_cells`): ``(stacks of records, their
+        inputs, joined)``."""
+        self._form_parts(parts, joins)
+        pending, self._pending, self._pending_elements = self._pending, [], 0
+        batches: dict[tuple, list] = {}
         for entry in pending:
             batches.setdefault(entry[-1].signature(), []).append(entry)
-        with torch.no_grad():
-            for batch in batches.values():
-                device = batch[0][-1].attn.device
-                if self._generator is None or self._generator.device != device:
-                    # the stored and query frames draw their nulls from two generators of the run's seed, so the
-                    # stored-frame columns draw what they drew before the query frame existed
-                    self._generator = torch.Generator(device=device).manual_seed(self.config.seed)
-                    self._frame_generator = torch.Generator(device=device).manual_seed(self.config.seed)
-                    self._pool_generator = torch.Generator(device=device).manual_seed(self.config.seed)
-                generators = (self._generator, self._frame_generator, self._pool_generator)
-                values = self._threads(device, self._compare, [entry[-1] for entry in batch], generators)
-                for (held, _), fields in zip(batch, values, strict=True):
-                    self._accumulate(held, fields)
-
-    def _compare(self, records: list, generators: tuple) -> list[torch.Tensor]:
-        """:func:`~.cells.compare_cells`, compiled with :attr:`ProbeConfig.compile`."""
-        with compiled_statistics(self.config.compile):
-            return compare_cells(records, generators, self._constants)
+        cache = {} if torch.compiler.is_compiling() else self._constants  # a compiled pass caches nothing
+        joined = []
+        for batch in batches.values():
+            records = [inputs for _, inputs in batch]
+            joined.append(([held for held, _ in batch], records, join_cells(records, cache)))
+        return joined
 
     def _accumulate(self, held: list[_Held], values: torch.Tensor) -> None:
         """Add ``values`` ``(L * groups, H, fields)`` of stacked records into their call's buffers at their step, layer
@@ -454,6 +470,15 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         host = torch.empty(weights.shape, dtype=torch.float16, device="cpu", pin_memory=pinned)
         host.copy_(weights, non_blocking=pinned)
         self.maps.setdefault(key, []).append(host)
+
+
+def _compare_pass(batches: list[tuple], draws: list[list[torch.Tensor]]) -> list[tuple[list[_Held], torch.Tensor]]:
+    """The per-row statistics of :meth:`ProbeRun._join_pass`' batches (:func:`~.cells.compare_joined`), the nulls'
+    keys drawn beforehand: each stack of records with its values."""
+    done = []
+    for (held, records, joined), keys in zip(batches, draws, strict=True):
+        done += zip(held, compare_joined(records, joined, keys), strict=True)
+    return done
 
 
 @contextlib.contextmanager

@@ -382,6 +382,7 @@ def _frame_stats(
         else:
             same = ((ranks == nw_ranks) | ~key_mask).all(-1).to(dtype)
             reversed_ = ((ranks == keys.unsqueeze(-1) + 1 - nw_ranks) | ~key_mask).all(-1).to(dtype)
+    raveled = a_full = entries = None  # the one form each branch below fills (set either way: closures read them)
     if key_mask is None:
         # Pearson over a cell's R * K entries from per-row sums: without a key mask every row's weights sum to 1, so
         # the entries' mean is 1/K on both sides and the centred cross products and squares add up row by row

@@ -7,10 +7,11 @@ import contextlib
 import contextvars
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["compiled_statistics", "compiling", "run_compiled"]
+__all__ = ["compiled_statistics", "compiling", "run_compiled", "run_once_compiled"]
 
 
 #: Whether :func:`~ipa_probe.statistics.agreement.compare_frames` runs through ``torch.compile``
@@ -37,13 +38,6 @@ def compiled_statistics(enabled: bool = True) -> Iterator[None]:
         _COMPILE.reset(token)
 
 
-def _generators(frames: Sequence[tuple]) -> list[torch.Generator]:
-    found = []
-    for _, _, draws in frames:
-        found += [draws] if isinstance(draws, torch.Generator) else [g for g, _ in draws]
-    return found
-
-
 def compiling() -> bool:
     """Whether the caller is inside :func:`compiled_statistics`."""
     return _COMPILE.get()
@@ -51,24 +45,41 @@ def compiling() -> bool:
 
 def run_compiled(eager: Callable[..., list[torch.Tensor]], *args) -> list[torch.Tensor]:
     """``eager(*args)`` (the statistics of :func:`~ipa_probe.statistics.agreement.compare_frames`) through its compiled
-    form, or eagerly (warned once) where compiling or running it fails."""
-    compiled = _COMPILED.get("compare_frames")
+    form (``dynamic=True``), or eagerly (warned once) where compiling or running it fails."""
+    generators = [draws for _, _, draws in args[1] if isinstance(draws, torch.Generator)]  # not keys drawn before
+    return run_once_compiled("compare_frames", eager, generators, *args, dynamic=True)
+
+
+def run_once_compiled(
+    name: str,
+    eager: Callable[..., Any],
+    generators: Sequence[torch.Generator],
+    *args,
+    dynamic: bool = False,
+    undo: Callable[[], None] | None = None,
+) -> Any:
+    """``eager(*args)`` through ``torch.compile(eager, dynamic=dynamic)``, compiled once per process under ``name``
+    (dynamo recompiles it for other shapes or branches), or eagerly where compiling or running it fails: warned once,
+    ``generators`` put back to their states before the failed call (the eager run draws what eager would have drawn)
+    and ``undo`` called to put back what the failed call changed."""
+    compiled = _COMPILED.get(name)
     if compiled is None:
         try:
-            compiled = torch.compile(eager, dynamic=True)
+            compiled = torch.compile(eager, dynamic=dynamic)
         except Exception as err:  # noqa: BLE001 - any failure of the installed torch's compiler means eager
             compiled = _compile_failed(err)
-        _COMPILED["compare_frames"] = compiled
+        _COMPILED[name] = compiled
     if compiled is False:
         return eager(*args)
-    generators = _generators(args[1])
     states = [g.get_state() for g in generators]
     try:
         return compiled(*args)
     except Exception as err:  # noqa: BLE001
-        _COMPILED["compare_frames"] = _compile_failed(err)
+        _COMPILED[name] = _compile_failed(err)
         for g, state in zip(generators, states, strict=True):  # the draws eager would have made
             g.set_state(state)
+        if undo is not None:
+            undo()
         return eager(*args)
 
 

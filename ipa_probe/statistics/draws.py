@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Draws", "shuffle_rows", "stratified_rows"]
+__all__ = ["Draws", "shuffle_rows", "stratified_rows", "uniform_keys"]
 
-#: A null's random source: one generator, or per block of the leading dimension ``(generator, slices)``.
-Draws = torch.Generator | list[tuple[torch.Generator, int]]
+#: A null's random source: one generator, or per block of the leading dimension ``(generator, slices)``; in place of a
+#: generator, the uniform keys it would draw, drawn beforehand (:func:`uniform_keys`: a compiled pass draws nothing).
+Draws = torch.Generator | torch.Tensor | list[tuple[torch.Generator | torch.Tensor, int]]
 
 
 def shuffle_rows(w: torch.Tensor, generator: Draws, prefix: torch.Tensor | None = None) -> torch.Tensor:
@@ -20,13 +21,21 @@ def shuffle_rows(w: torch.Tensor, generator: Draws, prefix: torch.Tensor | None 
     sorting ``K`` uniform keys (:func:`_sort_keys`): one sort and one gather for all rows, whatever ``K`` (a few
     kernel launches on a GPU, where a loop of swaps would cost four per key).
     """
-    if isinstance(generator, torch.Generator):
-        noise = torch.rand(w.shape, generator=generator, device=w.device, dtype=torch.float32)
+    if not isinstance(generator, list):
+        noise = uniform_keys(w.shape, generator, w.device)
     else:
         # (F, ...): one draw per generator of its frames' shape, stacked
-        parts = [torch.rand((n, *w.shape[1:]), generator=g, device=w.device) for g, n in generator]
+        parts = [uniform_keys((n, *w.shape[1:]), g, w.device) for g, n in generator]
         noise = torch.cat(parts) if len(parts) > 1 else parts[0]
     return w.gather(-1, _sort_keys(noise, prefix))
+
+
+def uniform_keys(shape: tuple[int, ...], generator: torch.Generator | torch.Tensor, device) -> torch.Tensor:
+    """``shape`` float32 keys uniform on ``[0, 1)`` drawn from ``generator``, or ``generator`` itself when it holds
+    keys drawn beforehand (any shape of as many elements: a draw of the same number of keys is the same stream)."""
+    if isinstance(generator, torch.Tensor):
+        return generator.reshape(shape)
+    return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
 
 
 def _sort_keys(noise: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
