@@ -458,11 +458,13 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         first, n_heads = held[0], values.shape[1]
         sums = first.call.sums[first.step, :, first.slot, :, :n_heads]  # (layers, labels, H, fields), a view
         counts = first.call.counts[first.step, :, first.slot, :, :n_heads]  # (layers, labels, H)
-        layers = tuple(entry.index for entry in held)
-        index = self._constant(("layers", layers), values.device, lambda: _filled(layers, values.device))
-        index = (index.repeat_interleave(first.labels.shape[0]), first.labels.repeat(len(held)))  # (L * groups,) each
+        layers, groups, device = tuple(entry.index for entry in held), first.labels.shape[0], values.device
+        index = self._constant(
+            ("layers", layers, groups), device, lambda: _filled(layers, device).repeat_interleave(groups)
+        )
+        index = (index, first.labels.repeat(len(held)))  # (L * groups,) each
         sums.index_put_(index, values, accumulate=True)
-        counts.index_put_(index, torch.ones_like(values[..., 0]), accumulate=True)
+        counts.index_put_(index, self._constant("one", device, lambda: torch.ones((), device=device)), accumulate=True)
 
     def _keep_map(self, key: tuple[int, int, str, int], weights: torch.Tensor) -> None:
         weights = weights.half()

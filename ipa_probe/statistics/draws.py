@@ -54,7 +54,9 @@ def _sort_keys(noise: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor
     return noise.argsort(dim=-1)
 
 
-def stratified_rows(rows: int, n: int, generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
+def stratified_rows(
+    rows: int, n: int, generator: torch.Generator | torch.Tensor, device: torch.device | str | None = None
+) -> torch.Tensor:
     """A seeded stratified sample of ``n`` of ``rows`` row indices: the rows (query positions in raster order) are cut
     into ``n`` contiguous strata of ``rows // n`` or ``rows // n + 1`` rows (spatial blocks: runs of neighbouring
     positions) and one row is drawn uniformly in each. Made on ``device`` from ``generator`` (no host sync).
@@ -62,15 +64,17 @@ def stratified_rows(rows: int, n: int, generator: torch.Generator, device: torch
     Args:
         rows: how many rows there are.
         n: how many to draw, ``1 <= n <= rows``.
-        generator: the random source, on ``device``.
-        device: where the indices live.
+        generator: the random source, on ``device``; or ``(..., n)`` uniform keys drawn from one beforehand
+            (:func:`uniform_keys`), a sample for each.
+        device: where the indices live (with a generator).
 
     Returns:
-        ``(n,)`` int64 indices, ascending (one per stratum, in stratum order).
+        ``(n,)`` int64 indices (``(..., n)`` from keys), ascending (one per stratum, in stratum order).
     """
     if not 1 <= n <= rows:
         raise ValueError(f"n: expected 1 <= n <= rows ({rows}), got {n}")
-    stratum = torch.arange(n + 1, device=device) * rows // n  # (n + 1,) stratum boundaries
+    keys = generator if isinstance(generator, torch.Tensor) else uniform_keys((n,), generator, device)
+    stratum = torch.arange(n + 1, device=keys.device) * rows // n  # (n + 1,) stratum boundaries
     start, size = stratum[:-1], stratum[1:] - stratum[:-1]
-    offset = (torch.rand(n, generator=generator, device=device) * size).long().clamp(max=size - 1)
+    offset = (keys * size).long().clamp(max=size - 1)
     return start + offset
