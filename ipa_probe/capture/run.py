@@ -43,7 +43,7 @@ from ..layers import (
 )
 from ..statistics import bandwidth as bw
 from ..statistics.bandwidth import BandwidthSpec
-from ..statistics.compiled import run_once_compiled
+from ..statistics.compiled import run_compiled
 from ..statistics.schema import CELL_FIELDS
 from . import spine
 from .branches import Layout, PromptEvidence, label_vocabulary
@@ -409,7 +409,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
     def _flush(self) -> None:
         """Form the held records (:meth:`_join_pass`), run the per-row statistics of the pass (:func:`_compare_pass`)
         and add them into the buffers. With :attr:`ProbeConfig.compile` the two run compiled
-        (:func:`~ipa_probe.statistics.compiled.run_once_compiled`, static shapes), the nulls' keys drawn between."""
+        (:func:`~ipa_probe.statistics.compiled.run_compiled`, static shapes), the nulls' keys drawn between."""
         device = next((x.q.device for x in self._held), None) or next((x[-1].attn.device for x in self._pending), None)
         if device is None:
             return
@@ -428,7 +428,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         def run(name: str, fn: Callable, *args, undo: Callable | None = None) -> Any:  # compiled: static shapes
             if not self.config.compile or torch.compiler.is_compiling():
                 return self._threads(device, fn, *args)
-            return self._threads(device, lambda: run_once_compiled(name, fn, (), *args, undo=undo))
+            return self._threads(device, lambda: run_compiled(name, fn, *args, undo=undo))
 
         batches = run("join", type(self)._join_pass, self, *parts, undo=undo)
         draws = [null_keys(joined, generators) for _, _, joined in batches]  # a compiled region draws nothing
