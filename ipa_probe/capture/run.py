@@ -406,6 +406,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         finally:
             torch.set_num_threads(before)
 
+    @torch.no_grad()
     def _flush(self) -> None:
         """Form the held records (:meth:`_join_pass`), run the per-row statistics of the pass (:func:`_compare_pass`)
         and add them into the buffers. With :attr:`ProbeConfig.compile` the two run compiled
