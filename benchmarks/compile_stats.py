@@ -4,7 +4,7 @@ per record, and the largest difference of the numbers.
 One synthetic SD 1.5 record per point (CFG batch of 2, 8 heads of width 40, random q and k, as a tap gives them),
 formed once (:func:`~ipa_probe.capture.cells.record_logits`, ``group_cell``, ``cell_inputs``, the library's default
 ``rows="auto"`` sample); then its statistics (:func:`~ipa_probe.capture.cells.compare_cells`, what a pass's flush
-runs, the part that dominates a record) are timed eagerly and as ``torch.compile(compare_joined, dynamic=True)``, the
+runs, the part that dominates a record) are timed eagerly and as ``torch.compile(compare_cells, dynamic=True)``, the
 nulls' keys drawn beforehand from generators of the same seed (:func:`~ipa_probe.capture.cells.null_keys`, as the
 probe's compiled pass does), so both compare the same nulls. The first compiled call is the compile (later shapes
 reuse it unless a guard fails). CPU time is ``time.process_time`` (this process's threads), the median of
@@ -45,14 +45,14 @@ _COMPILED = []
 
 
 def _run(records, compiled: bool) -> tuple[torch.Tensor, float]:
-    from ipa_probe.capture.cells import compare_joined, join_cells, null_keys
+    from ipa_probe.capture.cells import compare_cells, join_cells, null_keys
 
     if compiled and not _COMPILED:
-        _COMPILED.append(torch.compile(compare_joined, dynamic=True))
+        _COMPILED.append(torch.compile(compare_cells, dynamic=True))
     gens = (torch.Generator().manual_seed(0), torch.Generator().manual_seed(0))
     start = time.process_time()
     joined = join_cells(records)
-    out = (_COMPILED[0] if compiled else compare_joined)(records, joined, null_keys(joined, gens))[0]
+    out = (_COMPILED[0] if compiled else compare_cells)(records, null_keys(joined, gens), joined=joined)[0]
     return out, time.process_time() - start
 
 

@@ -25,7 +25,7 @@ __all__ = ["FRAME_ELEMENTS", "PENDING_ELEMENTS", "RecordForming"]
 #: one batch.
 PENDING_ELEMENTS = 2**22
 
-#: Queries (elements) the held records may hold before they are formed early (:meth:`RecordForming._form_held`;
+#: Queries (elements) the held records may hold before they are formed early (:meth:`RecordForming._held_parts`;
 #: they are still compared at the pass's end): 2^25 float32 (128 MiB, with about as much again of logits and working
 #: tensors while a stack is formed) keeps a 512 px SD 1.5 pass in one batch and bounds memory at 1024 px.
 FRAME_ELEMENTS = 2**25
@@ -33,7 +33,7 @@ FRAME_ELEMENTS = 2**25
 
 @dataclass
 class _Held:
-    """One record as its hook delivered it, held until the pass ends (:meth:`ProbeRun._form_held`)."""
+    """One record as its hook delivered it, held until the pass ends (:meth:`RecordForming._held_parts`)."""
 
     call: CallBuffers
     step: int
@@ -80,7 +80,7 @@ class RecordForming:
         used: torch.Tensor | None = None,
     ) -> None:
         """Hold one layer's record for one adapter (or the text slot) until the pass ends, when the records of equal
-        shape are formed together (:meth:`_form_held`); a record that cannot join others is formed at once.
+        shape are formed together (:meth:`_held_parts`); a record that cannot join others is formed at once.
 
         Args:
             index: the layer's position in :attr:`layers`.
@@ -148,18 +148,14 @@ class RecordForming:
         self._held.append(held)
         self._held_elements += query.numel()
         if self._held_elements > FRAME_ELEMENTS:  # bounded memory: form what is held so far
-            self._form_held()
-
-    def _form_held(self) -> None:
-        """Form the held records (:meth:`_record_stats`), those of equal shape stacked along the batch into one pass:
-        the per-record work of a pass then costs one pass per layer size, not one per layer
-        (:meth:`_held_parts`, :meth:`_form_parts`)."""
-        self._form_parts(*self._held_parts())
+            self._form_parts(*self._held_parts())
 
     def _held_parts(self) -> tuple[list[list[_Held]], bool]:
-        """The held records taken (:attr:`_held` emptied), in stacks of equal :meth:`_Held.signature` (on a CPU, each
+        """The held records taken (:attr:`_held` emptied), in stacks of equal :meth:`_Held.signature`, those of a stack
+        formed in one pass (the per-record work of a pass then costs one pass per layer size; on a CPU, each
         within :data:`~.cells.JOIN_ELEMENTS_CPU` logits: a larger one leaves the cache; see there), and whether the
-        stacks' query frames are formed jointly (:func:`~.cells.joint_frames`). Python only: no tensor is touched."""
+        stacks' query frames are formed jointly (:func:`~.cells.joint_frames`); no tensor is formed but the row
+        samples' keys (:meth:`_draw_rows`)."""
         held, self._held, self._held_elements = self._held, [], 0
         self._draw_rows(held)
         batches: dict[tuple, list[_Held]] = {}

@@ -48,7 +48,7 @@ from ..statistics.schema import CELL_FIELDS
 from . import spine
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .buffers import CallBuffers, grow, new_buffers
-from .cells import CellInputs, compare_joined, join_cells, null_keys
+from .cells import CellInputs, compare_cells, join_cells, null_keys
 from .config import DEFAULT_ROWS, ProbeConfig
 from .forming import RecordForming, _Held
 from .map_views import MapViews
@@ -133,9 +133,8 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         self._tap_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._spine: Spine | None = None
         self._processors = [layer.processor for layer in self.layers]  # as last seen at a pass
-        self._generator: torch.Generator | None = None
-        self._frame_generator: torch.Generator | None = None
-        self._pool_generator: torch.Generator | None = None
+        #: the nulls' random sources (the stored frame's, the query frame's, the other pool's), made at the first pass
+        self._generators: tuple[torch.Generator, ...] = ()
         self._row_generator: torch.Generator | None = None
         #: (layer, kind) -> (rows, keys, sample size or None): what ProbeConfig.rows chose per cell (shapes only)
         self._row_plan: dict[tuple[str, str], tuple[int, int, int | None]] = {}
@@ -143,7 +142,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         #: inputs), compared together by :meth:`_flush`
         self._pending: list[tuple[list[_Held], CellInputs]] = []
         self._pending_elements = 0
-        #: records of the running pass held until it ends (:meth:`_form_held`), and their queries' elements
+        #: records of the running pass held until it ends (:meth:`_held_parts`), and their queries' elements
         self._held: list[_Held] = []
         self._held_elements = 0
         self._constants: dict[tuple, torch.Tensor] = {}
@@ -414,28 +413,24 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         device = next((x.q.device for x in self._held), None) or next((x[-1].attn.device for x in self._pending), None)
         if device is None:
             return
-        if self._generator is None or self._generator.device != device:
-            # the stored and query frames draw their nulls from two generators of the run's seed, so the stored-frame
-            # columns draw what they drew before the query frame existed
-            self._generator, self._frame_generator, self._pool_generator = (
-                torch.Generator(device=device).manual_seed(self.config.seed) for _ in range(3)
-            )
-        generators = (self._generator, self._frame_generator, self._pool_generator)
-        parts, pending, elements = self._held_parts(), list(self._pending), self._pending_elements
+        if not self._generators or self._generators[0].device != device:
+            # each frame draws its nulls from a generator of the run's seed of its own, so the stored-frame columns
+            # draw what they drew before the query frames existed
+            self._generators = tuple(torch.Generator(device=device).manual_seed(self.config.seed) for _ in range(3))
 
-        def undo() -> None:  # what a failed compiled call changed, put back before the eager run
-            self._pending, self._pending_elements = pending, elements
-
-        def run(name: str, fn: Callable, *args, undo: Callable | None = None) -> Any:  # compiled: static shapes
+        def run(name: str, fn: Callable, *args) -> Any:  # compiled: static shapes
             if not self.config.compile or torch.compiler.is_compiling():
                 return self._threads(device, fn, *args)
-            return self._threads(device, lambda: run_compiled(name, fn, *args, undo=undo))
+            kept = self._pending[:], self._pending_elements  # what a failed call changed, put back before eager
+            return self._threads(device, lambda: run_compiled(name, fn, *args, undo=lambda: self._put_back(*kept)))
 
-        batches = run("join", type(self)._join_pass, self, *parts, undo=undo)
-        draws = [null_keys(joined, generators) for _, _, joined in batches]  # a compiled region draws nothing
-        done = run("compare", _compare_pass, batches, draws)
-        for held, fields in done:
+        batches = run("join", type(self)._join_pass, self, *self._held_parts())
+        draws = [null_keys(joined, self._generators) for _, _, joined in batches]  # a compiled region draws nothing
+        for held, fields in run("compare", _compare_pass, batches, draws):
             self._accumulate(held, fields)
+
+    def _put_back(self, pending: list, elements: int) -> None:
+        self._pending, self._pending_elements = pending, elements
 
     def _join_pass(self, parts: list[list[_Held]], joins: bool) -> list[tuple[list[list[_Held]], list, tuple]]:
         """:meth:`_form_parts` (:meth:`_held_parts`), then the kept records by signature (in the order they came), each
@@ -476,11 +471,11 @@ class ProbeRun(RecordForming, RunViews, MapViews):
 
 
 def _compare_pass(batches: list[tuple], draws: list[list[torch.Tensor]]) -> list[tuple[list[_Held], torch.Tensor]]:
-    """The per-row statistics of :meth:`ProbeRun._join_pass`' batches (:func:`~.cells.compare_joined`), the nulls'
+    """The per-row statistics of :meth:`ProbeRun._join_pass`' batches (:func:`~.cells.compare_cells`), the nulls'
     keys drawn beforehand: each stack of records with its values."""
     done = []
     for (held, records, joined), keys in zip(batches, draws, strict=True):
-        done += zip(held, compare_joined(records, joined, keys), strict=True)
+        done += zip(held, compare_cells(records, keys, joined=joined), strict=True)
     return done
 
 

@@ -21,12 +21,9 @@ def shuffle_rows(w: torch.Tensor, generator: Draws, prefix: torch.Tensor | None 
     sorting ``K`` uniform keys (:func:`_sort_keys`): one sort and one gather for all rows, whatever ``K`` (a few
     kernel launches on a GPU, where a loop of swaps would cost four per key).
     """
-    if not isinstance(generator, list):
-        noise = uniform_keys(w.shape, generator, w.device)
-    else:
-        # (F, ...): one draw per generator of its frames' shape, stacked
-        parts = [uniform_keys((n, *w.shape[1:]), g, w.device) for g, n in generator]
-        noise = torch.cat(parts) if len(parts) > 1 else parts[0]
+    draws = generator if isinstance(generator, list) else [(generator, w.shape[0])]
+    parts = [uniform_keys((n, *w.shape[1:]), g, w.device) for g, n in draws]  # one draw per generator, stacked
+    noise = torch.cat(parts) if len(parts) > 1 else parts[0]
     return w.gather(-1, _sort_keys(noise, prefix))
 
 
@@ -54,9 +51,7 @@ def _sort_keys(noise: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor
     return noise.argsort(dim=-1)
 
 
-def stratified_rows(
-    rows: int, n: int, generator: torch.Generator | torch.Tensor, device: torch.device | str | None = None
-) -> torch.Tensor:
+def stratified_rows(rows: int, n: int, generator: torch.Generator | torch.Tensor, device=None) -> torch.Tensor:
     """A seeded stratified sample of ``n`` of ``rows`` row indices: the rows (query positions in raster order) are cut
     into ``n`` contiguous strata of ``rows // n`` or ``rows // n + 1`` rows (spatial blocks: runs of neighbouring
     positions) and one row is drawn uniformly in each. Made on ``device`` from ``generator`` (no host sync).
