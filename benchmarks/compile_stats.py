@@ -4,10 +4,11 @@ per record, and the largest difference of the numbers.
 One synthetic SD 1.5 record per point (CFG batch of 2, 8 heads of width 40, random q and k, as a tap gives them),
 formed once (:func:`~ipa_probe.capture.cells.record_logits`, ``group_cell``, ``cell_inputs``, the library's default
 ``rows="auto"`` sample); then its statistics (:func:`~ipa_probe.capture.cells.compare_cells`, what a pass's flush
-runs, the part that dominates a record) are timed eagerly and under
-:func:`ipa_probe.statistics.compiled.compiled_statistics`, each from generators of the same seed, so both draw the same
-nulls. The first compiled call is the compile (``dynamic=True``: later shapes reuse it unless a guard fails). CPU time
-is ``time.process_time`` (this process's threads), the median of ``--repeats`` calls.
+runs, the part that dominates a record) are timed eagerly and as ``torch.compile(compare_cells, dynamic=True)``, the
+nulls' keys drawn beforehand from generators of the same seed (:func:`~ipa_probe.capture.cells.null_keys`, as the
+probe's compiled pass does), so both compare the same nulls. The first compiled call is the compile (later shapes
+reuse it unless a guard fails). CPU time is ``time.process_time`` (this process's threads), the median of
+``--repeats`` calls.
 
     python benchmarks/compile_stats.py --threads 1
 """
@@ -40,14 +41,18 @@ def _inputs(n_queries: int, n_tokens: int):
     return cell_inputs(cell, 2, q, k, None, False, processor, None, None, 2, q_norms, sample), size
 
 
-def _run(records, compiled: bool) -> tuple[torch.Tensor, float]:
-    from ipa_probe.capture.cells import compare_cells
-    from ipa_probe.statistics.compiled import compiled_statistics
+_COMPILED = []
 
+
+def _run(records, compiled: bool) -> tuple[torch.Tensor, float]:
+    from ipa_probe.capture.cells import compare_cells, join_cells, null_keys
+
+    if compiled and not _COMPILED:
+        _COMPILED.append(torch.compile(compare_cells, dynamic=True))
     gens = (torch.Generator().manual_seed(0), torch.Generator().manual_seed(0))
     start = time.process_time()
-    with compiled_statistics(compiled):
-        out = compare_cells(records, gens)[0]
+    joined = join_cells(records)
+    out = (_COMPILED[0] if compiled else compare_cells)(records, null_keys(joined, gens), joined=joined)[0]
     return out, time.process_time() - start
 
 

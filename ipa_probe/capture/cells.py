@@ -14,12 +14,14 @@ the host or keeps state between records.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..layers import image_branch_logits
 from ..statistics.agreement import compare_frames
+from ..statistics.draws import uniform_keys
 from ..statistics.kernels import matched_bandwidth, nw_logits, query_frame_terms, segment_query_frame_terms
 from ..statistics.rows import Segments, copy_groups, finite_rows, fit_bandwidth
 from ..statistics.schema import QUERY_FRAME_STATS, STAT_NAMES
@@ -35,7 +37,9 @@ __all__ = [
     "frame_terms",
     "group_cell",
     "image_share",
+    "join_cells",
     "joint_frames",
+    "null_keys",
     "record_logits",
     "take_rows",
 ]
@@ -44,7 +48,7 @@ __all__ = [
 CHUNK_ELEMENTS = 2**26
 
 #: Most logits (elements) the probe stacks into one pass on a CPU (1 MiB of float32;
-#: :meth:`~.forming.RecordForming._form_held`). Stacking saves each record's fixed cost (some 30 small operations)
+#: :meth:`~.forming.RecordForming._held_parts`). Stacking saves each record's fixed cost (some 30 small operations)
 #: but makes every pass over the logits read a larger block: on one SD 1.5 pass (2 CPU cores, one thread), forming
 #: the frames of all five records of a size together took 0.62x the time of one record at a time at 16 x 16 latents
 #: with 4 tokens (0.33 MB) and 0.76-0.87x with 16 (1.3 MB), but 1.06-1.12x with 64 tokens (5 MB) and 1.8-2.0x at
@@ -327,7 +331,7 @@ def cell_inputs(
 
 
 def compare_cells(
-    records: list[CellInputs], generators: tuple[torch.Generator, torch.Generator], cache: dict | None = None
+    records: list[CellInputs], generators: Sequence, cache: dict | None = None, joined: tuple | None = None
 ) -> list[torch.Tensor]:
     """The per-cell fields (:data:`~ipa_probe.statistics.schema.CELL_FIELDS`) of records of one
     :meth:`~CellInputs.signature`, ``(groups, H, fields)`` each, from one
@@ -339,13 +343,62 @@ def compare_cells(
         records: the records' inputs (:func:`cell_inputs`), equal signatures.
         generators: the permutation nulls' random sources on the device: the stored frame's, the query frame's, and
             optionally the other pool's (its null is drawn and discarded: a generator of its own keeps the other two
-            drawing what they draw without it; one seeded 0 when not given).
+            drawing what they draw without it; one seeded 0 when not given); or the keys they draw
+            (:func:`null_keys`).
         cache: where the rows' cell ids are kept between calls (they depend on the records' shapes only), or
             ``None``.
+        joined: the records' :func:`join_cells`, when joined beforehand.
     """
+    first, (attn, joined_frames, rest, scalars) = records[0], joined or join_cells(records, cache)
+    flat, keys = first.key_mask is None, attn.shape[-1]
+    if len(generators) < len(joined_frames):  # the other pool's null from a generator of its own
+        generators = (*generators, torch.Generator(device=attn.device).manual_seed(0))
+    frames = [(nw, term, d) for (nw, term), d in zip(joined_frames, generators, strict=False)]
+    stats, frame, *other = compare_frames(attn, frames, *rest)
+    if not first.sampled:  # exact: no sampling error
+        stats = torch.stack((stats, torch.zeros_like(stats)), dim=-2)
+        frame = torch.stack((frame, torch.zeros_like(frame)), dim=-2)
+    rho = STAT_NAMES.index("spearman")
+    if other:  # the other pool's exact-form rho: (1, cells, S), or (1, cells, 2, S) with errors
+        other_rho = other[0][0][..., 0, rho] if first.sampled else other[0][0][..., rho]
+    else:  # the pools are the same rows: the query frame's own (exact form)
+        other_rho = frame[0][..., 0, rho]
+    other_rho = other_rho.unsqueeze(-1)  # (cells, 1)
+    _count_lost_rows(stats, frame, keys)
+    # stats (cells, 2, S), frame (2, cells, 2, S): estimate and standard error (cells: (groups, H), or flat)
+    chosen = [STAT_NAMES.index(name) for name in QUERY_FRAME_STATS]
+    # (2, cells, 2, S) -> (cells, 2, 2 * C): per part (estimate, error) the exact form's statistics, then the
+    # Gaussian form's (the order of QUERY_FRAME_COLUMNS)
+    frame = frame[..., chosen].movedim(0, -2).flatten(-2)
+    # the buffers keep each standard error squared, so that a mean over cells adds variances (report.run_table)
+    errors = torch.cat((stats[..., 1, :], frame[..., 1, :]), dim=-1)
+    parts = (
+        scalars[..., :1],
+        stats[..., 0, :],
+        scalars[..., 1:5],
+        frame[..., 0, :],
+        scalars[..., 5:],
+        errors * errors,
+        other_rho,
+    )
+    values = torch.cat(parts, dim=-1)  # (cells of every record, fields) in the order of CELL_FIELDS
+    if not flat:
+        return list(values.split([record.attn.shape[0] for record in records]))
+    cells = [record.attn.shape[0] * record.attn.shape[1] for record in records]
+    return [part.unflatten(0, r.attn.shape[:2]) for part, r in zip(values.split(cells), records, strict=True)]
+
+
+def null_keys(joined: tuple, generators: tuple[torch.Generator, ...]) -> list[torch.Tensor]:
+    """The uniform keys the nulls of :func:`compare_cells` draw from ``generators`` (one draw per frame, in its order:
+    what :func:`compare_cells` draws), drawn beforehand so that a compiled pass draws nothing."""
+    return [uniform_keys(nw.shape, g, nw.device) for (nw, _), g in zip(joined[1], generators, strict=False)]
+
+
+def join_cells(records: list[CellInputs], cache: dict | None = None) -> tuple:
+    """:func:`~ipa_probe.statistics.agreement.compare_frames`' arguments for the records of :func:`compare_cells` (the
+    frames without their random sources), and the records' scalars: one batch's tensors side by side."""
     first = records[0]
     flat = first.key_mask is None  # every record's rows side by side, reduced per cell (stats.Segments)
-    keys = first.attn.shape[-1]
     replicates = SAMPLE_GROUPS if first.sampled else None
     segments = _segments(records, replicates, cache) if flat else None
 
@@ -370,56 +423,12 @@ def compare_cells(
             return torch.cat(parts, lead) if len(parts) > 1 else parts[0]
         return torch.cat(parts, axis)
 
-    frames = [
-        (joined("nw"), joined("key_term"), generators[0]),
-        (joined("frame_nw", 1), joined("frame_b", 1), generators[1]),
-    ]
+    frames = [(joined("nw"), joined("key_term")), (joined("frame_nw", 1), joined("frame_b", 1))]
     if first.other_nw is not None:
-        device = first.attn.device
-        spare = generators[2] if len(generators) > 2 else torch.Generator(device=device).manual_seed(0)
-        frames.append((joined("other_nw", 1), joined("other_b", 1), spare))
-    stats, frame, *other = compare_frames(
-        joined("attn"),
-        frames,
-        joined("key_mask"),
-        joined("row_mask"),
-        joined("copies"),
-        first.tails,
-        replicates,
-        segments,
-    )
-    if not first.sampled:  # exact: no sampling error
-        stats = torch.stack((stats, torch.zeros_like(stats)), dim=-2)
-        frame = torch.stack((frame, torch.zeros_like(frame)), dim=-2)
-    rho = STAT_NAMES.index("spearman")
-    if other:  # the other pool's exact-form rho: (1, cells, S), or (1, cells, 2, S) with errors
-        other_rho = other[0][0][..., 0, rho] if first.sampled else other[0][0][..., rho]
-    else:  # the pools are the same rows: the query frame's own (exact form)
-        other_rho = frame[0][..., 0, rho]
-    other_rho = other_rho.unsqueeze(-1)  # (cells, 1)
-    _count_lost_rows(stats, frame, keys)
-    # stats (cells, 2, S), frame (2, cells, 2, S): estimate and standard error (cells: (groups, H), or flat)
-    chosen = [STAT_NAMES.index(name) for name in QUERY_FRAME_STATS]
-    # (2, cells, 2, S) -> (cells, 2, 2 * C): per part (estimate, error) the exact form's statistics, then the
-    # Gaussian form's (the order of QUERY_FRAME_COLUMNS)
-    frame = frame[..., chosen].movedim(0, -2).flatten(-2)
+        frames.append((joined("other_nw", 1), joined("other_b", 1)))
     scalars = joined("scalars") if not flat else torch.cat([r.scalars.flatten(0, 1) for r in records])
-    # the buffers keep each standard error squared, so that a mean over cells adds variances (report.run_table)
-    errors = torch.cat((stats[..., 1, :], frame[..., 1, :]), dim=-1)
-    parts = (
-        scalars[..., :1],
-        stats[..., 0, :],
-        scalars[..., 1:5],
-        frame[..., 0, :],
-        scalars[..., 5:],
-        errors * errors,
-        other_rho,
-    )
-    values = torch.cat(parts, dim=-1)  # (cells of every record, fields) in the order of CELL_FIELDS
-    if not flat:
-        return list(values.split([record.attn.shape[0] for record in records]))
-    cells = [record.attn.shape[0] * record.attn.shape[1] for record in records]
-    return [part.unflatten(0, r.attn.shape[:2]) for part, r in zip(values.split(cells), records, strict=True)]
+    rest = (joined("key_mask"), joined("row_mask"), joined("copies"), first.tails, replicates, segments)
+    return joined("attn"), frames, rest, scalars
 
 
 def _segments(records: list[CellInputs], replicates: int | None, cache: dict | None) -> Segments:

@@ -105,8 +105,8 @@ class ProbeConfig:
             (:func:`~ipa_probe.statistics.draws.stratified_rows`) and each statistic gets its ``<column>_se``.
         threads: torch's CPU threads around each record's statistics on a CPU device (the caller's restored after,
             also on an exception); ``None`` keeps the caller's.
-        compile: run each pass's per-row statistics through ``torch.compile(dynamic=True)``
-            (:func:`~ipa_probe.statistics.compiled.compiled_statistics`); where torch cannot compile, a warning and the
+        compile: run each pass's forming and statistics as two ``torch.compile`` regions of static shapes
+            (:func:`~ipa_probe.statistics.compiled.run_compiled`); where torch cannot compile, a warning and the
             eager path.
     """
 

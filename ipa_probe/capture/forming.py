@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..statistics.agreement import null_tail_table
-from ..statistics.draws import stratified_rows
+from ..statistics.draws import stratified_rows, uniform_keys
 from . import cells
 from .buffers import CallBuffers
 from .cells import cell_inputs, group_cell, record_logits
@@ -25,7 +25,7 @@ __all__ = ["FRAME_ELEMENTS", "PENDING_ELEMENTS", "RecordForming"]
 #: one batch.
 PENDING_ELEMENTS = 2**22
 
-#: Queries (elements) the held records may hold before they are formed early (:meth:`RecordForming._form_held`;
+#: Queries (elements) the held records may hold before they are formed early (:meth:`RecordForming._held_parts`;
 #: they are still compared at the pass's end): 2^25 float32 (128 MiB, with about as much again of logits and working
 #: tensors while a stack is formed) keeps a 512 px SD 1.5 pass in one batch and bounds memory at 1024 px.
 FRAME_ELEMENTS = 2**25
@@ -33,7 +33,7 @@ FRAME_ELEMENTS = 2**25
 
 @dataclass
 class _Held:
-    """One record as its hook delivered it, held until the pass ends (:meth:`ProbeRun._form_held`)."""
+    """One record as its hook delivered it, held until the pass ends (:meth:`RecordForming._held_parts`)."""
 
     call: CallBuffers
     step: int
@@ -50,8 +50,9 @@ class _Held:
     text: bool
     processor: torch.nn.Module
     h: torch.Tensor  # 0-d bandwidth
-    sample: torch.Tensor | None  # (n,) the record's row sample
+    rows: tuple[int, int] | None  # (rows, n) of the record's row sample, or None for every row
     text_mask: torch.Tensor | None  # (B, tokens)
+    keys: torch.Tensor | None = None  # (n,) the row sample's uniform keys (:meth:`RecordForming._draw_rows`)
 
     def signature(self) -> tuple:
         """Records with equal signatures are formed in one pass, stacked along the batch."""
@@ -59,8 +60,8 @@ class _Held:
         def form(x: torch.Tensor | None) -> tuple | None:
             return None if x is None else (tuple(x.shape), x.dtype, x.device)
 
-        tensors = (self.q, self.k, self.inside, self.sample)
-        return (*(form(x) for x in tensors), self.slot, self.text, id(self.h), id(self.labels), self.chunks)
+        tensors = (self.q, self.k, self.inside)
+        return (*(form(x) for x in tensors), self.rows, self.slot, self.text, id(self.h), id(self.labels), self.chunks)
 
 
 class RecordForming:
@@ -79,7 +80,7 @@ class RecordForming:
         used: torch.Tensor | None = None,
     ) -> None:
         """Hold one layer's record for one adapter (or the text slot) until the pass ends, when the records of equal
-        shape are formed together (:meth:`_form_held`); a record that cannot join others is formed at once.
+        shape are formed together (:meth:`_held_parts`); a record that cannot join others is formed at once.
 
         Args:
             index: the layer's position in :attr:`layers`.
@@ -110,12 +111,8 @@ class RecordForming:
             used = (used if head_index is None else used.index_select(1, head_index)).float()  # (B, H, Q, K)
         groups = labels.shape[0]
         n_rows, n_keys = query.shape[-2] * (query.shape[0] // groups), key.shape[-2]
-        size, sample = self.config.sample_rows(n_rows, n_keys), None  # from shapes: no device read
-        if self._row_generator is None or self._row_generator.device != query.device:
-            self._row_generator = torch.Generator(device=query.device).manual_seed(self.config.seed)
+        size = self.config.sample_rows(n_rows, n_keys)  # from shapes: no device read
         self._row_plan[(self.layers[index].name, "text" if text else "image")] = (n_rows, n_keys, size)
-        if size is not None:  # per-row statistics on a stratified sample (ProbeConfig.rows), drawn in record order
-            sample = stratified_rows(n_rows, size, self._row_generator, query.device)
         held = _Held(
             call=state.call,
             step=state.step,
@@ -132,7 +129,7 @@ class RecordForming:
             text=text,
             processor=processor,
             h=self._bandwidth(query.shape[-1], query.device),
-            sample=sample,
+            rows=None if size is None else (n_rows, size),
             text_mask=state.text_mask,
         )
         # a masked adapter's maps are formed per reference image in the layer (one softmax each): at once
@@ -145,18 +142,22 @@ class RecordForming:
             and (self._maps is None or text or not self._maps.masks_adapter(slot))
         )
         if not joins:
+            self._draw_rows([held])
             self._form([held])
             return
         self._held.append(held)
         self._held_elements += query.numel()
         if self._held_elements > FRAME_ELEMENTS:  # bounded memory: form what is held so far
-            self._form_held()
+            self._form_parts(*self._held_parts())
 
-    def _form_held(self) -> None:
-        """Form the held records (:meth:`_record_stats`), those of equal shape stacked along the batch into one pass:
-        the per-record work of a pass then costs one pass per layer size, not one per layer. On a CPU a stack stays
-        within :data:`~.cells.JOIN_ELEMENTS_CPU` logits (a larger one leaves the cache; see there)."""
+    def _held_parts(self) -> tuple[list[list[_Held]], bool]:
+        """The held records taken (:attr:`_held` emptied), in stacks of equal :meth:`_Held.signature`, those of a stack
+        formed in one pass (the per-record work of a pass then costs one pass per layer size; on a CPU, each
+        within :data:`~.cells.JOIN_ELEMENTS_CPU` logits: a larger one leaves the cache; see there), and whether the
+        stacks' query frames are formed jointly (:func:`~.cells.joint_frames`); no tensor is formed but the row
+        samples' keys (:meth:`_draw_rows`)."""
         held, self._held, self._held_elements = self._held, [], 0
+        self._draw_rows(held)
         batches: dict[tuple, list[_Held]] = {}
         for entry in held:
             batches.setdefault(entry.signature(), []).append(entry)
@@ -173,13 +174,33 @@ class RecordForming:
         # have equal keys and no key mask (the text branch's are formed apart)
         first = parts[0][0] if parts else None
         joins = len(parts) > 1 and not first.text and len({(p[0].text, p[0].k.shape[2]) for p in parts}) == 1
-        if not joins or (first.q.device.type == "cpu" and logits > cells.JOIN_FRAMES_CPU):
+        return parts, joins and not (first.q.device.type == "cpu" and logits > cells.JOIN_FRAMES_CPU)
+
+    def _draw_rows(self, held: list[_Held]) -> None:
+        """The uniform keys of the records' row samples (:attr:`ProbeConfig.rows`; stratified in :meth:`_begin`), one
+        draw for all in record order, from the run's row generator (drawn outside a compiled pass)."""
+        sampled = [entry for entry in held if entry.rows is not None]
+        if not sampled:
+            return
+        device = sampled[0].q.device
+        if self._row_generator is None or self._row_generator.device != device:
+            self._row_generator = torch.Generator(device=device).manual_seed(self.config.seed)
+        sizes = [entry.rows[1] for entry in sampled]
+        keys = uniform_keys((sum(sizes),), self._row_generator, device).split(sizes)
+        for entry, entry_keys in zip(sampled, keys, strict=True):
+            entry.keys = entry_keys
+
+    def _form_parts(self, parts: list[list[_Held]], joins: bool) -> None:
+        """Form the stacks of :meth:`_held_parts`: their query frames jointly where ``joins``."""
+        if not joins:
             for part in parts:
                 self._threads(part[0].q.device, self._form, part)
             return
+        first = parts[0][0]
+        cache = {} if torch.compiler.is_compiling() else self._constants  # a compiled pass caches nothing
         formed = [self._threads(first.q.device, self._begin, part) for part in parts]
         cells_of, pools = [entry[2] for entry in formed], [entry[3]["pools"] for entry in formed]
-        frames = self._threads(first.q.device, cells.joint_frames, cells_of, pools, self._constants)
+        frames = self._threads(first.q.device, cells.joint_frames, cells_of, pools, cache)
         for entry, frame in zip(formed, frames, strict=True):
             self._threads(first.q.device, self._finish, *entry, frame)
 
@@ -217,9 +238,10 @@ class RecordForming:
         text_mask = first.text_mask
         if text_mask is not None and len(held) > 1:
             text_mask = text_mask.repeat(len(held), 1)
-        sample = first.sample  # (n,), or (L, n) for stacked records: cells.take_rows reads block l at row l
-        if sample is not None and len(held) > 1:
-            sample = torch.stack([entry.sample for entry in held])
+        sample = None  # (n,), or (L, n) for stacked records: cells.take_rows reads block l at row l
+        if first.rows is not None:  # the stratified row sample (ProbeConfig.rows) from the keys drawn for it
+            keys = first.keys if len(held) == 1 else torch.stack([entry.keys for entry in held])
+            sample = stratified_rows(*first.rows, keys)
         nw_rows = sample if self._maps is None or first.text else None  # the maps read every row's NW logits
         cell = group_cell(
             groups=groups,

@@ -43,12 +43,12 @@ from ..layers import (
 )
 from ..statistics import bandwidth as bw
 from ..statistics.bandwidth import BandwidthSpec
-from ..statistics.compiled import compiled_statistics
+from ..statistics.compiled import run_compiled
 from ..statistics.schema import CELL_FIELDS
 from . import spine
 from .branches import Layout, PromptEvidence, label_vocabulary
 from .buffers import CallBuffers, grow, new_buffers
-from .cells import CellInputs, compare_cells
+from .cells import CellInputs, compare_cells, join_cells, null_keys
 from .config import DEFAULT_ROWS, ProbeConfig
 from .forming import RecordForming, _Held
 from .map_views import MapViews
@@ -133,9 +133,8 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         self._tap_handles: list[torch.utils.hooks.RemovableHandle] = []
         self._spine: Spine | None = None
         self._processors = [layer.processor for layer in self.layers]  # as last seen at a pass
-        self._generator: torch.Generator | None = None
-        self._frame_generator: torch.Generator | None = None
-        self._pool_generator: torch.Generator | None = None
+        #: the nulls' random sources (the stored frame's, the query frame's, the other pool's), made at the first pass
+        self._generators: tuple[torch.Generator, ...] = ()
         self._row_generator: torch.Generator | None = None
         #: (layer, kind) -> (rows, keys, sample size or None): what ProbeConfig.rows chose per cell (shapes only)
         self._row_plan: dict[tuple[str, str], tuple[int, int, int | None]] = {}
@@ -143,7 +142,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         #: inputs), compared together by :meth:`_flush`
         self._pending: list[tuple[list[_Held], CellInputs]] = []
         self._pending_elements = 0
-        #: records of the running pass held until it ends (:meth:`_form_held`), and their queries' elements
+        #: records of the running pass held until it ends (:meth:`_held_parts`), and their queries' elements
         self._held: list[_Held] = []
         self._held_elements = 0
         self._constants: dict[tuple, torch.Tensor] = {}
@@ -403,35 +402,48 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         finally:
             torch.set_num_threads(before)
 
+    @torch.no_grad()
     def _flush(self) -> None:
-        """Form the held records (:meth:`_form_held`), run the per-row statistics of the kept ones
-        (:func:`~.cells.compare_cells`, one pass per signature, in the order the records came) and add them into the
-        buffers."""
-        self._form_held()
-        pending, self._pending, self._pending_elements = self._pending, [], 0
-        if not pending:
+        """Form the held records (:meth:`_join_pass`), run the per-row statistics of the pass (:func:`_compare_pass`)
+        and add them into the buffers. With :attr:`ProbeConfig.compile` the two run compiled
+        (:func:`~ipa_probe.statistics.compiled.run_compiled`, static shapes), the nulls' keys drawn between."""
+        device = next((x.q.device for x in self._held), None) or next((x[-1].attn.device for x in self._pending), None)
+        if device is None:
             return
-        batches: dict[tuple, list] = {}  # a signature includes the device
+        if not self._generators or self._generators[0].device != device:
+            # each frame draws its nulls from a generator of the run's seed of its own, so the stored-frame columns
+            # draw what they drew before the query frames existed
+            self._generators = tuple(torch.Generator(device=device).manual_seed(self.config.seed) for _ in range(3))
+
+        def run(name: str, fn: Callable, *args) -> Any:  # compiled: static shapes
+            if not self.config.compile or torch.compiler.is_compiling():
+                return self._threads(device, fn, *args)
+            kept = self._pending[:], self._pending_elements  # what a failed call changed, put back before eager
+            return self._threads(device, lambda: run_compiled(name, fn, *args, undo=lambda: self._put_back(*kept)))
+
+        batches = run("join", type(self)._join_pass, self, *self._held_parts())
+        draws = [null_keys(joined, self._generators) for _, _, joined in batches]  # a compiled region draws nothing
+        for held, fields in run("compare", _compare_pass, batches, draws):
+            self._accumulate(held, fields)
+
+    def _put_back(self, pending: list, elements: int) -> None:
+        self._pending, self._pending_elements = pending, elements
+
+    def _join_pass(self, parts: list[list[_Held]], joins: bool) -> list[tuple[list[list[_Held]], list, tuple]]:
+        """:meth:`_form_parts` (:meth:`_held_parts`), then the kept records by signature (in the order they came), each
+        batch's tensors joined for one statistics pass (:func:`~.cells.join_cells`): ``(stacks of records, their
+        inputs, joined)``."""
+        self._form_parts(parts, joins)
+        pending, self._pending, self._pending_elements = self._pending, [], 0
+        batches: dict[tuple, list] = {}
         for entry in pending:
             batches.setdefault(entry[-1].signature(), []).append(entry)
-        with torch.no_grad():
-            for batch in batches.values():
-                device = batch[0][-1].attn.device
-                if self._generator is None or self._generator.device != device:
-                    # the stored and query frames draw their nulls from two generators of the run's seed, so the
-                    # stored-frame columns draw what they drew before the query frame existed
-                    self._generator = torch.Generator(device=device).manual_seed(self.config.seed)
-                    self._frame_generator = torch.Generator(device=device).manual_seed(self.config.seed)
-                    self._pool_generator = torch.Generator(device=device).manual_seed(self.config.seed)
-                generators = (self._generator, self._frame_generator, self._pool_generator)
-                values = self._threads(device, self._compare, [entry[-1] for entry in batch], generators)
-                for (held, _), fields in zip(batch, values, strict=True):
-                    self._accumulate(held, fields)
-
-    def _compare(self, records: list, generators: tuple) -> list[torch.Tensor]:
-        """:func:`~.cells.compare_cells`, compiled with :attr:`ProbeConfig.compile`."""
-        with compiled_statistics(self.config.compile):
-            return compare_cells(records, generators, self._constants)
+        cache = {} if torch.compiler.is_compiling() else self._constants  # a compiled pass caches nothing
+        joined = []
+        for batch in batches.values():
+            records = [inputs for _, inputs in batch]
+            joined.append(([held for held, _ in batch], records, join_cells(records, cache)))
+        return joined
 
     def _accumulate(self, held: list[_Held], values: torch.Tensor) -> None:
         """Add ``values`` ``(L * groups, H, fields)`` of stacked records into their call's buffers at their step, layer
@@ -439,11 +451,13 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         first, n_heads = held[0], values.shape[1]
         sums = first.call.sums[first.step, :, first.slot, :, :n_heads]  # (layers, labels, H, fields), a view
         counts = first.call.counts[first.step, :, first.slot, :, :n_heads]  # (layers, labels, H)
-        layers = tuple(entry.index for entry in held)
-        index = self._constant(("layers", layers), values.device, lambda: _filled(layers, values.device))
-        index = (index.repeat_interleave(first.labels.shape[0]), first.labels.repeat(len(held)))  # (L * groups,) each
+        layers, groups, device = tuple(entry.index for entry in held), first.labels.shape[0], values.device
+        index = self._constant(
+            ("layers", layers, groups), device, lambda: _filled(layers, device).repeat_interleave(groups)
+        )
+        index = (index, first.labels.repeat(len(held)))  # (L * groups,) each
         sums.index_put_(index, values, accumulate=True)
-        counts.index_put_(index, torch.ones_like(values[..., 0]), accumulate=True)
+        counts.index_put_(index, self._constant("one", device, lambda: torch.ones((), device=device)), accumulate=True)
 
     def _keep_map(self, key: tuple[int, int, str, int], weights: torch.Tensor) -> None:
         weights = weights.half()
@@ -451,6 +465,15 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         host = torch.empty(weights.shape, dtype=torch.float16, device="cpu", pin_memory=pinned)
         host.copy_(weights, non_blocking=pinned)
         self.maps.setdefault(key, []).append(host)
+
+
+def _compare_pass(batches: list[tuple], draws: list[list[torch.Tensor]]) -> list[tuple[list[_Held], torch.Tensor]]:
+    """The per-row statistics of :meth:`ProbeRun._join_pass`' batches (:func:`~.cells.compare_cells`), the nulls'
+    keys drawn beforehand: each stack of records with its values."""
+    done = []
+    for (held, records, joined), keys in zip(batches, draws, strict=True):
+        done += zip(held, compare_cells(records, keys, joined=joined), strict=True)
+    return done
 
 
 @contextlib.contextmanager

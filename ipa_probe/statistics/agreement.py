@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .compiled import compiling, run_compiled
 from .draws import Draws, shuffle_rows
 from .kernels import n_eff
 from .nulls import null_tail, rho_baseline
@@ -134,7 +133,7 @@ def compare_frames(
         attn_logits: ``(..., R, K)`` attention logits.
         frames: per frame ``(nw_logits, key_term, generator)``: NW logits of shape ``(*F, ..., R, K)`` (extra
             leading dimensions ``F`` allowed, e.g. the two query-frame forms), ``key_term`` broadcastable to them or
-            ``None``, the null's random source.
+            ``None``, the null's random source (or its keys, :data:`~.draws.Draws`).
         key_mask, row_mask, key_groups, null_tails: as for :func:`compare_weights`, shaped like (or broadcastable
             to) ``attn_logits``.
         replicates: ``G`` to also estimate each statistic's sampling error over the rows: the rows (a stratified
@@ -151,22 +150,6 @@ def compare_frames(
         per frame, ``(*F, ..., len(STAT_NAMES))`` float32; with ``replicates``, ``(*F, ..., 2, len(STAT_NAMES))``:
         the estimates, then their standard errors (``...`` is the cells with ``segments``).
     """
-    args = (attn_logits, frames, key_mask, row_mask, key_groups, null_tails, replicates, segments)
-    if compiling():
-        return run_compiled(_compare_frames, *args)
-    return _compare_frames(*args)
-
-
-def _compare_frames(
-    attn_logits: torch.Tensor,
-    frames: Sequence[tuple[torch.Tensor, torch.Tensor | None, torch.Generator]],
-    key_mask: torch.Tensor | None,
-    row_mask: torch.Tensor | None,
-    key_groups: torch.Tensor | None,
-    null_tails: torch.Tensor | None,
-    replicates: int | None,
-    segments: Segments | None = None,
-) -> list[torch.Tensor]:
     if not isinstance(attn_logits, torch.Tensor):
         raise TypeError(f"attn_logits: expected a tensor of shape (..., R, K), got {type(attn_logits).__name__}")
     if segments is not None and (key_mask is not None or attn_logits.dim() != 2):
@@ -382,6 +365,7 @@ def _frame_stats(
         else:
             same = ((ranks == nw_ranks) | ~key_mask).all(-1).to(dtype)
             reversed_ = ((ranks == keys.unsqueeze(-1) + 1 - nw_ranks) | ~key_mask).all(-1).to(dtype)
+    raveled = a_full = entries = None  # the one form each branch below fills (set either way: closures read them)
     if key_mask is None:
         # Pearson over a cell's R * K entries from per-row sums: without a key mask every row's weights sum to 1, so
         # the entries' mean is 1/K on both sides and the centred cross products and squares add up row by row

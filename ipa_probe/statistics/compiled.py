@@ -1,81 +1,50 @@
-"""``torch.compile`` of the per-row statistics (``probe(compile=True)``): the switch, the one compiled function of the
-process, and the eager fallback that redraws nothing. Pure torch."""
+"""``torch.compile`` of the probe's per-step pass (``probe(compile=True)``): each compiled function of the process, and
+the eager fallback. Pure torch."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["compiled_statistics", "compiling", "run_compiled"]
+__all__ = ["run_compiled"]
 
-
-#: Whether :func:`~ipa_probe.statistics.agreement.compare_frames` runs through ``torch.compile``
-#: (:func:`compiled_statistics`).
-_COMPILE: contextvars.ContextVar[bool] = contextvars.ContextVar("ipa_probe_compile", default=False)
-#: The compiled :func:`~ipa_probe.statistics.agreement.compare_frames` of this process (one, for every shape:
-# ``dynamic=True``),  or ``False`` once compiling or running it failed (eager from then on; warned once).
+#: The compiled functions of this process by name (``torch.compile(fn, dynamic=False)``: dynamo compiles again for
+#: another shape or branch), or ``False`` once compiling or running one failed (eager from then on; warned once).
 _COMPILED: dict[str, Callable | bool] = {}
 
 
-@contextlib.contextmanager
-def compiled_statistics(enabled: bool = True) -> Iterator[None]:
-    """Within the block, :func:`~ipa_probe.statistics.agreement.compare_frames` runs as ``torch.compile(compare_frames,
-    dynamic=True)`` (one compile per process for every shape: inductor fuses the statistics' some 300 small
-    operations; the random draws of the nulls stay eager, at a graph break, from the same generators). Where the
-    installed torch cannot compile (no C++ compiler, an unsupported device or operation), the first failure warns
-    once and the eager function runs from then on, from the generators' states before the failed call: the numbers
-    equal eager's up to float32 rounding (fused reductions may sum in another order; tests/test_stats_compile.py
-    holds them to 1e-6). Used by ``probe(compile=True)`` (:attr:`~ipa_probe.capture.config.ProbeConfig.compile`)."""
-    token = _COMPILE.set(enabled)
-    try:
-        yield
-    finally:
-        _COMPILE.reset(token)
-
-
-def _generators(frames: Sequence[tuple]) -> list[torch.Generator]:
-    found = []
-    for _, _, draws in frames:
-        found += [draws] if isinstance(draws, torch.Generator) else [g for g, _ in draws]
-    return found
-
-
-def compiling() -> bool:
-    """Whether the caller is inside :func:`compiled_statistics`."""
-    return _COMPILE.get()
-
-
-def run_compiled(eager: Callable[..., list[torch.Tensor]], *args) -> list[torch.Tensor]:
-    """``eager(*args)`` (the statistics of :func:`~ipa_probe.statistics.agreement.compare_frames`) through its compiled
-    form, or eagerly (warned once) where compiling or running it fails."""
-    compiled = _COMPILED.get("compare_frames")
+def run_compiled(name: str, eager: Callable[..., Any], *args, undo: Callable[[], None] | None = None) -> Any:
+    """``eager(*args)`` through its compiled form, compiled once per process under ``name``, or eagerly where the
+    installed torch cannot compile it (no C++ compiler, an unsupported device or operation) or the compiled call
+    fails: warned once, ``undo()`` putting back what the failed call changed before the eager run. ``eager`` draws
+    nothing (dynamo cannot trace a generator: the caller draws the keys beforehand), so the eager run gives the very
+    numbers a fallback promises; the compiled ones equal eager's up to float32 rounding (fused reductions sum in
+    another order)."""
+    compiled = _COMPILED.get(name)
     if compiled is None:
         try:
-            compiled = torch.compile(eager, dynamic=True)
+            compiled = torch.compile(eager, dynamic=False)
         except Exception as err:  # noqa: BLE001 - any failure of the installed torch's compiler means eager
             compiled = _compile_failed(err)
-        _COMPILED["compare_frames"] = compiled
+        _COMPILED[name] = compiled
     if compiled is False:
         return eager(*args)
-    generators = _generators(args[1])
-    states = [g.get_state() for g in generators]
     try:
         return compiled(*args)
     except Exception as err:  # noqa: BLE001
-        _COMPILED["compare_frames"] = _compile_failed(err)
-        for g, state in zip(generators, states, strict=True):  # the draws eager would have made
-            g.set_state(state)
+        _COMPILED[name] = _compile_failed(err)
+        if undo is not None:
+            undo()
         return eager(*args)
 
 
 def _compile_failed(err: Exception) -> bool:
     warnings.warn(
-        f"compile=True: torch.compile of the probe's statistics failed ({type(err).__name__}: "
-        f"{str(err).splitlines()[0] if str(err) else ''}); the statistics run eagerly (the same numbers)",
+        f"compile=True: torch.compile of the probe's per-step pass failed ({type(err).__name__}: "
+        f"{str(err).splitlines()[0] if str(err) else ''}); the pass runs eagerly (the same numbers)",
         RuntimeWarning,
         stacklevel=4,
     )

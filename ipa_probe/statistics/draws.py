@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Draws", "shuffle_rows", "stratified_rows"]
+__all__ = ["Draws", "shuffle_rows", "stratified_rows", "uniform_keys"]
 
-#: A null's random source: one generator, or per block of the leading dimension ``(generator, slices)``.
-Draws = torch.Generator | list[tuple[torch.Generator, int]]
+#: A null's random source: one generator, or per block of the leading dimension ``(generator, slices)``; in place of a
+#: generator, the uniform keys it would draw, drawn beforehand (:func:`uniform_keys`: a compiled pass draws nothing).
+Draws = torch.Generator | torch.Tensor | list[tuple[torch.Generator | torch.Tensor, int]]
 
 
 def shuffle_rows(w: torch.Tensor, generator: Draws, prefix: torch.Tensor | None = None) -> torch.Tensor:
@@ -20,13 +21,18 @@ def shuffle_rows(w: torch.Tensor, generator: Draws, prefix: torch.Tensor | None 
     sorting ``K`` uniform keys (:func:`_sort_keys`): one sort and one gather for all rows, whatever ``K`` (a few
     kernel launches on a GPU, where a loop of swaps would cost four per key).
     """
-    if isinstance(generator, torch.Generator):
-        noise = torch.rand(w.shape, generator=generator, device=w.device, dtype=torch.float32)
-    else:
-        # (F, ...): one draw per generator of its frames' shape, stacked
-        parts = [torch.rand((n, *w.shape[1:]), generator=g, device=w.device) for g, n in generator]
-        noise = torch.cat(parts) if len(parts) > 1 else parts[0]
+    draws = generator if isinstance(generator, list) else [(generator, w.shape[0])]
+    parts = [uniform_keys((n, *w.shape[1:]), g, w.device) for g, n in draws]  # one draw per generator, stacked
+    noise = torch.cat(parts) if len(parts) > 1 else parts[0]
     return w.gather(-1, _sort_keys(noise, prefix))
+
+
+def uniform_keys(shape: tuple[int, ...], generator: torch.Generator | torch.Tensor, device) -> torch.Tensor:
+    """``shape`` float32 keys uniform on ``[0, 1)`` drawn from ``generator``, or ``generator`` itself when it holds
+    keys drawn beforehand (any shape of as many elements: a draw of the same number of keys is the same stream)."""
+    if isinstance(generator, torch.Tensor):
+        return generator.reshape(shape)
+    return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
 
 
 def _sort_keys(noise: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
@@ -45,7 +51,7 @@ def _sort_keys(noise: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor
     return noise.argsort(dim=-1)
 
 
-def stratified_rows(rows: int, n: int, generator: torch.Generator, device: torch.device | str) -> torch.Tensor:
+def stratified_rows(rows: int, n: int, generator: torch.Generator | torch.Tensor, device=None) -> torch.Tensor:
     """A seeded stratified sample of ``n`` of ``rows`` row indices: the rows (query positions in raster order) are cut
     into ``n`` contiguous strata of ``rows // n`` or ``rows // n + 1`` rows (spatial blocks: runs of neighbouring
     positions) and one row is drawn uniformly in each. Made on ``device`` from ``generator`` (no host sync).
@@ -53,15 +59,17 @@ def stratified_rows(rows: int, n: int, generator: torch.Generator, device: torch
     Args:
         rows: how many rows there are.
         n: how many to draw, ``1 <= n <= rows``.
-        generator: the random source, on ``device``.
-        device: where the indices live.
+        generator: the random source, on ``device``; or ``(..., n)`` uniform keys drawn from one beforehand
+            (:func:`uniform_keys`), a sample for each.
+        device: where the indices live (with a generator).
 
     Returns:
-        ``(n,)`` int64 indices, ascending (one per stratum, in stratum order).
+        ``(n,)`` int64 indices (``(..., n)`` from keys), ascending (one per stratum, in stratum order).
     """
     if not 1 <= n <= rows:
         raise ValueError(f"n: expected 1 <= n <= rows ({rows}), got {n}")
-    stratum = torch.arange(n + 1, device=device) * rows // n  # (n + 1,) stratum boundaries
+    keys = generator if isinstance(generator, torch.Tensor) else uniform_keys((n,), generator, device)
+    stratum = torch.arange(n + 1, device=keys.device) * rows // n  # (n + 1,) stratum boundaries
     start, size = stratum[:-1], stratum[1:] - stratum[:-1]
-    offset = (torch.rand(n, generator=generator, device=device) * size).long().clamp(max=size - 1)
+    offset = (keys * size).long().clamp(max=size - 1)
     return start + offset

@@ -129,6 +129,7 @@ _TAIL_HITS: dict[int, int] = {
 }
 
 
+@torch.compiler.assume_constant_result  # a compiled pass reads the number, not the simulation behind it
 def null_tail(keys: int) -> float:
     """The chance that a row of ``keys`` distinct keys has rho above :data:`~ipa_probe.statistics.schema.ROW_THRESHOLD`
     (0.9) under independent rankings: exact up to :data:`EXACT_NULL_KEYS` keys, tabulated from a simulation above (see
