@@ -32,6 +32,7 @@ import torch
 import ipa_probe
 from ipa_probe.capture.spine import spine_of
 from ipa_probe.intervention import intervene
+from ipa_probe.layers import find_ip_layers
 from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_reference_images
 
 STEPS = 2
@@ -77,27 +78,65 @@ def query_frame(q, k):
     return (centred - b).softmax(-1)
 
 
+class Readings(list):
+    """The test's own weights of one layer, one ``(B, H, Q, K)`` per pass that ran its image branch, with that pass's
+    index among the denoiser's calls in ``passes`` and, on SD3, the joint softmax's mass on the image tokens
+    ``(B, H, Q)`` in ``shares``."""
+
+    def __init__(self):
+        super().__init__()
+        self.passes, self.shares = [], []
+
+
+def restricted(joint, tokens):  # (B, H, Q, N + K) -> the image columns renormalised, and their mass (B, H, Q)
+    image = joint[..., -tokens:]
+    mass = image.sum(-1)
+    return image / mass.unsqueeze(-1), mass
+
+
 @contextlib.contextmanager
 def own_weights(pipe, name, kernel=dot_softmax):
-    """The test's own reading of one layer's image-branch weights: float64 ``kernel(q, k)`` (by default the softmax
-    of ``q k^T / sqrt(d)``) over the keys ``to_k_ip`` returned (after any edit of its input), one ``(B, H, Q, K)`` per
-    pass."""
-    attn = layer_of(pipe, name)
-    heads = attn.heads
-    seen, found = {}, []
+    """The test's own reading of one layer's image-branch weights, float64 ``kernel(q, k)`` (by default the softmax of
+    ``q k^T / sqrt(d)``) over the keys the branch's softmax runs over, read by forward hooks on the modules that
+    return them (after any edit of the tokens). UNets: ``attn.to_q`` and ``to_k_ip[0]``; Flux: ``attn.norm_q`` (the
+    branch's query, before RoPE) and ``to_k_ip[0]``; SD3: the processor's ``norm_q``, ``norm_k`` (the latent keys)
+    and ``norm_ip_k``: one joint kernel over ``[latent keys; image keys]`` as the layer forms it, whose image columns,
+    renormalised, are the weights (and their mass the image share)."""
+    layer = next(found for found in find_ip_layers(pipe) if found.name == name)
+    attn, processor, heads = layer.attention, layer.processor, layer.heads
+    seen, found = {"pass": -1}, Readings()
 
     def split(x):  # (B, N, H * D) -> (B, H, N, D)
         return x.reshape(x.shape[0], -1, heads, x.shape[-1] // heads).transpose(1, 2).double()
 
-    def keep_q(module, args, output):
-        seen["q"] = split(output)
+    def count(module, args, kwargs):
+        seen["pass"] += 1
+
+    def keep(key, shape):
+        def hook(module, args, output):
+            seen[key] = shape(output)
+
+        return hook
 
     def keys(module, args, output):
         q = seen["q"]
-        k = split(output.reshape(q.shape[0], -1, output.shape[-1]))
-        found.append(kernel(q, k))
+        found.passes.append(seen["pass"])
+        if layer.family == "sd3":  # (B, H, K, D) image keys after the processor's norm
+            weights, mass = restricted(kernel(q, torch.cat([seen["k"], output.double()], dim=2)), output.shape[2])
+            found.shares.append(mass)
+            found.append(weights)
+        else:
+            found.append(kernel(q, split(output.reshape(q.shape[0], -1, output.shape[-1]))))
 
-    handles = [attn.to_q.register_forward_hook(keep_q), attn.processor.to_k_ip[0].register_forward_hook(keys)]
+    if layer.family == "sd3":
+        taps = [(processor.norm_q, keep("q", torch.Tensor.double)), (processor.norm_k, keep("k", torch.Tensor.double))]
+        taps.append((processor.norm_ip_k, keys))
+    else:
+        shape = (lambda x: x.transpose(1, 2).double()) if layer.family == "flux" else split  # (B, N, H, D) on Flux
+        taps = [(attn.norm_q if layer.family == "flux" else attn.to_q, keep("q", shape))]
+        taps.append((processor.to_k_ip[0], keys))
+    handles = [module.register_forward_hook(hook) for module, hook in taps]
+    handles.append(denoiser(pipe).register_forward_pre_hook(count, with_kwargs=True))
     try:
         yield found
     finally:
@@ -546,11 +585,27 @@ def patch_from(pipe, source):
     return PATCHES[id(pipe)]
 
 
-def matrix_features(pipe, refs, other, swapped=1, call=None, source=None):
+def matrix_features(pipe, generate, other, layer, swapped=1, call=None, source=None):
     """name -> (kind, make): ``"read"`` features compute nothing, ``"gauge"`` ones are output symmetries, the
-    ``"call"`` (``reference_attribution`` of ``call``'s arguments, where given) runs the pipeline; ``swap`` puts
-    ``other`` in reference ``swapped``'s place; ``patch`` (where ``source`` is given) patches from its run."""
+    ``"call"`` ones run the pipeline and return (the latents of each call, their result): ``sweep`` (``gauge_sweep``
+    of ``generate`` over the gauges 1 and 2 at ``layer``: the reference call and one gauged) and ``attribution``
+    (``reference_attribution`` of ``call``'s arguments, where given); ``swap`` puts ``other`` in reference
+    ``swapped``'s place; ``patch`` (where ``source`` is given) patches from its run."""
     from ipa_probe.attribution import reference_attribution
+    from ipa_probe.gauge import gauge_sweep
+
+    def sweep(**extra):
+        outputs = []
+
+        def once():
+            outputs.append(generate(**extra))
+            return outputs[-1]
+
+        return outputs, gauge_sweep(pipe, once, "1,2", layers=f"^{layer}$")
+
+    def attribution(**extra):
+        result = reference_attribution(pipe, **call, **extra)
+        return [result.generation.latents], result
 
     def output_point():  # SD3 has no hook points: asked only where the hook features are in the matrix
         return next(n for n in ipa_probe.list_hook_points(pipe) if n.endswith(".ip.output"))
@@ -565,6 +620,7 @@ def matrix_features(pipe, refs, other, swapped=1, call=None, source=None):
         "nw_query": ("edit", lambda: ipa_probe.nw_head(pipe, frame="query")),
         "nw_stored": ("edit", lambda: ipa_probe.nw_head(pipe, frame="stored")),
         "gauge": ("gauge", lambda: ipa_probe.qk_gauge(pipe, 2.0)),
+        "sweep": ("call", sweep),
     }
     if other is not None:
         features["swap"] = ("edit", lambda: intervene(pipe, swapped, mode="swap", other=other))
@@ -572,7 +628,7 @@ def matrix_features(pipe, refs, other, swapped=1, call=None, source=None):
         patch = patch_from(pipe, source)
         features["patch"] = ("edit", lambda: intervene(pipe, hooks=patch))
     if call is not None:
-        features["attribution"] = ("call", lambda **extra: reference_attribution(pipe, **call, **extra))
+        features["attribution"] = ("call", attribution)
     return features
 
 
@@ -583,14 +639,18 @@ def boom(pipe, step, timestep, kwargs):
     raise Boom  # inside the pipeline call, after its first step
 
 
+CALLS = {"sweep": 2, "attribution": 1}  # the pipeline calls of each call feature
+
+
 def run_nested(pipe, generate, features, order, fail=False):
-    """The blocks of ``order`` entered outermost first, the call inside: (its latents, its result, the blocks' values
-    by name)."""
-    call = features["attribution"][1] if "attribution" in order else generate
+    """The blocks of ``order`` entered outermost first, the call inside (a call feature, innermost, or ``generate``):
+    (the latents of each pipeline call, the call feature's result, the blocks' values by name)."""
+    blocks = [name for name in order if name not in CALLS]
+    call = features[order[-1]][1] if order[-1] in CALLS else lambda **extra: ([generate(**extra)], None)
     with contextlib.ExitStack() as stack:
-        entered = {name: stack.enter_context(features[name][1]()) for name in order if name != "attribution"}
-        result = call(callback_on_step_end=boom) if fail else call()
-    return (result.generation.latents if "attribution" in order else result), result, entered
+        entered = {name: stack.enter_context(features[name][1]()) for name in blocks}
+        outputs, result = call(callback_on_step_end=boom) if fail else call()
+    return outputs, result, entered
 
 
 def expected_weights(own, order, references):
@@ -599,8 +659,8 @@ def expected_weights(own, order, references):
     reference 1's weights by its factor and renormalises the rows."""
     tokens = own[0].shape[-1] // references  # step 0 keeps every reference
     out = []
-    for step, w in enumerate(own):
-        kept = [r for r in range(references) if not ("ablate" in order and step == 1 and r == 0)]
+    for index, w in zip(own.passes, own, strict=True):
+        kept = [r for r in range(references) if not ("ablate" in order and index % STEPS == 1 and r == 0)]
         full = w.new_zeros(*w.shape[:-1], references, tokens)  # (B, H, Q, R, T)
         full[..., kept, :] = w.reshape(*w.shape[:-1], len(kept), tokens)
         if "scale" in order:
@@ -610,20 +670,52 @@ def expected_weights(own, order, references):
     return out
 
 
+def branch_rows(table, weights):
+    """``table``'s rows of one pass, one per batch row of ``weights`` (``[uncond, cond]`` under CFG)."""
+    labels = ["uncond", "cond"][-weights.shape[0] :]
+    return [table[table.branch == label] for label in labels]
+
+
+def as_float64(column):
+    return torch.tensor(column.to_numpy(), dtype=torch.float64)
+
+
 def check_readings(own, order, entered, result, reading):
-    """The probe's kept maps and attribution's shares at one layer against the test's own float64 weights."""
+    """At one layer, against the test's own float64 weights: the probe's kept maps (none where the layer skipped its
+    branch: SD3 with its one reference ablated) and, on SD3, its image share; attribution's shares; gauge_sweep's
+    reference masses (and SD3 image share) of its reference call (gauge 1) and its gauged one (gauge 2)."""
     layer, references = reading
-    expected = expected_weights(own, order, references)
+    expected = dict(zip(own.passes, expected_weights(own, order, references), strict=True))
+    shares = dict(zip(own.passes, own.shares, strict=False))  # SD3 only
     run = entered.get("probe")
-    for step, weights in enumerate(expected):
+    for index in range(CALLS.get(order[-1], 1) * STEPS):
+        call, step = divmod(index, STEPS)
+        weights = expected.get(index)
+        if run is not None and weights is None:
+            assert not run.maps.get((call, step, layer, 0)), (call, step)
+        if weights is None:
+            continue
         if run is not None:  # float16 maps (11-bit mantissa: 5e-4 relative on weights below 1)
-            torch.testing.assert_close(probe_weights(run, step, layer), weights, rtol=0, atol=2e-3)
-        if "attribution" in order:  # the conditional row (the last), means over heads and queries
-            shares = weights[-1].reshape(*weights.shape[1:-1], references, -1).sum(-1).mean(dim=(0, 1))  # (R,)
+            torch.testing.assert_close(probe_weights(run, step, layer, call), weights, rtol=0, atol=2e-3)
+        masses = weights.reshape(*weights.shape[:-1], references, -1).sum(-1).mean(dim=(1, 2))  # (B, R)
+        # 1e-5 below: the layer's float32 softmax against the test's float64 one, through float32 means
+        if run is not None and index in shares:
+            table = run.to_dataframe()
+            at = table[(table.call == call) & (table.step == step) & (table.layer == layer)]
+            for rows, share in zip(branch_rows(at, weights), shares[index].mean(-1), strict=True):  # (H,) each
+                torch.testing.assert_close(as_float64(rows.sort_values("head").ip_mass), share, rtol=0, atol=1e-5)
+        if order[-1] == "attribution":  # the conditional row (the last), means over heads and queries
             table = result.table[(result.table.step == step) & (result.table.layer == layer)]
-            got = torch.tensor(table.sort_values("reference").attention_share.to_numpy(), dtype=torch.float64)
-            # 1e-5: the layer's float32 softmax against the test's float64 one, through float32 means
-            torch.testing.assert_close(got, shares, rtol=0, atol=1e-5)
+            got = as_float64(table.sort_values("reference").attention_share)
+            torch.testing.assert_close(got, masses[-1], rtol=0, atol=1e-5)
+        if order[-1] == "sweep":
+            at = result[(result.step == step) & (result.factor == 2.0**call)]
+            for row, rows in enumerate(branch_rows(at, weights)):
+                got = as_float64(rows[[f"ref_mass_0_{r}" for r in range(references)]].iloc[0])
+                torch.testing.assert_close(got, masses[row], rtol=0, atol=1e-5)
+                if index in shares:  # the summary's mean over heads and queries
+                    share = shares[index][row].mean().reshape(1)
+                    torch.testing.assert_close(as_float64(rows.ip_mass), share, rtol=0, atol=1e-5)
 
 
 PLAIN, ALONE = {}, {}
@@ -631,8 +723,8 @@ PLAIN, ALONE = {}, {}
 
 def check_nesting(pipe, generate, features, orders, reading=None):
     """Each order of one set of features (outermost first) computes what its edits compute alone, in the table's
-    order; its readings are the test's own (``reading``: (layer, references) on a UNet); the pipeline comes back bit
-    for bit after each order and after an exception inside it."""
+    order (every pipeline call of a call feature); its readings are the test's own (``reading``: (layer,
+    references)); the pipeline comes back bit for bit after each order and after an exception inside it."""
     if id(pipe) not in PLAIN:  # once per pipeline (``setdefault`` would run the call every time)
         PLAIN[id(pipe)] = generate()
     before, weights = snapshot(pipe), parameters(pipe)
@@ -645,8 +737,9 @@ def check_nesting(pipe, generate, features, orders, reading=None):
     kernel = query_frame if "nw_query" in orders[0] else stored_frame if "nw_stored" in orders[0] else dot_softmax
     for order in orders:
         with own_weights(pipe, reading[0], kernel) if reading else contextlib.nullcontext([]) as own:
-            latents, result, entered = run_nested(pipe, generate, features, order)
-        assert torch.equal(latents, ALONE[id(pipe), edits]), order
+            outputs, result, entered = run_nested(pipe, generate, features, order)
+        assert len(outputs) == CALLS.get(order[-1], 1), order
+        assert all(torch.equal(latents, ALONE[id(pipe), edits]) for latents in outputs), order
         if reading:
             check_readings(own, order, entered, result, reading)
         with pytest.raises(Boom):
@@ -657,35 +750,38 @@ def check_nesting(pipe, generate, features, orders, reading=None):
 
 
 def check_pair(pipe, generate, features, a, b, reading=None):
-    """Both nesting orders of two features (attribution, a call, only inside the other)."""
-    if {a, b} == {"gauge", "nw_stored"}:
+    """Both nesting orders of two features (a call feature only inside the other)."""
+    orders = [(a, b)] if b in CALLS else [(a, b), (b, a)]
+    if refused({a, b}):
         before = snapshot(pipe)
-        for order in ((a, b), (b, a)):
-            with pytest.raises(ValueError, match=r"\|k\|\^2"):
+        error, match = REFUSED[frozenset({a, b})]
+        for order in orders:
+            with pytest.raises(error, match=match):
                 run_nested(pipe, generate, features, order)
             assert_unchanged(pipe, before)
         return
-    orders = [(a, b)] if b == "attribution" else [(a, b), (b, a)]
     check_nesting(pipe, generate, features, orders, reading)
 
 
+#: Pairs refused (in either order, before anything runs) and the error that says why: the stored-frame NW head's key
+#: term ``|k|^2`` is no gauge invariant; one gauge per pipeline (``gauge_sweep`` applies its own).
+REFUSED = {
+    frozenset({"nw_stored", "gauge"}): (ValueError, r"\|k\|\^2"),
+    frozenset({"nw_stored", "sweep"}): (ValueError, "frame='stored'"),
+    frozenset({"gauge", "sweep"}): (RuntimeError, "already active"),
+}
+
+
+def refused(names):
+    return any(pair <= set(names) for pair in REFUSED)
+
+
 def allowed(names):
-    """A set of features that runs together: one NW head per pipeline; the stored-frame head refuses a gauge (both
-    checked in the pair matrix); attribution innermost."""
+    """An ordered set of features that runs together: one NW head per pipeline; no refused pair (checked in the pair
+    matrix); at most one call feature, innermost."""
     heads = sum(name.startswith("nw_") for name in names)
-    innermost = "attribution" not in names or names[-1] == "attribution"
-    return heads < 2 and not {"nw_stored", "gauge"} <= set(names) and innermost
-
-
-def matrix(names):
-    """Every unordered pair (both orders are checked in one test), but two NW heads (one head per pipeline), with
-    attribution second."""
-    return [
-        pytest.param(a, b, id=f"{a}-{b}")
-        for i, a in enumerate(names)
-        for b in names[i + 1 :]
-        if not a.startswith("nw_") or not b.startswith("nw_")
-    ]
+    calls = [name for name in names if name in CALLS]
+    return heads < 2 and not refused(names) and calls in ([], [names[-1]])
 
 
 def covering_triples(names):
@@ -704,42 +800,110 @@ def covering_triples(names):
     return chosen
 
 
-FLUX_FEATURES = ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge", "swap"]
-SD15_FEATURES = [*FLUX_FEATURES, "probe_nomaps", "patch"]
-UNET_FEATURES = [*SD15_FEATURES, "attribution"]  # SDXL's pairs, SD 1.5's triples (which hold every attribution pair)
-
-
-def organism_matrix(organism, refs):
-    other = digits_reference_images(8, 1, seed=900)[0]
-    call = dict(prompt=DIGITS_PROMPT, ip_adapter_image=[list(refs)], num_inference_steps=STEPS, guidance_scale=1.0)
-    source = lambda: latents(organism, refs[::-1])  # noqa: E731
-    features = matrix_features(organism, refs, other, call=call, source=source)
-    return (lambda **kw: latents(organism, refs, **kw)), features
-
-
-@pytest.mark.parametrize(("a", "b"), matrix(SD15_FEATURES))
-def test_every_pair_composes_and_restores_sd15(organism, refs, a, b, one_thread):
-    check_pair(organism, *organism_matrix(organism, refs), a, b, reading=(LAYER, len(refs)))
-
-
-@pytest.mark.parametrize("order", [pytest.param(t, id="-".join(t)) for t in covering_triples(UNET_FEATURES)])
-def test_triples_compose_and_restore_sd15(organism, refs, order, one_thread):
-    """Triples on the digits organism: the covering set above, each in its one order (all orders of a set meet in
-    the latents of its edits alone)."""
-    check_nesting(organism, *organism_matrix(organism, refs), [order], reading=(LAYER, len(refs)))
-
-
-@pytest.mark.parametrize(("a", "b"), matrix(FLUX_FEATURES))
-def test_every_pair_composes_and_restores_flux(flux, a, b, one_thread):
+def tiny_dit_images():
     from ipa_probe.tiny.sd import default_reference_images
 
-    refs = default_reference_images(3)
+    return default_reference_images(3)
+
+
+def organism_matrix(pipe):
+    refs = digits_reference_images(3, 1, seed=100) + digits_reference_images(5, 1, seed=200)
+    other = digits_reference_images(8, 1, seed=900)[0]
+    call = dict(prompt=DIGITS_PROMPT, ip_adapter_image=[list(refs)], num_inference_steps=STEPS, guidance_scale=1.0)
+
+    def generate(**extra):
+        return latents(pipe, refs, **extra)
+
+    source = lambda: latents(pipe, refs[::-1])  # noqa: E731
+    return generate, matrix_features(pipe, generate, other, LAYER, call=call, source=source), (LAYER, len(refs))
+
+
+def sdxl_matrix(pipe):
+    """SDXL (two text encoders, added time ids) with CFG, attribution among the features."""
+    refs = [image.resize((64, 64)) for image in tiny_dit_images()]  # the generation's size
+    call = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS)
+
+    def generate(**extra):
+        return pipe(**{**call, **extra}, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+    layer = find_ip_layers(pipe)[0].name
+    source = lambda: generate(ip_adapter_image=[refs[1::-1]])  # noqa: E731
+    return generate, matrix_features(pipe, generate, refs[2], layer, call=call, source=source), (layer, 2)
+
+
+def flux_matrix(pipe):
+    """Flux (no true CFG: one pass per step), two references."""
+    refs = tiny_dit_images()
 
     def generate(**extra):
         kwargs = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS, height=64, width=64, **extra)
-        return flux(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+        return pipe(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
 
-    check_pair(flux, generate, matrix_features(flux, refs, refs[2]), a, b)
+    layer = find_ip_layers(pipe)[0].name
+    return generate, matrix_features(pipe, generate, refs[2], layer), (layer, 2)
+
+
+def sd3_matrix(pipe):
+    """SD3 with CFG: one reference image per prompt (``refs[1]`` is the one swapped in)."""
+    refs = tiny_dit_images()
+
+    def generate(**extra):
+        kwargs = dict(prompt="a", ip_adapter_image=refs[0], num_inference_steps=STEPS, height=64, width=64, **extra)
+        return pipe(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+    layer = find_ip_layers(pipe)[0].name
+    return generate, matrix_features(pipe, generate, refs[1], layer, swapped=0), (layer, 1)
+
+
+#: The features of each pipeline's matrix (call features last). Flux has no ``.ip.contribution`` source run here
+#: (``patch``) and no attribution; SD3 refuses ``mode="scale"``, every hook point and so the cache, the custom hooks
+#: and the patch (its image tokens share one softmax with the latent tokens: no branch of their own to edit), so
+#: those are no features there.
+FEATURES_OF = {
+    "flux": ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge", "swap", "sweep"],
+    "sd3": ["probe", "ablate", "swap", "nw_query", "nw_stored", "gauge", "sweep"],
+}
+FEATURES_OF["organism"] = [*FEATURES_OF["flux"][:-1], "probe_nomaps", "patch", "sweep", "attribution"]
+FEATURES_OF["sdxl"] = FEATURES_OF["organism"]
+MATRIX_OF = {"organism": organism_matrix, "sdxl": sdxl_matrix, "flux": flux_matrix, "sd3": sd3_matrix}
+
+
+def generated(cases, leave_out=None):
+    """``cases(names)`` for every pipeline (``leave_out``: pipeline -> a feature left out there), as test parameters
+    ``(pipeline, case)``."""
+    return [
+        pytest.param(family, case, id=f"{family}-{'-'.join(case)}")
+        for family, names in FEATURES_OF.items()
+        for case in cases([name for name in names if name != (leave_out or {}).get(family)])
+    ]
+
+
+def pairs(names):
+    """Every unordered pair (both orders are checked in one test), but two NW heads (one head per pipeline) or two
+    call features; a call feature second (the call features stand last in ``names``). The organism's attribution
+    pairs stand in its triples."""
+    return [
+        (a, b)
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+        if not (a.startswith("nw_") and b.startswith("nw_")) and not (a in CALLS and b in CALLS)
+    ]
+
+
+@pytest.mark.parametrize(("family", "pair"), generated(pairs, leave_out={"organism": "attribution"}))
+def test_every_pair_composes_and_restores(family, pair, request, one_thread):
+    pipe = request.getfixturevalue(family)
+    generate, features, reading = MATRIX_OF[family](pipe)
+    check_pair(pipe, generate, features, *pair, reading=reading)
+
+
+@pytest.mark.parametrize(("family", "order"), generated(covering_triples))
+def test_triples_compose_and_restore(family, order, request, one_thread):
+    """The covering set of ordered triples above on each pipeline, each in its one order (all orders of a set meet in
+    the latents of its edits alone)."""
+    pipe = request.getfixturevalue(family)
+    generate, features, reading = MATRIX_OF[family](pipe)
+    check_nesting(pipe, generate, features, [order], reading=reading)
 
 
 # ------------------------------------------------------------------------------------------------------ edits kept
@@ -804,48 +968,7 @@ def sdxl():
     return pipe
 
 
-@pytest.mark.parametrize(("a", "b"), matrix(UNET_FEATURES))
-def test_every_pair_composes_and_restores_sdxl(sdxl, a, b, one_thread):
-    """SDXL (two text encoders, added time ids) with CFG, attribution among the features."""
-    from ipa_probe.layers import find_ip_layers
-    from ipa_probe.tiny.sd import default_reference_images
-
-    refs = [image.resize((64, 64)) for image in default_reference_images(3)]  # the generation's size
-    call = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS)
-
-    def generate(**extra):
-        return sdxl(**{**call, **extra}, output_type="latent", generator=torch.Generator().manual_seed(0)).images
-
-    layer = find_ip_layers(sdxl)[0].name
-    source = lambda: generate(ip_adapter_image=[refs[1::-1]])  # noqa: E731
-    features = matrix_features(sdxl, refs, refs[2], call=call, source=source)
-    check_pair(sdxl, generate, features, a, b, reading=(layer, 2))
-
-
 # ------------------------------------------------------------------------------------------------------ tiny Flux
-
-
-@contextlib.contextmanager
-def own_flux_weights(layer):
-    """The test's own reading of one Flux layer's image branch: float64 ``softmax(q k^T / sqrt(d))`` from
-    ``attn.norm_q`` (the query the branch uses, before RoPE) and ``to_k_ip[0]``, one ``(B, H, Q, K)`` per pass."""
-    attn, heads = layer.attention, layer.heads
-    seen, found = {}, []
-
-    def keep_q(module, args, output):  # (B, N, H, D) -> (B, H, N, D)
-        seen["q"] = output.transpose(1, 2).double()
-
-    def keys(module, args, output):
-        q = seen["q"]
-        k = output.reshape(q.shape[0], -1, heads, output.shape[-1] // heads).transpose(1, 2).double()
-        found.append((q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1))
-
-    handles = [attn.norm_q.register_forward_hook(keep_q), layer.processor.to_k_ip[0].register_forward_hook(keys)]
-    try:
-        yield found
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 FLUX_FACTOR = 4.0  # reference 0's weights scaled by this and the rows renormalised, in the hook and in the test
@@ -862,7 +985,6 @@ def test_flux_probe_reads_the_weights_a_hook_edited(flux, probe_first, one_threa
     """On Flux the hook points edit in a forward hook on the attention module, where the probe's record waits for
     the weights the layer used: whichever is attached first, the probe's maps and reference shares are the test's
     own float64 softmax with the same edit, and the pipeline comes back bit for bit."""
-    from ipa_probe.layers import find_ip_layers
     from ipa_probe.tiny.sd import default_reference_images
 
     refs = default_reference_images(2)
@@ -876,7 +998,7 @@ def test_flux_probe_reads_the_weights_a_hook_edited(flux, probe_first, one_threa
     before = snapshot(flux)  # after a first call: the pipeline keeps its call settings as attributes
     probe = ipa_probe.probe(flux, keep_maps=True, maps=True, layers=f"^{layer.name}$")
     edit = intervene(flux, hooks={f"{layer.name}.ip.weights": flux_edit})
-    with own_flux_weights(layer) as own:
+    with own_weights(flux, layer.name) as own:
         with contextlib.ExitStack() as stack:
             entered = [stack.enter_context(f) for f in ((probe, edit) if probe_first else (edit, probe))]
             edited = generate()
@@ -944,7 +1066,6 @@ def test_flux_ablations_nest_and_equal_leaving_the_reference_out(flux, outer, in
 
 def test_flux_true_cfg_labels_agree_with_the_probe(flux):
     """One labeller: the hook context labels Flux's true-CFG negative pass as the probe's table does."""
-    from ipa_probe.layers import find_ip_layers
     from ipa_probe.tiny.sd import default_reference_images
 
     layer = find_ip_layers(flux)[0]
@@ -958,19 +1079,3 @@ def test_flux_true_cfg_labels_agree_with_the_probe(flux):
     table = run.to_dataframe()
     expected = [(step, (branch,)) for step in range(STEPS) for branch in table[table.step == step].branch.unique()]
     assert seen == expected == [(0, ("cond",)), (0, ("uncond",)), (1, ("cond",)), (1, ("uncond",))]
-
-
-SD3_FEATURES = ["probe", "ablate", "swap", "nw_query", "nw_stored", "gauge"]
-
-
-@pytest.mark.parametrize(("a", "b"), matrix(SD3_FEATURES))
-def test_every_pair_composes_and_restores_sd3(sd3, a, b, one_thread):
-    from ipa_probe.tiny.sd import default_reference_images
-
-    refs = default_reference_images(2)  # SD3 takes one reference image per prompt: refs[1] is the one swapped in
-
-    def generate(**extra):
-        kwargs = dict(prompt="a", ip_adapter_image=refs[0], num_inference_steps=STEPS, height=64, width=64, **extra)
-        return sd3(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
-
-    check_pair(sd3, generate, matrix_features(sd3, refs, refs[1], swapped=0), a, b)
