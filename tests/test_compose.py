@@ -407,30 +407,6 @@ def test_attribution_joins_an_open_probe(organism, refs):
         torch.testing.assert_close(probe_weights(outer, step), own[step], rtol=0, atol=2e-3)
 
 
-def test_gauge_sweep_joins_an_open_probe(organism, refs):
-    from ipa_probe.gauge import gauge_sweep
-
-    def call():
-        return latents(organism, refs, guidance_scale=3.0)
-
-    alone = gauge_sweep(organism, call, "1,2", layers=LAYER)
-    before, weights = snapshot(organism), parameters(organism)
-    with own_weights(organism, LAYER) as own, ipa_probe.probe(organism, keep_maps=True) as outer:
-        joined = gauge_sweep(organism, call, "1,2", layers=LAYER)
-    assert_unchanged(organism, before)
-    assert all(torch.equal(p, weights[name]) for name, p in organism.unet.named_parameters())
-    pd.testing.assert_frame_equal(joined, alone, check_exact=True)
-    with ipa_probe.probe(organism, keep_maps=True) as single:  # the ungauged reference call, then the gauge 2's
-        call()
-        with ipa_probe.qk_gauge(organism, 2.0, layers=LAYER):
-            call()
-    assert_same_run(outer, single)
-    assert len(own) == 2 * STEPS  # a power of two rescales q and k exactly: one softmax in both calls
-    for index, softmax in enumerate(own):  # (call, step) in order; float16 maps: 2e-3
-        read = probe_weights(outer, index % STEPS, call=index // STEPS)
-        torch.testing.assert_close(read, softmax, rtol=0, atol=2e-3)
-
-
 @pytest.mark.parametrize("family", ["flux", "sd3"])
 def test_a_probe_and_gauge_sweep_join_an_open_probe_on_dits(family, refs, request, one_thread):
     """On Flux (true CFG) and SD3: a probe and gauge_sweep inside an open probe read and return what they do alone,
@@ -464,36 +440,15 @@ def test_a_probe_and_gauge_sweep_join_an_open_probe_on_dits(family, refs, reques
     assert set(outer.to_dataframe()["branch"]) == {"cond", "uncond"}
 
 
-@pytest.mark.parametrize("inside", ["attribution", "gauge_sweep"])
-def test_a_failure_inside_a_joined_probe_gives_the_pipeline_back(organism, refs, inside):
-    from ipa_probe.gauge import gauge_sweep
-
-    calls = []
-
-    def fails_gauged():  # the reference call runs, the gauged one raises after its first step
-        calls.append(1)
-        return latents(organism, refs, **({"callback_on_step_end": boom} if len(calls) > 1 else {}))
-
+def test_a_failure_inside_a_joined_probe_gives_the_pipeline_back(organism, refs):
+    """Attribution with CFG raising inside an open probe (gauge_sweep's gauged call raising inside each feature:
+    the matrix below)."""
     before, weights = snapshot(organism), parameters(organism)
     with pytest.raises(Boom), ipa_probe.probe(organism, maps=True) as outer:
-        if inside == "attribution":
-            attribute(organism, refs, callback_on_step_end=boom)
-        else:
-            gauge_sweep(organism, fails_gauged, "2", layers=LAYER)
+        attribute(organism, refs, callback_on_step_end=boom)
     assert_unchanged(organism, before)
     assert all(torch.equal(p, weights[name]) for name, p in organism.unet.named_parameters())
-    assert outer.to_dataframe()["call"].nunique() == (1 if inside == "attribution" else 2)  # what ran is kept
-
-
-@pytest.mark.parametrize("head_first", [True, False])
-def test_a_stored_frame_head_and_a_gauge_are_refused_in_either_order(organism, head_first):
-    head, gauge = (lambda: ipa_probe.nw_head(organism, frame="stored")), (lambda: ipa_probe.qk_gauge(organism, 2.0))
-    first, second = (head, gauge) if head_first else (gauge, head)
-    with first(), pytest.raises(ValueError, match=r"\|k\|\^2.*frame='query'"):
-        second().__enter__()
-    assert ipa_probe.list_hooks(organism) == []
-    with ipa_probe.qk_gauge(organism, 2.0), ipa_probe.nw_head(organism, frame="query"):  # the query frame: either way
-        pass
+    assert outer.to_dataframe()["call"].nunique() == 1  # what ran is kept
 
 
 def test_points_inside_an_ablation_index_references_as_the_call_passed_them(organism, refs):
@@ -594,11 +549,11 @@ def matrix_features(pipe, generate, other, layer, swapped=1, call=None, source=N
     from ipa_probe.attribution import reference_attribution
     from ipa_probe.gauge import gauge_sweep
 
-    def sweep(**extra):
+    def sweep(**extra):  # ``extra`` (the failing callback) to the gauged call: it raises with the gauge applied
         outputs = []
 
         def once():
-            outputs.append(generate(**extra))
+            outputs.append(generate(**(extra if outputs else {})))
             return outputs[-1]
 
         return outputs, gauge_sweep(pipe, once, "1,2", layers=f"^{layer}$")
@@ -721,10 +676,22 @@ def check_readings(own, order, entered, result, reading):
 PLAIN, ALONE = {}, {}
 
 
+def assert_same_result(name, result, alone):
+    """A call feature's results, bit for bit: gauge_sweep's table; attribution's tables, latents and samples."""
+    if name == "sweep":
+        pd.testing.assert_frame_equal(result, alone, check_exact=True)
+        return
+    for table in ("table", "heads", "positions", "head_positions"):
+        pd.testing.assert_frame_equal(getattr(result, table), getattr(alone, table), check_exact=True)
+    assert torch.equal(result.generation.latents, alone.generation.latents)
+    assert all(torch.equal(result.samples[step], alone.samples[step]) for step in alone.samples)
+
+
 def check_nesting(pipe, generate, features, orders, reading=None):
     """Each order of one set of features (outermost first) computes what its edits compute alone, in the table's
     order (every pipeline call of a call feature); its readings are the test's own (``reading``: (layer,
-    references)); the pipeline comes back bit for bit after each order and after an exception inside it."""
+    references)); a call feature among readers only (a probe, the cache) returns what it returns alone; the pipeline
+    comes back bit for bit after each order and after an exception inside it."""
     if id(pipe) not in PLAIN:  # once per pipeline (``setdefault`` would run the call every time)
         PLAIN[id(pipe)] = generate()
     before, weights = snapshot(pipe), parameters(pipe)
@@ -742,6 +709,10 @@ def check_nesting(pipe, generate, features, orders, reading=None):
         assert all(torch.equal(latents, ALONE[id(pipe), edits]) for latents in outputs), order
         if reading:
             check_readings(own, order, entered, result, reading)
+        if order[-1] in CALLS and all(features[name][0] == "read" for name in order[:-1]):
+            if (id(pipe), order[-1]) not in ALONE:
+                ALONE[id(pipe), order[-1]] = features[order[-1]][1]()[1]
+            assert_same_result(order[-1], result, ALONE[id(pipe), order[-1]])
         with pytest.raises(Boom):
             run_nested(pipe, generate, features, order, fail=True)
         assert_unchanged(pipe, before)
@@ -766,7 +737,7 @@ def check_pair(pipe, generate, features, a, b, reading=None):
 #: Pairs refused (in either order, before anything runs) and the error that says why: the stored-frame NW head's key
 #: term ``|k|^2`` is no gauge invariant; one gauge per pipeline (``gauge_sweep`` applies its own).
 REFUSED = {
-    frozenset({"nw_stored", "gauge"}): (ValueError, r"\|k\|\^2"),
+    frozenset({"nw_stored", "gauge"}): (ValueError, r"\|k\|\^2.*frame='query'"),
     frozenset({"nw_stored", "sweep"}): (ValueError, "frame='stored'"),
     frozenset({"gauge", "sweep"}): (RuntimeError, "already active"),
 }
@@ -868,13 +839,25 @@ FEATURES_OF["sdxl"] = FEATURES_OF["organism"]
 MATRIX_OF = {"organism": organism_matrix, "sdxl": sdxl_matrix, "flux": flux_matrix, "sd3": sd3_matrix}
 
 
-def generated(cases, leave_out=None):
-    """``cases(names)`` for every pipeline (``leave_out``: pipeline -> a feature left out there), as test parameters
-    ``(pipeline, case)``."""
+MATRICES = {}
+
+
+def matrix_of(request, family):
+    """The pipeline fixture of ``family`` and its matrix (the call, the features, the reading), built once per
+    pipeline."""
+    pipe = request.getfixturevalue(family)
+    if id(pipe) not in MATRICES:
+        MATRICES[id(pipe)] = MATRIX_OF[family](pipe)
+    return pipe, MATRICES[id(pipe)]
+
+
+def generated(cases, families=tuple(FEATURES_OF), leave_out=None):
+    """``cases(names)`` for each of ``families`` (``leave_out``: pipeline -> a feature left out there), as test
+    parameters ``(pipeline, case)``."""
     return [
         pytest.param(family, case, id=f"{family}-{'-'.join(case)}")
-        for family, names in FEATURES_OF.items()
-        for case in cases([name for name in names if name != (leave_out or {}).get(family)])
+        for family in families
+        for case in cases([name for name in FEATURES_OF[family] if name != (leave_out or {}).get(family)])
     ]
 
 
@@ -892,17 +875,15 @@ def pairs(names):
 
 @pytest.mark.parametrize(("family", "pair"), generated(pairs, leave_out={"organism": "attribution"}))
 def test_every_pair_composes_and_restores(family, pair, request, one_thread):
-    pipe = request.getfixturevalue(family)
-    generate, features, reading = MATRIX_OF[family](pipe)
+    pipe, (generate, features, reading) = matrix_of(request, family)
     check_pair(pipe, generate, features, *pair, reading=reading)
 
 
-@pytest.mark.parametrize(("family", "order"), generated(covering_triples))
+@pytest.mark.parametrize(("family", "order"), generated(covering_triples, families=("organism", "flux", "sd3")))
 def test_triples_compose_and_restore(family, order, request, one_thread):
     """The covering set of ordered triples above on each pipeline, each in its one order (all orders of a set meet in
     the latents of its edits alone)."""
-    pipe = request.getfixturevalue(family)
-    generate, features, reading = MATRIX_OF[family](pipe)
+    pipe, (generate, features, reading) = matrix_of(request, family)
     check_nesting(pipe, generate, features, [order], reading=reading)
 
 
