@@ -125,10 +125,9 @@ class NWKernel:
             other: the further keys the softmax runs over (SD3's latent keys ``(B, H, N, D)``), or ``None``.
 
         Returns:
-            stored frame: ``(q·k_i - |k_i|^2/2) / h^2``, shape ``(B, H, Q, K)`` (equal to ``-|q - k_i|^2 / (2 h^2)``
-            up to a per-row constant). Query frame: ``q·k_i / sqrt(d) - b_i`` with ``b`` estimated over all the
-            ``Q`` rows given, per batch item and head, its rows centred over ``[key; other]`` (the head's own logits
-            when given the call's queries and keys; the head estimates ``b`` over an IP-Adapter mask's rows).
+            ``(B, H, Q, K)``: stored frame ``(q·k_i - |k_i|^2/2) / h^2`` (``-|q - k_i|^2 / (2 h^2)`` up to a per-row
+            constant); query frame ``q·k_i / sqrt(d) - b_i``, ``b`` over the ``Q`` rows given per batch item and head,
+            rows centred over ``[key; other]``: the head's own logits on the call's queries and keys (without masks).
         """
         if self.frame == "query":
             joint = key if other is None else torch.cat([key, other], dim=2)  # (B, H, K + N, D)
