@@ -50,7 +50,7 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def refs():
-    return digits_reference_images(3, 1, seed=100) + digits_reference_images(5, 1, seed=200)
+    return refs_of(3, 5)
 
 
 def latents(pipe, refs, **kwargs):
@@ -63,10 +63,6 @@ def latents(pipe, refs, **kwargs):
         output_type="latent",
         **kwargs,
     ).images
-
-
-def layer_of(pipe, name):
-    return pipe.unet.get_submodule(name)
 
 
 def dot_softmax(q, k):  # (B, H, Q, D), (B, H, K, D) -> (B, H, Q, K): the layer's own weights
@@ -791,8 +787,7 @@ def sample_photos():
 
 
 def organism_matrix(pipe):
-    refs = digits_reference_images(3, 1, seed=100) + digits_reference_images(5, 1, seed=200)
-    other = digits_reference_images(8, 1, seed=900)[0]
+    refs, other = refs_of(3, 5), digits_reference_images(8, 1, seed=900)[0]
     call = dict(prompt=DIGITS_PROMPT, ip_adapter_image=[list(refs)], num_inference_steps=STEPS, guidance_scale=1.0)
 
     def generate(**extra):
