@@ -261,18 +261,16 @@ def refind_ip_layers(pipe, layers: list[IPLayer], selection: LayerSelection = No
     return found
 
 
-def image_branch_logits(processor: torch.nn.Module, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """The logits whose softmax over image tokens a processor actually uses in its image branch.
-
-    diffusers' IP-Adapter processors (SD/SDXL, Flux and SD3 alike) use scaled dot-product attention,
-    ``q k^T / sqrt(d_head)``, on the query and keys that :mod:`ipa_probe.capture.taps` reads. A processor may declare
-    otherwise by defining ``image_branch_logits(query, key)`` (ipa_probe's NW heads do). The logits are per key, so
-    the same function gives the logits of any other keys the branch's softmax runs over (SD3's latent keys).
-    ``(B, H, Q, D)`` queries, ``(B, H, K, D)`` keys -> ``(B, H, Q, K)``.
-    """
+def image_branch_logits(
+    processor: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, other: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The logits whose softmax over image tokens a processor's image branch uses, ``(B, H, Q, K)`` from queries
+    ``(B, H, Q, D)`` and keys ``(B, H, K, D)``: diffusers' IP-Adapter processors (SD/SDXL, Flux, SD3) use ``q k^T /
+    sqrt(d)`` on what :mod:`ipa_probe.capture.taps` reads; a processor may define its own ``image_branch_logits(query,
+    key, other)`` (ipa_probe's NW heads do), ``other`` the further keys its softmax runs over (SD3's latent keys)."""
     custom = getattr(processor, "image_branch_logits", None)
     if custom is not None:
-        return custom(query, key)
+        return custom(query, key, other)
     return dot_logits(query, key, 1.0 / math.sqrt(query.shape[-1]))
 
 

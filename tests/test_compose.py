@@ -1,23 +1,33 @@
 """Features composed on one pipeline (issues 38, 49): the probe measures the weights the layer used inside an
 intervention, under an NW head it reads that head's weights, nested interventions compose as if given at once, the
 denoiser carries one pre-hook however many features are attached, and a generated matrix of every pair of features
-in both orders on SD 1.5, SDXL, Flux and SD3, and of triples on SD 1.5, computes in every order what its edits compute
-alone, reads (probe maps, attribution shares) what the test's own weights say and restores the pipeline bit for bit;
-attribution and gauge_sweep inside an open probe return what they return alone, and the open probe reads their calls
-as alone.
+in both orders on SD 1.5, SDXL, Flux and SD3, and of triples on SD 1.5, Flux and SD3, computes in every order what
+its edits compute alone, reads (probe maps, attribution shares, gauge_sweep's reference masses, SD3's image share)
+what the test's own weights say and restores the pipeline bit for bit; attribution and gauge_sweep inside an open
+probe return what they return alone, and the open probe reads their calls as alone.
 
-Triples: the eleven SD 1.5 features and attribution (a call, so only innermost) allow 994 ordered triples, each a test
-of several pipeline calls: far over the suite's budget. Pairs already show each feature beside each other one; what a
-third adds is position: a feature wrapped by another with a third between them, or standing between two (the
-nested-ablation bug of issue 49 showed with a probe between two ablations). So the triples are a covering array: each
-ordered pair of features that may run together stands in each of the three position pairs (outer-middle, outer-inner,
-middle-inner) of some triple. That needs at least one triple per ordered pair in the outer-middle place (106); the
-greedy construction takes 128, the same every run. Every unordered triple (201) in one order and its reverse would
-cost nearly three times as much and never put the list's first and last features in the middle.
+Triples: the thirteen SD 1.5 features, two of them calls (gauge_sweep, attribution: only innermost), allow 1,066
+ordered triples, each a test of several pipeline calls: far over the suite's budget. Pairs already show each feature
+beside each other one; what a third adds is position: a feature wrapped by another with a third between them, or
+standing between two (the nested-ablation bug of issue 49 showed with a probe between two ablations). So the triples
+are a covering array: each ordered pair of features that may run together stands in each of the three position pairs
+(outer-middle, outer-inner, middle-inner) of some triple. The greedy construction takes 138 of the 1,066 on SD 1.5,
+86 of 468 on Flux and 40 of 90 on SD3, the same every run. Every unordered triple in one order and its reverse would
+cost several times as much and never put the list's first and last features in the middle. SDXL has no triples: its
+layers run the same taps, hook points, heads and processors as SD 1.5's (its pairs check what its pipeline adds: CFG,
+two text encoders, added time ids), and its 138 cost as much time as SD 1.5's (measured side by side).
 
-The reference weights are the test's own: forward hooks on ``attn.to_q`` and ``to_k_ip`` (after the intervention's
-edit of the tokens, i.e. the very keys the layer's softmax runs over), the softmax (or an NW head's kernel) taken here
-in float64."""
+Features refused on a pipeline are no features there: SD3 refuses ``intervene(mode="scale")``, every hook point and
+so the cache, the custom hooks and the patch (its image tokens share one softmax with the latent tokens: the image
+branch has no weights of its own to edit); Flux has no patch (no source run here) and no attribution. Pairs refused
+by design (the stored-frame NW head and a gauge, one gauge inside another) are checked to raise, in either order.
+
+The reference weights are the test's own: forward hooks on the modules that return the image branch's query and keys
+(after the intervention's edit of the tokens, i.e. the very keys the layer's softmax runs over: UNets ``attn.to_q``
+and ``to_k_ip``; Flux ``attn.norm_q`` and ``to_k_ip``; SD3 the processor's ``norm_q``, ``norm_k`` and
+``norm_ip_k``), the softmax (or an NW head's kernel) taken here in float64; on SD3 over the latent and image keys
+together, as the layer does, the image columns renormalised (what the probe keeps) and their mass (its
+``ip_mass``)."""
 
 from __future__ import annotations
 
@@ -32,6 +42,7 @@ import torch
 import ipa_probe
 from ipa_probe.capture.spine import spine_of
 from ipa_probe.intervention import intervene
+from ipa_probe.layers import find_ip_layers
 from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_reference_images
 
 STEPS = 2
@@ -39,7 +50,7 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def refs():
-    return digits_reference_images(3, 1, seed=100) + digits_reference_images(5, 1, seed=200)
+    return refs_of(3, 5)
 
 
 def latents(pipe, refs, **kwargs):
@@ -52,10 +63,6 @@ def latents(pipe, refs, **kwargs):
         output_type="latent",
         **kwargs,
     ).images
-
-
-def layer_of(pipe, name):
-    return pipe.unet.get_submodule(name)
 
 
 def dot_softmax(q, k):  # (B, H, Q, D), (B, H, K, D) -> (B, H, Q, K): the layer's own weights
@@ -77,27 +84,65 @@ def query_frame(q, k):
     return (centred - b).softmax(-1)
 
 
+class Readings(list):
+    """The test's own weights of one layer, one ``(B, H, Q, K)`` per pass that ran its image branch, with that pass's
+    index among the denoiser's calls in ``passes`` and, on SD3, the joint softmax's mass on the image tokens
+    ``(B, H, Q)`` in ``shares``."""
+
+    def __init__(self):
+        super().__init__()
+        self.passes, self.shares = [], []
+
+
+def restricted(joint, tokens):  # (B, H, Q, N + K) -> the image columns renormalised, and their mass (B, H, Q)
+    image = joint[..., -tokens:]
+    mass = image.sum(-1)
+    return image / mass.unsqueeze(-1), mass
+
+
 @contextlib.contextmanager
 def own_weights(pipe, name, kernel=dot_softmax):
-    """The test's own reading of one layer's image-branch weights: float64 ``kernel(q, k)`` (by default the softmax
-    of ``q k^T / sqrt(d)``) over the keys ``to_k_ip`` returned (after any edit of its input), one ``(B, H, Q, K)`` per
-    pass."""
-    attn = layer_of(pipe, name)
-    heads = attn.heads
-    seen, found = {}, []
+    """The test's own reading of one layer's image-branch weights, float64 ``kernel(q, k)`` (by default the softmax of
+    ``q k^T / sqrt(d)``) over the keys the branch's softmax runs over, read by forward hooks on the modules that
+    return them (after any edit of the tokens). UNets: ``attn.to_q`` and ``to_k_ip[0]``; Flux: ``attn.norm_q`` (the
+    branch's query, before RoPE) and ``to_k_ip[0]``; SD3: the processor's ``norm_q``, ``norm_k`` (the latent keys)
+    and ``norm_ip_k``: one joint kernel over ``[latent keys; image keys]`` as the layer forms it, whose image columns,
+    renormalised, are the weights (and their mass the image share)."""
+    layer = next(found for found in find_ip_layers(pipe) if found.name == name)
+    attn, processor, heads = layer.attention, layer.processor, layer.heads
+    seen, found = {"pass": -1}, Readings()
 
     def split(x):  # (B, N, H * D) -> (B, H, N, D)
         return x.reshape(x.shape[0], -1, heads, x.shape[-1] // heads).transpose(1, 2).double()
 
-    def keep_q(module, args, output):
-        seen["q"] = split(output)
+    def count(module, args, kwargs):
+        seen["pass"] += 1
+
+    def keep(key, shape):
+        def hook(module, args, output):
+            seen[key] = shape(output)
+
+        return hook
 
     def keys(module, args, output):
         q = seen["q"]
-        k = split(output.reshape(q.shape[0], -1, output.shape[-1]))
-        found.append(kernel(q, k))
+        found.passes.append(seen["pass"])
+        if layer.family == "sd3":  # (B, H, K, D) image keys after the processor's norm
+            weights, mass = restricted(kernel(q, torch.cat([seen["k"], output.double()], dim=2)), output.shape[2])
+            found.shares.append(mass)
+            found.append(weights)
+        else:
+            found.append(kernel(q, split(output.reshape(q.shape[0], -1, output.shape[-1]))))
 
-    handles = [attn.to_q.register_forward_hook(keep_q), attn.processor.to_k_ip[0].register_forward_hook(keys)]
+    if layer.family == "sd3":
+        taps = [(processor.norm_q, keep("q", torch.Tensor.double)), (processor.norm_k, keep("k", torch.Tensor.double))]
+        taps.append((processor.norm_ip_k, keys))
+    else:
+        shape = (lambda x: x.transpose(1, 2).double()) if layer.family == "flux" else split  # (B, N, H, D) on Flux
+        taps = [(attn.norm_q if layer.family == "flux" else attn.to_q, keep("q", shape))]
+        taps.append((processor.to_k_ip[0], keys))
+    handles = [module.register_forward_hook(hook) for module, hook in taps]
+    handles.append(denoiser(pipe).register_forward_pre_hook(count, with_kwargs=True))
     try:
         yield found
     finally:
@@ -368,30 +413,6 @@ def test_attribution_joins_an_open_probe(organism, refs):
         torch.testing.assert_close(probe_weights(outer, step), own[step], rtol=0, atol=2e-3)
 
 
-def test_gauge_sweep_joins_an_open_probe(organism, refs):
-    from ipa_probe.gauge import gauge_sweep
-
-    def call():
-        return latents(organism, refs, guidance_scale=3.0)
-
-    alone = gauge_sweep(organism, call, "1,2", layers=LAYER)
-    before, weights = snapshot(organism), parameters(organism)
-    with own_weights(organism, LAYER) as own, ipa_probe.probe(organism, keep_maps=True) as outer:
-        joined = gauge_sweep(organism, call, "1,2", layers=LAYER)
-    assert_unchanged(organism, before)
-    assert all(torch.equal(p, weights[name]) for name, p in organism.unet.named_parameters())
-    pd.testing.assert_frame_equal(joined, alone, check_exact=True)
-    with ipa_probe.probe(organism, keep_maps=True) as single:  # the ungauged reference call, then the gauge 2's
-        call()
-        with ipa_probe.qk_gauge(organism, 2.0, layers=LAYER):
-            call()
-    assert_same_run(outer, single)
-    assert len(own) == 2 * STEPS  # a power of two rescales q and k exactly: one softmax in both calls
-    for index, softmax in enumerate(own):  # (call, step) in order; float16 maps: 2e-3
-        read = probe_weights(outer, index % STEPS, call=index // STEPS)
-        torch.testing.assert_close(read, softmax, rtol=0, atol=2e-3)
-
-
 @pytest.mark.parametrize("family", ["flux", "sd3"])
 def test_a_probe_and_gauge_sweep_join_an_open_probe_on_dits(family, refs, request, one_thread):
     """On Flux (true CFG) and SD3: a probe and gauge_sweep inside an open probe read and return what they do alone,
@@ -425,36 +446,15 @@ def test_a_probe_and_gauge_sweep_join_an_open_probe_on_dits(family, refs, reques
     assert set(outer.to_dataframe()["branch"]) == {"cond", "uncond"}
 
 
-@pytest.mark.parametrize("inside", ["attribution", "gauge_sweep"])
-def test_a_failure_inside_a_joined_probe_gives_the_pipeline_back(organism, refs, inside):
-    from ipa_probe.gauge import gauge_sweep
-
-    calls = []
-
-    def fails_gauged():  # the reference call runs, the gauged one raises after its first step
-        calls.append(1)
-        return latents(organism, refs, **({"callback_on_step_end": boom} if len(calls) > 1 else {}))
-
+def test_a_failure_inside_a_joined_probe_gives_the_pipeline_back(organism, refs):
+    """Attribution with CFG raising inside an open probe (gauge_sweep's gauged call raising inside each feature:
+    the matrix below)."""
     before, weights = snapshot(organism), parameters(organism)
     with pytest.raises(Boom), ipa_probe.probe(organism, maps=True) as outer:
-        if inside == "attribution":
-            attribute(organism, refs, callback_on_step_end=boom)
-        else:
-            gauge_sweep(organism, fails_gauged, "2", layers=LAYER)
+        attribute(organism, refs, callback_on_step_end=boom)
     assert_unchanged(organism, before)
     assert all(torch.equal(p, weights[name]) for name, p in organism.unet.named_parameters())
-    assert outer.to_dataframe()["call"].nunique() == (1 if inside == "attribution" else 2)  # what ran is kept
-
-
-@pytest.mark.parametrize("head_first", [True, False])
-def test_a_stored_frame_head_and_a_gauge_are_refused_in_either_order(organism, head_first):
-    head, gauge = (lambda: ipa_probe.nw_head(organism, frame="stored")), (lambda: ipa_probe.qk_gauge(organism, 2.0))
-    first, second = (head, gauge) if head_first else (gauge, head)
-    with first(), pytest.raises(ValueError, match=r"\|k\|\^2.*frame='query'"):
-        second().__enter__()
-    assert ipa_probe.list_hooks(organism) == []
-    with ipa_probe.qk_gauge(organism, 2.0), ipa_probe.nw_head(organism, frame="query"):  # the query frame: either way
-        pass
+    assert outer.to_dataframe()["call"].nunique() == 1  # what ran is kept
 
 
 def test_points_inside_an_ablation_index_references_as_the_call_passed_them(organism, refs):
@@ -518,14 +518,15 @@ def test_everything_attached_adds_one_denoiser_pre_hook(organism, refs):
 
 
 # ------------------------------------------------------------------------------------------------------ the matrix
-# Every pair of features, generated from one table, in both nesting orders, and a covering set of ordered triples
-# (below): every order computes the latents of its edits given alone in the table's order (token edits act on the
-# keys, point edits in the order the points are computed, the NW head in the processor, whatever the nesting; a reader
-# changes nothing; the scalar gauge 2 changes no bit, it scales q and k by powers of two); the probe's maps of one
-# layer and attribution's shares there are the test's own float64 weights under the edits (the softmax, or an NW
-# head's Gaussian kernel in its frame); and the pipeline comes back bit for bit (hooks, attributes, processors,
-# parameters, and the plain call's latents), also after an exception inside the innermost block. Attribution is a
-# call, not a block: it runs innermost. The stored-frame NW head and a gauge refuse each other in either order.
+# Every pair of features, generated from one table per pipeline, in both nesting orders, and a covering set of ordered
+# triples (below): every order computes the latents of its edits given alone in the table's order (token edits act on
+# the keys, point edits in the order the points are computed, the NW head in the processor, whatever the nesting; a
+# reader changes nothing; the scalar gauge 2 changes no bit, it scales q and k by powers of two); the probe's maps of
+# one layer, attribution's shares and gauge_sweep's reference masses there are the test's own float64 weights under
+# the edits (the softmax, or an NW head's Gaussian kernel in its frame); a call feature among readers returns what it
+# returns alone; and the pipeline comes back bit for bit (hooks, attributes, processors, parameters, and the plain
+# call's latents), also after an exception inside the innermost block. Attribution and gauge_sweep are calls, not
+# blocks: they run innermost, one at a time.
 
 
 class Boom(Exception):
@@ -546,11 +547,27 @@ def patch_from(pipe, source):
     return PATCHES[id(pipe)]
 
 
-def matrix_features(pipe, refs, other, swapped=1, call=None, source=None):
+def matrix_features(pipe, generate, other, layer, swapped=1, call=None, source=None):
     """name -> (kind, make): ``"read"`` features compute nothing, ``"gauge"`` ones are output symmetries, the
-    ``"call"`` (``reference_attribution`` of ``call``'s arguments, where given) runs the pipeline; ``swap`` puts
-    ``other`` in reference ``swapped``'s place; ``patch`` (where ``source`` is given) patches from its run."""
+    ``"call"`` ones run the pipeline and return (the latents of each call, their result): ``sweep`` (``gauge_sweep``
+    of ``generate`` over the gauges 1 and 2 at ``layer``: the reference call and one gauged) and ``attribution``
+    (``reference_attribution`` of ``call``'s arguments, where given); ``swap`` puts ``other`` in reference
+    ``swapped``'s place; ``patch`` (where ``source`` is given) patches from its run."""
     from ipa_probe.attribution import reference_attribution
+    from ipa_probe.gauge import gauge_sweep
+
+    def sweep(**extra):  # ``extra`` (the failing callback) to the gauged call: it raises with the gauge applied
+        outputs = []
+
+        def once():
+            outputs.append(generate(**(extra if outputs else {})))
+            return outputs[-1]
+
+        return outputs, gauge_sweep(pipe, once, "1,2", layers=f"^{layer}$")
+
+    def attribution(**extra):
+        result = reference_attribution(pipe, **call, **extra)
+        return [result.generation.latents], result
 
     def output_point():  # SD3 has no hook points: asked only where the hook features are in the matrix
         return next(n for n in ipa_probe.list_hook_points(pipe) if n.endswith(".ip.output"))
@@ -565,6 +582,7 @@ def matrix_features(pipe, refs, other, swapped=1, call=None, source=None):
         "nw_query": ("edit", lambda: ipa_probe.nw_head(pipe, frame="query")),
         "nw_stored": ("edit", lambda: ipa_probe.nw_head(pipe, frame="stored")),
         "gauge": ("gauge", lambda: ipa_probe.qk_gauge(pipe, 2.0)),
+        "sweep": ("call", sweep),
     }
     if other is not None:
         features["swap"] = ("edit", lambda: intervene(pipe, swapped, mode="swap", other=other))
@@ -572,7 +590,7 @@ def matrix_features(pipe, refs, other, swapped=1, call=None, source=None):
         patch = patch_from(pipe, source)
         features["patch"] = ("edit", lambda: intervene(pipe, hooks=patch))
     if call is not None:
-        features["attribution"] = ("call", lambda **extra: reference_attribution(pipe, **call, **extra))
+        features["attribution"] = ("call", attribution)
     return features
 
 
@@ -583,14 +601,18 @@ def boom(pipe, step, timestep, kwargs):
     raise Boom  # inside the pipeline call, after its first step
 
 
+CALLS = {"sweep": 2, "attribution": 1}  # the pipeline calls of each call feature
+
+
 def run_nested(pipe, generate, features, order, fail=False):
-    """The blocks of ``order`` entered outermost first, the call inside: (its latents, its result, the blocks' values
-    by name)."""
-    call = features["attribution"][1] if "attribution" in order else generate
+    """The blocks of ``order`` entered outermost first, the call inside (a call feature, innermost, or ``generate``):
+    (the latents of each pipeline call, the call feature's result, the blocks' values by name)."""
+    blocks = [name for name in order if name not in CALLS]
+    call = features[order[-1]][1] if order[-1] in CALLS else lambda **extra: ([generate(**extra)], None)
     with contextlib.ExitStack() as stack:
-        entered = {name: stack.enter_context(features[name][1]()) for name in order if name != "attribution"}
-        result = call(callback_on_step_end=boom) if fail else call()
-    return (result.generation.latents if "attribution" in order else result), result, entered
+        entered = {name: stack.enter_context(features[name][1]()) for name in blocks}
+        outputs, result = call(callback_on_step_end=boom) if fail else call()
+    return outputs, result, entered
 
 
 def expected_weights(own, order, references):
@@ -599,8 +621,8 @@ def expected_weights(own, order, references):
     reference 1's weights by its factor and renormalises the rows."""
     tokens = own[0].shape[-1] // references  # step 0 keeps every reference
     out = []
-    for step, w in enumerate(own):
-        kept = [r for r in range(references) if not ("ablate" in order and step == 1 and r == 0)]
+    for index, w in zip(own.passes, own, strict=True):
+        kept = [r for r in range(references) if not ("ablate" in order and index % STEPS == 1 and r == 0)]
         full = w.new_zeros(*w.shape[:-1], references, tokens)  # (B, H, Q, R, T)
         full[..., kept, :] = w.reshape(*w.shape[:-1], len(kept), tokens)
         if "scale" in order:
@@ -610,29 +632,74 @@ def expected_weights(own, order, references):
     return out
 
 
+def branch_rows(table, weights):
+    """``table``'s rows of one pass, one per batch row of ``weights`` (``[uncond, cond]`` under CFG)."""
+    labels = ["uncond", "cond"][-weights.shape[0] :]
+    return [table[table.branch == label] for label in labels]
+
+
+def as_float64(column):
+    return torch.tensor(column.to_numpy(), dtype=torch.float64)
+
+
 def check_readings(own, order, entered, result, reading):
-    """The probe's kept maps and attribution's shares at one layer against the test's own float64 weights."""
+    """At one layer, against the test's own float64 weights: the probe's kept maps (none where the layer skipped its
+    branch: SD3 with its one reference ablated) and, on SD3, its image share; attribution's shares; gauge_sweep's
+    reference masses (and SD3 image share) of its reference call (gauge 1) and its gauged one (gauge 2)."""
     layer, references = reading
-    expected = expected_weights(own, order, references)
-    run = entered.get("probe")
-    for step, weights in enumerate(expected):
+    expected = dict(zip(own.passes, expected_weights(own, order, references), strict=True))
+    shares = dict(zip(own.passes, own.shares, strict=False))  # SD3 only
+    run, passes = entered.get("probe"), CALLS.get(order[-1], 1) * STEPS
+    skipped = {i for i in range(passes) if references == 1 and "ablate" in order and i % STEPS == 1}
+    assert set(expected) == set(range(passes)) - skipped, (sorted(expected), passes)
+    read = run.to_dataframe() if run is not None and shares else None
+    for index in range(passes):
+        call, step = divmod(index, STEPS)
+        weights = expected.get(index)
+        if weights is None:  # no image branch ran (SD3, its one reference ablated): no map either
+            assert run is None or not run.maps.get((call, step, layer, 0)), (call, step)
+            continue
         if run is not None:  # float16 maps (11-bit mantissa: 5e-4 relative on weights below 1)
-            torch.testing.assert_close(probe_weights(run, step, layer), weights, rtol=0, atol=2e-3)
-        if "attribution" in order:  # the conditional row (the last), means over heads and queries
-            shares = weights[-1].reshape(*weights.shape[1:-1], references, -1).sum(-1).mean(dim=(0, 1))  # (R,)
+            torch.testing.assert_close(probe_weights(run, step, layer, call), weights, rtol=0, atol=2e-3)
+        masses = weights.reshape(*weights.shape[:-1], references, -1).sum(-1).mean(dim=(1, 2))  # (B, R)
+        # 1e-5 below: the layer's float32 softmax against the test's float64 one, through float32 means
+        if run is not None and index in shares:
+            at = read[(read.call == call) & (read.step == step) & (read.layer == layer)]
+            for rows, share in zip(branch_rows(at, weights), shares[index].mean(-1), strict=True):  # (H,) each
+                torch.testing.assert_close(as_float64(rows.sort_values("head").ip_mass), share, rtol=0, atol=1e-5)
+        if order[-1] == "attribution":  # the conditional row (the last), means over heads and queries
             table = result.table[(result.table.step == step) & (result.table.layer == layer)]
-            got = torch.tensor(table.sort_values("reference").attention_share.to_numpy(), dtype=torch.float64)
-            # 1e-5: the layer's float32 softmax against the test's float64 one, through float32 means
-            torch.testing.assert_close(got, shares, rtol=0, atol=1e-5)
+            got = as_float64(table.sort_values("reference").attention_share)
+            torch.testing.assert_close(got, masses[-1], rtol=0, atol=1e-5)
+        if order[-1] == "sweep":
+            at = result[(result.step == step) & (result.factor == 2.0**call)]
+            for row, rows in enumerate(branch_rows(at, weights)):
+                got = as_float64(rows[[f"ref_mass_0_{r}" for r in range(references)]].iloc[0])
+                torch.testing.assert_close(got, masses[row], rtol=0, atol=1e-5)
+                if index in shares:  # the summary's mean over heads and queries
+                    share = shares[index][row].mean().reshape(1)
+                    torch.testing.assert_close(as_float64(rows.ip_mass), share, rtol=0, atol=1e-5)
 
 
 PLAIN, ALONE = {}, {}
 
 
+def assert_same_result(name, result, alone):
+    """A call feature's results, bit for bit: gauge_sweep's table; attribution's tables, latents and samples."""
+    if name == "sweep":
+        pd.testing.assert_frame_equal(result, alone, check_exact=True)
+        return
+    for table in ("table", "heads", "positions", "head_positions"):
+        pd.testing.assert_frame_equal(getattr(result, table), getattr(alone, table), check_exact=True)
+    assert torch.equal(result.generation.latents, alone.generation.latents)
+    assert all(torch.equal(result.samples[step], alone.samples[step]) for step in alone.samples)
+
+
 def check_nesting(pipe, generate, features, orders, reading=None):
     """Each order of one set of features (outermost first) computes what its edits compute alone, in the table's
-    order; its readings are the test's own (``reading``: (layer, references) on a UNet); the pipeline comes back bit
-    for bit after each order and after an exception inside it."""
+    order (every pipeline call of a call feature); its readings are the test's own (``reading``: (layer,
+    references)); a call feature among readers only (a probe, the cache) returns what it returns alone; the pipeline
+    comes back bit for bit after each order and after an exception inside it."""
     if id(pipe) not in PLAIN:  # once per pipeline (``setdefault`` would run the call every time)
         PLAIN[id(pipe)] = generate()
     before, weights = snapshot(pipe), parameters(pipe)
@@ -645,10 +712,15 @@ def check_nesting(pipe, generate, features, orders, reading=None):
     kernel = query_frame if "nw_query" in orders[0] else stored_frame if "nw_stored" in orders[0] else dot_softmax
     for order in orders:
         with own_weights(pipe, reading[0], kernel) if reading else contextlib.nullcontext([]) as own:
-            latents, result, entered = run_nested(pipe, generate, features, order)
-        assert torch.equal(latents, ALONE[id(pipe), edits]), order
+            outputs, result, entered = run_nested(pipe, generate, features, order)
+        assert len(outputs) == CALLS.get(order[-1], 1), order
+        assert all(torch.equal(latents, ALONE[id(pipe), edits]) for latents in outputs), order
         if reading:
             check_readings(own, order, entered, result, reading)
+        if order[-1] in CALLS and all(features[name][0] == "read" for name in order[:-1]):
+            if (id(pipe), order[-1]) not in ALONE:
+                ALONE[id(pipe), order[-1]] = features[order[-1]][1]()[1]
+            assert_same_result(order[-1], result, ALONE[id(pipe), order[-1]])
         with pytest.raises(Boom):
             run_nested(pipe, generate, features, order, fail=True)
         assert_unchanged(pipe, before)
@@ -657,35 +729,38 @@ def check_nesting(pipe, generate, features, orders, reading=None):
 
 
 def check_pair(pipe, generate, features, a, b, reading=None):
-    """Both nesting orders of two features (attribution, a call, only inside the other)."""
-    if {a, b} == {"gauge", "nw_stored"}:
+    """Both nesting orders of two features (a call feature only inside the other)."""
+    orders = [(a, b)] if b in CALLS else [(a, b), (b, a)]
+    if refused({a, b}):
         before = snapshot(pipe)
-        for order in ((a, b), (b, a)):
-            with pytest.raises(ValueError, match=r"\|k\|\^2"):
+        error, match = REFUSED[frozenset({a, b})]
+        for order in orders:
+            with pytest.raises(error, match=match):
                 run_nested(pipe, generate, features, order)
             assert_unchanged(pipe, before)
         return
-    orders = [(a, b)] if b == "attribution" else [(a, b), (b, a)]
     check_nesting(pipe, generate, features, orders, reading)
 
 
+#: Pairs refused (in either order, before anything runs) and the error that says why: the stored-frame NW head's key
+#: term ``|k|^2`` is no gauge invariant; one gauge per pipeline (``gauge_sweep`` applies its own).
+REFUSED = {
+    frozenset({"nw_stored", "gauge"}): (ValueError, r"\|k\|\^2.*frame='query'"),
+    frozenset({"nw_stored", "sweep"}): (ValueError, "frame='stored'"),
+    frozenset({"gauge", "sweep"}): (RuntimeError, "already active"),
+}
+
+
+def refused(names):
+    return any(pair <= set(names) for pair in REFUSED)
+
+
 def allowed(names):
-    """A set of features that runs together: one NW head per pipeline; the stored-frame head refuses a gauge (both
-    checked in the pair matrix); attribution innermost."""
+    """An ordered set of features that runs together: one NW head per pipeline; no refused pair (checked in the pair
+    matrix); at most one call feature, innermost."""
     heads = sum(name.startswith("nw_") for name in names)
-    innermost = "attribution" not in names or names[-1] == "attribution"
-    return heads < 2 and not {"nw_stored", "gauge"} <= set(names) and innermost
-
-
-def matrix(names):
-    """Every unordered pair (both orders are checked in one test), but two NW heads (one head per pipeline), with
-    attribution second."""
-    return [
-        pytest.param(a, b, id=f"{a}-{b}")
-        for i, a in enumerate(names)
-        for b in names[i + 1 :]
-        if not a.startswith("nw_") or not b.startswith("nw_")
-    ]
+    calls = [name for name in names if name in CALLS]
+    return heads < 2 and not refused(names) and calls in ([], [names[-1]])
 
 
 def covering_triples(names):
@@ -704,42 +779,120 @@ def covering_triples(names):
     return chosen
 
 
-FLUX_FEATURES = ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge", "swap"]
-SD15_FEATURES = [*FLUX_FEATURES, "probe_nomaps", "patch"]
-UNET_FEATURES = [*SD15_FEATURES, "attribution"]  # SDXL's pairs, SD 1.5's triples (which hold every attribution pair)
-
-
-def organism_matrix(organism, refs):
-    other = digits_reference_images(8, 1, seed=900)[0]
-    call = dict(prompt=DIGITS_PROMPT, ip_adapter_image=[list(refs)], num_inference_steps=STEPS, guidance_scale=1.0)
-    source = lambda: latents(organism, refs[::-1])  # noqa: E731
-    features = matrix_features(organism, refs, other, call=call, source=source)
-    return (lambda **kw: latents(organism, refs, **kw)), features
-
-
-@pytest.mark.parametrize(("a", "b"), matrix(SD15_FEATURES))
-def test_every_pair_composes_and_restores_sd15(organism, refs, a, b, one_thread):
-    check_pair(organism, *organism_matrix(organism, refs), a, b, reading=(LAYER, len(refs)))
-
-
-@pytest.mark.parametrize("order", [pytest.param(t, id="-".join(t)) for t in covering_triples(UNET_FEATURES)])
-def test_triples_compose_and_restore_sd15(organism, refs, order, one_thread):
-    """Triples on the digits organism: the covering set above, each in its one order (all orders of a set meet in
-    the latents of its edits alone)."""
-    check_nesting(organism, *organism_matrix(organism, refs), [order], reading=(LAYER, len(refs)))
-
-
-@pytest.mark.parametrize(("a", "b"), matrix(FLUX_FEATURES))
-def test_every_pair_composes_and_restores_flux(flux, a, b, one_thread):
+def sample_photos():
+    """Three of the tiny pipelines' default reference images: two references and one to swap in."""
     from ipa_probe.tiny.sd import default_reference_images
 
-    refs = default_reference_images(3)
+    return default_reference_images(3)
+
+
+def organism_matrix(pipe):
+    refs, other = refs_of(3, 5), digits_reference_images(8, 1, seed=900)[0]
+    call = dict(prompt=DIGITS_PROMPT, ip_adapter_image=[list(refs)], num_inference_steps=STEPS, guidance_scale=1.0)
+
+    def generate(**extra):
+        return latents(pipe, refs, **extra)
+
+    source = lambda: latents(pipe, refs[::-1])  # noqa: E731
+    return generate, matrix_features(pipe, generate, other, LAYER, call=call, source=source), (LAYER, len(refs))
+
+
+def sdxl_matrix(pipe):
+    """SDXL (two text encoders, added time ids) with CFG, attribution among the features."""
+    refs = [image.resize((64, 64)) for image in sample_photos()]  # the generation's size
+    call = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS)
+
+    def generate(**extra):
+        return pipe(**{**call, **extra}, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+    layer = find_ip_layers(pipe)[0].name
+    source = lambda: generate(ip_adapter_image=[refs[1::-1]])  # noqa: E731
+    return generate, matrix_features(pipe, generate, refs[2], layer, call=call, source=source), (layer, 2)
+
+
+def flux_matrix(pipe):
+    """Flux (no true CFG: one pass per step), two references."""
+    refs = sample_photos()
 
     def generate(**extra):
         kwargs = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS, height=64, width=64, **extra)
-        return flux(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+        return pipe(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
 
-    check_pair(flux, generate, matrix_features(flux, refs, refs[2]), a, b)
+    layer = find_ip_layers(pipe)[0].name
+    return generate, matrix_features(pipe, generate, refs[2], layer), (layer, 2)
+
+
+def sd3_matrix(pipe):
+    """SD3 with CFG: one reference image per prompt (``refs[1]`` is the one swapped in)."""
+    refs = sample_photos()
+
+    def generate(**extra):
+        kwargs = dict(prompt="a", ip_adapter_image=refs[0], num_inference_steps=STEPS, height=64, width=64, **extra)
+        return pipe(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+    layer = find_ip_layers(pipe)[0].name
+    return generate, matrix_features(pipe, generate, refs[1], layer, swapped=0), (layer, 1)
+
+
+#: The features of each pipeline's matrix (call features last). Flux has no ``.ip.contribution`` source run here
+#: (``patch``) and no attribution; SD3 refuses ``mode="scale"``, every hook point and so the cache, the custom hooks
+#: and the patch (its image tokens share one softmax with the latent tokens: no branch of their own to edit), so
+#: those are no features there.
+FEATURES_OF = {
+    "flux": ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge", "swap", "sweep"],
+    "sd3": ["probe", "ablate", "swap", "nw_query", "nw_stored", "gauge", "sweep"],
+}
+FEATURES_OF["organism"] = [*FEATURES_OF["flux"][:-1], "probe_nomaps", "patch", "sweep", "attribution"]
+FEATURES_OF["sdxl"] = FEATURES_OF["organism"]
+MATRIX_OF = {"organism": organism_matrix, "sdxl": sdxl_matrix, "flux": flux_matrix, "sd3": sd3_matrix}
+
+
+MATRICES = {}
+
+
+def matrix_of(request, family):
+    """The pipeline fixture of ``family`` and its matrix (the call, the features, the reading), built once per
+    pipeline."""
+    pipe = request.getfixturevalue(family)
+    if id(pipe) not in MATRICES:
+        MATRICES[id(pipe)] = MATRIX_OF[family](pipe)
+    return pipe, MATRICES[id(pipe)]
+
+
+def generated(cases, families=tuple(FEATURES_OF), leave_out=None):
+    """``cases(names)`` for each of ``families`` (``leave_out``: pipeline -> a feature left out there), as test
+    parameters ``(pipeline, case)``."""
+    return [
+        pytest.param(family, case, id=f"{family}-{'-'.join(case)}")
+        for family in families
+        for case in cases([name for name in FEATURES_OF[family] if name != (leave_out or {}).get(family)])
+    ]
+
+
+def pairs(names):
+    """Every unordered pair (both orders are checked in one test), but two NW heads (one head per pipeline) or two
+    call features; a call feature second (the call features stand last in ``names``). The organism's attribution
+    pairs stand in its triples."""
+    return [
+        (a, b)
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+        if not (a.startswith("nw_") and b.startswith("nw_")) and not (a in CALLS and b in CALLS)
+    ]
+
+
+@pytest.mark.parametrize(("family", "pair"), generated(pairs, leave_out={"organism": "attribution"}))
+def test_every_pair_composes_and_restores(family, pair, request, one_thread):
+    pipe, (generate, features, reading) = matrix_of(request, family)
+    check_pair(pipe, generate, features, *pair, reading=reading)
+
+
+@pytest.mark.parametrize(("family", "order"), generated(covering_triples, families=("organism", "flux", "sd3")))
+def test_triples_compose_and_restore(family, order, request, one_thread):
+    """The covering set of ordered triples above on each pipeline, each in its one order (all orders of a set meet in
+    the latents of its edits alone)."""
+    pipe, (generate, features, reading) = matrix_of(request, family)
+    check_nesting(pipe, generate, features, [order], reading=reading)
 
 
 # ------------------------------------------------------------------------------------------------------ edits kept
@@ -804,48 +957,7 @@ def sdxl():
     return pipe
 
 
-@pytest.mark.parametrize(("a", "b"), matrix(UNET_FEATURES))
-def test_every_pair_composes_and_restores_sdxl(sdxl, a, b, one_thread):
-    """SDXL (two text encoders, added time ids) with CFG, attribution among the features."""
-    from ipa_probe.layers import find_ip_layers
-    from ipa_probe.tiny.sd import default_reference_images
-
-    refs = [image.resize((64, 64)) for image in default_reference_images(3)]  # the generation's size
-    call = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS)
-
-    def generate(**extra):
-        return sdxl(**{**call, **extra}, output_type="latent", generator=torch.Generator().manual_seed(0)).images
-
-    layer = find_ip_layers(sdxl)[0].name
-    source = lambda: generate(ip_adapter_image=[refs[1::-1]])  # noqa: E731
-    features = matrix_features(sdxl, refs, refs[2], call=call, source=source)
-    check_pair(sdxl, generate, features, a, b, reading=(layer, 2))
-
-
 # ------------------------------------------------------------------------------------------------------ tiny Flux
-
-
-@contextlib.contextmanager
-def own_flux_weights(layer):
-    """The test's own reading of one Flux layer's image branch: float64 ``softmax(q k^T / sqrt(d))`` from
-    ``attn.norm_q`` (the query the branch uses, before RoPE) and ``to_k_ip[0]``, one ``(B, H, Q, K)`` per pass."""
-    attn, heads = layer.attention, layer.heads
-    seen, found = {}, []
-
-    def keep_q(module, args, output):  # (B, N, H, D) -> (B, H, N, D)
-        seen["q"] = output.transpose(1, 2).double()
-
-    def keys(module, args, output):
-        q = seen["q"]
-        k = output.reshape(q.shape[0], -1, heads, output.shape[-1] // heads).transpose(1, 2).double()
-        found.append((q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1))
-
-    handles = [attn.norm_q.register_forward_hook(keep_q), layer.processor.to_k_ip[0].register_forward_hook(keys)]
-    try:
-        yield found
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 FLUX_FACTOR = 4.0  # reference 0's weights scaled by this and the rows renormalised, in the hook and in the test
@@ -862,7 +974,6 @@ def test_flux_probe_reads_the_weights_a_hook_edited(flux, probe_first, one_threa
     """On Flux the hook points edit in a forward hook on the attention module, where the probe's record waits for
     the weights the layer used: whichever is attached first, the probe's maps and reference shares are the test's
     own float64 softmax with the same edit, and the pipeline comes back bit for bit."""
-    from ipa_probe.layers import find_ip_layers
     from ipa_probe.tiny.sd import default_reference_images
 
     refs = default_reference_images(2)
@@ -876,7 +987,7 @@ def test_flux_probe_reads_the_weights_a_hook_edited(flux, probe_first, one_threa
     before = snapshot(flux)  # after a first call: the pipeline keeps its call settings as attributes
     probe = ipa_probe.probe(flux, keep_maps=True, maps=True, layers=f"^{layer.name}$")
     edit = intervene(flux, hooks={f"{layer.name}.ip.weights": flux_edit})
-    with own_flux_weights(layer) as own:
+    with own_weights(flux, layer.name) as own:
         with contextlib.ExitStack() as stack:
             entered = [stack.enter_context(f) for f in ((probe, edit) if probe_first else (edit, probe))]
             edited = generate()
@@ -944,7 +1055,6 @@ def test_flux_ablations_nest_and_equal_leaving_the_reference_out(flux, outer, in
 
 def test_flux_true_cfg_labels_agree_with_the_probe(flux):
     """One labeller: the hook context labels Flux's true-CFG negative pass as the probe's table does."""
-    from ipa_probe.layers import find_ip_layers
     from ipa_probe.tiny.sd import default_reference_images
 
     layer = find_ip_layers(flux)[0]
@@ -958,19 +1068,3 @@ def test_flux_true_cfg_labels_agree_with_the_probe(flux):
     table = run.to_dataframe()
     expected = [(step, (branch,)) for step in range(STEPS) for branch in table[table.step == step].branch.unique()]
     assert seen == expected == [(0, ("cond",)), (0, ("uncond",)), (1, ("cond",)), (1, ("uncond",))]
-
-
-SD3_FEATURES = ["probe", "ablate", "swap", "nw_query", "nw_stored", "gauge"]
-
-
-@pytest.mark.parametrize(("a", "b"), matrix(SD3_FEATURES))
-def test_every_pair_composes_and_restores_sd3(sd3, a, b, one_thread):
-    from ipa_probe.tiny.sd import default_reference_images
-
-    refs = default_reference_images(2)  # SD3 takes one reference image per prompt: refs[1] is the one swapped in
-
-    def generate(**extra):
-        kwargs = dict(prompt="a", ip_adapter_image=refs[0], num_inference_steps=STEPS, height=64, width=64, **extra)
-        return sd3(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
-
-    check_pair(sd3, generate, matrix_features(sd3, refs, refs[1], swapped=0), a, b)

@@ -78,11 +78,11 @@ class Cell:
 
 
 def record_logits(
-    processor: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, text: bool
+    processor: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, text: bool, other: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits the record's softmax uses, ``(B, H, Q, K)``, and the queries' norms ``(B, H, Q)``: the text branch
     is plain scaled dot-product attention in every processor; the image branch's are the processor's own
-    (:func:`~ipa_probe.layers.image_branch_logits`).
+    (:func:`~ipa_probe.layers.image_branch_logits`, ``other`` the further keys of its softmax: SD3's latent keys).
 
     Dot-product logits are formed key-major, ``(k q^T)^T`` (a transposed view): the same products as ``q k^T``
     (:func:`~ipa_probe.statistics.kernels.dot_logits`), 2-3x faster on CPU where the queries outnumber the keys (4,096
@@ -91,7 +91,7 @@ def record_logits(
     its norms taken while the head is in cache, instead of being copied first (at 512 px on CPU, reading the query
     costs more than the products)."""
     if not text and getattr(processor, "image_branch_logits", None) is not None:
-        return image_branch_logits(processor, q, k), q.norm(dim=-1)
+        return image_branch_logits(processor, q, k, other), q.norm(dim=-1)
     k = k * (1.0 / math.sqrt(q.shape[-1]))
     if q.device.type == "cpu" and not q.is_contiguous():
         heads = [(k[:, h] @ q[:, h].transpose(-1, -2), q[:, h].norm(dim=-1)) for h in range(q.shape[1])]

@@ -226,7 +226,7 @@ class RecordForming:
         # layer's projection): its logits read it in place (record_logits), where a copy would cost more
         q, k = stacked("q").float(), stacked("k").float()
         other = first.other.float() if first.other is not None else None
-        attn, q_norms = record_logits(first.processor, q, k, first.text)  # (L * B, H, Q, K), (L * B, H, Q)
+        attn, q_norms = record_logits(first.processor, q, k, first.text, other)  # (L * B, H, Q, K), (L * B, H, Q)
         if first.used is not None:  # the edited weights' logits over the keys, a zero weight at float32's smallest
             used, kept = first.used, first.kept
             if kept is not None:  # the keys hold the kept references only

@@ -114,22 +114,25 @@ class NWKernel:
         timestep = self.clock.timestep if self.clock is not None else None
         return bw.resolve(self.bandwidth, head_dim, timestep, device)
 
-    def image_branch_logits(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    def image_branch_logits(
+        self, query: torch.Tensor, key: torch.Tensor, other: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The logits whose softmax this processor applies to the image tokens: Gaussian NW logits.
 
         Args:
             query: ``(B, H, Q, D)``.
             key: image-token keys ``(B, H, K, D)``.
+            other: the further keys the softmax runs over (SD3's latent keys ``(B, H, N, D)``), or ``None``.
 
         Returns:
-            stored frame: ``(q·k_i - |k_i|^2/2) / h^2``, shape ``(B, H, Q, K)`` (equal to ``-|q - k_i|^2 / (2 h^2)``
-            up to a per-row constant). Query frame: ``q·k_i / sqrt(d) - b_i`` with ``b`` estimated over all the
-            ``Q`` rows given, per batch item and head (the head's own logits when given the call's queries and keys;
-            the head estimates ``b`` over an IP-Adapter mask's rows and, in SD3, over the joint keys).
+            ``(B, H, Q, K)``: stored frame ``(q·k_i - |k_i|^2/2) / h^2`` (``-|q - k_i|^2 / (2 h^2)`` up to a per-row
+            constant); query frame ``q·k_i / sqrt(d) - b_i``, ``b`` over the ``Q`` rows given per batch item and head,
+            rows centred over ``[key; other]``: the head's own logits on the call's queries and keys (without masks).
         """
         if self.frame == "query":
-            logits = dot_logits(query, key)  # (B, H, Q, K), the model's q·k / sqrt(d)
-            return logits - query_frame_bias(logits, form=self.form)
+            joint = key if other is None else torch.cat([key, other], dim=2)  # (B, H, K + N, D)
+            logits = dot_logits(query, joint)  # (B, H, Q, K + N), the model's q·k / sqrt(d)
+            return (logits - query_frame_bias(logits, form=self.form))[..., : key.shape[2]]
         return nw_logits(query, key, self.bandwidth_for(query.shape[-1], query.device))
 
     def query_frame_mask(

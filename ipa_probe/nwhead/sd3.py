@@ -11,8 +11,7 @@ bit (tested). The head is a view of the original processor (:class:`~.kernel.Pro
 
 With ``frame="query"`` the joint weights are ``softmax_j(q·K_j / sqrt(d) - b_j)``, ``b`` estimated per batch item and
 head from the joint logits this processor forms (all ``N`` latent queries against the ``N + K`` joint keys). That
-materialises a ``(B, H, N, N + K)`` float32 logit block per layer call (the probe reads the head's image columns
-with ``b`` estimated from the image keys alone, so its numbers on a query-frame SD3 head are not the head's own).
+materialises a ``(B, H, N, N + K)`` float32 logit block per layer call (and so does a probe's record of the layer).
 """
 
 from __future__ import annotations
