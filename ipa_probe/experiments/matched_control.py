@@ -407,8 +407,9 @@ def run_controls(ctx, pipes: dict, per_set: dict, probes, sets: list, steps: lis
     paired = paired_control(per_set)
     start = init_adapter_pipeline(ctx.recipe)
     start.set_progress_bar_config(disable=True)
-    started = pd.concat([probed(start, refs, i, steps).assign(set=i) for i, refs in enumerate(sets)])
-    init = init_adapter_control(probes, started)
+    init = init_adapter_control(
+        probes, pd.concat([probed(start, refs, i, steps).assign(set=i) for i, refs in enumerate(sets)])
+    )
     pool, _ = query_pool({ctx.recipe: pipes["trained"]}, sets[: tier.ip_pool_sets], steps)
     written = {"matched_control": paired, "matched_calibration": calibration, "query_pool": pool}
     for name, frame in {**written, **{f"init_adapter_{k}": v for k, v in init.items()}}.items():
@@ -416,17 +417,17 @@ def run_controls(ctx, pipes: dict, per_set: dict, probes, sets: list, steps: lis
     rows = []
     tv = {label: frame.groupby("timestep")["attention_tv"].mean() for label, frame in per_set.items()}
     for r in [*paired.to_dict(orient="records"), *init["tests"].to_dict(orient="records")]:
-        t, start = r["timestep"], r["control"] == "init-adapter"
-        note = f"at unequal r {r['raw_difference']:+.3f}" if start else f"trained {r['trained']:.3f}, control "
-        note += "" if start else f"{r['control_value']:.3f}"
+        t, at_start = r["timestep"], r["control"] == "init-adapter"
+        note = f"at unequal r {r['raw_difference']:+.3f}" if at_start else f"trained {r['trained']:.3f}, control "
+        note += "" if at_start else f"{r['control_value']:.3f}"
         note += f"; r trained {r['trained_r']:.2f}, control {r['control_r']:.2f}"
-        note += f", cells with r trained above {r['r_gap_positive']:.0%}" if start else (
+        note += f", cells with r trained above {r['r_gap_positive']:.0%}" if at_start else (
             f"; attention TV from uniform: trained {tv['trained'].get(t, np.nan):.3f}, control "
             f"{tv[r['control']].get(t, np.nan):.3f}"
         )  # fmt: skip
-        compared = "its adapter at the start, at equal r," if start else "control,"
+        compared = "its adapter at the start, at equal r," if at_start else "control,"
         quantity = f"trained minus {compared} paired by set (both one-sided tests; Holm over both and the table)"
-        setting = f"{r['statistic']} vs {r['control']}{'' if start else ' twin'}, t={t:g}"
+        setting = f"{r['statistic']} vs {r['control']}{'' if at_start else ' twin'}, t={t:g}"
         rows.append(Row(quantity, setting, _decided(r), "—", f"{note}; {r['sets']} sets"))
     for r in pool.to_dict(orient="records"):
         rows.append(
