@@ -43,19 +43,17 @@ CALIBRATION_SEED = 10_000
 
 #: The statistics compared set by set: the query-frame rho (exact b) and its excess over its own baseline.
 PAIRED_STATISTICS = ("qf_spearman", "qf_rho_excess")
-#: What :func:`per_set_means` averages for the controls: the statistics and the logit ratio r they are matched on.
-MEAN_COLUMNS = (*PAIRED_STATISTICS, "qf_logit_ratio")
 
 
-def per_set_means(table: pd.DataFrame, shares: pd.DataFrame | None = None, columns=MEAN_COLUMNS) -> pd.DataFrame:
-    """Per (set, timestep): the NaN-skipping mean over layers and heads of ``columns`` (a 1 x 1 layer's query frame
-    has none), how many entries had a value, and with ``shares`` (stacked attribution tables with ``set``) the mean
-    over layers of the attention's TV distance from uniform over the references (``attention_tv``: is the control
-    degenerate?)."""
+def per_set_means(table: pd.DataFrame, shares: pd.DataFrame | None = None, columns=PAIRED_STATISTICS) -> pd.DataFrame:
+    """Per (set, timestep): the NaN-skipping mean over layers and heads of ``columns`` and of ``qf_logit_ratio`` (a
+    1 x 1 layer's query frame has none), how many entries had a value, and with ``shares`` (stacked attribution
+    tables with ``set``) the mean over layers of the attention's TV distance from uniform over the references
+    (``attention_tv``: is the control degenerate?)."""
     from ..attribution import tv_from_uniform
 
     grouped = table.groupby(["set", "timestep"])
-    out = grouped[list(columns)].mean()  # pandas skips NaN
+    out = grouped[[*columns, "qf_logit_ratio"]].mean()  # pandas skips NaN
     out["entries"] = grouped[columns[0]].count()
     out = out.reset_index()
     if shares is not None:
@@ -290,7 +288,7 @@ def init_adapter_control(trained: pd.DataFrame, control: pd.DataFrame, seed: int
         ``"tests"``: :func:`paired_tests` of the :func:`equal_r_differences` (control ``"init-adapter"``) with the
         per-timestep means over sets of ``raw_difference``, ``r_gap`` and ``r_gap_positive`` beside them, and each
         side's mean r (``trained_r``, ``control_r``: :func:`logit_ratios`); ``"per_set"``: those differences;
-        ``"means"``: per organism, set and timestep the means over layers and heads of :data:`MEAN_COLUMNS`.
+        ``"means"``: per organism, set and timestep the :func:`per_set_means`.
     """
     per_set = equal_r_differences(trained, control).assign(control="init-adapter")
     described = per_set.groupby(["statistic", "timestep"])[["raw_difference", "r_gap", "r_gap_positive"]].mean()
