@@ -143,6 +143,29 @@ def test_smoke_matched_twin_follows_its_r_gap():
     )
 
 
+def test_smoke_ip_adapter_matched_twin_and_its_r_gap():
+    """``ip-adapter``'s smoke rerun: its signs where either tier's test held, and the matched twin's decisions on the
+    rho beside the r gap at each timestep, from ``smoke_recipe_ip_adapter/ip-adapter/matched_control.csv``."""
+    table = record("smoke_recipe_ip_adapter/ip-adapter/matched_control.csv")
+    full = record("full_recipe_ip_adapter/ip-adapter/matched_control.csv")
+    both = table.merge(full, on=["control", "statistic", "timestep"], suffixes=("", "_full"))
+    held = both[(both["decision"] != "neither") | (both["p_holm"] < 0.05)]
+    assert (np.sign(held["difference"]) == np.sign(held["difference_full"])).all()
+    assert_in("docs/findings.md", f"sign at all {len(held)} cells where either tier's test held after Holm")
+    rho = table[(table["control"] == "matched") & (table["statistic"] == "qf_spearman")].set_index("timestep")
+    assert list(rho["decision"]) == ["below", "above", "above", "above", "neither"]
+    middle = rho.loc[[761, 501, 261]]
+    assert (middle["p_holm_above"] == middle["p_holm_above"].iloc[0]).all() and (middle["r_gap"] > 0).all()
+    assert (rho.loc[[981, 1], "r_gap"] < 0).all()
+    assert_in(
+        "docs/findings.md",
+        f"the trained ρ is below at t = 981 (Holm ↓ {g(rho.loc[981, 'p_holm_below'])}), where the twin's r is above "
+        f"the trained one by {-rho.loc[981, 'r_gap']:.2f}, and above at t = 761, 501 and 261 (Holm ↑ "
+        f"{g(middle['p_holm_above'].iloc[0])}), where the twin's r is below it by {middle['r_gap'].min():.2f}–"
+        f"{middle['r_gap'].max():.2f}; at t = 1, the twin's r above by {-rho.loc[1, 'r_gap']:.2f}, neither.",
+    )
+
+
 def bound(x: float) -> str:
     """A Holm-compatible bound as the docs write it: ``0`` where exactly 0 (a rejection while others are kept)."""
     return "0" if x == 0 else signed(x, 3)
