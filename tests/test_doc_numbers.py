@@ -141,6 +141,9 @@ def test_smoke_matched_twin_follows_its_r_gap():
         f"below the trained one by {gaps.min():.2f}–{gaps.max():.2f} at t = 981–261 and above it by "
         f"{-last['r_gap'].iloc[0]:.2f} at t = 1",
     )
+    slopes = pd.concat([record(f"init_adapter/{o}_per_set.csv") for o in ORGANISMS], ignore_index=True)
+    slopes = slopes.loc[slopes["statistic"] == "qf_spearman", "slope"]
+    assert_in("docs/findings.md", f"rises in {(slopes > 0).sum():,} of {len(slopes):,} (organism, set, timestep) fits")
 
 
 def test_smoke_ip_adapter_matched_twin_and_its_r_gap():
