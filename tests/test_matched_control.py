@@ -273,3 +273,19 @@ def test_committed_init_adapter_run_reproduces_the_experiments_trained_organism(
     for row in full["measurements"]["trained"]:
         assert ours.loc[row["timestep"], "qf_spearman"] == pytest.approx(row["qf_spearman"], abs=1e-5)
         assert ours.loc[row["timestep"], "qf_logit_ratio"] == pytest.approx(row["qf_logit_ratio"], abs=1e-5)
+
+
+@pytest.mark.parametrize("recipe, folder", [("support", "smoke"), ("ip-adapter", "smoke_recipe_ip_adapter")])
+def test_the_experiments_init_adapter_records_equal_the_retired_scripts(recipe, folder):
+    """The ip-adapter experiment runs the control that ``docs/results/init_adapter/`` was made by a script for: on
+    the sets they share (the smoke tier's 20, sets and seeds 0-19) its per-set lines and means equal the script's."""
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "docs" / "results"
+    for name, keys in (("per_set", ["set", "timestep", "statistic"]), ("means", ["set", "timestep", "organism"])):
+        ours = pd.read_csv(results / folder / "ip-adapter" / f"init_adapter_{name}.csv")
+        script = pd.read_csv(results / "init_adapter" / f"{recipe}_{name}.csv")
+        both = ours.merge(script, on=keys, suffixes=("", "_script"), validate="one_to_one")
+        assert len(both) == len(ours) == 20 * 5 * 2
+        for column in ours.columns.difference(keys).difference(["control"]):
+            np.testing.assert_array_equal(both[column], both[f"{column}_script"], err_msg=column)
