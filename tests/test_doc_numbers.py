@@ -261,11 +261,12 @@ def test_verdict_share_ranges():
 
 
 def test_verdict_records_carry_their_bounds_and_the_tracking_claim():
-    """Every full-tier verdict row below the average carries both bounds of every share (``low <= high``, the point
+    """Every committed verdict row below the average carries both bounds of every share (``low <= high``, the point
     share between them, as each per-cell decision is one of the possible verdicts there), and the prose's figures
-    for the share of cells certified to track the posterior come from the trained records."""
+    for the share of cells certified to track the posterior come from the full tier's trained records."""
     frames = []
-    for organism, folder in ORGANISMS.items():
+    folders = {**ORGANISMS, "smoke support": "smoke", "smoke ip-adapter": "smoke_recipe_ip_adapter"}
+    for organism, folder in folders.items():
         for label in ("trained", "untrained"):
             table = record(f"{folder}/attribution/verdicts_{label}.csv")
             table = table[table["resolution"] != "average"]
@@ -273,7 +274,7 @@ def test_verdict_records_carry_their_bounds_and_the_tracking_claim():
                 low, high = table[f"{v}_low"].to_numpy(np.float64), table[f"{v}_high"].to_numpy(np.float64)
                 assert np.isfinite(low).all() and np.isfinite(high).all(), (folder, label, v)
                 assert (low <= table[v] + 1e-12).all() and (table[v] <= high + 1e-12).all(), (folder, label, v)
-            if label == "trained":
+            if label == "trained" and organism in ORGANISMS:
                 frames.append(table.assign(organism=organism))
     trained = pd.concat(frames, ignore_index=True)
     shown = trained[trained["organism"] != "mixed"]
