@@ -246,8 +246,7 @@ def run(ctx) -> ExperimentResult:
         rows.extend(stored_frame_rows(label, summary))
     for key, summary in attribution.items():
         rows.extend(attribution_rows(key, summary))
-    one_digit = populations["one digit"]
-    control_rows, controls = run_controls(ctx, pipes, per_set, cells["trained"], one_digit, steps, folder)
+    control_rows, controls = run_controls(ctx, pipes, per_set, cells, populations["one digit"], steps, folder)
     rows.extend(control_rows)
 
     figures = [plot(summaries, attribution, ctx.recipe, folder)]

@@ -359,13 +359,13 @@ def _pool_summary(cells: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def run_controls(ctx, pipes: dict, per_set: dict, probes, sets: list, steps: list[int], folder) -> tuple[list, dict]:
+def run_controls(ctx, pipes: dict, per_set: dict, cells, sets: list, steps: list[int], folder) -> tuple[list, dict]:
     """The ip-adapter experiment's controls (module docstring): the matched twin, the adapter at its starting weights
     and the query pool, at the tier's sizes.
 
     ``pipes``: ``"trained"``, ``"untrained"``; ``per_set``: the same keys -> :func:`per_set_means` of the one-digit
-    ``sets`` already generated (set ``i`` from seed ``i``); ``probes``: the trained organism's probe table of those
-    generations (with ``set``). Writes ``matched_control.csv``, ``matched_calibration.csv``, ``query_pool.csv`` and
+    ``sets`` already generated (set ``i`` from seed ``i``); ``cells``: the same keys -> their probe tables (with
+    ``set``). Writes ``matched_control.csv``, ``matched_calibration.csv``, ``query_pool.csv`` and
     ``init_adapter_<name>.csv`` (each of :func:`init_adapter_control`'s tables) to ``folder``; returns ``(rows,
     record)``: table rows and the record's entries.
     """
@@ -406,7 +406,7 @@ def run_controls(ctx, pipes: dict, per_set: dict, probes, sets: list, steps: lis
     start = init_adapter_pipeline(ctx.recipe)
     start.set_progress_bar_config(disable=True)
     init = init_adapter_control(
-        probes, pd.concat([probed(start, refs, i, steps).assign(set=i) for i, refs in enumerate(sets)])
+        cells["trained"], pd.concat([probed(start, refs, i, steps).assign(set=i) for i, refs in enumerate(sets)])
     )
     pool, _ = query_pool({ctx.recipe: pipes["trained"]}, sets[: tier.ip_pool_sets], steps)
     written = {"matched_control": paired, "matched_calibration": calibration, "query_pool": pool}
@@ -415,17 +415,19 @@ def run_controls(ctx, pipes: dict, per_set: dict, probes, sets: list, steps: lis
     rows = []
     tv = {label: frame.groupby("timestep")["attention_tv"].mean() for label, frame in per_set.items()}
     for r in [*paired.to_dict(orient="records"), *init["tests"].to_dict(orient="records")]:
-        t, at_start = r["timestep"], r["control"] == "init-adapter"
-        note = f"at unequal r {r['raw_difference']:+.3f}" if at_start else f"trained {r['trained']:.3f}, control "
-        note += "" if at_start else f"{r['control_value']:.3f}"
-        note += f"; r trained {r['trained_r']:.2f}, control {r['control_r']:.2f}"
-        note += f", cells with r trained above {r['r_gap_positive']:.0%}" if at_start else (
-            f"; attention TV from uniform: trained {tv['trained'].get(t, np.nan):.3f}, control "
-            f"{tv[r['control']].get(t, np.nan):.3f}"
-        )  # fmt: skip
-        compared = "its adapter at the start, at equal r," if at_start else "control,"
+        t, ratios = r["timestep"], f"r trained {r['trained_r']:.2f}, control {r['control_r']:.2f}"
+        if r["control"] == "init-adapter":
+            compared, twin = "its adapter at the start, at equal r,", ""
+            note = f"at unequal r {r['raw_difference']:+.3f}; {ratios}, cells with r trained above "
+            note += f"{r['r_gap_positive']:.0%}"
+        else:
+            compared, twin = "control,", " twin"
+            note = (
+                f"trained {r['trained']:.3f}, control {r['control_value']:.3f}; {ratios}; attention TV from uniform: "
+                f"trained {tv['trained'].get(t, np.nan):.3f}, control {tv[r['control']].get(t, np.nan):.3f}"
+            )
         quantity = f"trained minus {compared} paired by set (both one-sided tests; Holm over both and the table)"
-        setting = f"{r['statistic']} vs {r['control']}{'' if at_start else ' twin'}, t={t:g}"
+        setting = f"{r['statistic']} vs {r['control']}{twin}, t={t:g}"
         rows.append(Row(quantity, setting, _decided(r), "—", f"{note}; {r['sets']} sets"))
     for r in pool.to_dict(orient="records"):
         rows.append(
