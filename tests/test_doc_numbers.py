@@ -112,6 +112,63 @@ def test_matched_control_tables(organism):
         assert_in("docs/findings.md", f"| {timestep:g} | " + " | ".join(cells) + " |")
 
 
+def test_smoke_matched_twin_follows_its_r_gap():
+    """The smoke tier's rerun (both directions, each control's r per timestep): its signs against the full tier's,
+    the matched twin's decisions and the r gap they follow, from ``smoke/ip-adapter/matched_control.csv``."""
+    table = record("smoke/ip-adapter/matched_control.csv")
+    full = record("full/ip-adapter/matched_control.csv")
+    both = table.merge(full, on=["control", "statistic", "timestep"], suffixes=("", "_full"))
+    assert len(both) == 20 and (np.sign(both["difference"]) == np.sign(both["difference_full"])).all()
+    assert_in("docs/findings.md", "has this table's sign at all 20 cells")
+    twin = table[table["control"] == "matched"]
+    early, last = twin[twin["timestep"] > 1], twin[twin["timestep"] == 1]
+    assert (early["decision"] == "above").all() and list(early["timestep"].unique()) == [981, 761, 501, 261]
+    rho, excess = (early[early["statistic"] == s]["p_holm_above"] for s in ("qf_spearman", "qf_rho_excess"))
+    rho_last, excess_last = (one(last, statistic=s) for s in ("qf_spearman", "qf_rho_excess"))
+    assert (rho_last["decision"], excess_last["decision"]) == ("neither", "below")
+    assert_in(
+        "docs/findings.md",
+        f"the trained ρ is above the matched twin's at t = 981, 761, 501 and 261 (Holm ↑ {g(rho.min())}–"
+        f"{g(rho.max())}; the excess likewise, Holm ↑ {g(excess.min())}–{g(excess.max())}), neither at t = 1 "
+        f"({signed(rho_last['difference'], 3)}, Holm ↓ {g(rho_last['p_holm_below'])}), where the excess is below it "
+        f"({signed(excess_last['difference'], 3)}, Holm ↓ {g(excess_last['p_holm_below'])}).",
+    )
+    gaps = early.drop_duplicates("timestep")["r_gap"]
+    assert (gaps > 0).all() and (last["r_gap"] < 0).all()
+    np.testing.assert_allclose(twin["r_gap"], twin["trained_r"] - twin["control_r"], atol=1e-12)
+    assert_in(
+        "docs/findings.md",
+        f"below the trained one by {gaps.min():.2f}–{gaps.max():.2f} at t = 981–261 and above it by "
+        f"{-last['r_gap'].iloc[0]:.2f} at t = 1",
+    )
+    slopes = pd.concat([record(f"init_adapter/{o}_per_set.csv") for o in ORGANISMS], ignore_index=True)
+    slopes = slopes.loc[slopes["statistic"] == "qf_spearman", "slope"]
+    assert_in("docs/findings.md", f"rises in {(slopes > 0).sum():,} of {len(slopes):,} (organism, set, timestep) fits")
+
+
+def test_smoke_ip_adapter_matched_twin_and_its_r_gap():
+    """``ip-adapter``'s smoke rerun: its signs where either tier's test held, and the matched twin's decisions on the
+    rho beside the r gap at each timestep, from ``smoke_recipe_ip_adapter/ip-adapter/matched_control.csv``."""
+    table = record("smoke_recipe_ip_adapter/ip-adapter/matched_control.csv")
+    full = record("full_recipe_ip_adapter/ip-adapter/matched_control.csv")
+    both = table.merge(full, on=["control", "statistic", "timestep"], suffixes=("", "_full"))
+    held = both[(both["decision"] != "neither") | (both["p_holm"] < 0.05)]
+    assert (np.sign(held["difference"]) == np.sign(held["difference_full"])).all()
+    assert_in("docs/findings.md", f"sign at all {len(held)} cells where either tier's test held after Holm")
+    rho = table[(table["control"] == "matched") & (table["statistic"] == "qf_spearman")].set_index("timestep")
+    assert list(rho["decision"]) == ["below", "above", "above", "above", "neither"]
+    middle = rho.loc[[761, 501, 261]]
+    assert (middle["p_holm_above"] == middle["p_holm_above"].iloc[0]).all() and (middle["r_gap"] > 0).all()
+    assert (rho.loc[[981, 1], "r_gap"] < 0).all()
+    assert_in(
+        "docs/findings.md",
+        f"the trained ρ is below at t = 981 (Holm ↓ {g(rho.loc[981, 'p_holm_below'])}), where the twin's r is above "
+        f"the trained one by {-rho.loc[981, 'r_gap']:.2f}, and above at t = 761, 501 and 261 (Holm ↑ "
+        f"{g(middle['p_holm_above'].iloc[0])}), where the twin's r is below it by {middle['r_gap'].min():.2f}–"
+        f"{middle['r_gap'].max():.2f}; at t = 1, the twin's r above by {-rho.loc[1, 'r_gap']:.2f}, neither.",
+    )
+
+
 def bound(x: float) -> str:
     """A Holm-compatible bound as the docs write it: ``0`` where exactly 0 (a rejection while others are kept)."""
     return "0" if x == 0 else signed(x, 3)
@@ -183,20 +240,52 @@ def test_nw_quality_rates():
 
 
 # --------------------------------------------------------------------------------- attribution.md, verdicts per cell
+RESOLUTIONS = ("layer", "layer x head", "layer x position", "layer x head x position")
+
+
 def test_verdict_share_ranges():
+    """The table of pooling shares: per organism, population and resolution the range over the five steps of the
+    point share, and in brackets the lowest certified and the highest possible true share (the simultaneous bounds)."""
     populations = {"one digit": "same digit", "2 + 2 digits": "2+2 digits", "4 digits": "4 digits"}
-    resolutions = ("layer", "layer x head", "layer x position", "layer x head x position")
     for organism in ("support", "ip-adapter"):
         table = record(f"{ORGANISMS[organism]}/attribution/verdicts_trained.csv")
         for words, population in populations.items():
             cells = []
-            for resolution in resolutions:
-                share = 100 * table[(table["population"] == population) & (table["resolution"] == resolution)][
-                    "pooling"
-                ].to_numpy(np.float64)
+            for resolution in RESOLUTIONS:
+                part = table[(table["population"] == population) & (table["resolution"] == resolution)]
+                share = 100 * part["pooling"].to_numpy(np.float64)
                 low, high = f"{share.min():.0f}", f"{share.max():.0f}"
-                cells.append(f"{low}%" if low == high else f"{low}–{high}%")
+                bounds = f"[{100 * part['pooling_low'].min():.0f}, {100 * part['pooling_high'].max():.0f}]"
+                cells.append(f"{low}% {bounds}" if low == high else f"{low}–{high}% {bounds}")
             assert_in("docs/attribution.md", f"| `{organism}`, {words} | " + " | ".join(cells) + " |")
+
+
+def test_verdict_records_carry_their_bounds_and_the_tracking_claim():
+    """Every committed verdict row below the average carries both bounds of every share (``low <= high``, the point
+    share between them, as each per-cell decision is one of the possible verdicts there), and the prose's figures
+    for the share of cells certified to track the posterior come from the full tier's trained records."""
+    frames = []
+    folders = {**ORGANISMS, "smoke support": "smoke", "smoke ip-adapter": "smoke_recipe_ip_adapter"}
+    for organism, folder in folders.items():
+        for label in ("trained", "untrained"):
+            table = record(f"{folder}/attribution/verdicts_{label}.csv")
+            table = table[table["resolution"] != "average"]
+            for v in ("pooling", "tracks_posterior", "undecided"):
+                low, high = table[f"{v}_low"].to_numpy(np.float64), table[f"{v}_high"].to_numpy(np.float64)
+                assert np.isfinite(low).all() and np.isfinite(high).all(), (folder, label, v)
+                assert (low <= table[v] + 1e-12).all() and (table[v] <= high + 1e-12).all(), (folder, label, v)
+            if label == "trained" and organism in ORGANISMS:
+                frames.append(table.assign(organism=organism))
+    trained = pd.concat(frames, ignore_index=True)
+    shown = trained[trained["organism"] != "mixed"]
+    certified = shown[shown["tracks_posterior_low"] > 0]
+    assert set(certified["population"]) == {"4 digits"} and set(certified["organism"]) == {"support", "ip-adapter"}
+    assert_in(
+        "docs/attribution.md",
+        f"A true share of `tracks posterior` cells above 0 is certified in {len(certified)} of {len(shown)} "
+        f"(organism, population, resolution, step) rows, at most {100 * certified['tracks_posterior_low'].max():.1f}% "
+        "of the cells (four-digit sets on both organisms).",
+    )
 
 
 # -------------------------------------------------------------- attribution.md and findings.md section 6: predictors

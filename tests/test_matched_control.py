@@ -58,26 +58,46 @@ def test_paired_control_against_enumerated_sign_flips():
         assert r["decision"] == decision and (r["low"] > 0) <= (decision == "above")
         assert (r["high"] < 0) <= (decision == "below")
     assert set(out["decision"]) == {"above", "below", "neither"}  # every kind of row is checked
+    assert "trained_r" not in out  # the frames carry no logit ratio
 
 
-def test_equal_r_difference_is_the_intercept_of_the_gap_line():
-    """Constructed cells where the rho gap is 0.03 - 0.2 x the r gap plus small noise: the per-set intercept is
-    scipy's linregress intercept (the difference at equal r), not the raw mean gap; NaN cells are left out."""
-    rng = np.random.default_rng(2)
+def test_paired_control_records_each_sides_logit_ratio():
+    """Where the per-set frames carry ``qf_logit_ratio``, every row has the means over sets of both sides' ratio at
+    its timestep and their gap (trained - control): the confound beside the numbers."""
+    rng = np.random.default_rng(4)
+    per_set = {k: _per_set(rng, 5) for k in ("trained", "matched")}
+    for frame in per_set.values():
+        frame["qf_logit_ratio"] = rng.uniform(1.5, 3.5, len(frame))
+    out = mc.paired_control(per_set, controls=("matched",))
+    assert len(out) == 2 * 2
+    for r in out.to_dict(orient="records"):
+        a, b = (per_set[k][per_set[k]["timestep"] == r["timestep"]]["qf_logit_ratio"] for k in ("trained", "matched"))
+        assert r["trained_r"] == pytest.approx(a.mean(), abs=1e-12)
+        assert r["control_r"] == pytest.approx(b.mean(), abs=1e-12)
+        assert r["r_gap"] == pytest.approx(a.mean() - b.mean(), abs=1e-12)
+
+
+def _cells(rng, sets=3, timesteps=(1.0,)):
+    """Constructed (set, timestep, layer, head) cells where the rho gap is 0.03 - 0.2 x the r gap plus small noise,
+    the trained r mostly above the control's (so the raw mean gap is confounded by it); one cell's rho is NaN."""
     rows = {"trained": [], "control": []}
-    for s, layer, head in itertools.product(range(3), range(6), range(4)):
+    for s, t, layer, head in itertools.product(range(sets), timesteps, range(6), range(4)):
         r_control = rng.uniform(1.5, 3.5)
-        gap = rng.normal(0.5, 0.3)  # the trained r mostly above: the raw mean gap is confounded by it
+        gap = rng.normal(0.5, 0.3)
         rho_control = rng.uniform(0.6, 0.9)
         rho_gap = 0.03 - 0.2 * gap + rng.normal(0, 0.002)
         nan = layer == 5 and head == 0
-        for label, r, rho in (
-            ("control", r_control, rho_control),
-            ("trained", r_control + gap, rho_control + rho_gap),
-        ):
-            rows[label].append({"set": s, "timestep": 1.0, "layer": layer, "head": head, "qf_logit_ratio": r,
+        pairs = (("control", r_control, rho_control), ("trained", r_control + gap, rho_control + rho_gap))
+        for label, r, rho in pairs:
+            rows[label].append({"set": s, "timestep": t, "layer": layer, "head": head, "qf_logit_ratio": r,
                                 "qf_spearman": np.nan if nan else rho, "qf_rho_excess": rho - 0.5})  # fmt: skip
-    trained, control = (pd.DataFrame(rows[k]) for k in ("trained", "control"))
+    return pd.DataFrame(rows["trained"]), pd.DataFrame(rows["control"])
+
+
+def test_equal_r_difference_is_the_intercept_of_the_gap_line():
+    """The per-set intercept is scipy's linregress intercept (the difference at equal r), not the raw mean gap; NaN
+    cells are left out."""
+    trained, control = _cells(np.random.default_rng(2))
     out = mc.equal_r_differences(trained, control)
     assert len(out) == 3 * 2
     for r in out.to_dict(orient="records"):
@@ -95,10 +115,40 @@ def test_equal_r_difference_is_the_intercept_of_the_gap_line():
         assert r["raw_difference"] < 0  # what a comparison at unequal r would read
 
 
+def test_init_adapter_control_tests_the_equal_r_differences_and_records_both_ratios():
+    """The experiment's init-adapter tables from two probe tables: each test row is :func:`paired_tests` of the
+    per-set intercepts (their mean recomputed with scipy here), beside the means over sets of the cells' raw
+    difference and r gap, and each side's mean r (per set over cells, NaN rho cells kept for r, then over sets)."""
+    trained, control = _cells(np.random.default_rng(3), sets=8, timesteps=(981.0, 1.0))
+    out = mc.init_adapter_control(trained, control)
+    tests, means = out["tests"], out["means"]
+    assert len(tests) == 2 * 2 and set(tests["control"]) == {"init-adapter"} and tests["timestep"].iloc[0] == 981.0
+    assert tests.equals(tests.dropna(subset=["trained_r", "control_r", "r_gap", "p_holm_below"]))
+    for r in tests.to_dict(orient="records"):
+        intercepts, raw, gaps = [], [], []
+        for s in range(8):
+            a = trained[(trained["set"] == s) & (trained["timestep"] == r["timestep"])]
+            b = control[(control["set"] == s) & (control["timestep"] == r["timestep"])]
+            gap = a["qf_logit_ratio"].to_numpy() - b["qf_logit_ratio"].to_numpy()
+            d = a[r["statistic"]].to_numpy() - b[r["statistic"]].to_numpy()
+            ok = np.isfinite(d)
+            intercepts.append(stats.linregress(gap[ok], d[ok]).intercept)
+            raw.append(d[ok].mean())
+            gaps.append(gap[ok].mean())
+        assert r["difference"] == pytest.approx(np.mean(intercepts), abs=1e-10) and r["sets"] == 8
+        assert r["raw_difference"] == pytest.approx(np.mean(raw), abs=1e-12)
+        assert r["r_gap"] == pytest.approx(np.mean(gaps), abs=1e-12)
+        for side, frame in (("trained_r", trained), ("control_r", control)):
+            part = frame[frame["timestep"] == r["timestep"]]
+            assert r[side] == pytest.approx(part.groupby("set")["qf_logit_ratio"].mean().mean(), abs=1e-12)
+    assert r["decision"] == "above" and r["low"] >= 0 > r["raw_difference"]  # 0.03 at equal r, below 0 at unequal
+    assert set(means["organism"]) == {"trained", "init-adapter"} and len(means) == 2 * 8 * 2
+
+
 def test_per_set_means_leave_nan_out_and_measure_tv():
     table = pd.DataFrame(
         {"set": [0, 0, 0, 1, 1, 1], "timestep": [1.0] * 6, "qf_spearman": [0.5, np.nan, 0.7, 0.1, 0.3, np.nan],
-         "qf_rho_excess": [0.0, np.nan, 0.2, 0.1, 0.1, np.nan]}
+         "qf_rho_excess": [0.0, np.nan, 0.2, 0.1, 0.1, np.nan], "qf_logit_ratio": [2.0, 3.0, 4.0, 1.0, 2.0, 6.0]}
     )  # fmt: skip
     shares = pd.DataFrame(
         {"set": [0] * 4 + [1] * 4, "timestep": [1.0] * 8, "layer": ["a", "a", "b", "b"] * 2,
@@ -107,6 +157,7 @@ def test_per_set_means_leave_nan_out_and_measure_tv():
     out = mc.per_set_means(table, shares).set_index("set")
     assert out.loc[0, "qf_spearman"] == pytest.approx(0.6) and out.loc[1, "qf_spearman"] == pytest.approx(0.2)
     assert out.loc[0, "entries"] == 2
+    assert out.loc[0, "qf_logit_ratio"] == pytest.approx(3.0) and out.loc[1, "qf_logit_ratio"] == pytest.approx(3.0)
     # TV from uniform over 2 references: |w_0 - 1/2|, averaged over the layers
     assert out.loc[0, "attention_tv"] == pytest.approx((0.0 + 0.4) / 2)
     assert out.loc[1, "attention_tv"] == pytest.approx((0.1 + 0.2) / 2)
@@ -222,3 +273,19 @@ def test_committed_init_adapter_run_reproduces_the_experiments_trained_organism(
     for row in full["measurements"]["trained"]:
         assert ours.loc[row["timestep"], "qf_spearman"] == pytest.approx(row["qf_spearman"], abs=1e-5)
         assert ours.loc[row["timestep"], "qf_logit_ratio"] == pytest.approx(row["qf_logit_ratio"], abs=1e-5)
+
+
+@pytest.mark.parametrize("recipe, folder", [("support", "smoke"), ("ip-adapter", "smoke_recipe_ip_adapter")])
+def test_the_experiments_init_adapter_records_equal_the_retired_scripts(recipe, folder):
+    """The ip-adapter experiment runs the control that ``docs/results/init_adapter/`` was made by a script for: on
+    the sets they share (the smoke tier's 20, sets and seeds 0-19) its per-set lines and means equal the script's."""
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "docs" / "results"
+    for name, keys in (("per_set", ["set", "timestep", "statistic"]), ("means", ["set", "timestep", "organism"])):
+        ours = pd.read_csv(results / folder / "ip-adapter" / f"init_adapter_{name}.csv")
+        script = pd.read_csv(results / "init_adapter" / f"{recipe}_{name}.csv")
+        both = ours.merge(script, on=keys, suffixes=("", "_script"), validate="one_to_one")
+        assert len(both) == len(ours) == 20 * 5 * 2
+        for column in ours.columns.difference(keys).difference(["control"]):
+            np.testing.assert_array_equal(both[column], both[f"{column}_script"], err_msg=column)

@@ -126,7 +126,8 @@ def test_committed_ip_adapter_tables_count_undefined_entries_and_leave_them_out(
     organism's (set, layer, head) cells; exactly those of its one-query layers (counted from the test's own hooks)
     are undefined and counted (``qf_undefined``), the rest have a rho (``qf_entries``), every mean over entries is a
     number (NaN left out, not propagated), the table's note quotes the counts; the query pool's table counts the cells
-    only the branch pool defines; the matched control's rows carry their sets and Holm-adjusted p."""
+    only the branch pool defines; the matched control's rows carry their sets and Holm-adjusted p (each direction's and
+    both sides' logit ratio in the records made since issue #52)."""
     path = ROOT / "docs" / "results" / folder / "ip-adapter"
     record = json.loads((path / "record.json").read_text())
     heads, one_query = _one_query_heads(record["recipe"])
@@ -147,5 +148,10 @@ def test_committed_ip_adapter_tables_count_undefined_entries_and_leave_them_out(
     assert (pool.loc[~single, "branch_only_cells"] == pool.loc[~single, "sets"] * one_query).all()
     assert np.isfinite(pool[["item", "branch_pool", "difference", "se"]].to_numpy()).all()
     control = pd.read_csv(path / "matched_control.csv")
-    assert (control["sets"] >= 2).all() and (control["p_holm"] >= control["p"]).all()
-    assert np.isfinite(control[["trained", "control_value", "difference", "low", "high", "p", "p_holm"]]).all().all()
+    columns = ["trained", "control_value", "difference", "low", "high"]
+    if "r_gap" in control:  # since issue #52: both directions, each side's logit ratio
+        columns += ["trained_r", "control_r", "r_gap"]
+    for side in ("_above", "_below") if "r_gap" in control else ("",):
+        assert (control[f"p_holm{side}"] >= control[f"p{side}"]).all()
+        columns += [f"p{side}", f"p_holm{side}"]
+    assert (control["sets"] >= 2).all() and np.isfinite(control[columns]).all().all()

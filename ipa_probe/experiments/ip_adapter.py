@@ -5,8 +5,9 @@ For many reference sets (4 held-out images of one digit each; set ``i`` from see
 at the paper's timesteps 981, 761, 501, 261 and 1, every image-branch head's comparison of the attention with
 Gaussian NW weights in the query frame (the headline, gauge-invariant, docs/gauge.md "The query frame") and the
 stored frame (the paper's definition, gauge-dependent). Per timestep: each rho and its excess over its own logit-ratio
-baseline, means over sets with a 95 % bootstrap interval, Pearson, the null and the rho > 0.9 fractions. Controls:
-the untrained twin and the twin matched to the trained logit ratio (:mod:`~.matched_control`, also the query pool);
+baseline, means over sets with a 95 % bootstrap interval, Pearson, the null and the rho > 0.9 fractions. Controls
+(:mod:`~.matched_control`, also the query pool): the untrained twin, the twin matched to the trained logit ratio and
+the trained organism with its adapter at its starting weights, compared at equal ratio, each ratio recorded;
 beside them, from the same generations, the gauge-invariant reference attribution of :mod:`ipa_probe.attribution`
 for one-digit and 2 + 2 sets. The findings: docs/findings.md.
 """
@@ -220,7 +221,7 @@ def run(ctx) -> ExperimentResult:
         "2+2 mixed": [refs for _, refs in _mixed_sets(tier.ip_mixed_sets)],
     }
     pipes = organism_pipelines(ctx.recipe)
-    summaries, attribution, raw, per_set = {}, {}, {"attribution": {}}, {}
+    summaries, attribution, raw, per_set, cells = {}, {}, {"attribution": {}}, {}, {}
     for label, pipe in pipes.items():
         for population, sets in populations.items():
             probes, tables = [], []
@@ -229,9 +230,10 @@ def run(ctx) -> ExperimentResult:
                 probes.append(table.assign(set=i))
                 tables.append(attributed.assign(set=i))
             if population == "one digit":
-                summaries[label] = summarize_sets(pd.concat(probes, ignore_index=True))
+                cells[label] = pd.concat(probes, ignore_index=True)
+                summaries[label] = summarize_sets(cells[label])
                 raw[label] = summaries[label].to_dict(orient="records")
-                per_set[label] = per_set_means(pd.concat(probes), pd.concat(tables))
+                per_set[label] = per_set_means(cells[label], pd.concat(tables))
             key = f"{label}, {population} refs"
             attribution[key] = summarize_attribution(sets_table(tables), seed=0)
             raw["attribution"][key] = attribution[key].to_dict(orient="records")
@@ -244,7 +246,7 @@ def run(ctx) -> ExperimentResult:
         rows.extend(stored_frame_rows(label, summary))
     for key, summary in attribution.items():
         rows.extend(attribution_rows(key, summary))
-    control_rows, controls = run_controls(ctx, pipes, per_set, populations["one digit"], steps, folder)
+    control_rows, controls = run_controls(ctx, pipes, per_set, cells, populations["one digit"], steps, folder)
     rows.extend(control_rows)
 
     figures = [plot(summaries, attribution, ctx.recipe, folder)]

@@ -5,12 +5,12 @@ its logit ratio ``r`` above the trained adapter's, while rho tracks ``r``): :fun
 ``to_k_ip`` per layer by the factor of :data:`SCALE_GRID` whose mean query-frame ``r`` comes closest to the trained
 adapter's on calibration sets (seeds from :data:`CALIBRATION_SEED`; the 1 x 1 mid block keeps ``c = 1``), and
 :func:`paired_control` compares trained and control set by set (:func:`paired_tests`: both one-sided sign-flip
-tests, Holm over both and the table, each decision's one-sided bound). **The control that isolates training.**
-:func:`init_adapter_control`: the trained organism against itself with the adapter at its starting weights,
-compared at equal ``r`` (:func:`equal_r_differences`). **Query pool.** :func:`query_pool` reads both pools
-(``"item"``, ``"branch"``) from one probed generation per set and image count (1, 3, 8; CFG 3) and reports their
-difference. The design and numbers: docs/findings.md ("Training and NW-likeness: against a matched control", "The
-query pool").
+tests, Holm over both and the table, each decision's one-sided bound), each control's mean ``r`` per timestep beside
+the trained one. **The control that isolates training.** :func:`init_adapter_control`: the trained organism against
+itself with the adapter at its starting weights, compared at equal ``r`` (:func:`equal_r_differences`). **Query
+pool.** :func:`query_pool` reads both pools (``"item"``, ``"branch"``) from one probed generation per set and image
+count (1, 3, 8; CFG 3) and reports their difference. The design and numbers: docs/findings.md ("Training and
+NW-likeness: against a matched control", "The query pool").
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ __all__ = [
     "equal_r_differences",
     "init_adapter_control",
     "layer_logit_ratios",
+    "logit_ratios",
     "matched_twin",
     "paired_control",
     "paired_tests",
@@ -45,14 +46,14 @@ PAIRED_STATISTICS = ("qf_spearman", "qf_rho_excess")
 
 
 def per_set_means(table: pd.DataFrame, shares: pd.DataFrame | None = None, columns=PAIRED_STATISTICS) -> pd.DataFrame:
-    """Per (set, timestep): the NaN-skipping mean over layers and heads of ``columns`` (a 1 x 1 layer's query frame
-    has none), how many entries had a value, and with ``shares`` (stacked attribution tables with ``set``) the mean
-    over layers of the attention's TV distance from uniform over the references (``attention_tv``: is the control
-    degenerate?)."""
+    """Per (set, timestep): the NaN-skipping mean over layers and heads of ``columns`` and of ``qf_logit_ratio`` (a
+    1 x 1 layer's query frame has none), how many entries had a value, and with ``shares`` (stacked attribution
+    tables with ``set``) the mean over layers of the attention's TV distance from uniform over the references
+    (``attention_tv``: is the control degenerate?)."""
     from ..attribution import tv_from_uniform
 
     grouped = table.groupby(["set", "timestep"])
-    out = grouped[list(columns)].mean()  # pandas skips NaN
+    out = grouped[[*columns, "qf_logit_ratio"]].mean()  # pandas skips NaN
     out["entries"] = grouped[columns[0]].count()
     out = out.reset_index()
     if shares is not None:
@@ -193,8 +194,9 @@ def paired_tests(differences: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
 
 def paired_control(per_set: dict[str, pd.DataFrame], controls=("untrained", "matched"), seed: int = 0) -> pd.DataFrame:
     """Trained against each control, set by set: :func:`paired_tests` of the per-set differences of each of
-    :data:`PAIRED_STATISTICS`, with ``trained`` and ``control_value`` (the means over sets) beside them. ``per_set``:
-    ``"trained"`` and each control -> :func:`per_set_means` of the same sets and seeds.
+    :data:`PAIRED_STATISTICS`, with ``trained`` and ``control_value`` (the means over sets) beside them, and where
+    the frames have ``qf_logit_ratio`` the logit ratios of both (:func:`logit_ratios`: ``trained_r``, ``control_r``,
+    ``r_gap``). ``per_set``: ``"trained"`` and each control -> :func:`per_set_means` of the same sets and seeds.
     """
     frames, means = [], []
     for control in controls:
@@ -206,9 +208,20 @@ def paired_control(per_set: dict[str, pd.DataFrame], controls=("untrained", "mat
             frames.append(part.assign(difference=merged[statistic] - merged[f"{statistic}_control"]))
             mean = merged.groupby("timestep")[[statistic, f"{statistic}_control"]].mean().reset_index()
             mean.columns = ["timestep", "trained", "control_value"]
+            if "qf_logit_ratio" in merged:
+                mean = mean.merge(logit_ratios(per_set["trained"], per_set[control]), on="timestep", how="left")
             means.append(mean.assign(control=control, statistic=statistic))
     out = paired_tests(pd.concat(frames, ignore_index=True), seed)
     return out.merge(pd.concat(means), on=["control", "statistic", "timestep"], how="left")
+
+
+def logit_ratios(trained: pd.DataFrame, control: pd.DataFrame) -> pd.DataFrame:
+    """Per timestep: ``trained_r`` and ``control_r``, the means over sets of each side's :func:`per_set_means`
+    ``qf_logit_ratio``, and ``r_gap`` (trained - control), the confound every control carries beside its numbers."""
+    r = {f"{name}_r": frame.groupby("timestep")["qf_logit_ratio"].mean() for name, frame in
+         (("trained", trained), ("control", control))}  # fmt: skip
+    out = pd.DataFrame(r).reset_index()
+    return out.assign(r_gap=out["trained_r"] - out["control_r"])
 
 
 def equal_r_differences(trained: pd.DataFrame, control: pd.DataFrame, columns=PAIRED_STATISTICS) -> pd.DataFrame:
@@ -266,37 +279,24 @@ def probed(pipe, references: list, seed: int, steps: list[int], guidance_scale: 
     return table[table["kind"] == "image"]
 
 
-def init_adapter_control(recipe: str, sets: int = 20, seed: int = 0) -> dict[str, pd.DataFrame]:
-    """The control that isolates training (docs/findings.md, section 2): the trained organism of ``recipe`` against
-    itself with the adapter at its starting weights (:func:`ipa_probe.tiny.digits.model.init_adapter_pipeline`),
-    on the one-digit reference sets ``0..sets-1`` of the ip-adapter experiment (set ``i`` from seed ``i``), 50 DDIM
-    steps, no CFG, at its timesteps.
+def init_adapter_control(trained: pd.DataFrame, control: pd.DataFrame, seed: int = 0) -> dict[str, pd.DataFrame]:
+    """The control that isolates training (docs/findings.md, section 2): the trained organism against itself with the
+    adapter at its starting weights (:func:`ipa_probe.tiny.digits.model.init_adapter_pipeline`), compared at equal r.
+    ``trained``, ``control``: their probe tables of the same sets and seeds (image kind, with ``set``).
 
     Returns:
         ``"tests"``: :func:`paired_tests` of the :func:`equal_r_differences` (control ``"init-adapter"``) with the
-        per-timestep means over sets of ``raw_difference``, ``r_gap`` and ``r_gap_positive`` beside them;
-        ``"per_set"``: those differences; ``"means"``: per organism, set and timestep the means over layers and
-        heads of the statistics and ``qf_logit_ratio``.
+        per-timestep means over sets of ``raw_difference``, ``r_gap`` and ``r_gap_positive`` beside them, and each
+        side's mean r (``trained_r``, ``control_r``: :func:`logit_ratios`); ``"per_set"``: those differences;
+        ``"means"``: per organism, set and timestep the :func:`per_set_means`.
     """
-    from ..tiny.digits.model import digits_pipeline, init_adapter_pipeline
-    from .ip_adapter_setup import _reference_sets, step_indices
-
-    steps = step_indices()
-    references = [refs for _, refs in _reference_sets(sets)]
-    tables = {}
-    for label, make in (("trained", digits_pipeline), ("init-adapter", init_adapter_pipeline)):
-        pipe = make(recipe=recipe)
-        pipe.set_progress_bar_config(disable=True)
-        frames = [probed(pipe, refs, i, steps).assign(set=i) for i, refs in enumerate(references)]
-        tables[label] = pd.concat(frames, ignore_index=True)
-    per_set = equal_r_differences(tables["trained"], tables["init-adapter"]).assign(control="init-adapter")
+    per_set = equal_r_differences(trained, control).assign(control="init-adapter")
     described = per_set.groupby(["statistic", "timestep"])[["raw_difference", "r_gap", "r_gap_positive"]].mean()
+    means = {label: per_set_means(t) for label, t in (("trained", trained), ("init-adapter", control))}
+    ratios = logit_ratios(*means.values()).drop(columns="r_gap")  # r_gap: the cells' own, from described
     tests = paired_tests(per_set, seed).merge(described.reset_index(), on=["statistic", "timestep"], how="left")
-    columns = [*PAIRED_STATISTICS, "qf_logit_ratio"]
-    means = pd.concat(
-        [per_set_means(t, columns=columns).assign(organism=label) for label, t in tables.items()], ignore_index=True
-    )
-    return {"tests": tests, "per_set": per_set, "means": means}
+    means = pd.concat([frame.assign(organism=label) for label, frame in means.items()], ignore_index=True)
+    return {"tests": tests.merge(ratios, on="timestep", how="left"), "per_set": per_set, "means": means}
 
 
 def query_pool(
@@ -359,18 +359,22 @@ def _pool_summary(cells: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], folder) -> tuple[list, dict]:
-    """The ip-adapter experiment's matched control and query pool (module docstring), at the tier's sizes.
+def run_controls(ctx, pipes: dict, per_set: dict, cells, sets: list, steps: list[int], folder) -> tuple[list, dict]:
+    """The ip-adapter experiment's controls (module docstring): the matched twin, the adapter at its starting weights
+    and the query pool, at the tier's sizes.
 
     ``pipes``: ``"trained"``, ``"untrained"``; ``per_set``: the same keys -> :func:`per_set_means` of the one-digit
-    ``sets`` already generated (set ``i`` from seed ``i``). Writes ``matched_control.csv``, ``matched_calibration.csv``
-    and ``query_pool.csv`` to ``folder``; returns ``(rows, record)``: table rows and the record's entries.
+    ``sets`` already generated (set ``i`` from seed ``i``); ``cells``: the same keys -> their probe tables (with
+    ``set``). Writes ``matched_control.csv``, ``matched_calibration.csv``, ``query_pool.csv`` and
+    ``init_adapter_<name>.csv`` (each of :func:`init_adapter_control`'s tables) to ``folder``; returns ``(rows,
+    record)``: table rows and the record's entries.
     """
     import torch
 
     from .._io import write_table
     from ..layers import find_ip_layers
     from ..tiny.digits import digits_reference_images, untrained_digits_pipeline
+    from ..tiny.digits.model import init_adapter_pipeline
     from .ip_adapter_setup import REFS_PER_SET, run_reference_set
     from .report import Row
 
@@ -383,9 +387,7 @@ def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], 
     initial = [tensor.detach().clone() for tensor in keys]
 
     def make_twin():
-        # the one untrained twin with its image-key projections back at their initial weights: the same pipeline a
-        # fresh build gives (seeded), without rebuilding it for every key scale tried (most of the calibration's
-        # time beside the generations); matched_twin uses each twin before asking for the next
+        # the twin's image keys back at their initial weights: a fresh (seeded) build without rebuilding it per scale
         with torch.no_grad():
             for tensor, value in zip(keys, initial, strict=True):
                 tensor.copy_(value)
@@ -401,25 +403,32 @@ def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], 
         shares.append(attributed.assign(set=i))
     per_set = {**per_set, "matched": per_set_means(pd.concat(tables), pd.concat(shares))}
     paired = paired_control(per_set)
+    start = init_adapter_pipeline(ctx.recipe)
+    start.set_progress_bar_config(disable=True)
+    init = init_adapter_control(
+        cells["trained"], pd.concat([probed(start, refs, i, steps).assign(set=i) for i, refs in enumerate(sets)])
+    )
     pool, _ = query_pool({ctx.recipe: pipes["trained"]}, sets[: tier.ip_pool_sets], steps)
-    for name, frame in (("matched_control", paired), ("matched_calibration", calibration), ("query_pool", pool)):
+    written = {"matched_control": paired, "matched_calibration": calibration, "query_pool": pool}
+    for name, frame in {**written, **{f"init_adapter_{k}": v for k, v in init.items()}}.items():
         write_table(frame, folder / f"{name}.csv")
     rows = []
     tv = {label: frame.groupby("timestep")["attention_tv"].mean() for label, frame in per_set.items()}
-    for r in paired.to_dict(orient="records"):
-        rows.append(
-            Row(
-                "trained minus control, paired by set (both one-sided tests; Holm over both and the table)",
-                f"{r['statistic']} vs {r['control']} twin, t={r['timestep']:g}",
-                f"{r['decision']}: {r['difference']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}], p above "
-                f"{r['p_above']:.2g} (Holm {r['p_holm_above']:.2g}), below {r['p_below']:.2g} (Holm "
-                f"{r['p_holm_below']:.2g})",
-                "—",
-                f"trained {r['trained']:.3f}, control {r['control_value']:.3f}; attention TV from uniform: trained "
-                f"{tv['trained'].get(r['timestep'], np.nan):.3f}, control "
-                f"{tv[r['control']].get(r['timestep'], np.nan):.3f}; {r['sets']} sets",
+    for r in [*paired.to_dict(orient="records"), *init["tests"].to_dict(orient="records")]:
+        t, ratios = r["timestep"], f"r trained {r['trained_r']:.2f}, control {r['control_r']:.2f}"
+        if r["control"] == "init-adapter":
+            compared, twin = "its adapter at the start, at equal r,", ""
+            note = f"at unequal r {r['raw_difference']:+.3f}; {ratios}, cells with r trained above "
+            note += f"{r['r_gap_positive']:.0%}"
+        else:
+            compared, twin = "control,", " twin"
+            note = (
+                f"trained {r['trained']:.3f}, control {r['control_value']:.3f}; {ratios}; attention TV from uniform: "
+                f"trained {tv['trained'].get(t, np.nan):.3f}, control {tv[r['control']].get(t, np.nan):.3f}"
             )
-        )
+        quantity = f"trained minus {compared} paired by set (both one-sided tests; Holm over both and the table)"
+        setting = f"{r['statistic']} vs {r['control']}{twin}, t={t:g}"
+        rows.append(Row(quantity, setting, _decided(r), "—", f"{note}; {r['sets']} sets"))
     for r in pool.to_dict(orient="records"):
         rows.append(
             Row(
@@ -441,6 +450,15 @@ def run_controls(ctx, pipes: dict, per_set: dict, sets: list, steps: list[int], 
             "rule": "per set: trained - control; both one-sided sign-flip p (above, below); Holm over both and the "
             "table; Holm-compatible one-sided bounds of each direction",
         },
+        "init_adapter": {"tests": init["tests"].to_dict(orient="records"), "rule": "matched_control's, at equal r"},
         "query_pool": {"summary": pool.to_dict(orient="records"), "sets": tier.ip_pool_sets, "guidance_scale": 3.0},
     }
     return rows, record
+
+
+def _decided(r: dict) -> str:
+    """A :func:`paired_tests` row as the table shows it: the decision, the difference and its bounds, both p."""
+    return (
+        f"{r['decision']}: {r['difference']:+.3f} [{r['low']:+.3f}, {r['high']:+.3f}], p above {r['p_above']:.2g} "
+        f"(Holm {r['p_holm_above']:.2g}), below {r['p_below']:.2g} (Holm {r['p_holm_below']:.2g})"
+    )
