@@ -459,12 +459,8 @@ def _count_lost_rows(stats: torch.Tensor, frame: torch.Tensor, keys: int) -> Non
     correlation could be formed from none of them (with more than one key, a NaN rho means every row's weights were
     tied or lost: float32 rounding under a far row shift, for one), so that a NaN rho never reads "0 rows lost". A
     query frame whose NW rows are uniform by construction (one query) is undefined, not lost, and is not counted.
-
-    Args:
-        stats: ``(groups, H, 2, S)`` the stored frame's estimates and errors.
-        frame: ``(2, groups, H, 2, S)`` the query frames'.
-        keys: the keys per row.
-    """
+    ``stats``: ``(groups, H, 2, S)`` the stored frame's estimates and errors; ``frame``: ``(2, groups, H, 2, S)`` the
+    query frames'; ``keys``: the keys per row."""
     lost, rho, neff = (STAT_NAMES.index(name) for name in ("nonfinite", "spearman", "neff_nw"))
     share = torch.maximum(stats[..., 0, lost], frame[..., 0, lost].amax(0))
     if keys > 1:

@@ -191,13 +191,8 @@ class NWHeadAttnProcessor(NWKernel, IPAdapterAttnProcessor2_0):
         self, query: torch.Tensor, image_states: list[torch.Tensor], masks: list
     ) -> Iterator[torch.Tensor]:
         """The image branch's contributions to the output, ``(B, Q, H*D)`` each: one per adapter, or one per
-        reference image of a masked adapter (added in this order).
-
-        Args:
-            query: ``(B, H, Q, D)``.
-            image_states: per adapter, ``(B, [images,] tokens, C_ctx)``.
-            masks: per adapter, its ``(1, images, H, W)`` mask or ``None``.
-        """
+        reference image of a masked adapter (added in this order). ``query``: ``(B, H, Q, D)``; per adapter,
+        ``image_states`` ``(B, [images,] tokens, C_ctx)`` and ``masks`` its ``(1, images, H, W)`` mask or ``None``."""
         batch, heads, n_queries = query.shape[0], query.shape[1], query.shape[2]
 
         def smooth(

@@ -39,12 +39,8 @@ def _sort_keys(noise: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor
     """The permutation of each row that sorts its random keys: ``argsort(u)``, uniform over the ``K!`` orders (ties
     among float32 keys aside, probability below ``K^2 / 2^25``). With a ``prefix`` mask, a left-out entry ``i`` gets
     the key ``1 + i`` (every kept entry's key is below 1): the kept entries are permuted among the first places and
-    the rest stay where they are.
-
-    Args:
-        noise: ``(..., K)`` uniform on ``[0, 1)``.
-        prefix: optional ``(..., K)`` bool, kept entries first in every row.
-    """
+    the rest stay where they are. ``noise``: ``(..., K)`` uniform on ``[0, 1)``; ``prefix``: optional ``(..., K)``
+    bool, kept entries first in every row."""
     if prefix is not None:
         position = torch.arange(noise.shape[-1], device=noise.device, dtype=noise.dtype)
         noise = torch.where(prefix, noise, position + 1)

@@ -187,11 +187,8 @@ def _tidy(manifest: Manifest, layout: SweepLayout, scan: _Scan, threshold: float
 
     Temp files of killed writers are removed (the folder lock says no writer is alive); parts that do not belong
     are moved to ``set_aside/``; every current part is read back whole (page checksums verified) and reduced to its
-    per-timestep summary, so a damaged one is found now and its row alone runs again.
-
-    Returns:
-        row -> its :func:`row_summary`, for the current parts (the merge reuses them).
-    """
+    per-timestep summary, so a damaged one is found now and its row alone runs again. Returns row -> its
+    :func:`row_summary`, for the current parts (the merge reuses them)."""
     layout.rows.mkdir(parents=True, exist_ok=True)
     layout.skipped.mkdir(parents=True, exist_ok=True)
     for temp in layout.temp_files():
