@@ -299,7 +299,6 @@ class RecordForming:
             maps_attn, maps_nw = cell_attn, cell_nw
             if kept is not None:
                 maps_attn, maps_nw = (expand_references(x, *kept, -1, -math.inf) for x in (maps_attn, maps_nw))
-                self._maps.kept[(entry.index, entry.slot)] = kept
             if used is not None:  # (B, H, Q, K) -> (groups, items, H, Q, K) -> (groups, H, items * Q, K), the cells'
                 used = used.unflatten(0, (labels.shape[0], -1)).transpose(1, 2).flatten(2, 3)
             edited = None if self._spine is None else self._spine.used.get((name, entry.slot, "contribution"))
