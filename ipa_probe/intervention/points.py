@@ -11,9 +11,9 @@ unedited part of the layer (bias, other branches) is still the processor's own. 
 runs (not at adapter scale 0); ``ip_adapter_masks`` are refused at the first selected step, SD3 at once
 (:func:`hook_point_layers` says why).
 
-Several users may hold points on one pipeline at once (an intervention's callbacks, then a cache's readers): the
-callbacks are added once per denoiser, callbacks of one point run in order of attachment, and the hooks come off when
-the last user leaves.
+Several users may hold points on one pipeline at once (an intervention's callbacks, then a cache's readers): each is a
+client of the pipeline's spine, the points' hooks are the spine's (:attr:`~ipa_probe.capture.spine.Spine.points`,
+added once), callbacks of one point run in order of attachment, and the hooks come off when the last user leaves.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch
 from ..capture import spine
 from ..capture.layer_order import network_key
 from ..capture.maps import image_projections, tokens_per_image
-from ..capture.spine import EDIT, Spine, expand_references
+from ..capture.spine import EDIT, PassInfo, Spine, expand_references
 from ..capture.taps.base import layer_module
 from ..capture.taps.unet import unet_resolution_factor
-from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, keep, kept
+from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits
 from ..statistics.kernels import dot_logits, reference_contributions, split_heads
 from .context import HookContext
 
@@ -136,29 +136,32 @@ class PointUser:
     #: the edit in words, for the probe's ``edits`` column
     label: str = ""
 
+    def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
+        spine.points.select(self, spine, args, kwargs)
+
 
 class _Registry:
-    """The hooks that compute the points on one denoiser, shared by every :class:`PointUser`."""
+    """The hooks that compute the points on one denoiser (:attr:`Spine.points`, while some :class:`PointUser`, a
+    client of the spine like any feature, holds points there): shared by every user."""
 
-    def __init__(self, pipe, denoiser: torch.nn.Module, layers: list[IPLayer]) -> None:
+    def __init__(self, pipe, spine: Spine, layers: list[IPLayer]) -> None:
         self.pipe = pipe
-        self.denoiser = denoiser
+        self.spine = spine
+        self.denoiser = spine.denoiser
         self.layers = layers
-        self.users: list[PointUser] = []
         self.handles: list[Any] = []
-        self.spine: Spine | None = None
         #: hook point name -> NaN returned there by callbacks (a 0-d device tensor, read when the hooks come off)
         self.nan: dict[str, torch.Tensor] = {}
         self.sample_shape: tuple[int, ...] = ()
         self.batch = 0
         self.active: dict[str, list[HookFn]] = {}  # the callbacks of this pass, by point name
         self.cfg: tuple[str, ...] = ()  # each batch item's CFG label in this pass
+        self._now: PassInfo | None = None  # the pass the callbacks were gathered for
         self._text_tokens: int | None = None
         self._image_embeds: Any = None
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
-        self.spine = spine.attach(self.pipe, self)
         self.spine.watch_prompts()
         hooks = self.spine.hooks
         for layer in self.layers:
@@ -175,42 +178,37 @@ class _Registry:
         finally:
             self.handles.clear()
             self.active = {}
-            if self.spine is not None:
-                self.spine.watch_prompts(False)
-            spine.detach(self.pipe, self)
-            self.spine = None
-            keep(self.denoiser, "points", None)
+            self.spine.watch_prompts(False)
+            self.spine.points = None
 
     # ------------------------------------------------------------------ the clock
-    def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
-        """A denoiser pass starts: the loop index from the spine's clock, the callbacks of this pass."""
+    def select(self, user: PointUser, spine: Spine, args: tuple, kwargs: dict) -> None:
+        """A denoiser pass starts (``user``'s turn among the spine's clients): the pass's shapes (with its first
+        user), then ``user``'s callbacks when its selection takes the pass."""
         now = spine.now
-        sample = spine.tap.sample(args, kwargs)
-        self.sample_shape = tuple(sample.shape)
-        self.batch = sample.shape[0]
-        context = spine.tap.argument("encoder_hidden_states", args, kwargs) if spine.tap.family == "unet" else None
-        self._text_tokens = context.shape[1] if isinstance(context, torch.Tensor) and context.ndim == 3 else None
-        self._image_embeds = spine.tap.image_embeds(kwargs)
-        if now.new_call:
-            planned = spine.planned_steps()
-            for user in self.users:
-                if user.on_call is not None:
-                    user.on_call(planned, self._sizes)
-        active: dict[str, list[HookFn]] = {}
-        for user in self.users:
-            if spine.selects(user, user.steps, user.when, user.label if user.edits else "", args, kwargs):
-                for name, fns in user.callbacks.items():
-                    active.setdefault(name, []).extend(fns)
-                    layer, adapter, _ = _parse_name(name)
-                    if user.edits and adapter != TEXT:  # readers of the layer wait for what its image branch used
-                        spine.weight_edits.add((layer, adapter))
-        if active and now.masks is not None and any(m is not None for m in now.masks):
+        if self._now is not now:
+            self._now, self.active, self.cfg = now, {}, ()
+            sample = spine.tap.sample(args, kwargs)
+            self.sample_shape, self.batch = tuple(sample.shape), sample.shape[0]
+            context = spine.tap.argument("encoder_hidden_states", args, kwargs) if spine.tap.family == "unet" else None
+            self._text_tokens = context.shape[1] if isinstance(context, torch.Tensor) and context.ndim == 3 else None
+            self._image_embeds = spine.tap.image_embeds(kwargs)
+        if now.new_call and user.on_call is not None:
+            user.on_call(spine.planned_steps(), self._sizes)
+        if not spine.selects(user, user.steps, user.when, user.label if user.edits else "", args, kwargs):
+            return
+        for name, fns in user.callbacks.items():
+            self.active.setdefault(name, []).extend(fns)
+            layer, adapter, _ = _parse_name(name)
+            if user.edits and adapter != TEXT:  # readers of the layer wait for what its image branch used
+                spine.weight_edits.add((layer, adapter))
+        if user.callbacks and now.masks is not None and any(m is not None for m in now.masks):
             raise ValueError(
                 "ipa_probe hook points do not support ip_adapter_masks (diffusers then runs one softmax per "
                 "reference image); call the pipeline without masks"
             )
-        self.active = active
-        self.cfg = spine.branch_labels(args, kwargs) if active else ()  # read back only when a callback runs
+        if not self.cfg:  # read back only when a callback runs
+            self.cfg = spine.branch_labels(args, kwargs)
 
     def _sizes(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
         """A point's shape and dtype in one pass of this call, from the call's arguments (before step 0 runs)."""
@@ -429,29 +427,30 @@ class _Registry:
 
 
 def attach_points(pipe, user: PointUser) -> Callable[[], None]:
-    """Add a user of the hook points to ``pipe`` (installing the hooks if it is the first); returns the function that
-    removes it (and the hooks with the last user). Names must be checked by the caller (:func:`select_points`)."""
+    """Add a user of the hook points to ``pipe``'s spine (installing the points' hooks, :attr:`Spine.points`, for the
+    first); returns the function that removes it (and the hooks with the last user). Names must be checked by the
+    caller (:func:`select_points`)."""
     layers = hook_point_layers(pipe)
-    denoiser = denoiser_of(pipe)
-    registry = kept(denoiser, "points")
-    if registry is None:
-        registry = _Registry(pipe, denoiser, layers)
-        keep(denoiser, "points", registry)
+    own = spine.attach(pipe, user)
+    if own.points is None:
+        own.points = _Registry(pipe, own, layers)
         try:
-            registry.install()
+            own.points.install()
         except BaseException:
-            registry.uninstall()
+            own.points.uninstall()
+            spine.detach(pipe, user)
             raise
-    registry.users.append(user)
+    registry = own.points
 
     def detach() -> None:
-        if user in registry.users:
-            registry.users.remove(user)
         try:
             registry.warn_nan()
         finally:
-            if not registry.users:
-                registry.uninstall()
+            try:
+                if not any(isinstance(c, PointUser) and c is not user for c in own.clients):
+                    registry.uninstall()
+            finally:
+                spine.detach(pipe, user)
 
     return detach
 
