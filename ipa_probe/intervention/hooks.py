@@ -204,12 +204,6 @@ def _layers(pipe, config: InterventionConfig) -> list[IPLayer]:
     denoiser = denoiser_of(pipe)
     found = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser), config.layers)
     families = {layer.family for layer in found}
-    if config.mode == "scale" and "sd3" in families:
-        raise ValueError(
-            'ipa_probe.intervene(mode="scale") supports SD 1.5 / SDXL and Flux: SD3\'s image tokens share one softmax '
-            "with the latent tokens inside its processor, where no hook reaches the weights (SD3 has no hook points). "
-            'Use mode="ablate" or "swap" on SD3, or pipe.set_ip_adapter_scale for the whole branch'
-        )
     if "sd3" in families and config.references != (0,):
         raise ValueError(
             f"reference={config.reference}: SD3 pipelines take one reference image per prompt "
@@ -289,7 +283,7 @@ def apply_intervention(
     try:
         keep(denoiser, INTERVENE, [*kept(denoiser, INTERVENE, []), state])
         if config.mode == "scale":
-            state._handles.append(SimpleNamespace(remove=_attach_scale(pipe, state, names, family == "flux")))
+            state._handles.append(SimpleNamespace(remove=_attach_scale(pipe, state, names, family)))
         else:
             state._spine = spine.attach(pipe, state)
             state._watching = family == "flux"
@@ -317,9 +311,9 @@ def _edit_tokens(state: Intervention, layers: list[IPLayer]) -> None:
         handles.append(hooks.add(to_v_ip, state._zero_values, order=EDIT))
 
 
-def _attach_scale(pipe, state: Intervention, names: list[str], flux: bool):
-    """``mode="scale"``: weights callbacks on the hook points of the selected layers at the selected steps (on Flux
-    in the passes that :func:`holds_references`)."""
+def _attach_scale(pipe, state: Intervention, names: list[str], family: str):
+    """``mode="scale"``: weights callbacks (SD3: logits) on the hook points of the selected layers at the selected
+    steps (on Flux in the passes that :func:`holds_references`)."""
     from .custom import scale_hooks
     from .points import PointUser, attach_points
 
@@ -331,8 +325,9 @@ def _attach_scale(pipe, state: Intervention, names: list[str], flux: bool):
 
         return run
 
-    callbacks = {name: [logged(fn)] for name, fn in scale_hooks(state.config, names).items()}
-    user = PointUser(callbacks, state.config.steps, label=state.describe(), when=holds_references if flux else None)
+    callbacks = {name: [logged(fn)] for name, fn in scale_hooks(state.config, names, family == "sd3").items()}
+    when = holds_references if family == "flux" else None
+    user = PointUser(callbacks, state.config.steps, label=state.describe(), when=when)
     return attach_points(pipe, user)
 
 

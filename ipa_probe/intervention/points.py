@@ -77,13 +77,6 @@ def hook_point_layers(pipe) -> list[IPLayer]:
     denoiser = denoiser_of(pipe)
     found = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser))
     found = sorted(found, key=lambda layer: network_key(layer.name))  # the order the denoiser runs them
-    if found[0].family == "sd3":
-        raise ValueError(
-            "hook points exist for SD 1.5 / SDXL UNets and Flux: SD3's image tokens share one softmax with the "
-            "latent tokens inside its processor, so an edit of their weights moves the latent tokens' too, which "
-            "these points (a branch with its own softmax) do not compute; on SD3 use intervene(pipe, 0) (ablate, "
-            "swap) or the probe"
-        )
     return found
 
 
@@ -166,6 +159,7 @@ class _Registry:
         hooks = self.spine.hooks
         for layer in self.layers:
             sites = [("q", 0)] + [(site, branch) for branch in _branches(layer) for site in ("k", "v")]
+            sites += [("k", "latent"), ("v", "latent")] * (layer.family == "sd3")  # its softmax's latent columns
             self.handles += hooks.keep(layer, *sites)
             self.handles.append(hooks.add(layer.attention, self._on_layer(layer), pre=True))
             # an edit: before the readers of the same module (Flux: the probe's record of the edited weights)
@@ -214,8 +208,9 @@ class _Registry:
         """A point's shape and dtype in one pass of this call, from the call's arguments (before step 0 runs)."""
         layer_name, adapter, point = _parse_name(name)
         layer = next(layer for layer in self.layers if layer.name == layer_name)
-        if adapter == TEXT:
-            references, tokens = 1, self._text_tokens
+        sd3 = layer.family == "sd3"  # one reference; its resampler's ``latents`` are its tokens
+        if adapter == TEXT or sd3:
+            references, tokens = 1, self.denoiser.image_proj.latents.shape[1] if sd3 else self._text_tokens
         else:
             embeds = self._image_embeds
             if not isinstance(embeds, list | tuple) or adapter >= len(embeds) or embeds[adapter].ndim != 3:
@@ -226,9 +221,10 @@ class _Registry:
             return None
         queries = self._grid(layer)
         queries = queries[0] * queries[1]
-        out = layer.attention.to_out[0] if layer.family == "unet" else layer.processor.to_v_ip[adapter]
+        out = layer.attention.to_out[0] if layer.family != "flux" else layer.processor.to_v_ip[adapter]
         channels, dtype = out.out_features, out.weight.dtype
-        keys, head_dim = references * tokens, layer_module(layer, "k", adapter).out_features // layer.heads
+        key = layer.processor.to_k_ip if sd3 else layer_module(layer, "k", adapter)
+        keys, head_dim = references * tokens, key.out_features // layer.heads
         shape = {
             "q": (self.batch, layer.heads, queries, head_dim),
             "k": (self.batch, layer.heads, keys, head_dim),
@@ -256,10 +252,12 @@ class _Registry:
         return hook
 
     def _grid(self, layer: IPLayer) -> tuple[int, int]:
-        """``(height, width)`` of a layer's query positions in this pass (Flux's packed tokens: ``(1, N)``)."""
-        if layer.family != "unet":
+        """``(height, width)`` of a layer's query positions in this pass (Flux's packed tokens: ``(1, N)``; SD3's
+        patches)."""
+        if layer.family == "flux":
             return (1, self.sample_shape[1])
-        factor = unet_resolution_factor(self.denoiser, layer.name)
+        sd3 = layer.family == "sd3"
+        factor = self.denoiser.config.patch_size if sd3 else unet_resolution_factor(self.denoiser, layer.name)
         return (math.ceil(self.sample_shape[-2] / factor), math.ceil(self.sample_shape[-1] / factor))
 
     def _on_out(self, layer: IPLayer) -> Callable:
@@ -276,7 +274,7 @@ class _Registry:
                     delta = change if delta is None else delta + change
             if delta is None:
                 return None
-            if layer.family == "unet":
+            if layer.family != "flux":
                 return output + delta.reshape(output.shape)
             hidden, context, branch = output
             return hidden, context, branch + delta.reshape(branch.shape)
@@ -293,16 +291,17 @@ class _Registry:
         query = seen.get((layer.name, "q", 0))  # (B, H, Q, D)
         keys, values = (seen.get((layer.name, site, adapter)) for site in ("k", "v"))
         if query is None or keys is None or values is None:
-            return None  # the branch did not run (adapter scale 0)
-        text = adapter == TEXT
+            return None  # the branch did not run (adapter scale 0, SD3 without image tokens)
+        text, joint = adapter == TEXT, layer.family == "sd3"  # SD3: one softmax over [image keys; latent keys]
         heads, batch = layer.heads, query.shape[0]
         tokens = keys.shape[-2] if keys.ndim == 4 or text else keys.shape[1]
         q0 = query  # (B, H, Q, D)
-        k0 = split_heads(keys.reshape(batch, -1, keys.shape[-1]), heads)  # (B, H, K, D)
+        k0 = keys if joint else split_heads(keys.reshape(batch, -1, keys.shape[-1]), heads)  # (B, H, K, D)
         v = split_heads(values.reshape(batch, -1, values.shape[-1]), heads)  # (B, H, K, D)
+        latent_k, latent_v = (seen.get((layer.name, site, "latent")) for site in ("k", "v"))  # SD3: (B, H, N, D)
         references = k0.shape[2] // tokens
         processor = layer.attention.processor  # the one running now (an NW head swapped in after the points)
-        scale = 1.0 if text else float(processor.scale[adapter])
+        scale = 1.0 if text else float(processor.scale if joint else processor.scale[adapter])
         queries = q0.shape[2]
         grid = self._grid(layer)
         if grid[0] * grid[1] != queries:
@@ -334,7 +333,9 @@ class _Registry:
                 cfg=self.cfg,
             )
 
-        def logits_of(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K)
+        def logits_of(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K); SD3 (B, H, Q, K + N)
+            if joint:  # the latent columns follow an edited query
+                return image_branch_logits(processor, q, torch.cat([k, latent_k], 2))
             return dot_logits(q, k) if text else image_branch_logits(processor, q, k)
 
         def weights_of(logits: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K) with the removed references at 0
@@ -346,44 +347,56 @@ class _Registry:
         if upstream:  # copies: an edit in place must not reach the tensors the layer (and the probe) computed with
             q, changed_q = self._run(names["q"], q0.clone(), context("q"))
             k, changed_k = self._run(names["k"], k0.clone(), context("k"))
-            logits, changed_logits = self._run(names["logits"], logits_of(q, k), context("logits"))
+            logits, changed_logits = self._run(names["logits"], logits_of(q, k), context("logits"), tokens * joint)
             edited = changed_q or changed_k or changed_logits
             start = weights_of(logits)
         else:
             start = weights_of(logits_of(q0, k0))
         version = start._version
-        weights, changed = self._run(names["weights"], start, context("weights"))
+        weights, changed = self._run(names["weights"], start, context("weights"), tokens * joint)
         edited = edited or changed
         # the weights the processor computed, for the change of the output: formed again when edits reached them
         computed = weights_of(logits_of(q0, k0)) if edited or start._version != version else start
-        if edited and not text:  # what the layer uses from here on: the probe reads these
-            self.spine.use(layer.name, adapter, "weights", weights)
+        if edited and not text:  # what the layer uses from here on: the probe reads these (SD3: the image columns)
+            self.spine.use(layer.name, adapter, "weights", weights[..., : tokens * references])
         if not edited and names["contribution"] not in self.active and names["output"] not in self.active:
             return None  # nothing edited, and nothing downstream wanted
 
-        w_o = layer.attention.to_out[0].weight if layer.family == "unet" else None  # Flux: the branch has no W_o
+        w_o = layer.attention.to_out[0].weight if layer.family != "flux" else None  # Flux: the branch has no W_o
 
         def contributions(w: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K) -> (B, R, Q, C)
-            return reference_contributions(w, v, tokens, scale, w_o)[0]
+            return reference_contributions(w[..., : tokens * references], v, tokens, scale, w_o)[0]
+
+        def latent(w: torch.Tensor) -> torch.Tensor | int:  # SD3: the latent tokens' part of the output (B, Q, C)
+            if not joint:
+                return 0
+            return reference_contributions(
+                w[..., tokens:], split_heads(latent_v, heads), latent_v.shape[1], scale, w_o
+            )[0][:, 0]
 
         original = contributions(computed)
-        original_output = original.sum(1)  # (B, Q, C), before a callback may edit ``original`` in place
+        original_output = original.sum(1) + latent(computed)  # (B, Q, C), before a callback may edit ``original``
         contribution = contributions(weights) if edited else original
         contribution, changed = self._run(names["contribution"], contribution, context("contribution"))
         edited = edited or changed
-        output, changed_output = self._run(names["output"], contribution.sum(1), context("output"))  # (B, Q, C)
+        output = contribution.sum(1) + latent(weights)  # (B, Q, C)
+        output, changed_output = self._run(names["output"], output, context("output"))
         if not (edited or changed_output):
             return None
-        if (changed or changed_output) and not text:  # the split the probe reads: none
+        if (changed or changed_output) and not (text or joint):  # the split the probe reads (SD3: none at all)
             used = torch.full_like(contribution, math.nan) if changed_output else contribution  # once the output moved
             self.spine.use(layer.name, adapter, "contribution", used)
         return output - original_output
 
-    def _run(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> tuple[torch.Tensor, bool]:
-        """Run a point's callbacks in order; return the final tensor and whether any callback changed it."""
+    def _run(self, name: str, tensor: torch.Tensor, ctx: HookContext, image: int = 0) -> tuple[torch.Tensor, bool]:
+        """Run a point's callbacks in order; return the final tensor and whether any callback changed it (``image``:
+        the callbacks get the first ``image`` columns only, SD3's image columns of its joint logits or weights)."""
         fns = self.active.get(name)
         if not fns:
             return tensor, False
+        if image:
+            columns, edited = self._run(name, tensor[..., :image], ctx)  # a view: an edit in place reaches ``tensor``
+            return torch.cat([columns, tensor[..., image:]], -1) if edited else tensor, edited
         edited = False
         for fn in fns:
             version = tensor._version

@@ -39,13 +39,15 @@ def layer_module(layer: IPLayer, site: str, branch: int | str = 0) -> torch.nn.M
     output joins the layer's (UNet ``to_out[0]``, Flux the attention's third output)."""
     attn, processor, family = layer.attention, layer.processor, layer.family
     if site == "out":
-        return attn.to_out[0] if family == "unet" else attn
+        return attn if family == "flux" else attn.to_out[0]
     if site == "q":
         return attn.to_q if family == "unet" else attn.norm_q if family == "flux" else processor.norm_q
     if branch == "text":
         return attn.to_k if site == "k" else attn.to_v
-    if family == "sd3":
+    if family == "sd3" and site == "k":
         return processor.norm_k if branch == "latent" else processor.norm_ip_k
+    if family == "sd3":  # the values, as ``to_v_ip`` and the latent tokens' ``to_v`` return them
+        return attn.to_v if branch == "latent" else processor.to_v_ip
     return (processor.to_k_ip if site == "k" else processor.to_v_ip)[branch]
 
 
