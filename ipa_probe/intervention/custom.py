@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from .._checks import parse_step_selection
-from ..layers import claim, release
 from .config import InterventionConfig
 from .points import HookContext, HookFn, PointUser, attach_points, normalise_hooks, point_name
 
@@ -35,9 +34,7 @@ class HookIntervention:
     names: list[str]
     calls: list[tuple[int, str]] = field(default_factory=list)
     _detach: Callable[[], None] | None = field(default=None, repr=False)
-    _pipe: Any = field(default=None, repr=False)
     _user: PointUser | None = field(default=None, repr=False)
-    _claim: Any = field(default=None, repr=False)
 
     @property
     def steps(self) -> Any:
@@ -61,13 +58,8 @@ class HookIntervention:
     def remove(self) -> None:
         """Take the callbacks off (and the hooks, when no other user holds points); idempotent."""
         detach, self._detach = self._detach, None
-        if detach is None:
-            return
-        try:
+        if detach is not None:
             detach()
-        finally:
-            release(self._pipe, HOOKS, self._claim)
-            self._pipe = None
 
 
 def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=None) -> HookIntervention:
@@ -94,14 +86,7 @@ def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=N
         label=f"hooks:{len(callbacks)}",
     )
     state._user = user
-    layers = sorted({name.rsplit(".", 2)[0] for name in callbacks})
-    state._claim = claim(pipe, HOOKS, layers, f"callbacks on {len(callbacks)} hook point(s)", exclusive=False)
-    try:
-        state._pipe = pipe
-        state._detach = attach_points(pipe, user)
-    except BaseException:
-        release(pipe, HOOKS, state._claim)
-        raise
+    state._detach = attach_points(pipe, user, HOOKS, f"callbacks on {len(callbacks)} hook point(s)")
     logger.info("intervene: callbacks on %d hook point(s)", len(callbacks))
     return state
 

@@ -8,8 +8,10 @@ order, an edit at one flowing into the next; the layer then adds the change of t
 ``attn.to_out[0]`` returns (Flux, whose branch has no output projection: to the attention's third output, before the
 readers there). With no edit the pipeline computes bit for bit what it computes without ipa_probe; with one, the
 unedited part of the layer (bias, other branches) is still the processor's own. A layer's points fire when its branch
-runs (not at adapter scale 0); ``ip_adapter_masks`` are refused at the first selected step, SD3 at once
-(:func:`hook_point_layers` says why).
+runs (not at adapter scale 0); ``ip_adapter_masks`` are refused at the first selected step. SD3's branch is one softmax
+over its image and latent keys: ``k``, ``logits``, ``weights`` hold the image columns (an edit of the weights leaves
+the latent columns as computed, one of q or the logits renormalises them), ``contribution`` the image tokens' part of
+``output``, which also holds the latent tokens' part.
 
 Several users may hold points on one pipeline at once (an intervention's callbacks, then a cache's readers): each is a
 client of the pipeline's spine, the points' hooks are the spine's (:attr:`~ipa_probe.capture.spine.Spine.points`,
@@ -34,7 +36,7 @@ from ..capture.maps import image_projections, tokens_per_image
 from ..capture.spine import EDIT, PassInfo, Spine, expand_references
 from ..capture.taps.base import layer_module
 from ..capture.taps.unet import unet_resolution_factor
-from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits
+from ..layers import IPLayer, claim, denoiser_of, find_ip_layers, image_branch_logits, release
 from ..statistics.kernels import dot_logits, reference_contributions, split_heads
 from .context import HookContext
 
@@ -73,11 +75,9 @@ def point_name(layer: str, point: str, adapter: int | str = 0) -> str:
 
 
 def hook_point_layers(pipe) -> list[IPLayer]:
-    """The IP-Adapter layers whose image branch has hook points; raises for model families without them."""
+    """The IP-Adapter layers, whose branches have hook points, in the order the denoiser runs them."""
     denoiser = denoiser_of(pipe)
-    found = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser))
-    found = sorted(found, key=lambda layer: network_key(layer.name))  # the order the denoiser runs them
-    return found
+    return sorted(find_ip_layers(getattr(denoiser, "_orig_mod", denoiser)), key=lambda layer: network_key(layer.name))
 
 
 def list_hook_points(pipe) -> list[str]:
@@ -137,8 +137,7 @@ class _Registry:
     """The hooks that compute the points on one denoiser (:attr:`Spine.points`, while some :class:`PointUser`, a
     client of the spine like any feature, holds points there): shared by every user."""
 
-    def __init__(self, pipe, spine: Spine, layers: list[IPLayer]) -> None:
-        self.pipe = pipe
+    def __init__(self, spine: Spine, layers: list[IPLayer]) -> None:
         self.spine = spine
         self.denoiser = spine.denoiser
         self.layers = layers
@@ -439,32 +438,36 @@ class _Registry:
             )
 
 
-def attach_points(pipe, user: PointUser) -> Callable[[], None]:
+def attach_points(pipe, user: PointUser, feature: str = "", what: str = "") -> Callable[[], None]:
     """Add a user of the hook points to ``pipe``'s spine (installing the points' hooks, :attr:`Spine.points`, for the
-    first); returns the function that removes it (and the hooks with the last user). Names must be checked by the
-    caller (:func:`select_points`)."""
-    layers = hook_point_layers(pipe)
-    own = spine.attach(pipe, user)
-    if own.points is None:
-        own.points = _Registry(pipe, own, layers)
-        try:
-            own.points.install()
-        except BaseException:
-            own.points.uninstall()
-            spine.detach(pipe, user)
-            raise
-    registry = own.points
+    first), claimed as ``feature`` (doing ``what``, for :func:`~ipa_probe.layers.list_hooks`) when given; returns the
+    function that removes it (and the hooks with the last user). The caller checks names (:func:`select_points`)."""
+    layers, own = hook_point_layers(pipe), None
+    layer_ids = sorted({name.rsplit(".", 2)[0] for name in user.callbacks})
+    mark = claim(pipe, feature, layer_ids, what, exclusive=False) if feature else None
 
     def detach() -> None:
+        registry = None if own is None else own.points
         try:
-            registry.warn_nan()
+            if registry is not None:
+                registry.warn_nan()
         finally:
             try:
-                if not any(isinstance(c, PointUser) and c is not user for c in own.clients):
+                if registry is not None and not any(isinstance(c, PointUser) and c is not user for c in own.clients):
                     registry.uninstall()
             finally:
                 spine.detach(pipe, user)
+                if mark is not None:
+                    release(pipe, feature, mark)
 
+    try:
+        own = spine.attach(pipe, user)
+        if own.points is None:
+            own.points = _Registry(own, layers)
+            own.points.install()
+    except BaseException:
+        detach()
+        raise
     return detach
 
 
