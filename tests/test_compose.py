@@ -446,6 +446,32 @@ def test_a_probe_and_gauge_sweep_join_an_open_probe_on_dits(family, refs, reques
     assert set(outer.to_dataframe()["branch"]) == {"cond", "uncond"}
 
 
+def test_an_open_probe_reads_gauge_sweeps_calls_as_alone_on_the_unet(organism, refs):
+    """The UNet twin of the test above (the matrix checks the sweep's own table and one layer's maps): the open probe's
+    whole table and maps are those of a probe alone around the sweep's two calls; when the gauged call raises, the
+    open probe keeps both calls that ran and the pipeline comes back."""
+    from ipa_probe.gauge import gauge_sweep
+
+    calls = []
+
+    def call(fail=False):  # with CFG; ``fail``: the gauged call (the second) raises after its first step
+        calls.append(1)
+        return latents(organism, refs, guidance_scale=3.0, **({"callback_on_step_end": boom} if fail else {}))
+
+    with ipa_probe.probe(organism, keep_maps=True) as outer:
+        gauge_sweep(organism, call, "1,2", layers=LAYER)
+    with ipa_probe.probe(organism, keep_maps=True) as single:
+        call()
+        with ipa_probe.qk_gauge(organism, 2.0, layers=LAYER):
+            call()
+    assert_same_run(outer, single)
+    before, calls[:] = snapshot(organism), []
+    with pytest.raises(Boom), ipa_probe.probe(organism, maps=True) as outer:
+        gauge_sweep(organism, lambda: call(fail=len(calls) > 0), "2", layers=LAYER)
+    assert_unchanged(organism, before)
+    assert len(calls) == 2 and sorted(outer.to_dataframe()["call"].unique()) == [0, 1]  # what ran is kept
+
+
 def test_a_failure_inside_a_joined_probe_gives_the_pipeline_back(organism, refs):
     """Attribution with CFG raising inside an open probe (gauge_sweep's gauged call raising inside each feature:
     the matrix below)."""
