@@ -537,9 +537,9 @@ def test_everything_attached_adds_one_denoiser_pre_hook(organism, refs):
         for make in FEATURES.values():
             stack.enter_context(make(organism))
         assert len(organism.unet._forward_pre_hooks) == before + 1
-        # one count of users: probe, ablation, the three users of the hook points (scale, hooks, cache: one set of
-        # the points' hooks among them) and the NW head's timestep clock
-        assert len(spine_of(organism).clients) == 6 and spine_of(organism).points is not None
+        # one count of users: probe, the two interventions (ablate, scale), the three users of the hook points
+        # (scale's, hooks, cache: one set of the points' hooks among them) and the NW head's timestep clock
+        assert len(spine_of(organism).clients) == 7 and spine_of(organism).points is not None
         latents(organism, refs)
     assert len(organism.unet._forward_pre_hooks) == before
 

@@ -24,7 +24,7 @@ from .._checks import check_steps_ran
 from ..capture import spine
 from ..capture.spine import EDIT, Spine
 from ..capture.taps.base import layer_module
-from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, keep, kept, release
+from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, release
 from .config import INTERVENE, InterventionConfig
 from .custom import HookIntervention, apply_hooks
 
@@ -78,7 +78,6 @@ class Intervention:
             for handle in handles:  # the token edits' callbacks, or the scale's points
                 handle.remove()
         finally:
-            keep(denoiser, INTERVENE, [s for s in kept(denoiser, INTERVENE, []) if s is not self])
             release(denoiser, INTERVENE, self._claim)
             if self._spine is not None:
                 if self._watching:
@@ -94,6 +93,8 @@ class Intervention:
         """Read the loop index from the spine's clock, check the call's masks, and find the conditioned rows (and,
         on SD3, the other image's tokens at this timestep) for a swap."""
         self.step = spine.now.step
+        if self.config.mode == "scale":  # its hook points' user acts (:func:`_attach_scale`)
+            return
         when = holds_references if self._watching else None  # Flux
         self._acting = spine.selects(self, self.config.steps, when, self.describe(), args, kwargs)
         if not self._acting:
@@ -281,11 +282,10 @@ def apply_intervention(
     state._other_tokens, state._other_embeds = (None, other) if family == "sd3" else (other, None)
     state._claim = claim(pipe, INTERVENE, names, what, exclusive=False)
     try:
-        keep(denoiser, INTERVENE, [*kept(denoiser, INTERVENE, []), state])
+        state._spine = spine.attach(pipe, state)  # a client like every feature (remove_intervention finds it there)
         if config.mode == "scale":
             state._handles.append(SimpleNamespace(remove=_attach_scale(pipe, state, names, family)))
         else:
-            state._spine = spine.attach(pipe, state)
             state._watching = family == "flux"
             if state._watching:
                 state._spine.watch_prompts()
@@ -333,7 +333,8 @@ def _attach_scale(pipe, state: Intervention, names: list[str], family: str):
 
 def remove_intervention(pipe) -> None:
     """Undo :func:`apply_intervention` (see :meth:`Intervention.remove`); ``ValueError`` if none is applied."""
-    stack = kept(denoiser_of(pipe), INTERVENE)
+    own = spine.spine_of(pipe)
+    stack = [client for client in own.clients if isinstance(client, Intervention)] if own is not None else []
     if not stack:
         raise ValueError("no intervention is applied to this pipeline; call apply_intervention(pipe, ...) first")
     stack[-1].remove()  # the innermost, as leaving nested blocks does
