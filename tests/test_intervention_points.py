@@ -136,7 +136,8 @@ def test_sd3_points_scale_and_cache_match_a_float64_recomputation(sd3, one_threa
     """SD3's image branch is one softmax over ``[image keys; latent keys]`` (the processor's ``norm_ip_k``,
     ``norm_k``) with values ``[to_v_ip; to_v]``: under ``mode="scale"`` (``log f`` added to the image logits) the
     cached ``weights`` are the image columns of the test's own float64 joint softmax, ``output`` is ``s W_o`` times
-    its mix of the values, and ``to_out[0]`` returns what it computes plus the change of that output."""
+    its mix of the values, and ``to_out[0]`` returns what it computes plus the change of that output; the cache's
+    estimate of every point is what it then holds."""
     layer = ipa_probe.find_ip_layers(sd3)[0]
     attn, proc, heads = layer.attention, layer.processor, layer.heads
     modules = {"q": proc.norm_q, "k": proc.norm_ip_k, "k_lat": proc.norm_k, "v": proc.to_v_ip, "v_lat": attn.to_v}
@@ -184,6 +185,12 @@ def test_sd3_points_scale_and_cache_match_a_float64_recomputation(sd3, one_threa
         torch.testing.assert_close(output[step], branch(scaled), rtol=0, atol=1e-5)
         expected = got["x"] @ w_o.T + bias + branch(scaled) - branch(plain)
         torch.testing.assert_close(got["out"], expected, rtol=0, atol=1e-5)
+    with ipa_probe.cache_hook_points(sd3) as every:  # every point: the estimate is exactly what the cache holds
+        run(sd3, num_inference_steps=1, output_type="latent", **kwargs)
+    with ipa_probe.cache_hook_points(sd3, max_bytes=every.nbytes):
+        run(sd3, num_inference_steps=1, output_type="latent", **kwargs)
+    with pytest.raises(ValueError, match="max_bytes="), ipa_probe.cache_hook_points(sd3, max_bytes=every.nbytes - 1):
+        run(sd3, num_inference_steps=1, output_type="latent", **kwargs)
 
 
 def test_flux_points(flux, one_thread):

@@ -3,7 +3,7 @@
 A client of the pipeline's attachment core (:mod:`ipa_probe.capture.spine`: the step clock, its per-layer hooks, and
 where an ablation says which references the keys kept, so that a probe inside reads them), it edits the adapter's image
 tokens in the pre-hooks of ``to_k_ip`` / ``to_v_ip`` (SD3: of the joint attention), or for ``"scale"`` the weights at
-the hook points (:func:`~.custom.scale_hooks`; factor 0 and an ablation differ in floating point); nothing is replaced,
+the hook points (SD3: the logits; :func:`~.custom.scale_hooks`; factor 0 and an ablation differ); nothing is replaced,
 so removing the callbacks gives the pipeline back bit for bit. What each mode does, and where: docs/attribution.md,
 "The causal comparison: interventions". ``hooks=`` attaches callbacks to named hook points instead (:mod:`.custom`).
 """
