@@ -817,3 +817,14 @@ def test_fresh_held_out_table_and_claims():
     for claim in claims:
         assert_in("docs/attribution.md", claim)
     assert_in("docs/findings.md", claims[1])
+    from scipy import stats  # the pooled rows: every decided set tested once, recomputed here from the folds' counts
+
+    for pool, words in (("without the posterior", "without the posterior"),
+                        ("every candidate", "every candidate (near-circular where the posterior)")):  # fmt: skip
+        cells = []
+        for organism in FRESH_ORGANISMS:
+            part = held[(held["pool"] == pool) & (held["organism"] == organism)]
+            k, n = int(part["hits"].sum()), int(part["decided"].sum())
+            test = stats.binomtest(k, n, 0.5, alternative="greater")
+            cells.append(f"{k} of {n} (≥ {test.proportion_ci(method='exact').low:.2f}, p {g(test.pvalue)})")
+        assert_in("docs/attribution.md", f"| the held-out choice, {words} | " + " | ".join(cells) + " |")
