@@ -83,7 +83,7 @@ def test_tiny_run_matches_recomputation(organism):
     """Two fresh sets at 4 steps and one integration point: the summary equals the recomputation from its records,
     and each record is self-consistent (the output-reading score is the clean P(digit), so the real drop cannot
     exceed it; a flip changes the label)."""
-    records = pd.concat([fresh_set(organism, spec, points=1, steps=4) for spec in fresh_sets(2)], ignore_index=True)
+    records = pd.concat([fresh_set(organism, spec, points=1, steps=4)[0] for spec in fresh_sets(2)], ignore_index=True)
     assert len(records) == 4 and set(records["pair"]) == {"a", "b"}
     assert (records["real_drop"] <= records["output_digit"] + 1e-12).all()
     assert (records["flipped"] == (records["clean_label"] != records["ablated_label"])).all()
@@ -95,3 +95,55 @@ def test_tiny_run_matches_recomputation(organism):
         assert (row["hits"], row["decided"]) == (expected["hits"], expected["decided"])
         for key in ("slope", "spearman"):
             assert row[key] == pytest.approx(expected[key], rel=1e-9, abs=1e-12)
+
+
+def test_held_out_choice_finds_a_planted_aggregation_and_tests_it_on_the_other_half():
+    """Eight constructed sets: one aggregation (contribution norm, up layers, t = 1) is the real drop, so it scores
+    the deciding pair higher in every set and ranks the drops best (the ties' rule); every other candidate is noise.
+    Each fold chooses it on its half, and the held-out summary is the recomputation's on the other half alone; the
+    aggregates must be the records' sets (checked on the whole-run means)."""
+    from ipa_probe.experiments.attribution_fresh import held_out
+    from ipa_probe.experiments.attribution_setup import STEP_PREDICTORS
+
+    rng = np.random.default_rng(1)
+    flips = [(True, False), (False, True), (True, False), (True, True), (False, True), (True, False), (False, False),
+             (False, True)]  # fmt: skip
+    rows, aggregates = [], []
+    for s, pair_flips in enumerate(flips):
+        for pair, flipped in zip("ab", pair_flips, strict=True):
+            drop = rng.uniform(0.8, 1.0) if flipped else rng.uniform(0, 0.2)
+            for group in ("all", "up"):
+                for steps in ("all steps", "t=1"):
+                    values = {p: rng.uniform() for p in STEP_PREDICTORS}
+                    if (group, steps) == ("up", "t=1"):
+                        values["contribution_norm"] = drop
+                    aggregates.append(
+                        {"organism": "o", "set": s, "pair": pair, "group": group, "steps": steps, **values}
+                    )
+            whole = aggregates[-4]  # (all, all steps): the records' whole-run means
+            rows.append({"organism": "o", "set": s, "pair": pair, "flipped": flipped, "real_drop": drop,
+                         **{p: rng.uniform() for p in PAIR_PREDICTORS},
+                         **{p: whole[p] for p in ("contribution_norm", "attention_share")}})  # fmt: skip
+    records, aggregates = pd.DataFrame(rows), pd.DataFrame(aggregates)
+    table = held_out(records, aggregates, resamples=49)
+    planted = "contribution_norm | up layers, t=1"
+    assert set(table["chosen"]) == {planted} and len(table) == 8  # 2 pools x 2 folds x (held out, output digit)
+    assert set(table["pool"]) == {"every candidate", "without the posterior"}
+    held = table[table["predictor"] == "held out"]
+    order = np.argsort(held["p"].to_numpy())  # Holm by hand: sorted p times (m - i), running maximum, capped at 1
+    steps = np.maximum.accumulate(held["p"].to_numpy()[order] * (len(held) - np.arange(len(held))))
+    np.testing.assert_allclose(held["p_holm"].to_numpy()[order], np.minimum(steps, 1.0), rtol=1e-12)
+    assert table.loc[table["predictor"] == "output_digit", "p_holm"].isna().all()
+    table = table[table["pool"] == "without the posterior"]
+    for fold, tested in (("even sets choose", [1, 3, 5, 7]), ("odd sets choose", [0, 2, 4, 6])):
+        half = records[records["set"].isin(tested)].merge(
+            aggregates.query("group == 'up' and steps == 't=1'")[["organism", "set", "pair", "contribution_norm"]]
+            .rename(columns={"contribution_norm": "planted"}), on=["organism", "set", "pair"])  # fmt: skip
+        for predictor, column in (("held out", "planted"), ("output_digit", "output_digit")):
+            row = table[(table["fold"] == fold) & (table["predictor"] == predictor)].iloc[0]
+            expected = _recomputed(half, column)
+            assert (row["hits"], row["decided"]) == (expected["hits"], expected["decided"])
+            assert row["spearman"] == pytest.approx(expected["spearman"], abs=1e-12)
+    moved = aggregates.assign(attention_share=aggregates["attention_share"] + 0.5)
+    with pytest.raises(ValueError, match="records.csv"):
+        held_out(records, moved, resamples=0)

@@ -119,20 +119,13 @@ def _ablated(pipe, digits: list[int], refs: list, seed: int):
         effect = measure_intervention(
             pipe, reference, seed=seed, classify=classify_digit_images, baseline=result.generation, **call
         )
+        drop = effect.baseline_probabilities[0, digit] - effect.intervened_probabilities[0, digit]
         rows.append(
-            {
-                "reference": reference,
-                "digit": digit,
-                "latent_effect": float(effect.latent_distance[0]),
-                "pixel_effect": float(effect.pixel_distance[0]),
-                "class_drop": float(
-                    effect.baseline_probabilities[0, digit] - effect.intervened_probabilities[0, digit]
-                ),
-                "flipped": bool(effect.flipped[0]),
-                "baseline_label": int(effect.baseline_labels[0]),
-                "ablated_label": int(effect.intervened_labels[0]),
-            }
-        )
+            {"reference": reference, "digit": digit, "latent_effect": float(effect.latent_distance[0]),
+             "pixel_effect": float(effect.pixel_distance[0]), "class_drop": float(drop),
+             "flipped": bool(effect.flipped[0]), "baseline_label": int(effect.baseline_labels[0]),
+             "ablated_label": int(effect.intervened_labels[0])}
+        )  # fmt: skip
     return result, pd.DataFrame(rows).merge(patching, on="reference")
 
 
@@ -165,33 +158,17 @@ def compare(
             for predictor in PREDICTORS:
                 if predictor not in merged.columns or (when != "all" and predictor in WHOLE_RUN_PREDICTORS):
                     continue  # the whole run's predictors once; effects without them (older records) skip them
-                tests[predictor] = paired_rank_test(
+                t = tests[predictor] = paired_rank_test(
                     _matrix(merged, predictor), _matrix(merged, effect), permutations, seed
                 )
-                t = tests[predictor]
-                rows.append(
-                    {
-                        "timestep": when,
-                        "predictor": predictor,
-                        "effect": effect,
-                        **predictor_test(t),
-                    }
-                )
+                rows.append({"timestep": when, "predictor": predictor, "effect": effect, **predictor_test(t)})
             difference = tests["posterior_weight"]["values"] - tests["attention_share"]["values"]
             low, high = bootstrap_ci(difference)
             rows.append(
-                {
-                    "timestep": when,
-                    "predictor": "posterior - attention",
-                    "effect": effect,
-                    "spearman": float(np.nanmean(difference)) if np.isfinite(difference).any() else np.nan,
-                    "low": low,
-                    "high": high,
-                    "p": np.nan,
-                    "sets": int(np.isfinite(difference).sum()),
-                    "predicts": False,
-                }
-            )
+                {"timestep": when, "predictor": "posterior - attention", "effect": effect,
+                 "spearman": float(np.nanmean(difference)) if np.isfinite(difference).any() else np.nan,
+                 "low": low, "high": high, "p": np.nan, "sets": int(np.isfinite(difference).sum()), "predicts": False}
+            )  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -216,10 +193,10 @@ def run(ctx) -> ExperimentResult:
             tables.append(result.table.assign(set=i))
             effects.append(effect.assign(set=i))
         for population, members in populations.items():
-            for i, (digits, refs) in enumerate(
-                tqdm(members, desc=f"controls {label}: {population}", disable=not ctx.progress)
-            ):
-                observed[population].append((digits, refs, observe(pipe, refs, seed=i)))
+            bar = tqdm(members, desc=f"controls {label}: {population}", disable=not ctx.progress)
+            observed[population] += [
+                (digits, refs, observe(pipe, refs, seed=i)) for i, (digits, refs) in enumerate(bar)
+            ]
         verdicts, control_table, shuffled = observed_checks(pipe, observed, tier.attribution_control_sets, outer)
         checks[label] = {"verdicts": verdicts, "controls": control_table, "shuffled": shuffled}
         write_table(verdicts, folder / f"verdicts_{label}.csv")
@@ -252,20 +229,13 @@ def run(ctx) -> ExperimentResult:
             write_table(scores, folder / f"held_out_scores_{label}.csv")
         write_table(effects, folder / f"effects_{label}.csv")
         write_table(comparisons[label], folder / f"comparisons_{label}.csv")
-        raw[label] = {
-            "comparisons": comparisons[label].to_dict(orient="records"),
-            "effects": effects.to_dict(orient="records"),
-        }
+        raw[label] = as_records({"comparisons": comparisons[label], "effects": effects})
 
     rows = table_rows(comparisons, held, effects_by, checks, tier.attribution_grid_sets)
     figures = [plot(effects_by, comparisons["trained"], ctx.recipe, folder)]
     record = {
-        "measurements": raw,
-        "recipe": ctx.recipe,
-        "sets": tier.attribution_sets,
-        "num_inference_steps": NUM_STEPS,
-        "guidance_scale": GUIDANCE_SCALE,
-        "recorded_steps": list(RECORDED_STEPS),
+        "measurements": raw, "recipe": ctx.recipe, "sets": tier.attribution_sets, "num_inference_steps": NUM_STEPS,
+        "guidance_scale": GUIDANCE_SCALE, "recorded_steps": list(RECORDED_STEPS),
         "intervention": "ablate one reference in every IP-Adapter layer at every step (removed from the softmax)",
         "rule": "predicts: the one-sided permutation p after Holm's adjustment over the organism's table below 0.05 "
         "(the 95% bootstrap intervals describe, they do not decide); the posterior read at t < 651 or averaged over "
@@ -278,15 +248,14 @@ def run(ctx) -> ExperimentResult:
         "shuffle_tolerance": {"latent_rtol": SHUFFLE_LATENT_RTOL, "share_atol": SHUFFLE_SHARE_ATOL},
         "controls": {label: as_records(check) for label, check in checks.items()},
         "grid": {
-            "sets": tier.attribution_grid_sets,
-            "organism": "trained",
+            "sets": tier.attribution_grid_sets, "organism": "trained",
             "groups": "down / mid / up blocks and all layers (ipa_probe.intervention.LAYER_GROUPS)",
             "step_ranges": "thirds of the 20 steps (0-6, 7-13, 14-19) and all",
             "modes": "ablate in every (group, range); scale x0.5 in all layers at all steps",
             "predictors": "means over the group's layers and the recorded steps inside the range",
             "example_seeds": tier.attribution_example_seeds,
         },
-    }
+    }  # fmt: skip
     return ExperimentResult("attribution", rows, record, figures)
 
 
@@ -327,52 +296,46 @@ def table_rows(
                 for p in ("contribution_norm", "contribution_projection", *WHOLE_RUN_PREDICTORS)
                 if p in part
             )
-            rows.append(
-                Row(
-                    "does attention share predict causal influence? (one-sided p, Holm over the table)",
-                    f"{label} organism, effect = {effect_name}",
-                    f"{answer}: Spearman {_interval_text(attention)}, p {attention['p']:.2g} (Holm "
-                    f"{attention['p_holm']:.2g})",
-                    "— (not in the paper)",
-                    f"{others}; exact posterior weight (mean over every step: near-circular) "
-                    f"{_interval_text(posterior)}, p {posterior['p']:.2g} (Holm {posterior['p_holm']:.2g}); "
-                    f"posterior minus attention {_interval_text(gap)}; mean per-set Spearman over the 4 references, "
-                    f"{attention['sets']} sets; intervals two-sided 95%, descriptive",
-                )
-            )
+            rows.append(Row(
+                "does attention share predict causal influence? (one-sided p, Holm over the table)",
+                f"{label} organism, effect = {effect_name}",
+                f"{answer}: Spearman {_interval_text(attention)}, p {attention['p']:.2g} (Holm "
+                f"{attention['p_holm']:.2g})",
+                "— (not in the paper)",
+                f"{others}; exact posterior weight (mean over every step: near-circular) "
+                f"{_interval_text(posterior)}, p {posterior['p']:.2g} (Holm {posterior['p_holm']:.2g}); "
+                f"posterior minus attention {_interval_text(gap)}; mean per-set Spearman over the 4 references, "
+                f"{attention['sets']} sets; intervals two-sided 95%, descriptive",
+            ))  # fmt: skip
         if label in held:
             for r in held[label].to_dict(orient="records"):
-                rows.append(
-                    Row(
-                        "predictor and aggregation chosen on half the sets, tested on the other half (held out)",
-                        f"{label} organism, effect = {EFFECTS[r['effect']]}, {r['fold']}",
-                        f"{'agrees' if r['agrees'] else 'does not agree'}: {PREDICTORS[r['chosen']]}"
-                        f"{' (negated)' if r['sign'] < 0 else ''} over {_aggregation_text(r)} "
-                        f"{_interval_text(r)}, p {r['p']:.2g} (Holm {r['p_holm']:.2g})",
-                        "—",
-                        f"chosen among {r.get('candidates', len(PREDICTORS))} candidates at "
-                        f"{r['selection_spearman']:+.2f} on the other half; {r['sets']} held-out sets; one-sided p, "
-                        "Holm over the organism's held-out tests",
-                    )
-                )
+                rows.append(Row(
+                    "predictor and aggregation chosen on half the sets, tested on the other half (held out)",
+                    f"{label} organism, effect = {EFFECTS[r['effect']]}, {r['fold']}",
+                    f"{'agrees' if r['agrees'] else 'does not agree'}: {PREDICTORS[r['chosen']]}"
+                    f"{' (negated)' if r['sign'] < 0 else ''} over {_aggregation_text(r)} "
+                    f"{_interval_text(r)}, p {r['p']:.2g} (Holm {r['p_holm']:.2g})",
+                    "—",
+                    f"chosen among {r.get('candidates', len(PREDICTORS))} candidates at "
+                    f"{r['selection_spearman']:+.2f} on the other half; {r['sets']} held-out sets; one-sided p, "
+                    "Holm over the organism's held-out tests",
+                ))  # fmt: skip
         effects = effects_by[label]
         latent = effects["latent_effect"].to_numpy()
         low, high = bootstrap_ci(latent)
         baseline = effects.drop_duplicates("set")
         on_refs = float((baseline["baseline_label"].to_numpy()[:, None] == _set_digits(effects)).any(1).mean())
-        rows.append(
-            Row(
-                "ablating one reference (every layer and step)",
-                f"{label} organism",
-                f"RMS latent change {latent.mean():.3f} [{low:.3f}, {high:.3f}]; label flips "
-                f"{100 * effects['flipped'].mean():.0f}%",
-                "—",
-                f"pixel change {effects['pixel_effect'].mean():.3f}; un-ablated outputs read as one of their "
-                f"references' digits {100 * on_refs:.0f}%; attention shares "
-                f"{effects['attention_share'].min():.3f}–{effects['attention_share'].max():.3f}; "
-                f"{len(baseline)} sets x 4 references",
-            )
-        )
+        rows.append(Row(
+            "ablating one reference (every layer and step)",
+            f"{label} organism",
+            f"RMS latent change {latent.mean():.3f} [{low:.3f}, {high:.3f}]; label flips "
+            f"{100 * effects['flipped'].mean():.0f}%",
+            "—",
+            f"pixel change {effects['pixel_effect'].mean():.3f}; un-ablated outputs read as one of their "
+            f"references' digits {100 * on_refs:.0f}%; attention shares "
+            f"{effects['attention_share'].min():.3f}–{effects['attention_share'].max():.3f}; "
+            f"{len(baseline)} sets x 4 references",
+        ))  # fmt: skip
     for label, check in checks.items():
         rows.extend(control_rows(label, check))
         if "grid" in check:
@@ -381,18 +344,16 @@ def table_rows(
     for when in [w for w in trained["timestep"].unique() if w != "all"]:
         part = trained[(trained["timestep"] == when) & (trained["effect"] == "latent_effect")]
         by = {r["predictor"]: r for r in part.to_dict(orient="records")}
-        rows.append(
-            Row(
-                "predictor at one step vs ablation effect (latent)",
-                f"trained organism, t={when}",
-                f"attention share {_interval_text(by['attention_share'])} (p {by['attention_share']['p']:.2g}, "
-                f"Holm {by['attention_share']['p_holm']:.2g})",
-                "—",
-                f"exact posterior weight {_interval_text(by['posterior_weight'])} "
-                f"(p {by['posterior_weight']['p']:.2g}, Holm {by['posterior_weight']['p_holm']:.2g}"
-                f"{CIRCULAR if by['posterior_weight']['near_circular'] else ''})",
-            )
-        )
+        rows.append(Row(
+            "predictor at one step vs ablation effect (latent)",
+            f"trained organism, t={when}",
+            f"attention share {_interval_text(by['attention_share'])} (p {by['attention_share']['p']:.2g}, "
+            f"Holm {by['attention_share']['p_holm']:.2g})",
+            "—",
+            f"exact posterior weight {_interval_text(by['posterior_weight'])} "
+            f"(p {by['posterior_weight']['p']:.2g}, Holm {by['posterior_weight']['p_holm']:.2g}"
+            f"{CIRCULAR if by['posterior_weight']['near_circular'] else ''})",
+        ))  # fmt: skip
     return rows
 
 

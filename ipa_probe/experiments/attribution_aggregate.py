@@ -33,6 +33,7 @@ __all__ = [
     "candidates",
     "held_out_aggregations",
     "observe_again",
+    "regenerated",
 ]
 
 #: Layer groups of the aggregation (the ablation grid's, :data:`ipa_probe.intervention.LAYER_GROUPS`, and all).
@@ -157,39 +158,26 @@ def held_out_aggregations(
         if effect not in wide.columns:
             continue
         for chooser, tester in (("even", "odd"), ("odd", "even")):
-            choose = wide[wide["set"].isin(halves[chooser])]
-            test = wide[wide["set"].isin(halves[tester])]
+            choose, test = (wide[wide["set"].isin(halves[half])] for half in (chooser, tester))
             fold = f"{chooser} chooses"
-            chosen_scores = np.array([_means(choose, c, effect) for c in names["column"]])
-            held_scores = np.array([_means(test, c, effect) for c in names["column"]])
-            scores.append(
-                names.drop(columns="column").assign(
-                    effect=effect, fold=fold, choosing_spearman=chosen_scores, held_out_spearman=held_scores
-                )
+            chosen_scores, held_scores = (
+                np.array([_means(f, c, effect) for c in names["column"]]) for f in (choose, test)
             )
+            scores.append(names.drop(columns="column").assign(
+                effect=effect, fold=fold, choosing_spearman=chosen_scores, held_out_spearman=held_scores))  # fmt: skip
             best = int(np.nanargmax(np.where(np.isfinite(chosen_scores), np.abs(chosen_scores), -1.0)))
             sign = 1.0 if chosen_scores[best] >= 0 else -1.0
             column = names["column"].iloc[best]
             result = paired_rank_test(
                 sign * _matrix(test, column), _matrix(test, effect), permutations=permutations, seed=seed
             )
+            chosen = names.iloc[best]
             rows.append(
-                {
-                    "effect": effect,
-                    "fold": fold,
-                    "chosen": names["predictor"].iloc[best],
-                    "group": names["group"].iloc[best],
-                    "steps": names["steps"].iloc[best],
-                    "candidates": len(names),
-                    "sign": sign,
-                    "selection_spearman": chosen_scores[best],
-                    "spearman": result["mean"],
-                    "low": result["low"],
-                    "high": result["high"],
-                    "p": result["p"],
-                    "sets": result["sets"],
-                }
-            )
+                {"effect": effect, "fold": fold, "chosen": chosen["predictor"], "group": chosen["group"],
+                 "steps": chosen["steps"], "candidates": len(names), "sign": sign,
+                 "selection_spearman": chosen_scores[best], "spearman": result["mean"], "low": result["low"],
+                 "high": result["high"], "p": result["p"], "sets": result["sets"]}
+            )  # fmt: skip
             values.append(result["values"])
     out = pd.DataFrame(rows)
     out["p_holm"] = holm(out["p"].to_numpy(np.float64))
@@ -205,6 +193,23 @@ def held_out_aggregations(
 #: organism (random weights amplify rounding; :data:`~.attribution_setup.SHUFFLE_LATENT_RTOL`), so the same bound;
 #: the regeneration reports its largest difference, and anything above this names the file.
 AGREEMENT_RTOL = SHUFFLE_LATENT_RTOL
+
+
+def regenerated(committed: pd.DataFrame, again: pd.DataFrame, on: list[str], predictors, path) -> float:
+    """The largest difference between committed predictors and their regeneration (``again``: :func:`aggregate` rows,
+    whose all-layers, all-steps rows are compared), as a fraction of each column's largest absolute value (at least
+    1); a ``ValueError`` naming ``path`` above :data:`AGREEMENT_RTOL`."""
+    overall = again[(again["group"] == "all") & (again["steps"] == "all steps")]
+    merged = committed.merge(overall, on=on, suffixes=("", "_again"), validate="one_to_one")
+    worst = max(
+        float((merged[p] - merged[f"{p}_again"]).abs().max() / max(1.0, merged[p].abs().max())) for p in predictors
+    )
+    if not worst <= AGREEMENT_RTOL:
+        raise ValueError(
+            f"{path}: the regenerated predictors differ from the committed ones by {worst:.3g} of their scale "
+            f"(> {AGREEMENT_RTOL}); the organism or the code changed since the records were written"
+        )
+    return worst
 
 
 def observe_again(
@@ -252,23 +257,9 @@ def observe_again(
             observed["2+2 digits"].append((digits, refs, result))
             tables.append(result.table.assign(set=int(i)))
         aggregates = aggregate(pd.concat(tables, ignore_index=True))
-        overall = aggregates[(aggregates["group"] == "all") & (aggregates["steps"] == "all steps")]
-        merged = effects.merge(overall, on=["set", "reference"], suffixes=("", "_again"), validate="one_to_one")
-        worst = max(
-            float((merged[p] - merged[f"{p}_again"]).abs().max() / max(1.0, merged[p].abs().max()))
-            for p in STEP_PREDICTORS
-        )
-        agreement[label] = worst
-        if not worst <= AGREEMENT_RTOL:
-            raise ValueError(
-                f"{path}: the regenerated predictors differ from the committed ones by {worst:.3g} of their scale "
-                f"(> {AGREEMENT_RTOL}); the organism or the code changed since the folder was written"
-            )
-        for name, frame in (("aggregates", aggregates),):
-            write_table(frame, folder / f"{name}_{label}.csv")
-            written.append(folder / f"{name}_{label}.csv")
+        agreement[label] = regenerated(effects, aggregates, ["set", "reference"], STEP_PREDICTORS, path)
         held, scores = held_out_aggregations(effects, aggregates)
-        for name, frame in (("held_out", held), ("held_out_scores", scores)):
+        for name, frame in (("aggregates", aggregates), ("held_out", held), ("held_out_scores", scores)):
             write_table(frame, folder / f"{name}_{label}.csv")
             written.append(folder / f"{name}_{label}.csv")
         if not checks:

@@ -103,18 +103,14 @@ def set_statistics(result, unseen: pd.DataFrame) -> pd.DataFrame:
             return float((tv_from_uniform(values.to_numpy(np.float64)) > POOLING_TV).mean())
 
         rows.append(
-            {
-                "timestep": float(timestep),
-                "attention_tv": float(tv_from_uniform(shares).mean()),
-                "share_spearman": spearman(first["sq_distance"]),
-                "share_spearman_unseen": spearman(other["sq_distance"]),
-                "posterior_neff": float(neff(first["posterior_weight"].to_numpy())),
-                "posterior_neff_unseen": float(neff(other["posterior_weight"].to_numpy())),
-                "head_tv_above": above(result.heads) if len(result.heads) else np.nan,
-                "position_tv_above": above(result.positions),
-                "head_position_tv_above": above(finest) if finest is not None and len(finest) else np.nan,
-            }
-        )
+            {"timestep": float(timestep), "attention_tv": float(tv_from_uniform(shares).mean()),
+             "share_spearman": spearman(first["sq_distance"]), "share_spearman_unseen": spearman(other["sq_distance"]),
+             "posterior_neff": float(neff(first["posterior_weight"].to_numpy())),
+             "posterior_neff_unseen": float(neff(other["posterior_weight"].to_numpy())),
+             "head_tv_above": above(result.heads) if len(result.heads) else np.nan,
+             "position_tv_above": above(result.positions),
+             "head_position_tv_above": above(finest) if finest is not None and len(finest) else np.nan}
+        )  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -143,12 +139,8 @@ def resolution_verdicts(results: list, outer: int, seed: int = 0) -> pd.DataFram
             entry.update({key: float(row["verdict"] == v), f"{key}_low": np.nan, f"{key}_high": np.nan})
         average.append(entry)
     parts = [pd.DataFrame(average).assign(resolution="average")]
-    cells = {
-        "layer": None,
-        "layer x head": "heads",
-        "layer x position": "positions",
-        "layer x head x position": "head_positions",
-    }
+    cells = {"layer": None, "layer x head": "heads", "layer x position": "positions",
+             "layer x head x position": "head_positions"}  # fmt: skip
     for resolution, name in cells.items():
         tables = None if name is None else [getattr(r, name, None) for r in results]
         if tables is not None and any(t is None for t in tables):
@@ -182,19 +174,10 @@ def controls(statistics: dict[str, pd.DataFrame], seed: int = 0) -> pd.DataFrame
 
     def add(population, timestep, statistic, control, result):
         rows.append(
-            {
-                "population": population,
-                "timestep": float(timestep),
-                "statistic": statistic,
-                "control": control,
-                "value": result["value"],
-                "control_value": result["control"],
-                "difference": result["difference"],
-                "low": result["low"],
-                "high": result["high"],
-                "counts": result["counts"],
-            }
-        )
+            {"population": population, "timestep": float(timestep), "statistic": statistic, "control": control,
+             "value": result["value"], "control_value": result["control"],
+             **{key: result[key] for key in ("difference", "low", "high", "counts")}}
+        )  # fmt: skip
 
     for population, frame in statistics.items():
         for timestep, part in frame.groupby("timestep"):
@@ -338,17 +321,15 @@ def control_rows(label: str, check: dict) -> list[Row]:
                 f"tracks {_share_text(r, 'tracks_posterior')}"
                 for r in (first, last)
             )
-            rows.append(
-                Row(
-                    "verdict per cell (share of cells)",
-                    f"{label}, {population} sets, {resolution} ({first['cells']} cells)",
-                    text,
-                    "—",
-                    "the rule of ipa_probe.attribution.verdict per cell; [certified, possible] simultaneous 95% "
-                    "bounds on the true share (max-|t| bootstrap over reference sets; none in records from before "
-                    "issue #52); first and last timestep",
-                )
-            )
+            rows.append(Row(
+                "verdict per cell (share of cells)",
+                f"{label}, {population} sets, {resolution} ({first['cells']} cells)",
+                text,
+                "—",
+                "the rule of ipa_probe.attribution.verdict per cell; [certified, possible] simultaneous 95% "
+                "bounds on the true share (max-|t| bootstrap over reference sets; none in records from before "
+                "issue #52); first and last timestep",
+            ))  # fmt: skip
     table = check["controls"]
     for (population, statistic, control), part in table.groupby(["population", "statistic", "control"], sort=False):
         counted = int(part["counts"].sum())
@@ -357,38 +338,34 @@ def control_rows(label: str, check: dict) -> list[Row]:
             f"({r['difference']:+.3g} [{r['low']:+.3g}, {r['high']:+.3g}])"
             for r in part.to_dict(orient="records")
         )
-        rows.append(
-            Row(
-                "statistic against its control",
-                f"{label}, {population}: {statistic} vs {control}",
-                f"differs at {counted} of {len(part)} timesteps",
-                "—",
-                f"t = {', '.join(f'{t:g}' for t in part['timestep'])}: {values}",
-            )
-        )
+        rows.append(Row(
+            "statistic against its control",
+            f"{label}, {population}: {statistic} vs {control}",
+            f"differs at {counted} of {len(part)} timesteps",
+            "—",
+            f"t = {', '.join(f'{t:g}' for t in part['timestep'])}: {values}",
+        ))  # fmt: skip
     shuffled = check["shuffled"]
     if len(shuffled):
-        rows.append(
-            Row(
-                "shuffled reference order",
-                f"{label}, {len(shuffled)} sets",
-                f"max |Δ latent| {shuffled['latent_max_diff'].max():.2g} (|latent| up to "
-                f"{shuffled['latent_max_abs'].max():.2g}), max |Δ share| at the first step "
-                f"{shuffled['first_step_share_max_diff'].max():.2g}, at any step "
-                f"{shuffled['share_max_diff'].max():.2g}; "
-                f"within tolerance: {'yes' if shuffled['within_tolerance'].all() else 'NO'}"
-                f"{'; bit-equal' if shuffled['bit_equal'].all() else ''}",
-                "—",
-                f"tolerances {SHUFFLE_LATENT_RTOL:g} x max |latent|, {SHUFFLE_SHARE_ATOL:g} (x max(1, |column|)) on "
-                "the first step's per-reference columns permuted back: float32 sums in another order (later steps' "
-                "x_t carry the loop's drift); first step, every column: "
-                + ", ".join(
-                    f"{c} {shuffled[f'first_step_{c}_max_diff'].max():.2g}"
-                    for c in SHUFFLED_COLUMNS[1:]
-                    if f"first_step_{c}_max_diff" in shuffled.columns
-                ),
-            )
-        )
+        rows.append(Row(
+            "shuffled reference order",
+            f"{label}, {len(shuffled)} sets",
+            f"max |Δ latent| {shuffled['latent_max_diff'].max():.2g} (|latent| up to "
+            f"{shuffled['latent_max_abs'].max():.2g}), max |Δ share| at the first step "
+            f"{shuffled['first_step_share_max_diff'].max():.2g}, at any step "
+            f"{shuffled['share_max_diff'].max():.2g}; "
+            f"within tolerance: {'yes' if shuffled['within_tolerance'].all() else 'NO'}"
+            f"{'; bit-equal' if shuffled['bit_equal'].all() else ''}",
+            "—",
+            f"tolerances {SHUFFLE_LATENT_RTOL:g} x max |latent|, {SHUFFLE_SHARE_ATOL:g} (x max(1, |column|)) on "
+            "the first step's per-reference columns permuted back: float32 sums in another order (later steps' "
+            "x_t carry the loop's drift); first step, every column: "
+            + ", ".join(
+                f"{c} {shuffled[f'first_step_{c}_max_diff'].max():.2g}"
+                for c in SHUFFLED_COLUMNS[1:]
+                if f"first_step_{c}_max_diff" in shuffled.columns
+            ),
+        ))  # fmt: skip
     return rows
 
 
@@ -419,12 +396,9 @@ def mixed_following(pipe, seeds=(0, 1, 2, 3, 4), samples: int = 2, n_refs: int =
         same_hits, positions, any_hits = [], [], []
         for digit in range(10):
             mixed_digits = [(digit + 3 * j) % 10 for j in range(n_refs)]
-            sets = {
-                "same": digits_reference_images(digit, n_refs, seed=500 + seed),
-                "mixed": [
-                    digits_reference_images(d, 1, seed=600 + 10 * seed + j)[0] for j, d in enumerate(mixed_digits)
-                ],
-            }
+            sets = {"same": digits_reference_images(digit, n_refs, seed=500 + seed),
+                    "mixed": [digits_reference_images(d, 1, seed=600 + 10 * seed + j)[0]
+                              for j, d in enumerate(mixed_digits)]}  # fmt: skip
             for kind, refs in sets.items():
                 out = pipe(
                     **{**_call(refs), "num_images_per_prompt": samples},

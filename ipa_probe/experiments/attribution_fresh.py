@@ -16,12 +16,17 @@ are independent); and calibration over every (set, pair): the least-squares slop
 one and their Spearman correlation, each with a 95 % percentile bootstrap interval over sets (a set's two pairs are
 resampled together).
 
-Run: ``python -m ipa_probe.experiments.attribution_fresh --sets 16 --points 2 --out docs/results/attribution_fresh``.
+The same generation gives every aggregation of the step predictors per pair (:func:`observe`), from which
+:func:`held_out` chooses a predictor and its aggregation on half of the sets and tests it on the other half.
+
+Run: ``python -m ipa_probe.experiments.attribution_fresh --sets 16 --points 2 --out docs/results/attribution_fresh``
+(``--resummarize``: :func:`derive` only).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -29,14 +34,18 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .attribution_setup import _call
+from .attribution_aggregate import _label, aggregate, regenerated
+from .attribution_setup import STEP_PREDICTORS, _call
 
 __all__ = [
     "FRESH_SEED",
     "PAIR_PREDICTORS",
     "deciding_pairs",
+    "derive",
     "fresh_set",
     "fresh_sets",
+    "held_out",
+    "observe",
     "run",
     "summaries",
     "summarize",
@@ -67,24 +76,41 @@ def fresh_sets(count: int, start: int = FRESH_SEED) -> list[dict]:
     return out
 
 
-def fresh_set(pipe, spec: dict, points: int = 2, steps: int | None = None) -> pd.DataFrame:
+def observe(pipe, spec: dict, steps: int | None = None) -> tuple:
+    """One generation of a :func:`fresh_sets` entry (its two draws of each digit), no ablation: ``(call, result,
+    pairs)``, the pipeline's call, :func:`ipa_probe.attribution.reference_attribution`'s result and every aggregation
+    of its step predictors (:func:`.attribution_aggregate.aggregate`: layer group x step selection) summed over each
+    same-digit pair (``set``, ``pair``, ``group``, ``steps``, :data:`~.attribution_setup.STEP_PREDICTORS`)."""
+    from ..attribution import reference_attribution
+    from ..tiny.digits import digits_reference_images
+
+    refs = [image for d in "ab" for image in digits_reference_images(spec[d], 2, seed=spec[f"draw_{d}"])]
+    call = {**_call(refs), **({} if steps is None else {"num_inference_steps": steps})}
+    result = reference_attribution(pipe, steps=None, seed=spec["seed"], per_head=False, **call)
+    rows = aggregate(result.table.assign(set=spec["set"])).assign(
+        pair=lambda f: np.where(f["reference"] < 2, "a", "b")
+    )
+    pairs = rows.groupby(["set", "pair", "group", "steps"], as_index=False, sort=False)[list(STEP_PREDICTORS)].sum()
+    return call, result, pairs
+
+
+def fresh_set(pipe, spec: dict, points: int = 2, steps: int | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """One set (a :func:`fresh_sets` entry): one row per pair (``pair`` ``"a"`` / ``"b"``) with ``digit``, the
-    clean and ablated labels, ``flipped``, ``real_drop`` and every :data:`PAIR_PREDICTORS` score.
+    clean and ablated labels, ``flipped``, ``real_drop`` and every :data:`PAIR_PREDICTORS` score; and its
+    :func:`observe` aggregates.
 
     Args:
         points: the midpoint rule's points per pair for ``integrated_patching`` (one forward and backward pass each).
         steps: denoising steps (default :data:`~.attribution_setup.NUM_STEPS`; fewer for tests).
     """
-    from ..attribution import digit_probability_gradients, integrated_patching, reference_attribution
+    from ..attribution import digit_probability_gradients, integrated_patching
     from ..attribution.patching import digit_metrics
     from ..intervention import measure_intervention
-    from ..tiny.digits import classify_digit_images, digits_reference_images
+    from ..tiny.digits import classify_digit_images
 
     a, b, seed = spec["a"], spec["b"], spec["seed"]
-    refs = digits_reference_images(a, 2, seed=spec["draw_a"]) + digits_reference_images(b, 2, seed=spec["draw_b"])
-    call = {**_call(refs), **({} if steps is None else {"num_inference_steps": steps})}
-    result = reference_attribution(pipe, steps=None, seed=seed, per_head=False, **call)
-    means = result.table.groupby("reference")[["contribution_norm", "attention_share"]].mean()  # layers x steps
+    call, result, pairs = observe(pipe, spec, steps)
+    whole = pairs[(pairs["group"] == "all") & (pairs["steps"] == "all steps")].set_index("pair")  # layers x steps
     first = digit_probability_gradients(pipe, [a, a, b, b], seed=seed, **call)["attribution_patching"].to_numpy()
     rows = []
     for pair, digit, members in (("a", a, [0, 1]), ("b", b, [2, 3])):
@@ -97,11 +123,11 @@ def fresh_set(pipe, spec: dict, points: int = 2, steps: int | None = None) -> pd
             {**spec, "pair": pair, "digit": digit, "clean_label": int(effect.baseline_labels[0]),
              "ablated_label": int(effect.intervened_labels[0]), "flipped": bool(effect.flipped[0]),
              "real_drop": clean - float(effect.intervened_probabilities[0, digit]), "output_digit": clean,
-             "contribution_norm": float(means.loc[members, "contribution_norm"].sum()),
-             "attention_share": float(means.loc[members, "attention_share"].sum()),
+             "contribution_norm": float(whole.loc[pair, "contribution_norm"]),
+             "attention_share": float(whole.loc[pair, "attention_share"]),
              "attribution_patching": float(first[members].sum()), "integrated_patching": -float(path[0])}
         )  # fmt: skip
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows), pairs
 
 
 def deciding_pairs(records: pd.DataFrame) -> pd.Series:
@@ -120,20 +146,21 @@ def _calibration(predicted: np.ndarray, real: np.ndarray) -> tuple[float, float]
     return float(stats.linregress(predicted, real).slope), float(stats.spearmanr(predicted, real).statistic)
 
 
-def summarize(records: pd.DataFrame, resamples: int = 1999, seed: int = 0) -> pd.DataFrame:
-    """Per predictor: agreement with the deciding pair (``hits`` of ``decided`` sets, ``agreement``, its one-sided
-    95 % Clopper-Pearson lower bound ``agreement_low``, ``chance`` 0.5 and the one-sided binomial ``p`` of agreement
-    above chance), and calibration over every (set, pair): ``slope`` of the real drop on the predicted one and
-    ``spearman``, each with a 95 % percentile bootstrap interval over sets (``resamples``; ``_low``, ``_high``);
-    ``median_predicted`` and ``median_real`` of the deciding pairs."""
+def summarize(records: pd.DataFrame, resamples: int = 1999, seed: int = 0, predictors=PAIR_PREDICTORS) -> pd.DataFrame:
+    """Per predictor (``predictors``: columns of ``records``): agreement with the deciding pair (``hits`` of
+    ``decided`` sets, ``agreement``, its one-sided 95 % Clopper-Pearson lower bound ``agreement_low``, ``chance`` 0.5
+    and the one-sided binomial ``p`` of agreement above chance), and calibration over every (set, pair): ``slope`` of
+    the real drop on the predicted one and ``spearman``, each with a 95 % percentile bootstrap interval over sets
+    (``resamples``, 0 for none; ``_low``, ``_high``); deciding pairs' ``median_predicted``, ``median_real``."""
     from scipy import stats
 
     deciding = deciding_pairs(records)
     rows = records.sort_values(["set", "pair"])
     sets = rows["set"].unique()
     real = rows["real_drop"].to_numpy(np.float64).reshape(len(sets), 2)  # (S, 2) pairs a, b
+    chosen = (rows["pair"] == rows["set"].map(deciding)).to_numpy()  # the deciding pairs' rows
     out = []
-    for predictor in PAIR_PREDICTORS:
+    for predictor in predictors:
         score = rows[predictor].to_numpy(np.float64).reshape(len(sets), 2)  # (S, 2)
         choice = np.where(score[:, 0] >= score[:, 1], "a", "b")
         decided = deciding.loc[sets].notna().to_numpy()
@@ -149,7 +176,7 @@ def summarize(records: pd.DataFrame, resamples: int = 1999, seed: int = 0) -> pd
         entry["slope"], entry["spearman"] = _calibration(score.ravel(), real.ravel())
         for k, name in enumerate(("slope", "spearman")):
             bounds = (np.nan, np.nan)
-            if len(sets) > 1 and np.isfinite(entry[name]):
+            if len(sets) > 1 and resamples and np.isfinite(entry[name]):
                 ci = stats.bootstrap(
                     (np.arange(len(sets)),),
                     lambda i, k=k, score=score: _calibration(score[i].ravel(), real[i].ravel())[k],
@@ -157,9 +184,8 @@ def summarize(records: pd.DataFrame, resamples: int = 1999, seed: int = 0) -> pd
                 ).confidence_interval  # fmt: skip
                 bounds = (float(ci.low), float(ci.high))
             entry[f"{name}_low"], entry[f"{name}_high"] = bounds
-        chosen = (rows.assign(deciding=rows["set"].map(deciding))).query("pair == deciding")
-        entry["median_predicted"] = float(chosen[predictor].median()) if len(chosen) else np.nan
-        entry["median_real"] = float(chosen["real_drop"].median()) if len(chosen) else np.nan
+        entry["median_predicted"] = float(rows.loc[chosen, predictor].median()) if chosen.any() else np.nan
+        entry["median_real"] = float(rows.loc[chosen, "real_drop"].median()) if chosen.any() else np.nan
         out.append(entry)
     return pd.DataFrame(out)
 
@@ -173,25 +199,65 @@ def summaries(records: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)
 
 
+def held_out(records: pd.DataFrame, aggregates: pd.DataFrame, resamples: int = 1999) -> pd.DataFrame:
+    """The predictor and its aggregation chosen on half of the sets and tested on the other half, then swapped.
+
+    Candidates: every (step predictor, layer group, step selection) of ``aggregates`` (:func:`observe` per set, with
+    ``organism``) and the two patching scores of ``records``, each also read negated (``-`` before its name); again
+    without the posterior (``pool``), which reads the un-ablated ``x_t``: near-circular once the output is decided.
+    Per organism and pool, the even-numbered sets choose the candidate with the most hits on their deciding pairs
+    (ties: the larger calibration Spearman); the odd ones test it by :func:`summarize` (``predictor`` ``"held
+    out"``), beside reading the output's digit on the same sets; then the odd sets choose. Rows as
+    :func:`summarize`'s, with ``organism``, ``pool``, ``fold``, the ``chosen`` candidate, its ``choosing_hits`` of
+    ``choosing_decided``; ``p_holm``: Holm over the table's held-out tests."""
+    from ..attribution import holm
+
+    keys = ["organism", "set", "pair"]
+    regenerated(records, aggregates, keys, ("contribution_norm", "attention_share"), "records.csv")
+    long = aggregates.melt([*keys, "group", "steps"], list(STEP_PREDICTORS), "predictor").dropna(subset="value")
+    long["candidate"] = [_label(*key) for key in long[["predictor", "group", "steps"]].itertuples(index=False)]
+    wide = records.merge(long.pivot(index=keys, columns="candidate", values="value").reset_index(), on=keys)
+    names = [*long["candidate"].unique(), "attribution_patching", "integrated_patching"]
+    wide = pd.concat([wide, (-wide[names]).add_prefix("-")], axis=1)
+    pools = {"every candidate": names, "without the posterior": [n for n in names if not n.startswith("posterior")]}
+    out = []
+    for (organism, frame), (pool, allowed) in itertools.product(wide.groupby("organism", sort=False), pools.items()):
+        sets = np.sort(frame["set"].unique())
+        for fold, half in (("even sets choose", sets[::2]), ("odd sets choose", sets[1::2])):
+            choose, test = frame[frame["set"].isin(half)], frame[~frame["set"].isin(half)]
+            ranked = summarize(choose, 0, predictors=[*allowed, *(f"-{n}" for n in allowed)])
+            best = ranked.sort_values(["hits", "spearman"], ascending=False, kind="stable").iloc[0]
+            tested = summarize(test.assign(**{"held out": test[best["predictor"]]}), resamples, predictors=[
+                "held out", "output_digit"])  # fmt: skip
+            out.append(tested.assign(organism=organism, pool=pool, fold=fold, chosen=best["predictor"],
+                                     candidates=len(ranked), choosing_hits=best["hits"],
+                                     choosing_decided=best["decided"]))  # fmt: skip
+    out = pd.concat(out, ignore_index=True)
+    tested = out["predictor"] == "held out"  # one Holm family: every held-out test of the table
+    return out.assign(p_holm=pd.Series(holm(out.loc[tested, "p"].to_numpy(np.float64)), out.index[tested]))
+
+
 def run(recipes: list[str], sets: int, out: Path, points: int = 2, steps: int | None = None) -> dict:
     """:func:`fresh_set` on ``sets`` fresh sets per recipe's trained organism: ``records.csv`` (one row per
-    organism, set and pair), ``summary.csv`` (:func:`summarize` per organism) and ``record.json`` under ``out``."""
+    organism, set and pair), ``aggregates.csv`` (:func:`observe`'s), :func:`derive`'s tables and ``record.json``."""
     import torch
 
     from .._io import versions, write_json, write_table
     from ..tiny.digits import digits_pipeline
 
     out.mkdir(parents=True, exist_ok=True)
-    records, cpu = [], {}
+    records, aggregates, cpu = [], [], {}
     for recipe in recipes:
         pipe = digits_pipeline(recipe=recipe)
         pipe.set_progress_bar_config(disable=True)
         start = time.process_time()
-        frame = pd.concat([fresh_set(pipe, spec, points, steps) for spec in fresh_sets(sets)], ignore_index=True)
+        frames, pairs = zip(*(fresh_set(pipe, spec, points, steps) for spec in fresh_sets(sets)), strict=True)
         cpu[recipe] = round(time.process_time() - start, 1)
-        records.append(frame.assign(organism=recipe))
+        records.append(pd.concat(frames, ignore_index=True).assign(organism=recipe))
+        aggregates.append(pd.concat(pairs, ignore_index=True).assign(organism=recipe))
         write_table(pd.concat(records, ignore_index=True), out / "records.csv")
-    write_table(summaries(pd.concat(records, ignore_index=True)), out / "summary.csv")
+    write_table(pd.concat(aggregates, ignore_index=True), out / "aggregates.csv")
+    derive(out)
     record = {"command": f"python -m ipa_probe.experiments.attribution_fresh --sets {sets} --points {points} "
               f"--recipes {' '.join(recipes)} --out {out}", "fresh_seed": FRESH_SEED, "sets": fresh_sets(sets),
               "points": points, "num_inference_steps": steps or _call([])["num_inference_steps"],
@@ -200,25 +266,33 @@ def run(recipes: list[str], sets: int, out: Path, points: int = 2, steps: int | 
     return record
 
 
+def derive(out: Path) -> None:
+    """Write ``summary.csv`` (:func:`summaries`) and ``held_out.csv`` (:func:`held_out`) from ``out``'s
+    ``records.csv`` and ``aggregates.csv``: what the experiment derives, rerun from its records alone."""
+    from .._io import write_table
+
+    records = pd.read_csv(out / "records.csv")
+    write_table(summaries(records), out / "summary.csv")
+    write_table(held_out(records, pd.read_csv(out / "aggregates.csv")), out / "held_out.csv")
+
+
 def main(argv: list[str] | None = None) -> None:  # pragma: no cover - a script
     import torch
-
-    from .._io import write_table
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sets", type=int, default=16)
     parser.add_argument("--points", type=int, default=2, help="integrated patching's midpoint-rule points")
     parser.add_argument("--recipes", nargs="+", default=["support", "ip-adapter", "mixed"])
-    parser.add_argument("--resummarize", action="store_true", help="rewrite summary.csv from --out's records.csv")
+    parser.add_argument("--resummarize", action="store_true", help="rewrite summary.csv and held_out.csv (derive)")
     args = parser.parse_args(argv)
-    if args.resummarize:
-        write_table(summaries(pd.read_csv(args.out / "records.csv")), args.out / "summary.csv")
-        return
-    if args.sets < 1 or args.points < 1:
-        parser.error(f"--sets and --points must be at least 1, got {args.sets} and {args.points}")
     torch.set_num_threads(1)
-    print(json.dumps(run(args.recipes, args.sets, args.out, args.points)["cpu_seconds"]))
+    if args.resummarize:
+        derive(args.out)
+    elif args.sets < 1 or args.points < 1:
+        parser.error(f"--sets and --points must be at least 1, got {args.sets} and {args.points}")
+    else:
+        print(json.dumps(run(args.recipes, args.sets, args.out, args.points)["cpu_seconds"]))
 
 
 if __name__ == "__main__":  # pragma: no cover

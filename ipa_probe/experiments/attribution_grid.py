@@ -93,7 +93,7 @@ def compare_grid(
                         "effect": effect,
                         "predictor": predictor,
                         **predictor_test(t),
-                    }
+                    }  # fmt: skip
                 )
     return pd.DataFrame(rows)
 
