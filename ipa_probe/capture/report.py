@@ -65,10 +65,10 @@ def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot:
         seen = counts.reshape(-1).numpy() > 0
         values = (sums / counts.clamp(min=1).unsqueeze(-1)).reshape(-1, len(CELL_FIELDS)).numpy()[seen]
         step, layer, adapter, branch, head = (g[seen] for g in grid)
-        frame = pd.DataFrame(values, columns=list(CELL_FIELDS))
         # the buffers sum squared standard errors: the mean of n cells has the root of their sum over n
-        errors = [se_column(name) for name in SAMPLED_COLUMNS]
-        frame[errors] = np.sqrt(frame[errors].to_numpy() / counts.reshape(-1).numpy()[seen][:, None])
+        errors = [CELL_FIELDS.index(se_column(name)) for name in SAMPLED_COLUMNS]
+        values[:, errors] = np.sqrt(values[:, errors] / counts.reshape(-1).numpy()[seen][:, None])  # (copied rows)
+        frame = pd.DataFrame(values, columns=list(CELL_FIELDS))
         frame.insert(0, "call", call["index"])
         frame.insert(1, "step", step)
         frame.insert(2, "timestep", call["timesteps"].double().numpy()[step])
