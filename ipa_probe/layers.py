@@ -76,7 +76,7 @@ _UNSUPPORTED_REASONS: dict[str, str] = {
 LayerSelection = str | re.Pattern | Iterable[str] | None
 
 #: ipa_probe's one attribute on a denoiser (its ``__dict__``): a dict of what the attached features keep there (the
-#: attachment core, the hook points, the interventions, the NW head, the claims), gone with its last entry
+#: attachment core with the hook points and interventions, the NW head, the claims), gone with its last entry
 STATE_ATTRIBUTE = "_ipa_probe"
 
 

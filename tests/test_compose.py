@@ -13,16 +13,16 @@ standing between two (the nested-ablation bug of issue 49 showed with a probe be
 are a covering array: each ordered pair of features that may run together stands in each of the three position pairs
 (outer-middle, outer-inner, middle-inner) of some triple. The greedy construction takes 138 of the 1,066 on SD 1.5
 and on SDXL (the same thirteen features; there with CFG, two text encoders and added time ids, attribution's shares
-read on the conditional rows), 86 of 468 on Flux and 40 of 90 on SD3, the same every run. Every unordered triple in
+read on the conditional rows), 86 of 468 on Flux and 92 of 468 on SD3, the same every run. Every unordered triple in
 one order and its reverse would cost several times as much and never put the list's first and last features in the
 middle. A case costs about 2.6 pipeline calls (the order, the order failing after its first step, the plain call);
 a tiny pipeline's call is bound by the per-module cost of eager PyTorch, not by its size (SDXL's at 32 px instead of
 64, or without CFG, is 10-15 % cheaper), so SDXL's cases cost about what SD 1.5's do.
 
-Features refused on a pipeline are no features there: SD3 refuses ``intervene(mode="scale")``, every hook point and
-so the cache, the custom hooks and the patch (its image tokens share one softmax with the latent tokens: the image
-branch has no weights of its own to edit); Flux has no patch (no source run here) and no attribution. Pairs refused
-by design (the stored-frame NW head and a gauge, one gauge inside another) are checked to raise, in either order.
+Features a pipeline lacks are no features there: Flux and SD3 have no patch (no source run here) and no attribution;
+SD3's scale acts on its one reference, and its readings under it are the test's own joint softmax with ``log f`` added
+to the image logits. Pairs refused by design (the stored-frame NW head and a gauge, one gauge inside another) are
+checked to raise, in either order.
 
 The reference weights are the test's own: forward hooks on the modules that return the image branch's query and keys
 (after the intervention's edit of the tokens, i.e. the very keys the layer's softmax runs over: UNets ``attn.to_q``
@@ -449,6 +449,32 @@ def test_a_probe_and_gauge_sweep_join_an_open_probe_on_dits(family, refs, reques
     assert set(outer.to_dataframe()["branch"]) == {"cond", "uncond"}
 
 
+def test_an_open_probe_reads_gauge_sweeps_calls_as_alone_on_the_unet(organism, refs):
+    """The UNet twin of the test above (the matrix checks the sweep's own table and one layer's maps): the open probe's
+    whole table and maps are those of a probe alone around the sweep's two calls; when the gauged call raises, the
+    open probe keeps both calls that ran and the pipeline comes back."""
+    from ipa_probe.gauge import gauge_sweep
+
+    calls = []
+
+    def call(fail=False):  # with CFG; ``fail``: the gauged call (the second) raises after its first step
+        calls.append(1)
+        return latents(organism, refs, guidance_scale=3.0, **({"callback_on_step_end": boom} if fail else {}))
+
+    with ipa_probe.probe(organism, keep_maps=True) as outer:
+        gauge_sweep(organism, call, "1,2", layers=LAYER)
+    with ipa_probe.probe(organism, keep_maps=True) as single:
+        call()
+        with ipa_probe.qk_gauge(organism, 2.0, layers=LAYER):
+            call()
+    assert_same_run(outer, single)
+    before, calls[:] = snapshot(organism), []
+    with pytest.raises(Boom), ipa_probe.probe(organism, maps=True) as outer:
+        gauge_sweep(organism, lambda: call(fail=len(calls) > 0), "2", layers=LAYER)
+    assert_unchanged(organism, before)
+    assert len(calls) == 2 and sorted(outer.to_dataframe()["call"].unique()) == [0, 1]  # what ran is kept
+
+
 def test_a_failure_inside_a_joined_probe_gives_the_pipeline_back(organism, refs):
     """Attribution with CFG raising inside an open probe (gauge_sweep's gauged call raising inside each feature:
     the matrix below)."""
@@ -514,8 +540,9 @@ def test_everything_attached_adds_one_denoiser_pre_hook(organism, refs):
         for make in FEATURES.values():
             stack.enter_context(make(organism))
         assert len(organism.unet._forward_pre_hooks) == before + 1
-        # probe, ablation, the hook points (scale, hooks and cache share them) and the NW head's timestep clock
-        assert len(spine_of(organism).clients) == 4
+        # one count of users: probe, the two interventions (ablate, scale), the three users of the hook points
+        # (scale's, hooks, cache: one set of the points' hooks among them) and the NW head's timestep clock
+        assert len(spine_of(organism).clients) == 7 and spine_of(organism).points is not None
         latents(organism, refs)
     assert len(organism.unet._forward_pre_hooks) == before
 
@@ -572,7 +599,7 @@ def matrix_features(pipe, generate, other, layer, swapped=1, call=None, source=N
         result = reference_attribution(pipe, **call, **extra)
         return [result.generation.latents], result
 
-    def output_point():  # SD3 has no hook points: asked only where the hook features are in the matrix
+    def output_point():  # asked only where the hook features are in the matrix
         return next(n for n in ipa_probe.list_hook_points(pipe) if n.endswith(".ip.output"))
 
     features = {
@@ -621,7 +648,7 @@ def run_nested(pipe, generate, features, order, fail=False):
 def expected_weights(own, order, references):
     """The test's own weights of every pass, laid out over every reference of the call: the kernel over the keys
     the layer kept (``ablate`` removes reference 0 at step 1), a removed reference at 0; ``scale`` multiplies
-    reference 1's weights by its factor and renormalises the rows."""
+    the last reference's weights (reference 1; SD3's one) by its factor and renormalises the rows."""
     tokens = own[0].shape[-1] // references  # step 0 keeps every reference
     out = []
     for index, w in zip(own.passes, own, strict=True):
@@ -629,7 +656,7 @@ def expected_weights(own, order, references):
         full = w.new_zeros(*w.shape[:-1], references, tokens)  # (B, H, Q, R, T)
         full[..., kept, :] = w.reshape(*w.shape[:-1], len(kept), tokens)
         if "scale" in order:
-            full[..., 1, :] *= SCALE
+            full[..., -1, :] *= SCALE
         full = full.flatten(-2)
         out.append(full / full.sum(-1, keepdim=True))
     return out
@@ -652,6 +679,8 @@ def check_readings(own, order, entered, result, reading):
     layer, references = reading
     expected = dict(zip(own.passes, expected_weights(own, order, references), strict=True))
     shares = dict(zip(own.passes, own.shares, strict=False))  # SD3 only
+    if "scale" in order:  # SD3's one reference: log SCALE added to the image logits of the joint softmax
+        shares = {index: SCALE * m / (SCALE * m + 1 - m) for index, m in shares.items()}
     run, passes = entered.get("probe"), CALLS.get(order[-1], 1) * STEPS
     skipped = {i for i in range(passes) if references == 1 and "ablate" in order and i % STEPS == 1}
     assert set(expected) == set(range(passes)) - skipped, (sorted(expected), passes)
@@ -834,16 +863,16 @@ def sd3_matrix(pipe):
         return pipe(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
 
     layer = find_ip_layers(pipe)[0].name
-    return generate, matrix_features(pipe, generate, refs[1], layer, swapped=0), (layer, 1)
+    features = matrix_features(pipe, generate, refs[1], layer, swapped=0)
+    features["scale"] = ("edit", lambda: intervene(pipe, 0, mode="scale", factor=SCALE))  # its one reference
+    return generate, features, (layer, 1)
 
 
 #: The features of each pipeline's matrix (call features last). Flux has no ``.ip.contribution`` source run here
-#: (``patch``) and no attribution; SD3 refuses ``mode="scale"``, every hook point and so the cache, the custom hooks
-#: and the patch (its image tokens share one softmax with the latent tokens: no branch of their own to edit), so
-#: those are no features there.
+#: (``patch``) and no attribution; SD3 has no patch (no source run here) and no attribution.
 FEATURES_OF = {
     "flux": ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge", "swap", "sweep"],
-    "sd3": ["probe", "ablate", "swap", "nw_query", "nw_stored", "gauge", "sweep"],
+    "sd3": ["probe", "cache", "ablate", "scale", "hooks", "swap", "nw_query", "nw_stored", "gauge", "sweep"],
 }
 FEATURES_OF["organism"] = [*FEATURES_OF["flux"][:-1], "probe_nomaps", "patch", "sweep", "attribution"]
 FEATURES_OF["sdxl"] = FEATURES_OF["organism"]

@@ -79,6 +79,7 @@ class OwnHooks:
         v = self.calls[step][(name, "v")]
         d = v.shape[-1] // heads
         vh = v.reshape(batch, -1, heads, d).transpose(1, 2)  # (B, H, K, D)
+        vh = torch.nn.functional.pad(vh, (0, 0, w.shape[-1] - vh.shape[2], 0))  # ablated reference 0: values 0
         tokens = w.shape[-1] // references
         w = w.reshape(batch, heads, queries, references, tokens)  # (B, H, Q, R, T)
         vr = vh.reshape(batch, heads, references, tokens, d)  # (B, H, R, T, D)
@@ -317,6 +318,10 @@ def _own_scale(factor):
     return edit
 
 
+def _ablated_first(w):  # the layer's keys held reference 1 only: reference 0 back at weight 0
+    return torch.cat([torch.zeros_like(w), w], -1)
+
+
 def _zero_last_head(w, ctx=None):
     w = w.clone()
     w[:, -1] = 0
@@ -336,6 +341,7 @@ def _own_zero_reference(per_head):
 
 
 EDITS = {
+    "ablate": (lambda pipe: intervene(pipe, 0), _ablated_first, None),
     "scale_0.5": (lambda pipe: intervene(pipe, 0, mode="scale", factor=0.5), _own_scale(0.5), None),
     "scale_1": (lambda pipe: intervene(pipe, 0, mode="scale", factor=1.0), None, None),
     "scale_2": (lambda pipe: intervene(pipe, 0, mode="scale", factor=2.0), _own_scale(2.0), None),

@@ -87,8 +87,8 @@ def test_settings_describe_and_select_steps():
 
 
 def test_refuses_what_a_family_lacks_and_missing_adapters(sd3, flux, organism):
-    with pytest.raises(ValueError, match="SD 1.5 / SDXL and Flux"):
-        ipa_probe.intervention.apply_intervention(sd3, 0, mode="scale", factor=0.5)
+    with pytest.raises(ValueError, match="one reference image per prompt"):
+        ipa_probe.intervention.apply_intervention(sd3, 1, mode="scale", factor=0.5)
     with pytest.raises(ValueError, match="hold 1 IP-Adapter"):
         ipa_probe.intervention.apply_intervention(flux, 0, adapter=1)
     assert ipa_probe.list_hooks(flux) == [] and ipa_probe.list_hooks(sd3) == []
@@ -111,7 +111,8 @@ def test_pipeline_comes_back_bit_for_bit(organism, refs, one_thread):
         assert [a.feature for a in ipa_probe.list_hooks(organism)] == ["intervene"]
         assert ipa_probe.list_hooks(organism)[0].layers == tuple(state.layers)
         changed = latents(organism, **call(refs))
-        inner = ipa_probe.intervention.apply_intervention(organism, 0)  # interventions nest: the innermost goes first
+        # interventions nest (a scale too, whose edit is a hook points' user): the innermost goes first
+        inner = ipa_probe.intervention.apply_intervention(organism, 0, mode="scale", factor=0.5)
         assert [a.feature for a in ipa_probe.list_hooks(organism)] == ["intervene", "intervene"]
         ipa_probe.intervention.remove_intervention(organism)
         assert not inner.active and state.active

@@ -14,6 +14,7 @@ from test_intervention import assert_unchanged, snapshot
 import ipa_probe
 from ipa_probe.capture.layer_order import network_order
 from ipa_probe.tiny.digits import DIGITS_PROMPT, digits_reference_images
+from ipa_probe.tiny.sd import default_reference_images
 
 STEPS = 3
 CONTRIBUTIONS = r"\.ip\.contribution$"
@@ -128,10 +129,68 @@ def test_names_listed_per_layer_and_point(organism):
     )
 
 
-def test_sd3_refused_in_one_line(sd3):
-    with pytest.raises(ValueError, match="UNets and Flux: SD3") as err:
-        ipa_probe.list_hook_points(sd3)
-    assert "\n" not in str(err.value)
+SD3_FACTOR = 3.0
+
+
+def test_sd3_points_scale_and_cache_match_a_float64_recomputation(sd3, one_thread):
+    """SD3's image branch is one softmax over ``[image keys; latent keys]`` (the processor's ``norm_ip_k``,
+    ``norm_k``) with values ``[to_v_ip; to_v]``: under ``mode="scale"`` (``log f`` added to the image logits) the
+    cached ``weights`` are the image columns of the test's own float64 joint softmax, ``output`` is ``s W_o`` times
+    its mix of the values, and ``to_out[0]`` returns what it computes plus the change of that output; the cache's
+    estimate of every point is what it then holds."""
+    layer = ipa_probe.find_ip_layers(sd3)[0]
+    attn, proc, heads = layer.attention, layer.processor, layer.heads
+    modules = {"q": proc.norm_q, "k": proc.norm_ip_k, "k_lat": proc.norm_k, "v": proc.to_v_ip, "v_lat": attn.to_v}
+    seen = []
+
+    def keep(key):
+        def hook(module, args, output):
+            seen[-1][key] = output.detach().double()
+            if key == "out":
+                seen[-1]["x"] = args[0].detach().double()
+
+        return hook
+
+    points = rf"^{layer.name}\.ip\.(weights|output)$"
+    kwargs = dict(prompt="a", ip_adapter_image=default_reference_images(1)[0], height=64, width=64)
+    with (
+        ipa_probe.intervene(sd3, 0, mode="scale", factor=SD3_FACTOR),
+        ipa_probe.cache_hook_points(sd3, points) as cache,
+    ):
+        handles = [m.register_forward_hook(keep(key)) for key, m in [*modules.items(), ("out", attn.to_out[0])]]
+        handles.append(sd3.transformer.register_forward_pre_hook(lambda module, args: seen.append({})))
+        try:
+            run(sd3, num_inference_steps=2, output_type="latent", **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+    weights, output = (cache[f"{layer.name}.ip.{point}"].double() for point in ("weights", "output"))
+    w_o, bias = attn.to_out[0].weight.double(), attn.to_out[0].bias.double()
+    for step, got in enumerate(seen):
+        q = got["q"]  # (B, H, Q, D); keys: (B, H, K, D) and (B, H, N, D)
+        split = lambda x: x.reshape(x.shape[0], -1, heads, x.shape[-1] // heads).transpose(1, 2)  # noqa: E731
+        keys, values = torch.cat([got["k"], got["k_lat"]], 2), torch.cat([split(got["v"]), split(got["v_lat"])], 2)
+        logits = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, Q, K + N)
+        image = got["k"].shape[2]
+        shift = torch.zeros(logits.shape[-1], dtype=torch.float64)
+        shift[:image] = math.log(SD3_FACTOR)
+
+        def branch(w, values=values):  # (B, H, Q, K + N) -> s W_o (w V): (B, Q, C)
+            mixed = (w @ values).transpose(1, 2).flatten(2)
+            return float(proc.scale) * mixed @ w_o.T
+
+        plain, scaled = logits.softmax(-1), (logits + shift).softmax(-1)
+        assert not torch.allclose(plain[..., :image], scaled[..., :image], atol=1e-3)  # the factor moves them
+        torch.testing.assert_close(weights[step], scaled[..., :image], rtol=0, atol=1e-6)
+        torch.testing.assert_close(output[step], branch(scaled), rtol=0, atol=1e-5)
+        expected = got["x"] @ w_o.T + bias + branch(scaled) - branch(plain)
+        torch.testing.assert_close(got["out"], expected, rtol=0, atol=1e-5)
+    with ipa_probe.cache_hook_points(sd3) as every:  # every point: the estimate is exactly what the cache holds
+        run(sd3, num_inference_steps=1, output_type="latent", **kwargs)
+    with ipa_probe.cache_hook_points(sd3, max_bytes=every.nbytes):
+        run(sd3, num_inference_steps=1, output_type="latent", **kwargs)
+    with pytest.raises(ValueError, match="max_bytes="), ipa_probe.cache_hook_points(sd3, max_bytes=every.nbytes - 1):
+        run(sd3, num_inference_steps=1, output_type="latent", **kwargs)
 
 
 def test_flux_points(flux, one_thread):

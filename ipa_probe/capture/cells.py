@@ -249,6 +249,7 @@ def cell_inputs(
     sample: torch.Tensor | None = None,
     other_pools: int | None = None,
     frame: tuple[torch.Tensor, torch.Tensor] | None = None,
+    share: torch.Tensor | None = None,
 ) -> CellInputs:
     """One record's :class:`CellInputs`: its query frames formed over every row (:func:`frame_terms`), then its rows
     sampled and its per-cell scalars taken.
@@ -269,6 +270,7 @@ def cell_inputs(
             (:data:`~ipa_probe.statistics.schema.QUERY_POOL_OTHER_COLUMN`): its exact-form frame is formed too, over
             the same rows; ``None`` (or ``pools``) where the two pools are the same rows, which forms nothing more.
         frame: the record's query frame, both forms, when formed with others' (:func:`joint_frames`), or ``None``.
+        share: ``(B, H, Q)``, the image share an edit left (SD3), else ``None`` (:func:`image_share` of the keys).
     """
     n_rows = cell.attn.shape[-2]
     other_pools = other_pools if other_pools != pools else None
@@ -309,7 +311,7 @@ def cell_inputs(
         keys = kept.sum(-1) / (batch // groups)  # (groups, H) keys per row
     ip_mass = torch.full_like(q_norm, math.nan)
     if other is not None and not text:
-        share = image_share(processor, q, k, other.float())  # (B, H, Q)
+        share = image_share(processor, q, k, other.float()) if share is None else share  # (B, H, Q)
         ip_mass = by_group(share).mean(-1)
     fraction = torch.full_like(q_norm, 1.0 if sample is None else sample.shape[-1] / n_rows)
     scalars = torch.stack(

@@ -46,6 +46,7 @@ class _Held:
     other: torch.Tensor | None  # (B, H, N, D) SD3's latent keys
     inside: torch.Tensor | None  # (B, Q) bool
     used: torch.Tensor | None  # (B, H, Q, K) the edited weights, every reference (those removed at 0)
+    share: torch.Tensor | None  # (B, H, Q) SD3's image share under an edit, else None (formed from the keys)
     kept: tuple | None  # the references an ablation kept (Spine.kept)
     text: bool
     processor: torch.nn.Module
@@ -107,8 +108,12 @@ class RecordForming:
         processor = self.layers[index].attention.processor
         # an edit removed references from the keys: the maps put them back at weight 0 (kept, total)
         kept = None if text or self._spine is None else self._spine.kept.get((self.layers[index].name, slot))
+        share = None  # SD3 under an edit: the image columns' mass in its joint softmax (B, H, Q)
         if used is not None:  # the edited weights (the weights point holds every reference)
             used = (used if head_index is None else used.index_select(1, head_index)).float()  # (B, H, Q, K)
+            if other is not None:  # SD3's image columns: renormalised, as the probe reads them unedited
+                share = used.sum(-1)
+                used = used / share.unsqueeze(-1)
         groups = labels.shape[0]
         n_rows, n_keys = query.shape[-2] * (query.shape[0] // groups), key.shape[-2]
         size = self.config.sample_rows(n_rows, n_keys)  # from shapes: no device read
@@ -125,6 +130,7 @@ class RecordForming:
             other=other,
             inside=inside,
             used=used,
+            share=share,
             kept=kept,
             text=text,
             processor=processor,
@@ -267,6 +273,7 @@ class RecordForming:
         # and the other pool's (schema.QUERY_POOL_OTHER_COLUMN): formed only where a branch holds several items
         other_pools = first.chunks if pools == per_record else per_record
         inputs = dict(groups=groups, q=q, k=k, other=other, text=first.text, processor=first.processor, tails=tails)
+        inputs.update(share=first.share)
         inputs.update(text_mask=text_mask, pools=pools * len(held), q_norms=q_norms, sample=sample)
         return held, attn, cell, dict(inputs, other_pools=other_pools * len(held))
 
@@ -299,7 +306,6 @@ class RecordForming:
             maps_attn, maps_nw = cell_attn, cell_nw
             if kept is not None:
                 maps_attn, maps_nw = (expand_references(x, *kept, -1, -math.inf) for x in (maps_attn, maps_nw))
-                self._maps.kept[(entry.index, entry.slot)] = kept
             if used is not None:  # (B, H, Q, K) -> (groups, items, H, Q, K) -> (groups, H, items * Q, K), the cells'
                 used = used.unflatten(0, (labels.shape[0], -1)).transpose(1, 2).flatten(2, 3)
             edited = None if self._spine is None else self._spine.used.get((name, entry.slot, "contribution"))

@@ -38,7 +38,7 @@ from diffusers.image_processor import IPAdapterMaskProcessor
 
 from ..layers import IPLayer, LayerSelection, compile_selection
 from ..statistics.kernels import reference_contributions, softmax_keys
-from .spine import LayerHooks, expand_references
+from .spine import Spine, expand_references
 from .taps import Tap
 from .taps.base import layer_module
 
@@ -121,9 +121,6 @@ class MapAccumulator:
         self._pending: dict[tuple[int, int], tuple[tuple[int, int, int, int], torch.Tensor, torch.Tensor]] = {}
         #: (layer index, adapter) -> the value projection's output of this pass, when it came before :meth:`add`
         self._values: dict[tuple[int, int], torch.Tensor] = {}
-        #: (layer index, adapter) -> ``(kept, total)`` when an edit removed references from this pass's keys and
-        #: values (:meth:`~.spine.Spine.keep_references`): the value hook puts them back at 0
-        self.kept: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
         #: records whose contributions an edit of the contribution or output point set (:meth:`add`), warned of once
         self.edited_contributions = 0
 
@@ -134,12 +131,12 @@ class MapAccumulator:
         self.heads = True
 
     # ------------------------------------------------------------------ capture
-    def install(self, denoiser: torch.nn.Module, hooks: LayerHooks) -> list[Any]:
+    def install(self, denoiser: torch.nn.Module, spine: Spine) -> list[Any]:
         """Add the value readers to the spine's per-layer hooks (the probe calls :meth:`on_pass` from its place on the
         spine, after its clock)."""
         self.read_projections(denoiser)
         return [
-            hooks.add(layer_module(layer, "v", adapter), self._value_hook(index, adapter))
+            spine.hooks.add(layer_module(layer, "v", adapter), self._value_hook(spine, index, adapter))
             for index, layer in enumerate(self.layers)
             if layer.family != "sd3"  # one softmax over latent and image tokens: no per-reference split
             for adapter in range(layer.num_adapters)
@@ -154,7 +151,6 @@ class MapAccumulator:
         self._batch = self.tap.sample(args, kwargs).shape[0]
         self._pending.clear()
         self._values.clear()
-        self.kept.clear()
         self._images_seen.clear()  # per pass: which reference image a masked adapter's next key projection is
         if masks is None or not all(m is None or isinstance(m, torch.Tensor) for m in masks):
             masks = []
@@ -281,13 +277,17 @@ class MapAccumulator:
         region = region.reshape(1, n_branch, items, queries, 1)
         entries[-1][1][..., image * tokens : (image + 1) * tokens] = shares * region
 
-    def _value_hook(self, index: int, adapter: int):
+    def _value_hook(self, spine: Spine, index: int, adapter: int):
         """Forward hook on ``to_v_ip[adapter]`` of layer ``index``: with the weights :meth:`add` left for this pass,
-        each reference's contribution to the layer output (:meth:`_contribute`)."""
+        each reference's contribution to the layer output (:meth:`_contribute`); the references an edit removed from
+        the values (the spine says which: :meth:`~.spine.Spine.kept_references`) are back at 0."""
 
         def hook(module, args, output):
             if not isinstance(output, torch.Tensor):
                 return
+            kept = spine.kept_values.get((self.layers[index].name, adapter))
+            if kept is not None and output.ndim == 4:  # (B, R - removed, T, C)
+                output = expand_references(output, *kept, 1, 0.0)
             if (index, adapter) in self._pending:
                 self._deliver(index, adapter, output)
             else:  # the probe holds this layer's record until the pass ends (:meth:`add` delivers them then)
@@ -298,9 +298,6 @@ class MapAccumulator:
     def _deliver(self, index: int, adapter: int, output: torch.Tensor) -> None:
         """The layer's values meet the weights :meth:`add` left: each reference's contribution."""
         pending = self._pending.pop((index, adapter))
-        kept = self.kept.pop((index, adapter), None)
-        if kept is not None and output.ndim == 4:  # (B, R - removed, T, C)
-            output = expand_references(output, *kept, 1, 0.0)
         self._contribute(index, adapter, *pending, output)
 
     def masks_adapter(self, adapter: int) -> bool:

@@ -160,7 +160,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
             self._tap_handles = self.tap.install(self._capture, self.images, self.text_slot)
             self.evidence.install()
             if self._maps is not None:
-                self._handles.extend(self._maps.install(denoiser_of(self.pipe), self._spine.hooks))
+                self._handles.extend(self._maps.install(denoiser_of(self.pipe), self._spine))
         except BaseException:
             self._uninstall()
             raise

@@ -200,6 +200,8 @@ class Spine:
         #: the prompt embeddings seen, when a client asked for branch labels (:meth:`watch_prompts`), and how many ask
         self.evidence: PromptEvidence | None = None
         self._watchers = 0
+        #: the hook points' hooks (:mod:`ipa_probe.intervention.points`), while a client holds points
+        self.points: Any = None
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from .._checks import check_steps_ran, parse_step_selection, step_selected
-from ..layers import claim, release
 from .points import HookContext, PointUser, attach_points, list_hook_points, select_points
 
 __all__ = ["CACHE", "HookCache", "cache_hook_points", "run_with_cache"]
@@ -191,22 +190,13 @@ def cache_hook_points(pipe, names: Any = None, *, steps=None, max_bytes: int = 2
         return fn
 
     user = PointUser({name: [record(name)] for name in chosen}, selection, on_call, edits=False)
-    layers = sorted({name.rsplit(".", 2)[0] for name in chosen})
-    own = claim(pipe, CACHE, layers, f"cache of {len(chosen)} hook point(s)", exclusive=False)
-    try:
-        detach = attach_points(pipe, user)
-    except BaseException:
-        release(pipe, CACHE, own)
-        raise
+    detach = attach_points(pipe, user, CACHE, f"cache of {len(chosen)} hook point(s)")
     try:
         yield cache
         # steps the calls never had: an error, not an empty cache
         check_steps_ran(selection, user.steps_run, selected=user.selected)
     finally:
-        try:
-            detach()
-        finally:
-            release(pipe, CACHE, own)
+        detach()
 
 
 def run_with_cache(

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from .._checks import parse_step_selection
-from ..layers import claim, release
 from .config import InterventionConfig
 from .points import HookContext, HookFn, PointUser, attach_points, normalise_hooks, point_name
 
@@ -35,9 +34,7 @@ class HookIntervention:
     names: list[str]
     calls: list[tuple[int, str]] = field(default_factory=list)
     _detach: Callable[[], None] | None = field(default=None, repr=False)
-    _pipe: Any = field(default=None, repr=False)
     _user: PointUser | None = field(default=None, repr=False)
-    _claim: Any = field(default=None, repr=False)
 
     @property
     def steps(self) -> Any:
@@ -61,13 +58,8 @@ class HookIntervention:
     def remove(self) -> None:
         """Take the callbacks off (and the hooks, when no other user holds points); idempotent."""
         detach, self._detach = self._detach, None
-        if detach is None:
-            return
-        try:
+        if detach is not None:
             detach()
-        finally:
-            release(self._pipe, HOOKS, self._claim)
-            self._pipe = None
 
 
 def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=None) -> HookIntervention:
@@ -94,26 +86,20 @@ def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=N
         label=f"hooks:{len(callbacks)}",
     )
     state._user = user
-    layers = sorted({name.rsplit(".", 2)[0] for name in callbacks})
-    state._claim = claim(pipe, HOOKS, layers, f"callbacks on {len(callbacks)} hook point(s)", exclusive=False)
-    try:
-        state._pipe = pipe
-        state._detach = attach_points(pipe, user)
-    except BaseException:
-        release(pipe, HOOKS, state._claim)
-        raise
+    state._detach = attach_points(pipe, user, HOOKS, f"callbacks on {len(callbacks)} hook point(s)")
     logger.info("intervene: callbacks on %d hook point(s)", len(callbacks))
     return state
 
 
-def scale_hooks(config: InterventionConfig, layers: Sequence[str]) -> dict[str, HookFn]:
+def scale_hooks(config: InterventionConfig, layers: Sequence[str], joint: bool = False) -> dict[str, HookFn]:
     """The weights callbacks of ``mode="scale"``: reference ``j``'s unnormalised weights (``exp`` of its logits) are
     multiplied by its factor ``f_j`` and the softmax renormalised, ``w'_i = f_j w_i / sum_k f_k w_k``: ``f = 0``
     removes the reference from the softmax exactly as ``"ablate"`` does, ``f = 1`` changes nothing. Where every
-    token's factor is 0 the weights are 0 (the branch adds nothing, as ablating every reference does)."""
+    token's factor is 0 the weights are 0 (the branch adds nothing, as ablating every reference does). SD3 (``joint``),
+    whose softmax also runs over the latent tokens: the same, as ``log f`` added to the image columns' logits."""
     factors = dict(zip(config.references, config.factors, strict=True))
 
-    def rescale(weights: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:
+    def rescale(x: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:  # the weights (SD3: the logits)
         if ctx.references <= max(factors):
             raise ValueError(
                 f"reference={config.reference}: adapter {ctx.adapter} has {ctx.references} reference image(s) in "
@@ -121,11 +107,13 @@ def scale_hooks(config: InterventionConfig, layers: Sequence[str]) -> dict[str, 
             )
         if all(f == 1 for f in factors.values()):
             return None  # the identity, exactly
-        per_reference = torch.ones(ctx.references, dtype=weights.dtype, device=weights.device)
+        per_reference = torch.ones(ctx.references, dtype=x.dtype, device=x.device)
         for reference, factor in factors.items():
             per_reference[reference] = factor
-        scaled = weights * per_reference.repeat_interleave(ctx.tokens)  # (B, H, Q, K)
+        if joint:
+            return x + per_reference.repeat_interleave(ctx.tokens).log()  # (B, H, Q, K); log 0 = -inf
+        scaled = x * per_reference.repeat_interleave(ctx.tokens)  # (B, H, Q, K)
         total = scaled.sum(-1, keepdim=True)  # (B, H, Q, 1)
-        return torch.where(total > 0, scaled / total.clamp_min(torch.finfo(weights.dtype).tiny), 0.0)
+        return torch.where(total > 0, scaled / total.clamp_min(torch.finfo(x.dtype).tiny), 0.0)
 
-    return {point_name(layer, "weights", config.adapter): rescale for layer in layers}
+    return {point_name(layer, "logits" if joint else "weights", config.adapter): rescale for layer in layers}

@@ -3,7 +3,7 @@
 A client of the pipeline's attachment core (:mod:`ipa_probe.capture.spine`: the step clock, its per-layer hooks, and
 where an ablation says which references the keys kept, so that a probe inside reads them), it edits the adapter's image
 tokens in the pre-hooks of ``to_k_ip`` / ``to_v_ip`` (SD3: of the joint attention), or for ``"scale"`` the weights at
-the hook points (:func:`~.custom.scale_hooks`; factor 0 and an ablation differ in floating point); nothing is replaced,
+the hook points (SD3: the logits; :func:`~.custom.scale_hooks`; factor 0 and an ablation differ); nothing is replaced,
 so removing the callbacks gives the pipeline back bit for bit. What each mode does, and where: docs/attribution.md,
 "The causal comparison: interventions". ``hooks=`` attaches callbacks to named hook points instead (:mod:`.custom`).
 """
@@ -24,7 +24,7 @@ from .._checks import check_steps_ran
 from ..capture import spine
 from ..capture.spine import EDIT, Spine
 from ..capture.taps.base import layer_module
-from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, keep, kept, release
+from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, release
 from .config import INTERVENE, InterventionConfig
 from .custom import HookIntervention, apply_hooks
 
@@ -78,7 +78,6 @@ class Intervention:
             for handle in handles:  # the token edits' callbacks, or the scale's points
                 handle.remove()
         finally:
-            keep(denoiser, INTERVENE, [s for s in kept(denoiser, INTERVENE, []) if s is not self])
             release(denoiser, INTERVENE, self._claim)
             if self._spine is not None:
                 if self._watching:
@@ -94,6 +93,8 @@ class Intervention:
         """Read the loop index from the spine's clock, check the call's masks, and find the conditioned rows (and,
         on SD3, the other image's tokens at this timestep) for a swap."""
         self.step = spine.now.step
+        if self.config.mode == "scale":  # its hook points' user acts (:func:`_attach_scale`)
+            return
         when = holds_references if self._watching else None  # Flux
         self._acting = spine.selects(self, self.config.steps, when, self.describe(), args, kwargs)
         if not self._acting:
@@ -204,12 +205,6 @@ def _layers(pipe, config: InterventionConfig) -> list[IPLayer]:
     denoiser = denoiser_of(pipe)
     found = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser), config.layers)
     families = {layer.family for layer in found}
-    if config.mode == "scale" and "sd3" in families:
-        raise ValueError(
-            'ipa_probe.intervene(mode="scale") supports SD 1.5 / SDXL and Flux: SD3\'s image tokens share one softmax '
-            "with the latent tokens inside its processor, where no hook reaches the weights (SD3 has no hook points). "
-            'Use mode="ablate" or "swap" on SD3, or pipe.set_ip_adapter_scale for the whole branch'
-        )
     if "sd3" in families and config.references != (0,):
         raise ValueError(
             f"reference={config.reference}: SD3 pipelines take one reference image per prompt "
@@ -287,11 +282,10 @@ def apply_intervention(
     state._other_tokens, state._other_embeds = (None, other) if family == "sd3" else (other, None)
     state._claim = claim(pipe, INTERVENE, names, what, exclusive=False)
     try:
-        keep(denoiser, INTERVENE, [*kept(denoiser, INTERVENE, []), state])
+        state._spine = spine.attach(pipe, state)  # a client like every feature (remove_intervention finds it there)
         if config.mode == "scale":
-            state._handles.append(SimpleNamespace(remove=_attach_scale(pipe, state, names, family == "flux")))
+            state._handles.append(SimpleNamespace(remove=_attach_scale(pipe, state, names, family)))
         else:
-            state._spine = spine.attach(pipe, state)
             state._watching = family == "flux"
             if state._watching:
                 state._spine.watch_prompts()
@@ -317,9 +311,9 @@ def _edit_tokens(state: Intervention, layers: list[IPLayer]) -> None:
         handles.append(hooks.add(to_v_ip, state._zero_values, order=EDIT))
 
 
-def _attach_scale(pipe, state: Intervention, names: list[str], flux: bool):
-    """``mode="scale"``: weights callbacks on the hook points of the selected layers at the selected steps (on Flux
-    in the passes that :func:`holds_references`)."""
+def _attach_scale(pipe, state: Intervention, names: list[str], family: str):
+    """``mode="scale"``: weights callbacks (SD3: logits) on the hook points of the selected layers at the selected
+    steps (on Flux in the passes that :func:`holds_references`)."""
     from .custom import scale_hooks
     from .points import PointUser, attach_points
 
@@ -331,14 +325,16 @@ def _attach_scale(pipe, state: Intervention, names: list[str], flux: bool):
 
         return run
 
-    callbacks = {name: [logged(fn)] for name, fn in scale_hooks(state.config, names).items()}
-    user = PointUser(callbacks, state.config.steps, label=state.describe(), when=holds_references if flux else None)
+    callbacks = {name: [logged(fn)] for name, fn in scale_hooks(state.config, names, family == "sd3").items()}
+    when = holds_references if family == "flux" else None
+    user = PointUser(callbacks, state.config.steps, label=state.describe(), when=when)
     return attach_points(pipe, user)
 
 
 def remove_intervention(pipe) -> None:
     """Undo :func:`apply_intervention` (see :meth:`Intervention.remove`); ``ValueError`` if none is applied."""
-    stack = kept(denoiser_of(pipe), INTERVENE)
+    own = spine.spine_of(pipe)
+    stack = [client for client in own.clients if isinstance(client, Intervention)] if own is not None else []
     if not stack:
         raise ValueError("no intervention is applied to this pipeline; call apply_intervention(pipe, ...) first")
     stack[-1].remove()  # the innermost, as leaving nested blocks does

@@ -8,12 +8,14 @@ order, an edit at one flowing into the next; the layer then adds the change of t
 ``attn.to_out[0]`` returns (Flux, whose branch has no output projection: to the attention's third output, before the
 readers there). With no edit the pipeline computes bit for bit what it computes without ipa_probe; with one, the
 unedited part of the layer (bias, other branches) is still the processor's own. A layer's points fire when its branch
-runs (not at adapter scale 0); ``ip_adapter_masks`` are refused at the first selected step, SD3 at once
-(:func:`hook_point_layers` says why).
+runs (not at adapter scale 0); ``ip_adapter_masks`` are refused at the first selected step. SD3's branch is one softmax
+over its image and latent keys: ``k``, ``logits``, ``weights`` hold the image columns (an edit of the weights leaves
+the latent columns as computed, one of q or the logits renormalises them), ``contribution`` the image tokens' part of
+``output``, which also holds the latent tokens' part.
 
-Several users may hold points on one pipeline at once (an intervention's callbacks, then a cache's readers): the
-callbacks are added once per denoiser, callbacks of one point run in order of attachment, and the hooks come off when
-the last user leaves.
+Several users may hold points on one pipeline at once (an intervention's callbacks, then a cache's readers): each is a
+client of the pipeline's spine, the points' hooks are the spine's (:attr:`~ipa_probe.capture.spine.Spine.points`,
+added once), callbacks of one point run in order of attachment, and the hooks come off when the last user leaves.
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ import torch
 from ..capture import spine
 from ..capture.layer_order import network_key
 from ..capture.maps import image_projections, tokens_per_image
-from ..capture.spine import EDIT, Spine, expand_references
+from ..capture.spine import EDIT, PassInfo, Spine, expand_references
 from ..capture.taps.base import layer_module
 from ..capture.taps.unet import unet_resolution_factor
-from ..layers import IPLayer, denoiser_of, find_ip_layers, image_branch_logits, keep, kept
+from ..layers import IPLayer, claim, denoiser_of, find_ip_layers, image_branch_logits, release
 from ..statistics.kernels import dot_logits, reference_contributions, split_heads
 from .context import HookContext
 
@@ -73,18 +75,9 @@ def point_name(layer: str, point: str, adapter: int | str = 0) -> str:
 
 
 def hook_point_layers(pipe) -> list[IPLayer]:
-    """The IP-Adapter layers whose image branch has hook points; raises for model families without them."""
+    """The IP-Adapter layers, whose branches have hook points, in the order the denoiser runs them."""
     denoiser = denoiser_of(pipe)
-    found = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser))
-    found = sorted(found, key=lambda layer: network_key(layer.name))  # the order the denoiser runs them
-    if found[0].family == "sd3":
-        raise ValueError(
-            "hook points exist for SD 1.5 / SDXL UNets and Flux: SD3's image tokens share one softmax with the "
-            "latent tokens inside its processor, so an edit of their weights moves the latent tokens' too, which "
-            "these points (a branch with its own softmax) do not compute; on SD3 use intervene(pipe, 0) (ablate, "
-            "swap) or the probe"
-        )
-    return found
+    return sorted(find_ip_layers(getattr(denoiser, "_orig_mod", denoiser)), key=lambda layer: network_key(layer.name))
 
 
 def list_hook_points(pipe) -> list[str]:
@@ -136,33 +129,36 @@ class PointUser:
     #: the edit in words, for the probe's ``edits`` column
     label: str = ""
 
+    def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
+        spine.points.select(self, spine, args, kwargs)
+
 
 class _Registry:
-    """The hooks that compute the points on one denoiser, shared by every :class:`PointUser`."""
+    """The hooks that compute the points on one denoiser (:attr:`Spine.points`, while some :class:`PointUser`, a
+    client of the spine like any feature, holds points there): shared by every user."""
 
-    def __init__(self, pipe, denoiser: torch.nn.Module, layers: list[IPLayer]) -> None:
-        self.pipe = pipe
-        self.denoiser = denoiser
+    def __init__(self, spine: Spine, layers: list[IPLayer]) -> None:
+        self.spine = spine
+        self.denoiser = spine.denoiser
         self.layers = layers
-        self.users: list[PointUser] = []
         self.handles: list[Any] = []
-        self.spine: Spine | None = None
         #: hook point name -> NaN returned there by callbacks (a 0-d device tensor, read when the hooks come off)
         self.nan: dict[str, torch.Tensor] = {}
         self.sample_shape: tuple[int, ...] = ()
         self.batch = 0
         self.active: dict[str, list[HookFn]] = {}  # the callbacks of this pass, by point name
         self.cfg: tuple[str, ...] = ()  # each batch item's CFG label in this pass
+        self._now: PassInfo | None = None  # the pass the callbacks were gathered for
         self._text_tokens: int | None = None
         self._image_embeds: Any = None
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
-        self.spine = spine.attach(self.pipe, self)
         self.spine.watch_prompts()
         hooks = self.spine.hooks
         for layer in self.layers:
             sites = [("q", 0)] + [(site, branch) for branch in _branches(layer) for site in ("k", "v")]
+            sites += [("k", "latent"), ("v", "latent")] * (layer.family == "sd3")  # its softmax's latent columns
             self.handles += hooks.keep(layer, *sites)
             self.handles.append(hooks.add(layer.attention, self._on_layer(layer), pre=True))
             # an edit: before the readers of the same module (Flux: the probe's record of the edited weights)
@@ -175,49 +171,45 @@ class _Registry:
         finally:
             self.handles.clear()
             self.active = {}
-            if self.spine is not None:
-                self.spine.watch_prompts(False)
-            spine.detach(self.pipe, self)
-            self.spine = None
-            keep(self.denoiser, "points", None)
+            self.spine.watch_prompts(False)
+            self.spine.points = None
 
     # ------------------------------------------------------------------ the clock
-    def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
-        """A denoiser pass starts: the loop index from the spine's clock, the callbacks of this pass."""
+    def select(self, user: PointUser, spine: Spine, args: tuple, kwargs: dict) -> None:
+        """A denoiser pass starts (``user``'s turn among the spine's clients): the pass's shapes (with its first
+        user), then ``user``'s callbacks when its selection takes the pass."""
         now = spine.now
-        sample = spine.tap.sample(args, kwargs)
-        self.sample_shape = tuple(sample.shape)
-        self.batch = sample.shape[0]
-        context = spine.tap.argument("encoder_hidden_states", args, kwargs) if spine.tap.family == "unet" else None
-        self._text_tokens = context.shape[1] if isinstance(context, torch.Tensor) and context.ndim == 3 else None
-        self._image_embeds = spine.tap.image_embeds(kwargs)
-        if now.new_call:
-            planned = spine.planned_steps()
-            for user in self.users:
-                if user.on_call is not None:
-                    user.on_call(planned, self._sizes)
-        active: dict[str, list[HookFn]] = {}
-        for user in self.users:
-            if spine.selects(user, user.steps, user.when, user.label if user.edits else "", args, kwargs):
-                for name, fns in user.callbacks.items():
-                    active.setdefault(name, []).extend(fns)
-                    layer, adapter, _ = _parse_name(name)
-                    if user.edits and adapter != TEXT:  # readers of the layer wait for what its image branch used
-                        spine.weight_edits.add((layer, adapter))
-        if active and now.masks is not None and any(m is not None for m in now.masks):
+        if self._now is not now:
+            self._now, self.active, self.cfg = now, {}, ()
+            sample = spine.tap.sample(args, kwargs)
+            self.sample_shape, self.batch = tuple(sample.shape), sample.shape[0]
+            context = spine.tap.argument("encoder_hidden_states", args, kwargs) if spine.tap.family == "unet" else None
+            self._text_tokens = context.shape[1] if isinstance(context, torch.Tensor) and context.ndim == 3 else None
+            self._image_embeds = spine.tap.image_embeds(kwargs)
+        if now.new_call and user.on_call is not None:
+            user.on_call(spine.planned_steps(), self._sizes)
+        if not spine.selects(user, user.steps, user.when, user.label if user.edits else "", args, kwargs):
+            return
+        for name, fns in user.callbacks.items():
+            self.active.setdefault(name, []).extend(fns)
+            layer, adapter, _ = _parse_name(name)
+            if user.edits and adapter != TEXT:  # readers of the layer wait for what its image branch used
+                spine.weight_edits.add((layer, adapter))
+        if user.callbacks and now.masks is not None and any(m is not None for m in now.masks):
             raise ValueError(
                 "ipa_probe hook points do not support ip_adapter_masks (diffusers then runs one softmax per "
                 "reference image); call the pipeline without masks"
             )
-        self.active = active
-        self.cfg = spine.branch_labels(args, kwargs) if active else ()  # read back only when a callback runs
+        if not self.cfg:  # read back only when a callback runs
+            self.cfg = spine.branch_labels(args, kwargs)
 
     def _sizes(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
         """A point's shape and dtype in one pass of this call, from the call's arguments (before step 0 runs)."""
         layer_name, adapter, point = _parse_name(name)
         layer = next(layer for layer in self.layers if layer.name == layer_name)
-        if adapter == TEXT:
-            references, tokens = 1, self._text_tokens
+        sd3 = layer.family == "sd3"  # one reference; its resampler's ``latents`` are its tokens
+        if adapter == TEXT or sd3:
+            references, tokens = 1, self.denoiser.image_proj.latents.shape[1] if sd3 else self._text_tokens
         else:
             embeds = self._image_embeds
             if not isinstance(embeds, list | tuple) or adapter >= len(embeds) or embeds[adapter].ndim != 3:
@@ -228,9 +220,10 @@ class _Registry:
             return None
         queries = self._grid(layer)
         queries = queries[0] * queries[1]
-        out = layer.attention.to_out[0] if layer.family == "unet" else layer.processor.to_v_ip[adapter]
+        out = layer.attention.to_out[0] if layer.family != "flux" else layer.processor.to_v_ip[adapter]
         channels, dtype = out.out_features, out.weight.dtype
-        keys, head_dim = references * tokens, layer_module(layer, "k", adapter).out_features // layer.heads
+        key = layer.processor.to_k_ip if sd3 else layer_module(layer, "k", adapter)
+        keys, head_dim = references * tokens, key.out_features // layer.heads
         shape = {
             "q": (self.batch, layer.heads, queries, head_dim),
             "k": (self.batch, layer.heads, keys, head_dim),
@@ -258,10 +251,12 @@ class _Registry:
         return hook
 
     def _grid(self, layer: IPLayer) -> tuple[int, int]:
-        """``(height, width)`` of a layer's query positions in this pass (Flux's packed tokens: ``(1, N)``)."""
-        if layer.family != "unet":
+        """``(height, width)`` of a layer's query positions in this pass (Flux's packed tokens: ``(1, N)``; SD3's
+        patches)."""
+        if layer.family == "flux":
             return (1, self.sample_shape[1])
-        factor = unet_resolution_factor(self.denoiser, layer.name)
+        sd3 = layer.family == "sd3"
+        factor = self.denoiser.config.patch_size if sd3 else unet_resolution_factor(self.denoiser, layer.name)
         return (math.ceil(self.sample_shape[-2] / factor), math.ceil(self.sample_shape[-1] / factor))
 
     def _on_out(self, layer: IPLayer) -> Callable:
@@ -278,7 +273,7 @@ class _Registry:
                     delta = change if delta is None else delta + change
             if delta is None:
                 return None
-            if layer.family == "unet":
+            if layer.family != "flux":
                 return output + delta.reshape(output.shape)
             hidden, context, branch = output
             return hidden, context, branch + delta.reshape(branch.shape)
@@ -295,16 +290,17 @@ class _Registry:
         query = seen.get((layer.name, "q", 0))  # (B, H, Q, D)
         keys, values = (seen.get((layer.name, site, adapter)) for site in ("k", "v"))
         if query is None or keys is None or values is None:
-            return None  # the branch did not run (adapter scale 0)
-        text = adapter == TEXT
+            return None  # the branch did not run (adapter scale 0, SD3 without image tokens)
+        text, joint = adapter == TEXT, layer.family == "sd3"  # SD3: one softmax over [image keys; latent keys]
         heads, batch = layer.heads, query.shape[0]
         tokens = keys.shape[-2] if keys.ndim == 4 or text else keys.shape[1]
         q0 = query  # (B, H, Q, D)
-        k0 = split_heads(keys.reshape(batch, -1, keys.shape[-1]), heads)  # (B, H, K, D)
+        k0 = keys if joint else split_heads(keys.reshape(batch, -1, keys.shape[-1]), heads)  # (B, H, K, D)
         v = split_heads(values.reshape(batch, -1, values.shape[-1]), heads)  # (B, H, K, D)
+        latent_k, latent_v = (seen.get((layer.name, site, "latent")) for site in ("k", "v"))  # SD3: (B, H, N, D)
         references = k0.shape[2] // tokens
         processor = layer.attention.processor  # the one running now (an NW head swapped in after the points)
-        scale = 1.0 if text else float(processor.scale[adapter])
+        scale = 1.0 if text else float(processor.scale if joint else processor.scale[adapter])
         queries = q0.shape[2]
         grid = self._grid(layer)
         if grid[0] * grid[1] != queries:
@@ -336,7 +332,9 @@ class _Registry:
                 cfg=self.cfg,
             )
 
-        def logits_of(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K)
+        def logits_of(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K); SD3 (B, H, Q, K + N)
+            if joint:  # the latent columns follow an edited query
+                return image_branch_logits(processor, q, torch.cat([k, latent_k], 2))
             return dot_logits(q, k) if text else image_branch_logits(processor, q, k)
 
         def weights_of(logits: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K) with the removed references at 0
@@ -348,44 +346,56 @@ class _Registry:
         if upstream:  # copies: an edit in place must not reach the tensors the layer (and the probe) computed with
             q, changed_q = self._run(names["q"], q0.clone(), context("q"))
             k, changed_k = self._run(names["k"], k0.clone(), context("k"))
-            logits, changed_logits = self._run(names["logits"], logits_of(q, k), context("logits"))
+            logits, changed_logits = self._run(names["logits"], logits_of(q, k), context("logits"), tokens * joint)
             edited = changed_q or changed_k or changed_logits
             start = weights_of(logits)
         else:
             start = weights_of(logits_of(q0, k0))
         version = start._version
-        weights, changed = self._run(names["weights"], start, context("weights"))
+        weights, changed = self._run(names["weights"], start, context("weights"), tokens * joint)
         edited = edited or changed
         # the weights the processor computed, for the change of the output: formed again when edits reached them
         computed = weights_of(logits_of(q0, k0)) if edited or start._version != version else start
-        if edited and not text:  # what the layer uses from here on: the probe reads these
-            self.spine.use(layer.name, adapter, "weights", weights)
+        if edited and not text:  # what the layer uses from here on: the probe reads these (SD3: the image columns)
+            self.spine.use(layer.name, adapter, "weights", weights[..., : tokens * references])
         if not edited and names["contribution"] not in self.active and names["output"] not in self.active:
             return None  # nothing edited, and nothing downstream wanted
 
-        w_o = layer.attention.to_out[0].weight if layer.family == "unet" else None  # Flux: the branch has no W_o
+        w_o = layer.attention.to_out[0].weight if layer.family != "flux" else None  # Flux: the branch has no W_o
 
         def contributions(w: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K) -> (B, R, Q, C)
-            return reference_contributions(w, v, tokens, scale, w_o)[0]
+            return reference_contributions(w[..., : tokens * references], v, tokens, scale, w_o)[0]
+
+        def latent(w: torch.Tensor) -> torch.Tensor | int:  # SD3: the latent tokens' part of the output (B, Q, C)
+            if not joint:
+                return 0
+            return reference_contributions(
+                w[..., tokens:], split_heads(latent_v, heads), latent_v.shape[1], scale, w_o
+            )[0][:, 0]
 
         original = contributions(computed)
-        original_output = original.sum(1)  # (B, Q, C), before a callback may edit ``original`` in place
+        original_output = original.sum(1) + latent(computed)  # (B, Q, C), before a callback may edit ``original``
         contribution = contributions(weights) if edited else original
         contribution, changed = self._run(names["contribution"], contribution, context("contribution"))
         edited = edited or changed
-        output, changed_output = self._run(names["output"], contribution.sum(1), context("output"))  # (B, Q, C)
+        output = contribution.sum(1) + latent(weights)  # (B, Q, C)
+        output, changed_output = self._run(names["output"], output, context("output"))
         if not (edited or changed_output):
             return None
-        if (changed or changed_output) and not text:  # the split the probe reads: none
+        if (changed or changed_output) and not (text or joint):  # the split the probe reads (SD3: none at all)
             used = torch.full_like(contribution, math.nan) if changed_output else contribution  # once the output moved
             self.spine.use(layer.name, adapter, "contribution", used)
         return output - original_output
 
-    def _run(self, name: str, tensor: torch.Tensor, ctx: HookContext) -> tuple[torch.Tensor, bool]:
-        """Run a point's callbacks in order; return the final tensor and whether any callback changed it."""
+    def _run(self, name: str, tensor: torch.Tensor, ctx: HookContext, image: int = 0) -> tuple[torch.Tensor, bool]:
+        """Run a point's callbacks in order; return the final tensor and whether any callback changed it (``image``:
+        the callbacks get the first ``image`` columns only, SD3's image columns of its joint logits or weights)."""
         fns = self.active.get(name)
         if not fns:
             return tensor, False
+        if image:
+            columns, edited = self._run(name, tensor[..., :image], ctx)  # a view: an edit in place reaches ``tensor``
+            return torch.cat([columns, tensor[..., image:]], -1) if edited else tensor, edited
         edited = False
         for fn in fns:
             version = tensor._version
@@ -428,31 +438,36 @@ class _Registry:
             )
 
 
-def attach_points(pipe, user: PointUser) -> Callable[[], None]:
-    """Add a user of the hook points to ``pipe`` (installing the hooks if it is the first); returns the function that
-    removes it (and the hooks with the last user). Names must be checked by the caller (:func:`select_points`)."""
-    layers = hook_point_layers(pipe)
-    denoiser = denoiser_of(pipe)
-    registry = kept(denoiser, "points")
-    if registry is None:
-        registry = _Registry(pipe, denoiser, layers)
-        keep(denoiser, "points", registry)
-        try:
-            registry.install()
-        except BaseException:
-            registry.uninstall()
-            raise
-    registry.users.append(user)
+def attach_points(pipe, user: PointUser, feature: str = "", what: str = "") -> Callable[[], None]:
+    """Add a user of the hook points to ``pipe``'s spine (installing the points' hooks, :attr:`Spine.points`, for the
+    first), claimed as ``feature`` (doing ``what``, for :func:`~ipa_probe.layers.list_hooks`) when given; returns the
+    function that removes it (and the hooks with the last user). The caller checks names (:func:`select_points`)."""
+    layers, own = hook_point_layers(pipe), None
+    layer_ids = sorted({name.rsplit(".", 2)[0] for name in user.callbacks})
+    mark = claim(pipe, feature, layer_ids, what, exclusive=False) if feature else None
 
     def detach() -> None:
-        if user in registry.users:
-            registry.users.remove(user)
+        registry = None if own is None else own.points
         try:
-            registry.warn_nan()
+            if registry is not None:
+                registry.warn_nan()
         finally:
-            if not registry.users:
-                registry.uninstall()
+            try:
+                if registry is not None and not any(isinstance(c, PointUser) and c is not user for c in own.clients):
+                    registry.uninstall()
+            finally:
+                spine.detach(pipe, user)
+                if mark is not None:
+                    release(pipe, feature, mark)
 
+    try:
+        own = spine.attach(pipe, user)
+        if own.points is None:
+            own.points = _Registry(own, layers)
+            own.points.install()
+    except BaseException:
+        detach()
+        raise
     return detach
 
 

@@ -35,17 +35,18 @@ def layer_module(layer: IPLayer, site: str, branch: int | str = 0) -> torch.nn.M
     """The module of ``layer`` whose forward hook sees ``site`` of ``branch``, the one place that knows them (per
     family: :mod:`~ipa_probe.capture.taps`): ``"q"`` the query the image branch uses; ``"k"``, ``"v"`` the key and
     value projections of an adapter (``branch``: its index; their pre-hooks see the image tokens; SD3's keys:
-    ``norm_ip_k``, its latent keys ``"latent"``: ``norm_k``) or of the text (``"text"``); ``"out"`` where the branch's
-    output joins the layer's (UNet ``to_out[0]``, Flux the attention's third output)."""
+    ``norm_ip_k``, its latent tokens' (``"latent"``) ``norm_k``, their values ``to_v``) or of the text (``"text"``);
+    ``"out"`` where the branch's output joins the layer's (UNet and SD3 ``to_out[0]``, Flux the attention's third
+    output)."""
     attn, processor, family = layer.attention, layer.processor, layer.family
     if site == "out":
-        return attn.to_out[0] if family == "unet" else attn
+        return attn if family == "flux" else attn.to_out[0]
     if site == "q":
         return attn.to_q if family == "unet" else attn.norm_q if family == "flux" else processor.norm_q
     if branch == "text":
         return attn.to_k if site == "k" else attn.to_v
-    if family == "sd3":
-        return processor.norm_k if branch == "latent" else processor.norm_ip_k
+    if family == "sd3":  # image (``branch`` 0) or latent tokens'
+        return {"k": (processor.norm_ip_k, processor.norm_k), "v": (processor.to_v_ip, attn.to_v)}[site][branch != 0]
     return (processor.to_k_ip if site == "k" else processor.to_v_ip)[branch]
 
 
