@@ -65,10 +65,10 @@ def run_table(result: dict[str, Any], layer_names: list[str], config, text_slot:
         seen = counts.reshape(-1).numpy() > 0
         values = (sums / counts.clamp(min=1).unsqueeze(-1)).reshape(-1, len(CELL_FIELDS)).numpy()[seen]
         step, layer, adapter, branch, head = (g[seen] for g in grid)
-        frame = pd.DataFrame(values, columns=list(CELL_FIELDS))
         # the buffers sum squared standard errors: the mean of n cells has the root of their sum over n
-        errors = [se_column(name) for name in SAMPLED_COLUMNS]
-        frame[errors] = np.sqrt(frame[errors].to_numpy() / counts.reshape(-1).numpy()[seen][:, None])
+        errors = [CELL_FIELDS.index(se_column(name)) for name in SAMPLED_COLUMNS]
+        values[:, errors] = np.sqrt(values[:, errors] / counts.reshape(-1).numpy()[seen][:, None])  # (copied rows)
+        frame = pd.DataFrame(values, columns=list(CELL_FIELDS))
         frame.insert(0, "call", call["index"])
         frame.insert(1, "step", step)
         frame.insert(2, "timestep", call["timesteps"].double().numpy()[step])
@@ -123,30 +123,31 @@ def summarize(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
     """
     if table.empty:
         return pd.DataFrame()
-    grouped = table.groupby(list(SUMMARY_KEYS), observed=True, sort=True)
+    finite, null = table["spearman"].notna(), table.get("spearman_null")
+    flags = {" above": (table["spearman"] > threshold).where(finite), " finite": finite}  # NaN: no rho, left out
+    flags.update({" chance": (null > threshold).where(null.notna())} if null is not None else {})
+    grouped = table.assign(**flags).groupby(list(SUMMARY_KEYS), observed=True, sort=True)
     headline = {name: (name, "mean") for name in SUMMARY_HEADLINE if name in table.columns}
     if headline and QUERY_FRAME_COLUMN in table.columns:
         headline[QUERY_FRAME_COLUMN] = (QUERY_FRAME_COLUMN, "first")  # one pool per run: its name
-    aggregations = {**headline, **{name: (name, "mean") for name in SUMMARY_MEANS if name in table.columns}}
+    means = {name: (name, "mean") for name in SUMMARY_MEANS if name in table.columns}
+    aggregations = {**headline, **dict(list(means.items())[:2])}  # the fraction after spearman and pearson
+    aggregations.update({frac_column(threshold): (" above", "mean"), "rho_cells": (" finite", "sum"), **means})
     aggregations["spearman_std"] = ("spearman", "std")
     aggregations.update({name: (name, "max") for name in SUMMARY_MAX if name in table.columns})
     aggregations["cells"] = ("spearman", "size")
     aggregations.update({name: (name, "mean") for name in SUMMARY_GAUGE_MEANS if name in table.columns})
+    if null is not None:
+        aggregations[frac_null_column(threshold)] = (" chance", "mean")
     aggregations.update({name: (name, "mean") for name in SUMMARY_QUERY_FRAME_MEANS if name in table.columns})
-    out = grouped.agg(**aggregations)
-    keys = [table[k] for k in SUMMARY_KEYS]
-    finite = table["spearman"].notna()
-    above = (table["spearman"] > threshold).where(finite)  # NaN where rho is undefined: left out of the fraction
-    out.insert(len(headline) + 2, frac_column(threshold), above.groupby(keys, observed=True).mean())
-    out.insert(len(headline) + 3, "rho_cells", finite.groupby(keys, observed=True).sum())
-    if "spearman_null" in table.columns:
-        null = table["spearman_null"]
-        chance = (null > threshold).where(null.notna())
-        out[frac_null_column(threshold)] = chance.groupby(keys, observed=True).mean()
-    last = [name for name in SUMMARY_QUERY_FRAME_MEANS if name in out.columns]
-    out = out[[name for name in out.columns if name not in last] + last]
+    reductions: dict[str, dict[str, None]] = {}  # one pass per reduction over all its columns, not one per column
+    for column, how in aggregations.values():
+        reductions.setdefault(how, {})[column] = None
+    done = {how: grouped[list(of)].agg(how) for how, of in reductions.items() if how != "size"}
+    done["size"] = grouped.size().to_frame("spearman")
+    out = pd.concat(done, axis=1)[[pair[::-1] for pair in aggregations.values()]].set_axis(list(aggregations), axis=1)
     if QUERY_POOL_OTHER_COLUMN in table.columns and "qf_spearman" in table.columns:
-        out = out.join(_pool_effect(table.groupby(list(SUMMARY_KEYS), observed=True, sort=True)))
+        out = out.join(_pool_effect(grouped))
     return out.reset_index()
 
 
@@ -173,7 +174,7 @@ POOL_COLUMNS: tuple[str, ...] = (
 
 def _pool_effect(grouped) -> pd.DataFrame:
     """:data:`POOL_COLUMNS` per group of a table's cells (a ``groupby`` of it)."""
-    rows, keys = [], []
+    rows = {}
     for key, part in grouped:
         own, other = part["qf_spearman"].to_numpy(np.float64), part[QUERY_POOL_OTHER_COLUMN].to_numpy(np.float64)
         own_defined, other_defined = own[np.isfinite(own)], other[np.isfinite(other)]
@@ -184,11 +185,10 @@ def _pool_effect(grouped) -> pd.DataFrame:
         coincide = bool(np.array_equal(own, other, equal_nan=True))
         shift = 0.0 if coincide else other_mean - mean
         shift_shared = (other[shared] - own[shared]).mean() if shared.any() else np.nan
-        keys.append(key)
         exceeds = bool(not coincide and abs(shift) > sem)  # False where sem is NaN (fewer than 2 cells)
-        rows.append((other_mean, shift, shift_shared, own_defined.size, other_defined.size, sem, coincide, exceeds))
-    index = pd.MultiIndex.from_tuples(keys, names=list(SUMMARY_KEYS))
-    return pd.DataFrame(rows, index=index, columns=list(POOL_COLUMNS))
+        rows[key] = (other_mean, shift, shift_shared, own_defined.size, other_defined.size, sem, coincide, exceeds)
+    index = pd.MultiIndex.from_tuples(list(rows), names=list(SUMMARY_KEYS))
+    return pd.DataFrame(list(rows.values()), index=index, columns=list(POOL_COLUMNS))
 
 
 def query_pool_note(summary: pd.DataFrame, most: int = 6) -> str:
