@@ -474,6 +474,9 @@ def test_readme_findings():
     )
     assert r["chosen"] == "attribution_patching" and r["agrees"]
     assert_in("README.md", f"(`ip-adapter` {signed(r['spearman'])}, Holm {g(r['p_holm'])})")
+    chosen = pd.concat([record(f"{f}/attribution/held_out_trained.csv")["chosen"] for f in ORGANISMS.values()])
+    assert len(chosen) == 12 and "attention_share" not in set(chosen)
+    assert_in("README.md", "sets' held-out halves the attention share is never chosen;")
     # fresh sets: on every organism no predictor agrees with the deciding pair more often than reading the output,
     # and none of them beats chance after Holm over the table's tests
     fresh = record("attribution_fresh/summary.csv")
