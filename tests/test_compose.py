@@ -13,17 +13,20 @@ standing between two (the nested-ablation bug of issue 49 showed with a probe be
 are a covering array: each ordered pair of features that may run together stands in each of the three position pairs
 (outer-middle, outer-inner, middle-inner) of some triple. The greedy construction takes 138 of the 1,066 on SD 1.5
 and on SDXL (the same thirteen features; there with CFG, two text encoders and added time ids, attribution's shares
-read on the conditional rows), 86 of 468 on Flux and 92 of 468 on SD3, the same every run. Every unordered triple in
+read on the conditional rows), 106 of 686 on Flux and 114 of 686 on SD3, the same every run. Every unordered triple in
 one order and its reverse would cost several times as much and never put the list's first and last features in the
 middle. A case costs about 2.6 pipeline calls (the order, the order failing after its first step, the plain call);
 a tiny pipeline's call is bound by the per-module cost of eager PyTorch, not by its size (SDXL's at 32 px instead of
 64, or without CFG, is 10-15 % cheaper), so an SDXL case costs a fifth more than an SD 1.5 one (213 and 181 ms, one
-process on a loaded 2-core machine) and its 138 add about 30 s of one core to the suite.
+process on a loaded 2-core machine) and its 138 add about 30 s of one core to the suite. The patch on Flux and SD3
+added 20 pairs and 42 triples there (the greedy set re-chosen: 118 new triples for 76 old), 65 s for their 337 cases
+against 53 s for the 273 before (one process, the same machine).
 
-Features a pipeline lacks are no features there: Flux and SD3 have no patch (no source run here) and no attribution;
-SD3's scale acts on its one reference, and its readings under it are the test's own joint softmax with ``log f`` added
-to the image logits. Pairs refused by design (the stored-frame NW head and a gauge, one gauge inside another) are
-checked to raise, in either order.
+Features a pipeline lacks are no features there: Flux and SD3 have no attribution (its exact posterior is written for
+VP schedulers: refused there, naming the probe, checked below). Their patch comes from a cache of the call with other
+references (Flux: the two swapped; SD3: the swap image), as on the UNets. SD3's scale acts on its one reference, and
+its readings under it are the test's own joint softmax with ``log f`` added to the image logits. Pairs refused by
+design (the stored-frame NW head and a gauge, one gauge inside another) are checked to raise, in either order.
 
 The reference weights are the test's own: forward hooks on the modules that return the image branch's query and keys
 (after the intervention's edit of the tokens, i.e. the very keys the layer's softmax runs over: UNets ``attn.to_q``
@@ -848,11 +851,12 @@ def flux_matrix(pipe):
     refs = sample_photos()
 
     def generate(**extra):
-        kwargs = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS, height=64, width=64, **extra)
-        return pipe(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+        kwargs = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS, height=64, width=64)
+        return pipe(**{**kwargs, **extra}, output_type="latent", generator=torch.Generator().manual_seed(0)).images
 
     layer = find_ip_layers(pipe)[0].name
-    return generate, matrix_features(pipe, generate, refs[2], layer), (layer, 2)
+    source = lambda: generate(ip_adapter_image=[refs[1::-1]])  # noqa: E731
+    return generate, matrix_features(pipe, generate, refs[2], layer, source=source), (layer, 2)
 
 
 def sd3_matrix(pipe):
@@ -860,22 +864,22 @@ def sd3_matrix(pipe):
     refs = sample_photos()
 
     def generate(**extra):
-        kwargs = dict(prompt="a", ip_adapter_image=refs[0], num_inference_steps=STEPS, height=64, width=64, **extra)
-        return pipe(**kwargs, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+        kwargs = dict(prompt="a", ip_adapter_image=refs[0], num_inference_steps=STEPS, height=64, width=64)
+        return pipe(**{**kwargs, **extra}, output_type="latent", generator=torch.Generator().manual_seed(0)).images
 
     layer = find_ip_layers(pipe)[0].name
-    features = matrix_features(pipe, generate, refs[1], layer, swapped=0)
+    source = lambda: generate(ip_adapter_image=refs[1])  # noqa: E731
+    features = matrix_features(pipe, generate, refs[1], layer, swapped=0, source=source)
     features["scale"] = ("edit", lambda: intervene(pipe, 0, mode="scale", factor=SCALE))  # its one reference
     return generate, features, (layer, 1)
 
 
-#: The features of each pipeline's matrix (call features last). Flux has no ``.ip.contribution`` source run here
-#: (``patch``) and no attribution; SD3 has no patch (no source run here) and no attribution.
+#: The features of each pipeline's matrix (call features last): Flux and SD3 have no attribution (refused there).
 FEATURES_OF = {
-    "flux": ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge", "swap", "sweep"],
-    "sd3": ["probe", "cache", "ablate", "scale", "hooks", "swap", "nw_query", "nw_stored", "gauge", "sweep"],
+    "flux": ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge", "swap", "patch", "sweep"],
+    "sd3": ["probe", "cache", "ablate", "scale", "hooks", "swap", "nw_query", "nw_stored", "gauge", "patch", "sweep"],
 }
-FEATURES_OF["organism"] = [*FEATURES_OF["flux"][:-1], "probe_nomaps", "patch", "sweep", "attribution"]
+FEATURES_OF["organism"] = [*FEATURES_OF["flux"][:-2], "probe_nomaps", "patch", "sweep", "attribution"]
 FEATURES_OF["sdxl"] = FEATURES_OF["organism"]
 MATRIX_OF = {"organism": organism_matrix, "sdxl": sdxl_matrix, "flux": flux_matrix, "sd3": sd3_matrix}
 
@@ -926,6 +930,24 @@ def test_triples_compose_and_restore(family, order, request, one_thread):
     the latents of its edits alone)."""
     pipe, (generate, features, reading) = matrix_of(request, family)
     check_nesting(pipe, generate, features, [order], reading=reading)
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3"])
+def test_attribution_refuses_flow_matching_naming_the_probe(family, request):
+    """No attribution on Flux and SD3: refused before anything attaches or runs (its posterior is the VP form), with
+    the probe's ``reference_mass`` named as the way to their shares, also inside an open probe."""
+    from ipa_probe.attribution import posterior_at, reference_attribution
+
+    pipe = request.getfixturevalue(family)
+    before, match = snapshot(pipe), r"VP scheduler.*FlowMatchEulerDiscreteScheduler.*reference_mass\(\)"
+    with pytest.raises(TypeError, match=match):
+        reference_attribution(pipe, prompt="a", ip_adapter_image=[sample_photos()[:2]], num_inference_steps=STEPS)
+    with ipa_probe.probe(pipe, maps=True) as run, pytest.raises(TypeError, match=match):
+        reference_attribution(pipe, prompt="a", ip_adapter_image=[sample_photos()[:2]], num_inference_steps=STEPS)
+    with pytest.raises(TypeError, match=match):
+        posterior_at(pipe, sample_photos()[:2], {}, {})
+    assert run.to_dataframe().empty
+    assert_unchanged(pipe, before)
 
 
 # ------------------------------------------------------------------------------------------------------ edits kept

@@ -469,6 +469,29 @@ def test_patching_a_contribution_reproduces_the_source_runs_branch(organism, ref
     assert not close(plain_b, out_a.images, 1e-2)
 
 
+@pytest.mark.parametrize(("family", "points"), [("flux", ["contribution", "output"]), ("sd3", ["output"])])
+def test_patching_every_layer_reproduces_the_source_run_on_dits(family, points, request, one_thread):
+    """Run A's cached points patched into run B (another reference set, same seed and prompt) at every layer and step
+    make B compute A's latents. On SD3 the ``output`` point (the whole branch, the latent tokens' part included): its
+    ``contribution`` is the image tokens' part only, and the latent part's joint softmax runs over B's image keys."""
+    pipe = request.getfixturevalue(family)
+    photos = default_reference_images(3)
+
+    def generate(images):  # Flux: both references; SD3: one image per prompt, the first
+        image = [images] if family == "flux" else images[0]
+        kwargs = dict(prompt="a", ip_adapter_image=image, num_inference_steps=2, height=64, width=64)
+        return run(pipe, **kwargs, output_type="latent")
+
+    plain_b = generate(photos[:2])
+    for point in points:
+        with ipa_probe.cache_hook_points(pipe, rf"\.ip\.{point}$") as cache:
+            a = generate(photos[:0:-1])
+        with ipa_probe.intervene(pipe, hooks=ipa_probe.patch_hooks(cache)):
+            patched_b = generate(photos[:2])
+        # float32 rounding through two steps, 1e-5 of the largest entry; the reference sets' latents differ
+        assert close(patched_b, a, 1e-5) and not close(plain_b, a, 1e-2)
+
+
 def gen():
     return torch.Generator().manual_seed(0)
 

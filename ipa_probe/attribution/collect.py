@@ -124,9 +124,8 @@ def posterior_at(
     ``reference``, ``sq_distance``, ``bandwidth``, ``posterior_weight`` (as in :data:`ATTRIBUTION_COLUMNS`).
     """
     from ..exact import encode_references
-    from ..theory.schedules import VPSchedule
 
-    schedule = VPSchedule.from_scheduler(pipe.scheduler)
+    schedule = _schedule(pipe)
     support = encode_references(pipe, references).double().flatten(1)  # (R, D)
     rows = []
     for step in sorted(samples):
@@ -136,6 +135,18 @@ def posterior_at(
         )
     columns = ["step", "timestep", "reference", "sq_distance", "bandwidth", "posterior_weight"]
     return pd.DataFrame(rows, columns=columns)
+
+
+def _schedule(pipe):
+    """The VP schedule the exact posterior is written in; flow matching (Flux, SD3) refused, naming why."""
+    from ..theory.schedules import VPSchedule
+
+    if hasattr(pipe.scheduler, "alphas_cumprod"):
+        return VPSchedule.from_scheduler(pipe.scheduler)
+    raise TypeError(
+        f"reference_attribution's exact posterior needs a VP scheduler (DDIM, DDPM, PNDM: SD 1.5, SDXL), got "
+        f"{type(pipe.scheduler).__name__}; on Flux and SD3 read shares with probe(pipe, maps=True).reference_mass()"
+    )
 
 
 def _posterior(schedule, support: torch.Tensor, x: torch.Tensor, timestep: float):
@@ -153,7 +164,7 @@ def reference_attribution(
 
     Args:
         pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter, on a scheduler with integer timesteps (DDIM, DDPM,
-            PNDM, ...).
+            PNDM, ...); Flux and SD3 (flow matching) are refused with a ``TypeError``: the probe reads their shares.
         steps: loop indices to record (ints or a ``slice``); ``None`` for all.
         seed: the generator's seed.
         adapter: the IP-Adapter whose references are compared.
@@ -172,8 +183,8 @@ def reference_attribution(
     from ..capture.spine import attach, client, detach
     from ..exact import encode_references
     from ..intervention.effect import generate
-    from ..theory.schedules import VPSchedule
 
+    schedule = _schedule(pipe)  # first: on Flux and SD3 the reason, before any argument's
     check_seed(seed)
     check_int(adapter, "adapter", 0)
     references = _references(call, adapter)
@@ -184,7 +195,6 @@ def reference_attribution(
     planned = call.get("num_inference_steps")
     if isinstance(planned, int) and not isinstance(planned, bool):  # the loop runs at most that many steps
         check_steps_ran(selection, planned)
-    schedule = VPSchedule.from_scheduler(pipe.scheduler)
     support = encode_references(pipe, references).double().flatten(1)  # (R, D)
     passes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (timestep, denoiser input) of every pass, on its device
 
@@ -221,7 +231,6 @@ def reference_attribution(
     names = [layer.name for layer in run.layers]
     contributions = run.contributions(0, 0, adapter, "cond")
     missing = torch.full((3, 1, len(references)), float("nan"), dtype=torch.float64)
-    nan = float("nan")
     rows, position_rows = [], []
     for (step, layer), w in weights.items():  # w: (Q, R)
         t = float(timesteps[step])
@@ -255,10 +264,9 @@ def reference_attribution(
                 for head, row in enumerate(share.tolist())
                 for i, value in enumerate(row)
             )
-            flat = w.reshape(-1, w.shape[-1]).tolist()  # (H * Q, R): cell = head * Q + position
             head_position_rows.extend(
-                (step, float(timesteps[step]), names[index], cell, i, value, nan, nan, nan)
-                for cell, row in enumerate(flat)
+                (step, float(timesteps[step]), names[index], cell, i, value, np.nan, np.nan, np.nan)
+                for cell, row in enumerate(w.flatten(0, 1).tolist())  # (H * Q, R): cell = head * Q + position
                 for i, value in enumerate(row)
             )
     heads = pd.DataFrame(head_rows, columns=list(CELL_COLUMNS))
@@ -268,15 +276,7 @@ def reference_attribution(
             f"the maps hold {table['reference'].max() + 1} references for {len(references)} images; "
             "reference_attribution needs the adapter's images as one list with one token group each"
         )
-    return ReferenceAttribution(
-        table=table,
-        generation=generation,
-        run=run,
-        heads=heads,
-        positions=positions,
-        samples=samples,
-        head_positions=head_positions,
-    )
+    return ReferenceAttribution(table, generation, run, heads, positions, samples, head_positions)  # field order
 
 
 def sets_table(tables: list[pd.DataFrame]) -> pd.DataFrame:
