@@ -220,12 +220,12 @@ class CellInputs:
 
     def signature(self) -> tuple:
         """Records with equal signatures are compared in one pass: without a key mask (the image branch), their rows
-        flattened side by side whatever their heads and rows (:class:`~ipa_probe.statistics.rows.Segments`), so a
-        pass's records of every layer size go through one pass; with one (the text branch), concatenated along their
-        groups when their shapes are equal."""
+        flattened side by side whatever their heads and rows (:class:`~ipa_probe.statistics.rows.Segments`), sampled
+        or exact, so a pass's records of every layer size go through one pass; with one (the text branch),
+        concatenated along their groups when their shapes are equal."""
         if self.key_mask is None:
             present = tuple(x is not None for x in (self.key_term, self.row_mask, self.copies))
-            return (self.attn.shape[-1], self.attn.dtype, self.attn.device, present, self.sampled, self.has_other)
+            return (self.attn.shape[-1], self.attn.dtype, self.attn.device, present, self.has_other)
 
         def form(x: torch.Tensor | None) -> tuple | None:
             return None if x is None else (tuple(x.shape[1:]), x.dtype, x.device)
@@ -349,18 +349,20 @@ def compare_cells(
             ``None``.
         joined: the records' :func:`join_cells`, when joined beforehand.
     """
-    first, (attn, joined_frames, rest, scalars) = records[0], joined or join_cells(records, cache)
-    flat, keys = first.key_mask is None, attn.shape[-1]
+    first, (attn, joined_frames, rest, scalars, exact) = records[0], joined or join_cells(records, cache)
+    flat, keys, sampled = first.key_mask is None, attn.shape[-1], rest[-2] is not None
     if len(generators) < len(joined_frames):  # the other pool's null from a generator of its own
         generators = (*generators, torch.Generator(device=attn.device).manual_seed(0))
     frames = [(nw, term, d) for (nw, term), d in zip(joined_frames, generators, strict=False)]
     stats, frame, *other = compare_frames(attn, frames, *rest)
-    if not first.sampled:  # exact: no sampling error
+    if not sampled:  # exact: no sampling error
         stats = torch.stack((stats, torch.zeros_like(stats)), dim=-2)
         frame = torch.stack((frame, torch.zeros_like(frame)), dim=-2)
+    elif exact is not None:  # exact records beside sampled ones: their errors 0 (cells, 2, 1)
+        stats, frame, *other = (x.masked_fill(exact, 0.0) for x in (stats, frame, *other))
     rho = STAT_NAMES.index("spearman")
     if other:  # the other pool's exact-form rho: (1, cells, S), or (1, cells, 2, S) with errors
-        other_rho = other[0][0][..., 0, rho] if first.sampled else other[0][0][..., rho]
+        other_rho = other[0][0][..., 0, rho] if sampled else other[0][0][..., rho]
     else:  # the pools are the same rows: the query frame's own (exact form)
         other_rho = frame[0][..., 0, rho]
     other_rho = other_rho.unsqueeze(-1)  # (cells, 1)
@@ -399,8 +401,9 @@ def join_cells(records: list[CellInputs], cache: dict | None = None) -> tuple:
     frames without their random sources), and the records' scalars: one batch's tensors side by side."""
     first = records[0]
     flat = first.key_mask is None  # every record's rows side by side, reduced per cell (stats.Segments)
-    replicates = SAMPLE_GROUPS if first.sampled else None
-    segments = _segments(records, replicates, cache) if flat else None
+    # sampled records and exact ones (flat: one signature) in one pass, the exact cells' errors masked (``exact``)
+    replicates = SAMPLE_GROUPS if any(record.sampled for record in records) else None
+    segments, exact = _segments(records, replicates, cache) if flat else (None, None)
 
     def joined(name: str, axis: int = 0) -> torch.Tensor | None:
         parts = [getattr(record, name) for record in records]
@@ -428,29 +431,34 @@ def join_cells(records: list[CellInputs], cache: dict | None = None) -> tuple:
         frames.append((joined("other_nw", 1), joined("other_b", 1)))
     scalars = joined("scalars") if not flat else torch.cat([r.scalars.flatten(0, 1) for r in records])
     rest = (joined("key_mask"), joined("row_mask"), joined("copies"), first.tails, replicates, segments)
-    return joined("attn"), frames, rest, scalars
+    return joined("attn"), frames, rest, scalars, exact
 
 
-def _segments(records: list[CellInputs], replicates: int | None, cache: dict | None) -> Segments:
-    """Each flattened row's cell (and replicate group): records' rows side by side, ``(groups, H, n)`` each in order,
-    made on the device once per shape (kept in ``cache``)."""
-    shapes = tuple(tuple(record.attn.shape[:3]) for record in records)
+def _segments(records: list[CellInputs], replicates: int | None, cache: dict | None) -> tuple:
+    """Each flattened row's cell (and replicate group): records' rows side by side, ``(groups, H, n)`` each in order;
+    and where sampled and exact records mix, ``(cells, 2, 1)`` True at the exact cells' errors (else ``None``); made
+    on the device once per shape (kept in ``cache``)."""
+    shapes = tuple((*record.attn.shape[:3], record.sampled) for record in records)
     device = records[0].attn.device
     key = ("segments", shapes, replicates, device)
     if cache is not None and key in cache:
         return cache[key]
-    ids, groups, offset = [], [], 0
-    for cells_h, heads, rows in shapes:
+    ids, groups, exact, offset = [], [], [], 0
+    for cells_h, heads, rows, sampled in shapes:
         position = torch.arange(cells_h * heads * rows, device=device)
         cell = position // rows + offset
         ids.append(cell)
         if replicates is not None:
             groups.append(cell * replicates + position % rows % replicates)
+        exact.append(torch.full((cells_h * heads, 1, 1), not sampled, device=device))
         offset += cells_h * heads
     segments = Segments(torch.cat(ids), offset, torch.cat(groups) if groups else None, replicates)
+    exact = torch.cat(exact) if len({shape[-1] for shape in shapes}) > 1 else None
+    if exact is not None:  # (cells, 1, 1) -> (cells, 2, 1): the estimates kept, the exact cells' errors 0
+        exact = torch.cat((torch.zeros_like(exact), exact), 1)
     if cache is not None:
-        cache[key] = segments
-    return segments
+        cache[key] = segments, exact
+    return segments, exact
 
 
 def _count_lost_rows(stats: torch.Tensor, frame: torch.Tensor, keys: int) -> None:
