@@ -89,11 +89,11 @@ def record_logits(
     x 8 per head at 512 px), and the per-key reductions over the queries then run along contiguous memory. A query that
     is a view of the layer's ``(B, Q, H * D)`` projection (the taps' heads split) is read in place one head at a time,
     its norms taken while the head is in cache, instead of being copied first (at 512 px on CPU, reading the query
-    costs more than the products)."""
+    costs more than the products; from 1,024 queries: below, the loop's two operations a head cost more)."""
     if not text and getattr(processor, "image_branch_logits", None) is not None:
         return image_branch_logits(processor, q, k, other), q.norm(dim=-1)
     k = k * (1.0 / math.sqrt(q.shape[-1]))
-    if q.device.type == "cpu" and not q.is_contiguous():
+    if q.device.type == "cpu" and not q.is_contiguous() and q.shape[-2] >= 1024:
         heads = [(k[:, h] @ q[:, h].transpose(-1, -2), q[:, h].norm(dim=-1)) for h in range(q.shape[1])]
         by_key, norms = (torch.stack(parts, 1) for parts in zip(*heads, strict=True))
     else:

@@ -20,7 +20,7 @@ import torch
 from .draws import Draws, shuffle_rows
 from .kernels import n_eff
 from .nulls import null_tail, rho_baseline
-from .rows import Segments, _log_softmax, _masked_mean, _masked_ranks, _row_pearson, _row_sd, raveled_pearson
+from .rows import Segments, _log_softmax, _masked_ranks, _row_pearson, _row_sd, raveled_pearson
 from .schema import ROW_THRESHOLD, STAT_NAMES, rows_column
 
 __all__ = ["compare_frames", "compare_weights", "null_tail_table"]
@@ -401,23 +401,30 @@ def _frame_stats(
 
     def reduce(split, total) -> torch.Tensor:
         """The statistics from per-row values: ``split`` lays the rows out for ``total``, which sums over a cell's rows
-        (the last axis, its replicate groups', or each segment's); ``keyed``: rows on axis ``-2``."""
-        v, rk, g = split(valid), split(ranked), split(gauge_full)
-        by_valid = _masked_mean(split(over_valid), v, total).movedim(0, -1)  # rho, null, kl, top1, neff_attn, neff_nw
-        by_ranked = _masked_mean(split(over_ranked), rk, total).movedim(0, -1)  # rho_baseline ... rows_rho_pos1_null
+        (the last axis, its replicate groups', or each segment's); ``keyed``: rows on axis ``-2``. Every sum is taken
+        in one ``total`` of the summands stacked (each mean's masked values and counts, Pearson's sums, the counts)."""
+        v, rk, g = split(valid), split(ranked), split(gauge_full).unsqueeze(0)
+        means = (split(over_valid), split(over_ranked), g)  # rho, null, kl, top1, neff_attn, neff_nw; rho_baseline ...
+        masks = (v & ~means[0].isnan(), rk & ~means[1].isnan(), rk & g.isfinite())
+        rows = split(row_mask_full) if row_mask is not None else torch.ones_like(v)
+        flags = (*masks, *((v & split(x)).unsqueeze(0) for x in (varies_a, varies_w)), rows[None], v[None])
+        summands = [torch.where(m, x, 0.0) for m, x in zip(masks, means, strict=True)]
+        summands += [torch.where(v, split(raveled), 0.0)] if key_mask is None else []
+        summands.append(torch.cat(flags).to(dtype))
+        sizes = [x.shape[0] for x in summands[:-1]] + [x.shape[0] for x in flags]
+        sums = total(torch.cat(summands)).split(sizes)  # (S, *F, ..., cells) each
+        by_valid, by_ranked, gauge_mean = ((x / n).movedim(0, -1) for x, n in zip(sums[:3], sums[-7:-4], strict=True))
         if key_mask is None:
-            cross, sq_a, sq_w = total(torch.where(v, split(raveled), 0.0))
+            cross, sq_a, sq_w = sums[3]
             pearson = cross / (sq_a * sq_w).sqrt()
         else:
             pearson = raveled_pearson(split(a_full, True), split(w, True), split(entries, True))
+        varies, n_rows, n_valid = sums[-4][0] * sums[-3][0], sums[-2][0], sums[-1][0]
         # a side without variation over the cell's rows (every NW row uniform, as in a query frame of one query) has
         # no correlation: NaN, not the float noise of 1/K - softmax(0)
-        varies = total((v & split(varies_a)).to(dtype)) * total((v & split(varies_w)).to(dtype))
         pearson = torch.where(varies > 0, pearson, math.nan)
-        rows = total(torch.ones_like(v, dtype=dtype)) if row_mask is None else total(split(row_mask_full).to(dtype))
-        nonfinite = 1.0 - total(v.to(dtype)) / rows
-        gauge_mean = _masked_mean(g, rk & g.isfinite(), total)
-        parts = (by_valid[..., :2], pearson, by_valid[..., 2:], nonfinite, gauge_mean, by_ranked)
+        nonfinite = 1.0 - n_valid / n_rows
+        parts = (by_valid[..., :2], pearson, by_valid[..., 2:], nonfinite, gauge_mean[..., 0], by_ranked)
         return torch.cat([x if x.dim() == by_valid.dim() else x.unsqueeze(-1).to(dtype) for x in parts], -1).float()
 
     if segments is None:

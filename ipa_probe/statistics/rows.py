@@ -103,15 +103,6 @@ def _log_softmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x - lse, lse.squeeze(-1).isfinite()
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor, total=None) -> torch.Tensor:
-    """Mean of ``x`` over the last dimension where ``mask`` holds (NaN where nothing does); ``total`` sums over the
-    rows of each cell instead (:meth:`Segments.sum`)."""
-    mask = mask & ~x.isnan()
-    if total is None:
-        return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1)
-    return total(torch.where(mask, x, 0.0)) / total(mask.to(x.dtype))
-
-
 @dataclass(frozen=True)
 class Segments:
     """The rows of many cells flattened on one axis (cells of any number of rows in one pass): each row's cell, and
