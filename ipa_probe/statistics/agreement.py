@@ -346,12 +346,15 @@ def _frame_stats(
     else:
         gauge = _gauge_rows(side.logits, nw_logits, key_mask, None)
     keys = side.keys
-    baseline_rows = rho_baseline(gauge, keys)
+    # every row keeps every key without a key mask: K a number (fewer operations), 1 / K! one fill
+    baseline_rows = rho_baseline(gauge, keys if key_mask is not None else n_keys)
     if key_mask is None:
         chance_rows = torch.full_like(keys, null_tail(n_keys))
+        inverse_factorial = torch.full_like(keys, math.exp(-math.lgamma(n_keys + 1)))
     else:
         table = null_tails if null_tails is not None else null_tail_table(n_keys, keys.device)
         chance_rows = table.to(dtype)[key_mask.sum(-1)]
+        inverse_factorial = torch.exp(-torch.lgamma(keys + 1))
     if n_keys <= EXACT_RANK_SUMS or dtype == torch.float64:
         # |c_a -+ c_w|^2 = |c_a|^2 + |c_w|^2 -+ 2 c_a.c_w over the centred ranks, exact (see EXACT_RANK_SUMS): 0 iff
         # the kept keys' ranks agree (same) or are reversed
@@ -392,7 +395,7 @@ def _frame_stats(
                 chance_rows,
                 same,
                 reversed_,
-                torch.exp(-torch.lgamma(keys + 1)),
+                inverse_factorial,
             )
         ]
     )
