@@ -23,6 +23,7 @@ tuples of :data:`_TUPLE_POSITIONS`; LEdits++'s 5-tuple ``(negative, edit concept
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -281,8 +282,8 @@ class PromptEvidence:
             return unlabelled
         # the same embeddings, evidence and device as the last pass (a pipeline call's steps): the same layout
         pag = bool(getattr(self.running, "do_perturbed_attention_guidance", False))
-        read = (context, context._version, device, pag, self.instruct_pix2pix, *self.known, *self.known.values())
-        if len(self._last) == 2 and len(self._last[0]) == len(read) and all(map(_same, self._last[0], read)):
+        read = (context, *self.known.values()), (context._version, device, pag, self.instruct_pix2pix, *self.known)
+        if self._last and self._last[0][1] == read[1] and all(map(operator.is_, self._last[0][0], read[0])):
             return self._last[1]
         chunks = size // n
         parts = context.reshape(chunks, n, -1)  # (chunks, n, T * C)
@@ -312,8 +313,3 @@ class PromptEvidence:
 
     def _second_half(self, labels: torch.Tensor, match: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
         return torch.where(self._second_half_mask(match), label, labels)
-
-
-def _same(a, b) -> bool:
-    """The same object (tensors by identity), or equal plain values (a device, a version, a flag)."""
-    return a is b or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b)

@@ -358,8 +358,8 @@ def compare_cells(
     if not sampled:  # exact: no sampling error
         stats = torch.stack((stats, torch.zeros_like(stats)), dim=-2)
         frame = torch.stack((frame, torch.zeros_like(frame)), dim=-2)
-    elif exact is not None:  # exact records beside sampled ones: their errors 0 (cells, 2, 1)
-        stats, frame, *other = (x.masked_fill(exact, 0.0) for x in (stats, frame, *other))
+    for x in (stats, frame, *other) if sampled and exact is not None else ():  # exact cells beside sampled: no error
+        x[..., 1, :].masked_fill_(exact, 0.0)
     rho = STAT_NAMES.index("spearman")
     if other:  # the other pool's exact-form rho: (1, cells, S), or (1, cells, 2, S) with errors
         other_rho = other[0][0][..., 0, rho] if sampled else other[0][0][..., rho]
@@ -436,8 +436,8 @@ def join_cells(records: list[CellInputs], cache: dict | None = None) -> tuple:
 
 def _segments(records: list[CellInputs], replicates: int | None, cache: dict | None) -> tuple:
     """Each flattened row's cell (and replicate group): records' rows side by side, ``(groups, H, n)`` each in order;
-    and where sampled and exact records mix, ``(cells, 2, 1)`` True at the exact cells' errors (else ``None``); made
-    on the device once per shape (kept in ``cache``)."""
+    and where sampled and exact records mix, ``(cells, 1)`` True at the exact cells (else ``None``); made on the
+    device once per shape (kept in ``cache``)."""
     shapes = tuple((*record.attn.shape[:3], record.sampled) for record in records)
     device = records[0].attn.device
     key = ("segments", shapes, replicates, device)
@@ -450,12 +450,10 @@ def _segments(records: list[CellInputs], replicates: int | None, cache: dict | N
         ids.append(cell)
         if replicates is not None:
             groups.append(cell * replicates + position % rows % replicates)
-        exact.append(torch.full((cells_h * heads, 1, 1), not sampled, device=device))
+        exact.append(torch.full((cells_h * heads, 1), not sampled, device=device))
         offset += cells_h * heads
     segments = Segments(torch.cat(ids), offset, torch.cat(groups) if groups else None, replicates)
     exact = torch.cat(exact) if len({shape[-1] for shape in shapes}) > 1 else None
-    if exact is not None:  # (cells, 1, 1) -> (cells, 2, 1): the estimates kept, the exact cells' errors 0
-        exact = torch.cat((torch.zeros_like(exact), exact), 1)
     if cache is not None:
         cache[key] = segments, exact
     return segments, exact

@@ -358,8 +358,8 @@ def _frame_stats(
     if n_keys <= EXACT_RANK_SUMS or dtype == torch.float64:
         # |c_a -+ c_w|^2 = |c_a|^2 + |c_w|^2 -+ 2 c_a.c_w over the centred ranks, exact (see EXACT_RANK_SUMS): 0 iff
         # the kept keys' ranks agree (same) or are reversed
-        same = (side.centred_sq + nw_sq - 2 * cross == 0).to(dtype)
-        reversed_ = (side.centred_sq + nw_sq + 2 * cross == 0).to(dtype)
+        sq, twice = side.centred_sq + nw_sq, 2 * cross
+        same, reversed_ = (sq == twice).to(dtype), (sq == -twice).to(dtype)
     else:
         ranks = side.ranks
         if key_mask is None:
@@ -451,18 +451,14 @@ def _frame_stats(
     # A share of rows (top1, nonfinite, the rows' rho shares) whose event no group saw (or every group saw) has a
     # random-groups error of 0; its error is at least the binomial one at p = (hits + 1/2) / (n + 1), which is never 0.
     total = (lambda x: x.sum(-1)) if segments is None else segments.sum
-    counts = {"valid": total(valid.to(dtype)), "ranked": total(ranked.to(dtype))}
-    counts["rows"] = (
-        total(row_mask_full.to(dtype)) if row_mask is not None else total(torch.ones_like(valid, dtype=dtype))
-    )
-    floors = []
-    for name, over in _SHARES.items():
-        i, n = STAT_NAMES.index(name), counts[over].to(dtype)
-        p = (stats[..., i] * n + 0.5) / (n + 1)
-        floors.append((i, torch.sqrt(p * (1 - p) / n.clamp(min=1))))
-    se = se.clone()
-    for i, floor in floors:
-        se[..., i] = torch.maximum(se[..., i], floor.float())
+    rows = row_mask_full if row_mask is not None else torch.ones_like(valid)
+    counts = dict(zip(("valid", "ranked", "rows"), total(torch.stack((valid, ranked, rows)).to(dtype)), strict=True))
+    n = torch.stack([counts[over] for over in _SHARES.values()], -1)  # (*F, ..., cells, shares)
+    p = (torch.stack([stats[..., STAT_NAMES.index(name)] for name in _SHARES], -1) * n + 0.5) / (n + 1)
+    floor = torch.sqrt(p * (1 - p) / n.clamp(min=1)).float().unbind(-1)
+    floors = dict(zip(map(STAT_NAMES.index, _SHARES), floor, strict=True))
+    zero = torch.zeros_like(se[..., 0])  # the other statistics' floor (an error is never below 0)
+    se = torch.maximum(se, torch.stack([floors.get(i, zero) for i in range(se.shape[-1])], -1))
     return torch.stack((stats, se), dim=-2)
 
 
