@@ -356,8 +356,7 @@ def compare_cells(
     frames = [(nw, term, d) for (nw, term), d in zip(joined_frames, generators, strict=False)]
     stats, frame, *other = compare_frames(attn, frames, *rest)
     if not sampled:  # exact: no sampling error
-        stats = torch.stack((stats, torch.zeros_like(stats)), dim=-2)
-        frame = torch.stack((frame, torch.zeros_like(frame)), dim=-2)
+        stats, frame = (torch.stack((x, torch.zeros_like(x)), dim=-2) for x in (stats, frame))
     for x in (stats, frame, *other) if sampled and exact is not None else ():  # exact cells beside sampled: no error
         x[..., 1, :].masked_fill_(exact, 0.0)
     rho = STAT_NAMES.index("spearman")

@@ -346,8 +346,7 @@ def _frame_stats(
     else:
         gauge = _gauge_rows(side.logits, nw_logits, key_mask, None)
     keys = side.keys
-    # every row keeps every key without a key mask: K a number (fewer operations), 1 / K! one fill
-    baseline_rows = rho_baseline(gauge, keys if key_mask is not None else n_keys)
+    baseline_rows = rho_baseline(gauge, keys if key_mask is not None else n_keys)  # K a number without a key mask
     if key_mask is None:
         chance_rows = torch.full_like(keys, null_tail(n_keys))
         inverse_factorial = torch.full_like(keys, math.exp(-math.lgamma(n_keys + 1)))
@@ -430,10 +429,8 @@ def _frame_stats(
         parts = (by_valid[..., :2], pearson, by_valid[..., 2:], nonfinite, gauge_mean[..., 0], by_ranked)
         return torch.cat([x if x.dim() == by_valid.dim() else x.unsqueeze(-1).to(dtype) for x in parts], -1).float()
 
-    if segments is None:
-        stats = reduce(lambda x, keyed=False: x, lambda x: x.sum(-1))
-    else:
-        stats = reduce(lambda x, keyed=False: x, segments.sum)
+    total = (lambda x: x.sum(-1)) if segments is None else segments.sum
+    stats = reduce(lambda x, keyed=False: x, total)
     if replicates is None:
         return stats
 
@@ -450,7 +447,6 @@ def _frame_stats(
     se = per_group.std(-2, correction=1) / math.sqrt(replicates)
     # A share of rows (top1, nonfinite, the rows' rho shares) whose event no group saw (or every group saw) has a
     # random-groups error of 0; its error is at least the binomial one at p = (hits + 1/2) / (n + 1), which is never 0.
-    total = (lambda x: x.sum(-1)) if segments is None else segments.sum
     rows = row_mask_full if row_mask is not None else torch.ones_like(valid)
     counts = dict(zip(("valid", "ranked", "rows"), total(torch.stack((valid, ranked, rows)).to(dtype)), strict=True))
     n = torch.stack([counts[over] for over in _SHARES.values()], -1)  # (*F, ..., cells, shares)
