@@ -400,8 +400,7 @@ def join_cells(records: list[CellInputs], cache: dict | None = None) -> tuple:
     frames without their random sources), and the records' scalars: one batch's tensors side by side."""
     first = records[0]
     flat = first.key_mask is None  # every record's rows side by side, reduced per cell (stats.Segments)
-    # sampled records and exact ones (flat: one signature) in one pass, the exact cells' errors masked (``exact``)
-    replicates = SAMPLE_GROUPS if any(record.sampled for record in records) else None
+    replicates = SAMPLE_GROUPS if any(record.sampled for record in records) else None  # exact ones' errors: 0
     segments, exact = _segments(records, replicates, cache) if flat else (None, None)
 
     def joined(name: str, axis: int = 0) -> torch.Tensor | None:

@@ -403,8 +403,7 @@ def _frame_stats(
 
     def reduce(split, total) -> torch.Tensor:
         """The statistics from per-row values: ``split`` lays the rows out for ``total``, which sums over a cell's rows
-        (the last axis, its replicate groups', or each segment's); ``keyed``: rows on axis ``-2``. Every sum is taken
-        in one ``total`` of the summands stacked (each mean's masked values and counts, Pearson's sums, the counts)."""
+        (the last axis, its replicate groups', or each segment's), every sum stacked in one; ``keyed``: rows on -2."""
         v, rk, g = split(valid), split(ranked), split(gauge_full).unsqueeze(0)
         means = (split(over_valid), split(over_ranked), g)  # rho, null, kl, top1, neff_attn, neff_nw; rho_baseline ...
         masks = (v & ~means[0].isnan(), rk & ~means[1].isnan(), rk & g.isfinite())
