@@ -30,12 +30,16 @@ def rank(x: torch.Tensor) -> torch.Tensor:
         ranks in ``x``'s floating dtype (float32 for integer input), shape ``(..., K)``.
     """
     dtype = x.dtype if x.is_floating_point() else torch.float32
-    # a value's average rank is 1 + (the values below it) + (its ties but itself) / 2, i.e. (below + at most + 1) / 2:
-    # two binary searches in the sorted row (a few launches on a GPU, where grouping the ties cost a dozen)
-    x = x.contiguous()
-    sorted_x = x.sort(dim=-1).values
-    below, through = (torch.searchsorted(sorted_x, x, side=side) for side in ("left", "right"))
-    return (below + through + 1).to(dtype) / 2
+    k = x.shape[-1]
+    sorted_x, order = x.sort(dim=-1)
+    position = torch.arange(1, k + 1, device=x.device, dtype=dtype).expand(sorted_x.shape)
+    starts = torch.ones_like(sorted_x, dtype=torch.bool)
+    starts[..., 1:] = sorted_x[..., 1:] != sorted_x[..., :-1]
+    group = starts.cumsum(-1) - 1  # (..., K) index of each sorted value's tie group within its row
+    total = torch.zeros_like(position).scatter_add_(-1, group, position)
+    count = torch.zeros_like(position).scatter_add_(-1, group, torch.ones_like(position))
+    average = total.gather(-1, group) / count.gather(-1, group)
+    return torch.empty_like(average).scatter_(-1, order, average)
 
 
 def _row_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
