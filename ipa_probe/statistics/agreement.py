@@ -415,16 +415,14 @@ def _frame_stats(
         sizes = [x.shape[0] for x in summands[:-1]] + [x.shape[0] for x in flags]
         sums = total(torch.cat(summands)).split(sizes)  # (S, *F, ..., cells) each
         by_valid, by_ranked, gauge_mean = ((x / n).movedim(0, -1) for x, n in zip(sums[:3], sums[-7:-4], strict=True))
-        if key_mask is None:
-            cross, sq_a, sq_w = sums[3]
-            pearson = cross / (sq_a * sq_w).sqrt()
+        if key_mask is None:  # from the rows' cross products and squares (sums[3])
+            pearson = sums[3][0] / (sums[3][1] * sums[3][2]).sqrt()
         else:
             pearson = raveled_pearson(split(a_full, True), split(w, True), split(entries, True))
-        varies, n_rows, n_valid = sums[-4][0] * sums[-3][0], sums[-2][0], sums[-1][0]
         # a side without variation over the cell's rows (every NW row uniform, as in a query frame of one query) has
         # no correlation: NaN, not the float noise of 1/K - softmax(0)
-        pearson = torch.where(varies > 0, pearson, math.nan)
-        nonfinite = 1.0 - n_valid / n_rows
+        pearson = torch.where(sums[-4][0] * sums[-3][0] > 0, pearson, math.nan)
+        nonfinite = 1.0 - sums[-1][0] / sums[-2][0]  # rows valid over rows
         parts = (by_valid[..., :2], pearson, by_valid[..., 2:], nonfinite, gauge_mean[..., 0], by_ranked)
         return torch.cat([x if x.dim() == by_valid.dim() else x.unsqueeze(-1).to(dtype) for x in parts], -1).float()
 
