@@ -7,8 +7,8 @@ as a slower GPU. The budgets are the counts the eager probe reaches today, with 
 1.5's UNet at 16 x 16 latents with CFG, under the GPU's joining policy (``benchmarks/launches.py`` tables them,
 docs/measured.md records them; the UNet is narrowed eightfold, which leaves every count as it is); eager, the issue's
 targets (probe <= 0.15x the plain step's launches, maps and ``rows=None`` <= 0.25x) are not reached, and these budgets
-say where it stands against them. ``compile=True`` reaches the probe's (+74 and +81 launches at 4 and 64 tokens,
-0.09x and 0.10x); its count is held in ``benchmarks/launches.py --modes compiled``, not here: a cold compile of the
+say where it stands against them. ``compile=True`` reaches the probe's (+47 and +48 launches at 4 and 64 tokens,
+0.06x); its count is held in ``benchmarks/launches.py --modes compiled``, not here: a cold compile of the
 pass takes a minute or more on a 2-core CPU, beyond the suite's budget.
 
 The counter itself is checked against hand-counted operations, views and device reads.
@@ -29,13 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 #: Launches a probed step may add, as a share of the plain step's (SD 1.5 UNet, 16 x 16 latents, CFG), by mode and
 #: reference tokens: today's counts (docs/measured.md) with about 5 % of margin.
 BUDGETS = {
-    ("probe", 4): 0.59,  # 476 of 844 launches (0.56x; 484 before the row sample's keys were drawn once a pass, 706
-    # before the query frames of every layer size were joined, 2,401 before the stacked records and the one pass)
-    ("maps", 4): 0.95,  # 764 (0.91x; 772 before, 1,010 before that, 2,705 at first)
-    ("exact", 4): 0.59,  # 476 (0.56x)
-    ("probe", 64): 1.08,  # 871 (1.03x: the row sample's replicate errors; 919 before, 1,135, 3,726 at first)
-    ("maps", 64): 1.44,  # 1,158 (1.37x; 1,217 before, 1,423 before that)
-    ("exact", 64): 0.59,  # 476 (0.56x)
+    ("probe", 4): 0.51,  # 411 of 844 launches (0.49x; 476 before one reduction for every per-cell sum and the layout
+    # kept across steps; 706 before the query frames of every layer size were joined, 2,401 before the stacked records
+    # and the one pass)
+    ("maps", 4): 0.87,  # 699 (0.83x; 764 before, 1,010 before that, 2,705 at first)
+    ("exact", 4): 0.51,  # 411 (0.49x)
+    ("probe", 64): 0.60,  # 483 (0.57x; 871 before the sampled and exact records shared one statistics pass)
+    ("maps", 64): 0.97,  # 781 (0.93x; 1,158 before, 1,423 before that)
+    ("exact", 64): 0.51,  # 411 (0.49x)
 }
 
 

@@ -89,11 +89,11 @@ def record_logits(
     x 8 per head at 512 px), and the per-key reductions over the queries then run along contiguous memory. A query that
     is a view of the layer's ``(B, Q, H * D)`` projection (the taps' heads split) is read in place one head at a time,
     its norms taken while the head is in cache, instead of being copied first (at 512 px on CPU, reading the query
-    costs more than the products)."""
+    costs more than the products; from 1,024 queries: below, the loop's two operations a head cost more)."""
     if not text and getattr(processor, "image_branch_logits", None) is not None:
         return image_branch_logits(processor, q, k, other), q.norm(dim=-1)
     k = k * (1.0 / math.sqrt(q.shape[-1]))
-    if q.device.type == "cpu" and not q.is_contiguous():
+    if q.device.type == "cpu" and not q.is_contiguous() and q.shape[-2] >= 1024:
         heads = [(k[:, h] @ q[:, h].transpose(-1, -2), q[:, h].norm(dim=-1)) for h in range(q.shape[1])]
         by_key, norms = (torch.stack(parts, 1) for parts in zip(*heads, strict=True))
     else:
@@ -220,12 +220,12 @@ class CellInputs:
 
     def signature(self) -> tuple:
         """Records with equal signatures are compared in one pass: without a key mask (the image branch), their rows
-        flattened side by side whatever their heads and rows (:class:`~ipa_probe.statistics.rows.Segments`), so a
-        pass's records of every layer size go through one pass; with one (the text branch), concatenated along their
-        groups when their shapes are equal."""
+        flattened side by side whatever their heads and rows (:class:`~ipa_probe.statistics.rows.Segments`), sampled
+        or exact, so a pass's records of every layer size go through one pass; with one (the text branch),
+        concatenated along their groups when their shapes are equal."""
         if self.key_mask is None:
             present = tuple(x is not None for x in (self.key_term, self.row_mask, self.copies))
-            return (self.attn.shape[-1], self.attn.dtype, self.attn.device, present, self.sampled, self.has_other)
+            return (self.attn.shape[-1], self.attn.dtype, self.attn.device, present, self.has_other)
 
         def form(x: torch.Tensor | None) -> tuple | None:
             return None if x is None else (tuple(x.shape[1:]), x.dtype, x.device)
@@ -351,18 +351,19 @@ def compare_cells(
             ``None``.
         joined: the records' :func:`join_cells`, when joined beforehand.
     """
-    first, (attn, joined_frames, rest, scalars) = records[0], joined or join_cells(records, cache)
-    flat, keys = first.key_mask is None, attn.shape[-1]
+    first, (attn, joined_frames, rest, scalars, exact) = records[0], joined or join_cells(records, cache)
+    flat, keys, sampled = first.key_mask is None, attn.shape[-1], rest[-2] is not None
     if len(generators) < len(joined_frames):  # the other pool's null from a generator of its own
         generators = (*generators, torch.Generator(device=attn.device).manual_seed(0))
     frames = [(nw, term, d) for (nw, term), d in zip(joined_frames, generators, strict=False)]
     stats, frame, *other = compare_frames(attn, frames, *rest)
-    if not first.sampled:  # exact: no sampling error
-        stats = torch.stack((stats, torch.zeros_like(stats)), dim=-2)
-        frame = torch.stack((frame, torch.zeros_like(frame)), dim=-2)
+    if not sampled:  # exact: no sampling error
+        stats, frame = (torch.stack((x, torch.zeros_like(x)), dim=-2) for x in (stats, frame))
+    for x in (stats, frame, *other) if sampled and exact is not None else ():  # exact cells beside sampled: no error
+        x[..., 1, :].masked_fill_(exact, 0.0)
     rho = STAT_NAMES.index("spearman")
     if other:  # the other pool's exact-form rho: (1, cells, S), or (1, cells, 2, S) with errors
-        other_rho = other[0][0][..., 0, rho] if first.sampled else other[0][0][..., rho]
+        other_rho = other[0][0][..., 0, rho] if sampled else other[0][0][..., rho]
     else:  # the pools are the same rows: the query frame's own (exact form)
         other_rho = frame[0][..., 0, rho]
     other_rho = other_rho.unsqueeze(-1)  # (cells, 1)
@@ -401,8 +402,8 @@ def join_cells(records: list[CellInputs], cache: dict | None = None) -> tuple:
     frames without their random sources), and the records' scalars: one batch's tensors side by side."""
     first = records[0]
     flat = first.key_mask is None  # every record's rows side by side, reduced per cell (stats.Segments)
-    replicates = SAMPLE_GROUPS if first.sampled else None
-    segments = _segments(records, replicates, cache) if flat else None
+    replicates = SAMPLE_GROUPS if any(record.sampled for record in records) else None  # exact ones' errors: 0
+    segments, exact = _segments(records, replicates, cache) if flat else (None, None)
 
     def joined(name: str, axis: int = 0) -> torch.Tensor | None:
         parts = [getattr(record, name) for record in records]
@@ -430,29 +431,32 @@ def join_cells(records: list[CellInputs], cache: dict | None = None) -> tuple:
         frames.append((joined("other_nw", 1), joined("other_b", 1)))
     scalars = joined("scalars") if not flat else torch.cat([r.scalars.flatten(0, 1) for r in records])
     rest = (joined("key_mask"), joined("row_mask"), joined("copies"), first.tails, replicates, segments)
-    return joined("attn"), frames, rest, scalars
+    return joined("attn"), frames, rest, scalars, exact
 
 
-def _segments(records: list[CellInputs], replicates: int | None, cache: dict | None) -> Segments:
-    """Each flattened row's cell (and replicate group): records' rows side by side, ``(groups, H, n)`` each in order,
-    made on the device once per shape (kept in ``cache``)."""
-    shapes = tuple(tuple(record.attn.shape[:3]) for record in records)
+def _segments(records: list[CellInputs], replicates: int | None, cache: dict | None) -> tuple:
+    """Each flattened row's cell (and replicate group): records' rows side by side, ``(groups, H, n)`` each in order;
+    and where sampled and exact records mix, ``(cells, 1)`` True at the exact cells (else ``None``); made on the
+    device once per shape (kept in ``cache``)."""
+    shapes = tuple((*record.attn.shape[:3], record.sampled) for record in records)
     device = records[0].attn.device
     key = ("segments", shapes, replicates, device)
     if cache is not None and key in cache:
         return cache[key]
-    ids, groups, offset = [], [], 0
-    for cells_h, heads, rows in shapes:
+    ids, groups, exact, offset = [], [], [], 0
+    for cells_h, heads, rows, sampled in shapes:
         position = torch.arange(cells_h * heads * rows, device=device)
         cell = position // rows + offset
         ids.append(cell)
         if replicates is not None:
             groups.append(cell * replicates + position % rows % replicates)
+        exact.append(torch.full((cells_h * heads, 1), not sampled, device=device))
         offset += cells_h * heads
     segments = Segments(torch.cat(ids), offset, torch.cat(groups) if groups else None, replicates)
+    exact = torch.cat(exact) if len({shape[-1] for shape in shapes}) > 1 else None
     if cache is not None:
-        cache[key] = segments
-    return segments
+        cache[key] = segments, exact
+    return segments, exact
 
 
 def _count_lost_rows(stats: torch.Tensor, frame: torch.Tensor, keys: int) -> None:

@@ -20,7 +20,7 @@ import torch
 from .draws import Draws, shuffle_rows
 from .kernels import n_eff
 from .nulls import null_tail, rho_baseline
-from .rows import Segments, _log_softmax, _masked_mean, _masked_ranks, _row_pearson, _row_sd, raveled_pearson
+from .rows import Segments, _log_softmax, _masked_ranks, _row_pearson, _row_sd, raveled_pearson
 from .schema import ROW_THRESHOLD, STAT_NAMES, rows_column
 
 __all__ = ["compare_frames", "compare_weights", "null_tail_table"]
@@ -346,17 +346,19 @@ def _frame_stats(
     else:
         gauge = _gauge_rows(side.logits, nw_logits, key_mask, None)
     keys = side.keys
-    baseline_rows = rho_baseline(gauge, keys)
+    baseline_rows = rho_baseline(gauge, keys if key_mask is not None else n_keys)  # K a number without a key mask
     if key_mask is None:
         chance_rows = torch.full_like(keys, null_tail(n_keys))
+        inverse_factorial = torch.full_like(keys, math.exp(-math.lgamma(n_keys + 1)))
     else:
         table = null_tails if null_tails is not None else null_tail_table(n_keys, keys.device)
         chance_rows = table.to(dtype)[key_mask.sum(-1)]
+        inverse_factorial = torch.exp(-torch.lgamma(keys + 1))
     if n_keys <= EXACT_RANK_SUMS or dtype == torch.float64:
         # |c_a -+ c_w|^2 = |c_a|^2 + |c_w|^2 -+ 2 c_a.c_w over the centred ranks, exact (see EXACT_RANK_SUMS): 0 iff
         # the kept keys' ranks agree (same) or are reversed
-        same = (side.centred_sq + nw_sq - 2 * cross == 0).to(dtype)
-        reversed_ = (side.centred_sq + nw_sq + 2 * cross == 0).to(dtype)
+        sq, twice = side.centred_sq + nw_sq, 2 * cross
+        same, reversed_ = (sq == twice).to(dtype), (sq == -twice).to(dtype)
     else:
         ranks = side.ranks
         if key_mask is None:
@@ -392,7 +394,7 @@ def _frame_stats(
                 chance_rows,
                 same,
                 reversed_,
-                torch.exp(-torch.lgamma(keys + 1)),
+                inverse_factorial,
             )
         ]
     )
@@ -401,29 +403,31 @@ def _frame_stats(
 
     def reduce(split, total) -> torch.Tensor:
         """The statistics from per-row values: ``split`` lays the rows out for ``total``, which sums over a cell's rows
-        (the last axis, its replicate groups', or each segment's); ``keyed``: rows on axis ``-2``."""
-        v, rk, g = split(valid), split(ranked), split(gauge_full)
-        by_valid = _masked_mean(split(over_valid), v, total).movedim(0, -1)  # rho, null, kl, top1, neff_attn, neff_nw
-        by_ranked = _masked_mean(split(over_ranked), rk, total).movedim(0, -1)  # rho_baseline ... rows_rho_pos1_null
-        if key_mask is None:
-            cross, sq_a, sq_w = total(torch.where(v, split(raveled), 0.0))
-            pearson = cross / (sq_a * sq_w).sqrt()
+        (the last axis, its replicate groups', or each segment's), every sum stacked in one; ``keyed``: rows on -2."""
+        v, rk, g = split(valid), split(ranked), split(gauge_full).unsqueeze(0)
+        means = (split(over_valid), split(over_ranked), g)  # rho, null, kl, top1, neff_attn, neff_nw; rho_baseline ...
+        masks = (v & ~means[0].isnan(), rk & ~means[1].isnan(), rk & g.isfinite())
+        rows = split(row_mask_full) if row_mask is not None else torch.ones_like(v)
+        flags = (*masks, *((v & split(x)).unsqueeze(0) for x in (varies_a, varies_w)), rows[None], v[None])
+        summands = [torch.where(m, x, 0.0) for m, x in zip(masks, means, strict=True)]
+        summands += [torch.where(v, split(raveled), 0.0)] if key_mask is None else []
+        summands.append(torch.cat(flags).to(dtype))
+        sizes = [x.shape[0] for x in summands[:-1]] + [x.shape[0] for x in flags]
+        sums = total(torch.cat(summands)).split(sizes)  # (S, *F, ..., cells) each
+        by_valid, by_ranked, gauge_mean = ((x / n).movedim(0, -1) for x, n in zip(sums[:3], sums[-7:-4], strict=True))
+        if key_mask is None:  # from the rows' cross products and squares (sums[3])
+            pearson = sums[3][0] / (sums[3][1] * sums[3][2]).sqrt()
         else:
             pearson = raveled_pearson(split(a_full, True), split(w, True), split(entries, True))
         # a side without variation over the cell's rows (every NW row uniform, as in a query frame of one query) has
         # no correlation: NaN, not the float noise of 1/K - softmax(0)
-        varies = total((v & split(varies_a)).to(dtype)) * total((v & split(varies_w)).to(dtype))
-        pearson = torch.where(varies > 0, pearson, math.nan)
-        rows = total(torch.ones_like(v, dtype=dtype)) if row_mask is None else total(split(row_mask_full).to(dtype))
-        nonfinite = 1.0 - total(v.to(dtype)) / rows
-        gauge_mean = _masked_mean(g, rk & g.isfinite(), total)
-        parts = (by_valid[..., :2], pearson, by_valid[..., 2:], nonfinite, gauge_mean, by_ranked)
+        pearson = torch.where(sums[-4][0] * sums[-3][0] > 0, pearson, math.nan)
+        nonfinite = 1.0 - sums[-1][0] / sums[-2][0]  # rows valid over rows
+        parts = (by_valid[..., :2], pearson, by_valid[..., 2:], nonfinite, gauge_mean[..., 0], by_ranked)
         return torch.cat([x if x.dim() == by_valid.dim() else x.unsqueeze(-1).to(dtype) for x in parts], -1).float()
 
-    if segments is None:
-        stats = reduce(lambda x, keyed=False: x, lambda x: x.sum(-1))
-    else:
-        stats = reduce(lambda x, keyed=False: x, segments.sum)
+    total = (lambda x: x.sum(-1)) if segments is None else segments.sum
+    stats = reduce(lambda x, keyed=False: x, total)
     if replicates is None:
         return stats
 
@@ -440,19 +444,14 @@ def _frame_stats(
     se = per_group.std(-2, correction=1) / math.sqrt(replicates)
     # A share of rows (top1, nonfinite, the rows' rho shares) whose event no group saw (or every group saw) has a
     # random-groups error of 0; its error is at least the binomial one at p = (hits + 1/2) / (n + 1), which is never 0.
-    total = (lambda x: x.sum(-1)) if segments is None else segments.sum
-    counts = {"valid": total(valid.to(dtype)), "ranked": total(ranked.to(dtype))}
-    counts["rows"] = (
-        total(row_mask_full.to(dtype)) if row_mask is not None else total(torch.ones_like(valid, dtype=dtype))
-    )
-    floors = []
-    for name, over in _SHARES.items():
-        i, n = STAT_NAMES.index(name), counts[over].to(dtype)
-        p = (stats[..., i] * n + 0.5) / (n + 1)
-        floors.append((i, torch.sqrt(p * (1 - p) / n.clamp(min=1))))
-    se = se.clone()
-    for i, floor in floors:
-        se[..., i] = torch.maximum(se[..., i], floor.float())
+    rows = row_mask_full if row_mask is not None else torch.ones_like(valid)
+    counts = dict(zip(("valid", "ranked", "rows"), total(torch.stack((valid, ranked, rows)).to(dtype)), strict=True))
+    n = torch.stack([counts[over] for over in _SHARES.values()], -1)  # (*F, ..., cells, shares)
+    p = (torch.stack([stats[..., STAT_NAMES.index(name)] for name in _SHARES], -1) * n + 0.5) / (n + 1)
+    floor = torch.sqrt(p * (1 - p) / n.clamp(min=1)).float().unbind(-1)
+    floors = dict(zip(map(STAT_NAMES.index, _SHARES), floor, strict=True))
+    zero = torch.zeros_like(se[..., 0])  # the other statistics' floor (an error is never below 0)
+    se = torch.maximum(se, torch.stack([floors.get(i, zero) for i in range(se.shape[-1])], -1))
     return torch.stack((stats, se), dim=-2)
 
 

@@ -30,14 +30,12 @@ def rank(x: torch.Tensor) -> torch.Tensor:
         ranks in ``x``'s floating dtype (float32 for integer input), shape ``(..., K)``.
     """
     dtype = x.dtype if x.is_floating_point() else torch.float32
-    k = x.shape[-1]
     sorted_x, order = x.sort(dim=-1)
-    position = torch.arange(1, k + 1, device=x.device, dtype=dtype).expand(sorted_x.shape)
+    places = torch.arange(1, x.shape[-1] + 1, device=x.device, dtype=dtype).expand(sorted_x.shape)
     starts = torch.ones_like(sorted_x, dtype=torch.bool)
     starts[..., 1:] = sorted_x[..., 1:] != sorted_x[..., :-1]
     group = starts.cumsum(-1) - 1  # (..., K) index of each sorted value's tie group within its row
-    total = torch.zeros_like(position).scatter_add_(-1, group, position)
-    count = torch.zeros_like(position).scatter_add_(-1, group, torch.ones_like(position))
+    total, count = (torch.zeros_like(places).scatter_add_(-1, group, v) for v in (places, torch.ones_like(places)))
     average = total.gather(-1, group) / count.gather(-1, group)
     return torch.empty_like(average).scatter_(-1, order, average)
 
@@ -101,15 +99,6 @@ def _log_softmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     holds."""
     lse = x.logsumexp(-1, keepdim=True)
     return x - lse, lse.squeeze(-1).isfinite()
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor, total=None) -> torch.Tensor:
-    """Mean of ``x`` over the last dimension where ``mask`` holds (NaN where nothing does); ``total`` sums over the
-    rows of each cell instead (:meth:`Segments.sum`)."""
-    mask = mask & ~x.isnan()
-    if total is None:
-        return torch.where(mask, x, 0.0).sum(-1) / mask.sum(-1)
-    return total(torch.where(mask, x, 0.0)) / total(mask.to(x.dtype))
 
 
 @dataclass(frozen=True)
