@@ -779,6 +779,15 @@ def test_fresh_set_claims():
     assert_in("docs/attribution.md", f"median drop {ratio.min():,.0f} to {ratio.max():,.0f} times too small")
 
 
+def agreement_cell(k: int, n: int) -> tuple[str, float]:
+    """``k`` hits of ``n`` as the agreement tables write them, recomputed with scipy: the one-sided exact
+    (Clopper-Pearson) 95 % lower bound and the one-sided binomial p of agreement above 1/2; and that p."""
+    from scipy import stats
+
+    test = stats.binomtest(k, n, 0.5, alternative="greater")
+    return f"{k} of {n} (≥ {test.proportion_ci(method='exact').low:.2f}, p {g(test.pvalue)})", test.pvalue
+
+
 def fresh_held_out_rows() -> list[str]:
     """attribution.md's table of the held-out choice on the fresh sets, row by row from ``held_out.csv``."""
     table = record("attribution_fresh/held_out.csv")
@@ -820,16 +829,13 @@ def test_fresh_held_out_table_and_claims():
     for claim in claims:
         assert_in("docs/attribution.md", claim)
     assert_in("docs/findings.md", claims[1])
-    from scipy import stats  # the pooled rows: every decided set tested once, recomputed here from the folds' counts
-
+    # the pooled rows: every decided set tested once, recomputed here from the folds' counts
     for pool, words in (("without the posterior", "without the posterior"),
                         ("every candidate", "every candidate (near-circular where the posterior)")):  # fmt: skip
         cells = []
         for organism in FRESH_ORGANISMS:
             part = held[(held["pool"] == pool) & (held["organism"] == organism)]
-            k, n = int(part["hits"].sum()), int(part["decided"].sum())
-            test = stats.binomtest(k, n, 0.5, alternative="greater")
-            cells.append(f"{k} of {n} (≥ {test.proportion_ci(method='exact').low:.2f}, p {g(test.pvalue)})")
+            cells.append(agreement_cell(int(part["hits"].sum()), int(part["decided"].sum()))[0])
         assert_in("docs/attribution.md", f"| the held-out choice, {words} | " + " | ".join(cells) + " |")
 
 
@@ -883,11 +889,7 @@ def test_fresh_third_digit_sets():
     ps, cells = {}, {}
     for organism, f in facts.items():
         for predictor, k in f["hits"].items():
-            test = stats.binomtest(k, f["well"], 0.5, alternative="greater")
-            ps[organism, predictor] = test.pvalue
-            cells[organism, predictor] = (
-                f"{k} of {f['well']} (≥ {test.proportion_ci(method='exact').low:.2f}, p {g(test.pvalue)})"
-            )
+            cells[organism, predictor], ps[organism, predictor] = agreement_cell(k, f["well"])
     for predictor, words in FRESH_WORDS.items():
         assert_in("docs/attribution.md", f"| {words} | " + " | ".join(cells[o, predictor] for o in FRESH_ORGANISMS))
     read = [facts[o]["hits"]["output_digit"] for o in FRESH_ORGANISMS]
