@@ -779,6 +779,15 @@ def test_fresh_set_claims():
     assert_in("docs/attribution.md", f"median drop {ratio.min():,.0f} to {ratio.max():,.0f} times too small")
 
 
+def agreement_cell(k: int, n: int) -> tuple[str, float]:
+    """``k`` hits of ``n`` as the agreement tables write them, recomputed with scipy: the one-sided exact
+    (Clopper-Pearson) 95 % lower bound and the one-sided binomial p of agreement above 1/2; and that p."""
+    from scipy import stats
+
+    test = stats.binomtest(k, n, 0.5, alternative="greater")
+    return f"{k} of {n} (≥ {test.proportion_ci(method='exact').low:.2f}, p {g(test.pvalue)})", test.pvalue
+
+
 def fresh_held_out_rows() -> list[str]:
     """attribution.md's table of the held-out choice on the fresh sets, row by row from ``held_out.csv``."""
     table = record("attribution_fresh/held_out.csv")
@@ -820,14 +829,92 @@ def test_fresh_held_out_table_and_claims():
     for claim in claims:
         assert_in("docs/attribution.md", claim)
     assert_in("docs/findings.md", claims[1])
-    from scipy import stats  # the pooled rows: every decided set tested once, recomputed here from the folds' counts
-
+    # the pooled rows: every decided set tested once, recomputed here from the folds' counts
     for pool, words in (("without the posterior", "without the posterior"),
                         ("every candidate", "every candidate (near-circular where the posterior)")):  # fmt: skip
         cells = []
         for organism in FRESH_ORGANISMS:
             part = held[(held["pool"] == pool) & (held["organism"] == organism)]
-            k, n = int(part["hits"].sum()), int(part["decided"].sum())
-            test = stats.binomtest(k, n, 0.5, alternative="greater")
-            cells.append(f"{k} of {n} (≥ {test.proportion_ci(method='exact').low:.2f}, p {g(test.pvalue)})")
+            cells.append(agreement_cell(int(part["hits"].sum()), int(part["decided"].sum()))[0])
         assert_in("docs/attribution.md", f"| the held-out choice, {words} | " + " | ".join(cells) + " |")
+
+
+def fresh_well_posed() -> dict[str, dict]:
+    """Per organism, from ``records.csv`` alone: the decided sets whose clean output is a third digit (its
+    ``clean_label`` is neither the set's ``a`` nor its ``b``), and every predictor's hits restricted to the others."""
+    records = record("attribution_fresh/records.csv")
+    out = {}
+    for organism in FRESH_ORGANISMS:
+        frame = records[records["organism"] == organism]
+        assert (frame.groupby("set")["clean_label"].nunique() == 1).all()  # one generation per set
+        sets = frame.groupby("set").first()  # (S,) a, b, clean_label
+        flipped = frame.pivot(index="set", columns="pair", values="flipped").astype(bool)  # (S, 2)
+        decided = flipped.sum(axis=1) == 1
+        third = decided & (sets["clean_label"] != sets["a"]) & (sets["clean_label"] != sets["b"])
+        well = decided & ~third
+        truth = flipped.idxmax(axis=1)[well]  # the deciding pair
+        clean = frame.pivot(index="set", columns="pair", values="output_digit")  # P(pair's digit), clean output
+        real = frame.pivot(index="set", columns="pair", values="real_drop")
+        hits = {}
+        for predictor in FRESH_WORDS:
+            score = frame.pivot(index="set", columns="pair", values=predictor)[well]
+            hits[predictor] = int((np.where(score["a"] >= score["b"], "a", "b") == truth.to_numpy()).sum())
+        out[organism] = {
+            "decided": int(decided.sum()), "third": list(third[third].index), "well": int(well.sum()), "hits": hits,
+            "largest": float(clean[third].to_numpy().max()),
+            "both_small": int((clean[third].max(axis=1) < 1e-3).sum()),  # both pairs' P(digit) below 0.001
+            "median_real": float(np.median([real.loc[s, p] for s, p in truth.items()])),
+        }  # fmt: skip
+    return out
+
+
+def test_fresh_third_digit_sets():
+    """Issue #52: where the decided set's output is a third digit, and the agreement on the other sets."""
+    from scipy import stats
+
+    facts = fresh_well_posed()
+    for name in ("docs/attribution.md", "docs/findings.md"):
+        assert_in(name, "In " + ", ".join(f"{len(facts[o]['third'])} of {facts[o]['decided']}"
+                                          for o in FRESH_ORGANISMS[:-1])
+                  + f" and {len(facts['mixed']['third'])} of {facts['mixed']['decided']} decided sets")  # fmt: skip
+    third = "; ".join(f"`{o}` {', '.join(map(str, facts[o]['third']))}" for o in FRESH_ORGANISMS)
+    assert_in("docs/attribution.md", f"({third})")
+    largest = max(f["largest"] for f in facts.values())
+    small = sum(f["both_small"] for f in facts.values())
+    total = sum(len(f["third"]) for f in facts.values())
+    assert_in(
+        "docs/attribution.md", f"at most {e(largest)} for both pairs, below 0.001 for both in {small} of {total}"
+    )
+    assert_in("docs/attribution.md", f"({e(facts['mixed']['median_real'])} on its {facts['mixed']['well']} sets")
+    ps, cells = {}, {}
+    for organism, f in facts.items():
+        for predictor, k in f["hits"].items():
+            cells[organism, predictor], ps[organism, predictor] = agreement_cell(k, f["well"])
+    for predictor, words in FRESH_WORDS.items():
+        assert_in("docs/attribution.md", f"| {words} | " + " | ".join(cells[o, predictor] for o in FRESH_ORGANISMS))
+    read = [facts[o]["hits"]["output_digit"] for o in FRESH_ORGANISMS]
+    assert read == [facts[o]["well"] for o in FRESH_ORGANISMS]  # "every well-posed set"
+    assert_in("docs/attribution.md", f"(with {min(read)}–{max(read)} well-posed sets, not a decided difference)")
+    assert_in("docs/attribution.md", f"all of the {read[0]}, {read[1]} and {read[2]} whose output is one of the set's")
+    assert_in("docs/findings.md", f"the deciding pair in all of {read[0]}, {read[1]} and {read[2]}, and no predictor")
+    assert_in("docs/findings.md", f"(P(pair's digit) at most {e(largest)} for both pairs;")
+    summary = record("attribution_fresh/summary.csv")  # "no predictor read from the model has as many hits"
+    assert all(f["hits"]["output_digit"] > max(k for p, k in f["hits"].items() if p != "output_digit")
+               for f in facts.values())  # fmt: skip
+    for organism in FRESH_ORGANISMS:
+        part = summary[summary["organism"] == organism].set_index("predictor")["hits"]
+        assert part.drop("output_digit").max() < part["output_digit"]
+    others = {k: p for k, p in ps.items() if k[1] != "output_digit"}
+    assert min(others.values()) >= 0.05
+    assert_in("docs/attribution.md", f"(p ≥ {g(min(others.values()))}")
+    assert_in("docs/findings.md", f"(p ≥ {g(min(others.values()))}")
+    # the paired exact sign test of reading the output against the best predictor read from the model, per organism
+    # reading the output is right in every well-posed set: the discordant sets are the other predictor's misses
+    signs, apart = [], []
+    for f in facts.values():
+        apart.append(f["well"] - max(k for p, k in f["hits"].items() if p != "output_digit"))
+        p = stats.binomtest(apart[-1], apart[-1], 0.5, alternative="greater").pvalue
+        assert p >= 0.05  # "not a decided difference"
+        signs.append(g(p))
+    tested = f"p {' / '.join(signs)} (`support`, `ip-adapter`, `mixed`; {apart[0]}, {apart[1]} and {apart[2]} such"
+    assert_in("docs/attribution.md", tested)
