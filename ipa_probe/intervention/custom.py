@@ -98,6 +98,7 @@ def scale_hooks(config: InterventionConfig, layers: Sequence[str], joint: bool =
     token's factor is 0 the weights are 0 (the branch adds nothing, as ablating every reference does). SD3 (``joint``),
     whose softmax also runs over the latent tokens: the same, as ``log f`` added to the image columns' logits."""
     factors = dict(zip(config.references, config.factors, strict=True))
+    per_token: dict[tuple, torch.Tensor] = {}  # each token's factor (SD3: its log), made once per shape and device
 
     def rescale(x: torch.Tensor, ctx: HookContext) -> torch.Tensor | None:  # the weights (SD3: the logits)
         if ctx.references <= max(factors):
@@ -107,12 +108,15 @@ def scale_hooks(config: InterventionConfig, layers: Sequence[str], joint: bool =
             )
         if all(f == 1 for f in factors.values()):
             return None  # the identity, exactly
-        per_reference = torch.ones(ctx.references, dtype=x.dtype, device=x.device)
-        for reference, factor in factors.items():
-            per_reference[reference] = factor
+        key = (ctx.references, ctx.tokens, x.dtype, x.device)  # made on the device once, not at every layer and pass
+        if key not in per_token:
+            f = torch.ones(ctx.references, dtype=x.dtype, device=x.device)
+            for reference, factor in factors.items():
+                f[reference] = factor
+            per_token[key] = f.repeat_interleave(ctx.tokens).log() if joint else f.repeat_interleave(ctx.tokens)
         if joint:
-            return x + per_reference.repeat_interleave(ctx.tokens).log()  # (B, H, Q, K); log 0 = -inf
-        scaled = x * per_reference.repeat_interleave(ctx.tokens)  # (B, H, Q, K)
+            return x + per_token[key]  # (B, H, Q, K); log 0 = -inf
+        scaled = x * per_token[key]  # (B, H, Q, K)
         total = scaled.sum(-1, keepdim=True)  # (B, H, Q, 1)
         return torch.where(total > 0, scaled / total.clamp_min(torch.finfo(x.dtype).tiny), 0.0)
 
