@@ -19,8 +19,8 @@ stacks every record of a size and joins the sizes' query frames, which is what s
 
 Modes: the plain call, the probe (default rows), ``maps=True``, ``rows=None``, ``compile=True`` (counted with
 ``DispatchCount(compiled=True)``: the operations the compiled statistics still dispatch plus one launch per fused
-kernel they run; the first call compiles), the NW head and an ablation of reference 0. Counts are the same on every
-run and machine; the suite holds budgets on them (``tests/test_launch_budget.py``).
+kernel they run; the first call compiles), the NW head, an ablation of reference 0 and ``mode="scale"`` at 0.5 on
+it. Counts are the same on every run and machine; the suite holds budgets on them (``tests/test_launch_budget.py``).
 
     python benchmarks/launches.py                      # sd15 at 16 x 16 latents, 4 and 64 tokens
     python benchmarks/launches.py --arch sd15 sdxl flux --tokens 4 64 --by-site
@@ -40,7 +40,7 @@ from ipa_probe.devtools.dispatch import DispatchCount
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sd15_arch beside this file
 
-MODES = ("plain", "probe", "maps", "exact", "compiled", "nw_head", "ablate")
+MODES = ("plain", "probe", "maps", "exact", "compiled", "nw_head", "ablate", "scale")
 
 
 def sdxl_pipeline(seed: int = 0):
@@ -152,6 +152,8 @@ def feature(pipe, mode: str):
         return ipa_probe.nw_head(pipe)
     if mode == "ablate":
         return ipa_probe.intervene(pipe, 0)
+    if mode == "scale":
+        return ipa_probe.intervene(pipe, 0, mode="scale", factor=0.5)
     options = {"probe": {}, "maps": {"maps": True}, "exact": {"rows": None}, "compiled": {"compile": True}}[mode]
     return ipa_probe.probe(pipe, **options)
 
