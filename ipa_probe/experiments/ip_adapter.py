@@ -461,7 +461,7 @@ def _temperature_panel(ax, attribution, x) -> None:
     frames = {label: _bandwidths(s) for label, s in attribution.items()}
     columns = ("fitted_bandwidth", "fitted_bandwidth_low", "fitted_bandwidth_high", "bandwidth")
     finite = [v for f in frames.values() for c in columns for v in f[c].to_numpy(float) if np.isfinite(v) and v > 0]
-    entries = []
+    entries, any_infinite = [], False
     for index, (label, frame) in enumerate(frames.items()):
         colour, name = POPULATIONS[label]
         shift = 0.28 * (index - (len(frames) - 1) / 2)  # the populations' marks side by side, clear of each other
@@ -479,27 +479,27 @@ def _temperature_panel(ax, attribution, x) -> None:
             handle = (line, band)
         entries.append((handle, text))
         open_ended = np.isfinite(low) & np.isinf(high)
-        for i in np.flatnonzero(open_ended):  # the interval reaches ∞: an arrow from its lower end to the top edge
-            ax.annotate("", xy=(x[i] + shift, 1.0), xycoords=("data", "axes fraction"),
+        for i in np.flatnonzero(open_ended):  # the interval reaches ∞: an arrow from its lower end, below the ∞ marks
+            ax.annotate("", xy=(x[i] + shift, 0.76), xycoords=("data", "axes fraction"),
                         xytext=(x[i] + shift, low[i]), textcoords="data",
                         arrowprops={"arrowstyle": "->", "color": colour, "alpha": 0.6})  # fmt: skip
         if open_ended.any():  # named in the line's own entry: a legend of at most 7 entries
             text += ", arrow: CI to ∞"
             line.set_label(text)
             entries[-1] = (handle, text)
-        for i in np.flatnonzero(infinite):  # h* = ∞: marked at the top edge, not placed at a finite value
-            ax.annotate("∞", xy=(x[i] + shift, 0.97), xycoords=("data", "axes fraction"), ha="center", va="top",
-                        color=colour)  # fmt: skip
-        if infinite.any():
-            (proxy,) = ax.plot([], [], linestyle="none", marker="$∞$", color=colour, label="_proxy")
-            entries.append((proxy, "h* = ∞ (uniform closest): ∞ at the top"))
-    first = next(iter(frames.values()))
+        for i in np.flatnonzero(infinite):  # h* = ∞: at the top edge (two rows, clear of each other), not at a value
+            ax.annotate("∞", xy=(x[i] + shift, 0.97 - 0.12 * (index % 2)), xycoords=("data", "axes fraction"),
+                        ha="center", va="top", color=colour)  # fmt: skip
+        any_infinite |= bool(infinite.any())
+    if any_infinite:  # one entry for every population's ∞ marks (their colour names the population)
+        (proxy,) = ax.plot([], [], linestyle="none", marker="$∞$", color="k", label="_proxy")
+        entries.append((proxy, "h* = ∞ (uniform closest): ∞ at the top"))
     text = "exact h(t) = σ_t/α_t"
-    entries.append((ax.plot(x, first["bandwidth"], "k.--", label=text)[0], text))
+    entries.append((ax.plot(x, next(iter(frames.values()))["bandwidth"], "k.--", label=text)[0], text))
     ax.set_yscale("log")
-    fit_ylim(ax, finite, log=True)
+    fit_ylim(ax, finite, include=[max(finite) * (max(finite) / min(finite)) ** 0.6], log=True)  # room for the ∞ row
     label_log_axis(ax)
-    ax.set(ylabel="bandwidth (log)", title="(i) fitted temperature")
+    ax.set(ylabel="bandwidth (log)", title="(i) fitted temperature", xlim=(x[0] - 0.5, x[-1] + 0.5))  # room for shifts
     _legend(ax, entries)
 
 
