@@ -1019,6 +1019,7 @@ def test_survivors_in_findings():
     listed = ", ".join(posterior["support"][:-1]) + f" and {posterior['support'][-1]}"
     assert_in("docs/findings.md", f"the posterior survives at t = {listed} on `support` and `mixed`")
     assert_in("docs/findings.md", f"at t = {listed} the output is decided")
+    assert_in("docs/attribution.md", f"The posterior's survivals at t = {listed} are read after")
     projection = {o: list(t.loc[t["predictor"] == "contribution_projection", "timestep"]) for o, t in steps.items()}
     assert projection["support"] == projection["ip-adapter"] == [] and len(projection["mixed"]) == 1
     assert_in("docs/findings.md", f"the contribution projection survives at t = {projection['mixed'][0]} on `mixed`")
