@@ -3,8 +3,8 @@ non-square image) and SD3 (CFG, its one reference) pipelines: every column again
 recomputation. Shares, position n_eff and Flux's contributions come from the test's own forward hooks on the branch's
 query, image keys and values; ``x_t`` from its own pre-hook on the transformer; the posterior is
 ``softmax_i(-|x_t - (1 - sigma) x_i|^2 / (2 sigma^2))`` with ``sigma`` the scheduler's at the loop index and ``x_i``
-the VAE's own encoding (Flux's packed by diffusers' own ``_pack_latents``). Also: the decoded images, and the
-scheduler it refuses."""
+the VAE's own encoding (Flux's packed by diffusers' own ``_pack_latents``). Also: SD3's readings where an edit leaves
+a query no image mass (NaN, and said so), the decoded images, and the scheduler it refuses."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from diffusers import EDMEulerScheduler, FluxPipeline
 import ipa_probe
 from ipa_probe.attribution import posterior_at, reference_attribution
 from ipa_probe.capture.spine import spine_of
-from ipa_probe.intervention import generate
+from ipa_probe.intervention import generate, intervene
 from ipa_probe.tiny.sd import default_reference_images
 
 STEPS = 3
@@ -167,6 +167,27 @@ def test_sd3_attribution_against_its_own_formula(sd3):
     assert torch.equal(
         result.generation.latents, generated(sd3, {**call, "ip_adapter_image": call["ip_adapter_image"][0][0]})
     )
+
+
+@pytest.mark.parametrize("factor", [0.0, 0.5])
+def test_sd3_readings_where_an_edit_leaves_no_image_mass(sd3, factor):
+    """Scaling SD3's one reference by 0 adds log 0 to its image logits: the layer puts no weight on the image tokens
+    (``ip_mass`` exactly 0: the image share ``f m / (f m + 1 - m)`` of a mass ``m`` scaled by ``f = 0``), so a query
+    has no share over references: NaN in the maps, ``reference_mass``, attribution's ``attention_share``, and counted
+    in ``nonfinite``; the posterior stays defined. At 0.5 every reading is finite."""
+    call = sd3_call()
+    with intervene(sd3, 0, mode="scale", factor=factor), ipa_probe.probe(sd3, maps=True, keep_maps=True) as run:
+        result = reference_attribution(sd3, **call)
+    table, mass = run.to_dataframe(), run.reference_mass()
+    maps = torch.cat([torch.cat(m).double().flatten() for m in run.maps.values()])
+    assert len(table) and len(mass) and len(maps)
+    empty = factor == 0
+    assert (table.ip_mass == 0).all() if empty else (table.ip_mass > 0).all()
+    assert (table.nonfinite == float(empty)).all()
+    assert maps.isnan().all() if empty else maps.isfinite().all()
+    assert mass.attention.isna().all() if empty else mass.attention.notna().all()
+    assert result.table.attention_share.isna().all() if empty else result.table.attention_share.notna().all()
+    np.testing.assert_array_equal(result.table.posterior_weight, 1.0)
 
 
 @pytest.mark.parametrize("family", ["flux", "sd3"])
