@@ -854,13 +854,10 @@ def flux_matrix(pipe):
         kwargs = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS, height=64, width=64)
         return pipe(**{**kwargs, **extra}, output_type="latent", generator=torch.Generator().manual_seed(0)).images
 
-    layer, call = (
-        find_ip_layers(pipe)[0].name,
-        dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS),
-    )
+    layer = find_ip_layers(pipe)[0].name
+    call = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS, height=64, width=64)
     source = lambda: generate(ip_adapter_image=[refs[1::-1]])  # noqa: E731
-    features = matrix_features(pipe, generate, refs[2], layer, call={**call, "height": 64, "width": 64}, source=source)
-    return generate, features, (layer, 2)
+    return generate, matrix_features(pipe, generate, refs[2], layer, call=call, source=source), (layer, 2)
 
 
 def sd3_matrix(pipe):
