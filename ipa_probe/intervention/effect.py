@@ -32,7 +32,7 @@ class Generation:
     """One pipeline call's output.
 
     Attributes:
-        latents: the final latents ``(N, C, h, w)``, float32 on the CPU.
+        latents: the final latents ``(N, C, h, w)`` (Flux: packed, as its pipeline returns them), float32 on the CPU.
         images: the decoded images ``(N, H, W, 3)`` in ``[0, 1]``, float32.
         seed: the generator's seed (``None``: not made by :func:`generate`).
         call: a digest of the call's arguments (:func:`call_digest`; ``None``: not made by :func:`generate`), so
