@@ -2,15 +2,15 @@
 
 For every recorded step ``t`` (loop index) and IP-Adapter layer ``l`` of the conditional branch: the attention share
 of each reference (the probe's per-reference maps, :meth:`ipa_probe.ProbeRun.reference_weights`, averaged over the
-layer's positions and heads) and the posterior over the reference latents at the same ``x_t`` in the exact denoiser's
-form (:class:`ipa_probe.exact.ExactNWDenoiser`, paper §C.5: ``w_i = softmax_i(-|x_t / alpha_t - s_i|^2 / (2 h_t^2))``,
-``h_t = sigma_t / alpha_t``, float64), with the squared distances the temperature fit of :mod:`.analysis` needs. Each
-column: docs/attribution.md ("The observational comparison"). Attention weights do not depend on the q/k gauge and
-the posterior is made from latents only, so every column here is gauge invariant.
+layer's positions and heads) and the exact posterior over the reference latents at the same ``x_t`` on the path
+``x_t = alpha_t x_0 + sigma_t eps`` (paper §C.5: ``w_i = softmax_i(-|x_t / alpha_t - s_i|^2 / (2 h_t^2))``, ``h_t =
+sigma_t / alpha_t``, float64; VP: ``alpha_t = sqrt(abar_t)``, flow matching: ``1 - sigma_t``), with the squared
+distances the temperature fit of :mod:`.analysis` needs. Columns: docs/attribution.md. All gauge invariant.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,11 +46,9 @@ ATTRIBUTION_COLUMNS: tuple[str, ...] = (
     "contribution_projection",
 )
 
-#: The contribution columns (see :meth:`ipa_probe.capture.maps.MapAccumulator.contribution_weights`): per reference
-#: ``j``, its contribution ``c_j(q) = s W_o sum_{i in j} w_i(q) v_i`` to the layer's output after ``to_out``: the norm
-#: ``|c_j|``, the norm's share ``|c_j| / sum_k |c_k|`` and the projection ``c_j . c / |c|`` onto the branch's total
-#: ``c``, each averaged over query positions (per head in :attr:`ReferenceAttribution.heads`: ``c_{j,h}``, the share
-#: over the references and heads of a position).
+#: Per reference ``j``, its contribution ``c_j(q) = s W_o sum_{i in j} w_i(q) v_i`` to the layer's output: ``|c_j|``,
+#: ``|c_j| / sum_k |c_k|`` and ``c_j . c / |c|`` (``c`` the branch's total), each averaged over query positions (per
+#: head: ``c_{j,h}``, the share over the references and heads). See :meth:`.MapAccumulator.contribution_weights`.
 CONTRIBUTION_COLUMNS: tuple[str, ...] = ("contribution_norm", "contribution_share", "contribution_projection")
 
 
@@ -73,18 +71,15 @@ class ReferenceAttribution:
 
     Attributes:
         table: one row per (recorded step, layer, reference), columns :data:`ATTRIBUTION_COLUMNS`.
-        generation: the call's :class:`~ipa_probe.intervention.Generation` (the probe reads without changing anything,
-            so it is the plain pipeline's output for that seed).
-        run: the finished :class:`~ipa_probe.ProbeRun` (matched bandwidth, ``maps=True``): its ``to_dataframe()`` is
-            the probe's table of the same generation.
+        generation: the call's :class:`~ipa_probe.intervention.Generation` (the plain pipeline's, for that seed).
+        run: the finished :class:`~ipa_probe.ProbeRun` (``maps=True``): the probe's table of the same generation.
         heads: per (step, layer, head, reference) the head's attention share (mean over query positions),
             columns :data:`CELL_COLUMNS` with ``cell`` the head; empty when ``per_head=False``.
         positions: per (step, layer, query position, reference) the share averaged over heads, columns
             :data:`CELL_COLUMNS` with ``cell`` the position.
         head_positions: per (step, layer, head, query position, reference) the one head's share at that position,
-            columns :data:`CELL_COLUMNS` with ``cell = head * Q + position`` (the contribution columns NaN: not
-            kept at this resolution); empty when ``per_head=False``. The finest resolution the verdict's TV rule is
-            applied at.
+            columns :data:`CELL_COLUMNS` with ``cell = head * Q + position`` (contributions NaN: not kept); empty
+            when ``per_head=False``. The finest resolution the verdict's TV rule is applied at.
         samples: recorded step -> ``x_t`` (the conditional row of the denoiser's input, float64, flattened), where
             the posterior was evaluated; :func:`posterior_at` evaluates other references' posterior there.
     """
@@ -114,47 +109,71 @@ def _references(call: dict[str, Any], adapter: int) -> list:
 
 
 def posterior_at(
-    pipe, references: list, samples: dict[int, torch.Tensor], timesteps: dict[int, float]
+    pipe, references: list, samples: dict[int, torch.Tensor], timesteps: dict[int, float], height=None, width=None
 ) -> pd.DataFrame:
     """The exact posterior over ``references`` at given noisy latents: for the controls, references the generation
     never saw evaluated at the ``x_t`` it passed through.
 
-    ``pipe``'s VAE encodes the references, its scheduler gives ``alpha_t``, ``h_t``; ``samples``: step -> ``x_t``
-    (flattened; :attr:`ReferenceAttribution.samples`). One row per (step, reference): ``step``, ``timestep``,
-    ``reference``, ``sq_distance``, ``bandwidth``, ``posterior_weight`` (as in :data:`ATTRIBUTION_COLUMNS`).
+    ``pipe``'s VAE encodes the references at the generation's ``height x width`` (the pipeline's default unless
+    given), its scheduler gives ``alpha_t``, ``sigma_t`` (flow matching's as the generation left it); ``samples``:
+    step -> ``x_t`` (flattened; :attr:`ReferenceAttribution.samples`). One row per (step, reference): ``step``,
+    ``timestep``, ``reference``, ``sq_distance``, ``bandwidth``, ``posterior_weight`` (:data:`ATTRIBUTION_COLUMNS`).
     """
-    from ..exact import encode_references
-
-    schedule = _schedule(pipe)
-    support = encode_references(pipe, references).double().flatten(1)  # (R, D)
+    schedule, support = _schedule(pipe), _support(pipe, references, height, width)  # (R, D)
     rows = []
     for step in sorted(samples):
-        distance, h, weight = _posterior(schedule, support, samples[step].double().cpu(), timesteps[step])
-        rows.extend(
-            (step, float(timesteps[step]), i, float(distance[i]), h, float(weight[i])) for i in range(len(weight))
-        )
+        (alpha, sigma), x = schedule(timesteps[step]), samples[step].double().cpu()
+        if x.shape != support.shape[1:]:
+            raise ValueError(f"x_t: {x.numel()} values, the latents {support.shape[1]}: pass the call's height, width")
+        if alpha:
+            distance, h = ((x / alpha - support) ** 2).sum(-1), sigma / alpha  # (R,) |x_t / alpha_t - s_i|^2, h_t
+            weight = torch.softmax(-distance / (2 * h * h), -1)
+        else:  # flow matching's sigma = 1: x_t tells nothing of x_0 (distances and h inf, the posterior uniform)
+            distance, h = torch.full((len(support),), math.inf, dtype=torch.float64), math.inf
+            weight = torch.full_like(distance, 1 / len(support))
+        pairs = enumerate(zip(distance.tolist(), weight.tolist(), strict=True))
+        rows += [(step, float(timesteps[step]), i, d, h, w) for i, (d, w) in pairs]
     columns = ["step", "timestep", "reference", "sq_distance", "bandwidth", "posterior_weight"]
     return pd.DataFrame(rows, columns=columns)
 
 
 def _schedule(pipe):
-    """The VP schedule the exact posterior is written in; flow matching (Flux, SD3) refused, naming why."""
+    """timestep -> ``(alpha_t, sigma_t)``: VP (SD 1.5, SDXL) from ``alphas_cumprod``; flow matching (Flux, SD3)
+    ``sigma_t`` the scheduler's sigma at that timestep of its last loop, ``alpha_t = 1 - sigma_t``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
     from ..theory.schedules import VPSchedule
 
-    if hasattr(pipe.scheduler, "alphas_cumprod"):
-        return VPSchedule.from_scheduler(pipe.scheduler)
+    scheduler = pipe.scheduler
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return lambda t: (1 - _flow_sigma(scheduler, t), _flow_sigma(scheduler, t))
+    if hasattr(scheduler, "alphas_cumprod"):
+        vp = VPSchedule.from_scheduler(scheduler)
+        return lambda t: (float(vp(int(round(t))).alpha_t), float(vp(int(round(t))).sigma_t))
     raise TypeError(
-        f"reference_attribution's exact posterior needs a VP scheduler (DDIM, DDPM, PNDM: SD 1.5, SDXL), got "
-        f"{type(pipe.scheduler).__name__}; on Flux and SD3 read shares with probe(pipe, maps=True).reference_mass()"
+        f"reference_attribution's exact posterior needs a VP scheduler (alphas_cumprod: DDIM, DDPM, PNDM, Euler) or "
+        f"FlowMatchEulerDiscreteScheduler, got {type(scheduler).__name__}; set pipe.scheduler to one"
     )
 
 
-def _posterior(schedule, support: torch.Tensor, x: torch.Tensor, timestep: float):
-    """``(|x / alpha_t - s_i|^2 (R,), h_t, w_i (R,))`` in float64 for one flattened ``x`` (D,)."""
-    coefficients = schedule(int(round(timestep)))
-    alpha, h = float(coefficients.alpha_t), float(coefficients.h)
-    distance = ((x / alpha - support) ** 2).sum(-1)  # (R,) |x_t / alpha_t - s_i|^2
-    return distance, h, torch.softmax(-distance / (2 * h * h), -1)
+def _flow_sigma(scheduler, timestep: float) -> float:
+    at = (scheduler.timesteps.double().cpu() == timestep).nonzero().flatten().tolist()
+    if not at:
+        raise ValueError(f"the scheduler's last loop had no timestep {timestep}: call right after the generation")
+    return float(scheduler.sigmas[at[0]])
+
+
+def _support(pipe, references: list, height, width) -> torch.Tensor:
+    """The references' latents ``(R, D)`` in float64 as the denoiser takes them: Flux packs ``side x side`` latent
+    pixels into a token (``side**2`` its ``in_channels`` over the VAE's channels), row-major as its pipeline does."""
+    from ..exact import encode_references
+    from ..layers import denoiser_of
+
+    z = encode_references(pipe, references, height, width).double()  # (R, C, H, W)
+    side = math.isqrt(denoiser_of(pipe).config.in_channels // z.shape[1])
+    if side > 1:
+        z = z.unflatten(-1, (-1, side)).unflatten(-3, (-1, side)).permute(0, 2, 4, 1, 3, 5)  # (R, H/s, W/s, C, s, s)
+    return z.flatten(1)
 
 
 def reference_attribution(
@@ -163,8 +182,7 @@ def reference_attribution(
     """Generate once (seeded) and return each reference's attention share and exact posterior weight per step.
 
     Args:
-        pipe: an SD 1.5 / SDXL pipeline with an IP-Adapter, on a scheduler with integer timesteps (DDIM, DDPM,
-            PNDM, ...); Flux and SD3 (flow matching) are refused with a ``TypeError``: the probe reads their shares.
+        pipe: an SD 1.5 / SDXL (VP scheduler: DDIM, DDPM, PNDM, ...) or Flux / SD3 pipeline with an IP-Adapter.
         steps: loop indices to record (ints or a ``slice``); ``None`` for all.
         seed: the generator's seed.
         adapter: the IP-Adapter whose references are compared.
@@ -174,17 +192,15 @@ def reference_attribution(
             without ``generator`` / ``output_type``.
 
     Returns:
-        a :class:`ReferenceAttribution`: one row per (recorded step, layer, reference), columns as tabled in
-        docs/attribution.md ("The observational comparison"), and the per-head and per-position tables
-        (:attr:`ReferenceAttribution.heads`, :attr:`ReferenceAttribution.positions`); ``attention_share`` sums to 1
-        over references unless an edit it runs inside left the weights unnormalised (docs/api.md).
+        a :class:`ReferenceAttribution` (columns: docs/attribution.md, "The observational comparison");
+        ``attention_share`` sums to 1 over references unless an edit it runs inside left the weights unnormalised
+        (docs/api.md; NaN on SD3 where an edit left a query no image mass, ``ip_mass`` 0: no share is defined).
     """
     from ..capture.run import probe
     from ..capture.spine import attach, client, detach
-    from ..exact import encode_references
     from ..intervention.effect import generate
 
-    schedule = _schedule(pipe)  # first: on Flux and SD3 the reason, before any argument's
+    _schedule(pipe)  # first: a scheduler it has no posterior for, before any argument's
     check_seed(seed)
     check_int(adapter, "adapter", 0)
     references = _references(call, adapter)
@@ -195,7 +211,6 @@ def reference_attribution(
     planned = call.get("num_inference_steps")
     if isinstance(planned, int) and not isinstance(planned, bool):  # the loop runs at most that many steps
         check_steps_ran(selection, planned)
-    support = encode_references(pipe, references).double().flatten(1)  # (R, D)
     passes: list[tuple[torch.Tensor, torch.Tensor]] = []  # (timestep, denoiser input) of every pass, on its device
 
     def keep_input(spine, args, kwargs):
@@ -218,65 +233,48 @@ def reference_attribution(
     stamps = torch.stack([t for t, _ in passes]).double().cpu().tolist() if passes else []  # one transfer
     if selection is not None and not weights:  # the selection missed every step the call had
         raise ValueError(f"steps: {steps!r} selects no loop index this call had; pass indices it runs")
-    posterior, samples = {}, {}
+    samples = {}
     for step in sorted({step for step, _ in weights}):
         # x_t: the first pass at the probe's timestep of that step, at the batch row the probe labelled the first
         # conditional item (the row whose attention reference_weights reads), in float64 on the host
         sample = next((x for stamp, (_, x) in zip(stamps, passes, strict=True) if stamp == timesteps[step]), None)
         if sample is None:
             raise ValueError(f"no denoiser pass had the timestep {timesteps[step]} of step {step}")
-        x = sample[run.map_rows(0, step, "cond", adapter)[0]].double().flatten().cpu()  # (D,)
-        samples[step] = x
-        posterior[step] = _posterior(schedule, support, x, timesteps[step])
-    names = [layer.name for layer in run.layers]
+        samples[step] = sample[run.map_rows(0, step, "cond", adapter)[0]].double().flatten().cpu()  # (D,)
+    names, nan = [layer.name for layer in run.layers], torch.tensor(math.nan, dtype=torch.float64)
     contributions = run.contributions(0, 0, adapter, "cond")
-    missing = torch.full((3, 1, len(references)), float("nan"), dtype=torch.float64)
-    rows, position_rows = [], []
+    rows, cells = [], {"positions": [], "heads": [], "head_positions": []}
     for (step, layer), w in weights.items():  # w: (Q, R)
-        t = float(timesteps[step])
-        c = contributions.get((step, names.index(layer)), missing.expand(3, *w.shape))  # (3, Q, R)
-        position_rows.extend(
-            (step, t, layer, p, i, value, *c[:, p, i].tolist())
-            for p, row in enumerate(w.tolist())
-            for i, value in enumerate(row)
-        )
-        share = w.mean(0)  # (R,)
-        mean_c = c.mean(1)  # (3, R) over query positions
-        position_neff = float((1.0 / (w**2).sum(-1)).mean())
-        distance, h, weight = posterior[step]
-        for i in range(w.shape[1]):
-            rows.append(
-                (step, float(timesteps[step]), layer, i, float(share[i]), position_neff)
-                + (float(distance[i]), h, float(weight[i]))
-                + tuple(mean_c[:, i].tolist())
-            )
-    table = pd.DataFrame(rows, columns=list(ATTRIBUTION_COLUMNS))
-    positions = pd.DataFrame(position_rows, columns=list(CELL_COLUMNS))
-    head_rows, head_position_rows = [], []
+        c = contributions.get((step, names.index(layer)), nan.expand(3, *w.shape))  # (3, Q, R)
+        key, neff = (step, float(timesteps[step]), layer), float((1.0 / (w**2).sum(-1)).mean())  # position_neff
+        cells["positions"] += _cells(key, w, c)
+        rows += [(*row, neff) for row in _cells(key, w.mean(0, keepdim=True), c.mean(1, keepdim=True))]
     if per_head:
-        per_head_weights = run.head_shares(0, 0, adapter, "cond")
         head_contributions = run.contributions(0, 0, adapter, "cond", heads=True)
-        for (step, index), w in per_head_weights.items():  # w: (H, Q, R)
-            share = w.mean(1)  # (H, R) mean over query positions
-            c = head_contributions.get((step, index), missing[:, None].expand(3, *w.shape)).mean(2)  # (3, H, R)
-            head_rows.extend(
-                (step, float(timesteps[step]), names[index], head, i, value, *c[:, head, i].tolist())
-                for head, row in enumerate(share.tolist())
-                for i, value in enumerate(row)
-            )
-            head_position_rows.extend(
-                (step, float(timesteps[step]), names[index], cell, i, value, np.nan, np.nan, np.nan)
-                for cell, row in enumerate(w.flatten(0, 1).tolist())  # (H * Q, R): cell = head * Q + position
-                for i, value in enumerate(row)
-            )
-    heads = pd.DataFrame(head_rows, columns=list(CELL_COLUMNS))
-    head_positions = pd.DataFrame(head_position_rows, columns=list(CELL_COLUMNS))
+        for (step, index), w in run.head_shares(0, 0, adapter, "cond").items():  # w: (H, Q, R)
+            c = head_contributions.get((step, index), nan.expand(3, *w.shape))  # (3, H, Q, R)
+            key, finest = (step, float(timesteps[step]), names[index]), w.flatten(0, 1)  # cell = head * Q + position
+            cells["heads"] += _cells(key, w.mean(1), c.mean(2))
+            cells["head_positions"] += _cells(key, finest, nan.expand(3, *finest.shape))  # no contributions kept
+    posterior = posterior_at(pipe, references, samples, timesteps, call.get("height"), call.get("width"))
+    table = pd.DataFrame(rows, columns=[*CELL_COLUMNS, "position_neff"]).merge(posterior, how="left")
+    table = table[list(ATTRIBUTION_COLUMNS)]
+    positions, heads, head_positions = (pd.DataFrame(cells[n], columns=list(CELL_COLUMNS)) for n in cells)
     if len(table) and table["reference"].max() + 1 != len(references):
         raise ValueError(
             f"the maps hold {table['reference'].max() + 1} references for {len(references)} images; "
             "reference_attribution needs the adapter's images as one list with one token group each"
         )
     return ReferenceAttribution(table, generation, run, heads, positions, samples, head_positions)  # field order
+
+
+def _cells(key: tuple, shares: torch.Tensor, c: torch.Tensor) -> list[tuple]:
+    """Rows of :data:`CELL_COLUMNS` after ``key`` (step, timestep, layer): ``shares`` ``(cells, R)``, their
+    contributions ``c`` ``(3, cells, R)``."""
+    c = c.permute(1, 2, 0).tolist()  # (cells, R, 3)
+    return [
+        (*key, cell, i, value, *c[cell][i]) for cell, row in enumerate(shares.tolist()) for i, value in enumerate(row)
+    ]
 
 
 def sets_table(tables: list[pd.DataFrame]) -> pd.DataFrame:

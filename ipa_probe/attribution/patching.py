@@ -174,12 +174,6 @@ def digit_probability_gradients(pipe, digits: Sequence[int], *, seed: int = 0, *
 
     wanted = sorted(set(digits))
     df, dg = patching_gradients(pipe, digit_metrics(pipe, wanted), seed=seed, **call)
-    rows = [
-        {
-            "reference": j,
-            "attribution_patching": float(df[wanted.index(d), j]),
-            "output_projection": float(dg[wanted.index(d), j]),
-        }
-        for j, d in enumerate(digits)
-    ]
-    return pd.DataFrame(rows)
+    rows, references = [wanted.index(d) for d in digits], np.arange(len(digits))  # metric of each reference's digit
+    columns = {"attribution_patching": df[rows, references], "output_projection": dg[rows, references]}
+    return pd.DataFrame({"reference": references, **columns})

@@ -8,6 +8,7 @@ between the two outputs and, given a classifier, its verdict on both.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ class Generation:
     """One pipeline call's output.
 
     Attributes:
-        latents: the final latents ``(N, C, h, w)``, float32 on the CPU.
+        latents: the final latents ``(N, C, h, w)`` (Flux: packed, as its pipeline returns them), float32 on the CPU.
         images: the decoded images ``(N, H, W, 3)`` in ``[0, 1]``, float32.
         seed: the generator's seed (``None``: not made by :func:`generate`).
         call: a digest of the call's arguments (:func:`call_digest`; ``None``: not made by :func:`generate`), so
@@ -90,11 +91,17 @@ class InterventionEffect:
 
 
 @torch.no_grad()
-def decode_latents(pipe, latents: torch.Tensor) -> np.ndarray:
-    """Decode final latents ``(N, C, h, w)`` with ``pipe``'s ``vae`` and ``image_processor`` as an SD 1.5 / SDXL
-    pipeline does for ``output_type="np"``: images ``(N, H, W, 3)`` in ``[0, 1]``."""
+def decode_latents(pipe, latents: torch.Tensor, height: int | None = None) -> np.ndarray:
+    """Decode final latents ``(N, C, h, w)`` (Flux: packed, of a ``height``-pixel image, square unless given) as the
+    pipeline does for ``output_type="np"`` with its ``vae`` and ``image_processor``: ``(N, H, W, 3)`` in ``[0, 1]``."""
     vae = pipe.vae
+    if latents.ndim == 3:  # Flux's packing undone: (N, rows, columns, C, s, s) -> (N, C, rows s, columns s)
+        side = math.isqrt(latents.shape[-1] // vae.config.latent_channels)
+        rows = height // (pipe.vae_scale_factor * side) if height else math.isqrt(latents.shape[1])
+        latents = latents.unflatten(-1, (-1, side, side)).unflatten(1, (rows, -1)).permute(0, 3, 1, 4, 2, 5)
+        latents = latents.flatten(4, 5).flatten(2, 3)
     z = latents.to(device=vae.device, dtype=vae.dtype) / vae.config.scaling_factor
+    z = z + (getattr(vae.config, "shift_factor", None) or 0)  # SD3, Flux
     decoded = vae.decode(z, return_dict=False)[0]
     return pipe.image_processor.postprocess(decoded, output_type="np", do_denormalize=[True] * decoded.shape[0])
 
@@ -133,16 +140,16 @@ def call_digest(**call: Any) -> str:
 
 
 def generate(pipe, *, seed: int = 0, **call: Any) -> Generation:
-    """Run an SD 1.5 / SDXL ``pipe(**call)`` with a CPU generator seeded with ``seed`` (the same seed, the same
-    initial noise) and return its latents and decoded images. ``call``: the pipeline's arguments (prompt,
-    ``ip_adapter_image``, ``num_inference_steps``, ...), without ``generator`` and ``output_type``.
-    """
+    """Run ``pipe(**call)`` (SD 1.5, SDXL, Flux, SD3) seeded with ``seed`` (a CPU generator: the same seed, the same
+    initial noise); its latents and decoded images. ``call``: the pipeline's arguments without ``generator`` and
+    ``output_type``."""
     for name in ("generator", "output_type", "return_dict"):
         if name in call:
             raise ValueError(f"{name}= is set by generate (seed= chooses the generator); drop it from the call")
     generator = torch.Generator().manual_seed(check_seed(seed))
     latents = pipe(**call, generator=generator, output_type="latent").images
-    return Generation(latents.detach().float().cpu(), decode_latents(pipe, latents), seed, call_digest(**call))
+    images = decode_latents(pipe, latents, call.get("height"))
+    return Generation(latents.detach().float().cpu(), images, seed, call_digest(**call))
 
 
 def _rms(a: np.ndarray, b: np.ndarray) -> np.ndarray:
