@@ -98,6 +98,39 @@ def test_organism_claims():
     assert_in("docs/organism.md", f"moves {100 * min(swaps):.0f}–{100 * max(swaps):.0f}% of outputs")
 
 
+def clustered_exact(successes: list[int], size: int) -> tuple[float, float]:
+    """The exact 95 % interval of a proportion over clusters of ``size`` trials at Korn and Graubard's effective size,
+    written out here (scipy's beta quantiles): design effect from the clusters' spread, the t correction for their
+    degrees of freedom, then Clopper-Pearson at the effective count."""
+    from scipy import stats
+
+    x, c = np.asarray(successes, dtype=np.float64), len(successes)
+    p = x.sum() / (c * size)
+    v = c / (c - 1) * ((x - p * size) ** 2).sum() / (c * size) ** 2
+    n = min(c * size, p * (1 - p) / v) * (stats.norm.ppf(0.975) / stats.t.ppf(0.975, c - 1)) ** 2
+    low = stats.beta.ppf(0.025, p * n, n - p * n + 1) if p > 0 else 0.0
+    return low, stats.beta.ppf(0.975, p * n + 1, n - p * n) if p < 1 else 1.0
+
+
+def test_organism_rates_clustered_by_seed():
+    """Section 9's exact intervals clustered by seed, from rates.json's per-seed rates (100 images a seed)."""
+    text, ends = [], []
+    for arm in ("adapter on, CFG 3", "adapter scale 0, CFG 3"):
+        for organism in ("support", "ip-adapter"):
+            r = json.loads((RESULTS / "digits" / organism / "rates.json").read_text())["rates"][arm]
+            size = r["samples"] // len(r["rate"]["values"])
+            assert size == 100
+            low, high = clustered_exact([round(v * size) for v in r["rate"]["values"]], size)
+            text.append(f"[{100 * low:.1f}%, {100 * high:.1f}%]")
+            ends.append((low, high))
+    assert ends[0][0] > ends[2][1] and ends[1][0] > ends[3][1]  # "apart on both organisms"
+    on_s, on_i, off_s, off_i = text
+    assert_in(
+        "docs/findings.md",
+        f"is {on_s} (`support`) and {on_i} (`ip-adapter`) against the control's {off_s} and {off_i}: apart on both",
+    )
+
+
 # ------------------------------------------------------------------------------------------- findings.md section 2
 def bound(x: float) -> str:
     """A Holm-compatible bound as the docs write it: ``0`` where exactly 0 (a rejection while others are kept)."""
@@ -821,6 +854,28 @@ def test_patching_ranking_is_described_not_decided():
     )
     assert_in(
         "docs/findings.md", f"real drop is positive on every organism ({span}; per-row percentile intervals over 16"
+    )
+
+
+def test_controls_family_wise_reading():
+    """attribution.md's reading of the controls' unadjusted rows: each interval's width as 2 x 1.96 standard errors,
+    |difference| / se against Bonferroni over an organism's rows (Student's t with the control's 20 sets, scipy)."""
+    from scipy import stats
+
+    cleared, others = [], []
+    for folder in ORGANISMS.values():
+        t = record(f"{folder}/attribution/controls_trained.csv")
+        critical = stats.t.ppf(1 - 0.05 / (2 * len(t)), 19)
+        z = (t["difference"] / ((t["high"] - t["low"]) / (2 * 1.96))).abs()
+        concentration = t["statistic"].str.contains("tv")
+        assert len(t) == 80 and concentration.sum() == 40
+        cleared.append(str(int((z[concentration] > critical).sum())))
+        others.append(int((z[~concentration] > critical).sum()))
+    assert others == [0, 0, 0]
+    assert_in(
+        "docs/attribution.md",
+        f"(Student's t, 19 degrees of freedom: {critical:.2f}), {', '.join(cleared[:-1])} and {cleared[-1]} of the 40 "
+        "concentration rows (`support`, `ip-adapter`, `mixed`) clear it, and none of the other 40)",
     )
 
 
