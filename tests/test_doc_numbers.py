@@ -879,6 +879,23 @@ def test_controls_family_wise_reading():
     )
 
 
+@pytest.mark.parametrize("folder", ["full", "full_recipe_ip_adapter", "full_recipe_mixed", "smoke"])
+def test_one_reference_ablation_interval_is_over_sets(folder):
+    """The tables' "ablating one reference" interval: a set's 4 references share its generation, so the interval is
+    a BCa bootstrap of the set means (scipy, seeded as the tables are), not of the 4 x sets rows."""
+    from scipy import stats
+
+    for label in ("trained", "untrained"):
+        effects = record(f"{folder}/attribution/effects_{label}.csv")
+        per_set = effects.groupby("set")["latent_effect"].mean().to_numpy()
+        assert (effects.groupby("set").size() == 4).all()  # balanced: the mean of set means is the rows' mean
+        ci = stats.bootstrap((per_set,), np.mean, n_resamples=9999, method="BCa", rng=np.random.default_rng(0))
+        row = f"RMS latent change {effects['latent_effect'].mean():.3f} [{ci.confidence_interval.low:.3f}, "
+        row += f"{ci.confidence_interval.high:.3f}]"
+        text = (RESULTS / folder / "attribution" / "table.md").read_text()
+        assert f"| {label} organism | {row};" in text, row
+
+
 def agreement_cell(k: int, n: int) -> tuple[str, float]:
     """``k`` hits of ``n`` as the agreement tables write them, recomputed with scipy: the one-sided exact
     (Clopper-Pearson) 95 % lower bound and the one-sided binomial p of agreement above 1/2; and that p."""
