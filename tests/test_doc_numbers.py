@@ -568,7 +568,8 @@ def test_query_frame_excess_holds_family_wise():
     assert len(z) == 15 and min(z) > critical
     assert_in(
         "docs/findings.md",
-        f"puts its excess at least {int(min(z))} standard errors below 0 at every timestep of all three organisms, "
+        f"read as ±1.96 standard errors, each interval's width (`table.csv`, rounded) puts its excess at least "
+        f"{int(min(z))} standard errors below 0 at every timestep of all three organisms, "
         f"where Bonferroni over those {len(z)} rows needs {critical:.1f} (two-sided 5%)",
     )
 
@@ -676,9 +677,11 @@ def test_query_pool_claims():
     p = np.sort(2 * stats.t.sf((several["difference"] / several["se"]).abs(), several["sets"] - 1))
     adjusted = np.maximum.accumulate(np.minimum(1, (len(p) - np.arange(len(p))) * p))
     assert (several["difference"] > 0).all() and (adjusted < 0.05).all()
+    (sets,) = several["sets"].unique()
     assert_in(
         "docs/findings.md",
-        f"rejects 0 in all {len(p)} rows, Holm over the {len(p)} (largest adjusted p {g(adjusted[-1])};",
+        f"over its {sets} sets (`difference / se`, {sets - 1} degrees of freedom) rejects 0 in all {len(p)} rows, "
+        f"Holm over the {len(p)} (largest adjusted p {g(adjusted[-1])};",
     )
     assert (pd.concat(tables.values()).query("images == 1")["difference"] == 0).all()
     assert_in(
@@ -874,6 +877,7 @@ def test_controls_family_wise_reading():
     assert others == [0, 0, 0]
     assert_in(
         "docs/attribution.md",
+        "Read as ±1.96 standard errors against Bonferroni over the 80 rows with the control's 20 sets "
         f"(Student's t, 19 degrees of freedom: {critical:.2f}), {', '.join(cleared[:-1])} and {cleared[-1]} of the 40 "
         "concentration rows (`support`, `ip-adapter`, `mixed`) clear it, and none of the other 40)",
     )
@@ -944,6 +948,12 @@ def test_fresh_held_out_bounds_are_holm_compatible():
     np.testing.assert_allclose(held["agreement_low_holm"], expected, rtol=1e-9, atol=1e-12)
     low = held["agreement_low_holm"].to_numpy()
     assert ((low > 0.5) <= rejected).all() and (rejected <= (low >= 0.5)).all()
+    assert kept == len(p) == 12
+    assert_in(
+        "docs/attribution.md",
+        f"with all {kept} tests retained, the exact one-sided bound at 5% / {kept} capped at 1/2, holding for the "
+        f"{kept} together",
+    )
 
 
 def test_fresh_held_out_table_and_claims():

@@ -512,7 +512,7 @@ def cell_shares(cells: pd.DataFrame, timestep: float) -> tuple[np.ndarray, list[
 
 def control_difference(values: np.ndarray, control: np.ndarray, paired: bool, seed: int = 0) -> dict[str, float]:
     """A statistic against its control: the mean of ``values`` minus the mean of ``control`` with a 95 % bootstrap
-    interval; it **counts** only when the interval excludes 0.
+    interval; it **counts** only when the interval excludes 0 (per row, unadjusted: not a family's decision).
 
     ``values``: ``(S,)`` the statistic per set (non-finite entries left out). ``paired=True``: ``control`` ``(S,)``
     is the same statistic on each set's control (e.g. references the generation never saw at the same ``x_t``), the
