@@ -570,7 +570,7 @@ def test_query_frame_excess_holds_family_wise():
         "docs/findings.md",
         f"read as ±1.96 standard errors, each interval's width (`table.csv`, rounded) puts its excess at least "
         f"{int(min(z))} standard errors below 0 at every timestep of all three organisms, "
-        f"where Bonferroni over those {len(z)} rows needs {critical:.1f} (two-sided 5%)",
+        f"where Bonferroni over those {len(z)} rows needs {critical:.1f} (two-sided 5%): the {len(z)} hold together",
     )
 
 
