@@ -159,7 +159,9 @@ def test_exact_lower_bound_is_scipys():
         for k in range(n + 1):
             expected = stats.binomtest(k, n, alternative="greater").proportion_ci(method="exact").low
             assert exact_lower_bound(k, n) == pytest.approx(expected, abs=1e-12)
-    assert np.isnan(exact_lower_bound(0, 0))
+    assert np.isnan(exact_lower_bound(0, 0)) and np.isnan(clopper_pearson(0, 0)).all()
+    with pytest.raises(ValueError, match="between 0 and the trials"):
+        clopper_pearson(9, 8)
 
 
 def test_holm_compatible_exact_bounds_cover_the_whole_family():

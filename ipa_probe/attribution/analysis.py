@@ -100,11 +100,11 @@ def holm_lower_bounds(values: list[np.ndarray], p_holm: np.ndarray, alpha: float
 
 
 def exact_lower_bound(successes, trials, level: float = ALPHA) -> np.ndarray:
-    """The exact (Clopper-Pearson) one-sided lower bound of a binomial proportion at ``level``: ``Beta(level; k, n - k
-    + 1)``, 0 for no successes, NaN for no trials (array-valued)."""
+    """The exact (Clopper-Pearson) one-sided lower bound ``Beta(level; k, n - k + 1)`` (0: k = 0; NaN: n = 0)."""
     k, n = np.asarray(successes, dtype=np.float64), np.asarray(trials, dtype=np.float64)
-    with np.errstate(invalid="ignore"):
-        return np.where(n > 0, np.where(k > 0, stats.beta.ppf(level, np.maximum(k, 1), n - k + 1), 0.0), np.nan)
+    if not ((k >= 0) & (k <= n)).all():
+        raise ValueError(f"successes: expected counts between 0 and the trials ({n}), got {k}")
+    return np.where(n > 0, np.where(k > 0, stats.beta.ppf(level, np.maximum(k, 1), n - k + 1), 0.0), np.nan)
 
 
 def clopper_pearson(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
