@@ -74,39 +74,44 @@ def holm(p: np.ndarray) -> np.ndarray:
     return out
 
 
-def holm_lower_bounds(values: list[np.ndarray], p_holm: np.ndarray, alpha: float = ALPHA) -> np.ndarray:
-    """One-sided lower confidence bounds for the means of one Holm family of tests of "mean <= 0", compatible with
-    Holm's decisions (Strassburger and Bretz's bounds for Holm's procedure). With ``R`` the hypotheses Holm rejects
-    (``p_holm < alpha``) and ``I`` the rest: a rejected mean's bound is 0 while ``I`` is not empty, and
-    ``max(0, t bound at level alpha / m)`` when every hypothesis is rejected; a retained mean's bound is Student's t
-    one-sided bound at level ``alpha / |I|``, capped at 0 (where the t bound and the family's own test disagree, the
-    test decides). All ``m`` bounds hold together with probability at least ``1 - alpha``, and a bound above 0 goes
-    with a rejection and only with one. ``values``: ``m`` arrays of the per-set values whose mean each test is about
-    (NaN left out); ``p_holm``: the family's adjusted p (NaN: no test). Returns ``(m,)`` bounds (NaN: no test, or
-    fewer than 2 values)."""
+def holm_bounds(bound_at, p_holm: np.ndarray, null: float = 0.0, alpha: float = ALPHA) -> np.ndarray:
+    """Lower bounds compatible with Holm's decisions on one family of one-sided tests of "parameter <= ``null``"
+    (Strassburger and Bretz): with ``I`` the hypotheses Holm retains (``p_holm >= alpha``), a retained one's bound is
+    its one-sided bound at level ``alpha / |I|`` capped at ``null``, a rejected one's ``null`` (``max(null, bound at
+    alpha / m)`` when all are rejected). All hold together with probability at least ``1 - alpha``; a bound above
+    ``null`` goes with a rejection only. ``bound_at(level)``: the ``(m,)`` unadjusted bounds at ``level``; ``p_holm``:
+    the family's adjusted p (NaN: no test). Returns ``(m,)`` bounds (NaN: no test or no bound)."""
     adjusted = np.asarray(p_holm, dtype=np.float64)
     tested = np.isfinite(adjusted)
     rejected = tested & (adjusted < alpha)
     kept = int((tested & ~rejected).sum())
-    level = alpha / (kept or int(tested.sum()) or 1)
-    out = np.full(len(values), np.nan)
-    for i, v in enumerate(values):
-        x = np.asarray(v, dtype=np.float64).ravel()
-        x = x[np.isfinite(x)]
-        if not tested[i] or len(x) < 2:
-            continue
-        bound = x.mean() - stats.t.ppf(1 - level, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
-        out[i] = (0.0 if kept else max(0.0, bound)) if rejected[i] else min(0.0, bound)
-    return out
+    bound = np.asarray(bound_at(alpha / (kept or int(tested.sum()) or 1)), dtype=np.float64)
+    out = np.where(rejected, null if kept else np.maximum(null, bound), np.minimum(null, bound))
+    return np.where(tested & np.isfinite(bound), out, np.nan)
+
+
+def holm_lower_bounds(values: list[np.ndarray], p_holm: np.ndarray, alpha: float = ALPHA) -> np.ndarray:
+    """:func:`holm_bounds` of the means of ``values`` (``m`` arrays of per-set values, NaN left out) under tests of
+    "mean <= 0", each by Student's t one-sided bound (NaN for fewer than 2 values)."""
+    samples = [x[np.isfinite(x)] for x in (np.asarray(v, dtype=np.float64).ravel() for v in values)]
+    moments = [(x.mean(), x.std(ddof=1), len(x)) if len(x) >= 2 else (math.nan,) * 3 for x in samples]
+    mean, sd, n = np.array(moments, dtype=np.float64).reshape(-1, 3).T
+    return holm_bounds(lambda level: mean - stats.t.ppf(1 - level, n - 1) * sd / np.sqrt(n), p_holm, 0.0, alpha)
+
+
+def exact_lower_bound(successes, trials, level: float = ALPHA) -> np.ndarray:
+    """The exact (Clopper-Pearson) one-sided lower bound ``Beta(level; k, n - k + 1)`` (0: k = 0; NaN: n = 0)."""
+    k, n = np.asarray(successes, dtype=np.float64), np.asarray(trials, dtype=np.float64)
+    if not ((k >= 0) & (k <= n)).all():
+        raise ValueError(f"successes: expected counts between 0 and the trials ({n}), got {k}")
+    return np.where(n > 0, np.where(k > 0, stats.beta.ppf(level, np.maximum(k, 1), n - k + 1), 0.0), np.nan)
 
 
 def clopper_pearson(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
-    """The exact (Clopper-Pearson) interval of a binomial proportion, ``scipy.stats.binomtest(...).proportion_ci``:
-    inside ``[0, 1]`` by construction (Student's t on 0/1 outcomes is not). ``(nan, nan)`` for no trials."""
-    if trials <= 0:
-        return math.nan, math.nan
-    ci = stats.binomtest(int(successes), int(trials)).proportion_ci(confidence_level=confidence, method="exact")
-    return float(ci.low), float(ci.high)
+    """The exact (Clopper-Pearson) interval of a binomial proportion, :func:`exact_lower_bound` on each side: inside
+    ``[0, 1]`` by construction (Student's t on 0/1 outcomes is not). ``(nan, nan)`` for no trials."""
+    low, high = exact_lower_bound([successes, trials - successes], trials, (1 - confidence) / 2)
+    return float(low), 1 - float(high)
 
 
 def clustered_clopper_pearson(successes, trials, confidence: float = 0.95) -> tuple[float, float]:
@@ -129,12 +134,9 @@ def clustered_clopper_pearson(successes, trials, confidence: float = 0.95) -> tu
     p = x.sum() / total
     v = clusters / (clusters - 1) * ((x - p * n) ** 2).sum() / total**2
     n_eff = min(total, p * (1 - p) / v) if v > 0 else total
-    alpha = 1 - confidence
-    n_eff *= (stats.norm.ppf(1 - alpha / 2) / stats.t.ppf(1 - alpha / 2, clusters - 1)) ** 2
-    k = p * n_eff
-    low = 0.0 if k <= 0 else float(stats.beta.ppf(alpha / 2, k, n_eff - k + 1))
-    high = 1.0 if k >= n_eff else float(stats.beta.ppf(1 - alpha / 2, k + 1, n_eff - k))
-    return low, high
+    tail = (1 - confidence) / 2
+    n_eff *= (stats.norm.ppf(1 - tail) / stats.t.ppf(1 - tail, clusters - 1)) ** 2
+    return clopper_pearson(p * n_eff, n_eff, confidence)
 
 
 def neff(weights: np.ndarray) -> np.ndarray:
@@ -510,7 +512,7 @@ def cell_shares(cells: pd.DataFrame, timestep: float) -> tuple[np.ndarray, list[
 
 def control_difference(values: np.ndarray, control: np.ndarray, paired: bool, seed: int = 0) -> dict[str, float]:
     """A statistic against its control: the mean of ``values`` minus the mean of ``control`` with a 95 % bootstrap
-    interval; it **counts** only when the interval excludes 0.
+    interval; it **counts** only when the interval excludes 0 (per row, unadjusted: not a family's decision).
 
     ``values``: ``(S,)`` the statistic per set (non-finite entries left out). ``paired=True``: ``control`` ``(S,)``
     is the same statistic on each set's control (e.g. references the generation never saw at the same ``x_t``), the

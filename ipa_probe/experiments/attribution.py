@@ -322,7 +322,7 @@ def table_rows(
                 ))  # fmt: skip
         effects = effects_by[label]
         latent = effects["latent_effect"].to_numpy()
-        low, high = bootstrap_ci(latent)
+        low, high = bootstrap_ci(effects.groupby("set")["latent_effect"].mean())  # over sets: 4 references share one
         baseline = effects.drop_duplicates("set")
         on_refs = float((baseline["baseline_label"].to_numpy()[:, None] == _set_digits(effects)).any(1).mean())
         rows.append(Row(

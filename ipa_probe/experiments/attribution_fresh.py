@@ -154,6 +154,8 @@ def summarize(records: pd.DataFrame, resamples: int = 1999, seed: int = 0, predi
     (``resamples``, 0 for none; ``_low``, ``_high``); deciding pairs' ``median_predicted``, ``median_real``."""
     from scipy import stats
 
+    from ..attribution.analysis import exact_lower_bound
+
     deciding = deciding_pairs(records)
     rows = records.sort_values(["set", "pair"])
     sets = rows["set"].unique()
@@ -168,11 +170,8 @@ def summarize(records: pd.DataFrame, resamples: int = 1999, seed: int = 0, predi
         n = int(decided.sum())
         entry = {"predictor": predictor, "sets": len(sets), "decided": n, "hits": hits,
                  "agreement": hits / n if n else np.nan, "chance": 0.5}  # fmt: skip
-        low, p = np.nan, np.nan
-        if n:  # the one-sided test against chance and its exact bound: low > 0.5 exactly when p < 0.05
-            test = stats.binomtest(hits, n, 0.5, alternative="greater")
-            low, p = test.proportion_ci(method="exact").low, test.pvalue
-        entry.update({"agreement_low": low, "p": p})
+        p = stats.binomtest(hits, n, 0.5, alternative="greater").pvalue if n else np.nan  # against chance, one-sided
+        entry.update({"agreement_low": float(exact_lower_bound(hits, n)), "p": p})  # > 0.5 exactly when p < 0.05
         entry["slope"], entry["spearman"] = _calibration(score.ravel(), real.ravel())
         for k, name in enumerate(("slope", "spearman")):
             bounds = (np.nan, np.nan)
@@ -209,8 +208,9 @@ def held_out(records: pd.DataFrame, aggregates: pd.DataFrame, resamples: int = 1
     (ties: the larger calibration Spearman); the odd ones test it by :func:`summarize` (``predictor`` ``"held
     out"``), beside reading the output's digit on the same sets; then the odd sets choose. Rows as
     :func:`summarize`'s, with ``organism``, ``pool``, ``fold``, the ``chosen`` candidate, its ``choosing_hits`` of
-    ``choosing_decided``; ``p_holm``: Holm over the table's held-out tests."""
-    from ..attribution import holm
+    ``choosing_decided``; ``p_holm``: Holm over the table's held-out tests, ``agreement_low_holm`` the decision's
+    one-sided exact bound, Holm-compatible (:func:`~ipa_probe.attribution.analysis.holm_bounds`, null 1/2)."""
+    from ..attribution.analysis import exact_lower_bound, holm, holm_bounds
 
     keys = ["organism", "set", "pair"]
     regenerated(records, aggregates, keys, ("contribution_norm", "attention_share"), "records.csv")
@@ -234,7 +234,9 @@ def held_out(records: pd.DataFrame, aggregates: pd.DataFrame, resamples: int = 1
                                      choosing_decided=best["decided"]))  # fmt: skip
     out = pd.concat(out, ignore_index=True)
     tested = out["predictor"] == "held out"  # one Holm family: every held-out test of the table
-    return out.assign(p_holm=pd.Series(holm(out.loc[tested, "p"].to_numpy(np.float64)), out.index[tested]))
+    family = out[tested].assign(p_holm=holm(out.loc[tested, "p"].to_numpy(np.float64)))
+    low = holm_bounds(lambda level: exact_lower_bound(family["hits"], family["decided"], level), family["p_holm"], 0.5)
+    return out.join(family[["p_holm"]].assign(agreement_low_holm=low))
 
 
 def run(recipes: list[str], sets: int, out: Path, points: int = 2, steps: int | None = None) -> dict:

@@ -303,15 +303,15 @@ def _batched_cells(pipe, cells: list, seed: int, batch: int, adapter: int, call:
     return out
 
 
-def _t_interval(values: np.ndarray) -> tuple[float, float, float]:
-    """Mean and Student's t 95 % interval of ``values`` (NaN bounds for one value)."""
+def _t_interval(values: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
+    """Mean and Student's t interval of ``values`` at ``level`` (NaN bounds for one value)."""
     from scipy import stats
 
     values = np.asarray(values, dtype=np.float64)
     mean = float(values.mean())
     if len(values) < 2:
         return mean, math.nan, math.nan
-    half = float(stats.t.ppf(0.975, len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values)))
+    half = float(stats.t.ppf(0.5 + level / 2, len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values)))
     return mean, mean - half, mean + half
 
 

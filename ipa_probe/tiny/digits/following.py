@@ -33,14 +33,10 @@ def interval(
 
     ``bounds``: the range the quantity lives in (a rate: ``(0, 1)``); the interval is cut to it.
     """
-    from scipy import stats
+    from ...intervention.grid import _t_interval
 
     x = np.asarray(values, dtype=float)
-    mean = float(x.mean())
-    if len(x) < 2:
-        return {"mean": mean, "low": float("nan"), "high": float("nan"), "n": len(x), "values": x.tolist()}
-    half = float(stats.t.ppf(0.5 + level / 2, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)))
-    low, high = mean - half, mean + half
+    mean, low, high = _t_interval(x, level)  # NaN bounds for one value, left NaN by the cut
     if bounds is not None:
         low, high = max(low, bounds[0]), min(high, bounds[1])
     return {"mean": mean, "low": low, "high": high, "n": len(x), "values": x.tolist()}
