@@ -711,11 +711,11 @@ FRESH_WORDS = {
 }
 
 
-def fresh_rows() -> list[str]:
+def fresh_rows(predictors: dict[str, str] = FRESH_WORDS) -> list[str]:
     """attribution.md's two tables of the fresh sets, row by row, from ``attribution_fresh/summary.csv``."""
     table = record("attribution_fresh/summary.csv")
     agreement, calibration = [], []
-    for predictor, words in FRESH_WORDS.items():
+    for predictor, words in predictors.items():
         rows = [one(table, organism=o, predictor=predictor) for o in FRESH_ORGANISMS]
         agreement.append(
             f"| {words} | "
@@ -839,7 +839,7 @@ def test_fresh_held_out_table_and_claims():
         assert_in("docs/attribution.md", f"| the held-out choice, {words} | " + " | ".join(cells) + " |")
 
 
-def fresh_well_posed() -> dict[str, dict]:
+def fresh_well_posed(predictors: dict[str, str] = FRESH_WORDS) -> dict[str, dict]:
     """Per organism, from ``records.csv`` alone: the decided sets whose clean output is a third digit (its
     ``clean_label`` is neither the set's ``a`` nor its ``b``), and every predictor's hits restricted to the others."""
     records = record("attribution_fresh/records.csv")
@@ -856,7 +856,7 @@ def fresh_well_posed() -> dict[str, dict]:
         clean = frame.pivot(index="set", columns="pair", values="output_digit")  # P(pair's digit), clean output
         real = frame.pivot(index="set", columns="pair", values="real_drop")
         hits = {}
-        for predictor in FRESH_WORDS:
+        for predictor in predictors:
             score = frame.pivot(index="set", columns="pair", values=predictor)[well]
             hits[predictor] = int((np.where(score["a"] >= score["b"], "a", "b") == truth.to_numpy()).sum())
         out[organism] = {
@@ -918,3 +918,56 @@ def test_fresh_third_digit_sets():
         signs.append(g(p))
     tested = f"p {' / '.join(signs)} (`support`, `ip-adapter`, `mixed`; {apart[0]}, {apart[1]} and {apart[2]} such"
     assert_in("docs/attribution.md", tested)
+
+
+#: The fresh sets' sizing predictor, an ablation rather than a reading of the model (its own rows in each table).
+FRESH_CHEAP = {"cheap_ablation": "cheap ablation (5 of 20 steps)"}
+
+
+def test_fresh_cheap_ablation():
+    """The cheap ablation's rows and prose: its agreement and point calibration recomputed from ``records.csv``
+    (numpy / scipy, apart from ``summarize``) equal ``summary.csv``'s, whose rows the docs print."""
+    from scipy import stats
+
+    records, summary = record("attribution_fresh/records.csv"), record("attribution_fresh/summary.csv")
+    by = {(r["organism"], r["predictor"]): r for r in summary.to_dict(orient="records")}
+    for organism in FRESH_ORGANISMS:
+        frame = records[records["organism"] == organism]
+        flipped = frame.pivot(index="set", columns="pair", values="flipped").astype(bool)  # (S, 2)
+        decided = (flipped.sum(axis=1) == 1).to_numpy()
+        score, real = (frame.pivot(index="set", columns="pair", values=c) for c in ("cheap_ablation", "real_drop"))
+        truth = flipped.idxmax(axis=1).to_numpy()[decided]
+        row = by[organism, "cheap_ablation"]
+        assert (row["hits"], row["decided"]) == (
+            int((np.where(score["a"] >= score["b"], "a", "b")[decided] == truth).sum()),
+            int(decided.sum()),
+        )
+        x, y = score.to_numpy().ravel(), real.to_numpy().ravel()
+        assert row["slope"] == pytest.approx(np.polyfit(x, y, 1)[0], rel=1e-9)
+        assert row["spearman"] == pytest.approx(stats.spearmanr(x, y).statistic, rel=1e-9)
+        chosen = [score.loc[s, p] for s, p in zip(score.index[decided], truth, strict=True)]
+        assert row["median_predicted"] == pytest.approx(np.median(chosen), rel=1e-12)
+    for row in fresh_rows(FRESH_CHEAP):
+        assert_in("docs/attribution.md", row)
+    facts = fresh_well_posed(FRESH_CHEAP)
+    cells = [agreement_cell(facts[o]["hits"]["cheap_ablation"], facts[o]["well"]) for o in FRESH_ORGANISMS]
+    assert_in("docs/attribution.md", f"| {FRESH_CHEAP['cheap_ablation']} | " + " | ".join(c for c, _ in cells) + " |")
+    assert_in("docs/attribution.md", f"nor does the cheap ablation (p ≥ {g(min(p for _, p in cells))})")
+    cheap = [by[o, "cheap_ablation"] for o in FRESH_ORGANISMS]
+    read = [by[o, "output_digit"] for o in FRESH_ORGANISMS]
+    above = [o for o, r in zip(FRESH_ORGANISMS, cheap, strict=True) if r["p"] < 0.05]
+    assert above == ["support"] and g(cheap[0]["p"]) == "0.033"  # "as does the cheap ablation on `support`"
+    assert all(c["hits"] < r["hits"] for c, r in zip(cheap, read, strict=True))  # "less often than reading"
+    assert all(c["spearman_low"] > 0 for c in cheap)  # "every interval above 0"
+    ratio = [c["median_predicted"] / c["median_real"] for c in cheap]  # the drop, about half, a quarter
+    assert 0.9 < ratio[0] < 1.1 and 0.4 < ratio[1] < 0.6 and 0.2 < ratio[2] < 0.3
+    slopes, ranks = " / ".join(e(c["slope"]) for c in cheap), " / ".join(signed(c["spearman"]) for c in cheap)
+    medians = " / ".join(e(c["median_predicted"]) for c in cheap)
+    assert_in(
+        "docs/attribution.md",
+        f"slopes {slopes}, Spearman {ranks} (every interval above 0), the deciding "
+        f"pairs' median predicted drop {medians} against {' / '.join(e(c['median_real']) for c in cheap)}",
+    )
+    assert_in("docs/findings.md", f"(slopes {slopes}, Spearman {ranks}, the deciding pairs' median {medians})")
+    assert_in("docs/findings.md", "output (" + ", ".join(f"{c['hits']} of {c['decided']}" for c in cheap[:-1])
+              + f" and {cheap[-1]['hits']} of {cheap[-1]['decided']})")  # fmt: skip
