@@ -105,8 +105,8 @@ def integrated_patching(pipe, metrics, ablated: Sequence[int], *, points: int = 
     """The change ablating the references ``ablated`` together makes in each metric, integrated along the ablation
     path instead of taken to first order: with ``f_J = a`` for the ablated references (the others at 1),
     ``m(a = 0) - m(a = 1) = -integral_0^1 sum_{j in J} dm/df_j da``, by the midpoint rule over ``points`` values of
-    ``a`` (one forward and one backward pass each). Complete only for a metric continuous along the path: it misses
-    every jump (the digit judge's, :func:`digit_metrics`) at any number of points.
+    ``a`` (one forward and one backward pass each). Complete only for a metric continuous along the path: a jump
+    (the digit judge's, :func:`digit_metrics`) counts only where a point falls on it.
 
     Returns:
         ``(M,)`` float64: per metric, the estimated ``m(ablated) - m(clean)``.
@@ -150,7 +150,7 @@ def digit_metrics(pipe, digits: Sequence[int]) -> Callable[[torch.Tensor], list[
     """The metrics ``P(d | image)`` for each ``d`` in ``digits``: ``m_d = slope_d . grey``, the classifier's slope
     (central differences at the current image) times the model's differentiable 8 x 8 input, so ``dm_d = dP(d)`` to
     first order wherever ``P(d)`` is smooth. It is not everywhere: the SVC's one-vs-rest score counts one-vs-one
-    votes, so ``P(d)`` jumps where a vote flips, which no gradient sees (docs/attribution.md)."""
+    votes, so ``P(d)`` jumps where a vote flips, seen only within a central difference's step (docs/attribution.md)."""
 
     def metrics(latents: torch.Tensor) -> list[torch.Tensor]:
         grey = _grey_8x8(pipe, latents)  # (64,)
