@@ -97,6 +97,50 @@ def test_tiny_run_matches_recomputation(organism):
             assert row[key] == pytest.approx(expected[key], rel=1e-9, abs=1e-12)
 
 
+def test_cheap_ablation_is_the_pairs_ablation_in_a_quarter_of_the_steps(organism):
+    """The sizing predictor: the drop of P(pair's digit) when the pair is removed from a generation of a quarter of
+    the steps (8 -> 2 here), against the test's own generations: its own weight hooks (the pair's attention weights
+    zeroed, the others renormalised), its own decode, grey and call of the judge."""
+    import torch
+
+    import ipa_probe
+    from ipa_probe.experiments.attribution_setup import _call
+    from ipa_probe.intervention.points import hook_point_layers, point_name
+    from ipa_probe.tiny.digits import digit_classifier, digits_reference_images
+
+    spec = fresh_sets(1)[0]
+    records, _ = fresh_set(organism, spec, points=1, steps=8)
+    refs = [image for d in "ab" for image in digits_reference_images(spec[d], 2, seed=spec[f"draw_{d}"])]
+    call = {**_call(refs), "num_inference_steps": 2}
+    clf, _ = digit_classifier()
+
+    def probabilities() -> np.ndarray:
+        generator = torch.Generator().manual_seed(spec["seed"])
+        latents = organism(**call, generator=generator, output_type="latent").images
+        with torch.no_grad():
+            pixels = organism.vae.decode(latents / organism.vae.config.scaling_factor).sample
+        grey = (pixels / 2 + 0.5).clamp(0, 1).double().mean(1).reshape(1, 8, 2, 8, 2).mean((2, 4)) * 16.0
+        return clf.predict_proba(grey.reshape(1, 64).numpy())[0]
+
+    clean = probabilities()
+    for row in records.itertuples():
+        members = [0, 1] if row.pair == "a" else [2, 3]
+
+        def without(weights, ctx, members=members):  # (B, H, Q, R * T): the pair's keys out, the rest renormalised
+            keep = torch.ones(ctx.references, dtype=weights.dtype)
+            keep[members] = 0.0
+            kept = weights * keep.repeat_interleave(ctx.tokens)
+            return kept / kept.sum(-1, keepdim=True)
+
+        names = [point_name(layer.name, "weights") for layer in hook_point_layers(organism)]
+        with ipa_probe.intervene(organism, hooks={name: without for name in names}):
+            ablated = probabilities()
+        column = int(np.flatnonzero(clf.classes_ == row.digit)[0])
+        # 1e-6: the pipeline's postprocess and this test's decode round the same float32 pixels differently
+        assert row.cheap_ablation == pytest.approx(clean[column] - ablated[column], abs=1e-6)
+    assert records["cheap_ablation"].abs().max() > 1e-3, records["cheap_ablation"]  # an effect to compare
+
+
 def test_held_out_choice_finds_a_planted_aggregation_and_tests_it_on_the_other_half():
     """Eight constructed sets: one aggregation (contribution norm, up layers, t = 1) is the real drop, so it scores
     the deciding pair higher in every set and ranks the drops best (the ties' rule); every other candidate is noise.

@@ -804,11 +804,11 @@ FRESH_WORDS = {
 }
 
 
-def fresh_rows() -> list[str]:
+def fresh_rows(predictors: dict[str, str] = FRESH_WORDS) -> list[str]:
     """attribution.md's two tables of the fresh sets, row by row, from ``attribution_fresh/summary.csv``."""
     table = record("attribution_fresh/summary.csv")
     agreement, calibration = [], []
-    for predictor, words in FRESH_WORDS.items():
+    for predictor, words in predictors.items():
         rows = [one(table, organism=o, predictor=predictor) for o in FRESH_ORGANISMS]
         agreement.append(
             f"| {words} | "
@@ -995,7 +995,7 @@ def test_fresh_held_out_table_and_claims():
     late = posterior["chosen"].str.extract(r"t=(\d+)")[0].astype(int)
     assert (late < 651).all()  # read after the output is decided: near-circular
     claims = [
-        f"among {sizes['every candidate']} candidates ({sizes['without the posterior']} without the posterior)",
+        f"among {sizes['every candidate']} candidates ({sizes['without the posterior']} without the posterior;",
         f"Without the posterior, the choice agrees above chance in {int((own['p'] < 0.05).sum())} of {len(own)} "
         f"folds (p ≥ {g(own['p'].min())})",
         f"with it, {len(posterior)} of {len(every)} folds choose the exact posterior at t ≤ {late.max()}",
@@ -1004,6 +1004,9 @@ def test_fresh_held_out_table_and_claims():
     assert (held["p_holm"] >= 0.05).all()
     assert (held.groupby(["organism", "pool"])["chosen"].nunique() == 2).all()  # "the choices differ between halves"
     claims.append(f"and {int((posterior['p'] < 0.05).sum())} of those agree at an unadjusted p below 0.05")
+    claims.append(
+        f"among {sizes['every candidate']} candidates ({sizes['without the posterior']} without the posterior)"
+    )
     for claim in claims:
         assert_in("docs/attribution.md", claim)
     assert_in("docs/findings.md", claims[1])
@@ -1017,7 +1020,7 @@ def test_fresh_held_out_table_and_claims():
         assert_in("docs/attribution.md", f"| the held-out choice, {words} | " + " | ".join(cells) + " |")
 
 
-def fresh_well_posed() -> dict[str, dict]:
+def fresh_well_posed(predictors: dict[str, str] = FRESH_WORDS) -> dict[str, dict]:
     """Per organism, from ``records.csv`` alone: the decided sets whose clean output is a third digit (its
     ``clean_label`` is neither the set's ``a`` nor its ``b``), and every predictor's hits restricted to the others."""
     records = record("attribution_fresh/records.csv")
@@ -1034,7 +1037,7 @@ def fresh_well_posed() -> dict[str, dict]:
         clean = frame.pivot(index="set", columns="pair", values="output_digit")  # P(pair's digit), clean output
         real = frame.pivot(index="set", columns="pair", values="real_drop")
         hits = {}
-        for predictor in FRESH_WORDS:
+        for predictor in predictors:
             score = frame.pivot(index="set", columns="pair", values=predictor)[well]
             hits[predictor] = int((np.where(score["a"] >= score["b"], "a", "b") == truth.to_numpy()).sum())
         out[organism] = {
@@ -1617,6 +1620,8 @@ NOT_DATA = {
     r"(?:sets?|seeds|steps|references|images|permutations|draws|resamples|candidates|points|gauges|"
     r"timesteps|tokens|inputs|cores|rows|px|organisms|predictors|effects)\b": "a design size",
     r"(?<![\d.])[01](?![\d.,]?\d| of)": "0 and 1 as bounds, scales and factors (not counts: '0 of n' is data)",
+    r"\d+ of \d+ steps|\d+-step|\d+ (?:DDIM )?steps instead of \d+|P\(\d\) between a training \d and a training \d|"
+    r"central difference \(0\.01": "the cheap ablation's steps and the judge's step, set before the data",
 }
 # Figures with no committed record, named so that the gap stays visible: quotations of superseded claims and earlier
 # work (the former README's claim, issue #29's reanalysis, an earlier draw of the example's images, the full tier's
@@ -1671,3 +1676,56 @@ def test_the_inventory_finds_planted_numbers():
     text, numbers = prose_numbers(raw)
     assert [n for _, n, _ in numbers] == ["0.42", "12", "40", "−0.013", "1,499", "4.1e-6", "0.64", "0.020"]
     assert all(text[start : start + len(n)] == n for start, n, _ in numbers)
+
+
+#: The fresh sets' sizing predictor, an ablation rather than a reading of the model (its own rows in each table).
+FRESH_CHEAP = {"cheap_ablation": "cheap ablation (5 of 20 steps)"}
+
+
+def test_fresh_cheap_ablation():
+    """The cheap ablation's rows and prose: its agreement and point calibration recomputed from ``records.csv``
+    (numpy / scipy, apart from ``summarize``) equal ``summary.csv``'s, whose rows the docs print."""
+    from scipy import stats
+
+    records, summary = record("attribution_fresh/records.csv"), record("attribution_fresh/summary.csv")
+    by = {(r["organism"], r["predictor"]): r for r in summary.to_dict(orient="records")}
+    for organism in FRESH_ORGANISMS:
+        frame = records[records["organism"] == organism]
+        flipped = frame.pivot(index="set", columns="pair", values="flipped").astype(bool)  # (S, 2)
+        decided = (flipped.sum(axis=1) == 1).to_numpy()
+        score, real = (frame.pivot(index="set", columns="pair", values=c) for c in ("cheap_ablation", "real_drop"))
+        truth = flipped.idxmax(axis=1).to_numpy()[decided]
+        row = by[organism, "cheap_ablation"]
+        assert (row["hits"], row["decided"]) == (
+            int((np.where(score["a"] >= score["b"], "a", "b")[decided] == truth).sum()),
+            int(decided.sum()),
+        )
+        x, y = score.to_numpy().ravel(), real.to_numpy().ravel()
+        assert row["slope"] == pytest.approx(np.polyfit(x, y, 1)[0], rel=1e-9)
+        assert row["spearman"] == pytest.approx(stats.spearmanr(x, y).statistic, rel=1e-9)
+        chosen = [score.loc[s, p] for s, p in zip(score.index[decided], truth, strict=True)]
+        assert row["median_predicted"] == pytest.approx(np.median(chosen), rel=1e-12)
+    for row in fresh_rows(FRESH_CHEAP):
+        assert_in("docs/attribution.md", row)
+    facts = fresh_well_posed(FRESH_CHEAP)
+    cells = [agreement_cell(facts[o]["hits"]["cheap_ablation"], facts[o]["well"]) for o in FRESH_ORGANISMS]
+    assert_in("docs/attribution.md", f"| {FRESH_CHEAP['cheap_ablation']} | " + " | ".join(c for c, _ in cells) + " |")
+    assert_in("docs/attribution.md", f"nor does the cheap ablation (p ≥ {g(min(p for _, p in cells))})")
+    cheap = [by[o, "cheap_ablation"] for o in FRESH_ORGANISMS]
+    read = [by[o, "output_digit"] for o in FRESH_ORGANISMS]
+    above = [o for o, r in zip(FRESH_ORGANISMS, cheap, strict=True) if r["p"] < 0.05]
+    assert above == ["support"] and g(cheap[0]["p"]) == "0.033"  # "as does the cheap ablation on `support`"
+    assert all(c["hits"] < r["hits"] for c, r in zip(cheap, read, strict=True))  # "less often than reading"
+    assert all(c["spearman_low"] > 0 for c in cheap)  # "every interval above 0"
+    ratio = [c["median_predicted"] / c["median_real"] for c in cheap]  # the drop, about half, a quarter
+    assert 0.9 < ratio[0] < 1.1 and 0.4 < ratio[1] < 0.6 and 0.2 < ratio[2] < 0.3
+    slopes, ranks = " / ".join(e(c["slope"]) for c in cheap), " / ".join(signed(c["spearman"]) for c in cheap)
+    medians = " / ".join(e(c["median_predicted"]) for c in cheap)
+    assert_in(
+        "docs/attribution.md",
+        f"slopes {slopes}, Spearman {ranks} (each per-row interval above 0, a description), the deciding "
+        f"pairs' median predicted drop {medians} against {' / '.join(e(c['median_real']) for c in cheap)}",
+    )
+    assert_in("docs/findings.md", f"(slopes {slopes}, Spearman {ranks}, the deciding pairs' median {medians})")
+    assert_in("docs/findings.md", "output (" + ", ".join(f"{c['hits']} of {c['decided']}" for c in cheap[:-1])
+              + f" and {cheap[-1]['hits']} of {cheap[-1]['decided']})")  # fmt: skip

@@ -105,8 +105,8 @@ def integrated_patching(pipe, metrics, ablated: Sequence[int], *, points: int = 
     """The change ablating the references ``ablated`` together makes in each metric, integrated along the ablation
     path instead of taken to first order: with ``f_J = a`` for the ablated references (the others at 1),
     ``m(a = 0) - m(a = 1) = -integral_0^1 sum_{j in J} dm/df_j da``, by the midpoint rule over ``points`` values of
-    ``a`` (one forward and one backward pass each). It sizes the effect where the first-order estimate at ``a = 1``
-    does not (a softmax saturated at the clean run has a small slope there and a large change on the way to 0).
+    ``a`` (one forward and one backward pass each). Complete only for a metric continuous along the path: a jump
+    (the digit judge's, :func:`digit_metrics`) counts only where a point falls on it.
 
     Returns:
         ``(M,)`` float64: per metric, the estimated ``m(ablated) - m(clean)``.
@@ -147,10 +147,10 @@ def _classifier_slope(grey: np.ndarray, digit: int) -> tuple[float, np.ndarray]:
 
 
 def digit_metrics(pipe, digits: Sequence[int]) -> Callable[[torch.Tensor], list[torch.Tensor]]:
-    """The metrics ``P(d | image)`` for each ``d`` in ``digits``, for :func:`patching_gradients` and
-    :func:`integrated_patching`: ``m_d = slope_d . grey``, the classifier's slope (central differences, taken at the
-    current image) times the model's differentiable 8 x 8 input, so that ``dm_d`` is ``dP(d)`` to first order at
-    every point of a path (integrated over the path: the change of ``P(d)`` itself)."""
+    """The metrics ``P(d | image)`` for each ``d`` in ``digits``: ``m_d = slope_d . grey``, the classifier's slope
+    (central differences at the current image) times the model's differentiable 8 x 8 input, so ``dm_d = dP(d)`` to
+    first order wherever ``P(d)`` is smooth. It is not everywhere: the SVC's one-vs-rest score counts one-vs-one
+    votes, so ``P(d)`` jumps where a vote flips, seen only within a central difference's step (docs/attribution.md)."""
 
     def metrics(latents: torch.Tensor) -> list[torch.Tensor]:
         grey = _grey_8x8(pipe, latents)  # (64,)
@@ -174,6 +174,5 @@ def digit_probability_gradients(pipe, digits: Sequence[int], *, seed: int = 0, *
 
     wanted = sorted(set(digits))
     df, dg = patching_gradients(pipe, digit_metrics(pipe, wanted), seed=seed, **call)
-    rows, references = [wanted.index(d) for d in digits], np.arange(len(digits))  # metric of each reference's digit
-    columns = {"attribution_patching": df[rows, references], "output_projection": dg[rows, references]}
-    return pd.DataFrame({"reference": references, **columns})
+    metric, j = [wanted.index(d) for d in digits], np.arange(len(digits))  # reference j's own digit's row
+    return pd.DataFrame({"reference": j, "attribution_patching": df[metric, j], "output_projection": dg[metric, j]})

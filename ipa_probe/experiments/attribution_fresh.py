@@ -63,6 +63,7 @@ PAIR_PREDICTORS = {
     "attention_share": "attention share (sum over the pair, mean over layers and every step)",
     "attribution_patching": "attribution patching (first order at the clean run)",
     "integrated_patching": "integrated patching (the ablation path, midpoint rule)",
+    "cheap_ablation": "the exact ablation in a generation of a quarter of the steps (5 of 20)",
 }
 
 
@@ -105,27 +106,33 @@ def fresh_set(pipe, spec: dict, points: int = 2, steps: int | None = None) -> tu
     """
     from ..attribution import digit_probability_gradients, integrated_patching
     from ..attribution.patching import digit_metrics
-    from ..intervention import measure_intervention
+    from ..intervention import generate, measure_intervention
     from ..tiny.digits import classify_digit_images
 
     a, b, seed = spec["a"], spec["b"], spec["seed"]
     call, result, pairs = observe(pipe, spec, steps)
     whole = pairs[(pairs["group"] == "all") & (pairs["steps"] == "all steps")].set_index("pair")  # layers x steps
     first = digit_probability_gradients(pipe, [a, a, b, b], seed=seed, **call)["attribution_patching"].to_numpy()
+    quarter = {**call, "num_inference_steps": max(1, call["num_inference_steps"] // 4)}
+    cheap = generate(pipe, seed=seed, **quarter)
     rows = []
     for pair, digit, members in (("a", a, [0, 1]), ("b", b, [2, 3])):
-        effect = measure_intervention(
-            pipe, members, seed=seed, classify=classify_digit_images, baseline=result.generation, **call
+        effect, quick = (
+            measure_intervention(pipe, members, seed=seed, classify=classify_digit_images, baseline=base, **how)
+            for base, how in ((result.generation, call), (cheap, quarter))
         )
-        clean = float(effect.baseline_probabilities[0, digit])
+        real, fewer = (
+            float(e.baseline_probabilities[0, digit] - e.intervened_probabilities[0, digit]) for e in (effect, quick)
+        )
         path = integrated_patching(pipe, digit_metrics(pipe, [digit]), members, points=points, seed=seed, **call)
         rows.append(
             {**spec, "pair": pair, "digit": digit, "clean_label": int(effect.baseline_labels[0]),
              "ablated_label": int(effect.intervened_labels[0]), "flipped": bool(effect.flipped[0]),
-             "real_drop": clean - float(effect.intervened_probabilities[0, digit]), "output_digit": clean,
+             "real_drop": real, "output_digit": float(effect.baseline_probabilities[0, digit]),
              "contribution_norm": float(whole.loc[pair, "contribution_norm"]),
              "attention_share": float(whole.loc[pair, "attention_share"]),
-             "attribution_patching": float(first[members].sum()), "integrated_patching": -float(path[0])}
+             "attribution_patching": float(first[members].sum()), "integrated_patching": -float(path[0]),
+             "cheap_ablation": fewer}
         )  # fmt: skip
     return pd.DataFrame(rows), pairs
 
