@@ -280,34 +280,31 @@ class RecordForming:
     @torch.no_grad()
     def _finish(self, held: list[_Held], attn: torch.Tensor, cell: cells.Cell, inputs: dict, frame=None) -> None:
         """:meth:`_form` from the query frames on (``frame``: formed with other records', or ``None``)."""
-        first = held[0]
+        first, labels = held[0], held[0].labels
         inputs = cell_inputs(cell=cell, frame=frame, **inputs)
         self._pending.append((held, inputs))
         self._pending_elements += inputs.pending_elements()
         if self._pending_elements > PENDING_ELEMENTS:  # bounded memory: compare what is kept so far
             self._flush()
-        if not self.config.keep_maps and (self._maps is None or first.text):
+        for entry, logits in zip(held, attn.chunk(len(held)), strict=True) if self.config.keep_maps else ():
+            # the weights the layer used: an edit's as they are (unnormalised where it left so)
+            key = (entry.call.index, entry.step, self.layers[entry.index].name, entry.slot)
+            kept_logits = logits if entry.kept is None else expand_references(logits, *entry.kept, -1, -math.inf)
+            self._keep_map(key, entry.used if entry.used is not None else kept_logits.softmax(-1))
+            self._map_labels.setdefault(key, []).append(labels.repeat_interleave(len(logits) // len(labels)))
+        if self._maps is None or first.text:
             return
-        # per record: (L * B, ...) -> L blocks of B items (views)
-        for entry, logits, cell_attn, cell_nw in zip(
-            held, attn.chunk(len(held)), cell.attn.chunk(len(held)), cell.nw.chunk(len(held)), strict=True
+        spine = {} if self._spine is None else self._spine.used
+        edited = [spine.get((self.layers[entry.index].name, entry.slot, "contribution")) for entry in held]
+        # the stack's maps at once; apart where an edit acted (an edited record's keys or weights: formed alone)
+        parts = zip(([e] for e in held), cell.attn.chunk(len(held)), cell.nw.chunk(len(held)), edited, strict=True)
+        for part, maps_attn, maps_nw, contribution in (
+            parts if any(x is not None for x in edited) else [(held, cell.attn, cell.nw, None)]
         ):
-            self._record_views(entry, logits, cell_attn, cell_nw)
-
-    def _record_views(self, entry: _Held, attn: torch.Tensor, cell_attn: torch.Tensor, cell_nw: torch.Tensor) -> None:
-        """A formed record's kept weights (``keep_maps``) and reference maps (``maps``)."""
-        kept, labels, used, name = entry.kept, entry.labels, entry.used, self.layers[entry.index].name
-        if self.config.keep_maps:  # the weights the layer used: an edit's as they are (unnormalised where it left so)
-            key = (entry.call.index, entry.step, name, entry.slot)
-            logits = attn if kept is None else expand_references(attn, *kept, -1, -math.inf)
-            self._keep_map(key, used if used is not None else logits.softmax(-1))
-            self._map_labels.setdefault(key, []).append(labels.repeat_interleave(attn.shape[0] // labels.shape[0]))
-        if self._maps is not None and not entry.text:
-            maps_attn, maps_nw = cell_attn, cell_nw
+            kept, used = part[0].kept, part[0].used
             if kept is not None:
                 maps_attn, maps_nw = (expand_references(x, *kept, -1, -math.inf) for x in (maps_attn, maps_nw))
             if used is not None:  # (B, H, Q, K) -> (groups, items, H, Q, K) -> (groups, H, items * Q, K), the cells'
                 used = used.unflatten(0, (labels.shape[0], -1)).transpose(1, 2).flatten(2, 3)
-            edited = None if self._spine is None else self._spine.used.get((name, entry.slot, "contribution"))
-            where = (entry.call.index, entry.step, entry.index, entry.slot)
-            self._maps.add(*where, labels, maps_attn, maps_nw, used, edited)
+            where = [(entry.call.index, entry.step, entry.index, entry.slot) for entry in part]
+            self._maps.add(where, labels, maps_attn, maps_nw, used, contribution)

@@ -254,6 +254,8 @@ class ProbeRun(RecordForming, RunViews, MapViews):
     def on_return(self, spine: Spine, output) -> None:
         """The denoiser pass returned (the edits that acted in it are known now: :attr:`PassInfo.edits`)."""
         self._flush()
+        if self._maps is not None:
+            self._maps.end_pass()  # the maps' contributions, every layer's values in
         state = self._state
         if state.call is not None and spine.now.edits:
             edits = state.call.edits.setdefault(state.step, [])
