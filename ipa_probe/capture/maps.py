@@ -257,8 +257,8 @@ class MapAccumulator:
                 self.store.setdefault(key, []).append((labels, part))
             return
         # masked (one record): diffusers calls to_k_ip once per reference image, in order; weight each by its region
-        (key,), adapter, shares = where, where[0][3], shares[:, 0]
-        index, entries = key[2], self.store.setdefault(key, [])
+        (key,), shares = where, shares[:, 0]
+        index, adapter, entries = key[2], key[3], self.store.setdefault(key, [])
         image = self._images_seen.get((index, adapter), 0)
         self._images_seen[(index, adapter)] = image + 1
         if image == 0:
@@ -269,9 +269,8 @@ class MapAccumulator:
         entries[-1][1][..., image * tokens : (image + 1) * tokens] = shares * region
 
     def _value_hook(self, spine: Spine, index: int, adapter: int):
-        """Forward hook on ``to_v_ip[adapter]`` of layer ``index``: keep its values for the pass's contributions
-        (:meth:`end_pass`), the references an edit removed from them (the spine says which:
-        :meth:`~.spine.Spine.kept_references`) back at 0."""
+        """Forward hook on ``to_v_ip[adapter]`` of layer ``index``: its values kept for :meth:`end_pass`, references an
+        edit removed from them back at 0 (the spine says which: :meth:`~.spine.Spine.kept_references`)."""
 
         def hook(module, args, output):
             if not isinstance(output, torch.Tensor):
@@ -291,9 +290,8 @@ class MapAccumulator:
     @torch.no_grad()
     def end_pass(self) -> None:
         """Each reference's contribution ``c_j`` to the image branch's output as it enters the residual stream
-        (:func:`~ipa_probe.statistics.kernels.reference_contributions`; device only), ``c = sum_j c_j``, for the
-        stacks of records :meth:`add` left, each stack at once, from the values their layers computed this pass (a
-        record whose layer left none, in a pass that raised, gets none). Without masks an adapter has one scale.
+        (:func:`~ipa_probe.statistics.kernels.reference_contributions`; device only), ``c = sum_j c_j``, each stack
+        of records :meth:`add` left at once, from the values its layers computed (none where a pass raised first).
 
         Kept: ``|c_j|`` and ``c_j . c / |c|`` (the projections sum over ``j`` to ``|c|``), and per head with
         :meth:`keep_heads`. Both are unchanged by the q/k group (the weights are) and by a per-head basis change of
@@ -329,9 +327,8 @@ class MapAccumulator:
         self._keep_contributions(where, labels, total_ref, per_head)
 
     def _keep_contributions(self, where: list, labels: torch.Tensor, total_ref: torch.Tensor, per_head=None) -> None:
-        """Keep the norms ``|c_j|`` and projections ``c_j . c / |c|`` of ``total_ref`` ``(L * B, R, Q, C)``, ``c =
-        sum_j c_j``, and of ``per_head`` ``(L * B, H, R, Q, C)`` (or Flux's ``(L * B, H, R, Q, D)``: head ``h``'s
-        block of ``C``), at the ``L`` records ``where``."""
+        """Keep the norms ``|c_j|`` and projections ``c_j . c / |c|`` of ``L`` records' ``total_ref`` ``(L * B, R, Q,
+        C)``, ``c = sum_j c_j``, and ``per_head`` ``(L * B, H, R, Q, C)`` (Flux: ``D``, head ``h``'s part of ``C``)."""
         batch, references, queries, _ = total_ref.shape
         total = total_ref.sum(1)  # (B, Q, C)
         direction = total / total.norm(dim=-1, keepdim=True).clamp(min=1e-30)  # (B, Q, C)
@@ -373,11 +370,10 @@ class MapAccumulator:
             )
             self.edited_contributions = 0
         if not self._on_host:
-            self.end_pass()
+            self.end_pass()  # what a pass that raised left
             for name in ("store", "head_store", "contribution_store", "contribution_head_store"):
                 stored = getattr(self, name)  # key -> [(labels, values), ...] per pass
                 setattr(self, name, {key: [(a.cpu(), b.cpu()) for a, b in entries] for key, entries in stored.items()})
-            self._pending.clear()
             self._values.clear()
             self._mask_cache.clear()
             self._masks = []

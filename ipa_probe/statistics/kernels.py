@@ -282,9 +282,8 @@ def reference_contributions(
     Given ``weights`` ``(B, H, Q, K)`` (``K = R * T``, reference-major) and ``values`` ``(B, H, K, D)``, returns
     ``c_j = sum_h c_{j,h}`` ``(B, R, Q, C)`` and, with ``heads``, the ``c_{j,h}`` ``(B, H, R, Q, C)`` (Flux: head
     ``h``'s own block of ``C``, ``(B, H, R, Q, D)``), else ``None``. With ``coordinates`` (and ``w_o``) ``C`` is in
-    :func:`orthonormal_coordinates` of the tokens' span: right for norms and dot products only. ``L`` layers' records
-    of equal shape at once: ``weights`` ``(L * B, ...)``, ``values`` and ``w_o`` lists of ``L`` (one product per
-    layer, each its own ``W_o``; the rest once), ``scale`` ``(L, 1, 1, 1)`` or a number.
+    :func:`orthonormal_coordinates` of the tokens' span: right for norms and dot products only. ``L`` layers at once:
+    ``weights`` ``(L * B, ...)``, ``values`` and ``w_o`` lists of ``L``, ``scale`` ``(L,)`` or a number.
     """
     values, w_o = [values] if torch.is_tensor(values) else values, [w_o] if torch.is_tensor(w_o) else w_o
     batch, n_heads, queries, keys = values[0].shape[0], *weights.shape[1:]
