@@ -297,12 +297,11 @@ def reference_contributions(
     # each token's value through W_o first (s W_o[:, h] v_{h,i}: B * K * H vectors of C, few), then one product per
     # reference over its H * T (head, token) weights: Q * H * T * C multiply-adds per reference instead of
     # Q * (H * D) * C through W_o after mixing (T = 4 tokens against D = 40-160 channels in SD)
-    projected = torch.empty(
-        len(w_o), n_heads, batch * keys, w_o[0].shape[0], dtype=weights.dtype, device=weights.device
-    )
-    for out, v, w_l in zip(projected, values, w_o, strict=True):
-        w_l = w_l.to(projected.dtype).reshape(w_l.shape[0], n_heads, -1).permute(1, 2, 0)  # (H, D, C)
-        torch.bmm(v.transpose(0, 1).reshape(n_heads, batch * keys, -1), w_l, out=out)
+    projected = [  # one product per layer, each its own W_o: (H, B * K, D) @ (H, D, C)
+        v.transpose(0, 1).flatten(1, 2) @ w_l.to(v.dtype).unflatten(1, (n_heads, -1)).permute(1, 2, 0)
+        for v, w_l in zip(values, w_o, strict=True)
+    ]
+    projected = torch.stack(projected) if len(projected) > 1 else projected[0][None]  # (L, H, B * K, C)
     projected = _scaled(projected, scale).unflatten(2, (batch, keys // tokens, tokens))  # (L, H, B, R, T, C)
     projected = projected.permute(0, 2, 3, 1, 4, 5)  # (L, B, R, H, T, C)
     if coordinates:
@@ -313,7 +312,7 @@ def reference_contributions(
 
 
 def _scaled(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
-    """``x`` ``(L, ...)`` times a per-layer ``(L,)`` scale, or a number (in place; ``x`` itself at 1)."""
+    """``x`` ``(L, ...)`` times a per-layer ``(L,)`` scale, or a number (``x`` itself at 1)."""
     if torch.is_tensor(scale):
-        return x.mul_(scale.reshape(-1, *[1] * (x.dim() - 1)))
-    return x if scale == 1 else x.mul_(scale)
+        return x * scale.reshape(-1, *[1] * (x.dim() - 1))
+    return x if scale == 1 else x * scale
