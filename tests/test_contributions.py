@@ -138,11 +138,13 @@ def test_orthonormal_coordinates_keep_every_norm_and_dot_product(x, c, rank):
 
 @pytest.fixture
 def scaled(sd15):
-    """The shared tiny pipeline at adapter scale 0.7 (so that s enters the numbers), restored after the test."""
-    before = [list(p.scale) for p in sd15.unet.attn_processors.values() if hasattr(p, "to_k_ip")]
-    sd15.set_ip_adapter_scale(0.7)
-    yield sd15
+    """The shared tiny pipeline at adapter scales 0.5-0.7, one a layer (so that s enters the numbers, and differs
+    between the layers the probe forms together), restored after the test."""
     processors = [p for p in sd15.unet.attn_processors.values() if hasattr(p, "to_k_ip")]
+    before = [list(p.scale) for p in processors]
+    for index, proc in enumerate(processors):
+        proc.scale = [0.7 - 0.1 * (index % 3)]
+    yield sd15
     for proc, scale in zip(processors, before, strict=True):
         proc.scale = scale
 

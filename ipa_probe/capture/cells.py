@@ -80,16 +80,15 @@ class Cell:
 def record_logits(
     processor: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, text: bool, other: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits the record's softmax uses, ``(B, H, Q, K)``, and the queries' norms ``(B, H, Q)``: the text branch
-    is plain scaled dot-product attention in every processor; the image branch's are the processor's own
+    """The logits the record's softmax uses, ``(B, H, Q, K)``, and the queries' norms ``(B, H, Q)``: plain scaled
+    dot-product attention for the text branch, the processor's own for the image branch
     (:func:`~ipa_probe.layers.image_branch_logits`, ``other`` the further keys of its softmax: SD3's latent keys).
 
-    Dot-product logits are formed key-major, ``(k q^T)^T`` (a transposed view): the same products as ``q k^T``
-    (:func:`~ipa_probe.statistics.kernels.dot_logits`), 2-3x faster on CPU where the queries outnumber the keys (4,096
-    x 8 per head at 512 px), and the per-key reductions over the queries then run along contiguous memory. A query that
-    is a view of the layer's ``(B, Q, H * D)`` projection (the taps' heads split) is read in place one head at a time,
-    its norms taken while the head is in cache, instead of being copied first (at 512 px on CPU, reading the query
-    costs more than the products; from 1,024 queries: below, the loop's two operations a head cost more)."""
+    Dot-product logits are formed key-major, ``(k q^T)^T`` (a transposed view): the products of ``q k^T``, 2-3x faster
+    on CPU where queries outnumber keys (4,096 x 8 per head at 512 px), the per-key reductions then along contiguous
+    memory. On a CPU a query of 1,024 rows or more that is a view of the layer's projection is read in place one head
+    at a time (its norms taken while the head is in cache) instead of being copied first: reading it costs more than
+    the products."""
     if not text and getattr(processor, "image_branch_logits", None) is not None:
         return image_branch_logits(processor, q, k, other), q.norm(dim=-1)
     k = k * (1.0 / math.sqrt(q.shape[-1]))
@@ -114,23 +113,21 @@ def group_cell(
     fit: bool,
     nw_rows: torch.Tensor | None = None,
     dot: bool = True,
+    nw_scale: torch.Tensor | None = None,
 ) -> Cell:
     """A record's logits, masks and copy ids by group: ``(B, H, R, C)`` -> ``(groups, H, frames * R, C)``.
 
     Args:
         groups: how many groups (batch items) the batch holds; ``B`` is a multiple of it.
-        q, k: ``(B, H, Q, D)``, ``(B, H, K, D)`` float32.
-        attn: ``(B, H, Q, K)``, :func:`record_logits` of ``q`` and ``k``.
-        text: the record is the text branch.
+        q, k, attn: ``(B, H, Q, D)``, ``(B, H, K, D)`` float32 and their :func:`record_logits` ``(B, H, Q, K)``.
+        text, processor: the record is the text branch; the layer's attention processor.
         rows: ``(B, Q)`` bool, the queries inside the branch's IP-Adapter mask, or ``None`` for all.
-        processor: the layer's attention processor.
         text_mask: ``(B, tokens)`` bool, the pass's prompt tokens (text branch), or ``None``.
-        h: 0-d bandwidth on the device.
-        fit: fit ``h`` per cell (``bandwidth="fit"``) instead of using ``h``.
+        h, fit: 0-d bandwidth on the device; fit ``h`` per cell (``bandwidth="fit"``) instead.
         nw_rows: optional ``(n,)`` row indices (the record's row sample, when nothing reads the other rows' NW
             logits): ``nw`` holds these rows only (when a group is one batch item; every row otherwise).
         dot: ``attn`` are the dot-product logits of ``q`` and ``k`` (not an edit's): the NW logits are formed from
-            them and the key norms, without a second product.
+            them and the key norms, without a second product, times ``nw_scale`` (``sqrt(d) / h^2`` made once).
     """
     batch, n_heads, n_queries, n_keys = attn.shape
 
@@ -174,7 +171,7 @@ def group_cell(
     if nw_rows is not None and batch == groups:  # only the sampled rows' NW logits are read (no maps)
         q, nw_attn = take_rows(q, nw_rows, 2), take_rows(attn, nw_rows, 2)
     if k_term is not None and dot:  # (q·k - |k|^2 / 2) / h^2 from the logits: (attn - k_term) sqrt(d) / h^2
-        nw = (nw_attn - k_term.unsqueeze(-2)) * (math.sqrt(k.shape[-1]) / (h * h))
+        nw = (nw_attn - k_term.unsqueeze(-2)) * (math.sqrt(k.shape[-1]) / (h * h) if nw_scale is None else nw_scale)
     else:
         nw = nw_logits(q, k, h)
     return Cell(
@@ -250,6 +247,7 @@ def cell_inputs(
     other_pools: int | None = None,
     frame: tuple[torch.Tensor, torch.Tensor] | None = None,
     share: torch.Tensor | None = None,
+    cache: dict | None = None,
 ) -> CellInputs:
     """One record's :class:`CellInputs`: its query frames formed over every row (:func:`frame_terms`), then its rows
     sampled and its per-cell scalars taken.
@@ -262,15 +260,15 @@ def cell_inputs(
             mask), or ``None``.
         pools: how many query frames the groups form (:func:`frame_terms`).
         q_norms: ``(B, H, Q)``, the queries' norms (:func:`record_logits`).
-        sample: ``(n,)`` row indices (a multiple of :data:`~.config.SAMPLE_GROUPS`, from
-            :func:`~ipa_probe.statistics.draws.stratified_rows`) to compute the per-row statistics on, with their
-            standard errors; ``None`` for every row (exact, the standard errors 0). The query frame's key term is
-            estimated over every row either way.
+        sample: ``(n,)`` row indices (:func:`~ipa_probe.statistics.draws.stratified_rows`) to compute the per-row
+            statistics and their standard errors on; ``None`` for every row (exact, errors 0). The query frame's key
+            term is estimated over every row either way.
         other_pools: the number of frames of the other query pool
             (:data:`~ipa_probe.statistics.schema.QUERY_POOL_OTHER_COLUMN`): its exact-form frame is formed too, over
             the same rows; ``None`` (or ``pools``) where the two pools are the same rows, which forms nothing more.
         frame: the record's query frame, both forms, when formed with others' (:func:`joint_frames`), or ``None``.
         share: ``(B, H, Q)``, the image share an edit left (SD3), else ``None`` (:func:`image_share` of the keys).
+        cache: where the scalars' constants are kept (0-d, per value and device), or ``None``.
     """
     n_rows = cell.attn.shape[-2]
     other_pools = other_pools if other_pools != pools else None
@@ -294,6 +292,13 @@ def cell_inputs(
     def by_group(x: torch.Tensor) -> torch.Tensor:  # (B, H, R) -> (groups, H, items * R)
         return x.reshape(groups, batch // groups, n_heads, x.shape[-1]).transpose(1, 2).flatten(2, 3)
 
+    cache = {} if cache is None else cache
+
+    def constant(value: float) -> torch.Tensor:  # (groups, H) of one value, a view of a 0-d tensor made once
+        if (key := ("constant", repr(value), q_norm.dtype, q_norm.device)) not in cache:
+            cache[key] = torch.full((), value, dtype=q_norm.dtype, device=q_norm.device)
+        return cache[key].expand_as(q_norm)
+
     q_norm = by_group(q_norms)  # (groups, H, items * Q)
     if cell.row_mask is not None:
         inside = cell.row_mask.float()
@@ -303,17 +308,17 @@ def cell_inputs(
     k_norm = by_group(k.norm(dim=-1))  # (groups, H, items * K)
     if cell.key_mask is None:
         sd, mean = torch.std_mean(k_norm, dim=-1, correction=0)
-        spread, keys = sd / mean, torch.full_like(mean, n_keys)  # (groups, H), keys per row
+        spread, keys = sd / mean, constant(n_keys)  # (groups, H), keys per row
     else:
         kept = by_group(text_mask[:, None, :].expand(batch, n_heads, n_keys).float())
         mean = (k_norm * kept).sum(-1) / kept.sum(-1)
         spread = (((k_norm - mean[..., None]) ** 2 * kept).sum(-1) / kept.sum(-1)).sqrt() / mean
         keys = kept.sum(-1) / (batch // groups)  # (groups, H) keys per row
-    ip_mass = torch.full_like(q_norm, math.nan)
+    ip_mass = constant(math.nan)
     if other is not None and not text:
         share = image_share(processor, q, k, other.float()) if share is None else share  # (B, H, Q)
         ip_mass = by_group(share).mean(-1)
-    fraction = torch.full_like(q_norm, 1.0 if sample is None else sample.shape[-1] / n_rows)
+    fraction = constant(1.0 if sample is None else sample.shape[-1] / n_rows)
     scalars = torch.stack(
         (cell.h.expand_as(q_norm), q_norm, spread, ip_mass, keys, fraction), dim=-1
     )  # (groups, H, 6)
@@ -489,17 +494,15 @@ def frame_terms(
     frame's key term, both forms from one pass over the logits.
 
     Per pool of queries (the frame) and head, ``b_i`` is key ``i``'s log-partition over the frame's rows
-    (:func:`~ipa_probe.statistics.kernels.query_frame_terms`, exact and Gaussian), and the query-frame NW logits of a
-    row are its centred logits minus ``b`` (``attn - b`` up to the row's constant): the cell's attention against them
-    is :func:`~ipa_probe.statistics.agreement.compare_weights` with ``key_term=b``, so every statistic, ``logit_ratio``
-    (``sd_i(attn) / sd_i(b)``), its baseline and excess and the rows' nulls included, means what it means in the
-    stored frame. Rows outside the IP-Adapter mask and rows with non-finite logits take no part in the frame. A frame
-    of one row (a 1 x 1 latent grid, one item) gives uniform NW weights: no rank correlation (NaN), as in exact
-    arithmetic.
+    (:func:`~ipa_probe.statistics.kernels.query_frame_terms`, exact and Gaussian); a row's query-frame NW logits are
+    its centred logits minus ``b``, compared as :func:`~ipa_probe.statistics.agreement.compare_weights` with
+    ``key_term=b``, so every statistic (``logit_ratio``, its baseline, the nulls) means what it means in the stored
+    frame. Rows outside the IP-Adapter mask or with non-finite logits take no part; a frame of one row gives uniform
+    NW weights (no rank correlation: NaN), as in exact arithmetic.
 
     Args:
-        attn: ``(groups, H, R, K)`` attention logits of every row (several records' groups side by side, see
-            stacked records); reduced along the rows, so key-major memory (the probe's) is read contiguously.
+        attn: ``(groups, H, R, K)`` attention logits of every row (stacked records' groups side by side), reduced
+            along the rows (key-major memory, the probe's, is read contiguously).
         key_mask: ``(groups, H, R, K)`` kept keys, or ``None``.
         row_mask: ``(groups, H, R)`` rows inside an IP-Adapter mask, or ``None``.
         pools: how many frames the groups form, contiguous and of equal size: ``groups`` (one item each) or the

@@ -50,7 +50,7 @@ class _Held:
     kept: tuple | None  # the references an ablation kept (Spine.kept)
     text: bool
     processor: torch.nn.Module
-    h: torch.Tensor  # 0-d bandwidth
+    h: tuple[torch.Tensor, torch.Tensor]  # 0-d bandwidth, sqrt(d) / h^2 (ProbeRun._bandwidth)
     rows: tuple[int, int] | None  # (rows, n) of the record's row sample, or None for every row
     text_mask: torch.Tensor | None  # (B, tokens)
     keys: torch.Tensor | None = None  # (n,) the row sample's uniform keys (:meth:`RecordForming._draw_rows`)
@@ -84,10 +84,9 @@ class RecordForming:
         shape are formed together (:meth:`_held_parts`); a record that cannot join others is formed at once.
 
         Args:
-            index: the layer's position in :attr:`layers`.
-            slot: the adapter index, or :attr:`text_slot`.
-            query: ``(B, H, Q, D)``, the query the branch's softmax uses.
-            key: ``(B, H, K, D)``, the image-token (or text-token) keys.
+            index, slot: the layer's position in :attr:`layers`; the adapter index, or :attr:`text_slot`.
+            query, key: ``(B, H, Q, D)``, the query the branch's softmax uses; ``(B, H, K, D)``, the image-token (or
+                text-token) keys.
             other: ``(B, H, N, D)``, further keys of the same softmax (SD3's latent keys), or ``None``.
             inside: ``(B, Q)`` bool, the queries inside the branch's IP-Adapter mask, or ``None`` for all.
             used: ``(B, H, Q, K)``, the weights the layer used when an edit changed them (the statistics read their
@@ -149,7 +148,7 @@ class RecordForming:
         )
         if not joins:
             self._draw_rows([held])
-            self._form([held])
+            self._finish(*self._begin([held]))
             return
         self._held.append(held)
         self._held_elements += query.numel()
@@ -200,7 +199,7 @@ class RecordForming:
         """Form the stacks of :meth:`_held_parts`: their query frames jointly where ``joins``."""
         if not joins:
             for part in parts:
-                self._threads(part[0].q.device, self._form, part)
+                self._threads(part[0].q.device, lambda x: self._finish(*self._begin(x)), part)
             return
         first = parts[0][0]
         cache = {} if torch.compiler.is_compiling() else self._constants  # a compiled pass caches nothing
@@ -210,16 +209,11 @@ class RecordForming:
         for entry, frame in zip(formed, frames, strict=True):
             self._threads(first.q.device, self._finish, *entry, frame)
 
-    def _form(self, held: list[_Held]) -> None:
-        """The logits, cells and row samples of records of one :meth:`_Held.signature`, stacked along the batch
-        (records ``l`` holds batch items ``l * B .. (l + 1) * B - 1``): every step below is per batch item or per
-        group, so each record's values are what its own pass gives."""
-        self._finish(*self._begin(held))
-
     @torch.no_grad()
     def _begin(self, held: list[_Held]) -> tuple:
-        """:meth:`_form` up to the query frames: the records, their logits and cell, and the rest of
-        :func:`~.cells.cell_inputs`' arguments."""
+        """Records of one :meth:`_Held.signature` stacked along the batch (record ``l`` at items ``l * B ..``; every
+        step per item or group: a record's values are its own pass's) up to the query frames: the records, their
+        logits and cell, and the rest of :func:`~.cells.cell_inputs`' arguments."""
         first = held[0]
 
         def stacked(name: str) -> torch.Tensor | None:
@@ -241,9 +235,7 @@ class RecordForming:
             # a row the edit zeroed has no weighting to compare: NaN, counted in nonfinite (not read as uniform)
             attn = attn.masked_fill((used.sum(-1, keepdim=True) > 0).logical_not_(), math.nan)
         groups = len(held) * first.labels.shape[0]
-        text_mask = first.text_mask
-        if text_mask is not None and len(held) > 1:
-            text_mask = text_mask.repeat(len(held), 1)
+        text_mask = stacked("text_mask")  # (L * B, tokens)
         sample = None  # (n,), or (L, n) for stacked records: cells.take_rows reads block l at row l
         if first.rows is not None:  # the stratified row sample (ProbeConfig.rows) from the keys drawn for it
             keys = first.keys if len(held) == 1 else torch.stack([entry.keys for entry in held])
@@ -258,7 +250,8 @@ class RecordForming:
             rows=stacked("inside"),
             processor=first.processor,
             text_mask=text_mask,
-            h=first.h,
+            h=first.h[0],
+            nw_scale=first.h[1],
             fit=self.config.bandwidth == "fit",
             nw_rows=nw_rows,
             dot=first.used is None,
@@ -273,41 +266,39 @@ class RecordForming:
         # and the other pool's (schema.QUERY_POOL_OTHER_COLUMN): formed only where a branch holds several items
         other_pools = first.chunks if pools == per_record else per_record
         inputs = dict(groups=groups, q=q, k=k, other=other, text=first.text, processor=first.processor, tails=tails)
-        inputs.update(share=first.share)
+        inputs.update(share=first.share, cache={} if torch.compiler.is_compiling() else self._constants)
         inputs.update(text_mask=text_mask, pools=pools * len(held), q_norms=q_norms, sample=sample)
         return held, attn, cell, dict(inputs, other_pools=other_pools * len(held))
 
     @torch.no_grad()
     def _finish(self, held: list[_Held], attn: torch.Tensor, cell: cells.Cell, inputs: dict, frame=None) -> None:
-        """:meth:`_form` from the query frames on (``frame``: formed with other records', or ``None``)."""
-        first = held[0]
+        """:meth:`_begin`'s records from the query frames on (``frame``: formed with others', or ``None``): inputs
+        kept for the pass's statistics, their weights (``keep_maps``) and maps."""
+        first, labels = held[0], held[0].labels
         inputs = cell_inputs(cell=cell, frame=frame, **inputs)
         self._pending.append((held, inputs))
         self._pending_elements += inputs.pending_elements()
         if self._pending_elements > PENDING_ELEMENTS:  # bounded memory: compare what is kept so far
             self._flush()
-        if not self.config.keep_maps and (self._maps is None or first.text):
+        for entry, logits in zip(held, attn.chunk(len(held)), strict=True) if self.config.keep_maps else ():
+            # the weights the layer used: an edit's as they are (unnormalised where it left so)
+            key = (entry.call.index, entry.step, self.layers[entry.index].name, entry.slot)
+            kept_logits = logits if entry.kept is None else expand_references(logits, *entry.kept, -1, -math.inf)
+            self._keep_map(key, entry.used if entry.used is not None else kept_logits.softmax(-1))
+            self._map_labels.setdefault(key, []).append(labels.repeat_interleave(len(logits) // len(labels)))
+        if self._maps is None or first.text:
             return
-        # per record: (L * B, ...) -> L blocks of B items (views)
-        for entry, logits, cell_attn, cell_nw in zip(
-            held, attn.chunk(len(held)), cell.attn.chunk(len(held)), cell.nw.chunk(len(held)), strict=True
+        spine = {} if self._spine is None else self._spine.used
+        edited = [spine.get((self.layers[entry.index].name, entry.slot, "contribution")) for entry in held]
+        # the stack's maps at once; apart where an edit acted (an edited record's keys or weights: formed alone)
+        parts = zip(([e] for e in held), cell.attn.chunk(len(held)), cell.nw.chunk(len(held)), edited, strict=True)
+        for part, maps_attn, maps_nw, contribution in (
+            parts if any(x is not None for x in edited) else [(held, cell.attn, cell.nw, None)]
         ):
-            self._record_views(entry, logits, cell_attn, cell_nw)
-
-    def _record_views(self, entry: _Held, attn: torch.Tensor, cell_attn: torch.Tensor, cell_nw: torch.Tensor) -> None:
-        """A formed record's kept weights (``keep_maps``) and reference maps (``maps``)."""
-        kept, labels, used, name = entry.kept, entry.labels, entry.used, self.layers[entry.index].name
-        if self.config.keep_maps:  # the weights the layer used: an edit's as they are (unnormalised where it left so)
-            key = (entry.call.index, entry.step, name, entry.slot)
-            logits = attn if kept is None else expand_references(attn, *kept, -1, -math.inf)
-            self._keep_map(key, used if used is not None else logits.softmax(-1))
-            self._map_labels.setdefault(key, []).append(labels.repeat_interleave(attn.shape[0] // labels.shape[0]))
-        if self._maps is not None and not entry.text:
-            maps_attn, maps_nw = cell_attn, cell_nw
+            kept, used = part[0].kept, part[0].used
             if kept is not None:
                 maps_attn, maps_nw = (expand_references(x, *kept, -1, -math.inf) for x in (maps_attn, maps_nw))
             if used is not None:  # (B, H, Q, K) -> (groups, items, H, Q, K) -> (groups, H, items * Q, K), the cells'
                 used = used.unflatten(0, (labels.shape[0], -1)).transpose(1, 2).flatten(2, 3)
-            edited = None if self._spine is None else self._spine.used.get((name, entry.slot, "contribution"))
-            where = (entry.call.index, entry.step, entry.index, entry.slot)
-            self._maps.add(*where, labels, maps_attn, maps_nw, used, edited)
+            where = [(entry.call.index, entry.step, entry.index, entry.slot) for entry in part]
+            self._maps.add(where, labels, maps_attn, maps_nw, used, contribution)

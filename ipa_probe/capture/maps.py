@@ -13,14 +13,11 @@ adapter's references, so a reference gets nothing outside its region (negative b
 a position no mask reaches gets 0 for every reference).
 
 What is kept: per recorded step, layer, adapter and denoiser pass, one float32 ``(2, groups, items, Q, K)`` tensor
-(attention and NW; the batch's groups with their branch labels as a device tensor), on the pipeline's device
-(no host synchronisation; memory independent of the number of heads unless they are kept), moved to the host once
-when the ``with`` block ends. With :meth:`MapAccumulator.keep_heads` (what
-:func:`ipa_probe.attribution.reference_attribution` asks for) the attention's shares are also kept per head, one
-float32 ``(groups, items, H, Q, K)`` tensor per pass, so that a statistic can be tested per (layer, head) and not
-only on the head average. :meth:`MapAccumulator.check_budget` estimates the size (with the head axis when kept)
-before step 0 and refuses above ``max_map_bytes``. Analysis (``reference_maps``, ``token_maps``, ``map_table``) is
-made from the host copy; the figures are in :mod:`~.mapplots`.
+(attention and NW; the groups' branch labels as a device tensor) on the pipeline's device (no host synchronisation),
+moved to the host once when the ``with`` block ends; with :meth:`MapAccumulator.keep_heads` (as
+:func:`ipa_probe.attribution.reference_attribution` asks) also the attention's per head, ``(groups, items, H, Q, K)``.
+:meth:`MapAccumulator.check_budget` refuses above ``max_map_bytes`` before step 0. Analysis (``reference_maps``,
+``token_maps``, ``map_table``) reads the host copy; the figures are in :mod:`~.mapplots`.
 """
 
 from __future__ import annotations
@@ -116,11 +113,11 @@ class MapAccumulator:
         #: the same per head (``(2, groups, items, H, Q, R)``: ``|c_{j,h}|`` and ``c_{j,h} . c / |c|``), filled only
         #: after :meth:`keep_heads`.
         self.contribution_head_store: dict[tuple[int, int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        #: (layer index, adapter) -> what :meth:`add` left for the value hook of the same pass: ``(key, labels,
-        #: weights (B, H, Q, K))``.
-        self._pending: dict[tuple[int, int], tuple[tuple[int, int, int, int], torch.Tensor, torch.Tensor]] = {}
-        #: (layer index, adapter) -> the value projection's output of this pass, when it came before :meth:`add`
+        #: what :meth:`add` left for :meth:`end_pass`: ``(where, labels, weights (L * B, H, Q, K))`` per stack
+        self._pending: list[tuple[list, torch.Tensor, torch.Tensor]] = []
+        #: (layer index, adapter) -> the value projection's output of this pass
         self._values: dict[tuple[int, int], torch.Tensor] = {}
+        self._scales: dict[tuple, torch.Tensor] = {}  # (scales, device) -> (L,) per-record scales
         #: records whose contributions an edit of the contribution or output point set (:meth:`add`), warned of once
         self.edited_contributions = 0
 
@@ -148,8 +145,8 @@ class MapAccumulator:
 
     def on_pass(self, args: tuple, kwargs: dict, masks: list[torch.Tensor | None] | None) -> None:
         """A denoiser pass starts (``masks``: its normalised ``ip_adapter_masks``)."""
+        self.end_pass()  # a pass that raised: what its layers left
         self._batch = self.tap.sample(args, kwargs).shape[0]
-        self._pending.clear()
         self._values.clear()
         self._images_seen.clear()  # per pass: which reference image a masked adapter's next key projection is
         if masks is None or not all(m is None or isinstance(m, torch.Tensor) for m in masks):
@@ -212,75 +209,68 @@ class MapAccumulator:
     @torch.no_grad()
     def add(
         self,
-        call: int,
-        step: int,
-        index: int,
-        adapter: int,
+        where: list[tuple[int, int, int, int]],
         labels: torch.Tensor,
         attention: torch.Tensor,
         nw: torch.Tensor,
         used: torch.Tensor | None = None,
         contribution: torch.Tensor | None = None,
     ) -> None:
-        """Add one layer's shares (device work only: no host synchronisation).
+        """Add the shares of ``L`` records stacked along the batch (device work only: no host synchronisation); their
+        contributions are formed when the pass ends (:meth:`end_pass`).
 
         Args:
-            call, step, index, adapter: where (call index, loop index, layer position, adapter).
+            where: ``L`` (call index, loop index, layer position, adapter), one per record.
             labels: ``(n,)`` int64 on the device, each group's index into the run's branch labels.
-            attention, nw: logits ``(n, H, items * Q, K)`` of the ``n`` groups of the batch (CFG chunks or single
-                batch items; ``K`` = one reference's tokens when the adapter runs with a mask, else all of the
-                adapter's tokens).
-            used: the weights ``(n, H, items * Q, K)`` the layer used when an edit changed them, read as they are
-                (not renormalised: a zeroed head stays at 0), else ``None`` (the softmax of ``attention``).
-            contribution: the contributions ``(B, R, Q, C)`` the layer used after an edit of its contribution point
-                (all NaN after one of its output point), else ``None`` (formed from the weights and the values).
+            attention, nw: logits ``(L * n, H, items * Q, K)`` of the ``n`` groups of each record's batch (CFG
+                chunks or single items; ``K``: one reference's tokens when the adapter runs with a mask, else all).
+            used: one record's weights ``(n, H, items * Q, K)`` when an edit changed them, read as they are (not
+                renormalised: a zeroed head stays at 0), else ``None`` (the softmax of ``attention``).
+            contribution: one record's contributions ``(B, R, Q, C)`` after an edit of its contribution point (all NaN
+                after one of its output point), else ``None`` (formed from the weights and the values).
         """
-        n_branch, _, rows, tokens = attention.shape
-        items = self._batch // n_branch
-        weights_all = softmax_keys(attention) if used is None else used  # (n, H, items * Q, K), for every use below
-        shares = torch.stack([weights_all.mean(1), softmax_keys(nw).mean(1)]).contiguous()  # (2, n, IQ, K)
-        shares = shares.reshape(2, n_branch, items, rows // items, tokens)  # (2, n, items, Q, K)
-        queries = shares.shape[-2]
-        mask = self._masks[adapter] if adapter < len(self._masks) else None
-        entries = self.store.setdefault((call, step, index, adapter), [])
-        layer = self.layers[index]
+        records, (stacked, heads, rows, tokens) = len(where), attention.shape
+        n_branch, items = stacked // records, self._batch // (stacked // records)
+        if used is None:  # both softmaxes in one, key-major as the logits are
+            weights = softmax_keys(torch.stack([attention.mT, nw.mT]).mT)  # (2, L * n, H, items * Q, K)
+            weights_all, shares = weights[0], weights.mean(2)
+        else:
+            weights_all, shares = used, torch.stack([used.mean(1), softmax_keys(nw).mean(1)])
+        shares = shares.reshape(2, records, n_branch, items, rows // items, tokens)  # (2, L, n, items, Q, K)
+        queries, layer = shares.shape[-2], self.layers[where[0][2]]
+        mask = self._masks[where[0][3]] if where[0][3] < len(self._masks) else None
         if contribution is not None:  # an edit of the contributions: what the layer used, not formed here
-            self._keep_contributions((call, step, index, adapter), labels, contribution.float())
+            self._keep_contributions(where, labels, contribution.float())
             self.edited_contributions += 1
-        elif mask is None and layer.family != "sd3" and attention.shape[1] == layer.heads:
-            # (n, H, items * Q, K) -> (B, H, Q, K), the batch order the value projection sees
-            weights = weights_all.reshape(n_branch, attention.shape[1], items, queries, tokens)
-            self._pending[(index, adapter)] = (
-                (call, step, index, adapter),
-                labels,
-                weights.transpose(1, 2).flatten(0, 1),
-            )
-            if (index, adapter) in self._values:  # the values came first (a record held until the pass's end)
-                self._deliver(index, adapter, self._values.pop((index, adapter)))
+        elif mask is None and layer.family != "sd3" and heads == layer.heads:  # formed when the values are in
+            # (L * n, H, items * Q, K) -> (L * B, H, Q, K), the batch order the value projection sees
+            weights = weights_all.reshape(stacked, heads, items, queries, tokens).transpose(1, 2).flatten(0, 1)
+            self._pending.append((where, labels, weights))
         if self.heads:
             if mask is not None:
                 raise ValueError("per-head maps (keep_heads) do not support ip_adapter_masks; call without masks")
-            heads = attention.shape[1]
-            per_head = weights_all.reshape(n_branch, heads, items, rows // items, tokens)
-            per_head = per_head.transpose(1, 2)  # (n, items, H, Q, K)
-            self.head_store.setdefault((call, step, index, adapter), []).append((labels, per_head))
+            per_head = weights_all.reshape(records, n_branch, heads, items, queries, tokens).transpose(2, 3)
+            for key, part in zip(where, per_head, strict=True):  # (n, items, H, Q, K) each
+                self.head_store.setdefault(key, []).append((labels, part))
         if mask is None:
-            entries.append((labels, shares))
+            for key, part in zip(where, shares.unbind(1), strict=True):
+                self.store.setdefault(key, []).append((labels, part))
             return
-        # masked: diffusers calls to_k_ip once per reference image, in order; weight each by its region
+        # masked (one record): diffusers calls to_k_ip once per reference image, in order; weight each by its region
+        (key,), shares = where, shares[:, 0]
+        index, adapter, entries = key[2], key[3], self.store.setdefault(key, [])
         image = self._images_seen.get((index, adapter), 0)
         self._images_seen[(index, adapter)] = image + 1
         if image == 0:
             entries.append((labels, shares.new_zeros(2, n_branch, items, queries, mask.shape[1] * tokens)))
-        self.masked.add((call, adapter))
+        self.masked.add((key[0], adapter))
         region = self._region(mask, adapter, image, n_branch * items, queries, shares.device)  # (n * items, Q)
         region = region.reshape(1, n_branch, items, queries, 1)
         entries[-1][1][..., image * tokens : (image + 1) * tokens] = shares * region
 
     def _value_hook(self, spine: Spine, index: int, adapter: int):
-        """Forward hook on ``to_v_ip[adapter]`` of layer ``index``: with the weights :meth:`add` left for this pass,
-        each reference's contribution to the layer output (:meth:`_contribute`); the references an edit removed from
-        the values (the spine says which: :meth:`~.spine.Spine.kept_references`) are back at 0."""
+        """Forward hook on ``to_v_ip[adapter]`` of layer ``index``: its values kept for :meth:`end_pass`, references an
+        edit removed from them back at 0 (the spine says which: :meth:`~.spine.Spine.kept_references`)."""
 
         def hook(module, args, output):
             if not isinstance(output, torch.Tensor):
@@ -288,17 +278,9 @@ class MapAccumulator:
             kept = spine.kept_values.get((self.layers[index].name, adapter))
             if kept is not None and output.ndim == 4:  # (B, R - removed, T, C)
                 output = expand_references(output, *kept, 1, 0.0)
-            if (index, adapter) in self._pending:
-                self._deliver(index, adapter, output)
-            else:  # the probe holds this layer's record until the pass ends (:meth:`add` delivers them then)
-                self._values[(index, adapter)] = output
+            self._values[(index, adapter)] = output
 
         return hook
-
-    def _deliver(self, index: int, adapter: int, output: torch.Tensor) -> None:
-        """The layer's values meet the weights :meth:`add` left: each reference's contribution."""
-        pending = self._pending.pop((index, adapter))
-        self._contribute(index, adapter, *pending, output)
 
     def masks_adapter(self, adapter: int) -> bool:
         """Whether the running pass gives ``adapter`` an ``ip_adapter_masks`` entry (its images then run one softmax
@@ -306,47 +288,55 @@ class MapAccumulator:
         return adapter < len(self._masks) and self._masks[adapter] is not None
 
     @torch.no_grad()
-    def _contribute(
-        self,
-        index: int,
-        adapter: int,
-        key: tuple[int, int, int, int],
-        labels: torch.Tensor,
-        weights: torch.Tensor,
-        values: torch.Tensor,
-    ) -> None:
+    def end_pass(self) -> None:
         """Each reference's contribution ``c_j`` to the image branch's output as it enters the residual stream
-        (:func:`~ipa_probe.statistics.kernels.reference_contributions`; device only), ``c = sum_j c_j``.
+        (:func:`~ipa_probe.statistics.kernels.reference_contributions`; device only), ``c = sum_j c_j``, each stack
+        of records :meth:`add` left at once, from the values its layers computed (none where a pass raised first).
 
         Kept: ``|c_j|`` and ``c_j . c / |c|`` (the projections sum over ``j`` to ``|c|``), and per head with
         :meth:`keep_heads`. Both are unchanged by the q/k group (the weights are) and by a per-head basis change of
-        the values (``W_v -> B W_v``, ``W_o -> W_o B^-1``: ``W_o[:, h] v_h`` is).
+        the values (``W_v -> B W_v``, ``W_o -> W_o B^-1``: ``W_o[:, h] v_h`` is)."""
+        pending, self._pending = self._pending, []
+        for where, labels, weights in pending:  # weights (L * B, H, Q, K); values (B, K, H * D) or (B, R, T, H * D)
+            values, n = [self._values.get(key[2:]) for key in where], self._batch * weights.shape[-1]
+            ok = [
+                v is not None and v.numel() == n * v.shape[-1] and isinstance(self._scale(key), int | float)
+                for key, v in zip(where, values, strict=True)
+            ]
+            parts = [
+                ([key], w, [v]) for key, w, v, o in zip(where, weights.chunk(len(where)), values, ok, strict=True) if o
+            ]
+            for keys, w, v in [(where, weights, values)] if all(ok) else parts:
+                self._contribute(keys, labels, w, v)
 
-        Args:
-            weights: ``(B, H, Q, K)`` the branch's attention weights.
-            values: ``(B, K, H * D)`` (or ``(B, R, T, H * D)``) what ``to_v_ip[adapter]`` returned.
-        """
-        layer = self.layers[index]
-        scale = getattr(layer.processor, "scale", 1.0)
-        scale = scale[adapter] if isinstance(scale, list | tuple) else scale
-        if not isinstance(scale, int | float):  # per-image scales (masks): no single s
-            return
-        batch, heads, queries, keys = weights.shape
-        if values.numel() != batch * keys * values.shape[-1]:
-            return
-        values = values.float().reshape(batch, keys, heads, -1).transpose(1, 2)  # (B, K, H * D) -> (B, H, K, D)
-        out = layer.attention.to_out[0].weight.float() if layer.family == "unet" else None  # Flux: no W_o
-        tokens = self.tokens_per_image(adapter, index) or keys
-        # only norms and dot products of the contributions are kept: coordinates of the tokens' span will do
+    def _scale(self, key: tuple):
+        scale = getattr(self.layers[key[2]].processor, "scale", 1.0)
+        return scale[key[3]] if isinstance(scale, list | tuple) else scale
+
+    def _contribute(self, where: list, labels: torch.Tensor, weights: torch.Tensor, values: list) -> None:
+        layers, (heads, keys), device = [self.layers[key[2]] for key in where], weights.shape[1::2], weights.device
+        scales = tuple(float(self._scale(key)) for key in where)
+        scale = scales[0] if len(set(scales)) == 1 else self._scales.get((scales, device))
+        if scale is None:  # a scale per record (per-layer scales), made once
+            scale = self._scales.setdefault((scales, device), torch.tensor(scales, device=device))
+        values = [v.float().reshape(self._batch, keys, heads, -1).transpose(1, 2) for v in values]  # (B, H, K, D)
+        # Flux: no W_o; only norms and dot products of the contributions are kept: coordinates of the tokens' span
+        out = None if layers[0].family != "unet" else [layer.attention.to_out[0].weight for layer in layers]
+        tokens = self.tokens_per_image(where[0][3], where[0][2]) or keys
         total_ref, per_head = reference_contributions(weights.float(), values, tokens, scale, out, self.heads, True)
-        self._keep_contributions(key, labels, total_ref, per_head)
+        self._keep_contributions(where, labels, total_ref, per_head)
 
-    def _keep_contributions(self, key: tuple, labels: torch.Tensor, total_ref: torch.Tensor, per_head=None) -> None:
-        """Keep the norms ``|c_j|`` and projections ``c_j . c / |c|`` of ``total_ref`` ``(B, R, Q, C)``, ``c = sum_j
-        c_j``, and of ``per_head`` ``(B, H, R, Q, C)`` (or Flux's ``(B, H, R, Q, D)``: head ``h``'s block of ``C``)."""
+    def _keep_contributions(self, where: list, labels: torch.Tensor, total_ref: torch.Tensor, per_head=None) -> None:
+        """Keep the norms ``|c_j|`` and projections ``c_j . c / |c|`` of ``L`` records' ``total_ref`` ``(L * B, R, Q,
+        C)``, ``c = sum_j c_j``, and ``per_head`` ``(L * B, H, R, Q, C)`` (Flux: ``D``, head ``h``'s part of ``C``)."""
         batch, references, queries, _ = total_ref.shape
         total = total_ref.sum(1)  # (B, Q, C)
         direction = total / total.norm(dim=-1, keepdim=True).clamp(min=1e-30)  # (B, Q, C)
+        shape = (2, len(where), labels.shape[0], batch // len(where) // labels.shape[0])  # (2, L, n, items)
+        kept = torch.stack([total_ref.norm(dim=-1), (total_ref * direction[:, None]).sum(-1)])  # (2, B, R, Q)
+        kept = kept.transpose(-1, -2).reshape(*shape, queries, references)  # (2, L, n, items, Q, R)
+        for key, part in zip(where, kept.unbind(1), strict=True):
+            self.contribution_store.setdefault(key, []).append((labels, part))
         if per_head is not None:
             heads = per_head.shape[1]
             if per_head.shape[-1] != total.shape[-1]:  # Flux: head h's block of the direction
@@ -354,14 +344,9 @@ class MapAccumulator:
             else:
                 on_head = direction[:, None, None]  # (B, 1, 1, Q, C)
             per_head = torch.stack([per_head.norm(dim=-1), (per_head * on_head).sum(-1)])  # (2, B, H, R, Q)
-        groups = labels.shape[0]
-        items = batch // groups
-        kept = torch.stack([total_ref.norm(dim=-1), (total_ref * direction[:, None]).sum(-1)])  # (2, B, R, Q)
-        kept = kept.transpose(-1, -2).reshape(2, groups, items, queries, references)  # (2, n, items, Q, R)
-        self.contribution_store.setdefault(key, []).append((labels, kept))
-        if per_head is not None:
-            by_head = per_head.transpose(-1, -2).reshape(2, groups, items, heads, queries, references)
-            self.contribution_head_store.setdefault(key, []).append((labels, by_head))
+            by_head = per_head.transpose(-1, -2).reshape(*shape, heads, queries, references)
+            for key, part in zip(where, by_head.unbind(1), strict=True):
+                self.contribution_head_store.setdefault(key, []).append((labels, part))
 
     def _region(self, mask: torch.Tensor, adapter: int, image: int, batch: int, queries: int, device) -> torch.Tensor:
         """Reference ``image``'s mask on a ``queries``-position grid, ``(batch, Q)``, as the processor weights it."""
@@ -385,10 +370,10 @@ class MapAccumulator:
             )
             self.edited_contributions = 0
         if not self._on_host:
+            self.end_pass()  # what a pass that raised left
             for name in ("store", "head_store", "contribution_store", "contribution_head_store"):
                 stored = getattr(self, name)  # key -> [(labels, values), ...] per pass
                 setattr(self, name, {key: [(a.cpu(), b.cpu()) for a, b in entries] for key, entries in stored.items()})
-            self._pending.clear()
             self._values.clear()
             self._mask_cache.clear()
             self._masks = []

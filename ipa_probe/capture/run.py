@@ -254,6 +254,8 @@ class ProbeRun(RecordForming, RunViews, MapViews):
     def on_return(self, spine: Spine, output) -> None:
         """The denoiser pass returned (the edits that acted in it are known now: :attr:`PassInfo.edits`)."""
         self._flush()
+        if self._maps is not None:
+            self._maps.end_pass()  # the maps' contributions, every layer's values in
         state = self._state
         if state.call is not None and spine.now.edits:
             edits = state.call.edits.setdefault(state.step, [])
@@ -370,19 +372,19 @@ class ProbeRun(RecordForming, RunViews, MapViews):
             return None
         return self._constant("heads", device, lambda: _filled(heads, device))
 
-    def _bandwidth(self, head_dim: int, device: torch.device) -> torch.Tensor:
-        """The bandwidth ``h`` as a 0-d float32 device tensor: made once per run for a fixed one, once per step for
-        a callable of the timestep (a tensor it returns is used as is)."""
+    def _bandwidth(self, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bandwidth ``h`` as a 0-d float32 device tensor and the NW logits' factor ``sqrt(d) / h^2``
+        (:func:`~.cells.group_cell`): made once per run for a fixed one, once per step for a callable of the timestep
+        (a tensor it returns is used as is)."""
         spec = self.config.bandwidth
+        with_factor = lambda h: (h, math.sqrt(head_dim) / (h * h))
         if not callable(spec):
             # "fit": the statistics start from the matched bandwidth (the fit itself is per cell)
             value = bw.resolve("matched" if spec == "fit" else spec, head_dim)
-            return self._constant(f"h{head_dim}", device, lambda: torch.full((), value, device=device))
-        cached = self._state.bandwidth.get(head_dim)
-        if cached is None:
-            cached = bw.resolve(spec, head_dim, self._state.timestep, device)
-            self._state.bandwidth[head_dim] = cached
-        return cached
+            return self._constant(f"h{head_dim}", device, lambda: with_factor(torch.full((), value, device=device)))
+        if head_dim not in self._state.bandwidth:
+            self._state.bandwidth[head_dim] = with_factor(bw.resolve(spec, head_dim, self._state.timestep, device))
+        return self._state.bandwidth[head_dim]
 
     # ------------------------------------------------------------------ the statistics
     def _record(self, index: int, slot: int, query: torch.Tensor, *rest) -> None:

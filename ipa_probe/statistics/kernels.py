@@ -267,10 +267,10 @@ def orthonormal_coordinates(vectors: torch.Tensor) -> torch.Tensor:
 
 def reference_contributions(
     weights: torch.Tensor,
-    values: torch.Tensor,
+    values: torch.Tensor | list[torch.Tensor],
     tokens: int,
-    scale: float,
-    w_o: torch.Tensor | None,
+    scale: float | torch.Tensor,
+    w_o: torch.Tensor | list[torch.Tensor] | None,
     heads: bool = False,
     coordinates: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -282,19 +282,37 @@ def reference_contributions(
     Given ``weights`` ``(B, H, Q, K)`` (``K = R * T``, reference-major) and ``values`` ``(B, H, K, D)``, returns
     ``c_j = sum_h c_{j,h}`` ``(B, R, Q, C)`` and, with ``heads``, the ``c_{j,h}`` ``(B, H, R, Q, C)`` (Flux: head
     ``h``'s own block of ``C``, ``(B, H, R, Q, D)``), else ``None``. With ``coordinates`` (and ``w_o``) ``C`` is in
-    :func:`orthonormal_coordinates` of the tokens' span: right for norms and dot products only.
+    :func:`orthonormal_coordinates` of the tokens' span: right for norms and dot products only. ``L`` layers at once:
+    ``weights`` ``(L * B, ...)``, ``values`` and ``w_o`` lists of ``L``, ``scale`` ``(L,)`` or a number.
     """
-    batch, n_heads, queries, keys = weights.shape
-    w = weights.reshape(batch, n_heads, queries, keys // tokens, tokens)  # (B, H, Q, R, T)
-    v = values.reshape(batch, n_heads, keys // tokens, tokens, values.shape[-1])  # (B, H, R, T, D)
+    values, w_o = [values] if torch.is_tensor(values) else values, [w_o] if torch.is_tensor(w_o) else w_o
+    batch, n_heads, queries, keys = values[0].shape[0], *weights.shape[1:]
+    w = weights.reshape(-1, n_heads, queries, keys // tokens, tokens)  # (L * B, H, Q, R, T)
     if w_o is None:
-        per_head = scale * torch.einsum("bhqrt,bhrtd->bhrqd", w, v)  # (B, H, R, Q, D)
-        return per_head.permute(0, 2, 3, 1, 4).flatten(-2), per_head if heads else None  # (B, R, Q, H * D)
+        v = values[0] if len(values) == 1 else torch.cat(values)
+        v = v.reshape(v.shape[0], n_heads, keys // tokens, tokens, v.shape[-1])  # (L * B, H, R, T, D)
+        per_head = torch.einsum("bhqrt,bhrtd->bhrqd", w, v)  # (L * B, H, R, Q, D)
+        per_head = _scaled(per_head.unflatten(0, (len(values), -1)), scale).flatten(0, 1)
+        return per_head.permute(0, 2, 3, 1, 4).flatten(-2), per_head if heads else None  # (L * B, R, Q, H * D)
     # each token's value through W_o first (s W_o[:, h] v_{h,i}: B * K * H vectors of C, few), then one product per
     # reference over its H * T (head, token) weights: Q * H * T * C multiply-adds per reference instead of
     # Q * (H * D) * C through W_o after mixing (T = 4 tokens against D = 40-160 channels in SD)
-    projected = scale * torch.einsum("bhrtd,chd->brhtc", v, w_o.reshape(w_o.shape[0], n_heads, -1))  # (B, R, H, T, C)
+    projected = [  # one product per layer, each its own W_o: (H, B * K, D) @ (H, D, C)
+        v.transpose(0, 1).flatten(1, 2) @ w_l.to(v.dtype).unflatten(1, (n_heads, -1)).permute(1, 2, 0)
+        for v, w_l in zip(values, w_o, strict=True)
+    ]
+    projected = torch.stack(projected) if len(projected) > 1 else projected[0][None]  # (L, H, B * K, C)
+    projected = _scaled(projected, scale).unflatten(2, (batch, keys // tokens, tokens))  # (L, H, B, R, T, C)
+    projected = projected.permute(0, 2, 3, 1, 4, 5)  # (L, B, R, H, T, C)
     if coordinates:
-        projected = orthonormal_coordinates(projected.flatten(1, 3)).unflatten(1, projected.shape[1:4])
-    per_head = torch.einsum("bhqrt,brhtc->bhrqc", w, projected) if heads else None  # (B, H, R, Q, C)
-    return torch.einsum("bhqrt,brhtc->brqc", w, projected), per_head  # (B, R, Q, C)
+        projected = orthonormal_coordinates(projected.flatten(2, 4)).unflatten(2, projected.shape[2:5])
+    projected = projected.flatten(0, 1)  # (L * B, R, H, T, C)
+    per_head = torch.einsum("bhqrt,brhtc->bhrqc", w, projected) if heads else None  # (L * B, H, R, Q, C)
+    return torch.einsum("bhqrt,brhtc->brqc", w, projected), per_head  # (L * B, R, Q, C)
+
+
+def _scaled(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """``x`` ``(L, ...)`` times a per-layer ``(L,)`` scale, or a number (``x`` itself at 1)."""
+    if torch.is_tensor(scale):
+        return x * scale.reshape(-1, *[1] * (x.dim() - 1))
+    return x if scale == 1 else x * scale
