@@ -29,14 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 #: Launches a probed step may add, as a share of the plain step's (SD 1.5 UNet, 16 x 16 latents, CFG), by mode and
 #: reference tokens: today's counts (docs/measured.md) with about 5 % of margin.
 BUDGETS = {
-    ("probe", 4): 0.39,  # 311 of 844 launches (0.37x; 411 before the attention was stacked with the frames in one
+    ("probe", 4): 0.39,  # 312 of 844 launches (0.37x; 411 before the attention was stacked with the frames in one
     # statistics pass, 476 before one reduction for every per-cell sum and the layout kept across steps; 706 before the
     # query frames of every layer size were joined, 2,401 before the stacked records and the one pass)
-    ("maps", 4): 0.75,  # 599 (0.71x; 699 before, 764 before that, 2,705 at first)
-    ("exact", 4): 0.39,  # 311 (0.37x; 411 before)
-    ("probe", 64): 0.45,  # 358 (0.42x; 483 before, 871 before the sampled and exact records shared one pass)
-    ("maps", 64): 0.82,  # 656 (0.78x; 781 before, 1,158 before that, 1,423 before that)
-    ("exact", 64): 0.39,  # 311 (0.37x; 411 before)
+    ("maps", 4): 0.75,  # 600 (0.71x; 699 before, 764 before that, 2,705 at first)
+    ("exact", 4): 0.39,  # 312 (0.37x; 411 before)
+    ("probe", 64): 0.45,  # 359 (0.43x; 483 before, 871 before the sampled and exact records shared one pass)
+    ("maps", 64): 0.82,  # 657 (0.78x; 781 before, 1,158 before that, 1,423 before that)
+    ("exact", 64): 0.39,  # 312 (0.37x; 411 before)
 }
 
 

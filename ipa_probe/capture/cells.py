@@ -473,13 +473,14 @@ def _count_lost_rows(stats: torch.Tensor, frame: torch.Tensor, keys: int) -> Non
     ``stats``: ``(groups, H, 2, S)`` the stored frame's estimates and errors; ``frame``: ``(2, groups, H, 2, S)`` the
     query frames'; ``keys``: the keys per row."""
     lost, rho, neff = (STAT_NAMES.index(name) for name in ("nonfinite", "spearman", "neff_nw"))
-    share = torch.maximum(stats[..., 0, lost], frame[..., 0, lost].amax(0), out=stats[..., 0, lost])
+    share = torch.maximum(stats[..., 0, lost], frame[..., 0, lost].amax(0))
     if keys > 1:
         # a query frame whose NW rows are all uniform (n_eff = K: a frame of one query, as in a 1 x 1 mid block) has
         # no rho by construction: undefined, not lost (1e-4: float32 rounding of a Kish sum of K equal weights)
         uniform = frame[..., 0, neff] >= keys * (1 - 1e-4)
         # lost where rho is NaN in the stored frame, or in a query frame not uniform (NaN > uniform: NaN & ~uniform)
         share.masked_fill_(stats[..., 0, rho].isnan() | (frame[..., 0, rho].isnan() > uniform).any(0), 1.0)
+    stats[..., 0, lost] = share  # (no `out=`: a strided view breaks a compiled graph)
 
 
 def frame_terms(
