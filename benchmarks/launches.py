@@ -14,8 +14,9 @@ the channel widths, so the wide models are narrowed to run on a CPU):
 A step's count is the difference of a 3-step and a 2-step call (the call's fixed cost cancels), with the probe's
 ``with`` block opened outside the counted call. Counted under the GPU's policy (``--cpu-policy`` for the CPU's): on a
 CPU the probe forms large records apart instead of stacked (``ipa_probe.capture.cells.JOIN_ELEMENTS_CPU``: a stack
-that leaves the cache costs CPU time) and each layer size's query frames apart (``JOIN_FRAMES_CPU``), on a GPU it
-stacks every record of a size and joins the sizes' query frames, which is what saves launches.
+that leaves the cache costs CPU time) and each layer size's query frames apart (``JOIN_FRAMES_CPU``), and ranks by
+tie groups (``ipa_probe.statistics.rows.RANK_SEARCH_CPU``), on a GPU it stacks every record of a size, joins the sizes'
+query frames and ranks by binary searches, which is what saves launches.
 
 Modes: the plain call, the probe (default rows), ``maps=True``, ``rows=None``, ``compile=True`` (counted with
 ``DispatchCount(compiled=True)``: the operations the compiled statistics still dispatch plus one launch per fused
@@ -95,11 +96,13 @@ def flux_pipeline(seed: int = 0):
 
 
 def gpu_policy() -> None:
-    """Join records as the probe does on a GPU (every record of a size stacked, every size's frames joined), on any
-    device."""
+    """Join records as the probe does on a GPU (every record of a size stacked, every size's frames joined) and rank
+    by binary searches, on any device."""
     from ipa_probe.capture import cells
+    from ipa_probe.statistics import rows
 
     cells.JOIN_ELEMENTS_CPU = cells.JOIN_FRAMES_CPU = 2**62
+    rows.RANK_SEARCH_CPU = True
 
 
 def build(arch: str, narrow: int = 1):

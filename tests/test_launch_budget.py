@@ -29,15 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 #: Launches a probed step may add, as a share of the plain step's (SD 1.5 UNet, 16 x 16 latents, CFG), by mode and
 #: reference tokens: today's counts (docs/measured.md) with about 5 % of margin.
 BUDGETS = {
-    ("probe", 4): 0.51,  # 411 of 844 launches (0.49x; 476 before one reduction for every per-cell sum and the layout
-    # kept across steps; 706 before the query frames of every layer size were joined, 2,401 before the stacked records
-    # and the one pass)
-    ("maps", 4): 0.57,  # 462 (0.55x; 699 before the maps were formed per stack of records, 764 and 1,010 before
-    # that, 2,705 at first)
-    ("exact", 4): 0.51,  # 411 (0.49x)
-    ("probe", 64): 0.60,  # 483 (0.57x; 871 before the sampled and exact records shared one statistics pass)
-    ("maps", 64): 0.66,  # 533 (0.63x; 770 before the maps were formed per stack of records, 1,158 and 1,423 before)
-    ("exact", 64): 0.51,  # 411 (0.49x)
+    ("probe", 4): 0.36,  # 288 of 844 launches (0.34x; 411 before the forming per stack and the stacked statistics
+    # pass, 476 before one reduction for every per-cell sum and the layout kept across steps; 706 before the query
+    # frames of every layer size were joined, 2,401 before the stacked records and the one pass)
+    ("maps", 4): 0.45,  # 363 (0.43x; 699 before, 764 and 1,010 before that, 2,705 at first)
+    ("exact", 4): 0.36,  # 288 (0.34x; 411 before)
+    ("probe", 64): 0.42,  # 335 (0.40x; 483 before, 871 before the sampled and exact records shared one pass)
+    ("maps", 64): 0.51,  # 412 at full width (0.49x; 781 before, 1,158 and 1,423 before that)
+    ("exact", 64): 0.36,  # 288 (0.34x; 411 before)
 }
 
 
@@ -85,10 +84,13 @@ def counts():
     out = {}
     with pytest.MonkeyPatch.context() as patch:
         from ipa_probe.capture import cells
+        from ipa_probe.statistics import rows
 
-        # the GPU's policy: every record of a size stacked, the query frames of every size in one pass
+        # the GPU's policy: every record of a size stacked, the query frames of every size in one pass, ranks by
+        # binary searches
         patch.setattr(cells, "JOIN_ELEMENTS_CPU", 2**62)
         patch.setattr(cells, "JOIN_FRAMES_CPU", 2**62)
+        patch.setattr(rows, "RANK_SEARCH_CPU", True)
         for tokens in (4, 64):
             rows = launches.table("sd15", tokens, ("plain", "probe", "maps", "exact"), pipe=pipe)
             out.update({(row["mode"], tokens): row for row in rows})

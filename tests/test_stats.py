@@ -8,6 +8,7 @@ import pytest
 import torch
 from scipy import stats as sps
 
+from ipa_probe.statistics import rows as rows_module
 from ipa_probe.statistics.agreement import compare_weights
 from ipa_probe.statistics.draws import shuffle_rows
 from ipa_probe.statistics.kernels import (
@@ -19,7 +20,7 @@ from ipa_probe.statistics.kernels import (
     nw_weights,
     softmax_keys,
 )
-from ipa_probe.statistics.rows import copy_groups, fit_bandwidth, rank, raveled_pearson, row_spearman
+from ipa_probe.statistics.rows import centred_ranks, copy_groups, fit_bandwidth, rank, raveled_pearson, row_spearman
 from ipa_probe.statistics.schema import STAT_NAMES
 
 
@@ -27,10 +28,20 @@ def _stat(s, name):
     return s[..., STAT_NAMES.index(name)]
 
 
-def test_rank_matches_scipy_with_ties():
+@pytest.mark.parametrize("search", [False, True])  # a CPU's tie groups, and the binary searches of other devices
+def test_rank_matches_scipy_with_ties(search, monkeypatch):
+    monkeypatch.setattr(rows_module, "RANK_SEARCH_CPU", search)
     x = torch.tensor([[3.0, 1.0, 1.0, 2.0, 5.0, 5.0, 5.0], [0.0, 0.0, 0.0, 0.0, 1.0, -1.0, 2.0]])
     for row in x:
         np.testing.assert_allclose(rank(row[None])[0].numpy(), sps.rankdata(row.numpy()))
+    x = torch.randint(0, 5, (3, 40, 9), generator=torch.Generator().manual_seed(0)).float()  # many ties
+    expected = np.apply_along_axis(sps.rankdata, -1, x.numpy())
+    np.testing.assert_array_equal(rank(x).numpy(), expected)
+    centred = centred_ranks(x, x > 0, (x > 0).sum(-1).float(), torch.float32)  # among the kept entries, centred
+    kept = np.where(x.numpy() > 0, x.numpy(), np.inf)
+    ranks = np.apply_along_axis(sps.rankdata, -1, kept)
+    n = (x.numpy() > 0).sum(-1, keepdims=True)
+    np.testing.assert_array_equal(centred.numpy(), np.where(x.numpy() > 0, ranks - (n + 1) / 2, 0.0))
 
 
 @pytest.mark.parametrize("k", [2, 4, 16, 257])

@@ -357,13 +357,13 @@ def compare_cells(
         joined: the records' :func:`join_cells`, when joined beforehand.
     """
     first, (attn, joined_frames, rest, scalars, exact) = records[0], joined or join_cells(records, cache)
-    flat, keys, sampled = first.key_mask is None, attn.shape[-1], rest[-2] is not None
+    flat, keys, sampled = first.key_mask is None, attn.shape[-1], rest[4] is not None
     if len(generators) < len(joined_frames):  # the other pool's null from a generator of its own
         generators = (*generators, torch.Generator(device=attn.device).manual_seed(0))
     frames = [(nw, term, d) for (nw, term), d in zip(joined_frames, generators, strict=False)]
     stats, frame, *other = compare_frames(attn, frames, *rest)
     if not sampled:  # exact: no sampling error
-        stats, frame = (torch.stack((x, torch.zeros_like(x)), dim=-2) for x in (stats, frame))
+        stats, frame = (torch.nn.functional.pad(x.unsqueeze(-2), (0, 0, 0, 1)) for x in (stats, frame))  # errors 0
     for x in (stats, frame, *other) if sampled and exact is not None else ():  # exact cells beside sampled: no error
         x[..., 1, :].masked_fill_(exact, 0.0)
     rho = STAT_NAMES.index("spearman")
@@ -374,26 +374,23 @@ def compare_cells(
     other_rho = other_rho.unsqueeze(-1)  # (cells, 1)
     _count_lost_rows(stats, frame, keys)
     # stats (cells, 2, S), frame (2, cells, 2, S): estimate and standard error (cells: (groups, H), or flat)
-    chosen = [STAT_NAMES.index(name) for name in QUERY_FRAME_STATS]
-    # (2, cells, 2, S) -> (cells, 2, 2 * C): per part (estimate, error) the exact form's statistics, then the
-    # Gaussian form's (the order of QUERY_FRAME_COLUMNS)
-    frame = frame[..., chosen].movedim(0, -2).flatten(-2)
+    # per part (estimate, error) the exact form's statistics, then the Gaussian form's (QUERY_FRAME_COLUMNS' order)
+    picked = [[frame[form, ..., part, run] for form in range(2) for run in _FRAME_RUNS] for part in range(2)]
     # the buffers keep each standard error squared, so that a mean over cells adds variances (report.run_table)
-    errors = torch.cat((stats[..., 1, :], frame[..., 1, :]), dim=-1)
-    parts = (
-        scalars[..., :1],
-        stats[..., 0, :],
-        scalars[..., 1:5],
-        frame[..., 0, :],
-        scalars[..., 5:],
-        errors * errors,
-        other_rho,
-    )
+    errors = torch.cat((stats[..., 1, :], *picked[1]), dim=-1)
+    parts = (scalars[..., :1], stats[..., 0, :], scalars[..., 1:5], *picked[0], scalars[..., 5:], errors * errors)
+    parts += (other_rho,)
     values = torch.cat(parts, dim=-1)  # (cells of every record, fields) in the order of CELL_FIELDS
     if not flat:
         return list(values.split([record.attn.shape[0] for record in records]))
     cells = [record.attn.shape[0] * record.attn.shape[1] for record in records]
     return [part.unflatten(0, r.attn.shape[:2]) for part, r in zip(values.split(cells), records, strict=True)]
+
+
+#: :data:`~ipa_probe.statistics.schema.QUERY_FRAME_STATS`' columns as runs (slices) of ``STAT_NAMES``' ones.
+_PICKED = [STAT_NAMES.index(name) for name in QUERY_FRAME_STATS]
+_STARTS, _ENDS = [i for i in _PICKED if i - 1 not in _PICKED], [i + 1 for i in _PICKED if i + 1 not in _PICKED]
+_FRAME_RUNS = [slice(i, j) for i, j in zip(_STARTS, _ENDS, strict=True)]
 
 
 def null_keys(joined: tuple, generators: tuple[torch.Generator, ...]) -> list[torch.Tensor]:
@@ -431,12 +428,20 @@ def join_cells(records: list[CellInputs], cache: dict | None = None) -> tuple:
             return torch.cat(parts, lead) if len(parts) > 1 else parts[0]
         return torch.cat(parts, axis)
 
-    frames = [(joined("nw"), joined("key_term")), (joined("frame_nw", 1), joined("frame_b", 1))]
+    names = ["attn", "nw", "frame_nw", "other_nw"][: 4 if first.other_nw is not None else 3]
+    stack = None
+    if flat:  # the attention and every frame's NW logits in one buffer (compare_frames' stack), rows side by side
+        stack = first.attn.new_empty(len(names) + 1, segments.ids.shape[0], first.attn.shape[-1])
+        for rows, record in zip(stack.split([r.attn.shape[:3].numel() for r in records], 1), records, strict=True):
+            for part, name in zip(rows.split([1, 1, 2, 1][: len(names)]), names, strict=True):
+                part.view(getattr(record, name).shape).copy_(getattr(record, name))
+    logits = [joined(name, int(name != "nw")) for name in names[1:]] if stack is None else [stack[1], stack[2:4]]
+    frames = [(logits[0], joined("key_term")), (logits[1], joined("frame_b", 1))]
     if first.other_nw is not None:
-        frames.append((joined("other_nw", 1), joined("other_b", 1)))
+        frames.append((logits[2] if stack is None else stack[4:], joined("other_b", 1)))
     scalars = joined("scalars") if not flat else torch.cat([r.scalars.flatten(0, 1) for r in records])
-    rest = (joined("key_mask"), joined("row_mask"), joined("copies"), first.tails, replicates, segments)
-    return joined("attn"), frames, rest, scalars, exact
+    rest = (joined("key_mask"), joined("row_mask"), joined("copies"), first.tails, replicates, segments, stack)
+    return joined("attn") if stack is None else stack[0], frames, rest, scalars, exact
 
 
 def _segments(records: list[CellInputs], replicates: int | None, cache: dict | None) -> tuple:
@@ -478,9 +483,9 @@ def _count_lost_rows(stats: torch.Tensor, frame: torch.Tensor, keys: int) -> Non
         # a query frame whose NW rows are all uniform (n_eff = K: a frame of one query, as in a 1 x 1 mid block) has
         # no rho by construction: undefined, not lost (1e-4: float32 rounding of a Kish sum of K equal weights)
         uniform = frame[..., 0, neff] >= keys * (1 - 1e-4)
-        unranked = stats[..., 0, rho].isnan() | (frame[..., 0, rho].isnan() & ~uniform).any(0)
-        share = torch.where(unranked, torch.ones_like(share), share)
-    stats[..., 0, lost] = share
+        # lost where rho is NaN in the stored frame, or in a query frame not uniform (NaN > uniform: NaN & ~uniform)
+        share.masked_fill_(stats[..., 0, rho].isnan() | (frame[..., 0, rho].isnan() > uniform).any(0), 1.0)
+    stats[..., 0, lost] = share  # (no `out=`: a strided view breaks a compiled graph)
 
 
 def frame_terms(

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from .draws import Draws, shuffle_rows
 from .kernels import n_eff
 from .nulls import null_tail, rho_baseline
-from .rows import Segments, _log_softmax, _masked_ranks, _row_pearson, _row_sd, raveled_pearson
+from .rows import Segments, _log_softmax, _row_pearson, _row_sd, centred_ranks, raveled_pearson
 from .schema import ROW_THRESHOLD, STAT_NAMES, rows_column
 
 __all__ = ["compare_frames", "compare_weights", "null_tail_table"]
@@ -108,8 +107,8 @@ def compare_weights(
         )
     if generator is None:
         generator = torch.Generator(device=attn_logits.device).manual_seed(0)
-    side = _attention_side(attn_logits, key_mask, key_groups)
-    return _frame_stats(side, nw_logits, generator, row_mask, key_term, null_tails)
+    logits = torch.stack((attn_logits, nw_logits))
+    return _frame_stats(logits, nw_logits.shape, generator, key_mask, row_mask, key_groups, key_term, null_tails)
 
 
 def compare_frames(
@@ -121,12 +120,12 @@ def compare_frames(
     null_tails: torch.Tensor | None = None,
     replicates: int | None = None,
     segments: Segments | None = None,
+    stack: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """:func:`compare_weights` of one attention against several NW weightings, its shared part computed once.
 
-    The attention's side of every statistic (its reordering for the key mask, log-softmax, ranks, arg-max, ``n_eff``,
-    its logits' spread and centred ranks) is computed once and broadcast against each frame's NW logits, so the
-    stored frame and both query frames cost one attention pass and one NW pass each. Each frame's result equals
+    The attention is stacked with the frames' NW logits, so every step of one side (the reordering for the key mask,
+    log-softmax, arg-max, ``n_eff``, ranks) runs once for the attention and all frames. Each frame's result equals
     :func:`compare_weights` of the same arguments (its own generator draws the same null).
 
     Args:
@@ -145,6 +144,8 @@ def compare_frames(
         segments: the rows of many cells flattened on one axis (``attn_logits`` ``(N, K)``, NW logits ``(*F, N, K)``,
             masks and key terms per row): each statistic is reduced per cell (:class:`~.rows.Segments`), so cells of
             any sizes go through one pass; without a key mask.
+        stack: ``attn_logits`` and every frame's NW logits stacked, ``(1 + sum F, ..., R, K)`` (they are its views),
+            or ``None`` to stack them here.
 
     Returns:
         per frame, ``(*F, ..., len(STAT_NAMES))`` float32; with ``replicates``, ``(*F, ..., 2, len(STAT_NAMES))``:
@@ -159,7 +160,6 @@ def compare_frames(
     for nw_logits, _, _ in frames:
         if nw_logits.shape[-attn_logits.dim() :] != attn_logits.shape:
             raise ValueError(f"expected NW logits of shape (..., {tuple(attn_logits.shape)}), got {nw_logits.shape}")
-    side = _attention_side(attn_logits, key_mask, key_groups)
     lead = [nw.shape[: nw.dim() - attn_logits.dim()] for nw, _, _ in frames]  # each frame's F
     per_key = attn_logits.shape[:-2] + (1, attn_logits.shape[-1])  # (..., 1, K)
     if all(t is not None and t.shape[-2] == 1 for _, t, _ in frames):
@@ -173,112 +173,23 @@ def compare_frames(
         # (sum F, ..., R, K). Every statistic is per row and reduced per cell, so each frame's values are those of
         # its own pass; each generator draws its own frames' nulls.
         sizes = [math.prod(f) for f in lead]
-        nw_all = torch.cat([nw.reshape(-1, *attn_logits.shape) for nw, _, _ in frames])
+        if stack is None:
+            stack = torch.cat([attn_logits[None], *(nw.reshape(-1, *attn_logits.shape) for nw, _, _ in frames)])
         terms = torch.cat(
             [t.expand(*f, *term_shape).reshape(-1, *term_shape) for (_, t, _), f in zip(frames, lead, strict=True)]
         )
         draws = [(g, n) for (_, _, g), n in zip(frames, sizes, strict=True)]
-        stats = _frame_stats(side, nw_all, draws, row_mask, terms, null_tails, replicates, segments)
+        shape = (sum(sizes), *attn_logits.shape)
+        rest = (key_mask, row_mask, key_groups, terms, null_tails, replicates, segments)
+        stats = _frame_stats(stack, shape, draws, *rest)
         return [part.reshape(*f, *part.shape[1:]) for part, f in zip(stats.split(sizes), lead, strict=True)]
     return [
-        _frame_stats(side, nw, generator, row_mask, key_term, null_tails, replicates, segments)
+        _frame_stats(
+            torch.cat((attn_logits[None], nw.reshape(-1, *attn_logits.shape))),
+            *(nw.shape, generator, key_mask, row_mask, key_groups, key_term, null_tails, replicates, segments),
+        )
         for nw, key_term, generator in frames
     ]
-
-
-@dataclass
-class _AttentionSide:
-    """What every NW frame shares: the attention's side of :func:`compare_weights`, keys reordered (kept first)."""
-
-    logits: torch.Tensor  # (..., R, K), masked keys -inf
-    log_a: torch.Tensor
-    a: torch.Tensor
-    finite: torch.Tensor  # (..., R)
-    top: torch.Tensor  # (..., R, 1) arg-max key (its copy group with key_groups)
-    neff: torch.Tensor  # (..., R)
-    ranks: torch.Tensor  # (..., R, K)
-    centred: torch.Tensor  # (..., R, K) ranks centred over the kept keys (0 elsewhere)
-    centred_sq: torch.Tensor  # (..., R) their sum of squares
-    sd: torch.Tensor  # (..., R) the logits' spread over the kept keys
-    a_dev: torch.Tensor | None  # (..., R, K) a - 1/K without a key mask (every row's mean), else None
-    a_dev_sq: torch.Tensor | None  # (..., R) its sum of squares
-    keys: torch.Tensor  # (..., R) kept keys
-    key_mask: torch.Tensor | None  # (..., R, K), a prefix
-    mask_float: torch.Tensor | None
-    order: torch.Tensor | None  # the key permutation applied (kept keys first)
-    key_groups: torch.Tensor | None  # original key_groups (in the caller's key order)
-    groups_ordered: torch.Tensor | None  # key_groups in the new order
-    dtype: torch.dtype
-
-
-def _attention_side(
-    attn_logits: torch.Tensor, key_mask: torch.Tensor | None, key_groups: torch.Tensor | None
-) -> _AttentionSide:
-    dtype = torch.promote_types(attn_logits.dtype, torch.float32)
-    attn_logits = attn_logits.to(dtype).contiguous()  # rows along memory (the probe's logits are key-major views)
-    attn_order = attn_logits  # what the ranks are taken on
-    if key_groups is not None:
-        key_groups = key_groups.expand(attn_logits.shape)
-        # Copies of one token are one key: both sides rank every copy on its group's first copy, so copies tie
-        # exactly. Their logits, equal in exact arithmetic, can differ in the last bits on one side only (a matmul's
-        # vector tail, another CPU's kernel), and an average rank on one side against split ranks on the other
-        # lowered rho by ~1e-3 with nothing changed but the machine.
-        attn_order = attn_logits.gather(-1, key_groups)
-    order, groups_ordered, mask_float = None, key_groups, None
-    if key_mask is not None:
-        key_mask = key_mask.to(torch.bool).expand(attn_logits.shape)
-        # One permutation for both weightings, kept keys first: every statistic is invariant to it, and the mask
-        # becomes a prefix, which the null's shuffle needs.
-        order = (~key_mask).to(torch.uint8).argsort(dim=-1, stable=True)
-        key_mask = key_mask.gather(-1, order)
-        attn_logits = attn_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
-        attn_order = attn_order.gather(-1, order)
-        groups_ordered = key_groups.gather(-1, order) if key_groups is not None else None
-        mask_float = key_mask.to(dtype)
-    log_a, finite = _log_softmax(attn_logits)  # (..., R, K), (..., R)
-    a = log_a.exp()
-    top = a.max(-1, keepdim=True).indices  # (..., R, 1): the first largest, as argmax (and faster on CPU)
-    if groups_ordered is not None:
-        top = groups_ordered.gather(-1, top)
-    ranks = _masked_ranks(attn_order, key_mask)
-    if key_mask is None:
-        keys = torch.full(ranks.shape[:-1], ranks.shape[-1], dtype=dtype, device=ranks.device)
-    else:
-        keys = key_mask.sum(-1).to(dtype)
-    centred = _centred(ranks, keys, mask_float)
-    sd = _row_sd(attn_logits if key_mask is None else torch.where(key_mask, attn_logits, 0.0), key_mask)
-    a_dev = a - 1.0 / a.shape[-1] if key_mask is None else None
-    a_dev_sq = (a_dev * a_dev).sum(-1) if a_dev is not None else None
-    return _AttentionSide(
-        logits=attn_logits,
-        log_a=log_a,
-        a=a,
-        finite=finite,
-        top=top,
-        neff=n_eff(a),
-        ranks=ranks,
-        centred=centred,
-        centred_sq=(centred * centred).sum(-1),
-        sd=sd,
-        a_dev=a_dev,
-        a_dev_sq=a_dev_sq,
-        keys=keys,
-        key_mask=key_mask,
-        mask_float=mask_float,
-        order=order,
-        key_groups=key_groups,
-        groups_ordered=groups_ordered,
-        dtype=dtype,
-    )
-
-
-def _centred(ranks: torch.Tensor, keys: torch.Tensor, mask_float: torch.Tensor | None) -> torch.Tensor:
-    """Ranks ``(..., R, K)`` (:func:`~.rows._masked_ranks`) centred over each row's ``keys`` kept keys, 0 at the
-    others. The kept keys' ranks are ``1..n`` with ties averaged, so their mean is ``(n + 1) / 2`` exactly: no pass
-    over them."""
-    if mask_float is None:
-        return ranks - (ranks.shape[-1] + 1) / 2
-    return (ranks - (keys.unsqueeze(-1) + 1) / 2) * mask_float
 
 
 #: Most keys for which sums of squared centred ranks are exact in float32 (:func:`_frame_stats`' rank agreement):
@@ -288,68 +199,80 @@ EXACT_RANK_SUMS = 128
 
 
 def _frame_stats(
-    side: _AttentionSide,
-    nw_logits: torch.Tensor,
+    logits: torch.Tensor,
+    shape: torch.Size,
     generator: Draws,
+    key_mask: torch.Tensor | None,
     row_mask: torch.Tensor | None,
+    key_groups: torch.Tensor | None,
     key_term: torch.Tensor | None,
     null_tails: torch.Tensor | None,
     replicates: int | None = None,
     segments: Segments | None = None,
 ) -> torch.Tensor:
-    """The statistics of :func:`compare_weights` of one NW weighting against the shared attention side (several
-    frames stacked on the leading dimension with per-block ``generator`` draws, see
-    :func:`~ipa_probe.statistics.draws.shuffle_rows`); per cell of ``segments`` where given."""
-    dtype, key_mask = side.dtype, side.key_mask
-    nw_logits = nw_logits.to(dtype)
-    shape = nw_logits.shape
-    n_keys = shape[-1]
-    nw_order = nw_logits
-    if side.key_groups is not None:
-        nw_order = nw_logits.gather(-1, side.key_groups.expand(shape))
+    """The statistics of :func:`compare_weights` of NW weightings of ``shape`` ``(*F, ..., R, K)`` (several frames
+    stacked on the leading dimension with per-block ``generator`` draws, see :func:`~.draws.shuffle_rows`) against
+    one attention, both in ``logits`` ``(1 + prod(F), ..., R, K)``, the attention first: every step of one side runs
+    once on the stack; per cell of ``segments`` where given."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logits, n_keys = logits.to(dtype), shape[-1]
+    order_by = logits if key_groups is None else logits.gather(-1, key_groups.expand(logits.shape))
+    # Copies of one token are one key: both sides rank every copy on its group's first copy, so copies tie exactly.
+    # Their logits, equal in exact arithmetic, can differ in the last bits on one side only (a matmul's vector tail,
+    # another CPU's kernel), and an average rank on one side against split ranks on the other lowered rho by ~1e-3.
+    groups, keys = key_groups, n_keys  # keys kept per row: a number without a key mask
     if key_term is not None:
         key_term = key_term.to(dtype)
     if key_mask is not None:
-        order = side.order.expand(shape)
-        nw_logits = nw_logits.gather(-1, order).masked_fill(~key_mask, -math.inf)
-        nw_order = nw_order.gather(-1, order)
-        key_term = key_term.expand(shape).gather(-1, order) if key_term is not None else None
-    log_w, finite_w = _log_softmax(nw_logits)
-    w = log_w.exp()  # not finite in rows left out of everything (valid), whose values every reduction masks
-    finite = side.finite & finite_w  # (*F, ..., R)
-    valid = finite if row_mask is None else finite & row_mask
-    a = side.a
-    kl_rows = torch.where(a > 0, a * (side.log_a - log_w), 0.0).sum(-1)
-    top_w = w.max(-1, keepdim=True).indices
-    if side.groups_ordered is not None:
-        top_w = side.groups_ordered.expand(shape).gather(-1, top_w)
-    top1_rows = (side.top == top_w).squeeze(-1).to(dtype)  # NaN (undefined) below where either row is all tied
-    # Ranks are taken on the logits: the same order as the weights, without the ties that underflow makes. Each side
-    # is ranked once: the null shuffles the NW ranks (ranking is permutation-equivariant).
-    nw_ranks = _masked_ranks(nw_order, key_mask)
-    centred = _centred(nw_ranks, side.keys, side.mask_float)
-    cross, nw_sq = (side.centred * centred).sum(-1), (centred * centred).sum(-1)  # (*F, ..., R)
-    rho_rows = cross / (side.centred_sq * nw_sq).sqrt()
+        key_mask = key_mask.to(torch.bool).expand(logits.shape[1:])
+        # One permutation for both weightings, kept keys first: every statistic is invariant to it, and the mask
+        # becomes a prefix, which the null's shuffle needs.
+        order = (~key_mask).to(torch.uint8).argsort(dim=-1, stable=True)
+        key_mask = key_mask.gather(-1, order)
+        logits = logits.gather(-1, order.expand(logits.shape)).masked_fill(~key_mask, -math.inf)
+        order_by = order_by.gather(-1, order.expand(logits.shape))
+        groups = key_groups.expand(order.shape).gather(-1, order) if key_groups is not None else None
+        key_term = key_term.expand(shape).gather(-1, order.expand(shape)) if key_term is not None else None
+        keys = key_mask.sum(-1).to(dtype)
+    log_p, finite = _log_softmax(logits)  # (1 + F, ..., R, K), (1 + F, ..., R)
+    p = log_p.exp()  # not finite in rows left out of everything (valid), whose values every reduction masks
+    top = p.max(-1, keepdim=True).indices  # the first largest, as argmax (and faster on CPU)
+    if groups is not None:
+        top = groups.expand(logits.shape).gather(-1, top)
+    # Ranks are taken on the logits: the same order as the weights, without the ties that underflow makes.
+    centred = centred_ranks(order_by, key_mask, keys if key_mask is not None else None, dtype)
+    centred_sq = (centred * centred).sum(-1)
+
+    def nw(x: torch.Tensor) -> torch.Tensor:  # the NW weightings' part of a stacked tensor, (*F, ..., R[, K])
+        return x[1:].reshape(*shape[: len(shape) + 1 - logits.dim()], *x.shape[1:])
+
+    a, log_a, c_a, sq_a = p[0], log_p[0], centred[0], centred_sq[0]
+    w, c_w, sq_w = nw(p), nw(centred), nw(centred_sq)
+    valid = finite[0] & nw(finite)  # (*F, ..., R)
+    valid = valid if row_mask is None else valid & row_mask
+    kl_rows = (a * (log_a - nw(log_p))).masked_fill_(a <= 0, 0.0).sum(-1)
     # The null shuffles the centred ranks: a row's kept ranks keep their mean and sum of squares under a permutation
     # (exactly: half-integers), so centring after the shuffle would give the same values.
-    null_cross = (side.centred * shuffle_rows(centred, generator, key_mask)).sum(-1)
-    null_rows = null_cross / (side.centred_sq * nw_sq).sqrt()
-    ranked = valid & ~rho_rows.isnan()  # rows with a rank correlation
+    cross = (c_a * torch.stack((c_w, shuffle_rows(c_w, generator, key_mask)))).sum(-1)  # (2, *F, ..., R)
+    (rho_rows, null_rows), cross = cross / (sq_a * sq_w).sqrt(), cross[0]
+    ranked = valid & (rho_rows == rho_rows)  # rows with a rank correlation
     # an arg-max of an all-tied row (a query frame of one query, constant logits) is a tie-break, not a choice: the
     # row's top1 is undefined (NaN, left out of the mean, as rho is)
-    top1_rows = torch.where(rho_rows.isnan(), math.nan, top1_rows)
+    top1_rows = (top[0] == nw(top)).squeeze(-1) + rho_rows * 0
     if key_term is not None:
-        # the key term's spread; a term the same in every row (the probe's: (..., 1, K)) is measured once
+        # the key term's spread; a term the same in every row (the probe's: (..., 1, K)) is measured once, one per
+        # row with the attention logits' (one stack)
         if key_mask is not None or key_term.shape[-2] != 1:
-            key_term = key_term.expand(shape)
-        gauge = side.sd / _row_sd(key_term, key_mask)
+            sd = _row_sd(torch.cat((logits[:1], key_term.expand(shape).reshape(-1, *logits.shape[1:]))), key_mask)
+            gauge = sd[0] / nw(sd)
+        else:
+            gauge = _row_sd(logits[0], key_mask) / _row_sd(key_term, key_mask)
     else:
-        gauge = _gauge_rows(side.logits, nw_logits, key_mask, None)
-    keys = side.keys
-    baseline_rows = rho_baseline(gauge, keys if key_mask is not None else n_keys)  # K a number without a key mask
+        gauge = _gauge_rows(logits[0], nw(logits), key_mask, None)
+    baseline_rows = rho_baseline(gauge, keys)
     if key_mask is None:
-        chance_rows = torch.full_like(keys, null_tail(n_keys))
-        inverse_factorial = torch.full_like(keys, math.exp(-math.lgamma(n_keys + 1)))
+        chance_rows = torch.full_like(sq_a, null_tail(n_keys))
+        inverse_factorial = torch.full_like(sq_a, math.exp(-math.lgamma(n_keys + 1)))
     else:
         table = null_tails if null_tails is not None else null_tail_table(n_keys, keys.device)
         chance_rows = table.to(dtype)[key_mask.sum(-1)]
@@ -357,95 +280,71 @@ def _frame_stats(
     if n_keys <= EXACT_RANK_SUMS or dtype == torch.float64:
         # |c_a -+ c_w|^2 = |c_a|^2 + |c_w|^2 -+ 2 c_a.c_w over the centred ranks, exact (see EXACT_RANK_SUMS): 0 iff
         # the kept keys' ranks agree (same) or are reversed
-        sq, twice = side.centred_sq + nw_sq, 2 * cross
-        same, reversed_ = (sq == twice).to(dtype), (sq == -twice).to(dtype)
-    else:
-        ranks = side.ranks
-        if key_mask is None:
-            same = (ranks == nw_ranks).all(-1).to(dtype)
-            reversed_ = (ranks == keys.unsqueeze(-1) + 1 - nw_ranks).all(-1).to(dtype)
-        else:
-            same = ((ranks == nw_ranks) | ~key_mask).all(-1).to(dtype)
-            reversed_ = ((ranks == keys.unsqueeze(-1) + 1 - nw_ranks) | ~key_mask).all(-1).to(dtype)
-    raveled = a_full = entries = None  # the one form each branch below fills (set either way: closures read them)
+        sq, twice = sq_a + sq_w, 2 * cross
+        same, reversed_ = sq == twice, sq == -twice
+    else:  # centred ranks (0 at left-out keys) equal or opposite at every key
+        same, reversed_ = (c_a == c_w).all(-1), (c_a == -c_w).all(-1)
+    raveled, a_full, entries = [], None, None  # the one form each branch below fills (closures read them)
     if key_mask is None:
         # Pearson over a cell's R * K entries from per-row sums: without a key mask every row's weights sum to 1, so
         # the entries' mean is 1/K on both sides and the centred cross products and squares add up row by row
-        dw = w - 1.0 / n_keys
-        dw_sq = (dw * dw).sum(-1)
-        raveled = torch.stack([(side.a_dev * dw).sum(-1), side.a_dev_sq.expand(valid.shape), dw_sq])
-        neff_w = 1.0 / (dw_sq + 1.0 / n_keys)  # sum_i w_i^2 = sum_i (w_i - 1/K)^2 + 1/K: no cancellation
+        deviation = p - 1.0 / n_keys
+        deviation_sq = (deviation * deviation).sum(-1)
+        raveled = [(deviation[0] * nw(deviation)).sum(-1), deviation_sq[0], nw(deviation_sq)]
+        neff = 1.0 / (deviation_sq + 1.0 / n_keys)  # sum_i w_i^2 = sum_i (w_i - 1/K)^2 + 1/K: no cancellation
     else:
         a_full, entries = a.expand(shape), valid.unsqueeze(-1) & key_mask
-        neff_w = n_eff(w)
-    row_mask_full = row_mask.expand(valid.shape) if row_mask is not None else None
-    # the per-row values averaged over the valid rows, and those averaged over the ranked rows, each stacked once on
-    # a leading axis (S, *F, ..., R): one masked mean for each stack instead of one per statistic
-    over_valid = torch.stack(
-        [x.expand(valid.shape) for x in (rho_rows, null_rows, kl_rows, top1_rows, side.neff, neff_w)]
-    )
-    over_ranked = torch.stack(
-        [
-            x.expand(valid.shape)
-            for x in (
-                baseline_rows,
-                rho_rows - baseline_rows,
-                (rho_rows > ROW_THRESHOLD + ROW_TIE).to(dtype),
-                chance_rows,
-                same,
-                reversed_,
-                inverse_factorial,
-            )
-        ]
-    )
-    gauge_full = gauge.expand(valid.shape)
-    varies_a, varies_w = (side.centred_sq > 0).expand(valid.shape), (nw_sq > 0).expand(valid.shape)  # rank spread
+        neff = n_eff(p)
+    rows = row_mask.expand(valid.shape) if row_mask is not None else torch.ones_like(valid)
+    varies = centred_sq > 0  # the rows whose ranks vary, on each side
+    # Every per-row value stacked on a leading axis (S, *F, ..., R), each with the rows it is averaged over: the
+    # valid rows, the ranked ones (rho defined; the gauge where it is finite, + 0 * gauge making it NaN elsewhere),
+    # then the counts of rows whose ranks vary on each side, of valid, ranked and compared rows, and the raveled
+    # Pearson's per-row sums. Non-NaN values only, so that one masked sum gives every mean.
+    per_row = (rho_rows, null_rows, kl_rows, top1_rows, neff[0], nw(neff))  # over the valid rows
+    per_row += (baseline_rows, rho_rows - baseline_rows, rho_rows > ROW_THRESHOLD + ROW_TIE, chance_rows)
+    per_row += (same, reversed_, inverse_factorial, gauge + gauge * 0, varies[0], nw(varies), valid, ranked, rows)
+    values = torch.stack([x.expand(valid.shape) for x in (*per_row, *raveled)])  # bools as 0 / 1
+    over_rows = (valid,) * 6 + (ranked,) * 8 + (valid,) * 3 + (ranked, rows) + (valid,) * len(raveled)
+    masks = (values == values) & torch.stack(over_rows)
 
-    def reduce(split, total) -> torch.Tensor:
+    def reduce(split, total) -> tuple[torch.Tensor, torch.Tensor]:
         """The statistics from per-row values: ``split`` lays the rows out for ``total``, which sums over a cell's rows
-        (the last axis, its replicate groups', or each segment's), every sum stacked in one; ``keyed``: rows on -2."""
-        v, rk, g = split(valid), split(ranked), split(gauge_full).unsqueeze(0)
-        means = (split(over_valid), split(over_ranked), g)  # rho, null, kl, top1, neff_attn, neff_nw; rho_baseline ...
-        masks = (v & ~means[0].isnan(), rk & ~means[1].isnan(), rk & g.isfinite())
-        rows = split(row_mask_full) if row_mask is not None else torch.ones_like(v)
-        flags = (*masks, *((v & split(x)).unsqueeze(0) for x in (varies_a, varies_w)), rows[None], v[None])
-        summands = [torch.where(m, x, 0.0) for m, x in zip(masks, means, strict=True)]
-        summands += [torch.where(v, split(raveled), 0.0)] if key_mask is None else []
-        summands.append(torch.cat(flags).to(dtype))
-        sizes = [x.shape[0] for x in summands[:-1]] + [x.shape[0] for x in flags]
-        sums = total(torch.cat(summands)).split(sizes)  # (S, *F, ..., cells) each
-        by_valid, by_ranked, gauge_mean = ((x / n).movedim(0, -1) for x, n in zip(sums[:3], sums[-7:-4], strict=True))
-        if key_mask is None:  # from the rows' cross products and squares (sums[3])
-            pearson = sums[3][0] / (sums[3][1] * sums[3][2]).sqrt()
+        (the last axis, its replicate groups', or each segment's), every sum in one; ``keyed``: rows on -2. And the
+        counts of valid, ranked and compared rows."""
+        m = split(masks)
+        sums = total(torch.cat((torch.where(m, split(values), 0.0), m)))  # (2 S, *F, ..., cells)
+        means = sums[:14] / sums[len(over_rows) : len(over_rows) + 14]
+        if key_mask is None:  # from the rows' cross products and squares
+            pearson = sums[19] / (sums[20] * sums[21]).sqrt()
         else:
             pearson = raveled_pearson(split(a_full, True), split(w, True), split(entries, True))
         # a side without variation over the cell's rows (every NW row uniform, as in a query frame of one query) has
         # no correlation: NaN, not the float noise of 1/K - softmax(0)
-        pearson = torch.where(sums[-4][0] * sums[-3][0] > 0, pearson, math.nan)
-        nonfinite = 1.0 - sums[-1][0] / sums[-2][0]  # rows valid over rows
-        parts = (by_valid[..., :2], pearson, by_valid[..., 2:], nonfinite, gauge_mean[..., 0], by_ranked)
-        return torch.cat([x if x.dim() == by_valid.dim() else x.unsqueeze(-1).to(dtype) for x in parts], -1).float()
+        pearson = pearson.masked_fill(sums[14] * sums[15] == 0, math.nan)
+        nonfinite = 1.0 - sums[16] / sums[18]  # rows valid over rows
+        parts = (means[:2], pearson[None], means[2:6], nonfinite[None], means[13:], means[6:13])
+        return torch.cat(parts).movedim(0, -1).float(), sums[16:19]
 
     total = (lambda x: x.sum(-1)) if segments is None else segments.sum
-    stats = reduce(lambda x, keyed=False: x, total)
+    stats, counts = reduce(lambda x, keyed=False: x, total)
     if replicates is None:
         return stats
 
-    def groups(x: torch.Tensor, keyed: bool = False) -> torch.Tensor:
+    def groups_of(x: torch.Tensor, keyed: bool = False) -> torch.Tensor:
         # (..., R[, K]) -> (..., G, R / G[, K]): row j to group j mod G
         axis = -2 if keyed else -1
         x = x.unflatten(axis, (x.shape[axis] // replicates, replicates))
         return x.transpose(axis - 1, axis)
 
     if segments is None:
-        per_group = reduce(groups, lambda x: x.sum(-1))  # (*F, ..., G, S)
+        per_group = reduce(groups_of, lambda x: x.sum(-1))[0]  # (*F, ..., G, S)
     else:  # (*F, cells * G, S) -> (*F, cells, G, S)
-        per_group = reduce(lambda x, keyed=False: x, segments.sum_replicates).unflatten(-2, (-1, replicates))
+        per_group = reduce(lambda x, keyed=False: x, segments.sum_replicates)[0].unflatten(-2, (-1, replicates))
     se = per_group.std(-2, correction=1) / math.sqrt(replicates)
     # A share of rows (top1, nonfinite, the rows' rho shares) whose event no group saw (or every group saw) has a
     # random-groups error of 0; its error is at least the binomial one at p = (hits + 1/2) / (n + 1), which is never 0.
-    rows = row_mask_full if row_mask is not None else torch.ones_like(valid)
-    counts = dict(zip(("valid", "ranked", "rows"), total(torch.stack((valid, ranked, rows)).to(dtype)), strict=True))
+    counts = dict(zip(("valid", "ranked", "rows"), counts, strict=True))
     n = torch.stack([counts[over] for over in _SHARES.values()], -1)  # (*F, ..., cells, shares)
     p = (torch.stack([stats[..., STAT_NAMES.index(name)] for name in _SHARES], -1) * n + 0.5) / (n + 1)
     floor = torch.sqrt(p * (1 - p) / n.clamp(min=1)).float().unbind(-1)

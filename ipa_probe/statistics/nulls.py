@@ -155,6 +155,8 @@ def rho_baseline(ratio: torch.Tensor, keys: torch.Tensor | int) -> torch.Tensor:
     broadcastable to it; the result in ``ratio``'s floating dtype.
     """
     ratio = ratio if ratio.is_floating_point() else ratio.float()
-    c = torch.sign(ratio) / torch.sqrt(1 + 1 / (ratio * ratio))  # r / sqrt(1 + r^2), finite for r = inf
-    keys = keys.to(ratio.dtype) if isinstance(keys, torch.Tensor) else keys
+    c = torch.sign(ratio) * (1 + ratio.pow(-2)).rsqrt()  # r / sqrt(1 + r^2), finite for r = inf
+    if not isinstance(keys, torch.Tensor):  # asin(c) + (K - 2) asin(c / 2) in one add
+        return torch.add(torch.asin(c), torch.asin(c / 2), alpha=keys - 2) * (6 / (math.pi * (keys + 1)))
+    keys = keys.to(ratio.dtype)
     return 6 / (math.pi * (keys + 1)) * (torch.asin(c) + (keys - 2) * torch.asin(c / 2))

@@ -30,14 +30,38 @@ def rank(x: torch.Tensor) -> torch.Tensor:
         ranks in ``x``'s floating dtype (float32 for integer input), shape ``(..., K)``.
     """
     dtype = x.dtype if x.is_floating_point() else torch.float32
+    return (_bound_sums(x) + 1).to(dtype) / 2
+
+
+#: Whether ranks on a CPU come from two binary searches in the sorted rows, as on other devices (4 launches), instead
+#: of from the sorted rows' tie groups (12 launches): on a CPU the searches took 2-3x the CPU time of the groups.
+#: ``benchmarks/launches.py`` counts the searches (a GPU's way).
+RANK_SEARCH_CPU = False
+
+
+def _bound_sums(x: torch.Tensor) -> torch.Tensor:
+    """Per entry of ``x`` ``(..., K)``, ``low + high`` (int64): how many entries of its row are below it plus how many
+    are not above it; its tie group holds the places ``low + 1 .. high``, its average rank ``(low + high + 1) / 2``."""
+    if x.device.type != "cpu" or RANK_SEARCH_CPU:
+        x = x.contiguous()
+        sorted_x = x.sort(dim=-1).values
+        return torch.searchsorted(sorted_x, x) + torch.searchsorted(sorted_x, x, right=True)
     sorted_x, order = x.sort(dim=-1)
-    places = torch.arange(1, x.shape[-1] + 1, device=x.device, dtype=dtype).expand(sorted_x.shape)
-    starts = torch.ones_like(sorted_x, dtype=torch.bool)
-    starts[..., 1:] = sorted_x[..., 1:] != sorted_x[..., :-1]
-    group = starts.cumsum(-1) - 1  # (..., K) index of each sorted value's tie group within its row
-    total, count = (torch.zeros_like(places).scatter_add_(-1, group, v) for v in (places, torch.ones_like(places)))
-    average = total.gather(-1, group) / count.gather(-1, group)
-    return torch.empty_like(average).scatter_(-1, order, average)
+    group = torch.nn.functional.pad(sorted_x[..., 1:] != sorted_x[..., :-1], (1, 0), value=True).cumsum(-1)  # 1, 2..
+    count = group.new_zeros(*x.shape[:-1], x.shape[-1] + 1).scatter_add_(-1, group, torch.ones_like(group))
+    end = count.cumsum(-1)  # each tie group's last place: high; low = high - count
+    sums = (2 * end - count).gather(-1, group)
+    return torch.empty_like(sums).scatter_(-1, order, sums)  # back to the row's order
+
+
+def centred_ranks(x: torch.Tensor, mask: torch.Tensor | None, keys: torch.Tensor | None, dtype) -> torch.Tensor:
+    """:func:`rank` of each row of ``x`` ``(..., K)`` among its kept entries (``mask``, kept first or anywhere),
+    centred over them (their mean ``(n + 1) / 2``, ``n = keys`` ``(...)`` kept entries), 0 at the others; exact
+    (half-integers). Without a mask every entry is kept."""
+    sums = _bound_sums(x if mask is None else torch.where(mask, x, math.inf))
+    if mask is None:
+        return ((sums - x.shape[-1]) * 0.5).to(dtype)  # (low + high + 1) / 2 - (K + 1) / 2
+    return (sums - keys.unsqueeze(-1)).mul_(0.5).mul_(mask)
 
 
 def _row_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,7 +122,7 @@ def _log_softmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     row of ``-inf`` makes it ``-inf``; ``-inf`` beside a finite logit is a weight of 0), which the row's sum already
     holds."""
     lse = x.logsumexp(-1, keepdim=True)
-    return x - lse, lse.squeeze(-1).isfinite()
+    return x - lse, finite_rows(lse)
 
 
 @dataclass(frozen=True)
