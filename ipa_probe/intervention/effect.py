@@ -95,10 +95,11 @@ def decode_latents(pipe, latents: torch.Tensor, height: int | None = None) -> np
     """Decode final latents ``(N, C, h, w)`` (Flux: packed, of a ``height``-pixel image, square unless given) as the
     pipeline does for ``output_type="np"`` with its ``vae`` and ``image_processor``: ``(N, H, W, 3)`` in ``[0, 1]``."""
     vae = pipe.vae
-    if latents.ndim == 3:  # Flux's packing (2 x 2 patches) undone by its pipeline's own method
-        height = height or 2 * pipe.vae_scale_factor * math.isqrt(latents.shape[1])
-        width = latents.shape[1] * (2 * pipe.vae_scale_factor) ** 2 // height
-        latents = type(pipe)._unpack_latents(latents.contiguous(), height, width, pipe.vae_scale_factor)
+    if latents.ndim == 3:  # Flux's packing undone: (N, rows, columns, C, s, s) -> (N, C, rows s, columns s)
+        side = math.isqrt(latents.shape[-1] // vae.config.latent_channels)
+        rows = height // (pipe.vae_scale_factor * side) if height else math.isqrt(latents.shape[1])
+        latents = latents.unflatten(-1, (-1, side, side)).unflatten(1, (rows, -1)).permute(0, 3, 1, 4, 2, 5)
+        latents = latents.flatten(4, 5).flatten(2, 3)
     z = latents.to(device=vae.device, dtype=vae.dtype) / vae.config.scaling_factor
     z = z + (getattr(vae.config, "shift_factor", None) or 0)  # SD3, Flux
     decoded = vae.decode(z, return_dict=False)[0]
