@@ -28,7 +28,7 @@ from ipa_probe.attribution.analysis import (
     simultaneous_band,
 )
 from ipa_probe.experiments.matched_control import _pool_summary
-from ipa_probe.intervention.grid import _t_interval
+from ipa_probe.intervention.grid import t_interval
 from ipa_probe.sweep.aggregation import bootstrap_ci
 from ipa_probe.tiny.digits.following import interval as seed_interval
 
@@ -114,9 +114,9 @@ def student_rates(rng, p: float, seeds: int = 5, reps: int = 2000) -> np.ndarray
 
 
 def student_rms(rng, seeds: int, reps: int = 2000) -> np.ndarray:
-    """``grid._t_interval`` (Student's t over seeds: the 2 + 2 example's RMS changes) of a lognormal mean."""
+    """``grid.t_interval`` (Student's t over seeds: the 2 + 2 example's RMS changes) of a lognormal mean."""
     truth = math.exp(0.5**2 / 2)
-    bounds = np.array([_t_interval(row)[1:] for row in rng.lognormal(0.0, 0.5, (reps, seeds))])
+    bounds = np.array([t_interval(row)[1:] for row in rng.lognormal(0.0, 0.5, (reps, seeds))])
     return (bounds[:, 0] <= truth) & (truth <= bounds[:, 1])
 
 

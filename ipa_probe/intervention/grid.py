@@ -31,7 +31,7 @@ from .effect import Classifier, Generation, _check_baseline, _rms, call_digest, 
 from .hooks import intervene
 from .points import hook_point_layers
 
-__all__ = ["GRID_COLUMNS", "LAYER_GROUPS", "ablation_grid", "step_ranges", "summarize_grid"]
+__all__ = ["GRID_COLUMNS", "LAYER_GROUPS", "ablation_grid", "step_ranges", "summarize_grid", "t_interval"]
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +303,7 @@ def _batched_cells(pipe, cells: list, seed: int, batch: int, adapter: int, call:
     return out
 
 
-def _t_interval(values: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
+def t_interval(values: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
     """Mean and Student's t interval of ``values`` at ``level`` (NaN bounds for one value)."""
     from scipy import stats
 
@@ -329,7 +329,7 @@ def summarize_grid(grid: pd.DataFrame, columns: Sequence[str] | None = None) -> 
     for key, part in grid.groupby(keys, sort=False):
         row = dict(zip(keys, key, strict=True)) | {"seeds": int(part["seed"].nunique())}
         for column in columns:
-            mean, low, high = _t_interval(part[column].to_numpy(np.float64))
+            mean, low, high = t_interval(part[column].to_numpy(np.float64))
             row.update({column: mean, f"{column}_low": low, f"{column}_high": high})
         rows.append(row)
     return pd.DataFrame(rows)

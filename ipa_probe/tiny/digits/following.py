@@ -33,10 +33,10 @@ def interval(
 
     ``bounds``: the range the quantity lives in (a rate: ``(0, 1)``); the interval is cut to it.
     """
-    from ...intervention.grid import _t_interval
+    from ...intervention.grid import t_interval
 
     x = np.asarray(values, dtype=float)
-    mean, low, high = _t_interval(x, level)  # NaN bounds for one value, left NaN by the cut
+    mean, low, high = t_interval(x, level)  # NaN bounds for one value, left NaN by the cut
     if bounds is not None:
         low, high = max(low, bounds[0]), min(high, bounds[1])
     return {"mean": mean, "low": low, "high": high, "n": len(x), "values": x.tolist()}
