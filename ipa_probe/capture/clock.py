@@ -17,7 +17,7 @@ The evidence is what the pass itself shows, never a pipeline's local variables:
 A pipeline that restores its scheduler's state between passes of one step (``StableDiffusionPanoramaPipeline``
 deep-copies it per view) shows none of these: its views repeat the step's timestep and step index in one frame.
 
-The planned number of steps is the running pipeline's own ``_num_timesteps`` where the pipeline sets it, else its
+The planned number of steps is the running pipeline's own ``num_timesteps`` where the pipeline sets it, else its
 scheduler's ``timesteps`` past ``begin_index``.
 
 Nothing here synchronises with the device: frames, pipelines and tensors are compared by identity, and a timestep's
@@ -125,9 +125,9 @@ class CallClock:
         return self._step_index is not None and (index is None or index < self._step_index)
 
     def planned_steps(self) -> int | None:
-        """How many steps the running call's loop has, or ``None`` when unknown: the pipeline's ``_num_timesteps``
+        """How many steps the running call's loop has, or ``None`` when unknown: the pipeline's ``num_timesteps``
         where it sets one (inside its call), else its scheduler's ``timesteps`` past ``begin_index``."""
-        planned = getattr(self.running, "_num_timesteps", None) if self._frame is not None else None
+        planned = getattr(self.running, "num_timesteps", None) if self._frame is not None else None
         if isinstance(planned, int) and not isinstance(planned, bool):
             return planned
         scheduler = getattr(self.running, "scheduler", None)
