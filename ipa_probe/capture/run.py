@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from diffusers.utils.torch_utils import is_compiled_module
 
 from .._checks import check_steps_ran
 from ..layers import (
@@ -99,10 +100,8 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         self.pipe = pipe
         self.config = config
         denoiser = denoiser_of(pipe)
-        # A torch.compile'd denoiser wraps the model as `_orig_mod`: read the model itself, so that layer ids stay
-        # diffusers' ids and the hooks sit on the modules the compiled code calls.
-        self.layers: list[IPLayer] = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser), config.layers)
-        self.compiled = hasattr(denoiser, "_orig_mod") or getattr(denoiser, "_compiled_call_impl", None) is not None
+        self.layers: list[IPLayer] = find_ip_layers(denoiser, config.layers)
+        self.compiled = is_compiled_module(denoiser)
         self.tap: Tap = tap_for(pipe, self.layers)
         if config.kind != "image" and not self.tap.supports_text:
             raise ValueError(
