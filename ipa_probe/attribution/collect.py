@@ -240,7 +240,7 @@ def reference_attribution(
         sample = next((x for stamp, (_, x) in zip(stamps, passes, strict=True) if stamp == timesteps[step]), None)
         if sample is None:
             raise ValueError(f"no denoiser pass had the timestep {timesteps[step]} of step {step}")
-        samples[step] = sample[run.map_rows(0, step, "cond", adapter)[0]].double().flatten().cpu()  # (D,)
+        samples[step] = sample[run.map_items(0, step, "cond", adapter)[0]].double().flatten().cpu()  # (D,)
     names, nan = [layer.name for layer in run.layers], torch.tensor(math.nan, dtype=torch.float64)
     contributions = run.contributions(0, 0, adapter, "cond")
     rows, cells = [], {"positions": [], "heads": [], "head_positions": []}
