@@ -245,7 +245,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         state.layout = self.evidence.layout(context, sample.device, denoiser_pass.label)
         state.text_mask = tap.text_mask(state.layout, context) if self.text_slot is not None else None
         state.in_pass, state.records = True, 0
-        self._capture.recording = denoiser_pass.record and self.config.records_step(state.step)
+        self._capture.recording = denoiser_pass.record and self.config.records_step(state.step, spine.now.timestep)
         self.evidence.pass_seen()
         if self._maps is not None:
             self._maps.on_pass(args, kwargs, spine.now.masks)
@@ -483,7 +483,7 @@ def probe(
     bandwidth: BandwidthSpec = "matched",
     *,
     layers: LayerSelection = None,
-    steps: Iterable[int] | slice | None = None,
+    steps: Iterable[int] | slice | Callable[[int, float | None], bool] | None = None,
     heads: Sequence[int] | None = None,
     keep_maps: bool = False,
     max_map_bytes: int = 4 * 2**30,
@@ -565,6 +565,8 @@ def probe(
     finally:
         run._uninstall(interrupted)
     # steps the calls never had: an error naming them, not an empty table (issue 31)
-    check_steps_ran(config.steps, max((len(c["timesteps"]) for c in run._result["calls"]), default=0))
+    ran = [c["timesteps"].tolist() for c in run._result["calls"]]
+    selected = sum(config.records_step(s, t) for timesteps in ran for s, t in enumerate(timesteps))
+    check_steps_ran(config.steps, max(map(len, ran), default=0), selected=selected)
     if log_with is not None:  # only when the block ended normally: a failed run is not logged as a result
         run.log(log_with, logging_dir, run_name)

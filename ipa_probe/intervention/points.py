@@ -46,6 +46,7 @@ __all__ = [
     "HookFn",
     "PointUser",
     "attach_points",
+    "choose_points",
     "hook_point_layers",
     "list_hook_points",
     "normalise_hooks",
@@ -499,6 +500,18 @@ def normalise_hooks(pipe, hooks: Any) -> dict[str, list[HookFn]]:
     if not callbacks:
         raise ValueError("hooks: expected at least one hook point name (see ipa_probe.list_hook_points(pipe))")
     return callbacks
+
+
+def choose_points(known: list[str], names: Any, argument: str = "names") -> list[str]:
+    """The points of ``known`` that ``names`` selects, in ``known``'s order: ``None`` every one, else a name, a regex
+    (a string or compiled), a callable filter ``name -> bool``, or a list of them (:func:`select_points`)."""
+    if names is None:
+        return known
+    items = [names] if isinstance(names, str | re.Pattern) or callable(names) else list(names)
+    if not items:
+        raise ValueError(f"{argument}: expected at least one hook point name (see ipa_probe.list_hook_points(pipe))")
+    chosen = {point for item in items for point in select_points(known, item, argument)}
+    return [point for point in known if point in chosen]
 
 
 def select_points(known: list[str], name: Any, argument: str) -> list[str]:
