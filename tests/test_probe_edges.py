@@ -231,10 +231,14 @@ def test_a_failed_pass_leaks_no_query_and_its_step_is_flagged(refs, caplog):
 
 
 @pytest.mark.slow
-def test_denoiser_compiled_and_run_before_the_probe_is_refused_never_empty(refs, fresh_dynamo):
+@pytest.mark.parametrize("in_place", [False, True], ids=["wrapped", "in_place"])
+def test_denoiser_compiled_and_run_before_the_probe_is_refused_never_empty(refs, fresh_dynamo, in_place):
     pipe = tiny_pipeline("sd15")
-    pipe.unet = torch.compile(pipe.unet, backend="eager")
-    layer_ids = {layer.name for layer in find_ip_layers(pipe.unet._orig_mod)}
+    layer_ids = {layer.name for layer in find_ip_layers(pipe.unet)}
+    if in_place:
+        pipe.unet.compile(backend="eager")  # module.compile(): the module itself, compiled
+    else:
+        pipe.unet = torch.compile(pipe.unet, backend="eager")
     generate(pipe, refs, num_inference_steps=1)  # compiled without the probe's hooks
     with pytest.raises(RuntimeError, match="compiled"):
         with probe(pipe):

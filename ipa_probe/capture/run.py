@@ -101,7 +101,8 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         self.config = config
         denoiser = denoiser_of(pipe)
         self.layers: list[IPLayer] = find_ip_layers(denoiser, config.layers)
-        self.compiled = is_compiled_module(denoiser)
+        # in-place module.compile() has no public test in torch: its private _compiled_call_impl tells
+        self.compiled = is_compiled_module(denoiser) or getattr(denoiser, "_compiled_call_impl", None) is not None
         self.tap: Tap = tap_for(pipe, self.layers)
         if config.kind != "image" and not self.tap.supports_text:
             raise ValueError(
