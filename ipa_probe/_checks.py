@@ -497,10 +497,10 @@ def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def parse_step_selection(steps: Any, when: bool = False) -> frozenset[int] | slice | Any:
-    """Denoising loop indices to act on: ``None`` (all), a list (or other iterable) of non-negative ints, or a
-    ``slice`` with non-negative bounds and a positive step (negative indices cannot be resolved before the loop ends);
-    with ``when``, also a :class:`Timesteps` or a predicate ``fn(step, timestep) -> bool`` (``timestep`` a float).
+def parse_step_selection(steps: Any) -> frozenset[int] | slice | Any:
+    """Denoising steps to act on: ``None`` (all), a list (or other iterable) of non-negative loop indices, a ``slice``
+    with non-negative bounds and a positive step (negative indices cannot be resolved before the loop ends), a
+    :class:`Timesteps` or a predicate ``fn(step, timestep) -> bool`` (``timestep`` a float).
 
     Returns:
         ``None``, the slice, the predicate, or the indices as a ``frozenset``.
@@ -509,14 +509,7 @@ def parse_step_selection(steps: Any, when: bool = False) -> frozenset[int] | sli
         TypeError: not a list or a slice (e.g. ``5`` where ``[5]`` was meant).
         ValueError: a negative or non-integer index, or a slice with a negative bound or a non-positive step.
     """
-    if steps is None:
-        return None
-    if callable(steps):
-        if not when:
-            raise TypeError(
-                f"steps: this feature selects loop indices (ints or a slice), got {describe_value(steps)}; "
-                "select by timestep with intervene, hook points or the cache"
-            )
+    if steps is None or callable(steps):
         return steps
     if isinstance(steps, slice):
         s = steps
@@ -529,8 +522,7 @@ def parse_step_selection(steps: Any, when: bool = False) -> frozenset[int] | sli
                 "loop): write slice(n - 3, None) for the last 3 of n steps, or select by timestep (Timesteps)"
             )
         return steps
-    what = "loop indices (ints), a slice, Timesteps(...) or fn(step, timestep)" if when else "loop indices (ints)"
-    chosen = check_items(steps, "steps", what + ", or a slice" * (not when))
+    chosen = check_items(steps, "steps", "loop indices (ints), a slice, Timesteps(...) or fn(step, timestep)")
     if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in chosen):
         raise ValueError(f"steps: expected non-negative loop indices (ints) or a slice, got {chosen!r}")
     return frozenset(chosen)

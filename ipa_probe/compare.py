@@ -10,6 +10,7 @@ Offline, the open_clip model has random weights and every output says so. The co
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -88,8 +89,8 @@ def generate_methods(
 ) -> tuple[dict[str, list[PIL.Image.Image]], dict[str, float]]:
     """Generate one image per seed with each method, from the same initial noise.
 
-    One progress bar per method, labelled with its name, counts its denoising steps over all seeds (the pipelines'
-    own per-call bars are off meanwhile; the pipeline's progress-bar settings are restored on exit).
+    One progress bar per method, labelled with its name, counts its denoising steps over all seeds (the methods run
+    on a second pipeline object over ``pipe``'s modules, whose per-call bar is off; ``pipe``'s is left as it is).
 
     ``pipe``: an SD 1.5 / SDXL pipeline with one IP-Adapter loaded; ``references`` (PIL) are its image prompt and
     the exact denoiser's support; ``call_kwargs``: more pipeline arguments (``prompt``, ``num_inference_steps``, ...);
@@ -116,73 +117,63 @@ def generate_methods(
     images: dict[str, list[PIL.Image.Image]] = {}
     seconds: dict[str, float] = {}
 
+    params = inspect.signature(type(pipe)).parameters  # a twin on pipe's modules and settings, its own progress bar
+    twin = type(pipe)(
+        **pipe.components, **{k: v for k, v in pipe.config.items() if k in params.keys() - pipe.components.keys()}
+    )
+
     def learned() -> list[PIL.Image.Image]:
         return [
-            pipe(ip_adapter_image=[references], generator=_generator(device, s), **call_kwargs).images[0]
+            twin(ip_adapter_image=[references], generator=_generator(device, s), **call_kwargs).images[0]
             for s in seeds
         ]
 
     steps = call_kwargs.get("num_inference_steps", 50)
-    with _one_bar_per_call(pipe) as bar_for:
-        for method in methods:
-            start = time.perf_counter()
-            if method == "ip_adapter":
-                with bar_for(pipe, method, len(seeds) * steps, progress):
-                    images[method] = learned()
-            elif method == "nw_head":
-                with (
-                    nw_head(pipe, bandwidth=bandwidth, frame=nw_frame),
-                    bar_for(pipe, method, len(seeds) * steps, progress),
-                ):
-                    images[method] = learned()
-            else:
-                height, width = _output_size(pipe, call_kwargs)
-                # Resize here (as the VAE preprocessing would) so that the exact pipeline does not warn on every run.
-                support = _resized(references, width, height)
-                exact = exact_pipeline(pipe, support, height=height, width=width)
-                with bar_for(exact, method, len(seeds) * steps, progress):
-                    images[method] = [
-                        exact(num_inference_steps=steps, generator=_generator(exact.unet.device, s)).images[0]
-                        for s in seeds
-                    ]
-            seconds[method] = time.perf_counter() - start
-            logger.info("compare: %s, %d image(s) in %.1f s", method, len(seeds), seconds[method])
+    for method in methods:
+        start = time.perf_counter()
+        if method == "ip_adapter":
+            with _bar_for(twin, method, len(seeds) * steps, progress):
+                images[method] = learned()
+        elif method == "nw_head":
+            with (
+                nw_head(twin, bandwidth=bandwidth, frame=nw_frame),
+                _bar_for(twin, method, len(seeds) * steps, progress),
+            ):
+                images[method] = learned()
+        else:
+            height, width = _output_size(pipe, call_kwargs)
+            # Resize here (as the VAE preprocessing would) so that the exact pipeline does not warn on every run.
+            support = _resized(references, width, height)
+            exact = exact_pipeline(pipe, support, height=height, width=width)
+            with _bar_for(exact, method, len(seeds) * steps, progress):
+                images[method] = [
+                    exact(num_inference_steps=steps, generator=_generator(exact.unet.device, s)).images[0]
+                    for s in seeds
+                ]
+        seconds[method] = time.perf_counter() - start
+        logger.info("compare: %s, %d image(s) in %.1f s", method, len(seeds), seconds[method])
     return images, seconds
 
 
 @contextmanager
-def _one_bar_per_call(pipe):
-    """Yield ``bar_for(pipeline, label, total, show)``: a context in which ``pipeline``'s per-call progress bars are
-    off and one labelled bar advances at every denoiser call. ``pipe``'s progress-bar settings are restored on exit.
-    """
+def _bar_for(pipeline, label: str, total: int, show: bool):
+    """A context in which ``pipeline``'s (ipa_probe's own) per-call progress bar is off and one labelled bar advances
+    at every denoiser call."""
     from tqdm.auto import tqdm
 
     from .layers import denoiser_of
 
-    had = "_progress_bar_config" in pipe.__dict__
-    saved = pipe.__dict__.get("_progress_bar_config")
+    pipeline.set_progress_bar_config(disable=True)
+    with tqdm(total=total, desc=label, unit="step", disable=not show) as bar:
 
-    @contextmanager
-    def bar_for(pipeline, label: str, total: int, show: bool):
-        pipeline.set_progress_bar_config(disable=True)
-        with tqdm(total=total, desc=label, unit="step", disable=not show) as bar:
+        def step(module, args, output) -> None:  # returns None: the denoiser's output is left as it is
+            bar.update()
 
-            def step(module, args, output) -> None:  # returns None: the denoiser's output is left as it is
-                bar.update()
-
-            handle = denoiser_of(pipeline).register_forward_hook(step)
-            try:
-                yield
-            finally:
-                handle.remove()
-
-    try:
-        yield bar_for
-    finally:
-        if had:
-            pipe._progress_bar_config = saved
-        else:
-            pipe.__dict__.pop("_progress_bar_config", None)
+        handle = denoiser_of(pipeline).register_forward_hook(step)
+        try:
+            yield
+        finally:
+            handle.remove()
 
 
 @torch.no_grad()

@@ -444,5 +444,4 @@ def exact_pipeline(
     latents = _encode(pipe, reference_images, height, width, batch_size=8, stacklevel=3)
     denoiser = ExactNWDenoiser(latents, scheduler, chunk_size=chunk_size)
     exact = ExactNWPipeline(vae=pipe.vae, unet=denoiser, scheduler=scheduler, image_processor=pipe.image_processor)
-    exact.set_progress_bar_config(**getattr(pipe, "_progress_bar_config", {}))  # show progress as the user's does
     return exact

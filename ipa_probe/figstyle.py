@@ -130,6 +130,16 @@ def regular_ticks(count: int, most: int = 8) -> list[int]:
     return list(range(0, count, stride))
 
 
+def _drawn_tick_labels(axis) -> list:
+    """The tick labels ``axis`` draws: of its ticks (placed by ``get_ticklabels``) within its view interval."""
+    axis.get_ticklabels(which="both")
+    transform = axis.get_transform().transform
+    low, high = sorted(transform(axis.get_view_interval()))
+    slack = 1e-10 * (high - low)  # matplotlib's own closeness for a tick inside the view
+    ticks = axis.get_major_ticks() + axis.get_minor_ticks()
+    return [x for t in ticks if low - slack <= transform(t.get_loc()) <= high + slack for x in (t.label1, t.label2)]
+
+
 def _drawn_texts(fig) -> list:
     """Every text matplotlib draws in ``fig`` (drawn once here): visible, non-empty, not of a hidden panel, not a
     tick label of a tick outside the view nor of an axes drawn without axes (``set_axis_off``)."""
@@ -141,9 +151,7 @@ def _drawn_texts(fig) -> list:
         if not ax.get_visible():
             undrawn |= {id(t) for t in ax.findobj(Text)}
         for axis in (ax.xaxis, ax.yaxis):
-            drawn = (
-                {id(t) for tick in axis._update_ticks() for t in (tick.label1, tick.label2)} if ax.axison else set()
-            )
+            drawn = {id(t) for t in _drawn_tick_labels(axis)} if ax.axison else set()
             if not ax.axison:
                 undrawn |= {id(t) for t in axis.findobj(Text)}
             ticks = axis.get_major_ticks() + axis.get_minor_ticks()
@@ -172,7 +180,7 @@ def unlegended_artists(fig) -> list[str]:
     figure_labels = {t.get_text() for legend in fig.legends for t in legend.get_texts()}
     missing = []
     for ax in fig.axes:
-        if hasattr(ax, "_colorbar") or not ax.get_visible():
+        if "outline" in ax.spines or not ax.get_visible():  # a colorbar's axes (its outline spine)
             continue
         legend = ax.get_legend()
         labels = figure_labels | ({t.get_text() for t in legend.get_texts()} if legend is not None else set())
@@ -261,9 +269,9 @@ def drawn_problems(fig, minimum: float = MIN_FONT_PT) -> list[str]:
     for ax in panels:
         if not ax.axison:
             continue
-        for axis, sup in ((ax.xaxis, fig._supxlabel), (ax.yaxis, fig._supylabel)):
-            ticks = [t for tick in axis._update_ticks() for t in (tick.label1, tick.label2)]
-            labelled = axis.label.get_visible() and axis.label.get_text().strip() or sup is not None
+        for axis, sup in ((ax.xaxis, fig.get_supxlabel()), (ax.yaxis, fig.get_supylabel())):
+            ticks = _drawn_tick_labels(axis)
+            labelled = axis.label.get_visible() and axis.label.get_text().strip() or sup
             if any(t.get_visible() and t.get_text().strip() for t in ticks) and not labelled:
                 problems.append(f"an unlabelled {axis.axis_name} axis in {ax.get_title()!r}")
     return problems

@@ -33,6 +33,7 @@ from diffusers.models.attention_processor import (
     SD3IPAdapterJointAttnProcessor2_0,
 )
 from diffusers.models.transformers.transformer_flux import FluxIPAdapterAttnProcessor
+from diffusers.utils.torch_utils import unwrap_module
 
 from .statistics.kernels import dot_logits
 
@@ -49,6 +50,7 @@ __all__ = [
     "denoiser_of",
     "family_of",
     "find_ip_layers",
+    "model_of",
     "image_branch_logits",
     "list_hooks",
     "observer",
@@ -155,6 +157,12 @@ def denoiser_of(pipe) -> torch.nn.Module:
     )
 
 
+def model_of(pipe) -> torch.nn.Module:
+    """:func:`denoiser_of` beneath a ``torch.compile`` wrapper: the model whose module ids are diffusers' own (no
+    ``_orig_mod.`` prefix) and whose modules the compiled code calls."""
+    return unwrap_module(denoiser_of(pipe))
+
+
 def check_layer_selection(layers: LayerSelection) -> None:
     """Raise ``TypeError`` / ``ValueError`` unless ``layers`` is ``None``, a regex, a compiled pattern or a list of
     them, each a valid regular expression (whether it matches a layer is checked against the pipeline)."""
@@ -190,7 +198,7 @@ def find_ip_layers(pipe, layers: LayerSelection = None) -> list[IPLayer]:
     selected layers in module order; nothing is modified. ValueError, naming the remedy: no IP-Adapter is loaded, a
     processor class is not supported, or the selection matches nothing.
     """
-    denoiser = denoiser_of(pipe)
+    denoiser = model_of(pipe)
     patterns = compile_selection(layers)
     found: list[IPLayer] = []
     for name, module in denoiser.named_modules():
@@ -238,12 +246,10 @@ def refind_ip_layers(pipe, layers: list[IPLayer], selection: LayerSelection = No
     ``None`` when no layer holds an IP-Adapter processor any more (``unload_ip_adapter``); RuntimeError, naming
     ``load_ip_adapter``, when the layers, adapters or heads changed.
     """
-    denoiser = denoiser_of(pipe)
-    denoiser = getattr(denoiser, "_orig_mod", denoiser)
     if not any(isinstance(layer.attention.processor, SUPPORTED_PROCESSORS) for layer in layers):
         return None
     try:
-        found = find_ip_layers(denoiser, selection)
+        found = find_ip_layers(pipe, selection)
     except ValueError:
         found = []
 

@@ -320,7 +320,7 @@ def _map_content(log: ProbeLog, run, head: str, calls: dict, steps: dict, base, 
 def _share_histograms(log: ProbeLog, run, call: int, step: int, adapter: int, head: str, where: str, steps) -> None:
     """Each reference's share at every query position of every layer and every image of the branch at ``step``."""
     per_kind: dict[str, list[np.ndarray]] = {"attention": [], "nw": []}
-    for item in range(len(run.map_rows(call, step, head, adapter))):
+    for item in range(len(run.map_items(call, step, head, adapter))):
         for kind, parts in per_kind.items():
             weights = run.reference_weights(call, item, adapter, kind, head, steps=[step])  # (step, layer) -> (Q, R)
             parts += [w.numpy() for w in weights.values()]

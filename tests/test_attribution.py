@@ -43,10 +43,10 @@ def refs():
     return digits_reference_images(2, 2, seed=100) + digits_reference_images(6, 2, seed=200)
 
 
-def attribution(pipe, refs, seed=0, guidance=3.0, whole=False):
+def attribution(pipe, refs, seed=0, guidance=3.0, whole=False, steps=STEPS):
     result = reference_attribution(
         pipe,
-        steps=STEPS,
+        steps=steps,
         seed=seed,
         prompt=DIGITS_PROMPT,
         ip_adapter_image=[list(refs)],
@@ -150,6 +150,24 @@ def test_collection_matches_the_tests_own_hooks(organism, refs, guidance):
         output_type="latent",
     ).images
     torch.testing.assert_close(generation.latents, plain, rtol=0, atol=0)  # the probe reads without changing
+
+
+def test_steps_by_timestep_record_the_steps_whose_timesteps_match(organism, refs):
+    """``steps=`` takes a ``Timesteps`` or a predicate: the steps recorded are those whose scheduler timestep (the
+    pipeline's own schedule) matches, and their rows are the ones the loop indices give (checked above)."""
+    from ipa_probe.intervention import Timesteps
+
+    table, _ = attribution(organism, refs)
+    timesteps = organism.scheduler.timesteps.tolist()
+    assert len(timesteps) == NUM_STEPS
+    chosen = {timesteps[s] for s in STEPS}
+    for steps in (Timesteps(sorted(chosen)), lambda step, t: t in chosen):
+        by_time, _ = attribution(organism, refs, steps=steps)
+        assert sorted(by_time["step"].unique()) == STEPS
+        assert by_time.groupby("step")["timestep"].first().tolist() == [timesteps[s] for s in STEPS]
+        pd.testing.assert_frame_equal(by_time, table)
+    early = Timesteps(low=timesteps[2])  # the first three steps (the timesteps fall)
+    assert sorted(attribution(organism, refs, steps=early)[0]["step"].unique()) == [0, 1, 2]
 
 
 def test_per_head_and_per_position_shares_match_the_tests_own_hooks(organism, refs):

@@ -328,8 +328,9 @@ def test_steps_take_timesteps_or_a_predicate(organism, refs):
     with pytest.raises(ValueError, match="selected no pass"):
         with intervene(organism, 0, steps=Timesteps(high=-1)):
             latents(organism, refs)
-    with pytest.raises(TypeError, match="loop indices"):
-        ipa_probe.probe(organism, steps=lambda step, t: True).__enter__()
+    with ipa_probe.probe(organism, steps=lambda step, t: t > 500) as run:  # the probe takes them too
+        latents(organism, refs, num_inference_steps=3)
+    assert sorted(run.to_dataframe()["step"].unique()) == late
     with pytest.raises(ValueError, match="Timesteps"):
         Timesteps()
     assert ipa_probe.list_hooks(organism) == []

@@ -6,6 +6,7 @@ and refusals that leave the pipeline as it was."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -467,6 +468,11 @@ def test_patching_a_contribution_reproduces_the_source_runs_branch(organism, ref
         everywhere = run(organism, **call(other_refs))
     assert close(everywhere, out_a.images, 1e-4)
     assert not close(plain_b, out_a.images, 1e-2)
+    # names as run_with_cache takes them: a point's own name, a regex string, a compiled regex, a filter, a list
+    for names in (name, re.escape(layer.name) + r"\.ip\.", re.compile(re.escape(name)), lambda n: n == name, [name]):
+        assert list(ipa_probe.patch_hooks(cache_a, names)) == [name]
+    with pytest.raises(ValueError, match="list_hook_points"):
+        ipa_probe.patch_hooks(cache_a, "nothing_cached_here$")
 
 
 @pytest.mark.parametrize(("family", "points"), [("flux", ["contribution", "output"]), ("sd3", ["output"])])

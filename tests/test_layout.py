@@ -116,3 +116,80 @@ def test_the_private_import_scan_finds_a_planted_violation(tmp_path):
         "ipa_probe/devtools/figures.py:6: ipa_probe.capture._x",
         "ipa_probe/probe_log.py:2: ipa_probe.capture.report._names",
     ]
+
+
+#: Private names of other packages read on purpose, where no public route exists, and the package's own private names
+#: on other packages' objects (``name: why``).
+FOREIGN_PRIVATE = {
+    "_compiled_call_impl": "torch's mark of an in-place module.compile(), which no public call reports (capture.run)",
+    "_run_key": "cli's own attribute on argparse's Namespace (underscored: no option's dest can clash with it)",
+    "_exit": "os._exit: the documented way to end the process at once (cli, a second Ctrl-C)",
+    "_local_scalar_dense": "an aten operator's own name (devtools.dispatch counts it as a host sync)",
+    "_unique2": "an aten operator's own name (devtools.dispatch)",
+    "_unsafe_view": "an aten operator's own name (devtools.dispatch: a view, not a launch)",
+    "_index_put_impl_": "an aten operator's own name (devtools.dispatch: a boolean index syncs)",
+}
+
+
+def _defined_names(trees: list[ast.Module]) -> set[str]:
+    """Names the package defines: defs, classes, names assigned (module-level, class fields, dataclass fields,
+    locals), ``self._x`` / ``cls._x`` targets, and its own module and folder names."""
+    names = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    names.add(node.attr)
+    return names
+
+
+def foreign_private_reads(package: Path = ROOT / "ipa_probe") -> list[str]:
+    """Every ``obj._name`` (and ``getattr(obj, "_name")``, ``hasattr``, ``setattr``, ``delattr``) in the package
+    whose ``_name`` (not a dunder) the package does not define itself (:func:`_defined_names`) nor allow
+    (:data:`FOREIGN_PRIVATE`), as ``path:line: _name``."""
+    paths = sorted(package.rglob("*.py"))
+    trees = [ast.parse(path.read_text(), str(path)) for path in paths]
+    own = _defined_names(trees) | {path.stem for path in paths} | {p.name for p in package.rglob("*") if p.is_dir()}
+    found = []
+    for path, tree in zip(paths, trees, strict=True):
+        for node in ast.walk(tree):
+            name = node.attr if isinstance(node, ast.Attribute) else None
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) > 1:
+                reflective = node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+                if reflective and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                    name = node.args[1].value
+            if (
+                name
+                and name.startswith("_")
+                and not name.startswith("__")
+                and name not in own | FOREIGN_PRIVATE.keys()
+            ):
+                found.append(f"{path.relative_to(package.parent)}:{node.lineno}: {name}")
+    return sorted(found)
+
+
+def test_no_module_reads_another_packages_private_attributes():
+    assert foreign_private_reads() == []
+
+
+def test_the_private_attribute_scan_finds_a_planted_read(tmp_path):
+    """The scan itself: a foreign private attribute read directly or by ``getattr``/``hasattr`` is found; the
+    package's own private names (a def, a class, a ``self._x`` target, a module-level name) are not."""
+    package = tmp_path / "ipa_probe"
+    package.mkdir()
+    (package / "_own.py").write_text("_LIMIT = 3\n")
+    (package / "a.py").write_text(
+        "class A:\n    def __init__(self):\n        self._kept = 1\n\n    def _helper(self):\n"
+        "        return self._kept + self._helper() + _own._LIMIT\n\n\n"
+        "def f(m, t):\n    return m._orig_mod, getattr(m, '_progress_bar_config'), hasattr(t, '_base'), t._version\n"
+    )
+    assert foreign_private_reads(package) == [
+        "ipa_probe/a.py:10: _base",
+        "ipa_probe/a.py:10: _orig_mod",
+        "ipa_probe/a.py:10: _progress_bar_config",
+        "ipa_probe/a.py:10: _version",
+    ]

@@ -400,11 +400,14 @@ def test_cli_probe_and_sweep_write_reference_maps(tmp_path, capsys):
     assert (tmp_path / "sweep" / "maps" / f"row-{number:06d}" / "map_table.parquet").exists()
 
 
-def test_map_rows_are_the_batch_rows_diffusers_gives_each_branch(sd15, refs):
-    # diffusers' SD pipeline concatenates [negative prompts, prompts], each num_images_per_prompt rows long
+def test_map_items_are_the_batch_items_diffusers_gives_each_branch(sd15, refs):
+    # diffusers' SD pipeline concatenates [negative prompts, prompts], each num_images_per_prompt items long
     with probe(sd15, maps=True) as run:
         generate(sd15, refs, guidance_scale=5.0, num_images_per_prompt=2)
     for step in run.map_steps():
-        assert run.map_rows(0, step, "uncond") == [0, 1] and run.map_rows(0, step, "cond") == [2, 3]
+        assert run.map_items(0, step, "uncond") == [0, 1] and run.map_items(0, step, "cond") == [2, 3]
     with pytest.raises(ValueError, match="branch"):
-        run.map_rows(0, 0, "nope")
+        run.map_items(0, 0, "nope")
+    # the former name: the same items, with a DeprecationWarning naming the new one
+    with pytest.warns(DeprecationWarning, match="map_items"):
+        assert run.map_rows(0, 0, branch="cond") == [2, 3]

@@ -140,6 +140,51 @@ def test_negative_step_slices_are_refused_naming_the_remedy():
     assert ProbeConfig(steps=slice(1, None, 2)).records_step(3)
 
 
+@pytest.mark.parametrize("strength", [None, 0.5], ids=["txt2img", "img2img"])
+def test_probe_steps_by_timestep_record_the_steps_whose_timesteps_match(sd15, refs, strength):
+    """``steps=`` takes a ``Timesteps`` or a predicate as ``intervene`` does: the probe records exactly the loop
+    steps whose scheduler timestep matches, read from the pipeline's own schedule (img2img: its loop's part)."""
+    import diffusers
+
+    from ipa_probe.intervention import Timesteps
+
+    pipe, extra = sd15, {}
+    if strength is not None:
+        pipe = diffusers.StableDiffusionImg2ImgPipeline.from_pipe(sd15)
+        pipe.set_progress_bar_config(disable=True)
+        extra = {"image": torch.zeros(1, 3, 64, 64), "strength": strength}
+    generate(pipe, refs, num_inference_steps=4, **extra)
+    loop = pipe.scheduler.timesteps[len(pipe.scheduler.timesteps) - pipe.num_timesteps :].tolist()
+    assert len(loop) == (4 if strength is None else 2)
+    cut = loop[1]
+    for steps, chosen in [
+        (Timesteps(low=cut), [i for i, t in enumerate(loop) if t >= cut]),
+        (lambda step, t: t <= cut, [i for i, t in enumerate(loop) if t <= cut]),
+        (Timesteps([loop[-1]]), [len(loop) - 1]),
+    ]:
+        with probe(pipe, steps=steps) as run:
+            generate(pipe, refs, num_inference_steps=4, **extra)
+        df = run.to_dataframe()
+        assert sorted(df["step"].unique()) == chosen and chosen
+        assert df.groupby("step")["timestep"].first().tolist() == [loop[i] for i in chosen]
+    with pytest.raises(ValueError, match="selected no pass"):  # a selection that picks nothing: refused on exit
+        with probe(pipe, steps=Timesteps(high=-1)):
+            generate(pipe, refs, num_inference_steps=4, **extra)
+
+
+def test_probe_map_budget_counts_every_step_for_a_timestep_selection(sd15, refs):
+    """Before step 0 the probe cannot know which steps a predicate takes: its map budget counts all of them."""
+    from ipa_probe.intervention import Timesteps
+
+    config = ProbeConfig(steps=Timesteps(low=500))
+    assert all(config.records_step(s) for s in range(4))  # before the loop: an upper bound
+    assert config.records_step(0, 600.0) and not config.records_step(0, 400.0)
+    # a selection that will pick no step is still counted in full: one byte is refused before step 0
+    with pytest.raises(ValueError, match="max_map_bytes"):
+        with probe(sd15, steps=Timesteps(low=1e9), keep_maps=True, max_map_bytes=1):
+            generate(sd15, refs, num_inference_steps=2)
+
+
 def _unet_loop(pipe, refs, steps: int, fail_at: int | None = None, layer=None):
     """A hand-written loop calling ``pipe.unet``; the pass of step ``fail_at`` raises inside ``layer``'s image
     branch, after its query was formed, and the loop carries on (as research code with ``try/except`` would)."""
@@ -186,10 +231,14 @@ def test_a_failed_pass_leaks_no_query_and_its_step_is_flagged(refs, caplog):
 
 
 @pytest.mark.slow
-def test_denoiser_compiled_and_run_before_the_probe_is_refused_never_empty(refs, fresh_dynamo):
+@pytest.mark.parametrize("in_place", [False, True], ids=["wrapped", "in_place"])
+def test_denoiser_compiled_and_run_before_the_probe_is_refused_never_empty(refs, fresh_dynamo, in_place):
     pipe = tiny_pipeline("sd15")
-    pipe.unet = torch.compile(pipe.unet, backend="eager")
-    layer_ids = {layer.name for layer in find_ip_layers(pipe.unet._orig_mod)}
+    layer_ids = {layer.name for layer in find_ip_layers(pipe.unet)}
+    if in_place:
+        pipe.unet.compile(backend="eager")  # module.compile(): the module itself, compiled
+    else:
+        pipe.unet = torch.compile(pipe.unet, backend="eager")
     generate(pipe, refs, num_inference_steps=1)  # compiled without the probe's hooks
     with pytest.raises(RuntimeError, match="compiled"):
         with probe(pipe):

@@ -216,7 +216,7 @@ def test_histograms_of_cells_and_shares_have_the_right_counts(logged):
             assert (h.sum, h.min, h.max) == pytest.approx((values.sum(), values.min(), values.max()), abs=1e-9)
     for kind in ("attention", "nw"):
         for step in range(STEPS):
-            rows = run.map_rows(0, step, "cond")
+            rows = run.map_items(0, step, "cond")
             assert len(rows) == 2  # the two generated images
             weights = [w for item in range(len(rows))
                        for w in run.reference_weights(0, item, kind=kind, steps=[step]).values()]  # fmt: skip

@@ -183,7 +183,7 @@ def reference_attribution(
 
     Args:
         pipe: an SD 1.5 / SDXL (VP scheduler: DDIM, DDPM, PNDM, ...) or Flux / SD3 pipeline with an IP-Adapter.
-        steps: loop indices to record (ints or a ``slice``); ``None`` for all.
+        steps: the steps to record, as :func:`~ipa_probe.probe` takes them (loop indices, Timesteps or a predicate).
         seed: the generator's seed.
         adapter: the IP-Adapter whose references are compared.
         per_head: also keep the attention's shares per head (:meth:`~ipa_probe.capture.maps.MapAccumulator.keep_heads`:
@@ -232,7 +232,7 @@ def reference_attribution(
     timesteps = run.map_timesteps(0)
     stamps = torch.stack([t for t, _ in passes]).double().cpu().tolist() if passes else []  # one transfer
     if selection is not None and not weights:  # the selection missed every step the call had
-        raise ValueError(f"steps: {steps!r} selects no loop index this call had; pass indices it runs")
+        raise ValueError(f"steps: {steps!r} selects no step this call had; pass indices it runs, or widen it")
     samples = {}
     for step in sorted({step for step, _ in weights}):
         # x_t: the first pass at the probe's timestep of that step, at the batch row the probe labelled the first
@@ -240,7 +240,7 @@ def reference_attribution(
         sample = next((x for stamp, (_, x) in zip(stamps, passes, strict=True) if stamp == timesteps[step]), None)
         if sample is None:
             raise ValueError(f"no denoiser pass had the timestep {timesteps[step]} of step {step}")
-        samples[step] = sample[run.map_rows(0, step, "cond", adapter)[0]].double().flatten().cpu()  # (D,)
+        samples[step] = sample[run.map_items(0, step, "cond", adapter)[0]].double().flatten().cpu()  # (D,)
     names, nan = [layer.name for layer in run.layers], torch.tensor(math.nan, dtype=torch.float64)
     contributions = run.contributions(0, 0, adapter, "cond")
     rows, cells = [], {"positions": [], "heads": [], "head_positions": []}

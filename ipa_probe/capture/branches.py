@@ -280,9 +280,10 @@ class PromptEvidence:
         n = cond.shape[0]
         if n == 0 or size % n:
             return unlabelled
-        # the same embeddings, evidence and device as the last pass (a pipeline call's steps): the same layout
+        # the same embeddings, evidence and device as the last pass (a pipeline call's steps): the same layout (the
+        # same tensor objects: pipelines pass new tensors, never their embeddings edited in place, from step to step)
         pag = bool(getattr(self.running, "do_perturbed_attention_guidance", False))
-        read = (context, *self.known.values()), (context._version, device, pag, self.instruct_pix2pix, *self.known)
+        read = (context, *self.known.values()), (device, pag, self.instruct_pix2pix, *self.known)
         if self._last and self._last[0][1] == read[1] and all(map(operator.is_, self._last[0][0], read[0])):
             return self._last[1]
         chunks = size // n

@@ -26,7 +26,7 @@ value only when it already is on the host.
 
 from __future__ import annotations
 
-import sys
+import inspect
 from types import FrameType
 from typing import Any
 
@@ -38,7 +38,7 @@ __all__ = ["CallClock", "host_timestep", "running_pipeline_frame"]
 
 def running_pipeline_frame(start: FrameType | None = None) -> FrameType | None:
     """The nearest frame on the stack (from ``start``, or the caller) running a ``DiffusionPipeline.__call__``."""
-    frame = start if start is not None else sys._getframe(1)
+    frame = start if start is not None else inspect.currentframe()
     while frame is not None:
         code = frame.f_code
         if code.co_name == "__call__" and code.co_argcount and code.co_varnames[0] == "self":
@@ -61,10 +61,14 @@ def host_timestep(timestep: Any) -> float | None:
     return None
 
 
-def _iterated(timestep: Any) -> torch.Tensor | None:
-    """The tensor a timestep tensor is a view of (the loop's ``timesteps`` when the loop passes its element), else
-    ``None``."""
-    return timestep._base if isinstance(timestep, torch.Tensor) else None
+def _iterated(timestep: Any) -> torch.UntypedStorage | None:
+    """The storage of the tensor a timestep tensor is an element of (the loop's ``timesteps`` when the loop passes its
+    element: the storage holds more than the timestep spans), else ``None``."""
+    if not isinstance(timestep, torch.Tensor) or timestep.numel() == 0:
+        return None
+    extent = sum((n - 1) * s for n, s in zip(timestep.shape, timestep.stride(), strict=True))
+    storage = timestep.untyped_storage()
+    return storage if storage.nbytes() > (extent + 1) * timestep.element_size() else None  # a part of it
 
 
 def _step_index(pipe) -> int | None:
@@ -91,7 +95,8 @@ class CallClock:
         self._timesteps: Any = None  # the probed scheduler's timesteps, outside any pipeline call
         self._timestep: float | None = None  # the previous pass's timestep, when it was on the host
         self._step_index: int | None = None  # the running scheduler's step index at the previous pass
-        self._iterated: torch.Tensor | None = None  # the tensor the previous pass's timestep was an element of
+        # the storage the previous pass's timestep was an element of (held: its memory cannot be reused meanwhile)
+        self._iterated: torch.UntypedStorage | None = None
 
     def new_call(self, timestep: Any = None) -> bool:
         """Called at the start of every denoiser pass: whether it starts a new call (updates :attr:`running`).
@@ -99,7 +104,7 @@ class CallClock:
         Args:
             timestep: the pass's timestep as the denoiser got it (:meth:`~.taps.Tap.timestep`).
         """
-        frame = running_pipeline_frame(sys._getframe(1))
+        frame = running_pipeline_frame()
         value = host_timestep(timestep)
         if frame is not None:
             running = frame.f_locals["self"]
@@ -120,7 +125,7 @@ class CallClock:
         pass's, or the scheduler's step index went back."""
         if value is not None and self._timestep is not None:
             return value > self._timestep
-        if iterated is not None and self._iterated is not None and iterated is not self._iterated:
+        if iterated is not None and self._iterated is not None and iterated.data_ptr() != self._iterated.data_ptr():
             return True
         return self._step_index is not None and (index is None or index < self._step_index)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import InitVar, dataclass
 from typing import Any
 
@@ -84,7 +84,9 @@ class ProbeConfig:
             0-d timestep tensor (keep it free of ``.item()`` to stay sync-free), or ``"fit"`` (the ``h`` minimising
             ``KL(attention || NW)`` per cell, in the ``bandwidth`` column). Rank statistics do not depend on ``h``.
         layers: regex (``re.search`` on the layer id) or list of them; ``None`` for every IP-Adapter layer.
-        steps: denoising loop indices to record (an iterable of ints or a ``slice``); ``None`` for all.
+        steps: the steps to record: loop indices (an iterable of ints or a ``slice``), a :class:`~ipa_probe.Timesteps`
+            or a predicate ``fn(step, timestep) -> bool``, as ``intervene`` takes them; ``None`` for all. The map
+            budgets, checked before step 0, count every step of a call for a timestep selection or predicate.
         heads: head indices to record; ``None`` for all.
         keep_maps: also keep the full attention maps (fp16, off the device without blocking) in :attr:`ProbeRun.maps`
             (``(call, step, layer, adapter)`` -> one ``(B, H, Q, K)`` per record) and their branch labels in
@@ -112,7 +114,7 @@ class ProbeConfig:
 
     bandwidth: BandwidthSpec = "matched"
     layers: LayerSelection = None
-    steps: Iterable[int] | slice | None = None
+    steps: Iterable[int] | slice | Callable[[int, float | None], bool] | None = None
     heads: Sequence[int] | None = None
     keep_maps: bool = False
     max_map_bytes: int = 4 * 2**30
@@ -211,8 +213,11 @@ class ProbeConfig:
             return None
         return self.rows - self.rows % SAMPLE_GROUPS
 
-    def records_step(self, step: int) -> bool:
-        return step_selected(self.steps, step)
+    def records_step(self, step: int, timestep: Any = ...) -> bool:
+        """Whether loop index ``step`` at scheduler ``timestep`` is recorded; before the loop (no timestep: ``...``) an
+        upper bound, every step for a timestep selection or predicate."""
+        before = timestep is ...
+        return (before and callable(self.steps)) or step_selected(self.steps, step, None if before else timestep)
 
     def describe(self) -> dict[str, Any]:
         """JSON-friendly settings."""
@@ -222,7 +227,7 @@ class ProbeConfig:
             "layers": self.layers
             if isinstance(self.layers, str | None)
             else [getattr(p, "pattern", p) for p in self.layers],
-            "steps": None if steps is None else (repr(steps) if isinstance(steps, slice) else sorted(steps)),
+            "steps": repr(steps) if isinstance(steps, slice | Callable) else None if steps is None else sorted(steps),
             "heads": None if self.heads is None else list(self.heads),
             "keep_maps": self.keep_maps,
             "seed": self.seed,

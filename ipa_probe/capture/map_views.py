@@ -5,6 +5,7 @@ tables and figures in :mod:`.map_tables` and :mod:`.mapplots`."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -40,7 +41,12 @@ class MapViews:
         self._map_call(call)
         return sorted({key[1] for key in self._map_source().store if key[0] == call})
 
-    def map_rows(self, call: int = 0, step: int = 0, branch: str = "cond", adapter: int = 0) -> list[int]:
+    def map_rows(self, *args: Any, **kwargs: Any) -> list[int]:
+        """The former name of :meth:`map_items` (a DeprecationWarning)."""
+        warnings.warn("map_rows is now map_items (batch items, not query rows)", DeprecationWarning, stacklevel=2)
+        return self.map_items(*args, **kwargs)
+
+    def map_items(self, call: int = 0, step: int = 0, branch: str = "cond", adapter: int = 0) -> list[int]:
         """The batch items (indices into the denoiser input's batch, not the query rows of ``probe(rows=...)``) of
         ``call`` at loop index ``step`` that the probe labelled ``branch``, in batch order (``item`` of
         :meth:`reference_maps` indexes them), read from the labels its maps were stored with; empty when no item had

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.image_processor import IPAdapterMaskProcessor
 
-from ..layers import IPLayer, LayerSelection, compile_selection
+from ..layers import IPLayer, LayerSelection, compile_selection, model_of
 from ..statistics.kernels import reference_contributions, softmax_keys
 from .spine import Spine, expand_references
 from .taps import Tap
@@ -512,7 +512,7 @@ class MapAccumulator:
 
 def image_projections(denoiser: torch.nn.Module) -> Sequence[torch.nn.Module] | None:
     """The denoiser's per-adapter image projections (``encoder_hid_proj.image_projection_layers``), or ``None``."""
-    projection = getattr(getattr(denoiser, "_orig_mod", denoiser), "encoder_hid_proj", None)
+    projection = getattr(model_of(denoiser), "encoder_hid_proj", None)
     return getattr(projection, "image_projection_layers", None)
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from diffusers.utils.torch_utils import is_compiled_module
 
 from .._checks import check_steps_ran
 from ..layers import (
@@ -99,10 +100,9 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         self.pipe = pipe
         self.config = config
         denoiser = denoiser_of(pipe)
-        # A torch.compile'd denoiser wraps the model as `_orig_mod`: read the model itself, so that layer ids stay
-        # diffusers' ids and the hooks sit on the modules the compiled code calls.
-        self.layers: list[IPLayer] = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser), config.layers)
-        self.compiled = hasattr(denoiser, "_orig_mod") or getattr(denoiser, "_compiled_call_impl", None) is not None
+        self.layers: list[IPLayer] = find_ip_layers(denoiser, config.layers)
+        # in-place module.compile() has no public test in torch: its private _compiled_call_impl tells
+        self.compiled = is_compiled_module(denoiser) or getattr(denoiser, "_compiled_call_impl", None) is not None
         self.tap: Tap = tap_for(pipe, self.layers)
         if config.kind != "image" and not self.tap.supports_text:
             raise ValueError(
@@ -246,7 +246,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         state.layout = self.evidence.layout(context, sample.device, denoiser_pass.label)
         state.text_mask = tap.text_mask(state.layout, context) if self.text_slot is not None else None
         state.in_pass, state.records = True, 0
-        self._capture.recording = denoiser_pass.record and self.config.records_step(state.step)
+        self._capture.recording = denoiser_pass.record and self.config.records_step(state.step, spine.now.timestep)
         self.evidence.pass_seen()
         if self._maps is not None:
             self._maps.on_pass(args, kwargs, spine.now.masks)
@@ -484,7 +484,7 @@ def probe(
     bandwidth: BandwidthSpec = "matched",
     *,
     layers: LayerSelection = None,
-    steps: Iterable[int] | slice | None = None,
+    steps: Iterable[int] | slice | Callable[[int, float | None], bool] | None = None,
     heads: Sequence[int] | None = None,
     keep_maps: bool = False,
     max_map_bytes: int = 4 * 2**30,
@@ -566,6 +566,8 @@ def probe(
     finally:
         run._uninstall(interrupted)
     # steps the calls never had: an error naming them, not an empty table (issue 31)
-    check_steps_ran(config.steps, max((len(c["timesteps"]) for c in run._result["calls"]), default=0))
+    ran = [c["timesteps"].tolist() for c in run._result["calls"]]
+    selected = sum(config.records_step(s, t) for timesteps in ran for s, t in enumerate(timesteps))
+    check_steps_ran(config.steps, max(map(len, ran), default=0), selected=selected)
     if log_with is not None:  # only when the block ended normally: a failed run is not logged as a result
         run.log(log_with, logging_dir, run_name)

@@ -179,8 +179,7 @@ class Spine:
     def __init__(self, pipe, denoiser: torch.nn.Module) -> None:
         self.pipe = pipe
         self.denoiser = denoiser
-        model = getattr(denoiser, "_orig_mod", denoiser)
-        self.tap: Tap = tap_for(pipe, find_ip_layers(model))  # the family's clock rules (not its taps)
+        self.tap: Tap = tap_for(pipe, find_ip_layers(denoiser))  # the family's clock rules (not its taps)
         self.clock = CallClock(pipe)
         self.clients: list[Any] = []
         self.now = PassInfo()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import sys
+import inspect
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -97,7 +97,9 @@ class DispatchCount(TorchDispatchMode):
 
     def __enter__(self):
         if self._compiled:
-            from torch._inductor import config
+            from torch._inductor import (
+                config,
+            )  # private: the kernel profile is a code-generation setting, no public one
             from torch.profiler import ProfilerActivity, profile
 
             self._profile = contextlib.ExitStack()
@@ -140,7 +142,7 @@ def _boolean_index(func, args: tuple) -> bool:
 
 
 def _site() -> str:
-    frame = sys._getframe(2)
+    frame = inspect.currentframe()  # its own frames skipped below
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
         if name.startswith("ipa_probe.") and not name.startswith("ipa_probe.devtools"):

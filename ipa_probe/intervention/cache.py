@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .._checks import check_steps_ran, parse_step_selection, step_selected
-from .points import HookContext, PointUser, attach_points, list_hook_points, select_points
+from .points import HookContext, PointUser, attach_points, choose_points, list_hook_points
 
 __all__ = ["CACHE", "HookCache", "cache_hook_points", "run_with_cache"]
 
@@ -129,19 +128,6 @@ class HookCache:
         return f"HookCache({len(self.names)} point(s), {self.calls} call(s), {self.nbytes / 2**20:.1f} MiB)"
 
 
-def _select(pipe, names: Any) -> list[str]:
-    """The points ``names`` selects, in the order they are computed: ``None`` every one, else a name, a regex (a
-    string or compiled), a callable filter ``name -> bool``, or a list of them (:func:`~.points.select_points`)."""
-    known = list_hook_points(pipe)
-    if names is None:
-        return known
-    items = [names] if isinstance(names, str | re.Pattern) or callable(names) else list(names)
-    if not items:
-        raise ValueError("names: expected at least one hook point name (see ipa_probe.list_hook_points(pipe))")
-    chosen = {point for item in items for point in select_points(known, item, "names")}
-    return [point for point in known if point in chosen]
-
-
 @contextlib.contextmanager
 def cache_hook_points(pipe, names: Any = None, *, steps=None, max_bytes: int = 2 * 2**30) -> Iterator[HookCache]:
     """Record what the selected hook points compute while the block runs.
@@ -161,8 +147,8 @@ def cache_hook_points(pipe, names: Any = None, *, steps=None, max_bytes: int = 2
     """
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int | float) or not max_bytes > 0:
         raise ValueError(f"max_bytes: expected a positive byte count, got {max_bytes!r}")
-    chosen = _select(pipe, names)
-    selection = parse_step_selection(steps, when=True)
+    chosen = choose_points(list_hook_points(pipe), names)
+    selection = parse_step_selection(steps)
     cache = HookCache(chosen)
 
     def on_call(planned: int | None, sizes) -> None:

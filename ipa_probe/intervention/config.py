@@ -78,7 +78,7 @@ class InterventionConfig:
             raise ValueError(f"adapter: expected the index (int >= 0) of a loaded IP-Adapter, got {self.adapter!r}")
         self._check_factor(references)
         compile_selection(self.layers)  # a bad regex fails here, before anything is attached
-        object.__setattr__(self, "steps", parse_step_selection(self.steps, when=True))
+        object.__setattr__(self, "steps", parse_step_selection(self.steps))
 
     def _check_factor(self, references: tuple[int, ...]) -> None:
         if self.mode != "scale":

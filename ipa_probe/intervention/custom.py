@@ -70,7 +70,7 @@ def apply_hooks(pipe, hooks: Mapping[str, HookFn | Sequence[HookFn]], *, steps=N
             without hook points; raised before anything is attached.
     """
     callbacks = normalise_hooks(pipe, hooks)
-    steps = parse_step_selection(steps, when=True)
+    steps = parse_step_selection(steps)
     state = HookIntervention(sorted(callbacks))
 
     def logged(name: str, fn: HookFn) -> HookFn:

@@ -24,7 +24,7 @@ from .._checks import check_steps_ran
 from ..capture import spine
 from ..capture.spine import EDIT, Spine
 from ..capture.taps.base import layer_module
-from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, release
+from ..layers import IPLayer, LayerSelection, claim, denoiser_of, find_ip_layers, model_of, release
 from .config import INTERVENE, InterventionConfig
 from .custom import HookIntervention, apply_hooks
 
@@ -202,8 +202,7 @@ def holds_references(spine: Spine, args: tuple, kwargs: dict) -> bool:
 
 
 def _layers(pipe, config: InterventionConfig) -> list[IPLayer]:
-    denoiser = denoiser_of(pipe)
-    found = find_ip_layers(getattr(denoiser, "_orig_mod", denoiser), config.layers)
+    found = find_ip_layers(pipe, config.layers)
     families = {layer.family for layer in found}
     if "sd3" in families and config.references != (0,):
         raise ValueError(
@@ -228,7 +227,7 @@ def _other_tokens(pipe, config: InterventionConfig, family: str) -> torch.Tensor
             'mode="swap" encodes other= with the pipeline\'s image encoder: pass the pipeline (with its '
             "image_encoder), not the bare denoiser"
         )
-    model = getattr(denoiser_of(pipe), "_orig_mod", denoiser_of(pipe))
+    model = model_of(pipe)
     if family == "sd3":
         resampler = next(model.image_proj.parameters())
         return encode(config.other, resampler.device).to(resampler.dtype)  # (1, N, D)

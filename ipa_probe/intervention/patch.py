@@ -7,21 +7,21 @@ image branch adds what A's did.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from .._checks import parse_step_selection, step_selected
 from .cache import HookCache
-from .points import HookContext, HookFn
+from .points import HookContext, HookFn, choose_points
 
 __all__ = ["patch_hooks"]
 
 
 def patch_hooks(
     cache: HookCache,
-    names: str | Iterable[str] | None = None,
+    names: Any = None,
     *,
     steps=None,
     references: Sequence[int] | int | None = None,
@@ -30,9 +30,9 @@ def patch_hooks(
 
     Args:
         cache: a :class:`~.cache.HookCache` of the source run.
-        names: the cached names to patch (a list, or one regex searched in them); ``None`` for all.
-        steps: loop indices to patch (ints or a ``slice``); ``None`` for every step the cache holds. A selected step
-            the cache lacks is refused when the run reaches it.
+        names: the cached points to patch, as ``run_with_cache`` takes names (names, regexes, filters); ``None``: all.
+        steps: the steps to patch (loop indices, ``Timesteps`` or a predicate); ``None``: every one the cache holds.
+            A selected step the cache lacks is refused when the run reaches it.
         references: patch only these references' slots (``contribution`` points) or their tokens' weights
             (``weights`` points: those tokens get the source's weights, the others keep this run's, and the rows are
             not renormalised); ``None`` for the whole tensor. Refused for ``output`` points (they sum the references).
@@ -43,19 +43,8 @@ def patch_hooks(
     """
     if not isinstance(cache, HookCache):
         raise TypeError(f"cache: expected a HookCache (from ipa_probe.run_with_cache), got {type(cache).__name__}")
-    if names is None:
-        chosen = list(cache.names)
-    elif isinstance(names, str | re.Pattern):
-        pattern = re.compile(names) if isinstance(names, str) else names
-        chosen = [name for name in cache.names if pattern.search(name)]
-        if not chosen:
-            raise ValueError(f"names={pattern.pattern!r} matches no cached hook point; the cache holds {cache.names}")
-    else:
-        chosen = list(names)
-        missing = [name for name in chosen if name not in cache]
-        if missing:
-            raise ValueError(f"names: {missing[0]!r} is not in the cache; cache it in the source run, or drop it")
-    selection = parse_step_selection(steps, when=True)
+    chosen = choose_points(list(cache.names), names)  # as run_with_cache takes them, among the cached points
+    selection = parse_step_selection(steps)
     if references is not None:
         references = [references] if isinstance(references, int) else list(references)
         if not references or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in references):

@@ -36,7 +36,7 @@ from ..capture.maps import image_projections, tokens_per_image
 from ..capture.spine import EDIT, PassInfo, Spine, expand_references
 from ..capture.taps.base import layer_module
 from ..capture.taps.unet import unet_resolution_factor
-from ..layers import IPLayer, claim, denoiser_of, find_ip_layers, image_branch_logits, release
+from ..layers import IPLayer, claim, find_ip_layers, image_branch_logits, release
 from ..statistics.kernels import dot_logits, reference_contributions, split_heads
 from .context import HookContext
 
@@ -46,6 +46,7 @@ __all__ = [
     "HookFn",
     "PointUser",
     "attach_points",
+    "choose_points",
     "hook_point_layers",
     "list_hook_points",
     "normalise_hooks",
@@ -76,8 +77,7 @@ def point_name(layer: str, point: str, adapter: int | str = 0) -> str:
 
 def hook_point_layers(pipe) -> list[IPLayer]:
     """The IP-Adapter layers, whose branches have hook points, in the order the denoiser runs them."""
-    denoiser = denoiser_of(pipe)
-    return sorted(find_ip_layers(getattr(denoiser, "_orig_mod", denoiser)), key=lambda layer: network_key(layer.name))
+    return sorted(find_ip_layers(pipe), key=lambda layer: network_key(layer.name))
 
 
 def list_hook_points(pipe) -> list[str]:
@@ -146,7 +146,7 @@ class _Registry:
         self.nan: dict[str, torch.Tensor] = {}
         self.sample_shape: tuple[int, ...] = ()
         self.batch = 0
-        self.active: dict[str, list[HookFn]] = {}  # the callbacks of this pass, by point name
+        self.active: dict[str, list[tuple[HookFn, bool]]] = {}  # this pass's (callback, its user edits) by point
         self.cfg: tuple[str, ...] = ()  # each batch item's CFG label in this pass
         self._now: PassInfo | None = None  # the pass the callbacks were gathered for
         self._text_tokens: int | None = None
@@ -191,7 +191,7 @@ class _Registry:
         if not spine.selects(user, user.steps, user.when, user.label if user.edits else "", args, kwargs):
             return
         for name, fns in user.callbacks.items():
-            self.active.setdefault(name, []).extend(fns)
+            self.active.setdefault(name, []).extend((fn, user.edits) for fn in fns)
             layer, adapter, _ = _parse_name(name)
             if user.edits and adapter != TEXT:  # readers of the layer wait for what its image branch used
                 spine.weight_edits.add((layer, adapter))
@@ -351,11 +351,10 @@ class _Registry:
             start = weights_of(logits)
         else:
             start = weights_of(logits_of(q0, k0))
-        version = start._version
         weights, changed = self._run(names["weights"], start, context("weights"), tokens * joint)
         edited = edited or changed
         # the weights the processor computed, for the change of the output: formed again when edits reached them
-        computed = weights_of(logits_of(q0, k0)) if edited or start._version != version else start
+        computed = weights_of(logits_of(q0, k0)) if edited else start
         if edited and not text:  # what the layer uses from here on: the probe reads these (SD3: the image columns)
             self.spine.use(layer.name, adapter, "weights", weights[..., : tokens * references])
         if not edited and names["contribution"] not in self.active and names["output"] not in self.active:
@@ -388,8 +387,10 @@ class _Registry:
         return output - original_output
 
     def _run(self, name: str, tensor: torch.Tensor, ctx: HookContext, image: int = 0) -> tuple[torch.Tensor, bool]:
-        """Run a point's callbacks in order; return the final tensor and whether any callback changed it (``image``:
-        the callbacks get the first ``image`` columns only, SD3's image columns of its joint logits or weights)."""
+        """Run a point's callbacks in order; return the final tensor and whether any callback may have changed it: one
+        that returned a tensor, or one of an editing user that returned None (an edit in place is an edit, honoured,
+        never lost) (``image``: the callbacks get the first ``image`` columns only, SD3's image columns of its joint
+        logits or weights)."""
         fns = self.active.get(name)
         if not fns:
             return tensor, False
@@ -397,13 +398,11 @@ class _Registry:
             columns, edited = self._run(name, tensor[..., :image], ctx)  # a view: an edit in place reaches ``tensor``
             return torch.cat([columns, tensor[..., image:]], -1) if edited else tensor, edited
         edited = False
-        for fn in fns:
-            version = tensor._version
+        for fn, edits in fns:
             result = fn(tensor, ctx)
-            in_place = tensor._version != version  # an edit in place is an edit (honoured, never lost)
             if result is None or result is tensor:
-                edited = edited or in_place
-                if in_place:
+                edited = edited or edits
+                if edits:
                     self._count_nan(name, tensor)
                 continue
             if not isinstance(result, torch.Tensor):
@@ -501,6 +500,18 @@ def normalise_hooks(pipe, hooks: Any) -> dict[str, list[HookFn]]:
     if not callbacks:
         raise ValueError("hooks: expected at least one hook point name (see ipa_probe.list_hook_points(pipe))")
     return callbacks
+
+
+def choose_points(known: list[str], names: Any, argument: str = "names") -> list[str]:
+    """The points of ``known`` that ``names`` selects, in ``known``'s order: ``None`` every one, else a name, a regex
+    (a string or compiled), a callable filter ``name -> bool``, or a list of them (:func:`select_points`)."""
+    if names is None:
+        return known
+    items = [names] if isinstance(names, str | re.Pattern) or callable(names) else list(names)
+    if not items:
+        raise ValueError(f"{argument}: expected at least one hook point name (see ipa_probe.list_hook_points(pipe))")
+    chosen = {point for item in items for point in select_points(known, item, argument)}
+    return [point for point in known if point in chosen]
 
 
 def select_points(known: list[str], name: Any, argument: str) -> list[str]:

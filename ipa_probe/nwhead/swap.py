@@ -33,6 +33,7 @@ from ..layers import (
     keep,
     kept,
     list_hooks,
+    model_of,
     release,
 )
 from ..statistics import bandwidth as bw
@@ -152,7 +153,7 @@ class NWHeadSwap:
             if self._handle is not None:
                 spine.detach(denoiser, self.clock)
                 self._handle = None
-            model = _model(denoiser)
+            model = model_of(denoiser)  # diffusers' own processor keys
             current = model.attn_processors
             restore = {key: self.originals[key] for key, nw in self.installed.items() if current.get(key) is nw}
             if restore:
@@ -165,12 +166,6 @@ class NWHeadSwap:
             keep(denoiser, NW_HEAD, None)
             release(denoiser, NW_HEAD)
             self._denoiser = None
-
-
-def _model(denoiser: torch.nn.Module) -> torch.nn.Module:
-    """The model whose processors are swapped: beneath a ``torch.compile`` wrapper (``_orig_mod``), so that layer ids
-    and ``attn_processors`` keys stay diffusers' own (dynamo guards the processor objects and recompiles)."""
-    return getattr(denoiser, "_orig_mod", denoiser)
 
 
 def _nw_processor(layer: IPLayer, config: NWHeadConfig, clock: TimestepClock) -> torch.nn.Module:
@@ -199,7 +194,7 @@ def apply_nw_head(
         RuntimeError: the NW head is already applied to this pipeline.
     """
     config = NWHeadConfig(bandwidth, layers, frame, form)
-    found = find_ip_layers(_model(denoiser_of(pipe)), config.layers)
+    found = find_ip_layers(pipe, config.layers)
     gauged = {name for c in list_hooks(pipe) if c.feature == "gauge" for name in c.layers}
     if config.frame == "stored" and gauged & {layer.name for layer in found}:  # as the gauge refuses a stored head
         raise ValueError(
@@ -214,7 +209,7 @@ def apply_nw_head(
     swap._denoiser = denoiser = denoiser_of(pipe)
     try:
         keep(denoiser, NW_HEAD, swap)
-        model = _model(denoiser)
+        model = model_of(denoiser)  # diffusers' own processor keys
         model.set_attn_processor({**model.attn_processors, **installed})  # a fresh dict: it is popped
         if callable(config.bandwidth):
             swap._handle = spine.attach(pipe, clock)

@@ -538,9 +538,8 @@ def realign_weights(pipe: Any) -> Any:
             for param in component.parameters():
                 param.data = param.data.clone()
             for module in component.modules():
-                for name, buffer in module._buffers.items():
-                    if buffer is not None:
-                        module._buffers[name] = buffer.clone()
+                for name, buffer in module.named_buffers(recurse=False):  # setattr: the registered buffer
+                    setattr(module, name, buffer.clone())
     return pipe
 
 
