@@ -14,21 +14,25 @@ from ipa_probe.experiments.attribution_fresh import (
     deciding_pairs,
     fresh_set,
     fresh_sets,
+    summaries,
     summarize,
+    third_digit,
 )
 
 
 def _constructed() -> pd.DataFrame:
-    """Six sets: only ``a`` flips (sets 0, 4, 5), only ``b`` (1), both (2), neither (3); every predictor scores
-    ``a`` above ``b`` but attention share, which scores ``b`` above ``a``."""
-    flips = [(True, False), (False, True), (True, True), (False, False), (True, False), (True, False)]
+    """Seven sets of digits 3 (``a``) and 5 (``b``): only ``a`` flips (sets 0, 4, 5), only ``b`` (1), both (2),
+    neither (3), only ``a`` but the clean output reads 8, a third digit (6); every predictor scores ``a`` above ``b``
+    but attention share, which scores ``b`` above ``a``."""
+    flips = [(True, False), (False, True), (True, True), (False, False), (True, False), (True, False), (True, False)]
     rng = np.random.default_rng(0)
     rows = []
     for s, pair_flips in enumerate(flips):
         for pair, flipped, high in zip("ab", pair_flips, (True, False), strict=True):
             scores = {p: rng.uniform(0.6, 1.0) if high else rng.uniform(0.0, 0.4) for p in PAIR_PREDICTORS}
             scores["attention_share"] = 1.0 - scores["attention_share"]
-            rows.append({"set": s, "pair": pair, "flipped": flipped, "real_drop": rng.uniform(), **scores})
+            rows.append({"set": s, "pair": pair, "a": 3, "b": 5, "clean_label": 8 if s == 6 else 3 if s % 2 else 5,
+                         "flipped": flipped, "real_drop": rng.uniform(), **scores})  # fmt: skip
     return pd.DataFrame(rows)
 
 
@@ -40,8 +44,8 @@ def _recomputed(records: pd.DataFrame, predictor: str) -> dict:
     hits = decided = 0
     for pairs in by_set.values():
         flipped = [p for p in ("a", "b") if bool(pairs[p]["flipped"])]
-        if len(flipped) != 1:
-            continue  # no single deciding pair: set aside
+        if len(flipped) != 1 or pairs["a"]["clean_label"] not in (pairs["a"]["a"], pairs["a"]["b"]):
+            continue  # no single deciding pair, or the output is a third digit: set aside
         decided += 1
         chosen = "a" if pairs["a"][predictor] >= pairs["b"][predictor] else "b"
         hits += chosen == flipped[0]
@@ -59,9 +63,10 @@ def _recomputed(records: pd.DataFrame, predictor: str) -> dict:
 def test_deciding_pair_rule_on_constructed_sets():
     records = _constructed()
     deciding = deciding_pairs(records)
-    assert deciding.isna().tolist() == [False, False, True, True, False, False]
+    assert deciding.isna().tolist() == [False, False, True, True, False, False, True]
     assert deciding.dropna().tolist() == ["a", "b", "a", "a"]
-    summary = summarize(records, resamples=99).set_index("predictor")
+    assert third_digit(records).tolist() == [False] * 6 + [True]
+    summary = summarize(records).set_index("predictor")
     for predictor in PAIR_PREDICTORS:
         expected = _recomputed(records, predictor)
         row = summary.loc[predictor]
@@ -69,7 +74,8 @@ def test_deciding_pair_rule_on_constructed_sets():
         assert (row["hits"], row["decided"]) == (expected["hits"], expected["decided"])
         for key in ("slope", "spearman", "agreement_low", "p"):
             assert row[key] == pytest.approx(expected[key], rel=1e-9, abs=1e-12), (predictor, key)
-        assert row["slope_low"] <= row["slope_high"] and row["spearman_low"] <= row["spearman_high"]
+    aside = summaries(records.assign(organism="o")).iloc[0]
+    assert (aside["set_aside"], aside["third_digit"]) == (3, 1)
 
 
 def test_fresh_sets_use_an_unused_range():
@@ -88,7 +94,7 @@ def test_tiny_run_matches_recomputation(organism):
     assert (records["real_drop"] <= records["output_digit"] + 1e-12).all()
     assert (records["flipped"] == (records["clean_label"] != records["ablated_label"])).all()
     assert np.isfinite(records[list(PAIR_PREDICTORS)].to_numpy(np.float64)).all()
-    summary = summarize(records, resamples=49).set_index("predictor")
+    summary = summarize(records).set_index("predictor")
     for predictor in PAIR_PREDICTORS:
         expected = _recomputed(records, predictor)
         row = summary.loc[predictor]
@@ -165,11 +171,12 @@ def test_held_out_choice_finds_a_planted_aggregation_and_tests_it_on_the_other_h
                         {"organism": "o", "set": s, "pair": pair, "group": group, "steps": steps, **values}
                     )
             whole = aggregates[-4]  # (all, all steps): the records' whole-run means
-            rows.append({"organism": "o", "set": s, "pair": pair, "flipped": flipped, "real_drop": drop,
+            rows.append({"organism": "o", "set": s, "pair": pair, "a": 1, "b": 2, "clean_label": 1,
+                         "flipped": flipped, "real_drop": drop,
                          **{p: rng.uniform() for p in PAIR_PREDICTORS},
                          **{p: whole[p] for p in ("contribution_norm", "attention_share")}})  # fmt: skip
     records, aggregates = pd.DataFrame(rows), pd.DataFrame(aggregates)
-    table = held_out(records, aggregates, resamples=49)
+    table = held_out(records, aggregates)
     planted = "contribution_norm | up layers, t=1"
     assert set(table["chosen"]) == {planted} and len(table) == 8  # 2 pools x 2 folds x (held out, output digit)
     assert set(table["pool"]) == {"every candidate", "without the posterior"}
@@ -190,4 +197,4 @@ def test_held_out_choice_finds_a_planted_aggregation_and_tests_it_on_the_other_h
             assert row["spearman"] == pytest.approx(expected["spearman"], abs=1e-12)
     moved = aggregates.assign(attention_share=aggregates["attention_share"] + 0.5)
     with pytest.raises(ValueError, match="records.csv"):
-        held_out(records, moved, resamples=0)
+        held_out(records, moved)

@@ -380,12 +380,11 @@ def test_verdict_records_carry_their_bounds_and_the_tracking_claim():
     trained = pd.concat(frames, ignore_index=True)
     shown = trained[trained["organism"] != "mixed"]
     certified = shown[shown["tracks_posterior_low"] > 0]
-    assert set(certified["population"]) == {"4 digits"} and set(certified["organism"]) == {"support", "ip-adapter"}
+    assert certified.empty
     assert_in(
         "docs/attribution.md",
-        f"A true share of `tracks posterior` cells above 0 is certified in {len(certified)} of {len(shown)} "
-        f"(organism, population, resolution, step) rows, at most {100 * certified['tracks_posterior_low'].max():.1f}% "
-        "of the cells (four-digit sets on both organisms).",
+        f"No true share of `tracks posterior` cells above 0 is certified: {len(certified)} of {len(shown)} "
+        "(organism, population, resolution, step) rows.",
     )
 
 
@@ -818,9 +817,7 @@ def fresh_rows(predictors: dict[str, str] = FRESH_WORDS) -> list[str]:
         calibration.append(
             f"| {words} | "
             + " | ".join(
-                f"{signed(r['spearman'])} [{signed(r['spearman_low'])}, {signed(r['spearman_high'])}]; "
-                f"{e(r['slope'])} [{e(r['slope_low'])}, {e(r['slope_high'])}]; "
-                f"{e(r['median_predicted'])} vs {e(r['median_real'])}"
+                f"{signed(r['spearman'])}; {e(r['slope'])}; {e(r['median_predicted'])} vs {e(r['median_real'])}"
                 for r in rows
             )
             + " |"
@@ -835,6 +832,11 @@ def test_fresh_set_tables():
     for organism in FRESH_ORGANISMS:
         r = one(table, organism=organism, predictor="output_digit")
         assert_in("docs/attribution.md", f"`{organism}`: {r['decided']} of {r['sets']} sets decided")
+    read = [one(table, organism=o, predictor="output_digit") for o in FRESH_ORGANISMS]
+    aside, third = (
+        ", ".join(str(r[k]) for r in read[:-1]) + f" and {read[-1][k]}" for k in ("set_aside", "third_digit")
+    )
+    assert_in("docs/attribution.md", f"(set aside: {aside} sets, of which {third} show a third digit)")
 
 
 def fresh_claims() -> list[str]:
@@ -848,14 +850,12 @@ def fresh_claims() -> list[str]:
     def medians(predictor: str, key: str = "median_predicted") -> str:
         return " / ".join(e(by[o, predictor][key]) for o in FRESH_ORGANISMS)
 
-    attribution = [p for p in FRESH_WORDS if p != "output_digit"]
-    above = sorted((o, p) for o in FRESH_ORGANISMS for p in attribution if by[o, p]["p"] < 0.05)
-    assert above == [("mixed", "integrated_patching"), ("support", "attention_share")]  # the prose names these two
-    assert len({g(by[k]["p"]) for k in above}) == 1
+    others = min(r["p"] for r in table.to_dict(orient="records") if r["predictor"] != "output_digit")
+    assert others >= 0.05
     return [
         f"chooses the deciding pair in {hits}{read[-1]['decided']} decided sets",
         f"(slopes {e(min(slopes))}–{e(max(slopes))}, Spearman at least {signed(min(ranks))})",
-        f"each at an unadjusted p of {g(by[above[0]]['p'])} in a table of {len(table)} tests",
+        f"no predictor read from the model agrees above chance (p ≥ {g(others)})",
         f"{medians('attribution_patching')} (first order) and {medians('integrated_patching')} (integrated, 2 "
         f"points) against real drops of {medians('output_digit', 'median_real')}",
     ]
@@ -882,7 +882,7 @@ def test_patching_ranking_is_described_not_decided():
         f"drop is positive on every organism ({span}), but whether they rank the pairs is not decided",
     )
     assert_in(
-        "docs/findings.md", f"real drop is positive on every organism ({span}; per-row percentile intervals over 16"
+        "docs/findings.md", f"real drop is positive on every organism ({span}; no interval: a percentile bootstrap"
     )
 
 
@@ -944,9 +944,8 @@ def fresh_held_out_rows() -> list[str]:
         rows.append(
             f"| `{organism}` | {pool} | {fold} | `{held['chosen'].replace(' | ', ', ')}` ({held['choosing_hits']} of "
             f"{held['choosing_decided']}) | {held['hits']} of {held['decided']} (≥ {held['agreement_low_holm']:.2f}, "
-            f"p {g(held['p'])}, Holm {g(held['p_holm'])}) | {signed(held['spearman'])} "
-            f"[{signed(held['spearman_low'])}, {signed(held['spearman_high'])}]; {e(held['median_predicted'])} vs "
-            f"{e(held['median_real'])} | "
+            f"p {g(held['p'])}, Holm {g(held['p_holm'])}) | {signed(held['spearman'])}; "
+            f"{e(held['median_predicted'])} vs {e(held['median_real'])} | "
             f"{read['hits']} of {read['decided']} (p {g(read['p'])}) |"
         )
     return rows
@@ -1021,8 +1020,9 @@ def test_fresh_held_out_table_and_claims():
 
 
 def fresh_well_posed(predictors: dict[str, str] = FRESH_WORDS) -> dict[str, dict]:
-    """Per organism, from ``records.csv`` alone: the decided sets whose clean output is a third digit (its
-    ``clean_label`` is neither the set's ``a`` nor its ``b``), and every predictor's hits restricted to the others."""
+    """Per organism, from ``records.csv`` alone: the sets where one pair's removal alone flips the digit, those of
+    them whose clean output is a third digit (its ``clean_label`` is neither the set's ``a`` nor its ``b``), and every
+    predictor's hits on the others (the decided sets)."""
     records = record("attribution_fresh/records.csv")
     out = {}
     for organism in FRESH_ORGANISMS:
@@ -1030,34 +1030,37 @@ def fresh_well_posed(predictors: dict[str, str] = FRESH_WORDS) -> dict[str, dict
         assert (frame.groupby("set")["clean_label"].nunique() == 1).all()  # one generation per set
         sets = frame.groupby("set").first()  # (S,) a, b, clean_label
         flipped = frame.pivot(index="set", columns="pair", values="flipped").astype(bool)  # (S, 2)
-        decided = flipped.sum(axis=1) == 1
-        third = decided & (sets["clean_label"] != sets["a"]) & (sets["clean_label"] != sets["b"])
-        well = decided & ~third
+        single = flipped.sum(axis=1) == 1
+        other = (sets["clean_label"] != sets["a"]) & (sets["clean_label"] != sets["b"])
+        third, well = single & other, single & ~other
         truth = flipped.idxmax(axis=1)[well]  # the deciding pair
         clean = frame.pivot(index="set", columns="pair", values="output_digit")  # P(pair's digit), clean output
-        real = frame.pivot(index="set", columns="pair", values="real_drop")
         hits = {}
         for predictor in predictors:
             score = frame.pivot(index="set", columns="pair", values=predictor)[well]
             hits[predictor] = int((np.where(score["a"] >= score["b"], "a", "b") == truth.to_numpy()).sum())
         out[organism] = {
-            "decided": int(decided.sum()), "third": list(third[third].index), "well": int(well.sum()), "hits": hits,
-            "largest": float(clean[third].to_numpy().max()),
+            "single": int(single.sum()), "third": list(third[third].index), "well": int(well.sum()), "hits": hits,
+            "largest": float(clean[third].to_numpy().max()), "other": int(other.sum()), "sets": len(sets),
             "both_small": int((clean[third].max(axis=1) < 1e-3).sum()),  # both pairs' P(digit) below 0.001
-            "median_real": float(np.median([real.loc[s, p] for s, p in truth.items()])),
         }  # fmt: skip
     return out
 
 
 def test_fresh_third_digit_sets():
-    """Issue #52: where the decided set's output is a third digit, and the agreement on the other sets."""
+    """Issue #52 point 3: the sets whose output is a third digit are left out of the decided sets, and counted."""
     from scipy import stats
 
     facts = fresh_well_posed()
+    summary = record("attribution_fresh/summary.csv")
+    for organism, f in facts.items():  # the summary's counts, recomputed from the records alone
+        for predictor, k in f["hits"].items():
+            row = one(summary, organism=organism, predictor=predictor)
+            assert (row["hits"], row["decided"]) == (k, f["well"])
+            assert (row["third_digit"], row["set_aside"]) == (f["other"], f["sets"] - f["well"])
     for name in ("docs/attribution.md", "docs/findings.md"):
-        assert_in(name, "In " + ", ".join(f"{len(facts[o]['third'])} of {facts[o]['decided']}"
-                                          for o in FRESH_ORGANISMS[:-1])
-                  + f" and {len(facts['mixed']['third'])} of {facts['mixed']['decided']} decided sets")  # fmt: skip
+        counts = [f"{len(facts[o]['third'])} of {facts[o]['single']}" for o in FRESH_ORGANISMS]
+        assert_in(name, f"In {', '.join(counts[:-1])} and {counts[-1]} sets where one pair's")
     third = "; ".join(f"`{o}` {', '.join(map(str, facts[o]['third']))}" for o in FRESH_ORGANISMS)
     assert_in("docs/attribution.md", f"({third})")
     largest = max(f["largest"] for f in facts.values())
@@ -1066,7 +1069,6 @@ def test_fresh_third_digit_sets():
     assert_in(
         "docs/attribution.md", f"at most {e(largest)} for both pairs, below 0.001 for both in {small} of {total}"
     )
-    assert_in("docs/attribution.md", f"({e(facts['mixed']['median_real'])} on its {facts['mixed']['well']} sets")
     ps, cells = {}, {}
     for organism, f in facts.items():
         for predictor, k in f["hits"].items():
@@ -1074,10 +1076,8 @@ def test_fresh_third_digit_sets():
     for predictor, words in FRESH_WORDS.items():
         assert_in("docs/attribution.md", f"| {words} | " + " | ".join(cells[o, predictor] for o in FRESH_ORGANISMS))
     read = [facts[o]["hits"]["output_digit"] for o in FRESH_ORGANISMS]
-    assert read == [facts[o]["well"] for o in FRESH_ORGANISMS]  # "every well-posed set"
-    assert_in("docs/attribution.md", f"(with {min(read)}–{max(read)} well-posed sets, not a decided difference)")
-    assert_in("docs/attribution.md", f"all of the {read[0]}, {read[1]} and {read[2]} whose output is one of the set's")
-    assert_in("docs/findings.md", f"the deciding pair in all of {read[0]}, {read[1]} and {read[2]}, and no predictor")
+    assert read == [facts[o]["well"] for o in FRESH_ORGANISMS]  # "every decided set"
+    assert_in("docs/attribution.md", f"(with {min(read)}–{max(read)} decided sets, not a decided difference)")
     assert_in("docs/findings.md", f"(P(pair's digit) at most {e(largest)} for both pairs;")
     summary = record("attribution_fresh/summary.csv")  # "no predictor read from the model has as many hits"
     assert all(f["hits"]["output_digit"] > max(k for p, k in f["hits"].items() if p != "output_digit")
@@ -1197,9 +1197,6 @@ def test_survivors_in_findings():
         "docs/attribution.md",
         f"each half holds {held['sets'].iloc[0]} sets, of which {decided.min()}–{decided.max()} are decided",
     )
-    real = one(record("attribution_fresh/summary.csv"), organism="mixed", predictor="output_digit")["median_real"]
-    assert_in("docs/findings.md", f"they make `mixed`'s {e(real)});")
-    assert_in("docs/attribution.md", f"`mixed`'s median real drop of the deciding pairs is {e(real)} (")
 
 
 def test_example_flips_in_findings():
@@ -1622,6 +1619,7 @@ NOT_DATA = {
     r"(?<![\d.])[01](?![\d.,]?\d| of)": "0 and 1 as bounds, scales and factors (not counts: '0 of n' is data)",
     r"\d+ of \d+ steps|\d+-step|\d+ (?:DDIM )?steps instead of \d+|P\(\d\) between a training \d and a training \d|"
     r"central difference \(0\.01": "the cheap ablation's steps and the judge's step, set before the data",
+    r"over \d+(?:, \d+)*(?: and| to) \d+ sets": "the sizes a coverage simulation runs at (its design)",
 }
 # Figures with no committed record, named so that the gap stays visible: quotations of superseded claims and earlier
 # work (the former README's claim, issue #29's reanalysis, an earlier draw of the example's images, the full tier's
@@ -1692,7 +1690,9 @@ def test_fresh_cheap_ablation():
     for organism in FRESH_ORGANISMS:
         frame = records[records["organism"] == organism]
         flipped = frame.pivot(index="set", columns="pair", values="flipped").astype(bool)  # (S, 2)
-        decided = (flipped.sum(axis=1) == 1).to_numpy()
+        sets = frame.groupby("set").first()
+        own = (sets["clean_label"] == sets["a"]) | (sets["clean_label"] == sets["b"])  # not a third digit
+        decided = ((flipped.sum(axis=1) == 1) & own).to_numpy()
         score, real = (frame.pivot(index="set", columns="pair", values=c) for c in ("cheap_ablation", "real_drop"))
         truth = flipped.idxmax(axis=1).to_numpy()[decided]
         row = by[organism, "cheap_ablation"]
@@ -1713,18 +1713,16 @@ def test_fresh_cheap_ablation():
     assert_in("docs/attribution.md", f"nor does the cheap ablation (p ≥ {g(min(p for _, p in cells))})")
     cheap = [by[o, "cheap_ablation"] for o in FRESH_ORGANISMS]
     read = [by[o, "output_digit"] for o in FRESH_ORGANISMS]
-    above = [o for o, r in zip(FRESH_ORGANISMS, cheap, strict=True) if r["p"] < 0.05]
-    assert above == ["support"] and g(cheap[0]["p"]) == "0.033"  # "as does the cheap ablation on `support`"
+    assert all(c["p"] >= 0.05 for c in cheap)  # "nor does the cheap ablation"
     assert all(c["hits"] < r["hits"] for c, r in zip(cheap, read, strict=True))  # "less often than reading"
-    assert all(c["spearman_low"] > 0 for c in cheap)  # "every interval above 0"
-    ratio = [c["median_predicted"] / c["median_real"] for c in cheap]  # the drop, about half, a quarter
-    assert 0.9 < ratio[0] < 1.1 and 0.4 < ratio[1] < 0.6 and 0.2 < ratio[2] < 0.3
+    ratio = [c["median_predicted"] / c["median_real"] for c in cheap]  # the drop on two organisms, not on mixed
+    assert 0.9 < ratio[0] < 1.1 and 0.9 < ratio[1] < 1.1 and ratio[2] < 0.05
     slopes, ranks = " / ".join(e(c["slope"]) for c in cheap), " / ".join(signed(c["spearman"]) for c in cheap)
     medians = " / ".join(e(c["median_predicted"]) for c in cheap)
     assert_in(
         "docs/attribution.md",
-        f"slopes {slopes}, Spearman {ranks} (each per-row interval above 0, a description), the deciding "
-        f"pairs' median predicted drop {medians} against {' / '.join(e(c['median_real']) for c in cheap)}",
+        f"slopes {slopes}, Spearman {ranks}, the deciding pairs' median predicted drop {medians} against "
+        f"{' / '.join(e(c['median_real']) for c in cheap)}",
     )
     assert_in("docs/findings.md", f"(slopes {slopes}, Spearman {ranks}, the deciding pairs' median {medians})")
     assert_in("docs/findings.md", "output (" + ", ".join(f"{c['hits']} of {c['decided']}" for c in cheap[:-1])

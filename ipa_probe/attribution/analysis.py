@@ -354,18 +354,29 @@ def _resample_counts(rng: np.random.Generator, resamples: int, sets: int) -> np.
     return counts
 
 
-def _mean_interval(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per column of ``values`` ``(S, C)`` (NaN = left out): the mean over sets and its 95 % percentile bootstrap
-    interval from the resample counts ``(B, S)`` (shared by every column)."""
+def _studentised(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per column of ``values`` ``(S, C)`` (NaN = left out): the mean over sets, its standard error ``sd / sqrt(n)``
+    and the bootstrap-t deviations ``(mean* - mean) / se*`` ``(B, C)`` over the resample counts ``(B, S)`` (shared by
+    every column), ``se*`` each resample's own standard error (the column's where a resample has no spread)."""
     usable = np.isfinite(values)
-    filled = np.where(usable, values, 0.0)
     n = usable.sum(0)
     with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.where(n > 0, filled.sum(0) / n, np.nan)
-        boot = (counts @ filled) / (counts @ usable)  # (B, C): the mean of each resample
-    low, high = np.nanquantile(boot, [0.025, 0.975], axis=0) if len(counts) else (mean * np.nan, mean * np.nan)
-    too_few = n < 2
-    return mean, np.where(too_few, np.nan, low), np.where(too_few, np.nan, high)
+        mean = np.where(usable, values, 0.0).sum(0) / n
+        centred = np.where(usable, values - mean, 0.0)
+        se = np.sqrt((centred**2).sum(0) / (n - 1) / n)
+        drawn = counts @ usable  # (B, C)
+        deviation = (counts @ centred) / drawn
+        se_star = np.sqrt(((counts @ centred**2) / drawn - deviation**2).clip(0) / (drawn - 1))
+        t = deviation / np.where(se_star > 1e-6 * se, se_star, se)
+    return np.where(n > 0, mean, np.nan), np.where(n >= 2, se, np.nan), np.nan_to_num(t, posinf=0.0, neginf=0.0)
+
+
+def _mean_interval(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per column of ``values`` ``(S, C)`` (NaN = left out): the mean over sets and its 95 % bootstrap-t interval
+    (:func:`_studentised`; columns with fewer than 2 usable sets NaN)."""
+    mean, se, t = _studentised(values, counts)
+    upper, lower = np.quantile(t, [0.975, 0.025], axis=0) if len(counts) else (np.nan, np.nan)
+    return mean, mean - upper * se, mean - lower * se
 
 
 def cell_verdicts(
@@ -374,16 +385,14 @@ def cell_verdicts(
     """The verdict's rule (:func:`verdict`) applied to every cell (a layer's head, or a layer's query position).
 
     Per cell ``c``: ``attention_tv`` the mean over sets of the TV distance of ``shares[s, c]`` from uniform, with a
-    95 % percentile bootstrap interval over sets; ``share_spearman`` the mean over sets of Spearman(``shares[s, c]``,
-    ``-distance[s]``), its interval and a one-sided permutation p-value (the references permuted independently within
-    every set, as :func:`paired_rank_test`). The resamples of the sets and the permutations are drawn once and shared
-    by all cells (each cell's test is valid on its own; the cells' tests are then not independent). At the resolution
-    of one cell a BCa interval per cell would cost one scipy call each, so the percentile interval is used here (the
-    average's verdict, :func:`summarize_attribution`, keeps BCa). ``shares``: ``(S, C, R)`` per set, cell and reference
-    (rows sum to 1); ``distance``: ``(S, R)`` squared data-space distances (the posterior ranks the references as
-    ``-distance``). Returns one row per cell: ``cell``, ``attention_tv`` (``_low``, ``_high``), ``share_spearman``
-    (``_low``, ``_high``, ``_p``, ``_critical``: ``p < ALPHA`` exactly when ``share_spearman > critical``),
-    ``verdict``.
+    95 % bootstrap-t interval over sets (:func:`_mean_interval`); ``share_spearman`` the mean over sets of
+    Spearman(``shares[s, c]``, ``-distance[s]``), its interval and a one-sided permutation p-value (the references
+    permuted independently within every set, as :func:`paired_rank_test`). The resamples of the sets and the
+    permutations are drawn once and shared by all cells (each cell's test is valid on its own; the cells' tests are
+    then not independent). ``shares``: ``(S, C, R)`` per set, cell and reference (rows sum to 1); ``distance``:
+    ``(S, R)`` squared data-space distances (the posterior ranks the references as ``-distance``). Returns per cell:
+    ``cell``, ``attention_tv`` (``_low``, ``_high``), ``share_spearman`` (``_low``, ``_high``, ``_p``, ``_critical``:
+    ``p < ALPHA`` exactly when ``share_spearman > critical``), ``verdict``.
     """
     a = np.asarray(shares, dtype=np.float64)
     sets, cells, refs = a.shape
@@ -435,20 +444,14 @@ def cell_verdicts(
 
 def simultaneous_band(values: np.ndarray, counts: np.ndarray, confidence: float = 0.95) -> tuple[np.ndarray, ...]:
     """Simultaneous confidence bands for the means over sets of every column of ``values`` ``(S, C)`` (NaN = left
-    out): ``mean_c -/+ q se_c``, ``se_c`` the bootstrap standard error over the resample counts ``(B, S)`` and ``q``
-    the ``confidence`` quantile of the largest studentised deviation ``max_c |mean*_c - mean_c| / se_c`` (the max-|t|
-    bootstrap): every column's true mean lies in its band at once with probability about ``confidence``. Columns
+    out): ``mean_c -/+ q se_c``, ``se_c = sd_c / sqrt(n_c)`` and ``q`` the ``confidence`` quantile of the largest
+    studentised deviation ``max_c |mean*_c - mean_c| / se*_c`` over the resample counts ``(B, S)``, each resample
+    studentised by its own standard error (the max-|t| bootstrap-t, :func:`_studentised`): every column's true mean
+    lies in its band at once with probability about ``confidence`` (``tests/test_interval_coverage.py``). Columns
     with fewer than 2 usable sets get ``(-inf, inf)``, columns without spread their mean."""
-    usable = np.isfinite(values)
-    filled = np.where(usable, values, 0.0)
-    n = usable.sum(0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = filled.sum(0) / n
-        boot = (counts @ filled) / (counts @ usable)  # (B, C): each resample's means
-        se = np.nanstd(boot, axis=0)
-        t = np.where((se > 0) & (n >= 2), np.abs(boot - mean) / se, 0.0)  # (B, C)
-    q = float(np.quantile(np.nan_to_num(t).max(1), confidence))
-    return np.where(n < 2, -np.inf, mean - q * se), np.where(n < 2, np.inf, mean + q * se)
+    mean, se, t = _studentised(values, counts)
+    q = float(np.quantile(np.abs(t).max(1), confidence))
+    return np.where(np.isnan(se), -np.inf, mean - q * se), np.where(np.isnan(se), np.inf, mean + q * se)
 
 
 def verdict_shares(
@@ -465,7 +468,7 @@ def verdict_shares(
     **true** verdict is the rule applied to its population means: ``pooling`` when its mean TV from uniform is below
     :data:`POOLING_TV`, else ``tracks posterior`` when its mean Spearman with the posterior is above 0, else
     ``undecided``. The bounds certify the true shares: a simultaneous band over every cell's mean TV and mean
-    Spearman at once (:func:`simultaneous_band`, ``outer`` bootstrap resamples of the sets) puts each cell's verdict
+    Spearman at once (:func:`simultaneous_band`, ``outer`` bootstrap-t resamples of the sets) puts each cell's verdict
     in a set of possible ones; ``<v>_low`` is the share of cells whose only possible verdict is ``v`` and ``<v>_high``
     the share where ``v`` is possible. When every true mean lies in its band (probability about 95 %), all three
     true shares lie between their bounds together (``tests/test_attribution_coverage.py``). ``outer=0``: no bounds
