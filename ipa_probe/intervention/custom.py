@@ -95,8 +95,9 @@ def scale_hooks(config: InterventionConfig, layers: Sequence[str], joint: bool =
     """The weights callbacks of ``mode="scale"``: reference ``j``'s unnormalised weights (``exp`` of its logits) are
     multiplied by its factor ``f_j`` and the softmax renormalised, ``w'_i = f_j w_i / sum_k f_k w_k``: ``f = 0``
     removes the reference from the softmax exactly as ``"ablate"`` does, ``f = 1`` changes nothing. Where every
-    token's factor is 0 the weights are 0 (the branch adds nothing, as ablating every reference does). SD3 (``joint``),
-    whose softmax also runs over the latent tokens: the same, as ``log f`` added to the image columns' logits."""
+    token's factor is 0 (or the weights are NaN) the weights are 0 (the branch adds nothing, as ablating every
+    reference does). SD3 (``joint``), whose softmax also runs over the latent tokens: the same, as ``log f`` added
+    to the image columns' logits."""
     factors = dict(zip(config.references, config.factors, strict=True))
     per_token: dict[tuple, torch.Tensor] = {}  # each token's factor (SD3: its log), made once per shape and device
 
@@ -117,7 +118,8 @@ def scale_hooks(config: InterventionConfig, layers: Sequence[str], joint: bool =
         if joint:
             return x + per_token[key]  # (B, H, Q, K); log 0 = -inf
         scaled = x * per_token[key]  # (B, H, Q, K)
-        total = scaled.sum(-1, keepdim=True)  # (B, H, Q, 1)
-        return torch.where(total > 0, scaled / total.clamp_min(torch.finfo(x.dtype).tiny), 0.0)
+        total = scaled.sum(-1, keepdim=True)  # (B, H, Q, 1): 0 where every factor is (0 / tiny = 0), or NaN
+        return (scaled / total.clamp_min(torch.finfo(x.dtype).tiny)).nan_to_num_(0.0)
 
+    rescale.finite = not joint  # it returns no NaN: the hook points count none in it
     return {point_name(layer, "logits" if joint else "weights", config.adapter): rescale for layer in layers}

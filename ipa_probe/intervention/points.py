@@ -37,7 +37,7 @@ from ..capture.spine import EDIT, PassInfo, Spine, expand_references
 from ..capture.taps.base import layer_module
 from ..capture.taps.unet import unet_resolution_factor
 from ..layers import IPLayer, claim, denoiser_of, find_ip_layers, image_branch_logits, release
-from ..statistics.kernels import dot_logits, reference_contributions, split_heads
+from ..statistics.kernels import dot_logits, mix_tokens, projected_tokens, reference_contributions, split_heads
 from .context import HookContext
 
 __all__ = [
@@ -353,32 +353,35 @@ class _Registry:
             start = weights_of(logits_of(q0, k0))
         version = start._version
         weights, changed = self._run(names["weights"], start, context("weights"), tokens * joint)
-        edited = edited or changed
         # the weights the processor computed, for the change of the output: formed again when edits reached them
         computed = weights_of(logits_of(q0, k0)) if edited or start._version != version else start
+        edited = edited or changed
         if edited and not text:  # what the layer uses from here on: the probe reads these (SD3: the image columns)
             self.spine.use(layer.name, adapter, "weights", weights[..., : tokens * references])
         if not edited and names["contribution"] not in self.active and names["output"] not in self.active:
             return None  # nothing edited, and nothing downstream wanted
 
         w_o = layer.attention.to_out[0].weight if layer.family != "flux" else None  # Flux: the branch has no W_o
+        projected = None if w_o is None else projected_tokens([v], tokens, scale, w_o)  # once for both weights
 
         def contributions(w: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K) -> (B, R, Q, C)
-            return reference_contributions(w[..., : tokens * references], v, tokens, scale, w_o)[0]
+            w = w[..., : tokens * references]
+            return (reference_contributions(w, v, tokens, scale, None) if w_o is None else mix_tokens(w, projected))[0]
 
-        def latent(w: torch.Tensor) -> torch.Tensor | int:  # SD3: the latent tokens' part of the output (B, Q, C)
+        def output_of(c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (B, Q, C), SD3's latent tokens' part too
             if not joint:
-                return 0
-            return reference_contributions(
-                w[..., tokens:], split_heads(latent_v, heads), latent_v.shape[1], scale, w_o
-            )[0][:, 0]
+                return c.sum(1)
+            v_latent = split_heads(latent_v, heads)
+            return (
+                c.sum(1) + reference_contributions(w[..., tokens:], v_latent, latent_v.shape[1], scale, w_o)[0][:, 0]
+            )
 
         original = contributions(computed)
-        original_output = original.sum(1) + latent(computed)  # (B, Q, C), before a callback may edit ``original``
+        original_output = output_of(original, computed)  # before a callback may edit ``original``
         contribution = contributions(weights) if edited else original
         contribution, changed = self._run(names["contribution"], contribution, context("contribution"))
         edited = edited or changed
-        output = contribution.sum(1) + latent(weights)  # (B, Q, C)
+        output = output_of(contribution, weights)
         output, changed_output = self._run(names["output"], output, context("output"))
         if not (edited or changed_output):
             return None
@@ -415,7 +418,8 @@ class _Registry:
                     "(or None to keep it)"
                 )
             tensor, edited = result, True
-            self._count_nan(name, tensor)
+            if not getattr(fn, "finite", False):  # (the scale's callbacks return no NaN)
+                self._count_nan(name, tensor)
         return tensor, edited
 
     def _count_nan(self, name: str, tensor: torch.Tensor) -> None:
