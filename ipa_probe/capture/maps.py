@@ -13,11 +13,10 @@ adapter's references, so a reference gets nothing outside its region (negative b
 a position no mask reaches gets 0 for every reference).
 
 What is kept: per recorded step, layer, adapter and denoiser pass, one float32 ``(2, groups, items, Q, K)`` tensor
-(attention and NW; the groups' branch labels as a device tensor) on the pipeline's device (no host synchronisation),
-moved to the host once when the ``with`` block ends; with :meth:`MapAccumulator.keep_heads` (as
-:func:`ipa_probe.attribution.reference_attribution` asks) also the attention's per head, ``(groups, items, H, Q, K)``.
-:meth:`MapAccumulator.check_budget` refuses above ``max_map_bytes`` before step 0. Analysis (``reference_maps``,
-``token_maps``, ``map_table``) reads the host copy; the figures are in :mod:`~.mapplots`.
+(attention and NW, with the groups' branch labels) and each reference's contribution to the output (norm and
+projection, :meth:`MapAccumulator.end_pass`) on the pipeline's device (no host synchronisation), moved to the host
+once when the ``with`` block ends; with :meth:`MapAccumulator.keep_heads` both per head too. ``check_budget`` refuses
+above ``max_map_bytes`` before step 0; the figures are in :mod:`~.mapplots`.
 """
 
 from __future__ import annotations
@@ -117,8 +116,8 @@ class MapAccumulator:
         self._pending: list[tuple[list, torch.Tensor, torch.Tensor]] = []
         #: (layer index, adapter) -> the value projection's output of this pass
         self._values: dict[tuple[int, int], torch.Tensor] = {}
-        self._scales: dict[tuple, torch.Tensor] = {}  # (scales, device) -> (L,) per-record scales
-        self._w_o: dict[tuple, tuple] = {}  # layer indices -> (their W_o's (id, version, device), stack_w_o, W_o's)
+        #: a stack's (layer index, adapter) pairs -> (what they were made from, its scales, its W_o's, the W_o's)
+        self._constants: dict[tuple, tuple] = {}
         #: records whose contributions an edit of the contribution or output point set (:meth:`add`), warned of once
         self.edited_contributions = 0
 
@@ -143,7 +142,7 @@ class MapAccumulator:
     def read_projections(self, denoiser: torch.nn.Module) -> None:
         """Read the denoiser's per-adapter image projections (again, after ``load_ip_adapter`` replaced them)."""
         self._projections = image_projections(denoiser)
-        self._w_o.clear()  # the processors were replaced: their W_o's are read again
+        self._constants.clear()  # the processors were replaced: their W_o's are read again
 
     def on_pass(self, args: tuple, kwargs: dict, masks: list[torch.Tensor | None] | None) -> None:
         """A denoiser pass starts (``masks``: its normalised ``ip_adapter_masks``)."""
@@ -168,7 +167,7 @@ class MapAccumulator:
             if side > 0 and side * side * channels == sample.shape[-1]:
                 self._packed_ids[call] = (ids, sample.shape[1], side)
         self._mask_cache.clear()
-        self._w_o.clear()
+        self._constants.clear()
 
     def latent_grid(self, call: int) -> tuple[int, int] | None:
         """The VAE latent grid ``(H, W)`` of ``call``, or ``None`` when unknown. Flux packs side x side latent pixels
@@ -317,19 +316,18 @@ class MapAccumulator:
 
     def _contribute(self, where: list, weights: torch.Tensor, values: list, labels: torch.Tensor) -> tuple:
         layers, (heads, keys), device = [self.layers[key[2]] for key in where], weights.shape[1::2], weights.device
-        scales = tuple(float(self._scale(key)) for key in where)
-        scale = scales[0] if len(set(scales)) == 1 else self._scales.get((scales, device))
-        if scale is None:  # a scale per record (per-layer scales), made once
-            scale = self._scales.setdefault((scales, device), torch.tensor(scales, device=device))
         values = [v.float().reshape(self._batch, keys, heads, -1).transpose(1, 2) for v in values]  # (B, H, K, D)
         # Flux: no W_o; only norms and dot products of the contributions are kept: coordinates of the tokens' span
-        out = None if layers[0].family != "unet" else [layer.attention.to_out[0].weight for layer in layers]
-        if out is not None:  # the stack's W_o's (L, H, D, C), once a call (again where one was replaced or changed)
-            seen, stack = [(id(w), w._version, w.device) for w in out], tuple(key[2] for key in where)
-            if self._w_o.get(stack, (None,))[0] != seen:  # (the weights held: their ids are not reused)
-                by_head = [w.float().unflatten(1, (heads, -1)).permute(1, 2, 0) for w in out]
-                self._w_o[stack] = (seen, torch.stack(by_head), out)
-            out = self._w_o[stack][1]
+        out = [layer.attention.to_out[0].weight for layer in layers] if layers[0].family == "unet" else []
+        # the stack's scales (L,) and W_o's (L, H, D, C), once a call (again where one changed; the weights held: their
+        # ids are not reused)
+        seen = [device, *(float(self._scale(key)) for key in where), *((id(w), w._version, w.device) for w in out)]
+        if self._constants.get(stack := tuple(key[2:] for key in where), (None,))[0] != seen:
+            scales = seen[1 : len(where) + 1]
+            scale = scales[0] if len(set(scales)) == 1 else torch.tensor(scales, device=device)
+            w_o = torch.stack([w.float().unflatten(1, (heads, -1)).permute(1, 2, 0) for w in out]) if out else None
+            self._constants[stack] = (seen, scale, w_o, out)
+        _, scale, out, _ = self._constants[stack]
         tokens = self.tokens_per_image(where[0][3], where[0][2]) or keys
         return where, labels, *reference_contributions(weights.float(), values, tokens, scale, out, self.heads, True)
 
@@ -387,7 +385,7 @@ class MapAccumulator:
                 setattr(self, name, {key: [(a.cpu(), b.cpu()) for a, b in entries] for key, entries in stored.items()})
             self._values.clear()
             self._mask_cache.clear()
-            self._w_o.clear()
+            self._constants.clear()
             self._masks = []
             self._on_host = True
 

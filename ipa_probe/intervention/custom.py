@@ -111,9 +111,7 @@ def scale_hooks(config: InterventionConfig, layers: Sequence[str], joint: bool =
             return None  # the identity, exactly
         key = (ctx.references, ctx.tokens, x.dtype, x.device)  # made on the device once, not at every layer and pass
         if key not in per_token:
-            f = torch.ones(ctx.references, dtype=x.dtype, device=x.device)
-            for reference, factor in factors.items():
-                f[reference] = factor
+            f = torch.tensor([factors.get(r, 1.0) for r in range(ctx.references)], dtype=x.dtype, device=x.device)
             per_token[key] = f.repeat_interleave(ctx.tokens).log() if joint else f.repeat_interleave(ctx.tokens)
         if joint:
             return x + per_token[key]  # (B, H, Q, K); log 0 = -inf

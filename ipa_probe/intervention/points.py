@@ -218,8 +218,7 @@ class _Registry:
             tokens = tokens_per_image(layer.processor, image_projections(self.denoiser), adapter)
         if tokens is None:
             return None
-        queries = self._grid(layer)
-        queries = queries[0] * queries[1]
+        queries = math.prod(self._grid(layer))
         out = layer.attention.to_out[0] if layer.family != "flux" else layer.processor.to_v_ip[adapter]
         channels, dtype = out.out_features, out.weight.dtype
         key = layer.processor.to_k_ip if sd3 else layer_module(layer, "k", adapter)
@@ -287,24 +286,21 @@ class _Registry:
         if not any(name in self.active for name in names.values()):
             return None
         seen = self.spine.hooks.seen
-        query = seen.get((layer.name, "q", 0))  # (B, H, Q, D)
+        q0 = seen.get((layer.name, "q", 0))  # (B, H, Q, D)
         keys, values = (seen.get((layer.name, site, adapter)) for site in ("k", "v"))
-        if query is None or keys is None or values is None:
+        if q0 is None or keys is None or values is None:
             return None  # the branch did not run (adapter scale 0, SD3 without image tokens)
         text, joint = adapter == TEXT, layer.family == "sd3"  # SD3: one softmax over [image keys; latent keys]
-        heads, batch = layer.heads, query.shape[0]
+        heads, batch = layer.heads, q0.shape[0]
         tokens = keys.shape[-2] if keys.ndim == 4 or text else keys.shape[1]
-        q0 = query  # (B, H, Q, D)
         k0 = keys if joint else split_heads(keys.reshape(batch, -1, keys.shape[-1]), heads)  # (B, H, K, D)
         v = split_heads(values.reshape(batch, -1, values.shape[-1]), heads)  # (B, H, K, D)
         latent_k, latent_v = (seen.get((layer.name, site, "latent")) for site in ("k", "v"))  # SD3: (B, H, N, D)
         references = k0.shape[2] // tokens
         processor = layer.attention.processor  # the one running now (an NW head swapped in after the points)
         scale = 1.0 if text else float(processor.scale if joint else processor.scale[adapter])
-        queries = q0.shape[2]
         grid = self._grid(layer)
-        if grid[0] * grid[1] != queries:
-            grid = (1, queries)
+        grid = grid if grid[0] * grid[1] == q0.shape[2] else (1, q0.shape[2])
         keyed = references  # references among the keys (fewer than the call's when an ablation removed some)
         kept = None if text else self.spine.kept.get((layer.name, adapter))
         if kept is not None:  # an ablation removed references from the keys: they are back here at weight 0
@@ -327,7 +323,7 @@ class _Registry:
                 tokens=tokens,
                 grid=grid,
                 scale=scale,
-                device=query.device,
+                device=q0.device,
                 pass_index=now.pass_index,
                 cfg=self.cfg,
             )
@@ -368,13 +364,11 @@ class _Registry:
             w = w[..., : tokens * references]
             return (reference_contributions(w, v, tokens, scale, None) if w_o is None else mix_tokens(w, projected))[0]
 
-        def output_of(c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (B, Q, C), SD3's latent tokens' part too
-            if not joint:
-                return c.sum(1)
-            v_latent = split_heads(latent_v, heads)
-            return (
-                c.sum(1) + reference_contributions(w[..., tokens:], v_latent, latent_v.shape[1], scale, w_o)[0][:, 0]
-            )
+        if joint:  # SD3: the latent tokens' part of the output too, as one more reference (of all of them)
+            latent = projected_tokens([split_heads(latent_v, heads)], latent_v.shape[1], scale, w_o)
+
+        def output_of(c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (B, R, Q, C) -> (B, Q, C)
+            return c.sum(1) + mix_tokens(w[..., tokens:], latent)[0][:, 0] if joint else c.sum(1)
 
         original = contributions(computed)
         original_output = output_of(original, computed)  # before a callback may edit ``original``

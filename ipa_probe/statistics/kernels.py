@@ -253,15 +253,10 @@ def orthonormal_coordinates(vectors: torch.Tensor) -> torch.Tensor:
     """``vectors`` ``(..., X, C)`` as coordinates in an orthonormal basis of their span, ``(..., X, min(X, C))``.
 
     Every norm and dot product of linear combinations of the vectors is unchanged, so the per-reference contributions
-    (:meth:`MapAccumulator._contribute`: combinations of ``X = R * H * T`` token vectors of the layer's ``C``
-    channels) can be formed and measured in ``X`` dimensions instead of ``C``: 64 against 320-1280 for SD 1.5 with two
-    4-token references, and that many times less to write and read per query position. The basis comes from a
-    Householder QR of the vectors (``V^T = Q R``: row ``x`` of ``V`` has coordinates ``R[:, x]``), backward stable, so
-    the numbers keep float32's accuracy relative to the vectors' size.
-
-    Only on the CPU and where it shrinks something (``X < C``): elsewhere the vectors come back as they are (on a GPU
-    the full-width products are cheap and a batched QR is a solver call; MPS has none).
-    """
+    (combinations of ``X = R * H * T`` token vectors of ``C`` channels) are formed in ``X`` dimensions instead of
+    ``C``: 64 against 320-1280 for SD 1.5 with two 4-token references. A Householder QR (``V^T = Q R``: row ``x`` of
+    ``V`` has coordinates ``R[:, x]``), backward stable: float32's accuracy relative to the vectors' size. Only on the
+    CPU and where ``X < C`` (on a GPU the full-width products are cheap and a batched QR is a solver call)."""
     if vectors.device.type != "cpu" or vectors.shape[-2] >= vectors.shape[-1]:
         return vectors
     return torch.linalg.qr(vectors.transpose(-1, -2), mode="r").R.transpose(-1, -2)
@@ -283,11 +278,9 @@ def reference_contributions(
 
     Given ``weights`` ``(B, H, Q, K)`` (``K = R * T``, reference-major) and ``values`` ``(B, H, K, D)``, returns
     ``c_j = sum_h c_{j,h}`` ``(B, R, Q, C)`` and, with ``heads``, the ``c_{j,h}`` ``(B, H, R, Q, C)`` (Flux: head
-    ``h``'s own block of ``C``, ``(B, H, R, Q, D)``), else ``None``. With ``coordinates`` (and ``w_o``) ``C`` is in
-    :func:`orthonormal_coordinates` of the tokens' span: right for norms and dot products only. ``L`` layers at once:
-    ``weights`` ``(L * B, ...)``, ``values`` a list of ``L``, ``w_o`` their ``(L, H, D, C)`` stack (``W_o[:, h]``
-    as ``[h]^T``), ``scale`` ``(L,)`` or a number. Through :func:`projected_tokens` and :func:`mix_tokens`.
-    """
+    ``h``'s own block of ``C``, ``(B, H, R, Q, D)``), else ``None``; ``coordinates``: ``C`` in the tokens'
+    :func:`orthonormal_coordinates` (right for norms and dot products only). ``L`` layers at once: ``weights`` ``(L *
+    B, ...)``, ``values`` a list of ``L``, ``w_o`` their ``(L, H, D, C)`` stack, ``scale`` ``(L,)`` or a number."""
     values = [values] if torch.is_tensor(values) else values
     if w_o is not None:
         return mix_tokens(weights, projected_tokens(values, tokens, scale, w_o, coordinates), heads)
