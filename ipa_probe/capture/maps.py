@@ -319,9 +319,8 @@ class MapAccumulator:
         values = [v.float().reshape(self._batch, keys, heads, -1).transpose(1, 2) for v in values]  # (B, H, K, D)
         # Flux: no W_o; only norms and dot products of the contributions are kept: coordinates of the tokens' span
         out = [layer.attention.to_out[0].weight for layer in layers] if layers[0].family == "unet" else []
-        # the stack's scales (L,) and W_o's (L, H, D, C), once a call (again where one changed; the weights held: their
-        # ids are not reused)
-        seen = [device, *(float(self._scale(key)) for key in where), *((id(w), w._version, w.device) for w in out)]
+        # the stack's scales (L,) and W_o's (L, H, D, C), made once a call (the W_o's held: their ids are not reused)
+        seen = [device, *(float(self._scale(key)) for key in where), *((id(w), w.device) for w in out)]
         if self._constants.get(stack := tuple(key[2:] for key in where), (None,))[0] != seen:
             scales = seen[1 : len(where) + 1]
             scale = scales[0] if len(set(scales)) == 1 else torch.tensor(scales, device=device)

@@ -347,11 +347,12 @@ class _Registry:
             start = weights_of(logits)
         else:
             start = weights_of(logits_of(q0, k0))
-        version = start._version
         weights, changed = self._run(names["weights"], start, context("weights"), tokens * joint)
-        # the weights the processor computed, for the change of the output: formed again when edits reached them
-        computed = weights_of(logits_of(q0, k0)) if edited or start._version != version else start
+        # the weights the processor computed, for the change of the output: formed again when edits may have reached
+        # them (not when only the scale's callbacks ran after none upstream: they leave what they get as it is)
+        pure = not edited and all(getattr(fn, "pure", False) for fn in self.active.get(names["weights"], ()))
         edited = edited or changed
+        computed = weights_of(logits_of(q0, k0)) if edited and not pure else start
         if edited and not text:  # what the layer uses from here on: the probe reads these (SD3: the image columns)
             self.spine.use(layer.name, adapter, "weights", weights[..., : tokens * references])
         if not edited and names["contribution"] not in self.active and names["output"] not in self.active:
@@ -412,7 +413,7 @@ class _Registry:
                     "(or None to keep it)"
                 )
             tensor, edited = result, True
-            if not getattr(fn, "finite", False):  # (the scale's callbacks return no NaN)
+            if not getattr(fn, "pure", False):  # (the scale's callbacks return no NaN)
                 self._count_nan(name, tensor)
         return tensor, edited
 
