@@ -191,6 +191,37 @@ def test_contributions_equal_own_float64_recomputation(scaled, refs, guidance):
             np.testing.assert_allclose(part["contribution_norm"].to_numpy(), recomputed, rtol=0, atol=atol)
 
 
+def test_contributions_follow_a_change_of_w_o_between_calls(sd15, refs):
+    """The maps stack each layer size's ``W_o`` once a call: one changed in place between two calls of one probe
+    (doubled) is read again in the second call, not served from the first call's stack."""
+    weight = ip_layers(sd15)[next(iter(ip_layers(sd15)))][0].to_out[0].weight
+    before = weight.detach().clone()
+    with probe(sd15, maps=True) as run, OwnHooks(sd15) as own:
+        names = [layer.name for layer in run.layers]
+        want = {}
+        try:
+            for call in (0, 1):
+                generate(sd15, refs, guidance_scale=1.0)
+                for step in range(STEPS):  # the test's own numbers, from W_o as it is in this call
+                    for index, name in enumerate(names):
+                        own_step = call * STEPS + step
+                        want[(call, step, index)] = own_numbers(own.contributions(own_step, name, len(refs)))
+                with torch.no_grad():
+                    weight.mul_(2 if call == 0 else 0.5)
+        finally:
+            if not torch.equal(weight, before):  # a call raised: the shared pipeline as it was
+                with torch.no_grad():
+                    weight.copy_(before)
+    for call in (0, 1):
+        got = run._maps.contribution_weights(call, 0, 0, "cond", range(len(names)), range(STEPS))
+        assert len(got) == STEPS * len(names)
+        for (step, index), values in got.items():
+            norm = want[(call, step, index)]["norm"][0].T  # (Q, R)
+            atol = 1e-5 * float(norm.abs().max())
+            torch.testing.assert_close(values[0], norm, atol=atol, rtol=0)
+            torch.testing.assert_close(values[2], want[(call, step, index)]["projection"][0].T, atol=atol, rtol=0)
+
+
 def _heads_block(weight, heads, rows):
     """``weight`` split per head along rows (``rows=True``: ``(H, D, in)``) or columns (``(out, H, D)``)."""
     return weight.reshape(heads, -1, weight.shape[-1]) if rows else weight.reshape(weight.shape[0], heads, -1)

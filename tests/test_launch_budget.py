@@ -32,10 +32,10 @@ BUDGETS = {
     ("probe", 4): 0.36,  # 288 of 844 launches (0.34x; 411 before the forming per stack and the stacked statistics
     # pass, 476 before one reduction for every per-cell sum and the layout kept across steps; 706 before the query
     # frames of every layer size were joined, 2,401 before the stacked records and the one pass)
-    ("maps", 4): 0.45,  # 363 (0.43x; 699 before, 764 and 1,010 before that, 2,705 at first)
+    ("maps", 4): 0.43,  # 342 (0.41x; 363 before the stacked W_o's, 699 and 764 before that, 2,705 at first)
     ("exact", 4): 0.36,  # 288 (0.34x; 411 before)
     ("probe", 64): 0.42,  # 335 (0.40x; 483 before, 871 before the sampled and exact records shared one pass)
-    ("maps", 64): 0.51,  # 412 at full width (0.49x; 781 before, 1,158 and 1,423 before that)
+    ("maps", 64): 0.49,  # 391 at full width (0.46x; 412 before, 781 and 1,158 before that)
     ("exact", 64): 0.36,  # 288 (0.34x; 411 before)
 }
 

@@ -29,6 +29,12 @@ def _chunks(accumulator: MapAccumulator, calls: list[dict[str, Any]], names: lis
             yield where, refs, covered, count, accumulator.contribution_chunk(key, label)
 
 
+def _covered_mean(values: torch.Tensor, covered: torch.Tensor) -> torch.Tensor:
+    """``(k, I, Q, R)`` -> ``(k, R)``: the mean over each item's covered positions, then over the items with any."""
+    positions = covered.sum(-1)  # (I,)
+    return ((values * covered[..., None]).sum(-2) / positions.clamp(min=1)[:, None])[:, positions > 0].mean(1)
+
+
 def reference_mass(accumulator: MapAccumulator, calls: list[dict[str, Any]], names: list[str]) -> pd.DataFrame:
     """The share of each reference image in the image branch's weight, per (call, step, layer, adapter, branch).
 
@@ -46,32 +52,21 @@ def reference_mass(accumulator: MapAccumulator, calls: list[dict[str, Any]], nam
     """
     rows = []
     for where, refs, covered, count, contributions in _chunks(accumulator, calls, names):
-        positions = covered.sum(-1)  # (I,)
-        per_item = (refs * covered[..., None]).sum(-2) / positions.clamp(min=1)[:, None]  # (2, I, R)
-        mean = per_item[:, positions > 0].mean(1)  # (2, R)
         kept = torch.full((3, count), math.nan, dtype=torch.float64)
         if contributions is not None and contributions.shape[1:] == refs.shape[1:]:
-            values = with_share(contributions)  # (3, I, Q, R)
-            per_item = (values * covered[..., None]).sum(-2) / positions.clamp(min=1)[:, None]  # (3, I, R)
-            kept = per_item[:, positions > 0].mean(1)  # (3, R)
+            kept = _covered_mean(with_share(contributions), covered)  # (3, R): norm, share, projection
+        shares = _covered_mean(refs, covered)  # (2, R)
         for reference in range(count):
             contribution = tuple(float(kept[k, reference]) for k in range(3))
-            rows.append((*where, reference, float(mean[0, reference]), float(mean[1, reference]), *contribution))
+            rows.append((*where, reference, float(shares[0, reference]), float(shares[1, reference]), *contribution))
     table = pd.DataFrame(rows, columns=list(REFERENCE_MASS_COLUMNS))
     table["layer"] = pd.Categorical(table["layer"], categories=names)
     return table
 
 
 def map_statistics(accumulator: MapAccumulator, calls: list[dict[str, Any]], names: list[str]) -> pd.DataFrame:
-    """The per (call, step, layer, adapter, branch, item) agreement of the attention and NW reference shares.
-
-    Args:
-        accumulator: a finished accumulator.
-        calls: the run's finished calls (``index``, ``branches``, ``timesteps``).
-        names: the probe's layer names.
-
-    Returns:
-        a DataFrame with :data:`MAP_TABLE_COLUMNS`.
+    """The per (call, step, layer, adapter, branch, item) agreement of the attention and NW reference shares of a
+    finished accumulator (``calls``: the run's finished calls; ``names``: its layer names): :data:`MAP_TABLE_COLUMNS`.
     """
     rows = []
     for where, refs, covered, count, _ in _chunks(accumulator, calls, names):

@@ -13,11 +13,10 @@ adapter's references, so a reference gets nothing outside its region (negative b
 a position no mask reaches gets 0 for every reference).
 
 What is kept: per recorded step, layer, adapter and denoiser pass, one float32 ``(2, groups, items, Q, K)`` tensor
-(attention and NW; the groups' branch labels as a device tensor) on the pipeline's device (no host synchronisation),
-moved to the host once when the ``with`` block ends; with :meth:`MapAccumulator.keep_heads` (as
-:func:`ipa_probe.attribution.reference_attribution` asks) also the attention's per head, ``(groups, items, H, Q, K)``.
-:meth:`MapAccumulator.check_budget` refuses above ``max_map_bytes`` before step 0. Analysis (``reference_maps``,
-``token_maps``, ``map_table``) reads the host copy; the figures are in :mod:`~.mapplots`.
+(attention and NW, with the groups' branch labels) and each reference's contribution to the output (norm and
+projection, :meth:`MapAccumulator.end_pass`) on the pipeline's device (no host synchronisation), moved to the host
+once when the ``with`` block ends; with :meth:`MapAccumulator.keep_heads` both per head too. ``check_budget`` refuses
+above ``max_map_bytes`` before step 0; the figures are in :mod:`~.mapplots`.
 """
 
 from __future__ import annotations
@@ -117,7 +116,8 @@ class MapAccumulator:
         self._pending: list[tuple[list, torch.Tensor, torch.Tensor]] = []
         #: (layer index, adapter) -> the value projection's output of this pass
         self._values: dict[tuple[int, int], torch.Tensor] = {}
-        self._scales: dict[tuple, torch.Tensor] = {}  # (scales, device) -> (L,) per-record scales
+        #: a stack's (layer index, adapter) pairs -> (what they were made from, its scales, its W_o's, the W_o's)
+        self._constants: dict[tuple, tuple] = {}
         #: records whose contributions an edit of the contribution or output point set (:meth:`add`), warned of once
         self.edited_contributions = 0
 
@@ -142,6 +142,7 @@ class MapAccumulator:
     def read_projections(self, denoiser: torch.nn.Module) -> None:
         """Read the denoiser's per-adapter image projections (again, after ``load_ip_adapter`` replaced them)."""
         self._projections = image_projections(denoiser)
+        self._constants.clear()  # the processors were replaced: their W_o's are read again
 
     def on_pass(self, args: tuple, kwargs: dict, masks: list[torch.Tensor | None] | None) -> None:
         """A denoiser pass starts (``masks``: its normalised ``ip_adapter_masks``)."""
@@ -166,6 +167,7 @@ class MapAccumulator:
             if side > 0 and side * side * channels == sample.shape[-1]:
                 self._packed_ids[call] = (ids, sample.shape[1], side)
         self._mask_cache.clear()
+        self._constants.clear()
 
     def latent_grid(self, call: int) -> tuple[int, int] | None:
         """The VAE latent grid ``(H, W)`` of ``call``, or ``None`` when unknown. Flux packs side x side latent pixels
@@ -240,7 +242,7 @@ class MapAccumulator:
         queries, layer = shares.shape[-2], self.layers[where[0][2]]
         mask = self._masks[where[0][3]] if where[0][3] < len(self._masks) else None
         if contribution is not None:  # an edit of the contributions: what the layer used, not formed here
-            self._keep_contributions(where, labels, contribution.float())
+            self._keep_contributions([(where, labels, contribution.float(), None)])
             self.edited_contributions += 1
         elif mask is None and layer.family != "sd3" and heads == layer.heads:  # formed when the values are in
             # (L * n, H, items * Q, K) -> (L * B, H, Q, K), the batch order the value projection sees
@@ -290,13 +292,11 @@ class MapAccumulator:
     @torch.no_grad()
     def end_pass(self) -> None:
         """Each reference's contribution ``c_j`` to the image branch's output as it enters the residual stream
-        (:func:`~ipa_probe.statistics.kernels.reference_contributions`; device only), ``c = sum_j c_j``, each stack
-        of records :meth:`add` left at once, from the values its layers computed (none where a pass raised first).
-
-        Kept: ``|c_j|`` and ``c_j . c / |c|`` (the projections sum over ``j`` to ``|c|``), and per head with
-        :meth:`keep_heads`. Both are unchanged by the q/k group (the weights are) and by a per-head basis change of
-        the values (``W_v -> B W_v``, ``W_o -> W_o B^-1``: ``W_o[:, h] v_h`` is)."""
-        pending, self._pending = self._pending, []
+        (:func:`~ipa_probe.statistics.kernels.reference_contributions`; device only), each stack of records :meth:`add`
+        left at once, from the values its layers computed (none where a pass raised first); kept by
+        :meth:`_keep_contributions`, unchanged by the q/k group (the weights are) and by a per-head basis change of the
+        values (``W_v -> B W_v``, ``W_o -> W_o B^-1``: ``W_o[:, h] v_h`` is)."""
+        pending, self._pending, stacks = self._pending, [], []
         for where, labels, weights in pending:  # weights (L * B, H, Q, K); values (B, K, H * D) or (B, R, T, H * D)
             values, n = [self._values.get(key[2:]) for key in where], self._batch * weights.shape[-1]
             ok = [
@@ -306,47 +306,55 @@ class MapAccumulator:
             parts = [
                 ([key], w, [v]) for key, w, v, o in zip(where, weights.chunk(len(where)), values, ok, strict=True) if o
             ]
-            for keys, w, v in [(where, weights, values)] if all(ok) else parts:
-                self._contribute(keys, labels, w, v)
+            stacks += [self._contribute(*part, labels) for part in ([(where, weights, values)] if all(ok) else parts)]
+        if stacks:
+            self._keep_contributions(stacks)
 
     def _scale(self, key: tuple):
         scale = getattr(self.layers[key[2]].processor, "scale", 1.0)
         return scale[key[3]] if isinstance(scale, list | tuple) else scale
 
-    def _contribute(self, where: list, labels: torch.Tensor, weights: torch.Tensor, values: list) -> None:
+    def _contribute(self, where: list, weights: torch.Tensor, values: list, labels: torch.Tensor) -> tuple:
         layers, (heads, keys), device = [self.layers[key[2]] for key in where], weights.shape[1::2], weights.device
-        scales = tuple(float(self._scale(key)) for key in where)
-        scale = scales[0] if len(set(scales)) == 1 else self._scales.get((scales, device))
-        if scale is None:  # a scale per record (per-layer scales), made once
-            scale = self._scales.setdefault((scales, device), torch.tensor(scales, device=device))
         values = [v.float().reshape(self._batch, keys, heads, -1).transpose(1, 2) for v in values]  # (B, H, K, D)
         # Flux: no W_o; only norms and dot products of the contributions are kept: coordinates of the tokens' span
-        out = None if layers[0].family != "unet" else [layer.attention.to_out[0].weight for layer in layers]
+        out = [layer.attention.to_out[0].weight for layer in layers] if layers[0].family == "unet" else []
+        # the stack's scales (L,) and W_o's (L, H, D, C), made once a call (the W_o's held: their ids are not reused)
+        seen = [device, *(float(self._scale(key)) for key in where), *((id(w), w.device) for w in out)]
+        if self._constants.get(stack := tuple(key[2:] for key in where), (None,))[0] != seen:
+            scales = seen[1 : len(where) + 1]
+            scale = scales[0] if len(set(scales)) == 1 else torch.tensor(scales, device=device)
+            w_o = torch.stack([w.float().unflatten(1, (heads, -1)).permute(1, 2, 0) for w in out]) if out else None
+            self._constants[stack] = (seen, scale, w_o, out)
+        _, scale, out, _ = self._constants[stack]
         tokens = self.tokens_per_image(where[0][3], where[0][2]) or keys
-        total_ref, per_head = reference_contributions(weights.float(), values, tokens, scale, out, self.heads, True)
-        self._keep_contributions(where, labels, total_ref, per_head)
+        return where, labels, *reference_contributions(weights.float(), values, tokens, scale, out, self.heads, True)
 
-    def _keep_contributions(self, where: list, labels: torch.Tensor, total_ref: torch.Tensor, per_head=None) -> None:
-        """Keep the norms ``|c_j|`` and projections ``c_j . c / |c|`` of ``L`` records' ``total_ref`` ``(L * B, R, Q,
-        C)``, ``c = sum_j c_j``, and ``per_head`` ``(L * B, H, R, Q, C)`` (Flux: ``D``, head ``h``'s part of ``C``)."""
-        batch, references, queries, _ = total_ref.shape
-        total = total_ref.sum(1)  # (B, Q, C)
-        direction = total / total.norm(dim=-1, keepdim=True).clamp(min=1e-30)  # (B, Q, C)
-        shape = (2, len(where), labels.shape[0], batch // len(where) // labels.shape[0])  # (2, L, n, items)
-        kept = torch.stack([total_ref.norm(dim=-1), (total_ref * direction[:, None]).sum(-1)])  # (2, B, R, Q)
-        kept = kept.transpose(-1, -2).reshape(*shape, queries, references)  # (2, L, n, items, Q, R)
-        for key, part in zip(where, kept.unbind(1), strict=True):
-            self.contribution_store.setdefault(key, []).append((labels, part))
-        if per_head is not None:
-            heads = per_head.shape[1]
-            if per_head.shape[-1] != total.shape[-1]:  # Flux: head h's block of the direction
-                on_head = direction.reshape(batch, queries, heads, -1).transpose(1, 2)[:, :, None]  # (B, H, 1, Q, D)
-            else:
-                on_head = direction[:, None, None]  # (B, 1, 1, Q, C)
-            per_head = torch.stack([per_head.norm(dim=-1), (per_head * on_head).sum(-1)])  # (2, B, H, R, Q)
-            by_head = per_head.transpose(-1, -2).reshape(*shape, heads, queries, references)
-            for key, part in zip(where, by_head.unbind(1), strict=True):
-                self.contribution_head_store.setdefault(key, []).append((labels, part))
+    def _keep_contributions(self, stacks: list[tuple]) -> None:
+        """Keep the norms ``|c_j|`` and projections ``c_j . c / |c|`` (``c = sum_j c_j``: they sum to ``|c|``; per head
+        ``c_{j,h} . c / |c|``) of stacks of ``L`` records ``(where, labels, c_j (L * B, R, Q, C), c_{j,h} (L * B, H, R,
+        Q, C) or None)`` (Flux: ``D``, head ``h``'s part of ``C``), the sums over ``C`` in one buffer for all."""
+        sizes = [total_ref[..., 0].numel() for _, _, total_ref, _ in stacks]
+        kept, totals = stacks[0][2].new_empty(3, sum(sizes)), []  # |c_j|, c_j . c, |c| per (record, reference, query)
+        for (_, _, total_ref, _), part in zip(stacks, kept.split(sizes, 1), strict=True):
+            part, total = part.view(3, *total_ref.shape[:3]), total_ref.sum(1, keepdim=True)  # (L * B, 1, Q, C)
+            torch.linalg.vector_norm(total_ref, dim=-1, out=part[0])
+            torch.sum(total_ref * total, -1, out=part[1])
+            torch.linalg.vector_norm(total.expand_as(total_ref), dim=-1, out=part[2])
+            totals.append((part, total))
+        kept[1].div_(kept[2].clamp_(min=1e-30))
+        for (where, labels, _, per_head), (part, total) in zip(stacks, totals, strict=True):
+            shape = (len(where), labels.shape[0], -1)  # (L, n, items)
+            for key, values in zip(where, part[:2].transpose(-1, -2).unflatten(1, shape).unbind(1), strict=True):
+                self.contribution_store.setdefault(key, []).append((labels, values))  # (2, n, items, Q, R)
+            if per_head is None:
+                continue
+            flux = per_head.shape[-1] != total.shape[-1]  # Flux: head h's block of c, (B, H, 1, Q, D)
+            total = total.unflatten(-1, (per_head.shape[1], -1)).movedim(-2, 1) if flux else total[:, None]
+            per_head = torch.stack([per_head.norm(dim=-1), (per_head * total).sum(-1) / part[2][:, None, :1]])
+            by_head = per_head.transpose(-1, -2).unflatten(1, shape)  # (2, L, n, items, H, Q, R)
+            for key, values in zip(where, by_head.unbind(1), strict=True):
+                self.contribution_head_store.setdefault(key, []).append((labels, values))
 
     def _region(self, mask: torch.Tensor, adapter: int, image: int, batch: int, queries: int, device) -> torch.Tensor:
         """Reference ``image``'s mask on a ``queries``-position grid, ``(batch, Q)``, as the processor weights it."""
@@ -376,6 +384,7 @@ class MapAccumulator:
                 setattr(self, name, {key: [(a.cpu(), b.cpu()) for a, b in entries] for key, entries in stored.items()})
             self._values.clear()
             self._mask_cache.clear()
+            self._constants.clear()
             self._masks = []
             self._on_host = True
 
@@ -413,14 +422,10 @@ class MapAccumulator:
         per_token: bool,
     ) -> torch.Tensor:
         """Average the selected (step, layer) maps on one grid: ``(R, H, W)`` or ``(R, T, H, W)`` float32, CPU."""
-        which = MAP_KINDS.index(kind)
-        branch_name = branch
-        branch = self.labels.index(branch)
-        target = None if isinstance(size, str) else size
-        if size == "image":
-            target = self.image_size(call)
+        which, label = MAP_KINDS.index(kind), self.labels.index(branch)
+        target = self.image_size(call) if size == "image" else None if isinstance(size, str) else size
         total, count = None, 0
-        for _, index, buffer in self._chunks(call, item, adapter, branch, layers, steps):
+        for _, index, buffer in self._chunks(call, item, adapter, label, layers, steps):
             weights = buffer[which, item].double()  # (Q, K)
             queries, keys = weights.shape
             tokens = self.tokens_per_image(adapter, index) or keys
@@ -438,16 +443,12 @@ class MapAccumulator:
             count += 1
         if total is None:
             raise ValueError(
-                f"no maps recorded for call={call}, adapter={adapter}, branch {branch_name!r} at the selected layers "
+                f"no maps recorded for call={call}, adapter={adapter}, branch {branch!r} at the selected layers "
                 "and steps; check `branch` (run.to_dataframe()['branch'] lists the recorded ones), `steps` (loop "
                 "indices the probe recorded) and `layers`"
             )
         out = (total / count).float()
-        if per_token:
-            tokens_r = out.shape[0]
-            refs = per_ref.shape[1]
-            out = out.reshape(refs, tokens_r // refs, *out.shape[-2:])
-        return out
+        return out.unflatten(0, (per_ref.shape[1], -1)) if per_token else out  # (R, T, H, W) or (R, H, W)
 
     def reference_weights(
         self, call: int, item: int, adapter: int, kind: str, branch: str, layers: Iterable[int], steps: Iterable[int]
@@ -482,14 +483,11 @@ class MapAccumulator:
         label, out = self.labels.index(branch), {}
         get = partial(_by_label, self.head_store, axis=0)  # (items, H, Q, K)
         for step, index, buffer in self._chunks(call, item, adapter, label, layers, steps, get, 0):
-            _, heads, queries, keys = buffer.shape
-            tokens = self.tokens_per_image(adapter, index) or keys
-            out[(step, index)] = buffer[item].double().reshape(heads, queries, keys // tokens, tokens).sum(-1)
+            tokens = self.tokens_per_image(adapter, index) or buffer.shape[-1]
+            out[(step, index)] = buffer[item].double().unflatten(-1, (-1, tokens)).sum(-1)  # (H, Q, R)
         return out
 
-    def contribution_chunk(
-        self, key: tuple[int, int, int, int], label: int, heads: bool = False
-    ) -> torch.Tensor | None:
+    def contribution_chunk(self, key: tuple, label: int, heads: bool = False) -> torch.Tensor | None:
         """The contributions of the batch items labelled ``label`` at ``key`` (host, batch order, passes in order):
         ``(2, items, Q, R)`` (norm, projection onto the total), or per head ``(2, items, H, Q, R)``; ``None`` when
         none were recorded (masked adapters, SD3, a head selection, per-image scales)."""

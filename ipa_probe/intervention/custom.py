@@ -95,8 +95,9 @@ def scale_hooks(config: InterventionConfig, layers: Sequence[str], joint: bool =
     """The weights callbacks of ``mode="scale"``: reference ``j``'s unnormalised weights (``exp`` of its logits) are
     multiplied by its factor ``f_j`` and the softmax renormalised, ``w'_i = f_j w_i / sum_k f_k w_k``: ``f = 0``
     removes the reference from the softmax exactly as ``"ablate"`` does, ``f = 1`` changes nothing. Where every
-    token's factor is 0 the weights are 0 (the branch adds nothing, as ablating every reference does). SD3 (``joint``),
-    whose softmax also runs over the latent tokens: the same, as ``log f`` added to the image columns' logits."""
+    token's factor is 0 (or the weights are NaN) the weights are 0 (the branch adds nothing, as ablating every
+    reference does). SD3 (``joint``), whose softmax also runs over the latent tokens: the same, as ``log f`` added
+    to the image columns' logits."""
     factors = dict(zip(config.references, config.factors, strict=True))
     per_token: dict[tuple, torch.Tensor] = {}  # each token's factor (SD3: its log), made once per shape and device
 
@@ -110,14 +111,13 @@ def scale_hooks(config: InterventionConfig, layers: Sequence[str], joint: bool =
             return None  # the identity, exactly
         key = (ctx.references, ctx.tokens, x.dtype, x.device)  # made on the device once, not at every layer and pass
         if key not in per_token:
-            f = torch.ones(ctx.references, dtype=x.dtype, device=x.device)
-            for reference, factor in factors.items():
-                f[reference] = factor
+            f = torch.tensor([factors.get(r, 1.0) for r in range(ctx.references)], dtype=x.dtype, device=x.device)
             per_token[key] = f.repeat_interleave(ctx.tokens).log() if joint else f.repeat_interleave(ctx.tokens)
         if joint:
             return x + per_token[key]  # (B, H, Q, K); log 0 = -inf
         scaled = x * per_token[key]  # (B, H, Q, K)
-        total = scaled.sum(-1, keepdim=True)  # (B, H, Q, 1)
-        return torch.where(total > 0, scaled / total.clamp_min(torch.finfo(x.dtype).tiny), 0.0)
+        total = scaled.sum(-1, keepdim=True)  # (B, H, Q, 1): 0 where every factor is (0 / tiny = 0), or NaN
+        return (scaled / total.clamp_min(torch.finfo(x.dtype).tiny)).nan_to_num_(0.0)
 
+    rescale.pure = not joint  # a new tensor without NaN, what it got left as it is (read by the hook points)
     return {point_name(layer, "logits" if joint else "weights", config.adapter): rescale for layer in layers}

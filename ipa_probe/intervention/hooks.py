@@ -322,6 +322,7 @@ def _attach_scale(pipe, state: Intervention, names: list[str], family: str):
             state.acted.append((ctx.step, ctx.layer))
             return fn(weights, ctx)
 
+        run.pure = getattr(fn, "pure", False)
         return run
 
     callbacks = {name: [logged(fn)] for name, fn in scale_hooks(state.config, names, family == "sd3").items()}

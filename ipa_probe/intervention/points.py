@@ -37,7 +37,7 @@ from ..capture.spine import EDIT, PassInfo, Spine, expand_references
 from ..capture.taps.base import layer_module
 from ..capture.taps.unet import unet_resolution_factor
 from ..layers import IPLayer, claim, find_ip_layers, image_branch_logits, release
-from ..statistics.kernels import dot_logits, reference_contributions, split_heads
+from ..statistics.kernels import dot_logits, mix_tokens, projected_tokens, reference_contributions, split_heads
 from .context import HookContext
 
 __all__ = [
@@ -218,8 +218,7 @@ class _Registry:
             tokens = tokens_per_image(layer.processor, image_projections(self.denoiser), adapter)
         if tokens is None:
             return None
-        queries = self._grid(layer)
-        queries = queries[0] * queries[1]
+        queries = math.prod(self._grid(layer))
         out = layer.attention.to_out[0] if layer.family != "flux" else layer.processor.to_v_ip[adapter]
         channels, dtype = out.out_features, out.weight.dtype
         key = layer.processor.to_k_ip if sd3 else layer_module(layer, "k", adapter)
@@ -287,24 +286,21 @@ class _Registry:
         if not any(name in self.active for name in names.values()):
             return None
         seen = self.spine.hooks.seen
-        query = seen.get((layer.name, "q", 0))  # (B, H, Q, D)
+        q0 = seen.get((layer.name, "q", 0))  # (B, H, Q, D)
         keys, values = (seen.get((layer.name, site, adapter)) for site in ("k", "v"))
-        if query is None or keys is None or values is None:
+        if q0 is None or keys is None or values is None:
             return None  # the branch did not run (adapter scale 0, SD3 without image tokens)
         text, joint = adapter == TEXT, layer.family == "sd3"  # SD3: one softmax over [image keys; latent keys]
-        heads, batch = layer.heads, query.shape[0]
+        heads, batch = layer.heads, q0.shape[0]
         tokens = keys.shape[-2] if keys.ndim == 4 or text else keys.shape[1]
-        q0 = query  # (B, H, Q, D)
         k0 = keys if joint else split_heads(keys.reshape(batch, -1, keys.shape[-1]), heads)  # (B, H, K, D)
         v = split_heads(values.reshape(batch, -1, values.shape[-1]), heads)  # (B, H, K, D)
         latent_k, latent_v = (seen.get((layer.name, site, "latent")) for site in ("k", "v"))  # SD3: (B, H, N, D)
         references = k0.shape[2] // tokens
         processor = layer.attention.processor  # the one running now (an NW head swapped in after the points)
         scale = 1.0 if text else float(processor.scale if joint else processor.scale[adapter])
-        queries = q0.shape[2]
         grid = self._grid(layer)
-        if grid[0] * grid[1] != queries:
-            grid = (1, queries)
+        grid = grid if grid[0] * grid[1] == q0.shape[2] else (1, q0.shape[2])
         keyed = references  # references among the keys (fewer than the call's when an ablation removed some)
         kept = None if text else self.spine.kept.get((layer.name, adapter))
         if kept is not None:  # an ablation removed references from the keys: they are back here at weight 0
@@ -327,7 +323,7 @@ class _Registry:
                 tokens=tokens,
                 grid=grid,
                 scale=scale,
-                device=query.device,
+                device=q0.device,
                 pass_index=now.pass_index,
                 cfg=self.cfg,
             )
@@ -352,32 +348,35 @@ class _Registry:
         else:
             start = weights_of(logits_of(q0, k0))
         weights, changed = self._run(names["weights"], start, context("weights"), tokens * joint)
+        # the weights the processor computed, for the change of the output: formed again when edits may have reached
+        # them (not when only the scale's callbacks ran after none upstream: they leave what they get as it is)
+        pure = not edited and all(getattr(fn, "pure", False) for fn, _ in self.active.get(names["weights"], ()))
         edited = edited or changed
-        # the weights the processor computed, for the change of the output: formed again when edits reached them
-        computed = weights_of(logits_of(q0, k0)) if edited else start
+        computed = weights_of(logits_of(q0, k0)) if edited and not pure else start
         if edited and not text:  # what the layer uses from here on: the probe reads these (SD3: the image columns)
             self.spine.use(layer.name, adapter, "weights", weights[..., : tokens * references])
         if not edited and names["contribution"] not in self.active and names["output"] not in self.active:
             return None  # nothing edited, and nothing downstream wanted
 
         w_o = layer.attention.to_out[0].weight if layer.family != "flux" else None  # Flux: the branch has no W_o
+        projected = None if w_o is None else projected_tokens([v], tokens, scale, w_o)  # once for both weights
 
         def contributions(w: torch.Tensor) -> torch.Tensor:  # (B, H, Q, K) -> (B, R, Q, C)
-            return reference_contributions(w[..., : tokens * references], v, tokens, scale, w_o)[0]
+            w = w[..., : tokens * references]
+            return (reference_contributions(w, v, tokens, scale, None) if w_o is None else mix_tokens(w, projected))[0]
 
-        def latent(w: torch.Tensor) -> torch.Tensor | int:  # SD3: the latent tokens' part of the output (B, Q, C)
-            if not joint:
-                return 0
-            return reference_contributions(
-                w[..., tokens:], split_heads(latent_v, heads), latent_v.shape[1], scale, w_o
-            )[0][:, 0]
+        if joint:  # SD3: the latent tokens' part of the output too, as one more reference (of all of them)
+            latent = projected_tokens([split_heads(latent_v, heads)], latent_v.shape[1], scale, w_o)
+
+        def output_of(c: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (B, R, Q, C) -> (B, Q, C)
+            return c.sum(1) + mix_tokens(w[..., tokens:], latent)[0][:, 0] if joint else c.sum(1)
 
         original = contributions(computed)
-        original_output = original.sum(1) + latent(computed)  # (B, Q, C), before a callback may edit ``original``
+        original_output = output_of(original, computed)  # before a callback may edit ``original``
         contribution = contributions(weights) if edited else original
         contribution, changed = self._run(names["contribution"], contribution, context("contribution"))
         edited = edited or changed
-        output = contribution.sum(1) + latent(weights)  # (B, Q, C)
+        output = output_of(contribution, weights)
         output, changed_output = self._run(names["output"], output, context("output"))
         if not (edited or changed_output):
             return None
@@ -414,7 +413,8 @@ class _Registry:
                     "(or None to keep it)"
                 )
             tensor, edited = result, True
-            self._count_nan(name, tensor)
+            if not getattr(fn, "pure", False):  # (the scale's callbacks return no NaN)
+                self._count_nan(name, tensor)
         return tensor, edited
 
     def _count_nan(self, name: str, tensor: torch.Tensor) -> None:

@@ -28,11 +28,13 @@ __all__ = [
     "key_norm_bias",
     "matched_bandwidth",
     "merge_heads",
+    "mix_tokens",
     "n_eff",
     "nw_logits",
     "nw_mean",
     "nw_weights",
     "orthonormal_coordinates",
+    "projected_tokens",
     "query_frame_bias",
     "query_frame_terms",
     "reference_contributions",
@@ -251,15 +253,10 @@ def orthonormal_coordinates(vectors: torch.Tensor) -> torch.Tensor:
     """``vectors`` ``(..., X, C)`` as coordinates in an orthonormal basis of their span, ``(..., X, min(X, C))``.
 
     Every norm and dot product of linear combinations of the vectors is unchanged, so the per-reference contributions
-    (:meth:`MapAccumulator._contribute`: combinations of ``X = R * H * T`` token vectors of the layer's ``C``
-    channels) can be formed and measured in ``X`` dimensions instead of ``C``: 64 against 320-1280 for SD 1.5 with two
-    4-token references, and that many times less to write and read per query position. The basis comes from a
-    Householder QR of the vectors (``V^T = Q R``: row ``x`` of ``V`` has coordinates ``R[:, x]``), backward stable, so
-    the numbers keep float32's accuracy relative to the vectors' size.
-
-    Only on the CPU and where it shrinks something (``X < C``): elsewhere the vectors come back as they are (on a GPU
-    the full-width products are cheap and a batched QR is a solver call; MPS has none).
-    """
+    (combinations of ``X = R * H * T`` token vectors of ``C`` channels) are formed in ``X`` dimensions instead of
+    ``C``: 64 against 320-1280 for SD 1.5 with two 4-token references. A Householder QR (``V^T = Q R``: row ``x`` of
+    ``V`` has coordinates ``R[:, x]``), backward stable: float32's accuracy relative to the vectors' size. Only on the
+    CPU and where ``X < C`` (on a GPU the full-width products are cheap and a batched QR is a solver call)."""
     if vectors.device.type != "cpu" or vectors.shape[-2] >= vectors.shape[-1]:
         return vectors
     return torch.linalg.qr(vectors.transpose(-1, -2), mode="r").R.transpose(-1, -2)
@@ -270,7 +267,7 @@ def reference_contributions(
     values: torch.Tensor | list[torch.Tensor],
     tokens: int,
     scale: float | torch.Tensor,
-    w_o: torch.Tensor | list[torch.Tensor] | None,
+    w_o: torch.Tensor | None,
     heads: bool = False,
     coordinates: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -281,32 +278,42 @@ def reference_contributions(
 
     Given ``weights`` ``(B, H, Q, K)`` (``K = R * T``, reference-major) and ``values`` ``(B, H, K, D)``, returns
     ``c_j = sum_h c_{j,h}`` ``(B, R, Q, C)`` and, with ``heads``, the ``c_{j,h}`` ``(B, H, R, Q, C)`` (Flux: head
-    ``h``'s own block of ``C``, ``(B, H, R, Q, D)``), else ``None``. With ``coordinates`` (and ``w_o``) ``C`` is in
-    :func:`orthonormal_coordinates` of the tokens' span: right for norms and dot products only. ``L`` layers at once:
-    ``weights`` ``(L * B, ...)``, ``values`` and ``w_o`` lists of ``L``, ``scale`` ``(L,)`` or a number.
-    """
-    values, w_o = [values] if torch.is_tensor(values) else values, [w_o] if torch.is_tensor(w_o) else w_o
-    batch, n_heads, queries, keys = values[0].shape[0], *weights.shape[1:]
+    ``h``'s own block of ``C``, ``(B, H, R, Q, D)``), else ``None``; ``coordinates``: ``C`` in the tokens'
+    :func:`orthonormal_coordinates` (right for norms and dot products only). ``L`` layers at once: ``weights`` ``(L *
+    B, ...)``, ``values`` a list of ``L``, ``w_o`` their ``(L, H, D, C)`` stack, ``scale`` ``(L,)`` or a number."""
+    values = [values] if torch.is_tensor(values) else values
+    if w_o is not None:
+        return mix_tokens(weights, projected_tokens(values, tokens, scale, w_o, coordinates), heads)
+    n_heads, queries, keys = weights.shape[1:]
     w = weights.reshape(-1, n_heads, queries, keys // tokens, tokens)  # (L * B, H, Q, R, T)
-    if w_o is None:
-        v = values[0] if len(values) == 1 else torch.cat(values)
-        v = v.reshape(v.shape[0], n_heads, keys // tokens, tokens, v.shape[-1])  # (L * B, H, R, T, D)
-        per_head = torch.einsum("bhqrt,bhrtd->bhrqd", w, v)  # (L * B, H, R, Q, D)
-        per_head = _scaled(per_head.unflatten(0, (len(values), -1)), scale).flatten(0, 1)
-        return per_head.permute(0, 2, 3, 1, 4).flatten(-2), per_head if heads else None  # (L * B, R, Q, H * D)
-    # each token's value through W_o first (s W_o[:, h] v_{h,i}: B * K * H vectors of C, few), then one product per
-    # reference over its H * T (head, token) weights: Q * H * T * C multiply-adds per reference instead of
-    # Q * (H * D) * C through W_o after mixing (T = 4 tokens against D = 40-160 channels in SD)
-    projected = [  # one product per layer, each its own W_o: (H, B * K, D) @ (H, D, C)
-        v.transpose(0, 1).flatten(1, 2) @ w_l.to(v.dtype).unflatten(1, (n_heads, -1)).permute(1, 2, 0)
-        for v, w_l in zip(values, w_o, strict=True)
-    ]
-    projected = torch.stack(projected) if len(projected) > 1 else projected[0][None]  # (L, H, B * K, C)
+    v = values[0] if len(values) == 1 else torch.cat(values)
+    v = v.reshape(v.shape[0], n_heads, keys // tokens, tokens, v.shape[-1])  # (L * B, H, R, T, D)
+    per_head = torch.einsum("bhqrt,bhrtd->bhrqd", w, v)  # (L * B, H, R, Q, D)
+    per_head = _scaled(per_head.unflatten(0, (len(values), -1)), scale).flatten(0, 1)
+    return per_head.permute(0, 2, 3, 1, 4).flatten(-2), per_head if heads else None  # (L * B, R, Q, H * D)
+
+
+def projected_tokens(values: list[torch.Tensor], tokens: int, scale, w_o: torch.Tensor, coordinates=False):
+    """Each token's value through ``W_o`` first, ``s W_o[:, h] v_{h,i}`` (``B * K * H`` vectors of ``C``, few; one
+    product for the ``L`` layers), for :func:`mix_tokens`: ``(L * B, R, H, T, C)``, contiguous (arguments as in
+    :func:`reference_contributions`; ``w_o`` one layer's ``(C, H * D)`` or the stack)."""
+    (batch, n_heads, keys, _), v = values[0].shape, [x.transpose(0, 1).flatten(1, 2) for x in values]  # (H, B * K, D)
+    if w_o.dim() == 2:
+        w_o = w_o.to(v[0].dtype).unflatten(1, (n_heads, -1)).permute(1, 2, 0)[None]  # (1, H, D, C)
+    projected = (v[0][None] if len(v) == 1 else torch.stack(v)) @ w_o  # (L, H, B * K, C)
     projected = _scaled(projected, scale).unflatten(2, (batch, keys // tokens, tokens))  # (L, H, B, R, T, C)
     projected = projected.permute(0, 2, 3, 1, 4, 5)  # (L, B, R, H, T, C)
     if coordinates:
         projected = orthonormal_coordinates(projected.flatten(2, 4)).unflatten(2, projected.shape[2:5])
-    projected = projected.flatten(0, 1)  # (L * B, R, H, T, C)
+    return projected.flatten(0, 1).contiguous()  # (L * B, R, H, T, C)
+
+
+def mix_tokens(weights: torch.Tensor, projected: torch.Tensor, heads: bool = False) -> tuple:
+    """One product per reference over its ``H * T`` (head, token) weights of the :func:`projected_tokens`: ``Q * H *
+    T * C`` multiply-adds instead of ``Q * (H * D) * C`` through ``W_o`` after mixing (``T = 4`` tokens against ``D =
+    40-160`` channels in SD); returns as :func:`reference_contributions`."""
+    references, n_heads, tokens = projected.shape[1:4]
+    w = weights.reshape(-1, n_heads, weights.shape[2], references, tokens)  # (L * B, H, Q, R, T)
     per_head = torch.einsum("bhqrt,brhtc->bhrqc", w, projected) if heads else None  # (L * B, H, R, Q, C)
     return torch.einsum("bhqrt,brhtc->brqc", w, projected), per_head  # (L * B, R, Q, C)
 
