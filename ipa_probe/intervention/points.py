@@ -15,7 +15,8 @@ the latent columns as computed, one of q or the logits renormalises them), ``con
 
 Several users may hold points on one pipeline at once (an intervention's callbacks, then a cache's readers): each is a
 client of the pipeline's spine, the points' hooks are the spine's (:attr:`~ipa_probe.capture.spine.Spine.points`,
-added once), callbacks of one point run in order of attachment, and the hooks come off when the last user leaves.
+added once), edits of one point run in order of attachment, then its readers (a cache: what the layer used there,
+whichever block was entered first), and the hooks come off when the last user leaves.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ class _Registry:
         self.nan: dict[str, torch.Tensor] = {}
         self.sample_shape: tuple[int, ...] = ()
         self.batch = 0
-        self.active: dict[str, list[HookFn]] = {}  # the callbacks of this pass, by point name
+        self.active: dict[str, list[HookFn]] = {}  # the callbacks of this pass, by point name: edits, then readers
+        self._kinds: dict[str, tuple[list[HookFn], list[HookFn]]] = {}  # the same, the edits' and the readers'
         self.cfg: tuple[str, ...] = ()  # each batch item's CFG label in this pass
         self._now: PassInfo | None = None  # the pass the callbacks were gathered for
         self._text_tokens: int | None = None
@@ -180,7 +182,7 @@ class _Registry:
         user), then ``user``'s callbacks when its selection takes the pass."""
         now = spine.now
         if self._now is not now:
-            self._now, self.active, self.cfg = now, {}, ()
+            self._now, self.active, self.cfg, self._kinds = now, {}, (), {}
             sample = spine.tap.sample(args, kwargs)
             self.sample_shape, self.batch = tuple(sample.shape), sample.shape[0]
             context = spine.tap.argument("encoder_hidden_states", args, kwargs) if spine.tap.family == "unet" else None
@@ -190,8 +192,10 @@ class _Registry:
             user.on_call(spine.planned_steps(), self._sizes)
         if not spine.selects(user, user.steps, user.when, user.label if user.edits else "", args, kwargs):
             return
-        for name, fns in user.callbacks.items():
-            self.active.setdefault(name, []).extend(fns)
+        for name, fns in user.callbacks.items():  # a reader (a cache) keeps what every edit left, whatever the nesting
+            edits, readers = self._kinds.setdefault(name, ([], []))
+            (edits if user.edits else readers).extend(fns)
+            self.active[name] = edits + readers
             layer, adapter, _ = _parse_name(name)
             if user.edits and adapter != TEXT:  # readers of the layer wait for what its image branch used
                 spine.weight_edits.add((layer, adapter))
