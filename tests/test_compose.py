@@ -16,13 +16,13 @@ default run takes a covering array: each ordered pair of features that may run t
 position pairs (outer-middle, outer-inner, middle-inner) of some triple. The greedy construction takes 138 of the
 1,066 on SD 1.5, SDXL and Flux and 142 on SD3 (its features in another order), the same every run: 556 triples.
 ``IPA_PROBE_FULL_MATRIX=1`` (``make test-matrix``) runs every one of the 4,264 instead, about eight times the
-default's triples: SD 1.5's 1,066 passed in 2,173 s, one process on a 2-core machine at load average 8 to 11 (a
-triple there: SD 1.5 2.0 s, Flux 1.6 s, SD3 1.5 s, SDXL 2.3 s). A case costs about 2.6 pipeline calls (the order, the
-order failing after its first step, the plain call); a tiny pipeline's call is bound by the per-module cost of eager
-PyTorch, not by its size, so an SDXL case (CFG, two text encoders, added time ids) costs most. The maps-off probe on
-Flux and SD3 added 11 pairs and 24 triples to each, and with the readings of the cache, the contributions and the
-maps-off table the default run of this module took 1,914 s against 1,755 s before them (+9 %, the two side by side
-in one process each on that machine; 523 s before them at load 1.5).
+default's triples; all passed, one process per pipeline, two or three at once on a 2-core machine at load average 7
+to 11: SD 1.5's 1,066 in 2,173 s, SDXL's in 1,635 s, SD3's in 1,546 s, Flux's in 1,205 s. A case costs about 2.6
+pipeline calls (the order, the order failing after its first step, the plain call); a tiny pipeline's call is bound
+by the per-module cost of eager PyTorch, not by its size, so an SDXL case (CFG, two text encoders, added time ids)
+costs most. The maps-off probe on Flux and SD3 added 11 pairs and 24 triples to each, and with the readings of the
+cache, the contributions and the maps-off table the default run of this module took 1,914 s against 1,755 s before them
+(+9 %, the two side by side in one process each on that machine; 523 s before them at load 1.5).
 
 Features a pipeline lacks are no features there. The patch on Flux and SD3 comes from a cache of the call with other
 references (Flux: the two swapped; SD3: the swap image), as on the UNets. SD3's scale acts on its one reference, and
