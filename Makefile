@@ -14,7 +14,7 @@ TIER ?= smoke
 # a value set in the environment wins. The ipa-probe commands set the same default themselves (docs/failures.md).
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: venv demo test test-compile test-fast lint format hooks bench experiments figures figures-check screens clean
+.PHONY: venv demo test test-compile test-matrix test-fast lint format hooks bench experiments figures figures-check screens clean
 
 # Recipes run in bash with pipefail, so that a command piped through a filter still fails the target when it fails.
 SHELL := /bin/bash
@@ -61,6 +61,11 @@ test: $(STAMP)
 # The real torch.compile of the probe's statistics against eager (5-20 min of compiling on a 2-core CPU).
 test-compile: $(STAMP)
 	IPA_PROBE_TEST_COMPILE=1 $(PY) -m pytest -q tests/test_stats_compile.py
+
+# Every ordered triple of features in tests/test_compose.py's matrix on the four test pipelines (the default run
+# takes a covering set of them; the module docstring says what each covers and costs).
+test-matrix: $(STAMP)
+	IPA_PROBE_FULL_MATRIX=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) tests/test_compose.py -k test_triples
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" -x $(PYTEST_ARGS)

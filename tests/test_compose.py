@@ -2,48 +2,57 @@
 intervention, under an NW head it reads that head's weights, nested interventions compose as if given at once, the
 denoiser carries one pre-hook however many features are attached, and a generated matrix of every pair of features
 in both orders and of triples on SD 1.5, SDXL, Flux and SD3 computes in every order what its edits compute alone,
-reads (probe maps, attribution shares, gauge_sweep's reference masses, SD3's image share) what the test's own weights
-say and restores the pipeline bit for bit; attribution and gauge_sweep inside an open probe return what they return
-alone, and the open probe reads their calls as alone.
+reads what the test's own q, keys and values say (the probe's maps, contribution columns and, maps off, its table of
+statistics; the cache's weights and contributions; attribution's shares; gauge_sweep's reference masses; SD3's image
+share) and restores the pipeline bit for bit; attribution and gauge_sweep inside an open probe return what they
+return alone, and the open probe reads their calls as alone.
 
-Triples: the thirteen SD 1.5 features, two of them calls (gauge_sweep, attribution: only innermost), allow 1,066
-ordered triples, each a test of several pipeline calls: far over the suite's budget. Pairs already show each feature
-beside each other one; what a third adds is position: a feature wrapped by another with a third between them, or
-standing between two (the nested-ablation bug of issue 49 showed with a probe between two ablations). So the triples
-are a covering array: each ordered pair of features that may run together stands in each of the three position pairs
-(outer-middle, outer-inner, middle-inner) of some triple. The greedy construction takes 138 of the 1,066 on SD 1.5
-and on SDXL (the same thirteen features; there with CFG, two text encoders and added time ids, attribution's shares
-read on the conditional rows), 114 of 772 on Flux and 118 of 772 on SD3, the same every run. Every unordered triple in
-one order and its reverse would cost several times as much and never put the list's first and last features in the
-middle. A case costs about 2.6 pipeline calls (the order, the order failing after its first step, the plain call);
-a tiny pipeline's call is bound by the per-module cost of eager PyTorch, not by its size (SDXL's at 32 px instead of
-64, or without CFG, is 10-15 % cheaper), so an SDXL case costs a fifth more than an SD 1.5 one (213 and 181 ms, one
-process on a loaded 2-core machine) and its 138 add about 30 s of one core to the suite. The patch on Flux and SD3
-added 20 pairs and 42 triples there (the greedy set re-chosen: 118 new triples for 76 old), 65 s for their 337 cases
-against 53 s for the 273 before (one process, the same machine). Attribution on Flux and SD3 (its posterior in
-flow matching's form) stands in their triples only, as on the organism: 50 new triples for 38 old.
+Triples: the thirteen features of each pipeline (the probe with maps on and off, the cache, ablate, scale, a custom
+hook, swap, patch, the NW head in both frames, the q/k gauge, and two calls, gauge_sweep and attribution, only
+innermost) allow 1,066 ordered triples on each, each a test of several pipeline calls. Pairs already show each
+feature beside each other one; what a third adds is position: a feature wrapped by another with a third between
+them, or standing between two (the nested-ablation bug of issue 49 showed with a probe between two ablations). So the
+default run takes a covering array: each ordered pair of features that may run together stands in each of the three
+position pairs (outer-middle, outer-inner, middle-inner) of some triple. The greedy construction takes 138 of the
+1,066 on SD 1.5, SDXL and Flux and 142 on SD3 (its features in another order), the same every run: 556 triples.
+``IPA_PROBE_FULL_MATRIX=1`` (``make test-matrix``) runs every one of the 4,264 instead, about eight times the
+default's triples; all passed, one process per pipeline, two or three at once on a 2-core machine at load average 7
+to 11: SD 1.5's 1,066 in 2,173 s, SDXL's in 1,635 s, SD3's in 1,546 s, Flux's in 1,205 s. A case costs about 2.6
+pipeline calls (the order, the order failing after its first step, the plain call); a tiny pipeline's call is bound
+by the per-module cost of eager PyTorch, not by its size, so an SDXL case (CFG, two text encoders, added time ids)
+costs most. The maps-off probe on Flux and SD3 added 11 pairs and 24 triples to each, and with the readings of the
+cache, the contributions and the maps-off table the default run of this module took 1,914 s against 1,755 s before them
+(+9 %, the two side by side in one process each on that machine; 523 s before them at load 1.5).
 
 Features a pipeline lacks are no features there. The patch on Flux and SD3 comes from a cache of the call with other
 references (Flux: the two swapped; SD3: the swap image), as on the UNets. SD3's scale acts on its one reference, and
 its readings under it are the test's own joint softmax with ``log f`` added to the image logits. Pairs refused by
 design (the stored-frame NW head and a gauge, one gauge inside another) are checked to raise, in either order.
 
-The reference weights are the test's own: forward hooks on the modules that return the image branch's query and keys
-(after the intervention's edit of the tokens, i.e. the very keys the layer's softmax runs over: UNets ``attn.to_q``
-and ``to_k_ip``; Flux ``attn.norm_q`` and ``to_k_ip``; SD3 the processor's ``norm_q``, ``norm_k`` and
-``norm_ip_k``), the softmax (or an NW head's kernel) taken here in float64; on SD3 over the latent and image keys
-together, as the layer does, the image columns renormalised (what the probe keeps) and their mass (its
-``ip_mass``)."""
+The reference weights are the test's own: forward hooks on the modules that return the image branch's query, keys
+and values (after the intervention's edit of the tokens, i.e. the very keys the layer's softmax runs over: UNets
+``attn.to_q``, ``to_k_ip`` and ``to_v_ip``; Flux ``attn.norm_q``, ``to_k_ip`` and ``to_v_ip``; SD3 the processor's
+``norm_q``, ``norm_k``, ``norm_ip_k`` and ``to_v_ip``), the softmax (or an NW head's kernel) taken here in float64; on
+SD3 over the latent and image keys together, as the layer does, the image columns renormalised (what the probe keeps)
+and their mass (its ``ip_mass``). The contributions are ``s W_o sum_{i in j} w_i v_i`` from those weights and values
+(Flux: no ``W_o``), the patched reference's from the test's own hooks in the patch's source run; the maps-off probe's
+table is held to ``test_probe_matrix.reference_cell`` (numpy and scipy) of the same q, keys and weights."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
+import os
+from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
+from test_contributions import CONTRIBUTION_COLUMNS, own_numbers
+from test_probe_matrix import reference_cell
 
 import ipa_probe
 from ipa_probe.capture.spine import spine_of
@@ -92,12 +101,13 @@ def query_frame(q, k):
 
 class Readings(list):
     """The test's own weights of one layer, one ``(B, H, Q, K)`` per pass that ran its image branch, with that pass's
-    index among the denoiser's calls in ``passes`` and, on SD3, the joint softmax's mass on the image tokens
+    index among the denoiser's calls in ``passes``, its query and image keys ``(B, H, Q, D)``, ``(B, H, K, D)`` in
+    ``qk``, its image values ``(B, H, K, D)`` in ``values`` and, on SD3, the joint softmax's mass on the image tokens
     ``(B, H, Q)`` in ``shares``."""
 
     def __init__(self):
         super().__init__()
-        self.passes, self.shares = [], []
+        self.passes, self.shares, self.qk, self.values = [], [], [], []
 
 
 def restricted(joint, tokens):  # (B, H, Q, N + K) -> the image columns renormalised, and their mass (B, H, Q)
@@ -134,19 +144,25 @@ def own_weights(pipe, name, kernel=dot_softmax):
         q = seen["q"]
         found.passes.append(seen["pass"])
         if layer.family == "sd3":  # (B, H, K, D) image keys after the processor's norm
-            weights, mass = restricted(kernel(q, torch.cat([seen["k"], output.double()], dim=2)), output.shape[2])
+            k = output.double()
+            weights, mass = restricted(kernel(q, torch.cat([seen["k"], k], dim=2)), k.shape[2])
             found.shares.append(mass)
-            found.append(weights)
         else:
-            found.append(kernel(q, split(output.reshape(q.shape[0], -1, output.shape[-1]))))
+            k = split(output.reshape(q.shape[0], -1, output.shape[-1]))
+            weights = kernel(q, k)
+        found.append(weights)
+        found.qk.append((q, k))
+
+    def values(module, args, output):  # (B, K, H * D), before the heads are split
+        found.values.append(split(output))
 
     if layer.family == "sd3":
         taps = [(processor.norm_q, keep("q", torch.Tensor.double)), (processor.norm_k, keep("k", torch.Tensor.double))]
-        taps.append((processor.norm_ip_k, keys))
+        taps += [(processor.norm_ip_k, keys), (processor.to_v_ip, values)]
     else:
         shape = (lambda x: x.transpose(1, 2).double()) if layer.family == "flux" else split  # (B, N, H, D) on Flux
         taps = [(attn.norm_q if layer.family == "flux" else attn.to_q, keep("q", shape))]
-        taps.append((processor.to_k_ip[0], keys))
+        taps += [(processor.to_k_ip[0], keys), (processor.to_v_ip[0], values)]
     handles = [module.register_forward_hook(hook) for module, hook in taps]
     handles.append(denoiser(pipe).register_forward_pre_hook(count, with_kwargs=True))
     try:
@@ -568,17 +584,23 @@ class Boom(Exception):
     pass
 
 
-PATCHES = {}
+PATCHES, SOURCES = {}, {}
 
 
-def patch_from(pipe, source):
+def first_point(pipe, point):
+    """The image branch's hook point ``point`` of the first layer the denoiser runs."""
+    return next(name for name in ipa_probe.list_hook_points(pipe) if name.endswith(f".ip.{point}"))
+
+
+def patch_from(pipe, source, layer):
     """``patch_hooks`` that put reference 0's contribution at the first layer from a cache of ``source()`` (the
-    call's references the other way round), recorded once per pipeline and outside every block."""
+    call's references the other way round), recorded once per pipeline and outside every block, with the test's own
+    readings of ``layer`` in that run (``SOURCES``)."""
     if id(pipe) not in PATCHES:
-        name = next(n for n in ipa_probe.list_hook_points(pipe) if n.endswith(".ip.contribution"))
-        with ipa_probe.cache_hook_points(pipe, [name]) as cache:
+        name = first_point(pipe, "contribution")
+        with own_weights(pipe, layer) as own, ipa_probe.cache_hook_points(pipe, [name]) as cache:
             source()
-        PATCHES[id(pipe)] = ipa_probe.patch_hooks(cache, [name], references=0)
+        PATCHES[id(pipe)], SOURCES[id(pipe)] = ipa_probe.patch_hooks(cache, [name], references=0), own
     return PATCHES[id(pipe)]
 
 
@@ -604,16 +626,13 @@ def matrix_features(pipe, generate, other, layer, swapped=1, call=None, source=N
         result = reference_attribution(pipe, **call, **extra)
         return [result.generation.latents], result
 
-    def output_point():  # asked only where the hook features are in the matrix
-        return next(n for n in ipa_probe.list_hook_points(pipe) if n.endswith(".ip.output"))
-
     features = {
         "probe": ("read", lambda: ipa_probe.probe(pipe, maps=True, keep_maps=True)),
         "probe_nomaps": ("read", lambda: ipa_probe.probe(pipe)),
         "cache": ("read", lambda: ipa_probe.cache_hook_points(pipe, r"\.ip\.(weights|contribution)$")),
         "ablate": ("edit", lambda: intervene(pipe, 0, steps=[1])),
         "scale": ("edit", lambda: intervene(pipe, 1, mode="scale", factor=SCALE)),
-        "hooks": ("edit", lambda: intervene(pipe, hooks={output_point(): lambda t, c: t * 0.5})),
+        "hooks": ("edit", lambda: intervene(pipe, hooks={first_point(pipe, "output"): lambda t, c: t * 0.5})),
         "nw_query": ("edit", lambda: ipa_probe.nw_head(pipe, frame="query")),
         "nw_stored": ("edit", lambda: ipa_probe.nw_head(pipe, frame="stored")),
         "gauge": ("gauge", lambda: ipa_probe.qk_gauge(pipe, 2.0)),
@@ -622,7 +641,7 @@ def matrix_features(pipe, generate, other, layer, swapped=1, call=None, source=N
     if other is not None:
         features["swap"] = ("edit", lambda: intervene(pipe, swapped, mode="swap", other=other))
     if source is not None:
-        patch = patch_from(pipe, source)
+        patch = patch_from(pipe, source, layer)
         features["patch"] = ("edit", lambda: intervene(pipe, hooks=patch))
     if call is not None:
         features["attribution"] = ("call", attribution)
@@ -677,33 +696,153 @@ def as_float64(column):
     return torch.tensor(column.to_numpy(), dtype=torch.float64)
 
 
+@dataclass(frozen=True)
+class Reading:
+    """Where a matrix reads: ``layer``, with ``references`` references; its adapter scale and ``W_o`` (float64;
+    ``None`` on Flux, whose branch has none) for the contributions; whether the ``hooks`` feature edits its output
+    (the probe's contribution columns NaN there); the test's own contributions ``(B, R, Q, C)`` of the patch's source
+    run per step where the patch acts at ``layer`` (``None`` elsewhere)."""
+
+    layer: str
+    references: int
+    scale: float
+    w_o: torch.Tensor | None
+    output_edited: bool
+    patched: list[torch.Tensor] | None
+
+
+def reading_of(pipe, layer, references):
+    """The :class:`Reading` of ``layer`` on ``pipe`` (after :func:`patch_from`, which records the source run)."""
+    found = next(found for found in find_ip_layers(pipe) if found.name == layer)
+    sd3, flux = found.family == "sd3", found.family == "flux"
+    scale = float(found.processor.scale if sd3 else found.processor.scale[0])
+    w_o = None if flux else found.attention.to_out[0].weight.detach().double().clone()
+    reading = Reading(layer, references, scale, w_o, first_point(pipe, "output").startswith(layer + "."), None)
+    if id(pipe) not in SOURCES or not first_point(pipe, "contribution").startswith(layer + "."):
+        return reading
+    source = SOURCES[id(pipe)]
+    patched = [own_contributions(joint(source, i), source.values[i], reading) for i in range(len(source))]
+    return dataclasses.replace(reading, patched=patched)
+
+
+def joint(own, position):
+    """The weights the layer's softmax put on the image keys in one pass: SD3's image columns times their mass."""
+    return own[position] * own.shares[position].unsqueeze(-1) if own.shares else own[position]
+
+
+def own_contributions(weights, values, reading):
+    """Each reference's contribution ``(B, R, Q, C)``, ``s W_o sum_{i in j} w_i v_i`` (Flux: no ``W_o``, the heads'
+    blocks side by side), from ``weights`` ``(B, H, Q, R * T)`` over every reference and the values the layer used
+    ``(B, H, K, D)`` (an ablated reference 0's values missing: zeros under its zero weights)."""
+    batch, heads, _, keys = weights.shape
+    missing = keys - values.shape[2]
+    values = torch.cat([values.new_zeros(batch, heads, missing, values.shape[-1]), values], 2)
+    per_head = torch.einsum(
+        "bhqrt,bhrtd->bhrqd",
+        weights.unflatten(-1, (reading.references, -1)),
+        values.unflatten(2, (reading.references, -1)),
+    )  # (B, H, R, Q, D)
+    if reading.w_o is None:
+        return reading.scale * per_head.permute(0, 2, 3, 1, 4).flatten(-2)
+    return reading.scale * torch.einsum("bhrqd,chd->brqc", per_head, reading.w_o.unflatten(1, (heads, -1)))
+
+
+#: The maps-off probe's statistics that depend only on the weights the layer used and its q and k (the gauge
+#: diagnostics, from the dot-product logits, are read where the weights are the layer's softmax: below)
+RANK_COLUMNS = ["spearman", "rows_rho_gt_0.9", "rows_rho_pos1", "rows_rho_neg1"]
+TABLE_COLUMNS = ["pearson", "kl", "top1", "neff_attn", "neff_nw", "q_norm", "k_norm_spread", "keys"]
+DOT_COLUMNS = ["logit_ratio", "rho_baseline", "rho_excess"]
+
+
+def copies(k):
+    """Whether keys ``(..., K, D)`` hold copies of one token (equal to 1e-6 of the largest norm: SDXL's unconditional
+    image tokens, one copy per reference), which the probe ranks as one key."""
+    close = torch.cdist(k, k) <= 1e-6 * k.norm(dim=-1).amax()
+    return bool((close.sum(-1) > 1).any())
+
+
+def check_table(rows, q, k, weights, dot, ranks=True):
+    """One branch's rows of the maps-off probe's table at one layer and pass against :func:`reference_cell` (float64,
+    numpy and scipy) of the test's own ``q`` ``(1, H, Q, D)``, keys ``(1, H, K, D)`` (those the layer kept) and
+    ``weights`` ``(1, H, Q, K)`` over them (``ranks=False``: not the rank correlations, see
+    :func:`test_rank_statistics_of_copies_under_a_scale`)."""
+    expected = reference_cell(q.numpy(), k.numpy(), None, attention=weights.numpy())
+    rows = rows.sort_values("head")
+    for name in RANK_COLUMNS * ranks + TABLE_COLUMNS + DOT_COLUMNS * dot:
+        # float32 against float64 (rtol 1e-4, atol 2e-4), plus what near-tied rows may move rho / top-1 by
+        slack = np.max(expected.get(f"{name}_slack", 0.0))
+        np.testing.assert_allclose(rows[name].to_numpy(), expected[name], rtol=1e-4, atol=2e-4 + slack, err_msg=name)
+
+
 def check_readings(own, order, entered, result, reading):
-    """At one layer, against the test's own float64 weights: the probe's kept maps (none where the layer skipped its
-    branch: SD3 with its one reference ablated) and, on SD3, its image share; attribution's shares; gauge_sweep's
-    reference masses (and SD3 image share) of its reference call (gauge 1) and its gauged one (gauge 2)."""
-    layer, references = reading
+    """At one layer, against the test's own float64 weights, keys and values: the probe's kept maps (none where the
+    layer skipped its branch: SD3 with its one reference ablated), its contribution columns (NaN where the ``hooks``
+    feature edits the layer's output, and on SD3, which has none) and, on SD3, its image share; the maps-off probe's
+    table (:func:`check_table`); the cache's weights and contributions (SD3's weights: the joint softmax's image
+    columns); attribution's shares; gauge_sweep's reference masses (and SD3 image share) of its reference call (gauge
+    1) and its gauged one (gauge 2)."""
+    layer, references = reading.layer, reading.references
     expected = dict(zip(own.passes, expected_weights(own, order, references), strict=True))
+    position = {index: i for i, index in enumerate(own.passes)}
     shares = dict(zip(own.passes, own.shares, strict=False))  # SD3 only
     if "scale" in order:  # SD3's one reference: log SCALE added to the image logits of the joint softmax
         shares = {index: SCALE * m / (SCALE * m + 1 - m) for index, m in shares.items()}
     run, passes = entered.get("probe"), CALLS.get(order[-1], 1) * STEPS
+    nomaps, cache = entered.get("probe_nomaps"), entered.get("cache")
     skipped = {i for i in range(passes) if references == 1 and "ablate" in order and i % STEPS == 1}
     assert set(expected) == set(range(passes)) - skipped, (sorted(expected), passes)
-    read = run.to_dataframe() if run is not None and shares else None
+    assert len(own.values) == len(own.qk) == len(own), (len(own.values), len(own))
+    read = {name: probe.to_dataframe() for name, probe in (("probe", run), ("probe_nomaps", nomaps)) if probe}
+    mass = run.reference_mass() if run is not None else None
+    names = {point: f"{layer}.ip.{point}" for point in ("weights", "contribution")}
     for index in range(passes):
         call, step = divmod(index, STEPS)
         weights = expected.get(index)
-        if weights is None:  # no image branch ran (SD3, its one reference ablated): no map either
+        if weights is None:  # no image branch ran (SD3, its one reference ablated): no map, no record either
             assert run is None or not run.maps.get((call, step, layer, 0)), (call, step)
+            for name in names.values() if cache is not None else ():
+                with pytest.raises(KeyError, match="has no record"):
+                    cache.get(name, step, call=call)
             continue
+        used = weights * shares[index].unsqueeze(-1) if index in shares else weights  # SD3: the joint's columns
+        c = own_contributions(used, own.values[position[index]], reading)  # (B, R, Q, C)
+        if "patch" in order and reading.patched is not None:  # the source run's reference 0 at this step
+            c[:, 0] = reading.patched[step][:, 0]
+        # the cache (float32 against float64): 1e-6 on weights below 1, 1e-5 of the largest contribution
+        if cache is not None:
+            got = cache.get(names["weights"], step, call=call).double()
+            torch.testing.assert_close(got, used, rtol=0, atol=1e-6)
+            got = cache.get(names["contribution"], step, call=call).double()
+            torch.testing.assert_close(got, c, rtol=0, atol=1e-5 * float(c.abs().max()))
         if run is not None:  # float16 maps (11-bit mantissa: 5e-4 relative on weights below 1)
             torch.testing.assert_close(probe_weights(run, step, layer, call), weights, rtol=0, atol=2e-3)
+            at = mass[(mass.call == call) & (mass.step == step) & (mass.layer == layer)]
+            numbers = own_numbers(c.unsqueeze(1))  # (B, R, Q) each; means over queries below
+            for row, rows in enumerate(branch_rows(at, weights)):
+                rows = rows.sort_values("reference")
+                got = rows[list(CONTRIBUTION_COLUMNS)]
+                if reading.output_edited and "hooks" in order or index in shares:  # no split of the output
+                    assert len(got) == references and got.isna().all().all(), got
+                    continue
+                atol = 1e-5 * float(numbers["norm"][row].max())  # float32 contributions: 1e-5 of the largest norm
+                for column, number, tolerance in zip(CONTRIBUTION_COLUMNS, ("norm", "share", "projection"),
+                                                     (atol, 1e-5, atol), strict=True):  # fmt: skip
+                    want = numbers[number][row].mean(-1)  # (R,)
+                    torch.testing.assert_close(as_float64(got[column]), want, rtol=0, atol=tolerance)
         masses = weights.reshape(*weights.shape[:-1], references, -1).sum(-1).mean(dim=(1, 2))  # (B, R)
-        # 1e-5 below: the layer's float32 softmax against the test's float64 one, through float32 means
-        if run is not None and index in shares:
-            at = read[(read.call == call) & (read.step == step) & (read.layer == layer)]
-            for rows, share in zip(branch_rows(at, weights), shares[index].mean(-1), strict=True):  # (H,) each
-                torch.testing.assert_close(as_float64(rows.sort_values("head").ip_mass), share, rtol=0, atol=1e-5)
+        q, k = own.qk[position[index]]
+        tokens = weights.shape[-1] // references
+        kept = weights.unflatten(-1, (references, tokens))[..., references - k.shape[2] // tokens :, :]  # (.., R', T)
+        for name, table in read.items():  # 1e-5 below: the layer's float32 softmax against the test's float64 one
+            at = table[(table.call == call) & (table.step == step) & (table.layer == layer)]
+            for row, rows in enumerate(branch_rows(at, weights)):
+                if index in shares:
+                    share = shares[index][row].mean(-1)  # (H,)
+                    torch.testing.assert_close(as_float64(rows.sort_values("head").ip_mass), share, rtol=0, atol=1e-5)
+                if name == "probe_nomaps":
+                    dot, item = not ({"scale", "nw_query", "nw_stored"} & set(order)), slice(row, row + 1)
+                    ranks = "scale" not in order or not copies(k[item])  # the scale splits copies: a known bug
+                    check_table(rows, q[item], k[item], kept[item].flatten(-2), dot, ranks)
         if order[-1] == "attribution":  # the conditional row (the last), means over heads and queries
             table = result.table[(result.table.step == step) & (result.table.layer == layer)]
             got = as_float64(table.sort_values("reference").attention_share)
@@ -734,9 +873,9 @@ def assert_same_result(name, result, alone):
 
 def check_nesting(pipe, generate, features, orders, reading=None):
     """Each order of one set of features (outermost first) computes what its edits compute alone, in the table's
-    order (every pipeline call of a call feature); its readings are the test's own (``reading``: (layer,
-    references)); a call feature among readers only (a probe, the cache) returns what it returns alone; the pipeline
-    comes back bit for bit after each order and after an exception inside it."""
+    order (every pipeline call of a call feature); its readings are the test's own (``reading``: a :class:`Reading`);
+    a call feature among readers only (a probe, the cache) returns what it returns alone; the pipeline comes back bit
+    for bit after each order and after an exception inside it."""
     if id(pipe) not in PLAIN:  # once per pipeline (``setdefault`` would run the call every time): its latents and
         PLAIN[id(pipe)] = generate(), parameters(pipe)  # parameters, which every feature must leave as they were
     before, (plain, weights) = snapshot(pipe), PLAIN[id(pipe)]
@@ -748,7 +887,7 @@ def check_nesting(pipe, generate, features, orders, reading=None):
             ALONE[id(pipe), edits] = generate()
     kernel = query_frame if "nw_query" in orders[0] else stored_frame if "nw_stored" in orders[0] else dot_softmax
     for order in orders:
-        with own_weights(pipe, reading[0], kernel) if reading else contextlib.nullcontext([]) as own:
+        with own_weights(pipe, reading.layer, kernel) if reading else contextlib.nullcontext([]) as own:
             outputs, result, entered = run_nested(pipe, generate, features, order)
         assert len(outputs) == CALLS.get(order[-1], 1), order
         assert all(torch.equal(latents, ALONE[id(pipe), edits]) for latents in outputs), order
@@ -831,7 +970,8 @@ def organism_matrix(pipe):
         return latents(pipe, refs, **extra)
 
     source = lambda: latents(pipe, refs[::-1])  # noqa: E731
-    return generate, matrix_features(pipe, generate, other, LAYER, call=call, source=source), (LAYER, len(refs))
+    features = matrix_features(pipe, generate, other, LAYER, call=call, source=source)
+    return generate, features, reading_of(pipe, LAYER, len(refs))
 
 
 def sdxl_matrix(pipe):
@@ -844,7 +984,8 @@ def sdxl_matrix(pipe):
 
     layer = find_ip_layers(pipe)[0].name
     source = lambda: generate(ip_adapter_image=[refs[1::-1]])  # noqa: E731
-    return generate, matrix_features(pipe, generate, refs[2], layer, call=call, source=source), (layer, 2)
+    features = matrix_features(pipe, generate, refs[2], layer, call=call, source=source)
+    return generate, features, reading_of(pipe, layer, 2)
 
 
 def flux_matrix(pipe):
@@ -858,7 +999,8 @@ def flux_matrix(pipe):
     layer = find_ip_layers(pipe)[0].name
     call = dict(prompt="a", ip_adapter_image=[refs[:2]], num_inference_steps=STEPS, height=64, width=64)
     source = lambda: generate(ip_adapter_image=[refs[1::-1]])  # noqa: E731
-    return generate, matrix_features(pipe, generate, refs[2], layer, call=call, source=source), (layer, 2)
+    features = matrix_features(pipe, generate, refs[2], layer, call=call, source=source)
+    return generate, features, reading_of(pipe, layer, 2)
 
 
 def sd3_matrix(pipe):
@@ -874,18 +1016,13 @@ def sd3_matrix(pipe):
     call = dict(prompt="a", ip_adapter_image=[refs[:1]], num_inference_steps=STEPS, height=64, width=64)
     features = matrix_features(pipe, generate, refs[1], layer, swapped=0, call=call, source=source)
     features["scale"] = ("edit", lambda: intervene(pipe, 0, mode="scale", factor=SCALE))  # its one reference
-    return generate, features, (layer, 1)
+    return generate, features, reading_of(pipe, layer, 1)
 
 
 #: The features of each pipeline's matrix (call features last).
-FEATURES_OF = {
-    "flux": ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge", "swap", "patch", "sweep"],
-    "sd3": ["probe", "cache", "ablate", "scale", "hooks", "swap", "nw_query", "nw_stored", "gauge", "patch", "sweep"],
-}
-FEATURES_OF["organism"] = [*FEATURES_OF["flux"][:-2], "probe_nomaps", "patch", "sweep", "attribution"]
-FEATURES_OF["flux"].append("attribution")
-FEATURES_OF["sd3"].append("attribution")
-FEATURES_OF["sdxl"] = FEATURES_OF["organism"]
+BLOCKS = ["probe", "cache", "ablate", "scale", "hooks", "nw_query", "nw_stored", "gauge", "swap", "probe_nomaps"]
+FEATURES_OF = dict.fromkeys(("organism", "sdxl", "flux"), [*BLOCKS, "patch", "sweep", "attribution"])
+FEATURES_OF["sd3"] = [*BLOCKS[:5], "swap", *BLOCKS[5:8], "probe_nomaps", "patch", "sweep", "attribution"]
 MATRIX_OF = {"organism": organism_matrix, "sdxl": sdxl_matrix, "flux": flux_matrix, "sd3": sd3_matrix}
 
 
@@ -931,12 +1068,38 @@ def test_every_pair_composes_and_restores(family, pair, request, one_thread):
     check_pair(pipe, generate, features, *pair, reading=reading)
 
 
-@pytest.mark.parametrize(("family", "order"), generated(covering_triples))
+def every_triple(names):
+    """Every ordered triple of features that may run together (:func:`allowed`)."""
+    return [order for order in itertools.permutations(names, 3) if allowed(order)]
+
+
+#: ``IPA_PROBE_FULL_MATRIX=1`` (``make test-matrix``): every ordered triple instead of the covering set
+FULL_MATRIX = os.environ.get("IPA_PROBE_FULL_MATRIX") == "1"
+
+
+@pytest.mark.parametrize(("family", "order"), generated(every_triple if FULL_MATRIX else covering_triples))
 def test_triples_compose_and_restore(family, order, request, one_thread):
-    """The covering set of ordered triples above on each pipeline, each in its one order (all orders of a set meet in
-    the latents of its edits alone)."""
+    """The covering set of ordered triples above on each pipeline (every ordered triple with
+    ``IPA_PROBE_FULL_MATRIX=1``), each in its one order."""
     pipe, (generate, features, reading) = matrix_of(request, family)
     check_nesting(pipe, generate, features, [order], reading=reading)
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: the probe ranks every copy of a token on its first copy's weight")
+def test_rank_statistics_of_copies_under_a_scale(request, one_thread):
+    """The maps-off probe's rank correlations where the keys hold copies of one token that a scale weights apart
+    (SDXL's unconditional image tokens, one copy per reference, reference 1's doubled), against the test's own
+    per-key ranks of the weights the layer used. The probe ranks every copy on its group's first copy (right where
+    copies tie, as without an edit), so it fails today; the matrix leaves these columns out there
+    (:func:`check_readings`) until the probe ranks copies that an edit weights apart as the keys they are."""
+    pipe, (generate, features, reading) = matrix_of(request, "sdxl")
+    with own_weights(pipe, reading.layer) as own:
+        _, _, entered = run_nested(pipe, generate, features, ("scale", "probe_nomaps"))
+    table = entered["probe_nomaps"].to_dataframe()
+    for step, weights in enumerate(expected_weights(own, ("scale",), reading.references)):
+        (q, k), at = own.qk[step], table[(table.step == step) & (table.layer == reading.layer)]
+        assert copies(k[:1]) and not copies(k[1:])  # the unconditional row (the first) holds copies
+        check_table(branch_rows(at, weights)[0], q[:1], k[:1], weights[:1], dot=False)
 
 
 # ------------------------------------------------------------------------------------------------------ edits kept

@@ -195,15 +195,18 @@ def _null_rho(keys: int) -> np.ndarray:
     return 1 - 6 * ((perms - np.arange(keys)) ** 2).sum(1) / (keys**3 - keys)
 
 
-def reference_cell(q: np.ndarray, k: np.ndarray, rows: np.ndarray | None) -> dict[str, np.ndarray]:
+def reference_cell(
+    q: np.ndarray, k: np.ndarray, rows: np.ndarray | None, attention: np.ndarray | None = None
+) -> dict[str, np.ndarray]:
     """Statistics per head of one group of batch items, in float64 with numpy and scipy.
 
     Args:
         q: ``(N, H, Q, D)`` queries of the group's items; k: ``(N, H, K, D)`` their keys; rows: ``(N, Q)`` bool, the
-            queries inside the image's mask, or ``None``.
+            queries inside the image's mask, or ``None``; attention: ``(N, H, Q, K)`` the weights the layer used where
+            an edit or an NW head made them (``None``: the softmax of ``q k^T / sqrt(d)``).
     """
     n, heads, queries, d = q.shape
-    a = _softmax(q @ k.swapaxes(-1, -2) / math.sqrt(d))  # (N, H, Q, K)
+    a = _softmax(q @ k.swapaxes(-1, -2) / math.sqrt(d)) if attention is None else attention  # (N, H, Q, K)
     sq_dist = ((q[:, :, :, None, :] - k[:, :, None, :, :]) ** 2).sum(-1)
     w = _softmax(-sq_dist / (2 * math.sqrt(d)))
     keep = np.ones((n, queries), bool) if rows is None else rows
@@ -213,19 +216,14 @@ def reference_cell(q: np.ndarray, k: np.ndarray, rows: np.ndarray | None) -> dic
     for h in range(heads):
         rows_a = a[:, h][keep]  # (rows, K)
         rows_w = w[:, h][keep]
-        ranks_a, ranks_w = stats.rankdata(rows_a, axis=1), stats.rankdata(rows_w, axis=1)
-        with np.errstate(invalid="ignore"):
-            rho = [
-                stats.pearsonr(x, y).statistic if np.ptp(x) and np.ptp(y) else np.nan
-                for x, y in zip(ranks_a, ranks_w, strict=True)
-            ]
+        ranks_a, ranks_w = (stats.rankdata(x, axis=1) for x in (rows_a, rows_w))
+        ranks_a, ranks_w = ranks_a - ranks_a.mean(-1, keepdims=True), ranks_w - ranks_w.mean(-1, keepdims=True)
+        with np.errstate(invalid="ignore"):  # each row's Pearson r of the ranks; NaN where a row's weights are equal
+            rho = np.clip((ranks_a * ranks_w).sum(-1) / np.sqrt((ranks_a**2).sum(-1) * (ranks_w**2).sum(-1)), -1, 1)
         keys = k[:, h]  # (N, K, D)
-        top_a, top_w = rows_a.argmax(-1), rows_w.argmax(-1)
         item = np.repeat(np.arange(n), queries)[keep.ravel()]
-        same = [
-            np.allclose(keys[i, x], keys[i, y], rtol=1e-4, atol=1e-6)
-            for i, x, y in zip(item, top_a, top_w, strict=True)
-        ]
+        top_a, top_w = keys[item, rows_a.argmax(-1)], keys[item, rows_w.argmax(-1)]  # (rows, D) each
+        same = (np.abs(top_a - top_w) <= 1e-6 + 1e-4 * np.abs(top_w)).all(-1)  # np.allclose(rtol=1e-4, atol=1e-6)
         norms = np.linalg.norm(keys, axis=-1).ravel()
         # the gauge diagnostics per row: r = sd(q·k) / sd(|k|^2 / 2) over the row's keys, Moran's E[rho] from r and K
         dots = (q[:, h] @ keys.swapaxes(-1, -2))[keep]  # (rows, K)

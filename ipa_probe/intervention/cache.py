@@ -30,7 +30,7 @@ class HookCache:
 
     A record is one pass: ``(call, step, pass_index)``, the pipeline call (counted from 0 by the cache: one block may
     span several calls), the denoising loop index and the pass within the step (Flux's true-CFG negative pass is 1).
-    Values are what the point held after callbacks attached before the cache (an ``intervene`` block entered first).
+    Values are what the layer used at the point: what every edit there left, whichever block was entered first.
 
     - ``cache[name]``: the point's records stacked in that order, ``(N, *shape)`` (one call with one pass per step:
       ``N`` steps);

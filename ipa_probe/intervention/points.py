@@ -15,7 +15,8 @@ the latent columns as computed, one of q or the logits renormalises them), ``con
 
 Several users may hold points on one pipeline at once (an intervention's callbacks, then a cache's readers): each is a
 client of the pipeline's spine, the points' hooks are the spine's (:attr:`~ipa_probe.capture.spine.Spine.points`,
-added once), callbacks of one point run in order of attachment, and the hooks come off when the last user leaves.
+added once), edits of one point run in order of attachment, then its readers (a cache: what the layer used there,
+whichever block was entered first), and the hooks come off when the last user leaves.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ class _Registry:
         self.nan: dict[str, torch.Tensor] = {}
         self.sample_shape: tuple[int, ...] = ()
         self.batch = 0
-        self.active: dict[str, list[tuple[HookFn, bool]]] = {}  # this pass's (callback, its user edits) by point
+        #: this pass's (callback, its user edits) by point: edits in order of attachment, then readers
+        self.active: dict[str, list[tuple[HookFn, bool]]] = {}
         self.cfg: tuple[str, ...] = ()  # each batch item's CFG label in this pass
         self._now: PassInfo | None = None  # the pass the callbacks were gathered for
         self._text_tokens: int | None = None
@@ -190,8 +192,9 @@ class _Registry:
             user.on_call(spine.planned_steps(), self._sizes)
         if not spine.selects(user, user.steps, user.when, user.label if user.edits else "", args, kwargs):
             return
-        for name, fns in user.callbacks.items():
-            self.active.setdefault(name, []).extend((fn, user.edits) for fn in fns)
+        for name, fns in user.callbacks.items():  # a reader (a cache) keeps what every edit left, whatever the nesting
+            merged = [*self.active.get(name, []), *((fn, user.edits) for fn in fns)]
+            self.active[name] = sorted(merged, key=lambda pair: not pair[1])  # stable: edits first, then readers
             layer, adapter, _ = _parse_name(name)
             if user.edits and adapter != TEXT:  # readers of the layer wait for what its image branch used
                 spine.weight_edits.add((layer, adapter))
