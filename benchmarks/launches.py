@@ -11,12 +11,14 @@ the channel widths, so the wide models are narrowed to run on a CPU):
   eighth of its widths;
 - ``flux``: Flux.1's transformer topology (19 double-stream blocks with IP-Adapter, 38 single-stream) at 2 heads of 16.
 
-A step's count is the difference of a 3-step and a 2-step call (the call's fixed cost cancels), with the probe's
-``with`` block opened outside the counted call. Counted under the GPU's policy (``--cpu-policy`` for the CPU's): on a
-CPU the probe forms large records apart instead of stacked (``ipa_probe.capture.cells.JOIN_ELEMENTS_CPU``: a stack
-that leaves the cache costs CPU time) and each layer size's query frames apart (``JOIN_FRAMES_CPU``), and ranks by
-tie groups (``ipa_probe.statistics.rows.RANK_SEARCH_CPU``), on a GPU it stacks every record of a size, joins the sizes'
-query frames and ranks by binary searches, which is what saves launches.
+A step's count is the difference of a 3-step and a 2-step call (the call's fixed cost cancels), counted from the
+probe's ``with`` block opening to its end (the statistics pass runs when a call ends: a per-call cost, the column
+"per call": the 2-step call's launches beyond the plain call's, less two steps'). Counted under the GPU's policy
+(``--cpu-policy`` for the CPU's): on a CPU the probe forms large records apart instead of stacked
+(``ipa_probe.capture.cells.JOIN_ELEMENTS_CPU``: a stack that leaves the cache costs CPU time) and each layer size's
+query frames apart (``JOIN_FRAMES_CPU``), and ranks by tie groups (``ipa_probe.statistics.rows.RANK_SEARCH_CPU``), on
+a GPU it stacks every record of a size, joins the sizes' query frames and ranks by binary searches, which is what
+saves launches.
 
 Modes: the plain call, the probe (default rows), ``maps=True``, ``rows=None``, ``compile=True`` (counted with
 ``DispatchCount(compiled=True)``: the operations the compiled statistics still dispatch plus one launch per fused
@@ -164,16 +166,18 @@ def feature(pipe, mode: str):
 def count(pipe, arch: str, mode: str, tokens: int, steps: int, by_site: bool) -> DispatchCount:
     counter = DispatchCount(by_site=by_site, compiled=mode == "compiled")
     kwargs = call_kwargs(pipe, arch, tokens, steps)
-    with feature(pipe, mode), torch.no_grad(), counter:
+    with counter, feature(pipe, mode), torch.no_grad():  # the block's end too: its statistics pass may run there
         pipe(**kwargs)
     return counter
 
 
 def per_step(pipe, arch: str, mode: str, tokens: int, by_site: bool = False) -> dict:
-    """Launches, views and syncs one denoising step adds: a 3-step call's counts minus a 2-step call's."""
+    """Launches, views and syncs one denoising step adds: a 3-step call's counts minus a 2-step call's (and the 2-step
+    call's launches, whose excess over two steps is the call's fixed cost)."""
     two, three = (count(pipe, arch, mode, tokens, steps, by_site) for steps in (2, 3))
     sites = {site: three.by_site[site] - two.by_site[site] for site in three.by_site}
     return {
+        "two_steps": two.launches,
         "launches": three.launches - two.launches,
         "views": three.views - two.views,
         "syncs": three.syncs - two.syncs,
@@ -188,7 +192,8 @@ def table(arch: str, tokens: int, modes=MODES, by_site: bool = False, pipe=None)
         counts = per_step(pipe, arch, mode, tokens, by_site)
         plain = counts if mode == "plain" else plain
         added = counts["launches"] - plain["launches"] if plain and mode != "plain" else None
-        rows.append(dict(arch=arch, tokens=tokens, mode=mode, **counts, added=added))
+        fixed = None if added is None else counts["two_steps"] - plain["two_steps"] - 2 * added
+        rows.append(dict(arch=arch, tokens=tokens, mode=mode, **counts, added=added, fixed=fixed))
     return rows
 
 
@@ -204,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         gpu_policy()
     torch.set_num_threads(1)
     modes = ["plain", *(m for m in args.modes if m != "plain")]
-    print("| arch | tokens | mode | launches / step | views / step | syncs / step | added launches | x plain |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| arch | tokens | mode | launches / step | views / step | syncs / step | added | x plain | per call |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for arch in args.arch:
         pipe = build(arch)
         for tokens in args.tokens:
@@ -213,10 +218,11 @@ def main(argv: list[str] | None = None) -> int:
             plain = rows[0]["launches"]
             for row in rows:
                 added = "" if row["added"] is None else f"+{row['added']:,}"
-                ratio = "" if row["added"] is None else f"{row['added'] / plain:.2f}"
+                ratio = "" if row["added"] is None else f"{row['added'] / plain:.3f}"
+                fixed = "" if row["fixed"] is None else f"+{row['fixed']:,}"
                 print(
                     f"| {arch} | {tokens} | {row['mode']} | {row['launches']:,} | {row['views']:,} | {row['syncs']} | "
-                    f"{added} | {ratio} |"
+                    f"{added} | {ratio} | {fixed} |"
                 )
                 if args.by_site and row["sites"]:
                     print("|  |  |  | " + ", ".join(f"{k} {v}" for k, v in list(row["sites"].items())[:12]) + " |||||")

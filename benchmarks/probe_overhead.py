@@ -134,24 +134,27 @@ class OwnTime:
         return handles, total
 
     def wrap(self, run, mode: str):
-        """Time the run's record callback and the pass's batched per-row statistics (together, everything the probe
-        computes per layer call) and, with maps, the value hook's per-reference contributions (those two counted in
-        the time, not as records)."""
-        total = [0.0, 0]
+        """Time the run's record callback, the forming of held records and the batched per-row statistics (together,
+        everything the probe computes per layer call, wherever it runs: the records wait for the call's end) and, with
+        maps, the value hook's per-reference contributions (those counted in the time, not as records); a call inside
+        another timed one is counted once."""
+        total, depth = [0.0, 0], [0]
 
         def timer(function, counts: bool):
             def timed(*args):
-                start = time.process_time()
+                start, depth[0] = time.process_time(), depth[0] + 1
                 try:
                     return function(*args)
                 finally:
-                    total[0] += time.process_time() - start
+                    depth[0] -= 1
+                    total[0] += (time.process_time() - start) * (depth[0] == 0)
                     total[1] += counts
 
             return timed
 
         run._capture.record = timer(run._capture.record, True)
-        run._flush = timer(run._flush, False)  # the instance attribute shadows the method the pass's end calls
+        # the instance attributes shadow the methods the pass's and the call's end call
+        run._flush, run._form_parts = timer(run._flush, False), timer(run._form_parts, False)
         if run._maps is not None:  # the instance attribute shadows the method the value hooks look up
             run._maps._contribute = timer(run._maps._contribute, False)
         return total

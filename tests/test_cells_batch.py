@@ -83,10 +83,10 @@ def test_nulls_of_a_batch_are_seeded():
     + [("auto", "branch", "FRAME_ELEMENTS")],
 )
 def test_records_stacked_in_one_pass_equal_records_formed_alone(sd15, refs, monkeypatch, rows, query_frame, bound):
-    """The probe holds a pass's records and forms those of equal shape stacked along the batch (one pass per layer
-    size; the query frames of every size in one pass, cells.joint_frames): with row samples (each record its own,
-    drawn in record order), two items per CFG branch and pooled query frames, every column equals the run whose
-    records are each formed alone (no stacking on the CPU,
+    """The probe holds a call's records and forms those of equal shape stacked along the batch (one pass per layer
+    size, every step's records in it; the query frames of every size in one pass, cells.joint_frames): with row
+    samples (each record its own, drawn in record order), two items per CFG branch and pooled query frames, every
+    column equals the run whose records are each formed alone (no stacking on the CPU,
     ``JOIN_ELEMENTS_CPU`` 0, or no room to hold records, ``FRAME_ELEMENTS`` 1: each formed in its hook); only the
     nulls, drawn once per batch of the pass, may draw otherwise (their distribution is held by tests/test_stats.py)."""
     import numpy as np
@@ -115,7 +115,7 @@ def test_records_stacked_in_one_pass_equal_records_formed_alone(sd15, refs, monk
     monkeypatch.setattr(cells_module, "JOIN_FRAMES_CPU", 2**62)  # the GPU's policy: the sizes' frames joined
     stacked, sizes = table()
     assert max(sizes) > 1, "equal-size layers are formed together"
-    assert len(joint) == 2, "the sizes' query frames are joined, one pass per step"
+    assert len(joint) == 1, "the sizes' query frames are joined, every step's in one pass when the call ends"
     monkeypatch.setattr(cells_module, "JOIN_FRAMES_CPU", 0)
     if bound == "JOIN_ELEMENTS_CPU":
         monkeypatch.setattr(cells_module, "JOIN_ELEMENTS_CPU", 0)
@@ -132,4 +132,40 @@ def test_records_stacked_in_one_pass_equal_records_formed_alone(sd15, refs, monk
     # 1e-5: the joined query frames sum each frame's rows in another order (float32 rounding; 3e-6 seen)
     np.testing.assert_allclose(
         stacked[numbers].to_numpy(float), alone[numbers].to_numpy(float), rtol=1e-5, atol=1e-6, equal_nan=True
+    )
+
+
+def test_a_call_runs_one_statistics_pass_unless_its_waiting_records_pass_the_budget(sd15, refs, monkeypatch):
+    """A call's records wait, unformed, for one statistics pass when the call ends (the next call's start, the block's
+    end), the bandwidth of each record's own step kept; when the waiting records pass ``forming.PENDING_BYTES``, the
+    probe forms and compares what it holds at once (here: at every record, a budget of 1 byte). Every column but the
+    nulls' is the same either way."""
+    import numpy as np
+
+    import ipa_probe.capture.forming as forming_module
+    import ipa_probe.capture.run as run_module
+
+    passes, compare = [], run_module._compare_pass
+    counted = lambda batches, draws: passes.extend([1][: len(batches)]) or compare(batches, draws)  # those not empty
+    monkeypatch.setattr(run_module, "_compare_pass", counted)
+
+    def table():
+        passes.clear()
+        with run_module.probe(sd15, bandwidth=lambda t: 0.5 + float(t) / 1000) as run:  # a bandwidth per step
+            for steps in (2, 3):
+                sd15("a photo", ip_adapter_image=[refs], num_inference_steps=steps,
+                     generator=torch.Generator().manual_seed(0), output_type="latent")  # fmt: skip
+        return run.to_dataframe(), len(passes)
+
+    deferred, calls = table()
+    assert calls == 2, "one statistics pass per call"
+    monkeypatch.setattr(forming_module, "PENDING_BYTES", 1)
+    early, budgeted = table()
+    records = len(deferred[["call", "step", "layer", "kind", "adapter"]].drop_duplicates())
+    assert budgeted == records, "a statistics pass at every record, as the budget asks"
+    numbers = [c for c in deferred.select_dtypes("number").columns if c not in DRAWN]
+    assert len(deferred) == len(early) and len(numbers) > 20
+    # 1e-5: each record's query frames formed alone sum its rows in another order (float32 rounding)
+    np.testing.assert_allclose(
+        deferred[numbers].to_numpy(float), early[numbers].to_numpy(float), rtol=1e-5, atol=1e-6, equal_nan=True
     )

@@ -1283,11 +1283,15 @@ def test_costs_from_measured():
     launches = {(r[0], r[1]): r for r in table_rows("docs/measured.md", "## What a GPU pays")}
     plain = int(launches["SD 1.5 UNet (16)", "4"][2])
 
-    def ratio(cell: str) -> str:
+    def ratio(cell: str, digits: int = 2) -> str:
         count = int(re.match(r"\+([\d,]+)", cell).group(1).replace(",", ""))
-        return f"{count / plain:.2f}×"
+        return f"{count / plain:.{digits}f}×"
 
-    probe, maps = (ratio(launches["SD 1.5 UNet (16)", "4"][c]) for c in (3, 4))
+    # a step's launches (the probe's are a few: three digits), and the probe's once per call (the last column)
+    probe, (maps, call) = (
+        ratio(launches["SD 1.5 UNet (16)", "4"][3], 3),
+        (ratio(launches["SD 1.5 UNet (16)", "4"][c]) for c in (4, 8)),
+    )
     compiled = ratio(launches["SD 1.5 UNet (16), `compile=True`", "4"][3])
     scale = re.search(r'`mode="scale"`[^+]*(\+\d+) launches a step on SD 1.5', doc("docs/measured.md"))
     scale = ratio(scale.group(1))
@@ -1295,8 +1299,9 @@ def test_costs_from_measured():
     own = [cpu["64", t][2].split(" / ")[0] for t in ("4", "64")]
     assert_in(
         "README.md",
-        f"CPU time {own[0]}× a plain call's at 64² latents ({own[1]}× with 64 tokens); on a GPU, launches: a probed "
-        f"SD 1.5 step adds {probe} a plain step's (maps {maps}, `compile=True` {compiled}, `mode={SCALE}` {scale};",
+        f"CPU time {own[0]}× a plain call's at 64² latents ({own[1]}× with 64 tokens); GPU launches: probed SD 1.5 "
+        f"steps add {probe} a plain step's, a call {call} (maps {maps}, `compile=True` {compiled}, `mode={SCALE}` "
+        f"{scale};",
     )
     # the probe's own CPU over a plain call's (the measure held against the targets) at 512 px: 2 images, 8 tokens
     default, exact = (cpu["64", "8"][c].split(" / ")[0] for c in (2, 4))

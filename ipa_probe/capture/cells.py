@@ -4,11 +4,9 @@ A *record* is what the probe's taps deliver once per layer, adapter (or the text
 ``(B, H, Q, D)`` and keys ``(B, H, K, D)`` the processor's softmax uses. Its *cells* are its batch items (a group:
 one item with its frames pooled) per head; every statistic of a cell is computed here on the pipeline's device and
 returned as one ``(groups, H, fields)`` tensor in the order of :data:`~ipa_probe.statistics.schema.CELL_FIELDS`, which
-:mod:`~.run` adds into its buffers. A record's inputs and query frames are formed when the
-pass ends, the records of one layer size stacked (:func:`record_logits`, :func:`group_cell`, :func:`cell_inputs`;
-an edited, masked or SD3 record in its hook); the per-row statistics of every record of the pass then run in one
-pass (:func:`compare_cells`). Nothing here reads
-the host or keeps state between records.
+:mod:`~.run` adds into its buffers. Records are formed with those of their layer size stacked (:func:`record_logits`,
+:func:`group_cell`, :func:`cell_inputs`; an edited, masked or SD3 record in its hook), and compared many at once
+(:func:`compare_cells`). Nothing here reads the host or keeps state between records.
 """
 
 from __future__ import annotations
@@ -48,12 +46,9 @@ __all__ = [
 CHUNK_ELEMENTS = 2**26
 
 #: Most logits (elements) the probe stacks into one pass on a CPU (1 MiB of float32;
-#: :meth:`~.forming.RecordForming._held_parts`). Stacking saves each record's fixed cost (some 30 small operations)
-#: but makes every pass over the logits read a larger block: on one SD 1.5 pass (2 CPU cores, one thread), forming
-#: the frames of all five records of a size together took 0.62x the time of one record at a time at 16 x 16 latents
-#: with 4 tokens (0.33 MB) and 0.76-0.87x with 16 (1.3 MB), but 1.06-1.12x with 64 tokens (5 MB) and 1.8-2.0x at
-#: 64 x 64 latents (20-84 MB), which no longer stay in cache. Other devices stack a size's records whole (what it
-#: saves there is kernel launches; :data:`~.forming.FRAME_ELEMENTS` bounds the memory).
+#: :meth:`~.forming.RecordForming._held_parts`): stacking saves each record's fixed cost (some 30 small operations),
+#: but a stack that leaves the cache costs more CPU time than it saves (docs/measured.md). Other devices stack a size's
+#: records whole (what it saves there is kernel launches; :data:`~.forming.FRAME_ELEMENTS` bounds the memory).
 JOIN_ELEMENTS_CPU = 2**18
 
 
@@ -84,11 +79,9 @@ def record_logits(
     dot-product attention for the text branch, the processor's own for the image branch
     (:func:`~ipa_probe.layers.image_branch_logits`, ``other`` the further keys of its softmax: SD3's latent keys).
 
-    Dot-product logits are formed key-major, ``(k q^T)^T`` (a transposed view): the products of ``q k^T``, 2-3x faster
-    on CPU where queries outnumber keys (4,096 x 8 per head at 512 px), the per-key reductions then along contiguous
-    memory. On a CPU a query of 1,024 rows or more that is a view of the layer's projection is read in place one head
-    at a time (its norms taken while the head is in cache) instead of being copied first: reading it costs more than
-    the products."""
+    Dot-product logits are formed key-major, ``(k q^T)^T`` (a transposed view): 2-3x faster on CPU where queries
+    outnumber keys, the per-key reductions then along contiguous memory. On a CPU a query of 1,024 rows or more that is
+    a view of the layer's projection is read in place one head at a time (norms taken while it is in cache)."""
     if not text and getattr(processor, "image_branch_logits", None) is not None:
         return image_branch_logits(processor, q, k, other), q.norm(dim=-1)
     k = k * (1.0 / math.sqrt(q.shape[-1]))
@@ -187,8 +180,8 @@ def group_cell(
 
 @dataclass
 class CellInputs:
-    """What the per-row statistics of one record compare (its rows sampled), and its per-cell scalars: kept until the
-    pass ends, when :func:`compare_cells` runs the records of the pass that share a :meth:`signature` together."""
+    """What the per-row statistics of one record compare (its rows sampled), and its per-cell scalars: kept until
+    :func:`compare_cells` runs the waiting records that share a :meth:`signature` together."""
 
     attn: torch.Tensor  # (groups, H, n, K) attention logits of the compared rows
     nw: torch.Tensor  # (groups, H, n, K) stored-frame NW logits
@@ -206,14 +199,9 @@ class CellInputs:
     other_nw: torch.Tensor | None = None
     other_b: torch.Tensor | None = None
 
-    @property
-    def has_other(self) -> bool:
-        """Whether the record has a query frame over the other pool."""
-        return self.other_nw is not None
-
     def pending_elements(self) -> int:
         """The query-frame NW logits the record's statistics will compare (both forms, and the other pool's)."""
-        return (3 if self.has_other else 2) * self.attn.numel()
+        return (2 + (self.other_nw is not None)) * self.attn.numel()
 
     def signature(self) -> tuple:
         """Records with equal signatures are compared in one pass: without a key mask (the image branch), their rows
@@ -222,13 +210,13 @@ class CellInputs:
         concatenated along their groups when their shapes are equal."""
         if self.key_mask is None:
             present = tuple(x is not None for x in (self.key_term, self.row_mask, self.copies))
-            return (self.attn.shape[-1], self.attn.dtype, self.attn.device, present, self.has_other)
+            return (self.attn.shape[-1], self.attn.dtype, self.attn.device, present, self.other_nw is not None)
 
         def form(x: torch.Tensor | None) -> tuple | None:
             return None if x is None else (tuple(x.shape[1:]), x.dtype, x.device)
 
         tensors = (self.attn, self.nw, self.key_term, self.key_mask, self.row_mask, self.copies, self.tails)
-        return (*(form(x) for x in tensors), self.sampled, self.has_other)
+        return (*(form(x) for x in tensors), self.sampled, self.other_nw is not None)
 
 
 def cell_inputs(
@@ -343,17 +331,14 @@ def compare_cells(
     """The per-cell fields (:data:`~ipa_probe.statistics.schema.CELL_FIELDS`) of records of one
     :meth:`~CellInputs.signature`, ``(groups, H, fields)`` each, from one
     :func:`~ipa_probe.statistics.agreement.compare_frames` pass over all their rows: every statistic is per row and
-    reduced per cell, so each record's values are what its own pass would give; only the permutation nulls draw
-    differently (one draw for the batch), from the same seeded generators.
+    reduced per cell, so each record's values are what its own pass would give; only the nulls draw otherwise.
 
     Args:
         records: the records' inputs (:func:`cell_inputs`), equal signatures.
-        generators: the permutation nulls' random sources on the device: the stored frame's, the query frame's, and
-            optionally the other pool's (its null is drawn and discarded: a generator of its own keeps the other two
-            drawing what they draw without it; one seeded 0 when not given); or the keys they draw
+        generators: the nulls' random sources on the device: the stored frame's, the query frame's, and optionally
+            the other pool's (its own, drawn and discarded; one seeded 0 when not given); or their keys
             (:func:`null_keys`).
-        cache: where the rows' cell ids are kept between calls (they depend on the records' shapes only), or
-            ``None``.
+        cache: where the rows' cell ids are kept between calls (per shapes), or ``None``.
         joined: the records' :func:`join_cells`, when joined beforehand.
     """
     first, (attn, joined_frames, rest, scalars, exact) = records[0], joined or join_cells(records, cache)
@@ -447,14 +432,15 @@ def join_cells(records: list[CellInputs], cache: dict | None = None) -> tuple:
 def _segments(records: list[CellInputs], replicates: int | None, cache: dict | None) -> tuple:
     """Each flattened row's cell (and replicate group): records' rows side by side, ``(groups, H, n)`` each in order;
     and where sampled and exact records mix, ``(cells, 1)`` True at the exact cells (else ``None``); made on the
-    device once per shape (kept in ``cache``)."""
+    device once per shape (kept in ``cache``; for a run of shapes repeated, as a call's passes, once for the run)."""
     shapes = tuple((*record.attn.shape[:3], record.sampled) for record in records)
     device = records[0].attn.device
     key = ("segments", shapes, replicates, device)
     if cache is not None and key in cache:
         return cache[key]
+    period = next(p for p in range(1, len(shapes) + 1) if shapes == shapes[:p] * (len(shapes) // p))
     ids, groups, exact, offset = [], [], [], 0
-    for cells_h, heads, rows, sampled in shapes:
+    for cells_h, heads, rows, sampled in shapes[:period]:
         position = torch.arange(cells_h * heads * rows, device=device)
         cell = position // rows + offset
         ids.append(cell)
@@ -462,8 +448,14 @@ def _segments(records: list[CellInputs], replicates: int | None, cache: dict | N
             groups.append(cell * replicates + position % rows % replicates)
         exact.append(torch.full((cells_h * heads, 1), not sampled, device=device))
         offset += cells_h * heads
-    segments = Segments(torch.cat(ids), offset, torch.cat(groups) if groups else None, replicates)
-    exact = torch.cat(exact) if len({shape[-1] for shape in shapes}) > 1 else None
+    exact = exact if len({shape[-1] for shape in shapes}) > 1 else []  # sampled and exact cells mixed
+    ids, groups, exact = (torch.cat(x) if x else None for x in (ids, groups, exact))
+    if (repeats := len(shapes) // period) > 1:  # the run's ids, each repeat's cells after the one before
+        shift = torch.arange(0, offset * repeats, offset, device=device)[:, None]
+        ids, offset = (ids + shift).flatten(), offset * repeats
+        groups = None if groups is None else (groups + shift * replicates).flatten()
+        exact = None if exact is None else exact.repeat(repeats, 1)
+    segments = Segments(ids, offset, groups, replicates)
     if cache is not None:
         cache[key] = segments, exact
     return segments, exact

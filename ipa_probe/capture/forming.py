@@ -1,7 +1,8 @@
-"""Forming a pass's records: :class:`RecordForming`, the :class:`~.run.ProbeRun` methods that hold each record its
-hook delivers (:class:`_Held`) until the denoiser pass returns, then form the records of equal shape stacked along the
-batch (their logits, cells, row samples and query frames, :mod:`.cells`) and keep their weights and reference maps.
-The step clock, the hooks and the buffers the statistics are added into live in :mod:`.run`."""
+"""Forming records: :class:`RecordForming`, the :class:`~.run.ProbeRun` methods that hold each record its hook
+delivers (:class:`_Held`) until the call ends or a budget (:meth:`~.run.ProbeRun._end_pass`), then form those of equal
+shape stacked along the batch (their logits, cells, row samples and query frames, :mod:`.cells`) and keep their
+weights and reference maps. The step clock, the hooks and the buffers the statistics are added to live in :mod:`.run`.
+"""
 
 from __future__ import annotations
 
@@ -17,23 +18,22 @@ from .buffers import CallBuffers
 from .cells import cell_inputs, group_cell, record_logits
 from .spine import expand_references, kept_tokens
 
-__all__ = ["FRAME_ELEMENTS", "PENDING_ELEMENTS", "RecordForming"]
+__all__ = ["FRAME_ELEMENTS", "PENDING_BYTES", "RecordForming"]
 
-#: Query-frame logits (elements) the records kept for the pass's statistics may hold before they are compared early:
-#: 2^22 float32 (16 MiB, about 20 MiB of inputs and 150 MiB of working tensors in the batched pass) bounds memory
-#: when rows are many (``rows=None`` at 1024 px); the default row sample keeps a 512 px SD 1.5 pass (16 records) in
-#: one batch.
-PENDING_ELEMENTS = 2**22
+#: Bytes of float32 query-frame logits the records waiting for their statistics (formed, or held: their row samples'
+#: size) may reach before every record so far is compared (:meth:`~.run.ProbeRun._flush`) instead of at the call's
+#: end: 64 MiB (about 600 MiB of working tensors in the batched pass) bounds memory when rows are many or steps long.
+PENDING_BYTES = 2**26
 
 #: Queries (elements) the held records may hold before they are formed early (:meth:`RecordForming._held_parts`;
-#: they are still compared at the pass's end): 2^25 float32 (128 MiB, with about as much again of logits and working
-#: tensors while a stack is formed) keeps a 512 px SD 1.5 pass in one batch and bounds memory at 1024 px.
+#: compared later): 2^25 float32 (128 MiB, with about as much again of logits and working tensors while a stack is
+#: formed) keeps a 512 px SD 1.5 pass in one batch and bounds memory at 1024 px.
 FRAME_ELEMENTS = 2**25
 
 
 @dataclass
 class _Held:
-    """One record as its hook delivered it, held until the pass ends (:meth:`RecordForming._held_parts`)."""
+    """One record as its hook delivered it, held until it is formed (:meth:`RecordForming._held_parts`)."""
 
     call: CallBuffers
     step: int
@@ -80,8 +80,8 @@ class RecordForming:
         inside: torch.Tensor | None = None,
         used: torch.Tensor | None = None,
     ) -> None:
-        """Hold one layer's record for one adapter (or the text slot) until the pass ends, when the records of equal
-        shape are formed together (:meth:`_held_parts`); a record that cannot join others is formed at once.
+        """Hold one layer's record for one adapter (or the text slot) until the records of equal shape are formed
+        together (:meth:`_held_parts`); a record that cannot join others is formed at once.
 
         Args:
             index, slot: the layer's position in :attr:`layers`; the adapter index, or :attr:`text_slot`.
@@ -152,7 +152,15 @@ class RecordForming:
             return
         self._held.append(held)
         self._held_elements += query.numel()
-        if self._held_elements > FRAME_ELEMENTS:  # bounded memory: form what is held so far
+        self._held_pending += (2 + (chunks != groups)) * groups * query.shape[1] * (size or n_rows) * n_keys  # formed
+        self._bound()
+
+    def _bound(self, margin: int = 1) -> None:
+        """Compare every record so far past ``1 / margin`` of :data:`PENDING_BYTES`, else form the held ones past that
+        of :data:`FRAME_ELEMENTS` (``margin=2`` at a pass's end: room for one more pass like it, not to split one)."""
+        if 4 * margin * (self._pending_elements + self._held_pending) > PENDING_BYTES:
+            self._flush()
+        elif margin * self._held_elements > FRAME_ELEMENTS:
             self._form_parts(*self._held_parts())
 
     def _held_parts(self) -> tuple[list[list[_Held]], bool]:
@@ -161,7 +169,7 @@ class RecordForming:
         within :data:`~.cells.JOIN_ELEMENTS_CPU` logits: a larger one leaves the cache; see there), and whether the
         stacks' query frames are formed jointly (:func:`~.cells.joint_frames`); no tensor is formed but the row
         samples' keys (:meth:`_draw_rows`)."""
-        held, self._held, self._held_elements = self._held, [], 0
+        held, self._held, self._held_elements, self._held_pending = self._held, [], 0, 0
         self._draw_rows(held)
         batches: dict[tuple, list[_Held]] = {}
         for entry in held:
@@ -182,9 +190,9 @@ class RecordForming:
         return parts, joins and not (first.q.device.type == "cpu" and logits > cells.JOIN_FRAMES_CPU)
 
     def _draw_rows(self, held: list[_Held]) -> None:
-        """The uniform keys of the records' row samples (:attr:`ProbeConfig.rows`; stratified in :meth:`_begin`), one
-        draw for all in record order, from the run's row generator (drawn outside a compiled pass)."""
-        sampled = [entry for entry in held if entry.rows is not None]
+        """The uniform keys of the records' row samples (:attr:`ProbeConfig.rows`; stratified in :meth:`_begin`) not
+        drawn yet, one draw for all in record order, from the run's row generator (outside a compiled pass)."""
+        sampled = [entry for entry in held if entry.rows is not None and entry.keys is None]
         if not sampled:
             return
         device = sampled[0].q.device
@@ -278,7 +286,7 @@ class RecordForming:
         inputs = cell_inputs(cell=cell, frame=frame, **inputs)
         self._pending.append((held, inputs))
         self._pending_elements += inputs.pending_elements()
-        if self._pending_elements > PENDING_ELEMENTS:  # bounded memory: compare what is kept so far
+        if 4 * self._pending_elements > PENDING_BYTES:  # bounded memory: compare what is kept so far
             self._flush()
         for entry, logits in zip(held, attn.chunk(len(held)), strict=True) if self.config.keep_maps else ():
             # the weights the layer used: an edit's as they are (unnormalised where it left so)

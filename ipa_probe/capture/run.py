@@ -13,10 +13,10 @@ reads the weights the layer used (the references an ablation kept, the weights a
 This module is family-agnostic: a :class:`~.taps.Tap` says where the tensors are, how heads are split and how
 denoiser calls map to steps and CFG branches; here they become statistics. The statistics of each (step, layer,
 adapter, CFG branch, head) are computed on the pipeline's device and added into preallocated buffers; nothing is
-copied to the host until the ``with`` block ends (one transfer). Each record is held from its hook until the denoiser
-pass returns; then the records of one layer size are formed stacked (logits, row samples, query frames:
-:mod:`.forming`), and the per-row statistics of every record run in one pass (:func:`~.cells.compare_cells`),
-instead of one each per record.
+copied to the host until the ``with`` block ends (one transfer). Each record is held from its hook until the call ends
+(the next call starts, or the block ends) or the records pass a memory budget (:mod:`.forming`); then the records of
+one layer size are formed stacked, every step's (logits, row samples, query frames), and the per-row statistics of
+every record run in one pass (:func:`~.cells.compare_cells`), instead of one each per record or pass.
 """
 
 from __future__ import annotations
@@ -82,8 +82,15 @@ class _StepState:
 
 
 def _filled(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``(n,)`` int64 holding ``values``, made by fills on the device (no host-to-device copy)."""
-    index = torch.zeros(len(values), dtype=torch.long, device=device)
+    """``(n,)`` int64 holding ``values``, made on the device (no host-to-device copy): a run of equal steps from one
+    ``arange``; a run repeated with shifts (a call's steps of the same layers) as the run plus the shifts; or fills."""
+    values, n = tuple(values), len(values)
+    if n > 1 and all(b - a == values[1] - values[0] for a, b in zip(values, values[1:], strict=False)):
+        return torch.arange(n, device=device) * (values[1] - values[0]) + values[0]
+    shifted = lambda p: all(v - values[i % p] == values[i - i % p] - values[0] for i, v in enumerate(values))
+    if period := next((p for p in range(2, n // 2 + 1) if n % p == 0 and shifted(p)), None):
+        return (_filled(values[:period], device) + _filled(values[::period], device)[:, None] - values[0]).flatten()
+    index = torch.zeros(n, dtype=torch.long, device=device)
     for position, value in enumerate(values):
         index[position] = value
     return index
@@ -138,13 +145,13 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         self._row_generator: torch.Generator | None = None
         #: (layer, kind) -> (rows, keys, sample size or None): what ProbeConfig.rows chose per cell (shapes only)
         self._row_plan: dict[tuple[str, str], tuple[int, int, int | None]] = {}
-        #: formed records of the running pass whose per-row statistics are still to run: (the records stacked, their
+        #: formed records of the running call whose per-row statistics are still to run: (the records stacked, their
         #: inputs), compared together by :meth:`_flush`
         self._pending: list[tuple[list[_Held], CellInputs]] = []
         self._pending_elements = 0
-        #: records of the running pass held until it ends (:meth:`_held_parts`), and their queries' elements
+        #: records held until formed (:meth:`_held_parts`), their queries' elements and their waiting rows' (at most)
         self._held: list[_Held] = []
-        self._held_elements = 0
+        self._held_elements = self._held_pending = 0
         self._constants: dict[tuple, torch.Tensor] = {}
         self._result: dict[str, Any] | None = None
         self._claim = None
@@ -232,7 +239,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
     # ------------------------------------------------------------------ the step clock
     def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
         """A denoiser pass starts (the spine's clock has placed it)."""
-        self._flush()  # the previous pass's records, when it raised before returning
+        self._end_pass(spine.now.new_call)  # the previous pass's records, when it raised before returning
         state, tap = self._state, self.tap
         if state.in_pass and state.call is not None:  # the previous pass raised before returning
             state.call.incomplete.add(state.step)
@@ -253,7 +260,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
 
     def on_return(self, spine: Spine, output) -> None:
         """The denoiser pass returned (the edits that acted in it are known now: :attr:`PassInfo.edits`)."""
-        self._flush()
+        self._end_pass(False)
         if self._maps is not None:
             self._maps.end_pass()  # the maps' contributions, every layer's values in
         state = self._state
@@ -281,10 +288,9 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         return False
 
     def _follow_processors(self) -> None:
-        """Re-attach to IP-Adapter processors replaced inside the block (``load_ip_adapter`` called again, the NW
-        head's subclasses swapped in): their image branch runs modules the probe's hooks are not on. Refused with
-        the remedy when the layers, adapters or heads changed (the buffers are sized by them); processors without
-        an image branch (``unload_ip_adapter``) leave nothing to record."""
+        """Re-attach to IP-Adapter processors replaced inside the block (``load_ip_adapter`` again, the NW head): their
+        image branch runs modules the hooks are not on. Refused with the remedy when the layers, adapters or heads
+        changed (the buffers are sized by them); processors without an image branch leave nothing to record."""
         current = [layer.attention.processor for layer in self.layers]
         if all(now is seen for now, seen in zip(current, self._processors, strict=True)):
             return
@@ -373,9 +379,8 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         return self._constant("heads", device, lambda: _filled(heads, device))
 
     def _bandwidth(self, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bandwidth ``h`` as a 0-d float32 device tensor and the NW logits' factor ``sqrt(d) / h^2``
-        (:func:`~.cells.group_cell`): made once per run for a fixed one, once per step for a callable of the timestep
-        (a tensor it returns is used as is)."""
+        """The bandwidth ``h`` (0-d float32 on the device) and the NW logits' factor ``sqrt(d) / h^2``
+        (:func:`~.cells.group_cell`): once per run if fixed, per step if a callable (a tensor it returns as is)."""
         spec = self.config.bandwidth
         with_factor = lambda h: (h, math.sqrt(head_dim) / (h * h))
         if not callable(spec):
@@ -405,9 +410,20 @@ class ProbeRun(RecordForming, RunViews, MapViews):
             torch.set_num_threads(before)
 
     @torch.no_grad()
+    def _end_pass(self, call_ends: bool) -> None:
+        """The pass's records wait for :meth:`_flush` (the call's end, a budget), their row samples drawn; formed now
+        for the maps or a compiled denoiser (a CUDA graph may overwrite its outputs); compared now with ``compile``."""
+        if call_ends or self.config.compile:
+            return self._flush()
+        self._draw_rows(self._held)
+        if self._maps is not None or self.compiled:  # the maps' pass reads the formed records
+            return self._form_parts(*self._held_parts())
+        self._bound(margin=2)
+
+    @torch.no_grad()
     def _flush(self) -> None:
-        """Form the held records (:meth:`_join_pass`), run the per-row statistics of the pass (:func:`_compare_pass`)
-        and add them into the buffers. With :attr:`ProbeConfig.compile` the two run compiled
+        """Form the held records (:meth:`_join_pass`), run the per-row statistics of every waiting record
+        (:func:`_compare_pass`) and add them into the buffers. With :attr:`ProbeConfig.compile` the two run compiled
         (:func:`~ipa_probe.statistics.compiled.run_compiled`, static shapes), the nulls' keys drawn between."""
         device = next((x.q.device for x in self._held), None) or next((x[-1].attn.device for x in self._pending), None)
         if device is None:
@@ -425,16 +441,14 @@ class ProbeRun(RecordForming, RunViews, MapViews):
 
         batches = run("join", type(self)._join_pass, self, *self._held_parts())
         draws = [null_keys(joined, self._generators) for _, _, joined in batches]  # a compiled region draws nothing
-        for held, fields in run("compare", _compare_pass, batches, draws):
-            self._accumulate(held, fields)
+        self._accumulate(run("compare", _compare_pass, batches, draws))
 
     def _put_back(self, pending: list, elements: int) -> None:
         self._pending, self._pending_elements = pending, elements
 
     def _join_pass(self, parts: list[list[_Held]], joins: bool) -> list[tuple[list[list[_Held]], list, tuple]]:
-        """:meth:`_form_parts` (:meth:`_held_parts`), then the kept records by signature (in the order they came), each
-        batch's tensors joined for one statistics pass (:func:`~.cells.join_cells`): ``(stacks of records, their
-        inputs, joined)``."""
+        """:meth:`_form_parts` (:meth:`_held_parts`), then the waiting records by signature (in order), each batch's
+        tensors joined for one statistics pass (:func:`~.cells.join_cells`): ``(record stacks, inputs, joined)``."""
         self._form_parts(parts, joins)
         pending, self._pending, self._pending_elements = self._pending, [], 0
         batches: dict[tuple, list] = {}
@@ -447,19 +461,25 @@ class ProbeRun(RecordForming, RunViews, MapViews):
             joined.append(([held for held, _ in batch], records, join_cells(records, cache)))
         return joined
 
-    def _accumulate(self, held: list[_Held], values: torch.Tensor) -> None:
-        """Add ``values`` ``(L * groups, H, fields)`` of stacked records into their call's buffers at their step, layer
-        and slot and each group's label: one indexed add for all of them (the indices made on the device)."""
-        first, n_heads = held[0], values.shape[1]
-        sums = first.call.sums[first.step, :, first.slot, :, :n_heads]  # (layers, labels, H, fields), a view
-        counts = first.call.counts[first.step, :, first.slot, :, :n_heads]  # (layers, labels, H)
-        layers, groups, device = tuple(entry.index for entry in held), first.labels.shape[0], values.device
-        index = self._constant(
-            ("layers", layers, groups), device, lambda: _filled(layers, device).repeat_interleave(groups)
-        )
-        index = (index, first.labels.repeat(len(held)))  # (L * groups,) each
-        sums.index_put_(index, values, accumulate=True)
-        counts.index_put_(index, self._constant("one", device, lambda: torch.ones((), device=device)), accumulate=True)
+    def _accumulate(self, done: list[tuple[list[_Held], torch.Tensor]]) -> None:
+        """Add each stack's values ``(L * groups, H, fields)`` into the call's buffers (waiting records are one call's:
+        :meth:`on_pass` flushes at a new one) at each record's step, layer, slot and group's label: one indexed add."""
+        if not done:
+            return
+        (call, device), index = (done[0][0][0].call, done[0][1].device), []
+        *_, slots, labels, heads = call.counts.shape
+        for held, values in done:  # each record's layer, slot and head (kept), each group's label, each record's step
+            at = tuple((x.index * slots + x.slot) * labels * heads for x in held)
+            make = lambda at=at: _filled(at, device)[:, None, None] + torch.arange(heads, device=device)  # (L, 1, H)
+            cells = self._constant(("cells", at), device, make)[..., : values.shape[1]]
+            cells = torch.add(cells, held[0].labels.view(1, -1, 1), alpha=heads)  # (L, groups, H)
+            steps = [x.step * call.counts[0].numel() for x in held]
+            cells += steps[0] if len(set(steps)) == 1 else _filled(steps, device)[:, None, None]
+            index.append(cells.flatten())
+        values, index = torch.cat([values.flatten(0, 1) for _, values in done]), torch.cat(index)
+        call.sums.view(-1, values.shape[-1]).index_add_(0, index, values)
+        one = self._constant("one", values.device, lambda: torch.ones((), device=values.device))
+        call.counts.view(-1).index_add_(0, index, one.expand(index.shape[0]))
 
     def _keep_map(self, key: tuple[int, int, str, int], weights: torch.Tensor) -> None:
         weights = weights.half()
