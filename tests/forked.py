@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+#: what ``python -m ipa_probe ARGS`` runs (ipa_probe/__main__.py): ``zygote.start(CLI, ARGS)``
+CLI = "import sys; from ipa_probe.cli import main; sys.exit(main())"
 #: what the zygote imports before it forks anything (third-party only)
 PRELOAD = """
 import diffusers, matplotlib.pyplot, numpy, pandas, PIL.Image, pyarrow.parquet, safetensors.torch, scipy.stats, torch

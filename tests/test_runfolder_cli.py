@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 from cli_cases import Case, run_in_fresh_process
+from forked import CLI
 from test_runfolder import _whole
 
 from ipa_probe._io import output_lock
 from ipa_probe.runfolder import MANIFEST_NAME, STAGING_NAME, recover
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = "import sys; from ipa_probe.cli import main; sys.exit(main())"
 ARGS = ["probe", "--kind", "sd15", "--steps", "2", "--size", "64", "64", "--threads", "1"]
 
 
