@@ -38,6 +38,8 @@ signal.signal(signal.SIGCHLD, signal.SIG_IGN)
 
 
 def run(req):
+    if req["session"]:
+        os.setsid()
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
@@ -78,6 +80,8 @@ for line in sys.stdin:
 class Forked:
     """One run of the zygote: the parts of :class:`subprocess.Popen` the tests use (its output is read at the end)."""
 
+    stdin = stdout = stderr = None  # no pipes: communicate() reads the files the child wrote
+
     def __init__(self, pid: int, files: dict[str, Path]):
         self.pid, self._files, self.returncode = pid, files, None
 
@@ -100,6 +104,9 @@ class Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
 
     def communicate(self, timeout: float = 600) -> tuple[str, str]:
         self.wait(timeout)
@@ -124,8 +131,9 @@ class Zygote:
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
 
-    def start(self, code: str, argv=(), cwd: Path | None = None, env=None, stdin: str = "") -> Forked:
-        """Run ``code`` (as ``python -c code *argv``) in a fresh child, in ``cwd``, with exactly ``env``."""
+    def start(self, code: str, argv=(), cwd=None, env=None, stdin: str = "", session: bool = False) -> Forked:
+        """Run ``code`` (as ``python -c code *argv``) in a fresh child, in ``cwd``, with exactly ``env``; ``session``:
+        in a session (and process group) of its own, as a Jupyter kernel is started."""
         self._count += 1
         files = {name: self._folder / f"run{self._count}.{name}" for name in ("stdin", "stdout", "stderr", "status")}
         files["stdin"].write_text(stdin)
@@ -134,6 +142,7 @@ class Zygote:
             "argv": list(argv),
             "cwd": str(cwd or self._folder),
             "env": dict(os.environ if env is None else env),
+            "session": session,
             **{name: str(path) for name, path in files.items()},
         }
         self._proc.stdin.write(json.dumps(req) + "\n")
@@ -149,3 +158,9 @@ class Zygote:
         self._proc.wait()
         self._proc.stdin.close()
         self._proc.stdout.close()
+
+    def launch_kernel(self, cmd: list[str], env=None, cwd=None, **_) -> Forked:
+        """jupyter_client's ``launch_kernel`` for ``python -m ipykernel_launcher ARGS``: a kernel forked from here."""
+        assert cmd[1:3] == ["-m", "ipykernel_launcher"], cmd
+        code = "import runpy; runpy.run_module('ipykernel_launcher', run_name='__main__', alter_sys=True)"
+        return self.start(code, cmd[3:], cwd=cwd, env=env, session=True)
