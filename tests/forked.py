@@ -4,8 +4,9 @@ A new interpreter pays some 5-8 s of CPU to import torch and diffusers. The zygo
 libraries once (nothing of ipa_probe: it refuses to start if one of them did) and forks a child per run. The child
 is a real process with its own pid, signals and exit status; it starts in the requested folder, with the requested
 environment, arguments and stdin, Python's default SIGINT handling, and runs its code as ``__main__``: what the code
-imports of this repository, it imports itself. Variables read when a library is imported (``HF_HUB_OFFLINE``,
-``MPLBACKEND``) are the zygote's: it starts with this process's environment, which conftest.py sets.
+imports of this repository, it imports itself. Variables read when a library is imported are the zygote's: it starts
+with this process's environment, offline and with matplotlib's Agg backend (as the doc pages run); a test whose child
+needs other such values (accelerate's HF_HOME, say) starts a fresh interpreter instead.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class Zygote:
     def __init__(self, folder: Path, root: Path):
         self._folder, self._count = Path(folder), 0
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", MPLBACKEND="Agg")
         source = f"PRELOAD = {PRELOAD!r}\n{_ZYGOTE}"
         self._proc = subprocess.Popen(
             [sys.executable, "-c", source],
