@@ -39,8 +39,6 @@ signal.signal(signal.SIGCHLD, signal.SIG_IGN)
 
 
 def run(req):
-    if req["session"]:
-        os.setsid()
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
@@ -81,8 +79,6 @@ for line in sys.stdin:
 class Forked:
     """One run of the zygote: the parts of :class:`subprocess.Popen` the tests use (its output is read at the end)."""
 
-    stdin = stdout = stderr = None  # no pipes: communicate() reads the files the child wrote
-
     def __init__(self, pid: int, files: dict[str, Path]):
         self.pid, self._files, self.returncode = pid, files, None
 
@@ -105,9 +101,6 @@ class Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
     def communicate(self, timeout: float = 600) -> tuple[str, str]:
         self.wait(timeout)
@@ -133,9 +126,8 @@ class Zygote:
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
 
-    def start(self, code: str, argv=(), cwd=None, env=None, stdin: str = "", session: bool = False) -> Forked:
-        """Run ``code`` (as ``python -c code *argv``) in a fresh child, in ``cwd``, with exactly ``env``; ``session``:
-        in a session (and process group) of its own, as a Jupyter kernel is started."""
+    def start(self, code: str, argv=(), cwd: Path | None = None, env=None, stdin: str = "") -> Forked:
+        """Run ``code`` (as ``python -c code *argv``) in a fresh child, in ``cwd``, with exactly ``env``."""
         self._count += 1
         files = {name: self._folder / f"run{self._count}.{name}" for name in ("stdin", "stdout", "stderr", "status")}
         files["stdin"].write_text(stdin)
@@ -144,7 +136,6 @@ class Zygote:
             "argv": list(argv),
             "cwd": str(cwd or self._folder),
             "env": dict(os.environ if env is None else env),
-            "session": session,
             **{name: str(path) for name, path in files.items()},
         }
         self._proc.stdin.write(json.dumps(req) + "\n")
@@ -160,9 +151,3 @@ class Zygote:
         self._proc.wait()
         self._proc.stdin.close()
         self._proc.stdout.close()
-
-    def launch_kernel(self, cmd: list[str], env=None, cwd=None, **_) -> Forked:
-        """jupyter_client's ``launch_kernel`` for ``python -m ipykernel_launcher ARGS``: a kernel forked from here."""
-        assert cmd[1:3] == ["-m", "ipykernel_launcher"], cmd
-        code = "import runpy; runpy.run_module('ipykernel_launcher', run_name='__main__', alter_sys=True)"
-        return self.start(code, cmd[3:], cwd=cwd, env=env, session=True)

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from jupyter_client.provisioning import local_provisioner
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).parents[1]
@@ -36,12 +35,10 @@ def test_every_notebook_is_listed():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_executes_and_writes_nothing_into_the_repository(path, monkeypatch, zygote):
+def test_notebook_executes_and_writes_nothing_into_the_repository(path, monkeypatch):
     # the kernel imports this checkout's ipa_probe (not an installed copy) and starts in notebooks/, as Jupyter does
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.delenv("IPA_PROBE_RESULTS", raising=False)
-    # a fresh kernel process, forked from an interpreter that has imported torch and diffusers (tests/forked.py)
-    monkeypatch.setattr(local_provisioner, "launch_kernel", zygote.launch_kernel)
     before = _tree()
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
