@@ -95,3 +95,15 @@ def close_figures():
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is not None:
         pyplot.close("all")
+
+
+@pytest.fixture(scope="session")
+def zygote(tmp_path_factory):
+    """Fresh processes forked from one interpreter that has imported torch and diffusers (tests/forked.py)."""
+    from pathlib import Path
+
+    from forked import Zygote
+
+    forker = Zygote(tmp_path_factory.mktemp("zygote"), Path(__file__).parents[1])
+    yield forker
+    forker.close()

@@ -225,14 +225,30 @@ def _config(kind, base):
     )
 
 
-@pytest.mark.slow
+#: the kill points of a training are shared out among this many tests, so that parallel workers share them
+_PARTS = 3
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_base, tmp_path_factory):
+    """kind -> the uninterrupted run of that training (made once per module): its record, weights and writes."""
+    runs = {}
+
+    def run(kind):
+        if kind not in runs:
+            out = tmp_path_factory.mktemp(f"straight_{kind}")
+            with pytest.MonkeyPatch.context() as patch:
+                calls = _write_calls(patch, None)
+                record = D.train_digits(out, _config(kind, tiny_base), progress=False)
+            runs[kind] = record, _weights(out), calls
+        return runs[kind]
+
+    return run
+
+
 @pytest.mark.parametrize("kind", ["support", "adapter"])
-def test_a_kill_at_any_write_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, monkeypatch, kind, tiny_base):
-    config = _config(kind, tiny_base)
-    with monkeypatch.context() as patch:
-        calls = _write_calls(patch, None)
-        straight = D.train_digits(tmp_path / "straight", config, progress=False)
-    expected = _weights(tmp_path / "straight")
+def test_an_uninterrupted_training_checkpoints_every_step_and_every_write_is_counted(kind, uninterrupted):
+    straight, _, calls = uninterrupted(kind)
     assert straight["finished"] and len(calls) > 10
     assert set(calls) == {"save_file:checkpoint", "save_file", "fsync", "replace"}
     # one checkpoint per step (checkpoint_every=1), every one of them interrupted
@@ -240,7 +256,19 @@ def test_a_kill_at_any_write_resumes_to_the_weights_of_an_uninterrupted_run(tmp_
     assert checkpoints == sum(straight["config"][field] for field in _STEP_FIELDS[kind]) >= 2
     points = _kill_points(calls)
     assert len(points) == len(calls) - 2 * checkpoints + max(0, 3 - checkpoints)
-    for kill_at in points:
+    assert all(points[part::_PARTS] for part in range(_PARTS))  # every part below kills at least once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", range(_PARTS))
+@pytest.mark.parametrize("kind", ["support", "adapter"])
+def test_a_kill_at_any_write_resumes_to_the_weights_of_an_uninterrupted_run(
+    tmp_path, monkeypatch, kind, part, tiny_base, uninterrupted
+):
+    """Together, the parts kill at every one of the uninterrupted run's kill points (each part at every third)."""
+    config = _config(kind, tiny_base)
+    straight, expected, calls = uninterrupted(kind)
+    for kill_at in _kill_points(calls)[part::_PARTS]:
         out = tmp_path / f"killed_at_{kill_at}"
         with monkeypatch.context() as patch:
             _write_calls(patch, kill_at)

@@ -1,7 +1,9 @@
 """Every ```python block of README.md and docs/*.md runs as written: offline, in a temporary working folder.
 
-The blocks of one page run in order in one fresh interpreter, as a reader pasting them one after the other would
-run them. The line before a block may carry a mark:
+The blocks of one page run in order in one fresh process, as a reader pasting them one after the other would run
+them: forked from an interpreter that has imported only torch, diffusers and other third-party libraries
+(tests/forked.py), so that each page does not pay their import again; what a page imports, it imports itself.
+The line before a block may carry a mark:
 
 - ``<!-- snippet: slow -->``: the block takes more than about 20 s; its page's test is marked slow (still part of
   ``make test``).
@@ -13,8 +15,6 @@ run them. The line before a block may carry a mark:
 import json
 import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,7 +113,7 @@ def test_every_block_compiles(page):
 
 
 @pytest.mark.parametrize("page", RUNNABLE)
-def test_page_snippets_run(page, tmp_path):
+def test_page_snippets_run(page, tmp_path, zygote):
     blocks = [{"code": "\n" * (s.line - 1) + s.code, "where": s.page} for s in snippets(page) if s.mark != "skip"]
     env = {
         **os.environ,
@@ -122,13 +122,6 @@ def test_page_snippets_run(page, tmp_path):
         "TRANSFORMERS_OFFLINE": "1",
         "MPLBACKEND": "Agg",
     }
-    done = subprocess.run(
-        [sys.executable, "-c", _DRIVER],
-        input=json.dumps(blocks),
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, f"a ```python block of {page.name} failed:\n{done.stderr[-6000:]}"
+    done = zygote.start(_DRIVER, cwd=tmp_path, env=env, stdin=json.dumps(blocks))
+    _, stderr = done.communicate(timeout=900)
+    assert done.returncode == 0, f"a ```python block of {page.name} failed:\n{stderr[-6000:]}"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from forked import CLI
 from helpers import write_jsonl
 from PIL import Image
 
@@ -273,25 +274,16 @@ def test_weight_files_that_load_badly_are_one_line_and_a_weight_file_path_works(
 # ------------------------------------------------------------------------------------------------ Ctrl-C
 
 
-def _interrupted_sweep(workdir, name: str, signals: int):
+def _interrupted_sweep(zygote, workdir, name: str, signals: int):
     """A real `ipa-probe sweep` of 400 rows (far more than run before the signal lands, however loaded the machine:
     the interrupt must find work left), sent ``signals`` SIGINTs 0.15 s apart once two rows are done. Returns
     ``(returncode, stdout, stderr, out)``."""
     rows = [{"prompt": f"p{i}", "images": f"refs/{i % 3}.png", "seed": i} for i in range(400)]
     manifest, out = write_jsonl(workdir / "long.jsonl", rows), workdir / name
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    argv = [sys.executable, "-m", "ipa_probe", "sweep", str(manifest), "--out", str(out), *SWEEP, "--steps", "3"]
-    # SIGINT at its default in the child, as in a terminal: an ignored SIGINT is inherited through exec (something
-    # else in this test process may have set it), and Python then installs no KeyboardInterrupt handler at all
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    argv = ["sweep", str(manifest), "--out", str(out), *SWEEP, "--steps", "3"]
+    # `python -m ipa_probe ARGV` in a fresh process forked from a preloaded interpreter, SIGINT handled as in a
+    # terminal (tests/forked.py)
+    proc = zygote.start(CLI, argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     deadline = time.monotonic() + 240
     rows = out / STAGING_NAME / "rows"  # the run writes aside until it is whole
     while len(list(rows.glob("row-*.parquet"))) < 2 and time.monotonic() < deadline and proc.poll() is None:
@@ -306,8 +298,8 @@ def _interrupted_sweep(workdir, name: str, signals: int):
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_a_real_process_prints_exactly_one_line(workdir):
-    code, stdout, stderr, out = _interrupted_sweep(workdir, "interrupted", signals=1)
+def test_ctrl_c_in_a_real_process_prints_exactly_one_line(workdir, zygote):
+    code, stdout, stderr, out = _interrupted_sweep(zygote, workdir, "interrupted", signals=1)
     assert code == 130, stderr[-2000:]
     assert stderr.strip().splitlines() == [_interrupted_line(out)]
     assert stdout == "" and len(SweepLayout(out / STAGING_NAME).parts()) >= 2 and no_temp_files(out)
@@ -323,9 +315,9 @@ def _interrupted_line(out: Path) -> str:
 
 
 @pytest.mark.slow
-def test_two_ctrl_c_in_a_real_sweep_end_with_130_and_keep_finished_rows(workdir):
+def test_two_ctrl_c_in_a_real_sweep_end_with_130_and_keep_finished_rows(workdir, zygote):
     """The issue's case: two SIGINTs 0.15 s apart in a running sweep (it died by SIGINT, status -2)."""
-    code, _, stderr, out = _interrupted_sweep(workdir, "twice", signals=2)
+    code, _, stderr, out = _interrupted_sweep(zygote, workdir, "twice", signals=2)
     assert code == 130, stderr[-2000:]
     assert stderr.strip().splitlines() == [_interrupted_line(out)]
     assert len(SweepLayout(out / STAGING_NAME).parts()) >= 2 and no_temp_files(out)

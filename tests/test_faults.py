@@ -110,12 +110,10 @@ run_sweep(read_manifest(sys.argv[1]), runner, sys.argv[2], progress=False, n_res
 
 
 @pytest.mark.slow
-def test_a_killed_sweep_resumes_to_identical_output(workdir, pipe, reference, one_thread, caplog):
+def test_a_killed_sweep_resumes_to_identical_output(workdir, pipe, reference, one_thread, caplog, zygote):
     out = workdir / "killed"
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLED_SWEEP, str(workdir / "m.jsonl"), str(out)], capture_output=True, timeout=300
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    proc = zygote.start(KILLED_SWEEP, [str(workdir / "m.jsonl"), str(out)])  # a fresh process (tests/forked.py)
+    assert proc.wait(300) == -signal.SIGKILL, proc.communicate()[1][-2000:]
     layout = SweepLayout(out)
     assert [p.name for p in layout.parts()] == ["row-000000.parquet", "row-000001.parquet"]
     assert (out / LOCK_NAME).read_text()  # the dead run's lock record is still there
@@ -143,15 +141,13 @@ train(ModelConfig(2, 16, 2, 1), cfg, make_meta("mixed2d", 2), run_dir=sys.argv[1
 
 
 @pytest.mark.slow
-def test_a_killed_training_run_resumes_to_the_same_weights(tmp_path, one_thread):
+def test_a_killed_training_run_resumes_to_the_same_weights(tmp_path, one_thread, zygote):
     from ipa_probe.experiments.model import ModelConfig
     from ipa_probe.experiments.tasks import make_meta
     from ipa_probe.experiments.training import TrainConfig, train
 
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLED_TRAINING, str(tmp_path / "b")], capture_output=True, timeout=300
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    proc = zygote.start(KILLED_TRAINING, [str(tmp_path / "b")])  # a fresh process (tests/forked.py)
+    assert proc.wait(300) == -signal.SIGKILL, proc.communicate()[1][-2000:]
     assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["checkpoint.safetensors"]  # no temp file left
     cfg = TrainConfig(steps=8, batch_tasks=4, n_target=16, m=5, m_max=12, warmup=3, checkpoint_every=3)
     model, meta = ModelConfig(2, 16, 2, 1), make_meta("mixed2d", 2)

@@ -3,7 +3,8 @@ naming the live run; two writers started together end with one whole run and one
 killed (SIGINT, SIGKILL) at several moments leaves one whole run in the folder.
 
 A whole run: the manifest says finished and every file it lists has its listed size and sha256, recomputed here with
-hashlib. Few processes (each loads torch): the folder rules themselves are tests/test_runfolder.py's, in-process."""
+hashlib. The writers are forked from one preloaded interpreter (tests/forked.py); the folder rules themselves are
+tests/test_runfolder.py's, in-process."""
 
 from __future__ import annotations
 
@@ -17,29 +18,20 @@ from pathlib import Path
 
 import pytest
 from cli_cases import Case, run_in_fresh_process
+from forked import CLI
 from test_runfolder import _whole
 
 from ipa_probe._io import output_lock
 from ipa_probe.runfolder import MANIFEST_NAME, STAGING_NAME, recover
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-c", "import sys; from ipa_probe.cli import main; sys.exit(main())"]
 ARGS = ["probe", "--kind", "sd15", "--steps", "2", "--size", "64", "64", "--threads", "1"]
 
 
-def _start(argv: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    # Ctrl-C as at a terminal, also when the suite itself runs in the background (a shell starts background jobs with
-    # SIGINT ignored, which the child would inherit, and Python then installs no KeyboardInterrupt handler)
-    return subprocess.Popen(
-        [*CLI, *argv],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+def _start(zygote, argv: list[str]):
+    """``ipa-probe ARGV`` in a fresh process forked from the preloaded interpreter (tests/forked.py), with Ctrl-C as
+    at a terminal: it has imported torch already, so the kill at "lock" comes before the model loads."""
+    return zygote.start(CLI, argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 HOLD = textwrap.dedent(
@@ -83,10 +75,10 @@ def test_a_second_writer_of_every_command_is_refused_before_torch_loads(tmp_path
         holder.wait()
 
 
-def test_two_writers_started_together_end_with_one_whole_run_and_one_refusal(tmp_path):
+def test_two_writers_started_together_end_with_one_whole_run_and_one_refusal(tmp_path, zygote):
     out = tmp_path / "out"
-    first = _start([*ARGS, "--seed", "1", "--overwrite", "--out", str(out)])
-    second = _start([*ARGS, "--seed", "2", "--overwrite", "--out", str(out)])
+    first = _start(zygote, [*ARGS, "--seed", "1", "--overwrite", "--out", str(out)])
+    second = _start(zygote, [*ARGS, "--seed", "2", "--overwrite", "--out", str(out)])
     procs = {1: first, 2: second}
     ended = []
     while len(ended) < 2:
@@ -95,8 +87,7 @@ def test_two_writers_started_together_end_with_one_whole_run_and_one_refusal(tmp
                 ended.append(seed)
         time.sleep(0.05)
     loser, winner = procs[ended[0]], procs[ended[1]]
-    loser_err = loser.stderr.read()
-    winner.stdout.read()
+    loser_err = loser.communicate()[1]
     assert (loser.returncode, winner.returncode) == (2, 0), loser_err
     lines = loser_err.strip().splitlines()
     assert len(lines) == 1 and f"in use by process {winner.pid}" in lines[0] and "ipa-probe probe --kind" in lines[0]
@@ -105,7 +96,7 @@ def test_two_writers_started_together_end_with_one_whole_run_and_one_refusal(tmp
     assert not (out / STAGING_NAME).exists()
 
 
-#: (signal, what the folder shows when it is sent): the lock taken (before torch loads), the staging folder made
+#: (signal, what the folder shows when it is sent): the lock taken (before the model loads), the staging folder made
 #: (the model loading or the generation running), the first image staged, the table staged (the writes under way)
 MOMENTS = [
     ("SIGKILL", "lock"),
@@ -123,7 +114,7 @@ def _reached(out: Path, moment: str) -> bool:
 
 
 @pytest.mark.slow
-def test_an_overwrite_killed_at_any_moment_leaves_one_whole_run(tmp_path):
+def test_an_overwrite_killed_at_any_moment_leaves_one_whole_run(tmp_path, zygote):
     from ipa_probe.cli import main
 
     out = tmp_path / "out"
@@ -131,7 +122,7 @@ def test_an_overwrite_killed_at_any_moment_leaves_one_whole_run(tmp_path):
     old = _whole(out)
     old_bytes = {n: (out / n).read_bytes() for n in old["files"]}
     for name, moment in MOMENTS:
-        proc = _start([*ARGS, "--seed", "2", "--overwrite", "--out", str(out)])
+        proc = _start(zygote, [*ARGS, "--seed", "2", "--overwrite", "--out", str(out)])
         while proc.poll() is None and not _reached(out, moment):
             time.sleep(0.005)
         proc.send_signal(getattr(signal, name))
