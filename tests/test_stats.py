@@ -134,6 +134,31 @@ def test_copies_tie_in_spearman_whatever_their_last_bits():
     assert (_stat(compare_weights(attn, nw), "spearman") < 1 - 1e-3).all()  # split on one side, tied on the other
 
 
+def test_an_edited_attention_ranks_the_copies_it_weighted_apart():
+    """Three copies of each token that an edit weighted 1 : 2 : 2 (the NW side's copies alike), their logits apart in
+    the last bits on both sides: with ``apart`` rho is scipy's of the float64 weights (copies tied where the weights
+    are equal: the last two on the attention side, all three on the NW side); top-1 counts any copy as the token."""
+    from ipa_probe.statistics.agreement import compare_frames
+
+    g = torch.Generator().manual_seed(3)
+    q, token_keys = torch.randn(2, 30, 8, generator=g, dtype=torch.float64), torch.randn(2, 4, 8, generator=g)
+    factor = torch.tensor([1.0, 2.0, 2.0], dtype=torch.float64).repeat_interleave(4)
+    a = (dot_logits(q, token_keys.double()).softmax(-1).repeat(1, 1, 3) * factor).log_softmax(-1)  # (2, 30, 12)
+    w = nw_logits(q, token_keys.double(), 1.0).log_softmax(-1).repeat(1, 1, 3)  # copies bit-equal in float64
+    attn, nw = a.float(), w.float()
+    attn[..., 8:], nw[..., 4:] = (torch.nextafter(x, torch.tensor(math.inf)) for x in (attn[..., 8:], nw[..., 4:]))
+    groups = copy_groups(token_keys.repeat(1, 3, 1)).unsqueeze(-2)  # (2, 1, 12)
+    assert rows_module.weighted_alike(attn, groups)[0, 0].unique().numel() == 8  # 4 tokens, the 2 weightings each
+    frames = [(nw, None, torch.Generator().manual_seed(0))]
+    got = compare_frames(attn, frames, key_groups=groups, apart=True)[0]
+    rho = [[sps.spearmanr(x, y).statistic for x, y in zip(ax, wx, strict=True)] for ax, wx in zip(a, w, strict=True)]
+    torch.testing.assert_close(_stat(got, "spearman").double(), torch.tensor(rho).mean(-1), rtol=0, atol=1e-6)
+    top1 = (a.argmax(-1) % 4 == w.argmax(-1) % 4).double().mean(-1)
+    torch.testing.assert_close(_stat(got, "top1").double(), top1, rtol=0, atol=1e-6)
+    grouped = compare_frames(attn, frames, key_groups=groups)[0]  # every copy on its first copy's weight: another rho
+    assert (_stat(grouped, "spearman") - _stat(got, "spearman")).abs().min() > 1e-2
+
+
 def test_rank_statistics_do_not_depend_on_bandwidth():
     g = torch.Generator().manual_seed(4)
     q = torch.randn(2, 40, 8, generator=g, dtype=torch.float64)

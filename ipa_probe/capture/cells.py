@@ -198,6 +198,7 @@ class CellInputs:
     # two pools are the same rows (one item per CFG branch: schema.QUERY_POOL_OTHER_COLUMN)
     other_nw: torch.Tensor | None = None
     other_b: torch.Tensor | None = None
+    apart: bool = False  # the attention is an edit's, which may weight copies apart (compare_frames' apart)
 
     def pending_elements(self) -> int:
         """The query-frame NW logits the record's statistics will compare (both forms, and the other pool's)."""
@@ -426,6 +427,7 @@ def join_cells(records: list[CellInputs], cache: dict | None = None) -> tuple:
         frames.append((logits[2] if stack is None else stack[4:], joined("other_b", 1)))
     scalars = joined("scalars") if not flat else torch.cat([r.scalars.flatten(0, 1) for r in records])
     rest = (joined("key_mask"), joined("row_mask"), joined("copies"), first.tails, replicates, segments, stack)
+    rest += (any(record.apart for record in records),)
     return joined("attn") if stack is None else stack[0], frames, rest, scalars, exact
 
 

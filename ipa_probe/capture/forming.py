@@ -284,6 +284,7 @@ class RecordForming:
         kept for the pass's statistics, their weights (``keep_maps``) and maps."""
         first, labels = held[0], held[0].labels
         inputs = cell_inputs(cell=cell, frame=frame, **inputs)
+        inputs.apart = first.used is not None  # the weights an edit left
         self._pending.append((held, inputs))
         self._pending_elements += inputs.pending_elements()
         if 4 * self._pending_elements > PENDING_BYTES:  # bounded memory: compare what is kept so far

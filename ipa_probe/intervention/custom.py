@@ -119,5 +119,4 @@ def scale_hooks(config: InterventionConfig, layers: Sequence[str], joint: bool =
         total = scaled.sum(-1, keepdim=True)  # (B, H, Q, 1): 0 where every factor is (0 / tiny = 0), or NaN
         return (scaled / total.clamp_min(torch.finfo(x.dtype).tiny)).nan_to_num_(0.0)
 
-    rescale.pure = not joint  # a new tensor without NaN, what it got left as it is (read by the hook points)
     return {point_name(layer, "logits" if joint else "weights", config.adapter): rescale for layer in layers}

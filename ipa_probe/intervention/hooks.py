@@ -316,18 +316,16 @@ def _attach_scale(pipe, state: Intervention, names: list[str], family: str):
     from .custom import scale_hooks
     from .points import PointUser, attach_points
 
-    def logged(fn):
-        def run(weights, ctx):
-            state.step = ctx.step
-            state.acted.append((ctx.step, ctx.layer))
-            return fn(weights, ctx)
+    rescale = scale_hooks(state.config, names, family == "sd3")
 
-        run.pure = getattr(fn, "pure", False)
-        return run
+    def logged(weights, ctx):
+        state.step = ctx.step
+        state.acted.append((ctx.step, ctx.layer))
+        return rescale[ctx.name](weights, ctx)
 
-    callbacks = {name: [logged(fn)] for name, fn in scale_hooks(state.config, names, family == "sd3").items()}
+    callbacks = {name: [logged] for name in rescale}
     when = holds_references if family == "flux" else None
-    user = PointUser(callbacks, state.config.steps, label=state.describe(), when=when)
+    user = PointUser(callbacks, state.config.steps, label=state.describe(), when=when, pure=family != "sd3")
     return attach_points(pipe, user)
 
 

@@ -129,6 +129,8 @@ class PointUser:
     edits: bool = True
     #: the edit in words, for the probe's ``edits`` column
     label: str = ""
+    #: the callbacks return new tensors without NaN and leave what they get as it is (the scale's weights callbacks)
+    pure: bool = False
 
     def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
         spine.points.select(self, spine, args, kwargs)
@@ -147,8 +149,8 @@ class _Registry:
         self.nan: dict[str, torch.Tensor] = {}
         self.sample_shape: tuple[int, ...] = ()
         self.batch = 0
-        #: this pass's (callback, its user edits) by point: edits in order of attachment, then readers
-        self.active: dict[str, list[tuple[HookFn, bool]]] = {}
+        #: this pass's (callback, its user) by point: edits in order of attachment, then readers
+        self.active: dict[str, list[tuple[HookFn, PointUser]]] = {}
         self.cfg: tuple[str, ...] = ()  # each batch item's CFG label in this pass
         self._now: PassInfo | None = None  # the pass the callbacks were gathered for
         self._text_tokens: int | None = None
@@ -193,8 +195,8 @@ class _Registry:
         if not spine.selects(user, user.steps, user.when, user.label if user.edits else "", args, kwargs):
             return
         for name, fns in user.callbacks.items():  # a reader (a cache) keeps what every edit left, whatever the nesting
-            merged = [*self.active.get(name, []), *((fn, user.edits) for fn in fns)]
-            self.active[name] = sorted(merged, key=lambda pair: not pair[1])  # stable: edits first, then readers
+            merged = [*self.active.get(name, []), *((fn, user) for fn in fns)]
+            self.active[name] = sorted(merged, key=lambda pair: not pair[1].edits)  # stable: edits first, then readers
             layer, adapter, _ = _parse_name(name)
             if user.edits and adapter != TEXT:  # readers of the layer wait for what its image branch used
                 spine.weight_edits.add((layer, adapter))
@@ -353,7 +355,7 @@ class _Registry:
         weights, changed = self._run(names["weights"], start, context("weights"), tokens * joint)
         # the weights the processor computed, for the change of the output: formed again when edits may have reached
         # them (not when only the scale's callbacks ran after none upstream: they leave what they get as it is)
-        pure = not edited and all(getattr(fn, "pure", False) for fn, _ in self.active.get(names["weights"], ()))
+        pure = not edited and all(user.pure for _, user in self.active.get(names["weights"], ()))
         edited = edited or changed
         computed = weights_of(logits_of(q0, k0)) if edited and not pure else start
         if edited and not text:  # what the layer uses from here on: the probe reads these (SD3: the image columns)
@@ -400,11 +402,11 @@ class _Registry:
             columns, edited = self._run(name, tensor[..., :image], ctx)  # a view: an edit in place reaches ``tensor``
             return torch.cat([columns, tensor[..., image:]], -1) if edited else tensor, edited
         edited = False
-        for fn, edits in fns:
+        for fn, user in fns:
             result = fn(tensor, ctx)
             if result is None or result is tensor:
-                edited = edited or edits
-                if edits:
+                edited = edited or user.edits
+                if user.edits:
                     self._count_nan(name, tensor)
                 continue
             if not isinstance(result, torch.Tensor):
@@ -416,7 +418,7 @@ class _Registry:
                     "(or None to keep it)"
                 )
             tensor, edited = result, True
-            if not getattr(fn, "pure", False):  # (the scale's callbacks return no NaN)
+            if not user.pure:
                 self._count_nan(name, tensor)
         return tensor, edited
 

@@ -19,7 +19,7 @@ import torch
 from .draws import Draws, shuffle_rows
 from .kernels import n_eff
 from .nulls import null_tail, rho_baseline
-from .rows import Segments, _log_softmax, _row_pearson, _row_sd, centred_ranks, raveled_pearson
+from .rows import Segments, _log_softmax, _row_pearson, _row_sd, centred_ranks, raveled_pearson, weighted_alike
 from .schema import ROW_THRESHOLD, STAT_NAMES, rows_column
 
 __all__ = ["compare_frames", "compare_weights", "null_tail_table"]
@@ -121,6 +121,7 @@ def compare_frames(
     replicates: int | None = None,
     segments: Segments | None = None,
     stack: torch.Tensor | None = None,
+    apart: bool = False,
 ) -> list[torch.Tensor]:
     """:func:`compare_weights` of one attention against several NW weightings, its shared part computed once.
 
@@ -146,6 +147,8 @@ def compare_frames(
             any sizes go through one pass; without a key mask.
         stack: ``attn_logits`` and every frame's NW logits stacked, ``(1 + sum F, ..., R, K)`` (they are its views),
             or ``None`` to stack them here.
+        apart: the attention's copies tie only where its logits agree (:func:`~.rows.weighted_alike`: an edit's
+            weights, which may weight copies apart); the NW weightings' (from the keys) and ``top1`` keep the groups.
 
     Returns:
         per frame, ``(*F, ..., len(STAT_NAMES))`` float32; with ``replicates``, ``(*F, ..., 2, len(STAT_NAMES))``:
@@ -180,13 +183,13 @@ def compare_frames(
         )
         draws = [(g, n) for (_, _, g), n in zip(frames, sizes, strict=True)]
         shape = (sum(sizes), *attn_logits.shape)
-        rest = (key_mask, row_mask, key_groups, terms, null_tails, replicates, segments)
+        rest = (key_mask, row_mask, key_groups, terms, null_tails, replicates, segments, apart)
         stats = _frame_stats(stack, shape, draws, *rest)
         return [part.reshape(*f, *part.shape[1:]) for part, f in zip(stats.split(sizes), lead, strict=True)]
     return [
         _frame_stats(
             torch.cat((attn_logits[None], nw.reshape(-1, *attn_logits.shape))),
-            *(nw.shape, generator, key_mask, row_mask, key_groups, key_term, null_tails, replicates, segments),
+            *(nw.shape, generator, key_mask, row_mask, key_groups, key_term, null_tails, replicates, segments, apart),
         )
         for nw, key_term, generator in frames
     ]
@@ -209,6 +212,7 @@ def _frame_stats(
     null_tails: torch.Tensor | None,
     replicates: int | None = None,
     segments: Segments | None = None,
+    apart: bool = False,
 ) -> torch.Tensor:
     """The statistics of :func:`compare_weights` of NW weightings of ``shape`` ``(*F, ..., R, K)`` (several frames
     stacked on the leading dimension with per-block ``generator`` draws, see :func:`~.draws.shuffle_rows`) against
@@ -216,10 +220,13 @@ def _frame_stats(
     once on the stack; per cell of ``segments`` where given."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits, n_keys = logits.to(dtype), shape[-1]
-    order_by = logits if key_groups is None else logits.gather(-1, key_groups.expand(logits.shape))
     # Copies of one token are one key: both sides rank every copy on its group's first copy, so copies tie exactly.
     # Their logits, equal in exact arithmetic, can differ in the last bits on one side only (a matmul's vector tail,
     # another CPU's kernel), and an average rank on one side against split ranks on the other lowered rho by ~1e-3.
+    # An edited attention (apart) ranks the copies it weighted apart as the keys they are.
+    order_by = logits if key_groups is None else logits.gather(-1, key_groups.expand(logits.shape))
+    if apart and key_groups is not None:
+        order_by[0] = logits[0].gather(-1, weighted_alike(logits[0], key_groups))
     groups, keys = key_groups, n_keys  # keys kept per row: a number without a key mask
     if key_term is not None:
         key_term = key_term.to(dtype)
@@ -268,7 +275,7 @@ def _frame_stats(
         else:
             gauge = _row_sd(logits[0], key_mask) / _row_sd(key_term, key_mask)
     else:
-        gauge = _gauge_rows(logits[0], nw(logits), key_mask, None)
+        gauge = _gauge_rows(logits[0], nw(logits), key_mask)
     baseline_rows = rho_baseline(gauge, keys)
     if key_mask is None:
         chance_rows = torch.full_like(sq_a, null_tail(n_keys))
@@ -365,25 +372,20 @@ _SHARES: dict[str, str] = {
 
 
 #: A row's rho within this of :data:`~ipa_probe.statistics.schema.ROW_THRESHOLD` counts as at it, not above it. rho
-# takes discrete
-#: values (``1 - 6 S / (K^3 - K)`` for integer ``S``), and 0.9 itself is one of them for some ``K`` (5, 9, 11, ...):
-#: float32 rank arithmetic puts such a row a few ulps either side of 0.9 depending on the CPU's summation order, so
-#: without this margin the share of rows above 0.9 would depend on the machine. The null's exact values at 0.9 are
-#: not above it either (:meth:`RhoNull.tail` is strict), and its next value above 0.9 is at least 1e-3 away for the
-#: tabulated ``K``, far beyond this margin.
+#: takes discrete values (``1 - 6 S / (K^3 - K)`` for integer ``S``), and 0.9 itself is one of them for some ``K``
+#: (5, 9, 11, ...): float32 rank arithmetic puts such a row a few ulps either side of 0.9 depending on the CPU's
+#: summation order, so without this margin the share of rows above 0.9 would depend on the machine. The null's exact
+#: values at 0.9 are not above it either (:meth:`RhoNull.tail` is strict), and its next value above 0.9 is at least
+#: 1e-3 away for the tabulated ``K``, far beyond this margin.
 ROW_TIE = 1e-5
 
 #: ``|c|`` within this of 1 counts as exactly linear in :func:`_gauge_rows` (float32 resolution near 1).
 _LINEAR = 1e-6
 
 
-def _gauge_rows(
-    attn_logits: torch.Tensor, nw_logits: torch.Tensor, key_mask: torch.Tensor | None, key_term: torch.Tensor | None
-) -> torch.Tensor:
+def _gauge_rows(attn_logits: torch.Tensor, nw_logits: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
     """Per-row logit ratio ``r`` (see :func:`compare_weights`), ``(..., R, K) -> (..., R)``; masked keys left out."""
     attn = attn_logits if key_mask is None else torch.where(key_mask, attn_logits, 0.0)
-    if key_term is not None:
-        return _row_sd(attn, key_mask) / _row_sd(key_term, key_mask)
     nw = nw_logits if key_mask is None else torch.where(key_mask, nw_logits, 0.0)
     c = _row_pearson(attn, nw, key_mask)
     # Logits linear in each other to float32 precision (always so for two keys) have c = +-1: r = +-inf.

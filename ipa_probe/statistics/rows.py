@@ -17,6 +17,7 @@ __all__ = [
     "rank",
     "raveled_pearson",
     "row_spearman",
+    "weighted_alike",
 ]
 
 
@@ -76,21 +77,12 @@ def _row_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = N
     return (a * b).sum(-1) / ((a * a).sum(-1) * (b * b).sum(-1)).sqrt()
 
 
-def _masked_ranks(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    # Left-out entries rank above every kept one, so the kept entries get ranks 1..n among themselves.
-    return rank(x if mask is None else torch.where(mask, x, math.inf))
-
-
 def row_spearman(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Spearman's rho of each row of ``a`` against the same row of ``b``: ``(..., K), (..., K) -> (...)``.
-
-    A row that is constant in ``a`` or ``b`` has no rank correlation and gives NaN, as in scipy.
-
-    Args:
-        a, b: values, shape ``(..., K)``.
-        mask: optional boolean ``(..., K)``: only the entries where it holds take part (ranked among themselves).
-    """
-    return _row_pearson(_masked_ranks(a, mask), _masked_ranks(b, mask), mask)
+    """Spearman's rho of each row of ``a`` against the same row of ``b``, ``(..., K), (..., K) -> (...)``, over the
+    entries where the optional bool ``mask`` ``(..., K)`` holds; NaN where a row is constant, as in scipy."""
+    # left-out entries rank above every kept one, so the kept entries get ranks 1..n among themselves
+    a, b = (rank(x if mask is None else torch.where(mask, x, math.inf)) for x in (a, b))
+    return _row_pearson(a, b, mask)
 
 
 def raveled_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -193,6 +185,18 @@ def copy_groups(keys: torch.Tensor, rtol: float = 1e-5) -> torch.Tensor:
     # |k_i - k_j|^2 = sq_i + sq_j - 2 k_i·k_j <= rtol (sq_i + sq_j), i.e. (1 - rtol) (sq_i + sq_j) / 2 <= k_i·k_j
     same = (sq.unsqueeze(-1) + sq.unsqueeze(-2)).mul_((1 - rtol) / 2) <= gram
     return same.to(torch.uint8).argmax(-1)  # the first True of each row (the diagonal is always True)
+
+
+def weighted_alike(x: torch.Tensor, groups: torch.Tensor, atol: float = 1e-4) -> torch.Tensor:
+    """Per key of rows ``x`` ``(..., K)``, the key whose value ranks it (int64): its copies (``groups``) within
+    ``atol`` of one another (chained) share one, so copies an edit weighted apart rank apart, others tie exactly."""
+    groups = groups.expand(x.shape)
+    order = x.argsort(-1)  # by value, then (stable) by group: each group's copies side by side, ascending
+    order = order.gather(-1, groups.gather(-1, order).argsort(dim=-1, stable=True))
+    value, group = x.gather(-1, order), groups.gather(-1, order)
+    new = torch.nn.functional.pad((value.diff(dim=-1) > atol) | (group.diff(dim=-1) != 0), (1, 0), value=True)
+    start = torch.where(new, torch.arange(x.shape[-1], device=x.device), 0).cummax(-1).values  # each run's first
+    return torch.empty_like(order).scatter_(-1, order, order.gather(-1, start))
 
 
 def fit_bandwidth(
