@@ -121,7 +121,6 @@ def test_the_private_import_scan_finds_a_planted_violation(tmp_path):
 #: Private names of other packages read on purpose, where no public route exists, and the package's own private names
 #: on other packages' objects (``name: why``).
 FOREIGN_PRIVATE = {
-    "_compiled_call_impl": "torch's mark of an in-place module.compile(), which no public call reports (capture.run)",
     "_run_key": "cli's own attribute on argparse's Namespace (underscored: no option's dest can clash with it)",
     "_exit": "os._exit: the documented way to end the process at once (cli, a second Ctrl-C)",
     "_local_scalar_dense": "an aten operator's own name (devtools.dispatch counts it as a host sync)",
