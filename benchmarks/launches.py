@@ -1,8 +1,8 @@
 """What the probe costs a GPU, counted on any machine: operations dispatched per denoising step.
 
 On a GPU each eager operation costs some 5-10 us of host time whatever its size, so the probe's cost there is the
-number of operations it adds, not its CPU time. This script counts them exactly (:class:`ipa_probe.devtools.dispatch.
-DispatchCount`: kernel launches, views, operations that wait for the device) for one CFG pipeline call per
+number of operations it adds, not its CPU time. This script counts them exactly (``benchmarks/dispatch.py``'s
+``DispatchCount``: kernel launches, views, operations that wait for the device) for one CFG pipeline call per
 configuration, on three architectures with random weights (op counts depend on the layers, heads and tokens, not on
 the channel widths, so the wide models are narrowed to run on a CPU):
 
@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 import ipa_probe
-from ipa_probe.devtools.dispatch import DispatchCount
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sd15_arch beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # dispatch and sd15_arch beside this file
+from dispatch import DispatchCount  # noqa: E402
 
 MODES = ("plain", "probe", "maps", "exact", "compiled", "nw_head", "ablate", "scale")
 

@@ -2,7 +2,7 @@
 
 On a GPU each eager operation costs some 5-10 us of host time whatever its size, so the probe's cost there is the
 number of kernel launches it adds to a denoising step. The counts are exact and load-independent
-(:class:`ipa_probe.devtools.dispatch.DispatchCount`), so a change that adds launches fails here instead of showing up
+(``benchmarks/dispatch.py``), so a change that adds launches fails here instead of showing up
 as a slower GPU. The budgets are the counts the eager probe reaches today, with a small margin, on Stable Diffusion
 1.5's UNet at 16 x 16 latents with CFG, under the GPU's joining policy (``benchmarks/launches.py`` tables them,
 docs/measured.md records them; the UNet is narrowed eightfold, which leaves every count as it is). The probe's records
@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ipa_probe.devtools.dispatch import DispatchCount
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from dispatch import DispatchCount  # noqa: E402  (benchmarks/dispatch.py)
 
 #: Launches a probed step may add, as a share of the plain step's (SD 1.5 UNet, 16 x 16 latents, CFG), by mode and
 #: reference tokens: today's counts (docs/measured.md) with about 5 % of margin (a few launches for the few ones).
@@ -32,7 +31,7 @@ BUDGETS = {
     ("probe", 4): 0.01,  # 3 of 844 launches (0.004x; 288 before the records waited for one statistics pass per call,
     # 411 before the forming per stack and the stacked statistics pass, 706 before the query frames of every layer size
     # were joined, 2,401 before the stacked records and the one pass)
-    ("maps", 4): 0.27,  # 218 (0.26x; 239 before the stacked W_o's, 363, 699, 764 and 1,010 before that, 2,705 at first)
+    ("maps", 4): 0.27,  # 218 (0.26x; 239 before the stacked W_o's, 363, 699, 764, 1,010 before that, 2,705 at first)
     ("exact", 4): 0.01,  # 3 (0.004x; 288 before)
     ("probe", 64): 0.01,  # 4 (0.005x; 335 before, 483 and 871 before that)
     ("maps", 64): 0.29,  # 235 at full width (0.28x; 256 before, 412, 781, 1,158 and 1,423 before that)

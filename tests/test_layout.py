@@ -121,13 +121,8 @@ def test_the_private_import_scan_finds_a_planted_violation(tmp_path):
 #: Private names of other packages read on purpose, where no public route exists, and the package's own private names
 #: on other packages' objects (``name: why``).
 FOREIGN_PRIVATE = {
-    "_compiled_call_impl": "torch's mark of an in-place module.compile(), which no public call reports (capture.run)",
     "_run_key": "cli's own attribute on argparse's Namespace (underscored: no option's dest can clash with it)",
     "_exit": "os._exit: the documented way to end the process at once (cli, a second Ctrl-C)",
-    "_local_scalar_dense": "an aten operator's own name (devtools.dispatch counts it as a host sync)",
-    "_unique2": "an aten operator's own name (devtools.dispatch)",
-    "_unsafe_view": "an aten operator's own name (devtools.dispatch: a view, not a launch)",
-    "_index_put_impl_": "an aten operator's own name (devtools.dispatch: a boolean index syncs)",
 }
 
 
@@ -150,13 +145,15 @@ def _defined_names(trees: list[ast.Module]) -> set[str]:
 def foreign_private_reads(package: Path = ROOT / "ipa_probe") -> list[str]:
     """Every ``obj._name`` (and ``getattr(obj, "_name")``, ``hasattr``, ``setattr``, ``delattr``) in the package
     whose ``_name`` (not a dunder) the package does not define itself (:func:`_defined_names`) nor allow
-    (:data:`FOREIGN_PRIVATE`), as ``path:line: _name``."""
+    (:data:`FOREIGN_PRIVATE`), as ``path:line: _name``; and every import of another package's private module or name
+    (``from torch.utils._python_dispatch import X``, ``from torch import _dynamo``), as ``path:line: dotted.name``."""
     paths = sorted(package.rglob("*.py"))
     trees = [ast.parse(path.read_text(), str(path)) for path in paths]
     own = _defined_names(trees) | {path.stem for path in paths} | {p.name for p in package.rglob("*") if p.is_dir()}
     found = []
     for path, tree in zip(paths, trees, strict=True):
         for node in ast.walk(tree):
+            found += [f"{path.relative_to(package.parent)}:{node.lineno}: {name}" for name in _foreign_imports(node)]
             name = node.attr if isinstance(node, ast.Attribute) else None
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) > 1:
                 reflective = node.func.id in ("getattr", "hasattr", "setattr", "delattr")
@@ -172,13 +169,26 @@ def foreign_private_reads(package: Path = ROOT / "ipa_probe") -> list[str]:
     return sorted(found)
 
 
+def _foreign_imports(node: ast.AST) -> list[str]:
+    """The dotted names an absolute import of another package than ipa_probe brings in with a private part."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        names = [f"{node.module}.{alias.name}" for alias in node.names]
+    else:
+        return []
+    private = [n for n in names if any(p.startswith("_") and not p.startswith("__") for p in n.split("."))]
+    return [n for n in private if n.split(".")[0] != "ipa_probe"]
+
+
 def test_no_module_reads_another_packages_private_attributes():
     assert foreign_private_reads() == []
 
 
 def test_the_private_attribute_scan_finds_a_planted_read(tmp_path):
     """The scan itself: a foreign private attribute read directly or by ``getattr``/``hasattr`` is found; the
-    package's own private names (a def, a class, a ``self._x`` target, a module-level name) are not."""
+    package's own private names (a def, a class, a ``self._x`` target, a module-level name) are not; an import of a
+    private module or name of another package is found, one of the package's own is not."""
     package = tmp_path / "ipa_probe"
     package.mkdir()
     (package / "_own.py").write_text("_LIMIT = 3\n")
@@ -187,9 +197,16 @@ def test_the_private_attribute_scan_finds_a_planted_read(tmp_path):
         "        return self._kept + self._helper() + _own._LIMIT\n\n\n"
         "def f(m, t):\n    return m._orig_mod, getattr(m, '_progress_bar_config'), hasattr(t, '_base'), t._version\n"
     )
+    (package / "b.py").write_text(
+        "import torch._dynamo\nfrom torch import _inductor, nn\nfrom torch.utils._python_dispatch import Mode\n"
+        "from ipa_probe import _own\nfrom . import _own\nimport os.path\n"
+    )
     assert foreign_private_reads(package) == [
         "ipa_probe/a.py:10: _base",
         "ipa_probe/a.py:10: _orig_mod",
         "ipa_probe/a.py:10: _progress_bar_config",
         "ipa_probe/a.py:10: _version",
+        "ipa_probe/b.py:1: torch._dynamo",
+        "ipa_probe/b.py:2: torch._inductor",
+        "ipa_probe/b.py:3: torch.utils._python_dispatch.Mode",
     ]

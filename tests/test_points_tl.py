@@ -79,6 +79,18 @@ def test_cache_of_everything(organism, refs):
         cache["weights", len(layers)]
 
 
+def test_records_of_other_shapes_are_refused_naming_get(organism, refs):
+    """A cache over calls with other references (or Flux's true-CFG negative pass) holds records of two shapes:
+    ``cache[name]`` refuses to stack them and names ``cache.get``, which reads each."""
+    name = f"{LAYER}.ip.weights"
+    with ipa_probe.cache_hook_points(organism, name, steps=[0]) as cache:
+        organism(**call(refs))
+        organism(**call(refs[:1]))
+    assert cache.get(name, 0, call=0).shape[-1] == 2 * cache.get(name, 0, call=1).shape[-1]
+    with pytest.raises(ValueError, match=r"do not stack; use cache\.get\(name, step\)"):
+        cache[name]
+
+
 def test_names_are_strings_or_patterns_everywhere(organism, refs):
     """A plain string that is no point's name is a regex searched in the names, in hooks= as in the cache."""
     seen = []

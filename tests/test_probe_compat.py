@@ -115,10 +115,17 @@ def test_model_cpu_offload(refs, reference_run):
 
 
 @pytest.mark.slow
-def test_torch_compile_denoiser(refs, reference_run, fresh_dynamo):
+@pytest.mark.parametrize("in_place", [False, True], ids=["wrapped", "in_place"])
+def test_torch_compile_denoiser(refs, reference_run, fresh_dynamo, in_place):
     pipe = tiny_pipeline("sd15")
-    pipe.unet = torch.compile(pipe.unet, backend="eager")
-    images, df = probed_run(pipe, refs)
+    if in_place:
+        pipe.unet.compile(backend="eager")  # module.compile(): no wrapper, the module's own call compiled
+    else:
+        pipe.unet = torch.compile(pipe.unet, backend="eager")
+    with probe(pipe) as run:
+        images = generate(pipe, refs)
+    df = run.to_dataframe()
+    assert run.compiled  # told, so its records were formed at each pass
     assert np.abs(images - reference_run[0]).max() == 0
     # a compiled denoiser's records are formed at each pass (a CUDA graph may overwrite its outputs), an eager one's
     # when the call ends: the nulls draw over the rows in another order, their distribution the same

@@ -108,8 +108,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         self.config = config
         denoiser = denoiser_of(pipe)
         self.layers: list[IPLayer] = find_ip_layers(denoiser, config.layers)
-        # in-place module.compile() has no public test in torch: its private _compiled_call_impl tells
-        self.compiled = is_compiled_module(denoiser) or getattr(denoiser, "_compiled_call_impl", None) is not None
+        self.compiled = is_compiled_module(denoiser)  # or in place: told by the first pass (PassInfo.compiled)
         self.tap: Tap = tap_for(pipe, self.layers)
         if config.kind != "image" and not self.tap.supports_text:
             raise ValueError(
@@ -240,6 +239,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
     def on_pass(self, spine: Spine, args: tuple, kwargs: dict) -> None:
         """A denoiser pass starts (the spine's clock has placed it)."""
         self._end_pass(spine.now.new_call)  # the previous pass's records, when it raised before returning
+        self.compiled = self.compiled or spine.now.compiled
         state, tap = self._state, self.tap
         if state.in_pass and state.call is not None:  # the previous pass raised before returning
             state.call.incomplete.add(state.step)

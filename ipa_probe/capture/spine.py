@@ -159,6 +159,7 @@ class PassInfo:
             whether it is recorded).
         masks: the pass's normalised ``ip_adapter_masks`` (:func:`normalise_masks`).
         edits: the edits acting in this pass, in the order they act (each client that edits names itself here).
+        compiled: the denoiser's own call is compiled (an in-place ``module.compile()``: dynamo traced the pre-hook).
     """
 
     new_call: bool = False
@@ -170,6 +171,7 @@ class PassInfo:
     denoiser_pass: DenoiserPass = field(default_factory=lambda: DenoiserPass(new_step=True))
     masks: list[torch.Tensor | None] | None = None
     edits: list[str] = field(default_factory=list)
+    compiled: bool = False
 
 
 class Spine:
@@ -204,7 +206,12 @@ class Spine:
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
-        self._handles.append(self.denoiser.register_forward_pre_hook(observer(self._on_call), with_kwargs=True))
+        on_call = observer(self._on_call)
+
+        def pre_hook(module, args, kwargs) -> None:  # traced where the denoiser is compiled in place: says so
+            return on_call(module, args, kwargs, torch.compiler.is_compiling())
+
+        self._handles.append(self.denoiser.register_forward_pre_hook(pre_hook, with_kwargs=True))
         self._handles.append(self.denoiser.register_forward_hook(observer(self._on_return)))
 
     def uninstall(self) -> None:
@@ -222,7 +229,7 @@ class Spine:
         self.now = PassInfo()
 
     # ------------------------------------------------------------------ the clock
-    def _on_call(self, module, args, kwargs) -> None:
+    def _on_call(self, module, args, kwargs, compiled: bool = False) -> None:
         now, tap = self.now, self.tap
         new_call = self.clock.new_call(tap.argument("timestep", args, kwargs))  # the denoiser's own input
         tap.running = self.clock.running
@@ -240,6 +247,7 @@ class Spine:
             timestep=tap.timestep(args, kwargs),
             denoiser_pass=denoiser_pass,
             masks=pass_masks(kwargs),
+            compiled=compiled,
         )
         self.kept.clear()
         self.kept_values.clear()

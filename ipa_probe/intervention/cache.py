@@ -82,6 +82,11 @@ class HookCache:
         records = self._store[self._check(name)]
         if not records:
             raise KeyError(f"cache: {name!r} recorded nothing (did the pipeline run inside the block?)")
+        shapes = {tuple(r.shape) for r in records.values()}  # several: other references, Flux's negative pass
+        if len(shapes) > 1:
+            raise ValueError(
+                f"cache[{name!r}]: records of shapes {sorted(shapes)} do not stack; use cache.get(name, step)"
+            )
         return torch.stack([records[k] for k in sorted(records)])  # (N, *shape)
 
     def _layer_point(self, point: str, layer: int) -> str:

@@ -5,6 +5,11 @@ On a GPU each eager operation costs some 5-10 us of host time whatever its size,
 operations is bound by their count, not by arithmetic. The count is exact and does not depend on the machine's load,
 so the suite can hold budgets on it (``tests/test_launch_budget.py``) and ``benchmarks/launches.py`` tables it.
 
+A benchmark's tool, not part of ipa_probe (which reads no other package's private names): it needs two that torch
+offers no public route to, ``TorchDispatchMode`` (importable only from ``torch.utils._python_dispatch``) and, for
+``compiled=True``, inductor's ``cpp.enable_kernel_profile`` (public only as ``torch.compile(options=...)`` on a compile
+call the counter does not own, or as an environment variable read when inductor is first imported).
+
 Example:
     >>> with DispatchCount() as count:
     ...     pipe(**call)
@@ -18,7 +23,7 @@ import contextlib
 import inspect
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode  # its only import route (see above)
 
 __all__ = ["DispatchCount", "SYNC_OPS"]
 
@@ -97,9 +102,7 @@ class DispatchCount(TorchDispatchMode):
 
     def __enter__(self):
         if self._compiled:
-            from torch._inductor import (
-                config,
-            )  # private: the kernel profile is a code-generation setting, no public one
+            from torch._inductor import config  # the kernel profile: no public route here (see above)
             from torch.profiler import ProfilerActivity, profile
 
             self._profile = contextlib.ExitStack()
@@ -142,10 +145,10 @@ def _boolean_index(func, args: tuple) -> bool:
 
 
 def _site() -> str:
-    frame = inspect.currentframe()  # its own frames skipped below
+    frame = inspect.currentframe()  # its own frames (module ``dispatch``) skipped below
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if name.startswith("ipa_probe.") and not name.startswith("ipa_probe.devtools"):
+        if name.startswith("ipa_probe."):
             return f"{name.removeprefix('ipa_probe.')}:{frame.f_code.co_name}"
         frame = frame.f_back
     return "model"
