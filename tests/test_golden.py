@@ -5,9 +5,9 @@ before the attachment core was rebuilt (tests/golden_calls.py wrote the fixtures
 Two intentional changes merged beside the rebuild rewrote only their own columns of the fixtures, every other value
 kept as first written: the permutation nulls beyond K = 8 draw by Fisher-Yates swaps (``*_null``: other draws, the same
 distribution; later the nulls at K <= 8 too, when the table of all K! permutations went, and later again every null by
-one sort of random keys, a few kernel launches instead of four per key, and once more when a call's records
-waited for one statistics pass: the rows drawn in another order), and an all-tied row's top-1
-is undefined (``qf_top1`` / ``qf_gauss_top1`` NaN in the organism's one-query mid block). A column added later
+one sort of random keys, a few kernel launches instead of four per key, and once more when a call's records waited for
+one statistics pass, and when the maps' records waited too: the rows drawn in another order), and an all-tied row's
+top-1 is undefined (``qf_top1`` / ``qf_gauss_top1`` NaN in the organism's one-query mid block). A column added later
 (``qf_spearman_other_pool``) is checked against the fixture's own ``qf_spearman``, which it must repeat in these
 one-item-per-branch calls. Every value is held to 1e-6 but two float32 families that move across CPUs (see
 :func:`tolerance`)."""

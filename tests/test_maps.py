@@ -256,6 +256,18 @@ def test_output_bit_identical_with_maps(refs, kind, variant, adapters, guidance,
     torch.testing.assert_close(maps.sum(0), torch.ones(maps.shape[1:]), atol=1e-5, rtol=0)
 
 
+def test_maps_leave_the_table_as_it_is(sd15, refs):
+    """The maps are made from the records' logits when their pass ends, and the records wait for the call's one
+    statistics pass as without maps: the table, its nulls' draws included, is the one ``maps=False`` gives."""
+    tables = []
+    for maps in (False, True):
+        with probe(sd15, maps=maps) as run:
+            generate(sd15, refs, output_type="latent", guidance_scale=5.0, num_inference_steps=3)
+        tables.append(run.to_dataframe())
+    assert tables[0]["spearman_null"].notna().any()
+    pd.testing.assert_frame_equal(tables[0], tables[1])
+
+
 @pytest.mark.parametrize("masks", [False, True])
 def test_no_host_synchronisation_with_maps(sd15, refs, masks):
     kwargs = {"output_type": "latent", "guidance_scale": 5.0}

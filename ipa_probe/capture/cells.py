@@ -107,6 +107,7 @@ def group_cell(
     nw_rows: torch.Tensor | None = None,
     dot: bool = True,
     nw_scale: torch.Tensor | None = None,
+    key_copies: bool = True,
 ) -> Cell:
     """A record's logits, masks and copy ids by group: ``(B, H, R, C)`` -> ``(groups, H, frames * R, C)``.
 
@@ -121,6 +122,7 @@ def group_cell(
             logits): ``nw`` holds these rows only (when a group is one batch item; every row otherwise).
         dot: ``attn`` are the dot-product logits of ``q`` and ``k`` (not an edit's): the NW logits are formed from
             them and the key norms, without a second product, times ``nw_scale`` (``sqrt(d) / h^2`` made once).
+        key_copies: form the ids of copies of one key (the statistics read them, the maps not).
     """
     batch, n_heads, n_queries, n_keys = attn.shape
 
@@ -142,7 +144,7 @@ def group_cell(
             return x.unsqueeze(-2)
         return by_group(x.unsqueeze(-2).expand(batch, n_heads, n_queries, n_keys))
 
-    copies = per_key(copy_groups(k))
+    copies = per_key(copy_groups(k)) if key_copies else None
     key_term = k_term = None
     if text or getattr(processor, "image_branch_logits", None) is None:
         # dot-product logits q·k / sqrt(d): the NW ranks follow q·k - |k|^2 / 2, i.e. attn - |k|^2 / (2 sqrt(d))

@@ -54,6 +54,7 @@ class _Held:
     rows: tuple[int, int] | None  # (rows, n) of the record's row sample, or None for every row
     text_mask: torch.Tensor | None  # (B, tokens)
     keys: torch.Tensor | None = None  # (n,) the row sample's uniform keys (:meth:`RecordForming._draw_rows`)
+    mapped: bool = False  # its maps formed when its pass ended (:meth:`RecordForming._map_pass`)
 
     def signature(self) -> tuple:
         """Records with equal signatures are formed in one pass, stacked along the batch."""
@@ -222,17 +223,8 @@ class RecordForming:
         """Records of one :meth:`_Held.signature` stacked along the batch (record ``l`` at items ``l * B ..``; every
         step per item or group: a record's values are its own pass's) up to the query frames: the records, their
         logits and cell, and the rest of :func:`~.cells.cell_inputs`' arguments."""
-        first = held[0]
-
-        def stacked(name: str) -> torch.Tensor | None:
-            parts = [getattr(entry, name) for entry in held]
-            if parts[0] is None or len(parts) == 1:
-                return parts[0]
-            return torch.cat(parts)  # (L * B, ...)
-
-        # (L * B, H, Q, D), (L * B, H, K, D); a single record's query is left as the tap gives it (a view of the
-        # layer's projection): its logits read it in place (record_logits), where a copy would cost more
-        q, k = stacked("q").float(), stacked("k").float()
+        first, stacked = held[0], lambda name: _stacked(held, name)
+        q, k = stacked("q").float(), stacked("k").float()  # (L * B, H, Q, D), (L * B, H, K, D)
         other = first.other.float() if first.other is not None else None
         attn, q_norms = record_logits(first.processor, q, k, first.text, other)  # (L * B, H, Q, K), (L * B, H, Q)
         if first.used is not None:  # the edited weights' logits over the keys, a zero weight at float32's smallest
@@ -248,7 +240,7 @@ class RecordForming:
         if first.rows is not None:  # the stratified row sample (ProbeConfig.rows) from the keys drawn for it
             keys = first.keys if len(held) == 1 else torch.stack([entry.keys for entry in held])
             sample = stratified_rows(*first.rows, keys)
-        nw_rows = sample if self._maps is None or first.text else None  # the maps read every row's NW logits
+        nw_rows = None if self._maps is not None and not (first.text or first.mapped) else sample  # maps: every row
         cell = group_cell(
             groups=groups,
             q=q,
@@ -295,11 +287,28 @@ class RecordForming:
             kept_logits = logits if entry.kept is None else expand_references(logits, *entry.kept, -1, -math.inf)
             self._keep_map(key, entry.used if entry.used is not None else kept_logits.softmax(-1))
             self._map_labels.setdefault(key, []).append(labels.repeat_interleave(len(logits) // len(labels)))
-        if self._maps is None or first.text:
-            return
-        spine = {} if self._spine is None else self._spine.used
+        if self._maps is not None and not (first.text or first.mapped):
+            self._add_maps(held, cell)
+
+    def _map_pass(self) -> None:
+        """The maps of the ending pass's held image records (its values are in :attr:`_maps` now), a stack per layer
+        size, from their logits alone: the records wait for their statistics (:meth:`_flush`) as without maps."""
+        batches: dict[tuple, list[_Held]] = {}
+        for entry in self._held:
+            if not (entry.mapped or entry.text):
+                entry.mapped = True
+                batches.setdefault(entry.signature(), []).append(entry)
+        for held in batches.values():
+            first, q, k = held[0], _stacked(held, "q").float(), _stacked(held, "k").float()
+            attn, _ = record_logits(first.processor, q, k, False)
+            kw = dict(text=False, rows=None, processor=first.processor, text_mask=None, fit=False, key_copies=False)
+            cell = group_cell(len(held) * first.labels.shape[0], q, k, attn, h=first.h[0], nw_scale=first.h[1], **kw)
+            self._add_maps(held, cell)  # the maps read no copies' ids
+
+    def _add_maps(self, held: list[_Held], cell: cells.Cell) -> None:
+        """A stack's maps at once (:meth:`~.maps.MapAccumulator.add`); apart where an edit acted (formed alone)."""
+        labels, spine = held[0].labels, {} if self._spine is None else self._spine.used
         edited = [spine.get((self.layers[entry.index].name, entry.slot, "contribution")) for entry in held]
-        # the stack's maps at once; apart where an edit acted (an edited record's keys or weights: formed alone)
         parts = zip(([e] for e in held), cell.attn.chunk(len(held)), cell.nw.chunk(len(held)), edited, strict=True)
         for part, maps_attn, maps_nw, contribution in (
             parts if any(x is not None for x in edited) else [(held, cell.attn, cell.nw, None)]
@@ -311,3 +320,9 @@ class RecordForming:
                 used = used.unflatten(0, (labels.shape[0], -1)).transpose(1, 2).flatten(2, 3)
             where = [(entry.call.index, entry.step, entry.index, entry.slot) for entry in part]
             self._maps.add(where, labels, maps_attn, maps_nw, used, contribution)
+
+
+def _stacked(held: list[_Held], name: str) -> torch.Tensor | None:
+    """The records' ``name`` stacked along the batch ``(L * B, ...)``; one record's as the tap gave it (a view)."""
+    parts = [getattr(entry, name) for entry in held]
+    return parts[0] if parts[0] is None or len(parts) == 1 else torch.cat(parts)

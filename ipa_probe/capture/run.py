@@ -82,18 +82,9 @@ class _StepState:
 
 
 def _filled(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """``(n,)`` int64 holding ``values``, made on the device (no host-to-device copy): a run of equal steps from one
-    ``arange``; a run repeated with shifts (a call's steps of the same layers) as the run plus the shifts; or fills."""
-    values, n = tuple(values), len(values)
-    if n > 1 and all(b - a == values[1] - values[0] for a, b in zip(values, values[1:], strict=False)):
-        return torch.arange(n, device=device) * (values[1] - values[0]) + values[0]
-    shifted = lambda p: all(v - values[i % p] == values[i - i % p] - values[0] for i, v in enumerate(values))
-    if period := next((p for p in range(2, n // 2 + 1) if n % p == 0 and shifted(p)), None):
-        return (_filled(values[:period], device) + _filled(values[::period], device)[:, None] - values[0]).flatten()
-    index = torch.zeros(n, dtype=torch.long, device=device)
-    for position, value in enumerate(values):
-        index[position] = value
-    return index
+    """``(n,)`` int64 holding ``values``, built on the host and copied once, from pinned memory without waiting (a
+    plain ``torch.tensor(values, device=...)`` waits for the device: a sync); one copy whatever the pattern."""
+    return torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 class ProbeRun(RecordForming, RunViews, MapViews):
@@ -366,7 +357,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         logger.info("keep_maps: about %.1f MiB of attention maps for this call", total / 2**20)
 
     def _constant(self, name: str, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """A device constant made once per run (by a kernel on the device: no host-to-device copy in the loop)."""
+        """A device constant made once per run."""
         key = (name, device)
         if key not in self._constants:
             self._constants[key] = make()
@@ -411,13 +402,15 @@ class ProbeRun(RecordForming, RunViews, MapViews):
 
     @torch.no_grad()
     def _end_pass(self, call_ends: bool) -> None:
-        """The pass's records wait for :meth:`_flush` (the call's end, a budget), their row samples drawn; formed now
-        for the maps or a compiled denoiser (a CUDA graph may overwrite its outputs); compared now with ``compile``."""
+        """Its records wait for :meth:`_flush` (the call's end, a budget), rows drawn, maps made (:meth:`_map_pass`);
+        formed now for a compiled denoiser (a CUDA graph may overwrite them), compared with ``compile``."""
         if call_ends or self.config.compile:
             return self._flush()
         self._draw_rows(self._held)
-        if self._maps is not None or self.compiled:  # the maps' pass reads the formed records
+        if self.compiled:
             return self._form_parts(*self._held_parts())
+        if self._maps is not None and self._held:
+            self._threads(self._held[0].q.device, self._map_pass)
         self._bound(margin=2)
 
     @torch.no_grad()
