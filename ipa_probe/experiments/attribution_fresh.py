@@ -15,13 +15,13 @@ of the pair's effect, the drop of ``P(pair's digit)`` under the ablation (``real
 (:func:`summarize`): agreement of its choice with the deciding pair, with chance 1/2, the one-sided binomial p of
 agreement above chance and its exact (Clopper-Pearson) one-sided 95 % lower bound (one generation per set, so sets
 are independent); and calibration over every (set, pair): the least-squares slope of the real drop on the predicted
-one and their Spearman correlation (no interval: a percentile bootstrap over 16 sets covers less than 95 %,
+one and their Spearman correlation (no interval: a percentile bootstrap over 10-20 sets covers less than 95 %,
 ``tests/test_interval_coverage.py``).
 
 The same generation gives every aggregation of the step predictors per pair (:func:`observe`), from which
 :func:`held_out` chooses a predictor and its aggregation on half of the sets and tests it on the other half.
 
-Run: ``python -m ipa_probe.experiments.attribution_fresh --sets 16 --points 2 --out docs/results/attribution_fresh``
+Run: ``python -m ipa_probe.experiments.attribution_fresh --sets 32 --points 2 --out docs/results/attribution_fresh``
 (``--resummarize``: :func:`derive` only).
 """
 
