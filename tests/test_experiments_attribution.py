@@ -515,7 +515,7 @@ def test_grid_predictors_and_comparisons_against_scipy():
     table = pd.DataFrame(
         [
             {"set": s, "reference": r, "layer": layer, "step": t, **{p: rng.uniform() for p in step_predictors}}
-            for s in range(6) for r in range(4) for layer in layers for t in steps
+            for s in range(8) for r in range(4) for layer in layers for t in steps
         ]
     )  # fmt: skip
     cells = [("up", "0-6", 0, 6), ("all", "7-13", 7, 13), ("down", "all", -1, -1)]
@@ -523,7 +523,7 @@ def test_grid_predictors_and_comparisons_against_scipy():
         [
             {"set": s, "reference": r, "group": g, "steps": n, "first_step": a, "last_step": b, "mode": "ablate",
              "factor": 0.0, "latent_effect": rng.uniform(), "class_drop": rng.normal()}
-            for s in range(6) for r in range(4) for g, n, a, b in cells
+            for s in range(8) for r in range(4) for g, n, a, b in cells
         ]
     )  # fmt: skip
     predictors = experiment.grid_predictors(table, grid)
