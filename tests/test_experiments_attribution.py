@@ -91,7 +91,7 @@ def test_ip_adapter_summary_against_numpy():
     rng = np.random.default_rng(1)
     frame = pd.DataFrame(
         {
-            "set": np.repeat(np.arange(6), 8),
+            "set": np.repeat(np.arange(8), 6),  # MIN_SETS: fewer get no interval
             "timestep": np.tile([981, 1], 24),
             "spearman": rng.uniform(0.5, 1, 48),
             "pearson": rng.uniform(0.5, 1, 48),
@@ -103,7 +103,7 @@ def test_ip_adapter_summary_against_numpy():
     assert list(summary["timestep"]) == [981, 1]
     for _, row in summary.iterrows():
         part = frame[frame["timestep"] == row["timestep"]]
-        set_means = np.array([part[part["set"] == s]["spearman"].mean() for s in range(6)])
+        set_means = np.array([part[part["set"] == s]["spearman"].mean() for s in range(8)])
         assert row["spearman"] == pytest.approx(set_means.mean(), rel=1e-12)
         assert row["ci_low"] <= row["spearman"] <= row["ci_high"]
         assert row["frac_rho_gt_0.9"] == pytest.approx(np.mean(part["spearman"].to_numpy() > 0.9))
@@ -472,6 +472,16 @@ def test_summarize_grid_and_step_ranges_against_scipy():
         low, high = stats.t.interval(0.95, len(values) - 1, loc=values.mean(), scale=stats.sem(values))
         assert row.latent_effect == pytest.approx(values.mean(), rel=1e-12)
         assert (row.latent_effect_low, row.latent_effect_high) == pytest.approx((low, high), rel=1e-10)
+    # the example's RMS changes: the median with [min, max] over seeds, none under 6 seeds (coverage 1 - 2^(1 - n))
+    assert summarize_grid(grid, medians=["latent_effect"])["latent_effect_low"].isna().all()  # 5 seeds
+    more = pd.concat([grid, grid.assign(seed=grid["seed"] + 5, latent_effect=rng.uniform(size=len(grid)))])
+    for row in summarize_grid(more, medians=["latent_effect"]).itertuples():
+        values = more[(more["reference"] == row.reference) & (more["group"] == row.group)]["latent_effect"]
+        assert (row.latent_effect, row.latent_effect_low, row.latent_effect_high) == (
+            np.median(values),
+            values.min(),
+            values.max(),
+        )
 
 
 def test_ablation_grid_bad_input(organism):
@@ -505,7 +515,7 @@ def test_grid_predictors_and_comparisons_against_scipy():
     table = pd.DataFrame(
         [
             {"set": s, "reference": r, "layer": layer, "step": t, **{p: rng.uniform() for p in step_predictors}}
-            for s in range(6) for r in range(4) for layer in layers for t in steps
+            for s in range(8) for r in range(4) for layer in layers for t in steps
         ]
     )  # fmt: skip
     cells = [("up", "0-6", 0, 6), ("all", "7-13", 7, 13), ("down", "all", -1, -1)]
@@ -513,7 +523,7 @@ def test_grid_predictors_and_comparisons_against_scipy():
         [
             {"set": s, "reference": r, "group": g, "steps": n, "first_step": a, "last_step": b, "mode": "ablate",
              "factor": 0.0, "latent_effect": rng.uniform(), "class_drop": rng.normal()}
-            for s in range(6) for r in range(4) for g, n, a, b in cells
+            for s in range(8) for r in range(4) for g, n, a, b in cells
         ]
     )  # fmt: skip
     predictors = experiment.grid_predictors(table, grid)

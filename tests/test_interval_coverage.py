@@ -4,8 +4,9 @@ Each kind is drawn many times from a population whose parameter is written out h
 project reports it, through the project's own function; its coverage must reach the nominal level less a Monte Carlo
 allowance of three binomial standard errors of the replicate count. The same check runs on intervals known to fall
 short (unadjusted bounds on a family, one standard error as a bound, Wald's interval near the edge, the percentile
-bootstrap and the max-|z| band the cells' verdicts used before their bootstrap-t) and where docs/findings.md says an
-interval the project reports falls short (BCa over 20 sets, 8 seeds of a skewed quantity): there it must fail.
+bootstrap and the max-|z| band the cells' verdicts used before their bootstrap-t, the BCa bootstrap and the two-sample
+percentile bootstrap the controls used before, Student's t over 8 seeds of a skewed change, the bootstrap-t below
+``MIN_SETS``): there it must fail.
 Simulated elsewhere (``tests/test_attribution_coverage.py``): the verdict shares' bounds, the Holm-compatible t
 bounds, the clustered Clopper-Pearson rate.
 """
@@ -21,16 +22,16 @@ from scipy import stats
 
 from ipa_probe.attribution.analysis import (
     _mean_interval,
-    _resample_counts,
     clopper_pearson,
+    control_difference,
     exact_lower_bound,
     holm,
     holm_bounds,
     simultaneous_band,
 )
 from ipa_probe.experiments.matched_control import _pool_summary
-from ipa_probe.intervention.grid import t_interval
-from ipa_probe.sweep.aggregation import bootstrap_ci
+from ipa_probe.intervention.grid import median_interval, t_interval
+from ipa_probe.sweep.aggregation import MIN_SETS, bootstrap_ci, resample_counts, studentised
 from ipa_probe.tiny.digits.following import interval as seed_interval
 
 NOMINAL = 0.95
@@ -87,27 +88,72 @@ def draw_sets(rng, shape: tuple[int, int], skewed: bool) -> np.ndarray:
 
 def bootstrap_t(rng, sets: int, skewed: bool = False, reps: int = 4000) -> np.ndarray:
     """``_mean_interval`` (the cells' bootstrap-t over sets, 999 resamples) of a mean (4), one column per replicate."""
-    _, low, high = _mean_interval(draw_sets(rng, (sets, reps), skewed), _resample_counts(rng, 999, sets))
+    _, low, high = _mean_interval(draw_sets(rng, (sets, reps), skewed), resample_counts(rng, 999, sets))
     return (low <= 4.0) & (4.0 <= high)
 
 
 def percentile(rng, sets: int, reps: int = 4000) -> np.ndarray:
     """The percentile bootstrap over sets (999 resamples) the cells' intervals used before, written out here."""
-    counts = _resample_counts(rng, 999, sets)
+    counts = resample_counts(rng, 999, sets)
     low, high = np.quantile(counts @ draw_sets(rng, (sets, reps), False) / sets, [0.025, 0.975], axis=0)
     return (low <= 4.0) & (4.0 <= high)
 
 
-def bca(rng, sets: int, reps: int, skewed: bool = False) -> np.ndarray:
-    """``bootstrap_ci`` (BCa over sets, 999 resamples here, 9,999 in the records) of a mean (4)."""
+def bootstrap_mean(rng, sets: int, reps: int, skewed: bool = False) -> np.ndarray:
+    """``bootstrap_ci`` (bootstrap-t over sets, 999 resamples here, 9,999 in the records) of a mean (4)."""
     x = draw_sets(rng, (reps, sets), skewed)
     bounds = np.array([bootstrap_ci(row, n_resamples=999, rng=np.random.default_rng(i)) for i, row in enumerate(x)])
     return (bounds[:, 0] <= 4.0) & (4.0 <= bounds[:, 1])
 
 
+def bca(rng, sets: int, reps: int = 1000, skewed: bool = False) -> np.ndarray:
+    """The BCa bootstrap over sets (999 resamples) that ``bootstrap_ci`` used before, written out here (scipy)."""
+    result = stats.bootstrap(
+        (draw_sets(rng, (reps, sets), skewed),), np.mean, axis=-1, n_resamples=999, batch=100, method="BCa", rng=rng
+    )
+    low, high = result.confidence_interval
+    return (low <= 4.0) & (4.0 <= high)
+
+
+def bootstrap_t_below(rng, sets: int, reps: int = 10_000) -> np.ndarray:
+    """The bootstrap-t over ``sets`` < ``MIN_SETS`` skewed sets (``studentised``, 999 resamples), which
+    ``bootstrap_ci`` and ``_mean_interval`` refuse (NaN) for its coverage there."""
+    values = draw_sets(rng, (sets, reps), True)
+    assert np.isnan(_mean_interval(values[:, :2], resample_counts(rng, 9, sets))[1]).all()
+    assert np.isnan(bootstrap_ci(values[:, 0]))[0]
+    covered = []
+    for part in np.array_split(values, 5, axis=1):
+        mean, se, t = studentised(part, resample_counts(rng, 999, sets))
+        upper, lower = np.quantile(t, [0.975, 0.025], axis=0)
+        covered.append((mean - upper * se <= 4.0) & (4.0 <= mean - lower * se))
+    return np.concatenate(covered)
+
+
+def unpaired(rng, sets: tuple[int, int], reps: int = 4000, welch: bool = True) -> np.ndarray:
+    """``control_difference(paired=False)`` (Welch's t) of a true difference 0 between a skewed population of
+    ``sets[0]`` sets and a normal one of ``sets[1]`` (same mean); ``welch=False``: the two-sample percentile bootstrap
+    (999 resamples) it used before, written out here."""
+    x, y = draw_sets(rng, (reps, sets[0]), True), rng.normal(4.0, 1.0, (reps, sets[1]))
+    if welch:
+        bounds = np.array(
+            [[control_difference(a, b, False)[k] for k in ("low", "high")] for a, b in zip(x, y, strict=True)]
+        )
+        return (bounds[:, 0] <= 0) & (0 <= bounds[:, 1])
+    draws = [np.take_along_axis(v[:, None], rng.integers(0, v.shape[1], (reps, 999, v.shape[1])), 2) for v in (x, y)]
+    low, high = np.quantile(draws[0].mean(2) - draws[1].mean(2), [0.025, 0.975], axis=1)
+    return (low <= 0) & (0 <= high)
+
+
+def order_statistics(rng, seeds: int = 8, reps: int = 4000) -> np.ndarray:
+    """``grid.median_interval`` ([min, max] over seeds: the 2 + 2 example's RMS changes) of a lognormal median (1)."""
+    bounds = np.array([median_interval(row)[1:] for row in rng.lognormal(0.0, 0.5, (reps, seeds))])
+    return (bounds[:, 0] <= 1.0) & (1.0 <= bounds[:, 1])
+
+
 def over_sets(rng, by_set: bool, sets: int = 40, reps: int = 300) -> np.ndarray:
-    """``bootstrap_ci`` of a mean (0) over 4 references per set whose values share their set's effect (sd 1, the
-    references' own sd 0.5), as the tables' one-reference ablation: of the set means (``by_set``), or of the rows."""
+    """``bootstrap_ci`` (bootstrap-t) of a mean (0) over 4 references per set whose values share their set's effect
+    (sd 1, the references' own sd 0.5), as the tables' one-reference ablation: of the set means (``by_set``), or of
+    the rows."""
     x = rng.normal(0.0, 1.0, (reps, sets, 1)) + rng.normal(0.0, 0.5, (reps, sets, 4))
     values = x.mean(-1) if by_set else x.reshape(reps, -1)
     bounds = np.array([bootstrap_ci(v, n_resamples=999, rng=np.random.default_rng(i)) for i, v in enumerate(values)])
@@ -144,12 +190,14 @@ def standard_error(rng, sets: int = 10, reps: int = 500, t_quantile: bool = True
     return (summary["difference"] - multiplier * summary["se"]).to_numpy() <= 0.02
 
 
-def band(rng, sets: int, columns: int = 30, reps: int = 300, studentised: bool = True) -> np.ndarray:
+def band(
+    rng, sets: int, columns: int = 30, reps: int = 300, studentised: bool = True, skewed: bool = False
+) -> np.ndarray:
     """``simultaneous_band`` (max-|t| bootstrap-t, 499 resamples) covers all ``columns`` true means (0) at once;
     ``studentised=False``: the former band, every resample scaled by the bootstrap standard error (max-|z|)."""
     covered = np.empty(reps, dtype=bool)
     for r in range(reps):
-        values, counts = rng.normal(0.0, 1.0, (sets, columns)), _resample_counts(rng, 499, sets)
+        values, counts = draw_sets(rng, (sets, columns), skewed) - 4.0, resample_counts(rng, 499, sets)
         if studentised:
             low, high = simultaneous_band(values, counts)
         else:
@@ -185,19 +233,30 @@ def test_holm_compatible_exact_bounds_cover_the_whole_family():
 
 
 def test_bootstraps_and_t_intervals_cover_at_the_sizes_decided_on():
-    """The cells' bootstrap-t over 10, 20 and 40 sets (the attribution folders' populations; normal and skewed) and
-    the max-|t| bootstrap-t band over 30 means at 20 and 100 sets (the verdict shares' bounds); at 100 sets (the full
-    tier's ip-adapter records) the BCa bootstrap of a normal mean, and at 40 sets (the attribution tables) BCa over
-    the set means of references that share a set; Student's t over 5 seeds of 100 images covers the rate
-    (organism.md's rates); the standard error with its t quantile covers (section 4)."""
+    """The cells' bootstrap-t over 8 (``MIN_SETS``), 10, 20 and 40 sets (the attribution folders' populations; normal
+    and skewed) and the max-|t| bootstrap-t band over 30 means at 6 (the smoke tier's control populations), 20 and
+    100 sets (the verdict shares' bounds); ``bootstrap_ci``'s bootstrap-t (the controls' paired rows, the comparisons'
+    gap, the ip-adapter tables) at 8, 10 and 20 sets and 100 (normal), and at 40 sets (the attribution tables) over
+    the set means of references that share a set; the BCa bootstrap of the full tier's ip-adapter records at their
+    100 sets (at their 40 it falls short: below); Welch's t of the unpaired controls at 20 + 20 and 40 + 20 sets
+    (one side skewed); the order-statistic interval of a skewed median over 8 seeds (the 2 + 2 example);
+    Student's t over 5 seeds of 100 images covers the rate (organism.md's rates); the standard error with its t
+    quantile covers (section 4)."""
     rng = np.random.default_rng(7)
-    for sets in (10, 20, 40):
+    for sets in (MIN_SETS, 10, 20, 40):
         check(bootstrap_t(rng, sets), f"bootstrap-t, {sets} sets")
         check(bootstrap_t(rng, sets, skewed=True), f"bootstrap-t, {sets} sets, skewed")
+    check(band(rng, 6, skewed=True), "max-|t| band, 30 means, 6 sets, skewed")
     check(band(rng, 20), "max-|t| band, 30 means, 20 sets")
     check(band(rng, 100), "max-|t| band, 30 means, 100 sets")
-    check(bca(rng, 100, 600), "BCa, 100 sets")
-    check(over_sets(rng, by_set=True), "BCa over 40 sets' means, 4 references a set")
+    for sets in (MIN_SETS, 10, 20):
+        check(bootstrap_mean(rng, sets, 1000, skewed=True), f"bootstrap_ci, {sets} sets, skewed")
+    check(bootstrap_mean(rng, 100, 600), "bootstrap_ci, 100 sets")
+    check(bca(rng, 100, 2000, skewed=True), "BCa, 100 sets, skewed")  # the full tier's ip-adapter records
+    check(over_sets(rng, by_set=True), "bootstrap_ci over 40 sets' means, 4 references a set")
+    for sets in ((20, 20), (40, 20)):  # the full tier's controls (the smoke tier's 6 + 10 get none)
+        check(unpaired(rng, sets), f"Welch's t, {sets[0]} + {sets[1]} sets")
+    check(order_statistics(rng), "[min, max] of a median over 8 seeds")
     for p in (0.5, 0.75, 0.96):
         check(student_rates(rng, p), f"Student's t over 5 seeds, rate {p}")
     check(standard_error(rng), "one-sided t bound from the standard error, 10 sets")
@@ -211,8 +270,12 @@ def test_bootstraps_and_t_intervals_cover_at_the_sizes_decided_on():
         ("Wald's interval, n=11, p=0.9", lambda rng: wald(rng, 11, 0.9)),
         ("percentile bootstrap, 10 sets", lambda rng: percentile(rng, 10)),
         ("percentile bootstrap, 20 sets", lambda rng: percentile(rng, 20)),
-        ("BCa, 20 sets", lambda rng: bca(rng, 20, 400)),
-        ("BCa over the rows of 40 sets, 4 references a set", lambda rng: over_sets(rng, by_set=False)),
+        ("BCa, 10 sets", lambda rng: bca(rng, 10)),
+        ("BCa, 20 sets", lambda rng: bca(rng, 20, 2000)),
+        ("BCa, 40 sets, skewed", lambda rng: bca(rng, 40, 4000, skewed=True)),
+        ("bootstrap-t, 6 sets, skewed", lambda rng: bootstrap_t_below(rng, 6)),
+        ("two-sample percentile bootstrap, 10 + 10 sets", lambda rng: unpaired(rng, (10, 10), welch=False)),
+        ("bootstrap-t over the rows of 40 sets, 4 references a set", lambda rng: over_sets(rng, by_set=False)),
         ("Student's t over 8 seeds of a lognormal", lambda rng: student_rms(rng, 8)),
         ("the former max-|z| band, 30 means, 20 sets", lambda rng: band(rng, 20, studentised=False)),
     ],

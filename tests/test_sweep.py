@@ -3,7 +3,6 @@ two processes under `accelerate launch` giving the single-process table."""
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -16,7 +15,6 @@ import numpy as np
 import pandas as pd
 import pytest
 from helpers import Counting, runner_for, write_jsonl
-from scipy import stats
 
 from ipa_probe.cli import main
 from ipa_probe.sweep import (
@@ -329,17 +327,19 @@ def synthetic_per_row(values: dict[float, list[float]], cells: list[int] | None 
 
 
 def test_aggregate_averages_rows_and_bootstraps_over_them():
-    per_row = synthetic_per_row({981.0: [0.2, 0.4, 0.3, 0.5], 1.0: [0.95, 0.85, 0.99, 0.91], 501.0: [0.6]})
+    rhos = [0.95, 0.85, 0.99, 0.91, 0.97, 0.88, 0.93, 0.9]
+    per_row = synthetic_per_row({981.0: [0.2, 0.4, 0.3, 0.5], 1.0: rhos, 501.0: [0.6]})
     agg = aggregate(per_row, n_resamples=1999, seed=3)
     cond = agg[agg["branch"] == "cond"]
     assert cond["timestep"].tolist() == [981.0, 501.0, 1.0]  # denoising order
     last = cond.iloc[-1]
-    assert last["rows"] == 4 and math.isclose(last["spearman"], np.mean([0.95, 0.85, 0.99, 0.91]))
-    assert math.isclose(last["frac_rho_gt_0.9"], 0.75) and math.isclose(last["pearson"], last["spearman"] / 2)
-    assert math.isclose(last["spearman_std"], np.std([0.95, 0.85, 0.99, 0.91], ddof=1))
+    assert last["rows"] == 8 and math.isclose(last["spearman"], np.mean(rhos))
+    assert math.isclose(last["frac_rho_gt_0.9"], 5 / 8) and math.isclose(last["pearson"], last["spearman"] / 2)
+    assert math.isclose(last["spearman_std"], np.std(rhos, ddof=1))
     assert last["nonfinite"] == 1.0
     assert last["spearman_ci_low"] < last["spearman"] < last["spearman_ci_high"]
     assert np.isnan(cond.iloc[1]["spearman_ci_low"]) and cond.iloc[1]["rows"] == 1  # one row: no interval
+    assert np.isnan(cond.iloc[0]["spearman_ci_low"])  # 4 rows, below MIN_SETS: none either
     uncond = agg[agg["branch"] == "uncond"].iloc[-1]
     assert math.isclose(uncond["spearman"], -last["spearman"])
     # the same numbers whatever the order of the input rows
@@ -347,17 +347,27 @@ def test_aggregate_averages_rows_and_bootstraps_over_them():
     pd.testing.assert_frame_equal(aggregate(shuffled, n_resamples=1999, seed=3), agg)
 
 
-def test_bootstrap_ci_matches_scipy_and_behaves_at_the_edges():
+def own_bootstrap_t(x: np.ndarray, confidence: float, seed: int, batches: list[int]) -> tuple[float, float]:
+    """The bootstrap-t interval of the mean of ``x``, written out: the same resample draws as ``bootstrap_ci`` (set
+    indices per batch from ``default_rng(seed)``), each resample's mean studentised by its own standard error."""
+    rng, n = np.random.default_rng(seed), len(x)
+    samples = np.concatenate([x[rng.integers(0, n, (size, n))] for size in batches])
+    t = (samples.mean(1) - x.mean()) / (samples.std(1, ddof=1) / math.sqrt(n))
+    upper, lower = np.quantile(t, [(1 + confidence) / 2, (1 - confidence) / 2])
+    se = x.std(ddof=1) / math.sqrt(n)
+    return x.mean() - upper * se, x.mean() - lower * se
+
+
+def test_bootstrap_ci_is_the_bootstrap_t_and_behaves_at_the_edges():
     rng = np.random.default_rng(0)
     x = rng.normal(0.7, 0.1, size=40)
     low, high = bootstrap_ci(x, 0.9, 4999, np.random.default_rng(1))
-    key = "rng" if "rng" in inspect.signature(stats.bootstrap).parameters else "random_state"  # scipy < 1.15
-    ref = stats.bootstrap((x,), np.mean, confidence_level=0.9, n_resamples=4999, **{key: np.random.default_rng(1)})
-    assert (low, high) == tuple(ref.confidence_interval)
+    assert (low, high) == pytest.approx(own_bootstrap_t(x, 0.9, 1, [4999]), abs=1e-12)
     wide = bootstrap_ci(x[:8], 0.9, 4999, np.random.default_rng(1))
     assert wide[1] - wide[0] > high - low  # fewer rows, wider interval
-    assert bootstrap_ci(np.array([0.5, 0.5, 0.5])) == (0.5, 0.5)
-    assert all(np.isnan(bootstrap_ci(np.array([0.5, np.nan]))))
+    assert bootstrap_ci(np.full(8, 0.5)) == (0.5, 0.5)
+    assert all(np.isnan(bootstrap_ci(x[:7])))  # below MIN_SETS: no interval (it would not cover)
+    assert all(np.isnan(bootstrap_ci(np.r_[x[:7], np.nan])))
     with pytest.raises(ValueError, match="confidence"):
         bootstrap_ci(x, 95)
 
@@ -365,7 +375,8 @@ def test_bootstrap_ci_matches_scipy_and_behaves_at_the_edges():
 def test_plot_aggregate_draws_the_interval_as_a_band():
     from matplotlib.collections import PolyCollection
 
-    agg = aggregate(synthetic_per_row({981.0: [0.2, 0.4, 0.3], 1.0: [0.95, 0.85, 0.99]}), n_resamples=999)
+    rhos = [0.95, 0.85, 0.99, 0.91, 0.97, 0.88, 0.93, 0.9]
+    agg = aggregate(synthetic_per_row({981.0: [r - 0.6 for r in rhos], 1.0: rhos}), n_resamples=999)
     fig = plot_aggregate(agg)
     ax = fig.axes[0]
     bands = [c for c in ax.collections if isinstance(c, PolyCollection)]

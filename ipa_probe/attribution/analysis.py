@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 from scipy import optimize, stats
 
-from ..sweep.aggregation import bootstrap_ci
+from ..sweep.aggregation import MIN_SETS, bootstrap_ci, resample_counts, studentised
 from .collect import arrays
 
 __all__ = [
@@ -160,10 +160,6 @@ def _standard_ranks(x: np.ndarray) -> np.ndarray:
         return np.where(norm > 0, centred / norm, np.nan)
 
 
-def _interval(values: np.ndarray) -> tuple[float, float]:
-    return bootstrap_ci(values) if np.isfinite(values).sum() >= 2 else (math.nan, math.nan)
-
-
 def paired_rank_test(x: np.ndarray, y: np.ndarray, permutations: int = 4999, seed: int = 0) -> dict[str, float]:
     """Per set, Spearman between ``x[s]`` and ``y[s]``; their mean, its bootstrap interval and a permutation p-value.
 
@@ -192,7 +188,7 @@ def paired_rank_test(x: np.ndarray, y: np.ndarray, permutations: int = 4999, see
         null = (zx[None] * np.take_along_axis(np.broadcast_to(zy, order.shape), order, -1)).sum(-1).mean(-1)
         exceed += int((null >= observed - 1e-12).sum())  # 1e-12: the identity permutation reproduces the sum
     out.update(mean=observed, p=(1 + exceed) / (1 + permutations))
-    out["low"], out["high"] = _interval(per_set)
+    out["low"], out["high"] = bootstrap_ci(per_set)
     return out
 
 
@@ -222,7 +218,7 @@ def layer_agreement_test(shares: np.ndarray, permutations: int = 4999, seed: int
         null = pairwise(np.take_along_axis(np.broadcast_to(z, order.shape), order, -1)).mean(-1)
         exceed += int((null >= observed - 1e-12).sum())
     out.update(mean=observed, p=(1 + exceed) / (1 + permutations))
-    out["low"], out["high"] = _interval(per_set)
+    out["low"], out["high"] = bootstrap_ci(per_set)
     return out
 
 
@@ -328,7 +324,7 @@ def summarize_attribution(
             "posterior_neff": neff(posterior),
         }
         for name, values in per_set.items():
-            low, high = _interval(values)
+            low, high = bootstrap_ci(values)
             row.update({name: float(values.mean()), f"{name}_low": low, f"{name}_high": high})
         row["posterior_tv"] = float(tv_from_uniform(posterior).mean())
         row["position_neff"] = float(data["position_neff"].mean())
@@ -346,35 +342,11 @@ def summarize_attribution(
 
 
 # ------------------------------------------------------------------------------ verdicts per cell, and controls
-def _resample_counts(rng: np.random.Generator, resamples: int, sets: int) -> np.ndarray:
-    """``(B, S)`` how often each set is drawn in each of ``resamples`` bootstrap resamples of the sets."""
-    index = rng.integers(0, sets, (resamples, sets))
-    counts = np.zeros((resamples, sets))
-    np.add.at(counts, (np.arange(resamples)[:, None], index), 1.0)
-    return counts
-
-
-def _studentised(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Per column of ``values`` ``(S, C)`` (NaN = left out): the mean over sets, its standard error ``sd / sqrt(n)``
-    and the bootstrap-t deviations ``(mean* - mean) / se*`` ``(B, C)`` over the resample counts ``(B, S)`` (shared by
-    every column), ``se*`` each resample's own standard error (the column's where a resample has no spread)."""
-    usable = np.isfinite(values)
-    n = usable.sum(0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.where(usable, values, 0.0).sum(0) / n
-        centred = np.where(usable, values - mean, 0.0)
-        se = np.sqrt((centred**2).sum(0) / (n - 1) / n)
-        drawn = counts @ usable  # (B, C)
-        deviation = (counts @ centred) / drawn
-        se_star = np.sqrt(((counts @ centred**2) / drawn - deviation**2).clip(0) / (drawn - 1))
-        t = deviation / np.where(se_star > 1e-6 * se, se_star, se)
-    return np.where(n > 0, mean, np.nan), np.where(n >= 2, se, np.nan), np.nan_to_num(t, posinf=0.0, neginf=0.0)
-
-
 def _mean_interval(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per column of ``values`` ``(S, C)`` (NaN = left out): the mean over sets and its 95 % bootstrap-t interval
-    (:func:`_studentised`; columns with fewer than 2 usable sets NaN)."""
-    mean, se, t = _studentised(values, counts)
+    (:func:`studentised`; columns with fewer than :data:`~ipa_probe.sweep.aggregation.MIN_SETS` usable sets NaN)."""
+    mean, se, t = studentised(values, counts)
+    se = np.where(np.isfinite(values).sum(0) >= MIN_SETS, se, np.nan)
     upper, lower = np.quantile(t, [0.975, 0.025], axis=0) if len(counts) else (np.nan, np.nan)
     return mean, mean - upper * se, mean - lower * se
 
@@ -397,7 +369,7 @@ def cell_verdicts(
     a = np.asarray(shares, dtype=np.float64)
     sets, cells, refs = a.shape
     rng = np.random.default_rng(seed)
-    counts = _resample_counts(rng, resamples, sets)
+    counts = resample_counts(rng, resamples, sets)
     tv, tv_low, tv_high = _mean_interval(tv_from_uniform(a), counts)
     zx = _standard_ranks(a)  # (S, C, R)
     zy = _standard_ranks(-np.asarray(distance, dtype=np.float64))  # (S, R)
@@ -446,10 +418,10 @@ def simultaneous_band(values: np.ndarray, counts: np.ndarray, confidence: float 
     """Simultaneous confidence bands for the means over sets of every column of ``values`` ``(S, C)`` (NaN = left
     out): ``mean_c -/+ q se_c``, ``se_c = sd_c / sqrt(n_c)`` and ``q`` the ``confidence`` quantile of the largest
     studentised deviation ``max_c |mean*_c - mean_c| / se*_c`` over the resample counts ``(B, S)``, each resample
-    studentised by its own standard error (the max-|t| bootstrap-t, :func:`_studentised`): every column's true mean
+    studentised by its own standard error (the max-|t| bootstrap-t, :func:`studentised`): every column's true mean
     lies in its band at once with probability about ``confidence`` (``tests/test_interval_coverage.py``). Columns
     with fewer than 2 usable sets get ``(-inf, inf)``, columns without spread their mean."""
-    mean, se, t = _studentised(values, counts)
+    mean, se, t = studentised(values, counts)
     q = float(np.quantile(np.abs(t).max(1), confidence))
     return np.where(np.isnan(se), -np.inf, mean - q * se), np.where(np.isnan(se), np.inf, mean + q * se)
 
@@ -481,7 +453,7 @@ def verdict_shares(
     out: dict[str, float] = {"cells": int(cells)}
     bounds = {v: (math.nan, math.nan) for v in VERDICTS}
     if outer:
-        counts = _resample_counts(np.random.default_rng(seed + 1), outer, a.shape[0])  # (B, S)
+        counts = resample_counts(np.random.default_rng(seed + 1), outer, a.shape[0])  # (B, S)
         zx, zy = _standard_ranks(a), _standard_ranks(-d)
         rho = np.where(np.isfinite(zx).all(-1) & np.isfinite(zy).all(-1)[:, None], (zx * zy[:, None]).sum(-1), np.nan)
         low, high = simultaneous_band(np.concatenate([tv_from_uniform(a), rho], 1), counts)  # (2C,): TV, then rho
@@ -513,15 +485,16 @@ def cell_shares(cells: pd.DataFrame, timestep: float) -> tuple[np.ndarray, list[
     return part["attention_share"].to_numpy(np.float64).reshape(sets, len(keys), refs), [tuple(k) for k in keys]
 
 
-def control_difference(values: np.ndarray, control: np.ndarray, paired: bool, seed: int = 0) -> dict[str, float]:
-    """A statistic against its control: the mean of ``values`` minus the mean of ``control`` with a 95 % bootstrap
-    interval; it **counts** only when the interval excludes 0 (per row, unadjusted: not a family's decision).
+def control_difference(values: np.ndarray, control: np.ndarray, paired: bool) -> dict[str, float]:
+    """A statistic against its control: the mean of ``values`` minus the mean of ``control`` with a 95 % interval;
+    it **counts** only when the interval excludes 0 (per row, unadjusted: not a family's decision).
 
     ``values``: ``(S,)`` the statistic per set (non-finite entries left out). ``paired=True``: ``control`` ``(S,)``
     is the same statistic on each set's control (e.g. references the generation never saw at the same ``x_t``), the
-    per-set difference bootstrapped (BCa); ``paired=False``: ``(S',)`` on independent control sets (e.g. same-digit
-    sets against mixed ones), the two resampled independently (percentile). Returns ``{"value", "control",
-    "difference", "low", "high", "counts"}``.
+    per-set difference's bootstrap-t interval (:func:`~ipa_probe.sweep.aggregation.bootstrap_ci`); ``paired=False``:
+    ``(S',)`` on independent control sets (e.g. same-digit sets against mixed ones), Welch's t interval. Either is NaN
+    with fewer than :data:`~ipa_probe.sweep.aggregation.MIN_SETS` sets a side (``tests/test_interval_coverage.py``).
+    Returns ``{"value", "control", "difference", "low", "high", "counts"}``.
     """
     x, y = np.asarray(values, dtype=np.float64), np.asarray(control, dtype=np.float64)
     out = {"value": float(np.nanmean(x)) if np.isfinite(x).any() else math.nan}
@@ -531,16 +504,13 @@ def control_difference(values: np.ndarray, control: np.ndarray, paired: bool, se
             raise ValueError(f"paired control: expected one control per set, got {y.shape} for {x.shape}")
         difference = x - y
         out["difference"] = float(np.nanmean(difference)) if np.isfinite(difference).any() else math.nan
-        low, high = _interval(difference)
+        low, high = bootstrap_ci(difference)
     else:
         x, y = x[np.isfinite(x)], y[np.isfinite(y)]
         out["difference"] = out["value"] - out["control"]
-        if len(x) < 2 or len(y) < 2:
-            low, high = math.nan, math.nan
-        else:
-            rng = np.random.default_rng(seed)
-            boot = rng.choice(x, (9999, len(x))).mean(1) - rng.choice(y, (9999, len(y))).mean(1)
-            low, high = (float(q) for q in np.quantile(boot, [0.025, 0.975]))
+        low, high = math.nan, math.nan
+        if min(len(x), len(y)) >= MIN_SETS:
+            low, high = stats.ttest_ind(x, y, equal_var=False).confidence_interval(0.95)
     out.update(low=float(low), high=float(high), counts=bool(low > 0 or high < 0))
     return out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ..sweep.aggregation import MIN_SETS
 from .attribution_setup import (
     GUIDANCE_SCALE,
     NUM_STEPS,
@@ -157,7 +158,7 @@ def resolution_verdicts(results: list, outer: int, seed: int = 0) -> pd.DataFram
     return out.reset_index(drop=True)[first + [c for c in out.columns if c not in first]]
 
 
-def controls(statistics: dict[str, pd.DataFrame], seed: int = 0) -> pd.DataFrame:
+def controls(statistics: dict[str, pd.DataFrame]) -> pd.DataFrame:
     """Every statistic against its control, per population and timestep
     (:func:`~ipa_probe.attribution.control_difference`).
 
@@ -192,7 +193,7 @@ def controls(statistics: dict[str, pd.DataFrame], seed: int = 0) -> pd.DataFrame
             base = same[same["timestep"] == timestep]
             for statistic in ("attention_tv", "share_spearman", "head_tv_above", "position_tv_above",
                               "head_position_tv_above"):  # fmt: skip
-                result = control_difference(part[statistic], base[statistic], False, seed)
+                result = control_difference(part[statistic], base[statistic], False)
                 add(population, timestep, statistic, "same-digit sets", result)
     return pd.DataFrame(rows).sort_values(
         ["population", "statistic", "control", "timestep"], ascending=[True, True, True, False]
@@ -328,7 +329,7 @@ def control_rows(label: str, check: dict) -> list[Row]:
                 "—",
                 "the rule of ipa_probe.attribution.verdict per cell; [certified, possible] simultaneous 95% "
                 "bounds on the true share (max-|t| bootstrap over reference sets; none in records from before "
-                "issue #52); first and last timestep",
+                f"issue #52); a cell decides with {MIN_SETS} sets or more (else undecided); first and last timestep",
             ))  # fmt: skip
     table = check["controls"]
     for (population, statistic, control), part in table.groupby(["population", "statistic", "control"], sort=False):

@@ -101,8 +101,8 @@ def compare_grid(
 def two_plus_two_example(pipe, seeds: int) -> pd.DataFrame:
     """The note's example: two 3s and two 5s (held-out images), both 3s or both 5s ablated together per layer group
     (every step) and per step third (every layer), ``seeds`` seeds; :func:`ipa_probe.intervention.summarize_grid`
-    of the grid (means with Student's t intervals over seeds), with the rate at which the output reads 5 before and
-    after."""
+    of the grid over seeds (the RMS changes, skewed and positive: medians with the order-statistic interval; the rates
+    means), with the rate at which the output reads 5 before and after."""
     from ..intervention import ablation_grid, generate, summarize_grid
     from ..tiny.digits import classify_digit_images, digits_reference_images
 
@@ -123,7 +123,8 @@ def two_plus_two_example(pipe, seeds: int) -> pd.DataFrame:
     grid["reads_5"] = grid["label"] == 5
     grid["reference"] = grid["reference"].map({"0+1": "both 3s", "2+3": "both 5s"})
     columns = ["latent_effect", "pixel_effect", "flipped", "baseline_reads_5", "reads_5"]
-    return summarize_grid(grid.drop_duplicates(["seed", "reference", "group", "steps", "mode", "factor"]), columns)
+    drawn = grid.drop_duplicates(["seed", "reference", "group", "steps", "mode", "factor"])
+    return summarize_grid(drawn, columns, medians=("latent_effect", "pixel_effect"))
 
 
 def grid_rows(label: str, comparison: pd.DataFrame, example: pd.DataFrame, sets: int) -> list[Row]:

@@ -72,15 +72,10 @@ def adjust_grid(table: pd.DataFrame) -> pd.DataFrame:
 
 def example_intervals(example: pd.DataFrame) -> pd.DataFrame:
     """The 2 + 2 example's rates (``flipped``, ``baseline_reads_5``, ``reads_5``) with Clopper-Pearson intervals over
-    its seeds in place of Student's t, and the counts they come from (``<rate>_count`` of ``seeds``); the RMS
-    changes' Student's t intervals cut at 0, where the RMS cannot go (a confidence interval intersected with the
-    parameter's range covers as often as before)."""
+    its seeds in place of Student's t, and the counts they come from (``<rate>_count`` of ``seeds``)."""
     from ..attribution import clopper_pearson
 
     out = example.copy()
-    for column in ("latent_effect_low", "pixel_effect_low"):
-        if column in out.columns:
-            out[column] = out[column].clip(lower=0.0)
     for column in ("flipped", "baseline_reads_5", "reads_5"):
         if column not in out.columns:
             continue
