@@ -13,14 +13,11 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items):
-    """Long tests first, after any shuffle (``--random-order``): the modules that hold a ``slow`` test, each with its
-    ``slow`` tests first, then the other modules, each group in the order it came. pytest-xdist's ``worksteal``
-    (pyproject.toml) gives each worker half the list and lets an idle one take the back half of the other's queue, so
-    both end on short tests instead of one waiting for a long test scheduled last. A module stays in one piece, so
-    its module-scoped fixtures are built as often as before."""
-    slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
-    place = {path: i for i, path in reversed(list(enumerate(item.path for item in items)))}  # first appearance
-    items.sort(key=lambda item: (item.path not in slow_modules, place[item.path], not item.get_closest_marker("slow")))
+    """The ``slow`` tests first, after any shuffle (``--random-order``), each group in the order it came (a module's
+    slow tests stay together). With pytest-xdist's ``worksteal`` (pyproject.toml) one worker starts on them and the
+    other takes the back half of its queue whenever its own runs out, so both end on short tests instead of one
+    waiting for a long test that the shuffle put last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="module")

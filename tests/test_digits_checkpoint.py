@@ -151,12 +151,14 @@ def test_an_older_checkpoint_pair_is_refused_naming_both_files(tmp_path):
 
 # --------------------------------------------------------------------------- kills between writes, real training
 
-#: the smallest real trainings, one per recipe step (stage 2 on a tiny stage-1 base made once per module)
+#: the smallest real trainings, one per recipe step (stage 2 on a tiny stage-1 base made once per test process)
 _SUPPORT = D.DigitsTrainConfig(vae_steps=1, encoder_steps=1, steps=2, batch=4, checkpoint_every=1, threads=1)
 _BASE = D.DigitsBaseConfig(encoder_steps=1, steps=2, batch=4, checkpoint_every=1, threads=1)
 
 
-@pytest.fixture(scope="module")
+# session-scoped (used only here): the slow kill tests run first (conftest), apart from this module's other tests,
+# and a module fixture would be made again for those
+@pytest.fixture(scope="session")
 def tiny_base(tmp_path_factory):
     out = tmp_path_factory.mktemp("base")
     D.train_digits(out, _BASE, progress=False)
@@ -229,9 +231,9 @@ def _config(kind, base):
 _PARTS = 3
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def uninterrupted(tiny_base, tmp_path_factory):
-    """kind -> the uninterrupted run of that training (made once per module): its record, weights and writes."""
+    """kind -> the uninterrupted run of that training (made once per test process): its record, weights, writes."""
     runs = {}
 
     def run(kind):
