@@ -11,6 +11,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """The ``slow`` tests first, after any shuffle (``--random-order``), each group in the order it came (a module's
+    slow tests stay together). With pytest-xdist's ``worksteal`` (pyproject.toml) one worker starts on them and the
+    other takes the back half of its queue whenever its own runs out, so both end on short tests instead of one
+    waiting for a long test that the shuffle put last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="module")
 def refs():
     """Two real photos (scikit-learn's sample images): one adapter's support set."""

@@ -680,7 +680,17 @@ def test_every_docs_figure_is_listed_and_has_a_command():
     assert [f for f in listed if f.removeprefix("docs/") not in page and f not in page] == []
 
 
-def test_every_figure_is_current():
+@pytest.fixture
+def digests_only(monkeypatch):
+    """``check`` redraws figures for their provenance's code, inputs and data, never reading the layout facts that
+    ``write_figure`` adds from ``drawn_problems`` (about half a redraw's cost): left out of its redraws here. The
+    figures' layout is the saved-size tests' (they call ``drawn_problems`` themselves)."""
+    from ipa_probe import figstyle
+
+    monkeypatch.setattr(figstyle, "drawn_problems", lambda fig, minimum=figstyle.MIN_FONT_PT: [])
+
+
+def test_every_figure_is_current(digests_only):
     """Each figure exists, carries provenance, was drawn by today's code and, for the experiments, from the numbers
     their committed record.json holds (the organism's data are compared with a fresh run in the slow test below)."""
     from ipa_probe.devtools.figures import check
