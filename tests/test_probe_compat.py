@@ -115,11 +115,13 @@ def test_model_cpu_offload(refs, reference_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("in_place", [False, True], ids=["wrapped", "in_place"])
-def test_torch_compile_denoiser(refs, reference_run, fresh_dynamo, in_place):
+@pytest.mark.parametrize("how", ["wrapped", "in_place", "regional"])
+def test_torch_compile_denoiser(refs, reference_run, fresh_dynamo, how):
     pipe = tiny_pipeline("sd15")
-    if in_place:
+    if how == "in_place":
         pipe.unet.compile(backend="eager")  # module.compile(): no wrapper, the module's own call compiled
+    elif how == "regional":  # each transformer block compiled in place: the layers' hooks are traced, not the UNet's
+        pipe.unet.compile_repeated_blocks(backend="eager")
     else:
         pipe.unet = torch.compile(pipe.unet, backend="eager")
     with probe(pipe) as run:

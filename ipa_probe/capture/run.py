@@ -251,6 +251,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
 
     def on_return(self, spine: Spine, output) -> None:
         """The denoiser pass returned (the edits that acted in it are known now: :attr:`PassInfo.edits`)."""
+        self.compiled = self.compiled or spine.hooks.compiled  # blocks compiled in place (regional compile)
         self._end_pass(False)
         if self._maps is not None:
             self._maps.end_pass()  # the maps' contributions, every layer's values in

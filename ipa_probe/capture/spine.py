@@ -87,6 +87,7 @@ class LayerHooks:
 
     def __init__(self) -> None:
         self.seen: dict[tuple[str, str, int | str], Any] = {}
+        self.compiled = False  # a callback ran in a compiled region (``compile_repeated_blocks()``: dynamo traced it)
         self._chains: dict[tuple[int, bool], tuple[list[tuple[int, Callable]], Any]] = {}
 
     def add(self, module: torch.nn.Module, fn: Callable, *, pre: bool = False, order: int = READ) -> Any:
@@ -98,8 +99,12 @@ class LayerHooks:
         key = (id(module), pre)
         if key not in self._chains:
             chain: list[tuple[int, Callable]] = []
-            register = module.register_forward_pre_hook if pre else module.register_forward_hook
-            self._chains[key] = (chain, register(observer(partial(_run, chain, pre)), with_kwargs=pre))
+            register, run = module.register_forward_pre_hook if pre else module.register_forward_hook, observer(_run)
+
+            def hook(module, args, last):  # traced where the module sits in a compiled region: says so
+                return run(self, chain, pre, module, args, last, torch.compiler.is_compiling())
+
+            self._chains[key] = (chain, register(hook, with_kwargs=pre))
         chain = self._chains[key][0]
         chain.insert(sum(o <= order for o, _ in chain), (order, fn))
         return SimpleNamespace(remove=partial(self._remove, key, (order, fn)))
@@ -132,12 +137,13 @@ class LayerHooks:
             handle.remove()
         self._chains.clear()
         self.seen.clear()
+        self.compiled = False
 
 
-def _run(chain: list[tuple[int, Callable]], pre: bool, module, args, last):
+def _run(hooks: LayerHooks, chain: list[tuple[int, Callable]], pre: bool, module, args, last, compiled: bool):
     """A module's one hook: its callbacks in order, each given what the one before returned (``last``: the keyword
     arguments before the forward, ``pre``, or the output)."""
-    changed = False
+    hooks.compiled, changed = hooks.compiled or compiled, False
     for _, fn in list(chain):
         result = fn(module, args, last)
         if result is not None:
