@@ -22,13 +22,18 @@ def _load(folder: Path, name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _num(x: float | None, spec: str) -> str:
+    """``x`` formatted by ``spec``; ``n/a`` where it is missing (e.g. no interval below the sets one needs)."""
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
 def _fmt(x: float | None, digits: int = 3) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}g}"
+    return _num(x, f".{digits}g")
 
 
 def _signed(x: float | None) -> str:
     """A correlation: sign and two decimals (``n/a`` for a missing value)."""
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:+.2f}"
+    return _num(x, "+.2f")
 
 
 def _is_number(text: str) -> bool:
@@ -146,13 +151,13 @@ def headline_rows(folder: str | Path) -> list[Row]:
                             "ip-adapter: query-frame per-row Spearman (exact b), t = 981 → 1",
                             f"digits organism, {label}",
                             f"{first['qf_spearman']:.3f} → {last['qf_spearman']:.3f} "
-                            f"[{last['qf_spearman_low']:.3f}, {last['qf_spearman_high']:.3f}] "
+                            f"[{_num(last['qf_spearman_low'], '.3f')}, {_num(last['qf_spearman_high'], '.3f')}] "
                             f"(null {last['qf_spearman_null']:+.2f}, {100 * last['qf_frac_rho_gt_0.9']:.0f}% ρ>0.9)",
                             "— (the paper reports the stored frame)" if label == "trained" else "— (control)",
                             f"{last['sets']} reference sets and seeds; Gaussian b {first['qf_gauss_spearman']:.3f} → "
                             f"{last['qf_gauss_spearman']:.3f}; excess over its own baseline "
                             f"{first['qf_rho_excess']:+.3f} → {last['qf_rho_excess']:+.3f} "
-                            f"[{last['qf_rho_excess_low']:+.3f}, {last['qf_rho_excess_high']:+.3f}]",
+                            f"[{_num(last['qf_rho_excess_low'], '+.3f')}, {_num(last['qf_rho_excess_high'], '+.3f')}]",
                         )
                     )
                 rows.append(
@@ -160,7 +165,7 @@ def headline_rows(folder: str | Path) -> list[Row]:
                         "ip-adapter: stored-frame per-row Spearman (gauge-dependent), t = 981 → 1",
                         f"digits organism, {label}",
                         f"{first['spearman']:.2f} → {last['spearman']:.2f} "
-                        f"[{last['ci_low']:.2f}, {last['ci_high']:.2f}] "
+                        f"[{_num(last['ci_low'], '.2f')}, {_num(last['ci_high'], '.2f')}] "
                         f"(null {last['null']:+.2f}, {100 * last['frac_rho_gt_0.9']:.0f}% ρ>0.9)",
                         "rises to 0.89 (SD 1.5)" if label == "trained" else "— (control)",
                         f"{last['sets']} reference sets"
