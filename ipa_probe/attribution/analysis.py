@@ -222,12 +222,34 @@ def layer_agreement_test(shares: np.ndarray, permutations: int = 4999, seed: int
     return out
 
 
-def _kl_gradient(beta: float, shares: np.ndarray, distance: np.ndarray) -> float:
-    """d/d beta of sum_s KL(a_s || softmax(-beta d_s)) = sum_s (a_s . d_s - w_s(beta) . d_s)."""
-    logits = -beta * distance
+def _psi(beta: float, shares: np.ndarray, distance: np.ndarray) -> np.ndarray:
+    """Per set ``(a_s - w_s(beta)) . d_s``, the derivative in ``beta`` of ``KL(a_s || w_s(beta))``, ``w_s(beta) =
+    softmax(-beta d_s)`` (``d_s`` shifted to 0 at its nearest reference, where ``beta = inf`` puts all weight)."""
+    logits = np.where(distance > 0, -beta * distance, 0.0)
     w = np.exp(logits - logits.max(-1, keepdims=True))
     w /= w.sum(-1, keepdims=True)
-    return float(((shares - w) * distance).sum())
+    return ((shares - w) * distance).sum(-1)
+
+
+def _kl_gradient(beta: float, shares: np.ndarray, distance: np.ndarray, margin: float = 0.0) -> float:
+    """The sum of :func:`_psi` over sets plus ``margin`` standard errors of it (0: the fit's estimating equation)."""
+    psi = _psi(beta, shares, distance)
+    return float(psi.sum() + margin * psi.std(ddof=1) * math.sqrt(len(psi))) if margin else float(psi.sum())
+
+
+def _root(shares: np.ndarray, distance: np.ndarray, margin: float = 0.0, low: float = 0.0) -> float:
+    """Where :func:`_kl_gradient` turns positive above ``low`` (Brent's method in the first bracket of a doubling
+    search): ``low`` where it is not negative there, ``inf`` where it stays negative."""
+    if math.isinf(low) or _kl_gradient(low, shares, distance, margin) >= 0:
+        return low
+    high = max(2 * low, 1.0 / (float(np.median(distance.max(-1))) or 1.0))
+    for _ in range(200):
+        if _kl_gradient(high, shares, distance, margin) > 0:
+            break
+        low, high = high, 2 * high
+    else:
+        return math.inf
+    return optimize.brentq(_kl_gradient, low, high, args=(shares, distance, margin), xtol=1e-14 * high, rtol=1e-12)
 
 
 def fit_bandwidth(shares: np.ndarray, distance: np.ndarray) -> float:
@@ -240,26 +262,8 @@ def fit_bandwidth(shares: np.ndarray, distance: np.ndarray) -> float:
     the attention favours the nearer references no more than uniform weights do), ``0`` when the attention puts all its
     mass on the nearest references.
     """
-    a = np.asarray(shares, dtype=np.float64)
     d = np.asarray(distance, dtype=np.float64)
-    d = d - d.min(-1, keepdims=True)  # softmax is shift invariant per set; keeps exp() in range
-    if _kl_gradient(0.0, a, d) >= 0:
-        return math.inf
-    spread = float(np.median(d.max(-1))) or 1.0
-    low, high = 0.0, 1.0 / spread
-    for _ in range(200):
-        if _kl_gradient(high, a, d) > 0:
-            break
-        low, high = high, 2 * high
-    else:
-        return 0.0
-    beta = optimize.brentq(_kl_gradient, low, high, args=(a, d), xtol=1e-14 * high, rtol=1e-12)
-    return 1.0 / math.sqrt(2.0 * beta)
-
-
-def _beta(h: float) -> float:
-    """``beta = 1 / (2 h^2)``: 0 for ``h = inf``, ``inf`` for ``h = 0``."""
-    return 0.0 if math.isinf(h) else (math.inf if h == 0 else 1.0 / (2 * h * h))
+    return _bandwidth(_root(np.asarray(shares, dtype=np.float64), d - d.min(-1, keepdims=True)))
 
 
 def _bandwidth(beta: float) -> float:
@@ -269,18 +273,17 @@ def _bandwidth(beta: float) -> float:
     return math.inf if beta == 0 else (0.0 if math.isinf(beta) else 1.0 / math.sqrt(2 * beta))
 
 
-def _fit_interval(shares: np.ndarray, distance: np.ndarray, resamples: int, seed: int) -> tuple[float, float]:
-    """95 % percentile bootstrap interval over sets of the fitted ``beta = 1 / (2 h*^2)`` (:func:`fit_bandwidth`)."""
-    sets = shares.shape[0]
-    if sets < 2:
-        return math.nan, math.nan
-    rng = np.random.default_rng(seed)
-    betas = np.empty(resamples)
-    for i in range(resamples):
-        index = rng.integers(0, sets, sets)  # one resample of the sets: shares and distances stay paired
-        betas[i] = _beta(fit_bandwidth(shares[index], distance[index]))
-    low, high = np.quantile(betas, [0.025, 0.975])
-    return float(low), float(high)
+def _fit_interval(shares: np.ndarray, distance: np.ndarray, resamples: int, seed: int) -> tuple[float, ...]:
+    """The fitted ``beta = 1 / (2 h*^2)`` (:func:`fit_bandwidth`) and its 95 % interval: every ``beta >= 0`` whose
+    estimating equation (the mean over sets of :func:`_psi`, 0 in expectation at the true ``beta``) the bootstrap-t
+    interval over sets does not exclude, its quantiles taken at the fit (:func:`studentised`); NaN below
+    :data:`~ipa_probe.sweep.aggregation.MIN_SETS` sets. (A percentile bootstrap of the fit undercovered over 10-20.)"""
+    d = distance - distance.min(-1, keepdims=True)
+    beta, counts = _root(shares, d), resample_counts(np.random.default_rng(seed), resamples, len(d))
+    if len(d) < MIN_SETS:
+        return beta, math.nan, math.nan
+    t_high, t_low = np.quantile(studentised(_psi(beta, shares, d)[:, None], counts)[2], [0.975, 0.025])
+    return beta, min(_root(shares, d, -t_low), beta), max(_root(shares, d, -t_high, beta), beta)
 
 
 def verdict(attention_tv_high: float, share_p: float, share_low: float) -> str:
@@ -331,11 +334,11 @@ def summarize_attribution(
         row["bandwidth"] = data["bandwidth"]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            fitted = fit_bandwidth(pooled, distance)
-        beta_low, beta_high = _fit_interval(pooled, distance, resamples, seed)
+            beta, beta_low, beta_high = _fit_interval(pooled, distance, resamples, seed)
+        fitted = _bandwidth(beta)
         row.update(fitted_bandwidth=fitted, fitted_bandwidth_low=_bandwidth(beta_high))
         row.update(fitted_bandwidth_high=_bandwidth(beta_low), fitted_ratio=fitted / data["bandwidth"])
-        row.update(fitted_beta=_beta(fitted), fitted_beta_low=beta_low, fitted_beta_high=beta_high)
+        row.update(fitted_beta=beta, fitted_beta_low=beta_low, fitted_beta_high=beta_high)
         row["verdict"] = verdict(row["attention_tv_high"], ranking["p"], ranking["low"])
         rows.append(row)
     return pd.DataFrame(rows)

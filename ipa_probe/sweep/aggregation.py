@@ -70,10 +70,9 @@ def bootstrap_ci(
         return float(x[0, 0]), float(x[0, 0])
     rng = rng if rng is not None else np.random.default_rng(0)
     batches = [min(RESAMPLE_BATCH, n_resamples - start) for start in range(0, n_resamples, RESAMPLE_BATCH)]
-    t = np.concatenate([studentised(x, resample_counts(rng, size, len(x)))[2] for size in batches])
-    mean, se = float(x.mean()), float(x.std(ddof=1)) / math.sqrt(len(x))
-    upper, lower = np.quantile(t, [(1 + confidence) / 2, (1 - confidence) / 2])
-    return mean - float(upper) * se, mean - float(lower) * se
+    mean, se, t = zip(*(studentised(x, resample_counts(rng, size, len(x))) for size in batches), strict=True)
+    upper, lower = np.quantile(np.concatenate(t), [(1 + confidence) / 2, (1 - confidence) / 2])
+    return (mean[0] - upper * se[0]).item(), (mean[0] - lower * se[0]).item()
 
 
 def row_summary(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
