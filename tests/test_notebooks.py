@@ -58,6 +58,51 @@ def kernel():
             run_sync(km.shutdown_kernel)(now=True)
 
 
+def _execute(nb, kernel):
+    """Run ``nb`` in the shared kernel after :data:`_FRESH`; a failed or hung notebook's kernel is shut down, so that
+    the next notebook starts in a new one instead of behind it."""
+    nb.cells.insert(0, nbformat.v4.new_code_cell(_FRESH))
+    resources = {"metadata": {"path": str(ROOT / "notebooks")}}
+    client = NotebookClient(nb, km=kernel, timeout=600, kernel_name="python3", resources=resources)
+    try:
+        return client.execute()
+    except BaseException:
+        run_sync(kernel.shutdown_kernel)(now=True)
+        raise
+    finally:
+        if client.kc is not None:
+            client.kc.stop_channels()
+
+
+def test_a_notebook_sees_nothing_of_the_one_before_it(kernel, tmp_path):
+    """What the shared kernel must not carry from one notebook to the next: names, ipa_probe's modules, the working
+    folder, the thread count. (Figures: the inline backend closes them after each cell, and the reset closes any
+    left.)"""
+    cell = nbformat.v4.new_code_cell
+    first = nbformat.v4.new_notebook(
+        cells=[
+            cell(f"""
+import os, torch
+import ipa_probe.tiny.digits
+left_over = 1
+torch.set_num_threads(3)
+os.chdir({str(tmp_path)!r})""")
+        ]
+    )
+    second = nbformat.v4.new_notebook(
+        cells=[
+            cell(f"""
+import os, sys, torch
+assert "left_over" not in globals() and "ipa_probe" not in globals()
+assert not [m for m in sys.modules if m.split(".")[0] == "ipa_probe"]
+assert os.getcwd() == {str(ROOT / "notebooks")!r}
+assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])""")
+        ]
+    )
+    _execute(first, kernel)
+    _execute(second, kernel)
+
+
 def test_every_notebook_is_listed():
     assert [p.name for p in NOTEBOOKS] == [
         "01_probe_quickstart.ipynb",
@@ -72,19 +117,7 @@ def test_every_notebook_is_listed():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes_and_writes_nothing_into_the_repository(path, kernel):
     before = _tree()
-    nb = nbformat.read(path, as_version=4)
-    nb.cells.insert(0, nbformat.v4.new_code_cell(_FRESH))
-    client = NotebookClient(
-        nb, km=kernel, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
-    )
-    try:
-        client.execute()
-    except BaseException:  # the next notebook starts in a new kernel, not behind this one's error or hang
-        run_sync(kernel.shutdown_kernel)(now=True)
-        raise
-    finally:
-        if client.kc is not None:
-            client.kc.stop_channels()
+    nb = _execute(nbformat.read(path, as_version=4), kernel)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
     assert sorted(map(str, _tree() - before)) == [], "the notebook wrote into the repository; use a temporary folder"
