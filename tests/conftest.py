@@ -6,6 +6,9 @@ from helpers import pinned_threads
 
 # Tests are small; one thread per process keeps parallel workers from fighting over 2 cores.
 torch.set_num_threads(int(os.environ.get("IPA_PROBE_TEST_THREADS", "1")))
+# and so do the processes the tests start (notebook kernels, forked children, commands), unless told otherwise: torch's
+# default of every core makes two workers' children fight over them
+os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("IPA_PROBE_TEST_THREADS", "1"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")

@@ -261,20 +261,56 @@ def test_an_uninterrupted_training_checkpoints_every_step_and_every_write_is_cou
     assert all(points[part::_PARTS] for part in range(_PARTS))  # every part below kills at least once
 
 
+#: (function name, digest of its inputs) -> what it returned, shared by this process's killed and resumed runs
+_MEMO: dict[tuple, dict] = {}
+
+
+def _cheaper_reruns(patch) -> None:
+    """What the killed and resumed runs of a test redo that no assertion below reads, made cheaper with every write
+    where it was: the loss figure (a blank one, written by the same ``write_figure``: its temporary file, flush and
+    rename stay kill points), and the training digits' latents (``train._unet_data`` and
+    ``train_ip._latents_and_prompts``, no-grad functions of the VAE's weights: computed once per distinct VAE, text
+    encoder, mode and digits, so a resume that brought back other VAE weights still computes its own latents, and
+    ends on other weights than the uninterrupted run's, which the test catches). The uninterrupted runs keep both."""
+    import matplotlib.pyplot as plt
+
+    from ipa_probe import _io
+    from ipa_probe.tiny.digits import train, train_ip
+
+    def blank_loss_figure(path, losses, titles):
+        _io.write_figure(plt.figure(figsize=(1, 1)), path)
+
+    def memoised(module, name):
+        original = getattr(module, name)
+
+        def once(*args):
+            key = [name]
+            for arg in args:
+                if isinstance(arg, torch.nn.Module):
+                    key += [type(arg).__name__, arg.training, tensors_digest(arg.state_dict())]
+                else:
+                    key.append(tensors_digest({"x": arg}))
+            if tuple(key) not in _MEMO:
+                _MEMO[tuple(key)] = original(*args)
+            return dict(_MEMO[tuple(key)])
+
+        patch.setattr(module, name, once)
+
+    for module in (train, train_ip):
+        patch.setattr(module, "plot_losses", blank_loss_figure)
+    memoised(train, "_unet_data")
+    memoised(train_ip, "_latents_and_prompts")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("part", range(_PARTS))
 @pytest.mark.parametrize("kind", ["support", "adapter"])
 def test_a_kill_at_any_write_resumes_to_the_weights_of_an_uninterrupted_run(
     tmp_path, monkeypatch, kind, part, tiny_base, uninterrupted
 ):
-    """Together, the parts kill at every one of the uninterrupted run's kill points (each part at every third).
-
-    The loss figure's layout review (what ``drawn_problems`` writes into loss.png's metadata, which nothing here
-    reads; the uninterrupted run keeps it) is left out of the killed and resumed runs: about half of a figure's cost,
-    and every write stays where it was."""
-    from ipa_probe import figstyle
-
-    monkeypatch.setattr(figstyle, "drawn_problems", lambda fig, minimum=figstyle.MIN_FONT_PT: [])
+    """Together, the parts kill at every one of the uninterrupted run's kill points (each part at every third); the
+    killed and resumed runs redo less of what nothing here reads (:func:`_cheaper_reruns`)."""
+    _cheaper_reruns(monkeypatch)
     config = _config(kind, tiny_base)
     straight, expected, calls = uninterrupted(kind)
     for kill_at in _kill_points(calls)[part::_PARTS]:

@@ -294,13 +294,22 @@ def test_committed_full_tier_records_fit_the_tiers_budget():
     assert total <= 60 * 60
 
 
-def test_cpu_tiers_run_on_one_thread_and_give_the_callers_back(tmp_path):
+def test_cpu_tiers_run_on_one_thread_and_give_the_callers_back(tmp_path, monkeypatch):
     """The Python API follows the CLI: a CPU tier runs its tiny models on one torch thread unless ``threads`` says
-    otherwise (the record names the count it ran with), and the caller's count is restored afterwards."""
+    otherwise (the record names the count it ran with), and the caller's count is restored afterwards. The experiment
+    is a stand-in that reads the count it runs with (the real ones run in test_experiments_quick.py)."""
     import json
 
-    from ipa_probe.experiments import run_experiments
+    from ipa_probe.experiments import run_experiments, runner
+    from ipa_probe.experiments.report import ExperimentResult, Row
 
+    seen = []
+
+    def attention(ctx):
+        seen.append(torch.get_num_threads())
+        return ExperimentResult("attention", [Row("attention", "-", "1", "2", "")], {})
+
+    monkeypatch.setattr(runner, "_registry", lambda: {"attention": attention})
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -313,4 +322,4 @@ def test_cpu_tiers_run_on_one_thread_and_give_the_callers_back(tmp_path):
         json.loads((tmp_path / d / "attention" / "record.json").read_text())["versions"]["threads"]
         for d in ("one", "two")
     ]
-    assert ran == [1, 2]
+    assert ran == [1, 2] and seen == [1, 2]
