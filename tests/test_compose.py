@@ -53,6 +53,8 @@ import pytest
 import torch
 from test_contributions import CONTRIBUTION_COLUMNS, own_numbers
 from test_probe_matrix import reference_cell
+from test_query_frame import check as check_frame
+from test_query_frame import frame_cells
 
 import ipa_probe
 from ipa_probe.capture.spine import spine_of
@@ -772,6 +774,22 @@ def check_table(rows, q, k, weights, dot):
         # float32 against float64 (rtol 1e-4, atol 2e-4), plus what near-tied rows may move rho / top-1 by
         slack = np.max(expected.get(f"{name}_slack", 0.0))
         np.testing.assert_allclose(rows[name].to_numpy(), expected[name], rtol=1e-4, atol=2e-4 + slack, err_msg=name)
+    check_query_frame(rows, k, weights)
+
+
+def check_query_frame(rows, k, weights):
+    """Every query-frame column of one branch's rows (one item, its queries its frame) against
+    ``test_query_frame.frame_cells`` (float64, numpy and scipy) of the log of ``weights`` (the frame depends on the
+    logits alone, up to a per-row constant: an edit's weights are its logits' softmax): the statistics it recomputes,
+    NaN where they are undefined; no row sample (errors 0); the other pool the same rows (``qf_spearman`` again); the
+    null's draws NaN where rho is and a rho elsewhere."""
+    heads, queries, keys = weights.shape[1:]
+    cells = frame_cells(weights.log().numpy(), k.numpy(), np.ones((1, keys), bool), np.ones((1, queries), bool), 1)
+    assert check_frame(rows, {(rows.step.iloc[0], rows.branch.iloc[0]): cells[0]}, heads)
+    assert (rows.row_fraction == 1).all() and (rows.filter(regex=r"^qf_.*_se$") == 0).all().all()
+    for rho, null in (("qf_spearman", "qf_spearman_null"), ("qf_gauss_spearman", "qf_gauss_spearman_null")):
+        assert (rows[rho].isna() == rows[null].isna()).all() and (rows[null].abs() <= 1).all()
+    np.testing.assert_array_equal(rows.qf_spearman_other_pool.to_numpy(), rows.qf_spearman.to_numpy())
 
 
 def check_readings(own, order, entered, result, reading):

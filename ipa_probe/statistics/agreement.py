@@ -271,9 +271,9 @@ def _frame_stats(
         # row with the attention logits' (one stack)
         if key_mask is not None or key_term.shape[-2] != 1:
             sd = _row_sd(torch.cat((logits[:1], key_term.expand(shape).reshape(-1, *logits.shape[1:]))), key_mask)
-            gauge = sd[0] / nw(sd)
+            gauge = sd[0] / _flat(nw(sd), key_term.expand(shape))
         else:
-            gauge = _row_sd(logits[0], key_mask) / _row_sd(key_term, key_mask)
+            gauge = _row_sd(logits[0], key_mask) / _flat(_row_sd(key_term, key_mask), key_term)
     else:
         gauge = _gauge_rows(logits[0], nw(logits), key_mask)
     baseline_rows = rho_baseline(gauge, keys)
@@ -381,6 +381,13 @@ ROW_TIE = 1e-5
 
 #: ``|c|`` within this of 1 counts as exactly linear in :func:`_gauge_rows` (float32 resolution near 1).
 _LINEAR = 1e-6
+
+
+def _flat(sd: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    """A key term's spread ``sd`` (per row of ``term`` ``(..., K)``), 0 where the term is constant to float32 rounding
+    (1e-5 of its largest entry): the query frame of weights that are its own NW weights (inside an NW head), whose
+    ``r`` is infinite (left out, baseline 1), not rounding's 1e7."""
+    return sd.masked_fill(sd <= 1e-5 * term.abs().amax(-1), 0.0)
 
 
 def _gauge_rows(attn_logits: torch.Tensor, nw_logits: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
