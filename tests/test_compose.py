@@ -22,7 +22,9 @@ pipeline calls (the order, the order failing after its first step, the plain cal
 by the per-module cost of eager PyTorch, not by its size, so an SDXL case (CFG, two text encoders, added time ids)
 costs most. The maps-off probe on Flux and SD3 added 11 pairs and 24 triples to each, and with the readings of the
 cache, the contributions and the maps-off table the default run of this module took 1,914 s against 1,755 s before them
-(+9 %, the two side by side in one process each on that machine; 523 s before them at load 1.5).
+(+9 %, the two side by side in one process each on that machine; 523 s before them at load 1.5). With the query-frame
+columns read too, its 865 tests took 1,633 s in one process at load average 10 to 28 (not set against a run without
+them: the machine's load moved too much to tell their cost).
 
 Features a pipeline lacks are no features there. The patch on Flux and SD3 comes from a cache of the call with other
 references (Flux: the two swapped; SD3: the swap image), as on the UNets. SD3's scale acts on its one reference, and
@@ -36,7 +38,11 @@ and values (after the intervention's edit of the tokens, i.e. the very keys the 
 SD3 over the latent and image keys together, as the layer does, the image columns renormalised (what the probe keeps)
 and their mass (its ``ip_mass``). The contributions are ``s W_o sum_{i in j} w_i v_i`` from those weights and values
 (Flux: no ``W_o``), the patched reference's from the test's own hooks in the patch's source run; the maps-off probe's
-table is held to ``test_probe_matrix.reference_cell`` (numpy and scipy) of the same q, keys and weights."""
+table is held to ``test_probe_matrix.reference_cell`` (numpy and scipy) of the same q, keys and weights, and its
+every ``qf_*`` column to ``test_query_frame.frame_cells`` of those weights' logarithm (the query frame depends on the
+logits alone): inside the query-frame NW head, whose weights are already that frame's, the frame's exact key term is
+constant, so ``qf_logit_ratio`` is undefined (NaN) and the baseline 1, which the probe read as float32 rounding
+(r ~2e7) before issue 49's matrix held it here."""
 
 from __future__ import annotations
 
