@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,23 +157,25 @@ def generate_methods(
 
 @contextmanager
 def _bar_for(pipeline, label: str, total: int, show: bool):
-    """A context in which ``pipeline``'s (ipa_probe's own) per-call progress bar is off and one labelled bar advances
-    at every denoiser call."""
+    """A context in which ``pipeline`` (compare's own: the twin or the exact pipeline) advances one labelled bar at
+    every denoising step of its calls, through its own ``progress_bar`` (its loop's step report, diffusers' and the
+    exact pipeline's alike): no hook on the denoiser, whose hooks stay the features' (the NW head's spine)."""
     from tqdm.auto import tqdm
 
-    from .layers import denoiser_of
-
-    pipeline.set_progress_bar_config(disable=True)
-    with tqdm(total=total, desc=label, unit="step", disable=not show) as bar:
-
-        def step(module, args, output) -> None:  # returns None: the denoiser's output is left as it is
+    def advancing(iterable):
+        for item in iterable:
+            yield item
             bar.update()
 
-        handle = denoiser_of(pipeline).register_forward_hook(step)
+    def steps(iterable=None, total=None):  # iterated by the loop, or entered and ``update()``-d (diffusers)
+        return nullcontext(bar) if iterable is None else advancing(iterable)
+
+    with tqdm(total=total, desc=label, unit="step", disable=not show) as bar:
+        pipeline.progress_bar = steps
         try:
             yield
         finally:
-            handle.remove()
+            del pipeline.progress_bar
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ from diffusers import DDIMScheduler
 from helpers import write_tiny_clip
 from PIL import Image
 
+from ipa_probe.capture.spine import spine_of
 from ipa_probe.cli import main
 from ipa_probe.compare import (
     METHODS,
@@ -136,11 +137,25 @@ def test_compare_methods_on_the_tiny_pipeline(tiny_clip, tmp_path, capsys):
     # last x0-prediction: one reference latent exactly.
     pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config, set_alpha_to_one=True)
     refs = default_reference_images(2)
-    processors = dict(pipe.unet.attn_processors)
-    result = compare_methods(
-        pipe, refs, seeds=[3, 4], call_kwargs={"num_inference_steps": 3}, scorer=ClipScorer(tiny_clip)
-    )
+    processors, unet, seen = dict(pipe.unet.attn_processors), pipe.unet, []
+    hooks = (dict(unet._forward_pre_hooks), dict(unet._forward_hooks))
+
+    def during(module, args):  # on a submodule: the hooks the denoiser carries beyond its own at each of its passes
+        seen.append((len(unet._forward_pre_hooks) - len(hooks[0]), len(unet._forward_hooks) - len(hooks[1])))
+        seen[-1] += (spine_of(pipe) is not None,)
+
+    handle = unet.conv_in.register_forward_pre_hook(during)
+    try:
+        result = compare_methods(
+            pipe, refs, seeds=[3, 4], call_kwargs={"num_inference_steps": 3}, scorer=ClipScorer(tiny_clip)
+        )
+    finally:
+        handle.remove()
     assert all(pipe.unet.attn_processors[k] is v for k, v in processors.items())  # the swap was undone
+    assert (dict(unet._forward_pre_hooks), dict(unet._forward_hooks)) == hooks  # the very hooks it had, no more
+    # the twin's 12 passes (the learned method's and the NW head's) carry no hook but a spine's one pre-hook and one
+    # forward hook where a feature attached one (compare's progress bar none)
+    assert len(seen) == 12 and all(pre == post == spine for pre, post, spine in seen), seen
     # one labelled bar per method, counting its denoising steps over both seeds; the pipeline's own bar settings back
     bars = [line.split("\r")[-1] for line in capsys.readouterr().err.strip().split("\n")]
     assert [bar.split(":")[0] for bar in bars] == list(METHODS) and all("6/6" in bar for bar in bars), bars

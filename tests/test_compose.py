@@ -22,7 +22,10 @@ pipeline calls (the order, the order failing after its first step, the plain cal
 by the per-module cost of eager PyTorch, not by its size, so an SDXL case (CFG, two text encoders, added time ids)
 costs most. The maps-off probe on Flux and SD3 added 11 pairs and 24 triples to each, and with the readings of the
 cache, the contributions and the maps-off table the default run of this module took 1,914 s against 1,755 s before them
-(+9 %, the two side by side in one process each on that machine; 523 s before them at load 1.5).
+(+9 %, the two side by side in one process each on that machine; 523 s before them at load 1.5). With the query-frame
+columns read too, its 865 tests took 1,633 s in one process at load average 10 to 28 (not set against a run without
+them: the machine's load moved too much to tell their cost); every ordered triple with them, run on Flux and SD3 only:
+Flux's 1,066 passed in 1,169 s (load 14 to 18), SD3's in 730 s (load 8 to 12).
 
 Features a pipeline lacks are no features there. The patch on Flux and SD3 comes from a cache of the call with other
 references (Flux: the two swapped; SD3: the swap image), as on the UNets. SD3's scale acts on its one reference, and
@@ -36,7 +39,11 @@ and values (after the intervention's edit of the tokens, i.e. the very keys the 
 SD3 over the latent and image keys together, as the layer does, the image columns renormalised (what the probe keeps)
 and their mass (its ``ip_mass``). The contributions are ``s W_o sum_{i in j} w_i v_i`` from those weights and values
 (Flux: no ``W_o``), the patched reference's from the test's own hooks in the patch's source run; the maps-off probe's
-table is held to ``test_probe_matrix.reference_cell`` (numpy and scipy) of the same q, keys and weights."""
+table is held to ``test_probe_matrix.reference_cell`` (numpy and scipy) of the same q, keys and weights, and its
+every ``qf_*`` column to ``test_query_frame.frame_cells`` of those weights' logarithm (the query frame depends on the
+logits alone): inside the query-frame NW head, whose weights are already that frame's, the frame's exact key term is
+constant, so ``qf_logit_ratio`` is undefined (NaN) and the baseline 1, which the probe read as float32 rounding
+(r ~2e7) before issue 49's matrix held it here."""
 
 from __future__ import annotations
 
@@ -53,6 +60,8 @@ import pytest
 import torch
 from test_contributions import CONTRIBUTION_COLUMNS, own_numbers
 from test_probe_matrix import reference_cell
+from test_query_frame import check as check_frame
+from test_query_frame import frame_cells
 
 import ipa_probe
 from ipa_probe.capture.spine import spine_of
@@ -772,6 +781,22 @@ def check_table(rows, q, k, weights, dot):
         # float32 against float64 (rtol 1e-4, atol 2e-4), plus what near-tied rows may move rho / top-1 by
         slack = np.max(expected.get(f"{name}_slack", 0.0))
         np.testing.assert_allclose(rows[name].to_numpy(), expected[name], rtol=1e-4, atol=2e-4 + slack, err_msg=name)
+    check_query_frame(rows, k, weights)
+
+
+def check_query_frame(rows, k, weights):
+    """Every query-frame column of one branch's rows (one item, its queries its frame) against
+    ``test_query_frame.frame_cells`` (float64, numpy and scipy) of the log of ``weights`` (the frame depends on the
+    logits alone, up to a per-row constant: an edit's weights are its logits' softmax): the statistics it recomputes,
+    NaN where they are undefined; no row sample (errors 0); the other pool the same rows (``qf_spearman`` again); the
+    null's draws NaN where rho is and a rho elsewhere."""
+    heads, queries, keys = weights.shape[1:]
+    cells = frame_cells(weights.log().numpy(), k.numpy(), np.ones((1, keys), bool), np.ones((1, queries), bool), 1)
+    assert check_frame(rows, {(rows.step.iloc[0], rows.branch.iloc[0]): cells[0]}, heads)
+    assert (rows.row_fraction == 1).all() and (rows.filter(regex=r"^qf_.*_se$") == 0).all().all()
+    for rho, null in (("qf_spearman", "qf_spearman_null"), ("qf_gauss_spearman", "qf_gauss_spearman_null")):
+        assert (rows[rho].isna() == rows[null].isna()).all() and (rows[null].dropna().abs() <= 1).all()
+    np.testing.assert_array_equal(rows.qf_spearman_other_pool.to_numpy(), rows.qf_spearman.to_numpy())
 
 
 def check_readings(own, order, entered, result, reading):

@@ -61,10 +61,11 @@ def compare_weights(
     - ``neff_attn``, ``neff_nw``: Kish ``1 / sum_i w_i^2``, averaged over rows;
     - ``nonfinite``: fraction of rows whose logits give non-finite weights (left out of everything else);
     - ``logit_ratio``: per row ``r = sd_i(attn_logits) / sd_i(key_term)``, averaged over the rows where it is
-      finite. Without ``key_term`` (NW weights not made from the attention's own query and keys) ``r`` is
-      estimated as ``c / sqrt(1 - c^2)`` from the per-row Pearson ``c`` of the two logit vectors, which is the same
-      ``r`` under the baseline's model (``|c|`` within 1e-6 of 1, as with two keys, gives ``r = +-inf``: left out of
-      the mean of ``r``, baseline +-1);
+      finite (infinite where the key term is flat to float32 rounding: 1e-5 of its largest entry). Without
+      ``key_term`` (NW weights not made from the attention's own query and keys) ``r`` is estimated as
+      ``c / sqrt(1 - c^2)`` from the per-row Pearson ``c`` of the two logit vectors, the same ``r`` under the
+      baseline's model (``|c|`` within 1e-6 of 1, as with two keys, gives ``r = +-inf``: left out of the mean of
+      ``r``, baseline +-1);
     - ``rho_baseline``: per row :func:`rho_baseline` of its ``r`` and its number of kept keys, averaged;
     - ``rho_excess``: ``spearman - rho_baseline`` (the mean over rows of the per-row differences);
     - ``rows_rho_gt_0.9``: share of rows whose rho is above :data:`~ipa_probe.statistics.schema.ROW_THRESHOLD`, and
@@ -271,9 +272,9 @@ def _frame_stats(
         # row with the attention logits' (one stack)
         if key_mask is not None or key_term.shape[-2] != 1:
             sd = _row_sd(torch.cat((logits[:1], key_term.expand(shape).reshape(-1, *logits.shape[1:]))), key_mask)
-            gauge = sd[0] / nw(sd)
+            gauge = sd[0] / _flat(nw(sd), key_term.expand(shape))
         else:
-            gauge = _row_sd(logits[0], key_mask) / _row_sd(key_term, key_mask)
+            gauge = _row_sd(logits[0], key_mask) / _flat(_row_sd(key_term, key_mask), key_term)
     else:
         gauge = _gauge_rows(logits[0], nw(logits), key_mask)
     baseline_rows = rho_baseline(gauge, keys)
@@ -381,6 +382,12 @@ ROW_TIE = 1e-5
 
 #: ``|c|`` within this of 1 counts as exactly linear in :func:`_gauge_rows` (float32 resolution near 1).
 _LINEAR = 1e-6
+
+
+def _flat(sd: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    """A key term's spread ``sd`` (per row of ``term`` ``(..., K)``), 0 where it is flat to float32 rounding, as the
+    query frame of weights that are its own NW weights (inside the NW head): ``r`` infinite, not rounding's 1e7."""
+    return sd.masked_fill(sd <= 1e-5 * term.abs().amax(-1), 0.0)
 
 
 def _gauge_rows(attn_logits: torch.Tensor, nw_logits: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
