@@ -584,7 +584,7 @@ def test_query_frame_claims():
 
 
 def test_query_frame_excess_holds_family_wise():
-    """Section 3's family-wise reading of the excess: each BCa interval's width read as 2 x 1.96 standard errors, the
+    """Section 3's family-wise reading of the excess: each interval's width read as 2 x 1.96 standard errors, the
     smallest |excess| / se over the 15 rows, against Bonferroni's two-sided 5 % critical value for 15 (scipy)."""
     from scipy import stats
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from issue52_bootstrap_t import FOLDERS, summary_section
+from issue52_bootstrap_t import FOLDERS, fresh_comparisons, summary_section
 
 from ipa_probe._io import write_table
 from ipa_probe.attribution import ALPHA
-from ipa_probe.experiments.attribution import compare, retable
+from ipa_probe.experiments.attribution import retable
 from ipa_probe.experiments.attribution_grid import compare_grid
 from ipa_probe.experiments.attribution_setup import STEP_PREDICTORS
 
@@ -59,15 +59,7 @@ def unadjusted(folder: Path) -> dict[str, int]:
         path = folder / f"comparisons_{label}.csv"
         if not path.exists():
             continue
-        effects, aggregates = (
-            pd.read_csv(folder / f"effects_{label}.csv"),
-            pd.read_csv(folder / f"aggregates_{label}.csv"),
-        )
-        keys = ["set", "reference", *STEP_PREDICTORS]
-        steps = aggregates[(aggregates["group"] == "all") & aggregates["steps"].str.startswith("t=")]
-        per_step = steps.assign(timestep=steps["steps"].str[2:].astype(float))[[*keys, "timestep"]]
-        fresh = compare(effects.drop(columns=list(STEP_PREDICTORS)), effects[keys], per_step, permutations=1)
-        changed[path.name] = redecide(path, fresh, ["timestep", "predictor", "effect"])
+        changed[path.name] = redecide(path, fresh_comparisons(folder, label), ["timestep", "predictor", "effect"])
     path = folder / "grid_comparisons_trained.csv"
     if path.exists():
         grid = pd.read_csv(folder / "grid_trained.csv")
