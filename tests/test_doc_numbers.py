@@ -21,6 +21,7 @@ import pandas as pd
 import pytest
 
 from ipa_probe.experiments.attribution_setup import PREDICTORS as PREDICTOR_WORDS  # the tables' wording
+from ipa_probe.sweep.aggregation import MIN_SETS
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -485,14 +486,16 @@ def test_effect_sizes(organism):
 
 
 def grid_counts_row(organism: str, effect: str) -> str:
-    """The grid's uncorrected counts (``predicts_unadjusted``, the mid block apart): per predictor, in how many of
-    the grid family's cells it 'predicted' the effect."""
+    """The grid's unadjusted counts (the mid block apart): per predictor, in how many of the grid family's cells its
+    one-sided permutation p fell below 0.05. The uncorrected rule (``predicts_unadjusted``) passes none: 5 sets carry
+    no interval."""
     table = record(f"{ORGANISMS[organism]}/attribution/grid_comparisons_trained.csv")
+    assert table["sets"].max() < 8 and not table["predicts_unadjusted"].any()
     table = table[(table["family"] == "grid") & (table["effect"] == effect)]
     cells = []
     for predictor in list(PREDICTOR_WORDS)[:4]:
         part = table[table["predictor"] == predictor]
-        cells.append(f"{int(part['predicts_unadjusted'].sum())} of {len(part)}")
+        cells.append(f"{int((part['p'] < 0.05).sum())} of {len(part)}")
     return f"| `{organism}`, {EFFECT_WORDS[effect]} | " + " | ".join(cells) + " |"
 
 
@@ -581,7 +584,7 @@ def test_query_frame_claims():
 
 
 def test_query_frame_excess_holds_family_wise():
-    """Section 3's family-wise reading of the excess: each BCa interval's width read as 2 x 1.96 standard errors, the
+    """Section 3's family-wise reading of the excess: each interval's width read as 2 x 1.96 standard errors, the
     smallest |excess| / se over the 15 rows, against Bonferroni's two-sided 5 % critical value for 15 (scipy)."""
     from scipy import stats
 
@@ -1539,10 +1542,13 @@ def test_grid_survivor_and_example_reads():
         f"digit's probability: {signed(survivor['spearman'])}, Holm {g(survivor['p_holm'])}, {survivor['sets']} sets;",
     )
     share = grid.query("family == 'grid' and predictor == 'attention_share' and effect == 'class_drop'")
+    assert (share.loc[share["steps"] == "0-6", "p"] < 0.05).all()
+    assert grid["sets"].max() < MIN_SETS and not grid["predicts_unadjusted"].any()
     assert_in(
         "docs/attribution.md",
-        f"probability in {int(share['predicts_unadjusted'].sum())} cells (the down blocks and the first third)",
+        f"passes no cell: {grid['sets'].max()} sets are under the {MIN_SETS} a bootstrap-t interval needs",
     )
+    assert_in("docs/attribution.md", f"probability in {int((share['p'] < 0.05).sum())} cells (every first-third cell")
     for organism in ("support", "ip-adapter"):  # how many of the 8 seeds read 5 with every reference
         example = record(f"{ORGANISMS[organism]}/attribution/example_3s_5s_trained.csv")
         r = one(example, reference="both 5s", group="all", steps="all")

@@ -277,10 +277,14 @@ def test_committed_init_adapter_control_compares_the_experiments_own_generations
         assert ours.loc[row["timestep"], "qf_logit_ratio"] == pytest.approx(row["qf_logit_ratio"], abs=1e-6)
 
 
-@pytest.mark.parametrize("recipe, folder", [("support", "smoke"), ("ip-adapter", "smoke_recipe_ip_adapter")])
-def test_the_smoke_tiers_init_adapter_records_equal_the_full_tiers(recipe, folder):
+@pytest.mark.parametrize(
+    "recipe, folder, atol", [("support", "smoke", 1e-7), ("ip-adapter", "smoke_recipe_ip_adapter", 0.0)]
+)
+def test_the_smoke_tiers_init_adapter_records_equal_the_full_tiers(recipe, folder, atol):
     """Each set of the init-adapter control is seeded on its own: on the sets the two tiers share (the smoke tier's
-    20, sets and seeds 0-19) the smoke run's per-set lines and means equal the full run's, bit for bit."""
+    20, sets and seeds 0-19) the smoke run's per-set lines and means equal the full run's, bit for bit where one code
+    made both (``atol`` 0); issue #52 reran `full/` alone with later code, which moved float32 rounding by up to 6e-8
+    (``atol`` 1e-7 for `support` until its smoke folder is rerun)."""
     from pathlib import Path
 
     results = Path(__file__).resolve().parents[1] / "docs" / "results"
@@ -290,4 +294,7 @@ def test_the_smoke_tiers_init_adapter_records_equal_the_full_tiers(recipe, folde
         both = ours.merge(full, on=keys, suffixes=("", "_full"), validate="one_to_one")
         assert len(both) == len(ours) == 20 * 5 * 2 and len(full) == 100 * 5 * 2
         for column in ours.columns.difference(keys):
-            np.testing.assert_array_equal(both[column], both[f"{column}_full"], err_msg=column)
+            if atol == 0 or not pd.api.types.is_float_dtype(both[column]):
+                np.testing.assert_array_equal(both[column], both[f"{column}_full"], err_msg=column)
+            else:
+                np.testing.assert_allclose(both[column], both[f"{column}_full"], rtol=0, atol=atol, err_msg=column)

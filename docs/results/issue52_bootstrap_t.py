@@ -37,6 +37,19 @@ CONTROLS = (
 )
 
 
+def fresh_comparisons(folder: Path, label: str) -> pd.DataFrame:
+    """``compare`` of one organism again from the committed effects and aggregates (1 permutation: its p is not
+    the record's; the means, set counts and intervals are)."""
+    effects, aggregates = (
+        pd.read_csv(folder / f"effects_{label}.csv"),
+        pd.read_csv(folder / f"aggregates_{label}.csv"),
+    )
+    keys = ["set", "reference", *STEP_PREDICTORS]
+    steps = aggregates[(aggregates["group"] == "all") & aggregates["steps"].str.startswith("t=")]
+    per_step = steps.assign(timestep=steps["steps"].str[2:].astype(float))[[*keys, "timestep"]]
+    return compare(effects.drop(columns=list(STEP_PREDICTORS)), effects[keys], per_step, permutations=1)
+
+
 def gap_intervals(folder: Path) -> list[Path]:
     """Rewrite the ``posterior - attention`` rows' ``low`` / ``high`` of each ``comparisons_<label>.csv``."""
     written = []
@@ -44,14 +57,7 @@ def gap_intervals(folder: Path) -> list[Path]:
         path = folder / f"comparisons_{label}.csv"
         if not path.exists():
             continue
-        effects, aggregates = (
-            pd.read_csv(folder / f"effects_{label}.csv"),
-            pd.read_csv(folder / f"aggregates_{label}.csv"),
-        )
-        keys = ["set", "reference", *STEP_PREDICTORS]
-        steps = aggregates[(aggregates["group"] == "all") & aggregates["steps"].str.startswith("t=")]
-        per_step = steps.assign(timestep=steps["steps"].str[2:].astype(float))[[*keys, "timestep"]]
-        fresh = compare(effects.drop(columns=list(STEP_PREDICTORS)), effects[keys], per_step, permutations=1)
+        fresh = fresh_comparisons(folder, label)
         fresh = fresh[fresh["predictor"] == GAP].set_index(["timestep", "effect"])
         table = pd.read_csv(path, dtype={"timestep": str})
         rows = table.index[table["predictor"] == GAP]
