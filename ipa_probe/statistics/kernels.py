@@ -279,12 +279,14 @@ def reference_contributions(
     Given ``weights`` ``(B, H, Q, K)`` (``K = R * T``, reference-major) and ``values`` ``(B, H, K, D)``, returns
     ``c_j = sum_h c_{j,h}`` ``(B, R, Q, C)`` and, with ``heads``, the ``c_{j,h}`` ``(B, H, R, Q, C)`` (Flux: head
     ``h``'s own block of ``C``, ``(B, H, R, Q, D)``), else ``None``; ``coordinates``: ``C`` in the tokens'
-    :func:`orthonormal_coordinates` (right for norms and dot products only). ``L`` layers at once: ``weights`` ``(L *
-    B, ...)``, ``values`` a list of ``L``, ``w_o`` their ``(L, H, D, C)`` stack, ``scale`` ``(L,)`` or a number."""
-    values = [values] if torch.is_tensor(values) else values
-    if w_o is not None:
+    :func:`orthonormal_coordinates` where that pays (for norms and dot products only). ``L`` layers at once:
+    ``weights`` ``(L * B, ...)``, ``values`` a list of ``L``, ``w_o`` their ``(L, H, D, C)`` stack, ``scale`` ``(L,)``
+    or a number."""
+    values, (n_heads, queries, keys) = [values] if torch.is_tensor(values) else values, weights.shape[1:]
+    if w_o is not None:  # the QR of the X = H * K vectors pays where it shortens the queries' products by more than
+        # 4x its size (one CPU thread: at X = 512 it costs 2-4x what it saves at 16 x 16 latents)
+        coordinates = coordinates and queries * (w_o.shape[-1] - n_heads * keys) > 4 * w_o.shape[-1] * n_heads * keys
         return mix_tokens(weights, projected_tokens(values, tokens, scale, w_o, coordinates), heads)
-    n_heads, queries, keys = weights.shape[1:]
     w = weights.reshape(-1, n_heads, queries, keys // tokens, tokens)  # (L * B, H, Q, R, T)
     v = values[0] if len(values) == 1 else torch.cat(values)
     v = v.reshape(v.shape[0], n_heads, keys // tokens, tokens, v.shape[-1])  # (L * B, H, R, T, D)
