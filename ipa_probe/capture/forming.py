@@ -159,10 +159,14 @@ class RecordForming:
     def _bound(self, margin: int = 1) -> None:
         """Compare every record so far past ``1 / margin`` of :data:`PENDING_BYTES`, else form the held ones past that
         of :data:`FRAME_ELEMENTS` (``margin=2`` at a pass's end: room for one more pass like it, not to split one)."""
+        if over := self._over(margin):
+            self._flush() if over == 2 else self._form_parts(*self._held_parts())
+
+    def _over(self, margin: int) -> int:
+        """What :meth:`_bound` does now: 2 compare every record, 1 form the held ones, 0 nothing."""
         if 4 * margin * (self._pending_elements + self._held_pending) > PENDING_BYTES:
-            self._flush()
-        elif margin * self._held_elements > FRAME_ELEMENTS:
-            self._form_parts(*self._held_parts())
+            return 2
+        return int(margin * self._held_elements > FRAME_ELEMENTS)
 
     def _held_parts(self) -> tuple[list[list[_Held]], bool]:
         """The held records taken (:attr:`_held` emptied), in stacks of equal :meth:`_Held.signature`, those of a stack

@@ -233,8 +233,8 @@ class MapAccumulator:
         """
         records, (stacked, heads, rows, tokens) = len(where), attention.shape
         n_branch, items = stacked // records, self._batch // (stacked // records)
-        if used is None:  # both softmaxes in one, key-major as the logits are
-            weights = softmax_keys(torch.stack([attention.mT, nw.mT]).mT)  # (2, L * n, H, items * Q, K)
+        if used is None:  # both softmaxes in one
+            weights = softmax_keys([attention, nw])  # (2, L * n, H, items * Q, K)
             weights_all, shares = weights[0], weights.mean(2)
         else:
             weights_all, shares = used, torch.stack([used.mean(1), softmax_keys(nw).mean(1)])
@@ -340,7 +340,7 @@ class MapAccumulator:
             part, total = part.view(3, *total_ref.shape[:3]), total_ref.sum(1, keepdim=True)  # (L * B, 1, Q, C)
             torch.linalg.vector_norm(total_ref, dim=-1, out=part[0])
             torch.sum(total_ref * total, -1, out=part[1])
-            torch.linalg.vector_norm(total.expand_as(total_ref), dim=-1, out=part[2])
+            part[2].copy_(torch.linalg.vector_norm(total, dim=-1))  # |c| once per query, not per reference
             totals.append((part, total))
         kept[1].div_(kept[2].clamp_(min=1e-30))
         for (where, labels, _, per_head), (part, total) in zip(stacks, totals, strict=True):

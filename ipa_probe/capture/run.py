@@ -410,7 +410,7 @@ class ProbeRun(RecordForming, RunViews, MapViews):
         self._draw_rows(self._held)
         if self.compiled:
             return self._form_parts(*self._held_parts())
-        if self._maps is not None and self._held:
+        if self._maps is not None and self._held and not self._over(margin=2):  # else formed now, maps read theirs
             self._threads(self._held[0].q.device, self._map_pass)
         self._bound(margin=2)
 

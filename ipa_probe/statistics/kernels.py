@@ -94,18 +94,21 @@ def nw_weights(q: torch.Tensor, k: torch.Tensor, h: float | torch.Tensor) -> tor
     return torch.softmax(nw_logits(q, k, h), dim=-1)
 
 
-def softmax_keys(logits: torch.Tensor) -> torch.Tensor:
+def softmax_keys(logits: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     """``softmax`` over the last (key) dimension, ``(..., Q, K)``, computed on a ``(..., K, Q)`` copy when the rows
-    are short on the CPU (a transposed view is returned there).
+    are short on the CPU (a transposed view is returned there); a list of logits is stacked along a new first
+    dimension in the layout the kernel reads (one copy, where a key-major stack was copied again by the kernel).
 
     torch's CPU kernel vectorises along the softmax's own dimension, which a row of a few image tokens cannot fill:
     measured on 2 cores for ``(2, 8, 4096, K)`` float32, 3.7 ms at ``K = 8`` along the last dimension against 0.3 ms
     along the other (copy included); from ``K = 16`` on the last dimension is the faster. Equal to ``torch.softmax``
     up to float rounding (the two kernels sum in different orders).
     """
-    if logits.device.type != "cpu" or logits.shape[-1] >= 16 or logits.dim() < 2:
-        return torch.softmax(logits, dim=-1)
-    return torch.softmax(logits.transpose(-1, -2).contiguous(), dim=-2).transpose(-1, -2)
+    first = logits[0] if isinstance(logits, list) else logits
+    if first.device.type != "cpu" or first.shape[-1] >= 16 or first.dim() < 2:
+        return torch.softmax(torch.stack(logits) if isinstance(logits, list) else logits, dim=-1)
+    by_key = torch.stack([x.mT for x in logits]) if isinstance(logits, list) else logits.mT.contiguous()
+    return torch.softmax(by_key, dim=-2).transpose(-1, -2)
 
 
 def query_frame_terms(
@@ -279,12 +282,14 @@ def reference_contributions(
     Given ``weights`` ``(B, H, Q, K)`` (``K = R * T``, reference-major) and ``values`` ``(B, H, K, D)``, returns
     ``c_j = sum_h c_{j,h}`` ``(B, R, Q, C)`` and, with ``heads``, the ``c_{j,h}`` ``(B, H, R, Q, C)`` (Flux: head
     ``h``'s own block of ``C``, ``(B, H, R, Q, D)``), else ``None``; ``coordinates``: ``C`` in the tokens'
-    :func:`orthonormal_coordinates` (right for norms and dot products only). ``L`` layers at once: ``weights`` ``(L *
-    B, ...)``, ``values`` a list of ``L``, ``w_o`` their ``(L, H, D, C)`` stack, ``scale`` ``(L,)`` or a number."""
-    values = [values] if torch.is_tensor(values) else values
-    if w_o is not None:
+    :func:`orthonormal_coordinates` where that pays (for norms and dot products only). ``L`` layers at once:
+    ``weights`` ``(L * B, ...)``, ``values`` a list of ``L``, ``w_o`` their ``(L, H, D, C)`` stack, ``scale`` ``(L,)``
+    or a number."""
+    values, (n_heads, queries, keys) = [values] if torch.is_tensor(values) else values, weights.shape[1:]
+    if w_o is not None:  # the QR of the X = H * K vectors pays where it shortens the queries' products by more than
+        # 4x its size (one CPU thread: at X = 512 it costs 2-4x what it saves at 16 x 16 latents)
+        coordinates = coordinates and queries * (w_o.shape[-1] - n_heads * keys) > 4 * w_o.shape[-1] * n_heads * keys
         return mix_tokens(weights, projected_tokens(values, tokens, scale, w_o, coordinates), heads)
-    n_heads, queries, keys = weights.shape[1:]
     w = weights.reshape(-1, n_heads, queries, keys // tokens, tokens)  # (L * B, H, Q, R, T)
     v = values[0] if len(values) == 1 else torch.cat(values)
     v = v.reshape(v.shape[0], n_heads, keys // tokens, tokens, v.shape[-1])  # (L * B, H, R, T, D)
