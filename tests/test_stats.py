@@ -44,6 +44,15 @@ def test_rank_matches_scipy_with_ties(search, monkeypatch):
     np.testing.assert_array_equal(centred.numpy(), np.where(x.numpy() > 0, ranks - (n + 1) / 2, 0.0))
 
 
+def test_rank_orders_float32_by_its_bits_as_values_do():
+    # the CPU's ranks sort float32's bits as integers: -0 ties with 0, negatives (tiny, large, -inf) order by value
+    tiny, big = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+    row = [-0.0, 0.0, tiny, -tiny, -math.inf, math.inf, -big, big, -1.5, -1.5, 2.0, -0.0, -2.0, 1e-30, -1e-30, 0.0]
+    x = torch.tensor([row, row[::-1]], dtype=torch.float32)
+    x = torch.cat((x, torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).round(decimals=1)))  # ties
+    np.testing.assert_array_equal(rank(x).numpy(), np.apply_along_axis(sps.rankdata, -1, x.numpy()))
+
+
 @pytest.mark.parametrize("k", [2, 4, 16, 257])
 def test_row_spearman_matches_scipy(k):
     g = torch.Generator().manual_seed(k)

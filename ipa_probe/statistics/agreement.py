@@ -261,7 +261,8 @@ def _frame_stats(
     kl_rows = (a * (log_a - nw(log_p))).masked_fill_(a <= 0, 0.0).sum(-1)
     # The null shuffles the centred ranks: a row's kept ranks keep their mean and sum of squares under a permutation
     # (exactly: half-integers), so centring after the shuffle would give the same values.
-    cross = (c_a * torch.stack((c_w, shuffle_rows(c_w, generator, key_mask)))).sum(-1)  # (2, *F, ..., R)
+    # (2, *F, ..., R): each side's products summed apart (exact: multiples of 1/4), not a stacked copy of the ranks
+    cross = torch.stack([(c_a * c).sum(-1) for c in (c_w, shuffle_rows(c_w, generator, key_mask))])
     (rho_rows, null_rows), cross = cross / (sq_a * sq_w).sqrt(), cross[0]
     ranked = valid & (rho_rows == rho_rows)  # rows with a rank correlation
     # an arg-max of an all-tied row (a query frame of one query, constant logits) is a tie-break, not a choice: the

