@@ -650,8 +650,9 @@ def test_observational_table(weights, population, words):
         row += (
             f" {signed(t['share_spearman'].iloc[0])} → {signed(t['share_spearman'].iloc[-1])}, every interval "
             f"includes 0, p ≥ {t['share_spearman_p'].min():.2f} | {signed(t['layer_agreement'].min())} to "
-            f"{signed(t['layer_agreement'].max())} | ∞ at every t (lower ends {t['fitted_bandwidth_low'].min():.0f}–"
-            f"{t['fitted_bandwidth_low'].max():.0f}) | pooling × 5 |"
+            f"{signed(t['layer_agreement'].max())} | ∞ at every t (lower ends "
+            + "–".join("∞" if np.isinf(v) else f"{v:.0f}" for v in t["fitted_bandwidth_low"].agg(["min", "max"]))
+            + ") | pooling × 5 |"
         )
     assert_in("docs/attribution.md", row)
 
