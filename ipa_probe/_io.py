@@ -412,8 +412,9 @@ def output_lock(
         _HELD[held] += 1
         try:
             yield path
-        finally:
-            _HELD[held] -= 1
+        finally:  # a block an interrupt left unclosed is closed by the collector, maybe after the outer hold ended
+            if held in _HELD:
+                _HELD[held] -= 1
         return
     fd = _open_lock(path)
     try:
@@ -447,7 +448,7 @@ def output_lock(
         try:
             yield path
         finally:
-            del _HELD[held]
+            _HELD.pop(held, None)
             os.ftruncate(fd, 0)  # released cleanly: an empty lock file is free
             if tidy and made_lock:
                 _remove_if_only_lock(folder, path, remove_folder=made)

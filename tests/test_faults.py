@@ -378,6 +378,25 @@ def test_a_second_run_on_a_held_folder_exits_2_naming_the_holder(workdir, capsys
         pass
 
 
+def test_a_nested_hold_closed_after_the_outer_one_ends_quietly(tmp_path):
+    """An interrupt between a nested block's entry and its exit's registration leaves it to the collector."""
+    import gc
+
+    unraised = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraised.append
+    try:
+        with output_lock(tmp_path, "outer"):
+            inner = output_lock(tmp_path, "inner", reentrant=True)
+            inner.__enter__()  # never exited: what enter_context leaves when KeyboardInterrupt lands in between
+        del inner
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert unraised == []
+    with output_lock(tmp_path, "after"):  # free again, and held afresh
+        pass
+
+
 def test_processes_of_another_launch_do_not_share_a_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_PORT", "29500")
