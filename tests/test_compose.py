@@ -24,8 +24,9 @@ costs most. The maps-off probe on Flux and SD3 added 11 pairs and 24 triples to 
 cache, the contributions and the maps-off table the default run of this module took 1,914 s against 1,755 s before them
 (+9 %, the two side by side in one process each on that machine; 523 s before them at load 1.5). With the query-frame
 columns read too, its 865 tests took 1,633 s in one process at load average 10 to 28 (not set against a run without
-them: the machine's load moved too much to tell their cost); every ordered triple with them, run on Flux and SD3 only:
-Flux's 1,066 passed in 1,169 s (load 14 to 18), SD3's in 730 s (load 8 to 12).
+them: the machine's load moved too much to tell their cost); every ordered triple with them passed on all four:
+Flux's 1,066 in 1,169 s (load 14 to 18), SD3's in 730 s (load 8 to 12), SD 1.5's in 968 s and SDXL's in 1,125 s (one
+process each, beside a CI run).
 
 Features a pipeline lacks are no features there. The patch on Flux and SD3 comes from a cache of the call with other
 references (Flux: the two swapped; SD3: the swap image), as on the UNets. SD3's scale acts on its one reference, and
