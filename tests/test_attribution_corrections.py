@@ -4,6 +4,7 @@ near-circular label and the held-out choice of a predictor, each against the tes
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -84,7 +85,7 @@ def test_comparisons_holm_over_the_table_and_near_circular():
         late = r["timestep"] == "all" or float(r["timestep"]) < DECIDED_BELOW
         assert r["near_circular"] == (r["predictor"] == "posterior_weight" and late)
 
-    # rows joining the adjusted table (as add_patching's do) keep their own unadjusted rule, the rest theirs
+    # the unadjusted rule is the same test without Holm, whatever a row's earlier columns or interval say
     joined = pd.concat(
         [
             out,
@@ -97,14 +98,24 @@ def test_comparisons_holm_over_the_table_and_near_circular():
                         "p": 0.04,
                         "low": -0.1,
                         "predicts": False,
+                        "predicts_unadjusted": False,
                     },
                     {
                         "timestep": "all",
                         "predictor": "output_projection",
                         "effect": "a",
-                        "p": 0.001,
+                        "p": 0.07,
                         "low": 0.2,
                         "predicts": True,
+                        "predicts_unadjusted": True,
+                    },
+                    {
+                        "timestep": "all",
+                        "predictor": "posterior - attention",
+                        "effect": "a",
+                        "p": np.nan,
+                        "low": 0.2,
+                        "predicts": False,
                     },
                 ]
             ),
@@ -113,8 +124,9 @@ def test_comparisons_holm_over_the_table_and_near_circular():
     )
     again = adjust_comparisons(joined)
     assert again["predicts_unadjusted"].dtype == bool
-    assert again["predicts_unadjusted"].tolist() == [True] * len(out) + [False, True]
-    np.testing.assert_allclose(again["p_holm"], _holm_by_definition(list(joined["p"])), atol=1e-15)
+    assert again["predicts_unadjusted"].tolist() == [True] * len(out) + [True, False, False]
+    assert not (again["predicts"] & ~again["predicts_unadjusted"]).any()
+    np.testing.assert_allclose(again["p_holm"][:-1], _holm_by_definition(list(joined["p"][:-1])), atol=1e-15)
 
 
 def test_grid_mid_block_is_its_own_family():
@@ -161,3 +173,59 @@ def test_held_out_chooses_on_one_half_and_tests_on_the_other():
     )
     assert row["sets"] == 6
     np.testing.assert_allclose(out["p_holm"], _holm_by_definition(list(out["p"])), atol=1e-15)
+
+
+ATTRIBUTION_FOLDERS = sorted((Path(__file__).resolve().parents[1] / "docs" / "results").glob("*/attribution"))
+#: Each decided table of a folder, its decision column and what splits it into Holm families (None: one family).
+DECIDED = (
+    ("comparisons_trained.csv", "predicts", None),
+    ("comparisons_untrained.csv", "predicts", None),
+    ("grid_comparisons_trained.csv", "predicts", "family"),
+    ("held_out_trained.csv", "agrees", None),
+    ("held_out_untrained.csv", "agrees", None),
+)
+
+
+def committed_decisions_disagree(folder: Path) -> list[str]:
+    """What in one attribution folder's committed tables is not its own one-sided test: the decision not
+    ``p_holm < 0.05`` with the test's own Holm per family, ``predicts_unadjusted`` not ``p < 0.05`` or not implied by
+    ``predicts``, or the decision's interval ``[low, 1]`` (Holm-compatible: at least 0 where Holm rejects, at most 0
+    where it retains, above 0 only where the whole family is rejected) on the wrong side of 0."""
+    wrong = []
+    for name, decision, family in DECIDED:
+        if not (folder / name).exists():
+            continue
+        table = pd.read_csv(folder / name, dtype={"timestep": str})
+        where = f"{folder.parent.name}/{name}"
+        tested = table["p"].notna().to_numpy()
+        own = np.full(len(table), np.nan)
+        rejected_family = np.zeros(len(table), dtype=bool)
+        keys = table[family] if family else pd.Series(0, index=table.index)
+        for _, index in table[tested].groupby(keys[tested].to_numpy()).groups.items():
+            rows = table.index.get_indexer(index)
+            own[rows] = _holm_by_definition(list(table.loc[index, "p"]))
+            rejected_family[rows] = (own[rows] < 0.05).all()
+        decided = table[decision].astype(bool).to_numpy()
+        if not np.allclose(table["p_holm"], own, rtol=1e-9, atol=0, equal_nan=True):
+            wrong.append(f"{where}: p_holm is not Holm of p")
+        if (decided != (own < 0.05)).any():
+            wrong.append(f"{where}: {decision} != own Holm < 0.05 in {int((decided != (own < 0.05)).sum())} rows")
+        if "predicts_unadjusted" in table.columns:
+            unadjusted = table["predicts_unadjusted"].astype(bool).to_numpy()
+            if (unadjusted != (table["p"] < 0.05).to_numpy()).any():
+                wrong.append(f"{where}: predicts_unadjusted != p < 0.05")
+            if (decided & ~unadjusted).any():
+                wrong.append(f"{where}: {int((decided & ~unadjusted).sum())} rows decided after Holm, not before")
+        low, high = table["low"].to_numpy(np.float64), table["high"].to_numpy(np.float64)
+        sides = np.where(decided, low >= 0, low <= 0) & ((low <= 0) | (decided & rejected_family)) & (high == 1)
+        if not sides[tested].all():
+            wrong.append(f"{where}: [low, high] on the wrong side of 0 in {int((~sides[tested]).sum())} tested rows")
+    return wrong
+
+
+@pytest.mark.parametrize("folder", ATTRIBUTION_FOLDERS, ids=lambda f: f.parent.name)
+def test_committed_decisions_are_one_test_each(folder):
+    """Every committed attribution table: ``predicts`` / ``agrees`` is Holm's (the test's own) one-sided decision,
+    ``predicts_unadjusted`` the same test before Holm, and the tested rows' interval the decision's."""
+    assert {f.parent.name for f in ATTRIBUTION_FOLDERS} >= {"smoke", "full", "full_recipe_mixed"}
+    assert committed_decisions_disagree(folder) == []

@@ -12,6 +12,7 @@ import json
 import os
 
 import pytest
+from test_attribution_corrections import committed_decisions_disagree
 
 from ipa_probe.cli import main
 from ipa_probe.experiments import EXPERIMENTS, get_tier, run_experiments
@@ -62,6 +63,9 @@ def test_quick_tier_writes_every_output(tmp_path, capsys, part):
         assert main(argv) == 0
         assert "summary:" in capsys.readouterr().out
     _check_outputs(out, names)
+    if part == "attribution":  # each decision is its own one-sided test, as in the committed folders
+        assert (out / "attribution" / "comparisons_trained.csv").exists()
+        assert committed_decisions_disagree(out / "attribution") == []
     if part == "paper":
         # the §D.3 per-m check ran on the quick tier's check data set
         scarcity = json.loads((out / "scarcity" / "record.json").read_text())

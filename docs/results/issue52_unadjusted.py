@@ -1,73 +1,57 @@
-"""Issue #52: the attribution folders' uncorrected rule (``predicts_unadjusted``) decided again with the interval the
-code now computes, from the committed records (no generation).
+"""Issue #52: the attribution folders' uncorrected rule (``predicts_unadjusted``) made the same one-sided test as
+``predicts``, only without Holm, from the committed records (no generation).
 
-Run from the repository root (a few minutes on one core)::
+Run from the repository root (seconds)::
 
     PYTHONPATH=$PWD python docs/results/issue52_unadjusted.py [FOLDER ...]
 
-The rule is the one :func:`ipa_probe.experiments.attribution_setup.predictor_test` applies before Holm: the committed
-one-sided permutation ``p`` below ``ALPHA`` and the two-sided interval of the per-set Spearman above 0, that interval
-now the bootstrap-t (:func:`ipa_probe.sweep.aggregation.bootstrap_ci`, none under 8 sets) instead of BCa. The per-set
-values are recomputed from ``effects_<label>.csv`` and ``aggregates_<label>.csv`` (``comparisons_<label>.csv``) and
-from ``grid_trained.csv`` (``grid_comparisons_trained.csv``, whose 3 or 5 sets now carry no interval, so no cell
-passes), each row's mean and set count checked against the committed ones; only ``predicts_unadjusted`` changes.
-Then ``table.md``, ``table.csv`` and ``record.json`` are written from the CSVs
-(:func:`~ipa_probe.experiments.attribution.retable`) and the folder's section of ``summary.md`` from ``table.md``.
+The rule is the one :func:`ipa_probe.experiments.attribution_tests.adjust_comparisons` and ``adjust_grid`` now apply:
+``predicts_unadjusted`` = the committed one-sided permutation ``p`` below ``ALPHA`` (no interval; ``predicts`` =
+``p_holm`` below ``ALPHA``, so ``predicts`` implies it). It replaces "``p`` below ``ALPHA`` and a two-sided
+bootstrap-t interval of the per-set Spearman above 0", an interval no CSV holds (the tested rows' ``low`` / ``high``
+are the Holm-compatible one-sided bound). Every ``comparisons_<label>.csv`` and ``grid_comparisons_trained.csv`` is
+rewritten with only that column changed (every other column's text checked unchanged); ``record.json``'s ``rule`` is
+set to the code's (:data:`~ipa_probe.experiments.attribution.RULE`); then ``table.md``, ``table.csv`` and
+``record.json`` are written from the CSVs (:func:`~ipa_probe.experiments.attribution.retable`) and the folder's
+section of ``summary.md`` from ``table.md`` where it moved. Prints per folder the rows changed per file.
 """
 
+import json
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
-from issue52_bootstrap_t import FOLDERS, fresh_comparisons, summary_section
+from issue52_bootstrap_t import FOLDERS, summary_section
 
-from ipa_probe._io import write_table
+from ipa_probe._io import write_json, write_table
 from ipa_probe.attribution import ALPHA
-from ipa_probe.experiments.attribution import retable
-from ipa_probe.experiments.attribution_grid import compare_grid
-from ipa_probe.experiments.attribution_setup import STEP_PREDICTORS
+from ipa_probe.experiments.attribution import RULE, retable
 
 REVISION = (
-    "issue #52: predicts_unadjusted (p < 0.05 and the interval above 0, before Holm) decided again with the "
-    "bootstrap-t interval of the per-set Spearman recomputed from the committed effects, aggregates and grid "
-    "(none under 8 sets: no grid cell passes) instead of BCa (docs/results/issue52_unadjusted.py)"
+    "issue #52: predicts_unadjusted is the same one-sided permutation test as predicts without Holm (p < 0.05, no "
+    "interval), no longer p < 0.05 and a two-sided bootstrap-t interval above 0 that no CSV holds; re-decided from "
+    "the committed p, every other column unchanged (docs/results/issue52_unadjusted.py)"
 )
 
 
-def redecide(path: Path, fresh: pd.DataFrame, keys: list[str]) -> int:
-    """Set ``predicts_unadjusted`` of the tested rows of the CSV at ``path`` from its committed ``p`` and the fresh
-    interval (rows matched on ``keys``, their mean and set count checked). Returns how many rows changed."""
-    table = pd.read_csv(path, dtype={"timestep": str} if "timestep" in keys else None)
-    fresh = fresh.set_index(keys)
-    tested = table["p"].notna()
-    changed = 0
-    for i in table.index[tested]:
-        new = fresh.loc[tuple(table.loc[i, keys])]
-        assert np.isclose(new["spearman"], table.at[i, "spearman"], rtol=0, atol=1e-12), (path, i)
-        assert new["sets"] == table.at[i, "sets"], (path, i)
-        decided = bool(table.at[i, "p"] < ALPHA and new["low"] > 0)
-        changed += decided != bool(table.at[i, "predicts_unadjusted"])
-        table.at[i, "predicts_unadjusted"] = decided
+def redecide(path: Path) -> int:
+    """Set ``predicts_unadjusted`` of the CSV at ``path`` to ``p < ALPHA``, checking that every other column's text
+    is unchanged. Returns how many rows changed."""
+    before = pd.read_csv(path, dtype=str, keep_default_na=False)
+    table = pd.read_csv(path, dtype={"timestep": str} if "timestep" in before.columns else None)
+    decided = (table["p"] < ALPHA).to_numpy()
+    changed = int((decided != table["predicts_unadjusted"].astype(bool).to_numpy()).sum())
+    table["predicts_unadjusted"] = decided
     write_table(table, path)
+    after = pd.read_csv(path, dtype=str, keep_default_na=False)
+    others = [c for c in before.columns if c != "predicts_unadjusted"]
+    assert list(after.columns) == list(before.columns) and after[others].equals(before[others]), path
     return changed
 
 
 def unadjusted(folder: Path) -> dict[str, int]:
     """Re-decide every comparisons and grid CSV of one attribution folder; ``{file: rows changed}``."""
-    changed = {}
-    for label in ("trained", "untrained"):
-        path = folder / f"comparisons_{label}.csv"
-        if not path.exists():
-            continue
-        changed[path.name] = redecide(path, fresh_comparisons(folder, label), ["timestep", "predictor", "effect"])
-    path = folder / "grid_comparisons_trained.csv"
-    if path.exists():
-        grid = pd.read_csv(folder / "grid_trained.csv")
-        cell = ["set", "reference", "group", "steps"]
-        table = grid[[*cell, *STEP_PREDICTORS]].drop_duplicates(cell)
-        fresh = compare_grid(grid.drop(columns=list(STEP_PREDICTORS)), table, permutations=1)
-        changed[path.name] = redecide(path, fresh, ["group", "steps", "mode", "factor", "effect", "predictor"])
-    return changed
+    names = ["comparisons_trained.csv", "comparisons_untrained.csv", "grid_comparisons_trained.csv"]
+    return {name: redecide(folder / name) for name in names if (folder / name).exists()}
 
 
 if __name__ == "__main__":
@@ -77,6 +61,8 @@ if __name__ == "__main__":
         folder = Path(__file__).parent / name / "attribution"
         before = (folder / "table.md").read_text()
         changed = unadjusted(folder)
+        record = json.loads((folder / "record.json").read_text())
+        write_json(folder / "record.json", {**record, "rule": RULE})
         retable(folder, revision=REVISION)
         if (folder / "table.md").read_text() != before:
             summary_section(folder, before)

@@ -143,7 +143,7 @@ def compare(
 ) -> pd.DataFrame:
     """Per predictor, effect and timestep (``"all"`` for the step mean): mean per-set Spearman, interval, p-value
     (``permutations`` permutations: the table's 52 tests put Holm's floor at 52 / (1 + permutations)), whether the
-    predictor predicts the effect (p < ALPHA and interval above 0, before :func:`.attribution_tests._decide`), and
+    predictor predicts the effect (p < ALPHA, before Holm in :func:`.attribution_tests._decide`), and
     the per-set values (``_values``)."""
     from ..attribution import paired_rank_test
     from ..sweep.aggregation import bootstrap_ci
@@ -237,10 +237,7 @@ def run(ctx) -> ExperimentResult:
         "measurements": raw, "recipe": ctx.recipe, "sets": tier.attribution_sets, "num_inference_steps": NUM_STEPS,
         "guidance_scale": GUIDANCE_SCALE, "recorded_steps": list(RECORDED_STEPS),
         "intervention": "ablate one reference in every IP-Adapter layer at every step (removed from the softmax)",
-        "rule": "predicts: the one-sided permutation p after Holm's adjustment over the organism's table below 0.05 "
-        "(the 95% bootstrap intervals describe, they do not decide); the posterior read at t < 651 or averaged over "
-        "every step is labelled near-circular; held out: even sets choose the predictor and its aggregation (layer "
-        "group x steps, attribution_aggregate), odd sets test it, and back",
+        "rule": RULE,
         "control_sets": tier.attribution_control_sets,
         "control_rule": "a statistic counts only where its difference from its control has a 95% bootstrap interval "
         "excluding 0 (paired by set for unseen references, two populations resampled apart for same-digit sets)",
@@ -401,6 +398,16 @@ def retable(folder: str | Path, revision: str | None = None) -> list[Path]:
         record["revisions"] = [*record.get("revisions", []), revision]
         written.append(write_json(folder / "record.json", record))
     return written
+
+
+#: The record's ``rule``: how each decision of the tables is taken.
+RULE = (
+    "predicts: the one-sided permutation p after Holm's adjustment over the organism's table below 0.05, its interval "
+    "[low, 1] the Holm-compatible one-sided bound; predicts_unadjusted: the same p below 0.05 before Holm (no "
+    "interval); the posterior read at t < 651 or averaged over every step is labelled near-circular; held out: even "
+    "sets choose the predictor and its aggregation (layer group x steps, attribution_aggregate), odd sets test it, "
+    "and back"
+)
 
 
 #: The label of a posterior read after the output is decided (:data:`~.attribution_tests.DECIDED_BELOW`).

@@ -75,7 +75,7 @@ def compare_grid(
 ) -> pd.DataFrame:
     """Per (group, steps, mode, factor), effect and predictor: the mean over sets of the per-set Spearman over the
     references (:func:`ipa_probe.attribution.paired_rank_test`: 95 % bootstrap interval over sets, one-sided
-    permutation p) and ``predicts`` (p < ALPHA and the interval above 0)."""
+    permutation p) and ``predicts`` (p < ALPHA, before Holm: :func:`.attribution_tests.adjust_grid`)."""
     from ..attribution import paired_rank_test
 
     rows = []

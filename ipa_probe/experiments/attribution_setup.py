@@ -97,9 +97,9 @@ def _interval_text(r: dict) -> str:
 def predictor_test(test: dict) -> dict:
     """The columns of one predictor's test against an effect (from :func:`ipa_probe.attribution.paired_rank_test`'s
     ``mean``, ``low``, ``high``, ``p``, ``sets``): its mean per-set Spearman, interval, p, set count, and whether it
-    predicts (p below ``ALPHA`` and the interval above 0), and its per-set values (``_values``, for the family's
-    Holm-compatible bound: :func:`~.attribution_tests.adjust_comparisons`)."""
+    predicts before Holm (p below ``ALPHA``), and its per-set values (``_values``, for the family's Holm-compatible
+    bound: :func:`~.attribution_tests.adjust_comparisons`)."""
     from ..attribution import ALPHA
 
     out = {"spearman": test["mean"], "low": test["low"], "high": test["high"], "p": test["p"], "sets": test["sets"]}
-    return {**out, "predicts": bool(test["p"] < ALPHA and test["low"] > 0), "_values": test["values"]}
+    return {**out, "predicts": bool(test["p"] < ALPHA), "_values": test["values"]}

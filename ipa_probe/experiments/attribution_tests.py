@@ -27,19 +27,15 @@ DECIDED_BELOW = 651.0
 
 
 def _decide(frame: pd.DataFrame, family: pd.Series | None = None) -> pd.DataFrame:
-    """``p_holm`` per family (one family when ``family`` is None) and ``predicts`` = ``p_holm < ALPHA``; the old
-    rule (unadjusted p and the interval above 0) stays as ``predicts_unadjusted``. Where the frame carries each
-    test's per-set values (a ``_values`` column, dropped here), the tested rows' interval becomes the one the decision
-    uses: ``[low, 1]``, ``low`` the family's Holm-compatible one-sided bound
-    (:func:`ipa_probe.attribution.holm_lower_bounds`; above 0 exactly where ``predicts``)."""
+    """``p_holm`` per family (one family when ``family`` is None), ``predicts`` = ``p_holm < ALPHA`` and
+    ``predicts_unadjusted`` = ``p < ALPHA`` (the same one-sided test before Holm: no interval). Where the frame
+    carries each test's per-set values (a ``_values`` column, dropped here), the tested rows' interval becomes the one
+    the decision uses: ``[low, 1]``, ``low`` the family's Holm-compatible one-sided bound
+    (:func:`ipa_probe.attribution.holm_lower_bounds`; at least 0 where ``predicts``, at most 0 elsewhere)."""
     from ..attribution import ALPHA, holm, holm_lower_bounds
 
     out = frame.copy()
-    if "predicts" in out.columns:
-        # rows that joined an adjusted table (add_patching's) still carry the old rule in ``predicts``
-        before = out["predicts"].astype(bool)
-        kept = out["predicts_unadjusted"] if "predicts_unadjusted" in out.columns else pd.Series(np.nan, out.index)
-        out["predicts_unadjusted"] = kept.where(kept.notna(), before).astype(bool)
+    out["predicts_unadjusted"] = (out["p"] < ALPHA).to_numpy()
     out["p_holm"] = np.nan
     keys = pd.Series(0, index=out.index) if family is None else family
     for _, index in out.groupby(keys.to_numpy()).groups.items():
