@@ -3,6 +3,7 @@ alone, one writer per output folder, and bad values stop with one line before th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from helpers import Counting, runner_for, write_jsonl
+from helpers import Counting, pinned_threads, runner_for, write_jsonl
 from PIL import Image
 
 from ipa_probe._io import LOCK_NAME, OutputLocked, check_launch_holds, output_lock
@@ -46,13 +47,17 @@ ROWS = [
 CLI = ["--steps", str(STEPS), "--no-progress", "--resamples", "99"]
 
 
+def _workdir(folder: Path) -> Path:
+    (folder / "refs").mkdir()
+    for i, image in enumerate(default_reference_images(3)):
+        image.save(folder / "refs" / f"{i}.png")
+    write_jsonl(folder / "m.jsonl", ROWS)
+    return folder
+
+
 @pytest.fixture
 def workdir(tmp_path) -> Path:
-    (tmp_path / "refs").mkdir()
-    for i, image in enumerate(default_reference_images(3)):
-        image.save(tmp_path / "refs" / f"{i}.png")
-    write_jsonl(tmp_path / "m.jsonl", ROWS)
-    return tmp_path
+    return _workdir(tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +85,14 @@ def assert_same_results(a: Path, b: Path) -> None:
     pd.testing.assert_frame_equal(pd.read_parquet(a / "aggregate.parquet"), pd.read_parquet(b / "aggregate.parquet"))
 
 
-@pytest.fixture
-def reference(workdir, pipe, one_thread) -> Path:
-    """The three rows run once, uninterrupted."""
-    manifest = read_manifest(workdir / "m.jsonl")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, pipe) -> Path:
+    """The three rows run once, uninterrupted, from a work folder of their own (the same images and manifest as each
+    test's ``workdir``), once per module: the tests only read it."""
+    workdir = _workdir(tmp_path_factory.mktemp("reference"))
     out = workdir / "reference"
-    run_sweep(manifest, runner_for(pipe), out, progress=False, n_resamples=99)
+    with contextlib.contextmanager(pinned_threads)(1):  # one torch thread, as the tests
+        run_sweep(read_manifest(workdir / "m.jsonl"), runner_for(pipe), out, progress=False, n_resamples=99)
     return out
 
 
@@ -186,7 +193,7 @@ def test_a_damaged_part_is_rerun_alone_with_one_warning(workdir, pipe, reference
 # ------------------------------------------------------------------------------------------------ nothing lost
 
 
-def test_a_refused_rerun_deletes_nothing(workdir, reference, one_thread, capsys):
+def test_a_refused_rerun_deletes_nothing(workdir, one_thread, capsys):
     out = workdir / "cli"
     base = ["sweep", str(workdir / "m.jsonl"), "--out", str(out), *CLI]
     assert main(base) == 0
