@@ -136,8 +136,9 @@ class OwnTime:
     def wrap(self, run, mode: str):
         """Time the run's record callback, the forming of held records and the batched per-row statistics (together,
         everything the probe computes per layer call, wherever it runs: the records wait for the call's end) and, with
-        maps, the maps a pass makes from its waiting records' logits and the value hook's per-reference contributions
-        (those counted in the time, not as records); a call inside another timed one is counted once."""
+        maps, the maps a pass makes from its waiting records' logits and each pass's per-reference contributions with
+        the sums kept of them (those counted in the time, not as records); a call inside another timed one is counted
+        once."""
         total, depth = [0.0, 0], [0]
 
         def timer(function, counts: bool):
@@ -156,8 +157,8 @@ class OwnTime:
         # the instance attributes shadow the methods the pass's and the call's end call
         run._flush, run._form_parts = timer(run._flush, False), timer(run._form_parts, False)
         run._map_pass = timer(run._map_pass, False)  # the maps of a pass whose records wait (not counted before)
-        if run._maps is not None:  # the instance attribute shadows the method the value hooks look up
-            run._maps._contribute = timer(run._maps._contribute, False)
+        if run._maps is not None:  # the pass's contributions and their sums (before: only the former, not the sums)
+            run._maps.end_pass = timer(run._maps.end_pass, False)
         return total
 
 

@@ -13,7 +13,7 @@ import torch
 from ipa_probe.capture.maps import REFERENCE_MASS_COLUMNS
 from ipa_probe.capture.run import probe
 from ipa_probe.intervention import intervene
-from ipa_probe.statistics.kernels import orthonormal_coordinates
+from ipa_probe.statistics.kernels import mixed_sums, orthonormal_coordinates, projected_tokens
 
 STEPS = 2
 CONTRIBUTION_COLUMNS = ["contribution_norm", "contribution_share", "contribution_projection"]
@@ -134,6 +134,37 @@ def test_orthonormal_coordinates_keep_every_norm_and_dot_product(x, c, rank):
     torch.testing.assert_close(
         (w.double() @ got.double()).norm(dim=-1), (w.double() @ v64).norm(dim=-1), rtol=1e-5, atol=0
     )
+
+
+@pytest.mark.parametrize(("queries", "channels", "references"), [(300, 40, 16), (256, 320, 16), (64, 24, 3)])
+def test_mixed_sums_equal_own_float64_contributions(queries, channels, references):
+    """The maps' sums formed without the contributions (|c_j|, c_j . c, |c|) against the test's own float64 c_j,
+    within 1e-6 of each position's largest value, also for a reference whose tokens cancel to 1e-4 of their size (its
+    norm from the QR's coordinates: a Gram matrix's square root fails here) and one whose values are all 0."""
+    g, (batch, heads, tokens) = torch.Generator().manual_seed(queries), (2, 4, 4)
+    keys = references * tokens
+    weights = torch.softmax(torch.randn(batch, heads, queries, keys, generator=g) * 3, -1)
+    values = torch.randn(batch, heads, keys, channels // heads, generator=g)
+    # reference 0: tokens 0 and 1, 2 and 3 cancel to 1e-4 of their size (equal weights)
+    values[:, :, 1:4:2] = 1e-4 * torch.randn(batch, heads, 2, channels // heads, generator=g) - values[:, :, 0:4:2]
+    weights[..., 1:4:2] = weights[..., 0:4:2]
+    values[:, :, 4:8] = 0.0  # reference 1: all 0
+    w_o = torch.randn(channels, channels, generator=g) / channels**0.5
+    got = mixed_sums(weights, projected_tokens([values], tokens, 0.7, w_o))  # (3, B, R, Q)
+    # own: c_j = 0.7 sum_{h, i in j} w_{h,i} W_o[:, h] v_{h,i}, float64
+    per_head = w_o.double().unflatten(1, (heads, -1))  # (C, H, D)
+    vw = torch.einsum("chd,bhkd->bhkc", per_head, values.double())  # (B, H, K, C)
+    c = 0.7 * torch.einsum(
+        "bhqrt,bhrtc->brqc",
+        weights.double().unflatten(-1, (references, tokens)),
+        vw.unflatten(2, (references, tokens)),
+    )  # (B, R, Q, C)
+    total = c.sum(1, keepdim=True)
+    want = torch.stack([c.norm(dim=-1), (c * total).sum(-1), total.norm(dim=-1).expand(c.shape[:-1])])
+    largest = want.abs().amax((0, 2), keepdim=True)  # per position (batch, query)
+    assert ((got.double() - want).abs() <= 1e-6 * largest).all()
+    assert float(want[0, :, 1].abs().max()) == 0.0 and float(got[0, :, 1].abs().max()) == 0.0
+    assert float(want[0, :, 0].max()) < 1e-3 * float(want[0].max())  # the cancelling reference
 
 
 @pytest.fixture

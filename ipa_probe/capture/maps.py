@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from diffusers.image_processor import IPAdapterMaskProcessor
 
 from ..layers import IPLayer, LayerSelection, compile_selection, model_of
-from ..statistics.kernels import reference_contributions, softmax_keys
+from ..statistics.kernels import contribution_sums, reference_sums, softmax_keys
 from .spine import Spine, expand_references
 from .taps import Tap
 from .taps.base import layer_module
@@ -242,7 +242,7 @@ class MapAccumulator:
         queries, layer = shares.shape[-2], self.layers[where[0][2]]
         mask = self._masks[where[0][3]] if where[0][3] < len(self._masks) else None
         if contribution is not None:  # an edit of the contributions: what the layer used, not formed here
-            self._keep_contributions([(where, labels, contribution.float(), None)])
+            self._keep_contributions([(where, labels, *contribution_sums(contribution.float()), None)])
             self.edited_contributions += 1
         elif mask is None and layer.family != "sd3" and heads == layer.heads:  # formed when the values are in
             # (L * n, H, items * Q, K) -> (L * B, H, Q, K), the batch order the value projection sees
@@ -328,23 +328,18 @@ class MapAccumulator:
             self._constants[stack] = (seen, scale, w_o, out)
         _, scale, out, _ = self._constants[stack]
         tokens = self.tokens_per_image(where[0][3], where[0][2]) or keys
-        return where, labels, *reference_contributions(weights.float(), values, tokens, scale, out, self.heads, True)
+        return where, labels, *reference_sums(weights.float(), values, tokens, scale, out, self.heads)
 
     def _keep_contributions(self, stacks: list[tuple]) -> None:
         """Keep the norms ``|c_j|`` and projections ``c_j . c / |c|`` (``c = sum_j c_j``: they sum to ``|c|``; per head
-        ``c_{j,h} . c / |c|``) of stacks of ``L`` records ``(where, labels, c_j (L * B, R, Q, C), c_{j,h} (L * B, H, R,
-        Q, C) or None)`` (Flux: ``D``, head ``h``'s part of ``C``), the sums over ``C`` in one buffer for all."""
-        sizes = [total_ref[..., 0].numel() for _, _, total_ref, _ in stacks]
-        kept, totals = stacks[0][2].new_empty(3, sum(sizes)), []  # |c_j|, c_j . c, |c| per (record, reference, query)
-        for (_, _, total_ref, _), part in zip(stacks, kept.split(sizes, 1), strict=True):
-            part, total = part.view(3, *total_ref.shape[:3]), total_ref.sum(1, keepdim=True)  # (L * B, 1, Q, C)
-            torch.linalg.vector_norm(total_ref, dim=-1, out=part[0])
-            torch.sum(total_ref * total, -1, out=part[1])
-            part[2].copy_(torch.linalg.vector_norm(total, dim=-1))  # |c| once per query, not per reference
-            totals.append((part, total))
+        ``c_{j,h} . c / |c|``) of stacks of ``L`` records ``(where, labels, sums, c, c_{j,h})``: their
+        :func:`~ipa_probe.statistics.kernels.contribution_sums` ``(3, L * B, R, Q)``, ``c`` ``(L * B, 1, Q, C)`` and
+        ``c_{j,h}`` ``(L * B, H, R, Q, C)`` or ``None`` (Flux: ``D``, head ``h``'s part of ``C``), divided in one."""
+        kept = torch.cat([sums.flatten(1) for _, _, sums, _, _ in stacks], 1)  # |c_j|, c_j . c, |c|
         kept[1].div_(kept[2].clamp_(min=1e-30))
-        for (where, labels, _, per_head), (part, total) in zip(stacks, totals, strict=True):
-            shape = (len(where), labels.shape[0], -1)  # (L, n, items)
+        parts = kept.split([sums[0].numel() for _, _, sums, _, _ in stacks], 1)
+        for (where, labels, sums, total, per_head), part in zip(stacks, parts, strict=True):
+            part, shape = part.view(sums.shape), (len(where), labels.shape[0], -1)  # (L, n, items)
             for key, values in zip(where, part[:2].transpose(-1, -2).unflatten(1, shape).unbind(1), strict=True):
                 self.contribution_store.setdefault(key, []).append((labels, values))  # (2, n, items, Q, R)
             if per_head is None:

@@ -24,11 +24,13 @@ from .rows import Segments
 
 __all__ = [
     "QUERY_FRAME_FORMS",
+    "contribution_sums",
     "dot_logits",
     "key_norm_bias",
     "matched_bandwidth",
     "merge_heads",
     "mix_tokens",
+    "mixed_sums",
     "n_eff",
     "nw_logits",
     "nw_mean",
@@ -38,6 +40,7 @@ __all__ = [
     "query_frame_bias",
     "query_frame_terms",
     "reference_contributions",
+    "reference_sums",
     "segment_query_frame_terms",
     "softmax_keys",
     "split_heads",
@@ -286,9 +289,8 @@ def reference_contributions(
     ``weights`` ``(L * B, ...)``, ``values`` a list of ``L``, ``w_o`` their ``(L, H, D, C)`` stack, ``scale`` ``(L,)``
     or a number."""
     values, (n_heads, queries, keys) = [values] if torch.is_tensor(values) else values, weights.shape[1:]
-    if w_o is not None:  # the QR of the X = H * K vectors pays where it shortens the queries' products by more than
-        # 4x its size (one CPU thread: at X = 512 it costs 2-4x what it saves at 16 x 16 latents)
-        coordinates = coordinates and queries * (w_o.shape[-1] - n_heads * keys) > 4 * w_o.shape[-1] * n_heads * keys
+    if w_o is not None:
+        coordinates = coordinates and _coordinates_pay(queries, w_o.shape[-1], n_heads * keys)
         return mix_tokens(weights, projected_tokens(values, tokens, scale, w_o, coordinates), heads)
     w = weights.reshape(-1, n_heads, queries, keys // tokens, tokens)  # (L * B, H, Q, R, T)
     v = values[0] if len(values) == 1 else torch.cat(values)
@@ -296,6 +298,48 @@ def reference_contributions(
     per_head = torch.einsum("bhqrt,bhrtd->bhrqd", w, v)  # (L * B, H, R, Q, D)
     per_head = _scaled(per_head.unflatten(0, (len(values), -1)), scale).flatten(0, 1)
     return per_head.permute(0, 2, 3, 1, 4).flatten(-2), per_head if heads else None  # (L * B, R, Q, H * D)
+
+
+def _coordinates_pay(queries: int, channels: int, vectors: int) -> bool:
+    """Whether the QR of the ``X = H * K`` token vectors pays: where it shortens the queries' products by more than 4x
+    its size (one CPU thread: at X = 512 it costs 2-4x what it saves at 16 x 16 latents)."""
+    return queries * (channels - vectors) > 4 * channels * vectors
+
+
+def reference_sums(weights, values, tokens: int, scale, w_o, heads: bool = False) -> tuple:
+    """:func:`contribution_sums` of :func:`reference_contributions`' ``c_j`` in coordinates where they pay, and their
+    ``c_{j,h}`` with ``heads``, else ``None`` (arguments as there). Without heads, with ``W_o``, on a CPU and where
+    the queries outnumber 4x a reference's ``H * T`` vectors, from :func:`mixed_sums` (``c`` given as ``None``)."""
+    values, (n_heads, queries, keys) = [values] if torch.is_tensor(values) else values, weights.shape[1:]
+    mixed = w_o is not None and not heads and weights.device.type == "cpu" and queries >= 4 * n_heads * tokens
+    if mixed and not _coordinates_pay(queries, w_o.shape[-1], n_heads * keys):
+        return mixed_sums(weights, projected_tokens(values, tokens, scale, w_o)), None, None
+    contributions, per_head = reference_contributions(weights, values, tokens, scale, w_o, heads, True)
+    return *contribution_sums(contributions), per_head
+
+
+def contribution_sums(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``|c_j|``, ``c_j . c`` and ``|c|`` (``c = sum_j c_j``, taken once per query) of contributions ``c_j`` ``(..., R,
+    Q, C)``, stacked ``(3, ..., R, Q)``; and ``c`` ``(..., 1, Q, C)``."""
+    total = c.sum(-3, keepdim=True)
+    norm = torch.linalg.vector_norm(total, dim=-1).expand(c.shape[:-1])
+    return torch.stack([torch.linalg.vector_norm(c, dim=-1), torch.linalg.vecdot(c, total), norm]), total
+
+
+def mixed_sums(weights: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+    """:func:`contribution_sums` of :func:`mix_tokens`' ``c_j`` without forming them (``R * Q * C`` values, most of
+    the maps' CPU time at 64 reference tokens and 64 x 64 latents): ``c`` as one product over every token vector,
+    ``c_j . c = sum_{i in j} w_i (p_i . c)`` from one product with ``c``, and ``|c_j|`` in an orthonormal basis of
+    reference ``j``'s ``H * T`` vectors (a Householder QR: backward stable). Within float32 rounding of the formed
+    sums (tests/test_contributions.py); ``weights`` ``(L * B, H, Q, K)``, ``projected`` ``(L * B, R, H, T, C)``."""
+    batch, references, n_heads, tokens, channels = projected.shape
+    w = weights.reshape(batch, n_heads, -1, references, tokens).permute(0, 2, 3, 1, 4).flatten(3)  # (L * B, Q, R, HT)
+    p = projected.reshape(batch, -1, channels)  # (L * B, R * H * T, C)
+    c = w.flatten(2) @ p  # (L * B, Q, C)
+    dots = (w * (c @ p.transpose(1, 2)).unflatten(-1, (references, -1))).sum(-1).transpose(1, 2)  # (L * B, R, Q)
+    basis = torch.linalg.qr(p.unflatten(1, (references, -1)).transpose(-1, -2), mode="r").R  # (L * B, R, HT, HT)
+    norms = torch.linalg.vector_norm(w.transpose(1, 2) @ basis.transpose(-1, -2), dim=-1)
+    return torch.stack([norms, dots, torch.linalg.vector_norm(c, dim=-1)[:, None].expand_as(norms)])
 
 
 def projected_tokens(values: list[torch.Tensor], tokens: int, scale, w_o: torch.Tensor, coordinates=False):
