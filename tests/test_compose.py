@@ -26,7 +26,8 @@ cache, the contributions and the maps-off table the default run of this module t
 columns read too, its 865 tests took 1,633 s in one process at load average 10 to 28 (not set against a run without
 them: the machine's load moved too much to tell their cost); every ordered triple with them passed on all four:
 Flux's 1,066 in 1,169 s (load 14 to 18), SD3's in 730 s (load 8 to 12), SD 1.5's in 968 s and SDXL's in 1,125 s (one
-process each, beside a CI run).
+process each, beside a CI run). With the test's own references computed once per distinct inputs, two processes at
+a time at load about 2: SD 1.5's in 208 s, SDXL's in 242 s, Flux's in 189 s, SD3's in 195 s.
 
 Features a pipeline lacks are no features there. The patch on Flux and SD3 comes from a cache of the call with other
 references (Flux: the two swapped; SD3: the swap image), as on the UNets. SD3's scale acts on its one reference, and
