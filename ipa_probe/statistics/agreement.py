@@ -273,7 +273,7 @@ def _frame_stats(
         # row with the attention logits' (one stack)
         if key_mask is not None or key_term.shape[-2] != 1:
             sd = _row_sd(torch.cat((logits[:1], key_term.expand(shape).reshape(-1, *logits.shape[1:]))), key_mask)
-            gauge = sd[0] / _flat(nw(sd), key_term.expand(shape))
+            gauge = sd[0] / _flat(nw(sd), key_term)  # its largest entry per row, broadcast
         else:
             gauge = _row_sd(logits[0], key_mask) / _flat(_row_sd(key_term, key_mask), key_term)
     else:
