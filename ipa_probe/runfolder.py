@@ -29,7 +29,7 @@ import stat
 import threading
 import time
 import uuid
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -372,11 +372,22 @@ class RunFolder:
             self.state = check_folder(self.folder, self.command, self.key, self.overwrite, self.flag)
             self.kept = list(self.state.unlisted)
             self._stage()
-        except BaseException:
-            self._stack.close()
+            _ACTIVE.add(str(self.staging.resolve()))
+        except BaseException as err:
+            try:  # an interrupt after the staging folder was made: say what the folder holds, as __exit__ would
+                if self._staging_is_this_runs():
+                    _ACTIVE.discard(str(self.staging.resolve()))
+                    self._failed(err)
+            finally:
+                self._stack.close()
             raise
-        _ACTIVE.add(str(self.staging.resolve()))
         return self
+
+    def _staging_is_this_runs(self) -> bool:
+        with suppress(OSError, RunConflict):
+            record = read_run_manifest(self.staging) if own_folder(self.staging) else None
+            return record is not None and record["run_id"] == self.run_id
+        return False
 
     def _record(self, status: str) -> dict[str, Any]:
         previous = self.state.previous if self.state else None

@@ -108,6 +108,32 @@ def test_a_failed_or_interrupted_run_leaves_the_previous_run_exactly_as_it_was(t
     assert not (out / STAGING_NAME).exists()
 
 
+def test_ctrl_c_just_after_the_staging_folder_is_made_still_says_what_the_folder_holds(tmp_path, monkeypatch):
+    # the window between the staging folder's rename into place and the block's start: no __exit__ runs there
+    out = tmp_path / "out"
+    _run(out, {"a.txt": "alpha"}, key=1)
+    before, old = _snapshot(out), _whole(out)
+    real = os.rename
+
+    def interrupted(src, dst, *args, **options):
+        real(src, dst, *args, **options)
+        if Path(dst).name == STAGING_NAME:
+            raise KeyboardInterrupt  # Ctrl-C delivered on the rename's return
+
+    monkeypatch.setattr(runfolder.os, "rename", interrupted)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        with RunFolder(out, CMD, {}, {"k": 2}, overwrite=True):
+            pytest.fail("the block never starts")
+    monkeypatch.setattr(runfolder.os, "rename", real)
+    assert caught.value.__notes__ == [
+        f"{out} is as it was before this run (run {old['run_id']}, finished); it wrote nothing"
+    ]
+    assert _snapshot(out) == before and not (out / STAGING_NAME).exists()  # the empty staging folder went too
+    assert not runfolder.held_staging(out / STAGING_NAME)
+    _run(out, {"b.txt": "beta"}, key=3, overwrite=True)  # and the folder's lock was let go
+    assert set(_whole(out)["files"]) == {"b.txt"}
+
+
 def test_overwrite_replaces_only_the_previous_runs_own_bytes_and_keeps_the_rest(tmp_path):
     out = tmp_path / "out"
     _run(out, {"a.txt": "alpha", "sub/b.txt": "beta", "keep/c.txt": "gamma"}, key=1)
