@@ -286,13 +286,16 @@ def _fit_interval(shares: np.ndarray, distance: np.ndarray, resamples: int, seed
     return beta, min(_root(shares, d, -t_low), beta), max(_root(shares, d, -t_high, beta), beta)
 
 
-def verdict(attention_tv_high: float, share_p: float, share_low: float) -> str:
-    """The pre-stated rule (see the module docstring): ``pooling``, ``tracks posterior`` or ``undecided``."""
+def verdict(attention_tv_high: float, share_p: float) -> str:
+    """The pre-stated rule (see the module docstring): ``pooling`` when the upper end of the interval of the mean TV
+    from uniform is below :data:`POOLING_TV`; else ``tracks posterior`` when the one-sided permutation p of the mean
+    Spearman with the posterior is below :data:`ALPHA` (that test alone: the Spearman's two-sided interval is reported
+    beside it, not used); else ``undecided``, also where the TV has no interval (too few sets to rule out pooling)."""
+    if not attention_tv_high < math.inf:  # NaN: no interval
+        return "undecided"
     if attention_tv_high < POOLING_TV:
         return "pooling"
-    if share_p < ALPHA and share_low > 0:
-        return "tracks posterior"
-    return "undecided"
+    return "tracks posterior" if share_p < ALPHA else "undecided"
 
 
 def summarize_attribution(
@@ -339,7 +342,7 @@ def summarize_attribution(
         row.update(fitted_bandwidth=fitted, fitted_bandwidth_low=_bandwidth(beta_high))
         row.update(fitted_bandwidth_high=_bandwidth(beta_low), fitted_ratio=fitted / data["bandwidth"])
         row.update(fitted_beta=beta, fitted_beta_low=beta_low, fitted_beta_high=beta_high)
-        row["verdict"] = verdict(row["attention_tv_high"], ranking["p"], ranking["low"])
+        row["verdict"] = verdict(row["attention_tv_high"], ranking["p"])
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -411,9 +414,7 @@ def cell_verdicts(
             "share_spearman_critical": critical,
         }
     )
-    out["verdict"] = [
-        verdict(h, q, low) if np.isfinite(h) else "undecided" for h, q, low in zip(tv_high, p, rho_low, strict=True)
-    ]
+    out["verdict"] = [verdict(h, q) for h, q in zip(tv_high, p, strict=True)]
     return out
 
 
