@@ -679,3 +679,29 @@ def test_control_difference_rule():
     assert not control_difference(values, values[::-1] + 0.01, paired=False)["counts"]
     with pytest.raises(ValueError, match="paired control"):
         control_difference(values, control[:5], paired=True)
+
+
+def test_intervals_stay_inside_the_statistics_range():
+    # n_eff of 4 references, mostly 1 and one set near 4: the bootstrap-t's upper end runs past 30 uncut
+    neff = np.array([1.0, 1.0, 1.01, 1.02, 1.0, 1.03, 1.0, 1.01, 1.02, 3.9])
+    wide = control_difference(neff, np.ones(10), paired=True)
+    cut = control_difference(neff, np.ones(10), paired=True, bounds=(1.0, 4.0))
+    assert wide["high"] > 30 and (cut["low"], cut["high"]) == (wide["low"], 3.0)  # a difference: within +-(4 - 1)
+    assert cut["counts"] == wide["counts"]  # the range holds 0: no decision moves
+    welch = control_difference(np.r_[neff, neff], np.full(20, 3.5), paired=False, bounds=(1.0, 4.0))
+    assert -3.0 <= welch["low"] <= welch["high"] <= 3.0
+    # per timestep: every interval within the range written out here, and n_eff's cut where it would leave it
+    rng = np.random.default_rng(3)
+    sets, layers, refs = 10, 3, 4
+    far = np.c_[np.zeros(sets), rng.uniform(8, 12, sets), np.full(sets, 60.0), np.full(sets, 80.0)]  # n_eff ~1.01
+    distance = np.where(np.arange(sets)[:, None] == 9, [0.0, 0.1, 0.2, 0.3], far)
+    shares = rng.dirichlet(np.ones(refs) * 50, size=(sets, layers))
+    row = summarize_attribution(synthetic_frame(shares, distance, h=1.0), permutations=99, resamples=99).iloc[0]
+    ranges = {"share_spearman": (-1, 1), "layer_agreement": (-1, 1), "tv_attention_posterior": (0, 1),
+              "attention_tv": (0, 1 - 1 / refs), "attention_neff": (1, refs), "posterior_neff": (1, refs)}  # fmt: skip
+    for name, (low, high) in ranges.items():
+        assert low <= row[f"{name}_low"] <= row[name] <= row[f"{name}_high"] <= high, name
+    assert row["posterior_neff_high"] == refs  # cut: one set of ten near 4, the rest near 1
+    cells = cell_verdicts(shares, distance, permutations=99, resamples=999)
+    assert (cells["attention_tv_low"] >= 0).all() and (cells["attention_tv_high"] <= 1 - 1 / refs).all()
+    assert (cells["share_spearman_low"] >= -1).all() and (cells["share_spearman_high"] <= 1).all()

@@ -372,6 +372,18 @@ def test_bootstrap_ci_is_the_bootstrap_t_and_behaves_at_the_edges():
         bootstrap_ci(x, 95)
 
 
+def test_bootstrap_ci_is_cut_to_the_means_range():
+    # an effective number of 4 references: mostly 1, one set near 4; the bootstrap-t reaches far past both ends
+    x = np.array([1.0, 1.0, 1.01, 1.02, 1.0, 1.03, 1.0, 1.01, 1.02, 3.9])
+    low, high = own_bootstrap_t(x, 0.95, 1, [4999])
+    assert low < 1 and high > 30  # what the cut is for
+    assert bootstrap_ci(x, 0.95, 4999, np.random.default_rng(1), (1.0, 4.0)) == (1.0, 4.0)
+    assert bootstrap_ci(x, 0.95, 4999, np.random.default_rng(1), (0.5, 40.0)) == pytest.approx((low, high), rel=1e-12)
+    assert bootstrap_ci(np.full(8, 0.5), bounds=(0.0, 1.0)) == (0.5, 0.5)
+    with pytest.raises(ValueError, match="bounds"):
+        bootstrap_ci(x, bounds=(4.0, 1.0))
+
+
 def test_plot_aggregate_draws_the_interval_as_a_band():
     from matplotlib.collections import PolyCollection
 

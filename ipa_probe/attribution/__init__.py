@@ -27,6 +27,7 @@ from .analysis import (
     summarize_attribution,
     summarize_cells,
     tv_from_uniform,
+    value_range,
     verdict,
     verdict_shares,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "summarize_attribution",
     "summarize_cells",
     "tv_from_uniform",
+    "value_range",
     "verdict",
     "verdict_shares",
 ]

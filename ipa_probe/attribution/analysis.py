@@ -45,6 +45,7 @@ __all__ = [
     "summarize_attribution",
     "summarize_cells",
     "tv_from_uniform",
+    "value_range",
     "verdict",
 ]
 
@@ -145,6 +146,24 @@ def neff(weights: np.ndarray) -> np.ndarray:
     return 1.0 / (w**2).sum(-1)
 
 
+def value_range(statistic: str, references: int) -> tuple[float, float]:
+    """The range of one set's ``statistic`` over ``references`` references, hence of a mean over sets: every
+    interval of such a mean is cut to it (the ``bounds`` of :func:`~ipa_probe.sweep.aggregation.bootstrap_ci`).
+    ``*_neff``: ``[1, R]``; ``attention_tv`` / ``posterior_tv`` (from uniform): ``[0, 1 - 1/R]``;
+    ``tv_attention_posterior`` and the ``*_tv_above`` shares of cells: ``[0, 1]``; ``share_spearman`` and
+    ``layer_agreement``: ``[-1, 1]``. A difference of two values of one statistic ranges over ``±(high - low)``."""
+    r = float(references)
+    if statistic.endswith("_neff"):
+        return 1.0, r
+    if statistic in ("attention_tv", "posterior_tv"):
+        return 0.0, 1.0 - 1.0 / r
+    if statistic == "tv_attention_posterior" or statistic.endswith("_tv_above"):
+        return 0.0, 1.0
+    if statistic in ("share_spearman", "layer_agreement"):
+        return -1.0, 1.0
+    raise ValueError(f"value_range: no range known for {statistic!r}")
+
+
 def tv_from_uniform(weights: np.ndarray) -> np.ndarray:
     """Total-variation distance ``0.5 sum_i |w_i - 1/R|`` of each weight vector (last axis) from uniform."""
     w = np.asarray(weights, dtype=np.float64)
@@ -188,7 +207,7 @@ def paired_rank_test(x: np.ndarray, y: np.ndarray, permutations: int = 4999, see
         null = (zx[None] * np.take_along_axis(np.broadcast_to(zy, order.shape), order, -1)).sum(-1).mean(-1)
         exceed += int((null >= observed - 1e-12).sum())  # 1e-12: the identity permutation reproduces the sum
     out.update(mean=observed, p=(1 + exceed) / (1 + permutations))
-    out["low"], out["high"] = bootstrap_ci(per_set)
+    out["low"], out["high"] = bootstrap_ci(per_set, bounds=(-1.0, 1.0))
     return out
 
 
@@ -218,7 +237,7 @@ def layer_agreement_test(shares: np.ndarray, permutations: int = 4999, seed: int
         null = pairwise(np.take_along_axis(np.broadcast_to(z, order.shape), order, -1)).mean(-1)
         exceed += int((null >= observed - 1e-12).sum())
     out.update(mean=observed, p=(1 + exceed) / (1 + permutations))
-    out["low"], out["high"] = bootstrap_ci(per_set)
+    out["low"], out["high"] = bootstrap_ci(per_set, bounds=(-1.0, 1.0))
     return out
 
 
@@ -330,7 +349,7 @@ def summarize_attribution(
             "posterior_neff": neff(posterior),
         }
         for name, values in per_set.items():
-            low, high = bootstrap_ci(values)
+            low, high = bootstrap_ci(values, bounds=value_range(name, row["references"]))
             row.update({name: float(values.mean()), f"{name}_low": low, f"{name}_high": high})
         row["posterior_tv"] = float(tv_from_uniform(posterior).mean())
         row["position_neff"] = float(data["position_neff"].mean())
@@ -348,13 +367,16 @@ def summarize_attribution(
 
 
 # ------------------------------------------------------------------------------ verdicts per cell, and controls
-def _mean_interval(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _mean_interval(
+    values: np.ndarray, counts: np.ndarray, bounds: tuple[float, float] = (-math.inf, math.inf)
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per column of ``values`` ``(S, C)`` (NaN = left out): the mean over sets and its 95 % bootstrap-t interval
-    (:func:`studentised`; columns with fewer than :data:`~ipa_probe.sweep.aggregation.MIN_SETS` usable sets NaN)."""
+    (:func:`studentised`; columns with fewer than :data:`~ipa_probe.sweep.aggregation.MIN_SETS` usable sets NaN), cut
+    to the mean's range ``bounds`` (:func:`value_range`)."""
     mean, se, t = studentised(values, counts)
     se = np.where(np.isfinite(values).sum(0) >= MIN_SETS, se, np.nan)
     upper, lower = np.quantile(t, [0.975, 0.025], axis=0) if len(counts) else (np.nan, np.nan)
-    return mean, mean - upper * se, mean - lower * se
+    return mean, np.clip(mean - upper * se, *bounds), np.clip(mean - lower * se, *bounds)
 
 
 def cell_verdicts(
@@ -376,14 +398,14 @@ def cell_verdicts(
     sets, cells, refs = a.shape
     rng = np.random.default_rng(seed)
     counts = resample_counts(rng, resamples, sets)
-    tv, tv_low, tv_high = _mean_interval(tv_from_uniform(a), counts)
+    tv, tv_low, tv_high = _mean_interval(tv_from_uniform(a), counts, value_range("attention_tv", refs))
     zx = _standard_ranks(a)  # (S, C, R)
     zy = _standard_ranks(-np.asarray(distance, dtype=np.float64))  # (S, R)
     usable = np.isfinite(zx).all(-1) & np.isfinite(zy).all(-1)[:, None]  # (S, C)
     zx = np.where(usable[..., None], zx, 0.0)
     zy0 = np.nan_to_num(zy)
     per_set = np.where(usable, (zx * zy0[:, None]).sum(-1), np.nan)  # (S, C) Spearman per set and cell
-    rho, rho_low, rho_high = _mean_interval(per_set, counts)
+    rho, rho_low, rho_high = _mean_interval(per_set, counts, value_range("share_spearman", refs))
     n = usable.sum(0)  # (C,)
     flat = zx.transpose(0, 2, 1).reshape(sets * refs, cells)  # (S*R, C)
     nulls = []
@@ -489,7 +511,9 @@ def cell_shares(cells: pd.DataFrame, timestep: float) -> tuple[np.ndarray, list[
     return part["attention_share"].to_numpy(np.float64).reshape(sets, len(keys), refs), [tuple(k) for k in keys]
 
 
-def control_difference(values: np.ndarray, control: np.ndarray, paired: bool) -> dict[str, float]:
+def control_difference(
+    values: np.ndarray, control: np.ndarray, paired: bool, bounds: tuple[float, float] = (-math.inf, math.inf)
+) -> dict[str, float]:
     """A statistic against its control: the mean of ``values`` minus the mean of ``control`` with a 95 % interval;
     it **counts** only when the interval excludes 0 (per row, unadjusted: not a family's decision).
 
@@ -498,7 +522,8 @@ def control_difference(values: np.ndarray, control: np.ndarray, paired: bool) ->
     per-set difference's bootstrap-t interval (:func:`~ipa_probe.sweep.aggregation.bootstrap_ci`); ``paired=False``:
     ``(S',)`` on independent control sets (e.g. same-digit sets against mixed ones), Welch's t interval. Either is NaN
     with fewer than :data:`~ipa_probe.sweep.aggregation.MIN_SETS` sets a side (``tests/test_interval_coverage.py``).
-    Returns ``{"value", "control", "difference", "low", "high", "counts"}``.
+    ``bounds``: the statistic's range (:func:`value_range`); the interval is cut to the difference's, ``±(high -
+    low)``. Returns ``{"value", "control", "difference", "low", "high", "counts"}``.
     """
     x, y = np.asarray(values, dtype=np.float64), np.asarray(control, dtype=np.float64)
     out = {"value": float(np.nanmean(x)) if np.isfinite(x).any() else math.nan}
@@ -515,6 +540,8 @@ def control_difference(values: np.ndarray, control: np.ndarray, paired: bool) ->
         low, high = math.nan, math.nan
         if min(len(x), len(y)) >= MIN_SETS:
             low, high = stats.ttest_ind(x, y, equal_var=False).confidence_interval(0.95)
+    width = bounds[1] - bounds[0]  # the difference's range
+    low, high = np.clip([low, high], -width, width)
     out.update(low=float(low), high=float(high), counts=bool(low > 0 or high < 0))
     return out
 

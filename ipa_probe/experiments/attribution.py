@@ -163,7 +163,7 @@ def compare(
                 )
                 rows.append({"timestep": when, "predictor": predictor, "effect": effect, **predictor_test(t)})
             difference = tests["posterior_weight"]["values"] - tests["attention_share"]["values"]
-            low, high = bootstrap_ci(difference)
+            low, high = bootstrap_ci(difference, bounds=(-2.0, 2.0))  # a difference of two Spearman
             rows.append(
                 {"timestep": when, "predictor": "posterior - attention", "effect": effect,
                  "spearman": float(np.nanmean(difference)) if np.isfinite(difference).any() else np.nan,
@@ -239,8 +239,7 @@ def run(ctx) -> ExperimentResult:
         "intervention": "ablate one reference in every IP-Adapter layer at every step (removed from the softmax)",
         "rule": RULE,
         "control_sets": tier.attribution_control_sets,
-        "control_rule": "a statistic counts only where its difference from its control has a 95% bootstrap interval "
-        "excluding 0 (paired by set for unseen references, two populations resampled apart for same-digit sets)",
+        "control_rule": CONTROL_RULE,
         "verdict_intervals": {"bootstrap_resamples_of_sets": outer},
         "shuffle_tolerance": {"latent_rtol": SHUFFLE_LATENT_RTOL, "share_atol": SHUFFLE_SHARE_ATOL},
         "controls": {label: as_records(check) for label, check in checks.items()},
@@ -319,7 +318,8 @@ def table_rows(
                 ))  # fmt: skip
         effects = effects_by[label]
         latent = effects["latent_effect"].to_numpy()
-        low, high = bootstrap_ci(effects.groupby("set")["latent_effect"].mean())  # over sets: 4 references share one
+        # over sets (4 references share one); an RMS change is not negative
+        low, high = bootstrap_ci(effects.groupby("set")["latent_effect"].mean(), bounds=(0.0, np.inf))
         baseline = effects.drop_duplicates("set")
         on_refs = float((baseline["baseline_label"].to_numpy()[:, None] == _set_digits(effects)).any(1).mean())
         rows.append(Row(
@@ -401,6 +401,15 @@ def retable(folder: str | Path, revision: str | None = None) -> list[Path]:
 
 
 #: The record's ``rule``: how each decision of the tables is taken.
+#: How a statistic is read against its control (``controls_<label>.csv``: ``counts``).
+CONTROL_RULE = (
+    "a statistic counts only where its difference from its control has a 95% interval excluding 0 (paired by set "
+    "against unseen references: the bootstrap-t of the per-set differences; same-digit sets, an independent "
+    "population: Welch's t), each cut to the difference's range (+-(high - low) of the statistic's range; "
+    "ipa_probe.attribution.value_range); the verdict per cell: pooling if the upper end of the mean TV's interval is "
+    "below 0.05, else tracks posterior if the one-sided permutation p of the mean Spearman is below 0.05 (that test "
+    "alone), else undecided"
+)
 RULE = (
     "predicts: the one-sided permutation p after Holm's adjustment over the organism's table below 0.05, its interval "
     "[low, 1] the Holm-compatible one-sided bound; predicts_unadjusted: the same p below 0.05 before Holm (no "

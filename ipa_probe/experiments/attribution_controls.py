@@ -76,7 +76,7 @@ def set_statistics(result, unseen: pd.DataFrame) -> pd.DataFrame:
         unseen: :func:`~ipa_probe.attribution.posterior_at` of its unseen references at its ``x_t``.
 
     Returns:
-        one row per timestep: ``attention_tv`` (mean over layers of the TV of ``A[l]`` from uniform),
+        one row per timestep: ``references``, ``attention_tv`` (mean over layers of the TV of ``A[l]`` from uniform),
         ``share_spearman`` (Spearman of the layer-mean shares with ``-d``), ``posterior_neff``, the same two against
         the unseen references (``share_spearman_unseen``, ``posterior_neff_unseen``: the attention's shares paired
         with the unseen reference in the same place), and ``head_tv_above`` / ``position_tv_above`` /
@@ -104,7 +104,8 @@ def set_statistics(result, unseen: pd.DataFrame) -> pd.DataFrame:
             return float((tv_from_uniform(values.to_numpy(np.float64)) > POOLING_TV).mean())
 
         rows.append(
-            {"timestep": float(timestep), "attention_tv": float(tv_from_uniform(shares).mean()),
+            {"timestep": float(timestep), "references": shares.shape[1],
+             "attention_tv": float(tv_from_uniform(shares).mean()),
              "share_spearman": spearman(first["sq_distance"]), "share_spearman_unseen": spearman(other["sq_distance"]),
              "posterior_neff": float(neff(first["posterior_weight"].to_numpy())),
              "posterior_neff_unseen": float(neff(other["posterior_weight"].to_numpy())),
@@ -169,7 +170,7 @@ def controls(statistics: dict[str, pd.DataFrame]) -> pd.DataFrame:
         one row per (population, timestep, statistic, control): ``value``, ``control_value``, ``difference``,
         ``low``, ``high``, ``counts`` (the interval excludes 0).
     """
-    from ..attribution import control_difference
+    from ..attribution import control_difference, value_range
 
     rows = []
 
@@ -184,16 +185,20 @@ def controls(statistics: dict[str, pd.DataFrame]) -> pd.DataFrame:
         for timestep, part in frame.groupby("timestep"):
             for statistic in ("posterior_neff", "share_spearman"):
                 values, control = part[statistic].to_numpy(), part[f"{statistic}_unseen"].to_numpy()
-                add(population, timestep, statistic, "unseen references", control_difference(values, control, True))
+                bounds = value_range(statistic, int(part["references"].max()))
+                result = control_difference(values, control, True, bounds)
+                add(population, timestep, statistic, "unseen references", result)
     same = statistics.get("same digit")
     for population, frame in statistics.items():
         if population == "same digit" or same is None:
             continue
         for timestep, part in frame.groupby("timestep"):
             base = same[same["timestep"] == timestep]
+            refs = int(max(part["references"].max(), base["references"].max()))
             for statistic in ("attention_tv", "share_spearman", "head_tv_above", "position_tv_above",
                               "head_position_tv_above"):  # fmt: skip
-                result = control_difference(part[statistic], base[statistic], False)
+                bounds = value_range(statistic, refs)
+                result = control_difference(part[statistic], base[statistic], False, bounds)
                 add(population, timestep, statistic, "same-digit sets", result)
     return pd.DataFrame(rows).sort_values(
         ["population", "statistic", "control", "timestep"], ascending=[True, True, True, False]

@@ -57,13 +57,25 @@ QUERY_FRAME_MEANS: tuple[str, ...] = tuple(
 )
 
 
+def verdict_rule() -> str:
+    """The verdict's rule (:func:`ipa_probe.attribution.verdict`) in words, as each record states it."""
+    from ..attribution import ALPHA, POOLING_TV
+
+    return (
+        f"pooling if the upper end of the 95% interval of the mean per-layer TV distance of the attention shares "
+        f"from uniform is below {POOLING_TV}; else tracks posterior if the one-sided permutation p of the mean "
+        f"per-set Spearman (attention share vs exact posterior) is below {ALPHA} (that test alone); else "
+        "undecided, also where the TV has no interval"
+    )
+
+
 def summarize_sets(per_set: pd.DataFrame) -> pd.DataFrame:
     """Per timestep: the query-frame and stored-frame rho over reference sets with bootstrap intervals, and the means
     of the other columns, from the probe tables of all sets (``per_set``, with a ``set`` column).
 
     Each rho is first averaged within a set (over its layers and heads; cells without a value, such as a query frame
-    of one query, are left out), then over sets; the interval is a 95 % BCa bootstrap of that mean over sets
-    (:func:`ipa_probe.sweep.aggregation.bootstrap_ci`, seeded).
+    of one query, are left out), then over sets; the interval is a 95 % bootstrap-t of that mean over sets
+    (:func:`ipa_probe.sweep.aggregation.bootstrap_ci`, seeded), cut to the mean's range.
 
     Returns:
         one row per timestep (noise first): ``spearman`` (stored frame) with ``ci_low``, ``ci_high``; ``pearson``,
@@ -78,7 +90,7 @@ def summarize_sets(per_set: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for timestep, frame in per_set.groupby("timestep", sort=False):
         set_means = frame.groupby("set")["spearman"].mean().to_numpy()
-        low, high = bootstrap_ci(set_means)
+        low, high = bootstrap_ci(set_means, bounds=(-1.0, 1.0))
         row = {
             "timestep": int(timestep),
             "spearman": float(set_means.mean()),
@@ -97,7 +109,8 @@ def summarize_sets(per_set: pd.DataFrame) -> pd.DataFrame:
             means = frame.groupby("set")[column].mean().to_numpy(np.float64)  # NaN cells left out per set
             means = means[np.isfinite(means)]
             row[column] = float(means.mean()) if means.size else math.nan
-            row[f"{column}_low"], row[f"{column}_high"] = bootstrap_ci(means)
+            bounds = (-2.0, 2.0) if "excess" in column else (-1.0, 1.0)  # a Spearman; its excess over another
+            row[f"{column}_low"], row[f"{column}_high"] = bootstrap_ci(means, bounds=bounds)
         for form in ("exact", "gaussian"):
             column = query_frame_column("spearman", form)
             if column in frame.columns:
@@ -210,7 +223,7 @@ def run(ctx) -> ExperimentResult:
     from tqdm.auto import tqdm
 
     from .._io import write_table
-    from ..attribution import ALPHA, POOLING_TV, sets_table, summarize_attribution
+    from ..attribution import sets_table, summarize_attribution
     from .matched_control import per_set_means, run_controls
 
     tier, folder = ctx.tier, ctx.out / "ip-adapter"
@@ -264,12 +277,7 @@ def run(ctx) -> ExperimentResult:
         "bandwidth": "matched (h^2 = sqrt(d_head))",
         "query_frame": "item: b_i over one item's query positions at one step, per layer, head and adapter",
         "seeds_and_sets": "reference set i generates from seed i: intervals over sets are over seeds as well",
-        "verdict_rule": (
-            f"pooling if the upper end of the 95% interval of the mean per-layer TV distance of the attention shares "
-            f"from uniform is below {POOLING_TV}; else tracks posterior if the one-sided permutation p of the mean "
-            f"per-set Spearman (attention share vs exact posterior) is below {ALPHA} (that test alone); else "
-            "undecided, also where the TV has no interval"
-        ),
+        "verdict_rule": verdict_rule(),
         "fitted_bandwidth_null": "null in fitted_bandwidth* means infinite: uniform weights are KL-closest",
         "differences_from_paper": (
             "a 16x16 digits organism trained here (SD 1.5 block structure scaled down, 10 IP layers of 4 heads, "

@@ -54,12 +54,18 @@ def studentised(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...
 
 
 def bootstrap_ci(
-    values: np.ndarray, confidence: float = 0.95, n_resamples: int = 9999, rng: np.random.Generator | None = None
+    values: np.ndarray,
+    confidence: float = 0.95,
+    n_resamples: int = 9999,
+    rng: np.random.Generator | None = None,
+    bounds: tuple[float, float] = (-math.inf, math.inf),
 ) -> tuple[float, float]:
     """Bootstrap-t confidence interval of the mean of ``values``: ``mean - t*_hi se``, ``mean - t*_lo se`` with
     ``t*`` the quantiles of :func:`studentised`'s deviations over ``n_resamples`` resamples (BCa undercovered over
     20 values and fewer). Non-finite values are dropped; ``(nan, nan)`` for fewer than :data:`MIN_SETS`, ``(v, v)``
-    when all equal ``v``; ``confidence`` is two-sided; ``rng`` defaults to one seeded with 0 (reproducible)."""
+    when all equal ``v``; ``confidence`` is two-sided; ``rng`` defaults to one seeded with 0 (reproducible).
+    ``bounds``: the range the mean can take (a Spearman's ``(-1, 1)``); the interval is cut to it, which loses no
+    coverage since the true mean lies inside (a bootstrap-t of a few skewed values can reach far beyond it)."""
     if not 0 < confidence < 1:
         raise ValueError(f"confidence: expected a level in (0, 1), e.g. 0.95, got {confidence}")
     x = np.asarray(values, dtype=np.float64)
@@ -68,11 +74,14 @@ def bootstrap_ci(
         return math.nan, math.nan
     if np.ptp(x) == 0:
         return float(x[0, 0]), float(x[0, 0])
+    if not bounds[0] <= bounds[1]:
+        raise ValueError(f"bounds: expected (low, high) with low <= high, got {bounds}")
     rng = rng if rng is not None else np.random.default_rng(0)
     batches = [min(RESAMPLE_BATCH, n_resamples - start) for start in range(0, n_resamples, RESAMPLE_BATCH)]
     mean, se, t = zip(*(studentised(x, resample_counts(rng, size, len(x))) for size in batches), strict=True)
     upper, lower = np.quantile(np.concatenate(t), [(1 + confidence) / 2, (1 - confidence) / 2])
-    return (mean[0] - upper * se[0]).item(), (mean[0] - lower * se[0]).item()
+    low, high = np.clip([mean[0] - upper * se[0], mean[0] - lower * se[0]], *bounds).ravel()
+    return low.item(), high.item()
 
 
 def row_summary(table: pd.DataFrame, threshold: float = 0.9) -> pd.DataFrame:
@@ -142,7 +151,7 @@ def aggregate(
             partial = np.zeros(len(both), dtype=bool)
         group = both[~partial]
         rho = group["spearman"].to_numpy(np.float64)
-        low, high = bootstrap_ci(rho, confidence, n_resamples, np.random.default_rng([seed, index]))
+        low, high = bootstrap_ci(rho, confidence, n_resamples, np.random.default_rng([seed, index]), (-1.0, 1.0))
         finite = rho[np.isfinite(rho)]
         record = {
             "branch": branch,
