@@ -796,6 +796,12 @@ def test_full_tier_shuffle_and_tracking():
     assert_in(
         "docs/attribution.md", f"at most {100 * top['tracks_posterior']:.1f}% of any resolution's cells at any step"
     )
+    same = cells[cells["population"] == "same digit"]
+    same = same.loc[same["tracks_posterior"].idxmax()]
+    assert same["resolution"] == "layer x head"
+    assert_in(
+        "docs/attribution.md", f"the same-digit sets reach {100 * same['tracks_posterior']:.0f}% (`support`, per head)"
+    )
 
 
 # ------------------------------------------------------- attribution.md and findings.md section 6: fresh sets (#52.1)
@@ -1681,6 +1687,7 @@ def run_every_claim() -> None:
 # docs' prose must lie inside a text that a test above asserted against its record.
 NOT_DATA = {
     r"\d+ ?[×x+] ?\d+|\d+²": "a size or a product of the design (2 + 2 sets, 16 × 16 digits, 4 x 8 cells)",
+    r"(?:in|within) \[−1, 1\]|\[0, 1 − 1/R\]|\[1, R\]": "a statistic's range (its definition)",
     r"\b95%|\bat 5%|(?:α =|threshold|below|above|p <|p-value below) 0\.05|0\.95|2\.5%": "a level set before the data",
     r"\b\de-\d+\b|(?:than|to|at) \d+%|more than \d+% off": "a tolerance or threshold of a check",
     r"(?:SD|Stable Diffusion) 1\.5|Python 3\.10|arXiv:[\d.]+|paper's 0\.89": "a name, a version, the paper's figure",
