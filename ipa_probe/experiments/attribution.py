@@ -400,8 +400,7 @@ def retable(folder: str | Path, revision: str | None = None) -> list[Path]:
     return written
 
 
-#: The record's ``rule``: how each decision of the tables is taken.
-#: How a statistic is read against its control (``controls_<label>.csv``: ``counts``).
+#: How a statistic is read against its control (``controls_<label>.csv``: ``counts``), and the verdict per cell.
 CONTROL_RULE = (
     "a statistic counts only where its difference from its control has a 95% interval excluding 0 (paired by set "
     "against unseen references: the bootstrap-t of the per-set differences; same-digit sets, an independent "
@@ -410,6 +409,7 @@ CONTROL_RULE = (
     "below 0.05, else tracks posterior if the one-sided permutation p of the mean Spearman is below 0.05 (that test "
     "alone), else undecided"
 )
+#: The record's ``rule``: how each decision of the tables is taken.
 RULE = (
     "predicts: the one-sided permutation p after Holm's adjustment over the organism's table below 0.05, its interval "
     "[low, 1] the Holm-compatible one-sided bound; predicts_unadjusted: the same p below 0.05 before Holm (no "
