@@ -39,7 +39,7 @@ from ipa_probe.tiny.digits.following import interval as seed_interval
 
 NOMINAL = 0.95
 #: the held-out table's family: 12 binomial tests against 1/2 on the decided sets of each held-out half, as committed
-#: (attribution_fresh.held_out over 32 fresh sets an organism: 4-10 decided)
+#: (attribution_fresh.held_out over 96 fresh sets an organism: 9-32 decided)
 HELD_OUT = Path(__file__).parents[1] / "docs/results/attribution_fresh/held_out.csv"
 FAMILY_N = pd.read_csv(HELD_OUT).query("predictor == 'held out'")["decided"].to_numpy()
 FAMILY_P = np.array([0.5, 0.5, 0.3, 0.5, 0.9, 0.9, 0.5, 0.7, 0.5, 0.5, 0.95, 0.5])
