@@ -60,8 +60,8 @@ REVISION = (
 )
 
 
-def _cut(values: pd.Series, low: float, high: float) -> tuple[pd.Series, int]:
-    """``values`` cut to ``[low, high]`` (NaN kept), and how many moved."""
+def _cut(values: pd.Series, low, high) -> tuple[pd.Series, int]:
+    """``values`` cut to ``[low, high]`` (numbers, or one per value; NaN kept), and how many moved."""
     cut = values.clip(low, high)
     return cut, int(((cut != values) & values.notna()).sum())
 
@@ -84,10 +84,9 @@ def _summary_ends(rows: pd.DataFrame) -> tuple[pd.DataFrame, int, list[str]]:
     for name in STATISTICS:
         for end in ("low", "high"):
             column = f"{name}_{end}"
-            bounds = [value_range(name, int(r)) for r in rows["references"]]
-            cut = rows[column].clip([b[0] for b in bounds], [b[1] for b in bounds])
-            moved += int(((cut != rows[column]) & rows[column].notna()).sum())
-            rows[column], touched = cut, [*touched, column]
+            low, high = np.array([value_range(name, int(r)) for r in rows["references"]]).T
+            rows[column], cut = _cut(rows[column], low, high)
+            moved, touched = moved + cut, [*touched, column]
     rule = [verdict(h, p) for h, p in zip(rows["attention_tv_high"], rows["share_spearman_p"], strict=True)]
     assert rule == rows["verdict"].tolist(), "a committed verdict is not the one-test rule's"
     return rows, moved, touched
@@ -114,23 +113,17 @@ def ip_adapter(folder: Path) -> dict[str, int]:
 
 def _controls(table: pd.DataFrame) -> tuple[pd.DataFrame, int, list[str]]:
     width = np.array([np.subtract(*value_range(s, REFERENCES)[::-1]) for s in table["statistic"]])
-    counts = table["counts"].copy()
-    low, high = table["low"].clip(-width, width), table["high"].clip(-width, width)
-    moved = int(
-        ((low != table["low"]) & table["low"].notna()).sum() + ((high != table["high"]) & table["high"].notna()).sum()
-    )
-    table["low"], table["high"] = low, high
-    assert (table["counts"] == counts).all() and ((table["low"] > 0) | (table["high"] < 0))[counts].all()
-    return table, moved, ["low", "high"]
+    (table["low"], low), (table["high"], high) = _cut(table["low"], -width, width), _cut(table["high"], -width, width)
+    assert (((table["low"] > 0) | (table["high"] < 0)) == table["counts"]).all(), "a count moved"
+    return table, low + high, ["low", "high"]
 
 
 def _gap(table: pd.DataFrame) -> tuple[pd.DataFrame, int, list[str]]:
     rows = table["predictor"] == GAP
     moved = 0
     for end in ("low", "high"):
-        cut = table.loc[rows, end].clip(-2.0, 2.0)
-        moved += int(((cut != table.loc[rows, end]) & cut.notna()).sum())
-        table.loc[rows, end] = cut
+        table.loc[rows, end], cut = _cut(table.loc[rows, end], -2.0, 2.0)
+        moved += cut
     return table, moved, ["low", "high"]
 
 
@@ -147,7 +140,7 @@ def attribution(folder: Path, verdicts: Path | None) -> dict[str, object]:
             bounds = [c for c in old.columns if c.endswith(("_low", "_high"))]
             assert old[keys].equals(new[keys]), name
             pd.testing.assert_frame_equal(old[bounds], new[bounds], check_exact=False, atol=1e-12)
-            shares = [c for c in ("pooling", "tracks_posterior", "undecided")]
+            shares = ["pooling", "tracks_posterior", "undecided"]
             delta = (new[shares] - old[shares]).abs().max(axis=1)
             changes[name] = [
                 f"{r.population}, {r.resolution}, t={r.timestep:g}: tracks {o:.3f} -> {n:.3f}"
