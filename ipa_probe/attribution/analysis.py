@@ -106,8 +106,7 @@ def sign_flip_test(values, permutations: int = 49999, seed: int = 0) -> tuple[fl
         flips = (np.arange(2 ** len(v))[:, None] >> np.arange(len(v))) & 1
     else:
         flips = np.vstack([np.zeros(len(v)), np.random.default_rng(seed).random((permutations, len(v))) < 0.5])
-    count = flips.sum(1)
-    means = np.where(count > 0, flips @ v / np.maximum(count, 1), -np.inf)
+    means = np.where(flips.any(1), flips @ v / np.maximum(flips.sum(1), 1), -np.inf)
     null = np.sort(np.where(np.abs(means) <= 1e-12, 0.0, means))  # 1e-12: a flipped mean of 0 up to rounding
     return float(np.searchsorted(null, 0.0, side="right") / len(null)), null
 

@@ -42,7 +42,8 @@ def _decide(frame: pd.DataFrame, family: pd.Series | None = None) -> pd.DataFram
     for _, index in out.groupby(keys.to_numpy()).groups.items():
         out.loc[index, "p_holm"] = holm(out.loc[index, "p"].to_numpy(np.float64))
         if "_null" in out.columns:
-            low = np.maximum(holm_lower_bounds(list(out.loc[index, "_null"]), out.loc[index, "p_holm"]), -1.0)
+            nulls = [np.atleast_1d(n) for n in out.loc[index, "_null"]]  # NaN: a row without a test
+            low = np.maximum(holm_lower_bounds(nulls, out.loc[index, "p_holm"]), -1.0)
             tested = np.isfinite(low)
             out.loc[index[tested], "low"], out.loc[index[tested], "high"] = low[tested], 1.0
     out["predicts"] = (out["p_holm"] < ALPHA).to_numpy()
