@@ -205,3 +205,35 @@ def pinned_threads(threads: int):
     torch.set_num_threads(threads)
     yield
     torch.set_num_threads(before)
+
+
+def sign_flip_p(values, centre: float = 0.0) -> float:
+    """The exact one-sided sign-flip p of "centre <= ``centre``" (up to 16 values): the share of all ``2**n`` sign
+    patterns of the centred values whose mean reaches the observed mean (1e-12: a tie up to rounding)."""
+    import itertools
+
+    import numpy as np
+
+    x = np.asarray(values, dtype=np.float64) - centre
+    flips = np.array(list(itertools.product([1.0, -1.0], repeat=len(x))))
+    return float(np.mean((flips * x).mean(1) >= x.mean() - 1e-12))
+
+
+def inverted_bound(values, level: float) -> float:
+    """The lower confidence bound of the test above at ``level``: the smallest centre whose :func:`sign_flip_p` is at
+    least ``level``, by bisection over the centres where that p can change (the means of the values' non-empty
+    subsets: a pattern's flipped mean crosses the observed one there), the p rising with the centre."""
+    import itertools
+
+    import numpy as np
+
+    x = np.asarray(values, dtype=np.float64)
+    subsets = itertools.chain.from_iterable(itertools.combinations(x, k) for k in range(1, len(x) + 1))
+    candidates = np.unique([np.mean(s) for s in subsets])
+    if sign_flip_p(x, candidates[0]) >= level:
+        return -math.inf if sign_flip_p(x, candidates[0] - 1.0) >= level else float(candidates[0])
+    low, high = 0, len(candidates) - 1  # p(candidates[low]) < level <= p(candidates[high])
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if sign_flip_p(x, candidates[mid]) >= level else (mid, high)
+    return float(candidates[high])

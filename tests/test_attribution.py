@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from helpers import inverted_bound, sign_flip_p
 from scipy import optimize, special, stats
 
 import ipa_probe
@@ -19,12 +20,14 @@ from ipa_probe.attribution import (
     cell_verdicts,
     control_difference,
     fit_bandwidth,
+    holm_lower_bounds,
     layer_agreement_test,
     neff,
     paired_rank_test,
     posterior_at,
     reference_attribution,
     sets_table,
+    sign_flip_test,
     summarize_attribution,
     summarize_cells,
     tv_from_uniform,
@@ -327,6 +330,25 @@ def test_paired_rank_test_against_scipy_and_exact_enumeration():
     assert (result["low"], result["high"]) == pytest.approx((mean[0] - upper * se[0], mean[0] - lower * se[0]))
     constant = paired_rank_test(np.ones((3, 4)), y)
     assert constant["sets"] == 0 and math.isnan(constant["mean"]) and math.isnan(constant["p"])
+
+
+def test_sign_flip_test_and_its_bounds_against_enumeration_and_bisection():
+    """The decision's test of the attribution tables against the test's own enumeration of all 2^n sign patterns
+    (exact where 2^n <= permutations + 1), with tied, Spearman-like values too, and its lower bound at several levels
+    against its own bisection of that p: the smallest centre the test keeps, above 0 exactly where it rejects."""
+    rng = np.random.default_rng(8)
+    cases = [rng.normal(0.3, 1.0, 5), rng.normal(0.1, 1.0, 9), rng.choice(np.linspace(-1, 1, 11), 12)]
+    for values in cases + [np.full(6, 0.4), np.array([0.2, -0.2, 0.2, -0.2, 0.6])]:
+        p, null = sign_flip_test(values, permutations=9999)
+        assert len(null) == 2 ** len(values) and p == pytest.approx(sign_flip_p(values), abs=1e-12)
+        for level in (0.2, 0.05, 0.01, 0.05 / 64):
+            decided = np.array([0.0 if p < level else 1.0])  # one test: Holm at level is the test at level
+            (bound,) = holm_lower_bounds([null], decided, alpha=level)
+            assert bound == pytest.approx(inverted_bound(values, level), abs=1e-12)
+            assert (bound > 0) == (p < level)
+    p, null = sign_flip_test(rng.normal(0.2, 1.0, 40), permutations=999, seed=3)  # drawn: the identity and 999
+    assert len(null) == 1000 and null[0] == -np.inf and p == np.mean(null <= 0)
+    assert np.isnan(sign_flip_test([0.3, np.nan])[0])  # one value: no test
 
 
 def test_layer_agreement_against_scipy_and_exact_enumeration():

@@ -156,8 +156,8 @@ def _effects(sets: int = 12, refs: int = 4, seed: int = 5) -> pd.DataFrame:
 
 
 def test_held_out_chooses_on_one_half_and_tests_on_the_other():
-    effects = _effects()
-    out, scores = held_out_aggregations(effects, None, permutations=999)
+    effects = _effects(sets=24)  # 12 a half: an exact sign-flip p can reach 1 / 4096
+    out, scores = held_out_aggregations(effects, None, permutations=4095)
     latent = out[out["effect"] == "latent_effect"]
     # norm and the negated posterior both rank exactly: the first of the tie (PREDICTORS' order) is chosen
     assert set(latent["chosen"]) == {"contribution_norm"} and (latent["sign"] == 1).all()
@@ -171,7 +171,7 @@ def test_held_out_chooses_on_one_half_and_tests_on_the_other():
     assert held[held["predictor"] == "attention_share"]["held_out_spearman"].item() == pytest.approx(
         np.mean(shares), abs=1e-12
     )
-    assert row["sets"] == 6
+    assert row["sets"] == 12
     np.testing.assert_allclose(out["p_holm"], _holm_by_definition(list(out["p"])), atol=1e-15)
 
 
@@ -275,3 +275,32 @@ def test_committed_intervals_stay_inside_their_statistics_range(folder):
         gap = pd.read_csv(folder / f"comparisons_{label}.csv").query("predictor == 'posterior - attention'")
         outside += [f"comparisons_{label}: {v:.4g}" for v in gap[["low", "high"]].to_numpy().ravel() if abs(v) > 2]
     assert outside == []
+
+
+@pytest.mark.parametrize("folder", ATTRIBUTION_FOLDERS, ids=lambda f: f.parent.name)
+def test_committed_grid_tests_against_an_exact_recomputation(folder):
+    """Every committed grid test recomputed here from ``grid_trained.csv``: scipy's Spearman per set, the sign-flip p
+    over all 2^sets patterns (the grid's few sets make the committed p exact too), Holm per family by definition, and
+    each tested row's ``low`` the Holm-compatible bound of the test inverted by the test's own bisection."""
+    from helpers import inverted_bound, sign_flip_p
+
+    grid = pd.read_csv(folder / "grid_trained.csv")
+    table = pd.read_csv(folder / "grid_comparisons_trained.csv")
+    values = []
+    for r in table.itertuples():
+        part = grid[(grid["group"] == r.group) & (grid["steps"] == r.steps) & (grid["mode"] == r.mode)]
+        part = part[part["factor"] == r.factor].sort_values(["set", "reference"])
+        per_set = [stats.spearmanr(s[r.predictor], s[r.effect]).statistic for _, s in part.groupby("set")]
+        values.append(np.array([v for v in per_set if np.isfinite(v)]))
+    assert (table["sets"] == [len(v) for v in values]).all()
+    np.testing.assert_allclose(table["spearman"], [v.mean() for v in values], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(table["p"], [sign_flip_p(v) for v in values], rtol=0, atol=1e-12)
+    for _, rows in table.groupby("family"):
+        p_holm = np.array(_holm_by_definition(list(rows["p"])))
+        np.testing.assert_allclose(rows["p_holm"], p_holm, rtol=0, atol=1e-12)
+        rejected = p_holm < 0.05
+        level = 0.05 / (int((~rejected).sum()) or len(rows))
+        own = np.array([max(inverted_bound(values[i], level), -1.0) for i in rows.index])
+        expected = np.where(rejected, 0.0 if (~rejected).any() else np.maximum(0.0, own), np.minimum(0.0, own))
+        np.testing.assert_allclose(rows["low"], expected, rtol=0, atol=1e-12)
+        assert (rows["predicts"] == rejected).all() and (rows["high"] == 1).all()

@@ -7,7 +7,7 @@ short (unadjusted bounds on a family, one standard error as a bound, Wald's inte
 bootstrap and the max-|z| band the cells' verdicts used before their bootstrap-t, the BCa bootstrap and the two-sample
 percentile bootstrap the controls used before, Student's t over 8 seeds of a skewed change, the bootstrap-t below
 ``MIN_SETS``): there it must fail.
-Simulated elsewhere (``tests/test_attribution_coverage.py``): the verdict shares' bounds, the Holm-compatible t
+Simulated elsewhere (``tests/test_attribution_coverage.py``): the verdict shares' bounds, the Holm-compatible sign-flip
 bounds (``holm_lower_bounds``: the aggregation table's and the matched controls'), the clustered Clopper-Pearson rate.
 """
 

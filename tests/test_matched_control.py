@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from helpers import inverted_bound, sign_flip_p
 from scipy import stats
 
 from ipa_probe.experiments import matched_control as mc
@@ -23,7 +24,7 @@ def _per_set(rng, sets=6, shift=0.0):
 
 def test_paired_control_against_enumerated_sign_flips():
     """Differences, their means and both one-sided p by enumerating all 2^12 sign flips; Holm over both directions
-    and the table; each direction's Holm-compatible bound."""
+    and the table; each direction's Holm-compatible bound, the test inverted by the test's own bisection."""
     from ipa_probe.attribution import holm
 
     rng = np.random.default_rng(0)
@@ -48,11 +49,12 @@ def test_paired_control_against_enumerated_sign_flips():
         null = (flips * d).mean(1)  # exact enumeration either way
         assert r["p_above"] == pytest.approx(np.mean(null >= d.mean() - 1e-12), abs=1e-12)
         assert r["p_below"] == pytest.approx(np.mean(null <= d.mean() + 1e-12), abs=1e-12)
-        # each direction's bound: Student's t at 0.05 / (hypotheses Holm keeps, of both directions), Holm-compatible
-        half = stats.t.ppf(1 - 0.05 / (kept or 2 * len(out)), len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
+        # each direction's bound: its own test inverted at 0.05 / (hypotheses Holm keeps, of both directions),
+        # Holm-compatible
         for side, bound, sign in (("above", r["low"], 1), ("below", r["high"], -1)):
-            t_bound = sign * d.mean() - half
-            expected = (0.0 if kept else max(0.0, t_bound)) if r[f"p_holm_{side}"] < 0.05 else min(0.0, t_bound)
+            own = inverted_bound(sign * d, 0.05 / (kept or 2 * len(out)))
+            assert sign_flip_p(sign * d, own) >= 0.05 / (kept or 2 * len(out))
+            expected = (0.0 if kept else max(0.0, own)) if r[f"p_holm_{side}"] < 0.05 else min(0.0, own)
             assert sign * bound == pytest.approx(expected, abs=1e-12)
         decision = "above" if r["p_holm_above"] < 0.05 else "below" if r["p_holm_below"] < 0.05 else "neither"
         assert r["decision"] == decision and (r["low"] > 0) <= (decision == "above")

@@ -35,6 +35,7 @@ __all__ = [
     "clustered_clopper_pearson",
     "holm",
     "holm_lower_bounds",
+    "sign_flip_test",
     "control_difference",
     "simultaneous_band",
     "verdict_shares",
@@ -88,16 +89,38 @@ def holm_bounds(bound_at, p_holm: np.ndarray, null: float = 0.0, alpha: float = 
     kept = int((tested & ~rejected).sum())
     bound = np.asarray(bound_at(alpha / (kept or int(tested.sum()) or 1)), dtype=np.float64)
     out = np.where(rejected, null if kept else np.maximum(null, bound), np.minimum(null, bound))
-    return np.where(tested & np.isfinite(bound), out, np.nan)
+    return np.where(tested & ~np.isnan(bound), out, np.nan)
 
 
-def holm_lower_bounds(values: list[np.ndarray], p_holm: np.ndarray, alpha: float = ALPHA) -> np.ndarray:
-    """:func:`holm_bounds` of the means of ``values`` (``m`` arrays of per-set values, NaN left out) under tests of
-    "mean <= 0", each by Student's t one-sided bound (NaN for fewer than 2 values)."""
-    samples = [x[np.isfinite(x)] for x in (np.asarray(v, dtype=np.float64).ravel() for v in values)]
-    moments = [(x.mean(), x.std(ddof=1), len(x)) if len(x) >= 2 else (math.nan,) * 3 for x in samples]
-    mean, sd, n = np.array(moments, dtype=np.float64).reshape(-1, 3).T
-    return holm_bounds(lambda level: mean - stats.t.ppf(1 - level, n - 1) * sd / np.sqrt(n), p_holm, 0.0, alpha)
+def sign_flip_test(values, permutations: int = 49999, seed: int = 0) -> tuple[float, np.ndarray]:
+    """One-sided sign-flip test of "centre <= 0" over independent values (NaN left out; each symmetric about the
+    centre under the null, as a Spearman is under no association) and its null: the sorted means of the flipped values,
+    one per sign pattern (-inf: none flipped; all ``2**S`` patterns where at most ``permutations + 1``, else none and
+    ``permutations`` random ones). "centre <= d" is rejected at a level above the share of flipped means <= d: ``p``
+    is the share at 0; :func:`holm_lower_bounds` inverts the same patterns. ``(nan, empty)``: under 2 values."""
+    v = np.asarray(values, dtype=np.float64).ravel()
+    v = v[np.isfinite(v)]
+    if len(v) < 2:
+        return math.nan, np.empty(0)
+    if 2 ** len(v) <= permutations + 1:
+        flips = (np.arange(2 ** len(v))[:, None] >> np.arange(len(v))) & 1
+    else:
+        flips = np.vstack([np.zeros(len(v)), np.random.default_rng(seed).random((permutations, len(v))) < 0.5])
+    means = np.where(flips.any(1), flips @ v / np.maximum(flips.sum(1), 1), -np.inf)
+    null = np.sort(np.where(np.abs(means) <= 1e-12, 0.0, means))  # 1e-12: a flipped mean of 0 up to rounding
+    return float(np.searchsorted(null, 0.0, side="right") / len(null)), null
+
+
+def holm_lower_bounds(nulls: list[np.ndarray], p_holm: np.ndarray, alpha: float = ALPHA) -> np.ndarray:
+    """:func:`holm_bounds` of the centres tested by :func:`sign_flip_test` (``nulls``: each test's null): the smallest
+    centre the test keeps at a level, its ``k``-th smallest flipped mean with ``k / N`` the first share at or above the
+    level. Above 0 exactly where the test rejects (NaN: no test; -inf: no pattern can reject)."""
+
+    def bound_at(level: float) -> np.ndarray:
+        first = [np.searchsorted(np.arange(len(n) + 1) / max(len(n), 1), level) for n in nulls]
+        return np.array([n[k - 1] if len(n) else math.nan for n, k in zip(nulls, first, strict=True)])
+
+    return holm_bounds(bound_at, p_holm, 0.0, alpha)
 
 
 def exact_lower_bound(successes, trials, level: float = ALPHA) -> np.ndarray:

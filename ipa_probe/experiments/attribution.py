@@ -3,8 +3,8 @@
 On the digits organism (recipe ``--recipe``, DDIM 20 steps, CFG 3) each 2 + 2 set generates once while
 :func:`ipa_probe.attribution.reference_attribution` records the per-reference predictors, and once more per reference
 ablated everywhere (:func:`ipa_probe.measure_intervention`); each predictor's per-set Spearman with the effect
-(``latent_effect``, ``class_drop``) is tested with :func:`ipa_probe.attribution.paired_rank_test` against the untrained
-organism. Beside them: the verdicts per cell and their controls (issue #29 points 2 and 3: unseen references,
+(``latent_effect``, ``class_drop``) is tested over sets (:func:`ipa_probe.attribution.sign_flip_test`) against the
+untrained organism. Beside them: the verdicts per cell and their controls (issue #29 points 2 and 3: unseen references,
 mixed against same-digit sets, shuffled reference order held to :data:`SHUFFLE_LATENT_RTOL` and
 :data:`SHUFFLE_SHARE_ATOL`), and the causal ground truth per layer group and step range (point 4:
 :func:`compare_grid`, :func:`two_plus_two_example`). What each file holds and what was measured: docs/attribution.md
@@ -141,10 +141,9 @@ def predictors(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 def compare(
     effects: pd.DataFrame, overall: pd.DataFrame, per_step: pd.DataFrame, permutations: int = 49999, seed: int = 0
 ) -> pd.DataFrame:
-    """Per predictor, effect and timestep (``"all"`` for the step mean): mean per-set Spearman, interval, p-value
-    (``permutations`` permutations: the table's 52 tests put Holm's floor at 52 / (1 + permutations)), whether the
-    predictor predicts the effect (p < ALPHA, before Holm in :func:`.attribution_tests._decide`), and
-    the per-set values (``_values``)."""
+    """Per predictor, effect and timestep (``"all"`` for the step mean): :func:`.attribution_setup.predictor_test`
+    (``permutations`` sign patterns: the table's 52 tests put Holm's floor at 52 / (1 + permutations)); predicting is
+    decided after Holm in :func:`.attribution_tests._decide`."""
     from ..attribution import paired_rank_test
     from ..sweep.aggregation import bootstrap_ci
 
@@ -158,10 +157,9 @@ def compare(
             for predictor in PREDICTORS:
                 if predictor not in merged.columns or (when != "all" and predictor in WHOLE_RUN_PREDICTORS):
                     continue  # the whole run's predictors once; effects without them (older records) skip them
-                t = tests[predictor] = paired_rank_test(
-                    _matrix(merged, predictor), _matrix(merged, effect), permutations, seed
-                )
-                rows.append({"timestep": when, "predictor": predictor, "effect": effect, **predictor_test(t)})
+                t = tests[predictor] = paired_rank_test(_matrix(merged, predictor), _matrix(merged, effect), 0)
+                test = predictor_test(t, permutations, seed)
+                rows.append({"timestep": when, "predictor": predictor, "effect": effect, **test})
             difference = tests["posterior_weight"]["values"] - tests["attention_share"]["values"]
             low, high = bootstrap_ci(difference, bounds=(-2.0, 2.0))  # a difference of two Spearman
             rows.append(
@@ -411,11 +409,11 @@ CONTROL_RULE = (
 )
 #: The record's ``rule``: how each decision of the tables is taken.
 RULE = (
-    "predicts: the one-sided permutation p after Holm's adjustment over the organism's table below 0.05, its interval "
-    "[low, 1] the Holm-compatible one-sided bound; predicts_unadjusted: the same p below 0.05 before Holm (no "
-    "interval); the posterior read at t < 651 or averaged over every step is labelled near-circular; held out: even "
-    "sets choose the predictor and its aggregation (layer group x steps, attribution_aggregate), odd sets test it, "
-    "and back"
+    "predicts: the one-sided sign-flip p of the per-set Spearman after Holm's adjustment over the organism's table "
+    "below 0.05, its interval [low, 1] the same test's Holm-compatible one-sided bound; predicts_unadjusted: the same "
+    "p below 0.05 before Holm (no interval); the posterior read at t < 651 or averaged over every step is labelled "
+    "near-circular; held out: even sets choose the predictor and its aggregation (layer group x steps, "
+    "attribution_aggregate), odd sets test it, and back"
 )
 
 

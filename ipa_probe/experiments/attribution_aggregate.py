@@ -133,9 +133,9 @@ def held_out_aggregations(
 
     Sets with an even index choose, among every candidate of :func:`candidates`, the one (and its sign: a candidate
     that ranks the references backwards is read negated) with the largest absolute mean per-set Spearman with the
-    effect; the odd sets test it with :func:`ipa_probe.attribution.paired_rank_test` (one-sided permutation p); then
-    the roles swap. The held-out tests of one organism (effects x 2 folds) are one Holm family; ``agrees`` is
-    ``p_holm < ALPHA``, and its interval ``[low, 1]`` the family's Holm-compatible one-sided bound
+    effect; the odd sets test it (one-sided sign-flip p of the per-set Spearman, :func:`ipa_probe.attribution.
+    sign_flip_test`); then the roles swap. The held-out tests of one organism (effects x 2 folds) are one Holm family;
+    ``agrees`` is ``p_holm < ALPHA``, its interval ``[low, 1]`` the same tests' Holm-compatible one-sided bounds
     (:func:`ipa_probe.attribution.holm_lower_bounds`). Nothing chosen on a half is tested on it.
 
     Returns:
@@ -144,7 +144,7 @@ def held_out_aggregations(
         ``spearman``, ``low``, ``high``, ``p``, ``sets``, ``p_holm``, ``agrees``. ``scores``: every candidate's mean
         per-set Spearman on the choosing half and on the held-out half, per (effect, fold) (descriptive).
     """
-    from ..attribution import ALPHA, holm, holm_lower_bounds, paired_rank_test
+    from ..attribution import ALPHA, holm, holm_lower_bounds, paired_rank_test, sign_flip_test
 
     wide, names = candidates(effects, aggregates)
     if names.empty:
@@ -168,9 +168,8 @@ def held_out_aggregations(
             best = int(np.nanargmax(np.where(np.isfinite(chosen_scores), np.abs(chosen_scores), -1.0)))
             sign = 1.0 if chosen_scores[best] >= 0 else -1.0
             column = names["column"].iloc[best]
-            result = paired_rank_test(
-                sign * _matrix(test, column), _matrix(test, effect), permutations=permutations, seed=seed
-            )
+            result = paired_rank_test(sign * _matrix(test, column), _matrix(test, effect), permutations=0)
+            result["p"], null = sign_flip_test(result["values"], permutations, seed)
             chosen = names.iloc[best]
             rows.append(
                 {"effect": effect, "fold": fold, "chosen": chosen["predictor"], "group": chosen["group"],
@@ -178,10 +177,10 @@ def held_out_aggregations(
                  "selection_spearman": chosen_scores[best], "spearman": result["mean"], "low": result["low"],
                  "high": result["high"], "p": result["p"], "sets": result["sets"]}
             )  # fmt: skip
-            values.append(result["values"])
+            values.append(null)
     out = pd.DataFrame(rows)
     out["p_holm"] = holm(out["p"].to_numpy(np.float64))
-    out["low"], out["high"] = holm_lower_bounds(values, out["p_holm"].to_numpy()), 1.0  # the decision's interval
+    out["low"], out["high"] = np.maximum(holm_lower_bounds(values, out["p_holm"]), -1.0), 1.0  # the decision's
     out["agrees"] = out["p_holm"] < ALPHA
     return out, pd.concat(scores, ignore_index=True)
 

@@ -74,8 +74,8 @@ def compare_grid(
     grid: pd.DataFrame, predictors_table: pd.DataFrame, permutations: int = 49999, seed: int = 0
 ) -> pd.DataFrame:
     """Per (group, steps, mode, factor), effect and predictor: the mean over sets of the per-set Spearman over the
-    references (:func:`ipa_probe.attribution.paired_rank_test`: 95 % bootstrap interval over sets, one-sided
-    permutation p) and ``predicts`` (p < ALPHA, before Holm: :func:`.attribution_tests.adjust_grid`)."""
+    references (:func:`.attribution_setup.predictor_test`: 95 % bootstrap interval over sets, one-sided sign-flip p)
+    and ``predicts`` (p < ALPHA, before Holm: :func:`.attribution_tests.adjust_grid`)."""
     from ..attribution import paired_rank_test
 
     rows = []
@@ -83,7 +83,7 @@ def compare_grid(
     for (group, steps, mode, factor), part in merged.groupby(["group", "steps", "mode", "factor"], sort=False):
         for effect in EFFECTS:
             for predictor in STEP_PREDICTORS:
-                t = paired_rank_test(_matrix(part, predictor), _matrix(part, effect), permutations, seed)
+                t = paired_rank_test(_matrix(part, predictor), _matrix(part, effect), 0)
                 rows.append(
                     {
                         "group": group,
@@ -92,7 +92,7 @@ def compare_grid(
                         "factor": factor,
                         "effect": effect,
                         "predictor": predictor,
-                        **predictor_test(t),
+                        **predictor_test(t, permutations, seed),
                     }  # fmt: skip
                 )
     return pd.DataFrame(rows)

@@ -94,12 +94,14 @@ def _interval_text(r: dict) -> str:
     return f"{r['spearman']:+.2f} [{r['low']:+.2f}, {r['high']:+.2f}]"
 
 
-def predictor_test(test: dict) -> dict:
-    """The columns of one predictor's test against an effect (from :func:`ipa_probe.attribution.paired_rank_test`'s
-    ``mean``, ``low``, ``high``, ``p``, ``sets``): its mean per-set Spearman, interval, p, set count, and whether it
-    predicts before Holm (p below ``ALPHA``), and its per-set values (``_values``, for the family's Holm-compatible
-    bound: :func:`~.attribution_tests.adjust_comparisons`)."""
-    from ..attribution import ALPHA
+def predictor_test(test: dict, permutations: int, seed: int) -> dict:
+    """The columns of one predictor's test against an effect, from :func:`ipa_probe.attribution.paired_rank_test`'s
+    ``mean``, ``low``, ``high``, ``sets`` and per-set ``values``: its mean per-set Spearman, interval, set count, the
+    one-sided sign-flip p of the per-set values (:func:`ipa_probe.attribution.sign_flip_test`), whether it predicts
+    before Holm (p below ``ALPHA``), and the test's null (``_null``, for the family's Holm-compatible bound, the same
+    test inverted: :func:`~.attribution_tests.adjust_comparisons`)."""
+    from ..attribution import ALPHA, sign_flip_test
 
-    out = {"spearman": test["mean"], "low": test["low"], "high": test["high"], "p": test["p"], "sets": test["sets"]}
-    return {**out, "predicts": bool(test["p"] < ALPHA), "_values": test["values"]}
+    p, null = sign_flip_test(test["values"], permutations, seed)
+    out = {"spearman": test["mean"], "low": test["low"], "high": test["high"], "p": p, "sets": test["sets"]}
+    return {**out, "predicts": bool(p < ALPHA), "_null": null}

@@ -2,9 +2,10 @@
 each table, the mid block apart, the posterior labelled where it is read after the output is decided, exact flip-rate
 intervals, and a predictor chosen on one half of the reference sets and tested on the other.
 
-Every p-value is the one-sided permutation p of :func:`ipa_probe.attribution.paired_rank_test` (a predictor ranks
-the references as the effect does), decided after Holm's adjustment below :data:`~ipa_probe.attribution.ALPHA`, with
-the decision's own interval ``[low, 1]`` (:func:`ipa_probe.attribution.holm_lower_bounds`). Families: one organism's
+Every p-value is the one-sided sign-flip p of the per-set Spearman (:func:`ipa_probe.attribution.sign_flip_test`: a
+predictor ranks the references as the effect does), decided after Holm's adjustment below
+:data:`~ipa_probe.attribution.ALPHA`, with the same test's interval ``[low, 1]`` (:func:`ipa_probe.attribution.
+holm_lower_bounds`). Families: one organism's
 comparison table; the grid without the mid block; the mid block; one organism's held-out tests. The posterior read at
 ``t <`` :data:`DECIDED_BELOW` is labelled ``near_circular``. Held out: the even sets choose the predictor (and its
 sign), the odd sets test it, then the roles swap. The conventions in full: docs/attribution.md.
@@ -29,9 +30,9 @@ DECIDED_BELOW = 651.0
 def _decide(frame: pd.DataFrame, family: pd.Series | None = None) -> pd.DataFrame:
     """``p_holm`` per family (one family when ``family`` is None), ``predicts`` = ``p_holm < ALPHA`` and
     ``predicts_unadjusted`` = ``p < ALPHA`` (the same one-sided test before Holm: no interval). Where the frame
-    carries each test's per-set values (a ``_values`` column, dropped here), the tested rows' interval becomes the one
-    the decision uses: ``[low, 1]``, ``low`` the family's Holm-compatible one-sided bound
-    (:func:`ipa_probe.attribution.holm_lower_bounds`; at least 0 where ``predicts``, at most 0 elsewhere)."""
+    carries each test's null (a ``_null`` column, dropped here), the tested rows' interval becomes the one the
+    decision uses: ``[low, 1]``, ``low`` the family's Holm-compatible one-sided bound inverting the same test, cut at
+    -1 (:func:`ipa_probe.attribution.holm_lower_bounds`; above 0 exactly where ``predicts``)."""
     from ..attribution import ALPHA, holm, holm_lower_bounds
 
     out = frame.copy()
@@ -40,12 +41,13 @@ def _decide(frame: pd.DataFrame, family: pd.Series | None = None) -> pd.DataFram
     keys = pd.Series(0, index=out.index) if family is None else family
     for _, index in out.groupby(keys.to_numpy()).groups.items():
         out.loc[index, "p_holm"] = holm(out.loc[index, "p"].to_numpy(np.float64))
-        if "_values" in out.columns:
-            low = holm_lower_bounds(list(out.loc[index, "_values"]), out.loc[index, "p_holm"].to_numpy(np.float64))
+        if "_null" in out.columns:
+            nulls = [np.atleast_1d(n) for n in out.loc[index, "_null"]]  # NaN: a row without a test
+            low = np.maximum(holm_lower_bounds(nulls, out.loc[index, "p_holm"]), -1.0)
             tested = np.isfinite(low)
             out.loc[index[tested], "low"], out.loc[index[tested], "high"] = low[tested], 1.0
     out["predicts"] = (out["p_holm"] < ALPHA).to_numpy()
-    return out.drop(columns="_values", errors="ignore")
+    return out.drop(columns="_null", errors="ignore")
 
 
 def adjust_comparisons(table: pd.DataFrame) -> pd.DataFrame:

@@ -146,22 +146,20 @@ DIRECTIONS = ("above", "below")
 
 
 def paired_tests(differences: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
-    """Both one-sided sign-flip tests (9999 draws from ``seed``) of the mean per-set difference, per (control,
-    statistic, timestep). ``differences``: one row per set with ``control``, ``statistic``, ``timestep`` and
-    ``difference`` (trained - control; NaN left out).
+    """Both one-sided sign-flip tests (:func:`ipa_probe.attribution.sign_flip_test`, 9999 patterns from ``seed``) of
+    the mean per-set difference, per (control, statistic, timestep). ``differences``: one row per set with
+    ``control``, ``statistic``, ``timestep`` and ``difference`` (trained - control; NaN left out).
 
     Returns:
         one row per (control, statistic, timestep), noise first: ``difference`` (mean over sets), ``sets``,
         ``p_above`` / ``p_below``, ``p_holm_above`` / ``p_holm_below`` (Holm over both directions and every row),
-        ``[low, high]``: the Holm-compatible bounds of "above" and "below" (:func:`ipa_probe.attribution.
-        holm_lower_bounds` over the 2 x rows hypotheses; ``low`` >= 0 where "above" is rejected, <= 0 elsewhere, and
+        ``[low, high]``: the Holm-compatible bounds of "above" and "below", each test inverted (:func:`ipa_probe.
+        attribution.holm_lower_bounds` over the 2 x rows hypotheses; ``low`` > 0 exactly where "above" is rejected,
         ``high`` mirrored for "below"), and ``decision`` (``"above"``, ``"below"`` or ``"neither"``).
     """
-    from scipy import stats
+    from ..attribution import ALPHA, holm, holm_lower_bounds, sign_flip_test
 
-    from ..attribution import ALPHA, holm, holm_lower_bounds
-
-    rows, values = [], []
+    rows, nulls = [], {direction: [] for direction in DIRECTIONS}
     keys = ["control", "statistic", "timestep"]
     pairs = zip(differences["control"], differences["statistic"], strict=True)
     order = {pair: i for i, pair in enumerate(dict.fromkeys(pairs))}  # first seen first, then noise first
@@ -169,15 +167,10 @@ def paired_tests(differences: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
     for key, part in groups:
         d = part["difference"].to_numpy(np.float64)
         d = d[np.isfinite(d)]
-        values.append(d)
-        p = {direction: math.nan for direction in DIRECTIONS}
-        for direction, alternative in zip(DIRECTIONS, ("greater", "less"), strict=True):
-            if d.size >= 2:
-                test = stats.permutation_test(
-                    (d,), np.mean, permutation_type="samples", alternative=alternative, n_resamples=9999,
-                    random_state=seed,
-                )  # fmt: skip
-                p[direction] = float(test.pvalue)
+        p = {}
+        for direction, sign in zip(DIRECTIONS, (1.0, -1.0), strict=True):
+            p[direction], null = sign_flip_test(sign * d, 9999, seed)
+            nulls[direction].append(null)
         row = dict(zip(keys, key, strict=True))
         row.update(difference=float(d.mean()) if d.size else math.nan, sets=int(d.size))
         rows.append(row | {f"p_{direction}": p[direction] for direction in DIRECTIONS})
@@ -185,7 +178,7 @@ def paired_tests(differences: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
     m = len(out)
     adjusted = holm(np.concatenate([out["p_above"], out["p_below"]]).astype(np.float64)) if m else np.empty(0)
     out["p_holm_above"], out["p_holm_below"] = adjusted[:m], adjusted[m:]
-    bounds = holm_lower_bounds(values + [-d for d in values], adjusted) if m else np.empty(0)
+    bounds = holm_lower_bounds(nulls["above"] + nulls["below"], adjusted) if m else np.empty(0)
     out["low"], out["high"] = bounds[:m], -bounds[m:]
     above, below = out["p_holm_above"] < ALPHA, out["p_holm_below"] < ALPHA
     out["decision"] = np.where(above, "above", np.where(below, "below", "neither"))
