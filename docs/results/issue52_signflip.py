@@ -22,8 +22,8 @@ per-set Spearman being symmetric about 0 under no association) and each bound is
   committed ``init_adapter_per_set.csv``; every other column is checked unchanged; each test's cell in the folder's
   ``table.md`` and ``table.csv`` and the tier's ``summary.md`` written again from it (:func:`replace_cells`).
 
-Not re-derived: ``matched_control.csv``, whose per-set differences no record holds (rerunning the ip-adapter
-experiment writes them with the new test). Prints per folder the decisions that moved.
+Not here: ``matched_control.csv``, whose per-set differences no record holds (``issue52_matched.py`` generates the
+twins again for it). Prints per folder the decisions before and after.
 """
 
 import json
