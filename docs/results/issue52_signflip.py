@@ -19,10 +19,11 @@ per-set Spearman being symmetric about 0 under no association) and each bound is
   ``table.csv`` and ``record.json`` written from the CSVs and the tier's ``summary.md`` section from ``table.md``.
 - ``ip-adapter/init_adapter_tests.csv`` (and the record's copy): ``p_above``, ``p_below``, their Holm values,
   ``low``, ``high`` and ``decision`` from :func:`~ipa_probe.experiments.matched_control.paired_tests` of the
-  committed ``init_adapter_per_set.csv``; every other column is checked unchanged.
+  committed ``init_adapter_per_set.csv``; every other column is checked unchanged; each test's cell in the folder's
+  ``table.md`` and ``table.csv`` and the tier's ``summary.md`` written again from it (:func:`replace_cells`).
 
-Not re-derived: ``matched_control.csv``, whose per-set differences no record holds (rerunning the ip-adapter
-experiment writes them with the new test). Prints per folder the decisions that moved.
+Not here: ``matched_control.csv``, whose per-set differences no record holds (``issue52_matched.py`` generates the
+twins again for it). Prints per folder the decisions before and after.
 """
 
 import json
@@ -36,7 +37,7 @@ from issue52_rederive import rewrite
 
 from ipa_probe._io import write_json, write_table
 from ipa_probe.experiments.attribution import RULE, retable
-from ipa_probe.experiments.matched_control import paired_tests
+from ipa_probe.experiments.matched_control import _decided, paired_tests
 
 REVISION = (
     "issue #52: comparisons, grid and held-out tests decided by the one-sided sign-flip test of the per-set "
@@ -67,6 +68,18 @@ def attribution(folder: Path) -> dict[str, str]:
     return {name: f"{int(before[name].sum())} -> {int(after[name].sum())} of {len(after[name])}" for name in before}
 
 
+def replace_cells(folder: Path, old: pd.DataFrame, new: pd.DataFrame) -> None:
+    """Each paired test's cell (``_decided``: decision, bounds, p) of ``old`` replaced by ``new``'s, row for row, in
+    the ``ip-adapter`` folder's ``table.md`` and ``table.csv`` and the tier's ``summary.md`` (each old cell found)."""
+    for path in (folder / "table.md", folder / "table.csv", folder.parent / "summary.md"):
+        text = path.read_text()
+        for before, after in zip(old.to_dict(orient="records"), new.to_dict(orient="records"), strict=True):
+            cell = _decided(before)
+            assert cell in text, (path, cell)
+            text = text.replace(cell, _decided(after))
+        path.write_text(text)
+
+
 def init_adapter(folder: Path) -> str:
     """Re-derive ``init_adapter_tests.csv`` and the record's copy; the decisions before and after."""
     path = folder / "init_adapter_tests.csv"
@@ -78,6 +91,7 @@ def init_adapter(folder: Path) -> str:
         table[column] = new.loc[keys, column].to_numpy()
     assert np.allclose(new.loc[keys, "difference"], old["difference"], rtol=1e-12, atol=0), path
     write_table(table, path)
+    replace_cells(folder, old, table)
     others = [c for c in old.columns if c not in TESTED]
     assert pd.read_csv(path)[others].equals(old[others]), path
     record = json.loads((folder / "record.json").read_text())
