@@ -114,7 +114,7 @@ def sign_flip_test(values, permutations: int = 49999, seed: int = 0) -> tuple[fl
 def holm_lower_bounds(nulls: list[np.ndarray], p_holm: np.ndarray, alpha: float = ALPHA) -> np.ndarray:
     """:func:`holm_bounds` of the centres tested by :func:`sign_flip_test` (``nulls``: each test's null): the smallest
     centre the test keeps at a level, its ``k``-th smallest flipped mean with ``k / N`` the first share at or above the
-    level. Above 0 exactly where the test rejects (NaN: no test; -inf: no pattern can reject)."""
+    level: above 0 only where Holm rejects the whole family (NaN: no test; -inf: no pattern can reject)."""
 
     def bound_at(level: float) -> np.ndarray:
         first = [np.searchsorted(np.arange(len(n) + 1) / max(len(n), 1), level) for n in nulls]

@@ -32,7 +32,7 @@ def _decide(frame: pd.DataFrame, family: pd.Series | None = None) -> pd.DataFram
     ``predicts_unadjusted`` = ``p < ALPHA`` (the same one-sided test before Holm: no interval). Where the frame
     carries each test's null (a ``_null`` column, dropped here), the tested rows' interval becomes the one the
     decision uses: ``[low, 1]``, ``low`` the family's Holm-compatible one-sided bound inverting the same test, cut at
-    -1 (:func:`ipa_probe.attribution.holm_lower_bounds`; above 0 exactly where ``predicts``)."""
+    -1 (:func:`ipa_probe.attribution.holm_lower_bounds`; at least 0 where ``predicts``, at most 0 elsewhere)."""
     from ..attribution import ALPHA, holm, holm_lower_bounds
 
     out = frame.copy()

@@ -154,7 +154,7 @@ def paired_tests(differences: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
         one row per (control, statistic, timestep), noise first: ``difference`` (mean over sets), ``sets``,
         ``p_above`` / ``p_below``, ``p_holm_above`` / ``p_holm_below`` (Holm over both directions and every row),
         ``[low, high]``: the Holm-compatible bounds of "above" and "below", each test inverted (:func:`ipa_probe.
-        attribution.holm_lower_bounds` over the 2 x rows hypotheses; ``low`` > 0 exactly where "above" is rejected,
+        attribution.holm_lower_bounds` over the 2 x rows hypotheses; ``low`` >= 0 where "above" is rejected, else <= 0;
         ``high`` mirrored for "below"), and ``decision`` (``"above"``, ``"below"`` or ``"neither"``).
     """
     from ..attribution import ALPHA, holm, holm_lower_bounds, sign_flip_test
