@@ -304,3 +304,29 @@ def test_committed_grid_tests_against_an_exact_recomputation(folder):
         expected = np.where(rejected, 0.0 if (~rejected).any() else np.maximum(0.0, own), np.minimum(0.0, own))
         np.testing.assert_allclose(rows["low"], expected, rtol=0, atol=1e-12)
         assert (rows["predicts"] == rejected).all() and (rows["high"] == 1).all()
+
+
+@pytest.mark.parametrize("folder", ATTRIBUTION_FOLDERS, ids=lambda f: f.parent.name)
+def test_committed_step_mean_tests_against_a_recomputation(folder):
+    """The comparisons' step-mean and whole-run rows recomputed here from ``effects_<label>.csv``: scipy's Spearman
+    per set, and the one-sided sign-flip p from the test's own draws (exact enumeration where there are few sets),
+    within four Monte Carlo standard errors of the committed p, which other signs drew."""
+    from helpers import sign_flip_p
+
+    rng = np.random.default_rng(52)
+    for label in ("trained", "untrained"):
+        effects = pd.read_csv(folder / f"effects_{label}.csv")
+        table = pd.read_csv(folder / f"comparisons_{label}.csv", dtype={"timestep": str})
+        rows = table[(table["timestep"] == "all") & table["p"].notna()]
+        assert len(rows) >= 8, (folder, label)
+        for r in rows.itertuples():
+            per_set = [stats.spearmanr(s[r.predictor], s[r.effect]).statistic for _, s in effects.groupby("set")]
+            v = np.array([x for x in per_set if np.isfinite(x)])
+            assert r.sets == len(v) and r.spearman == pytest.approx(v.mean(), abs=1e-12)
+            if len(v) <= 12:
+                p, error = sign_flip_p(v), 1 / 50_000  # exact, as the committed one (up to its own draws' floor)
+            else:
+                flips = rng.choice([-1.0, 1.0], size=(20_000, len(v)))
+                p = (1 + np.sum((flips * v).mean(1) >= v.mean() - 1e-12)) / 20_001
+                error = 4 * np.sqrt(p * (1 - p) / 20_000 + r.p * (1 - r.p) / 50_000) + 1 / 20_001
+            assert r.p == pytest.approx(p, abs=error), (folder.parent.name, label, r.predictor, r.effect)
