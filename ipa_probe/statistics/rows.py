@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -33,39 +34,39 @@ def rank(x: torch.Tensor) -> torch.Tensor:
     return (_bound_sums(x, x.dtype if x.is_floating_point() else torch.float32) + 1) / 2
 
 
-#: Whether ranks on a CPU come from two binary searches in the sorted rows, as on other devices (4 launches), instead
-#: of from the sorted rows' tie groups (12 launches): on a CPU the searches took 2-3x the CPU time of the groups.
-#: ``benchmarks/launches.py`` counts the searches (a GPU's way).
-RANK_SEARCH_CPU = False
+#: Whether a CPU sorts through numpy (5x faster than torch on rows of 64): the ranks (tie groups only in rows with
+#: ties) and the nulls' permutations (:func:`~.draws.shuffle_rows`). Else, as on other devices, with the same values:
+#: ranks by two binary searches, torch's argsort (``benchmarks/launches.py`` counts this way; so does torch.compile).
+NUMPY_SORTS_CPU = True
+
+
+def numpy_sorts(x: torch.Tensor) -> bool:
+    """Whether :data:`NUMPY_SORTS_CPU` applies to ``x``: a CPU tensor of a numpy dtype, eager."""
+    return NUMPY_SORTS_CPU and x.is_cpu and x.dtype != torch.bfloat16 and not torch.compiler.is_compiling()
 
 
 def _bound_sums(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Per entry of ``x`` ``(..., K)``, ``low + high`` in ``dtype`` (integers, exact): how many entries of its row are
     below it plus how many are not above it; its tie group holds the places ``low + 1 .. high``, its average rank
-    ``(low + high + 1) / 2``. On a CPU from the sorted rows' tie groups, each place's group's first place (a running
-    max) and end (a running min from the right), on float32's bits as integers (:func:`_ordered_bits`: 1.5x faster to
-    sort); 2x the speed of counting each group's size (a cumsum, a scatter-add and a gather, int64)."""
-    if x.device.type != "cpu" or RANK_SEARCH_CPU:
+    ``(low + high + 1) / 2``. Through numpy on a CPU (:func:`numpy_sorts`): the sorted rows' places, and in rows with
+    ties each place's group's first place (a running max) and end (a running min from the right)."""
+    if not numpy_sorts(x):
         x = x.contiguous()
         sorted_x = x.sort(dim=-1).values
         return (torch.searchsorted(sorted_x, x) + torch.searchsorted(sorted_x, x, right=True)).to(dtype)
-    sorted_x, order = _ordered_bits(x).sort(dim=-1)
-    n, pad = x.shape[-1], torch.nn.functional.pad
-    place = torch.arange(n, dtype=dtype, device=x.device)
-    new = sorted_x[..., 1:] != sorted_x[..., :-1]  # a tie group ends between two places
-    low = torch.where(pad(new, (1, 0), value=True), place, 0).cummax(-1).values
-    high = torch.where(pad(new, (0, 1), value=True), place + 1, n).flip(-1).cummin(-1).values.flip(-1)
-    sums = low.add_(high)
-    return torch.empty_like(sums).scatter_(-1, order, sums)  # back to the row's order
-
-
-def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
-    """Integers that sort and tie as float32 ``x`` does (its bits; a negative one's magnitude bits negated, -0 giving
-    0), else ``x``. A NaN may sort first: its row's ranks are never read (the statistics leave such rows out)."""
-    if x.dtype != torch.float32:
-        return x
-    bits = x.view(torch.int32)
-    return torch.where(bits < 0, -(2**31) - bits, bits)  # sign bit set: -(bits + 2^31), the magnitude bits negated
+    order = torch.from_numpy(np.argsort(x.detach().numpy(), axis=-1))  # NaNs last: their rows' ranks are never read
+    sorted_x = x.detach().gather(-1, order)
+    n, m, pad = x.shape[-1], math.prod(x.shape[:-1]), torch.nn.functional.pad
+    place = torch.arange(n, dtype=dtype)
+    sums = (2 * place + 1).expand(x.shape).reshape(m, n)  # without ties: low + high = 2 place + 1
+    new = (sorted_x[..., 1:] != sorted_x[..., :-1]).reshape(m, n - 1)  # a tie group ends between two places
+    tied = torch.from_numpy(np.flatnonzero(~new.numpy().all(-1)))
+    if len(tied):
+        new, sums = new[tied], sums.clone()
+        low = torch.where(pad(new, (1, 0), value=True), place, 0).cummax(-1).values
+        high = torch.where(pad(new, (0, 1), value=True), place + 1, n).flip(-1).cummin(-1).values.flip(-1)
+        sums[tied] = low.add_(high)
+    return torch.empty(x.shape, dtype=dtype).scatter_(-1, order, sums.view(x.shape))  # back to the row's order
 
 
 def centred_ranks(x: torch.Tensor, mask: torch.Tensor | None, keys: torch.Tensor | None, dtype) -> torch.Tensor:
@@ -80,13 +81,10 @@ def centred_ranks(x: torch.Tensor, mask: torch.Tensor | None, keys: torch.Tensor
 
 def _row_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     if mask is None:
-        a = a - a.mean(-1, keepdim=True)
-        b = b - b.mean(-1, keepdim=True)
+        a, b = (x - x.mean(-1, keepdim=True) for x in (a, b))
     else:
         m = mask.to(a.dtype)
-        n = m.sum(-1, keepdim=True)
-        a = (a - (a * m).sum(-1, keepdim=True) / n) * m
-        b = (b - (b * m).sum(-1, keepdim=True) / n) * m
+        a, b = ((x - (x * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True)) * m for x in (a, b))
     return (a * b).sum(-1) / ((a * a).sum(-1) * (b * b).sum(-1)).sqrt()
 
 
@@ -107,16 +105,9 @@ def raveled_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None 
     """
     if mask is None:
         mask = torch.ones(a.shape[:-1], dtype=torch.bool, device=a.device)
-    if mask.dim() == a.dim() - 1:
-        mask = mask.unsqueeze(-1)
-    m = mask.to(a.dtype).expand(a.shape)
-    a = torch.where(m > 0, a, 0.0)
-    b = torch.where(m > 0, b, 0.0)
-    n = m.sum((-2, -1))
-    mean_a = a.sum((-2, -1)) / n
-    mean_b = b.sum((-2, -1)) / n
-    da = (a - mean_a[..., None, None]) * m
-    db = (b - mean_b[..., None, None]) * m
+    m = (mask.unsqueeze(-1) if mask.dim() == a.dim() - 1 else mask).to(a.dtype).expand(a.shape)
+    a, b, n = *(torch.where(m > 0, x, 0.0) for x in (a, b)), m.sum((-2, -1), keepdim=True)
+    da, db = ((x - x.sum((-2, -1), keepdim=True) / n) * m for x in (a, b))
     return (da * db).sum((-2, -1)) / ((da * da).sum((-2, -1)) * (db * db).sum((-2, -1))).sqrt()
 
 
