@@ -52,7 +52,8 @@ def _sort_keys(noise: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor
     # on a CPU, through numpy: non-negative float32 keys sort as their bits do, each with its place in the low bits (a
     # stable argsort, as torch's above) in one sort of int64 values, 2.5x faster than numpy's argsort
     shift = max(noise.shape[-1] - 1, 1).bit_length()
-    packed = (noise.view(torch.int32).numpy().astype(np.int64) << shift) | np.arange(noise.shape[-1])
+    packed = np.left_shift(noise.view(torch.int32).numpy(), shift, dtype=np.int64)  # one array, in place from here
+    packed |= np.arange(noise.shape[-1])
     packed.sort(axis=-1)
     return torch.from_numpy(packed & ((1 << shift) - 1))
 
