@@ -31,7 +31,7 @@ def _stat(s, name):
 @pytest.mark.parametrize("on_numpy", [True, False])  # a CPU's sort through numpy, and the searches of other devices
 def test_rank_matches_scipy_with_ties(on_numpy, monkeypatch):
     monkeypatch.setattr(rows_module, "NUMPY_SORTS_CPU", on_numpy)
-    x = torch.tensor([[3.0, 1.0, 1.0, 2.0, 5.0, 5.0, 5.0], [0.0, 0.0, 0.0, 0.0, 1.0, -1.0, 2.0]])
+    x = torch.tensor([[3.0, 1.0, 1.0, 2.0, 5.0, 5.0, 5.0], [0.0, -0.0, 0.0, -0.0, 1.0, -1.0, -2.5]])  # -0 ties 0
     for row in x:
         np.testing.assert_allclose(rank(row[None])[0].numpy(), sps.rankdata(row.numpy()))
     x = torch.randint(0, 5, (3, 40, 9), generator=torch.Generator().manual_seed(0)).float()  # many ties

@@ -34,15 +34,23 @@ def rank(x: torch.Tensor) -> torch.Tensor:
     return (_bound_sums(x, x.dtype if x.is_floating_point() else torch.float32) + 1) / 2
 
 
-#: Whether a CPU sorts through numpy (5x faster than torch on rows of 64): the ranks (tie groups only in rows with
-#: ties) and the nulls' permutations (:func:`~.draws.shuffle_rows`). Else, as on other devices, with the same values:
-#: ranks by two binary searches, torch's argsort (``benchmarks/launches.py`` counts this way; so does torch.compile).
+#: Whether a CPU sorts float32 ranks and nulls' keys through numpy (5x torch's speed on rows of 64), or as others do,
+#: the same values (two binary searches, torch's argsort): ``benchmarks/launches.py`` counts so, torch.compile runs so.
 NUMPY_SORTS_CPU = True
 
 
 def numpy_sorts(x: torch.Tensor) -> bool:
-    """Whether :data:`NUMPY_SORTS_CPU` applies to ``x``: a CPU tensor of a numpy dtype, eager."""
-    return NUMPY_SORTS_CPU and x.is_cpu and x.dtype != torch.bfloat16 and not torch.compiler.is_compiling()
+    """Whether :data:`NUMPY_SORTS_CPU` applies to ``x``: a float32 CPU tensor, eager."""
+    return NUMPY_SORTS_CPU and x.is_cpu and x.dtype == torch.float32 and not torch.compiler.is_compiling()
+
+
+def sort_packed(bits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Rows of int32 ``bits`` ``(..., K)`` sorted in place as int64, each one's place in the low ``shift`` bits (a
+    stable argsort), and ``shift``; in torch's memory (numpy's large arrays ask for huge pages: calls stalled)."""
+    shift = max(bits.shape[-1] - 1, 1).bit_length()
+    packed = bits.to(torch.int64).bitwise_left_shift_(shift).bitwise_or_(torch.arange(bits.shape[-1]))
+    packed.numpy().sort(axis=-1)
+    return packed, shift
 
 
 def _bound_sums(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -54,8 +62,9 @@ def _bound_sums(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         x = x.contiguous()
         sorted_x = x.sort(dim=-1).values
         return (torch.searchsorted(sorted_x, x) + torch.searchsorted(sorted_x, x, right=True)).to(dtype)
-    order = torch.from_numpy(np.argsort(x.detach().numpy(), axis=-1))  # NaNs last: their rows' ranks are never read
-    sorted_x = x.detach().gather(-1, order)
+    bits = x.detach().view(torch.int32)  # ordered as the floats: a negative one's magnitude bits negated, -0 as 0
+    packed, shift = sort_packed(torch.where(bits < 0, -(2**31) - bits, bits))  # a NaN's row is never read
+    order, sorted_x = packed & ((1 << shift) - 1), packed.bitwise_right_shift_(shift)
     n, m, pad = x.shape[-1], math.prod(x.shape[:-1]), torch.nn.functional.pad
     place = torch.arange(n, dtype=dtype)
     sums = (2 * place + 1).expand(x.shape).reshape(m, n)  # without ties: low + high = 2 place + 1
