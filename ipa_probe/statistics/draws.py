@@ -1,5 +1,5 @@
 """The random draws of the per-row statistics, made on the device from seeded generators (no host sync): the
-permutation nulls' shuffles of each row's keys and the stratified samples of query rows. Pure torch."""
+permutation nulls' shuffles of each row's keys and the stratified samples of query rows (a CPU sorts in numpy)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Per-row statistics of attention-weight matrices, reduced over the last axis or over the rows of many cells
 flattened side by side (:class:`Segments`): ranks, Spearman and Pearson correlations, masked means and spreads, the
-copies among keys, and the KL-optimal bandwidth. Pure torch; everything stays on the device."""
+copies among keys, and the KL-optimal bandwidth. Pure torch (a CPU sorts through numpy); all on the device."""
 
 from __future__ import annotations
 
