@@ -233,9 +233,11 @@ class MapAccumulator:
         """
         records, (stacked, heads, rows, tokens) = len(where), attention.shape
         n_branch, items = stacked // records, self._batch // (stacked // records)
-        # (L * n, H, items * Q, K) each, apart: a stack of both copies them (at 64 x 64, as long as a softmax)
-        weights_all = softmax_keys(attention) if used is None else used
-        shares = torch.stack([weights_all.mean(1), softmax_keys(nw).mean(1)])
+        if used is None:  # both softmaxes in one
+            weights = softmax_keys([attention, nw])  # (2, L * n, H, items * Q, K)
+            weights_all, shares = weights[0], weights.mean(2)
+        else:
+            weights_all, shares = used, torch.stack([used.mean(1), softmax_keys(nw).mean(1)])
         shares = shares.reshape(2, records, n_branch, items, rows // items, tokens)  # (2, L, n, items, Q, K)
         queries, layer = shares.shape[-2], self.layers[where[0][2]]
         mask = self._masks[where[0][3]] if where[0][3] < len(self._masks) else None
