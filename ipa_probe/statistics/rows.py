@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 __all__ = [
@@ -54,10 +53,9 @@ def sort_packed(bits: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _bound_sums(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Per entry of ``x`` ``(..., K)``, ``low + high`` in ``dtype`` (integers, exact): how many entries of its row are
-    below it plus how many are not above it; its tie group holds the places ``low + 1 .. high``, its average rank
-    ``(low + high + 1) / 2``. Through numpy on a CPU (:func:`numpy_sorts`): the sorted rows' places, and in rows with
-    ties each place's group's first place (a running max) and end (a running min from the right)."""
+    """Per entry of ``x`` ``(..., K)``, ``low + high`` in ``dtype`` (exact integers): its row's entries below it plus
+    those not above it (average rank ``(low + high + 1) / 2``). On a CPU (:func:`numpy_sorts`) the sorted rows' places;
+    in rows with ties, each place's group's first place (a running max) and end (a running min from the right)."""
     if not numpy_sorts(x):
         x = x.contiguous()
         sorted_x = x.sort(dim=-1).values
@@ -69,7 +67,7 @@ def _bound_sums(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     place = torch.arange(n, dtype=dtype)
     sums = (2 * place + 1).expand(x.shape).reshape(m, n)  # without ties: low + high = 2 place + 1
     new = (sorted_x[..., 1:] != sorted_x[..., :-1]).reshape(m, n - 1)  # a tie group ends between two places
-    tied = torch.from_numpy(np.flatnonzero(~new.numpy().all(-1)))
+    tied = (new.view(torch.uint8).amin(-1) == 0).nonzero()[:, 0]  # rows with ties (a CPU: no device to wait for)
     if len(tied):
         new, sums = new[tied], sums.clone()
         low = torch.where(pad(new, (1, 0), value=True), place, 0).cummax(-1).values
