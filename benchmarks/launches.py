@@ -16,9 +16,9 @@ probe's ``with`` block opening to its end (the statistics pass runs when a call 
 "per call": the 2-step call's launches beyond the plain call's, less two steps'). Counted under the GPU's policy
 (``--cpu-policy`` for the CPU's): on a CPU the probe forms large records apart instead of stacked
 (``ipa_probe.capture.cells.JOIN_ELEMENTS_CPU``: a stack that leaves the cache costs CPU time) and each layer size's
-query frames apart (``JOIN_FRAMES_CPU``), and ranks by tie groups (``ipa_probe.statistics.rows.RANK_SEARCH_CPU``), on
-a GPU it stacks every record of a size, joins the sizes' query frames and ranks by binary searches, which is what
-saves launches.
+query frames apart (``JOIN_FRAMES_CPU``), and sorts through numpy (``ipa_probe.statistics.rows.NUMPY_SORTS_CPU``:
+operations a dispatch count does not see), on a GPU it stacks every record of a size, joins the sizes' query frames,
+ranks by binary searches and draws the nulls' permutations by torch's argsort, which is what saves launches.
 
 Modes: the plain call, the probe (default rows), ``maps=True``, ``rows=None``, ``compile=True`` (counted with
 ``DispatchCount(compiled=True)``: the operations the compiled statistics still dispatch plus one launch per fused
@@ -98,13 +98,13 @@ def flux_pipeline(seed: int = 0):
 
 
 def gpu_policy() -> None:
-    """Join records as the probe does on a GPU (every record of a size stacked, every size's frames joined) and rank
-    by binary searches, on any device."""
+    """Join records as the probe does on a GPU (every record of a size stacked, every size's frames joined), rank by
+    binary searches and sort in torch, on any device."""
     from ipa_probe.capture import cells
     from ipa_probe.statistics import rows
 
     cells.JOIN_ELEMENTS_CPU = cells.JOIN_FRAMES_CPU = 2**62
-    rows.RANK_SEARCH_CPU = True
+    rows.NUMPY_SORTS_CPU = False
 
 
 def build(arch: str, narrow: int = 1):

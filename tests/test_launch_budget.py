@@ -103,7 +103,7 @@ def counts():
         # binary searches
         patch.setattr(cells, "JOIN_ELEMENTS_CPU", 2**62)
         patch.setattr(cells, "JOIN_FRAMES_CPU", 2**62)
-        patch.setattr(rows, "RANK_SEARCH_CPU", True)
+        patch.setattr(rows, "NUMPY_SORTS_CPU", False)
         for tokens in (4, 64):
             rows = launches.table("sd15", tokens, ("plain", "probe", "maps", "exact"), pipe=pipe)
             out.update({(row["mode"], tokens): row for row in rows})

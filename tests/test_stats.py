@@ -28,10 +28,10 @@ def _stat(s, name):
     return s[..., STAT_NAMES.index(name)]
 
 
-@pytest.mark.parametrize("search", [False, True])  # a CPU's tie groups, and the binary searches of other devices
-def test_rank_matches_scipy_with_ties(search, monkeypatch):
-    monkeypatch.setattr(rows_module, "RANK_SEARCH_CPU", search)
-    x = torch.tensor([[3.0, 1.0, 1.0, 2.0, 5.0, 5.0, 5.0], [0.0, 0.0, 0.0, 0.0, 1.0, -1.0, 2.0]])
+@pytest.mark.parametrize("on_numpy", [True, False])  # a CPU's sort through numpy, and the searches of other devices
+def test_rank_matches_scipy_with_ties(on_numpy, monkeypatch):
+    monkeypatch.setattr(rows_module, "NUMPY_SORTS_CPU", on_numpy)
+    x = torch.tensor([[3.0, 1.0, 1.0, 2.0, 5.0, 5.0, 5.0], [0.0, -0.0, 0.0, -0.0, 1.0, -1.0, -2.5]])  # -0 ties 0
     for row in x:
         np.testing.assert_allclose(rank(row[None])[0].numpy(), sps.rankdata(row.numpy()))
     x = torch.randint(0, 5, (3, 40, 9), generator=torch.Generator().manual_seed(0)).float()  # many ties
@@ -228,6 +228,19 @@ def test_null_shuffle_of_a_prefix_is_uniform_and_leaves_the_rest():
     for m in (5, 8):
         first = shuffled[kept == m, 0].bincount(minlength=m).numpy()
         assert len(first) == m and sps.chisquare(first).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("on_numpy", [True, False])
+def test_null_permutation_is_the_keys_stable_argsort(on_numpy, monkeypatch):
+    """Each row's permutation sorts its keys, ties in place order (numpy's stable argsort, the test's own), whichever
+    way the CPU sorts, a prefix mask's left-out entries kept in place: the same draw on every path."""
+    monkeypatch.setattr(rows_module, "NUMPY_SORTS_CPU", on_numpy)
+    g = torch.Generator().manual_seed(5)
+    keys = (torch.rand(200, 64, generator=g) * 16).floor() / 16  # many ties among the keys
+    prefix = torch.arange(64) < torch.randint(1, 65, (200, 1), generator=g)
+    expected = np.argsort(np.where(prefix.numpy(), keys.numpy(), 1 + np.arange(64)), axis=-1, kind="stable")
+    rows = torch.arange(64.0).expand(200, 64)
+    assert torch.equal(shuffle_rows(rows, keys, prefix), torch.from_numpy(expected).float())
 
 
 @pytest.mark.parametrize("k", [6, 12])

@@ -1,5 +1,5 @@
-"""The statistics: one room that the probe, the maps, the sweeps and the experiments call. Pure torch (``bandwidth``
-also reads the torch-free argument checks); everything runs on the tensors' device.
+"""The statistics: one room that the probe, the maps, the sweeps and the experiments call. Pure torch (a CPU sorts
+through numpy, in place; ``bandwidth`` reads the torch-free checks); everything runs on the tensors' device.
 
 - ``kernels``: dot-product and Gaussian NW logits and weights, the query frame's key term, n_eff, heads split/merge.
 - ``rows``: per-row ranks, Spearman and Pearson, masked means and spreads, reduced over the last axis or per cell

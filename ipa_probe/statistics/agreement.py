@@ -229,8 +229,7 @@ def _frame_stats(
     if apart and key_groups is not None:
         order_by[0] = logits[0].gather(-1, weighted_alike(logits[0], key_groups))
     groups, keys = key_groups, n_keys  # keys kept per row: a number without a key mask
-    if key_term is not None:
-        key_term = key_term.to(dtype)
+    key_term = key_term.to(dtype) if key_term is not None else None
     if key_mask is not None:
         key_mask = key_mask.to(torch.bool).expand(logits.shape[1:])
         # One permutation for both weightings, kept keys first: every statistic is invariant to it, and the mask

@@ -1,9 +1,11 @@
 """The random draws of the per-row statistics, made on the device from seeded generators (no host sync): the
-permutation nulls' shuffles of each row's keys and the stratified samples of query rows. Pure torch."""
+permutation nulls' shuffles of each row's keys and the stratified samples of query rows (a CPU sorts in numpy)."""
 
 from __future__ import annotations
 
 import torch
+
+from .rows import numpy_sorts, sort_packed
 
 __all__ = ["Draws", "shuffle_rows", "stratified_rows", "uniform_keys"]
 
@@ -37,15 +39,16 @@ def uniform_keys(shape: tuple[int, ...], generator: torch.Generator | torch.Tens
 
 def _sort_keys(noise: torch.Tensor, prefix: torch.Tensor | None) -> torch.Tensor:
     """The permutation of each row that sorts its random keys: ``argsort(u)``, uniform over the ``K!`` orders (ties
-    among float32 keys aside, probability below ``K^2 / 2^25``). With a ``prefix`` mask, a left-out entry ``i`` gets
-    the key ``1 + i`` (every kept entry's key is below 1): the kept entries are permuted among the first places and
-    the rest stay where they are. ``noise``: ``(..., K)`` uniform on ``[0, 1)``; ``prefix``: optional ``(..., K)``
-    bool, kept entries first in every row."""
+    among float32 keys, below ``K^2 / 2^25`` a row, kept in place order). With a ``prefix`` mask, a left-out entry
+    ``i`` gets the key ``1 + i`` (every kept entry's key is below 1): the kept entries are permuted among the first
+    places and the rest stay where they are. ``noise``: ``(..., K)`` uniform on ``[0, 1)``; ``prefix``: optional
+    ``(..., K)`` bool, kept entries first in every row."""
     if prefix is not None:
-        position = torch.arange(noise.shape[-1], device=noise.device, dtype=noise.dtype)
-        noise = torch.where(prefix, noise, position + 1)
-    # non-negative float32 keys sort as their bits do: the same permutation, 1.5x faster to sort on a CPU
-    return (noise.view(torch.int32) if noise.dtype == torch.float32 else noise).argsort(dim=-1)
+        noise = noise.where(prefix, torch.arange(1, noise.shape[-1] + 1, device=noise.device, dtype=noise.dtype))
+    if not numpy_sorts(noise):
+        return noise.argsort(dim=-1, stable=True)
+    packed, shift = sort_packed(noise.view(torch.int32))  # non-negative float32 keys sort as their bits do
+    return packed.bitwise_and_((1 << shift) - 1)
 
 
 def stratified_rows(rows: int, n: int, generator: torch.Generator | torch.Tensor, device=None) -> torch.Tensor:

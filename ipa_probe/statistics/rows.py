@@ -1,6 +1,6 @@
 """Per-row statistics of attention-weight matrices, reduced over the last axis or over the rows of many cells
 flattened side by side (:class:`Segments`): ranks, Spearman and Pearson correlations, masked means and spreads, the
-copies among keys, and the KL-optimal bandwidth. Pure torch; everything stays on the device."""
+copies among keys, and the KL-optimal bandwidth. Pure torch (a CPU sorts through numpy); all on the device."""
 
 from __future__ import annotations
 
@@ -33,39 +33,47 @@ def rank(x: torch.Tensor) -> torch.Tensor:
     return (_bound_sums(x, x.dtype if x.is_floating_point() else torch.float32) + 1) / 2
 
 
-#: Whether ranks on a CPU come from two binary searches in the sorted rows, as on other devices (4 launches), instead
-#: of from the sorted rows' tie groups (12 launches): on a CPU the searches took 2-3x the CPU time of the groups.
-#: ``benchmarks/launches.py`` counts the searches (a GPU's way).
-RANK_SEARCH_CPU = False
+#: Whether a CPU sorts float32 ranks and nulls' keys through numpy (5x torch's speed on rows of 64), or as others do,
+#: the same values (two binary searches, torch's argsort): ``benchmarks/launches.py`` counts so, torch.compile runs so.
+NUMPY_SORTS_CPU = True
+
+
+def numpy_sorts(x: torch.Tensor) -> bool:
+    """Whether :data:`NUMPY_SORTS_CPU` applies to ``x``: a float32 CPU tensor, eager."""
+    return NUMPY_SORTS_CPU and x.is_cpu and x.dtype == torch.float32 and not torch.compiler.is_compiling()
+
+
+def sort_packed(bits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Rows of int32 ``bits`` ``(..., K)`` sorted in place as int64, each one's place in the low ``shift`` bits (a
+    stable argsort), and ``shift``; in torch's memory (numpy's large arrays ask for huge pages: calls stalled)."""
+    shift = max(bits.shape[-1] - 1, 1).bit_length()
+    packed = bits.to(torch.int64).bitwise_left_shift_(shift).bitwise_or_(torch.arange(bits.shape[-1]))
+    packed.numpy().sort(axis=-1)
+    return packed, shift
 
 
 def _bound_sums(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Per entry of ``x`` ``(..., K)``, ``low + high`` in ``dtype`` (integers, exact): how many entries of its row are
-    below it plus how many are not above it; its tie group holds the places ``low + 1 .. high``, its average rank
-    ``(low + high + 1) / 2``. On a CPU from the sorted rows' tie groups, each place's group's first place (a running
-    max) and end (a running min from the right), on float32's bits as integers (:func:`_ordered_bits`: 1.5x faster to
-    sort); 2x the speed of counting each group's size (a cumsum, a scatter-add and a gather, int64)."""
-    if x.device.type != "cpu" or RANK_SEARCH_CPU:
+    """Per entry of ``x`` ``(..., K)``, ``low + high`` in ``dtype`` (exact integers): its row's entries below it plus
+    those not above it (average rank ``(low + high + 1) / 2``). On a CPU (:func:`numpy_sorts`) the sorted rows' places;
+    in rows with ties, each place's group's first place (a running max) and end (a running min from the right)."""
+    if not numpy_sorts(x):
         x = x.contiguous()
         sorted_x = x.sort(dim=-1).values
         return (torch.searchsorted(sorted_x, x) + torch.searchsorted(sorted_x, x, right=True)).to(dtype)
-    sorted_x, order = _ordered_bits(x).sort(dim=-1)
-    n, pad = x.shape[-1], torch.nn.functional.pad
-    place = torch.arange(n, dtype=dtype, device=x.device)
-    new = sorted_x[..., 1:] != sorted_x[..., :-1]  # a tie group ends between two places
-    low = torch.where(pad(new, (1, 0), value=True), place, 0).cummax(-1).values
-    high = torch.where(pad(new, (0, 1), value=True), place + 1, n).flip(-1).cummin(-1).values.flip(-1)
-    sums = low.add_(high)
-    return torch.empty_like(sums).scatter_(-1, order, sums)  # back to the row's order
-
-
-def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
-    """Integers that sort and tie as float32 ``x`` does (its bits; a negative one's magnitude bits negated, -0 giving
-    0), else ``x``. A NaN may sort first: its row's ranks are never read (the statistics leave such rows out)."""
-    if x.dtype != torch.float32:
-        return x
-    bits = x.view(torch.int32)
-    return torch.where(bits < 0, -(2**31) - bits, bits)  # sign bit set: -(bits + 2^31), the magnitude bits negated
+    bits = x.detach().view(torch.int32)  # ordered as the floats: a negative one's magnitude bits negated, -0 as 0
+    packed, shift = sort_packed(torch.where(bits < 0, -(2**31) - bits, bits))  # a NaN's row is never read
+    order, sorted_x = packed & ((1 << shift) - 1), packed.bitwise_right_shift_(shift)
+    n, m, pad = x.shape[-1], math.prod(x.shape[:-1]), torch.nn.functional.pad
+    place = torch.arange(n, dtype=dtype)
+    sums = (2 * place + 1).expand(x.shape).reshape(m, n)  # without ties: low + high = 2 place + 1
+    new = (sorted_x[..., 1:] != sorted_x[..., :-1]).reshape(m, n - 1)  # a tie group ends between two places
+    tied = (new.view(torch.uint8).amin(-1) == 0).nonzero()[:, 0]  # rows with ties (a CPU: no device to wait for)
+    if len(tied):
+        new, sums = new[tied], sums.clone()
+        low = torch.where(pad(new, (1, 0), value=True), place, 0).cummax(-1).values
+        high = torch.where(pad(new, (0, 1), value=True), place + 1, n).flip(-1).cummin(-1).values.flip(-1)
+        sums[tied] = low.add_(high)
+    return torch.empty(x.shape, dtype=dtype).scatter_(-1, order, sums.view(x.shape))  # back to the row's order
 
 
 def centred_ranks(x: torch.Tensor, mask: torch.Tensor | None, keys: torch.Tensor | None, dtype) -> torch.Tensor:
@@ -80,13 +88,10 @@ def centred_ranks(x: torch.Tensor, mask: torch.Tensor | None, keys: torch.Tensor
 
 def _row_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     if mask is None:
-        a = a - a.mean(-1, keepdim=True)
-        b = b - b.mean(-1, keepdim=True)
+        a, b = (x - x.mean(-1, keepdim=True) for x in (a, b))
     else:
         m = mask.to(a.dtype)
-        n = m.sum(-1, keepdim=True)
-        a = (a - (a * m).sum(-1, keepdim=True) / n) * m
-        b = (b - (b * m).sum(-1, keepdim=True) / n) * m
+        a, b = ((x - (x * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True)) * m for x in (a, b))
     return (a * b).sum(-1) / ((a * a).sum(-1) * (b * b).sum(-1)).sqrt()
 
 
@@ -107,16 +112,9 @@ def raveled_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None 
     """
     if mask is None:
         mask = torch.ones(a.shape[:-1], dtype=torch.bool, device=a.device)
-    if mask.dim() == a.dim() - 1:
-        mask = mask.unsqueeze(-1)
-    m = mask.to(a.dtype).expand(a.shape)
-    a = torch.where(m > 0, a, 0.0)
-    b = torch.where(m > 0, b, 0.0)
-    n = m.sum((-2, -1))
-    mean_a = a.sum((-2, -1)) / n
-    mean_b = b.sum((-2, -1)) / n
-    da = (a - mean_a[..., None, None]) * m
-    db = (b - mean_b[..., None, None]) * m
+    m = (mask.unsqueeze(-1) if mask.dim() == a.dim() - 1 else mask).to(a.dtype).expand(a.shape)
+    a, b, n = *(torch.where(m > 0, x, 0.0) for x in (a, b)), m.sum((-2, -1), keepdim=True)
+    da, db = ((x - x.sum((-2, -1), keepdim=True) / n) * m for x in (a, b))
     return (da * db).sum((-2, -1)) / ((da * da).sum((-2, -1)) * (db * db).sum((-2, -1))).sqrt()
 
 
