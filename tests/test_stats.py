@@ -34,6 +34,7 @@ def test_rank_matches_scipy_with_ties(on_numpy, monkeypatch):
     x = torch.tensor([[3.0, 1.0, 1.0, 2.0, 5.0, 5.0, 5.0], [0.0, -0.0, 0.0, -0.0, 1.0, -1.0, -2.5]])  # -0 ties 0
     for row in x:
         np.testing.assert_allclose(rank(row[None])[0].numpy(), sps.rankdata(row.numpy()))
+    assert torch.equal(rank(torch.zeros(3, 1)), torch.ones(3, 1)) and rank(torch.zeros(0, 4)).shape == (0, 4)
     x = torch.randint(0, 5, (3, 40, 9), generator=torch.Generator().manual_seed(0)).float()  # many ties
     expected = np.apply_along_axis(sps.rankdata, -1, x.numpy())
     np.testing.assert_array_equal(rank(x).numpy(), expected)

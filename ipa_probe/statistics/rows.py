@@ -67,7 +67,7 @@ def _bound_sums(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     place = torch.arange(n, dtype=dtype)
     sums = (2 * place + 1).expand(x.shape).reshape(m, n)  # without ties: low + high = 2 place + 1
     new = (sorted_x[..., 1:] != sorted_x[..., :-1]).reshape(m, n - 1)  # a tie group ends between two places
-    tied = (new.view(torch.uint8).amin(-1) == 0).nonzero()[:, 0]  # rows with ties (a CPU: no device to wait for)
+    tied = (new.sum(-1) < n - 1).nonzero()[:, 0]  # rows with ties (a CPU: no device to wait for; K = 1: none)
     if len(tied):
         new, sums = new[tied], sums.clone()
         low = torch.where(pad(new, (1, 0), value=True), place, 0).cummax(-1).values
