@@ -47,7 +47,7 @@ def sort_packed(bits: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Rows of int32 ``bits`` ``(..., K)`` sorted in place as int64, each one's place in the low ``shift`` bits (a
     stable argsort), and ``shift``; in torch's memory (numpy's large arrays ask for huge pages: calls stalled)."""
     shift = max(bits.shape[-1] - 1, 1).bit_length()
-    packed = bits.to(torch.int64).bitwise_left_shift_(shift).bitwise_or_(torch.arange(bits.shape[-1]))
+    packed = bits.long().bitwise_left_shift_(shift).bitwise_or_(torch.arange(bits.shape[-1], device=bits.device))
     packed.numpy().sort(axis=-1)
     return packed, shift
 
@@ -64,7 +64,7 @@ def _bound_sums(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     packed, shift = sort_packed(torch.where(bits < 0, -(2**31) - bits, bits))  # a NaN's row is never read
     order, sorted_x = packed & ((1 << shift) - 1), packed.bitwise_right_shift_(shift)
     n, m, pad = x.shape[-1], math.prod(x.shape[:-1]), torch.nn.functional.pad
-    place = torch.arange(n, dtype=dtype)
+    place = torch.arange(n, dtype=dtype, device=x.device)
     sums = (2 * place + 1).expand(x.shape).reshape(m, n)  # without ties: low + high = 2 place + 1
     new = (sorted_x[..., 1:] != sorted_x[..., :-1]).reshape(m, n - 1)  # a tie group ends between two places
     tied = (new.sum(-1) < n - 1).nonzero()[:, 0]  # rows with ties (a CPU: no device to wait for; K = 1: none)
@@ -73,7 +73,7 @@ def _bound_sums(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         low = torch.where(pad(new, (1, 0), value=True), place, 0).cummax(-1).values
         high = torch.where(pad(new, (0, 1), value=True), place + 1, n).flip(-1).cummin(-1).values.flip(-1)
         sums[tied] = low.add_(high)
-    return torch.empty(x.shape, dtype=dtype).scatter_(-1, order, sums.view(x.shape))  # back to the row's order
+    return x.new_empty(x.shape, dtype=dtype).scatter_(-1, order, sums.view(x.shape))  # back to the row's order
 
 
 def centred_ranks(x: torch.Tensor, mask: torch.Tensor | None, keys: torch.Tensor | None, dtype) -> torch.Tensor:
