@@ -1428,7 +1428,7 @@ def test_costs_from_measured():
     # the latest 512 px measurement: the merged code's probe, its own CPU over a plain call's, 4 and 64 tokens
     now = {r[0]: r for r in table_rows("docs/measured.md", "**CPU time at 512 px, before and after")}
     # at 512 px with 64 tokens, the latest measurement's probe and maps (their own CPU, after the change it measured)
-    sorts = {r[0]: r for r in table_rows("docs/measured.md", "**A CPU's sorts through numpy**")}
+    sorts = {r[0]: r for r in table_rows("docs/measured.md", "**A CPU's ranks without `torch.where`**")}
     own = [now["4"][3].split(" / ")[0], sorts["64², 64"][3].split(" / ")[0]]
     maps_cpu = sorts["64², 64"][5].split(" / ")[0]
     assert_in(

@@ -60,20 +60,20 @@ def _bound_sums(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         x = x.contiguous()
         sorted_x = x.sort(dim=-1).values
         return (torch.searchsorted(sorted_x, x) + torch.searchsorted(sorted_x, x, right=True)).to(dtype)
-    bits = x.detach().view(torch.int32)  # ordered as the floats: a negative one's magnitude bits negated, -0 as 0
-    packed, shift = sort_packed(torch.where(bits < 0, -(2**31) - bits, bits))  # a NaN's row is never read
+    bits = x.detach().view(torch.int32)  # as ordered ints: a negative's magnitude bits negated (-0 as 0; NaN unread)
+    packed, shift = sort_packed(((sign := bits >> 31) & 0x7FFFFFFF).bitwise_xor_(bits).sub_(sign))
     order, sorted_x = packed & ((1 << shift) - 1), packed.bitwise_right_shift_(shift)
     n, m, pad = x.shape[-1], math.prod(x.shape[:-1]), torch.nn.functional.pad
-    place = torch.arange(n, dtype=dtype, device=x.device)
-    sums = (2 * place + 1).expand(x.shape).reshape(m, n)  # without ties: low + high = 2 place + 1
-    new = (sorted_x[..., 1:] != sorted_x[..., :-1]).reshape(m, n - 1)  # a tie group ends between two places
-    tied = (new.sum(-1) < n - 1).nonzero()[:, 0]  # rows with ties (a CPU: no device to wait for; K = 1: none)
+    place = torch.arange(n, dtype=dtype, device=x.device)  # without ties: low + high = 2 place + 1, in row order
+    sums = x.new_empty(x.shape, dtype=dtype).scatter_(-1, order, (2 * place + 1).expand(x.shape))
+    same = (sorted_x[..., 1:] == sorted_x[..., :-1]).reshape(m, n - 1)  # no tie group ends between two places
+    tied = same.sum(-1, dtype=torch.int32).nonzero()[:, 0]  # rows with ties (a CPU: no device to wait; K = 1: none)
     if len(tied):
-        new, sums = new[tied], sums.clone()
+        new = same[tied].logical_not_()
         low = torch.where(pad(new, (1, 0), value=True), place, 0).cummax(-1).values
         high = torch.where(pad(new, (0, 1), value=True), place + 1, n).flip(-1).cummin(-1).values.flip(-1)
-        sums[tied] = low.add_(high)
-    return x.new_empty(x.shape, dtype=dtype).scatter_(-1, order, sums.view(x.shape))  # back to the row's order
+        sums.view(m, n)[tied] = low.scatter_(-1, order.view(m, n)[tied], low.add(high))
+    return sums
 
 
 def centred_ranks(x: torch.Tensor, mask: torch.Tensor | None, keys: torch.Tensor | None, dtype) -> torch.Tensor:
