@@ -40,6 +40,8 @@ def test_rank_matches_scipy_with_ties(on_numpy, monkeypatch):
     np.testing.assert_array_equal(rank(x).numpy(), expected)
     x = torch.cat([x, torch.randn(3, 40, 9, generator=torch.Generator().manual_seed(1))], 1)  # rows without ties too
     np.testing.assert_array_equal(rank(x).numpy(), np.apply_along_axis(sps.rankdata, -1, x.numpy()))
+    by_row = x.transpose(0, 1)  # a view whose leading dimensions do not merge: ranked as its values
+    np.testing.assert_array_equal(rank(by_row).numpy(), np.apply_along_axis(sps.rankdata, -1, by_row.numpy()))
     centred = centred_ranks(x, x > 0, (x > 0).sum(-1).float(), torch.float32)  # among the kept entries, centred
     kept = np.where(x.numpy() > 0, x.numpy(), np.inf)
     ranks = np.apply_along_axis(sps.rankdata, -1, kept)

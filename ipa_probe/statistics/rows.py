@@ -72,7 +72,7 @@ def _bound_sums(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         new = same[tied].logical_not_()
         low = torch.where(pad(new, (1, 0), value=True), place, 0).cummax(-1).values
         high = torch.where(pad(new, (0, 1), value=True), place + 1, n).flip(-1).cummin(-1).values.flip(-1)
-        sums.view(m, n)[tied] = low.scatter_(-1, order.view(m, n)[tied], low.add(high))
+        sums.view(m, n)[tied] = low.scatter_(-1, order.reshape(m, n)[tied], low.add(high))
     return sums
 
 
