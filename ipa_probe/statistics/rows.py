@@ -90,8 +90,8 @@ def _row_pearson(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = N
     if mask is None:
         a, b = (x - x.mean(-1, keepdim=True) for x in (a, b))
     else:
-        m = mask.to(a.dtype)
-        a, b = ((x - (x * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True)) * m for x in (a, b))
+        n = (m := mask.to(a.dtype)).sum(-1, keepdim=True)
+        a, b = ((x - (x * m).sum(-1, keepdim=True) / n) * m for x in (a, b))
     return (a * b).sum(-1) / ((a * a).sum(-1) * (b * b).sum(-1)).sqrt()
 
 
