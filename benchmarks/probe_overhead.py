@@ -34,7 +34,8 @@ The curve (``--sweep``, issue #42): latents 16/32/64 (and ``--large`` 128, one s
 default ``rows`` and exact (``rows=None``), and attention-map-diffusers 1.0 (when installed; it refuses IP-Adapter
 processors, so it runs on the same pipeline with the adapter taken off, against that pipeline's plain calls). Per
 point: the whole calls' CPU-time ratio (``cpu``), the probe's own CPU over the plain call's (``own``) and the in-call
-ratio, then the issue's targets checked and any miss named.
+ratio, the plain call's CPU seconds and the kernel's share of them (``plain_sys``: on Linux mostly page faults, which
+swing with glibc malloc's state from round to round), then the issue's targets checked and any miss named.
 
     python benchmarks/probe_overhead.py --latent 64      # one point: 512 px, 2 reference images, 4 steps
     python benchmarks/probe_overhead.py --sweep          # the curve (pip install attention-map-diffusers==1.0.0)
@@ -51,6 +52,7 @@ import functools
 import json
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import sys
 import time
@@ -115,6 +117,7 @@ class OwnTime:
         self.layer_s: list[float] = []  # per plain call: CPU seconds in the IP layers' attention modules
         self.layer_calls: list[int] = []
         self.call_s = collections.defaultdict(list)  # per call: CPU seconds of the whole call
+        self.sys_s = collections.defaultdict(list)  # per call: of them, the kernel's (page faults, mostly)
         self.in_call = collections.defaultdict(list)  # per call: wall / (wall - wall inside the hooks)
         self.clock = HookClock.shared()
 
@@ -184,7 +187,7 @@ def timed_call(
         options["threads"] = threads
     sync(device)
     hooks_before = own.clock.seconds if own is not None else 0.0
-    start, cpu = time.perf_counter(), time.process_time()
+    start, cpu, kernel = time.perf_counter(), time.process_time(), _system_s()
     outside = 0.0  # the probe's set-up and wind-down around the pipeline call (with statement)
     if mode != "plain":
         with probe(pipe, maps=mode == "maps", **options) as run:
@@ -205,6 +208,7 @@ def timed_call(
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     if own is not None:
         own.call_s[label].append(cpu)
+        own.sys_s[label].append(_system_s() - kernel)
         if mode == "plain":
             own.layer_s.append(total[0])
             own.layer_calls.append(total[1])
@@ -385,6 +389,12 @@ def peer_call(pipe, inputs: dict, capture: bool, own: OwnTime) -> float:
     return time.perf_counter() - start
 
 
+def _system_s() -> float:
+    """This process's CPU seconds in the kernel so far (its threads'): on Linux mostly the page faults of fresh
+    allocations, which glibc's malloc hands back to the system and the next large tensor touches again."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
 def curve_point(
     pipe, latent: int, steps: int, images: int, repeats: int, settings: list, peer: bool, warm: bool | str
 ):
@@ -428,6 +438,8 @@ def curve_point(
     if peer:
         out["peer cpu"] = statistics.median(own.call_s["peer"]) / statistics.median(own.call_s["peer_plain"])
     out["plain_cpu_s"] = plain
+    # the kernel's share of a plain call's CPU: page faults, which swing from round to round with malloc's state
+    out["plain_sys"] = statistics.median(own.sys_s["plain"]) / plain
     out["load"] = f"{load_before:.1f}-{os.getloadavg()[0]:.1f}"
     return out
 
