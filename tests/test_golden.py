@@ -10,7 +10,8 @@ one statistics pass, and when the maps' records waited too: the rows drawn in an
 top-1 is undefined (``qf_top1`` / ``qf_gauss_top1`` NaN in the organism's one-query mid block). A column added later
 (``qf_spearman_other_pool``) is checked against the fixture's own ``qf_spearman``, which it must repeat in these
 one-item-per-branch calls. Every value is held to 1e-6 but two float32 families that move across CPUs (see
-:func:`tolerance`)."""
+:func:`tolerance`), and the rank statistics of a few cells whose near-tied keys rank otherwise there
+(:data:`RANKED`)."""
 
 from __future__ import annotations
 
@@ -41,9 +42,14 @@ def test_golden_table(tables, name):
         want = expected[column]
         if pd.api.types.is_numeric_dtype(want) and pd.api.types.is_numeric_dtype(got[column]):
             rtol, atol = tolerance(column)
-            np.testing.assert_allclose(
-                got[column].to_numpy(float), want.to_numpy(float), rtol=rtol, atol=atol, equal_nan=True, err_msg=column
-            )
+            have, want = got[column].to_numpy(float), want.to_numpy(float)
+            moved = ~np.isclose(have, want, rtol=rtol, atol=atol, equal_nan=True)
+            if column.endswith(RANKED) and "keys" in expected:  # a near-tie ranked the other way (see RANKED)
+                keys = expected["keys"].to_numpy(float)
+                swapped = moved & (np.abs(have - want) <= 12 / (keys * (keys + 1)))
+                assert swapped.sum() <= max(1, len(want) // 100), f"{column}: {swapped.sum()} cells' ranks moved"
+                moved &= ~swapped
+            np.testing.assert_allclose(have[moved], want[moved], rtol=rtol, atol=atol, equal_nan=True, err_msg=column)
         else:
             assert got[column].astype(str).tolist() == want.astype(str).tolist(), column
 
@@ -59,12 +65,22 @@ def tolerance(column: str) -> tuple[float, float]:
     - ``*logit_ratio``: a ratio of two logit spreads, the lower one near zero in near-degenerate query frames (values
       up to about 1,200 in these calls); measured 0.5% apart between two CPUs, so rtol 1e-2. A mis-assigned setting or
       a changed definition moves it by far more.
-    - ``*rho_baseline``, ``*rho_excess`` (the baseline is a function of the logit ratio) and the raveled ``pearson``
+    - ``*rho_baseline``, ``*rho_excess`` (the baseline is a function of the logit ratio) and the raveled ``*pearson``
       (a correlation of float32 weights whose spread is near zero in some cells): measured up to 2.3e-5 apart, so
-      atol 1e-4.
+      atol 1e-4 (``qf_pearson`` 2.3e-6 apart on an AVX-512 Xeon).
+
+    Apart from these, :data:`RANKED` columns may move in a few cells by a swap of two near-tied keys' ranks.
     """
     if column.endswith("logit_ratio"):
         return 1e-2, 1e-6
-    if column.endswith(("rho_baseline", "rho_excess")) or column == "pearson":
+    if column.endswith(("rho_baseline", "rho_excess", "pearson")):
         return 1e-6, 1e-4
     return 1e-6, 1e-6
+
+
+#: The per-row rank statistics whose cells may move by a swap of two keys' ranks: two keys whose float32 logits agree
+#: to rounding rank either way on another CPU. Measured on an AVX-512 Xeon against the fixtures: one of the 240
+#: organism cells (a query-frame row of 16 keys) moved by 7.35e-4 in ``qf_spearman``, its null and ``qf_rho_excess``,
+#: a quarter of 12 / (K^3 - K), one adjacent swap in one of four rows. A swap moves a row's rho by 12 / (K^3 - K) and
+#: its null by at most 12 / (K (K + 1)); at most 1% of a table's cells (at least one) may move so, by no more.
+RANKED = ("spearman", "spearman_null", "rho_excess")
