@@ -30,6 +30,7 @@ from ipa_probe import probe
 from ipa_probe.capture.run import ProbeRun
 
 MODES = ("plain", "probe", "maps")
+MIXED = "  of it: mixed products (mixed_sums)"  # the part whose multiply-adds are counted
 
 
 class Parts:
@@ -87,7 +88,7 @@ def main() -> None:
     parts.wrap(agreement, "_frame_stats", "statistics pass (_frame_stats)")
     parts.wrap(maps_module, "reference_sums", "maps: per-reference sums (reference_sums)")
     parts.wrap(kernels, "projected_tokens", "  of it: tokens through W_o (projected_tokens)")
-    parts.wrap(kernels, "mixed_sums", "  of it: mixed products (mixed_sums)")
+    parts.wrap(kernels, "mixed_sums", MIXED)
 
     def call(mode: str) -> tuple[float, dict[str, float], int]:
         parts.reset()
@@ -115,7 +116,7 @@ def main() -> None:
         for label in (label for label in parts.labels if label in runs[mode][0][1]):
             seconds = statistics.median(part[label] for _, part, _ in runs[mode])
             print(f"  {label}: {1e3 * seconds:.1f} ms, {seconds / plain:.4f} of plain")
-    seconds = statistics.median(part.get("  of it: mixed products (mixed_sums)", 0.0) for _, part, _ in runs["maps"])
+    seconds = statistics.median(part.get(MIXED, 0.0) for _, part, _ in runs["maps"])
     macs = runs["maps"][0][2]
     if macs and seconds > 0:
         print(
