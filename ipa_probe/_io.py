@@ -19,7 +19,7 @@ import stat
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,19 +106,15 @@ def versions() -> dict[str, Any]:
 
     info: dict[str, Any] = {"python": platform.python_version(), "ipa_probe": __version__}
     for name in VERSIONED_PACKAGES:
-        try:
+        with suppress(metadata.PackageNotFoundError):
             info[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
     info["platform"] = platform.platform()
-    try:
+    with suppress(OSError, subprocess.SubprocessError):
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
         )
         if commit.returncode == 0:
             info["git_commit"] = commit.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
     return info
 
 
@@ -376,6 +372,14 @@ def _read_holder(path: Path) -> _Holder | None:
         return None
 
 
+def _busy_holder(path: Path, wait: float = 1.0) -> str:
+    """Who holds the taken lock ``path``, read again for ``wait`` s (a new holder writes its record just after)."""
+    deadline = time.monotonic() + wait
+    while (holder := _read_holder(path)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return holder.describe() if holder else "another process"
+
+
 @contextmanager
 def output_lock(
     folder: str | os.PathLike, command: str, tidy: bool = False, reentrant: bool = False
@@ -423,8 +427,7 @@ def output_lock(
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_holder(path)
-            who = holder.describe() if holder else "another process"
+            who = _busy_holder(path)
             raise OutputLocked(
                 f"{folder} is in use by {who}; wait for it to finish, or use another output folder"
             ) from None
@@ -497,8 +500,7 @@ def lock_holder(folder: str | os.PathLike) -> str | None:
             return None
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = _read_holder(path)
-        return holder.describe() if holder else "another process"
+        return _busy_holder(path)
     finally:
         os.close(fd)  # closing releases a lock taken here
     return None
@@ -507,13 +509,11 @@ def lock_holder(folder: str | os.PathLike) -> str | None:
 def _remove_if_only_lock(folder: Path, path: Path, remove_folder: bool = True) -> None:
     """Remove the lock ``path`` (and ``folder`` itself, with ``remove_folder``) when the folder holds nothing but the
     lock (called with the lock held): a run that never wrote into it."""
-    try:
+    with suppress(OSError):
         if [entry.name for entry in os.scandir(folder)] == [LOCK_NAME]:
             path.unlink()
             if remove_folder:
                 folder.rmdir()  # fails, harmlessly, if anything appeared meanwhile
-    except OSError:
-        pass
 
 
 def _open_lock(path: Path) -> int:
@@ -524,10 +524,8 @@ def _open_lock(path: Path) -> int:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0), 0o644)
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP):  # a link (O_NOFOLLOW), a FIFO or a socket
-            try:
+            with suppress(FileNotFoundError):
                 raise NotOurs(path, _kind(path.lstat().st_mode)) from None
-            except FileNotFoundError:
-                pass
         raise
     info = os.fstat(fd)
     problem = None if stat.S_ISREG(info.st_mode) else _kind(info.st_mode)

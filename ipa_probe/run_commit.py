@@ -241,10 +241,8 @@ def clear(folder: Path, swap: Path | None = None) -> list[str]:
             elif not _move_back(path, folder / key):
                 kept.append(key)
         for name in dirs:
-            try:
+            with contextlib.suppress(OSError):  # a link (unlinked above), the staging folder, a folder of kept files
                 os.rmdir(Path(root, name))
-            except OSError:
-                pass  # a link (unlinked above), the staging folder (its manifest), or a folder holding what was kept
     if kept:
         aside = folder.parent / f"{folder.name}.ipa_probe-kept-{os.getpid()}-{time.time_ns()}"
         os.rename(swap, aside)
@@ -295,10 +293,8 @@ def roll_forward(folder: Path, record: dict[str, Any]) -> None:
     for name in sorted(record.get("old_folders", []), key=lambda n: -len(PurePosixPath(n).parts)):
         path = inside(folder, name)
         if name not in keep and path is not None and os.path.isdir(path) and not os.path.islink(path):
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(path)  # only when empty: a folder holding anything else stays
-            except OSError:
-                pass
     if os.path.lexists(staging / FINAL_NAME):  # written beside the journal, so that the last step needs no space
         read_run_manifest(staging, FINAL_NAME)  # a regular file of the manifest's schema, or refused by name
         os.replace(staging / FINAL_NAME, folder / MANIFEST_NAME)

@@ -315,6 +315,34 @@ def test_a_second_writer_is_refused_naming_the_live_run_and_touches_nothing(tmp_
         holder.wait()
 
 
+@pytest.mark.parametrize("how", ["output_lock", "lock_holder"])
+def test_a_lock_taken_a_moment_ago_still_names_its_holder_once_it_writes_its_record(tmp_path, how):
+    """Two writers started together: the winner has the flock but has not yet written who it is. The loser waits for
+    the record instead of saying "another process" (the test takes the flock itself and writes the record late)."""
+    import fcntl
+    import threading
+
+    from ipa_probe._io import LOCK_NAME, lock_holder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    record = {"pid": 4242, "host": "h", "launch": "h:pid4242", "started": 0, "command": "ipa-probe probe --kind x"}
+    late = threading.Timer(0.3, lambda: os.pwrite(fd, json.dumps(record).encode(), 0))
+    late.start()
+    try:
+        if how == "lock_holder":
+            assert lock_holder(out) == "process 4242 on h, started ? (ipa-probe probe --kind x)"
+        else:
+            with pytest.raises(OutputLocked, match=r"in use by process 4242 on h, .*ipa-probe probe --kind x"):
+                with output_lock(out, "ipa-probe probe"):
+                    pass
+    finally:
+        late.join()
+        os.close(fd)
+
+
 def test_save_into_writes_a_manifest_and_obeys_the_folder_rules(tmp_path):
     out = tmp_path / "out"
 
