@@ -34,7 +34,7 @@ MIXED = "  of it: mixed products (mixed_sums)"  # the part whose multiply-adds a
 
 
 class Parts:
-    """CPU seconds and mixed_sums' multiply-adds inside the wrapped functions since the last :meth:`reset`."""
+    """CPU seconds and counted multiply-adds inside the wrapped functions since the last :meth:`reset`."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
@@ -44,16 +44,14 @@ class Parts:
     def reset(self):
         self.seconds, self.macs = {}, 0
 
-    def wrap(self, owner, name: str, label: str):
+    def wrap(self, owner, name: str, label: str, count=None):
+        """Time ``owner.name`` under ``label``; ``count(*args)``, when given, adds the call's multiply-adds."""
         inner = getattr(owner, name)
         self.labels.append(label)
 
         def timed(*args, **kwargs):
-            if name == "mixed_sums":
-                weights, projected = args[:2]
-                batch, references, heads, tokens, channels = projected.shape
-                queries, vectors = weights.shape[2], references * heads * tokens
-                self.macs += batch * queries * (2 * vectors * channels + references * (heads * tokens) ** 2)
+            if count is not None:
+                self.macs += count(*args)
             start = time.process_time()
             try:
                 return inner(*args, **kwargs)
@@ -61,6 +59,13 @@ class Parts:
                 self.seconds[label] = self.seconds.get(label, 0.0) + time.process_time() - start
 
         setattr(owner, name, timed)
+
+
+def mixed_macs(weights, projected, *_) -> int:
+    """``mixed_sums``' multiply-adds, from its arguments' shapes: ``c = w P`` and ``P c``, and the norms."""
+    batch, references, heads, tokens, channels = projected.shape
+    queries, vectors = weights.shape[2], references * heads * tokens
+    return batch * queries * (2 * vectors * channels + references * (heads * tokens) ** 2)
 
 
 def matmul_rate(rows: int = 4096, inner: int = 512, channels: int = 320, repeats: int = 20) -> float:
@@ -88,7 +93,7 @@ def main() -> None:
     parts.wrap(agreement, "_frame_stats", "statistics pass (_frame_stats)")
     parts.wrap(maps_module, "reference_sums", "maps: per-reference sums (reference_sums)")
     parts.wrap(kernels, "projected_tokens", "  of it: tokens through W_o (projected_tokens)")
-    parts.wrap(kernels, "mixed_sums", MIXED)
+    parts.wrap(kernels, "mixed_sums", MIXED, count=mixed_macs)
 
     def call(mode: str) -> tuple[float, dict[str, float], int]:
         parts.reset()

@@ -7,6 +7,7 @@ bytes the test reads back, never through the module's own digest."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -15,12 +16,13 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 
 from ipa_probe import run_commit, runfolder
-from ipa_probe._io import OutputLocked, output_lock
+from ipa_probe._io import LOCK_NAME, OutputLocked, lock_holder, output_lock
 from ipa_probe.runfolder import (
     MANIFEST_NAME,
     STAGING_NAME,
@@ -319,11 +321,6 @@ def test_a_second_writer_is_refused_naming_the_live_run_and_touches_nothing(tmp_
 def test_a_lock_taken_a_moment_ago_still_names_its_holder_once_it_writes_its_record(tmp_path, how):
     """Two writers started together: the winner has the flock but has not yet written who it is. The loser waits for
     the record instead of saying "another process" (the test takes the flock itself and writes the record late)."""
-    import fcntl
-    import threading
-
-    from ipa_probe._io import LOCK_NAME, lock_holder
-
     out = tmp_path / "out"
     out.mkdir()
     fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
